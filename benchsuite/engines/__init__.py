@@ -1,0 +1,1 @@
+"""Engine adapters by kind (a plain dict registry; see base.EngineAdapter)."""

@@ -1,0 +1,66 @@
+"""The contract between the runner and one kind of engine (builtin, llamacpp, sglang).
+
+An adapter is pure: it turns a resolved server spec into an exact command line, says how to
+check readiness, what to add to each request, and how to read the engine's own counters and
+log. Processes, sockets and files are the runner's business (benchsuite.process, loadgen).
+Adapters live in a plain dict registry (benchsuite.engines.ADAPTERS), keyed by `kind`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class EngineConfigError(ValueError):
+    """A server spec the engine cannot run; the message is one line that names the cause."""
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One server configuration: a matrix engine entry with every sweep value resolved.
+
+    `options` holds the engine entry's options after sweep expansion (scalars only).
+    `fairness` holds the matrix's shared settings (kv_capacity_tokens, prefix_caching, ...).
+    `max_concurrency` is the highest concurrency any cell run on this server uses.
+    """
+
+    name: str  # engine entry name in the matrix
+    kind: str
+    options: dict[str, Any]
+    fairness: dict[str, Any]
+    max_concurrency: int
+    server_id: str  # stable hash of the above
+
+
+@dataclass
+class LaunchPlan:
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # added to the runner's environment
+    health_path: str = "/health"
+    startup_timeout_s: float = 600.0
+
+
+class EngineAdapter(Protocol):
+    kind: str
+
+    def validate(self, spec: ServerSpec) -> None:
+        """Raise EngineConfigError before any launch when the spec cannot work."""
+
+    def launch_plan(self, spec: ServerSpec, port: int) -> LaunchPlan:
+        """The exact command line (and env) that starts this server on 127.0.0.1:port."""
+
+    def mode(self, spec: ServerSpec) -> str:
+        """Short mode label for reports (e.g. paged, offload, n-cpu-moe)."""
+
+    def request_extras(self, spec: ServerSpec) -> dict[str, Any]:
+        """Fields added to every completion request (e.g. llama.cpp's cache_prompt: false)."""
+
+    def version(self, spec: ServerSpec) -> dict[str, Any]:
+        """Engine version and build facts for the manifest (without starting the server)."""
+
+    async def scrape(self, session: Any, base_url: str) -> dict[str, float] | None:
+        """Engine counters (Prometheus text parsed into name -> value), or None if it has none."""
+
+    def parse_log(self, log_text: str) -> dict[str, Any]:
+        """Facts from the server log the report needs (memory lines, captured batch sizes, ...)."""

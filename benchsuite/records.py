@@ -1,0 +1,98 @@
+"""The typed rows every stage agrees on: one RequestRecord per request sent, one CellResult per
+measured cell. The load generator produces RequestRecords, `metrics` turns them into CellResults,
+the store writes both (requests.parquet, cells.parquet / cells.csv) and the report reads them back.
+
+Raw timestamps are `time.perf_counter()` seconds so any metric can be recomputed from the
+requests file. Fields never hold a made-up 0 for "unknown": they hold None, and a cell whose
+headline metric is None is `invalid` with a reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+SCHEMA_VERSION = 1
+"""Bump when a stored column changes meaning; the store refuses other versions with a fix-it message."""
+
+CellStatus = Literal["ok", "invalid", "failed"]
+
+
+@dataclass
+class RequestRecord:
+    """One request as the client saw it. Times are perf_counter seconds."""
+
+    cell_id: str
+    request_index: int  # order of submission within the cell (warmups included, flagged below)
+    warmup: bool  # warmup requests are stored but excluded from every metric
+    cold: bool  # first request after the engine started
+    prompt_id: str  # dataset prompt identity, to compare prompt lengths across engines
+    prompt_class: str  # e.g. "short", "2048", "sharegpt"
+    max_tokens: int
+    t_sent_s: float
+    t_first_token_s: float | None  # first chunk with non-empty generated text
+    t_done_s: float | None
+    chunk_times_s: list[float] = field(default_factory=list)  # every content chunk, in order
+    prompt_tokens: int | None = None  # from the server's usage field
+    output_tokens: int | None = None  # from the server's usage field, never from max_tokens
+    streamed_chunks: int = 0
+    usage_mismatch: bool = False  # usage.completion_tokens disagrees with streamed chunk count
+    ok: bool = False
+    error: str | None = None
+    http_status: int | None = None
+    output_text: str = ""
+    engine_timings: dict[str, Any] | None = None  # engine's own timings when it returns them
+
+    def to_row(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class CellResult:
+    """One measured cell: a server configuration x workload x concurrency x repeat."""
+
+    cell_id: str
+    run_id: str
+    engine: str  # engine entry name in the matrix
+    engine_kind: str  # builtin | llamacpp | sglang
+    mode: str  # builtin: resident|paged|offload|cpu-experts; llamacpp: n-cpu-moe|moe-cache|gpu; sglang: paged|offload|unpaged
+    server_id: str  # hash of the server configuration (one launch serves many cells)
+    params: dict[str, Any]  # resolved sweep values, e.g. {"resident_experts": 16}
+    workload: str
+    prompt_class: str
+    concurrency: int
+    repeat: int
+    status: CellStatus
+    reason: str | None = None
+    routing: str = "model"  # "model" or "synthetic:<preset>"; synthetic results say so everywhere
+    num_requests: int = 0
+    num_errors: int = 0
+    error_rate: float | None = None
+    ttft_p50_s: float | None = None
+    ttft_p90_s: float | None = None
+    ttft_p99_s: float | None = None
+    itl_p50_s: float | None = None
+    itl_p99_s: float | None = None
+    tpot_p50_s: float | None = None
+    decode_tok_s_p50: float | None = None  # per-request decode rate, median over requests
+    output_tok_s: float | None = None  # aggregate output tokens / measured window
+    request_s: float | None = None
+    window_s: float | None = None
+    cold_ttft_s: float | None = None
+    prompt_tokens_mean: float | None = None
+    output_tokens_total: int | None = None
+    usage_mismatches: int = 0
+    # Paging counters over the measured window, where the engine reports them (builtin).
+    expert_activations: int | None = None
+    expert_hits: int | None = None
+    expert_misses: int | None = None
+    miss_rate: float | None = None
+    bytes_paged: int | None = None
+    bytes_paged_per_token: float | None = None
+    waves_per_step: float | None = None
+    union_mean: float | None = None
+    # Engine-specific extras (parsed log facts, captured batch sizes, flags).
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def to_row(self) -> dict[str, Any]:
+        return asdict(self)
