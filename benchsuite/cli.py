@@ -1,0 +1,60 @@
+"""Thin command line: `benchsuite <command> ...`. Each subcommand lives in its own module under
+benchsuite.commands (imported lazily so `benchsuite --help` stays fast and a heavy dependency of
+one command never breaks another)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from benchsuite.errors import RunError, UserError
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("benchsuite.commands.run", "run a benchmark matrix (matrix.yaml) and write results + report"),
+    "report": ("benchsuite.commands.report", "write the HTML report and tables for one or more result runs"),
+    "compare": ("benchsuite.commands.compare", "compare two result runs cell by cell, with significance tests"),
+    "preflight": ("benchsuite.commands.preflight", "memory, K, batch-cap and link arithmetic before a sweep"),
+    "linkbw": ("benchsuite.commands.linkbw", "measure host<->device copy bandwidth on this GPU"),
+    "simulate": ("benchsuite.commands.simulate", "replay a routing trace through the residency policies"),
+    "trace": ("benchsuite.commands.trace", "make, import and inspect routing traces"),
+    "install": ("benchsuite.commands.install", "build engines from source (llama-server)"),
+    "gguf": ("benchsuite.commands.gguf", "export a paged_experts checkpoint to GGUF"),
+    "accuracy": ("benchsuite.commands.accuracy", "compare two engines' greedy tokens and logprobs"),
+    "canary": ("benchsuite.commands.canary", "check an engine for cross-request leaks"),
+}
+
+
+def _build_parser(argv: Sequence[str]) -> tuple[argparse.ArgumentParser, object | None]:
+    parser = argparse.ArgumentParser(prog="benchsuite", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    wanted = next((a for a in argv if not a.startswith("-")), None)
+    module = None
+    for name, (module_path, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == wanted:
+            module = importlib.import_module(module_path)
+            module.configure(p)
+    return parser, module
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        parser, module = _build_parser(argv)
+        args = parser.parse_args(argv)
+        if module is None:
+            parser.print_help()
+            return 2
+        return int(module.main(args) or 0)
+    except (UserError, RunError) as exc:
+        print(f"benchsuite: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("benchsuite: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
