@@ -43,6 +43,9 @@ class LaunchPlan:
 
 class EngineAdapter(Protocol):
     kind: str
+    # pydantic model of this engine's `options:` block in matrix.yaml (one scalar per field after
+    # sweep expansion); extra="forbid" so a typo names its YAML path.
+    options_model: type[Any]
 
     def validate(self, spec: ServerSpec) -> None:
         """Raise EngineConfigError before any launch when the spec cannot work."""
