@@ -1,0 +1,78 @@
+"""A small non-streaming OpenAI-completions client shared by the accuracy and canary checks.
+
+The load generator (benchsuite.loadgen) owns streaming and timing; these checks only need the
+final text, tokens and logprobs of greedy completions, so they use plain JSON requests.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from benchsuite.errors import RunError
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    tokens: tuple[str, ...]  # generated tokens as the engine spells them (empty without logprobs)
+    token_logprobs: tuple[float, ...]  # logprob of each generated token, same order
+    prompt_tokens: int | None
+    completion_tokens: int | None
+
+
+async def model_name(session: aiohttp.ClientSession, base_url: str) -> str:
+    """The first model id the server lists (what requests must name)."""
+    async with session.get(f"{base_url}/v1/models") as resp:
+        if resp.status != 200:
+            raise RunError(f"{base_url}/v1/models answered HTTP {resp.status}")
+        body = await resp.json()
+    data = body.get("data") or []
+    if not data:
+        raise RunError(f"{base_url}/v1/models lists no model")
+    return str(data[0]["id"])
+
+
+async def complete(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    model: str,
+    prompt: str | list[int],
+    max_tokens: int,
+    *,
+    logprobs: bool = False,
+    extras: dict[str, Any] | None = None,
+) -> Completion:
+    """One greedy, non-streaming /v1/completions request; RunError names the failure."""
+    payload: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": False,
+    }
+    if logprobs:
+        payload["logprobs"] = 1
+    payload.update(extras or {})
+    async with session.post(f"{base_url}/v1/completions", json=payload) as resp:
+        body_text = await resp.text()
+        if resp.status != 200:
+            raise RunError(f"{base_url}/v1/completions answered HTTP {resp.status}: {body_text[:200]}")
+    body = json.loads(body_text)
+    choice = body["choices"][0]
+    lp = choice.get("logprobs") or {}
+    usage = body.get("usage") or {}
+    tokens = tuple(str(t) for t in lp.get("tokens") or ())
+    token_logprobs = tuple(float(x) for x in lp.get("token_logprobs") or ())
+    if logprobs and len(tokens) != len(token_logprobs):
+        raise RunError(f"{base_url}: {len(tokens)} tokens but {len(token_logprobs)} logprobs in one response")
+    return Completion(
+        text=str(choice.get("text", "")),
+        tokens=tokens,
+        token_logprobs=token_logprobs,
+        prompt_tokens=usage.get("prompt_tokens"),
+        completion_tokens=usage.get("completion_tokens"),
+    )
