@@ -1,0 +1,282 @@
+"""The matrix.yaml schema (pydantic, at the boundary) and its validation errors.
+
+`load_matrix(path)` reads the YAML, validates its structure, expands every engine's option
+sweeps (an option whose value is a list is a sweep) and validates each resolved combination with
+that engine kind's `options_model`. Every problem becomes one line naming its YAML path and, where
+it helps, the allowed values, e.g. `engines.paged.options.resident_experts[1]: must be >= 1`.
+The result is a frozen `ValidatedMatrix` the planner consumes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from benchsuite.engines import ADAPTERS
+from benchsuite.errors import UserError
+
+ENGINE_KINDS = ("builtin", "llamacpp", "sglang")
+
+
+class MatrixError(UserError):
+    """A matrix that cannot run; the message has one line per problem."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineEntry(_Strict):
+    kind: Literal["builtin", "llamacpp", "sglang"]
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class Workload(_Strict):
+    dataset: Literal["bundled", "sharegpt", "random"] = "bundled"
+    path: str | None = None  # ShareGPT JSON file (dataset: sharegpt)
+    output_tokens: int = Field(256, ge=1)
+    # "short" = natural prompts from the dataset; a number = exact-length prompts of that many tokens.
+    prompt_classes: list[str] = Field(default_factory=lambda: ["short"], min_length=1)
+    concurrency: list[int] = Field(default_factory=lambda: [1], min_length=1)
+    num_requests: int = Field(8, ge=1)
+    warmup_requests: int = Field(1, ge=0)
+    arrival: Literal["closed", "poisson"] = "closed"
+    rate_rps: float | None = Field(None, gt=0)
+    seed: int = 0
+
+    @field_validator("prompt_classes", mode="before")
+    @classmethod
+    def _classes_as_text(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            return [str(v) if isinstance(v, int) and not isinstance(v, bool) else v for v in value]
+        return value
+
+    @field_validator("prompt_classes")
+    @classmethod
+    def _known_classes(cls, value: list[str]) -> list[str]:
+        for item in value:
+            if item != "short" and not (item.isdigit() and int(item) >= 1):
+                raise ValueError(f"prompt class {item!r} must be 'short' or a token count >= 1")
+        if len(set(value)) != len(value):
+            raise ValueError("prompt classes must be distinct")
+        return value
+
+    @field_validator("concurrency")
+    @classmethod
+    def _positive_concurrency(cls, value: list[int]) -> list[int]:
+        if any(c < 1 for c in value):
+            raise ValueError("every concurrency must be >= 1")
+        if len(set(value)) != len(value):
+            raise ValueError("concurrency levels must be distinct")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Workload:
+        if self.arrival == "poisson" and self.rate_rps is None:
+            raise ValueError("arrival: poisson needs rate_rps (requests per second)")
+        if self.dataset == "sharegpt" and not self.path:
+            raise ValueError("dataset: sharegpt needs path (a ShareGPT JSON file)")
+        return self
+
+
+class Fairness(_Strict):
+    """Settings every engine gets alike (DESIGN.md section 2)."""
+
+    kv_capacity_tokens: int = Field(10240, ge=1)
+    prefix_caching: bool = False
+
+
+class Matrix(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=80)
+    output_root: str = "results"
+    engines: dict[str, EngineEntry] = Field(min_length=1)
+    workloads: dict[str, Workload] = Field(min_length=1)
+    repeats: int = Field(1, ge=1)
+    fairness: Fairness = Field(default_factory=Fairness)
+    reference: Literal["pr42557"] | None = None
+
+
+@dataclass(frozen=True)
+class OptionSet:
+    """One resolved combination of an engine entry's options.
+
+    `params` holds only the swept keys (for report labels); `options` every option, validated.
+    """
+
+    params: Mapping[str, Any]
+    options: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class ValidatedMatrix:
+    matrix: Matrix
+    option_sets: Mapping[str, tuple[OptionSet, ...]]  # engine name -> its resolved combinations
+    source: Path
+    matrix_hash: str  # sha256 of the canonical JSON of the matrix, hex
+
+    def as_json(self) -> dict[str, Any]:
+        return self.matrix.model_dump(mode="json")
+
+
+def load_matrix(path: str | Path) -> ValidatedMatrix:
+    """Read, validate and resolve a matrix file; raises MatrixError naming every problem."""
+    source = Path(path)
+    raw = _read_yaml(source)
+    try:
+        matrix = Matrix.model_validate(raw)
+    except pydantic.ValidationError as exc:
+        raise MatrixError(_format_errors(source, exc, Matrix, ())) from None
+    problems: list[str] = []
+    option_sets: dict[str, tuple[OptionSet, ...]] = {}
+    for name, entry in matrix.engines.items():
+        sets, errors = _resolve_options(source, name, entry)
+        problems.extend(errors)
+        option_sets[name] = sets
+    if problems:
+        raise MatrixError("\n".join(dict.fromkeys(problems)))
+    canonical = json.dumps(matrix.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    digest = hashlib.sha256(canonical.encode()).hexdigest()
+    return ValidatedMatrix(matrix, option_sets, source, digest)
+
+
+def _read_yaml(source: Path) -> Any:
+    try:
+        text = source.read_text()
+    except FileNotFoundError:
+        raise MatrixError(f"{source}: no such matrix file") from None
+    except OSError as exc:
+        raise MatrixError(f"{source}: cannot read ({exc.strerror})") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown place"
+        raise MatrixError(f"{source}: YAML syntax error at {where}: {exc.problem}") from None
+    except yaml.YAMLError as exc:
+        raise MatrixError(f"{source}: YAML syntax error: {exc}") from None
+    if not isinstance(raw, dict):
+        raise MatrixError(f"{source}: the matrix must be a YAML mapping (name, engines, workloads, ...)")
+    return raw
+
+
+def _resolve_options(source: Path, name: str, entry: EngineEntry) -> tuple[tuple[OptionSet, ...], list[str]]:
+    """Expand the sweeps of one engine entry and validate every combination."""
+    prefix: tuple[str | int, ...] = ("engines", name, "options")
+    try:
+        model = ADAPTERS[entry.kind].options_model
+    except UserError as exc:
+        return (), [f"{source}: engines.{name}.kind: {exc}"]
+    list_fields = {n for n, f in model.model_fields.items() if _accepts_list(f.annotation)}
+    axes: list[tuple[str, list[Any], bool]] = []  # (key, values, is_sweep)
+    errors: list[str] = []
+    for key, value in entry.options.items():
+        sweep = isinstance(value, list) and (
+            key not in list_fields or (bool(value) and all(isinstance(v, list) for v in value))
+        )
+        if sweep and not value:
+            errors.append(f"{source}: {_path(prefix + (key,))}: an empty list sweeps nothing; give at least one value")
+        axes.append((key, value if sweep else [value], sweep))
+    if errors:
+        return (), errors
+    swept = {key for key, _, sweep in axes if sweep}
+    sets: list[OptionSet] = []
+    for combo in itertools.product(*(range(len(values)) for _, values, _ in axes)):
+        chosen = {key: values[i] for (key, values, _), i in zip(axes, combo)}
+        try:
+            validated = model.model_validate(chosen)
+        except pydantic.ValidationError as exc:
+            index_of = {key: i for (key, _, sweep), i in zip(axes, combo) if sweep}
+            errors.extend(_format_errors(source, exc, model, prefix, index_of).splitlines())
+            continue
+        options = validated.model_dump(mode="json")
+        params = {key: value for key, value in options.items() if key in swept}
+        sets.append(OptionSet(params=params, options=options))
+    return tuple(sets), errors
+
+
+def _accepts_list(annotation: Any) -> bool:
+    origin = typing.get_origin(annotation)
+    if origin in (list, tuple, set, frozenset):
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_accepts_list(arg) for arg in typing.get_args(annotation))
+    return False
+
+
+def _path(loc: tuple[str | int, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def _format_errors(
+    source: Path,
+    exc: pydantic.ValidationError,
+    model: type[BaseModel],
+    prefix: tuple[str | int, ...],
+    sweep_index: Mapping[str, int] | None = None,
+) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        if loc and loc[-1] == "[key]":
+            key = err.get("input")
+            lines.append(
+                f"{source}: {_path(prefix + loc[:-2])}: key {key!r} is not text; quote it "
+                "(YAML reads unquoted on/off/yes/no as booleans)"
+            )
+            continue
+        shown = loc
+        if sweep_index and loc and loc[0] in sweep_index:
+            shown = (loc[0], sweep_index[str(loc[0])]) + loc[1:]
+        lines.append(f"{source}: {_path(prefix + shown)}: {_describe(err, model, loc)}")
+    return "\n".join(dict.fromkeys(lines))
+
+
+def _describe(err: Mapping[str, Any], model: type[BaseModel], loc: tuple[str | int, ...]) -> str:
+    kind, ctx = err["type"], err.get("ctx") or {}
+    if kind == "extra_forbidden":
+        allowed = _allowed_keys(model, loc[:-1])
+        return f"unknown key (allowed: {', '.join(allowed)})" if allowed else "unknown key"
+    if kind == "missing":
+        return "required"
+    if kind == "literal_error":
+        return f"must be one of {ctx.get('expected', '')}"
+    bounds = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
+    if kind in bounds:
+        limit = next(iter(ctx.values()), "")
+        return f"must be {bounds[kind]} {limit} (got {err.get('input')!r})"
+    message = str(err["msg"])
+    return message.removeprefix("Value error, ")
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple[str | int, ...]) -> list[str]:
+    """Field names of the model found by walking `loc` through nested models and dicts."""
+    annotation: Any = model
+    for part in loc:
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            field = annotation.model_fields.get(str(part))
+            if field is None:
+                return []
+            annotation = field.annotation
+        elif typing.get_origin(annotation) is dict:
+            annotation = typing.get_args(annotation)[1]
+        else:
+            return []
+    if typing.get_origin(annotation) is dict:
+        return []
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return sorted(annotation.model_fields)
+    return []

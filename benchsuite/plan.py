@@ -1,0 +1,201 @@
+"""Matrix -> servers -> cells, with stable ids, and the dry-run listing.
+
+A server is one engine entry with every sweep value resolved (one `ServerSpec`, one launch).
+A cell is server x workload x prompt class x concurrency x repeat. Ids are the first 12 hex
+digits of the sha256 of the canonical JSON of the resolved spec, so the same matrix always plans
+the same ids (that is what makes a rerun resume) and any change to a spec gives a new id.
+
+An engine entry whose options ask for a search (`n_cpu_moe: search` or `{search: {...}}`) does
+not become a server here: it becomes a `SearchTask` that the runner hands to benchsuite.search,
+which returns the resolved options; `resolve_search` then plans that server and its cells.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from benchsuite.engines import ADAPTERS
+from benchsuite.engines.base import ServerSpec
+from benchsuite.matrix import ValidatedMatrix, Workload
+
+ID_HEX_DIGITS = 12
+DRY_RUN_PORT = 8000  # stands in for the free port chosen at launch
+
+
+@dataclass(frozen=True)
+class CellSpec:
+    cell_id: str
+    server_id: str
+    engine: str
+    params: Mapping[str, Any]  # swept option values of its server, for labels
+    workload: str
+    workload_spec: Workload
+    prompt_class: str  # "short" or a token count as text
+    concurrency: int
+    repeat: int  # 0-based
+
+
+@dataclass(frozen=True)
+class SearchTask:
+    """An engine option set with one option left to a search (e.g. llama.cpp n_cpu_moe)."""
+
+    spec: ServerSpec  # options[option] still holds the search request ("search" or {search: ...})
+    option: str
+    params: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Plan:
+    run_id: str
+    matrix: ValidatedMatrix
+    servers: tuple[ServerSpec, ...]
+    cells: tuple[CellSpec, ...]
+    searches: tuple[SearchTask, ...]
+    params: Mapping[str, Mapping[str, Any]]  # server_id -> swept option values
+
+    def cells_of(self, server_id: str) -> tuple[CellSpec, ...]:
+        return tuple(c for c in self.cells if c.server_id == server_id)
+
+
+def stable_id(payload: Any) -> str:
+    canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:ID_HEX_DIGITS]
+
+
+def default_run_id(matrix: ValidatedMatrix) -> str:
+    return f"{matrix.matrix.name}-{matrix.matrix_hash[:8]}"
+
+
+def make_server_spec(
+    name: str, kind: str, options: Mapping[str, Any], fairness: Mapping[str, Any], max_concurrency: int
+) -> ServerSpec:
+    body = {
+        "name": name,
+        "kind": kind,
+        "options": dict(options),
+        "fairness": dict(fairness),
+        "max_concurrency": max_concurrency,
+    }
+    return ServerSpec(
+        name=name,
+        kind=kind,
+        options=dict(options),
+        fairness=dict(fairness),
+        max_concurrency=max_concurrency,
+        server_id=stable_id(body),
+    )
+
+
+def search_option(options: Mapping[str, Any]) -> str | None:
+    """The option left to a search: value `search` or a mapping with a `search` key."""
+    for key, value in options.items():
+        if value == "search" or (isinstance(value, Mapping) and "search" in value):
+            return key
+    return None
+
+
+def plan_cells(matrix: ValidatedMatrix, server: ServerSpec, params: Mapping[str, Any]) -> tuple[CellSpec, ...]:
+    m = matrix.matrix
+    cells = []
+    for wname, workload in m.workloads.items():
+        for prompt_class in workload.prompt_classes:
+            for concurrency in workload.concurrency:
+                for repeat in range(m.repeats):
+                    body = {
+                        "server_id": server.server_id,
+                        "workload": workload.model_dump(mode="json"),
+                        "prompt_class": prompt_class,
+                        "concurrency": concurrency,
+                        "repeat": repeat,
+                    }
+                    cells.append(
+                        CellSpec(
+                            cell_id=stable_id(body),
+                            server_id=server.server_id,
+                            engine=server.name,
+                            params=dict(params),
+                            workload=wname,
+                            workload_spec=workload,
+                            prompt_class=prompt_class,
+                            concurrency=concurrency,
+                            repeat=repeat,
+                        )
+                    )
+    return tuple(cells)
+
+
+def build_plan(matrix: ValidatedMatrix, run_id: str | None = None) -> Plan:
+    m = matrix.matrix
+    fairness = m.fairness.model_dump(mode="json")
+    max_concurrency = max(c for w in m.workloads.values() for c in w.concurrency)
+    servers: list[ServerSpec] = []
+    cells: list[CellSpec] = []
+    searches: list[SearchTask] = []
+    params: dict[str, Mapping[str, Any]] = {}
+    for name, entry in m.engines.items():
+        for option_set in matrix.option_sets[name]:
+            spec = make_server_spec(name, entry.kind, option_set.options, fairness, max_concurrency)
+            option = search_option(option_set.options)
+            if option is not None:
+                searches.append(SearchTask(spec=spec, option=option, params=dict(option_set.params)))
+                continue
+            if any(s.server_id == spec.server_id for s in servers):
+                continue  # two sweep values that validate to the same options
+            servers.append(spec)
+            params[spec.server_id] = dict(option_set.params)
+            cells.extend(plan_cells(matrix, spec, option_set.params))
+    return Plan(
+        run_id=run_id or default_run_id(matrix),
+        matrix=matrix,
+        servers=tuple(servers),
+        cells=tuple(cells),
+        searches=tuple(searches),
+        params=params,
+    )
+
+
+def resolve_search(plan: Plan, task: SearchTask, options: Mapping[str, Any]) -> tuple[ServerSpec, tuple[CellSpec, ...]]:
+    """The server and cells of a finished search, given its resolved options."""
+    spec = make_server_spec(task.spec.name, task.spec.kind, options, task.spec.fairness, task.spec.max_concurrency)
+    params = {**task.params, task.option: options[task.option]}
+    return spec, plan_cells(plan.matrix, spec, params)
+
+
+def format_plan(plan: Plan) -> str:
+    """The dry-run listing: every server with its exact command line, then its cells."""
+    m = plan.matrix.matrix
+    lines = [
+        f"run {plan.run_id}: {len(plan.servers)} servers, {len(plan.cells)} cells, "
+        f"{len(plan.searches)} searches -> {m.output_root}/{plan.run_id}",
+        f"(port {DRY_RUN_PORT} below stands in for the free port chosen at launch)",
+    ]
+    for server in plan.servers:
+        adapter = ADAPTERS[server.kind]
+        launch = adapter.launch_plan(server, DRY_RUN_PORT)
+        label = _label(plan.params.get(server.server_id, {}))
+        lines.append("")
+        lines.append(f"server {server.server_id}  {server.name}{label}  mode={adapter.mode(server)}")
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(launch.env.items()))
+        lines.append(f"  $ {env + ' ' if env else ''}{shlex.join(launch.argv)}")
+        for cell in plan.cells_of(server.server_id):
+            lines.append(
+                f"  cell {cell.cell_id}  workload={cell.workload} class={cell.prompt_class} "
+                f"concurrency={cell.concurrency} repeat={cell.repeat}"
+            )
+    for task in plan.searches:
+        lines.append("")
+        lines.append(
+            f"search {task.spec.name}{_label(task.params)}: {task.option} is searched first "
+            f"(benchsuite.search); its best value then runs the workloads"
+        )
+    return "\n".join(lines)
+
+
+def _label(params: Mapping[str, Any]) -> str:
+    return "".join(f" {k}={v}" for k, v in params.items())
+
