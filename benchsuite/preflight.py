@@ -1,0 +1,469 @@
+"""Preflight arithmetic: every formula of DESIGN.md section 3, written once, units in names.
+
+Owns the model shape read from an HF `config.json` (or given explicitly), per-format expert sizes,
+slot and KV sizes, the K that fits a memory budget, the one-wave batch cap, pinned host memory,
+prefill page-in cost, the all-miss bytes per token, the miss-rate bound implied by a measured decode
+speed, and the verdict. Pure functions of frozen values; the CLI (`benchsuite preflight`) only
+parses flags and prints.
+
+Units: `_bytes` are bytes, `_b_per_s` bytes per second, `_gb` decimal gigabytes (1e9) unless the
+name says `_gib` (2**30). Published sizes (2.43 MB, 117 MB) are decimal megabytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchsuite.errors import UserError
+
+GIB_BYTES = 2**30
+GB_BYTES = 10**9
+MB_BYTES = 10**6
+
+# Quantization layouts (per expert = gate, up and down projections of one layer's expert).
+FP8_BLOCK = 128  # fp8 block-scaled: one fp32 scale per 128x128 weight block
+GPTQ_GROUP = 128  # GPTQ int4: one fp16 scale (and, if asymmetric, one 4-bit zero) per 128 inputs
+RANDOM_MISS_REUSE_FACTOR = 0.8  # published analysis: reuse implied when bound < 0.8 x random_miss
+WSL2_PINNED_FRACTION = 0.5  # WSL2 caps pinned (page-locked) memory at about half of system RAM
+
+EXPERT_FORMATS = ("bf16", "fp8", "int4")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shape facts preflight needs. Expert projections are hidden <-> moe_intermediate."""
+
+    num_layers: int  # all decoder layers (KV lives in every one)
+    num_moe_layers: int
+    num_experts: int
+    top_k: int
+    hidden_size: int = 0  # 0 when given by explicit --expert-mb (no per-format sizes then)
+    moe_intermediate_size: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    num_attention_heads: int = 0
+    vocab_size: int = 0
+    tie_word_embeddings: bool = False
+    dense_intermediate_size: int = 0  # dense MLP width of non-MoE layers
+    shared_expert_intermediate_size: int = 0
+    name: str = ""
+
+    @property
+    def has_dims(self) -> bool:
+        return self.hidden_size > 0 and self.moe_intermediate_size > 0
+
+
+def _moe_layer_count(cfg: dict, num_layers: int) -> int:
+    step = int(cfg.get("decoder_sparse_step", 1) or 1)
+    mlp_only = set(cfg.get("mlp_only_layers", []) or [])
+    return sum(1 for i in range(num_layers) if i not in mlp_only and (i + 1) % step == 0)
+
+
+def shape_from_config(cfg: dict, name: str = "") -> ModelShape:
+    """Read the fields of an HF MoE config.json (qwen3_moe / qwen2_moe / mixtral naming)."""
+    try:
+        num_layers = int(cfg["num_hidden_layers"])
+        hidden = int(cfg["hidden_size"])
+        num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg["n_routed_experts"])
+        top_k = int(cfg["num_experts_per_tok"])
+    except KeyError as exc:
+        raise UserError(f"config.json lacks MoE field {exc.args[0]!r} (not a MoE model?)") from None
+    heads = int(cfg.get("num_attention_heads", 0))
+    head_dim = int(cfg.get("head_dim") or (hidden // heads if heads else 0))
+    return ModelShape(
+        num_layers=num_layers,
+        num_moe_layers=_moe_layer_count(cfg, num_layers),
+        num_experts=num_experts,
+        top_k=top_k,
+        hidden_size=hidden,
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size")),
+        num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
+        head_dim=head_dim,
+        num_attention_heads=heads,
+        vocab_size=int(cfg.get("vocab_size", 0)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        dense_intermediate_size=int(cfg.get("intermediate_size", 0)),
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0) or 0),
+        name=name or str(cfg.get("_name_or_path", "") or cfg.get("model_type", "")),
+    )
+
+
+def load_shape(path: str | Path) -> ModelShape:
+    """`path` is a config.json or a checkpoint directory holding one."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise UserError(f"no config.json at {p}")
+    try:
+        cfg = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{p} is not valid JSON: {exc}") from None
+    return shape_from_config(cfg, name=p.parent.name)
+
+
+# ---------------------------------------------------------------- expert and slot sizes
+
+
+def expert_params(shape: ModelShape) -> int:
+    """gate + up ([I, H] each) and down ([H, I]): 3 x H x I weights per expert per layer."""
+    return 3 * shape.hidden_size * shape.moe_intermediate_size
+
+
+def expert_bytes_bf16(shape: ModelShape) -> int:
+    return 2 * expert_params(shape)
+
+
+def expert_bytes_fp8_block(shape: ModelShape) -> int:
+    """1 byte per weight + one fp32 scale per 128x128 block of each of the three matrices."""
+    h, i = shape.hidden_size, shape.moe_intermediate_size
+    blocks_per_matrix = math.ceil(h / FP8_BLOCK) * math.ceil(i / FP8_BLOCK)
+    return expert_params(shape) + 3 * blocks_per_matrix * 4
+
+
+def expert_bytes_int4_gptq(shape: ModelShape, zero_points: bool = False) -> int:
+    """Half a byte per weight + one fp16 scale per group of 128 inputs per output column.
+
+    Symmetric GPTQ (the Marlin path SGLang uses) keeps no zero points on the device: that is the
+    published 2.43 MB. Asymmetric checkpoints add one packed 4-bit zero per group.
+    """
+    h, i = shape.hidden_size, shape.moe_intermediate_size
+    groups = i * math.ceil(h / GPTQ_GROUP) * 2 + h * math.ceil(i / GPTQ_GROUP)  # gate+up, down
+    per_group_bytes = 2.0 + (0.5 if zero_points else 0.0)
+    return expert_params(shape) // 2 + int(groups * per_group_bytes)
+
+
+def expert_bytes_by_format(shape: ModelShape) -> dict[str, int]:
+    if not shape.has_dims:
+        return {}
+    return {
+        "bf16": expert_bytes_bf16(shape),
+        "fp8": expert_bytes_fp8_block(shape),
+        "int4": expert_bytes_int4_gptq(shape),
+    }
+
+
+def slot_bytes(expert_bytes: float, num_moe_layers: int) -> float:
+    """One resident expert in every MoE layer: `slot_bytes = expert_bytes x num_moe_layers`."""
+    return expert_bytes * num_moe_layers
+
+
+def kv_bytes_per_token(shape: ModelShape, kv_dtype_bytes: int) -> int:
+    """`2 x layers x kv_heads x head_dim x kv_dtype_bytes` (K and V in every layer)."""
+    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * kv_dtype_bytes
+
+
+def kv_tokens_per_slot(slot_size_bytes: float, kv_token_bytes: float) -> int:
+    """KV tokens the memory of one slot would hold instead."""
+    return int(slot_size_bytes // kv_token_bytes)
+
+
+def non_expert_weight_bytes(shape: ModelShape, dtype_bytes: float = 2.0) -> int:
+    """Weights that stay on the GPU: embeddings, LM head, attention, norms, routers, dense/shared MLPs."""
+    h, layers = shape.hidden_size, shape.num_layers
+    q_out = shape.num_attention_heads * shape.head_dim
+    kv_out = shape.num_kv_heads * shape.head_dim
+    attention = h * q_out * 2 + h * kv_out * 2  # q, o and k, v projections
+    norms = 2 * h + 2 * shape.head_dim  # input/post norms, q/k norms (qwen3)
+    router = h * shape.num_experts
+    shared = 3 * h * shape.shared_expert_intermediate_size
+    per_layer = attention + norms + shared
+    dense_layers = layers - shape.num_moe_layers
+    dense_mlp = 3 * h * shape.dense_intermediate_size * dense_layers
+    embeddings = shape.vocab_size * h * (1 if shape.tie_word_embeddings else 2)
+    params = per_layer * layers + router * shape.num_moe_layers + dense_mlp + embeddings + h
+    return int(params * dtype_bytes)
+
+
+# ---------------------------------------------------------------- K, batches, host memory
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    vram_bytes: float
+    mem_fraction_static: float  # share of VRAM the engine may use statically (SGLang's flag)
+    non_expert_weight_bytes: float
+    kv_bytes: float  # KV capacity in tokens x kv bytes per token
+    overhead_bytes: float  # activations, CUDA graphs, allocator slack
+
+    @property
+    def static_budget_bytes(self) -> float:
+        return self.vram_bytes * self.mem_fraction_static
+
+    @property
+    def expert_budget_bytes(self) -> float:
+        return self.static_budget_bytes - self.non_expert_weight_bytes - self.kv_bytes - self.overhead_bytes
+
+
+def k_that_fits(budget: MemoryBudget, slot_size_bytes: float, num_experts: int) -> int:
+    """`K = (static_budget - non_expert_weights - kv_bytes - overheads) // slot_bytes`, capped at E."""
+    return max(0, min(num_experts, int(budget.expert_budget_bytes // slot_size_bytes)))
+
+
+def batch_cap(k: int, top_k: int) -> int:
+    """Requests whose decode step fits one wave when they share no expert: `K // top_k`."""
+    return k // top_k
+
+
+def min_k_for_concurrency(concurrency: int, top_k: int) -> int:
+    """Keep `K >= B x top_k` so B requests decode in one wave."""
+    return concurrency * top_k
+
+
+def random_miss(k: int, num_experts: int) -> float:
+    """Miss rate if routing were uniform and independent between tokens: `1 - K / E`."""
+    return 1.0 - k / num_experts
+
+
+def all_miss_bytes_per_token(num_moe_layers: int, top_k: int, expert_bytes: float) -> float:
+    """Bytes one token pages in if every routed expert misses: `layers x top_k x expert_bytes`."""
+    return num_moe_layers * top_k * expert_bytes
+
+
+def max_miss_allowed(link_b_per_s: float, tok_per_s: float, all_miss_token_bytes: float) -> float:
+    """Highest average miss rate a measured decode speed allows on the link:
+    `link_bytes_per_s / (tok_per_s x all_miss_bytes_per_token)`."""
+    return link_b_per_s / (tok_per_s * all_miss_token_bytes)
+
+
+def reuse_implied(max_miss: float, random_miss_rate: float) -> bool:
+    """Speed proves reuse between tokens when the bound is well below random: `< 0.8 x random_miss`."""
+    return max_miss < RANDOM_MISS_REUSE_FACTOR * random_miss_rate
+
+
+def prefill_page_in_bytes(k: int, num_experts: int, slot_size_bytes: float) -> float:
+    """A prefill touches nearly every expert: `(E - K) x slot_bytes` paged in once."""
+    return (num_experts - k) * slot_size_bytes
+
+
+def transfer_time_s(num_bytes: float, link_b_per_s: float) -> float:
+    return num_bytes / link_b_per_s
+
+
+def pinned_host_bytes(num_experts: int, num_moe_layers: int, expert_bytes: float) -> float:
+    """All experts of all MoE layers in pinned host RAM: `E x layers x expert_bytes` (scales included)."""
+    return num_experts * num_moe_layers * expert_bytes
+
+
+def pinned_cap_bytes(ram_bytes: float, wsl2: bool) -> float:
+    """Pinned memory the OS lets us lock: about half of RAM under WSL2, all of it otherwise."""
+    return ram_bytes * (WSL2_PINNED_FRACTION if wsl2 else 1.0)
+
+
+_PCIE_GT_PER_LANE = {3: 8.0, 4: 16.0, 5: 32.0, 6: 64.0}
+
+
+def pcie_payload_b_per_s(gen: int, lanes: int) -> float:
+    """Theoretical one-direction payload rate after 128b/130b encoding (gen 3-5; gen 6 approx)."""
+    return _PCIE_GT_PER_LANE[gen] * 1e9 * lanes * (128 / 130) / 8
+
+
+def parse_link(value: str) -> tuple[float, str]:
+    """`--link-gbps`: a number in GB/s, `pcie5x16` (theoretical), or a `benchsuite linkbw` JSON path.
+
+    Returns (bytes per second, where the figure came from).
+    """
+    m = re.fullmatch(r"pcie([3-6])x(\d+)", value.strip().lower())
+    if m:
+        gen, lanes = int(m.group(1)), int(m.group(2))
+        return pcie_payload_b_per_s(gen, lanes), f"PCIe {gen}.0 x{lanes} theoretical payload"
+    try:
+        return float(value) * GB_BYTES, "given"
+    except ValueError:
+        pass
+    p = Path(value)
+    if not p.is_file():
+        raise UserError(f"--link-gbps {value!r}: not a number, pcie<gen>x<lanes>, or a linkbw JSON file")
+    from benchsuite.linkbw import paging_b_per_s_from_json
+
+    return paging_b_per_s_from_json(p), f"measured ({p})"
+
+
+# ---------------------------------------------------------------- the report
+
+
+@dataclass(frozen=True)
+class PreflightInputs:
+    shape: ModelShape
+    formats: tuple[str, ...]  # expert formats to evaluate ("explicit" when --expert-mb is given)
+    explicit_expert_bytes: float | None = None
+    explicit_kv_bytes_per_token: float | None = None
+    k: int | None = None
+    vram_bytes: float | None = None
+    mem_fraction_static: float = 0.88
+    kv_capacity_tokens: int = 10_240
+    kv_dtype: str = "bf16"
+    # 0.25 GB: the largest overhead at which the published desktop K=92 (int4, 16 GB, 0.88) fits.
+    overhead_bytes: float = 0.25 * GB_BYTES
+    non_expert_dtype_bytes: float = 2.0
+    link_b_per_s: float | None = None
+    link_source: str = ""
+    tok_per_s: float | None = None
+    concurrency: int = 1
+    ram_bytes: float | None = None
+    wsl2: bool = False
+
+
+@dataclass(frozen=True)
+class FormatReport:
+    """Every figure for one expert format; None where an input it needs was not given."""
+
+    format: str
+    expert_bytes: float
+    slot_bytes: float
+    kv_tokens_per_slot_bf16: int | None
+    kv_tokens_per_slot_fp8: int | None
+    k_fit: int | None
+    k: int | None  # the K analysed: --k, else k_fit
+    batch_cap: int | None
+    min_k_for_concurrency: int
+    pinned_host_bytes: float
+    pinned_cap_bytes: float | None
+    all_miss_bytes_per_token: float
+    prefill_page_in_bytes: float | None
+    prefill_page_in_floor_s: float | None
+    random_miss: float | None
+    max_miss_allowed: float | None
+    reuse_implied: bool | None
+    verdict: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PreflightReport:
+    model: str
+    num_layers: int
+    num_moe_layers: int
+    num_experts: int
+    top_k: int
+    kv_bytes_per_token_bf16: float | None
+    kv_bytes_per_token_fp8: float | None
+    non_expert_weight_bytes: float | None
+    link_b_per_s: float | None
+    link_source: str
+    tok_per_s: float | None
+    concurrency: int
+    formats: tuple[FormatReport, ...]
+
+
+def _kv_per_token(inp: PreflightInputs) -> tuple[float | None, float | None]:
+    if inp.explicit_kv_bytes_per_token is not None:
+        bf16 = float(inp.explicit_kv_bytes_per_token)
+        return bf16, bf16 / 2
+    s = inp.shape
+    if s.num_kv_heads and s.head_dim:
+        return float(kv_bytes_per_token(s, 2)), float(kv_bytes_per_token(s, 1))
+    return None, None
+
+
+def _verdict(r: dict, inp: PreflightInputs) -> tuple[str, ...]:
+    lines = []
+    k, top_k = r["k"], inp.shape.top_k
+    if k is None:
+        return ("give --k or --vram-gb to analyse a K",)
+    if k < top_k:
+        lines.append(f"FAIL: K={k} < top_k={top_k}: one token cannot fit its experts")
+    if r["k_fit"] is not None and inp.k is not None and inp.k > r["k_fit"]:
+        lines.append(f"FAIL: K={inp.k} does not fit the memory budget (fits {r['k_fit']})")
+    if r["batch_cap"] is not None and r["batch_cap"] < inp.concurrency:
+        lines.append(
+            f"WARN: K // top_k = {r['batch_cap']} < concurrency {inp.concurrency}: decode steps need several"
+            f" waves unless requests share experts (need K >= {r['min_k_for_concurrency']})"
+        )
+    if r["pinned_cap_bytes"] is not None and r["pinned_host_bytes"] > r["pinned_cap_bytes"]:
+        cap = "half of RAM (WSL2)" if inp.wsl2 else "RAM"
+        lines.append(f"FAIL: pinned host experts {r['pinned_host_bytes'] / GB_BYTES:.1f} GB exceed {cap}")
+    if r["reuse_implied"] is True:
+        lines.append(
+            f"OK: {inp.tok_per_s} tok/s allows at most {r['max_miss_allowed']:.1%} misses, below 0.8 x random"
+            f" {r['random_miss']:.1%}: proves expert reuse between tokens"
+        )
+    elif r["reuse_implied"] is False:
+        lines.append(
+            f"INFO: {inp.tok_per_s} tok/s allows up to {r['max_miss_allowed']:.1%} misses vs random"
+            f" {r['random_miss']:.1%}: the speed alone does not prove reuse"
+        )
+    if not any(line.startswith(("FAIL", "WARN")) for line in lines):
+        lines.insert(0, f"OK: K={k} serves {r['batch_cap']} request(s) per wave")
+    return tuple(lines)
+
+
+def _format_report(fmt: str, expert_size_bytes: float, inp: PreflightInputs, kv_bf16, kv_fp8, non_expert) -> FormatReport:
+    s = inp.shape
+    slot = slot_bytes(expert_size_bytes, s.num_moe_layers)
+    k_fit = None
+    if inp.vram_bytes is not None and non_expert is not None and kv_bf16 is not None:
+        kv_token = kv_bf16 if inp.kv_dtype == "bf16" else kv_fp8
+        budget = MemoryBudget(
+            vram_bytes=inp.vram_bytes,
+            mem_fraction_static=inp.mem_fraction_static,
+            non_expert_weight_bytes=non_expert,
+            kv_bytes=inp.kv_capacity_tokens * kv_token,
+            overhead_bytes=inp.overhead_bytes,
+        )
+        k_fit = k_that_fits(budget, slot, s.num_experts)
+    k = inp.k if inp.k is not None else k_fit
+    all_miss = all_miss_bytes_per_token(s.num_moe_layers, s.top_k, expert_size_bytes)
+    r: dict = {
+        "format": fmt,
+        "expert_bytes": float(expert_size_bytes),
+        "slot_bytes": slot,
+        "kv_tokens_per_slot_bf16": kv_tokens_per_slot(slot, kv_bf16) if kv_bf16 else None,
+        "kv_tokens_per_slot_fp8": kv_tokens_per_slot(slot, kv_fp8) if kv_fp8 else None,
+        "k_fit": k_fit,
+        "k": k,
+        "batch_cap": batch_cap(k, s.top_k) if k is not None else None,
+        "min_k_for_concurrency": min_k_for_concurrency(inp.concurrency, s.top_k),
+        "pinned_host_bytes": pinned_host_bytes(s.num_experts, s.num_moe_layers, expert_size_bytes),
+        "pinned_cap_bytes": pinned_cap_bytes(inp.ram_bytes, inp.wsl2) if inp.ram_bytes else None,
+        "all_miss_bytes_per_token": all_miss,
+        "prefill_page_in_bytes": None,
+        "prefill_page_in_floor_s": None,
+        "random_miss": None,
+        "max_miss_allowed": None,
+        "reuse_implied": None,
+    }
+    if k is not None:
+        r["prefill_page_in_bytes"] = prefill_page_in_bytes(k, s.num_experts, slot)
+        r["random_miss"] = random_miss(k, s.num_experts)
+        if inp.link_b_per_s:
+            r["prefill_page_in_floor_s"] = transfer_time_s(r["prefill_page_in_bytes"], inp.link_b_per_s)
+            if inp.tok_per_s:
+                r["max_miss_allowed"] = max_miss_allowed(inp.link_b_per_s, inp.tok_per_s, all_miss)
+                r["reuse_implied"] = reuse_implied(r["max_miss_allowed"], r["random_miss"])
+    return FormatReport(**r, verdict=_verdict(r, inp))
+
+
+def preflight(inp: PreflightInputs) -> PreflightReport:
+    s = inp.shape
+    kv_bf16, kv_fp8 = _kv_per_token(inp)
+    non_expert = (
+        float(non_expert_weight_bytes(s, inp.non_expert_dtype_bytes)) if s.has_dims and s.vocab_size else None
+    )
+    if inp.explicit_expert_bytes is not None:
+        sizes = {"explicit": float(inp.explicit_expert_bytes)}
+    else:
+        by_format = expert_bytes_by_format(s)
+        unknown = [f for f in inp.formats if f not in by_format]
+        if unknown:
+            raise UserError(f"cannot size formats {unknown}: give --model or --expert-mb")
+        sizes = {f: float(by_format[f]) for f in inp.formats}
+    reports = tuple(_format_report(f, b, inp, kv_bf16, kv_fp8, non_expert) for f, b in sizes.items())
+    return PreflightReport(
+        model=s.name,
+        num_layers=s.num_layers,
+        num_moe_layers=s.num_moe_layers,
+        num_experts=s.num_experts,
+        top_k=s.top_k,
+        kv_bytes_per_token_bf16=kv_bf16,
+        kv_bytes_per_token_fp8=kv_fp8,
+        non_expert_weight_bytes=non_expert,
+        link_b_per_s=inp.link_b_per_s,
+        link_source=inp.link_source,
+        tok_per_s=inp.tok_per_s,
+        concurrency=inp.concurrency,
+        formats=reports,
+    )
