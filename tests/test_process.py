@@ -1,0 +1,264 @@
+"""EngineProcess: readiness, crash and hang detection, whole-group kill, no orphans.
+
+The engine stand-in is a small Python script (written to tmp_path) that forks grandchildren,
+one of which escapes into its own session, and serves /health on a port; it writes every pid
+it spawned to a file so the tests can check the process table afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from benchsuite.errors import RunError, UserError
+from benchsuite.process import EngineProcess, free_port, port_in_use
+
+CHILD = textwrap.dedent(
+    """
+    import http.server, os, subprocess, sys, time
+    mode, port, pid_file = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    kids = [subprocess.Popen(sleeper), subprocess.Popen(sleeper, start_new_session=True)]
+    with open(pid_file, "w") as f:
+        f.write(" ".join(str(p) for p in [os.getpid()] + [k.pid for k in kids]))
+    print("engine starting", flush=True)
+    if mode == "exit":
+        sys.exit(3)
+    if mode == "traceback":
+        print("Traceback (most recent call last):", flush=True)
+        print("RuntimeError: model load failed", flush=True)
+        time.sleep(600)
+    if mode == "segv":
+        print("Segmentation fault (core dumped)", flush=True)
+        time.sleep(600)
+    if mode == "never":
+        time.sleep(600)
+    delay_s = 0.3 if mode == "slow" else 0.0
+    time.sleep(delay_s)
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+        def log_message(self, *args):
+            pass
+
+    http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+    """
+)
+
+
+def _engine(tmp_path: Path, mode: str, timeout_s: float = 20.0) -> tuple[EngineProcess, Path]:
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    port = free_port()
+    pid_file = tmp_path / f"pids-{mode}.txt"
+    proc = EngineProcess(
+        [sys.executable, str(script), mode, str(port), str(pid_file)],
+        env={"BENCH_TEST_MARK": "1"},
+        log_path=tmp_path / "logs" / "engine.log",
+        health_url=f"http://127.0.0.1:{port}/health",
+        startup_timeout_s=timeout_s,
+    )
+    return proc, pid_file
+
+
+def _spawned_pids(pid_file: Path, timeout_s: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pid_file.exists():
+            text = pid_file.read_text().split()
+            if len(text) == 3:
+                return [int(p) for p in text]
+        time.sleep(0.02)
+    raise AssertionError("child never wrote its pids")
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _assert_all_gone(pids: list[int], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(_running(p) for p in pids):
+        time.sleep(0.05)
+    assert [p for p in pids if _running(p)] == []
+
+
+def test_free_port_is_bindable_and_port_in_use_detects_listener() -> None:
+    port = free_port()
+    assert not port_in_use(port)
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
+        sock.listen()
+        assert port_in_use(port)
+
+
+async def test_ready_then_stop_kills_whole_group_including_escaped_grandchild(tmp_path: Path) -> None:
+    proc, pid_file = _engine(tmp_path, "slow")
+    async with proc:
+        assert proc.alive and proc.returncode is None
+        pids = _spawned_pids(pid_file)
+        assert pids[0] == proc.pid
+        assert all(_running(p) for p in pids)
+        assert "engine starting" in proc.log_tail()
+    _assert_all_gone(pids)
+    assert not proc.alive
+    proc.stop()  # idempotent
+    log = (tmp_path / "logs" / "engine.log").read_text()
+    assert log.startswith("# benchsuite: starting ")
+
+
+async def test_exit_before_ready_fails_fast_with_status_and_tail(tmp_path: Path) -> None:
+    proc, pid_file = _engine(tmp_path, "exit", timeout_s=30)
+    proc.start()
+    t0 = time.monotonic()
+    with pytest.raises(RunError) as info:
+        await proc.wait_ready()
+    assert time.monotonic() - t0 < 10
+    message = str(info.value)
+    assert "exit status 3" in message.splitlines()[0]
+    assert "engine starting" in message
+    _assert_all_gone(_spawned_pids(pid_file))
+
+
+@pytest.mark.parametrize("mode, needle", [("traceback", "Traceback"), ("segv", "Segmentation fault")])
+async def test_crash_pattern_in_log_fails_while_process_still_alive(
+    tmp_path: Path, mode: str, needle: str
+) -> None:
+    proc, pid_file = _engine(tmp_path, mode, timeout_s=30)
+    proc.start()
+    t0 = time.monotonic()
+    with pytest.raises(RunError) as info:
+        await proc.wait_ready()
+    assert time.monotonic() - t0 < 10
+    first_line = str(info.value).splitlines()[0]
+    assert "crash" in first_line and needle in first_line
+    assert not proc.alive
+    _assert_all_gone(_spawned_pids(pid_file))
+
+
+async def test_never_ready_times_out_and_kills_group(tmp_path: Path) -> None:
+    proc, pid_file = _engine(tmp_path, "never", timeout_s=1.0)
+    with pytest.raises(RunError, match=r"not ready after 1 s"):
+        async with proc:
+            pytest.fail("should not become ready")
+    _assert_all_gone(_spawned_pids(pid_file))
+
+
+async def test_sigstopped_engine_times_out_and_still_dies(tmp_path: Path) -> None:
+    proc, pid_file = _engine(tmp_path, "fast", timeout_s=30)
+    proc.start()
+    await proc.wait_ready()
+    pids = _spawned_pids(pid_file)
+    assert proc.pid is not None
+    os.kill(proc.pid, signal.SIGSTOP)  # the listening socket still accepts; nobody answers
+    proc.startup_timeout_s = 1.5
+    t0 = time.monotonic()
+    with pytest.raises(RunError, match="not ready after"):
+        await proc.wait_ready()
+    assert time.monotonic() - t0 < 6
+    _assert_all_gone(pids)
+
+
+def test_port_already_in_use_is_a_user_error_naming_the_port(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        proc = EngineProcess(
+            [sys.executable, "-c", "pass"],
+            None,
+            tmp_path / "e.log",
+            f"http://127.0.0.1:{port}/health",
+            5,
+        )
+        with pytest.raises(UserError, match=str(port)):
+            proc.start()
+    assert proc.pid is None
+
+
+def test_exception_inside_sync_context_manager_leaves_no_orphans(tmp_path: Path) -> None:
+    proc, pid_file = _engine(tmp_path, "never")
+    with pytest.raises(ValueError):
+        with proc:
+            pids = _spawned_pids(pid_file)
+            raise ValueError("boom")
+    _assert_all_gone(pids)
+
+
+def test_log_is_appended_and_tail_covers_only_this_launch(tmp_path: Path) -> None:
+    log = tmp_path / "e.log"
+    log.write_text("old line from an earlier launch\n")
+    proc = EngineProcess(
+        [sys.executable, "-c", "print('\\n'.join(f'line {i}' for i in range(50)))"],
+        None,
+        log,
+        f"http://127.0.0.1:{free_port()}/health",
+        5,
+    )
+    with proc:
+        proc._popen.wait(timeout=10)  # type: ignore[union-attr]
+        tail = proc.log_tail(3)
+    assert tail.splitlines() == ["line 47", "line 48", "line 49"]
+    assert log.read_text().startswith("old line from an earlier launch\n")
+    assert "old line" not in proc.log_tail(1000)
+
+
+PARENT = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from benchsuite.process import EngineProcess
+    child, pid_file, how = sys.argv[1], sys.argv[2], sys.argv[3]
+    proc = EngineProcess([sys.executable, child, "never", "0", pid_file], None,
+                         Path(pid_file + ".log"), "http://127.0.0.1:1/health", 60)
+    proc.start()
+    while not Path(pid_file).exists() or len(Path(pid_file).read_text().split()) < 3:
+        time.sleep(0.02)
+    print("started", flush=True)
+    if how == "exception":
+        raise RuntimeError("parent failed")
+    if how == "interrupt":
+        raise KeyboardInterrupt
+    time.sleep(600)  # "sigterm": wait to be killed
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["exception", "interrupt", "sigterm"])
+def test_parent_dying_never_leaves_orphans(tmp_path: Path, how: str) -> None:
+    (tmp_path / "child.py").write_text(CHILD)
+    (tmp_path / "parent.py").write_text(PARENT)
+    pid_file = tmp_path / "pids.txt"
+    parent = subprocess.Popen(
+        [sys.executable, str(tmp_path / "parent.py"), str(tmp_path / "child.py"), str(pid_file), how],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    assert parent.stdout is not None
+    assert parent.stdout.readline().strip() == b"started"
+    pids = _spawned_pids(pid_file)
+    assert all(_running(p) for p in pids)
+    if how == "sigterm":
+        parent.send_signal(signal.SIGTERM)
+    code = parent.wait(timeout=30)
+    assert code != 0
+    if how == "sigterm":
+        assert code == -signal.SIGTERM
+    _assert_all_gone(pids)
