@@ -1,0 +1,203 @@
+"""Building llama-server from source: the pinned llama-cpp-python sdist, its vendored llama.cpp,
+CMake, and a per-user cache of finished builds.
+
+Owns the pinned source version, the cache layout
+(`~/.cache/benchsuite/llama.cpp/<version>-<cpu|cuda>/bin`), the build stamp (the exact CMake flags,
+reused to skip a rebuild and recorded by the engine as its build flags) and the binary lookup in
+that cache. The engine adapter looks in the matrix, then PATH, then here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from benchsuite.errors import RunError
+
+# llama-cpp-python's sdist vendors a llama.cpp tree; pinning the Python package pins llama.cpp.
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+SDIST_NAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
+STAMP_NAME = "build-stamp.json"
+REQUIRED_TARGETS: tuple[str, ...] = ("llama-server", "llama-bench", "llama-batched-bench")
+OPTIONAL_TARGETS: tuple[str, ...] = ("llama-fit-params",)
+DEFAULT_CUDA_ARCH = "90"
+
+
+@dataclass(frozen=True)
+class BuildFlags:
+    """Everything that decides the binaries; equal flags mean a cached build can be reused."""
+
+    llama_cpp_python_version: str
+    cuda: bool
+    cuda_architectures: str | None
+    cmake_defines: tuple[tuple[str, str], ...]
+
+    def to_json(self) -> dict[str, object]:
+        d = asdict(self)
+        d["cmake_defines"] = dict(self.cmake_defines)
+        return d
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    bin_dir: Path
+    server_path: Path
+    version_text: str
+    reused: bool
+    build_seconds: float
+    flags: BuildFlags
+
+
+def cache_root() -> Path:
+    """Per-user cache; BENCHSUITE_CACHE_DIR overrides it (tests, CI)."""
+    override = os.environ.get("BENCHSUITE_CACHE_DIR")
+    if override:
+        return Path(override)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".cache"
+    return base / "benchsuite"
+
+
+def install_dir(cuda: bool, version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
+    return cache_root() / "llama.cpp" / f"{version}-{'cuda' if cuda else 'cpu'}"
+
+
+def detect_cuda_architectures() -> str:
+    """Compute capabilities of the visible GPUs as CMake wants them ("90;89"), or the default."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return DEFAULT_CUDA_ARCH
+    archs = sorted({line.strip().replace(".", "") for line in out.splitlines() if line.strip()})
+    return ";".join(archs) or DEFAULT_CUDA_ARCH
+
+
+def build_flags(cuda: bool, cuda_architectures: str | None = None) -> BuildFlags:
+    defines: dict[str, str] = {
+        "CMAKE_BUILD_TYPE": "Release",
+        "BUILD_SHARED_LIBS": "OFF",  # static binaries stay runnable after being copied into bin/
+        "LLAMA_BUILD_SERVER": "ON",
+        "LLAMA_BUILD_TOOLS": "ON",
+        "LLAMA_BUILD_EXAMPLES": "OFF",
+        "LLAMA_BUILD_TESTS": "OFF",
+        "LLAMA_BUILD_APP": "OFF",
+        "LLAMA_CURL": "OFF",
+        # The web UI is fetched from the network by default; the benchmark never needs it.
+        "LLAMA_BUILD_UI": "OFF",
+        "LLAMA_USE_PREBUILT_UI": "OFF",
+        "GGML_CUDA": "ON" if cuda else "OFF",
+    }
+    archs = None
+    if cuda:
+        archs = cuda_architectures or detect_cuda_architectures()
+        defines["CMAKE_CUDA_ARCHITECTURES"] = archs
+    return BuildFlags(
+        llama_cpp_python_version=LLAMA_CPP_PYTHON_VERSION,
+        cuda=cuda,
+        cuda_architectures=archs,
+        cmake_defines=tuple(sorted(defines.items())),
+    )
+
+
+def read_stamp(bin_dir: Path) -> dict[str, object] | None:
+    path = bin_dir.parent / STAMP_NAME
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def cached_binary(name: str) -> Path | None:
+    """A previously built `name` in the cache, preferring a CUDA build over a CPU one."""
+    for cuda in (True, False):
+        candidate = install_dir(cuda) / "bin" / name
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def binary_version(binary: Path) -> str:
+    """`<binary> --version` output (llama.cpp prints it on stderr)."""
+    try:
+        proc = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"unavailable: {exc}"
+    return (proc.stdout + proc.stderr).strip()
+
+
+def _run(cmd: list[str], log, cwd: Path | None = None) -> None:
+    print("+ " + " ".join(cmd), file=log, flush=True)
+    proc = subprocess.run(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise RunError(f"command failed with status {proc.returncode}: {' '.join(cmd)}")
+
+
+def fetch_source(log) -> Path:
+    """Download (once) and unpack the sdist's vendored llama.cpp; returns its source directory."""
+    src_root = cache_root() / "llama.cpp" / "src"
+    src_dir = src_root / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
+    if (src_dir / "CMakeLists.txt").is_file():
+        return src_dir
+    src_root.mkdir(parents=True, exist_ok=True)
+    sdist = src_root / SDIST_NAME
+    if not sdist.is_file():
+        # --no-binary only for this package: build deps (used for metadata) may stay wheels.
+        _run([sys.executable, "-m", "pip", "download", "--no-deps",
+              "--no-binary", "llama-cpp-python",
+              f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(src_root)], log)
+    prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
+    with tarfile.open(sdist) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+        tar.extractall(src_root, members=members, filter="data")
+    if not (src_dir / "CMakeLists.txt").is_file():
+        raise RunError(f"{sdist} has no vendor/llama.cpp/CMakeLists.txt")
+    return src_dir
+
+
+def _available_targets(src_dir: Path) -> list[str]:
+    targets = list(REQUIRED_TARGETS)
+    for name in OPTIONAL_TARGETS:
+        tool = name.removeprefix("llama-")
+        if (src_dir / "tools" / tool / "CMakeLists.txt").is_file():
+            targets.append(name)
+    return targets
+
+
+def build_llama_server(cuda: bool, jobs: int | None, log, force: bool = False) -> BuildResult:
+    """Build (or reuse) the binaries; `log` receives the CMake output."""
+    flags = build_flags(cuda)
+    dest = install_dir(cuda)
+    bin_dir = dest / "bin"
+    server = bin_dir / "llama-server"
+    if not force and server.is_file() and read_stamp(bin_dir) == flags.to_json():
+        return BuildResult(bin_dir, server, binary_version(server), True, 0.0, flags)
+    started = time.perf_counter()
+    src_dir = fetch_source(log)
+    build_dir = dest / "build"
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    _run(["cmake", "-S", str(src_dir), "-B", str(build_dir), *generator,
+          *[f"-D{k}={v}" for k, v in flags.cmake_defines]], log)
+    targets = _available_targets(src_dir)
+    jobs_n = jobs or os.cpu_count() or 1
+    _run(["cmake", "--build", str(build_dir), "--target", *targets, "-j", str(jobs_n)], log)
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for name in targets:
+        built = build_dir / "bin" / name
+        if not built.is_file():
+            raise RunError(f"build finished but {built} is missing")
+        shutil.copy2(built, bin_dir / name)
+    (dest / STAMP_NAME).write_text(json.dumps(flags.to_json(), indent=2, sort_keys=True))
+    seconds = time.perf_counter() - started
+    return BuildResult(bin_dir, server, binary_version(server), False, seconds, flags)
