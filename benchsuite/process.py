@@ -369,11 +369,14 @@ def _kill_group(popen: subprocess.Popen[bytes], token: str, grace_s: float) -> N
         time.sleep(0.02)
     if alive:
         _signal_all(pgid, alive, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while any(_is_running(p) for p in alive) and time.monotonic() < deadline:
+            popen.poll()
+            time.sleep(0.02)
     try:
         popen.wait(timeout=5.0)
     except subprocess.TimeoutExpired:
         pass
-    psutil.wait_procs([p for p in targets if p.pid != popen.pid], timeout=2.0)
 
 
 def _is_running(proc: psutil.Process) -> bool:
