@@ -1,0 +1,319 @@
+"""The generation endpoints of the built-in server: `POST /v1/completions` and
+`POST /v1/chat/completions`, streaming (SSE) and not, plus the shared server state and the error
+middleware that turns every refused request into a JSON error naming the field.
+
+Flow: body -> `api_protocol` (validated options) -> prompt ids and KV admission (400 naming
+`prompt`/`messages`/`max_tokens` if it can never fit) -> `engine.submit` -> `api_generation`
+(text deltas, stop strings) -> `api_openai` shapes. The handler's `finally` aborts the engine
+request, so a client that disconnects (aiohttp cancels the handler) frees its KV at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from paged_experts.api_generation import Delta, is_failure, text_deltas
+from paged_experts.api_launch import ServeConfig, Serving
+from paged_experts.api_metrics import ServerMetrics
+from paged_experts.api_openai import (
+    SSE_DONE,
+    LegacyLogprobs,
+    ResponseHeader,
+    Usage,
+    chat_chunk,
+    chat_logprob_entries,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    sse,
+    usage_chunk,
+    vllm_prompt_logprobs,
+)
+from paged_experts.api_protocol import (
+    ApiError,
+    ChatBody,
+    CompletionBody,
+    GenerationOptions,
+    chat_options,
+    completion_options,
+    message_text,
+    parse_json,
+    single_prompt,
+    validate,
+)
+from paged_experts.api_text import ChatTurn, TextCodec
+from paged_experts.engine import AdmissionError, RequestStream, SamplingParams
+
+log = logging.getLogger("paged_experts.serve")
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+CHAT_DEFAULT_MAX_TOKENS = 256  # chat has no documented default; KV is reserved for it up front
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A validated request ready for the engine."""
+
+    prompt_ids: list[int]
+    prompt_text: str
+    options: GenerationOptions
+    max_tokens: int
+
+
+class ServerState:
+    """One server's mutable state: set by start-up (serve.py), read by every handler."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.metrics = ServerMetrics()
+        self.started_s = int(time.time())
+        self.serving: Serving | None = None
+        self.load_error: str | None = None
+        self.load_task: asyncio.Task[None] | None = None
+        self.loaded: asyncio.Future[None] | None = None  # resolves when the model is ready
+        self.engine_task: asyncio.Task[None] | None = None
+
+    def ready(self) -> Serving:
+        if self.serving is None:
+            raise ApiError(503, None, self.load_error or "the model is still loading")
+        return self.serving
+
+    def name_token(self, codec: TextCodec, as_ids: bool) -> Any:
+        return (lambda t: f"token_id:{t}") if as_ids else codec.token_str
+
+
+STATE_KEY = web.AppKey("state", ServerState)
+
+
+def _error_response(err: ApiError) -> web.Response:
+    return web.json_response(err.body(), status=err.status)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as err:
+        return _error_response(err)
+    except web.HTTPException:
+        raise
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # the server keeps serving; the client learns what failed
+        log.exception("unhandled error on %s", request.path)
+        return _error_response(ApiError(500, None, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+# ---- request preparation ---------------------------------------------------------------------
+
+
+def _prepare(serving: Serving, prompt: str | list[int], opts: GenerationOptions, default_max: int, field: str,
+             add_special_tokens: bool) -> _Prepared:  # fmt: skip
+    codec = serving.codec
+    if isinstance(prompt, str):
+        ids = codec.encode(prompt, add_special_tokens=add_special_tokens)
+        text = prompt
+    else:
+        vocab = serving.model.config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, field, f"{field}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        ids, text = list(prompt), codec.decode(prompt)
+    if not ids:
+        raise ApiError(400, field, f"{field}: encodes to zero tokens")
+    max_tokens = opts.max_tokens if opts.max_tokens is not None else default_max
+    if opts.max_tokens is None:
+        # an unspecified max_tokens shrinks to what the KV capacity leaves, rather than failing
+        max_tokens = max(1, min(max_tokens, serving.engine.kv_capacity_tokens - len(ids)))
+    try:
+        serving.engine.check_admissible(len(ids), max_tokens, prompt_field=field)
+    except AdmissionError as err:
+        raise ApiError(400, err.field, str(err)) from err
+    return _Prepared(ids, text, opts, max_tokens)
+
+
+def _submit(serving: Serving, prefix: str, prep: _Prepared) -> RequestStream:
+    o = prep.options
+    params = SamplingParams(
+        max_tokens=prep.max_tokens,
+        temperature=o.temperature,
+        top_p=o.top_p,
+        seed=o.seed,
+        ignore_eos=o.ignore_eos,
+        stop_token_ids=o.stop_token_ids,
+        logprobs=o.logprobs,
+        prompt_logprobs=o.prompt_logprobs,
+    )
+    try:
+        return serving.engine.submit(f"{prefix}-{uuid.uuid4().hex}", prep.prompt_ids, params)
+    except AdmissionError as err:
+        raise ApiError(400, err.field, str(err)) from err
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    return parse_json(await request.read())
+
+
+async def _sse_start(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    return resp
+
+
+# ---- completions -----------------------------------------------------------------------------
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE_KEY]
+    serving = state.ready()
+    body: CompletionBody = validate(CompletionBody, await _body(request))
+    opts = completion_options(body)
+    prep = _prepare(serving, single_prompt(body.prompt), opts, COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt", True)
+    header = ResponseHeader.new(f"cmpl-{uuid.uuid4().hex}", serving.config.model_name)
+    name = state.name_token(serving.codec, opts.tokens_as_ids)
+    echo_text = prep.prompt_text if body.echo else ""
+    stream = _submit(serving, "cmpl", prep)
+    try:
+        if opts.stream:
+            return await _stream_completion(request, serving, stream, prep, header, name, echo_text)
+        return await _full_completion(serving, stream, prep, header, name, echo_text)
+    finally:
+        stream.abort()
+
+
+def _legacy_lp(codec: TextCodec, name: Any, prep: _Prepared, delta: Delta, echo_text: str,
+               with_prompt: bool) -> LegacyLogprobs | None:  # fmt: skip
+    if prep.options.logprobs is None:
+        return None
+    lp = LegacyLogprobs.empty()
+    if with_prompt and echo_text and delta.prompt_logprobs is not None:
+        # echo: the prompt's tokens come first, offsets within the prompt text
+        offset = 0
+        for token_id, entry in zip(prep.prompt_ids, delta.prompt_logprobs):
+            lp.add(name, token_id, entry, offset)
+            offset += len(codec.token_str(token_id))
+    for token_id, entry in zip(delta.token_ids, delta.logprobs):
+        lp.add(name, token_id, entry, len(echo_text) + delta.text_offset)
+    return lp
+
+
+def _vllm_prompt_lps(name: Any, body_echo: bool, prep: _Prepared, delta: Delta) -> Any:
+    if prep.options.prompt_logprobs is None or delta.prompt_logprobs is None or body_echo:
+        return None
+    return vllm_prompt_logprobs(name, delta.prompt_logprobs)
+
+
+async def _full_completion(serving: Serving, stream: RequestStream, prep: _Prepared, header: ResponseHeader,
+                           name: Any, echo_text: str) -> web.Response:  # fmt: skip
+    text, reason, tokens = "", None, 0
+    merged = LegacyLogprobs.empty() if prep.options.logprobs is not None else None
+    prompt_lps = None
+    async for delta in text_deltas(stream, serving.codec, prep.options.stop_strings):
+        lp = _legacy_lp(serving.codec, name, prep, delta, echo_text, with_prompt=delta.prompt_logprobs is not None)
+        if merged is not None and lp is not None:
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                getattr(merged, key).extend(getattr(lp, key))
+        prompt_lps = prompt_lps or _vllm_prompt_lps(name, bool(echo_text), prep, delta)
+        text += delta.text
+        reason, tokens = delta.finish_reason, delta.completion_tokens
+        if is_failure(reason):
+            raise ApiError(500, None, f"generation failed: {delta.error or reason}")
+    usage = Usage(len(prep.prompt_ids), tokens)
+    return web.json_response(completion_response(header, echo_text + text, reason, usage, merged, prompt_lps))
+
+
+async def _stream_completion(request: web.Request, serving: Serving, stream: RequestStream, prep: _Prepared,
+                             header: ResponseHeader, name: Any, echo_text: str) -> web.StreamResponse:  # fmt: skip
+    resp = await _sse_start(request)
+    tokens = 0
+    first = True
+    async for delta in text_deltas(stream, serving.codec, prep.options.stop_strings):
+        tokens = delta.completion_tokens
+        if is_failure(delta.finish_reason):
+            await resp.write(sse(ApiError(500, None, f"generation failed: {delta.error or delta.finish_reason}").body()))
+            break
+        text = (echo_text if first else "") + delta.text
+        lp = _legacy_lp(serving.codec, name, prep, delta, echo_text, with_prompt=first)
+        prompt_lps = _vllm_prompt_lps(name, bool(echo_text), prep, delta)
+        if text or delta.finish_reason is not None or (lp is not None and lp.tokens) or prompt_lps is not None:
+            await resp.write(sse(completion_chunk(header, text, delta.finish_reason, lp, prompt_lps)))
+            first = False
+    if prep.options.include_usage:
+        await resp.write(sse(usage_chunk(header, "text_completion", Usage(len(prep.prompt_ids), tokens))))
+    await resp.write(SSE_DONE)
+    await resp.write_eof()
+    return resp
+
+
+# ---- chat completions ------------------------------------------------------------------------
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE_KEY]
+    serving = state.ready()
+    body: ChatBody = validate(ChatBody, await _body(request))
+    opts = chat_options(body)
+    turns = [ChatTurn(m.role, message_text(m)) for m in body.messages]
+    try:
+        prompt = serving.codec.render_chat(turns, body.add_generation_prompt)
+    except Exception as exc:  # template errors are the request's fault (e.g. a role it refuses)
+        raise ApiError(400, "messages", f"messages: {exc}") from exc
+    # the template already spells every special token
+    prep = _prepare(serving, prompt, opts, CHAT_DEFAULT_MAX_TOKENS, "messages", False)
+    header = ResponseHeader.new(f"chatcmpl-{uuid.uuid4().hex}", serving.config.model_name)
+    name = state.name_token(serving.codec, opts.tokens_as_ids)
+    stream = _submit(serving, "chatcmpl", prep)
+    try:
+        if opts.stream:
+            return await _stream_chat(request, serving, stream, prep, header, name)
+        return await _full_chat(serving, stream, prep, header, name)
+    finally:
+        stream.abort()
+
+
+async def _full_chat(serving: Serving, stream: RequestStream, prep: _Prepared, header: ResponseHeader,
+                     name: Any) -> web.Response:  # fmt: skip
+    text, reason, tokens = "", None, 0
+    entries: list[dict[str, Any]] | None = [] if prep.options.logprobs is not None else None
+    prompt_lps = None
+    async for delta in text_deltas(stream, serving.codec, prep.options.stop_strings):
+        if entries is not None:
+            entries.extend(chat_logprob_entries(name, delta.logprobs))
+        prompt_lps = prompt_lps or _vllm_prompt_lps(name, False, prep, delta)
+        text += delta.text
+        reason, tokens = delta.finish_reason, delta.completion_tokens
+        if is_failure(reason):
+            raise ApiError(500, None, f"generation failed: {delta.error or reason}")
+    usage = Usage(len(prep.prompt_ids), tokens)
+    return web.json_response(chat_response(header, text, reason, usage, entries, prompt_lps))
+
+
+async def _stream_chat(request: web.Request, serving: Serving, stream: RequestStream, prep: _Prepared,
+                       header: ResponseHeader, name: Any) -> web.StreamResponse:  # fmt: skip
+    resp = await _sse_start(request)
+    await resp.write(sse(chat_chunk(header, {"role": "assistant", "content": ""}, None, None)))
+    tokens = 0
+    async for delta in text_deltas(stream, serving.codec, prep.options.stop_strings):
+        tokens = delta.completion_tokens
+        if is_failure(delta.finish_reason):
+            await resp.write(sse(ApiError(500, None, f"generation failed: {delta.error or delta.finish_reason}").body()))
+            break
+        entries = chat_logprob_entries(name, delta.logprobs) if prep.options.logprobs is not None else None
+        if delta.text or delta.finish_reason is not None or entries:
+            chunk = chat_chunk(header, {"content": delta.text} if delta.text else {}, delta.finish_reason, entries)
+            prompt_lps = _vllm_prompt_lps(name, False, prep, delta)
+            if prompt_lps is not None:
+                chunk["prompt_logprobs"] = prompt_lps
+            await resp.write(sse(chunk))
+    if prep.options.include_usage:
+        await resp.write(sse(usage_chunk(header, "chat.completion.chunk", Usage(len(prep.prompt_ids), tokens))))
+    await resp.write(SSE_DONE)
+    await resp.write_eof()
+    return resp

@@ -1,0 +1,189 @@
+"""Server configuration and start-up: the `python -m paged_experts.serve` flags (SGLang names where
+they mean the same, llama.cpp's `--n-cpu-moe`), and `load_serving`, which builds the model, KV
+pool, tokenizer, routing source, trace writer and engine from one resolved `ServeConfig`.
+
+Routing sources (`paged_experts.routing`) and the trace writer (`paged_experts.trace`) are
+imported only when asked for, so the server runs without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from paged_experts.api_metrics import ServerMetrics
+from paged_experts.api_text import TextCodec
+from paged_experts.config import MoeModelConfig
+from paged_experts.engine import Engine, EngineConfig
+from paged_experts.runtime import MODES, RuntimeConfig
+
+KV_BLOCK_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    mode: str = "resident"
+    resident_experts: int | None = None
+    offload_layers: int | None = None  # None: every MoE layer
+    n_cpu_moe: int | None = None
+    device: str = "cpu"
+    dtype: str | None = None  # None: float32 on CPU, the checkpoint's dtype on CUDA
+    max_running_requests: int = 16
+    max_total_tokens: int = 16384
+    chunked_prefill_size: int = 2048
+    served_model_name: str | None = None
+    routing_source: str | None = None
+    routing_seed: int = 0
+    record_routing: str | None = None
+    log_level: str = "info"
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_path).name
+
+    @property
+    def routing_label(self) -> str:
+        return "model" if self.routing_source is None else f"synthetic:{self.routing_source}"
+
+    def runtime_config(self, model: MoeModelConfig) -> RuntimeConfig:
+        dtype = self.dtype or ("float32" if self.device == "cpu" else model.torch_dtype)
+        runtime = RuntimeConfig(
+            mode=self.mode,  # type: ignore[arg-type]
+            resident_experts=self.resident_experts,
+            offload_layers=self.offload_layers,
+            cpu_expert_layers=self.n_cpu_moe,
+            device=self.device,
+            dtype=dtype,
+        )
+        runtime.validate_for(model)
+        return runtime
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m paged_experts.serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-path", "--model", dest="model_path", required=True, help="HF checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--mode", choices=MODES, default="resident")
+    p.add_argument("--paged-experts-num-resident", "--resident-experts", dest="resident_experts", type=int,
+                   help="K expert slots per layer (mode paged)")  # fmt: skip
+    p.add_argument("--offload-layers", type=int, help="offloaded MoE layers, counted from the first (mode offload; default all)")
+    p.add_argument("--n-cpu-moe", type=int, help="MoE layers whose experts run on the CPU, the first N (mode cpu-experts)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: float32 on CPU, checkpoint dtype on CUDA")
+    p.add_argument("--max-running-requests", type=int, default=16)
+    p.add_argument("--max-total-tokens", type=int, default=16384, help="KV capacity in tokens")
+    p.add_argument("--chunked-prefill-size", type=int, default=2048, help="prompt tokens per engine step")
+    p.add_argument("--served-model-name")
+    p.add_argument("--routing-source", help="replace the router with a synthetic routing source (labelled synthetic)")
+    p.add_argument("--routing-seed", type=int, default=0)
+    p.add_argument("--record-routing", metavar="PATH", help="write a routing trace to PATH")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    return p
+
+
+def parse_args(argv: Sequence[str]) -> ServeConfig:
+    parser = build_parser()
+    ns = parser.parse_args(list(argv))
+    for name in ("max_running_requests", "max_total_tokens", "chunked_prefill_size"):
+        if getattr(ns, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= ns.port < 65536:
+        parser.error("--port must be in [0, 65535]")
+    return ServeConfig(**vars(ns))
+
+
+@dataclass
+class Serving:
+    """Everything a loaded server holds; built once by `load_serving`."""
+
+    config: ServeConfig
+    model: Any  # paged_experts.model.MoeCausalLM
+    runtime: RuntimeConfig
+    codec: TextCodec
+    engine: Engine
+    closers: list[Callable[[], object]] = field(default_factory=list)
+
+    def info(self) -> dict[str, Any]:
+        """`GET /server_info`: resolved configs, versions and the routing label."""
+        return {
+            "served_model_name": self.config.model_name,
+            "model_path": str(Path(self.config.model_path).resolve()),
+            "server": asdict(self.config),
+            "runtime": asdict(self.runtime),
+            "model": asdict(self.model.config),
+            "layer_placements": list(self.model.layer_placements()),
+            "kv": {"capacity_tokens": self.engine.kv_capacity_tokens, "block_size": self.engine.pool.block_size},
+            "engine": asdict(self.engine.config),
+            "routing": self.config.routing_label,
+            "routing_synthetic": self.config.routing_source is not None,
+            "versions": versions(),
+        }
+
+
+def versions() -> dict[str, str | None]:
+    def dist(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {"benchsuite": dist("benchsuite"), "torch": torch.__version__, "python": sys.version.split()[0]}
+
+
+def kv_block_tokens(capacity_tokens: int) -> int:
+    """The pool's block size: 16 tokens, or a divisor of the capacity so it is honoured exactly."""
+    return math.gcd(KV_BLOCK_TOKENS, capacity_tokens)
+
+
+def load_serving(config: ServeConfig, metrics: ServerMetrics) -> Serving:
+    """Loads the checkpoint and builds the engine (slow: call it off the event loop)."""
+    from paged_experts.kv import KvPool
+    from paged_experts.model import MoeCausalLM, SeqChunk
+
+    model_config = MoeModelConfig.from_dir(config.model_path)
+    runtime = config.runtime_config(model_config)
+    model = MoeCausalLM.from_pretrained(config.model_path, runtime)
+    pool = KvPool.for_model(model, config.max_total_tokens, block_size=kv_block_tokens(config.max_total_tokens))
+    extra_eos = [model_config.eos_token_id] if model_config.eos_token_id is not None else []
+    codec = TextCodec.from_dir(config.model_path, extra_eos_ids=extra_eos)
+    closers: list[Callable[[], object]] = []
+    step_hooks = []
+    if config.routing_source is not None:
+        from paged_experts.routing import make_router
+
+        model.router_override = make_router(config.routing_source, model_config, config.routing_seed)
+    if config.record_routing is not None:
+        from paged_experts.trace import TraceWriter
+
+        Path(config.record_routing).parent.mkdir(parents=True, exist_ok=True)
+        writer = TraceWriter(config.record_routing, model_config, source=config.routing_label, model=config.model_name)
+        model.routing_observers.append(lambda layer, ids, weights, ctx: writer.observe(layer, ids, weights))
+        step_hooks.append(writer.begin_step)
+        closers.append(writer.close)
+    engine_config = EngineConfig(
+        max_running_requests=config.max_running_requests,
+        chunked_prefill_tokens=config.chunked_prefill_size,
+        max_context_tokens=model_config.max_position_embeddings,
+        eos_token_ids=codec.eos_token_ids,
+    )
+    engine = Engine(
+        model,
+        pool,
+        lambda seq, ids, pos, all_logits: SeqChunk(seq, ids, pos, all_logits),
+        engine_config,
+        on_finish=metrics.on_finish,
+        step_hooks=step_hooks,
+    )
+    return Serving(config, model, runtime, codec, engine, closers)

@@ -1,0 +1,185 @@
+"""OpenAI-compatible aiohttp server over the paged-expert runtime; `python -m paged_experts.serve`.
+
+Owns the app (routes, start-up and shutdown) and the operational endpoints: `/v1/models`,
+`/health` (200 only once the model is loaded and the engine runs; 503 while loading or after a
+failed load), `/metrics` (Prometheus text), `/server_info` (resolved configs, versions, routing
+label) and `POST /flush_cache` (200 no-op: this engine has no prefix cache, as SGLang's endpoint
+does when the cache is disabled). The generation endpoints live in `api_handlers`.
+
+The socket opens first and the model loads in a worker thread, so readiness can be polled; a
+failed load exits the process with status 1. Binds 127.0.0.1 unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+
+from aiohttp import web
+
+from paged_experts.api_handlers import STATE_KEY, ServerState, chat_completions, completions, error_middleware
+from paged_experts.api_launch import ServeConfig, Serving, load_serving, parse_args
+from paged_experts.api_metrics import EngineGauges, ServerMetrics
+
+log = logging.getLogger("paged_experts.serve")
+
+Loader = Callable[[ServeConfig, ServerMetrics], Serving]
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    if state.serving is None:
+        status = f"failed: {state.load_error}" if state.load_error else "loading"
+        return web.json_response({"status": status}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    serving = state.ready()
+    cfg = state.config
+    entry = {
+        "id": cfg.model_name,
+        "object": "model",
+        "created": state.started_s,
+        "owned_by": "paged_experts",
+        "root": cfg.model_path,
+        "max_model_len": serving.engine.kv_capacity_tokens,
+        "routing": cfg.routing_label,
+        "routing_synthetic": cfg.routing_source is not None,
+    }
+    return web.json_response({"object": "list", "data": [entry]})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    serving = state.serving
+    if serving is None:
+        gauges, counters = EngineGauges(0, 0, 0, state.config.max_total_tokens), None
+    else:
+        engine = serving.engine
+        # snapshot between steps: a forward in flight is still adding to the counters
+        counters = await engine.between_steps(serving.model.counters.snapshot)
+        gauges = EngineGauges(engine.num_running, engine.num_waiting, engine.kv_used_tokens, engine.kv_capacity_tokens)
+    text = state.metrics.render(gauges, counters, state.config.routing_source is not None)
+    return web.Response(text=text, content_type="text/plain", charset="utf-8", headers={"X-Prometheus-Format": "0.0.4"})
+
+
+async def server_info(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    serving = state.ready()
+    return web.json_response(serving.info())
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    state.ready()
+    return web.json_response({"flushed": True, "prefix_cache": False})
+
+
+def create_app(config: ServeConfig, loader: Loader = load_serving) -> web.Application:
+    """The app; the model loads in a worker thread when the app starts (see `ServerState.loaded`)."""
+    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+    state = ServerState(config)
+    app[STATE_KEY] = state
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/server_info", server_info)
+    app.router.add_get("/get_server_info", server_info)  # SGLang's older name
+    app.router.add_post("/flush_cache", flush_cache)
+
+    async def start(app: web.Application) -> None:
+        state.loaded = asyncio.get_running_loop().create_future()
+        state.load_task = asyncio.create_task(_load(state, loader))
+
+    async def stop(app: web.Application) -> None:
+        await _shutdown(state)
+
+    app.on_startup.append(start)
+    app.on_cleanup.append(stop)
+    return app
+
+
+async def _load(state: ServerState, loader: Loader) -> None:
+    t0 = time.perf_counter()
+    try:
+        serving = await asyncio.to_thread(loader, state.config, state.metrics)
+    except Exception as exc:
+        state.load_error = f"{type(exc).__name__}: {exc}"
+        log.exception("loading the model failed")
+        assert state.loaded is not None
+        state.loaded.set_exception(RuntimeError(state.load_error))
+        return
+    state.serving = serving
+    state.engine_task = asyncio.create_task(serving.engine.run())
+    log.info("model loaded in %.1f s: %s", time.perf_counter() - t0, json.dumps(_summary(serving)))
+    assert state.loaded is not None
+    state.loaded.set_result(None)
+
+
+def _summary(serving: Serving) -> dict[str, object]:
+    info = serving.info()
+    return {k: info[k] for k in ("served_model_name", "runtime", "kv", "engine", "routing", "layer_placements")}
+
+
+async def _shutdown(state: ServerState) -> None:
+    if state.load_task is not None and not state.load_task.done():
+        # the load thread cannot be interrupted; wait so its resources are released in order
+        await asyncio.wait([state.load_task])
+    serving = state.serving
+    if serving is None:
+        return
+    serving.engine.close()
+    if state.engine_task is not None:
+        state.engine_task.cancel()
+        await asyncio.gather(state.engine_task, return_exceptions=True)
+    for close in serving.closers:
+        close()
+    state.serving = None
+
+
+async def serve(config: ServeConfig) -> int:
+    """Runs until SIGINT/SIGTERM; returns the process exit status."""
+    app = create_app(config)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    log.info("listening on http://%s:%d, loading %s", config.host, config.port, config.model_path)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    state = app[STATE_KEY]
+    try:
+        assert state.loaded is not None
+        await state.loaded
+    except RuntimeError:
+        await runner.cleanup()
+        return 1
+    log.info("ready: http://%s:%d model=%s routing=%s", config.host, config.port, config.model_name, config.routing_label)
+    await stop.wait()
+    log.info("shutting down")
+    await runner.cleanup()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.info("config %s", json.dumps(asdict(config)))
+    return asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
