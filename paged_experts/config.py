@@ -1,0 +1,131 @@
+"""`MoeModelConfig`: the model facts the runtime needs, read from a Hugging Face `config.json`.
+
+Owns the mapping from HF field names (qwen3_moe) to our names and the byte sizes derived from
+the shapes (one expert, one slot across all MoE layers, KV per token). Preflight formulas that
+combine these with a machine's budget live in `benchsuite.preflight`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("qwen3_moe",)
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_bytes(dtype: str) -> int:
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
+@dataclass(frozen=True)
+class MoeModelConfig:
+    """A Qwen3-MoE model's shape. Every decoder layer is an MoE layer (no dense MLP layers)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    moe_intermediate_size: int
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool
+    rms_norm_eps: float
+    rope_theta: float
+    bos_token_id: int | None
+    eos_token_id: int | None
+    tie_word_embeddings: bool
+    torch_dtype: str
+    max_position_embeddings: int = 40960
+    model_type: str = "qwen3_moe"
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> MoeModelConfig:
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+        num_layers = int(hf["num_hidden_layers"])
+        sparse_step = int(hf.get("decoder_sparse_step", 1))
+        mlp_only = list(hf.get("mlp_only_layers") or [])
+        if sparse_step != 1 or mlp_only:
+            raise ValueError(
+                "dense MLP layers are not supported: need decoder_sparse_step == 1 and empty mlp_only_layers, "
+                f"got decoder_sparse_step={sparse_step}, mlp_only_layers={mlp_only}"
+            )
+        if hf.get("attention_bias", False):
+            raise ValueError("attention_bias=true is not supported (Qwen3-MoE has none)")
+        rope_scaling = hf.get("rope_scaling")
+        if rope_scaling not in (None, {}) and rope_scaling.get("rope_type", rope_scaling.get("type")) != "default":
+            raise ValueError(f"rope_scaling {rope_scaling!r} is not supported; only plain RoPE")
+        rope_theta = hf.get("rope_theta")
+        if rope_theta is None:
+            rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        num_heads = int(hf["num_attention_heads"])
+        eos = hf.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        return cls(
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads", num_heads)),
+            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // num_heads),
+            moe_intermediate_size=int(hf["moe_intermediate_size"]),
+            num_experts=int(hf["num_experts"]),
+            top_k=int(hf["num_experts_per_tok"]),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=eos,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
+            model_type=str(model_type),
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> MoeModelConfig:
+        config_path = Path(path) / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"no config.json in {path}")
+        return cls.from_hf_config(json.loads(config_path.read_text()))
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers
+
+    def expert_bytes(self, dtype: str | None = None) -> int:
+        """Bytes of one expert's gate, up and down projections: 3 x hidden x moe_intermediate."""
+        return 3 * self.hidden_size * self.moe_intermediate_size * dtype_bytes(dtype or self.torch_dtype)
+
+    def slot_bytes(self, dtype: str | None = None) -> int:
+        """One resident expert in every MoE layer: expert_bytes x num_moe_layers."""
+        return self.expert_bytes(dtype) * self.num_moe_layers
+
+    def kv_bytes_per_token(self, dtype: str | None = None) -> int:
+        """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes(dtype or self.torch_dtype)
+
+    def all_experts_bytes(self, dtype: str | None = None) -> int:
+        """Every expert of every MoE layer (what the pinned host store holds)."""
+        return self.num_experts * self.slot_bytes(dtype)

@@ -1,0 +1,140 @@
+"""Paging counters per MoE layer and in total; `snapshot()` returns plain frozen data.
+
+Definitions (one layer-step is one MoE layer in one `forward`):
+- `activations`: distinct experts routed in the layer-step (the union), summed over steps;
+- `routed_pairs`: tokens x top_k, summed over steps;
+- `hits`: activations already in a device slot when the step began (paged) or resident anyway;
+- `misses`: activations copied from the host store before use (paged page-ins; offload counts
+  every activation as a miss because it came over the link this step);
+- `cpu_activations`: activations computed on the CPU (cpu-experts layers), neither hit nor miss;
+  so `hits + misses + cpu_activations == activations` always, and `hits + misses == activations`
+  in resident, paged and offload modes;
+- `bytes_paged_in = misses x expert_bytes` (routed experts copied to the device);
+- `bytes_h2d`: every expert byte copied host->device, comparable across modes: equal to
+  `bytes_paged_in` in paged mode, `num_experts x expert_bytes` per offloaded layer-step;
+- `copy_time_s`: time of the host->device expert copies (CUDA events on GPU, wall clock on CPU);
+- `waves`, `steps`: compute passes and layer-steps; `union_sum`, `union_max` over steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class LayerCounts:
+    activations: int = 0
+    routed_pairs: int = 0
+    hits: int = 0
+    misses: int = 0
+    cpu_activations: int = 0
+    bytes_paged_in: int = 0
+    bytes_h2d: int = 0
+    copy_time_s: float = 0.0
+    waves: int = 0
+    steps: int = 0
+    union_sum: int = 0
+    union_max: int = 0
+
+    @property
+    def hit_rate(self) -> float | None:
+        """hits / (hits + misses); None when nothing was served from the device."""
+        served = self.hits + self.misses
+        return self.hits / served if served else None
+
+    def __add__(self, other: LayerCounts) -> LayerCounts:
+        values = {}
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            values[f.name] = max(a, b) if f.name == "union_max" else a + b
+        return LayerCounts(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "hit_rate": self.hit_rate}
+
+
+@dataclass(frozen=True)
+class CountersSnapshot:
+    layers: tuple[LayerCounts, ...]
+    expert_bytes: int
+    mode: str
+
+    @property
+    def total(self) -> LayerCounts:
+        total = LayerCounts()
+        for layer in self.layers:
+            total = total + layer
+        return total
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "expert_bytes": self.expert_bytes,
+            "total": self.total.to_dict(),
+            "layers": [layer.to_dict() for layer in self.layers],
+        }
+
+
+class _Acc:
+    """Mutable accumulator of one layer; CUDA copy timings stay as event pairs until read."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, float] = {f.name: 0 for f in fields(LayerCounts)}
+        self.values["copy_time_s"] = 0.0
+        self.pending_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def resolve(self) -> None:
+        for start, end in self.pending_events:
+            end.synchronize()
+            self.values["copy_time_s"] += start.elapsed_time(end) / 1e3
+        self.pending_events.clear()
+
+
+class PagingCounters:
+    def __init__(self, num_layers: int, expert_bytes: int, mode: str) -> None:
+        self.num_layers = num_layers
+        self.expert_bytes = expert_bytes
+        self.mode = mode
+        self._layers = [_Acc() for _ in range(num_layers)]
+
+    def record_step(
+        self, layer: int, *, union: int, routed_pairs: int, hits: int, misses: int, cpu_activations: int, waves: int
+    ) -> None:
+        if hits + misses + cpu_activations != union:
+            raise AssertionError(f"layer {layer}: hits {hits} + misses {misses} + cpu {cpu_activations} != union {union}")
+        v = self._layers[layer].values
+        v["activations"] += union
+        v["routed_pairs"] += routed_pairs
+        v["hits"] += hits
+        v["misses"] += misses
+        v["cpu_activations"] += cpu_activations
+        v["bytes_paged_in"] += misses * self.expert_bytes
+        v["waves"] += waves
+        v["steps"] += 1
+        v["union_sum"] += union
+        v["union_max"] = max(v["union_max"], union)
+
+    def record_copy(self, layer: int, *, bytes_h2d: int, copy_time_s: float = 0.0) -> None:
+        v = self._layers[layer].values
+        v["bytes_h2d"] += bytes_h2d
+        v["copy_time_s"] += copy_time_s
+
+    def record_copy_events(self, layer: int, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+        """CUDA copies are timed by events read lazily, so no host sync happens per wave."""
+        self._layers[layer].pending_events.append((start, end))
+
+    def snapshot(self) -> CountersSnapshot:
+        layers = []
+        for acc in self._layers:
+            acc.resolve()
+            v = acc.values
+            layers.append(
+                LayerCounts(**{f.name: (float(v[f.name]) if f.name == "copy_time_s" else int(v[f.name])) for f in fields(LayerCounts)})
+            )
+        return CountersSnapshot(layers=tuple(layers), expert_bytes=self.expert_bytes, mode=self.mode)
+
+    def reset(self) -> None:
+        self._layers = [_Acc() for _ in range(self.num_layers)]

@@ -1,0 +1,170 @@
+"""HF checkpoint directory (config.json + safetensors, sharded or not) -> host store + device weights.
+
+Expert tensors are read one expert at a time straight into the host store (pinned on CUDA for
+layers that page or offload); only the slots (paged), the whole layer (resident) or nothing
+(offload, cpu) goes to the device, so all experts are never materialised on the device unless
+the mode asks for it. Reads the per-expert layout published checkpoints use
+(`model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`) and the fused layout
+transformers 5 may save (`mlp.experts.gate_up_proj [E, 2I, H]`, `mlp.experts.down_proj [E, H, I]`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from paged_experts.config import MoeModelConfig
+from paged_experts.counters import PagingCounters
+from paged_experts.moe import MoeLayer, MoeShared
+from paged_experts.residency import LayerResidency
+from paged_experts.runtime import RuntimeConfig
+from paged_experts.store import ExpertTensors, PageInEngine, to_device_rows
+
+
+@dataclass(frozen=True)
+class AttentionWeights:
+    input_norm: torch.Tensor  # [H]
+    q_proj: torch.Tensor  # [nh*D, H]
+    k_proj: torch.Tensor  # [kvh*D, H]
+    v_proj: torch.Tensor  # [kvh*D, H]
+    o_proj: torch.Tensor  # [H, nh*D]
+    q_norm: torch.Tensor  # [D]
+    k_norm: torch.Tensor  # [D]
+    post_norm: torch.Tensor  # [H]
+
+
+@dataclass(frozen=True)
+class DenseWeights:
+    embed: torch.Tensor  # [V, H]
+    final_norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H]
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    config: MoeModelConfig
+    dense: DenseWeights
+    attention: tuple[AttentionWeights, ...]
+    moe: tuple[MoeLayer, ...]
+    counters: PagingCounters
+
+
+class CheckpointReader:
+    """Tensor name -> safetensors file, across shards (model.safetensors.index.json) or single files."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in path.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"no *.safetensors in {path}")
+            weight_map = {}
+        self._handles = {f: safe_open(str(path / f), framework="pt", device="cpu") for f in files}
+        if not weight_map:
+            for f, h in self._handles.items():
+                for name in h.keys():
+                    weight_map[name] = f
+        self.weight_map = weight_map
+
+    def has(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.weight_map:
+            raise KeyError(f"tensor {name!r} not found in checkpoint {self.path}")
+        return self._handles[self.weight_map[name]].get_tensor(name)
+
+
+def _fill_host_experts(reader: CheckpointReader, layer: int, host: ExpertTensors, cfg: MoeModelConfig) -> None:
+    prefix = f"model.layers.{layer}.mlp.experts"
+    inter = cfg.moe_intermediate_size
+    if reader.has(f"{prefix}.gate_up_proj"):
+        gate_up = reader.get(f"{prefix}.gate_up_proj")  # [E, 2I, H]
+        host.gate.copy_(gate_up[:, :inter])
+        host.up.copy_(gate_up[:, inter:])
+        host.down.copy_(reader.get(f"{prefix}.down_proj"))  # [E, H, I]
+        return
+    for e in range(cfg.num_experts):
+        host.gate[e].copy_(reader.get(f"{prefix}.{e}.gate_proj.weight"))  # [I, H]
+        host.up[e].copy_(reader.get(f"{prefix}.{e}.up_proj.weight"))  # [I, H]
+        host.down[e].copy_(reader.get(f"{prefix}.{e}.down_proj.weight"))  # [H, I]
+
+
+def load(path: str | Path, runtime: RuntimeConfig) -> LoadedModel:
+    path = Path(path)
+    cfg = MoeModelConfig.from_dir(path)
+    runtime.validate_for(cfg)
+    reader = CheckpointReader(path)
+    device, dtype = runtime.torch_device, runtime.torch_dtype
+
+    def dense(name: str) -> torch.Tensor:
+        return reader.get(name).to(device=device, dtype=dtype)
+
+    embed = dense("model.embed_tokens.weight")
+    lm_head = embed if cfg.tie_word_embeddings or not reader.has("lm_head.weight") else dense("lm_head.weight")
+    dense_weights = DenseWeights(embed=embed, final_norm=dense("model.norm.weight"), lm_head=lm_head)
+
+    counters = PagingCounters(cfg.num_moe_layers, cfg.expert_bytes(runtime.dtype), runtime.mode)
+    placements = [runtime.layer_mode(i, cfg.num_moe_layers) for i in range(cfg.num_layers)]
+    max_slots = runtime.resident_experts or cfg.num_experts
+    page_in = PageInEngine(device, runtime.page_in, cfg.hidden_size, cfg.moe_intermediate_size, dtype, max_slots)
+    offload_buffer = None
+    if "offload" in placements:
+        offload_buffer = ExpertTensors.empty(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device)
+    shared = MoeShared(
+        device=device,
+        dtype=dtype,
+        num_experts=cfg.num_experts,
+        top_k=cfg.top_k,
+        norm_topk_prob=cfg.norm_topk_prob,
+        expert_bytes=cfg.expert_bytes(runtime.dtype),
+        counters=counters,
+        page_in=page_in,
+        offload_buffer=offload_buffer,
+    )
+
+    attention, moe = [], []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        attention.append(
+            AttentionWeights(
+                input_norm=dense(f"{p}.input_layernorm.weight"),
+                q_proj=dense(f"{p}.self_attn.q_proj.weight"),
+                k_proj=dense(f"{p}.self_attn.k_proj.weight"),
+                v_proj=dense(f"{p}.self_attn.v_proj.weight"),
+                o_proj=dense(f"{p}.self_attn.o_proj.weight"),
+                q_norm=dense(f"{p}.self_attn.q_norm.weight"),
+                k_norm=dense(f"{p}.self_attn.k_norm.weight"),
+                post_norm=dense(f"{p}.post_attention_layernorm.weight"),
+            )
+        )
+        placement = placements[i]
+        # Only rows that cross the link need pinned memory; cpu layers compute from pageable RAM.
+        pin = device.type == "cuda" and placement in ("paged", "offload")
+        host = ExpertTensors.empty(
+            cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, torch.device("cpu"), pin=pin
+        )
+        _fill_host_experts(reader, i, host, cfg)
+        residency = None
+        device_experts = None
+        if placement == "paged":
+            k = runtime.resident_experts
+            assert k is not None
+            residency = LayerResidency(cfg.num_experts, k)
+            device_experts = to_device_rows(host, k, device)  # slots start with experts 0..K-1
+        elif placement == "resident":
+            device_experts = to_device_rows(host, cfg.num_experts, device)
+        moe.append(
+            MoeLayer(i, placement, dense(f"{p}.mlp.gate.weight"), host, device_experts, shared, residency)
+        )
+    return LoadedModel(
+        config=cfg, dense=dense_weights, attention=tuple(attention), moe=tuple(moe), counters=counters
+    )

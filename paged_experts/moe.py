@@ -1,0 +1,173 @@
+"""The MoE block of one layer in four placements (resident, paged, offload, cpu) and the routing seam.
+
+Routing is always E-wide on the compute device; the placement only decides where expert weights
+come from and where the expert matmuls run:
+- `resident`: all E experts on the device (the unpaged reference);
+- `paged`: K device slots, LRU residency and wave planning from `paged_experts.residency`,
+  batched page-in of each wave's misses from the host store;
+- `offload`: all E experts copied from the host store into a shared device buffer every forward,
+  whatever the router chose (SGLang `--cpu-offload-gb`);
+- `cpu`: experts computed on the CPU from the host store (llama.cpp `--n-cpu-moe`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from paged_experts.counters import PagingCounters
+from paged_experts.experts import Dispatch, build_dispatch, combine, route, run_experts
+from paged_experts.residency import LayerResidency
+from paged_experts.store import ExpertTensors, PageInEngine
+
+RouterOverride = Callable[[int, torch.Tensor, Any], tuple[torch.Tensor, torch.Tensor]]
+RoutingObserver = Callable[[int, torch.Tensor, torch.Tensor, Any], None]
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """Per-token facts of one engine step, handed to router overrides and observers."""
+
+    seq_ids: tuple[int, ...]  # [T] sequence id of each token
+    positions: tuple[int, ...]  # [T] position of each token in its sequence
+
+
+@dataclass(frozen=True)
+class MoeShared:
+    """What the layers of one model share: page-in engine, offload buffer, counters, sizes."""
+
+    device: torch.device
+    dtype: torch.dtype
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool
+    expert_bytes: int
+    counters: PagingCounters
+    page_in: PageInEngine
+    offload_buffer: ExpertTensors | None  # [E, ...] on the device, reused by every offloaded layer
+
+
+class MoeLayer:
+    """One layer's router and experts in one placement."""
+
+    def __init__(
+        self,
+        layer_idx: int,
+        placement: str,
+        router_weight: torch.Tensor,
+        host: ExpertTensors,
+        device_experts: ExpertTensors | None,
+        shared: MoeShared,
+        residency: LayerResidency | None = None,
+    ) -> None:
+        if placement == "paged" and (residency is None or device_experts is None):
+            raise ValueError("a paged layer needs its residency and device slots")
+        if placement == "resident" and device_experts is None:
+            raise ValueError("a resident layer needs its experts on the device")
+        self.layer_idx = layer_idx
+        self.placement = placement
+        self.router_weight = router_weight  # [E, H] on the device
+        self.host = host  # [E, ...] host store rows (pinned when paged/offloaded on CUDA)
+        self.device_experts = device_experts  # [K, ...] slots (paged) or [E, ...] (resident)
+        self.shared = shared
+        self.residency = residency
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        ctx: StepContext,
+        router_override: RouterOverride | None,
+        observers: Sequence[RoutingObserver],
+    ) -> torch.Tensor:
+        """x: [T, H] on the device -> [T, H]."""
+        sh = self.shared
+        router_logits = F.linear(x, self.router_weight)  # [T, E]
+        if router_override is not None:
+            ids, weights = router_override(self.layer_idx, router_logits, ctx)
+            ids, weights = self._check_override(ids, weights, x.shape[0])
+        else:
+            ids, weights = route(router_logits, sh.top_k, sh.norm_topk_prob)  # [T, k], [T, k]
+        for fn in observers:
+            fn(self.layer_idx, ids, weights, ctx)
+        ids_cpu = ids.to("cpu", torch.long)  # [T, k]; planning is host bookkeeping
+        compute_device = torch.device("cpu") if self.placement == "cpu" else sh.device
+        dispatch = build_dispatch(ids_cpu, sh.num_experts, compute_device)
+        x_in = x.to(compute_device)
+        x_sorted = x_in[dispatch.tokens]  # [T*k, H]
+        y_sorted = torch.empty_like(x_sorted)  # [T*k, H]
+        distinct = sorted(set(ids_cpu.reshape(-1).tolist()))
+        routed_pairs = int(ids_cpu.numel())
+        if self.placement == "paged":
+            self._run_paged(ids_cpu, x_sorted, y_sorted, dispatch, routed_pairs)
+        else:
+            weights_src = self._weights_for_step()
+            run_experts(x_sorted, weights_src, dispatch, distinct, distinct, y_sorted)
+            union = len(distinct)
+            sh.counters.record_step(
+                self.layer_idx,
+                union=union,
+                routed_pairs=routed_pairs,
+                hits=union if self.placement == "resident" else 0,
+                misses=union if self.placement == "offload" else 0,
+                cpu_activations=union if self.placement == "cpu" else 0,
+                waves=1 if union else 0,
+            )
+        out = combine(y_sorted, dispatch, weights)  # [T, H]
+        return out.to(sh.device)
+
+    def _weights_for_step(self) -> ExpertTensors:
+        sh = self.shared
+        if self.placement == "resident":
+            assert self.device_experts is not None
+            return self.device_experts
+        if self.placement == "cpu":
+            return self.host
+        assert sh.offload_buffer is not None
+        # Offload streams the whole layer whatever was routed, as a weight-offload engine does.
+        sh.page_in.copy_rows(
+            self.host,
+            sh.offload_buffer,
+            [(e, e) for e in range(sh.num_experts)],
+            sh.counters,
+            self.layer_idx,
+            sh.expert_bytes,
+        )
+        return sh.offload_buffer
+
+    def _run_paged(
+        self, ids_cpu: torch.Tensor, x_sorted: torch.Tensor, y_sorted: torch.Tensor, dispatch: Dispatch, routed_pairs: int
+    ) -> None:
+        sh = self.shared
+        assert self.residency is not None and self.device_experts is not None
+        plan = self.residency.plan_step(ids_cpu.reshape(-1).tolist())
+        for wave in plan.waves:
+            sh.page_in.copy_rows(self.host, self.device_experts, wave.page_ins, sh.counters, self.layer_idx, sh.expert_bytes)
+            run_experts(x_sorted, self.device_experts, dispatch, wave.experts, wave.slots, y_sorted)
+        sh.counters.record_step(
+            self.layer_idx,
+            union=plan.union,
+            routed_pairs=routed_pairs,
+            hits=plan.hits,
+            misses=plan.misses,
+            cpu_activations=0,
+            waves=len(plan.waves),
+        )
+
+    def _check_override(self, ids: torch.Tensor, weights: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        sh = self.shared
+        expected = (num_tokens, sh.top_k)
+        if tuple(ids.shape) != expected or tuple(weights.shape) != expected:
+            raise ValueError(
+                f"router_override returned ids {tuple(ids.shape)} and weights {tuple(weights.shape)}; expected {expected}"
+            )
+        ids = ids.to(torch.long)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= sh.num_experts):
+            raise ValueError(f"router_override returned expert ids outside [0, {sh.num_experts})")
+        for row in ids.tolist():
+            if len(set(row)) != len(row):
+                raise ValueError(f"router_override routed a token to the same expert twice: {row}")
+        return ids, weights.to(torch.float32)

@@ -1,0 +1,93 @@
+"""`RuntimeConfig`: how a model is placed and run (mode, K, offloaded / CPU layers, device, dtype).
+
+Owns validation of those choices against a model's shape, with errors that say what to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from paged_experts.config import TORCH_DTYPES, MoeModelConfig
+
+Mode = Literal["resident", "paged", "offload", "cpu-experts"]
+MODES: tuple[str, ...] = ("resident", "paged", "offload", "cpu-experts")
+DEVICES: tuple[str, ...] = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """`resident_experts` is K (paged mode only); `offload_layers` None means every MoE layer is
+    offloaded; `cpu_expert_layers` counts the FIRST N layers (llama.cpp `--n-cpu-moe N`)."""
+
+    mode: Mode = "resident"
+    resident_experts: int | None = None
+    offload_layers: int | None = None
+    cpu_expert_layers: int | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    page_in: Literal["auto", "direct", "staged"] = "auto"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.dtype not in TORCH_DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(TORCH_DTYPES)}, got {self.dtype!r}")
+        if self.page_in not in ("auto", "direct", "staged"):
+            raise ValueError(f"page_in must be 'auto', 'direct' or 'staged', got {self.page_in!r}")
+        if self.mode == "paged" and self.resident_experts is None:
+            raise ValueError("mode='paged' needs resident_experts (K, the slots per layer)")
+        if self.mode != "paged" and self.resident_experts is not None:
+            raise ValueError(f"resident_experts is only meaningful with mode='paged', not {self.mode!r}")
+        if self.mode != "offload" and self.offload_layers is not None:
+            raise ValueError(f"offload_layers is only meaningful with mode='offload', not {self.mode!r}")
+        if self.mode == "cpu-experts" and self.cpu_expert_layers is None:
+            raise ValueError("mode='cpu-experts' needs cpu_expert_layers (the first N layers run on the CPU)")
+        if self.mode != "cpu-experts" and self.cpu_expert_layers is not None:
+            raise ValueError(f"cpu_expert_layers is only meaningful with mode='cpu-experts', not {self.mode!r}")
+        for name in ("offload_layers", "cpu_expert_layers"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch.cuda.is_available() is False")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    def validate_for(self, model: MoeModelConfig) -> None:
+        """Checks the choices that depend on the model's shape; raises ValueError."""
+        if self.mode == "paged":
+            k = self.resident_experts
+            assert k is not None
+            if not model.top_k <= k <= model.num_experts:
+                raise ValueError(
+                    f"resident_experts (K) must be in [top_k={model.top_k}, num_experts={model.num_experts}], got {k}"
+                )
+        if self.offload_layers is not None and self.offload_layers > model.num_moe_layers:
+            raise ValueError(f"offload_layers={self.offload_layers} exceeds the model's {model.num_moe_layers} MoE layers")
+        if self.cpu_expert_layers is not None and self.cpu_expert_layers > model.num_moe_layers:
+            raise ValueError(
+                f"cpu_expert_layers={self.cpu_expert_layers} exceeds the model's {model.num_moe_layers} MoE layers"
+            )
+
+    def layer_mode(self, layer_idx: int, num_moe_layers: int) -> str:
+        """The placement of one layer's experts: 'resident', 'paged', 'offload' or 'cpu'."""
+        if self.mode == "paged":
+            return "paged"
+        if self.mode == "offload":
+            n = num_moe_layers if self.offload_layers is None else self.offload_layers
+            return "offload" if layer_idx < n else "resident"
+        if self.mode == "cpu-experts":
+            assert self.cpu_expert_layers is not None
+            return "cpu" if layer_idx < self.cpu_expert_layers else "resident"
+        return "resident"
