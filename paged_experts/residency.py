@@ -13,6 +13,7 @@ Rules (DESIGN.md section 4):
 
 from __future__ import annotations
 
+import random
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -84,6 +85,19 @@ class BeladyPolicy:
 
     def victim(self, candidates: Collection[int], step: int) -> int:
         return max(candidates, key=lambda e: (self._next_use(e, step), -e))
+
+
+class RandomPolicy:
+    """Random eviction (a baseline the published locality study reports); seeded, reproducible."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = random.Random(seed)
+
+    def on_use(self, expert: int, step: int) -> None:
+        pass
+
+    def victim(self, candidates: Collection[int], step: int) -> int:
+        return self._rng.choice(sorted(candidates))
 
 
 @dataclass(frozen=True)
@@ -164,5 +178,5 @@ class LayerResidency:
         )
 
 
-POLICIES = {"lru": LruPolicy, "lfu": LfuPolicy}
+POLICIES = {"lru": LruPolicy, "lfu": LfuPolicy, "random": RandomPolicy}
 """Online policies by name; Belady needs the future and is built by the simulator."""
