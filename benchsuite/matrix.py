@@ -123,7 +123,7 @@ class ValidatedMatrix:
     matrix: Matrix
     option_sets: Mapping[str, tuple[OptionSet, ...]]  # engine name -> its resolved combinations
     source: Path
-    matrix_hash: str  # sha256 of the canonical JSON of the matrix, hex
+    matrix_hash: str  # sha256 of the canonical JSON of the matrix (output_root excluded), hex
 
     def as_json(self) -> dict[str, Any]:
         return self.matrix.model_dump(mode="json")
@@ -145,7 +145,8 @@ def load_matrix(path: str | Path) -> ValidatedMatrix:
         option_sets[name] = sets
     if problems:
         raise MatrixError("\n".join(dict.fromkeys(problems)))
-    canonical = json.dumps(matrix.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    # output_root is where results go, not what is measured: moving them keeps the run id.
+    canonical = json.dumps(matrix.model_dump(mode="json", exclude={"output_root"}), sort_keys=True, separators=(",", ":"))
     digest = hashlib.sha256(canonical.encode()).hexdigest()
     return ValidatedMatrix(matrix, option_sets, source, digest)
 

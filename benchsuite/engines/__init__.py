@@ -13,6 +13,9 @@ from collections.abc import Iterator, Mapping
 from benchsuite.engines.base import EngineAdapter
 from benchsuite.errors import UserError
 
+RUN_DIR_PLACEHOLDER = "{run_dir}"
+"""Adapters may put this in argv or env values; the runner replaces it with the run directory."""
+
 ADAPTER_PATHS: dict[str, tuple[str, str]] = {
     "builtin": ("benchsuite.engines.builtin", "BuiltinAdapter"),
     "llamacpp": ("benchsuite.engines.llamacpp", "LlamaCppAdapter"),

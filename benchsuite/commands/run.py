@@ -1,0 +1,159 @@
+"""`benchsuite run matrix.yaml`: validate, plan, run (resumable), summarize, report.
+
+The library call is benchsuite.runner.run_plan; this module only parses flags, draws the
+progress (rich; nothing with --quiet) and the one-screen summary, and prints where the results
+and the HTML report are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from benchsuite.engines.base import ServerSpec
+from benchsuite.errors import UserError
+from benchsuite.matrix import load_matrix
+from benchsuite.plan import CellSpec, Plan, build_plan, format_plan
+from benchsuite.records import CellResult
+from benchsuite.store import FINISHED_STATUSES, RunStore
+
+_RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("matrix", type=Path, help="matrix YAML file (see configs/quickstart.yaml)")
+    parser.add_argument("--dry-run", action="store_true", help="print the cells and engine command lines; start nothing")
+    parser.add_argument("--run-id", help="results directory name (default: <matrix name>-<matrix hash>); reuse it to resume")
+    parser.add_argument("--output-root", type=Path, help="parent of the run directory (default: the matrix's output_root)")
+    parser.add_argument("--quiet", action="store_true", help="no progress display (CI)")
+    parser.add_argument("--no-report", action="store_true", help="do not write the HTML report at the end")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.run_id is not None and not _RUN_ID_RE.match(args.run_id):
+        raise UserError(f"--run-id {args.run_id!r}: use letters, digits, '.', '_' and '-' only")
+    plan = build_plan(load_matrix(args.matrix), run_id=args.run_id)
+    if args.dry_run:
+        print(format_plan(plan))
+        return 0
+    from benchsuite.runner import open_store, run_plan  # the load path; a dry run never needs it
+
+    console = Console(quiet=args.quiet, highlight=False)
+    store = open_store(plan, args.output_root)
+    todo = sum(1 for c in plan.cells if not _finished(store, c.cell_id))
+    console.print(f"run {plan.run_id}: {len(plan.cells)} cells ({len(plan.cells) - todo} already done) -> {store.run_dir}")
+    try:
+        with _ProgressEvents(console, todo) as events:
+            asyncio.run(run_plan(plan, store, events))
+    except KeyboardInterrupt:
+        print(f"benchsuite: interrupted; finished cells are kept in {store.run_dir} (rerun the same command to resume)")
+        return 130
+    results = [s.result for c in plan.cells if (s := store.stored_cell(c.cell_id)) is not None]
+    console.print(summary_table(plan, results))
+    print(f"results: {store.run_dir}")
+    report_status = _write_report(args, store.run_dir)
+    failed = sum(1 for r in results if r.status == "failed")
+    if failed:
+        print(f"benchsuite: {failed} cells failed (reasons in cells.csv); rerun the same command to retry them")
+        return 1
+    return report_status
+
+
+def _finished(store: RunStore, cell_id: str) -> bool:
+    stored = store.stored_cell(cell_id)
+    return stored is not None and stored.result.status in FINISHED_STATUSES
+
+
+def _write_report(args: argparse.Namespace, run_dir: Path) -> int:
+    if args.no_report:
+        return 0
+    try:
+        from benchsuite.report import write_report
+    except ImportError:
+        return 0  # the report package is optional in this build
+    try:
+        index = write_report([run_dir])
+    except Exception as exc:  # noqa: BLE001 - results are safe on disk; say why the report is missing
+        print(f"benchsuite: the report failed ({type(exc).__name__}: {exc}); results are in {run_dir}")
+        return 1
+    print(f"report: {index}")
+    return 0
+
+
+class _ProgressEvents:
+    """runner.RunEvents drawn with rich: one bar over the cells, one line per finished cell."""
+
+    def __init__(self, console: Console, total_cells: int) -> None:
+        self._console = console
+        self._progress = Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            console=console, transient=True, disable=console.quiet,
+        )  # fmt: skip
+        self._task = self._progress.add_task("starting", total=total_cells)
+
+    def __enter__(self) -> _ProgressEvents:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.stop()
+
+    def server_starting(self, spec: ServerSpec, cells: int) -> None:
+        self._progress.update(self._task, description=f"starting {spec.name} (server {spec.server_id})")
+
+    def cell_started(self, cell: CellSpec) -> None:
+        label = f"{cell.engine}{_params(cell.params)} {cell.workload}/{cell.prompt_class} c={cell.concurrency} r={cell.repeat}"
+        self._progress.update(self._task, description=label)
+
+    def cell_finished(self, cell: CellSpec, result: CellResult) -> None:
+        task = self._progress.tasks[0]
+        if task.total is not None and task.completed >= task.total:
+            self._progress.update(self._task, total=task.completed + 1)  # search cells were not counted up front
+        self._progress.advance(self._task)
+        detail = f"decode {_fmt(result.decode_tok_s_p50, '.1f')} tok/s" if result.status != "failed" else (result.reason or "").splitlines()[0]
+        self._console.print(
+            f"{result.status:7} {cell.engine}{_params(cell.params)} {cell.workload}/{cell.prompt_class} "
+            f"c={cell.concurrency} r={cell.repeat}  {detail}"
+        )
+
+
+def summary_table(plan: Plan, results: list[CellResult]) -> Table:
+    """One row per server x workload x class x concurrency; medians over repeats."""
+    groups: dict[tuple[str, str, str, str, int], list[CellResult]] = defaultdict(list)
+    for r in results:
+        groups[(r.engine, _params(r.params), r.workload, r.prompt_class, r.concurrency)].append(r)
+    table = Table(title=f"{plan.run_id}: medians over repeats", title_justify="left")
+    for column in ("engine", "params", "workload", "class", "conc", "ok/n", "TTFT p50 ms", "decode tok/s", "out tok/s", "miss rate"):
+        table.add_column(column, justify="right" if column not in ("engine", "params", "workload") else "left")
+    for (engine, params, workload, prompt_class, concurrency), rows in groups.items():
+        ok = [r for r in rows if r.status == "ok"]
+        table.add_row(
+            engine, params.strip(), workload, prompt_class, str(concurrency), f"{len(ok)}/{len(rows)}",
+            _fmt(_median([r.ttft_p50_s for r in ok]), ".1f", scale=1000.0),
+            _fmt(_median([r.decode_tok_s_p50 for r in ok]), ".1f"),
+            _fmt(_median([r.output_tok_s for r in ok]), ".1f"),
+            _fmt(_median([r.miss_rate for r in ok]), ".3f"),
+        )  # fmt: skip
+    return table
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
+    return "-" if value is None else format(value * scale, spec)
+
+
+def _params(params: object) -> str:
+    items = params.items() if isinstance(params, dict) else []
+    return "".join(f" {k}={v}" for k, v in items)

@@ -1,0 +1,375 @@
+"""The run loop: plan -> servers -> cells -> store, resumable.
+
+Each server spec starts once (own process group, free port, log in <run>/logs/<server-id>.log)
+and runs all of its cells (workloads x prompt classes x concurrencies x repeats); between cells
+its prefix cache is flushed where the adapter names a flush path, and its counters are scraped
+before and after each cell. Every cell is written atomically as soon as it ends. A server that
+fails to start, or dies, gets its cells recorded `failed` with the log tail; the rest of the
+matrix continues. Servers always stop (try/finally), also on Ctrl-C and exceptions.
+
+Building blocks for benchsuite.search (the llama.cpp `--n-cpu-moe` search), which receives the
+`RunContext` and a plan.SearchTask and returns the resolved options:
+- `launch_server(ctx, spec)`: async context manager -> RunningServer (started, ready; stopped on exit);
+- `measure_cell(ctx, server, cell, store=...)`: one measured cell -> CellResult;
+- `plan.make_server_spec` / `plan.plan_cells` to build candidate specs and cells.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import aiohttp
+
+from benchsuite import datasets, loadgen, metrics
+from benchsuite.engines import ADAPTERS, RUN_DIR_PLACEHOLDER
+from benchsuite.engines.base import EngineAdapter, EngineConfigError, ServerSpec
+from benchsuite.errors import RunError
+from benchsuite.machine import git_facts, machine_facts
+from benchsuite.plan import CellSpec, Plan, SearchTask, resolve_search
+from benchsuite.process import EngineProcess, free_port
+from benchsuite.records import CellResult
+from benchsuite.store import FINISHED_STATUSES, RunStore, Writer, atomic_write_bytes, utc_now
+
+RANDOM_SHORT_TOKENS = 32  # dataset `random`: length of a `short` prompt
+_CELL_ERRORS = (RunError, aiohttp.ClientError, asyncio.TimeoutError, OSError, EngineConfigError)
+
+
+class RunEvents(Protocol):
+    """What a progress display hears about; the runner never draws anything itself."""
+
+    def server_starting(self, spec: ServerSpec, cells: int) -> None: ...
+
+    def cell_started(self, cell: CellSpec) -> None: ...
+
+    def cell_finished(self, cell: CellSpec, result: CellResult) -> None: ...
+
+
+class SilentEvents:
+    def server_starting(self, spec: ServerSpec, cells: int) -> None:
+        pass
+
+    def cell_started(self, cell: CellSpec) -> None:
+        pass
+
+    def cell_finished(self, cell: CellSpec, result: CellResult) -> None:
+        pass
+
+
+@dataclass
+class RunContext:
+    plan: Plan
+    store: RunStore
+    session: aiohttp.ClientSession
+    events: RunEvents = field(default_factory=SilentEvents)
+    cell_timeout_s: float = 3600.0  # a hung engine fails its cell instead of the whole run
+    _prompts: dict[tuple[str, str, str], list[datasets.Prompt]] = field(default_factory=dict)
+
+
+@dataclass
+class RunningServer:
+    spec: ServerSpec
+    adapter: EngineAdapter
+    process: EngineProcess
+    base_url: str
+    argv: list[str]
+    cells_measured: int = 0  # the first cell after a start carries the cold request
+
+
+@asynccontextmanager
+async def launch_server(ctx: RunContext, spec: ServerSpec) -> AsyncIterator[RunningServer]:
+    """Start one server (free port, own group, log kept), wait until ready, always stop it.
+
+    Raises RunError (with the log tail) when the engine cannot start or crashes while starting.
+    """
+    adapter = ADAPTERS[spec.kind]
+    adapter.validate(spec)
+    port = free_port()
+    launch = adapter.launch_plan(spec, port)
+    run_dir = str(ctx.store.run_dir.resolve())
+    argv = [arg.replace(RUN_DIR_PLACEHOLDER, run_dir) for arg in launch.argv]
+    env = {k: v.replace(RUN_DIR_PLACEHOLDER, run_dir) for k, v in launch.env.items()}
+    base_url = f"http://127.0.0.1:{port}"
+    ctx.store.record_server(
+        spec.server_id,
+        {
+            "engine": spec.name,
+            "kind": spec.kind,
+            "options": dict(spec.options),
+            "fairness": dict(spec.fairness),
+            "max_concurrency": spec.max_concurrency,
+            "argv": argv,
+            "env": env,
+            "version": adapter.version(spec),
+            "started_utc": utc_now(),
+            "log": str(ctx.store.log_path(spec.server_id).relative_to(ctx.store.run_dir)),
+        },
+    )
+    process = EngineProcess(
+        argv, env, ctx.store.log_path(spec.server_id), base_url + launch.health_path, launch.startup_timeout_s
+    )
+    try:
+        process.start()
+        await process.wait_ready()
+        yield RunningServer(spec, adapter, process, base_url, argv)
+    finally:
+        process.stop()
+
+
+async def measure_cell(ctx: RunContext, server: RunningServer, cell: CellSpec, *, store: bool = True) -> CellResult:
+    """Flush, scrape, load, scrape, summarize one cell on a ready server; store it when asked.
+
+    Never returns a made-up number: a cell whose engine died is `failed` with the log tail, a
+    cell whose metrics cannot be computed is `invalid` (metrics.summarize says why).
+    """
+    adapter, spec, workload = server.adapter, server.spec, cell.workload_spec
+    requests = _load_requests(ctx, server, cell)
+    flush_path = getattr(adapter, "flush_cache_path", None)
+    if flush_path:
+        async with ctx.session.post(server.base_url + flush_path) as resp:
+            if resp.status != 200:
+                raise RunError(f"POST {flush_path} answered HTTP {resp.status}; the prefix cache may be warm")
+    before = await adapter.scrape(ctx.session, server.base_url)
+    load_spec = loadgen.LoadSpec(
+        concurrency=cell.concurrency,
+        arrival=workload.arrival,
+        rate_rps=workload.rate_rps,
+        warmup=workload.warmup_requests,
+    )
+    records = await asyncio.wait_for(
+        loadgen.run_load(
+            server.base_url,
+            requests,
+            load_spec,
+            cell_id=cell.cell_id,
+            model_name=str(spec.options.get("model", spec.name)),
+            extras=adapter.request_extras(spec),
+            cold_first=server.cells_measured == 0,
+            session=ctx.session,
+        ),
+        timeout=ctx.cell_timeout_s,
+    )
+    server.cells_measured += 1
+    after = await adapter.scrape(ctx.session, server.base_url) if server.process.alive else None
+    result = metrics.summarize(records, base=_base_result(ctx, server, cell))
+    if before is not None and after is not None:
+        result = dataclasses.replace(result, **metrics.paging_delta(before, after))
+    log_facts = adapter.parse_log(_read_log(ctx.store.log_path(spec.server_id)))
+    if log_facts:
+        result = dataclasses.replace(result, extras={**result.extras, "engine_log": log_facts})
+    if not server.process.alive:
+        result = _failed(ctx, cell, spec, _death_reason(server), base=result)
+    if store:
+        ctx.store.write_engine_metrics(cell.cell_id, {"before": before, "after": after})
+        ctx.store.write_cell(result, records)
+    return result
+
+
+async def run_server_cells(ctx: RunContext, spec: ServerSpec, cells: Sequence[CellSpec]) -> list[CellResult]:
+    """Start `spec` once and measure every unfinished cell; failures become `failed` cells."""
+    todo = [c for c in cells if not _finished(ctx.store, c.cell_id)]
+    if not todo:
+        return []
+    ctx.events.server_starting(spec, len(todo))
+    results: list[CellResult] = []
+    started = False
+    try:
+        async with launch_server(ctx, spec) as server:
+            started = True
+            for cell in todo:
+                ctx.events.cell_started(cell)
+                if not server.process.alive:
+                    result = _store_failure(ctx, cell, spec, _death_reason(server))
+                else:
+                    try:
+                        result = await measure_cell(ctx, server, cell)
+                    except _CELL_ERRORS as exc:
+                        reason = f"{type(exc).__name__}: {exc}".rstrip(": ")
+                        result = _store_failure(ctx, cell, spec, f"{reason}\n{server.process.log_tail()}".strip())
+                results.append(result)
+                ctx.events.cell_finished(cell, result)
+    except (RunError, EngineConfigError, OSError) as exc:
+        if started:
+            raise  # not a start failure (e.g. the store cannot write): stop the run
+        # The server failed to start: every cell of it fails with the cause (log tail included).
+        for cell in todo[len(results):]:
+            ctx.events.cell_started(cell)
+            result = _store_failure(ctx, cell, spec, f"engine did not start: {exc}")
+            results.append(result)
+            ctx.events.cell_finished(cell, result)
+    return results
+
+
+async def run_search_task(ctx: RunContext, task: SearchTask) -> list[CellResult]:
+    """Hand a search to benchsuite.search, then run the workloads on the value it returns."""
+    from benchsuite.search import run_search  # owned by the llama.cpp engineer; imported only when needed
+
+    options: Mapping[str, Any] = await run_search(ctx, task)
+    spec, cells = resolve_search(ctx.plan, task, options)
+    ctx.store.record_server(spec.server_id, {"search": {"option": task.option, "request": task.spec.options[task.option]}})
+    return await run_server_cells(ctx, spec, cells)
+
+
+def open_store(plan: Plan, output_root: Path | None = None, *, write: Writer = atomic_write_bytes) -> RunStore:
+    """Create or resume <output_root>/<run-id> (the matrix's output_root unless given)."""
+    run_dir = Path(output_root or plan.matrix.matrix.output_root) / plan.run_id
+    return RunStore.open(run_dir, build_manifest(plan), write=write)
+
+
+def build_manifest(plan: Plan) -> dict[str, Any]:
+    return {
+        "run_id": plan.run_id,
+        "created_utc": utc_now(),
+        "matrix_source": str(plan.matrix.source),
+        "matrix_hash": plan.matrix.matrix_hash,
+        "matrix": plan.matrix.as_json(),
+        "machine": machine_facts(),
+        "git": git_facts(),
+        "planned": {
+            "servers": {s.server_id: {"engine": s.name, "kind": s.kind, "params": dict(plan.params[s.server_id])}
+                        for s in plan.servers},
+            "cells": [c.cell_id for c in plan.cells],
+            "searches": [{"engine": t.spec.name, "option": t.option} for t in plan.searches],
+        },
+        "servers": {},
+    }
+
+
+async def run_plan(plan: Plan, store: RunStore, events: RunEvents | None = None) -> None:
+    """Run every unfinished cell of the plan into the store (the CLI's one library call)."""
+    connector = aiohttp.TCPConnector(limit=0)  # the load generator sets the concurrency, not the pool
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        await execute(RunContext(plan, store, session, events or SilentEvents()))
+
+
+async def execute(ctx: RunContext) -> None:
+    """Every server of the plan, then every search; the tables are rebuilt whatever happens."""
+    try:
+        for spec in ctx.plan.servers:
+            await run_server_cells(ctx, spec, ctx.plan.cells_of(spec.server_id))
+        for task in ctx.plan.searches:
+            await run_search_task(ctx, task)
+    finally:
+        ctx.store.rebuild_tables()
+
+
+def _finished(store: RunStore, cell_id: str) -> bool:
+    stored = store.stored_cell(cell_id)
+    return stored is not None and stored.result.status in FINISHED_STATUSES
+
+
+def _base_result(ctx: RunContext, server: RunningServer, cell: CellSpec) -> CellResult:
+    routing_label = getattr(server.adapter, "routing_label", None)
+    return CellResult(
+        cell_id=cell.cell_id,
+        run_id=ctx.plan.run_id,
+        engine=cell.engine,
+        engine_kind=server.spec.kind,
+        mode=server.adapter.mode(server.spec),
+        server_id=cell.server_id,
+        params=dict(cell.params),
+        workload=cell.workload,
+        prompt_class=cell.prompt_class,
+        concurrency=cell.concurrency,
+        repeat=cell.repeat,
+        status="ok",
+        routing=routing_label(server.spec) if routing_label else "model",
+    )
+
+
+def _failed(ctx: RunContext, cell: CellSpec, spec: ServerSpec, reason: str, base: CellResult | None = None) -> CellResult:
+    if base is not None:
+        return dataclasses.replace(base, status="failed", reason=reason)
+    adapter = ADAPTERS[spec.kind]
+    routing_label = getattr(adapter, "routing_label", None)
+    return CellResult(
+        cell_id=cell.cell_id,
+        run_id=ctx.plan.run_id,
+        engine=cell.engine,
+        engine_kind=spec.kind,
+        mode=adapter.mode(spec),
+        server_id=cell.server_id,
+        params=dict(cell.params),
+        workload=cell.workload,
+        prompt_class=cell.prompt_class,
+        concurrency=cell.concurrency,
+        repeat=cell.repeat,
+        status="failed",
+        reason=reason,
+        routing=routing_label(spec) if routing_label else "model",
+    )
+
+
+def _store_failure(ctx: RunContext, cell: CellSpec, spec: ServerSpec, reason: str) -> CellResult:
+    result = _failed(ctx, cell, spec, reason)
+    ctx.store.write_cell(result, [])
+    return result
+
+
+def _death_reason(server: RunningServer) -> str:
+    return f"engine exited with code {server.process.returncode}; log tail:\n{server.process.log_tail()}"
+
+
+def _read_log(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _load_requests(ctx: RunContext, server: RunningServer, cell: CellSpec) -> list[loadgen.LoadRequest]:
+    """Warmups then measured requests, the same prompts for every engine (seeded order)."""
+    workload = cell.workload_spec
+    count = workload.warmup_requests + workload.num_requests
+    prompts = _prompt_pool(ctx, server, cell, count)
+    order = list(range(len(prompts)))
+    random.Random(workload.seed).shuffle(order)
+    chosen = [prompts[order[i % len(order)]] for i in range(count)]
+    return [
+        loadgen.LoadRequest(
+            prompt_id=p.prompt_id, prompt_class=cell.prompt_class, prompt=p.text, max_tokens=workload.output_tokens
+        )
+        for p in chosen
+    ]
+
+
+def _prompt_pool(ctx: RunContext, server: RunningServer, cell: CellSpec, count: int) -> list[datasets.Prompt]:
+    workload = cell.workload_spec
+    exact_tokens = int(cell.prompt_class) if cell.prompt_class.isdigit() else None
+    if exact_tokens is None and workload.dataset == "random":
+        exact_tokens = RANDOM_SHORT_TOKENS
+    tokenizer = _tokenizer_dir(server) if exact_tokens is not None else None
+    key = (cell.workload, cell.prompt_class, str(tokenizer))
+    if key not in ctx._prompts:
+        if exact_tokens is not None and tokenizer is not None:
+            pool = datasets.exact_length_prompts(tokenizer, exact_tokens, count, workload.seed)
+        elif workload.dataset == "sharegpt":
+            pool = datasets.load_sharegpt(Path(workload.path or ""), count, workload.seed)
+        else:
+            pool = datasets.bundled_prompts()
+        if not pool:
+            raise RunError(f"workload {cell.workload}: no prompts for class {cell.prompt_class}")
+        ctx._prompts[key] = list(pool)
+    return ctx._prompts[key]
+
+
+def _tokenizer_dir(server: RunningServer) -> Path:
+    """The model's tokenizer, for exact-length prompts: the adapter's answer or a tokenizer option."""
+    finder = getattr(server.adapter, "tokenizer_dir", None)
+    if finder is not None:
+        return Path(finder(server.spec))
+    for key in ("tokenizer", "tokenizer_dir", "hf_tokenizer"):
+        value = server.spec.options.get(key)
+        if value:
+            return Path(str(value)).expanduser()
+    raise RunError(
+        f"engine {server.spec.name}: exact-length prompts need the model's tokenizer; "
+        "set a tokenizer option on this engine"
+    )

@@ -1,0 +1,98 @@
+"""matrix.yaml validation: sweeps, YAML-path errors, exit status 2 without a traceback."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from benchsuite.cli import main
+from benchsuite.matrix import MatrixError, load_matrix
+
+GOOD = """
+name: t
+engines:
+  paged:
+    kind: builtin
+    options: {model: /m, mode: paged, resident_experts: [4, 8]}
+  res:
+    kind: builtin
+    options: {model: /m, mode: resident}
+workloads:
+  w:
+    prompt_classes: [short, 64]
+    concurrency: [1, 2]
+    num_requests: 3
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "m.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def errors_of(tmp_path: Path, text: str) -> str:
+    with pytest.raises(MatrixError) as info:
+        load_matrix(write(tmp_path, text))
+    return str(info.value)
+
+
+def test_sweeps_expand_and_params_hold_only_swept_keys(tmp_path: Path) -> None:
+    vm = load_matrix(write(tmp_path, GOOD))
+    paged = vm.option_sets["paged"]
+    assert [s.params for s in paged] == [{"resident_experts": 4}, {"resident_experts": 8}]
+    assert paged[0].options["mode"] == "paged" and paged[0].options["device"] == "cpu"
+    assert vm.option_sets["res"][0].params == {}
+    assert vm.matrix.workloads["w"].prompt_classes == ["short", "64"]
+
+
+def test_bad_sweep_value_names_its_index_and_bound(tmp_path: Path) -> None:
+    msg = errors_of(tmp_path, GOOD.replace("[4, 8]", "[4, 0, 8]"))
+    assert "engines.paged.options.resident_experts[1]: must be >= 1" in msg
+    assert len(msg.splitlines()) == 1
+
+
+def test_unknown_keys_list_the_allowed_ones(tmp_path: Path) -> None:
+    text = GOOD.replace("mode: resident}", "mode: resident, devce: cpu}").replace("num_requests: 3", "num_requests: 3\n    concurency: [1]")
+    text += "colour: red\n"
+    lines = errors_of(tmp_path, text).splitlines()
+    # structural errors come first; option errors are checked once the structure is valid
+    assert any("workloads.w.concurency: unknown key (allowed: " in l and "concurrency" in l for l in lines)
+    assert any(l.endswith("colour: unknown key (allowed: engines, fairness, name, output_root, reference, repeats, workloads)") for l in lines)
+    fixed = text.replace("\n    concurency: [1]", "").replace("colour: red\n", "")
+    assert "engines.res.options.devce: unknown key (allowed: " in errors_of(tmp_path, fixed)
+
+
+def test_literal_and_cross_field_errors(tmp_path: Path) -> None:
+    msg = errors_of(tmp_path, GOOD.replace("kind: builtin\n    options: {model: /m, mode: resident}", "kind: vllm"))
+    assert "engines.res.kind: must be one of 'builtin', 'llamacpp' or 'sglang'" in msg
+    msg = errors_of(tmp_path, GOOD.replace("mode: paged, resident_experts: [4, 8]", "mode: paged"))
+    assert "engines.paged.options: mode paged needs resident_experts" in msg
+    msg = errors_of(tmp_path, GOOD.replace("num_requests: 3", "num_requests: 3\n    arrival: poisson"))
+    assert "workloads.w: arrival: poisson needs rate_rps" in msg
+    msg = errors_of(tmp_path, GOOD.replace("[short, 64]", "[short, long]"))
+    assert "workloads.w.prompt_classes: prompt class 'long' must be 'short' or a token count >= 1" in msg
+
+
+def test_file_and_syntax_errors(tmp_path: Path) -> None:
+    with pytest.raises(MatrixError, match="no such matrix file"):
+        load_matrix(tmp_path / "absent.yaml")
+    assert "YAML syntax error at line 4, column 6: mapping values are not allowed here" in errors_of(tmp_path, "name: t\nengines:\n  a: b\n    c: d\n")
+    assert "key False is not text; quote it" in errors_of(tmp_path, GOOD.replace("  res:", "  off:"))
+    assert "must be a YAML mapping" in errors_of(tmp_path, "- a\n- b\n")
+
+
+def test_hash_is_stable_and_ignores_output_root(tmp_path: Path) -> None:
+    a = load_matrix(write(tmp_path, GOOD)).matrix_hash
+    assert load_matrix(write(tmp_path, GOOD + "output_root: elsewhere\n")).matrix_hash == a
+    assert load_matrix(write(tmp_path, GOOD + "repeats: 2\n")).matrix_hash != a
+
+
+def test_cli_exits_2_with_one_line_per_problem_and_no_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path, GOOD.replace("[4, 8]", "[0, 8]").replace("num_requests: 3", "num_requests: 0"))
+    assert main(["run", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "workloads.w.num_requests: must be >= 1 (got 0)" in err

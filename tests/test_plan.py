@@ -1,0 +1,83 @@
+"""Planning: cell counts, stable ids, one server per resolved option set, dry-run listing."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from benchsuite.cli import main
+from benchsuite.plan import SearchTask, build_plan, make_server_spec, resolve_search, search_option
+from benchsuite.matrix import load_matrix
+
+MATRIX = """
+name: p
+repeats: 2
+fairness: {kv_capacity_tokens: 4096}
+engines:
+  paged:
+    kind: builtin
+    options: {model: /models/m, mode: paged, resident_experts: [4, 8]}
+  cpu:
+    kind: builtin
+    options: {model: /models/m, mode: cpu-experts, n_cpu_moe: 2}
+workloads:
+  short:
+    prompt_classes: [short]
+    concurrency: [1, 4]
+  long:
+    prompt_classes: ["128"]
+    concurrency: [2]
+"""
+
+
+def plan_of(tmp_path: Path, text: str = MATRIX, run_id: str | None = None):
+    path = tmp_path / "m.yaml"
+    path.write_text(textwrap.dedent(text))
+    return build_plan(load_matrix(path), run_id=run_id)
+
+
+def test_counts_and_server_facts(tmp_path: Path) -> None:
+    plan = plan_of(tmp_path)
+    assert len(plan.servers) == 3
+    # per server: (1 class x 2 conc + 1 class x 1 conc) x 2 repeats
+    assert len(plan.cells) == 3 * 3 * 2
+    assert {s.max_concurrency for s in plan.servers} == {4}
+    assert plan.servers[0].fairness == {"kv_capacity_tokens": 4096, "prefix_caching": False}
+    assert len({c.cell_id for c in plan.cells}) == len(plan.cells)
+    assert plan.run_id == f"p-{plan.matrix.matrix_hash[:8]}"
+    assert plan_of(tmp_path, run_id="mine").run_id == "mine"
+
+
+def test_ids_are_stable_and_change_only_with_their_spec(tmp_path: Path) -> None:
+    a, b = plan_of(tmp_path), plan_of(tmp_path)
+    assert [c.cell_id for c in a.cells] == [c.cell_id for c in b.cells]
+    changed = plan_of(tmp_path, MATRIX.replace("n_cpu_moe: 2", "n_cpu_moe: 3"))
+    same = {c.cell_id for c in a.cells} & {c.cell_id for c in changed.cells}
+    assert len(same) == 2 * 3 * 2  # the two paged servers keep their ids
+    assert all(c.engine == "paged" for c in a.cells if c.cell_id in same)
+
+
+def test_search_option_and_resolution(tmp_path: Path) -> None:
+    assert search_option({"n_cpu_moe": "search", "ctx": 4}) == "n_cpu_moe"
+    assert search_option({"n_cpu_moe": {"search": {"step": 1}}}) == "n_cpu_moe"
+    assert search_option({"n_cpu_moe": 3}) is None
+    plan = plan_of(tmp_path)
+    spec = make_server_spec("ll", "llamacpp", {"n_cpu_moe": "search"}, {"kv_capacity_tokens": 1}, 4)
+    task = SearchTask(spec=spec, option="n_cpu_moe", params={})
+    server, cells = resolve_search(plan, task, {"n_cpu_moe": 7})
+    assert server.options == {"n_cpu_moe": 7} and server.server_id != spec.server_id
+    assert len(cells) == 3 * 2 and all(c.params == {"n_cpu_moe": 7} for c in cells)
+
+
+def test_dry_run_prints_commands_and_cells(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "m.yaml"
+    path.write_text(textwrap.dedent(MATRIX))
+    assert main(["run", str(path), "--dry-run", "--output-root", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "3 servers, 18 cells" in out
+    assert "--mode paged --device cpu --max-running-requests 4 --max-total-tokens 4096 --paged-experts-num-resident 8" in out
+    assert "--n-cpu-moe 2" in out
+    assert out.count("  cell ") == 18
+    assert not (tmp_path / "out").exists()  # nothing written, nothing started

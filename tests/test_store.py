@@ -1,0 +1,108 @@
+"""Results store: atomic writes through the seam, versioned files, resume bookkeeping, tables."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from benchsuite.errors import RunError, UserError
+from benchsuite.records import SCHEMA_VERSION, CellResult, RequestRecord
+from benchsuite.store import RunStore, atomic_write_bytes, read_cells, read_manifest, read_requests
+
+MANIFEST = {"run_id": "r", "matrix_hash": "abc", "machine": {"hostname": "h"}, "git": {"commit": "c", "dirty": False}}
+
+
+def cell(cell_id: str = "c1", status: str = "ok", **kw) -> CellResult:
+    return CellResult(
+        cell_id=cell_id, run_id="r", engine="e", engine_kind="builtin", mode="paged", server_id="s1",
+        params={"resident_experts": 4}, workload="w", prompt_class="short", concurrency=2, repeat=0,
+        status=status, **kw,
+    )  # fmt: skip
+
+
+def request(cell_id: str = "c1", i: int = 0) -> RequestRecord:
+    return RequestRecord(
+        cell_id=cell_id, request_index=i, warmup=False, cold=i == 0, prompt_id=f"p{i}", prompt_class="short",
+        max_tokens=8, t_sent_s=1.0, t_first_token_s=1.5, t_done_s=2.0, chunk_times_s=[1.5, 2.0],
+        prompt_tokens=5, output_tokens=2, streamed_chunks=2, ok=True, engine_timings={"x": 1},
+    )  # fmt: skip
+
+
+def test_cells_round_trip_and_tables(tmp_path: Path) -> None:
+    store = RunStore.open(tmp_path / "r", MANIFEST)
+    store.write_cell(cell("c1", ttft_p50_s=0.5), [request("c1", 0), request("c1", 1)])
+    store.write_cell(cell("c2", status="invalid", reason="no tokens"), [request("c2", 0)])
+    store.write_engine_metrics("c1", {"before": {"a": 1.0}, "after": {"a": 3.0}})
+    store.rebuild_tables()
+    assert [c.cell_id for c in read_cells(store.run_dir)] == ["c1", "c2"]
+    assert read_cells(store.run_dir)[0].params == {"resident_experts": 4}
+    assert len(read_requests(store.run_dir)) == 3
+    cells = pd.read_parquet(store.run_dir / "cells.parquet")
+    assert list(cells["status"]) == ["ok", "invalid"] and cells["ttft_p50_s"].iloc[0] == 0.5
+    assert json.loads(cells["params"].iloc[0]) == {"resident_experts": 4}
+    assert list(pd.read_csv(store.run_dir / "cells.csv")["cell_id"]) == ["c1", "c2"]
+    requests = pd.read_parquet(store.run_dir / "requests.parquet")
+    assert list(requests["chunk_times_s"].iloc[0]) == [1.5, 2.0]
+    assert read_manifest(store.run_dir)["schema_version"] == SCHEMA_VERSION
+
+
+def test_empty_run_still_has_typed_tables(tmp_path: Path) -> None:
+    store = RunStore.open(tmp_path / "r", MANIFEST)
+    store.rebuild_tables()
+    assert "decode_tok_s_p50" in pd.read_parquet(store.run_dir / "cells.parquet").columns
+    assert "t_first_token_s" in pd.read_parquet(store.run_dir / "requests.parquet").columns
+
+
+def test_retry_keeps_the_failed_attempt(tmp_path: Path) -> None:
+    store = RunStore.open(tmp_path / "r", MANIFEST)
+    store.write_cell(cell(status="failed", reason="boom"), [])
+    second = store.write_cell(cell(status="ok"), [request()])
+    assert second.attempt == 2
+    kept = json.loads((store.run_dir / "attempts" / "c1.1.json").read_text())
+    assert kept["cell"]["reason"] == "boom"
+    assert store.stored_cell("c1").result.status == "ok"
+
+
+def test_resume_checks_matrix_and_schema(tmp_path: Path) -> None:
+    RunStore.open(tmp_path / "r", MANIFEST)
+    again = RunStore.open(tmp_path / "r", MANIFEST)
+    assert len(read_manifest(again.run_dir)["invocations"]) == 2
+    with pytest.raises(UserError, match="different matrix; pass another --run-id"):
+        RunStore.open(tmp_path / "r", {**MANIFEST, "matrix_hash": "other"})
+    path = tmp_path / "r" / "manifest.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "schema_version": SCHEMA_VERSION + 1}))
+    with pytest.raises(UserError, match=f"schema version {SCHEMA_VERSION + 1}, this benchsuite reads version {SCHEMA_VERSION}: rerun"):
+        read_manifest(tmp_path / "r")
+
+
+def test_a_failing_write_raises_and_keeps_the_previous_file(tmp_path: Path) -> None:
+    store = RunStore.open(tmp_path / "r", MANIFEST)
+    store.write_cell(cell(status="failed", reason="first"), [])
+    before = store.cell_path("c1").read_bytes()
+
+    def disk_full(path: Path, data: bytes) -> None:
+        if path.name == "c1.json":
+            raise OSError(28, "No space left on device")
+        atomic_write_bytes(path, data)
+
+    broken = RunStore(store.run_dir, write=disk_full)
+    with pytest.raises(RunError, match="No space left on device"):
+        broken.write_cell(cell(status="ok"), [request()])
+    assert store.cell_path("c1").read_bytes() == before
+
+
+def test_atomic_write_leaves_no_partial_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tmp_path / "x.json"
+    target.write_bytes(b"old")
+
+    def crash(src: object, dst: object) -> None:
+        raise OSError(5, "I/O error")
+
+    monkeypatch.setattr("os.replace", crash)
+    with pytest.raises(OSError):
+        atomic_write_bytes(target, b"new")
+    assert target.read_bytes() == b"old"
+    assert list(tmp_path.iterdir()) == [target]
