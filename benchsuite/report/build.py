@@ -1,0 +1,146 @@
+"""write_report: results run directories in, reports/<run-id>/{index.html, tables.md, tables.csv} out.
+
+Pipeline: load runs -> annotate cells (labels, K, N) -> fold repeats into configurations ->
+tables + figures -> one HTML page, one markdown file, one CSV file.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from benchsuite.errors import UserError
+from benchsuite.report import manifest_facts as mf
+from benchsuite.report import tables as tb
+from benchsuite.report.display import display_frame
+from benchsuite.report.figures import Figure, all_figures, missing_figures
+from benchsuite.report.groups import annotate_cells, group_configs
+from benchsuite.report.header import header_html, header_markdown
+from benchsuite.report.html import Section, render_page
+from benchsuite.report.load import RunData, load_run
+from benchsuite.report.published import (
+    Published, default_reference_dirs, find_reference, load_published, reference_decode_table, reference_ttft_table,
+)
+from benchsuite.report.samples import request_samples
+from benchsuite.report.textout import write_csv, write_markdown
+
+INDEX_NAME = "index.html"
+
+
+@dataclass(frozen=True)
+class ReportData:
+    title: str
+    runs: list[RunData]
+    cells: pd.DataFrame  # annotated cells of all runs
+    groups: pd.DataFrame  # one row per configuration
+    samples: pd.DataFrame  # per-request samples
+    top_k: int | None
+    num_experts: int | None
+    published: Published | None
+    reference_note: str  # why the published view is (not) shown
+    tables: dict[str, pd.DataFrame]
+    figures: list[Figure]
+
+
+def _report_id(runs: list[RunData]) -> str:
+    return "+".join(r.run_id for r in runs)
+
+
+def _reference(runs: list[RunData], reference_dirs: list[Path]) -> tuple[Published | None, dict[str, str], str]:
+    for run in runs:
+        name = mf.reference_name(run.manifest)
+        if name is None:
+            continue
+        path = find_reference(name, reference_dirs)
+        if path is None:
+            return None, {}, f"The matrix names reference '{name}', but no {name}.yaml was found in {', '.join(map(str, reference_dirs))}."
+        return load_published(name, path), mf.reference_filter(run.manifest), f"Published figures from {name} ({path.name})."
+    return None, {}, "The matrix names no published reference."
+
+
+def build_report_data(run_dirs: list[Path], reference_dirs: list[Path] | None = None) -> ReportData:
+    if not run_dirs:
+        raise UserError("report: give at least one results run directory")
+    runs = [load_run(Path(d)) for d in run_dirs]
+    argv = {key: [str(a) for a in (server.get("argv") or [])] for r in runs for key, server in _server_items(r.manifest)}
+    cells = annotate_cells(pd.concat([r.cells for r in runs], ignore_index=True), argv, many_runs=len(runs) > 1)
+    groups = group_configs(cells)
+    samples = pd.concat([request_samples(r.requests) for r in runs], ignore_index=True)
+    top_k = next((v for v in (mf.model_top_k(r.manifest) for r in runs) if v), None)
+    num_experts = next((v for v in (mf.model_num_experts(r.manifest) for r in runs) if v), None)
+    published, row_filter, note = _reference(runs, reference_dirs if reference_dirs is not None else default_reference_dirs())
+    tables: dict[str, pd.DataFrame] = {"Paged vs baselines (published layout)": tb.ratio_table(groups, cells)}
+    if published is not None:
+        tables[f"Published {published.name} vs yours: decode"] = reference_decode_table(published, row_filter, groups, cells)
+        tables[f"Published {published.name} vs yours: TTFT p50"] = reference_ttft_table(published, row_filter, groups, cells)
+    tables.update({
+        "Configurations (repeats with spread)": tb.summary_table(groups, top_k),
+        "TTFT p50 short vs long prompts": tb.ttft_table(groups),
+        "Paging counters": tb.paging_table(groups, num_experts),
+        "llama.cpp --n-cpu-moe search": tb.search_table(cells),
+        "Failed and invalid cells": tb.failures_table(cells),
+        "Raw cells": tb.raw_cells_table(cells),
+    })
+    figures = all_figures(groups, cells, samples, top_k, num_experts)
+    title = f"benchsuite report: {_report_id(runs)}"
+    return ReportData(title, runs, cells, groups, samples, top_k, num_experts, published, note, tables, figures)
+
+
+def _server_items(manifest: dict) -> list[tuple[str, dict]]:
+    raw = manifest.get("servers") or []
+    if isinstance(raw, dict):
+        return [(str(v.get("server_id", k)), v) for k, v in raw.items() if isinstance(v, dict)]
+    return [(str(s.get("server_id", "")), s) for s in raw if isinstance(s, dict)]
+
+
+_ANCHORS = {
+    "Paged vs baselines (published layout)": "ratios", "Configurations (repeats with spread)": "configurations",
+    "TTFT p50 short vs long prompts": "ttft", "Paging counters": "paging", "llama.cpp --n-cpu-moe search": "search",
+    "Failed and invalid cells": "failures", "Raw cells": "raw-cells",
+}
+_INTROS = {
+    "ratios": "<p>One row per paged configuration: the best offload, llama.cpp and cpu-experts configuration measured in the same "
+              "setup and concurrency. Medians over repeats, [min–max] beside them; ratio verdicts say whether the spreads overlap.</p>",
+    "failures": "<p>Cells that failed or were invalidated, with the reason recorded by the runner. They are not in any figure.</p>",
+    "raw-cells": "<p>Every cell as stored in cells.parquet; every figure and table above links here by cell id.</p>",
+}
+
+
+def _sections(data: ReportData) -> tuple[list[Section], list[Section]]:
+    before, after = [], []
+    for name, frame in data.tables.items():
+        if name.startswith("Published"):
+            anchor = "reference-ttft" if name.endswith("TTFT p50") else "reference-decode"
+            intro = f"<p>{html.escape(data.reference_note)} Published values are transcribed facts; 'yours' come from this run.</p>"
+            before.append(Section(name, anchor, intro, frame))
+            continue
+        anchor = _ANCHORS[name]
+        section = Section(name, anchor, _INTROS.get(anchor, ""), frame)
+        (before if anchor == "ratios" else after).append(section)
+    if data.published is None:
+        before.append(Section("Published reference", "reference-decode", f"<p>{html.escape(data.reference_note)}</p>", None))
+    return before, after
+
+
+def default_out_dir(runs: list[RunData]) -> Path:
+    return Path.cwd() / "reports" / _report_id(runs)
+
+
+def write_report(run_dirs: list[Path], out_dir: Path | None = None, reference_dirs: list[Path] | None = None) -> Path:
+    """Write index.html, tables.md and tables.csv for the given results runs; return index.html's path."""
+    data = build_report_data(run_dirs, reference_dirs)
+    target = Path(out_dir) if out_dir is not None else default_out_dir(data.runs)
+    target.mkdir(parents=True, exist_ok=True)
+    before, after = _sections(data)
+    page = render_page(data.title, header_html(data.runs, data.cells), before, data.figures, missing_figures(data.figures), after)
+    index = target / INDEX_NAME
+    tmp = index.with_suffix(".html.tmp")
+    tmp.write_text(page, encoding="utf-8")
+    tmp.replace(index)
+    preamble = [*header_markdown(data.runs, data.cells), "", data.reference_note]
+    write_markdown(target / "tables.md", data.title, preamble, {k: display_frame(v) if not v.empty else v for k, v in data.tables.items()})
+    write_csv(target / "tables.csv", data.tables)
+    return index

@@ -1,0 +1,145 @@
+"""Repeats of one configuration folded into one row with their spread, and the labels every
+table and figure shares.
+
+A configuration is a cell spec without its repeat: (run, engine, kind, mode, params, workload,
+prompt class, concurrency, routing). Only `ok` cells enter a spread; failed and invalid repeats
+are counted beside it, never averaged in as zeros. K (resident experts) and N (--n-cpu-moe) are
+read from the cell's params, then its extras, then the server's exact command line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+GROUP_KEYS: tuple[str, ...] = (
+    "run_id", "engine", "engine_kind", "mode", "params_key", "workload", "prompt_class", "concurrency", "routing",
+)
+METRICS: tuple[str, ...] = (
+    "decode_tok_s_p50", "output_tok_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "itl_p50_s",
+    "miss_rate", "bytes_paged_per_token", "waves_per_step", "union_mean",
+)
+_K_KEYS = ("resident_experts", "paged_experts_num_resident", "num_resident", "resident_k", "K", "k")
+_N_KEYS = ("search_n", "n_cpu_moe", "cpu_moe_layers", "cpu_expert_layers")
+_K_FLAGS = ("--paged-experts-num-resident", "--resident-experts")
+_N_FLAGS = ("--n-cpu-moe", "--cpu-expert-layers")
+
+
+@dataclass(frozen=True)
+class Spread:
+    """min / median / max of one metric over a configuration's ok repeats."""
+
+    min: float
+    median: float
+    max: float
+    n: int
+
+    @staticmethod
+    def of(values: list[float]) -> Spread | None:
+        clean = sorted(float(v) for v in values if v is not None and not math.isnan(float(v)))
+        if not clean:
+            return None
+        return Spread(clean[0], float(pd.Series(clean).median()), clean[-1], len(clean))
+
+    def overlaps(self, other: Spread) -> bool:
+        return self.min <= other.max and other.min <= self.max
+
+
+def params_key(params: dict[str, Any]) -> str:
+    return json.dumps(params, sort_keys=True, default=str)
+
+
+def params_label(params: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(params.items())) or "defaults"
+
+
+def is_synthetic(routing: str) -> bool:
+    return str(routing).startswith("synthetic")
+
+
+def routing_label(routing: str) -> str:
+    return f"SYNTHETIC routing ({routing.split(':', 1)[1] if ':' in routing else routing})" if is_synthetic(routing) else "model routing"
+
+
+def _flag_value(argv: list[str], flags: tuple[str, ...]) -> int | None:
+    for index, arg in enumerate(argv):
+        for flag in flags:
+            if arg == flag and index + 1 < len(argv) and re.fullmatch(r"\d+", str(argv[index + 1])):
+                return int(argv[index + 1])
+            if str(arg).startswith(flag + "=") and re.fullmatch(r"\d+", str(arg).split("=", 1)[1]):
+                return int(str(arg).split("=", 1)[1])
+    return None
+
+
+def _first_int(sources: list[dict[str, Any]], keys: tuple[str, ...]) -> int | None:
+    for source in sources:
+        for key in keys:
+            value = source.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value):
+                return int(value)
+    return None
+
+
+def cell_k(params: dict[str, Any], extras: dict[str, Any], argv: list[str]) -> int | None:
+    return _first_int([params, extras], _K_KEYS) or _flag_value(argv, _K_FLAGS)
+
+
+def cell_n(params: dict[str, Any], extras: dict[str, Any], argv: list[str]) -> int | None:
+    found = _first_int([extras, params], _N_KEYS)
+    return found if found is not None else _flag_value(argv, _N_FLAGS)
+
+
+def config_label(row: pd.Series, many_runs: bool) -> str:
+    parts = [str(row["engine"]), str(row["mode"]), params_label(row["params"])]
+    if many_runs:
+        parts.insert(0, str(row["run_id"]))
+    label = " · ".join(parts)
+    return f"{label} · {routing_label(row['routing'])}" if is_synthetic(row["routing"]) else label
+
+
+def annotate_cells(cells: pd.DataFrame, argv_by_server: dict[str, list[str]], many_runs: bool) -> pd.DataFrame:
+    """Cells with params_key, label, K and N columns added."""
+    out = cells.copy()
+    argvs = [argv_by_server.get(str(s), []) for s in out["server_id"]]
+    # object dtype keeps ints as ints and absent values as None (a float column would print K=8.0, K=nan)
+    out["k"] = pd.Series([cell_k(p, e, a) for p, e, a in zip(out["params"], out["extras"], argvs)], index=out.index, dtype=object)
+    out["n_cpu_moe"] = pd.Series([cell_n(p, e, a) for p, e, a in zip(out["params"], out["extras"], argvs)], index=out.index, dtype=object)
+    out["params"] = [effective_params(p, k, n) for p, k, n in zip(out["params"], out["k"], out["n_cpu_moe"])]
+    out["params_key"] = [params_key(p) for p in out["params"]]
+    out["label"] = [config_label(row, many_runs) for _, row in out.iterrows()]
+    return out
+
+
+def effective_params(params: dict[str, Any], k: int | None, n: int | None) -> dict[str, Any]:
+    """Sweep params plus K / N read from extras or the command line when params do not name them,
+    so configurations that differ only in a fixed flag (e.g. each --n-cpu-moe of a search) stay apart."""
+    out = dict(params)
+    if k is not None and not any(key in params for key in _K_KEYS):
+        out["K"] = k
+    if n is not None and not any(key in params for key in _N_KEYS):
+        out["n_cpu_moe"] = n
+    return out
+
+
+def group_configs(cells: pd.DataFrame) -> pd.DataFrame:
+    """One row per configuration: labels, K / N, cell ids, ok / not-ok counts, a Spread per metric."""
+    rows = []
+    for key, group in cells.groupby(list(GROUP_KEYS), sort=True, dropna=False):
+        ok = group[group["status"] == "ok"]
+        row: dict[str, Any] = dict(zip(GROUP_KEYS, key))
+        first = group.iloc[0]
+        row.update(
+            label=first["label"], params=first["params"], k=first["k"], n_cpu_moe=first["n_cpu_moe"],
+            cell_ids=list(group.sort_values("repeat")["cell_id"]), ok_cell_ids=list(ok.sort_values("repeat")["cell_id"]),
+            repeats_ok=len(ok), repeats_not_ok=len(group) - len(ok),
+        )
+        for metric in METRICS:
+            row[metric] = Spread.of(list(ok[metric].dropna())) if metric in ok else None
+        rows.append(row)
+    return pd.DataFrame(rows, columns=[*GROUP_KEYS, "label", "params", "k", "n_cpu_moe", "cell_ids", "ok_cell_ids",
+                                       "repeats_ok", "repeats_not_ok", *METRICS])

@@ -1,0 +1,118 @@
+"""The report's opening: which engines really ran (and a plain statement for those that did not),
+machine facts, git provenance, fairness settings, every server's exact command and version, the
+metric definitions, and warnings (synthetic routing, failed cells). HTML and markdown lines."""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+
+import pandas as pd
+
+from benchsuite.report import manifest_facts as mf
+from benchsuite.report.groups import is_synthetic
+from benchsuite.report.load import RunData
+
+DEFINITIONS: tuple[tuple[str, str], ...] = (
+    ("TTFT", "time from sending the request to the first streamed chunk with non-empty generated text"),
+    ("decode tok/s", "per request: (output tokens - 1) / (time of last token - time of first token); a cell's value is the median over its requests"),
+    ("output tok/s", "aggregate: output tokens of all measured requests / measured window"),
+    ("TPOT", "(latency - TTFT) / (output tokens - 1)"),
+    ("ITL", "gap between consecutive content chunks"),
+    ("output tokens", "from the server's usage field, never from the requested max_tokens"),
+    ("spread", "min / median / max over a configuration's ok repeats; failed or invalid repeats are never counted as 0"),
+    ("ratio verdict", "significant only when the two min..max spreads are disjoint; not significant when they overlap"),
+    ("headline metric", "decode tok/s at concurrency 1, aggregate output tok/s above 1 (the published layout)"),
+)
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    kind: str
+    engines: tuple[str, ...]
+    ok_cells: int
+    other_cells: int
+
+    @property
+    def ran(self) -> bool:
+        return self.ok_cells + self.other_cells > 0
+
+    def statement(self) -> str:
+        if not self.ran:
+            return f"{self.kind}: NOT RUN. These results contain no {self.kind} cell; nothing in this report describes {self.kind}."
+        names = ", ".join(self.engines)
+        return f"{self.kind}: run ({names}): {self.ok_cells} ok cells, {self.other_cells} failed or invalid."
+
+
+def engine_statuses(cells: pd.DataFrame) -> list[EngineStatus]:
+    out = []
+    for kind in mf.ENGINE_KINDS:
+        mine = cells[cells["engine_kind"] == kind]
+        ok = int((mine["status"] == "ok").sum())
+        out.append(EngineStatus(kind, tuple(sorted(set(mine["engine"]))), ok, len(mine) - ok))
+    return out
+
+
+def unmeasured_matrix_engines(runs: list[RunData], cells: pd.DataFrame) -> list[str]:
+    measured = set(cells["engine"])
+    return sorted({f"{name} ({kind})" for run in runs for name, kind in mf.matrix_engines(run.manifest).items() if name not in measured})
+
+
+def warnings(cells: pd.DataFrame) -> list[tuple[str, str]]:
+    """(css class, text) banners."""
+    out = []
+    synthetic = sorted({r for r in cells["routing"] if is_synthetic(r)})
+    if synthetic:
+        out.append(("warn", f"SYNTHETIC ROUTING: {int(cells['routing'].map(is_synthetic).sum())} cells used synthetic routing "
+                            f"({', '.join(synthetic)}), not a real model's router. Paging results from synthetic routing do not "
+                            f"predict real-model paging; they are labelled SYNTHETIC wherever they appear."))
+    bad = cells[cells["status"] != "ok"]
+    if len(bad):
+        out.append(("bad", f"{len(bad)} of {len(cells)} cells failed or are invalid; they are excluded from every figure and "
+                           f"listed with their reasons under 'Failed and invalid cells'."))
+    return out
+
+
+def _kv_table(pairs: list[tuple[str, str]]) -> str:
+    if not pairs:
+        return "<p><em>not recorded</em></p>"
+    rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in pairs)
+    return f"<table>{rows}</table>"
+
+
+def header_html(runs: list[RunData], cells: pd.DataFrame) -> str:
+    parts = [f'<div class="banner {cls}">{html.escape(text)}</div>' for cls, text in warnings(cells)]
+    parts.append('<h2 id="engines-run">Engines run</h2><ul>')
+    parts.extend(f"<li>{html.escape(s.statement())}</li>" for s in engine_statuses(cells))
+    for name in unmeasured_matrix_engines(runs, cells):
+        parts.append(f"<li>{html.escape(name)}: named by the matrix but has no results (not run).</li>")
+    parts.append("</ul>")
+    for run in runs:
+        parts.append(f'<h2 id="run-{html.escape(run.run_id)}">Run {html.escape(run.run_id)}</h2>')
+        parts.append(f"<p>Results: <code>{html.escape(str(run.run_dir))}</code></p>")
+        parts.append("<h3>Machine</h3>" + _kv_table(mf.machine_facts(run.manifest)))
+        parts.append("<h3>Source</h3>" + _kv_table(mf.git_facts(run.manifest)))
+        parts.append("<h3>Fairness settings (shared by all engines)</h3>" + _kv_table(mf.fairness_facts(run.manifest)))
+        parts.append("<h3>Servers: exact commands and versions</h3>")
+        servers = mf.servers(run.manifest)
+        if servers:
+            rows = "".join(f"<tr><td>{html.escape(s.server_id)}</td><td>{html.escape(s.engine)}</td><td>{html.escape(s.kind)}</td>"
+                           f"<td>{html.escape(s.version)}</td><td><code>{html.escape(s.command)}</code></td></tr>" for s in servers)
+            parts.append(f'<table id="servers-{html.escape(run.run_id)}"><tr><th>server</th><th>engine</th><th>kind</th><th>version</th><th>command</th></tr>{rows}</table>')
+        else:
+            parts.append("<p><em>no servers recorded in the manifest</em></p>")
+    parts.append('<h2 id="definitions">Metric definitions</h2><ul>')
+    parts.extend(f"<li><strong>{html.escape(k)}</strong>: {html.escape(v)}</li>" for k, v in DEFINITIONS)
+    parts.append("</ul>")
+    return "\n".join(parts)
+
+
+def header_markdown(runs: list[RunData], cells: pd.DataFrame) -> list[str]:
+    lines = [f"> **{text}**" for _, text in warnings(cells)]
+    lines.append("")
+    lines.extend(f"- {s.statement()}" for s in engine_statuses(cells))
+    lines.extend(f"- {name}: named by the matrix but has no results (not run)." for name in unmeasured_matrix_engines(runs, cells))
+    for run in runs:
+        lines.append(f"\n**Run {run.run_id}**: " + "; ".join(f"{k}={v}" for k, v in mf.machine_facts(run.manifest) + mf.git_facts(run.manifest)))
+        lines.extend(f"- `{s.engine}` ({s.kind}, {s.version}): `{s.command}`" for s in mf.servers(run.manifest))
+    return lines

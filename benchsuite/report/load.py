@@ -1,0 +1,124 @@
+"""Reading one results run directory (docs/ARCHITECTURE.md, "Results store layout") into frames
+the report and compare can use: the manifest as a dict, one row per CellResult, one row per
+RequestRecord.
+
+The store may write `params` / `extras` as JSON strings (parquet) or as dicts; both come out as
+dicts here. A run without cells.parquet (interrupted before the store's final write) is read from
+its cells/<cell-id>.json files. Other schema versions are refused with a fix-it message.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from benchsuite.errors import UserError
+from benchsuite.records import SCHEMA_VERSION, CellResult, RequestRecord
+
+CELL_COLUMNS: tuple[str, ...] = tuple(CellResult.__dataclass_fields__)
+REQUEST_COLUMNS: tuple[str, ...] = tuple(RequestRecord.__dataclass_fields__)
+_DICT_COLUMNS = ("params", "extras")
+
+
+@dataclass(frozen=True)
+class RunData:
+    """One results run as read from disk."""
+
+    run_id: str
+    run_dir: Path
+    manifest: dict[str, Any]
+    cells: pd.DataFrame  # one row per CellResult; params / extras are dicts
+    requests: pd.DataFrame  # one row per RequestRecord; chunk_times_s is a list of floats
+
+
+def _as_dict(value: Any) -> dict[str, Any]:
+    if isinstance(value, dict):
+        return value
+    if value is None or (isinstance(value, float) and np.isnan(value)):
+        return {}
+    if isinstance(value, (str, bytes)):
+        text = value.decode() if isinstance(value, bytes) else value
+        if not text.strip():
+            return {}
+        parsed = json.loads(text)
+        if not isinstance(parsed, dict):
+            raise ValueError(f"expected a JSON object, got {text[:60]!r}")
+        return parsed
+    raise ValueError(f"expected a dict or a JSON object string, got {type(value).__name__}")
+
+
+def _as_float_list(value: Any) -> list[float]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [float(v) for v in json.loads(value)] if value.strip() else []
+    if isinstance(value, float) and np.isnan(value):
+        return []
+    return [float(v) for v in value]
+
+
+def normalize_cells(frame: pd.DataFrame) -> pd.DataFrame:
+    """Cells frame with every CellResult column present and params / extras as dicts."""
+    cells = frame.copy()
+    for column in CELL_COLUMNS:
+        if column not in cells.columns:
+            cells[column] = None
+    for column in _DICT_COLUMNS:
+        cells[column] = [_as_dict(v) for v in cells[column]]
+    cells["concurrency"] = cells["concurrency"].astype(int)
+    cells["repeat"] = cells["repeat"].astype(int)
+    cells["routing"] = cells["routing"].fillna("model").astype(str)
+    return cells.reset_index(drop=True)
+
+
+def normalize_requests(frame: pd.DataFrame) -> pd.DataFrame:
+    """Requests frame with every RequestRecord column present and chunk_times_s as lists."""
+    requests = frame.copy()
+    for column in REQUEST_COLUMNS:
+        if column not in requests.columns:
+            requests[column] = None
+    requests["chunk_times_s"] = [_as_float_list(v) for v in requests["chunk_times_s"]]
+    return requests.reset_index(drop=True)
+
+
+def _check_schema(manifest: dict[str, Any], where: Path) -> None:
+    version = manifest.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise UserError(
+            f"{where}: results schema_version {version!r}, this benchsuite reads version {SCHEMA_VERSION}. "
+            f"Re-run the matrix with this benchsuite (benchsuite run <matrix.yaml>), or report it with the "
+            f"benchsuite version that wrote it."
+        )
+
+
+def _read_cells(run_dir: Path) -> pd.DataFrame:
+    parquet = run_dir / "cells.parquet"
+    if parquet.is_file():
+        return pd.read_parquet(parquet)
+    cell_files = sorted((run_dir / "cells").glob("*.json"))
+    if not cell_files:
+        raise UserError(f"{run_dir}: no cells.parquet and no cells/*.json; is this a results run directory?")
+    return pd.DataFrame([json.loads(p.read_text()) for p in cell_files])
+
+
+def load_run(run_dir: Path) -> RunData:
+    """Read results/<run-id>/ (manifest, cells, requests)."""
+    run_dir = Path(run_dir)
+    manifest_path = run_dir / "manifest.json"
+    if not manifest_path.is_file():
+        raise UserError(f"{run_dir}: no manifest.json; pass a results/<run-id>/ directory")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{manifest_path}: not valid JSON ({exc})") from exc
+    _check_schema(manifest, manifest_path)
+    cells = normalize_cells(_read_cells(run_dir))
+    requests_path = run_dir / "requests.parquet"
+    raw_requests = pd.read_parquet(requests_path) if requests_path.is_file() else pd.DataFrame()
+    run_id = str(manifest.get("run_id") or run_dir.name)
+    return RunData(run_id, run_dir, manifest, cells, normalize_requests(raw_requests))
