@@ -141,6 +141,7 @@ async def measure_cell(ctx: RunContext, server: RunningServer, cell: CellSpec, *
         arrival=workload.arrival,
         rate_rps=workload.rate_rps,
         warmup=workload.warmup_requests,
+        seed=workload.seed,
     )
     records = await asyncio.wait_for(
         loadgen.run_load(
@@ -325,9 +326,10 @@ def _read_log(path: Path) -> str:
 
 
 def _load_requests(ctx: RunContext, server: RunningServer, cell: CellSpec) -> list[loadgen.LoadRequest]:
-    """Warmups then measured requests, the same prompts for every engine (seeded order)."""
+    """The measured requests, the same prompts for every engine (seeded order); the load
+    generator takes its warmups cyclically from the start of this list."""
     workload = cell.workload_spec
-    count = workload.warmup_requests + workload.num_requests
+    count = workload.num_requests
     prompts = _prompt_pool(ctx, server, cell, count)
     order = list(range(len(prompts)))
     random.Random(workload.seed).shuffle(order)

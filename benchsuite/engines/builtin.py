@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from benchsuite.engines import RUN_DIR_PLACEHOLDER
 from benchsuite.engines.base import EngineConfigError, LaunchPlan, ServerSpec
+from benchsuite.metrics import parse_prometheus
 
 _MODE_OPTION = {"paged": "resident_experts", "offload": "offload_layers", "cpu-experts": "n_cpu_moe"}
 
@@ -124,31 +125,11 @@ class BuiltinAdapter:
             if resp.status != 200:
                 return None
             text = await resp.text()
-        return {k: v for k, v in parse_prometheus_text(text).items() if k.startswith("paged_experts:")}
+        return {k: v for k, v in parse_prometheus(text).items() if k.startswith("paged_experts:")}
 
     def parse_log(self, log_text: str) -> dict[str, Any]:
         # The builtin server reports everything through /metrics; its log carries no extra facts.
         return {}
-
-
-def parse_prometheus_text(text: str) -> dict[str, float]:
-    """Prometheus exposition text -> {series (name plus labels as written): value}."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        series, _, rest = line.rpartition("}") if "}" in line else line.partition(" ")
-        if "}" in line:
-            series += "}"
-        fields = rest.split()
-        if not fields:
-            continue
-        try:
-            out[series.strip()] = float(fields[0])
-        except ValueError:
-            continue
-    return out
 
 
 def _dist_version(name: str) -> str | None:
