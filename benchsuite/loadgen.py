@@ -1,0 +1,395 @@
+"""The load generator: streaming OpenAI-compatible requests under closed-loop or Poisson load.
+
+One `RequestRecord` per request sent, warmups and failures included, with raw clock readings:
+`t_sent_s` just before the request goes out, one reading per body read (every event of that
+read shares it), `t_first_token_s` = the first content chunk, `chunk_times_s` = every content
+chunk, `t_done_s` = the read that carried `data: [DONE]` (or the moment the stream ended or failed).
+
+A *content chunk* is a streamed choice whose generated text is non-empty (`text` for
+/v1/completions; `delta.content` or `delta.reasoning_content` for chat). Role-only chunks,
+finish-only chunks and the usage-only final chunk are not content. `streamed_chunks` counts
+content chunks.
+
+Token counts come only from the server's `usage` (never from max_tokens). The usage rule: engines
+may put several tokens in one chunk or hold a token back (a partial UTF-8 character), so fewer
+chunks than tokens is normal; `usage_mismatch` is set when a request that streamed content has
+no usage, or streamed MORE content chunks than usage.completion_tokens.
+
+A request is `ok` when it got HTTP 200, streamed at least one content chunk, ended with
+`[DONE]` or a finish_reason, and raised no error. Everything else keeps its record with `error`
+set (HTTP status and body head, connection reset, timeout, error event, "no tokens").
+
+Schedules (LoadSpec):
+- closed: `concurrency` workers, each sending the next request when its previous one ends.
+- poisson: arrivals at seeded exponential gaps of mean 1/rate_rps; `concurrency` caps the
+  requests in flight (an arrival that finds the cap full waits; t_sent_s is when it is sent).
+Warmup: `warmup` extra requests (prompts taken cyclically from the start of `requests`) run
+closed-loop at `concurrency` and finish before the measured phase; they are stored with
+warmup=True. Every request in `requests` is measured. With `cold_first`, the very first request
+(a warmup one when warmup > 0) is sent alone and awaited before any other, flagged cold=True, so
+its TTFT is the server's cold TTFT undisturbed by other requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import aiohttp
+
+from benchsuite.errors import UserError
+from benchsuite.records import RequestRecord
+from benchsuite.sse import SseParser
+
+try:  # orjson parses the per-chunk JSON several times faster; the stdlib is the fallback
+    from orjson import loads as _json_loads
+except ImportError:  # pragma: no cover - depends on the environment
+    _json_loads = json.loads
+
+Clock = Callable[[], float]
+Progress = Callable[[RequestRecord], None]
+
+_ERROR_BODY_CHARS = 300
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """One prompt to send. `prompt` is text, or token ids for exact prompt lengths (completions only)."""
+
+    prompt_id: str
+    prompt_class: str
+    prompt: str | list[int] | tuple[int, ...]
+    max_tokens: int
+    chat: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise UserError(f"request {self.prompt_id}: max_tokens must be >= 1, got {self.max_tokens}")
+        if self.chat and not isinstance(self.prompt, str):
+            raise UserError(f"request {self.prompt_id}: chat requests take text, not token ids")
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    concurrency: int
+    arrival: Literal["closed", "poisson"] = "closed"
+    rate_rps: float | None = None
+    warmup: int = 0
+    seed: int = 0
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise UserError(f"concurrency must be >= 1, got {self.concurrency}")
+        if self.arrival not in ("closed", "poisson"):
+            raise UserError(f"arrival must be 'closed' or 'poisson', got {self.arrival!r}")
+        if self.arrival == "poisson" and (self.rate_rps is None or self.rate_rps <= 0):
+            raise UserError("poisson arrival needs rate_rps > 0")
+        if self.warmup < 0:
+            raise UserError(f"warmup must be >= 0, got {self.warmup}")
+        if self.timeout_s <= 0:
+            raise UserError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+
+def endpoint_url(base_url: str, chat: bool) -> str:
+    """base_url may be the server root or end in /v1."""
+    root = base_url.rstrip("/")
+    if root.endswith("/v1"):
+        root = root[: -len("/v1")]
+    return f"{root}/v1/chat/completions" if chat else f"{root}/v1/completions"
+
+
+def request_body(request: LoadRequest, model_name: str, extras: dict[str, Any]) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model_name,
+        "max_tokens": request.max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+    if request.chat:
+        body["messages"] = [{"role": "user", "content": request.prompt}]
+    else:
+        body["prompt"] = request.prompt if isinstance(request.prompt, str) else list(request.prompt)
+    body.update(extras)
+    return body
+
+
+async def run_load(
+    base_url: str,
+    requests: Sequence[LoadRequest],
+    spec: LoadSpec,
+    *,
+    cell_id: str,
+    model_name: str,
+    extras: dict[str, Any],
+    cold_first: bool,
+    session: aiohttp.ClientSession | None = None,
+    clock: Clock = time.perf_counter,
+    progress: Progress | None = None,
+) -> list[RequestRecord]:
+    """Send warmups then `requests` under `spec`; return every record, ordered by request_index."""
+    if not requests:
+        raise UserError(f"cell {cell_id}: no requests to send")
+    own_session = session is None
+    if session is None:
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=False),
+            timeout=aiohttp.ClientTimeout(total=None),
+        )
+    sender = _Sender(session, base_url, cell_id, model_name, extras, spec.timeout_s, clock, progress)
+    warmups = [requests[i % len(requests)] for i in range(spec.warmup)]
+    measured = list(requests)
+    try:
+        if cold_first:
+            first_is_warmup = bool(warmups)
+            first = warmups.pop(0) if first_is_warmup else measured.pop(0)
+            await sender.send(first, warmup=first_is_warmup, cold=True)
+        if warmups:
+            await _closed_loop(sender, warmups, spec.concurrency, warmup=True)
+        if measured:
+            if spec.arrival == "closed":
+                await _closed_loop(sender, measured, spec.concurrency, warmup=False)
+            else:
+                assert spec.rate_rps is not None
+                await _poisson(sender, measured, spec.concurrency, spec.rate_rps, spec.seed)
+    finally:
+        if own_session:
+            await session.close()
+    return sorted(sender.records, key=lambda r: r.request_index)
+
+
+async def _closed_loop(sender: _Sender, items: list[LoadRequest], concurrency: int, *, warmup: bool) -> None:
+    queue = deque(items)
+
+    async def worker() -> None:
+        while queue:
+            await sender.send(queue.popleft(), warmup=warmup, cold=False)
+
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(items)))))
+
+
+async def _poisson(
+    sender: _Sender, items: list[LoadRequest], concurrency: int, rate_rps: float, seed: int
+) -> None:
+    rng = random.Random(seed)
+    cap = asyncio.Semaphore(concurrency)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    arrival_s = 0.0
+    tasks: list[asyncio.Task[None]] = []
+
+    async def one(item: LoadRequest) -> None:
+        try:
+            await sender.send(item, warmup=False, cold=False)
+        finally:
+            cap.release()
+
+    try:
+        for item in items:
+            arrival_s += rng.expovariate(rate_rps)
+            delay_s = start + arrival_s - loop.time()
+            if delay_s > 0:
+                await asyncio.sleep(delay_s)
+            await cap.acquire()
+            tasks.append(asyncio.create_task(one(item)))
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+class _Sender:
+    """Sends one streaming request and turns what came back into a RequestRecord."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        cell_id: str,
+        model_name: str,
+        extras: dict[str, Any],
+        timeout_s: float,
+        clock: Clock,
+        progress: Progress | None,
+    ) -> None:
+        self.session = session
+        self.base_url = base_url
+        self.cell_id = cell_id
+        self.model_name = model_name
+        self.extras = extras
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self.progress = progress
+        self.records: list[RequestRecord] = []
+        self._index = itertools.count()
+
+    async def send(self, request: LoadRequest, *, warmup: bool, cold: bool) -> None:
+        url = endpoint_url(self.base_url, request.chat)
+        payload = json.dumps(request_body(request, self.model_name, self.extras)).encode()
+        stream = _StreamState(request.chat)
+        index = next(self._index)
+        t_sent_s = self.clock()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                async with self.session.post(
+                    url, data=payload, headers={"Content-Type": "application/json"}
+                ) as resp:
+                    stream.http_status = resp.status
+                    if resp.status != 200:
+                        body = (await resp.read()).decode("utf-8", "replace")
+                        stream.fail(f"HTTP {resp.status}: {_one_line(body)}", self.clock())
+                    else:
+                        await self._read_stream(resp, stream)
+        except TimeoutError:
+            stream.fail(f"timeout after {self.timeout_s:g} s", self.clock())
+        except aiohttp.ClientPayloadError as exc:
+            stream.fail(f"connection: stream broken ({_describe(exc)})", self.clock())
+        except aiohttp.ClientConnectionError as exc:
+            stream.fail(f"connection: {_describe(exc)}", self.clock())
+        except aiohttp.ClientError as exc:
+            stream.fail(f"client: {_describe(exc)}", self.clock())
+        record = stream.record(self.cell_id, index, warmup, cold, request, t_sent_s)
+        self.records.append(record)
+        if self.progress is not None:
+            self.progress(record)
+
+    async def _read_stream(self, resp: aiohttp.ClientResponse, stream: _StreamState) -> None:
+        parser = SseParser()
+        clock = self.clock
+        async for data in resp.content.iter_any():
+            t_s = clock()
+            for event in parser.feed(data):
+                stream.on_event(event.data, event.event, t_s)
+            if stream.error is not None:
+                return
+        t_s = clock()
+        for event in parser.close():
+            stream.on_event(event.data, event.event, t_s)
+        stream.on_end(t_s)
+
+
+class _StreamState:
+    """What one response has streamed so far."""
+
+    __slots__ = (
+        "chat", "http_status", "chunk_times_s", "texts", "prompt_tokens", "completion_tokens",
+        "usage_seen", "finished", "done", "t_done_s", "error", "timings",
+    )
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+        self.http_status: int | None = None
+        self.chunk_times_s: list[float] = []
+        self.texts: list[str] = []
+        self.prompt_tokens: int | None = None
+        self.completion_tokens: int | None = None
+        self.usage_seen = False
+        self.finished = False  # a choice carried a finish_reason
+        self.done = False  # data: [DONE] seen
+        self.t_done_s: float | None = None
+        self.error: str | None = None
+        self.timings: dict[str, Any] | None = None
+
+    def fail(self, reason: str, t_s: float) -> None:
+        if self.error is None:
+            self.error = reason
+        if self.t_done_s is None:
+            self.t_done_s = t_s
+
+    def on_event(self, data: bytes, event: bytes, t_s: float) -> None:
+        if self.done or self.error is not None:
+            return
+        if data == b"[DONE]":
+            self.done = True
+            self.t_done_s = t_s
+            return
+        try:
+            obj = _json_loads(data)
+        except ValueError:
+            self.fail(f"bad SSE payload: {_one_line(data.decode('utf-8', 'replace'))}", t_s)
+            return
+        if not isinstance(obj, dict):
+            self.fail(f"bad SSE payload: {_one_line(data.decode('utf-8', 'replace'))}", t_s)
+            return
+        if event == b"error" or obj.get("error") is not None:
+            self.fail(f"server error event: {_one_line(json.dumps(obj.get('error', obj)))}", t_s)
+            return
+        choices = obj.get("choices")
+        if choices:
+            choice = choices[0]
+            if self.chat:
+                delta = choice.get("delta") or {}
+                text = delta.get("content") or delta.get("reasoning_content")
+            else:
+                text = choice.get("text")
+            if text:
+                self.chunk_times_s.append(t_s)
+                self.texts.append(text)
+            if choice.get("finish_reason"):
+                self.finished = True
+        usage = obj.get("usage")
+        if usage:
+            self.usage_seen = True
+            self.prompt_tokens = usage.get("prompt_tokens")
+            self.completion_tokens = usage.get("completion_tokens")
+        timings = obj.get("timings")
+        if isinstance(timings, dict):
+            self.timings = timings
+
+    def on_end(self, t_s: float) -> None:
+        if self.t_done_s is None:
+            self.t_done_s = t_s
+        if self.error is None and not (self.done or self.finished):
+            self.error = "connection: stream ended without [DONE] or a finish_reason"
+
+    def record(
+        self, cell_id: str, index: int, warmup: bool, cold: bool, request: LoadRequest, t_sent_s: float
+    ) -> RequestRecord:
+        chunks = len(self.chunk_times_s)
+        error = self.error
+        if error is None and chunks == 0:
+            error = "stream produced no tokens"
+        mismatch = chunks > 0 and (
+            self.completion_tokens is None or chunks > self.completion_tokens
+        )
+        return RequestRecord(
+            cell_id=cell_id,
+            request_index=index,
+            warmup=warmup,
+            cold=cold,
+            prompt_id=request.prompt_id,
+            prompt_class=request.prompt_class,
+            max_tokens=request.max_tokens,
+            t_sent_s=t_sent_s,
+            t_first_token_s=self.chunk_times_s[0] if chunks else None,
+            t_done_s=self.t_done_s,
+            chunk_times_s=self.chunk_times_s,
+            prompt_tokens=self.prompt_tokens,
+            output_tokens=self.completion_tokens,
+            streamed_chunks=chunks,
+            usage_mismatch=mismatch,
+            ok=error is None,
+            error=error,
+            http_status=self.http_status,
+            output_text="".join(self.texts),
+            engine_timings=self.timings,
+        )
+
+
+def _one_line(text: str) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= _ERROR_BODY_CHARS else flat[:_ERROR_BODY_CHARS] + "..."
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return type(exc).__name__ if not text else f"{type(exc).__name__}: {_one_line(text)}"

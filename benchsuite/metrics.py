@@ -1,0 +1,283 @@
+"""Every metric of a cell, defined once here with its formula. Times in seconds (perf_counter).
+
+Which requests count:
+- *measured* = not warmup. Counts, error rate, throughput and the window use measured requests.
+- *warm* = measured, ok and not cold. Latency distributions (TTFT, ITL, TPOT, decode rate) use warm
+  requests, so the server's first request after start-up never mixes into them.
+- *cold* = the record flagged cold (the first request after a server start, warmup or not).
+
+Per request (r):
+- TTFT = r.t_first_token_s - r.t_sent_s  (first chunk with non-empty generated text)
+- latency = r.t_done_s - r.t_sent_s
+- ITL = gaps between consecutive content chunks: chunk_times_s[i+1] - chunk_times_s[i];
+  so sum(ITL) = t_last_chunk - t_first_token, and latency - TTFT = sum(ITL) + (t_done - t_last_chunk)
+- TPOT = (latency - TTFT) / (output_tokens - 1)   (needs output_tokens >= 2)
+- decode tok/s = (output_tokens - 1) / (t_last_chunk - t_first_token)
+  (needs output_tokens >= 2 and at least two chunks apart in time)
+
+Per cell:
+- TTFT p50/p90/p99 over warm requests; ITL p50/p99 over all warm gaps pooled; TPOT p50 and
+  decode tok/s p50 over warm requests (percentiles: linear interpolation, `percentile`).
+- window = max(t_done_s) - min(t_sent_s) over measured requests
+- aggregate output tok/s = sum(output_tokens of measured ok requests) / window
+  (None when any of them lacks usage: a partial sum would understate it)
+- request throughput = measured ok requests / window
+- error rate = measured failed requests / measured requests
+- cold TTFT = TTFT of the cold record when it succeeded
+
+A metric that cannot be computed is None, never 0. The cell is `invalid` with every reason when
+there is no successful request, when a headline metric (TTFT p50, decode tok/s p50, aggregate
+output tok/s) is None, or when the error rate exceeds `max_error_rate`.
+
+Paging counters (the built-in server's Prometheus text) become cell fields through
+`paging_delta(before, after)`; see its docstring.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from benchsuite.records import CellResult, RequestRecord
+
+DEFAULT_MAX_ERROR_RATE = 0.0
+"""Any failed measured request invalidates the cell unless the caller allows some."""
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """The q-th percentile (0..100) with linear interpolation between order statistics (numpy's
+    default); None for no values."""
+    data = sorted(values)
+    if not data:
+        return None
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"percentile q must be in [0, 100], got {q}")
+    rank = (len(data) - 1) * q / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(data) - 1)
+    return data[low] + (data[high] - data[low]) * (rank - low)
+
+
+# ---- per-request metrics ---------------------------------------------------------------------
+
+
+def ttft_s(r: RequestRecord) -> float | None:
+    if r.t_first_token_s is None:
+        return None
+    return r.t_first_token_s - r.t_sent_s
+
+
+def latency_s(r: RequestRecord) -> float | None:
+    if r.t_done_s is None:
+        return None
+    return r.t_done_s - r.t_sent_s
+
+
+def itls_s(r: RequestRecord) -> list[float]:
+    times = r.chunk_times_s
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def tpot_s(r: RequestRecord) -> float | None:
+    ttft, latency = ttft_s(r), latency_s(r)
+    if ttft is None or latency is None or r.output_tokens is None or r.output_tokens < 2:
+        return None
+    return (latency - ttft) / (r.output_tokens - 1)
+
+
+def decode_tok_s(r: RequestRecord) -> float | None:
+    if r.output_tokens is None or r.output_tokens < 2 or len(r.chunk_times_s) < 2:
+        return None
+    span_s = r.chunk_times_s[-1] - r.chunk_times_s[0]
+    if span_s <= 0:
+        return None
+    return (r.output_tokens - 1) / span_s
+
+
+# ---- cell summary ----------------------------------------------------------------------------
+
+
+def measured_records(records: Sequence[RequestRecord]) -> list[RequestRecord]:
+    return [r for r in records if not r.warmup]
+
+
+def warm_records(records: Sequence[RequestRecord]) -> list[RequestRecord]:
+    return [r for r in records if not r.warmup and r.ok and not r.cold]
+
+
+def summarize(
+    records: Sequence[RequestRecord],
+    *,
+    base: CellResult,
+    max_error_rate: float = DEFAULT_MAX_ERROR_RATE,
+) -> CellResult:
+    """Fill base's metric fields from the cell's records; status becomes ok or invalid (with
+    reasons joined by '; '). A base already `failed` stays failed."""
+    measured = measured_records(records)
+    ok = [r for r in measured if r.ok]
+    warm = warm_records(records)
+    reasons: list[str] = []
+
+    num_errors = len(measured) - len(ok)
+    error_rate = num_errors / len(measured) if measured else None
+    if not measured:
+        reasons.append("no measured requests")
+    elif not ok:
+        reasons.append("no successful requests")
+    elif error_rate is not None and error_rate > max_error_rate:
+        reasons.append(f"error rate {error_rate:.3f} > allowed {max_error_rate:.3f}")
+    if ok and not warm:
+        reasons.append("no warm successful requests (only the cold one succeeded)")
+
+    ttfts = [t for t in map(ttft_s, warm) if t is not None]
+    itls = [gap for r in warm for gap in itls_s(r)]
+    tpots = [t for t in map(tpot_s, warm) if t is not None]
+    decode_rates = [d for d in map(decode_tok_s, warm) if d is not None]
+    if warm and all(r.output_tokens is not None and r.output_tokens <= 1 for r in warm):
+        reasons.append("output_tokens <= 1 for all requests")
+    elif warm and not decode_rates:
+        reasons.append("no request has two content chunks and usage to compute decode tok/s")
+
+    window = _window_s(measured)
+    missing_usage = [r for r in ok if r.output_tokens is None]
+    output_total = None if missing_usage or not ok else sum(r.output_tokens or 0 for r in ok)
+    if ok and missing_usage:
+        reasons.append(f"usage missing for {len(missing_usage)} successful requests")
+    output_tok_s = output_total / window if output_total is not None and window else None
+    request_s = len(ok) / window if ok and window else None
+    if ok and not window:
+        reasons.append("measured window is empty")
+
+    prompt_counts = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
+    cold = next((r for r in records if r.cold), None)
+    cold_ttft = ttft_s(cold) if cold is not None and cold.ok else None
+
+    result = replace(
+        base,
+        num_requests=len(measured),
+        num_errors=num_errors,
+        error_rate=error_rate,
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p90_s=percentile(ttfts, 90),
+        ttft_p99_s=percentile(ttfts, 99),
+        itl_p50_s=percentile(itls, 50),
+        itl_p99_s=percentile(itls, 99),
+        tpot_p50_s=percentile(tpots, 50),
+        decode_tok_s_p50=percentile(decode_rates, 50),
+        output_tok_s=output_tok_s,
+        request_s=request_s,
+        window_s=window,
+        cold_ttft_s=cold_ttft,
+        prompt_tokens_mean=sum(prompt_counts) / len(prompt_counts) if prompt_counts else None,
+        output_tokens_total=output_total,
+        usage_mismatches=sum(1 for r in measured if r.usage_mismatch),
+    )
+    headline = {
+        "ttft_p50_s": result.ttft_p50_s,
+        "decode_tok_s_p50": result.decode_tok_s_p50,
+        "output_tok_s": result.output_tok_s,
+    }
+    if not reasons:
+        reasons += [f"{name} could not be computed" for name, value in headline.items() if value is None]
+    if base.status == "failed":
+        return result
+    if reasons:
+        return replace(result, status="invalid", reason="; ".join(reasons))
+    return replace(result, status="ok", reason=None)
+
+
+def _window_s(measured: Sequence[RequestRecord]) -> float | None:
+    done = [r.t_done_s for r in measured if r.t_done_s is not None]
+    if not measured or not done:
+        return None
+    span_s = max(done) - min(r.t_sent_s for r in measured)
+    return span_s if span_s > 0 else None
+
+
+# ---- Prometheus counters ---------------------------------------------------------------------
+
+_SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+PAGING_COUNTERS = {
+    "activations": "paged_experts:expert_activations_total",
+    "hits": "paged_experts:expert_hits_total",
+    "misses": "paged_experts:expert_misses_total",
+    "bytes_paged": "paged_experts:bytes_paged_total",
+    "waves": "paged_experts:waves_total",
+    "moe_steps": "paged_experts:moe_steps_total",
+    "union_experts": "paged_experts:union_experts_total",
+    "generation_tokens": "paged_experts:generation_tokens_total",
+    "prompt_tokens": "paged_experts:prompt_tokens_total",
+}
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Prometheus text exposition -> {"name" or "name{labels}": value}. Comments are skipped;
+    histogram and summary series keep their own names (`_bucket{le=..}`, `_sum`, `_count`)."""
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = _SAMPLE_RE.match(line)
+        if match is None:
+            continue
+        name, labels, value = match.groups()
+        try:
+            samples[name + (labels or "")] = float(value)
+        except ValueError:
+            continue
+    return samples
+
+
+def metric_value(samples: dict[str, float], name: str) -> float | None:
+    """The unlabelled series `name`, else the sum of its labelled series; None when absent."""
+    if name in samples:
+        return samples[name]
+    prefix = name + "{"
+    labelled = [v for k, v in samples.items() if k.startswith(prefix)]
+    return sum(labelled) if labelled else None
+
+
+def paging_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """CellResult paging fields from the built-in server's counters scraped around a cell.
+
+    Each counter's delta = after - before (None when missing on either side or when it went
+    down, i.e. the server restarted). Assumes waves, moe_steps and union_experts are counted
+    per (MoE layer, engine step).
+    - expert_activations, expert_hits, expert_misses, bytes_paged: the deltas
+    - miss_rate = misses / (hits + misses)
+    - bytes_paged_per_token = bytes_paged / generation_tokens (prefill page-ins included, so
+      it is the link traffic each generated token cost)
+    - waves_per_step = waves / moe_steps
+    - union_mean = union_experts / moe_steps (mean per-layer union of routed experts per step)
+    """
+    delta: dict[str, float | None] = {}
+    for key, name in PAGING_COUNTERS.items():
+        a, b = metric_value(before, name), metric_value(after, name)
+        delta[key] = b - a if a is not None and b is not None and b >= a else None
+    hits, misses = delta["hits"], delta["misses"]
+    looked_up = hits + misses if hits is not None and misses is not None else None
+    return {
+        "expert_activations": _as_int(delta["activations"]),
+        "expert_hits": _as_int(hits),
+        "expert_misses": _as_int(misses),
+        "miss_rate": _ratio(misses, looked_up),
+        "bytes_paged": _as_int(delta["bytes_paged"]),
+        "bytes_paged_per_token": _ratio(delta["bytes_paged"], delta["generation_tokens"]),
+        "waves_per_step": _ratio(delta["waves"], delta["moe_steps"]),
+        "union_mean": _ratio(delta["union_experts"], delta["moe_steps"]),
+    }
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or denominator is None or denominator <= 0:
+        return None
+    return numerator / denominator
+
+
+def _as_int(value: float | None) -> int | None:
+    return None if value is None else int(round(value))

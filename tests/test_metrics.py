@@ -1,0 +1,239 @@
+"""Metric definitions: formulas on scripted timestamps, invariants, invalid-not-zero."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from benchsuite.metrics import (
+    decode_tok_s,
+    itls_s,
+    latency_s,
+    paging_delta,
+    parse_prometheus,
+    percentile,
+    summarize,
+    tpot_s,
+    ttft_s,
+)
+from benchsuite.records import CellResult, RequestRecord
+
+
+def _base(status: str = "ok") -> CellResult:
+    return CellResult(
+        cell_id="c1", run_id="r1", engine="e", engine_kind="builtin", mode="paged", server_id="s1",
+        params={}, workload="w", prompt_class="short", concurrency=2, repeat=0, status=status,  # type: ignore[arg-type]
+    )
+
+
+def _rec(
+    index: int,
+    t_sent: float,
+    chunks: list[float],
+    *,
+    tokens: int | None = None,
+    t_done: float | None = None,
+    warmup: bool = False,
+    cold: bool = False,
+    ok: bool = True,
+    prompt_tokens: int | None = 10,
+) -> RequestRecord:
+    return RequestRecord(
+        cell_id="c1", request_index=index, warmup=warmup, cold=cold, prompt_id=f"p{index}",
+        prompt_class="short", max_tokens=16, t_sent_s=t_sent,
+        t_first_token_s=chunks[0] if chunks else None,
+        t_done_s=t_done if t_done is not None else (chunks[-1] if chunks else t_sent + 1),
+        chunk_times_s=list(chunks), prompt_tokens=prompt_tokens,
+        output_tokens=len(chunks) if tokens is None else tokens,
+        streamed_chunks=len(chunks), ok=ok, error=None if ok else "stream produced no tokens",
+    )
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.floats(min_value=0, max_value=1e4, allow_nan=False),
+    st.lists(st.floats(min_value=0, max_value=10, allow_nan=False), min_size=2, max_size=50),
+)
+def test_latency_minus_ttft_equals_sum_of_itl_when_done_with_last_chunk(t_sent: float, gaps: list[float]) -> None:
+    first = t_sent + 0.5
+    chunks = [first]
+    for gap in gaps:
+        chunks.append(chunks[-1] + gap)
+    r = _rec(0, t_sent, chunks)
+    ttft, latency = ttft_s(r), latency_s(r)
+    assert ttft is not None and latency is not None
+    assert math.isclose(latency - ttft, sum(itls_s(r)), rel_tol=1e-9, abs_tol=1e-6)
+    assert len(itls_s(r)) == len(chunks) - 1
+
+
+def test_per_request_formulas_on_scripted_times() -> None:
+    # sent at 10, first token at 10.5, chunks every 0.1 s, 4 chunks carrying 7 tokens, done at 11.0
+    r = _rec(0, 10.0, [10.5, 10.6, 10.7, 10.8], tokens=7, t_done=11.0)
+    assert ttft_s(r) == pytest.approx(0.5)
+    assert latency_s(r) == pytest.approx(1.0)
+    assert itls_s(r) == pytest.approx([0.1, 0.1, 0.1])
+    assert tpot_s(r) == pytest.approx((1.0 - 0.5) / 6)
+    assert decode_tok_s(r) == pytest.approx(6 / 0.3)
+
+
+def test_single_token_or_single_chunk_has_no_decode_rate() -> None:
+    assert decode_tok_s(_rec(0, 0.0, [1.0], tokens=1)) is None
+    assert tpot_s(_rec(0, 0.0, [1.0], tokens=1)) is None
+    assert decode_tok_s(_rec(0, 0.0, [1.0], tokens=5)) is None  # all tokens in one chunk
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.floats(min_value=-1e6, max_value=1e6, allow_nan=False), min_size=1, max_size=60),
+    st.floats(min_value=0, max_value=100),
+)
+def test_percentile_matches_numpy_linear(values: list[float], q: float) -> None:
+    assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)), rel=1e-9, abs=1e-6)
+
+
+def test_percentile_of_nothing_is_none() -> None:
+    assert percentile([], 50) is None
+
+
+def test_summarize_happy_path_numbers() -> None:
+    records = [
+        _rec(0, 0.0, [0.2, 0.3, 0.4], tokens=3),  # TTFT 0.2
+        _rec(1, 0.0, [0.4, 0.6, 0.8, 1.0], tokens=4),  # TTFT 0.4, done at 1.0
+    ]
+    cell = summarize(records, base=_base())
+    assert cell.status == "ok" and cell.reason is None
+    assert cell.num_requests == 2 and cell.num_errors == 0 and cell.error_rate == 0
+    assert cell.ttft_p50_s == pytest.approx(0.3)
+    assert cell.window_s == pytest.approx(1.0)
+    assert cell.output_tokens_total == 7
+    assert cell.output_tok_s == pytest.approx(7.0)
+    assert cell.request_s == pytest.approx(2.0)
+    assert cell.itl_p50_s == pytest.approx(0.2)  # gaps pooled: 0.1, 0.1, 0.2, 0.2, 0.2
+    assert cell.decode_tok_s_p50 == pytest.approx(float(np.percentile([2 / 0.2, 3 / 0.6], 50)))
+    assert cell.prompt_tokens_mean == 10
+    assert cell.cold_ttft_s is None
+
+
+def test_warmup_is_excluded_from_every_metric() -> None:
+    measured = [_rec(1, 5.0, [5.2, 5.3], tokens=2), _rec(2, 5.0, [5.2, 5.4], tokens=2)]
+    warmup = _rec(0, 0.0, [4.0, 4.9], tokens=50, warmup=True)
+    with_warmup = summarize([warmup, *measured], base=_base())
+    without = summarize(measured, base=_base())
+    assert with_warmup.to_row() == without.to_row()
+    assert with_warmup.num_requests == 2
+
+
+def test_cold_request_reported_apart_from_warm_ttft() -> None:
+    cold = _rec(0, 0.0, [3.0, 3.1], tokens=2, cold=True)
+    warm = [_rec(1, 3.2, [3.3, 3.4], tokens=2), _rec(2, 3.2, [3.3, 3.5], tokens=2)]
+    cell = summarize([cold, *warm], base=_base())
+    assert cell.cold_ttft_s == pytest.approx(3.0)
+    assert cell.ttft_p99_s == pytest.approx(0.1)  # the cold 3 s never enters the warm distribution
+    assert cell.num_requests == 3  # still a measured request: counted in throughput
+    assert cell.output_tokens_total == 6
+
+
+def test_cold_warmup_request_still_gives_cold_ttft() -> None:
+    cold = _rec(0, 0.0, [2.0, 2.1], cold=True, warmup=True)
+    cell = summarize([cold, _rec(1, 3.0, [3.1, 3.2])], base=_base())
+    assert cell.cold_ttft_s == pytest.approx(2.0)
+    assert cell.num_requests == 1
+
+
+def test_stream_with_no_tokens_is_a_failure_and_invalidates() -> None:
+    failed = _rec(1, 0.0, [], ok=False, tokens=None)
+    failed.output_tokens = None
+    cell = summarize([_rec(0, 0.0, [0.1, 0.2]), failed], base=_base())
+    assert cell.num_errors == 1 and cell.error_rate == pytest.approx(0.5)
+    assert cell.status == "invalid" and "error rate" in (cell.reason or "")
+    assert cell.output_tokens_total == 2  # the failure is not counted as tokens
+    allowed = summarize([_rec(0, 0.0, [0.1, 0.2]), failed], base=_base(), max_error_rate=0.5)
+    assert allowed.status == "ok"
+
+
+def test_no_successful_requests_gives_none_never_zero() -> None:
+    failed = [_rec(i, 0.0, [], ok=False, tokens=None) for i in range(3)]
+    cell = summarize(failed, base=_base())
+    assert cell.status == "invalid" and "no successful requests" in (cell.reason or "")
+    for name in ("ttft_p50_s", "itl_p50_s", "tpot_p50_s", "decode_tok_s_p50", "output_tok_s", "request_s"):
+        assert getattr(cell, name) is None, name
+    assert cell.error_rate == 1.0
+
+
+def test_single_output_token_everywhere_is_invalid_with_reason() -> None:
+    cell = summarize([_rec(0, 0.0, [0.1], tokens=1), _rec(1, 0.0, [0.2], tokens=1)], base=_base())
+    assert cell.status == "invalid"
+    assert "output_tokens <= 1 for all requests" in (cell.reason or "")
+    assert cell.decode_tok_s_p50 is None
+
+
+def test_missing_usage_leaves_throughput_unknown() -> None:
+    r = _rec(0, 0.0, [0.1, 0.2, 0.3])
+    r.output_tokens = None
+    cell = summarize([r, _rec(1, 0.0, [0.1, 0.2])], base=_base())
+    assert cell.output_tok_s is None and cell.output_tokens_total is None
+    assert cell.status == "invalid" and "usage missing" in (cell.reason or "")
+
+
+def test_failed_base_stays_failed() -> None:
+    cell = summarize([_rec(0, 0.0, [0.1, 0.2])], base=_base(status="failed"))
+    assert cell.status == "failed"
+
+
+PROM = """
+# HELP paged_experts:expert_hits_total Hits.
+# TYPE paged_experts:expert_hits_total counter
+paged_experts:expert_hits_total 900
+paged_experts:expert_misses_total{layer="0"} 40
+paged_experts:expert_misses_total{layer="1"} 60
+paged_experts:expert_activations_total 1000
+paged_experts:bytes_paged_total 2.5e9
+paged_experts:waves_total 300
+paged_experts:moe_steps_total 200
+paged_experts:union_experts_total 5000
+paged_experts:generation_tokens_total 100
+sglang:time_to_first_token_seconds_bucket{le="+Inf",model_name="m"} 12
+sglang:time_to_first_token_seconds_sum{model_name="m"} 3.5
+sglang:time_to_first_token_seconds_count{model_name="m"} 12
+weird_value NaN
+"""
+
+
+def test_parse_prometheus() -> None:
+    samples = parse_prometheus(PROM)
+    assert samples["paged_experts:expert_hits_total"] == 900
+    assert samples['paged_experts:expert_misses_total{layer="1"}'] == 60
+    assert samples["paged_experts:bytes_paged_total"] == 2.5e9
+    assert samples['sglang:time_to_first_token_seconds_bucket{le="+Inf",model_name="m"}'] == 12
+    assert samples['sglang:time_to_first_token_seconds_sum{model_name="m"}'] == 3.5
+    assert math.isnan(samples["weird_value"])
+    assert not any(k.startswith("#") for k in samples)
+
+
+def test_paging_delta_maps_counter_deltas_to_cell_fields() -> None:
+    after = parse_prometheus(PROM)
+    before = {k: 0.0 for k in after}
+    before["paged_experts:expert_hits_total"] = 100
+    delta = paging_delta(before, after)
+    assert delta["expert_hits"] == 800
+    assert delta["expert_misses"] == 100  # labelled series summed
+    assert delta["miss_rate"] == pytest.approx(100 / 900)
+    assert delta["bytes_paged"] == 2_500_000_000
+    assert delta["bytes_paged_per_token"] == pytest.approx(2.5e9 / 100)
+    assert delta["waves_per_step"] == pytest.approx(1.5)
+    assert delta["union_mean"] == pytest.approx(25.0)
+    assert set(delta) <= set(CellResult.__dataclass_fields__)
+
+
+def test_paging_delta_missing_or_reset_counters_are_none() -> None:
+    assert all(v is None for v in paging_delta({}, {}).values())
+    before = {"paged_experts:expert_hits_total": 50.0, "paged_experts:expert_misses_total": 5.0}
+    after = {"paged_experts:expert_hits_total": 10.0, "paged_experts:expert_misses_total": 8.0}
+    delta = paging_delta(before, after)
+    assert delta["expert_hits"] is None  # went down: the server restarted
+    assert delta["expert_misses"] == 3
+    assert delta["miss_rate"] is None
