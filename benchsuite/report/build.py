@@ -21,8 +21,9 @@ from benchsuite.report.groups import annotate_cells, group_configs
 from benchsuite.report.header import header_html, header_markdown
 from benchsuite.report.html import Section, render_page
 from benchsuite.report.load import RunData, load_run
+from benchsuite.reference import Reference
 from benchsuite.report.published import (
-    Published, default_reference_dirs, find_reference, load_published, reference_decode_table, reference_ttft_table,
+    default_reference_dirs, find_reference, load_published, reference_decode_table, reference_ttft_table,
 )
 from benchsuite.report.samples import request_samples
 from benchsuite.report.textout import write_csv, write_markdown
@@ -39,7 +40,7 @@ class ReportData:
     samples: pd.DataFrame  # per-request samples
     top_k: int | None
     num_experts: int | None
-    published: Published | None
+    published: Reference | None
     reference_note: str  # why the published view is (not) shown
     tables: dict[str, pd.DataFrame]
     figures: list[Figure]
@@ -49,7 +50,7 @@ def _report_id(runs: list[RunData]) -> str:
     return "+".join(r.run_id for r in runs)
 
 
-def _reference(runs: list[RunData], reference_dirs: list[Path]) -> tuple[Published | None, dict[str, str], str]:
+def _reference(runs: list[RunData], reference_dirs: list[Path]) -> tuple[Reference | None, dict[str, str], str]:
     for run in runs:
         name = mf.reference_name(run.manifest)
         if name is None:
@@ -65,12 +66,12 @@ def build_report_data(run_dirs: list[Path], reference_dirs: list[Path] | None = 
     if not run_dirs:
         raise UserError("report: give at least one results run directory")
     runs = [load_run(Path(d)) for d in run_dirs]
-    argv = {key: [str(a) for a in (server.get("argv") or [])] for r in runs for key, server in _server_items(r.manifest)}
-    cells = annotate_cells(pd.concat([r.cells for r in runs], ignore_index=True), argv, many_runs=len(runs) > 1)
+    many = len(runs) > 1
+    cells = pd.concat([annotate_cells(r.cells, mf.server_records(r.manifest), many) for r in runs], ignore_index=True)
     groups = group_configs(cells)
     samples = pd.concat([request_samples(r.requests) for r in runs], ignore_index=True)
-    top_k = next((v for v in (mf.model_top_k(r.manifest) for r in runs) if v), None)
-    num_experts = next((v for v in (mf.model_num_experts(r.manifest) for r in runs) if v), None)
+    top_k = next((v for v in (mf.model_top_k(r.manifest, r.run_dir) for r in runs) if v), None)
+    num_experts = next((v for v in (mf.model_num_experts(r.manifest, r.run_dir) for r in runs) if v), None)
     published, row_filter, note = _reference(runs, reference_dirs if reference_dirs is not None else default_reference_dirs())
     tables: dict[str, pd.DataFrame] = {"Paged vs baselines (published layout)": tb.ratio_table(groups, cells)}
     if published is not None:
@@ -87,13 +88,6 @@ def build_report_data(run_dirs: list[Path], reference_dirs: list[Path] | None = 
     figures = all_figures(groups, cells, samples, top_k, num_experts)
     title = f"benchsuite report: {_report_id(runs)}"
     return ReportData(title, runs, cells, groups, samples, top_k, num_experts, published, note, tables, figures)
-
-
-def _server_items(manifest: dict) -> list[tuple[str, dict]]:
-    raw = manifest.get("servers") or []
-    if isinstance(raw, dict):
-        return [(str(v.get("server_id", k)), v) for k, v in raw.items() if isinstance(v, dict)]
-    return [(str(s.get("server_id", "")), s) for s in raw if isinstance(s, dict)]
 
 
 _ANCHORS = {

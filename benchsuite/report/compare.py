@@ -21,6 +21,7 @@ from scipy.stats import mannwhitneyu
 
 from benchsuite.report.groups import annotate_cells, group_configs
 from benchsuite.report.load import RunData, load_run
+from benchsuite.report.manifest_facts import server_records
 from benchsuite.report.samples import request_samples
 from benchsuite.report.textout import markdown_table
 
@@ -60,12 +61,7 @@ class Comparison:
 
 
 def _prepared(run: RunData) -> tuple[pd.DataFrame, pd.DataFrame]:
-    argv = {}
-    raw = run.manifest.get("servers") or []
-    for item in (raw.values() if isinstance(raw, dict) else raw):
-        if isinstance(item, dict):
-            argv[str(item.get("server_id", ""))] = [str(a) for a in item.get("argv") or []]
-    cells = annotate_cells(run.cells, argv, many_runs=False)
+    cells = annotate_cells(run.cells, server_records(run.manifest), many_runs=False)
     return group_configs(cells), request_samples(run.requests)
 
 

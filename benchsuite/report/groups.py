@@ -4,7 +4,8 @@ table and figure shares.
 A configuration is a cell spec without its repeat: (run, engine, kind, mode, params, workload,
 prompt class, concurrency, routing). Only `ok` cells enter a spread; failed and invalid repeats
 are counted beside it, never averaged in as zeros. K (resident experts) and N (--n-cpu-moe) are
-read from the cell's params, then its extras, then the server's exact command line.
+read from the cell's params, then its extras, then the server's options and exact command line
+(manifest.servers).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ METRICS: tuple[str, ...] = (
 )
 _K_KEYS = ("resident_experts", "paged_experts_num_resident", "num_resident", "resident_k", "K", "k")
 _N_KEYS = ("search_n", "n_cpu_moe", "cpu_moe_layers", "cpu_expert_layers")
+_SERVER_K_KEYS = ("resident_experts", "paged_experts_num_resident")
+_SERVER_N_KEYS = ("n_cpu_moe",)
 _K_FLAGS = ("--paged-experts-num-resident", "--resident-experts")
 _N_FLAGS = ("--n-cpu-moe", "--cpu-expert-layers")
 
@@ -85,13 +88,18 @@ def _first_int(sources: list[dict[str, Any]], keys: tuple[str, ...]) -> int | No
     return None
 
 
-def cell_k(params: dict[str, Any], extras: dict[str, Any], argv: list[str]) -> int | None:
-    return _first_int([params, extras], _K_KEYS) or _flag_value(argv, _K_FLAGS)
+def cell_k(params: dict[str, Any], extras: dict[str, Any], server: dict[str, Any]) -> int | None:
+    found = _first_int([params, extras], _K_KEYS)
+    if found is None:
+        found = _first_int([server.get("options") or {}], _SERVER_K_KEYS)
+    return found if found is not None else _flag_value([str(a) for a in server.get("argv") or []], _K_FLAGS)
 
 
-def cell_n(params: dict[str, Any], extras: dict[str, Any], argv: list[str]) -> int | None:
+def cell_n(params: dict[str, Any], extras: dict[str, Any], server: dict[str, Any]) -> int | None:
     found = _first_int([extras, params], _N_KEYS)
-    return found if found is not None else _flag_value(argv, _N_FLAGS)
+    if found is None:
+        found = _first_int([server.get("options") or {}], _SERVER_N_KEYS)
+    return found if found is not None else _flag_value([str(a) for a in server.get("argv") or []], _N_FLAGS)
 
 
 def config_label(row: pd.Series, many_runs: bool) -> str:
@@ -102,13 +110,13 @@ def config_label(row: pd.Series, many_runs: bool) -> str:
     return f"{label} · {routing_label(row['routing'])}" if is_synthetic(row["routing"]) else label
 
 
-def annotate_cells(cells: pd.DataFrame, argv_by_server: dict[str, list[str]], many_runs: bool) -> pd.DataFrame:
-    """Cells with params_key, label, K and N columns added."""
+def annotate_cells(cells: pd.DataFrame, servers: dict[str, dict[str, Any]], many_runs: bool) -> pd.DataFrame:
+    """Cells with params_key, label, K and N columns added; servers: server_id -> manifest server facts."""
     out = cells.copy()
-    argvs = [argv_by_server.get(str(s), []) for s in out["server_id"]]
+    facts = [servers.get(str(s), {}) for s in out["server_id"]]
     # object dtype keeps ints as ints and absent values as None (a float column would print K=8.0, K=nan)
-    out["k"] = pd.Series([cell_k(p, e, a) for p, e, a in zip(out["params"], out["extras"], argvs)], index=out.index, dtype=object)
-    out["n_cpu_moe"] = pd.Series([cell_n(p, e, a) for p, e, a in zip(out["params"], out["extras"], argvs)], index=out.index, dtype=object)
+    out["k"] = pd.Series([cell_k(p, e, f) for p, e, f in zip(out["params"], out["extras"], facts)], index=out.index, dtype=object)
+    out["n_cpu_moe"] = pd.Series([cell_n(p, e, f) for p, e, f in zip(out["params"], out["extras"], facts)], index=out.index, dtype=object)
     out["params"] = [effective_params(p, k, n) for p, k, n in zip(out["params"], out["k"], out["n_cpu_moe"])]
     out["params_key"] = [params_key(p) for p in out["params"]]
     out["label"] = [config_label(row, many_runs) for _, row in out.iterrows()]

@@ -4,7 +4,7 @@ RequestRecord.
 
 The store may write `params` / `extras` as JSON strings (parquet) or as dicts; both come out as
 dicts here. A run without cells.parquet (interrupted before the store's final write) is read from
-its cells/<cell-id>.json files. Other schema versions are refused with a fix-it message.
+its cells/<cell-id>.json files. Other schema versions are refused with the store's fix-it message (benchsuite.store.read_manifest).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import numpy as np
 import pandas as pd
 
 from benchsuite.errors import UserError
-from benchsuite.records import SCHEMA_VERSION, CellResult, RequestRecord
+from benchsuite.records import CellResult, RequestRecord
+from benchsuite.store import read_cells, read_manifest, read_requests
 
 CELL_COLUMNS: tuple[str, ...] = tuple(CellResult.__dataclass_fields__)
 REQUEST_COLUMNS: tuple[str, ...] = tuple(RequestRecord.__dataclass_fields__)
@@ -86,39 +87,29 @@ def normalize_requests(frame: pd.DataFrame) -> pd.DataFrame:
     return requests.reset_index(drop=True)
 
 
-def _check_schema(manifest: dict[str, Any], where: Path) -> None:
-    version = manifest.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise UserError(
-            f"{where}: results schema_version {version!r}, this benchsuite reads version {SCHEMA_VERSION}. "
-            f"Re-run the matrix with this benchsuite (benchsuite run <matrix.yaml>), or report it with the "
-            f"benchsuite version that wrote it."
-        )
-
-
 def _read_cells(run_dir: Path) -> pd.DataFrame:
     parquet = run_dir / "cells.parquet"
     if parquet.is_file():
         return pd.read_parquet(parquet)
-    cell_files = sorted((run_dir / "cells").glob("*.json"))
-    if not cell_files:
-        raise UserError(f"{run_dir}: no cells.parquet and no cells/*.json; is this a results run directory?")
-    return pd.DataFrame([json.loads(p.read_text()) for p in cell_files])
+    cells = read_cells(run_dir)
+    if not cells:
+        raise UserError(f"{run_dir}: no cells.parquet and no cells/*.json; has this run finished any cell?")
+    return pd.DataFrame([c.to_row() for c in cells])
+
+
+def _read_requests(run_dir: Path) -> pd.DataFrame:
+    parquet = run_dir / "requests.parquet"
+    if parquet.is_file():
+        return pd.read_parquet(parquet)
+    return pd.DataFrame([r.to_row() for r in read_requests(run_dir)])
 
 
 def load_run(run_dir: Path) -> RunData:
     """Read results/<run-id>/ (manifest, cells, requests)."""
     run_dir = Path(run_dir)
-    manifest_path = run_dir / "manifest.json"
-    if not manifest_path.is_file():
+    if not (run_dir / "manifest.json").is_file():
         raise UserError(f"{run_dir}: no manifest.json; pass a results/<run-id>/ directory")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{manifest_path}: not valid JSON ({exc})") from exc
-    _check_schema(manifest, manifest_path)
+    manifest = read_manifest(run_dir)
     cells = normalize_cells(_read_cells(run_dir))
-    requests_path = run_dir / "requests.parquet"
-    raw_requests = pd.read_parquet(requests_path) if requests_path.is_file() else pd.DataFrame()
     run_id = str(manifest.get("run_id") or run_dir.name)
-    return RunData(run_id, run_dir, manifest, cells, normalize_requests(raw_requests))
+    return RunData(run_id, run_dir, manifest, cells, normalize_requests(_read_requests(run_dir)))

@@ -9,8 +9,10 @@ never invents a value: a fact that is absent is reported as absent.
 
 from __future__ import annotations
 
+import json
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 ENGINE_KINDS: tuple[str, ...] = ("builtin", "llamacpp", "sglang")
@@ -67,11 +69,18 @@ def fairness_facts(manifest: dict[str, Any]) -> list[tuple[str, str]]:
     return flatten_facts(matrix(manifest).get("fairness") or {})
 
 
-def servers(manifest: dict[str, Any]) -> list[ServerFacts]:
+def server_records(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """server_id -> the manifest's record of that server (argv, options, version, ...)."""
     raw = manifest.get("servers") or []
-    items = [dict(v, server_id=v.get("server_id", k)) for k, v in raw.items()] if isinstance(raw, dict) else list(raw)
+    if isinstance(raw, dict):
+        return {str(v.get("server_id", k)): v for k, v in raw.items() if isinstance(v, dict)}
+    return {str(v.get("server_id", "")): v for v in raw if isinstance(v, dict)}
+
+
+def servers(manifest: dict[str, Any]) -> list[ServerFacts]:
     out = []
-    for item in items:
+    for server_id, item in server_records(manifest).items():
+        item = {**item, "server_id": server_id}
         argv = item.get("argv") or []
         command = shlex.join(str(a) for a in argv) if isinstance(argv, list) else str(argv)
         version = item.get("version")
@@ -135,11 +144,39 @@ def _model_subtrees(obj: Any) -> list[Any]:
     return found
 
 
-def model_top_k(manifest: dict[str, Any]) -> int | None:
-    """num_experts_per_tok anywhere (HF config name), else `top_k` inside a model block (a sampling
-    top_k elsewhere in the matrix must not be mistaken for the router's)."""
-    return _find_int(manifest, ("num_experts_per_tok",)) or _find_int(_model_subtrees(manifest), _TOP_K_KEYS)
+_MODEL_FLAGS = ("--model-path", "--model", "-m")
 
 
-def model_num_experts(manifest: dict[str, Any]) -> int | None:
-    return _find_int(manifest, _NUM_EXPERTS_KEYS)
+def _model_dirs(manifest: dict[str, Any], run_dir: Path) -> list[Path]:
+    """Checkpoint directories the servers were started with, resolved as given, then beside the run."""
+    names: list[str] = []
+    for record in server_records(manifest).values():
+        argv = [str(a) for a in record.get("argv") or []]
+        names.extend(argv[i + 1] for i, a in enumerate(argv[:-1]) if a in _MODEL_FLAGS)
+        model = (record.get("options") or {}).get("model")
+        if isinstance(model, str):
+            names.append(model)
+    candidates = [Path(n) if Path(n).is_absolute() else base / n for n in names for base in (Path.cwd(), run_dir)]
+    return [c for c in candidates if (c / "config.json").is_file()]
+
+
+def _model_configs(manifest: dict[str, Any], run_dir: Path) -> list[dict[str, Any]]:
+    configs = []
+    for directory in _model_dirs(manifest, run_dir):
+        try:
+            configs.append(json.loads((directory / "config.json").read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    return configs
+
+
+def model_top_k(manifest: dict[str, Any], run_dir: Path) -> int | None:
+    """num_experts_per_tok anywhere in the manifest (HF config name), else `top_k` inside a model
+    block (a sampling top_k elsewhere must not be mistaken for the router's), else the config.json
+    of the checkpoint a server was started with."""
+    return (_find_int(manifest, ("num_experts_per_tok",)) or _find_int(_model_subtrees(manifest), _TOP_K_KEYS)
+            or _find_int(_model_configs(manifest, run_dir), ("num_experts_per_tok",)))
+
+
+def model_num_experts(manifest: dict[str, Any], run_dir: Path) -> int | None:
+    return _find_int(_model_subtrees(manifest), _NUM_EXPERTS_KEYS) or _find_int(_model_configs(manifest, run_dir), _NUM_EXPERTS_KEYS)

@@ -1,55 +1,25 @@
 """Published reference figures (e.g. PR #42557) beside the user's own numbers.
 
-The seam is a YAML file per reference name: `<name>.yaml` in benchsuite/data/reference/ (written
-by the SGLang adapter's owner; its layout is /shared/reference/pr42557.yaml: single_stream_decode,
-four_requests_decode, ttft_p50_ms rows keyed by machine, quant and K). A matrix names the
-reference (`reference: pr42557`, or `reference: {name: pr42557, machine: ..., quant: ...}` to pick
-the published rows of one setup). Nothing here invents a number: a published row without a
-matching measured configuration shows "not measured".
+The figures are read by benchsuite.reference (typed rows, shipped in benchsuite/data/reference/);
+this module only finds the file for the name a matrix gives (`reference: pr42557`; a search path
+seam lets tests use a hand-made file) and lines the published rows up with the user's configurations
+at the same K and concurrency. A matrix may narrow the rows with `reference: {name, machine, quant}`.
+Nothing here invents a number: a published row without a matching configuration says "not measured".
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import yaml
 
+from benchsuite.reference import Reference, parse_reference
 from benchsuite.report.groups import Spread
 from benchsuite.report.tables import baselines_for, headline_metric, prompt_classes
 
 _ENGINE_PREFERENCE = ("sglang", "builtin", "llamacpp")
-
-
-@dataclass(frozen=True)
-class PublishedDecodeRow:
-    machine: str
-    quant: str
-    k: int
-    concurrency: int
-    paged: float
-    llamacpp_best: float | None
-    offload: float | None
-
-
-@dataclass(frozen=True)
-class PublishedTtftRow:
-    machine: str
-    quant: str
-    role: str  # "paged" or "llamacpp_best"
-    short_ms: float
-    long_ms: float
-
-
-@dataclass(frozen=True)
-class Published:
-    name: str
-    source: Path
-    model: str
-    decode: tuple[PublishedDecodeRow, ...]
-    ttft: tuple[PublishedTtftRow, ...]
 
 
 def default_reference_dirs() -> list[Path]:
@@ -64,27 +34,13 @@ def find_reference(name: str, search_dirs: list[Path]) -> Path | None:
     return None
 
 
-def load_published(name: str, path: Path) -> Published:
-    data: dict[str, Any] = yaml.safe_load(Path(path).read_text())
-    decode = []
-    for section, concurrency in (("single_stream_decode", 1), ("four_requests_decode", 4)):
-        for row in data.get(section) or []:
-            decode.append(PublishedDecodeRow(
-                machine=str(row["machine"]), quant=str(row["quant"]), k=int(row["K"]), concurrency=concurrency,
-                paged=float(row["paged"]), llamacpp_best=_opt_float(row.get("llamacpp_best")),
-                offload=_opt_float(row.get("cpu_offload_gb")),
-            ))
-    ttft = []
-    for row in data.get("ttft_p50_ms") or []:
-        for role in ("paged", "llamacpp_best"):
-            if row.get(role) is not None:
-                short_ms, long_ms = row[role]
-                ttft.append(PublishedTtftRow(str(row["machine"]), str(row["quant"]), role, float(short_ms), float(long_ms)))
-    return Published(name, Path(path), str(data.get("model", "")), tuple(decode), tuple(ttft))
+def load_published(name: str, path: Path) -> Reference:
+    return parse_reference(name, yaml.safe_load(Path(path).read_text()))
 
 
-def _opt_float(value: Any) -> float | None:
-    return None if value is None else float(value)
+def _machine_text(reference: Reference, key: str) -> str:
+    machine = next((m for m in reference.machines if m.key == key), None)
+    return key if machine is None else f"{key} ({machine.gpu}, PCIe {machine.pcie})"
 
 
 def _selected(rows: tuple[Any, ...], row_filter: dict[str, str]) -> list[Any]:
@@ -118,43 +74,46 @@ def decode_prompt_class(groups: pd.DataFrame) -> str | None:
     return "sharegpt" if "sharegpt" in classes else prompt_classes(groups)[0]
 
 
-def reference_decode_table(published: Published, row_filter: dict[str, str], groups: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame:
+def reference_decode_table(published: Reference, row_filter: dict[str, str], groups: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame:
     """Each published decode row beside the user's paged / offload / llama.cpp best at the same K and concurrency."""
     prompt_class = decode_prompt_class(groups)
     rows = []
     for ref in _selected(published.decode, row_filter):
-        paged = _pick_paged(groups, ref.k, ref.concurrency, prompt_class)
+        paged = _pick_paged(groups, ref.resident_experts, ref.concurrency, prompt_class)
         base = baselines_for(groups, cells, paged) if paged is not None else {}
+        offload_row, llama_row = base.get("offload"), base.get("llamacpp_best")
         metric = headline_metric(ref.concurrency)
         mine = _median(None if paged is None else paged[metric])
-        offload = _median(None if base.get("offload") is None else base["offload"][metric])
-        llama = _median(None if base.get("llamacpp_best") is None else base["llamacpp_best"][metric])
-        ids = [] if paged is None else list(paged["cell_ids"])
-        for b in base.values():
-            ids.extend([] if b is None else b["cell_ids"])
+        offload = _median(None if offload_row is None else offload_row[metric])
+        llama = _median(None if llama_row is None else llama_row[metric])
+        ids = [i for g in (paged, offload_row, llama_row) if g is not None for i in g["cell_ids"]]
         rows.append({
-            "machine": ref.machine, "quant": ref.quant, "K": ref.k, "concurrency": ref.concurrency, "metric": metric,
-            "published_paged": ref.paged, "published_offload": ref.offload, "published_llamacpp_best": ref.llamacpp_best,
-            "published_paged_vs_offload": _ratio(ref.paged, ref.offload),
-            "published_paged_vs_llamacpp": _ratio(ref.paged, ref.llamacpp_best),
+            "machine": _machine_text(published, ref.machine), "quant": ref.quant, "K": ref.resident_experts,
+            "concurrency": ref.concurrency, "metric": metric,
+            "published_paged": ref.paged_tok_s, "published_paged_high": ref.paged_high_tok_s,
+            "published_offload": ref.offload_tok_s, "published_llamacpp_best": ref.llamacpp_best_tok_s,
+            "published_paged_vs_offload": ref.paged_vs_offload, "published_paged_vs_llamacpp": ref.paged_vs_llamacpp,
             "your_paged_config": "not measured" if paged is None else paged["label"],
             "your_paged": mine, "your_offload": offload, "your_llamacpp_best": llama,
             "your_paged_vs_offload": _ratio(mine, offload), "your_paged_vs_llamacpp": _ratio(mine, llama),
-            "yours_vs_published_paged": _ratio(mine, ref.paged),
+            "yours_vs_published_paged": _ratio(mine, ref.paged_tok_s),
             "cell_ids": " ".join(ids),
         })
     return pd.DataFrame(rows)
 
 
-def reference_ttft_table(published: Published, row_filter: dict[str, str], groups: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame:
+def reference_ttft_table(published: Reference, row_filter: dict[str, str], groups: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame:
     """Published TTFT p50 (short / 2,048-token prompts) beside the user's paged and llama.cpp best at concurrency 1."""
     short, long = prompt_classes(groups)
-    ks = {(r.machine, r.quant): r.k for r in published.decode if r.concurrency == 1}
+    ks: dict[tuple[str, str], int] = {}
+    for r in published.decode:
+        if r.concurrency == 1:
+            ks.setdefault((r.machine, r.quant), r.resident_experts)  # the setup's first published single-stream K
     rows = []
     for ref in _selected(published.ttft, row_filter):
         paged_short = _pick_paged(groups, ks.get((ref.machine, ref.quant)), 1, short)
         config = paged_short
-        if ref.role == "llamacpp_best":
+        if ref.engine == "llamacpp_best":
             config = None if paged_short is None else baselines_for(groups, cells, paged_short)["llamacpp_best"]
         long_row = None
         if config is not None:
@@ -165,8 +124,8 @@ def reference_ttft_table(published: Published, row_filter: dict[str, str], group
         short_ms = _median(None if config is None else config["ttft_p50_s"])
         long_ms = _median(None if long_row is None else long_row["ttft_p50_s"])
         rows.append({
-            "machine": ref.machine, "quant": ref.quant, "role": ref.role,
-            "published_short_ms": ref.short_ms, "published_long_ms": ref.long_ms,
+            "machine": _machine_text(published, ref.machine), "quant": ref.quant, "engine": ref.engine,
+            "published_short_ms": ref.short_ms, "published_long_ms": ref.long_2048_ms,
             "your_config": "not measured" if config is None else config["label"],
             "your_short_ms": None if short_ms is None else short_ms * 1000.0,
             "your_long_ms": None if long_ms is None else long_ms * 1000.0,

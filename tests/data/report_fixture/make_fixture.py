@@ -1,16 +1,16 @@
-"""Writes the hand-made results run in this directory (cells.parquet, cells.csv, cells/*.json,
-requests.parquet) from the literal rows below; manifest.json is written by hand. Run it after
+"""Writes the hand-made results run in this directory (cells/*.json, cells.parquet, cells.csv,
+requests.parquet) from the literal rows below, through benchsuite.store so the layout is the
+store's own; manifest.json (store layout) and model/config.json are written by hand. Run it after
 changing a row: `python tests/data/report_fixture/make_fixture.py`. The numbers are chosen so the
 report tests can state exact expected values (see tests/test_report_tables.py)."""
 
 from __future__ import annotations
 
-import json
+import shutil
 from pathlib import Path
 
-import pandas as pd
-
 from benchsuite.records import CellResult, RequestRecord
+from benchsuite.store import RunStore
 
 HERE = Path(__file__).resolve().parent
 RUN_ID = "fixture-run"
@@ -38,8 +38,8 @@ ROWS = [
     ("cpu-s2-r1", "tiny", "builtin", "cpu-experts", "s-cpu", {}, "short", 2, 1, "ok", None, "model", 27.0, 52.0, 0.160, None, {}),
     ("cpu-l1-r0", "tiny", "builtin", "cpu-experts", "s-cpu", {}, "2048", 1, 0, "ok", None, "model", 40.0, 36.0, 0.500, None, {}),
     ("cpu-l1-r1", "tiny", "builtin", "cpu-experts", "s-cpu", {}, "2048", 1, 1, "invalid", "no generated text streamed: TTFT undefined", "model", None, None, None, None, {}),
-    ("syn8-s1-r0", "tiny", "builtin", "paged", "s-paged8", {"resident_experts": 8}, "short", 1, 0, "ok", None, "synthetic:calibrated", 60.0, 58.0, 0.080, (0.20, 800.0, 1.0, 4.0), {}),
-    ("syn8-s1-r1", "tiny", "builtin", "paged", "s-paged8", {"resident_experts": 8}, "short", 1, 1, "ok", None, "synthetic:calibrated", 64.0, 62.0, 0.082, (0.22, 820.0, 1.0, 4.0), {}),
+    ("syn8-s1-r0", "tiny", "builtin", "paged", "s-paged8-syn", {"resident_experts": 8}, "short", 1, 0, "ok", None, "synthetic:calibrated", 60.0, 58.0, 0.080, (0.20, 800.0, 1.0, 4.0), {}),
+    ("syn8-s1-r1", "tiny", "builtin", "paged", "s-paged8-syn", {"resident_experts": 8}, "short", 1, 1, "ok", None, "synthetic:calibrated", 64.0, 62.0, 0.082, (0.22, 820.0, 1.0, 4.0), {}),
     ("ll1-s1-r0", "llama", "llamacpp", "n-cpu-moe", "s-llama1", {}, "short", 1, 0, "failed", "memory projection 9.1 GiB exceeds the VRAM budget 8.0 GiB", "model", None, None, None, None, {"search_n": 1, "fits": False}),
     ("ll2-s1-r0", "llama", "llamacpp", "n-cpu-moe", "s-llama2", {}, "short", 1, 0, "ok", None, "model", 45.0, 44.0, 0.105, None, {"search_n": 2, "fits": True, "chosen": True}),
     ("ll2-s1-r1", "llama", "llamacpp", "n-cpu-moe", "s-llama2", {}, "short", 1, 1, "ok", None, "model", 47.0, 46.0, 0.107, None, {"search_n": 2, "fits": True, "chosen": True}),
@@ -81,18 +81,13 @@ def requests(c: CellResult) -> list[RequestRecord]:
 
 
 def main() -> None:
-    cells = [cell(r) for r in ROWS]
-    frame = pd.DataFrame([c.to_row() for c in cells])
-    for column in ("params", "extras"):  # the store may keep dicts as JSON text in parquet: exercise that path
-        frame[column] = [json.dumps(v, sort_keys=True) for v in frame[column]]
-    frame.to_parquet(HERE / "cells.parquet", index=False)
-    frame.to_csv(HERE / "cells.csv", index=False)
-    (HERE / "cells").mkdir(exist_ok=True)
-    for c in cells:
-        (HERE / "cells" / f"{c.cell_id}.json").write_text(json.dumps(c.to_row(), indent=1, sort_keys=True) + "\n")
-    reqs = pd.DataFrame([r.to_row() for c in cells for r in requests(c)])
-    reqs["engine_timings"] = [None] * len(reqs)
-    reqs.to_parquet(HERE / "requests.parquet", index=False)
+    for generated in ("cells", "attempts"):
+        shutil.rmtree(HERE / generated, ignore_errors=True)
+    store = RunStore(HERE)
+    for row in ROWS:
+        c = cell(row)
+        store.write_cell(c, requests(c))
+    store.rebuild_tables()
 
 
 if __name__ == "__main__":
