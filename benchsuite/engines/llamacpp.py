@@ -1,0 +1,284 @@
+"""Adapter for llama.cpp's `llama-server` (kind `llamacpp`; contract in engines/base.py).
+
+Owns the llamacpp `options:` schema of matrix.yaml, the binary lookup (matrix `binary`, then
+PATH, then the benchsuite build cache), which flags the binary supports (from its `--help`), the
+model resolution (a GGUF file; an HF checkpoint directory or `tiny`, exported to GGUF on first
+use), the exact command line, the `llamacpp:*` Prometheus counters and the log facts.
+
+KV capacity: `-c` is the TOTAL number of KV cells and `-np` the number of slots (the highest
+concurrency of the server's cells). llama.cpp's default with an explicit `-np` splits `-c` evenly,
+so each request could use only c/np tokens. We pass `--kv-unified`: all slots share one pool of
+`-c` = fairness `kv_capacity_tokens` cells and one request may use all of it, the same meaning as
+the builtin engine's token pool and SGLang's `--max-total-tokens`.
+Prefix caching: `--no-cache-prompt` where the binary has it, `--cache-ram 0` (no host prompt
+cache), and `cache_prompt: false` on every request.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from benchsuite.engines.base import EngineConfigError, LaunchPlan, ServerSpec
+from benchsuite.errors import UserError
+
+BINARY_NAME = "llama-server"
+FIT_PARAMS_NAME = "llama-fit-params"
+GB = 10**9  # vram_budget_gb is decimal gigabytes
+_GPU_DEVICE_LINE = re.compile(r"^\s*(CUDA|ROCm|HIP|Vulkan|Metal|SYCL)\d*\s*:", re.MULTILINE)
+
+
+class LlamaCppOptions(BaseModel):
+    """`engines.<name>.options` for `kind: llamacpp` (one scalar per field after sweep expansion)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = "tiny"  # GGUF file, HF Qwen3-MoE directory (exported on first use), or `tiny`
+    gguf_type: Literal["f32", "f16", "bf16", "q8_0"] = "f32"  # export type for an HF directory
+    binary: str | None = None  # llama-server path; default PATH, then the benchsuite build cache
+    n_gpu_layers: int = Field(999, ge=0)  # -ngl
+    # -ncmoe: experts of the first N layers on the CPU; `search` or {search: {...}} searches N.
+    n_cpu_moe: int | Literal["search"] | dict[str, Any] | None = None
+    flash_attn: Literal["on", "off", "auto"] = "off"
+    moe_cache_mib: int | None = Field(None, ge=1)  # llama.cpp's expert cache, where the build has it
+    vram_budget_gb: float | None = Field(None, gt=0)  # emulate a smaller GPU in the n_cpu_moe search
+    threads: int | None = Field(None, ge=1)  # -t
+    extra_args: list[str] = Field(default_factory=list)
+    startup_timeout_s: float = Field(600.0, gt=0)
+
+    @field_validator("flash_attn", mode="before")
+    @classmethod
+    def _yaml_booleans(cls, value: Any) -> Any:
+        # YAML reads unquoted on/off as booleans.
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+    @field_validator("n_cpu_moe")
+    @classmethod
+    def _n_cpu_moe(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError("must be an integer, 'search' or {search: {...}}")
+        if isinstance(value, int) and value < 0:
+            raise ValueError("must be >= 0")
+        if isinstance(value, dict):
+            from benchsuite.search import parse_request
+
+            try:
+                parse_request(value)
+            except UserError as exc:
+                raise ValueError(str(exc)) from None
+        return value
+
+
+@functools.lru_cache(maxsize=16)
+def _help_text(binary: str, mtime_ns: int) -> str:
+    proc = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=60)
+    return proc.stdout + proc.stderr
+
+
+@functools.lru_cache(maxsize=16)
+def _devices_text(binary: str, mtime_ns: int) -> str:
+    proc = subprocess.run([binary, "--list-devices"], capture_output=True, text=True, timeout=120)
+    return proc.stdout + proc.stderr
+
+
+def find_binary(name: str = BINARY_NAME, configured: str | None = None) -> Path | None:
+    """Matrix option, then PATH, then the build cache; None when none exists."""
+    from benchsuite.llamacpp_build import cached_binary
+
+    if configured:
+        path = Path(configured).expanduser()
+        return path if path.is_file() else None
+    on_path = shutil.which(name)
+    if on_path:
+        return Path(on_path)
+    return cached_binary(name)
+
+
+def binary_flags(binary: Path) -> set[str]:
+    """Every long option the binary's --help lists (e.g. --n-cpu-moe, --moe-cache-mib)."""
+    text = _help_text(str(binary), binary.stat().st_mtime_ns)
+    return set(re.findall(r"(--[a-z][a-z0-9\-]*)", text))
+
+
+def has_gpu_device(binary: Path) -> bool:
+    return bool(_GPU_DEVICE_LINE.search(_devices_text(str(binary), binary.stat().st_mtime_ns)))
+
+
+class LlamaCppAdapter:
+    kind = "llamacpp"
+    options_model = LlamaCppOptions
+
+    def _options(self, spec: ServerSpec) -> LlamaCppOptions:
+        return LlamaCppOptions.model_validate(dict(spec.options))
+
+    def binary(self, spec: ServerSpec) -> Path:
+        opts = self._options(spec)
+        found = find_binary(BINARY_NAME, opts.binary)
+        if found is None:
+            where = f"binary {opts.binary!r} does not exist" if opts.binary else "no llama-server on PATH or in the cache"
+            raise EngineConfigError(f"llamacpp engine {spec.name}: {where}; run `benchsuite install llama-server`")
+        return found
+
+    def model_path(self, spec: ServerSpec) -> Path:
+        """The GGUF file (exports an HF directory or `tiny` into the cache on first use)."""
+        opts = self._options(spec)
+        from benchsuite.gguf_export import cached_export
+
+        if opts.model == "tiny":
+            from paged_experts.synth import ensure_tiny
+
+            return cached_export(ensure_tiny(), opts.gguf_type)
+        path = Path(opts.model).expanduser()
+        if path.is_dir():
+            return cached_export(path, opts.gguf_type)
+        return path
+
+    def tokenizer_dir(self, spec: ServerSpec) -> Path:
+        """The HF tokenizer for exact-length prompts (the checkpoint the GGUF came from)."""
+        opts = self._options(spec)
+        if opts.model == "tiny":
+            from paged_experts.synth import ensure_tiny
+
+            return Path(ensure_tiny())
+        path = Path(opts.model).expanduser()
+        if path.is_dir():
+            return path
+        raise EngineConfigError(f"llamacpp engine {spec.name}: exact-length prompts need an HF model directory, not a GGUF")
+
+    def validate(self, spec: ServerSpec) -> None:
+        opts = self._options(spec)
+        binary = self.binary(spec)
+        flags = binary_flags(binary)
+        if opts.moe_cache_mib is not None and "--moe-cache-mib" not in flags:
+            raise EngineConfigError(f"this llama-server build has no --moe-cache-mib ({binary})")
+        if isinstance(opts.n_cpu_moe, int) and opts.n_cpu_moe > 0 and "--n-cpu-moe" not in flags:
+            raise EngineConfigError(f"this llama-server build has no --n-cpu-moe ({binary})")
+        path = Path(opts.model).expanduser()
+        if opts.model != "tiny" and not path.exists():
+            raise EngineConfigError(f"llamacpp engine {spec.name}: model {opts.model!r} does not exist")
+        if path.is_file() and path.suffix != ".gguf":
+            raise EngineConfigError(f"llamacpp engine {spec.name}: model {opts.model!r} is not a .gguf file")
+
+    def launch_plan(self, spec: ServerSpec, port: int) -> LaunchPlan:
+        opts = self._options(spec)
+        if not isinstance(opts.n_cpu_moe, int | None):
+            raise EngineConfigError(f"llamacpp engine {spec.name}: n_cpu_moe is still a search request")
+        found = find_binary(BINARY_NAME, opts.binary)
+        binary = str(found) if found else (opts.binary or BINARY_NAME)
+        flags = binary_flags(found) if found else {"--no-cache-prompt", "--cache-ram", "--kv-unified"}
+        argv = [
+            binary, "-m", str(self.model_path(spec)),
+            "--host", "127.0.0.1", "--port", str(port),
+            "-ngl", str(opts.n_gpu_layers),
+            "-c", str(spec.fairness["kv_capacity_tokens"]),
+            "-np", str(spec.max_concurrency),
+            "-fa", opts.flash_attn,
+            "--metrics",
+        ]  # fmt: skip
+        if "--kv-unified" in flags:
+            argv.append("--kv-unified")
+        if not spec.fairness.get("prefix_caching", False):
+            if "--no-cache-prompt" in flags:
+                argv.append("--no-cache-prompt")
+            if "--cache-ram" in flags:
+                argv += ["--cache-ram", "0"]
+        if opts.n_cpu_moe:
+            argv += ["--n-cpu-moe", str(opts.n_cpu_moe)]
+        if opts.moe_cache_mib is not None:
+            argv += ["--moe-cache-mib", str(opts.moe_cache_mib)]
+        if opts.threads is not None:
+            argv += ["-t", str(opts.threads)]
+        argv += list(opts.extra_args)
+        return LaunchPlan(argv=argv, env={}, health_path="/health", startup_timeout_s=opts.startup_timeout_s)
+
+    def mode(self, spec: ServerSpec) -> str:
+        opts = self._options(spec)
+        if opts.moe_cache_mib is not None:
+            return "moe-cache"
+        return "n-cpu-moe" if opts.n_cpu_moe else "gpu"
+
+    def request_extras(self, spec: ServerSpec) -> dict[str, Any]:
+        return {} if spec.fairness.get("prefix_caching", False) else {"cache_prompt": False}
+
+    def version(self, spec: ServerSpec) -> dict[str, Any]:
+        from benchsuite.llamacpp_build import binary_version, read_stamp
+
+        found = find_binary(BINARY_NAME, self._options(spec).binary)
+        if found is None:
+            return {"engine": "llama.cpp", "binary": None}
+        return {
+            "engine": "llama.cpp",
+            "binary": str(found),
+            "version": binary_version(found),
+            "build": read_stamp(found.parent),  # None for a binary benchsuite did not build
+            "moe_cache_mib_supported": "--moe-cache-mib" in binary_flags(found),
+        }
+
+    async def scrape(self, session: Any, base_url: str) -> dict[str, float] | None:
+        from benchsuite.engines.builtin import parse_prometheus_text
+
+        async with session.get(f"{base_url}/metrics") as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text()
+        return {k: v for k, v in parse_prometheus_text(text).items() if k.startswith("llamacpp:")}
+
+    def parse_log(self, log_text: str) -> dict[str, Any]:
+        from benchsuite.llamacpp_logs import parse_server_log
+
+        return parse_server_log(log_text)
+
+    # ---- the n_cpu_moe search (benchsuite.search) ------------------------------------------------
+
+    def vram_budget_bytes(self, spec: ServerSpec) -> int:
+        """`vram_budget_gb`, else the physical VRAM of GPU 0 on a GPU build."""
+        opts = self._options(spec)
+        if opts.vram_budget_gb is not None:
+            return int(opts.vram_budget_gb * GB)
+        if has_gpu_device(self.binary(spec)):
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                capture_output=True, text=True, timeout=30,
+            ).stdout.split()
+            if out:
+                return int(float(out[0]) * 2**20)
+        raise UserError(f"engine {spec.name}: the n_cpu_moe search needs vram_budget_gb on a machine without a GPU build")
+
+    def projections(self, spec: ServerSpec, settings: Any) -> dict[int, Any]:
+        """n -> benchsuite.llamacpp_fit.Projection for every candidate N of the search."""
+        from benchsuite import llamacpp_fit as fit
+
+        opts = self._options(spec)
+        model = self.model_path(spec)
+        facts = fit.read_model_facts(model)
+        top = facts.n_layer if settings.max_n is None else min(settings.max_n, facts.n_layer)
+        candidates = range(settings.min_n, top + 1)
+        n_ctx = int(spec.fairness["kv_capacity_tokens"])
+        use_llama = settings.projection == "llama-fit-params" or (
+            settings.projection == "auto" and has_gpu_device(self.binary(spec))
+        )
+        if not use_llama:
+            return {
+                n: fit.project(facts, n, n_ctx, flash_attn=opts.flash_attn == "on", n_gpu_layers=opts.n_gpu_layers)
+                for n in candidates
+            }
+        fit_binary = self.binary(spec).parent / FIT_PARAMS_NAME
+        if not fit_binary.is_file():
+            raise EngineConfigError(f"{fit_binary} is missing; llama.cpp's projection needs llama-fit-params")
+        out: dict[int, Any] = {}
+        for n in candidates:
+            argv = fit.fit_params_argv(
+                fit_binary, model, n, n_ctx, spec.max_concurrency, opts.flash_attn == "on", opts.n_gpu_layers
+            )
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env={**os.environ})
+            if proc.returncode != 0:
+                raise EngineConfigError(f"llama-fit-params failed for n_cpu_moe={n}: {proc.stderr.strip()[-400:]}")
+            out[n] = fit.projection_from_fit_print(proc.stdout, n)
+        return out

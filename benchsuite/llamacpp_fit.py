@@ -1,0 +1,212 @@
+"""Will llama-server with `--n-cpu-moe N` fit the GPU? Memory projections without a launch.
+
+Two sources, one `Projection` type:
+- ours (`project`), from the GGUF's tensor sizes: with `-ngl` covering every layer, the routed
+  expert tensors `blk.<i>.ffn_{gate,up,down,gate_up}_exps` of the first N layers and the token
+  embedding stay on the host, every other tensor goes to the GPU; plus the KV cache of the GPU
+  layers and an estimate of the GPU compute buffer. Used on CPU-only builds (where llama.cpp has
+  no GPU to project for) and checked against llama.cpp's own numbers on a GPU.
+- llama.cpp's (`parse_fit_print`), from `llama-fit-params ... --fit-print on`, which prints one
+  line per device plus `Host`: `<device> <model MiB> <context MiB> <compute MiB>`.
+
+A value fits when `gpu_total_bytes + margin_bytes <= budget_bytes`; llama.cpp's own fitting keeps
+a 1024 MiB margin per device (DEFAULT_MARGIN_MIB).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+MIB = 2**20
+GIB = 2**30
+DEFAULT_MARGIN_MIB = 1024
+DEFAULT_UBATCH_TOKENS = 512
+KV_CELL_PAD_TOKENS = 256  # llama.cpp sizes the KV cache in multiples of 256 cells
+KV_ELEMENT_BYTES = 2  # default K/V cache type f16
+F32_BYTES = 4
+_EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_(ch)?exps\.")
+_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.")
+_FIT_LINE = re.compile(r"^\s*(\S+)\s+(\d+)\s+(\d+)\s+(\d+)\s*$")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a projection needs from a GGUF: shapes from its metadata, bytes per tensor."""
+
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim_k: int
+    head_dim_v: int
+    n_vocab: int
+    n_expert: int
+    n_expert_used: int
+    n_ff_exp: int
+    tensor_bytes: tuple[tuple[str, int], ...]  # (gguf name, bytes)
+
+
+@dataclass(frozen=True)
+class Projection:
+    """Projected device memory for one configuration. Bytes; the GPU side is what must fit."""
+
+    n_cpu_moe: int
+    gpu_model_bytes: int
+    gpu_context_bytes: int  # KV cache (+ llama.cpp's output buffer when it reports it)
+    gpu_compute_bytes: int
+    host_model_bytes: int
+    source: str  # "benchsuite" or "llama-fit-params"
+
+    @property
+    def gpu_total_bytes(self) -> int:
+        return self.gpu_model_bytes + self.gpu_context_bytes + self.gpu_compute_bytes
+
+    def fits(self, budget_bytes: int, margin_bytes: int) -> bool:
+        return self.gpu_total_bytes + margin_bytes <= budget_bytes
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    device: str  # e.g. CUDA0, or Host
+    model_mib: int
+    context_mib: int
+    compute_mib: int
+
+
+def read_model_facts(path: str | Path) -> ModelFacts:
+    import gguf
+
+    reader = gguf.GGUFReader(Path(path))
+    arch = _field(reader, "general.architecture")
+
+    def key(name: str, default: int | None = None) -> int:
+        value = _field(reader, f"{arch}.{name}")
+        if value is None:
+            if default is None:
+                raise ValueError(f"{path}: GGUF lacks {arch}.{name}")
+            return default
+        return int(value)
+
+    n_embd, n_head = key("embedding_length"), key("attention.head_count")
+    head_dim = n_embd // n_head
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    return ModelFacts(
+        n_layer=key("block_count"),
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=key("attention.head_count_kv", n_head),
+        head_dim_k=key("attention.key_length", head_dim),
+        head_dim_v=key("attention.value_length", head_dim),
+        n_vocab=len(tokens.data) if tokens is not None else key("vocab_size"),
+        n_expert=key("expert_count", 0),
+        n_expert_used=key("expert_used_count", 0),
+        n_ff_exp=key("expert_feed_forward_length", 0),
+        tensor_bytes=tuple((t.name, int(t.n_bytes)) for t in reader.tensors),
+    )
+
+
+def _field(reader, name: str) -> object | None:
+    f = reader.fields.get(name)
+    if f is None:
+        return None
+    value = f.contents()
+    return value
+
+
+def kv_cells(n_ctx_tokens: int) -> int:
+    return -(-n_ctx_tokens // KV_CELL_PAD_TOKENS) * KV_CELL_PAD_TOKENS
+
+
+def kv_bytes_per_layer(facts: ModelFacts, n_ctx_tokens: int) -> int:
+    """cells x kv_heads x (k_dim + v_dim) x 2 bytes (f16 K and V)."""
+    per_cell = facts.n_head_kv * (facts.head_dim_k + facts.head_dim_v) * KV_ELEMENT_BYTES
+    return kv_cells(n_ctx_tokens) * per_cell
+
+
+def compute_buffer_bytes(facts: ModelFacts, n_ctx_tokens: int, flash_attn: bool, n_ubatch: int = DEFAULT_UBATCH_TOKENS) -> int:
+    """Estimate of the GPU compute buffer: the graph of one micro-batch of T = min(ubatch, ctx) tokens.
+
+    f32 activations: logits [T, V]; hidden-sized temporaries (~6 x [T, H]); routed-expert
+    intermediates 3 x [T, top_k, I]; without flash attention the scores [heads, T, kv_cells].
+    """
+    t = min(n_ubatch, n_ctx_tokens)
+    act = t * (facts.n_vocab + 6 * facts.n_embd + 3 * facts.n_expert_used * facts.n_ff_exp)
+    scores = 0 if flash_attn else facts.n_head * t * kv_cells(n_ctx_tokens)
+    return F32_BYTES * (act + scores)
+
+
+def project(
+    facts: ModelFacts,
+    n_cpu_moe: int,
+    n_ctx_tokens: int,
+    *,
+    flash_attn: bool = False,
+    n_gpu_layers: int = 999,
+    n_ubatch: int = DEFAULT_UBATCH_TOKENS,
+) -> Projection:
+    """Our projection of `-ngl n_gpu_layers --n-cpu-moe n_cpu_moe -c n_ctx_tokens`."""
+    first_gpu_layer = max(0, facts.n_layer - n_gpu_layers)
+    output_on_gpu = n_gpu_layers > facts.n_layer
+    gpu = host = 0
+    for name, nbytes in facts.tensor_bytes:
+        layer_match = _LAYER_TENSOR.match(name)
+        if layer_match is None:
+            on_gpu = output_on_gpu and not name.startswith("token_embd.")
+        else:
+            layer = int(layer_match.group(1))
+            on_gpu = layer >= first_gpu_layer and not (_EXPERT_TENSOR.match(name) and layer < n_cpu_moe)
+        if on_gpu:
+            gpu += nbytes
+        else:
+            host += nbytes
+    gpu_layers = facts.n_layer - first_gpu_layer
+    any_gpu = gpu_layers > 0
+    return Projection(
+        n_cpu_moe=n_cpu_moe,
+        gpu_model_bytes=gpu,
+        gpu_context_bytes=gpu_layers * kv_bytes_per_layer(facts, n_ctx_tokens),
+        gpu_compute_bytes=compute_buffer_bytes(facts, n_ctx_tokens, flash_attn, n_ubatch) if any_gpu else 0,
+        host_model_bytes=host,
+        source="benchsuite",
+    )
+
+
+def parse_fit_print(text: str) -> list[DeviceMemory]:
+    """Lines `<device> <model> <context> <compute>` (MiB) from `llama-fit-params --fit-print on`."""
+    rows = []
+    for line in text.splitlines():
+        m = _FIT_LINE.match(line)
+        if m:
+            rows.append(DeviceMemory(m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4))))
+    return rows
+
+
+def projection_from_fit_print(text: str, n_cpu_moe: int, device: str | None = None) -> Projection:
+    """llama.cpp's projection for one GPU (the first non-Host device unless named)."""
+    rows = parse_fit_print(text)
+    host = next((r for r in rows if r.device == "Host"), None)
+    gpus = [r for r in rows if r.device != "Host" and (device is None or r.device == device)]
+    if not gpus:
+        raise ValueError("llama-fit-params printed no GPU device line (is this a CPU-only build?)")
+    g = gpus[0]
+    return Projection(
+        n_cpu_moe=n_cpu_moe,
+        gpu_model_bytes=g.model_mib * MIB,
+        gpu_context_bytes=g.context_mib * MIB,
+        gpu_compute_bytes=g.compute_mib * MIB,
+        host_model_bytes=(host.model_mib * MIB) if host else 0,
+        source="llama-fit-params",
+    )
+
+
+def fit_params_argv(
+    binary: Path, model: Path, n_cpu_moe: int, n_ctx_tokens: int, n_parallel: int, flash_attn: bool, n_gpu_layers: int
+) -> list[str]:
+    """The llama-fit-params command that prints llama.cpp's projection for one N."""
+    return [
+        str(binary), "-m", str(model), "-ngl", str(n_gpu_layers), "--n-cpu-moe", str(n_cpu_moe),
+        "-c", str(n_ctx_tokens), "-np", str(n_parallel), "--kv-unified",
+        "-fa", "on" if flash_attn else "off", "--fit-print", "on",
+    ]  # fmt: skip
