@@ -114,6 +114,19 @@ def _is_type_tag(part: str) -> bool:
     return part in {"str", "int", "float", "bool", "none"} or "[" in part or part.startswith("literal")
 
 
+def _union_tags(errors: list[Any], loc: tuple[Any, ...]) -> list[str]:
+    """The member types of a union field every member of which refused the value."""
+    tags: list[str] = []
+    for err in errors:
+        e_loc = tuple(err["loc"])
+        for i, part in enumerate(e_loc):
+            if isinstance(part, str) and _is_type_tag(part):
+                if e_loc[:i] == loc[:i] and part not in tags:
+                    tags.append(part)
+                break
+    return tags
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
@@ -128,9 +141,12 @@ def validate(model: type[BaseModel], body: dict[str, Any]) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
+        errors = exc.errors()
+        first = errors[0]
         param = _loc_param(tuple(first["loc"]))
-        raise ApiError(400, param, f"{param}: {first['msg']}") from exc
+        tags = _union_tags(errors, tuple(first["loc"]))
+        detail = f"expected {' or '.join(tags)}" if len(tags) > 1 else first["msg"]
+        raise ApiError(400, param, f"{param}: {detail}") from exc
 
 
 def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
