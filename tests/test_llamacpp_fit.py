@@ -1,0 +1,98 @@
+"""Our llama.cpp memory projection (tensor placement, KV, fit check) and llama-fit-params parsing."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchsuite.llamacpp_fit import (
+    MIB,
+    ModelFacts,
+    Projection,
+    fit_params_argv,
+    kv_bytes_per_layer,
+    parse_fit_print,
+    project,
+    projection_from_fit_print,
+)
+
+EXPERT_BYTES = 1000  # per stacked expert tensor
+ATTN_BYTES = 10
+
+
+def _facts(n_layer: int = 4) -> ModelFacts:
+    tensors = [("token_embd.weight", 500), ("output_norm.weight", 4), ("output.weight", 700)]
+    for i in range(n_layer):
+        tensors += [(f"blk.{i}.attn_q.weight", ATTN_BYTES), (f"blk.{i}.ffn_gate_inp.weight", 3)]
+        tensors += [(f"blk.{i}.ffn_{p}_exps.weight", EXPERT_BYTES) for p in ("gate", "up", "down")]
+    return ModelFacts(
+        n_layer=n_layer, n_embd=64, n_head=4, n_head_kv=2, head_dim_k=16, head_dim_v=16, n_vocab=1000,
+        n_expert=32, n_expert_used=4, n_ff_exp=32, tensor_bytes=tuple(tensors),
+    )
+
+
+def test_first_n_layers_experts_and_token_embedding_stay_on_the_host():
+    facts = _facts()
+    all_bytes = sum(b for _, b in facts.tensor_bytes)
+    for n in range(5):
+        p = project(facts, n, 1024)
+        assert p.host_model_bytes == 500 + 3 * EXPERT_BYTES * n
+        assert p.gpu_model_bytes + p.host_model_bytes == all_bytes
+    assert project(facts, 1, 1024).gpu_model_bytes - project(facts, 2, 1024).gpu_model_bytes == 3 * EXPERT_BYTES
+
+
+def test_kv_is_cells_padded_to_256_times_kv_heads_times_k_plus_v_dims_in_f16():
+    facts = _facts()
+    assert kv_bytes_per_layer(facts, 1000) == 1024 * 2 * (16 + 16) * 2
+    assert project(facts, 0, 1000).gpu_context_bytes == 4 * 1024 * 2 * 32 * 2
+
+
+def test_flash_attention_drops_the_score_matrix_from_the_compute_estimate():
+    facts = _facts()
+    without = project(facts, 0, 1024, flash_attn=False).gpu_compute_bytes
+    with_fa = project(facts, 0, 1024, flash_attn=True).gpu_compute_bytes
+    assert without - with_fa == 4 * facts.n_head * 512 * 1024
+
+
+def test_cpu_layers_from_ngl_move_whole_layers_and_output():
+    facts = _facts()
+    p = project(facts, 0, 1024, n_gpu_layers=2)  # layers 0 and 1 on the CPU, output too (ngl <= n_layer)
+    layer_bytes = ATTN_BYTES + 3 + 3 * EXPERT_BYTES
+    assert p.gpu_model_bytes == 2 * layer_bytes
+    assert p.gpu_context_bytes == 2 * kv_bytes_per_layer(facts, 1024)
+
+
+def test_fit_check_includes_the_margin():
+    p = Projection(3, gpu_model_bytes=10 * MIB, gpu_context_bytes=2 * MIB, gpu_compute_bytes=3 * MIB,
+                   host_model_bytes=0, source="benchsuite")
+    assert p.fits(16 * MIB, margin_bytes=MIB)
+    assert not p.fits(16 * MIB, margin_bytes=2 * MIB)
+
+
+FIT_PRINT = """\
+llama_fit_params: printing estimated memory in MiB to stdout (device, model, context, compute) ...
+CUDA0 17105 960 301
+Host 312 0 12
+"""
+
+
+def test_parse_fit_print_lines():
+    rows = parse_fit_print(FIT_PRINT)
+    assert [(r.device, r.model_mib, r.context_mib, r.compute_mib) for r in rows] == [
+        ("CUDA0", 17105, 960, 301),
+        ("Host", 312, 0, 12),
+    ]
+    p = projection_from_fit_print(FIT_PRINT, n_cpu_moe=7)
+    assert p.gpu_total_bytes == (17105 + 960 + 301) * MIB
+    assert (p.host_model_bytes, p.source, p.n_cpu_moe) == (312 * MIB, "llama-fit-params", 7)
+
+
+def test_fit_print_without_a_gpu_line_is_an_error():
+    with pytest.raises(ValueError, match="no GPU device"):
+        projection_from_fit_print("Host 5 1 2\n", n_cpu_moe=0)
+
+
+def test_fit_params_argv_pins_the_server_flags():
+    argv = fit_params_argv("bin/llama-fit-params", "m.gguf", 5, 10240, 4, True, 999)
+    assert argv[argv.index("--n-cpu-moe") + 1] == "5"
+    assert argv[argv.index("-c") + 1] == "10240" and argv[argv.index("-np") + 1] == "4"
+    assert argv[-2:] == ["--fit-print", "on"] and "--kv-unified" in argv
