@@ -34,7 +34,7 @@ from benchsuite.errors import RunError
 from benchsuite.machine import git_facts, machine_facts
 from benchsuite.plan import CellSpec, Plan, SearchTask, resolve_search
 from benchsuite.process import EngineProcess, free_port
-from benchsuite.records import CellResult
+from benchsuite.records import CellResult, RequestRecord
 from benchsuite.store import FINISHED_STATUSES, RunStore, Writer, atomic_write_bytes, utc_now
 
 RANDOM_SHORT_TOKENS = 32  # dataset `random`: length of a `short` prompt
@@ -135,30 +135,20 @@ async def measure_cell(ctx: RunContext, server: RunningServer, cell: CellSpec, *
         async with ctx.session.post(server.base_url + flush_path) as resp:
             if resp.status != 200:
                 raise RunError(f"POST {flush_path} answered HTTP {resp.status}; the prefix cache may be warm")
+    # Warmups run first as their own load so the counters cover the measured requests only.
+    warmups = [requests[i % len(requests)] for i in range(workload.warmup_requests)]
+    cold_first = server.cells_measured == 0
+    records: list[RequestRecord] = []
+    if warmups:
+        warm = await _load(ctx, server, cell, warmups, cold_first=cold_first, closed=True)
+        records = [dataclasses.replace(r, warmup=True) for r in warm]
+        cold_first = False
     before = await adapter.scrape(ctx.session, server.base_url)
-    load_spec = loadgen.LoadSpec(
-        concurrency=cell.concurrency,
-        arrival=workload.arrival,
-        rate_rps=workload.rate_rps,
-        warmup=workload.warmup_requests,
-        seed=workload.seed,
-    )
-    records = await asyncio.wait_for(
-        loadgen.run_load(
-            server.base_url,
-            requests,
-            load_spec,
-            cell_id=cell.cell_id,
-            model_name=str(spec.options.get("model", spec.name)),
-            extras=adapter.request_extras(spec),
-            cold_first=server.cells_measured == 0,
-            session=ctx.session,
-        ),
-        timeout=ctx.cell_timeout_s,
-    )
+    measured = await _load(ctx, server, cell, requests, cold_first=cold_first, closed=False)
+    records += [dataclasses.replace(r, request_index=r.request_index + len(warmups)) for r in measured]
     server.cells_measured += 1
     after = await adapter.scrape(ctx.session, server.base_url) if server.process.alive else None
-    result = metrics.summarize(records, base=_base_result(ctx, server, cell))
+    result = metrics.summarize(records, base=_base_result(ctx, spec, cell))
     if before is not None and after is not None:
         result = dataclasses.replace(result, **metrics.paging_delta(before, after))
     log_facts = adapter.parse_log(_read_log(ctx.store.log_path(spec.server_id)))
@@ -261,35 +251,40 @@ async def execute(ctx: RunContext) -> None:
         ctx.store.rebuild_tables()
 
 
+async def _load(
+    ctx: RunContext, server: RunningServer, cell: CellSpec, requests: list[loadgen.LoadRequest], *, cold_first: bool, closed: bool
+) -> list[RequestRecord]:
+    """One load phase of a cell: closed-loop warmups, or the measured requests as the workload says."""
+    workload = cell.workload_spec
+    spec = loadgen.LoadSpec(
+        concurrency=cell.concurrency,
+        arrival="closed" if closed else workload.arrival,
+        rate_rps=None if closed else workload.rate_rps,
+        seed=workload.seed,
+    )
+    return await asyncio.wait_for(
+        loadgen.run_load(
+            server.base_url,
+            requests,
+            spec,
+            cell_id=cell.cell_id,
+            model_name=str(server.spec.options.get("model", server.spec.name)),
+            extras=server.adapter.request_extras(server.spec),
+            cold_first=cold_first,
+            session=ctx.session,
+        ),
+        timeout=ctx.cell_timeout_s,
+    )
+
+
 def _finished(store: RunStore, cell_id: str) -> bool:
     stored = store.stored_cell(cell_id)
     return stored is not None and stored.result.status in FINISHED_STATUSES
 
 
-def _base_result(ctx: RunContext, server: RunningServer, cell: CellSpec) -> CellResult:
-    routing_label = getattr(server.adapter, "routing_label", None)
-    return CellResult(
-        cell_id=cell.cell_id,
-        run_id=ctx.plan.run_id,
-        engine=cell.engine,
-        engine_kind=server.spec.kind,
-        mode=server.adapter.mode(server.spec),
-        server_id=cell.server_id,
-        params=dict(cell.params),
-        workload=cell.workload,
-        prompt_class=cell.prompt_class,
-        concurrency=cell.concurrency,
-        repeat=cell.repeat,
-        status="ok",
-        routing=routing_label(server.spec) if routing_label else "model",
-    )
-
-
-def _failed(ctx: RunContext, cell: CellSpec, spec: ServerSpec, reason: str, base: CellResult | None = None) -> CellResult:
-    if base is not None:
-        return dataclasses.replace(base, status="failed", reason=reason)
+def _base_result(ctx: RunContext, spec: ServerSpec, cell: CellSpec) -> CellResult:
     adapter = ADAPTERS[spec.kind]
-    routing_label = getattr(adapter, "routing_label", None)
+    routing_label = getattr(adapter, "routing_label", None)  # engines with synthetic routing say so
     return CellResult(
         cell_id=cell.cell_id,
         run_id=ctx.plan.run_id,
@@ -302,10 +297,13 @@ def _failed(ctx: RunContext, cell: CellSpec, spec: ServerSpec, reason: str, base
         prompt_class=cell.prompt_class,
         concurrency=cell.concurrency,
         repeat=cell.repeat,
-        status="failed",
-        reason=reason,
+        status="ok",
         routing=routing_label(spec) if routing_label else "model",
     )
+
+
+def _failed(ctx: RunContext, cell: CellSpec, spec: ServerSpec, reason: str, base: CellResult | None = None) -> CellResult:
+    return dataclasses.replace(base or _base_result(ctx, spec, cell), status="failed", reason=reason)
 
 
 def _store_failure(ctx: RunContext, cell: CellSpec, spec: ServerSpec, reason: str) -> CellResult:
@@ -326,8 +324,8 @@ def _read_log(path: Path) -> str:
 
 
 def _load_requests(ctx: RunContext, server: RunningServer, cell: CellSpec) -> list[loadgen.LoadRequest]:
-    """The measured requests, the same prompts for every engine (seeded order); the load
-    generator takes its warmups cyclically from the start of this list."""
+    """The measured requests, the same prompts for every engine (seeded order); warmups reuse
+    the first ones."""
     workload = cell.workload_spec
     count = workload.num_requests
     prompts = _prompt_pool(ctx, server, cell, count)

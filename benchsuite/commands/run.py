@@ -47,6 +47,8 @@ def main(args: argparse.Namespace) -> int:
     from benchsuite.runner import open_store, run_plan  # the load path; a dry run never needs it
 
     console = Console(quiet=args.quiet, highlight=False)
+    if not console.is_terminal:
+        console.width = max(console.width, 132)  # logs and CI: keep the summary table unwrapped
     store = open_store(plan, args.output_root)
     todo = sum(1 for c in plan.cells if not _finished(store, c.cell_id))
     console.print(f"run {plan.run_id}: {len(plan.cells)} cells ({len(plan.cells) - todo} already done) -> {store.run_dir}")

@@ -1,0 +1,289 @@
+"""The run loop against a fake engine process: one start per server, cells stored as they end,
+failures recorded without stopping the matrix, resume after SIGKILL, Ctrl-C keeps results.
+
+The fake engine is this file run as a script (`--serve`): an aiohttp OpenAI-style streaming
+server with /health, /metrics (paging-style counters), /flush_cache, and scripted failures. It
+is wired in as the `builtin` kind through the adapter registry's cache (FakeAdapter below).
+`--cli ...` runs `benchsuite` with that wiring, for the subprocess tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import psutil
+import pytest
+import yaml
+from pydantic import BaseModel, ConfigDict
+
+from benchsuite.engines.base import LaunchPlan, ServerSpec
+
+HERE = Path(__file__).resolve()
+
+
+class FakeOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    behaviour: Literal["ok", "crash", "die"] = "ok"
+    die_after: int = 0  # completions served before the process exits (behaviour die)
+    token_delay_s: float = 0.01
+    label: int = 0  # something to sweep
+    tag: str = ""  # marks the engine processes of one test, to look for orphans
+
+
+class FakeAdapter:
+    kind = "builtin"
+    options_model = FakeOptions
+    flush_cache_path = "/flush_cache"
+
+    def validate(self, spec: ServerSpec) -> None:
+        pass
+
+    def launch_plan(self, spec: ServerSpec, port: int) -> LaunchPlan:
+        o = FakeOptions.model_validate(dict(spec.options))
+        argv = [sys.executable, str(HERE), "--serve", "--port", str(port), "--behaviour", o.behaviour,
+                "--die-after", str(o.die_after), "--token-delay-s", str(o.token_delay_s), "--tag", o.tag]  # fmt: skip
+        return LaunchPlan(argv=argv, startup_timeout_s=60.0)
+
+    def mode(self, spec: ServerSpec) -> str:
+        return "fake"
+
+    def request_extras(self, spec: ServerSpec) -> dict[str, Any]:
+        return {}
+
+    def version(self, spec: ServerSpec) -> dict[str, Any]:
+        return {"engine": "fake"}
+
+    async def scrape(self, session: Any, base_url: str) -> dict[str, float] | None:
+        from benchsuite.metrics import parse_prometheus
+
+        async with session.get(f"{base_url}/metrics") as resp:
+            return parse_prometheus(await resp.text())
+
+    def parse_log(self, log_text: str) -> dict[str, Any]:
+        return {}
+
+
+def use_fake_engine() -> None:
+    from benchsuite.engines import ADAPTERS
+
+    ADAPTERS._loaded["builtin"] = FakeAdapter()  # type: ignore[attr-defined]
+
+
+@pytest.fixture(autouse=True)
+def fake_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchsuite.engines import ADAPTERS
+
+    monkeypatch.setitem(ADAPTERS._loaded, "builtin", FakeAdapter())  # type: ignore[attr-defined]
+
+
+def matrix(tmp_path: Path, engines: dict[str, Any], concurrency: list[int] = [1, 2], num_requests: int = 3) -> Path:
+    body = {
+        "name": "fake",
+        "output_root": str(tmp_path / "results"),
+        "engines": {name: {"kind": "builtin", "options": options} for name, options in engines.items()},
+        "workloads": {"w": {"output_tokens": 4, "concurrency": concurrency, "num_requests": num_requests, "warmup_requests": 1}},
+    }
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump(body))
+    return path
+
+
+def run_cli(*args: str) -> int:
+    from benchsuite.cli import main
+
+    return main(["run", *args, "--quiet", "--no-report"])
+
+
+def only_run_dir(tmp_path: Path) -> Path:
+    (run_dir,) = (tmp_path / "results").iterdir()
+    return run_dir
+
+
+def cells(run_dir: Path) -> dict[str, dict[str, Any]]:
+    return {p.stem: json.loads(p.read_text()) for p in (run_dir / "cells").glob("*.json")}
+
+
+def starts(log: Path) -> int:
+    return log.read_text().count("# benchsuite: starting")
+
+
+def orphans(tag: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if "--serve" in cmdline and tag in cmdline:
+            found.append(proc)
+    return found
+
+
+def test_each_server_starts_once_and_a_rerun_skips_finished_cells(tmp_path: Path) -> None:
+    path = matrix(tmp_path, {"e": {"label": [1, 2]}})
+    assert run_cli(str(path)) == 0
+    run_dir = only_run_dir(tmp_path)
+    stored = cells(run_dir)
+    assert len(stored) == 4 and {c["cell"]["status"] for c in stored.values()} == {"ok"}
+    logs = sorted((run_dir / "logs").glob("*.log"))
+    assert len(logs) == 2 and [starts(log) for log in logs] == [1, 1]
+    one = next(iter(stored.values()))
+    assert one["cell"]["params"] in ({"label": 1}, {"label": 2})
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert all("--serve" in s["argv"] for s in manifest["servers"].values())
+    metrics = json.loads(next((run_dir / "engine_metrics").glob("*.json")).read_text())
+    assert metrics["after"]["paged_experts:expert_hits_total"] > metrics["before"]["paged_experts:expert_hits_total"]
+    for payload in stored.values():
+        c = payload["cell"]
+        measured = [r for r in payload["requests"] if not r["warmup"]]
+        assert len(measured) == 3 and c["output_tokens_total"] == 12
+        # each completion adds 3 hits and 1 miss to the fake's counters; the warmup is not counted
+        assert c["expert_hits"] == 3 * 3 and c["miss_rate"] == pytest.approx(0.25)
+    before = {p.name: p.read_bytes() for p in (run_dir / "cells").glob("*.json")}
+    assert run_cli(str(path)) == 0
+    assert [starts(log) for log in logs] == [1, 1]  # nothing started again
+    assert {p.name: p.read_bytes() for p in (run_dir / "cells").glob("*.json")} == before
+    assert len(json.loads((run_dir / "manifest.json").read_text())["invocations"]) == 2
+
+
+def test_failures_are_recorded_the_rest_continues_and_a_rerun_retries(tmp_path: Path) -> None:
+    engines = {"crash": {"behaviour": "crash"}, "dies": {"behaviour": "die", "die_after": 2}, "good": {}}
+    path = matrix(tmp_path, engines)
+    assert run_cli(str(path)) == 1
+    run_dir = only_run_dir(tmp_path)
+    by_engine: dict[str, list[dict[str, Any]]] = {}
+    for payload in cells(run_dir).values():
+        by_engine.setdefault(payload["cell"]["engine"], []).append(payload["cell"])
+    assert {c["status"] for c in by_engine["good"]} == {"ok"}
+    assert all(c["status"] == "failed" and "engine did not start" in c["reason"] for c in by_engine["crash"])
+    assert any("Traceback (most recent call last)" in c["reason"] for c in by_engine["crash"])
+    assert {c["status"] for c in by_engine["dies"]} == {"failed"}
+    assert all("engine exited" in c["reason"] or "Error" in c["reason"] for c in by_engine["dies"])
+    assert (run_dir / "cells.csv").read_text().count("failed") == 4
+    assert run_cli(str(path)) == 1  # failed cells run again once per rerun; earlier attempts kept
+    attempts = sorted(p.name for p in (run_dir / "attempts").iterdir())
+    assert len(attempts) == 4 and all(name.endswith(".1.json") for name in attempts)
+    assert {c["attempt"] for c in cells(run_dir).values() if c["cell"]["engine"] == "good"} == {1}
+
+
+def test_sigkill_mid_run_then_rerun_completes_and_keeps_what_was_written(tmp_path: Path) -> None:
+    tag = f"tag-{tmp_path.name}"
+    path = matrix(tmp_path, {"slow": {"token_delay_s": 0.05, "tag": tag}}, concurrency=[1, 2, 3, 4], num_requests=4)
+    child = subprocess.Popen([sys.executable, str(HERE), "--cli", str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not list((tmp_path / "results").glob("*/cells/*.json")):
+            time.sleep(0.1)
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    run_dir = only_run_dir(tmp_path)
+    written = {p.name: p.read_bytes() for p in (run_dir / "cells").glob("*.json")}
+    assert 1 <= len(written) < 4
+    deadline = time.monotonic() + 10
+    while orphans(tag) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert orphans(tag) == []  # the engine died with its parent
+    assert run_cli(str(path)) == 0
+    after = {p.name: p.read_bytes() for p in (run_dir / "cells").glob("*.json")}
+    assert len(after) == 4 and all(after[name] == data for name, data in written.items())
+
+
+def test_ctrl_c_stops_the_engine_keeps_results_and_exits_130(tmp_path: Path) -> None:
+    tag = f"tag-{tmp_path.name}"
+    path = matrix(tmp_path, {"slow": {"token_delay_s": 0.05, "tag": tag}}, concurrency=[1, 2, 3, 4], num_requests=4)
+    child = subprocess.Popen([sys.executable, str(HERE), "--cli", str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not list((tmp_path / "results").glob("*/cells/*.json")):
+            time.sleep(0.1)
+        child.send_signal(signal.SIGINT)
+        out, _ = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == 130, out
+    assert "interrupted; finished cells are kept" in out
+    assert orphans(tag) == []
+    run_dir = only_run_dir(tmp_path)
+    assert list((run_dir / "cells").glob("*.json"))
+    assert (run_dir / "cells.parquet").exists()
+
+
+# ---- the fake engine ---------------------------------------------------------------------------
+
+
+def serve(args: argparse.Namespace) -> None:
+    import asyncio
+
+    from aiohttp import web
+
+    if args.behaviour == "crash":
+        print("Traceback (most recent call last):\n  RuntimeError: fake engine cannot start", flush=True)
+        sys.exit(1)
+    counters = {"hits": 0, "misses": 0, "tokens": 0, "completions": 0}
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def flush(request: web.Request) -> web.Response:
+        return web.Response(text="flushed")
+
+    async def metrics(request: web.Request) -> web.Response:
+        text = (
+            f"paged_experts:expert_hits_total {counters['hits']}\n"
+            f"paged_experts:expert_misses_total {counters['misses']}\n"
+            f"paged_experts:generation_tokens_total {counters['tokens']}\n"
+        )
+        return web.Response(text=text)
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        counters["completions"] += 1
+        if args.behaviour == "die" and counters["completions"] > args.die_after:
+            print("Segmentation fault (fake)", flush=True)
+            os._exit(139)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        n = int(body["max_tokens"])
+        for i in range(n):
+            await asyncio.sleep(args.token_delay_s)
+            chunk = {"choices": [{"index": 0, "text": f" t{i}", "finish_reason": "length" if i == n - 1 else None}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        counters["hits"] += 3
+        counters["misses"] += 1
+        counters["tokens"] += n
+        usage = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": n + 5}}
+        await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/flush_cache", flush)
+    app.router.add_post("/v1/completions", completions)
+    web.run_app(app, host="127.0.0.1", port=args.port, print=None)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--cli"]:
+        use_fake_engine()
+        from benchsuite.cli import main
+
+        sys.exit(main(["run", *sys.argv[2:], "--no-report"]))
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--serve", action="store_true")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--behaviour", default="ok")
+    parser.add_argument("--die-after", type=int, default=0)
+    parser.add_argument("--token-delay-s", type=float, default=0.0)
+    parser.add_argument("--tag", default="")
+    serve(parser.parse_args())
