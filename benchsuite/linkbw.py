@@ -1,0 +1,175 @@
+"""Host<->device link bandwidth probe: pinned and pageable copies, host-to-device and back, at
+expert sizes and at 1 GiB, timed with CUDA events after warmup.
+
+Owns the measurement plan (`LinkPlan`), the timing loop, the result record (`LinkBwReport`, JSON
+with a schema version) and `paging_b_per_s_from_json`, the single figure preflight and simulate
+take from a report: pinned host->device bandwidth of back-to-back expert-sized copies (what
+paging does; DESIGN.md section 5 measured 50 GB/s for 384 x 2.4 MB on PCIe 5.0 x16).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from benchsuite.errors import RunError, UserError
+
+SCHEMA_VERSION = 1
+GB_BYTES = 10**9
+GIB_BYTES = 2**30
+# Qwen3-30B-A3B experts (DESIGN.md section 3): int4 GPTQ, fp8 block, bf16.
+EXPERT_SIZES_BYTES = (2_433_024, 4_719_744, 9_437_184)
+LARGE_BYTES = GIB_BYTES
+BURST_COPIES = 384  # one int4 token whose 48 x 8 expert activations all miss
+
+
+@dataclass(frozen=True)
+class LinkPlan:
+    expert_sizes_bytes: tuple[int, ...] = EXPERT_SIZES_BYTES
+    large_bytes: int = LARGE_BYTES
+    burst_copies: int = BURST_COPIES
+    warmup: int = 2
+    samples: int = 5
+    large_samples: int = 3
+    pageable: bool = True
+    d2h: bool = True
+
+
+@dataclass(frozen=True)
+class LinkMeasurement:
+    direction: str  # "h2d" | "d2h"
+    memory: str  # "pinned" | "pageable"
+    size_bytes: int  # one copy
+    copies: int  # copies per sample (back-to-back when > 1)
+    sample_s: tuple[float, ...]  # seconds per sample (all copies)
+
+    @property
+    def median_gb_per_s(self) -> float:
+        return self.size_bytes * self.copies / statistics.median(self.sample_s) / GB_BYTES
+
+    @property
+    def best_gb_per_s(self) -> float:
+        return self.size_bytes * self.copies / min(self.sample_s) / GB_BYTES
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "median_gb_per_s": self.median_gb_per_s, "best_gb_per_s": self.best_gb_per_s}
+
+
+@dataclass(frozen=True)
+class LinkBwReport:
+    device: str
+    torch_version: str
+    cuda_version: str
+    measurements: tuple[LinkMeasurement, ...]
+    created_unix_s: float = field(default_factory=time.time)
+
+    @property
+    def paging_gb_per_s(self) -> float:
+        """Pinned H2D, back-to-back copies of the smallest expert size (median)."""
+        bursts = [m for m in self.measurements if m.direction == "h2d" and m.memory == "pinned" and m.copies > 1]
+        if not bursts:
+            raise ValueError("report has no pinned back-to-back host-to-device measurement")
+        return min(bursts, key=lambda m: m.size_bytes).median_gb_per_s
+
+    def to_dict(self) -> dict:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "device": self.device,
+            "torch_version": self.torch_version,
+            "cuda_version": self.cuda_version,
+            "created_unix_s": self.created_unix_s,
+            "paging_gb_per_s": self.paging_gb_per_s,
+            "measurements": [m.to_dict() for m in self.measurements],
+        }
+
+
+def paging_b_per_s_from_json(path: str | Path) -> float:
+    """Bytes per second preflight/simulate use from a `benchsuite linkbw --json-out` file."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"cannot read linkbw JSON {path}: {exc}") from None
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise UserError(f"{path}: linkbw schema {data.get('schema_version')}, expected {SCHEMA_VERSION}; re-run linkbw")
+    value = data.get("paging_gb_per_s")
+    if not isinstance(value, (int, float)) or value <= 0:
+        raise UserError(f"{path}: no positive paging_gb_per_s")
+    return float(value) * GB_BYTES
+
+
+def _time_copies(torch, dst, src, size: int, copies: int, warmup: int, samples: int) -> tuple[float, ...]:
+    """Seconds per sample of `copies` back-to-back copies of `size` bytes, CUDA-event timed."""
+
+    def run() -> None:
+        for i in range(copies):
+            dst[i * size : (i + 1) * size].copy_(src[i * size : (i + 1) * size], non_blocking=True)
+
+    for _ in range(warmup):
+        run()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(samples):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) / 1e3)
+    return tuple(out)
+
+
+def _cases(plan: LinkPlan) -> list[tuple[str, str, int, int, int]]:
+    """(direction, memory, size_bytes, copies, samples) in the order measured."""
+    cases = []
+    directions = ("h2d", "d2h") if plan.d2h else ("h2d",)
+    memories = ("pinned", "pageable") if plan.pageable else ("pinned",)
+    for direction in directions:
+        for memory in memories:
+            for size in plan.expert_sizes_bytes:
+                cases.append((direction, memory, size, 1, plan.samples))
+                if memory == "pinned" and plan.burst_copies > 1:
+                    cases.append((direction, memory, size, plan.burst_copies, plan.samples))
+            cases.append((direction, memory, plan.large_bytes, 1, plan.large_samples))
+    return cases
+
+
+def measure(plan: LinkPlan, device_index: int = 0) -> LinkBwReport:
+    try:
+        import torch
+    except ImportError:
+        raise RunError("linkbw needs torch") from None
+    if not torch.cuda.is_available():
+        raise RunError("linkbw needs a CUDA GPU: torch.cuda.is_available() is False on this machine")
+    device = torch.device("cuda", device_index)
+    torch.cuda.set_device(device)
+    biggest = max(max(s * (plan.burst_copies if plan.burst_copies > 1 else 1) for s in plan.expert_sizes_bytes), plan.large_bytes)
+    dev_buf = torch.empty(biggest, dtype=torch.uint8, device=device)
+    host = {"pinned": torch.empty(biggest, dtype=torch.uint8, pin_memory=True)}
+    if plan.pageable:
+        host["pageable"] = torch.empty(biggest, dtype=torch.uint8)
+    for buf in host.values():
+        buf.fill_(1)  # touch every page so pageable timing excludes first-touch faults
+    results = []
+    for direction, memory, size, copies, samples in _cases(plan):
+        src, dst = (host[memory], dev_buf) if direction == "h2d" else (dev_buf, host[memory])
+        sample_s = _time_copies(torch, dst, src, size, copies, plan.warmup, samples)
+        results.append(LinkMeasurement(direction, memory, size, copies, sample_s))
+    return LinkBwReport(
+        device=torch.cuda.get_device_name(device),
+        torch_version=torch.__version__,
+        cuda_version=str(torch.version.cuda),
+        measurements=tuple(results),
+    )
+
+
+def render(report: LinkBwReport) -> str:
+    lines = [f"{report.device} (torch {report.torch_version}, CUDA {report.cuda_version})",
+             f"{'dir':<4} {'memory':<9} {'size':>10} {'copies':>6} {'median GB/s':>12} {'best GB/s':>10}"]  # fmt: skip
+    for m in report.measurements:
+        size = f"{m.size_bytes / 1e6:.2f} MB" if m.size_bytes < GIB_BYTES else f"{m.size_bytes / GIB_BYTES:.0f} GiB"
+        lines.append(f"{m.direction:<4} {m.memory:<9} {size:>10} {m.copies:>6} {m.median_gb_per_s:>12.1f} {m.best_gb_per_s:>10.1f}")
+    lines.append(f"paging figure (pinned H2D, back-to-back expert copies): {report.paging_gb_per_s:.1f} GB/s")
+    return "\n".join(lines)
