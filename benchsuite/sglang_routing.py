@@ -7,7 +7,7 @@ prompt, then every generated token but the last; managers/scheduler_components/
 batch_result_processor.py:136-179, state_capturer/base.py:173-188, detokenizer_manager.py:432-448):
 in `meta_info.routed_experts` on the native /generate route, in `sglext.routed_experts` on the OpenAI
 routes (entrypoints/openai/protocol.py:470-477; when streaming, on its own chunk whose `choices` is
-empty, serving_completions.py:428-472).
+empty, serving_completions.py:428-476).
 
 Owns turning streamed chunks into one response dict, the MoE layer ids of a config.json (SGLang
 returns every hidden layer; dense layers carry no routing), and writing the trace through

@@ -213,7 +213,7 @@ class SGLangAdapter:
     def request_extras(self, spec: ServerSpec) -> dict[str, Any]:
         # CompletionRequest.return_routed_experts (entrypoints/openai/protocol.py:390); the ids come
         # back base64 in `sglext.routed_experts` (protocol.py:470-477, 536, 575): on the response, or
-        # when streaming on a chunk with empty `choices` (serving_completions.py:428-472).
+        # when streaming on a chunk with empty `choices` (serving_completions.py:428-476).
         return {"return_routed_experts": True} if self._options(spec).return_routed_experts else {}
 
     def version(self, spec: ServerSpec) -> dict[str, Any]:
