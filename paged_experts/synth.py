@@ -124,7 +124,7 @@ def _tokenizer_config(tok: Tokenizer) -> dict[str, object]:
     }
 
 
-def _hf_config(p: Preset, vocab_size: int, bos_id: int, eos_id: int) -> dict[str, object]:
+def hf_config_for(p: Preset, vocab_size: int, bos_id: int, eos_id: int) -> dict[str, object]:
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
@@ -266,7 +266,7 @@ def write_checkpoint(
     bos_id, eos_id = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(tok), indent=2) + "\n")
-    (out / "config.json").write_text(json.dumps(_hf_config(p, vocab_size, bos_id, eos_id), indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(hf_config_for(p, vocab_size, bos_id, eos_id), indent=2) + "\n")
     generation = {"bos_token_id": bos_id, "eos_token_id": [eos_id, bos_id], "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     _write_shards(_tensors(p, vocab_size, seed), out, p.max_shard_bytes)
