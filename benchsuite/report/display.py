@@ -1,5 +1,10 @@
-"""Display form of a table (HTML and markdown): each `<x>_min / <x>_median / <x>_max` triple
-becomes one `<x>` column written "median [min–max]"; other columns pass through unchanged."""
+"""Display form of a table (HTML and markdown); the CSV keeps the exact columns.
+
+- each `<x>_min / <x>_median / <x>_max` triple becomes one `<x>` column written "median [min–max]";
+- in the ratio table, each baseline's `<b>_config`, its spread, `paged_vs_<b>` and the verdict become
+  one `vs <b>` column: "2.00× significant (spreads disjoint) · tiny · offload: 21.00 [20.00–22.00]";
+- other columns pass through, formatted by fmt.format_value.
+"""
 
 from __future__ import annotations
 
@@ -15,16 +20,38 @@ def _spread_text(column: str, low: object, mid: object, high: object) -> str:
     return f"{median} [{format_value(column, low)}–{format_value(column, high)}]"
 
 
+def _baselines(columns: list[str]) -> list[str]:
+    return [c[: -len("_config")] for c in columns
+            if c.endswith("_config") and f"paged_vs_{c[: -len('_config')]}" in columns and f"paged_vs_{c[: -len('_config')]}_verdict" in columns]
+
+
+def _baseline_text(row: pd.Series, name: str) -> str:
+    config = str(row[f"{name}_config"])
+    if config == "not run":
+        return "not run"
+    spread = _spread_text(name, row[f"{name}_min"], row[f"{name}_median"], row[f"{name}_max"])
+    ratio = format_value(f"paged_vs_{name}", row[f"paged_vs_{name}"])
+    return f"{ratio} {row[f'paged_vs_{name}_verdict']} · {config}: {spread}"
+
+
 def display_frame(frame: pd.DataFrame) -> pd.DataFrame:
     out: dict[str, list[object]] = {}
     columns = list(frame.columns)
+    baselines = _baselines(columns)
+    merged = {f"{b}{suffix}" for b in baselines for suffix in ("_config", "_min", "_median", "_max")}
+    merged |= {f"paged_vs_{b}{suffix}" for b in baselines for suffix in ("", "_verdict")}
     for column in columns:
+        if column in merged:
+            if column.endswith("_config"):
+                name = column[: -len("_config")]
+                out[f"vs {name}"] = [_baseline_text(row, name) for _, row in frame.iterrows()]
+            continue
         if column.endswith("_median"):
             base = column[: -len("_median")]
             if f"{base}_min" in columns and f"{base}_max" in columns:
                 out[base] = [_spread_text(base, lo, mid, hi) for lo, mid, hi in zip(frame[f"{base}_min"], frame[column], frame[f"{base}_max"])]
                 continue
-        if (column.endswith("_min") and f"{column[:-4]}_median" in columns) or (column.endswith("_max") and f"{column[:-4]}_median" in columns):
+        if (column.endswith("_min") or column.endswith("_max")) and f"{column[:-4]}_median" in columns:
             continue
         out[column] = [format_value(column, v) for v in frame[column]]
     return pd.DataFrame(out, index=frame.index)

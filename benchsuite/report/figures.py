@@ -39,6 +39,14 @@ def _layout(fig: go.Figure, title: str, x_title: str, y_title: str) -> go.Figure
         title=title, xaxis_title=x_title, yaxis_title=y_title, template="plotly_white", height=430,
         margin=dict(l=60, r=20, t=50, b=50), legend=dict(font=dict(size=10)), font=dict(family="sans-serif"),
     )
+    fig.update_xaxes(automargin=True)
+    return fig
+
+
+def _integer_ticks(fig: go.Figure, values: list[float]) -> go.Figure:
+    """Ticks only at the measured integer x values (concurrency, K, N), never at 1.2 requests."""
+    ticks = sorted({int(v) for v in values if v is not None})
+    fig.update_xaxes(tickmode="array", tickvals=ticks, ticktext=[str(t) for t in ticks])
     return fig
 
 
@@ -75,7 +83,7 @@ def throughput_vs_concurrency(groups: pd.DataFrame) -> list[Figure]:
                              ("output_tok_s", "Aggregate output tok/s vs concurrency", "output tok/s (all requests)")):
         traces, ids = _metric_vs(groups, metric, "concurrency", ["label", "prompt_class"])
         if traces:
-            fig = _layout(go.Figure(traces), title, "concurrent requests", y)
+            fig = _integer_ticks(_layout(go.Figure(traces), title, "concurrent requests", y), [x for t in traces for x in t.x])
             out.append(Figure(f"fig-{metric}-vs-concurrency", title, fig, "One line per engine, mode and setting; median over repeats, bars min..max.", tuple(ids)))
     return out
 
@@ -93,6 +101,7 @@ def decode_vs_k(groups: pd.DataFrame, top_k: int | None) -> list[Figure]:
         traces.append(_spread_trace(name, list(g["k"]), list(g["decode_tok_s_p50"]), group_ids, text=text, mode="lines+markers+text"))
         ids.extend(i for sub in group_ids for i in sub)
     fig = _layout(go.Figure(traces), "Decode tok/s vs resident experts K", "K (resident experts per layer)", "decode tok/s (per-request median)")
+    _integer_ticks(fig, list(paged["k"]) + ([int(c) * top_k for c in paged["concurrency"]] if top_k else []))
     fig.update_traces(textposition="top center", textfont=dict(size=9))
     caption = "Points are labelled with K // top_k, the batch that fits in one wave."
     if top_k:
@@ -122,7 +131,7 @@ def ttft_short_long(groups: pd.DataFrame) -> list[Figure]:
     if not traces:
         return []
     fig = _layout(go.Figure(traces), f"TTFT p50: {short} vs {long} prompts", "configuration", "TTFT p50 (ms)")
-    fig.update_layout(barmode="group", height=520, xaxis_tickangle=-30, xaxis_tickfont=dict(size=9))
+    fig.update_layout(barmode="group", height=600, xaxis_tickangle=-30, xaxis_tickfont=dict(size=9))
     return [Figure("fig-ttft-short-long", "TTFT p50 short vs long prompts", fig, "Median over repeats of each cell's TTFT p50; bars min..max.", tuple(ids))]
 
 
@@ -142,7 +151,7 @@ def request_distributions(cells: pd.DataFrame, samples: pd.DataFrame) -> list[Fi
                                  pointpos=0, marker=dict(size=3), customdata=list(g["cell_id"]),
                                  hovertemplate="%{y:.4g}<br>cell: %{customdata}<extra></extra>"))
         fig = _layout(go.Figure(traces), title + " (requests.parquet, warmup excluded)", "", y)
-        fig.update_layout(showlegend=False, height=520, xaxis_tickangle=-30, xaxis_tickfont=dict(size=9))
+        fig.update_layout(showlegend=False, height=640, xaxis_tickangle=-30, xaxis_tickfont=dict(size=9))
         out.append(Figure(f"fig-requests-{col}", title, fig, "Every measured request is a point; its hover names its cell.", tuple(sorted(set(data["cell_id"])))))
     return out
 
@@ -154,14 +163,13 @@ def paging_figures(groups: pd.DataFrame, num_experts: int | None) -> list[Figure
              ("waves_per_step", "concurrency", "k", "Waves per decode step vs concurrency", "concurrent requests", "waves per step"),
              ("union_mean", "concurrency", "k", "Union of routed experts per layer vs concurrency", "concurrent requests", "distinct experts per layer-step"))
     for metric, x_col, series, title, x_title, y_title in specs:
-        subset = groups.assign(series=[f"{lab.split(' · ')[0]} · {series}={v}" for lab, v in zip(groups["label"], groups[series])])
-        traces, ids = _metric_vs(subset, metric, x_col, ["series", "prompt_class", "routing"])
+        short_name = "c" if series == "concurrency" else "K"
+        names = [f"{engine} · {short_name}={v} · {cls}" + (f" · {routing_label(r)}" if is_synthetic(r) else "")
+                 for engine, v, cls, r in zip(groups["engine"], groups[series], groups["prompt_class"], groups["routing"])]
+        traces, ids = _metric_vs(groups.assign(series=names), metric, x_col, ["series"])
         if not traces:
             continue
-        for t in traces:
-            if "synthetic" in t.name:
-                t.name = t.name.replace("synthetic", "SYNTHETIC routing")
-        fig = _layout(go.Figure(traces), title, x_title, y_title)
+        fig = _integer_ticks(_layout(go.Figure(traces), title, x_title, y_title), [x for t in traces for x in t.x])
         if metric == "miss_rate" and num_experts:
             ks = sorted({float(k) for k in groups["k"].dropna()})
             fig.add_trace(go.Scatter(name=f"random routing: 1 - K/{num_experts}", x=ks, y=[1 - k / num_experts for k in ks],
@@ -171,29 +179,39 @@ def paging_figures(groups: pd.DataFrame, num_experts: int | None) -> list[Figure
 
 
 def search_curves(cells: pd.DataFrame) -> list[Figure]:
-    table = search_table(cells)
-    table = table[table["N"].notna() & table["decode_tok_s"].notna()]
-    if table.empty:
+    everything = search_table(cells)
+    everything = everything[everything["N"].notna()]
+    measured = everything[everything["decode_tok_s"].notna()]
+    if measured.empty:
         return []
     fig = go.Figure()
-    for (run_id, engine, conc), g in table.groupby(["run_id", "engine", "concurrency"], sort=True):
-        g = g.sort_values("N")
+    for (run_id, engine, conc), g in measured.groupby(["run_id", "engine", "concurrency"], sort=True):
         name = f"{engine} · c={conc}"
-        fig.add_trace(go.Scatter(name=name, x=list(g["N"]), y=list(g["decode_tok_s"]), mode="lines+markers",
-                                 marker=dict(symbol=["circle" if f is not False else "x" for f in g["fits"]], size=9),
-                                 customdata=list(g["cell_id"]), hovertemplate=_HOVER))
-        chosen = g[g["chosen"]]
-        if not chosen.empty:
-            fig.add_trace(go.Scatter(name=f"{name} · chosen N", x=list(chosen["N"]), y=list(chosen["decode_tok_s"]), mode="markers",
+        per_n = g.groupby("N", sort=True)
+        ns = list(per_n.groups)
+        ids = [" ".join(per_n.get_group(n)["cell_id"]) for n in ns]
+        medians = [float(per_n.get_group(n)["decode_tok_s"].median()) for n in ns]
+        fig.add_trace(go.Scatter(name=f"{name} · median over repeats", x=ns, y=medians, mode="lines+markers",
+                                 customdata=ids, hovertemplate=_HOVER))
+        fig.add_trace(go.Scatter(name=f"{name} · each cell", x=list(g["N"]), y=list(g["decode_tok_s"]), mode="markers",
+                                 marker=dict(size=6, color="grey", symbol="circle-open"), customdata=list(g["cell_id"]), hovertemplate=_HOVER))
+        chosen_ns = sorted({int(n) for n in g.loc[g["chosen"], "N"]})
+        if chosen_ns:
+            fig.add_trace(go.Scatter(name=f"{name} · chosen N", x=chosen_ns, y=[medians[ns.index(n)] for n in chosen_ns], mode="markers",
                                      marker=dict(symbol="star", size=16, color="gold", line=dict(color="black", width=1)),
-                                     customdata=list(chosen["cell_id"]), hovertemplate=_HOVER))
-    fitting = table[table["fits"] == True]  # noqa: E712 - fits may be None (unknown), only True counts
+                                     customdata=[ids[ns.index(n)] for n in chosen_ns], hovertemplate=_HOVER))
+    fitting = everything[everything["fits"] == True]  # noqa: E712 - fits may be None (unknown): only True counts
     if not fitting.empty:
         fig.add_vrect(x0=float(fitting["N"].min()) - 0.5, x1=float(fitting["N"].max()) + 0.5, fillcolor="green", opacity=0.08,
                       line_width=0, annotation_text="projection fits VRAM", annotation_position="top left")
+    for n in sorted({int(n) for n in everything.loc[everything["fits"] == False, "N"]}):  # noqa: E712
+        fig.add_vrect(x0=n - 0.5, x1=n + 0.5, fillcolor="red", opacity=0.08, line_width=0,
+                      annotation_text=f"N={n}: does not fit", annotation_position="top left")
     _layout(fig, "llama.cpp --n-cpu-moe search: decode tok/s vs N", "N (layers whose experts stay on the CPU)", "decode tok/s")
-    caption = "Shaded: N values whose memory projection fits the VRAM budget; x markers do not fit; star: the chosen N."
-    return [Figure("fig-search", "llama.cpp --n-cpu-moe search", fig, caption, tuple(table["cell_id"]))]
+    _integer_ticks(fig, list(everything["N"]))
+    caption = ("Green: N values whose memory projection fits the VRAM budget; red: N values that do not fit (not measured); "
+               "star: the chosen N.")
+    return [Figure("fig-search", "llama.cpp --n-cpu-moe search", fig, caption, tuple(everything["cell_id"]))]
 
 
 def all_figures(groups: pd.DataFrame, cells: pd.DataFrame, samples: pd.DataFrame, top_k: int | None, num_experts: int | None) -> list[Figure]:

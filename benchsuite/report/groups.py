@@ -149,5 +149,8 @@ def group_configs(cells: pd.DataFrame) -> pd.DataFrame:
         for metric in METRICS:
             row[metric] = Spread.of(list(ok[metric].dropna())) if metric in ok else None
         rows.append(row)
-    return pd.DataFrame(rows, columns=[*GROUP_KEYS, "label", "params", "k", "n_cpu_moe", "cell_ids", "ok_cell_ids",
-                                       "repeats_ok", "repeats_not_ok", *METRICS])
+    frame = pd.DataFrame(rows, columns=[*GROUP_KEYS, "label", "params", "k", "n_cpu_moe", "cell_ids", "ok_cell_ids",
+                                        "repeats_ok", "repeats_not_ok", *METRICS])
+    for column in ("k", "n_cpu_moe"):  # ints stay ints (K=8, not K=8.0), absent stays None
+        frame[column] = pd.Series([r[column] for r in rows], index=frame.index, dtype=object)
+    return frame

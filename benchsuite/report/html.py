@@ -21,7 +21,8 @@ _CSS = """
 body{font-family:system-ui,-apple-system,"Segoe UI",Helvetica,Arial,sans-serif;margin:24px;color:#222;max-width:1500px}
 h1{font-size:1.5em}h2{font-size:1.2em;margin-top:2em;border-bottom:1px solid #ddd}h3{font-size:1em}
 table{border-collapse:collapse;font-size:12px;margin:6px 0}th,td{border:1px solid #ccc;padding:3px 6px;text-align:left;vertical-align:top}
-th{background:#f3f3f3;position:sticky;top:0}.scroll{overflow-x:auto;max-height:600px}
+th{background:#f3f3f3;position:sticky;top:0}td{white-space:nowrap}td.wrap{white-space:normal;min-width:220px;max-width:460px}
+.scroll{overflow-x:auto}.scroll.tall{max-height:700px;overflow-y:auto}
 code{font-size:11px;word-break:break-all}.banner{padding:8px 12px;margin:8px 0;border-radius:4px}
 .warn{background:#fff3cd;border:1px solid #e0c36a}.bad{background:#fde2e2;border:1px solid #e3a0a0}.info{background:#e8f1fb;border:1px solid #9cc0e8}
 td.ns{color:#8a5a00;font-weight:bold}td.sig{color:#11602a}tr.synthetic td{background:#fff8e6}tr.status-failed td,tr.status-invalid td{background:#fdecec}
@@ -41,13 +42,19 @@ def _id_links(text: str) -> str:
     return " ".join(f'<a href="#cell-{html.escape(i)}">{html.escape(i)}</a>' for i in str(text).split())
 
 
+_WRAP_COLUMNS = ("cell_ids", "reason", "command", "configuration", "your_config", "your_paged_config")
+
+
 def _cell_class(column: str, text: str) -> str:
-    if column.endswith("_verdict"):
-        if text == NOT_SIGNIFICANT or text == SPREAD_UNKNOWN:
-            return ' class="ns"'
-        if text.startswith("significant"):
-            return ' class="sig"'
-    return ""
+    classes = []
+    if column in _WRAP_COLUMNS or column.startswith("vs "):
+        classes.append("wrap")
+    if column.endswith("_verdict") or column.startswith("vs "):
+        if NOT_SIGNIFICANT in text or SPREAD_UNKNOWN in text:
+            classes.append("ns")
+        elif "significant" in text:
+            classes.append("sig")
+    return f' class="{" ".join(classes)}"' if classes else ""
 
 
 def render_table(frame: pd.DataFrame, table_id: str, row_anchor_column: str | None = None) -> str:
@@ -71,7 +78,8 @@ def render_table(frame: pd.DataFrame, table_id: str, row_anchor_column: str | No
             body = _id_links(text) if column in ("cell_ids", "cell_id") and row_anchor_column != column else html.escape(str(text))
             tds.append(f"<td{_cell_class(column, str(text))}>{body}</td>")
         rows.append(f"<tr{attrs}>{''.join(tds)}</tr>")
-    return f'<div class="scroll"><table id="{table_id}"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table></div>'
+    tall = " tall" if len(frame) > 40 else ""
+    return f'<div class="scroll{tall}"><table id="{table_id}"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table></div>'
 
 
 def render_figure(fig: Figure) -> str:

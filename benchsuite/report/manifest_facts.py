@@ -29,9 +29,11 @@ class ServerFacts:
     version: str
 
 
-def _scalar_text(value: Any) -> str:
+def _scalar_text(value: Any, key: str = "") -> str:
     if isinstance(value, float):
         return f"{value:g}"
+    if isinstance(value, int) and not isinstance(value, bool) and key.endswith("_bytes"):
+        return f"{value} ({value / 2**30:.1f} GiB)"
     return str(value)
 
 
@@ -42,6 +44,8 @@ def flatten_facts(obj: Any, prefix: str = "") -> list[tuple[str, str]]:
         for key, value in obj.items():
             pairs.extend(flatten_facts(value, f"{prefix}{key}."))
         return pairs
+    if isinstance(obj, list) and not obj:
+        return [(prefix[:-1], "none")]
     if isinstance(obj, list) and all(not isinstance(v, (dict, list)) for v in obj):
         return [(prefix[:-1], ", ".join(_scalar_text(v) for v in obj))]
     if isinstance(obj, list):
@@ -49,7 +53,7 @@ def flatten_facts(obj: Any, prefix: str = "") -> list[tuple[str, str]]:
         for index, value in enumerate(obj):
             pairs.extend(flatten_facts(value, f"{prefix}{index}."))
         return pairs
-    return [(prefix[:-1], "absent" if obj is None else _scalar_text(obj))]
+    return [(prefix[:-1], "absent" if obj is None else _scalar_text(obj, prefix[:-1]))]
 
 
 def machine_facts(manifest: dict[str, Any]) -> list[tuple[str, str]]:

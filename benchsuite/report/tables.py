@@ -111,7 +111,7 @@ def ratio_table(groups: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame:
         spread = paged[metric]
         row: dict[str, Any] = {
             "setup": f"{paged['run_id']} · {paged['workload']} · {paged['prompt_class']}", "concurrency": int(paged["concurrency"]),
-            "paged": paged["label"], "K": paged["k"], "metric": metric, "synthetic": is_synthetic(paged["routing"]),
+            "paged_config": paged["label"], "K": paged["k"], "metric": metric, "synthetic": is_synthetic(paged["routing"]),
             **_spread_cols("paged", spread),
         }
         ids = list(paged["cell_ids"])
@@ -211,5 +211,5 @@ RAW_COLUMNS: tuple[str, ...] = (
 def raw_cells_table(cells: pd.DataFrame) -> pd.DataFrame:
     """Every cell as stored, the table every figure links to."""
     out = cells.sort_values(["run_id", "engine", "mode", "prompt_class", "concurrency", "repeat"])[list(RAW_COLUMNS)].copy()
-    out["params"] = [", ".join(f"{k}={v}" for k, v in sorted(p.items())) for p in out["params"]]
+    out["params"] = [", ".join(f"{k}={v}" for k, v in sorted(p.items())) or "none" for p in out["params"]]
     return out.reset_index(drop=True)
