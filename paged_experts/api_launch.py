@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-path", "--model", dest="model_path", required=True, help="HF checkpoint directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--mode", choices=MODES, default="resident")
+    p.add_argument("--mode", choices=MODES, help="default: implied by the K / layer flag given, else resident")
     p.add_argument("--paged-experts-num-resident", "--resident-experts", dest="resident_experts", type=int,
                    help="K expert slots per layer (mode paged)")  # fmt: skip
     p.add_argument("--offload-layers", type=int, help="offloaded MoE layers, counted from the first (mode offload; default all)")
@@ -101,7 +101,36 @@ def parse_args(argv: Sequence[str]) -> ServeConfig:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 <= ns.port < 65536:
         parser.error("--port must be in [0, 65535]")
-    return ServeConfig(**vars(ns))
+    if ns.mode is None:
+        implied = [m for m, v in (("paged", ns.resident_experts), ("offload", ns.offload_layers),
+                                  ("cpu-experts", ns.n_cpu_moe)) if v is not None]  # fmt: skip
+        ns.mode = implied[0] if len(implied) == 1 else "resident"
+    config = ServeConfig(**vars(ns))
+    try:
+        # mode / K / layer flags are checked now; checks against the model's shape come at load
+        RuntimeConfig(
+            mode=config.mode,  # type: ignore[arg-type]
+            resident_experts=config.resident_experts,
+            offload_layers=config.offload_layers,
+            cpu_expert_layers=config.n_cpu_moe,
+            device=config.device,
+            dtype=config.dtype or "float32",
+        )
+    except ValueError as exc:
+        parser.error(_flag_names(str(exc)))
+    return config
+
+
+def _flag_names(message: str) -> str:
+    """RuntimeConfig speaks in field names; the user typed flags."""
+    for field_name, flag in (
+        ("resident_experts", "--paged-experts-num-resident"),
+        ("offload_layers", "--offload-layers"),
+        ("cpu_expert_layers", "--n-cpu-moe"),
+        ("mode=", "--mode "),
+    ):
+        message = message.replace(field_name, flag)
+    return message
 
 
 @dataclass
@@ -159,11 +188,15 @@ def load_serving(config: ServeConfig, metrics: ServerMetrics) -> Serving:
     extra_eos = [model_config.eos_token_id] if model_config.eos_token_id is not None else []
     codec = TextCodec.from_dir(config.model_path, extra_eos_ids=extra_eos)
     closers: list[Callable[[], object]] = []
-    step_hooks = []
+    step_hooks: list[Callable[[list[tuple[str, int]]], None]] = []
+    free_hooks: list[Callable[[Any], None]] = []
     if config.routing_source is not None:
         from paged_experts.routing import make_router
 
-        model.router_override = make_router(config.routing_source, model_config, config.routing_seed)
+        router = make_router(config.routing_source, model_config, config.routing_seed)
+        model.router_override = router
+        # the router keeps per-sequence routing state; drop it when the sequence's KV is freed
+        free_hooks.append(lambda seq: router.forget(seq.seq_id))
     if config.record_routing is not None:
         from paged_experts.trace import TraceWriter
 
@@ -185,5 +218,6 @@ def load_serving(config: ServeConfig, metrics: ServerMetrics) -> Serving:
         engine_config,
         on_finish=metrics.on_finish,
         step_hooks=step_hooks,
+        free_hooks=free_hooks,
     )
     return Serving(config, model, runtime, codec, engine, closers)

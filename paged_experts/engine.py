@@ -130,6 +130,9 @@ class RequestStream:
 
 
 class Engine:
+    """The scheduler. `step_hooks` receive each step's layout (request id, tokens) and
+    `free_hooks` each freed KV sequence; both run in the worker thread, before a forward."""
+
     def __init__(
         self,
         model: ModelLike,
@@ -139,6 +142,7 @@ class Engine:
         *,
         on_finish: Callable[[FinishedRequest], None] | None = None,
         step_hooks: Sequence[StepLayoutHook] = (),
+        free_hooks: Sequence[Callable[[Any], None]] = (),
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.model = model
@@ -147,6 +151,8 @@ class Engine:
         self._make_chunk = make_chunk
         self._on_finish = on_finish
         self._step_hooks = tuple(step_hooks)
+        self._free_hooks = tuple(free_hooks)
+        self._freed: list[Any] = []  # sequences freed since the last step, for free_hooks
         self._clock = clock
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
@@ -249,7 +255,8 @@ class Engine:
             self._in_step = {w.req.request_id for w in work}
             try:
                 async with self._step_lock:
-                    results = await asyncio.to_thread(self._execute, work)
+                    freed, self._freed = self._freed, []
+                    results = await asyncio.to_thread(self._execute, work, freed)
             except Exception as exc:  # a failed step ends its requests, never the server
                 self._in_step = set()
                 for w in work:
@@ -294,8 +301,12 @@ class Engine:
                 work.append(_Work(req, req.prompt_ids[start:end], start, done, all_logits))
         return work
 
-    def _execute(self, work: list[_Work]) -> list[_WorkResult]:
+    def _execute(self, work: list[_Work], freed: list[Any]) -> list[_WorkResult]:
         """Runs in the worker thread: one forward over all chunks, then sampling and logprobs."""
+        # free hooks run here, between forwards, so they never race a forward's routing state
+        for seq in freed:
+            for free_hook in self._free_hooks:
+                free_hook(seq)
         layout = [(w.req.request_id, len(w.token_ids)) for w in work]
         for hook in self._step_hooks:
             hook(layout)
@@ -360,6 +371,8 @@ class Engine:
         req.finished = True
         if req.seq is not None:
             self.pool.free(req.seq)
+            if self._free_hooks:
+                self._freed.append(req.seq)
             req.seq = None
             self._reserved_tokens -= req.reserved_tokens(self.pool.block_size)
         if req in self._running:
