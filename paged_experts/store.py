@@ -6,7 +6,7 @@ machine the host rows that are ever copied to the GPU live in pinned memory: pag
 copies at about a tenth of the link speed (DESIGN.md section 5).
 
 Page-in of a wave's misses never synchronizes the host per expert. Strategies:
-- CPU device: one `index_copy_` per tensor;
+- `index` (CPU default): one `index_copy_` per tensor;
 - `direct` (CUDA default): one `non_blocking` copy per contiguous run of rows, straight from the
   pinned store into the slots; the copies queue back-to-back on the stream;
 - `staged` (CUDA): gather the rows into a pinned staging buffer on the host, one `non_blocking`
@@ -70,8 +70,8 @@ class PageInEngine:
     def __init__(self, device: torch.device, strategy: str, hidden: int, inter: int, dtype: torch.dtype, max_rows: int) -> None:
         if strategy == "auto":
             strategy = "direct" if device.type == "cuda" else "index"
-        if device.type != "cuda":
-            strategy = "index"
+        if strategy == "staged" and device.type != "cuda":
+            raise ValueError("page_in='staged' needs a CUDA device (it overlaps pinned staging with the copy stream)")
         self.device = device
         self.strategy = strategy
         self._staging_host: ExpertTensors | None = None

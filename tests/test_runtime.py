@@ -67,6 +67,20 @@ def test_paged_equals_resident_bit_for_bit_for_every_k(ckpt: Path, resident: lis
     assert cfg.top_k in multi_wave_ks and len(multi_wave_ks) >= 10
 
 
+def test_direct_page_in_strategy_equals_resident(ckpt: Path, resident: list[torch.Tensor]) -> None:
+    """The CUDA default strategy (row-run copies) also runs on the CPU; it must be exact too."""
+    for k in (4, 7, 16):
+        model = MoeCausalLM.from_pretrained(ckpt, RuntimeConfig(mode="paged", resident_experts=k, page_in="direct"))
+        assert all(torch.equal(a, b) for a, b in zip(run_scenario(model), resident))
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        MoeCausalLM.from_pretrained(ckpt, RuntimeConfig(mode="paged", resident_experts=4, page_in="staged"))
+
+
+def test_contiguous_runs_coalesce_neighbours() -> None:
+    assert store_mod.contiguous_runs([(5, 1), (3, 0), (6, 2), (9, 4)]) == [(3, 0, 1), (5, 1, 2), (9, 4, 1)]
+    assert store_mod.contiguous_runs([]) == []
+
+
 def test_offload_equals_resident(ckpt: Path, resident: list[torch.Tensor]) -> None:
     for layers in (None, 2):
         model = MoeCausalLM.from_pretrained(ckpt, RuntimeConfig(mode="offload", offload_layers=layers))
