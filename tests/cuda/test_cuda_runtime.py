@@ -92,3 +92,43 @@ def test_qwen3_30b_shape_paged_equals_resident_bf16(tmp_path: Path) -> None:
             assert torch.equal(a, b), f"K={k}"
         snap = model.counters.snapshot().total
         assert snap.bytes_paged_in == snap.misses * 3 * 2048 * 768 * 2
+
+
+def _main() -> int:
+    """Runs these tests without pytest (for a GPU box that lacks it): python tests/cuda/test_cuda_runtime.py."""
+    import tempfile
+
+    if not torch.cuda.is_available():
+        print("no CUDA GPU")
+        return 2
+    failures = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = write_checkpoint("tiny", Path(tmp) / "tiny", seed=3)
+        cases = [
+            (f"bit_for_bit[{d},{s}]", lambda d=d, s=s: test_paged_equals_resident_bit_for_bit_cuda(tiny, d, s))
+            for d in ("float32", "bfloat16")
+            for s in ("direct", "staged")
+        ]
+        cases.append(("offload_cpu_close", lambda: test_offload_and_cpu_experts_close_to_resident_cuda(tiny)))
+        cases.append(("fault_caught", lambda: _run_fault(tiny)))
+        cases.append(("qwen3_shape", lambda: test_qwen3_30b_shape_paged_equals_resident_bf16(Path(tempfile.mkdtemp(dir=tmp)))))
+        for name, fn in cases:
+            try:
+                fn()
+                print(f"PASS {name}")
+            except Exception as exc:  # report every case, then fail
+                failures += 1
+                print(f"FAIL {name}: {exc!r}")
+    return 1 if failures else 0
+
+
+def _run_fault(tiny: Path) -> None:
+    mp = pytest.MonkeyPatch()
+    try:
+        test_fault_unpaged_down_proj_is_caught_cuda(tiny, mp)
+    finally:
+        mp.undo()
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
