@@ -177,14 +177,23 @@ async def _closed_loop(sender: _Sender, items: list[LoadRequest], concurrency: i
     await asyncio.gather(*(worker() for _ in range(min(concurrency, len(items)))))
 
 
+def poisson_arrivals_s(n: int, rate_rps: float, seed: int) -> list[float]:
+    """Arrival offsets from the start of the phase: cumulative exponential gaps of mean 1/rate_rps."""
+    rng = random.Random(seed)
+    arrivals_s: list[float] = []
+    t_s = 0.0
+    for _ in range(n):
+        t_s += rng.expovariate(rate_rps)
+        arrivals_s.append(t_s)
+    return arrivals_s
+
+
 async def _poisson(
     sender: _Sender, items: list[LoadRequest], concurrency: int, rate_rps: float, seed: int
 ) -> None:
-    rng = random.Random(seed)
     cap = asyncio.Semaphore(concurrency)
     loop = asyncio.get_running_loop()
     start = loop.time()
-    arrival_s = 0.0
     tasks: list[asyncio.Task[None]] = []
 
     async def one(item: LoadRequest) -> None:
@@ -194,8 +203,7 @@ async def _poisson(
             cap.release()
 
     try:
-        for item in items:
-            arrival_s += rng.expovariate(rate_rps)
+        for item, arrival_s in zip(items, poisson_arrivals_s(len(items), rate_rps, seed)):
             delay_s = start + arrival_s - loop.time()
             if delay_s > 0:
                 await asyncio.sleep(delay_s)

@@ -175,7 +175,7 @@ async def _stream(writer: asyncio.StreamWriter, script: Script, request: dict[st
         return base
 
     async def send(data: bytes) -> None:
-        if script.split_bytes:
+        if script.split_bytes and data:
             for i in range(0, len(data), script.split_bytes):
                 writer.write(_chunked(data[i : i + script.split_bytes]))
                 await writer.drain()

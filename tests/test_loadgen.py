@@ -1,0 +1,237 @@
+"""The load generator against the scripted fake server on loopback: timings, usage, failures,
+warmup/cold handling and schedules."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from benchsuite.errors import UserError
+from benchsuite.loadgen import LoadRequest, LoadSpec, endpoint_url, poisson_arrivals_s, run_load
+from benchsuite.metrics import itls_s, latency_s, ttft_s
+from benchsuite.records import RequestRecord
+
+try:  # tests/ as a package or as a plain directory on sys.path (pytest's default prepend mode)
+    from tests.fakes import FakeServer, Script
+except ImportError:
+    from fakes import FakeServer, Script  # type: ignore[no-redef]
+
+
+def _requests(n: int, max_tokens: int = 5, chat: bool = False) -> list[LoadRequest]:
+    return [LoadRequest(f"p{i}", "short", f"prompt number {i}", max_tokens, chat) for i in range(n)]
+
+
+async def _run(
+    script: Script | Callable[[dict[str, Any], int], Script],
+    requests: list[LoadRequest],
+    spec: LoadSpec | None = None,
+    *,
+    cold_first: bool = False,
+    extras: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> tuple[list[RequestRecord], FakeServer]:
+    async with FakeServer(script) as server:
+        records = await run_load(
+            server.url,
+            requests,
+            spec or LoadSpec(concurrency=2),
+            cell_id="cell",
+            model_name="fake-model",
+            extras=extras or {},
+            cold_first=cold_first,
+            **kwargs,
+        )
+    return records, server
+
+
+async def test_completions_stream_records_every_chunk_and_usage() -> None:
+    records, server = await _run(
+        Script(itl_s=0.002, prompt_tokens=17), _requests(4), extras={"cache_prompt": False}
+    )
+    assert [r.request_index for r in records] == [0, 1, 2, 3]
+    for r in records:
+        assert r.ok and r.error is None and r.http_status == 200
+        assert r.output_tokens == 5 and r.prompt_tokens == 17 and r.streamed_chunks == 5
+        assert not r.usage_mismatch and not r.warmup and not r.cold
+        assert r.output_text == " tok" * 5
+        assert r.t_first_token_s is not None and r.t_done_s is not None
+        times = [r.t_sent_s, *r.chunk_times_s, r.t_done_s]
+        assert times == sorted(times) and r.t_sent_s < r.t_first_token_s
+    body = server.bodies[0]
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["temperature"] == 0 and body["ignore_eos"] is True and body["max_tokens"] == 5
+    assert body["model"] == "fake-model" and body["cache_prompt"] is False
+    assert body["prompt"].startswith("prompt number")
+
+
+async def test_scripted_clock_pins_latency_minus_ttft_equals_sum_itl() -> None:
+    # A counter clock: every reading is the next integer, so times are exact.
+    counter = itertools.count()
+    records, _ = await _run(
+        Script(itl_s=0.01), _requests(1, max_tokens=4), LoadSpec(concurrency=1), clock=lambda: float(next(counter))
+    )
+    (r,) = records
+    assert r.ok and len(r.chunk_times_s) == 4
+    assert r.t_done_s == r.chunk_times_s[-1]  # last token, usage and [DONE] arrive in one read
+    assert latency_s(r) - ttft_s(r) == sum(itls_s(r))  # type: ignore[operator]
+    assert all(gap >= 1 for gap in itls_s(r))
+
+
+async def test_chat_ttft_ignores_role_only_chunk() -> None:
+    records, server = await _run(Script(ttft_s=0.05), _requests(1, chat=True), LoadSpec(concurrency=1))
+    (r,) = records
+    assert r.ok and r.streamed_chunks == 5
+    assert ttft_s(r) >= 0.045  # the role-only chunk came at once; TTFT waits for text
+    assert server.bodies[0]["messages"] == [{"role": "user", "content": "prompt number 0"}]
+    assert "prompt" not in server.bodies[0]
+
+
+async def test_token_id_prompts_are_sent_as_lists() -> None:
+    request = LoadRequest("ids", "2048", (5, 6, 7), 3)
+    records, server = await _run(Script(), [request])
+    assert server.bodies[0]["prompt"] == [5, 6, 7]
+    assert records[0].prompt_tokens == 3
+
+
+async def test_partial_lines_and_crlf_are_reassembled() -> None:
+    records, _ = await _run(Script(split_bytes=7, crlf=True, role_chunk=True), _requests(2, max_tokens=3))
+    assert all(r.ok and r.streamed_chunks == 3 and r.output_tokens == 3 for r in records)
+
+
+async def test_several_tokens_per_chunk_is_not_a_mismatch() -> None:
+    records, _ = await _run(Script(tokens_per_chunk=4), _requests(1, max_tokens=10))
+    (r,) = records
+    assert r.ok and r.streamed_chunks == 3 and r.output_tokens == 10 and not r.usage_mismatch
+
+
+async def test_more_chunks_than_usage_tokens_is_a_mismatch() -> None:
+    records, _ = await _run(Script(usage_completion_tokens=2), _requests(1))
+    (r,) = records
+    assert r.ok and r.usage_mismatch and r.output_tokens == 2 and r.streamed_chunks == 5
+
+
+async def test_missing_usage_is_a_mismatch_and_never_guessed_from_max_tokens() -> None:
+    records, _ = await _run(Script(usage=False), _requests(1))
+    (r,) = records
+    assert r.ok and r.usage_mismatch and r.output_tokens is None and r.prompt_tokens is None
+
+
+async def test_llamacpp_timings_are_captured() -> None:
+    timings = {"prompt_n": 4, "predicted_n": 5, "predicted_per_second": 41.5}
+    records, _ = await _run(Script(timings=timings), _requests(1))
+    assert records[0].engine_timings == timings
+
+
+@pytest.mark.parametrize(
+    "script, reason",
+    [
+        (Script(status=503), "HTTP 503: {\"error\": {\"message\": \"scripted failure\"}}"),
+        (Script(reset_after_chunks=2), "connection:"),
+        (Script(output_tokens=0), "stream produced no tokens"),
+        (Script(error_event_after_chunks=1), "server error event:"),
+        (Script(done=False, finish=False), "connection: stream ended without [DONE]"),
+        (Script(hang_after_chunks=1), "timeout after 0.5 s"),
+    ],
+)
+async def test_failures_are_recorded_with_reason_never_dropped(script: Script, reason: str) -> None:
+    records, _ = await _run(script, _requests(2), LoadSpec(concurrency=2, timeout_s=0.5))
+    assert len(records) == 2
+    for r in records:
+        assert not r.ok and r.error is not None and r.error.startswith(reason), r.error
+        assert r.t_done_s is not None and r.t_done_s >= r.t_sent_s
+
+
+async def test_unreachable_server_is_a_connection_failure() -> None:
+    from benchsuite.process import free_port
+
+    records = await run_load(
+        f"http://127.0.0.1:{free_port()}", _requests(2), LoadSpec(concurrency=1),
+        cell_id="c", model_name="m", extras={}, cold_first=False,
+    )
+    assert [r.ok for r in records] == [False, False]
+    assert all((r.error or "").startswith("connection:") and r.http_status is None for r in records)
+
+
+async def test_only_some_requests_fail() -> None:
+    def script(body: dict[str, Any], arrival: int) -> Script:
+        return Script(status=500) if arrival == 1 else Script()
+
+    records, _ = await _run(script, _requests(3), LoadSpec(concurrency=1))
+    assert [r.ok for r in records] == [True, False, True]
+    assert records[1].http_status == 500
+
+
+async def test_warmup_first_cold_alone_then_measured() -> None:
+    seen: list[RequestRecord] = []
+    records, _ = await _run(
+        Script(itl_s=0.002),
+        _requests(6),
+        LoadSpec(concurrency=3, warmup=2),
+        cold_first=True,
+        progress=seen.append,
+    )
+    assert len(records) == 8 and len(seen) == 8
+    assert [r.warmup for r in records] == [True, True] + [False] * 6
+    assert [r.cold for r in records] == [True] + [False] * 7
+    cold, warmups, measured = records[0], records[:2], records[2:]
+    assert all(cold.t_done_s <= r.t_sent_s for r in records[1:])  # type: ignore[operator]
+    assert max(r.t_done_s for r in warmups) <= min(r.t_sent_s for r in measured)  # type: ignore[type-var]
+    assert [r.prompt_id for r in measured] == [f"p{i}" for i in range(6)]
+
+
+async def test_cold_without_warmup_is_the_first_measured_request() -> None:
+    records, _ = await _run(Script(), _requests(3), LoadSpec(concurrency=2), cold_first=True)
+    assert [(r.cold, r.warmup) for r in records] == [(True, False), (False, False), (False, False)]
+
+
+def _max_overlap(records: list[RequestRecord]) -> int:
+    events = sorted([(r.t_sent_s, 1) for r in records] + [(r.t_done_s, -1) for r in records])  # type: ignore[misc]
+    depth = peak = 0
+    for _, step in events:
+        depth += step
+        peak = max(peak, depth)
+    return peak
+
+
+async def test_closed_loop_keeps_exactly_concurrency_in_flight() -> None:
+    records, _ = await _run(Script(itl_s=0.005), _requests(9, max_tokens=4), LoadSpec(concurrency=3))
+    assert all(r.ok for r in records)
+    assert _max_overlap(records) == 3
+
+
+def test_poisson_arrivals_are_seeded_with_mean_gap_one_over_rate() -> None:
+    a = poisson_arrivals_s(2000, rate_rps=50.0, seed=7)
+    assert a == poisson_arrivals_s(2000, rate_rps=50.0, seed=7)
+    assert a != poisson_arrivals_s(2000, rate_rps=50.0, seed=8)
+    assert a == sorted(a)
+    assert a[-1] / len(a) == pytest.approx(1 / 50.0, rel=0.1)
+
+
+async def test_poisson_sends_no_earlier_than_schedule_and_caps_in_flight() -> None:
+    spec = LoadSpec(concurrency=2, arrival="poisson", rate_rps=200.0, seed=3)
+    records, _ = await _run(Script(itl_s=0.004), _requests(12, max_tokens=3), spec)
+    assert all(r.ok for r in records) and len(records) == 12
+    schedule = poisson_arrivals_s(12, rate_rps=200.0, seed=3)
+    t0 = records[0].t_sent_s - schedule[0]
+    for r, planned_s in zip(records, schedule):
+        assert r.t_sent_s >= t0 + planned_s - 0.005
+    assert _max_overlap(records) <= 2
+
+
+def test_spec_and_request_validation() -> None:
+    with pytest.raises(UserError):
+        LoadSpec(concurrency=0)
+    with pytest.raises(UserError):
+        LoadSpec(concurrency=1, arrival="poisson")
+    with pytest.raises(UserError):
+        LoadRequest("x", "short", [1, 2], 4, chat=True)
+    with pytest.raises(UserError):
+        LoadRequest("x", "short", "hi", 0)
+
+
+def test_endpoint_url_accepts_root_or_v1() -> None:
+    assert endpoint_url("http://h:1", chat=False) == "http://h:1/v1/completions"
+    assert endpoint_url("http://h:1/v1/", chat=True) == "http://h:1/v1/chat/completions"
