@@ -11,6 +11,7 @@ not an amount of memory; the published write-ups do not give the GB value used. 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -66,13 +67,27 @@ class TtftRow:
 
 
 @dataclass(frozen=True)
+class PublishedRules:
+    """The workload rules every published cell followed (DESIGN.md section 2)."""
+
+    prompts: str  # ShareGPT
+    output_tokens: int
+    kv_capacity_tokens: int
+    prefix_caching: bool
+    min_repeats: int  # each headline cell measured at least this often
+    concurrency: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Reference:
     name: str
     model: str
     machines: tuple[Machine, ...]
     decode: tuple[DecodeRow, ...]
     ttft: tuple[TtftRow, ...]
-    workload: dict[str, Any]  # the published rules (prompts, output tokens, KV capacity, ...)
+    rules: PublishedRules
+    expert_bytes: dict[str, float]  # one expert of one layer, by quantization
+    workload: dict[str, Any]  # the published rules as transcribed (text annotations included)
     raw: dict[str, Any]  # the whole file, for facts without a typed row (accuracy, llama.cpp cache)
 
     def decode_rows(self, machine: str | None = None, quant: str | None = None) -> tuple[DecodeRow, ...]:
@@ -113,15 +128,43 @@ def parse_reference(name: str, data: dict[str, Any]) -> Reference:
             if row.get(engine) is not None:
                 short_ms, long_ms = row[engine]
                 ttft.append(TtftRow(str(row["machine"]), str(row["quant"]), engine, float(short_ms), float(long_ms)))
+    workload = dict(data.get("workload") or {})
+    rules = PublishedRules(
+        prompts=str(workload.get("prompts", "")),
+        output_tokens=_leading_int(workload["output_tokens"]),
+        kv_capacity_tokens=_leading_int(workload["kv_capacity_tokens"]),
+        prefix_caching=not str(workload["prefix_caching"]).lower().startswith("off"),
+        min_repeats=_repeats(str(workload["repeats"])),
+        concurrency=tuple(sorted({row.concurrency for row in decode})),
+    )
     return Reference(
         name=name,
         model=str(data.get("model", "")),
         machines=machines,
         decode=tuple(decode),
         ttft=tuple(ttft),
-        workload=dict(data.get("workload") or {}),
+        rules=rules,
+        expert_bytes={str(k): float(v) for k, v in (data.get("expert_bytes") or {}).items()},
+        workload=workload,
         raw=data,
     )
+
+
+def _repeats(text: str) -> int:
+    """"each headline cell measured at least twice" -> 2."""
+    words = {"once": 1, "twice": 2, "three times": 3}
+    for word, count in words.items():
+        if word in text:
+            return count
+    return _leading_int(re.sub(r"^\D+", "", text))
+
+
+def _leading_int(value: Any) -> int:
+    """10240 or "10240 (all engines)" -> 10240 (the file annotates some values in words)."""
+    match = re.match(r"\s*(\d[\d,]*)", str(value))
+    if match is None:
+        raise ValueError(f"no number in published value {value!r}")
+    return int(match.group(1).replace(",", ""))
 
 
 def _opt(value: Any) -> float | None:

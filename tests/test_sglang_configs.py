@@ -1,0 +1,79 @@
+"""configs/pr42557/*.yaml load, follow the published rules and setups, and dry-run to exact commands."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchsuite.matrix import MatrixError, load_matrix
+from benchsuite.plan import build_plan, format_plan
+from benchsuite.reference import load_reference
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pr42557"
+ENV = {
+    "QWEN3_30B_A3B_GPTQ_INT4": "/models/qwen-int4",
+    "QWEN3_30B_A3B_FP8": "/models/qwen-fp8",
+    "QWEN3_30B_A3B_IQ4_XS_GGUF": "/models/qwen-iq4_xs.gguf",
+    "QWEN3_30B_A3B_Q8_0_GGUF": "/models/qwen-q8_0.gguf",
+    "SHAREGPT_PATH": "/data/sharegpt.json",
+}
+# file -> (machine, quant, Ks, GGUF env var)
+SETUPS = {
+    "desktop16gb_int4_k92.yaml": ("desktop_16gb", "gptq_int4", [92], "QWEN3_30B_A3B_IQ4_XS_GGUF"),
+    "desktop16gb_fp8_k40_k24.yaml": ("desktop_16gb", "fp8_block", [40, 24], "QWEN3_30B_A3B_Q8_0_GGUF"),
+    "laptop8gb_int4_k26.yaml": ("laptop_8gb", "gptq_int4", [26], "QWEN3_30B_A3B_IQ4_XS_GGUF"),
+}
+
+
+@pytest.fixture
+def env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in ENV.items():
+        monkeypatch.setenv(key, value)
+
+
+def test_one_config_per_published_setup() -> None:
+    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(SETUPS)
+    ref = load_reference("pr42557")
+    published = {(r.machine, r.quant, r.resident_experts) for r in ref.decode}
+    for machine, quant, ks, _ in SETUPS.values():
+        assert {(machine, quant, k) for k in ks} <= published
+
+
+@pytest.mark.parametrize("name", sorted(SETUPS))
+def test_config_follows_the_published_rules(env: None, name: str) -> None:
+    machine, quant, ks, gguf_var = SETUPS[name]
+    ref = load_reference("pr42557")
+    m = load_matrix(CONFIGS / name).matrix
+    assert m.reference == "pr42557" and m.repeats >= ref.rules.min_repeats == 2
+    assert m.fairness.kv_capacity_tokens == ref.rules.kv_capacity_tokens == 10240
+    assert m.fairness.prefix_caching is ref.rules.prefix_caching is False
+    (workload,) = m.workloads.values()
+    assert workload.dataset == "sharegpt" and workload.output_tokens == ref.rules.output_tokens == 256
+    assert tuple(workload.concurrency) == ref.rules.concurrency == (1, 4) and workload.prompt_classes == ["short", "2048"]
+    assert {e.kind for e in m.engines.values()} == {"sglang", "llamacpp"}
+    llama = m.engines["llamacpp_best"].options
+    assert llama["n_cpu_moe"] == "search" and gguf_var in llama["model"]  # IQ4_XS for int4, Q8_0 for FP8
+    vram = next(mach.vram_gb for mach in ref.machines if mach.key == machine)
+    assert llama["vram_budget_gb"] == vram
+    paged = m.engines["sglang_paged"].options
+    assert (paged["resident_experts"] if isinstance(paged["resident_experts"], list) else [paged["resident_experts"]]) == ks
+
+
+@pytest.mark.parametrize("name", sorted(SETUPS))
+def test_dry_run_prints_exact_commands(env: None, name: str) -> None:
+    _, _, ks, _ = SETUPS[name]
+    text = format_plan(build_plan(load_matrix(CONFIGS / name)))
+    for k in ks:
+        assert f"--enable-paged-experts --paged-experts-num-resident {k} --mem-fraction-static 0.88" in text
+    assert text.count("--disable-radix-cache --max-total-tokens 10240 --enable-metrics") == len(ks) + 1
+    assert "--cpu-offload-gb" in text and "--max-running-requests 4" in text
+    assert "search llamacpp_best: n_cpu_moe is searched first" in text
+    assert text.count("  cell ") == (len(ks) + 1) * 2 * 2 * 2  # servers x classes x concurrencies x repeats
+
+
+def test_unset_model_variable_names_what_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ENV:
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(MatrixError, match="QWEN3_30B_A3B_GPTQ_INT4 is not set"):
+        load_matrix(CONFIGS / "laptop8gb_int4_k26.yaml")
