@@ -147,3 +147,11 @@ def test_validate_needs_kv_capacity_and_rejects_owned_flags() -> None:
     with pytest.raises(ValueError, match="extra_args --max-total-tokens: set through fairness.kv_capacity_tokens"):
         adapter.validate(spec({"mode": "unpaged", "extra_args": ["--max-total-tokens=999"]}))
     adapter.validate(spec({"mode": "offload", "cpu_offload_gb": 4, "extra_args": ["--context-length", "4096"]}))
+
+
+def test_tokenizer_dir_is_the_local_checkpoint(tmp_path: Path) -> None:
+    adapter = SGLangAdapter()
+    (tmp_path / "config.json").write_text("{}")
+    assert adapter.tokenizer_dir(spec({"mode": "unpaged", "model_path": str(tmp_path)})) == tmp_path
+    with pytest.raises(ValueError, match="exact-length prompts need model_path to be a local checkpoint"):
+        adapter.tokenizer_dir(spec({"mode": "unpaged", "model_path": "Qwen/Qwen3-30B-A3B"}))

@@ -17,6 +17,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -150,6 +151,15 @@ class SGLangAdapter:
 
     def _options(self, spec: ServerSpec) -> SGLangOptions:
         return SGLangOptions.model_validate(dict(spec.options))
+
+    def tokenizer_dir(self, spec: ServerSpec) -> Path:
+        """The checkpoint's tokenizer, for exact-length prompts (the runner asks for it)."""
+        path = Path(self._options(spec).model_path).expanduser()
+        if not (path / "config.json").is_file():
+            raise EngineConfigError(
+                f"sglang {spec.name}: exact-length prompts need model_path to be a local checkpoint directory, not {path}"
+            )
+        return path
 
     def validate(self, spec: ServerSpec) -> None:
         opts = self._options(spec)
