@@ -10,11 +10,12 @@ blank line is returned by `close()`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class SseEvent:
+class SseEvent(NamedTuple):
+    """One dispatched event (a tuple: cheap to build once per streamed chunk)."""
+
     data: bytes
     event: bytes = b"message"
 

@@ -11,7 +11,8 @@ request body received.
 
 Separate process (benchmarks/loadgen_ceiling.py):
 `python tests/fakes.py --port P [--workers W] [--itl-s S] [--ttft-s S] [--cpus 1,2]`
-(workers share the port with SO_REUSEPORT).
+(workers share the port with SO_REUSEPORT; a request body's `fake_itl_s` / `fake_ttft_s`
+override the pacing for that request).
 """
 
 from __future__ import annotations
@@ -248,7 +249,15 @@ def _trailer(script: Script, event: Any, choice: Any, prompt_tokens: int, n_toke
 
 
 async def _serve_forever(args: argparse.Namespace) -> None:
-    script = Script(itl_s=args.itl_s, ttft_s=args.ttft_s, tokens_per_chunk=args.tokens_per_chunk)
+    def script(body: dict[str, Any], arrival: int) -> Script:
+        # A request may override the pacing (`fake_itl_s`, `fake_ttft_s`), so one server process
+        # serves every phase of a benchmark.
+        return Script(
+            itl_s=float(body.get("fake_itl_s", args.itl_s)),
+            ttft_s=float(body.get("fake_ttft_s", args.ttft_s)),
+            tokens_per_chunk=args.tokens_per_chunk,
+        )
+
     server = FakeServer(script, host=args.host, port=args.port, reuse_port=args.workers > 1)
     await server.start()
     await asyncio.Event().wait()
