@@ -1,0 +1,47 @@
+"""The quickstart matrix plans what the README promises, and the real built-in server runs a
+reduced version of it end to end (server process, load, counters, store)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from benchsuite.cli import main
+from benchsuite.matrix import load_matrix
+from benchsuite.plan import build_plan
+
+QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
+
+
+def test_quickstart_plans_four_modes_two_k_values_and_three_concurrencies() -> None:
+    plan = build_plan(load_matrix(QUICKSTART))
+    modes = sorted(s.options["mode"] for s in plan.servers)
+    assert modes == ["cpu-experts", "offload", "paged", "paged", "resident"]
+    assert sorted(s.options["resident_experts"] for s in plan.servers if s.options["mode"] == "paged") == [8, 16]
+    assert {s.options["model"] for s in plan.servers} == {"tiny"}
+    assert sorted({c.concurrency for c in plan.cells}) == [1, 2, 4]
+    assert len(plan.cells) == 5 * 3
+
+
+@pytest.mark.slow
+def test_reduced_quickstart_runs_on_the_real_builtin_server(tiny_model_dir: Path, tmp_path: Path) -> None:
+    body = yaml.safe_load(QUICKSTART.read_text())
+    body["engines"] = {"paged": {"kind": "builtin", "options": {"model": str(tiny_model_dir), "mode": "paged", "resident_experts": 8}}}
+    body["workloads"]["bundled"].update(concurrency=[2], num_requests=3, warmup_requests=1, output_tokens=6)
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump(body))
+    assert main(["run", str(path), "--output-root", str(tmp_path / "results"), "--quiet", "--no-report"]) == 0
+    (run_dir,) = (tmp_path / "results").iterdir()
+    (cell_file,) = (run_dir / "cells").glob("*.json")
+    payload = json.loads(cell_file.read_text())
+    cell = payload["cell"]
+    assert cell["status"] == "ok", cell["reason"]
+    assert cell["mode"] == "paged" and cell["routing"] == "model" and cell["params"] == {}  # nothing swept
+    assert cell["expert_activations"] > 0 and 0.0 < cell["miss_rate"] <= 1.0
+    measured = [r for r in payload["requests"] if not r["warmup"]]
+    assert len(measured) == 3 and all(r["ok"] and r["output_tokens"] == 6 for r in measured)
+    (server,) = json.loads((run_dir / "manifest.json").read_text())["servers"].values()
+    assert server["argv"][1:3] == ["-m", "paged_experts.serve"] and "--paged-experts-num-resident" in server["argv"]
