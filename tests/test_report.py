@@ -1,0 +1,84 @@
+"""write_report end to end on the hand-made fixture run: the three files, a self-contained page,
+tables.md / tables.csv content, the default output directory, the CLI, and refusals."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from benchsuite.cli import main as cli_main
+from benchsuite.errors import UserError
+from benchsuite.report import load_run, write_report
+
+FIXTURE = Path(__file__).parent / "data" / "report_fixture"
+REFERENCE_DIRS = [FIXTURE / "reference"]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_report([FIXTURE], tmp_path_factory.mktemp("rep"), reference_dirs=REFERENCE_DIRS)
+
+
+def test_writes_three_files_and_the_page_is_self_contained(report: Path) -> None:
+    assert report.name == "index.html"
+    assert {p.name for p in report.parent.iterdir()} == {"index.html", "tables.md", "tables.csv"}
+    page = report.read_text()
+    assert "<script src" not in page and "<link" not in page and "@import" not in page and "url(" not in page.split("<script")[0]
+    assert page.count("<script type=\"text/javascript\">") >= 1 and "Plotly.newPlot" in page
+    assert "cdn.plot.ly" not in re.sub(r"<script type=\"text/javascript\">.*?</script>", "", page, count=1, flags=re.S)
+    for anchor in ("raw-cells", "ratios", "failures", "reference-decode", "engines-run", "definitions"):
+        assert f'id="{anchor}"' in page
+    assert 'id="cell-p8-s1-r0"' in page and 'href="#cell-p8-s1-r0"' in page
+
+
+def test_markdown_and_csv_carry_the_tables(report: Path) -> None:
+    md = (report.parent / "tables.md").read_text()
+    assert "sglang: NOT RUN" in md and "SYNTHETIC ROUTING" in md
+    assert "| fixture-run · bundled · short | 1 | tiny · paged · resident_experts=8 | 8 | decode_tok_s_p50 | no | 42.00 [40.00–44.00] |" in md
+    assert "engine exited with code -11 (see logs/s-offload.log)" in md
+    csv = pd.read_csv(report.parent / "tables.csv")
+    ratios = csv[csv["table"] == "Paged vs baselines (published layout)"]
+    row = ratios[(ratios["paged_config"] == "tiny · paged · resident_experts=12") & (ratios["concurrency"] == 1)].iloc[0]
+    assert (row["paged_median"], row["offload_median"], row["llamacpp_best_median"]) == (51.0, 21.0, 46.0)
+    assert row["paged_vs_llamacpp_best"] == pytest.approx(51.0 / 46.0)
+    raw = csv[csv["table"] == "Raw cells"]
+    assert len(raw) == 26 and set(raw["status"]) == {"ok", "failed", "invalid"}
+
+
+def test_reference_absent_is_said_not_invented(tmp_path: Path) -> None:
+    index = write_report([FIXTURE], tmp_path, reference_dirs=[tmp_path / "nowhere"])
+    page = index.read_text()
+    assert "names reference &#x27;pr42557&#x27;, but no pr42557.yaml was found" in page
+    assert "Published pr42557 vs yours" not in page
+
+
+def test_default_out_dir_and_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["report", str(FIXTURE)]) == 0
+    printed = Path(capsys.readouterr().out.strip())
+    assert printed == tmp_path / "reports" / "fixture-run" / "index.html" and printed.is_file()
+
+
+def test_reads_cells_json_when_tables_are_missing(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURE, run)
+    for name in ("cells.parquet", "cells.csv", "requests.parquet"):
+        (run / name).unlink()
+    data = load_run(run)
+    assert len(data.cells) == 26 and len(data.requests) == 26 * 5
+    assert data.cells.set_index("cell_id").loc["ll2-s1-r0", "extras"] == {"chosen": True, "fits": True, "search_n": 2}
+
+
+def test_refuses_other_schema_versions_and_missing_runs(tmp_path: Path) -> None:
+    run = tmp_path / "old"
+    shutil.copytree(FIXTURE, run)
+    manifest = json.loads((run / "manifest.json").read_text())
+    (run / "manifest.json").write_text(json.dumps({**manifest, "schema_version": 0}))
+    with pytest.raises(UserError, match="schema version 0.*rerun the matrix"):
+        write_report([run], tmp_path / "out")
+    assert cli_main(["report", str(tmp_path / "absent")]) == 2
