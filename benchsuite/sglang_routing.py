@@ -9,7 +9,9 @@ in `meta_info.routed_experts` on the native /generate route, in `sglext.routed_e
 routes (entrypoints/openai/protocol.py:470-477; when streaming, on its own chunk whose `choices` is
 empty, serving_completions.py:428-476).
 
-Owns turning streamed chunks into one response dict, the MoE layer ids of a config.json (SGLang
+Owns a capture pass (`capture_routing`: greedy non-streamed requests that ask for routing, run
+after a cell's measurement so the measured requests stay as they are), turning streamed chunks
+into one response dict, the MoE layer ids of a config.json (SGLang
 returns every hidden layer; dense layers carry no routing), and writing the trace through
 `paged_experts.trace.import_sglang_routed_experts`, which owns the decoding and the file format.
 """
@@ -21,7 +23,32 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchsuite.errors import RunError
 from paged_experts.trace import Trace, import_sglang_routed_experts, save_trace
+
+
+async def capture_routing(
+    session: Any, base_url: str, model_name: str, prompts: Sequence[str | list[int]], max_tokens: int
+) -> list[dict[str, Any]]:
+    """Send each prompt once, greedy and not streamed, with `return_routed_experts: true`; return the
+    responses in order. A server started without --enable-return-routed-experts answers without
+    `sglext.routed_experts`, which `routing_trace` then refuses by name."""
+    responses = []
+    for prompt in prompts:
+        body = {
+            "model": model_name,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": False,
+            "return_routed_experts": True,
+        }
+        async with session.post(f"{base_url}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                raise RunError(f"routing capture: {base_url}/v1/completions answered HTTP {resp.status}: {(await resp.text())[:200]}")
+            responses.append(await resp.json())
+    return responses
 
 
 def merge_stream_chunks(chunks: Iterable[dict[str, Any]]) -> dict[str, Any]:

@@ -7,10 +7,20 @@ import base64
 import json
 from pathlib import Path
 
+import aiohttp
 import numpy as np
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
-from benchsuite.sglang_routing import merge_stream_chunks, moe_layer_ids, routing_trace, write_routing_trace
+from benchsuite.errors import RunError
+from benchsuite.sglang_routing import (
+    capture_routing,
+    merge_stream_chunks,
+    moe_layer_ids,
+    routing_trace,
+    write_routing_trace,
+)
 from paged_experts.trace import read_trace
 
 LAYERS, TOP_K, EXPERTS = 4, 2, 8
@@ -83,3 +93,36 @@ def _model(tmp_path: Path) -> Path:
     model.mkdir()
     (model / "config.json").write_text(json.dumps(CONFIG))
     return model
+
+
+def _fake_sglang(bodies: list[dict]) -> web.Application:
+    """Answers /v1/completions like sglang 0.5.23 with return_routed_experts: prompt_tokens = the
+    prompt's word count, routing rows = prompt + max_tokens - 1 (serving_completions.py:550-570)."""
+
+    async def completions(request: web.Request) -> web.Response:
+        body = await request.json()
+        bodies.append(body)
+        prompt_tokens = len(body["prompt"].split())
+        ids = routed(prompt_tokens + body["max_tokens"] - 1, seed=len(bodies))
+        answer = {"id": f"cmpl-{len(bodies)}", "object": "text_completion", "choices": [{"index": 0, "text": "x"}],
+                  "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": body["max_tokens"]}}  # fmt: skip
+        if body.get("return_routed_experts"):
+            answer["sglext"] = {"routed_experts": b64(ids)}
+        return web.json_response(answer)
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+async def test_capture_pass_against_a_scripted_endpoint(tmp_path: Path) -> None:
+    bodies: list[dict] = []
+    async with TestServer(_fake_sglang(bodies)) as server, aiohttp.ClientSession() as session:
+        base = str(server.make_url("")).rstrip("/")
+        responses = await capture_routing(session, base, "m", ["one two three", "four five"], max_tokens=3)
+        with pytest.raises(RunError, match="HTTP 404"):
+            await capture_routing(session, base + "/nope", "m", ["x"], max_tokens=1)
+    assert all(b["return_routed_experts"] is True and b["stream"] is False and b["temperature"] == 0 for b in bodies)
+    trace = read_trace(write_routing_trace(tmp_path / "t.trace", responses, _model(tmp_path)))
+    assert [sum(c.num_tokens for c in s) for s in trace.steps] == [3, 1, 1, 2, 1, 1]
+    assert trace.num_tokens == (3 + 3 - 1) + (2 + 3 - 1)
