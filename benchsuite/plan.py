@@ -190,8 +190,8 @@ def format_plan(plan: Plan) -> str:
     for task in plan.searches:
         lines.append("")
         lines.append(
-            f"search {task.spec.name}{_label(task.params)}: {task.option} is searched first "
-            f"(benchsuite.search); its best value then runs the workloads"
+            f"search {task.spec.name}{_label(task.params)}: {task.option} is searched after the servers "
+            f"above (benchsuite.search); its best value then runs every workload"
         )
     return "\n".join(lines)
 

@@ -232,23 +232,31 @@ def build_manifest(plan: Plan) -> dict[str, Any]:
     }
 
 
-async def run_plan(plan: Plan, store: RunStore, events: RunEvents | None = None) -> None:
-    """Run every unfinished cell of the plan into the store (the CLI's one library call)."""
+async def run_plan(plan: Plan, store: RunStore, events: RunEvents | None = None) -> list[str]:
+    """Run every unfinished cell of the plan into the store (the CLI's one library call);
+    returns the problems that produced no cell (a search that found no value)."""
     connector = aiohttp.TCPConnector(limit=0)  # the load generator sets the concurrency, not the pool
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        await execute(RunContext(plan, store, session, events or SilentEvents()))
+        return await execute(RunContext(plan, store, session, events or SilentEvents()))
 
 
-async def execute(ctx: RunContext) -> None:
-    """Every server of the plan, then every search; the tables are rebuilt whatever happens."""
+async def execute(ctx: RunContext) -> list[str]:
+    """Every server of the plan, then every search; returns the searches that found no value.
+    The tables are rebuilt whatever happens (also on Ctrl-C)."""
+    problems: list[str] = []
     try:
         for spec in ctx.plan.servers:
             await run_server_cells(ctx, spec, ctx.plan.cells_of(spec.server_id))
         for task in ctx.plan.searches:
-            await run_search_task(ctx, task)
+            try:
+                await run_search_task(ctx, task)
+            except RunError as exc:  # no value fits or every launch failed: the rest of the run stands
+                ctx.store.record_server(task.spec.server_id, {"search_error": str(exc)})
+                problems.append(str(exc))
     finally:
         ctx.store.rebuild_tables()
+    return problems
 
 
 async def _load(

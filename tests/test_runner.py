@@ -34,7 +34,7 @@ class FakeOptions(BaseModel):
     behaviour: Literal["ok", "crash", "die"] = "ok"
     die_after: int = 0  # completions served before the process exits (behaviour die)
     token_delay_s: float = 0.01
-    label: int = 0  # something to sweep
+    label: int | Literal["search"] = 0  # something to sweep, or to search
     tag: str = ""  # marks the engine processes of one test, to look for orphans
 
 
@@ -215,6 +215,32 @@ def test_ctrl_c_stops_the_engine_keeps_results_and_exits_130(tmp_path: Path) -> 
     run_dir = only_run_dir(tmp_path)
     assert list((run_dir / "cells").glob("*.json"))
     assert (run_dir / "cells.parquet").exists()
+
+
+def test_a_search_hands_back_options_that_then_run_every_workload(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import benchsuite.search
+    from benchsuite.errors import RunError
+
+    seen = []
+
+    async def found(ctx: Any, task: Any) -> dict[str, Any]:
+        seen.append((task.option, task.spec.options["label"]))
+        return {**task.spec.options, "label": 5}
+
+    monkeypatch.setattr(benchsuite.search, "run_search", found)
+    path = matrix(tmp_path, {"s": {"label": "search"}}, concurrency=[1], num_requests=2)
+    assert run_cli(str(path)) == 0
+    assert seen == [("label", "search")]
+    (stored,) = cells(only_run_dir(tmp_path)).values()
+    assert stored["cell"]["status"] == "ok" and stored["cell"]["params"] == {"label": 5}
+
+    async def nothing_fits(ctx: Any, task: Any) -> dict[str, Any]:
+        raise RunError("engine s: no label value fits")
+
+    monkeypatch.setattr(benchsuite.search, "run_search", nothing_fits)
+    assert run_cli(str(path), "--run-id", "again") == 1
+    manifest = json.loads((tmp_path / "results" / "again" / "manifest.json").read_text())
+    assert [s.get("search_error") for s in manifest["servers"].values()] == ["engine s: no label value fits"]
 
 
 # ---- the fake engine ---------------------------------------------------------------------------

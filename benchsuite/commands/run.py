@@ -23,7 +23,7 @@ from benchsuite.errors import UserError
 from benchsuite.matrix import load_matrix
 from benchsuite.plan import CellSpec, Plan, build_plan, format_plan
 from benchsuite.records import CellResult
-from benchsuite.store import FINISHED_STATUSES, RunStore
+from benchsuite.store import FINISHED_STATUSES, RunStore, read_cells
 
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
@@ -54,19 +54,20 @@ def main(args: argparse.Namespace) -> int:
     console.print(f"run {plan.run_id}: {len(plan.cells)} cells ({len(plan.cells) - todo} already done) -> {store.run_dir}")
     try:
         with _ProgressEvents(console, todo) as events:
-            asyncio.run(run_plan(plan, store, events))
+            problems = asyncio.run(run_plan(plan, store, events))
     except KeyboardInterrupt:
         print(f"benchsuite: interrupted; finished cells are kept in {store.run_dir} (rerun the same command to resume)")
         return 130
-    results = [s.result for c in plan.cells if (s := store.stored_cell(c.cell_id)) is not None]
+    results = read_cells(store.run_dir)  # search cells included
     console.print(summary_table(plan, results))
     print(f"results: {store.run_dir}")
     report_status = _write_report(args, store.run_dir)
+    for problem in problems:
+        print(f"benchsuite: {problem}")
     failed = sum(1 for r in results if r.status == "failed")
     if failed:
         print(f"benchsuite: {failed} cells failed (reasons in cells.csv); rerun the same command to retry them")
-        return 1
-    return report_status
+    return 1 if failed or problems else report_status
 
 
 def _finished(store: RunStore, cell_id: str) -> bool:
