@@ -44,7 +44,7 @@ async def text_deltas(stream: RequestStream, codec: TextCodec, stop_strings: Seq
             return
         text = matcher.feed(detok.add(out.new_token_ids))
         if matcher.stopped:
-            stream.abort()
+            stream.abort(FINISH_STOP)  # frees the KV now; a normal end, not a client abort
             reason = FINISH_STOP
         else:
             reason = None

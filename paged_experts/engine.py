@@ -74,7 +74,7 @@ class _Request:
     generated: list[int] = field(default_factory=list)
     prompt_lps: list[TokenLogprob | None] = field(default_factory=list)
     token_times_s: list[float] = field(default_factory=list)
-    aborted: bool = False
+    abort_reason: str | None = None  # set when the consumer ends the request early
     finished: bool = False
 
     def reserved_tokens(self, block_size: int) -> int:
@@ -124,9 +124,10 @@ class RequestStream:
             self.finished = True
         return out
 
-    def abort(self) -> None:
+    def abort(self, reason: str = FINISH_ABORT) -> None:
+        """Ends the request early: FINISH_ABORT (client gone) or FINISH_STOP (a stop string)."""
         if not self.finished:
-            self._engine.abort(self.request_id)
+            self._engine.abort(self.request_id, reason)
 
 
 class Engine:
@@ -206,16 +207,17 @@ class Engine:
         self._wake.set()
         return RequestStream(self, req)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, reason: str = FINISH_ABORT) -> None:
+        """Ends a request now, or when the step in flight returns; the first reason given wins."""
         req = self._by_id.get(request_id)
-        if req is None or req.finished:
+        if req is None or req.finished or req.abort_reason is not None:
             return
-        req.aborted = True
+        req.abort_reason = reason
         if req in self._waiting:
             self._waiting.remove(req)
-            self._finish(req, FINISH_ABORT)
+            self._finish(req, reason)
         elif request_id not in self._in_step:
-            self._finish(req, FINISH_ABORT)
+            self._finish(req, reason)
         self._wake.set()
 
     # ---- state for metrics -----------------------------------------------------------------
@@ -337,8 +339,8 @@ class Engine:
         now = self._clock()
         for w, res in zip(work, results):
             req = w.req
-            if req.aborted:
-                self._finish(req, FINISH_ABORT)
+            if req.abort_reason is not None:
+                self._finish(req, req.abort_reason)
                 continue
             req.num_computed += len(w.token_ids)
             req.prompt_lps.extend(res.prompt_lps)

@@ -255,6 +255,18 @@ async def test_abort_of_a_running_request_frees_its_kv_and_others_continue(runni
     assert {f.request_id: f.finish_reason for f in finished} == {"a": FINISH_ABORT, "b": FINISH_LENGTH}
 
 
+async def test_ending_early_for_a_stop_string_is_a_normal_stop(running) -> None:
+    engine, _, pool, finished = make_engine()
+    running(engine)
+    stream = engine.submit("s", [1, 2], SamplingParams(max_tokens=50))
+    await stream.__anext__()
+    stream.abort(FINISH_STOP)
+    stream.abort()  # the handler's cleanup abort afterwards must not change the reason
+    _, events = await collect(stream)
+    assert events[-1].finish_reason == FINISH_STOP and finished[0].finish_reason == FINISH_STOP
+    assert pool.live == {}
+
+
 async def test_abort_of_a_queued_request_never_runs_it() -> None:
     engine, model, pool, finished = make_engine()
     stream = engine.submit("q", [1, 2, 3], SamplingParams(max_tokens=4))

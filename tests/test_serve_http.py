@@ -173,7 +173,13 @@ async def test_stop_string_cuts_the_text_and_ends_the_request(base_url: str, htt
     text = full["choices"][0]["text"]
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip(), f"unusable stop string from {text!r}"
+    before = await metric_values(http, base_url)
     _, cut = await post(http, f"{base_url}/v1/completions", greedy(max_tokens=16, stop=[stop]))
+    after = await metric_values(http, base_url)
+    # a stop string is a normal end: not counted as aborted, and its latency is observed
+    assert after["paged_experts:num_aborted_requests_total"] == before["paged_experts:num_aborted_requests_total"]
+    e2e = "paged_experts:e2e_request_latency_seconds_count"
+    assert after[e2e] == before[e2e] + 1
     assert cut["choices"][0]["text"] == text[: text.index(stop)]
     assert cut["choices"][0]["finish_reason"] == "stop"
     assert cut["usage"]["completion_tokens"] < 16
