@@ -68,10 +68,11 @@ def score(params: RoutingParams, num_layers: int, tokens: int, seed: int) -> tup
 
 def search(start: RoutingParams, iterations: int, num_layers: int, tokens: int, seed: int) -> RoutingParams:
     rng = np.random.default_rng(seed)
-    names = ("keep_prob", "recency_mix", "recency_alpha", "zipf_s", "layer_strength_min", "layer_strength_gamma")
-    steps = np.array([0.03, 0.05, 0.1, 0.1, 0.03, 0.08])
-    lo = np.array([0.0, 0.0, 0.2, 0.0, 0.0, 0.05])
-    hi = np.array([1.0, 1.0, 3.0, 3.0, 1.0, 3.0])
+    names = ("keep_prob", "recency_mix", "recency_alpha", "zipf_s", "working_set", "working_set_mass",
+             "layer_strength_min", "layer_strength_gamma")  # fmt: skip
+    steps = np.array([0.03, 0.05, 0.1, 0.1, 0.03, 0.01, 0.03, 0.08])
+    lo = np.array([0.0, 0.0, 0.2, 0.0, 0.1, 0.5, 0.0, 0.05])
+    hi = np.array([1.0, 1.0, 3.0, 3.0, 1.0, 1.0, 1.0, 3.0])
     best = start
     best_err, curve, ov = score(best, num_layers, tokens, seed)
     print(f"start err {best_err:.4f} lru {np.round(curve, 3)} overlap {ov.mean():.3f} [{ov.min():.3f}, {ov.max():.3f}]")

@@ -7,10 +7,14 @@ The generative model, per (request stream, layer), token by token:
 - the remaining slots are drawn without replacement (Gumbel top-k) from a mixture:
   `recency_mix` x a power law over the layer's recency stack (rank r = r-th most recently used
   expert of this stream, weight (r + 1)^-recency_alpha, previous token's experts excluded) plus
-  `1 - recency_mix` x a Zipf(`zipf_s`) popularity over a fixed per-layer permutation of experts.
-- layers differ in locality: layer l scales keep_prob, recency_mix and zipf_s by a strength
+  `1 - recency_mix` x a popularity over a fixed per-layer permutation of experts: a working set
+  of the first `working_set` x E experts holds `working_set_mass` of it, Zipf(`zipf_s`) inside,
+  the rest is uniform over all E (defaults: working set = all experts, i.e. plain Zipf);
+- layers differ in temporal locality: layer l scales keep_prob and recency_mix by a strength
   lambda_l in [layer_strength_min, 1] (spread over layers with shape `layer_strength_gamma`),
-  which is what spreads consecutive-token overlap over layers (published: 7.9%-59.7%).
+  which is what spreads consecutive-token overlap over layers (published: 7.9%-59.7%); a layer
+  with little reuse still routes mostly inside its working set (so it caches well at large K),
+  except layers weaker than `working_set_knee`, whose working-set mass shrinks in proportion.
 
 Owns `RoutingParams`, `parse_spec`, `RoutingProcess` (the vectorised generator),
 `SyntheticRouter` (the `Router` callable the runtime's `router_override` takes), `make_router`
@@ -32,6 +36,9 @@ class RoutingParams:
     recency_mix: float = 0.0
     recency_alpha: float = 1.0
     zipf_s: float = 0.0
+    working_set: float = 1.0  # fraction of E
+    working_set_mass: float = 1.0
+    working_set_knee: float = 0.0  # layers with strength below the knee spread their routing wider
     layer_strength_min: float = 1.0  # 1.0: every layer alike
     layer_strength_gamma: float = 1.0
 
@@ -39,24 +46,28 @@ class RoutingParams:
 # Calibrated with benchmarks/calibrate_routing.py against DESIGN.md section 8 (E=128, top_k=8,
 # 48 layers, one stream of 3,225 decode tokens replayed through paged_experts.residency).
 QWEN3_30B_A3B = RoutingParams(
-    keep_prob=0.46,
-    recency_mix=0.80,
-    recency_alpha=1.0,
-    zipf_s=1.55,
-    layer_strength_min=0.05,
-    layer_strength_gamma=0.35,
+    keep_prob=0.58,
+    recency_mix=0.85,
+    recency_alpha=1.2,
+    zipf_s=0.8,
+    working_set=0.625,
+    working_set_mass=0.95,
+    working_set_knee=0.25,
+    layer_strength_min=0.0,
+    layer_strength_gamma=0.5,
 )
 PRESETS: dict[str, RoutingParams] = {"qwen3-30b-a3b": QWEN3_30B_A3B}
 
 
 def parse_spec(spec: str) -> RoutingParams:
     """`uniform`, `zipf:<s>`, `reuse:<p>`, a preset name, or comma-joined parts
-    (`reuse:0.4,zipf:1.2,recency:0.8,alpha:1.0`)."""
+    (`reuse:0.4,zipf:1.2,recency:0.8,alpha:1.0,ws:0.5,wsmass:0.95`)."""
     spec = spec.strip().lower()
     if spec in PRESETS:
         return PRESETS[spec]
     params = RoutingParams()
-    fields = {"zipf": "zipf_s", "reuse": "keep_prob", "recency": "recency_mix", "alpha": "recency_alpha"}
+    fields = {"zipf": "zipf_s", "reuse": "keep_prob", "recency": "recency_mix", "alpha": "recency_alpha",
+              "ws": "working_set", "wsmass": "working_set_mass"}  # fmt: skip
     for part in spec.split(","):
         name, _, value = part.partition(":")
         if name == "uniform" and not value:
@@ -67,7 +78,7 @@ def parse_spec(spec: str) -> RoutingParams:
                 f" alpha:<a> or a preset ({', '.join(PRESETS)})"
             )
         v = float(value)
-        if name in ("reuse", "recency") and not 0.0 <= v <= 1.0:
+        if name in ("reuse", "recency", "ws", "wsmass") and not 0.0 <= v <= 1.0:
             raise ValueError(f"{name} must be in [0, 1], got {v}")
         if v < 0:
             raise ValueError(f"{name} must be >= 0, got {v}")
@@ -110,9 +121,15 @@ class RoutingProcess:
         ranks = np.arange(1, num_experts + 1, dtype=np.float64)
         pop = np.empty((num_layers, num_experts))  # [L, E]
         perm_rng = np.random.default_rng([seed, 11])
+        ws = max(1, min(num_experts, round(params.working_set * num_experts)))
+        inner = ranks[:ws] ** -params.zipf_s
         for layer in range(num_layers):
-            w = ranks ** -(params.zipf_s * lam[layer])
-            pop[layer, perm_rng.permutation(num_experts)] = w / w.sum()
+            mass = params.working_set_mass
+            if params.working_set_knee > 0:
+                mass *= min(1.0, lam[layer] / params.working_set_knee)
+            w = np.full(num_experts, (1.0 - mass) / num_experts)
+            w[:ws] += mass * inner / inner.sum()
+            pop[layer, perm_rng.permutation(num_experts)] = w
         self.popularity = pop
         self.recency_weights = ranks**-params.recency_alpha  # [E] by stack rank
 

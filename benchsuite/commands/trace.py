@@ -60,10 +60,14 @@ def _shape(args: argparse.Namespace, default: tuple[int, int, int] | None) -> tu
 def summarize(trace: Trace) -> dict:
     meta = trace.meta
     chunk_tokens = [c.num_tokens for step in trace.steps for c in step]
-    decode = trace.ids[[c.row_start for step in trace.steps for c in step if c.num_tokens == 1]]  # [D, L, k]
+    shared = []  # per consecutive decode pair of one request: [L, k] bool, token's expert also in predecessor's
+    for chunks in trace.requests().values():
+        rows = trace.ids[[c.row_start for c in chunks if c.num_tokens == 1]]  # [D, L, k]
+        if rows.shape[0] > 1:
+            shared.append((rows[1:, :, :, None] == rows[:-1, :, None, :]).any(axis=3))
     overlap = None
-    if decode.shape[0] > 1:
-        same = (decode[1:, :, :, None] == decode[:-1, :, None, :]).any(axis=3).mean(axis=(0, 2))  # [L]
+    if shared:
+        same = np.concatenate(shared).mean(axis=(0, 2))  # [L]
         overlap = {"mean": float(same.mean()), "min": float(same.min()), "max": float(same.max())}
     return {
         "label": "SYNTHETIC routing" if meta.synthetic else f"routing from {meta.source}",

@@ -1,0 +1,156 @@
+"""Routing trace format: writer/reader round trip, compact dtypes, validation, SGLang import, synth."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from benchsuite.cli import main as cli_main
+from paged_experts.trace import (
+    TraceMeta,
+    TraceWriter,
+    import_sglang_routed_experts,
+    read_trace,
+    save_trace,
+    synthesize_trace,
+)
+
+META = TraceMeta(num_layers=2, num_experts=16, top_k=2, source="model", model="tiny")
+
+
+def _write_two_steps(path: Path) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    ids = [torch.stack([torch.randperm(16, generator=gen)[:2] for _ in range(t)]) for t in (3, 3, 2, 2)]
+    weights = [torch.softmax(torch.randn(i.shape, generator=gen), dim=-1) for i in ids]
+    with TraceWriter(path, META) as w:
+        w.begin_step([("a", 2), ("b", 1)])  # prefill of a (2 tokens) + decode of b
+        w.observe(0, ids[0], weights[0])
+        w.observe(1, ids[1], weights[1])
+        w.begin_step([("a", 1), ("b", 1)])
+        w.observe(0, ids[2], weights[2])
+        w.observe(1, ids[3], weights[3])
+    return ids, weights
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "t.trace"
+    ids, weights = _write_two_steps(path)
+    trace = read_trace(path)
+    assert trace.meta.num_layers == 2 and trace.meta.top_k == 2 and trace.meta.source == "model"
+    assert trace.meta.weights == "recorded" and not trace.meta.synthetic
+    assert [[(c.request, c.num_tokens) for c in s] for s in trace.steps] == [[("a", 2), ("b", 1)], [("a", 1), ("b", 1)]]
+    assert np.array_equal(trace.step_ids(0, 0), ids[0].numpy())
+    assert np.array_equal(trace.step_ids(1, 1), ids[3].numpy())
+    assert np.allclose(trace.weights[3:5, 0], weights[2].numpy(), atol=1e-3)  # float16 storage
+    assert [c.row_start for c in trace.requests()["a"]] == [0, 3]
+
+
+def test_compact_storage(tmp_path: Path) -> None:
+    path = tmp_path / "t.trace"
+    _write_two_steps(path)
+    with zipfile.ZipFile(path) as z:
+        assert np.load(io.BytesIO(z.read("ids.npy"))).dtype == np.uint8
+        assert np.load(io.BytesIO(z.read("weights.npy"))).dtype == np.float16
+        header = json.loads(z.read("header.json"))
+    assert header["format"] == "moe-routing-trace" and header["version"] == 1 and header["requests"] == ["a", "b"]
+
+
+def test_row_count_must_match_layout(tmp_path: Path) -> None:
+    w = TraceWriter(tmp_path / "bad.trace", META)
+    w.begin_step([("a", 3)])
+    w.observe(0, torch.zeros(2, 2, dtype=torch.int64), None)
+    with pytest.raises(ValueError, match="2 token rows, layout says 3"):
+        w.close()
+
+
+def test_weights_absent_and_config_object(tmp_path: Path) -> None:
+    class Cfg:  # the runtime's MoeModelConfig field names
+        num_layers, num_experts, top_k = 1, 300, 2
+
+    path = tmp_path / "t.trace"
+    with TraceWriter(path, Cfg(), source="synthetic:uniform") as w:
+        w.begin_step([("r", 1)])
+        w.observe(0, np.array([[299, 3]]), None)
+    trace = read_trace(path)
+    assert trace.weights is None and trace.meta.weights == "absent" and trace.meta.synthetic
+    assert trace.ids.tolist() == [[[299, 3]]]  # E > 256 is stored as int16
+    with zipfile.ZipFile(path) as z:
+        assert np.load(io.BytesIO(z.read("ids.npy"))).dtype == np.int16
+
+
+def test_newer_version_refused(tmp_path: Path) -> None:
+    path = tmp_path / "t.trace"
+    _write_two_steps(path)
+    with zipfile.ZipFile(path) as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    header = json.loads(members["header.json"])
+    header["version"] = 99
+    members["header.json"] = json.dumps(header).encode()
+    with zipfile.ZipFile(path, "w") as z:
+        for n, data in members.items():
+            z.writestr(n, data)
+    with pytest.raises(ValueError, match="version 99"):
+        read_trace(path)
+
+
+def _sglang_b64(arr: np.ndarray) -> str:
+    return base64.b64encode(arr.astype(np.int32).tobytes()).decode()
+
+
+def test_import_sglang_native_and_openai() -> None:
+    rng = np.random.default_rng(0)
+    # prompt 5 tokens, 4 generated: SGLang returns positions [0, 9 - 1) = 8 rows
+    a = np.stack([[rng.permutation(16)[:2] for _ in range(3)] for _ in range(8)])  # [8, 3 layers, 2]
+    b = np.stack([[rng.permutation(16)[:2] for _ in range(3)] for _ in range(3)])  # [3, 3, 2]
+    native = {"text": "x", "meta_info": {"id": "r1", "prompt_tokens": 5, "completion_tokens": 4,
+                                         "routed_experts": _sglang_b64(a)}}  # fmt: skip
+    openai = {"id": "r2", "usage": {"prompt_tokens": 2}, "sglext": {"routed_experts": _sglang_b64(b)}}
+    trace = import_sglang_routed_experts([native, openai], num_experts=16, num_layers=3, top_k=2)
+    assert trace.meta.source == "sglang" and trace.weights is None and trace.meta.weights == "absent"
+    layouts = [[(c.request, c.num_tokens) for c in s] for s in trace.steps]
+    assert layouts == [[("r1", 5)], [("r1", 1)], [("r1", 1)], [("r1", 1)], [("r2", 2)], [("r2", 1)]]
+    assert np.array_equal(trace.ids[:8], a) and np.array_equal(trace.ids[8:], b)
+    only_moe = import_sglang_routed_experts([native], 16, 3, 2, moe_layer_ids=[1, 2])
+    assert only_moe.meta.num_layers == 2 and np.array_equal(only_moe.ids, a[:, 1:])
+
+
+def test_import_sglang_errors() -> None:
+    with pytest.raises(ValueError, match="enable-return-routed-experts"):
+        import_sglang_routed_experts([{"meta_info": {}}], 16, 3, 2)
+    bad = {"meta_info": {"routed_experts": _sglang_b64(np.arange(7))}}
+    with pytest.raises(ValueError, match="multiple"):
+        import_sglang_routed_experts([bad], 16, 3, 2)
+
+
+def test_synthesize_is_labelled_and_seeded(tmp_path: Path) -> None:
+    t1 = synthesize_trace("reuse:0.5", 3, 32, 4, requests=2, tokens_per_request=10, prompt_tokens=4, seed=3)
+    t2 = synthesize_trace("reuse:0.5", 3, 32, 4, requests=2, tokens_per_request=10, prompt_tokens=4, seed=3)
+    assert t1.meta.synthetic and t1.meta.source == "synthetic:reuse:0.5"
+    assert np.array_equal(t1.ids, t2.ids) and t1.num_tokens == 28 and len(t1.steps) == 22
+    assert np.allclose(t1.weights.sum(axis=2), 1.0, atol=1e-5)
+    save_trace(t1, tmp_path / "s.trace")
+    back = read_trace(tmp_path / "s.trace")
+    assert np.array_equal(back.ids, t1.ids) and back.meta.source == t1.meta.source
+
+
+def test_cli_synth_show_import(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "s.trace"
+    assert cli_main(["trace", "synth", "--spec", "zipf:1.0", "--tokens", "20", "--layers", "2", "--experts", "16",
+                     "--top-k", "2", "-o", str(out)]) == 0  # fmt: skip
+    assert "SYNTHETIC" in capsys.readouterr().out
+    assert cli_main(["trace", "show", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["label"] == "SYNTHETIC routing" and summary["decode_tokens"] == 20
+    lines = tmp_path / "r.jsonl"
+    lines.write_text(json.dumps({"meta_info": {"prompt_tokens": 1, "routed_experts": _sglang_b64(np.array([[[1, 2]], [[3, 4]]]))}}))
+    assert cli_main(["trace", "import-sglang", str(lines), "--layers", "1", "--experts", "8", "--top-k", "2",
+                     "-o", str(tmp_path / "g.trace")]) == 0  # fmt: skip
+    assert read_trace(tmp_path / "g.trace").ids.tolist() == [[[1, 2]], [[3, 4]]]
+    assert cli_main(["trace", "show", str(tmp_path / "missing.trace")]) == 2
