@@ -68,7 +68,7 @@ def test_dry_run_prints_exact_commands(env: None, name: str) -> None:
         assert f"--enable-paged-experts --paged-experts-num-resident {k} --mem-fraction-static 0.88" in text
     assert text.count("--disable-radix-cache --max-total-tokens 10240 --enable-metrics") == len(ks) + 1
     assert "--cpu-offload-gb" in text and "--max-running-requests 4" in text
-    assert "search llamacpp_best: n_cpu_moe is searched first" in text
+    assert "search llamacpp_best: n_cpu_moe is searched" in text
     assert text.count("  cell ") == (len(ks) + 1) * 2 * 2 * 2  # servers x classes x concurrencies x repeats
 
 
