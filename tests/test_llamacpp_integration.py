@@ -1,0 +1,142 @@
+"""A real llama-server (built by `benchsuite install llama-server`) on 127.0.0.1.
+
+1. The F32 GGUF export of the tiny checkpoint gives the same greedy tokens in llama-server as
+   in the built-in runtime (paged_experts, resident mode) for fixed prompts; the agreement rate
+   is printed. Agreement of a prompt = length of the common prefix of the two continuations /
+   tokens generated (after the first difference the contexts differ, so later tokens say nothing).
+2. configs/llamacpp_tiny.yaml runs end to end through `benchsuite run`, the --n-cpu-moe search
+   included: unfitting N are stored without a launch, fewer launches than a linear scan.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from benchsuite.engines.base import ServerSpec
+from benchsuite.engines.llamacpp import LlamaCppAdapter, find_binary
+from benchsuite.process import EngineProcess, free_port
+
+needs_server = pytest.mark.skipif(
+    find_binary() is None, reason="no llama-server on PATH or in the cache: run `benchsuite install llama-server`"
+)
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = (
+    "The quick brown fox",
+    "Once upon a time, in a small village",
+    "In 1969 the first",
+    "Water boils at",
+    "The capital of France is",
+    "def add(a, b):",
+    "Mixture of experts models route each token",
+    "A cat sat on the",
+)
+NEW_TOKENS = 24
+AGREEMENT_FLOOR_F32 = 0.95
+
+
+def _builtin_greedy(model_dir: Path, prompts: list[list[int]], n_new: int) -> list[list[int]]:
+    from paged_experts.kv import KvPool
+    from paged_experts.model import MoeCausalLM, SeqChunk
+    from paged_experts.runtime import RuntimeConfig
+
+    model = MoeCausalLM.from_pretrained(model_dir, RuntimeConfig(mode="resident", device="cpu", dtype="float32"))
+    pool = KvPool.for_model(model, capacity_tokens=1024)
+    outputs = []
+    for ids in prompts:
+        seq = pool.new_sequence()
+        logits = model.forward([SeqChunk(seq, ids, 0)])[0]  # [1, V]
+        out, pos = [], len(ids)
+        for _ in range(n_new):
+            token = int(logits[-1].argmax())
+            out.append(token)
+            logits = model.forward([SeqChunk(seq, [token], pos)])[0]
+            pos += 1
+        pool.free(seq)
+        outputs.append(out)
+    return outputs
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    matched = total = 0
+    for x, y in zip(a, b, strict=True):
+        prefix = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+        matched += prefix
+        total += max(len(x), len(y))
+    return matched / total
+
+
+async def _llama_greedy(base_url: str, prompts: list[list[int]], n_new: int) -> list[list[int]]:
+    outputs = []
+    async with aiohttp.ClientSession() as session:
+        for ids in prompts:
+            body = {
+                "prompt": ids, "n_predict": n_new, "temperature": 0.0, "top_k": 1, "ignore_eos": True,
+                "cache_prompt": False, "return_tokens": True,
+            }  # fmt: skip
+            async with session.post(f"{base_url}/completion", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                outputs.append(list((await resp.json())["tokens"]))
+    return outputs
+
+
+@pytest.mark.llamacpp
+@needs_server
+async def test_f32_gguf_agrees_with_the_builtin_engine(tmp_path):
+    from tokenizers import Tokenizer
+
+    from paged_experts.synth import ensure_tiny
+
+    model_dir = Path(ensure_tiny())
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    prompts = [tok.encode(p).ids for p in PROMPTS]
+    adapter = LlamaCppAdapter()
+    spec = ServerSpec("agree", "llamacpp", {"model": "tiny", "threads": 2}, {"kv_capacity_tokens": 1024}, 1, "agree")
+    port = free_port()
+    plan = adapter.launch_plan(spec, port)
+    async with EngineProcess(plan.argv, plan.env, tmp_path / "server.log", f"http://127.0.0.1:{port}/health", 120):
+        ours = await _llama_greedy(f"http://127.0.0.1:{port}", prompts, NEW_TOKENS)
+    reference = _builtin_greedy(model_dir, prompts, NEW_TOKENS)
+    rate = agreement(ours, reference)
+    print(f"GGUF f32 greedy agreement with the builtin engine: {rate:.3f} over {len(prompts)} prompts x {NEW_TOKENS} tokens")
+    assert rate >= AGREEMENT_FLOOR_F32, (ours, reference)
+
+
+def test_agreement_counts_the_common_prefix():
+    assert agreement([[1, 2, 3, 4]], [[1, 2, 9, 4]]) == 0.5
+    assert agreement([[1, 2], [5]], [[1, 2], [5]]) == 1.0
+
+
+@pytest.mark.llamacpp
+@pytest.mark.slow
+@needs_server
+def test_llamacpp_tiny_matrix_end_to_end(tmp_path):
+    from benchsuite.cli import main as cli_main
+    from benchsuite.store import read_cells, read_manifest
+
+    rc = cli_main(["run", str(REPO / "configs" / "llamacpp_tiny.yaml"), "--output-root", str(tmp_path), "--quiet", "--no-report"])
+    run_dir = next(tmp_path.iterdir())
+    cells = read_cells(run_dir)
+    assert rc == 0, [(c.engine, c.status, c.reason) for c in cells if c.status != "ok"]
+    search = sorted((c for c in cells if "search_n" in c.extras), key=lambda c: c.extras["search_n"])
+    regular = [c for c in cells if "search_n" not in c.extras]
+    assert {c.engine for c in regular} == {"all-gpu", "ncmoe", "best"}
+    assert all(c.status == "ok" and c.output_tokens_total and c.decode_tok_s_p50 for c in regular)
+    # N = 0 and 1 exceed the emulated 0.024 GB and are never launched; 2..4 fit.
+    assert [(c.extras["search_n"], c.extras["fits"]) for c in search if not c.extras["fits"]] == [(0, False), (1, False)]
+    assert all(c.status == "invalid" for c in search if not c.extras["fits"])
+    measured = [c for c in search if c.extras["fits"]]
+    assert measured and all(c.status == "ok" for c in measured)
+    chosen = [c.extras["search_n"] for c in search if c.extras["chosen"]]
+    assert len(chosen) == 1 and chosen[0] >= 2
+    facts = next(s["search"] for s in read_manifest(run_dir)["servers"].values() if "launches" in s.get("search", {}))
+    assert facts["linear_scan_launches"] == 3 and facts["launches"] <= 3
+    best = [c for c in regular if c.engine == "best"]
+    assert all(c.params["n_cpu_moe"] == chosen[0] for c in best)
+    log_facts = best[0].extras["engine_log"]
+    assert log_facts["context"]["n_ctx"] == 2048 and "model" in log_facts["buffers_mib"]
+    print(json.dumps({"search": facts}, indent=1))
