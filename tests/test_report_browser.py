@@ -111,7 +111,7 @@ def test_tables_match_stored_numbers(page_data: dict) -> None:
               and r["setup"].endswith("short")]
     assert len(ratios) == 1
     assert ratios[0]["paged"] == "42.00 [40.00–44.00]"
-    assert ratios[0]["vs offload"] == "2.00× significant (spreads disjoint) · tiny · offload · defaults: 21.00 [20.00–22.00]"
+    assert ratios[0]["vs offload"] == "2.00× significant (spreads disjoint) · tiny · offload · offload_layers=4: 21.00 [20.00–22.00]"
     assert ratios[0]["vs cpu_experts_best"].startswith("0.98× not significant (spreads overlap)")
     failures = {r["cell_id"]: r["reason"] for r in page_data["tables"]["failures"]}
     assert failures["off-s2-r1"] == "engine exited with code -11 (see logs/s-offload.log)"

@@ -1,6 +1,7 @@
 """Display form of a table (HTML and markdown); the CSV keeps the exact columns.
 
-- each `<x>_min / <x>_median / <x>_max` triple becomes one `<x>` column written "median [min–max]";
+- each `<x>_min / <x>_median / <x>_max` triple becomes one `<x>` column written "median [min–max]"
+  (just "median" when min = max);
 - in the ratio table, each baseline's `<b>_config`, its spread, `paged_vs_<b>` and the verdict become
   one `vs <b>` column: "2.00× significant (spreads disjoint) · tiny · offload: 21.00 [20.00–22.00]";
 - other columns pass through, formatted by fmt.format_value.
@@ -17,7 +18,10 @@ def _spread_text(column: str, low: object, mid: object, high: object) -> str:
     median = format_value(column, mid)
     if median == ABSENT:
         return ABSENT
-    return f"{median} [{format_value(column, low)}–{format_value(column, high)}]"
+    low_text, high_text = format_value(column, low), format_value(column, high)
+    if low_text == high_text == median:  # one repeat (or identical ones): no range to show
+        return median
+    return f"{median} [{low_text}–{high_text}]"
 
 
 def _baselines(columns: list[str]) -> list[str]:

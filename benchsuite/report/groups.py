@@ -29,6 +29,7 @@ _K_KEYS = ("resident_experts", "paged_experts_num_resident", "num_resident", "re
 _N_KEYS = ("search_n", "n_cpu_moe", "cpu_moe_layers", "cpu_expert_layers")
 _SERVER_K_KEYS = ("resident_experts", "paged_experts_num_resident")
 _SERVER_N_KEYS = ("n_cpu_moe",)
+_SERVER_LABEL_KEYS = ("offload_layers", "cpu_offload_gb")  # fixed server options that tell configurations apart
 _K_FLAGS = ("--paged-experts-num-resident", "--resident-experts")
 _N_FLAGS = ("--n-cpu-moe", "--cpu-expert-layers")
 
@@ -103,7 +104,9 @@ def cell_n(params: dict[str, Any], extras: dict[str, Any], server: dict[str, Any
 
 
 def config_label(row: pd.Series, many_runs: bool) -> str:
-    parts = [str(row["engine"]), str(row["mode"]), params_label(row["params"])]
+    # An engine entry named after its mode (quickstart: engines "paged", "offload") is named once.
+    parts = [str(row["engine"])] if str(row["engine"]) == str(row["mode"]) else [str(row["engine"]), str(row["mode"])]
+    parts.append(params_label(row["params"]))
     if many_runs:
         parts.insert(0, str(row["run_id"]))
     label = " · ".join(parts)
@@ -117,16 +120,20 @@ def annotate_cells(cells: pd.DataFrame, servers: dict[str, dict[str, Any]], many
     # object dtype keeps ints as ints and absent values as None (a float column would print K=8.0, K=nan)
     out["k"] = pd.Series([cell_k(p, e, f) for p, e, f in zip(out["params"], out["extras"], facts)], index=out.index, dtype=object)
     out["n_cpu_moe"] = pd.Series([cell_n(p, e, f) for p, e, f in zip(out["params"], out["extras"], facts)], index=out.index, dtype=object)
-    out["params"] = [effective_params(p, k, n) for p, k, n in zip(out["params"], out["k"], out["n_cpu_moe"])]
+    out["params"] = [effective_params(p, k, n, f.get("options") or {}) for p, k, n, f in zip(out["params"], out["k"], out["n_cpu_moe"], facts)]
     out["params_key"] = [params_key(p) for p in out["params"]]
     out["label"] = [config_label(row, many_runs) for _, row in out.iterrows()]
     return out
 
 
-def effective_params(params: dict[str, Any], k: int | None, n: int | None) -> dict[str, Any]:
-    """Sweep params plus K / N read from extras or the command line when params do not name them,
-    so configurations that differ only in a fixed flag (e.g. each --n-cpu-moe of a search) stay apart."""
+def effective_params(params: dict[str, Any], k: int | None, n: int | None, options: dict[str, Any]) -> dict[str, Any]:
+    """Sweep params plus K / N (and offload amounts) read from extras, server options or the command
+    line when params do not name them, so configurations that differ only in a fixed flag (e.g. each
+    --n-cpu-moe of a search) stay apart and say what they ran."""
     out = dict(params)
+    for key in _SERVER_LABEL_KEYS:
+        if options.get(key) is not None and key not in params:
+            out[key] = options[key]
     if k is not None and not any(key in params for key in _K_KEYS):
         out["K"] = k
     if n is not None and not any(key in params for key in _N_KEYS):
