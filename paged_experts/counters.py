@@ -86,6 +86,16 @@ class _Acc:
         self.values["copy_time_s"] = 0.0
         self.pending_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
+    def resolve_finished(self) -> None:
+        """Reads the event pairs that already completed, oldest first, without blocking."""
+        done = 0
+        for start, end in self.pending_events:
+            if not end.query():
+                break
+            self.values["copy_time_s"] += start.elapsed_time(end) / 1e3
+            done += 1
+        del self.pending_events[:done]
+
     def resolve(self) -> None:
         for start, end in self.pending_events:
             end.synchronize()
@@ -124,7 +134,10 @@ class PagingCounters:
 
     def record_copy_events(self, layer: int, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
         """CUDA copies are timed by events read lazily, so no host sync happens per wave."""
-        self._layers[layer].pending_events.append((start, end))
+        acc = self._layers[layer]
+        acc.pending_events.append((start, end))
+        if len(acc.pending_events) >= 256:
+            acc.resolve_finished()  # a long run without snapshots must not pile up events
 
     def snapshot(self) -> CountersSnapshot:
         layers = []

@@ -83,19 +83,27 @@ class CheckpointReader:
         return self._handles[self.weight_map[name]].get_tensor(name)
 
 
+def _checked(reader: CheckpointReader, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Reads a tensor and insists on its shape: `copy_` would silently broadcast a wrong one."""
+    t = reader.get(name)
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, config.json implies {shape}")
+    return t
+
+
 def _fill_host_experts(reader: CheckpointReader, layer: int, host: ExpertTensors, cfg: MoeModelConfig) -> None:
     prefix = f"model.layers.{layer}.mlp.experts"
-    inter = cfg.moe_intermediate_size
+    e_n, h, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     if reader.has(f"{prefix}.gate_up_proj"):
-        gate_up = reader.get(f"{prefix}.gate_up_proj")  # [E, 2I, H]
+        gate_up = _checked(reader, f"{prefix}.gate_up_proj", (e_n, 2 * inter, h))  # [E, 2I, H]
         host.gate.copy_(gate_up[:, :inter])
         host.up.copy_(gate_up[:, inter:])
-        host.down.copy_(reader.get(f"{prefix}.down_proj"))  # [E, H, I]
+        host.down.copy_(_checked(reader, f"{prefix}.down_proj", (e_n, h, inter)))  # [E, H, I]
         return
-    for e in range(cfg.num_experts):
-        host.gate[e].copy_(reader.get(f"{prefix}.{e}.gate_proj.weight"))  # [I, H]
-        host.up[e].copy_(reader.get(f"{prefix}.{e}.up_proj.weight"))  # [I, H]
-        host.down[e].copy_(reader.get(f"{prefix}.{e}.down_proj.weight"))  # [H, I]
+    for e in range(e_n):
+        host.gate[e].copy_(_checked(reader, f"{prefix}.{e}.gate_proj.weight", (inter, h)))  # [I, H]
+        host.up[e].copy_(_checked(reader, f"{prefix}.{e}.up_proj.weight", (inter, h)))  # [I, H]
+        host.down[e].copy_(_checked(reader, f"{prefix}.{e}.down_proj.weight", (h, inter)))  # [H, I]
 
 
 def load(path: str | Path, runtime: RuntimeConfig) -> LoadedModel:
@@ -105,12 +113,14 @@ def load(path: str | Path, runtime: RuntimeConfig) -> LoadedModel:
     reader = CheckpointReader(path)
     device, dtype = runtime.torch_device, runtime.torch_dtype
 
-    def dense(name: str) -> torch.Tensor:
-        return reader.get(name).to(device=device, dtype=dtype)
+    def dense(name: str, *shape: int) -> torch.Tensor:
+        return _checked(reader, name, shape).to(device=device, dtype=dtype)
 
-    embed = dense("model.embed_tokens.weight")
-    lm_head = embed if cfg.tie_word_embeddings or not reader.has("lm_head.weight") else dense("lm_head.weight")
-    dense_weights = DenseWeights(embed=embed, final_norm=dense("model.norm.weight"), lm_head=lm_head)
+    h, v, d = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
+    embed = dense("model.embed_tokens.weight", v, h)
+    tied = cfg.tie_word_embeddings or not reader.has("lm_head.weight")
+    lm_head = embed if tied else dense("lm_head.weight", v, h)
+    dense_weights = DenseWeights(embed=embed, final_norm=dense("model.norm.weight", h), lm_head=lm_head)
 
     counters = PagingCounters(cfg.num_moe_layers, cfg.expert_bytes(runtime.dtype), runtime.mode)
     placements = [runtime.layer_mode(i, cfg.num_moe_layers) for i in range(cfg.num_layers)]
@@ -136,14 +146,14 @@ def load(path: str | Path, runtime: RuntimeConfig) -> LoadedModel:
         p = f"model.layers.{i}"
         attention.append(
             AttentionWeights(
-                input_norm=dense(f"{p}.input_layernorm.weight"),
-                q_proj=dense(f"{p}.self_attn.q_proj.weight"),
-                k_proj=dense(f"{p}.self_attn.k_proj.weight"),
-                v_proj=dense(f"{p}.self_attn.v_proj.weight"),
-                o_proj=dense(f"{p}.self_attn.o_proj.weight"),
-                q_norm=dense(f"{p}.self_attn.q_norm.weight"),
-                k_norm=dense(f"{p}.self_attn.k_norm.weight"),
-                post_norm=dense(f"{p}.post_attention_layernorm.weight"),
+                input_norm=dense(f"{p}.input_layernorm.weight", h),
+                q_proj=dense(f"{p}.self_attn.q_proj.weight", cfg.num_heads * d, h),
+                k_proj=dense(f"{p}.self_attn.k_proj.weight", cfg.num_kv_heads * d, h),
+                v_proj=dense(f"{p}.self_attn.v_proj.weight", cfg.num_kv_heads * d, h),
+                o_proj=dense(f"{p}.self_attn.o_proj.weight", h, cfg.num_heads * d),
+                q_norm=dense(f"{p}.self_attn.q_norm.weight", d),
+                k_norm=dense(f"{p}.self_attn.k_norm.weight", d),
+                post_norm=dense(f"{p}.post_attention_layernorm.weight", h),
             )
         )
         placement = placements[i]
@@ -162,9 +172,10 @@ def load(path: str | Path, runtime: RuntimeConfig) -> LoadedModel:
             device_experts = to_device_rows(host, k, device)  # slots start with experts 0..K-1
         elif placement == "resident":
             device_experts = to_device_rows(host, cfg.num_experts, device)
-        moe.append(
-            MoeLayer(i, placement, dense(f"{p}.mlp.gate.weight"), host, device_experts, shared, residency)
-        )
+            # A resident layer never reads the host rows again: keep one copy, not two.
+            host = device_experts
+        router = dense(f"{p}.mlp.gate.weight", cfg.num_experts, h)
+        moe.append(MoeLayer(i, placement, router, host, device_experts, shared, residency))
     return LoadedModel(
         config=cfg, dense=dense_weights, attention=tuple(attention), moe=tuple(moe), counters=counters
     )

@@ -71,7 +71,7 @@ class MoeLayer:
         self.layer_idx = layer_idx
         self.placement = placement
         self.router_weight = router_weight  # [E, H] on the device
-        self.host = host  # [E, ...] host store rows (pinned when paged/offloaded on CUDA)
+        self.host = host  # [E, ...] host store rows (pinned when paged/offloaded on CUDA); device rows if resident
         self.device_experts = device_experts  # [K, ...] slots (paged) or [E, ...] (resident)
         self.shared = shared
         self.residency = residency

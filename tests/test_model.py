@@ -154,3 +154,47 @@ def test_config_reads_qwen3_fields(ckpt: Path) -> None:
         MoeModelConfig.from_hf_config({**qwen, "model_type": "llama"})
     with pytest.raises(ValueError, match="dense MLP layers"):
         MoeModelConfig.from_hf_config({**qwen, "mlp_only_layers": [0]})
+
+
+def test_fused_expert_layout_loads_identically(ckpt: Path, tmp_path: Path) -> None:
+    """transformers 5 may save experts fused (`gate_up_proj [E, 2I, H]`); both layouts load the same."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    cfg = MoeModelConfig.from_dir(ckpt)
+    fused_dir = tmp_path / "fused"
+    fused_dir.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (fused_dir / name).write_bytes((ckpt / name).read_bytes())
+    tensors: dict[str, torch.Tensor] = {}
+    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():
+            if ".mlp.experts." not in name:
+                tensors[name] = f.get_tensor(name)
+        for layer in range(cfg.num_layers):
+            p = f"model.layers.{layer}.mlp.experts"
+            gate = torch.stack([f.get_tensor(f"{p}.{e}.gate_proj.weight") for e in range(cfg.num_experts)])  # [E, I, H]
+            up = torch.stack([f.get_tensor(f"{p}.{e}.up_proj.weight") for e in range(cfg.num_experts)])  # [E, I, H]
+            tensors[f"{p}.gate_up_proj"] = torch.cat([gate, up], dim=1).contiguous()  # [E, 2I, H]
+            tensors[f"{p}.down_proj"] = torch.stack(
+                [f.get_tensor(f"{p}.{e}.down_proj.weight") for e in range(cfg.num_experts)]
+            )  # [E, H, I]
+    save_file(tensors, str(fused_dir / "model.safetensors"))
+    rt = RuntimeConfig(mode="paged", resident_experts=5)
+    tokens = [9, 99, 999, 19, 29]
+    a = full_logits(MoeCausalLM.from_pretrained(ckpt, rt), tokens)
+    b = full_logits(MoeCausalLM.from_pretrained(fused_dir, rt), tokens)
+    assert torch.equal(a, b)
+
+
+def test_shape_mismatch_is_a_clear_error(ckpt: Path, tmp_path: Path) -> None:
+    import json
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in ckpt.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    hf = json.loads((ckpt / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**hf, "moe_intermediate_size": 1}))
+    with pytest.raises(ValueError, match=r"gate_proj.weight has shape \(32, 64\), config.json implies \(1, 64\)"):
+        MoeCausalLM.from_pretrained(bad, RuntimeConfig(mode="resident"))
