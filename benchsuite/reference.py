@@ -151,7 +151,7 @@ def parse_reference(name: str, data: dict[str, Any]) -> Reference:
 
 
 def _repeats(text: str) -> int:
-    """"each headline cell measured at least twice" -> 2."""
+    """ "each headline cell measured at least twice" -> 2."""
     words = {"once": 1, "twice": 2, "three times": 3}
     for word, count in words.items():
         if word in text:

@@ -170,17 +170,24 @@ Check = Callable[["SGLangOptions", ModelFacts], "str | None"]
 
 
 def _single_gpu(opts: SGLangOptions, facts: ModelFacts) -> str | None:
-    big = [f"{name}={getattr(opts, name)}" for name in ("tp_size", "ep_size", "pp_size", "dp_size") if getattr(opts, name) > 1]
+    big = [
+        f"{name}={getattr(opts, name)}"
+        for name in ("tp_size", "ep_size", "pp_size", "dp_size")
+        if getattr(opts, name) > 1
+    ]
     return f"{', '.join(big)}: paged experts is single GPU only (tp/ep/pp/dp sizes must be 1)" if big else None
 
 
 def _no_eplb(opts: SGLangOptions, facts: ModelFacts) -> str | None:
-    return "extra_args --enable-eplb is not supported with paged experts" if "--enable-eplb" in opts.extra_args else None
+    return (
+        "extra_args --enable-eplb is not supported with paged experts" if "--enable-eplb" in opts.extra_args else None
+    )
 
 
 def _no_speculative(opts: SGLangOptions, facts: ModelFacts) -> str | None:
     if opts.speculative_algorithm:
-        return f"speculative_algorithm {opts.speculative_algorithm}: speculative decoding is not supported with paged experts"
+        algorithm = opts.speculative_algorithm
+        return f"speculative_algorithm {algorithm}: speculative decoding is not supported with paged experts"
     return None
 
 
@@ -219,19 +226,25 @@ def _quantization(opts: SGLangOptions, facts: ModelFacts) -> str | None:
 
 def _no_fused_sum_all_reduce(opts: SGLangOptions, facts: ModelFacts) -> str | None:
     if "--enable-fused-moe-sum-all-reduce" in opts.extra_args:
-        return "extra_args --enable-fused-moe-sum-all-reduce is not supported: paged experts sums the top-k outputs itself"
+        return (
+            "extra_args --enable-fused-moe-sum-all-reduce is not supported: paged experts sums the top-k outputs itself"
+        )
     return None
 
 
 def _shared_expert_fusion(opts: SGLangOptions, facts: ModelFacts) -> str | None:
     if facts.has_shared_experts and not opts.disable_shared_experts_fusion:
-        return "the model has shared experts: fused shared experts are not supported, set disable_shared_experts_fusion: true"
+        return (
+            "the model has shared experts: fused shared experts are not supported, "
+            "set disable_shared_experts_fusion: true"
+        )
     return None
 
 
 def _moe_runner(opts: SGLangOptions, facts: ModelFacts) -> str | None:
     if opts.moe_runner_backend not in PAGED_MOE_RUNNERS:
-        return f"moe_runner_backend {opts.moe_runner_backend}: paged experts needs the triton or marlin MoE runner (or auto)"
+        runner = opts.moe_runner_backend
+        return f"moe_runner_backend {runner}: paged experts needs the triton or marlin MoE runner (or auto)"
     return None
 
 

@@ -46,7 +46,10 @@ async def capture_routing(
         }
         async with session.post(f"{base_url}/v1/completions", json=body) as resp:
             if resp.status != 200:
-                raise RunError(f"routing capture: {base_url}/v1/completions answered HTTP {resp.status}: {(await resp.text())[:200]}")
+                raise RunError(
+                    f"routing capture: {base_url}/v1/completions answered HTTP {resp.status}: "
+                    f"{(await resp.text())[:200]}"
+                )
             responses.append(await resp.json())
     return responses
 
@@ -89,7 +92,8 @@ def routing_trace(responses: Sequence[dict[str, Any]], config: dict[str, Any], m
     return import_sglang_routed_experts(
         list(responses),
         num_experts=int(num_experts),
-        # SGLang sizes the capture by num_hidden_layers and num_experts_per_tok (state_capturer/routed_experts.py:72-73).
+        # SGLang sizes the capture by num_hidden_layers and num_experts_per_tok
+        # (state_capturer/routed_experts.py:72-73).
         num_layers=int(cfg["num_hidden_layers"]),
         top_k=int(cfg["num_experts_per_tok"]),
         model=model,

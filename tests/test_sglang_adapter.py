@@ -22,7 +22,9 @@ HEAD = [PY, "-m", "sglang.launch_server", "--model-path", "/models/q", "--host",
 
 
 def spec(options: dict[str, Any], fairness: dict[str, Any] | None = None, max_concurrency: int = 4) -> ServerSpec:
-    return ServerSpec("sgl", "sglang", {"model_path": "/models/q", **options}, fairness or FAIRNESS, max_concurrency, "id")
+    return ServerSpec(
+        "sgl", "sglang", {"model_path": "/models/q", **options}, fairness or FAIRNESS, max_concurrency, "id"
+    )
 
 
 def argv(options: dict[str, Any], **kw: Any) -> list[str]:
@@ -121,7 +123,9 @@ def test_model_path_env_expansion(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_request_extras_only_with_routing_capture() -> None:
     adapter = SGLangAdapter()
     assert adapter.request_extras(spec({"mode": "unpaged"})) == {}
-    assert adapter.request_extras(spec({"mode": "unpaged", "return_routed_experts": True})) == {"return_routed_experts": True}
+    assert adapter.request_extras(spec({"mode": "unpaged", "return_routed_experts": True})) == {
+        "return_routed_experts": True
+    }
     assert adapter.mode(spec({"mode": "offload", "cpu_offload_gb": 3})) == "offload"
 
 

@@ -50,14 +50,19 @@ def test_config_follows_the_published_rules(env: None, name: str) -> None:
     assert m.fairness.prefix_caching is ref.rules.prefix_caching is False
     (workload,) = m.workloads.values()
     assert workload.dataset == "sharegpt" and workload.output_tokens == ref.rules.output_tokens == 256
-    assert tuple(workload.concurrency) == ref.rules.concurrency == (1, 4) and workload.prompt_classes == ["short", "2048"]
+    assert tuple(workload.concurrency) == ref.rules.concurrency == (1, 4) and workload.prompt_classes == [
+        "short",
+        "2048",
+    ]
     assert {e.kind for e in m.engines.values()} == {"sglang", "llamacpp"}
     llama = m.engines["llamacpp_best"].options
     assert llama["n_cpu_moe"] == "search" and gguf_var in llama["model"]  # IQ4_XS for int4, Q8_0 for FP8
     vram = next(mach.vram_gb for mach in ref.machines if mach.key == machine)
     assert llama["vram_budget_gb"] == vram
     paged = m.engines["sglang_paged"].options
-    assert (paged["resident_experts"] if isinstance(paged["resident_experts"], list) else [paged["resident_experts"]]) == ks
+    assert (
+        paged["resident_experts"] if isinstance(paged["resident_experts"], list) else [paged["resident_experts"]]
+    ) == ks
 
 
 @pytest.mark.parametrize("name", sorted(SETUPS))

@@ -51,13 +51,25 @@ def test_k_larger_than_e_is_clamped_by_sglang_not_refused(tmp_path: Path) -> Non
         ({"pp_size": 2}, "pp_size=2", "method.py:306-309"),
         ({"dp_size": 2}, "dp_size=2", "method.py:306-309"),
         ({"speculative_algorithm": "EAGLE"}, "speculative decoding is not supported", "method.py:312-313"),
-        ({"cuda_graph_backend_prefill": "full"}, "prefill CUDA graphs must be breakable or disabled", "method.py:316-322"),
-        ({"cuda_graph_backend_decode": "breakable"}, "decode CUDA graphs must be full or disabled", "method.py:323-327"),
+        (
+            {"cuda_graph_backend_prefill": "full"},
+            "prefill CUDA graphs must be breakable or disabled",
+            "method.py:316-322",
+        ),
+        (
+            {"cuda_graph_backend_decode": "breakable"},
+            "decode CUDA graphs must be full or disabled",
+            "method.py:323-327",
+        ),
         ({"load_format": "dummy"}, "load_format dummy: not supported", "method.py:328-331"),
         ({"extra_args": ["--enable-eplb"]}, "--enable-eplb is not supported", "method.py:310-311"),
         ({"extra_args": ["--enable-fused-moe-sum-all-reduce"]}, "sums the top-k outputs itself", "method.py:345-349"),
         ({"moe_runner_backend": "flashinfer_cutlass"}, "needs the triton or marlin MoE runner", "runners.py:155-170"),
-        ({"moe_runner_backend": "experimental_sgl_marlin"}, "needs the triton or marlin MoE runner", "runners.py:155-170"),
+        (
+            {"moe_runner_backend": "experimental_sgl_marlin"},
+            "needs the triton or marlin MoE runner",
+            "runners.py:155-170",
+        ),
         ({"quantization": "gptq"}, "forces the non-Marlin GPTQ MoE method", "formats.py:148-334"),
     ],
 )
@@ -89,7 +101,9 @@ def test_shared_experts_need_fusion_disabled(tmp_path: Path) -> None:
         (None, "w8a8_int8", True),
     ],
 )
-def test_quantization_formats(tmp_path: Path, quantization: dict[str, Any] | None, requested: str | None, ok: bool) -> None:
+def test_quantization_formats(
+    tmp_path: Path, quantization: dict[str, Any] | None, requested: str | None, ok: bool
+) -> None:
     opts = SGLangOptions.model_validate(
         {"model_path": "/m", "mode": "paged", "resident_experts": 16, "quantization": requested}
     )

@@ -34,4 +34,14 @@ def test_unknown_reference_and_unreadable_rule() -> None:
     with pytest.raises(UserError, match="known: pr42557"):
         load_reference("pr99999")
     with pytest.raises(ValueError, match="no number"):
-        parse_reference("x", {"workload": {"output_tokens": "many", "kv_capacity_tokens": 1, "prefix_caching": "off", "repeats": "twice"}})
+        parse_reference(
+            "x",
+            {
+                "workload": {
+                    "output_tokens": "many",
+                    "kv_capacity_tokens": 1,
+                    "prefix_caching": "off",
+                    "repeats": "twice",
+                }
+            },
+        )

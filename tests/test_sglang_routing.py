@@ -39,7 +39,11 @@ def b64(ids: np.ndarray) -> str:
 
 def test_openai_and_native_responses_become_one_trace(tmp_path: Path) -> None:
     a, b = routed(5 + 3 - 1, seed=1), routed(2 + 4 - 1, seed=2)  # prompt + output - 1 rows
-    openai = {"id": "cmpl-a", "sglext": {"routed_experts": b64(a)}, "usage": {"prompt_tokens": 5, "completion_tokens": 3}}
+    openai = {
+        "id": "cmpl-a",
+        "sglext": {"routed_experts": b64(a)},
+        "usage": {"prompt_tokens": 5, "completion_tokens": 3},
+    }
     native = {"meta_info": {"id": "gen-b", "routed_experts": b64(b), "prompt_tokens": 2}}
     trace = routing_trace([openai, native], CONFIG, model="m")
     assert trace.meta.source == "sglang" and trace.meta.weights == "absent"
@@ -61,7 +65,11 @@ def test_streamed_chunks_merge_into_a_response() -> None:
         {"id": "cmpl-s", "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3}},
     ]
     merged = merge_stream_chunks(chunks)
-    assert merged == {"id": "cmpl-s", "sglext": {"routed_experts": b64(ids)}, "usage": {"prompt_tokens": 4, "completion_tokens": 3}}
+    assert merged == {
+        "id": "cmpl-s",
+        "sglext": {"routed_experts": b64(ids)},
+        "usage": {"prompt_tokens": 4, "completion_tokens": 3},
+    }
     trace = routing_trace([merged], CONFIG)
     assert [sum(c.num_tokens for c in s) for s in trace.steps] == [4, 1, 1]
 

@@ -157,7 +157,8 @@ class SGLangAdapter:
         path = Path(self._options(spec).model_path).expanduser()
         if not (path / "config.json").is_file():
             raise EngineConfigError(
-                f"sglang {spec.name}: exact-length prompts need model_path to be a local checkpoint directory, not {path}"
+                f"sglang {spec.name}: exact-length prompts need model_path to be a local checkpoint directory, "
+                f"not {path}"
             )
         return path
 
@@ -189,7 +190,12 @@ class SGLangAdapter:
         argv += _valued("--mem-fraction-static", opts.mem_fraction_static)
         argv += _valued("--quantization", opts.quantization)
         argv += _valued("--kv-cache-dtype", opts.kv_cache_dtype)
-        for flag, size in (("--tp-size", opts.tp_size), ("--ep-size", opts.ep_size), ("--pp-size", opts.pp_size), ("--dp-size", opts.dp_size)):
+        for flag, size in (
+            ("--tp-size", opts.tp_size),
+            ("--ep-size", opts.ep_size),
+            ("--pp-size", opts.pp_size),
+            ("--dp-size", opts.dp_size),
+        ):
             if size != 1:
                 argv += [flag, str(size)]
         argv += _valued("--speculative-algorithm", opts.speculative_algorithm)
