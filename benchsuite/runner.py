@@ -35,9 +35,9 @@ from benchsuite.machine import git_facts, machine_facts
 from benchsuite.plan import CellSpec, Plan, SearchTask, resolve_search
 from benchsuite.process import EngineProcess, free_port
 from benchsuite.records import CellResult, RequestRecord
-from benchsuite.store import FINISHED_STATUSES, RunStore, Writer, atomic_write_bytes, utc_now
+from benchsuite.store import RunStore, Writer, atomic_write_bytes, utc_now
 
-RANDOM_SHORT_TOKENS = 32  # dataset `random`: length of a `short` prompt
+RANDOM_SHORT_TOKENS = 32  # dataset `random`: length of a `short` prompt (random token ids)
 _CELL_ERRORS = (RunError, aiohttp.ClientError, asyncio.TimeoutError, OSError, EngineConfigError)
 
 
@@ -151,7 +151,7 @@ async def measure_cell(ctx: RunContext, server: RunningServer, cell: CellSpec, *
     result = metrics.summarize(records, base=_base_result(ctx, spec, cell))
     if before is not None and after is not None:
         result = dataclasses.replace(result, **metrics.paging_delta(before, after))
-    log_facts = adapter.parse_log(_read_log(ctx.store.log_path(spec.server_id)))
+    log_facts = adapter.parse_log(ctx.store.log_path(spec.server_id).read_text(errors="replace"))
     if log_facts:
         result = dataclasses.replace(result, extras={**result.extras, "engine_log": log_facts})
     if not server.process.alive:
@@ -164,7 +164,7 @@ async def measure_cell(ctx: RunContext, server: RunningServer, cell: CellSpec, *
 
 async def run_server_cells(ctx: RunContext, spec: ServerSpec, cells: Sequence[CellSpec]) -> list[CellResult]:
     """Start `spec` once and measure every unfinished cell; failures become `failed` cells."""
-    todo = [c for c in cells if not _finished(ctx.store, c.cell_id)]
+    todo = [c for c in cells if not ctx.store.finished(c.cell_id)]
     if not todo:
         return []
     ctx.events.server_starting(spec, len(todo))
@@ -285,11 +285,6 @@ async def _load(
     )
 
 
-def _finished(store: RunStore, cell_id: str) -> bool:
-    stored = store.stored_cell(cell_id)
-    return stored is not None and stored.result.status in FINISHED_STATUSES
-
-
 def _base_result(ctx: RunContext, spec: ServerSpec, cell: CellSpec) -> CellResult:
     adapter = ADAPTERS[spec.kind]
     routing_label = getattr(adapter, "routing_label", None)  # engines with synthetic routing say so
@@ -324,13 +319,6 @@ def _death_reason(server: RunningServer) -> str:
     return f"engine exited with code {server.process.returncode}; log tail:\n{server.process.log_tail()}"
 
 
-def _read_log(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")
-    except OSError:
-        return ""
-
-
 def _load_requests(ctx: RunContext, server: RunningServer, cell: CellSpec) -> list[loadgen.LoadRequest]:
     """The measured requests, the same prompts for every engine (seeded order); warmups reuse
     the first ones."""
@@ -342,7 +330,10 @@ def _load_requests(ctx: RunContext, server: RunningServer, cell: CellSpec) -> li
     chosen = [prompts[order[i % len(order)]] for i in range(count)]
     return [
         loadgen.LoadRequest(
-            prompt_id=p.prompt_id, prompt_class=cell.prompt_class, prompt=p.text, max_tokens=workload.output_tokens
+            prompt_id=p.prompt_id,
+            prompt_class=cell.prompt_class,
+            prompt=p.token_ids if p.token_ids is not None else p.text,  # exact lengths travel as ids
+            max_tokens=workload.output_tokens,
         )
         for p in chosen
     ]
@@ -356,16 +347,31 @@ def _prompt_pool(ctx: RunContext, server: RunningServer, cell: CellSpec, count: 
     tokenizer = _tokenizer_dir(server) if exact_tokens is not None else None
     key = (cell.workload, cell.prompt_class, str(tokenizer))
     if key not in ctx._prompts:
-        if exact_tokens is not None and tokenizer is not None:
-            pool = datasets.exact_length_prompts(tokenizer, exact_tokens, count, workload.seed)
-        elif workload.dataset == "sharegpt":
-            pool = datasets.load_sharegpt(Path(workload.path or ""), count, workload.seed)
+        natural = (
+            datasets.load_sharegpt(Path(workload.path or ""), count, workload.seed)
+            if workload.dataset == "sharegpt"
+            else datasets.bundled_prompts()
+        )
+        if workload.dataset == "random" and exact_tokens is not None and tokenizer is not None:
+            pool = _random_token_prompts(tokenizer, exact_tokens, count, workload.seed)
+        elif exact_tokens is not None and tokenizer is not None:
+            pool = datasets.exact_length_prompts(tokenizer, exact_tokens, count, workload.seed, source=natural)
         else:
-            pool = datasets.bundled_prompts()
+            pool = natural
         if not pool:
             raise RunError(f"workload {cell.workload}: no prompts for class {cell.prompt_class}")
         ctx._prompts[key] = list(pool)
     return ctx._prompts[key]
+
+
+def _random_token_prompts(tokenizer_dir: Path, n_tokens: int, n: int, seed: int) -> list[datasets.Prompt]:
+    """Dataset `random`: uniformly random ids of the learned vocabulary, the no-locality extreme."""
+    vocab_size = datasets.load_tokenizer(tokenizer_dir).get_vocab_size(with_added_tokens=False)
+    rng = random.Random(seed)
+    return [
+        datasets.Prompt(f"rand{n_tokens}-s{seed}-{i}", "", str(n_tokens), tuple(rng.randrange(vocab_size) for _ in range(n_tokens)))
+        for i in range(n)
+    ]
 
 
 def _tokenizer_dir(server: RunningServer) -> Path:

@@ -161,6 +161,11 @@ class RunStore:
         payload = _read_versioned(path)
         return StoredCell(CellResult(**payload["cell"]), int(payload["attempt"]))
 
+    def finished(self, cell_id: str) -> bool:
+        """True when the cell is stored ok or invalid (a rerun skips it); failed cells run again."""
+        stored = self.stored_cell(cell_id)
+        return stored is not None and stored.result.status in FINISHED_STATUSES
+
     def _cell_payloads(self) -> list[dict[str, Any]]:
         return [_read_versioned(p) for p in sorted((self.run_dir / "cells").glob("*.json"))]
 

@@ -23,7 +23,7 @@ from benchsuite.errors import UserError
 from benchsuite.matrix import load_matrix
 from benchsuite.plan import CellSpec, Plan, build_plan, format_plan
 from benchsuite.records import CellResult
-from benchsuite.store import FINISHED_STATUSES, RunStore, read_cells
+from benchsuite.store import read_cells
 
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
@@ -50,7 +50,7 @@ def main(args: argparse.Namespace) -> int:
     if not console.is_terminal:
         console.width = max(console.width, 132)  # logs and CI: keep the summary table unwrapped
     store = open_store(plan, args.output_root)
-    todo = sum(1 for c in plan.cells if not _finished(store, c.cell_id))
+    todo = sum(1 for c in plan.cells if not store.finished(c.cell_id))
     console.print(f"run {plan.run_id}: {len(plan.cells)} cells ({len(plan.cells) - todo} already done) -> {store.run_dir}")
     try:
         with _ProgressEvents(console, todo) as events:
@@ -68,11 +68,6 @@ def main(args: argparse.Namespace) -> int:
     if failed:
         print(f"benchsuite: {failed} cells failed (reasons in cells.csv); rerun the same command to retry them")
     return 1 if failed or problems else report_status
-
-
-def _finished(store: RunStore, cell_id: str) -> bool:
-    stored = store.stored_cell(cell_id)
-    return stored is not None and stored.result.status in FINISHED_STATUSES
 
 
 def _write_report(args: argparse.Namespace, run_dir: Path) -> int:
