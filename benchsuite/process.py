@@ -110,7 +110,7 @@ class EngineProcess:
         self._scan_carry = b""
         self._stopped = False
         self._token = uuid.uuid4().hex
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -173,13 +173,13 @@ class EngineProcess:
 
     def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM the whole group and its descendants, SIGKILL after grace_s. Idempotent."""
+        # Reentrant: a SIGTERM handler may call stop() while this thread is inside it. The flag
+        # is set only once the kill has finished, so an interrupted stop is redone (at exit too).
         with self._lock:
             if self._popen is None or self._stopped:
                 return
-            self._stopped = True
-        try:
             _kill_group(self._popen, self._token, grace_s)
-        finally:
+            self._stopped = True
             _REGISTRY.discard(self)
 
     async def astop(self, grace_s: float = 5.0) -> None:
@@ -391,7 +391,7 @@ class _Registry:
 
     def __init__(self) -> None:
         self._procs: dict[int, EngineProcess] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # reentrant: signal handlers run on the main thread
         self._installed = False
         self._previous: dict[int, Callable[[int, FrameType | None], object] | int | None] = {}
 

@@ -29,6 +29,17 @@ class SseParser:
         self._event = b"message"
 
     def feed(self, chunk: bytes) -> list[SseEvent]:
+        if (
+            not self._buffer
+            and not self._data
+            and chunk.startswith(b"data:")
+            and chunk.endswith(b"\n\n")
+            and chunk.count(b"\n") == 2
+            and b"\r" not in chunk
+        ):
+            # Fast path: the common read that holds exactly one single-line event.
+            value = chunk[5:-2]
+            return [SseEvent(value[1:] if value.startswith(b" ") else value, self._event)]
         buffer = self._buffer + chunk if self._buffer else chunk
         lines = buffer.split(b"\n")
         self._buffer = lines.pop()  # the unterminated rest, possibly b""
