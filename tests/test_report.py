@@ -41,6 +41,8 @@ def test_markdown_and_csv_carry_the_tables(report: Path) -> None:
     assert "sglang: NOT RUN" in md and "SYNTHETIC ROUTING" in md
     assert "| fixture-run · bundled · short | 1 | tiny · paged · resident_experts=8 | 8 | decode_tok_s_p50 | no | 42.00 [40.00–44.00] |" in md
     assert "engine exited with code -11 (see logs/s-offload.log)" in md
+    assert "e.g. p0 (short): llama: 18; tiny: 16." in md  # prompt-length mismatch between engines
+    assert "| server KV pool is 4352 tokens, the matrix fixed 4096 | ll3-s1-r0 |" in md  # engine flag in its row
     csv = pd.read_csv(report.parent / "tables.csv")
     ratios = csv[csv["table"] == "Paged vs baselines (published layout)"]
     row = ratios[(ratios["paged_config"] == "tiny · paged · resident_experts=12") & (ratios["concurrency"] == 1)].iloc[0]

@@ -12,6 +12,7 @@ from benchsuite.records import CellResult, RequestRecord
 from benchsuite.reference import parse_reference
 from benchsuite.report import tables as tb
 from benchsuite.report.display import display_frame
+from benchsuite.report.flags import cell_flags, prompt_length_mismatches
 from benchsuite.report.groups import Spread, annotate_cells, group_configs
 from benchsuite.report.load import normalize_cells, normalize_requests
 from benchsuite.report.published import reference_decode_table, reference_ttft_table
@@ -185,3 +186,20 @@ def test_reference_tables_line_up_published_and_measured() -> None:
     ttft = reference_ttft_table(reference, {}, groups, cells).set_index("engine")
     assert (ttft.loc["paged", "your_short_ms"], ttft.loc["paged", "your_long_ms"]) == (pytest.approx(110.0), pytest.approx(300.0))
     assert ttft.loc["llamacpp_best", "your_short_ms"] == pytest.approx(100.0)
+
+
+def test_flags_and_prompt_length_mismatches() -> None:
+    rows = [row("a", "s-p8", "paged", decode=1.0, extras={"flags": ["f1"], "batch_cap_flag": "c=4 exceeds cap 2",
+                                                           "engine_log": {"kv_capacity_flag": "kv 4352 != 4096", "other": 3}}),
+            row("b", "s-ll2", "n-cpu-moe", "llamacpp", decode=1.0)]
+    rows[1]["usage_mismatches"] = 2
+    cells, groups = frames(rows)
+    assert cell_flags(cells.iloc[0]) == ["f1", "c=4 exceeds cap 2", "kv 4352 != 4096"]
+    assert cell_flags(cells.iloc[1]) == ["2 requests: usage token count disagrees with streamed chunks"]
+    assert list(tb.summary_table(groups, None)["flags"]) == ["2 requests: usage token count disagrees with streamed chunks",
+                                                            "f1 | c=4 exceeds cap 2 | kv 4352 != 4096"]
+    def req(cell_id: str, prompt_id: str, tokens: int) -> dict:
+        return RequestRecord(cell_id, 1, False, False, prompt_id, "short", 8, 0.0, 0.1, 0.2, prompt_tokens=tokens, ok=True).to_row()
+    requests = normalize_requests(pd.DataFrame([req("a", "p0", 16), req("b", "p0", 18), req("a", "p1", 20), req("b", "p1", 20)]))
+    mismatches = prompt_length_mismatches(cells, requests)
+    assert mismatches.to_dict("records") == [{"prompt_id": "p0", "prompt_class": "short", "prompt_tokens_by_engine": "llama: 18; tiny: 16"}]

@@ -96,7 +96,8 @@ def decode_vs_k(groups: pd.DataFrame, top_k: int | None) -> list[Figure]:
     for (engine, conc, cls, routing), g in paged.groupby(["engine", "concurrency", "prompt_class", "routing"], sort=True):
         g = g.sort_values("k")
         text = [f"K//top_k={int(k) // top_k}" if top_k else "top_k not recorded" for k in g["k"]]
-        name = f"{engine} · paged · c={conc} · {cls}" + (f" · {routing_label(routing)}" if is_synthetic(routing) else "")
+        engine_part = "paged" if engine == "paged" else f"{engine} · paged"
+        name = f"{engine_part} · c={conc} · {cls}" + (f" · {routing_label(routing)}" if is_synthetic(routing) else "")
         group_ids = [list(i) for i in g["ok_cell_ids"]]
         traces.append(_spread_trace(name, list(g["k"]), list(g["decode_tok_s_p50"]), group_ids, text=text, mode="lines+markers+text"))
         ids.extend(i for sub in group_ids for i in sub)
@@ -106,7 +107,7 @@ def decode_vs_k(groups: pd.DataFrame, top_k: int | None) -> list[Figure]:
     caption = "Points are labelled with K // top_k, the batch that fits in one wave."
     if top_k:
         for conc in sorted({int(c) for c in paged["concurrency"]}):
-            fig.add_vline(x=conc * top_k, line_dash="dot", line_color="grey",
+            fig.add_vline(x=conc * top_k, line_dash="dot", line_color="grey", annotation_position="bottom right",
                           annotation_text=f"K={conc * top_k}: {conc} req/wave", annotation_font_size=9)
         caption += f" Dotted lines: the smallest K whose K // top_k (top_k={top_k}) fits each measured concurrency in one wave."
     else:
@@ -130,7 +131,8 @@ def ttft_short_long(groups: pd.DataFrame) -> list[Figure]:
         ids.extend(i for sub in group_ids for i in sub)
     if not traces:
         return []
-    fig = _layout(go.Figure(traces), f"TTFT p50: {short} vs {long} prompts", "configuration", "TTFT p50 (ms)")
+    title = f"TTFT p50: {short} vs {long} prompts" if long else f"TTFT p50, {short} prompts (no long-prompt class was measured)"
+    fig = _layout(go.Figure(traces), title, "configuration", "TTFT p50 (ms)")
     fig.update_layout(barmode="group", height=600, xaxis_tickangle=-30, xaxis_tickfont=dict(size=9))
     return [Figure("fig-ttft-short-long", "TTFT p50 short vs long prompts", fig, "Median over repeats of each cell's TTFT p50; bars min..max.", tuple(ids))]
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import pandas as pd
 
+from benchsuite.report.flags import cell_flags
+
 GROUP_KEYS: tuple[str, ...] = (
     "run_id", "engine", "engine_kind", "mode", "params_key", "workload", "prompt_class", "concurrency", "routing",
 )
@@ -142,7 +144,7 @@ def effective_params(params: dict[str, Any], k: int | None, n: int | None, optio
 
 
 def group_configs(cells: pd.DataFrame) -> pd.DataFrame:
-    """One row per configuration: labels, K / N, cell ids, ok / not-ok counts, a Spread per metric."""
+    """One row per configuration: labels, K / N, cell ids, ok / not-ok counts, flags, a Spread per metric."""
     rows = []
     for key, group in cells.groupby(list(GROUP_KEYS), sort=True, dropna=False):
         ok = group[group["status"] == "ok"]
@@ -152,12 +154,13 @@ def group_configs(cells: pd.DataFrame) -> pd.DataFrame:
             label=first["label"], params=first["params"], k=first["k"], n_cpu_moe=first["n_cpu_moe"],
             cell_ids=list(group.sort_values("repeat")["cell_id"]), ok_cell_ids=list(ok.sort_values("repeat")["cell_id"]),
             repeats_ok=len(ok), repeats_not_ok=len(group) - len(ok),
+            flags=list(dict.fromkeys(f for _, c in group.iterrows() for f in cell_flags(c))),
         )
         for metric in METRICS:
             row[metric] = Spread.of(list(ok[metric].dropna())) if metric in ok else None
         rows.append(row)
     frame = pd.DataFrame(rows, columns=[*GROUP_KEYS, "label", "params", "k", "n_cpu_moe", "cell_ids", "ok_cell_ids",
-                                        "repeats_ok", "repeats_not_ok", *METRICS])
+                                        "repeats_ok", "repeats_not_ok", "flags", *METRICS])
     for column in ("k", "n_cpu_moe"):  # ints stay ints (K=8, not K=8.0), absent stays None
         frame[column] = pd.Series([r[column] for r in rows], index=frame.index, dtype=object)
     return frame

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from benchsuite.report import manifest_facts as mf
+from benchsuite.report.flags import cell_flags, prompt_length_mismatches
 from benchsuite.report.groups import is_synthetic
 from benchsuite.report.load import RunData
 
@@ -58,7 +59,7 @@ def unmeasured_matrix_engines(runs: list[RunData], cells: pd.DataFrame) -> list[
     return sorted({f"{name} ({kind})" for run in runs for name, kind in mf.matrix_engines(run.manifest).items() if name not in measured})
 
 
-def warnings(cells: pd.DataFrame) -> list[tuple[str, str]]:
+def warnings(cells: pd.DataFrame, requests: pd.DataFrame) -> list[tuple[str, str]]:
     """(css class, text) banners."""
     out = []
     synthetic = sorted({r for r in cells["routing"] if is_synthetic(r)})
@@ -70,6 +71,16 @@ def warnings(cells: pd.DataFrame) -> list[tuple[str, str]]:
     if len(bad):
         out.append(("bad", f"{len(bad)} of {len(cells)} cells failed or are invalid; they are excluded from every figure and "
                            f"listed with their reasons under 'Failed and invalid cells'."))
+    flagged = [c for _, c in cells.iterrows() if cell_flags(c)]
+    if flagged:
+        out.append(("warn", f"{len(flagged)} cells carry engine warnings (see the 'flags' column of the configurations table), "
+                            f"for example {flagged[0]['cell_id']}: {cell_flags(flagged[0])[0]}"))
+    lengths = prompt_length_mismatches(cells, requests)
+    if len(lengths):
+        first = lengths.iloc[0]
+        out.append(("bad", f"{len(lengths)} prompts reached the engines as different prompt lengths (server usage.prompt_tokens), "
+                           f"e.g. {first['prompt_id']} ({first['prompt_class']}): {first['prompt_tokens_by_engine']}. "
+                           f"Engines did not do the same work for these prompts."))
     return out
 
 
@@ -80,8 +91,12 @@ def _kv_table(pairs: list[tuple[str, str]]) -> str:
     return f"<table>{rows}</table>"
 
 
+def _requests(runs: list[RunData]) -> pd.DataFrame:
+    return pd.concat([r.requests for r in runs], ignore_index=True)
+
+
 def header_html(runs: list[RunData], cells: pd.DataFrame) -> str:
-    parts = [f'<div class="banner {cls}">{html.escape(text)}</div>' for cls, text in warnings(cells)]
+    parts = [f'<div class="banner {cls}">{html.escape(text)}</div>' for cls, text in warnings(cells, _requests(runs))]
     parts.append('<h2 id="engines-run">Engines run</h2><ul>')
     parts.extend(f"<li>{html.escape(s.statement())}</li>" for s in engine_statuses(cells))
     for name in unmeasured_matrix_engines(runs, cells):
@@ -108,7 +123,7 @@ def header_html(runs: list[RunData], cells: pd.DataFrame) -> str:
 
 
 def header_markdown(runs: list[RunData], cells: pd.DataFrame) -> list[str]:
-    lines = [f"> **{text}**" for _, text in warnings(cells)]
+    lines = [f"> **{text}**" for _, text in warnings(cells, _requests(runs))]
     lines.append("")
     lines.extend(f"- {s.statement()}" for s in engine_statuses(cells))
     lines.extend(f"- {name}: named by the matrix but has no results (not run)." for name in unmeasured_matrix_engines(runs, cells))

@@ -59,7 +59,7 @@ def summary_table(groups: pd.DataFrame, top_k: int | None) -> pd.DataFrame:
             **_spread_cols("decode_tok_s", g["decode_tok_s_p50"]),
             **_spread_cols("output_tok_s", g["output_tok_s"]),
             **_spread_cols("ttft_p50_ms", g["ttft_p50_s"], 1000.0),
-            "cell_ids": " ".join(g["cell_ids"]),
+            "flags": " | ".join(g["flags"]), "cell_ids": " ".join(g["cell_ids"]),
         })
     return pd.DataFrame(rows)
 
@@ -194,10 +194,14 @@ def search_table(cells: pd.DataFrame) -> pd.DataFrame:
             "run_id": c["run_id"], "engine": c["engine"], "workload": c["workload"], "prompt_class": c["prompt_class"],
             "concurrency": int(c["concurrency"]), "N": None if n is None or (isinstance(n, float) and math.isnan(n)) else int(n),
             "fits": extras.get("fits"), "chosen": bool(chosen is True or (isinstance(chosen, int) and not isinstance(chosen, bool) and chosen == n)),
-            "decode_tok_s": c["decode_tok_s_p50"], "status": c["status"], "reason": c["reason"], "cell_id": c["cell_id"],
+            "decode_tok_s": c["decode_tok_s_p50"], "projected_bytes": extras.get("projected_bytes"),
+            "budget_bytes": extras.get("budget_bytes"), "search_launches": extras.get("search_launches"),
+            "linear_scan_launches": extras.get("linear_scan_launches"), "status": c["status"], "reason": c["reason"],
+            "cell_id": c["cell_id"],
         })
     return pd.DataFrame(rows, columns=["run_id", "engine", "workload", "prompt_class", "concurrency", "N", "fits", "chosen",
-                                       "decode_tok_s", "status", "reason", "cell_id"]).sort_values(["run_id", "engine", "concurrency", "N"]).reset_index(drop=True)
+                                       "decode_tok_s", "projected_bytes", "budget_bytes", "search_launches",
+                                       "linear_scan_launches", "status", "reason", "cell_id"]).sort_values(["run_id", "engine", "concurrency", "N"]).reset_index(drop=True)
 
 
 RAW_COLUMNS: tuple[str, ...] = (
