@@ -98,8 +98,14 @@ async def _phase(
     requests = [LoadRequest(f"c{i}", "ceiling", "x", output_tokens) for i in range(streams * rounds)]
     cpu0, server0, wall0 = time.process_time(), _server_cpu_s(server_pid), time.perf_counter()
     records = await run_load(
-        url, requests, LoadSpec(concurrency=streams, timeout_s=120), cell_id="ceiling", model_name="fake",
-        extras={"fake_itl_s": itl_s}, cold_first=False, session=session,
+        url,
+        requests,
+        LoadSpec(concurrency=streams, timeout_s=120),
+        cell_id="ceiling",
+        model_name="fake",
+        extras={"fake_itl_s": itl_s},
+        cold_first=False,
+        session=session,
     )
     wall_s = time.perf_counter() - wall0
     cpu_s = time.process_time() - cpu0
@@ -128,8 +134,16 @@ async def _measure(args: argparse.Namespace, url: str, server_pid: int) -> list[
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         # Open every connection before measuring (keep-alive reuses them afterwards).
         warm = [LoadRequest(f"w{i}", "ceiling", "x", 4) for i in range(args.streams)]
-        await run_load(url, warm, LoadSpec(concurrency=args.streams), cell_id="warm", model_name="fake",
-                       extras={}, cold_first=False, session=session)
+        await run_load(
+            url,
+            warm,
+            LoadSpec(concurrency=args.streams),
+            cell_id="warm",
+            model_name="fake",
+            extras={},
+            cold_first=False,
+            session=session,
+        )
         offered: list[float | None] = [*args.rates]
         if not args.no_unpaced:
             offered.append(None)
@@ -146,25 +160,36 @@ def _fmt_ms(value_s: float | None) -> str:
 
 
 def _print_header(streams: int, client_cpu: int, server_cpus: list[int]) -> None:
-    print(f"load generator ceiling: {streams} streams, client pinned to CPU {client_cpu}, "
-          f"fake server on CPUs {server_cpus}")
-    print(f"{'offered/s':>10} {'achieved/s':>11} {'client cpu':>10} {'chunks/cpu-s':>12} "
-          f"{'pace ms':>8} {'itl p50 ms':>10} {'itl p99 ms':>10} {'server cpu':>10} {'errors':>6} {'keeps up':>8}")
+    print(
+        f"load generator ceiling: {streams} streams, client pinned to CPU {client_cpu}, "
+        f"fake server on CPUs {server_cpus}"
+    )
+    print(
+        f"{'offered/s':>10} {'achieved/s':>11} {'client cpu':>10} {'chunks/cpu-s':>12} "
+        f"{'pace ms':>8} {'itl p50 ms':>10} {'itl p99 ms':>10} {'server cpu':>10} {'errors':>6} {'keeps up':>8}"
+    )
 
 
 def _print_row(p: Phase) -> None:
     offered = "unpaced" if p.offered_chunks_per_s is None else f"{p.offered_chunks_per_s:,.0f}"
     keeps = "-" if p.offered_chunks_per_s is None else ("yes" if p.keeps_up else "NO")
-    print(f"{offered:>10} {p.achieved_chunks_per_s:>11,.0f} {p.client_cpu_frac:>10.0%} "
-          f"{p.chunks_per_client_cpu_s:>12,.0f} {_fmt_ms(p.paced_itl_s):>8} {_fmt_ms(p.itl_p50_s):>10} "
-          f"{_fmt_ms(p.itl_p99_s):>10} {p.server_cpu_frac:>10.0%} {p.errors:>6} {keeps:>8}", flush=True)
+    print(
+        f"{offered:>10} {p.achieved_chunks_per_s:>11,.0f} {p.client_cpu_frac:>10.0%} "
+        f"{p.chunks_per_client_cpu_s:>12,.0f} {_fmt_ms(p.paced_itl_s):>8} {_fmt_ms(p.itl_p50_s):>10} "
+        f"{_fmt_ms(p.itl_p99_s):>10} {p.server_cpu_frac:>10.0%} {p.errors:>6} {keeps:>8}",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, default=256)
-    parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[20000.0, 40000.0, 80000.0],
-                        help="comma-separated offered chunks/s (all streams together)")
+    parser.add_argument(
+        "--rates",
+        type=lambda s: [float(x) for x in s.split(",")],
+        default=[20000.0, 40000.0, 80000.0],
+        help="comma-separated offered chunks/s (all streams together)",
+    )
     parser.add_argument("--no-unpaced", action="store_true", help="skip the unpaced phase")
     parser.add_argument("--output-tokens", type=int, default=256)
     parser.add_argument("--duration-s", type=float, default=8.0, help="approximate length of each paced phase")
@@ -174,8 +199,16 @@ def main(argv: list[str] | None = None) -> int:
 
     client_cpu, server_cpus = _cpu_plan(args.server_workers)
     port = free_port()
-    argv_server = [sys.executable, str(FAKE_SERVER), "--port", str(port), "--workers", str(args.server_workers),
-                   "--cpus", ",".join(map(str, server_cpus))]
+    argv_server = [
+        sys.executable,
+        str(FAKE_SERVER),
+        "--port",
+        str(port),
+        "--workers",
+        str(args.server_workers),
+        "--cpus",
+        ",".join(map(str, server_cpus)),
+    ]
     log = Path(tempfile.mkdtemp(prefix="loadgen-ceiling-")) / "fake.log"
     with EngineProcess(argv_server, None, log, f"http://127.0.0.1:{port}/health", 30) as server:
         asyncio.run(server.wait_ready())
@@ -188,12 +221,16 @@ def main(argv: list[str] | None = None) -> int:
     best = max(phases, key=lambda p: p.chunks_per_client_cpu_s)
     if paced_ok:
         top = max(paced_ok, key=lambda p: p.achieved_chunks_per_s)
-        print(f"ceiling: the client kept up with {top.achieved_chunks_per_s:,.0f} chunks/s over {args.streams} "
-              f"streams using {top.client_cpu_frac:.0%} of one core")
+        print(
+            f"ceiling: the client kept up with {top.achieved_chunks_per_s:,.0f} chunks/s over {args.streams} "
+            f"streams using {top.client_cpu_frac:.0%} of one core"
+        )
     else:
         print(f"ceiling: the client kept up with none of the paced rates at {args.streams} streams")
-    print(f"one-core estimate: {best.chunks_per_client_cpu_s:,.0f} chunks per client CPU-second "
-          f"(best phase, {'unpaced' if best.offered_chunks_per_s is None else f'{best.offered_chunks_per_s:,.0f}/s offered'})")
+    print(
+        f"one-core estimate: {best.chunks_per_client_cpu_s:,.0f} chunks per client CPU-second "
+        f"(best phase, {'unpaced' if best.offered_chunks_per_s is None else f'{best.offered_chunks_per_s:,.0f}/s offered'})"
+    )
     if args.json:
         args.json.write_text(json.dumps([asdict(p) | {"keeps_up": p.keeps_up} for p in phases], indent=2))
     return 0 if paced_ok else 1

@@ -79,9 +79,7 @@ def load_sharegpt(path: str | Path, n: int, seed: int) -> list[Prompt]:
         if not isinstance(turns, list):
             malformed += 1
             continue
-        first = next(
-            (t for t in turns if isinstance(t, dict) and t.get("from") in _HUMAN_ROLES), None
-        )
+        first = next((t for t in turns if isinstance(t, dict) and t.get("from") in _HUMAN_ROLES), None)
         if first is None or not isinstance(first.get("value"), str) or not first["value"].strip():
             continue
         prompt_id = str(item.get("id", index))
@@ -113,8 +111,7 @@ def _read_json_or_jsonl(path: Path) -> Any:
                 rows.append(json.loads(line))
             except json.JSONDecodeError:
                 raise UserError(
-                    f"{path}: not JSON ({whole_error.msg} at line {whole_error.lineno}) "
-                    f"nor JSON Lines (line {number})"
+                    f"{path}: not JSON ({whole_error.msg} at line {whole_error.lineno}) nor JSON Lines (line {number})"
                 ) from None
         return rows
 

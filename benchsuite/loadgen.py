@@ -101,8 +101,7 @@ class LoadSpec:
 def endpoint_url(base_url: str, chat: bool) -> str:
     """base_url may be the server root or end in /v1."""
     root = base_url.rstrip("/")
-    if root.endswith("/v1"):
-        root = root[: -len("/v1")]
+    root = root.removesuffix("/v1")
     return f"{root}/v1/chat/completions" if chat else f"{root}/v1/completions"
 
 
@@ -188,9 +187,7 @@ def poisson_arrivals_s(n: int, rate_rps: float, seed: int) -> list[float]:
     return arrivals_s
 
 
-async def _poisson(
-    sender: _Sender, items: list[LoadRequest], concurrency: int, rate_rps: float, seed: int
-) -> None:
+async def _poisson(sender: _Sender, items: list[LoadRequest], concurrency: int, rate_rps: float, seed: int) -> None:
     cap = asyncio.Semaphore(concurrency)
     loop = asyncio.get_running_loop()
     start = loop.time()
@@ -248,9 +245,7 @@ class _Sender:
         t_sent_s = self.clock()
         try:
             async with asyncio.timeout(self.timeout_s):
-                async with self.session.post(
-                    url, data=payload, headers={"Content-Type": "application/json"}
-                ) as resp:
+                async with self.session.post(url, data=payload, headers={"Content-Type": "application/json"}) as resp:
                     stream.http_status = resp.status
                     if resp.status != 200:
                         body = (await resp.read()).decode("utf-8", "replace")
@@ -289,8 +284,18 @@ class _StreamState:
     """What one response has streamed so far."""
 
     __slots__ = (
-        "chat", "http_status", "chunk_times_s", "texts", "prompt_tokens", "completion_tokens",
-        "usage_seen", "finished", "done", "t_done_s", "error", "timings",
+        "chat",
+        "chunk_times_s",
+        "completion_tokens",
+        "done",
+        "error",
+        "finished",
+        "http_status",
+        "prompt_tokens",
+        "t_done_s",
+        "texts",
+        "timings",
+        "usage_seen",
     )
 
     def __init__(self, chat: bool) -> None:
@@ -366,9 +371,7 @@ class _StreamState:
         error = self.error
         if error is None and chunks == 0:
             error = "stream produced no tokens"
-        mismatch = chunks > 0 and (
-            self.completion_tokens is None or chunks > self.completion_tokens
-        )
+        mismatch = chunks > 0 and (self.completion_tokens is None or chunks > self.completion_tokens)
         return RequestRecord(
             cell_id=cell_id,
             request_index=index,

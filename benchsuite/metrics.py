@@ -35,6 +35,7 @@ Paging counters (the built-in server's Prometheus text) become cell fields throu
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Iterable, Sequence
@@ -78,7 +79,7 @@ def latency_s(r: RequestRecord) -> float | None:
 
 def itls_s(r: RequestRecord) -> list[float]:
     times = r.chunk_times_s
-    return [b - a for a, b in zip(times, times[1:])]
+    return [b - a for a, b in itertools.pairwise(times)]
 
 
 def tpot_s(r: RequestRecord) -> float | None:
@@ -280,4 +281,4 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 
 def _as_int(value: float | None) -> int | None:
-    return None if value is None else int(round(value))
+    return None if value is None else round(value)

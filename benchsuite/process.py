@@ -30,9 +30,9 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import Callable
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -138,7 +138,8 @@ class EngineProcess:
                     stderr=subprocess.STDOUT,
                     env=env,
                     start_new_session=True,
-                    preexec_fn=_die_with_parent if _in_main_thread() else None,
+                    # Only from the main thread: the kernel ties PDEATHSIG to the forking thread.
+                    preexec_fn=_die_with_parent if _in_main_thread() else None,  # noqa: PLW1509
                 )
             except OSError as exc:
                 raise RunError(f"cannot start engine {self.argv[0]!r}: {exc}") from exc
@@ -156,10 +157,7 @@ class EngineProcess:
                 self._check_alive_and_log()
                 remaining_s = deadline - time.monotonic()
                 if remaining_s <= 0:
-                    self._fail(
-                        f"engine not ready after {self.startup_timeout_s:g} s "
-                        f"(last health probe: {last_probe})"
-                    )
+                    self._fail(f"engine not ready after {self.startup_timeout_s:g} s (last health probe: {last_probe})")
                 probe_timeout = aiohttp.ClientTimeout(total=min(_PROBE_TIMEOUT_S, max(remaining_s, 0.05)))
                 try:
                     async with session.get(self.health_url, timeout=probe_timeout) as resp:
@@ -211,7 +209,7 @@ class EngineProcess:
 
     # ---- context managers ------------------------------------------------------------------
 
-    def __enter__(self) -> EngineProcess:
+    def __enter__(self) -> EngineProcess:  # noqa: PYI034
         self.start()
         return self
 
@@ -220,7 +218,7 @@ class EngineProcess:
     ) -> None:
         self.stop()
 
-    async def __aenter__(self) -> EngineProcess:
+    async def __aenter__(self) -> EngineProcess:  # noqa: PYI034
         self.start()
         try:
             await self.wait_ready()
@@ -411,7 +409,7 @@ class _Registry:
         for proc in procs:
             try:
                 proc.stop(grace_s)
-            except Exception:  # noqa: BLE001 - best effort at shutdown; keep stopping the rest
+            except Exception:  # noqa: BLE001, S112 - best effort at shutdown; keep stopping the rest
                 continue
 
     def _install(self) -> None:

@@ -85,7 +85,7 @@ class FakeServer:
             await asyncio.gather(*self._handlers, return_exceptions=True)
             await self._server.wait_closed()
 
-    async def __aenter__(self) -> FakeServer:
+    async def __aenter__(self) -> FakeServer:  # noqa: PYI034
         await self.start()
         return self
 
@@ -142,8 +142,7 @@ class FakeServer:
 
 def _simple(writer: asyncio.StreamWriter, status: int, body: bytes, content_type: str) -> None:
     writer.write(
-        f"HTTP/1.1 {status} X\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-        + body
+        f"HTTP/1.1 {status} X\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
     )
 
 

@@ -8,7 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from benchsuite.datasets import (
     bundled_prompts,
@@ -42,8 +42,10 @@ def test_bundled_prompts_are_many_distinct_and_varied() -> None:
     assert all(p.prompt_class == "short" and p.token_ids is None and p.text.strip() for p in prompts)
     words = [len(p.text.split()) for p in prompts]
     assert min(words) < 15 and max(words) > 60  # varied length
-    rows = [json.loads(line) for line in Path(__file__).parent.parent.joinpath(
-        "benchsuite/data/prompts.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in Path(__file__).parent.parent.joinpath("benchsuite/data/prompts.jsonl").read_text().splitlines()
+    ]
     topics = Counter(row["topic"] for row in rows)
     assert len(topics) >= 10 and max(topics.values()) <= len(rows) // 4
 
@@ -122,8 +124,17 @@ def test_missing_tokenizer_is_a_user_error(tmp_path: Path) -> None:
 
 def _r(prompt_id: str, prompt_tokens: int | None) -> RequestRecord:
     return RequestRecord(
-        cell_id="c", request_index=0, warmup=False, cold=False, prompt_id=prompt_id, prompt_class="short",
-        max_tokens=4, t_sent_s=0.0, t_first_token_s=None, t_done_s=None, prompt_tokens=prompt_tokens,
+        cell_id="c",
+        request_index=0,
+        warmup=False,
+        cold=False,
+        prompt_id=prompt_id,
+        prompt_class="short",
+        max_tokens=4,
+        t_sent_s=0.0,
+        t_first_token_s=None,
+        t_done_s=None,
+        prompt_tokens=prompt_tokens,
     )
 
 

@@ -48,9 +48,7 @@ async def _run(
 
 
 async def test_completions_stream_records_every_chunk_and_usage() -> None:
-    records, server = await _run(
-        Script(itl_s=0.002, prompt_tokens=17), _requests(4), extras={"cache_prompt": False}
-    )
+    records, server = await _run(Script(itl_s=0.002, prompt_tokens=17), _requests(4), extras={"cache_prompt": False})
     assert [r.request_index for r in records] == [0, 1, 2, 3]
     for r in records:
         assert r.ok and r.error is None and r.http_status == 200
@@ -128,7 +126,7 @@ async def test_llamacpp_timings_are_captured() -> None:
 @pytest.mark.parametrize(
     "script, reason",
     [
-        (Script(status=503), "HTTP 503: {\"error\": {\"message\": \"scripted failure\"}}"),
+        (Script(status=503), 'HTTP 503: {"error": {"message": "scripted failure"}}'),
         (Script(reset_after_chunks=2), "connection:"),
         (Script(output_tokens=0), "stream produced no tokens"),
         (Script(error_event_after_chunks=1), "server error event:"),
@@ -148,8 +146,13 @@ async def test_unreachable_server_is_a_connection_failure() -> None:
     from benchsuite.process import free_port
 
     records = await run_load(
-        f"http://127.0.0.1:{free_port()}", _requests(2), LoadSpec(concurrency=1),
-        cell_id="c", model_name="m", extras={}, cold_first=False,
+        f"http://127.0.0.1:{free_port()}",
+        _requests(2),
+        LoadSpec(concurrency=1),
+        cell_id="c",
+        model_name="m",
+        extras={},
+        cold_first=False,
     )
     assert [r.ok for r in records] == [False, False]
     assert all((r.error or "").startswith("connection:") and r.http_status is None for r in records)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,7 +33,7 @@ def _parse_in_pieces(data: bytes, cuts: list[int]) -> list[SseEvent]:
     parser = SseParser()
     events: list[SseEvent] = []
     edges = [0, *sorted(set(cuts)), len(data)]
-    for start, end in zip(edges, edges[1:]):
+    for start, end in itertools.pairwise(edges):
         events += parser.feed(data[start:end])
     return events + parser.close()
 

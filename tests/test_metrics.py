@@ -25,8 +25,18 @@ from benchsuite.records import CellResult, RequestRecord
 
 def _base(status: str = "ok") -> CellResult:
     return CellResult(
-        cell_id="c1", run_id="r1", engine="e", engine_kind="builtin", mode="paged", server_id="s1",
-        params={}, workload="w", prompt_class="short", concurrency=2, repeat=0, status=status,  # type: ignore[arg-type]
+        cell_id="c1",
+        run_id="r1",
+        engine="e",
+        engine_kind="builtin",
+        mode="paged",
+        server_id="s1",
+        params={},
+        workload="w",
+        prompt_class="short",
+        concurrency=2,
+        repeat=0,
+        status=status,  # type: ignore[arg-type]
     )
 
 
@@ -43,13 +53,22 @@ def _rec(
     prompt_tokens: int | None = 10,
 ) -> RequestRecord:
     return RequestRecord(
-        cell_id="c1", request_index=index, warmup=warmup, cold=cold, prompt_id=f"p{index}",
-        prompt_class="short", max_tokens=16, t_sent_s=t_sent,
+        cell_id="c1",
+        request_index=index,
+        warmup=warmup,
+        cold=cold,
+        prompt_id=f"p{index}",
+        prompt_class="short",
+        max_tokens=16,
+        t_sent_s=t_sent,
         t_first_token_s=chunks[0] if chunks else None,
         t_done_s=t_done if t_done is not None else (chunks[-1] if chunks else t_sent + 1),
-        chunk_times_s=list(chunks), prompt_tokens=prompt_tokens,
+        chunk_times_s=list(chunks),
+        prompt_tokens=prompt_tokens,
         output_tokens=len(chunks) if tokens is None else tokens,
-        streamed_chunks=len(chunks), ok=ok, error=None if ok else "stream produced no tokens",
+        streamed_chunks=len(chunks),
+        ok=ok,
+        error=None if ok else "stream produced no tokens",
     )
 
 

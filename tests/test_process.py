@@ -136,9 +136,7 @@ async def test_exit_before_ready_fails_fast_with_status_and_tail(tmp_path: Path)
 
 
 @pytest.mark.parametrize("mode, needle", [("traceback", "Traceback"), ("segv", "Segmentation fault")])
-async def test_crash_pattern_in_log_fails_while_process_still_alive(
-    tmp_path: Path, mode: str, needle: str
-) -> None:
+async def test_crash_pattern_in_log_fails_while_process_still_alive(tmp_path: Path, mode: str, needle: str) -> None:
     proc, pid_file = _engine(tmp_path, mode, timeout_s=30)
     proc.start()
     t0 = time.monotonic()
@@ -195,10 +193,9 @@ def test_port_already_in_use_is_a_user_error_naming_the_port(tmp_path: Path) -> 
 
 def test_exception_inside_sync_context_manager_leaves_no_orphans(tmp_path: Path) -> None:
     proc, pid_file = _engine(tmp_path, "never")
-    with pytest.raises(ValueError):
-        with proc:
-            pids = _spawned_pids(pid_file)
-            raise ValueError("boom")
+    with pytest.raises(ValueError), proc:
+        pids = _spawned_pids(pid_file)
+        raise ValueError("boom")
     _assert_all_gone(pids)
 
 
