@@ -44,6 +44,32 @@ from typing import Any
 
 from benchsuite.records import CellResult, RequestRecord
 
+_TTFT = "TTFT = t_first_token - t_sent (first chunk with non-empty generated text), warm requests"
+DEFINITIONS: dict[str, str] = {
+    "num_requests": "measured (non-warmup) requests sent",
+    "num_errors": "measured requests that failed (HTTP error, reset, timeout, error event, no tokens)",
+    "error_rate": "num_errors / num_requests",
+    "ttft_p50_s": f"median {_TTFT}",
+    "ttft_p90_s": f"90th percentile {_TTFT}",
+    "ttft_p99_s": f"99th percentile {_TTFT}",
+    "itl_p50_s": "median ITL; ITL = gap between consecutive content chunks, all warm requests pooled",
+    "itl_p99_s": "99th percentile ITL; ITL = gap between consecutive content chunks, all warm requests pooled",
+    "tpot_p50_s": "median over warm requests of TPOT = (latency - TTFT) / (output_tokens - 1)",
+    "decode_tok_s_p50": "median over warm requests of (output_tokens - 1) / (t_last_chunk - t_first_token)",
+    "output_tok_s": "sum(output_tokens from usage, measured ok requests) / window_s",
+    "request_s": "measured ok requests / window_s",
+    "window_s": "last t_done - first t_sent over measured requests",
+    "cold_ttft_s": "TTFT of the first request after the server started (kept out of the warm percentiles)",
+    "prompt_tokens_mean": "mean usage.prompt_tokens over measured ok requests",
+    "output_tokens_total": "sum of usage.completion_tokens over measured ok requests",
+    "usage_mismatches": "measured requests with no usage, or more content chunks than usage.completion_tokens",
+    "miss_rate": "expert misses / (hits + misses) over the cell (engine counters)",
+    "bytes_paged_per_token": "bytes paged host->device / generated tokens over the cell (prefill page-ins included)",
+    "waves_per_step": "waves / (MoE layer x step) over the cell",
+    "union_mean": "union of routed experts per (MoE layer x step), mean over the cell",
+}
+"""Each CellResult metric field with its one-line formula, for reports to print beside the numbers."""
+
 DEFAULT_MAX_ERROR_RATE = 0.0
 """Any failed measured request invalidates the cell unless the caller allows some."""
 

@@ -259,3 +259,13 @@ def test_parent_dying_never_leaves_orphans(tmp_path: Path, how: str) -> None:
     if how == "sigterm":
         assert code == -signal.SIGTERM
     _assert_all_gone(pids)
+
+
+async def test_crash_lines_of_an_earlier_launch_in_the_same_log_are_ignored(tmp_path: Path) -> None:
+    proc, pid_file = _engine(tmp_path, "fast")
+    proc.log_path.parent.mkdir(parents=True, exist_ok=True)
+    proc.log_path.write_text("Traceback (most recent call last):\nSegmentation fault (core dumped)\n")
+    async with proc:
+        assert proc.alive
+        pids = _spawned_pids(pid_file)
+    _assert_all_gone(pids)
