@@ -84,3 +84,21 @@ def test_refuses_other_schema_versions_and_missing_runs(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="schema version 0.*rerun the matrix"):
         write_report([run], tmp_path / "out")
     assert cli_main(["report", str(tmp_path / "absent")]) == 2
+
+
+def test_several_runs_in_one_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    second = tmp_path / "second"
+    shutil.copytree(FIXTURE, second)
+    manifest = json.loads((second / "manifest.json").read_text())
+    (second / "manifest.json").write_text(json.dumps({**manifest, "run_id": "second-run"}))
+    cells = pd.read_parquet(second / "cells.parquet").assign(run_id="second-run")
+    cells.to_parquet(second / "cells.parquet", index=False)
+    monkeypatch.chdir(tmp_path)
+    index = write_report([FIXTURE, second], reference_dirs=REFERENCE_DIRS)
+    assert index == tmp_path / "reports" / "fixture-run+second-run" / "index.html"
+    csv = pd.read_csv(index.parent / "tables.csv")
+    summary = csv[csv["table"] == "Configurations (repeats with spread)"]
+    assert set(summary["run_id"]) == {"fixture-run", "second-run"}
+    assert "second-run · tiny · paged · resident_experts=8" in set(summary["configuration"])
+    ratios = csv[csv["table"] == "Paged vs baselines (published layout)"]
+    assert len(ratios) == 2 * 6  # each run's paged rows against that run's own baselines

@@ -103,7 +103,7 @@ def decode_vs_k(groups: pd.DataFrame, top_k: int | None) -> list[Figure]:
         ids.extend(i for sub in group_ids for i in sub)
     fig = _layout(go.Figure(traces), "Decode tok/s vs resident experts K", "K (resident experts per layer)", "decode tok/s (per-request median)")
     _integer_ticks(fig, list(paged["k"]) + ([int(c) * top_k for c in paged["concurrency"]] if top_k else []))
-    fig.update_traces(textposition="top center", textfont=dict(size=9))
+    fig.update_traces(textposition="middle right", textfont=dict(size=9))
     caption = "Points are labelled with K // top_k, the batch that fits in one wave."
     if top_k:
         for conc in sorted({int(c) for c in paged["concurrency"]}):
