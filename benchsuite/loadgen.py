@@ -260,6 +260,8 @@ class _Sender:
             stream.fail(f"connection: {_describe(exc)}", self.clock())
         except aiohttp.ClientError as exc:
             stream.fail(f"client: {_describe(exc)}", self.clock())
+        except OSError as exc:
+            stream.fail(f"connection: {_describe(exc)}", self.clock())
         record = stream.record(self.cell_id, index, warmup, cold, request, t_sent_s)
         self.records.append(record)
         if self.progress is not None:
@@ -336,6 +338,12 @@ class _StreamState:
         if event == b"error" or obj.get("error") is not None:
             self.fail(f"server error event: {_one_line(json.dumps(obj.get('error', obj)))}", t_s)
             return
+        try:
+            self._on_chunk(obj, t_s)
+        except (AttributeError, TypeError, KeyError, IndexError):
+            self.fail(f"bad SSE payload: {_one_line(data.decode('utf-8', 'replace'))}", t_s)
+
+    def _on_chunk(self, obj: dict[str, Any], t_s: float) -> None:
         choices = obj.get("choices")
         if choices:
             choice = choices[0]
@@ -344,6 +352,8 @@ class _StreamState:
                 text = delta.get("content") or delta.get("reasoning_content")
             else:
                 text = choice.get("text")
+            if text is not None and not isinstance(text, str):
+                raise TypeError("generated text is not a string")
             if text:
                 self.chunk_times_s.append(t_s)
                 self.texts.append(text)
@@ -352,8 +362,8 @@ class _StreamState:
         usage = obj.get("usage")
         if usage:
             self.usage_seen = True
-            self.prompt_tokens = usage.get("prompt_tokens")
-            self.completion_tokens = usage.get("completion_tokens")
+            self.prompt_tokens = _count(usage.get("prompt_tokens"))
+            self.completion_tokens = _count(usage.get("completion_tokens"))
         timings = obj.get("timings")
         if isinstance(timings, dict):
             self.timings = timings
@@ -394,6 +404,14 @@ class _StreamState:
             output_text="".join(self.texts),
             engine_timings=self.timings,
         )
+
+
+def _count(value: Any) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"usage count is not an integer: {value!r}")
+    return value
 
 
 def _one_line(text: str) -> str:

@@ -48,6 +48,7 @@ class Script:
     split_bytes: int | None = None  # deliver the SSE stream in writes of this many bytes
     crlf: bool = False  # end SSE lines with CRLF
     token_text: str = " tok"
+    inject_after_first_chunk: str | None = None  # a raw SSE data payload sent after the first chunk
 
 
 ScriptFn = Callable[[dict[str, Any], int], Script]
@@ -209,6 +210,8 @@ async def _stream(writer: asyncio.StreamWriter, script: Script, request: dict[st
             await asyncio.sleep(delay_s)
         next_s += script.itl_s
         data = event(choice(script.token_text * size, None))
+        if i == 0 and script.inject_after_first_chunk is not None:
+            data += event(script.inject_after_first_chunk)
         if i == len(chunk_sizes) - 1:
             data += _trailer(script, event, choice, prompt_tokens, n_tokens)
         await send(data)

@@ -132,6 +132,10 @@ async def test_llamacpp_timings_are_captured() -> None:
         (Script(error_event_after_chunks=1), "server error event:"),
         (Script(done=False, finish=False), "connection: stream ended without [DONE]"),
         (Script(hang_after_chunks=1), "timeout after 0.5 s"),
+        (Script(inject_after_first_chunk='{"choices": [null]}'), "bad SSE payload:"),
+        (Script(inject_after_first_chunk="not json"), "bad SSE payload: not json"),
+        (Script(inject_after_first_chunk='{"choices": [{"text": 7}]}'), "bad SSE payload:"),
+        (Script(inject_after_first_chunk='{"choices": [], "usage": {"completion_tokens": "5"}}'), "bad SSE payload:"),
     ],
 )
 async def test_failures_are_recorded_with_reason_never_dropped(script: Script, reason: str) -> None:
