@@ -3,7 +3,7 @@ spec (engine, kind, mode, params, workload, prompt class, concurrency, routing; 
 which also matches identical cell ids. Per matched configuration and metric:
 
 - change = (B - A) / A of the median over ok repeats of the cell metric;
-- a two-sided Mann-Whitney U test on the raw per-request samples of both runs (warmup excluded):
+- a two-sided Mann-Whitney U test on the raw per-request samples of both runs (warm requests only):
   decode tok/s <- per-request decode rate, TTFT p50 <- per-request TTFT, output tok/s <- per-request
   output tokens / request latency;
 - flagged only when p < alpha AND |change| > threshold. Fewer than 3 samples a side: never flagged.

@@ -9,22 +9,23 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from benchsuite import metrics
 from benchsuite.report import manifest_facts as mf
 from benchsuite.report.flags import cell_flags, prompt_length_mismatches
 from benchsuite.report.groups import is_synthetic
 from benchsuite.report.load import RunData
 
-DEFINITIONS: tuple[tuple[str, str], ...] = (
-    ("TTFT", "time from sending the request to the first streamed chunk with non-empty generated text"),
-    ("decode tok/s", "per request: (output tokens - 1) / (time of last token - time of first token); a cell's value is the median over its requests"),
-    ("output tok/s", "aggregate: output tokens of all measured requests / measured window"),
-    ("TPOT", "(latency - TTFT) / (output tokens - 1)"),
-    ("ITL", "gap between consecutive content chunks"),
-    ("output tokens", "from the server's usage field, never from the requested max_tokens"),
+REPORT_DEFINITIONS: tuple[tuple[str, str], ...] = (
     ("spread", "min / median / max over a configuration's ok repeats; failed or invalid repeats are never counted as 0"),
     ("ratio verdict", "significant only when the two min..max spreads are disjoint; not significant when they overlap"),
-    ("headline metric", "decode tok/s at concurrency 1, aggregate output tok/s above 1 (the published layout)"),
+    ("headline metric", "decode_tok_s_p50 at concurrency 1, output_tok_s above 1 (the published layout)"),
+    ("per-request figures", "warm requests only (warmup and the cold first request after a start excluded)"),
 )
+
+
+def definitions() -> list[tuple[str, str]]:
+    """Every metric's formula, as benchsuite.metrics defines it, then the report's own terms."""
+    return [*metrics.DEFINITIONS.items(), *REPORT_DEFINITIONS]
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ def header_html(runs: list[RunData], cells: pd.DataFrame) -> str:
         else:
             parts.append("<p><em>no servers recorded in the manifest</em></p>")
     parts.append('<h2 id="definitions">Metric definitions</h2><ul>')
-    parts.extend(f"<li><strong>{html.escape(k)}</strong>: {html.escape(v)}</li>" for k, v in DEFINITIONS)
+    parts.extend(f"<li><strong>{html.escape(k)}</strong>: {html.escape(v)}</li>" for k, v in definitions())
     parts.append("</ul>")
     return "\n".join(parts)
 
