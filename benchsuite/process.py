@@ -29,7 +29,6 @@ import sys
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -58,6 +57,7 @@ LOG_TAIL_LINES = 20
 _POLL_INTERVAL_S = 0.1
 _PROBE_TIMEOUT_S = 2.0
 _PR_SET_PDEATHSIG = 1
+_TAIL_BLOCK_BYTES = 64 * 1024
 _TOKEN_ENV = "BENCHSUITE_ENGINE_TOKEN"  # set in the engine's environment, inherited by descendants
 
 
@@ -201,11 +201,18 @@ class EngineProcess:
         """The last n lines this launch wrote to the log (earlier launches' lines excluded)."""
         try:
             with open(self.log_path, "rb") as log:
-                log.seek(self._log_start_offset)
-                lines: deque[bytes] = deque(log, maxlen=n)
+                end = log.seek(0, os.SEEK_END)
+                start = end
+                data = b""
+                # Read backwards in blocks: engine logs can be large, the tail is small.
+                while start > self._log_start_offset and data.count(b"\n") <= n:
+                    start = max(self._log_start_offset, start - _TAIL_BLOCK_BYTES)
+                    log.seek(start)
+                    data = log.read(end - start)
         except OSError:
             return ""
-        return b"".join(lines).decode("utf-8", "replace").rstrip("\n")
+        lines = data.rstrip(b"\n").split(b"\n")[-n:] if n > 0 else []
+        return b"\n".join(lines).decode("utf-8", "replace")
 
     # ---- context managers ------------------------------------------------------------------
 

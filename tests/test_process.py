@@ -199,11 +199,12 @@ def test_exception_inside_sync_context_manager_leaves_no_orphans(tmp_path: Path)
     _assert_all_gone(pids)
 
 
-def test_log_is_appended_and_tail_covers_only_this_launch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lines", [50, 100_000])  # 100k lines span many tail blocks
+def test_log_is_appended_and_tail_covers_only_this_launch(tmp_path: Path, lines: int) -> None:
     log = tmp_path / "e.log"
     log.write_text("old line from an earlier launch\n")
     proc = EngineProcess(
-        [sys.executable, "-c", "print('\\n'.join(f'line {i}' for i in range(50)))"],
+        [sys.executable, "-c", f"print('\\n'.join(f'line {{i}}' for i in range({lines})))"],
         None,
         log,
         f"http://127.0.0.1:{free_port()}/health",
@@ -212,9 +213,10 @@ def test_log_is_appended_and_tail_covers_only_this_launch(tmp_path: Path) -> Non
     with proc:
         proc._popen.wait(timeout=10)  # type: ignore[union-attr]
         tail = proc.log_tail(3)
-    assert tail.splitlines() == ["line 47", "line 48", "line 49"]
+    assert tail.splitlines() == [f"line {lines - 3}", f"line {lines - 2}", f"line {lines - 1}"]
     assert log.read_text().startswith("old line from an earlier launch\n")
-    assert "old line" not in proc.log_tail(1000)
+    assert "old line" not in proc.log_tail(200_000)
+    assert len(proc.log_tail(200_000).splitlines()) == lines + 1  # + the launch header line
 
 
 PARENT = textwrap.dedent(
