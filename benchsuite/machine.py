@@ -93,12 +93,15 @@ def package_versions() -> dict[str, str | None]:
 
 
 def git_facts(source_dir: Path = _SOURCE_DIR) -> dict[str, Any]:
-    """Commit and dirty flag of the source tree benchsuite runs from (None outside a checkout)."""
-    commit = _run(["git", "-C", str(source_dir), "rev-parse", "HEAD"])
-    if commit is None:
-        return {"commit": None, "dirty": None}
-    status = _run(["git", "-C", str(source_dir), "status", "--porcelain", "--untracked-files=no"])
-    return {"commit": commit.strip(), "dirty": None if status is None else bool(status.strip())}
+    """Commit and dirty flag of the source tree benchsuite runs from; for a non-editable install
+    (no checkout around the package) those of the working directory, said so in `source`."""
+    for where, label in ((source_dir, "package"), (Path.cwd(), "working directory")):
+        commit = _run(["git", "-C", str(where), "rev-parse", "HEAD"])
+        if commit is not None:
+            status = _run(["git", "-C", str(where), "status", "--porcelain", "--untracked-files=no"])
+            dirty = None if status is None else bool(status.strip())
+            return {"commit": commit.strip(), "dirty": dirty, "source": label}
+    return {"commit": None, "dirty": None, "source": None}
 
 
 def _run(argv: list[str]) -> str | None:

@@ -136,6 +136,8 @@ def test_each_server_starts_once_and_a_rerun_skips_finished_cells(tmp_path: Path
     assert one["cell"]["params"] in ({"label": 1}, {"label": 2})
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert all("--serve" in s["argv"] for s in manifest["servers"].values())
+    assert manifest["machine"]["cpu_cores_logical"] >= 1 and manifest["machine"]["packages"]["aiohttp"]
+    assert len(manifest["git"]["commit"]) == 40 and manifest["git"]["source"] == "package"
     metrics = json.loads(next((run_dir / "engine_metrics").glob("*.json")).read_text())
     assert metrics["after"]["paged_experts:expert_hits_total"] > metrics["before"]["paged_experts:expert_hits_total"]
     for payload in stored.values():

@@ -125,8 +125,14 @@ class _ProgressEvents:
 
 def summary_table(plan: Plan, results: list[CellResult]) -> Table:
     """One row per server x workload x class x concurrency; medians over repeats."""
+    planned = {c.cell_id: i for i, c in enumerate(plan.cells)}  # server-major, as the matrix reads
+
+    def order(r: CellResult) -> tuple[int, str, str, int, int]:
+        search_n = r.params.get("search_n", -1) if isinstance(r.params, dict) else -1
+        return (planned.get(r.cell_id, len(planned)), r.engine, r.prompt_class, int(search_n), r.concurrency)
+
     groups: dict[tuple[str, str, str, str, int], list[CellResult]] = defaultdict(list)
-    for r in results:
+    for r in sorted(results, key=order):
         groups[(r.engine, _params(r.params), r.workload, r.prompt_class, r.concurrency)].append(r)
     table = Table(title=f"{plan.run_id}: medians over repeats", title_justify="left")
     for column in ("engine", "params", "workload", "class", "conc", "ok/n", "TTFT p50 ms", "decode tok/s", "out tok/s", "miss rate"):
