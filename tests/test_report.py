@@ -30,7 +30,7 @@ def test_writes_three_files_and_the_page_is_self_contained(report: Path) -> None
     page = report.read_text()
     assert "<script src" not in page and "<link" not in page and "@import" not in page and "url(" not in page.split("<script")[0]
     assert page.count("<script type=\"text/javascript\">") >= 1 and "Plotly.newPlot" in page
-    assert "cdn.plot.ly" not in re.sub(r"<script type=\"text/javascript\">.*?</script>", "", page, count=1, flags=re.S)
+    assert "cdn.plot.ly" not in re.sub(r"<script type=\"text/javascript\">.*?</script>", "", page, count=1, flags=re.DOTALL)
     for anchor in ("raw-cells", "ratios", "failures", "reference-decode", "engines-run", "definitions"):
         assert f'id="{anchor}"' in page
     assert 'id="cell-p8-s1-r0"' in page and 'href="#cell-p8-s1-r0"' in page

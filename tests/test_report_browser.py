@@ -49,7 +49,7 @@ def page_data(tmp_path_factory: pytest.TempPathFactory) -> dict:
         try:
             context = browser.new_context(viewport={"width": 1400, "height": 900}, offline=True)
 
-            def guard(route, request) -> None:  # noqa: ANN001 - playwright callback types
+            def guard(route, request) -> None:
                 if request.url.startswith("file://"):
                     route.continue_()
                 else:

@@ -70,7 +70,7 @@ def test_spread_and_verdicts() -> None:
 
 
 def test_repeats_fold_into_one_configuration_and_failures_are_never_zero() -> None:
-    cells, groups = frames(BASE)
+    _cells, groups = frames(BASE)
     paged = groups[(groups["mode"] == "paged") & (groups["prompt_class"] == "short") & (groups["concurrency"] == 1)].iloc[0]
     assert paged["label"] == "tiny · paged · K=8"  # K read from the exact command line
     assert paged["decode_tok_s_p50"] == Spread(40.0, 42.0, 44.0, 2)
@@ -137,7 +137,7 @@ def test_ttft_paging_search_and_failure_tables() -> None:
 
 
 def test_k_from_server_options_and_display_spread() -> None:
-    cells, groups = frames([row("p16", "s-p16", "paged", decode=50.0)])
+    _cells, groups = frames([row("p16", "s-p16", "paged", decode=50.0)])
     assert groups.iloc[0]["k"] == 16 and groups.iloc[0]["label"] == "tiny · paged · K=16"
     shown = display_frame(tb.summary_table(groups, top_k=8))
     assert shown.iloc[0]["decode_tok_s"] == "50.00" and shown.iloc[0]["ttft_p50_ms"] == "—"

@@ -13,6 +13,7 @@ from pathlib import Path
 import pandas as pd
 
 from benchsuite.errors import UserError
+from benchsuite.reference import Reference
 from benchsuite.report import manifest_facts as mf
 from benchsuite.report import tables as tb
 from benchsuite.report.display import display_frame
@@ -21,9 +22,12 @@ from benchsuite.report.groups import annotate_cells, group_configs
 from benchsuite.report.header import header_html, header_markdown
 from benchsuite.report.html import Section, render_page
 from benchsuite.report.load import RunData, load_run
-from benchsuite.reference import Reference
 from benchsuite.report.published import (
-    default_reference_dirs, find_reference, load_published, reference_decode_table, reference_ttft_table,
+    default_reference_dirs,
+    find_reference,
+    load_published,
+    reference_decode_table,
+    reference_ttft_table,
 )
 from benchsuite.report.samples import request_samples
 from benchsuite.report.textout import write_csv, write_markdown

@@ -134,8 +134,8 @@ def _display(rows: pd.DataFrame) -> pd.DataFrame:
 def comparison_markdown(comparison: Comparison) -> str:
     c = comparison
     lines = [f"# Compare {c.run_a} (A) -> {c.run_b} (B)\n",
-             f"Flagged when a two-sided Mann-Whitney U test on per-request samples gives p < {c.alpha} "
-             f"and the relative change of the median exceeds {c.threshold * 100:g}%.\n",
+             (f"Flagged when a two-sided Mann-Whitney U test on per-request samples gives p < {c.alpha} "
+             f"and the relative change of the median exceeds {c.threshold * 100:g}%.\n"),
              f"{len(c.flagged)} flagged of {len(c.rows)} comparisons.\n"]
     if len(c.flagged):
         lines.append("## Flagged\n\n" + markdown_table(_display(c.flagged)))

@@ -55,7 +55,7 @@ def display_frame(frame: pd.DataFrame) -> pd.DataFrame:
             if f"{base}_min" in columns and f"{base}_max" in columns:
                 out[base] = [_spread_text(base, lo, mid, hi) for lo, mid, hi in zip(frame[f"{base}_min"], frame[column], frame[f"{base}_max"])]
                 continue
-        if (column.endswith("_min") or column.endswith("_max")) and f"{column[:-4]}_median" in columns:
+        if (column.endswith(("_min", "_max"))) and f"{column[:-4]}_median" in columns:
             continue
         out[column] = [format_value(column, v) for v in frame[column]]
     return pd.DataFrame(out, index=frame.index)

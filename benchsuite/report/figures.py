@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pandas as pd
 import plotly.graph_objects as go
 
-from benchsuite.report.groups import Spread, routing_label, is_synthetic
+from benchsuite.report.groups import Spread, is_synthetic, routing_label
 from benchsuite.report.tables import prompt_classes, search_table
 
 
@@ -37,7 +37,7 @@ _HOVER = "%{fullData.name}<br>x=%{x}<br>y=%{y:.4g}<br>cells: %{customdata}<extra
 def _layout(fig: go.Figure, title: str, x_title: str, y_title: str) -> go.Figure:
     fig.update_layout(
         title=title, xaxis_title=x_title, yaxis_title=y_title, template="plotly_white", height=430,
-        margin=dict(l=60, r=20, t=50, b=50), legend=dict(font=dict(size=10)), font=dict(family="sans-serif"),
+        margin={"l": 60, "r": 20, "t": 50, "b": 50}, legend={"font": {"size": 10}}, font={"family": "sans-serif"},
     )
     fig.update_xaxes(automargin=True)
     return fig
@@ -51,8 +51,8 @@ def _integer_ticks(fig: go.Figure, values: list[float]) -> go.Figure:
 
 
 def _error_bars(spreads: list[Spread], scale: float) -> dict:
-    return dict(type="data", symmetric=False, array=[(s.max - s.median) * scale for s in spreads],
-                arrayminus=[(s.median - s.min) * scale for s in spreads])
+    return {"type": "data", "symmetric": False, "array": [(s.max - s.median) * scale for s in spreads],
+                "arrayminus": [(s.median - s.min) * scale for s in spreads]}
 
 
 def _spread_trace(name: str, xs: list[float], spreads: list[Spread], ids: list[list[str]], scale: float = 1.0,
@@ -103,7 +103,7 @@ def decode_vs_k(groups: pd.DataFrame, top_k: int | None) -> list[Figure]:
         ids.extend(i for sub in group_ids for i in sub)
     fig = _layout(go.Figure(traces), "Decode tok/s vs resident experts K", "K (resident experts per layer)", "decode tok/s (per-request median)")
     _integer_ticks(fig, list(paged["k"]) + ([int(c) * top_k for c in paged["concurrency"]] if top_k else []))
-    fig.update_traces(textposition="middle right", textfont=dict(size=9))
+    fig.update_traces(textposition="middle right", textfont={"size": 9})
     caption = "Points are labelled with K // top_k, the batch that fits in one wave."
     if top_k:
         for conc in sorted({int(c) for c in paged["concurrency"]}):
@@ -133,7 +133,7 @@ def ttft_short_long(groups: pd.DataFrame) -> list[Figure]:
         return []
     title = f"TTFT p50: {short} vs {long} prompts" if long else f"TTFT p50, {short} prompts (no long-prompt class was measured)"
     fig = _layout(go.Figure(traces), title, "configuration", "TTFT p50 (ms)")
-    fig.update_layout(barmode="group", height=600, xaxis_tickangle=-30, xaxis_tickfont=dict(size=9))
+    fig.update_layout(barmode="group", height=600, xaxis_tickangle=-30, xaxis_tickfont={"size": 9})
     return [Figure("fig-ttft-short-long", "TTFT p50 short vs long prompts", fig, "Median over repeats of each cell's TTFT p50; bars min..max.", tuple(ids))]
 
 
@@ -150,10 +150,10 @@ def request_distributions(cells: pd.DataFrame, samples: pd.DataFrame) -> list[Fi
         traces = []
         for (label, cls, conc), g in data.groupby(["label", "prompt_class", "concurrency"], sort=True):
             traces.append(go.Box(name=f"{label} · {cls} · c={conc}", y=list(g[col] * scale), boxpoints="all", jitter=0.4,
-                                 pointpos=0, marker=dict(size=3), customdata=list(g["cell_id"]),
+                                 pointpos=0, marker={"size": 3}, customdata=list(g["cell_id"]),
                                  hovertemplate="%{y:.4g}<br>cell: %{customdata}<extra></extra>"))
         fig = _layout(go.Figure(traces), title + " (requests.parquet, warmup excluded)", "", y)
-        fig.update_layout(showlegend=False, height=640, xaxis_tickangle=-30, xaxis_tickfont=dict(size=9))
+        fig.update_layout(showlegend=False, height=640, xaxis_tickangle=-30, xaxis_tickfont={"size": 9})
         out.append(Figure(f"fig-requests-{col}", title, fig, "Every measured request is a point; its hover names its cell.", tuple(sorted(set(data["cell_id"])))))
     return out
 
@@ -175,7 +175,7 @@ def paging_figures(groups: pd.DataFrame, num_experts: int | None) -> list[Figure
         if metric == "miss_rate" and num_experts:
             ks = sorted({float(k) for k in groups["k"].dropna()})
             fig.add_trace(go.Scatter(name=f"random routing: 1 - K/{num_experts}", x=ks, y=[1 - k / num_experts for k in ks],
-                                     mode="lines", line=dict(dash="dash", color="grey"), customdata=["formula"] * len(ks), hovertemplate=_HOVER))
+                                     mode="lines", line={"dash": "dash", "color": "grey"}, customdata=["formula"] * len(ks), hovertemplate=_HOVER))
         out.append(Figure(f"fig-{metric.replace('_', '-')}", title, fig, "Engine paging counters over the measured window (median over repeats).", tuple(ids)))
     return out
 
@@ -196,17 +196,17 @@ def search_curves(cells: pd.DataFrame) -> list[Figure]:
         fig.add_trace(go.Scatter(name=f"{name} · median over repeats", x=ns, y=medians, mode="lines+markers",
                                  customdata=ids, hovertemplate=_HOVER))
         fig.add_trace(go.Scatter(name=f"{name} · each cell", x=list(g["N"]), y=list(g["decode_tok_s"]), mode="markers",
-                                 marker=dict(size=6, color="grey", symbol="circle-open"), customdata=list(g["cell_id"]), hovertemplate=_HOVER))
+                                 marker={"size": 6, "color": "grey", "symbol": "circle-open"}, customdata=list(g["cell_id"]), hovertemplate=_HOVER))
         chosen_ns = sorted({int(n) for n in g.loc[g["chosen"], "N"]})
         if chosen_ns:
             fig.add_trace(go.Scatter(name=f"{name} · chosen N", x=chosen_ns, y=[medians[ns.index(n)] for n in chosen_ns], mode="markers",
-                                     marker=dict(symbol="star", size=16, color="gold", line=dict(color="black", width=1)),
+                                     marker={"symbol": "star", "size": 16, "color": "gold", "line": {"color": "black", "width": 1}},
                                      customdata=[ids[ns.index(n)] for n in chosen_ns], hovertemplate=_HOVER))
-    fitting = everything[everything["fits"] == True]  # noqa: E712 - fits may be None (unknown): only True counts
+    fitting = everything[everything["fits"] == True]
     if not fitting.empty:
         fig.add_vrect(x0=float(fitting["N"].min()) - 0.5, x1=float(fitting["N"].max()) + 0.5, fillcolor="green", opacity=0.08,
                       line_width=0, annotation_text="projection fits VRAM", annotation_position="top left")
-    for n in sorted({int(n) for n in everything.loc[everything["fits"] == False, "N"]}):  # noqa: E712
+    for n in sorted({int(n) for n in everything.loc[everything["fits"] == False, "N"]}):
         fig.add_vrect(x0=n - 0.5, x1=n + 0.5, fillcolor="red", opacity=0.08, line_width=0,
                       annotation_text=f"N={n}: does not fit", annotation_position="top left")
     _layout(fig, "llama.cpp --n-cpu-moe search: decode tok/s vs N", "N (layers whose experts stay on the CPU)", "decode tok/s")

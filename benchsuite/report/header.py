@@ -65,23 +65,23 @@ def warnings(cells: pd.DataFrame, requests: pd.DataFrame) -> list[tuple[str, str
     out = []
     synthetic = sorted({r for r in cells["routing"] if is_synthetic(r)})
     if synthetic:
-        out.append(("warn", f"SYNTHETIC ROUTING: {int(cells['routing'].map(is_synthetic).sum())} cells used synthetic routing "
+        out.append(("warn", (f"SYNTHETIC ROUTING: {int(cells['routing'].map(is_synthetic).sum())} cells used synthetic routing "
                             f"({', '.join(synthetic)}), not a real model's router. Paging results from synthetic routing do not "
-                            f"predict real-model paging; they are labelled SYNTHETIC wherever they appear."))
+                            f"predict real-model paging; they are labelled SYNTHETIC wherever they appear.")))
     bad = cells[cells["status"] != "ok"]
     if len(bad):
-        out.append(("bad", f"{len(bad)} of {len(cells)} cells failed or are invalid; they are excluded from every figure and "
-                           f"listed with their reasons under 'Failed and invalid cells'."))
+        out.append(("bad", (f"{len(bad)} of {len(cells)} cells failed or are invalid; they are excluded from every figure and "
+                           f"listed with their reasons under 'Failed and invalid cells'.")))
     flagged = [c for _, c in cells.iterrows() if cell_flags(c)]
     if flagged:
-        out.append(("warn", f"{len(flagged)} cells carry engine warnings (see the 'flags' column of the configurations table), "
-                            f"for example {flagged[0]['cell_id']}: {cell_flags(flagged[0])[0]}"))
+        out.append(("warn", (f"{len(flagged)} cells carry engine warnings (see the 'flags' column of the configurations table), "
+                            f"for example {flagged[0]['cell_id']}: {cell_flags(flagged[0])[0]}")))
     lengths = prompt_length_mismatches(cells, requests)
     if len(lengths):
         first = lengths.iloc[0]
-        out.append(("bad", f"{len(lengths)} prompts reached the engines as different prompt lengths (server usage.prompt_tokens), "
+        out.append(("bad", (f"{len(lengths)} prompts reached the engines as different prompt lengths (server usage.prompt_tokens), "
                            f"e.g. {first['prompt_id']} ({first['prompt_class']}): {first['prompt_tokens_by_engine']}. "
-                           f"Engines did not do the same work for these prompts."))
+                           f"Engines did not do the same work for these prompts.")))
     return out
 
 

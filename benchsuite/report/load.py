@@ -48,9 +48,9 @@ def _as_dict(value: Any) -> dict[str, Any]:
             return {}
         parsed = json.loads(text)
         if not isinstance(parsed, dict):
-            raise ValueError(f"expected a JSON object, got {text[:60]!r}")
+            raise TypeError(f"expected a JSON object, got {text[:60]!r}")
         return parsed
-    raise ValueError(f"expected a dict or a JSON object string, got {type(value).__name__}")
+    raise TypeError(f"expected a dict or a JSON object string, got {type(value).__name__}")
 
 
 def _as_float_list(value: Any) -> list[float]:
