@@ -3,6 +3,7 @@ warmup/cold handling and schedules."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -218,13 +219,24 @@ def test_poisson_arrivals_are_seeded_with_mean_gap_one_over_rate() -> None:
 
 
 async def test_poisson_sends_no_earlier_than_schedule_and_caps_in_flight() -> None:
+    loop = asyncio.get_running_loop()
     spec = LoadSpec(concurrency=2, arrival="poisson", rate_rps=200.0, seed=3)
-    records, _ = await _run(Script(itl_s=0.004), _requests(12, max_tokens=3), spec)
+    async with FakeServer(Script(itl_s=0.004)) as server:
+        before_s = loop.time()  # the schedule starts no earlier than this (same clock as t_sent)
+        records = await run_load(
+            server.url,
+            _requests(12, max_tokens=3),
+            spec,
+            cell_id="c",
+            model_name="m",
+            extras={},
+            cold_first=False,
+            clock=loop.time,
+        )
     assert all(r.ok for r in records) and len(records) == 12
     schedule = poisson_arrivals_s(12, rate_rps=200.0, seed=3)
-    t0 = records[0].t_sent_s - schedule[0]
-    for r, planned_s in zip(records, schedule):
-        assert r.t_sent_s >= t0 + planned_s - 0.005
+    for r, planned_s in zip(records, schedule, strict=True):
+        assert r.t_sent_s >= before_s + planned_s - 1e-3
     assert _max_overlap(records) <= 2
 
 
