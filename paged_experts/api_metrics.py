@@ -17,6 +17,7 @@ import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 from paged_experts.engine import FINISH_LENGTH, FINISH_STOP, FinishedRequest
@@ -110,7 +111,7 @@ class ServerMetrics:
         if done.first_token_s is not None:
             self.ttft.observe(done.first_token_s - done.arrival_s)
         times = done.token_times_s
-        for earlier, later in zip(times, times[1:]):
+        for earlier, later in pairwise(times):
             self.itl.observe(later - earlier)
         if done.finish_reason in (FINISH_STOP, FINISH_LENGTH):
             self.e2e.observe(done.finish_s - done.arrival_s)

@@ -259,7 +259,7 @@ class Engine:
                 async with self._step_lock:
                     freed, self._freed = self._freed, []
                     results = await asyncio.to_thread(self._execute, work, freed)
-            except Exception as exc:  # a failed step ends its requests, never the server
+            except Exception as exc:  # noqa: BLE001 -- a failed step ends its requests, never the server
                 self._in_step = set()
                 for w in work:
                     self._finish(w.req, FINISH_ERROR, error=f"{type(exc).__name__}: {exc}")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from paged_experts.api_metrics import EngineGauges, Histogram, ServerMetrics
