@@ -6,9 +6,9 @@
 - `await wait_ready()` polls the health URL until HTTP 200 while watching the process (an exit fails
   fast) and the new part of the log (crash patterns fail fast); on failure or timeout the group is
   killed and RunError carries a one-line cause plus the log tail.
-- `stop(grace_s)` sends SIGTERM to the whole group and to every descendant that left it (found
-  through the tree and a launch token in the environment), waits, then SIGKILLs what is left. It is idempotent. Every started process is also registered so that an
-  exception, Ctrl-C, SIGTERM/SIGHUP or normal interpreter exit in the parent stops it (atexit and
+- `stop(grace_s)` kills the whole process tree (benchsuite.proctree: group, descendants, and those
+  that left the group, found by a launch token in the environment): SIGTERM, grace_s, SIGKILL.
+  It is idempotent. Every started process is also registered so that an exception, Ctrl-C, SIGTERM/SIGHUP or normal interpreter exit in the parent stops it (atexit and
   chained signal handlers); when started from the main thread the child also gets SIGKILL from the
   kernel if the parent dies without running any Python (PR_SET_PDEATHSIG).
 
@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import ctypes
 import os
 import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -35,9 +33,9 @@ from types import FrameType, TracebackType
 from urllib.parse import urlsplit
 
 import aiohttp
-import psutil
 
 from benchsuite.errors import RunError, UserError
+from benchsuite.proctree import TOKEN_ENV, die_with_parent, kill_tree
 
 CRASH_PATTERNS: tuple[str, ...] = (
     r"^Traceback \(most recent call last\)",
@@ -56,9 +54,7 @@ CRASH_PATTERNS: tuple[str, ...] = (
 LOG_TAIL_LINES = 20
 _POLL_INTERVAL_S = 0.1
 _PROBE_TIMEOUT_S = 2.0
-_PR_SET_PDEATHSIG = 1
 _TAIL_BLOCK_BYTES = 64 * 1024
-_TOKEN_ENV = "BENCHSUITE_ENGINE_TOKEN"  # set in the engine's environment, inherited by descendants
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -124,7 +120,7 @@ class EngineProcess:
                 f"port {port} is already in use on {host}: stop whatever listens there or pick another port"
             )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.env, _TOKEN_ENV: self._token}
+        env = {**os.environ, **self.env, TOKEN_ENV: self._token}
         with open(self.log_path, "ab") as log:
             self._log_start_offset = log.tell()
             log.write(f"# benchsuite: starting {_quote(self.argv)}\n".encode())
@@ -139,7 +135,7 @@ class EngineProcess:
                     env=env,
                     start_new_session=True,
                     # Only from the main thread: the kernel ties PDEATHSIG to the forking thread.
-                    preexec_fn=_die_with_parent if _in_main_thread() else None,  # noqa: PLW1509
+                    preexec_fn=die_with_parent if _in_main_thread() else None,  # noqa: PLW1509
                 )
             except OSError as exc:
                 raise RunError(f"cannot start engine {self.argv[0]!r}: {exc}") from exc
@@ -176,7 +172,7 @@ class EngineProcess:
         with self._lock:
             if self._popen is None or self._stopped:
                 return
-            _kill_group(self._popen, self._token, grace_s)
+            kill_tree(self._popen, self._token, grace_s)
             self._stopped = True
             _REGISTRY.discard(self)
 
@@ -303,92 +299,6 @@ def _quote(argv: list[str]) -> str:
 
 def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: ask the kernel for SIGKILL when the parent (thread) dies."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
-def _descendants(pid: int) -> list[psutil.Process]:
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        return []
-
-
-def _tagged_or_grouped(pgid: int, token: str) -> list[psutil.Process]:
-    """Our user's processes in group pgid or carrying the launch token in their environment.
-
-    The token finds descendants that left the group (setsid) and were re-parented to init after
-    the leader died, which neither the group nor the process tree can find any more.
-    """
-    found = []
-    me = os.getuid()
-    for proc in psutil.process_iter(["uids"]):
-        try:
-            if proc.info["uids"] is None or proc.info["uids"].real != me or proc.pid == os.getpid():
-                continue
-            if os.getpgid(proc.pid) == pgid or proc.environ().get(_TOKEN_ENV) == token:
-                found.append(proc)
-        except (ProcessLookupError, PermissionError, psutil.Error):
-            continue
-    return found
-
-
-def _signal_all(pgid: int, procs: list[psutil.Process], sig: signal.Signals) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-    for proc in procs:
-        try:
-            proc.send_signal(sig)
-        except psutil.Error:
-            continue
-
-
-def _kill_group(popen: subprocess.Popen[bytes], token: str, grace_s: float) -> None:
-    """Terminate the leader's group plus every descendant that moved to another group."""
-    pgid = popen.pid  # start_new_session: the leader's pid is the group id
-    # Collect before signalling: once the leader dies its children are re-parented.
-    procs = {p.pid: p for p in _descendants(popen.pid)}
-    for member in _tagged_or_grouped(pgid, token):
-        procs.setdefault(member.pid, member)
-    try:
-        procs.setdefault(popen.pid, psutil.Process(popen.pid))
-    except psutil.Error:
-        pass
-    targets = list(procs.values())
-    _signal_all(pgid, targets, signal.SIGTERM)
-    # SIGCONT so a stopped (SIGSTOP'd) process can act on SIGTERM; harmless otherwise.
-    _signal_all(pgid, targets, signal.SIGCONT)
-    deadline = time.monotonic() + max(grace_s, 0.0)
-    while True:
-        popen.poll()  # reap the leader so it does not linger as a zombie
-        alive = [p for p in targets if _is_running(p)]
-        if not alive or time.monotonic() >= deadline:
-            break
-        time.sleep(0.02)
-    if alive:
-        _signal_all(pgid, alive, signal.SIGKILL)
-        deadline = time.monotonic() + 5.0
-        while any(_is_running(p) for p in alive) and time.monotonic() < deadline:
-            popen.poll()
-            time.sleep(0.02)
-    try:
-        popen.wait(timeout=5.0)
-    except subprocess.TimeoutExpired:
-        pass
-
-
-def _is_running(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 class _Registry:

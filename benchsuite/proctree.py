@@ -1,0 +1,110 @@
+"""Process-tree kill for engines: the leader's group, its descendants, and descendants that left.
+
+An engine runs in its own session, so its pid is its process group id. `kill_tree` collects,
+before signalling anything (a dead leader's children are re-parented and lost to the tree):
+the leader's descendants, every process of the group, and every process of ours whose
+environment carries the launch token (`TOKEN_ENV`, inherited by descendants), which finds
+those that called setsid and were re-parented to init. Then SIGTERM (+SIGCONT so a stopped
+process can act on it), a grace period, SIGKILL for what is left, and the leader reaped.
+`die_with_parent` asks the kernel to SIGKILL a child when its parent dies (Linux).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+TOKEN_ENV = "BENCHSUITE_ENGINE_TOKEN"
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In the child before exec: ask the kernel for SIGKILL when the parent (thread) dies."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _tagged_or_grouped(pgid: int, token: str) -> list[psutil.Process]:
+    """Our user's processes in group pgid or carrying the launch token in their environment.
+
+    The token finds descendants that left the group (setsid) and were re-parented to init after
+    the leader died, which neither the group nor the process tree can find any more.
+    """
+    found = []
+    me = os.getuid()
+    for proc in psutil.process_iter(["uids"]):
+        try:
+            if proc.info["uids"] is None or proc.info["uids"].real != me or proc.pid == os.getpid():
+                continue
+            if os.getpgid(proc.pid) == pgid or proc.environ().get(TOKEN_ENV) == token:
+                found.append(proc)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    return found
+
+
+def _signal_all(pgid: int, procs: list[psutil.Process], sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for proc in procs:
+        try:
+            proc.send_signal(sig)
+        except psutil.Error:
+            continue
+
+
+def kill_tree(popen: subprocess.Popen[bytes], token: str, grace_s: float) -> None:
+    """Terminate the leader's group plus every descendant that moved to another group."""
+    pgid = popen.pid  # start_new_session: the leader's pid is the group id
+    # Collect before signalling: once the leader dies its children are re-parented.
+    procs = {p.pid: p for p in _descendants(popen.pid)}
+    for member in _tagged_or_grouped(pgid, token):
+        procs.setdefault(member.pid, member)
+    try:
+        procs.setdefault(popen.pid, psutil.Process(popen.pid))
+    except psutil.Error:
+        pass
+    targets = list(procs.values())
+    _signal_all(pgid, targets, signal.SIGTERM)
+    # SIGCONT so a stopped (SIGSTOP'd) process can act on SIGTERM; harmless otherwise.
+    _signal_all(pgid, targets, signal.SIGCONT)
+    deadline = time.monotonic() + max(grace_s, 0.0)
+    while True:
+        popen.poll()  # reap the leader so it does not linger as a zombie
+        alive = [p for p in targets if _is_running(p)]
+        if not alive or time.monotonic() >= deadline:
+            break
+        time.sleep(0.02)
+    if alive:
+        _signal_all(pgid, alive, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while any(_is_running(p) for p in alive) and time.monotonic() < deadline:
+            popen.poll()
+            time.sleep(0.02)
+    try:
+        popen.wait(timeout=5.0)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _is_running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
