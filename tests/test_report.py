@@ -102,3 +102,19 @@ def test_several_runs_in_one_report(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert "second-run · tiny · paged · resident_experts=8" in set(summary["configuration"])
     ratios = csv[csv["table"] == "Paged vs baselines (published layout)"]
     assert len(ratios) == 2 * 6  # each run's paged rows against that run's own baselines
+
+
+def test_model_shape_of_a_hub_model_comes_from_the_named_reference(tmp_path: Path) -> None:
+    from benchsuite.report.build import build_report_data
+
+    run = tmp_path / "hub"
+    shutil.copytree(FIXTURE, run)
+    shutil.rmtree(run / "model")  # no local config.json: the servers name a hub id
+    manifest = json.loads((run / "manifest.json").read_text())
+    for server in manifest["servers"].values():
+        server["argv"] = ["Qwen/Qwen3-30B-A3B-GPTQ-Int4" if a == "model" else a for a in server["argv"]]
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    shipped = build_report_data([run])  # benchsuite/data/reference/pr42557.yaml: Qwen3-30B-A3B, top_k 8 of 128
+    assert (shipped.top_k, shipped.num_experts) == (8, 128)
+    unknown = build_report_data([run], reference_dirs=[tmp_path / "none"])
+    assert (unknown.top_k, unknown.num_experts) == (None, None)  # never guessed

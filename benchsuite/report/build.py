@@ -77,6 +77,10 @@ def build_report_data(run_dirs: list[Path], reference_dirs: list[Path] | None = 
     top_k = next((v for v in (mf.model_top_k(r.manifest, r.run_dir) for r in runs) if v), None)
     num_experts = next((v for v in (mf.model_num_experts(r.manifest, r.run_dir) for r in runs) if v), None)
     published, row_filter, note = _reference(runs, reference_dirs if reference_dirs is not None else default_reference_dirs())
+    if published is not None and (top_k is None or num_experts is None) and _serves_model(runs, published.model):
+        shape = published.raw.get("model_shape") or {}  # a hub id (no local config.json) of the published model
+        top_k = top_k or shape.get("top_k")
+        num_experts = num_experts or shape.get("num_experts")
     tables: dict[str, pd.DataFrame] = {"Paged vs baselines (published layout)": tb.ratio_table(groups, cells)}
     if published is not None:
         tables[f"Published {published.name} vs yours: decode"] = reference_decode_table(published, row_filter, groups, cells)
@@ -121,6 +125,11 @@ def _sections(data: ReportData) -> tuple[list[Section], list[Section]]:
     if data.published is None:
         before.append(Section("Published reference", "reference-decode", f"<p>{html.escape(data.reference_note)}</p>", None))
     return before, after
+
+
+def _serves_model(runs: list[RunData], model: str) -> bool:
+    """Whether some server was started on the named model (its name appears in the exact command)."""
+    return bool(model) and any(model.lower() in s.command.lower() for r in runs for s in mf.servers(r.manifest))
 
 
 def default_out_dir(runs: list[RunData]) -> Path:
