@@ -8,8 +8,9 @@
   killed and RunError carries a one-line cause plus the log tail.
 - `stop(grace_s)` kills the whole process tree (benchsuite.proctree: group, descendants, and those
   that left the group, found by a launch token in the environment): SIGTERM, grace_s, SIGKILL.
-  It is idempotent. Every started process is also registered so that an exception, Ctrl-C, SIGTERM/SIGHUP or normal interpreter exit in the parent stops it (atexit and
-  chained signal handlers); when started from the main thread the child also gets SIGKILL from the
+  It is idempotent. Every started process is also registered so that an exception, Ctrl-C,
+  SIGTERM/SIGHUP or normal interpreter exit in the parent stops it (atexit and chained signal
+  handlers); when started from the main thread the child also gets SIGKILL from the
   kernel if the parent dies without running any Python (PR_SET_PDEATHSIG).
 
 `free_port()` returns a loopback TCP port that is free now.
