@@ -81,9 +81,21 @@ class ServerState:
         self.engine_task: asyncio.Task[None] | None = None
 
     def ready(self) -> Serving:
-        if self.serving is None:
-            raise ApiError(503, None, self.load_error or "the model is still loading")
+        problem = self.not_ready_reason()
+        if problem is not None:
+            raise ApiError(503, None, problem)
+        assert self.serving is not None
         return self.serving
+
+    def not_ready_reason(self) -> str | None:
+        """Why requests cannot be served now (loading, failed load, engine loop ended), or None."""
+        if self.serving is None:
+            return f"failed: {self.load_error}" if self.load_error else "loading: the model is still loading"
+        task = self.engine_task
+        if task is not None and task.done():
+            failure = None if task.cancelled() else task.exception()
+            return f"failed: the engine loop stopped ({failure!r})"
+        return None
 
     def name_token(self, codec: TextCodec, as_ids: bool) -> Any:
         return (lambda t: f"token_id:{t}") if as_ids else codec.token_str

@@ -34,10 +34,9 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
 async def health(request: web.Request) -> web.Response:
-    state = request.app[STATE_KEY]
-    if state.serving is None:
-        status = f"failed: {state.load_error}" if state.load_error else "loading"
-        return web.json_response({"status": status}, status=503)
+    problem = request.app[STATE_KEY].not_ready_reason()
+    if problem is not None:
+        return web.json_response({"status": problem}, status=503)
     return web.json_response({"status": "ok"})
 
 
@@ -122,9 +121,15 @@ async def _load(state: ServerState, loader: Loader) -> None:
         return
     state.serving = serving
     state.engine_task = asyncio.create_task(serving.engine.run())
+    state.engine_task.add_done_callback(_log_engine_end)
     log.info("model loaded in %.1f s: %s", time.perf_counter() - t0, json.dumps(_summary(serving)))
     assert state.loaded is not None
     state.loaded.set_result(None)
+
+
+def _log_engine_end(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("the engine loop stopped: %r; /health now answers 503", task.exception())
 
 
 def _summary(serving: Serving) -> dict[str, object]:

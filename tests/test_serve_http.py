@@ -304,9 +304,28 @@ async def test_health_is_503_until_loaded_and_after_a_failed_load(tiny_dir: Path
     def broken_loader(config: ServeConfig, metrics: Any) -> Any:
         raise ValueError("no such checkpoint")
 
+    def dying_engine_loader(config: ServeConfig, metrics: Any) -> Any:
+        serving = load_serving(config, metrics)
+
+        async def crash() -> None:
+            raise RuntimeError("engine loop bug")
+
+        serving.engine.run = crash  # the loop task ends with an exception once started
+        return serving
+
     config = ServeConfig(model_path=str(tiny_dir), max_total_tokens=64)
     slow, broken = await start_server(config, slow_loader), await start_server(config, broken_loader)
+    dying = await start_server(config, dying_engine_loader)
     try:
+        for _ in range(200):
+            async with http.get(dying.make_url("/health")) as resp:
+                status_text = (await resp.json())["status"]
+            if "engine loop" in status_text:
+                break
+            await asyncio.sleep(0.05)
+        assert resp.status == 503 and "engine loop bug" in status_text
+        status, body = await post(http, str(dying.make_url("/v1/completions")), {"prompt": "x"})
+        assert status == 503 and "engine loop" in body["error"]["message"]
         async with http.get(slow.make_url("/health")) as resp:
             assert resp.status == 503
         status, body = await post(http, str(slow.make_url("/v1/completions")), {"prompt": "x"})
@@ -318,6 +337,7 @@ async def test_health_is_503_until_loaded_and_after_a_failed_load(tiny_dir: Path
     finally:
         await slow.close()
         await broken.close()
+        await dying.close()
 
 
 async def _wait_healthy(http: aiohttp.ClientSession, url: str) -> None:
