@@ -106,3 +106,17 @@ def test_atomic_write_leaves_no_partial_file(tmp_path: Path, monkeypatch: pytest
         atomic_write_bytes(target, b"new")
     assert target.read_bytes() == b"old"
     assert list(tmp_path.iterdir()) == [target]
+
+
+def test_gpu_facts_parse_nvidia_smi_and_unknowns_stay_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchsuite import machine
+
+    line = "NVIDIA H200, 570.86.15, 143771, 5, 16, 5, 16\nNVIDIA RTX 4070 Laptop GPU, 566.03, 8188, [N/A], 8, 4, 8\n"
+    monkeypatch.setattr(machine, "_run", lambda argv: line if argv[0] == "nvidia-smi" else None)
+    h200, laptop = machine.gpu_facts()
+    assert h200 == {"name": "NVIDIA H200", "driver": "570.86.15", "vram_bytes": 143771 * 2**20, "pcie_gen": 5,
+                    "pcie_width": 16, "pcie_gen_max": 5, "pcie_width_max": 16}  # fmt: skip
+    assert laptop["pcie_gen"] is None and laptop["pcie_width"] == 8
+    assert machine.git_facts() == {"commit": None, "dirty": None, "source": None}
+    monkeypatch.setattr(machine, "_run", lambda argv: None)
+    assert machine.gpu_facts() == []
