@@ -127,6 +127,10 @@ class TraceWriter:
     def _finish_step(self) -> None:
         if not self._steps:
             return
+        if not self._rows[-1]:  # the step's forward never ran (it raised): nothing was routed
+            self._steps.pop()
+            self._rows.pop()
+            return
         tokens = sum(n for _, n in self._steps[-1])
         for layer, parts in self._rows[-1].items():
             got = sum(p[0].shape[0] for p in parts)

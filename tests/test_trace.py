@@ -70,6 +70,16 @@ def test_row_count_must_match_layout(tmp_path: Path) -> None:
         w.close()
 
 
+def test_step_without_observations_is_dropped(tmp_path: Path) -> None:
+    with TraceWriter(tmp_path / "t.trace", META) as w:
+        w.begin_step([("a", 4)])  # its forward raised: no layer observed
+        w.begin_step([("a", 1)])
+        w.observe(0, torch.tensor([[1, 2]]), None)
+        w.observe(1, torch.tensor([[3, 4]]), None)
+    trace = read_trace(tmp_path / "t.trace")
+    assert len(trace.steps) == 1 and trace.ids.tolist() == [[[1, 2], [3, 4]]]
+
+
 def test_weights_absent_and_config_object(tmp_path: Path) -> None:
     class Cfg:  # the runtime's MoeModelConfig field names
         num_layers, num_experts, top_k = 1, 300, 2
