@@ -2,11 +2,16 @@
 
 The load generator (benchsuite.loadgen) owns streaming and timing; these checks only need the
 final text, tokens and logprobs of greedy completions, so they use plain JSON requests.
+A server that cannot be reached, times out or answers something that is not a completion is a
+RunError naming the URL (one line on stderr, never a traceback or a made-up result).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,16 +29,29 @@ class Completion:
     completion_tokens: int | None
 
 
+@asynccontextmanager
+async def _transport_errors(url: str) -> AsyncIterator[None]:
+    try:
+        yield
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        detail = str(exc) or type(exc).__name__
+        raise RunError(f"{url}: {detail}") from None
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+        raise RunError(f"{url}: not an OpenAI-style answer ({type(exc).__name__}: {exc})") from None
+
+
 async def model_name(session: aiohttp.ClientSession, base_url: str) -> str:
     """The first model id the server lists (what requests must name)."""
-    async with session.get(f"{base_url}/v1/models") as resp:
-        if resp.status != 200:
-            raise RunError(f"{base_url}/v1/models answered HTTP {resp.status}")
-        body = await resp.json()
-    data = body.get("data") or []
-    if not data:
-        raise RunError(f"{base_url}/v1/models lists no model")
-    return str(data[0]["id"])
+    url = f"{base_url}/v1/models"
+    async with _transport_errors(url):
+        async with session.get(url) as resp:
+            if resp.status != 200:
+                raise RunError(f"{url} answered HTTP {resp.status}")
+            body = json.loads(await resp.text())
+        data = body.get("data") or []
+        if not data:
+            raise RunError(f"{url} lists no model")
+        return str(data[0]["id"])
 
 
 async def complete(
@@ -57,16 +75,18 @@ async def complete(
     if logprobs:
         payload["logprobs"] = 1
     payload.update(extras or {})
-    async with session.post(f"{base_url}/v1/completions", json=payload) as resp:
-        body_text = await resp.text()
-        if resp.status != 200:
-            raise RunError(f"{base_url}/v1/completions answered HTTP {resp.status}: {body_text[:200]}")
-    body = json.loads(body_text)
-    choice = body["choices"][0]
-    lp = choice.get("logprobs") or {}
-    usage = body.get("usage") or {}
-    tokens = tuple(str(t) for t in lp.get("tokens") or ())
-    token_logprobs = tuple(float(x) for x in lp.get("token_logprobs") or ())
+    url = f"{base_url}/v1/completions"
+    async with _transport_errors(url):
+        async with session.post(url, json=payload) as resp:
+            body_text = await resp.text()
+            if resp.status != 200:
+                raise RunError(f"{url} answered HTTP {resp.status}: {body_text[:200]}")
+        body = json.loads(body_text)
+        choice = body["choices"][0]
+        lp = choice.get("logprobs") or {}
+        usage = body.get("usage") or {}
+        tokens = tuple(str(t) for t in lp.get("tokens") or ())
+        token_logprobs = tuple(float(x) for x in lp.get("token_logprobs") or ())
     if logprobs and len(tokens) != len(token_logprobs):
         raise RunError(f"{base_url}: {len(tokens)} tokens but {len(token_logprobs)} logprobs in one response")
     return Completion(

@@ -1,0 +1,97 @@
+"""`benchsuite accuracy` over real HTTP against built-in servers on the tiny checkpoint.
+
+Paged (K = top_k, so every step pages and runs several waves) against resident must pass; the
+same comparison with a fault injected into the paged side must fail. The fault is the one
+DESIGN.md section 4 names: a per-expert tensor that page-in forgets, so paged experts run with
+another expert's values. It is injected through the server's loader seam
+(`serve.create_app(config, loader)`) and `paged_experts.store.EXPERT_TENSORS` (the tuple page-in
+walks), so no production code carries a fault flag.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+import paged_experts.store
+from benchsuite import accuracy
+from benchsuite.cli import main as cli_main
+from benchsuite.datasets import bundled_prompts
+from paged_experts.api_launch import ServeConfig, Serving, load_serving
+from paged_experts.serve import create_app
+
+PROMPTS = [(p.prompt_id, p.text) for p in bundled_prompts()[:4]]
+MAX_TOKENS = 12
+
+
+async def serve(config: ServeConfig, loader: Callable[..., Serving] = load_serving) -> tuple[TestServer, str]:
+    server = TestServer(create_app(config, loader), host="127.0.0.1")
+    await server.start_server()
+    url = str(server.make_url("")).rstrip("/")
+    async with aiohttp.ClientSession() as session:
+        for _ in range(600):
+            async with session.get(f"{url}/health") as resp:
+                if resp.status == 200:
+                    return server, url
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"{url} never became healthy")
+
+
+@pytest.fixture
+async def resident_url(tiny_model_dir: Path) -> AsyncIterator[str]:
+    server, url = await serve(ServeConfig(model_path=str(tiny_model_dir), max_total_tokens=512))
+    yield url
+    await server.close()
+
+
+async def test_paged_equals_resident_over_http_and_the_cli_passes(tiny_model_dir: Path, resident_url: str, tmp_path: Path) -> None:
+    paged, paged_url = await serve(ServeConfig(model_path=str(tiny_model_dir), mode="paged", resident_experts=4, max_total_tokens=512))
+    try:
+        report = await accuracy.run_accuracy(resident_url, paged_url, PROMPTS, max_tokens=MAX_TOKENS)
+        assert report.passed, accuracy.format_report(report)
+        assert report.token_agreement == 1.0 and report.first_divergences == (None,) * len(PROMPTS)
+        assert all(c.tokens_a == c.tokens_b == MAX_TOKENS for c in report.comparisons)
+        assert report.max_logprob_diff_nats is not None and report.max_logprob_diff_nats < 1e-3
+        out = tmp_path / "accuracy.json"
+        argv = ["accuracy", "--a", resident_url, "--b", paged_url + "/", "--prompts", "2", "--max-tokens", "6", "--json-out", str(out)]
+        assert await asyncio.to_thread(cli_main, argv) == 0
+        saved = json.loads(out.read_text())
+        assert saved["passed"] is True and len(saved["comparisons"]) == 2
+    finally:
+        await paged.close()
+
+
+async def test_a_page_in_that_skips_one_expert_tensor_fails_the_check(
+    tiny_model_dir: Path, resident_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every page-in in this process now copies gate and up but not down: slots keep the evicted
+    # expert's down projection. The resident server never pages, so only the paged side is wrong.
+    monkeypatch.setattr(paged_experts.store, "EXPERT_TENSORS", ("gate", "up"))
+    faulty, faulty_url = await serve(ServeConfig(model_path=str(tiny_model_dir), mode="paged", resident_experts=4, max_total_tokens=512))
+    try:
+        report = await accuracy.run_accuracy(resident_url, faulty_url, PROMPTS, max_tokens=MAX_TOKENS)
+        assert not report.passed, accuracy.format_report(report)
+        # no crash, HTTP 200 everywhere: only the comparison shows it
+        diverged = [d for d in report.first_divergences if d is not None]
+        assert report.token_agreement < 0.5 and len(diverged) >= len(PROMPTS) // 2
+        out = tmp_path / "accuracy.json"
+        argv = ["accuracy", "--a", resident_url, "--b", faulty_url, "--prompts", "2", "--max-tokens", "6", "--json-out", str(out)]
+        assert await asyncio.to_thread(cli_main, argv) == 1
+        assert json.loads(out.read_text())["passed"] is False
+    finally:
+        await faulty.close()
+
+
+async def test_an_unreachable_engine_is_an_error_not_a_result(resident_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from benchsuite.process import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    code = await asyncio.to_thread(cli_main, ["accuracy", "--a", resident_url, "--b", dead, "--prompts", "1"])
+    err = capsys.readouterr().err
+    assert code != 0 and "PASS" not in err and "Traceback" not in err

@@ -1,0 +1,95 @@
+"""`benchsuite canary` over real HTTP: the built-in server passes; a deliberately leaking endpoint
+(it answers each request with the previous request's prompt, like stale KV served with HTTP 200)
+fails, through the library and through the CLI's exit status."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from benchsuite import canary
+from benchsuite.cli import main as cli_main
+from paged_experts.api_launch import ServeConfig
+from paged_experts.serve import create_app
+
+
+async def start(app: web.Application) -> tuple[TestServer, str]:
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    return server, str(server.make_url("")).rstrip("/")
+
+
+def leaking_app() -> web.Application:
+    """An OpenAI-style endpoint whose answer to each request is the prompt of the one before."""
+    previous = {"prompt": "nothing yet"}
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "leaky", "object": "model"}]})
+
+    async def completions(request: web.Request) -> web.Response:
+        body = await request.json()
+        text, previous["prompt"] = previous["prompt"], str(body["prompt"])
+        usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+        return web.json_response({"object": "text_completion", "choices": [{"index": 0, "text": text, "finish_reason": "length"}], "usage": usage})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+@pytest.fixture
+async def builtin_url(tiny_model_dir: Path) -> AsyncIterator[str]:
+    config = ServeConfig(model_path=str(tiny_model_dir), mode="paged", resident_experts=8, max_total_tokens=1024, max_running_requests=8)
+    server, url = await start(create_app(config))
+    async with aiohttp.ClientSession() as session:
+        for _ in range(600):
+            async with session.get(f"{url}/health") as resp:
+                if resp.status == 200:
+                    break
+            await asyncio.sleep(0.05)
+    yield url
+    await server.close()
+
+
+async def test_the_builtin_server_passes_sequential_and_concurrent(builtin_url: str, tmp_path: Path) -> None:
+    report = await canary.run_canary(builtin_url, rounds=1, concurrency=4, max_tokens=8)
+    assert report.passed, canary.format_report(report)
+    # 8 solo + 8 sequential after the plant + 3 concurrent beside it
+    assert report.requests_checked == 8 + 8 + 3
+    assert report.leaks == () and report.interference == ()  # greedy output does not change with batching
+    out = tmp_path / "canary.json"
+    argv = ["canary", "--url", builtin_url, "--rounds", "1", "--concurrency", "2", "--max-tokens", "4", "--json-out", str(out)]
+    assert await asyncio.to_thread(cli_main, argv) == 0
+    assert json.loads(out.read_text())["passed"] is True
+
+
+async def test_an_endpoint_that_serves_the_previous_prompt_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    server, url = await start(leaking_app())
+    try:
+        report = await canary.run_canary(url, rounds=1, concurrency=4, max_tokens=8, seed_marker="CANARY-00c0ffee0042")
+        assert not report.passed
+        assert any("sequential" in leak and "00c0ffee0042" in leak for leak in report.leaks)
+        assert "FAIL (marker leaked)" in canary.format_report(report)
+        out = tmp_path / "canary.json"
+        argv = ["canary", "--url", url, "--rounds", "1", "--concurrency", "2", "--json-out", str(out)]
+        assert await asyncio.to_thread(cli_main, argv) == 1
+        assert json.loads(out.read_text())["leaks"]
+        assert "result: FAIL" in capsys.readouterr().out
+    finally:
+        await server.close()
+
+
+async def test_an_unreachable_endpoint_is_an_error_not_a_pass(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchsuite.process import free_port
+
+    code = await asyncio.to_thread(cli_main, ["canary", "--url", f"http://127.0.0.1:{free_port()}", "--rounds", "1"])
+    captured = capsys.readouterr()
+    assert code == 1 and captured.err.startswith("benchsuite: error:") and "PASS" not in captured.out
