@@ -151,7 +151,8 @@ def _prepare(serving: Serving, prompt: str | list[int], opts: GenerationOptions,
     return _Prepared(ids, text, opts, max_tokens)
 
 
-def _submit(serving: Serving, prefix: str, prep: _Prepared) -> RequestStream:
+def _submit(serving: Serving, request_id: str, prep: _Prepared) -> RequestStream:
+    """Queues the request under the response's id, so traces and responses name it alike."""
     o = prep.options
     params = SamplingParams(
         max_tokens=prep.max_tokens,
@@ -164,7 +165,7 @@ def _submit(serving: Serving, prefix: str, prep: _Prepared) -> RequestStream:
         prompt_logprobs=o.prompt_logprobs,
     )
     try:
-        return serving.engine.submit(f"{prefix}-{uuid.uuid4().hex}", prep.prompt_ids, params)
+        return serving.engine.submit(request_id, prep.prompt_ids, params)
     except AdmissionError as err:
         raise ApiError(400, err.field, str(err)) from err
 
@@ -191,7 +192,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     header = ResponseHeader.new(f"cmpl-{uuid.uuid4().hex}", serving.config.model_name)
     name = state.name_token(serving.codec, opts.tokens_as_ids)
     echo_text = prep.prompt_text if body.echo else ""
-    stream = _submit(serving, "cmpl", prep)
+    stream = _submit(serving, header.response_id, prep)
     try:
         if opts.stream:
             return await _stream_completion(request, serving, stream, prep, header, name, echo_text)
@@ -281,7 +282,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     prep = _prepare(serving, prompt, opts, CHAT_DEFAULT_MAX_TOKENS, "messages", False)
     header = ResponseHeader.new(f"chatcmpl-{uuid.uuid4().hex}", serving.config.model_name)
     name = state.name_token(serving.codec, opts.tokens_as_ids)
-    stream = _submit(serving, "chatcmpl", prep)
+    stream = _submit(serving, header.response_id, prep)
     try:
         if opts.stream:
             return await _stream_chat(request, serving, stream, prep, header, name)
