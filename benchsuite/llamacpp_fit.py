@@ -125,16 +125,23 @@ def kv_bytes_per_layer(facts: ModelFacts, n_ctx_tokens: int) -> int:
     return kv_cells(n_ctx_tokens) * per_cell
 
 
-def compute_buffer_bytes(facts: ModelFacts, n_ctx_tokens: int, flash_attn: bool, n_ubatch: int = DEFAULT_UBATCH_TOKENS) -> int:
-    """Estimate of the GPU compute buffer: the graph of one micro-batch of T = min(ubatch, ctx) tokens.
+def compute_buffer_bytes(
+    facts: ModelFacts, n_ctx_tokens: int, flash_attn: bool, n_ubatch: int = DEFAULT_UBATCH_TOKENS, n_kv_streams: int = 1
+) -> int:
+    """Estimate of the compute buffer: the graph of one micro-batch of T = min(ubatch, ctx) tokens.
 
-    f32 activations: logits [T, V]; hidden-sized temporaries (~6 x [T, H]); routed-expert
-    intermediates 3 x [T, top_k, I]; without flash attention the scores [heads, T, kv_cells].
+    Each attention spans n_kv = cells / n_kv_streams (1 stream with --kv-unified, as the server
+    runs; -np streams without it, as llama-fit-params projects). Terms, bytes:
+    f32 activations 4 x T x (4 H + 3 top_k I); the KQ mask T x n_kv (f16 with flash attention,
+    f32 without); without flash attention also the f32 scores heads x T x n_kv.
+    Calibrated on the CPU build against llama-fit-params (tests/test_llamacpp_integration.py).
     """
     t = min(n_ubatch, n_ctx_tokens)
-    act = t * (facts.n_vocab + 6 * facts.n_embd + 3 * facts.n_expert_used * facts.n_ff_exp)
-    scores = 0 if flash_attn else facts.n_head * t * kv_cells(n_ctx_tokens)
-    return F32_BYTES * (act + scores)
+    n_kv = kv_cells(n_ctx_tokens) // max(1, n_kv_streams)
+    act = F32_BYTES * t * (4 * facts.n_embd + 3 * facts.n_expert_used * facts.n_ff_exp)
+    if flash_attn:
+        return act + 2 * t * n_kv
+    return act + F32_BYTES * t * n_kv * (1 + facts.n_head)
 
 
 def project(
@@ -145,6 +152,7 @@ def project(
     flash_attn: bool = False,
     n_gpu_layers: int = 999,
     n_ubatch: int = DEFAULT_UBATCH_TOKENS,
+    n_kv_streams: int = 1,
 ) -> Projection:
     """Our projection of `-ngl n_gpu_layers --n-cpu-moe n_cpu_moe -c n_ctx_tokens`."""
     first_gpu_layer = max(0, facts.n_layer - n_gpu_layers)
@@ -167,7 +175,7 @@ def project(
         n_cpu_moe=n_cpu_moe,
         gpu_model_bytes=gpu,
         gpu_context_bytes=gpu_layers * kv_bytes_per_layer(facts, n_ctx_tokens),
-        gpu_compute_bytes=compute_buffer_bytes(facts, n_ctx_tokens, flash_attn, n_ubatch) if any_gpu else 0,
+        gpu_compute_bytes=compute_buffer_bytes(facts, n_ctx_tokens, flash_attn, n_ubatch, n_kv_streams) if any_gpu else 0,
         host_model_bytes=host,
         source="benchsuite",
     )
@@ -204,9 +212,13 @@ def projection_from_fit_print(text: str, n_cpu_moe: int, device: str | None = No
 def fit_params_argv(
     binary: Path, model: Path, n_cpu_moe: int, n_ctx_tokens: int, n_parallel: int, flash_attn: bool, n_gpu_layers: int
 ) -> list[str]:
-    """The llama-fit-params command that prints llama.cpp's projection for one N."""
+    """The llama-fit-params command that prints llama.cpp's projection for one N.
+
+    llama-fit-params takes no --kv-unified (a server flag): its context is the same -c cells,
+    its compute buffer is projected for -np separate KV streams (see compute_buffer_bytes).
+    """
     return [
         str(binary), "-m", str(model), "-ngl", str(n_gpu_layers), "--n-cpu-moe", str(n_cpu_moe),
-        "-c", str(n_ctx_tokens), "-np", str(n_parallel), "--kv-unified",
+        "-c", str(n_ctx_tokens), "-np", str(n_parallel),
         "-fa", "on" if flash_attn else "off", "--fit-print", "on",
     ]  # fmt: skip

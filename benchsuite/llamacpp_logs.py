@@ -7,7 +7,11 @@ Memory lines (llama.cpp prints them while loading):
     sched_reserve:      CUDA0 compute buffer size =   300.75 MiB
     llama_kv_cache: size =    0.50 MiB (  1024 cells,   4 layers,  1/1 seqs), K (f16): ..., V (f16): ...
 Context lines: `llama_context: n_ctx = 1024`, `n_ctx_seq`, `n_seq_max`, `n_batch`, `n_ubatch`,
-`flash_attn`.
+`flash_attn`. llama.cpp's own fit projection at startup, one row per device (MiB):
+    common_memory_breakdown_print: |   - CUDA0 (H200) | 143000 = 1200 + (18366 = 17105 + 960 + 301) + 123434 |
+    common_memory_breakdown_print: |   - Host         |                    7 =     3 +       1 +       3   |
+The server logs memory lines only at verbosity 4 (`-lv 4`, which the adapter passes), each line
+behind a `<time> <level> ` prefix that is stripped here.
 
 Expert-cache lines (`--moe-cache-mib` builds print hit rates at exit, over distinct experts per
 (layer, micro-batch), split into micro-batches of <= 8 tokens and larger). The pinned build has no
@@ -26,6 +30,8 @@ _BUFFER = re.compile(
 )
 _KV_SIZE = re.compile(r"llama_kv_cache: size\s*=\s*(?P<mib>[\d.]+) MiB \(\s*(?P<cells>\d+) cells,\s*(?P<layers>\d+) layers,\s*(?P<seqs>\d+/\d+) seqs\)")
 _CONTEXT = re.compile(r"^llama_context:\s+(?P<key>n_ctx|n_ctx_seq|n_seq_max|n_batch|n_ubatch|flash_attn|kv_unified)\s*=\s*(?P<value>\S+)")
+_PREFIX = re.compile(r"^\d+\.\d+\.\d+\.\d+\s+[A-Z]\s+")
+_BREAKDOWN_ROW = re.compile(r"common_memory_breakdown_print:\s*\|\s*-\s*(?P<device>[^|]+?)\s*\|(?P<body>[^|]*)\|")
 _MOE_CACHE_LINE = re.compile(r"moe[ _-]?cache", re.IGNORECASE)
 _HITS = re.compile(r"hits?\s*[=:]\s*(\d+)", re.IGNORECASE)
 _MISSES = re.compile(r"miss(?:es)?\s*[=:]\s*(\d+)", re.IGNORECASE)
@@ -40,9 +46,14 @@ def parse_server_log(text: str) -> dict[str, Any]:
     context: dict[str, Any] = {}
     kv: dict[str, Any] = {}
     moe_cache: list[dict[str, Any]] = []
+    breakdown: dict[str, dict[str, int]] = {}
     for raw in text.splitlines():
-        line = raw.strip()
-        if m := _BUFFER.match(line):
+        line = _PREFIX.sub("", raw.strip())
+        if m := _BREAKDOWN_ROW.search(line):
+            row = parse_breakdown_row(m["body"])
+            if row:
+                breakdown[m["device"]] = row
+        elif m := _BUFFER.match(line):
             per_kind = buffers.setdefault(m["kind"], {})
             per_kind[m["device"]] = round(per_kind.get(m["device"], 0.0) + float(m["mib"]), 3)
         elif m := _KV_SIZE.search(line):
@@ -63,7 +74,23 @@ def parse_server_log(text: str) -> dict[str, Any]:
         facts["context"] = context
     if moe_cache:
         facts["moe_cache"] = moe_cache
+    if breakdown:
+        facts["memory_breakdown_mib"] = breakdown
     return facts
+
+
+def parse_breakdown_row(body: str) -> dict[str, int] | None:
+    """`total free = ... self = model + context + compute [+ unaccounted]` -> named MiB values.
+
+    Host rows carry `self = model + context + compute`; device rows add total, free and
+    unaccounted around a parenthesised `self = model + context + compute`.
+    """
+    numbers = [int(x) for x in re.findall(r"\d+", body)]
+    if len(numbers) == 4:
+        return dict(zip(("self", "model", "context", "compute"), numbers))
+    if len(numbers) == 7:
+        return dict(zip(("total", "free", "self", "model", "context", "compute", "unaccounted"), numbers))
+    return None
 
 
 def parse_moe_cache_line(line: str) -> dict[str, Any] | None:

@@ -46,11 +46,18 @@ def test_kv_is_cells_padded_to_256_times_kv_heads_times_k_plus_v_dims_in_f16():
     assert project(facts, 0, 1000).gpu_context_bytes == 4 * 1024 * 2 * 32 * 2
 
 
-def test_flash_attention_drops_the_score_matrix_from_the_compute_estimate():
+def test_flash_attention_drops_the_score_matrix_and_halves_the_mask():
     facts = _facts()
     without = project(facts, 0, 1024, flash_attn=False).gpu_compute_bytes
     with_fa = project(facts, 0, 1024, flash_attn=True).gpu_compute_bytes
-    assert without - with_fa == 4 * facts.n_head * 512 * 1024
+    assert without - with_fa == 4 * facts.n_head * 512 * 1024 + (4 - 2) * 512 * 1024
+
+
+def test_separate_kv_streams_shrink_the_attention_span():
+    facts = _facts()
+    unified = project(facts, 0, 2048).gpu_compute_bytes
+    split = project(facts, 0, 2048, n_kv_streams=2).gpu_compute_bytes
+    assert unified - split == 4 * 512 * 1024 * (1 + facts.n_head)
 
 
 def test_cpu_layers_from_ngl_move_whole_layers_and_output():
@@ -95,4 +102,4 @@ def test_fit_params_argv_pins_the_server_flags():
     argv = fit_params_argv("bin/llama-fit-params", "m.gguf", 5, 10240, 4, True, 999)
     assert argv[argv.index("--n-cpu-moe") + 1] == "5"
     assert argv[argv.index("-c") + 1] == "10240" and argv[argv.index("-np") + 1] == "4"
-    assert argv[-2:] == ["--fit-print", "on"] and "--kv-unified" in argv
+    assert argv[-2:] == ["--fit-print", "on"] and "--kv-unified" not in argv  # a server-only flag

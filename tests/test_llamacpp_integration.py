@@ -106,6 +106,31 @@ async def test_f32_gguf_agrees_with_the_builtin_engine(tmp_path):
     assert rate >= AGREEMENT_FLOOR_F32, (ours, reference)
 
 
+@pytest.mark.llamacpp
+@needs_server
+@pytest.mark.parametrize("flash_attn", [True, False])
+@pytest.mark.parametrize("n_ctx", [2048, 10240])
+def test_our_projection_matches_llama_fit_params_on_the_host(flash_attn, n_ctx):
+    """On a CPU build llama-fit-params projects everything onto `Host`; ours must agree (MiB, floored)."""
+    import subprocess
+
+    from benchsuite.llamacpp_fit import MIB, fit_params_argv, parse_fit_print, project, read_model_facts
+
+    fit_binary = find_binary().parent / "llama-fit-params"
+    if not fit_binary.is_file():
+        pytest.skip(f"{fit_binary} not built")
+    model = LlamaCppAdapter().model_path(ServerSpec("p", "llamacpp", {"model": "tiny"}, {}, 1, "p"))
+    argv = fit_params_argv(fit_binary, model, 0, n_ctx, 2, flash_attn, 999)
+    host = next(r for r in parse_fit_print(subprocess.run(argv, capture_output=True, text=True, check=True).stdout))
+    facts = read_model_facts(model)
+    ours = project(facts, 0, n_ctx, flash_attn=flash_attn, n_kv_streams=2)  # llama-fit-params: -np streams
+    whole_model = sum(b for _, b in facts.tensor_bytes)
+    assert host.device == "Host"
+    assert host.model_mib == whole_model // MIB
+    assert host.context_mib == ours.gpu_context_bytes // MIB
+    assert abs(host.compute_mib - ours.gpu_compute_bytes / MIB) <= 1.0 + 0.1 * host.compute_mib
+
+
 def test_agreement_counts_the_common_prefix():
     assert agreement([[1, 2, 3, 4]], [[1, 2, 9, 4]]) == 0.5
     assert agreement([[1, 2], [5]], [[1, 2], [5]]) == 1.0
@@ -126,7 +151,7 @@ def test_llamacpp_tiny_matrix_end_to_end(tmp_path):
     regular = [c for c in cells if "search_n" not in c.extras]
     assert {c.engine for c in regular} == {"all-gpu", "ncmoe", "best"}
     assert all(c.status == "ok" and c.output_tokens_total and c.decode_tok_s_p50 for c in regular)
-    # N = 0 and 1 exceed the emulated 0.024 GB and are never launched; 2..4 fit.
+    # N = 0 and 1 exceed the emulated 0.0258 GB and are never launched; 2..4 fit.
     assert [(c.extras["search_n"], c.extras["fits"]) for c in search if not c.extras["fits"]] == [(0, False), (1, False)]
     assert all(c.status == "invalid" for c in search if not c.extras["fits"])
     measured = [c for c in search if c.extras["fits"]]

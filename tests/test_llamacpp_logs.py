@@ -48,5 +48,28 @@ def test_moe_cache_line_forms():
     assert parse_moe_cache_line("moe cache: hits enabled") is None
 
 
+PREFIXED = """\
+0.00.139.684 I common_memory_breakdown_print: | memory breakdown [MiB] | total   free    self   model   context   compute    unaccounted |
+0.00.140.001 I common_memory_breakdown_print: |   - CUDA0 (NVIDIA H200) | 143000 = 120000 + (18366 = 17105 +     960 +     301) +        4634 |
+0.00.172.433 I common_memory_breakdown_print: |   - Host               |                    7 =     3 +       1 +       3                |
+0.00.209.411 I load_tensors:   CPU_Mapped model buffer size =     3.73 MiB
+0.00.225.298 I llama_context: n_ctx                 = 2048
+0.00.228.906 I sched_reserve:        CPU compute buffer size =     3.26 MiB
+"""
+
+
+def test_timestamped_lines_and_llama_cpp_own_breakdown():
+    facts = parse_server_log(PREFIXED)
+    assert facts["buffers_mib"] == {"model": {"CPU_Mapped": 3.73}, "compute": {"CPU": 3.26}}
+    assert facts["context"] == {"n_ctx": 2048}
+    assert facts["memory_breakdown_mib"] == {
+        "CUDA0 (NVIDIA H200)": {
+            "total": 143000, "free": 120000, "self": 18366, "model": 17105, "context": 960, "compute": 301,
+            "unaccounted": 4634,
+        },
+        "Host": {"self": 7, "model": 3, "context": 1, "compute": 3},
+    }
+
+
 def test_log_without_facts_gives_nothing():
     assert parse_server_log("main: loading model\nsrv  main: listening\n") == {}

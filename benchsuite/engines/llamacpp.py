@@ -172,7 +172,7 @@ class LlamaCppAdapter:
             raise EngineConfigError(f"llamacpp engine {spec.name}: n_cpu_moe is still a search request")
         found = find_binary(BINARY_NAME, opts.binary)
         binary = str(found) if found else (opts.binary or BINARY_NAME)
-        flags = binary_flags(found) if found else {"--no-cache-prompt", "--cache-ram", "--kv-unified"}
+        flags = binary_flags(found) if found else {"--no-cache-prompt", "--cache-ram", "--kv-unified", "--log-verbosity"}
         argv = [
             binary, "-m", str(self.model_path(spec)),
             "--host", "127.0.0.1", "--port", str(port),
@@ -184,6 +184,8 @@ class LlamaCppAdapter:
         ]  # fmt: skip
         if "--kv-unified" in flags:
             argv.append("--kv-unified")
+        if "--log-verbosity" in flags:
+            argv += ["-lv", "4"]  # the memory lines (model/KV/compute buffers) are logged at level 4
         if not spec.fairness.get("prefix_caching", False):
             if "--no-cache-prompt" in flags:
                 argv.append("--no-cache-prompt")
@@ -222,13 +224,13 @@ class LlamaCppAdapter:
         }
 
     async def scrape(self, session: Any, base_url: str) -> dict[str, float] | None:
-        from benchsuite.engines.builtin import parse_prometheus_text
+        from benchsuite.metrics import parse_prometheus
 
         async with session.get(f"{base_url}/metrics") as resp:
             if resp.status != 200:
                 return None
             text = await resp.text()
-        return {k: v for k, v in parse_prometheus_text(text).items() if k.startswith("llamacpp:")}
+        return {k: v for k, v in parse_prometheus(text).items() if k.startswith("llamacpp:")}
 
     def parse_log(self, log_text: str) -> dict[str, Any]:
         from benchsuite.llamacpp_logs import parse_server_log
