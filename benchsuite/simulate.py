@@ -70,7 +70,7 @@ class SimResult:
     k: int
     concurrency: int  # 0 = as recorded
     layers: tuple[LayerStats, ...]
-    total: LayerStats  # sums over layers (steps and tokens counted once per layer, then divided)
+    total: LayerStats  # sums over layers; its `steps` counts layer-steps, its `tokens` tokens once
     bytes_per_token: float | None
     predicted_tok_per_s: float | None
 
@@ -114,7 +114,7 @@ def _policy(name: str, routed: list[np.ndarray], seed: int) -> EvictionPolicy:
 
 
 def replay_layer(
-    routed: list[np.ndarray], num_experts: int, k: int, policy: str, step_tokens: Sequence[int], seed: int = 0
+    layer: int, routed: list[np.ndarray], num_experts: int, k: int, policy: str, step_tokens: Sequence[int], seed: int = 0
 ) -> tuple[LayerStats, np.ndarray]:
     """Replay one layer's per-step routed ids; returns its stats and misses per step [S]."""
     residency = LayerResidency(num_experts, k, _policy(policy, routed, seed))
@@ -126,7 +126,7 @@ def replay_layer(
         misses[s] = plan.misses
         waves += len(plan.waves)
         union += plan.union
-    stats = LayerStats(-1, len(routed), int(sum(step_tokens)), hits, int(misses.sum()), waves, union)
+    stats = LayerStats(layer, len(routed), int(sum(step_tokens)), hits, int(misses.sum()), waves, union)
     return stats, misses
 
 
@@ -138,18 +138,18 @@ def simulate_one(trace: Trace, steps: list[list[Chunk]], k: int, policy: str, co
     layers = []
     step_misses = np.zeros(len(steps), dtype=np.int64)
     for layer in range(meta.num_layers):
-        stats, misses = replay_layer(_step_routed(trace, steps, layer), meta.num_experts, k, policy, step_tokens, opts.seed)
-        layers.append(LayerStats(layer, stats.steps, stats.tokens, stats.hits, stats.misses, stats.waves, stats.union))
+        routed = _step_routed(trace, steps, layer)
+        stats, misses = replay_layer(layer, routed, meta.num_experts, k, policy, step_tokens, opts.seed)
+        layers.append(stats)
         step_misses += misses
-    n = max(1, len(layers))
     total = LayerStats(
         layer=-1,
-        steps=len(steps),
+        steps=sum(s.steps for s in layers),  # layer-steps: waves and union per step read per layer
         tokens=int(sum(step_tokens)),
         hits=sum(s.hits for s in layers),
         misses=sum(s.misses for s in layers),
-        waves=round(sum(s.waves for s in layers) / n),  # per-layer mean, so waves_per_step reads per layer
-        union=round(sum(s.union for s in layers) / n),
+        waves=sum(s.waves for s in layers),
+        union=sum(s.union for s in layers),
     )
     bytes_per_token = None
     tok_per_s = None
