@@ -332,3 +332,13 @@ async def test_a_failing_step_ends_its_requests_and_the_engine_keeps_serving(run
     assert pool.live == {}
     tokens, _ = await collect(engine.submit("good", [1, 2], SamplingParams(max_tokens=3)))
     assert tokens == expected_greedy([1, 2], 3)
+
+
+async def test_tiny_top_p_keeps_only_the_best_token(running) -> None:
+    engine, _, _, _ = make_engine()
+    running(engine)
+    # at temperature 2 the fake's best token has p ~ 0.75, so 16 draws rarely all pick it
+    free = SamplingParams(max_tokens=16, temperature=2.0, seed=3)
+    assert (await collect(engine.submit("free", [2, 3], free)))[0] != expected_greedy([2, 3], 16)
+    nucleus = SamplingParams(max_tokens=16, temperature=2.0, top_p=0.5, seed=3)
+    assert (await collect(engine.submit("p", [2, 3], nucleus)))[0] == expected_greedy([2, 3], 16)
