@@ -44,7 +44,7 @@ class EngineEntry(_Strict):
 
 class Workload(_Strict):
     dataset: Literal["bundled", "sharegpt", "random"] = "bundled"
-    path: str | None = None  # ShareGPT JSON file (dataset: sharegpt)
+    path: str | None = None  # ShareGPT JSON file (dataset: sharegpt), relative to the matrix file
     output_tokens: int = Field(256, ge=1)
     # "short" = natural prompts from the dataset; a number = exact-length prompts of that many tokens.
     prompt_classes: list[str] = Field(default_factory=lambda: ["short"], min_length=1)
@@ -143,11 +143,20 @@ def load_matrix(path: str | Path) -> ValidatedMatrix:
         sets, errors = _resolve_options(source, name, entry)
         problems.extend(errors)
         option_sets[name] = sets
-    if problems:
-        raise MatrixError("\n".join(dict.fromkeys(problems)))
     # output_root is where results go, not what is measured: moving them keeps the run id.
     canonical = json.dumps(matrix.model_dump(mode="json", exclude={"output_root"}), sort_keys=True, separators=(",", ":"))
     digest = hashlib.sha256(canonical.encode()).hexdigest()
+    workloads = dict(matrix.workloads)
+    for name, workload in matrix.workloads.items():
+        if workload.path is not None:  # relative to the matrix file, checked before anything starts
+            path = Path(workload.path).expanduser()
+            path = path if path.is_absolute() else source.parent / path
+            if not path.is_file():
+                problems.append(f"{source}: workloads.{name}.path: no such file: {path}")
+            workloads[name] = workload.model_copy(update={"path": str(path)})
+    if problems:
+        raise MatrixError("\n".join(dict.fromkeys(problems)))
+    matrix = matrix.model_copy(update={"workloads": workloads})
     return ValidatedMatrix(matrix, option_sets, source, digest)
 
 

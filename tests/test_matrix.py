@@ -96,3 +96,13 @@ def test_cli_exits_2_with_one_line_per_problem_and_no_traceback(tmp_path: Path, 
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert "workloads.w.num_requests: must be >= 1 (got 0)" in err
+
+
+def test_sharegpt_path_is_relative_to_the_matrix_and_must_exist(tmp_path: Path) -> None:
+    text = GOOD.replace("num_requests: 3", "num_requests: 3\n    dataset: sharegpt\n    path: data/sg.json")
+    assert "workloads.w.path: no such file: " + str(tmp_path / "data" / "sg.json") in errors_of(tmp_path, text)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "sg.json").write_text("[]")
+    vm = load_matrix(write(tmp_path, text))
+    assert vm.matrix.workloads["w"].path == str(tmp_path / "data" / "sg.json")
+    assert "needs path" in errors_of(tmp_path, text.replace("    path: data/sg.json\n", ""))

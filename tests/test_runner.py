@@ -36,6 +36,7 @@ class FakeOptions(BaseModel):
     token_delay_s: float = 0.01
     label: int | Literal["search"] = 0  # something to sweep, or to search
     tag: str = ""  # marks the engine processes of one test, to look for orphans
+    tokenizer: str = ""  # for exact-length and random-token prompts (the runner reads this option)
 
 
 class FakeAdapter:
@@ -245,6 +246,29 @@ def test_a_search_hands_back_options_that_then_run_every_workload(tmp_path: Path
     assert [s.get("search_error") for s in manifest["servers"].values()] == ["engine s: no label value fits"]
 
 
+def test_datasets_reach_the_engine_as_text_or_exact_token_ids(tmp_path: Path, tiny_model_dir: Path) -> None:
+    sharegpt = [{"id": f"sg{i}", "conversations": [{"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": "a"}]}
+                for i in range(4)]  # fmt: skip
+    (tmp_path / "sg.json").write_text(json.dumps(sharegpt))
+    path = matrix(tmp_path, {"e": {"tokenizer": str(tiny_model_dir)}}, concurrency=[1], num_requests=2)
+    body = yaml.safe_load(path.read_text())
+    w = body["workloads"].pop("w")
+    body["workloads"] = {
+        "sg": {**w, "dataset": "sharegpt", "path": "sg.json"},
+        "rnd": {**w, "dataset": "random"},
+        "exact": {**w, "prompt_classes": ["8"]},
+    }
+    path.write_text(yaml.safe_dump(body))
+    assert run_cli(str(path)) == 0
+    stored = {p["cell"]["workload"]: p["requests"] for p in cells(only_run_dir(tmp_path)).values()}
+    ids = {w: {r["prompt_id"] for r in rs} for w, rs in stored.items()}
+    tokens = {w: {r["prompt_tokens"] for r in rs} for w, rs in stored.items()}
+    assert tokens == {"sg": {5}, "rnd": {32}, "exact": {8}}  # text, then token ids of exact length
+    assert ids["sg"] <= {f"sg{i}" for i in range(4)} and len(ids["sg"]) == 2
+    assert all(i.startswith("rand32-s0-") for i in ids["rnd"])
+    assert all(i.startswith("len8-s0-") for i in ids["exact"])
+
+
 # ---- the fake engine ---------------------------------------------------------------------------
 
 
@@ -288,7 +312,8 @@ def serve(args: argparse.Namespace) -> None:
         counters["hits"] += 3
         counters["misses"] += 1
         counters["tokens"] += n
-        usage = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": n + 5}}
+        prompt_tokens = len(body["prompt"]) if isinstance(body["prompt"], list) else 5  # ids are counted as sent
+        usage = {"choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": n + prompt_tokens}}
         await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
         await resp.write_eof()
         return resp
