@@ -118,6 +118,13 @@ def parse_args(argv: Sequence[str]) -> ServeConfig:
         )
     except ValueError as exc:
         parser.error(_flag_names(str(exc)))
+    if config.routing_source is not None:
+        from paged_experts.routing import parse_spec
+
+        try:
+            parse_spec(config.routing_source)
+        except ValueError as exc:
+            parser.error(f"--routing-source: {exc}")
     return config
 
 

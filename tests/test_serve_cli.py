@@ -74,6 +74,7 @@ def test_parse_args_mirrors_sglang_and_llamacpp_names() -> None:
         (["--mode", "paged"], "--paged-experts-num-resident"),
         (["--mode", "resident", "--n-cpu-moe", "2"], "--n-cpu-moe"),
         (["--max-total-tokens", "0"], "--max-total-tokens"),
+        (["--routing-source", "no-such-routing"], "--routing-source"),
     ],
 )
 def test_inconsistent_flags_exit_2_naming_the_flag(argv: list[str], needle: str, capsys) -> None:
