@@ -124,4 +124,4 @@ def test_page_states_what_was_not_run_and_synthetic_routing(page_data: dict) -> 
     assert "sglang: NOT RUN" in text
     assert "sg (sglang): named by the matrix but has no results (not run)." in text
     assert "SYNTHETIC ROUTING" in text
-    assert "1 prompts reached the engines as different prompt lengths" in text
+    assert "1 prompt reached the engines as different prompt lengths" in text

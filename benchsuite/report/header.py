@@ -60,6 +60,10 @@ def unmeasured_matrix_engines(runs: list[RunData], cells: pd.DataFrame) -> list[
     return sorted({f"{name} ({kind})" for run in runs for name, kind in mf.matrix_engines(run.manifest).items() if name not in measured})
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def warnings(cells: pd.DataFrame, requests: pd.DataFrame) -> list[tuple[str, str]]:
     """(css class, text) banners."""
     out = []
@@ -74,12 +78,12 @@ def warnings(cells: pd.DataFrame, requests: pd.DataFrame) -> list[tuple[str, str
                            f"listed with their reasons under 'Failed and invalid cells'.")))
     flagged = [c for _, c in cells.iterrows() if cell_flags(c)]
     if flagged:
-        out.append(("warn", (f"{len(flagged)} cells carry engine warnings (see the 'flags' column of the configurations table), "
+        out.append(("warn", (f"Engine warnings on {_count(len(flagged), 'cell')} (see the 'flags' column of the configurations table), "
                             f"for example {flagged[0]['cell_id']}: {cell_flags(flagged[0])[0]}")))
     lengths = prompt_length_mismatches(cells, requests)
     if len(lengths):
         first = lengths.iloc[0]
-        out.append(("bad", (f"{len(lengths)} prompts reached the engines as different prompt lengths (server usage.prompt_tokens), "
+        out.append(("bad", (f"{_count(len(lengths), 'prompt')} reached the engines as different prompt lengths (server usage.prompt_tokens), "
                            f"e.g. {first['prompt_id']} ({first['prompt_class']}): {first['prompt_tokens_by_engine']}. "
                            f"Engines did not do the same work for these prompts.")))
     return out
@@ -113,7 +117,7 @@ def header_html(runs: list[RunData], cells: pd.DataFrame) -> str:
         servers = mf.servers(run.manifest)
         if servers:
             rows = "".join(f"<tr><td>{html.escape(s.server_id)}</td><td>{html.escape(s.engine)}</td><td>{html.escape(s.kind)}</td>"
-                           f"<td>{html.escape(s.version)}</td><td><code>{html.escape(s.command)}</code></td></tr>" for s in servers)
+                           f"<td class=\"wrap\">{html.escape(s.version)}</td><td class=\"wrap\"><code>{html.escape(s.command)}</code></td></tr>" for s in servers)
             parts.append(f'<table id="servers-{html.escape(run.run_id)}"><tr><th>server</th><th>engine</th><th>kind</th><th>version</th><th>command</th></tr>{rows}</table>')
         else:
             parts.append("<p><em>no servers recorded in the manifest</em></p>")
