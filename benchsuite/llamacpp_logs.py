@@ -30,6 +30,7 @@ _BUFFER = re.compile(
 )
 _KV_SIZE = re.compile(r"llama_kv_cache: size\s*=\s*(?P<mib>[\d.]+) MiB \(\s*(?P<cells>\d+) cells,\s*(?P<layers>\d+) layers,\s*(?P<seqs>\d+/\d+) seqs\)")
 _CONTEXT = re.compile(r"^llama_context:\s+(?P<key>n_ctx|n_ctx_seq|n_seq_max|n_batch|n_ubatch|flash_attn|kv_unified)\s*=\s*(?P<value>\S+)")
+_LAUNCH_MARKER = re.compile(r"^# benchsuite: starting ", re.MULTILINE)  # written by benchsuite.process
 _PREFIX = re.compile(r"^\d+\.\d+\.\d+\.\d+\s+[A-Z]\s+")
 _BREAKDOWN_ROW = re.compile(r"common_memory_breakdown_print:\s*\|\s*-\s*(?P<device>[^|]+?)\s*\|(?P<body>[^|]*)\|")
 _MOE_CACHE_LINE = re.compile(r"moe[ _-]?cache", re.IGNORECASE)
@@ -41,7 +42,14 @@ _CLASS = re.compile(r"n_tokens\s*(<=|>|<|>=)\s*(\d+)")
 
 
 def parse_server_log(text: str) -> dict[str, Any]:
-    """{buffers_mib: {kind: {device: MiB}}, kv: {...}, context: {...}, moe_cache: [...]} (keys only when seen)."""
+    """{buffers_mib: {kind: {device: MiB}}, kv: {...}, context: {...}, moe_cache: [...]} (keys only when seen).
+
+    A log that holds several launches of the same server (the runner appends, e.g. when the
+    n_cpu_moe search launched the value it then chose) is read from its last launch only.
+    """
+    starts = [m.start() for m in _LAUNCH_MARKER.finditer(text)]
+    if starts:
+        text = text[starts[-1]:]
     buffers: dict[str, dict[str, float]] = {}
     context: dict[str, Any] = {}
     kv: dict[str, Any] = {}

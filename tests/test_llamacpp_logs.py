@@ -71,5 +71,10 @@ def test_timestamped_lines_and_llama_cpp_own_breakdown():
     }
 
 
+def test_only_the_last_launch_in_an_appended_log_counts():
+    twice = "# benchsuite: starting llama-server -m a.gguf\n" + PREFIXED + "# benchsuite: starting llama-server -m a.gguf\n" + PREFIXED
+    assert parse_server_log(twice)["buffers_mib"]["model"] == {"CPU_Mapped": 3.73}
+
+
 def test_log_without_facts_gives_nothing():
     assert parse_server_log("main: loading model\nsrv  main: listening\n") == {}
