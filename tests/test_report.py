@@ -118,3 +118,19 @@ def test_model_shape_of_a_hub_model_comes_from_the_named_reference(tmp_path: Pat
     assert (shipped.top_k, shipped.num_experts) == (8, 128)
     unknown = build_report_data([run], reference_dirs=[tmp_path / "none"])
     assert (unknown.top_k, unknown.num_experts) == (None, None)  # never guessed
+
+
+def test_a_run_where_everything_failed_still_reports_why(tmp_path: Path) -> None:
+    run = tmp_path / "failed"
+    shutil.copytree(FIXTURE, run)
+    cells = pd.read_parquet(run / "cells.parquet")
+    for column in ("decode_tok_s_p50", "output_tok_s", "ttft_p50_s", "miss_rate", "bytes_paged_per_token", "waves_per_step", "union_mean"):
+        cells[column] = None
+    cells.assign(status="failed", reason="server exited during start-up").to_parquet(run / "cells.parquet", index=False)
+    (run / "requests.parquet").unlink()
+    (run / "cells").rename(run / "cells-unused")  # requests come from requests.parquet or cells/: none here
+    index = write_report([run], tmp_path / "out", reference_dirs=REFERENCE_DIRS)
+    md = (index.parent / "tables.md").read_text()
+    assert "builtin: attempted (tiny) but NO cell succeeded (22 failed or invalid)" in md
+    assert md.count("server exited during start-up") >= 26
+    assert "Not drawn, for lack of data: decode tok/s vs concurrency" in index.read_text()

@@ -43,6 +43,9 @@ class EngineStatus:
         if not self.ran:
             return f"{self.kind}: NOT RUN. These results contain no {self.kind} cell; nothing in this report describes {self.kind}."
         names = ", ".join(self.engines)
+        if self.ok_cells == 0:
+            return (f"{self.kind}: attempted ({names}) but NO cell succeeded ({self.other_cells} failed or invalid); "
+                    f"no {self.kind} number appears in this report.")
         return f"{self.kind}: run ({names}): {self.ok_cells} ok cells, {self.other_cells} failed or invalid."
 
 
