@@ -27,6 +27,8 @@ from benchsuite.report.textout import markdown_table
 
 MATCH_KEYS: tuple[str, ...] = ("engine", "engine_kind", "mode", "params_key", "workload", "prompt_class", "concurrency", "routing")
 MIN_SAMPLES = 3
+SAMPLES_NOTE = ("Test samples (warm requests): decode_tok_s <- each request's decode rate; ttft_p50_ms <- each request's TTFT; "
+                "output_tok_s <- each request's output tokens / latency. Values a / b are medians over ok repeats of the cell metric.")
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,7 @@ def comparison_markdown(comparison: Comparison) -> str:
     lines = [f"# Compare {c.run_a} (A) -> {c.run_b} (B)\n",
              (f"Flagged when a two-sided Mann-Whitney U test on per-request samples gives p < {c.alpha} "
              f"and the relative change of the median exceeds {c.threshold * 100:g}%.\n"),
-             f"{len(c.flagged)} flagged of {len(c.rows)} comparisons.\n"]
+             f"{SAMPLES_NOTE}\n", f"{len(c.flagged)} flagged of {len(c.rows)} comparisons.\n"]
     if len(c.flagged):
         lines.append("## Flagged\n\n" + markdown_table(_display(c.flagged)))
     lines.append("## All matched configurations\n\n" + (markdown_table(_display(c.rows)) if len(c.rows) else "_no configuration matched_\n"))
@@ -162,7 +164,7 @@ def comparison_html(comparison: Comparison) -> str:
             "td,th{border:1px solid #ccc;padding:3px 6px}</style></head><body>"
             f"<h1>Compare {html.escape(c.run_a)} (A) → {html.escape(c.run_b)} (B)</h1>"
             f"<p>Flagged when Mann-Whitney U p &lt; {c.alpha} on per-request samples and |change| &gt; {c.threshold * 100:g}%. "
-            f"{len(c.flagged)} flagged of {len(c.rows)}.</p>"
+            f"{len(c.flagged)} flagged of {len(c.rows)}.</p><p>{html.escape(SAMPLES_NOTE)}</p>"
             f"<table id=\"compare\"><tr>{head}</tr>{''.join(body)}</table>{only}</body></html>")
 
 
