@@ -21,6 +21,7 @@ LAUNCH_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", 
 
 pytestmark = [
     pytest.mark.browser,
+    pytest.mark.slow,  # ~45 s on 2 cores: chromium start plus a 5 MB page with 11 charts
     pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian chromium at /usr/bin/chromium (apt-get install -y chromium)"),
 ]
 
