@@ -5,7 +5,8 @@ per MoE layer, the routed expert ids and weights of every token. One file, a zip
 header and `.npy` arrays; ids are uint8 (E <= 256) or int16, weights float16 or absent.
 
 Owns: `TraceMeta`, `Trace`, `TraceWriter` (what the built-in server's `--record-routing PATH`
-uses), `read_trace`, `import_sglang_routed_experts` and `synthesize_trace`.
+uses), `read_trace` / `write_trace` / `save_trace` / `build_trace`, `import_sglang_routed_experts`
+and `synthesize_trace`.
 """
 
 from __future__ import annotations
