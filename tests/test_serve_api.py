@@ -41,6 +41,7 @@ def refused(model: type, body: dict) -> ApiError:
         ({"prompt": "x", "stream": "yes"}, "stream"),
         ({"prompt": "x", "logprobs": 99}, "logprobs"),
         ({"prompt": "x", "stop": 5}, "stop"),
+        ({"prompt": "x", "seed": 10**30}, "seed"),  # beyond what torch.Generator accepts
         ({"prompt": [1, "a"]}, "prompt"),
         ({"max_tokens": 3}, "prompt"),
         ({"prompt": "x", "stream_options": {"include_usage": "y"}, "stream": True}, "stream_options.include_usage"),
