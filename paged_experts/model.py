@@ -9,7 +9,7 @@ model dtype, eager softmax in fp32) so its logits are an outside oracle for this
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -19,7 +19,7 @@ from paged_experts.config import MoeModelConfig
 from paged_experts.counters import PagingCounters
 from paged_experts.kv import KvPool, KvSequence
 from paged_experts.loader import AttentionWeights, LoadedModel, load
-from paged_experts.moe import RouterOverride, RoutingObserver, StepContext
+from paged_experts.moe import EXPERT_KERNELS, RouterOverride, RoutingObserver, StepContext, TalliedCounters
 from paged_experts.runtime import RuntimeConfig
 
 
@@ -57,13 +57,20 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class MoeCausalLM:
-    def __init__(self, loaded: LoadedModel, runtime: RuntimeConfig) -> None:
+    def __init__(self, loaded: LoadedModel, runtime: RuntimeConfig, expert_kernel: str = "fused") -> None:
         self.config: MoeModelConfig = loaded.config
         self.runtime = runtime
         self._dense = loaded.dense
         self._attention = loaded.attention
         self._moe = loaded.moe
-        self.counters: PagingCounters = loaded.counters
+        # Device-side union tallies (read at snapshot) instead of a host sync per resident layer.
+        c = loaded.counters
+        self.counters: PagingCounters = TalliedCounters(c.num_layers, c.expert_bytes, c.mode)
+        if self._moe:
+            shared = replace(self._moe[0].shared, counters=self.counters)
+            for layer in self._moe:
+                layer.shared = shared
+        self.set_expert_kernel(expert_kernel)
         self.router_override: RouterOverride | None = None
         self.routing_observers: list[RoutingObserver] = []
         cfg = self.config
@@ -72,8 +79,31 @@ class MoeCausalLM:
         )  # [D/2]
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, runtime: RuntimeConfig) -> MoeCausalLM:
-        return cls(load(path, runtime), runtime)
+    def from_pretrained(cls, path: str | Path, runtime: RuntimeConfig, expert_kernel: str = "fused") -> MoeCausalLM:
+        """An HF checkpoint directory, or a synthetic model built in memory: a `synth:PRESET?layers=N&seed=S`
+        path or a weightless directory written by `paged_experts.synth_memory` (no safetensors)."""
+        from paged_experts import synth_memory
+
+        if synth_memory.is_synthetic(path):
+            return cls(synth_memory.load_synthetic(path, runtime), runtime, expert_kernel)
+        return cls(load(path, runtime), runtime, expert_kernel)
+
+    @classmethod
+    def synthetic(
+        cls, preset: str, runtime: RuntimeConfig, layers: int | None = None, seed: int = 0, expert_kernel: str = "fused"
+    ) -> MoeCausalLM:
+        """A model with seeded random weights built straight into the host store and device slots."""
+        from paged_experts import synth_memory
+
+        return cls(synth_memory.build(preset, runtime, layers=layers, seed=seed), runtime, expert_kernel)
+
+    def set_expert_kernel(self, kernel: str) -> None:
+        """'fused' (grouped matmuls over the slot table, the default) or 'loop' (the per-expert reference)."""
+        if kernel not in EXPERT_KERNELS:
+            raise ValueError(f"expert_kernel must be one of {EXPERT_KERNELS}, got {kernel!r}")
+        for layer in self._moe:
+            layer.kernel = kernel
+        self.expert_kernel = kernel
 
     @property
     def device(self) -> torch.device:

@@ -19,10 +19,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from paged_experts.counters import PagingCounters
+from paged_experts.counters import CountersSnapshot, PagingCounters
 from paged_experts.experts import Dispatch, build_dispatch, combine, route, run_experts
+from paged_experts.fused import combine_pairs, group_pairs, run_pairs
 from paged_experts.residency import LayerResidency
 from paged_experts.store import ExpertTensors, PageInEngine
+
+EXPERT_KERNELS: tuple[str, ...] = ("fused", "loop")
 
 RouterOverride = Callable[[int, torch.Tensor, Any], tuple[torch.Tensor, torch.Tensor]]
 RoutingObserver = Callable[[int, torch.Tensor, torch.Tensor, Any], None]
@@ -75,6 +78,7 @@ class MoeLayer:
         self.device_experts = device_experts  # [K, ...] slots (paged) or [E, ...] (resident)
         self.shared = shared
         self.residency = residency
+        self.kernel = "fused"  # or "loop": the per-expert reference path (EXPERT_KERNELS)
 
     def forward(
         self,
@@ -86,13 +90,82 @@ class MoeLayer:
         """x: [T, H] on the device -> [T, H]."""
         sh = self.shared
         router_logits = F.linear(x, self.router_weight)  # [T, E]
+        ids_cpu = None
         if router_override is not None:
             ids, weights = router_override(self.layer_idx, router_logits, ctx)
-            ids, weights = self._check_override(ids, weights, x.shape[0])
+            ids, weights, ids_cpu = self._check_override(ids, weights, x.shape[0])
         else:
             ids, weights = route(router_logits, sh.top_k, sh.norm_topk_prob)  # [T, k], [T, k]
         for fn in observers:
             fn(self.layer_idx, ids, weights, ctx)
+        if self.kernel == "fused":
+            return self._forward_fused(x, ids, weights, ids_cpu)
+        return self._forward_loop(x, ids, weights)
+
+    def _forward_fused(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ids_cpu: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Grouped matmuls over the slot table; host syncs only where the host must decide (paged, cpu)."""
+        sh = self.shared
+        num_pairs = x.shape[0] * sh.top_k
+        if self.placement == "paged":
+            ids_cpu = ids.to("cpu", torch.long) if ids_cpu is None else ids_cpu  # [T, k]: the one sync per layer
+            y_pairs = x.new_empty(num_pairs, x.shape[1])  # [T*k, H]
+            self._run_paged_fused(ids_cpu.reshape(-1), x, y_pairs)
+            return combine_pairs(y_pairs, weights)
+        if self.placement == "cpu":
+            ids_cpu = ids.to("cpu", torch.long) if ids_cpu is None else ids_cpu
+            x_cpu = x.to("cpu")
+            y_pairs = x_cpu.new_empty(num_pairs, x.shape[1])  # [T*k, H]
+            order, offs, counts = group_pairs(ids_cpu.reshape(-1), sh.num_experts)
+            run_pairs(x_cpu, self.host, order, offs, sh.top_k, y_pairs)
+            union = int((counts > 0).sum())
+            sh.counters.record_step(
+                self.layer_idx, union=union, routed_pairs=num_pairs, hits=0, misses=0, cpu_activations=union,
+                waves=1 if union else 0,
+            )
+            return combine_pairs(y_pairs, weights).to(sh.device)
+        weights_src = self._weights_for_step()
+        flat = ids.reshape(-1).to(device=sh.device, dtype=torch.long)  # [T*k]
+        order, offs, counts = group_pairs(flat, sh.num_experts)
+        y_pairs = x.new_empty(num_pairs, x.shape[1])  # [T*k, H]
+        run_pairs(x, weights_src, order, offs, sh.top_k, y_pairs)
+        union_dev = (counts > 0).sum()  # [] on the device, read when counters are read
+        if isinstance(sh.counters, TalliedCounters):
+            sh.counters.record_step_device(self.layer_idx, self.placement, union_dev, num_pairs)
+        else:
+            union = int(union_dev)
+            sh.counters.record_step(
+                self.layer_idx, union=union, routed_pairs=num_pairs,
+                hits=union if self.placement == "resident" else 0,
+                misses=union if self.placement == "offload" else 0, cpu_activations=0, waves=1 if union else 0,
+            )
+        return combine_pairs(y_pairs, weights)
+
+    def _run_paged_fused(self, flat_cpu: torch.Tensor, x: torch.Tensor, y_pairs: torch.Tensor) -> None:
+        """flat_cpu: [T*k] routed ids on the host; each wave pages in its misses, then one grouped pass."""
+        sh = self.shared
+        assert self.residency is not None and self.device_experts is not None
+        plan = self.residency.plan_step(flat_cpu.tolist())
+        k_slots = self.device_experts.num_rows
+        for wave in plan.waves:
+            slot_of = torch.full((sh.num_experts,), -1, dtype=torch.long)  # [E]
+            slot_of[torch.tensor(wave.experts, dtype=torch.long)] = torch.tensor(wave.slots, dtype=torch.long)
+            pair_slot = slot_of[flat_cpu]  # [T*k], -1 for pairs of other waves
+            mine = torch.nonzero(pair_slot >= 0).reshape(-1)  # [P_w]
+            sub_order, offs, _ = group_pairs(pair_slot[mine], k_slots)
+            packed = torch.cat([mine[sub_order], offs.to(torch.long)]).to(sh.device)  # one small copy per wave
+            order, offs_dev = packed[: mine.numel()], packed[mine.numel() :].to(torch.int32)
+            sh.page_in.copy_rows(self.host, self.device_experts, wave.page_ins, sh.counters, self.layer_idx, sh.expert_bytes)
+            run_pairs(x, self.device_experts, order, offs_dev, sh.top_k, y_pairs)
+        sh.counters.record_step(
+            self.layer_idx, union=plan.union, routed_pairs=int(flat_cpu.numel()), hits=plan.hits, misses=plan.misses,
+            cpu_activations=0, waves=len(plan.waves),
+        )
+
+    def _forward_loop(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The reference path: one Python iteration (three matmuls) per routed expert."""
+        sh = self.shared
         ids_cpu = ids.to("cpu", torch.long)  # [T, k]; planning is host bookkeeping
         compute_device = torch.device("cpu") if self.placement == "cpu" else sh.device
         dispatch = build_dispatch(ids_cpu, sh.num_experts, compute_device)
@@ -157,7 +230,10 @@ class MoeLayer:
             waves=len(plan.waves),
         )
 
-    def _check_override(self, ids: torch.Tensor, weights: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _check_override(
+        self, ids: torch.Tensor, weights: torch.Tensor, num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Checks an override's choice on a host copy (one sync), returned for the planner to reuse."""
         sh = self.shared
         expected = (num_tokens, sh.top_k)
         if tuple(ids.shape) != expected or tuple(weights.shape) != expected:
@@ -165,9 +241,48 @@ class MoeLayer:
                 f"router_override returned ids {tuple(ids.shape)} and weights {tuple(weights.shape)}; expected {expected}"
             )
         ids = ids.to(torch.long)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= sh.num_experts):
+        ids_cpu = ids.to("cpu")  # [T, k]
+        if ids_cpu.numel() and (int(ids_cpu.min()) < 0 or int(ids_cpu.max()) >= sh.num_experts):
             raise ValueError(f"router_override returned expert ids outside [0, {sh.num_experts})")
-        for row in ids.tolist():
+        for row in ids_cpu.tolist():
             if len(set(row)) != len(row):
                 raise ValueError(f"router_override routed a token to the same expert twice: {row}")
-        return ids, weights.to(torch.float32)
+        return ids, weights.to(torch.float32), ids_cpu
+
+
+class TalliedCounters(PagingCounters):
+    """`PagingCounters` that also take a layer-step's union as a device scalar, read at `snapshot()`.
+
+    Resident and offload layers know their union only on the device; reading it per layer would
+    sync the host 48 times a token. The scalars queue here and are read in one transfer.
+    """
+
+    _MAX_PENDING = 8192
+
+    def __init__(self, num_layers: int, expert_bytes: int, mode: str) -> None:
+        super().__init__(num_layers, expert_bytes, mode)
+        self._pending: list[tuple[int, str, torch.Tensor, int]] = []  # (layer, placement, union [], pairs)
+
+    def record_step_device(self, layer: int, placement: str, union: torch.Tensor, routed_pairs: int) -> None:
+        self._pending.append((layer, placement, union, routed_pairs))
+        if len(self._pending) >= self._MAX_PENDING:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        unions = torch.stack([p[2] for p in pending]).tolist()  # one device->host read
+        for (layer, placement, _, pairs), union in zip(pending, unions):
+            self.record_step(
+                layer, union=int(union), routed_pairs=pairs, hits=int(union) if placement == "resident" else 0,
+                misses=int(union) if placement == "offload" else 0, cpu_activations=0, waves=1 if union else 0,
+            )
+
+    def snapshot(self) -> CountersSnapshot:
+        self.flush()
+        return super().snapshot()
+
+    def reset(self) -> None:
+        self._pending = []
+        super().reset()

@@ -1,0 +1,95 @@
+"""Fused expert compute: all routed (token, expert) pairs of one pass in three grouped matmuls.
+
+The pairs are sorted by the weight row (expert in `[E, ...]` tensors, slot in `[K, ...]` slots)
+that serves them; `offs[g]` is the cumulative count of pairs served by rows 0..g. Then
+`gate = x @ W_gate[g]^T`, `up = x @ W_up[g]^T` and `y = (silu(gate) * up) @ W_down[g]^T` each run
+as ONE grouped matmul over the slot table (`torch._grouped_mm`: a CUTLASS grouped GEMM on Hopper,
+which reads only the rows that have pairs). Nothing is gathered or copied per expert.
+
+Why paged and resident still agree bit for bit: a row's pairs are always the pairs routed to that
+expert in increasing pair order (stable sorts), so each group is the same `[n, H] x [H, I]` product
+whichever wave, slot or table holds the expert; group results do not depend on other groups.
+
+Where `torch._grouped_mm` refuses a device/dtype (e.g. fp32 on CUDA), `grouped_mm` falls back to
+a loop of per-group matmuls (one host sync for the offsets): the same numbers in every mode, just
+slower. `grouped_backend()` says which ran, for benchmark provenance.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from paged_experts.store import ExpertTensors
+
+_BACKEND: dict[tuple[str, torch.dtype], str] = {}
+"""(device type, dtype) -> 'grouped_mm' or 'loop', decided on first use."""
+
+
+def grouped_backend() -> dict[str, str]:
+    return {f"{dev}/{str(dt).removeprefix('torch.')}": b for (dev, dt), b in _BACKEND.items()}
+
+
+def _loop_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """a: [P, K], b: [G, K, N], offs: [G] cumulative rows -> [P, N] (reference semantics)."""
+    out = a.new_empty(a.shape[0], b.shape[-1])  # [P, N]
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        if end > start:
+            out[start:end] = a[start:end] @ b[g]
+        start = end
+    return out
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """a: [P, K] rows sorted by group, b: [G, K, N], offs: [G] int32 cumulative -> [P, N]."""
+    key = (a.device.type, a.dtype)
+    backend = _BACKEND.get(key)
+    if backend is None:
+        try:
+            out = torch._grouped_mm(a, b, offs=offs)
+            _BACKEND[key] = "grouped_mm"
+            return out
+        except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+            _BACKEND[key] = backend = "loop"
+    if backend == "grouped_mm":
+        return torch._grouped_mm(a, b, offs=offs)
+    return _loop_mm(a, b, offs)
+
+
+def expert_mlp(x_sorted: torch.Tensor, weights: ExpertTensors, offs: torch.Tensor) -> torch.Tensor:
+    """x_sorted: [P, H] pairs sorted by weight row; offs: [G] int32 over G = weights.num_rows -> [P, H]."""
+    if x_sorted.shape[0] == 0:
+        return torch.empty_like(x_sorted)
+    gate = grouped_mm(x_sorted, weights.gate.transpose(1, 2), offs)  # [P, I]
+    up = grouped_mm(x_sorted, weights.up.transpose(1, 2), offs)  # [P, I]
+    return grouped_mm(F.silu(gate) * up, weights.down.transpose(1, 2), offs)  # [P, H]
+
+
+def group_pairs(pair_rows: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pair_rows: [P] weight row of each pair (on any device) -> order [P], offs [G] int32, counts [G].
+
+    `order` lists pair indices sorted by row (stable); no host synchronization on CUDA.
+    """
+    order = torch.sort(pair_rows, stable=True).indices  # [P]
+    counts = torch.bincount(pair_rows, minlength=num_rows)  # [G]
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)  # [G]
+    return order, offs, counts
+
+
+def run_pairs(
+    x: torch.Tensor, weights: ExpertTensors, order: torch.Tensor, offs: torch.Tensor, top_k: int, y_pairs: torch.Tensor
+) -> None:
+    """Computes the pairs `order` (flat t * k + j, sorted by row) and writes them into y_pairs [T*k, H]."""
+    if order.numel() == 0:
+        return
+    tokens = torch.div(order, top_k, rounding_mode="floor")  # [P]
+    y = expert_mlp(x[tokens], weights, offs)  # [P, H]
+    y_pairs.index_copy_(0, order, y)
+
+
+def combine_pairs(y_pairs: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """[T*k, H] per-pair outputs in pair order, weighted and summed over k in k order -> [T, H]."""
+    t, k = topk_weights.shape
+    w = topk_weights.to(device=y_pairs.device, dtype=y_pairs.dtype)  # [T, k]
+    return (y_pairs.view(t, k, -1) * w[:, :, None]).sum(dim=1)  # [T, H]
