@@ -19,7 +19,13 @@ from paged_experts.config import MoeModelConfig
 from paged_experts.counters import PagingCounters
 from paged_experts.kv import KvPool, KvSequence
 from paged_experts.loader import AttentionWeights, LoadedModel, load
-from paged_experts.moe import EXPERT_KERNELS, RouterOverride, RoutingObserver, StepContext, TalliedCounters
+from paged_experts.moe import (
+    EXPERT_KERNELS,
+    RouterOverride,
+    RoutingObserver,
+    StepContext,
+    TalliedCounters,
+)
 from paged_experts.runtime import RuntimeConfig
 
 

@@ -1,0 +1,297 @@
+"""Decode tok/s of the 48-layer Qwen3-30B-A3B-shaped model in every mode, against its roofline.
+
+The model is built in memory (`paged_experts.synth_memory`: seeded random bf16 weights, one pinned
+host store shared by every mode), so no 58 GB checkpoint is written. One process runs every cell:
+for each mode a model is placed from the shared host store; for each routing source and batch B,
+B prompts are prefilled, `--warmup` decode steps are discarded, then decode steps are timed
+(`torch.cuda.synchronize` around; at most `--steps`, stopping early after `--cell-cap-s`).
+
+Per cell: tok/s = B x steps / seconds; ms per step; hit rate, misses and bytes paged per token
+from the runtime's own counters; and the roofline
+    roofline_step_s = max(compute_step_s, misses_per_step x expert_bytes / link_B_per_s)
+where compute_step_s is the resident mode's measured step time at the same B and routing (the
+best the code does with nothing to page) and link_B_per_s the measured pinned host->device rate
+of back-to-back expert copies (`--linkbw-json` from `python -m benchsuite linkbw`, else measured
+here). `roofline_fraction = roofline_step_s / measured_step_s` (1.0 = at the roofline).
+Resident cells also report the HBM bound: bytes of weights touched per step / measured device
+copy bandwidth.
+
+    python benchmarks/decode_h200.py --out decode.json [--layers 48] [--modes resident,paged:16,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from paged_experts import synth_memory
+from paged_experts.fused import grouped_backend
+from paged_experts.kv import KvPool
+from paged_experts.model import MoeCausalLM, SeqChunk
+from paged_experts.runtime import RuntimeConfig
+
+SCHEMA_VERSION = 1
+DEFAULT_MODES = "resident,paged:16,paged:32,paged:64,paged:92,offload,cpu-experts:12,cpu-experts:24,cpu-experts:48"
+
+
+def runtime_for(mode: str, device: str) -> RuntimeConfig:
+    name, _, n = mode.partition(":")
+    if name == "paged":
+        return RuntimeConfig(mode="paged", resident_experts=int(n), device=device, dtype="bfloat16")
+    if name == "cpu-experts":
+        return RuntimeConfig(mode="cpu-experts", cpu_expert_layers=int(n), device=device, dtype="bfloat16")
+    return RuntimeConfig(mode=name, device=device, dtype="bfloat16")  # type: ignore[arg-type]
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_link(device: str, expert_bytes: int, linkbw_json: str | None) -> dict[str, Any]:
+    """Pinned host->device B/s of back-to-back expert copies (the paging rate) and device copy B/s."""
+    out: dict[str, Any] = {}
+    if linkbw_json and Path(linkbw_json).is_file():
+        try:
+            from benchsuite.linkbw import paging_b_per_s_from_json
+
+            out["link_B_per_s"] = paging_b_per_s_from_json(linkbw_json)
+            out["link_source"] = linkbw_json
+        except Exception as exc:  # a broken probe file must not lose the decode figures
+            out["linkbw_json_error"] = repr(exc)
+    if device != "cuda":
+        return out
+    n = 64
+    host = torch.empty(n, expert_bytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(n, expert_bytes, dtype=torch.uint8, device="cuda")
+    for _ in range(2):
+        dev.copy_(host, non_blocking=True)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        for i in range(n):
+            dev[i].copy_(host[i], non_blocking=True)
+    sync(device)
+    out["expert_copy_B_per_s_here"] = 3 * n * expert_bytes / (time.perf_counter() - t0)
+    out.setdefault("link_B_per_s", out["expert_copy_B_per_s_here"])
+    out.setdefault("link_source", "measured here: 3 x 64 back-to-back pinned expert copies")
+    big = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    big2 = torch.empty_like(big)
+    big2.copy_(big)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        big2.copy_(big)
+    sync(device)
+    out["hbm_copy_B_per_s"] = 5 * 2 * big.numel() / (time.perf_counter() - t0)  # read + write
+    del big, big2, host, dev
+    return out
+
+
+def run_cell(model: MoeCausalLM, batch: int, args: argparse.Namespace) -> dict[str, Any]:
+    vocab = model.config.vocab_size
+    per_seq = -(-(args.prompt + args.warmup + args.steps + 1) // 16) * 16
+    pool = KvPool.for_model(model, capacity_tokens=batch * per_seq)
+    seqs = [pool.new_sequence() for _ in range(batch)]
+    prompts = [[(31 * b + 7 * i + 1) % vocab for i in range(args.prompt)] for b in range(batch)]
+    t0 = time.perf_counter()
+    logits = model.forward([SeqChunk(s, p, 0) for s, p in zip(seqs, prompts)])
+    prefill_s = time.perf_counter() - t0
+
+    def step() -> None:
+        nonlocal logits
+        ids = [int(lg[-1].argmax()) for lg in logits]
+        logits = model.forward([SeqChunk(s, [t], s.num_tokens) for s, t in zip(seqs, ids)])
+
+    t0 = time.perf_counter()
+    for _ in range(args.warmup):
+        step()
+        if time.perf_counter() - t0 > args.cell_cap_s / 2:
+            break
+    sync(args.device)
+    model.counters.reset()
+    steps = 0
+    t0 = time.perf_counter()
+    while steps < args.steps:
+        step()
+        steps += 1
+        if time.perf_counter() - t0 > args.cell_cap_s:
+            break
+    sync(args.device)
+    decode_s = time.perf_counter() - t0
+    for s in seqs:
+        pool.free(s)
+    total = model.counters.snapshot().total
+    tokens = steps * batch
+    return {
+        "batch": batch,
+        "steps": steps,
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "tok_per_s": tokens / decode_s,
+        "ms_per_step": 1e3 * decode_s / steps,
+        "ms_per_token": 1e3 * decode_s / tokens,
+        "hit_rate": total.hit_rate,
+        "misses_per_step": total.misses / steps,
+        "misses_per_token": total.misses / tokens,
+        "bytes_paged_per_token": total.bytes_paged_in / tokens,
+        "bytes_h2d_per_token": total.bytes_h2d / tokens,
+        "union_per_layer_step": total.union_sum / max(total.steps, 1),
+        "waves_per_layer_step": total.waves / max(total.steps, 1),
+        "copy_time_s": total.copy_time_s,
+        "cuda_graph_steps": getattr(model, "graph_replays", 0),
+    }
+
+
+def add_rooflines(cells: list[dict[str, Any]], link: dict[str, Any], expert_bytes: int, dense_bytes: int) -> None:
+    link_bps = link.get("link_B_per_s")
+    hbm_bps = link.get("hbm_copy_B_per_s")
+    compute: dict[tuple[str, int], float] = {}  # best resident step time (any kernel, eager or graphed)
+    for c in cells:
+        if c["mode"] == "resident" and "ms_per_step" in c:
+            key = (c["routing"], c["batch"])
+            compute[key] = min(compute.get(key, float("inf")), c["ms_per_step"] / 1e3)
+    for c in cells:
+        if "ms_per_step" not in c:
+            continue
+        comp = compute.get((c["routing"], c["batch"]))
+        if comp is not None and link_bps:
+            link_s = c["misses_per_step"] * expert_bytes / link_bps
+            c["roofline_link_step_s"] = link_s
+            c["roofline_step_s"] = max(comp, link_s)
+            c["roofline_fraction"] = c["roofline_step_s"] / (c["ms_per_step"] / 1e3)
+        if c["mode"] == "resident" and hbm_bps:
+            touched = c["union_per_layer_step"] * c["layers"] * expert_bytes + dense_bytes
+            c["hbm_bound_step_s"] = touched / hbm_bps
+            c["hbm_bound_tok_per_s"] = c["batch"] / c["hbm_bound_step_s"]
+            c["hbm_fraction"] = c["hbm_bound_step_s"] / (c["ms_per_step"] / 1e3)
+
+
+def provenance() -> dict[str, Any]:
+    def git(*a: str) -> str | None:
+        try:
+            return subprocess.run(["git", *a], capture_output=True, text=True, timeout=10).stdout.strip() or None
+        except Exception:
+            return None
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {
+        "git_commit": git("rev-parse", "HEAD"),
+        "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "torch": torch.__version__,
+        "gpu": gpu,
+        "cpu_count": os.cpu_count(),
+        "python": sys.version.split()[0],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--modes", default=DEFAULT_MODES)
+    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--routings", default="model,qwen3-30b-a3b", help="'model' and/or paged_experts.routing specs")
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--cell-cap-s", type=float, default=6.0, help="stop timing a cell after this many seconds")
+    ap.add_argument(
+        "--graphs", default="", help="CUDA-graph batch sizes for resident mode, e.g. 1,2,3,4 ('' = eager); model routing only"
+    )
+    ap.add_argument("--kernels", default="fused", help="expert kernels to time for resident mode, e.g. fused,loop")
+    ap.add_argument("--linkbw-json", default=None)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--preset", default="qwen3-30b-a3b-shape", help="synth preset ('tiny' for a CPU smoke run)")
+    args = ap.parse_args(argv)
+    if args.device == "cpu":
+        torch.set_num_threads(os.cpu_count() or 1)
+    preset = args.preset
+    record: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "benchmark": "decode_h200",
+        "command": ["python", "benchmarks/decode_h200.py", *(sys.argv[1:] if argv is None else argv)],
+        "model": f"synth:{preset}?layers={args.layers}&seed={args.seed} (in-memory random bf16 weights)",
+        "provenance": provenance(),
+        "cells": [],
+    }
+    cfg = synth_memory.config_for(synth_memory.SynthSpec(preset, args.layers, args.seed))
+    expert_bytes = cfg.expert_bytes("bfloat16")
+    t0 = time.perf_counter()
+    synth_memory.host_weights(cfg, torch.bfloat16, args.seed, torch.device(args.device))
+    record["host_store_build_s"] = time.perf_counter() - t0
+    print(f"host store built in {record['host_store_build_s']:.1f} s", flush=True)
+    record["link"] = measure_link(args.device, expert_bytes, args.linkbw_json)
+    print(json.dumps(record["link"]), flush=True)
+    h, v = cfg.hidden_size, cfg.vocab_size
+    attn = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + cfg.num_heads * cfg.head_dim * h
+    dense_bytes = 2 * (cfg.num_layers * (attn + cfg.num_experts * h) + v * h)  # attention + routers + lm_head
+    record["bytes"] = {"expert": expert_bytes, "dense_touched_per_step": dense_bytes}
+    batches = [int(b) for b in args.batches.split(",")]
+    graphs = [int(b) for b in args.graphs.split(",") if b]
+    variants: list[tuple[str, str, str]] = []  # (mode, kernel, graphs)
+    for mode in args.modes.split(","):
+        if mode == "resident":
+            variants += [(mode, k, "") for k in args.kernels.split(",")]
+            if graphs:
+                variants.append((mode, "fused", "graphs"))
+        else:
+            variants.append((mode, "fused", ""))
+
+    def write() -> None:
+        add_rooflines(record["cells"], record["link"], expert_bytes, dense_bytes)
+        record["grouped_backend"] = grouped_backend()
+        args.out.write_text(json.dumps(record, indent=2, default=str))
+
+    for mode, kernel, graph in variants:
+        t_build = time.perf_counter()
+        try:
+            rt = runtime_for(mode, args.device)
+            model = MoeCausalLM.synthetic(preset, rt, layers=args.layers, seed=args.seed, expert_kernel=kernel)
+            if graph:
+                model.enable_cuda_graphs(graphs)
+        except Exception as exc:
+            record["cells"].append({"mode": mode, "kernel": kernel, "graphs": graph, "error": f"build: {exc!r}"})
+            write()
+            print(f"{mode} {kernel} {graph}: build failed: {exc!r}", flush=True)
+            continue
+        build_s = time.perf_counter() - t_build
+        for routing in args.routings.split(","):
+            if routing == "model":
+                model.router_override = None
+            else:
+                from paged_experts.routing import make_router
+
+                model.router_override = make_router(routing, cfg, args.seed)
+            for b in batches:
+                base = {
+                    "mode": mode, "kernel": kernel, "graphs": graph, "routing": routing, "layers": args.layers, "build_s": build_s,
+                }
+                try:
+                    cell = {**base, **run_cell(model, b, args)}
+                except Exception as exc:
+                    cell = {**base, "batch": b, "error": repr(exc)}
+                record["cells"].append(cell)
+                write()
+                keys = ("tok_per_s", "ms_per_step", "hit_rate", "misses_per_token", "steps", "error")
+                brief = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in cell.items() if k in keys}
+                print(f"{mode:14s} {kernel:5s} {graph:6s} {routing:14s} B={b}: {brief}", flush=True)
+        del model
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    write()
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
