@@ -37,6 +37,7 @@ import yaml
 
 from benchsuite import runner
 from benchsuite.cli import main as cli_main
+from benchsuite.engines.llamacpp import find_binary
 from benchsuite.matrix import load_matrix
 from benchsuite.plan import CellSpec, build_plan
 from benchsuite.process import EngineProcess
@@ -59,13 +60,19 @@ def tagged_model(tmp_path: Path, tiny_model_dir: Path) -> Path:
 
 
 def write_matrix(
-    tmp_path: Path, engines: dict[str, dict[str, Any]], *, concurrency: list[int], output_tokens: int = 8, num_requests: int = 2
+    tmp_path: Path,
+    engines: dict[str, dict[str, Any]],
+    *,
+    concurrency: list[int],
+    output_tokens: int = 8,
+    num_requests: int = 2,
+    kind: str = "builtin",
 ) -> Path:
     body = {
         "name": "faults",
         "output_root": str(tmp_path / "results"),
         "fairness": {"kv_capacity_tokens": 1024},
-        "engines": {name: {"kind": "builtin", "options": options} for name, options in engines.items()},
+        "engines": {name: {"kind": kind, "options": options} for name, options in engines.items()},
         "workloads": {
             "w": {"output_tokens": output_tokens, "concurrency": concurrency, "num_requests": num_requests, "warmup_requests": 0}
         },
@@ -82,7 +89,8 @@ def engine_processes(tag: str) -> list[psutil.Process]:
         try:
             if proc.info["status"] == psutil.STATUS_ZOMBIE or proc.pid == os.getpid():
                 continue
-            if any(tag in arg for arg in proc.info["cmdline"] or []) and "benchsuite" not in " ".join(proc.info["cmdline"][:3]):
+            cmdline = proc.info["cmdline"] or []
+            if any(tag in arg for arg in cmdline) and "benchsuite" not in cmdline[1:3]:  # not `python -m benchsuite`
                 found.append(proc)
         except psutil.Error:
             continue
@@ -154,16 +162,20 @@ async def run_in_process(
     return store
 
 
-def signal_engine_mid_generation(tag: str, sig: signal.Signals, timeout_s: float = 60.0) -> None:
-    """Send `sig` to this test's built-in engine as soon as its /metrics shows a running request,
+BUILTIN_RUNNING = "paged_experts:num_running_reqs"
+LLAMACPP_RUNNING = "llamacpp:requests_processing"
+
+
+def signal_engine_mid_generation(tag: str, sig: signal.Signals, gauge: str = BUILTIN_RUNNING, timeout_s: float = 60.0) -> None:
+    """Send `sig` to this test's engine as soon as its /metrics `gauge` shows a running request,
     so the fault lands inside a cell's load, not between cells (a thread polls)."""
 
     def running(port: str) -> bool:
         with contextlib.suppress(OSError):
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
                 for line in resp.read().decode().splitlines():
-                    if line.startswith("paged_experts:num_running_reqs "):
-                        return float(line.split()[1]) >= 1
+                    if line.startswith(gauge + " ") or line.startswith(gauge + "{"):
+                        return float(line.split()[-1]) >= 1
         return False
 
     def fire() -> None:
@@ -255,54 +267,70 @@ async def test_engine_hung_by_sigstop_fails_its_cells_by_timeout_and_is_killed(t
     assert {c["status"] for c in stored(store.run_dir).values()} == {"ok"}
 
 
+def squat(port: int, holders: list[socket.socket]) -> None:
+    """Listen on 127.0.0.1:port, as another program would."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(1)
+    holders.append(sock)
+
+
 @pytest.mark.slow
-async def test_port_taken_before_or_during_start_fails_that_server_and_the_rest_runs(
+async def test_port_taken_while_the_engine_starts_fails_that_server_and_the_rest_runs(
     tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = tagged_model(tmp_path, tiny_model_dir)
     tag = str(model)
-    engines = {
-        "late": {"model": tag, "mode": "resident"},  # the port is taken while the engine starts
-        "early": {"model": tag, "mode": "paged", "resident_experts": 8},  # taken before the launch
-        "good": {"model": tag, "mode": "paged", "resident_experts": 16},
-    }
+    engines = {"raced": {"model": tag, "mode": "resident"}, "good": {"model": tag, "mode": "paged", "resident_experts": 8}}
     path = write_matrix(tmp_path, engines, concurrency=[1])
-    squatters: list[socket.socket] = []
-
-    def squat(port: int) -> None:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", port))
-        sock.listen(1)
-        squatters.append(sock)
-
-    real_free_port = runner.free_port
-    picks = iter(range(1000))
-
-    def free_port() -> int:
-        port = real_free_port()
-        if next(picks) == 1:  # the second server's port is held by someone else before launch
-            squat(port)
-        return port
+    holders: list[socket.socket] = []
 
     class RacedProcess(EngineProcess):
         def start(self) -> None:
             super().start()
-            if "--mode" in self.argv and self.argv[self.argv.index("--mode") + 1] == "resident":
-                squat(int(self.health_url.rsplit(":", 1)[1].split("/")[0]))  # after our check, before its bind
+            if "resident" in self.argv:  # taken after the launcher's check, before the engine binds
+                squat(int(self.health_url.rsplit(":", 1)[1].split("/")[0]), holders)
 
-    monkeypatch.setattr(runner, "free_port", free_port)
     monkeypatch.setattr(runner, "EngineProcess", RacedProcess)
     try:
         store = await run_in_process(path)
     finally:
-        for sock in squatters:
+        for sock in holders:
             sock.close()
     assert_no_orphans(tag)
     cells = {name: rows[0] for name, rows in by_engine(store.run_dir).items()}
-    assert cells["late"]["status"] == "failed" and "address already in use" in cells["late"]["reason"].lower()
-    # a port lost before launch either fails its cells with the reason or is retried on another port
-    early = cells["early"]
-    assert early["status"] == "ok" or (early["status"] == "failed" and "already in use" in early["reason"]), early
+    assert cells["raced"]["status"] == "failed", cells["raced"]
+    assert "engine did not start" in cells["raced"]["reason"] and "address already in use" in cells["raced"]["reason"].lower()
+    assert cells["good"]["status"] == "ok"
+
+
+@pytest.mark.slow
+async def test_port_taken_before_launch_fails_or_retries_that_server_and_the_rest_runs(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = tagged_model(tmp_path, tiny_model_dir)
+    tag = str(model)
+    engines = {"taken": {"model": tag, "mode": "resident"}, "good": {"model": tag, "mode": "paged", "resident_experts": 8}}
+    path = write_matrix(tmp_path, engines, concurrency=[1])
+    holders: list[socket.socket] = []
+    real_free_port = runner.free_port
+
+    def free_port() -> int:  # the first pick is taken by someone else before the launch
+        port = real_free_port()
+        if not holders:
+            squat(port, holders)
+        return port
+
+    monkeypatch.setattr(runner, "free_port", free_port)
+    try:
+        store = await run_in_process(path)
+    finally:
+        for sock in holders:
+            sock.close()
+    assert_no_orphans(tag)
+    cells = {name: rows[0] for name, rows in by_engine(store.run_dir).items()}
+    taken = cells["taken"]
+    assert taken["status"] == "ok" or (taken["status"] == "failed" and "already in use" in taken["reason"]), taken
     assert cells["good"]["status"] == "ok"
 
 
@@ -471,3 +499,48 @@ async def test_output_directory_turning_read_only_mid_run_stops_the_run_and_the_
     assert_no_orphans(tag)
     final = cell_bytes(store.run_dir)
     assert len(final) == 3 and all(final[k] == v for k, v in kept.items())
+
+
+# ---- llama-server --------------------------------------------------------------------------------
+
+needs_llama_server = pytest.mark.skipif(
+    find_binary() is None, reason="no llama-server on PATH or in the cache: run `benchsuite install llama-server`"
+)
+
+
+@pytest.mark.llamacpp
+@pytest.mark.slow
+@needs_llama_server
+async def test_llama_server_bad_flag_sigkill_and_sigstop_fail_only_their_cells_and_a_rerun_resumes(tmp_path: Path) -> None:
+    tag = f"fault-{tmp_path.name}"  # `--alias TAG` marks this test's llama-server processes
+    base = {"model": "tiny", "threads": 1}
+    engines = {
+        "bad": {**base, "extra_args": ["--alias", tag, "--no-such-flag-anywhere"]},  # refused at start
+        "killed": {**base, "extra_args": ["--alias", tag]},
+        "hung": {**base, "extra_args": ["--alias", tag]},
+    }
+    path = write_matrix(tmp_path, engines, concurrency=[1, 2], output_tokens=64, kind="llamacpp")
+
+    def inject(cell: CellSpec, index: int) -> None:
+        if cell.engine == "killed" and cell.concurrency == 1:
+            signal_engine_mid_generation(tag, signal.SIGKILL, LLAMACPP_RUNNING)
+        if cell.engine == "hung" and cell.concurrency == 1:
+            signal_engine_mid_generation(tag, signal.SIGSTOP, LLAMACPP_RUNNING)
+
+    try:
+        store = await run_in_process(path, Hooks(inject), cell_timeout_s=10.0, bound_s=180.0)
+    finally:
+        assert_no_orphans(tag)
+    cells = by_engine(store.run_dir)
+    assert {c["status"] for c in cells["bad"]} == {"failed"}
+    assert all("engine did not start" in c["reason"] for c in cells["bad"])
+    assert "no-such-flag-anywhere" in cells["bad"][0]["reason"]  # llama-server names the flag it refused
+    assert [c["status"] for c in sorted(cells["killed"], key=lambda c: c["concurrency"])] == ["failed", "failed"]
+    assert all("engine exited with code -9" in c["reason"] for c in cells["killed"])
+    hung = sorted(cells["hung"], key=lambda c: c["concurrency"])
+    assert hung[0]["status"] == "failed" and "TimeoutError" in hung[0]["reason"]
+
+    store = await run_in_process(path)
+    assert_no_orphans(tag)
+    again = by_engine(store.run_dir)
+    assert {c["status"] for c in again["killed"] + again["hung"]} == {"ok"}

@@ -130,7 +130,7 @@ def bodies(draw: st.DrawFn, fields: list[str]) -> dict[str, Any]:
     return body
 
 
-FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
 @FUZZ
