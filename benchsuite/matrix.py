@@ -241,10 +241,11 @@ def _format_errors(
     lines = []
     for err in exc.errors():
         loc = tuple(err["loc"])
-        if loc and loc[-1] == "[key]":
-            key = err.get("input")
+        if err["type"] == "invalid_key" or (loc and loc[-1] == "[key]"):
+            # a non-text mapping key: in a dict the loc ends (key, "[key]"), in a model with (key,)
+            where = loc[:-2] if loc and loc[-1] == "[key]" else loc[:-1]
             lines.append(
-                f"{source}: {_path(prefix + loc[:-2])}: key {key!r} is not text; quote it "
+                f"{source}: {_path(prefix + where)}: key {err.get('input')!r} is not text; quote it "
                 "(YAML reads unquoted on/off/yes/no as booleans)"
             )
             continue
@@ -262,6 +263,8 @@ def _describe(err: Mapping[str, Any], model: type[BaseModel], loc: tuple[str | i
         return f"unknown key (allowed: {', '.join(allowed)})" if allowed else "unknown key"
     if kind == "missing":
         return "required"
+    if kind == "string_pattern_mismatch":
+        return f"{err.get('input')!r}: use letters, digits, '.', '_' and '-', starting with a letter or digit"
     if kind == "literal_error":
         return f"must be one of {ctx.get('expected', '')}"
     bounds = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
