@@ -10,9 +10,9 @@ Why paged and resident still agree bit for bit: a row's pairs are always the pai
 expert in increasing pair order (stable sorts), so each group is the same `[n, H] x [H, I]` product
 whichever wave, slot or table holds the expert; group results do not depend on other groups.
 
-Where `torch._grouped_mm` refuses a device/dtype (e.g. fp32 on CUDA), `grouped_mm` falls back to
-a loop of per-group matmuls (one host sync for the offsets): the same numbers in every mode, just
-slower. `grouped_backend()` says which ran, for benchmark provenance.
+Where `torch._grouped_mm` refuses a device/dtype (e.g. fp32 on CUDA), `grouped_mm` falls back:
+on CUDA to a gathered batched matmul (no sync, graph-safe, copies the routed weights), on CPU to a
+loop of per-group matmuls; each is the same computation in every mode, just slower. `grouped_backend()` says which ran, for benchmark provenance.
 """
 
 from __future__ import annotations
@@ -23,11 +23,15 @@ import torch.nn.functional as F
 from paged_experts.store import ExpertTensors
 
 _BACKEND: dict[tuple[str, torch.dtype], str] = {}
-"""(device type, dtype) -> 'grouped_mm' or 'loop', decided on first use."""
+"""(device type, dtype) -> 'grouped_mm', 'gather_bmm' (CUDA) or 'loop', decided on first use."""
+_BACKEND_ERRORS: dict[tuple[str, torch.dtype], str] = {}
 
 
 def grouped_backend() -> dict[str, str]:
-    return {f"{dev}/{str(dt).removeprefix('torch.')}": b for (dev, dt), b in _BACKEND.items()}
+    """Which grouped matmul ran per device/dtype, with the refusal that made it fall back."""
+    out = {f"{dev}/{str(dt).removeprefix('torch.')}": b for (dev, dt), b in _BACKEND.items()}
+    out.update({f"{dev}/{str(dt).removeprefix('torch.')}/refused": e for (dev, dt), e in _BACKEND_ERRORS.items()})
+    return out
 
 
 def _loop_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -41,6 +45,14 @@ def _loop_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tens
     return out
 
 
+def _gather_bmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Each row times its group's matrix as a batched [1, K] x [K, N] product: no host sync, but
+    the weights of every pair are gathered (a copy): the CUDA fallback when grouped_mm refuses."""
+    rows = torch.arange(a.shape[0], device=a.device, dtype=offs.dtype)  # [P]
+    group = torch.searchsorted(offs, rows, right=True)  # [P] group of each row
+    return torch.bmm(a[:, None, :], b[group]).squeeze(1)  # [P, N]
+
+
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """a: [P, K] rows sorted by group, b: [G, K, N], offs: [G] int32 cumulative -> [P, N]."""
     key = (a.device.type, a.dtype)
@@ -50,10 +62,15 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
             out = torch._grouped_mm(a, b, offs=offs)
             _BACKEND[key] = "grouped_mm"
             return out
-        except (RuntimeError, NotImplementedError, AttributeError, TypeError):
-            _BACKEND[key] = backend = "loop"
+        except (RuntimeError, NotImplementedError, AttributeError, TypeError) as exc:
+            # fp32 keeps the per-group loop: the same mm shape per expert in every mode (bit-exact tests)
+            backend = "gather_bmm" if a.device.type == "cuda" and a.dtype != torch.float32 else "loop"
+            _BACKEND[key] = backend
+            _BACKEND_ERRORS[key] = repr(exc)[:300]
     if backend == "grouped_mm":
         return torch._grouped_mm(a, b, offs=offs)
+    if backend == "gather_bmm":
+        return _gather_bmm(a, b, offs)
     return _loop_mm(a, b, offs)
 
 
@@ -72,7 +89,9 @@ def group_pairs(pair_rows: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, t
     `order` lists pair indices sorted by row (stable); no host synchronization on CUDA.
     """
     order = torch.sort(pair_rows, stable=True).indices  # [P]
-    counts = torch.bincount(pair_rows, minlength=num_rows)  # [G]
+    # scatter_add, not bincount: CUDA bincount reads the max id on the host (a sync, and no graphs)
+    counts = torch.zeros(num_rows, dtype=torch.long, device=pair_rows.device)  # [G]
+    counts.scatter_add_(0, pair_rows, torch.ones_like(pair_rows))
     offs = torch.cumsum(counts, 0, dtype=torch.int32)  # [G]
     return order, offs, counts
 

@@ -8,6 +8,7 @@ model dtype, eager softmax in fp32) so its logits are an outside oracle for this
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 from paged_experts.config import MoeModelConfig
 from paged_experts.counters import PagingCounters
+from paged_experts.graphs import GraphedDecoder
 from paged_experts.kv import KvPool, KvSequence
 from paged_experts.loader import AttentionWeights, LoadedModel, load
 from paged_experts.moe import (
@@ -77,6 +79,7 @@ class MoeCausalLM:
             for layer in self._moe:
                 layer.shared = shared
         self.set_expert_kernel(expert_kernel)
+        self._graphs: GraphedDecoder | None = None
         self.router_override: RouterOverride | None = None
         self.routing_observers: list[RoutingObserver] = []
         cfg = self.config
@@ -90,9 +93,12 @@ class MoeCausalLM:
         path or a weightless directory written by `paged_experts.synth_memory` (no safetensors)."""
         from paged_experts import synth_memory
 
-        if synth_memory.is_synthetic(path):
-            return cls(synth_memory.load_synthetic(path, runtime), runtime, expert_kernel)
-        return cls(load(path, runtime), runtime, expert_kernel)
+        loaded = synth_memory.load_synthetic(path, runtime) if synth_memory.is_synthetic(path) else load(path, runtime)
+        model = cls(loaded, runtime, expert_kernel)
+        sizes = [int(b) for b in os.environ.get("PAGED_EXPERTS_CUDA_GRAPHS", "").split(",") if b.strip()]
+        if sizes and runtime.device == "cuda" and set(model.layer_placements()) == {"resident"}:
+            model.enable_cuda_graphs(sizes)
+        return model
 
     @classmethod
     def synthetic(
@@ -102,6 +108,21 @@ class MoeCausalLM:
         from paged_experts import synth_memory
 
         return cls(synth_memory.build(preset, runtime, layers=layers, seed=seed), runtime, expert_kernel)
+
+    def enable_cuda_graphs(self, batch_sizes: Sequence[int]) -> None:
+        """Decode steps of these batch sizes run as one captured graph each (resident models only;
+        on CPU the same static step runs uncaptured). `PAGED_EXPERTS_CUDA_GRAPHS=1,2,3,4` in the
+        environment enables it in `from_pretrained` (the server needs no flag)."""
+        self._graphs = GraphedDecoder(self, batch_sizes) if batch_sizes else None
+
+    @property
+    def graph_replays(self) -> int:
+        return self._graphs.replays if self._graphs is not None else 0
+
+    @property
+    def captured_graphs(self) -> list[tuple[int, int]]:
+        """(batch size, KV bucket) of every graph captured so far."""
+        return list(self._graphs.captured) if self._graphs is not None else []
 
     def set_expert_kernel(self, kernel: str) -> None:
         """'fused' (grouped matmuls over the slot table, the default) or 'loop' (the per-expert reference)."""
@@ -124,6 +145,8 @@ class MoeCausalLM:
         if not chunks:
             return []
         self._check_chunks(chunks)
+        if self._graphs is not None and self._graphs.accepts(chunks):
+            return self._graphs.step(chunks)
         cfg, dev = self.config, self.device
         by_pool: dict[int, tuple[KvPool, list[tuple[KvSequence, int, int]]]] = {}
         for c in chunks:

@@ -125,12 +125,7 @@ class MoeLayer:
                 waves=1 if union else 0,
             )
             return combine_pairs(y_pairs, weights).to(sh.device)
-        weights_src = self._weights_for_step()
-        flat = ids.reshape(-1).to(device=sh.device, dtype=torch.long)  # [T*k]
-        order, offs, counts = group_pairs(flat, sh.num_experts)
-        y_pairs = x.new_empty(num_pairs, x.shape[1])  # [T*k, H]
-        run_pairs(x, weights_src, order, offs, sh.top_k, y_pairs)
-        union_dev = (counts > 0).sum()  # [] on the device, read when counters are read
+        out, union_dev = self.forward_on_device(x, ids, weights)
         if isinstance(sh.counters, TalliedCounters):
             sh.counters.record_step_device(self.layer_idx, self.placement, union_dev, num_pairs)
         else:
@@ -140,7 +135,25 @@ class MoeLayer:
                 hits=union if self.placement == "resident" else 0,
                 misses=union if self.placement == "offload" else 0, cpu_activations=0, waves=1 if union else 0,
             )
-        return combine_pairs(y_pairs, weights)
+        return out
+
+    def forward_on_device(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Resident / offload layers: [T, H] -> ([T, H], union []) with no host synchronization
+        (so a CUDA graph can capture it for resident layers)."""
+        sh = self.shared
+        weights_src = self._weights_for_step()
+        flat = ids.reshape(-1).to(device=sh.device, dtype=torch.long)  # [T*k]
+        order, offs, counts = group_pairs(flat, sh.num_experts)
+        y_pairs = x.new_empty(flat.shape[0], x.shape[1])  # [T*k, H]
+        run_pairs(x, weights_src, order, offs, sh.top_k, y_pairs)
+        return combine_pairs(y_pairs, weights), (counts > 0).sum()
+
+    def route_on_device(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's own router (no override): [T, H] -> ids [T, k], weights [T, k]."""
+        sh = self.shared
+        return route(F.linear(x, self.router_weight), sh.top_k, sh.norm_topk_prob)
 
     def _run_paged_fused(self, flat_cpu: torch.Tensor, x: torch.Tensor, y_pairs: torch.Tensor) -> None:
         """flat_cpu: [T*k] routed ids on the host; each wave pages in its misses, then one grouped pass."""

@@ -1,0 +1,197 @@
+"""The whole decode step of a resident model as one CUDA graph per (batch size, KV bucket).
+
+Eager decode launches ~80 small kernels per layer (about 4,000 a token for 48 layers): at batch 1
+the GPU waits on Python. A step whose chunks are all one-token decodes (no router override, no
+observers, every layer resident) is instead run as a static computation over fixed-shape buffers:
+- tokens [B], positions [B], new KV rows [B] and a KV row table [B, L] (each sequence's rows of
+  positions 0..L-1, padded with its row 0), L = the step's longest context rounded up to a power
+  of two (at least 64): one graph per (B, L bucket), captured on first use;
+- attention runs over the padded L with an additive mask (positions beyond the token's own get the
+  dtype's minimum, i.e. probability exactly 0), so the result equals the eager per-sequence
+  attention within rounding (not bit for bit: the softmax reduces over a longer row);
+- MoE layers run `MoeLayer.forward_on_device` (fused grouped matmuls, no host sync); each layer's
+  union is written to a static vector that the counters read lazily after the replay.
+Host work per step: build one int64 tensor of indices, one host->device copy, replay, and the
+logits' device->host copy (the step's only sync). On CPU the same static body runs uncaptured
+(tests compare it with the eager path).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from paged_experts.kv import KvPool
+    from paged_experts.model import MoeCausalLM, SeqChunk
+
+log = logging.getLogger(__name__)
+
+MIN_BUCKET = 64
+
+
+def bucket(length: int) -> int:
+    b = MIN_BUCKET
+    while b < length:
+        b *= 2
+    return b
+
+
+class _Captured:
+    def __init__(self, inputs: torch.Tensor, graph: torch.cuda.CUDAGraph | None, logits: torch.Tensor, unions: torch.Tensor):
+        self.inputs = inputs  # [B * 3 + B * L] int64 on the device
+        self.graph = graph
+        self.logits = logits  # [B, V]
+        self.unions = unions  # [layers]
+
+
+class GraphedDecoder:
+    """Runs eligible decode steps of `model` as static (CUDA-graphed on CUDA) computations."""
+
+    def __init__(self, model: MoeCausalLM, batch_sizes: Sequence[int]) -> None:
+        placements = set(model.layer_placements())
+        if placements != {"resident"}:
+            raise ValueError(f"CUDA-graph decode needs every layer resident, got placements {sorted(placements)}")
+        self.model = model
+        self.batch_sizes = tuple(sorted(set(batch_sizes)))
+        self.capture = model.device.type == "cuda"
+        self._pool: KvPool | None = None
+        self._entries: dict[tuple[int, int], _Captured] = {}
+        self._mempool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.replays = 0
+        self.captured: list[tuple[int, int]] = []
+        self._inv_freq = model._inv_freq.to(model.device)  # [D/2]
+        log.info("decode step graphs enabled for batch sizes %s (captured on first use per KV bucket)", list(self.batch_sizes))
+
+    def accepts(self, chunks: Sequence[SeqChunk]) -> bool:
+        m = self.model
+        if m.router_override is not None or m.routing_observers or len(chunks) not in self.batch_sizes:
+            return False
+        pool = chunks[0].seq.pool
+        return all(len(c.token_ids) == 1 and not c.all_logits and c.seq.pool is pool for c in chunks)
+
+    def step(self, chunks: Sequence[SeqChunk]) -> list[torch.Tensor]:
+        """One decode step (KV reserved and committed here, as `MoeCausalLM.forward` does)."""
+        m = self.model
+        pool = chunks[0].seq.pool
+        pool.check_reserve([(c.seq, c.start_pos, 1) for c in chunks])
+        for c in chunks:
+            pool.reserve(c.seq, c.start_pos, 1)
+        if pool is not self._pool:  # graphs address the pool's K/V tensors: a new pool, new graphs
+            self._entries.clear()
+            self._pool = pool
+        b = len(chunks)
+        length = bucket(max(c.start_pos for c in chunks) + 1)
+        host = self._host_inputs(chunks, pool, length)  # [B * 3 + B * L]
+        entry = self._entries.get((b, length))
+        if entry is None:
+            entry = self._build(b, length, host)
+        else:
+            entry.inputs.copy_(host)
+        if entry.graph is not None:
+            entry.graph.replay()
+        else:
+            entry.logits, entry.unions = self._body(entry.inputs, b, length)
+        self.replays += 1
+        unions = entry.unions.clone()  # [layers]: read with the counters, later
+        pairs = b * m.config.top_k
+        for i in range(unions.shape[0]):
+            m.counters.record_step_device(i, "resident", unions[i], pairs)
+        logits = entry.logits.to("cpu", torch.float32)  # [B, V]: the step's one sync
+        for c in chunks:
+            pool.commit(c.seq, c.start_pos + 1)
+        return list(torch.split(logits, 1))
+
+    def _host_inputs(self, chunks: Sequence[SeqChunk], pool: KvPool, length: int) -> torch.Tensor:
+        bs = pool.block_size
+        b = len(chunks)
+        tokens = torch.tensor([int(c.token_ids[0]) for c in chunks], dtype=torch.long)  # [B]
+        positions = torch.tensor([c.start_pos for c in chunks], dtype=torch.long)  # [B]
+        table = torch.empty(b, length, dtype=torch.long)  # [B, L]
+        pos = torch.arange(length)  # [L]
+        for i, c in enumerate(chunks):
+            blocks = torch.tensor(c.seq.blocks, dtype=torch.long)  # [nb]
+            p = pos.clamp(max=c.start_pos)  # padded positions reuse the last real row (finite values)
+            table[i] = blocks[p // bs] * bs + p % bs
+        new_rows = table[torch.arange(b), positions]  # [B]
+        return torch.cat([tokens, positions, new_rows, table.reshape(-1)])
+
+    def _build(self, b: int, length: int, host: torch.Tensor) -> _Captured:
+        m = self.model
+        inputs = host.to(m.device)
+        if not self.capture:
+            logits, unions = self._body(inputs, b, length)
+            entry = _Captured(inputs, None, logits, unions)
+        else:
+            t0 = time.perf_counter()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._body(inputs, b, length)  # warm-up: same inputs, so its KV writes are the step's own
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._mempool):
+                logits, unions = self._body(inputs, b, length)
+            entry = _Captured(inputs, graph, logits, unions)
+            log.info("captured decode step graph: batch %d, KV bucket %d, %.2f s", b, length, time.perf_counter() - t0)
+            self.captured.append((b, length))
+        self._entries[(b, length)] = entry
+        return entry
+
+    def _body(self, inputs: torch.Tensor, b: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Static decode step: [B] tokens -> logits [B, V] and per-layer unions [layers]."""
+        from paged_experts.model import rms_norm
+
+        m = self.model
+        cfg, dt = m.config, m.runtime.torch_dtype
+        tokens, positions, new_rows = inputs[:b], inputs[b : 2 * b], inputs[2 * b : 3 * b]
+        table = inputs[3 * b :].view(b, length)  # [B, L]
+        freqs = positions.to(torch.float32)[:, None] * self._inv_freq[None, :]  # [B, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, D]
+        cos, sin = emb.cos().to(dt), emb.sin().to(dt)
+        keep = torch.arange(length, device=inputs.device)[None, :] <= positions[:, None]  # [B, L]
+        zero = torch.zeros((), dtype=dt, device=inputs.device)
+        mask = torch.where(keep, zero, torch.finfo(dt).min)  # [B, L]
+        x = m._dense.embed[tokens]  # [B, H]
+        unions = []
+        for layer_idx, (attn, moe) in enumerate(zip(m._attention, m._moe)):
+            h = rms_norm(x, attn.input_norm, cfg.rms_norm_eps)
+            x = x + self._attend(layer_idx, attn, h, cos, sin, new_rows, table, mask)
+            h = rms_norm(x, attn.post_norm, cfg.rms_norm_eps)  # [B, H]
+            ids, weights = moe.route_on_device(h)
+            out, union = moe.forward_on_device(h, ids, weights)
+            x = x + out
+            unions.append(union)
+        hidden = rms_norm(x, m._dense.final_norm, cfg.rms_norm_eps)  # [B, H]
+        return F.linear(hidden, m._dense.lm_head), torch.stack(unions)
+
+    def _attend(
+        self, layer_idx: int, w, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, new_rows: torch.Tensor,
+        table: torch.Tensor, mask: torch.Tensor,
+    ) -> torch.Tensor:
+        from paged_experts.model import rms_norm, rotate_half
+
+        cfg = self.model.config
+        assert self._pool is not None
+        b = h.shape[0]
+        q = rms_norm(F.linear(h, w.q_proj).view(b, cfg.num_heads, cfg.head_dim), w.q_norm, cfg.rms_norm_eps)  # [B, nh, D]
+        k = rms_norm(F.linear(h, w.k_proj).view(b, cfg.num_kv_heads, cfg.head_dim), w.k_norm, cfg.rms_norm_eps)  # [B, kvh, D]
+        v = F.linear(h, w.v_proj).view(b, cfg.num_kv_heads, cfg.head_dim)  # [B, kvh, D]
+        q = q * cos[:, None, :] + rotate_half(q) * sin[:, None, :]
+        k = k * cos[:, None, :] + rotate_half(k) * sin[:, None, :]
+        kv_k, kv_v = self._pool.k[layer_idx], self._pool.v[layer_idx]  # [slots, kvh, D]
+        kv_k.index_copy_(0, new_rows, k)
+        kv_v.index_copy_(0, new_rows, v)
+        groups = cfg.num_heads // cfg.num_kv_heads
+        keys = kv_k[table].repeat_interleave(groups, dim=2).transpose(1, 2)  # [B, nh, L, D]
+        values = kv_v[table].repeat_interleave(groups, dim=2).transpose(1, 2)  # [B, nh, L, D]
+        scores = torch.matmul(q[:, :, None, :], keys.transpose(2, 3)) * cfg.head_dim**-0.5  # [B, nh, 1, L]
+        scores = scores + mask[:, None, None, :]
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [B, nh, 1, L]
+        out = torch.matmul(probs, values).reshape(b, cfg.num_heads * cfg.head_dim)  # [B, nh*D]
+        return F.linear(out, w.o_proj)  # [B, H]
