@@ -21,7 +21,7 @@ MODES="${MODES:-resident,paged:16,paged:32,paged:64,paged:92,offload,cpu-experts
 cat "$OUT/env.txt"
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout "${TESTS_S:-120}" python3 -m pytest tests/cuda -v -p no:cacheprovider -o addopts= -x -s 2>&1 | tail -60 > "$OUT/cuda_tests.txt" \
+  timeout "${TESTS_S:-120}" python3 -m pytest ${TESTS:-tests/cuda} -v -p no:cacheprovider -o addopts= -x -s 2>&1 | tail -60 > "$OUT/cuda_tests.txt" \
     || echo "FAILED cuda tests (see cuda_tests.txt)"
   tail -5 "$OUT/cuda_tests.txt"
 fi
@@ -34,7 +34,7 @@ fi
 if [ "${SKIP_DECODE:-0}" != 1 ]; then
   timeout $((DECODE_DEADLINE_S + 45)) python3 benchmarks/decode_h200.py --out "$OUT/decode_h200.json" --layers 48 \
     --modes "$MODES" --batches 1,4 --routings model,qwen3-30b-a3b --prompt 8 --warmup 2 --steps 24 \
-    --cell-cap-s "${CELL_CAP_S:-2.5}" --graphs 1,2,3,4 --kernels fused,loop --deadline-s "$DECODE_DEADLINE_S" \
+    --cell-cap-s "${CELL_CAP_S:-2.5}" --graphs 1,2,3,4 --kernels "${KERNELS:-fused,loop}" --deadline-s "$DECODE_DEADLINE_S" \
     --linkbw-json "$OUT/linkbw.json" 2>&1 | tee "$OUT/decode_h200.txt" || echo "FAILED decode_h200"
 fi
 
