@@ -37,6 +37,7 @@ from benchsuite.process import EngineProcess, free_port
 from benchsuite.records import CellResult, RequestRecord
 from benchsuite.store import RunStore, Writer, atomic_write_bytes, utc_now
 
+DEFAULT_CELL_TIMEOUT_S = 3600.0
 RANDOM_SHORT_TOKENS = 32  # dataset `random`: length of a `short` prompt (random token ids)
 _CELL_ERRORS = (RunError, aiohttp.ClientError, asyncio.TimeoutError, OSError, EngineConfigError)
 
@@ -68,7 +69,7 @@ class RunContext:
     store: RunStore
     session: aiohttp.ClientSession
     events: RunEvents = field(default_factory=SilentEvents)
-    cell_timeout_s: float = 3600.0  # a hung engine fails its cell instead of the whole run
+    cell_timeout_s: float = DEFAULT_CELL_TIMEOUT_S  # a hung engine fails its cell, not the whole run
     _prompts: dict[tuple[str, str, str], list[datasets.Prompt]] = field(default_factory=dict)
 
 
@@ -80,6 +81,7 @@ class RunningServer:
     base_url: str
     argv: list[str]
     cells_measured: int = 0  # the first cell after a start carries the cold request
+    hung: str | None = None  # why the server stopped answering; its later cells fail at once
 
 
 @asynccontextmanager
@@ -126,8 +128,17 @@ async def measure_cell(ctx: RunContext, server: RunningServer, cell: CellSpec, *
     """Flush, scrape, load, scrape, summarize one cell on a ready server; store it when asked.
 
     Never returns a made-up number: a cell whose engine died is `failed` with the log tail, a
-    cell whose metrics cannot be computed is `invalid` (metrics.summarize says why).
+    cell whose metrics cannot be computed is `invalid` (metrics.summarize says why). A cell that
+    outlasts ctx.cell_timeout_s raises RunError and marks the server hung (`server.hung`).
     """
+    try:
+        return await asyncio.wait_for(_measure(ctx, server, cell, store), ctx.cell_timeout_s)
+    except asyncio.TimeoutError:
+        server.hung = f"engine did not finish cell {cell.cell_id} within {ctx.cell_timeout_s:g} s"
+        raise RunError(server.hung) from None
+
+
+async def _measure(ctx: RunContext, server: RunningServer, cell: CellSpec, store: bool) -> CellResult:
     adapter, spec, workload = server.adapter, server.spec, cell.workload_spec
     requests = _load_requests(ctx, server, cell)
     flush_path = getattr(adapter, "flush_cache_path", None)
@@ -175,8 +186,8 @@ async def run_server_cells(ctx: RunContext, spec: ServerSpec, cells: Sequence[Ce
             started = True
             for cell in todo:
                 ctx.events.cell_started(cell)
-                if not server.process.alive:
-                    result = _store_failure(ctx, cell, spec, _death_reason(server))
+                if server.hung or not server.process.alive:
+                    result = _store_failure(ctx, cell, spec, server.hung or _death_reason(server))
                 else:
                     try:
                         result = await measure_cell(ctx, server, cell)
@@ -232,13 +243,15 @@ def build_manifest(plan: Plan) -> dict[str, Any]:
     }
 
 
-async def run_plan(plan: Plan, store: RunStore, events: RunEvents | None = None) -> list[str]:
+async def run_plan(
+    plan: Plan, store: RunStore, events: RunEvents | None = None, *, cell_timeout_s: float = DEFAULT_CELL_TIMEOUT_S
+) -> list[str]:
     """Run every unfinished cell of the plan into the store (the CLI's one library call);
     returns the problems that produced no cell (a search that found no value)."""
     connector = aiohttp.TCPConnector(limit=0)  # the load generator sets the concurrency, not the pool
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        return await execute(RunContext(plan, store, session, events or SilentEvents()))
+        return await execute(RunContext(plan, store, session, events or SilentEvents(), cell_timeout_s))
 
 
 async def execute(ctx: RunContext) -> list[str]:
@@ -270,18 +283,15 @@ async def _load(
         rate_rps=None if closed else workload.rate_rps,
         seed=workload.seed,
     )
-    return await asyncio.wait_for(
-        loadgen.run_load(
-            server.base_url,
-            requests,
-            spec,
-            cell_id=cell.cell_id,
-            model_name=str(server.spec.options.get("model", server.spec.name)),
-            extras=server.adapter.request_extras(server.spec),
-            cold_first=cold_first,
-            session=ctx.session,
-        ),
-        timeout=ctx.cell_timeout_s,
+    return await loadgen.run_load(
+        server.base_url,
+        requests,
+        spec,
+        cell_id=cell.cell_id,
+        model_name=str(server.spec.options.get("model", server.spec.name)),
+        extras=server.adapter.request_extras(server.spec),
+        cold_first=cold_first,
+        session=ctx.session,
     )
 
 

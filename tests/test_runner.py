@@ -31,8 +31,8 @@ HERE = Path(__file__).resolve()
 
 class FakeOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    behaviour: Literal["ok", "crash", "die"] = "ok"
-    die_after: int = 0  # completions served before the process exits (behaviour die)
+    behaviour: Literal["ok", "crash", "die", "hang"] = "ok"
+    die_after: int = 0  # completions served before the process exits (die) or blocks forever (hang)
     token_delay_s: float = 0.01
     label: int | Literal["search"] = 0  # something to sweep, or to search
     tag: str = ""  # marks the engine processes of one test, to look for orphans
@@ -174,6 +174,18 @@ def test_failures_are_recorded_the_rest_continues_and_a_rerun_retries(tmp_path: 
     assert {c["attempt"] for c in cells(run_dir).values() if c["cell"]["engine"] == "good"} == {1}
 
 
+def test_a_hung_engine_fails_its_cell_by_timeout_and_its_later_cells_at_once(tmp_path: Path) -> None:
+    tag = f"tag-{tmp_path.name}"
+    path = matrix(tmp_path, {"hung": {"behaviour": "hang", "die_after": 1, "tag": tag}}, concurrency=[1, 2], num_requests=2)
+    t0 = time.monotonic()
+    assert run_cli(str(path), "--cell-timeout-s", "3") == 1
+    assert time.monotonic() - t0 < 60  # one timeout, not one per cell
+    assert orphans(tag) == []
+    first, second = sorted((p["cell"] for p in cells(only_run_dir(tmp_path)).values()), key=lambda c: c["concurrency"])
+    assert first["status"] == "failed" and "did not finish cell" in first["reason"] and "within 3 s" in first["reason"]
+    assert second["status"] == "failed" and second["reason"].startswith("engine did not finish cell " + first["cell_id"])
+
+
 def test_sigkill_mid_run_then_rerun_completes_and_keeps_what_was_written(tmp_path: Path) -> None:
     tag = f"tag-{tmp_path.name}"
     path = matrix(tmp_path, {"slow": {"token_delay_s": 0.05, "tag": tag}}, concurrency=[1, 2, 3, 4], num_requests=4)
@@ -302,6 +314,8 @@ def serve(args: argparse.Namespace) -> None:
         if args.behaviour == "die" and counters["completions"] > args.die_after:
             print("Segmentation fault (fake)", flush=True)
             os._exit(139)
+        if args.behaviour == "hang" and counters["completions"] > args.die_after:
+            time.sleep(3600)  # blocks the event loop: health, metrics and flush stop answering too
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         n = int(body["max_tokens"])
