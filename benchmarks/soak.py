@@ -128,7 +128,7 @@ async def _stream(session: aiohttp.ClientSession, base: str, body: dict[str, obj
             line = raw.decode().strip()
             if not line.startswith("data: "):
                 continue
-            payload = line[len("data: "):]
+            payload = line[len("data: ") :]
             if payload == "[DONE]":
                 done = True
                 break
@@ -172,7 +172,9 @@ async def drive(base: str, config: SoakConfig, pid: int, result: SoakResult) -> 
             rng = random.Random(config.seed * 1000 + index)
             while time.monotonic() < end:
                 try:
-                    result.completion_tokens += await _stream(session, base, _body(rng, config.max_tokens), abandon=False)
+                    result.completion_tokens += await _stream(
+                        session, base, _body(rng, config.max_tokens), abandon=False
+                    )
                     result.requests_ok += 1
                 except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError) as exc:
                     fail(f"stream {index}: {type(exc).__name__}: {exc}")
@@ -183,7 +185,10 @@ async def drive(base: str, config: SoakConfig, pid: int, result: SoakResult) -> 
             while time.monotonic() + config.burst_every_s < end:
                 await asyncio.sleep(config.burst_every_s)
                 outcomes = await asyncio.gather(
-                    *(_stream(session, base, _body(rng, config.max_tokens), abandon=True) for _ in range(config.burst_size)),
+                    *(
+                        _stream(session, base, _body(rng, config.max_tokens), abandon=True)
+                        for _ in range(config.burst_size)
+                    ),
                     return_exceptions=True,
                 )
                 result.abandoned += sum(1 for o in outcomes if not isinstance(o, BaseException))

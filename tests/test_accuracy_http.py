@@ -50,8 +50,12 @@ async def resident_url(tiny_model_dir: Path) -> AsyncIterator[str]:
     await server.close()
 
 
-async def test_paged_equals_resident_over_http_and_the_cli_passes(tiny_model_dir: Path, resident_url: str, tmp_path: Path) -> None:
-    paged, paged_url = await serve(ServeConfig(model_path=str(tiny_model_dir), mode="paged", resident_experts=4, max_total_tokens=512))
+async def test_paged_equals_resident_over_http_and_the_cli_passes(
+    tiny_model_dir: Path, resident_url: str, tmp_path: Path
+) -> None:
+    paged, paged_url = await serve(
+        ServeConfig(model_path=str(tiny_model_dir), mode="paged", resident_experts=4, max_total_tokens=512)
+    )
     try:
         report = await accuracy.run_accuracy(resident_url, paged_url, PROMPTS, max_tokens=MAX_TOKENS)
         assert report.passed, accuracy.format_report(report)
@@ -59,7 +63,19 @@ async def test_paged_equals_resident_over_http_and_the_cli_passes(tiny_model_dir
         assert all(c.tokens_a == c.tokens_b == MAX_TOKENS for c in report.comparisons)
         assert report.max_logprob_diff_nats is not None and report.max_logprob_diff_nats < 1e-3
         out = tmp_path / "accuracy.json"
-        argv = ["accuracy", "--a", resident_url, "--b", paged_url + "/", "--prompts", "2", "--max-tokens", "6", "--json-out", str(out)]
+        argv = [
+            "accuracy",
+            "--a",
+            resident_url,
+            "--b",
+            paged_url + "/",
+            "--prompts",
+            "2",
+            "--max-tokens",
+            "6",
+            "--json-out",
+            str(out),
+        ]
         assert await asyncio.to_thread(cli_main, argv) == 0
         saved = json.loads(out.read_text())
         assert saved["passed"] is True and len(saved["comparisons"]) == 2
@@ -73,7 +89,9 @@ async def test_a_page_in_that_skips_one_expert_tensor_fails_the_check(
     # Every page-in in this process now copies gate and up but not down: slots keep the evicted
     # expert's down projection. The resident server never pages, so only the paged side is wrong.
     monkeypatch.setattr(paged_experts.store, "EXPERT_TENSORS", ("gate", "up"))
-    faulty, faulty_url = await serve(ServeConfig(model_path=str(tiny_model_dir), mode="paged", resident_experts=4, max_total_tokens=512))
+    faulty, faulty_url = await serve(
+        ServeConfig(model_path=str(tiny_model_dir), mode="paged", resident_experts=4, max_total_tokens=512)
+    )
     try:
         report = await accuracy.run_accuracy(resident_url, faulty_url, PROMPTS, max_tokens=MAX_TOKENS)
         assert not report.passed, accuracy.format_report(report)
@@ -81,14 +99,28 @@ async def test_a_page_in_that_skips_one_expert_tensor_fails_the_check(
         diverged = [d for d in report.first_divergences if d is not None]
         assert report.token_agreement < 0.5 and len(diverged) >= len(PROMPTS) // 2
         out = tmp_path / "accuracy.json"
-        argv = ["accuracy", "--a", resident_url, "--b", faulty_url, "--prompts", "2", "--max-tokens", "6", "--json-out", str(out)]
+        argv = [
+            "accuracy",
+            "--a",
+            resident_url,
+            "--b",
+            faulty_url,
+            "--prompts",
+            "2",
+            "--max-tokens",
+            "6",
+            "--json-out",
+            str(out),
+        ]
         assert await asyncio.to_thread(cli_main, argv) == 1
         assert json.loads(out.read_text())["passed"] is False
     finally:
         await faulty.close()
 
 
-async def test_an_unreachable_engine_is_an_error_not_a_result(resident_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+async def test_an_unreachable_engine_is_an_error_not_a_result(
+    resident_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     from benchsuite.process import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"

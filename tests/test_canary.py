@@ -37,7 +37,13 @@ def leaking_app() -> web.Application:
         body = await request.json()
         text, previous["prompt"] = previous["prompt"], str(body["prompt"])
         usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
-        return web.json_response({"object": "text_completion", "choices": [{"index": 0, "text": text, "finish_reason": "length"}], "usage": usage})
+        return web.json_response(
+            {
+                "object": "text_completion",
+                "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+                "usage": usage,
+            }
+        )
 
     app = web.Application()
     app.router.add_get("/v1/models", models)
@@ -47,7 +53,9 @@ def leaking_app() -> web.Application:
 
 @pytest.fixture
 async def builtin_url(tiny_model_dir: Path) -> AsyncIterator[str]:
-    config = ServeConfig(model_path=str(tiny_model_dir), mode="paged", resident_experts=8, max_total_tokens=1024, max_running_requests=8)
+    config = ServeConfig(
+        model_path=str(tiny_model_dir), mode="paged", resident_experts=8, max_total_tokens=1024, max_running_requests=8
+    )
     server, url = await start(create_app(config))
     async with aiohttp.ClientSession() as session:
         for _ in range(600):
@@ -66,12 +74,26 @@ async def test_the_builtin_server_passes_sequential_and_concurrent(builtin_url: 
     assert report.requests_checked == 8 + 8 + 3
     assert report.leaks == () and report.interference == ()  # greedy output does not change with batching
     out = tmp_path / "canary.json"
-    argv = ["canary", "--url", builtin_url, "--rounds", "1", "--concurrency", "2", "--max-tokens", "4", "--json-out", str(out)]
+    argv = [
+        "canary",
+        "--url",
+        builtin_url,
+        "--rounds",
+        "1",
+        "--concurrency",
+        "2",
+        "--max-tokens",
+        "4",
+        "--json-out",
+        str(out),
+    ]
     assert await asyncio.to_thread(cli_main, argv) == 0
     assert json.loads(out.read_text())["passed"] is True
 
 
-async def test_an_endpoint_that_serves_the_previous_prompt_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+async def test_an_endpoint_that_serves_the_previous_prompt_fails(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     server, url = await start(leaking_app())
     try:
         report = await canary.run_canary(url, rounds=1, concurrency=4, max_tokens=8, seed_marker="CANARY-00c0ffee0042")

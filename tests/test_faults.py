@@ -74,7 +74,12 @@ def write_matrix(
         "fairness": {"kv_capacity_tokens": 1024},
         "engines": {name: {"kind": kind, "options": options} for name, options in engines.items()},
         "workloads": {
-            "w": {"output_tokens": output_tokens, "concurrency": concurrency, "num_requests": num_requests, "warmup_requests": 0}
+            "w": {
+                "output_tokens": output_tokens,
+                "concurrency": concurrency,
+                "num_requests": num_requests,
+                "warmup_requests": 0,
+            }
         },
     }
     path = tmp_path / "matrix.yaml"
@@ -166,16 +171,20 @@ BUILTIN_RUNNING = "paged_experts:num_running_reqs"
 LLAMACPP_RUNNING = "llamacpp:requests_processing"
 
 
-def signal_engine_mid_generation(tag: str, sig: signal.Signals, gauge: str = BUILTIN_RUNNING, timeout_s: float = 60.0) -> None:
+def signal_engine_mid_generation(
+    tag: str, sig: signal.Signals, gauge: str = BUILTIN_RUNNING, timeout_s: float = 60.0
+) -> None:
     """Send `sig` to this test's engine as soon as its /metrics `gauge` shows a running request,
     so the fault lands inside a cell's load, not between cells (a thread polls)."""
 
     def running(port: str) -> bool:
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
-                for line in resp.read().decode().splitlines():
-                    if line.startswith(gauge + " ") or line.startswith(gauge + "{"):
-                        return float(line.split()[-1]) >= 1
+        with (
+            contextlib.suppress(OSError),
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp,
+        ):
+            for line in resp.read().decode().splitlines():
+                if line.startswith((gauge + " ", gauge + "{")):
+                    return float(line.split()[-1]) >= 1
         return False
 
     def fire() -> None:
@@ -222,7 +231,9 @@ async def test_engine_exit_at_start_and_sigkill_mid_cell_fail_only_their_cells_a
     assert {c["status"] for c in cells["bad"]} == {"failed"}
     # the cause is the exit or the crash line in the log, whichever the launcher saw first; the log
     # tail in the reason says which value the server refused
-    assert all("engine did not start" in c["reason"] and "999" in c["reason"] for c in cells["bad"]), cells["bad"][0]["reason"]
+    assert all("engine did not start" in c["reason"] and "999" in c["reason"] for c in cells["bad"]), cells["bad"][0][
+        "reason"
+    ]
     assert {c["status"] for c in cells["good"]} == {"ok"}  # the matrix went on after both faults
 
     first = cell_bytes(store.run_dir)
@@ -240,7 +251,9 @@ async def test_engine_exit_at_start_and_sigkill_mid_cell_fail_only_their_cells_a
 
 
 @pytest.mark.slow
-async def test_engine_hung_by_sigstop_fails_its_cells_by_timeout_and_is_killed(tmp_path: Path, tiny_model_dir: Path) -> None:
+async def test_engine_hung_by_sigstop_fails_its_cells_by_timeout_and_is_killed(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
     model = tagged_model(tmp_path, tiny_model_dir)
     tag = str(model)
     path = write_matrix(tmp_path, {"hung": {"model": tag, "mode": "resident"}}, concurrency=[1, 2], output_tokens=48)
@@ -281,7 +294,10 @@ async def test_port_taken_while_the_engine_starts_fails_that_server_and_the_rest
 ) -> None:
     model = tagged_model(tmp_path, tiny_model_dir)
     tag = str(model)
-    engines = {"raced": {"model": tag, "mode": "resident"}, "good": {"model": tag, "mode": "paged", "resident_experts": 8}}
+    engines = {
+        "raced": {"model": tag, "mode": "resident"},
+        "good": {"model": tag, "mode": "paged", "resident_experts": 8},
+    }
     path = write_matrix(tmp_path, engines, concurrency=[1])
     holders: list[socket.socket] = []
 
@@ -300,7 +316,10 @@ async def test_port_taken_while_the_engine_starts_fails_that_server_and_the_rest
     assert_no_orphans(tag)
     cells = {name: rows[0] for name, rows in by_engine(store.run_dir).items()}
     assert cells["raced"]["status"] == "failed", cells["raced"]
-    assert "engine did not start" in cells["raced"]["reason"] and "address already in use" in cells["raced"]["reason"].lower()
+    assert (
+        "engine did not start" in cells["raced"]["reason"]
+        and "address already in use" in cells["raced"]["reason"].lower()
+    )
     assert cells["good"]["status"] == "ok"
 
 
@@ -310,7 +329,10 @@ async def test_port_taken_before_launch_fails_or_retries_that_server_and_the_res
 ) -> None:
     model = tagged_model(tmp_path, tiny_model_dir)
     tag = str(model)
-    engines = {"taken": {"model": tag, "mode": "resident"}, "good": {"model": tag, "mode": "paged", "resident_experts": 8}}
+    engines = {
+        "taken": {"model": tag, "mode": "resident"},
+        "good": {"model": tag, "mode": "paged", "resident_experts": 8},
+    }
     path = write_matrix(tmp_path, engines, concurrency=[1])
     holders: list[socket.socket] = []
     real_free_port = runner.free_port
@@ -357,7 +379,9 @@ def test_ctrl_c_then_sigkill_of_the_runner_keep_every_finished_cell_and_the_reru
 ) -> None:
     model = tagged_model(tmp_path, tiny_model_dir)
     tag = str(model)
-    path = write_matrix(tmp_path, {"e": {"model": tag, "mode": "resident"}}, concurrency=[1, 2, 3, 4, 5], output_tokens=32)
+    path = write_matrix(
+        tmp_path, {"e": {"model": tag, "mode": "resident"}}, concurrency=[1, 2, 3, 4, 5], output_tokens=32
+    )
     results = tmp_path / "results"
 
     child = start_cli_run(path)
@@ -451,7 +475,9 @@ def read_only(directory: Path) -> Iterator[None]:
             for p, mode in modes.items():
                 p.chmod(mode)
         return
-    bind = subprocess.run(["mount", "--bind", "-o", "ro", str(directory), str(directory)], capture_output=True, text=True)
+    bind = subprocess.run(
+        ["mount", "--bind", "-o", "ro", str(directory), str(directory)], capture_output=True, text=True, check=False
+    )
     if bind.returncode != 0:
         pytest.skip(f"running as root and a read-only bind mount is not allowed here: {bind.stderr.strip()}")
     try:
@@ -511,7 +537,9 @@ needs_llama_server = pytest.mark.skipif(
 @pytest.mark.llamacpp
 @pytest.mark.slow
 @needs_llama_server
-async def test_llama_server_bad_flag_sigkill_and_sigstop_fail_only_their_cells_and_a_rerun_resumes(tmp_path: Path) -> None:
+async def test_llama_server_bad_flag_sigkill_and_sigstop_fail_only_their_cells_and_a_rerun_resumes(
+    tmp_path: Path,
+) -> None:
     tag = f"fault-{tmp_path.name}"  # `--alias TAG` marks this test's llama-server processes
     base = {"model": "tiny", "threads": 1}
     engines = {

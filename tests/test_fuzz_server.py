@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import sys
 import time
 import urllib.error
@@ -69,7 +68,7 @@ def send(url: str, raw: bytes, content_type: str = "application/json") -> tuple[
             return resp.status, b"".join(chunks)
     except urllib.error.HTTPError as err:
         return err.code, err.read()
-    except (TimeoutError, socket.timeout):
+    except TimeoutError:
         pytest.fail(f"{url}: no answer within {REQUEST_LIMIT_S:g} s to {raw[:300]!r}")
 
 
@@ -96,7 +95,9 @@ JSON_SCALARS = st.one_of(
     st.text(max_size=12),
 )
 JSON_VALUES = st.recursive(
-    JSON_SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=8
+    JSON_SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8,
 )
 MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "system", "assistant", "tool", "developer", "robot"]) | JSON_VALUES},
@@ -104,7 +105,9 @@ MESSAGE = st.fixed_dictionaries(
               "name": JSON_VALUES},
 )  # fmt: skip
 PLAUSIBLE = {
-    "prompt": st.text(max_size=30) | st.lists(st.integers(-5, 5000), max_size=6) | st.lists(st.text(max_size=5), max_size=2)
+    "prompt": st.text(max_size=30)
+    | st.lists(st.integers(-5, 5000), max_size=6)
+    | st.lists(st.text(max_size=5), max_size=2)
     | st.lists(st.lists(st.integers(0, 100), max_size=3), max_size=2),
     "messages": st.lists(MESSAGE, max_size=3),
     "max_tokens": st.integers(-2, 6),
@@ -130,7 +133,9 @@ def bodies(draw: st.DrawFn, fields: list[str]) -> dict[str, Any]:
     return body
 
 
-FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 
 
 @FUZZ
@@ -148,7 +153,10 @@ def test_fuzzed_chat_completions_never_get_a_5xx_or_hang(server_url: str, body: 
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(raw=st.binary(max_size=64) | st.builds(lambda v: json.dumps(v).encode(), JSON_VALUES), path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+@given(
+    raw=st.binary(max_size=64) | st.builds(lambda v: json.dumps(v).encode(), JSON_VALUES),
+    path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+)
 def test_raw_bodies_never_get_a_5xx(server_url: str, raw: bytes, path: str) -> None:
     check_answer(*send(f"{server_url}{path}", raw), raw)
 

@@ -14,7 +14,7 @@ SOAK_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
 RSS_GROWTH_LIMIT_MIB = 64.0  # after warmup; a leak per request would pass this in seconds at this rate
 
 
-def load_soak():  # noqa: ANN201 - the module object
+def load_soak():
     spec = importlib.util.spec_from_file_location("soak_benchmark", SOAK_PATH)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
