@@ -32,8 +32,8 @@ if [ "${SKIP_LINKBW:-0}" != 1 ]; then
 fi
 
 if [ "${SKIP_DECODE:-0}" != 1 ]; then
-  timeout $((DECODE_DEADLINE_S + 45)) python3 benchmarks/decode_h200.py --out "$OUT/decode_h200.json" --layers 48 \
-    --modes "$MODES" --batches 1,4 --routings model,qwen3-30b-a3b --prompt 8 --warmup 2 --steps 24 \
+  timeout $((DECODE_DEADLINE_S + 45)) python3 benchmarks/decode_h200.py --out "$OUT/decode_h200.json" --layers "${LAYERS:-48}" \
+    --modes "$MODES" --batches 1,4 --routings "${ROUTINGS:-model,qwen3-30b-a3b}" --prompt 8 --warmup 2 --steps 24 \
     --cell-cap-s "${CELL_CAP_S:-2.5}" --graphs 1,2,3,4 --kernels "${KERNELS:-fused,loop}" --deadline-s "$DECODE_DEADLINE_S" \
     --linkbw-json "$OUT/linkbw.json" 2>&1 | tee "$OUT/decode_h200.txt" || echo "FAILED decode_h200"
 fi
