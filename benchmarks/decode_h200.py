@@ -66,7 +66,7 @@ def measure_link(device: str, expert_bytes: int, linkbw_json: str | None) -> dic
 
             out["link_B_per_s"] = paging_b_per_s_from_json(linkbw_json)
             out["link_source"] = linkbw_json
-        except Exception as exc:  # a broken probe file must not lose the decode figures
+        except Exception as exc:  # noqa: BLE001 - a broken probe file must not lose the decode figures
             out["linkbw_json_error"] = repr(exc)
     if device != "cuda":
         return out
@@ -180,8 +180,8 @@ def add_rooflines(cells: list[dict[str, Any]], link: dict[str, Any], expert_byte
 def provenance() -> dict[str, Any]:
     def git(*a: str) -> str | None:
         try:
-            return subprocess.run(["git", *a], capture_output=True, text=True, timeout=10).stdout.strip() or None
-        except Exception:
+            return subprocess.run(["git", *a], capture_output=True, text=True, timeout=10, check=False).stdout.strip() or None
+        except Exception:  # noqa: BLE001 - provenance is best effort
             return None
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             if graph:
                 model.enable_cuda_graphs(graphs)
             sync(args.device)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failed mode is recorded, the rest still run
             record["cells"].append({"mode": mode, "kernel": kernel, "graphs": graph, "error": f"build: {exc!r}"})
             write()
             print(f"{mode} {kernel} {graph}: build failed: {exc!r}", flush=True)
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
                 try:
                     cell = {**base, **run_cell(model, b, args)}
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - recorded as the cell's error
                     cell = {**base, "batch": b, "error": repr(exc)}
                 if graph:
                     cell["captured_graphs"] = model.captured_graphs
