@@ -106,3 +106,15 @@ def test_sharegpt_path_is_relative_to_the_matrix_and_must_exist(tmp_path: Path) 
     vm = load_matrix(write(tmp_path, text))
     assert vm.matrix.workloads["w"].path == str(tmp_path / "data" / "sg.json")
     assert "needs path" in errors_of(tmp_path, text.replace("    path: data/sg.json\n", ""))
+
+
+def test_synthetic_routing_spec_is_checked_and_labelled(tmp_path: Path) -> None:
+    from benchsuite.engines.builtin import BuiltinAdapter
+    from benchsuite.plan import build_plan
+
+    msg = errors_of(tmp_path, GOOD.replace("mode: resident}", "mode: resident, routing: zipf}"))
+    assert "engines.res.options.routing: unknown routing spec 'zipf'" in msg
+    plan = build_plan(load_matrix(write(tmp_path, GOOD.replace("mode: resident}", "mode: resident, routing: Zipf:1.2}"))))
+    res = next(s for s in plan.servers if s.name == "res")
+    assert BuiltinAdapter().routing_label(res) == "synthetic:zipf:1.2"
+    assert "--routing-source Zipf:1.2 --routing-seed 0" in " ".join(BuiltinAdapter().launch_plan(res, 1).argv)

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from benchsuite.engines import RUN_DIR_PLACEHOLDER
 from benchsuite.engines.base import EngineConfigError, LaunchPlan, ServerSpec
@@ -34,9 +34,19 @@ class BuiltinOptions(BaseModel):
     n_cpu_moe: int | None = Field(None, ge=0)  # mode cpu-experts
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] | None = None  # server default when unset
-    routing: str = "model"  # "model" or a synthetic routing preset name
+    routing: str = "model"  # "model", or a synthetic routing spec (paged_experts.routing.parse_spec)
+    routing_seed: int = 0  # seed of the synthetic routing source
     record_routing: bool = False  # write the routing trace to <run>/routing/<server-id>.trace
     startup_timeout_s: float = Field(600.0, gt=0)
+
+    @field_validator("routing")
+    @classmethod
+    def _routing_spec(cls, value: str) -> str:
+        if value != "model":
+            from paged_experts.routing import parse_spec  # imports torch: only for synthetic routing
+
+            parse_spec(value)  # ValueError names the accepted forms
+        return value
 
     @model_validator(mode="after")
     def _mode_options(self) -> BuiltinOptions:
@@ -96,7 +106,7 @@ class BuiltinAdapter:
         if opts.dtype is not None:
             argv += ["--dtype", opts.dtype]
         if opts.routing != "model":
-            argv += ["--routing-source", opts.routing]
+            argv += ["--routing-source", opts.routing, "--routing-seed", str(opts.routing_seed)]
         if opts.record_routing:
             argv += ["--record-routing", f"{RUN_DIR_PLACEHOLDER}/routing/{spec.server_id}.trace"]
         # The tiny model on 2 CPU cores starts in seconds; a real checkpoint may take minutes.
@@ -107,7 +117,7 @@ class BuiltinAdapter:
 
     def routing_label(self, spec: ServerSpec) -> str:
         routing = self._options(spec).routing
-        return "model" if routing == "model" else f"synthetic:{routing}"
+        return "model" if routing == "model" else f"synthetic:{routing.strip().lower()}"  # as the server labels it
 
     def request_extras(self, spec: ServerSpec) -> dict[str, Any]:
         return {}
