@@ -103,3 +103,35 @@ def test_fit_params_argv_pins_the_server_flags():
     assert argv[argv.index("--n-cpu-moe") + 1] == "5"
     assert argv[argv.index("-c") + 1] == "10240" and argv[argv.index("-np") + 1] == "4"
     assert argv[-2:] == ["--fit-print", "on"] and "--kv-unified" not in argv  # a server-only flag
+
+
+def _qwen3_30b_a3b_shape(n_layer: int) -> ModelFacts:
+    """Tensor bytes of the generated qwen3-30b-a3b-shape checkpoint exported as bf16 (its trained vocab: 1042)."""
+    h, heads, kv_heads, d, e, i, v = 2048, 32, 4, 128, 128, 768, 1042
+    bf16, f32 = 2, 4
+    tensors = [("token_embd.weight", v * h * bf16), ("output_norm.weight", h * f32), ("output.weight", v * h * bf16)]
+    for layer in range(n_layer):
+        b = f"blk.{layer}."
+        tensors += [
+            (b + "attn_norm.weight", h * f32), (b + "ffn_norm.weight", h * f32),
+            (b + "attn_q.weight", heads * d * h * bf16), (b + "attn_k.weight", kv_heads * d * h * bf16),
+            (b + "attn_v.weight", kv_heads * d * h * bf16), (b + "attn_output.weight", h * heads * d * bf16),
+            (b + "attn_q_norm.weight", d * f32), (b + "attn_k_norm.weight", d * f32),
+            (b + "ffn_gate_inp.weight", e * h * f32),
+        ]
+        tensors += [(b + f"ffn_{p}_exps.weight", e * i * h * bf16) for p in ("gate", "up", "down")]
+    return ModelFacts(n_layer, h, heads, kv_heads, d, d, v, e, 8, i, tuple(tensors))
+
+
+# llama-fit-params on an H200 (CUDA build of the pinned sdist), 8-layer qwen3-30b-a3b-shape bf16 GGUF,
+# -ngl 999 -c 10240 -np 1 -fa on: CUDA0 (model, context, compute) MiB for n_cpu_moe = 0..8.
+H200_FIT_PRINT_MIB = {0: (9516, 160, 94), 1: (8364, 160, 454), 4: (4908, 160, 454), 8: (300, 160, 454)}
+
+
+@pytest.mark.parametrize("n_cpu_moe", sorted(H200_FIT_PRINT_MIB))
+def test_projection_matches_llama_cpp_on_an_h200(n_cpu_moe):
+    model_mib, context_mib, compute_mib = H200_FIT_PRINT_MIB[n_cpu_moe]
+    ours = project(_qwen3_30b_a3b_shape(8), n_cpu_moe, 10240, flash_attn=True)
+    assert ours.gpu_model_bytes // MIB == model_mib
+    assert ours.gpu_context_bytes // MIB == context_mib
+    assert abs(ours.gpu_compute_bytes / MIB - compute_mib) <= 40
