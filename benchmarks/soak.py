@@ -16,6 +16,8 @@ Figures (JSON on stdout or --out):
 - kv_used_tokens_idle / kv_capacity_tokens: `paged_experts:kv_used_tokens` and
   `paged_experts:kv_capacity_tokens` from /metrics once the load has stopped and the server is idle
   (num_running_reqs and num_waiting_reqs 0; waits up to --idle-timeout-s);
+- server_aborted_requests / server_generation_tokens: the server's own counters at the end (every
+  abandoned request should show up as aborted);
 - server_alive / healthy_after: the process still runs and /health answers 200.
 `ok` is true when the server is alive and healthy, no request failed, and the idle KV is empty.
 
@@ -76,6 +78,8 @@ class SoakResult:
     rss_start_mib: float | None = None
     rss_end_mib: float | None = None
     rss_peak_mib: float | None = None
+    server_aborted_requests: float | None = None  # paged_experts:num_aborted_requests_total at the end
+    server_generation_tokens: float | None = None  # paged_experts:generation_tokens_total at the end
     kv_used_tokens_idle: float | None = None
     kv_capacity_tokens: float | None = None
     server_alive: bool = False
@@ -172,13 +176,14 @@ async def drive(base: str, config: SoakConfig, pid: int, result: SoakResult) -> 
             rng = random.Random(config.seed * 1000 + index)
             while time.monotonic() < end:
                 try:
-                    result.completion_tokens += await _stream(
-                        session, base, _body(rng, config.max_tokens), abandon=False
-                    )
-                    result.requests_ok += 1
+                    tokens = await _stream(session, base, _body(rng, config.max_tokens), abandon=False)
                 except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError) as exc:
                     fail(f"stream {index}: {type(exc).__name__}: {exc}")
                     await asyncio.sleep(0.5)
+                    continue
+                # add after the await: `x += await f()` would read x before awaiting and lose updates
+                result.completion_tokens += tokens
+                result.requests_ok += 1
 
         async def bursts() -> None:
             rng = random.Random(config.seed - 1)
@@ -218,6 +223,8 @@ async def drive(base: str, config: SoakConfig, pid: int, result: SoakResult) -> 
                     break
             await asyncio.sleep(0.2)
         result.kv_used_tokens_idle = values.get("paged_experts:kv_used_tokens")
+        result.server_aborted_requests = values.get("paged_experts:num_aborted_requests_total")
+        result.server_generation_tokens = values.get("paged_experts:generation_tokens_total")
         result.kv_capacity_tokens = values.get("paged_experts:kv_capacity_tokens")
         result.rss_end_mib = rss_mib(pid)
         with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):

@@ -35,6 +35,8 @@ async def test_short_soak_keeps_the_server_up_and_returns_all_kv(tiny_model_dir:
     assert result.server_alive and result.healthy_after, figures
     assert result.requests_failed == 0, figures
     assert result.requests_ok >= 64 and result.abandoned >= 8, figures
+    assert result.server_aborted_requests and result.server_aborted_requests > 0, figures  # the server saw them go
+    assert result.server_generation_tokens and result.server_generation_tokens >= result.completion_tokens, figures
     assert result.kv_capacity_tokens == 4096 and result.kv_used_tokens_idle == 0, figures
     assert result.rss_growth_mib is not None and result.rss_growth_mib < RSS_GROWTH_LIMIT_MIB, figures
     assert result.ok
