@@ -271,7 +271,7 @@ async def test_engine_hung_by_sigstop_fails_its_cells_by_timeout_and_is_killed(
     elapsed_s = time.monotonic() - t0
     cells = sorted(stored(store.run_dir).values(), key=lambda c: c["concurrency"])
     assert [c["status"] for c in cells] == ["failed", "failed"]
-    assert "TimeoutError" in cells[0]["reason"]
+    assert "TimeoutError" in cells[0]["reason"] or "within 5 s" in cells[0]["reason"], cells[0]["reason"]
     # the hung engine is not asked again for every later cell: each would wait its full timeout
     assert elapsed_s < 60.0, f"the run took {elapsed_s:.0f} s"
 
