@@ -55,7 +55,11 @@ _LAYER_NAMES = {
     "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate.weight": "ffn_gate_inp.weight",
 }
-_EXPERT_PROJ = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+_EXPERT_PROJ = {
+    "gate_proj": "ffn_gate_exps",
+    "up_proj": "ffn_up_exps",
+    "down_proj": "ffn_down_exps",
+}
 _ALWAYS_F32_SUFFIXES = ("ffn_gate_inp.weight",)
 _TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER_DEFINED, _TOKEN_UNUSED = 1, 3, 4, 5
 
@@ -97,7 +101,7 @@ class _Checkpoint:
         self._handles = [safe_open(str(model_dir / f), framework="pt") for f in files]
         self.where: dict[str, Any] = {}
         for handle in self._handles:
-            for name in handle.keys():
+            for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 self.where[name] = handle
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -116,7 +120,9 @@ def _qtype_for(gguf_name: str, shape: tuple[int, ...], export_type: str) -> Q:
     return qtype
 
 
-def plan_tensors(hf: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], export_type: str) -> list[PlannedTensor]:
+def plan_tensors(
+    hf: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], export_type: str
+) -> list[PlannedTensor]:
     """Every GGUF tensor in file order, from the HF config and the checkpoint's tensor shapes."""
     layers, experts = int(hf["num_hidden_layers"]), int(hf["num_experts"])
     planned: list[PlannedTensor] = []
@@ -129,15 +135,24 @@ def plan_tensors(hf: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], e
         if any(shapes[s] != first for s in sources):
             raise UserError(f"{gguf_name}: stacked tensors differ in shape")
         shape = (len(sources), *first) if len(sources) > 1 else first
-        planned.append(PlannedTensor(gguf_name, shape, _qtype_for(gguf_name, shape, export_type), sources))
+        planned.append(
+            PlannedTensor(
+                gguf_name, shape, _qtype_for(gguf_name, shape, export_type), sources
+            )
+        )
 
     add("token_embd.weight", ("model.embed_tokens.weight",))
     for i in range(layers):
         for hf_suffix, gguf_suffix in _LAYER_NAMES.items():
             add(f"blk.{i}.{gguf_suffix}", (f"model.layers.{i}.{hf_suffix}",))
         for proj, gguf_base in _EXPERT_PROJ.items():
-            sources = tuple(f"model.layers.{i}.mlp.experts.{e}.{proj}.weight" for e in range(experts))
-            add(f"blk.{i}.{gguf_base}.weight", sources)  # [E, I, H] gate/up, [E, H, I] down
+            sources = tuple(
+                f"model.layers.{i}.mlp.experts.{e}.{proj}.weight"
+                for e in range(experts)
+            )
+            add(
+                f"blk.{i}.{gguf_base}.weight", sources
+            )  # [E, I, H] gate/up, [E, H, I] down
     add("output_norm.weight", ("model.norm.weight",))
     if "lm_head.weight" in shapes and not hf.get("tie_word_embeddings", False):
         add("output.weight", ("lm_head.weight",))
@@ -151,9 +166,17 @@ def convert_tensor(values: torch.Tensor, qtype: Q) -> np.ndarray:
     if qtype == Q.F16:
         return values.to(torch.float16).contiguous().numpy()
     if qtype == Q.BF16:
-        return values.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
+        return (
+            values.to(torch.bfloat16)
+            .contiguous()
+            .view(torch.int16)
+            .numpy()
+            .view(np.uint16)
+        )
     if qtype == Q.Q8_0:
-        return gguf.quants.quantize(values.to(torch.float32).contiguous().numpy(), Q.Q8_0)
+        return gguf.quants.quantize(
+            values.to(torch.float32).contiguous().numpy(), Q.Q8_0
+        )
     raise ValueError(f"unsupported tensor type {qtype.name}")
 
 
@@ -171,18 +194,24 @@ def _tokenizer_fields(model_dir: Path, hf: Mapping[str, Any]) -> dict[str, Any]:
     tok = json.loads(path.read_text(encoding="utf-8"))
     model = tok.get("model") or {}
     if model.get("type") != "BPE":
-        raise UserError(f"{path}: only BPE tokenizers export to GGUF here, got {model.get('type')!r}")
+        raise UserError(
+            f"{path}: only BPE tokenizers export to GGUF here, got {model.get('type')!r}"
+        )
     by_id: dict[int, str] = {int(i): t for t, i in model["vocab"].items()}
     types: dict[int, int] = {i: _TOKEN_NORMAL for i in by_id}
     for added in tok.get("added_tokens") or []:
         by_id[int(added["id"])] = added["content"]
-        types[int(added["id"])] = _TOKEN_CONTROL if added.get("special") else _TOKEN_USER_DEFINED
+        types[int(added["id"])] = (
+            _TOKEN_CONTROL if added.get("special") else _TOKEN_USER_DEFINED
+        )
     vocab_size = max(int(hf["vocab_size"]), max(by_id) + 1)
     tokens, token_types = [], []
     for i in range(vocab_size):
         tokens.append(by_id.get(i, f"[PAD{i}]"))
         token_types.append(types.get(i, _TOKEN_UNUSED))
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    merges = [
+        m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []
+    ]
     config_path = model_dir / "tokenizer_config.json"
     tok_config = json.loads(config_path.read_text()) if config_path.is_file() else {}
     pad = tok_config.get("pad_token")
@@ -196,8 +225,12 @@ def _tokenizer_fields(model_dir: Path, hf: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _write_metadata(writer: gguf.GGUFWriter, model_dir: Path, hf: Mapping[str, Any], export_type: str) -> None:
-    head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // int(hf["num_attention_heads"]))
+def _write_metadata(
+    writer: gguf.GGUFWriter, model_dir: Path, hf: Mapping[str, Any], export_type: str
+) -> None:
+    head_dim = int(
+        hf.get("head_dim") or int(hf["hidden_size"]) // int(hf["num_attention_heads"])
+    )
     writer.add_name(model_dir.name)
     writer.add_file_type(_FILE_TYPE[export_type])
     if export_type == "q8_0":
@@ -205,9 +238,13 @@ def _write_metadata(writer: gguf.GGUFWriter, model_dir: Path, hf: Mapping[str, A
     writer.add_context_length(int(hf.get("max_position_embeddings", 40960)))
     writer.add_embedding_length(int(hf["hidden_size"]))
     writer.add_block_count(int(hf["num_hidden_layers"]))
-    writer.add_feed_forward_length(int(hf.get("intermediate_size", hf["moe_intermediate_size"])))
+    writer.add_feed_forward_length(
+        int(hf.get("intermediate_size", hf["moe_intermediate_size"]))
+    )
     writer.add_head_count(int(hf["num_attention_heads"]))
-    writer.add_head_count_kv(int(hf.get("num_key_value_heads", hf["num_attention_heads"])))
+    writer.add_head_count_kv(
+        int(hf.get("num_key_value_heads", hf["num_attention_heads"]))
+    )
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
@@ -238,18 +275,28 @@ def _write_metadata(writer: gguf.GGUFWriter, model_dir: Path, hf: Mapping[str, A
 
 def _check_supported(hf: Mapping[str, Any], model_dir: Path) -> None:
     if hf.get("model_type") != "qwen3_moe":
-        raise UserError(f"{model_dir}: GGUF export supports model_type qwen3_moe, got {hf.get('model_type')!r}")
+        raise UserError(
+            f"{model_dir}: GGUF export supports model_type qwen3_moe, got {hf.get('model_type')!r}"
+        )
     if not hf.get("norm_topk_prob", False):
         # llama.cpp's qwen3moe graph always renormalizes the top-k weights.
-        raise UserError(f"{model_dir}: norm_topk_prob=false cannot be expressed in a qwen3moe GGUF")
+        raise UserError(
+            f"{model_dir}: norm_topk_prob=false cannot be expressed in a qwen3moe GGUF"
+        )
     if int(hf.get("decoder_sparse_step", 1)) != 1 or hf.get("mlp_only_layers"):
-        raise UserError(f"{model_dir}: dense MLP layers are not supported by this export")
+        raise UserError(
+            f"{model_dir}: dense MLP layers are not supported by this export"
+        )
 
 
-def export_gguf(model_dir: str | Path, out: str | Path, export_type: str = "f32") -> ExportSummary:
+def export_gguf(
+    model_dir: str | Path, out: str | Path, export_type: str = "f32"
+) -> ExportSummary:
     """Write `out` (atomically: a temporary file renamed at the end)."""
     if export_type not in EXPORT_TYPES:
-        raise UserError(f"--type must be one of {', '.join(EXPORT_TYPES)}, got {export_type!r}")
+        raise UserError(
+            f"--type must be one of {', '.join(EXPORT_TYPES)}, got {export_type!r}"
+        )
     model_dir, out = Path(model_dir).expanduser(), Path(out).expanduser()
     config_path = model_dir / "config.json"
     if not config_path.is_file():
@@ -257,16 +304,29 @@ def export_gguf(model_dir: str | Path, out: str | Path, export_type: str = "f32"
     hf = json.loads(config_path.read_text())
     _check_supported(hf, model_dir)
     ckpt = _Checkpoint(model_dir)
-    planned = plan_tensors(hf, {name: ckpt.shape(name) for name in ckpt.where}, export_type)
+    planned = plan_tensors(
+        hf, {name: ckpt.shape(name) for name in ckpt.where}, export_type
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     writer = gguf.GGUFWriter(tmp, ARCH)
     try:
         _write_metadata(writer, model_dir, hf, export_type)
         for p in planned:
-            byte_shape = gguf.quants.quant_shape_to_byte_shape(p.shape, p.qtype) if p.qtype == Q.Q8_0 else p.shape
-            dtype = {Q.F32: np.float32, Q.F16: np.float16, Q.BF16: np.uint16, Q.Q8_0: np.uint8}[p.qtype]
-            writer.add_tensor_info(p.gguf_name, byte_shape, np.dtype(dtype), p.nbytes, raw_dtype=p.qtype)
+            byte_shape = (
+                gguf.quants.quant_shape_to_byte_shape(p.shape, p.qtype)
+                if p.qtype == Q.Q8_0
+                else p.shape
+            )
+            dtype = {
+                Q.F32: np.float32,
+                Q.F16: np.float16,
+                Q.BF16: np.uint16,
+                Q.Q8_0: np.uint8,
+            }[p.qtype]
+            writer.add_tensor_info(
+                p.gguf_name, byte_shape, np.dtype(dtype), p.nbytes, raw_dtype=p.qtype
+            )
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
@@ -293,13 +353,18 @@ def checkpoint_fingerprint(model_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def cached_export(model_dir: str | Path, export_type: str = "f32", cache_dir: Path | None = None) -> Path:
+def cached_export(
+    model_dir: str | Path, export_type: str = "f32", cache_dir: Path | None = None
+) -> Path:
     """The GGUF of `model_dir` in the per-user cache, exported on first use."""
     from benchsuite.llamacpp_build import cache_root
 
     model_dir = Path(model_dir).expanduser().resolve()
     root = cache_dir or cache_root() / "gguf"
-    target = root / f"{model_dir.name}-{checkpoint_fingerprint(model_dir)}-{export_type}.gguf"
+    target = (
+        root
+        / f"{model_dir.name}-{checkpoint_fingerprint(model_dir)}-{export_type}.gguf"
+    )
     if not target.is_file():
         export_gguf(model_dir, target, export_type)
     return target
@@ -309,4 +374,9 @@ def iter_tensor_bytes(path: Path) -> Iterator[tuple[str, str, tuple[int, ...], i
     """(name, type name, numpy-order shape, bytes) of every tensor in a GGUF file."""
     reader = gguf.GGUFReader(path)
     for t in reader.tensors:
-        yield t.name, t.tensor_type.name, tuple(int(x) for x in reversed(t.shape)), int(t.n_bytes)
+        yield (
+            t.name,
+            t.tensor_type.name,
+            tuple(int(x) for x in reversed(t.shape)),
+            int(t.n_bytes),
+        )

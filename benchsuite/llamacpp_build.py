@@ -25,7 +25,11 @@ from benchsuite.errors import RunError
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 SDIST_NAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
 STAMP_NAME = "build-stamp.json"
-REQUIRED_TARGETS: tuple[str, ...] = ("llama-server", "llama-bench", "llama-batched-bench")
+REQUIRED_TARGETS: tuple[str, ...] = (
+    "llama-server",
+    "llama-bench",
+    "llama-batched-bench",
+)
 OPTIONAL_TARGETS: tuple[str, ...] = ("llama-fit-params",)
 DEFAULT_CUDA_ARCH = "90"
 
@@ -74,11 +78,16 @@ def detect_cuda_architectures() -> str:
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=30, check=True,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return DEFAULT_CUDA_ARCH
-    archs = sorted({line.strip().replace(".", "") for line in out.splitlines() if line.strip()})
+    archs = sorted(
+        {line.strip().replace(".", "") for line in out.splitlines() if line.strip()}
+    )
     return ";".join(archs) or DEFAULT_CUDA_ARCH
 
 
@@ -131,7 +140,13 @@ def cached_binary(name: str) -> Path | None:
 def binary_version(binary: Path) -> str:
     """`<binary> --version` output (llama.cpp prints it on stderr)."""
     try:
-        proc = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [str(binary), "--version"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
     except (OSError, subprocess.SubprocessError) as exc:
         return f"unavailable: {exc}"
     return (proc.stdout + proc.stderr).strip()
@@ -139,7 +154,9 @@ def binary_version(binary: Path) -> str:
 
 def _run(cmd: list[str], log, cwd: Path | None = None) -> None:
     print("+ " + " ".join(cmd), file=log, flush=True)
-    proc = subprocess.run(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.run(
+        cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, check=False
+    )
     if proc.returncode != 0:
         raise RunError(f"command failed with status {proc.returncode}: {' '.join(cmd)}")
 
@@ -147,16 +164,33 @@ def _run(cmd: list[str], log, cwd: Path | None = None) -> None:
 def fetch_source(log) -> Path:
     """Download (once) and unpack the sdist's vendored llama.cpp; returns its source directory."""
     src_root = cache_root() / "llama.cpp" / "src"
-    src_dir = src_root / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
+    src_dir = (
+        src_root
+        / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
+        / "vendor"
+        / "llama.cpp"
+    )
     if (src_dir / "CMakeLists.txt").is_file():
         return src_dir
     src_root.mkdir(parents=True, exist_ok=True)
     sdist = src_root / SDIST_NAME
     if not sdist.is_file():
         # --no-binary only for this package: build deps (used for metadata) may stay wheels.
-        _run([sys.executable, "-m", "pip", "download", "--no-deps",
-              "--no-binary", "llama-cpp-python",
-              f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(src_root)], log)
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                "llama-cpp-python",
+                f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}",
+                "-d",
+                str(src_root),
+            ],
+            log,
+        )
     prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
     with tarfile.open(sdist) as tar:
         members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
@@ -175,7 +209,9 @@ def _available_targets(src_dir: Path) -> list[str]:
     return targets
 
 
-def build_llama_server(cuda: bool, jobs: int | None, log, force: bool = False) -> BuildResult:
+def build_llama_server(
+    cuda: bool, jobs: int | None, log, force: bool = False
+) -> BuildResult:
     """Build (or reuse) the binaries; `log` receives the CMake output."""
     flags = build_flags(cuda)
     dest = install_dir(cuda)
@@ -187,17 +223,32 @@ def build_llama_server(cuda: bool, jobs: int | None, log, force: bool = False) -
     src_dir = fetch_source(log)
     build_dir = dest / "build"
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    _run(["cmake", "-S", str(src_dir), "-B", str(build_dir), *generator,
-          *[f"-D{k}={v}" for k, v in flags.cmake_defines]], log)
+    _run(
+        [
+            "cmake",
+            "-S",
+            str(src_dir),
+            "-B",
+            str(build_dir),
+            *generator,
+            *[f"-D{k}={v}" for k, v in flags.cmake_defines],
+        ],
+        log,
+    )
     targets = _available_targets(src_dir)
     jobs_n = jobs or os.cpu_count() or 1
-    _run(["cmake", "--build", str(build_dir), "--target", *targets, "-j", str(jobs_n)], log)
+    _run(
+        ["cmake", "--build", str(build_dir), "--target", *targets, "-j", str(jobs_n)],
+        log,
+    )
     bin_dir.mkdir(parents=True, exist_ok=True)
     for name in targets:
         built = build_dir / "bin" / name
         if not built.is_file():
             raise RunError(f"build finished but {built} is missing")
         shutil.copy2(built, bin_dir / name)
-    (dest / STAMP_NAME).write_text(json.dumps(flags.to_json(), indent=2, sort_keys=True))
+    (dest / STAMP_NAME).write_text(
+        json.dumps(flags.to_json(), indent=2, sort_keys=True)
+    )
     seconds = time.perf_counter() - started
     return BuildResult(bin_dir, server, binary_version(server), False, seconds, flags)

@@ -28,11 +28,19 @@ from typing import Any
 _BUFFER = re.compile(
     r"^(?P<stage>\w+):\s+(?P<device>[\w.\-]+)\s+(?P<kind>model|KV|compute|output|RS) buffer size\s*=\s*(?P<mib>[\d.]+) MiB"
 )
-_KV_SIZE = re.compile(r"llama_kv_cache: size\s*=\s*(?P<mib>[\d.]+) MiB \(\s*(?P<cells>\d+) cells,\s*(?P<layers>\d+) layers,\s*(?P<seqs>\d+/\d+) seqs\)")
-_CONTEXT = re.compile(r"^llama_context:\s+(?P<key>n_ctx|n_ctx_seq|n_seq_max|n_batch|n_ubatch|flash_attn|kv_unified)\s*=\s*(?P<value>\S+)")
-_LAUNCH_MARKER = re.compile(r"^# benchsuite: starting ", re.MULTILINE)  # written by benchsuite.process
+_KV_SIZE = re.compile(
+    r"llama_kv_cache: size\s*=\s*(?P<mib>[\d.]+) MiB \(\s*(?P<cells>\d+) cells,\s*(?P<layers>\d+) layers,\s*(?P<seqs>\d+/\d+) seqs\)"
+)
+_CONTEXT = re.compile(
+    r"^llama_context:\s+(?P<key>n_ctx|n_ctx_seq|n_seq_max|n_batch|n_ubatch|flash_attn|kv_unified)\s*=\s*(?P<value>\S+)"
+)
+_LAUNCH_MARKER = re.compile(
+    r"^# benchsuite: starting ", re.MULTILINE
+)  # written by benchsuite.process
 _PREFIX = re.compile(r"^\d+\.\d+\.\d+\.\d+\s+[A-Z]\s+")
-_BREAKDOWN_ROW = re.compile(r"common_memory_breakdown_print:\s*\|\s*-\s*(?P<device>[^|]+?)\s*\|(?P<body>[^|]*)\|")
+_BREAKDOWN_ROW = re.compile(
+    r"common_memory_breakdown_print:\s*\|\s*-\s*(?P<device>[^|]+?)\s*\|(?P<body>[^|]*)\|"
+)
 _MOE_CACHE_LINE = re.compile(r"moe[ _-]?cache", re.IGNORECASE)
 _HITS = re.compile(r"hits?\s*[=:]\s*(\d+)", re.IGNORECASE)
 _MISSES = re.compile(r"miss(?:es)?\s*[=:]\s*(\d+)", re.IGNORECASE)
@@ -49,7 +57,7 @@ def parse_server_log(text: str) -> dict[str, Any]:
     """
     starts = [m.start() for m in _LAUNCH_MARKER.finditer(text)]
     if starts:
-        text = text[starts[-1]:]
+        text = text[starts[-1] :]
     buffers: dict[str, dict[str, float]] = {}
     context: dict[str, Any] = {}
     kv: dict[str, Any] = {}
@@ -63,9 +71,16 @@ def parse_server_log(text: str) -> dict[str, Any]:
                 breakdown[m["device"]] = row
         elif m := _BUFFER.match(line):
             per_kind = buffers.setdefault(m["kind"], {})
-            per_kind[m["device"]] = round(per_kind.get(m["device"], 0.0) + float(m["mib"]), 3)
+            per_kind[m["device"]] = round(
+                per_kind.get(m["device"], 0.0) + float(m["mib"]), 3
+            )
         elif m := _KV_SIZE.search(line):
-            kv = {"size_mib": float(m["mib"]), "cells": int(m["cells"]), "layers": int(m["layers"]), "seqs": m["seqs"]}
+            kv = {
+                "size_mib": float(m["mib"]),
+                "cells": int(m["cells"]),
+                "layers": int(m["layers"]),
+                "seqs": m["seqs"],
+            }
         elif m := _CONTEXT.match(line):
             value = m["value"]
             context[m["key"]] = int(value) if value.isdigit() else value
@@ -97,7 +112,12 @@ def parse_breakdown_row(body: str) -> dict[str, int] | None:
     if len(numbers) == 4:
         return dict(zip(("self", "model", "context", "compute"), numbers))
     if len(numbers) == 7:
-        return dict(zip(("total", "free", "self", "model", "context", "compute", "unaccounted"), numbers))
+        return dict(
+            zip(
+                ("total", "free", "self", "model", "context", "compute", "unaccounted"),
+                numbers,
+            )
+        )
     return None
 
 

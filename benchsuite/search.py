@@ -24,7 +24,7 @@ from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from benchsuite.errors import RunError, UserError
 
@@ -38,8 +38,12 @@ class SearchSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     min_n: int = Field(0, ge=0)
-    max_n: int | None = Field(None, ge=0)  # default: the model's layer count (all experts on the CPU)
-    rel_tol: float = Field(0.02, ge=0.0)  # a step right must improve by more than this to continue
+    max_n: int | None = Field(
+        None, ge=0
+    )  # default: the model's layer count (all experts on the CPU)
+    rel_tol: float = Field(
+        0.02, ge=0.0
+    )  # a step right must improve by more than this to continue
     metric: Literal["decode_tok_s_p50", "output_tok_s"] = "decode_tok_s_p50"
     margin_mib: int = Field(1024, ge=0)  # llama.cpp's default fit margin per device
     projection: Literal["auto", "benchsuite", "llama-fit-params"] = "auto"
@@ -114,7 +118,9 @@ def _improves(new: float | None, old: float | None, rel_tol: float) -> bool:
     return new - old > rel_tol * abs(old)
 
 
-def _outcome(values: Sequence[int], measured: Mapping[int, float | None], best: int | None) -> SearchOutcome:
+def _outcome(
+    values: Sequence[int], measured: Mapping[int, float | None], best: int | None
+) -> SearchOutcome:
     return SearchOutcome(
         best_n=values[best] if best is not None else None,
         best_value=measured[best] if best is not None else None,
@@ -140,12 +146,16 @@ def parse_request(value: Any) -> SearchSettings:
     if isinstance(value, Mapping) and set(value) == {"search"}:
         body = value["search"] or {}
         if not isinstance(body, Mapping):
-            raise UserError("n_cpu_moe: {search: ...} must hold a mapping of search settings")
+            raise UserError(
+                "n_cpu_moe: {search: ...} must hold a mapping of search settings"
+            )
         try:
             return SearchSettings.model_validate(dict(body))
-        except Exception as exc:  # pydantic.ValidationError; one line for the user
+        except ValidationError as exc:
             raise UserError(f"n_cpu_moe.search: {exc}") from None
-    raise UserError(f"n_cpu_moe: expected an integer, 'search' or {{search: {{...}}}}, got {value!r}")
+    raise UserError(
+        f"n_cpu_moe: expected an integer, 'search' or {{search: {{...}}}}, got {value!r}"
+    )
 
 
 # ---- runner hook --------------------------------------------------------------------------------
@@ -163,26 +173,41 @@ async def run_search(ctx: Any, task: Any) -> Mapping[str, Any]:
     spec = task.spec
     adapter = ADAPTERS[spec.kind]
     if not hasattr(adapter, "projections"):
-        raise UserError(f"engine {spec.name}: kind {spec.kind} has no {task.option} search")
+        raise UserError(
+            f"engine {spec.name}: kind {spec.kind} has no {task.option} search"
+        )
     settings = parse_request(spec.options[task.option])
     budget_bytes = adapter.vram_budget_bytes(spec)
-    projections = adapter.projections(spec, settings)  # n -> Projection, every candidate N
+    projections = adapter.projections(
+        spec, settings
+    )  # n -> Projection, every candidate N
     margin_bytes = settings.margin_mib * 2**20
     fits = {n: p.fits(budget_bytes, margin_bytes) for n, p in projections.items()}
     fitting = [n for n in sorted(projections) if fits[n]]
 
     def spec_for(n: int) -> Any:
         options = {**spec.options, task.option: n}
-        return make_server_spec(spec.name, spec.kind, options, spec.fairness, spec.max_concurrency)
+        return make_server_spec(
+            spec.name, spec.kind, options, spec.fairness, spec.max_concurrency
+        )
 
     def search_cell(n: int) -> Any:
         s = spec_for(n)
         cells = plan_cells(ctx.plan.matrix, s, {**task.params, task.option: n})
         first = cells[0]
-        same_class = [c for c in cells if (c.workload, c.prompt_class, c.repeat) == (first.workload, first.prompt_class, 0)]
-        cell = max(same_class, key=lambda c: c.concurrency)  # the objective is at the cell's concurrency
+        same_class = [
+            c
+            for c in cells
+            if (c.workload, c.prompt_class, c.repeat)
+            == (first.workload, first.prompt_class, 0)
+        ]
+        cell = max(
+            same_class, key=lambda c: c.concurrency
+        )  # the objective is at the cell's concurrency
         cell_id = stable_id({"search_of": spec.server_id, "n": n, "cell": cell.cell_id})
-        return s, dataclasses.replace(cell, cell_id=cell_id, params={**cell.params, "search_n": n})
+        return s, dataclasses.replace(
+            cell, cell_id=cell_id, params={**cell.params, "search_n": n}
+        )
 
     results: dict[int, Any] = {}
 
@@ -194,9 +219,13 @@ async def run_search(ctx: Any, task: Any) -> Mapping[str, Any]:
         else:
             try:
                 async with runner.launch_server(ctx, s) as server:
-                    results[n] = await runner.measure_cell(ctx, server, cell, store=False)
+                    results[n] = await runner.measure_cell(
+                        ctx, server, cell, store=False
+                    )
             except runner._CELL_ERRORS as exc:
-                results[n] = runner._failed(ctx, cell, s, f"{type(exc).__name__}: {exc}")
+                results[n] = runner._failed(
+                    ctx, cell, s, f"{type(exc).__name__}: {exc}"
+                )
         r = results[n]
         value = getattr(r, settings.metric)
         return value if r.status == "ok" and value is not None else None
@@ -225,25 +254,38 @@ async def run_search(ctx: Any, task: Any) -> Mapping[str, Any]:
         }
         if n in results:
             r = results[n]
-            ctx.store.write_cell(dataclasses.replace(r, extras={**r.extras, **extras}), [])
+            ctx.store.write_cell(
+                dataclasses.replace(r, extras={**r.extras, **extras}), []
+            )
         elif not fits[n]:
-            reason = (f"not launched: projected {p.gpu_total_bytes / 2**20:.1f} MiB + margin "
-                      f"{settings.margin_mib} MiB exceeds the {budget_bytes / 2**20:.1f} MiB budget")
+            reason = (
+                f"not launched: projected {p.gpu_total_bytes / 2**20:.1f} MiB + margin "
+                f"{settings.margin_mib} MiB exceeds the {budget_bytes / 2**20:.1f} MiB budget"
+            )
             base = runner._failed(ctx, cell, s, reason)
-            ctx.store.write_cell(dataclasses.replace(base, status="invalid", extras=extras), [])
-    ctx.store.record_server(spec.server_id, {
-        "search": {
-            "option": task.option,
-            "settings": settings.model_dump(),
-            "fitting": fitting,
-            "measured": [dataclasses.asdict(m) for m in outcome.measurements],
-            "best_n": outcome.best_n,
-            "launches": outcome.launches,
-            "linear_scan_launches": outcome.linear_scan_launches,
-        }
-    })
+            ctx.store.write_cell(
+                dataclasses.replace(base, status="invalid", extras=extras), []
+            )
+    ctx.store.record_server(
+        spec.server_id,
+        {
+            "search": {
+                "option": task.option,
+                "settings": settings.model_dump(),
+                "fitting": fitting,
+                "measured": [dataclasses.asdict(m) for m in outcome.measurements],
+                "best_n": outcome.best_n,
+                "launches": outcome.launches,
+                "linear_scan_launches": outcome.linear_scan_launches,
+            }
+        },
+    )
     if outcome.best_n is None:
         if not fitting:
-            raise RunError(f"engine {spec.name}: no {task.option} value fits the {budget_bytes / 2**30:.2f} GiB budget")
-        raise RunError(f"engine {spec.name}: every launch of the {task.option} search failed (see the logs)")
+            raise RunError(
+                f"engine {spec.name}: no {task.option} value fits the {budget_bytes / 2**30:.2f} GiB budget"
+            )
+        raise RunError(
+            f"engine {spec.name}: every launch of the {task.option} search failed (see the logs)"
+        )
     return {**spec.options, task.option: outcome.best_n}

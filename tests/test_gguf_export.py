@@ -20,7 +20,9 @@ LAYERS = 2
 
 @pytest.fixture(scope="module")
 def ckpt_f32(tmp_path_factory):
-    return write_checkpoint("tiny", tmp_path_factory.mktemp("f32") / "ckpt", layers=LAYERS)
+    return write_checkpoint(
+        "tiny", tmp_path_factory.mktemp("f32") / "ckpt", layers=LAYERS
+    )
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +34,10 @@ def ckpt_bf16(ckpt_f32, tmp_path_factory):
         shutil.copy(ckpt_f32 / name, out / name)
     cfg = json.loads((ckpt_f32 / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}))
-    save_file({k: v.to(torch.bfloat16) for k, v in _hf(ckpt_f32).items()}, str(out / "model.safetensors"))
+    save_file(
+        {k: v.to(torch.bfloat16) for k, v in _hf(ckpt_f32).items()},
+        str(out / "model.safetensors"),
+    )
     return out
 
 
@@ -54,18 +59,34 @@ def test_f32_export_is_byte_identical_with_stacked_experts(ckpt_f32, tmp_path):
     summary = export_gguf(ckpt_f32, out, "f32")
     hf = _hf(ckpt_f32)
     cfg = json.loads((ckpt_f32 / "config.json").read_text())
-    reader, tensors = _tensors(out)
+    _, tensors = _tensors(out)
     assert summary.num_tensors == len(tensors) == 1 + LAYERS * 12 + 2
-    assert bytes(tensors["token_embd.weight"].data) == hf["model.embed_tokens.weight"].numpy().tobytes()
-    assert bytes(tensors["output.weight"].data) == hf["lm_head.weight"].numpy().tobytes()
-    assert bytes(tensors["blk.1.attn_k_norm.weight"].data) == hf["model.layers.1.self_attn.k_norm.weight"].numpy().tobytes()
-    assert bytes(tensors["blk.0.ffn_norm.weight"].data) == hf["model.layers.0.post_attention_layernorm.weight"].numpy().tobytes()
-    assert bytes(tensors["blk.1.ffn_gate_inp.weight"].data) == hf["model.layers.1.mlp.gate.weight"].numpy().tobytes()
+    assert (
+        bytes(tensors["token_embd.weight"].data)
+        == hf["model.embed_tokens.weight"].numpy().tobytes()
+    )
+    assert (
+        bytes(tensors["output.weight"].data) == hf["lm_head.weight"].numpy().tobytes()
+    )
+    assert (
+        bytes(tensors["blk.1.attn_k_norm.weight"].data)
+        == hf["model.layers.1.self_attn.k_norm.weight"].numpy().tobytes()
+    )
+    assert (
+        bytes(tensors["blk.0.ffn_norm.weight"].data)
+        == hf["model.layers.0.post_attention_layernorm.weight"].numpy().tobytes()
+    )
+    assert (
+        bytes(tensors["blk.1.ffn_gate_inp.weight"].data)
+        == hf["model.layers.1.mlp.gate.weight"].numpy().tobytes()
+    )
     E, I, H = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["hidden_size"]
     for proj, shape in (("gate", (E, I, H)), ("up", (E, I, H)), ("down", (E, H, I))):
         t = tensors[f"blk.1.ffn_{proj}_exps.weight"]
         assert tuple(int(x) for x in reversed(t.shape)) == shape  # numpy order [E, ...]
-        stacked = torch.stack([hf[f"model.layers.1.mlp.experts.{e}.{proj}_proj.weight"] for e in range(E)])
+        stacked = torch.stack(
+            [hf[f"model.layers.1.mlp.experts.{e}.{proj}_proj.weight"] for e in range(E)]
+        )
         assert bytes(t.data) == stacked.numpy().tobytes()
 
 
@@ -104,19 +125,29 @@ def test_metadata_and_tokenizer(ckpt_f32, tmp_path):
     assert merges[0] == (first if isinstance(first, str) else " ".join(first))
 
 
-def test_bf16_export_keeps_stored_bytes_and_norms_and_router_in_f32(ckpt_bf16, tmp_path):
+def test_bf16_export_keeps_stored_bytes_and_norms_and_router_in_f32(
+    ckpt_bf16, tmp_path
+):
     out = tmp_path / "m.gguf"
     export_gguf(ckpt_bf16, out, "bf16")
     hf = _hf(ckpt_bf16)
     _, tensors = _tensors(out)
     exps = tensors["blk.0.ffn_up_exps.weight"]
     assert exps.tensor_type == gguf.GGMLQuantizationType.BF16
-    stacked = torch.stack([hf[f"model.layers.0.mlp.experts.{e}.up_proj.weight"] for e in range(32)])
+    stacked = torch.stack(
+        [hf[f"model.layers.0.mlp.experts.{e}.up_proj.weight"] for e in range(32)]
+    )
     assert bytes(exps.data) == stacked.view(torch.int16).numpy().tobytes()
     norm = tensors["blk.0.attn_norm.weight"]
     assert norm.tensor_type == gguf.GGMLQuantizationType.F32
-    assert np.array_equal(np.asarray(norm.data), hf["model.layers.0.input_layernorm.weight"].float().numpy())
-    assert tensors["blk.0.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    assert np.array_equal(
+        np.asarray(norm.data),
+        hf["model.layers.0.input_layernorm.weight"].float().numpy(),
+    )
+    assert (
+        tensors["blk.0.ffn_gate_inp.weight"].tensor_type
+        == gguf.GGMLQuantizationType.F32
+    )
 
 
 def test_q8_0_export_matches_the_reference_quantizer(ckpt_f32, tmp_path):
@@ -126,10 +157,17 @@ def test_q8_0_export_matches_the_reference_quantizer(ckpt_f32, tmp_path):
     _, tensors = _tensors(out)
     t = tensors["blk.0.attn_q.weight"]
     assert t.tensor_type == gguf.GGMLQuantizationType.Q8_0
-    ref = gguf.quants.quantize(hf["model.layers.0.self_attn.q_proj.weight"].numpy(), gguf.GGMLQuantizationType.Q8_0)
+    ref = gguf.quants.quantize(
+        hf["model.layers.0.self_attn.q_proj.weight"].numpy(),
+        gguf.GGMLQuantizationType.Q8_0,
+    )
     assert bytes(t.data) == ref.tobytes()
     deq = gguf.quants.dequantize(np.asarray(t.data), gguf.GGMLQuantizationType.Q8_0)
-    np.testing.assert_allclose(deq.reshape(ref.shape[0], -1), hf["model.layers.0.self_attn.q_proj.weight"].numpy(), atol=0.02)
+    np.testing.assert_allclose(
+        deq.reshape(ref.shape[0], -1),
+        hf["model.layers.0.self_attn.q_proj.weight"].numpy(),
+        atol=0.02,
+    )
 
 
 def test_cached_export_reuses_the_file(ckpt_f32, tmp_path):

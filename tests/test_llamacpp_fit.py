@@ -20,13 +20,32 @@ ATTN_BYTES = 10
 
 
 def _facts(n_layer: int = 4) -> ModelFacts:
-    tensors = [("token_embd.weight", 500), ("output_norm.weight", 4), ("output.weight", 700)]
+    tensors = [
+        ("token_embd.weight", 500),
+        ("output_norm.weight", 4),
+        ("output.weight", 700),
+    ]
     for i in range(n_layer):
-        tensors += [(f"blk.{i}.attn_q.weight", ATTN_BYTES), (f"blk.{i}.ffn_gate_inp.weight", 3)]
-        tensors += [(f"blk.{i}.ffn_{p}_exps.weight", EXPERT_BYTES) for p in ("gate", "up", "down")]
+        tensors += [
+            (f"blk.{i}.attn_q.weight", ATTN_BYTES),
+            (f"blk.{i}.ffn_gate_inp.weight", 3),
+        ]
+        tensors += [
+            (f"blk.{i}.ffn_{p}_exps.weight", EXPERT_BYTES)
+            for p in ("gate", "up", "down")
+        ]
     return ModelFacts(
-        n_layer=n_layer, n_embd=64, n_head=4, n_head_kv=2, head_dim_k=16, head_dim_v=16, n_vocab=1000,
-        n_expert=32, n_expert_used=4, n_ff_exp=32, tensor_bytes=tuple(tensors),
+        n_layer=n_layer,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=2,
+        head_dim_k=16,
+        head_dim_v=16,
+        n_vocab=1000,
+        n_expert=32,
+        n_expert_used=4,
+        n_ff_exp=32,
+        tensor_bytes=tuple(tensors),
     )
 
 
@@ -37,7 +56,11 @@ def test_first_n_layers_experts_and_token_embedding_stay_on_the_host():
         p = project(facts, n, 1024)
         assert p.host_model_bytes == 500 + 3 * EXPERT_BYTES * n
         assert p.gpu_model_bytes + p.host_model_bytes == all_bytes
-    assert project(facts, 1, 1024).gpu_model_bytes - project(facts, 2, 1024).gpu_model_bytes == 3 * EXPERT_BYTES
+    assert (
+        project(facts, 1, 1024).gpu_model_bytes
+        - project(facts, 2, 1024).gpu_model_bytes
+        == 3 * EXPERT_BYTES
+    )
 
 
 def test_kv_is_cells_padded_to_256_times_kv_heads_times_k_plus_v_dims_in_f16():
@@ -62,15 +85,23 @@ def test_separate_kv_streams_shrink_the_attention_span():
 
 def test_cpu_layers_from_ngl_move_whole_layers_and_output():
     facts = _facts()
-    p = project(facts, 0, 1024, n_gpu_layers=2)  # layers 0 and 1 on the CPU, output too (ngl <= n_layer)
+    p = project(
+        facts, 0, 1024, n_gpu_layers=2
+    )  # layers 0 and 1 on the CPU, output too (ngl <= n_layer)
     layer_bytes = ATTN_BYTES + 3 + 3 * EXPERT_BYTES
     assert p.gpu_model_bytes == 2 * layer_bytes
     assert p.gpu_context_bytes == 2 * kv_bytes_per_layer(facts, 1024)
 
 
 def test_fit_check_includes_the_margin():
-    p = Projection(3, gpu_model_bytes=10 * MIB, gpu_context_bytes=2 * MIB, gpu_compute_bytes=3 * MIB,
-                   host_model_bytes=0, source="benchsuite")
+    p = Projection(
+        3,
+        gpu_model_bytes=10 * MIB,
+        gpu_context_bytes=2 * MIB,
+        gpu_compute_bytes=3 * MIB,
+        host_model_bytes=0,
+        source="benchsuite",
+    )
     assert p.fits(16 * MIB, margin_bytes=MIB)
     assert not p.fits(16 * MIB, margin_bytes=2 * MIB)
 
@@ -90,7 +121,11 @@ def test_parse_fit_print_lines():
     ]
     p = projection_from_fit_print(FIT_PRINT, n_cpu_moe=7)
     assert p.gpu_total_bytes == (17105 + 960 + 301) * MIB
-    assert (p.host_model_bytes, p.source, p.n_cpu_moe) == (312 * MIB, "llama-fit-params", 7)
+    assert (p.host_model_bytes, p.source, p.n_cpu_moe) == (
+        312 * MIB,
+        "llama-fit-params",
+        7,
+    )
 
 
 def test_fit_print_without_a_gpu_line_is_an_error():
@@ -102,30 +137,48 @@ def test_fit_params_argv_pins_the_server_flags():
     argv = fit_params_argv("bin/llama-fit-params", "m.gguf", 5, 10240, 4, True, 999)
     assert argv[argv.index("--n-cpu-moe") + 1] == "5"
     assert argv[argv.index("-c") + 1] == "10240" and argv[argv.index("-np") + 1] == "4"
-    assert argv[-2:] == ["--fit-print", "on"] and "--kv-unified" not in argv  # a server-only flag
+    assert (
+        argv[-2:] == ["--fit-print", "on"] and "--kv-unified" not in argv
+    )  # a server-only flag
 
 
 def _qwen3_30b_a3b_shape(n_layer: int) -> ModelFacts:
     """Tensor bytes of the generated qwen3-30b-a3b-shape checkpoint exported as bf16 (its trained vocab: 1042)."""
     h, heads, kv_heads, d, e, i, v = 2048, 32, 4, 128, 128, 768, 1042
     bf16, f32 = 2, 4
-    tensors = [("token_embd.weight", v * h * bf16), ("output_norm.weight", h * f32), ("output.weight", v * h * bf16)]
+    tensors = [
+        ("token_embd.weight", v * h * bf16),
+        ("output_norm.weight", h * f32),
+        ("output.weight", v * h * bf16),
+    ]
     for layer in range(n_layer):
         b = f"blk.{layer}."
         tensors += [
-            (b + "attn_norm.weight", h * f32), (b + "ffn_norm.weight", h * f32),
-            (b + "attn_q.weight", heads * d * h * bf16), (b + "attn_k.weight", kv_heads * d * h * bf16),
-            (b + "attn_v.weight", kv_heads * d * h * bf16), (b + "attn_output.weight", h * heads * d * bf16),
-            (b + "attn_q_norm.weight", d * f32), (b + "attn_k_norm.weight", d * f32),
+            (b + "attn_norm.weight", h * f32),
+            (b + "ffn_norm.weight", h * f32),
+            (b + "attn_q.weight", heads * d * h * bf16),
+            (b + "attn_k.weight", kv_heads * d * h * bf16),
+            (b + "attn_v.weight", kv_heads * d * h * bf16),
+            (b + "attn_output.weight", h * heads * d * bf16),
+            (b + "attn_q_norm.weight", d * f32),
+            (b + "attn_k_norm.weight", d * f32),
             (b + "ffn_gate_inp.weight", e * h * f32),
         ]
-        tensors += [(b + f"ffn_{p}_exps.weight", e * i * h * bf16) for p in ("gate", "up", "down")]
+        tensors += [
+            (b + f"ffn_{p}_exps.weight", e * i * h * bf16)
+            for p in ("gate", "up", "down")
+        ]
     return ModelFacts(n_layer, h, heads, kv_heads, d, d, v, e, 8, i, tuple(tensors))
 
 
 # llama-fit-params on an H200 (CUDA build of the pinned sdist), 8-layer qwen3-30b-a3b-shape bf16 GGUF,
 # -ngl 999 -c 10240 -np 1 -fa on: CUDA0 (model, context, compute) MiB for n_cpu_moe = 0..8.
-H200_FIT_PRINT_MIB = {0: (9516, 160, 94), 1: (8364, 160, 454), 4: (4908, 160, 454), 8: (300, 160, 454)}
+H200_FIT_PRINT_MIB = {
+    0: (9516, 160, 94),
+    1: (8364, 160, 454),
+    4: (4908, 160, 454),
+    8: (300, 160, 454),
+}
 
 
 @pytest.mark.parametrize("n_cpu_moe", sorted(H200_FIT_PRINT_MIB))

@@ -21,7 +21,8 @@ from benchsuite.engines.llamacpp import LlamaCppAdapter, find_binary
 from benchsuite.process import EngineProcess, free_port
 
 needs_server = pytest.mark.skipif(
-    find_binary() is None, reason="no llama-server on PATH or in the cache: run `benchsuite install llama-server`"
+    find_binary() is None,
+    reason="no llama-server on PATH or in the cache: run `benchsuite install llama-server`",
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,12 +40,16 @@ NEW_TOKENS = 24
 AGREEMENT_FLOOR_F32 = 0.95
 
 
-def _builtin_greedy(model_dir: Path, prompts: list[list[int]], n_new: int) -> list[list[int]]:
+def _builtin_greedy(
+    model_dir: Path, prompts: list[list[int]], n_new: int
+) -> list[list[int]]:
     from paged_experts.kv import KvPool
     from paged_experts.model import MoeCausalLM, SeqChunk
     from paged_experts.runtime import RuntimeConfig
 
-    model = MoeCausalLM.from_pretrained(model_dir, RuntimeConfig(mode="resident", device="cpu", dtype="float32"))
+    model = MoeCausalLM.from_pretrained(
+        model_dir, RuntimeConfig(mode="resident", device="cpu", dtype="float32")
+    )
     pool = KvPool.for_model(model, capacity_tokens=1024)
     outputs = []
     for ids in prompts:
@@ -64,13 +69,17 @@ def _builtin_greedy(model_dir: Path, prompts: list[list[int]], n_new: int) -> li
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     matched = total = 0
     for x, y in zip(a, b, strict=True):
-        prefix = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+        prefix = next(
+            (i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y))
+        )
         matched += prefix
         total += max(len(x), len(y))
     return matched / total
 
 
-async def _llama_greedy(base_url: str, prompts: list[list[int]], n_new: int) -> list[list[int]]:
+async def _llama_greedy(
+    base_url: str, prompts: list[list[int]], n_new: int
+) -> list[list[int]]:
     outputs = []
     async with aiohttp.ClientSession() as session:
         for ids in prompts:
@@ -95,14 +104,29 @@ async def test_f32_gguf_agrees_with_the_builtin_engine(tmp_path):
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     prompts = [tok.encode(p).ids for p in PROMPTS]
     adapter = LlamaCppAdapter()
-    spec = ServerSpec("agree", "llamacpp", {"model": "tiny", "threads": 2}, {"kv_capacity_tokens": 1024}, 1, "agree")
+    spec = ServerSpec(
+        "agree",
+        "llamacpp",
+        {"model": "tiny", "threads": 2},
+        {"kv_capacity_tokens": 1024},
+        1,
+        "agree",
+    )
     port = free_port()
     plan = adapter.launch_plan(spec, port)
-    async with EngineProcess(plan.argv, plan.env, tmp_path / "server.log", f"http://127.0.0.1:{port}/health", 120):
+    async with EngineProcess(
+        plan.argv,
+        plan.env,
+        tmp_path / "server.log",
+        f"http://127.0.0.1:{port}/health",
+        120,
+    ):
         ours = await _llama_greedy(f"http://127.0.0.1:{port}", prompts, NEW_TOKENS)
     reference = _builtin_greedy(model_dir, prompts, NEW_TOKENS)
     rate = agreement(ours, reference)
-    print(f"GGUF f32 greedy agreement with the builtin engine: {rate:.3f} over {len(prompts)} prompts x {NEW_TOKENS} tokens")
+    print(
+        f"GGUF f32 greedy agreement with the builtin engine: {rate:.3f} over {len(prompts)} prompts x {NEW_TOKENS} tokens"
+    )
     assert rate >= AGREEMENT_FLOOR_F32, (ours, reference)
 
 
@@ -114,21 +138,39 @@ def test_our_projection_matches_llama_fit_params_on_the_host(flash_attn, n_ctx):
     """On a CPU build llama-fit-params projects everything onto `Host`; ours must agree (MiB, floored)."""
     import subprocess
 
-    from benchsuite.llamacpp_fit import MIB, fit_params_argv, parse_fit_print, project, read_model_facts
+    from benchsuite.llamacpp_fit import (
+        MIB,
+        fit_params_argv,
+        parse_fit_print,
+        project,
+        read_model_facts,
+    )
 
     fit_binary = find_binary().parent / "llama-fit-params"
     if not fit_binary.is_file():
         pytest.skip(f"{fit_binary} not built")
-    model = LlamaCppAdapter().model_path(ServerSpec("p", "llamacpp", {"model": "tiny"}, {}, 1, "p"))
+    model = LlamaCppAdapter().model_path(
+        ServerSpec("p", "llamacpp", {"model": "tiny"}, {}, 1, "p")
+    )
     argv = fit_params_argv(fit_binary, model, 0, n_ctx, 2, flash_attn, 999)
-    host = next(r for r in parse_fit_print(subprocess.run(argv, capture_output=True, text=True, check=True).stdout))
+    host = next(
+        r
+        for r in parse_fit_print(
+            subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+        )
+    )
     facts = read_model_facts(model)
-    ours = project(facts, 0, n_ctx, flash_attn=flash_attn, n_kv_streams=2)  # llama-fit-params: -np streams
+    ours = project(
+        facts, 0, n_ctx, flash_attn=flash_attn, n_kv_streams=2
+    )  # llama-fit-params: -np streams
     whole_model = sum(b for _, b in facts.tensor_bytes)
     assert host.device == "Host"
     assert host.model_mib == whole_model // MIB
     assert host.context_mib == ours.gpu_context_bytes // MIB
-    assert abs(host.compute_mib - ours.gpu_compute_bytes / MIB) <= 1.0 + 0.1 * host.compute_mib
+    assert (
+        abs(host.compute_mib - ours.gpu_compute_bytes / MIB)
+        <= 1.0 + 0.1 * host.compute_mib
+    )
 
 
 def test_agreement_counts_the_common_prefix():
@@ -143,22 +185,42 @@ def test_llamacpp_tiny_matrix_end_to_end(tmp_path):
     from benchsuite.cli import main as cli_main
     from benchsuite.store import read_cells, read_manifest
 
-    rc = cli_main(["run", str(REPO / "configs" / "llamacpp_tiny.yaml"), "--output-root", str(tmp_path), "--quiet", "--no-report"])
+    rc = cli_main(
+        [
+            "run",
+            str(REPO / "configs" / "llamacpp_tiny.yaml"),
+            "--output-root",
+            str(tmp_path),
+            "--quiet",
+            "--no-report",
+        ]
+    )
     run_dir = next(tmp_path.iterdir())
     cells = read_cells(run_dir)
     assert rc == 0, [(c.engine, c.status, c.reason) for c in cells if c.status != "ok"]
-    search = sorted((c for c in cells if "search_n" in c.extras), key=lambda c: c.extras["search_n"])
+    search = sorted(
+        (c for c in cells if "search_n" in c.extras), key=lambda c: c.extras["search_n"]
+    )
     regular = [c for c in cells if "search_n" not in c.extras]
     assert {c.engine for c in regular} == {"all-gpu", "ncmoe", "best"}
-    assert all(c.status == "ok" and c.output_tokens_total and c.decode_tok_s_p50 for c in regular)
+    assert all(
+        c.status == "ok" and c.output_tokens_total and c.decode_tok_s_p50
+        for c in regular
+    )
     # N = 0 and 1 exceed the emulated 0.0258 GB and are never launched; 2..4 fit.
-    assert [(c.extras["search_n"], c.extras["fits"]) for c in search if not c.extras["fits"]] == [(0, False), (1, False)]
+    assert [
+        (c.extras["search_n"], c.extras["fits"]) for c in search if not c.extras["fits"]
+    ] == [(0, False), (1, False)]
     assert all(c.status == "invalid" for c in search if not c.extras["fits"])
     measured = [c for c in search if c.extras["fits"]]
     assert measured and all(c.status == "ok" for c in measured)
     chosen = [c.extras["search_n"] for c in search if c.extras["chosen"]]
     assert len(chosen) == 1 and chosen[0] >= 2
-    facts = next(s["search"] for s in read_manifest(run_dir)["servers"].values() if "launches" in s.get("search", {}))
+    facts = next(
+        s["search"]
+        for s in read_manifest(run_dir)["servers"].values()
+        if "launches" in s.get("search", {})
+    )
     assert facts["linear_scan_launches"] == 3 and facts["launches"] <= 3
     best = [c for c in regular if c.engine == "best"]
     assert all(c.params["n_cpu_moe"] == chosen[0] for c in best)

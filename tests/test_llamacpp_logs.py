@@ -29,8 +29,18 @@ def test_memory_lines_per_kind_and_device():
     assert facts["buffers_mib"]["KV"] == {"CUDA0": 960.0}
     assert facts["buffers_mib"]["compute"] == {"CUDA0": 300.75, "CUDA_Host": 24.01}
     assert facts["buffers_mib"]["output"] == {"CPU": 0.58}
-    assert facts["kv"] == {"size_mib": 960.0, "cells": 10240, "layers": 48, "seqs": "4/1"}
-    assert facts["context"] == {"n_seq_max": 4, "n_ctx": 10240, "n_ctx_seq": 10240, "flash_attn": "disabled"}
+    assert facts["kv"] == {
+        "size_mib": 960.0,
+        "cells": 10240,
+        "layers": 48,
+        "seqs": "4/1",
+    }
+    assert facts["context"] == {
+        "n_seq_max": 4,
+        "n_ctx": 10240,
+        "n_ctx_seq": 10240,
+        "flash_attn": "disabled",
+    }
 
 
 def test_moe_cache_hit_rates_by_micro_batch_class():
@@ -60,11 +70,19 @@ PREFIXED = """\
 
 def test_timestamped_lines_and_llama_cpp_own_breakdown():
     facts = parse_server_log(PREFIXED)
-    assert facts["buffers_mib"] == {"model": {"CPU_Mapped": 3.73}, "compute": {"CPU": 3.26}}
+    assert facts["buffers_mib"] == {
+        "model": {"CPU_Mapped": 3.73},
+        "compute": {"CPU": 3.26},
+    }
     assert facts["context"] == {"n_ctx": 2048}
     assert facts["memory_breakdown_mib"] == {
         "CUDA0 (NVIDIA H200)": {
-            "total": 143000, "free": 120000, "self": 18366, "model": 17105, "context": 960, "compute": 301,
+            "total": 143000,
+            "free": 120000,
+            "self": 18366,
+            "model": 17105,
+            "context": 960,
+            "compute": 301,
             "unaccounted": 4634,
         },
         "Host": {"self": 7, "model": 3, "context": 1, "compute": 3},
@@ -72,7 +90,12 @@ def test_timestamped_lines_and_llama_cpp_own_breakdown():
 
 
 def test_only_the_last_launch_in_an_appended_log_counts():
-    twice = "# benchsuite: starting llama-server -m a.gguf\n" + PREFIXED + "# benchsuite: starting llama-server -m a.gguf\n" + PREFIXED
+    twice = (
+        "# benchsuite: starting llama-server -m a.gguf\n"
+        + PREFIXED
+        + "# benchsuite: starting llama-server -m a.gguf\n"
+        + PREFIXED
+    )
     assert parse_server_log(twice)["buffers_mib"]["model"] == {"CPU_Mapped": 3.73}
 
 

@@ -10,10 +10,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     from benchsuite.gguf_export import EXPORT_TYPES
 
     sub = parser.add_subparsers(dest="gguf_command", metavar="ACTION", required=True)
-    export = sub.add_parser("export", help="export an HF Qwen3-MoE checkpoint directory to GGUF")
-    export.add_argument("model_dir", help="checkpoint directory (config.json, safetensors, tokenizer.json), or `tiny`")
+    export = sub.add_parser(
+        "export", help="export an HF Qwen3-MoE checkpoint directory to GGUF"
+    )
+    export.add_argument(
+        "model_dir",
+        help="checkpoint directory (config.json, safetensors, tokenizer.json), or `tiny`",
+    )
     export.add_argument("--out", required=True, help="GGUF file to write")
-    export.add_argument("--type", dest="export_type", choices=EXPORT_TYPES, default="f32")
+    export.add_argument(
+        "--type", dest="export_type", choices=EXPORT_TYPES, default="f32"
+    )
 
 
 def main(args: argparse.Namespace) -> int:

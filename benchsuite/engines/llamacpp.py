@@ -17,7 +17,6 @@ cache), and `cache_prompt: false` on every request.
 from __future__ import annotations
 
 import functools
-import os
 import re
 import shutil
 import subprocess
@@ -32,7 +31,9 @@ from benchsuite.errors import UserError
 BINARY_NAME = "llama-server"
 FIT_PARAMS_NAME = "llama-fit-params"
 GB = 10**9  # vram_budget_gb is decimal gigabytes
-_GPU_DEVICE_LINE = re.compile(r"^\s*(CUDA|ROCm|HIP|Vulkan|Metal|SYCL)\d*\s*:", re.MULTILINE)
+_GPU_DEVICE_LINE = re.compile(
+    r"^\s*(CUDA|ROCm|HIP|Vulkan|Metal|SYCL)\d*\s*:", re.MULTILINE
+)
 
 
 class LlamaCppOptions(BaseModel):
@@ -40,15 +41,25 @@ class LlamaCppOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str = "tiny"  # GGUF file, HF Qwen3-MoE directory (exported on first use), or `tiny`
-    gguf_type: Literal["f32", "f16", "bf16", "q8_0"] = "f32"  # export type for an HF directory
-    binary: str | None = None  # llama-server path; default PATH, then the benchsuite build cache
+    model: str = (
+        "tiny"  # GGUF file, HF Qwen3-MoE directory (exported on first use), or `tiny`
+    )
+    gguf_type: Literal["f32", "f16", "bf16", "q8_0"] = (
+        "f32"  # export type for an HF directory
+    )
+    binary: str | None = (
+        None  # llama-server path; default PATH, then the benchsuite build cache
+    )
     n_gpu_layers: int = Field(999, ge=0)  # -ngl
     # -ncmoe: experts of the first N layers on the CPU; `search` or {search: {...}} searches N.
     n_cpu_moe: int | Literal["search"] | dict[str, Any] | None = None
     flash_attn: Literal["on", "off", "auto"] = "off"
-    moe_cache_mib: int | None = Field(None, ge=1)  # llama.cpp's expert cache, where the build has it
-    vram_budget_gb: float | None = Field(None, gt=0)  # emulate a smaller GPU in the n_cpu_moe search
+    moe_cache_mib: int | None = Field(
+        None, ge=1
+    )  # llama.cpp's expert cache, where the build has it
+    vram_budget_gb: float | None = Field(
+        None, gt=0
+    )  # emulate a smaller GPU in the n_cpu_moe search
     threads: int | None = Field(None, ge=1)  # -t
     extra_args: list[str] = Field(default_factory=list)
     startup_timeout_s: float = Field(600.0, gt=0)
@@ -57,13 +68,17 @@ class LlamaCppOptions(BaseModel):
     @classmethod
     def _yaml_booleans(cls, value: Any) -> Any:
         # YAML reads unquoted on/off as booleans.
-        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+        return (
+            {True: "on", False: "off"}.get(value, value)
+            if isinstance(value, bool)
+            else value
+        )
 
     @field_validator("n_cpu_moe")
     @classmethod
     def _n_cpu_moe(cls, value: Any) -> Any:
         if isinstance(value, bool):
-            raise ValueError("must be an integer, 'search' or {search: {...}}")
+            raise ValueError("must be an integer, 'search' or {search: {...}}")  # noqa: TRY004 (pydantic reports ValueError)
         if isinstance(value, int) and value < 0:
             raise ValueError("must be >= 0")
         if isinstance(value, dict):
@@ -78,13 +93,21 @@ class LlamaCppOptions(BaseModel):
 
 @functools.lru_cache(maxsize=16)
 def _help_text(binary: str, mtime_ns: int) -> str:
-    proc = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [binary, "--help"], capture_output=True, text=True, timeout=60, check=False
+    )
     return proc.stdout + proc.stderr
 
 
 @functools.lru_cache(maxsize=16)
 def _devices_text(binary: str, mtime_ns: int) -> str:
-    proc = subprocess.run([binary, "--list-devices"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [binary, "--list-devices"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     return proc.stdout + proc.stderr
 
 
@@ -108,7 +131,9 @@ def binary_flags(binary: Path) -> set[str]:
 
 
 def has_gpu_device(binary: Path) -> bool:
-    return bool(_GPU_DEVICE_LINE.search(_devices_text(str(binary), binary.stat().st_mtime_ns)))
+    return bool(
+        _GPU_DEVICE_LINE.search(_devices_text(str(binary), binary.stat().st_mtime_ns))
+    )
 
 
 class LlamaCppAdapter:
@@ -122,8 +147,14 @@ class LlamaCppAdapter:
         opts = self._options(spec)
         found = find_binary(BINARY_NAME, opts.binary)
         if found is None:
-            where = f"binary {opts.binary!r} does not exist" if opts.binary else "no llama-server on PATH or in the cache"
-            raise EngineConfigError(f"llamacpp engine {spec.name}: {where}; run `benchsuite install llama-server`")
+            where = (
+                f"binary {opts.binary!r} does not exist"
+                if opts.binary
+                else "no llama-server on PATH or in the cache"
+            )
+            raise EngineConfigError(
+                f"llamacpp engine {spec.name}: {where}; run `benchsuite install llama-server`"
+            )
         return found
 
     def model_path(self, spec: ServerSpec) -> Path:
@@ -150,29 +181,49 @@ class LlamaCppAdapter:
         path = Path(opts.model).expanduser()
         if path.is_dir():
             return path
-        raise EngineConfigError(f"llamacpp engine {spec.name}: exact-length prompts need an HF model directory, not a GGUF")
+        raise EngineConfigError(
+            f"llamacpp engine {spec.name}: exact-length prompts need an HF model directory, not a GGUF"
+        )
 
     def validate(self, spec: ServerSpec) -> None:
         opts = self._options(spec)
         binary = self.binary(spec)
         flags = binary_flags(binary)
         if opts.moe_cache_mib is not None and "--moe-cache-mib" not in flags:
-            raise EngineConfigError(f"this llama-server build has no --moe-cache-mib ({binary})")
-        if isinstance(opts.n_cpu_moe, int) and opts.n_cpu_moe > 0 and "--n-cpu-moe" not in flags:
-            raise EngineConfigError(f"this llama-server build has no --n-cpu-moe ({binary})")
+            raise EngineConfigError(
+                f"this llama-server build has no --moe-cache-mib ({binary})"
+            )
+        if (
+            isinstance(opts.n_cpu_moe, int)
+            and opts.n_cpu_moe > 0
+            and "--n-cpu-moe" not in flags
+        ):
+            raise EngineConfigError(
+                f"this llama-server build has no --n-cpu-moe ({binary})"
+            )
         path = Path(opts.model).expanduser()
         if opts.model != "tiny" and not path.exists():
-            raise EngineConfigError(f"llamacpp engine {spec.name}: model {opts.model!r} does not exist")
+            raise EngineConfigError(
+                f"llamacpp engine {spec.name}: model {opts.model!r} does not exist"
+            )
         if path.is_file() and path.suffix != ".gguf":
-            raise EngineConfigError(f"llamacpp engine {spec.name}: model {opts.model!r} is not a .gguf file")
+            raise EngineConfigError(
+                f"llamacpp engine {spec.name}: model {opts.model!r} is not a .gguf file"
+            )
 
     def launch_plan(self, spec: ServerSpec, port: int) -> LaunchPlan:
         opts = self._options(spec)
         if not isinstance(opts.n_cpu_moe, int | None):
-            raise EngineConfigError(f"llamacpp engine {spec.name}: n_cpu_moe is still a search request")
+            raise EngineConfigError(
+                f"llamacpp engine {spec.name}: n_cpu_moe is still a search request"
+            )
         found = find_binary(BINARY_NAME, opts.binary)
         binary = str(found) if found else (opts.binary or BINARY_NAME)
-        flags = binary_flags(found) if found else {"--no-cache-prompt", "--cache-ram", "--kv-unified", "--log-verbosity"}
+        flags = (
+            binary_flags(found)
+            if found
+            else {"--no-cache-prompt", "--cache-ram", "--kv-unified", "--log-verbosity"}
+        )
         argv = [
             binary, "-m", str(self.model_path(spec)),
             "--host", "127.0.0.1", "--port", str(port),
@@ -185,7 +236,10 @@ class LlamaCppAdapter:
         if "--kv-unified" in flags:
             argv.append("--kv-unified")
         if "--log-verbosity" in flags:
-            argv += ["-lv", "4"]  # the memory lines (model/KV/compute buffers) are logged at level 4
+            argv += [
+                "-lv",
+                "4",
+            ]  # the memory lines (model/KV/compute buffers) are logged at level 4
         if not spec.fairness.get("prefix_caching", False):
             if "--no-cache-prompt" in flags:
                 argv.append("--no-cache-prompt")
@@ -198,7 +252,12 @@ class LlamaCppAdapter:
         if opts.threads is not None:
             argv += ["-t", str(opts.threads)]
         argv += list(opts.extra_args)
-        return LaunchPlan(argv=argv, env={}, health_path="/health", startup_timeout_s=opts.startup_timeout_s)
+        return LaunchPlan(
+            argv=argv,
+            env={},
+            health_path="/health",
+            startup_timeout_s=opts.startup_timeout_s,
+        )
 
     def mode(self, spec: ServerSpec) -> str:
         opts = self._options(spec)
@@ -207,7 +266,11 @@ class LlamaCppAdapter:
         return "n-cpu-moe" if opts.n_cpu_moe else "gpu"
 
     def request_extras(self, spec: ServerSpec) -> dict[str, Any]:
-        return {} if spec.fairness.get("prefix_caching", False) else {"cache_prompt": False}
+        return (
+            {}
+            if spec.fairness.get("prefix_caching", False)
+            else {"cache_prompt": False}
+        )
 
     def version(self, spec: ServerSpec) -> dict[str, Any]:
         from benchsuite.llamacpp_build import binary_version, read_stamp
@@ -219,7 +282,9 @@ class LlamaCppAdapter:
             "engine": "llama.cpp",
             "binary": str(found),
             "version": binary_version(found),
-            "build": read_stamp(found.parent),  # None for a binary benchsuite did not build
+            "build": read_stamp(
+                found.parent
+            ),  # None for a binary benchsuite did not build
             "moe_cache_mib_supported": "--moe-cache-mib" in binary_flags(found),
         }
 
@@ -230,7 +295,9 @@ class LlamaCppAdapter:
             if resp.status != 200:
                 return None
             text = await resp.text()
-        return {k: v for k, v in parse_prometheus(text).items() if k.startswith("llamacpp:")}
+        return {
+            k: v for k, v in parse_prometheus(text).items() if k.startswith("llamacpp:")
+        }
 
     def parse_log(self, log_text: str) -> dict[str, Any]:
         from benchsuite.llamacpp_logs import parse_server_log
@@ -246,12 +313,21 @@ class LlamaCppAdapter:
             return int(opts.vram_budget_gb * GB)
         if has_gpu_device(self.binary(spec)):
             out = subprocess.run(
-                ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                capture_output=True, text=True, timeout=30,
+                [
+                    "nvidia-smi",
+                    "--query-gpu=memory.total",
+                    "--format=csv,noheader,nounits",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
             ).stdout.split()
             if out:
                 return int(float(out[0]) * 2**20)
-        raise UserError(f"engine {spec.name}: the n_cpu_moe search needs vram_budget_gb on a machine without a GPU build")
+        raise UserError(
+            f"engine {spec.name}: the n_cpu_moe search needs vram_budget_gb on a machine without a GPU build"
+        )
 
     def projections(self, spec: ServerSpec, settings: Any) -> dict[int, Any]:
         """n -> benchsuite.llamacpp_fit.Projection for every candidate N of the search."""
@@ -260,7 +336,11 @@ class LlamaCppAdapter:
         opts = self._options(spec)
         model = self.model_path(spec)
         facts = fit.read_model_facts(model)
-        top = facts.n_layer if settings.max_n is None else min(settings.max_n, facts.n_layer)
+        top = (
+            facts.n_layer
+            if settings.max_n is None
+            else min(settings.max_n, facts.n_layer)
+        )
         candidates = range(settings.min_n, top + 1)
         n_ctx = int(spec.fairness["kv_capacity_tokens"])
         use_llama = settings.projection == "llama-fit-params" or (
@@ -268,19 +348,37 @@ class LlamaCppAdapter:
         )
         if not use_llama:
             return {
-                n: fit.project(facts, n, n_ctx, flash_attn=opts.flash_attn == "on", n_gpu_layers=opts.n_gpu_layers)
+                n: fit.project(
+                    facts,
+                    n,
+                    n_ctx,
+                    flash_attn=opts.flash_attn == "on",
+                    n_gpu_layers=opts.n_gpu_layers,
+                )
                 for n in candidates
             }
         fit_binary = self.binary(spec).parent / FIT_PARAMS_NAME
         if not fit_binary.is_file():
-            raise EngineConfigError(f"{fit_binary} is missing; llama.cpp's projection needs llama-fit-params")
+            raise EngineConfigError(
+                f"{fit_binary} is missing; llama.cpp's projection needs llama-fit-params"
+            )
         out: dict[int, Any] = {}
         for n in candidates:
             argv = fit.fit_params_argv(
-                fit_binary, model, n, n_ctx, spec.max_concurrency, opts.flash_attn == "on", opts.n_gpu_layers
+                fit_binary,
+                model,
+                n,
+                n_ctx,
+                spec.max_concurrency,
+                opts.flash_attn == "on",
+                opts.n_gpu_layers,
             )
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env={**os.environ})
+            proc = subprocess.run(
+                argv, capture_output=True, text=True, timeout=600, check=False
+            )
             if proc.returncode != 0:
-                raise EngineConfigError(f"llama-fit-params failed for n_cpu_moe={n}: {proc.stderr.strip()[-400:]}")
+                raise EngineConfigError(
+                    f"llama-fit-params failed for n_cpu_moe={n}: {proc.stderr.strip()[-400:]}"
+                )
             out[n] = fit.projection_from_fit_print(proc.stdout, n)
         return out
