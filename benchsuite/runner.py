@@ -30,7 +30,7 @@ import aiohttp
 from benchsuite import datasets, loadgen, metrics
 from benchsuite.engines import ADAPTERS, RUN_DIR_PLACEHOLDER
 from benchsuite.engines.base import EngineAdapter, EngineConfigError, ServerSpec
-from benchsuite.errors import RunError
+from benchsuite.errors import RunError, UserError
 from benchsuite.machine import git_facts, machine_facts
 from benchsuite.plan import CellSpec, Plan, SearchTask, resolve_search
 from benchsuite.process import EngineProcess, free_port
@@ -129,13 +129,13 @@ async def measure_cell(ctx: RunContext, server: RunningServer, cell: CellSpec, *
 
     Never returns a made-up number: a cell whose engine died is `failed` with the log tail, a
     cell whose metrics cannot be computed is `invalid` (metrics.summarize says why). A cell that
-    outlasts ctx.cell_timeout_s raises RunError and marks the server hung (`server.hung`).
+    outlasts ctx.cell_timeout_s raises TimeoutError and marks the server hung (`server.hung`).
     """
     try:
         return await asyncio.wait_for(_measure(ctx, server, cell, store), ctx.cell_timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         server.hung = f"engine did not finish cell {cell.cell_id} within {ctx.cell_timeout_s:g} s"
-        raise RunError(server.hung) from None
+        raise TimeoutError(server.hung) from None
 
 
 async def _measure(ctx: RunContext, server: RunningServer, cell: CellSpec, store: bool) -> CellResult:
@@ -196,7 +196,7 @@ async def run_server_cells(ctx: RunContext, spec: ServerSpec, cells: Sequence[Ce
                         result = _store_failure(ctx, cell, spec, f"{reason}\n{server.process.log_tail()}".strip())
                 results.append(result)
                 ctx.events.cell_finished(cell, result)
-    except (RunError, EngineConfigError, OSError) as exc:
+    except (RunError, UserError, EngineConfigError, OSError) as exc:  # UserError: its port was taken
         if started:
             raise  # not a start failure (e.g. the store cannot write): stop the run
         # The server failed to start: every cell of it fails with the cause (log tail included).

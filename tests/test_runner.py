@@ -182,8 +182,28 @@ def test_a_hung_engine_fails_its_cell_by_timeout_and_its_later_cells_at_once(tmp
     assert time.monotonic() - t0 < 60  # one timeout, not one per cell
     assert orphans(tag) == []
     first, second = sorted((p["cell"] for p in cells(only_run_dir(tmp_path)).values()), key=lambda c: c["concurrency"])
-    assert first["status"] == "failed" and "did not finish cell" in first["reason"] and "within 3 s" in first["reason"]
+    assert first["status"] == "failed" and first["reason"].startswith("TimeoutError: engine did not finish cell")
+    assert "within 3 s" in first["reason"]
     assert second["status"] == "failed" and second["reason"].startswith("engine did not finish cell " + first["cell_id"])
+
+
+def test_a_port_taken_before_launch_fails_that_server_and_the_rest_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from benchsuite import process, runner
+
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen(1)
+    ports = iter([squatter.getsockname()[1]])
+    monkeypatch.setattr(runner, "free_port", lambda: next(ports, None) or process.free_port())
+    try:
+        assert run_cli(str(matrix(tmp_path, {"first": {}, "second": {}}, concurrency=[1], num_requests=2))) == 1
+    finally:
+        squatter.close()
+    status = {p["cell"]["engine"]: (p["cell"]["status"], p["cell"]["reason"]) for p in cells(only_run_dir(tmp_path)).values()}
+    assert status["first"][0] == "failed" and "already in use" in status["first"][1]
+    assert status["second"] == ("ok", None)
 
 
 def test_sigkill_mid_run_then_rerun_completes_and_keeps_what_was_written(tmp_path: Path) -> None:
