@@ -167,7 +167,10 @@ class MoeLayer:
             pair_slot = slot_of[flat_cpu]  # [T*k], -1 for pairs of other waves
             mine = torch.nonzero(pair_slot >= 0).reshape(-1)  # [P_w]
             sub_order, offs, _ = group_pairs(pair_slot[mine], k_slots)
-            packed = torch.cat([mine[sub_order], offs.to(torch.long)]).to(sh.device)  # one small copy per wave
+            packed = torch.cat([mine[sub_order], offs.to(torch.long)])  # [P_w + K]
+            if sh.device.type == "cuda":  # pinned + non_blocking: no second sync (the caching host
+                packed = packed.pin_memory()  # allocator keeps the block until the copy has run)
+            packed = packed.to(sh.device, non_blocking=True)
             order, offs_dev = packed[: mine.numel()], packed[mine.numel() :].to(torch.int32)
             sh.page_in.copy_rows(self.host, self.device_experts, wave.page_ins, sh.counters, self.layer_idx, sh.expert_bytes)
             run_pairs(x, self.device_experts, order, offs_dev, sh.top_k, y_pairs)
