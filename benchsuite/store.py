@@ -81,8 +81,11 @@ class RunStore:
             existing.setdefault("invocations", []).append(invocation)
             store._write_json(store.manifest_path, existing)
             return store
-        for sub in ("cells", "logs", "engine_metrics", "attempts"):
-            (store.run_dir / sub).mkdir(parents=True, exist_ok=True)
+        try:
+            for sub in ("cells", "logs", "engine_metrics", "attempts"):
+                (store.run_dir / sub).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RunError(f"cannot create the run directory {store.run_dir}: {exc.strerror or exc}") from None
         store._write_json(store.manifest_path, {**manifest, "schema_version": SCHEMA_VERSION, "invocations": [invocation]})
         return store
 
@@ -104,8 +107,8 @@ class RunStore:
     # ---- writes --------------------------------------------------------------------------------
 
     def _write(self, path: Path, data: bytes) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             self._write_raw(path, data)
         except OSError as exc:
             raise RunError(f"cannot write {path}: {exc.strerror or exc}") from exc

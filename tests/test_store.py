@@ -120,3 +120,12 @@ def test_gpu_facts_parse_nvidia_smi_and_unknowns_stay_none(monkeypatch: pytest.M
     assert machine.git_facts() == {"commit": None, "dirty": None, "source": None}
     monkeypatch.setattr(machine, "_run", lambda argv: None)
     assert machine.gpu_facts() == []
+
+
+def test_an_unwritable_output_root_is_one_run_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def read_only(self: Path, *args: object, **kwargs: object) -> None:
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    with pytest.raises(RunError, match=f"cannot create the run directory {tmp_path / 'r'}: Read-only file system"):
+        RunStore.open(tmp_path / "r", MANIFEST)
