@@ -162,9 +162,11 @@ def load_matrix(path: str | Path) -> ValidatedMatrix:
 
 def _read_yaml(source: Path) -> Any:
     try:
-        text = source.read_text()
+        text = source.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise MatrixError(f"{source}: no such matrix file") from None
+    except UnicodeDecodeError as exc:
+        raise MatrixError(f"{source}: not UTF-8 text (byte {exc.start}); a matrix is a YAML text file") from None
     except OSError as exc:
         raise MatrixError(f"{source}: cannot read ({exc.strerror})") from None
     try:

@@ -82,6 +82,9 @@ def test_file_and_syntax_errors(tmp_path: Path) -> None:
     assert "YAML syntax error at line 4, column 6: mapping values are not allowed here" in errors_of(tmp_path, "name: t\nengines:\n  a: b\n    c: d\n")
     assert "key False is not text; quote it" in errors_of(tmp_path, GOOD.replace("  res:", "  off:"))
     assert "must be a YAML mapping" in errors_of(tmp_path, "- a\n- b\n")
+    (tmp_path / "m.yaml").write_bytes(b"name: x\n\x80")
+    with pytest.raises(MatrixError, match="not UTF-8 text"):
+        load_matrix(tmp_path / "m.yaml")
 
 
 def test_hash_is_stable_and_ignores_output_root(tmp_path: Path) -> None:
