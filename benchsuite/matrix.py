@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -27,6 +28,7 @@ from benchsuite.engines import ADAPTERS
 from benchsuite.errors import UserError
 
 ENGINE_KINDS = ("builtin", "llamacpp", "sglang")
+MAX_CELLS = 100_000  # a matrix past this is a typo (or a week of GPU time); refuse it before planning
 
 
 class MatrixError(UserError):
@@ -102,7 +104,7 @@ class Matrix(_Strict):
     output_root: str = "results"
     engines: dict[str, EngineEntry] = Field(min_length=1)
     workloads: dict[str, Workload] = Field(min_length=1)
-    repeats: int = Field(1, ge=1)
+    repeats: int = Field(1, ge=1, le=1000)
     fairness: Fairness = Field(default_factory=Fairness)
     reference: Literal["pr42557"] | None = None
 
@@ -143,6 +145,10 @@ def load_matrix(path: str | Path) -> ValidatedMatrix:
         sets, errors = _resolve_options(source, name, entry)
         problems.extend(errors)
         option_sets[name] = sets
+    per_server = sum(len(w.prompt_classes) * len(w.concurrency) for w in matrix.workloads.values()) * matrix.repeats
+    cells = per_server * sum(len(sets) for sets in option_sets.values())
+    if cells > MAX_CELLS:
+        problems.append(f"{source}: (top level): the matrix makes {cells} cells (engines x workloads x repeats); at most {MAX_CELLS}")
     # output_root is where results go, not what is measured: moving them keeps the run id.
     canonical = json.dumps(matrix.model_dump(mode="json", exclude={"output_root"}), sort_keys=True, separators=(",", ":"))
     digest = hashlib.sha256(canonical.encode()).hexdigest()
@@ -202,6 +208,9 @@ def _resolve_options(source: Path, name: str, entry: EngineEntry) -> tuple[tuple
     if errors:
         return (), errors
     swept = {key for key, _, sweep in axes if sweep}
+    combinations = math.prod(len(values) for _, values, _ in axes)
+    if combinations > MAX_CELLS:
+        return (), [f"{source}: {_path(prefix)}: the sweeps make {combinations} servers; at most {MAX_CELLS}"]
     sets: list[OptionSet] = []
     for combo in itertools.product(*(range(len(values)) for _, values, _ in axes)):
         chosen = {key: values[i] for (key, values, _), i in zip(axes, combo)}

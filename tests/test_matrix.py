@@ -121,3 +121,12 @@ def test_synthetic_routing_spec_is_checked_and_labelled(tmp_path: Path) -> None:
     res = next(s for s in plan.servers if s.name == "res")
     assert BuiltinAdapter().routing_label(res) == "synthetic:zipf:1.2"
     assert "--routing-source Zipf:1.2 --routing-seed 0" in " ".join(BuiltinAdapter().launch_plan(res, 1).argv)
+
+
+def test_huge_matrices_are_refused_before_planning(tmp_path: Path) -> None:
+    assert "repeats: must be <= 1000 (got 1000000000)" in errors_of(tmp_path, GOOD + "repeats: 1000000000\n")
+    text = GOOD.replace("concurrency: [1, 2]", f"concurrency: {list(range(1, 401))}") + "repeats: 1000\n"
+    assert "the matrix makes 2400000 cells (engines x workloads x repeats); at most 100000" in errors_of(tmp_path, text)
+    sweep = "[" + ", ".join(str(k) for k in range(1, 400)) + "]"
+    text = GOOD.replace("mode: resident}", f"mode: cpu-experts, n_cpu_moe: {sweep}, startup_timeout_s: {sweep}}}")
+    assert "engines.res.options: the sweeps make 159201 servers; at most 100000" in errors_of(tmp_path, text)
