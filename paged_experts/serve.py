@@ -172,7 +172,11 @@ async def serve(config: ServeConfig) -> int:
     except RuntimeError:
         await runner.cleanup()
         return 1
-    log.info("ready: http://%s:%d model=%s routing=%s", config.host, config.port, config.model_name, config.routing_label)
+    graph_bs = list(range(1, config.cuda_graph_max_bs + 1))
+    log.info(
+        "ready: http://%s:%d model=%s routing=%s expert_kernel=%s cuda_graph_bs=%s",
+        config.host, config.port, config.model_name, config.routing_label, config.expert_kernel, graph_bs or "off",
+    )  # fmt: skip
     await stop.wait()
     log.info("shutting down")
     await runner.cleanup()

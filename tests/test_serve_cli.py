@@ -68,6 +68,19 @@ def test_parse_args_mirrors_sglang_and_llamacpp_names() -> None:
     assert parse_args(["--model", "/m", "--mode", "offload"]).offload_layers is None  # all layers
 
 
+def test_cuda_graphs_and_expert_kernel_flags(tmp_path: Path) -> None:
+    from paged_experts.api_launch import load_serving
+    from paged_experts.api_metrics import ServerMetrics
+
+    cfg = parse_args(["--model", "/m", "--cuda-graph-max-bs", "4", "--expert-kernel", "loop"])
+    assert (cfg.cuda_graph_max_bs, cfg.expert_kernel) == (4, "loop")
+    assert parse_args(["--model", "/m"]).cuda_graph_max_bs == 0  # off unless asked for
+    # CUDA graphs exist only for resident models on CUDA: on CPU the load refuses, naming the flag.
+    model_dir = str(ensure_tiny(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="--cuda-graph-max-bs"):
+        load_serving(parse_args(["--model", model_dir, "--cuda-graph-max-bs", "2"]), ServerMetrics())
+
+
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
@@ -75,6 +88,8 @@ def test_parse_args_mirrors_sglang_and_llamacpp_names() -> None:
         (["--mode", "resident", "--n-cpu-moe", "2"], "--n-cpu-moe"),
         (["--max-total-tokens", "0"], "--max-total-tokens"),
         (["--routing-source", "no-such-routing"], "--routing-source"),
+        (["--cuda-graph-max-bs", "-1"], "--cuda-graph-max-bs"),
+        (["--expert-kernel", "magic"], "--expert-kernel"),
     ],
 )
 def test_inconsistent_flags_exit_2_naming_the_flag(argv: list[str], needle: str, capsys) -> None:
