@@ -110,6 +110,8 @@ class TraceWriter:
         self._steps: list[list[tuple[str, int]]] = []
         self._rows: list[dict[int, list[tuple[np.ndarray, np.ndarray | None]]]] = []
         self._closed = False
+        self._complete_layers: set[int] = set()  # layers of the last complete step
+        self.dropped_steps = 0  # steps whose forward raised part-way
 
     def begin_step(self, layout: list[tuple[str, int]]) -> None:
         """Start a step: (request id, tokens of that request in this step), in token order."""
@@ -128,15 +130,21 @@ class TraceWriter:
     def _finish_step(self) -> None:
         if not self._steps:
             return
-        if not self._rows[-1]:  # the step's forward never ran (it raised): nothing was routed
+        tokens = sum(n for _, n in self._steps[-1])
+        observed = self._rows[-1]
+        for layer, parts in observed.items():
+            got = sum(p[0].shape[0] for p in parts)
+            if got != tokens:  # each layer is observed whole, so a short layer is a bug, not a failed step
+                raise ValueError(f"step {len(self._steps) - 1} layer {layer}: {got} token rows, layout says {tokens}")
+        expected_layers = set(self.meta.layer_ids) or self._complete_layers or set(range(self.meta.num_layers))
+        if not observed or not set(observed) >= expected_layers:
+            # The step's forward raised before its last MoE layer (or never ran): its routing is
+            # not a step any engine served, so it is dropped and counted; later steps are unaffected.
             self._steps.pop()
             self._rows.pop()
+            self.dropped_steps += int(bool(observed))
             return
-        tokens = sum(n for _, n in self._steps[-1])
-        for layer, parts in self._rows[-1].items():
-            got = sum(p[0].shape[0] for p in parts)
-            if got != tokens:
-                raise ValueError(f"step {len(self._steps) - 1} layer {layer}: {got} token rows, layout says {tokens}")
+        self._complete_layers = set(observed)
 
     def close(self) -> Path:
         if self._closed:

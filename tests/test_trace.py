@@ -80,6 +80,19 @@ def test_step_without_observations_is_dropped(tmp_path: Path) -> None:
     assert len(trace.steps) == 1 and trace.ids.tolist() == [[[1, 2], [3, 4]]]
 
 
+def test_step_whose_forward_raised_part_way_is_dropped(tmp_path: Path) -> None:
+    with TraceWriter(tmp_path / "t.trace", META) as w:
+        w.begin_step([("a", 2)])
+        w.observe(0, torch.tensor([[1, 2], [3, 4]]), None)  # layer 1 never ran: the forward raised
+        w.begin_step([("b", 1)])  # the server carries on with the next step
+        w.observe(0, torch.tensor([[5, 6]]), None)
+        w.observe(1, torch.tensor([[7, 8]]), None)
+        assert w.dropped_steps == 1
+    trace = read_trace(tmp_path / "t.trace")
+    assert [[c.request for c in s] for s in trace.steps] == [["b"]]
+    assert trace.ids.tolist() == [[[5, 6], [7, 8]]]
+
+
 def test_weights_absent_and_config_object(tmp_path: Path) -> None:
     class Cfg:  # the runtime's MoeModelConfig field names
         num_layers, num_experts, top_k = 1, 300, 2
