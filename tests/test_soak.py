@@ -1,4 +1,4 @@
-"""The short soak (CI form of benchmarks/soak.py): 64 streams plus abandoned bursts for ~30 s
+"""The short soak (CI form of benchmarks/soak.py): 64 streams plus abandoned bursts for ~20 s
 against a real built-in server; no crash, no failed request, KV back to empty when idle, and the
 server's memory after the warmup grows by a bounded amount."""
 
@@ -27,7 +27,7 @@ def load_soak():
 async def test_short_soak_keeps_the_server_up_and_returns_all_kv(tiny_model_dir: Path, tmp_path: Path) -> None:
     soak = load_soak()
     config = soak.SoakConfig(
-        duration_s=30.0, streams=64, max_tokens=24, burst_every_s=4.0, burst_size=8, warmup_s=8.0,
+        duration_s=20.0, streams=64, max_tokens=16, burst_every_s=4.0, burst_size=8, warmup_s=6.0,
         model=str(tiny_model_dir), kv_capacity_tokens=4096,
     )  # fmt: skip
     result = await soak.soak(config, tmp_path)
