@@ -54,6 +54,16 @@ async def model_name(session: aiohttp.ClientSession, base_url: str) -> str:
         return str(data[0]["id"])
 
 
+def parse_logprobs(lp: dict[str, Any]) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """Generated tokens and their logprobs from a completion choice's `logprobs`, in either shape:
+    legacy completions (`tokens` + `token_logprobs`: the built-in engine, vLLM, SGLang) or a list
+    of entries under `content` (`token` + `logprob`: llama-server's /v1/completions, chat style)."""
+    if lp.get("content") is not None:
+        entries = lp["content"]
+        return tuple(str(e["token"]) for e in entries), tuple(float(e["logprob"]) for e in entries)
+    return tuple(str(t) for t in lp.get("tokens") or ()), tuple(float(x) for x in lp.get("token_logprobs") or ())
+
+
 async def complete(
     session: aiohttp.ClientSession,
     base_url: str,
@@ -83,12 +93,12 @@ async def complete(
                 raise RunError(f"{url} answered HTTP {resp.status}: {body_text[:200]}")
         body = json.loads(body_text)
         choice = body["choices"][0]
-        lp = choice.get("logprobs") or {}
         usage = body.get("usage") or {}
-        tokens = tuple(str(t) for t in lp.get("tokens") or ())
-        token_logprobs = tuple(float(x) for x in lp.get("token_logprobs") or ())
+        tokens, token_logprobs = parse_logprobs(choice.get("logprobs") or {})
     if logprobs and len(tokens) != len(token_logprobs):
         raise RunError(f"{base_url}: {len(tokens)} tokens but {len(token_logprobs)} logprobs in one response")
+    if logprobs and not tokens and usage.get("completion_tokens"):
+        raise RunError(f"{url}: logprobs were asked for but the answer carries none (the engine ignores `logprobs`)")
     return Completion(
         text=str(choice.get("text", "")),
         tokens=tokens,

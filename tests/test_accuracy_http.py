@@ -14,15 +14,19 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 import paged_experts.store
 from benchsuite import accuracy
 from benchsuite.cli import main as cli_main
 from benchsuite.datasets import bundled_prompts
+from benchsuite.engines.llamacpp import find_binary
+from benchsuite.errors import RunError
 from paged_experts.api_launch import ServeConfig, Serving, load_serving
 from paged_experts.serve import create_app
 
@@ -127,3 +131,72 @@ async def test_an_unreachable_engine_is_an_error_not_a_result(
     code = await asyncio.to_thread(cli_main, ["accuracy", "--a", resident_url, "--b", dead, "--prompts", "1"])
     err = capsys.readouterr().err
     assert code != 0 and "PASS" not in err and "Traceback" not in err
+
+
+def fake_engine(logprobs: dict[str, Any] | None) -> web.Application:
+    """An endpoint answering every completion with the same two tokens and `logprobs` as given."""
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fake"}]})
+
+    async def completions(request: web.Request) -> web.Response:
+        choice: dict[str, Any] = {"index": 0, "text": "ab", "finish_reason": "length"}
+        if logprobs is not None:
+            choice["logprobs"] = logprobs
+        usage = {"prompt_tokens": 3, "completion_tokens": 2}
+        return web.json_response({"object": "text_completion", "choices": [choice], "usage": usage})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+async def test_llama_server_shaped_logprobs_compare_with_legacy_ones() -> None:
+    legacy = {"tokens": ["a", "b"], "token_logprobs": [-0.5, -0.25]}
+    content = {"content": [{"id": 1, "token": "a", "logprob": -0.5}, {"id": 2, "token": "b", "logprob": -0.25}]}
+    a, b = TestServer(fake_engine(legacy), host="127.0.0.1"), TestServer(fake_engine(content), host="127.0.0.1")
+    await a.start_server()
+    await b.start_server()
+    try:
+        url_a, url_b = str(a.make_url("")).rstrip("/"), str(b.make_url("")).rstrip("/")
+        report = await accuracy.run_accuracy(url_a, url_b, PROMPTS[:2], max_tokens=2)
+        assert report.passed and report.token_agreement == 1.0 and report.max_logprob_diff_nats == 0.0
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_an_engine_that_ignores_logprobs_is_an_error_not_a_fail_or_pass() -> None:
+    server = TestServer(fake_engine(None), host="127.0.0.1")
+    await server.start_server()
+    try:
+        url = str(server.make_url("")).rstrip("/")
+        with pytest.raises(RunError, match="carries none"):
+            await accuracy.run_accuracy(url, url, PROMPTS[:1], max_tokens=2)
+    finally:
+        await server.close()
+
+
+@pytest.mark.llamacpp
+@pytest.mark.skipif(
+    find_binary() is None, reason="no llama-server on PATH or in the cache: run `benchsuite install llama-server`"
+)
+async def test_llama_server_against_itself_passes_through_the_cli(tmp_path: Path) -> None:
+    from benchsuite.engines.base import ServerSpec
+    from benchsuite.engines.llamacpp import LlamaCppAdapter
+    from benchsuite.process import EngineProcess, free_port
+
+    gguf = await asyncio.to_thread(
+        LlamaCppAdapter().model_path, ServerSpec("a", "llamacpp", {"model": "tiny"}, {}, 1, "a")
+    )
+    port = free_port()
+    argv = [str(find_binary()), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", "1", "-c", "1024"]
+    async with EngineProcess(argv, {}, tmp_path / "llama.log", f"http://127.0.0.1:{port}/health", 120.0):
+        url = f"http://127.0.0.1:{port}"
+        out = tmp_path / "accuracy.json"
+        argv_cli = ["accuracy", "--a", url, "--b", url, "--prompts", "3", "--max-tokens", "8", "--json-out", str(out)]
+        assert await asyncio.to_thread(cli_main, argv_cli) == 0
+        saved = json.loads(out.read_text())
+    assert saved["passed"] and saved["token_agreement"] == 1.0
+    assert all(c["matched"] > 0 for c in saved["comparisons"])  # logprobs were read, not an empty pass
