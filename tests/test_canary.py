@@ -16,6 +16,7 @@ from aiohttp.test_utils import TestServer
 
 from benchsuite import canary
 from benchsuite.cli import main as cli_main
+from benchsuite.engines.llamacpp import find_binary
 from paged_experts.api_launch import ServeConfig
 from paged_experts.serve import create_app
 
@@ -115,3 +116,36 @@ async def test_an_unreachable_endpoint_is_an_error_not_a_pass(capsys: pytest.Cap
     code = await asyncio.to_thread(cli_main, ["canary", "--url", f"http://127.0.0.1:{free_port()}", "--rounds", "1"])
     captured = capsys.readouterr()
     assert code == 1 and captured.err.startswith("benchsuite: error:") and "PASS" not in captured.out
+
+
+@pytest.mark.llamacpp
+@pytest.mark.skipif(
+    find_binary() is None, reason="no llama-server on PATH or in the cache: run `benchsuite install llama-server`"
+)
+async def test_llama_server_passes(tmp_path: Path) -> None:
+    from benchsuite.engines.base import ServerSpec
+    from benchsuite.engines.llamacpp import LlamaCppAdapter
+    from benchsuite.process import EngineProcess, free_port
+
+    gguf = await asyncio.to_thread(
+        LlamaCppAdapter().model_path, ServerSpec("c", "llamacpp", {"model": "tiny"}, {}, 1, "c")
+    )
+    port = free_port()
+    argv = [
+        str(find_binary()),
+        "-m",
+        str(gguf),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-t",
+        "1",
+        "-c",
+        "2048",
+        "-np",
+        "4",
+    ]
+    async with EngineProcess(argv, {}, tmp_path / "llama.log", f"http://127.0.0.1:{port}/health", 120.0):
+        report = await canary.run_canary(f"http://127.0.0.1:{port}", rounds=1, concurrency=4, max_tokens=8)
+    assert report.passed and report.requests_checked == 8 + 8 + 3, canary.format_report(report)
