@@ -1,6 +1,7 @@
 """The matrix.yaml schema (pydantic, at the boundary) and its validation errors.
 
-`load_matrix(path)` reads the YAML, validates its structure, expands every engine's option
+`load_matrix(path)` reads the YAML, expands `${VAR}` / `${VAR:-default}` environment references
+in its string values (benchsuite.matrix_env), validates its structure, expands every engine's option
 sweeps (an option whose value is a list is a sweep) and validates each resolved combination with
 that engine kind's `options_model`. Every problem becomes one line naming its YAML path and, where
 it helps, the allowed values, e.g. `engines.paged.options.resident_experts[1]: must be >= 1`.
@@ -22,10 +23,12 @@ from typing import Any, Literal
 
 import pydantic
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer, model_validator
 
+from benchsuite import reference
 from benchsuite.engines import ADAPTERS
 from benchsuite.errors import UserError
+from benchsuite.matrix_env import expand_env_refs
 
 ENGINE_KINDS = ("builtin", "llamacpp", "sglang")
 MAX_CELLS = 100_000  # a matrix past this is a typo (or a week of GPU time); refuse it before planning
@@ -56,6 +59,8 @@ class Workload(_Strict):
     arrival: Literal["closed", "poisson"] = "closed"
     rate_rps: float | None = Field(None, gt=0)
     seed: int = 0
+    # fraction of a cell's measured requests allowed to fail before the cell is `invalid`
+    max_error_rate: float = Field(0.0, ge=0.0, le=1.0)
 
     @field_validator("prompt_classes", mode="before")
     @classmethod
@@ -99,6 +104,42 @@ class Fairness(_Strict):
     prefix_caching: bool = False
 
 
+class ReferenceChoice(_Strict):
+    """`reference: pr42557` or `reference: {name: pr42557, machine: ..., quant: ...}`: the published
+    figures the report compares against, narrowed to one published setup (benchsuite.reference data)."""
+
+    name: Literal["pr42557"]  # benchsuite.reference.REFERENCE_NAMES
+    machine: str | None = None  # a machine key of the reference, e.g. desktop_16gb
+    quant: str | None = None  # a published quantization, e.g. gptq_int4
+
+    @field_validator("machine", "quant")
+    @classmethod
+    def _published_value(cls, value: str | None, info: ValidationInfo) -> str | None:
+        name = info.data.get("name")
+        if value is None or name is None:  # an invalid name has its own error
+            return value
+        published = reference.load_reference(name)
+        if info.field_name == "machine":
+            known = sorted(m.key for m in published.machines)
+        else:
+            known = sorted({r.quant for r in published.decode})
+        if value not in known:
+            raise ValueError(f"{value!r} is not a {info.field_name} of {name} (known: {', '.join(known)})")
+        return value
+
+    @model_validator(mode="after")
+    def _published_setup(self) -> ReferenceChoice:
+        if self.machine is not None and self.quant is not None:
+            if not reference.load_reference(self.name).decode_rows(self.machine, self.quant):
+                raise ValueError(f"{self.name} published no figures for machine {self.machine} with quant {self.quant}")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _as_name_when_bare(self, handler: Any) -> Any:
+        # the plain string form stays a string in the manifest (and in the run id hash)
+        return self.name if self.machine is None and self.quant is None else handler(self)
+
+
 class Matrix(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=80)
     output_root: str = "results"
@@ -106,7 +147,13 @@ class Matrix(_Strict):
     workloads: dict[str, Workload] = Field(min_length=1)
     repeats: int = Field(1, ge=1, le=1000)
     fairness: Fairness = Field(default_factory=Fairness)
-    reference: Literal["pr42557"] | None = None
+    reference: ReferenceChoice | None = None
+    canary: bool = False  # the leak canary on every server after its cells (manifest + report)
+
+    @field_validator("reference", mode="before")
+    @classmethod
+    def _reference_by_name(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value
 
 
 @dataclass(frozen=True)
@@ -134,7 +181,9 @@ class ValidatedMatrix:
 def load_matrix(path: str | Path) -> ValidatedMatrix:
     """Read, validate and resolve a matrix file; raises MatrixError naming every problem."""
     source = Path(path)
-    raw = _read_yaml(source)
+    raw, unset = expand_env_refs(_read_yaml(source))
+    if unset:
+        raise MatrixError("\n".join(f"{source}: {_path(loc)}: {problem}" for loc, problem in unset))
     try:
         matrix = Matrix.model_validate(raw)
     except pydantic.ValidationError as exc:

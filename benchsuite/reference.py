@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -100,6 +101,11 @@ def load_reference(name: str) -> Reference:
         raise UserError(f"reference {name!r} is not shipped (known: {', '.join(REFERENCE_NAMES)})")
     text = resources.files("benchsuite").joinpath("data", "reference", f"{name}.yaml").read_text()
     return parse_reference(name, yaml.safe_load(text))
+
+
+def read_reference_file(name: str, path: str | Path) -> Reference:
+    """A reference from a file outside the package (a hand-made one in tests, a user's own)."""
+    return parse_reference(name, yaml.safe_load(Path(path).read_text()))
 
 
 def parse_reference(name: str, data: dict[str, Any]) -> Reference:

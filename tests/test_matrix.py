@@ -60,7 +60,7 @@ def test_unknown_keys_list_the_allowed_ones(tmp_path: Path) -> None:
     lines = errors_of(tmp_path, text).splitlines()
     # structural errors come first; option errors are checked once the structure is valid
     assert any("workloads.w.concurency: unknown key (allowed: " in l and "concurrency" in l for l in lines)
-    assert any(l.endswith("colour: unknown key (allowed: engines, fairness, name, output_root, reference, repeats, workloads)") for l in lines)
+    assert any(l.endswith("colour: unknown key (allowed: canary, engines, fairness, name, output_root, reference, repeats, workloads)") for l in lines)
     fixed = text.replace("\n    concurency: [1]", "").replace("colour: red\n", "")
     assert "engines.res.options.devce: unknown key (allowed: " in errors_of(tmp_path, fixed)
 
@@ -130,3 +130,83 @@ def test_huge_matrices_are_refused_before_planning(tmp_path: Path) -> None:
     sweep = "[" + ", ".join(str(k) for k in range(1, 400)) + "]"
     text = GOOD.replace("mode: resident}", f"mode: cpu-experts, n_cpu_moe: {sweep}, startup_timeout_s: {sweep}}}")
     assert "engines.res.options: the sweeps make 159201 servers; at most 100000" in errors_of(tmp_path, text)
+
+
+ENV_MATRIX = """
+name: t
+engines:
+  res:
+    kind: builtin
+    options: {model: "${BENCH_TEST_MODEL}", mode: resident, device: "${BENCH_TEST_DEVICE:-cpu}"}
+workloads:
+  sharegpt:
+    dataset: sharegpt
+    path: ${BENCH_TEST_SHAREGPT}
+    num_requests: 3
+"""
+
+
+def test_env_references_expand_into_the_manifest_and_the_run_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchsuite.plan import build_plan
+    from benchsuite.runner import build_manifest
+
+    for name in ("BENCH_TEST_MODEL", "BENCH_TEST_DEVICE", "BENCH_TEST_SHAREGPT"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "a.json").write_text("[]")
+    (tmp_path / "b.json").write_text("[]")
+    monkeypatch.setenv("BENCH_TEST_MODEL", "/models/m1")
+    monkeypatch.setenv("BENCH_TEST_SHAREGPT", str(tmp_path / "a.json"))
+    vm = load_matrix(write(tmp_path, ENV_MATRIX))
+    assert vm.option_sets["res"][0].options["model"] == "/models/m1"
+    assert vm.option_sets["res"][0].options["device"] == "cpu"  # the default after :-
+    manifest = build_manifest(build_plan(vm))
+    assert manifest["matrix"]["engines"]["res"]["options"]["model"] == "/models/m1"
+    assert manifest["matrix"]["workloads"]["sharegpt"]["path"] == str(tmp_path / "a.json")
+    assert "${" not in str(manifest["matrix"])
+    # another file behind the same variable is another run
+    monkeypatch.setenv("BENCH_TEST_SHAREGPT", str(tmp_path / "b.json"))
+    assert load_matrix(write(tmp_path, ENV_MATRIX)).matrix_hash != vm.matrix_hash
+    monkeypatch.setenv("BENCH_TEST_SHAREGPT", str(tmp_path / "a.json"))
+    assert load_matrix(write(tmp_path, ENV_MATRIX)).matrix_hash == vm.matrix_hash
+    # $${ is a literal ${
+    literal = load_matrix(write(tmp_path, ENV_MATRIX.replace('"${BENCH_TEST_MODEL}"', '"/m/$${X}"')))
+    assert literal.option_sets["res"][0].options["model"] == "/m/${X}"
+
+
+def test_an_unset_variable_is_one_line_naming_path_and_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("BENCH_TEST_MODEL", "/models/m1")
+    monkeypatch.delenv("BENCH_TEST_SHAREGPT", raising=False)
+    path = write(tmp_path, ENV_MATRIX)
+    assert main(["run", str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert err.strip().endswith(
+        "workloads.sharegpt.path: environment variable BENCH_TEST_SHAREGPT is not set (set it to your ShareGPT JSON file)"
+    )
+    monkeypatch.delenv("BENCH_TEST_MODEL")
+    msg = errors_of(tmp_path, ENV_MATRIX)
+    assert "engines.res.options.model: environment variable BENCH_TEST_MODEL is not set" in msg
+
+
+def test_reference_is_a_name_or_a_published_setup(tmp_path: Path) -> None:
+    plain = load_matrix(write(tmp_path, GOOD + "reference: pr42557\n"))
+    assert plain.as_json()["reference"] == "pr42557"  # the plain form stays a string in the manifest
+    setup = load_matrix(write(tmp_path, GOOD + "reference: {name: pr42557, machine: laptop_8gb, quant: gptq_int4}\n"))
+    assert setup.as_json()["reference"] == {"name": "pr42557", "machine": "laptop_8gb", "quant": "gptq_int4"}
+    assert setup.matrix_hash != plain.matrix_hash
+    msg = errors_of(tmp_path, GOOD + "reference: {name: pr42557, machine: desktop_8gb}\n")
+    assert "reference.machine: 'desktop_8gb' is not a machine of pr42557 (known: desktop_16gb, laptop_8gb)" in msg
+    msg = errors_of(tmp_path, GOOD + "reference: {name: pr42557, quant: int8}\n")
+    assert "reference.quant: 'int8' is not a quant of pr42557 (known: fp8_block, gptq_int4)" in msg
+    msg = errors_of(tmp_path, GOOD + "reference: {name: pr42557, machine: laptop_8gb, quant: fp8_block}\n")
+    assert "reference: pr42557 published no figures for machine laptop_8gb with quant fp8_block" in msg
+    assert "reference.name: must be one of 'pr42557'" in errors_of(tmp_path, GOOD + "reference: {name: pr1}\n")
+    assert "reference.name: must be one of 'pr42557'" in errors_of(tmp_path, GOOD + "reference: pr1\n")
+
+
+def test_canary_and_max_error_rate_are_checked(tmp_path: Path) -> None:
+    vm = load_matrix(write(tmp_path, GOOD + "canary: true\n"))
+    assert vm.matrix.canary is True and vm.matrix.workloads["w"].max_error_rate == 0.0
+    assert load_matrix(write(tmp_path, GOOD)).matrix.canary is False
+    text = GOOD.replace("num_requests: 3", "num_requests: 3\n    max_error_rate: 1.5")
+    assert "workloads.w.max_error_rate: must be <= 1.0 (got 1.5)" in errors_of(tmp_path, text)

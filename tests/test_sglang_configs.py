@@ -27,9 +27,12 @@ SETUPS = {
 
 
 @pytest.fixture
-def env(monkeypatch: pytest.MonkeyPatch) -> None:
+def env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     for key, value in ENV.items():
         monkeypatch.setenv(key, value)
+    sharegpt = tmp_path / "sharegpt.json"  # the matrix checks that the workload file exists
+    sharegpt.write_text("[]")
+    monkeypatch.setenv("SHAREGPT_PATH", str(sharegpt))
 
 
 def test_one_config_per_published_setup() -> None:
@@ -45,7 +48,8 @@ def test_config_follows_the_published_rules(env: None, name: str) -> None:
     machine, quant, ks, gguf_var = SETUPS[name]
     ref = load_reference("pr42557")
     m = load_matrix(CONFIGS / name).matrix
-    assert m.reference == "pr42557" and m.repeats >= ref.rules.min_repeats == 2
+    assert m.reference is not None and (m.reference.name, m.reference.machine, m.reference.quant) == ("pr42557", machine, quant)
+    assert m.repeats >= ref.rules.min_repeats == 2
     assert m.fairness.kv_capacity_tokens == ref.rules.kv_capacity_tokens == 10240
     assert m.fairness.prefix_caching is ref.rules.prefix_caching is False
     (workload,) = m.workloads.values()
@@ -56,7 +60,7 @@ def test_config_follows_the_published_rules(env: None, name: str) -> None:
     ]
     assert {e.kind for e in m.engines.values()} == {"sglang", "llamacpp"}
     llama = m.engines["llamacpp_best"].options
-    assert llama["n_cpu_moe"] == "search" and gguf_var in llama["model"]  # IQ4_XS for int4, Q8_0 for FP8
+    assert llama["n_cpu_moe"] == "search" and llama["model"] == ENV[gguf_var]  # IQ4_XS for int4, Q8_0 for FP8
     vram = next(mach.vram_gb for mach in ref.machines if mach.key == machine)
     assert llama["vram_budget_gb"] == vram
     paged = m.engines["sglang_paged"].options
@@ -82,3 +86,18 @@ def test_unset_model_variable_names_what_to_set(monkeypatch: pytest.MonkeyPatch)
         monkeypatch.delenv(key, raising=False)
     with pytest.raises(MatrixError, match="QWEN3_30B_A3B_GPTQ_INT4 is not set"):
         load_matrix(CONFIGS / "laptop8gb_int4_k26.yaml")
+
+
+@pytest.mark.parametrize("name", sorted(SETUPS))
+def test_cli_dry_run_works_with_the_variables_set_and_is_one_line_per_unset_one(
+    env: None, name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchsuite.cli import main
+
+    assert main(["run", str(CONFIGS / name), "--dry-run"]) == 0
+    assert "/models/" in capsys.readouterr().out
+    monkeypatch.delenv("SHAREGPT_PATH")
+    assert main(["run", str(CONFIGS / name), "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("workloads.sharegpt.path: environment variable SHAREGPT_PATH is not set (set it to your ShareGPT JSON file)")
+    assert len(err.splitlines()) == 1 and "Traceback" not in err

@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 
 from benchsuite.errors import UserError
-from benchsuite.reference import Reference
+from benchsuite.reference import Reference, load_reference
 from benchsuite.report import manifest_facts as mf
 from benchsuite.report import tables as tb
 from benchsuite.report.display import display_frame
@@ -23,7 +23,6 @@ from benchsuite.report.header import header_html, header_markdown
 from benchsuite.report.html import Section, render_page
 from benchsuite.report.load import RunData, load_run
 from benchsuite.report.published import (
-    default_reference_dirs,
     find_reference,
     load_published,
     reference_decode_table,
@@ -54,11 +53,19 @@ def _report_id(runs: list[RunData]) -> str:
     return "+".join(r.run_id for r in runs)
 
 
-def _reference(runs: list[RunData], reference_dirs: list[Path]) -> tuple[Reference | None, dict[str, str], str]:
+def _reference(runs: list[RunData], reference_dirs: list[Path] | None) -> tuple[Reference | None, dict[str, str], str]:
+    """The published reference the first run's matrix names: the shipped data (benchsuite.reference),
+    or a file found in `reference_dirs` when given (tests, a user's own figures)."""
     for run in runs:
         name = mf.reference_name(run.manifest)
         if name is None:
             continue
+        if reference_dirs is None:
+            try:
+                published = load_reference(name)
+            except UserError as exc:
+                return None, {}, f"The matrix names reference '{name}': {exc}."
+            return published, mf.reference_filter(run.manifest), f"Published figures from {name} ({name}.yaml, shipped)."
         path = find_reference(name, reference_dirs)
         if path is None:
             return None, {}, f"The matrix names reference '{name}', but no {name}.yaml was found in {', '.join(map(str, reference_dirs))}."
@@ -76,7 +83,7 @@ def build_report_data(run_dirs: list[Path], reference_dirs: list[Path] | None = 
     samples = pd.concat([request_samples(r.requests) for r in runs], ignore_index=True)
     top_k = next((v for v in (mf.model_top_k(r.manifest, r.run_dir) for r in runs) if v), None)
     num_experts = next((v for v in (mf.model_num_experts(r.manifest, r.run_dir) for r in runs) if v), None)
-    published, row_filter, note = _reference(runs, reference_dirs if reference_dirs is not None else default_reference_dirs())
+    published, row_filter, note = _reference(runs, reference_dirs)
     if published is not None and (top_k is None or num_experts is None) and _serves_model(runs, published.model):
         shape = published.raw.get("model_shape") or {}  # a hub id (no local config.json) of the published model
         top_k = top_k or shape.get("top_k")

@@ -1,8 +1,8 @@
 """Published reference figures (e.g. PR #42557) beside the user's own numbers.
 
 The figures are read by benchsuite.reference (typed rows, shipped in benchsuite/data/reference/);
-this module only finds the file for the name a matrix gives (`reference: pr42557`; a search path
-seam lets tests use a hand-made file) and lines the published rows up with the user's configurations
+this module only finds the reference a matrix names (`reference: pr42557`: the shipped data through
+benchsuite.reference; a search path seam lets tests use a hand-made file) and lines the published rows up with the user's configurations
 at the same K and concurrency. A matrix may narrow the rows with `reference: {name, machine, quant}`.
 Nothing here invents a number: a published row without a matching configuration says "not measured".
 """
@@ -13,17 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import yaml
 
-from benchsuite.reference import Reference, parse_reference
+from benchsuite.reference import Reference, read_reference_file
 from benchsuite.report.groups import Spread
 from benchsuite.report.tables import baselines_for, headline_metric, prompt_classes
 
 _ENGINE_PREFERENCE = ("sglang", "builtin", "llamacpp")
-
-
-def default_reference_dirs() -> list[Path]:
-    return [Path(__file__).resolve().parent.parent / "data" / "reference"]
 
 
 def find_reference(name: str, search_dirs: list[Path]) -> Path | None:
@@ -35,7 +30,7 @@ def find_reference(name: str, search_dirs: list[Path]) -> Path | None:
 
 
 def load_published(name: str, path: Path) -> Reference:
-    return parse_reference(name, yaml.safe_load(Path(path).read_text()))
+    return read_reference_file(name, path)
 
 
 def _machine_text(reference: Reference, key: str) -> str:
