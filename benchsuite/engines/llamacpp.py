@@ -12,6 +12,9 @@ so each request could use only c/np tokens. We pass `--kv-unified`: all slots sh
 the builtin engine's token pool and SGLang's `--max-total-tokens`.
 Prefix caching: `--no-cache-prompt` where the binary has it, `--cache-ram 0` (no host prompt
 cache), and `cache_prompt: false` on every request.
+HTTP: this llama-server answers `Keep-Alive: timeout=5, max=100` yet closes the socket after every
+streamed (chunked) response, so a client that reuses pooled connections fails every second request
+("Can not write request body"); the load generator's connector must use `force_close=True`.
 """
 
 from __future__ import annotations
