@@ -105,7 +105,7 @@ async def run_accuracy(
 ) -> AccuracyReport:
     """Send every (prompt_id, prompt) greedily to both endpoints, one at a time, and compare."""
     timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(force_close=True)) as session:
         model_a, model_b = await asyncio.gather(model_name(session, url_a), model_name(session, url_b))
         comparisons = []
         for prompt_id, prompt in prompts:

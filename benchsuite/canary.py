@@ -70,7 +70,7 @@ async def run_canary(
     leaks: list[str] = []
     interference: list[str] = []
     checked = 0
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(force_close=True)) as session:
         model = await model_name(session, base_url)
 
         async def ask(prompt: str) -> str:

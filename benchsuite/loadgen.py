@@ -141,7 +141,7 @@ async def run_load(
     own_session = session is None
     if session is None:
         session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, force_close=False),
+            connector=aiohttp.TCPConnector(limit=0, force_close=True),  # see runner: llama-server closes streams
             timeout=aiohttp.ClientTimeout(total=None),
         )
     sender = _Sender(session, base_url, cell_id, model_name, extras, spec.timeout_s, clock, progress)
