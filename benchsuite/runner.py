@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import random
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -27,19 +26,22 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from benchsuite import datasets, loadgen, metrics
+from benchsuite import canary, loadgen, metrics
 from benchsuite.engines import ADAPTERS, RUN_DIR_PLACEHOLDER
 from benchsuite.engines.base import EngineAdapter, EngineConfigError, ServerSpec
 from benchsuite.errors import RunError, UserError
 from benchsuite.machine import git_facts, machine_facts
 from benchsuite.plan import CellSpec, Plan, SearchTask, resolve_search
 from benchsuite.process import EngineProcess, free_port
+from benchsuite.prompts_for_cells import PromptCache, cell_requests
 from benchsuite.records import CellResult, RequestRecord
 from benchsuite.store import RunStore, Writer, atomic_write_bytes, utc_now
 
 DEFAULT_CELL_TIMEOUT_S = 3600.0
-RANDOM_SHORT_TOKENS = 32  # dataset `random`: length of a `short` prompt (random token ids)
-_CELL_ERRORS = (RunError, aiohttp.ClientError, asyncio.TimeoutError, OSError, EngineConfigError)
+DEFAULT_REQUEST_TIMEOUT_S = 600.0  # one request; a request past it is a failed record, the cell goes on
+CANARY_MAX_CONCURRENCY = 4
+CELL_ERRORS = (RunError, aiohttp.ClientError, asyncio.TimeoutError, OSError, EngineConfigError)
+_CELL_ERRORS = CELL_ERRORS  # old name, still imported by benchsuite.search; remove once it uses CELL_ERRORS
 
 
 class RunEvents(Protocol):
@@ -69,8 +71,9 @@ class RunContext:
     store: RunStore
     session: aiohttp.ClientSession
     events: RunEvents = field(default_factory=SilentEvents)
-    cell_timeout_s: float = DEFAULT_CELL_TIMEOUT_S  # a hung engine fails its cell, not the whole run
-    _prompts: dict[tuple[str, str, str], list[datasets.Prompt]] = field(default_factory=dict)
+    cell_timeout_s: float = DEFAULT_CELL_TIMEOUT_S  # last resort: a hung engine fails its cell, not the whole run
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S  # per request: its record survives as a failure
+    _prompts: PromptCache = field(default_factory=dict)
 
 
 @dataclass
@@ -128,8 +131,10 @@ async def measure_cell(ctx: RunContext, server: RunningServer, cell: CellSpec, *
     """Flush, scrape, load, scrape, summarize one cell on a ready server; store it when asked.
 
     Never returns a made-up number: a cell whose engine died is `failed` with the log tail, a
-    cell whose metrics cannot be computed is `invalid` (metrics.summarize says why). A cell that
-    outlasts ctx.cell_timeout_s raises TimeoutError and marks the server hung (`server.hung`).
+    cell whose metrics cannot be computed is `invalid` (metrics.summarize says why). Each request
+    has its own timeout (ctx.request_timeout_s), so a slow request is a failed record and the cell
+    keeps its records; only a cell that outlasts ctx.cell_timeout_s as a whole (a last resort: its
+    records are lost) raises TimeoutError and marks the server hung (`server.hung`).
     """
     try:
         return await asyncio.wait_for(_measure(ctx, server, cell, store), ctx.cell_timeout_s)
@@ -140,7 +145,7 @@ async def measure_cell(ctx: RunContext, server: RunningServer, cell: CellSpec, *
 
 async def _measure(ctx: RunContext, server: RunningServer, cell: CellSpec, store: bool) -> CellResult:
     adapter, spec, workload = server.adapter, server.spec, cell.workload_spec
-    requests = _load_requests(ctx, server, cell)
+    requests = cell_requests(ctx._prompts, adapter, spec, cell)
     flush_path = getattr(adapter, "flush_cache_path", None)
     if flush_path:
         async with ctx.session.post(server.base_url + flush_path) as resp:
@@ -159,14 +164,12 @@ async def _measure(ctx: RunContext, server: RunningServer, cell: CellSpec, store
     records += [dataclasses.replace(r, request_index=r.request_index + len(warmups)) for r in measured]
     server.cells_measured += 1
     after = await adapter.scrape(ctx.session, server.base_url) if server.process.alive else None
-    result = metrics.summarize(records, base=_base_result(ctx, spec, cell))
+    result = metrics.summarize(records, base=_base_result(ctx, spec, cell), max_error_rate=workload.max_error_rate)
     if before is not None and after is not None:
         result = dataclasses.replace(result, **metrics.paging_delta(before, after))
-    log_facts = adapter.parse_log(ctx.store.log_path(spec.server_id).read_text(errors="replace"))
-    if log_facts:
-        result = dataclasses.replace(result, extras={**result.extras, "engine_log": log_facts})
+    result = dataclasses.replace(result, extras={**result.extras, **_log_extras(adapter, spec, cell, ctx.store.log_path(spec.server_id))})
     if not server.process.alive:
-        result = _failed(ctx, cell, spec, _death_reason(server), base=result)
+        result = failed_result(ctx, cell, spec, _death_reason(server), base=result)
     if store:
         ctx.store.write_engine_metrics(cell.cell_id, {"before": before, "after": after})
         ctx.store.write_cell(result, records)
@@ -191,11 +194,13 @@ async def run_server_cells(ctx: RunContext, spec: ServerSpec, cells: Sequence[Ce
                 else:
                     try:
                         result = await measure_cell(ctx, server, cell)
-                    except _CELL_ERRORS as exc:
+                    except CELL_ERRORS as exc:
                         reason = f"{type(exc).__name__}: {exc}".rstrip(": ")
                         result = _store_failure(ctx, cell, spec, f"{reason}\n{server.process.log_tail()}".strip())
                 results.append(result)
                 ctx.events.cell_finished(cell, result)
+            if not server.hung and server.process.alive:
+                await _after_cells(ctx, server, todo)
     except (RunError, UserError, EngineConfigError, OSError) as exc:  # UserError: its port was taken
         if started:
             raise  # not a start failure (e.g. the store cannot write): stop the run
@@ -244,14 +249,22 @@ def build_manifest(plan: Plan) -> dict[str, Any]:
 
 
 async def run_plan(
-    plan: Plan, store: RunStore, events: RunEvents | None = None, *, cell_timeout_s: float = DEFAULT_CELL_TIMEOUT_S
+    plan: Plan,
+    store: RunStore,
+    events: RunEvents | None = None,
+    *,
+    cell_timeout_s: float = DEFAULT_CELL_TIMEOUT_S,
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
 ) -> list[str]:
     """Run every unfinished cell of the plan into the store (the CLI's one library call);
     returns the problems that produced no cell (a search that found no value)."""
-    connector = aiohttp.TCPConnector(limit=0)  # the load generator sets the concurrency, not the pool
+    # limit=0: the load generator sets the concurrency, not the pool. force_close: llama-server
+    # answers "Keep-Alive" but closes the socket after each streamed response, so a pooled
+    # connection fails the next request; a fresh loopback connection per request, for every engine.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        return await execute(RunContext(plan, store, session, events or SilentEvents(), cell_timeout_s))
+        return await execute(RunContext(plan, store, session, events or SilentEvents(), cell_timeout_s, request_timeout_s))
 
 
 async def execute(ctx: RunContext) -> list[str]:
@@ -282,6 +295,7 @@ async def _load(
         arrival="closed" if closed else workload.arrival,
         rate_rps=None if closed else workload.rate_rps,
         seed=workload.seed,
+        timeout_s=min(ctx.request_timeout_s, ctx.cell_timeout_s),  # no request outlives its cell
     )
     return await loadgen.run_load(
         server.base_url,
@@ -315,12 +329,16 @@ def _base_result(ctx: RunContext, spec: ServerSpec, cell: CellSpec) -> CellResul
     )
 
 
-def _failed(ctx: RunContext, cell: CellSpec, spec: ServerSpec, reason: str, base: CellResult | None = None) -> CellResult:
+def failed_result(ctx: RunContext, cell: CellSpec, spec: ServerSpec, reason: str, base: CellResult | None = None) -> CellResult:
+    """`base` (or a fresh result of the cell) marked failed with `reason`."""
     return dataclasses.replace(base or _base_result(ctx, spec, cell), status="failed", reason=reason)
 
 
+_failed = failed_result  # old name, still imported by benchsuite.search; remove once it uses failed_result
+
+
 def _store_failure(ctx: RunContext, cell: CellSpec, spec: ServerSpec, reason: str) -> CellResult:
-    result = _failed(ctx, cell, spec, reason)
+    result = failed_result(ctx, cell, spec, reason)
     ctx.store.write_cell(result, [])
     return result
 
@@ -329,71 +347,39 @@ def _death_reason(server: RunningServer) -> str:
     return f"engine exited with code {server.process.returncode}; log tail:\n{server.process.log_tail()}"
 
 
-def _load_requests(ctx: RunContext, server: RunningServer, cell: CellSpec) -> list[loadgen.LoadRequest]:
-    """The measured requests, the same prompts for every engine (seeded order); warmups reuse
-    the first ones."""
-    workload = cell.workload_spec
-    count = workload.num_requests
-    prompts = _prompt_pool(ctx, server, cell, count)
-    order = list(range(len(prompts)))
-    random.Random(workload.seed).shuffle(order)
-    chosen = [prompts[order[i % len(order)]] for i in range(count)]
-    return [
-        loadgen.LoadRequest(
-            prompt_id=p.prompt_id,
-            prompt_class=cell.prompt_class,
-            prompt=p.token_ids if p.token_ids is not None else p.text,  # exact lengths travel as ids
-            max_tokens=workload.output_tokens,
-        )
-        for p in chosen
-    ]
+def _log_extras(adapter: EngineAdapter, spec: ServerSpec, cell: CellSpec, log_path: Path) -> dict[str, Any]:
+    """Facts from the engine log and the adapter's warnings for this cell (`flags`, always a list:
+    empty means checked and nothing to say; adapters without the `cell_flags` hook give none)."""
+    log_text = log_path.read_text(errors="replace")
+    log_facts = adapter.parse_log(log_text)
+    flags_hook = getattr(adapter, "cell_flags", None)
+    extras: dict[str, Any] = {"flags": [str(f) for f in flags_hook(spec, log_text, cell)] if flags_hook else []}
+    if log_facts:
+        extras["engine_log"] = log_facts
+    return extras
 
 
-def _prompt_pool(ctx: RunContext, server: RunningServer, cell: CellSpec, count: int) -> list[datasets.Prompt]:
-    workload = cell.workload_spec
-    exact_tokens = int(cell.prompt_class) if cell.prompt_class.isdigit() else None
-    if exact_tokens is None and workload.dataset == "random":
-        exact_tokens = RANDOM_SHORT_TOKENS
-    tokenizer = _tokenizer_dir(server) if exact_tokens is not None else None
-    key = (cell.workload, cell.prompt_class, str(tokenizer))
-    if key not in ctx._prompts:
-        natural = (
-            datasets.load_sharegpt(Path(workload.path or ""), count, workload.seed)
-            if workload.dataset == "sharegpt"
-            else datasets.bundled_prompts()
-        )
-        if workload.dataset == "random" and exact_tokens is not None and tokenizer is not None:
-            pool = _random_token_prompts(tokenizer, exact_tokens, count, workload.seed)
-        elif exact_tokens is not None and tokenizer is not None:
-            pool = datasets.exact_length_prompts(tokenizer, exact_tokens, count, workload.seed, source=natural)
-        else:
-            pool = natural
-        if not pool:
-            raise RunError(f"workload {cell.workload}: no prompts for class {cell.prompt_class}")
-        ctx._prompts[key] = list(pool)
-    return ctx._prompts[key]
-
-
-def _random_token_prompts(tokenizer_dir: Path, n_tokens: int, n: int, seed: int) -> list[datasets.Prompt]:
-    """Dataset `random`: uniformly random ids of the learned vocabulary, the no-locality extreme."""
-    vocab_size = datasets.load_tokenizer(tokenizer_dir).get_vocab_size(with_added_tokens=False)
-    rng = random.Random(seed)
-    return [
-        datasets.Prompt(f"rand{n_tokens}-s{seed}-{i}", "", str(n_tokens), tuple(rng.randrange(vocab_size) for _ in range(n_tokens)))
-        for i in range(n)
-    ]
-
-
-def _tokenizer_dir(server: RunningServer) -> Path:
-    """The model's tokenizer, for exact-length prompts: the adapter's answer or a tokenizer option."""
-    finder = getattr(server.adapter, "tokenizer_dir", None)
-    if finder is not None:
-        return Path(finder(server.spec))
-    for key in ("tokenizer", "tokenizer_dir", "hf_tokenizer"):
-        value = server.spec.options.get(key)
-        if value:
-            return Path(str(value)).expanduser()
-    raise RunError(
-        f"engine {server.spec.name}: exact-length prompts need the model's tokenizer; "
-        "set a tokenizer option on this engine"
-    )
+async def _after_cells(ctx: RunContext, server: RunningServer, cells: Sequence[CellSpec]) -> None:
+    """On a live server after its cells, before it stops: the adapter's `after_cells` hook (e.g.
+    SGLang's routing capture) and, when the matrix asks, the leak canary. Both go to the manifest's
+    server entry; neither marks a cell failed (a canary failure is shown in the report instead)."""
+    spec, adapter = server.spec, server.adapter
+    hook = getattr(adapter, "after_cells", None)
+    if hook is not None:
+        requests = list({(r.prompt_class, r.prompt_id): r for c in cells for r in cell_requests(ctx._prompts, adapter, spec, c)}.values())
+        try:
+            facts = await hook(ctx, server, requests)
+        except (*CELL_ERRORS, ValueError) as exc:
+            facts = {"after_cells_error": f"{type(exc).__name__}: {exc}"}
+        if facts:
+            ctx.store.record_server(spec.server_id, facts)
+    if ctx.plan.matrix.matrix.canary:
+        try:
+            report = await canary.run_canary(
+                server.base_url, rounds=1, concurrency=min(CANARY_MAX_CONCURRENCY, spec.max_concurrency),
+                max_tokens=16, extras=adapter.request_extras(spec),
+            )  # fmt: skip
+            result: dict[str, Any] = report.to_dict()
+        except (*CELL_ERRORS, ValueError) as exc:  # not run to the end: no verdict, the reason kept
+            result = {"error": f"{type(exc).__name__}: {exc}"}
+        ctx.store.record_server(spec.server_id, {"canary": result})

@@ -134,3 +134,29 @@ def test_a_run_where_everything_failed_still_reports_why(tmp_path: Path) -> None
     assert "builtin: attempted (tiny) but NO cell succeeded (22 failed or invalid)" in md
     assert md.count("server exited during start-up") >= 26
     assert "Not drawn, for lack of data: decode tok/s vs concurrency" in index.read_text()
+
+
+def test_each_servers_canary_is_shown_and_a_leak_is_a_red_banner(tmp_path: Path) -> None:
+    run = tmp_path / "canary"
+    shutil.copytree(FIXTURE, run)
+    manifest = json.loads((run / "manifest.json").read_text())
+    leaky, passing, errored, *rest = manifest["servers"]
+    manifest["servers"][leaky]["canary"] = {"marker": "CANARY-ab12", "requests_checked": 17, "passed": False,
+                                            "leaks": ["round 0 concurrent: 'x' -> 'CANARY-ab12'"], "interference": []}
+    manifest["servers"][passing]["canary"] = {"marker": "CANARY-cd34", "requests_checked": 17, "passed": True, "leaks": [], "interference": []}
+    manifest["servers"][errored]["canary"] = {"error": "RunError: http://127.0.0.1:1/v1/models answered HTTP 500"}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    index = write_report([run], tmp_path / "out", reference_dirs=REFERENCE_DIRS)
+    page = index.read_text()
+    banner = re.search(r'<div class="banner bad">(LEAK CANARY FAILED on server (\S+) [^<]*)</div>', page)
+    assert banner is not None and banner.group(2) == leaky and "FAILED (leaks 1)" in banner.group(1)
+    assert page.count("LEAK CANARY FAILED") == 1
+    assert '<td class="bad">canary: FAILED (leaks 1)</td>' in page
+    assert "<td>canary: passed (17 responses checked)</td>" in page
+    assert "<td>canary: not run (RunError: http://127.0.0.1:1/v1/models answered HTTP 500)</td>" in page
+    assert page.count("<td>canary: not run</td>") == len(rest)  # servers of a run without the canary
+    md = (index.parent / "tables.md").read_text()
+    assert "> **LEAK CANARY FAILED on server " + leaky in md and "canary: passed" in md
+    # a canary failure marks no cell failed
+    assert pd.read_csv(index.parent / "tables.csv").shape == pd.read_csv(
+        write_report([FIXTURE], tmp_path / "plain", reference_dirs=REFERENCE_DIRS).parent / "tables.csv").shape

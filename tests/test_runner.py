@@ -31,8 +31,10 @@ HERE = Path(__file__).resolve()
 
 class FakeOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    behaviour: Literal["ok", "crash", "die", "hang"] = "ok"
-    die_after: int = 0  # completions served before the process exits (die) or blocks forever (hang)
+    behaviour: Literal["ok", "crash", "die", "hang", "stall"] = "ok"
+    # completions served before the process exits (die), blocks forever (hang), or leaves every later
+    # completion unanswered while /health and /metrics still answer (stall)
+    die_after: int = 0
     token_delay_s: float = 0.01
     label: int | Literal["search"] = 0  # something to sweep, or to search
     tag: str = ""  # marks the engine processes of one test, to look for orphans
@@ -337,6 +339,8 @@ def serve(args: argparse.Namespace) -> None:
             os._exit(139)
         if args.behaviour == "hang" and counters["completions"] > args.die_after:
             time.sleep(3600)  # blocks the event loop: health, metrics and flush stop answering too
+        if args.behaviour == "stall" and counters["completions"] > args.die_after:
+            await asyncio.sleep(3600)  # this request never answers; the server does
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         n = int(body["max_tokens"])

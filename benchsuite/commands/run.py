@@ -33,7 +33,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="print the cells and engine command lines; start nothing")
     parser.add_argument("--run-id", help="results directory name (default: <matrix name>-<matrix hash>); reuse it to resume")
     parser.add_argument("--output-root", type=Path, help="parent of the run directory (default: the matrix's output_root)")
-    parser.add_argument("--cell-timeout-s", type=float, default=3600.0, help="fail a cell (and stop using its server) after this long")
+    parser.add_argument("--cell-timeout-s", type=float, default=3600.0,
+                        help="last resort: fail a whole cell (its records lost) and stop using its server after this long")
+    parser.add_argument("--request-timeout-s", type=float, default=600.0,
+                        help="fail one request after this long; the cell keeps its records (workloads' max_error_rate decides)")
     parser.add_argument("--quiet", action="store_true", help="no progress display (CI)")
     parser.add_argument("--no-report", action="store_true", help="do not write the HTML report at the end")
 
@@ -41,6 +44,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.cell_timeout_s <= 0:
         raise UserError(f"--cell-timeout-s must be > 0, got {args.cell_timeout_s:g}")
+    if args.request_timeout_s <= 0:
+        raise UserError(f"--request-timeout-s must be > 0, got {args.request_timeout_s:g}")
     if args.run_id is not None and not _RUN_ID_RE.match(args.run_id):
         raise UserError(f"--run-id {args.run_id!r}: use letters, digits, '.', '_' and '-' only")
     plan = build_plan(load_matrix(args.matrix), run_id=args.run_id)
@@ -57,7 +62,7 @@ def main(args: argparse.Namespace) -> int:
     console.print(f"run {plan.run_id}: {len(plan.cells)} cells ({len(plan.cells) - todo} already done) -> {store.run_dir}")
     try:
         with _ProgressEvents(console, todo) as events:
-            problems = asyncio.run(run_plan(plan, store, events, cell_timeout_s=args.cell_timeout_s))
+            problems = asyncio.run(run_plan(plan, store, events, cell_timeout_s=args.cell_timeout_s, request_timeout_s=args.request_timeout_s))
     except KeyboardInterrupt:
         print(f"benchsuite: interrupted; finished cells are kept in {store.run_dir} (rerun the same command to resume)")
         return 130

@@ -261,6 +261,33 @@ class SGLangAdapter:
     def batch_cap_flag(self, parsed_log: dict[str, Any], concurrency: int) -> str | None:
         return sglang_logs.batch_cap_flag(parsed_log, concurrency)
 
+    def cell_flags(self, spec: ServerSpec, log_text: str, cell: Any) -> list[str]:
+        """Runner hook: warnings for one cell from the server log (concurrency above the captured
+        CUDA-graph batch cap; a KV pool that is not the matrix's fixed token capacity)."""
+        parsed = sglang_logs.parse_log(log_text).as_dict()
+        flags = [sglang_logs.batch_cap_flag(parsed, cell.concurrency)]
+        if "kv_capacity_tokens" in spec.fairness:
+            flags.append(sglang_logs.kv_capacity_flag(parsed, int(spec.fairness["kv_capacity_tokens"])))
+        return [f for f in flags if f]
+
+    async def after_cells(self, ctx: Any, server: Any, requests: list[Any]) -> dict[str, Any]:
+        """Runner hook, on the live server after its cells: with return_routed_experts, send the
+        cells' prompts once more (greedy, not streamed) and write their routing to
+        <run_dir>/routing/<server-id>.trace; the manifest's server entry gets the path."""
+        opts = self._options(server.spec)
+        if not opts.return_routed_experts or not requests:
+            return {}
+        from benchsuite import sglang_routing  # imports torch (paged_experts.trace): only when capturing
+
+        prompts = [r.prompt if isinstance(r.prompt, str) else list(r.prompt) for r in requests]
+        model = str(server.spec.options.get("model", server.spec.name))  # what the measured requests named
+        responses = await sglang_routing.capture_routing(
+            ctx.session, server.base_url, model, prompts, max(r.max_tokens for r in requests)
+        )
+        path = ctx.store.run_dir / "routing" / f"{server.spec.server_id}.trace"
+        sglang_routing.write_routing_trace(path, responses, opts.model_path)
+        return {"routing_trace": str(path.relative_to(ctx.store.run_dir)), "routing_requests": len(responses)}
+
 
 async def scrape_prometheus(session: Any, base_url: str, prefix: str) -> dict[str, float] | None:
     """GET /metrics -> {series: value} for series whose name starts with `prefix`; None when the

@@ -103,8 +103,24 @@ def _requests(runs: list[RunData]) -> pd.DataFrame:
     return pd.concat([r.requests for r in runs], ignore_index=True)
 
 
+def canary_warnings(runs: list[RunData]) -> list[tuple[str, str]]:
+    """A red banner per server whose leak canary failed (no cell is marked failed for it)."""
+    return [("bad", (f"LEAK CANARY FAILED on server {s.server_id} ({s.engine}, run {run.run_id}): {s.canary}. A marker planted "
+                     f"in one request came back in another request's response: this engine served one request's state to "
+                     f"another. The canary's responses are in manifest.json (servers.{s.server_id}.canary)."))
+            for run in runs for s in mf.servers(run.manifest) if s.canary_failed]
+
+
+def _server_row(s: mf.ServerFacts) -> str:
+    canary_cell = '<td class="bad">' if s.canary_failed else "<td>"
+    return (f"<tr><td>{html.escape(s.server_id)}</td><td>{html.escape(s.engine)}</td><td>{html.escape(s.kind)}</td>"
+            f'<td class="wrap">{html.escape(s.version)}</td><td class="wrap"><code>{html.escape(s.command)}</code></td>'
+            f"{canary_cell}canary: {html.escape(s.canary)}</td></tr>")
+
+
 def header_html(runs: list[RunData], cells: pd.DataFrame) -> str:
-    parts = [f'<div class="banner {cls}">{html.escape(text)}</div>' for cls, text in warnings(cells, _requests(runs))]
+    banners = canary_warnings(runs) + warnings(cells, _requests(runs))
+    parts = [f'<div class="banner {cls}">{html.escape(text)}</div>' for cls, text in banners]
     parts.append('<h2 id="engines-run">Engines run</h2><ul>')
     parts.extend(f"<li>{html.escape(s.statement())}</li>" for s in engine_statuses(cells))
     for name in unmeasured_matrix_engines(runs, cells):
@@ -119,9 +135,9 @@ def header_html(runs: list[RunData], cells: pd.DataFrame) -> str:
         parts.append("<h3>Servers: exact commands and versions</h3>")
         servers = mf.servers(run.manifest)
         if servers:
-            rows = "".join(f"<tr><td>{html.escape(s.server_id)}</td><td>{html.escape(s.engine)}</td><td>{html.escape(s.kind)}</td>"
-                           f"<td class=\"wrap\">{html.escape(s.version)}</td><td class=\"wrap\"><code>{html.escape(s.command)}</code></td></tr>" for s in servers)
-            parts.append(f'<table id="servers-{html.escape(run.run_id)}"><tr><th>server</th><th>engine</th><th>kind</th><th>version</th><th>command</th></tr>{rows}</table>')
+            rows = "".join(_server_row(s) for s in servers)
+            parts.append(f'<table id="servers-{html.escape(run.run_id)}"><tr><th>server</th><th>engine</th><th>kind</th><th>version</th><th>command</th>'
+                         f'<th>leak canary</th></tr>{rows}</table>')
         else:
             parts.append("<p><em>no servers recorded in the manifest</em></p>")
     parts.append('<h2 id="definitions">Metric definitions</h2><ul>')
@@ -131,11 +147,11 @@ def header_html(runs: list[RunData], cells: pd.DataFrame) -> str:
 
 
 def header_markdown(runs: list[RunData], cells: pd.DataFrame) -> list[str]:
-    lines = [f"> **{text}**" for _, text in warnings(cells, _requests(runs))]
+    lines = [f"> **{text}**" for _, text in canary_warnings(runs) + warnings(cells, _requests(runs))]
     lines.append("")
     lines.extend(f"- {s.statement()}" for s in engine_statuses(cells))
     lines.extend(f"- {name}: named by the matrix but has no results (not run)." for name in unmeasured_matrix_engines(runs, cells))
     for run in runs:
         lines.append(f"\n**Run {run.run_id}**: " + "; ".join(f"{k}={v}" for k, v in mf.machine_facts(run.manifest) + mf.git_facts(run.manifest)))
-        lines.extend(f"- `{s.engine}` ({s.kind}, {s.version}): `{s.command}`" for s in mf.servers(run.manifest))
+        lines.extend(f"- `{s.engine}` ({s.kind}, {s.version}, canary: {s.canary}): `{s.command}`" for s in mf.servers(run.manifest))
     return lines

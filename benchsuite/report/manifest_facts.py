@@ -27,6 +27,22 @@ class ServerFacts:
     kind: str
     command: str  # shell-quoted argv, exactly as launched
     version: str
+    canary: str = "not run"  # the leak canary after the server's cells: passed / FAILED (leaks n) / not run
+
+    @property
+    def canary_failed(self) -> bool:
+        return self.canary.startswith("FAILED")
+
+
+def canary_text(record: Any) -> str:
+    """A server's `canary` manifest entry (benchsuite.canary.CanaryReport.to_dict, or {error})."""
+    if not isinstance(record, dict):
+        return "not run"
+    if "error" in record or "passed" not in record:
+        return f"not run ({record.get('error', 'no verdict')})"
+    if record["passed"]:
+        return f"passed ({record.get('requests_checked', '?')} responses checked)"
+    return f"FAILED (leaks {len(record.get('leaks') or [])})"
 
 
 def _scalar_text(value: Any, key: str = "") -> str:
@@ -89,7 +105,8 @@ def servers(manifest: dict[str, Any]) -> list[ServerFacts]:
         command = shlex.join(str(a) for a in argv) if isinstance(argv, list) else str(argv)
         version = item.get("version")
         version_text = ", ".join(f"{k}={_scalar_text(v)}" for k, v in version.items()) if isinstance(version, dict) else str(version or "absent")
-        out.append(ServerFacts(str(item.get("server_id", "")), str(item.get("engine", "")), str(item.get("kind", "")), command, version_text))
+        out.append(ServerFacts(str(item.get("server_id", "")), str(item.get("engine", "")), str(item.get("kind", "")), command, version_text,
+                               canary_text(item.get("canary"))))
     return out
 
 
