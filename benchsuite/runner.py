@@ -366,9 +366,9 @@ async def _after_cells(ctx: RunContext, server: RunningServer, cells: Sequence[C
     spec, adapter = server.spec, server.adapter
     hook = getattr(adapter, "after_cells", None)
     if hook is not None:
-        requests = list({(r.prompt_class, r.prompt_id): r for c in cells for r in cell_requests(ctx._prompts, adapter, spec, c)}.values())
         try:
-            facts = await hook(ctx, server, requests)
+            requests = {(r.prompt_class, r.prompt_id): r for c in cells for r in cell_requests(ctx._prompts, adapter, spec, c)}
+            facts = await hook(ctx, server, list(requests.values()))
         except (*CELL_ERRORS, ValueError) as exc:
             facts = {"after_cells_error": f"{type(exc).__name__}: {exc}"}
         if facts:

@@ -4,6 +4,16 @@ An adapter is pure: it turns a resolved server spec into an exact command line, 
 check readiness, what to add to each request, and how to read the engine's own counters and
 log. Processes, sockets and files are the runner's business (benchsuite.process, loadgen).
 Adapters live in a plain dict registry (benchsuite.engines.ADAPTERS), keyed by `kind`.
+
+Optional members the runner reads with getattr (an adapter without one simply lacks the feature):
+- `flush_cache_path: str | None`: POSTed before each cell (prefix cache flush);
+- `routing_label(spec) -> str`: the cells' routing label (`synthetic:<spec>` for synthetic routing);
+- `tokenizer_dir(spec) -> Path`: the model's tokenizer, for exact-length prompts;
+- `cell_flags(spec, log_text, cell) -> list[str]`: one-line engine warnings for a finished cell
+  (stored in the cell's `extras["flags"]`, shown by the report);
+- `async after_cells(ctx, server, requests) -> dict`: on the live server after its cells, before it
+  stops (`requests`: the distinct LoadRequests its cells sent); the dict is merged into the
+  manifest's server entry (e.g. SGLang's routing capture: `routing_trace`).
 """
 
 from __future__ import annotations
