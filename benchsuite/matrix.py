@@ -129,9 +129,9 @@ class ReferenceChoice(_Strict):
 
     @model_validator(mode="after")
     def _published_setup(self) -> ReferenceChoice:
-        if self.machine is not None and self.quant is not None:
-            if not reference.load_reference(self.name).decode_rows(self.machine, self.quant):
-                raise ValueError(f"{self.name} published no figures for machine {self.machine} with quant {self.quant}")
+        published = reference.load_reference(self.name)
+        if self.machine is not None and self.quant is not None and not published.decode_rows(self.machine, self.quant):
+            raise ValueError(f"{self.name} published no figures for machine {self.machine} with quant {self.quant}")
         return self
 
     @model_serializer(mode="wrap")

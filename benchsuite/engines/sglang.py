@@ -277,7 +277,8 @@ class SGLangAdapter:
         opts = self._options(server.spec)
         if not opts.return_routed_experts or not requests:
             return {}
-        from benchsuite import sglang_routing  # imports torch (paged_experts.trace): only when capturing
+        # imports torch (through paged_experts.trace): only when capturing
+        from benchsuite import sglang_routing
 
         prompts = [r.prompt if isinstance(r.prompt, str) else list(r.prompt) for r in requests]
         model = str(server.spec.options.get("model", server.spec.name))  # what the measured requests named
