@@ -129,8 +129,8 @@ class ReferenceChoice(_Strict):
 
     @model_validator(mode="after")
     def _published_setup(self) -> ReferenceChoice:
-        published = reference.load_reference(self.name)
-        if self.machine is not None and self.quant is not None and not published.decode_rows(self.machine, self.quant):
+        pair = (self.machine, self.quant)
+        if None not in pair and not reference.load_reference(self.name).decode_rows(*pair):
             raise ValueError(f"{self.name} published no figures for machine {self.machine} with quant {self.quant}")
         return self
 
