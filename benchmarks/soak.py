@@ -15,7 +15,7 @@ Figures (JSON on stdout or --out):
   and its children) after the warmup phase (`--warmup-s`), after the load, and the highest sample;
 - kv_used_tokens_idle / kv_capacity_tokens: `paged_experts:kv_used_tokens` and
   `paged_experts:kv_capacity_tokens` from /metrics once the load has stopped and the server is idle
-  (num_running_reqs and num_waiting_reqs 0; waits up to --idle-timeout-s);
+  (num_running_reqs and num_queue_reqs 0; waits up to idle_timeout_s);
 - server_aborted_requests / server_generation_tokens: the server's own counters at the end (every
   abandoned request should show up as aborted);
 - server_alive / healthy_after: the process still runs and /health answers 200.
@@ -44,6 +44,9 @@ from benchsuite.metrics import parse_prometheus
 from benchsuite.process import EngineProcess, free_port
 
 MIB = 1024 * 1024
+KV_USED = "paged_experts:kv_used_tokens"
+KV_CAPACITY = "paged_experts:kv_capacity_tokens"
+IDLE_GAUGES = ("paged_experts:num_running_reqs", "paged_experts:num_queue_reqs", KV_USED)
 PROMPTS = (
     "The history of the printing press shows that",
     "A good way to learn a new programming language is",
@@ -212,20 +215,22 @@ async def drive(base: str, config: SoakConfig, pid: int, result: SoakResult) -> 
 
         await asyncio.gather(*(client(i) for i in range(config.streams)), bursts(), memory())
 
-        # idle: no request running or waiting, then read the KV gauges
+        # idle: no request running or queued, then read the KV gauges (a missing gauge is never idle)
         deadline = time.monotonic() + config.idle_timeout_s
         values: dict[str, float] = {}
         while time.monotonic() < deadline:
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
                 values = await metrics(session, base)
-                busy = values.get("paged_experts:num_running_reqs", 1) + values.get("paged_experts:num_waiting_reqs", 1)
-                if busy == 0 and values.get("paged_experts:kv_used_tokens") == 0:
+                if all(values.get(name) == 0 for name in IDLE_GAUGES):
                     break
             await asyncio.sleep(0.2)
-        result.kv_used_tokens_idle = values.get("paged_experts:kv_used_tokens")
+        missing = [name for name in (*IDLE_GAUGES, KV_CAPACITY) if name not in values]
+        if missing:
+            result.failures.append(f"/metrics lacks {', '.join(missing)}")
+        result.kv_used_tokens_idle = values.get(KV_USED)
         result.server_aborted_requests = values.get("paged_experts:num_aborted_requests_total")
         result.server_generation_tokens = values.get("paged_experts:generation_tokens_total")
-        result.kv_capacity_tokens = values.get("paged_experts:kv_capacity_tokens")
+        result.kv_capacity_tokens = values.get(KV_CAPACITY)
         result.rss_end_mib = rss_mib(pid)
         with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
             async with session.get(f"{base}/health") as resp:
