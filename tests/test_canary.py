@@ -149,3 +149,29 @@ async def test_llama_server_passes(tmp_path: Path) -> None:
     async with EngineProcess(argv, {}, tmp_path / "llama.log", f"http://127.0.0.1:{port}/health", 120.0):
         report = await canary.run_canary(f"http://127.0.0.1:{port}", rounds=1, concurrency=4, max_tokens=8)
     assert report.passed and report.requests_checked == 8 + 8 + 3, canary.format_report(report)
+
+
+@pytest.mark.slow
+def test_a_run_with_canary_true_stores_the_verdict_per_server(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import yaml
+
+    body = {
+        "name": "canary-run",
+        "output_root": str(tmp_path / "results"),
+        "canary": True,
+        "fairness": {"kv_capacity_tokens": 1024},
+        "engines": {
+            "paged": {
+                "kind": "builtin",
+                "options": {"model": str(tiny_model_dir), "mode": "paged", "resident_experts": 8},
+            }
+        },
+        "workloads": {"w": {"output_tokens": 4, "concurrency": [2], "num_requests": 2, "warmup_requests": 0}},
+    }
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump(body))
+    assert cli_main(["run", str(path), "--quiet", "--no-report"]) == 0
+    (run_dir,) = (tmp_path / "results").iterdir()
+    (server,) = json.loads((run_dir / "manifest.json").read_text())["servers"].values()
+    verdict = server["canary"]
+    assert verdict["passed"] is True and verdict["leaks"] == [] and verdict["requests_checked"] > 8, verdict
