@@ -41,7 +41,6 @@ DEFAULT_CELL_TIMEOUT_S = 3600.0
 DEFAULT_REQUEST_TIMEOUT_S = 600.0  # one request; a request past it is a failed record, the cell goes on
 CANARY_MAX_CONCURRENCY = 4
 CELL_ERRORS = (RunError, aiohttp.ClientError, asyncio.TimeoutError, OSError, EngineConfigError)
-_CELL_ERRORS = CELL_ERRORS  # old name, still imported by benchsuite.search; remove once it uses CELL_ERRORS
 
 
 class RunEvents(Protocol):
@@ -334,7 +333,6 @@ def failed_result(ctx: RunContext, cell: CellSpec, spec: ServerSpec, reason: str
     return dataclasses.replace(base or _base_result(ctx, spec, cell), status="failed", reason=reason)
 
 
-_failed = failed_result  # old name, still imported by benchsuite.search; remove once it uses failed_result
 
 
 def _store_failure(ctx: RunContext, cell: CellSpec, spec: ServerSpec, reason: str) -> CellResult:

@@ -222,8 +222,8 @@ async def run_search(ctx: Any, task: Any) -> Mapping[str, Any]:
                     results[n] = await runner.measure_cell(
                         ctx, server, cell, store=False
                     )
-            except runner._CELL_ERRORS as exc:
-                results[n] = runner._failed(
+            except runner.CELL_ERRORS as exc:
+                results[n] = runner.failed_result(
                     ctx, cell, s, f"{type(exc).__name__}: {exc}"
                 )
         r = results[n]
@@ -262,7 +262,7 @@ async def run_search(ctx: Any, task: Any) -> Mapping[str, Any]:
                 f"not launched: projected {p.gpu_total_bytes / 2**20:.1f} MiB + margin "
                 f"{settings.margin_mib} MiB exceeds the {budget_bytes / 2**20:.1f} MiB budget"
             )
-            base = runner._failed(ctx, cell, s, reason)
+            base = runner.failed_result(ctx, cell, s, reason)
             ctx.store.write_cell(
                 dataclasses.replace(base, status="invalid", extras=extras), []
             )
