@@ -13,3 +13,15 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from paged_experts.synth import write_checkpoint
 
     return write_checkpoint("tiny", tmp_path_factory.mktemp("tiny") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def torch_one_thread():
+    """Tiny matmuls on a shared 2-core box run ~30x faster single-threaded than contended.
+    Use with `pytestmark = pytest.mark.usefixtures("torch_one_thread")`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

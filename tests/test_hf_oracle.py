@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,13 +19,7 @@ TOL = {"rtol": 1e-4, "atol": 1e-4}
 TOKENS = [17, 4, 250, 250, 1001, 3, 64, 512, 9, 77, 300, 12, 8, 640, 2, 99]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny matmuls on a shared 2-core box run ~30x faster single-threaded than contended."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ capacity accounting in tokens, sharded loading."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,13 +17,7 @@ from paged_experts.synth import write_checkpoint
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny matmuls on a shared 2-core box run ~30x faster single-threaded than contended."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 @pytest.fixture(scope="module")

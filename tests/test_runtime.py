@@ -4,7 +4,6 @@ counter invariants, and a fault-injection control that the equality check must c
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,13 +20,7 @@ PROMPTS = ([5, 17, 300, 41, 9, 77, 123], [800, 2, 64, 64, 901], [11, 12, 13, 14,
 DECODE = ([40, 41, 42], [7, 700, 70], [1000, 3, 33])  # fixed tokens per decode step, one per sequence
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny matmuls on a shared 2-core box run ~30x faster single-threaded than contended."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 @pytest.fixture(scope="module")

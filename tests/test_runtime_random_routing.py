@@ -4,8 +4,6 @@ example (any slot state must give the same result)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,13 +19,7 @@ KS = (4, 5, 9, 17, 31)
 NUM_EXPERTS, TOP_K, NUM_LAYERS = 32, 4, 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny matmuls on a shared 2-core box run ~30x faster single-threaded than contended."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 @pytest.fixture(scope="module")

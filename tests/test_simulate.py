@@ -4,12 +4,10 @@ equality with the runtime's own counters on the same routing."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from benchsuite.cli import main as cli_main
 from benchsuite.simulate import SimOptions, batched_steps, simulate
@@ -92,16 +90,8 @@ def test_cli_labels_synthetic(tmp_path: Path, capsys) -> None:
 # ------------------------------------------------------------ equality with the runtime
 
 
-@pytest.fixture(scope="module")
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("routing", [None, "reuse:0.5"])
-def test_simulator_counts_equal_runtime_counters(tmp_path: Path, one_thread: None, routing: str | None) -> None:
+def test_simulator_counts_equal_runtime_counters(tmp_path: Path, torch_one_thread: None, routing: str | None) -> None:
     from paged_experts.kv import KvPool
     from paged_experts.model import MoeCausalLM, SeqChunk
     from paged_experts.routing import make_router
