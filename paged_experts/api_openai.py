@@ -94,22 +94,9 @@ def completion_response(
     logprobs: LegacyLogprobs | None,
     prompt_logprobs: list[dict[str, Any] | None] | None,
 ) -> dict[str, Any]:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "text": text,
-        "logprobs": None if logprobs is None else logprobs.to_dict(),
-        "finish_reason": finish_reason,
-    }
-    if prompt_logprobs is not None:
-        choice["prompt_logprobs"] = prompt_logprobs
-    return {
-        "id": header.response_id,
-        "object": "text_completion",
-        "created": header.created_s,
-        "model": header.model,
-        "choices": [choice],
-        "usage": usage.to_dict(),
-    }
+    body = completion_chunk(header, text, finish_reason, logprobs, prompt_logprobs)
+    body["usage"] = usage.to_dict()
+    return body
 
 
 def completion_chunk(

@@ -122,24 +122,7 @@ def load(path: str | Path, runtime: RuntimeConfig) -> LoadedModel:
     lm_head = embed if tied else dense("lm_head.weight", v, h)
     dense_weights = DenseWeights(embed=embed, final_norm=dense("model.norm.weight", h), lm_head=lm_head)
 
-    counters = PagingCounters(cfg.num_moe_layers, cfg.expert_bytes(runtime.dtype), runtime.mode)
-    placements = [runtime.layer_mode(i, cfg.num_moe_layers) for i in range(cfg.num_layers)]
-    max_slots = runtime.resident_experts or cfg.num_experts
-    page_in = PageInEngine(device, runtime.page_in, cfg.hidden_size, cfg.moe_intermediate_size, dtype, max_slots)
-    offload_buffer = None
-    if "offload" in placements:
-        offload_buffer = ExpertTensors.empty(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device)
-    shared = MoeShared(
-        device=device,
-        dtype=dtype,
-        num_experts=cfg.num_experts,
-        top_k=cfg.top_k,
-        norm_topk_prob=cfg.norm_topk_prob,
-        expert_bytes=cfg.expert_bytes(runtime.dtype),
-        counters=counters,
-        page_in=page_in,
-        offload_buffer=offload_buffer,
-    )
+    shared, placements = build_shared(cfg, runtime)
 
     attention, moe = [], []
     for i in range(cfg.num_layers):
@@ -163,19 +146,50 @@ def load(path: str | Path, runtime: RuntimeConfig) -> LoadedModel:
             cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, torch.device("cpu"), pin=pin
         )
         _fill_host_experts(reader, i, host, cfg)
-        residency = None
-        device_experts = None
-        if placement == "paged":
-            k = runtime.resident_experts
-            assert k is not None
-            residency = LayerResidency(cfg.num_experts, k)
-            device_experts = to_device_rows(host, k, device)  # slots start with experts 0..K-1
-        elif placement == "resident":
-            device_experts = to_device_rows(host, cfg.num_experts, device)
-            # A resident layer never reads the host rows again: keep one copy, not two.
-            host = device_experts
+        host, residency, device_experts = place_experts(host, placement, cfg, runtime)
         router = dense(f"{p}.mlp.gate.weight", cfg.num_experts, h)
         moe.append(MoeLayer(i, placement, router, host, device_experts, shared, residency))
     return LoadedModel(
-        config=cfg, dense=dense_weights, attention=tuple(attention), moe=tuple(moe), counters=counters
+        config=cfg, dense=dense_weights, attention=tuple(attention), moe=tuple(moe), counters=shared.counters
     )
+
+
+def build_shared(cfg: MoeModelConfig, runtime: RuntimeConfig) -> tuple[MoeShared, list[str]]:
+    """What every MoE layer of a model shares (counters, page-in engine, offload buffer), and each
+    layer's placement; one definition for checkpoints and for in-memory synthetic models."""
+    device, dtype = runtime.torch_device, runtime.torch_dtype
+    counters = PagingCounters(cfg.num_moe_layers, cfg.expert_bytes(runtime.dtype), runtime.mode)
+    placements = [runtime.layer_mode(i, cfg.num_moe_layers) for i in range(cfg.num_layers)]
+    max_slots = runtime.resident_experts or cfg.num_experts
+    page_in = PageInEngine(device, runtime.page_in, cfg.hidden_size, cfg.moe_intermediate_size, dtype, max_slots)
+    offload_buffer = None
+    if "offload" in placements:
+        offload_buffer = ExpertTensors.empty(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device)
+    shared = MoeShared(
+        device=device,
+        dtype=dtype,
+        num_experts=cfg.num_experts,
+        top_k=cfg.top_k,
+        norm_topk_prob=cfg.norm_topk_prob,
+        expert_bytes=cfg.expert_bytes(runtime.dtype),
+        counters=counters,
+        page_in=page_in,
+        offload_buffer=offload_buffer,
+    )
+    return shared, placements
+
+
+def place_experts(
+    host: ExpertTensors, placement: str, cfg: MoeModelConfig, runtime: RuntimeConfig
+) -> tuple[ExpertTensors, LayerResidency | None, ExpertTensors | None]:
+    """(host rows, residency, device rows) of one layer for its placement."""
+    if placement == "paged":
+        k = runtime.resident_experts
+        assert k is not None
+        # slots start with experts 0..K-1
+        return host, LayerResidency(cfg.num_experts, k), to_device_rows(host, k, runtime.torch_device)
+    if placement == "resident":
+        device_experts = to_device_rows(host, cfg.num_experts, runtime.torch_device)
+        # A resident layer never reads the host rows again: keep one copy, not two.
+        return device_experts, None, device_experts
+    return host, None, None

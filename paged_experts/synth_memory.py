@@ -30,12 +30,10 @@ from urllib.parse import parse_qs
 import torch
 
 from paged_experts.config import MoeModelConfig
-from paged_experts.counters import PagingCounters
-from paged_experts.loader import AttentionWeights, DenseWeights, LoadedModel
-from paged_experts.moe import MoeLayer, MoeShared
-from paged_experts.residency import LayerResidency
+from paged_experts.loader import AttentionWeights, DenseWeights, LoadedModel, build_shared, place_experts
+from paged_experts.moe import MoeLayer
 from paged_experts.runtime import RuntimeConfig
-from paged_experts.store import ExpertTensors, PageInEngine, to_device_rows
+from paged_experts.store import ExpertTensors
 from paged_experts.synth import LOGIT_STD, PRESETS, hf_config_for
 
 MARKER = "synthetic_weights.json"
@@ -176,32 +174,14 @@ def build_from_config(cfg: MoeModelConfig, runtime: RuntimeConfig, seed: int) ->
         return t.to(device=device, copy=True)
 
     dense = DenseWeights(embed=dev(hw.embed), final_norm=dev(hw.final_norm), lm_head=dev(hw.lm_head))
-    counters = PagingCounters(cfg.num_moe_layers, cfg.expert_bytes(runtime.dtype), runtime.mode)
-    placements = [runtime.layer_mode(i, cfg.num_moe_layers) for i in range(cfg.num_layers)]
-    max_slots = runtime.resident_experts or cfg.num_experts
-    page_in = PageInEngine(device, runtime.page_in, cfg.hidden_size, cfg.moe_intermediate_size, dtype, max_slots)
-    offload_buffer = None
-    if "offload" in placements:
-        offload_buffer = ExpertTensors.empty(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device)
-    shared = MoeShared(
-        device=device, dtype=dtype, num_experts=cfg.num_experts, top_k=cfg.top_k, norm_topk_prob=cfg.norm_topk_prob,
-        expert_bytes=cfg.expert_bytes(runtime.dtype), counters=counters, page_in=page_in, offload_buffer=offload_buffer,
-    )
+    shared, placements = build_shared(cfg, runtime)
     attention, moe = [], []
     for i in range(cfg.num_layers):
         a = hw.attention[i]
         attention.append(AttentionWeights(**{f: dev(getattr(a, f)) for f in a.__dataclass_fields__}))
-        host, residency, device_experts = hw.experts[i], None, None
-        placement = placements[i]
-        if placement == "paged":
-            assert runtime.resident_experts is not None
-            residency = LayerResidency(cfg.num_experts, runtime.resident_experts)
-            device_experts = to_device_rows(host, runtime.resident_experts, device)
-        elif placement == "resident":
-            device_experts = to_device_rows(host, cfg.num_experts, device)
-            host = device_experts
-        moe.append(MoeLayer(i, placement, dev(hw.routers[i]), host, device_experts, shared, residency))
-    return LoadedModel(config=cfg, dense=dense, attention=tuple(attention), moe=tuple(moe), counters=counters)
+        host, residency, device_experts = place_experts(hw.experts[i], placements[i], cfg, runtime)
+        moe.append(MoeLayer(i, placements[i], dev(hw.routers[i]), host, device_experts, shared, residency))
+    return LoadedModel(config=cfg, dense=dense, attention=tuple(attention), moe=tuple(moe), counters=shared.counters)
 
 
 def write_weightless(preset: str, out_dir: str | Path, layers: int | None = None, seed: int = 0) -> Path:
