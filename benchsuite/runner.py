@@ -17,6 +17,7 @@ Building blocks for benchsuite.search (the llama.cpp `--n-cpu-moe` search), whic
 from __future__ import annotations
 
 import asyncio
+import time
 import dataclasses
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -194,8 +195,11 @@ async def run_server_cells(ctx: RunContext, spec: ServerSpec, cells: Sequence[Ce
                     try:
                         result = await measure_cell(ctx, server, cell)
                     except CELL_ERRORS as exc:
-                        reason = f"{type(exc).__name__}: {exc}".rstrip(": ")
-                        result = _store_failure(ctx, cell, spec, f"{reason}\n{server.process.log_tail()}".strip())
+                        if await _exited(server):  # a connection error is the symptom; the exit is the cause
+                            reason = _death_reason(server)
+                        else:
+                            reason = f"{type(exc).__name__}: {exc}".rstrip(": ") + f"\n{server.process.log_tail()}"
+                        result = _store_failure(ctx, cell, spec, reason.strip())
                 results.append(result)
                 ctx.events.cell_finished(cell, result)
             if not server.hung and server.process.alive:
@@ -339,6 +343,15 @@ def _store_failure(ctx: RunContext, cell: CellSpec, spec: ServerSpec, reason: st
     result = failed_result(ctx, cell, spec, reason)
     ctx.store.write_cell(result, [])
     return result
+
+
+async def _exited(server: RunningServer, wait_s: float = 1.0) -> bool:
+    """Whether the engine has exited, waiting briefly: a killed process is reaped a moment after
+    its sockets close, and the exit code says more than the client's connection error."""
+    deadline = time.monotonic() + wait_s
+    while server.process.alive and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return not server.process.alive
 
 
 def _death_reason(server: RunningServer) -> str:
