@@ -357,17 +357,19 @@ def cached_export(
     model_dir: str | Path, export_type: str = "f32", cache_dir: Path | None = None
 ) -> Path:
     """The GGUF of `model_dir` in the per-user cache, exported on first use."""
+    target = export_target(model_dir, export_type, cache_dir)
+    if not target.is_file():
+        export_gguf(Path(model_dir).expanduser().resolve(), target, export_type)
+    return target
+
+
+def export_target(model_dir: str | Path, export_type: str = "f32", cache_dir: Path | None = None) -> Path:
+    """Where `cached_export` puts (or finds) the GGUF of `model_dir`, without exporting it."""
     from benchsuite.llamacpp_build import cache_root
 
     model_dir = Path(model_dir).expanduser().resolve()
     root = cache_dir or cache_root() / "gguf"
-    target = (
-        root
-        / f"{model_dir.name}-{checkpoint_fingerprint(model_dir)}-{export_type}.gguf"
-    )
-    if not target.is_file():
-        export_gguf(model_dir, target, export_type)
-    return target
+    return root / f"{model_dir.name}-{checkpoint_fingerprint(model_dir)}-{export_type}.gguf"
 
 
 def iter_tensor_bytes(path: Path) -> Iterator[tuple[str, str, tuple[int, ...], int]]:

@@ -95,6 +95,9 @@ async def launch_server(ctx: RunContext, spec: ServerSpec) -> AsyncIterator[Runn
     """
     adapter = ADAPTERS[spec.kind]
     adapter.validate(spec)
+    prepare = getattr(adapter, "prepare", None)  # optional: build what the command line names
+    if prepare is not None:
+        prepare(spec)
     port = free_port()
     launch = adapter.launch_plan(spec, port)
     run_dir = str(ctx.store.run_dir.resolve())

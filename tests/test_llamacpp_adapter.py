@@ -189,3 +189,18 @@ def test_options_schema_accepts_search_and_yaml_booleans():
         {"n_cpu_moe": {"search": {"min_n": 1}}}
     ).n_cpu_moe == {"search": {"min_n": 1}}
     assert LlamaCppOptions.model_validate({"flash_attn": False}).flash_attn == "off"
+
+
+def test_command_line_of_an_hf_checkpoint_exports_nothing_until_prepare(tmp_path, tiny_model_dir, monkeypatch):
+    # A dry run prints the command with the GGUF's cache path; only prepare() (before a launch) writes it.
+    monkeypatch.setenv("BENCHSUITE_CACHE_DIR", str(tmp_path / "cache"))
+    binary = _fake_binary(tmp_path)
+    spec = _spec({"model": str(tiny_model_dir), "binary": str(binary), "gguf_type": "f32"})
+    adapter = LlamaCppAdapter()
+    argv = adapter.launch_plan(spec, port=18080).argv
+    gguf_path = argv[argv.index("-m") + 1]
+    assert gguf_path.endswith("-f32.gguf") and str(tmp_path / "cache") in gguf_path
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.gguf"))
+    adapter.prepare(spec)
+    assert open(gguf_path, "rb").read(4) == b"GGUF"
+    assert adapter.launch_plan(spec, port=18080).argv == argv  # the same path before and after

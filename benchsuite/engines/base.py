@@ -6,6 +6,8 @@ log. Processes, sockets and files are the runner's business (benchsuite.process,
 Adapters live in a plain dict registry (benchsuite.engines.ADAPTERS), keyed by `kind`.
 
 Optional members the runner reads with getattr (an adapter without one simply lacks the feature):
+- `prepare(spec) -> None`: before a launch (never in a dry run), build what the command line
+  names (llama.cpp: export the GGUF of an HF checkpoint);
 - `flush_cache_path: str | None`: POSTed before each cell (prefix cache flush);
 - `routing_label(spec) -> str`: the cells' routing label (`synthetic:<spec>` for synthetic routing);
 - `tokenizer_dir(spec) -> Path`: the model's tokenizer, for exact-length prompts;

@@ -160,19 +160,25 @@ class LlamaCppAdapter:
             )
         return found
 
-    def model_path(self, spec: ServerSpec) -> Path:
-        """The GGUF file (exports an HF directory or `tiny` into the cache on first use)."""
+    def model_path(self, spec: ServerSpec, *, export: bool = True) -> Path:
+        """The GGUF file. An HF directory or `tiny` is exported into the cache on first use; with
+        export=False only its cache path is computed (a dry run writes nothing)."""
         opts = self._options(spec)
-        from benchsuite.gguf_export import cached_export
+        from benchsuite.gguf_export import cached_export, export_target
 
+        convert = cached_export if export else export_target
         if opts.model == "tiny":
             from paged_experts.synth import ensure_tiny
 
-            return cached_export(ensure_tiny(), opts.gguf_type)
+            return convert(ensure_tiny(), opts.gguf_type)
         path = Path(opts.model).expanduser()
         if path.is_dir():
-            return cached_export(path, opts.gguf_type)
+            return convert(path, opts.gguf_type)
         return path
+
+    def prepare(self, spec: ServerSpec) -> None:
+        """Before a launch (not a dry run): export the GGUF the command line names, if needed."""
+        self.model_path(spec, export=True)
 
     def tokenizer_dir(self, spec: ServerSpec) -> Path:
         """The HF tokenizer for exact-length prompts (the checkpoint the GGUF came from)."""
@@ -228,7 +234,7 @@ class LlamaCppAdapter:
             else {"--no-cache-prompt", "--cache-ram", "--kv-unified", "--log-verbosity"}
         )
         argv = [
-            binary, "-m", str(self.model_path(spec)),
+            binary, "-m", str(self.model_path(spec, export=False)),
             "--host", "127.0.0.1", "--port", str(port),
             "-ngl", str(opts.n_gpu_layers),
             "-c", str(spec.fairness["kv_capacity_tokens"]),
