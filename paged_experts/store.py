@@ -13,7 +13,7 @@ Page-in of a wave's misses never synchronizes the host per expert. Strategies:
   copy per tensor to a device staging buffer, then one `index_copy_` into the slots. The staging
   buffer is reused, so the host waits for the previous staged copy (once per wave, not per expert).
 
-Measured on the H200 test machine (benchmarks/pagein_h200.txt; bf16 Qwen3-30B-A3B experts, 4 layers,
+Measured on the H200 test machine (benchmarks/results/h200/pagein_h200.txt; bf16 Qwen3-30B-A3B experts, 4 layers,
 random experts into random slots): `direct` 51.8-52.3 GB/s for m >= 4 experts per layer, 93.5-94.4%
 of the 55.4 GB/s pinned 1 GiB copy ceiling; `staged` 16-32 GB/s because the host gather runs before
 the copy instead of alongside it. Hence `direct` is the CUDA default.
