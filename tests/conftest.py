@@ -25,3 +25,26 @@ def torch_one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+async def wait_healthy(url: str, timeout_s: float = 30.0) -> None:
+    """Poll `url`/health until it answers 200 (the built-in server loads its model after binding)."""
+    import asyncio
+
+    import aiohttp
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while loop.time() < deadline:
+            async with session.get(f"{url}/health") as resp:
+                if resp.status == 200:
+                    return
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"{url} never became healthy within {timeout_s} s")
+
+
+@pytest.fixture(scope="session")
+def healthy():
+    """The `wait_healthy` coroutine function, for tests that start servers in-process."""
+    return wait_healthy

@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -30,6 +29,8 @@ from benchsuite.errors import RunError
 from paged_experts.api_launch import ServeConfig, Serving, load_serving
 from paged_experts.serve import create_app
 
+from conftest import wait_healthy  # tests/ is on sys.path under pytest
+
 PROMPTS = [(p.prompt_id, p.text) for p in bundled_prompts()[:4]]
 MAX_TOKENS = 12
 
@@ -38,13 +39,8 @@ async def serve(config: ServeConfig, loader: Callable[..., Serving] = load_servi
     server = TestServer(create_app(config, loader), host="127.0.0.1")
     await server.start_server()
     url = str(server.make_url("")).rstrip("/")
-    async with aiohttp.ClientSession() as session:
-        for _ in range(600):
-            async with session.get(f"{url}/health") as resp:
-                if resp.status == 200:
-                    return server, url
-            await asyncio.sleep(0.05)
-    raise AssertionError(f"{url} never became healthy")
+    await wait_healthy(url)
+    return server, url
 
 
 @pytest.fixture

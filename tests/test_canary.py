@@ -9,7 +9,6 @@ import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -53,17 +52,12 @@ def leaking_app() -> web.Application:
 
 
 @pytest.fixture
-async def builtin_url(tiny_model_dir: Path) -> AsyncIterator[str]:
+async def builtin_url(tiny_model_dir: Path, healthy) -> AsyncIterator[str]:
     config = ServeConfig(
         model_path=str(tiny_model_dir), mode="paged", resident_experts=8, max_total_tokens=1024, max_running_requests=8
     )
     server, url = await start(create_app(config))
-    async with aiohttp.ClientSession() as session:
-        for _ in range(600):
-            async with session.get(f"{url}/health") as resp:
-                if resp.status == 200:
-                    break
-            await asyncio.sleep(0.05)
+    await healthy(url)
     yield url
     await server.close()
 

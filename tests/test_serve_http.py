@@ -41,16 +41,11 @@ async def start_server(config: ServeConfig, loader: Any = load_serving) -> TestS
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def base_url(tiny_dir: Path) -> AsyncIterator[str]:
+async def base_url(tiny_dir: Path, healthy) -> AsyncIterator[str]:
     config = ServeConfig(model_path=str(tiny_dir), max_total_tokens=CAPACITY_TOKENS, max_running_requests=8)
     server = await start_server(config)
     url = str(server.make_url("")).rstrip("/")
-    async with aiohttp.ClientSession() as session:
-        for _ in range(300):
-            async with session.get(f"{url}/health") as resp:
-                if resp.status == 200:
-                    break
-            await asyncio.sleep(0.05)
+    await healthy(url)
     yield url
     await server.close()
 
