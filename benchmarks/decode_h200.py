@@ -38,15 +38,41 @@ from paged_experts.fused import grouped_backend
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.runtime import RuntimeConfig
+from paged_experts.store import ExpertTensors
 
 SCHEMA_VERSION = 1
-DEFAULT_MODES = "resident,paged:16,paged:32,paged:64,paged:92,offload,cpu-experts:12,cpu-experts:24,cpu-experts:48"
+DEFAULT_MODES = (  # most important first: a --deadline-s cut drops the tail
+    "resident,resident/graphs,paged:16/graphs,paged:32/graphs,paged:64/graphs,paged:92/graphs,offload,"
+    "paged:32/host,paged:64/host,paged:32/graphs+overlap,paged:64/graphs+overlap,"
+    "cpu-experts:12,cpu-experts:24,cpu-experts:48,paged:16/host,paged:92/host,resident/loop"
+)
 
 
-def runtime_for(mode: str, device: str) -> RuntimeConfig:
+VARIANT_OPTIONS = ("host", "graphs", "overlap", "loop")
+"""Options after '/' in a --modes entry (joined by '+'):
+- host: paged steps planned on the host (device_planning='off'): the path before device planning;
+- graphs: decode steps captured as CUDA graphs (--graphs batch sizes; model routing only, and for
+  paged K only batch sizes with B x top_k <= K);
+- overlap: paged hits compute while the misses copy (overlap_page_in);
+- loop: the per-expert reference kernel instead of the fused grouped matmuls."""
+
+
+def parse_variant(spec: str) -> tuple[str, frozenset[str]]:
+    mode, _, opts = spec.partition("/")
+    options = frozenset(o for o in opts.split("+") if o)
+    unknown = options - set(VARIANT_OPTIONS)
+    if unknown:
+        raise SystemExit(f"--modes entry {spec!r}: unknown options {sorted(unknown)} (known: {VARIANT_OPTIONS})")
+    return mode, options
+
+
+def runtime_for(mode: str, device: str, options: frozenset[str] = frozenset()) -> RuntimeConfig:
     name, _, n = mode.partition(":")
     if name == "paged":
-        return RuntimeConfig(mode="paged", resident_experts=int(n), device=device, dtype="bfloat16")
+        return RuntimeConfig(
+            mode="paged", resident_experts=int(n), device=device, dtype="bfloat16",
+            device_planning="off" if "host" in options else "on", overlap_page_in="overlap" in options,
+        )
     if name == "cpu-experts":
         return RuntimeConfig(mode="cpu-experts", cpu_expert_layers=int(n), device=device, dtype="bfloat16")
     return RuntimeConfig(mode=name, device=device, dtype="bfloat16")  # type: ignore[arg-type]
@@ -95,6 +121,44 @@ def measure_link(device: str, expert_bytes: int, linkbw_json: str | None) -> dic
     out["hbm_copy_B_per_s"] = 5 * 2 * big.numel() / (time.perf_counter() - t0)  # read + write
     del big, big2, host, dev
     return out
+
+
+def measure_pagein_paths(host: ExpertTensors, expert_bytes: int, slots_n: int = 64) -> list[dict[str, Any]]:
+    """Page-in rate of m experts into `slots_n` slots: the DMA engines (`copy_` per run of rows,
+    host-planned) against the device-planned Triton kernel reading pinned memory (plan padded to
+    `slots_n` entries as in a graph). CUDA events around 5 repetitions after a warm-up."""
+    from paged_experts.copy_kernel import copy_planned, graph_safe
+    from paged_experts.store import PageInEngine
+
+    dev = torch.device("cuda")
+    e = host.num_rows
+    slots = ExpertTensors.empty(slots_n, host.gate.shape[2], host.gate.shape[1], host.gate.dtype, dev)
+    engine = PageInEngine(dev, "direct", host.gate.shape[2], host.gate.shape[1], host.gate.dtype, slots_n)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for m in (1, 4, 8, 16, 32, 64):
+        experts = torch.randperm(e, generator=gen)[:m]
+        targets = torch.randperm(slots_n, generator=gen)[:m]
+        pairs = list(zip(experts.tolist(), targets.tolist()))
+        plan_e = torch.full((slots_n,), e, dtype=torch.long)
+        plan_s = torch.full((slots_n,), slots_n, dtype=torch.long)
+        plan_e[:m], plan_s[:m] = experts, targets
+        plan_e, plan_s = plan_e.to(dev), plan_s.to(dev)
+        row: dict[str, Any] = {"experts": m}
+        paths = {"dma_copy": lambda: engine.copy_rows(host, slots, pairs)}
+        if graph_safe(dev):
+            paths["triton_kernel"] = lambda: copy_planned(host, slots, plan_e, plan_s)
+        for name, fn in paths.items():
+            fn()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(5):
+                fn()
+            end.record()
+            end.synchronize()
+            row[f"{name}_GB_per_s"] = 5 * m * expert_bytes / (start.elapsed_time(end) / 1e3) / 1e9
+        rows.append(row)
+    return rows
 
 
 def run_cell(model: MoeCausalLM, batch: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -199,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--layers", type=int, default=48)
-    ap.add_argument("--modes", default=DEFAULT_MODES)
+    ap.add_argument("--modes", default=DEFAULT_MODES, help="mode[/option+option], options: " + ", ".join(VARIANT_OPTIONS))
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--routings", default="model,qwen3-30b-a3b", help="'model' and/or paged_experts.routing specs")
     ap.add_argument("--prompt", type=int, default=32)
@@ -207,9 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--cell-cap-s", type=float, default=6.0, help="stop timing a cell after this many seconds")
     ap.add_argument(
-        "--graphs", default="", help="CUDA-graph batch sizes for resident mode, e.g. 1,2,3,4 ('' = eager); model routing only"
+        "--graphs", default="1,2,3,4", help="batch sizes captured by '/graphs' variants (model routing only)"
     )
-    ap.add_argument("--kernels", default="fused", help="expert kernels to time for resident mode, e.g. fused,loop")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="start no new mode after this many seconds from start")
     ap.add_argument("--linkbw-json", default=None)
     ap.add_argument("--device", default="cuda")
@@ -231,49 +294,55 @@ def main(argv: list[str] | None = None) -> int:
     cfg = synth_memory.config_for(synth_memory.SynthSpec(preset, args.layers, args.seed))
     expert_bytes = cfg.expert_bytes("bfloat16")
     t0 = time.perf_counter()
-    synth_memory.host_weights(cfg, torch.bfloat16, args.seed, torch.device(args.device))
+    hw = synth_memory.host_weights(cfg, torch.bfloat16, args.seed, torch.device(args.device))
     record["host_store_build_s"] = time.perf_counter() - t0
     print(f"host store built in {record['host_store_build_s']:.1f} s", flush=True)
     record["link"] = measure_link(args.device, expert_bytes, args.linkbw_json)
     print(json.dumps(record["link"]), flush=True)
+    if args.device == "cuda":
+        try:
+            record["pagein_paths"] = measure_pagein_paths(hw.experts[0], expert_bytes)
+        except Exception as exc:  # noqa: BLE001 - the decode cells still run
+            record["pagein_paths"] = [{"error": repr(exc)}]
+        print(json.dumps(record["pagein_paths"]), flush=True)
     h, v = cfg.hidden_size, cfg.vocab_size
     attn = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + cfg.num_heads * cfg.head_dim * h
     dense_bytes = 2 * (cfg.num_layers * (attn + cfg.num_experts * h) + v * h)  # attention + routers + lm_head
     record["bytes"] = {"expert": expert_bytes, "dense_touched_per_step": dense_bytes}
     batches = [int(b) for b in args.batches.split(",")]
     graphs = [int(b) for b in args.graphs.split(",") if b]
-    variants: list[tuple[str, str, str]] = []  # (mode, kernel, graphs)
-    for mode in args.modes.split(","):
-        if mode == "resident":
-            variants += [(mode, k, "") for k in args.kernels.split(",")]
-            if graphs:
-                variants.append((mode, "fused", "graphs"))
-        else:
-            variants.append((mode, "fused", ""))
+    variants = [parse_variant(v) for v in args.modes.split(",") if v]
 
     def write() -> None:
         add_rooflines(record["cells"], record["link"], expert_bytes, dense_bytes)
         record["grouped_backend"] = grouped_backend()
         args.out.write_text(json.dumps(record, indent=2, default=str))
 
-    for mode, kernel, graph in variants:
+    for mode, options in variants:
+        kernel = "loop" if "loop" in options else "fused"
+        graph = "graphs" if "graphs" in options else ""
+        variant = "+".join(sorted(options)) or "default"
+        ident = {"mode": mode, "variant": variant, "kernel": kernel, "graphs": graph}
         if time.perf_counter() - t_start > args.deadline_s:
-            record["cells"].append({"mode": mode, "kernel": kernel, "graphs": graph, "error": "skipped: --deadline-s"})
-            print(f"{mode} {kernel} {graph}: skipped (deadline)", flush=True)
+            record["cells"].append({**ident, "error": "skipped: --deadline-s"})
+            print(f"{mode}/{variant}: skipped (deadline)", flush=True)
             continue
         t_build = time.perf_counter()
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         try:
-            rt = runtime_for(mode, args.device)
+            rt = runtime_for(mode, args.device, options)
             model = MoeCausalLM.synthetic(preset, rt, layers=args.layers, seed=args.seed, expert_kernel=kernel)
             if graph:
                 model.enable_cuda_graphs(graphs)
             sync(args.device)
         except Exception as exc:  # noqa: BLE001 - a failed mode is recorded, the rest still run
-            record["cells"].append({"mode": mode, "kernel": kernel, "graphs": graph, "error": f"build: {exc!r}"})
+            record["cells"].append({**ident, "error": f"build: {exc!r}"})
             write()
-            print(f"{mode} {kernel} {graph}: build failed: {exc!r}", flush=True)
+            print(f"{mode}/{variant}: build failed: {exc!r}", flush=True)
             continue
         build_s = time.perf_counter() - t_build
+        planning = "device" if any(m.device_residency is not None for m in model._moe) else "host"
         for routing in args.routings.split(","):
             if routing == "model":
                 model.router_override = None
@@ -283,7 +352,9 @@ def main(argv: list[str] | None = None) -> int:
                 model.router_override = make_router(routing, cfg, args.seed)
             for b in batches:
                 base = {
-                    "mode": mode, "kernel": kernel, "graphs": graph, "routing": routing, "layers": args.layers, "build_s": build_s,
+                    **ident, "routing": routing, "layers": args.layers, "build_s": build_s,
+                    "planning": planning if mode.startswith("paged") else None,
+                    "overlap_page_in": rt.overlap_page_in,
                 }
                 try:
                     cell = {**base, **run_cell(model, b, args)}
@@ -291,11 +362,13 @@ def main(argv: list[str] | None = None) -> int:
                     cell = {**base, "batch": b, "error": repr(exc)}
                 if graph:
                     cell["captured_graphs"] = model.captured_graphs
+                if args.device == "cuda":
+                    cell["gpu_mem_peak_bytes"] = torch.cuda.max_memory_allocated()
                 record["cells"].append(cell)
                 write()
                 keys = ("tok_per_s", "ms_per_step", "hit_rate", "misses_per_token", "steps", "error")
                 brief = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in cell.items() if k in keys}
-                print(f"{mode:14s} {kernel:5s} {graph:6s} {routing:14s} B={b}: {brief}", flush=True)
+                print(f"{mode:14s} {variant:15s} {routing:14s} B={b}: {brief}", flush=True)
         del model
         gc.collect()  # the graphed decoder and the model reference each other: free 58 GB now, not later
         if args.device == "cuda":

@@ -49,7 +49,8 @@ def _gather_bmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.T
     """Each row times its group's matrix as a batched [1, K] x [K, N] product: no host sync, but
     the weights of every pair are gathered (a copy): the CUDA fallback when grouped_mm refuses."""
     rows = torch.arange(a.shape[0], device=a.device, dtype=offs.dtype)  # [P]
-    group = torch.searchsorted(offs, rows, right=True)  # [P] group of each row
+    # [P] group of each row; rows past offs[-1] belong to no group (their output is unused)
+    group = torch.searchsorted(offs, rows, right=True).clamp_(max=b.shape[0] - 1)
     return torch.bmm(a[:, None, :], b[group]).squeeze(1)  # [P, N]
 
 

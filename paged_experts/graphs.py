@@ -1,8 +1,10 @@
-"""The whole decode step of a resident model as one CUDA graph per (batch size, KV bucket).
+"""The whole decode step as one CUDA graph per (batch size, KV bucket): resident models, and paged
+models whose residency lives on the device (`device_residency`: LRU plan, page-in kernel reading
+pinned host memory, grouped matmuls over the slots) for batch sizes B with B x top_k <= K.
 
 Eager decode launches ~80 small kernels per layer (about 4,000 a token for 48 layers): at batch 1
 the GPU waits on Python. A step whose chunks are all one-token decodes (no router override, no
-observers, every layer resident) is instead run as a static computation over fixed-shape buffers:
+observers, every layer resident or device-planned paged) is instead run as a static computation over fixed-shape buffers:
 - tokens [B], positions [B], new KV rows [B] and a KV row table [B, L] (each sequence's rows of
   positions 0..L-1, padded with its row 0), L = the step's longest context rounded up to a power
   of two (at least 64): one graph per (B, L bucket), captured on first use;
@@ -26,6 +28,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from paged_experts.copy_kernel import graph_safe
+
 if TYPE_CHECKING:
     from paged_experts.kv import KvPool
     from paged_experts.model import MoeCausalLM, SeqChunk
@@ -43,23 +47,34 @@ def bucket(length: int) -> int:
 
 
 class _Captured:
-    def __init__(self, inputs: torch.Tensor, graph: torch.cuda.CUDAGraph | None, logits: torch.Tensor, unions: torch.Tensor):
+    def __init__(self, inputs: torch.Tensor, graph: torch.cuda.CUDAGraph | None, logits: torch.Tensor, stats: torch.Tensor):
         self.inputs = inputs  # [B * 3 + B * L] int64 on the device
         self.graph = graph
         self.logits = logits  # [B, V]
-        self.unions = unions  # [layers]
+        self.stats = stats  # [layers, 3] union, hits, misses
 
 
 class GraphedDecoder:
     """Runs eligible decode steps of `model` as static (CUDA-graphed on CUDA) computations."""
 
     def __init__(self, model: MoeCausalLM, batch_sizes: Sequence[int]) -> None:
-        placements = set(model.layer_placements())
-        if placements != {"resident"}:
-            raise ValueError(f"CUDA-graph decode needs every layer resident, got placements {sorted(placements)}")
+        if not model.graphable():
+            raise ValueError(
+                "CUDA-graph decode needs every layer resident or paged with device planning, got placements "
+                f"{sorted(set(model.layer_placements()))}"
+            )
         self.model = model
-        self.batch_sizes = tuple(sorted(set(batch_sizes)))
+        self._paged = [m for m in model._moe if m.placement == "paged"]
+        fits = [b for b in sorted(set(batch_sizes)) if all(m.plans_on_device(b) for m in self._paged)]
+        if len(fits) < len(set(batch_sizes)):
+            log.info(
+                "decode graphs: batch sizes above K // top_k = %d stay eager (host-planned waves)",
+                self._paged[0].device_residency.num_slots // model.config.top_k,  # type: ignore[union-attr]
+            )
+        self.batch_sizes = tuple(fits)
         self.capture = model.device.type == "cuda"
+        if self.capture and self._paged and not graph_safe(model.device):
+            raise ValueError("CUDA-graph decode of paged layers needs Triton (the device page-in kernel)")
         self._pool: KvPool | None = None
         self._entries: dict[tuple[int, int], _Captured] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.capture else None
@@ -91,19 +106,22 @@ class GraphedDecoder:
         if self.capture:
             host = host.pin_memory()  # copied with non_blocking: no sync before the replay
         entry = self._entries.get((b, length))
+        fresh = entry is None
         if entry is None:
-            entry = self._build(b, length, host)
+            entry = self._build(b, length, host)  # uncaptured (CPU): this ran the step already
         else:
             entry.inputs.copy_(host, non_blocking=True)
         if entry.graph is not None:
             entry.graph.replay()
-        else:
-            entry.logits, entry.unions = self._body(entry.inputs, b, length)
+        elif not fresh:  # a step runs once: a paged body plans and pages in
+            entry.logits, entry.stats = self._body(entry.inputs, b, length)
         self.replays += 1
-        unions = entry.unions.clone()  # [layers]: read with the counters, later
+        for moe in self._paged:  # a replay planned on the device: the host planner must pull first
+            moe._host_residency_stale = True
+        stats = entry.stats.clone()  # [layers, 3]: read with the counters, later
         pairs = b * m.config.top_k
-        for i in range(unions.shape[0]):
-            m.counters.record_step_device(i, "resident", unions[i], pairs)
+        for i, moe in enumerate(m._moe):
+            m.counters.record_step_device(i, moe.placement, stats[i], pairs)
         logits = entry.logits.to("cpu", torch.float32)  # [B, V]: the step's one sync
         for c in chunks:
             pool.commit(c.seq, c.start_pos + 1)
@@ -127,26 +145,32 @@ class GraphedDecoder:
         m = self.model
         inputs = host.to(m.device)
         if not self.capture:
-            logits, unions = self._body(inputs, b, length)
-            entry = _Captured(inputs, None, logits, unions)
+            logits, stats = self._body(inputs, b, length)
+            entry = _Captured(inputs, None, logits, stats)
         else:
             t0 = time.perf_counter()
+            saved = [m.device_residency.state() for m in self._paged]  # type: ignore[union-attr]
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 self._body(inputs, b, length)  # warm-up: same inputs, so its KV writes are the step's own
             torch.cuda.current_stream().wait_stream(side)
+            # The warm-up planned (and paged in) this step; rewind the residency so the replay
+            # plans it again and its counters see the step's real misses. The replay re-pages the
+            # same experts into the same slots (same state, same routing), so slots match maps.
+            for m, state in zip(self._paged, saved):
+                m.device_residency.load_state(state)  # type: ignore[union-attr]
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._mempool):
-                logits, unions = self._body(inputs, b, length)
-            entry = _Captured(inputs, graph, logits, unions)
+                logits, stats = self._body(inputs, b, length)
+            entry = _Captured(inputs, graph, logits, stats)
             log.info("captured decode step graph: batch %d, KV bucket %d, %.2f s", b, length, time.perf_counter() - t0)
             self.captured.append((b, length))
         self._entries[(b, length)] = entry
         return entry
 
     def _body(self, inputs: torch.Tensor, b: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Static decode step: [B] tokens -> logits [B, V] and per-layer unions [layers]."""
+        """Static decode step: [B] tokens -> logits [B, V] and per-layer stats [layers, 3]."""
         from paged_experts.model import rms_norm
 
         m = self.model
@@ -160,17 +184,17 @@ class GraphedDecoder:
         zero = torch.zeros((), dtype=dt, device=inputs.device)
         mask = torch.where(keep, zero, torch.finfo(dt).min)  # [B, L]
         x = m._dense.embed[tokens]  # [B, H]
-        unions = []
+        stats = []
         for layer_idx, (attn, moe) in enumerate(zip(m._attention, m._moe)):
             h = rms_norm(x, attn.input_norm, cfg.rms_norm_eps)
             x = x + self._attend(layer_idx, attn, h, cos, sin, new_rows, table, mask)
             h = rms_norm(x, attn.post_norm, cfg.rms_norm_eps)  # [B, H]
             ids, weights = moe.route_on_device(h)
-            out, union = moe.forward_on_device(h, ids, weights)
+            out, layer_stats = moe.forward_on_device(h, ids, weights)
             x = x + out
-            unions.append(union)
+            stats.append(layer_stats)
         hidden = rms_norm(x, m._dense.final_norm, cfg.rms_norm_eps)  # [B, H]
-        return F.linear(hidden, m._dense.lm_head), torch.stack(unions)
+        return F.linear(hidden, m._dense.lm_head), torch.stack(stats)
 
     def _attend(
         self, layer_idx: int, w, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, new_rows: torch.Tensor,

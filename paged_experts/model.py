@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from paged_experts.config import MoeModelConfig
 from paged_experts.counters import PagingCounters
+from paged_experts.device_residency import DeviceResidency
 from paged_experts.graphs import GraphedDecoder
 from paged_experts.kv import KvPool, KvSequence
 from paged_experts.loader import AttentionWeights, LoadedModel, load
@@ -78,6 +79,11 @@ class MoeCausalLM:
             shared = replace(self._moe[0].shared, counters=self.counters)
             for layer in self._moe:
                 layer.shared = shared
+        if runtime.plans_on_device:
+            for layer in self._moe:
+                if layer.placement == "paged" and layer.residency is not None:
+                    layer.device_residency = DeviceResidency(self.config.num_experts, layer.residency.num_slots, self.device)
+                    layer.overlap_page_in = runtime.overlap_page_in
         self.set_expert_kernel(expert_kernel)
         self._graphs: GraphedDecoder | None = None
         self.router_override: RouterOverride | None = None
@@ -96,7 +102,7 @@ class MoeCausalLM:
         loaded = synth_memory.load_synthetic(path, runtime) if synth_memory.is_synthetic(path) else load(path, runtime)
         model = cls(loaded, runtime, expert_kernel)
         sizes = [int(b) for b in os.environ.get("PAGED_EXPERTS_CUDA_GRAPHS", "").split(",") if b.strip()]
-        if sizes and runtime.device == "cuda" and set(model.layer_placements()) == {"resident"}:
+        if sizes and runtime.device == "cuda" and model.graphable():
             model.enable_cuda_graphs(sizes)
         return model
 
@@ -110,10 +116,14 @@ class MoeCausalLM:
         return cls(synth_memory.build(preset, runtime, layers=layers, seed=seed), runtime, expert_kernel)
 
     def enable_cuda_graphs(self, batch_sizes: Sequence[int]) -> None:
-        """Decode steps of these batch sizes run as one captured graph each (resident models only;
-        on CPU the same static step runs uncaptured). `PAGED_EXPERTS_CUDA_GRAPHS=1,2,3,4` in the
+        """Decode steps of these batch sizes run as one captured graph each (resident models, and
+        paged ones planned on the device for B x top_k <= K; on CPU the same static step runs uncaptured). `PAGED_EXPERTS_CUDA_GRAPHS=1,2,3,4` in the
         environment enables it in `from_pretrained` (the server needs no flag)."""
         self._graphs = GraphedDecoder(self, batch_sizes) if batch_sizes else None
+
+    def graphable(self) -> bool:
+        """Every layer resident, or paged with its residency on the device (decode can be captured)."""
+        return all(m.placement == "resident" or (m.placement == "paged" and m.device_residency is not None) for m in self._moe)
 
     @property
     def graph_replays(self) -> int:

@@ -19,7 +19,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from paged_experts.copy_kernel import copy_planned
 from paged_experts.counters import CountersSnapshot, PagingCounters
+from paged_experts.device_residency import DevicePlan, DeviceResidency
 from paged_experts.experts import Dispatch, build_dispatch, combine, route, run_experts
 from paged_experts.fused import combine_pairs, group_pairs, run_pairs
 from paged_experts.residency import LayerResidency
@@ -79,6 +81,11 @@ class MoeLayer:
         self.shared = shared
         self.residency = residency
         self.kernel = "fused"  # or "loop": the per-expert reference path (EXPERT_KERNELS)
+        # Paged layers planned on the device (RuntimeConfig.device_planning): one-wave steps never
+        # read the host; other steps plan on `residency` after pulling the shared state.
+        self.device_residency: DeviceResidency | None = None
+        self._host_residency_stale = False
+        self.overlap_page_in = False  # RuntimeConfig.overlap_page_in (device-planned steps only)
 
     def forward(
         self,
@@ -98,9 +105,49 @@ class MoeLayer:
             ids, weights = route(router_logits, sh.top_k, sh.norm_topk_prob)  # [T, k], [T, k]
         for fn in observers:
             fn(self.layer_idx, ids, weights, ctx)
+        if self.placement == "paged" and self.device_residency is not None:
+            if self.kernel == "fused" and self.plans_on_device(x.shape[0]):
+                out, stats = self.forward_on_device(x, ids, weights)
+                self._record_device(stats, x.shape[0] * sh.top_k)
+                return out
+            self._pull_residency()
+            try:
+                return self._forward_host_planned(x, ids, weights, ids_cpu)
+            finally:
+                self.device_residency.push_from(self.residency)  # type: ignore[arg-type]
+        return self._forward_host_planned(x, ids, weights, ids_cpu)
+
+    def plans_on_device(self, num_tokens: int) -> bool:
+        """A step of `num_tokens` is planned on the device when it fits one wave (T x top_k <= K)."""
+        dr = self.device_residency
+        return dr is not None and num_tokens * self.shared.top_k <= dr.num_slots
+
+    def _pull_residency(self) -> None:
+        if self._host_residency_stale:
+            assert self.device_residency is not None and self.residency is not None
+            self.device_residency.pull_to(self.residency)
+            self._host_residency_stale = False
+
+    def _forward_host_planned(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ids_cpu: torch.Tensor | None
+    ) -> torch.Tensor:
         if self.kernel == "fused":
             return self._forward_fused(x, ids, weights, ids_cpu)
         return self._forward_loop(x, ids, weights)
+
+    def _record_device(self, stats: torch.Tensor, num_pairs: int) -> None:
+        """stats: [3] (union, hits, misses) on the device, tallied without a host read where possible."""
+        sh = self.shared
+        if isinstance(sh.counters, TalliedCounters):
+            sh.counters.record_step_device(self.layer_idx, self.placement, stats, num_pairs)
+            return
+        union, hits, misses = (int(v) for v in stats.tolist())
+        sh.counters.record_step(
+            self.layer_idx, union=union, routed_pairs=num_pairs, hits=hits, misses=misses, cpu_activations=0,
+            waves=1 if union else 0,
+        )
+        if self.placement == "paged":
+            sh.counters.record_copy(self.layer_idx, bytes_h2d=misses * sh.expert_bytes)
 
     def _forward_fused(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ids_cpu: torch.Tensor | None
@@ -125,30 +172,62 @@ class MoeLayer:
                 waves=1 if union else 0,
             )
             return combine_pairs(y_pairs, weights).to(sh.device)
-        out, union_dev = self.forward_on_device(x, ids, weights)
-        if isinstance(sh.counters, TalliedCounters):
-            sh.counters.record_step_device(self.layer_idx, self.placement, union_dev, num_pairs)
-        else:
-            union = int(union_dev)
-            sh.counters.record_step(
-                self.layer_idx, union=union, routed_pairs=num_pairs,
-                hits=union if self.placement == "resident" else 0,
-                misses=union if self.placement == "offload" else 0, cpu_activations=0, waves=1 if union else 0,
-            )
+        out, stats = self.forward_on_device(x, ids, weights)
+        self._record_device(stats, num_pairs)
         return out
 
     def forward_on_device(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Resident / offload layers: [T, H] -> ([T, H], union []) with no host synchronization
-        (so a CUDA graph can capture it for resident layers)."""
+        """Resident, offload and device-planned paged layers: [T, H] -> ([T, H], stats [3] =
+        union, hits, misses) with no host synchronization (a CUDA graph can capture resident
+        layers, and paged ones whose page-in kernel is graph-safe)."""
         sh = self.shared
-        weights_src = self._weights_for_step()
         flat = ids.reshape(-1).to(device=sh.device, dtype=torch.long)  # [T*k]
-        order, offs, counts = group_pairs(flat, sh.num_experts)
         y_pairs = x.new_empty(flat.shape[0], x.shape[1])  # [T*k, H]
+        if self.placement == "paged":
+            assert self.device_residency is not None and self.device_experts is not None
+            plan = self.device_residency.plan(flat)
+            self._host_residency_stale = True
+            if self.overlap_page_in:
+                return combine_pairs(self._overlapped_pass(x, plan), weights), plan.stats
+            copy_planned(self.host, self.device_experts, plan.miss_experts, plan.miss_slots)
+            order, offs, _ = group_pairs(plan.pair_slot, self.device_residency.num_slots)
+            run_pairs(x, self.device_experts, order, offs, sh.top_k, y_pairs)
+            return combine_pairs(y_pairs, weights), plan.stats
+        weights_src = self._weights_for_step()
+        order, offs, counts = group_pairs(flat, sh.num_experts)
         run_pairs(x, weights_src, order, offs, sh.top_k, y_pairs)
-        return combine_pairs(y_pairs, weights), (counts > 0).sum()
+        union = (counts > 0).sum()
+        zero = torch.zeros_like(union)
+        stats = torch.stack([union, union, zero] if self.placement == "resident" else [union, zero, union])
+        return combine_pairs(y_pairs, weights), stats
+
+    def _overlapped_pass(self, x: torch.Tensor, plan: DevicePlan) -> torch.Tensor:
+        """[T, H] -> y_pairs [T*k, H]: the hit pairs compute while the misses copy on a second
+        stream, then the miss pairs. A slot is all-hit or all-miss within a step, so each group is
+        the same product as in one pass (bit for bit). Rows of the other pass are left unwritten
+        by each grouped pass (no group), and `where` picks each row from the pass that owns it."""
+        sh = self.shared
+        assert self.device_experts is not None and self.device_residency is not None
+        k = self.device_residency.num_slots
+        y_hit = x.new_empty(plan.pair_slot.shape[0], x.shape[1])  # [T*k, H]
+        y_miss = torch.empty_like(y_hit)
+        copy_stream = _copy_stream(sh.device)
+        if copy_stream is not None:
+            copy_stream.wait_stream(torch.cuda.current_stream(sh.device))
+            with torch.cuda.stream(copy_stream):
+                copy_planned(self.host, self.device_experts, plan.miss_experts, plan.miss_slots)
+        else:
+            copy_planned(self.host, self.device_experts, plan.miss_experts, plan.miss_slots)
+        for rows_of, y in ((torch.where(plan.pair_missed, k, plan.pair_slot), y_hit), (None, y_miss)):
+            if rows_of is None:  # second pass: the misses, once their rows have landed
+                if copy_stream is not None:
+                    torch.cuda.current_stream(sh.device).wait_stream(copy_stream)
+                rows_of = torch.where(plan.pair_missed, plan.pair_slot, k)
+            order, offs, _ = group_pairs(rows_of, k + 1)  # the dummy row k collects the other pass
+            run_pairs(x, self.device_experts, order, offs[:k], sh.top_k, y)
+        return torch.where(plan.pair_missed[:, None], y_miss, y_hit)
 
     def route_on_device(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's own router (no override): [T, H] -> ids [T, k], weights [T, k]."""
@@ -266,6 +345,18 @@ class MoeLayer:
         return ids, weights.to(torch.float32), ids_cpu
 
 
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """One page-in stream per CUDA device (created outside any graph capture: first use is eager)."""
+    if device.type != "cuda":
+        return None
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[device]
+
+
 class TalliedCounters(PagingCounters):
     """`PagingCounters` that also take a layer-step's union as a device scalar, read at `snapshot()`.
 
@@ -277,10 +368,11 @@ class TalliedCounters(PagingCounters):
 
     def __init__(self, num_layers: int, expert_bytes: int, mode: str) -> None:
         super().__init__(num_layers, expert_bytes, mode)
-        self._pending: list[tuple[int, str, torch.Tensor, int]] = []  # (layer, placement, union [], pairs)
+        self._pending: list[tuple[int, str, torch.Tensor, int]] = []  # (layer, placement, stats [3], pairs)
 
-    def record_step_device(self, layer: int, placement: str, union: torch.Tensor, routed_pairs: int) -> None:
-        self._pending.append((layer, placement, union, routed_pairs))
+    def record_step_device(self, layer: int, placement: str, stats: torch.Tensor, routed_pairs: int) -> None:
+        """stats: [3] int64 (union, hits, misses) of one layer-step, still on the device."""
+        self._pending.append((layer, placement, stats, routed_pairs))
         if len(self._pending) >= self._MAX_PENDING:
             self.flush()
 
@@ -288,12 +380,14 @@ class TalliedCounters(PagingCounters):
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        unions = torch.stack([p[2] for p in pending]).tolist()  # one device->host read
-        for (layer, placement, _, pairs), union in zip(pending, unions):
+        rows = torch.stack([p[2] for p in pending]).tolist()  # one device->host read
+        for (layer, placement, _, pairs), (union, hits, misses) in zip(pending, rows):
             self.record_step(
-                layer, union=int(union), routed_pairs=pairs, hits=int(union) if placement == "resident" else 0,
-                misses=int(union) if placement == "offload" else 0, cpu_activations=0, waves=1 if union else 0,
+                layer, union=int(union), routed_pairs=pairs, hits=int(hits), misses=int(misses), cpu_activations=0,
+                waves=1 if union else 0,
             )
+            if placement == "paged":  # offload layers record their copies as they issue them
+                self.record_copy(layer, bytes_h2d=int(misses) * self.expert_bytes)
 
     def snapshot(self) -> CountersSnapshot:
         self.flush()

@@ -29,6 +29,12 @@ class RuntimeConfig:
     device: str = "cpu"
     dtype: str = "float32"
     page_in: Literal["auto", "direct", "staged"] = "auto"
+    # Paged one-wave steps planned and paged in on the device (no host sync, CUDA-graph capturable):
+    # 'auto' = on for CUDA, off on the CPU (where the host planner is the cheaper path).
+    device_planning: Literal["auto", "on", "off"] = "auto"
+    # Device-planned paged steps: compute the hits while the misses copy (on a second CUDA stream),
+    # then the misses. Off by default until measured (benchmarks/decode_h200.py '+overlap' modes).
+    overlap_page_in: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -39,6 +45,10 @@ class RuntimeConfig:
             raise ValueError(f"dtype must be one of {sorted(TORCH_DTYPES)}, got {self.dtype!r}")
         if self.page_in not in ("auto", "direct", "staged"):
             raise ValueError(f"page_in must be 'auto', 'direct' or 'staged', got {self.page_in!r}")
+        if self.device_planning not in ("auto", "on", "off"):
+            raise ValueError(f"device_planning must be 'auto', 'on' or 'off', got {self.device_planning!r}")
+        if self.overlap_page_in and not self.plans_on_device:
+            raise ValueError("overlap_page_in needs mode='paged' with device planning (device_planning 'on', or 'auto' on CUDA)")
         if self.mode == "paged" and self.resident_experts is None:
             raise ValueError("mode='paged' needs resident_experts (K, the slots per layer)")
         if self.mode != "paged" and self.resident_experts is not None:
@@ -63,6 +73,13 @@ class RuntimeConfig:
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
+
+    @property
+    def plans_on_device(self) -> bool:
+        """Whether paged layers keep their residency on the device (see `device_planning`)."""
+        if self.mode != "paged" or self.device_planning == "off":
+            return False
+        return self.device_planning == "on" or self.device == "cuda"
 
     def validate_for(self, model: MoeModelConfig) -> None:
         """Checks the choices that depend on the model's shape; raises ValueError."""

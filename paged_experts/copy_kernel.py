@@ -1,0 +1,66 @@
+"""Page-in planned on the device: copy the planned host rows into their slots without a host read.
+
+On CUDA a Triton kernel reads the pinned host store directly (pinned memory is mapped into the
+GPU's address space; Triton accepts such pointers) and writes the slots. The plan's length is
+static (padded with the dummy expert E), so the grid is (planned entries x row chunks) and the
+programs of padding entries return at once: exactly the planned experts cross the link, and the
+launch is capturable in a CUDA graph. On the CPU (tests) and where Triton is missing, the same
+copy runs as an index_copy after one host read of the plan (`graph_safe()` says which).
+
+The kernel's rate against the DMA engines' `copy_` is measured, not assumed:
+`benchmarks/decode_h200.py --pagein-kernel-bench` (results under benchmarks/results/h200/).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from paged_experts import store
+from paged_experts.store import ExpertTensors
+
+try:  # Triton ships with CUDA builds of torch; the CPU wheel has none
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the torch build
+    triton = None  # type: ignore[assignment]
+
+BLOCK_ELEMS = 8192  # 16 KiB of bf16 per program: enough loads in flight per SM to fill the link
+
+if triton is not None:
+
+    @triton.jit
+    def _copy_planned_rows(src, dst, experts, slots, row_elems, num_experts, BLOCK: tl.constexpr):  # pragma: no cover
+        entry = tl.program_id(0)
+        chunk = tl.program_id(1)
+        expert = tl.load(experts + entry)
+        if expert < num_experts:  # padding entries name expert E: nothing to copy
+            slot = tl.load(slots + entry)
+            offs = chunk * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < row_elems
+            v = tl.load(src + expert.to(tl.int64) * row_elems + offs, mask=mask)
+            tl.store(dst + slot.to(tl.int64) * row_elems + offs, v, mask=mask)
+
+
+def graph_safe(device: torch.device) -> bool:
+    """True when `copy_planned` runs without a host read (CUDA with Triton)."""
+    return device.type == "cuda" and triton is not None
+
+
+def copy_planned(host: ExpertTensors, slots: ExpertTensors, experts: torch.Tensor, slot_ids: torch.Tensor) -> None:
+    """host rows `experts[i]` -> slot rows `slot_ids[i]` for every entry whose expert is < E.
+
+    experts, slot_ids: [P] int64 on the slots' device, padded with E (expert) / K (slot)."""
+    num_experts = host.num_rows
+    if graph_safe(slots.gate.device):
+        for name in store.EXPERT_TENSORS:  # read at call time: the fault-injection tests narrow it
+            src, dst = host.get(name), slots.get(name)
+            row_elems = src[0].numel()
+            grid = (experts.shape[0], triton.cdiv(row_elems, BLOCK_ELEMS))
+            _copy_planned_rows[grid](src, dst, experts, slot_ids, row_elems, num_experts, BLOCK=BLOCK_ELEMS, num_warps=4)
+        return
+    valid = (experts < num_experts).nonzero().reshape(-1)  # [m]: the host read (not graph-safe)
+    src_idx = experts[valid].to(host.gate.device)
+    dst_idx = slot_ids[valid]
+    for name in store.EXPERT_TENSORS:  # read at call time: the fault-injection tests narrow it
+        rows = host.get(name).index_select(0, src_idx).to(slots.gate.device)
+        slots.get(name).index_copy_(0, dst_idx, rows)

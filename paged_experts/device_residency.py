@@ -1,0 +1,132 @@
+"""LRU residency of one paged layer kept on the device: a one-wave step is planned, paged in and
+computed with no host synchronization, so a whole decode step can be captured in a CUDA graph.
+
+A step fits one wave when its routed pairs P = tokens x top_k are at most K: then its distinct
+experts are at most K too. The plan is the same one `residency.LayerResidency` (LRU) makes:
+- hits are the routed experts already in a slot; misses are paged in in increasing expert id;
+- the i-th miss takes the i-th victim: slots whose expert is not routed this step, ordered by
+  (last use, expert id), never-used (initial) experts first, as `LruPolicy.victim` orders them;
+- every routed expert's slot is stamped with the step number after the wave.
+Shapes are static (the plan is padded to P entries; padding names the dummy expert E and the
+dummy slot K, which the maps carry as one spare entry each), so nothing depends on a host read.
+
+Steps with more pairs than K (prefill, large batches) fall back to the host planner; the two
+share one state: `pull_to(residency)` writes the device state into the `LayerResidency` before a
+host-planned step and `push_from(residency)` reads it back after, each a few small copies on a
+step that synchronizes anyway.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from paged_experts.residency import LayerResidency, LruPolicy
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """One wave planned on the device (P = routed pairs of the step)."""
+
+    pair_slot: torch.Tensor  # [P] slot serving each routed pair (after the page-ins)
+    pair_missed: torch.Tensor  # [P] bool: the pair's expert is paged in by this plan
+    miss_experts: torch.Tensor  # [P] experts to page in, ascending, padded with E
+    miss_slots: torch.Tensor  # [P] slot each of them goes to, padded with K
+    stats: torch.Tensor  # [3] int64: union, hits, misses (device scalars, read lazily)
+
+
+class DeviceResidency:
+    """K slots of one layer: expert<->slot maps, per-slot last use and the step counter on `device`."""
+
+    def __init__(self, num_experts: int, num_slots: int, device: torch.device) -> None:
+        if not 1 <= num_slots <= num_experts:
+            raise ValueError(f"num_slots must be in [1, {num_experts}], got {num_slots}")
+        self.num_experts = num_experts
+        self.num_slots = num_slots
+        self.device = device
+        e, k = num_experts, num_slots
+        # One spare entry each (index E / K) absorbs the padded writes of a plan.
+        self.slot_of = torch.full((e + 1,), -1, dtype=torch.long, device=device)  # [E+1] slot or -1
+        self.slot_of[:k] = torch.arange(k, device=device)
+        self.expert_in = torch.full((k + 1,), e, dtype=torch.long, device=device)  # [K+1] expert or E
+        self.expert_in[:k] = torch.arange(k, device=device)
+        self.last_use = torch.full((k + 1,), -1, dtype=torch.long, device=device)  # [K+1] step stamp, -1 never
+        self.step = torch.zeros((), dtype=torch.long, device=device)  # planned steps so far
+        self._arange_e = torch.arange(e + 1, device=device)  # [E+1]
+
+    def plan(self, flat_ids: torch.Tensor) -> DevicePlan:
+        """flat_ids: [P] routed expert of each pair (P <= K) on the device; updates the state."""
+        e, k = self.num_experts, self.num_slots
+        p = flat_ids.shape[0]
+        if p > k:
+            raise ValueError(f"a device-planned step routes at most K={k} pairs, got {p}")
+        flat_ids = flat_ids.to(torch.long)
+        used = torch.zeros(e + 1, dtype=torch.bool, device=self.device)  # [E+1]
+        used[flat_ids] = True
+        resident = self.slot_of >= 0  # [E+1]
+        miss = used & ~resident  # [E+1]
+        n_used = used.sum()
+        n_miss = miss.sum()
+        # Misses ascending, padded with E: sorting E-for-non-misses puts the misses first.
+        miss_experts = torch.sort(torch.where(miss, self._arange_e, e)).values[:p]  # [P]
+        valid = miss_experts < e  # [P]
+        # Victims: unpinned slots by (last use, expert id); pinned slots (routed now) sort last.
+        pinned = used[self.expert_in[:k]]  # [K]
+        key = (self.last_use[:k] + 1) * (e + 1) + self.expert_in[:k]  # [K], distinct per slot
+        key = torch.where(pinned, torch.iinfo(torch.long).max, key)
+        victims = torch.sort(key).indices[:p]  # [P] (P <= K: enough unpinned slots for the misses)
+        miss_slots = torch.where(valid, victims, k)  # [P]
+        evicted = torch.where(valid, self.expert_in[miss_slots], e)  # [P]
+        self.slot_of[evicted] = -1
+        self.slot_of[miss_experts] = torch.where(valid, miss_slots, -1)
+        self.slot_of[e] = -1  # the spare entry took padded writes
+        self.expert_in[miss_slots] = torch.where(valid, miss_experts, e)
+        pair_missed = miss[flat_ids]  # [P]
+        pair_slot = self.slot_of[flat_ids]  # [P]
+        self.last_use[pair_slot] = self.step  # a tensor fill: no host read of the step
+        self.step += 1
+        stats = torch.stack([n_used, n_used - n_miss, n_miss])  # [3]
+        return DevicePlan(pair_slot=pair_slot, pair_missed=pair_missed, miss_experts=miss_experts, miss_slots=miss_slots, stats=stats)
+
+    def state(self) -> tuple[torch.Tensor, ...]:
+        """A copy of the state (graph capture rewinds a warm-up step with it)."""
+        return tuple(t.clone() for t in (self.slot_of, self.expert_in, self.last_use, self.step))
+
+    def load_state(self, state: tuple[torch.Tensor, ...]) -> None:
+        for dst, src in zip((self.slot_of, self.expert_in, self.last_use, self.step), state):
+            dst.copy_(src)
+
+    def pull_to(self, residency: LayerResidency) -> None:
+        """Writes this state into a host `LayerResidency` (LRU) before a host-planned step."""
+        policy = _lru(residency)
+        expert_in = self.expert_in[: self.num_slots].tolist()
+        last_use = self.last_use[: self.num_slots].tolist()
+        residency.expert_in = expert_in
+        residency.slot_of = {ex: s for s, ex in enumerate(expert_in)}
+        residency.step = int(self.step)
+        for ex, stamp in zip(expert_in, last_use):
+            if stamp >= 0:
+                policy._last_use[ex] = stamp
+            else:
+                policy._last_use.pop(ex, None)
+
+    def push_from(self, residency: LayerResidency) -> None:
+        """Reads a host `LayerResidency` (LRU) back after a host-planned step."""
+        policy = _lru(residency)
+        e, k = self.num_experts, self.num_slots
+        slot_of = [-1] * (e + 1)
+        for ex, s in residency.slot_of.items():
+            slot_of[ex] = s
+        stamps = [policy._last_use.get(ex, -1) for ex in residency.expert_in] + [-1]
+        self.slot_of.copy_(torch.tensor(slot_of, dtype=torch.long))
+        self.expert_in.copy_(torch.tensor([*residency.expert_in, e], dtype=torch.long))
+        self.last_use.copy_(torch.tensor(stamps, dtype=torch.long))
+        self.step.fill_(residency.step)
+        assert len(residency.expert_in) == k
+
+
+def _lru(residency: LayerResidency) -> LruPolicy:
+    if not isinstance(residency.policy, LruPolicy):
+        raise TypeError(f"device residency implements LRU only, not {type(residency.policy).__name__}")
+    return residency.policy

@@ -1,0 +1,141 @@
+"""Device-side residency (paged_experts.device_residency) on CPU tensors:
+- its one-wave plans equal the host LRU planner's (`LayerResidency`) step by step: hits, misses,
+  which expert goes to which slot, the slot of every pair; also when host-planned multi-wave
+  steps interleave (the two share one state through pull_to / push_from);
+- a model planned on the device equals resident bit for bit in fp32 and counts exactly what the
+  host-planned model counts;
+- the static (graph) decode body of a paged model equals eager decode, with equal counters.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from paged_experts.copy_kernel import copy_planned
+from paged_experts.device_residency import DeviceResidency
+from paged_experts.kv import KvPool
+from paged_experts.model import MoeCausalLM, SeqChunk
+from paged_experts.residency import LayerResidency
+from paged_experts.runtime import RuntimeConfig
+from paged_experts.store import ExpertTensors
+
+PATH = "synth:tiny?layers=2&seed=1"  # 32 experts, top_k 4
+PROMPTS = ([5, 17, 300, 41, 9], [800, 2, 64], [11, 12, 13, 14])
+
+
+def _check_same_plan(dev: DeviceResidency, host: LayerResidency, routed: list[int]) -> None:
+    plan = dev.plan(torch.tensor(routed))
+    ref = host.plan_step(routed)
+    assert len(ref.waves) == 1
+    union, hits, misses = plan.stats.tolist()
+    assert (union, hits, misses) == (ref.union, ref.hits, ref.misses)
+    pairs = [(e, s) for e, s in zip(plan.miss_experts.tolist(), plan.miss_slots.tolist()) if e < dev.num_experts]
+    assert pairs == sorted(ref.waves[0].page_ins)
+    assert plan.pair_slot.tolist() == [host.slot_of[e] for e in routed]
+    assert dev.expert_in[: dev.num_slots].tolist() == host.expert_in
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_device_plan_equals_host_lru(seed: int) -> None:
+    rng = random.Random(seed)
+    e, k, top_k = 32, rng.choice([4, 6, 8, 13, 32]), 4
+    dev, host = DeviceResidency(e, k, torch.device("cpu")), LayerResidency(e, k)
+    for _ in range(60):
+        tokens = rng.randint(1, max(1, k // top_k))
+        routed = [x for _ in range(tokens) for x in rng.sample(range(e), top_k)]
+        if len(routed) > k:
+            routed = routed[:k]
+        _check_same_plan(dev, host, routed)
+
+
+def test_host_planned_steps_share_the_device_state() -> None:
+    """Multi-wave steps plan on the host after pull_to; push_from hands the state back."""
+    rng = random.Random(3)
+    e, k, top_k = 32, 8, 4
+    dev, host, ref = DeviceResidency(e, k, torch.device("cpu")), LayerResidency(e, k), LayerResidency(e, k)
+    for i in range(80):
+        if i % 5 == 4:  # a 6-token step: 24 pairs > K, waves on the host
+            routed = [x for _ in range(6) for x in rng.sample(range(e), top_k)]
+            dev.pull_to(host)
+            assert host.plan_step(routed).misses == ref.plan_step(routed).misses
+            dev.push_from(host)
+        else:
+            routed = rng.sample(range(e), top_k) + rng.sample(range(e), top_k)
+            _check_same_plan(dev, ref, routed)
+    assert dev.expert_in[:k].tolist() == ref.expert_in
+
+
+def test_device_plan_refuses_more_pairs_than_slots() -> None:
+    with pytest.raises(ValueError, match="at most K=4"):
+        DeviceResidency(32, 4, torch.device("cpu")).plan(torch.arange(5))
+
+
+def test_copy_planned_moves_only_valid_entries() -> None:
+    host = ExpertTensors(gate=torch.randn(6, 3, 2), up=torch.randn(6, 3, 2), down=torch.randn(6, 2, 3))
+    slots = ExpertTensors(gate=torch.zeros(3, 3, 2), up=torch.zeros(3, 3, 2), down=torch.zeros(3, 2, 3))
+    copy_planned(host, slots, torch.tensor([4, 1, 6]), torch.tensor([2, 0, 3]))  # third entry is padding
+    for name in ("gate", "up", "down"):
+        assert torch.equal(slots.get(name)[2], host.get(name)[4])
+        assert torch.equal(slots.get(name)[0], host.get(name)[1])
+        assert not slots.get(name)[1].any()
+
+
+def _scenario(model: MoeCausalLM, decode_steps: int = 4) -> list[torch.Tensor]:
+    pool = KvPool.for_model(model, capacity_tokens=128)
+    seqs = [pool.new_sequence() for _ in PROMPTS]
+    out = model.forward([SeqChunk(s, p, 0, all_logits=True) for s, p in zip(seqs, PROMPTS)])
+    last = out
+    for step in range(decode_steps):
+        live = seqs[: 1 + step % len(seqs)]  # batch 1, 2, 3, 1: device-planned and host-planned steps
+        last = model.forward([SeqChunk(s, [int(lg[-1].argmax())], s.num_tokens) for s, lg in zip(live, last)])
+        out += last
+    return out
+
+
+def _paged(k: int, planning: str, overlap: bool = False) -> MoeCausalLM:
+    rt = RuntimeConfig(mode="paged", resident_experts=k, device_planning=planning, overlap_page_in=overlap)  # type: ignore[arg-type]
+    return MoeCausalLM.from_pretrained(PATH, rt)
+
+
+@pytest.mark.parametrize(("k", "overlap"), [(4, False), (8, False), (12, False), (8, True), (12, True)])
+def test_device_planned_model_equals_resident_and_counts_like_host(k: int, overlap: bool) -> None:
+    """overlap=True: hits and misses as two grouped passes (a second stream on CUDA), still bit-exact."""
+    resident = _scenario(MoeCausalLM.from_pretrained(PATH, RuntimeConfig(mode="resident")))
+    on, off = _paged(k, "on", overlap), _paged(k, "off")
+    assert all(m.device_residency is not None for m in on._moe)
+    assert all(m.device_residency is None for m in off._moe)
+    for i, (a, b, r) in enumerate(zip(_scenario(on), _scenario(off), resident)):
+        assert torch.equal(a, r), f"K={k}: device-planned output {i} differs from resident"
+        assert torch.equal(b, r)
+    ta, tb = on.counters.snapshot(), off.counters.snapshot()
+    for la, lb in zip(ta.layers, tb.layers):
+        assert (la.hits, la.misses, la.union_sum, la.waves, la.bytes_paged_in, la.bytes_h2d) == (
+            lb.hits, lb.misses, lb.union_sum, lb.waves, lb.bytes_paged_in, lb.bytes_h2d
+        )
+    assert ta.total.misses > 0
+
+
+def test_static_decode_of_device_planned_paged_model_matches_eager() -> None:
+    k = 12  # batch sizes 1..3 fit one wave (3 x 4 <= 12)
+    eager, static = _paged(k, "on"), _paged(k, "on")
+    static.enable_cuda_graphs([1, 2, 3, 4])
+    assert static._graphs is not None and static._graphs.batch_sizes == (1, 2, 3)  # 4 x 4 > 12 stays eager
+    a_out, b_out = _scenario(static, decode_steps=6), _scenario(eager, decode_steps=6)
+    assert static.graph_replays == 6
+    for a, b in zip(a_out, b_out):
+        assert (a - b).abs().max().item() <= 1e-4 * max(b.abs().max().item(), 1.0)
+    ta, tb = static.counters.snapshot().total, eager.counters.snapshot().total
+    assert (ta.steps, ta.union_sum, ta.hits, ta.misses, ta.bytes_h2d) == (tb.steps, tb.union_sum, tb.hits, tb.misses, tb.bytes_h2d)
+
+
+def test_overlap_needs_device_planning() -> None:
+    with pytest.raises(ValueError, match="overlap_page_in needs"):
+        RuntimeConfig(mode="paged", resident_experts=8, overlap_page_in=True)  # CPU 'auto' plans on the host
+
+
+def test_graphs_refuse_paged_layers_planned_on_the_host() -> None:
+    with pytest.raises(ValueError, match="device planning"):
+        _paged(8, "off").enable_cuda_graphs([1])
