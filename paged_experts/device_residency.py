@@ -62,8 +62,9 @@ class DeviceResidency:
         if p > k:
             raise ValueError(f"a device-planned step routes at most K={k} pairs, got {p}")
         flat_ids = flat_ids.to(torch.long)
-        used = torch.zeros(e + 1, dtype=torch.bool, device=self.device)  # [E+1]
-        used[flat_ids] = True
+        # index_fill_ (a scalar kernel argument), not `t[idx] = value`: that copies the value from
+        # the host, which a CUDA graph cannot capture
+        used = torch.zeros(e + 1, dtype=torch.bool, device=self.device).index_fill_(0, flat_ids, True)  # [E+1]
         resident = self.slot_of >= 0  # [E+1]
         miss = used & ~resident  # [E+1]
         n_used = used.sum()
@@ -78,13 +79,13 @@ class DeviceResidency:
         victims = torch.sort(key).indices[:p]  # [P] (P <= K: enough unpinned slots for the misses)
         miss_slots = torch.where(valid, victims, k)  # [P]
         evicted = torch.where(valid, self.expert_in[miss_slots], e)  # [P]
-        self.slot_of[evicted] = -1
-        self.slot_of[miss_experts] = torch.where(valid, miss_slots, -1)
-        self.slot_of[e] = -1  # the spare entry took padded writes
-        self.expert_in[miss_slots] = torch.where(valid, miss_experts, e)
+        self.slot_of.index_fill_(0, evicted, -1)
+        self.slot_of.index_copy_(0, miss_experts, torch.where(valid, miss_slots, -1))
+        self.slot_of[e:].fill_(-1)  # the spare entry took padded writes
+        self.expert_in.index_copy_(0, miss_slots, torch.where(valid, miss_experts, e))
         pair_missed = miss[flat_ids]  # [P]
         pair_slot = self.slot_of[flat_ids]  # [P]
-        self.last_use[pair_slot] = self.step  # a tensor fill: no host read of the step
+        self.last_use.index_copy_(0, pair_slot, self.step.expand(pair_slot.shape[0]).contiguous())
         self.step += 1
         stats = torch.stack([n_used, n_used - n_miss, n_miss])  # [3]
         return DevicePlan(pair_slot=pair_slot, pair_missed=pair_missed, miss_experts=miss_experts, miss_slots=miss_slots, stats=stats)

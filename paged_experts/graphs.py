@@ -73,6 +73,11 @@ class GraphedDecoder:
             )
         self.batch_sizes = tuple(fits)
         self.capture = model.device.type == "cuda"
+        if self.capture and model.runtime.dtype == "float32":
+            raise ValueError(
+                "CUDA-graph decode needs bfloat16 or float16: fp32 grouped matmuls fall back to a per-group loop "
+                "that reads the group offsets on the host"
+            )
         if self.capture and self._paged and not graph_safe(model.device):
             raise ValueError("CUDA-graph decode of paged layers needs Triton (the device page-in kernel)")
         self._pool: KvPool | None = None
@@ -100,6 +105,9 @@ class GraphedDecoder:
         if pool is not self._pool:  # graphs address the pool's K/V tensors: a new pool, new graphs
             self._entries.clear()
             self._pool = pool
+            if self.capture:  # and a fresh memory pool: reusing the freed graphs' pool trips the allocator
+                torch.cuda.synchronize()
+                self._mempool = torch.cuda.graph_pool_handle()
         b = len(chunks)
         length = bucket(max(c.start_pos for c in chunks) + 1)
         host = self._host_inputs(chunks, pool, length)  # [B * 3 + B * L]

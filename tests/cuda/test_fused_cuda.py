@@ -99,8 +99,14 @@ def check_graphs(dtype: str, tol: float) -> None:
     assert worst < tol
 
 
-def test_graphs_match_eager_fp32() -> None:
-    check_graphs("float32", 1e-4)
+def test_graphs_refuse_fp32() -> None:
+    model = MoeCausalLM.from_pretrained(TINY, rt("float32", mode="resident"))
+    try:
+        model.enable_cuda_graphs([1])
+    except ValueError as exc:
+        assert "bfloat16" in str(exc)
+    else:
+        raise AssertionError("fp32 CUDA graphs were accepted")
 
 
 def test_graphs_match_eager_bf16() -> None:

@@ -1,0 +1,81 @@
+"""Where a decode step's time goes: torch.profiler over a few decode steps of a synthetic model,
+per mode variant, kernels sorted by device time (the question behind a slow tok/s figure).
+
+    python benchmarks/profile_step.py --layers 4 --variants resident,resident/graphs,paged:32/graphs --out prof.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_h200 import parse_variant, runtime_for  # noqa: E402
+
+from paged_experts.kv import KvPool  # noqa: E402
+from paged_experts.model import MoeCausalLM, SeqChunk  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--variants", default="resident,resident/graphs,paged:32,paged:32/graphs")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--preset", default="qwen3-30b-a3b-shape")
+    ap.add_argument("--rows", type=int, default=22)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    lines: list[str] = []
+    cuda = args.device == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    sort_key = "cuda_time_total" if cuda else "cpu_time_total"
+    for spec in args.variants.split(","):
+        mode, options = parse_variant(spec)
+        model = MoeCausalLM.synthetic(args.preset, runtime_for(mode, args.device, options), layers=args.layers, seed=0)
+        if "graphs" in options:
+            model.enable_cuda_graphs([args.batch])
+        pool = KvPool.for_model(model, capacity_tokens=args.batch * 128)
+        seqs = [pool.new_sequence() for _ in range(args.batch)]
+        logits = model.forward([SeqChunk(s, [1 + b, 2, 3], 0) for b, s in enumerate(seqs)])
+
+        def step() -> None:
+            nonlocal logits
+            logits = model.forward([SeqChunk(s, [int(lg[-1].argmax())], s.num_tokens) for s, lg in zip(seqs, logits)])
+
+        for _ in range(3):
+            step()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        sync()
+        wall_ms = 1e3 * (time.perf_counter() - t0) / args.steps
+        with profile(activities=activities) as prof:
+            for _ in range(args.steps):
+                step()
+            sync()
+        table = prof.key_averages().table(sort_by=sort_key, row_limit=args.rows, max_name_column_width=70)
+        head = f"=== {spec}: {args.layers} layers, batch {args.batch}, {wall_ms:.2f} ms/step wall (unprofiled), replays {model.graph_replays}"
+        print(head, flush=True)
+        lines += [head, table]
+        args.out.write_text("\n".join(lines))
+        del model
+        if cuda:
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
