@@ -42,17 +42,20 @@ from paged_experts.store import ExpertTensors
 
 SCHEMA_VERSION = 1
 DEFAULT_MODES = (  # most important first: a --deadline-s cut drops the tail
-    "resident,resident/graphs,paged:16/graphs,paged:32/graphs,paged:64/graphs,paged:92/graphs,offload,"
-    "paged:32/host,paged:64/host,paged:32/graphs+overlap,paged:64/graphs+overlap,"
-    "cpu-experts:12,cpu-experts:24,cpu-experts:48,paged:16/host,paged:92/host,resident/loop"
+    "resident,resident/graphs,resident/graphs+compile,"
+    "paged:16/graphs+compile,paged:32/graphs+compile,paged:64/graphs+compile,paged:92/graphs+compile,offload,"
+    "paged:32/host,paged:64/host,paged:32/graphs,paged:64/graphs,paged:32/compile+graphs+overlap,"
+    "paged:64/compile+graphs+overlap,cpu-experts:12,cpu-experts:24,cpu-experts:48,paged:16/host,paged:92/host,"
+    "resident/loop"
 )
 
 
-VARIANT_OPTIONS = ("host", "graphs", "overlap", "loop")
+VARIANT_OPTIONS = ("host", "graphs", "compile", "overlap", "loop")
 """Options after '/' in a --modes entry (joined by '+'):
 - host: paged steps planned on the host (device_planning='off'): the path before device planning;
 - graphs: decode steps captured as CUDA graphs (--graphs batch sizes; model routing only, and for
   paged K only batch sizes with B x top_k <= K);
+- compile: with graphs, the per-layer blocks go through torch.compile before capture;
 - overlap: paged hits compute while the misses copy (overlap_page_in);
 - loop: the per-expert reference kernel instead of the fused grouped matmuls."""
 
@@ -334,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             rt = runtime_for(mode, args.device, options)
             model = MoeCausalLM.synthetic(preset, rt, layers=args.layers, seed=args.seed, expert_kernel=kernel)
             if graph:
-                model.enable_cuda_graphs(graphs)
+                model.enable_cuda_graphs(graphs, compile_layers="compile" in options)
             sync(args.device)
         except Exception as exc:  # noqa: BLE001 - a failed mode is recorded, the rest still run
             record["cells"].append({**ident, "error": f"build: {exc!r}"})

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         mode, options = parse_variant(spec)
         model = MoeCausalLM.synthetic(args.preset, runtime_for(mode, args.device, options), layers=args.layers, seed=0)
         if "graphs" in options:
-            model.enable_cuda_graphs([args.batch])
+            model.enable_cuda_graphs([args.batch], compile_layers="compile" in options)
         pool = KvPool.for_model(model, capacity_tokens=args.batch * 128)
         seqs = [pool.new_sequence() for _ in range(args.batch)]
         logits = model.forward([SeqChunk(s, [1 + b, 2, 3], 0) for b, s in enumerate(seqs)])

@@ -113,3 +113,16 @@ def combine_pairs(y_pairs: torch.Tensor, topk_weights: torch.Tensor) -> torch.Te
     t, k = topk_weights.shape
     w = topk_weights.to(device=y_pairs.device, dtype=y_pairs.dtype)  # [T, k]
     return (y_pairs.view(t, k, -1) * w[:, :, None]).sum(dim=1)  # [T, H]
+
+
+def experts_over_rows(
+    x: torch.Tensor, pair_rows: torch.Tensor, topk_weights: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+    down: torch.Tensor, top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole expert pass of a one-wave step, tensors only (compilable): x [T, H], pair_rows
+    [T*k] weight row (expert or slot) of each pair -> (out [T, H], pairs per row [G])."""
+    weights = ExpertTensors(gate=gate, up=up, down=down)
+    order, offs, counts = group_pairs(pair_rows, weights.num_rows)
+    y_pairs = x.new_empty(pair_rows.shape[0], x.shape[1])  # [T*k, H]
+    run_pairs(x, weights, order, offs, top_k, y_pairs)
+    return combine_pairs(y_pairs, topk_weights), counts

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from paged_experts.copy_kernel import graph_safe
+from paged_experts.fused import experts_over_rows
 
 if TYPE_CHECKING:
     from paged_experts.kv import KvPool
@@ -57,7 +58,7 @@ class _Captured:
 class GraphedDecoder:
     """Runs eligible decode steps of `model` as static (CUDA-graphed on CUDA) computations."""
 
-    def __init__(self, model: MoeCausalLM, batch_sizes: Sequence[int]) -> None:
+    def __init__(self, model: MoeCausalLM, batch_sizes: Sequence[int], compile_layers: bool = False) -> None:
         if not model.graphable():
             raise ValueError(
                 "CUDA-graph decode needs every layer resident or paged with device planning, got placements "
@@ -86,7 +87,16 @@ class GraphedDecoder:
         self.replays = 0
         self.captured: list[tuple[int, int]] = []
         self._inv_freq = model._inv_freq.to(model.device)  # [D/2]
-        log.info("decode step graphs enabled for batch sizes %s (captured on first use per KV bucket)", list(self.batch_sizes))
+        # compile_layers: the per-layer attention block and expert pass go through torch.compile
+        # (one compiled function per shape serves every layer), fusing the ~100 small kernels a
+        # layer launches; the graph then captures the compiled kernels.
+        self._attention_fn = torch.compile(attention_block, dynamic=False) if compile_layers else attention_block
+        self._experts_fn = torch.compile(experts_over_rows, dynamic=False) if compile_layers else experts_over_rows
+        self.compiled = compile_layers
+        log.info(
+            "decode step graphs enabled for batch sizes %s (captured on first use per KV bucket)%s",
+            list(self.batch_sizes), ", layers compiled" if compile_layers else "",
+        )
 
     def accepts(self, chunks: Sequence[SeqChunk]) -> bool:
         m = self.model
@@ -183,6 +193,7 @@ class GraphedDecoder:
 
         m = self.model
         cfg, dt = m.config, m.runtime.torch_dtype
+        assert self._pool is not None
         tokens, positions, new_rows = inputs[:b], inputs[b : 2 * b], inputs[2 * b : 3 * b]
         table = inputs[3 * b :].view(b, length)  # [B, L]
         freqs = positions.to(torch.float32)[:, None] * self._inv_freq[None, :]  # [B, D/2]
@@ -193,39 +204,49 @@ class GraphedDecoder:
         mask = torch.where(keep, zero, torch.finfo(dt).min)  # [B, L]
         x = m._dense.embed[tokens]  # [B, H]
         stats = []
-        for layer_idx, (attn, moe) in enumerate(zip(m._attention, m._moe)):
-            h = rms_norm(x, attn.input_norm, cfg.rms_norm_eps)
-            x = x + self._attend(layer_idx, attn, h, cos, sin, new_rows, table, mask)
-            h = rms_norm(x, attn.post_norm, cfg.rms_norm_eps)  # [B, H]
-            ids, weights = moe.route_on_device(h)
-            out, layer_stats = moe.forward_on_device(h, ids, weights)
+        for layer_idx, (w, moe) in enumerate(zip(m._attention, m._moe)):
+            x, h, ids, weights = self._attention_fn(
+                x, w.input_norm, w.q_proj, w.k_proj, w.v_proj, w.o_proj, w.q_norm, w.k_norm, w.post_norm,
+                moe.router_weight, self._pool.k[layer_idx], self._pool.v[layer_idx], cos, sin, new_rows, table, mask,
+                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.top_k, cfg.norm_topk_prob,
+            )
+            out, layer_stats = moe.forward_on_device(h, ids, weights, self._experts_fn)
             x = x + out
             stats.append(layer_stats)
         hidden = rms_norm(x, m._dense.final_norm, cfg.rms_norm_eps)  # [B, H]
         return F.linear(hidden, m._dense.lm_head), torch.stack(stats)
 
-    def _attend(
-        self, layer_idx: int, w, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, new_rows: torch.Tensor,
-        table: torch.Tensor, mask: torch.Tensor,
-    ) -> torch.Tensor:
-        from paged_experts.model import rms_norm, rotate_half
 
-        cfg = self.model.config
-        assert self._pool is not None
-        b = h.shape[0]
-        q = rms_norm(F.linear(h, w.q_proj).view(b, cfg.num_heads, cfg.head_dim), w.q_norm, cfg.rms_norm_eps)  # [B, nh, D]
-        k = rms_norm(F.linear(h, w.k_proj).view(b, cfg.num_kv_heads, cfg.head_dim), w.k_norm, cfg.rms_norm_eps)  # [B, kvh, D]
-        v = F.linear(h, w.v_proj).view(b, cfg.num_kv_heads, cfg.head_dim)  # [B, kvh, D]
-        q = q * cos[:, None, :] + rotate_half(q) * sin[:, None, :]
-        k = k * cos[:, None, :] + rotate_half(k) * sin[:, None, :]
-        kv_k, kv_v = self._pool.k[layer_idx], self._pool.v[layer_idx]  # [slots, kvh, D]
-        kv_k.index_copy_(0, new_rows, k)
-        kv_v.index_copy_(0, new_rows, v)
-        groups = cfg.num_heads // cfg.num_kv_heads
-        keys = kv_k[table].repeat_interleave(groups, dim=2).transpose(1, 2)  # [B, nh, L, D]
-        values = kv_v[table].repeat_interleave(groups, dim=2).transpose(1, 2)  # [B, nh, L, D]
-        scores = torch.matmul(q[:, :, None, :], keys.transpose(2, 3)) * cfg.head_dim**-0.5  # [B, nh, 1, L]
-        scores = scores + mask[:, None, None, :]
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [B, nh, 1, L]
-        out = torch.matmul(probs, values).reshape(b, cfg.num_heads * cfg.head_dim)  # [B, nh*D]
-        return F.linear(out, w.o_proj)  # [B, H]
+def attention_block(
+    x: torch.Tensor, input_norm: torch.Tensor, q_proj: torch.Tensor, k_proj: torch.Tensor, v_proj: torch.Tensor,
+    o_proj: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, post_norm: torch.Tensor, router: torch.Tensor,
+    kv_k: torch.Tensor, kv_v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, new_rows: torch.Tensor,
+    table: torch.Tensor, mask: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+    top_k: int, norm_topk_prob: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One layer's attention (KV row written in place) and routing over padded KV rows, all tensors
+    passed in (one compiled function serves every layer):
+    x [B, H] -> (x + attention [B, H], post-norm hidden [B, H], expert ids [B, k], weights [B, k])."""
+    from paged_experts.experts import route
+    from paged_experts.model import rms_norm, rotate_half
+
+    b = x.shape[0]
+    h = rms_norm(x, input_norm, eps)
+    q = rms_norm(F.linear(h, q_proj).view(b, num_heads, head_dim), q_norm, eps)  # [B, nh, D]
+    k = rms_norm(F.linear(h, k_proj).view(b, num_kv_heads, head_dim), k_norm, eps)  # [B, kvh, D]
+    v = F.linear(h, v_proj).view(b, num_kv_heads, head_dim)  # [B, kvh, D]
+    q = q * cos[:, None, :] + rotate_half(q) * sin[:, None, :]
+    k = k * cos[:, None, :] + rotate_half(k) * sin[:, None, :]
+    kv_k.index_copy_(0, new_rows, k)  # [slots, kvh, D]
+    kv_v.index_copy_(0, new_rows, v)
+    groups = num_heads // num_kv_heads
+    keys = kv_k[table].repeat_interleave(groups, dim=2).transpose(1, 2)  # [B, nh, L, D]
+    values = kv_v[table].repeat_interleave(groups, dim=2).transpose(1, 2)  # [B, nh, L, D]
+    scores = torch.matmul(q[:, :, None, :], keys.transpose(2, 3)) * head_dim**-0.5  # [B, nh, 1, L]
+    scores = scores + mask[:, None, None, :]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [B, nh, 1, L]
+    out = torch.matmul(probs, values).reshape(b, num_heads * head_dim)  # [B, nh*D]
+    x = x + F.linear(out, o_proj)  # [B, H]
+    h = rms_norm(x, post_norm, eps)  # [B, H]
+    ids, weights = route(F.linear(h, router), top_k, norm_topk_prob)  # [B, k], [B, k]
+    return x, h, ids, weights

@@ -103,7 +103,7 @@ class MoeCausalLM:
         model = cls(loaded, runtime, expert_kernel)
         sizes = [int(b) for b in os.environ.get("PAGED_EXPERTS_CUDA_GRAPHS", "").split(",") if b.strip()]
         if sizes and runtime.device == "cuda" and model.graphable():
-            model.enable_cuda_graphs(sizes)
+            model.enable_cuda_graphs(sizes, compile_layers=os.environ.get("PAGED_EXPERTS_COMPILE", "") == "1")
         return model
 
     @classmethod
@@ -115,11 +115,13 @@ class MoeCausalLM:
 
         return cls(synth_memory.build(preset, runtime, layers=layers, seed=seed), runtime, expert_kernel)
 
-    def enable_cuda_graphs(self, batch_sizes: Sequence[int]) -> None:
+    def enable_cuda_graphs(self, batch_sizes: Sequence[int], compile_layers: bool = False) -> None:
         """Decode steps of these batch sizes run as one captured graph each (resident models, and
-        paged ones planned on the device for B x top_k <= K; on CPU the same static step runs uncaptured). `PAGED_EXPERTS_CUDA_GRAPHS=1,2,3,4` in the
-        environment enables it in `from_pretrained` (the server needs no flag)."""
-        self._graphs = GraphedDecoder(self, batch_sizes) if batch_sizes else None
+        paged ones planned on the device for B x top_k <= K; on CPU the same static step runs
+        uncaptured). `compile_layers`: torch.compile the per-layer blocks first (fewer kernels).
+        `PAGED_EXPERTS_CUDA_GRAPHS=1,2,3,4` (and `PAGED_EXPERTS_COMPILE=1`) in the environment
+        enable it in `from_pretrained` (the server needs no flag)."""
+        self._graphs = GraphedDecoder(self, batch_sizes, compile_layers) if batch_sizes else None
 
     def graphable(self) -> bool:
         """Every layer resident, or paged with its residency on the device (decode can be captured)."""

@@ -23,7 +23,7 @@ from paged_experts.copy_kernel import copy_planned
 from paged_experts.counters import CountersSnapshot, PagingCounters
 from paged_experts.device_residency import DevicePlan, DeviceResidency
 from paged_experts.experts import Dispatch, build_dispatch, combine, route, run_experts
-from paged_experts.fused import combine_pairs, group_pairs, run_pairs
+from paged_experts.fused import combine_pairs, experts_over_rows, group_pairs, run_pairs
 from paged_experts.residency import LayerResidency
 from paged_experts.store import ExpertTensors, PageInEngine
 
@@ -31,6 +31,7 @@ EXPERT_KERNELS: tuple[str, ...] = ("fused", "loop")
 
 RouterOverride = Callable[[int, torch.Tensor, Any], tuple[torch.Tensor, torch.Tensor]]
 RoutingObserver = Callable[[int, torch.Tensor, torch.Tensor, Any], None]
+ExpertsFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # fused.experts_over_rows or its compiled twin
 
 
 @dataclass(frozen=True)
@@ -177,14 +178,13 @@ class MoeLayer:
         return out
 
     def forward_on_device(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts_fn: ExpertsFn = experts_over_rows
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Resident, offload and device-planned paged layers: [T, H] -> ([T, H], stats [3] =
         union, hits, misses) with no host synchronization (a CUDA graph can capture resident
         layers, and paged ones whose page-in kernel is graph-safe)."""
         sh = self.shared
         flat = ids.reshape(-1).to(device=sh.device, dtype=torch.long)  # [T*k]
-        y_pairs = x.new_empty(flat.shape[0], x.shape[1])  # [T*k, H]
         if self.placement == "paged":
             assert self.device_residency is not None and self.device_experts is not None
             plan = self.device_residency.plan(flat)
@@ -192,16 +192,15 @@ class MoeLayer:
             if self.overlap_page_in:
                 return combine_pairs(self._overlapped_pass(x, plan), weights), plan.stats
             copy_planned(self.host, self.device_experts, plan.miss_experts, plan.miss_slots)
-            order, offs, _ = group_pairs(plan.pair_slot, self.device_residency.num_slots)
-            run_pairs(x, self.device_experts, order, offs, sh.top_k, y_pairs)
-            return combine_pairs(y_pairs, weights), plan.stats
-        weights_src = self._weights_for_step()
-        order, offs, counts = group_pairs(flat, sh.num_experts)
-        run_pairs(x, weights_src, order, offs, sh.top_k, y_pairs)
+            slots = self.device_experts
+            out, _ = experts_fn(x, plan.pair_slot, weights, slots.gate, slots.up, slots.down, sh.top_k)
+            return out, plan.stats
+        src = self._weights_for_step()
+        out, counts = experts_fn(x, flat, weights, src.gate, src.up, src.down, sh.top_k)
         union = (counts > 0).sum()
         zero = torch.zeros_like(union)
         stats = torch.stack([union, union, zero] if self.placement == "resident" else [union, zero, union])
-        return combine_pairs(y_pairs, weights), stats
+        return out, stats
 
     def _overlapped_pass(self, x: torch.Tensor, plan: DevicePlan) -> torch.Tensor:
         """[T, H] -> y_pairs [T*k, H]: the hit pairs compute while the misses copy on a second

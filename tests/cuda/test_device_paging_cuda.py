@@ -95,17 +95,17 @@ def test_device_planned_paged_equals_resident_qwen_shapes() -> None:
         assert total.misses > 0 or k == 64
 
 
-def check_graphed_paged(overlap: bool) -> None:
+def check_graphed_paged(overlap: bool, compile_layers: bool = False) -> None:
     prompts = [[5, 17, 300, 41, 9, 77], [800, 2, 64], [11, 12, 13, 14, 15]]
     paged = rt("bfloat16", mode="paged", resident_experts=12, overlap_page_in=overlap)
     eager_model = MoeCausalLM.from_pretrained(TINY, paged)
     eager = decode(eager_model, prompts, steps=5)
     model = MoeCausalLM.from_pretrained(TINY, paged)
-    model.enable_cuda_graphs([1, 2, 3, 4])
+    model.enable_cuda_graphs([1, 2, 3, 4], compile_layers=compile_layers)
     graphed = decode(model, prompts, steps=5)
     assert model.graph_replays == 5 and model.captured_graphs == [(3, 64)], model.captured_graphs
     worst = max(((a - b).abs().max() / b.abs().max().clamp(min=1)).item() for a, b in zip(graphed, eager))
-    print(f"graphed vs eager paged decode (bf16, overlap={overlap}): worst relative difference {worst:.2e}")
+    print(f"graphed vs eager paged decode (bf16, overlap={overlap}, compiled={compile_layers}): worst relative difference {worst:.2e}")
     assert worst < 5e-2
     ta, tb = model.counters.snapshot().total, eager_model.counters.snapshot().total
     print(f"graphed misses {ta.misses}, eager misses {tb.misses}")
@@ -119,6 +119,10 @@ def test_graphed_paged_decode_matches_eager() -> None:
 
 def test_graphed_paged_decode_with_overlapped_page_in_matches_eager() -> None:
     check_graphed_paged(overlap=True)
+
+
+def test_compiled_graphed_paged_decode_matches_eager() -> None:
+    check_graphed_paged(overlap=False, compile_layers=True)
 
 
 if __name__ == "__main__":
