@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: CUDA checks of the fused path, the link probe, and decode of the 48-layer model
-# in every mode (benchmarks/decode_h200.py); optionally the built-in server (SERVE=1).
+# in every mode (benchmarks/decode_h200.py); optionally the built-in server (SERVE=1) and the
+# llama.cpp CUDA comparison (LLAMA=1: build, Q8_0 GGUF, llama-batched-bench per --n-cpu-moe N).
 # Run in the repo root on the H200 machine; everything lands in $OUT (<= 8 files).
 #   OUT=out bash benchmarks/h200_suite.sh
 set -uo pipefail
@@ -38,19 +39,47 @@ if [ "${SKIP_DECODE:-0}" != 1 ]; then
     --linkbw-json "$OUT/linkbw.json" 2>&1 | tee "$OUT/decode_h200.txt" || echo "FAILED decode_h200"
 fi
 
+T0=$SECONDS
+if [ "${LLAMA:-0}" = 1 ]; then
+  # llama.cpp's CUDA build (~4.5 min) on cores 4-15 while the built-in server cells use cores 0-3.
+  taskset -c 4-15 nice -n 10 python3 benchmarks/llamacpp_h200.py build --jobs 12 --out /tmp/llamacpp_h200 \
+    > "$OUT/llama_build_stdout.log" 2>&1 &
+  BUILD_PID=$!
+fi
+
 if [ "${SERVE:-0}" = 1 ]; then
-  # The built-in server over a weightless 48-layer directory (weights built in memory at load).
+  # The built-in server over a weightless 48-layer directory (weights built in memory at load),
+  # CUDA-graph decode for batch 1..4 (resident, and paged planned on the device: 4 x top_k <= K).
   python3 -m paged_experts.synth_memory --preset qwen3-30b-a3b-shape --layers 48 --out /tmp/q48 || echo "FAILED synth_memory"
-  for spec in "resident:--mode resident" "paged32:--mode paged --resident-experts 32" \
-              "paged64:--mode paged --resident-experts 64" "offload:--mode offload"; do
-    name="${spec%%:*}"; flags="${spec#*:}"
-    graphs=""; [ "$name" = resident ] && graphs="1,2,3,4"  # CUDA-graph decode, enabled from the environment
-    PAGED_EXPERTS_CUDA_GRAPHS="$graphs" timeout "${SERVE_CELL_S:-100}" python3 benchmarks/serve_decode.py --model /tmp/q48 --concurrency 1 4 \
-      --max-tokens "${SERVE_TOKENS:-32}" --prompt-tokens 16 --rounds 1 --out "$OUT/serve_$name.json" \
-      -- --device cuda --dtype bfloat16 $flags > "$OUT/serve_$name.log" 2>&1 || echo "FAILED serve $name"
-    tail -3 "$OUT/serve_$name.log"
+  mkdir -p "$OUT/tmp_serve"
+  for spec in "resident:32:--mode resident --cuda-graph-max-bs 4" \
+              "paged32:32:--mode paged --resident-experts 32 --cuda-graph-max-bs 4" \
+              "paged64:32:--mode paged --resident-experts 64 --cuda-graph-max-bs 4" \
+              "offload:8:--mode offload"; do
+    name="${spec%%:*}"; rest="${spec#*:}"; tokens="${rest%%:*}"; flags="${rest#*:}"
+    taskset -c 0-3 timeout "${SERVE_CELL_S:-100}" python3 benchmarks/serve_decode.py --model /tmp/q48 --concurrency 1 4 \
+      --max-tokens "$tokens" --prompt-tokens 16 --rounds 1 --out "$OUT/tmp_serve/serve_$name.json" \
+      -- --device cuda --dtype bfloat16 --max-total-tokens 4096 $flags > "$OUT/tmp_serve/serve_$name.log" 2>&1 \
+      || echo "FAILED serve $name"
+    echo "serve $name done at $((SECONDS - T0)) s"; tail -2 "$OUT/tmp_serve/serve_$name.log"
   done
-  mkdir -p "$OUT/tmp_serve" && mv "$OUT"/serve_* "$OUT/tmp_serve/" 2>/dev/null
   tar czf "$OUT/serve.tgz" -C "$OUT/tmp_serve" . && rm -rf "$OUT/tmp_serve"
+fi
+
+if [ "${LLAMA:-0}" = 1 ]; then
+  # Q8_0 experts (the bf16 GGUF, 58 GB, does not fit the disk): written while the build finishes.
+  python3 benchmarks/llamacpp_h200.py gguf --layers 48 --out-file /dev/shm/q48.gguf > "$OUT/llama_gguf.log" 2>&1 \
+    || echo "FAILED gguf"
+  echo "gguf done at $((SECONDS - T0)) s"; tail -2 "$OUT/llama_gguf.log"
+  wait "$BUILD_PID" || echo "FAILED llama build (see llama_build_stdout.log)"
+  echo "build done at $((SECONDS - T0)) s"
+  LEFT=$(( ${LLAMA_DEADLINE_S:-540} - (SECONDS - T0) ))
+  python3 benchmarks/llamacpp_h200.py bench --gguf /dev/shm/q48.gguf --build /tmp/llamacpp_h200 --out "$OUT/llama" \
+    --deadline-s "$LEFT" > "$OUT/llama_bench_stdout.log" 2>&1 || echo "FAILED llama bench"
+  echo "bench done at $((SECONDS - T0)) s"
+  cp "$OUT/llama/llamacpp_h200.json" "$OUT/" 2>/dev/null
+  cp /tmp/llamacpp_h200/build.json "$OUT/llama_build.json" 2>/dev/null
+  tar czf "$OUT/llama_logs.tgz" -C "$OUT" llama llama_build_stdout.log llama_gguf.log llama_bench_stdout.log 2>/dev/null \
+    && rm -rf "$OUT/llama" "$OUT"/llama_*stdout.log "$OUT/llama_gguf.log"
 fi
 ls -la "$OUT"

@@ -46,7 +46,8 @@ class ServeConfig:
     routing_source: str | None = None
     routing_seed: int = 0
     record_routing: str | None = None
-    cuda_graph_max_bs: int = 0  # 0: no CUDA graphs; N: capture decode batches 1..N (resident, CUDA)
+    cuda_graph_max_bs: int = 0  # 0: no CUDA graphs; N: capture decode batches 1..N (CUDA; paged: B x top_k <= K)
+    enable_torch_compile: bool = False  # torch.compile the per-layer blocks of the captured decode step
     expert_kernel: str = "fused"
     log_level: str = "info"
 
@@ -92,7 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--routing-seed", type=int, default=0)
     p.add_argument("--record-routing", metavar="PATH", help="write a routing trace to PATH")
     p.add_argument("--cuda-graph-max-bs", type=int, default=0,
-                   help="capture decode steps of batch 1..N as CUDA graphs (resident mode on CUDA; 0 = off)")
+                   help="capture decode steps of batch 1..N as CUDA graphs (CUDA; resident, or paged for N x top_k "
+                        "<= K; 0 = off)")
+    p.add_argument("--enable-torch-compile", action="store_true",
+                   help="torch.compile the per-layer blocks of the captured decode step (needs --cuda-graph-max-bs)")
     p.add_argument("--expert-kernel", choices=("fused", "loop"), default="fused",
                    help="grouped matmuls over the slot table (fused) or the per-expert reference loop")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -107,6 +111,8 @@ def parse_args(argv: Sequence[str]) -> ServeConfig:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if ns.cuda_graph_max_bs < 0:
         parser.error("--cuda-graph-max-bs must be >= 0")
+    if ns.enable_torch_compile and not ns.cuda_graph_max_bs:
+        parser.error("--enable-torch-compile compiles the captured decode step: it needs --cuda-graph-max-bs N")
     if not 0 <= ns.port < 65536:
         parser.error("--port must be in [0, 65535]")
     if ns.mode is None:
@@ -200,9 +206,11 @@ def load_serving(config: ServeConfig, metrics: ServerMetrics) -> Serving:
     runtime = config.runtime_config(model_config)
     model = MoeCausalLM.from_pretrained(config.model_path, runtime, expert_kernel=config.expert_kernel)
     if config.cuda_graph_max_bs:
-        if runtime.device != "cuda" or set(model.layer_placements()) != {"resident"}:
-            raise ValueError("--cuda-graph-max-bs needs --device cuda and --mode resident")
-        model.enable_cuda_graphs(range(1, config.cuda_graph_max_bs + 1))
+        if runtime.device != "cuda" or not model.graphable():
+            raise ValueError(
+                "--cuda-graph-max-bs needs --device cuda and --mode resident or paged (paged: planned on the device)"
+            )
+        model.enable_cuda_graphs(range(1, config.cuda_graph_max_bs + 1), compile_layers=config.enable_torch_compile)
     pool = KvPool.for_model(model, config.max_total_tokens, block_size=kv_block_tokens(config.max_total_tokens))
     extra_eos = [model_config.eos_token_id] if model_config.eos_token_id is not None else []
     codec = TextCodec.from_dir(config.model_path, extra_eos_ids=extra_eos)

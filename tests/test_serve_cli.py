@@ -90,6 +90,7 @@ def test_cuda_graphs_and_expert_kernel_flags(tmp_path: Path) -> None:
         (["--routing-source", "no-such-routing"], "--routing-source"),
         (["--cuda-graph-max-bs", "-1"], "--cuda-graph-max-bs"),
         (["--expert-kernel", "magic"], "--expert-kernel"),
+        (["--enable-torch-compile"], "--enable-torch-compile"),
     ],
 )
 def test_inconsistent_flags_exit_2_naming_the_flag(argv: list[str], needle: str, capsys) -> None:
