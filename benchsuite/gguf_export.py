@@ -13,6 +13,8 @@ Tensor rules (numpy order, i.e. the reverse of ggml's `ne`):
 
 The writer streams: tensor infos are planned from the safetensors headers, then each tensor is
 loaded, converted and written in turn, so a checkpoint larger than RAM exports too.
+`plan_tensors`, `write_metadata` and `add_tensor_infos` are shared with `gguf_synth`, which writes
+the same layout from generated values instead of a checkpoint.
 """
 
 from __future__ import annotations
@@ -23,14 +25,16 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import gguf
 import numpy as np
-import torch
 from gguf import GGMLQuantizationType as Q
 
 from benchsuite.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 ExportType = Literal["f32", "f16", "bf16", "q8_0"]
 EXPORT_TYPES: tuple[str, ...] = get_args(ExportType)
@@ -38,6 +42,7 @@ ARCH = "qwen3moe"
 EXPORT_FORMAT_VERSION = 1  # part of the cache key: bump when the bytes written change
 
 _MAIN_QTYPE = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}
+_NUMPY_DTYPE = {Q.F32: np.float32, Q.F16: np.float16, Q.BF16: np.uint16, Q.Q8_0: np.uint8}
 _FILE_TYPE = {
     "f32": gguf.LlamaFileType.ALL_F32,
     "f16": gguf.LlamaFileType.MOSTLY_F16,
@@ -121,13 +126,22 @@ def _qtype_for(gguf_name: str, shape: tuple[int, ...], export_type: str) -> Q:
 
 
 def plan_tensors(
-    hf: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], export_type: str
+    hf: Mapping[str, Any],
+    shapes: Mapping[str, tuple[int, ...]],
+    export_type: str,
+    expert_type: str | None = None,
 ) -> list[PlannedTensor]:
-    """Every GGUF tensor in file order, from the HF config and the checkpoint's tensor shapes."""
+    """Every GGUF tensor in file order, from the HF config and the checkpoint's tensor shapes.
+
+    `expert_type` (default: `export_type`) types the stacked expert tensors alone, e.g. Q8_0
+    experts next to BF16 attention.
+    """
     layers, experts = int(hf["num_hidden_layers"]), int(hf["num_experts"])
     planned: list[PlannedTensor] = []
 
-    def add(gguf_name: str, sources: tuple[str, ...]) -> None:
+    def add(
+        gguf_name: str, sources: tuple[str, ...], tensor_type: str = export_type
+    ) -> None:
         missing = [s for s in sources if s not in shapes]
         if missing:
             raise UserError(f"checkpoint lacks {missing[0]} (needed for {gguf_name})")
@@ -137,7 +151,7 @@ def plan_tensors(
         shape = (len(sources), *first) if len(sources) > 1 else first
         planned.append(
             PlannedTensor(
-                gguf_name, shape, _qtype_for(gguf_name, shape, export_type), sources
+                gguf_name, shape, _qtype_for(gguf_name, shape, tensor_type), sources
             )
         )
 
@@ -150,9 +164,8 @@ def plan_tensors(
                 f"model.layers.{i}.mlp.experts.{e}.{proj}.weight"
                 for e in range(experts)
             )
-            add(
-                f"blk.{i}.{gguf_base}.weight", sources
-            )  # [E, I, H] gate/up, [E, H, I] down
+            # [E, I, H] gate/up, [E, H, I] down
+            add(f"blk.{i}.{gguf_base}.weight", sources, expert_type or export_type)
     add("output_norm.weight", ("model.norm.weight",))
     if "lm_head.weight" in shapes and not hf.get("tie_word_embeddings", False):
         add("output.weight", ("lm_head.weight",))
@@ -161,6 +174,8 @@ def plan_tensors(
 
 def convert_tensor(values: torch.Tensor, qtype: Q) -> np.ndarray:
     """Torch values -> the array whose bytes GGUF stores for `qtype`."""
+    import torch
+
     if qtype == Q.F32:
         return values.to(torch.float32).contiguous().numpy()
     if qtype == Q.F16:
@@ -181,12 +196,14 @@ def convert_tensor(values: torch.Tensor, qtype: Q) -> np.ndarray:
 
 
 def _load(ckpt: _Checkpoint, planned: PlannedTensor) -> torch.Tensor:
+    import torch
+
     if len(planned.sources) == 1:
         return ckpt.tensor(planned.sources[0])
     return torch.stack([ckpt.tensor(s) for s in planned.sources], dim=0)
 
 
-def _tokenizer_fields(model_dir: Path, hf: Mapping[str, Any]) -> dict[str, Any]:
+def tokenizer_fields(model_dir: Path, hf: Mapping[str, Any]) -> dict[str, Any]:
     """Tokens, token types and merges of a byte-level BPE tokenizer.json, padded to vocab_size."""
     path = model_dir / "tokenizer.json"
     if not path.is_file():
@@ -225,13 +242,18 @@ def _tokenizer_fields(model_dir: Path, hf: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _write_metadata(
-    writer: gguf.GGUFWriter, model_dir: Path, hf: Mapping[str, Any], export_type: str
+def write_metadata(
+    writer: gguf.GGUFWriter,
+    name: str,
+    hf: Mapping[str, Any],
+    export_type: str,
+    fields: Mapping[str, Any],
 ) -> None:
+    """The qwen3moe keys llama.cpp reads, from the HF config; `fields` from `tokenizer_fields`."""
     head_dim = int(
         hf.get("head_dim") or int(hf["hidden_size"]) // int(hf["num_attention_heads"])
     )
-    writer.add_name(model_dir.name)
+    writer.add_name(name)
     writer.add_file_type(_FILE_TYPE[export_type])
     if export_type == "q8_0":
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -254,7 +276,6 @@ def _write_metadata(
     writer.add_expert_used_count(int(hf["num_experts_per_tok"]))
     writer.add_expert_feed_forward_length(int(hf["moe_intermediate_size"]))
 
-    fields = _tokenizer_fields(model_dir, hf)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(fields["tokens"])
@@ -311,22 +332,10 @@ def export_gguf(
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     writer = gguf.GGUFWriter(tmp, ARCH)
     try:
-        _write_metadata(writer, model_dir, hf, export_type)
-        for p in planned:
-            byte_shape = (
-                gguf.quants.quant_shape_to_byte_shape(p.shape, p.qtype)
-                if p.qtype == Q.Q8_0
-                else p.shape
-            )
-            dtype = {
-                Q.F32: np.float32,
-                Q.F16: np.float16,
-                Q.BF16: np.uint16,
-                Q.Q8_0: np.uint8,
-            }[p.qtype]
-            writer.add_tensor_info(
-                p.gguf_name, byte_shape, np.dtype(dtype), p.nbytes, raw_dtype=p.qtype
-            )
+        write_metadata(
+            writer, model_dir.name, hf, export_type, tokenizer_fields(model_dir, hf)
+        )
+        add_tensor_infos(writer, planned)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
@@ -339,6 +348,23 @@ def export_gguf(
         if tmp.exists():
             tmp.unlink()
     return ExportSummary(out, export_type, len(planned), sum(p.nbytes for p in planned))
+
+
+def add_tensor_infos(writer: gguf.GGUFWriter, planned: list[PlannedTensor]) -> None:
+    """Declare every planned tensor (name, shape, type, bytes) before the header is written."""
+    for p in planned:
+        byte_shape = (
+            gguf.quants.quant_shape_to_byte_shape(p.shape, p.qtype)
+            if p.qtype == Q.Q8_0
+            else p.shape
+        )
+        writer.add_tensor_info(
+            p.gguf_name,
+            byte_shape,
+            np.dtype(_NUMPY_DTYPE[p.qtype]),
+            p.nbytes,
+            raw_dtype=p.qtype,
+        )
 
 
 def checkpoint_fingerprint(model_dir: Path) -> str:

@@ -1,0 +1,80 @@
+"""benchsuite.gguf_synth: the synthetic GGUF has gguf_export's layout, the planned types, values
+with the synth standard deviations, and bytes that do not depend on the worker count."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from benchsuite.gguf_export import export_gguf, iter_tensor_bytes, plan_tensors
+from benchsuite.gguf_synth import LUT8, LUT_STD, expert_bytes, synthetic_shapes, write_synthetic_gguf
+from paged_experts.synth import PRESETS, hf_config_for
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_synthetic_gguf(tmp_path_factory.mktemp("g") / "tiny.gguf", preset="tiny", layers=2, workers=2).path
+
+
+def test_lut_is_symmetric_normal_quantiles() -> None:
+    assert LUT8.min() == -127 and LUT8.max() == 127
+    assert np.array_equal(LUT8, -LUT8[::-1])
+    # 256 equally likely levels of N(0, 1) scaled by 127 / 2.886 (the top level): std ~ 127 / 2.886
+    assert LUT_STD == pytest.approx(127 / 2.886, rel=0.01)
+
+
+def test_types_metadata_and_value_scales(tiny_gguf: Path) -> None:
+    p = PRESETS["tiny"]
+    reader = gguf.GGUFReader(tiny_gguf)
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    assert types["blk.0.ffn_gate_exps.weight"] == gguf.GGMLQuantizationType.Q8_0
+    assert types["blk.1.ffn_down_exps.weight"] == gguf.GGMLQuantizationType.Q8_0
+    assert types["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.BF16
+    assert types["blk.0.ffn_gate_inp.weight"] == gguf.GGMLQuantizationType.F32
+    assert types["blk.0.attn_norm.weight"] == gguf.GGMLQuantizationType.F32
+    assert reader.fields["qwen3moe.block_count"].contents() == 2
+    assert reader.fields["qwen3moe.expert_count"].contents() == p.num_experts
+    assert len(reader.fields["tokenizer.ggml.tokens"].contents()) == p.bpe_vocab_size
+    by_name = {t.name: t for t in reader.tensors}
+    gate = gguf.quants.dequantize(by_name["blk.0.ffn_gate_exps.weight"].data, gguf.GGMLQuantizationType.Q8_0)
+    down = gguf.quants.dequantize(by_name["blk.1.ffn_down_exps.weight"].data, gguf.GGMLQuantizationType.Q8_0)
+    assert gate.std() == pytest.approx(1 / math.sqrt(p.hidden_size), rel=0.03)
+    assert down.std() == pytest.approx(1 / math.sqrt(p.moe_intermediate_size), rel=0.03)
+    assert abs(gate.mean()) < 0.05 * gate.std()
+    q = gguf.quants.dequantize(by_name["blk.0.attn_q.weight"].data, gguf.GGMLQuantizationType.BF16)
+    assert q.std() == pytest.approx(1 / math.sqrt(p.hidden_size), rel=0.05)
+    norm = np.asarray(by_name["blk.0.attn_norm.weight"].data)
+    assert norm.mean() == pytest.approx(1.0, abs=0.05) and norm.std() == pytest.approx(0.1, rel=0.3)
+
+
+def test_bytes_do_not_depend_on_the_worker_count(tiny_gguf: Path, tmp_path: Path) -> None:
+    one = write_synthetic_gguf(tmp_path / "one.gguf", preset="tiny", layers=2, workers=1)
+    assert one.path.read_bytes() == tiny_gguf.read_bytes()
+    other_seed = write_synthetic_gguf(tmp_path / "s1.gguf", preset="tiny", layers=2, seed=1, workers=1)
+    assert other_seed.path.read_bytes() != tiny_gguf.read_bytes()
+
+
+def test_layout_matches_the_export_of_a_checkpoint(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Same tensors in the same order with the same shapes as export_gguf writes (vocab aside)."""
+    exported = export_gguf(tiny_model_dir, tmp_path / "export.gguf", "bf16").path
+    synth = write_synthetic_gguf(tmp_path / "synth.gguf", preset="tiny", workers=1).path
+    vocab_tensors = {"token_embd.weight", "output.weight"}
+    a = [(n, s) for n, _, s, _ in iter_tensor_bytes(exported) if n not in vocab_tensors]
+    b = [(n, s) for n, _, s, _ in iter_tensor_bytes(synth) if n not in vocab_tensors]
+    assert a == b
+
+
+def test_48_layer_plan_sizes() -> None:
+    """The H200 file: one expert is 3 x 768 x 2048 Q8_0 values (34 bytes per 32), ~33 GB in all."""
+    p = PRESETS["qwen3-30b-a3b-shape"]
+    hf = hf_config_for(p, p.bpe_vocab_size, 0, 1)
+    planned = plan_tensors(hf, synthetic_shapes(hf), "bf16", expert_type="q8_0")
+    assert expert_bytes(planned, p.num_experts) == 3 * 768 * 2048 // 32 * 34
+    total = sum(t.nbytes for t in planned)
+    experts = sum(t.nbytes for t in planned if "_exps." in t.gguf_name)
+    assert experts == 48 * 128 * expert_bytes(planned, p.num_experts)
+    assert 32e9 < total < 34e9
