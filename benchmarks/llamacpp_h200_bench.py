@@ -39,7 +39,12 @@ from typing import Any
 
 import llamacpp_h200_cells as cells
 
-from benchsuite.llamacpp_build import LLAMA_CPP_PYTHON_VERSION, binary_version, install_dir, read_stamp
+from benchsuite.llamacpp_build import (
+    LLAMA_CPP_PYTHON_VERSION,
+    binary_version,
+    install_dir,
+    read_stamp,
+)
 
 SCHEMA_VERSION = 1
 MIB = 2**20
@@ -103,7 +108,7 @@ def run_fit(spec: argparse.Namespace, shape: cells.Shape, bin_dir: Path) -> tupl
     if rc != 0:
         fit["error"] = f"llama-fit-params exit status {rc}"
         return fit, None
-    fitted = cells.parse_fit_args(out)
+    fitted = cells.parse_fit_args(out, gguf_facts(spec.gguf).get("layers"))
     cfg = cells.fit_config(fitted, spec.fit_budget_gb, spec.ngl, use_fit_ngl=not spec.cpu)
     fit |= {"n_cpu_moe": cfg.n_cpu_moe, "ngl": fitted.ngl, "overrides": list(fitted.overrides),
             "host_layers": list(fitted.host_layers), "partial_layers": list(fitted.partial_layers)}  # fmt: skip

@@ -84,8 +84,12 @@ def fit_argv(bin_dir: Path, gguf: Path, shape: Shape, fit_target_mib: int) -> li
     ]  # fmt: skip
 
 
-def parse_fit_args(stdout: str) -> Fitted:
-    """`-c 1024 -ngl 49 -ot "blk\\.40\\.ffn_(gate|gate_up|down).*=CPU,..."` -> Fitted."""
+def parse_fit_args(stdout: str, num_layers: int | None = None) -> Fitted:
+    """`-c 1024 -ngl 49 -ot "blk\\.40\\.ffn_(gate|gate_up|down).*=CPU,..."` -> Fitted.
+
+    llama-fit-params counts the output layer as block `n_layer` and may emit an override for that
+    block, which matches no tensor: blocks >= `num_layers` are not host layers (the override itself
+    is kept: the arguments run unchanged)."""
     ngl = int(m.group(1)) if (m := _NGL.search(stdout)) else None
     ot = _OT.search(stdout)
     overrides = tuple(x for x in (ot.group(1).split(",") if ot else []) if x)
@@ -93,7 +97,7 @@ def parse_fit_args(stdout: str) -> Fitted:
     for o in overrides:
         pattern, _, buft = o.rpartition("=")
         layer = _LAYER.search(pattern)
-        if layer and buft.upper().startswith("CPU"):
+        if layer and buft.upper().startswith("CPU") and (num_layers is None or int(layer.group(1)) < num_layers):
             host.add(int(layer.group(1)))
             if not pattern.endswith(_WHOLE_LAYER_EXPERTS):
                 partial.add(int(layer.group(1)))
@@ -105,7 +109,8 @@ def fit_config(fitted: Fitted, budget_gb: float, default_ngl: int, use_fit_ngl: 
     ngl = fitted.ngl if use_fit_ngl and fitted.ngl is not None and fitted.ngl >= 0 else default_ngl
     ot = ("-ot", ",".join(fitted.overrides)) if fitted.overrides else ()
     n = len(fitted.host_layers)
-    return Config(n, f"fit {budget_gb:g} GB (N={n})", ("-ngl", str(ngl), *ot))
+    part = f", {len(fitted.partial_layers)} of them partly" if fitted.partial_layers else ""
+    return Config(n, f"fit {budget_gb:g} GB (N={n}{part})", ("-ngl", str(ngl), *ot))
 
 
 def parse_rows(text: str) -> list[dict[str, Any]]:

@@ -121,7 +121,14 @@ async def measure(url: str, concurrencies: list[int], args: argparse.Namespace) 
             print(f"concurrency {c}: decode {results[-1]['decode_tok_s_aggregate_median']:.1f} tok/s aggregate, "
                   f"{results[-1]['decode_tok_s_per_stream_median']:.1f} tok/s per stream, "
                   f"TTFT p50 {results[-1]['ttft_s_median'] * 1e3:.1f} ms, hit rate {results[-1]['hit_rate']}")  # fmt: skip
+            write_record(args, {"server_info": info, "results": results}, complete=False)  # a later kill loses nothing
     return {"server_info": info, "results": results}
+
+
+def write_record(args: argparse.Namespace, body: dict[str, Any], complete: bool) -> None:
+    """The results file, rewritten after every concurrency level (`complete` false until the end)."""
+    record = {**args.record_base, "complete": complete, "routing": body["server_info"]["routing"], **body}
+    Path(args.out).write_text(json.dumps(record, indent=2))
 
 
 def summarize(c: int, rounds: list[tuple[float, list[RequestTiming]]], delta: dict[str, float]) -> dict[str, Any]:
@@ -215,21 +222,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--startup-timeout-s", type=float, default=900.0)
     p.add_argument("--request-timeout-s", type=float, default=1800.0)
     args = p.parse_args(own)
-    t0 = time.time()
-    body = asyncio.run(run(args, server_args))
-    record = {
+    args.record_base = {
         "schema_version": SCHEMA_VERSION,
         "benchmark": "serve_decode",
         "command": ["python", "benchmarks/serve_decode.py", *argv],
-        "started_unix_s": t0,
+        "started_unix_s": time.time(),
         "settings": {k: v for k, v in vars(args).items()},
-        "routing": body["server_info"]["routing"],
         "machine": machine_facts(),
         "git": git_facts(),
-        **body,
     }
-    Path(args.out).write_text(json.dumps(record, indent=2))
-    print(f"wrote {args.out} (routing: {record['routing']})")
+    body = asyncio.run(run(args, server_args))
+    write_record(args, body, complete=True)
+    print(f"wrote {args.out} (routing: {body['server_info']['routing']})")
     return 0
 
 

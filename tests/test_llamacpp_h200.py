@@ -51,7 +51,10 @@ def test_fit_arguments_name_the_host_layers() -> None:
     assert fitted.partial_layers == (45,)
     assert fitted.overrides[1] == "blk\\.46\\.ffn_(up|down|gate_up|gate)_(ch|)exps=CPU"
     cfg = cells_mod.fit_config(fitted, 16.0, default_ngl=99, use_fit_ngl=True)
-    assert cfg.label == "fit 16 GB (N=3)" and cfg.n_cpu_moe == 3
+    assert cfg.label == "fit 16 GB (N=3, 1 of them partly)" and cfg.n_cpu_moe == 3
+    # The H200 run's fit also named block 48 of a 48-layer model (the output layer's index): no tensor.
+    phantom = cells_mod.parse_fit_args(out.replace('exps=CPU"', 'exps=CPU,blk\\.48\\.ffn_(up)_(ch|)exps=CPU"'), 48)
+    assert phantom.host_layers == (45, 46, 47) and len(phantom.overrides) == 4
     assert cfg.model_args == ("-ngl", "49", "-ot", ",".join(fitted.overrides))
     nothing = cells_mod.parse_fit_args("-c 1024 -ngl 49\n")
     assert nothing.host_layers == () and nothing.overrides == ()

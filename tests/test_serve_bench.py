@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -39,7 +40,7 @@ def test_summary_definitions() -> None:
     assert s["hit_rate"] == 0.75 and s["waves_per_moe_step"] == 2.0
 
 
-async def test_measure_against_a_live_server() -> None:
+async def test_measure_against_a_live_server(tmp_path: Path) -> None:
     from aiohttp.test_utils import TestServer
 
     from paged_experts.api_handlers import STATE_KEY
@@ -54,7 +55,10 @@ async def test_measure_against_a_live_server() -> None:
             if server.app[STATE_KEY].serving is not None:
                 break
             await asyncio.sleep(0.05)
-        args = argparse.Namespace(request_timeout_s=60.0, prompt_tokens=8, max_tokens=6, rounds=1)
+        out = tmp_path / "partial.json"
+        args = argparse.Namespace(
+            request_timeout_s=60.0, prompt_tokens=8, max_tokens=6, rounds=1, out=str(out), record_base={"benchmark": "b"}
+        )
         body = await bench.measure(url, [1, 2], args)
     finally:
         await server.close()
@@ -63,3 +67,5 @@ async def test_measure_against_a_live_server() -> None:
     assert [r["completion_tokens"] for r in two["requests"]] == [6, 6]
     assert two["counters_delta"]["generation_tokens_total"] == 12  # the measured round only
     assert one["decode_tok_s_per_stream_median"] > 0 and two["hit_rate"] == pytest.approx(1.0)  # resident
+    partial = json.loads(out.read_text())  # written after each concurrency: a killed run keeps its figures
+    assert partial["complete"] is False and [r["concurrency"] for r in partial["results"]] == [1, 2]
