@@ -15,10 +15,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_h200 import parse_variant, runtime_for
+from decode_h200 import parse_variant, runtime_for  # noqa: E402
 
-from paged_experts.kv import KvPool
-from paged_experts.model import MoeCausalLM, SeqChunk
+from paged_experts.kv import KvPool  # noqa: E402
+from paged_experts.model import MoeCausalLM, SeqChunk  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

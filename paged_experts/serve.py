@@ -23,13 +23,7 @@ from dataclasses import asdict
 
 from aiohttp import web
 
-from paged_experts.api_handlers import (
-    STATE_KEY,
-    ServerState,
-    chat_completions,
-    completions,
-    error_middleware,
-)
+from paged_experts.api_handlers import STATE_KEY, ServerState, chat_completions, completions, error_middleware
 from paged_experts.api_launch import ServeConfig, Serving, load_serving, parse_args
 from paged_experts.api_metrics import EngineGauges, ServerMetrics
 

@@ -30,13 +30,7 @@ from urllib.parse import parse_qs
 import torch
 
 from paged_experts.config import MoeModelConfig
-from paged_experts.loader import (
-    AttentionWeights,
-    DenseWeights,
-    LoadedModel,
-    build_shared,
-    place_experts,
-)
+from paged_experts.loader import AttentionWeights, DenseWeights, LoadedModel, build_shared, place_experts
 from paged_experts.moe import MoeLayer
 from paged_experts.runtime import RuntimeConfig
 from paged_experts.store import ExpertTensors

@@ -23,13 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from paged_experts.routing import (
-    RoutingParams,
-    RoutingProcess,
-    parse_spec,
-    random_weights,
-    routing_label,
-)
+from paged_experts.routing import RoutingParams, RoutingProcess, parse_spec, random_weights, routing_label
 
 FORMAT_NAME = "moe-routing-trace"
 FORMAT_VERSION = 1
