@@ -25,7 +25,6 @@ import argparse
 import gc
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -245,16 +244,14 @@ def add_rooflines(cells: list[dict[str, Any]], link: dict[str, Any], expert_byte
 
 
 def provenance() -> dict[str, Any]:
-    def git(*a: str) -> str | None:
-        try:
-            return subprocess.run(["git", *a], capture_output=True, text=True, timeout=10, check=False).stdout.strip() or None
-        except Exception:  # noqa: BLE001 - provenance is best effort
-            return None
+    from benchsuite.machine import git_facts
 
+    git = git_facts()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {
-        "git_commit": git("rev-parse", "HEAD"),
-        "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "git_commit": git["commit"],
+        "git_dirty": git["dirty"],
+        "git_tree": git["tree"],  # names the code even where .git lags the files (see git_facts)
         "torch": torch.__version__,
         "gpu": gpu,
         "cpu_count": os.cpu_count(),

@@ -100,8 +100,40 @@ def git_facts(source_dir: Path = _SOURCE_DIR) -> dict[str, Any]:
         if commit is not None:
             status = _run(["git", "-C", str(where), "status", "--porcelain", "--untracked-files=no"])
             dirty = None if status is None else bool(status.strip())
-            return {"commit": commit.strip(), "dirty": dirty, "source": label}
-    return {"commit": None, "dirty": None, "source": None}
+            tree = working_tree_hash(where) if dirty else commit_tree(where)
+            return {"commit": commit.strip(), "dirty": dirty, "tree": tree, "source": label}
+    return {"commit": None, "dirty": None, "tree": None, "source": None}
+
+
+def commit_tree(where: Path) -> str | None:
+    out = _run(["git", "-C", str(where), "rev-parse", "HEAD^{tree}"])
+    return out.strip() if out else None
+
+
+def working_tree_hash(where: Path) -> str | None:
+    """Git tree hash of the tracked files as they are on disk (a throw-away index; HEAD and the
+    real index untouched). A copy of a checkout whose .git lags its files (a remote machine's copy
+    of a working tree, say) still names its code: the commit whose tree this is
+    (`git log --format='%H %T' | grep TREE`)."""
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        index = Path(tmp) / "index"
+        real = _run(["git", "-C", str(where), "rev-parse", "--git-path", "index"])
+        if real is None:
+            return None
+        real_path = Path(real.strip())
+        real_path = real_path if real_path.is_absolute() else Path(where) / real_path
+        if real_path.is_file():
+            index.write_bytes(real_path.read_bytes())
+        env = {**os.environ, "GIT_INDEX_FILE": str(index)}
+        try:
+            add = subprocess.run(["git", "-C", str(where), "add", "-u"], env=env, capture_output=True, timeout=60, check=False)
+            tree = subprocess.run(["git", "-C", str(where), "write-tree"], env=env, capture_output=True, text=True, timeout=60, check=False)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return tree.stdout.strip() if add.returncode == 0 and tree.returncode == 0 else None
 
 
 def _run(argv: list[str]) -> str | None:

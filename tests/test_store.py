@@ -117,7 +117,7 @@ def test_gpu_facts_parse_nvidia_smi_and_unknowns_stay_none(monkeypatch: pytest.M
     assert h200 == {"name": "NVIDIA H200", "driver": "570.86.15", "vram_bytes": 143771 * 2**20, "pcie_gen": 5,
                     "pcie_width": 16, "pcie_gen_max": 5, "pcie_width_max": 16}  # fmt: skip
     assert laptop["pcie_gen"] is None and laptop["pcie_width"] == 8
-    assert machine.git_facts() == {"commit": None, "dirty": None, "source": None}
+    assert machine.git_facts() == {"commit": None, "dirty": None, "tree": None, "source": None}
     monkeypatch.setattr(machine, "_run", lambda argv: None)
     assert machine.gpu_facts() == []
 
@@ -129,3 +129,29 @@ def test_an_unwritable_output_root_is_one_run_error(tmp_path: Path, monkeypatch:
     monkeypatch.setattr(Path, "mkdir", read_only)
     with pytest.raises(RunError, match=f"cannot create the run directory {tmp_path / 'r'}: Read-only file system"):
         RunStore.open(tmp_path / "r", MANIFEST)
+
+
+def test_git_facts_name_the_tracked_files_as_they_are(tmp_path) -> None:
+    """A dirty checkout's `tree` is the tree its tracked files would commit as: the code that ran,
+    even on a machine whose copy of .git lags the files."""
+    import subprocess
+
+    from benchsuite.machine import git_facts
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", str(tmp_path), *a], capture_output=True, text=True, check=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "one")
+    clean = git_facts(tmp_path)
+    assert clean["dirty"] is False and clean["tree"] == git("rev-parse", "HEAD^{tree}")
+    (tmp_path / "a.py").write_text("x = 2\n")
+    (tmp_path / "untracked.py").write_text("ignored by the hash\n")
+    dirty = git_facts(tmp_path)
+    assert dirty["dirty"] is True and dirty["commit"] == clean["commit"]
+    git("add", "a.py")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "two")
+    assert dirty["tree"] == git("rev-parse", "HEAD^{tree}")  # the commit of exactly those files
+    assert git("status", "--porcelain", "--untracked-files=no") == ""  # the real index was untouched
