@@ -52,8 +52,8 @@ DEFAULT_MODES = (  # most important first: a --deadline-s cut drops the tail
 VARIANT_OPTIONS = ("host", "graphs", "compile", "overlap", "loop")
 """Options after '/' in a --modes entry (joined by '+'):
 - host: paged steps planned on the host (device_planning='off'): the path before device planning;
-- graphs: decode steps captured as CUDA graphs (--graphs batch sizes; model routing only, and for
-  paged K only batch sizes with B x top_k <= K);
+- graphs: decode steps captured as CUDA graphs (--graphs batch sizes; for paged K only batch sizes
+  with B x top_k <= K; synthetic routing draws each step's ids for every layer before the replay);
 - compile: with graphs, the per-layer blocks go through torch.compile before capture;
 - overlap: paged hits compute while the misses copy (overlap_page_in);
 - loop: the per-expert reference kernel instead of the fused grouped matmuls."""
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--cell-cap-s", type=float, default=6.0, help="stop timing a cell after this many seconds")
     ap.add_argument(
-        "--graphs", default="1,2,3,4", help="batch sizes captured by '/graphs' variants (model routing only)"
+        "--graphs", default="1,2,3,4", help="batch sizes captured by '/graphs' variants"
     )
     ap.add_argument("--deadline-s", type=float, default=1e9, help="start no new mode after this many seconds from start")
     ap.add_argument("--linkbw-json", default=None)

@@ -3,8 +3,9 @@ models whose residency lives on the device (`device_residency`: LRU plan, page-i
 pinned host memory, grouped matmuls over the slots) for batch sizes B with B x top_k <= K.
 
 Eager decode launches ~80 small kernels per layer (about 4,000 a token for 48 layers): at batch 1
-the GPU waits on Python. A step whose chunks are all one-token decodes (no router override, no
-observers, every layer resident or device-planned paged) is instead run as a static computation over fixed-shape buffers:
+the GPU waits on Python. A step whose chunks are all one-token decodes (no observers; no router
+override, or a synthetic router whose ids for every layer are drawn before the step and passed in
+with the other inputs; every layer resident or device-planned paged) is instead run as a static computation over fixed-shape buffers:
 - tokens [B], positions [B], new KV rows [B] and a KV row table [B, L] (each sequence's rows of
   positions 0..L-1, padded with its row 0), L = the step's longest context rounded up to a power
   of two (at least 64): one graph per (B, L bucket), captured on first use;
@@ -100,8 +101,10 @@ class GraphedDecoder:
 
     def accepts(self, chunks: Sequence[SeqChunk]) -> bool:
         m = self.model
-        if m.router_override is not None or m.routing_observers or len(chunks) not in self.batch_sizes:
+        if m.routing_observers or len(chunks) not in self.batch_sizes:
             return False
+        if m.router_override is not None and not hasattr(m.router_override, "plan"):
+            return False  # only routers that draw a whole step up front (routing.SyntheticRouter)
         pool = chunks[0].seq.pool
         return all(len(c.token_ids) == 1 and not c.all_logits and c.seq.pool is pool for c in chunks)
 
@@ -121,18 +124,23 @@ class GraphedDecoder:
         b = len(chunks)
         length = bucket(max(c.start_pos for c in chunks) + 1)
         host = self._host_inputs(chunks, pool, length)  # [B * 3 + B * L]
+        planned = m.router_override is not None
+        if planned:  # the synthetic router's ids for every layer, drawn now: [B, layers, k]
+            ids = m.router_override.plan([c.seq.seq_id for c in chunks], [c.start_pos for c in chunks])  # type: ignore[union-attr]
+            host = torch.cat([host, torch.from_numpy(ids).reshape(-1)])
         if self.capture:
             host = host.pin_memory()  # copied with non_blocking: no sync before the replay
-        entry = self._entries.get((b, length))
+        key = (b, length, planned)
+        entry = self._entries.get(key)
         fresh = entry is None
         if entry is None:
-            entry = self._build(b, length, host)  # uncaptured (CPU): this ran the step already
+            entry = self._build(key, host)  # uncaptured (CPU): this ran the step already
         else:
             entry.inputs.copy_(host, non_blocking=True)
         if entry.graph is not None:
             entry.graph.replay()
         elif not fresh:  # a step runs once: a paged body plans and pages in
-            entry.logits, entry.stats = self._body(entry.inputs, b, length)
+            entry.logits, entry.stats = self._body(entry.inputs, b, length, planned)
         self.replays += 1
         for moe in self._paged:  # a replay planned on the device: the host planner must pull first
             moe._host_residency_stale = True
@@ -159,11 +167,12 @@ class GraphedDecoder:
         new_rows = table[torch.arange(b), positions]  # [B]
         return torch.cat([tokens, positions, new_rows, table.reshape(-1)])
 
-    def _build(self, b: int, length: int, host: torch.Tensor) -> _Captured:
+    def _build(self, key: tuple[int, int, bool], host: torch.Tensor) -> _Captured:
         m = self.model
+        b, length, planned = key
         inputs = host.to(m.device)
         if not self.capture:
-            logits, stats = self._body(inputs, b, length)
+            logits, stats = self._body(inputs, b, length, planned)
             entry = _Captured(inputs, None, logits, stats)
         else:
             t0 = time.perf_counter()
@@ -171,7 +180,7 @@ class GraphedDecoder:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self._body(inputs, b, length)  # warm-up: same inputs, so its KV writes are the step's own
+                self._body(inputs, b, length, planned)  # warm-up: same inputs, so its KV writes are the step's own
             torch.cuda.current_stream().wait_stream(side)
             # The warm-up planned (and paged in) this step; rewind the residency so the replay
             # plans it again and its counters see the step's real misses. The replay re-pages the
@@ -180,22 +189,27 @@ class GraphedDecoder:
                 m.device_residency.load_state(state)  # type: ignore[union-attr]
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._mempool):
-                logits, stats = self._body(inputs, b, length)
+                logits, stats = self._body(inputs, b, length, planned)
             entry = _Captured(inputs, graph, logits, stats)
-            log.info("captured decode step graph: batch %d, KV bucket %d, %.2f s", b, length, time.perf_counter() - t0)
+            log.info(
+                "captured decode step graph: batch %d, KV bucket %d%s, %.2f s",
+                b, length, ", synthetic routing ids as input" if planned else "", time.perf_counter() - t0,
+            )
             self.captured.append((b, length))
-        self._entries[(b, length)] = entry
+        self._entries[key] = entry
         return entry
 
-    def _body(self, inputs: torch.Tensor, b: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Static decode step: [B] tokens -> logits [B, V] and per-layer stats [layers, 3]."""
+    def _body(self, inputs: torch.Tensor, b: int, length: int, planned: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Static decode step: [B] tokens -> logits [B, V] and per-layer stats [layers, 3].
+        planned: the inputs end with the synthetic router's ids [B, layers, k] for this step."""
         from paged_experts.model import rms_norm
 
         m = self.model
         cfg, dt = m.config, m.runtime.torch_dtype
         assert self._pool is not None
         tokens, positions, new_rows = inputs[:b], inputs[b : 2 * b], inputs[2 * b : 3 * b]
-        table = inputs[3 * b :].view(b, length)  # [B, L]
+        table = inputs[3 * b : 3 * b + b * length].view(b, length)  # [B, L]
+        planned_ids = inputs[3 * b + b * length :].view(b, -1, cfg.top_k) if planned else None  # [B, layers, k]
         freqs = positions.to(torch.float32)[:, None] * self._inv_freq[None, :]  # [B, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [B, D]
         cos, sin = emb.cos().to(dt), emb.sin().to(dt)
@@ -209,6 +223,7 @@ class GraphedDecoder:
                 x, w.input_norm, w.q_proj, w.k_proj, w.v_proj, w.o_proj, w.q_norm, w.k_norm, w.post_norm,
                 moe.router_weight, self._pool.k[layer_idx], self._pool.v[layer_idx], cos, sin, new_rows, table, mask,
                 cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.top_k, cfg.norm_topk_prob,
+                None if planned_ids is None else planned_ids[:, layer_idx % planned_ids.shape[1]],
             )
             out, layer_stats = moe.forward_on_device(h, ids, weights, self._experts_fn)
             x = x + out
@@ -222,13 +237,15 @@ def attention_block(
     o_proj: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, post_norm: torch.Tensor, router: torch.Tensor,
     kv_k: torch.Tensor, kv_v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, new_rows: torch.Tensor,
     table: torch.Tensor, mask: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-    top_k: int, norm_topk_prob: bool,
+    top_k: int, norm_topk_prob: bool, planned_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One layer's attention (KV row written in place) and routing over padded KV rows, all tensors
-    passed in (one compiled function serves every layer):
+    passed in (one compiled function serves every layer); `planned_ids` [B, k]: a synthetic router's
+    ids for this layer, whose weights are the softmax of the model's logits over them:
     x [B, H] -> (x + attention [B, H], post-norm hidden [B, H], expert ids [B, k], weights [B, k])."""
     from paged_experts.experts import route
     from paged_experts.model import rms_norm, rotate_half
+    from paged_experts.routing import planned_weights
 
     b = x.shape[0]
     h = rms_norm(x, input_norm, eps)
@@ -248,5 +265,8 @@ def attention_block(
     out = torch.matmul(probs, values).reshape(b, num_heads * head_dim)  # [B, nh*D]
     x = x + F.linear(out, o_proj)  # [B, H]
     h = rms_norm(x, post_norm, eps)  # [B, H]
-    ids, weights = route(F.linear(h, router), top_k, norm_topk_prob)  # [B, k], [B, k]
+    logits = F.linear(h, router)  # [B, E]
+    if planned_ids is not None:  # synthetic routing: ids drawn on the host for the step, weights from the model
+        return x, h, planned_ids, planned_weights(logits, planned_ids)
+    ids, weights = route(logits, top_k, norm_topk_prob)  # [B, k], [B, k]
     return x, h, ids, weights

@@ -197,37 +197,53 @@ def _as_list(x: object, n: int) -> list:
 class SyntheticRouter:
     """`Router(layer_idx, router_logits [T, E], ctx) -> (ids [T, k] int64, weights [T, k] float32)`.
 
-    Ignores the logits' choice: ids come from the routing process, tracked per (ctx.seq_ids[t],
-    layer); a token at position 0 starts its stream afresh. Weights are the softmax of the model's
-    logits over the chosen ids (normalised to 1), so outputs stay a function of the model.
+    Ignores the logits' choice: ids come from the routing process, one stream per sequence
+    (`ctx.seq_ids[t]`) holding every layer's memory; a token at position 0 starts its stream afresh.
+    The ids never depend on the model, so a step's ids for ALL layers are drawn at once (`plan`),
+    vectorised over layers, when the router first sees the step; the CUDA-graph decode step takes
+    them as an input instead of calling the router per layer. Weights are the softmax of the
+    model's logits over the chosen ids (normalised to 1), so outputs stay a function of the model.
     """
 
     def __init__(self, spec: str, num_layers: int, num_experts: int, top_k: int, seed: int = 0) -> None:
         self.spec = spec
         self.label = routing_label(spec)
         self.process = RoutingProcess(num_layers, num_experts, top_k, parse_spec(spec), seed)
-        self._states: dict[tuple[Hashable, int], StreamState] = {}
+        self._streams: dict[Hashable, StreamState] = {}
+        self._step_key: tuple[tuple, tuple] | None = None
+        self._step_ids = np.empty((0, num_layers, top_k), dtype=np.int64)  # [T, L, k] of the current step
 
     def forget(self, seq_id: Hashable) -> None:
-        for key in [key for key in self._states if key[0] == seq_id]:
-            del self._states[key]
+        self._streams.pop(seq_id, None)
+
+    def plan(self, seq_ids: list, positions: list) -> np.ndarray:
+        """Draws one step: [T, L, k] int64 ids of every token for every layer (advances the streams)."""
+        layers = np.arange(self.process.num_layers)
+        out = np.empty((len(seq_ids), self.process.num_layers, self.process.top_k), dtype=np.int64)
+        for i, (seq, pos) in enumerate(zip(seq_ids, positions)):
+            state = self._streams.get(seq)
+            if state is None or (pos == 0 and state.clock > 0):
+                state = self._streams[seq] = self.process.new_state()
+            out[i] = self.process.next(state, layers)
+        self._step_key = (tuple(seq_ids), tuple(positions))
+        self._step_ids = out
+        return out
 
     def __call__(self, layer_idx: int, router_logits: torch.Tensor, ctx: object) -> tuple[torch.Tensor, torch.Tensor]:
         t = router_logits.shape[0]
         seq_ids = _as_list(getattr(ctx, "seq_ids", None), t)
         positions = _as_list(getattr(ctx, "positions", None), t)
-        layer = layer_idx % self.process.num_layers
-        ids = np.empty((t, self.process.top_k), dtype=np.int64)
-        for i in range(t):
-            key = (seq_ids[i], layer)
-            state = self._states.get(key)
-            if state is None or (positions[i] == 0 and state.clock > 0):
-                state = self._states[key] = self.process.new_state(1)
-            ids[i] = self.process.next(state, np.array([layer]))[0]
-        ids_t = torch.from_numpy(ids).to(router_logits.device)
-        chosen = torch.gather(router_logits.float(), 1, ids_t)  # [T, k]
-        weights = torch.softmax(chosen, dim=-1).to(torch.float32)
-        return ids_t, weights
+        if (tuple(seq_ids), tuple(positions)) != self._step_key:  # a new step: draw all its layers
+            self.plan(seq_ids, positions)
+        ids = self._step_ids[:, layer_idx % self.process.num_layers]  # [T, k]
+        ids_t = torch.from_numpy(np.ascontiguousarray(ids)).to(router_logits.device)
+        return ids_t, planned_weights(router_logits, ids_t)
+
+
+def planned_weights(router_logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """[T, E] logits, [T, k] chosen ids -> [T, k] float32 softmax over the chosen logits."""
+    chosen = torch.gather(router_logits.float(), 1, ids)  # [T, k]
+    return torch.softmax(chosen, dim=-1)
 
 
 def make_router(spec: str, config: object, seed: int = 0) -> SyntheticRouter:

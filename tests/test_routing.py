@@ -63,6 +63,7 @@ def test_uniform_zipf_and_reuse_strength() -> None:
 
 
 def test_router_contract_tracks_streams_per_sequence_and_layer() -> None:
+    """Also: a step's ids for every layer are drawn once (the graphed decode step takes them whole)."""
     config = SimpleNamespace(num_layers=2, num_experts=32, top_k=4)  # the runtime's MoeModelConfig names
     router = make_router("reuse:1.0", config, seed=0)
     assert router.label == "synthetic:reuse:1.0"
@@ -75,13 +76,26 @@ def test_router_contract_tracks_streams_per_sequence_and_layer() -> None:
     step2, _ = router(0, torch.randn(2, 32), SimpleNamespace(seq_ids=(9, 7), positions=(1, 2)))
     assert set(step2[0].tolist()) == set(ids[2].tolist()) and set(step2[1].tolist()) == set(ids[1].tolist())
     router(1, torch.randn(1, 32), SimpleNamespace(seq_ids=(7,), positions=(3,)))
-    assert set(router._states) == {(7, 0), (9, 0), (7, 1)}  # one stream per (sequence, layer)
+    assert set(router._streams) == {7, 9}  # one stream per sequence, every layer's memory in it
     router.forget(7)
-    assert set(router._states) == {(9, 0)}
+    assert set(router._streams) == {9}
     restart, _ = make_router("uniform", {"num_experts": 32, "num_experts_per_tok": 4, "num_hidden_layers": 1})(
         0, torch.randn(1, 32), SimpleNamespace(seq_ids=(1,), positions=(0,))
     )
     assert restart.shape == (1, 4)
+
+
+def test_router_draws_a_step_once_for_all_layers() -> None:
+    router = make_router("qwen3-30b-a3b", SimpleNamespace(num_layers=3, num_experts=32, top_k=4), seed=2)
+    ctx = SimpleNamespace(seq_ids=(1, 2), positions=(0, 0))
+    per_layer = [router(layer, torch.randn(2, 32), ctx)[0] for layer in range(3)]
+    assert np.array_equal(np.stack([p.numpy() for p in per_layer], axis=1), router._step_ids)  # [T, L, k]
+    again = router(0, torch.randn(2, 32), ctx)[0]  # the same step asked again: no new draw
+    assert torch.equal(again, per_layer[0])
+    planned = router.plan([1, 2], [1, 1])  # the next step, drawn ahead as the graphed step does
+    assert planned.shape == (2, 3, 4) and torch.equal(
+        router(2, torch.randn(2, 32), SimpleNamespace(seq_ids=(1, 2), positions=(1, 1)))[0], torch.from_numpy(planned[:, 2])
+    )
 
 
 def test_router_weights_follow_model_logits() -> None:

@@ -95,12 +95,17 @@ def test_device_planned_paged_equals_resident_qwen_shapes() -> None:
         assert total.misses > 0 or k == 64
 
 
-def check_graphed_paged(overlap: bool, compile_layers: bool = False) -> None:
+def check_graphed_paged(overlap: bool, compile_layers: bool = False, routing: str | None = None) -> None:
+    from paged_experts.routing import make_router
+
     prompts = [[5, 17, 300, 41, 9, 77], [800, 2, 64], [11, 12, 13, 14, 15]]
     paged = rt("bfloat16", mode="paged", resident_experts=12, overlap_page_in=overlap)
     eager_model = MoeCausalLM.from_pretrained(TINY, paged)
-    eager = decode(eager_model, prompts, steps=5)
     model = MoeCausalLM.from_pretrained(TINY, paged)
+    if routing is not None:  # the same seeded synthetic router in both: same draws step by step
+        eager_model.router_override = make_router(routing, eager_model.config, seed=4)
+        model.router_override = make_router(routing, model.config, seed=4)
+    eager = decode(eager_model, prompts, steps=5)
     model.enable_cuda_graphs([1, 2, 3, 4], compile_layers=compile_layers)
     graphed = decode(model, prompts, steps=5)
     assert model.graph_replays == 5 and model.captured_graphs == [(3, 64)], model.captured_graphs
@@ -123,6 +128,10 @@ def test_graphed_paged_decode_with_overlapped_page_in_matches_eager() -> None:
 
 def test_compiled_graphed_paged_decode_matches_eager() -> None:
     check_graphed_paged(overlap=False, compile_layers=True)
+
+
+def test_graphed_paged_decode_with_synthetic_routing_matches_eager() -> None:
+    check_graphed_paged(overlap=False, compile_layers=True, routing="qwen3-30b-a3b")
 
 
 if __name__ == "__main__":
