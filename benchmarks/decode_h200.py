@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from paged_experts import synth_memory
-from paged_experts.fused import grouped_backend
+from paged_experts.fused import expert_backend, grouped_backend, set_expert_backend
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.runtime import RuntimeConfig
@@ -49,14 +49,15 @@ DEFAULT_MODES = (  # most important first: a --deadline-s cut drops the tail
 )
 
 
-VARIANT_OPTIONS = ("host", "graphs", "compile", "overlap", "loop")
+VARIANT_OPTIONS = ("host", "graphs", "compile", "overlap", "loop", "triton")
 """Options after '/' in a --modes entry (joined by '+'):
 - host: paged steps planned on the host (device_planning='off'): the path before device planning;
 - graphs: decode steps captured as CUDA graphs (--graphs batch sizes; for paged K only batch sizes
   with B x top_k <= K; synthetic routing draws each step's ids for every layer before the replay);
 - compile: with graphs, the per-layer blocks go through torch.compile before capture;
 - overlap: paged hits compute while the misses copy (overlap_page_in);
-- loop: the per-expert reference kernel instead of the fused grouped matmuls."""
+- loop: the per-expert reference kernel instead of the fused grouped matmuls;
+- triton: the fused path's grouped matmuls as moe_triton's decode-sized kernels (gate+up fused)."""
 
 
 def parse_variant(spec: str) -> tuple[str, frozenset[str]]:
@@ -331,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         try:
+            set_expert_backend("triton" if "triton" in options else "grouped")
             rt = runtime_for(mode, args.device, options)
             model = MoeCausalLM.synthetic(preset, rt, layers=args.layers, seed=args.seed, expert_kernel=kernel)
             if graph:
@@ -354,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
                 base = {
                     **ident, "routing": routing, "layers": args.layers, "build_s": build_s,
                     "planning": planning if mode.startswith("paged") else None,
-                    "overlap_page_in": rt.overlap_page_in,
+                    "overlap_page_in": rt.overlap_page_in, "expert_backend": expert_backend(),
                 }
                 try:
                     cell = {**base, **run_cell(model, b, args)}

@@ -75,10 +75,42 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return _loop_mm(a, b, offs)
 
 
+EXPERT_BACKENDS: tuple[str, ...] = ("grouped", "triton")
+_EXPERT_BACKEND = ["grouped"]
+
+
+def set_expert_backend(name: str) -> None:
+    """'grouped' (torch._grouped_mm and its fallbacks, the default) or 'triton' (moe_triton's
+    decode-sized kernels, gate and up fused, for steps of at most moe_triton.MAX_PAIRS pairs;
+    larger ones keep 'grouped'). Process-wide: benchmarks switch it per variant."""
+    if name not in EXPERT_BACKENDS:
+        raise ValueError(f"expert backend must be one of {EXPERT_BACKENDS}, got {name!r}")
+    if name == "triton":
+        from paged_experts import moe_triton
+
+        if not moe_triton.available():
+            raise ValueError("the 'triton' expert backend needs Triton (a CUDA build of torch)")
+    _EXPERT_BACKEND[0] = name
+
+
+def _triton_max_pairs() -> int:
+    from paged_experts.moe_triton import MAX_PAIRS
+
+    return MAX_PAIRS
+
+
+def expert_backend() -> str:
+    return _EXPERT_BACKEND[0]
+
+
 def expert_mlp(x_sorted: torch.Tensor, weights: ExpertTensors, offs: torch.Tensor) -> torch.Tensor:
     """x_sorted: [P, H] pairs sorted by weight row; offs: [G] int32 over G = weights.num_rows -> [P, H]."""
     if x_sorted.shape[0] == 0:
         return torch.empty_like(x_sorted)
+    if _EXPERT_BACKEND[0] == "triton" and x_sorted.shape[0] <= _triton_max_pairs():
+        from paged_experts import moe_triton
+
+        return moe_triton.expert_mlp(x_sorted, weights.gate, weights.up, weights.down, offs)
     gate = grouped_mm(x_sorted, weights.gate.transpose(1, 2), offs)  # [P, I]
     up = grouped_mm(x_sorted, weights.up.transpose(1, 2), offs)  # [P, I]
     return grouped_mm(F.silu(gate) * up, weights.down.transpose(1, 2), offs)  # [P, H]

@@ -161,3 +161,15 @@ def test_static_decode_needs_resident_layers() -> None:
     model = MoeCausalLM.from_pretrained(PATH, RuntimeConfig(mode="paged", resident_experts=8))
     with pytest.raises(ValueError, match="resident"):
         model.enable_cuda_graphs([1])
+
+
+def test_expert_backend_choice_is_checked() -> None:
+    from paged_experts import moe_triton
+    from paged_experts.fused import expert_backend, set_expert_backend
+
+    with pytest.raises(ValueError, match="expert backend must be one of"):
+        set_expert_backend("cutlass")
+    if not moe_triton.available():  # the CPU wheel: refused with the reason, the default kept
+        with pytest.raises(ValueError, match="needs Triton"):
+            set_expert_backend("triton")
+    assert expert_backend() == "grouped"
