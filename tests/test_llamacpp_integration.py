@@ -206,7 +206,7 @@ def test_llamacpp_tiny_matrix_end_to_end(tmp_path):
     assert all(
         c.status == "ok" and c.output_tokens_total and c.decode_tok_s_p50
         for c in regular
-    )
+    ), [(c.engine, c.status, c.reason, c.output_tokens_total, c.decode_tok_s_p50) for c in regular]
     # N = 0 and 1 exceed the emulated 0.0258 GB and are never launched; 2..4 fit.
     assert [
         (c.extras["search_n"], c.extras["fits"]) for c in search if not c.extras["fits"]
