@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from paged_experts.config import MoeModelConfig
-from paged_experts.counters import PagingCounters
+from paged_experts.counters import PagingCounters, TalliedCounters
 from paged_experts.device_residency import DeviceResidency
 from paged_experts.graphs import GraphedDecoder
 from paged_experts.kv import KvPool, KvSequence
@@ -27,7 +27,6 @@ from paged_experts.moe import (
     RouterOverride,
     RoutingObserver,
     StepContext,
-    TalliedCounters,
 )
 from paged_experts.runtime import RuntimeConfig
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from paged_experts.copy_kernel import copy_planned
-from paged_experts.counters import CountersSnapshot, PagingCounters
+from paged_experts.counters import PagingCounters, TalliedCounters
 from paged_experts.device_residency import DevicePlan, DeviceResidency
 from paged_experts.experts import Dispatch, build_dispatch, combine, route, run_experts
 from paged_experts.fused import combine_pairs, experts_over_rows, group_pairs, run_pairs
@@ -354,44 +354,3 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream | None:
     if device not in _COPY_STREAMS:
         _COPY_STREAMS[device] = torch.cuda.Stream(device)
     return _COPY_STREAMS[device]
-
-
-class TalliedCounters(PagingCounters):
-    """`PagingCounters` that also take a layer-step's union as a device scalar, read at `snapshot()`.
-
-    Resident and offload layers know their union only on the device; reading it per layer would
-    sync the host 48 times a token. The scalars queue here and are read in one transfer.
-    """
-
-    _MAX_PENDING = 8192
-
-    def __init__(self, num_layers: int, expert_bytes: int, mode: str) -> None:
-        super().__init__(num_layers, expert_bytes, mode)
-        self._pending: list[tuple[int, str, torch.Tensor, int]] = []  # (layer, placement, stats [3], pairs)
-
-    def record_step_device(self, layer: int, placement: str, stats: torch.Tensor, routed_pairs: int) -> None:
-        """stats: [3] int64 (union, hits, misses) of one layer-step, still on the device."""
-        self._pending.append((layer, placement, stats, routed_pairs))
-        if len(self._pending) >= self._MAX_PENDING:
-            self.flush()
-
-    def flush(self) -> None:
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, []
-        rows = torch.stack([p[2] for p in pending]).tolist()  # one device->host read
-        for (layer, placement, _, pairs), (union, hits, misses) in zip(pending, rows):
-            self.record_step(
-                layer, union=int(union), routed_pairs=pairs, hits=int(hits), misses=int(misses), cpu_activations=0,
-                waves=1 if union else 0,
-            )
-            if placement == "paged":  # offload layers record their copies as they issue them
-                self.record_copy(layer, bytes_h2d=int(misses) * self.expert_bytes)
-
-    def snapshot(self) -> CountersSnapshot:
-        self.flush()
-        return super().snapshot()
-
-    def reset(self) -> None:
-        self._pending = []
-        super().reset()
