@@ -214,3 +214,19 @@ def test_refuses_to_overwrite_without_the_flag(h200_run: tuple[Path, Path], tmp_
     argv = ["--decode", str(results / "inputs" / "decode_h200.json"), "--results", str(results), "--report", str(tmp_path / "r")]
     with pytest.raises(SystemExit, match="--overwrite"):
         h200_report.main(argv)
+
+
+def test_equal_budget_takes_the_fastest_paged_cell_that_fits(h200_run: tuple[Path, Path]) -> None:
+    """A paged cell whose measured memory is over the budget yields to a slower one that fits."""
+    results, _ = h200_run
+    run = load_run(results)
+    cells = run.cells.copy()
+
+    def over(e: dict[str, Any]) -> dict[str, Any]:
+        b = e.get("bench", {})
+        hit = b.get("mode") == "paged:32" and b.get("variant") == "graphs" and b.get("routing") == "model" and b.get("batch") == 1
+        return {**e, "bench": {**b, "gpu_mem_peak_bytes": 17 * 10**9}} if hit else e
+
+    cells["extras"] = [over(e) for e in cells["extras"]]
+    b1 = ht.equal_budget_table(cells, run.manifest["h200"]).set_index(["routing", "batch"]).loc[(ht.routing_text("model"), 1)]
+    assert b1["paged_tok_per_s"] == pytest.approx(60.0) and b1["paged_within_budget"] == "yes"  # the host-planned cell
