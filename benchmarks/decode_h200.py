@@ -27,12 +27,13 @@ import json
 import os
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from paged_experts import synth_memory
+from paged_experts import moe_triton, synth_memory
 from paged_experts.fused import expert_backend, grouped_backend, set_expert_backend
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
@@ -58,7 +59,8 @@ VARIANT_OPTIONS = ("host", "graphs", "compile", "overlap", "loop", "triton")
 - compile: with graphs, the per-layer blocks go through torch.compile before capture;
 - overlap: paged hits compute while the misses copy (overlap_page_in);
 - loop: the per-expert reference kernel instead of the fused grouped matmuls;
-- triton: the fused path's grouped matmuls as moe_triton's decode-sized kernels (gate+up fused)."""
+- triton: routing and the expert pass of one-wave steps (<= moe_triton.MAX_PAIRS pairs) as
+  moe_triton's kernels (one routing kernel; per-pair gate+up+SiLU; down with the top-k combine)."""
 
 
 def parse_variant(spec: str) -> tuple[str, frozenset[str]]:
@@ -318,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     def write() -> None:
         add_rooflines(record["cells"], record["link"], expert_bytes, dense_bytes)
         record["grouped_backend"] = grouped_backend()
+        record["moe_triton_tiles"] = {name: asdict(c) for name, c in moe_triton.CONFIGS.items()}
         args.out.write_text(json.dumps(record, indent=2, default=str))
 
     for mode, options in variants:

@@ -21,6 +21,15 @@ MODES="${MODES:-}"  # empty: decode_h200.py's default variants (every mode, host
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
+if [ "${KERNELS:-0}" = 1 ]; then
+  # One MoE layer's routing + expert kernels alone (torch vs moe_triton) and moe_triton's tile
+  # sweep; the best batch-1 tiles are exported for everything below (recorded in decode_h200.json).
+  timeout "${KERNELS_S:-150}" python3 benchmarks/moe_kernels_h200.py --out "$OUT/moe_kernels.json" --batches 1,4 \
+    2>&1 | tee "$OUT/moe_kernels.txt" || echo "FAILED moe_kernels"
+  TILES=$(sed -n 's/.*PAGED_EXPERTS_MOE_TILES=//p' "$OUT/moe_kernels.txt" | tail -1)
+  if [ -n "$TILES" ]; then export PAGED_EXPERTS_MOE_TILES="$TILES"; echo "tiles: $TILES"; fi
+fi
+
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout "${TESTS_S:-120}" python3 -m pytest ${TESTS:-tests/cuda/test_device_paging_cuda.py tests/cuda/test_fused_cuda.py tests/cuda/test_cuda_runtime.py} -v -p no:cacheprovider -o addopts= -s 2>&1 | tail -120 > "$OUT/cuda_tests.txt" \
     || echo "FAILED cuda tests (see cuda_tests.txt)"
@@ -30,6 +39,11 @@ fi
 if [ "${SKIP_LINKBW:-0}" != 1 ]; then
   timeout 45 python3 -m benchsuite linkbw --samples 3 --no-pageable --no-d2h --json-out "$OUT/linkbw.json" 2>&1 | tail -25 \
     || echo "FAILED linkbw"
+fi
+
+if [ -n "${PROFILE:-}" ]; then  # PROFILE=variant,variant: where a decode step's GPU time goes
+  timeout "${PROFILE_S:-120}" python3 benchmarks/profile_step.py --layers "${PROFILE_LAYERS:-8}" --variants "$PROFILE" \
+    --steps 5 --rows 30 --out "$OUT/profile.txt" 2>&1 | grep '^===' || echo "FAILED profile"
 fi
 
 if [ "${SKIP_DECODE:-0}" != 1 ]; then

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from paged_experts import moe_triton
+from paged_experts.experts import route
 from paged_experts.store import ExpertTensors
 
 _BACKEND: dict[tuple[str, torch.dtype], str] = {}
@@ -81,22 +83,14 @@ _EXPERT_BACKEND = ["grouped"]
 
 def set_expert_backend(name: str) -> None:
     """'grouped' (torch._grouped_mm and its fallbacks, the default) or 'triton' (moe_triton's
-    decode-sized kernels, gate and up fused, for steps of at most moe_triton.MAX_PAIRS pairs;
-    larger ones keep 'grouped'). Process-wide: benchmarks switch it per variant."""
+    per-pair decode kernels and routing kernel, for one-wave steps of at most moe_triton.MAX_PAIRS
+    pairs: `experts_over_rows`, i.e. resident, offload and device-planned paged layers; larger or
+    host-planned steps keep 'grouped'). Process-wide: benchmarks switch it per variant."""
     if name not in EXPERT_BACKENDS:
         raise ValueError(f"expert backend must be one of {EXPERT_BACKENDS}, got {name!r}")
-    if name == "triton":
-        from paged_experts import moe_triton
-
-        if not moe_triton.available():
-            raise ValueError("the 'triton' expert backend needs Triton (a CUDA build of torch)")
+    if name == "triton" and not moe_triton.available():
+        raise ValueError("the 'triton' expert backend needs Triton (a CUDA build of torch)")
     _EXPERT_BACKEND[0] = name
-
-
-def _triton_max_pairs() -> int:
-    from paged_experts.moe_triton import MAX_PAIRS
-
-    return MAX_PAIRS
 
 
 def expert_backend() -> str:
@@ -107,10 +101,6 @@ def expert_mlp(x_sorted: torch.Tensor, weights: ExpertTensors, offs: torch.Tenso
     """x_sorted: [P, H] pairs sorted by weight row; offs: [G] int32 over G = weights.num_rows -> [P, H]."""
     if x_sorted.shape[0] == 0:
         return torch.empty_like(x_sorted)
-    if _EXPERT_BACKEND[0] == "triton" and x_sorted.shape[0] <= _triton_max_pairs():
-        from paged_experts import moe_triton
-
-        return moe_triton.expert_mlp(x_sorted, weights.gate, weights.up, weights.down, offs)
     gate = grouped_mm(x_sorted, weights.gate.transpose(1, 2), offs)  # [P, I]
     up = grouped_mm(x_sorted, weights.up.transpose(1, 2), offs)  # [P, I]
     return grouped_mm(F.silu(gate) * up, weights.down.transpose(1, 2), offs)  # [P, H]
@@ -123,8 +113,7 @@ def group_pairs(pair_rows: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, t
     """
     order = torch.sort(pair_rows, stable=True).indices  # [P]
     # scatter_add, not bincount: CUDA bincount reads the max id on the host (a sync, and no graphs)
-    counts = torch.zeros(num_rows, dtype=torch.long, device=pair_rows.device)  # [G]
-    counts.scatter_add_(0, pair_rows, torch.ones_like(pair_rows))
+    counts = pairs_per_row(pair_rows, num_rows)  # [G]
     offs = torch.cumsum(counts, 0, dtype=torch.int32)  # [G]
     return order, offs, counts
 
@@ -147,12 +136,35 @@ def combine_pairs(y_pairs: torch.Tensor, topk_weights: torch.Tensor) -> torch.Te
     return (y_pairs.view(t, k, -1) * w[:, :, None]).sum(dim=1)  # [T, H]
 
 
+def uses_triton(num_pairs: int, device: torch.device) -> bool:
+    """Whether a one-wave step of `num_pairs` pairs runs moe_triton's decode kernels."""
+    return _EXPERT_BACKEND[0] == "triton" and device.type == "cuda" and num_pairs <= moe_triton.MAX_PAIRS
+
+
+def route_logits(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, E] router logits -> ids [T, k], weights [T, k]: moe_triton's one-kernel routing where the
+    step's experts run as its decode kernels, else `experts.route` (the same semantics)."""
+    if uses_triton(logits.shape[0] * top_k, logits.device):
+        return moe_triton.route(logits, top_k, norm_topk_prob)
+    return route(logits, top_k, norm_topk_prob)
+
+
+def pairs_per_row(pair_rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """[T*k] row of each pair -> [G] pair count per row (scatter_add: no host sync on CUDA)."""
+    counts = torch.zeros(num_rows, dtype=torch.long, device=pair_rows.device)  # [G]
+    return counts.scatter_add_(0, pair_rows, torch.ones_like(pair_rows))
+
+
 def experts_over_rows(
     x: torch.Tensor, pair_rows: torch.Tensor, topk_weights: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
     down: torch.Tensor, top_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole expert pass of a one-wave step, tensors only (compilable): x [T, H], pair_rows
-    [T*k] weight row (expert or slot) of each pair -> (out [T, H], pairs per row [G])."""
+    """The whole expert pass of a one-wave step, tensors only (compilable unless the 'triton'
+    backend takes it): x [T, H], pair_rows [T*k] weight row (expert or slot) of each pair ->
+    (out [T, H], pairs per row [G])."""
+    if uses_triton(pair_rows.shape[0], x.device):
+        out = moe_triton.moe_pairs(x, pair_rows, topk_weights, gate, up, down, top_k)
+        return out, pairs_per_row(pair_rows, gate.shape[0])
     weights = ExpertTensors(gate=gate, up=up, down=down)
     order, offs, counts = group_pairs(pair_rows, weights.num_rows)
     y_pairs = x.new_empty(pair_rows.shape[0], x.shape[1])  # [T*k, H]

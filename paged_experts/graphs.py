@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from paged_experts.copy_kernel import graph_safe
-from paged_experts.fused import experts_over_rows
+from paged_experts.fused import expert_backend, experts_over_rows, route_logits
 
 if TYPE_CHECKING:
     from paged_experts.kv import KvPool
@@ -91,12 +91,18 @@ class GraphedDecoder:
         # compile_layers: the per-layer attention block and expert pass go through torch.compile
         # (one compiled function per shape serves every layer), fusing the ~100 small kernels a
         # layer launches; the graph then captures the compiled kernels.
+        # The 'triton' expert backend's routing and expert kernels are already one launch each
+        # (moe_triton): they run uncompiled, inside the graph, beside the compiled attention.
+        self.triton = expert_backend() == "triton"
+        compile_moe = compile_layers and not self.triton
         self._attention_fn = torch.compile(attention_block, dynamic=False) if compile_layers else attention_block
-        self._experts_fn = torch.compile(experts_over_rows, dynamic=False) if compile_layers else experts_over_rows
+        self._route_fn = torch.compile(route_block, dynamic=False) if compile_moe else route_block
+        self._experts_fn = torch.compile(experts_over_rows, dynamic=False) if compile_moe else experts_over_rows
         self.compiled = compile_layers
         log.info(
-            "decode step graphs enabled for batch sizes %s (captured on first use per KV bucket)%s",
+            "decode step graphs enabled for batch sizes %s (captured on first use per KV bucket)%s%s",
             list(self.batch_sizes), ", layers compiled" if compile_layers else "",
+            ", routing and experts as moe_triton kernels" if self.triton else "",
         )
 
     def accepts(self, chunks: Sequence[SeqChunk]) -> bool:
@@ -219,10 +225,13 @@ class GraphedDecoder:
         x = m._dense.embed[tokens]  # [B, H]
         stats = []
         for layer_idx, (w, moe) in enumerate(zip(m._attention, m._moe)):
-            x, h, ids, weights = self._attention_fn(
-                x, w.input_norm, w.q_proj, w.k_proj, w.v_proj, w.o_proj, w.q_norm, w.k_norm, w.post_norm,
-                moe.router_weight, self._pool.k[layer_idx], self._pool.v[layer_idx], cos, sin, new_rows, table, mask,
-                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.top_k, cfg.norm_topk_prob,
+            x, h, logits = self._attention_fn(
+                x, w.input_norm, w.qkv_proj, w.o_proj, w.q_norm, w.k_norm, w.post_norm, moe.router_weight,
+                self._pool.k[layer_idx], self._pool.v[layer_idx], cos, sin, new_rows, table, mask,
+                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+            )
+            ids, weights = self._route_fn(
+                logits, cfg.top_k, cfg.norm_topk_prob,
                 None if planned_ids is None else planned_ids[:, layer_idx % planned_ids.shape[1]],
             )
             out, layer_stats = moe.forward_on_device(h, ids, weights, self._experts_fn)
@@ -233,25 +242,21 @@ class GraphedDecoder:
 
 
 def attention_block(
-    x: torch.Tensor, input_norm: torch.Tensor, q_proj: torch.Tensor, k_proj: torch.Tensor, v_proj: torch.Tensor,
-    o_proj: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, post_norm: torch.Tensor, router: torch.Tensor,
-    kv_k: torch.Tensor, kv_v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, new_rows: torch.Tensor,
-    table: torch.Tensor, mask: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-    top_k: int, norm_topk_prob: bool, planned_ids: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One layer's attention (KV row written in place) and routing over padded KV rows, all tensors
-    passed in (one compiled function serves every layer); `planned_ids` [B, k]: a synthetic router's
-    ids for this layer, whose weights are the softmax of the model's logits over them:
-    x [B, H] -> (x + attention [B, H], post-norm hidden [B, H], expert ids [B, k], weights [B, k])."""
-    from paged_experts.experts import route
-    from paged_experts.model import rms_norm, rotate_half
-    from paged_experts.routing import planned_weights
+    x: torch.Tensor, input_norm: torch.Tensor, qkv_proj: torch.Tensor, o_proj: torch.Tensor, q_norm: torch.Tensor,
+    k_norm: torch.Tensor, post_norm: torch.Tensor, router: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Tensor,
+    cos: torch.Tensor, sin: torch.Tensor, new_rows: torch.Tensor, table: torch.Tensor, mask: torch.Tensor,
+    num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One layer's attention (KV row written in place) over padded KV rows and its router logits,
+    all tensors passed in (one compiled function serves every layer):
+    x [B, H] -> (x + attention [B, H], post-norm hidden [B, H], router logits [B, E])."""
+    from paged_experts.model import rms_norm, rotate_half, split_qkv
 
     b = x.shape[0]
     h = rms_norm(x, input_norm, eps)
-    q = rms_norm(F.linear(h, q_proj).view(b, num_heads, head_dim), q_norm, eps)  # [B, nh, D]
-    k = rms_norm(F.linear(h, k_proj).view(b, num_kv_heads, head_dim), k_norm, eps)  # [B, kvh, D]
-    v = F.linear(h, v_proj).view(b, num_kv_heads, head_dim)  # [B, kvh, D]
+    q, k, v = split_qkv(F.linear(h, qkv_proj), num_heads, num_kv_heads, head_dim)
+    q = rms_norm(q, q_norm, eps)  # [B, nh, D]
+    k = rms_norm(k, k_norm, eps)  # [B, kvh, D]
     q = q * cos[:, None, :] + rotate_half(q) * sin[:, None, :]
     k = k * cos[:, None, :] + rotate_half(k) * sin[:, None, :]
     kv_k.index_copy_(0, new_rows, k)  # [slots, kvh, D]
@@ -265,8 +270,16 @@ def attention_block(
     out = torch.matmul(probs, values).reshape(b, num_heads * head_dim)  # [B, nh*D]
     x = x + F.linear(out, o_proj)  # [B, H]
     h = rms_norm(x, post_norm, eps)  # [B, H]
-    logits = F.linear(h, router)  # [B, E]
+    return x, h, F.linear(h, router)  # [B, H], [B, H], [B, E]
+
+
+def route_block(
+    logits: torch.Tensor, top_k: int, norm_topk_prob: bool, planned_ids: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [B, E] -> expert ids [B, k], weights [B, k]. `planned_ids` [B, k]: a synthetic
+    router's ids for this layer, whose weights are the softmax of the model's logits over them."""
+    from paged_experts.routing import planned_weights
+
     if planned_ids is not None:  # synthetic routing: ids drawn on the host for the step, weights from the model
-        return x, h, planned_ids, planned_weights(logits, planned_ids)
-    ids, weights = route(logits, top_k, norm_topk_prob)  # [B, k], [B, k]
-    return x, h, ids, weights
+        return planned_ids, planned_weights(logits, planned_ids)
+    return route_logits(logits, top_k, norm_topk_prob)

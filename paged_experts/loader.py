@@ -11,7 +11,7 @@ transformers 5 may save (`mlp.experts.gate_up_proj [E, 2I, H]`, `mlp.experts.dow
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,6 +35,16 @@ class AttentionWeights:
     q_norm: torch.Tensor  # [D]
     k_norm: torch.Tensor  # [D]
     post_norm: torch.Tensor  # [H]
+    qkv_proj: torch.Tensor = field(init=False, repr=False)  # [(nh + 2 kvh) D, H]
+
+    def __post_init__(self) -> None:
+        # q, k and v become views of one weight, so a step runs one projection GEMM instead of
+        # three (three small GEMVs cost ~3x the launch and tail of one at decode), at no extra memory.
+        qkv = torch.cat([self.q_proj, self.k_proj, self.v_proj])  # [(nh + 2 kvh) D, H]
+        nq, nk = self.q_proj.shape[0], self.k_proj.shape[0]
+        views = {"qkv_proj": qkv, "q_proj": qkv[:nq], "k_proj": qkv[nq : nq + nk], "v_proj": qkv[nq + nk :]}
+        for name, value in views.items():
+            object.__setattr__(self, name, value)
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
+def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """[T, (nh + 2 kvh) D] fused projection -> q [T, nh, D], k [T, kvh, D], v [T, kvh, D]."""
+    t = qkv.shape[0]
+    q, k, v = torch.split(qkv, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    return q.view(t, num_heads, head_dim), k.view(t, num_kv_heads, head_dim), v.view(t, num_kv_heads, head_dim)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -235,10 +242,9 @@ class MoeCausalLM:
     ) -> torch.Tensor:
         """h: [T, H] normed hidden states -> [T, H] attention output."""
         cfg = self.config
-        t = h.shape[0]
-        q = rms_norm(F.linear(h, w.q_proj).view(t, cfg.num_heads, cfg.head_dim), w.q_norm, cfg.rms_norm_eps)  # [T, nh, D]
-        k = rms_norm(F.linear(h, w.k_proj).view(t, cfg.num_kv_heads, cfg.head_dim), w.k_norm, cfg.rms_norm_eps)  # [T, kvh, D]
-        v = F.linear(h, w.v_proj).view(t, cfg.num_kv_heads, cfg.head_dim)  # [T, kvh, D]
+        q, k, v = split_qkv(F.linear(h, w.qkv_proj), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)  # [T, nh, D]
+        k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)  # [T, kvh, D]
         q = q * cos[:, None, :] + rotate_half(q) * sin[:, None, :]
         k = k * cos[:, None, :] + rotate_half(k) * sin[:, None, :]
         groups = cfg.num_heads // cfg.num_kv_heads

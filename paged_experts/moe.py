@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from paged_experts.copy_kernel import copy_planned
 from paged_experts.counters import PagingCounters, TalliedCounters
 from paged_experts.device_residency import DevicePlan, DeviceResidency
-from paged_experts.experts import Dispatch, build_dispatch, combine, route, run_experts
-from paged_experts.fused import combine_pairs, experts_over_rows, group_pairs, run_pairs
+from paged_experts.experts import Dispatch, build_dispatch, combine, run_experts
+from paged_experts.fused import combine_pairs, experts_over_rows, group_pairs, route_logits, run_pairs
 from paged_experts.residency import LayerResidency
 from paged_experts.store import ExpertTensors, PageInEngine
 
@@ -103,7 +103,7 @@ class MoeLayer:
             ids, weights = router_override(self.layer_idx, router_logits, ctx)
             ids, weights, ids_cpu = self._check_override(ids, weights, x.shape[0])
         else:
-            ids, weights = route(router_logits, sh.top_k, sh.norm_topk_prob)  # [T, k], [T, k]
+            ids, weights = route_logits(router_logits, sh.top_k, sh.norm_topk_prob)  # [T, k], [T, k]
         for fn in observers:
             fn(self.layer_idx, ids, weights, ctx)
         if self.placement == "paged" and self.device_residency is not None:
@@ -231,7 +231,7 @@ class MoeLayer:
     def route_on_device(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's own router (no override): [T, H] -> ids [T, k], weights [T, k]."""
         sh = self.shared
-        return route(F.linear(x, self.router_weight), sh.top_k, sh.norm_topk_prob)
+        return route_logits(F.linear(x, self.router_weight), sh.top_k, sh.norm_topk_prob)
 
     def _run_paged_fused(self, flat_cpu: torch.Tensor, x: torch.Tensor, y_pairs: torch.Tensor) -> None:
         """flat_cpu: [T*k] routed ids on the host; each wave pages in its misses, then one grouped pass."""

@@ -1,20 +1,31 @@
-"""Decode-sized grouped expert matmuls in Triton: each weight row (expert or slot) is read once for
-all the pairs it serves, gate and up in one kernel with the SiLU product fused.
+"""Decode-sized MoE kernels in Triton: routing in one kernel, the expert pass in two.
 
-Why: on the H200 the CUTLASS grouped GEMM behind `torch._grouped_mm` takes ~16.7 us per call at
-batch 1 (8 experts x 3.1 MB: ~7 us of HBM traffic) and is 35% of a compiled, graphed decode step
-(benchmarks/results/h200/profile_8layers_compiled_b1.txt). Decode has at most B x top_k pairs, so a
-row serves a handful of pairs: one program per (row, tile of N) loads the row's pairs (<= BLOCK_M,
-looping if more) and streams the weight tile once along K. Programs of rows without pairs return
-at once, so the grid is static (graph-capturable) whatever the routing.
+Why: a compiled, graphed decode step of the 48-layer Qwen3-30B-A3B shape spent 141 us of GPU time
+per layer on the H200 (benchmarks/results/h200/profile_8layers_compiled_b1.txt): three CUTLASS
+grouped GEMMs (3 x 16.7 us for ~16 us of HBM traffic at batch 1), their setup kernels, a sort,
+a scatter, an index copy, a combine, and the router's softmax / top-k / sort (~15 us). Decode has
+at most B x top_k pairs, each reading its expert's 9.4 MB once, so the expert pass is a batched
+GEMV that wants the HBM bandwidth and nothing else:
+- `route`: softmax over E, top-k by iterative argmax, optional renormalisation: one program per
+  token (E <= 1024), ids int64 and weights fp32 like `experts.route`;
+- `_gate_up`: one program per (pair, tile of I): h[p] = silu(x[t] . W_gate[r]) * (x[t] . W_up[r]),
+  gate and up streamed together, fp32 accumulation, one rounding;
+- `_down_combine`: one program per (token, tile of H): y[t] = sum_j w[t, j] * (h[t*k+j] . W_down[r]),
+  the k pairs summed in j order in fp32 (no per-pair output, no scatter, no separate combine).
+Pairs are not sorted or grouped: a pair's row r (expert in `[E, ...]`, slot in `[K, ...]`) is read
+directly. A pair's result depends only on its token's input and its row's weights, and a token's
+sum runs in a fixed order, so paged == resident bit for bit whenever both use these kernels.
+Two pairs of one step that share an expert each stream it (from L2 when close in time): that is
+why steps above MAX_PAIRS keep torch's grouped GEMM, which reads each routed expert once.
 
-Same contract as `fused.grouped_mm`: pairs sorted by row, `offs[g]` the cumulative pair count of
-rows 0..g; a row's result depends only on its own pairs, so paged == resident bit for bit holds
-when both use this kernel. Selected with `fused.set_expert_backend("triton")` (decode_h200
-variant `triton`); not the default until measured on the GPU.
+Selected with `fused.set_expert_backend("triton")` (decode_h200 variant `triton`). Tile sizes are
+per kernel in `CONFIGS`; `benchmarks/moe_kernels_h200.py` sweeps them on the GPU.
 """
 
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass
 
 import torch
 
@@ -24,10 +35,40 @@ try:
 except ImportError:  # pragma: no cover - the CPU torch wheel ships no Triton
     triton = None  # type: ignore[assignment]
 
-BLOCK_M = 16  # pairs per program step (tl.dot needs >= 16; masked)
-BLOCK_N = 32
-BLOCK_K = 128
-MAX_PAIRS = 128  # decode-sized steps only: larger ones (prefill) keep torch's grouped GEMM
+MAX_PAIRS = 32
+"""Steps of at most this many (token, expert) pairs (batch 4 at top-8) use the per-pair kernels;
+larger ones (prefill, big batches) keep the grouped GEMM."""
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_n: int  # output features per program
+    block_k: int  # reduction step
+    num_warps: int
+
+
+CONFIGS: dict[str, TileConfig] = {
+    "gate_up": TileConfig(block_n=16, block_k=256, num_warps=4),
+    "down": TileConfig(block_n=16, block_k=256, num_warps=4),
+}
+TILES_ENV = "PAGED_EXPERTS_MOE_TILES"
+"""`gate_up=16x256x4,down=8x512x4` (block_n x block_k x num_warps per kernel) overrides CONFIGS
+at import: what `benchmarks/moe_kernels_h200.py` prints as the best tiles of a GPU."""
+
+
+def parse_tiles(spec: str) -> dict[str, TileConfig]:
+    """'gate_up=16x256x4,down=8x512x4' -> {kernel: TileConfig}; names must be CONFIGS keys."""
+    out: dict[str, TileConfig] = {}
+    for item in filter(None, (p.strip() for p in spec.split(","))):
+        name, _, dims = item.partition("=")
+        parts = dims.split("x")
+        if name not in CONFIGS or len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"{TILES_ENV}: {item!r} is not <{'|'.join(CONFIGS)}>=<block_n>x<block_k>x<num_warps>")
+        out[name] = TileConfig(*(int(p) for p in parts))
+    return out
+
+
+CONFIGS.update(parse_tiles(os.environ.get(TILES_ENV, "")))
 
 
 def available() -> bool:
@@ -37,61 +78,125 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _grouped_rows(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
-        a, w1, w2, offs, out, n_dim: tl.constexpr, k_dim: tl.constexpr,
-        GATED: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    def _route_topk(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
+        logits, ids_out, w_out, E: tl.constexpr, EB: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
+        NORM: tl.constexpr,
     ):
-        """out[p, n] = a[p] . w1[g, n] (GATED: silu(a[p] . w1[g, n]) * (a[p] . w2[g, n])) for the
-        pairs p of row g. a: [P, K]; w1, w2: [G, N, K] row-major; offs: [G + 1] int32 from 0;
-        out: [P, N]. N, K are compile-time (one model's shapes). MB = cdiv(P, BM) bounds the row's pair blocks (a static loop: the loaded
-        offsets only gate it, so the interpreter runs it too)."""
-        g = tl.program_id(0)
-        n0 = tl.program_id(1) * BN
-        start = tl.load(offs + g)
-        end = tl.load(offs + g + 1)
-        if end > start:  # rows without pairs read no weights
-            n_idx = n0 + tl.arange(0, BN)  # [BN]
-            n_ok = n_idx < n_dim
-            w_row = g.to(tl.int64) * n_dim * k_dim
-            for mb in range(MB):
-                m_idx = start + mb * BM + tl.arange(0, BM)  # [BM]
-                m_ok = m_idx < end
-                if start + mb * BM < end:
-                    acc1 = tl.zeros((BM, BN), dtype=tl.float32)
-                    acc2 = tl.zeros((BM, BN), dtype=tl.float32)
-                    for k0 in range(0, k_dim, BK):
-                        k_idx = k0 + tl.arange(0, BK)  # [BK]
-                        k_ok = k_idx < k_dim
-                        x_off = m_idx[:, None].to(tl.int64) * k_dim + k_idx[None, :]
-                        x = tl.load(a + x_off, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                        w_off = w_row + n_idx[:, None].to(tl.int64) * k_dim + k_idx[None, :]  # [BN, BK]
-                        w_ok = n_ok[:, None] & k_ok[None, :]
-                        acc1 += tl.dot(x, tl.trans(tl.load(w1 + w_off, mask=w_ok, other=0.0)))
-                        if GATED:
-                            acc2 += tl.dot(x, tl.trans(tl.load(w2 + w_off, mask=w_ok, other=0.0)))
-                    if GATED:
-                        acc1 = acc1 / (1.0 + tl.exp(-acc1)) * acc2  # silu(gate) * up in fp32
-                    o_off = m_idx[:, None].to(tl.int64) * n_dim + n_idx[None, :]
-                    tl.store(out + o_off, acc1.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        """logits [T, E] (any float dtype) -> ids_out [T, K] int64, w_out [T, K] fp32; one token per program."""
+        t = tl.program_id(0).to(tl.int64)
+        e = tl.arange(0, EB)  # [EB]
+        e_ok = e < E
+        lg = tl.load(logits + t * E + e, mask=e_ok, other=float("-inf")).to(tl.float32)  # [EB]
+        p = tl.exp(lg - tl.max(lg, axis=0))  # [EB], 0 where masked
+        p = p / tl.sum(p, axis=0)  # softmax over E in fp32
+        kk = tl.arange(0, KB)  # [KB]
+        ids = tl.zeros((KB,), dtype=tl.int64)
+        ws = tl.zeros((KB,), dtype=tl.float32)
+        cur = tl.where(e_ok, p, -1.0)  # probabilities are >= 0: -1 marks taken / padding
+        for j in tl.static_range(K):
+            best = tl.max(cur, axis=0)
+            i = tl.min(tl.where(cur == best, e, EB), axis=0)  # lowest id among equal maxima
+            ids = tl.where(kk == j, i.to(tl.int64), ids)
+            ws = tl.where(kk == j, best, ws)
+            cur = tl.where(e == i, -1.0, cur)
+        if NORM:
+            ws = ws / tl.sum(ws, axis=0)
+        tl.store(ids_out + t * K + kk, ids, mask=kk < K)
+        tl.store(w_out + t * K + kk, ws, mask=kk < K)
+
+    @triton.jit
+    def _gate_up(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
+        x, rows, w_gate, w_up, hid, TOP_K: tl.constexpr, I: tl.constexpr, H: tl.constexpr,
+        BN: tl.constexpr, BK: tl.constexpr,
+    ):
+        """x [T, H], rows [T*k] weight row per pair, w_gate/w_up [G, I, H] -> hid [T*k, I]."""
+        p = tl.program_id(0).to(tl.int64)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN]
+        n_ok = n < I
+        r = tl.load(rows + p).to(tl.int64)
+        x_row = x + (p // TOP_K) * H
+        w_off = r * I * H + n[:, None].to(tl.int64) * H  # [BN, 1]
+        acc_g = tl.zeros((BN,), dtype=tl.float32)
+        acc_u = tl.zeros((BN,), dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            k = k0 + tl.arange(0, BK)  # [BK]
+            k_ok = k < H
+            xv = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]  # [1, BK]
+            ok = n_ok[:, None] & k_ok[None, :]
+            wg = tl.load(w_gate + w_off + k[None, :], mask=ok, other=0.0).to(tl.float32)  # [BN, BK]
+            wu = tl.load(w_up + w_off + k[None, :], mask=ok, other=0.0).to(tl.float32)  # [BN, BK]
+            acc_g += tl.sum(wg * xv, axis=1)
+            acc_u += tl.sum(wu * xv, axis=1)
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up, fp32
+        tl.store(hid + p * I + n, h.to(hid.dtype.element_ty), mask=n_ok)
+
+    @triton.jit
+    def _down_combine(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
+        hid, rows, topw, w_down, out, TOP_K: tl.constexpr, I: tl.constexpr, H: tl.constexpr,
+        BN: tl.constexpr, BK: tl.constexpr,
+    ):
+        """hid [T*k, I], rows [T*k], topw [T*k] fp32, w_down [G, H, I] -> out [T, H] = sum_j w_j * down(h_j)."""
+        t = tl.program_id(0).to(tl.int64)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN]
+        n_ok = n < H
+        acc = tl.zeros((BN,), dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            p = t * TOP_K + j
+            r = tl.load(rows + p).to(tl.int64)
+            wj = tl.load(topw + p).to(tl.float32)
+            w_off = r * H * I + n[:, None].to(tl.int64) * I  # [BN, 1]
+            part = tl.zeros((BN,), dtype=tl.float32)
+            for k0 in range(0, I, BK):
+                k = k0 + tl.arange(0, BK)  # [BK]
+                k_ok = k < I
+                hv = tl.load(hid + p * I + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]  # [1, BK]
+                wd = tl.load(w_down + w_off + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                part += tl.sum(wd.to(tl.float32) * hv, axis=1)
+            acc += wj * part
+        tl.store(out + t * H + n, acc.to(out.dtype.element_ty), mask=n_ok)
 
 
-def _launch(a: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor | None, offs0: torch.Tensor) -> torch.Tensor:
-    g, n, k = w1.shape
-    out = a.new_empty(a.shape[0], n)  # [P, N]
-    if a.shape[0] == 0:
-        return out
-    grid = (g, triton.cdiv(n, BLOCK_N))
-    _grouped_rows[grid](
-        a.contiguous(), w1, w1 if w2 is None else w2, offs0, out, n, k,
-        GATED=w2 is not None, MB=triton.cdiv(a.shape[0], BLOCK_M), BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
-    )
-    return out
-
-
-def expert_mlp(x_sorted: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """x_sorted: [P, H] pairs sorted by row; gate/up [G, I, H], down [G, H, I]; offs [G] int32 -> [P, H]."""
+def _require() -> None:
     if not available():
         raise RuntimeError("the 'triton' expert backend needs Triton (a CUDA build of torch)")
-    offs0 = torch.cat([offs.new_zeros(1), offs])  # [G + 1]: row g's pairs are offs0[g]:offs0[g + 1]
-    hidden = _launch(x_sorted, gate, up, offs0)  # [P, I] = silu(x W_gate^T) * (x W_up^T)
-    return _launch(hidden, down, None, offs0)  # [P, H]
+
+
+def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`experts.route` in one kernel: logits [T, E] -> ids [T, k] int64, weights [T, k] fp32."""
+    _require()
+    t, e = logits.shape
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)  # [T, k]
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)  # [T, k]
+    if t:
+        _route_topk[(t,)](
+            logits.contiguous(), ids, weights, E=e, EB=triton.next_power_of_2(e), K=top_k,
+            KB=triton.next_power_of_2(top_k), NORM=norm_topk_prob,
+        )
+    return ids, weights
+
+
+def moe_pairs(
+    x: torch.Tensor, pair_rows: torch.Tensor, topk_weights: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+    down: torch.Tensor, top_k: int,
+) -> torch.Tensor:
+    """The expert pass of a decode step: x [T, H], pair_rows [T*k] (row of gate/up [G, I, H],
+    down [G, H, I]), topk_weights [T, k] -> [T, H] in x's dtype."""
+    _require()
+    t, h = x.shape
+    inter = gate.shape[1]
+    out = x.new_empty(t, h)  # [T, H]
+    if t == 0:
+        return out
+    rows = pair_rows.reshape(-1).contiguous()  # [T*k]
+    hid = x.new_empty(t * top_k, inter)  # [T*k, I]
+    cg, cd = CONFIGS["gate_up"], CONFIGS["down"]
+    _gate_up[(t * top_k, triton.cdiv(inter, cg.block_n))](
+        x.contiguous(), rows, gate, up, hid, TOP_K=top_k, I=inter, H=h, BN=cg.block_n, BK=cg.block_k,
+        num_warps=cg.num_warps,
+    )
+    topw = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*k]
+    _down_combine[(t, triton.cdiv(h, cd.block_n))](
+        hid, rows, topw, down, out, TOP_K=top_k, I=inter, H=h, BN=cd.block_n, BK=cd.block_k,
+        num_warps=cd.num_warps,
+    )
+    return out

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from urllib.parse import parse_qs
 
@@ -178,7 +178,7 @@ def build_from_config(cfg: MoeModelConfig, runtime: RuntimeConfig, seed: int) ->
     attention, moe = [], []
     for i in range(cfg.num_layers):
         a = hw.attention[i]
-        attention.append(AttentionWeights(**{f: dev(getattr(a, f)) for f in a.__dataclass_fields__}))
+        attention.append(AttentionWeights(**{f.name: dev(getattr(a, f.name)) for f in fields(a) if f.init}))
         host, residency, device_experts = place_experts(hw.experts[i], placements[i], cfg, runtime)
         moe.append(MoeLayer(i, placements[i], dev(hw.routers[i]), host, device_experts, shared, residency))
     return LoadedModel(config=cfg, dense=dense, attention=tuple(attention), moe=tuple(moe), counters=shared.counters)
