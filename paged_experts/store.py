@@ -3,7 +3,8 @@
 Experts are stacked per layer as `[E, ...]` tensors (gate `[E, I, H]`, up `[E, I, H]`,
 down `[E, H, I]`), so an expert is one contiguous row and a page-in is a row copy. On a CUDA
 machine the host rows that are ever copied to the GPU live in pinned memory: pageable memory
-copies at about a tenth of the link speed (DESIGN.md section 5).
+copies at about a tenth of the link speed (DESIGN.md section 5). The pinned store is page-locked
+at its exact size by `pinned.py` (torch's allocator would round each tensor up to a power of two).
 
 Page-in of a wave's misses never synchronizes the host per expert. Strategies:
 - `index` (CPU default): one `index_copy_` per tensor;
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from paged_experts import pinned
 from paged_experts.counters import PagingCounters
 
 EXPERT_TENSORS: tuple[str, ...] = ("gate", "up", "down")
@@ -48,10 +50,12 @@ class ExpertTensors:
     def empty(
         cls, n: int, hidden: int, inter: int, dtype: torch.dtype, device: torch.device, pin: bool = False
     ) -> ExpertTensors:
-        def make(*shape: int) -> torch.Tensor:
-            return torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
-
-        return cls(gate=make(n, inter, hidden), up=make(n, inter, hidden), down=make(n, hidden, inter))
+        shapes = [(n, inter, hidden), (n, inter, hidden), (n, hidden, inter)]  # gate, up, down
+        if pin and device.type == "cpu" and torch.cuda.is_available():
+            gate, up, down = pinned.empty_pinned(shapes, dtype)  # exact size: torch would round each up to 2^k
+            return cls(gate=gate, up=up, down=down)
+        gate, up, down = (torch.empty(s, dtype=dtype, device=device, pin_memory=pin) for s in shapes)
+        return cls(gate=gate, up=up, down=down)
 
     @property
     def num_rows(self) -> int:
