@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from paged_experts import moe_triton, synth_memory
+from paged_experts import moe_triton, pinned, synth_memory
 from paged_experts.fused import expert_backend, grouped_backend, set_expert_backend
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
@@ -300,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     hw = synth_memory.host_weights(cfg, torch.bfloat16, args.seed, torch.device(args.device))
     record["host_store_build_s"] = time.perf_counter() - t0
-    print(f"host store built in {record['host_store_build_s']:.1f} s", flush=True)
+    record["pinned"] = asdict(pinned.stats())  # how the store was page-locked (exact size or torch's rounding)
+    print(f"host store built in {record['host_store_build_s']:.1f} s; pinned {record['pinned']}", flush=True)
     record["link"] = measure_link(args.device, expert_bytes, args.linkbw_json)
     print(json.dumps(record["link"]), flush=True)
     if args.device == "cuda":

@@ -157,14 +157,14 @@ def pairs_per_row(pair_rows: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 def experts_over_rows(
     x: torch.Tensor, pair_rows: torch.Tensor, topk_weights: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-    down: torch.Tensor, top_k: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    down: torch.Tensor, top_k: int, count_rows: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The whole expert pass of a one-wave step, tensors only (compilable unless the 'triton'
     backend takes it): x [T, H], pair_rows [T*k] weight row (expert or slot) of each pair ->
-    (out [T, H], pairs per row [G])."""
+    (out [T, H], pairs per row [G]; None where the triton kernels ran and count_rows is False)."""
     if uses_triton(pair_rows.shape[0], x.device):
         out = moe_triton.moe_pairs(x, pair_rows, topk_weights, gate, up, down, top_k)
-        return out, pairs_per_row(pair_rows, gate.shape[0])
+        return out, pairs_per_row(pair_rows, gate.shape[0]) if count_rows else None
     weights = ExpertTensors(gate=gate, up=up, down=down)
     order, offs, counts = group_pairs(pair_rows, weights.num_rows)
     y_pairs = x.new_empty(pair_rows.shape[0], x.shape[1])  # [T*k, H]

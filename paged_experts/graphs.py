@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from paged_experts import attn_triton
 from paged_experts.copy_kernel import graph_safe
 from paged_experts.fused import expert_backend, experts_over_rows, route_logits
 
@@ -93,9 +94,12 @@ class GraphedDecoder:
         # layer launches; the graph then captures the compiled kernels.
         # The 'triton' expert backend's routing and expert kernels are already one launch each
         # (moe_triton): they run uncompiled, inside the graph, beside the compiled attention.
-        self.triton = expert_backend() == "triton"
+        self.triton = expert_backend() == "triton" and model.device.type == "cuda"
         compile_moe = compile_layers and not self.triton
         self._attention_fn = torch.compile(attention_block, dynamic=False) if compile_layers else attention_block
+        # ... and attention splits around attn_triton's decode kernel: two compiled halves
+        self._attention_in = torch.compile(attention_in, dynamic=False) if compile_layers else attention_in
+        self._attention_out = torch.compile(attention_out, dynamic=False) if compile_layers else attention_out
         self._route_fn = torch.compile(route_block, dynamic=False) if compile_moe else route_block
         self._experts_fn = torch.compile(experts_over_rows, dynamic=False) if compile_moe else experts_over_rows
         self.compiled = compile_layers
@@ -223,22 +227,81 @@ class GraphedDecoder:
         zero = torch.zeros((), dtype=dt, device=inputs.device)
         mask = torch.where(keep, zero, torch.finfo(dt).min)  # [B, L]
         x = m._dense.embed[tokens]  # [B, H]
-        stats = []
+        stats: list[torch.Tensor | None] = []
+        resident_ids: list[torch.Tensor] = []  # [B, k] per resident layer: their stats come at the end
         for layer_idx, (w, moe) in enumerate(zip(m._attention, m._moe)):
-            x, h, logits = self._attention_fn(
-                x, w.input_norm, w.qkv_proj, w.o_proj, w.q_norm, w.k_norm, w.post_norm, moe.router_weight,
-                self._pool.k[layer_idx], self._pool.v[layer_idx], cos, sin, new_rows, table, mask,
-                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
-            )
+            kv_k, kv_v = self._pool.k[layer_idx], self._pool.v[layer_idx]
+            if self.triton:
+                q = self._attention_in(
+                    x, w.input_norm, w.qkv_proj, w.q_norm, w.k_norm, kv_k, kv_v, cos, sin, new_rows,
+                    cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+                )
+                attn = attn_triton.decode_attention(q, kv_k, kv_v, table, positions)  # [B, nh*D]
+                x, h, logits = self._attention_out(x, attn, w.o_proj, w.post_norm, moe.router_weight, cfg.rms_norm_eps)
+            else:
+                x, h, logits = self._attention_fn(
+                    x, w.input_norm, w.qkv_proj, w.o_proj, w.q_norm, w.k_norm, w.post_norm, moe.router_weight,
+                    kv_k, kv_v, cos, sin, new_rows, table, mask, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                    cfg.rms_norm_eps,
+                )
             ids, weights = self._route_fn(
                 logits, cfg.top_k, cfg.norm_topk_prob,
                 None if planned_ids is None else planned_ids[:, layer_idx % planned_ids.shape[1]],
             )
-            out, layer_stats = moe.forward_on_device(h, ids, weights, self._experts_fn)
+            if moe.placement == "resident":
+                out = moe.resident_pass(h, ids, weights, self._experts_fn)
+                resident_ids.append(ids)
+                stats.append(None)
+            else:
+                out, layer_stats = moe.forward_on_device(h, ids, weights, self._experts_fn)
+                stats.append(layer_stats)
             x = x + out
-            stats.append(layer_stats)
         hidden = rms_norm(x, m._dense.final_norm, cfg.rms_norm_eps)  # [B, H]
-        return F.linear(hidden, m._dense.lm_head), torch.stack(stats)
+        if resident_ids:  # every resident layer's union in one pass, not five small kernels per layer
+            fills = iter(resident_union_stats(torch.stack(resident_ids), cfg.num_experts))
+            stats = [next(fills) if st is None else st for st in stats]
+        return F.linear(hidden, m._dense.lm_head), torch.stack(stats)  # type: ignore[arg-type]
+
+
+def attention_in(
+    x: torch.Tensor, input_norm: torch.Tensor, qkv_proj: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
+    kv_k: torch.Tensor, kv_v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, new_rows: torch.Tensor,
+    num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+) -> torch.Tensor:
+    """x [B, H] -> rotated queries [B, nh, D]; this step's keys and values written to their KV rows."""
+    from paged_experts.model import rms_norm, rotate_half, split_qkv
+
+    q, k, v = split_qkv(F.linear(rms_norm(x, input_norm, eps), qkv_proj), num_heads, num_kv_heads, head_dim)
+    q = rms_norm(q, q_norm, eps)  # [B, nh, D]
+    k = rms_norm(k, k_norm, eps)  # [B, kvh, D]
+    q = q * cos[:, None, :] + rotate_half(q) * sin[:, None, :]
+    k = k * cos[:, None, :] + rotate_half(k) * sin[:, None, :]
+    kv_k.index_copy_(0, new_rows, k)  # [slots, kvh, D]
+    kv_v.index_copy_(0, new_rows, v)
+    return q
+
+
+def torch_attention(q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Tensor, table: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q [B, nh, D] over the KV rows `table` [B, L] with the additive mask [B, L] -> [B, nh * D]."""
+    b, num_heads, head_dim = q.shape
+    groups = num_heads // kv_k.shape[1]
+    keys = kv_k[table].repeat_interleave(groups, dim=2).transpose(1, 2)  # [B, nh, L, D]
+    values = kv_v[table].repeat_interleave(groups, dim=2).transpose(1, 2)  # [B, nh, L, D]
+    scores = torch.matmul(q[:, :, None, :], keys.transpose(2, 3)) * head_dim**-0.5  # [B, nh, 1, L]
+    scores = scores + mask[:, None, None, :]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [B, nh, 1, L]
+    return torch.matmul(probs, values).reshape(b, num_heads * head_dim)  # [B, nh*D]
+
+
+def attention_out(
+    x: torch.Tensor, attn: torch.Tensor, o_proj: torch.Tensor, post_norm: torch.Tensor, router: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Residual [B, H] + o_proj(attention [B, nh*D]) -> (x [B, H], post-norm hidden [B, H], router logits [B, E])."""
+    from paged_experts.model import rms_norm
+
+    x = x + F.linear(attn, o_proj)  # [B, H]
+    h = rms_norm(x, post_norm, eps)  # [B, H]
+    return x, h, F.linear(h, router)
 
 
 def attention_block(
@@ -250,27 +313,19 @@ def attention_block(
     """One layer's attention (KV row written in place) over padded KV rows and its router logits,
     all tensors passed in (one compiled function serves every layer):
     x [B, H] -> (x + attention [B, H], post-norm hidden [B, H], router logits [B, E])."""
-    from paged_experts.model import rms_norm, rotate_half, split_qkv
+    q = attention_in(
+        x, input_norm, qkv_proj, q_norm, k_norm, kv_k, kv_v, cos, sin, new_rows, num_heads, num_kv_heads, head_dim, eps
+    )
+    return attention_out(x, torch_attention(q, kv_k, kv_v, table, mask), o_proj, post_norm, router, eps)
 
-    b = x.shape[0]
-    h = rms_norm(x, input_norm, eps)
-    q, k, v = split_qkv(F.linear(h, qkv_proj), num_heads, num_kv_heads, head_dim)
-    q = rms_norm(q, q_norm, eps)  # [B, nh, D]
-    k = rms_norm(k, k_norm, eps)  # [B, kvh, D]
-    q = q * cos[:, None, :] + rotate_half(q) * sin[:, None, :]
-    k = k * cos[:, None, :] + rotate_half(k) * sin[:, None, :]
-    kv_k.index_copy_(0, new_rows, k)  # [slots, kvh, D]
-    kv_v.index_copy_(0, new_rows, v)
-    groups = num_heads // num_kv_heads
-    keys = kv_k[table].repeat_interleave(groups, dim=2).transpose(1, 2)  # [B, nh, L, D]
-    values = kv_v[table].repeat_interleave(groups, dim=2).transpose(1, 2)  # [B, nh, L, D]
-    scores = torch.matmul(q[:, :, None, :], keys.transpose(2, 3)) * head_dim**-0.5  # [B, nh, 1, L]
-    scores = scores + mask[:, None, None, :]
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [B, nh, 1, L]
-    out = torch.matmul(probs, values).reshape(b, num_heads * head_dim)  # [B, nh*D]
-    x = x + F.linear(out, o_proj)  # [B, H]
-    h = rms_norm(x, post_norm, eps)  # [B, H]
-    return x, h, F.linear(h, router)  # [B, H], [B, H], [B, E]
+
+def resident_union_stats(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """ids [R, B, k] of R resident layers -> [R, 3] (union, hits = union, misses = 0) per layer."""
+    r = ids.shape[0]
+    flat = ids.reshape(r, -1).to(torch.long)  # [R, B*k]
+    seen = torch.zeros(r, num_experts, dtype=torch.long, device=ids.device)  # [R, E]
+    union = seen.scatter_(1, flat, 1).sum(dim=1)  # [R]
+    return torch.stack([union, union, torch.zeros_like(union)], dim=1)
 
 
 def route_block(

@@ -31,7 +31,7 @@ EXPERT_KERNELS: tuple[str, ...] = ("fused", "loop")
 
 RouterOverride = Callable[[int, torch.Tensor, Any], tuple[torch.Tensor, torch.Tensor]]
 RoutingObserver = Callable[[int, torch.Tensor, torch.Tensor, Any], None]
-ExpertsFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # fused.experts_over_rows or its compiled twin
+ExpertsFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]  # fused.experts_over_rows or its compiled twin
 
 
 @dataclass(frozen=True)
@@ -197,10 +197,21 @@ class MoeLayer:
             return out, plan.stats
         src = self._weights_for_step()
         out, counts = experts_fn(x, flat, weights, src.gate, src.up, src.down, sh.top_k)
+        assert counts is not None
         union = (counts > 0).sum()
         zero = torch.zeros_like(union)
         stats = torch.stack([union, union, zero] if self.placement == "resident" else [union, zero, union])
         return out, stats
+
+    def resident_pass(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts_fn: ExpertsFn = experts_over_rows
+    ) -> torch.Tensor:
+        """A resident layer's expert pass without its stats (the graphed decode step counts every
+        resident layer's union at once): [T, H] -> [T, H], no host synchronization."""
+        assert self.placement == "resident" and self.device_experts is not None
+        w = self.device_experts
+        flat = ids.reshape(-1).to(device=self.shared.device, dtype=torch.long)  # [T*k]
+        return experts_fn(x, flat, weights, w.gate, w.up, w.down, self.shared.top_k, count_rows=False)[0]
 
     def _overlapped_pass(self, x: torch.Tensor, plan: DevicePlan) -> torch.Tensor:
         """[T, H] -> y_pairs [T*k, H]: the hit pairs compute while the misses copy on a second

@@ -1,7 +1,7 @@
-"""moe_triton's decode kernels (routing; gate+up per pair; down with the top-k combine) against
-plain torch, in the Triton interpreter (TRITON_INTERPRET=1, CPU, fp32). Skipped where Triton is
+"""The decode kernels of moe_triton (routing; gate+up per pair; down with the top-k combine) and
+attn_triton (GQA decode attention over a KV row table) against plain torch, in the Triton interpreter (TRITON_INTERPRET=1, CPU, fp32). Skipped where Triton is
 absent (the CPU torch wheel has none); tests/cuda/test_device_paging_cuda.py runs the same checks
-compiled, in bf16, on a GPU (`check_kernels(device="cuda", ...)`).
+compiled, in bf16, on a GPU (`check_kernels(device="cuda", ...)`, `check_attention(...)`).
 
 Triton reads TRITON_INTERPRET when it is imported, so the checks run in a child interpreter
 started with it set (this process may already hold a compiled Triton)."""
@@ -66,12 +66,41 @@ def check_kernels(device: str = "cpu", dtype: torch.dtype = torch.float32, tol: 
         print("ok", (t, e, k, h, i))
 
 
-def test_decode_kernels_match_torch_in_the_interpreter() -> None:
+# (batch, query heads, KV heads, head dim, context bucket L, positions): GQA groups of 1, 4 and 8,
+# contexts inside one block, across blocks, and a sequence that has only its first token.
+ATTENTION_CASES = ((1, 8, 2, 16, 64, (5,)), (3, 4, 4, 32, 128, (0, 70, 127)), (2, 32, 4, 128, 64, (63, 9)))
+
+
+def check_attention(device: str = "cpu", dtype: torch.dtype = torch.float32, tol: float = 1e-4) -> None:
+    from paged_experts.attn_triton import decode_attention
+    from paged_experts.graphs import torch_attention
+
+    gen = torch.Generator().manual_seed(0)
+    for b, nh, kvh, d, length, pos in ATTENTION_CASES:
+        slots = b * length + 7
+        kv_k = torch.randn(slots, kvh, d, generator=gen).to(device, dtype)  # [slots, kvh, D]
+        kv_v = torch.randn(slots, kvh, d, generator=gen).to(device, dtype)
+        positions = torch.tensor(pos, device=device)  # [B]
+        # each sequence's rows scattered over the pool; positions past its own repeat its last row
+        table = torch.stack([torch.randperm(slots, generator=gen)[:length] for _ in range(b)]).to(device)  # [B, L]
+        cols = torch.arange(length, device=device)[None, :]
+        table = torch.where(cols <= positions[:, None], table, table.gather(1, positions[:, None]))
+        mask = torch.where(cols <= positions[:, None], 0.0, torch.finfo(dtype).min).to(dtype)  # [B, L]
+        q = torch.randn(b, nh, d, generator=gen).to(device, dtype)
+        got = decode_attention(q, kv_k, kv_v, table, positions)
+        want = torch_attention(q.float(), kv_k.float(), kv_v.float(), table, mask.float())
+        assert got.shape == (b, nh * d) and got.dtype == dtype
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+        print("ok", (b, nh, kvh, d, length, pos))
+
+
+@pytest.mark.parametrize(("check", "cases"), [("check_kernels", CASES), ("check_attention", ATTENTION_CASES)])
+def test_decode_kernels_match_torch_in_the_interpreter(check: str, cases: tuple) -> None:
     pytest.importorskip("triton")
-    code = "import sys; sys.path.insert(0, sys.argv[1]); import test_moe_triton as t; t.check_kernels()"
+    code = f"import sys; sys.path.insert(0, sys.argv[1]); import test_moe_triton as t; t.{check}()"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run(
         [sys.executable, "-c", code, os.path.dirname(__file__)], env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert done.stdout.count("ok ") == len(CASES)
+    assert done.stdout.count("ok ") == len(cases)

@@ -163,18 +163,19 @@ def test_triton_expert_backend() -> None:
 
 
 def test_moe_triton_kernels_bf16() -> None:
-    """moe_triton's routing and per-pair expert kernels compiled, in bf16, against torch (the
+    """moe_triton's routing and per-pair expert kernels and attn_triton's decode attention compiled, in bf16, against torch (the
     interpreter test's checks at the GPU's dtype), and at the Qwen3-30B-A3B layer shape."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from test_moe_triton import check_kernels, reference_moe
+    from test_moe_triton import check_attention, check_kernels, reference_moe
 
     from paged_experts import moe_triton
     from paged_experts.experts import route
 
     check_kernels(device="cuda", dtype=torch.bfloat16, tol=2e-2)
+    check_attention(device="cuda", dtype=torch.bfloat16, tol=2e-2)
     e, h, i, k = 128, 2048, 768, 8
     gen = torch.Generator(device="cuda").manual_seed(1)
     gate, up = (torch.randn(e, i, h, device="cuda", generator=gen, dtype=torch.bfloat16) / 40 for _ in range(2))
