@@ -23,6 +23,7 @@ from paged_experts.api_metrics import ServerMetrics
 from paged_experts.api_text import TextCodec
 from paged_experts.config import MoeModelConfig
 from paged_experts.engine import Engine, EngineConfig
+from paged_experts.fused import EXPERT_BACKENDS, set_expert_backend
 from paged_experts.runtime import MODES, RuntimeConfig
 
 KV_BLOCK_TOKENS = 16
@@ -48,6 +49,7 @@ class ServeConfig:
     record_routing: str | None = None
     cuda_graph_max_bs: int = 0  # 0: no CUDA graphs; N: capture decode batches 1..N (CUDA; paged: B x top_k <= K)
     enable_torch_compile: bool = False  # torch.compile the per-layer blocks of the captured decode step
+    kernel_backend: str = "grouped"  # or "triton": fused.set_expert_backend (routing, experts, decode attention)
     expert_kernel: str = "fused"
     log_level: str = "info"
 
@@ -97,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "<= K; 0 = off)")
     p.add_argument("--enable-torch-compile", action="store_true",
                    help="torch.compile the per-layer blocks of the captured decode step (needs --cuda-graph-max-bs)")
+    p.add_argument("--kernel-backend", choices=EXPERT_BACKENDS, default="grouped",
+                   help="grouped: torch's grouped GEMM for the fused expert pass; triton: routing, the expert pass "
+                        "and (in captured steps) attention of decode steps as Triton kernels (CUDA; steps of up to "
+                        "32 routed pairs, larger ones keep grouped)")
     p.add_argument("--expert-kernel", choices=("fused", "loop"), default="fused",
                    help="grouped matmuls over the slot table (fused) or the per-expert reference loop")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -113,6 +119,8 @@ def parse_args(argv: Sequence[str]) -> ServeConfig:
         parser.error("--cuda-graph-max-bs must be >= 0")
     if ns.enable_torch_compile and not ns.cuda_graph_max_bs:
         parser.error("--enable-torch-compile compiles the captured decode step: it needs --cuda-graph-max-bs N")
+    if ns.kernel_backend == "triton" and ns.device != "cuda":
+        parser.error("--kernel-backend triton runs Triton GPU kernels: it needs --device cuda")
     if not 0 <= ns.port < 65536:
         parser.error("--port must be in [0, 65535]")
     if ns.mode is None:
@@ -204,6 +212,7 @@ def load_serving(config: ServeConfig, metrics: ServerMetrics) -> Serving:
 
     model_config = MoeModelConfig.from_dir(config.model_path)
     runtime = config.runtime_config(model_config)
+    set_expert_backend(config.kernel_backend)  # process-wide, before any step (and before graph capture)
     model = MoeCausalLM.from_pretrained(config.model_path, runtime, expert_kernel=config.expert_kernel)
     if config.cuda_graph_max_bs:
         if runtime.device != "cuda" or not model.graphable():

@@ -54,40 +54,22 @@ class DeviceResidency:
         self.last_use = torch.full((k + 1,), -1, dtype=torch.long, device=device)  # [K+1] step stamp, -1 never
         self.step = torch.zeros((), dtype=torch.long, device=device)  # planned steps so far
         self._arange_e = torch.arange(e + 1, device=device)  # [E+1]
+        self._plan_fn = plan_step
+
+    def compile(self) -> None:
+        """Plan through torch.compile (one compiled function serves every layer of one shape): the
+        plan is ~25 small kernels, two sorts among them, on a step's critical path per paged layer."""
+        self._plan_fn = _compiled_plan_step()
 
     def plan(self, flat_ids: torch.Tensor) -> DevicePlan:
         """flat_ids: [P] routed expert of each pair (P <= K) on the device; updates the state."""
-        e, k = self.num_experts, self.num_slots
         p = flat_ids.shape[0]
-        if p > k:
-            raise ValueError(f"a device-planned step routes at most K={k} pairs, got {p}")
-        flat_ids = flat_ids.to(torch.long)
-        # index_fill_ (a scalar kernel argument), not `t[idx] = value`: that copies the value from
-        # the host, which a CUDA graph cannot capture
-        used = torch.zeros(e + 1, dtype=torch.bool, device=self.device).index_fill_(0, flat_ids, True)  # [E+1]
-        resident = self.slot_of >= 0  # [E+1]
-        miss = used & ~resident  # [E+1]
-        n_used = used.sum()
-        n_miss = miss.sum()
-        # Misses ascending, padded with E: sorting E-for-non-misses puts the misses first.
-        miss_experts = torch.sort(torch.where(miss, self._arange_e, e)).values[:p]  # [P]
-        valid = miss_experts < e  # [P]
-        # Victims: unpinned slots by (last use, expert id); pinned slots (routed now) sort last.
-        pinned = used[self.expert_in[:k]]  # [K]
-        key = (self.last_use[:k] + 1) * (e + 1) + self.expert_in[:k]  # [K], distinct per slot
-        key = torch.where(pinned, torch.iinfo(torch.long).max, key)
-        victims = torch.sort(key).indices[:p]  # [P] (P <= K: enough unpinned slots for the misses)
-        miss_slots = torch.where(valid, victims, k)  # [P]
-        evicted = torch.where(valid, self.expert_in[miss_slots], e)  # [P]
-        self.slot_of.index_fill_(0, evicted, -1)
-        self.slot_of.index_copy_(0, miss_experts, torch.where(valid, miss_slots, -1))
-        self.slot_of[e:].fill_(-1)  # the spare entry took padded writes
-        self.expert_in.index_copy_(0, miss_slots, torch.where(valid, miss_experts, e))
-        pair_missed = miss[flat_ids]  # [P]
-        pair_slot = self.slot_of[flat_ids]  # [P]
-        self.last_use.index_copy_(0, pair_slot, self.step.expand(pair_slot.shape[0]).contiguous())
-        self.step += 1
-        stats = torch.stack([n_used, n_used - n_miss, n_miss])  # [3]
+        if p > self.num_slots:
+            raise ValueError(f"a device-planned step routes at most K={self.num_slots} pairs, got {p}")
+        pair_slot, pair_missed, miss_experts, miss_slots, stats = self._plan_fn(
+            flat_ids.to(torch.long), self.slot_of, self.expert_in, self.last_use, self.step, self._arange_e,
+            self.num_experts, self.num_slots,
+        )
         return DevicePlan(pair_slot=pair_slot, pair_missed=pair_missed, miss_experts=miss_experts, miss_slots=miss_slots, stats=stats)
 
     def state(self) -> tuple[torch.Tensor, ...]:
@@ -125,6 +107,51 @@ class DeviceResidency:
         self.last_use.copy_(torch.tensor(stamps, dtype=torch.long))
         self.step.fill_(residency.step)
         assert len(residency.expert_in) == k
+
+
+def plan_step(
+    flat_ids: torch.Tensor, slot_of: torch.Tensor, expert_in: torch.Tensor, last_use: torch.Tensor,
+    step: torch.Tensor, arange_e: torch.Tensor, e: int, k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One wave's LRU plan over a layer's state (updated in place): flat_ids [P] int64 ->
+    (pair_slot [P], pair_missed [P], miss_experts [P], miss_slots [P], stats [3]); see DevicePlan."""
+    p = flat_ids.shape[0]
+    device = flat_ids.device
+    # index_fill_ (a scalar kernel argument), not `t[idx] = value`: that copies the value from
+    # the host, which a CUDA graph cannot capture
+    used = torch.zeros(e + 1, dtype=torch.bool, device=device).index_fill_(0, flat_ids, True)  # [E+1]
+    resident = slot_of >= 0  # [E+1]
+    miss = used & ~resident  # [E+1]
+    n_used = used.sum()
+    n_miss = miss.sum()
+    # Misses ascending, padded with E: sorting E-for-non-misses puts the misses first.
+    miss_experts = torch.sort(torch.where(miss, arange_e, e)).values[:p]  # [P]
+    valid = miss_experts < e  # [P]
+    # Victims: unpinned slots by (last use, expert id); pinned slots (routed now) sort last.
+    pinned = used[expert_in[:k]]  # [K]
+    key = (last_use[:k] + 1) * (e + 1) + expert_in[:k]  # [K], distinct per slot
+    key = torch.where(pinned, torch.iinfo(torch.long).max, key)
+    victims = torch.sort(key).indices[:p]  # [P] (P <= K: enough unpinned slots for the misses)
+    miss_slots = torch.where(valid, victims, k)  # [P]
+    evicted = torch.where(valid, expert_in[miss_slots], e)  # [P]
+    slot_of.index_fill_(0, evicted, -1)
+    slot_of.index_copy_(0, miss_experts, torch.where(valid, miss_slots, -1))
+    slot_of[e:].fill_(-1)  # the spare entry took padded writes
+    expert_in.index_copy_(0, miss_slots, torch.where(valid, miss_experts, e))
+    pair_missed = miss[flat_ids]  # [P]
+    pair_slot = slot_of[flat_ids]  # [P]
+    last_use.index_copy_(0, pair_slot, step.expand(p).contiguous())
+    step += 1
+    return pair_slot, pair_missed, miss_experts, miss_slots, torch.stack([n_used, n_used - n_miss, n_miss])
+
+
+_COMPILED: list = []
+
+
+def _compiled_plan_step():  # noqa: ANN202 - torch.compile's wrapper type
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(plan_step, dynamic=False))
+    return _COMPILED[0]
 
 
 def _lru(residency: LayerResidency) -> LruPolicy:

@@ -103,6 +103,9 @@ class GraphedDecoder:
         self._route_fn = torch.compile(route_block, dynamic=False) if compile_moe else route_block
         self._experts_fn = torch.compile(experts_over_rows, dynamic=False) if compile_moe else experts_over_rows
         self.compiled = compile_layers
+        if compile_layers:  # the paged layers' LRU plans too (one compiled function for all)
+            for moe in self._paged:
+                moe.device_residency.compile()  # type: ignore[union-attr]
         log.info(
             "decode step graphs enabled for batch sizes %s (captured on first use per KV bucket)%s%s",
             list(self.batch_sizes), ", layers compiled" if compile_layers else "",

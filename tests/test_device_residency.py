@@ -51,6 +51,18 @@ def test_device_plan_equals_host_lru(seed: int) -> None:
         _check_same_plan(dev, host, routed)
 
 
+def test_compiled_device_plan_equals_host_lru() -> None:
+    """`DeviceResidency.compile()` (torch.compile of the plan, used by compiled graphed decode)
+    plans what the host LRU plans, step by step, with state mutated in place as eagerly."""
+    rng = random.Random(11)
+    e, k, top_k = 32, 8, 4
+    dev, host = DeviceResidency(e, k, torch.device("cpu")), LayerResidency(e, k)
+    dev.compile()
+    for _ in range(30):
+        routed = [x for _ in range(rng.randint(1, 2)) for x in rng.sample(range(e), top_k)]
+        _check_same_plan(dev, host, routed)
+
+
 def test_host_planned_steps_share_the_device_state() -> None:
     """Multi-wave steps plan on the host after pull_to; push_from hands the state back."""
     rng = random.Random(3)

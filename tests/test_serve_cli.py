@@ -91,6 +91,8 @@ def test_cuda_graphs_and_expert_kernel_flags(tmp_path: Path) -> None:
         (["--cuda-graph-max-bs", "-1"], "--cuda-graph-max-bs"),
         (["--expert-kernel", "magic"], "--expert-kernel"),
         (["--enable-torch-compile"], "--enable-torch-compile"),
+        (["--kernel-backend", "triton"], "--kernel-backend"),  # Triton kernels need --device cuda
+        (["--kernel-backend", "magic"], "--kernel-backend"),
     ],
 )
 def test_inconsistent_flags_exit_2_naming_the_flag(argv: list[str], needle: str, capsys) -> None:
