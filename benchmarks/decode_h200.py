@@ -42,12 +42,11 @@ from paged_experts.store import ExpertTensors
 
 SCHEMA_VERSION = 1
 DEFAULT_MODES = (  # most important first: a --deadline-s cut drops the tail
-    "resident,resident/graphs,resident/graphs+compile,"
-    "paged:16/graphs+compile,paged:30/graphs+compile,paged:32/graphs+compile,paged:64/graphs+compile,"
-    "paged:92/graphs+compile,offload,"
-    "paged:32/host,paged:64/host,paged:32/graphs,paged:64/graphs,paged:32/compile+graphs+overlap,"
-    "paged:64/compile+graphs+overlap,cpu-experts:12,cpu-experts:24,cpu-experts:48,paged:16/host,paged:92/host,"
-    "resident/loop"
+    "resident/graphs+compile+triton,resident/graphs+compile,resident/graphs,resident,"
+    "paged:16/graphs+compile+triton,paged:30/graphs+compile+triton,paged:32/graphs+compile+triton,"
+    "paged:64/graphs+compile+triton,paged:92/graphs+compile+triton,offload,cpu-experts:12,cpu-experts:24,"
+    "cpu-experts:48,paged:32/graphs+compile,paged:64/graphs+compile,paged:32/host,paged:64/host,paged:16/host,"
+    "paged:92/host,resident/loop"
 )
 
 
