@@ -160,35 +160,45 @@ class TalliedCounters(PagingCounters):
     sync the host 48 times a token. The scalars queue here and are read in one transfer.
     """
 
-    _MAX_PENDING = 8192
+    _MAX_PENDING = 8192  # layer-steps queued before a flush
 
     def __init__(self, num_layers: int, expert_bytes: int, mode: str) -> None:
         super().__init__(num_layers, expert_bytes, mode)
-        self._pending: list[tuple[int, str, torch.Tensor, int]] = []  # (layer, placement, stats [3], pairs)
+        # (first layer, placements, stats [n, 3], routed pairs): n consecutive layers of one step
+        self._pending: list[tuple[int, tuple[str, ...], torch.Tensor, int]] = []
+        self._pending_rows = 0
 
     def record_step_device(self, layer: int, placement: str, stats: torch.Tensor, routed_pairs: int) -> None:
         """stats: [3] int64 (union, hits, misses) of one layer-step, still on the device."""
-        self._pending.append((layer, placement, stats, routed_pairs))
-        if len(self._pending) >= self._MAX_PENDING:
+        self.record_layers_device(layer, (placement,), stats[None], routed_pairs)
+
+    def record_layers_device(self, first_layer: int, placements: tuple[str, ...], stats: torch.Tensor, routed_pairs: int) -> None:
+        """stats: [n, 3] int64 of layers first_layer.. first_layer + n - 1 of one step, on the device
+        (a graphed decode step queues all its layers as one entry: one host call, not one per layer)."""
+        self._pending.append((first_layer, placements, stats, routed_pairs))
+        self._pending_rows += len(placements)
+        if self._pending_rows >= self._MAX_PENDING:
             self.flush()
 
     def flush(self) -> None:
         if not self._pending:
             return
-        pending, self._pending = self._pending, []
-        rows = torch.stack([p[2] for p in pending]).tolist()  # one device->host read
-        for (layer, placement, _, pairs), (union, hits, misses) in zip(pending, rows):
-            self.record_step(
-                layer, union=int(union), routed_pairs=pairs, hits=int(hits), misses=int(misses), cpu_activations=0,
-                waves=1 if union else 0,
-            )
-            if placement == "paged":  # offload layers record their copies as they issue them
-                self.record_copy(layer, bytes_h2d=int(misses) * self.expert_bytes)
+        pending, self._pending, self._pending_rows = self._pending, [], 0
+        rows = iter(torch.cat([p[2] for p in pending]).tolist())  # one device->host read
+        for first, placements, _, pairs in pending:
+            for layer, placement in enumerate(placements, start=first):
+                union, hits, misses = next(rows)
+                self.record_step(
+                    layer, union=int(union), routed_pairs=pairs, hits=int(hits), misses=int(misses), cpu_activations=0,
+                    waves=1 if union else 0,
+                )
+                if placement == "paged":  # offload layers record their copies as they issue them
+                    self.record_copy(layer, bytes_h2d=int(misses) * self.expert_bytes)
 
     def snapshot(self) -> CountersSnapshot:
         self.flush()
         return super().snapshot()
 
     def reset(self) -> None:
-        self._pending = []
+        self._pending, self._pending_rows = [], 0
         super().reset()

@@ -157,10 +157,8 @@ class GraphedDecoder:
         self.replays += 1
         for moe in self._paged:  # a replay planned on the device: the host planner must pull first
             moe._host_residency_stale = True
-        stats = entry.stats.clone()  # [layers, 3]: read with the counters, later
-        pairs = b * m.config.top_k
-        for i, moe in enumerate(m._moe):
-            m.counters.record_step_device(i, moe.placement, stats[i], pairs)
+        pairs = b * m.config.top_k  # [layers, 3] union, hits, misses: read with the counters, later
+        m.counters.record_layers_device(0, m.layer_placements(), entry.stats.clone(), pairs)  # type: ignore[attr-defined]
         logits = entry.logits.to("cpu", torch.float32)  # [B, V]: the step's one sync
         for c in chunks:
             pool.commit(c.seq, c.start_pos + 1)
