@@ -59,9 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--reps", type=int, default=16)
     ap.add_argument("--replays", type=int, default=20)
-    ap.add_argument("--block-n", default="8,16,32")
-    ap.add_argument("--block-k", default="128,256,512")
-    ap.add_argument("--warps", default="2,4,8")
+    ap.add_argument("--sweep", default="gate_up:8,16,32:256,512:2,4,8;down:8,16:256,512:2,4;down/v:4,8,16:64,128,256:4,8",
+                    help="kernel[/v]:block_n list:block_k list:num_warps list, ';'-separated (/v: pairs loaded together)")
     args = ap.parse_args(argv)
     dev, dt = torch.device("cuda"), torch.bfloat16
     e, h, i, k = args.experts, args.hidden, args.inter, args.top_k
@@ -76,7 +75,12 @@ def main(argv: list[str] | None = None) -> int:
         "provenance": provenance(), "gpu": torch.cuda.get_device_name(),
         "shape": {"experts": e, "hidden": h, "inter": i, "top_k": k, "dtype": "bfloat16"}, "batches": [],
     }
-    sweep = list(itertools.product(*([int(v) for v in s.split(",")] for s in (args.block_n, args.block_k, args.warps))))
+    sweep: list[tuple[str, moe_triton.TileConfig]] = []
+    for part in filter(None, args.sweep.split(";")):
+        kernel, *lists = part.split(":")
+        name, vector = kernel.removesuffix("/v"), kernel.endswith("/v")
+        for bn, bk, warps in itertools.product(*([int(v) for v in lst.split(",")] for lst in lists)):
+            sweep.append((name, moe_triton.TileConfig(bn, bk, warps, pair_vector=vector)))
     best_tiles: dict[str, tuple[float, moe_triton.TileConfig]] = {}
     for b in (int(v) for v in args.batches.split(",")):
         xs = [torch.randn(b, h, device=dev, dtype=dt, generator=gen) for _ in range(args.reps)]  # [B, H] each
@@ -109,23 +113,25 @@ def main(argv: list[str] | None = None) -> int:
         row["triton_vs_grouped_max_rel"] = ((got - ref).abs().max() / ref.abs().max()).item()
         saved = dict(moe_triton.CONFIGS)
         row["sweep"] = []
-        for kernel in ("gate_up", "down"):
-            for bn, bk, warps in sweep:
-                moe_triton.CONFIGS[kernel] = moe_triton.TileConfig(bn, bk, warps)
-                try:
-                    s = time_graph(timings["experts_triton"], args.replays)
-                except Exception as exc:  # noqa: BLE001 - a tile the compiler refuses is recorded
-                    row["sweep"].append({"kernel": kernel, "tiles": [bn, bk, warps], "error": repr(exc)[:200]})
-                    continue
-                row["sweep"].append({"kernel": kernel, "tiles": [bn, bk, warps], "experts_us": s * 1e6})
-                if b == 1 and (kernel not in best_tiles or s < best_tiles[kernel][0]):
-                    best_tiles[kernel] = (s, moe_triton.CONFIGS[kernel])
-            moe_triton.CONFIGS[kernel] = saved[kernel]  # sweep one kernel with the other at its default
+        for kernel, tiles in sweep:  # one kernel's tiles at a time, the other kernel at its default
+            moe_triton.CONFIGS.update(saved)
+            moe_triton.CONFIGS[kernel] = tiles
+            try:
+                s = time_graph(timings["experts_triton"], args.replays)
+                out = moe_triton.moe_pairs(xs[0], routed[0][0].reshape(-1), routed[0][1], gate, up, down, k).float()
+            except Exception as exc:  # noqa: BLE001 - a tile the compiler refuses is recorded
+                row["sweep"].append({"tiles": moe_triton.tile_spec(kernel, tiles), "error": repr(exc)[:200]})
+                continue
+            rel = ((out - ref).abs().max() / ref.abs().max()).item()
+            row["sweep"].append({"tiles": moe_triton.tile_spec(kernel, tiles), "experts_us": s * 1e6, "max_rel_vs_grouped": rel})
+            if b == 1 and rel < 0.05 and (kernel not in best_tiles or s < best_tiles[kernel][0]):
+                best_tiles[kernel] = (s, tiles)
+        moe_triton.CONFIGS.update(saved)
         record["batches"].append(row)
         brief = {key: round(v, 2) for key, v in row.items() if isinstance(v, float)}
         print(f"B={b}: {brief}", flush=True)
         args.out.write_text(json.dumps(record, indent=2, default=str))
-    tiles = ",".join(f"{n}={c.block_n}x{c.block_k}x{c.num_warps}" for n, (_, c) in best_tiles.items())
+    tiles = ",".join(moe_triton.tile_spec(n, c) for n, (_, c) in best_tiles.items())
     record["best_tiles_b1"] = tiles
     args.out.write_text(json.dumps(record, indent=2, default=str))
     print(f"best tiles at batch 1 (each kernel swept with the other at its default): {moe_triton.TILES_ENV}={tiles}")

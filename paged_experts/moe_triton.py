@@ -11,7 +11,8 @@ GEMV that wants the HBM bandwidth and nothing else:
 - `_gate_up`: one program per (pair, tile of I): h[p] = silu(x[t] . W_gate[r]) * (x[t] . W_up[r]),
   gate and up streamed together, fp32 accumulation, one rounding;
 - `_down_combine`: one program per (token, tile of H): y[t] = sum_j w[t, j] * (h[t*k+j] . W_down[r]),
-  the k pairs summed in j order in fp32 (no per-pair output, no scatter, no separate combine).
+  the k pairs summed in j order in fp32 (no per-pair output, no scatter, no separate combine);
+  `_down_combine_vec` (tiles with pair_vector) is the same sum with the k pairs' tiles loaded at once.
 Pairs are not sorted or grouped: a pair's row r (expert in `[E, ...]`, slot in `[K, ...]`) is read
 directly. A pair's result depends only on its token's input and its row's weights, and a token's
 sum runs in a fixed order, so paged == resident bit for bit whenever both use these kernels.
@@ -45,6 +46,7 @@ class TileConfig:
     block_n: int  # output features per program
     block_k: int  # reduction step
     num_warps: int
+    pair_vector: bool = False  # down only: load a token's k pairs' tiles together ([k, BN, BK]), not one pair after another
 
 
 CONFIGS: dict[str, TileConfig] = {
@@ -56,15 +58,23 @@ TILES_ENV = "PAGED_EXPERTS_MOE_TILES"
 at import: what `benchmarks/moe_kernels_h200.py` prints as the best tiles of a GPU."""
 
 
+def tile_spec(name: str, c: TileConfig) -> str:
+    """The PAGED_EXPERTS_MOE_TILES item of one kernel's tiles (parse_tiles reads it back)."""
+    return f"{name}={c.block_n}x{c.block_k}x{c.num_warps}" + ("xv" if c.pair_vector else "")
+
+
 def parse_tiles(spec: str) -> dict[str, TileConfig]:
-    """'gate_up=16x256x4,down=8x512x4' -> {kernel: TileConfig}; names must be CONFIGS keys."""
+    """'gate_up=16x256x4,down=8x128x4xv' -> {kernel: TileConfig}; names must be CONFIGS keys; a
+    trailing 'xv' (down only) loads a token's pairs together."""
     out: dict[str, TileConfig] = {}
     for item in filter(None, (p.strip() for p in spec.split(","))):
         name, _, dims = item.partition("=")
         parts = dims.split("x")
-        if name not in CONFIGS or len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise ValueError(f"{TILES_ENV}: {item!r} is not <{'|'.join(CONFIGS)}>=<block_n>x<block_k>x<num_warps>")
-        out[name] = TileConfig(*(int(p) for p in parts))
+        vector = name == "down" and len(parts) == 4 and parts[3] == "v"
+        nums = parts[:3] if vector else parts
+        if name not in CONFIGS or len(nums) != 3 or not all(p.isdigit() and int(p) > 0 for p in nums):
+            raise ValueError(f"{TILES_ENV}: {item!r} is not <{'|'.join(CONFIGS)}>=<block_n>x<block_k>x<num_warps>[xv]")
+        out[name] = TileConfig(*(int(p) for p in nums), pair_vector=vector)
     return out
 
 
@@ -156,6 +166,34 @@ if triton is not None:
         tl.store(out + t * H + n, acc.to(out.dtype.element_ty), mask=n_ok)
 
 
+    @triton.jit
+    def _down_combine_vec(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
+        hid, rows, topw, w_down, out, TOP_K: tl.constexpr, KB: tl.constexpr, I: tl.constexpr, H: tl.constexpr,
+        BN: tl.constexpr, BK: tl.constexpr,
+    ):
+        """`_down_combine` with a token's k pairs loaded together: each step streams k weight tiles
+        [KB, BN, BK] at once (k times the bytes in flight of the one-pair loop)."""
+        t = tl.program_id(0).to(tl.int64)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN]
+        n_ok = n < H
+        j = tl.arange(0, KB)  # [KB]
+        j_ok = j < TOP_K
+        p = t * TOP_K + j  # [KB]
+        r = tl.load(rows + p, mask=j_ok, other=0).to(tl.int64)  # [KB]
+        wj = tl.load(topw + p, mask=j_ok, other=0.0).to(tl.float32)  # [KB]
+        w_off = r[:, None, None] * H * I + n[None, :, None].to(tl.int64) * I  # [KB, BN, 1]
+        acc = tl.zeros((KB, BN), dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            k = k0 + tl.arange(0, BK)  # [BK]
+            k_ok = k < I
+            hv = tl.load(hid + p[:, None] * I + k[None, :], mask=j_ok[:, None] & k_ok[None, :], other=0.0)  # [KB, BK]
+            ok = j_ok[:, None, None] & n_ok[None, :, None] & k_ok[None, None, :]
+            wd = tl.load(w_down + w_off + k[None, None, :], mask=ok, other=0.0)  # [KB, BN, BK]
+            acc += tl.sum(wd.to(tl.float32) * hv.to(tl.float32)[:, None, :], axis=2)
+        y = tl.sum(acc * wj[:, None], axis=0)  # [BN]: the k pairs, weighted, summed
+        tl.store(out + t * H + n, y.to(out.dtype.element_ty), mask=n_ok)
+
+
 def _require() -> None:
     if not available():
         raise RuntimeError("the 'triton' expert backend needs Triton (a CUDA build of torch)")
@@ -195,8 +233,15 @@ def moe_pairs(
         num_warps=cg.num_warps,
     )
     topw = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*k]
-    _down_combine[(t, triton.cdiv(h, cd.block_n))](
-        hid, rows, topw, down, out, TOP_K=top_k, I=inter, H=h, BN=cd.block_n, BK=cd.block_k,
-        num_warps=cd.num_warps,
-    )
+    grid = (t, triton.cdiv(h, cd.block_n))
+    if cd.pair_vector:
+        _down_combine_vec[grid](
+            hid, rows, topw, down, out, TOP_K=top_k, KB=triton.next_power_of_2(top_k), I=inter, H=h,
+            BN=cd.block_n, BK=cd.block_k, num_warps=cd.num_warps,
+        )
+    else:
+        _down_combine[grid](
+            hid, rows, topw, down, out, TOP_K=top_k, I=inter, H=h, BN=cd.block_n, BK=cd.block_k,
+            num_warps=cd.num_warps,
+        )
     return out

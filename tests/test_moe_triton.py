@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -54,10 +55,20 @@ def check_kernels(device: str = "cpu", dtype: torch.dtype = torch.float32, tol: 
         rows, topw = route(logits, k, True)
         if t > 1:  # token 1 reuses token 0's experts: a row serves several pairs
             rows[1] = rows[0]
-        got = moe_triton.moe_pairs(x, rows.reshape(-1), topw, gate, up, down, k)
-        assert got.shape == (t, h) and got.dtype == dtype
         want = reference_moe(x, rows.reshape(-1), topw, gate, up, down, k)
+        saved = moe_triton.CONFIGS["down"]
+        try:  # the down pass both ways: pairs one after another, and a token's pairs loaded together
+            moe_triton.CONFIGS["down"] = replace(saved, pair_vector=True)
+            vec = moe_triton.moe_pairs(x, rows.reshape(-1), topw, gate, up, down, k)
+        finally:
+            moe_triton.CONFIGS["down"] = replace(saved, pair_vector=False)
+        try:
+            got = moe_triton.moe_pairs(x, rows.reshape(-1), topw, gate, up, down, k)
+        finally:
+            moe_triton.CONFIGS["down"] = saved
+        assert got.shape == (t, h) and got.dtype == dtype and vec.shape == got.shape
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * max(1.0, want.abs().max().item()))
+        torch.testing.assert_close(vec.float(), want, rtol=tol, atol=tol * max(1.0, want.abs().max().item()))
         # a slot table holding the same experts in other rows gives the same bits (paged == resident)
         perm = torch.randperm(e, generator=gen).to(device)
         slot_of = torch.argsort(perm)  # expert -> its row in the permuted table
