@@ -91,8 +91,10 @@ _GRID_INTRO = (
     "router: its figures are in the model-routing row).</p>"
 )
 _VARIANT_INTRO = (
-    "<p>The same figures per variant: [graphs] CUDA-graph decode steps, [host] host-planned paging, [overlap] hits computed "
-    "while misses copy, [loop] the per-expert reference kernel; no bracket = the default path.</p>"
+    "<p>The same figures per variant: [graphs] CUDA-graph decode steps, [compile] the per-layer blocks (and the paged LRU "
+    "plan) through torch.compile before capture, [triton] routing, the expert pass and decode attention as Triton kernels "
+    "(paged_experts.moe_triton, attn_triton), [host] host-planned paging, [overlap] hits computed while misses copy, [loop] "
+    "the per-expert reference kernel; no bracket = the default path (grouped GEMM, eager).</p>"
 )
 _ROOFLINE_INTRO = (
     "<p>roofline_step = max(resident step at the same batch and routing, misses per step x expert bytes / link rate); "
@@ -103,7 +105,8 @@ _RESIDENT_INTRO = (
     "hbm_fraction = bound step / measured step.</p>"
 )
 _BUDGET_INTRO = (
-    f"<p>Paged K={ht.EQUAL_BUDGET_K} (bf16) against the fastest llama.cpp configuration within llama.cpp's fit budget (the "
+    "<p>The fastest paged cell (bf16) whose measured GPU memory (torch allocator peak) is within llama.cpp's fit budget "
+    f"(if none is, paged K={ht.EQUAL_BUDGET_K}, flagged over budget) against the fastest llama.cpp configuration within it (the "
     "N its own projection chose, keeping its 1024 MiB margin, or a fixed N whose recorded GPU buffers are within the "
     "budget), whichever wins. GB are decimal (10^9 bytes), as llamacpp_h200's budget is.</p>"
 )
