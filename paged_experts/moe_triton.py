@@ -49,9 +49,11 @@ class TileConfig:
     pair_vector: bool = False  # down only: load a token's k pairs' tiles together ([k, BN, BK]), not one pair after another
 
 
+# The fastest batch-1 tiles of benchmarks/moe_kernels_h200.py on the H200 (results/h200/s3_call5):
+# 8 rows x 512 columns per gate+up step with 2 warps; down with a token's 8 pairs loaded together.
 CONFIGS: dict[str, TileConfig] = {
-    "gate_up": TileConfig(block_n=16, block_k=256, num_warps=4),
-    "down": TileConfig(block_n=16, block_k=256, num_warps=4),
+    "gate_up": TileConfig(block_n=8, block_k=512, num_warps=2),
+    "down": TileConfig(block_n=4, block_k=128, num_warps=8, pair_vector=True),
 }
 TILES_ENV = "PAGED_EXPERTS_MOE_TILES"
 """`gate_up=16x256x4,down=8x512x4` (block_n x block_k x num_warps per kernel) overrides CONFIGS

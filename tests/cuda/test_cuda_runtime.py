@@ -126,21 +126,7 @@ def test_qwen3_30b_shape_paged_equals_resident_bf16() -> None:
             assert snap.waves > snap.steps  # a prefill union of ~100 experts needs several waves
 
 
-def _main() -> int:
-    if not torch.cuda.is_available():
-        print("no CUDA GPU")
-        return 2
-    failures = 0
-    for name, fn in sorted(globals().items()):
-        if name.startswith("test_") and callable(fn):
-            try:
-                fn()
-                print(f"PASS {name}")
-            except Exception as exc:  # report every case, then fail
-                failures += 1
-                print(f"FAIL {name}: {exc!r}")
-    return 1 if failures else 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(_main())
+    from _script import run_tests
+
+    raise SystemExit(run_tests(globals()))

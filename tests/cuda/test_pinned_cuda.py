@@ -16,8 +16,9 @@ import time
 import torch
 
 from paged_experts import pinned
-from paged_experts.copy_kernel import copy_planned, graph_safe
 from paged_experts.store import ExpertTensors
+
+from _script import check_copy_planned  # tests/cuda is on sys.path (pytest's rootdir import, or script mode)
 
 try:
     import pytest
@@ -92,20 +93,7 @@ def test_non_blocking_copies_are_asynchronous_and_exact() -> None:
 
 
 def test_page_in_kernel_reads_the_registered_store() -> None:
-    assert graph_safe(torch.device("cuda")), "Triton is missing: the page-in kernel cannot run"
-    store = filled_store()
-    k = 4
-    slots = ExpertTensors.empty(k, H, I, torch.bfloat16, torch.device("cuda"))
-    for name in ("gate", "up", "down"):
-        slots.get(name).zero_()
-    experts = torch.tensor([13, 2, E, E], device="cuda")  # two planned, two padding
-    slot_ids = torch.tensor([3, 0, k, k], device="cuda")
-    copy_planned(store, slots, experts, slot_ids)
-    torch.cuda.synchronize()
-    for name in ("gate", "up", "down"):
-        got = slots.get(name).cpu()
-        assert torch.equal(got[3], store.get(name)[13]) and torch.equal(got[0], store.get(name)[2]), name
-        assert not got[1].any() and not got[2].any(), name
+    check_copy_planned(filled_store(), 13, 2)
 
 
 def test_deleting_the_store_unregisters_it() -> None:
@@ -125,21 +113,7 @@ def test_deleting_the_store_unregisters_it() -> None:
     assert torch.equal(row[0].cpu(), want)  # the release waited for the copy before unmapping
 
 
-def _main() -> int:
-    if not torch.cuda.is_available():
-        print("no CUDA GPU")
-        return 2
-    failures = 0
-    for name, fn in sorted(globals().items()):
-        if name.startswith("test_") and callable(fn):
-            try:
-                fn()
-                print(f"PASS {name}")
-            except Exception as exc:  # report every case, then fail
-                failures += 1
-                print(f"FAIL {name}: {exc!r}")
-    return 1 if failures else 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(_main())
+    from _script import run_tests
+
+    raise SystemExit(run_tests(globals()))
