@@ -254,6 +254,15 @@ def build_manifest(plan: Plan) -> dict[str, Any]:
     }
 
 
+def client_session() -> aiohttp.ClientSession:
+    """The one HTTP session of a run (every caller that drives `execute` opens it here)."""
+    # limit=0: the load generator sets the concurrency, not the pool. force_close: llama-server
+    # answers "Keep-Alive" but closes the socket after each streamed response, so a pooled
+    # connection fails the next request; a fresh loopback connection per request, for every engine.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_connect=30))
+
+
 async def run_plan(
     plan: Plan,
     store: RunStore,
@@ -264,12 +273,7 @@ async def run_plan(
 ) -> list[str]:
     """Run every unfinished cell of the plan into the store (the CLI's one library call);
     returns the problems that produced no cell (a search that found no value)."""
-    # limit=0: the load generator sets the concurrency, not the pool. force_close: llama-server
-    # answers "Keep-Alive" but closes the socket after each streamed response, so a pooled
-    # connection fails the next request; a fresh loopback connection per request, for every engine.
-    connector = aiohttp.TCPConnector(limit=0, force_close=True)
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    async with client_session() as session:
         return await execute(RunContext(plan, store, session, events or SilentEvents(), cell_timeout_s, request_timeout_s))
 
 

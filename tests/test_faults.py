@@ -30,7 +30,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import psutil
 import pytest
 import yaml
@@ -42,7 +41,7 @@ from benchsuite.matrix import load_matrix
 from benchsuite.plan import CellSpec, build_plan
 from benchsuite.process import EngineProcess
 from benchsuite.records import CellResult
-from benchsuite.runner import RunContext, SilentEvents, execute, open_store
+from benchsuite.runner import RunContext, SilentEvents, client_session, execute, open_store
 from benchsuite.store import RunStore, Writer, atomic_write_bytes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -156,7 +155,7 @@ async def run_in_process(
     A run still going after `bound_s` is cancelled (its engines stop) and the test fails."""
     plan = build_plan(load_matrix(matrix_path))
     store = open_store(plan, write=write)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+    async with client_session() as session:  # the runner's own session (force_close: see runner)
         ctx = RunContext(plan, store, session, events or Hooks(), cell_timeout_s=cell_timeout_s)
         try:
             await asyncio.wait_for(execute(ctx), bound_s)
