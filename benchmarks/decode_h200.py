@@ -37,6 +37,7 @@ from paged_experts import moe_triton, pinned, synth_memory
 from paged_experts.fused import expert_backend, grouped_backend, set_expert_backend
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
+from paged_experts.residency import LayerResidency
 from paged_experts.runtime import RuntimeConfig
 from paged_experts.store import ExpertTensors
 
@@ -50,13 +51,16 @@ DEFAULT_MODES = (  # most important first: a --deadline-s cut drops the tail
 )
 
 
-VARIANT_OPTIONS = ("host", "graphs", "compile", "overlap", "loop", "triton")
+VARIANT_OPTIONS = ("host", "graphs", "compile", "overlap", "loop", "triton", "prefetch")
 """Options after '/' in a --modes entry (joined by '+'):
 - host: paged steps planned on the host (device_planning='off'): the path before device planning;
 - graphs: decode steps captured as CUDA graphs (--graphs batch sizes; for paged K only batch sizes
   with B x top_k <= K; synthetic routing draws each step's ids for every layer before the replay);
 - compile: with graphs, the per-layer blocks go through torch.compile before capture;
 - overlap: paged hits compute while the misses copy (overlap_page_in);
+- prefetch: with graphs, each paged layer's experts are predicted from the previous layer's
+  residual stream (its router on it) and paged in on a second stream while that layer computes
+  (prefetch_next_layer); the layer then pages in only what the prediction missed;
 - loop: the per-expert reference kernel instead of the fused grouped matmuls;
 - triton: routing and the expert pass of one-wave steps (<= moe_triton.MAX_PAIRS pairs) as
   moe_triton's kernels (one routing kernel; per-pair gate+up+SiLU; down with the top-k combine)."""
@@ -77,6 +81,7 @@ def runtime_for(mode: str, device: str, options: frozenset[str] = frozenset()) -
         return RuntimeConfig(
             mode="paged", resident_experts=int(n), device=device, dtype="bfloat16",
             device_planning="off" if "host" in options else "on", overlap_page_in="overlap" in options,
+            prefetch_next_layer="prefetch" in options,
         )
     if name == "cpu-experts":
         return RuntimeConfig(mode="cpu-experts", cpu_expert_layers=int(n), device=device, dtype="bfloat16")
@@ -189,6 +194,7 @@ def run_cell(model: MoeCausalLM, batch: int, args: argparse.Namespace) -> dict[s
     sync(args.device)
     model.counters.reset()
     replays0 = model.graph_replays
+    replay = LruReplay.start(model)  # the LRU planner's misses for exactly the routing this cell runs
     steps = 0
     t0 = time.perf_counter()
     while steps < args.steps:
@@ -202,7 +208,12 @@ def run_cell(model: MoeCausalLM, batch: int, args: argparse.Namespace) -> dict[s
         pool.free(s)
     total = model.counters.snapshot().total
     tokens = steps * batch
+    lru = replay.finish(model, steps) if replay is not None else None
     return {
+        **({} if lru is None else {"lru_misses_per_step": lru / steps}),
+        "prefetched_per_step": total.prefetched / steps,
+        "prefetch_used_per_step": total.prefetch_used / steps,
+        "prefetch_accuracy": total.prefetch_used / total.prefetched if total.prefetched else None,
         "batch": batch,
         "steps": steps,
         "prefill_s": prefill_s,
@@ -222,6 +233,41 @@ def run_cell(model: MoeCausalLM, batch: int, args: argparse.Namespace) -> dict[s
     }
 
 
+class LruReplay:
+    """The host LRU planner (`LayerResidency`, what the simulator runs) replayed over the routed ids
+    a graphed paged cell recorded (`GraphedDecoder.trace`), from the device state the timed steps
+    began with: the misses plain LRU paging takes for exactly this routing. It equals the runtime's
+    own count without prefetch (checked per cell) and is the roofline's miss count with it."""
+
+    def __init__(self, start: list[LayerResidency]) -> None:
+        self.start = start
+
+    @classmethod
+    def start(cls, model: MoeCausalLM) -> LruReplay | None:
+        graphs = model._graphs
+        paged = [m for m in model._moe if m.device_residency is not None]
+        if graphs is None or not paged or len(paged) != len(model._moe):
+            return None
+        states = []
+        for moe in paged:
+            lr = LayerResidency(model.config.num_experts, moe.device_residency.num_slots)  # type: ignore[union-attr]
+            moe.device_residency.pull_to(lr)  # type: ignore[union-attr]
+            states.append(lr)
+        graphs.trace = []
+        return cls(states)
+
+    def finish(self, model: MoeCausalLM, steps: int) -> int | None:
+        graphs = model._graphs
+        assert graphs is not None and graphs.trace is not None
+        trace, graphs.trace = graphs.trace, None
+        if len(trace) != steps or not trace:  # some step ran eager: no exact replay
+            return None
+        ids = torch.stack(trace).to("cpu")  # [steps, layers, B, k]
+        return sum(
+            lr.plan_step(ids[s, i].reshape(-1).tolist()).misses for s in range(ids.shape[0]) for i, lr in enumerate(self.start)
+        )
+
+
 def add_rooflines(cells: list[dict[str, Any]], link: dict[str, Any], expert_bytes: int, dense_bytes: int) -> None:
     link_bps = link.get("link_B_per_s")
     hbm_bps = link.get("hbm_copy_B_per_s")
@@ -235,7 +281,11 @@ def add_rooflines(cells: list[dict[str, Any]], link: dict[str, Any], expert_byte
             continue
         comp = compute.get((c["routing"], c["batch"]))
         if comp is not None and link_bps:
-            link_s = c["misses_per_step"] * expert_bytes / link_bps
+            # the LRU planner's misses for the routing the cell ran (the simulator's count); the
+            # runtime's own count where no replay was possible (eager steps)
+            misses = c.get("lru_misses_per_step", c["misses_per_step"])
+            c["roofline_misses_source"] = "lru_replay" if "lru_misses_per_step" in c else "runtime_counters"
+            link_s = misses * expert_bytes / link_bps
             c["roofline_link_step_s"] = link_s
             c["roofline_step_s"] = max(comp, link_s)
             c["roofline_fraction"] = c["roofline_step_s"] / (c["ms_per_step"] / 1e3)
@@ -360,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
                 base = {
                     **ident, "routing": routing, "layers": args.layers, "build_s": build_s,
                     "planning": planning if mode.startswith("paged") else None,
-                    "overlap_page_in": rt.overlap_page_in, "expert_backend": expert_backend(),
+                    "overlap_page_in": rt.overlap_page_in, "prefetch_next_layer": rt.prefetch_next_layer,
+                    "expert_backend": expert_backend(),
                 }
                 try:
                     cell = {**base, **run_cell(model, b, args)}

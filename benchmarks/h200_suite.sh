@@ -42,8 +42,11 @@ if [ "${SKIP_LINKBW:-0}" != 1 ]; then
 fi
 
 if [ -n "${PROFILE:-}" ]; then  # PROFILE=variant,variant: where a decode step's GPU time goes
+  # Chrome traces (one per variant, with a per-stream busy/span summary in profile.txt) as one file
   timeout "${PROFILE_S:-120}" python3 benchmarks/profile_step.py --layers "${PROFILE_LAYERS:-8}" --variants "$PROFILE" \
-    --steps 5 --rows 30 --out "$OUT/profile.txt" 2>&1 | grep '^===' || echo "FAILED profile"
+    --batch "${PROFILE_BATCH:-1}" --steps 5 --rows 30 --out "$OUT/profile.txt" --trace-dir /tmp/traces 2>&1 \
+    | grep -E '^===|^  ' || echo "FAILED profile"
+  tar czf "$OUT/traces.tgz" -C /tmp traces 2>/dev/null
 fi
 
 if [ "${SKIP_DECODE:-0}" != 1 ]; then

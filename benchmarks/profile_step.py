@@ -7,6 +7,8 @@ per mode variant, kernels sorted by device time (the question behind a slow tok/
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
 import sys
 import time
 from pathlib import Path
@@ -22,6 +24,26 @@ from paged_experts.kv import KvPool  # noqa: E402
 from paged_experts.model import MoeCausalLM, SeqChunk  # noqa: E402
 
 
+def stream_summary(trace: dict, steps: int) -> str:
+    """Per CUDA stream: kernel time per step, and the span from the first to the last kernel per
+    step; where the main stream's busy time is below the span, the step waited (on a copy, or the host)."""
+    kernels = [e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel" and "dur" in e]
+    if not kernels:
+        return "  (no kernel events)"
+    start = min(e["ts"] for e in kernels)
+    end = max(e["ts"] + e["dur"] for e in kernels)
+    out = [f"  kernels over {steps} steps: span {(end - start) / 1e3 / steps:.3f} ms/step"]
+    for tid in sorted({e["tid"] for e in kernels}, key=str):
+        mine = [e for e in kernels if e["tid"] == tid]
+        busy_us = sum(e["dur"] for e in mine)
+        top: dict[str, float] = {}
+        for e in mine:
+            top[e["name"][:40]] = top.get(e["name"][:40], 0.0) + e["dur"]
+        names = ", ".join(f"{n} {us / 1e3 / steps:.3f}" for n, us in sorted(top.items(), key=lambda kv: -kv[1])[:4])
+        out.append(f"  stream {tid}: {len(mine) / steps:.0f} kernels, busy {busy_us / 1e3 / steps:.3f} ms/step ({names})")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=4)
@@ -32,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="qwen3-30b-a3b-shape")
     ap.add_argument("--rows", type=int, default=22)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--trace-dir", type=Path, default=None, help="also write each variant's Chrome trace (.json.gz) here")
     args = ap.parse_args(argv)
     lines: list[str] = []
     cuda = args.device == "cuda"
@@ -72,6 +95,16 @@ def main(argv: list[str] | None = None) -> int:
         head = f"=== {spec}: {args.layers} layers, batch {args.batch}, {wall_ms:.2f} ms/step wall (unprofiled), replays {model.graph_replays}"
         print(head, flush=True)
         lines += [head, table]
+        if args.trace_dir is not None and cuda:
+            args.trace_dir.mkdir(parents=True, exist_ok=True)
+            raw = args.trace_dir / (spec.replace("/", "_").replace(":", "").replace("+", "-") + ".json")
+            prof.export_chrome_trace(str(raw))
+            summary = stream_summary(json.loads(raw.read_text()), args.steps)
+            with gzip.open(f"{raw}.gz", "wt") as f:
+                f.write(raw.read_text())
+            raw.unlink()
+            print(summary, flush=True)
+            lines.append(summary)
         args.out.write_text("\n".join(lines))
         del model
         if cuda:

@@ -9,7 +9,10 @@ Definitions (one layer-step is one MoE layer in one `forward`):
 - `cpu_activations`: activations computed on the CPU (cpu-experts layers), neither hit nor miss;
   so `hits + misses + cpu_activations == activations` always, and `hits + misses == activations`
   in resident, paged and offload modes;
-- `bytes_paged_in = misses x expert_bytes` (routed experts copied to the device);
+- `prefetched`: experts paged in speculatively before their layer's routing was known (next-layer
+  prefetch, `RuntimeConfig.prefetch_next_layer`); `prefetch_used`: those the layer then routed to
+  (they count as hits: resident when the step's plan ran); a wrong prediction costs link time only;
+- `bytes_paged_in = (misses + prefetched) x expert_bytes` (experts copied into slots);
 - `bytes_h2d`: every expert byte copied host->device, comparable across modes: equal to
   `bytes_paged_in` in paged mode, `num_experts x expert_bytes` per offloaded layer-step;
 - `copy_time_s`: time of the host->device expert copies (CUDA events on GPU, wall clock on CPU);
@@ -38,6 +41,8 @@ class LayerCounts:
     steps: int = 0
     union_sum: int = 0
     union_max: int = 0
+    prefetched: int = 0
+    prefetch_used: int = 0
 
     @property
     def hit_rate(self) -> float | None:
@@ -132,6 +137,14 @@ class PagingCounters:
         v["bytes_h2d"] += bytes_h2d
         v["copy_time_s"] += copy_time_s
 
+    def record_prefetch(self, layer: int, *, prefetched: int, used: int) -> None:
+        """Speculative page-ins for one layer-step (their bytes cross the link like demand misses)."""
+        v = self._layers[layer].values
+        v["prefetched"] += prefetched
+        v["prefetch_used"] += used
+        v["bytes_paged_in"] += prefetched * self.expert_bytes
+        v["bytes_h2d"] += prefetched * self.expert_bytes
+
     def record_copy_events(self, layer: int, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
         """CUDA copies are timed by events read lazily, so no host sync happens per wave."""
         acc = self._layers[layer]
@@ -164,7 +177,7 @@ class TalliedCounters(PagingCounters):
 
     def __init__(self, num_layers: int, expert_bytes: int, mode: str) -> None:
         super().__init__(num_layers, expert_bytes, mode)
-        # (first layer, placements, stats [n, 3], routed pairs): n consecutive layers of one step
+        # (first layer, placements, stats [n, 3 or 5], routed pairs): n consecutive layers of one step
         self._pending: list[tuple[int, tuple[str, ...], torch.Tensor, int]] = []
         self._pending_rows = 0
 
@@ -173,8 +186,9 @@ class TalliedCounters(PagingCounters):
         self.record_layers_device(layer, (placement,), stats[None], routed_pairs)
 
     def record_layers_device(self, first_layer: int, placements: tuple[str, ...], stats: torch.Tensor, routed_pairs: int) -> None:
-        """stats: [n, 3] int64 of layers first_layer.. first_layer + n - 1 of one step, on the device
-        (a graphed decode step queues all its layers as one entry: one host call, not one per layer)."""
+        """stats: [n, 3] int64 (union, hits, misses) of layers first_layer.. first_layer + n - 1 of
+        one step, on the device, or [n, 5] with (prefetched, prefetch_used) after them (a graphed
+        decode step queues all its layers as one entry: one host call, not one per layer)."""
         self._pending.append((first_layer, placements, stats, routed_pairs))
         self._pending_rows += len(placements)
         if self._pending_rows >= self._MAX_PENDING:
@@ -184,10 +198,13 @@ class TalliedCounters(PagingCounters):
         if not self._pending:
             return
         pending, self._pending, self._pending_rows = self._pending, [], 0
-        rows = iter(torch.cat([p[2] for p in pending]).tolist())  # one device->host read
+        # [rows, 5]: 3-wide entries padded with zero prefetches; one device->host read
+        rows = iter(torch.cat([torch.nn.functional.pad(p[2], (0, 5 - p[2].shape[1])) for p in pending]).tolist())
         for first, placements, _, pairs in pending:
             for layer, placement in enumerate(placements, start=first):
-                union, hits, misses = next(rows)
+                union, hits, misses, prefetched, used = next(rows)
+                if prefetched:
+                    self.record_prefetch(layer, prefetched=int(prefetched), used=int(used))
                 self.record_step(
                     layer, union=int(union), routed_pairs=pairs, hits=int(hits), misses=int(misses), cpu_activations=0,
                     waves=1 if union else 0,

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from paged_experts import attn_triton
 from paged_experts.copy_kernel import graph_safe
 from paged_experts.fused import expert_backend, experts_over_rows, route_logits
+from paged_experts.moe import page_in_stream
 
 if TYPE_CHECKING:
     from paged_experts.kv import KvPool
@@ -50,11 +51,15 @@ def bucket(length: int) -> int:
 
 
 class _Captured:
-    def __init__(self, inputs: torch.Tensor, graph: torch.cuda.CUDAGraph | None, logits: torch.Tensor, stats: torch.Tensor):
+    def __init__(
+        self, inputs: torch.Tensor, graph: torch.cuda.CUDAGraph | None, logits: torch.Tensor, stats: torch.Tensor,
+        ids: torch.Tensor,
+    ):
         self.inputs = inputs  # [B * 3 + B * L] int64 on the device
         self.graph = graph
         self.logits = logits  # [B, V]
-        self.stats = stats  # [layers, 3] union, hits, misses
+        self.stats = stats  # [layers, 3] union, hits, misses; [layers, 5] + prefetched, prefetch used
+        self.ids = ids  # [layers, B, k] the step's routed experts (for `trace`)
 
 
 class GraphedDecoder:
@@ -88,6 +93,14 @@ class GraphedDecoder:
         self._mempool = torch.cuda.graph_pool_handle() if self.capture else None
         self.replays = 0
         self.captured: list[tuple[int, int]] = []
+        # Next-layer prefetch (RuntimeConfig.prefetch_next_layer): while a layer computes, the next
+        # paged layer's router reads this layer's residual stream and its predicted experts page in
+        # on a second stream (the fork and join are captured as graph dependencies).
+        self.prefetch = bool(model.runtime.prefetch_next_layer) and bool(self._paged)
+        self._predict_fn = torch.compile(predict_logits, dynamic=False) if compile_layers else predict_logits
+        # When a list: each step appends its routed ids [layers, B, k] (device tensors), e.g. for a
+        # benchmark's LRU replay of the exact routing it ran.
+        self.trace: list[torch.Tensor] | None = None
         self._inv_freq = model._inv_freq.to(model.device)  # [D/2]
         # compile_layers: the per-layer attention block and expert pass go through torch.compile
         # (one compiled function per shape serves every layer), fusing the ~100 small kernels a
@@ -107,9 +120,10 @@ class GraphedDecoder:
             for moe in self._paged:
                 moe.device_residency.compile()  # type: ignore[union-attr]
         log.info(
-            "decode step graphs enabled for batch sizes %s (captured on first use per KV bucket)%s%s",
+            "decode step graphs enabled for batch sizes %s (captured on first use per KV bucket)%s%s%s",
             list(self.batch_sizes), ", layers compiled" if compile_layers else "",
             ", routing and experts as moe_triton kernels" if self.triton else "",
+            ", next-layer prefetch" if self.prefetch else "",
         )
 
     def accepts(self, chunks: Sequence[SeqChunk]) -> bool:
@@ -153,11 +167,13 @@ class GraphedDecoder:
         if entry.graph is not None:
             entry.graph.replay()
         elif not fresh:  # a step runs once: a paged body plans and pages in
-            entry.logits, entry.stats = self._body(entry.inputs, b, length, planned)
+            entry.logits, entry.stats, entry.ids = self._body(entry.inputs, b, length, planned)
         self.replays += 1
+        if self.trace is not None:
+            self.trace.append(entry.ids.clone())
         for moe in self._paged:  # a replay planned on the device: the host planner must pull first
             moe._host_residency_stale = True
-        pairs = b * m.config.top_k  # [layers, 3] union, hits, misses: read with the counters, later
+        pairs = b * m.config.top_k  # [layers, 3 or 5] union, hits, misses(, prefetches): read with the counters, later
         m.counters.record_layers_device(0, m.layer_placements(), entry.stats.clone(), pairs)  # type: ignore[attr-defined]
         logits = entry.logits.to("cpu", torch.float32)  # [B, V]: the step's one sync
         for c in chunks:
@@ -183,8 +199,7 @@ class GraphedDecoder:
         b, length, planned = key
         inputs = host.to(m.device)
         if not self.capture:
-            logits, stats = self._body(inputs, b, length, planned)
-            entry = _Captured(inputs, None, logits, stats)
+            entry = _Captured(inputs, None, *self._body(inputs, b, length, planned))
         else:
             t0 = time.perf_counter()
             saved = [m.device_residency.state() for m in self._paged]  # type: ignore[union-attr]
@@ -200,8 +215,8 @@ class GraphedDecoder:
                 m.device_residency.load_state(state)  # type: ignore[union-attr]
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._mempool):
-                logits, stats = self._body(inputs, b, length, planned)
-            entry = _Captured(inputs, graph, logits, stats)
+                outputs = self._body(inputs, b, length, planned)
+            entry = _Captured(inputs, graph, *outputs)
             log.info(
                 "captured decode step graph: batch %d, KV bucket %d%s, %.2f s",
                 b, length, ", synthetic routing ids as input" if planned else "", time.perf_counter() - t0,
@@ -210,8 +225,9 @@ class GraphedDecoder:
         self._entries[key] = entry
         return entry
 
-    def _body(self, inputs: torch.Tensor, b: int, length: int, planned: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Static decode step: [B] tokens -> logits [B, V] and per-layer stats [layers, 3].
+    def _body(self, inputs: torch.Tensor, b: int, length: int, planned: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Static decode step: [B] tokens -> logits [B, V], per-layer stats [layers, 3] ([layers, 5]
+        with prefetch) and routed ids [layers, B, k].
         planned: the inputs end with the synthetic router's ids [B, layers, k] for this step."""
         from paged_experts.model import rms_norm
 
@@ -230,6 +246,10 @@ class GraphedDecoder:
         x = m._dense.embed[tokens]  # [B, H]
         stats: list[torch.Tensor | None] = []
         resident_ids: list[torch.Tensor] = []  # [B, k] per resident layer: their stats come at the end
+        routed: list[torch.Tensor] = []  # [B, k] per layer
+        copy_stream = page_in_stream(inputs.device) if self.prefetch else None
+        for moe in self._paged:
+            moe.pending_prefetch = None  # a step interrupted by an error leaves none behind
         for layer_idx, (w, moe) in enumerate(zip(m._attention, m._moe)):
             kv_k, kv_v = self._pool.k[layer_idx], self._pool.v[layer_idx]
             if self.triton:
@@ -249,19 +269,45 @@ class GraphedDecoder:
                 logits, cfg.top_k, cfg.norm_topk_prob,
                 None if planned_ids is None else planned_ids[:, layer_idx % planned_ids.shape[1]],
             )
+            routed.append(ids)
             if moe.placement == "resident":
+                self._prefetch_next(layer_idx, x, copy_stream)
                 out = moe.resident_pass(h, ids, weights, self._experts_fn)
                 resident_ids.append(ids)
                 stats.append(None)
-            else:
+            elif moe.overlap_page_in:  # hits computing while the misses copy (no prefetch: see RuntimeConfig)
                 out, layer_stats = moe.forward_on_device(h, ids, weights, self._experts_fn)
                 stats.append(layer_stats)
+            else:
+                flat = ids.reshape(-1).to(torch.long)  # [B*k]
+                plan, pending = moe.page_in_on_device(flat)
+                # after this layer's page-ins are queued: its misses go first on the link
+                self._prefetch_next(layer_idx, x, copy_stream)
+                out = moe.experts_on_device(h, plan, weights, self._experts_fn)
+                stats.append(moe.step_stats(plan, pending, flat))
             x = x + out
         hidden = rms_norm(x, m._dense.final_norm, cfg.rms_norm_eps)  # [B, H]
         if resident_ids:  # every resident layer's union in one pass, not five small kernels per layer
             fills = iter(resident_union_stats(torch.stack(resident_ids), cfg.num_experts))
             stats = [next(fills) if st is None else st for st in stats]
-        return F.linear(hidden, m._dense.lm_head), torch.stack(stats)  # type: ignore[arg-type]
+        if self.prefetch:  # one width: layers without a prefetch report zero prefetches
+            stats = [F.pad(st, (0, 5 - st.shape[0])) for st in stats]  # type: ignore[union-attr]
+        return F.linear(hidden, m._dense.lm_head), torch.stack(stats), torch.stack(routed)  # type: ignore[arg-type]
+
+    def _prefetch_next(self, layer_idx: int, x: torch.Tensor, copy_stream: torch.cuda.Stream | None) -> None:
+        """Predicts layer `layer_idx + 1`'s experts from the residual stream x [B, H] after this
+        layer's attention (that layer's own norm and router: the stream changes little per layer)
+        and starts paging them in, if that layer is paged and prefetch is on."""
+        m = self.model
+        if not self.prefetch or layer_idx + 1 >= len(m._moe):
+            return
+        nxt = m._moe[layer_idx + 1]
+        if nxt.device_residency is None:
+            return
+        cfg = m.config
+        logits = self._predict_fn(x, m._attention[layer_idx + 1].post_norm, nxt.router_weight, cfg.rms_norm_eps)  # [B, E]
+        predicted, _ = route_logits(logits, cfg.top_k, cfg.norm_topk_prob)  # [B, k]
+        nxt.prefetch_on_device(predicted, copy_stream)
 
 
 def attention_in(
@@ -318,6 +364,13 @@ def attention_block(
         x, input_norm, qkv_proj, q_norm, k_norm, kv_k, kv_v, cos, sin, new_rows, num_heads, num_kv_heads, head_dim, eps
     )
     return attention_out(x, torch_attention(q, kv_k, kv_v, table, mask), o_proj, post_norm, router, eps)
+
+
+def predict_logits(x: torch.Tensor, post_norm: torch.Tensor, router: torch.Tensor, eps: float) -> torch.Tensor:
+    """Residual stream x [B, H] -> a layer's router logits [B, E] as if x were its MoE input."""
+    from paged_experts.model import rms_norm
+
+    return F.linear(rms_norm(x, post_norm, eps), router)
 
 
 def resident_union_stats(ids: torch.Tensor, num_experts: int) -> torch.Tensor:

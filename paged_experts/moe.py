@@ -43,6 +43,14 @@ class StepContext:
 
 
 @dataclass(frozen=True)
+class PendingPrefetch:
+    """A paged layer's speculative page-in, issued while the previous layer computed."""
+
+    plan: DevicePlan  # the LRU plan of the predicted experts (already applied to the residency)
+    done: torch.cuda.Event | None  # recorded on the copy stream after its copy; None: copied inline (CPU)
+
+
+@dataclass(frozen=True)
 class MoeShared:
     """What the layers of one model share: page-in engine, offload buffer, counters, sizes."""
 
@@ -87,6 +95,7 @@ class MoeLayer:
         self.device_residency: DeviceResidency | None = None
         self._host_residency_stale = False
         self.overlap_page_in = False  # RuntimeConfig.overlap_page_in (device-planned steps only)
+        self.pending_prefetch: PendingPrefetch | None = None  # set by prefetch_on_device, taken by page_in_on_device
 
     def forward(
         self,
@@ -187,14 +196,12 @@ class MoeLayer:
         flat = ids.reshape(-1).to(device=sh.device, dtype=torch.long)  # [T*k]
         if self.placement == "paged":
             assert self.device_residency is not None and self.device_experts is not None
-            plan = self.device_residency.plan(flat)
-            self._host_residency_stale = True
             if self.overlap_page_in:
+                plan = self.device_residency.plan(flat)
+                self._host_residency_stale = True
                 return combine_pairs(self._overlapped_pass(x, plan), weights), plan.stats
-            copy_planned(self.host, self.device_experts, plan.miss_experts, plan.miss_slots)
-            slots = self.device_experts
-            out, _ = experts_fn(x, plan.pair_slot, weights, slots.gate, slots.up, slots.down, sh.top_k)
-            return out, plan.stats
+            plan, pending = self.page_in_on_device(flat)
+            return self.experts_on_device(x, plan, weights, experts_fn), self.step_stats(plan, pending, flat)
         src = self._weights_for_step()
         out, counts = experts_fn(x, flat, weights, src.gate, src.up, src.down, sh.top_k)
         assert counts is not None
@@ -202,6 +209,57 @@ class MoeLayer:
         zero = torch.zeros_like(union)
         stats = torch.stack([union, union, zero] if self.placement == "resident" else [union, zero, union])
         return out, stats
+
+    def page_in_on_device(self, flat: torch.Tensor) -> tuple[DevicePlan, PendingPrefetch | None]:
+        """A device-planned paged layer's wave: flat [T*k] routed ids -> its LRU plan, whose misses
+        are being paged in (stream-ordered before the expert pass), and the prefetch it consumed.
+        The misses copy only after that prefetch landed: a mispredicted expert's slot may be the
+        one a miss now takes."""
+        assert self.device_residency is not None and self.device_experts is not None
+        plan = self.device_residency.plan(flat)
+        self._host_residency_stale = True
+        pending, self.pending_prefetch = self.pending_prefetch, None
+        if pending is not None and pending.done is not None:
+            torch.cuda.current_stream(self.shared.device).wait_event(pending.done)
+        copy_planned(self.host, self.device_experts, plan.miss_experts, plan.miss_slots)
+        return plan, pending
+
+    def experts_on_device(
+        self, x: torch.Tensor, plan: DevicePlan, weights: torch.Tensor, experts_fn: ExpertsFn = experts_over_rows
+    ) -> torch.Tensor:
+        """The expert pass of a planned paged wave over the slots: x [T, H] -> [T, H]."""
+        slots = self.device_experts
+        assert slots is not None
+        return experts_fn(x, plan.pair_slot, weights, slots.gate, slots.up, slots.down, self.shared.top_k, count_rows=False)[0]
+
+    def prefetch_on_device(self, predicted: torch.Tensor, copy_stream: torch.cuda.Stream | None) -> None:
+        """Pages in the experts predicted for this layer's next step (flat [T*k] ids, T*k <= K)
+        before its routing is known: an LRU plan of the prediction (so predicted experts are
+        stamped recent and not evicted by it), its misses copied on `copy_stream` (inline where
+        None). The layer's `page_in_on_device` waits for the copy and counts what was used."""
+        assert self.device_residency is not None and self.device_experts is not None
+        plan = self.device_residency.plan(predicted.reshape(-1).to(torch.long))
+        self._host_residency_stale = True
+        done = None
+        if copy_stream is None:
+            copy_planned(self.host, self.device_experts, plan.miss_experts, plan.miss_slots)
+        else:
+            copy_stream.wait_stream(torch.cuda.current_stream(self.shared.device))  # the plan is written
+            with torch.cuda.stream(copy_stream):
+                copy_planned(self.host, self.device_experts, plan.miss_experts, plan.miss_slots)
+                done = torch.cuda.Event()
+                done.record(copy_stream)
+        self.pending_prefetch = PendingPrefetch(plan, done)
+
+    def step_stats(self, plan: DevicePlan, pending: PendingPrefetch | None, flat: torch.Tensor) -> torch.Tensor:
+        """[3] union, hits, misses of the wave; [5] with (prefetched, prefetch used) when a prefetch
+        served it: of the experts it paged in, those the step routed to."""
+        if pending is None:
+            return plan.stats
+        e = self.shared.num_experts
+        routed = torch.zeros(e + 1, dtype=torch.bool, device=flat.device).index_fill_(0, flat, True)  # [E+1], E: padding
+        used = routed[pending.plan.miss_experts].sum()  # padding entries name E: never routed
+        return torch.cat([plan.stats, torch.stack([pending.plan.stats[2], used])])
 
     def resident_pass(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts_fn: ExpertsFn = experts_over_rows
@@ -223,7 +281,7 @@ class MoeLayer:
         k = self.device_residency.num_slots
         y_hit = x.new_empty(plan.pair_slot.shape[0], x.shape[1])  # [T*k, H]
         y_miss = torch.empty_like(y_hit)
-        copy_stream = _copy_stream(sh.device)
+        copy_stream = page_in_stream(sh.device)
         if copy_stream is not None:
             copy_stream.wait_stream(torch.cuda.current_stream(sh.device))
             with torch.cuda.stream(copy_stream):
@@ -358,7 +416,7 @@ class MoeLayer:
 _COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def _copy_stream(device: torch.device) -> torch.cuda.Stream | None:
+def page_in_stream(device: torch.device) -> torch.cuda.Stream | None:
     """One page-in stream per CUDA device (created outside any graph capture: first use is eager)."""
     if device.type != "cuda":
         return None

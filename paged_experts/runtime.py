@@ -35,6 +35,11 @@ class RuntimeConfig:
     # Device-planned paged steps: compute the hits while the misses copy (on a second CUDA stream),
     # then the misses. Off by default until measured (benchmarks/decode_h200.py '+overlap' modes).
     overlap_page_in: bool = False
+    # Graphed decode steps of paged layers: while layer i computes, layer i+1's router is applied to
+    # layer i's hidden state and the predicted experts are paged in on a second stream; layer i+1
+    # then pages in only what the prediction missed (see graphs.GraphedDecoder). Off by default until
+    # measured (benchmarks/decode_h200.py '+prefetch' modes).
+    prefetch_next_layer: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -49,6 +54,10 @@ class RuntimeConfig:
             raise ValueError(f"device_planning must be 'auto', 'on' or 'off', got {self.device_planning!r}")
         if self.overlap_page_in and not self.plans_on_device:
             raise ValueError("overlap_page_in needs mode='paged' with device planning (device_planning 'on', or 'auto' on CUDA)")
+        if self.prefetch_next_layer and not self.plans_on_device:
+            raise ValueError("prefetch_next_layer needs mode='paged' with device planning (device_planning 'on', or 'auto' on CUDA)")
+        if self.prefetch_next_layer and self.overlap_page_in:
+            raise ValueError("prefetch_next_layer and overlap_page_in both use the page-in stream: choose one")
         if self.mode == "paged" and self.resident_experts is None:
             raise ValueError("mode='paged' needs resident_experts (K, the slots per layer)")
         if self.mode != "paged" and self.resident_experts is not None:

@@ -172,3 +172,76 @@ def test_static_decode_with_synthetic_routing_matches_eager(mode: str) -> None:
         assert (a - b).abs().max().item() <= 1e-4 * max(b.abs().max().item(), 1.0)
     ta, tb = static.counters.snapshot().total, eager.counters.snapshot().total
     assert (ta.steps, ta.union_sum, ta.hits, ta.misses) == (tb.steps, tb.union_sum, tb.hits, tb.misses)
+
+
+def _prefetching(k: int) -> MoeCausalLM:
+    rt = RuntimeConfig(mode="paged", resident_experts=k, device_planning="on", prefetch_next_layer=True)
+    return MoeCausalLM.from_pretrained(PATH, rt)
+
+
+def _slots_hold_their_experts(model: MoeCausalLM) -> None:
+    """Every slot's weights are the host rows of the expert the device maps say it holds."""
+    for moe in model._moe:
+        dr, slots = moe.device_residency, moe.device_experts
+        assert dr is not None and slots is not None
+        expert_in = dr.expert_in[: dr.num_slots].tolist()
+        assert sorted(dr.slot_of[: dr.num_experts].ge(0).nonzero().reshape(-1).tolist()) == sorted(expert_in)
+        for name in ("gate", "up", "down"):
+            assert torch.equal(slots.get(name), moe.host.get(name)[expert_in]), f"layer {moe.layer_idx} {name}"
+
+
+@pytest.mark.parametrize("k", [4, 8, 12])
+def test_next_layer_prefetch_changes_no_output_and_counts_its_page_ins(k: int) -> None:
+    """Prefetch (graphed steps: layer i+1's router on layer i's residual, predicted experts paged
+    in ahead) only moves experts earlier: outputs equal the plain graphed steps bit for bit, every
+    slot holds what its map says, hits + misses == union, and the predicted experts count as
+    prefetched (used: those the step then routed to), their bytes in bytes_h2d."""
+    sizes = [1, 2, 3]
+    plain, ahead = _paged(k, "on"), _prefetching(k)
+    plain.enable_cuda_graphs(sizes)
+    ahead.enable_cuda_graphs(sizes)
+    assert ahead._graphs is not None and ahead._graphs.prefetch and not plain._graphs.prefetch  # type: ignore[union-attr]
+    a_out, b_out = _scenario(ahead, decode_steps=8), _scenario(plain, decode_steps=8)
+    assert ahead.graph_replays == plain.graph_replays > 0
+    for a, b in zip(a_out, b_out):
+        assert torch.equal(a, b)
+    _slots_hold_their_experts(ahead)
+    snap = ahead.counters.snapshot()
+    first, second = snap.layers  # 2 layers: only the second is predicted (from the first)
+    assert first.prefetched == 0 and second.prefetched > 0
+    assert 0 <= second.prefetch_used <= second.prefetched
+    for layer in snap.layers:
+        assert layer.hits + layer.misses == layer.activations
+        assert layer.bytes_h2d == layer.bytes_paged_in == (layer.misses + layer.prefetched) * snap.expert_bytes
+    assert plain.counters.snapshot().total.prefetched == 0
+
+
+def test_prefetch_needs_device_planning_and_excludes_overlap() -> None:
+    with pytest.raises(ValueError, match="prefetch_next_layer needs"):
+        RuntimeConfig(mode="paged", resident_experts=8, prefetch_next_layer=True)  # CPU 'auto': host planning
+    with pytest.raises(ValueError, match="choose one"):
+        RuntimeConfig(mode="paged", resident_experts=8, device_planning="on", prefetch_next_layer=True, overlap_page_in=True)
+
+
+def test_graphed_decode_traces_the_routed_ids_it_counted() -> None:
+    """`GraphedDecoder.trace` holds each step's routed ids [layers, B, k]; replaying them through
+    the host LRU planner from the state before the steps gives the misses the runtime counted."""
+    model = _paged(12, "on")
+    model.enable_cuda_graphs([1, 2, 3])
+    pool = KvPool.for_model(model, capacity_tokens=128)
+    seqs = [pool.new_sequence() for _ in range(3)]
+    last = model.forward([SeqChunk(s, p, 0) for s, p in zip(seqs, PROMPTS)])
+    host = []
+    for moe in model._moe:
+        lr = LayerResidency(model.config.num_experts, 12)
+        moe.device_residency.pull_to(lr)  # type: ignore[union-attr]
+        host.append(lr)
+    model.counters.reset()
+    assert model._graphs is not None
+    model._graphs.trace = []
+    for _ in range(5):
+        last = model.forward([SeqChunk(s, [int(lg[-1].argmax())], s.num_tokens) for s, lg in zip(seqs, last)])
+    trace = torch.stack(model._graphs.trace)  # [steps, layers, B, k]
+    assert trace.shape == (5, 2, 3, model.config.top_k)
+    replayed = [sum(host[i].plan_step(trace[s, i].reshape(-1).tolist()).misses for s in range(5)) for i in range(2)]
+    assert replayed == [layer.misses for layer in model.counters.snapshot().layers]

@@ -124,11 +124,49 @@ def test_graphed_paged_decode_with_synthetic_routing_matches_eager() -> None:
     check_graphed_paged(overlap=False, compile_layers=True, routing="qwen3-30b-a3b")
 
 
-if __name__ == "__main__":
-    for name, fn in list(globals().items()):
-        if name.startswith("test_") and callable(fn):
-            fn()
-            print("ok", name)
+def check_prefetch_graphed(compile_layers: bool) -> None:
+    """Next-layer prefetch inside the captured step (copy-stream fork/join in the graph): outputs
+    equal the plain graphed step bit for bit (the same kernels read the same expert rows from other
+    slots), every slot holds the host rows its map names, and the predictions are counted."""
+    prompts = [[5, 17, 300, 41, 9, 77], [800, 2, 64]]
+    outs, models = [], []
+    for prefetch in (False, True):
+        model = MoeCausalLM.from_pretrained(
+            QWEN2, rt("bfloat16", mode="paged", resident_experts=16, prefetch_next_layer=prefetch)
+        )
+        model.enable_cuda_graphs([1, 2], compile_layers=compile_layers)
+        outs.append(decode(model, prompts, steps=6))
+        models.append(model)
+        assert model.graph_replays == 6
+    for i, (a, b) in enumerate(zip(*outs)):
+        assert torch.equal(a, b), f"output {i} differs by {(a - b).abs().max().item()}"
+    model = models[1]
+    torch.cuda.synchronize()
+    for moe in model._moe:
+        dr, slots = moe.device_residency, moe.device_experts
+        assert dr is not None and slots is not None
+        expert_in = dr.expert_in[: dr.num_slots].cpu()
+        for name in ("gate", "up", "down"):
+            assert torch.equal(slots.get(name).cpu(), moe.host.get(name)[expert_in]), f"layer {moe.layer_idx} {name}"
+    plain, ahead = models[0].counters.snapshot().layers, model.counters.snapshot().layers
+    print(f"prefetch (compiled={compile_layers}): layer 1 prefetched {ahead[1].prefetched}, used {ahead[1].prefetch_used}, "
+          f"misses {ahead[1].misses} (plain {plain[1].misses})")
+    assert ahead[0].prefetched == 0 and ahead[1].prefetched > 0 and ahead[1].prefetch_used <= ahead[1].prefetched
+    assert all(la.hits + la.misses == la.activations for la in ahead)
+
+
+def test_graphed_prefetch_matches_plain_graphed() -> None:
+    check_prefetch_graphed(compile_layers=False)
+
+
+def test_compiled_triton_graphed_prefetch_matches_plain_graphed() -> None:
+    from paged_experts.fused import set_expert_backend
+
+    set_expert_backend("triton")
+    try:
+        check_prefetch_graphed(compile_layers=True)
+    finally:
+        set_expert_backend("grouped")
 
 
 def test_triton_expert_backend() -> None:
@@ -178,3 +216,9 @@ def test_moe_triton_kernels_bf16() -> None:
         rel = ((got - want).abs().max() / want.abs().max()).item()
         print(f"moe_pairs vs fp32 reference at the Qwen3-30B-A3B shape, B={b}: max relative error {rel:.2e}")
         assert rel < 2e-2
+
+
+if __name__ == "__main__":
+    from _script import run_tests
+
+    raise SystemExit(run_tests(globals()))
