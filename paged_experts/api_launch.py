@@ -50,6 +50,7 @@ class ServeConfig:
     cuda_graph_max_bs: int = 0  # 0: no CUDA graphs; N: capture decode batches 1..N (CUDA; paged: B x top_k <= K)
     enable_torch_compile: bool = False  # torch.compile the per-layer blocks of the captured decode step
     kernel_backend: str = "grouped"  # or "triton": fused.set_expert_backend (routing, experts, decode attention)
+    prefetch_next_layer: bool = False  # captured paged decode steps page in the next layer's predicted experts ahead
     expert_kernel: str = "fused"
     log_level: str = "info"
 
@@ -70,6 +71,7 @@ class ServeConfig:
             cpu_expert_layers=self.n_cpu_moe,
             device=self.device,
             dtype=dtype,
+            prefetch_next_layer=self.prefetch_next_layer,
         )
         runtime.validate_for(model)
         return runtime
@@ -103,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="grouped: torch's grouped GEMM for the fused expert pass; triton: routing, the expert pass "
                         "and (in captured steps) attention of decode steps as Triton kernels (CUDA; steps of up to "
                         "32 routed pairs, larger ones keep grouped)")
+    p.add_argument("--prefetch-next-layer", action="store_true",
+                   help="in captured paged decode steps, apply each layer's router to the previous layer's residual "
+                        "stream and page the predicted experts in on a second stream while that layer computes "
+                        "(mode paged, --device cuda, needs --cuda-graph-max-bs; counted as experts_prefetched_total)")
     p.add_argument("--expert-kernel", choices=("fused", "loop"), default="fused",
                    help="grouped matmuls over the slot table (fused) or the per-expert reference loop")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -119,6 +125,8 @@ def parse_args(argv: Sequence[str]) -> ServeConfig:
         parser.error("--cuda-graph-max-bs must be >= 0")
     if ns.enable_torch_compile and not ns.cuda_graph_max_bs:
         parser.error("--enable-torch-compile compiles the captured decode step: it needs --cuda-graph-max-bs N")
+    if ns.prefetch_next_layer and not ns.cuda_graph_max_bs:
+        parser.error("--prefetch-next-layer runs inside the captured decode step: it needs --cuda-graph-max-bs N")
     if ns.kernel_backend == "triton" and ns.device != "cuda":
         parser.error("--kernel-backend triton runs Triton GPU kernels: it needs --device cuda")
     if not 0 <= ns.port < 65536:
@@ -137,6 +145,7 @@ def parse_args(argv: Sequence[str]) -> ServeConfig:
             cpu_expert_layers=config.n_cpu_moe,
             device=config.device,
             dtype=config.dtype or "float32",
+            prefetch_next_layer=config.prefetch_next_layer,
         )
     except ValueError as exc:
         parser.error(_flag_names(str(exc)))
@@ -157,6 +166,7 @@ def _flag_names(message: str) -> str:
         ("offload_layers", "--offload-layers"),
         ("cpu_expert_layers", "--n-cpu-moe"),
         ("mode=", "--mode "),
+        ("prefetch_next_layer", "--prefetch-next-layer"),
     ):
         message = message.replace(field_name, flag)
     return message

@@ -93,6 +93,9 @@ def test_cuda_graphs_and_expert_kernel_flags(tmp_path: Path) -> None:
         (["--enable-torch-compile"], "--enable-torch-compile"),
         (["--kernel-backend", "triton"], "--kernel-backend"),  # Triton kernels need --device cuda
         (["--kernel-backend", "magic"], "--kernel-backend"),
+        (["--prefetch-next-layer"], "--prefetch-next-layer"),  # only inside captured steps
+        # paged on the CPU plans on the host: no device residency to prefetch into
+        (["--resident-experts", "8", "--cuda-graph-max-bs", "1", "--prefetch-next-layer"], "--prefetch-next-layer"),
     ],
 )
 def test_inconsistent_flags_exit_2_naming_the_flag(argv: list[str], needle: str, capsys) -> None:
