@@ -9,10 +9,13 @@ B prompts are prefilled, `--warmup` decode steps are discarded, then decode step
 Per cell: tok/s = B x steps / seconds; ms per step; hit rate, misses and bytes paged per token
 from the runtime's own counters; and the roofline
     roofline_step_s = max(compute_step_s, misses_per_step x expert_bytes / link_B_per_s)
-where compute_step_s is the resident mode's measured step time at the same B and routing (the
+    serial_step_s = compute_step_s + misses_per_step x expert_bytes / link_B_per_s
+(the second: the bound of a step that pages a layer's misses only after its router ran), where compute_step_s is the resident mode's measured step time at the same B and routing (the
 best the code does with nothing to page) and link_B_per_s the measured pinned host->device rate
 of back-to-back expert copies (`--linkbw-json` from `python -m benchsuite linkbw`, else measured
-here). `roofline_fraction = roofline_step_s / measured_step_s` (1.0 = at the roofline).
+here). `roofline_fraction = roofline_step_s / measured_step_s` (1.0 = at the roofline), likewise
+`serial_fraction`. misses_per_step: the host LRU planner replayed over the cell's routed ids (graphed
+cells), else the runtime's counters.
 Resident cells also report the HBM bound: bytes of weights touched per step / measured device
 copy bandwidth.
 
@@ -45,7 +48,9 @@ SCHEMA_VERSION = 1
 DEFAULT_MODES = (  # most important first: a --deadline-s cut drops the tail
     "resident/graphs+compile+triton,resident/graphs+compile,resident/graphs,resident,"
     "paged:16/graphs+compile+triton,paged:30/graphs+compile+triton,paged:32/graphs+compile+triton,"
-    "paged:64/graphs+compile+triton,paged:92/graphs+compile+triton,offload,cpu-experts:12,cpu-experts:24,"
+    "paged:64/graphs+compile+triton,paged:92/graphs+compile+triton,paged:16/graphs+compile+triton+prefetch,"
+    "paged:32/graphs+compile+triton+prefetch,paged:64/graphs+compile+triton+prefetch,"
+    "paged:92/graphs+compile+triton+prefetch,offload,cpu-experts:12,cpu-experts:24,"
     "cpu-experts:48,paged:32/graphs+compile,paged:64/graphs+compile,paged:32/host,paged:64/host,paged:16/host,"
     "paged:92/host,resident/loop"
 )
@@ -289,6 +294,10 @@ def add_rooflines(cells: list[dict[str, Any]], link: dict[str, Any], expert_byte
             c["roofline_link_step_s"] = link_s
             c["roofline_step_s"] = max(comp, link_s)
             c["roofline_fraction"] = c["roofline_step_s"] / (c["ms_per_step"] / 1e3)
+            # A step that pages each layer's misses only once its router ran cannot overlap the two:
+            # compute + link is its bound (no prediction); the rest of the measured step is overhead.
+            c["serial_step_s"] = comp + link_s
+            c["serial_fraction"] = c["serial_step_s"] / (c["ms_per_step"] / 1e3)
         if c["mode"] == "resident" and hbm_bps:
             touched = c["union_per_layer_step"] * c["layers"] * expert_bytes + dense_bytes
             c["hbm_bound_step_s"] = touched / hbm_bps

@@ -146,11 +146,25 @@ def manifest_for(run_id: str, sources: list[Source], env: dict[str, Any], env_ra
     }
 
 
+def derive_decode_bounds(data: dict[str, Any]) -> None:
+    """Recomputes a decode file's derived fields (roofline, serial bound, HBM bound) from its measured
+    ones with decode_h200's own function, so a file written before a derived field existed shows it
+    (the file under inputs/ stays as measured)."""
+    from decode_h200 import add_rooflines
+
+    sizes = data.get("bytes") or {}
+    if data.get("link") and "expert" in sizes and "dense_touched_per_step" in sizes:
+        add_rooflines(data.get("cells") or [], data["link"], sizes["expert"], sizes["dense_touched_per_step"])
+
+
 def build_run(args: argparse.Namespace, argv: list[str]) -> Path:
     """Write the results run; returns its directory."""
     serve_paths = sorted(args.serve_dir.glob("serve_*.json")) if args.serve_dir is not None else []
     roles = [("decode", args.decode), ("llamacpp", args.llamacpp), *(("serve", p) for p in serve_paths)]
     sources = [_read_source(role, path) for role, path in roles if path is not None]
+    for source in sources:
+        if source.role == "decode":
+            derive_decode_bounds(source.data)
     env_raw = args.env.read_text() if args.env is not None else None
     env = parse_env(env_raw) if env_raw is not None else {}
     linkbw = json.loads(args.linkbw.read_text()) if args.linkbw is not None else None

@@ -94,11 +94,16 @@ _VARIANT_INTRO = (
     "<p>The same figures per variant: [graphs] CUDA-graph decode steps, [compile] the per-layer blocks (and the paged LRU "
     "plan) through torch.compile before capture, [triton] routing, the expert pass and decode attention as Triton kernels "
     "(paged_experts.moe_triton, attn_triton), [host] host-planned paging, [overlap] hits computed while misses copy, [loop] "
-    "the per-expert reference kernel; no bracket = the default path (grouped GEMM, eager).</p>"
+    "the per-expert reference kernel, [prefetch] the next layer's predicted experts paged in while a layer computes; no "
+    "bracket = the default path (grouped GEMM, eager).</p>"
 )
 _ROOFLINE_INTRO = (
     "<p>roofline_step = max(resident step at the same batch and routing, misses per step x expert bytes / link rate); "
-    f"roofline_fraction = roofline_step / measured step (1.0 = at the roofline). {html.escape(_TARGET_NOTE)}</p>"
+    f"roofline_fraction = roofline_step / measured step (1.0 = at the roofline). {html.escape(_TARGET_NOTE)} "
+    "serial_fraction = (resident step + link step) / measured step: the bound of a step that pages each layer's misses "
+    "only after its router ran (no prediction); [prefetch] cells page the next layer's predicted experts ahead "
+    "(prefetched_per_step, prefetch_accuracy = share of them the layer then routed to), and their misses for the "
+    "roofline are the LRU planner's replayed over the cell's own routed ids (misses_source).</p>"
 )
 _RESIDENT_INTRO = (
     "<p>hbm_bound = (union of experts touched x layers x expert bytes + non-expert weights) / measured device copy rate; "

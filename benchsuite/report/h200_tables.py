@@ -181,6 +181,9 @@ def roofline_table(cells: pd.DataFrame) -> pd.DataFrame:
             "roofline_step_ms": None if _num(b.get("roofline_step_s")) is None else b["roofline_step_s"] * 1e3,
             "link_step_ms": None if _num(b.get("roofline_link_step_s")) is None else b["roofline_link_step_s"] * 1e3,
             "misses_per_token": b.get("misses_per_token"), "hit_rate": b.get("hit_rate"), "roofline_fraction": fraction,
+            # runs since the prefetch variant: the no-overlap bound, what prefetch paged, where the misses came from
+            "serial_fraction": b.get("serial_fraction"), "prefetched_per_step": b.get("prefetched_per_step"),
+            "prefetch_accuracy": b.get("prefetch_accuracy"), "misses_source": b.get("roofline_misses_source"),
             "target_fraction": ROOFLINE_TARGET_FRACTION,
             "meets_target": "failed" if c["status"] != "ok" else _meets(fraction, ROOFLINE_TARGET_FRACTION, "not computed (no link rate or resident step)"),
             "reason": c["reason"], "cell_id": c["cell_id"],
