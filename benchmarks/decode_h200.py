@@ -285,10 +285,10 @@ def add_rooflines(cells: list[dict[str, Any]], link: dict[str, Any], expert_byte
         if "ms_per_step" not in c:
             continue
         comp = compute.get((c["routing"], c["batch"]))
-        if comp is not None and link_bps:
-            # the LRU planner's misses for the routing the cell ran (the simulator's count); the
-            # runtime's own count where no replay was possible (eager steps)
-            misses = c.get("lru_misses_per_step", c["misses_per_step"])
+        # the LRU planner's misses for the routing the cell ran (the simulator's count); the
+        # runtime's own count where no replay was possible (eager steps)
+        misses = c.get("lru_misses_per_step", c.get("misses_per_step"))
+        if comp is not None and link_bps and misses is not None:
             c["roofline_misses_source"] = "lru_replay" if "lru_misses_per_step" in c else "runtime_counters"
             link_s = misses * expert_bytes / link_bps
             c["roofline_link_step_s"] = link_s
