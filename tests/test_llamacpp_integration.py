@@ -81,7 +81,8 @@ async def _llama_greedy(
     base_url: str, prompts: list[list[int]], n_new: int
 ) -> list[list[int]]:
     outputs = []
-    async with aiohttp.ClientSession() as session:
+    # force_close: a pooled keep-alive connection to llama-server can be closed under it (see runner.client_session)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
         for ids in prompts:
             body = {
                 "prompt": ids, "n_predict": n_new, "temperature": 0.0, "top_k": 1, "ignore_eos": True,
