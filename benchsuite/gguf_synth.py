@@ -276,8 +276,11 @@ def _run_tasks(tasks: list[_Task], path: Path, workers: int, total: int, log: An
         finally:
             os.close(_FD)  # type: ignore[arg-type]
         return
-    # fork: workers inherit the imported modules; they touch nothing but numpy and their fd.
-    ctx = multiprocessing.get_context("fork")
+    # spawn, not fork: a forked worker of a multi-threaded parent (torch's and aiohttp's threads in a
+    # test process, the benchmark's own) can inherit a lock some other thread held and hang in it
+    # (seen once in the test suite: a worker asleep on a futex, the pool waiting on it forever).
+    # Workers import this module (numpy and gguf, no torch) and open their own fd.
+    ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(workers, initializer=_open_fd, initargs=(str(path),)) as pool:
         for n in pool.imap_unordered(_fill, tasks, chunksize=1):
             done += n
