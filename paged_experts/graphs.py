@@ -12,8 +12,13 @@ with the other inputs; every layer resident or device-planned paged) is instead 
 - attention runs over the padded L with an additive mask (positions beyond the token's own get the
   dtype's minimum, i.e. probability exactly 0), so the result equals the eager per-sequence
   attention within rounding (not bit for bit: the softmax reduces over a longer row);
-- MoE layers run `MoeLayer.forward_on_device` (fused grouped matmuls, no host sync); each layer's
-  union is written to a static vector that the counters read lazily after the replay.
+- MoE layers run on the device with no host sync: resident layers over their experts, paged ones
+  as `MoeLayer.page_in_on_device` (LRU plan, page-in kernel) then `experts_on_device`; each layer's
+  union, hits and misses are written to a static vector that the counters read lazily after the
+  replay;
+- with `RuntimeConfig.prefetch_next_layer`, between a paged layer's page-ins and its expert pass the
+  next layer's experts are predicted (its norm and router on this layer's residual stream) and
+  paged in on a second stream (`MoeLayer.prefetch_on_device`); the next layer waits for that copy.
 Host work per step: build one int64 tensor of indices, one host->device copy, replay, and the
 logits' device->host copy (the step's only sync). On CPU the same static body runs uncaptured
 (tests compare it with the eager path).
