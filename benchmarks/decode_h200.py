@@ -36,8 +36,9 @@ from typing import Any
 
 import torch
 
-from paged_experts import moe_triton, pinned, synth_memory
-from paged_experts.fused import expert_backend, grouped_backend, set_expert_backend
+from paged_experts import pinned, synth_memory
+from paged_experts.kernels import moe_triton
+from paged_experts.kernels.fused import expert_backend, grouped_backend, set_expert_backend
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.residency import LayerResidency
@@ -142,7 +143,7 @@ def measure_pagein_paths(host: ExpertTensors, expert_bytes: int, slots_n: int = 
     """Page-in rate of m experts into `slots_n` slots: the DMA engines (`copy_` per run of rows,
     host-planned) against the device-planned Triton kernel reading pinned memory (plan padded to
     `slots_n` entries as in a graph). CUDA events around 5 repetitions after a warm-up."""
-    from paged_experts.copy_kernel import copy_planned, graph_safe
+    from paged_experts.kernels.copy_kernel import copy_planned, graph_safe
     from paged_experts.store import PageInEngine
 
     dev = torch.device("cuda")

@@ -252,10 +252,10 @@ def convert_serve(source: Source, machine: dict[str, Any], out: Converted, taken
     name = serve_name(source.name)
     server_id = slug(f"serve-{name}")
     git = dict(data.get("git") or {})
-    version = {"engine": "paged_experts.serve (built-in)", **(info.get("versions") or {}), "git_commit": git.get("commit")}
+    version = {"engine": "paged_experts.server.app (built-in)", **(info.get("versions") or {}), "git_commit": git.get("commit")}
     argv = [str(a) for a in data.get("server_argv") or []]
     command = [str(a) for a in data.get("command") or []]
-    out.servers[server_id] = {"server_id": server_id, "engine": "paged_experts.serve", "kind": "builtin", "argv": argv,
+    out.servers[server_id] = {"server_id": server_id, "engine": "paged_experts.server.app", "kind": "builtin", "argv": argv,
                               "version": version, "options": opts, "benchmark_command": command}
     mode = str(opts.get("mode") or (info.get("runtime") or {}).get("mode") or "unknown")
     params = {k: opts[k] for k in ("resident_experts", "offload_layers", "n_cpu_moe") if opts.get(k) is not None}
@@ -279,11 +279,11 @@ def convert_serve(source: Source, machine: dict[str, Any], out: Converted, taken
         tok_s = _num(result.get("decode_tok_s_aggregate_median"))
         extras = {
             "source": "serve_decode", "config_name": name, "bench": {k: v for k, v in result.items() if k != "requests"},
-            "provenance": _provenance(source, machine, "paged_experts.serve", version, command, git, routing,
+            "provenance": _provenance(source, machine, "paged_experts.server.app", version, command, git, routing,
                                       server_argv=argv, date_utc=_utc(started)),
         }
         out.add(CellResult(
-            cell_id=cell_id, run_id="", engine="paged_experts.serve", engine_kind="builtin", mode=mode, server_id=server_id,
+            cell_id=cell_id, run_id="", engine="paged_experts.server.app", engine_kind="builtin", mode=mode, server_id=server_id,
             params=params, workload=SERVE_WORKLOAD, prompt_class=prompt_class, concurrency=c, repeat=repeat,
             status="ok" if tok_s is not None else "failed", reason=None if tok_s is not None else "no decode rate recorded",
             routing=routing, num_requests=len(records), num_errors=0, error_rate=0.0,

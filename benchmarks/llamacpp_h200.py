@@ -10,11 +10,11 @@ without internet. Subcommands, so the build can overlap other GPU work:
     python3 benchmarks/llamacpp_h200.py bench ... --cpu     # CPU build from the cache, -ngl 0
     python3 benchmarks/llamacpp_h200.py bench ... --extra='--load-mode none' --out $OUT/nommap
 
-- build: `benchsuite.llamacpp_build.build_llama_server(cuda=True)` (what `benchsuite install
+- build: `benchsuite.engines.llamacpp.build.build_llama_server(cuda=True)` (what `benchsuite install
   llama-server --cuda` runs) with BENCHSUITE_CACHE_DIR=<out>/cache, from the trimmed source tarball
   in `.devbuild/` copied to where `fetch_source` looks for the sdist, so nothing is downloaded.
   Writes <out>/build.log and <out>/build.json (status, binaries, version, flags, seconds).
-- gguf: `benchsuite.gguf_synth` (Q8_0 experts, bf16/f32 rest, seeded, streamed by parallel
+- gguf: `benchsuite.engines.llamacpp.gguf_synth` (Q8_0 experts, bf16/f32 rest, seeded, streamed by parallel
   workers); prints one JSON line with its facts and keeps them in `<file>.json` for the bench.
 - bench: see `llamacpp_h200_bench.py` (the cells, the fit, the JSON schema).
 
@@ -58,7 +58,7 @@ for _p in (str(REPO), str(HERE)):
         sys.path.insert(0, _p)
 
 from benchsuite.errors import UserError
-from benchsuite.llamacpp_build import LLAMA_CPP_PYTHON_VERSION, SDIST_NAME
+from benchsuite.engines.llamacpp.build import LLAMA_CPP_PYTHON_VERSION, SDIST_NAME
 
 DEVBUILD_TARBALL = REPO / ".devbuild" / SDIST_NAME
 PREFIX = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
@@ -118,7 +118,7 @@ def _version_line(argv: list[str], contains: str = "version") -> str | None:
 
 def build(out: Path, jobs: int | None, source: Path, cuda: bool, force: bool) -> int:
     """Build into <out>/cache; <out>/build.json says how it went (written last, also on failure)."""
-    from benchsuite.llamacpp_build import build_llama_server
+    from benchsuite.engines.llamacpp.build import build_llama_server
 
     out.mkdir(parents=True, exist_ok=True)
     status_path = out / "build.json"
@@ -175,7 +175,7 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 def gguf(out_file: Path, layers: int, seed: int, workers: int | None, preset: str) -> dict[str, Any]:
-    from benchsuite.gguf_synth import write_synthetic_gguf
+    from benchsuite.engines.llamacpp.gguf_synth import write_synthetic_gguf
 
     s = write_synthetic_gguf(out_file, preset=preset, layers=layers, seed=seed, workers=workers)
     facts = {

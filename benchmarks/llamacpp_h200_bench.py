@@ -39,7 +39,7 @@ from typing import Any
 
 import llamacpp_h200_cells as cells
 
-from benchsuite.llamacpp_build import (
+from benchsuite.engines.llamacpp.build import (
     LLAMA_CPP_PYTHON_VERSION,
     binary_version,
     install_dir,

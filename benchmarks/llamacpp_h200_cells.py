@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchsuite.llamacpp_logs import parse_server_log
+from benchsuite.engines.llamacpp.logs import parse_server_log
 
 MIB = 2**20
 _OT = re.compile(r'-ot\s+"([^"]*)"')

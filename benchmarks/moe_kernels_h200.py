@@ -25,9 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_h200 import provenance  # noqa: E402
 
-from paged_experts import moe_triton  # noqa: E402
+from paged_experts.kernels import moe_triton  # noqa: E402
 from paged_experts.experts import route  # noqa: E402
-from paged_experts.fused import experts_over_rows  # noqa: E402
+from paged_experts.kernels.fused import experts_over_rows  # noqa: E402
 
 
 def time_graph(ops: list[Callable[[], object]], replays: int) -> float:

@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_h200 import parse_variant, runtime_for  # noqa: E402
 
-from paged_experts.fused import set_expert_backend  # noqa: E402
+from paged_experts.kernels.fused import set_expert_backend  # noqa: E402
 from paged_experts.kv import KvPool  # noqa: E402
 from paged_experts.model import MoeCausalLM, SeqChunk  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Decode tok/s of the built-in server at concurrency 1 and 4 (or any list), over real HTTP.
 
-Either measures a running server (`--url`) or starts `python -m paged_experts.serve` itself on a
+Either measures a running server (`--url`) or starts `python -m paged_experts.server` itself on a
 free loopback port with the flags after `--`, in its own session, and kills the group at the end:
 
     python benchmarks/serve_decode.py --model tiny --out decode.json
@@ -160,7 +160,7 @@ def start_server(model: str, server_args: list[str], log_path: Path) -> tuple[su
 
         model = str(ensure_tiny())
     port = free_port()
-    argv = [sys.executable, "-m", "paged_experts.serve", "--model-path", model, "--host", "127.0.0.1",
+    argv = [sys.executable, "-m", "paged_experts.server.app", "--model-path", model, "--host", "127.0.0.1",
             "--port", str(port), *server_args]  # fmt: skip
     with log_path.open("wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -1,6 +1,6 @@
 """Soak test of the built-in server: many streams and abandoned requests for minutes, then checks.
 
-Starts `python -m paged_experts.serve` itself (benchsuite.process.EngineProcess: own session,
+Starts `python -m paged_experts.server` itself (benchsuite.process.EngineProcess: own session,
 free loopback port, group kill at the end) on the tiny checkpoint unless `--model` says otherwise,
 and drives it with:
 - `--streams` closed-loop clients (default 64), each sending streamed completions one after
@@ -246,7 +246,7 @@ async def soak(config: SoakConfig, log_dir: Path) -> SoakResult:
     else:
         model = config.model
     port = free_port()
-    argv = [sys.executable, "-m", "paged_experts.serve", "--model-path", model, "--port", str(port),
+    argv = [sys.executable, "-m", "paged_experts.server.app", "--model-path", model, "--port", str(port),
             "--max-running-requests", str(config.streams + config.burst_size),
             "--max-total-tokens", str(config.kv_capacity_tokens), "--log-level", "warning", *config.server_args]  # fmt: skip
     base = f"http://127.0.0.1:{port}"
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="checkpoint directory (default: the generated tiny model)")
     p.add_argument("--kv-capacity-tokens", type=int, default=8192)
     p.add_argument("--out", type=Path, help="write the figures as JSON here (also printed)")
-    p.add_argument("server_args", nargs="*", help="flags for paged_experts.serve after --")
+    p.add_argument("server_args", nargs="*", help="flags for paged_experts.server.app after --")
     args = p.parse_args(argv)
     config = SoakConfig(
         duration_s=args.minutes * 60.0,

@@ -1,7 +1,7 @@
 """The llama.cpp `--n-cpu-moe` search: fewest launches to find the best N that fits the GPU.
 
 The published baseline launched the server once per N (a linear scan). Here:
-1. values that cannot fit are ruled out without a launch (benchsuite.llamacpp_fit: llama.cpp's
+1. values that cannot fit are ruled out without a launch (benchsuite.engines.llamacpp.fit: llama.cpp's
    `llama-fit-params` projection on a GPU build, our GGUF-based projection on a CPU-only build);
 2. the fitting range is searched with its usual shape in mind: fewer CPU layers is faster, so
    throughput drops as N grows past the smallest fitting N. `propose` starts there and steps right

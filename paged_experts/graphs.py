@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from paged_experts import attn_triton
-from paged_experts.copy_kernel import graph_safe
-from paged_experts.fused import expert_backend, experts_over_rows, route_logits
+from paged_experts.kernels import attn_triton
+from paged_experts.kernels.copy_kernel import graph_safe
+from paged_experts.kernels.fused import expert_backend, experts_over_rows, route_logits
 from paged_experts.moe import page_in_stream
 
 if TYPE_CHECKING:

@@ -19,11 +19,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from paged_experts.copy_kernel import copy_planned
+from paged_experts.kernels.copy_kernel import copy_planned
 from paged_experts.counters import PagingCounters, TalliedCounters
 from paged_experts.device_residency import DevicePlan, DeviceResidency
 from paged_experts.experts import Dispatch, build_dispatch, combine, run_experts
-from paged_experts.fused import combine_pairs, experts_over_rows, group_pairs, route_logits, run_pairs
+from paged_experts.kernels.fused import combine_pairs, experts_over_rows, group_pairs, route_logits, run_pairs
 from paged_experts.residency import LayerResidency
 from paged_experts.store import ExpertTensors, PageInEngine
 

@@ -12,7 +12,7 @@ Paths `MoeCausalLM.from_pretrained` accepts:
 - a weightless directory written by `write_weightless(...)`: config.json, the tokenizer files and
   `synthetic_weights.json`, no safetensors; the built-in server loads it like any checkpoint:
   `python -m paged_experts.synth_memory --preset qwen3-30b-a3b-shape --layers 48 --out DIR` then
-  `python -m paged_experts.serve --model-path DIR ...`.
+  `python -m paged_experts.server --model-path DIR ...`.
 
 The host weights of the last model built are cached in this process, so runtimes of different
 modes over the same seeded weights (a benchmark's cells) share one host store.

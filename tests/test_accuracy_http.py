@@ -24,10 +24,10 @@ import paged_experts.store
 from benchsuite import accuracy
 from benchsuite.cli import main as cli_main
 from benchsuite.datasets import bundled_prompts
-from benchsuite.engines.llamacpp import find_binary
+from benchsuite.engines.llamacpp.adapter import find_binary
 from benchsuite.errors import RunError
-from paged_experts.api_launch import ServeConfig, Serving, load_serving
-from paged_experts.serve import create_app
+from paged_experts.server.launch import ServeConfig, Serving, load_serving
+from paged_experts.server.app import create_app
 
 from conftest import wait_healthy  # tests/ is on sys.path under pytest
 
@@ -180,7 +180,7 @@ async def test_an_engine_that_ignores_logprobs_is_an_error_not_a_fail_or_pass() 
 )
 async def test_llama_server_against_itself_passes_through_the_cli(tmp_path: Path) -> None:
     from benchsuite.engines.base import ServerSpec
-    from benchsuite.engines.llamacpp import LlamaCppAdapter
+    from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter
     from benchsuite.process import EngineProcess, free_port
 
     gguf = await asyncio.to_thread(

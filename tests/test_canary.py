@@ -15,9 +15,9 @@ from aiohttp.test_utils import TestServer
 
 from benchsuite import canary
 from benchsuite.cli import main as cli_main
-from benchsuite.engines.llamacpp import find_binary
-from paged_experts.api_launch import ServeConfig
-from paged_experts.serve import create_app
+from benchsuite.engines.llamacpp.adapter import find_binary
+from paged_experts.server.launch import ServeConfig
+from paged_experts.server.app import create_app
 
 
 async def start(app: web.Application) -> tuple[TestServer, str]:
@@ -118,7 +118,7 @@ async def test_an_unreachable_endpoint_is_an_error_not_a_pass(capsys: pytest.Cap
 )
 async def test_llama_server_passes(tmp_path: Path) -> None:
     from benchsuite.engines.base import ServerSpec
-    from benchsuite.engines.llamacpp import LlamaCppAdapter
+    from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter
     from benchsuite.process import EngineProcess, free_port
 
     gguf = await asyncio.to_thread(

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from paged_experts.copy_kernel import copy_planned
+from paged_experts.kernels.copy_kernel import copy_planned
 from paged_experts.device_residency import DeviceResidency
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk

@@ -1,4 +1,4 @@
-"""Scheduler logic of paged_experts.engine against a small fake model and KV pool.
+"""Scheduler logic of paged_experts.server.engine against a small fake model and KV pool.
 
 The fake model's next token is a function of the sequence's whole history, which it keeps per
 sequence like a KV cache; it records every forward's chunk layout so tests can pin what one
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from paged_experts.engine import (
+from paged_experts.server.engine import (
     FINISH_ABORT,
     FINISH_ERROR,
     FINISH_LENGTH,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from paged_experts.engine import Engine, EngineConfig, SamplingParams
+from paged_experts.server.engine import Engine, EngineConfig, SamplingParams
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.runtime import RuntimeConfig

@@ -36,7 +36,7 @@ import yaml
 
 from benchsuite import runner
 from benchsuite.cli import main as cli_main
-from benchsuite.engines.llamacpp import find_binary
+from benchsuite.engines.llamacpp.adapter import find_binary
 from benchsuite.matrix import load_matrix
 from benchsuite.plan import CellSpec, build_plan
 from benchsuite.process import EngineProcess

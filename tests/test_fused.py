@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from paged_experts import synth_memory
-from paged_experts.fused import expert_mlp, group_pairs
+from paged_experts.kernels.fused import expert_mlp, group_pairs
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.runtime import RuntimeConfig
@@ -164,8 +164,8 @@ def test_static_decode_needs_resident_layers() -> None:
 
 
 def test_expert_backend_choice_is_checked() -> None:
-    from paged_experts import moe_triton
-    from paged_experts.fused import expert_backend, set_expert_backend
+    from paged_experts.kernels import moe_triton
+    from paged_experts.kernels.fused import expert_backend, set_expert_backend
 
     with pytest.raises(ValueError, match="expert backend must be one of"):
         set_expert_backend("cutlass")

@@ -1,7 +1,7 @@
 """Bad requests to the built-in server: property-based fuzzing of its request parsing over real
 HTTP, plus a corpus of bad requests (tests/data/bad_requests.jsonl) each with its expected error.
 
-One real server process (`python -m paged_experts.serve`, tiny checkpoint, CPU, a small KV pool so
+One real server process (`python -m paged_experts.server`, tiny checkpoint, CPU, a small KV pool so
 a valid body cannot ask for long work) receives random JSON bodies, random values of every type
 in every field of /v1/completions and /v1/chat/completions, and raw bytes. Properties: never a
 5xx, never a hang (every request has a wall-clock limit), a 4xx always carries an OpenAI-style
@@ -41,7 +41,7 @@ CHAT_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "temp
 @pytest.fixture(scope="module")
 def server_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
-    argv = [sys.executable, "-m", "paged_experts.serve", "--model-path", str(tiny_model_dir), "--port", str(port),
+    argv = [sys.executable, "-m", "paged_experts.server.app", "--model-path", str(tiny_model_dir), "--port", str(port),
             "--max-total-tokens", str(KV_CAPACITY_TOKENS), "--max-running-requests", "4", "--log-level", "warning"]  # fmt: skip
     log = tmp_path_factory.mktemp("fuzz-server") / "server.log"
     proc = EngineProcess(argv, {}, log, f"http://127.0.0.1:{port}/health", startup_timeout_s=300.0)

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from benchsuite.errors import UserError
-from benchsuite.gguf_export import cached_export, export_gguf
+from benchsuite.engines.llamacpp.gguf_export import cached_export, export_gguf
 from paged_experts.synth import write_checkpoint
 
 LAYERS = 2

@@ -1,4 +1,4 @@
-"""benchsuite.gguf_synth: the synthetic GGUF has gguf_export's layout, the planned types, values
+"""benchsuite.engines.llamacpp.gguf_synth: the synthetic GGUF has gguf_export's layout, the planned types, values
 with the synth standard deviations, and bytes that do not depend on the worker count."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import gguf
 import numpy as np
 import pytest
 
-from benchsuite.gguf_export import export_gguf, iter_tensor_bytes, plan_tensors
-from benchsuite.gguf_synth import LUT8, LUT_STD, expert_bytes, synthetic_shapes, write_synthetic_gguf
+from benchsuite.engines.llamacpp.gguf_export import export_gguf, iter_tensor_bytes, plan_tensors
+from benchsuite.engines.llamacpp.gguf_synth import LUT8, LUT_STD, expert_bytes, synthetic_shapes, write_synthetic_gguf
 from paged_experts.synth import PRESETS, hf_config_for
 
 

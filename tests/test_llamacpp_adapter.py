@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from benchsuite.engines.base import EngineConfigError, ServerSpec
-from benchsuite.engines.llamacpp import LlamaCppAdapter, LlamaCppOptions, find_binary
+from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter, LlamaCppOptions, find_binary
 
 HELP = """\
 -ngl, --n-gpu-layers N

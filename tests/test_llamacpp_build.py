@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from benchsuite import llamacpp_build as build
+from benchsuite.engines.llamacpp import build as build
 from benchsuite.cli import main as cli_main
 
 

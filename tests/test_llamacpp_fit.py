@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchsuite.llamacpp_fit import (
+from benchsuite.engines.llamacpp.fit import (
     MIB,
     ModelFacts,
     Projection,

@@ -15,7 +15,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from benchsuite.llamacpp_build import install_dir
+from benchsuite.engines.llamacpp.build import install_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "llamacpp_h200.py"

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 
 from benchsuite.engines.base import ServerSpec
-from benchsuite.engines.llamacpp import LlamaCppAdapter, find_binary
+from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter, find_binary
 from benchsuite.process import EngineProcess, free_port
 
 needs_server = pytest.mark.skipif(
@@ -139,7 +139,7 @@ def test_our_projection_matches_llama_fit_params_on_the_host(flash_attn, n_ctx):
     """On a CPU build llama-fit-params projects everything onto `Host`; ours must agree (MiB, floored)."""
     import subprocess
 
-    from benchsuite.llamacpp_fit import (
+    from benchsuite.engines.llamacpp.fit import (
         MIB,
         fit_params_argv,
         parse_fit_print,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchsuite.llamacpp_logs import parse_moe_cache_line, parse_server_log
+from benchsuite.engines.llamacpp.logs import parse_moe_cache_line, parse_server_log
 
 LOG = """\
 load_tensors: loading model tensors, this can take a while... (mmap = true)

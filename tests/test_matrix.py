@@ -112,7 +112,7 @@ def test_sharegpt_path_is_relative_to_the_matrix_and_must_exist(tmp_path: Path) 
 
 
 def test_synthetic_routing_spec_is_checked_and_labelled(tmp_path: Path) -> None:
-    from benchsuite.engines.builtin import BuiltinAdapter
+    from benchsuite.engines.builtin.adapter import BuiltinAdapter
     from benchsuite.plan import build_plan
 
     msg = errors_of(tmp_path, GOOD.replace("mode: resident}", "mode: resident, routing: zipf}"))

@@ -34,7 +34,7 @@ def reference_moe(x, rows, topw, gate, up, down, top_k: int) -> torch.Tensor:
 
 
 def check_kernels(device: str = "cpu", dtype: torch.dtype = torch.float32, tol: float = 1e-4) -> None:
-    from paged_experts import moe_triton
+    from paged_experts.kernels import moe_triton
     from paged_experts.experts import route
 
     gen = torch.Generator().manual_seed(0)
@@ -83,7 +83,7 @@ ATTENTION_CASES = ((1, 8, 2, 16, 64, (5,)), (3, 4, 4, 32, 128, (0, 70, 127)), (2
 
 
 def check_attention(device: str = "cpu", dtype: torch.dtype = torch.float32, tol: float = 1e-4) -> None:
-    from paged_experts.attn_triton import decode_attention
+    from paged_experts.kernels.attn_triton import decode_attention
     from paged_experts.graphs import torch_attention
 
     gen = torch.Generator().manual_seed(0)

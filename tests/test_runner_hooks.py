@@ -16,7 +16,7 @@ import yaml
 from aiohttp.test_utils import TestServer
 
 from benchsuite import runner
-from benchsuite.engines.sglang import SGLangAdapter
+from benchsuite.engines.sglang.adapter import SGLangAdapter
 from benchsuite.matrix import load_matrix
 from benchsuite.plan import build_plan
 from benchsuite.report.flags import cell_flags
@@ -30,7 +30,7 @@ except ImportError:  # run from inside tests/
 
 from paged_experts.trace import read_trace
 
-# SGLang 0.5.23 lines (formats from benchsuite.sglang_logs): paged K=26, decode graphs up to batch 3,
+# SGLang 0.5.23 lines (formats from benchsuite.engines.sglang.logs): paged K=26, decode graphs up to batch 3,
 # a KV pool of 10,000 tokens where the matrix fixed 10,240.
 SGLANG_LOG = """\
 [2026-11-29 10:00:01] server_args={'model_path': '/m', 'max_total_tokens': 10240, 'enable_paged_experts': True, 'paged_experts_num_resident': 26}
@@ -139,7 +139,7 @@ def test_a_request_that_never_answers_fails_alone_and_the_cell_keeps_its_records
 def test_canary_at_the_end_of_a_run_is_stored_and_shown(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from benchsuite.cli import main
     from benchsuite.engines import ADAPTERS
-    from benchsuite.engines.builtin import BuiltinAdapter
+    from benchsuite.engines.builtin.adapter import BuiltinAdapter
 
     monkeypatch.setitem(ADAPTERS._loaded, "builtin", BuiltinAdapter())  # type: ignore[attr-defined]
     monkeypatch.chdir(tmp_path)  # the report goes to ./reports/<run-id>

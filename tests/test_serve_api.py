@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from paged_experts.api_metrics import EngineGauges, Histogram, ServerMetrics
-from paged_experts.api_protocol import (
+from paged_experts.server.metrics import EngineGauges, Histogram, ServerMetrics
+from paged_experts.server.protocol import (
     ApiError,
     ChatBody,
     CompletionBody,
@@ -15,9 +15,9 @@ from paged_experts.api_protocol import (
     single_prompt,
     validate,
 )
-from paged_experts.api_text import ChatTurn, Detokenizer, StopMatcher, TextCodec
+from paged_experts.server.text import ChatTurn, Detokenizer, StopMatcher, TextCodec
 from paged_experts.counters import PagingCounters
-from paged_experts.engine import FinishedRequest
+from paged_experts.server.engine import FinishedRequest
 from paged_experts.synth import ensure_tiny
 
 

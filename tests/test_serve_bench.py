@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from paged_experts.api_launch import ServeConfig
+from paged_experts.server.launch import ServeConfig
 from paged_experts.synth import ensure_tiny
 
 BENCH_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "serve_decode.py"
@@ -43,8 +43,8 @@ def test_summary_definitions() -> None:
 async def test_measure_against_a_live_server(tmp_path: Path) -> None:
     from aiohttp.test_utils import TestServer
 
-    from paged_experts.api_handlers import STATE_KEY
-    from paged_experts.serve import create_app
+    from paged_experts.server.handlers import STATE_KEY
+    from paged_experts.server.app import create_app
 
     bench = load_bench()
     server = TestServer(create_app(ServeConfig(model_path=str(ensure_tiny()), max_total_tokens=512)))

@@ -1,4 +1,4 @@
-"""`python -m paged_experts.serve` as a real process: flags, readiness, synthetic routing labels,
+"""`python -m paged_experts.server` as a real process: flags, readiness, synthetic routing labels,
 routing trace recording, clean shutdown on SIGTERM, and refusal of inconsistent flags."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from paged_experts.api_launch import parse_args
+from paged_experts.server.launch import parse_args
 from paged_experts.synth import ensure_tiny
 from paged_experts.trace import read_trace
 
@@ -69,8 +69,8 @@ def test_parse_args_mirrors_sglang_and_llamacpp_names() -> None:
 
 
 def test_cuda_graphs_and_expert_kernel_flags(tmp_path: Path) -> None:
-    from paged_experts.api_launch import load_serving
-    from paged_experts.api_metrics import ServerMetrics
+    from paged_experts.server.launch import load_serving
+    from paged_experts.server.metrics import ServerMetrics
 
     cfg = parse_args(["--model", "/m", "--cuda-graph-max-bs", "4", "--expert-kernel", "loop"])
     assert (cfg.cuda_graph_max_bs, cfg.expert_kernel) == (4, "loop")
@@ -109,7 +109,7 @@ def test_server_process_serves_records_routing_and_stops_cleanly(tmp_path: Path)
     port = free_port()
     trace_path = tmp_path / "routing" / "run.trace"
     log_path = tmp_path / "server.log"
-    argv = [sys.executable, "-m", "paged_experts.serve", "--model", str(ensure_tiny()), "--port", str(port),
+    argv = [sys.executable, "-m", "paged_experts.server.app", "--model", str(ensure_tiny()), "--port", str(port),
             "--resident-experts", "8", "--max-total-tokens", "1000", "--routing-source", "qwen3-30b-a3b",
             "--record-routing", str(trace_path)]  # fmt: skip
     with log_path.open("w") as log:

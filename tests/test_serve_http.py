@@ -13,9 +13,9 @@ import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestServer
 
-from paged_experts.api_launch import ServeConfig, load_serving
-from paged_experts.api_text import ChatTurn, TextCodec
-from paged_experts.serve import create_app
+from paged_experts.server.launch import ServeConfig, load_serving
+from paged_experts.server.text import ChatTurn, TextCodec
+from paged_experts.server.app import create_app
 from paged_experts.synth import ensure_tiny
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

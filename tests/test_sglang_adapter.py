@@ -13,7 +13,7 @@ import pytest
 
 from benchsuite.engines import ADAPTERS
 from benchsuite.engines.base import ServerSpec
-from benchsuite.engines.sglang import SGLangAdapter, SGLangOptions, expand_env
+from benchsuite.engines.sglang.adapter import SGLangAdapter, SGLangOptions, expand_env
 
 FAIRNESS = {"kv_capacity_tokens": 10240, "prefix_caching": False}
 PY = sys.executable

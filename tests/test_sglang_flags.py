@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from benchsuite.engines.base import ServerSpec
-from benchsuite.engines.sglang import SGLangAdapter
+from benchsuite.engines.sglang.adapter import SGLangAdapter
 
 server_args = pytest.importorskip("sglang.srt.server_args", reason="sglang is not installed here")
 

@@ -1,5 +1,5 @@
 """The SGLang adapter's HTTP side end to end, against the built-in server standing in for the
-endpoint (`python -m paged_experts.serve` on loopback): the Prometheus scrape, the request extras
+endpoint (`python -m paged_experts.server` on loopback): the Prometheus scrape, the request extras
 through the real load generator, and the cache flush. SGLang itself is not run here."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest_asyncio
 
 from benchsuite import loadgen
 from benchsuite.engines.base import ServerSpec
-from benchsuite.engines.sglang import SGLangAdapter, scrape_prometheus
+from benchsuite.engines.sglang.adapter import SGLangAdapter, scrape_prometheus
 from benchsuite.openai_http import model_name
 from benchsuite.process import EngineProcess, free_port
 from paged_experts.synth import ensure_tiny
@@ -30,7 +30,7 @@ CAPTURE = ServerSpec(
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def base_url(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
     port = free_port()
-    argv = [sys.executable, "-m", "paged_experts.serve", "--model-path", str(ensure_tiny()), "--port", str(port),
+    argv = [sys.executable, "-m", "paged_experts.server.app", "--model-path", str(ensure_tiny()), "--port", str(port),
             "--mode", "paged", "--paged-experts-num-resident", "4", "--max-total-tokens", "512",
             "--max-running-requests", "2"]  # fmt: skip
     log = Path(tmp_path_factory.mktemp("builtin")) / "server.log"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchsuite.engines.sglang import SGLangAdapter
-from benchsuite.sglang_logs import batch_cap_flag, kv_capacity_flag, parse_log
+from benchsuite.engines.sglang.adapter import SGLangAdapter
+from benchsuite.engines.sglang.logs import batch_cap_flag, kv_capacity_flag, parse_log
 
 LOGS = Path(__file__).parent / "data" / "sglang_logs"
 

@@ -14,7 +14,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from benchsuite.errors import RunError
-from benchsuite.sglang_routing import (
+from benchsuite.engines.sglang.routing import (
     capture_routing,
     merge_stream_chunks,
     moe_layer_ids,

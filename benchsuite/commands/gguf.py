@@ -1,5 +1,5 @@
 """`benchsuite gguf export MODEL_DIR --out FILE --type f32|f16|bf16|q8_0`: write a paged_experts
-(HF Qwen3-MoE) checkpoint as a qwen3moe GGUF that llama-server loads (benchsuite.gguf_export)."""
+(HF Qwen3-MoE) checkpoint as a qwen3moe GGUF that llama-server loads (benchsuite.engines.llamacpp.gguf_export)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from benchsuite.gguf_export import EXPORT_TYPES
+    from benchsuite.engines.llamacpp.gguf_export import EXPORT_TYPES
 
     sub = parser.add_subparsers(dest="gguf_command", metavar="ACTION", required=True)
     export = sub.add_parser(
@@ -24,7 +24,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from benchsuite.gguf_export import export_gguf
+    from benchsuite.engines.llamacpp.gguf_export import export_gguf
 
     model_dir = args.model_dir
     if model_dir == "tiny":

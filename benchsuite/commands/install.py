@@ -1,5 +1,5 @@
 """`benchsuite install llama-server [--cuda] [--jobs N] [--force]`: build llama.cpp's server from the
-pinned source into the per-user cache (see benchsuite.llamacpp_build) and print where it is."""
+pinned source into the per-user cache (see benchsuite.engines.llamacpp.build) and print where it is."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from benchsuite.llamacpp_build import build_llama_server
+    from benchsuite.engines.llamacpp.build import build_llama_server
 
     result = build_llama_server(
         cuda=args.cuda, jobs=args.jobs, log=sys.stderr, force=args.force

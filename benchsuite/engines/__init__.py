@@ -17,9 +17,9 @@ RUN_DIR_PLACEHOLDER = "{run_dir}"
 """Adapters may put this in argv or env values; the runner replaces it with the run directory."""
 
 ADAPTER_PATHS: dict[str, tuple[str, str]] = {
-    "builtin": ("benchsuite.engines.builtin", "BuiltinAdapter"),
-    "llamacpp": ("benchsuite.engines.llamacpp", "LlamaCppAdapter"),
-    "sglang": ("benchsuite.engines.sglang", "SGLangAdapter"),
+    "builtin": ("benchsuite.engines.builtin.adapter", "BuiltinAdapter"),
+    "llamacpp": ("benchsuite.engines.llamacpp.adapter", "LlamaCppAdapter"),
+    "sglang": ("benchsuite.engines.sglang.adapter", "SGLangAdapter"),
 }
 
 

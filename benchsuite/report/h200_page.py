@@ -93,7 +93,7 @@ _GRID_INTRO = (
 _VARIANT_INTRO = (
     "<p>The same figures per variant: [graphs] CUDA-graph decode steps, [compile] the per-layer blocks (and the paged LRU "
     "plan) through torch.compile before capture, [triton] routing, the expert pass and decode attention as Triton kernels "
-    "(paged_experts.moe_triton, attn_triton), [host] host-planned paging, [overlap] hits computed while misses copy, [loop] "
+    "(paged_experts.kernels.moe_triton, attn_triton), [host] host-planned paging, [overlap] hits computed while misses copy, [loop] "
     "the per-expert reference kernel, [prefetch] the next layer's predicted experts paged in while a layer computes; no "
     "bracket = the default path (grouped GEMM, eager).</p>"
 )

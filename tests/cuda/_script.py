@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from paged_experts.copy_kernel import copy_planned, graph_safe
+from paged_experts.kernels.copy_kernel import copy_planned, graph_safe
 from paged_experts.store import ExpertTensors
 
 

@@ -160,7 +160,7 @@ def test_graphed_prefetch_matches_plain_graphed() -> None:
 
 
 def test_compiled_triton_graphed_prefetch_matches_plain_graphed() -> None:
-    from paged_experts.fused import set_expert_backend
+    from paged_experts.kernels.fused import set_expert_backend
 
     set_expert_backend("triton")
     try:
@@ -172,7 +172,7 @@ def test_compiled_triton_graphed_prefetch_matches_plain_graphed() -> None:
 def test_triton_expert_backend() -> None:
     """moe_triton (decode-sized kernels): paged == resident bit for bit with it, close to the
     grouped GEMM backend, and graph-capturable."""
-    from paged_experts.fused import set_expert_backend
+    from paged_experts.kernels.fused import set_expert_backend
 
     prompts = [[5, 17, 300, 41, 9, 77, 3, 8]]
     grouped = decode(MoeCausalLM.from_pretrained(QWEN2, rt("bfloat16", mode="resident")), prompts, steps=4)
@@ -199,7 +199,7 @@ def test_moe_triton_kernels_bf16() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from test_moe_triton import check_attention, check_kernels, reference_moe
 
-    from paged_experts import moe_triton
+    from paged_experts.kernels import moe_triton
     from paged_experts.experts import route
 
     check_kernels(device="cuda", dtype=torch.bfloat16, tol=2e-2)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from paged_experts.fused import grouped_backend
+from paged_experts.kernels.fused import grouped_backend
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.moe import StepContext

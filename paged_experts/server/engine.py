@@ -27,8 +27,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from paged_experts.engine_sampling import TokenLogprob, sample_token, token_logprobs
-from paged_experts.engine_types import (
+from paged_experts.server.sampling import TokenLogprob, sample_token, token_logprobs
+from paged_experts.server.engine_types import (
     FINISH_ABORT,
     FINISH_ERROR,
     FINISH_LENGTH,

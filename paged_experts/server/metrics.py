@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
-from paged_experts.engine import FINISH_LENGTH, FINISH_STOP, FinishedRequest
+from paged_experts.server.engine import FINISH_LENGTH, FINISH_STOP, FinishedRequest
 
 PREFIX = "paged_experts:"
 

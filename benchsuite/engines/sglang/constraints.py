@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from benchsuite.engines.base import EngineConfigError
 
 if TYPE_CHECKING:
-    from benchsuite.engines.sglang import SGLangOptions
+    from benchsuite.engines.sglang.adapter import SGLangOptions
 
 SGLANG_REFERENCE_VERSION = "0.5.23"
 _SRC = "sglang 0.5.23 srt/"

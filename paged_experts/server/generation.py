@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from paged_experts.api_text import Detokenizer, StopMatcher, TextCodec
-from paged_experts.engine import FINISH_LENGTH, FINISH_STOP, RequestStream
-from paged_experts.engine_sampling import TokenLogprob
+from paged_experts.server.text import Detokenizer, StopMatcher, TextCodec
+from paged_experts.server.engine import FINISH_LENGTH, FINISH_STOP, RequestStream
+from paged_experts.server.sampling import TokenLogprob
 
 
 @dataclass(frozen=True)

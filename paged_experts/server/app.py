@@ -1,4 +1,4 @@
-"""OpenAI-compatible aiohttp server over the paged-expert runtime; `python -m paged_experts.serve`.
+"""OpenAI-compatible aiohttp server over the paged-expert runtime; `python -m paged_experts.server`.
 
 Owns the app (routes, start-up and shutdown) and the operational endpoints: `/v1/models`,
 `/health` (200 only once the model is loaded and the engine runs; 503 while loading or after a
@@ -23,11 +23,11 @@ from dataclasses import asdict
 
 from aiohttp import web
 
-from paged_experts.api_handlers import STATE_KEY, ServerState, chat_completions, completions, error_middleware
-from paged_experts.api_launch import ServeConfig, Serving, load_serving, parse_args
-from paged_experts.api_metrics import EngineGauges, ServerMetrics
+from paged_experts.server.handlers import STATE_KEY, ServerState, chat_completions, completions, error_middleware
+from paged_experts.server.launch import ServeConfig, Serving, load_serving, parse_args
+from paged_experts.server.metrics import EngineGauges, ServerMetrics
 
-log = logging.getLogger("paged_experts.serve")
+log = logging.getLogger("paged_experts.server.app")
 
 Loader = Callable[[ServeConfig, ServerMetrics], Serving]
 MAX_BODY_BYTES = 64 * 1024 * 1024

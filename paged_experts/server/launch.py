@@ -1,4 +1,4 @@
-"""Server configuration and start-up: the `python -m paged_experts.serve` flags (SGLang names where
+"""Server configuration and start-up: the `python -m paged_experts.server` flags (SGLang names where
 they mean the same, llama.cpp's `--n-cpu-moe`), and `load_serving`, which builds the model, KV
 pool, tokenizer, routing source, trace writer and engine from one resolved `ServeConfig`.
 
@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from paged_experts.api_metrics import ServerMetrics
-from paged_experts.api_text import TextCodec
+from paged_experts.server.metrics import ServerMetrics
+from paged_experts.server.text import TextCodec
 from paged_experts.config import MoeModelConfig
-from paged_experts.engine import Engine, EngineConfig
-from paged_experts.fused import EXPERT_BACKENDS, set_expert_backend
+from paged_experts.server.engine import Engine, EngineConfig
+from paged_experts.kernels.fused import EXPERT_BACKENDS, set_expert_backend
 from paged_experts.runtime import MODES, RuntimeConfig
 
 KV_BLOCK_TOKENS = 16
@@ -78,7 +78,7 @@ class ServeConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m paged_experts.serve", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m paged_experts.server", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", "--model", dest="model_path", required=True, help="HF checkpoint directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import torch
 
-from paged_experts.engine_sampling import TokenLogprob
+from paged_experts.server.sampling import TokenLogprob
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"

@@ -19,10 +19,10 @@ from typing import Any
 
 from aiohttp import web
 
-from paged_experts.api_generation import Delta, is_failure, text_deltas
-from paged_experts.api_launch import ServeConfig, Serving
-from paged_experts.api_metrics import ServerMetrics
-from paged_experts.api_openai import (
+from paged_experts.server.generation import Delta, is_failure, text_deltas
+from paged_experts.server.launch import ServeConfig, Serving
+from paged_experts.server.metrics import ServerMetrics
+from paged_experts.server.openai import (
     SSE_DONE,
     LegacyLogprobs,
     ResponseHeader,
@@ -36,7 +36,7 @@ from paged_experts.api_openai import (
     usage_chunk,
     vllm_prompt_logprobs,
 )
-from paged_experts.api_protocol import (
+from paged_experts.server.protocol import (
     ApiError,
     ChatBody,
     CompletionBody,
@@ -48,10 +48,10 @@ from paged_experts.api_protocol import (
     single_prompt,
     validate,
 )
-from paged_experts.api_text import ChatTurn, TextCodec
-from paged_experts.engine import AdmissionError, RequestStream, SamplingParams
+from paged_experts.server.text import ChatTurn, TextCodec
+from paged_experts.server.engine import AdmissionError, RequestStream, SamplingParams
 
-log = logging.getLogger("paged_experts.serve")
+log = logging.getLogger("paged_experts.server.app")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS = 256  # chat has no documented default; KV is reserved for it up front

@@ -45,7 +45,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from benchsuite.errors import UserError
-from benchsuite.gguf_export import ARCH, PlannedTensor, add_tensor_infos, plan_tensors, tokenizer_fields, write_metadata
+from benchsuite.engines.llamacpp.gguf_export import ARCH, PlannedTensor, add_tensor_infos, plan_tensors, tokenizer_fields, write_metadata
 
 CHUNK_BYTES = 16 * 2**20
 _SEED_TAG = 0x9E3779B9  # keeps these streams apart from other users of the same seed

@@ -3,8 +3,8 @@
 Owns the `kind: sglang` options schema of matrix.yaml, the exact server command line in its three
 modes (paged: `--enable-paged-experts --paged-experts-num-resident K`; offload: `--cpu-offload-gb G`;
 unpaged), the request field for routing capture, the version probe, and the Prometheus scrape.
-Constraint checks live in benchsuite.sglang_constraints, log parsing in benchsuite.sglang_logs,
-routing decoding in benchsuite.sglang_routing.
+Constraint checks live in benchsuite.engines.sglang.constraints, log parsing in benchsuite.engines.sglang.logs,
+routing decoding in benchsuite.engines.sglang.routing.
 
 Every flag emitted here exists in sglang 0.5.23 (`srt/arg_groups/fields/*.py`, CLI name = field name
 with dashes, `arg_utils.py:288-290`); docs/sglang.md lists each flag with its file and line.
@@ -22,7 +22,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from benchsuite import sglang_constraints, sglang_logs
+from benchsuite.engines.sglang import logs as sglang_logs
+from benchsuite.engines.sglang import constraints as sglang_constraints
 from benchsuite.engines.base import EngineConfigError, LaunchPlan, ServerSpec
 from benchsuite.metrics import parse_prometheus
 
@@ -278,7 +279,7 @@ class SGLangAdapter:
         if not opts.return_routed_experts or not requests:
             return {}
         # imports torch (through paged_experts.trace): only when capturing
-        from benchsuite import sglang_routing
+        from benchsuite.engines.sglang import routing as sglang_routing
 
         prompts = [r.prompt if isinstance(r.prompt, str) else list(r.prompt) for r in requests]
         model = str(server.spec.options.get("model", server.spec.name))  # what the measured requests named

@@ -116,7 +116,7 @@ def _devices_text(binary: str, mtime_ns: int) -> str:
 
 def find_binary(name: str = BINARY_NAME, configured: str | None = None) -> Path | None:
     """Matrix option, then PATH, then the build cache; None when none exists."""
-    from benchsuite.llamacpp_build import cached_binary
+    from benchsuite.engines.llamacpp.build import cached_binary
 
     if configured:
         path = Path(configured).expanduser()
@@ -164,7 +164,7 @@ class LlamaCppAdapter:
         """The GGUF file. An HF directory or `tiny` is exported into the cache on first use; with
         export=False only its cache path is computed (a dry run writes nothing)."""
         opts = self._options(spec)
-        from benchsuite.gguf_export import cached_export, export_target
+        from benchsuite.engines.llamacpp.gguf_export import cached_export, export_target
 
         convert = cached_export if export else export_target
         if opts.model == "tiny":
@@ -282,7 +282,7 @@ class LlamaCppAdapter:
         )
 
     def version(self, spec: ServerSpec) -> dict[str, Any]:
-        from benchsuite.llamacpp_build import binary_version, read_stamp
+        from benchsuite.engines.llamacpp.build import binary_version, read_stamp
 
         found = find_binary(BINARY_NAME, self._options(spec).binary)
         if found is None:
@@ -309,7 +309,7 @@ class LlamaCppAdapter:
         }
 
     def parse_log(self, log_text: str) -> dict[str, Any]:
-        from benchsuite.llamacpp_logs import parse_server_log
+        from benchsuite.engines.llamacpp.logs import parse_server_log
 
         return parse_server_log(log_text)
 
@@ -339,8 +339,8 @@ class LlamaCppAdapter:
         )
 
     def projections(self, spec: ServerSpec, settings: Any) -> dict[int, Any]:
-        """n -> benchsuite.llamacpp_fit.Projection for every candidate N of the search."""
-        from benchsuite import llamacpp_fit as fit
+        """n -> benchsuite.engines.llamacpp.fit.Projection for every candidate N of the search."""
+        from benchsuite.engines.llamacpp import fit as fit
 
         opts = self._options(spec)
         model = self.model_path(spec)

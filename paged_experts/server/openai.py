@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from paged_experts.engine_sampling import TokenLogprob
+from paged_experts.server.sampling import TokenLogprob
 
 TokenNamer = Callable[[int], str]  # token id -> how the response spells it
 

@@ -391,7 +391,7 @@ def cached_export(
 
 def export_target(model_dir: str | Path, export_type: str = "f32", cache_dir: Path | None = None) -> Path:
     """Where `cached_export` puts (or finds) the GGUF of `model_dir`, without exporting it."""
-    from benchsuite.llamacpp_build import cache_root
+    from benchsuite.engines.llamacpp.build import cache_root
 
     model_dir = Path(model_dir).expanduser().resolve()
     root = cache_dir or cache_root() / "gguf"

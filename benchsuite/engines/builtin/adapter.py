@@ -1,4 +1,4 @@
-"""Adapter for the built-in engine, `python -m paged_experts.serve` (see engines/base.py).
+"""Adapter for the built-in engine, `python -m paged_experts.server` (see engines/base.py).
 
 Owns the builtin `options:` schema of matrix.yaml, the exact server command line, the
 `paged_experts:*` Prometheus counters it exposes and the routing label its cells carry.
@@ -89,7 +89,7 @@ class BuiltinAdapter:
     def launch_plan(self, spec: ServerSpec, port: int) -> LaunchPlan:
         opts = self._options(spec)
         argv = [
-            sys.executable, "-m", "paged_experts.serve",
+            sys.executable, "-m", "paged_experts.server.app",
             "--model-path", str(self.model_dir(spec)),
             "--host", "127.0.0.1", "--port", str(port),
             "--mode", opts.mode,

@@ -1,0 +1,1 @@
+"""The built-in engine's wing: its adapter (`adapter.BuiltinAdapter`, the `kind: builtin` options)."""
