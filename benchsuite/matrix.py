@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from benchsuite import reference
 from benchsuite.engines import ADAPTERS
+from benchsuite.engines.base import EngineOptions
 from benchsuite.errors import UserError
 from benchsuite.matrix_env import expand_env_refs
 
@@ -160,11 +161,12 @@ class Matrix(_Strict):
 class OptionSet:
     """One resolved combination of an engine entry's options.
 
-    `params` holds only the swept keys (for report labels); `options` every option, validated.
+    `params` holds only the swept keys (for report labels); `options` is the engine's validated
+    options object, carried as is by the plan (ServerSpec.options).
     """
 
     params: Mapping[str, Any]
-    options: Mapping[str, Any]
+    options: EngineOptions
 
 
 @dataclass(frozen=True)
@@ -269,9 +271,9 @@ def _resolve_options(source: Path, name: str, entry: EngineEntry) -> tuple[tuple
             index_of = {key: i for (key, _, sweep), i in zip(axes, combo) if sweep}
             errors.extend(_format_errors(source, exc, model, prefix, index_of).splitlines())
             continue
-        options = validated.model_dump(mode="json")
-        params = {key: value for key, value in options.items() if key in swept}
-        sets.append(OptionSet(params=params, options=options))
+        dumped = validated.model_dump(mode="json")
+        params = {key: value for key, value in dumped.items() if key in swept}
+        sets.append(OptionSet(params=params, options=validated))
     return tuple(sets), errors
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchsuite.engines import ADAPTERS
-from benchsuite.engines.base import ServerSpec
+from benchsuite.engines.base import EngineOptions, ServerSpec
 from benchsuite.matrix import ValidatedMatrix, Workload
 
 ID_HEX_DIGITS = 12
@@ -44,7 +44,7 @@ class CellSpec:
 class SearchTask:
     """An engine option set with one option left to a search (e.g. llama.cpp n_cpu_moe)."""
 
-    spec: ServerSpec  # options[option] still holds the search request ("search" or {search: ...})
+    spec: ServerSpec  # options.<option> still holds the search request ("search" or {search: ...})
     option: str
     params: Mapping[str, Any]
 
@@ -72,28 +72,29 @@ def default_run_id(matrix: ValidatedMatrix) -> str:
 
 
 def make_server_spec(
-    name: str, kind: str, options: Mapping[str, Any], fairness: Mapping[str, Any], max_concurrency: int
+    name: str, kind: str, options: EngineOptions, fairness: Mapping[str, Any], max_concurrency: int
 ) -> ServerSpec:
+    # The id hashes the options' JSON form: the same matrix always gives the same ids (resume).
     body = {
         "name": name,
         "kind": kind,
-        "options": dict(options),
+        "options": options.model_dump(mode="json"),
         "fairness": dict(fairness),
         "max_concurrency": max_concurrency,
     }
     return ServerSpec(
         name=name,
         kind=kind,
-        options=dict(options),
+        options=options,
         fairness=dict(fairness),
         max_concurrency=max_concurrency,
         server_id=stable_id(body),
     )
 
 
-def search_option(options: Mapping[str, Any]) -> str | None:
+def search_option(options: EngineOptions) -> str | None:
     """The option left to a search: value `search` or a mapping with a `search` key."""
-    for key, value in options.items():
+    for key, value in options:
         if value == "search" or (isinstance(value, Mapping) and "search" in value):
             return key
     return None
@@ -159,10 +160,10 @@ def build_plan(matrix: ValidatedMatrix, run_id: str | None = None) -> Plan:
     )
 
 
-def resolve_search(plan: Plan, task: SearchTask, options: Mapping[str, Any]) -> tuple[ServerSpec, tuple[CellSpec, ...]]:
+def resolve_search(plan: Plan, task: SearchTask, options: EngineOptions) -> tuple[ServerSpec, tuple[CellSpec, ...]]:
     """The server and cells of a finished search, given its resolved options."""
     spec = make_server_spec(task.spec.name, task.spec.kind, options, task.spec.fairness, task.spec.max_concurrency)
-    params = {**task.params, task.option: options[task.option]}
+    params = {**task.params, task.option: getattr(options, task.option)}
     return spec, plan_cells(plan.matrix, spec, params)
 
 
@@ -179,7 +180,7 @@ def format_plan(plan: Plan) -> str:
         launch = adapter.launch_plan(server, DRY_RUN_PORT)
         label = _label(plan.params.get(server.server_id, {}))
         lines.append("")
-        lines.append(f"server {server.server_id}  {server.name}{label}  mode={adapter.mode(server)}")
+        lines.append(f"server {server.server_id}  {server.name}{label}  mode={server.options.placement().mode}")
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(launch.env.items()))
         lines.append(f"  $ {env + ' ' if env else ''}{shlex.join(launch.argv)}")
         for cell in plan.cells_of(server.server_id):

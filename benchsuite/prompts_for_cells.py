@@ -77,15 +77,8 @@ def _random_token_prompts(tokenizer_dir: Path, n_tokens: int, n: int, seed: int)
 
 
 def _tokenizer_dir(adapter: EngineAdapter, spec: ServerSpec) -> Path:
-    """The model's tokenizer, for exact-length prompts: the adapter's answer or a tokenizer option."""
+    """The model's tokenizer, for exact-length prompts: the adapter's optional `tokenizer_dir` hook."""
     finder = getattr(adapter, "tokenizer_dir", None)
-    if finder is not None:
-        return Path(finder(spec))
-    for key in ("tokenizer", "tokenizer_dir", "hf_tokenizer"):
-        value = spec.options.get(key)
-        if value:
-            return Path(str(value)).expanduser()
-    raise RunError(
-        f"engine {spec.name}: exact-length prompts need the model's tokenizer; "
-        "set a tokenizer option on this engine"
-    )
+    if finder is None:
+        raise RunError(f"engine {spec.name}: kind {spec.kind} cannot name its tokenizer; exact-length prompts need it")
+    return Path(finder(spec))

@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-SCHEMA_VERSION = 1
-"""Bump when a stored column changes meaning; the store refuses other versions with a fix-it message."""
+SCHEMA_VERSION = 2
+"""Bump when a stored column changes meaning; the store refuses other versions with a fix-it message.
+2: cells carry the server's placement (resident_experts, n_cpu_moe) and options as typed fields,
+the manifest is benchsuite.manifest.Manifest. Version 1 is read through benchsuite.schema_v1."""
 
 CellStatus = Literal["ok", "invalid", "failed"]
 
@@ -57,7 +59,7 @@ class CellResult:
     engine_kind: str  # builtin | llamacpp | sglang
     mode: str  # builtin: resident|paged|offload|cpu-experts; llamacpp: n-cpu-moe|moe-cache|gpu; sglang: paged|offload|unpaged
     server_id: str  # hash of the server configuration (one launch serves many cells)
-    params: dict[str, Any]  # resolved sweep values, e.g. {"resident_experts": 16}
+    params: dict[str, Any]  # resolved sweep values, e.g. {"resident_experts": 16}: the labels
     workload: str
     prompt_class: str
     concurrency: int
@@ -65,6 +67,10 @@ class CellResult:
     status: CellStatus
     reason: str | None = None
     routing: str = "model"  # "model" or "synthetic:<preset>"; synthetic results say so everywhere
+    # The server's placement and options, from its typed options object (engines.base.Placement).
+    resident_experts: int | None = None  # K
+    n_cpu_moe: int | None = None  # N
+    options: dict[str, Any] = field(default_factory=dict)  # every engine option (performance ones too), JSON form
     num_requests: int = 0
     num_errors: int = 0
     error_rate: float | None = None

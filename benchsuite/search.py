@@ -11,8 +11,8 @@ The published baseline launched the server once per N (a linear scan). Here:
 
 `propose` is a generator (guidellm's adaptive-sweep shape): it yields the next N, is sent the
 measured objective (None for a failed launch) and returns a `SearchOutcome`. The objective is
-injected, so unit tests drive it with synthetic curves. `run_search` is the runner hook
-(benchsuite.runner.run_search_task): it projects every N, launches llama-server for each proposed
+injected, so unit tests drive it with synthetic curves. `run_search` is the runner's search hook
+(`runner.SearchHook`, given to `run_plan` by the CLI): it projects every N, launches llama-server for each proposed
 N, measures one cell, stores one cell per N (extras: search_n, fits, projected_bytes, chosen) so
 the report can draw the curve, and returns the engine options with the chosen N.
 """
@@ -22,31 +22,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
+from benchsuite import runner
+from benchsuite.engines import ADAPTERS
+from benchsuite.engines.base import EngineOptions
 from benchsuite.errors import RunError, UserError
+from benchsuite.plan import SearchTask, make_server_spec, plan_cells, stable_id
+from benchsuite.search_settings import SearchSettings, parse_request
+
+__all__ = ["SearchSettings", "parse_request", "propose", "drive", "run_search"]
 
 Objective = Callable[[int], "float | None"]
 SearchGen = Generator[int, "float | None", "SearchOutcome"]
-
-
-class SearchSettings(BaseModel):
-    """`n_cpu_moe: {search: {...}}` (all optional; `n_cpu_moe: search` takes the defaults)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    min_n: int = Field(0, ge=0)
-    max_n: int | None = Field(
-        None, ge=0
-    )  # default: the model's layer count (all experts on the CPU)
-    rel_tol: float = Field(
-        0.02, ge=0.0
-    )  # a step right must improve by more than this to continue
-    metric: Literal["decode_tok_s_p50", "output_tok_s"] = "decode_tok_s_p50"
-    margin_mib: int = Field(1024, ge=0)  # llama.cpp's default fit margin per device
-    projection: Literal["auto", "benchsuite", "llama-fit-params"] = "auto"
 
 
 @dataclass(frozen=True)
@@ -139,44 +127,19 @@ def drive(gen: SearchGen, objective: Objective) -> SearchOutcome:
         return stop.value
 
 
-def parse_request(value: Any) -> SearchSettings:
-    """`search` or `{search: {...}}` -> settings; anything else is a user error."""
-    if value == "search":
-        return SearchSettings()
-    if isinstance(value, Mapping) and set(value) == {"search"}:
-        body = value["search"] or {}
-        if not isinstance(body, Mapping):
-            raise UserError(
-                "n_cpu_moe: {search: ...} must hold a mapping of search settings"
-            )
-        try:
-            return SearchSettings.model_validate(dict(body))
-        except ValidationError as exc:
-            raise UserError(f"n_cpu_moe.search: {exc}") from None
-    raise UserError(
-        f"n_cpu_moe: expected an integer, 'search' or {{search: {{...}}}}, got {value!r}"
-    )
-
-
 # ---- runner hook --------------------------------------------------------------------------------
 
 
-async def run_search(ctx: Any, task: Any) -> Mapping[str, Any]:
-    """Search `task.option` of a llamacpp engine entry; returns its options with the chosen N.
-
-    `ctx` is a benchsuite.runner.RunContext and `task` a benchsuite.plan.SearchTask.
-    """
-    from benchsuite import runner
-    from benchsuite.engines import ADAPTERS
-    from benchsuite.plan import make_server_spec, plan_cells, stable_id
-
+async def run_search(ctx: runner.RunContext, task: SearchTask) -> EngineOptions:
+    """Search `task.option` of a llamacpp engine entry; returns its options with the chosen N
+    (the runner's search hook, `runner.SearchHook`)."""
     spec = task.spec
     adapter = ADAPTERS[spec.kind]
     if not hasattr(adapter, "projections"):
         raise UserError(
             f"engine {spec.name}: kind {spec.kind} has no {task.option} search"
         )
-    settings = parse_request(spec.options[task.option])
+    settings = parse_request(getattr(spec.options, task.option))
     budget_bytes = adapter.vram_budget_bytes(spec)
     projections = adapter.projections(
         spec, settings
@@ -186,7 +149,7 @@ async def run_search(ctx: Any, task: Any) -> Mapping[str, Any]:
     fitting = [n for n in sorted(projections) if fits[n]]
 
     def spec_for(n: int) -> Any:
-        options = {**spec.options, task.option: n}
+        options = spec.options.replaced(**{task.option: n})
         return make_server_spec(
             spec.name, spec.kind, options, spec.fairness, spec.max_concurrency
         )
@@ -268,16 +231,14 @@ async def run_search(ctx: Any, task: Any) -> Mapping[str, Any]:
             )
     ctx.store.record_server(
         spec.server_id,
-        {
-            "search": {
-                "option": task.option,
-                "settings": settings.model_dump(),
-                "fitting": fitting,
-                "measured": [dataclasses.asdict(m) for m in outcome.measurements],
-                "best_n": outcome.best_n,
-                "launches": outcome.launches,
-                "linear_scan_launches": outcome.linear_scan_launches,
-            }
+        search={
+            "option": task.option,
+            "settings": settings.model_dump(),
+            "fitting": fitting,
+            "measured": [dataclasses.asdict(m) for m in outcome.measurements],
+            "best_n": outcome.best_n,
+            "launches": outcome.launches,
+            "linear_scan_launches": outcome.linear_scan_launches,
         },
     )
     if outcome.best_n is None:
@@ -288,4 +249,4 @@ async def run_search(ctx: Any, task: Any) -> Mapping[str, Any]:
         raise RunError(
             f"engine {spec.name}: every launch of the {task.option} search failed (see the logs)"
         )
-    return {**spec.options, task.option: outcome.best_n}
+    return spec.options.replaced(**{task.option: outcome.best_n})

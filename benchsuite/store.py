@@ -10,8 +10,10 @@
 
 Every write goes through one injectable `write(path, data)` seam, atomic by default (temporary
 file in the same directory, fsync, os.replace), so a crash never leaves half a file and a fault
-test can make writes fail. Files carry SCHEMA_VERSION; other versions are refused with a fix-it
-message. In the tables, dict-valued columns (params, extras, engine_timings) are JSON text.
+test can make writes fail. Files carry SCHEMA_VERSION; version 1 is read (not resumed) through
+benchsuite.schema_v1, other versions are refused with a fix-it message. The manifest is the typed
+benchsuite.manifest.Manifest and this store is its only writer. In the tables, dict-valued columns
+(params, options, extras, engine_timings) are JSON text.
 """
 
 from __future__ import annotations
@@ -27,13 +29,17 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from pydantic import ValidationError
 
+from benchsuite import schema_v1
 from benchsuite.errors import RunError, UserError
+from benchsuite.manifest import Invocation, Manifest
 from benchsuite.records import SCHEMA_VERSION, CellResult, RequestRecord
 
 Writer = Callable[[Path, bytes], None]
 FINISHED_STATUSES = ("ok", "invalid")  # a rerun skips these; `failed` cells run again
-_JSON_COLUMNS = ("params", "extras", "engine_timings")
+_JSON_COLUMNS = ("params", "options", "extras", "engine_timings")
+_READABLE_VERSIONS = (schema_v1.VERSION, SCHEMA_VERSION)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -67,26 +73,25 @@ class RunStore:
         self._write_raw = write
 
     @classmethod
-    def open(cls, run_dir: Path, manifest: dict[str, Any], *, write: Writer = atomic_write_bytes) -> RunStore:
+    def open(cls, run_dir: Path, manifest: Manifest, *, write: Writer = atomic_write_bytes) -> RunStore:
         """Create the run directory, or resume it when its manifest has the same matrix hash."""
         store = cls(run_dir, write=write)
-        invocation = {"started_utc": utc_now(), "git": manifest.get("git"), "host": manifest.get("machine", {}).get("hostname")}
+        invocation = Invocation(started_utc=utc_now(), git=manifest.git, host=manifest.machine.get("hostname"))
         if store.manifest_path.exists():
-            existing = read_manifest(store.run_dir)
-            if existing.get("matrix_hash") != manifest.get("matrix_hash"):
+            existing = _read_manifest_file(store.manifest_path, writable=True)
+            if existing.matrix_hash != manifest.matrix_hash:
                 raise UserError(
                     f"{store.run_dir} holds a run of a different matrix; pass another --run-id "
                     "(or delete that directory) to start a new run"
                 )
-            existing.setdefault("invocations", []).append(invocation)
-            store._write_json(store.manifest_path, existing)
+            store._write_manifest(existing.model_copy(update={"invocations": [*existing.invocations, invocation]}))
             return store
         try:
             for sub in ("cells", "logs", "engine_metrics", "attempts"):
                 (store.run_dir / sub).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise RunError(f"cannot create the run directory {store.run_dir}: {exc.strerror or exc}") from None
-        store._write_json(store.manifest_path, {**manifest, "schema_version": SCHEMA_VERSION, "invocations": [invocation]})
+        store._write_manifest(manifest.model_copy(update={"schema_version": SCHEMA_VERSION, "invocations": [invocation]}))
         return store
 
     # ---- paths ---------------------------------------------------------------------------------
@@ -116,12 +121,13 @@ class RunStore:
     def _write_json(self, path: Path, payload: Any) -> None:
         self._write(path, json.dumps(payload, indent=1, sort_keys=True, default=str).encode())
 
-    def record_server(self, server_id: str, facts: dict[str, Any]) -> None:
-        """Merge launch facts (exact argv, env, engine version, start time) into manifest.servers."""
-        manifest = read_manifest(self.run_dir)
-        servers = manifest.setdefault("servers", {})
-        servers[server_id] = {**servers.get(server_id, {}), **facts}
-        self._write_json(self.manifest_path, manifest)
+    def _write_manifest(self, manifest: Manifest) -> None:
+        self._write_json(self.manifest_path, manifest.to_json())
+
+    def record_server(self, server_id: str, **facts: Any) -> None:
+        """Merge facts (ServerRecord fields: argv, env, version, canary, ...) into manifest.servers."""
+        manifest = _read_manifest_file(self.manifest_path, writable=True)
+        self._write_manifest(manifest.with_server(server_id, **facts))
 
     def write_cell(self, result: CellResult, records: Iterable[RequestRecord]) -> StoredCell:
         """Store one finished cell; a previous failed attempt is moved to attempts/, never lost."""
@@ -161,7 +167,7 @@ class RunStore:
         path = self.cell_path(cell_id)
         if not path.exists():
             return None
-        payload = _read_versioned(path)
+        payload = _read_versioned(path, writable=True)
         return StoredCell(CellResult(**payload["cell"]), int(payload["attempt"]))
 
     def finished(self, cell_id: str) -> bool:
@@ -170,11 +176,18 @@ class RunStore:
         return stored is not None and stored.result.status in FINISHED_STATUSES
 
     def _cell_payloads(self) -> list[dict[str, Any]]:
-        return [_read_versioned(p) for p in sorted((self.run_dir / "cells").glob("*.json"))]
+        """Every stored cell at the current schema (version-1 cells upgraded with their server record)."""
+        payloads = [_read_versioned(p) for p in sorted((self.run_dir / "cells").glob("*.json"))]
+        if all(p["schema_version"] == SCHEMA_VERSION for p in payloads):
+            return payloads
+        manifest = read_manifest(self.run_dir)
+        return [p if p["schema_version"] == SCHEMA_VERSION
+                else {**p, "cell": schema_v1.cell_from_v1(p["cell"], manifest.server(str(p["cell"].get("server_id"))))}
+                for p in payloads]  # fmt: skip
 
 
-def read_manifest(run_dir: Path) -> dict[str, Any]:
-    return _read_versioned(Path(run_dir) / "manifest.json")
+def read_manifest(run_dir: Path) -> Manifest:
+    return _read_manifest_file(Path(run_dir) / "manifest.json")
 
 
 def read_cells(run_dir: Path) -> list[CellResult]:
@@ -185,21 +198,38 @@ def read_requests(run_dir: Path) -> list[RequestRecord]:
     return [RequestRecord(**r) for p in RunStore(run_dir)._cell_payloads() for r in p["requests"]]
 
 
-def _read_versioned(path: Path) -> dict[str, Any]:
+def _read_manifest_file(path: Path, *, writable: bool = False) -> Manifest:
+    payload = _read_versioned(path, writable=writable)
+    if payload["schema_version"] == schema_v1.VERSION:
+        return schema_v1.manifest_from_v1(payload)
+    try:
+        return Manifest.model_validate(payload)
+    except ValidationError as exc:
+        raise RunError(f"{path}: not a valid version-{SCHEMA_VERSION} manifest ({exc.error_count()} problems: "
+                       f"{exc.errors()[0]['loc']}: {exc.errors()[0]['msg']})") from None
+
+
+def _read_versioned(path: Path, *, writable: bool = False) -> dict[str, Any]:
+    """A stored JSON file of a version this benchsuite reads (`writable`: one it may also resume)."""
     try:
         payload = json.loads(path.read_text())
     except FileNotFoundError:
         raise UserError(f"{path}: not found; is this a benchsuite results directory?") from None
     except (OSError, json.JSONDecodeError) as exc:
         raise RunError(f"{path}: unreadable ({exc})") from None
-    version = payload.get("schema_version")
-    if version != SCHEMA_VERSION:
+    version = payload.get("schema_version") if isinstance(payload, dict) else None
+    if version == SCHEMA_VERSION or (version in _READABLE_VERSIONS and not writable):
+        return payload
+    if version in _READABLE_VERSIONS:
         raise UserError(
-            f"{path} has results schema version {version}, this benchsuite reads version {SCHEMA_VERSION}: "
-            "rerun the matrix with this version into a new --run-id, or read it with the benchsuite "
-            "release that wrote it"
+            f"{path} has results schema version {version}; this benchsuite reports it but writes only version "
+            f"{SCHEMA_VERSION}: rerun the matrix into a new --run-id to resume it"
         )
-    return payload
+    raise UserError(
+        f"{path} has results schema version {version}, this benchsuite reads versions "
+        f"{', '.join(map(str, _READABLE_VERSIONS))}: rerun the matrix with this version into a new --run-id, "
+        "or read it with the benchsuite release that wrote it"
+    )
 
 
 def _frame(rows: list[dict[str, Any]], row_type: type) -> pd.DataFrame:

@@ -8,8 +8,11 @@ from pathlib import Path
 import pytest
 
 from benchsuite.cli import main
-from benchsuite.plan import SearchTask, build_plan, make_server_spec, resolve_search, search_option
+from benchsuite.engines.llamacpp.adapter import LlamaCppOptions
 from benchsuite.matrix import load_matrix
+from benchsuite.plan import SearchTask, build_plan, make_server_spec, resolve_search, search_option
+
+ROOT = Path(__file__).resolve().parents[1]
 
 MATRIX = """
 name: p
@@ -59,15 +62,30 @@ def test_ids_are_stable_and_change_only_with_their_spec(tmp_path: Path) -> None:
     assert all(c.engine == "paged" for c in a.cells if c.cell_id in same)
 
 
-def test_search_option_and_resolution(tmp_path: Path) -> None:
-    assert search_option({"n_cpu_moe": "search", "ctx": 4}) == "n_cpu_moe"
-    assert search_option({"n_cpu_moe": {"search": {"step": 1}}}) == "n_cpu_moe"
-    assert search_option({"n_cpu_moe": 3}) is None
+def test_ids_are_those_of_schema_1(tmp_path: Path) -> None:
+    """Typed options hash to the ids the untyped option dicts had (a rerun of an old matrix resumes).
+    An id hashes every option's value, defaults included: a new option field of an engine changes
+    the ids of that engine's servers. Update these deliberately, and say so, when that happens."""
     plan = plan_of(tmp_path)
-    spec = make_server_spec("ll", "llamacpp", {"n_cpu_moe": "search"}, {"kv_capacity_tokens": 1}, 4)
+    assert [s.server_id for s in plan.servers] == ["fa565ca358c2", "f9b02f6dabc2", "2daf8133c549"]
+    assert (plan.cells[0].cell_id, plan.cells[-1].cell_id) == ("f88edb2f2314", "21fdf8acdb40")
+    quickstart = build_plan(load_matrix(ROOT / "configs" / "quickstart.yaml"))
+    assert [s.server_id for s in quickstart.servers] == [
+        "a78b71078642", "8db5bd1d17a8", "849524d981b5", "5d09e0a629af", "9439adef00ab"
+    ]  # fmt: skip
+    assert quickstart.cells[0].cell_id == "4bf8afa469d7"
+
+
+def test_search_option_and_resolution(tmp_path: Path) -> None:
+    assert search_option(LlamaCppOptions(n_cpu_moe="search", threads=4)) == "n_cpu_moe"
+    assert search_option(LlamaCppOptions(n_cpu_moe={"search": {"min_n": 1}})) == "n_cpu_moe"
+    assert search_option(LlamaCppOptions(n_cpu_moe=3)) is None
+    plan = plan_of(tmp_path)
+    spec = make_server_spec("ll", "llamacpp", LlamaCppOptions(n_cpu_moe="search"), {"kv_capacity_tokens": 1}, 4)
     task = SearchTask(spec=spec, option="n_cpu_moe", params={})
-    server, cells = resolve_search(plan, task, {"n_cpu_moe": 7})
-    assert server.options == {"n_cpu_moe": 7} and server.server_id != spec.server_id
+    server, cells = resolve_search(plan, task, spec.options.replaced(n_cpu_moe=7))
+    assert server.options == LlamaCppOptions(n_cpu_moe=7) and server.server_id != spec.server_id
+    assert server.options.placement().n_cpu_moe == 7
     assert len(cells) == 3 * 2 and all(c.params == {"n_cpu_moe": 7} for c in cells)
 
 

@@ -52,7 +52,8 @@ def main(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(format_plan(plan))
         return 0
-    from benchsuite.runner import open_store, run_plan  # the load path; a dry run never needs it
+    from benchsuite import search  # the load path; a dry run never needs it
+    from benchsuite.runner import open_store, run_plan
 
     console = Console(quiet=args.quiet, highlight=False)
     if not console.is_terminal:
@@ -62,7 +63,8 @@ def main(args: argparse.Namespace) -> int:
     console.print(f"run {plan.run_id}: {len(plan.cells)} cells ({len(plan.cells) - todo} already done) -> {store.run_dir}")
     try:
         with _ProgressEvents(console, todo) as events:
-            problems = asyncio.run(run_plan(plan, store, events, cell_timeout_s=args.cell_timeout_s, request_timeout_s=args.request_timeout_s))
+            problems = asyncio.run(run_plan(plan, store, events, cell_timeout_s=args.cell_timeout_s,
+                                            request_timeout_s=args.request_timeout_s, search=search.run_search))
     except KeyboardInterrupt:
         print(f"benchsuite: interrupted; finished cells are kept in {store.run_dir} (rerun the same command to resume)")
         return 130

@@ -13,19 +13,17 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from benchsuite.engines import RUN_DIR_PLACEHOLDER
-from benchsuite.engines.base import EngineConfigError, LaunchPlan, ServerSpec
+from benchsuite.engines.base import EngineConfigError, EngineOptions, LaunchPlan, Placement, ServerSpec, options_of
 from benchsuite.metrics import parse_prometheus
 
 _MODE_OPTION = {"paged": "resident_experts", "offload": "offload_layers", "cpu-experts": "n_cpu_moe"}
 
 
-class BuiltinOptions(BaseModel):
+class BuiltinOptions(EngineOptions):
     """`engines.<name>.options` for `kind: builtin` (one scalar per field after sweep expansion)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = "tiny"  # checkpoint directory, or `tiny` for the generated test model
     mode: Literal["resident", "paged", "offload", "cpu-experts"] = "paged"
@@ -58,6 +56,14 @@ class BuiltinOptions(BaseModel):
                 raise ValueError(f"{option} applies only to mode {mode}, not {self.mode}")
         return self
 
+    def placement(self) -> Placement:
+        # the routing label is the one the server puts on its own counters
+        routing = "model" if self.routing == "model" else f"synthetic:{self.routing.strip().lower()}"
+        return Placement(self.mode, self.resident_experts, self.n_cpu_moe, routing)
+
+    def request_model(self) -> str:
+        return self.model
+
 
 class BuiltinAdapter:
     kind = "builtin"
@@ -65,7 +71,7 @@ class BuiltinAdapter:
     flush_cache_path: str | None = "/flush_cache"  # POST between cells
 
     def _options(self, spec: ServerSpec) -> BuiltinOptions:
-        return BuiltinOptions.model_validate(dict(spec.options))
+        return options_of(spec, BuiltinOptions)
 
     def model_dir(self, spec: ServerSpec) -> Path:
         """The checkpoint directory (generates the tiny model on first use)."""
@@ -111,13 +117,6 @@ class BuiltinAdapter:
             argv += ["--record-routing", f"{RUN_DIR_PLACEHOLDER}/routing/{spec.server_id}.trace"]
         # The tiny model on 2 CPU cores starts in seconds; a real checkpoint may take minutes.
         return LaunchPlan(argv=argv, env={"PYTHONUNBUFFERED": "1"}, startup_timeout_s=opts.startup_timeout_s)
-
-    def mode(self, spec: ServerSpec) -> str:
-        return self._options(spec).mode
-
-    def routing_label(self, spec: ServerSpec) -> str:
-        routing = self._options(spec).routing
-        return "model" if routing == "model" else f"synthetic:{routing.strip().lower()}"  # as the server labels it
 
     def request_extras(self, spec: ServerSpec) -> dict[str, Any]:
         return {}

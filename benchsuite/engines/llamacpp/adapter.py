@@ -26,10 +26,11 @@ import subprocess
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
-from benchsuite.engines.base import EngineConfigError, LaunchPlan, ServerSpec
+from benchsuite.engines.base import EngineConfigError, EngineOptions, LaunchPlan, Placement, ServerSpec, options_of
 from benchsuite.errors import UserError
+from benchsuite.search_settings import parse_request
 
 BINARY_NAME = "llama-server"
 FIT_PARAMS_NAME = "llama-fit-params"
@@ -39,10 +40,8 @@ _GPU_DEVICE_LINE = re.compile(
 )
 
 
-class LlamaCppOptions(BaseModel):
+class LlamaCppOptions(EngineOptions):
     """`engines.<name>.options` for `kind: llamacpp` (one scalar per field after sweep expansion)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = (
         "tiny"  # GGUF file, HF Qwen3-MoE directory (exported on first use), or `tiny`
@@ -85,13 +84,19 @@ class LlamaCppOptions(BaseModel):
         if isinstance(value, int) and value < 0:
             raise ValueError("must be >= 0")
         if isinstance(value, dict):
-            from benchsuite.search import parse_request
-
             try:
                 parse_request(value)
             except UserError as exc:
                 raise ValueError(str(exc)) from None
         return value
+
+    def placement(self) -> Placement:
+        n = self.n_cpu_moe if isinstance(self.n_cpu_moe, int) else None  # a search request has no N yet
+        mode = "moe-cache" if self.moe_cache_mib is not None else ("n-cpu-moe" if n else "gpu")
+        return Placement(mode, n_cpu_moe=n)
+
+    def request_model(self) -> str:
+        return self.model
 
 
 @functools.lru_cache(maxsize=16)
@@ -144,7 +149,7 @@ class LlamaCppAdapter:
     options_model = LlamaCppOptions
 
     def _options(self, spec: ServerSpec) -> LlamaCppOptions:
-        return LlamaCppOptions.model_validate(dict(spec.options))
+        return options_of(spec, LlamaCppOptions)
 
     def binary(self, spec: ServerSpec) -> Path:
         opts = self._options(spec)
@@ -267,12 +272,6 @@ class LlamaCppAdapter:
             health_path="/health",
             startup_timeout_s=opts.startup_timeout_s,
         )
-
-    def mode(self, spec: ServerSpec) -> str:
-        opts = self._options(spec)
-        if opts.moe_cache_mib is not None:
-            return "moe-cache"
-        return "n-cpu-moe" if opts.n_cpu_moe else "gpu"
 
     def request_extras(self, spec: ServerSpec) -> dict[str, Any]:
         return (

@@ -18,12 +18,10 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from benchsuite.engines.base import EngineConfigError
-
-if TYPE_CHECKING:
-    from benchsuite.engines.sglang.adapter import SGLangOptions
+from benchsuite.engines.sglang.options import SGLangOptions
 
 SGLANG_REFERENCE_VERSION = "0.5.23"
 _SRC = "sglang 0.5.23 srt/"
