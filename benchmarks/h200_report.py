@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling h200_cel
 
 from h200_cells import Source, convert
 
+from benchsuite.schema_v1 import manifest_from_v1
 from benchsuite.store import RunStore
 
 SCRIPT = "benchmarks/h200_report.py"
@@ -175,7 +176,9 @@ def build_run(args: argparse.Namespace, argv: list[str]) -> Path:
         if not args.overwrite:
             raise SystemExit(f"{run_dir} is not empty; pass --overwrite to replace it (or another --results)")
         shutil.rmtree(run_dir)
-    store = RunStore.open(run_dir, manifest_for(run_id, sources, env, env_raw, linkbw, converted.servers, argv))
+    # manifest_for writes the untyped dict layout; the version-1 reader types it (h200 blocks under `extra`)
+    manifest = manifest_from_v1(manifest_for(run_id, sources, env, env_raw, linkbw, converted.servers, argv))
+    store = RunStore.open(run_dir, manifest)
     for cell in converted.cells:
         store.write_cell(cell, converted.requests[cell.cell_id])
     store.rebuild_tables()

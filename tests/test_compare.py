@@ -3,13 +3,13 @@ per-request samples, the threshold, and the markdown / HTML outputs."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from benchsuite.cli import main as cli_main
-from benchsuite.records import SCHEMA_VERSION, CellResult, RequestRecord
+from benchsuite.manifest import Manifest
+from benchsuite.records import CellResult, RequestRecord
 from benchsuite.report import compare_runs, write_comparison
 from benchsuite.report.compare import comparison_markdown
 from benchsuite.store import RunStore
@@ -22,9 +22,9 @@ OUTPUT_TOKENS = 17
 def make_run(root: Path, run_id: str, configs: dict[str, tuple[float, float, int]]) -> Path:
     """configs: name -> (decode tok/s, ttft s, requests per cell); two repeats each."""
     run_dir = root / run_id
-    run_dir.mkdir(parents=True)
-    (run_dir / "manifest.json").write_text(json.dumps({"schema_version": SCHEMA_VERSION, "run_id": run_id, "servers": {}}))
-    store = RunStore(run_dir)
+    manifest = Manifest(run_id=run_id, created_utc="2026-12-01T00:00:00+00:00", matrix_source="m.yaml", matrix_hash=run_id,
+                        matrix={})  # fmt: skip
+    store = RunStore.open(run_dir, manifest)
     for name, (rate, ttft, n_requests) in configs.items():
         for repeat in range(2):
             cell_id = f"{name}-r{repeat}"

@@ -165,7 +165,7 @@ def test_h200_ratios_and_failures(h200_run: tuple[Path, Path]) -> None:
 def test_h200_equal_budget_reports_the_winner_either_way(h200_run: tuple[Path, Path]) -> None:
     results, _ = h200_run
     run = load_run(results)
-    budget = ht.equal_budget_table(run.cells, run.manifest["h200"]).set_index(["routing", "batch"])
+    budget = ht.equal_budget_table(run.cells, run.manifest.extra["h200"]).set_index(["routing", "batch"])
     model = ht.routing_text("model")
     b1, b4 = budget.loc[(model, 1)], budget.loc[(model, 4)]
     # batch 1: paged K=32 80 tok/s vs llama.cpp's best within 16 GB: the fitted N=30 (50), not N=0 / N=12 (over) or N=24 (unknown)
@@ -183,7 +183,7 @@ def test_equal_budget_estimates_paged_memory_when_not_measured(h200_run: tuple[P
     run = load_run(results)
     cells = run.cells.copy()
     cells["extras"] = [{**e, "bench": {k: v for k, v in e.get("bench", {}).items() if k != "gpu_mem_peak_bytes"}} for e in cells["extras"]]
-    row = ht.equal_budget_table(cells, run.manifest["h200"]).iloc[0]
+    row = ht.equal_budget_table(cells, run.manifest.extra["h200"]).iloc[0]
     assert row["paged_gpu_gb"] == pytest.approx((32 * 48 * EXPERT_BYTES + DENSE_BYTES) / 1e9)
     assert row["paged_gpu_memory_source"].startswith("estimate")
 
@@ -228,5 +228,5 @@ def test_equal_budget_takes_the_fastest_paged_cell_that_fits(h200_run: tuple[Pat
         return {**e, "bench": {**b, "gpu_mem_peak_bytes": 17 * 10**9}} if hit else e
 
     cells["extras"] = [over(e) for e in cells["extras"]]
-    b1 = ht.equal_budget_table(cells, run.manifest["h200"]).set_index(["routing", "batch"]).loc[(ht.routing_text("model"), 1)]
+    b1 = ht.equal_budget_table(cells, run.manifest.extra["h200"]).set_index(["routing", "batch"]).loc[(ht.routing_text("model"), 1)]
     assert b1["paged_tok_per_s"] == pytest.approx(60.0) and b1["paged_within_budget"] == "yes"  # the host-planned cell

@@ -15,7 +15,7 @@ from benchsuite.store import RunStore, atomic_write_bytes, read_cells, read_mani
 
 MANIFEST = Manifest(run_id="r", created_utc="2026-12-01T00:00:00+00:00", matrix_source="m.yaml", matrix_hash="abc",
                     matrix={}, machine={"hostname": "h"}, git={"commit": "c", "dirty": False})  # fmt: skip
-FIXTURE_V1 = Path(__file__).parent / "data" / "report_fixture"
+FIXTURE_V1 = Path(__file__).parent / "data" / "results_v1"
 
 
 def cell(cell_id: str = "c1", status: str = "ok", **kw) -> CellResult:

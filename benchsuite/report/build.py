@@ -78,7 +78,7 @@ def build_report_data(run_dirs: list[Path], reference_dirs: list[Path] | None = 
         raise UserError("report: give at least one results run directory")
     runs = [load_run(Path(d)) for d in run_dirs]
     many = len(runs) > 1
-    cells = pd.concat([annotate_cells(r.cells, mf.server_records(r.manifest), many) for r in runs], ignore_index=True)
+    cells = pd.concat([annotate_cells(r.cells, many) for r in runs], ignore_index=True)
     groups = group_configs(cells)
     samples = pd.concat([request_samples(r.requests) for r in runs], ignore_index=True)
     top_k = next((v for v in (mf.model_top_k(r.manifest, r.run_dir) for r in runs) if v), None)

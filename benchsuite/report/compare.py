@@ -21,7 +21,6 @@ from scipy.stats import mannwhitneyu
 
 from benchsuite.report.groups import annotate_cells, group_configs
 from benchsuite.report.load import RunData, load_run
-from benchsuite.report.manifest_facts import server_records
 from benchsuite.report.samples import request_samples
 from benchsuite.report.textout import markdown_table
 
@@ -63,7 +62,7 @@ class Comparison:
 
 
 def _prepared(run: RunData) -> tuple[pd.DataFrame, pd.DataFrame]:
-    cells = annotate_cells(run.cells, server_records(run.manifest), many_runs=False)
+    cells = annotate_cells(run.cells, many_runs=False)
     return group_configs(cells), request_samples(run.requests)
 
 

@@ -149,7 +149,7 @@ def write_h200_report(run_dir: Path, out_dir: Path) -> Path:
     """index.html, tables.md and tables.csv of one converted H200 run; returns index.html's path."""
     data = build_report_data([Path(run_dir)])
     run = data.runs[0]
-    sections = h200_tables(run.cells, run.manifest.get("h200") or {})
+    sections = h200_tables(run.cells, run.manifest.extra.get("h200") or {})
     before, after = _sections(data)
     mine = [Section(title, anchor, intro, frame) for title, anchor, intro, frame in sections]
     title = f"H200 results: {run.run_id}"
