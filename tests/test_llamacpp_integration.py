@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 
 from benchsuite.engines.base import ServerSpec
-from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter, find_binary
+from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter, LlamaCppOptions, find_binary
 from benchsuite.process import EngineProcess, free_port
 
 needs_server = pytest.mark.skipif(
@@ -108,7 +108,7 @@ async def test_f32_gguf_agrees_with_the_builtin_engine(tmp_path):
     spec = ServerSpec(
         "agree",
         "llamacpp",
-        {"model": "tiny", "threads": 2},
+        LlamaCppOptions(model="tiny", threads=2),
         {"kv_capacity_tokens": 1024},
         1,
         "agree",
@@ -151,7 +151,7 @@ def test_our_projection_matches_llama_fit_params_on_the_host(flash_attn, n_ctx):
     if not fit_binary.is_file():
         pytest.skip(f"{fit_binary} not built")
     model = LlamaCppAdapter().model_path(
-        ServerSpec("p", "llamacpp", {"model": "tiny"}, {}, 1, "p")
+        ServerSpec("p", "llamacpp", LlamaCppOptions(model="tiny"), {}, 1, "p")
     )
     argv = fit_params_argv(fit_binary, model, 0, n_ctx, 2, flash_attn, 999)
     host = next(

@@ -18,10 +18,10 @@ QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.ya
 
 def test_quickstart_plans_four_modes_two_k_values_and_three_concurrencies() -> None:
     plan = build_plan(load_matrix(QUICKSTART))
-    modes = sorted(s.options["mode"] for s in plan.servers)
+    modes = sorted(s.options.mode for s in plan.servers)
     assert modes == ["cpu-experts", "offload", "paged", "paged", "resident"]
-    assert sorted(s.options["resident_experts"] for s in plan.servers if s.options["mode"] == "paged") == [8, 16]
-    assert {s.options["model"] for s in plan.servers} == {"tiny"}
+    assert sorted(s.options.resident_experts for s in plan.servers if s.options.mode == "paged") == [8, 16]
+    assert {s.options.model for s in plan.servers} == {"tiny"}
     assert sorted({c.concurrency for c in plan.cells}) == [1, 2, 4]
     assert len(plan.cells) == 5 * 3
 
@@ -41,6 +41,8 @@ def test_reduced_quickstart_runs_on_the_real_builtin_server(tiny_model_dir: Path
     cell = payload["cell"]
     assert cell["status"] == "ok", cell["reason"]
     assert cell["mode"] == "paged" and cell["routing"] == "model" and cell["params"] == {}  # nothing swept
+    # K from the YAML: a typed field of the cell, the same value the server was started with
+    assert cell["resident_experts"] == 8 and cell["n_cpu_moe"] is None and cell["options"]["resident_experts"] == 8
     assert cell["expert_activations"] > 0 and 0.0 < cell["miss_rate"] <= 1.0
     measured = [r for r in payload["requests"] if not r["warmup"]]
     assert len(measured) == 3 and all(r["ok"] and r["output_tokens"] == 6 for r in measured)
@@ -48,3 +50,4 @@ def test_reduced_quickstart_runs_on_the_real_builtin_server(tiny_model_dir: Path
     assert len({r["prompt_id"] for r in measured}) == 3
     (server,) = json.loads((run_dir / "manifest.json").read_text())["servers"].values()
     assert server["argv"][1:3] == ["-m", "paged_experts.server.app"] and "--paged-experts-num-resident" in server["argv"]
+    assert server["argv"][server["argv"].index("--paged-experts-num-resident") + 1] == "8"

@@ -23,7 +23,7 @@ Optional members the runner reads with getattr (an adapter without one simply la
   (stored in the cell's `extras["flags"]`, shown by the report);
 - `async after_cells(ctx, server, requests) -> dict`: on the live server after its cells, before it
   stops (`requests`: the distinct LoadRequests its cells sent); the dict is merged into the
-  manifest's server entry (e.g. SGLang's routing capture: `routing_trace`).
+  manifest's server entry as its `facts` (e.g. SGLang's routing capture: `routing_trace`).
 """
 
 from __future__ import annotations
