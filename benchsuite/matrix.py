@@ -199,9 +199,11 @@ def load_matrix(path: str | Path) -> ValidatedMatrix:
     per_server = sum(len(w.prompt_classes) * len(w.concurrency) for w in matrix.workloads.values()) * matrix.repeats
     cells = per_server * sum(len(sets) for sets in option_sets.values())
     if cells > MAX_CELLS:
-        problems.append(f"{source}: (top level): the matrix makes {cells} cells (engines x workloads x repeats); at most {MAX_CELLS}")
+        what = f"the matrix makes {cells} cells (engines x workloads x repeats); at most {MAX_CELLS}"
+        problems.append(f"{source}: (top level): {what}")
     # output_root is where results go, not what is measured: moving them keeps the run id.
-    canonical = json.dumps(matrix.model_dump(mode="json", exclude={"output_root"}), sort_keys=True, separators=(",", ":"))
+    dumped = matrix.model_dump(mode="json", exclude={"output_root"})
+    canonical = json.dumps(dumped, sort_keys=True, separators=(",", ":"))
     digest = hashlib.sha256(canonical.encode()).hexdigest()
     workloads = dict(matrix.workloads)
     for name, workload in matrix.workloads.items():

@@ -21,7 +21,9 @@ RANDOM_SHORT_TOKENS = 32  # dataset `random`: length of a `short` prompt (random
 PromptCache = dict[tuple[str, str, str], list[datasets.Prompt]]
 
 
-def cell_requests(cache: PromptCache, adapter: EngineAdapter, spec: ServerSpec, cell: CellSpec) -> list[loadgen.LoadRequest]:
+def cell_requests(
+    cache: PromptCache, adapter: EngineAdapter, spec: ServerSpec, cell: CellSpec
+) -> list[loadgen.LoadRequest]:
     """The measured requests, the same prompts for every engine (seeded order); warmups reuse
     the first ones."""
     workload = cell.workload_spec
@@ -41,7 +43,9 @@ def cell_requests(cache: PromptCache, adapter: EngineAdapter, spec: ServerSpec, 
     ]
 
 
-def _prompt_pool(cache: PromptCache, adapter: EngineAdapter, spec: ServerSpec, cell: CellSpec, count: int) -> list[datasets.Prompt]:
+def _prompt_pool(
+    cache: PromptCache, adapter: EngineAdapter, spec: ServerSpec, cell: CellSpec, count: int
+) -> list[datasets.Prompt]:
     workload = cell.workload_spec
     exact_tokens = int(cell.prompt_class) if cell.prompt_class.isdigit() else None
     if exact_tokens is None and workload.dataset == "random":
@@ -71,7 +75,9 @@ def _random_token_prompts(tokenizer_dir: Path, n_tokens: int, n: int, seed: int)
     vocab_size = datasets.load_tokenizer(tokenizer_dir).get_vocab_size(with_added_tokens=False)
     rng = random.Random(seed)
     return [
-        datasets.Prompt(f"rand{n_tokens}-s{seed}-{i}", "", str(n_tokens), tuple(rng.randrange(vocab_size) for _ in range(n_tokens)))
+        datasets.Prompt(
+            f"rand{n_tokens}-s{seed}-{i}", "", str(n_tokens), tuple(rng.randrange(vocab_size) for _ in range(n_tokens))
+        )
         for i in range(n)
     ]
 

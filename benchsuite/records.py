@@ -57,7 +57,7 @@ class CellResult:
     run_id: str
     engine: str  # engine entry name in the matrix
     engine_kind: str  # builtin | llamacpp | sglang
-    mode: str  # builtin: resident|paged|offload|cpu-experts; llamacpp: n-cpu-moe|moe-cache|gpu; sglang: paged|offload|unpaged
+    mode: str  # engines.base.Placement.mode, e.g. builtin paged, llamacpp n-cpu-moe, sglang offload
     server_id: str  # hash of the server configuration (one launch serves many cells)
     params: dict[str, Any]  # resolved sweep values, e.g. {"resident_experts": 16}: the labels
     workload: str

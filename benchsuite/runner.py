@@ -173,7 +173,8 @@ async def _measure(ctx: RunContext, server: RunningServer, cell: CellSpec, store
     result = metrics.summarize(records, base=_base_result(ctx, spec, cell), max_error_rate=workload.max_error_rate)
     if before is not None and after is not None:
         result = dataclasses.replace(result, **metrics.paging_delta(before, after))
-    result = dataclasses.replace(result, extras={**result.extras, **_log_extras(adapter, spec, cell, ctx.store.log_path(spec.server_id))})
+    log_extras = _log_extras(adapter, spec, cell, ctx.store.log_path(spec.server_id))
+    result = dataclasses.replace(result, extras={**result.extras, **log_extras})
     if not server.process.alive:
         result = failed_result(ctx, cell, spec, _death_reason(server), base=result)
     if store:
@@ -228,7 +229,8 @@ async def run_search_task(ctx: RunContext, task: SearchTask) -> list[CellResult]
         raise RunError(f"engine {task.spec.name}: {task.option} asks for a search, and this run has no search hook")
     options = await ctx.search(ctx, task)
     spec, cells = resolve_search(ctx.plan, task, options)
-    ctx.store.record_server(spec.server_id, search={"option": task.option, "request": getattr(task.spec.options, task.option)})
+    request = getattr(task.spec.options, task.option)
+    ctx.store.record_server(spec.server_id, search={"option": task.option, "request": request})
     return await run_server_cells(ctx, spec, cells)
 
 
@@ -282,7 +284,13 @@ async def execute(ctx: RunContext) -> list[str]:
 
 
 async def _load(
-    ctx: RunContext, server: RunningServer, cell: CellSpec, requests: list[loadgen.LoadRequest], *, cold_first: bool, closed: bool
+    ctx: RunContext,
+    server: RunningServer,
+    cell: CellSpec,
+    requests: list[loadgen.LoadRequest],
+    *,
+    cold_first: bool,
+    closed: bool,
 ) -> list[RequestRecord]:
     """One load phase of a cell: closed-loop warmups, or the measured requests as the workload says."""
     workload = cell.workload_spec
@@ -327,7 +335,9 @@ def _base_result(ctx: RunContext, spec: ServerSpec, cell: CellSpec) -> CellResul
     )
 
 
-def failed_result(ctx: RunContext, cell: CellSpec, spec: ServerSpec, reason: str, base: CellResult | None = None) -> CellResult:
+def failed_result(
+    ctx: RunContext, cell: CellSpec, spec: ServerSpec, reason: str, base: CellResult | None = None
+) -> CellResult:
     """`base` (or a fresh result of the cell) marked failed with `reason`."""
     return dataclasses.replace(base or _base_result(ctx, spec, cell), status="failed", reason=reason)
 
@@ -373,7 +383,8 @@ async def _after_cells(ctx: RunContext, server: RunningServer, cells: Sequence[C
     hook = getattr(adapter, "after_cells", None)
     if hook is not None:
         try:
-            requests = {(r.prompt_class, r.prompt_id): r for c in cells for r in cell_requests(ctx._prompts, adapter, spec, c)}
+            sent = (r for c in cells for r in cell_requests(ctx._prompts, adapter, spec, c))
+            requests = {(r.prompt_class, r.prompt_id): r for r in sent}
             facts = await hook(ctx, server, list(requests.values()))
         except (*CELL_ERRORS, ValueError) as exc:
             facts = {"after_cells_error": f"{type(exc).__name__}: {exc}"}

@@ -91,7 +91,8 @@ class RunStore:
                 (store.run_dir / sub).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise RunError(f"cannot create the run directory {store.run_dir}: {exc.strerror or exc}") from None
-        store._write_manifest(manifest.model_copy(update={"schema_version": SCHEMA_VERSION, "invocations": [invocation]}))
+        first = manifest.model_copy(update={"schema_version": SCHEMA_VERSION, "invocations": [invocation]})
+        store._write_manifest(first)
         return store
 
     # ---- paths ---------------------------------------------------------------------------------

@@ -118,7 +118,8 @@ def cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
 def test_the_cycle_finder_finds_a_hidden_loop(tmp_path: Path) -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [frozenset({"a", "b", "c"})]
-    (tmp_path / "m.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import x.y\ndef f():\n    from x import z\n")
+    hidden = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import x.y\ndef f():\n    from x import z\n"
+    (tmp_path / "m.py").write_text(hidden)
     assert set(imports_of("m", tmp_path / "m.py", {"x.y", "x.z", "x"})) == {"x.y", "x.z"}
 
 

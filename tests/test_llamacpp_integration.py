@@ -218,13 +218,14 @@ def test_llamacpp_tiny_matrix_end_to_end(tmp_path):
     chosen = [c.extras["search_n"] for c in search if c.extras["chosen"]]
     assert len(chosen) == 1 and chosen[0] >= 2
     facts = next(
-        s["search"]
-        for s in read_manifest(run_dir)["servers"].values()
-        if "launches" in s.get("search", {})
+        s.search
+        for s in read_manifest(run_dir).servers.values()
+        if "launches" in (s.search or {})
     )
     assert facts["linear_scan_launches"] == 3 and facts["launches"] <= 3
     best = [c for c in regular if c.engine == "best"]
-    assert all(c.params["n_cpu_moe"] == chosen[0] for c in best)
+    assert all(c.params["n_cpu_moe"] == chosen[0] == c.n_cpu_moe for c in best)
+    assert all(c.n_cpu_moe == c.extras["search_n"] for c in search)  # typed N on every search cell
     log_facts = best[0].extras["engine_log"]
     assert log_facts["context"]["n_ctx"] == 2048 and "model" in log_facts["buffers_mib"]
     print(json.dumps({"search": facts}, indent=1))

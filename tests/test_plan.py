@@ -95,7 +95,8 @@ def test_dry_run_prints_commands_and_cells(tmp_path: Path, capsys: pytest.Captur
     assert main(["run", str(path), "--dry-run", "--output-root", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
     assert "3 servers, 18 cells" in out
-    assert "--mode paged --device cpu --max-running-requests 4 --max-total-tokens 4096 --paged-experts-num-resident 8" in out
+    flags = "--mode paged --device cpu --max-running-requests 4 --max-total-tokens 4096 --paged-experts-num-resident 8"
+    assert flags in out
     assert "--n-cpu-moe 2" in out
     assert out.count("  cell ") == 18
     assert not (tmp_path / "out").exists()  # nothing written, nothing started

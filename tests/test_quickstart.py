@@ -29,9 +29,12 @@ def test_quickstart_plans_four_modes_two_k_values_and_three_concurrencies() -> N
 @pytest.mark.slow
 def test_reduced_quickstart_runs_on_the_real_builtin_server(tiny_model_dir: Path, tmp_path: Path) -> None:
     body = yaml.safe_load(QUICKSTART.read_text())
-    body["engines"] = {"paged": {"kind": "builtin", "options": {"model": str(tiny_model_dir), "mode": "paged", "resident_experts": 8}}}
+    options = {"model": str(tiny_model_dir), "mode": "paged", "resident_experts": 8}
+    body["engines"] = {"paged": {"kind": "builtin", "options": options}}
     # class "24": exact-length prompts sent as token ids, so the server's usage must say 24
-    body["workloads"]["bundled"].update(prompt_classes=["24"], concurrency=[2], num_requests=3, warmup_requests=1, output_tokens=6)
+    body["workloads"]["bundled"].update(
+        prompt_classes=["24"], concurrency=[2], num_requests=3, warmup_requests=1, output_tokens=6
+    )
     path = tmp_path / "m.yaml"
     path.write_text(yaml.safe_dump(body))
     assert main(["run", str(path), "--output-root", str(tmp_path / "results"), "--quiet", "--no-report"]) == 0
@@ -49,5 +52,5 @@ def test_reduced_quickstart_runs_on_the_real_builtin_server(tiny_model_dir: Path
     assert [r["prompt_tokens"] for r in payload["requests"]] == [24] * 4
     assert len({r["prompt_id"] for r in measured}) == 3
     (server,) = json.loads((run_dir / "manifest.json").read_text())["servers"].values()
-    assert server["argv"][1:3] == ["-m", "paged_experts.server.app"] and "--paged-experts-num-resident" in server["argv"]
+    assert server["argv"][1:3] == ["-m", "paged_experts.server.app"]
     assert server["argv"][server["argv"].index("--paged-experts-num-resident") + 1] == "8"

@@ -77,7 +77,8 @@ def test_resume_checks_matrix_and_schema(tmp_path: Path) -> None:
         RunStore.open(tmp_path / "r", MANIFEST.model_copy(update={"matrix_hash": "other"}))
     path = tmp_path / "r" / "manifest.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "schema_version": SCHEMA_VERSION + 1}))
-    with pytest.raises(UserError, match=f"schema version {SCHEMA_VERSION + 1}, this benchsuite reads versions 1, 2: rerun"):
+    newer = f"schema version {SCHEMA_VERSION + 1}, this benchsuite reads versions 1, 2: rerun"
+    with pytest.raises(UserError, match=newer):
         read_manifest(tmp_path / "r")
 
 
@@ -163,7 +164,8 @@ def test_git_facts_name_the_tracked_files_as_they_are(tmp_path) -> None:
     from benchsuite.machine import git_facts
 
     def git(*a: str) -> str:
-        return subprocess.run(["git", "-C", str(tmp_path), *a], capture_output=True, text=True, check=True).stdout.strip()
+        done = subprocess.run(["git", "-C", str(tmp_path), *a], capture_output=True, text=True, check=True)
+        return done.stdout.strip()
 
     git("init", "-q")
     (tmp_path / "a.py").write_text("x = 1\n")

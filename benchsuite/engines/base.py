@@ -43,7 +43,8 @@ class Placement:
     """Where one server keeps its experts, as every cell of it records it (CellResult fields of the
     same names) and the report groups and labels it."""
 
-    mode: str  # builtin: resident|paged|offload|cpu-experts; llamacpp: n-cpu-moe|moe-cache|gpu; sglang: paged|offload|unpaged
+    # builtin: resident|paged|offload|cpu-experts; llamacpp: n-cpu-moe|moe-cache|gpu; sglang: paged|offload|unpaged
+    mode: str
     resident_experts: int | None = None  # K: expert slots per layer on the GPU (paged modes)
     n_cpu_moe: int | None = None  # N: layers whose experts stay on the CPU (cpu-experts, llama.cpp)
     routing: str = "model"  # "model", or "synthetic:<spec>"; synthetic results say so everywhere

@@ -61,7 +61,9 @@ def is_synthetic(routing: str) -> bool:
 
 
 def routing_label(routing: str) -> str:
-    return f"SYNTHETIC routing ({routing.split(':', 1)[1] if ':' in routing else routing})" if is_synthetic(routing) else "model routing"
+    if not is_synthetic(routing):
+        return "model routing"
+    return f"SYNTHETIC routing ({routing.split(':', 1)[1] if ':' in routing else routing})"
 
 
 def config_label(row: pd.Series, many_runs: bool) -> str:
@@ -85,7 +87,8 @@ def annotate_cells(cells: pd.DataFrame, many_runs: bool) -> pd.DataFrame:
     out = cells.copy()
     out["k"] = _ints(out["resident_experts"])
     out["n_cpu_moe"] = _ints(out["n_cpu_moe"])
-    out["params"] = [effective_params(p, k, n, o) for p, k, n, o in zip(out["params"], out["k"], out["n_cpu_moe"], out["options"])]
+    placed = zip(out["params"], out["k"], out["n_cpu_moe"], out["options"])
+    out["params"] = [effective_params(p, k, n, o) for p, k, n, o in placed]
     out["params_key"] = [params_key(p) for p in out["params"]]
     out["label"] = [config_label(row, many_runs) for _, row in out.iterrows()]
     return out
@@ -114,7 +117,8 @@ def group_configs(cells: pd.DataFrame) -> pd.DataFrame:
         first = group.iloc[0]
         row.update(
             label=first["label"], params=first["params"], k=first["k"], n_cpu_moe=first["n_cpu_moe"],
-            cell_ids=list(group.sort_values("repeat")["cell_id"]), ok_cell_ids=list(ok.sort_values("repeat")["cell_id"]),
+            cell_ids=list(group.sort_values("repeat")["cell_id"]),
+            ok_cell_ids=list(ok.sort_values("repeat")["cell_id"]),
             repeats_ok=len(ok), repeats_not_ok=len(group) - len(ok),
             flags=list(dict.fromkeys(f for _, c in group.iterrows() for f in cell_flags(c))),
         )

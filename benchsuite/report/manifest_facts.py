@@ -95,7 +95,8 @@ def servers(manifest: Manifest) -> list[ServerFacts]:
 
 def matrix_engines(manifest: Manifest) -> dict[str, str]:
     """Engine entry name -> kind, as the matrix names them."""
-    return {str(name): str((entry or {}).get("kind", "")) for name, entry in (manifest.matrix.get("engines") or {}).items()}
+    engines = manifest.matrix.get("engines") or {}
+    return {str(name): str((entry or {}).get("kind", "")) for name, entry in engines.items()}
 
 
 def reference_name(manifest: Manifest) -> str | None:
@@ -150,7 +151,8 @@ _MODEL_OPTIONS = ("model", "model_path")  # builtin and llama.cpp; SGLang
 
 def _model_dirs(manifest: Manifest, run_dir: Path) -> list[Path]:
     """Checkpoint directories the servers' options name, resolved as given, then beside the run."""
-    names = [str(r.options[k]) for r in manifest.servers.values() for k in _MODEL_OPTIONS if isinstance(r.options.get(k), str)]
+    options = [r.options for r in manifest.servers.values()]
+    names = [str(o[k]) for o in options for k in _MODEL_OPTIONS if isinstance(o.get(k), str)]
     candidates = [Path(n) if Path(n).is_absolute() else base / n for n in names for base in (Path.cwd(), run_dir)]
     return [c for c in candidates if (c / "config.json").is_file()]
 
@@ -176,4 +178,5 @@ def model_top_k(manifest: Manifest, run_dir: Path) -> int | None:
 
 def model_num_experts(manifest: Manifest, run_dir: Path) -> int | None:
     raw = manifest.to_json()
-    return _find_int(_model_subtrees(raw), _NUM_EXPERTS_KEYS) or _find_int(_model_configs(manifest, run_dir), _NUM_EXPERTS_KEYS)
+    found = _find_int(_model_subtrees(raw), _NUM_EXPERTS_KEYS)
+    return found or _find_int(_model_configs(manifest, run_dir), _NUM_EXPERTS_KEYS)
