@@ -17,7 +17,7 @@ from pydantic import Field, field_validator, model_validator
 
 from benchsuite.engines import RUN_DIR_PLACEHOLDER
 from benchsuite.engines.base import EngineConfigError, EngineOptions, LaunchPlan, Placement, ServerSpec, options_of
-from benchsuite.metrics import parse_prometheus
+from benchsuite.metrics import scrape_prometheus
 
 _MODE_OPTION = {"paged": "resident_experts", "offload": "offload_layers", "cpu-experts": "n_cpu_moe"}
 
@@ -130,11 +130,7 @@ class BuiltinAdapter:
         }
 
     async def scrape(self, session: Any, base_url: str) -> dict[str, float] | None:
-        async with session.get(f"{base_url}/metrics") as resp:
-            if resp.status != 200:
-                return None
-            text = await resp.text()
-        return {k: v for k, v in parse_prometheus(text).items() if k.startswith("paged_experts:")}
+        return await scrape_prometheus(session, base_url, "paged_experts:")
 
     def parse_log(self, log_text: str) -> dict[str, Any]:
         # The builtin server reports everything through /metrics; its log carries no extra facts.

@@ -30,6 +30,7 @@ from pydantic import Field, field_validator
 
 from benchsuite.engines.base import EngineConfigError, EngineOptions, LaunchPlan, Placement, ServerSpec, options_of
 from benchsuite.errors import UserError
+from benchsuite.metrics import scrape_prometheus
 from benchsuite.search_settings import parse_request
 
 BINARY_NAME = "llama-server"
@@ -297,15 +298,7 @@ class LlamaCppAdapter:
         }
 
     async def scrape(self, session: Any, base_url: str) -> dict[str, float] | None:
-        from benchsuite.metrics import parse_prometheus
-
-        async with session.get(f"{base_url}/metrics") as resp:
-            if resp.status != 200:
-                return None
-            text = await resp.text()
-        return {
-            k: v for k, v in parse_prometheus(text).items() if k.startswith("llamacpp:")
-        }
+        return await scrape_prometheus(session, base_url, "llamacpp:")
 
     def parse_log(self, log_text: str) -> dict[str, Any]:
         from benchsuite.engines.llamacpp.logs import parse_server_log

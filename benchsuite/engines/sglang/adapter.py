@@ -22,9 +22,9 @@ from benchsuite.engines.base import EngineConfigError, LaunchPlan, ServerSpec, o
 from benchsuite.engines.sglang import constraints as sglang_constraints
 from benchsuite.engines.sglang import logs as sglang_logs
 from benchsuite.engines.sglang.options import SGLangOptions, expand_env
-from benchsuite.metrics import parse_prometheus
+from benchsuite.metrics import scrape_prometheus
 
-__all__ = ["SGLangAdapter", "SGLangOptions", "expand_env"]
+__all__ = ["SGLangAdapter", "SGLangOptions", "expand_env", "scrape_prometheus"]
 
 METRIC_PREFIX = "sglang:"  # observability/metrics_collector.py names every series sglang:*
 VERSION_PROBE_TIMEOUT_S = 120.0
@@ -167,16 +167,6 @@ class SGLangAdapter:
         path = ctx.store.run_dir / "routing" / f"{server.spec.server_id}.trace"
         sglang_routing.write_routing_trace(path, responses, opts.model_path)
         return {"routing_trace": str(path.relative_to(ctx.store.run_dir)), "routing_requests": len(responses)}
-
-
-async def scrape_prometheus(session: Any, base_url: str, prefix: str) -> dict[str, float] | None:
-    """GET /metrics -> {series: value} for series whose name starts with `prefix`; None when the
-    endpoint is missing or fails (a counter that cannot be read is absent, never 0)."""
-    async with session.get(f"{base_url}/metrics") as resp:
-        if resp.status != 200:
-            return None
-        text = await resp.text()
-    return {series: value for series, value in parse_prometheus(text).items() if series.startswith(prefix)}
 
 
 def _valued(flag: str, value: object) -> list[str]:
