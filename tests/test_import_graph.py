@@ -132,3 +132,18 @@ def test_no_import_cycles(package: str) -> None:
     )
     gone = {c for c in KNOWN_CYCLES if any(m.split(".")[0] == package for m in c)} - found
     assert not gone, f"these cycles are gone; remove them from KNOWN_CYCLES: {gone}"
+
+
+def test_the_pipeline_knows_engines_only_through_their_contract() -> None:
+    """Outside the engine wings (and the CLI's engine-specific commands: install, gguf), benchsuite
+    imports engines only through benchsuite.engines (the registry) and benchsuite.engines.base."""
+    allowed = {"benchsuite.engines", "benchsuite.engines.base"}
+    graph = import_graph()
+    reaching = {
+        (module, target)
+        for module, targets in graph.items()
+        if module.startswith("benchsuite.") and not module.startswith(("benchsuite.engines", "benchsuite.commands"))
+        for target in targets
+        if target.startswith("benchsuite.engines") and target not in allowed
+    }
+    assert not reaching, f"modules that reach into an engine's wing: {sorted(reaching)}"
