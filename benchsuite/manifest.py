@@ -30,12 +30,15 @@ class ServerRecord(_Record):
     engine: str = ""  # engine entry name in the matrix
     kind: str = ""
     options: dict[str, Any] = Field(default_factory=dict)  # the engine's options object, JSON form
+    resolved_options: dict[str, Any] = Field(default_factory=dict)  # in force: defaults resolved by the adapter
     fairness: dict[str, Any] = Field(default_factory=dict)
     max_concurrency: int | None = None
     argv: list[str] = Field(default_factory=list)  # exactly as launched
     env: dict[str, str] = Field(default_factory=dict)  # added to the runner's environment
     version: dict[str, Any] = Field(default_factory=dict)  # EngineAdapter.version
     started_utc: str | None = None
+    startup_s: float | None = None  # launch -> first 200 from the health path
+    startup_facts: dict[str, Any] = Field(default_factory=dict)  # the adapter's startup_facts hook (graphs, phases)
     log: str | None = None  # relative to the run directory
     search: dict[str, Any] | None = None  # an n_cpu_moe search: request, settings, measured, best_n
     search_error: str | None = None

@@ -70,7 +70,8 @@ class CellResult:
     # The server's placement and options, from its typed options object (engines.base.Placement).
     resident_experts: int | None = None  # K
     n_cpu_moe: int | None = None  # N
-    options: dict[str, Any] = field(default_factory=dict)  # every engine option (performance ones too), JSON form
+    # every engine option in force (performance ones too; defaults resolved where the adapter does)
+    options: dict[str, Any] = field(default_factory=dict)
     num_requests: int = 0
     num_errors: int = 0
     error_rate: float | None = None

@@ -114,6 +114,7 @@ async def launch_server(ctx: RunContext, spec: ServerSpec) -> AsyncIterator[Runn
         engine=spec.name,
         kind=spec.kind,
         options=spec.options.model_dump(mode="json"),
+        resolved_options=_options_in_force(adapter, spec),
         fairness=dict(spec.fairness),
         max_concurrency=spec.max_concurrency,
         argv=argv,
@@ -126,8 +127,13 @@ async def launch_server(ctx: RunContext, spec: ServerSpec) -> AsyncIterator[Runn
         argv, env, ctx.store.log_path(spec.server_id), base_url + launch.health_path, launch.startup_timeout_s
     )
     try:
+        started_s = time.perf_counter()
         process.start()
         await process.wait_ready()
+        startup_s = round(time.perf_counter() - started_s, 3)  # launch -> first 200 from health
+        engine_startup = getattr(adapter, "startup_facts", None)  # the engine's own breakdown, if it reports one
+        facts = await engine_startup(ctx.session, base_url) if engine_startup is not None else {}
+        ctx.store.record_server(spec.server_id, startup_s=startup_s, startup_facts=facts)
         yield RunningServer(spec, adapter, process, base_url, argv)
     finally:
         process.stop()
@@ -313,6 +319,13 @@ async def _load(
     )
 
 
+def _options_in_force(adapter: EngineAdapter, spec: ServerSpec) -> dict[str, Any]:
+    """The options a server runs with: the adapter's `resolved_options` hook (defaults that depend on
+    the device, mode or concurrency resolved), else the options object as validated."""
+    resolve = getattr(adapter, "resolved_options", None)
+    return dict(resolve(spec)) if resolve is not None else spec.options.model_dump(mode="json")
+
+
 def _base_result(ctx: RunContext, spec: ServerSpec, cell: CellSpec) -> CellResult:
     placement = spec.options.placement()  # typed K, N, mode and routing: the report reads these fields
     return CellResult(
@@ -331,7 +344,7 @@ def _base_result(ctx: RunContext, spec: ServerSpec, cell: CellSpec) -> CellResul
         routing=placement.routing,
         resident_experts=placement.resident_experts,
         n_cpu_moe=placement.n_cpu_moe,
-        options=spec.options.model_dump(mode="json"),
+        options=_options_in_force(ADAPTERS[spec.kind], spec),
     )
 
 

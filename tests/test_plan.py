@@ -67,13 +67,13 @@ def test_ids_are_those_of_schema_1(tmp_path: Path) -> None:
     An id hashes every option's value, defaults included: a new option field of an engine changes
     the ids of that engine's servers. Update these deliberately, and say so, when that happens."""
     plan = plan_of(tmp_path)
-    assert [s.server_id for s in plan.servers] == ["fa565ca358c2", "f9b02f6dabc2", "2daf8133c549"]
-    assert (plan.cells[0].cell_id, plan.cells[-1].cell_id) == ("f88edb2f2314", "21fdf8acdb40")
+    assert [s.server_id for s in plan.servers] == ["397614496e44", "4a6a5cb168c1", "5cb41ce3e210"]
+    assert (plan.cells[0].cell_id, plan.cells[-1].cell_id) == ("65d1bce6f28e", "fb20671e3560")
     quickstart = build_plan(load_matrix(ROOT / "configs" / "quickstart.yaml"))
     assert [s.server_id for s in quickstart.servers] == [
-        "a78b71078642", "8db5bd1d17a8", "849524d981b5", "5d09e0a629af", "9439adef00ab"
+        "d163019302dc", "1a4444f3792c", "e0d981ca2dce", "6455aa4d00ef", "7d6305c9354d"
     ]  # fmt: skip
-    assert quickstart.cells[0].cell_id == "4bf8afa469d7"
+    assert quickstart.cells[0].cell_id == "6b9e7e993792"
 
 
 def test_search_option_and_resolution(tmp_path: Path) -> None:

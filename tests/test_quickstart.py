@@ -46,6 +46,8 @@ def test_reduced_quickstart_runs_on_the_real_builtin_server(tiny_model_dir: Path
     assert cell["mode"] == "paged" and cell["routing"] == "model" and cell["params"] == {}  # nothing swept
     # K from the YAML: a typed field of the cell, the same value the server was started with
     assert cell["resident_experts"] == 8 and cell["n_cpu_moe"] is None and cell["options"]["resident_experts"] == 8
+    # performance options in force, defaults resolved for this device and mode (CPU: eager, grouped kernels)
+    assert (cell["options"]["cuda_graph_max_bs"], cell["options"]["kernel_backend"]) == (0, "grouped")
     assert cell["expert_activations"] > 0 and 0.0 < cell["miss_rate"] <= 1.0
     measured = [r for r in payload["requests"] if not r["warmup"]]
     assert len(measured) == 3 and all(r["ok"] and r["output_tokens"] == 6 for r in measured)
