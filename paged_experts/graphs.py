@@ -188,8 +188,10 @@ class GraphedDecoder:
         pool = chunks[0].seq.pool
         return all(len(c.token_ids) == 1 and not c.all_logits and c.seq.pool is pool for c in chunks)
 
-    def step(self, chunks: Sequence[SeqChunk]) -> StepLogits:
-        """One decode step (KV reserved and committed here, as `MoeCausalLM.run_step` does)."""
+    def step(self, chunks: Sequence[SeqChunk], token_source: torch.Tensor | None = None) -> StepLogits:
+        """One decode step (KV reserved and committed here, as `MoeCausalLM.run_step` does).
+        `token_source` [B] on the device replaces the chunks' token ids (the previous step's argmax:
+        copied into the inputs in stream order, after that step and before this one)."""
         m = self.model
         pool = chunks[0].seq.pool
         pool.check_reserve([(c.seq, c.start_pos, 1) for c in chunks])
@@ -204,6 +206,8 @@ class GraphedDecoder:
         if entry is None:
             entry = self._new_entry(key)
         self._fill(entry, key, chunks)
+        if token_source is not None:
+            entry.inputs[:b].copy_(token_source[:b])
         if fresh:
             self._build(entry, key)  # uncaptured (CPU): this ran the step already
         if entry.graph is not None:

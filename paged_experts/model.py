@@ -199,13 +199,18 @@ class MoeCausalLM:
         return self.run_step(chunks).cpu_rows()
 
     @torch.inference_mode()
-    def run_step(self, chunks: Sequence[SeqChunk]) -> StepLogits:
-        """Runs one step; the logits stay on the device (see `StepLogits`)."""
+    def run_step(self, chunks: Sequence[SeqChunk], token_source: torch.Tensor | None = None) -> StepLogits:
+        """Runs one step; the logits stay on the device (see `StepLogits`). `token_source` [B], on
+        the device: the chunks' input tokens, e.g. the previous step's argmax, read there instead of
+        the chunks' own (placeholder) token ids, so this step can be queued before that one's ids
+        reach the host; only static decode steps take it."""
         if not chunks:
             return StepLogits.empty(self.device)
         self._check_chunks(chunks)
         if self._graphs is not None and self._graphs.accepts(chunks):
-            return self._graphs.step(chunks)
+            return self._graphs.step(chunks, token_source)
+        if token_source is not None:
+            raise ValueError("token_source is taken by static decode steps only (graphs on, every chunk one decode token)")
         cfg, dev = self.config, self.device
         by_pool: dict[int, tuple[KvPool, list[tuple[KvSequence, int, int]]]] = {}
         for c in chunks:

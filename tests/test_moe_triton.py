@@ -77,32 +77,37 @@ def check_kernels(device: str = "cpu", dtype: torch.dtype = torch.float32, tol: 
         print("ok", (t, e, k, h, i))
 
 
-# (batch, query heads, KV heads, head dim, context bucket L, positions): GQA groups of 1, 4 and 8,
-# contexts inside one block, across blocks, and a sequence that has only its first token.
-ATTENTION_CASES = ((1, 8, 2, 16, 64, (5,)), (3, 4, 4, 32, 128, (0, 70, 127)), (2, 32, 4, 128, 64, (63, 9)))
+# (batch, query heads, KV heads, head dim, block size, positions): GQA groups of 1, 4 and 8,
+# contexts inside one block of the online softmax, across several, a sequence that has only its
+# first token, and a block size that does not divide the softmax block.
+ATTENTION_CASES = ((1, 8, 2, 16, 16, (5,)), (3, 4, 4, 32, 16, (0, 70, 127)), (2, 32, 4, 128, 8, (63, 9)),
+                   (2, 8, 2, 16, 4, (200, 1)))  # fmt: skip
 
 
 def check_attention(device: str = "cpu", dtype: torch.dtype = torch.float32, tol: float = 1e-4) -> None:
+    from paged_experts.attention import attend
     from paged_experts.kernels.attn_triton import decode_attention
-    from paged_experts.graphs import torch_attention
 
     gen = torch.Generator().manual_seed(0)
-    for b, nh, kvh, d, length, pos in ATTENTION_CASES:
-        slots = b * length + 7
+    for b, nh, kvh, d, bs, pos in ATTENTION_CASES:
+        width = max(pos) // bs + 3  # the pool's table width: more blocks than any sequence holds
+        num_blocks = b * width + 2
+        slots = num_blocks * bs
         kv_k = torch.randn(slots, kvh, d, generator=gen).to(device, dtype)  # [slots, kvh, D]
         kv_v = torch.randn(slots, kvh, d, generator=gen).to(device, dtype)
         positions = torch.tensor(pos, device=device)  # [B]
-        # each sequence's rows scattered over the pool; positions past its own repeat its last row
-        table = torch.stack([torch.randperm(slots, generator=gen)[:length] for _ in range(b)]).to(device)  # [B, L]
-        cols = torch.arange(length, device=device)[None, :]
-        table = torch.where(cols <= positions[:, None], table, table.gather(1, positions[:, None]))
-        mask = torch.where(cols <= positions[:, None], 0.0, torch.finfo(dtype).min).to(dtype)  # [B, L]
+        # each sequence's blocks scattered over the pool; entries past its last block are padding
+        blocks = torch.randperm(num_blocks, generator=gen)[: b * width].view(b, width).to(device)  # [B, W]
+        length = max(pos) + 1
+        cols = torch.arange(length, device=device)[None, :]  # [1, L]
+        rows = blocks.gather(1, (cols // bs).expand(b, -1)) * bs + cols % bs  # [B, L] KV row of each position
+        mask = torch.where(cols <= positions[:, None], 0.0, torch.finfo(torch.float32).min)  # [B, L]
         q = torch.randn(b, nh, d, generator=gen).to(device, dtype)
-        got = decode_attention(q, kv_k, kv_v, table, positions)
-        want = torch_attention(q.float(), kv_k.float(), kv_v.float(), table, mask.float())
+        got = decode_attention(q, kv_k, kv_v, blocks, positions, bs)
+        want = attend(q.float()[:, None], kv_k.float(), kv_v.float(), rows, mask[:, None, :])[:, 0]
         assert got.shape == (b, nh * d) and got.dtype == dtype
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
-        print("ok", (b, nh, kvh, d, length, pos))
+        print("ok", (b, nh, kvh, d, bs, pos))
 
 
 @pytest.mark.parametrize(("check", "cases"), [("check_kernels", CASES), ("check_attention", ATTENTION_CASES)])

@@ -53,6 +53,7 @@ class BuiltinOptions(BaseModel):
     kernel_backend: Literal["grouped", "triton"] | None = None  # decode-step routing/expert/attention kernels
     prefetch_next_layer: bool = False  # paged: page in the next layer's predicted experts (measured: off)
     expert_kernel: Literal["fused", "loop"] = "fused"  # grouped matmuls, or the per-expert reference loop
+    overlap_schedule: bool = True  # launch a greedy decode step before the previous one's tokens are read
 
     @field_validator("cuda_graph_max_bs", "torch_compile", "kernel_backend")
     @classmethod
@@ -101,6 +102,7 @@ class BuiltinOptions(BaseModel):
             "kernel_backend": self.backend(),
             "prefetch_next_layer": self.prefetch_next_layer,
             "expert_kernel": self.expert_kernel,
+            "overlap_schedule": self.overlap_schedule,
         }
 
     @field_validator("routing")
@@ -227,6 +229,7 @@ def _performance_flags(perf: dict[str, Any]) -> list[str]:
     flags += ["--kernel-backend", perf["kernel_backend"], "--expert-kernel", perf["expert_kernel"]]
     if perf["prefetch_next_layer"]:
         flags.append("--prefetch-next-layer")
+    flags.append("--enable-overlap-schedule" if perf["overlap_schedule"] else "--disable-overlap-schedule")
     return flags
 
 
