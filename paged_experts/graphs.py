@@ -12,13 +12,13 @@ with the other inputs; every layer resident or device-planned paged) is instead 
 - attention runs over the padded L with an additive mask (positions beyond the token's own get the
   dtype's minimum, i.e. probability exactly 0), so the result equals the eager per-sequence
   attention within rounding (not bit for bit: the softmax reduces over a longer row);
-- MoE layers run on the device with no host sync: resident layers over their experts, paged ones
-  as `MoeLayer.page_in_on_device` (LRU plan, page-in kernel) then `experts_on_device`; each layer's
+- MoE layers run on the device with no host sync through `MoeLayer.decode_pass`: resident layers
+  over their experts, paged ones as an LRU plan, the page-in kernel, then the slots; each layer's
   union, hits and misses are written to a static vector that the counters read lazily after the
   replay;
 - with `RuntimeConfig.prefetch_next_layer`, between a paged layer's page-ins and its expert pass the
   next layer's experts are predicted (its norm and router on this layer's residual stream) and
-  paged in on a second stream (`MoeLayer.prefetch_on_device`); the next layer waits for that copy.
+  paged in on a second stream (`PagedLayer.prefetch`); the next layer waits for that copy.
 Host work per step: build one int64 tensor of indices, one host->device copy, replay, and the
 logits' device->host copy (the step's only sync). On CPU the same static body runs uncaptured
 (tests compare it with the eager path).
@@ -78,7 +78,7 @@ class GraphedDecoder:
             )
         self.model = model
         self._paged = [m for m in model._moe if m.placement == "paged"]
-        fits = [b for b in sorted(set(batch_sizes)) if all(m.plans_on_device(b) for m in self._paged)]
+        fits = [b for b in sorted(set(batch_sizes)) if all(m.fits_one_wave(b) for m in model._moe)]
         if len(fits) < len(set(batch_sizes)):
             log.info(
                 "decode graphs: batch sizes above K // top_k = %d stay eager (host-planned waves)",
@@ -177,7 +177,7 @@ class GraphedDecoder:
         if self.trace is not None:
             self.trace.append(entry.ids.clone())
         for moe in self._paged:  # a replay planned on the device: the host planner must pull first
-            moe._host_residency_stale = True
+            moe.after_replay()
         pairs = b * m.config.top_k  # [layers, 3 or 5] union, hits, misses(, prefetches): read with the counters, later
         m.counters.record_layers_device(0, m.layer_placements(), entry.stats.clone(), pairs)  # type: ignore[attr-defined]
         logits = entry.logits.to("cpu", torch.float32)  # [B, V]: the step's one sync
@@ -254,7 +254,7 @@ class GraphedDecoder:
         routed: list[torch.Tensor] = []  # [B, k] per layer
         copy_stream = page_in_stream(inputs.device) if self.prefetch else None
         for moe in self._paged:
-            moe.pending_prefetch = None  # a step interrupted by an error leaves none behind
+            moe.drop_prefetch()  # a step interrupted by an error leaves none behind
         for layer_idx, (w, moe) in enumerate(zip(m._attention, m._moe)):
             kv_k, kv_v = self._pool.k[layer_idx], self._pool.v[layer_idx]
             if self.triton:
@@ -275,21 +275,13 @@ class GraphedDecoder:
                 None if planned_ids is None else planned_ids[:, layer_idx % planned_ids.shape[1]],
             )
             routed.append(ids)
-            if moe.placement == "resident":
-                self._prefetch_next(layer_idx, x, copy_stream)
-                out = moe.resident_pass(h, ids, weights, self._experts_fn)
+            # resident: stats None (tallied below); paged: plan, page-in, next layer's prefetch, slots
+            out, layer_stats = moe.decode_pass(
+                h, ids, weights, self._experts_fn, lambda i=layer_idx, xi=x: self._prefetch_next(i, xi, copy_stream)
+            )
+            if layer_stats is None:
                 resident_ids.append(ids)
-                stats.append(None)
-            elif moe.overlap_page_in:  # hits computing while the misses copy (no prefetch: see RuntimeConfig)
-                out, layer_stats = moe.forward_on_device(h, ids, weights, self._experts_fn)
-                stats.append(layer_stats)
-            else:
-                flat = ids.reshape(-1).to(torch.long)  # [B*k]
-                plan, pending = moe.page_in_on_device(flat)
-                # after this layer's page-ins are queued: its misses go first on the link
-                self._prefetch_next(layer_idx, x, copy_stream)
-                out = moe.experts_on_device(h, plan, weights, self._experts_fn)
-                stats.append(moe.step_stats(plan, pending, flat))
+            stats.append(layer_stats)
             x = x + out
         hidden = rms_norm(x, m._dense.final_norm, cfg.rms_norm_eps)  # [B, H]
         if resident_ids:  # every resident layer's union in one pass, not five small kernels per layer
@@ -307,12 +299,12 @@ class GraphedDecoder:
         if not self.prefetch or layer_idx + 1 >= len(m._moe):
             return
         nxt = m._moe[layer_idx + 1]
-        if nxt.device_residency is None:
+        if not nxt.can_prefetch:
             return
         cfg = m.config
         logits = self._predict_fn(x, m._attention[layer_idx + 1].post_norm, nxt.router_weight, cfg.rms_norm_eps)  # [B, E]
         predicted, _ = route_logits(logits, cfg.top_k, cfg.norm_topk_prob)  # [B, k]
-        nxt.prefetch_on_device(predicted, copy_stream)
+        nxt.prefetch(predicted, copy_stream)
 
 
 def attention_in(

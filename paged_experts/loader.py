@@ -19,10 +19,9 @@ from safetensors import safe_open
 
 from paged_experts.config import MoeModelConfig
 from paged_experts.counters import PagingCounters
-from paged_experts.moe import MoeLayer, MoeShared
-from paged_experts.residency import LayerResidency
+from paged_experts.moe import MoeLayer, MoeShared, make_layer
 from paged_experts.runtime import RuntimeConfig
-from paged_experts.store import ExpertTensors, PageInEngine, to_device_rows
+from paged_experts.store import ExpertTensors, PageInEngine
 
 
 @dataclass(frozen=True)
@@ -156,9 +155,8 @@ def load(path: str | Path, runtime: RuntimeConfig) -> LoadedModel:
             cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, torch.device("cpu"), pin=pin
         )
         _fill_host_experts(reader, i, host, cfg)
-        host, residency, device_experts = place_experts(host, placement, cfg, runtime)
         router = dense(f"{p}.mlp.gate.weight", cfg.num_experts, h)
-        moe.append(MoeLayer(i, placement, router, host, device_experts, shared, residency))
+        moe.append(make_layer(i, placement, router, host, shared, cfg, runtime))
     return LoadedModel(
         config=cfg, dense=dense_weights, attention=tuple(attention), moe=tuple(moe), counters=shared.counters
     )
@@ -187,19 +185,3 @@ def build_shared(cfg: MoeModelConfig, runtime: RuntimeConfig) -> tuple[MoeShared
         offload_buffer=offload_buffer,
     )
     return shared, placements
-
-
-def place_experts(
-    host: ExpertTensors, placement: str, cfg: MoeModelConfig, runtime: RuntimeConfig
-) -> tuple[ExpertTensors, LayerResidency | None, ExpertTensors | None]:
-    """(host rows, residency, device rows) of one layer for its placement."""
-    if placement == "paged":
-        k = runtime.resident_experts
-        assert k is not None
-        # slots start with experts 0..K-1
-        return host, LayerResidency(cfg.num_experts, k), to_device_rows(host, k, runtime.torch_device)
-    if placement == "resident":
-        device_experts = to_device_rows(host, cfg.num_experts, runtime.torch_device)
-        # A resident layer never reads the host rows again: keep one copy, not two.
-        return device_experts, None, device_experts
-    return host, None, None

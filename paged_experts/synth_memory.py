@@ -30,8 +30,8 @@ from urllib.parse import parse_qs
 import torch
 
 from paged_experts.config import MoeModelConfig
-from paged_experts.loader import AttentionWeights, DenseWeights, LoadedModel, build_shared, place_experts
-from paged_experts.moe import MoeLayer
+from paged_experts.loader import AttentionWeights, DenseWeights, LoadedModel, build_shared
+from paged_experts.moe import make_layer
 from paged_experts.runtime import RuntimeConfig
 from paged_experts.store import ExpertTensors
 from paged_experts.synth import LOGIT_STD, PRESETS, hf_config_for
@@ -179,8 +179,7 @@ def build_from_config(cfg: MoeModelConfig, runtime: RuntimeConfig, seed: int) ->
     for i in range(cfg.num_layers):
         a = hw.attention[i]
         attention.append(AttentionWeights(**{f.name: dev(getattr(a, f.name)) for f in fields(a) if f.init}))
-        host, residency, device_experts = place_experts(hw.experts[i], placements[i], cfg, runtime)
-        moe.append(MoeLayer(i, placements[i], dev(hw.routers[i]), host, device_experts, shared, residency))
+        moe.append(make_layer(i, placements[i], dev(hw.routers[i]), hw.experts[i], shared, cfg, runtime))
     return LoadedModel(config=cfg, dense=dense, attention=tuple(attention), moe=tuple(moe), counters=shared.counters)
 
 
