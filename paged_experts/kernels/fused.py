@@ -98,9 +98,12 @@ def expert_backend() -> str:
 
 
 def expert_mlp(x_sorted: torch.Tensor, weights: ExpertTensors, offs: torch.Tensor) -> torch.Tensor:
-    """x_sorted: [P, H] pairs sorted by weight row; offs: [G] int32 over G = weights.num_rows -> [P, H]."""
+    """x_sorted: [P, H] pairs sorted by weight row; offs: [G] int32 over G = weights.num_rows -> [P, H].
+    FP8 tables are dequantized whole first (no host read: graph-safe); host-planned waves hand in
+    only their own experts' rows (moe/waves.py)."""
     if x_sorted.shape[0] == 0:
         return torch.empty_like(x_sorted)
+    weights = weights.dense(x_sorted.dtype)
     gate = grouped_mm(x_sorted, weights.gate.transpose(1, 2), offs)  # [P, I]
     up = grouped_mm(x_sorted, weights.up.transpose(1, 2), offs)  # [P, I]
     return grouped_mm(F.silu(gate) * up, weights.down.transpose(1, 2), offs)  # [P, H]
@@ -157,15 +160,18 @@ def pairs_per_row(pair_rows: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 def experts_over_rows(
     x: torch.Tensor, pair_rows: torch.Tensor, topk_weights: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-    down: torch.Tensor, top_k: int, count_rows: bool = True,
+    down: torch.Tensor, top_k: int, count_rows: bool = True, gate_scale: torch.Tensor | None = None,
+    up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The whole expert pass of a one-wave step, tensors only (compilable unless the 'triton'
     backend takes it): x [T, H], pair_rows [T*k] weight row (expert or slot) of each pair ->
-    (out [T, H], pairs per row [G]; None where the triton kernels ran and count_rows is False)."""
+    (out [T, H], pairs per row [G]; None where the triton kernels ran and count_rows is False).
+    FP8 experts come with their block scales (`*_scale`): the triton kernels read FP8 rows and
+    scales directly; the grouped path dequantizes the table first."""
     if uses_triton(pair_rows.shape[0], x.device):
-        out = moe_triton.moe_pairs(x, pair_rows, topk_weights, gate, up, down, top_k)
+        out = moe_triton.moe_pairs(x, pair_rows, topk_weights, gate, up, down, top_k, gate_scale, up_scale, down_scale)
         return out, pairs_per_row(pair_rows, gate.shape[0]) if count_rows else None
-    weights = ExpertTensors(gate=gate, up=up, down=down)
+    weights = ExpertTensors(gate, up, down, gate_scale, up_scale, down_scale)
     order, offs, counts = group_pairs(pair_rows, weights.num_rows)
     y_pairs = x.new_empty(pair_rows.shape[0], x.shape[1])  # [T*k, H]
     run_pairs(x, weights, order, offs, top_k, y_pairs)

@@ -138,7 +138,7 @@ class MoeLayer:
         """Every routed pair over an [E, ...] table on the device (expert id = row), no host sync:
         [T, H] -> (out [T, H], union as a device scalar)."""
         flat = ids.reshape(-1).to(device=self.shared.device, dtype=torch.long)  # [T*k]
-        out, counts = experts_over_rows(x, flat, weights, table.gate, table.up, table.down, self.shared.top_k)
+        out, counts = experts_over_rows(x, flat, weights, table.gate, table.up, table.down, self.shared.top_k, True, *table.scales)
         assert counts is not None
         return out, (counts > 0).sum()
 

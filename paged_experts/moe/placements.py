@@ -64,7 +64,7 @@ class ResidentLayer(_TableLayer):
         before_compute()
         w = self.device_experts
         flat = ids.reshape(-1).to(device=self.shared.device, dtype=torch.long)  # [B*k]
-        return experts_fn(h, flat, weights, w.gate, w.up, w.down, self.shared.top_k, count_rows=False)[0], None
+        return experts_fn(h, flat, weights, w.gate, w.up, w.down, self.shared.top_k, False, *w.scales)[0], None
 
 
 class OffloadLayer(_TableLayer):

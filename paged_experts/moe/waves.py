@@ -53,7 +53,11 @@ class _FusedPass:
 
     def wave(self, table: ExpertTensors, experts: Sequence[int], rows: Sequence[int]) -> None:
         slot_of = torch.full((self.num_experts,), -1, dtype=torch.long)  # [E]
-        slot_of[torch.tensor(experts, dtype=torch.long)] = torch.tensor(rows, dtype=torch.long)
+        rows_t = torch.tensor(rows, dtype=torch.long)  # [n]
+        if table.is_fp8:  # dequantize only this wave's experts: a compact table, row i = rows[i]
+            table = table.dense(self.x.dtype, rows_t.to(table.gate.device))
+            rows_t = torch.arange(len(rows), dtype=torch.long)
+        slot_of[torch.tensor(experts, dtype=torch.long)] = rows_t
         pair_row = slot_of[self.flat]  # [T*k], -1 for pairs of other waves
         mine = torch.nonzero(pair_row >= 0).reshape(-1)  # [P_w]
         sub_order, offs, _ = group_pairs(pair_row[mine], table.num_rows)
