@@ -144,6 +144,17 @@ def uses_triton(num_pairs: int, device: torch.device) -> bool:
     return _EXPERT_BACKEND[0] == "triton" and device.type == "cuda" and num_pairs <= moe_triton.MAX_PAIRS
 
 
+def kernel_choice(is_fp8: bool, device_type: str, dtype: str) -> dict[str, str]:
+    """Which expert kernels serve which steps (recorded in the server's info and log)."""
+    weights = "FP8 rows + float32 block scales" if is_fp8 else f"{dtype} rows"
+    large = (f"the step's (or wave's) experts dequantized to {dtype}, then grouped GEMM" if is_fp8
+             else "grouped GEMM (torch._grouped_mm or its fallback)")
+    if _EXPERT_BACKEND[0] == "triton" and device_type == "cuda":
+        small = f"moe_triton per-pair kernels reading {weights}, fp32 accumulation"
+        return {f"steps <= {moe_triton.MAX_PAIRS} pairs": small, "larger steps": large}
+    return {"all steps": large}
+
+
 def route_logits(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, E] router logits -> ids [T, k], weights [T, k]: moe_triton's one-kernel routing where the
     step's experts run as its decode kernels, else `experts.route` (the same semantics)."""
