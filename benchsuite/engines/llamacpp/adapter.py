@@ -302,7 +302,10 @@ class LlamaCppAdapter:
         from benchsuite.engines.llamacpp.gguf_export import expert_facts
 
         path = self.model_path(spec, export=False)
-        return expert_facts(path) if path.is_file() else {}
+        try:
+            return expert_facts(path) if path.is_file() else {}
+        except (OSError, ValueError, IndexError, KeyError):  # not a readable GGUF: the fact is absent, not invented
+            return {}
 
     async def scrape(self, session: Any, base_url: str) -> dict[str, float] | None:
         from benchsuite.metrics import parse_prometheus
