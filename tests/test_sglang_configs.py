@@ -33,8 +33,8 @@ def env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     sharegpt = tmp_path / "sharegpt.json"  # the matrix checks that the workload file exists
     sharegpt.write_text("[]")
     monkeypatch.setenv("SHAREGPT_PATH", str(sharegpt))
-    fp8_dir = tmp_path / "qwen-fp8"  # the builtin rows check that the checkpoint has a config.json
-    fp8_dir.mkdir()
+    fp8_dir = tmp_path / "models" / "qwen-fp8"  # the builtin rows check that the checkpoint has a config.json
+    fp8_dir.mkdir(parents=True)
     from paged_experts.synth import PRESETS, hf_config_for
 
     config = hf_config_for(PRESETS["qwen3-30b-a3b-fp8-shape"], 151936, 151643, 151645)
