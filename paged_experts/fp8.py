@@ -22,7 +22,10 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 BLOCK = 128
 SCALE_SUFFIX = "weight_scale_inv"
 QUANTIZATION_CONFIG: dict[str, Any] = {
-    "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [BLOCK, BLOCK],
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": [BLOCK, BLOCK],
 }
 
 
@@ -46,7 +49,9 @@ def fp8_declared(hf_config: dict[str, Any]) -> bool:
         raise ValueError(f"config.json quantization_config.quant_method {method!r} is not supported (only 'fp8')")
     block = q.get("weight_block_size")
     if list(block or []) != [BLOCK, BLOCK]:
-        raise ValueError(f"config.json quantization_config.weight_block_size {block!r}: only [{BLOCK}, {BLOCK}] is supported")
+        raise ValueError(
+            f"config.json quantization_config.weight_block_size {block!r}: only [{BLOCK}, {BLOCK}] is supported"
+        )
     fmt = q.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise ValueError(f"config.json quantization_config.fmt {fmt!r}: only 'e4m3' (float8_e4m3fn) is supported")

@@ -123,7 +123,8 @@ def _checked_fp8(reader: CheckpointReader, name: str, shape: tuple[int, int]) ->
     want = fp8.scale_shape(*shape)
     if tuple(scale.shape) != want:
         raise ValueError(
-            f"{scale_name} has shape {tuple(scale.shape)}, {fp8.BLOCK}x{fp8.BLOCK} blocks of {name} {shape} imply {want}"
+            f"{scale_name} has shape {tuple(scale.shape)}, "
+            f"{fp8.BLOCK}x{fp8.BLOCK} blocks of {name} {shape} imply {want}"
         )
     return w, scale.to(torch.float32)
 

@@ -103,7 +103,8 @@ class ExpertTensors:
 
         if not self.is_fp8:
             return self if rows is None else ExpertTensors(pick(self.gate), pick(self.up), pick(self.down))
-        return ExpertTensors(*(fp8.dequantize(pick(self.get(w)), pick(self.get(f"{w}_scale")), dtype) for w in EXPERT_TENSORS))
+        dense = (fp8.dequantize(pick(self.get(w)), pick(self.get(f"{w}_scale")), dtype) for w in EXPERT_TENSORS)
+        return ExpertTensors(*dense)
 
     def dense_row(self, name: str, row: int, dtype: torch.dtype) -> torch.Tensor:
         """One expert's `name` weight ([I, H] or [H, I]) in `dtype` (dequantized when FP8)."""
@@ -178,7 +179,8 @@ class PageInEngine:
         src_idx = torch.tensor([p[0] for p in pairs], dtype=torch.long)  # [m]
         dst_idx = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)  # [m]
         for name in src.names():  # FP8 as bytes: the CPU has no float8 index_copy_
-            fp8.raw(dst.get(name)).index_copy_(0, dst_idx, fp8.raw(src.get(name)).index_select(0, src_idx).to(self.device))
+            rows = fp8.raw(src.get(name)).index_select(0, src_idx).to(self.device)
+            fp8.raw(dst.get(name)).index_copy_(0, dst_idx, rows)
 
     def _copy_direct(self, src: ExpertTensors, dst: ExpertTensors, pairs: Sequence[tuple[int, int]]) -> None:
         runs = contiguous_runs(pairs)

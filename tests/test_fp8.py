@@ -121,7 +121,7 @@ def test_fault_unpaged_scale_is_caught(
     assert not all(torch.equal(a, b) for a, b in zip(paged, resident))
 
 
-def _broken_copy(ckpt: Path, tmp_path: Path, edit) -> Path:  # noqa: ANN001 - edit(tensors, config) mutates both
+def _broken_copy(ckpt: Path, tmp_path: Path, edit) -> Path:
     out = tmp_path / "broken"
     out.mkdir()
     for f in ckpt.iterdir():
@@ -145,7 +145,9 @@ def _drop_scale(t: dict, c: dict) -> None:
 def _scales_of_64_blocks(t: dict, c: dict) -> None:
     """Block size 64 in the file while config.json declares 128: the scale shape betrays it."""
     w = fp8.dequantize(t[f"{EXPERT}.weight"], t[f"{EXPERT}.weight_scale_inv"], torch.float32)  # [H, I]
-    t[f"{EXPERT}.weight_scale_inv"] = w.abs().unflatten(0, (-1, 64)).amax(dim=1).unflatten(1, (-1, 64)).amax(dim=2) / 448
+    t[f"{EXPERT}.weight_scale_inv"] = (
+        w.abs().unflatten(0, (-1, 64)).amax(dim=1).unflatten(1, (-1, 64)).amax(dim=2) / 448
+    )
 
 
 def _wrong_scale_shape(t: dict, c: dict) -> None:
@@ -172,11 +174,14 @@ def _attention_scale_missing(t: dict, c: dict) -> None:
         (_scales_of_64_blocks, rf"^{EXPERT}.weight_scale_inv has shape \(4, 3\), 128x128 blocks of {EXPERT}.weight"),
         (_wrong_scale_shape, rf"^{EXPERT}.weight_scale_inv has shape \(3, 2\), 128x128 blocks of .* imply \(2, 2\)$"),
         (_declared_block_64, r"^config.json quantization_config.weight_block_size \[64, 64\]: only \[128, 128\]"),
-        (_dense_expert_weight, rf"^{EXPERT}.weight is torch.float32, a block-FP8 checkpoint stores it as torch.float8_e4m3fn$"),
+        (
+            _dense_expert_weight,
+            rf"^{EXPERT}.weight is torch.float32, a block-FP8 checkpoint stores it as torch.float8_e4m3fn$",
+        ),
         (_attention_scale_missing, r"^model.layers.2.self_attn.o_proj.weight_scale_inv is missing"),
     ],
 )
-def test_malformed_fp8_checkpoint_is_refused_naming_the_tensor(ckpt: Path, tmp_path: Path, edit, message: str) -> None:  # noqa: ANN001
+def test_malformed_fp8_checkpoint_is_refused_naming_the_tensor(ckpt: Path, tmp_path: Path, edit, message: str) -> None:
     broken = _broken_copy(ckpt, tmp_path, edit)
     with pytest.raises(ValueError, match=message) as err:
         MoeCausalLM.from_pretrained(broken, RuntimeConfig(mode="paged", resident_experts=4))
@@ -190,7 +195,11 @@ def test_in_memory_fp8_model_pages_like_resident() -> None:
     assert host.is_fp8 and host.down_scale is not None and host.down_scale.shape == (16, 2, 2)
     want = run_scenario(resident)
     for k in (4, 7):
-        assert_same(run_scenario(MoeCausalLM.from_pretrained(path, RuntimeConfig(mode="paged", resident_experts=k))), want, f"K={k}")
+        assert_same(
+            run_scenario(MoeCausalLM.from_pretrained(path, RuntimeConfig(mode="paged", resident_experts=k))),
+            want,
+            f"K={k}",
+        )
 
 
 def test_quantizer_round_trip_and_format_facts() -> None:

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from paged_experts.kernels import moe_triton
 from paged_experts.experts import route
+from paged_experts.kernels import moe_triton
 from paged_experts.store import ExpertTensors
 
 _BACKEND: dict[tuple[str, torch.dtype], str] = {}

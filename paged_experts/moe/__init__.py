@@ -38,15 +38,34 @@ from paged_experts.runtime import RuntimeConfig
 from paged_experts.store import ExpertTensors, to_device_rows
 
 __all__ = [
-    "EXPERT_KERNELS", "BeforeCompute", "CpuLayer", "DeviceLru", "ExpertsFn", "HostWaves", "MoeLayer", "MoeShared",
-    "OffloadLayer", "PagedLayer", "PendingPrefetch", "ResidentLayer", "RouterOverride", "RoutingObserver",
-    "StepContext", "make_layer", "page_in_stream",
+    "EXPERT_KERNELS",
+    "BeforeCompute",
+    "CpuLayer",
+    "DeviceLru",
+    "ExpertsFn",
+    "HostWaves",
+    "MoeLayer",
+    "MoeShared",
+    "OffloadLayer",
+    "PagedLayer",
+    "PendingPrefetch",
+    "ResidentLayer",
+    "RouterOverride",
+    "RoutingObserver",
+    "StepContext",
+    "make_layer",
+    "page_in_stream",
 ]
 
 
 def make_layer(
-    layer_idx: int, placement: str, router_weight: torch.Tensor, host: ExpertTensors, shared: MoeShared,
-    cfg: MoeModelConfig, runtime: RuntimeConfig,
+    layer_idx: int,
+    placement: str,
+    router_weight: torch.Tensor,
+    host: ExpertTensors,
+    shared: MoeShared,
+    cfg: MoeModelConfig,
+    runtime: RuntimeConfig,
 ) -> MoeLayer:
     """One layer in `placement` over its host rows: slots start with experts 0..K-1 (paged); a
     resident layer keeps one copy, on the device."""

@@ -69,7 +69,11 @@ class MoeLayer:
     # ---- the forward contract ------------------------------------------------------------------
 
     def forward(
-        self, x: torch.Tensor, ctx: StepContext, router_override: RouterOverride | None, observers: Sequence[RoutingObserver]
+        self,
+        x: torch.Tensor,
+        ctx: StepContext,
+        router_override: RouterOverride | None,
+        observers: Sequence[RoutingObserver],
     ) -> torch.Tensor:
         """x: [T, H] on the device -> [T, H]."""
         ids_cpu = None
@@ -112,7 +116,12 @@ class MoeLayer:
         return False
 
     def decode_pass(
-        self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts_fn: ExpertsFn, before_compute: BeforeCompute
+        self,
+        h: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        experts_fn: ExpertsFn,
+        before_compute: BeforeCompute,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One-wave step with no host sync: h [B, H] -> (out [B, H], stats [3] or [5] on the device;
         None where the caller tallies the union itself: resident layers). `before_compute` runs
@@ -134,11 +143,15 @@ class MoeLayer:
 
     # ---- shared helpers ------------------------------------------------------------------------
 
-    def table_pass(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table: ExpertTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    def table_pass(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table: ExpertTensors
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every routed pair over an [E, ...] table on the device (expert id = row), no host sync:
         [T, H] -> (out [T, H], union as a device scalar)."""
         flat = ids.reshape(-1).to(device=self.shared.device, dtype=torch.long)  # [T*k]
-        out, counts = experts_over_rows(x, flat, weights, table.gate, table.up, table.down, self.shared.top_k, True, *table.scales)
+        out, counts = experts_over_rows(
+            x, flat, weights, table.gate, table.up, table.down, self.shared.top_k, True, *table.scales
+        )
         assert counts is not None
         return out, (counts > 0).sum()
 
@@ -165,7 +178,12 @@ class MoeLayer:
 
     def record_host(self, *, union: int, routed_pairs: int, hits: int, misses: int, waves: int, cpu: int = 0) -> None:
         self.shared.counters.record_step(
-            self.layer_idx, union=union, routed_pairs=routed_pairs, hits=hits, misses=misses, cpu_activations=cpu,
+            self.layer_idx,
+            union=union,
+            routed_pairs=routed_pairs,
+            hits=hits,
+            misses=misses,
+            cpu_activations=cpu,
             waves=waves,
         )
 

@@ -25,8 +25,14 @@ class PagedLayer(MoeLayer):
     stats_include_page_ins = True
 
     def __init__(
-        self, layer_idx: int, router_weight: torch.Tensor, host: ExpertTensors, slots: ExpertTensors, shared: MoeShared,
-        waves: HostWaves, device_lru: DeviceLru | None = None,
+        self,
+        layer_idx: int,
+        router_weight: torch.Tensor,
+        host: ExpertTensors,
+        slots: ExpertTensors,
+        shared: MoeShared,
+        waves: HostWaves,
+        device_lru: DeviceLru | None = None,
     ) -> None:
         super().__init__(layer_idx, router_weight, host, shared)
         self.device_experts = slots  # [K, ...] on the device
@@ -64,7 +70,15 @@ class PagedLayer(MoeLayer):
         sh = self.shared
         ids_cpu = ids.to("cpu", torch.long) if ids_cpu is None else ids_cpu  # [T, k]: the one sync per layer
         run, n = self.waves.step(
-            self.kernel, x, ids_cpu, self.host, self.device_experts, sh.page_in, sh.counters, self.layer_idx, sh.expert_bytes
+            self.kernel,
+            x,
+            ids_cpu,
+            self.host,
+            self.device_experts,
+            sh.page_in,
+            sh.counters,
+            self.layer_idx,
+            sh.expert_bytes,
         )
         self.record_host(union=n.union, routed_pairs=ids_cpu.numel(), hits=n.hits, misses=n.misses, waves=n.waves)
         return run.finish(weights).to(sh.device)
@@ -79,7 +93,12 @@ class PagedLayer(MoeLayer):
         return self.device_lru is not None and self.device_lru.fits(num_tokens * self.shared.top_k)
 
     def decode_pass(
-        self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts_fn: ExpertsFn, before_compute: BeforeCompute
+        self,
+        h: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        experts_fn: ExpertsFn,
+        before_compute: BeforeCompute,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Plan on the device, page in the misses, then the pass over the slots: h [B, H] ->
         (out [B, H], stats [3], or [5] when a prefetch served the step)."""
@@ -94,7 +113,9 @@ class PagedLayer(MoeLayer):
             return combine_pairs(y_pairs, weights), plan.stats
         plan, pending = lru.page_in(self.host, slots, flat)
         before_compute()  # after this layer's page-ins are queued: its misses go first on the link
-        out = experts_fn(h, plan.pair_slot, weights, slots.gate, slots.up, slots.down, sh.top_k, False, *slots.scales)[0]
+        out = experts_fn(h, plan.pair_slot, weights, slots.gate, slots.up, slots.down, sh.top_k, False, *slots.scales)[
+            0
+        ]
         return out, lru.step_stats(plan, pending, flat)
 
     @property

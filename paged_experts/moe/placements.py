@@ -42,7 +42,9 @@ class ResidentLayer(_TableLayer):
     placement = "resident"
     from_link = False
 
-    def __init__(self, layer_idx: int, router_weight: torch.Tensor, device_experts: ExpertTensors, shared: MoeShared) -> None:
+    def __init__(
+        self, layer_idx: int, router_weight: torch.Tensor, device_experts: ExpertTensors, shared: MoeShared
+    ) -> None:
         # A resident layer never reads host rows: one copy, on the device, serves as both.
         super().__init__(layer_idx, router_weight, device_experts, shared)
         self.device_experts = device_experts  # [E, ...] on the device
@@ -58,7 +60,12 @@ class ResidentLayer(_TableLayer):
         return True
 
     def decode_pass(
-        self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts_fn: ExpertsFn, before_compute: BeforeCompute
+        self,
+        h: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        experts_fn: ExpertsFn,
+        before_compute: BeforeCompute,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """No stats: the graphed step counts every resident layer's union at once."""
         before_compute()
@@ -88,5 +95,7 @@ class CpuLayer(MoeLayer):
     ) -> torch.Tensor:
         ids_cpu = ids.to("cpu", torch.long) if ids_cpu is None else ids_cpu  # [T, k]
         out, union = self.host_pass(x, ids_cpu, weights, self.host, torch.device("cpu"))
-        self.record_host(union=union, routed_pairs=ids_cpu.numel(), hits=0, misses=0, cpu=union, waves=1 if union else 0)
+        self.record_host(
+            union=union, routed_pairs=ids_cpu.numel(), hits=0, misses=0, cpu=union, waves=1 if union else 0
+        )
         return out

@@ -40,8 +40,16 @@ class HostWaves:
         self.residency = residency
 
     def step(
-        self, kernel: WaveKernel, x: torch.Tensor, ids_cpu: torch.Tensor, host: ExpertTensors, slots: ExpertTensors,
-        page_in: PageInEngine, counters: PagingCounters, layer: int, expert_bytes: int,
+        self,
+        kernel: WaveKernel,
+        x: torch.Tensor,
+        ids_cpu: torch.Tensor,
+        host: ExpertTensors,
+        slots: ExpertTensors,
+        page_in: PageInEngine,
+        counters: PagingCounters,
+        layer: int,
+        expert_bytes: int,
     ) -> tuple[WavePass, StepCounts]:
         """x [T, H] on the slots' device, ids_cpu [T, k] -> (the pass with every wave run: `finish`
         gives [T, H]; the step's counts); each wave's copies are counted as they are issued."""
@@ -77,7 +85,9 @@ class DeviceLru:
         self.host_stale = True
         return self.residency.plan(flat)
 
-    def page_in(self, host: ExpertTensors, slots: ExpertTensors, flat: torch.Tensor) -> tuple[DevicePlan, PendingPrefetch | None]:
+    def page_in(
+        self, host: ExpertTensors, slots: ExpertTensors, flat: torch.Tensor
+    ) -> tuple[DevicePlan, PendingPrefetch | None]:
         """flat [T*k] routed ids -> the wave's LRU plan, whose misses are being paged in (stream-ordered
         before the expert pass), and the prefetch it consumed. The misses copy only after that prefetch
         landed: a mispredicted expert's slot may be the one a miss now takes."""
@@ -112,12 +122,19 @@ class DeviceLru:
         if pending is None:
             return plan.stats
         e = self.residency.num_experts
-        routed = torch.zeros(e + 1, dtype=torch.bool, device=flat.device).index_fill_(0, flat, True)  # [E+1], E: padding
+        routed = torch.zeros(e + 1, dtype=torch.bool, device=flat.device).index_fill_(
+            0, flat, True
+        )  # [E+1], E: padding
         used = routed[pending.plan.miss_experts].sum()  # padding entries name E: never routed
         return torch.cat([plan.stats, torch.stack([pending.plan.stats[2], used])])
 
     def overlapped_pass(
-        self, x: torch.Tensor, host: ExpertTensors, slots: ExpertTensors, plan: DevicePlan, top_k: int,
+        self,
+        x: torch.Tensor,
+        host: ExpertTensors,
+        slots: ExpertTensors,
+        plan: DevicePlan,
+        top_k: int,
         copy_stream: torch.cuda.Stream | None,
     ) -> torch.Tensor:
         """[T, H] -> y_pairs [T*k, H]: the hit pairs compute while the misses copy on `copy_stream`,
