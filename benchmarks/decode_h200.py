@@ -250,14 +250,14 @@ class LruReplay:
 
     @classmethod
     def start(cls, model: MoeCausalLM) -> LruReplay | None:
-        graphs, states = model.graphs, model.lru_states()
+        graphs, states = model.decode_graphs, model.lru_states()
         if graphs is None or states is None or model.expert_planning != "device":
             return None
         graphs.trace = []
         return cls(states)
 
     def finish(self, model: MoeCausalLM, steps: int) -> int | None:
-        graphs = model.graphs
+        graphs = model.decode_graphs
         assert graphs is not None and graphs.trace is not None
         trace, graphs.trace = graphs.trace, None
         if len(trace) != steps or not trace:  # some step ran eager: no exact replay

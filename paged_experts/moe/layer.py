@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from paged_experts.counters import PagingCounters, TalliedCounters
+from paged_experts.device_residency import DeviceResidency
 from paged_experts.kernels.fused import experts_over_rows, route_logits
 from paged_experts.moe.waves import EXPERT_KERNELS, FUSED, WaveKernel
 from paged_experts.store import ExpertTensors, PageInEngine
@@ -134,6 +135,11 @@ class MoeLayer:
 
     def prefetch(self, predicted: torch.Tensor, copy_stream: torch.cuda.Stream | None) -> None:
         raise ValueError(f"a {self.placement} layer has no device-planned residency to prefetch into")
+
+    @property
+    def device_residency(self) -> DeviceResidency | None:
+        """The LRU state planned on the device (paged layers with device planning), else None."""
+        return None
 
     def after_replay(self) -> None:
         """A graph replay ran this layer's `decode_pass` without Python: resync any host mirror."""

@@ -133,6 +133,16 @@ class PagedLayer(MoeLayer):
         if self.device_lru is not None:
             self.device_lru.host_stale = True
 
+    def reload_slots(self) -> None:
+        """Copies into every slot the host row its device map names, so maps and slots agree again
+        after warm-up steps that paged other experts in and then rewound the map (before serving)."""
+        lru = self.device_lru
+        if lru is None:
+            raise ValueError("reload_slots needs a paged layer planned on the device")
+        experts = lru.residency.expert_in[: lru.residency.num_slots].tolist()
+        self.shared.page_in.copy_rows(self.host, self.device_experts, [(e, s) for s, e in enumerate(experts)])
+        lru.host_stale = True
+
     def drop_prefetch(self) -> None:
         if self.device_lru is not None:
             self.device_lru.pending = None
