@@ -17,13 +17,13 @@ import sys
 from pathlib import Path
 
 import torch
+from test_device_paging_cuda import decode  # tests/cuda is on sys.path (pytest's rootdir import, or script mode)
 
 import paged_experts.store as store_mod
 from paged_experts import fp8
 from paged_experts.kernels.copy_kernel import copy_planned
 from paged_experts.kernels.fused import set_expert_backend
-from paged_experts.kv import KvPool
-from paged_experts.model import MoeCausalLM, SeqChunk
+from paged_experts.model import MoeCausalLM
 from paged_experts.moe import StepContext
 from paged_experts.runtime import RuntimeConfig
 from paged_experts.store import ExpertTensors
@@ -41,17 +41,6 @@ PROMPTS = [[5, 17, 300, 41, 9, 77, 3, 8], [800, 2, 64], [11, 12, 13, 14, 15]]
 
 def rt(**kw: object) -> RuntimeConfig:
     return RuntimeConfig(device="cuda", dtype="bfloat16", **kw)  # type: ignore[arg-type]
-
-
-def decode(model: MoeCausalLM, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
-    pool = KvPool.for_model(model, capacity_tokens=512)
-    seqs = [pool.new_sequence() for _ in prompts]
-    last = model.forward([SeqChunk(s, p, 0) for s, p in zip(seqs, prompts)])
-    out = list(last)
-    for _ in range(steps):
-        last = model.forward([SeqChunk(s, [int(lg[-1].argmax()) % 1000], s.num_tokens) for s, lg in zip(seqs, last)])
-        out += last
-    return out
 
 
 def test_fp8_kernels_bf16() -> None:
