@@ -77,6 +77,45 @@ def check_kernels(device: str = "cpu", dtype: torch.dtype = torch.float32, tol: 
         print("ok", (t, e, k, h, i))
 
 
+# (tokens, experts, top_k, hidden, intermediate) for FP8 experts: partial 128-blocks on both axes,
+# several blocks per row, and shared experts between tokens.
+FP8_CASES = ((1, 8, 2, 300, 200), (3, 12, 4, 256, 192), (2, 6, 3, 130, 128))
+
+
+def check_fp8_kernels(device: str = "cpu", dtype: torch.dtype = torch.float32, tol: float = 1e-4) -> None:
+    """The FP8 kernels against the dequantized weights in fp32 (fp8.dequantize), and a permuted slot
+    table (paged) against the table in expert order (resident): the same bits."""
+    from paged_experts import fp8
+    from paged_experts.experts import route
+    from paged_experts.kernels import moe_triton
+
+    gen = torch.Generator().manual_seed(1)
+    for t, e, k, h, i in FP8_CASES:
+        q = {}
+        for name, shape in (("gate", (e, i, h)), ("up", (e, i, h)), ("down", (e, h, i))):
+            w, s = fp8.quantize(torch.randn(*shape, generator=gen) / 8)
+            q[name] = (w.to(device), s.to(device))
+        x = torch.randn(t, h, generator=gen).to(device, dtype)
+        rows, topw = route(torch.randn(t, e, generator=gen), k, True)
+        if t > 1:
+            rows[1] = rows[0]
+        rows, topw = rows.to(device), topw.to(device)
+        dense = [fp8.dequantize(w, s, torch.float32) for w, s in q.values()]
+        want = reference_moe(x, rows.reshape(-1), topw, *dense, k)
+        weights = [q[n][0] for n in ("gate", "up", "down")]
+        scales = [q[n][1] for n in ("gate", "up", "down")]
+        got = moe_triton.moe_pairs(x, rows.reshape(-1), topw, *weights, k, *scales)
+        assert got.shape == (t, h) and got.dtype == dtype
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * max(1.0, want.abs().max().item()))
+        perm = torch.randperm(e, generator=gen).to(device)
+        slot_of = torch.argsort(perm)
+        paged = moe_triton.moe_pairs(
+            x, slot_of[rows.reshape(-1)], topw, *(w[perm] for w in weights), k, *(s[perm] for s in scales)
+        )
+        assert torch.equal(paged, got)
+        print("ok", (t, e, k, h, i))
+
+
 # (batch, query heads, KV heads, head dim, block size, positions): GQA groups of 1, 4 and 8,
 # contexts inside one block of the online softmax, across several, a sequence that has only its
 # first token, and a block size that does not divide the softmax block.
@@ -110,7 +149,10 @@ def check_attention(device: str = "cpu", dtype: torch.dtype = torch.float32, tol
         print("ok", (b, nh, kvh, d, bs, pos))
 
 
-@pytest.mark.parametrize(("check", "cases"), [("check_kernels", CASES), ("check_attention", ATTENTION_CASES)])
+@pytest.mark.parametrize(
+    ("check", "cases"),
+    [("check_kernels", CASES), ("check_attention", ATTENTION_CASES), ("check_fp8_kernels", FP8_CASES)],
+)
 def test_decode_kernels_match_torch_in_the_interpreter(check: str, cases: tuple) -> None:
     pytest.importorskip("triton")
     code = f"import sys; sys.path.insert(0, sys.argv[1]); import test_moe_triton as t; t.{check}()"

@@ -138,7 +138,8 @@ def _log_engine_end(task: asyncio.Task[None]) -> None:
 
 def _summary(serving: Serving) -> dict[str, object]:
     info = serving.info()
-    return {k: info[k] for k in ("served_model_name", "runtime", "kv", "engine", "routing", "layer_placements", "startup_s")}
+    keys = ("served_model_name", "runtime", "kv", "engine", "routing", "layer_placements", "experts", "startup_s")
+    return {k: info[k] for k in keys}
 
 
 async def _shutdown(state: ServerState) -> None:

@@ -202,6 +202,7 @@ class Serving:
             "runtime": asdict(self.runtime),
             "model": asdict(self.model.config),
             "layer_placements": list(self.model.layer_placements()),
+            "experts": self._expert_facts(),
             "kv": {"capacity_tokens": self.engine.kv_capacity_tokens, "block_size": self.engine.pool.block_size},
             "engine": asdict(self.engine.config),
             "routing": self.config.routing_label,
@@ -210,6 +211,18 @@ class Serving:
             "captured_graphs": self.model.captured_graphs,
             "step_timing": self.engine.step_timing(),
             "versions": versions(),
+        }
+
+
+    def _expert_facts(self) -> dict[str, Any]:
+        """How experts are stored and computed: dtype, bytes per expert (block scales included), kernels."""
+        from paged_experts.kernels.fused import kernel_choice
+
+        host = self.model.moe_layers[0].host
+        return {
+            "dtype": str(host.gate.dtype).removeprefix("torch."),
+            "bytes_per_expert": host.row_bytes,
+            "kernels": kernel_choice(host.is_fp8, self.runtime.device, self.runtime.dtype),
         }
 
 

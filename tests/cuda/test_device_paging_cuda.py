@@ -57,7 +57,7 @@ def test_kernel_copies_planned_rows_from_pinned_memory() -> None:
 
 def test_device_planned_paged_layer_does_not_sync() -> None:
     model = MoeCausalLM.from_pretrained(TINY, rt("bfloat16", mode="paged", resident_experts=8))
-    layer = model._moe[0]
+    layer = model.moe_layers[0]
     assert layer.device_residency is not None
     x = torch.randn(2, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)  # 2 x 4 pairs <= K
     ctx = StepContext(seq_ids=(0, 1), positions=(0, 0))
@@ -78,7 +78,7 @@ def test_device_planned_paged_equals_resident_qwen_shapes() -> None:
     resident = decode(MoeCausalLM.from_pretrained(QWEN2, rt("bfloat16", mode="resident")), prompts, steps=6)
     for k, overlap in ((8, False), (16, False), (64, False), (16, True)):
         model = MoeCausalLM.from_pretrained(QWEN2, rt("bfloat16", mode="paged", resident_experts=k, overlap_page_in=overlap))
-        assert model._moe[0].device_residency is not None
+        assert model.moe_layers[0].device_residency is not None
         for i, (a, b) in enumerate(zip(decode(model, prompts, steps=6), resident)):
             assert torch.equal(a, b), f"K={k} overlap={overlap}: output {i} differs by {(a - b).abs().max().item()}"
         total = model.counters.snapshot().total
@@ -142,7 +142,7 @@ def check_prefetch_graphed(compile_layers: bool) -> None:
         assert torch.equal(a, b), f"output {i} differs by {(a - b).abs().max().item()}"
     model = models[1]
     torch.cuda.synchronize()
-    for moe in model._moe:
+    for moe in model.moe_layers:
         dr, slots = moe.device_residency, moe.device_experts
         assert dr is not None and slots is not None
         expert_in = dr.expert_in[: dr.num_slots].cpu()

@@ -203,12 +203,21 @@ class BuiltinAdapter:
         return {}
 
     def version(self, spec: ServerSpec) -> dict[str, Any]:
-        return {
+        return self._expert_facts(spec) | {
             "engine": "paged_experts",
             "version": _dist_version("benchsuite"),
             "torch": _dist_version("torch"),
             "python": sys.version.split()[0],
         }
+
+    def _expert_facts(self, spec: ServerSpec) -> dict[str, Any]:
+        """How the served model stores one expert (FP8 with its block scales, or the compute dtype)."""
+        from paged_experts.config import MoeModelConfig
+
+        opts = self._options(spec)
+        cfg = MoeModelConfig.from_dir(self.model_dir(spec))
+        dtype = cfg.expert_dtype(opts.dtype or ("float32" if opts.device == "cpu" else cfg.torch_dtype))
+        return {"expert_format": dtype, "expert_bytes": cfg.expert_bytes(dtype)}
 
     async def scrape(self, session: Any, base_url: str) -> dict[str, float] | None:
         async with session.get(f"{base_url}/metrics") as resp:
