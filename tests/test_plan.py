@@ -67,13 +67,13 @@ def test_ids_are_those_of_schema_1(tmp_path: Path) -> None:
     An id hashes every option's value, defaults included: a new option field of an engine changes
     the ids of that engine's servers. Update these deliberately, and say so, when that happens."""
     plan = plan_of(tmp_path)
-    assert [s.server_id for s in plan.servers] == ["397614496e44", "4a6a5cb168c1", "5cb41ce3e210"]
-    assert (plan.cells[0].cell_id, plan.cells[-1].cell_id) == ("65d1bce6f28e", "fb20671e3560")
+    assert [s.server_id for s in plan.servers] == ["35e3f9ff9f7b", "fb81128d7c74", "c74b3cf166ac"]
+    assert (plan.cells[0].cell_id, plan.cells[-1].cell_id) == ("944cad61f7ca", "de533938b5d3")
     quickstart = build_plan(load_matrix(ROOT / "configs" / "quickstart.yaml"))
     assert [s.server_id for s in quickstart.servers] == [
-        "d163019302dc", "1a4444f3792c", "e0d981ca2dce", "6455aa4d00ef", "7d6305c9354d"
+        "bbb151997c48", "c0f8faa1bc50", "eab800aa9962", "d7973066f0d1", "85378cf1ea3c"
     ]  # fmt: skip
-    assert quickstart.cells[0].cell_id == "6b9e7e993792"
+    assert quickstart.cells[0].cell_id == "ac81c0df4c74"
 
 
 def test_search_option_and_resolution(tmp_path: Path) -> None:

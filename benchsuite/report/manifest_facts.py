@@ -28,6 +28,8 @@ class ServerFacts:
     command: str  # shell-quoted argv, exactly as launched
     version: str
     canary: str = "not run"  # the leak canary after the server's cells: passed / FAILED (leaks n) / not run
+    expert_format: str | None = None  # how the engine stores one expert (version.expert_format: float8_e4m3fn, q8_0)
+    expert_bytes: int | None = None  # one expert's gate + up + down bytes as served (FP8: block scales included)
 
     @property
     def canary_failed(self) -> bool:
@@ -88,8 +90,10 @@ def servers(manifest: Manifest) -> list[ServerFacts]:
     out = []
     for server_id, record in manifest.servers.items():
         version = ", ".join(f"{k}={_scalar_text(v)}" for k, v in record.version.items()) if record.version else "absent"
+        expert_bytes = record.version.get("expert_bytes")
         out.append(ServerFacts(server_id, record.engine, record.kind, shlex.join(record.argv), version,
-                               canary_text(record.canary)))  # fmt: skip
+                               canary_text(record.canary), record.version.get("expert_format"),
+                               expert_bytes if isinstance(expert_bytes, int) else None))  # fmt: skip
     return out
 
 

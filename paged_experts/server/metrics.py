@@ -68,6 +68,13 @@ class EngineGauges:
     num_queue_reqs: int
     kv_used_tokens: int
     kv_capacity_tokens: int
+    # engine thread totals over steps whose chunks are all one decode token (see server.engine)
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    decode_step_s: float = 0.0
+    decode_model_s: float = 0.0
+    steps: int = 0  # every engine step
+    phase_s: dict[str, float] | None = None  # host phase -> seconds over every step (server.engine.PHASES)
 
 
 @dataclass(frozen=True)
@@ -95,8 +102,26 @@ class _EngineCollector(Collector):
             ("routing_synthetic", "1 when synthetic routing replaces the router", int(self.state.routing_synthetic)),
         ):
             yield GaugeMetricFamily(p + name, help_text, value=value)
+        yield from _engine_step_families(g)
         if self.state.counters is not None:
             yield from _paging_families(self.state.counters)
+
+
+def _engine_step_families(g: EngineGauges) -> Iterator[Metric]:
+    p = PREFIX
+    for name, help_text, value in (
+        ("engine_decode_steps_total", "Engine steps of decode tokens only", g.decode_steps),
+        ("engine_decode_tokens_total", "Tokens of those steps", g.decode_tokens),
+        ("engine_decode_step_seconds_total", "Engine-thread time of those steps, planning to hand-off (no HTTP)",
+         g.decode_step_s),
+        ("engine_decode_model_seconds_total", "Model time of those steps: launch and wait for the token ids",
+         g.decode_model_s),
+        ("engine_steps_total", "Engine steps", g.steps),
+    ):  # fmt: skip
+        yield CounterMetricFamily(p + name, help_text, value=value)
+    for phase, seconds in (g.phase_s or {}).items():
+        name = p + f"engine_step_{phase}_seconds_total"
+        yield CounterMetricFamily(name, f"Engine-thread time in phase {phase}", seconds)
 
 
 def _paging_families(counters: Any) -> Iterator[Metric]:
