@@ -26,6 +26,8 @@ METRICS: tuple[str, ...] = (
     "miss_rate", "bytes_paged_per_token", "waves_per_step", "union_mean",
 )
 _LABEL_OPTIONS = ("offload_layers", "cpu_offload_gb")  # fixed server options that tell configurations apart
+# params that already show N (the runner, the search, the H200 converter)
+_N_PARAMS = ("n_cpu_moe", "search_n", "cpu_expert_layers")
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ def effective_params(params: dict[str, Any], k: int | None, n: int | None, optio
             out[key] = options[key]
     if k is not None and "resident_experts" not in params:
         out["K"] = k
-    if n is not None and not {"n_cpu_moe", "search_n"} & set(params):
+    if n is not None and not set(_N_PARAMS) & set(params):
         out["n_cpu_moe"] = n
     return out
 
