@@ -27,7 +27,7 @@ from paged_experts.server.handlers import STATE_KEY, ServerState, chat_completio
 from paged_experts.server.launch import ServeConfig, Serving, load_serving, parse_args
 from paged_experts.server.metrics import EngineGauges, ServerMetrics
 
-log = logging.getLogger("paged_experts.server.app")
+log = logging.getLogger("paged_experts.server")
 
 Loader = Callable[[ServeConfig, ServerMetrics], Serving]
 MAX_BODY_BYTES = 64 * 1024 * 1024
