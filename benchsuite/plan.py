@@ -174,6 +174,8 @@ def format_plan(plan: Plan) -> str:
         f"{len(plan.searches)} searches -> {m.output_root}/{plan.run_id}",
         f"(port {DRY_RUN_PORT} below stands in for the free port chosen at launch)",
     ]
+    if m.linkbw:
+        lines.append("link bandwidth: `benchsuite linkbw --json` runs once before the first server (stored as link_bandwidth)")
     for server in plan.servers:
         adapter = ADAPTERS[server.kind]
         launch = adapter.launch_plan(server, DRY_RUN_PORT)
