@@ -202,7 +202,8 @@ def load_matrix(path: str | Path) -> ValidatedMatrix:
     if cells > MAX_CELLS:
         problems.append(f"{source}: (top level): the matrix makes {cells} cells (engines x workloads x repeats); at most {MAX_CELLS}")
     # output_root is where results go, linkbw a run-level probe, neither what a cell measures: both keep the run id.
-    canonical = json.dumps(matrix.model_dump(mode="json", exclude={"output_root", "linkbw"}), sort_keys=True, separators=(",", ":"))
+    measured = matrix.model_dump(mode="json", exclude={"output_root", "linkbw"})
+    canonical = json.dumps(measured, sort_keys=True, separators=(",", ":"))
     digest = hashlib.sha256(canonical.encode()).hexdigest()
     workloads = dict(matrix.workloads)
     for name, workload in matrix.workloads.items():

@@ -65,7 +65,7 @@ DEFINITIONS: dict[str, str] = {
     "usage_mismatches": "measured requests with no usage, or more content chunks than usage.completion_tokens",
     "miss_rate": "expert misses / (hits + misses) over the cell (engine counters)",
     "bytes_paged_per_token": "bytes paged host->device / generated tokens over the cell (prefill page-ins included)",
-    "bytes_h2d_per_token": "every expert byte copied host->device (paging, or offload's streaming) / generated tokens over the cell",
+    "bytes_h2d_per_token": "expert bytes copied host->device (paging or offload's streaming) / generated tokens",
     "waves_per_step": "waves / (MoE layer x step) over the cell",
     "union_mean": "union of routed experts per (MoE layer x step), mean over the cell",
 }

@@ -175,7 +175,7 @@ def format_plan(plan: Plan) -> str:
         f"(port {DRY_RUN_PORT} below stands in for the free port chosen at launch)",
     ]
     if m.linkbw:
-        lines.append("link bandwidth: `benchsuite linkbw --json` runs once before the first server (stored as link_bandwidth)")
+        lines.append("link bandwidth: `benchsuite linkbw --json` runs once before the first server (manifest link_bandwidth)")
     for server in plan.servers:
         adapter = ADAPTERS[server.kind]
         launch = adapter.launch_plan(server, DRY_RUN_PORT)
@@ -212,12 +212,13 @@ def _search_template(plan: Plan, task: SearchTask) -> list[str]:
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(launch.env.items()))
     cells = plan_cells(plan.matrix, spec, task.params)
     first = cells[0]
-    objective = max((c for c in cells if (c.workload, c.prompt_class) == (first.workload, first.prompt_class)), key=lambda c: c.concurrency)
+    same_class = [c for c in cells if (c.workload, c.prompt_class) == (first.workload, first.prompt_class)]
+    objective = max(same_class, key=lambda c: c.concurrency)
     command = shlex.join(argv).replace(shlex.quote(SEARCH_PLACEHOLDER), SEARCH_PLACEHOLDER)
+    cell = f"workload={objective.workload} class={objective.prompt_class} concurrency={objective.concurrency}"
     return [
         f"  $ {env + ' ' if env else ''}{command}",
-        f"  ({SEARCH_PLACEHOLDER}: each candidate the memory projection lets through; one cell per launch: "
-        f"workload={objective.workload} class={objective.prompt_class} concurrency={objective.concurrency})",
+        f"  ({SEARCH_PLACEHOLDER}: each candidate the memory projection lets through; one cell per launch: {cell})",
     ]
 
 

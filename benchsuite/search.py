@@ -40,12 +40,8 @@ class SearchSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     min_n: int = Field(0, ge=0)
-    max_n: int | None = Field(
-        None, ge=0
-    )  # default: the model's layer count (all experts on the CPU)
-    rel_tol: float = Field(
-        0.02, ge=0.0
-    )  # a step right must improve by more than this to continue
+    max_n: int | None = Field(None, ge=0)  # default: the model's layer count (all experts on the CPU)
+    rel_tol: float = Field(0.02, ge=0.0)  # a step right must improve by more than this to continue
     metric: Literal["decode_tok_s_p50", "output_tok_s"] = "decode_tok_s_p50"
     margin_mib: int = Field(1024, ge=0)  # llama.cpp's default fit margin per device
     projection: Literal["auto", "benchsuite", "llama-fit-params"] = "auto"
@@ -120,9 +116,7 @@ def _improves(new: float | None, old: float | None, rel_tol: float) -> bool:
     return new - old > rel_tol * abs(old)
 
 
-def _outcome(
-    values: Sequence[int], measured: Mapping[int, float | None], best: int | None
-) -> SearchOutcome:
+def _outcome(values: Sequence[int], measured: Mapping[int, float | None], best: int | None) -> SearchOutcome:
     return SearchOutcome(
         best_n=values[best] if best is not None else None,
         best_value=measured[best] if best is not None else None,
@@ -148,16 +142,12 @@ def parse_request(value: Any) -> SearchSettings:
     if isinstance(value, Mapping) and set(value) == {"search"}:
         body = value["search"] or {}
         if not isinstance(body, Mapping):
-            raise UserError(
-                "n_cpu_moe: {search: ...} must hold a mapping of search settings"
-            )
+            raise UserError("n_cpu_moe: {search: ...} must hold a mapping of search settings")
         try:
             return SearchSettings.model_validate(dict(body))
         except ValidationError as exc:
             raise UserError(f"n_cpu_moe.search: {exc}") from None
-    raise UserError(
-        f"n_cpu_moe: expected an integer, 'search' or {{search: {{...}}}}, got {value!r}"
-    )
+    raise UserError(f"n_cpu_moe: expected an integer, 'search' or {{search: {{...}}}}, got {value!r}")
 
 
 # ---- runner hook --------------------------------------------------------------------------------
@@ -195,7 +185,9 @@ class _Probe:
         s = make_server_spec(spec.name, spec.kind, {**spec.options, option: n}, spec.fairness, spec.max_concurrency)
         cells = plan_cells(self.ctx.plan.matrix, s, {**self.task.params, option: n})
         first = cells[0]
-        same_class = [c for c in cells if (c.workload, c.prompt_class, c.repeat) == (first.workload, first.prompt_class, 0)]
+        same_class = [
+            c for c in cells if (c.workload, c.prompt_class, c.repeat) == (first.workload, first.prompt_class, 0)
+        ]
         cell = max(same_class, key=lambda c: c.concurrency)
         cell_id = stable_id({"search_of": spec.server_id, "n": n, "cell": cell.cell_id})
         return s, dataclasses.replace(cell, cell_id=cell_id, params={**cell.params, "search_n": n})
@@ -228,11 +220,17 @@ async def _drive_async(gen: SearchGen, objective: Callable[[int], Any]) -> Searc
 
 
 def _candidate(n: int, projection: Any, fits: bool, margin_bytes: int, result: Any, metric: str) -> Candidate:
-    projected = {"n": n, "projected_bytes": projection.gpu_total_bytes + margin_bytes, "projection": dataclasses.asdict(projection)}
+    projected = {
+        "n": n,
+        "projected_bytes": projection.gpu_total_bytes + margin_bytes,
+        "projection": dataclasses.asdict(projection),
+    }
     if result is None:
         return Candidate(outcome="not launched" if fits else "ruled out", **projected)
     value = getattr(result, metric) if result.status == "ok" else None
-    return Candidate(outcome="measured" if value is not None else "failed", value=value, cell_id=result.cell_id, **projected)
+    return Candidate(
+        outcome="measured" if value is not None else "failed", value=value, cell_id=result.cell_id, **projected
+    )
 
 
 async def run_search(ctx: Any, task: Any) -> Mapping[str, Any]:
@@ -256,7 +254,8 @@ async def run_search(ctx: Any, task: Any) -> Mapping[str, Any]:
     probe = _Probe(ctx, task, settings.metric)
     outcome = await _drive_async(propose(fitting, settings.rel_tol), probe.objective)
     candidates = [
-        _candidate(n, projections[n], n in fitting, margin_bytes, probe.results.get(n), settings.metric) for n in sorted(projections)
+        _candidate(n, projections[n], n in fitting, margin_bytes, probe.results.get(n), settings.metric)
+        for n in sorted(projections)
     ]
     for c in candidates:
         if c.cell_id is None:
@@ -268,13 +267,14 @@ async def run_search(ctx: Any, task: Any) -> Mapping[str, Any]:
             "search_launches": outcome.launches, "linear_scan_launches": outcome.linear_scan_launches,
         }  # fmt: skip
         ctx.store.write_cell(dataclasses.replace(r, extras={**r.extras, **extras}), [])
-    ctx.store.record_server(spec.server_id, {"engine": spec.name, "kind": spec.kind, "search": {
-        "option": task.option, "settings": settings.model_dump(), "budget_bytes": budget_bytes, "margin_bytes": margin_bytes,
-        "objective_cell": _objective_cell(probe, fitting or sorted(projections)), "fitting": fitting,
-        "measured": [dataclasses.asdict(m) for m in outcome.measurements], "best_n": outcome.best_n,
-        "launches": outcome.launches, "linear_scan_launches": outcome.linear_scan_launches,
+    record = {
+        "option": task.option, "settings": settings.model_dump(), "budget_bytes": budget_bytes,
+        "margin_bytes": margin_bytes, "objective_cell": _objective_cell(probe, fitting or sorted(projections)),
+        "fitting": fitting, "measured": [dataclasses.asdict(m) for m in outcome.measurements],
+        "best_n": outcome.best_n, "launches": outcome.launches, "linear_scan_launches": outcome.linear_scan_launches,
         "candidates": [dataclasses.asdict(c) for c in candidates],
-    }})  # fmt: skip
+    }  # fmt: skip
+    ctx.store.record_server(spec.server_id, {"engine": spec.name, "kind": spec.kind, "search": record})
     if outcome.best_n is None:
         if not fitting:
             raise RunError(f"engine {spec.name}: no {task.option} value fits the {budget_bytes / 2**30:.2f} GiB budget")
@@ -305,11 +305,15 @@ def describe(engine: str, record: Mapping[str, Any]) -> list[str]:
     option = record.get("option", "n_cpu_moe")
     value = next((c["value"] for c in candidates if c["n"] == best), None)
     metric = (record.get("settings") or {}).get("metric", "objective")
-    head = (f"search {option} of {engine}: best N={best} ({metric} {value:.1f})" if best is not None
-            else f"search {option} of {engine}: no value chosen")
+    head = (
+        f"search {option} of {engine}: best N={best} ({metric} {value:.1f})"
+        if best is not None
+        else f"search {option} of {engine}: no value chosen"
+    )
+    scan = record["linear_scan_launches"]
     lines = [
-        f"{head} after {record['launches']} launches (a scan of every fitting N: {record['linear_scan_launches']}); "
-        f"budget {budget / GB:.2f} GB, margin {margin / 2**20:.0f} MiB"
+        f"{head} after {record['launches']} launches (a scan of every fitting N: {scan}); "
+        + f"budget {budget / GB:.2f} GB, margin {margin / 2**20:.0f} MiB"
     ]
     by_outcome: dict[str, list[Mapping[str, Any]]] = {}
     for c in candidates:
@@ -324,7 +328,10 @@ def describe(engine: str, record: Mapping[str, Any]) -> list[str]:
         )
     measured = by_outcome.get("measured", [])
     if measured:
-        lines.append("  measured: " + ", ".join(f"N={c['n']} {c['value']:.1f}" + (" (best)" if c["n"] == best else "") for c in measured))
+        lines.append(
+            "  measured: "
+            + ", ".join(f"N={c['n']} {c['value']:.1f}" + (" (best)" if c["n"] == best else "") for c in measured)
+        )
     if by_outcome.get("failed"):
         lines.append(f"  launched and failed (reasons in cells.csv): {_ranges([c['n'] for c in by_outcome['failed']])}")
     if by_outcome.get("not launched"):

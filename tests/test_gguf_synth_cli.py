@@ -23,7 +23,12 @@ CPU_SERVER = install_dir(cuda=False) / "bin" / "llama-server"
 @pytest.fixture(scope="module")
 def synth_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("gguf") / "tiny2.gguf"
-    assert cli_main(["gguf", "synth", "--preset", "tiny", "--layers", "2", "--seed", "3", "--out", str(out), "--workers", "1"]) == 0
+    assert (
+        cli_main(
+            ["gguf", "synth", "--preset", "tiny", "--layers", "2", "--seed", "3", "--out", str(out), "--workers", "1"]
+        )
+        == 0
+    )
     return out
 
 

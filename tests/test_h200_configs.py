@@ -28,7 +28,9 @@ def stand_ins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("name", ["model", "synthetic", "offload"])
-def test_each_matrix_validates_and_prints_its_plan(name: str, stand_ins: None, capsys: pytest.CaptureFixture[str]) -> None:
+def test_each_matrix_validates_and_prints_its_plan(
+    name: str, stand_ins: None, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = CONFIGS / f"{name}.yaml"
     assert main(["run", str(path), "--dry-run"]) == 0
     assert "link bandwidth: `benchsuite linkbw --json` runs once" in capsys.readouterr().out
@@ -47,7 +49,8 @@ def test_the_modes_and_values_issue_15_lists(stand_ins: None) -> None:
     plans = {name: build_plan(load_matrix(CONFIGS / f"{name}.yaml")) for name in ("model", "synthetic", "offload")}
 
     def values(plan: object, mode: str, option: str) -> list[object]:
-        return sorted(s.options[option] for s in plan.servers if s.kind == "builtin" and s.options["mode"] == mode)  # type: ignore[attr-defined]
+        servers = plan.servers  # type: ignore[attr-defined]
+        return sorted(s.options[option] for s in servers if s.kind == "builtin" and s.options["mode"] == mode)
 
     for name in ("model", "synthetic"):
         assert values(plans[name], "paged", "resident_experts") == [16, 30, 32, 64, 92]
@@ -55,7 +58,9 @@ def test_the_modes_and_values_issue_15_lists(stand_ins: None) -> None:
     assert values(plans["model"], "cpu-experts", "n_cpu_moe") == [12, 24]
     assert values(plans["offload"], "offload", "offload_layers") == [48]
     assert {s.options["routing"] for s in plans["synthetic"].servers} == {"qwen3-30b-a3b"}
-    assert {s.options["routing"] for p in ("model", "offload") for s in plans[p].servers if s.kind == "builtin"} == {"model"}
+    assert {s.options["routing"] for p in ("model", "offload") for s in plans[p].servers if s.kind == "builtin"} == {
+        "model"
+    }
     llama = sorted(s.options["n_cpu_moe"] for s in plans["model"].servers if s.kind == "llamacpp")
     assert llama == [0, 12, 24]
     (search,) = plans["model"].searches

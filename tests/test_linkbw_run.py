@@ -27,7 +27,8 @@ def test_a_scripted_probe_is_stored_once_and_keeps_the_run_id(tmp_path: Path, mo
     path = matrix(tmp_path, {"e": {}}, concurrency=[1], num_requests=2)
     plain_hash = load_matrix(path).matrix_hash
     count = tmp_path / "probes"
-    script = (f"import json, pathlib; p = pathlib.Path({str(count)!r}); p.write_text(p.read_text() + 'x' if p.exists() else 'x'); "
+    script = (f"import json, pathlib; p = pathlib.Path({str(count)!r}); "
+              "p.write_text(p.read_text() + 'x' if p.exists() else 'x'); "
               "print(json.dumps({'paging_gb_per_s': 51.5, 'device': 'scripted', 'schema_version': 1}))")  # fmt: skip
     monkeypatch.setattr(benchsuite.linkbw, "PROBE_ARGV", (sys.executable, "-c", script))
     with_linkbw(path)

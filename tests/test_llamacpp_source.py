@@ -51,12 +51,22 @@ def sdist(tmp_path: Path) -> Path:
     })  # fmt: skip
 
 
-def test_pack_source_keeps_the_build_tree_only_and_is_byte_stable(sdist: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli_main(["install", "llama-server", "--source", str(sdist), "--pack-source", str(tmp_path / "a" / "s.tar.gz")]) == 0
+def test_pack_source_keeps_the_build_tree_only_and_is_byte_stable(
+    sdist: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (
+        cli_main(["install", "llama-server", "--source", str(sdist), "--pack-source", str(tmp_path / "a" / "s.tar.gz")])
+        == 0
+    )
     a = json.loads(capsys.readouterr().out)
-    assert cli_main(["install", "llama-server", "--source", str(sdist), "--pack-source", str(tmp_path / "b" / "s.tar.gz")]) == 0
+    assert (
+        cli_main(["install", "llama-server", "--source", str(sdist), "--pack-source", str(tmp_path / "b" / "s.tar.gz")])
+        == 0
+    )
     b = json.loads(capsys.readouterr().out)
-    assert a["sha256"] == b["sha256"] and a["members"] == 4 and a["bytes"] == (tmp_path / "a" / "s.tar.gz").stat().st_size
+    assert (
+        a["sha256"] == b["sha256"] and a["members"] == 4 and a["bytes"] == (tmp_path / "a" / "s.tar.gz").stat().st_size
+    )
     with tarfile.open(a["path"]) as tar:
         names = sorted(tar.getnames())
         assert {m.uname for m in tar.getmembers()} == {""}
@@ -64,7 +74,9 @@ def test_pack_source_keeps_the_build_tree_only_and_is_byte_stable(sdist: Path, t
     assert names == sorted(VENDOR_PREFIX + n for n in kept)
 
 
-def test_a_file_that_is_not_the_pinned_sdist_is_refused_with_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_file_that_is_not_the_pinned_sdist_is_refused_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     other = write_sdist(tmp_path / "other.tar.gz", {"llama_cpp_python-0.0.1/vendor/llama.cpp/CMakeLists.txt": b""})
     assert cli_main(["install", "llama-server", "--source", str(other)]) == 2
     assert f"not the llama-cpp-python {build.LLAMA_CPP_PYTHON_VERSION} sdist" in capsys.readouterr().err
@@ -77,7 +89,9 @@ def test_install_builds_from_a_local_trimmed_sdist_without_the_network(
     sdist: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("BENCHSUITE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr("benchsuite.engines.llamacpp.source.download_sdist", lambda *a: pytest.fail("must not download"))
+    monkeypatch.setattr(
+        "benchsuite.engines.llamacpp.source.download_sdist", lambda *a: pytest.fail("must not download")
+    )
     trimmed = tmp_path / "trimmed.tar.gz"
     assert cli_main(["install", "llama-server", "--source", str(sdist), "--pack-source", str(trimmed)]) == 0
     assert cli_main(["install", "llama-server", "--source", str(trimmed), "--jobs", "1"]) == 0

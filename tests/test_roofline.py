@@ -19,10 +19,20 @@ from benchsuite.report.load import RunData
 from benchsuite.report.roofline import TITLE, roofline_table
 
 
-def cell(cid: str, mode: str, output: float | None, h2d: float | None = None, *, cls: str = "short", status: str = "ok",
-         repeat: int = 0, paged: float | None = None) -> dict[str, Any]:
-    return {"cell_id": cid, "run_id": "r", "engine_kind": "builtin", "mode": mode, "label": f"tiny · {mode}", "routing": "model",
-            "workload": "w", "prompt_class": cls, "concurrency": 1, "repeat": repeat, "status": status, "output_tok_s": output,
+def cell(
+    cid: str,
+    mode: str,
+    output: float | None,
+    h2d: float | None = None,
+    *,
+    cls: str = "short",
+    status: str = "ok",
+    repeat: int = 0,
+    paged: float | None = None,
+) -> dict[str, Any]:
+    return {"cell_id": cid, "run_id": "r", "engine_kind": "builtin", "mode": mode, "label": f"tiny · {mode}",
+            "routing": "model", "workload": "w", "prompt_class": cls, "concurrency": 1, "repeat": repeat,
+            "status": status, "output_tok_s": output,
             "bytes_h2d_per_token": h2d, "bytes_paged_per_token": paged}  # fmt: skip
 
 
@@ -44,15 +54,23 @@ def test_bounds_from_the_counters_the_link_and_the_resident_cell() -> None:
     pg = table.loc["pg"]
     assert pg["link_bound_tok_s"] == pytest.approx(50.0) and pg["compute_tok_s"] == pytest.approx(100.0)
     assert pg["roofline_tok_s"] == pytest.approx(50.0) and pg["serial_tok_s"] == pytest.approx(1 / 0.03)
-    assert pg["of_roofline"] == pytest.approx(0.8) and pg["of_serial"] == pytest.approx(1.2) and pg["limited_by"] == "link"
-    assert pg["compute_cell_ids"] == "res0 res1" and pg["note"] == "" and pg["bytes_per_token_mb"] == pytest.approx(1000.0)
-    assert table.loc["off", "link_bound_tok_s"] == pytest.approx(10.0) and table.loc["off", "of_roofline"] == pytest.approx(0.5)
+    assert (
+        pg["of_roofline"] == pytest.approx(0.8) and pg["of_serial"] == pytest.approx(1.2) and pg["limited_by"] == "link"
+    )
+    assert (
+        pg["compute_cell_ids"] == "res0 res1" and pg["note"] == "" and pg["bytes_per_token_mb"] == pytest.approx(1000.0)
+    )
+    assert table.loc["off", "link_bound_tok_s"] == pytest.approx(10.0) and table.loc[
+        "off", "of_roofline"
+    ] == pytest.approx(0.5)
     assert table.loc["old", "roofline_tok_s"] == pytest.approx(50.0)
     long = table.loc["long"]
     assert long["link_bound_tok_s"] == pytest.approx(25.0) and pd.isna(long["roofline_tok_s"])
     assert "no ok resident cell with the same workload, routing, concurrency and prompt class" in long["note"]
     bad = table.loc["bad"]
-    assert pd.isna(bad["measured_tok_s"]) and bad["note"].startswith("cell failed; the engine reported no expert bytes copied")
+    assert pd.isna(bad["measured_tok_s"]) and bad["note"].startswith(
+        "cell failed; the engine reported no expert bytes copied"
+    )
     assert "res0" not in table.index  # resident cells are the reference, not rows
 
 
@@ -65,7 +83,9 @@ def test_a_run_without_a_link_figure_says_why() -> None:
 
 
 @pytest.mark.slow
-def test_end_to_end_on_the_builtin_server(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_end_to_end_on_the_builtin_server(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     script = "import json; print(json.dumps({'paging_gb_per_s': 10.0, 'device': 'scripted', 'schema_version': 1}))"
     monkeypatch.setattr(benchsuite.linkbw, "PROBE_ARGV", (sys.executable, "-c", script))
     model = {"model": str(tiny_model_dir)}

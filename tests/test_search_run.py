@@ -34,7 +34,9 @@ def searchable_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(ADAPTERS._loaded, "builtin", SearchableFake())  # type: ignore[attr-defined]
 
 
-def test_ruled_out_values_are_not_cells_but_the_summary_names_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_ruled_out_values_are_not_cells_but_the_summary_names_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = matrix(tmp_path, {"s": {"label": "search"}}, concurrency=[1], num_requests=2)
     assert main(["run", str(path), "--no-report"]) == 0
     out = capsys.readouterr().out
@@ -50,7 +52,11 @@ def test_ruled_out_values_are_not_cells_but_the_summary_names_them(tmp_path: Pat
     assert {outcomes[n] for n in set(range(2, 6)) - set(searched)} <= {"not launched"}
     assert [c["projected_bytes"] for c in record["candidates"][:2]] == [12 * GB + MARGIN, 11 * GB + MARGIN]
     assert record["objective_cell"] == {"workload": "w", "prompt_class": "short", "concurrency": 1}
-    assert "ruled out by the scripted projection, never launched: N=0-1 (projected 12.07-13.07 GB with the margin > 12.00 GB)" in out
+    assert (
+        "ruled out by the scripted projection, never launched: N=0-1 "
+        "(projected 12.07-13.07 GB with the margin > 12.00 GB)"
+        in out
+    )
     assert f"best N={record['best_n']}" in out and "0/1" not in out
 
 
@@ -60,4 +66,8 @@ def test_dry_run_prints_the_search_command_template(tmp_path: Path, capsys: pyte
     out = capsys.readouterr().out
     assert "search s: label is searched" in out
     assert "--serve --port 8000" in out
-    assert "({N}: each candidate the memory projection lets through; one cell per launch: workload=w class=short concurrency=2)" in out
+    assert (
+        "({N}: each candidate the memory projection lets through; one cell per launch: "
+        "workload=w class=short concurrency=2)"
+        in out
+    )

@@ -17,19 +17,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     from benchsuite.engines.llamacpp.gguf_export import EXPORT_TYPES
 
     sub = parser.add_subparsers(dest="gguf_command", metavar="ACTION", required=True)
-    export = sub.add_parser(
-        "export", help="export an HF Qwen3-MoE checkpoint directory to GGUF"
-    )
+    export = sub.add_parser("export", help="export an HF Qwen3-MoE checkpoint directory to GGUF")
     export.add_argument(
         "model_dir",
         help="checkpoint directory (config.json, safetensors, tokenizer.json), or `tiny`",
     )
     export.add_argument("--out", required=True, help="GGUF file to write")
-    export.add_argument(
-        "--type", dest="export_type", choices=EXPORT_TYPES, default="f32"
+    export.add_argument("--type", dest="export_type", choices=EXPORT_TYPES, default="f32")
+    synth = sub.add_parser(
+        "synth", help="write a seeded synthetic GGUF (Q8_0 experts) of a preset's shape, facts beside it"
     )
-    synth = sub.add_parser("synth", help="write a seeded synthetic GGUF (Q8_0 experts) of a preset's shape, facts beside it")
-    synth.add_argument("--preset", default="qwen3-30b-a3b-shape", help="a paged_experts.synth preset (default: %(default)s)")
+    synth.add_argument(
+        "--preset", default="qwen3-30b-a3b-shape", help="a paged_experts.synth preset (default: %(default)s)"
+    )
     synth.add_argument("--layers", type=int, default=None, help="MoE layers (default: the preset's)")
     synth.add_argument("--seed", type=int, default=0)
     synth.add_argument("--out", required=True, type=Path, help="GGUF file to write (FILE.json and FILE.hf/ beside it)")
@@ -55,10 +55,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _synth(args: argparse.Namespace) -> int:
-    from paged_experts.synth import PRESETS
-
     from benchsuite.engines.llamacpp.gguf_synth import facts_path, write_with_facts
     from benchsuite.errors import UserError
+    from paged_experts.synth import PRESETS
 
     if args.preset not in PRESETS:
         raise UserError(f"--preset {args.preset!r}: not a preset (known: {', '.join(sorted(PRESETS))})")
@@ -67,6 +66,8 @@ def _synth(args: argparse.Namespace) -> int:
     if args.workers is not None and args.workers < 1:
         raise UserError(f"--workers must be >= 1, got {args.workers}")
     facts = write_with_facts(args.out, args.preset, args.layers, args.seed, args.workers)
-    print(json.dumps({k: facts[k] for k in ("path", "bytes", "layers", "seed", "expert_type", "expert_bytes", "write_s")}))
+    print(
+        json.dumps({k: facts[k] for k in ("path", "bytes", "layers", "seed", "expert_type", "expert_bytes", "write_s")})
+    )
     print(f"facts: {facts_path(Path(facts['path']))}; tokenizer: {facts['hf_dir']}")
     return 0

@@ -20,10 +20,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cuda", action="store_true", help="build with GGML_CUDA=ON")
     parser.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: all cores)")
     parser.add_argument("--force", action="store_true", help="rebuild even when the cache matches")
-    parser.add_argument("--source", type=Path, metavar="SDIST",
-                        help="a local llama-cpp-python sdist (full or trimmed by --pack-source) instead of the download")
-    parser.add_argument("--pack-source", type=Path, metavar="OUT",
-                        help="write the trimmed source tarball to OUT (for a machine without internet) and build nothing")
+    parser.add_argument(
+        "--source",
+        type=Path,
+        metavar="SDIST",
+        help="a local llama-cpp-python sdist (full or trimmed by --pack-source) instead of the download",
+    )
+    parser.add_argument(
+        "--pack-source",
+        type=Path,
+        metavar="OUT",
+        help="write the trimmed source tarball to OUT (for a machine without internet) and build nothing",
+    )
 
 
 def main(args: argparse.Namespace) -> int:

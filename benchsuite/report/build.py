@@ -117,8 +117,9 @@ _INTROS = {
     "roofline": roofline.INTRO,
     "ratios": "<p>One row per paged configuration: the best offload, llama.cpp and cpu-experts configuration measured in the same "
               "setup and concurrency. Medians over repeats, [min–max] beside them; ratio verdicts say whether the spreads overlap.</p>",
-    "search": "<p>One row per candidate N of each search. Launched candidates are cells (measured or failed); rows with "
-              "status 'ruled out' were never launched: llama.cpp's memory projection, with its margin, exceeds the budget.</p>",
+    "search": "<p>One row per candidate N of each search. Launched candidates are cells (measured or failed); rows "
+              "with status 'ruled out' were never launched: llama.cpp's memory projection, with its margin, exceeds "
+              "the budget.</p>",
     "failures": "<p>Cells that failed or were invalidated, with the reason recorded by the runner. They are not in any figure.</p>",
     "raw-cells": "<p>Every cell as stored in cells.parquet; every figure and table above links here by cell id.</p>",
 }

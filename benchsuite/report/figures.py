@@ -208,12 +208,14 @@ def search_curves(everything: pd.DataFrame) -> list[Figure]:
                       line_width=0, annotation_text="projection fits VRAM", annotation_position="top left")
     for lo, hi in _runs(sorted({int(n) for n in everything.loc[everything["fits"] == False, "N"]})):
         fig.add_vrect(x0=lo - 0.5, x1=hi + 0.5, fillcolor="red", opacity=0.08, line_width=0,
-                      annotation_text=f"N={lo}{'' if lo == hi else f'-{hi}'}: does not fit", annotation_position="top left")
+                      annotation_text=f"N={lo}{'' if lo == hi else f'-{hi}'}: does not fit",
+                      annotation_position="top left")
     _layout(fig, "llama.cpp --n-cpu-moe search: decode tok/s vs N", "N (layers whose experts stay on the CPU)", "decode tok/s")
     _integer_ticks(fig, list(everything["N"]))
     caption = ("Green: N values whose memory projection fits the VRAM budget; red: N values that do not fit (not measured); "
                "star: the chosen N.")
-    return [Figure("fig-search", "llama.cpp --n-cpu-moe search", fig, caption, tuple(i for i in everything["cell_id"] if i))]
+    ids = tuple(i for i in everything["cell_id"] if i)  # ruled-out rows have no cell
+    return [Figure("fig-search", "llama.cpp --n-cpu-moe search", fig, caption, ids)]
 
 
 def _runs(ns: list[int]) -> list[tuple[int, int]]:
@@ -227,8 +229,8 @@ def _runs(ns: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def all_figures(groups: pd.DataFrame, cells: pd.DataFrame, samples: pd.DataFrame, top_k: int | None, num_experts: int | None,
-                search: pd.DataFrame | None = None) -> list[Figure]:
+def all_figures(groups: pd.DataFrame, cells: pd.DataFrame, samples: pd.DataFrame, top_k: int | None,
+                num_experts: int | None, search: pd.DataFrame | None = None) -> list[Figure]:
     return [
         *throughput_vs_concurrency(groups), *decode_vs_k(groups, top_k), *ttft_short_long(groups),
         *request_distributions(cells[cells["status"] == "ok"], samples), *paging_figures(groups, num_experts),

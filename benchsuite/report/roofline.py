@@ -81,7 +81,9 @@ def _bytes_per_token(cell: pd.Series) -> float | None:
     return _num(cell.get("bytes_paged_per_token")) if cell["mode"] == "paged" else None  # runs before bytes_h2d
 
 
-def _bounds(measured: float | None, per_token_bytes: float | None, link: float | None, compute: float | None) -> dict[str, Any]:
+def _bounds(
+    measured: float | None, per_token_bytes: float | None, link: float | None, compute: float | None
+) -> dict[str, Any]:
     out: dict[str, Any] = {"link_bound_tok_s": None, "roofline_tok_s": None, "serial_tok_s": None, "of_roofline": None,
                            "of_serial": None, "limited_by": None}  # fmt: skip
     if per_token_bytes is None or link is None:
@@ -109,8 +111,8 @@ def _note(cell: pd.Series, per_token_bytes: float | None, link_why: str, compute
     if link_why:
         reasons.append(link_why)
     if compute is None:
-        reasons.append(f"no ok {REFERENCE_MODE.get(str(cell['engine_kind']), 'resident')} cell with the same workload, routing, "
-                       "concurrency and prompt class in this run")  # fmt: skip
+        reference = REFERENCE_MODE.get(str(cell["engine_kind"]), "resident")
+        reasons.append(f"no ok {reference} cell with the same workload, routing, concurrency and prompt class in this run")
     return "; ".join(reasons)
 
 
@@ -119,7 +121,9 @@ def roofline_table(cells: pd.DataFrame, runs: Iterable[RunData]) -> pd.DataFrame
     links = {run.run_id: link_gb_per_s(run.manifest) for run in runs}
     references = _references(cells)
     rows = []
-    bounded = cells[cells["mode"].isin(BOUNDED_MODES)].sort_values(["run_id", "label", "routing", "prompt_class", "concurrency", "repeat"])
+    bounded = cells[cells["mode"].isin(BOUNDED_MODES)].sort_values(
+        ["run_id", "label", "routing", "prompt_class", "concurrency", "repeat"]
+    )
     for _, c in bounded.iterrows():
         link, link_why = links.get(str(c["run_id"]), (None, "run not loaded"))
         compute, compute_ids = references.get(tuple(c[k] for k in MATCH_KEYS), (None, []))
@@ -130,6 +134,7 @@ def roofline_table(cells: pd.DataFrame, runs: Iterable[RunData]) -> pd.DataFrame
             "prompt_class": c["prompt_class"], "concurrency": int(c["concurrency"]), "repeat": int(c["repeat"]),
             "measured_tok_s": measured, "bytes_per_token_mb": None if per_token is None else per_token / 1e6,
             "link_gb_per_s": link, "compute_tok_s": compute, **_bounds(measured, per_token, link, compute),
-            "note": _note(c, per_token, link_why, compute), "compute_cell_ids": " ".join(compute_ids), "cell_id": c["cell_id"],
+            "note": _note(c, per_token, link_why, compute), "compute_cell_ids": " ".join(compute_ids),
+            "cell_id": c["cell_id"],
         })  # fmt: skip
     return pd.DataFrame(rows, columns=list(COLUMNS))

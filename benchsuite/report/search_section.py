@@ -32,13 +32,15 @@ def ruled_out_rows(run_id: str, manifest: Mapping[str, Any]) -> list[dict[str, A
                 continue
             budget = record.get("budget_bytes")
             source = (c.get("projection") or {}).get("source", "memory")
-            reason = f"{source} projection {c['projected_bytes'] / GB:.2f} GB with the margin > budget {budget / GB:.2f} GB; not launched"
+            projected = c["projected_bytes"]
+            reason = f"{source} projection {projected / GB:.2f} GB with the margin > budget {budget / GB:.2f} GB; not launched"
             rows.append({
                 "run_id": run_id, "engine": server.get("engine", ""), "workload": objective.get("workload"),
-                "prompt_class": objective.get("prompt_class"), "concurrency": objective.get("concurrency"), "N": int(c["n"]),
-                "fits": False, "chosen": False, "decode_tok_s": None, "projected_bytes": c["projected_bytes"], "budget_bytes": budget,
-                "search_launches": record.get("launches"), "linear_scan_launches": record.get("linear_scan_launches"),
-                "status": RULED_OUT, "reason": reason, "cell_id": "",
+                "prompt_class": objective.get("prompt_class"), "concurrency": objective.get("concurrency"),
+                "N": int(c["n"]), "fits": False, "chosen": False, "decode_tok_s": None, "projected_bytes": projected,
+                "budget_bytes": budget, "search_launches": record.get("launches"),
+                "linear_scan_launches": record.get("linear_scan_launches"), "status": RULED_OUT, "reason": reason,
+                "cell_id": "",
             })  # fmt: skip
     return rows
 
@@ -49,6 +51,10 @@ def search_table(cells: pd.DataFrame, runs: Iterable[RunData]) -> pd.DataFrame:
     ruled = [row for run in runs for row in ruled_out_rows(run.run_id, run.manifest)]
     if not ruled:
         return launched
-    frame = pd.concat([launched, pd.DataFrame(ruled, columns=launched.columns)], ignore_index=True) if len(launched) else pd.DataFrame(ruled)
+    frame = (
+        pd.concat([launched, pd.DataFrame(ruled, columns=launched.columns)], ignore_index=True)
+        if len(launched)
+        else pd.DataFrame(ruled)
+    )
     frame["N"] = frame["N"].astype("Int64")
     return frame.sort_values(["run_id", "engine", "N"], kind="stable").reset_index(drop=True)

@@ -286,7 +286,9 @@ def companion_dir(gguf_path: Path) -> Path:
     return gguf_path.with_name(gguf_path.name + ".hf")
 
 
-def write_with_facts(out: str | Path, preset: str, layers: int | None, seed: int, workers: int | None, log: Any = sys.stderr) -> dict[str, Any]:
+def write_with_facts(
+    out: str | Path, preset: str, layers: int | None, seed: int, workers: int | None, log: Any = sys.stderr
+) -> dict[str, Any]:
     """The GGUF, its weightless HF directory and its facts file (written last: its presence says
     the other two are complete); returns the facts."""
     from benchsuite.machine import git_facts
@@ -298,8 +300,8 @@ def write_with_facts(out: str | Path, preset: str, layers: int | None, seed: int
         "schema_version": FACTS_SCHEMA_VERSION, "made_by": "benchsuite gguf synth", "path": str(s.path.resolve()),
         "bytes": s.bytes, "preset": preset, "layers": s.layers, "seed": seed, "shape": s.shape,
         "expert_type": s.expert_type.upper(), "dense_type": s.dense_type, "expert_bytes": s.expert_bytes,
-        "num_tensors": s.num_tensors, "hf_dir": str(hf_dir.resolve()), "write_s": round(s.write_s, 2), "workers": s.workers,
-        "git": git_facts(),
+        "num_tensors": s.num_tensors, "hf_dir": str(hf_dir.resolve()), "write_s": round(s.write_s, 2),
+        "workers": s.workers, "git": git_facts(),
     }  # fmt: skip
     tmp = facts_path(s.path).with_name(f".{facts_path(s.path).name}.tmp")
     tmp.write_text(json.dumps(facts, indent=1, sort_keys=True) + "\n")
