@@ -294,6 +294,12 @@ def _objective_cell(probe: _Probe, ns: Sequence[int]) -> dict[str, Any] | None:
 GB = 10**9  # vram_budget_gb is decimal gigabytes
 
 
+def format_gb(n_bytes: float) -> str:
+    """Decimal GB, with enough digits for an emulated sub-GB budget."""
+    value = n_bytes / GB
+    return f"{value:.2f}" if value >= 1 else f"{value:.3g}"
+
+
 def describe(engine: str, record: Mapping[str, Any]) -> list[str]:
     """A search's stored record (manifest `servers.<id>.search`) as summary lines: the choice, then
     the candidates by outcome, ruled-out ones with their projection (never as cells)."""
@@ -313,7 +319,7 @@ def describe(engine: str, record: Mapping[str, Any]) -> list[str]:
     scan = record["linear_scan_launches"]
     lines = [
         f"{head} after {record['launches']} launches (a scan of every fitting N: {scan}); "
-        + f"budget {budget / GB:.2f} GB, margin {margin / 2**20:.0f} MiB"
+        + f"budget {format_gb(budget)} GB, margin {margin / 2**20:.0f} MiB"
     ]
     by_outcome: dict[str, list[Mapping[str, Any]]] = {}
     for c in candidates:
@@ -324,7 +330,7 @@ def describe(engine: str, record: Mapping[str, Any]) -> list[str]:
         source = ruled[0]["projection"].get("source", "the")
         lines.append(
             f"  ruled out by the {source} projection, never launched: {_ranges([c['n'] for c in ruled])} "
-            f"(projected {lo / GB:.2f}-{hi / GB:.2f} GB with the margin > {budget / GB:.2f} GB)"
+            f"(projected {format_gb(lo)}-{format_gb(hi)} GB with the margin > {format_gb(budget)} GB)"
         )
     measured = by_outcome.get("measured", [])
     if measured:

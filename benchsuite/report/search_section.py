@@ -16,8 +16,8 @@ import pandas as pd
 
 from benchsuite.report.load import RunData
 from benchsuite.report.tables import search_table as cell_rows
+from benchsuite.search import format_gb
 
-GB = 10**9
 RULED_OUT = "ruled out"
 
 
@@ -33,7 +33,8 @@ def ruled_out_rows(run_id: str, manifest: Mapping[str, Any]) -> list[dict[str, A
             budget = record.get("budget_bytes")
             source = (c.get("projection") or {}).get("source", "memory")
             projected = c["projected_bytes"]
-            reason = f"{source} projection {projected / GB:.2f} GB with the margin > budget {budget / GB:.2f} GB; not launched"
+            over = f"{format_gb(projected)} GB with the margin > budget {format_gb(budget)} GB"
+            reason = f"{source} projection {over}; not launched"
             rows.append({
                 "run_id": run_id, "engine": server.get("engine", ""), "workload": objective.get("workload"),
                 "prompt_class": objective.get("prompt_class"), "concurrency": objective.get("concurrency"),
