@@ -174,6 +174,8 @@ def format_plan(plan: Plan) -> str:
         f"{len(plan.searches)} searches -> {m.output_root}/{plan.run_id}",
         f"(port {DRY_RUN_PORT} below stands in for the free port chosen at launch)",
     ]
+    if m.linkbw:
+        lines.append("link bandwidth: `benchsuite linkbw --json` runs once before the first server (manifest link_bandwidth)")
     for server in plan.servers:
         adapter = ADAPTERS[server.kind]
         launch = adapter.launch_plan(server, DRY_RUN_PORT)
@@ -193,7 +195,31 @@ def format_plan(plan: Plan) -> str:
             f"search {task.spec.name}{_label(task.params)}: {task.option} is searched after the servers "
             f"above (benchsuite.search); its best value then runs every workload"
         )
+        lines.extend(_search_template(plan, task))
     return "\n".join(lines)
+
+
+SEARCH_PLACEHOLDER = "{N}"
+_SENTINEL = 987_654_321  # an option value no matrix uses, replaced by the placeholder in the listing
+
+
+def _search_template(plan: Plan, task: SearchTask) -> list[str]:
+    """The command line of the search's servers, the searched value as {N}, and the cell measured per N."""
+    spec = make_server_spec(task.spec.name, task.spec.kind, {**task.spec.options, task.option: _SENTINEL},
+                            task.spec.fairness, task.spec.max_concurrency)  # fmt: skip
+    launch = ADAPTERS[spec.kind].launch_plan(spec, DRY_RUN_PORT)
+    argv = [a.replace(str(_SENTINEL), SEARCH_PLACEHOLDER) for a in launch.argv]
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(launch.env.items()))
+    cells = plan_cells(plan.matrix, spec, task.params)
+    first = cells[0]
+    same_class = [c for c in cells if (c.workload, c.prompt_class) == (first.workload, first.prompt_class)]
+    objective = max(same_class, key=lambda c: c.concurrency)
+    command = shlex.join(argv).replace(shlex.quote(SEARCH_PLACEHOLDER), SEARCH_PLACEHOLDER)
+    cell = f"workload={objective.workload} class={objective.prompt_class} concurrency={objective.concurrency}"
+    return [
+        f"  $ {env + ' ' if env else ''}{command}",
+        f"  ({SEARCH_PLACEHOLDER}: each candidate the memory projection lets through; one cell per launch: {cell})",
+    ]
 
 
 def _label(params: Mapping[str, Any]) -> str:

@@ -89,6 +89,7 @@ class CellResult:
     miss_rate: float | None = None
     bytes_paged: int | None = None
     bytes_paged_per_token: float | None = None
+    bytes_h2d_per_token: float | None = None  # every expert byte copied to the device (offload's streaming too)
     waves_per_step: float | None = None
     union_mean: float | None = None
     # The built-in engine's own decode steps over the window (metrics.paging_delta): step time and rate in process.

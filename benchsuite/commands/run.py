@@ -23,7 +23,8 @@ from benchsuite.errors import UserError
 from benchsuite.matrix import load_matrix
 from benchsuite.plan import CellSpec, Plan, build_plan, format_plan
 from benchsuite.records import CellResult
-from benchsuite.store import read_cells
+from benchsuite.search import describe
+from benchsuite.store import read_cells, read_manifest
 
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
@@ -68,6 +69,8 @@ def main(args: argparse.Namespace) -> int:
         return 130
     results = read_cells(store.run_dir)  # search cells included
     console.print(summary_table(plan, results))
+    for line in search_lines(read_manifest(store.run_dir)):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     print(f"results: {store.run_dir}")
     report_status = _write_report(args, store.run_dir)
     for problem in problems:
@@ -155,6 +158,17 @@ def summary_table(plan: Plan, results: list[CellResult]) -> Table:
             _fmt(_median([r.miss_rate for r in ok]), ".3f"),
         )  # fmt: skip
     return table
+
+
+def search_lines(manifest: dict) -> list[str]:
+    """Each search of the run in words (benchsuite.search.describe): the choice, the measured
+    candidates and those ruled out by the memory projection, which are not cells."""
+    lines: list[str] = []
+    for server in manifest.get("servers", {}).values():
+        record = server.get("search") or {}
+        if record.get("candidates"):
+            lines.extend(describe(str(server.get("engine", "")), record))
+    return lines
 
 
 def _median(values: list[float | None]) -> float | None:
