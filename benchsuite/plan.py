@@ -21,6 +21,7 @@ from typing import Any
 
 from benchsuite.engines import ADAPTERS
 from benchsuite.engines.base import ServerSpec
+from benchsuite.errors import UserError
 from benchsuite.matrix import ValidatedMatrix, Workload
 
 ID_HEX_DIGITS = 12
@@ -164,6 +165,39 @@ def resolve_search(plan: Plan, task: SearchTask, options: Mapping[str, Any]) -> 
     spec = make_server_spec(task.spec.name, task.spec.kind, options, task.spec.fairness, task.spec.max_concurrency)
     params = {**task.params, task.option: options[task.option]}
     return spec, plan_cells(plan.matrix, spec, params)
+
+
+def select(plan: Plan, selectors: list[str]) -> Plan:
+    """The part of a plan that `--only` selectors name: `ENGINE` (every server and search of that
+    engine entry) or `ENGINE:OPTION=VALUE` (its servers whose swept option has that value). The run
+    id is the whole matrix's, so a later run of the rest resumes the same results directory.
+    Raises UserError naming a selector that matches nothing."""
+    wanted: list[tuple[str, str | None, str | None]] = []
+    for sel in selectors:
+        name, _, cond = sel.partition(":")
+        option, _, value = cond.partition("=")
+        if not name or (cond and (not option or not value)):
+            raise UserError(f"--only {sel!r}: use ENGINE or ENGINE:OPTION=VALUE (an engine entry name of the matrix)")
+        wanted.append((name, option or None, value or None))
+
+    def match(engine: str, params: Mapping[str, Any], sel: tuple[str, str | None, str | None]) -> bool:
+        name, option, value = sel
+        return engine == name and (option is None or str(params.get(option)) == value)
+
+    servers = tuple(s for s in plan.servers if any(match(s.name, plan.params.get(s.server_id, {}), w) for w in wanted))
+    searches = tuple(t for t in plan.searches if any(match(t.spec.name, t.params, w) for w in wanted))
+    for w in wanted:
+        if not any(match(s.name, plan.params.get(s.server_id, {}), w) for s in plan.servers) and not any(
+            match(t.spec.name, t.params, w) for t in plan.searches
+        ):
+            names = sorted({s.name for s in plan.servers} | {t.spec.name for t in plan.searches})
+            raise UserError(f"--only {':'.join(x for x in w[:1] if x)}{'' if w[1] is None else f':{w[1]}={w[2]}'}: "
+                            f"no server of the matrix matches (engines: {', '.join(names)})")  # fmt: skip
+    ids = {s.server_id for s in servers}
+    return Plan(
+        run_id=plan.run_id, matrix=plan.matrix, servers=servers, cells=tuple(c for c in plan.cells if c.server_id in ids),
+        searches=searches, params={k: v for k, v in plan.params.items() if k in ids},
+    )
 
 
 def format_plan(plan: Plan) -> str:

@@ -21,7 +21,7 @@ from rich.table import Table
 from benchsuite.engines.base import ServerSpec
 from benchsuite.errors import UserError
 from benchsuite.matrix import load_matrix
-from benchsuite.plan import CellSpec, Plan, build_plan, format_plan
+from benchsuite.plan import CellSpec, Plan, build_plan, format_plan, select
 from benchsuite.records import CellResult
 from benchsuite.search import describe
 from benchsuite.store import read_cells, read_manifest
@@ -40,6 +40,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="fail one request after this long; the cell keeps its records (workloads' max_error_rate decides)")
     parser.add_argument("--quiet", action="store_true", help="no progress display (CI)")
     parser.add_argument("--no-report", action="store_true", help="do not write the HTML report at the end")
+    parser.add_argument("--only", action="append", default=[], metavar="ENGINE[:OPTION=VALUE]",
+                        help="run only these servers of the matrix (repeatable), e.g. --only resident --only paged:resident_experts=32; "
+                             "the run id stays the matrix's, so a later run without --only measures the rest")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -50,6 +53,8 @@ def main(args: argparse.Namespace) -> int:
     if args.run_id is not None and not _RUN_ID_RE.match(args.run_id):
         raise UserError(f"--run-id {args.run_id!r}: use letters, digits, '.', '_' and '-' only")
     plan = build_plan(load_matrix(args.matrix), run_id=args.run_id)
+    if args.only:
+        plan = select(plan, args.only)
     if args.dry_run:
         print(format_plan(plan))
         return 0
