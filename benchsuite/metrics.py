@@ -69,6 +69,7 @@ DEFINITIONS: dict[str, str] = {
     "waves_per_step": "waves / (MoE layer x step) over the cell",
     "union_mean": "union of routed experts per (MoE layer x step), mean over the cell",
     "engine_decode_step_s": "built-in engine: its own time per all-decode step (plan, model, wait, sample, hand-off; no HTTP), mean over the cell",
+    "gpu_memory_used_bytes": "built-in engine on CUDA: device memory in use after the cell, CUDA context and graph pools included",
     "engine_decode_tok_s": "built-in engine: decode tokens / engine decode-step seconds, the aggregate rate in process (compare output_tok_s over HTTP)",
 }
 """Each CellResult metric field with its one-line formula, for reports to print beside the numbers."""
@@ -294,6 +295,8 @@ def paging_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
       per step whose chunks are all decode tokens (plan, model, wait, sample, hand-off; no HTTP)
     - engine_decode_tok_s = decode tokens / engine decode-step seconds: the aggregate decode rate the
       engine produced in process; against output_tok_s it shows what the HTTP side costs
+    - gpu_memory_used_bytes: the device memory in use after the cell (a gauge, not a delta; CUDA only):
+      what a card of that size must hold for this configuration
     """
     delta: dict[str, float | None] = {}
     for key, name in PAGING_COUNTERS.items():
@@ -313,6 +316,7 @@ def paging_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
         "union_mean": _ratio(delta["union_experts"], delta["moe_steps"]),
         "engine_decode_step_s": _ratio(delta["decode_step_s"], delta["decode_steps"]),
         "engine_decode_tok_s": _ratio(delta["decode_tokens"], delta["decode_step_s"]),
+        "gpu_memory_used_bytes": _as_int(metric_value(after, "paged_experts:gpu_memory_used_bytes") or None),
     }
 
 

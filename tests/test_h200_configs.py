@@ -23,6 +23,7 @@ def stand_ins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from paged_experts.synth_memory import write_weightless
 
     monkeypatch.setenv("BENCH_H200_MODEL", str(write_weightless("tiny", tmp_path / "q48")))
+    monkeypatch.setenv("BENCH_H200_FP8_MODEL", str(write_weightless("tiny-fp8", tmp_path / "q48-fp8")))
     (tmp_path / "q48.gguf").write_bytes(b"")
     monkeypatch.setenv("BENCH_H200_GGUF", str(tmp_path / "q48.gguf"))
 
@@ -48,14 +49,17 @@ def test_each_matrix_validates_and_prints_its_plan(
 def test_the_modes_and_values_issue_15_lists(stand_ins: None) -> None:
     plans = {name: build_plan(load_matrix(CONFIGS / f"{name}.yaml")) for name in ("model", "synthetic", "offload")}
 
-    def values(plan: object, mode: str, option: str) -> list[object]:
-        servers = plan.servers  # type: ignore[attr-defined]
+    def values(plan: object, mode: str, option: str, fp8: bool = False) -> list[object]:
+        servers = [s for s in plan.servers if s.name.endswith("-fp8") == fp8]  # type: ignore[attr-defined]
         return sorted(s.options[option] for s in servers if s.kind == "builtin" and s.options["mode"] == mode)
 
     for name in ("model", "synthetic"):
         assert values(plans[name], "paged", "resident_experts") == [16, 30, 32, 64, 92]
         assert values(plans[name], "resident", "mode") == ["resident"]
     assert values(plans["model"], "cpu-experts", "n_cpu_moe") == [12, 24]
+    for name in ("model", "synthetic"):  # issue 17: FP8 paged at the published K=40 and K=24, and beyond
+        assert values(plans[name], "paged", "resident_experts", fp8=True) == [24, 40, 56]
+    assert values(plans["model"], "resident", "mode", fp8=True) == ["resident"]
     assert values(plans["offload"], "offload", "offload_layers") == [48]
     assert {s.options["routing"] for s in plans["synthetic"].servers} == {"qwen3-30b-a3b"}
     assert {s.options["routing"] for p in ("model", "offload") for s in plans[p].servers if s.kind == "builtin"} == {
