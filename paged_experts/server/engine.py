@@ -102,6 +102,7 @@ class _WorkResult:
     token_id: int | None
     token_lp: TokenLogprob | None
     prompt_lps: list[TokenLogprob]
+    error: str | None = None  # this request's sampling or logprobs failed; it alone ends with FINISH_ERROR
 
 
 class RequestStream:
@@ -314,8 +315,14 @@ class Engine:
             hook(layout)
         chunks = [self._make_chunk(w.req.seq, w.token_ids, w.start_pos, w.all_logits) for w in work]
         logits = self.model.forward(chunks)  # one [n, V] (all_logits) or [1, V] per chunk
-        results = [self._result(w, rows) for w, rows in zip(work, logits)]
-        return results
+        return [self._isolated_result(w, rows) for w, rows in zip(work, logits)]
+
+    def _isolated_result(self, w: _Work, rows: torch.Tensor) -> _WorkResult:
+        """One request's sampling and logprobs; a failure there is that request's error, never the step's."""
+        try:
+            return self._result(w, rows)
+        except Exception as exc:  # noqa: BLE001 -- e.g. a NaN row or a bad parameter: fail this request only
+            return _WorkResult(None, None, [], error=f"{type(exc).__name__}: {exc}")
 
     def _result(self, w: _Work, rows: torch.Tensor) -> _WorkResult:
         params = w.req.params
@@ -341,6 +348,9 @@ class Engine:
             req = w.req
             if req.abort_reason is not None:
                 self._finish(req, req.abort_reason)
+                continue
+            if res.error is not None:
+                self._finish(req, FINISH_ERROR, error=res.error)
                 continue
             req.num_computed += len(w.token_ids)
             req.prompt_lps.extend(res.prompt_lps)
