@@ -96,6 +96,8 @@ class BuiltinAdapter:
             "--device", opts.device,
             "--max-running-requests", str(spec.max_concurrency),
             "--max-total-tokens", str(spec.fairness["kv_capacity_tokens"]),
+            # the name the runner's requests carry (the server answers 404 for a model it does not serve)
+            "--served-model-name", opts.model,
         ]  # fmt: skip
         if opts.resident_experts is not None:
             argv += ["--paged-experts-num-resident", str(opts.resident_experts)]
