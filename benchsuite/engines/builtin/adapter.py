@@ -96,8 +96,6 @@ class BuiltinAdapter:
             "--device", opts.device,
             "--max-running-requests", str(spec.max_concurrency),
             "--max-total-tokens", str(spec.fairness["kv_capacity_tokens"]),
-            # the name the runner's requests carry (the server answers 404 for a model it does not serve)
-            "--served-model-name", opts.model,
         ]  # fmt: skip
         if opts.resident_experts is not None:
             argv += ["--paged-experts-num-resident", str(opts.resident_experts)]
@@ -111,6 +109,7 @@ class BuiltinAdapter:
             argv += ["--routing-source", opts.routing, "--routing-seed", str(opts.routing_seed)]
         if opts.record_routing:
             argv += ["--record-routing", f"{RUN_DIR_PLACEHOLDER}/routing/{spec.server_id}.trace"]
+        argv += ["--served-model-name", opts.model]  # what the runner's requests name (404 for another name)
         # The tiny model on 2 CPU cores starts in seconds; a real checkpoint may take minutes.
         return LaunchPlan(argv=argv, env={"PYTHONUNBUFFERED": "1"}, startup_timeout_s=opts.startup_timeout_s)
 
