@@ -31,6 +31,7 @@ from benchsuite import canary, loadgen, metrics
 from benchsuite.engines import ADAPTERS, RUN_DIR_PLACEHOLDER
 from benchsuite.engines.base import EngineAdapter, EngineConfigError, ServerSpec
 from benchsuite.errors import RunError, UserError
+from benchsuite.fingerprint import plan_fingerprint
 from benchsuite.machine import git_facts, machine_facts
 from benchsuite.plan import CellSpec, Plan, SearchTask, resolve_search
 from benchsuite.process import EngineProcess, free_port
@@ -229,10 +230,12 @@ async def run_search_task(ctx: RunContext, task: SearchTask) -> list[CellResult]
     return await run_server_cells(ctx, spec, cells)
 
 
-def open_store(plan: Plan, output_root: Path | None = None, *, write: Writer = atomic_write_bytes) -> RunStore:
-    """Create or resume <output_root>/<run-id> (the matrix's output_root unless given)."""
+def open_store(plan: Plan, output_root: Path | None = None, *, write: Writer = atomic_write_bytes,
+               new_run: bool = False) -> RunStore:  # fmt: skip
+    """Lock, then create or resume <output_root>/<run-id> (the matrix's output_root unless given);
+    `new_run` moves an existing run there aside first. Close the store to release the lock."""
     run_dir = Path(output_root or plan.matrix.matrix.output_root) / plan.run_id
-    return RunStore.open(run_dir, build_manifest(plan), write=write)
+    return RunStore.open(run_dir, build_manifest(plan), write=write, new_run=new_run)
 
 
 def build_manifest(plan: Plan) -> dict[str, Any]:
@@ -244,6 +247,7 @@ def build_manifest(plan: Plan) -> dict[str, Any]:
         "matrix": plan.matrix.as_json(),
         "machine": machine_facts(),
         "git": git_facts(),
+        "fingerprint": plan_fingerprint(plan),  # what the cells depend on beyond the matrix text
         "planned": {
             "servers": {s.server_id: {"engine": s.name, "kind": s.kind, "params": dict(plan.params[s.server_id])}
                         for s in plan.servers},
