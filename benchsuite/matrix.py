@@ -33,6 +33,8 @@ from benchsuite import reference
 from benchsuite.engines import ADAPTERS
 from benchsuite.errors import UserError
 from benchsuite.matrix_env import expand_env_refs
+from benchsuite.engine_env import NAME as ENV_NAME
+from benchsuite.engine_env import recorded
 from benchsuite.matrix_yaml import YamlError, read_yaml
 
 ENGINE_KINDS = ("builtin", "llamacpp", "sglang")
@@ -52,9 +54,26 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _env_vars(value: Any) -> Any:
+    """`env:` values as text (YAML reads 4 and true as numbers and booleans); names as the shell spells them."""
+    if not isinstance(value, dict):
+        return value
+    out = {}
+    for name, item in value.items():
+        if not isinstance(name, str) or not ENV_NAME.match(name):
+            raise ValueError(f"{name!r} is not an environment variable name (letters, digits, _)")
+        if isinstance(item, bool):
+            item = "1" if item else "0"
+        out[name] = str(item) if isinstance(item, int | float) else item
+    return out
+
+
 class EngineEntry(_Strict):
     kind: Literal["builtin", "llamacpp", "sglang"]
     options: dict[str, Any] = Field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict)  # this engine's environment beyond what engines need
+
+    _text_env = field_validator("env", mode="before")(_env_vars)
 
 
 class Workload(_Strict):
@@ -159,6 +178,9 @@ class Matrix(_Strict):
     fairness: Fairness = Field(default_factory=Fairness)
     reference: ReferenceChoice | None = None
     canary: bool = False  # the leak canary on every server after its cells (manifest + report)
+    env: dict[str, str] = Field(default_factory=dict)  # every engine's environment beyond what engines need
+
+    _text_env = field_validator("env", mode="before")(_env_vars)
 
     @field_validator("reference", mode="before")
     @classmethod
@@ -185,7 +207,11 @@ class ValidatedMatrix:
     matrix_hash: str  # sha256 of the canonical JSON of the matrix (output_root excluded), hex
 
     def as_json(self) -> dict[str, Any]:
-        return self.matrix.model_dump(mode="json")
+        """The matrix as the manifest records it: `env:` values of secret-looking names left out."""
+        dump = self.matrix.model_dump(mode="json")
+        for holder in (dump, *dump["engines"].values()):
+            holder["env"] = recorded(holder.get("env") or {})
+        return dump
 
 
 def load_matrix(path: str | Path) -> ValidatedMatrix:
@@ -205,9 +231,8 @@ def load_matrix(path: str | Path) -> ValidatedMatrix:
         problems.extend(errors)
         option_sets[name] = sets
     problems += _size_problems(source, matrix, option_sets)
-    # output_root is where results go, not what is measured: moving them keeps the run id.
-    canonical = json.dumps(matrix.model_dump(mode="json", exclude={"output_root"}), sort_keys=True, separators=(",", ":"))
-    digest = hashlib.sha256(canonical.encode()).hexdigest()
+    problems += _owned_env_problems(source, matrix)
+    digest = _matrix_hash(matrix)
     workloads = dict(matrix.workloads)
     for name, workload in matrix.workloads.items():
         if workload.path is not None:  # relative to the matrix file, checked before anything starts
@@ -220,6 +245,31 @@ def load_matrix(path: str | Path) -> ValidatedMatrix:
         raise MatrixError("\n".join(dict.fromkeys(problems)))
     matrix = matrix.model_copy(update={"workloads": workloads})
     return ValidatedMatrix(matrix, option_sets, source, digest)
+
+
+def _matrix_hash(matrix: Matrix) -> str:
+    # output_root is where results go, not what is measured: moving them keeps the run id. An
+    # empty `env:` is left out so matrices written before it existed keep their run ids.
+    dump = matrix.model_dump(mode="json", exclude={"output_root"})
+    for holder in (dump, *dump["engines"].values()):
+        if not holder.get("env"):
+            holder.pop("env", None)
+    canonical = json.dumps(dump, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _owned_env_problems(source: Path, matrix: Matrix) -> list[str]:
+    """`env:` may not set what an engine's adapter owns (e.g. LLAMA_ARG_CTX_SIZE is -c)."""
+    problems = []
+    for name, entry in matrix.engines.items():
+        try:
+            owned = getattr(ADAPTERS[entry.kind], "owned_env", frozenset())
+        except UserError:
+            continue  # an unavailable kind has its own error
+        for where, env in (("env", matrix.env), (f"engines.{name}.env", entry.env)):
+            for var in sorted(set(env) & set(owned)):
+                problems.append(f"{source}: {where}.{var}: sets {owned[var]}, which the {entry.kind} adapter owns")
+    return problems
 
 
 def _number_problems(value: Any, loc: tuple[str | int, ...]) -> list[tuple[tuple[str | int, ...], str]]:

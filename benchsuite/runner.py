@@ -17,6 +17,7 @@ Building blocks for benchsuite.search (the llama.cpp `--n-cpu-moe` search), whic
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import dataclasses
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -30,6 +31,7 @@ import aiohttp
 from benchsuite import canary, loadgen, metrics
 from benchsuite.engines import ADAPTERS, RUN_DIR_PLACEHOLDER
 from benchsuite.engines.base import EngineAdapter, EngineConfigError, ServerSpec
+from benchsuite.engine_env import engine_environment, recorded
 from benchsuite.errors import RunError, UserError
 from benchsuite.fingerprint import plan_fingerprint
 from benchsuite.machine import git_facts, machine_facts
@@ -103,7 +105,8 @@ async def launch_server(ctx: RunContext, spec: ServerSpec) -> AsyncIterator[Runn
     launch = adapter.launch_plan(spec, port)
     run_dir = str(ctx.store.run_dir.resolve())
     argv = [arg.replace(RUN_DIR_PLACEHOLDER, run_dir) for arg in launch.argv]
-    env = {k: v.replace(RUN_DIR_PLACEHOLDER, run_dir) for k, v in launch.env.items()}
+    adapter_env = {k: v.replace(RUN_DIR_PLACEHOLDER, run_dir) for k, v in launch.env.items()}
+    env = engine_environment(os.environ, adapter_env, spec.env)  # the whole environment: nothing else leaks in
     base_url = f"http://127.0.0.1:{port}"
     ctx.store.record_server(
         spec.server_id,
@@ -114,14 +117,15 @@ async def launch_server(ctx: RunContext, spec: ServerSpec) -> AsyncIterator[Runn
             "fairness": dict(spec.fairness),
             "max_concurrency": spec.max_concurrency,
             "argv": argv,
-            "env": env,
+            "env": recorded(env),
             "version": adapter.version(spec),
             "started_utc": utc_now(),
             "log": str(ctx.store.log_path(spec.server_id).relative_to(ctx.store.run_dir)),
         },
     )
     process = EngineProcess(
-        argv, env, ctx.store.log_path(spec.server_id), base_url + launch.health_path, launch.startup_timeout_s
+        argv, env, ctx.store.log_path(spec.server_id), base_url + launch.health_path, launch.startup_timeout_s,
+        inherit_env=False,
     )
     try:
         process.start()

@@ -188,7 +188,7 @@ async def run_search(ctx: Any, task: Any) -> Mapping[str, Any]:
     def spec_for(n: int) -> Any:
         options = {**spec.options, task.option: n}
         return make_server_spec(
-            spec.name, spec.kind, options, spec.fairness, spec.max_concurrency
+            spec.name, spec.kind, options, spec.fairness, spec.max_concurrency, spec.env
         )
 
     def search_cell(n: int) -> Any:

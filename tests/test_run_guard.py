@@ -207,3 +207,67 @@ def test_a_damaged_cell_is_measured_again_by_the_next_run(tmp_path: Path, model_
     stored = json.loads(cell_file.read_text())
     assert stored["attempt"] == 2 and stored["cell"]["status"] == "ok"
     assert (run_dir / "attempts" / f"{plan.cells[0].cell_id}.1.json").read_bytes() == b"null"
+
+
+# ---- the engine's environment ------------------------------------------------------------------
+
+
+async def test_the_engine_gets_what_it_needs_and_what_the_matrix_declares_only(
+    tmp_path: Path, model_copy: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import psutil
+
+    from benchsuite.runner import RunContext, client_session, launch_server
+
+    path = write_matrix(tmp_path, str(model_copy))
+    doc = yaml.safe_load(path.read_text())
+    doc["env"] = {"DECLARED_FOR_ALL": "1"}
+    doc["engines"]["e"]["env"] = {"DECLARED_FOR_E": 2, "HF_TOKEN": "secret-value"}
+    path.write_text(yaml.safe_dump(doc))
+    monkeypatch.setenv("LLAMA_ARG_CTX_SIZE", "5")  # left in the user's shell: must not reach an engine
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    plan = build_plan(load_matrix(path))
+    store = open_store(plan)
+    try:
+        async with client_session() as session:
+            async with launch_server(RunContext(plan, store, session), plan.servers[0]) as server:
+                env = psutil.Process(server.process.pid).environ()
+    finally:
+        store.close()
+    assert env["DECLARED_FOR_ALL"] == "1" and env["DECLARED_FOR_E"] == "2" and env["PATH"] == os.environ["PATH"]
+    assert "LLAMA_ARG_CTX_SIZE" not in env and "OMP_NUM_THREADS" not in env
+    manifest = json.loads((store.run_dir / "manifest.json").read_text())
+    recorded = manifest["servers"][plan.servers[0].server_id]["env"]
+    assert recorded["DECLARED_FOR_E"] == "2" and recorded["HF_TOKEN"] == "<set>" and "LLAMA_ARG_CTX_SIZE" not in recorded
+    assert "secret-value" not in (store.run_dir / "manifest.json").read_text()
+
+
+@pytest.mark.llamacpp
+async def test_llama_server_is_started_so_no_web_page_can_read_it(tmp_path: Path) -> None:
+    import aiohttp
+
+    from benchsuite.engines.base import ServerSpec
+    from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter, binary_flags, find_binary
+    from benchsuite.process import EngineProcess, free_port
+
+    binary = find_binary()
+    if binary is None:
+        pytest.skip("no llama-server on PATH or in the cache: run `benchsuite install llama-server`")
+    adapter = LlamaCppAdapter()
+    spec = ServerSpec("cors", "llamacpp", {"model": "tiny", "threads": 2}, {"kv_capacity_tokens": 256}, 1, "cors")
+    adapter.prepare(spec)
+    port = free_port()
+    launch = adapter.launch_plan(spec, port)
+    assert "--cors-origins" in binary_flags(binary), "the pinned build lists --cors-origins"
+    base = f"http://127.0.0.1:{port}"
+    async with EngineProcess(launch.argv, launch.env, tmp_path / "server.log", f"{base}/health", 120):
+        async with aiohttp.ClientSession() as http:
+            for path in ("/props", "/metrics", "/v1/models"):
+                headers = {"Origin": "http://evil.example"}
+                async with http.get(base + path, headers=headers) as resp:
+                    allowed = resp.headers.get("Access-Control-Allow-Origin")
+                    assert allowed not in ("*", "http://evil.example"), (path, dict(resp.headers))
+                    assert resp.headers.get("Access-Control-Allow-Credentials") != "true"
+                async with http.options(base + path, headers={**headers, "Access-Control-Request-Method": "GET"}) as resp:
+                    assert resp.headers.get("Access-Control-Allow-Origin") not in ("*", "http://evil.example")
+    assert "cross_origin" in adapter.version(spec) and "--cors-origins" in adapter.version(spec)["cross_origin"]

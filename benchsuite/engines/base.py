@@ -13,6 +13,8 @@ Optional members the runner reads with getattr (an adapter without one simply la
 - `tokenizer_dir(spec) -> Path`: the model's tokenizer, for exact-length prompts;
 - `cell_flags(spec, log_text, cell) -> list[str]`: one-line engine warnings for a finished cell
   (stored in the cell's `extras["flags"]`, shown by the report);
+- `owned_env: frozenset[str]`: environment variables that would set what the adapter owns (llama.cpp's
+  `LLAMA_ARG_CTX_SIZE` ...); the matrix loader refuses them in `env:`;
 - `async after_cells(ctx, server, requests) -> dict`: on the live server after its cells, before it
   stops (`requests`: the distinct LoadRequests its cells sent); the dict is merged into the
   manifest's server entry (e.g. SGLang's routing capture: `routing_trace`).
@@ -43,6 +45,7 @@ class ServerSpec:
     fairness: dict[str, Any]
     max_concurrency: int
     server_id: str  # stable hash of the above
+    env: dict[str, str] = field(default_factory=dict)  # the matrix's `env:` for this engine (matrix, then engine level)
 
 
 @dataclass

@@ -104,8 +104,16 @@ class SGLangOptions(BaseModel):
     deterministic: bool = False  # --enable-deterministic-inference (accuracy runs)
     return_routed_experts: bool = False  # routing capture: server flag + per-request field
     python: str | None = None  # interpreter with sglang installed; None = this interpreter
-    extra_args: list[str] = Field(default_factory=list)
-    startup_timeout_s: float = Field(1800.0, gt=0)  # a 30B checkpoint plus graph capture takes minutes
+    extra_args: list[str] = Field(default_factory=list)  # never a flag the adapter owns (constraints.OWNED_FLAGS)
+    startup_timeout_s: float = Field(1800.0, gt=0, le=7 * 86400)  # a 30B checkpoint plus graph capture takes minutes
+
+    @field_validator("extra_args")
+    @classmethod
+    def _not_owned(cls, value: list[str]) -> list[str]:
+        problems = sglang_constraints.extra_args_problems(value)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return value
 
     @field_validator("model_path", "speculative_draft_model_path", "python", mode="before")
     @classmethod
@@ -165,7 +173,7 @@ class SGLangAdapter:
 
     def validate(self, spec: ServerSpec) -> None:
         opts = self._options(spec)
-        problems = sglang_constraints.extra_args_problems(opts.extra_args)
+        problems: list[str] = []  # extra_args were checked when the options were validated (matrix load)
         if "kv_capacity_tokens" not in spec.fairness:
             problems.append("fairness.kv_capacity_tokens is required (--max-total-tokens)")
         if opts.mode == "paged":
