@@ -46,7 +46,9 @@ def path_facts(label: str, path: Path) -> dict[str, Any]:
         return {label: _stat(path)}
     if not path.is_dir():
         return {label: "missing"}
-    files = sorted(p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    files = sorted(
+        p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+    )
     if len(files) > MAX_FILES_PER_MODEL:
         return {label: f"{len(files)} files"}
     return {f"{label}/{p.relative_to(path)}": _stat(p) for p in files} or {label: "empty directory"}

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pydantic
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer, model_validator
 
 from benchsuite import reference
@@ -306,11 +305,13 @@ def _size_problems(source: Path, matrix: Matrix, option_sets: Mapping[str, tuple
         cells += n
         requests += n * (workload.num_requests + workload.warmup_requests)
     if cells > MAX_CELLS:
-        problems.append(f"{source}: (top level): the matrix makes {cells} cells (engines x workloads x repeats); at most {MAX_CELLS}")
+        problems.append(
+            f"{source}: (top level): the matrix makes {cells} cells (engines x workloads x repeats); at most {MAX_CELLS}"
+        )
     elif requests > MAX_RUN_REQUESTS:
         problems.append(
-            f"{source}: (top level): the matrix sends {requests:,} requests (cells x (num_requests + warmup_requests)); "
-            f"at most {MAX_RUN_REQUESTS:,}"
+            f"{source}: (top level): the matrix sends {requests:,} requests "
+            f"(cells x (num_requests + warmup_requests)); at most {MAX_RUN_REQUESTS:,}"
         )
     return problems
 

@@ -94,7 +94,9 @@ def _expand(text: str, pos: int, env: Mapping[str, str], loc: Loc, nesting: int,
     return "".join(out), pos
 
 
-def _reference(text: str, start: int, env: Mapping[str, str], loc: Loc, nesting: int, evaluate: bool) -> tuple[str, int]:
+def _reference(
+    text: str, start: int, env: Mapping[str, str], loc: Loc, nesting: int, evaluate: bool
+) -> tuple[str, int]:
     """One `${...}` starting at `start`; returns (its value, the index after its `}`)."""
     if nesting >= MAX_NESTING:
         raise _Problem(f"{text!r}: references nest deeper than {MAX_NESTING} levels")

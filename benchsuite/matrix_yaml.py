@@ -47,7 +47,8 @@ class _Bounded(yaml.SafeLoader):
         self.depth += 1
         try:
             if self.depth > MAX_DEPTH:
-                raise YamlError(f"{self.source}: {_where(self.peek_event().start_mark)}: nested deeper than {MAX_DEPTH} levels")
+                mark = self.peek_event().start_mark
+                raise YamlError(f"{self.source}: {_where(mark)}: nested deeper than {MAX_DEPTH} levels")
             return super().compose_node(parent, index)
         finally:
             self.depth -= 1

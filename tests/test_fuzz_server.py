@@ -10,9 +10,7 @@ error naming a parameter, and the server still answers /health afterwards.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -24,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from benchsuite.process import EngineProcess, free_port
+from tests.real_servers import builtin_server
 
 CORPUS = Path(__file__).resolve().parent / "data" / "bad_requests.jsonl"
 REQUEST_LIMIT_S = 20.0  # one request's wall-clock limit: the server must answer within it
@@ -40,19 +38,9 @@ CHAT_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "temp
 
 @pytest.fixture(scope="module")
 def server_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    argv = [sys.executable, "-m", "paged_experts.server.app", "--model-path", str(tiny_model_dir), "--port", str(port),
-            "--max-total-tokens", str(KV_CAPACITY_TOKENS), "--max-running-requests", "4", "--log-level", "warning"]  # fmt: skip
-    log = tmp_path_factory.mktemp("fuzz-server") / "server.log"
-    proc = EngineProcess(argv, {}, log, f"http://127.0.0.1:{port}/health", startup_timeout_s=300.0)
-    proc.start()
-    try:
-        asyncio.run(proc.wait_ready())
-        yield f"http://127.0.0.1:{port}"
-        assert proc.alive, f"the server died during fuzzing:\n{proc.log_tail()}"
-        assert "Traceback" not in log.read_text(), proc.log_tail(60)
-    finally:
-        proc.stop()
+    flags = ("--max-total-tokens", str(KV_CAPACITY_TOKENS), "--max-running-requests", "4")
+    with builtin_server(tiny_model_dir, tmp_path_factory.mktemp("fuzz-server"), *flags) as url:
+        yield url
 
 
 def send(url: str, raw: bytes, content_type: str = "application/json") -> tuple[int, bytes]:

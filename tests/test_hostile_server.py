@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,8 +20,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from benchsuite.process import EngineProcess, free_port
 from paged_experts.server.text import TextCodec
+from tests.real_servers import builtin_server
 
 KV_CAPACITY_TOKENS = 1024
 SERVED_NAME = "hostile-tiny"
@@ -33,20 +32,9 @@ HEALTH_LIMIT_S = 1.5
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    argv = [sys.executable, "-m", "paged_experts.server.app", "--model-path", str(tiny_model_dir), "--port", str(port),
-            "--max-total-tokens", str(KV_CAPACITY_TOKENS), "--max-running-requests", "8",
-            "--served-model-name", SERVED_NAME, "--log-level", "warning"]  # fmt: skip
-    log = tmp_path_factory.mktemp("hostile-server") / "server.log"
-    proc = EngineProcess(argv, {}, log, f"http://127.0.0.1:{port}/health", startup_timeout_s=300.0)
-    proc.start()
-    try:
-        asyncio.run(proc.wait_ready())
-        yield f"http://127.0.0.1:{port}"
-        assert proc.alive, proc.log_tail()
-        assert "Traceback" not in log.read_text(), proc.log_tail(60)
-    finally:
-        proc.stop()
+    flags = ("--max-total-tokens", str(KV_CAPACITY_TOKENS), "--max-running-requests", "8", "--served-model-name", SERVED_NAME)
+    with builtin_server(tiny_model_dir, tmp_path_factory.mktemp("hostile-server"), *flags) as url:
+        yield url
 
 
 async def post(http: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, dict[str, Any]]:

@@ -33,8 +33,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="print the cells and engine command lines; start nothing")
     parser.add_argument("--run-id", help="results directory name (default: <matrix name>-<matrix hash>); reuse it to resume")
     parser.add_argument("--new-run", action="store_true",
-                        help="start a new run in the run directory: an earlier run there (of another matrix, other inputs, "
-                             "or a damaged manifest) is moved aside to <run-id>.replaced-<UTC time>, never deleted")
+                        help="start a new run in the run directory: an earlier run there (of another matrix, "
+                             "other inputs, or a damaged manifest) is moved aside to <run-id>.replaced-<UTC time>")
     parser.add_argument("--output-root", type=Path, help="parent of the run directory (default: the matrix's output_root)")
     parser.add_argument("--cell-timeout-s", type=float, default=3600.0,
                         help="last resort: fail a whole cell (its records lost) and stop using its server after this long")

@@ -22,12 +22,26 @@ Optional members the runner reads with getattr (an adapter without one simply la
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
 class EngineConfigError(ValueError):
     """A server spec the engine cannot run; the message is one line that names the cause."""
+
+
+def extra_args_check(problems_of: Callable[[list[str]], list[str]]) -> Callable[[list[str]], list[str]]:
+    """A pydantic validator for an adapter's `extra_args` that refuses, in one line, what
+    `problems_of` names (flags the adapter owns), so the matrix load names them."""
+
+    def check(value: list[str]) -> list[str]:
+        problems = problems_of(value)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return value
+
+    return check
 
 
 @dataclass(frozen=True)

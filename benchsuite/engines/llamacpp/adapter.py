@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from benchsuite.engines.base import EngineConfigError, LaunchPlan, ServerSpec
+from benchsuite.engines.base import EngineConfigError, LaunchPlan, ServerSpec, extra_args_check
 from benchsuite.engines.llamacpp import owned
 from benchsuite.errors import UserError
 
@@ -68,13 +68,7 @@ class LlamaCppOptions(BaseModel):
     extra_args: list[str] = Field(default_factory=list)  # never a flag the adapter owns (owned.py)
     startup_timeout_s: float = Field(600.0, gt=0, le=7 * 86400)
 
-    @field_validator("extra_args")
-    @classmethod
-    def _not_owned(cls, value: list[str]) -> list[str]:
-        problems = owned.extra_args_problems(value)
-        if problems:
-            raise ValueError("; ".join(problems))
-        return value
+    _not_owned = field_validator("extra_args")(extra_args_check(owned.extra_args_problems))
 
     @field_validator("flash_attn", mode="before")
     @classmethod

@@ -44,7 +44,8 @@ _GROUPS: tuple[tuple[tuple[str, ...], str | None, str], ...] = (
     (("-t", "--threads"), "LLAMA_ARG_THREADS", "option threads"),
     (("-lv", "--verbosity", "--log-verbosity"), "LLAMA_ARG_LOG_VERBOSITY", "the adapter (4: the memory lines)"),
     (("--cors-origins",), "LLAMA_ARG_CORS_ORIGINS", "the adapter (no cross-origin reads)"),
-    (("--cors-credentials", "--no-cors-credentials"), "LLAMA_ARG_CORS_CREDENTIALS", "the adapter (no cross-origin reads)"),
+    (("--cors-credentials", "--no-cors-credentials"), "LLAMA_ARG_CORS_CREDENTIALS",
+     "the adapter (no cross-origin reads)"),
 )
 OWNED_FLAGS: dict[str, str] = {alias: owner for aliases, _, owner in _GROUPS for alias in aliases}
 OWNED_ENV: dict[str, str] = {env: f"{'/'.join(aliases)} ({owner})" for aliases, env, owner in _GROUPS if env}

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from benchsuite.engines.sglang import logs as sglang_logs
 from benchsuite.engines.sglang import constraints as sglang_constraints
-from benchsuite.engines.base import EngineConfigError, LaunchPlan, ServerSpec
+from benchsuite.engines.base import EngineConfigError, LaunchPlan, ServerSpec, extra_args_check
 from benchsuite.metrics import parse_prometheus
 
 METRIC_PREFIX = "sglang:"  # observability/metrics_collector.py names every series sglang:*
@@ -107,13 +107,7 @@ class SGLangOptions(BaseModel):
     extra_args: list[str] = Field(default_factory=list)  # never a flag the adapter owns (constraints.OWNED_FLAGS)
     startup_timeout_s: float = Field(1800.0, gt=0, le=7 * 86400)  # a 30B checkpoint plus graph capture takes minutes
 
-    @field_validator("extra_args")
-    @classmethod
-    def _not_owned(cls, value: list[str]) -> list[str]:
-        problems = sglang_constraints.extra_args_problems(value)
-        if problems:
-            raise ValueError("; ".join(problems))
-        return value
+    _not_owned = field_validator("extra_args")(extra_args_check(sglang_constraints.extra_args_problems))
 
     @field_validator("model_path", "speculative_draft_model_path", "python", mode="before")
     @classmethod

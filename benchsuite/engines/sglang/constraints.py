@@ -160,7 +160,9 @@ def extra_args_problems(extra_args: Sequence[str]) -> list[str]:
         if flag.startswith("--") and len(flag) > 2:
             owned = sorted(f for f in OWNED_FLAGS if f.startswith(flag))
             if owned:
-                problems.append(f"extra_args {flag}: argparse reads it as {owned[0]}, set through {OWNED_FLAGS[owned[0]]} instead")
+                problems.append(
+                    f"extra_args {flag}: argparse reads it as {owned[0]}, set through {OWNED_FLAGS[owned[0]]} instead"
+                )
     return problems
 
 
