@@ -67,6 +67,8 @@ DEFINITIONS: dict[str, str] = {
     "bytes_paged_per_token": "bytes paged host->device / generated tokens over the cell (prefill page-ins included)",
     "waves_per_step": "waves / (MoE layer x step) over the cell",
     "union_mean": "union of routed experts per (MoE layer x step), mean over the cell",
+    "engine_decode_step_s": "built-in engine: its own time per all-decode step (plan, model, wait, sample, hand-off; no HTTP), mean over the cell",
+    "engine_decode_tok_s": "built-in engine: decode tokens / engine decode-step seconds, the aggregate rate in process (compare output_tok_s over HTTP)",
 }
 """Each CellResult metric field with its one-line formula, for reports to print beside the numbers."""
 
@@ -238,6 +240,9 @@ PAGING_COUNTERS = {
     "union_experts": "paged_experts:union_experts_total",
     "generation_tokens": "paged_experts:generation_tokens_total",
     "prompt_tokens": "paged_experts:prompt_tokens_total",
+    "decode_steps": "paged_experts:engine_decode_steps_total",
+    "decode_tokens": "paged_experts:engine_decode_tokens_total",
+    "decode_step_s": "paged_experts:engine_decode_step_seconds_total",
 }
 
 
@@ -281,6 +286,10 @@ def paging_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
       it is the link traffic each generated token cost)
     - waves_per_step = waves / moe_steps
     - union_mean = union_experts / moe_steps (mean per-layer union of routed experts per step)
+    - engine_decode_step_s = engine decode-step seconds / decode steps: the engine thread's own time
+      per step whose chunks are all decode tokens (plan, model, wait, sample, hand-off; no HTTP)
+    - engine_decode_tok_s = decode tokens / engine decode-step seconds: the aggregate decode rate the
+      engine produced in process; against output_tok_s it shows what the HTTP side costs
     """
     delta: dict[str, float | None] = {}
     for key, name in PAGING_COUNTERS.items():
@@ -297,6 +306,8 @@ def paging_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
         "bytes_paged_per_token": _ratio(delta["bytes_paged"], delta["generation_tokens"]),
         "waves_per_step": _ratio(delta["waves"], delta["moe_steps"]),
         "union_mean": _ratio(delta["union_experts"], delta["moe_steps"]),
+        "engine_decode_step_s": _ratio(delta["decode_step_s"], delta["decode_steps"]),
+        "engine_decode_tok_s": _ratio(delta["decode_tokens"], delta["decode_step_s"]),
     }
 
 

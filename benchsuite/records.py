@@ -91,6 +91,9 @@ class CellResult:
     bytes_paged_per_token: float | None = None
     waves_per_step: float | None = None
     union_mean: float | None = None
+    # The built-in engine's own decode steps over the window (metrics.paging_delta): step time and rate in process.
+    engine_decode_step_s: float | None = None
+    engine_decode_tok_s: float | None = None
     # Engine-specific extras (parsed log facts, captured batch sizes, flags).
     extras: dict[str, Any] = field(default_factory=dict)
 

@@ -119,6 +119,7 @@ async def launch_server(ctx: RunContext, spec: ServerSpec) -> AsyncIterator[Runn
             "argv": argv,
             "env": recorded(env),
             "version": adapter.version(spec),
+            **({"resolved_options": adapter.resolved_options(spec)} if hasattr(adapter, "resolved_options") else {}),
             "started_utc": utc_now(),
             "log": str(ctx.store.log_path(spec.server_id).relative_to(ctx.store.run_dir)),
         },
@@ -128,8 +129,14 @@ async def launch_server(ctx: RunContext, spec: ServerSpec) -> AsyncIterator[Runn
         inherit_env=False,
     )
     try:
+        started_s = time.perf_counter()
         process.start()
         await process.wait_ready()
+        startup = {"startup_s": round(time.perf_counter() - started_s, 3)}  # launch -> first 200 from health
+        engine_startup = getattr(adapter, "startup_facts", None)  # the engine's own breakdown, if it reports one
+        if engine_startup is not None:
+            startup.update(await engine_startup(ctx.session, base_url))
+        ctx.store.record_server(spec.server_id, startup)
         yield RunningServer(spec, adapter, process, base_url, argv)
     finally:
         process.stop()

@@ -13,8 +13,12 @@ Optional members the runner reads with getattr (an adapter without one simply la
 - `tokenizer_dir(spec) -> Path`: the model's tokenizer, for exact-length prompts;
 - `cell_flags(spec, log_text, cell) -> list[str]`: one-line engine warnings for a finished cell
   (stored in the cell's `extras["flags"]`, shown by the report);
-- `owned_env: frozenset[str]`: environment variables that would set what the adapter owns (llama.cpp's
-  `LLAMA_ARG_CTX_SIZE` ...); the matrix loader refuses them in `env:`;
+- `owned_env: dict[str, str]`: environment variables that would set what the adapter owns (llama.cpp's
+  `LLAMA_ARG_CTX_SIZE` ...) -> what sets it instead; the matrix loader refuses them in `env:`;
+- `resolved_options(spec) -> dict`: the options in force with defaults resolved (recorded in the
+  manifest's server entry beside the exact argv);
+- `async startup_facts(session, base_url) -> dict`: the engine's own start-up breakdown, read once
+  it is ready (merged into the manifest's server entry beside the runner's `startup_s`);
 - `async after_cells(ctx, server, requests) -> dict`: on the live server after its cells, before it
   stops (`requests`: the distinct LoadRequests its cells sent); the dict is merged into the
   manifest's server entry (e.g. SGLang's routing capture: `routing_trace`).

@@ -66,7 +66,11 @@ async def metrics(request: web.Request) -> web.Response:
         engine = serving.engine
         # snapshot between steps: a forward in flight is still adding to the counters
         counters = await engine.between_steps(serving.model.counters.snapshot)
-        gauges = EngineGauges(engine.num_running, engine.num_waiting, engine.kv_used_tokens, engine.kv_capacity_tokens)
+        gauges = EngineGauges(
+            engine.num_running, engine.num_waiting, engine.kv_used_tokens, engine.kv_capacity_tokens,
+            engine.decode_steps, engine.decode_tokens, engine.decode_step_s, engine.decode_model_s,
+            engine.timed_steps, engine.phase_seconds(),
+        )  # fmt: skip
     text = state.metrics.render(gauges, counters, state.config.routing_source is not None)
     return web.Response(text=text, content_type="text/plain", charset="utf-8", headers={"X-Prometheus-Format": "0.0.4"})
 
@@ -134,7 +138,8 @@ def _log_engine_end(task: asyncio.Task[None]) -> None:
 
 def _summary(serving: Serving) -> dict[str, object]:
     info = serving.info()
-    return {k: info[k] for k in ("served_model_name", "runtime", "kv", "engine", "routing", "layer_placements")}
+    keys = ("served_model_name", "runtime", "kv", "engine", "routing", "layer_placements", "experts", "startup_s")
+    return {k: info[k] for k in keys}
 
 
 async def _shutdown(state: ServerState) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
@@ -52,6 +53,7 @@ class ServeConfig:
     kernel_backend: str = "grouped"  # or "triton": fused.set_expert_backend (routing, experts, decode attention)
     prefetch_next_layer: bool = False  # captured paged decode steps page in the next layer's predicted experts ahead
     expert_kernel: str = "fused"
+    overlap_schedule: bool = True  # launch a greedy decode step before reading the previous one's tokens
     log_level: str = "info"
 
     @property
@@ -101,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "<= K; 0 = off)")
     p.add_argument("--enable-torch-compile", action="store_true",
                    help="torch.compile the per-layer blocks of the captured decode step (needs --cuda-graph-max-bs)")
+    p.add_argument("--disable-torch-compile", dest="enable_torch_compile", action="store_false",
+                   help="the default: no torch.compile (written out by benchsuite so the command names what is in force)")
     p.add_argument("--kernel-backend", choices=EXPERT_BACKENDS, default="grouped",
                    help="grouped: torch's grouped GEMM for the fused expert pass; triton: routing, the expert pass "
                         "and (in captured steps) attention of decode steps as Triton kernels (CUDA; steps of up to "
@@ -111,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(mode paged, --device cuda, needs --cuda-graph-max-bs; counted as experts_prefetched_total)")
     p.add_argument("--expert-kernel", choices=("fused", "loop"), default="fused",
                    help="grouped matmuls over the slot table (fused) or the per-expert reference loop")
+    p.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_false",
+                   help="read every step's tokens before launching the next (default: a greedy decode step of a "
+                        "captured batch is launched first, its input tokens taken from the device; SGLang's flag)")
+    p.add_argument("--enable-overlap-schedule", dest="overlap_schedule", action="store_true",
+                   help="the default (written out by benchsuite so the command names what is in force)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
 
@@ -182,6 +191,7 @@ class Serving:
     codec: TextCodec
     engine: Engine
     closers: list[Callable[[], object]] = field(default_factory=list)
+    startup_s: dict[str, float] = field(default_factory=dict)  # load, capture, eager warm-up, ready (seconds)
 
     def info(self) -> dict[str, Any]:
         """`GET /server_info`: resolved configs, versions and the routing label."""
@@ -192,11 +202,27 @@ class Serving:
             "runtime": asdict(self.runtime),
             "model": asdict(self.model.config),
             "layer_placements": list(self.model.layer_placements()),
+            "experts": self._expert_facts(),
             "kv": {"capacity_tokens": self.engine.kv_capacity_tokens, "block_size": self.engine.pool.block_size},
             "engine": asdict(self.engine.config),
             "routing": self.config.routing_label,
             "routing_synthetic": self.config.routing_source is not None,
+            "startup_s": self.startup_s,
+            "captured_graphs": self.model.captured_graphs,
+            "step_timing": self.engine.step_timing(),
             "versions": versions(),
+        }
+
+
+    def _expert_facts(self) -> dict[str, Any]:
+        """How experts are stored and computed: dtype, bytes per expert (block scales included), kernels."""
+        from paged_experts.kernels.fused import kernel_choice
+
+        host = self.model.moe_layers[0].host
+        return {
+            "dtype": str(host.gate.dtype).removeprefix("torch."),
+            "bytes_per_expert": host.row_bytes,
+            "kernels": kernel_choice(host.is_fp8, self.runtime.device, self.runtime.dtype),
         }
 
 
@@ -220,6 +246,7 @@ def load_serving(config: ServeConfig, metrics: ServerMetrics) -> Serving:
     from paged_experts.kv import KvPool
     from paged_experts.model import MoeCausalLM, SeqChunk
 
+    t0 = time.perf_counter()
     model_config = MoeModelConfig.from_dir(config.model_path)
     runtime = config.runtime_config(model_config)
     set_expert_backend(config.kernel_backend)  # process-wide, before any step (and before graph capture)
@@ -231,6 +258,7 @@ def load_serving(config: ServeConfig, metrics: ServerMetrics) -> Serving:
             )
         model.enable_cuda_graphs(range(1, config.cuda_graph_max_bs + 1), compile_layers=config.enable_torch_compile)
     pool = KvPool.for_model(model, config.max_total_tokens, block_size=kv_block_tokens(config.max_total_tokens))
+    load_s = time.perf_counter() - t0
     extra_eos = [model_config.eos_token_id] if model_config.eos_token_id is not None else []
     codec = TextCodec.from_dir(config.model_path, extra_eos_ids=extra_eos)
     closers: list[Callable[[], object]] = []
@@ -251,11 +279,16 @@ def load_serving(config: ServeConfig, metrics: ServerMetrics) -> Serving:
         model.routing_observers.append(lambda layer, ids, weights, ctx: writer.observe(layer, ids, weights))
         step_hooks.append(writer.begin_step)
         closers.append(writer.close)
+    # Ready means ready: every decode graph and compiled kernel a served step could need exists
+    # before /health answers 200 (the synthetic router is set: its graphs take its ids as input).
+    startup = {"load_s": load_s, **(model.prepare_decode(pool, config.max_running_requests) if runtime.device == "cuda" else {})}
+    startup["ready_s"] = time.perf_counter() - t0
     engine_config = EngineConfig(
         max_running_requests=config.max_running_requests,
         chunked_prefill_tokens=config.chunked_prefill_size,
         max_context_tokens=model_config.max_position_embeddings,
         eos_token_ids=codec.eos_token_ids,
+        overlap_schedule=config.overlap_schedule,
     )
     engine = Engine(
         model,
@@ -266,4 +299,4 @@ def load_serving(config: ServeConfig, metrics: ServerMetrics) -> Serving:
         step_hooks=step_hooks,
         free_hooks=free_hooks,
     )
-    return Serving(config, model, runtime, codec, engine, closers)
+    return Serving(config, model, runtime, codec, engine, closers, startup)

@@ -293,7 +293,7 @@ class LlamaCppAdapter:
         found = find_binary(BINARY_NAME, self._options(spec).binary)
         if found is None:
             return {"engine": "llama.cpp", "binary": None}
-        return {
+        return self._expert_facts(spec) | {
             "engine": "llama.cpp",
             "binary": str(found),
             "version": binary_version(found),
@@ -304,6 +304,16 @@ class LlamaCppAdapter:
             "cross_origin": " ".join(owned.CORS_ARGS) if "--cors-origins" in binary_flags(found)
             else "not blockable: this build has no --cors-origins",
         }
+
+    def _expert_facts(self, spec: ServerSpec) -> dict[str, Any]:
+        """Bytes per expert of the served GGUF (the report sets them beside the built-in engine's)."""
+        from benchsuite.engines.llamacpp.gguf_export import expert_facts
+
+        path = self.model_path(spec, export=False)
+        try:
+            return expert_facts(path) if path.is_file() else {}
+        except (OSError, ValueError, IndexError, KeyError):  # not a readable GGUF: the fact is absent, not invented
+            return {}
 
     async def scrape(self, session: Any, base_url: str) -> dict[str, float] | None:
         from benchsuite.metrics import parse_prometheus
