@@ -76,7 +76,11 @@ def _model_facts(spec: ServerSpec) -> dict[str, Any]:
 
 
 def _engine_facts(spec: ServerSpec) -> dict[str, Any]:
-    facts = {k: v for k, v in ADAPTERS[spec.kind].version(spec).items() if k not in _VOLATILE}
+    try:
+        version = ADAPTERS[spec.kind].version(spec)
+    except Exception as exc:  # noqa: BLE001 -- e.g. a model that does not exist yet: its launch says so
+        return {f"engine {spec.kind}": f"version facts unavailable ({type(exc).__name__})"}
+    facts = {k: v for k, v in version.items() if k not in _VOLATILE}
     binary = facts.get("binary")
     if isinstance(binary, str) and Path(binary).is_file():
         facts["binary_file"] = _stat(Path(binary))
