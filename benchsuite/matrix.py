@@ -180,6 +180,9 @@ class Matrix(_Strict):
     env: dict[str, str] = Field(default_factory=dict)  # every engine's environment beyond what engines need
 
     _text_env = field_validator("env", mode="before")(_env_vars)
+    # measure the host->device link once per run before the first server (benchsuite linkbw; needs
+    # CUDA): the report's link-bound section divides by it. Not part of the run id (no cell changes).
+    linkbw: bool = False
 
     @field_validator("reference", mode="before")
     @classmethod
@@ -247,9 +250,9 @@ def load_matrix(path: str | Path) -> ValidatedMatrix:
 
 
 def _matrix_hash(matrix: Matrix) -> str:
-    # output_root is where results go, not what is measured: moving them keeps the run id. An
-    # empty `env:` is left out so matrices written before it existed keep their run ids.
-    dump = matrix.model_dump(mode="json", exclude={"output_root"})
+    # output_root is where results go, linkbw a run-level probe, neither what a cell measures: both
+    # keep the run id. An empty `env:` is left out so matrices written before it existed keep theirs.
+    dump = matrix.model_dump(mode="json", exclude={"output_root", "linkbw"})
     for holder in (dump, *dump["engines"].values()):
         if not holder.get("env"):
             holder.pop("env", None)

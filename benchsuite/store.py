@@ -174,7 +174,8 @@ class RunStore:
             raise UserError(f"{self.run_dir} was measured with other inputs, resuming would mix them: {shown}; {fix}")
         if changes and old is not None:
             self._notify(f"benchsuite: {self.manifest_path}: inputs changed only for cells not finished yet; recorded anew")
-        existing["fingerprint"] = new
+        kept = old or {}
+        existing["fingerprint"] = {group: {**(kept.get(group) or {}), **(new.get(group) or {})} for group in new}
 
     # ---- paths ---------------------------------------------------------------------------------
 
@@ -208,6 +209,12 @@ class RunStore:
         manifest = read_manifest(self.run_dir)
         servers = manifest.setdefault("servers", {})
         servers[server_id] = {**servers.get(server_id, {}), **facts}
+        self._write_json(self.manifest_path, manifest)
+
+    def record_run(self, key: str, facts: dict[str, Any]) -> None:
+        """Set a run-level fact of the manifest (e.g. `link_bandwidth`, the run's link probe)."""
+        manifest = read_manifest(self.run_dir)
+        manifest[key] = facts
         self._write_json(self.manifest_path, manifest)
 
     def write_cell(self, result: CellResult, records: Iterable[RequestRecord]) -> StoredCell:
@@ -312,11 +319,12 @@ def read_requests(run_dir: Path) -> list[RequestRecord]:
 
 def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[tuple[str, str], list[str]]:
     """(group, name) -> one phrase per input whose recorded facts differ, for the groups `engines`
-    and `workloads` of benchsuite.fingerprint, e.g. `model /m/x.safetensors: bytes 1 -> 2`."""
+    and `workloads` of benchsuite.fingerprint, e.g. `model /m/x.safetensors: bytes 1 -> 2`. Only
+    names in both count: a run of part of the matrix (--only) fingerprints that part."""
     changes: dict[tuple[str, str], list[str]] = {}
     for group in ("engines", "workloads"):
         before_all, after_all = old.get(group) or {}, new.get(group) or {}
-        for name in sorted(set(before_all) | set(after_all)):
+        for name in sorted(set(before_all) & set(after_all)):  # a part left out (--only) is not a change
             phrases = _fact_changes(before_all.get(name) or {}, after_all.get(name) or {})
             if phrases:
                 changes[(group, name)] = phrases

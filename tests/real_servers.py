@@ -13,10 +13,10 @@ from benchsuite.process import EngineProcess, free_port
 
 @contextmanager
 def builtin_server(model_dir: Path, log_dir: Path, *flags: str) -> Iterator[str]:
-    """A real `python -m paged_experts.server.app` on a free loopback port (tiny model, CPU):
+    """A real `python -m paged_experts.server` on a free loopback port (tiny model, CPU):
     yields its base URL; afterwards it must still be alive and its log free of tracebacks."""
     port = free_port()
-    argv = [sys.executable, "-m", "paged_experts.server.app", "--model-path", str(model_dir), "--port", str(port),
+    argv = [sys.executable, "-m", "paged_experts.server", "--model-path", str(model_dir), "--port", str(port),
             "--log-level", "warning", *flags]  # fmt: skip
     log = log_dir / "server.log"
     proc = EngineProcess(argv, {}, log, f"http://127.0.0.1:{port}/health", startup_timeout_s=300.0)

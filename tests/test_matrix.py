@@ -60,7 +60,7 @@ def test_unknown_keys_list_the_allowed_ones(tmp_path: Path) -> None:
     lines = errors_of(tmp_path, text).splitlines()
     # structural errors come first; option errors are checked once the structure is valid
     assert any("workloads.w.concurency: unknown key (allowed: " in l and "concurrency" in l for l in lines)
-    assert any(l.endswith("colour: unknown key (allowed: canary, engines, env, fairness, name, output_root, reference, repeats, workloads)") for l in lines)
+    assert any(l.endswith("colour: unknown key (allowed: canary, engines, env, fairness, linkbw, name, output_root, reference, repeats, workloads)") for l in lines)
     fixed = text.replace("\n    concurency: [1]", "").replace("colour: red\n", "")
     assert "engines.res.options.devce: unknown key (allowed: " in errors_of(tmp_path, fixed)
 

@@ -155,7 +155,7 @@ class BuiltinAdapter:
     def launch_plan(self, spec: ServerSpec, port: int) -> LaunchPlan:
         opts = self._options(spec)
         argv = [
-            sys.executable, "-m", "paged_experts.server.app",
+            sys.executable, "-m", "paged_experts.server",
             "--model-path", str(self.model_dir(spec)),
             "--host", "127.0.0.1", "--port", str(port),
             "--mode", opts.mode,

@@ -194,6 +194,11 @@ class LlamaCppAdapter:
         path = Path(opts.model).expanduser()
         if path.is_dir():
             return path
+        from benchsuite.engines.llamacpp.gguf_synth import read_facts
+
+        facts = read_facts(path)  # a GGUF from `benchsuite gguf synth`: its preset's tokenizer beside it
+        if facts is not None and Path(facts["hf_dir"]).is_dir():
+            return Path(facts["hf_dir"])
         raise EngineConfigError(
             f"llamacpp engine {spec.name}: exact-length prompts need an HF model directory, not a GGUF"
         )
@@ -289,6 +294,7 @@ class LlamaCppAdapter:
 
     def version(self, spec: ServerSpec) -> dict[str, Any]:
         from benchsuite.engines.llamacpp.build import binary_version, read_stamp
+        from benchsuite.engines.llamacpp.gguf_synth import read_facts
 
         found = find_binary(BINARY_NAME, self._options(spec).binary)
         if found is None:
@@ -303,6 +309,8 @@ class LlamaCppAdapter:
             "moe_cache_mib_supported": "--moe-cache-mib" in binary_flags(found),
             "cross_origin": " ".join(owned.CORS_ARGS) if "--cors-origins" in binary_flags(found)
             else "not blockable: this build has no --cors-origins",
+            # a GGUF from `benchsuite gguf synth`: how it was made (seed, shape, bytes per expert)
+            "model_facts": read_facts(self.model_path(spec, export=False)),
         }
 
     def _expert_facts(self, spec: ServerSpec) -> dict[str, Any]:
