@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from benchsuite.fingerprint import plan_fingerprint
 from benchsuite.machine import git_facts, machine_facts
 from benchsuite.plan import Plan
 from benchsuite.records import SCHEMA_VERSION
@@ -34,7 +35,7 @@ class ServerRecord(_Record):
     fairness: dict[str, Any] = Field(default_factory=dict)
     max_concurrency: int | None = None
     argv: list[str] = Field(default_factory=list)  # exactly as launched
-    env: dict[str, str] = Field(default_factory=dict)  # added to the runner's environment
+    env: dict[str, str] = Field(default_factory=dict)  # the engine's whole environment, secrets masked
     version: dict[str, Any] = Field(default_factory=dict)  # EngineAdapter.version
     started_utc: str | None = None
     startup_s: float | None = None  # launch -> first 200 from the health path
@@ -78,6 +79,9 @@ class Manifest(_Record):
     matrix: dict[str, Any]  # benchsuite.matrix.Matrix in JSON form (sweeps unexpanded)
     machine: dict[str, Any] = Field(default_factory=dict)  # benchsuite.machine.machine_facts()
     git: dict[str, Any] = Field(default_factory=dict)  # benchsuite.machine.git_facts()
+    # what the cells depend on beyond the matrix text (benchsuite.fingerprint); a resume compares it
+    fingerprint: dict[str, Any] | None = None
+    link_bandwidth: dict[str, Any] | None = None  # the run's host->device probe (matrix `linkbw: true`)
     planned: Planned = Field(default_factory=Planned)
     servers: dict[str, ServerRecord] = Field(default_factory=dict)
     invocations: list[Invocation] = Field(default_factory=list)
@@ -106,6 +110,7 @@ def build_manifest(plan: Plan) -> Manifest:
         matrix=plan.matrix.as_json(),
         machine=machine_facts(),
         git=git_facts(),
+        fingerprint=plan_fingerprint(plan),
         planned=Planned(
             servers={s.server_id: PlannedServer(engine=s.name, kind=s.kind, params=dict(plan.params[s.server_id]))
                      for s in plan.servers},

@@ -21,6 +21,8 @@ Optional members the runner reads with getattr (an adapter without one simply la
 - `tokenizer_dir(spec) -> Path`: the model's tokenizer, for exact-length prompts;
 - `cell_flags(spec, log_text, cell) -> list[str]`: one-line engine warnings for a finished cell
   (stored in the cell's `extras["flags"]`, shown by the report);
+- `owned_env: dict[str, str]`: environment variables that would set what the adapter owns (llama.cpp's
+  `LLAMA_ARG_CTX_SIZE` ...) -> what sets it instead; the matrix loader refuses them in `env:`;
 - `resolved_options(spec) -> dict`: the options in force with defaults resolved (the manifest's
   server entry `resolved_options` and every cell's `options`; without it, the options as validated);
 - `async startup_facts(session, base_url) -> dict`: the engine's own start-up breakdown, read once
@@ -32,6 +34,7 @@ Optional members the runner reads with getattr (an adapter without one simply la
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -40,6 +43,19 @@ from pydantic import BaseModel, ConfigDict
 
 class EngineConfigError(ValueError):
     """A server spec the engine cannot run; the message is one line that names the cause."""
+
+
+def extra_args_check(problems_of: Callable[[list[str]], list[str]]) -> Callable[[list[str]], list[str]]:
+    """A pydantic validator for an adapter's `extra_args` that refuses, in one line, what
+    `problems_of` names (flags the adapter owns), so the matrix load names them."""
+
+    def check(value: list[str]) -> list[str]:
+        problems = problems_of(value)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return value
+
+    return check
 
 
 @dataclass(frozen=True)
@@ -68,6 +84,10 @@ class EngineOptions(BaseModel):
         """The `model` field completion requests carry; None: the engine entry's name."""
         return None
 
+    def model_source(self) -> str | None:
+        """The checkpoint or file the server loads, as the options name it (its input fingerprint)."""
+        return None
+
     def replaced(self, **values: Any) -> EngineOptions:
         """A copy with `values` set, validated again (e.g. the search's chosen n_cpu_moe)."""
         return self.model_validate({**self.model_dump(), **values})
@@ -88,6 +108,7 @@ class ServerSpec:
     fairness: dict[str, Any]
     max_concurrency: int
     server_id: str  # stable hash of the above (plan.make_server_spec)
+    env: dict[str, str] = field(default_factory=dict)  # the matrix's `env:` for this engine (matrix, then engine level)
 
     @property
     def model_name(self) -> str:

@@ -75,6 +75,8 @@ class EngineGauges:
     decode_model_s: float = 0.0
     steps: int = 0  # every engine step
     phase_s: dict[str, float] | None = None  # host phase -> seconds over every step (server.engine.PHASES)
+    gpu_memory_peak_reserved_bytes: int = 0  # torch's caching allocator, peak since start (CUDA)
+    gpu_memory_used_bytes: int = 0  # the device's memory in use, every process and context included (CUDA)
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,12 @@ def _engine_step_families(g: EngineGauges) -> Iterator[Metric]:
         ("engine_steps_total", "Engine steps", g.steps),
     ):  # fmt: skip
         yield CounterMetricFamily(p + name, help_text, value=value)
+    for name, help_text, value in (
+        ("gpu_memory_peak_reserved_bytes", "Peak GPU memory reserved by the server's allocator",
+         g.gpu_memory_peak_reserved_bytes),
+        ("gpu_memory_used_bytes", "GPU memory in use on the device (contexts included)", g.gpu_memory_used_bytes),
+    ):  # fmt: skip
+        yield GaugeMetricFamily(p + name, help_text, value=value)
     for phase, seconds in (g.phase_s or {}).items():
         name = p + f"engine_step_{phase}_seconds_total"
         yield CounterMetricFamily(name, f"Engine-thread time in phase {phase}", seconds)

@@ -29,6 +29,7 @@ __all__ = ["SGLangAdapter", "SGLangOptions", "expand_env", "scrape_prometheus"]
 METRIC_PREFIX = "sglang:"  # observability/metrics_collector.py names every series sglang:*
 VERSION_PROBE_TIMEOUT_S = 120.0
 
+
 class SGLangAdapter:
     kind = "sglang"
     options_model = SGLangOptions
@@ -50,7 +51,7 @@ class SGLangAdapter:
 
     def validate(self, spec: ServerSpec) -> None:
         opts = self._options(spec)
-        problems = sglang_constraints.extra_args_problems(opts.extra_args)
+        problems: list[str] = []  # extra_args were checked when the options were validated (matrix load)
         if "kv_capacity_tokens" not in spec.fairness:
             problems.append("fairness.kv_capacity_tokens is required (--max-total-tokens)")
         if opts.mode == "paged":

@@ -11,7 +11,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from benchsuite.engines.base import EngineOptions, Placement
+from benchsuite.engines.base import EngineOptions, Placement, extra_args_check
+from benchsuite.engines.sglang.owned import extra_args_problems
 
 # sglang 0.5.23 arg_groups/choices.py:32-66 (QUANTIZATION_CHOICES).
 QUANTIZATION_CHOICES = (
@@ -85,8 +86,10 @@ class SGLangOptions(EngineOptions):
     deterministic: bool = False  # --enable-deterministic-inference (accuracy runs)
     return_routed_experts: bool = False  # routing capture: server flag + per-request field
     python: str | None = None  # interpreter with sglang installed; None = this interpreter
-    extra_args: list[str] = Field(default_factory=list)
-    startup_timeout_s: float = Field(1800.0, gt=0)  # a 30B checkpoint plus graph capture takes minutes
+    extra_args: list[str] = Field(default_factory=list)  # never a flag the adapter owns (owned.OWNED_FLAGS)
+    startup_timeout_s: float = Field(1800.0, gt=0, le=7 * 86400)  # a 30B checkpoint plus graph capture takes minutes
+
+    _not_owned = field_validator("extra_args")(extra_args_check(extra_args_problems))
 
     @field_validator("model_path", "speculative_draft_model_path", "python", mode="before")
     @classmethod
@@ -123,6 +126,9 @@ class SGLangOptions(EngineOptions):
         if self.speculative_draft_model_path and not self.speculative_algorithm:
             raise ValueError("speculative_draft_model_path needs speculative_algorithm")
         return self
+
+    def model_source(self) -> str:
+        return self.model_path
 
     def placement(self) -> Placement:
         return Placement(self.mode, resident_experts=self.resident_experts)  # SGLang routes with the model's router
