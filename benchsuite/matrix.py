@@ -311,7 +311,8 @@ def _size_problems(source: Path, matrix: Matrix, option_sets: Mapping[str, tuple
         requests += n * (workload.num_requests + workload.warmup_requests)
     if cells > MAX_CELLS:
         problems.append(
-            f"{source}: (top level): the matrix makes {cells} cells (engines x workloads x repeats); at most {MAX_CELLS}"
+            f"{source}: (top level): the matrix makes {cells} cells (engines x workloads x repeats); "
+            f"at most {MAX_CELLS}"
         )
     elif requests > MAX_RUN_REQUESTS:
         problems.append(

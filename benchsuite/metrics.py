@@ -69,9 +69,12 @@ DEFINITIONS: dict[str, str] = {
     "bytes_h2d_per_token": "expert bytes copied host->device (paging or offload's streaming) / generated tokens",
     "waves_per_step": "waves / (MoE layer x step) over the cell",
     "union_mean": "union of routed experts per (MoE layer x step), mean over the cell",
-    "engine_decode_step_s": "built-in engine: its own time per all-decode step (plan, model, wait, sample, hand-off; no HTTP), mean over the cell",
-    "gpu_memory_used_bytes": "built-in engine on CUDA: device memory in use after the cell, CUDA context and graph pools included",
-    "engine_decode_tok_s": "built-in engine: decode tokens / engine decode-step seconds, the aggregate rate in process (compare output_tok_s over HTTP)",
+    "engine_decode_step_s": "built-in engine: its own time per all-decode step (plan, model, wait, sample, hand-off; "
+    "no HTTP), mean over the cell",
+    "gpu_memory_used_bytes": "built-in engine on CUDA: device memory in use after the cell, CUDA context and graph "
+    "pools included",
+    "engine_decode_tok_s": "built-in engine: decode tokens / engine decode-step seconds, the aggregate rate in process "
+    "(compare output_tok_s over HTTP)",
 }
 """Each CellResult metric field with its one-line formula, for reports to print beside the numbers."""
 

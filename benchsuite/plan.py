@@ -202,7 +202,8 @@ def select(plan: Plan, selectors: list[str]) -> Plan:
                             f"no server of the matrix matches (engines: {', '.join(names)})")  # fmt: skip
     ids = {s.server_id for s in servers}
     return Plan(
-        run_id=plan.run_id, matrix=plan.matrix, servers=servers, cells=tuple(c for c in plan.cells if c.server_id in ids),
+        run_id=plan.run_id, matrix=plan.matrix, servers=servers,
+        cells=tuple(c for c in plan.cells if c.server_id in ids),
         searches=searches, params={k: v for k, v in plan.params.items() if k in ids},
     )
 
@@ -216,7 +217,9 @@ def format_plan(plan: Plan) -> str:
         f"(port {DRY_RUN_PORT} below stands in for the free port chosen at launch)",
     ]
     if m.linkbw:
-        lines.append("link bandwidth: `benchsuite linkbw --json` runs once before the first server (manifest link_bandwidth)")
+        lines.append(
+            "link bandwidth: `benchsuite linkbw --json` runs once before the first server (manifest link_bandwidth)"
+        )
     for server in plan.servers:
         adapter = ADAPTERS[server.kind]
         launch = adapter.launch_plan(server, DRY_RUN_PORT)

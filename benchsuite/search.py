@@ -12,7 +12,8 @@ The published baseline launched the server once per N (a linear scan). Here:
 `propose` is a generator (guidellm's adaptive-sweep shape): it yields the next N, is sent the
 measured objective (None for a failed launch) and returns a `SearchOutcome`. The objective is
 injected, so unit tests drive it with synthetic curves. `run_search` is the runner's search hook
-(`runner.SearchHook`, given to `run_plan` by the CLI; the runner never imports this module): it projects every N, launches llama-server for each proposed
+(`runner.SearchHook`, given to `run_plan` by the CLI; the runner never imports this module): it
+projects every N, launches llama-server for each proposed
 N and measures one cell, stores one cell per LAUNCHED N (extras: search_n, fits, projected_bytes,
 chosen) so the report can draw the curve, records every candidate (ruled out ones with their
 projection, never as cells) under the search's server in the manifest, and returns the engine

@@ -156,7 +156,8 @@ class RunStore:
                 (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise RunError(f"cannot create the run directory {self.run_dir}: {exc.strerror or exc}") from None
-        self._write_manifest(manifest.model_copy(update={"schema_version": SCHEMA_VERSION, "invocations": [invocation]}))
+        first = manifest.model_copy(update={"schema_version": SCHEMA_VERSION, "invocations": [invocation]})
+        self._write_manifest(first)
 
     def _check_resumable(self, existing: Manifest, manifest: Manifest) -> Manifest:
         """`existing` with the new input fingerprint merged in; UserError when resuming would mix inputs."""
@@ -167,17 +168,23 @@ class RunStore:
         if new is None:  # the caller records no inputs (tests, imported results): nothing to compare
             return existing
         if old is None:
-            self._notify(f"benchsuite: {self.manifest_path}: no input fingerprint recorded by the earlier run; recording it now")
+            self._notify(
+                f"benchsuite: {self.manifest_path}: no input fingerprint recorded by the earlier run; recording it now"
+            )
         changes = fingerprint_changes(old or {}, new or {})
         stored = [self.stored_cell(p.stem) for p in sorted((self.run_dir / "cells").glob("*.json"))] if changes else []
         done = [c.result for c in stored if c is not None and c.result.status in FINISHED_STATUSES]
-        blocking = [f"{phrase} ({group[:-1]} {name})" for (group, name), phrases in changes.items() for phrase in phrases
-                    if old is not None and any(name == (c.engine if group == "engines" else c.workload) for c in done)]  # fmt: skip
+        blocking = [f"{phrase} ({group[:-1]} {name})" for (group, name), phrases in changes.items()
+                    for phrase in phrases
+                    if old is not None and any(name == (c.engine if group == "engines" else c.workload) for c in done)
+                    ]  # fmt: skip
         if blocking:
             shown = "; ".join(blocking[:3]) + (f"; and {len(blocking) - 3} more" if len(blocking) > 3 else "")
             raise UserError(f"{self.run_dir} was measured with other inputs, resuming would mix them: {shown}; {fix}")
         if changes and old is not None:
-            self._notify(f"benchsuite: {self.manifest_path}: inputs changed only for cells not finished yet; recorded anew")
+            self._notify(
+                f"benchsuite: {self.manifest_path}: inputs changed only for cells not finished yet; recorded anew"
+            )
         kept = old or {}
         merged = {group: {**(kept.get(group) or {}), **(new.get(group) or {})} for group in new}
         return existing.model_copy(update={"fingerprint": merged})
@@ -254,7 +261,8 @@ class RunStore:
             os.replace(path, target)
         except OSError as exc:
             raise RunError(f"{path} is damaged ({why}) and cannot be moved aside: {exc.strerror or exc}") from None
-        self._notify(f"benchsuite: {path} is damaged ({why}); moved to {target.relative_to(self.run_dir)}, the cell runs again")
+        moved = target.relative_to(self.run_dir)
+        self._notify(f"benchsuite: {path} is damaged ({why}); moved to {moved}, the cell runs again")
 
     def write_engine_metrics(self, cell_id: str, metrics: dict[str, Any]) -> None:
         self._write_json(self.engine_metrics_path(cell_id), metrics)
@@ -336,7 +344,8 @@ def read_cells(run_dir: Path) -> list[CellResult]:
 
 
 def read_requests(run_dir: Path) -> list[RequestRecord]:
-    return [r for p in RunStore(run_dir)._cell_payloads(set_aside=False) for r in _REQUESTS.validate_python(p["requests"])]
+    payloads = RunStore(run_dir)._cell_payloads(set_aside=False)
+    return [r for p in payloads for r in _REQUESTS.validate_python(p["requests"])]
 
 
 def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[tuple[str, str], list[str]]:

@@ -112,7 +112,8 @@ def test_only_selects_servers_by_engine_and_sweep_value_and_keeps_the_run_id(tmp
     assert sorted((s.name, dict(part.params[s.server_id])) for s in part.servers) == [
         ("cpu", {}), ("paged", {"resident_experts": 8})
     ]
-    assert {c.cell_id for c in part.cells} == {c.cell_id for c in plan.cells if c.server_id in {s.server_id for s in part.servers}}
+    kept = {s.server_id for s in part.servers}
+    assert {c.cell_id for c in part.cells} == {c.cell_id for c in plan.cells if c.server_id in kept}
     assert len(select(plan, ["paged"]).servers) == 2
     with pytest.raises(UserError, match="--only paged:resident_experts=5: no server of the matrix matches"):
         select(plan, ["paged:resident_experts=5"])

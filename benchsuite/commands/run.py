@@ -33,20 +33,26 @@ _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("matrix", type=Path, help="matrix YAML file (see configs/quickstart.yaml)")
-    parser.add_argument("--dry-run", action="store_true", help="print the cells and engine command lines; start nothing")
-    parser.add_argument("--run-id", help="results directory name (default: <matrix name>-<matrix hash>); reuse it to resume")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the cells and engine command lines; start nothing")
+    parser.add_argument("--run-id",
+                        help="results directory name (default: <matrix name>-<matrix hash>); reuse it to resume")
     parser.add_argument("--new-run", action="store_true",
                         help="start a new run in the run directory: an earlier run there (of another matrix, "
                              "other inputs, or a damaged manifest) is moved aside to <run-id>.replaced-<UTC time>")
-    parser.add_argument("--output-root", type=Path, help="parent of the run directory (default: the matrix's output_root)")
+    parser.add_argument("--output-root", type=Path,
+                        help="parent of the run directory (default: the matrix's output_root)")
     parser.add_argument("--cell-timeout-s", type=float, default=3600.0,
-                        help="last resort: fail a whole cell (its records lost) and stop using its server after this long")
+                        help="last resort: fail a whole cell (its records lost) and stop using its server "
+                             "after this long")
     parser.add_argument("--request-timeout-s", type=float, default=600.0,
-                        help="fail one request after this long; the cell keeps its records (workloads' max_error_rate decides)")
+                        help="fail one request after this long; the cell keeps its records "
+                             "(workloads' max_error_rate decides)")
     parser.add_argument("--quiet", action="store_true", help="no progress display (CI)")
     parser.add_argument("--no-report", action="store_true", help="do not write the HTML report at the end")
     parser.add_argument("--only", action="append", default=[], metavar="ENGINE[:OPTION=VALUE]",
-                        help="run only these servers of the matrix (repeatable), e.g. --only resident --only paged:resident_experts=32; "
+                        help="run only these servers of the matrix (repeatable), e.g. --only resident "
+                             "--only paged:resident_experts=32; "
                              "the run id stays the matrix's, so a later run without --only measures the rest")
 
 
@@ -79,7 +85,8 @@ def _run(args: argparse.Namespace, plan: Plan, store: RunStore, console: Console
     from benchsuite.runner import run_plan
 
     todo = sum(1 for c in plan.cells if not store.finished(c.cell_id))
-    console.print(f"run {plan.run_id}: {len(plan.cells)} cells ({len(plan.cells) - todo} already done) -> {store.run_dir}")
+    done = len(plan.cells) - todo
+    console.print(f"run {plan.run_id}: {len(plan.cells)} cells ({done} already done) -> {store.run_dir}")
     try:
         with _ProgressEvents(console, todo) as events:
             problems = asyncio.run(run_plan(plan, store, events, cell_timeout_s=args.cell_timeout_s,
@@ -139,7 +146,8 @@ class _ProgressEvents:
         self._progress.update(self._task, description=f"starting {spec.name} (server {spec.server_id})")
 
     def cell_started(self, cell: CellSpec) -> None:
-        label = f"{cell.engine}{_params(cell.params)} {cell.workload}/{cell.prompt_class} c={cell.concurrency} r={cell.repeat}"
+        label = (f"{cell.engine}{_params(cell.params)} {cell.workload}/{cell.prompt_class} "
+                 f"c={cell.concurrency} r={cell.repeat}")  # fmt: skip
         self._progress.update(self._task, description=label)
 
     def cell_finished(self, cell: CellSpec, result: CellResult) -> None:
@@ -147,7 +155,9 @@ class _ProgressEvents:
         if task.total is not None and task.completed >= task.total:
             self._progress.update(self._task, total=task.completed + 1)  # search cells were not counted up front
         self._progress.advance(self._task)
-        detail = f"decode {_fmt(result.decode_tok_s_p50, '.1f')} tok/s" if result.status != "failed" else (result.reason or "").splitlines()[0]
+        failed = result.status == "failed"
+        rate = f"decode {_fmt(result.decode_tok_s_p50, '.1f')} tok/s"
+        detail = (result.reason or "").splitlines()[0] if failed else rate
         self._console.print(
             f"{result.status:7} {cell.engine}{_params(cell.params)} {cell.workload}/{cell.prompt_class} "
             f"c={cell.concurrency} r={cell.repeat}  {detail}"
@@ -166,7 +176,9 @@ def summary_table(plan: Plan, results: list[CellResult]) -> Table:
     for r in sorted(results, key=order):
         groups[(r.engine, _params(r.params), r.workload, r.prompt_class, r.concurrency)].append(r)
     table = Table(title=f"{plan.run_id}: medians over repeats", title_justify="left")
-    for column in ("engine", "params", "workload", "class", "conc", "ok/n", "TTFT p50 ms", "decode tok/s", "out tok/s", "miss rate"):
+    columns = ("engine", "params", "workload", "class", "conc", "ok/n", "TTFT p50 ms", "decode tok/s", "out tok/s",
+               "miss rate")  # fmt: skip
+    for column in columns:
         table.add_column(column, justify="right" if column not in ("engine", "params", "workload") else "left")
     for (engine, params, workload, prompt_class, concurrency), rows in groups.items():
         ok = [r for r in rows if r.status == "ok"]

@@ -113,7 +113,8 @@ def _note(cell: pd.Series, per_token_bytes: float | None, link_why: str, compute
         reasons.append(link_why)
     if compute is None:
         reference = REFERENCE_MODE.get(str(cell["engine_kind"]), "resident")
-        reasons.append(f"no ok {reference} cell with the same workload, routing, concurrency and prompt class in this run")
+        same = "the same workload, routing, concurrency and prompt class"
+        reasons.append(f"no ok {reference} cell with {same} in this run")
     return "; ".join(reasons)
 
 
