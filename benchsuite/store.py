@@ -47,6 +47,7 @@ import pydantic
 
 from benchsuite import schema_v1
 from benchsuite.errors import RunError, UserError
+from benchsuite.fingerprint import fingerprint_changes
 from benchsuite.manifest import Invocation, Manifest
 from benchsuite.records import SCHEMA_VERSION, CellResult, RequestRecord
 from benchsuite.runlock import RunLock
@@ -346,40 +347,6 @@ def read_cells(run_dir: Path) -> list[CellResult]:
 def read_requests(run_dir: Path) -> list[RequestRecord]:
     payloads = RunStore(run_dir)._cell_payloads(set_aside=False)
     return [r for p in payloads for r in _REQUESTS.validate_python(p["requests"])]
-
-
-def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[tuple[str, str], list[str]]:
-    """(group, name) -> one phrase per input whose recorded facts differ, for the groups `engines`
-    and `workloads` of benchsuite.fingerprint, e.g. `model /m/x.safetensors: bytes 1 -> 2`. Only
-    names in both count: a run of part of the matrix (--only) fingerprints that part."""
-    changes: dict[tuple[str, str], list[str]] = {}
-    for group in ("engines", "workloads"):
-        before_all, after_all = old.get(group) or {}, new.get(group) or {}
-        for name in sorted(set(before_all) & set(after_all)):  # a part left out (--only) is not a change
-            phrases = _fact_changes(before_all.get(name) or {}, after_all.get(name) or {})
-            if phrases:
-                changes[(group, name)] = phrases
-    return changes
-
-
-def _fact_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    phrases = []
-    for key in sorted(set(old) | set(new)):
-        before, after = old.get(key, "absent"), new.get(key, "absent")
-        if before == after:
-            continue
-        if isinstance(before, dict) and isinstance(after, dict):
-            diffs = [f"{k} {before.get(k)!r} -> {after.get(k)!r}" for k in sorted(set(before) | set(after))
-                     if before.get(k) != after.get(k)]  # fmt: skip
-            phrases.append(f"{key}: {', '.join(diffs)}")
-        else:
-            phrases.append(f"{key}: {_short(before)} -> {_short(after)}")
-    return phrases
-
-
-def _short(value: Any) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
-    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _read_versioned(path: Path, *, writable: bool = False) -> dict[str, Any]:
