@@ -146,6 +146,10 @@ class Matrix(_Strict):
     engines: dict[str, EngineEntry] = Field(min_length=1)
     workloads: dict[str, Workload] = Field(min_length=1)
     repeats: int = Field(1, ge=1, le=1000)
+    # consecutive: a server's repeats run back to back (one launch). interleaved: repeat r of every server
+    # runs before repeat r + 1 of any (one launch per server and repeat), so repeats see the machine at
+    # different times and their spread covers its drift: what makes an interval over repeats honest.
+    repeat_order: Literal["consecutive", "interleaved"] = "consecutive"
     fairness: Fairness = Field(default_factory=Fairness)
     reference: ReferenceChoice | None = None
     canary: bool = False  # the leak canary on every server after its cells (manifest + report)

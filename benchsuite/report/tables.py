@@ -2,9 +2,9 @@
 markdown and CSV is textout's and html's business).
 
 Every table keeps the cell ids its numbers come from, so any figure can be traced back to the raw
-rows. Ratios compare medians over repeats and carry a verdict: "significant" only when the two
-min..max spreads are disjoint, "not significant" when they overlap, "spread unknown" when either
-side has a single ok repeat.
+rows. Ratios compare repeats and carry a verdict from benchsuite.stats: the ratio of geometric means
+over ok repeats with its 95% interval, "significant" when that interval excludes 1, "not enough
+repeats" when a side has fewer than stats.MIN_REPEATS ok repeats.
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ from typing import Any
 
 import pandas as pd
 
+from benchsuite import stats
 from benchsuite.report.groups import Spread, is_synthetic, routing_label
+from benchsuite.report.noise import busy_cells, load_text
 
 LONG_PROMPT_PREFERENCE = "2048"
-SIGNIFICANT = "significant (spreads disjoint)"
-NOT_SIGNIFICANT = "not significant (spreads overlap)"
-SPREAD_UNKNOWN = "spread unknown (1 repeat)"
+SIGNIFICANT = stats.SIGNIFICANT
+NOT_SIGNIFICANT = stats.NOT_SIGNIFICANT
+SPREAD_UNKNOWN = stats.NOT_ENOUGH
 # Aggregate output tok/s is the published metric with several requests; per-request decode tok/s single-stream.
 SINGLE_STREAM_METRIC = "decode_tok_s_p50"
 MULTI_STREAM_METRIC = "output_tok_s"
@@ -29,10 +31,17 @@ def headline_metric(concurrency: int) -> str:
     return SINGLE_STREAM_METRIC if int(concurrency) == 1 else MULTI_STREAM_METRIC
 
 
+def ratio_estimate(numerator: Spread, denominator: Spread) -> stats.RatioEstimate | None:
+    """numerator / denominator over repeats (benchsuite.stats); None with too few repeats."""
+    return stats.ratio_estimate(numerator.values, denominator.values)
+
+
 def ratio_verdict(numerator: Spread, denominator: Spread) -> str:
-    if numerator.n < 2 or denominator.n < 2:
-        return SPREAD_UNKNOWN
-    return NOT_SIGNIFICANT if numerator.overlaps(denominator) else SIGNIFICANT
+    """'significant [lo–hi]', 'not significant [lo–hi]' or 'not enough repeats (...)'."""
+    estimate = ratio_estimate(numerator, denominator)
+    if estimate is None:
+        return stats.not_enough_text(len(numerator.values), len(denominator.values))
+    return f"{estimate.verdict()} {estimate.interval_text()}"
 
 
 def _batch_cap(k: Any, top_k: int | None) -> int | None:
@@ -120,7 +129,8 @@ def ratio_table(groups: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame:
             row[f"{name}_config"] = "not run" if base is None else base["label"]
             row.update(_spread_cols(name, base_spread))
             if spread is not None and base_spread is not None and base_spread.median > 0:
-                row[f"paged_vs_{name}"] = spread.median / base_spread.median
+                estimate = ratio_estimate(spread, base_spread)
+                row[f"paged_vs_{name}"] = spread.median / base_spread.median if estimate is None else estimate.ratio
                 row[f"paged_vs_{name}_verdict"] = ratio_verdict(spread, base_spread)
             else:
                 row[f"paged_vs_{name}"] = None
@@ -213,7 +223,10 @@ RAW_COLUMNS: tuple[str, ...] = (
 
 
 def raw_cells_table(cells: pd.DataFrame) -> pd.DataFrame:
-    """Every cell as stored, the table every figure links to."""
+    """Every cell as stored, the table every figure links to; `machine`: its load, clock and busy flag."""
+    busy = busy_cells(cells)
     out = cells.sort_values(["run_id", "engine", "mode", "prompt_class", "concurrency", "repeat"])[list(RAW_COLUMNS)].copy()
     out["params"] = [", ".join(f"{k}={v}" for k, v in sorted(p.items())) or "none" for p in out["params"]]
+    ordered = cells.loc[out.index]
+    out["machine"] = [("BUSY: " if i in busy else "") + load_text(e) for i, e in zip(ordered["cell_id"], ordered["extras"])]
     return out.reset_index(drop=True)
