@@ -116,6 +116,7 @@ async def launch_server(ctx: RunContext, spec: ServerSpec) -> AsyncIterator[Runn
             "argv": argv,
             "env": env,
             "version": adapter.version(spec),
+            **({"resolved_options": adapter.resolved_options(spec)} if hasattr(adapter, "resolved_options") else {}),
             "started_utc": utc_now(),
             "log": str(ctx.store.log_path(spec.server_id).relative_to(ctx.store.run_dir)),
         },
@@ -124,8 +125,14 @@ async def launch_server(ctx: RunContext, spec: ServerSpec) -> AsyncIterator[Runn
         argv, env, ctx.store.log_path(spec.server_id), base_url + launch.health_path, launch.startup_timeout_s
     )
     try:
+        started_s = time.perf_counter()
         process.start()
         await process.wait_ready()
+        startup = {"startup_s": round(time.perf_counter() - started_s, 3)}  # launch -> first 200 from health
+        engine_startup = getattr(adapter, "startup_facts", None)  # the engine's own breakdown, if it reports one
+        if engine_startup is not None:
+            startup.update(await engine_startup(ctx.session, base_url))
+        ctx.store.record_server(spec.server_id, startup)
         yield RunningServer(spec, adapter, process, base_url, argv)
     finally:
         process.stop()

@@ -21,6 +21,7 @@ Definitions (one layer-step is one MoE layer in one `forward`):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -166,6 +167,9 @@ class PagingCounters:
         self._layers = [_Acc() for _ in range(self.num_layers)]
 
 
+DeviceTally = tuple[list[list[int]], int, int, tuple[str, ...]]
+
+
 class TalliedCounters(PagingCounters):
     """`PagingCounters` that also take a layer-step's union as a device scalar, read at `snapshot()`.
 
@@ -180,6 +184,40 @@ class TalliedCounters(PagingCounters):
         # (first layer, placements, stats [n, 3 or 5], routed pairs): n consecutive layers of one step
         self._pending: list[tuple[int, tuple[str, ...], torch.Tensor, int]] = []
         self._pending_rows = 0
+        # Sources that sum their steps on the device (the static decode step adds every step's stats
+        # to a device tally inside its graph); drained at each flush, one device read each.
+        self._tallies: list[Callable[[], DeviceTally | None]] = []
+
+    def add_device_tally(self, drain: Callable[[], DeviceTally | None]) -> None:
+        """`drain()` returns (per-layer rows [union, hits, misses, prefetched, prefetch used, union
+        max] summed over its steps, the number of steps, their routed pairs, the layers' placements)
+        and zeroes its sums, or None when it ran no step since the last drain."""
+        self._tallies.append(drain)
+
+    def _fold_tally(self, tally: DeviceTally) -> None:
+        rows, steps, pairs, placements = tally
+        eb = self.expert_bytes
+        for layer, ((union, hits, misses, prefetched, used, union_max), placement) in enumerate(zip(rows, placements)):
+            v = self._layers[layer].values
+            v["activations"] += union
+            v["routed_pairs"] += pairs
+            v["hits"] += hits
+            v["misses"] += misses
+            v["bytes_paged_in"] += (misses + prefetched) * eb
+            v["waves"] += steps  # a decode step routes >= top_k experts in every layer: one wave each
+            v["steps"] += steps
+            v["union_sum"] += union
+            v["union_max"] = max(v["union_max"], union_max)
+            v["prefetched"] += prefetched
+            v["prefetch_used"] += used
+            if placement == "paged":
+                v["bytes_h2d"] += (misses + prefetched) * eb
+
+    def reset(self) -> None:
+        for drain in self._tallies:
+            drain()  # discard what the device summed so far
+        self._pending, self._pending_rows = [], 0
+        super().reset()
 
     def record_step_device(self, layer: int, placement: str, stats: torch.Tensor, routed_pairs: int) -> None:
         """stats: [3] int64 (union, hits, misses) of one layer-step, still on the device."""
@@ -195,6 +233,10 @@ class TalliedCounters(PagingCounters):
             self.flush()
 
     def flush(self) -> None:
+        for drain in self._tallies:
+            tally = drain()
+            if tally is not None:
+                self._fold_tally(tally)
         if not self._pending:
             return
         pending, self._pending, self._pending_rows = self._pending, [], 0
@@ -216,6 +258,3 @@ class TalliedCounters(PagingCounters):
         self.flush()
         return super().snapshot()
 
-    def reset(self) -> None:
-        self._pending, self._pending_rows = [], 0
-        super().reset()

@@ -54,19 +54,25 @@ class DeviceResidency:
         self.last_use = torch.full((k + 1,), -1, dtype=torch.long, device=device)  # [K+1] step stamp, -1 never
         self.step = torch.zeros((), dtype=torch.long, device=device)  # planned steps so far
         self._arange_e = torch.arange(e + 1, device=device)  # [E+1]
-        self._plan_fn = plan_step
+        self._compiled_fn = None
+        # Set by the static decode step (graphs.GraphedDecoder) around its body: only there does the
+        # plan go through torch.compile, whose shapes are captured before serving. Eager one-wave
+        # steps of other sizes keep the plain plan, so nothing compiles inside a served request.
+        self.in_static_step = False
 
     def compile(self) -> None:
-        """Plan through torch.compile (one compiled function serves every layer of one shape): the
-        plan is ~25 small kernels, two sorts among them, on a step's critical path per paged layer."""
-        self._plan_fn = _compiled_plan_step()
+        """Plan through torch.compile inside the static decode step (one compiled function serves
+        every layer of one shape): the plan is ~25 small kernels, two sorts among them, on a step's
+        critical path per paged layer."""
+        self._compiled_fn = _compiled_plan_step()
 
     def plan(self, flat_ids: torch.Tensor) -> DevicePlan:
         """flat_ids: [P] routed expert of each pair (P <= K) on the device; updates the state."""
         p = flat_ids.shape[0]
         if p > self.num_slots:
             raise ValueError(f"a device-planned step routes at most K={self.num_slots} pairs, got {p}")
-        pair_slot, pair_missed, miss_experts, miss_slots, stats = self._plan_fn(
+        plan_fn = self._compiled_fn if self.in_static_step and self._compiled_fn is not None else plan_step
+        pair_slot, pair_missed, miss_experts, miss_slots, stats = plan_fn(
             flat_ids.to(torch.long), self.slot_of, self.expert_in, self.last_use, self.step, self._arange_e,
             self.num_experts, self.num_slots,
         )

@@ -1,51 +1,59 @@
-"""The whole decode step as one CUDA graph per (batch size, KV bucket): resident models, and paged
-models whose residency lives on the device (`device_residency`: LRU plan, page-in kernel reading
-pinned host memory, grouped matmuls over the slots) for batch sizes B with B x top_k <= K.
+"""The whole decode step as one static computation per batch size, captured as a CUDA graph on
+CUDA: resident models, and paged models whose residency lives on the device (`device_residency`:
+LRU plan, page-in kernel reading pinned host memory, grouped matmuls over the slots) for batch
+sizes B with B x top_k <= K.
 
 Eager decode launches ~80 small kernels per layer (about 4,000 a token for 48 layers): at batch 1
 the GPU waits on Python. A step whose chunks are all one-token decodes (no observers; no router
 override, or a synthetic router whose ids for every layer are drawn before the step and passed in
-with the other inputs; every layer resident or device-planned paged) is instead run as a static computation over fixed-shape buffers:
-- tokens [B], positions [B], new KV rows [B] and a KV row table [B, L] (each sequence's rows of
-  positions 0..L-1, padded with its row 0), L = the step's longest context rounded up to a power
-  of two (at least 64): one graph per (B, L bucket), captured on first use;
-- attention runs over the padded L with an additive mask (positions beyond the token's own get the
-  dtype's minimum, i.e. probability exactly 0), so the result equals the eager per-sequence
-  attention within rounding (not bit for bit: the softmax reduces over a longer row);
+with the other inputs; every layer resident or device-planned paged) instead replays a graph over
+fixed-shape buffers:
+- tokens [B], positions [B], new KV rows [B], then a KV table: with the triton backend each
+  sequence's block table [B, W] (W = the pool's blocks), which `attn_triton` walks only up to the
+  sequence's own position, so ONE graph per batch size serves every context length; with the torch
+  attention, the KV rows of positions 0..L-1 [B, L] with an additive mask, L the step's longest
+  context rounded up to a power of two (at least 64): one graph per (B, L bucket);
 - MoE layers run on the device with no host sync: resident layers over their experts, paged ones
-  as `MoeLayer.page_in_on_device` (LRU plan, page-in kernel) then `experts_on_device`; each layer's
-  union, hits and misses are written to a static vector that the counters read lazily after the
-  replay;
+  as `MoeLayer.page_in_on_device` (LRU plan, page-in kernel) then `experts_on_device`; each
+  layer's union, hits and misses (and prefetches) are added to a device tally inside the graph,
+  which the counters read at their next snapshot (no per-step host work);
 - with `RuntimeConfig.prefetch_next_layer`, between a paged layer's page-ins and its expert pass the
   next layer's experts are predicted (its norm and router on this layer's residual stream) and
-  paged in on a second stream (`MoeLayer.prefetch_on_device`); the next layer waits for that copy.
-Host work per step: build one int64 tensor of indices, one host->device copy, replay, and the
-logits' device->host copy (the step's only sync). On CPU the same static body runs uncaptured
-(tests compare it with the eager path).
+  paged in on a second stream (`MoeLayer.prefetch_on_device`); the next layer waits for that copy;
+- the step's logits [B, V] and each row's argmax [B] are the graph's outputs (`StepLogits`): a
+  greedy engine reads back B token ids, not B x V logits.
+Host work per step: fill one pinned int64 buffer in place, one host->device copy, the replay.
+`prepare(pool)` captures every graph a step on that pool could use before serving (a server is
+ready only then), so no capture or compile happens inside a measured request; a step whose graph
+was not prepared captures it on first use. On CPU the same static body runs uncaptured (tests
+compare it with the eager path).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from paged_experts.attention import attend, attention_in, attention_out, rms_norm, rope_tables
 from paged_experts.kernels import attn_triton
 from paged_experts.kernels.copy_kernel import graph_safe
 from paged_experts.kernels.fused import expert_backend, experts_over_rows, route_logits
+from paged_experts.kv import KvPool, SeqChunk
 from paged_experts.moe import page_in_stream
-
-if TYPE_CHECKING:
-    from paged_experts.kv import KvPool
-    from paged_experts.model import MoeCausalLM, SeqChunk
+from paged_experts.step import StepLogits
 
 log = logging.getLogger(__name__)
 
 MIN_BUCKET = 64
+STAT_COLUMNS = 5  # union, hits, misses, prefetched, prefetch used
+_TALLY_COLUMNS = STAT_COLUMNS + 1  # + union max
 
 
 def bucket(length: int) -> int:
@@ -55,34 +63,65 @@ def bucket(length: int) -> int:
     return b
 
 
-class _Captured:
-    def __init__(
-        self, inputs: torch.Tensor, graph: torch.cuda.CUDAGraph | None, logits: torch.Tensor, stats: torch.Tensor,
-        ids: torch.Tensor,
-    ):
-        self.inputs = inputs  # [B * 3 + B * L] int64 on the device
-        self.graph = graph
-        self.logits = logits  # [B, V]
-        self.stats = stats  # [layers, 3] union, hits, misses; [layers, 5] + prefetched, prefetch used
-        self.ids = ids  # [layers, B, k] the step's routed experts (for `trace`)
+class DecodeModel(Protocol):
+    """What the static decode step reads of its model (paged_experts.model.MoeCausalLM)."""
+
+    config: Any
+    runtime: Any
+    counters: Any
+    router_override: Any
+    routing_observers: list[Any]
+
+    @property
+    def moe_layers(self) -> tuple[Any, ...]: ...
+
+    @property
+    def attention_layers(self) -> tuple[Any, ...]: ...
+
+    @property
+    def dense(self) -> Any: ...
+
+    @property
+    def rope_inv_freq(self) -> torch.Tensor: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def layer_placements(self) -> tuple[str, ...]: ...
+
+    def graphable(self) -> bool: ...
+
+
+class _Entry:
+    """One (batch size, KV bucket, routing source) step: its buffers and, on CUDA, its graph."""
+
+    def __init__(self, host: torch.Tensor, inputs: torch.Tensor) -> None:
+        self.host = host  # [n] int64 step inputs on the host (pinned on CUDA), filled in place
+        self.inputs = inputs  # [n] the same on the device
+        self.copied: torch.cuda.Event | None = None  # the last host->device copy of `host`
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None  # [B, V]
+        self.greedy: torch.Tensor | None = None  # [B]
+        self.ids: torch.Tensor | None = None  # [layers, B, k] the step's routed experts (for `trace`)
 
 
 class GraphedDecoder:
     """Runs eligible decode steps of `model` as static (CUDA-graphed on CUDA) computations."""
 
-    def __init__(self, model: MoeCausalLM, batch_sizes: Sequence[int], compile_layers: bool = False) -> None:
+    def __init__(self, model: DecodeModel, batch_sizes: Sequence[int], compile_layers: bool = False) -> None:
         if not model.graphable():
             raise ValueError(
                 "CUDA-graph decode needs every layer resident or paged with device planning, got placements "
                 f"{sorted(set(model.layer_placements()))}"
             )
         self.model = model
-        self._paged = [m for m in model._moe if m.placement == "paged"]
+        self._layers = model.moe_layers
+        self._paged = [m for m in self._layers if m.placement == "paged"]
         fits = [b for b in sorted(set(batch_sizes)) if all(m.plans_on_device(b) for m in self._paged)]
         if len(fits) < len(set(batch_sizes)):
             log.info(
                 "decode graphs: batch sizes above K // top_k = %d stay eager (host-planned waves)",
-                self._paged[0].device_residency.num_slots // model.config.top_k,  # type: ignore[union-attr]
+                self._paged[0].device_residency.num_slots // model.config.top_k,
             )
         self.batch_sizes = tuple(fits)
         self.capture = model.device.type == "cuda"
@@ -94,10 +133,10 @@ class GraphedDecoder:
         if self.capture and self._paged and not graph_safe(model.device):
             raise ValueError("CUDA-graph decode of paged layers needs Triton (the device page-in kernel)")
         self._pool: KvPool | None = None
-        self._entries: dict[tuple[int, int], _Captured] = {}
+        self._entries: dict[tuple[int, int, bool], _Entry] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.capture else None
         self.replays = 0
-        self.captured: list[tuple[int, int]] = []
+        self.captured: list[tuple[int, int]] = []  # (B, KV bucket; 0 = bucket-free)
         # Next-layer prefetch (RuntimeConfig.prefetch_next_layer): while a layer computes, the next
         # paged layer's router reads this layer's residual stream and its predicted experts page in
         # on a second stream (the fork and join are captured as graph dependencies).
@@ -106,7 +145,13 @@ class GraphedDecoder:
         # When a list: each step appends its routed ids [layers, B, k] (device tensors), e.g. for a
         # benchmark's LRU replay of the exact routing it ran.
         self.trace: list[torch.Tensor] | None = None
-        self._inv_freq = model._inv_freq.to(model.device)  # [D/2]
+        self._inv_freq = model.rope_inv_freq.to(model.device)  # [D/2]
+        # Counters of graphed steps: added up on the device inside the graph, read at a snapshot.
+        self._tally = torch.zeros(len(self._layers), _TALLY_COLUMNS, dtype=torch.long, device=model.device)
+        self._tally_steps = 0
+        self._tally_pairs = 0
+        if hasattr(model.counters, "add_device_tally"):
+            model.counters.add_device_tally(self.drain_tally)
         # compile_layers: the per-layer attention block and expert pass go through torch.compile
         # (one compiled function per shape serves every layer), fusing the ~100 small kernels a
         # layer launches; the graph then captures the compiled kernels.
@@ -123,13 +168,16 @@ class GraphedDecoder:
         self.compiled = compile_layers
         if compile_layers:  # the paged layers' LRU plans too (one compiled function for all)
             for moe in self._paged:
-                moe.device_residency.compile()  # type: ignore[union-attr]
+                moe.device_residency.compile()
         log.info(
-            "decode step graphs enabled for batch sizes %s (captured on first use per KV bucket)%s%s%s",
-            list(self.batch_sizes), ", layers compiled" if compile_layers else "",
-            ", routing and experts as moe_triton kernels" if self.triton else "",
+            "decode step graphs enabled for batch sizes %s (%s)%s%s%s",
+            list(self.batch_sizes), "one per batch size" if self.triton else "one per batch size and KV bucket",
+            ", layers compiled" if compile_layers else "",
+            ", routing, experts and attention as Triton kernels" if self.triton else "",
             ", next-layer prefetch" if self.prefetch else "",
-        )
+        )  # fmt: skip
+
+    # ---- eligibility and the step ------------------------------------------------------------
 
     def accepts(self, chunks: Sequence[SeqChunk]) -> bool:
         m = self.model
@@ -140,140 +188,239 @@ class GraphedDecoder:
         pool = chunks[0].seq.pool
         return all(len(c.token_ids) == 1 and not c.all_logits and c.seq.pool is pool for c in chunks)
 
-    def step(self, chunks: Sequence[SeqChunk]) -> list[torch.Tensor]:
-        """One decode step (KV reserved and committed here, as `MoeCausalLM.forward` does)."""
+    def step(self, chunks: Sequence[SeqChunk]) -> StepLogits:
+        """One decode step (KV reserved and committed here, as `MoeCausalLM.run_step` does)."""
         m = self.model
         pool = chunks[0].seq.pool
         pool.check_reserve([(c.seq, c.start_pos, 1) for c in chunks])
         for c in chunks:
             pool.reserve(c.seq, c.start_pos, 1)
-        if pool is not self._pool:  # graphs address the pool's K/V tensors: a new pool, new graphs
-            self._entries.clear()
-            self._pool = pool
-            if self.capture:  # and a fresh memory pool: reusing the freed graphs' pool trips the allocator
-                torch.cuda.synchronize()
-                self._mempool = torch.cuda.graph_pool_handle()
+        self._use_pool(pool)
         b = len(chunks)
-        length = bucket(max(c.start_pos for c in chunks) + 1)
-        host = self._host_inputs(chunks, pool, length)  # [B * 3 + B * L]
         planned = m.router_override is not None
-        if planned:  # the synthetic router's ids for every layer, drawn now: [B, layers, k]
-            ids = m.router_override.plan([c.seq.seq_id for c in chunks], [c.start_pos for c in chunks])  # type: ignore[union-attr]
-            host = torch.cat([host, torch.from_numpy(ids).reshape(-1)])
-        if self.capture:
-            host = host.pin_memory()  # copied with non_blocking: no sync before the replay
-        key = (b, length, planned)
+        key = (b, 0 if self.triton else bucket(max(c.start_pos for c in chunks) + 1), planned)
         entry = self._entries.get(key)
         fresh = entry is None
         if entry is None:
-            entry = self._build(key, host)  # uncaptured (CPU): this ran the step already
-        else:
-            entry.inputs.copy_(host, non_blocking=True)
+            entry = self._new_entry(key)
+        self._fill(entry, key, chunks)
+        if fresh:
+            self._build(entry, key)  # uncaptured (CPU): this ran the step already
         if entry.graph is not None:
             entry.graph.replay()
-        elif not fresh:  # a step runs once: a paged body plans and pages in
-            entry.logits, entry.stats, entry.ids = self._body(entry.inputs, b, length, planned)
+        elif not fresh:  # CPU: a step runs once (a paged body plans and pages in)
+            entry.logits, entry.greedy, entry.ids = self._body(entry.inputs, key)
         self.replays += 1
+        self._tally_steps += 1
+        self._tally_pairs += b * m.config.top_k
         if self.trace is not None:
             self.trace.append(entry.ids.clone())
         for moe in self._paged:  # a replay planned on the device: the host planner must pull first
             moe._host_residency_stale = True
-        pairs = b * m.config.top_k  # [layers, 3 or 5] union, hits, misses(, prefetches): read with the counters, later
-        m.counters.record_layers_device(0, m.layer_placements(), entry.stats.clone(), pairs)  # type: ignore[attr-defined]
-        logits = entry.logits.to("cpu", torch.float32)  # [B, V]: the step's one sync
         for c in chunks:
             pool.commit(c.seq, c.start_pos + 1)
-        return list(torch.split(logits, 1))
+        assert entry.logits is not None and entry.greedy is not None
+        return StepLogits(entry.logits, entry.greedy, (1,) * b)
 
-    def _host_inputs(self, chunks: Sequence[SeqChunk], pool: KvPool, length: int) -> torch.Tensor:
-        bs = pool.block_size
-        b = len(chunks)
-        tokens = torch.tensor([int(c.token_ids[0]) for c in chunks], dtype=torch.long)  # [B]
-        positions = torch.tensor([c.start_pos for c in chunks], dtype=torch.long)  # [B]
-        table = torch.empty(b, length, dtype=torch.long)  # [B, L]
-        pos = torch.arange(length)  # [L]
-        for i, c in enumerate(chunks):
-            blocks = torch.tensor(c.seq.blocks, dtype=torch.long)  # [nb]
-            p = pos.clamp(max=c.start_pos)  # padded positions reuse the last real row (finite values)
-            table[i] = blocks[p // bs] * bs + p % bs
-        new_rows = table[torch.arange(b), positions]  # [B]
-        return torch.cat([tokens, positions, new_rows, table.reshape(-1)])
+    # ---- before serving ----------------------------------------------------------------------
 
-    def _build(self, key: tuple[int, int, bool], host: torch.Tensor) -> _Captured:
-        m = self.model
+    def prepare(self, pool: KvPool) -> int:
+        """Captures every graph a decode step on `pool` can replay (each batch size; with the torch
+        attention, each KV bucket up to the pool's capacity; the synthetic router's input layout if
+        one is set) and returns how many. The pool must hold no live sequence: the captures write
+        dummy KV rows. The caller restores the paged layers' residency and slots afterwards."""
+        self._use_pool(pool)
+        planned = self.model.router_override is not None
+        buckets = [0] if self.triton else _buckets_up_to(pool.capacity_tokens)
+        done = 0
+        for b in self.batch_sizes:
+            for length in buckets:
+                key = (b, length, planned)
+                if key in self._entries:
+                    continue
+                entry = self._new_entry(key)
+                self._fill_dummy(entry, key)
+                self._build(entry, key)
+                done += 1
+        if self.capture:
+            torch.cuda.synchronize()
+        return done
+
+    def drain_tally(self) -> tuple[list[list[int]], int, int, tuple[str, ...]] | None:
+        """The graphed steps' per-layer sums since the last drain ([layers, 6]: union, hits, misses,
+        prefetched, prefetch used, union max), their number and routed pairs; zeroes them. Called by
+        the counters between steps (it reads the device once)."""
+        if not self._tally_steps:
+            self._tally.zero_()  # what warm-up and capture bodies added is no served step's
+            return None
+        rows = self._tally.tolist()
+        self._tally.zero_()
+        steps, pairs = self._tally_steps, self._tally_pairs
+        self._tally_steps = self._tally_pairs = 0
+        return rows, steps, pairs, self.model.layer_placements()
+
+    # ---- buffers -----------------------------------------------------------------------------
+
+    def _use_pool(self, pool: KvPool) -> None:
+        if pool is self._pool:
+            return
+        # graphs address the pool's K/V tensors: a new pool, new graphs
+        self._entries.clear()
+        self._pool = pool
+        if self.capture:  # and a fresh memory pool: reusing the freed graphs' pool trips the allocator
+            torch.cuda.synchronize()
+            self._mempool = torch.cuda.graph_pool_handle()
+
+    def _table_width(self, key: tuple[int, int, bool]) -> int:
+        assert self._pool is not None
+        return self._pool.num_blocks if key[1] == 0 else key[1]
+
+    def _new_entry(self, key: tuple[int, int, bool]) -> _Entry:
+        b, _, planned = key
+        cfg = self.model.config
+        n = b * 3 + b * self._table_width(key) + (b * cfg.num_layers * cfg.top_k if planned else 0)
+        host = torch.zeros(n, dtype=torch.long, pin_memory=self.capture)
+        return _Entry(host, host.to(self.model.device) if self.capture else host.clone())
+
+    def _fill(self, entry: _Entry, key: tuple[int, int, bool], chunks: Sequence[SeqChunk]) -> None:
+        """Writes the step's inputs into the entry's host buffer and starts their copy."""
+        assert self._pool is not None
         b, length, planned = key
-        inputs = host.to(m.device)
+        bs = self._pool.block_size
+        width = self._table_width(key)
+        if entry.copied is not None:
+            entry.copied.synchronize()  # the previous copy out of this buffer has finished
+        a = entry.host.numpy()
+        for i, c in enumerate(chunks):
+            blocks, pos = c.seq.blocks, c.start_pos
+            a[i] = int(c.token_ids[0])
+            a[b + i] = pos
+            a[2 * b + i] = blocks[pos // bs] * bs + pos % bs
+            row = a[3 * b + i * width : 3 * b + (i + 1) * width]
+            if length == 0:  # block table, padded with block 0 (never read: the kernel stops at pos)
+                row[: len(blocks)] = blocks
+                row[len(blocks) :] = 0
+            else:  # KV row of each position 0..L-1; padded positions reuse the last real row (finite)
+                p = np.minimum(np.arange(length), pos)
+                row[:] = np.asarray(blocks, dtype=np.int64)[p // bs] * bs + p % bs
+        if planned:  # the synthetic router's ids for every layer, drawn now: [B, layers, k]
+            ids = self.model.router_override.plan([c.seq.seq_id for c in chunks], [c.start_pos for c in chunks])
+            a[3 * b + b * width :] = ids.reshape(-1)
+        self._copy_in(entry)
+
+    def _fill_dummy(self, entry: _Entry, key: tuple[int, int, bool]) -> None:
+        """Inputs of a capture before serving: token 0 at the bucket's last position, KV rows of
+        block 0 and the first blocks (free: the pool is empty), experts 0..k-1 if planned."""
+        b, length, planned = key
+        a = entry.host.numpy()
+        a[:] = 0
+        a[b : 2 * b] = max(length - 1, 0)
+        a[2 * b : 3 * b] = np.arange(b)
+        if planned:
+            cfg = self.model.config
+            width = self._table_width(key)
+            ids = np.broadcast_to(np.arange(cfg.top_k), (b, cfg.num_layers, cfg.top_k))
+            a[3 * b + b * width :] = ids.reshape(-1)
+        self._copy_in(entry)
+
+    def _copy_in(self, entry: _Entry) -> None:
         if not self.capture:
-            entry = _Captured(inputs, None, *self._body(inputs, b, length, planned))
+            entry.inputs.copy_(entry.host)
+            return
+        entry.inputs.copy_(entry.host, non_blocking=True)
+        entry.copied = torch.cuda.Event()
+        entry.copied.record()
+
+    @contextmanager
+    def _graph_body(self) -> Iterator[None]:
+        """Paged layers plan with their compiled LRU plan inside the static step only (eager steps
+        of other shapes keep the plain one: no compile inside a served request)."""
+        for moe in self._paged:
+            moe.device_residency.in_static_step = True
+        try:
+            yield
+        finally:
+            for moe in self._paged:
+                moe.device_residency.in_static_step = False
+
+    def _build(self, entry: _Entry, key: tuple[int, int, bool]) -> None:
+        m = self.model
+        b, length, _ = key
+        if not self.capture:
+            with self._graph_body():
+                entry.logits, entry.greedy, entry.ids = self._body(entry.inputs, key)
         else:
             t0 = time.perf_counter()
-            saved = [m.device_residency.state() for m in self._paged]  # type: ignore[union-attr]
+            saved = [moe.device_residency.state() for moe in self._paged]
+            tally = self._tally.clone()
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._body(inputs, b, length, planned)  # warm-up: same inputs, so its KV writes are the step's own
+            with torch.cuda.stream(side), self._graph_body():
+                self._body(entry.inputs, key)  # warm-up: same inputs, so its KV writes are the step's own
             torch.cuda.current_stream().wait_stream(side)
             # The warm-up planned (and paged in) this step; rewind the residency so the replay
             # plans it again and its counters see the step's real misses. The replay re-pages the
             # same experts into the same slots (same state, same routing), so slots match maps.
-            for m, state in zip(self._paged, saved):
-                m.device_residency.load_state(state)  # type: ignore[union-attr]
+            for moe, state in zip(self._paged, saved):
+                moe.device_residency.load_state(state)
+            self._tally.copy_(tally)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._mempool):
-                outputs = self._body(inputs, b, length, planned)
-            entry = _Captured(inputs, graph, *outputs)
+            with torch.cuda.graph(graph, pool=self._mempool), self._graph_body():
+                entry.logits, entry.greedy, entry.ids = self._body(entry.inputs, key)
+            entry.graph = graph
             log.info(
-                "captured decode step graph: batch %d, KV bucket %d%s, %.2f s",
-                b, length, ", synthetic routing ids as input" if planned else "", time.perf_counter() - t0,
-            )
+                "captured decode step graph: batch %d, %s%s, %.2f s",
+                b, f"KV bucket {length}" if length else "any context length",
+                ", synthetic routing ids as input" if key[2] else "", time.perf_counter() - t0,
+            )  # fmt: skip
             self.captured.append((b, length))
         self._entries[key] = entry
-        return entry
 
-    def _body(self, inputs: torch.Tensor, b: int, length: int, planned: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Static decode step: [B] tokens -> logits [B, V], per-layer stats [layers, 3] ([layers, 5]
-        with prefetch) and routed ids [layers, B, k].
-        planned: the inputs end with the synthetic router's ids [B, layers, k] for this step."""
-        from paged_experts.model import rms_norm
+    # ---- the static step ---------------------------------------------------------------------
 
+    def _body(self, inputs: torch.Tensor, key: tuple[int, int, bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Static decode step: [B] tokens -> logits [B, V], argmax [B] and routed ids [layers, B, k];
+        adds the step's per-layer stats to the device tally. The inputs end with the synthetic
+        router's ids [B, layers, k] for this step when key[2] (planned)."""
         m = self.model
+        b, length, planned = key
         cfg, dt = m.config, m.runtime.torch_dtype
         assert self._pool is not None
+        width = self._table_width(key)
         tokens, positions, new_rows = inputs[:b], inputs[b : 2 * b], inputs[2 * b : 3 * b]
-        table = inputs[3 * b : 3 * b + b * length].view(b, length)  # [B, L]
-        planned_ids = inputs[3 * b + b * length :].view(b, -1, cfg.top_k) if planned else None  # [B, layers, k]
-        freqs = positions.to(torch.float32)[:, None] * self._inv_freq[None, :]  # [B, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [B, D]
-        cos, sin = emb.cos().to(dt), emb.sin().to(dt)
-        keep = torch.arange(length, device=inputs.device)[None, :] <= positions[:, None]  # [B, L]
-        zero = torch.zeros((), dtype=dt, device=inputs.device)
-        mask = torch.where(keep, zero, torch.finfo(dt).min)  # [B, L]
-        x = m._dense.embed[tokens]  # [B, H]
+        table = inputs[3 * b : 3 * b + b * width].view(b, width)  # [B, W]: block table, or KV rows [B, L]
+        planned_ids = inputs[3 * b + b * width :].view(b, -1, cfg.top_k) if planned else None  # [B, layers, k]
+        cos, sin = rope_tables(positions, self._inv_freq, dt)  # [B, D]
+        mask = None
+        if length:
+            keep = torch.arange(length, device=inputs.device)[None, :] <= positions[:, None]  # [B, L]
+            mask = torch.where(keep, torch.zeros((), dtype=dt, device=inputs.device), torch.finfo(dt).min)  # [B, L]
+        x = m.dense.embed[tokens]  # [B, H]
         stats: list[torch.Tensor | None] = []
         resident_ids: list[torch.Tensor] = []  # [B, k] per resident layer: their stats come at the end
         routed: list[torch.Tensor] = []  # [B, k] per layer
         copy_stream = page_in_stream(inputs.device) if self.prefetch else None
         for moe in self._paged:
             moe.pending_prefetch = None  # a step interrupted by an error leaves none behind
-        for layer_idx, (w, moe) in enumerate(zip(m._attention, m._moe)):
+        for layer_idx, (w, moe) in enumerate(zip(m.attention_layers, self._layers)):
             kv_k, kv_v = self._pool.k[layer_idx], self._pool.v[layer_idx]
-            if self.triton:
+            if length == 0:
                 q = self._attention_in(
                     x, w.input_norm, w.qkv_proj, w.q_norm, w.k_norm, kv_k, kv_v, cos, sin, new_rows,
                     cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
-                )
-                attn = attn_triton.decode_attention(q, kv_k, kv_v, table, positions)  # [B, nh*D]
+                )  # fmt: skip
+                attn = attn_triton.decode_attention(q, kv_k, kv_v, table, positions, self._pool.block_size)  # [B, nh*D]
                 x, h, logits = self._attention_out(x, attn, w.o_proj, w.post_norm, moe.router_weight, cfg.rms_norm_eps)
             else:
                 x, h, logits = self._attention_fn(
                     x, w.input_norm, w.qkv_proj, w.o_proj, w.q_norm, w.k_norm, w.post_norm, moe.router_weight,
                     kv_k, kv_v, cos, sin, new_rows, table, mask, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                     cfg.rms_norm_eps,
-                )
+                )  # fmt: skip
             ids, weights = self._route_fn(
                 logits, cfg.top_k, cfg.norm_topk_prob,
                 None if planned_ids is None else planned_ids[:, layer_idx % planned_ids.shape[1]],
-            )
+            )  # fmt: skip
             routed.append(ids)
             if moe.placement == "resident":
                 self._prefetch_next(layer_idx, x, copy_stream)
@@ -291,69 +438,39 @@ class GraphedDecoder:
                 out = moe.experts_on_device(h, plan, weights, self._experts_fn)
                 stats.append(moe.step_stats(plan, pending, flat))
             x = x + out
-        hidden = rms_norm(x, m._dense.final_norm, cfg.rms_norm_eps)  # [B, H]
+        hidden = rms_norm(x, m.dense.final_norm, cfg.rms_norm_eps)  # [B, H]
         if resident_ids:  # every resident layer's union in one pass, not five small kernels per layer
             fills = iter(resident_union_stats(torch.stack(resident_ids), cfg.num_experts))
             stats = [next(fills) if st is None else st for st in stats]
-        if self.prefetch:  # one width: layers without a prefetch report zero prefetches
-            stats = [F.pad(st, (0, 5 - st.shape[0])) for st in stats]  # type: ignore[union-attr]
-        return F.linear(hidden, m._dense.lm_head), torch.stack(stats), torch.stack(routed)  # type: ignore[arg-type]
+        step_stats = torch.stack([F.pad(st, (0, STAT_COLUMNS - st.shape[0])) for st in stats])  # [layers, 5]
+        self._tally[:, :STAT_COLUMNS] += step_stats
+        torch.maximum(self._tally[:, STAT_COLUMNS], step_stats[:, 0], out=self._tally[:, STAT_COLUMNS])
+        logits = F.linear(hidden, m.dense.lm_head)  # [B, V]
+        return logits, logits.argmax(dim=-1), torch.stack(routed)
 
     def _prefetch_next(self, layer_idx: int, x: torch.Tensor, copy_stream: torch.cuda.Stream | None) -> None:
         """Predicts layer `layer_idx + 1`'s experts from the residual stream x [B, H] after this
         layer's attention (that layer's own norm and router: the stream changes little per layer)
         and starts paging them in, if that layer is paged and prefetch is on."""
         m = self.model
-        if not self.prefetch or layer_idx + 1 >= len(m._moe):
+        if not self.prefetch or layer_idx + 1 >= len(self._layers):
             return
-        nxt = m._moe[layer_idx + 1]
+        nxt = self._layers[layer_idx + 1]
         if nxt.device_residency is None:
             return
         cfg = m.config
-        logits = self._predict_fn(x, m._attention[layer_idx + 1].post_norm, nxt.router_weight, cfg.rms_norm_eps)  # [B, E]
+        post_norm = m.attention_layers[layer_idx + 1].post_norm
+        logits = self._predict_fn(x, post_norm, nxt.router_weight, cfg.rms_norm_eps)  # [B, E]
         predicted, _ = route_logits(logits, cfg.top_k, cfg.norm_topk_prob)  # [B, k]
         nxt.prefetch_on_device(predicted, copy_stream)
 
 
-def attention_in(
-    x: torch.Tensor, input_norm: torch.Tensor, qkv_proj: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
-    kv_k: torch.Tensor, kv_v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, new_rows: torch.Tensor,
-    num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-) -> torch.Tensor:
-    """x [B, H] -> rotated queries [B, nh, D]; this step's keys and values written to their KV rows."""
-    from paged_experts.model import rms_norm, rotate_half, split_qkv
-
-    q, k, v = split_qkv(F.linear(rms_norm(x, input_norm, eps), qkv_proj), num_heads, num_kv_heads, head_dim)
-    q = rms_norm(q, q_norm, eps)  # [B, nh, D]
-    k = rms_norm(k, k_norm, eps)  # [B, kvh, D]
-    q = q * cos[:, None, :] + rotate_half(q) * sin[:, None, :]
-    k = k * cos[:, None, :] + rotate_half(k) * sin[:, None, :]
-    kv_k.index_copy_(0, new_rows, k)  # [slots, kvh, D]
-    kv_v.index_copy_(0, new_rows, v)
-    return q
-
-
-def torch_attention(q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Tensor, table: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q [B, nh, D] over the KV rows `table` [B, L] with the additive mask [B, L] -> [B, nh * D]."""
-    b, num_heads, head_dim = q.shape
-    groups = num_heads // kv_k.shape[1]
-    keys = kv_k[table].repeat_interleave(groups, dim=2).transpose(1, 2)  # [B, nh, L, D]
-    values = kv_v[table].repeat_interleave(groups, dim=2).transpose(1, 2)  # [B, nh, L, D]
-    scores = torch.matmul(q[:, :, None, :], keys.transpose(2, 3)) * head_dim**-0.5  # [B, nh, 1, L]
-    scores = scores + mask[:, None, None, :]
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [B, nh, 1, L]
-    return torch.matmul(probs, values).reshape(b, num_heads * head_dim)  # [B, nh*D]
-
-
-def attention_out(
-    x: torch.Tensor, attn: torch.Tensor, o_proj: torch.Tensor, post_norm: torch.Tensor, router: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Residual [B, H] + o_proj(attention [B, nh*D]) -> (x [B, H], post-norm hidden [B, H], router logits [B, E])."""
-    from paged_experts.model import rms_norm
-
-    x = x + F.linear(attn, o_proj)  # [B, H]
-    h = rms_norm(x, post_norm, eps)  # [B, H]
-    return x, h, F.linear(h, router)
+def _buckets_up_to(capacity_tokens: int) -> list[int]:
+    """Every KV bucket a sequence of at most `capacity_tokens` tokens can fall in."""
+    out = [MIN_BUCKET]
+    while out[-1] < capacity_tokens:
+        out.append(out[-1] * 2)
+    return out
 
 
 def attention_block(
@@ -367,14 +484,13 @@ def attention_block(
     x [B, H] -> (x + attention [B, H], post-norm hidden [B, H], router logits [B, E])."""
     q = attention_in(
         x, input_norm, qkv_proj, q_norm, k_norm, kv_k, kv_v, cos, sin, new_rows, num_heads, num_kv_heads, head_dim, eps
-    )
-    return attention_out(x, torch_attention(q, kv_k, kv_v, table, mask), o_proj, post_norm, router, eps)
+    )  # [B, nh, D]
+    attn = attend(q[:, None], kv_k, kv_v, table, mask[:, None, :])[:, 0]  # [B, nh*D]
+    return attention_out(x, attn, o_proj, post_norm, router, eps)  # type: ignore[return-value]
 
 
 def predict_logits(x: torch.Tensor, post_norm: torch.Tensor, router: torch.Tensor, eps: float) -> torch.Tensor:
     """Residual stream x [B, H] -> a layer's router logits [B, E] as if x were its MoE input."""
-    from paged_experts.model import rms_norm
-
     return F.linear(rms_norm(x, post_norm, eps), router)
 
 

@@ -8,16 +8,32 @@ sequence only ever reads and writes the cache rows of its own blocks.
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from paged_experts.model import MoeCausalLM
+
+class _HasKvShape(Protocol):
+    """What `KvPool.for_model` reads of a model (its config's KV shape, its dtype and device)."""
+
+    config: Any
+    runtime: Any
 
 
 class KvCapacityError(RuntimeError):
     """A chunk needs more KV blocks than the pool has free (check `can_fit` before a forward)."""
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """Tokens of one sequence at positions [start_pos, start_pos + len(token_ids)) in one step."""
+
+    seq: KvSequence
+    token_ids: Sequence[int]
+    start_pos: int
+    all_logits: bool = False
 
 
 class KvSequence:
@@ -63,7 +79,7 @@ class KvPool:
         self._live: dict[int, KvSequence] = {}
 
     @classmethod
-    def for_model(cls, model: MoeCausalLM, capacity_tokens: int, block_size: int = 16) -> KvPool:
+    def for_model(cls, model: _HasKvShape, capacity_tokens: int, block_size: int = 16) -> KvPool:
         cfg = model.config
         return cls(
             num_layers=cfg.num_layers,
@@ -141,6 +157,10 @@ class KvPool:
         pos = torch.arange(start_pos, end_pos)  # [n]
         blocks = torch.tensor(seq.blocks, dtype=torch.long)  # [nb]
         return (blocks[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.device)
+
+    def block_table(self, seqs: Sequence[KvSequence], width: int) -> list[list[int]]:
+        """Each sequence's blocks, padded with block 0 to `width` entries (a decode step's table)."""
+        return [seq.blocks + [0] * (width - len(seq.blocks)) for seq in seqs]
 
     def free(self, seq: KvSequence) -> None:
         self._check_live(seq)

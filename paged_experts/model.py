@@ -1,14 +1,21 @@
-"""Compact Qwen3-MoE causal LM over ragged batches: one `forward` is one engine step.
+"""Compact Qwen3-MoE causal LM over ragged batches: one step is one engine step.
 
 All chunks' tokens are concatenated for the projections and the MoE layers (one wave plan per
-layer per step); attention runs per sequence against that sequence's own KV rows in a `KvPool`.
-Numerics follow transformers' Qwen3MoeForCausalLM (RMSNorm in fp32, RoPE cos/sin cast to the
-model dtype, eager softmax in fp32) so its logits are an outside oracle for this code.
+layer per step); attention runs per sequence against that sequence's own KV rows in a `KvPool`,
+through `paged_experts.attention` (the same functions the static decode step uses). Numerics follow
+transformers' Qwen3MoeForCausalLM (RMSNorm in fp32, RoPE cos/sin cast to the model dtype, eager
+softmax in fp32) so its logits are an outside oracle for this code.
+
+Public API: `run_step(chunks) -> StepLogits` (logits left on the device, with each row's argmax),
+`forward(chunks)` (the same step, fp32 logits on the CPU), `prepare_decode(pool, max_batch)` (every
+decode graph captured and every kernel compiled before serving), and the read-only views the server,
+simulator and benchmarks use (`moe_layers`, `decode_graphs`, `layer_placements()`).
 """
 
 from __future__ import annotations
 
-import os
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -16,29 +23,26 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from paged_experts.attention import attend, attention_out, causal_mask, project_qkv, rms_norm, rope_tables
 from paged_experts.config import MoeModelConfig
 from paged_experts.counters import PagingCounters, TalliedCounters
 from paged_experts.device_residency import DeviceResidency
 from paged_experts.graphs import GraphedDecoder
-from paged_experts.kv import KvPool, KvSequence
-from paged_experts.loader import AttentionWeights, LoadedModel, load
+from paged_experts.step import StepLogits
+from paged_experts.kv import KvPool, KvSequence, SeqChunk
+from paged_experts.loader import AttentionWeights, DenseWeights, LoadedModel, load
 from paged_experts.moe import (
     EXPERT_KERNELS,
+    MoeLayer,
     RouterOverride,
     RoutingObserver,
     StepContext,
 )
 from paged_experts.runtime import RuntimeConfig
 
+__all__ = ["MoeCausalLM", "SeqChunk", "StepLogits", "rms_norm"]
 
-@dataclass(frozen=True)
-class SeqChunk:
-    """Tokens of one sequence at positions [start_pos, start_pos + len(token_ids))."""
-
-    seq: KvSequence
-    token_ids: Sequence[int]
-    start_pos: int
-    all_logits: bool = False
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -50,25 +54,6 @@ class _ChunkRows:
     all_rows: torch.Tensor  # [start_pos + n] KV rows attended to
     mask: torch.Tensor  # [n, start_pos + n] additive causal mask
     pool: KvPool = field(repr=False)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3 RMSNorm: normalise in fp32, cast back, then scale."""
-    x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:
-    """[T, (nh + 2 kvh) D] fused projection -> q [T, nh, D], k [T, kvh, D], v [T, kvh, D]."""
-    t = qkv.shape[0]
-    q, k, v = torch.split(qkv, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    return q.view(t, num_heads, head_dim), k.view(t, num_kv_heads, head_dim), v.view(t, num_kv_heads, head_dim)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class MoeCausalLM:
@@ -106,11 +91,7 @@ class MoeCausalLM:
         from paged_experts import synth_memory
 
         loaded = synth_memory.load_synthetic(path, runtime) if synth_memory.is_synthetic(path) else load(path, runtime)
-        model = cls(loaded, runtime, expert_kernel)
-        sizes = [int(b) for b in os.environ.get("PAGED_EXPERTS_CUDA_GRAPHS", "").split(",") if b.strip()]
-        if sizes and runtime.device == "cuda" and model.graphable():
-            model.enable_cuda_graphs(sizes, compile_layers=os.environ.get("PAGED_EXPERTS_COMPILE", "") == "1")
-        return model
+        return cls(loaded, runtime, expert_kernel)
 
     @classmethod
     def synthetic(
@@ -125,8 +106,7 @@ class MoeCausalLM:
         """Decode steps of these batch sizes run as one captured graph each (resident models, and
         paged ones planned on the device for B x top_k <= K; on CPU the same static step runs
         uncaptured). `compile_layers`: torch.compile the per-layer blocks first (fewer kernels).
-        `PAGED_EXPERTS_CUDA_GRAPHS=1,2,3,4` (and `PAGED_EXPERTS_COMPILE=1`) in the environment
-        enable it in `from_pretrained` (the server needs no flag)."""
+        Graphs are captured on first use, or all at once by `prepare_decode`."""
         self._graphs = GraphedDecoder(self, batch_sizes, compile_layers) if batch_sizes else None
 
     def graphable(self) -> bool:
@@ -139,8 +119,32 @@ class MoeCausalLM:
 
     @property
     def captured_graphs(self) -> list[tuple[int, int]]:
-        """(batch size, KV bucket) of every graph captured so far."""
+        """(batch size, KV bucket; 0 for bucket-free graphs) of every graph captured so far."""
         return list(self._graphs.captured) if self._graphs is not None else []
+
+    @property
+    def decode_graphs(self) -> GraphedDecoder | None:
+        """The static decode step (None when CUDA graphs are off)."""
+        return self._graphs
+
+    @property
+    def moe_layers(self) -> tuple[MoeLayer, ...]:
+        """The MoE block of every layer, in order (read-only view: counters, residency, slots)."""
+        return tuple(self._moe)
+
+    @property
+    def attention_layers(self) -> tuple[AttentionWeights, ...]:
+        return tuple(self._attention)
+
+    @property
+    def dense(self) -> DenseWeights:
+        """Embedding, final norm and LM head."""
+        return self._dense
+
+    @property
+    def rope_inv_freq(self) -> torch.Tensor:
+        """[D/2] RoPE inverse frequencies (fp32, CPU)."""
+        return self._inv_freq
 
     def set_expert_kernel(self, kernel: str) -> None:
         """'fused' (grouped matmuls over the slot table, the default) or 'loop' (the per-expert reference)."""
@@ -157,11 +161,48 @@ class MoeCausalLM:
     def layer_placements(self) -> tuple[str, ...]:
         return tuple(layer.placement for layer in self._moe)
 
+    def prepare_decode(self, pool: KvPool, max_batch: int) -> dict[str, float]:
+        """Before serving: captures every decode graph a step on `pool` could replay and runs one
+        eager step of each other decode batch size up to `max_batch` (so no capture, torch.compile
+        or Triton JIT happens inside a measured request), then restores the starting residency and
+        zeroes the counters. `pool` must hold no live sequence. Returns the seconds each part took."""
+        t0 = time.perf_counter()
+        saved = [m.device_residency.state() for m in self._moe if m.device_residency is not None]
+        captured = self._graphs.prepare(pool) if self._graphs is not None else 0
+        t1 = time.perf_counter()
+        graphed = set(self._graphs.batch_sizes) if self._graphs is not None else set()
+        eager = [b for b in range(1, max_batch + 1) if b not in graphed]
+        for b in eager:  # the step's kernels (Triton backends, grouped GEMMs) meet this shape now
+            seqs = [pool.new_sequence() for _ in range(b)]
+            try:
+                self.run_step([SeqChunk(s, [0], 0) for s in seqs])
+            finally:
+                for s in seqs:
+                    pool.free(s)
+        paged = [m for m in self._moe if m.device_residency is not None]
+        for m, state in zip(paged, saved):
+            m.device_residency.load_state(state)  # type: ignore[union-attr]
+            m.reload_slots()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.counters.reset()
+        t2 = time.perf_counter()
+        log.info(
+            "decode prepared: %d graphs captured in %.2f s, eager batch sizes %s warmed in %.2f s",
+            captured, t1 - t0, eager, t2 - t1,
+        )  # fmt: skip
+        return {"capture_s": t1 - t0, "eager_warmup_s": t2 - t1, "graphs": float(captured)}
+
     @torch.inference_mode()
     def forward(self, chunks: Sequence[SeqChunk]) -> list[torch.Tensor]:
         """Runs one step; returns fp32 CPU logits per chunk: [n, V] if all_logits else [1, V]."""
+        return self.run_step(chunks).cpu_rows()
+
+    @torch.inference_mode()
+    def run_step(self, chunks: Sequence[SeqChunk]) -> StepLogits:
+        """Runs one step; the logits stay on the device (see `StepLogits`)."""
         if not chunks:
-            return []
+            return StepLogits.empty(self.device)
         self._check_chunks(chunks)
         if self._graphs is not None and self._graphs.accepts(chunks):
             return self._graphs.step(chunks)
@@ -178,19 +219,19 @@ class MoeCausalLM:
         seq_ids = [c.seq.seq_id for c in chunks for _ in c.token_ids]
         ctx = StepContext(seq_ids=tuple(seq_ids), positions=tuple(positions))
         rows = self._chunk_rows(chunks)
-        cos, sin = self._rope(torch.tensor(positions, dtype=torch.float32))  # [T, D], [T, D]
+        cos, sin = rope_tables(torch.tensor(positions, dtype=torch.float32), self._inv_freq, self.runtime.torch_dtype)
+        cos, sin = cos.to(dev), sin.to(dev)  # [T, D]
         x = self._dense.embed[torch.tensor(token_ids, dtype=torch.long, device=dev)]  # [T, H]
         for layer_idx, (attn, moe) in enumerate(zip(self._attention, self._moe)):
-            x = x + self._attend(layer_idx, attn, rms_norm(x, attn.input_norm, cfg.rms_norm_eps), cos, sin, rows)
-            h = rms_norm(x, attn.post_norm, cfg.rms_norm_eps)  # [T, H]
+            x, h = self._attention_step(layer_idx, attn, x, cos, sin, rows)
             x = x + moe.forward(h, ctx, self.router_override, self.routing_observers)
         for c in chunks:
             c.seq.pool.commit(c.seq, c.start_pos + len(c.token_ids))
         wanted = [r.token_slice if c.all_logits else slice(r.token_slice.stop - 1, r.token_slice.stop) for c, r in zip(chunks, rows)]
         index = torch.cat([torch.arange(s.start, s.stop) for s in wanted]).to(dev)  # [R]
         hidden = rms_norm(x[index], self._dense.final_norm, cfg.rms_norm_eps)  # [R, H]
-        logits = F.linear(hidden, self._dense.lm_head).to("cpu", torch.float32)  # [R, V]
-        return list(torch.split(logits, [s.stop - s.start for s in wanted]))
+        logits = F.linear(hidden, self._dense.lm_head)  # [R, V]
+        return StepLogits(logits, logits.argmax(dim=-1), tuple(s.stop - s.start for s in wanted))
 
     def _check_chunks(self, chunks: Sequence[SeqChunk]) -> None:
         seen: set[int] = set()
@@ -209,55 +250,34 @@ class MoeCausalLM:
         for c in chunks:
             n, pool = len(c.token_ids), c.seq.pool
             end_pos = c.start_pos + n
-            q_pos = torch.arange(c.start_pos, end_pos)[:, None]  # [n, 1]
-            k_pos = torch.arange(end_pos)[None, :]  # [1, L]
-            mask = torch.zeros(n, end_pos, dtype=self.runtime.torch_dtype)
-            mask = mask.masked_fill(k_pos > q_pos, torch.finfo(self.runtime.torch_dtype).min)  # [n, L]
             out.append(
                 _ChunkRows(
                     token_slice=slice(start, start + n),
                     new_rows=pool.rows(c.seq, c.start_pos, end_pos),
                     all_rows=pool.rows(c.seq, 0, end_pos),
-                    mask=mask.to(self.device),
+                    mask=causal_mask(c.start_pos, n, self.runtime.torch_dtype).to(self.device),
                     pool=pool,
                 )
             )
             start += n
         return out
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None] * self._inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        dt, dev = self.runtime.torch_dtype, self.device
-        return emb.cos().to(dev, dt), emb.sin().to(dev, dt)
-
-    def _attend(
-        self,
-        layer_idx: int,
-        w: AttentionWeights,
-        h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+    def _attention_step(
+        self, layer_idx: int, w: AttentionWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         rows: list[_ChunkRows],
-    ) -> torch.Tensor:
-        """h: [T, H] normed hidden states -> [T, H] attention output."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's attention over ragged chunks: residual x [T, H] -> (x + attention [T, H],
+        post-attention-norm hidden [T, H]). Each chunk writes and reads its own pool's KV rows."""
         cfg = self.config
-        q, k, v = split_qkv(F.linear(h, w.qkv_proj), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)  # [T, nh, D]
-        k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)  # [T, kvh, D]
-        q = q * cos[:, None, :] + rotate_half(q) * sin[:, None, :]
-        k = k * cos[:, None, :] + rotate_half(k) * sin[:, None, :]
-        groups = cfg.num_heads // cfg.num_kv_heads
-        scale = cfg.head_dim**-0.5
+        q, k, v = project_qkv(
+            x, w.input_norm, w.qkv_proj, w.q_norm, w.k_norm, cos, sin, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            cfg.rms_norm_eps,
+        )  # [T, nh, D], [T, kvh, D], [T, kvh, D]
         outs = []
         for r in rows:
             kv_k, kv_v = r.pool.k[layer_idx], r.pool.v[layer_idx]  # [slots, kvh, D]
-            kv_k[r.new_rows] = k[r.token_slice]
-            kv_v[r.new_rows] = v[r.token_slice]
-            keys = kv_k[r.all_rows].repeat_interleave(groups, dim=1).transpose(0, 1)  # [nh, L, D]
-            values = kv_v[r.all_rows].repeat_interleave(groups, dim=1).transpose(0, 1)  # [nh, L, D]
-            qs = q[r.token_slice].transpose(0, 1)  # [nh, n, D]
-            scores = torch.matmul(qs, keys.transpose(1, 2)) * scale + r.mask  # [nh, n, L]
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qs.dtype)  # [nh, n, L]
-            outs.append(torch.matmul(probs, values).transpose(0, 1).reshape(-1, cfg.num_heads * cfg.head_dim))  # [n, nh*D]
-        return F.linear(torch.cat(outs, dim=0), w.o_proj)  # [T, H]
+            kv_k.index_copy_(0, r.new_rows, k[r.token_slice])
+            kv_v.index_copy_(0, r.new_rows, v[r.token_slice])
+            outs.append(attend(q[r.token_slice][None], kv_k, kv_v, r.all_rows[None], r.mask[None])[0])  # [n, nh*D]
+        x, h, _ = attention_out(x, torch.cat(outs, dim=0), w.o_proj, w.post_norm, None, cfg.rms_norm_eps)
+        return x, h

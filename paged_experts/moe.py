@@ -251,6 +251,14 @@ class MoeLayer:
                 done.record(copy_stream)
         self.pending_prefetch = PendingPrefetch(plan, done)
 
+    def reload_slots(self) -> None:
+        """Copies into every slot the host row its device map names, so maps and slots agree again
+        after warm-up steps that paged other experts in and then rewound the map (before serving)."""
+        assert self.device_residency is not None and self.device_experts is not None
+        experts = self.device_residency.expert_in[: self.device_residency.num_slots].tolist()
+        self.shared.page_in.copy_rows(self.host, self.device_experts, [(e, s) for s, e in enumerate(experts)])
+        self._host_residency_stale = True
+
     def step_stats(self, plan: DevicePlan, pending: PendingPrefetch | None, flat: torch.Tensor) -> torch.Tensor:
         """[3] union, hits, misses of the wave; [5] with (prefetched, prefetch used) when a prefetch
         served it: of the experts it paged in, those the step routed to."""

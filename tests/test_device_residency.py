@@ -95,8 +95,8 @@ def test_copy_planned_moves_only_valid_entries() -> None:
         assert not slots.get(name)[1].any()
 
 
-def _scenario(model: MoeCausalLM, decode_steps: int = 4) -> list[torch.Tensor]:
-    pool = KvPool.for_model(model, capacity_tokens=128)
+def _scenario(model: MoeCausalLM, decode_steps: int = 4, pool: KvPool | None = None) -> list[torch.Tensor]:
+    pool = pool or KvPool.for_model(model, capacity_tokens=128)
     seqs = [pool.new_sequence() for _ in PROMPTS]
     out = model.forward([SeqChunk(s, p, 0, all_logits=True) for s, p in zip(seqs, PROMPTS)])
     last = out
@@ -245,3 +245,37 @@ def test_graphed_decode_traces_the_routed_ids_it_counted() -> None:
     assert trace.shape == (5, 2, 3, model.config.top_k)
     replayed = [sum(host[i].plan_step(trace[s, i].reshape(-1).tolist()).misses for s in range(5)) for i in range(2)]
     assert replayed == [layer.misses for layer in model.counters.snapshot().layers]
+
+
+@pytest.mark.parametrize("routing", ["model", "synthetic"])
+def test_prepare_decode_runs_every_step_shape_and_leaves_the_model_as_loaded(routing: str) -> None:
+    """Before serving, `prepare_decode` builds every static step (batch sizes x KV buckets of the
+    pool) and runs eager steps of the other batch sizes, then rewinds the residency and zeroes the
+    counters: outputs and counters then equal an unprepared model's, and every slot holds the expert
+    its map names (a warm-up that rewound the map but not the slots would serve other weights)."""
+    from paged_experts.routing import make_router
+
+    def build() -> MoeCausalLM:
+        model = _paged(12, "on")
+        if routing == "synthetic":
+            model.router_override = make_router("qwen3-30b-a3b", model.config, seed=4)
+        model.enable_cuda_graphs([1, 2, 3])
+        return model
+
+    prepared, plain = build(), build()
+    pool = KvPool.for_model(prepared, capacity_tokens=128)
+    prepared.prepare_decode(pool, max_batch=4)
+    graphs = prepared.decode_graphs
+    assert graphs is not None
+    assert sorted((b, length) for b, length, _ in graphs._entries) == [(b, L) for b in (1, 2, 3) for L in (64, 128)]
+    _slots_hold_their_experts(prepared)
+    assert prepared.counters.snapshot().total.steps == 0
+    if routing == "synthetic":  # the warm-up drew for its own sequences only: new streams start alike
+        plain.router_override = make_router("qwen3-30b-a3b", plain.config, seed=4)
+        prepared.router_override = make_router("qwen3-30b-a3b", prepared.config, seed=4)
+    a_out = _scenario(prepared, decode_steps=6, pool=pool)
+    b_out = _scenario(plain, decode_steps=6)
+    for a, b in zip(a_out, b_out):
+        assert torch.equal(a, b)
+    ta, tb = prepared.counters.snapshot().total, plain.counters.snapshot().total
+    assert (ta.steps, ta.union_sum, ta.hits, ta.misses, ta.bytes_h2d) == (tb.steps, tb.union_sum, tb.hits, tb.misses, tb.bytes_h2d)

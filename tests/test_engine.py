@@ -8,6 +8,7 @@ engine step contains. The real model is exercised in test_engine_real.py and ove
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import dataclass
 
 import pytest
@@ -86,9 +87,13 @@ class FakeModel:
         self.calls: list[list[tuple[int, int, int]]] = []  # per forward: (seq_id, start_pos, n)
         self.eos_after = eos_after  # emit EOS once a sequence holds this many tokens
         self.fail_next = False
-        self.gate: asyncio.Event | None = None
+        # When set, each forward takes one permit: the test decides when the engine thread may run
+        # its next step (it runs steps back to back otherwise, far faster than a test can react).
+        self.gate: threading.Semaphore | None = None
 
     def forward(self, chunks: list[FakeChunk]) -> list[torch.Tensor]:
+        if self.gate is not None:
+            assert self.gate.acquire(timeout=30), "the test never released this step"
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("injected failure")
@@ -173,11 +178,13 @@ async def test_concurrent_requests_share_each_decode_step(running) -> None:
 
 async def test_new_request_joins_the_running_batch_between_steps(running) -> None:
     engine, model, _, _ = make_engine()
+    model.gate = threading.Semaphore(3)  # prefill + 2 decode steps, then the engine waits for the test
     running(engine)
     first = engine.submit("a", [1, 2], SamplingParams(max_tokens=8))
     got = [await first.__anext__() for _ in range(3)]  # a has decoded a few tokens alone
     assert all(len(call) == 1 for call in model.calls)
     second = engine.submit("b", [7, 7, 7], SamplingParams(max_tokens=3))
+    model.gate.release(100)
     tokens_b, _ = await collect(second)
     tokens_a = [t for e in got for t in e.new_token_ids] + (await collect(first))[0]
     assert tokens_a == expected_greedy([1, 2], 8)
@@ -220,11 +227,13 @@ async def test_admission_rejects_what_can_never_fit_naming_the_field() -> None:
 
 async def test_requests_wait_when_kv_is_full_and_run_when_it_frees(running) -> None:
     engine, model, pool, _ = make_engine(capacity=32)
+    model.gate = threading.Semaphore(1)  # a's prefill, then the engine waits for the test
     running(engine)
     a = engine.submit("a", [1] * 10, SamplingParams(max_tokens=10))  # reserves 20 tokens
     b = engine.submit("b", [2] * 10, SamplingParams(max_tokens=10))  # does not fit beside a
     await a.__anext__()
     assert engine.num_running == 1 and engine.num_waiting == 1
+    model.gate.release(100)
     tokens_b, _ = await collect(b)
     assert tokens_b == expected_greedy([2] * 10, 10)
     assert not any(len(call) == 2 for call in model.calls)  # never ran together
@@ -241,12 +250,14 @@ async def test_max_running_requests_caps_the_batch(running) -> None:
 
 
 async def test_abort_of_a_running_request_frees_its_kv_and_others_continue(running) -> None:
-    engine, _, pool, finished = make_engine()
+    engine, model, pool, finished = make_engine()
+    model.gate = threading.Semaphore(2)  # the test aborts a while the engine waits for step 3
     running(engine)
     a = engine.submit("a", [1, 2], SamplingParams(max_tokens=50))
     b = engine.submit("b", [3, 4], SamplingParams(max_tokens=6))
     await a.__anext__()
     a.abort()
+    model.gate.release(100)
     tokens_a, events_a = await collect(a)
     assert events_a[-1].finish_reason == FINISH_ABORT and len(tokens_a) < 50
     tokens_b, _ = await collect(b)
@@ -256,12 +267,14 @@ async def test_abort_of_a_running_request_frees_its_kv_and_others_continue(runni
 
 
 async def test_ending_early_for_a_stop_string_is_a_normal_stop(running) -> None:
-    engine, _, pool, finished = make_engine()
+    engine, model, pool, finished = make_engine()
+    model.gate = threading.Semaphore(1)
     running(engine)
     stream = engine.submit("s", [1, 2], SamplingParams(max_tokens=50))
     await stream.__anext__()
     stream.abort(FINISH_STOP)
     stream.abort()  # the handler's cleanup abort afterwards must not change the reason
+    model.gate.release(100)
     _, events = await collect(stream)
     assert events[-1].finish_reason == FINISH_STOP and finished[0].finish_reason == FINISH_STOP
     assert pool.live == {}

@@ -13,6 +13,10 @@ Optional members the runner reads with getattr (an adapter without one simply la
 - `tokenizer_dir(spec) -> Path`: the model's tokenizer, for exact-length prompts;
 - `cell_flags(spec, log_text, cell) -> list[str]`: one-line engine warnings for a finished cell
   (stored in the cell's `extras["flags"]`, shown by the report);
+- `resolved_options(spec) -> dict`: the options in force with defaults resolved (recorded in the
+  manifest's server entry beside the exact argv);
+- `async startup_facts(session, base_url) -> dict`: the engine's own start-up breakdown, read once
+  it is ready (merged into the manifest's server entry beside the runner's `startup_s`);
 - `async after_cells(ctx, server, requests) -> dict`: on the live server after its cells, before it
   stops (`requests`: the distinct LoadRequests its cells sent); the dict is merged into the
   manifest's server entry (e.g. SGLang's routing capture: `routing_trace`).

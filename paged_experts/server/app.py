@@ -134,7 +134,7 @@ def _log_engine_end(task: asyncio.Task[None]) -> None:
 
 def _summary(serving: Serving) -> dict[str, object]:
     info = serving.info()
-    return {k: info[k] for k in ("served_model_name", "runtime", "kv", "engine", "routing", "layer_placements")}
+    return {k: info[k] for k in ("served_model_name", "runtime", "kv", "engine", "routing", "layer_placements", "startup_s")}
 
 
 async def _shutdown(state: ServerState) -> None:

@@ -1,24 +1,39 @@
 """Continuous-batching scheduler over `MoeCausalLM`: requests, KV admission, steps, sampling.
 
-One engine loop runs as an asyncio task. All scheduler state (waiting queue, running set, KV
-reservations) is touched only on the event loop thread; each step's `model.forward` plus sampling
-runs in a worker thread (torch releases the GIL) so the HTTP side stays responsive.
+The engine loop runs in ONE dedicated thread, back to back: plan a step, run it, sample, hand the
+step's outputs to the event loop in one batch, plan the next. The HTTP side (tokenization, SSE
+writes) runs on the asyncio event loop meanwhile; torch releases the GIL while the GPU works, so
+the two overlap instead of waiting on each other (one thread hop per step, not two per step as a
+worker thread per step would cost). Scheduler state (waiting queue, running set, KV reservations)
+is guarded by one lock; the KV pool and the model are touched only by the engine thread.
 
-A step is ONE `model.forward` over every running request: one token per decoding request, plus
-prompt chunks of newly admitted requests up to `chunked_prefill_tokens` in total, so a long
-prompt stalls the decoding requests for at most one step per chunk. New requests join between
-steps.
+A step is ONE model step over every running request: one token per decoding request, plus prompt
+chunks of newly admitted requests up to `chunked_prefill_tokens` in total, so a long prompt stalls
+the decoding requests for at most one step per chunk. New requests join between steps.
+
+Sampling: a greedy request without logprobs reads back only its token id, the argmax the model
+computed on the device (`StepLogits.greedy`, part of the captured decode graph); only rows that
+need the whole distribution (seeded temperature / top-p draws, logprobs) travel to the host.
 
 KV admission reserves `prompt + max_tokens` tokens per request (so a running request never runs
 out of KV and nothing is ever preempted or truncated). `check_admissible` refuses requests that
 could never fit; requests that fit the capacity but not the free space wait in FIFO order.
-Aborted requests (client gone) leave the queue at once or free their KV as soon as the step in
-flight, if any, returns.
+Aborted requests (client gone) leave the queue at once, or free their KV before the next step.
+A failure of one request's sampling ends that request alone; a failed model step ends the
+requests of that step, never the server.
+
+Per-step host timing (`step_timing()`, logged every `TIMING_LOG_STEPS` steps at debug level): plan
+(scheduling, under the lock), model (building the inputs and launching the step; for eager steps
+the whole forward), wait (until the step's token ids are on the host: the device's remaining work),
+sample and deliver (sampling, stop checks, handing outputs to the event loop).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -27,7 +42,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from paged_experts.server.sampling import TokenLogprob, sample_token, token_logprobs
 from paged_experts.server.engine_types import (
     FINISH_ABORT,
     FINISH_ERROR,
@@ -43,6 +57,8 @@ from paged_experts.server.engine_types import (
     SamplingParams,
     StepLayoutHook,
 )
+from paged_experts.server.sampling import TokenLogprob, sample_token, token_logprobs
+from paged_experts.step import StepLogits
 
 __all__ = [
     "FINISH_ABORT",
@@ -59,6 +75,9 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+TIMING_LOG_STEPS = 256
+PHASES = ("plan", "model", "wait", "sample_deliver")
 
 
 @dataclass
@@ -85,6 +104,11 @@ class _Request:
     def prefilling(self) -> bool:
         return self.num_computed < len(self.prompt_ids)
 
+    @property
+    def greedy_only(self) -> bool:
+        """Its next token is the argmax and it wants no logprobs: the device's argmax suffices."""
+        return self.params.temperature == 0.0 and self.params.logprobs is None
+
 
 @dataclass(frozen=True)
 class _Work:
@@ -102,6 +126,10 @@ class _WorkResult:
     token_id: int | None
     token_lp: TokenLogprob | None
     prompt_lps: list[TokenLogprob]
+    error: str | None = None  # this request's own failure (its sampling), not the step's
+
+
+_Event = tuple[_Request, RequestOutput, FinishedRequest | None]
 
 
 class RequestStream:
@@ -132,7 +160,7 @@ class RequestStream:
 
 class Engine:
     """The scheduler. `step_hooks` receive each step's layout (request id, tokens) and
-    `free_hooks` each freed KV sequence; both run in the worker thread, before a forward."""
+    `free_hooks` each freed KV sequence; both run in the engine thread, before a step."""
 
     def __init__(
         self,
@@ -158,12 +186,16 @@ class Engine:
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._by_id: dict[str, _Request] = {}
-        self._in_step: set[str] = set()
         self._reserved_tokens = 0
-        self._wake = asyncio.Event()
-        self._step_lock = asyncio.Lock()
-        self._closed = False
+        self._cv = threading.Condition()  # guards the scheduler state above; wakes the engine thread
+        self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False  # close(): every request ends, for good
+        self._stopping = False  # run() was cancelled: the thread ends, requests stay
         self.steps = 0
+        self._phase_s = dict.fromkeys(PHASES, 0.0)
+        self._timed_steps = 0
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -191,8 +223,6 @@ class Engine:
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
         """Queues a request (call from the event loop); raises AdmissionError if it can never run."""
-        if request_id in self._by_id:
-            raise ValueError(f"duplicate request id {request_id!r}")
         self.check_admissible(len(prompt_ids), params.max_tokens)
         generator = None
         if params.temperature > 0.0:
@@ -202,23 +232,28 @@ class Engine:
             else:
                 generator.seed()
         req = _Request(request_id, list(prompt_ids), params, self._clock(), asyncio.Queue(), generator)
-        self._by_id[request_id] = req
-        self._waiting.append(req)
-        self._wake.set()
+        with self._cv:
+            if request_id in self._by_id:
+                raise ValueError(f"duplicate request id {request_id!r}")
+            self._by_id[request_id] = req
+            self._waiting.append(req)
+            self._cv.notify()
         return RequestStream(self, req)
 
     def abort(self, request_id: str, reason: str = FINISH_ABORT) -> None:
-        """Ends a request now, or when the step in flight returns; the first reason given wins."""
-        req = self._by_id.get(request_id)
-        if req is None or req.finished or req.abort_reason is not None:
-            return
-        req.abort_reason = reason
-        if req in self._waiting:
-            self._waiting.remove(req)
-            self._finish(req, reason)
-        elif request_id not in self._in_step:
-            self._finish(req, reason)
-        self._wake.set()
+        """Ends a request: at once if it still waits, else before the engine's next step (its KV
+        is freed there, by the engine thread); the first reason given wins."""
+        events: list[_Event] = []
+        with self._cv:
+            req = self._by_id.get(request_id)
+            if req is None or req.finished or req.abort_reason is not None:
+                return
+            req.abort_reason = reason
+            if req in self._waiting:
+                self._waiting.remove(req)
+                events.append(self._finish(req, reason))
+            self._cv.notify()
+        self._deliver(events)
 
     # ---- state for metrics -----------------------------------------------------------------
 
@@ -238,41 +273,117 @@ class Engine:
     def kv_capacity_tokens(self) -> int:
         return self.pool.capacity_tokens
 
+    def step_timing(self) -> dict[str, float]:
+        """Mean seconds per step of each host phase (module docstring) over the steps so far."""
+        n = self._timed_steps
+        out = {f"{phase}_s": (total / n if n else 0.0) for phase, total in self._phase_s.items()}
+        out["steps"] = float(n)
+        return out
+
     async def between_steps(self, fn: Callable[[], T]) -> T:
-        """Runs `fn` on the event loop while no step is in flight (e.g. a counters snapshot)."""
-        async with self._step_lock:
+        """Runs `fn` in the engine thread between two steps (e.g. a counters snapshot, which reads
+        device tallies); at once, here, when the engine thread is not running."""
+        with self._cv:
+            running = self._thread is not None and self._thread.is_alive() and not self._closed
+            if running:
+                fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+                self._calls.append((fn, fut))
+                self._cv.notify()
+        if not running:
             return fn()
+        return await asyncio.wrap_future(fut)
 
     # ---- the loop --------------------------------------------------------------------------
 
     async def run(self) -> None:
         """The engine loop; run it as a task and cancel it (or call close) to stop."""
-        while not self._closed:
-            self._admit()
-            work = self._plan()
-            if not work:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            self._in_step = {w.req.request_id for w in work}
+        self._loop = asyncio.get_running_loop()
+        ended: asyncio.Future[None] = self._loop.create_future()
+
+        def main() -> None:
+            error: BaseException | None = None
             try:
-                async with self._step_lock:
-                    freed, self._freed = self._freed, []
-                    results = await asyncio.to_thread(self._execute, work, freed)
-            except Exception as exc:  # noqa: BLE001 -- a failed step ends its requests, never the server
-                self._in_step = set()
-                for w in work:
-                    self._finish(w.req, FINISH_ERROR, error=f"{type(exc).__name__}: {exc}")
-                continue
-            self._in_step = set()
-            self.steps += 1
-            self._apply(work, results)
+                self._thread_main()
+            except BaseException as exc:  # noqa: BLE001 -- reported through the task (health answers 503)
+                error = exc
+            self._call_in_loop(lambda: ended.done() or (ended.set_exception(error) if error else ended.set_result(None)))
+
+        with self._cv:
+            self._stopping = False
+        self._thread = threading.Thread(target=main, name="paged-experts-engine", daemon=True)
+        self._thread.start()
+        try:
+            await asyncio.shield(ended)
+        finally:
+            # a cancelled task stops the thread after its step in flight; requests stay queued, so a
+            # later run() carries on with them (close() is what ends them)
+            with self._cv:
+                self._stopping = True
+                self._cv.notify()
+            await asyncio.to_thread(self._thread.join)
 
     def close(self) -> None:
-        self._closed = True
-        for req in list(self._waiting) + list(self._running):
-            self._finish(req, FINISH_ABORT)
-        self._wake.set()
+        events: list[_Event] = []
+        with self._cv:
+            self._closed = True
+            if self._thread is None or not self._thread.is_alive():  # no engine thread touches the pool
+                events = [self._finish(r, FINISH_ABORT) for r in list(self._waiting) + list(self._running)]
+                self._waiting.clear()
+            self._cv.notify()
+        self._deliver(events)
+
+    def _thread_main(self) -> None:
+        while True:
+            t0 = time.perf_counter()
+            with self._cv:
+                if self._closed or self._stopping:
+                    events = []
+                    if self._closed:
+                        events = [self._finish(r, FINISH_ABORT) for r in list(self._waiting) + list(self._running)]
+                        self._waiting.clear()
+                    calls, self._calls = self._calls, []
+                    break
+                events = self._reap_aborted()
+                self._admit()
+                work = self._plan()
+                calls, self._calls = self._calls, []
+                if not work and not calls and not events:
+                    self._cv.wait()
+                    continue
+                freed, self._freed = self._freed, []
+            self._deliver(events)
+            for fn, fut in calls:  # between steps: nothing is in flight
+                _run_call(fn, fut)
+            if work:
+                self._step(work, freed, t0)
+        self._deliver(events)
+        for fn, fut in calls:
+            _run_call(fn, fut)
+
+    def _step(self, work: list[_Work], freed: list[Any], t0: float) -> None:
+        t1 = time.perf_counter()
+        try:
+            results, t2, t3 = self._execute(work, freed)
+        except Exception as exc:  # noqa: BLE001 -- a failed step ends its requests, never the server
+            log.exception("engine step failed")
+            with self._cv:
+                events = [self._finish(w.req, FINISH_ERROR, error=f"{type(exc).__name__}: {exc}") for w in work]
+            self._deliver(events)
+            return
+        with self._cv:
+            self.steps += 1
+            events = self._apply(work, results)
+        self._deliver(events)
+        t4 = time.perf_counter()
+        for phase, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            self._phase_s[phase] += dt
+        self._timed_steps += 1
+        if self._timed_steps % TIMING_LOG_STEPS == 0 and log.isEnabledFor(logging.DEBUG):
+            log.debug("engine step timing (mean over %d steps): %s", self._timed_steps, self.step_timing())
+
+    def _reap_aborted(self) -> list[_Event]:
+        """Running requests whose client ended them: finished here, their KV freed (engine thread)."""
+        return [self._finish(r, r.abort_reason) for r in list(self._running) if r.abort_reason is not None]
 
     def _admit(self) -> None:
         capacity = self.pool.capacity_tokens
@@ -303,9 +414,9 @@ class Engine:
                 work.append(_Work(req, req.prompt_ids[start:end], start, done, all_logits))
         return work
 
-    def _execute(self, work: list[_Work], freed: list[Any]) -> list[_WorkResult]:
-        """Runs in the worker thread: one forward over all chunks, then sampling and logprobs."""
-        # free hooks run here, between forwards, so they never race a forward's routing state
+    def _execute(self, work: list[_Work], freed: list[Any]) -> tuple[list[_WorkResult], float, float]:
+        """One model step over all chunks, then sampling and logprobs (engine thread)."""
+        # free hooks run here, between steps, so they never race a step's routing state
         for seq in freed:
             for free_hook in self._free_hooks:
                 free_hook(seq)
@@ -313,34 +424,61 @@ class Engine:
         for hook in self._step_hooks:
             hook(layout)
         chunks = [self._make_chunk(w.req.seq, w.token_ids, w.start_pos, w.all_logits) for w in work]
-        logits = self.model.forward(chunks)  # one [n, V] (all_logits) or [1, V] per chunk
-        results = [self._result(w, rows) for w, rows in zip(work, logits)]
-        return results
+        step = self._run_model(chunks)
+        t2 = time.perf_counter()
+        greedy = step.greedy.tolist()  # [R] token ids: the step's one wait for the device
+        t3 = time.perf_counter()
+        results: list[_WorkResult] = []
+        first = 0
+        for w, n in zip(work, step.rows):
+            try:
+                results.append(self._result(w, step, first, n, greedy[first + n - 1]))
+            except Exception as exc:  # noqa: BLE001 -- one request's sampling failure ends that request only
+                results.append(_WorkResult(None, None, [], error=f"{type(exc).__name__}: {exc}"))
+            first += n
+        return results, t2, t3
 
-    def _result(self, w: _Work, rows: torch.Tensor) -> _WorkResult:
+    def _run_model(self, chunks: list[Any]) -> StepLogits:
+        run_step = getattr(self.model, "run_step", None)
+        if run_step is not None:
+            return run_step(chunks)
+        rows = self.model.forward(chunks)  # a model without device logits (tests' fakes): fp32 CPU rows
+        logits = torch.cat(rows) if rows else torch.empty(0, 0)
+        return StepLogits(logits, logits.argmax(dim=-1) if rows else torch.empty(0, dtype=torch.long),
+                          tuple(r.shape[0] for r in rows))  # fmt: skip
+
+    def _result(self, w: _Work, step: StepLogits, first: int, n: int, greedy_id: int) -> _WorkResult:
         params = w.req.params
         prompt_lps: list[TokenLogprob] = []
+        cpu_rows: torch.Tensor | None = None
         if w.all_logits:
+            cpu_rows = step.logits[first : first + n].to("cpu", torch.float32)  # [n, V]
             # row i predicts prompt token start_pos + i + 1; the last row of the final chunk
             # predicts the first generated token instead.
             targets = w.req.prompt_ids[w.start_pos + 1 : w.start_pos + len(w.token_ids) + 1]
             if targets:
-                prompt_lps = token_logprobs(rows[: len(targets)], targets, params.prompt_logprobs or 0)
+                prompt_lps = token_logprobs(cpu_rows[: len(targets)], targets, params.prompt_logprobs or 0)
         if not w.samples:
             return _WorkResult(None, None, prompt_lps)
-        last = rows[-1]  # [V]
-        token = sample_token(last, params.temperature, params.top_p, w.req.generator)
+        if w.req.greedy_only:
+            return _WorkResult(greedy_id, None, prompt_lps)
+        last = (cpu_rows[-1] if cpu_rows is not None else step.logits[first + n - 1].to("cpu", torch.float32))  # [V]
+        token = greedy_id if params.temperature == 0.0 else sample_token(last, params.temperature, params.top_p, w.req.generator)
         token_lp = None
         if params.logprobs is not None:
             token_lp = token_logprobs(last[None, :], [token], params.logprobs)[0]
         return _WorkResult(token, token_lp, prompt_lps)
 
-    def _apply(self, work: list[_Work], results: list[_WorkResult]) -> None:
+    def _apply(self, work: list[_Work], results: list[_WorkResult]) -> list[_Event]:
         now = self._clock()
+        events: list[_Event] = []
         for w, res in zip(work, results):
             req = w.req
             if req.abort_reason is not None:
-                self._finish(req, req.abort_reason)
+                events.append(self._finish(req, req.abort_reason))
+                continue
+            if res.error is not None:
+                events.append(self._finish(req, FINISH_ERROR, error=res.error))
                 continue
             req.num_computed += len(w.token_ids)
             req.prompt_lps.extend(res.prompt_lps)
@@ -353,9 +491,10 @@ class Engine:
             if len(req.generated) == 1 and req.params.prompt_logprobs is not None:
                 prompt_lps = (None, *req.prompt_lps)
             lps = (res.token_lp,) if res.token_lp is not None else ()
-            req.queue.put_nowait(RequestOutput((res.token_id,), lps, prompt_lps, None))
+            events.append((req, RequestOutput((res.token_id,), lps, prompt_lps, None), None))
             if reason is not None:
-                self._finish(req, reason)
+                events.append(self._finish(req, reason))
+        return events
 
     def _finish_reason(self, req: _Request, token: int) -> str | None:
         params = req.params
@@ -367,9 +506,9 @@ class Engine:
             return FINISH_LENGTH
         return None
 
-    def _finish(self, req: _Request, reason: str, error: str | None = None) -> None:
-        if req.finished:
-            return
+    def _finish(self, req: _Request, reason: str, error: str | None = None) -> _Event:
+        """Ends a request (under the lock; its KV freed by the caller's thread, which is the engine
+        thread or, for a request that never got KV, any); returns the event to deliver."""
         req.finished = True
         if req.seq is not None:
             self.pool.free(req.seq)
@@ -380,19 +519,50 @@ class Engine:
         if req in self._running:
             self._running.remove(req)
         self._by_id.pop(req.request_id, None)
-        req.queue.put_nowait(RequestOutput((), (), None, reason, error))
+        done = None
         if self._on_finish is not None:
             first = req.token_times_s[0] if req.token_times_s else None
-            self._on_finish(
-                FinishedRequest(
-                    request_id=req.request_id,
-                    prompt_tokens=len(req.prompt_ids),
-                    completion_tokens=len(req.generated),
-                    arrival_s=req.arrival_s,
-                    first_token_s=first,
-                    token_times_s=tuple(req.token_times_s),
-                    finish_s=self._clock(),
-                    finish_reason=reason,
-                )
+            done = FinishedRequest(
+                request_id=req.request_id,
+                prompt_tokens=len(req.prompt_ids),
+                completion_tokens=len(req.generated),
+                arrival_s=req.arrival_s,
+                first_token_s=first,
+                token_times_s=tuple(req.token_times_s),
+                finish_s=self._clock(),
+                finish_reason=reason,
             )
-        self._wake.set()
+        return req, RequestOutput((), (), None, reason, error), done
+
+    # ---- the event loop side -------------------------------------------------------------------
+
+    def _deliver(self, events: list[_Event]) -> None:
+        """Hands a step's outputs to the event loop in one hop (or directly, on the loop thread)."""
+        if events:
+            self._call_in_loop(lambda: self._publish(events))
+
+    def _publish(self, events: list[_Event]) -> None:
+        for req, out, done in events:
+            req.queue.put_nowait(out)
+            if done is not None and self._on_finish is not None:
+                self._on_finish(done)
+
+    def _call_in_loop(self, fn: Callable[[], Any]) -> None:
+        loop = self._loop
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if loop is None or running is loop:
+            fn()
+        elif not loop.is_closed():
+            loop.call_soon_threadsafe(fn)
+
+
+def _run_call(fn: Callable[[], Any], fut: concurrent.futures.Future[Any]) -> None:
+    if not fut.set_running_or_notify_cancel():
+        return
+    try:
+        fut.set_result(fn())
+    except BaseException as exc:  # noqa: BLE001 -- handed to the awaiting coroutine
+        fut.set_exception(exc)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
@@ -101,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "<= K; 0 = off)")
     p.add_argument("--enable-torch-compile", action="store_true",
                    help="torch.compile the per-layer blocks of the captured decode step (needs --cuda-graph-max-bs)")
+    p.add_argument("--disable-torch-compile", dest="enable_torch_compile", action="store_false",
+                   help="the default: no torch.compile (written out by benchsuite so the command names what is in force)")
     p.add_argument("--kernel-backend", choices=EXPERT_BACKENDS, default="grouped",
                    help="grouped: torch's grouped GEMM for the fused expert pass; triton: routing, the expert pass "
                         "and (in captured steps) attention of decode steps as Triton kernels (CUDA; steps of up to "
@@ -182,6 +185,7 @@ class Serving:
     codec: TextCodec
     engine: Engine
     closers: list[Callable[[], object]] = field(default_factory=list)
+    startup_s: dict[str, float] = field(default_factory=dict)  # load, capture, eager warm-up, ready (seconds)
 
     def info(self) -> dict[str, Any]:
         """`GET /server_info`: resolved configs, versions and the routing label."""
@@ -196,6 +200,9 @@ class Serving:
             "engine": asdict(self.engine.config),
             "routing": self.config.routing_label,
             "routing_synthetic": self.config.routing_source is not None,
+            "startup_s": self.startup_s,
+            "captured_graphs": self.model.captured_graphs,
+            "step_timing": self.engine.step_timing(),
             "versions": versions(),
         }
 
@@ -220,6 +227,7 @@ def load_serving(config: ServeConfig, metrics: ServerMetrics) -> Serving:
     from paged_experts.kv import KvPool
     from paged_experts.model import MoeCausalLM, SeqChunk
 
+    t0 = time.perf_counter()
     model_config = MoeModelConfig.from_dir(config.model_path)
     runtime = config.runtime_config(model_config)
     set_expert_backend(config.kernel_backend)  # process-wide, before any step (and before graph capture)
@@ -231,6 +239,7 @@ def load_serving(config: ServeConfig, metrics: ServerMetrics) -> Serving:
             )
         model.enable_cuda_graphs(range(1, config.cuda_graph_max_bs + 1), compile_layers=config.enable_torch_compile)
     pool = KvPool.for_model(model, config.max_total_tokens, block_size=kv_block_tokens(config.max_total_tokens))
+    load_s = time.perf_counter() - t0
     extra_eos = [model_config.eos_token_id] if model_config.eos_token_id is not None else []
     codec = TextCodec.from_dir(config.model_path, extra_eos_ids=extra_eos)
     closers: list[Callable[[], object]] = []
@@ -251,6 +260,10 @@ def load_serving(config: ServeConfig, metrics: ServerMetrics) -> Serving:
         model.routing_observers.append(lambda layer, ids, weights, ctx: writer.observe(layer, ids, weights))
         step_hooks.append(writer.begin_step)
         closers.append(writer.close)
+    # Ready means ready: every decode graph and compiled kernel a served step could need exists
+    # before /health answers 200 (the synthetic router is set: its graphs take its ids as input).
+    startup = {"load_s": load_s, **(model.prepare_decode(pool, config.max_running_requests) if runtime.device == "cuda" else {})}
+    startup["ready_s"] = time.perf_counter() - t0
     engine_config = EngineConfig(
         max_running_requests=config.max_running_requests,
         chunked_prefill_tokens=config.chunked_prefill_size,
@@ -266,4 +279,4 @@ def load_serving(config: ServeConfig, metrics: ServerMetrics) -> Serving:
         step_hooks=step_hooks,
         free_hooks=free_hooks,
     )
-    return Serving(config, model, runtime, codec, engine, closers)
+    return Serving(config, model, runtime, codec, engine, closers, startup)

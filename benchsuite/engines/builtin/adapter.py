@@ -4,6 +4,14 @@ Owns the builtin `options:` schema of matrix.yaml, the exact server command line
 `paged_experts:*` Prometheus counters it exposes and the routing label its cells carry.
 The model `tiny` means the generated tiny checkpoint (paged_experts.synth.ensure_tiny()),
 made on first use in the cache directory.
+
+Performance options default to the fastest measured path for the device and mode, as SGLang keeps
+its CUDA graphs on by default: on CUDA, resident and paged servers capture a decode graph for every
+batch size up to the server's max concurrency that the mode can capture (paged: B x top_k <= K; the
+server keeps larger batches eager), torch.compile their per-layer blocks and run the Triton decode
+kernels; offload and cpu-experts stay eager (their layers copy or compute on the host each step).
+Every option is resolved here and written as an explicit server flag, so the command line in the
+manifest names the options in force; a matrix turns each one off by setting it.
 """
 
 from __future__ import annotations
@@ -13,13 +21,14 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from benchsuite.engines import RUN_DIR_PLACEHOLDER
 from benchsuite.engines.base import EngineConfigError, LaunchPlan, ServerSpec
 from benchsuite.metrics import parse_prometheus
 
 _MODE_OPTION = {"paged": "resident_experts", "offload": "offload_layers", "cpu-experts": "n_cpu_moe"}
+GRAPHABLE_MODES = ("resident", "paged")  # modes whose decode step the server can capture as a CUDA graph
 
 
 class BuiltinOptions(BaseModel):
@@ -38,6 +47,61 @@ class BuiltinOptions(BaseModel):
     routing_seed: int = 0  # seed of the synthetic routing source
     record_routing: bool = False  # write the routing trace to <run>/routing/<server-id>.trace
     startup_timeout_s: float = Field(600.0, gt=0)
+    # Performance options; None = the fastest measured path for this device and mode (module docstring).
+    cuda_graph_max_bs: int | None = Field(None, ge=0)  # decode graphs for batch 1..N; 0 = off
+    torch_compile: bool | None = None  # torch.compile the captured step's per-layer blocks
+    kernel_backend: Literal["grouped", "triton"] | None = None  # decode-step routing/expert/attention kernels
+    prefetch_next_layer: bool = False  # paged: page in the next layer's predicted experts (measured: off)
+    expert_kernel: Literal["fused", "loop"] = "fused"  # grouped matmuls, or the per-expert reference loop
+
+    @field_validator("cuda_graph_max_bs", "torch_compile", "kernel_backend")
+    @classmethod
+    def _cuda_only(cls, value: Any, info: ValidationInfo) -> Any:
+        device, mode = info.data.get("device"), info.data.get("mode")
+        if value in (None, 0, False, "grouped"):
+            return value
+        if device != "cuda":
+            raise ValueError(f"{value!r} needs device: cuda (got {device})")
+        if info.field_name != "kernel_backend" and mode not in GRAPHABLE_MODES:
+            raise ValueError(f"{value!r} needs mode resident or paged (mode {mode} runs its decode steps eagerly)")
+        if info.field_name == "torch_compile" and info.data.get("cuda_graph_max_bs") == 0:
+            raise ValueError("true compiles the captured decode step: it needs CUDA graphs (cuda_graph_max_bs > 0)")
+        return value
+
+    @field_validator("prefetch_next_layer")
+    @classmethod
+    def _prefetch_needs_graphs(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and (info.data.get("mode") != "paged" or info.data.get("device") != "cuda"):
+            raise ValueError("true needs mode paged and device cuda (it runs inside the captured decode step)")
+        if value and info.data.get("cuda_graph_max_bs") == 0:
+            raise ValueError("true runs inside the captured decode step: it needs cuda_graph_max_bs > 0")
+        return value
+
+    def graphs_max_bs(self, max_concurrency: int) -> int:
+        """The decode graphs' largest batch: the option, or by default every batch the server runs."""
+        if self.cuda_graph_max_bs is not None:
+            return self.cuda_graph_max_bs
+        return max_concurrency if self.device == "cuda" and self.mode in GRAPHABLE_MODES else 0
+
+    def compile_layers(self, max_concurrency: int) -> bool:
+        if self.torch_compile is not None:
+            return self.torch_compile
+        return self.graphs_max_bs(max_concurrency) > 0
+
+    def backend(self) -> str:
+        if self.kernel_backend is not None:
+            return self.kernel_backend
+        return "triton" if self.device == "cuda" and self.mode in GRAPHABLE_MODES else "grouped"
+
+    def performance(self, max_concurrency: int) -> dict[str, Any]:
+        """The performance options in force on a server of this max concurrency (defaults resolved)."""
+        return {
+            "cuda_graph_max_bs": self.graphs_max_bs(max_concurrency),
+            "torch_compile": self.compile_layers(max_concurrency),
+            "kernel_backend": self.backend(),
+            "prefetch_next_layer": self.prefetch_next_layer,
+            "expert_kernel": self.expert_kernel,
+        }
 
     @field_validator("routing")
     @classmethod
@@ -109,11 +173,25 @@ class BuiltinAdapter:
             argv += ["--routing-source", opts.routing, "--routing-seed", str(opts.routing_seed)]
         if opts.record_routing:
             argv += ["--record-routing", f"{RUN_DIR_PLACEHOLDER}/routing/{spec.server_id}.trace"]
+        argv += _performance_flags(opts.performance(spec.max_concurrency))
         # The tiny model on 2 CPU cores starts in seconds; a real checkpoint may take minutes.
         return LaunchPlan(argv=argv, env={"PYTHONUNBUFFERED": "1"}, startup_timeout_s=opts.startup_timeout_s)
 
     def mode(self, spec: ServerSpec) -> str:
         return self._options(spec).mode
+
+    def resolved_options(self, spec: ServerSpec) -> dict[str, Any]:
+        """The options in force, defaults resolved (the performance ones depend on device and mode)."""
+        opts = self._options(spec)
+        return {**opts.model_dump(mode="json"), **opts.performance(spec.max_concurrency)}
+
+    async def startup_facts(self, session: Any, base_url: str) -> dict[str, Any]:
+        """The server's own start-up breakdown (load, graph capture, eager warm-up) and its graphs."""
+        async with session.get(f"{base_url}/server_info") as resp:
+            if resp.status != 200:
+                return {}
+            info = await resp.json()
+        return {"engine_startup_s": info.get("startup_s", {}), "captured_graphs": info.get("captured_graphs", [])}
 
     def routing_label(self, spec: ServerSpec) -> str:
         routing = self._options(spec).routing
@@ -140,6 +218,16 @@ class BuiltinAdapter:
     def parse_log(self, log_text: str) -> dict[str, Any]:
         # The builtin server reports everything through /metrics; its log carries no extra facts.
         return {}
+
+
+def _performance_flags(perf: dict[str, Any]) -> list[str]:
+    """Every performance option as an explicit server flag (the command line names what is in force)."""
+    flags = ["--cuda-graph-max-bs", str(perf["cuda_graph_max_bs"])]
+    flags += ["--enable-torch-compile"] if perf["torch_compile"] else ["--disable-torch-compile"]
+    flags += ["--kernel-backend", perf["kernel_backend"], "--expert-kernel", perf["expert_kernel"]]
+    if perf["prefetch_next_layer"]:
+        flags.append("--prefetch-next-layer")
+    return flags
 
 
 def _dist_version(name: str) -> str | None:

@@ -1,0 +1,96 @@
+"""The builtin adapter's performance options: fastest measured path by default on CUDA, each one
+off on demand, errors naming the YAML path, and a command line the server's own parser accepts."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from benchsuite.engines.builtin.adapter import BuiltinAdapter
+from benchsuite.matrix import MatrixError, load_matrix
+from benchsuite.plan import build_plan
+from paged_experts.server.launch import build_parser, parse_args
+
+MATRIX = """
+name: perf
+engines:
+  e:
+    kind: builtin
+    options: {{model: {model}, {options}}}
+workloads:
+  w: {{concurrency: [1, 4], num_requests: 2}}
+"""
+
+
+def plan_argv(tmp_path: Path, options: str) -> tuple[list[str], dict]:
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
+    path = tmp_path / "m.yaml"
+    path.write_text(textwrap.dedent(MATRIX.format(model=model, options=options)))
+    plan = build_plan(load_matrix(path))
+    (spec,) = plan.servers
+    adapter = BuiltinAdapter()
+    return adapter.launch_plan(spec, 8000).argv, adapter.resolved_options(spec)
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+@pytest.mark.parametrize("mode", ["mode: resident", "mode: paged, resident_experts: 32"])
+def test_cuda_defaults_are_the_fast_path_up_to_the_max_concurrency(tmp_path: Path, mode: str) -> None:
+    argv, resolved = plan_argv(tmp_path, f"device: cuda, dtype: bfloat16, {mode}")
+    assert flag(argv, "--cuda-graph-max-bs") == "4"  # the server's max concurrency
+    assert "--enable-torch-compile" in argv and flag(argv, "--kernel-backend") == "triton"
+    assert "--prefetch-next-layer" not in argv and flag(argv, "--expert-kernel") == "fused"
+    assert resolved["cuda_graph_max_bs"] == 4 and resolved["torch_compile"] is True
+    ns = build_parser().parse_args(argv[3:])  # the server's own parser takes every flag
+    assert (ns.cuda_graph_max_bs, ns.enable_torch_compile, ns.kernel_backend) == (4, True, "triton")
+
+
+@pytest.mark.parametrize(
+    "options", ["device: cpu, mode: resident", "device: cuda, mode: offload, offload_layers: 2",
+                "device: cuda, mode: cpu-experts, n_cpu_moe: 2"],
+)  # fmt: skip
+def test_modes_that_cannot_be_captured_and_the_cpu_stay_eager(tmp_path: Path, options: str) -> None:
+    argv, _ = plan_argv(tmp_path, options)
+    assert flag(argv, "--cuda-graph-max-bs") == "0" and "--disable-torch-compile" in argv
+    assert flag(argv, "--kernel-backend") == "grouped"
+    if "device: cpu" in options:
+        config = parse_args(argv[3:])  # the whole server validation runs on a CPU box
+        assert (config.cuda_graph_max_bs, config.enable_torch_compile, config.kernel_backend) == (0, False, "grouped")
+
+
+def test_each_fast_path_option_turns_off(tmp_path: Path) -> None:
+    base = "device: cuda, mode: resident"
+    argv, _ = plan_argv(tmp_path, base + ", cuda_graph_max_bs: 0")
+    assert flag(argv, "--cuda-graph-max-bs") == "0" and "--disable-torch-compile" in argv  # no graph, nothing to compile
+    argv, _ = plan_argv(tmp_path, base + ", torch_compile: false")
+    assert flag(argv, "--cuda-graph-max-bs") == "4" and "--disable-torch-compile" in argv
+    argv, _ = plan_argv(tmp_path, base + ", kernel_backend: grouped, cuda_graph_max_bs: 2")
+    assert flag(argv, "--kernel-backend") == "grouped" and flag(argv, "--cuda-graph-max-bs") == "2"
+    argv, _ = plan_argv(tmp_path, "device: cuda, mode: paged, resident_experts: 16, prefetch_next_layer: true")
+    assert "--prefetch-next-layer" in argv
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ("device: cpu, mode: resident, torch_compile: true", "engines.e.options.torch_compile: True needs device: cuda"),
+        ("device: cpu, mode: resident, cuda_graph_max_bs: 2", "engines.e.options.cuda_graph_max_bs: 2 needs device: cuda"),
+        ("device: cpu, mode: resident, kernel_backend: triton", "engines.e.options.kernel_backend: 'triton' needs device"),
+        ("device: cuda, mode: offload, offload_layers: 1, cuda_graph_max_bs: 2",
+         "engines.e.options.cuda_graph_max_bs: 2 needs mode resident or paged"),
+        ("device: cuda, mode: resident, cuda_graph_max_bs: 0, torch_compile: true",
+         "engines.e.options.torch_compile: true compiles the captured decode step"),
+        ("device: cuda, mode: resident, prefetch_next_layer: true", "engines.e.options.prefetch_next_layer: true needs mode paged"),
+        ("device: cuda, mode: resident, expert_kernel: fast", "engines.e.options.expert_kernel:"),
+    ],
+)  # fmt: skip
+def test_bad_performance_options_name_their_yaml_path(tmp_path: Path, options: str, message: str) -> None:
+    with pytest.raises(MatrixError) as info:
+        plan_argv(tmp_path, options)
+    assert message in str(info.value), str(info.value)
