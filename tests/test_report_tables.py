@@ -206,3 +206,24 @@ def test_flags_and_prompt_length_mismatches() -> None:
     requests = normalize_requests(pd.DataFrame([req("a", "p0", 16), req("b", "p0", 18), req("a", "p1", 20), req("b", "p1", 20)]))
     mismatches = prompt_length_mismatches(cells, requests)
     assert mismatches.to_dict("records") == [{"prompt_id": "p0", "prompt_class": "short", "prompt_tokens_by_engine": "llama: 18; tiny: 16"}]
+
+
+def test_verdicts_name_the_fastest_mode_and_every_ratio_with_its_interval() -> None:
+    from benchsuite.report.verdict import verdicts, verdict_table
+
+    cells, groups = frames(BASE)
+    found = {(v.prompt_class, v.concurrency, v.metric): v for v in verdicts(groups, cells)}
+    ttft = found[("short", 1, "ttft_p50_s")]
+    assert ttft.metric_name == "TTFT p50 (ms), short prompts"
+    assert ttft.winner == "llama · n-cpu-moe · n_cpu_moe=2" and ttft.winner_median == pytest.approx(100.0)
+    versus = {vs.other: vs for vs in ttft.versus}
+    assert set(versus) == {"tiny · paged · K=8", "tiny · offload · defaults"}  # N=1 does not fit: no contender
+    paged = versus["tiny · paged · K=8"]
+    assert paged.estimate.ratio == pytest.approx(math.sqrt(0.09 * 0.11) / math.sqrt(0.10 * 0.12))
+    assert paged.text(ttft.winner, ttft=True) == "llama · n-cpu-moe · n_cpu_moe=2's TTFT is 0.91 x tiny · paged · K=8's [0.50–1.64], not significant"
+    two = found[("short", 2, "output_tok_s")]
+    assert two.metric_name == "output tok/s, all streams (tok/s)" and two.winner == "tiny · paged · K=8"
+    assert two.versus[0].text(two.winner, ttft=False) == "vs tiny · offload · defaults: not enough repeats (2 and 1; 2 a side needed)"
+    table = verdict_table(list(found.values()))
+    assert set(table["verdict"]) <= {"significant", "not significant", "not enough repeats (2 and 1; 2 a side needed)",
+                                     "not enough repeats (1 and 2; 2 a side needed)"}

@@ -94,7 +94,7 @@ def build_report_data(run_dirs: list[Path], reference_dirs: list[Path] | None = 
         shape = published.raw.get("model_shape") or {}  # a hub id (no local config.json) of the published model
         top_k = top_k or shape.get("top_k")
         num_experts = num_experts or shape.get("num_experts")
-    found = verdicts(groups)
+    found = verdicts(groups, cells)
     caveats = {key: _caveats(runs, cells, key) for key in {(v.run_id, v.workload, v.prompt_class) for v in found}}
     tables: dict[str, pd.DataFrame] = {"Verdict": verdict_table(found),
                                        "Paged vs baselines (published layout)": tb.ratio_table(groups, cells)}

@@ -13,7 +13,8 @@ from benchsuite import stats
 from benchsuite.report.verdict import Verdict
 
 HOW_TO_READ = ("A is N x B: N = A / B, the ratio of geometric means over each configuration's ok repeats, with its 95% "
-               "interval (Welch t on log values); significant when the interval excludes 1. With fewer than "
+               "interval (Welch t on log values); significant when it is a discovery after Benjamini-Hochberg over every "
+               "comparison on this page at 5% (among many comparisons an interval can miss 1 by chance). With fewer than "
                f"{stats.MIN_REPEATS} ok repeats on a side there is no verdict. Each mode is represented by its best "
                "configuration (best K, best N). c=1: decode tok/s of one stream; c>=2: output tok/s of all streams; "
                "TTFT: the median time to the first token for that prompt class (lower is faster).")
@@ -31,7 +32,7 @@ def _versus_html(v: Verdict) -> str:
     parts = []
     for vs in v.versus:
         e = vs.estimate
-        css = "na" if e is None else ("sig" if e.significant else "ns")
+        css = "na" if e is None else ("sig" if vs.discovery else "ns")
         data = (f' data-metric="{v.metric}" data-winner="{html.escape(v.winner)}" data-other="{html.escape(vs.other)}"'
                 f' data-winner-cells="{html.escape(" ".join(vs.winner_cells))}"'
                 f' data-other-cells="{html.escape(" ".join(vs.other_cells))}"')

@@ -90,7 +90,7 @@ def _best(candidates: pd.DataFrame, metric: str) -> pd.Series | None:
     return candidates.loc[max(scored)[1]]
 
 
-def _fits(row: pd.Series, cells: pd.DataFrame) -> bool:
+def fits(row: pd.Series, cells: pd.DataFrame) -> bool:
     """A llama.cpp configuration counts as a baseline unless one of its cells says it does not fit."""
     mine = cells[cells["cell_id"].isin(row["cell_ids"])]
     return not any(e.get("fits") is False for e in mine["extras"])
@@ -102,7 +102,7 @@ def baselines_for(groups: pd.DataFrame, cells: pd.DataFrame, paged: pd.Series) -
                         & (groups["prompt_class"] == paged["prompt_class"]) & (groups["concurrency"] == paged["concurrency"])]
     same_engine = same_setup[(same_setup["engine_kind"] == paged["engine_kind"]) & (same_setup["routing"] == paged["routing"])]
     llama = same_setup[same_setup["engine_kind"] == "llamacpp"]
-    llama = llama[[_fits(row, cells) for _, row in llama.iterrows()]] if len(llama) else llama
+    llama = llama[[fits(row, cells) for _, row in llama.iterrows()]] if len(llama) else llama
     metric = headline_metric(paged["concurrency"])
     return {
         "offload": _best(same_engine[same_engine["mode"] == "offload"], metric),

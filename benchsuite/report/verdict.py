@@ -4,10 +4,13 @@ change the reading, beside it.
 
 - headline metric: decode tok/s per stream at concurrency 1, output tok/s (all streams) above it
   (tables.headline_metric), and TTFT p50 for the setup's prompt class; each named with its unit;
+- a configuration that does not fit (a llama.cpp --n-cpu-moe whose memory projection exceeds the
+  budget) is no contender;
 - a mode is (engine kind, mode), synthetic routing apart; its best configuration (best K, best N) stands for it; the fastest
   mode's best configuration is compared with each other mode's best: "A is N x B [low–high]",
-  N = the ratio of geometric means over ok repeats, the 95% interval and the verdict from
-  benchsuite.stats (too few repeats: "not enough repeats", no verdict);
+  N = the ratio of geometric means over ok repeats, the 95% interval from benchsuite.stats, and
+  "significant" only for a discovery after Benjamini-Hochberg over all the page's comparisons (too
+  few repeats: "not enough repeats", no verdict);
 - caveats (benchsuite.report.caveats): CPU device, random-weight model, synthetic routing, bytes per
   expert that differ between engines, a busy machine, a client that could not keep up.
 
@@ -17,14 +20,14 @@ to typed fields carried by each cell.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pandas as pd
 
 from benchsuite import stats
 from benchsuite.report.groups import is_synthetic
-from benchsuite.report.tables import headline_metric
+from benchsuite.report.tables import fits, headline_metric
 
 THROUGHPUT_NAMES = {"decode_tok_s_p50": "decode tok/s per stream", "output_tok_s": "output tok/s, all streams"}
 TTFT_METRIC = "ttft_p50_s"
@@ -57,6 +60,7 @@ class Versus:
     estimate: stats.RatioEstimate | None  # winner / other over repeats
     n_winner: int
     n_other: int
+    discovery: bool  # significant after Benjamini-Hochberg over every comparison of the report
     winner_cells: tuple[str, ...]  # the winner's ok cells
     other_cells: tuple[str, ...]  # the other's ok cells
 
@@ -70,7 +74,12 @@ class Versus:
         e = self.estimate
         what = f"{winner}'s TTFT is {stats.times_text(e.ratio)} x {self.other}'s" if ttft else \
             f"{winner} is {stats.times_text(e.ratio)} x {self.other}"
-        return f"{what} [{stats.times_text(e.low)}–{stats.times_text(e.high)}], {e.verdict()}"
+        return f"{what} [{stats.times_text(e.low)}–{stats.times_text(e.high)}], {self.verdict()}"
+
+    def verdict(self) -> str:
+        if self.estimate is None:
+            return stats.not_enough_text(self.n_winner, self.n_other)
+        return stats.SIGNIFICANT if self.discovery else stats.NOT_SIGNIFICANT
 
 
 @dataclass(frozen=True)
@@ -119,24 +128,31 @@ def _verdict(setup: pd.DataFrame, concurrency: int, metric: str) -> Verdict | No
         if family == winner_family:
             continue
         a, b = winner[metric], other[metric]
-        versus.append(Versus(config_facts(other).label, family, b.median * scale, stats.ratio_estimate(a.values, b.values),
-                             len(a.values), len(b.values), tuple(winner["ok_cell_ids"]), tuple(other["ok_cell_ids"])))
+        estimate = stats.ratio_estimate(a.values, b.values)
+        versus.append(Versus(config_facts(other).label, family, b.median * scale, estimate, len(a.values), len(b.values),
+                             estimate is not None and estimate.significant, tuple(winner["ok_cell_ids"]),
+                             tuple(other["ok_cell_ids"])))
     name = f"TTFT p50 (ms), {winner['prompt_class']} prompts" if ttft else f"{THROUGHPUT_NAMES[metric]} (tok/s)"
     return Verdict(str(winner["run_id"]), str(winner["workload"]), str(winner["prompt_class"]), int(concurrency), metric,
                    name, config_facts(winner).label, winner_family, winner[metric].median * scale, tuple(versus))
 
 
-def verdicts(groups: pd.DataFrame) -> list[Verdict]:
-    """Per setup and concurrency: the throughput verdict, then the TTFT verdict."""
+def verdicts(groups: pd.DataFrame, cells: pd.DataFrame, alpha: float = stats.DEFAULT_ALPHA) -> list[Verdict]:
+    """Per setup and concurrency: the throughput verdict, then the TTFT verdict. "Significant" is a
+    discovery after Benjamini-Hochberg over every comparison of the page, so a page of many
+    comparisons between equal modes still says "not significant" everywhere (at rate alpha)."""
     out: list[Verdict] = []
     keys = ["run_id", "workload", "prompt_class"]
-    for _, setup in groups.groupby(keys, sort=True):
+    contenders = groups[[fits(row, cells) for _, row in groups.iterrows()]] if len(groups) else groups
+    for _, setup in contenders.groupby(keys, sort=True):
         for concurrency in sorted({int(c) for c in setup["concurrency"]}):
             for metric in (headline_metric(concurrency), TTFT_METRIC):
                 found = _verdict(setup, concurrency, metric)
                 if found is not None:
                     out.append(found)
-    return out
+    flat = [vs.estimate for v in out for vs in v.versus]
+    discoveries = iter(stats.benjamini_hochberg([None if e is None else e.p_value for e in flat], alpha))
+    return [replace(v, versus=tuple(replace(vs, discovery=next(discoveries)) for vs in v.versus)) for v in out]
 
 
 def verdict_table(found: list[Verdict]) -> pd.DataFrame:
@@ -150,7 +166,7 @@ def verdict_table(found: list[Verdict]) -> pd.DataFrame:
                 "fastest": v.winner, "fastest_median": v.winner_median, "versus": vs.other, "versus_median": vs.other_median,
                 "ratio": None if e is None else e.ratio, "ratio_low": None if e is None else e.low,
                 "ratio_high": None if e is None else e.high,
-                "verdict": stats.not_enough_text(vs.n_winner, vs.n_other) if e is None else e.verdict(),
+                "verdict": vs.verdict(), "p_value": None if e is None else e.p_value,
                 "statement": vs.text(v.winner, v.ttft), "cell_ids": " ".join(vs.cell_ids),
             })
     return pd.DataFrame(rows)
