@@ -87,7 +87,7 @@ def warnings(cells: pd.DataFrame, requests: pd.DataFrame) -> list[tuple[str, str
         out.append(("warn", busy))
     flagged = [c for _, c in cells.iterrows() if cell_flags(c)]
     if flagged:
-        out.append(("warn", (f"Engine warnings on {_count(len(flagged), 'cell')} (see the 'flags' column of the configurations table), "
+        out.append(("warn", (f"Warnings (engine, client, engine timings) on {_count(len(flagged), 'cell')} (see the 'flags' column of the configurations table), "
                             f"for example {flagged[0]['cell_id']}: {cell_flags(flagged[0])[0]}")))
     lengths = prompt_length_mismatches(cells, requests)
     if len(lengths):
