@@ -25,6 +25,9 @@ Per request (r):
 Per cell:
 - TTFT p50/p90/p99 over warm requests; ITL p50/p99 and per-token latency p50 over all warm gaps
   pooled; TPOT p50 and decode tok/s p50 over warm requests (percentiles: linear interpolation).
+  When half or more of the warm streams arrived whole in one read, the client timed no decode the
+  median could land on: decode tok/s p50 is then the engine's own (extras decode_source says so),
+  or None (the cell invalid) for an engine without per-request timings.
 - engine decode tok/s p50 = median over warm requests of the engine's own figure (llama.cpp
   `timings.predicted_per_second`); a cell where it and ours differ by more than
   ENGINE_TIMINGS_MARGIN carries `engine_timings_flag`.
@@ -224,6 +227,9 @@ def summarize(
         reasons.append("output_tokens <= 1 for all requests")
     elif warm and not decode_rates:
         reasons.append("no request has two content chunks and usage to compute decode tok/s")
+    decode_p50, decode_source = _decode_p50(warm, decode_rates)
+    if decode_rates and decode_p50 is None:
+        reasons.append(decode_source)
 
     window = _window_s(measured)
     missing_usage = [r for r in ok if r.output_tokens is None]
@@ -251,7 +257,7 @@ def summarize(
         itl_p99_s=percentile(itls, 99),
         **_chunk_fields(warm),
         tpot_p50_s=percentile(tpots, 50),
-        decode_tok_s_p50=percentile(decode_rates, 50),
+        decode_tok_s_p50=decode_p50,
         output_tok_s=output_tok_s,
         request_s=request_s,
         window_s=window,
@@ -267,12 +273,31 @@ def summarize(
     }
     if not reasons:
         reasons += [f"{name} could not be computed" for name, value in headline.items() if value is None]
-    result = replace(result, extras={**result.extras, **_client_flags(result, len(itls))})
+    result = replace(result, extras={**result.extras, **_client_flags(result, len(itls)), "decode_source": decode_source})
     if base.status == "failed":
         return result
     if reasons:
         return replace(result, status="invalid", reason="; ".join(reasons))
     return replace(result, status="ok", reason=None)
+
+
+def whole_stream(r: RequestRecord) -> bool:
+    """Every content chunk of the request came in one body read: the client saw no decode timing."""
+    return len(r.chunk_reads) >= 2 and len(set(r.chunk_reads)) == 1
+
+
+def _decode_p50(warm: Sequence[RequestRecord], decode_rates: list[float]) -> tuple[float | None, str]:
+    """The cell's decode tok/s p50 and its source. Streams that arrived whole rank fastest, so the p50
+    over all requests is right while fewer than half of them are whole; past that the client timed no
+    decode that the median could land on: the engine's own per-request figure stands in, or nothing."""
+    whole = sum(1 for r in warm if whole_stream(r) and decode_tok_s(r) is not None)
+    if not decode_rates or 2 * whole < len(decode_rates):
+        return percentile(decode_rates, 50), "client"
+    engine = [d for d in map(engine_decode_tok_s, warm) if d is not None]
+    why = f"{whole} of {len(decode_rates)} streams arrived whole in one body read, so the client could not time their decode"
+    if engine:
+        return percentile(engine, 50), f"engine timings ({why})"
+    return None, f"decode tok/s p50 not observable: {why}, and the engine reports no timings of its own"
 
 
 def _chunk_fields(warm: Sequence[RequestRecord]) -> dict[str, Any]:
@@ -283,7 +308,7 @@ def _chunk_fields(warm: Sequence[RequestRecord]) -> dict[str, Any]:
         "itl_per_token_p50_s": percentile([x for r in warm for x in per_token_latencies_s(r)], 50),
         "tokens_per_chunk_mean": sum(sizes) / len(sizes) if sizes else None,
         "coalesced_gaps": sum(coalesced_gaps(r) for r in warm),
-        "whole_stream_reads": sum(1 for r in warm if len(r.chunk_reads) >= 2 and len(set(r.chunk_reads)) == 1),
+        "whole_stream_reads": sum(1 for r in warm if whole_stream(r)),
         "engine_decode_tok_s_p50": percentile(engine, 50),
     }
 
