@@ -84,7 +84,7 @@ ATTENTION_CASES = ((1, 8, 2, 16, 64, (5,)), (3, 4, 4, 32, 128, (0, 70, 127)), (2
 
 def check_attention(device: str = "cpu", dtype: torch.dtype = torch.float32, tol: float = 1e-4) -> None:
     from paged_experts.kernels.attn_triton import decode_attention
-    from paged_experts.graphs import torch_attention
+    from paged_experts.attention import attend
 
     gen = torch.Generator().manual_seed(0)
     for b, nh, kvh, d, length, pos in ATTENTION_CASES:
@@ -98,8 +98,8 @@ def check_attention(device: str = "cpu", dtype: torch.dtype = torch.float32, tol
         table = torch.where(cols <= positions[:, None], table, table.gather(1, positions[:, None]))
         mask = torch.where(cols <= positions[:, None], 0.0, torch.finfo(dtype).min).to(dtype)  # [B, L]
         q = torch.randn(b, nh, d, generator=gen).to(device, dtype)
-        got = decode_attention(q, kv_k, kv_v, table, positions)
-        want = torch_attention(q.float(), kv_k.float(), kv_v.float(), table, mask.float())
+        got = decode_attention(q, kv_k, kv_v, table, positions, 1)  # blocks of one row: the table is the row table
+        want = attend(q.float()[:, None], kv_k.float(), kv_v.float(), table, mask.float()[:, None, :])[:, 0]  # [B, nh*D]
         assert got.shape == (b, nh * d) and got.dtype == dtype
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
         print("ok", (b, nh, kvh, d, length, pos))
