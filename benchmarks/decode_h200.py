@@ -250,20 +250,14 @@ class LruReplay:
 
     @classmethod
     def start(cls, model: MoeCausalLM) -> LruReplay | None:
-        graphs = model._graphs
-        paged = [m for m in model._moe if m.device_residency is not None]
-        if graphs is None or not paged or len(paged) != len(model._moe):
+        graphs, states = model.decode_graphs, model.lru_states()
+        if graphs is None or states is None or model.expert_planning != "device":
             return None
-        states = []
-        for moe in paged:
-            lr = LayerResidency(model.config.num_experts, moe.device_residency.num_slots)  # type: ignore[union-attr]
-            moe.device_residency.pull_to(lr)  # type: ignore[union-attr]
-            states.append(lr)
         graphs.trace = []
         return cls(states)
 
     def finish(self, model: MoeCausalLM, steps: int) -> int | None:
-        graphs = model._graphs
+        graphs = model.decode_graphs
         assert graphs is not None and graphs.trace is not None
         trace, graphs.trace = graphs.trace, None
         if len(trace) != steps or not trace:  # some step ran eager: no exact replay
@@ -408,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{mode}/{variant}: build failed: {exc!r}", flush=True)
             continue
         build_s = time.perf_counter() - t_build
-        planning = "device" if any(m.device_residency is not None for m in model._moe) else "host"
+        planning = model.expert_planning
         for routing in args.routings.split(","):
             if routing == "model":
                 model.router_override = None

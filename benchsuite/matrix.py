@@ -155,6 +155,9 @@ class Matrix(_Strict):
     fairness: Fairness = Field(default_factory=Fairness)
     reference: ReferenceChoice | None = None
     canary: bool = False  # the leak canary on every server after its cells (manifest + report)
+    # measure the host->device link once per run before the first server (benchsuite linkbw; needs
+    # CUDA): the report's link-bound section divides by it. Not part of the run id (no cell changes).
+    linkbw: bool = False
 
     @field_validator("reference", mode="before")
     @classmethod
@@ -206,8 +209,9 @@ def load_matrix(path: str | Path) -> ValidatedMatrix:
     cells = per_server * sum(len(sets) for sets in option_sets.values())
     if cells > MAX_CELLS:
         problems.append(f"{source}: (top level): the matrix makes {cells} cells (engines x workloads x repeats); at most {MAX_CELLS}")
-    # output_root is where results go, not what is measured: moving them keeps the run id.
-    canonical = json.dumps(matrix.model_dump(mode="json", exclude={"output_root"}), sort_keys=True, separators=(",", ":"))
+    # output_root is where results go, linkbw a run-level probe, neither what a cell measures: both keep the run id.
+    measured = matrix.model_dump(mode="json", exclude={"output_root", "linkbw"})
+    canonical = json.dumps(measured, sort_keys=True, separators=(",", ":"))
     digest = hashlib.sha256(canonical.encode()).hexdigest()
     workloads = dict(matrix.workloads)
     for name, workload in matrix.workloads.items():

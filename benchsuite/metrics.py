@@ -84,8 +84,12 @@ DEFINITIONS: dict[str, str] = {
     "usage_mismatches": "measured requests with no usage, or more content chunks than usage.completion_tokens",
     "miss_rate": "expert misses / (hits + misses) over the cell (engine counters)",
     "bytes_paged_per_token": "bytes paged host->device / generated tokens over the cell (prefill page-ins included)",
+    "bytes_h2d_per_token": "expert bytes copied host->device (paging or offload's streaming) / generated tokens",
     "waves_per_step": "waves / (MoE layer x step) over the cell",
     "union_mean": "union of routed experts per (MoE layer x step), mean over the cell",
+    "engine_decode_step_s": "built-in engine: its own time per all-decode step (plan, model, wait, sample, hand-off; no HTTP), mean over the cell",
+    "gpu_memory_used_bytes": "built-in engine on CUDA: device memory in use after the cell, CUDA context and graph pools included",
+    "engine_decode_tok_s": "built-in engine: decode tokens / engine decode-step seconds, the aggregate rate in process (compare output_tok_s over HTTP)",
 }
 """Each CellResult metric field with its one-line formula, for reports to print beside the numbers."""
 
@@ -346,11 +350,15 @@ PAGING_COUNTERS = {
     "hits": "paged_experts:expert_hits_total",
     "misses": "paged_experts:expert_misses_total",
     "bytes_paged": "paged_experts:bytes_paged_total",
+    "bytes_h2d": "paged_experts:bytes_h2d_total",
     "waves": "paged_experts:waves_total",
     "moe_steps": "paged_experts:moe_steps_total",
     "union_experts": "paged_experts:union_experts_total",
     "generation_tokens": "paged_experts:generation_tokens_total",
     "prompt_tokens": "paged_experts:prompt_tokens_total",
+    "decode_steps": "paged_experts:engine_decode_steps_total",
+    "decode_tokens": "paged_experts:engine_decode_tokens_total",
+    "decode_step_s": "paged_experts:engine_decode_step_seconds_total",
 }
 
 
@@ -392,8 +400,16 @@ def paging_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
     - miss_rate = misses / (hits + misses)
     - bytes_paged_per_token = bytes_paged / generation_tokens (prefill page-ins included, so
       it is the link traffic each generated token cost)
+    - bytes_h2d_per_token = bytes_h2d / generation_tokens: every expert byte that crossed the link,
+      also offload's per-forward streaming (which pages nothing into slots)
     - waves_per_step = waves / moe_steps
     - union_mean = union_experts / moe_steps (mean per-layer union of routed experts per step)
+    - engine_decode_step_s = engine decode-step seconds / decode steps: the engine thread's own time
+      per step whose chunks are all decode tokens (plan, model, wait, sample, hand-off; no HTTP)
+    - engine_decode_tok_s = decode tokens / engine decode-step seconds: the aggregate decode rate the
+      engine produced in process; against output_tok_s it shows what the HTTP side costs
+    - gpu_memory_used_bytes: the device memory in use after the cell (a gauge, not a delta; CUDA only):
+      what a card of that size must hold for this configuration
     """
     delta: dict[str, float | None] = {}
     for key, name in PAGING_COUNTERS.items():
@@ -408,8 +424,12 @@ def paging_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
         "miss_rate": _ratio(misses, looked_up),
         "bytes_paged": _as_int(delta["bytes_paged"]),
         "bytes_paged_per_token": _ratio(delta["bytes_paged"], delta["generation_tokens"]),
+        "bytes_h2d_per_token": _ratio(delta["bytes_h2d"], delta["generation_tokens"]),
         "waves_per_step": _ratio(delta["waves"], delta["moe_steps"]),
         "union_mean": _ratio(delta["union_experts"], delta["moe_steps"]),
+        "engine_decode_step_s": _ratio(delta["decode_step_s"], delta["decode_steps"]),
+        "engine_decode_tok_s": _ratio(delta["decode_tokens"], delta["decode_step_s"]),
+        "gpu_memory_used_bytes": _as_int(metric_value(after, "paged_experts:gpu_memory_used_bytes") or None),
     }
 
 

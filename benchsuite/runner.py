@@ -37,7 +37,7 @@ from benchsuite.plan import CellSpec, Plan, SearchTask, resolve_search
 from benchsuite.process import EngineProcess, free_port
 from benchsuite.prompts_for_cells import PromptCache, cell_requests
 from benchsuite.records import CellResult, RequestRecord
-from benchsuite.store import RunStore, Writer, atomic_write_bytes, utc_now
+from benchsuite.store import RunStore, Writer, atomic_write_bytes, read_manifest, utc_now
 
 DEFAULT_CELL_TIMEOUT_S = 3600.0
 DEFAULT_REQUEST_TIMEOUT_S = 600.0  # one request; a request past it is a failed record, the cell goes on
@@ -294,6 +294,8 @@ async def execute(ctx: RunContext) -> list[str]:
     The tables are rebuilt whatever happens (also on Ctrl-C)."""
     problems: list[str] = []
     try:
+        if ctx.plan.matrix.matrix.linkbw:
+            await _measure_link(ctx)
         for spec, cells in _server_rounds(ctx.plan):
             await run_server_cells(ctx, spec, cells)
         for task in ctx.plan.searches:
@@ -317,6 +319,17 @@ def _server_rounds(plan: Plan) -> list[tuple[ServerSpec, tuple[CellSpec, ...]]]:
         for spec in plan.servers:
             rounds.append((spec, tuple(c for c in plan.cells_of(spec.server_id) if c.repeat == repeat)))
     return rounds
+
+
+async def _measure_link(ctx: RunContext) -> None:
+    """The run's link probe (matrix `linkbw: true`), before the first server while the GPU is idle;
+    a resumed run keeps a figure it already has and retries a probe that failed."""
+    from benchsuite.linkbw import probe_in_subprocess
+
+    stored = read_manifest(ctx.store.run_dir).get("link_bandwidth") or {}
+    if stored.get("paging_gb_per_s"):
+        return
+    ctx.store.record_run("link_bandwidth", await asyncio.to_thread(probe_in_subprocess))
 
 
 async def _load(

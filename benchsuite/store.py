@@ -123,6 +123,12 @@ class RunStore:
         servers[server_id] = {**servers.get(server_id, {}), **facts}
         self._write_json(self.manifest_path, manifest)
 
+    def record_run(self, key: str, facts: dict[str, Any]) -> None:
+        """Set a run-level fact of the manifest (e.g. `link_bandwidth`, the run's link probe)."""
+        manifest = read_manifest(self.run_dir)
+        manifest[key] = facts
+        self._write_json(self.manifest_path, manifest)
+
     def write_cell(self, result: CellResult, records: Iterable[RequestRecord]) -> StoredCell:
         """Store one finished cell; a previous failed attempt is moved to attempts/, never lost."""
         previous = self.stored_cell(result.cell_id)

@@ -14,9 +14,12 @@ from typing import Any
 
 import torch
 
+from paged_experts import fp8
+
 SUPPORTED_MODEL_TYPES = ("qwen3_moe",)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+FP8 = "float8_e4m3fn"  # the expert dtype of block-FP8 checkpoints (weights 1 byte + float32 block scales)
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -48,6 +51,7 @@ class MoeModelConfig:
     torch_dtype: str
     max_position_embeddings: int = 40960
     model_type: str = "qwen3_moe"
+    fp8_weights: bool = False  # quantization_config declares block-FP8 (fp8.py): experts stay FP8 on host and device
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
@@ -101,6 +105,7 @@ class MoeModelConfig:
             torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"),
             max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
             model_type=str(model_type),
+            fp8_weights=fp8.fp8_declared(hf),
         )
 
     @classmethod
@@ -114,9 +119,17 @@ class MoeModelConfig:
     def num_moe_layers(self) -> int:
         return self.num_layers
 
+    def expert_dtype(self, compute_dtype: str) -> str:
+        """How experts are stored and paged: FP8 for a block-FP8 checkpoint, else the compute dtype."""
+        return FP8 if self.fp8_weights else compute_dtype
+
     def expert_bytes(self, dtype: str | None = None) -> int:
-        """Bytes of one expert's gate, up and down projections: 3 x hidden x moe_intermediate."""
-        return 3 * self.hidden_size * self.moe_intermediate_size * dtype_bytes(dtype or self.torch_dtype)
+        """Bytes of one expert's gate, up and down projections: 3 x hidden x moe_intermediate x dtype
+        bytes; FP8 (`float8_e4m3fn`): 1 byte per weight plus its float32 128 x 128 block scales."""
+        h, i = self.hidden_size, self.moe_intermediate_size
+        if (dtype or self.torch_dtype) == FP8:
+            return 3 * h * i + 3 * 4 * fp8.blocks(h) * fp8.blocks(i)
+        return 3 * h * i * dtype_bytes(dtype or self.torch_dtype)
 
     def slot_bytes(self, dtype: str | None = None) -> int:
         """One resident expert in every MoE layer: expert_bytes x num_moe_layers."""

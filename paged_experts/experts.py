@@ -74,9 +74,10 @@ def run_experts(
         if sel.start == sel.stop:
             continue
         xe = x_sorted[sel]  # [n, H]
-        gate = F.linear(xe, weights.gate[row])  # [n, I]
-        up = F.linear(xe, weights.up[row])  # [n, I]
-        y_sorted[sel] = F.linear(F.silu(gate) * up, weights.down[row])  # [n, H]
+        dt = xe.dtype  # FP8 rows are dequantized here, one expert at a time
+        gate = F.linear(xe, weights.dense_row("gate", row, dt))  # [n, I]
+        up = F.linear(xe, weights.dense_row("up", row, dt))  # [n, I]
+        y_sorted[sel] = F.linear(F.silu(gate) * up, weights.dense_row("down", row, dt))  # [n, H]
 
 
 def combine(y_sorted: torch.Tensor, dispatch: Dispatch, topk_weights: torch.Tensor) -> torch.Tensor:

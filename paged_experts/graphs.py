@@ -13,13 +13,13 @@ fixed-shape buffers:
   sequence's own position, so ONE graph per batch size serves every context length; with the torch
   attention, the KV rows of positions 0..L-1 [B, L] with an additive mask, L the step's longest
   context rounded up to a power of two (at least 64): one graph per (B, L bucket);
-- MoE layers run on the device with no host sync: resident layers over their experts, paged ones
-  as `MoeLayer.page_in_on_device` (LRU plan, page-in kernel) then `experts_on_device`; each
+- MoE layers run on the device with no host sync through `MoeLayer.decode_pass`: resident layers
+  over their experts, paged ones as an LRU plan, the page-in kernel, then the slots; each
   layer's union, hits and misses (and prefetches) are added to a device tally inside the graph,
   which the counters read at their next snapshot (no per-step host work);
 - with `RuntimeConfig.prefetch_next_layer`, between a paged layer's page-ins and its expert pass the
   next layer's experts are predicted (its norm and router on this layer's residual stream) and
-  paged in on a second stream (`MoeLayer.prefetch_on_device`); the next layer waits for that copy;
+  paged in on a second stream (`PagedLayer.prefetch`); the next layer waits for that copy;
 - the step's logits [B, V] and each row's argmax [B] are the graph's outputs (`StepLogits`): a
   greedy engine reads back B token ids, not B x V logits.
 Host work per step: fill one pinned int64 buffer in place, one host->device copy, the replay.
@@ -117,7 +117,7 @@ class GraphedDecoder:
         self.model = model
         self._layers = model.moe_layers
         self._paged = [m for m in self._layers if m.placement == "paged"]
-        fits = [b for b in sorted(set(batch_sizes)) if all(m.plans_on_device(b) for m in self._paged)]
+        fits = [b for b in sorted(set(batch_sizes)) if all(m.fits_one_wave(b) for m in self._layers)]
         if len(fits) < len(set(batch_sizes)):
             log.info(
                 "decode graphs: batch sizes above K // top_k = %d stay eager (host-planned waves)",
@@ -188,8 +188,10 @@ class GraphedDecoder:
         pool = chunks[0].seq.pool
         return all(len(c.token_ids) == 1 and not c.all_logits and c.seq.pool is pool for c in chunks)
 
-    def step(self, chunks: Sequence[SeqChunk]) -> StepLogits:
-        """One decode step (KV reserved and committed here, as `MoeCausalLM.run_step` does)."""
+    def step(self, chunks: Sequence[SeqChunk], token_source: torch.Tensor | None = None) -> StepLogits:
+        """One decode step (KV reserved and committed here, as `MoeCausalLM.run_step` does).
+        `token_source` [B] on the device replaces the chunks' token ids (the previous step's argmax:
+        copied into the inputs in stream order, after that step and before this one)."""
         m = self.model
         pool = chunks[0].seq.pool
         pool.check_reserve([(c.seq, c.start_pos, 1) for c in chunks])
@@ -204,6 +206,8 @@ class GraphedDecoder:
         if entry is None:
             entry = self._new_entry(key)
         self._fill(entry, key, chunks)
+        if token_source is not None:
+            entry.inputs[:b].copy_(token_source[:b])
         if fresh:
             self._build(entry, key)  # uncaptured (CPU): this ran the step already
         if entry.graph is not None:
@@ -216,7 +220,7 @@ class GraphedDecoder:
         if self.trace is not None:
             self.trace.append(entry.ids.clone())
         for moe in self._paged:  # a replay planned on the device: the host planner must pull first
-            moe._host_residency_stale = True
+            moe.after_replay()
         for c in chunks:
             pool.commit(c.seq, c.start_pos + 1)
         assert entry.logits is not None and entry.greedy is not None
@@ -401,7 +405,7 @@ class GraphedDecoder:
         routed: list[torch.Tensor] = []  # [B, k] per layer
         copy_stream = page_in_stream(inputs.device) if self.prefetch else None
         for moe in self._paged:
-            moe.pending_prefetch = None  # a step interrupted by an error leaves none behind
+            moe.drop_prefetch()  # a step interrupted by an error leaves none behind
         for layer_idx, (w, moe) in enumerate(zip(m.attention_layers, self._layers)):
             kv_k, kv_v = self._pool.k[layer_idx], self._pool.v[layer_idx]
             if length == 0:
@@ -422,21 +426,13 @@ class GraphedDecoder:
                 None if planned_ids is None else planned_ids[:, layer_idx % planned_ids.shape[1]],
             )  # fmt: skip
             routed.append(ids)
-            if moe.placement == "resident":
-                self._prefetch_next(layer_idx, x, copy_stream)
-                out = moe.resident_pass(h, ids, weights, self._experts_fn)
+            # resident: stats None (tallied below); paged: plan, page-in, next layer's prefetch, slots
+            out, layer_stats = moe.decode_pass(
+                h, ids, weights, self._experts_fn, lambda i=layer_idx, xi=x: self._prefetch_next(i, xi, copy_stream)
+            )
+            if layer_stats is None:
                 resident_ids.append(ids)
-                stats.append(None)
-            elif moe.overlap_page_in:  # hits computing while the misses copy (no prefetch: see RuntimeConfig)
-                out, layer_stats = moe.forward_on_device(h, ids, weights, self._experts_fn)
-                stats.append(layer_stats)
-            else:
-                flat = ids.reshape(-1).to(torch.long)  # [B*k]
-                plan, pending = moe.page_in_on_device(flat)
-                # after this layer's page-ins are queued: its misses go first on the link
-                self._prefetch_next(layer_idx, x, copy_stream)
-                out = moe.experts_on_device(h, plan, weights, self._experts_fn)
-                stats.append(moe.step_stats(plan, pending, flat))
+            stats.append(layer_stats)
             x = x + out
         hidden = rms_norm(x, m.dense.final_norm, cfg.rms_norm_eps)  # [B, H]
         if resident_ids:  # every resident layer's union in one pass, not five small kernels per layer
@@ -456,13 +452,13 @@ class GraphedDecoder:
         if not self.prefetch or layer_idx + 1 >= len(self._layers):
             return
         nxt = self._layers[layer_idx + 1]
-        if nxt.device_residency is None:
+        if not nxt.can_prefetch:
             return
         cfg = m.config
         post_norm = m.attention_layers[layer_idx + 1].post_norm
         logits = self._predict_fn(x, post_norm, nxt.router_weight, cfg.rms_norm_eps)  # [B, E]
         predicted, _ = route_logits(logits, cfg.top_k, cfg.norm_topk_prob)  # [B, k]
-        nxt.prefetch_on_device(predicted, copy_stream)
+        nxt.prefetch(predicted, copy_stream)
 
 
 def _buckets_up_to(capacity_tokens: int) -> list[int]:

@@ -6,6 +6,12 @@ layers that page or offload); only the slots (paged), the whole layer (resident)
 the mode asks for it. Reads the per-expert layout published checkpoints use
 (`model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`) and the fused layout
 transformers 5 may save (`mlp.experts.gate_up_proj [E, 2I, H]`, `mlp.experts.down_proj [E, H, I]`).
+
+Block-FP8 checkpoints (`quantization_config.quant_method: fp8`, fp8.py): each FP8 weight has its
+`weight_scale_inv`; expert weights and scales are copied as they are into an FP8 host store (and
+slots), so pages move FP8 bytes; other FP8 weights (attention) are dequantized to the runtime dtype
+at load. A missing scale, a scale of the wrong shape or a weight of the wrong dtype is refused with
+one line naming the tensor.
 """
 
 from __future__ import annotations
@@ -17,12 +23,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from paged_experts import fp8
 from paged_experts.config import MoeModelConfig
 from paged_experts.counters import PagingCounters
-from paged_experts.moe import MoeLayer, MoeShared
-from paged_experts.residency import LayerResidency
+from paged_experts.moe import MoeLayer, MoeShared, make_layer
 from paged_experts.runtime import RuntimeConfig
-from paged_experts.store import ExpertTensors, PageInEngine, to_device_rows
+from paged_experts.store import ExpertTensors, PageInEngine
 
 
 @dataclass(frozen=True)
@@ -101,9 +107,48 @@ def _checked(reader: CheckpointReader, name: str, shape: tuple[int, ...]) -> tor
     return t
 
 
+def _scale_name(weight_name: str) -> str:
+    return weight_name.removesuffix("weight") + fp8.SCALE_SUFFIX
+
+
+def _checked_fp8(reader: CheckpointReader, name: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 weight and its block scales, dtype and shapes checked: ([O, I] fp8, [O/128, I/128] fp32)."""
+    w = _checked(reader, name, shape)
+    if w.dtype != fp8.FP8_DTYPE:
+        raise ValueError(f"{name} is {w.dtype}, a block-FP8 checkpoint stores it as {fp8.FP8_DTYPE}")
+    scale_name = _scale_name(name)
+    if not reader.has(scale_name):
+        raise ValueError(f"{scale_name} is missing: FP8 weight {name} has no block scales")
+    scale = reader.get(scale_name)
+    want = fp8.scale_shape(*shape)
+    if tuple(scale.shape) != want:
+        raise ValueError(
+            f"{scale_name} has shape {tuple(scale.shape)}, "
+            f"{fp8.BLOCK}x{fp8.BLOCK} blocks of {name} {shape} imply {want}"
+        )
+    return w, scale.to(torch.float32)
+
+
+def _dense_weight(reader: CheckpointReader, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A non-expert weight in `dtype`: FP8 ones (those with block scales) dequantized."""
+    t = reader.get(name) if reader.has(name) else None
+    if t is not None and t.dtype == fp8.FP8_DTYPE and len(shape) == 2:
+        w, scale = _checked_fp8(reader, name, (shape[0], shape[1]))
+        return fp8.dequantize(w, scale, dtype)
+    return _checked(reader, name, shape).to(dtype)
+
+
 def _fill_host_experts(reader: CheckpointReader, layer: int, host: ExpertTensors, cfg: MoeModelConfig) -> None:
     prefix = f"model.layers.{layer}.mlp.experts"
     e_n, h, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    if host.is_fp8:
+        shapes = {"gate": (inter, h), "up": (inter, h), "down": (h, inter)}
+        for e in range(e_n):
+            for w, shape in shapes.items():
+                q, scale = _checked_fp8(reader, f"{prefix}.{e}.{w}_proj.weight", shape)
+                fp8.raw(host.get(w)[e]).copy_(fp8.raw(q))
+                host.get(f"{w}_scale")[e].copy_(scale)
+        return
     if reader.has(f"{prefix}.gate_up_proj"):
         gate_up = _checked(reader, f"{prefix}.gate_up_proj", (e_n, 2 * inter, h))  # [E, 2I, H]
         host.gate.copy_(gate_up[:, :inter])
@@ -124,7 +169,7 @@ def load(path: str | Path, runtime: RuntimeConfig) -> LoadedModel:
     device, dtype = runtime.torch_device, runtime.torch_dtype
 
     def dense(name: str, *shape: int) -> torch.Tensor:
-        return _checked(reader, name, shape).to(device=device, dtype=dtype)
+        return _dense_weight(reader, name, shape, dtype).to(device=device)
 
     h, v, d = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
     embed = dense("model.embed_tokens.weight", v, h)
@@ -153,12 +198,12 @@ def load(path: str | Path, runtime: RuntimeConfig) -> LoadedModel:
         # Only rows that cross the link need pinned memory; cpu layers compute from pageable RAM.
         pin = device.type == "cuda" and placement in ("paged", "offload")
         host = ExpertTensors.empty(
-            cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, torch.device("cpu"), pin=pin
+            cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, torch.device("cpu"), pin=pin,
+            is_fp8=cfg.fp8_weights,
         )
         _fill_host_experts(reader, i, host, cfg)
-        host, residency, device_experts = place_experts(host, placement, cfg, runtime)
         router = dense(f"{p}.mlp.gate.weight", cfg.num_experts, h)
-        moe.append(MoeLayer(i, placement, router, host, device_experts, shared, residency))
+        moe.append(make_layer(i, placement, router, host, shared, cfg, runtime))
     return LoadedModel(
         config=cfg, dense=dense_weights, attention=tuple(attention), moe=tuple(moe), counters=shared.counters
     )
@@ -168,38 +213,24 @@ def build_shared(cfg: MoeModelConfig, runtime: RuntimeConfig) -> tuple[MoeShared
     """What every MoE layer of a model shares (counters, page-in engine, offload buffer), and each
     layer's placement; one definition for checkpoints and for in-memory synthetic models."""
     device, dtype = runtime.torch_device, runtime.torch_dtype
-    counters = PagingCounters(cfg.num_moe_layers, cfg.expert_bytes(runtime.dtype), runtime.mode)
+    expert_bytes = cfg.expert_bytes(cfg.expert_dtype(runtime.dtype))  # FP8: weights + block scales
+    counters = PagingCounters(cfg.num_moe_layers, expert_bytes, runtime.mode)
     placements = [runtime.layer_mode(i, cfg.num_moe_layers) for i in range(cfg.num_layers)]
     max_slots = runtime.resident_experts or cfg.num_experts
-    page_in = PageInEngine(device, runtime.page_in, cfg.hidden_size, cfg.moe_intermediate_size, dtype, max_slots)
+    h, inter, is_fp8 = cfg.hidden_size, cfg.moe_intermediate_size, cfg.fp8_weights
+    page_in = PageInEngine(device, runtime.page_in, h, inter, dtype, max_slots, is_fp8=is_fp8)
     offload_buffer = None
     if "offload" in placements:
-        offload_buffer = ExpertTensors.empty(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device)
+        offload_buffer = ExpertTensors.empty(cfg.num_experts, h, inter, dtype, device, is_fp8=is_fp8)
     shared = MoeShared(
         device=device,
         dtype=dtype,
         num_experts=cfg.num_experts,
         top_k=cfg.top_k,
         norm_topk_prob=cfg.norm_topk_prob,
-        expert_bytes=cfg.expert_bytes(runtime.dtype),
+        expert_bytes=expert_bytes,
         counters=counters,
         page_in=page_in,
         offload_buffer=offload_buffer,
     )
     return shared, placements
-
-
-def place_experts(
-    host: ExpertTensors, placement: str, cfg: MoeModelConfig, runtime: RuntimeConfig
-) -> tuple[ExpertTensors, LayerResidency | None, ExpertTensors | None]:
-    """(host rows, residency, device rows) of one layer for its placement."""
-    if placement == "paged":
-        k = runtime.resident_experts
-        assert k is not None
-        # slots start with experts 0..K-1
-        return host, LayerResidency(cfg.num_experts, k), to_device_rows(host, k, runtime.torch_device)
-    if placement == "resident":
-        device_experts = to_device_rows(host, cfg.num_experts, runtime.torch_device)
-        # A resident layer never reads the host rows again: keep one copy, not two.
-        return device_experts, None, device_experts
-    return host, None, None

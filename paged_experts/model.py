@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from paged_experts.attention import attend, attention_out, causal_mask, project_qkv, rms_norm, rope_tables
 from paged_experts.config import MoeModelConfig
 from paged_experts.counters import PagingCounters, TalliedCounters
-from paged_experts.device_residency import DeviceResidency
 from paged_experts.graphs import GraphedDecoder
 from paged_experts.step import StepLogits
 from paged_experts.kv import KvPool, KvSequence, SeqChunk
@@ -34,10 +33,12 @@ from paged_experts.loader import AttentionWeights, DenseWeights, LoadedModel, lo
 from paged_experts.moe import (
     EXPERT_KERNELS,
     MoeLayer,
+    PagedLayer,
     RouterOverride,
     RoutingObserver,
     StepContext,
 )
+from paged_experts.residency import LayerResidency
 from paged_experts.runtime import RuntimeConfig
 
 __all__ = ["MoeCausalLM", "SeqChunk", "StepLogits", "rms_norm"]
@@ -70,11 +71,6 @@ class MoeCausalLM:
             shared = replace(self._moe[0].shared, counters=self.counters)
             for layer in self._moe:
                 layer.shared = shared
-        if runtime.plans_on_device:
-            for layer in self._moe:
-                if layer.placement == "paged" and layer.residency is not None:
-                    layer.device_residency = DeviceResidency(self.config.num_experts, layer.residency.num_slots, self.device)
-                    layer.overlap_page_in = runtime.overlap_page_in
         self.set_expert_kernel(expert_kernel)
         self._graphs: GraphedDecoder | None = None
         self.router_override: RouterOverride | None = None
@@ -111,7 +107,7 @@ class MoeCausalLM:
 
     def graphable(self) -> bool:
         """Every layer resident, or paged with its residency on the device (decode can be captured)."""
-        return all(m.placement == "resident" or (m.placement == "paged" and m.device_residency is not None) for m in self._moe)
+        return all(m.graphable for m in self._moe)
 
     @property
     def graph_replays(self) -> int:
@@ -133,6 +129,16 @@ class MoeCausalLM:
         return tuple(self._moe)
 
     @property
+    def expert_planning(self) -> str:
+        """'device' when paged steps that fit one wave are planned on the device, else 'host'."""
+        return "device" if any(isinstance(m, PagedLayer) and m.device_lru is not None for m in self._moe) else "host"
+
+    def lru_states(self) -> list[LayerResidency] | None:
+        """A host copy of every layer's LRU state (the simulator's type), None unless every layer is paged."""
+        paged = [m for m in self._moe if isinstance(m, PagedLayer)]
+        return [m.lru_state() for m in paged] if len(paged) == len(self._moe) else None
+
+    @property
     def attention_layers(self) -> tuple[AttentionWeights, ...]:
         return tuple(self._attention)
 
@@ -149,9 +155,9 @@ class MoeCausalLM:
     def set_expert_kernel(self, kernel: str) -> None:
         """'fused' (grouped matmuls over the slot table, the default) or 'loop' (the per-expert reference)."""
         if kernel not in EXPERT_KERNELS:
-            raise ValueError(f"expert_kernel must be one of {EXPERT_KERNELS}, got {kernel!r}")
+            raise ValueError(f"expert_kernel must be one of {tuple(EXPERT_KERNELS)}, got {kernel!r}")
         for layer in self._moe:
-            layer.kernel = kernel
+            layer.set_kernel(kernel)
         self.expert_kernel = kernel
 
     @property
@@ -199,13 +205,18 @@ class MoeCausalLM:
         return self.run_step(chunks).cpu_rows()
 
     @torch.inference_mode()
-    def run_step(self, chunks: Sequence[SeqChunk]) -> StepLogits:
-        """Runs one step; the logits stay on the device (see `StepLogits`)."""
+    def run_step(self, chunks: Sequence[SeqChunk], token_source: torch.Tensor | None = None) -> StepLogits:
+        """Runs one step; the logits stay on the device (see `StepLogits`). `token_source` [B], on
+        the device: the chunks' input tokens, e.g. the previous step's argmax, read there instead of
+        the chunks' own (placeholder) token ids, so this step can be queued before that one's ids
+        reach the host; only static decode steps take it."""
         if not chunks:
             return StepLogits.empty(self.device)
         self._check_chunks(chunks)
         if self._graphs is not None and self._graphs.accepts(chunks):
-            return self._graphs.step(chunks)
+            return self._graphs.step(chunks, token_source)
+        if token_source is not None:
+            raise ValueError("token_source is taken by static decode steps only (graphs on, every chunk one decode token)")
         cfg, dev = self.config, self.device
         by_pool: dict[int, tuple[KvPool, list[tuple[KvSequence, int, int]]]] = {}
         for c in chunks:

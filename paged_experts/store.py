@@ -28,38 +28,88 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_experts import pinned
+from paged_experts import fp8, pinned
 from paged_experts.counters import PagingCounters
 
 EXPERT_TENSORS: tuple[str, ...] = ("gate", "up", "down")
 """Per-expert tensors. Page-in walks this tuple; the fault-injection test removes one name."""
+SCALE_TENSORS: tuple[str, ...] = ("gate_scale", "up_scale", "down_scale")
+"""Per-expert block scales of FP8 experts, paged with their weights (the FP8 fault test removes one)."""
 
 
 @dataclass(frozen=True)
 class ExpertTensors:
-    """One layer's stacked expert weights: gate/up `[N, I, H]`, down `[N, H, I]` (N = E or K)."""
+    """One layer's stacked expert weights: gate/up `[N, I, H]`, down `[N, H, I]` (N = E or K); FP8
+    experts (`float8_e4m3fn`) carry float32 block scales gate/up `[N, I/128, H/128]`, down
+    `[N, H/128, I/128]` (fp8.py), stored and paged like the weights (an expert's row is all six)."""
 
     gate: torch.Tensor
     up: torch.Tensor
     down: torch.Tensor
+    gate_scale: torch.Tensor | None = None
+    up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
 
     def get(self, name: str) -> torch.Tensor:
-        return getattr(self, name)
+        t = getattr(self, name)
+        assert t is not None, f"{name} of dense experts"
+        return t
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.gate_scale is not None
+
+    def names(self) -> tuple[str, ...]:
+        """The tensors an expert's row spans (read at call time: the fault-injection tests narrow them)."""
+        return EXPERT_TENSORS + (SCALE_TENSORS if self.is_fp8 else ())
+
+    @property
+    def scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        return self.gate_scale, self.up_scale, self.down_scale
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one expert (all its tensors, scales included): what a page-in moves."""
+        tensors = [self.gate, self.up, self.down, *(t for t in self.scales if t is not None)]
+        return sum(t[0].numel() * t.element_size() for t in tensors)
 
     @classmethod
     def empty(
-        cls, n: int, hidden: int, inter: int, dtype: torch.dtype, device: torch.device, pin: bool = False
+        cls, n: int, hidden: int, inter: int, dtype: torch.dtype, device: torch.device, pin: bool = False,
+        is_fp8: bool = False,
     ) -> ExpertTensors:
+        """`is_fp8`: float8_e4m3fn weights and float32 block scales (`dtype` is then ignored)."""
         shapes = [(n, inter, hidden), (n, inter, hidden), (n, hidden, inter)]  # gate, up, down
-        if pin and device.type == "cpu" and torch.cuda.is_available():
-            gate, up, down = pinned.empty_pinned(shapes, dtype)  # exact size: torch would round each up to 2^k
-            return cls(gate=gate, up=up, down=down)
-        gate, up, down = (torch.empty(s, dtype=dtype, device=device, pin_memory=pin) for s in shapes)
-        return cls(gate=gate, up=up, down=down)
+        groups = [(shapes, fp8.FP8_DTYPE if is_fp8 else dtype)]
+        if is_fp8:
+            groups.append(([(n, *fp8.scale_shape(*s[1:])) for s in shapes], torch.float32))
+        tensors: list[torch.Tensor] = []
+        for group_shapes, group_dtype in groups:
+            if pin and device.type == "cpu" and torch.cuda.is_available():
+                tensors += pinned.empty_pinned(group_shapes, group_dtype)  # exact size: torch would round up to 2^k
+            else:
+                tensors += [torch.empty(s, dtype=group_dtype, device=device, pin_memory=pin) for s in group_shapes]
+        return cls(*tensors)
 
     @property
     def num_rows(self) -> int:
         return int(self.gate.shape[0])
+
+    def dense(self, dtype: torch.dtype, rows: torch.Tensor | None = None) -> ExpertTensors:
+        """The experts as plain weights in `dtype` (FP8 dequantized): all rows, or `rows` [n] in that
+        order. Dense experts are returned as they are (indexed when `rows` is given)."""
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t if rows is None else t[rows]
+
+        if not self.is_fp8:
+            return self if rows is None else ExpertTensors(pick(self.gate), pick(self.up), pick(self.down))
+        dense = (fp8.dequantize(pick(self.get(w)), pick(self.get(f"{w}_scale")), dtype) for w in EXPERT_TENSORS)
+        return ExpertTensors(*dense)
+
+    def dense_row(self, name: str, row: int, dtype: torch.dtype) -> torch.Tensor:
+        """One expert's `name` weight ([I, H] or [H, I]) in `dtype` (dequantized when FP8)."""
+        w = self.get(name)[row]
+        return fp8.dequantize(w, self.get(f"{name}_scale")[row], dtype) if self.is_fp8 else w
 
 
 def contiguous_runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -76,7 +126,10 @@ def contiguous_runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, in
 class PageInEngine:
     """Copies host rows into device rows for one device; owns the staging buffers and timing."""
 
-    def __init__(self, device: torch.device, strategy: str, hidden: int, inter: int, dtype: torch.dtype, max_rows: int) -> None:
+    def __init__(
+        self, device: torch.device, strategy: str, hidden: int, inter: int, dtype: torch.dtype, max_rows: int,
+        is_fp8: bool = False,
+    ) -> None:
         if strategy == "auto":
             strategy = "direct" if device.type == "cuda" else "index"
         if strategy == "staged" and device.type != "cuda":
@@ -87,8 +140,8 @@ class PageInEngine:
         self._staging_dev: ExpertTensors | None = None
         self._staging_free: torch.cuda.Event | None = None
         if strategy == "staged":
-            self._staging_host = ExpertTensors.empty(max_rows, hidden, inter, dtype, torch.device("cpu"), pin=True)
-            self._staging_dev = ExpertTensors.empty(max_rows, hidden, inter, dtype, device)
+            self._staging_host = ExpertTensors.empty(max_rows, hidden, inter, dtype, torch.device("cpu"), True, is_fp8)
+            self._staging_dev = ExpertTensors.empty(max_rows, hidden, inter, dtype, device, is_fp8=is_fp8)
 
     def copy_rows(
         self,
@@ -125,12 +178,13 @@ class PageInEngine:
     def _copy_index(self, src: ExpertTensors, dst: ExpertTensors, pairs: Sequence[tuple[int, int]]) -> None:
         src_idx = torch.tensor([p[0] for p in pairs], dtype=torch.long)  # [m]
         dst_idx = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)  # [m]
-        for name in EXPERT_TENSORS:
-            dst.get(name).index_copy_(0, dst_idx, src.get(name).index_select(0, src_idx).to(self.device))
+        for name in src.names():  # FP8 as bytes: the CPU has no float8 index_copy_
+            rows = fp8.raw(src.get(name)).index_select(0, src_idx).to(self.device)
+            fp8.raw(dst.get(name)).index_copy_(0, dst_idx, rows)
 
     def _copy_direct(self, src: ExpertTensors, dst: ExpertTensors, pairs: Sequence[tuple[int, int]]) -> None:
         runs = contiguous_runs(pairs)
-        for name in EXPERT_TENSORS:
+        for name in src.names():
             s_t, d_t = src.get(name), dst.get(name)
             for s, d, n in runs:
                 d_t[d : d + n].copy_(s_t[s : s + n], non_blocking=True)
@@ -144,20 +198,20 @@ class PageInEngine:
             self._staging_free.synchronize()  # the previous staged copy may still read the buffer
         src_idx = torch.tensor([p[0] for p in pairs], dtype=torch.long)  # [m]
         dst_idx = torch.tensor([p[1] for p in pairs], dtype=torch.long).to(self.device, non_blocking=True)  # [m]
-        for name in EXPERT_TENSORS:
-            host_buf = self._staging_host.get(name)[:m]
-            torch.index_select(src.get(name), 0, src_idx, out=host_buf)
-            dev_buf = self._staging_dev.get(name)[:m]
+        for name in src.names():
+            host_buf = fp8.raw(self._staging_host.get(name)[:m])
+            torch.index_select(fp8.raw(src.get(name)), 0, src_idx, out=host_buf)
+            dev_buf = fp8.raw(self._staging_dev.get(name)[:m])
             dev_buf.copy_(host_buf, non_blocking=True)
-            dst.get(name).index_copy_(0, dst_idx, dev_buf)
+            fp8.raw(dst.get(name)).index_copy_(0, dst_idx, dev_buf)
         self._staging_free = torch.cuda.Event()
         self._staging_free.record()
 
 
 def to_device_rows(src: ExpertTensors, rows: int, device: torch.device) -> ExpertTensors:
-    """A device copy of the first `rows` experts (the initial slots hold experts 0..K-1)."""
-    return ExpertTensors(
-        gate=src.gate[:rows].to(device, copy=True),
-        up=src.up[:rows].to(device, copy=True),
-        down=src.down[:rows].to(device, copy=True),
-    )
+    """A device copy of the first `rows` experts (the initial slots hold experts 0..K-1), scales included."""
+    return ExpertTensors(*(None if t is None else t[:rows].to(device, copy=True) for t in _all(src)))
+
+
+def _all(t: ExpertTensors) -> tuple[torch.Tensor | None, ...]:
+    return (t.gate, t.up, t.down, *t.scales)

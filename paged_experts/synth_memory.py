@@ -14,6 +14,9 @@ Paths `MoeCausalLM.from_pretrained` accepts:
   `python -m paged_experts.synth_memory --preset qwen3-30b-a3b-shape --layers 48 --out DIR` then
   `python -m paged_experts.server --model-path DIR ...`.
 
+FP8 presets (`qwen3-30b-a3b-fp8-shape`, `tiny-fp8`) quantize the generated experts per 128 x 128 block
+on the generator's device (fp8.quantize) into an FP8 host store with its scales; attention stays dense.
+
 The host weights of the last model built are cached in this process, so runtimes of different
 modes over the same seeded weights (a benchmark's cells) share one host store.
 """
@@ -29,9 +32,10 @@ from urllib.parse import parse_qs
 
 import torch
 
+from paged_experts import fp8
 from paged_experts.config import MoeModelConfig
-from paged_experts.loader import AttentionWeights, DenseWeights, LoadedModel, build_shared, place_experts
-from paged_experts.moe import MoeLayer
+from paged_experts.loader import AttentionWeights, DenseWeights, LoadedModel, build_shared
+from paged_experts.moe import make_layer
 from paged_experts.runtime import RuntimeConfig
 from paged_experts.store import ExpertTensors
 from paged_experts.synth import LOGIT_STD, PRESETS, hf_config_for
@@ -144,10 +148,18 @@ def host_weights(cfg: MoeModelConfig, dtype: torch.dtype, seed: int, gen_device:
             )
         )
         routers.append(normal(t + 8, (e_n, h), 2 / math.sqrt(h)))
-        host = ExpertTensors.empty(e_n, h, inter, dtype, torch.device("cpu"), pin=pin)
-        normal(t + 9, (e_n, inter, h), 1 / math.sqrt(h), out=host.gate)
-        normal(t + 10, (e_n, inter, h), 1 / math.sqrt(h), out=host.up)
-        normal(t + 11, (e_n, h, inter), 1 / math.sqrt(inter), out=host.down)
+        host = ExpertTensors.empty(e_n, h, inter, dtype, torch.device("cpu"), pin=pin, is_fp8=cfg.fp8_weights)
+        projections = ((9, "gate", (e_n, inter, h), h), (10, "up", (e_n, inter, h), h), (11, "down", (e_n, h, inter), inter))
+        for tag, name, shape, std in projections:
+            if not cfg.fp8_weights:
+                normal(t + tag, shape, 1 / math.sqrt(std), out=host.get(name))
+                continue
+            gen = torch.Generator(device=gen_device).manual_seed(seed * 1_000_003 + t + tag)
+            values = torch.randn(shape, generator=gen, device=gen_device, dtype=torch.float32) / math.sqrt(std)
+            q, scale = fp8.quantize(values)  # [E, O, I] fp8, [E, O/128, I/128] fp32
+            del values
+            fp8.raw(host.get(name)).copy_(fp8.raw(q))
+            host.get(f"{name}_scale").copy_(scale)
         experts.append(host)
     v = cfg.vocab_size
     weights = HostWeights(
@@ -179,8 +191,7 @@ def build_from_config(cfg: MoeModelConfig, runtime: RuntimeConfig, seed: int) ->
     for i in range(cfg.num_layers):
         a = hw.attention[i]
         attention.append(AttentionWeights(**{f.name: dev(getattr(a, f.name)) for f in fields(a) if f.init}))
-        host, residency, device_experts = place_experts(hw.experts[i], placements[i], cfg, runtime)
-        moe.append(MoeLayer(i, placements[i], dev(hw.routers[i]), host, device_experts, shared, residency))
+        moe.append(make_layer(i, placements[i], dev(hw.routers[i]), hw.experts[i], shared, cfg, runtime))
     return LoadedModel(config=cfg, dense=dense, attention=tuple(attention), moe=tuple(moe), counters=shared.counters)
 
 

@@ -73,7 +73,9 @@ def test_each_fast_path_option_turns_off(tmp_path: Path) -> None:
     argv, _ = plan_argv(tmp_path, base + ", kernel_backend: grouped, cuda_graph_max_bs: 2")
     assert flag(argv, "--kernel-backend") == "grouped" and flag(argv, "--cuda-graph-max-bs") == "2"
     argv, _ = plan_argv(tmp_path, "device: cuda, mode: paged, resident_experts: 16, prefetch_next_layer: true")
-    assert "--prefetch-next-layer" in argv
+    assert "--prefetch-next-layer" in argv and "--enable-overlap-schedule" in argv
+    argv, _ = plan_argv(tmp_path, base + ", overlap_schedule: false")
+    assert "--disable-overlap-schedule" in argv and not build_parser().parse_args(argv[3:]).overlap_schedule
 
 
 @pytest.mark.parametrize(

@@ -117,8 +117,8 @@ def test_device_planned_model_equals_resident_and_counts_like_host(k: int, overl
     """overlap=True: hits and misses as two grouped passes (a second stream on CUDA), still bit-exact."""
     resident = _scenario(MoeCausalLM.from_pretrained(PATH, RuntimeConfig(mode="resident")))
     on, off = _paged(k, "on", overlap), _paged(k, "off")
-    assert all(m.device_residency is not None for m in on._moe)
-    assert all(m.device_residency is None for m in off._moe)
+    assert all(m.device_residency is not None for m in on.moe_layers)
+    assert all(m.device_residency is None for m in off.moe_layers)
     for i, (a, b, r) in enumerate(zip(_scenario(on), _scenario(off), resident)):
         assert torch.equal(a, r), f"K={k}: device-planned output {i} differs from resident"
         assert torch.equal(b, r)
@@ -134,7 +134,7 @@ def test_static_decode_of_device_planned_paged_model_matches_eager() -> None:
     k = 12  # batch sizes 1..3 fit one wave (3 x 4 <= 12)
     eager, static = _paged(k, "on"), _paged(k, "on")
     static.enable_cuda_graphs([1, 2, 3, 4])
-    assert static._graphs is not None and static._graphs.batch_sizes == (1, 2, 3)  # 4 x 4 > 12 stays eager
+    assert static.decode_graphs is not None and static.decode_graphs.batch_sizes == (1, 2, 3)  # 4 x 4 > 12 stays eager
     a_out, b_out = _scenario(static, decode_steps=6), _scenario(eager, decode_steps=6)
     assert static.graph_replays == 6
     for a, b in zip(a_out, b_out):
@@ -181,7 +181,7 @@ def _prefetching(k: int) -> MoeCausalLM:
 
 def _slots_hold_their_experts(model: MoeCausalLM) -> None:
     """Every slot's weights are the host rows of the expert the device maps say it holds."""
-    for moe in model._moe:
+    for moe in model.moe_layers:
         dr, slots = moe.device_residency, moe.device_experts
         assert dr is not None and slots is not None
         expert_in = dr.expert_in[: dr.num_slots].tolist()
@@ -200,7 +200,7 @@ def test_next_layer_prefetch_changes_no_output_and_counts_its_page_ins(k: int) -
     plain, ahead = _paged(k, "on"), _prefetching(k)
     plain.enable_cuda_graphs(sizes)
     ahead.enable_cuda_graphs(sizes)
-    assert ahead._graphs is not None and ahead._graphs.prefetch and not plain._graphs.prefetch  # type: ignore[union-attr]
+    assert ahead.decode_graphs is not None and ahead.decode_graphs.prefetch and not plain.decode_graphs.prefetch  # type: ignore[union-attr]
     a_out, b_out = _scenario(ahead, decode_steps=8), _scenario(plain, decode_steps=8)
     assert ahead.graph_replays == plain.graph_replays > 0
     for a, b in zip(a_out, b_out):
@@ -232,16 +232,16 @@ def test_graphed_decode_traces_the_routed_ids_it_counted() -> None:
     seqs = [pool.new_sequence() for _ in range(3)]
     last = model.forward([SeqChunk(s, p, 0) for s, p in zip(seqs, PROMPTS)])
     host = []
-    for moe in model._moe:
+    for moe in model.moe_layers:
         lr = LayerResidency(model.config.num_experts, 12)
         moe.device_residency.pull_to(lr)  # type: ignore[union-attr]
         host.append(lr)
     model.counters.reset()
-    assert model._graphs is not None
-    model._graphs.trace = []
+    assert model.decode_graphs is not None
+    model.decode_graphs.trace = []
     for _ in range(5):
         last = model.forward([SeqChunk(s, [int(lg[-1].argmax())], s.num_tokens) for s, lg in zip(seqs, last)])
-    trace = torch.stack(model._graphs.trace)  # [steps, layers, B, k]
+    trace = torch.stack(model.decode_graphs.trace)  # [steps, layers, B, k]
     assert trace.shape == (5, 2, 3, model.config.top_k)
     replayed = [sum(host[i].plan_step(trace[s, i].reshape(-1).tolist()).misses for s in range(5)) for i in range(2)]
     assert replayed == [layer.misses for layer in model.counters.snapshot().layers]

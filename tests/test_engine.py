@@ -197,11 +197,13 @@ async def test_new_request_joins_the_running_batch_between_steps(running) -> Non
 
 async def test_long_prompt_is_chunked_so_decoders_advance_every_step(running) -> None:
     engine, model, _, _ = make_engine(chunked_prefill_tokens=4)
+    model.gate = threading.Semaphore(1)  # the decoder's prefill; the long prompt arrives before its next step
     running(engine)
     decoder = engine.submit("dec", [1], SamplingParams(max_tokens=12))
     await decoder.__anext__()
     long_prompt = list(range(1, 14))  # 13 tokens -> chunks of 4, 4, 4, 1
     long = engine.submit("long", long_prompt, SamplingParams(max_tokens=2))
+    model.gate.release(100)
     tokens_long, _ = await collect(long)
     await collect(decoder)
     assert tokens_long == expected_greedy(long_prompt, 2)

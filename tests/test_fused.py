@@ -105,7 +105,7 @@ def test_unknown_kernel_is_refused() -> None:
 def test_synthetic_host_store_is_shared_between_runtimes() -> None:
     a = MoeCausalLM.synthetic("tiny", RuntimeConfig(mode="offload"), layers=2, seed=1)
     b = MoeCausalLM.synthetic("tiny", RuntimeConfig(mode="paged", resident_experts=8), layers=2, seed=1)
-    assert a._moe[0].host.gate.data_ptr() == b._moe[0].host.gate.data_ptr()
+    assert a.moe_layers[0].host.gate.data_ptr() == b.moe_layers[0].host.gate.data_ptr()
     assert a.config.num_layers == 2 and a.config.num_experts == 32
 
 

@@ -41,7 +41,7 @@ CHAT_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "temp
 @pytest.fixture(scope="module")
 def server_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
-    argv = [sys.executable, "-m", "paged_experts.server.app", "--model-path", str(tiny_model_dir), "--port", str(port),
+    argv = [sys.executable, "-m", "paged_experts.server", "--model-path", str(tiny_model_dir), "--port", str(port),
             "--max-total-tokens", str(KV_CAPACITY_TOKENS), "--max-running-requests", "4", "--log-level", "warning"]  # fmt: skip
     log = tmp_path_factory.mktemp("fuzz-server") / "server.log"
     proc = EngineProcess(argv, {}, log, f"http://127.0.0.1:{port}/health", startup_timeout_s=300.0)

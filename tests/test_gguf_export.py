@@ -183,3 +183,32 @@ def test_refuses_unsupported_checkpoints(ckpt_f32, tmp_path):
     with pytest.raises(UserError, match="config.json"):
         export_gguf(tmp_path, tmp_path / "x.gguf", "f32")
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_q8_0_export_of_an_fp8_checkpoint_serves_its_values_at_matched_bytes(tmp_path) -> None:
+    """`--type q8_0` of a block-FP8 checkpoint: the FP8 weights dequantized with their scales, then
+    Q8_0 (no scale tensor leaks into the GGUF); bytes per expert side by side with the FP8 store."""
+    from benchsuite.engines.llamacpp.gguf_export import expert_facts
+    from paged_experts import fp8
+    from paged_experts.config import MoeModelConfig
+
+    ckpt = write_checkpoint("tiny-fp8", tmp_path / "ckpt", layers=1)
+    out = export_gguf(ckpt, tmp_path / "m.gguf", "q8_0").path
+    reader = gguf.GGUFReader(out)
+    tensors = {t.name: t for t in reader.tensors}
+    assert not any("scale" in name for name in tensors)
+    hf = load_file(str(ckpt / "model.safetensors"))
+    down = tensors["blk.0.ffn_down_exps.weight"]
+    assert down.tensor_type == gguf.GGMLQuantizationType.Q8_0
+    got = gguf.quants.dequantize(down.data, down.tensor_type)[3]  # [H, I] of expert 3
+    name = "model.layers.0.mlp.experts.3.down_proj"
+    want = fp8.dequantize(hf[f"{name}.weight"], hf[f"{name}.weight_scale_inv"], torch.float32).numpy()
+    assert np.abs(got - want).max() <= np.abs(want).max() / 127 + 1e-6  # Q8_0: one int8 step of a 32-block
+    q = tensors["blk.0.attn_q.weight"]  # FP8 attention too: dequantized before Q8_0
+    name = "model.layers.0.self_attn.q_proj"
+    want = fp8.dequantize(hf[f"{name}.weight"], hf[f"{name}.weight_scale_inv"], torch.float32).numpy()
+    assert np.abs(gguf.quants.dequantize(q.data, q.tensor_type) - want).max() <= np.abs(want).max() / 127 + 1e-6
+    cfg = MoeModelConfig.from_dir(ckpt)
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    assert expert_facts(out) == {"expert_format": "q8_0", "expert_bytes": 3 * h * i * 34 // 32}
+    assert cfg.expert_bytes("float8_e4m3fn") == 3 * h * i + 12 * fp8.blocks(h) * fp8.blocks(i) < 3 * h * i * 34 // 32

@@ -60,8 +60,8 @@ def test_unknown_keys_list_the_allowed_ones(tmp_path: Path) -> None:
     lines = errors_of(tmp_path, text).splitlines()
     # structural errors and engine option errors in one pass
     assert any("workloads.w.concurency: unknown key (allowed: " in l and "concurrency" in l for l in lines)
-    assert any(l.endswith("colour: unknown key (allowed: canary, engines, fairness, name, output_root, reference, repeat_order, "
-                          "repeats, workloads)") for l in lines)
+    assert any(l.endswith("colour: unknown key (allowed: canary, engines, fairness, linkbw, name, output_root, reference, "
+                          "repeat_order, repeats, workloads)") for l in lines)
     assert any("engines.res.options.devce: unknown key (allowed: " in l for l in lines)
 
 

@@ -77,35 +77,82 @@ def check_kernels(device: str = "cpu", dtype: torch.dtype = torch.float32, tol: 
         print("ok", (t, e, k, h, i))
 
 
-# (batch, query heads, KV heads, head dim, context bucket L, positions): GQA groups of 1, 4 and 8,
-# contexts inside one block, across blocks, and a sequence that has only its first token.
-ATTENTION_CASES = ((1, 8, 2, 16, 64, (5,)), (3, 4, 4, 32, 128, (0, 70, 127)), (2, 32, 4, 128, 64, (63, 9)))
+# (tokens, experts, top_k, hidden, intermediate) for FP8 experts: partial 128-blocks on both axes,
+# several blocks per row, and shared experts between tokens.
+FP8_CASES = ((1, 8, 2, 300, 200), (3, 12, 4, 256, 192), (2, 6, 3, 130, 128))
+
+
+def check_fp8_kernels(device: str = "cpu", dtype: torch.dtype = torch.float32, tol: float = 1e-4) -> None:
+    """The FP8 kernels against the dequantized weights in fp32 (fp8.dequantize), and a permuted slot
+    table (paged) against the table in expert order (resident): the same bits."""
+    from paged_experts import fp8
+    from paged_experts.experts import route
+    from paged_experts.kernels import moe_triton
+
+    gen = torch.Generator().manual_seed(1)
+    for t, e, k, h, i in FP8_CASES:
+        q = {}
+        for name, shape in (("gate", (e, i, h)), ("up", (e, i, h)), ("down", (e, h, i))):
+            w, s = fp8.quantize(torch.randn(*shape, generator=gen) / 8)
+            q[name] = (w.to(device), s.to(device))
+        x = torch.randn(t, h, generator=gen).to(device, dtype)
+        rows, topw = route(torch.randn(t, e, generator=gen), k, True)
+        if t > 1:
+            rows[1] = rows[0]
+        rows, topw = rows.to(device), topw.to(device)
+        dense = [fp8.dequantize(w, s, torch.float32) for w, s in q.values()]
+        want = reference_moe(x, rows.reshape(-1), topw, *dense, k)
+        weights = [q[n][0] for n in ("gate", "up", "down")]
+        scales = [q[n][1] for n in ("gate", "up", "down")]
+        got = moe_triton.moe_pairs(x, rows.reshape(-1), topw, *weights, k, *scales)
+        assert got.shape == (t, h) and got.dtype == dtype
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * max(1.0, want.abs().max().item()))
+        perm = torch.randperm(e, generator=gen).to(device)
+        slot_of = torch.argsort(perm)
+        paged = moe_triton.moe_pairs(
+            x, slot_of[rows.reshape(-1)], topw, *(w[perm] for w in weights), k, *(s[perm] for s in scales)
+        )
+        assert torch.equal(paged, got)
+        print("ok", (t, e, k, h, i))
+
+
+# (batch, query heads, KV heads, head dim, block size, positions): GQA groups of 1, 4 and 8,
+# contexts inside one block of the online softmax, across several, a sequence that has only its
+# first token, and a block size that does not divide the softmax block.
+ATTENTION_CASES = ((1, 8, 2, 16, 16, (5,)), (3, 4, 4, 32, 16, (0, 70, 127)), (2, 32, 4, 128, 8, (63, 9)),
+                   (2, 8, 2, 16, 4, (200, 1)))  # fmt: skip
 
 
 def check_attention(device: str = "cpu", dtype: torch.dtype = torch.float32, tol: float = 1e-4) -> None:
-    from paged_experts.kernels.attn_triton import decode_attention
     from paged_experts.attention import attend
+    from paged_experts.kernels.attn_triton import decode_attention
 
     gen = torch.Generator().manual_seed(0)
-    for b, nh, kvh, d, length, pos in ATTENTION_CASES:
-        slots = b * length + 7
+    for b, nh, kvh, d, bs, pos in ATTENTION_CASES:
+        width = max(pos) // bs + 3  # the pool's table width: more blocks than any sequence holds
+        num_blocks = b * width + 2
+        slots = num_blocks * bs
         kv_k = torch.randn(slots, kvh, d, generator=gen).to(device, dtype)  # [slots, kvh, D]
         kv_v = torch.randn(slots, kvh, d, generator=gen).to(device, dtype)
         positions = torch.tensor(pos, device=device)  # [B]
-        # each sequence's rows scattered over the pool; positions past its own repeat its last row
-        table = torch.stack([torch.randperm(slots, generator=gen)[:length] for _ in range(b)]).to(device)  # [B, L]
-        cols = torch.arange(length, device=device)[None, :]
-        table = torch.where(cols <= positions[:, None], table, table.gather(1, positions[:, None]))
-        mask = torch.where(cols <= positions[:, None], 0.0, torch.finfo(dtype).min).to(dtype)  # [B, L]
+        # each sequence's blocks scattered over the pool; entries past its last block are padding
+        blocks = torch.randperm(num_blocks, generator=gen)[: b * width].view(b, width).to(device)  # [B, W]
+        length = max(pos) + 1
+        cols = torch.arange(length, device=device)[None, :]  # [1, L]
+        rows = blocks.gather(1, (cols // bs).expand(b, -1)) * bs + cols % bs  # [B, L] KV row of each position
+        mask = torch.where(cols <= positions[:, None], 0.0, torch.finfo(torch.float32).min)  # [B, L]
         q = torch.randn(b, nh, d, generator=gen).to(device, dtype)
-        got = decode_attention(q, kv_k, kv_v, table, positions, 1)  # blocks of one row: the table is the row table
-        want = attend(q.float()[:, None], kv_k.float(), kv_v.float(), table, mask.float()[:, None, :])[:, 0]  # [B, nh*D]
+        got = decode_attention(q, kv_k, kv_v, blocks, positions, bs)
+        want = attend(q.float()[:, None], kv_k.float(), kv_v.float(), rows, mask[:, None, :])[:, 0]
         assert got.shape == (b, nh * d) and got.dtype == dtype
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
-        print("ok", (b, nh, kvh, d, length, pos))
+        print("ok", (b, nh, kvh, d, bs, pos))
 
 
-@pytest.mark.parametrize(("check", "cases"), [("check_kernels", CASES), ("check_attention", ATTENTION_CASES)])
+@pytest.mark.parametrize(
+    ("check", "cases"),
+    [("check_kernels", CASES), ("check_attention", ATTENTION_CASES), ("check_fp8_kernels", FP8_CASES)],
+)
 def test_decode_kernels_match_torch_in_the_interpreter(check: str, cases: tuple) -> None:
     pytest.importorskip("triton")
     code = f"import sys; sys.path.insert(0, sys.argv[1]); import test_moe_triton as t; t.{check}()"

@@ -160,3 +160,20 @@ def test_each_servers_canary_is_shown_and_a_leak_is_a_red_banner(tmp_path: Path)
     # a canary failure marks no cell failed
     assert pd.read_csv(index.parent / "tables.csv").shape == pd.read_csv(
         write_report([FIXTURE], tmp_path / "plain", reference_dirs=REFERENCE_DIRS).parent / "tables.csv").shape
+
+
+def test_bytes_per_expert_of_each_engine_side_by_side(tmp_path: Path) -> None:
+    """Servers whose version records how they store an expert (builtin FP8 with its block scales,
+    llama.cpp Q8_0) get a 'Bytes per expert' table; servers without the fact are left out of it."""
+    run = tmp_path / "bytes"
+    shutil.copytree(FIXTURE, run)
+    manifest = json.loads((run / "manifest.json").read_text())
+    first, second, *_ = manifest["servers"]
+    manifest["servers"][first]["version"] = {"engine": "paged_experts", "expert_format": "float8_e4m3fn", "expert_bytes": 4719744}
+    manifest["servers"][second]["version"] = {"engine": "llama.cpp", "expert_format": "q8_0", "expert_bytes": 5013504}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    page = write_report([run], tmp_path / "out", reference_dirs=REFERENCE_DIRS).read_text()
+    table = re.search(r'<table id="expert-bytes-[^"]*">(.*?)</table>', page)
+    assert table is not None
+    rows = re.findall(r"<tr><td>([^<]*)</td><td>[^<]*</td><td>([^<]*)</td><td>([^<]*)</td></tr>", table.group(1))
+    assert rows == [(first, "float8_e4m3fn", "4.72 MB"), (second, "q8_0", "5.01 MB")]

@@ -33,6 +33,13 @@ def env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     sharegpt = tmp_path / "sharegpt.json"  # the matrix checks that the workload file exists
     sharegpt.write_text("[]")
     monkeypatch.setenv("SHAREGPT_PATH", str(sharegpt))
+    fp8_dir = tmp_path / "models" / "qwen-fp8"  # the builtin rows check that the checkpoint has a config.json
+    fp8_dir.mkdir(parents=True)
+    from paged_experts.synth import PRESETS, hf_config_for
+
+    config = hf_config_for(PRESETS["qwen3-30b-a3b-fp8-shape"], 151936, 151643, 151645)
+    (fp8_dir / "config.json").write_text(__import__("json").dumps(config))
+    monkeypatch.setenv("QWEN3_30B_A3B_FP8", str(fp8_dir))
 
 
 def test_one_config_per_published_setup() -> None:
@@ -58,7 +65,12 @@ def test_config_follows_the_published_rules(env: None, name: str) -> None:
         "short",
         "2048",
     ]
-    assert {e.kind for e in m.engines.values()} == {"sglang", "llamacpp"}
+    fp8 = quant == "fp8_block"  # the FP8 setup also runs without SGLang: built-in engine rows
+    assert {e.kind for e in m.engines.values()} == ({"sglang", "llamacpp", "builtin"} if fp8 else {"sglang", "llamacpp"})
+    if fp8:
+        builtin = {name: e.options for name, e in m.engines.items() if e.kind == "builtin"}
+        assert builtin["builtin_paged"]["resident_experts"] == ks and builtin["builtin_offload"]["mode"] == "offload"
+        assert all(o["model"] == m.engines["sglang_paged"].options["model_path"] and o["device"] == "cuda" for o in builtin.values())
     llama = m.engines["llamacpp_best"].options
     assert llama["n_cpu_moe"] == "search" and llama["model"] == ENV[gguf_var]  # IQ4_XS for int4, Q8_0 for FP8
     vram = next(mach.vram_gb for mach in ref.machines if mach.key == machine)
@@ -78,7 +90,10 @@ def test_dry_run_prints_exact_commands(env: None, name: str) -> None:
     assert text.count("--disable-radix-cache --max-total-tokens 10240 --enable-metrics") == len(ks) + 1
     assert "--cpu-offload-gb" in text and "--max-running-requests 4" in text
     assert "search llamacpp_best: n_cpu_moe is searched" in text
-    assert text.count("  cell ") == (len(ks) + 1) * 2 * 2 * 2  # servers x classes x concurrencies x repeats
+    builtin = len(ks) + 1 if name.startswith("desktop16gb_fp8") else 0  # builtin paged per K, builtin offload
+    assert text.count("  cell ") == (len(ks) + 1 + builtin) * 2 * 2 * 2  # servers x classes x concurrencies x repeats
+    if builtin:
+        assert all(f"--paged-experts-num-resident {k} --dtype bfloat16" in text for k in ks) and "--offload-layers 32" in text
 
 
 def test_unset_model_variable_names_what_to_set(monkeypatch: pytest.MonkeyPatch) -> None:

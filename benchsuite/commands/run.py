@@ -22,9 +22,10 @@ from benchsuite.engines.base import ServerSpec
 from benchsuite.errors import UserError
 from benchsuite.matrix import MatrixError, load_matrix
 from benchsuite.model_checks import missing_model
-from benchsuite.plan import CellSpec, Plan, build_plan, format_plan
+from benchsuite.plan import CellSpec, Plan, build_plan, format_plan, select
 from benchsuite.records import CellResult
-from benchsuite.store import read_cells
+from benchsuite.search import describe
+from benchsuite.store import read_cells, read_manifest
 
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
@@ -40,6 +41,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="fail one request after this long; the cell keeps its records (workloads' max_error_rate decides)")
     parser.add_argument("--quiet", action="store_true", help="no progress display (CI)")
     parser.add_argument("--no-report", action="store_true", help="do not write the HTML report at the end")
+    parser.add_argument("--only", action="append", default=[], metavar="ENGINE[:OPTION=VALUE]",
+                        help="run only these servers of the matrix (repeatable), e.g. --only resident --only paged:resident_experts=32; "
+                             "the run id stays the matrix's, so a later run without --only measures the rest")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -50,6 +54,8 @@ def main(args: argparse.Namespace) -> int:
     if args.run_id is not None and not _RUN_ID_RE.match(args.run_id):
         raise UserError(f"--run-id {args.run_id!r}: use letters, digits, '.', '_' and '-' only")
     plan = build_plan(load_matrix(args.matrix), run_id=args.run_id)
+    if args.only:
+        plan = select(plan, args.only)
     missing = missing_models(plan)
     if args.dry_run:
         print(format_plan(plan))
@@ -74,6 +80,8 @@ def main(args: argparse.Namespace) -> int:
         return 130
     results = read_cells(store.run_dir)  # search cells included
     console.print(summary_table(plan, results))
+    for line in search_lines(read_manifest(store.run_dir)):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     print(f"results: {store.run_dir}")
     report_status = _write_report(args, store.run_dir)
     for problem in problems:
@@ -183,6 +191,17 @@ def summary_table(plan: Plan, results: list[CellResult]) -> Table:
     for row in rows:
         table.add_row(*(row[i] for i in keep))
     return table
+
+
+def search_lines(manifest: dict) -> list[str]:
+    """Each search of the run in words (benchsuite.search.describe): the choice, the measured
+    candidates and those ruled out by the memory projection, which are not cells."""
+    lines: list[str] = []
+    for server in manifest.get("servers", {}).values():
+        record = server.get("search") or {}
+        if record.get("candidates"):
+            lines.extend(describe(str(server.get("engine", "")), record))
+    return lines
 
 
 def _median(values: list[float | None]) -> float | None:

@@ -146,6 +146,12 @@ def header_html(runs: list[RunData], cells: pd.DataFrame) -> str:
                          f'<th>leak canary</th></tr>{rows}</table>')
         else:
             parts.append("<p><em>no servers recorded in the manifest</em></p>")
+        sized = [s for s in servers if s.expert_bytes]
+        if sized:  # byte-matched experts (FP8 against Q8_0, ...): what each engine moves per expert
+            rows = "".join(f"<tr><td>{html.escape(s.server_id)}</td><td>{html.escape(s.engine)}</td>"
+                           f"<td>{html.escape(str(s.expert_format))}</td><td>{s.expert_bytes / 1e6:.2f} MB</td></tr>" for s in sized)
+            parts.append(f'<h3>Bytes per expert</h3><table id="expert-bytes-{html.escape(run.run_id)}"><tr><th>server</th>'
+                         f"<th>engine</th><th>expert format</th><th>bytes per expert</th></tr>{rows}</table>")
     parts.append('<h2 id="definitions">Metric definitions</h2><ul>')
     parts.extend(f"<li><strong>{html.escape(k)}</strong>: {html.escape(v)}</li>" for k, v in definitions())
     parts.append("</ul>")

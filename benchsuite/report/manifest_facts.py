@@ -28,6 +28,8 @@ class ServerFacts:
     command: str  # shell-quoted argv, exactly as launched
     version: str
     canary: str = "not run"  # the leak canary after the server's cells: passed / FAILED (leaks n) / not run
+    expert_format: str | None = None  # how the engine stores one expert (version.expert_format: float8_e4m3fn, q8_0, ...)
+    expert_bytes: int | None = None  # one expert's gate + up + down bytes as served (FP8: block scales included)
 
     @property
     def canary_failed(self) -> bool:
@@ -105,8 +107,10 @@ def servers(manifest: dict[str, Any]) -> list[ServerFacts]:
         command = shlex.join(str(a) for a in argv) if isinstance(argv, list) else str(argv)
         version = item.get("version")
         version_text = ", ".join(f"{k}={_scalar_text(v)}" for k, v in version.items()) if isinstance(version, dict) else str(version or "absent")
+        expert = version if isinstance(version, dict) else {}
         out.append(ServerFacts(str(item.get("server_id", "")), str(item.get("engine", "")), str(item.get("kind", "")), command, version_text,
-                               canary_text(item.get("canary"))))
+                               canary_text(item.get("canary")), expert.get("expert_format"),
+                               int(expert["expert_bytes"]) if isinstance(expert.get("expert_bytes"), int) else None))
     return out
 
 

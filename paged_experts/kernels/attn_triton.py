@@ -50,7 +50,8 @@ if triton is not None:
         m_i = tl.full((GB,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((GB,), dtype=tl.float32)
         acc = tl.zeros((GB, D), dtype=tl.float32)
-        for l0 in range(0, pos + 1, BL):
+        l0 = 0
+        while l0 <= pos:  # a data-dependent bound: one compiled kernel (and graph) for every context length
             cols = l0 + tl.arange(0, BL)  # [BL] positions
             keep = cols <= pos
             blk = tl.load(blocks + b * width + cols // BS, mask=keep, other=0).to(tl.int64)  # [BL]
@@ -66,6 +67,7 @@ if triton is not None:
             vt = tl.load(kv_v + kv_off, mask=keep[:, None], other=0.0)  # [BL, D]
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
             m_i = m_new
+            l0 += BL
         o = acc / l_i[:, None]
         tl.store(out + (b * KVH * G + heads[:, None]) * D + d[None, :], o.to(out.dtype.element_ty), mask=g_ok[:, None])
 

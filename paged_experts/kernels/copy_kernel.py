@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from paged_experts import store
+from paged_experts import fp8
 from paged_experts.store import ExpertTensors
 
 try:  # Triton ships with CUDA builds of torch; the CPU wheel has none
@@ -24,7 +24,7 @@ try:  # Triton ships with CUDA builds of torch; the CPU wheel has none
 except ImportError:  # pragma: no cover - depends on the torch build
     triton = None  # type: ignore[assignment]
 
-BLOCK_ELEMS = 8192  # 16 KiB of bf16 per program: enough loads in flight per SM to fill the link
+BLOCK_BYTES = 16384  # 16 KiB per program (8,192 bf16, 16,384 FP8 bytes): enough loads in flight per SM to fill the link
 
 if triton is not None:
 
@@ -49,18 +49,19 @@ def graph_safe(device: torch.device) -> bool:
 def copy_planned(host: ExpertTensors, slots: ExpertTensors, experts: torch.Tensor, slot_ids: torch.Tensor) -> None:
     """host rows `experts[i]` -> slot rows `slot_ids[i]` for every entry whose expert is < E.
 
-    experts, slot_ids: [P] int64 on the slots' device, padded with E (expert) / K (slot)."""
+    experts, slot_ids: [P] int64 on the slots' device, padded with E (expert) / K (slot). Every tensor of
+    an expert's row is copied (FP8 weights as bytes, and their block scales)."""
     num_experts = host.num_rows
     if graph_safe(slots.gate.device):
-        for name in store.EXPERT_TENSORS:  # read at call time: the fault-injection tests narrow it
-            src, dst = host.get(name), slots.get(name)
-            row_elems = src[0].numel()
-            grid = (experts.shape[0], triton.cdiv(row_elems, BLOCK_ELEMS))
-            _copy_planned_rows[grid](src, dst, experts, slot_ids, row_elems, num_experts, BLOCK=BLOCK_ELEMS, num_warps=4)
+        for name in host.names():  # read at call time: the fault-injection tests narrow it
+            src, dst = fp8.raw(host.get(name)), fp8.raw(slots.get(name))  # FP8 rows copy as bytes
+            row_elems, block = src[0].numel(), BLOCK_BYTES // src.element_size()
+            grid = (experts.shape[0], triton.cdiv(row_elems, block))
+            _copy_planned_rows[grid](src, dst, experts, slot_ids, row_elems, num_experts, BLOCK=block, num_warps=4)
         return
     valid = (experts < num_experts).nonzero().reshape(-1)  # [m]: the host read (not graph-safe)
     src_idx = experts[valid].to(host.gate.device)
     dst_idx = slot_ids[valid]
-    for name in store.EXPERT_TENSORS:  # read at call time: the fault-injection tests narrow it
-        rows = host.get(name).index_select(0, src_idx).to(slots.gate.device)
-        slots.get(name).index_copy_(0, dst_idx, rows)
+    for name in host.names():  # read at call time: the fault-injection tests narrow it
+        rows = fp8.raw(host.get(name)).index_select(0, src_idx).to(slots.gate.device)
+        fp8.raw(slots.get(name)).index_copy_(0, dst_idx, rows)

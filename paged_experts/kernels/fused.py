@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from paged_experts.kernels import moe_triton
 from paged_experts.experts import route
+from paged_experts.kernels import moe_triton
 from paged_experts.store import ExpertTensors
 
 _BACKEND: dict[tuple[str, torch.dtype], str] = {}
@@ -98,9 +98,12 @@ def expert_backend() -> str:
 
 
 def expert_mlp(x_sorted: torch.Tensor, weights: ExpertTensors, offs: torch.Tensor) -> torch.Tensor:
-    """x_sorted: [P, H] pairs sorted by weight row; offs: [G] int32 over G = weights.num_rows -> [P, H]."""
+    """x_sorted: [P, H] pairs sorted by weight row; offs: [G] int32 over G = weights.num_rows -> [P, H].
+    FP8 tables are dequantized whole first (no host read: graph-safe); host-planned waves hand in
+    only their own experts' rows (moe/waves.py)."""
     if x_sorted.shape[0] == 0:
         return torch.empty_like(x_sorted)
+    weights = weights.dense(x_sorted.dtype)
     gate = grouped_mm(x_sorted, weights.gate.transpose(1, 2), offs)  # [P, I]
     up = grouped_mm(x_sorted, weights.up.transpose(1, 2), offs)  # [P, I]
     return grouped_mm(F.silu(gate) * up, weights.down.transpose(1, 2), offs)  # [P, H]
@@ -141,6 +144,17 @@ def uses_triton(num_pairs: int, device: torch.device) -> bool:
     return _EXPERT_BACKEND[0] == "triton" and device.type == "cuda" and num_pairs <= moe_triton.MAX_PAIRS
 
 
+def kernel_choice(is_fp8: bool, device_type: str, dtype: str) -> dict[str, str]:
+    """Which expert kernels serve which steps (recorded in the server's info and log)."""
+    weights = "FP8 rows + float32 block scales" if is_fp8 else f"{dtype} rows"
+    large = (f"the step's (or wave's) experts dequantized to {dtype}, then grouped GEMM" if is_fp8
+             else "grouped GEMM (torch._grouped_mm or its fallback)")
+    if _EXPERT_BACKEND[0] == "triton" and device_type == "cuda":
+        small = f"moe_triton per-pair kernels reading {weights}, fp32 accumulation"
+        return {f"steps <= {moe_triton.MAX_PAIRS} pairs": small, "larger steps": large}
+    return {"all steps": large}
+
+
 def route_logits(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, E] router logits -> ids [T, k], weights [T, k]: moe_triton's one-kernel routing where the
     step's experts run as its decode kernels, else `experts.route` (the same semantics)."""
@@ -157,15 +171,18 @@ def pairs_per_row(pair_rows: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 def experts_over_rows(
     x: torch.Tensor, pair_rows: torch.Tensor, topk_weights: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-    down: torch.Tensor, top_k: int, count_rows: bool = True,
+    down: torch.Tensor, top_k: int, count_rows: bool = True, gate_scale: torch.Tensor | None = None,
+    up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The whole expert pass of a one-wave step, tensors only (compilable unless the 'triton'
     backend takes it): x [T, H], pair_rows [T*k] weight row (expert or slot) of each pair ->
-    (out [T, H], pairs per row [G]; None where the triton kernels ran and count_rows is False)."""
+    (out [T, H], pairs per row [G]; None where the triton kernels ran and count_rows is False).
+    FP8 experts come with their block scales (`*_scale`): the triton kernels read FP8 rows and
+    scales directly; the grouped path dequantizes the table first."""
     if uses_triton(pair_rows.shape[0], x.device):
-        out = moe_triton.moe_pairs(x, pair_rows, topk_weights, gate, up, down, top_k)
+        out = moe_triton.moe_pairs(x, pair_rows, topk_weights, gate, up, down, top_k, gate_scale, up_scale, down_scale)
         return out, pairs_per_row(pair_rows, gate.shape[0]) if count_rows else None
-    weights = ExpertTensors(gate=gate, up=up, down=down)
+    weights = ExpertTensors(gate, up, down, gate_scale, up_scale, down_scale)
     order, offs, counts = group_pairs(pair_rows, weights.num_rows)
     y_pairs = x.new_empty(pair_rows.shape[0], x.shape[1])  # [T*k, H]
     run_pairs(x, weights, order, offs, top_k, y_pairs)

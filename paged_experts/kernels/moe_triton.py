@@ -19,6 +19,11 @@ sum runs in a fixed order, so paged == resident bit for bit whenever both use th
 Two pairs of one step that share an expert each stream it (from L2 when close in time): that is
 why steps above MAX_PAIRS keep torch's grouped GEMM, which reads each routed expert once.
 
+Block-FP8 experts (fp8.py) run `_gate_up_fp8` / `_down_combine_fp8`: the same passes reading
+float8_e4m3fn rows (half the bytes of bf16) and their float32 128 x 128 block scales; each reduction
+step lies inside one scale block (block_k divides 128), so a row's partial dot is scaled once per
+block and accumulated in fp32 (no dequantized copy of a weight is ever written).
+
 Selected with `fused.set_expert_backend("triton")` (decode_h200 variant `triton`). Tile sizes are
 per kernel in `CONFIGS`; `benchmarks/moe_kernels_h200.py` sweeps them on the GPU.
 """
@@ -81,6 +86,13 @@ def parse_tiles(spec: str) -> dict[str, TileConfig]:
 
 
 CONFIGS.update(parse_tiles(os.environ.get(TILES_ENV, "")))
+
+QUANT_BLOCK = 128  # fp8.BLOCK: the scale block of FP8 weights
+FP8_CONFIGS: dict[str, TileConfig] = {
+    "gate_up": TileConfig(block_n=16, block_k=128, num_warps=4),
+    "down": TileConfig(block_n=16, block_k=128, num_warps=4),
+}
+"""Tiles of the FP8 kernels (block_k must divide 128); `benchmarks/fp8_h200.py` measures them."""
 
 
 def available() -> bool:
@@ -196,6 +208,67 @@ if triton is not None:
         tl.store(out + t * H + n, y.to(out.dtype.element_ty), mask=n_ok)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _gate_up_fp8(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
+        x, rows, w_gate, w_up, s_gate, s_up, hid, TOP_K: tl.constexpr, I: tl.constexpr, H: tl.constexpr,
+        QB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    ):
+        """`_gate_up` over FP8 rows: w_gate/w_up [G, I, H] float8_e4m3fn with scales [G, I/QB, H/QB] fp32."""
+        p = tl.program_id(0).to(tl.int64)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN]
+        n_ok = n < I
+        r = tl.load(rows + p).to(tl.int64)
+        x_row = x + (p // TOP_K) * H
+        w_off = r * I * H + n[:, None].to(tl.int64) * H  # [BN, 1]
+        sk: tl.constexpr = (H + QB - 1) // QB
+        s_off = r * ((I + QB - 1) // QB) * sk + (n // QB).to(tl.int64) * sk  # [BN]: the row's scale block row
+        acc_g = tl.zeros((BN,), dtype=tl.float32)
+        acc_u = tl.zeros((BN,), dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            k = k0 + tl.arange(0, BK)  # [BK], inside one scale block (QB % BK == 0)
+            k_ok = k < H
+            xv = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]  # [1, BK]
+            ok = n_ok[:, None] & k_ok[None, :]
+            wg = tl.load(w_gate + w_off + k[None, :], mask=ok, other=0.0).to(tl.float32)  # [BN, BK]
+            wu = tl.load(w_up + w_off + k[None, :], mask=ok, other=0.0).to(tl.float32)  # [BN, BK]
+            sg = tl.load(s_gate + s_off + k0 // QB, mask=n_ok, other=0.0)  # [BN]
+            su = tl.load(s_up + s_off + k0 // QB, mask=n_ok, other=0.0)  # [BN]
+            acc_g += sg * tl.sum(wg * xv, axis=1)
+            acc_u += su * tl.sum(wu * xv, axis=1)
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up, fp32
+        tl.store(hid + p * I + n, h.to(hid.dtype.element_ty), mask=n_ok)
+
+    @triton.jit
+    def _down_combine_fp8(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
+        hid, rows, topw, w_down, s_down, out, TOP_K: tl.constexpr, I: tl.constexpr, H: tl.constexpr,
+        QB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    ):
+        """`_down_combine` over FP8 rows: w_down [G, H, I] float8_e4m3fn with scales [G, H/QB, I/QB] fp32."""
+        t = tl.program_id(0).to(tl.int64)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN]
+        n_ok = n < H
+        si: tl.constexpr = (I + QB - 1) // QB
+        acc = tl.zeros((BN,), dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            p = t * TOP_K + j
+            r = tl.load(rows + p).to(tl.int64)
+            wj = tl.load(topw + p).to(tl.float32)
+            w_off = r * H * I + n[:, None].to(tl.int64) * I  # [BN, 1]
+            s_off = r * ((H + QB - 1) // QB) * si + (n // QB).to(tl.int64) * si  # [BN]
+            part = tl.zeros((BN,), dtype=tl.float32)
+            for k0 in range(0, I, BK):
+                k = k0 + tl.arange(0, BK)  # [BK], inside one scale block
+                k_ok = k < I
+                hv = tl.load(hid + p * I + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]  # [1, BK]
+                wd = tl.load(w_down + w_off + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                sd = tl.load(s_down + s_off + k0 // QB, mask=n_ok, other=0.0)  # [BN]
+                part += sd * tl.sum(wd.to(tl.float32) * hv, axis=1)
+            acc += wj * part
+        tl.store(out + t * H + n, acc.to(out.dtype.element_ty), mask=n_ok)
+
+
 def _require() -> None:
     if not available():
         raise RuntimeError("the 'triton' expert backend needs Triton (a CUDA build of torch)")
@@ -217,10 +290,12 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch
 
 def moe_pairs(
     x: torch.Tensor, pair_rows: torch.Tensor, topk_weights: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-    down: torch.Tensor, top_k: int,
+    down: torch.Tensor, top_k: int, gate_scale: torch.Tensor | None = None, up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The expert pass of a decode step: x [T, H], pair_rows [T*k] (row of gate/up [G, I, H],
-    down [G, H, I]), topk_weights [T, k] -> [T, H] in x's dtype."""
+    down [G, H, I]), topk_weights [T, k] -> [T, H] in x's dtype. FP8 weights come with their block
+    scales (gate/up [G, I/128, H/128], down [G, H/128, I/128])."""
     _require()
     t, h = x.shape
     inter = gate.shape[1]
@@ -229,6 +304,10 @@ def moe_pairs(
         return out
     rows = pair_rows.reshape(-1).contiguous()  # [T*k]
     hid = x.new_empty(t * top_k, inter)  # [T*k, I]
+    if gate_scale is not None:
+        assert up_scale is not None and down_scale is not None
+        _fp8_pairs(x, rows, topk_weights, (gate, up, down), (gate_scale, up_scale, down_scale), top_k, hid, out)
+        return out
     cg, cd = CONFIGS["gate_up"], CONFIGS["down"]
     _gate_up[(t * top_k, triton.cdiv(inter, cg.block_n))](
         x.contiguous(), rows, gate, up, hid, TOP_K=top_k, I=inter, H=h, BN=cg.block_n, BK=cg.block_k,
@@ -247,3 +326,25 @@ def moe_pairs(
             num_warps=cd.num_warps,
         )
     return out
+
+
+def _fp8_pairs(
+    x: torch.Tensor, rows: torch.Tensor, topk_weights: torch.Tensor, w: tuple[torch.Tensor, ...],
+    scales: tuple[torch.Tensor, ...], top_k: int, hid: torch.Tensor, out: torch.Tensor,
+) -> None:
+    """The FP8 kernels of `moe_pairs`: hid [T*k, I] and out [T, H] written in place."""
+    t, h = x.shape
+    inter = w[0].shape[1]
+    cg, cd = FP8_CONFIGS["gate_up"], FP8_CONFIGS["down"]
+    for name, c in FP8_CONFIGS.items():
+        if QUANT_BLOCK % c.block_k:
+            raise ValueError(f"FP8 {name} tiles: block_k {c.block_k} must divide the {QUANT_BLOCK}-wide scale blocks")
+    _gate_up_fp8[(t * top_k, triton.cdiv(inter, cg.block_n))](
+        x.contiguous(), rows, w[0], w[1], scales[0], scales[1], hid, TOP_K=top_k, I=inter, H=h, QB=QUANT_BLOCK,
+        BN=cg.block_n, BK=cg.block_k, num_warps=cg.num_warps,
+    )
+    topw = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*k]
+    _down_combine_fp8[(t, triton.cdiv(h, cd.block_n))](
+        hid, rows, topw, w[2], scales[2], out, TOP_K=top_k, I=inter, H=h, QB=QUANT_BLOCK, BN=cd.block_n,
+        BK=cd.block_k, num_warps=cd.num_warps,
+    )

@@ -119,6 +119,7 @@ class _Work:
     start_pos: int
     samples: bool
     all_logits: bool
+    decode: bool = False  # one generated token fed back (not a prompt chunk)
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,31 @@ class _WorkResult:
 
 
 _Event = tuple[_Request, RequestOutput, FinishedRequest | None]
+
+
+@dataclass(frozen=True)
+class _Launched:
+    """A step whose device work is queued: its token ids arrive in `ids` once `done` fires."""
+
+    work: list[_Work]
+    step: StepLogits
+    ids: torch.Tensor  # [R] token ids on the host (pinned, filled by a non-blocking copy on CUDA)
+    done: torch.cuda.Event | None  # recorded after that copy; None when `ids` is ready already
+    t_plan: float  # perf_counter stamps: planning began, launch began, launch returned
+    t_launch: float
+    t_launched: float
+
+
+def _start_readback(greedy: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Queues the copy of a step's argmax ids [R] to pinned host memory; the event marks its end.
+    Queued right after the step, so a later step that reuses the graph's buffers runs after it."""
+    if greedy.device.type != "cuda":
+        return greedy, None
+    host = torch.empty(greedy.shape, dtype=greedy.dtype, pin_memory=True)
+    host.copy_(greedy, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
 
 
 class RequestStream:
@@ -196,6 +222,13 @@ class Engine:
         self.steps = 0
         self._phase_s = dict.fromkeys(PHASES, 0.0)
         self._timed_steps = 0
+        # steps whose every chunk is one decode token: what in-engine decode speed is measured over
+        self.decode_steps = 0
+        self.decode_tokens = 0
+        self.decode_step_s = 0.0  # plan through deliver
+        self.decode_model_s = 0.0  # model launch + the wait for its token ids
+        self._last_done = 0.0  # when the last completed step handed off its outputs
+        self.overlapped_steps = 0  # steps launched while the previous one was still in flight
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -251,7 +284,7 @@ class Engine:
             req.abort_reason = reason
             if req in self._waiting:
                 self._waiting.remove(req)
-                events.append(self._finish(req, reason))
+                events += [e for e in (self._finish(req, reason),) if e is not None]
             self._cv.notify()
         self._deliver(events)
 
@@ -272,6 +305,14 @@ class Engine:
     @property
     def kv_capacity_tokens(self) -> int:
         return self.pool.capacity_tokens
+
+    @property
+    def timed_steps(self) -> int:
+        return self._timed_steps
+
+    def phase_seconds(self) -> dict[str, float]:
+        """Seconds spent in each host phase over every step so far (module docstring)."""
+        return dict(self._phase_s)
 
     def step_timing(self) -> dict[str, float]:
         """Mean seconds per step of each host phase (module docstring) over the steps so far."""
@@ -327,19 +368,30 @@ class Engine:
         with self._cv:
             self._closed = True
             if self._thread is None or not self._thread.is_alive():  # no engine thread touches the pool
-                events = [self._finish(r, FINISH_ABORT) for r in list(self._waiting) + list(self._running)]
+                events = [e for r in list(self._waiting) + list(self._running) if (e := self._finish(r, FINISH_ABORT))]
                 self._waiting.clear()
             self._cv.notify()
         self._deliver(events)
 
     def _thread_main(self) -> None:
+        pending: _Launched | None = None  # a step launched on the device, its token ids not yet read
         while True:
             t0 = time.perf_counter()
+            if pending is not None:
+                # Overlap: launch the next decode step of the same requests (its input tokens are
+                # the device-side argmax of the step in flight) before reading that step's tokens.
+                with self._cv:
+                    nxt = None if (self._closed or self._stopping) else self._continuation(pending)
+                launched = self._launch(nxt, [], t0, token_source=pending.step.greedy) if nxt else None
+                self.overlapped_steps += launched is not None
+                self._complete(pending)
+                pending = launched
+                continue
             with self._cv:
                 if self._closed or self._stopping:
                     events = []
                     if self._closed:
-                        events = [self._finish(r, FINISH_ABORT) for r in list(self._waiting) + list(self._running)]
+                        events = [e for r in list(self._waiting) + list(self._running) if (e := self._finish(r, FINISH_ABORT))]
                         self._waiting.clear()
                     calls, self._calls = self._calls, []
                     break
@@ -354,36 +406,117 @@ class Engine:
             self._deliver(events)
             for fn, fut in calls:  # between steps: nothing is in flight
                 _run_call(fn, fut)
-            if work:
-                self._step(work, freed, t0)
+            if not work:
+                continue
+            launched = self._launch(work, freed, t0)
+            if launched is None:
+                continue
+            if self.config.overlap_schedule and self._continuable(launched):
+                pending = launched  # read its tokens after the next step is launched
+            else:
+                self._complete(launched)
         self._deliver(events)
         for fn, fut in calls:
             _run_call(fn, fut)
 
-    def _step(self, work: list[_Work], freed: list[Any], t0: float) -> None:
+    def _launch(self, work: list[_Work], freed: list[Any], t0: float, token_source: torch.Tensor | None = None) -> _Launched | None:
+        """Runs the step's host work and queues its device work; the token ids are read later."""
         t1 = time.perf_counter()
         try:
-            results, t2, t3 = self._execute(work, freed)
+            # free hooks run here, between steps, so they never race a step's routing state
+            for seq in freed:
+                for free_hook in self._free_hooks:
+                    free_hook(seq)
+            layout = [(w.req.request_id, len(w.token_ids)) for w in work]
+            for hook in self._step_hooks:
+                hook(layout)
+            chunks = [self._make_chunk(w.req.seq, w.token_ids, w.start_pos, w.all_logits) for w in work]
+            step = self._run_model(chunks, token_source)
+            ids, done = _start_readback(step.greedy)
         except Exception as exc:  # noqa: BLE001 -- a failed step ends its requests, never the server
-            log.exception("engine step failed")
-            with self._cv:
-                events = [self._finish(w.req, FINISH_ERROR, error=f"{type(exc).__name__}: {exc}") for w in work]
-            self._deliver(events)
+            self._fail_step(work, exc)
+            return None
+        return _Launched(work, step, ids, done, t0, t1, time.perf_counter())
+
+    def _complete(self, launched: _Launched) -> None:
+        """Waits for a launched step's token ids, samples what needs the host, applies, delivers."""
+        try:
+            if launched.done is not None:
+                launched.done.synchronize()
+            greedy = launched.ids.tolist()  # [R] token ids
+            t3 = time.perf_counter()
+            results: list[_WorkResult] = []
+            first = 0
+            for w, n in zip(launched.work, launched.step.rows):
+                try:
+                    results.append(self._result(w, launched.step, first, n, greedy[first + n - 1]))
+                except Exception as exc:  # noqa: BLE001 -- one request's sampling failure ends that request only
+                    results.append(_WorkResult(None, None, [], error=f"{type(exc).__name__}: {exc}"))
+                first += n
+        except Exception as exc:  # noqa: BLE001 -- the device step failed: its requests end, the server stays
+            self._fail_step(launched.work, exc)
             return
         with self._cv:
             self.steps += 1
-            events = self._apply(work, results)
+            events = self._apply(launched.work, results)
         self._deliver(events)
-        t4 = time.perf_counter()
+        self._record_timing(launched, t3, time.perf_counter())
+
+    def _fail_step(self, work: list[_Work], exc: Exception) -> None:
+        log.exception("engine step failed", exc_info=exc)
+        with self._cv:
+            events = [e for w in work if (e := self._finish(w.req, FINISH_ERROR, error=f"{type(exc).__name__}: {exc}"))]
+        self._deliver(events)
+
+    def _record_timing(self, launched: _Launched, t3: float, t4: float) -> None:
+        t0, t1, t2 = launched.t_plan, launched.t_launch, launched.t_launched
         for phase, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-            self._phase_s[phase] += dt
+            self._phase_s[phase] += max(dt, 0.0)
         self._timed_steps += 1
+        # A step's share of the engine's time: from its planning (or the previous step's end, when it
+        # was launched while that one ran) to its outputs handed off.
+        span = t4 - max(t0, self._last_done)
+        self._last_done = t4
+        if all(w.decode for w in launched.work):
+            self.decode_steps += 1
+            self.decode_tokens += len(launched.work)
+            self.decode_step_s += span
+            self.decode_model_s += t3 - t1
         if self._timed_steps % TIMING_LOG_STEPS == 0 and log.isEnabledFor(logging.DEBUG):
             log.debug("engine step timing (mean over %d steps): %s", self._timed_steps, self.step_timing())
 
+    def _continuable(self, launched: _Launched) -> bool:
+        """A step the next one may overlap: every chunk one decode token of a greedy request
+        without logprobs, batched by the static decode step (its argmax stays on the device)."""
+        graphs = getattr(self.model, "decode_graphs", None)
+        if graphs is None or not launched.work:
+            return False
+        if not all(w.decode and w.req.greedy_only for w in launched.work):
+            return False
+        return graphs.accepts([self._make_chunk(w.req.seq, w.token_ids, w.start_pos, False) for w in launched.work])
+
+    def _continuation(self, pending: _Launched) -> list[_Work] | None:
+        """The next decode step of the requests in flight, planned before their tokens are read
+        (under the lock); None when the scheduler must see those tokens first: a request may reach
+        its max_tokens, was aborted, or waiting requests could be admitted now."""
+        if self._calls or self._admissible():
+            return None
+        nxt = []
+        for w in pending.work:
+            req = w.req
+            if req.finished or req.abort_reason is not None or len(req.generated) + 2 > req.params.max_tokens:
+                return None
+            nxt.append(_Work(req, [0], w.start_pos + 1, True, False, decode=True))  # token: the device argmax
+        return nxt
+
+    def _admissible(self) -> bool:
+        if not self._waiting or len(self._running) >= self.config.max_running_requests:
+            return False
+        return self._reserved_tokens + self._waiting[0].reserved_tokens(self.pool.block_size) <= self.pool.capacity_tokens
+
     def _reap_aborted(self) -> list[_Event]:
         """Running requests whose client ended them: finished here, their KV freed (engine thread)."""
-        return [self._finish(r, r.abort_reason) for r in list(self._running) if r.abort_reason is not None]
+        return [e for r in list(self._running) if r.abort_reason is not None and (e := self._finish(r, r.abort_reason))]
 
     def _admit(self) -> None:
         capacity = self.pool.capacity_tokens
@@ -404,7 +537,7 @@ class Engine:
         for req in self._running:
             if not req.prefilling:
                 pos = len(req.prompt_ids) + len(req.generated) - 1
-                work.append(_Work(req, [req.generated[-1]], pos, True, False))
+                work.append(_Work(req, [req.generated[-1]], pos, True, False, decode=True))
             elif prefill_budget > 0:
                 start = req.num_computed
                 end = min(len(req.prompt_ids), start + prefill_budget)
@@ -414,34 +547,10 @@ class Engine:
                 work.append(_Work(req, req.prompt_ids[start:end], start, done, all_logits))
         return work
 
-    def _execute(self, work: list[_Work], freed: list[Any]) -> tuple[list[_WorkResult], float, float]:
-        """One model step over all chunks, then sampling and logprobs (engine thread)."""
-        # free hooks run here, between steps, so they never race a step's routing state
-        for seq in freed:
-            for free_hook in self._free_hooks:
-                free_hook(seq)
-        layout = [(w.req.request_id, len(w.token_ids)) for w in work]
-        for hook in self._step_hooks:
-            hook(layout)
-        chunks = [self._make_chunk(w.req.seq, w.token_ids, w.start_pos, w.all_logits) for w in work]
-        step = self._run_model(chunks)
-        t2 = time.perf_counter()
-        greedy = step.greedy.tolist()  # [R] token ids: the step's one wait for the device
-        t3 = time.perf_counter()
-        results: list[_WorkResult] = []
-        first = 0
-        for w, n in zip(work, step.rows):
-            try:
-                results.append(self._result(w, step, first, n, greedy[first + n - 1]))
-            except Exception as exc:  # noqa: BLE001 -- one request's sampling failure ends that request only
-                results.append(_WorkResult(None, None, [], error=f"{type(exc).__name__}: {exc}"))
-            first += n
-        return results, t2, t3
-
-    def _run_model(self, chunks: list[Any]) -> StepLogits:
+    def _run_model(self, chunks: list[Any], token_source: torch.Tensor | None = None) -> StepLogits:
         run_step = getattr(self.model, "run_step", None)
         if run_step is not None:
-            return run_step(chunks)
+            return run_step(chunks, token_source=token_source) if token_source is not None else run_step(chunks)
         rows = self.model.forward(chunks)  # a model without device logits (tests' fakes): fp32 CPU rows
         logits = torch.cat(rows) if rows else torch.empty(0, 0)
         return StepLogits(logits, logits.argmax(dim=-1) if rows else torch.empty(0, dtype=torch.long),
@@ -474,6 +583,8 @@ class Engine:
         events: list[_Event] = []
         for w, res in zip(work, results):
             req = w.req
+            if req.finished:  # ended while this step was in flight (an overlapped step's extra token)
+                continue
             if req.abort_reason is not None:
                 events.append(self._finish(req, req.abort_reason))
                 continue
@@ -494,7 +605,7 @@ class Engine:
             events.append((req, RequestOutput((res.token_id,), lps, prompt_lps, None), None))
             if reason is not None:
                 events.append(self._finish(req, reason))
-        return events
+        return [e for e in events if e is not None]
 
     def _finish_reason(self, req: _Request, token: int) -> str | None:
         params = req.params
@@ -506,9 +617,13 @@ class Engine:
             return FINISH_LENGTH
         return None
 
-    def _finish(self, req: _Request, reason: str, error: str | None = None) -> _Event:
+    def _finish(self, req: _Request, reason: str, error: str | None = None) -> _Event | None:
         """Ends a request (under the lock; its KV freed by the caller's thread, which is the engine
-        thread or, for a request that never got KV, any); returns the event to deliver."""
+        thread or, for a request that never got KV, any); returns the event to deliver (None when
+        it had ended already). Freeing while an overlapped step still writes this sequence's next KV
+        row is safe: the device runs steps in order, so a later owner of those blocks writes after."""
+        if req.finished:
+            return None
         req.finished = True
         if req.seq is not None:
             self.pool.free(req.seq)

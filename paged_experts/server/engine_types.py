@@ -59,6 +59,9 @@ class EngineConfig:
     chunked_prefill_tokens: int = 2048
     max_context_tokens: int | None = None  # the model's position limit, if any
     eos_token_ids: tuple[int, ...] = ()
+    # Launch a greedy decode step before reading the previous one's tokens (they stay on the device):
+    # the host's per-step work then overlaps the device's (SGLang's overlap scheduler does the same).
+    overlap_schedule: bool = True
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ from paged_experts.server.protocol import (
 from paged_experts.server.text import ChatTurn, TextCodec
 from paged_experts.server.engine import AdmissionError, RequestStream, SamplingParams
 
-log = logging.getLogger("paged_experts.server.app")
+log = logging.getLogger("paged_experts.server")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS = 256  # chat has no documented default; KV is reserved for it up front

@@ -53,6 +53,7 @@ class ServeConfig:
     kernel_backend: str = "grouped"  # or "triton": fused.set_expert_backend (routing, experts, decode attention)
     prefetch_next_layer: bool = False  # captured paged decode steps page in the next layer's predicted experts ahead
     expert_kernel: str = "fused"
+    overlap_schedule: bool = True  # launch a greedy decode step before reading the previous one's tokens
     log_level: str = "info"
 
     @property
@@ -114,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(mode paged, --device cuda, needs --cuda-graph-max-bs; counted as experts_prefetched_total)")
     p.add_argument("--expert-kernel", choices=("fused", "loop"), default="fused",
                    help="grouped matmuls over the slot table (fused) or the per-expert reference loop")
+    p.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_false",
+                   help="read every step's tokens before launching the next (default: a greedy decode step of a "
+                        "captured batch is launched first, its input tokens taken from the device; SGLang's flag)")
+    p.add_argument("--enable-overlap-schedule", dest="overlap_schedule", action="store_true",
+                   help="the default (written out by benchsuite so the command names what is in force)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
 
@@ -196,6 +202,7 @@ class Serving:
             "runtime": asdict(self.runtime),
             "model": asdict(self.model.config),
             "layer_placements": list(self.model.layer_placements()),
+            "experts": self._expert_facts(),
             "kv": {"capacity_tokens": self.engine.kv_capacity_tokens, "block_size": self.engine.pool.block_size},
             "engine": asdict(self.engine.config),
             "routing": self.config.routing_label,
@@ -204,6 +211,18 @@ class Serving:
             "captured_graphs": self.model.captured_graphs,
             "step_timing": self.engine.step_timing(),
             "versions": versions(),
+        }
+
+
+    def _expert_facts(self) -> dict[str, Any]:
+        """How experts are stored and computed: dtype, bytes per expert (block scales included), kernels."""
+        from paged_experts.kernels.fused import kernel_choice
+
+        host = self.model.moe_layers[0].host
+        return {
+            "dtype": str(host.gate.dtype).removeprefix("torch."),
+            "bytes_per_expert": host.row_bytes,
+            "kernels": kernel_choice(host.is_fp8, self.runtime.device, self.runtime.dtype),
         }
 
 
@@ -269,6 +288,7 @@ def load_serving(config: ServeConfig, metrics: ServerMetrics) -> Serving:
         chunked_prefill_tokens=config.chunked_prefill_size,
         max_context_tokens=model_config.max_position_embeddings,
         eos_token_ids=codec.eos_token_ids,
+        overlap_schedule=config.overlap_schedule,
     )
     engine = Engine(
         model,

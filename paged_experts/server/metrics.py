@@ -90,6 +90,15 @@ class EngineGauges:
     num_queue_reqs: int
     kv_used_tokens: int
     kv_capacity_tokens: int
+    # engine thread totals over steps whose chunks are all one decode token (see server.engine)
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    decode_step_s: float = 0.0
+    decode_model_s: float = 0.0
+    steps: int = 0  # every engine step
+    phase_s: dict[str, float] | None = None  # host phase -> seconds over every step (server.engine.PHASES)
+    gpu_memory_peak_reserved_bytes: int = 0  # torch's caching allocator, peak since start (CUDA)
+    gpu_memory_used_bytes: int = 0  # the device's memory in use, every process and context included (CUDA)
 
 
 class ServerMetrics:
@@ -133,6 +142,19 @@ class ServerMetrics:
         lines += _scalar("gauge", p + "kv_used_tokens", "KV tokens in use", gauges.kv_used_tokens)
         lines += _scalar("gauge", p + "kv_capacity_tokens", "KV capacity in tokens", gauges.kv_capacity_tokens)
         lines += _scalar("gauge", p + "routing_synthetic", "1 when a synthetic routing source replaces the router", int(routing_synthetic))
+        lines += _scalar("counter", p + "engine_decode_steps_total", "Engine steps of decode tokens only", gauges.decode_steps)
+        lines += _scalar("counter", p + "engine_decode_tokens_total", "Tokens of those steps", gauges.decode_tokens)
+        lines += _scalar("counter", p + "engine_decode_step_seconds_total",
+                         "Engine-thread time of those steps, planning to hand-off (no HTTP)", gauges.decode_step_s)  # fmt: skip
+        lines += _scalar("counter", p + "engine_decode_model_seconds_total",
+                         "Model time of those steps: launch and wait for the token ids", gauges.decode_model_s)  # fmt: skip
+        lines += _scalar("counter", p + "engine_steps_total", "Engine steps", gauges.steps)
+        lines += _scalar("gauge", p + "gpu_memory_peak_reserved_bytes", "Peak GPU memory reserved by the server's allocator",
+                         gauges.gpu_memory_peak_reserved_bytes)  # fmt: skip
+        lines += _scalar("gauge", p + "gpu_memory_used_bytes", "GPU memory in use on the device (contexts included)",
+                         gauges.gpu_memory_used_bytes)  # fmt: skip
+        for phase, seconds in (gauges.phase_s or {}).items():
+            lines += _scalar("counter", p + f"engine_step_{phase}_seconds_total", f"Engine-thread time in phase {phase}", seconds)
         if counters is not None:
             lines += _paging_lines(counters)
         return "\n".join(lines) + "\n"

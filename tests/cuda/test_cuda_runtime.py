@@ -53,7 +53,7 @@ def check_bit_for_bit(dtype: str, strategy: str) -> None:
     for k in range(4, 33):
         rt = RuntimeConfig(mode="paged", resident_experts=k, device="cuda", dtype=dtype, page_in=strategy)  # type: ignore[arg-type]
         model = MoeCausalLM.from_pretrained(ckpt, rt)
-        assert model._moe[0].host.gate.is_pinned()
+        assert model.moe_layers[0].host.gate.is_pinned()
         for i, (a, b) in enumerate(zip(run_scenario(model), resident)):
             assert torch.equal(a, b), f"K={k} {dtype} {strategy}: output {i} differs by {(a - b).abs().max().item()}"
         total = model.counters.snapshot().total

@@ -75,7 +75,7 @@ def test_fused_close_to_loop_bf16() -> None:
 
 def test_resident_moe_layer_does_not_sync() -> None:
     model = MoeCausalLM.from_pretrained(TINY, rt("bfloat16", mode="resident"))
-    layer = model._moe[0]
+    layer = model.moe_layers[0]
     x = torch.randn(4, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
     ctx = StepContext(seq_ids=(0, 1, 2, 3), positions=(0, 0, 0, 0))
     layer.forward(x, ctx, None, [])  # warm-up (first use decides the grouped backend)

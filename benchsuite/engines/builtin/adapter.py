@@ -53,6 +53,7 @@ class BuiltinOptions(BaseModel):
     kernel_backend: Literal["grouped", "triton"] | None = None  # decode-step routing/expert/attention kernels
     prefetch_next_layer: bool = False  # paged: page in the next layer's predicted experts (measured: off)
     expert_kernel: Literal["fused", "loop"] = "fused"  # grouped matmuls, or the per-expert reference loop
+    overlap_schedule: bool = True  # launch a greedy decode step before the previous one's tokens are read
 
     @field_validator("cuda_graph_max_bs", "torch_compile", "kernel_backend")
     @classmethod
@@ -101,6 +102,7 @@ class BuiltinOptions(BaseModel):
             "kernel_backend": self.backend(),
             "prefetch_next_layer": self.prefetch_next_layer,
             "expert_kernel": self.expert_kernel,
+            "overlap_schedule": self.overlap_schedule,
         }
 
     @field_validator("routing")
@@ -153,7 +155,7 @@ class BuiltinAdapter:
     def launch_plan(self, spec: ServerSpec, port: int) -> LaunchPlan:
         opts = self._options(spec)
         argv = [
-            sys.executable, "-m", "paged_experts.server.app",
+            sys.executable, "-m", "paged_experts.server",
             "--model-path", str(self.model_dir(spec)),
             "--host", "127.0.0.1", "--port", str(port),
             "--mode", opts.mode,
@@ -201,12 +203,21 @@ class BuiltinAdapter:
         return {}
 
     def version(self, spec: ServerSpec) -> dict[str, Any]:
-        return {
+        return self._expert_facts(spec) | {
             "engine": "paged_experts",
             "version": _dist_version("benchsuite"),
             "torch": _dist_version("torch"),
             "python": sys.version.split()[0],
         }
+
+    def _expert_facts(self, spec: ServerSpec) -> dict[str, Any]:
+        """How the served model stores one expert (FP8 with its block scales, or the compute dtype)."""
+        from paged_experts.config import MoeModelConfig
+
+        opts = self._options(spec)
+        cfg = MoeModelConfig.from_dir(self.model_dir(spec))
+        dtype = cfg.expert_dtype(opts.dtype or ("float32" if opts.device == "cpu" else cfg.torch_dtype))
+        return {"expert_format": dtype, "expert_bytes": cfg.expert_bytes(dtype)}
 
     async def scrape(self, session: Any, base_url: str) -> dict[str, float] | None:
         async with session.get(f"{base_url}/metrics") as resp:
@@ -227,6 +238,7 @@ def _performance_flags(perf: dict[str, Any]) -> list[str]:
     flags += ["--kernel-backend", perf["kernel_backend"], "--expert-kernel", perf["expert_kernel"]]
     if perf["prefetch_next_layer"]:
         flags.append("--prefetch-next-layer")
+    flags.append("--enable-overlap-schedule" if perf["overlap_schedule"] else "--disable-overlap-schedule")
     return flags
 
 

@@ -195,6 +195,11 @@ class LlamaCppAdapter:
         path = Path(opts.model).expanduser()
         if path.is_dir():
             return path
+        from benchsuite.engines.llamacpp.gguf_synth import read_facts
+
+        facts = read_facts(path)  # a GGUF from `benchsuite gguf synth`: its preset's tokenizer beside it
+        if facts is not None and Path(facts["hf_dir"]).is_dir():
+            return Path(facts["hf_dir"])
         raise EngineConfigError(
             f"llamacpp engine {spec.name}: exact-length prompts need an HF model directory, not a GGUF"
         )
@@ -288,11 +293,12 @@ class LlamaCppAdapter:
 
     def version(self, spec: ServerSpec) -> dict[str, Any]:
         from benchsuite.engines.llamacpp.build import binary_version, read_stamp
+        from benchsuite.engines.llamacpp.gguf_synth import read_facts
 
         found = find_binary(BINARY_NAME, self._options(spec).binary)
         if found is None:
             return {"engine": "llama.cpp", "binary": None}
-        return {
+        return self._expert_facts(spec) | {
             "engine": "llama.cpp",
             "binary": str(found),
             "version": binary_version(found),
@@ -300,7 +306,19 @@ class LlamaCppAdapter:
                 found.parent
             ),  # None for a binary benchsuite did not build
             "moe_cache_mib_supported": "--moe-cache-mib" in binary_flags(found),
+            # a GGUF from `benchsuite gguf synth`: how it was made (seed, shape, bytes per expert)
+            "model_facts": read_facts(self.model_path(spec, export=False)),
         }
+
+    def _expert_facts(self, spec: ServerSpec) -> dict[str, Any]:
+        """Bytes per expert of the served GGUF (the report sets them beside the built-in engine's)."""
+        from benchsuite.engines.llamacpp.gguf_export import expert_facts
+
+        path = self.model_path(spec, export=False)
+        try:
+            return expert_facts(path) if path.is_file() else {}
+        except (OSError, ValueError, IndexError, KeyError):  # not a readable GGUF: the fact is absent, not invented
+            return {}
 
     async def scrape(self, session: Any, base_url: str) -> dict[str, float] | None:
         from benchsuite.metrics import parse_prometheus

@@ -9,7 +9,11 @@ Tensor rules (numpy order, i.e. the reverse of ggml's `ne`):
   into `blk.{i}.ffn_{gate,up,down}_exps.weight`: gate/up `[E, I, H]`, down `[E, H, I]`;
 - 1-D tensors (norms) and the router `ffn_gate_inp` stay F32 whatever the type (upcasts are exact);
 - `f32`, `f16`, `bf16`: the cast of the stored values (byte-identical when the checkpoint is stored
-  in that dtype); `q8_0`: gguf's reference quantizer, F16 for rows not a multiple of 32 values.
+  in that dtype); `q8_0`: gguf's reference quantizer, F16 for rows not a multiple of 32 values;
+- block-FP8 checkpoints (paged_experts/fp8.py): every FP8 weight is dequantized with its
+  `weight_scale_inv` first (the scales themselves are not tensors of the GGUF), so `--type q8_0`
+  is the FP8 model's values at matched bytes (Q8_0: 34 bytes per 32 weights; FP8: 1 byte per
+  weight plus a float32 per 128 x 128 block).
 
 The writer streams: tensor infos are planned from the safetensors headers, then each tensor is
 loaded, converted and written in turn, so a checkpoint larger than RAM exports too.
@@ -199,8 +203,21 @@ def _load(ckpt: _Checkpoint, planned: PlannedTensor) -> torch.Tensor:
     import torch
 
     if len(planned.sources) == 1:
-        return ckpt.tensor(planned.sources[0])
-    return torch.stack([ckpt.tensor(s) for s in planned.sources], dim=0)
+        return _values(ckpt, planned.sources[0])
+    return torch.stack([_values(ckpt, s) for s in planned.sources], dim=0)
+
+
+def _values(ckpt: _Checkpoint, name: str) -> torch.Tensor:
+    """A weight's values; block-FP8 weights (with a `weight_scale_inv`) dequantized to fp32 first,
+    so `--type q8_0` of an FP8 checkpoint serves the same values at matched bytes."""
+    import torch
+
+    from paged_experts import fp8
+
+    scale_name = name.removesuffix("weight") + fp8.SCALE_SUFFIX
+    if scale_name not in ckpt.where:
+        return ckpt.tensor(name)
+    return fp8.dequantize(ckpt.tensor(name), ckpt.tensor(scale_name), torch.float32)
 
 
 def tokenizer_fields(model_dir: Path, hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -408,3 +425,13 @@ def iter_tensor_bytes(path: Path) -> Iterator[tuple[str, str, tuple[int, ...], i
             tuple(int(x) for x in reversed(t.shape)),
             int(t.n_bytes),
         )
+
+
+def expert_facts(path: Path) -> dict[str, Any]:
+    """How a GGUF stores one expert, from its tensor table (layer 0's stacked expert tensors):
+    {expert_format: the ggml type of ffn_gate_exps, expert_bytes: gate + up + down bytes of one expert}."""
+    exps = {name: (kind, shape, nbytes) for name, kind, shape, nbytes in iter_tensor_bytes(path) if name.startswith("blk.0.ffn_")}
+    parts = [exps.get(f"blk.0.{base}.weight") for base in _EXPERT_PROJ.values()]
+    if any(p is None for p in parts):
+        return {}
+    return {"expert_format": parts[0][0].lower(), "expert_bytes": sum(p[2] // p[1][0] for p in parts)}  # type: ignore[index]

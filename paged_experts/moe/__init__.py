@@ -1,0 +1,87 @@
+"""The MoE block of one layer: one class per placement behind one forward contract.
+
+Routing is always E-wide on the compute device (`layer.MoeLayer.forward`); the placement decides
+where expert weights come from and where the matmuls run:
+- `resident` (`placements.ResidentLayer`): all E experts on the device (the unpaged reference);
+- `paged` (`paged.PagedLayer`): K device slots, given its planning strategies (`planning.HostWaves`:
+  host LRU waves with batched page-in; `planning.DeviceLru`: one-wave steps planned on the device,
+  overlap, prefetch);
+- `offload` (`placements.OffloadLayer`): all E experts copied into a shared device buffer every
+  forward, whatever the router chose (SGLang `--cpu-offload-gb`);
+- `cpu` (`placements.CpuLayer`): experts computed on the CPU from the host store (llama.cpp `--n-cpu-moe`).
+Every layer is given its expert kernel (`waves.EXPERT_KERNELS`: fused grouped matmuls or the loop).
+`make_layer` builds a layer of either kind for a runtime (loader and in-memory synthetic models).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from paged_experts.config import MoeModelConfig
+from paged_experts.device_residency import DeviceResidency
+from paged_experts.moe.layer import (
+    BeforeCompute,
+    ExpertsFn,
+    MoeLayer,
+    MoeShared,
+    RouterOverride,
+    RoutingObserver,
+    StepContext,
+    page_in_stream,
+)
+from paged_experts.moe.paged import PagedLayer
+from paged_experts.moe.placements import CpuLayer, OffloadLayer, ResidentLayer
+from paged_experts.moe.planning import DeviceLru, HostWaves, PendingPrefetch
+from paged_experts.moe.waves import EXPERT_KERNELS
+from paged_experts.residency import LayerResidency
+from paged_experts.runtime import RuntimeConfig
+from paged_experts.store import ExpertTensors, to_device_rows
+
+__all__ = [
+    "EXPERT_KERNELS",
+    "BeforeCompute",
+    "CpuLayer",
+    "DeviceLru",
+    "ExpertsFn",
+    "HostWaves",
+    "MoeLayer",
+    "MoeShared",
+    "OffloadLayer",
+    "PagedLayer",
+    "PendingPrefetch",
+    "ResidentLayer",
+    "RouterOverride",
+    "RoutingObserver",
+    "StepContext",
+    "make_layer",
+    "page_in_stream",
+]
+
+
+def make_layer(
+    layer_idx: int,
+    placement: str,
+    router_weight: torch.Tensor,
+    host: ExpertTensors,
+    shared: MoeShared,
+    cfg: MoeModelConfig,
+    runtime: RuntimeConfig,
+) -> MoeLayer:
+    """One layer in `placement` over its host rows: slots start with experts 0..K-1 (paged); a
+    resident layer keeps one copy, on the device."""
+    device = runtime.torch_device
+    if placement == "resident":
+        return ResidentLayer(layer_idx, router_weight, to_device_rows(host, cfg.num_experts, device), shared)
+    if placement == "offload":
+        return OffloadLayer(layer_idx, router_weight, host, shared)
+    if placement == "cpu":
+        return CpuLayer(layer_idx, router_weight, host, shared)
+    if placement != "paged":
+        raise ValueError(f"unknown placement {placement!r}")
+    k = runtime.resident_experts
+    assert k is not None
+    lru = None
+    if runtime.plans_on_device:
+        lru = DeviceLru(DeviceResidency(cfg.num_experts, k, device), overlap=runtime.overlap_page_in)
+    waves = HostWaves(LayerResidency(cfg.num_experts, k))
+    return PagedLayer(layer_idx, router_weight, host, to_device_rows(host, k, device), shared, waves, lru)

@@ -1,0 +1,225 @@
+"""The forward contract every placement keeps, and what all of them share: routing and the seam.
+
+`MoeLayer.forward(x, ctx, router_override, observers)` routes E-wide on the compute device (the
+model's router, or an override checked here), tells the observers, then hands the routed pairs to
+the placement's `experts(...)`. Placements (`placements.py`, `paged.py`) only decide where the
+expert weights come from and where the matmuls run; the expert kernel (`waves.py`: fused grouped
+or the per-expert loop) is a part each layer is given, not a branch.
+
+Graphed decode (`graphs.py`) uses a second, device-only contract: `graphable`, `fits_one_wave(B)`,
+`decode_pass(...)` (no host synchronization), and for paged layers `can_prefetch` / `prefetch(...)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from paged_experts.counters import PagingCounters, TalliedCounters
+from paged_experts.device_residency import DeviceResidency
+from paged_experts.kernels.fused import experts_over_rows, route_logits
+from paged_experts.moe.waves import EXPERT_KERNELS, FUSED, WaveKernel
+from paged_experts.store import ExpertTensors, PageInEngine
+
+RouterOverride = Callable[[int, torch.Tensor, Any], tuple[torch.Tensor, torch.Tensor]]
+RoutingObserver = Callable[[int, torch.Tensor, torch.Tensor, Any], None]
+ExpertsFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]  # fused.experts_over_rows or its compiled twin
+BeforeCompute = Callable[[], None]  # graphs: start the next layer's prefetch once this layer's page-ins are queued
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """Per-token facts of one engine step, handed to router overrides and observers."""
+
+    seq_ids: tuple[int, ...]  # [T] sequence id of each token
+    positions: tuple[int, ...]  # [T] position of each token in its sequence
+
+
+@dataclass(frozen=True)
+class MoeShared:
+    """What the layers of one model share: page-in engine, offload buffer, counters, sizes."""
+
+    device: torch.device
+    dtype: torch.dtype
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool
+    expert_bytes: int
+    counters: PagingCounters
+    page_in: PageInEngine
+    offload_buffer: ExpertTensors | None  # [E, ...] on the device, reused by every offloaded layer
+
+
+class MoeLayer:
+    """One layer's router and experts; subclasses are the placements."""
+
+    placement: ClassVar[str]
+    stats_include_page_ins: ClassVar[bool] = False  # paged: the misses of `record_device` stats crossed the link
+
+    def __init__(self, layer_idx: int, router_weight: torch.Tensor, host: ExpertTensors, shared: MoeShared) -> None:
+        self.layer_idx = layer_idx
+        self.router_weight = router_weight  # [E, H] on the device
+        self.host = host  # [E, ...] host store rows (pinned when paged/offloaded on CUDA); device rows if resident
+        self.shared = shared
+        self.kernel: WaveKernel = FUSED
+
+    # ---- the forward contract ------------------------------------------------------------------
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        ctx: StepContext,
+        router_override: RouterOverride | None,
+        observers: Sequence[RoutingObserver],
+    ) -> torch.Tensor:
+        """x: [T, H] on the device -> [T, H]."""
+        ids_cpu = None
+        if router_override is not None:
+            ids, weights = router_override(self.layer_idx, F.linear(x, self.router_weight), ctx)
+            ids, weights, ids_cpu = self._check_override(ids, weights, x.shape[0])
+        else:
+            ids, weights = self.route_on_device(x)  # [T, k], [T, k]
+        for fn in observers:
+            fn(self.layer_idx, ids, weights, ctx)
+        return self.experts(x, ids, weights, ids_cpu)
+
+    def experts(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ids_cpu: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The routed pairs' expert pass: x [T, H], ids/weights [T, k] (ids_cpu: a host copy when
+        the override was checked) -> [T, H] on the device; counts the layer-step."""
+        raise NotImplementedError
+
+    def set_kernel(self, name: str) -> None:
+        """'fused' (grouped matmuls, the default) or 'loop' (the per-expert reference)."""
+        if name not in EXPERT_KERNELS:
+            raise ValueError(f"expert_kernel must be one of {tuple(EXPERT_KERNELS)}, got {name!r}")
+        self.kernel = EXPERT_KERNELS[name]
+
+    def route_on_device(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's own router (no override): [T, H] -> ids [T, k], weights [T, k]."""
+        sh = self.shared
+        return route_logits(F.linear(x, self.router_weight), sh.top_k, sh.norm_topk_prob)
+
+    # ---- the graphed decode contract (graphs.py) -----------------------------------------------
+
+    @property
+    def graphable(self) -> bool:
+        """Whether `decode_pass` runs without a host synchronization (CUDA-graph capturable)."""
+        return False
+
+    def fits_one_wave(self, num_tokens: int) -> bool:
+        """Whether a graphed decode step of `num_tokens` tokens can run through `decode_pass`."""
+        return False
+
+    def decode_pass(
+        self,
+        h: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        experts_fn: ExpertsFn,
+        before_compute: BeforeCompute,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One-wave step with no host sync: h [B, H] -> (out [B, H], stats [3] or [5] on the device;
+        None where the caller tallies the union itself: resident layers). `before_compute` runs
+        once the layer's page-ins are queued, before its expert pass."""
+        raise ValueError(f"a {self.placement} layer has no graph-safe decode pass")
+
+    @property
+    def can_prefetch(self) -> bool:
+        return False
+
+    def prefetch(self, predicted: torch.Tensor, copy_stream: torch.cuda.Stream | None) -> None:
+        raise ValueError(f"a {self.placement} layer has no device-planned residency to prefetch into")
+
+    @property
+    def device_residency(self) -> DeviceResidency | None:
+        """The LRU state planned on the device (paged layers with device planning), else None."""
+        return None
+
+    def after_replay(self) -> None:
+        """A graph replay ran this layer's `decode_pass` without Python: resync any host mirror."""
+
+    def drop_prefetch(self) -> None:
+        """Forgets a prefetch not taken (a graphed step starts with none, even after an error)."""
+
+    # ---- shared helpers ------------------------------------------------------------------------
+
+    def table_pass(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table: ExpertTensors
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every routed pair over an [E, ...] table on the device (expert id = row), no host sync:
+        [T, H] -> (out [T, H], union as a device scalar)."""
+        flat = ids.reshape(-1).to(device=self.shared.device, dtype=torch.long)  # [T*k]
+        out, counts = experts_over_rows(
+            x, flat, weights, table.gate, table.up, table.down, self.shared.top_k, True, *table.scales
+        )
+        assert counts is not None
+        return out, (counts > 0).sum()
+
+    def host_pass(
+        self, x: torch.Tensor, ids_cpu: torch.Tensor, weights: torch.Tensor, table: ExpertTensors, device: torch.device
+    ) -> tuple[torch.Tensor, int]:
+        """Every routed expert over an [E, ...] table as one host-planned wave of the layer's kernel,
+        computed on `device`: -> (out [T, H] on the model's device, union)."""
+        distinct = sorted(set(ids_cpu.reshape(-1).tolist()))
+        run = self.kernel.begin(x, ids_cpu, self.shared.num_experts, device)
+        run.wave(table, distinct, distinct)
+        return run.finish(weights).to(self.shared.device), len(distinct)
+
+    def record_device(self, stats: torch.Tensor, num_pairs: int) -> None:
+        """stats: [3] (union, hits, misses) on the device, tallied without a host read where possible."""
+        sh = self.shared
+        if isinstance(sh.counters, TalliedCounters):
+            sh.counters.record_step_device(self.layer_idx, self.placement, stats, num_pairs)
+            return
+        union, hits, misses = (int(v) for v in stats.tolist())
+        self.record_host(union=union, routed_pairs=num_pairs, hits=hits, misses=misses, waves=1 if union else 0)
+        if self.stats_include_page_ins:  # the tallied counters do the same when they flush
+            sh.counters.record_copy(self.layer_idx, bytes_h2d=misses * sh.expert_bytes)
+
+    def record_host(self, *, union: int, routed_pairs: int, hits: int, misses: int, waves: int, cpu: int = 0) -> None:
+        self.shared.counters.record_step(
+            self.layer_idx,
+            union=union,
+            routed_pairs=routed_pairs,
+            hits=hits,
+            misses=misses,
+            cpu_activations=cpu,
+            waves=waves,
+        )
+
+    def _check_override(
+        self, ids: torch.Tensor, weights: torch.Tensor, num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Checks an override's choice on a host copy (one sync), returned for the planner to reuse."""
+        sh = self.shared
+        expected = (num_tokens, sh.top_k)
+        if tuple(ids.shape) != expected or tuple(weights.shape) != expected:
+            raise ValueError(
+                f"router_override returned ids {tuple(ids.shape)} and weights {tuple(weights.shape)}; expected {expected}"
+            )
+        ids = ids.to(torch.long)
+        ids_cpu = ids.to("cpu")  # [T, k]
+        if ids_cpu.numel() and (int(ids_cpu.min()) < 0 or int(ids_cpu.max()) >= sh.num_experts):
+            raise ValueError(f"router_override returned expert ids outside [0, {sh.num_experts})")
+        for row in ids_cpu.tolist():
+            if len(set(row)) != len(row):
+                raise ValueError(f"router_override routed a token to the same expert twice: {row}")
+        return ids, weights.to(torch.float32), ids_cpu
+
+
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def page_in_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """One page-in stream per CUDA device (created outside any graph capture: first use is eager)."""
+    if device.type != "cuda":
+        return None
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[device]

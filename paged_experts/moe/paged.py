@@ -1,0 +1,160 @@
+"""The paged placement: K device slots per layer, all E experts in the host store, LRU residency.
+
+A `PagedLayer` is given its planning strategies (`planning.py`): `HostWaves` always (prefill,
+batches above one wave, the loop kernel), and `DeviceLru` where the runtime plans on the device
+(one-wave steps with no host sync, the graphed decode path). Which one runs a step is decided by
+the step's size and the kernel, never by a flag inside the compute.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from paged_experts.device_residency import DeviceResidency
+from paged_experts.kernels.fused import combine_pairs, experts_over_rows
+from paged_experts.moe.layer import BeforeCompute, ExpertsFn, MoeLayer, MoeShared, page_in_stream
+from paged_experts.moe.planning import DeviceLru, HostWaves
+from paged_experts.residency import LayerResidency
+from paged_experts.store import ExpertTensors
+
+
+class PagedLayer(MoeLayer):
+    placement = "paged"
+    stats_include_page_ins = True
+
+    def __init__(
+        self,
+        layer_idx: int,
+        router_weight: torch.Tensor,
+        host: ExpertTensors,
+        slots: ExpertTensors,
+        shared: MoeShared,
+        waves: HostWaves,
+        device_lru: DeviceLru | None = None,
+    ) -> None:
+        super().__init__(layer_idx, router_weight, host, shared)
+        self.device_experts = slots  # [K, ...] on the device
+        self.waves = waves
+        self.device_lru = device_lru
+
+    @property
+    def residency(self) -> LayerResidency:
+        return self.waves.residency
+
+    @property
+    def device_residency(self) -> DeviceResidency | None:
+        return self.device_lru.residency if self.device_lru is not None else None
+
+    def experts(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ids_cpu: torch.Tensor | None
+    ) -> torch.Tensor:
+        lru, num_pairs = self.device_lru, ids.numel()
+        if lru is None:
+            return self._host_planned(x, ids, weights, ids_cpu)
+        if self.kernel.device_pass and lru.fits(num_pairs):
+            out, stats = self.decode_pass(x, ids, weights, experts_over_rows, _nothing)
+            assert stats is not None
+            self.record_device(stats, num_pairs)
+            return out
+        lru.pull_to(self.residency)
+        try:
+            return self._host_planned(x, ids, weights, ids_cpu)
+        finally:
+            lru.push_from(self.residency)
+
+    def _host_planned(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ids_cpu: torch.Tensor | None
+    ) -> torch.Tensor:
+        sh = self.shared
+        ids_cpu = ids.to("cpu", torch.long) if ids_cpu is None else ids_cpu  # [T, k]: the one sync per layer
+        run, n = self.waves.step(
+            self.kernel,
+            x,
+            ids_cpu,
+            self.host,
+            self.device_experts,
+            sh.page_in,
+            sh.counters,
+            self.layer_idx,
+            sh.expert_bytes,
+        )
+        self.record_host(union=n.union, routed_pairs=ids_cpu.numel(), hits=n.hits, misses=n.misses, waves=n.waves)
+        return run.finish(weights).to(sh.device)
+
+    # ---- the graphed decode contract -----------------------------------------------------------
+
+    @property
+    def graphable(self) -> bool:
+        return self.device_lru is not None
+
+    def fits_one_wave(self, num_tokens: int) -> bool:
+        return self.device_lru is not None and self.device_lru.fits(num_tokens * self.shared.top_k)
+
+    def decode_pass(
+        self,
+        h: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        experts_fn: ExpertsFn,
+        before_compute: BeforeCompute,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Plan on the device, page in the misses, then the pass over the slots: h [B, H] ->
+        (out [B, H], stats [3], or [5] when a prefetch served the step)."""
+        lru, slots, sh = self.device_lru, self.device_experts, self.shared
+        if lru is None:
+            raise ValueError("a paged layer planned on the host has no graph-safe decode pass")
+        flat = ids.reshape(-1).to(device=sh.device, dtype=torch.long)  # [B*k]
+        if lru.overlap:  # hits computing while the misses copy (no prefetch: see RuntimeConfig)
+            before_compute()
+            plan = lru.plan(flat)
+            y_pairs = lru.overlapped_pass(h, self.host, slots, plan, sh.top_k, page_in_stream(sh.device))
+            return combine_pairs(y_pairs, weights), plan.stats
+        plan, pending = lru.page_in(self.host, slots, flat)
+        before_compute()  # after this layer's page-ins are queued: its misses go first on the link
+        out = experts_fn(h, plan.pair_slot, weights, slots.gate, slots.up, slots.down, sh.top_k, False, *slots.scales)[
+            0
+        ]
+        return out, lru.step_stats(plan, pending, flat)
+
+    @property
+    def can_prefetch(self) -> bool:
+        return self.device_lru is not None
+
+    def prefetch(self, predicted: torch.Tensor, copy_stream: torch.cuda.Stream | None) -> None:
+        """Predicted experts [B, k] of this layer's coming step paged in ahead (see DeviceLru.prefetch);
+        the step's `decode_pass` waits for the copy and counts what was used."""
+        if self.device_lru is None:
+            raise ValueError("prefetch needs a paged layer planned on the device")
+        self.device_lru.prefetch(self.host, self.device_experts, predicted, copy_stream)
+
+    def after_replay(self) -> None:
+        if self.device_lru is not None:
+            self.device_lru.host_stale = True
+
+    def reload_slots(self) -> None:
+        """Copies into every slot the host row its device map names, so maps and slots agree again
+        after warm-up steps that paged other experts in and then rewound the map (before serving)."""
+        lru = self.device_lru
+        if lru is None:
+            raise ValueError("reload_slots needs a paged layer planned on the device")
+        experts = lru.residency.expert_in[: lru.residency.num_slots].tolist()
+        self.shared.page_in.copy_rows(self.host, self.device_experts, [(e, s) for s, e in enumerate(experts)])
+        lru.host_stale = True
+
+    def drop_prefetch(self) -> None:
+        if self.device_lru is not None:
+            self.device_lru.pending = None
+
+    def lru_state(self) -> LayerResidency:
+        """A copy of this layer's LRU state as the host planner's type (what the simulator replays)."""
+        if self.device_lru is None:
+            return copy.deepcopy(self.residency)
+        state = LayerResidency(self.shared.num_experts, self.device_lru.residency.num_slots)
+        self.device_lru.residency.pull_to(state)
+        return state
+
+
+def _nothing() -> None:
+    return None

@@ -1,0 +1,169 @@
+"""How a paged layer plans its steps: the two strategies a `PagedLayer` is given.
+
+- `HostWaves`: the host LRU planner (`residency.LayerResidency`, the simulator's own code) splits a
+  step into waves of at most K distinct experts; each wave pages in its misses from the host store
+  (`PageInEngine`), then the layer's kernel computes that wave's pairs. Any step size (prefill,
+  large batches); one host read of the routed ids per layer-step.
+- `DeviceLru`: one-wave steps (tokens x top_k <= K) planned on the device (`DeviceResidency`), paged
+  in by `copy_kernel.copy_planned`, with no host synchronization (CUDA-graph capturable); optional
+  overlap (hits compute while misses copy) and next-layer prefetch. Shares its state with the
+  layer's `HostWaves` (pulled before a host-planned step, pushed back after).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from paged_experts.counters import PagingCounters
+from paged_experts.device_residency import DevicePlan, DeviceResidency
+from paged_experts.kernels.copy_kernel import copy_planned
+from paged_experts.kernels.fused import group_pairs, run_pairs
+from paged_experts.moe.waves import WaveKernel, WavePass
+from paged_experts.residency import LayerResidency
+from paged_experts.store import ExpertTensors, PageInEngine
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    union: int
+    hits: int
+    misses: int
+    waves: int
+
+
+class HostWaves:
+    """Host-planned waves over one layer's K slots."""
+
+    def __init__(self, residency: LayerResidency) -> None:
+        self.residency = residency
+
+    def step(
+        self,
+        kernel: WaveKernel,
+        x: torch.Tensor,
+        ids_cpu: torch.Tensor,
+        host: ExpertTensors,
+        slots: ExpertTensors,
+        page_in: PageInEngine,
+        counters: PagingCounters,
+        layer: int,
+        expert_bytes: int,
+    ) -> tuple[WavePass, StepCounts]:
+        """x [T, H] on the slots' device, ids_cpu [T, k] -> (the pass with every wave run: `finish`
+        gives [T, H]; the step's counts); each wave's copies are counted as they are issued."""
+        plan = self.residency.plan_step(ids_cpu.reshape(-1).tolist())
+        run = kernel.begin(x, ids_cpu, self.residency.num_experts, slots.gate.device)
+        for wave in plan.waves:
+            page_in.copy_rows(host, slots, wave.page_ins, counters, layer, expert_bytes)
+            run.wave(slots, wave.experts, wave.slots)
+        return run, StepCounts(plan.union, plan.hits, plan.misses, len(plan.waves))
+
+
+@dataclass(frozen=True)
+class PendingPrefetch:
+    """A paged layer's speculative page-in, issued while the previous layer computed."""
+
+    plan: DevicePlan  # the LRU plan of the predicted experts (already applied to the residency)
+    done: torch.cuda.Event | None  # recorded on the copy stream after its copy; None: copied inline (CPU)
+
+
+class DeviceLru:
+    """One-wave LRU steps planned on the device for one paged layer."""
+
+    def __init__(self, residency: DeviceResidency, overlap: bool = False) -> None:
+        self.residency = residency
+        self.overlap = overlap  # RuntimeConfig.overlap_page_in
+        self.pending: PendingPrefetch | None = None  # set by `prefetch`, taken by `page_in`
+        self.host_stale = False  # planned here since the host planner last saw the state
+
+    def fits(self, num_pairs: int) -> bool:
+        return num_pairs <= self.residency.num_slots
+
+    def plan(self, flat: torch.Tensor) -> DevicePlan:
+        self.host_stale = True
+        return self.residency.plan(flat)
+
+    def page_in(
+        self, host: ExpertTensors, slots: ExpertTensors, flat: torch.Tensor
+    ) -> tuple[DevicePlan, PendingPrefetch | None]:
+        """flat [T*k] routed ids -> the wave's LRU plan, whose misses are being paged in (stream-ordered
+        before the expert pass), and the prefetch it consumed. The misses copy only after that prefetch
+        landed: a mispredicted expert's slot may be the one a miss now takes."""
+        plan = self.plan(flat)
+        pending, self.pending = self.pending, None
+        if pending is not None and pending.done is not None:
+            torch.cuda.current_stream(flat.device).wait_event(pending.done)
+        copy_planned(host, slots, plan.miss_experts, plan.miss_slots)
+        return plan, pending
+
+    def prefetch(
+        self, host: ExpertTensors, slots: ExpertTensors, predicted: torch.Tensor, copy_stream: torch.cuda.Stream | None
+    ) -> None:
+        """Pages in the experts predicted for the layer's next step (flat [T*k] ids, T*k <= K) before
+        its routing is known: an LRU plan of the prediction (so predicted experts are stamped recent
+        and not evicted by it), its misses copied on `copy_stream` (inline where None)."""
+        plan = self.plan(predicted.reshape(-1).to(torch.long))
+        done = None
+        if copy_stream is None:
+            copy_planned(host, slots, plan.miss_experts, plan.miss_slots)
+        else:
+            copy_stream.wait_stream(torch.cuda.current_stream(predicted.device))  # the plan is written
+            with torch.cuda.stream(copy_stream):
+                copy_planned(host, slots, plan.miss_experts, plan.miss_slots)
+                done = torch.cuda.Event()
+                done.record(copy_stream)
+        self.pending = PendingPrefetch(plan, done)
+
+    def step_stats(self, plan: DevicePlan, pending: PendingPrefetch | None, flat: torch.Tensor) -> torch.Tensor:
+        """[3] union, hits, misses of the wave; [5] with (prefetched, prefetch used) when a prefetch
+        served it: of the experts it paged in, those the step routed to."""
+        if pending is None:
+            return plan.stats
+        e = self.residency.num_experts
+        routed = torch.zeros(e + 1, dtype=torch.bool, device=flat.device).index_fill_(
+            0, flat, True
+        )  # [E+1], E: padding
+        used = routed[pending.plan.miss_experts].sum()  # padding entries name E: never routed
+        return torch.cat([plan.stats, torch.stack([pending.plan.stats[2], used])])
+
+    def overlapped_pass(
+        self,
+        x: torch.Tensor,
+        host: ExpertTensors,
+        slots: ExpertTensors,
+        plan: DevicePlan,
+        top_k: int,
+        copy_stream: torch.cuda.Stream | None,
+    ) -> torch.Tensor:
+        """[T, H] -> y_pairs [T*k, H]: the hit pairs compute while the misses copy on `copy_stream`,
+        then the miss pairs. A slot is all-hit or all-miss within a step, so each group is the same
+        product as in one pass (bit for bit). Rows of the other pass are left unwritten by each
+        grouped pass (no group), and `where` picks each row from the pass that owns it."""
+        k = self.residency.num_slots
+        y_hit = x.new_empty(plan.pair_slot.shape[0], x.shape[1])  # [T*k, H]
+        y_miss = torch.empty_like(y_hit)
+        if copy_stream is not None:
+            copy_stream.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(copy_stream):
+                copy_planned(host, slots, plan.miss_experts, plan.miss_slots)
+        else:
+            copy_planned(host, slots, plan.miss_experts, plan.miss_slots)
+        for rows_of, y in ((torch.where(plan.pair_missed, k, plan.pair_slot), y_hit), (None, y_miss)):
+            if rows_of is None:  # second pass: the misses, once their rows have landed
+                if copy_stream is not None:
+                    torch.cuda.current_stream(x.device).wait_stream(copy_stream)
+                rows_of = torch.where(plan.pair_missed, plan.pair_slot, k)
+            order, offs, _ = group_pairs(rows_of, k + 1)  # the dummy row k collects the other pass
+            run_pairs(x, slots, order, offs[:k], top_k, y)
+        return torch.where(plan.pair_missed[:, None], y_miss, y_hit)
+
+    def pull_to(self, residency: LayerResidency) -> None:
+        """Before a host-planned step: the host planner takes the device state if it moved."""
+        if self.host_stale:
+            self.residency.pull_to(residency)
+            self.host_stale = False
+
+    def push_from(self, residency: LayerResidency) -> None:
+        self.residency.push_from(residency)

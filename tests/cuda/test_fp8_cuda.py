@@ -1,0 +1,146 @@
+"""CUDA checks of block-FP8 experts (paged_experts/fp8.py) at Qwen3-30B-A3B layer shapes:
+- the FP8 Triton kernels compiled, in bf16, against the dequantized weights (the interpreter test's
+  check at the GPU's dtype), and paged (permuted slot table) == resident bit for bit;
+- the page-in kernel copies FP8 rows and their scales from pinned memory, nothing for padding;
+- FP8 paged == FP8 resident bit for bit for K from top_k to E (device-planned one-wave decode,
+  host-planned multi-wave prefill), with the grouped backend and with the triton backend;
+- graphed FP8 paged decode (triton backend) equals eager paged decode within bf16 rounding;
+- a device-planned FP8 paged layer does not synchronize the host;
+- the unpaged-scale control fails equality on the GPU too.
+
+Plain functions, so the module also runs as a script: `python tests/cuda/test_fp8_cuda.py`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from test_device_paging_cuda import decode  # tests/cuda is on sys.path (pytest's rootdir import, or script mode)
+
+import paged_experts.store as store_mod
+from paged_experts import fp8
+from paged_experts.kernels.copy_kernel import copy_planned
+from paged_experts.kernels.fused import set_expert_backend
+from paged_experts.model import MoeCausalLM
+from paged_experts.moe import StepContext
+from paged_experts.runtime import RuntimeConfig
+from paged_experts.store import ExpertTensors
+
+try:
+    import pytest
+
+    pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+except ImportError:  # script mode
+    pass
+
+QWEN2 = "synth:qwen3-30b-a3b-fp8-shape?layers=2&seed=0"  # 128 FP8 experts per layer, top_k 8
+PROMPTS = [[5, 17, 300, 41, 9, 77, 3, 8], [800, 2, 64], [11, 12, 13, 14, 15]]
+
+
+def rt(**kw: object) -> RuntimeConfig:
+    return RuntimeConfig(device="cuda", dtype="bfloat16", **kw)  # type: ignore[arg-type]
+
+
+def test_fp8_kernels_bf16() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from test_moe_triton import check_fp8_kernels
+
+    check_fp8_kernels(device="cuda", dtype=torch.bfloat16, tol=2e-2)
+
+
+def test_page_in_kernel_copies_fp8_rows_and_scales() -> None:
+    e, inter, hidden, k = 6, 768, 2048, 4
+    host = ExpertTensors.empty(e, hidden, inter, torch.bfloat16, torch.device("cpu"), pin=True, is_fp8=True)
+    for name in host.names():
+        values = torch.randn(host.get(name).shape)
+        host.get(name).copy_(values.to(host.get(name).dtype))
+    slots = ExpertTensors.empty(k, hidden, inter, torch.bfloat16, torch.device("cuda"), is_fp8=True)
+    for name in slots.names():
+        fp8.raw(slots.get(name)).zero_()
+    copy_planned(host, slots, torch.tensor([5, 2, e, e], device="cuda"), torch.tensor([3, 0, k, k], device="cuda"))
+    torch.cuda.synchronize()
+    for name in host.names():
+        got, want = fp8.raw(slots.get(name)).cpu(), fp8.raw(host.get(name))
+        assert torch.equal(got[3], want[5]) and torch.equal(got[0], want[2]), name
+        assert not got[1].any() and not got[2].any(), name
+
+
+def _paged_equals_resident(backend: str) -> None:
+    set_expert_backend(backend)
+    try:
+        resident = decode(MoeCausalLM.from_pretrained(QWEN2, rt(mode="resident")), PROMPTS[:1], steps=6)
+        for k in (8, 9, 16, 64, 128):
+            model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=k))
+            assert model.moe_layers[0].host.is_fp8 and model.moe_layers[0].host.gate.is_pinned()
+            for i, (a, b) in enumerate(zip(decode(model, PROMPTS[:1], steps=6), resident)):
+                assert torch.equal(a, b), f"{backend} K={k}: output {i} differs by {(a - b).abs().max().item()}"
+            total = model.counters.snapshot().total
+            assert (total.misses > 0) == (k < 128) and total.waves >= total.steps
+    finally:
+        set_expert_backend("grouped")
+
+
+def test_fp8_paged_equals_resident_grouped() -> None:
+    _paged_equals_resident("grouped")
+
+
+def test_fp8_paged_equals_resident_triton() -> None:
+    _paged_equals_resident("triton")
+
+
+def test_graphed_fp8_paged_decode_matches_eager() -> None:
+    set_expert_backend("triton")
+    try:
+        paged = rt(mode="paged", resident_experts=40)
+        eager = decode(MoeCausalLM.from_pretrained(QWEN2, paged), PROMPTS, steps=5)
+        model = MoeCausalLM.from_pretrained(QWEN2, paged)
+        model.enable_cuda_graphs([1, 2, 3, 4])
+        graphed = decode(model, PROMPTS, steps=5)
+        assert model.graph_replays == 5
+        worst = max(((a - b).abs().max() / b.abs().max().clamp(min=1)).item() for a, b in zip(graphed, eager))
+        print(f"graphed vs eager FP8 paged decode (bf16, triton): worst relative difference {worst:.2e}")
+        assert worst < 5e-2
+    finally:
+        set_expert_backend("grouped")
+
+
+def test_device_planned_fp8_paged_layer_does_not_sync() -> None:
+    set_expert_backend("triton")
+    try:
+        model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=16))
+        layer = model.moe_layers[0]
+        x = torch.randn(2, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)  # 16 pairs <= K
+        ctx = StepContext(seq_ids=(0, 1), positions=(0, 0))
+        layer.forward(x, ctx, None, [])  # warm-up: Triton compiles
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):
+                layer.forward(torch.randn_like(x), ctx, None, [])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert model.counters.snapshot().total.misses > 0
+    finally:
+        set_expert_backend("grouped")
+
+
+def test_unpaged_scale_is_caught_on_the_gpu() -> None:
+    resident = decode(MoeCausalLM.from_pretrained(QWEN2, rt(mode="resident")), PROMPTS[:1], steps=4)
+    saved = store_mod.SCALE_TENSORS
+    store_mod.SCALE_TENSORS = ("gate_scale", "up_scale")  # the injected fault: down's scales are never paged
+    try:
+        model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=8))
+        paged = decode(model, PROMPTS[:1], steps=4)
+    finally:
+        store_mod.SCALE_TENSORS = saved
+    assert model.counters.snapshot().total.misses > 0
+    assert not all(torch.equal(a, b) for a, b in zip(paged, resident))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _script import run_tests
+
+    raise SystemExit(run_tests(globals()))
