@@ -26,8 +26,9 @@ Per cell:
 - TTFT p50/p90/p99 over warm requests; ITL p50/p99 and per-token latency p50 over all warm gaps
   pooled; TPOT p50 and decode tok/s p50 over warm requests (percentiles: linear interpolation).
   When half or more of the warm streams arrived whole in one read, the client timed no decode the
-  median could land on: decode tok/s p50 is then the engine's own (extras decode_source says so),
-  or None (the cell invalid) for an engine without per-request timings.
+  median could land on: decode tok/s p50 is then the engine's own per-request figure, or for an
+  engine without one a lower bound (a whole stream's (output_tokens - f) / (t_last_chunk - t_sent));
+  extras `decode_source` says which.
 - engine decode tok/s p50 = median over warm requests of the engine's own figure (llama.cpp
   `timings.predicted_per_second`); a cell where it and ours differ by more than
   ENGINE_TIMINGS_MARGIN carries `engine_timings_flag`.
@@ -72,7 +73,7 @@ DEFINITIONS: dict[str, str] = {
     "tokens_per_chunk_mean": "mean over warm requests of (output_tokens - f) / (chunks - 1), f = first chunk's tokens",
     "coalesced_gaps": "chunk gaps inside one body read: the client did not read between them (its gap is a parse time)",
     "whole_stream_reads": "warm requests whose every content chunk came in one body read (counted, ranked fastest)",
-    "engine_decode_tok_s_p50": "median over warm requests of the engine's own decode rate (llama.cpp timings.predicted_per_second)",
+    "timings_decode_tok_s_p50": "median over warm requests of the engine's own decode rate (llama.cpp timings.predicted_per_second)",
     "tpot_p50_s": "median over warm requests of TPOT = (latency - TTFT) / (output_tokens - 1)",
     "decode_tok_s_p50": "median over warm requests of (output_tokens - f) / (t_last_chunk - t_first_token), f = first chunk's tokens (1 unless per-chunk usage says more)",
     "output_tok_s": "sum(output_tokens from usage, measured ok requests) / window_s",
@@ -182,7 +183,7 @@ def coalesced_gaps(r: RequestRecord) -> int:
     return sum(1 for a, b in itertools.pairwise(r.chunk_reads) if a == b)
 
 
-def engine_decode_tok_s(r: RequestRecord) -> float | None:
+def timings_decode_tok_s(r: RequestRecord) -> float | None:
     """The engine's own decode rate for this request (llama.cpp timings.predicted_per_second)."""
     value = (r.engine_timings or {}).get("predicted_per_second")
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
@@ -232,8 +233,6 @@ def summarize(
     elif warm and not decode_rates:
         reasons.append("no request has two content chunks and usage to compute decode tok/s")
     decode_p50, decode_source = _decode_p50(warm, decode_rates)
-    if decode_rates and decode_p50 is None:
-        reasons.append(decode_source)
 
     window = _window_s(measured)
     missing_usage = [r for r in ok if r.output_tokens is None]
@@ -292,28 +291,38 @@ def whole_stream(r: RequestRecord) -> bool:
 
 def _decode_p50(warm: Sequence[RequestRecord], decode_rates: list[float]) -> tuple[float | None, str]:
     """The cell's decode tok/s p50 and its source. Streams that arrived whole rank fastest, so the p50
-    over all requests is right while fewer than half of them are whole; past that the client timed no
-    decode that the median could land on: the engine's own per-request figure stands in, or nothing."""
+    over all requests is right while fewer than half of them are whole. Past that the client timed no
+    decode the median could land on: the engine's own per-request figure stands in where it sends one,
+    else a lower bound (a whole stream decoded within its latency, so each value is at most the truth,
+    and so is their median)."""
     whole = sum(1 for r in warm if whole_stream(r) and decode_tok_s(r) is not None)
     if not decode_rates or 2 * whole < len(decode_rates):
         return percentile(decode_rates, 50), "client"
-    engine = [d for d in map(engine_decode_tok_s, warm) if d is not None]
     why = f"{whole} of {len(decode_rates)} streams arrived whole in one body read, so the client could not time their decode"
+    engine = [d for d in map(timings_decode_tok_s, warm) if d is not None]
     if engine:
         return percentile(engine, 50), f"engine timings ({why})"
-    return None, f"decode tok/s p50 not observable: {why}, and the engine reports no timings of its own"
+    bounds = [_whole_stream_bound(r) if whole_stream(r) else decode_tok_s(r) for r in warm if decode_tok_s(r) is not None]
+    return percentile([b for b in bounds if b is not None], 50), f"client lower bound ({why}: each decoded within its latency)"
+
+
+def _whole_stream_bound(r: RequestRecord) -> float | None:
+    """(output_tokens - f) / (last chunk - sent): a stream seen whole decoded no slower than this."""
+    if r.output_tokens is None or not r.chunk_times_s or r.chunk_times_s[-1] <= r.t_sent_s:
+        return None
+    return (r.output_tokens - first_chunk_tokens(r)) / (r.chunk_times_s[-1] - r.t_sent_s)
 
 
 def _chunk_fields(warm: Sequence[RequestRecord]) -> dict[str, Any]:
     """Per-token latency, tokens per chunk, coalesced reads and the engine's own decode rate of a cell."""
     sizes = [t for t in map(tokens_per_chunk, warm) if t is not None]
-    engine = [d for d in map(engine_decode_tok_s, warm) if d is not None]
+    engine = [d for d in map(timings_decode_tok_s, warm) if d is not None]
     return {
         "itl_per_token_p50_s": percentile([x for r in warm for x in per_token_latencies_s(r)], 50),
         "tokens_per_chunk_mean": sum(sizes) / len(sizes) if sizes else None,
         "coalesced_gaps": sum(coalesced_gaps(r) for r in warm),
         "whole_stream_reads": sum(1 for r in warm if whole_stream(r)),
-        "engine_decode_tok_s_p50": percentile(engine, 50),
+        "timings_decode_tok_s_p50": percentile(engine, 50),
     }
 
 
@@ -325,7 +334,7 @@ def _client_flags(result: CellResult, gaps: int) -> dict[str, str]:
             f"client could not keep up: {result.coalesced_gaps} of {gaps} chunk gaps fell inside one body read "
             f"({result.whole_stream_reads} requests arrived whole in one read); those gaps are parse times, so ITL is "
             f"understated and decode tok/s of those requests overstated (they still count, ranked fastest)")
-    ours, theirs = result.decode_tok_s_p50, result.engine_decode_tok_s_p50
+    ours, theirs = result.decode_tok_s_p50, result.timings_decode_tok_s_p50
     if ours and theirs and abs(ours / theirs - 1.0) > ENGINE_TIMINGS_MARGIN:
         flags["engine_timings_flag"] = (
             f"decode tok/s p50: ours {ours:.1f}, the engine's own timings {theirs:.1f} "

@@ -79,7 +79,7 @@ class CellResult:
     tokens_per_chunk_mean: float | None = None  # > 1: ITL is an inter-chunk latency
     coalesced_gaps: int = 0  # chunk gaps inside one body read (the client did not read between them)
     whole_stream_reads: int = 0  # warm requests whose every content chunk came in one read
-    engine_decode_tok_s_p50: float | None = None  # the engine's own per-request figure (llama.cpp timings)
+    timings_decode_tok_s_p50: float | None = None  # the engine's own per-request figure (llama.cpp timings)
     tpot_p50_s: float | None = None
     decode_tok_s_p50: float | None = None  # per-request decode rate, median over requests
     output_tok_s: float | None = None  # aggregate output tokens / measured window

@@ -24,7 +24,7 @@ GROUP_KEYS: tuple[str, ...] = (
     "run_id", "engine", "engine_kind", "mode", "params_key", "workload", "prompt_class", "concurrency", "routing",
 )
 METRICS: tuple[str, ...] = (
-    "decode_tok_s_p50", "engine_decode_tok_s_p50", "output_tok_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "itl_p50_s",
+    "decode_tok_s_p50", "timings_decode_tok_s_p50", "output_tok_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "itl_p50_s",
     "miss_rate", "bytes_paged_per_token", "waves_per_step", "union_mean",
 )
 _K_KEYS = ("resident_experts", "paged_experts_num_resident", "num_resident", "resident_k", "K", "k")

@@ -49,9 +49,16 @@ _WRAP_COLUMNS = ("cell_ids", "reason", "command", "configuration", "your_config"
                  "machine", "flags", "setup", "routing", "prompt_tokens_by_engine")
 
 
+_LONG_TEXT_CHARS = 40  # a value longer than this wraps in any column (notes, reasons a table did not foresee)
+
+
+def _wraps(column: str, text: str) -> bool:
+    return column in _WRAP_COLUMNS or column.startswith("vs ") or len(text) > _LONG_TEXT_CHARS
+
+
 def _cell_class(column: str, text: str) -> str:
     classes = []
-    if column in _WRAP_COLUMNS or column.startswith("vs "):
+    if _wraps(column, text):
         classes.append("wrap")
     if column.endswith("_verdict") or column.startswith("vs "):
         if NOT_SIGNIFICANT in text or SPREAD_UNKNOWN in text:
@@ -67,7 +74,7 @@ _CHAR_PX, _CELL_PAD_PX, _WRAP_CHARS = 7, 12, 24
 
 def _column_px(frame: pd.DataFrame, column: str) -> int:
     """A column's width estimate: its widest value (wrapping columns capped), or its longest header segment."""
-    values = [len(str(v)) for v in frame[column]] or [0]
+    values = [min(len(str(v)), _WRAP_CHARS) if _wraps(column, str(v)) else len(str(v)) for v in frame[column]] or [0]
     chars = min(max(values), _WRAP_CHARS) if column in _WRAP_COLUMNS or column.startswith("vs ") else max(values)
     return max(chars, *(len(part) + 1 for part in column.split("_"))) * _CHAR_PX + _CELL_PAD_PX
 

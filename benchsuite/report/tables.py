@@ -67,7 +67,7 @@ def summary_table(groups: pd.DataFrame, top_k: int | None) -> pd.DataFrame:
             "repeats_ok": int(g["repeats_ok"]), "repeats_not_ok": int(g["repeats_not_ok"]),
             **_spread_cols("decode_tok_s", g["decode_tok_s_p50"]),
             # the engine's own decode rate where it reports one (llama.cpp timings): a cross-check of ours
-            **_spread_cols("engine_decode_tok_s", g["engine_decode_tok_s_p50"]),
+            **_spread_cols("timings_decode_tok_s", g["timings_decode_tok_s_p50"]),
             **_spread_cols("output_tok_s", g["output_tok_s"]),
             **_spread_cols("ttft_p50_ms", g["ttft_p50_s"], 1000.0),
             "flags": " | ".join(g["flags"]), "cell_ids": " ".join(g["cell_ids"]),
@@ -218,7 +218,7 @@ def search_table(cells: pd.DataFrame) -> pd.DataFrame:
 
 RAW_COLUMNS: tuple[str, ...] = (
     "cell_id", "run_id", "engine", "engine_kind", "mode", "params", "workload", "prompt_class", "concurrency", "repeat",
-    "status", "reason", "routing", "num_requests", "num_errors", "decode_tok_s_p50", "engine_decode_tok_s_p50",
+    "status", "reason", "routing", "num_requests", "num_errors", "decode_tok_s_p50", "timings_decode_tok_s_p50",
     "output_tok_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "itl_p50_s", "itl_per_token_p50_s", "tokens_per_chunk_mean",
     "coalesced_gaps", "miss_rate", "bytes_paged_per_token", "waves_per_step", "union_mean", "usage_mismatches",
 )
