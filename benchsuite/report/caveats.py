@@ -3,8 +3,8 @@
 - device cpu: the built-in engine's paging and offload on a CPU copy experts within host RAM (no
   PCIe link), and llama.cpp without a GPU computes everything on the CPU: the ranking says nothing
   about a GPU;
-- random-weight model (the generated `tiny`, `synth:` presets, checkpoints under benchsuite's model
-  cache): its router routes near-uniformly, so there is little expert reuse for paging to exploit;
+- random-weight model (the generated `tiny`, `synth:` presets, weightless checkpoints, checkpoints
+  under benchsuite's model cache): its router routes near-uniformly, so there is little expert reuse for paging to exploit;
 - synthetic routing: the cells' routing came from a generator, not the model's router;
 - bytes per expert that differ between engines (float32 vs bf16 vs a GGUF quantization): a faster
   engine may only be moving fewer bytes;
@@ -25,8 +25,13 @@ _GENERATED_MODELS = ("tiny",)
 _CACHE_MARK = "/.cache/benchsuite/models/"
 
 
+_WEIGHTLESS_MARKER = "synthetic_weights.json"  # paged_experts.synth_memory.write_weightless: weights built at load
+
+
 def _random_weights(model: str) -> bool:
-    return model in _GENERATED_MODELS or model.startswith("synth:") or _CACHE_MARK in str(Path(model).expanduser())
+    path = Path(model).expanduser()
+    return (model in _GENERATED_MODELS or model.startswith("synth:") or _CACHE_MARK in str(path)
+            or (path / _WEIGHTLESS_MARKER).is_file())
 
 
 def expert_format(server: dict[str, Any]) -> str | None:
