@@ -73,15 +73,18 @@ def default_run_id(matrix: ValidatedMatrix) -> str:
 
 
 def make_server_spec(
-    name: str, kind: str, options: Mapping[str, Any], fairness: Mapping[str, Any], max_concurrency: int
+    name: str, kind: str, options: Mapping[str, Any], fairness: Mapping[str, Any], max_concurrency: int,
+    env: Mapping[str, str] | None = None,
 ) -> ServerSpec:
-    body = {
+    body: dict[str, Any] = {
         "name": name,
         "kind": kind,
         "options": dict(options),
         "fairness": dict(fairness),
         "max_concurrency": max_concurrency,
     }
+    if env:  # only when declared, so the ids of matrices without `env:` stay as they were
+        body["env"] = dict(sorted(env.items()))
     return ServerSpec(
         name=name,
         kind=kind,
@@ -89,6 +92,7 @@ def make_server_spec(
         fairness=dict(fairness),
         max_concurrency=max_concurrency,
         server_id=stable_id(body),
+        env=dict(env or {}),
     )
 
 
@@ -140,7 +144,8 @@ def build_plan(matrix: ValidatedMatrix, run_id: str | None = None) -> Plan:
     params: dict[str, Mapping[str, Any]] = {}
     for name, entry in m.engines.items():
         for option_set in matrix.option_sets[name]:
-            spec = make_server_spec(name, entry.kind, option_set.options, fairness, max_concurrency)
+            env = {**m.env, **entry.env}
+            spec = make_server_spec(name, entry.kind, option_set.options, fairness, max_concurrency, env)
             option = search_option(option_set.options)
             if option is not None:
                 searches.append(SearchTask(spec=spec, option=option, params=dict(option_set.params)))
@@ -162,7 +167,8 @@ def build_plan(matrix: ValidatedMatrix, run_id: str | None = None) -> Plan:
 
 def resolve_search(plan: Plan, task: SearchTask, options: Mapping[str, Any]) -> tuple[ServerSpec, tuple[CellSpec, ...]]:
     """The server and cells of a finished search, given its resolved options."""
-    spec = make_server_spec(task.spec.name, task.spec.kind, options, task.spec.fairness, task.spec.max_concurrency)
+    spec = make_server_spec(task.spec.name, task.spec.kind, options, task.spec.fairness, task.spec.max_concurrency,
+                            task.spec.env)
     params = {**task.params, task.option: options[task.option]}
     return spec, plan_cells(plan.matrix, spec, params)
 
@@ -216,7 +222,7 @@ def format_plan(plan: Plan) -> str:
         label = _label(plan.params.get(server.server_id, {}))
         lines.append("")
         lines.append(f"server {server.server_id}  {server.name}{label}  mode={adapter.mode(server)}")
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(launch.env.items()))
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted({**launch.env, **server.env}.items()))
         lines.append(f"  $ {env + ' ' if env else ''}{shlex.join(launch.argv)}")
         for cell in plan.cells_of(server.server_id):
             lines.append(
@@ -240,10 +246,10 @@ _SENTINEL = 987_654_321  # an option value no matrix uses, replaced by the place
 def _search_template(plan: Plan, task: SearchTask) -> list[str]:
     """The command line of the search's servers, the searched value as {N}, and the cell measured per N."""
     spec = make_server_spec(task.spec.name, task.spec.kind, {**task.spec.options, task.option: _SENTINEL},
-                            task.spec.fairness, task.spec.max_concurrency)  # fmt: skip
+                            task.spec.fairness, task.spec.max_concurrency, task.spec.env)  # fmt: skip
     launch = ADAPTERS[spec.kind].launch_plan(spec, DRY_RUN_PORT)
     argv = [a.replace(str(_SENTINEL), SEARCH_PLACEHOLDER) for a in launch.argv]
-    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(launch.env.items()))
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted({**launch.env, **spec.env}.items()))
     cells = plan_cells(plan.matrix, spec, task.params)
     first = cells[0]
     same_class = [c for c in cells if (c.workload, c.prompt_class) == (first.workload, first.prompt_class)]

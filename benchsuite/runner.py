@@ -18,6 +18,7 @@ Building blocks for benchsuite.search (the llama.cpp `--n-cpu-moe` search), whic
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import dataclasses
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -31,7 +32,9 @@ import aiohttp
 from benchsuite import canary, loadgen, metrics
 from benchsuite.engines import ADAPTERS, RUN_DIR_PLACEHOLDER
 from benchsuite.engines.base import EngineAdapter, EngineConfigError, ServerSpec
+from benchsuite.engine_env import engine_environment, recorded
 from benchsuite.errors import RunError, UserError
+from benchsuite.fingerprint import plan_fingerprint
 from benchsuite.machine import cell_noise, git_facts, machine_facts, noise_snapshot
 from benchsuite.plan import CellSpec, Plan, SearchTask, resolve_search
 from benchsuite.process import EngineProcess, free_port
@@ -103,7 +106,8 @@ async def launch_server(ctx: RunContext, spec: ServerSpec) -> AsyncIterator[Runn
     launch = adapter.launch_plan(spec, port)
     run_dir = str(ctx.store.run_dir.resolve())
     argv = [arg.replace(RUN_DIR_PLACEHOLDER, run_dir) for arg in launch.argv]
-    env = {k: v.replace(RUN_DIR_PLACEHOLDER, run_dir) for k, v in launch.env.items()}
+    adapter_env = {k: v.replace(RUN_DIR_PLACEHOLDER, run_dir) for k, v in launch.env.items()}
+    env = engine_environment(os.environ, adapter_env, spec.env)  # the whole environment: nothing else leaks in
     base_url = f"http://127.0.0.1:{port}"
     ctx.store.record_server(
         spec.server_id,
@@ -114,7 +118,7 @@ async def launch_server(ctx: RunContext, spec: ServerSpec) -> AsyncIterator[Runn
             "fairness": dict(spec.fairness),
             "max_concurrency": spec.max_concurrency,
             "argv": argv,
-            "env": env,
+            "env": recorded(env),
             "version": adapter.version(spec),
             **({"resolved_options": adapter.resolved_options(spec)} if hasattr(adapter, "resolved_options") else {}),
             "started_utc": utc_now(),
@@ -122,7 +126,8 @@ async def launch_server(ctx: RunContext, spec: ServerSpec) -> AsyncIterator[Runn
         },
     )
     process = EngineProcess(
-        argv, env, ctx.store.log_path(spec.server_id), base_url + launch.health_path, launch.startup_timeout_s
+        argv, env, ctx.store.log_path(spec.server_id), base_url + launch.health_path, launch.startup_timeout_s,
+        inherit_env=False,
     )
     try:
         started_s = time.perf_counter()
@@ -241,10 +246,12 @@ async def run_search_task(ctx: RunContext, task: SearchTask) -> list[CellResult]
     return await run_server_cells(ctx, spec, cells)
 
 
-def open_store(plan: Plan, output_root: Path | None = None, *, write: Writer = atomic_write_bytes) -> RunStore:
-    """Create or resume <output_root>/<run-id> (the matrix's output_root unless given)."""
+def open_store(plan: Plan, output_root: Path | None = None, *, write: Writer = atomic_write_bytes,
+               new_run: bool = False) -> RunStore:  # fmt: skip
+    """Lock, then create or resume <output_root>/<run-id> (the matrix's output_root unless given);
+    `new_run` moves an existing run there aside first. Close the store to release the lock."""
     run_dir = Path(output_root or plan.matrix.matrix.output_root) / plan.run_id
-    return RunStore.open(run_dir, build_manifest(plan), write=write)
+    return RunStore.open(run_dir, build_manifest(plan), write=write, new_run=new_run)
 
 
 def build_manifest(plan: Plan) -> dict[str, Any]:
@@ -256,6 +263,7 @@ def build_manifest(plan: Plan) -> dict[str, Any]:
         "matrix": plan.matrix.as_json(),
         "machine": machine_facts(),
         "git": git_facts(),
+        "fingerprint": plan_fingerprint(plan),  # what the cells depend on beyond the matrix text
         "planned": {
             "servers": {s.server_id: {"engine": s.name, "kind": s.kind, "params": dict(plan.params[s.server_id])}
                         for s in plan.servers},

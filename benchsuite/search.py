@@ -182,7 +182,8 @@ class _Probe:
         from benchsuite.plan import make_server_spec, plan_cells, stable_id
 
         spec, option = self.task.spec, self.task.option
-        s = make_server_spec(spec.name, spec.kind, {**spec.options, option: n}, spec.fairness, spec.max_concurrency)
+        s = make_server_spec(spec.name, spec.kind, {**spec.options, option: n}, spec.fairness, spec.max_concurrency,
+                             spec.env)
         cells = plan_cells(self.ctx.plan.matrix, s, {**self.task.params, option: n})
         first = cells[0]
         same_class = [

@@ -25,7 +25,7 @@ from benchsuite.model_checks import missing_model
 from benchsuite.plan import CellSpec, Plan, build_plan, format_plan, select
 from benchsuite.records import CellResult
 from benchsuite.search import describe
-from benchsuite.store import read_cells, read_manifest
+from benchsuite.store import RunStore, read_cells, read_manifest
 
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
@@ -34,6 +34,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("matrix", type=Path, help="matrix YAML file (see configs/quickstart.yaml)")
     parser.add_argument("--dry-run", action="store_true", help="print the cells and engine command lines; start nothing")
     parser.add_argument("--run-id", help="results directory name (default: <matrix name>-<matrix hash>); reuse it to resume")
+    parser.add_argument("--new-run", action="store_true",
+                        help="start a new run in the run directory: an earlier run there (of another matrix, "
+                             "other inputs, or a damaged manifest) is moved aside to <run-id>.replaced-<UTC time>")
     parser.add_argument("--output-root", type=Path, help="parent of the run directory (default: the matrix's output_root)")
     parser.add_argument("--cell-timeout-s", type=float, default=3600.0,
                         help="last resort: fail a whole cell (its records lost) and stop using its server after this long")
@@ -64,12 +67,21 @@ def main(args: argparse.Namespace) -> int:
         return 0
     if missing:  # before the results directory exists
         raise MatrixError("\n".join(missing))
-    from benchsuite.runner import open_store, run_plan  # the load path; a dry run never needs it
+    from benchsuite.runner import open_store  # the load path; a dry run never needs it
 
     console = Console(quiet=args.quiet, highlight=False)
     if not console.is_terminal:
         console.width = max(console.width, 132)  # logs and CI: keep the summary table unwrapped
-    store = open_store(plan, args.output_root)
+    store = open_store(plan, args.output_root, new_run=args.new_run)  # locked until closed
+    try:
+        return _run(args, plan, store, console)
+    finally:
+        store.close()
+
+
+def _run(args: argparse.Namespace, plan: Plan, store: RunStore, console: Console) -> int:
+    from benchsuite.runner import run_plan
+
     todo = sum(1 for c in plan.cells if not store.finished(c.cell_id))
     console.print(f"run {plan.run_id}: {len(plan.cells)} cells ({len(plan.cells) - todo} already done) -> {store.run_dir}")
     try:

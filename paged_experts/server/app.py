@@ -165,6 +165,7 @@ async def _shutdown(state: ServerState) -> None:
         await asyncio.gather(state.engine_task, return_exceptions=True)
     for close in serving.closers:
         close()
+    state.close()  # the tokenizer threads
     state.serving = None
 
 

@@ -176,6 +176,7 @@ class BuiltinAdapter:
         if opts.record_routing:
             argv += ["--record-routing", f"{RUN_DIR_PLACEHOLDER}/routing/{spec.server_id}.trace"]
         argv += _performance_flags(opts.performance(spec.max_concurrency))
+        argv += ["--served-model-name", opts.model]  # what the runner's requests name (404 for another name)
         # The tiny model on 2 CPU cores starts in seconds; a real checkpoint may take minutes.
         return LaunchPlan(argv=argv, env={"PYTHONUNBUFFERED": "1"}, startup_timeout_s=opts.startup_timeout_s)
 
