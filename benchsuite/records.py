@@ -33,8 +33,6 @@ class RequestRecord:
     t_first_token_s: float | None  # first chunk with non-empty generated text
     t_done_s: float | None
     chunk_times_s: list[float] = field(default_factory=list)  # every content chunk, timed as its SSE event was parsed
-    chunk_reads: list[int] = field(default_factory=list)  # body read each content chunk came in (equal: no read between)
-    chunk_tokens: list[int] = field(default_factory=list)  # cumulative usage.completion_tokens per chunk, where sent
     prompt_tokens: int | None = None  # from the server's usage field
     output_tokens: int | None = None  # from the server's usage field, never from max_tokens
     streamed_chunks: int = 0
@@ -44,6 +42,9 @@ class RequestRecord:
     http_status: int | None = None
     output_text: str = ""
     engine_timings: dict[str, Any] | None = None  # engine's own timings when it returns them
+    # last, so positional construction keeps its meaning
+    chunk_reads: list[int] = field(default_factory=list)  # body read each content chunk came in (equal: no read between)
+    chunk_tokens: list[int] = field(default_factory=list)  # cumulative usage.completion_tokens per chunk, where sent
 
     def to_row(self) -> dict[str, Any]:
         return asdict(self)

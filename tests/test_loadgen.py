@@ -323,8 +323,8 @@ def test_engine_timings_are_a_cross_check_flagged_past_the_margin() -> None:
 
     def record(i: int, engine_rate: float) -> RequestRecord:
         chunks = [1.0 + 0.01 * k for k in range(11)]  # 10 tok over 0.1 s: 100 tok/s
-        return RequestRecord("c", i, False, False, f"p{i}", "short", 11, 0.0, 1.0, 1.2, chunks, list(range(11)), [],
-                             5, 11, 11, ok=True, engine_timings={"predicted_per_second": engine_rate})
+        return RequestRecord("c", i, False, False, f"p{i}", "short", 11, 0.0, 1.0, 1.2, chunks, 5, 11, 11, ok=True,
+                             engine_timings={"predicted_per_second": engine_rate}, chunk_reads=list(range(11)))
 
     base = CellResult("c", "r", "e", "llamacpp", "m", "s", {}, "w", "short", 1, 0, "ok")
     close = summarize([record(i, 110.0) for i in range(3)], base=base)
