@@ -45,13 +45,15 @@ def test_hand_computed_lru_and_belady() -> None:
 
 def test_waves_union_and_speed_model() -> None:
     # two requests with disjoint experts; batched together the union (4) exceeds K=2: waves of
-    # (K - protected) // 2 = 1 expert, so that each wave's page-in copies while the previous one computes
+    # (K - protected) // 2 experts, so that each wave's page-in copies while the previous one computes:
+    # step 1 nothing protected, 4 waves of 1; step 2 keeps expert 3 (the latest of the top 2) in place:
+    # waves [3, 2], [0], [1]
     layouts = [[("a", 1)], [("a", 1)], [("b", 1)], [("b", 1)]]
     trace = _trace(layouts, [[0, 1], [0, 1], [2, 3], [2, 3]], 8, 2)
     opts = SimOptions(ks=(2,), concurrencies=(1, 2), expert_bytes=1e6, link_b_per_s=1e9, compute_s_per_step=1e-3)
     single, batched = simulate(trace, opts)
     assert single.total.waves_per_step == 1.0 and single.total.misses == 2
-    assert batched.total.steps == 2 and batched.total.union_per_step == 4.0 and batched.total.waves_per_step == 4.0
+    assert batched.total.steps == 2 and batched.total.union_per_step == 4.0 and batched.total.waves == 7
     # batched: each step serves its 2 resident experts first, then pages the other 2 (2 ms each)
     assert (batched.total.hits, batched.total.misses) == (4, 4)
     assert batched.predicted_tok_per_s == pytest.approx(4 / 4e-3)
