@@ -12,7 +12,7 @@ import copy
 
 import torch
 
-from paged_experts.device_residency import DeviceResidency
+from paged_experts.device_residency import DeviceResidency, pull_many
 from paged_experts.kernels.fused import combine_pairs, experts_over_rows
 from paged_experts.moe.layer import BeforeCompute, ExpertsFn, MoeLayer, MoeShared, StepContext, page_in_stream
 from paged_experts.moe.planning import DeviceLru, HostWaves
@@ -39,6 +39,8 @@ class PagedLayer(MoeLayer):
         self.device_experts = slots  # [K, ...] on the device
         self.waves = waves
         self.device_lru = device_lru
+        if device_lru is not None:
+            shared.steps.device_planned.append(self)
 
     @property
     def residency(self) -> LayerResidency:
@@ -59,7 +61,7 @@ class PagedLayer(MoeLayer):
             assert stats is not None
             self.record_device(stats, num_pairs)
             return out
-        lru.pull_to(self.residency)
+        self._pull_stale_states()
         try:
             return self._host_planned(x, ids, weights, ids_cpu, ctx)
         finally:
@@ -75,6 +77,14 @@ class PagedLayer(MoeLayer):
         run, n = self.waves.step(self.kernel, x, ids_cpu, self.host, self.device_experts, sh.page_in, copies)
         self.record_host(union=n.union, routed_pairs=ids_cpu.numel(), hits=n.hits, misses=n.misses, waves=n.waves)
         return run.finish(weights).to(sh.device)
+
+    def _pull_stale_states(self) -> None:
+        """Before a host-planned step: every paged layer's device state the host has not seen, read
+        at once (all layers of a step plan alike, so the later ones need it too)."""
+        stale = [m for m in self.shared.steps.device_planned if m.device_lru.host_stale]
+        pull_many([(m.device_lru.residency, m.residency) for m in stale])
+        for m in stale:
+            m.device_lru.host_stale = False
 
     # ---- the graphed decode contract -----------------------------------------------------------
 

@@ -161,11 +161,5 @@ class DeviceLru:
             run_pairs(x, slots, order, offs[:k], top_k, y)
         return torch.where(plan.pair_missed[:, None], y_miss, y_hit)
 
-    def pull_to(self, residency: LayerResidency) -> None:
-        """Before a host-planned step: the host planner takes the device state if it moved."""
-        if self.host_stale:
-            self.residency.pull_to(residency)
-            self.host_stale = False
-
     def push_from(self, residency: LayerResidency) -> None:
         self.residency.push_from(residency)

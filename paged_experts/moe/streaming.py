@@ -27,6 +27,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -61,6 +62,9 @@ class StepStreams:
         self._key: object = None
         self.start: TimeMark | None = None
         self.prefill = False  # the step has a prompt chunk (its host-planned layer-steps are counted)
+        # Paged layers planned on the device register here, so the first host-planned layer of a step
+        # reads every layer's device state at once (one host read per step, before any page-in).
+        self.device_planned: list[Any] = []
 
     def enter(self, key: object, seq_ids: Sequence[int], device: torch.device, counters: PagingCounters) -> None:
         if key is self._key:

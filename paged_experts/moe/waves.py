@@ -55,21 +55,26 @@ class _FusedPass:
         slot_of = torch.full((self.num_experts,), -1, dtype=torch.long)  # [E]
         rows_t = torch.tensor(rows, dtype=torch.long)  # [n]
         if table.is_fp8:  # dequantize only this wave's experts: a compact table, row i = rows[i]
-            table = table.dense(self.x.dtype, rows_t.to(table.gate.device))
+            table = table.dense(self.x.dtype, _to_device(rows_t, table.gate.device))
             rows_t = torch.arange(len(rows), dtype=torch.long)
         slot_of[torch.tensor(experts, dtype=torch.long)] = rows_t
         pair_row = slot_of[self.flat]  # [T*k], -1 for pairs of other waves
         mine = torch.nonzero(pair_row >= 0).reshape(-1)  # [P_w]
         sub_order, offs, _ = group_pairs(pair_row[mine], table.num_rows)
-        packed = torch.cat([mine[sub_order], offs.to(torch.long)])  # [P_w + rows]
-        if self.device.type == "cuda":  # pinned + non_blocking: no second sync (the caching host
-            packed = packed.pin_memory()  # allocator keeps the block until the copy has run)
-        packed = packed.to(self.device, non_blocking=True)
+        packed = _to_device(torch.cat([mine[sub_order], offs.to(torch.long)]), self.device)  # [P_w + rows]
         order, offs_dev = packed[: mine.numel()], packed[mine.numel() :].to(torch.int32)
         run_pairs(self.x, table, order, offs_dev, self.top_k, self.y_pairs)
 
     def finish(self, weights: torch.Tensor) -> torch.Tensor:
         return combine_pairs(self.y_pairs, weights)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor sent without blocking the host: pinned first on CUDA (the caching host allocator
+    keeps the block until the copy has run); a plain copy blocks the host until the stream drains."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 class _LoopPass:
