@@ -69,6 +69,13 @@ DEFINITIONS: dict[str, str] = {
     "union_mean": "union of routed experts per (MoE layer x step), mean over the cell",
     "engine_decode_step_s": "built-in engine: its own time per all-decode step (plan, model, wait, sample, hand-off; no HTTP), mean over the cell",
     "engine_decode_tok_s": "built-in engine: decode tokens / engine decode-step seconds, the aggregate rate in process (compare output_tok_s over HTTP)",
+    "prefill_chunks": "prompt chunks paged by host-planned waves over the cell (engine counters)",
+    "prefill_bytes_per_chunk": "expert bytes paged in during prefill steps / prompt chunks",
+    "prefill_copy_s_per_chunk": "page-in copy time during prefill steps (CUDA events) / prompt chunks",
+    "prefill_span_s_per_chunk": "prefill steps' device time, first paged layer start to last wave end / prompt chunks",
+    "prefill_copy_busy": "page-in copy time / prefill span: the share of the prefill the copy engine was busy",
+    "prefill_waves_per_layer": "waves / paged layer-steps of prefill steps",
+    "decode_miss_rate": "misses / (hits + misses) of every step but the prefill steps (the decode after the prompts)",
 }
 """Each CellResult metric field with its one-line formula, for reports to print beside the numbers."""
 
@@ -243,6 +250,14 @@ PAGING_COUNTERS = {
     "decode_steps": "paged_experts:engine_decode_steps_total",
     "decode_tokens": "paged_experts:engine_decode_tokens_total",
     "decode_step_s": "paged_experts:engine_decode_step_seconds_total",
+    "prefill_chunks": "paged_experts:prefill_chunks_total",
+    "prefill_layer_steps": "paged_experts:prefill_layer_steps_total",
+    "prefill_hits": "paged_experts:prefill_expert_hits_total",
+    "prefill_misses": "paged_experts:prefill_expert_misses_total",
+    "prefill_bytes": "paged_experts:prefill_bytes_paged_total",
+    "prefill_copy_s": "paged_experts:prefill_copy_seconds_total",
+    "prefill_span_s": "paged_experts:prefill_span_seconds_total",
+    "prefill_waves": "paged_experts:prefill_waves_total",
 }
 
 
@@ -290,6 +305,15 @@ def paging_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
       per step whose chunks are all decode tokens (plan, model, wait, sample, hand-off; no HTTP)
     - engine_decode_tok_s = decode tokens / engine decode-step seconds: the aggregate decode rate the
       engine produced in process; against output_tok_s it shows what the HTTP side costs
+    Prefill (the paged layers' host-planned layer-steps of steps with a prompt chunk; None when the
+    cell had no such chunk, e.g. resident, or prompts of tokens x top_k <= K planned on the device):
+    - prefill_chunks; prefill_bytes_per_chunk = prefill bytes paged / chunks;
+      prefill_copy_s_per_chunk = page-in copy seconds / chunks; prefill_span_s_per_chunk = the steps'
+      device span (first paged layer start to last wave end) / chunks
+    - prefill_copy_busy = copy seconds / span seconds (the copy engine's busy share of the prefill)
+    - prefill_waves_per_layer = waves / host-planned layer-steps of those steps
+    - decode_miss_rate = (misses - prefill misses) / (hits + misses - prefill hits - prefill misses):
+      the miss rate of every other step (the decode after the prompts)
     """
     delta: dict[str, float | None] = {}
     for key, name in PAGING_COUNTERS.items():
@@ -308,6 +332,26 @@ def paging_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
         "union_mean": _ratio(delta["union_experts"], delta["moe_steps"]),
         "engine_decode_step_s": _ratio(delta["decode_step_s"], delta["decode_steps"]),
         "engine_decode_tok_s": _ratio(delta["decode_tokens"], delta["decode_step_s"]),
+        **_prefill_fields(delta),
+    }
+
+
+def _prefill_fields(delta: dict[str, float | None]) -> dict[str, Any]:
+    """The prefill cell fields of `paging_delta` (its docstring defines them)."""
+    chunks = delta["prefill_chunks"] or None  # no prompt chunk counted: every per-chunk figure is None
+    hits, misses, p_hits, p_misses = delta["hits"], delta["misses"], delta["prefill_hits"], delta["prefill_misses"]
+    decode_miss = decode_looked_up = None
+    if None not in (hits, misses, p_hits, p_misses):
+        decode_miss = misses - p_misses  # type: ignore[operator]
+        decode_looked_up = hits + misses - p_hits - p_misses  # type: ignore[operator]
+    return {
+        "prefill_chunks": _as_int(delta["prefill_chunks"]),
+        "prefill_bytes_per_chunk": _ratio(delta["prefill_bytes"], chunks),
+        "prefill_copy_s_per_chunk": _ratio(delta["prefill_copy_s"], chunks),
+        "prefill_span_s_per_chunk": _ratio(delta["prefill_span_s"], chunks),
+        "prefill_copy_busy": _ratio(delta["prefill_copy_s"], delta["prefill_span_s"]),
+        "prefill_waves_per_layer": _ratio(delta["prefill_waves"], delta["prefill_layer_steps"]),
+        "decode_miss_rate": _ratio(decode_miss, decode_looked_up),
     }
 
 

@@ -94,6 +94,14 @@ class CellResult:
     # The built-in engine's own decode steps over the window (metrics.paging_delta): step time and rate in process.
     engine_decode_step_s: float | None = None
     engine_decode_tok_s: float | None = None
+    # Prefill page-in over the window (metrics.paging_delta): per prompt chunk, the copy engine's share, waves.
+    prefill_chunks: int | None = None
+    prefill_bytes_per_chunk: float | None = None
+    prefill_copy_s_per_chunk: float | None = None
+    prefill_span_s_per_chunk: float | None = None
+    prefill_copy_busy: float | None = None
+    prefill_waves_per_layer: float | None = None
+    decode_miss_rate: float | None = None
     # Engine-specific extras (parsed log facts, captured batch sizes, flags).
     extras: dict[str, Any] = field(default_factory=dict)
 

@@ -21,6 +21,8 @@ Definitions (one layer-step is one MoE layer in one `forward`):
 Prefill (`PrefillCounts`, `snapshot().prefill`): engine steps with a prompt chunk (a sequence with
 more than one token in the step), over the paged layers' host-planned layer-steps (moe/streaming.py):
 - `steps`, `chunks`, `tokens`: prefill steps, their prompt chunks and those chunks' tokens;
+- `layer_steps`, `hits`, `misses`: the host-planned layer-steps of those steps and their hits and misses
+  (so the decode's own hit rate is the totals' minus these);
 - `bytes_paged_in`: expert bytes paged in by those layer-steps;
 - `copy_time_s`: time their page-in copies took (CUDA events on the page-in stream; CPU: wall clock);
 - `span_s`: per step, from its first paged layer starting to its last paged layer's last wave
@@ -83,6 +85,9 @@ class PrefillCounts:
     steps: int = 0
     chunks: int = 0
     tokens: int = 0
+    layer_steps: int = 0
+    hits: int = 0
+    misses: int = 0
     bytes_paged_in: int = 0
     copy_time_s: float = 0.0
     span_s: float = 0.0
@@ -241,9 +246,13 @@ class PagingCounters:
         self._prefill.values["bytes_paged_in"] += num_bytes
         self._prefill.steps[-1].copies.append((start, end))
 
-    def prefill_layer_end(self, *, end: TimeMark, waves: int) -> None:
+    def prefill_layer_end(self, *, end: TimeMark, waves: int, hits: int, misses: int) -> None:
         """A paged layer of the current prefill step issued its last wave (`end` follows it)."""
-        self._prefill.values["waves"] += waves
+        v = self._prefill.values
+        v["layer_steps"] += 1
+        v["waves"] += waves
+        v["hits"] += hits
+        v["misses"] += misses
         self._prefill.steps[-1].end = end
 
     def record_copy_events(self, layer: int, start: torch.cuda.Event, end: torch.cuda.Event) -> None:

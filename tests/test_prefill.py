@@ -106,7 +106,8 @@ def test_prefill_counters_count_the_prompt_chunks_and_replay_in_the_planner() ->
         waves_in_prefill += sum(len(p.waves) for p in plans[:5])
         assert snap.layers[layer].misses == sum(p.misses for p in plans)
     assert prefill.bytes_paged_in == misses_in_prefill * snap.expert_bytes > 0
-    assert prefill.waves == waves_in_prefill
+    assert prefill.misses == misses_in_prefill and prefill.waves == waves_in_prefill
+    assert prefill.layer_steps == 5 * cfg.num_layers and prefill.hits + prefill.misses < snap.total.activations
     assert 0 < prefill.copy_time_s <= prefill.span_s and 0 < prefill.copy_busy_fraction <= 1
     assert snap.to_dict()["prefill"]["chunks"] == 5
     model.counters.reset()

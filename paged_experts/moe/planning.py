@@ -59,7 +59,7 @@ class HostWaves:
             copies.page_in(wave, lambda pairs: page_in.copy_rows(host, slots, pairs))
             run.wave(slots, wave.experts, wave.slots)
             copies.computed(wave)
-        copies.finish(len(plan.waves))
+        copies.finish(len(plan.waves), plan.hits, plan.misses)
         return run, StepCounts(plan.union, plan.hits, plan.misses, len(plan.waves))
 
 

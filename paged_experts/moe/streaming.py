@@ -131,9 +131,10 @@ class LayerCopies:
         else:
             self.done.append(None)  # type: ignore[arg-type]  # CPU: inline, nothing to wait for
 
-    def finish(self, waves: int) -> None:
+    def finish(self, waves: int, hits: int, misses: int) -> None:
+        """After the layer-step's last wave was issued (a prefill step's span runs to here)."""
         if self.step.prefill:
-            self.counters.prefill_layer_end(end=mark(self.device), waves=waves)
+            self.counters.prefill_layer_end(end=mark(self.device), waves=waves, hits=hits, misses=misses)
 
     def _count(self, rows: int, start: TimeMark, end: TimeMark) -> None:
         num_bytes = rows * self.row_bytes
