@@ -69,8 +69,9 @@ DEFINITIONS: dict[str, str] = {
     "union_mean": "union of routed experts per (MoE layer x step), mean over the cell",
     "engine_decode_step_s": "built-in engine: its own time per all-decode step (plan, model, wait, sample, hand-off; no HTTP), mean over the cell",
     "engine_decode_tok_s": "built-in engine: decode tokens / engine decode-step seconds, the aggregate rate in process (compare output_tok_s over HTTP)",
-    "prefill_chunks": "prompt chunks paged by host-planned waves over the cell (engine counters)",
+    "prefill_chunks": "prompt chunks (a sequence with more than one token in a step) over the cell (engine counters)",
     "prefill_bytes_per_chunk": "expert bytes paged in during prefill steps / prompt chunks",
+    "prefill_router_s_per_chunk": "host time a synthetic router override took during prefill steps / prompt chunks",
     "prefill_copy_s_per_chunk": "page-in copy time during prefill steps (CUDA events) / prompt chunks",
     "prefill_span_s_per_chunk": "prefill steps' device time, first paged layer start to last wave end / prompt chunks",
     "prefill_copy_busy": "page-in copy time / prefill span: the share of the prefill the copy engine was busy",
@@ -258,6 +259,7 @@ PAGING_COUNTERS = {
     "prefill_copy_s": "paged_experts:prefill_copy_seconds_total",
     "prefill_span_s": "paged_experts:prefill_span_seconds_total",
     "prefill_waves": "paged_experts:prefill_waves_total",
+    "prefill_router_s": "paged_experts:prefill_router_seconds_total",
 }
 
 
@@ -305,9 +307,12 @@ def paging_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
       per step whose chunks are all decode tokens (plan, model, wait, sample, hand-off; no HTTP)
     - engine_decode_tok_s = decode tokens / engine decode-step seconds: the aggregate decode rate the
       engine produced in process; against output_tok_s it shows what the HTTP side costs
-    Prefill (the paged layers' host-planned layer-steps of steps with a prompt chunk; None when the
-    cell had no such chunk, e.g. resident, or prompts of tokens x top_k <= K planned on the device):
+    Prefill (steps with a prompt chunk; bytes, copies, span and waves over the paged layers'
+    host-planned layer-steps of those steps, so 0 for a resident cell; per-chunk figures None when
+    the cell had no prompt chunk):
     - prefill_chunks; prefill_bytes_per_chunk = prefill bytes paged / chunks;
+    - prefill_router_s_per_chunk = host seconds in a synthetic router override / chunks (the
+      measurement's own cost, in every mode's TTFT alike);
       prefill_copy_s_per_chunk = page-in copy seconds / chunks; prefill_span_s_per_chunk = the steps'
       device span (first paged layer start to last wave end) / chunks
     - prefill_copy_busy = copy seconds / span seconds (the copy engine's busy share of the prefill)
@@ -347,6 +352,7 @@ def _prefill_fields(delta: dict[str, float | None]) -> dict[str, Any]:
     return {
         "prefill_chunks": _as_int(delta["prefill_chunks"]),
         "prefill_bytes_per_chunk": _ratio(delta["prefill_bytes"], chunks),
+        "prefill_router_s_per_chunk": _ratio(delta["prefill_router_s"], chunks),
         "prefill_copy_s_per_chunk": _ratio(delta["prefill_copy_s"], chunks),
         "prefill_span_s_per_chunk": _ratio(delta["prefill_span_s"], chunks),
         "prefill_copy_busy": _ratio(delta["prefill_copy_s"], delta["prefill_span_s"]),

@@ -97,6 +97,7 @@ class CellResult:
     # Prefill page-in over the window (metrics.paging_delta): per prompt chunk, the copy engine's share, waves.
     prefill_chunks: int | None = None
     prefill_bytes_per_chunk: float | None = None
+    prefill_router_s_per_chunk: float | None = None
     prefill_copy_s_per_chunk: float | None = None
     prefill_span_s_per_chunk: float | None = None
     prefill_copy_busy: float | None = None

@@ -19,13 +19,16 @@ Definitions (one layer-step is one MoE layer in one `forward`):
 - `waves`, `steps`: compute passes and layer-steps; `union_sum`, `union_max` over steps.
 
 Prefill (`PrefillCounts`, `snapshot().prefill`): engine steps with a prompt chunk (a sequence with
-more than one token in the step), over the paged layers' host-planned layer-steps (moe/streaming.py):
+more than one token in the step), any placement:
 - `steps`, `chunks`, `tokens`: prefill steps, their prompt chunks and those chunks' tokens;
-- `layer_steps`, `hits`, `misses`: the host-planned layer-steps of those steps and their hits and misses
-  (so the decode's own hit rate is the totals' minus these);
+- `router_s`: host time in a router override during those steps (a synthetic router's draws: a cost
+  of the measurement, which a model's own router does not have);
+and over the paged layers' host-planned layer-steps of those steps (moe/streaming.py):
+- `layer_steps`, `hits`, `misses`: those layer-steps and their hits and misses (so the decode's own
+  hit rate is the totals' minus these);
 - `bytes_paged_in`: expert bytes paged in by those layer-steps;
 - `copy_time_s`: time their page-in copies took (CUDA events on the page-in stream; CPU: wall clock);
-- `span_s`: per step, from its first paged layer starting to its last paged layer's last wave
+- `span_s`: per step, from its first MoE layer starting to its last paged layer's last wave
   (CUDA events on the compute stream; CPU: wall clock), summed over steps;
 - `waves`: waves of those layer-steps, all layers;
 - `copy_busy_fraction = copy_time_s / span_s`: the share of the prefill the copy engine was busy.
@@ -85,6 +88,7 @@ class PrefillCounts:
     steps: int = 0
     chunks: int = 0
     tokens: int = 0
+    router_s: float = 0.0
     layer_steps: int = 0
     hits: int = 0
     misses: int = 0
@@ -240,6 +244,10 @@ class PagingCounters:
         acc.values["steps"] += 1
         acc.values["chunks"] += chunks
         acc.values["tokens"] += tokens
+
+    def prefill_router(self, seconds: float) -> None:
+        """Host time of one router-override call in the current prefill step."""
+        self._prefill.values["router_s"] += seconds
 
     def prefill_copy(self, num_bytes: int, start: TimeMark, end: TimeMark) -> None:
         """A page-in of the current prefill step."""

@@ -123,7 +123,19 @@ def test_decode_steps_and_resident_models_count_no_prefill() -> None:
     assert model.counters.snapshot().prefill.steps == 0
     resident = MoeCausalLM.from_pretrained(TINY, RuntimeConfig(mode="resident"))
     long_prompt(resident, 320, decode_steps=0)
-    assert resident.counters.snapshot().prefill.steps == 0
+    prefill = resident.counters.snapshot().prefill  # the chunks are counted, nothing is paged
+    assert (prefill.steps, prefill.chunks) == (2, 2)
+    assert prefill.layer_steps == prefill.bytes_paged_in == prefill.waves == 0 and prefill.span_s == 0.0
+
+
+def test_router_override_time_is_counted_in_prefill_steps() -> None:
+    from paged_experts.routing import make_router
+
+    model = paged(TINY, 8)
+    model.router_override = make_router("qwen3-30b-a3b", model.config, seed=1)
+    long_prompt(model, 320, decode_steps=0)
+    prefill = model.counters.snapshot().prefill
+    assert prefill.router_s > 0 and prefill.misses > 0
 
 
 def test_recent_leaves_the_last_tokens_experts_where_lru_does_not() -> None:

@@ -12,6 +12,7 @@ Graphed decode (`graphs.py`) uses a second, device-only contract: `graphable`, `
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -79,10 +80,15 @@ class MoeLayer:
         observers: Sequence[RoutingObserver],
     ) -> torch.Tensor:
         """x: [T, H] on the device -> [T, H]."""
+        sh = self.shared
+        sh.steps.enter(ctx, ctx.seq_ids, sh.device, sh.counters)  # the first layer of a step opens it
         ids_cpu = None
         if router_override is not None:
+            t0 = time.perf_counter()
             ids, weights = router_override(self.layer_idx, F.linear(x, self.router_weight), ctx)
             ids, weights, ids_cpu = self._check_override(ids, weights, x.shape[0])
+            if sh.steps.prefill:  # host time a synthetic router spends drawing (not paging's)
+                sh.counters.prefill_router(time.perf_counter() - t0)
         else:
             ids, weights = self.route_on_device(x)  # [T, k], [T, k]
         for fn in observers:

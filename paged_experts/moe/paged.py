@@ -71,7 +71,6 @@ class PagedLayer(MoeLayer):
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ids_cpu: torch.Tensor | None, ctx: StepContext
     ) -> torch.Tensor:
         sh = self.shared
-        sh.steps.enter(ctx, ctx.seq_ids, sh.device, sh.counters)
         ids_cpu = ids.to("cpu", torch.long) if ids_cpu is None else ids_cpu  # [T, k]: the one sync per layer, if any
         copies = LayerCopies(sh.device, page_in_stream(sh.device), sh.steps, sh.counters, self.layer_idx, sh.expert_bytes)
         run, n = self.waves.step(self.kernel, x, ids_cpu, self.host, self.device_experts, sh.page_in, copies)

@@ -55,8 +55,8 @@ def mark(device: torch.device) -> TimeMark:
 
 
 class StepStreams:
-    """What the paged layers of one model step share; each layer calls `enter` with the step's
-    context, the first one of a step records the step's start."""
+    """What the MoE layers of one model step share; each layer calls `enter` with the step's
+    context, the first one of a step records the step's start (and opens a prefill step's counters)."""
 
     def __init__(self) -> None:
         self._key: object = None

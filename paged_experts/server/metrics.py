@@ -49,9 +49,10 @@ PAGING_COUNTERS: tuple[tuple[str, str, str], ...] = (
 
 # (metric suffix, PrefillCounts field, help text): prefill steps' page-in (paged_experts.counters)
 PREFILL_COUNTERS: tuple[tuple[str, str, str], ...] = (
-    ("prefill_steps_total", "steps", "Engine steps with a prompt chunk, paged host-planned"),
+    ("prefill_steps_total", "steps", "Engine steps with a prompt chunk"),
     ("prefill_chunks_total", "chunks", "Prompt chunks of those steps"),
     ("prefill_tokens_total", "tokens", "Tokens of those chunks"),
+    ("prefill_router_seconds_total", "router_s", "Host time in a synthetic router override during those steps"),
     ("prefill_layer_steps_total", "layer_steps", "Host-planned paged layer-steps of those steps"),
     ("prefill_expert_hits_total", "hits", "Expert hits of those layer-steps"),
     ("prefill_expert_misses_total", "misses", "Expert misses of those layer-steps"),
