@@ -140,7 +140,7 @@ def run_cell(cell: Cell, args: argparse.Namespace, link_b_per_s: float | None) -
         vocab = model.config.vocab_size
         gen = torch.Generator().manual_seed(args.seed)
         prompts = [torch.randint(0, vocab, (args.prompt,), generator=gen).tolist() for _ in range(args.repeats + 1)]
-        pool = KvPool.for_model(model, capacity_tokens=args.prompt + args.decode + 64)
+        pool = KvPool.for_model(model, capacity_tokens=256 * -(-(args.prompt + args.decode + 1) // 256))  # whole blocks
         runs = [one_prompt(model, pool, p, args.decode, args.device) for p in prompts]
     finally:
         paged_module.page_in_stream = _PAGE_IN_STREAM
