@@ -246,7 +246,7 @@ async def soak(config: SoakConfig, log_dir: Path) -> SoakResult:
     else:
         model = config.model
     port = free_port()
-    argv = [sys.executable, "-m", "paged_experts.server.app", "--model-path", model, "--port", str(port),
+    argv = [sys.executable, "-m", "paged_experts.server", "--model-path", model, "--port", str(port),
             "--max-running-requests", str(config.streams + config.burst_size),
             "--max-total-tokens", str(config.kv_capacity_tokens), "--log-level", "warning", *config.server_args]  # fmt: skip
     base = f"http://127.0.0.1:{port}"

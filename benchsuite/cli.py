@@ -20,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("benchsuite.commands.simulate", "replay a routing trace through the residency policies"),
     "trace": ("benchsuite.commands.trace", "make, import and inspect routing traces"),
     "install": ("benchsuite.commands.install", "build engines from source (llama-server)"),
-    "gguf": ("benchsuite.commands.gguf", "export a paged_experts checkpoint to GGUF"),
+    "gguf": ("benchsuite.commands.gguf", "export a paged_experts checkpoint to GGUF, or write a synthetic one"),
     "accuracy": ("benchsuite.commands.accuracy", "compare two engines' greedy tokens and logprobs"),
     "canary": ("benchsuite.commands.canary", "check an engine for cross-request leaks"),
 }

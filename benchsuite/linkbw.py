@@ -5,15 +5,20 @@ Owns the measurement plan (`LinkPlan`), the timing loop, the result record (`Lin
 with a schema version) and `paging_b_per_s_from_json`, the single figure preflight and simulate
 take from a report: pinned host->device bandwidth of back-to-back expert-sized copies (what
 paging does; DESIGN.md section 5 measured 50 GB/s for 384 x 2.4 MB on PCIe 5.0 x16).
+`probe_in_subprocess` is the run's measurement (matrix `linkbw: true`): the same probe in a child
+process, stored in the run's manifest (`link_bandwidth`) for the report's link bounds.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from benchsuite.errors import RunError, UserError
 
@@ -173,3 +178,30 @@ def render(report: LinkBwReport) -> str:
         lines.append(f"{m.direction:<4} {m.memory:<9} {size:>10} {m.copies:>6} {m.median_gb_per_s:>12.1f} {m.best_gb_per_s:>10.1f}")
     lines.append(f"paging figure (pinned H2D, back-to-back expert copies): {report.paging_gb_per_s:.1f} GB/s")
     return "\n".join(lines)
+
+
+PROBE_ARGV: tuple[str, ...] = (sys.executable, "-m", "benchsuite", "linkbw", "--json")
+PROBE_TIMEOUT_S = 600.0
+
+
+def probe_in_subprocess(argv: tuple[str, ...] | None = None, timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, Any]:
+    """`benchsuite linkbw --json` in a child process, so its CUDA context and pinned buffers are gone
+    before any engine of the run starts: the run's `link_bandwidth` record, with `error` (and no
+    figure) when the probe could not run, e.g. on a machine without CUDA."""
+    argv = argv or PROBE_ARGV
+    record: dict[str, Any] = {"command": list(argv), "measured_unix_s": time.time()}
+    try:
+        proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        return {**record, "error": f"the probe did not finish within {timeout_s:g} s"}
+    except OSError as exc:
+        return {**record, "error": f"the probe did not start: {exc}"}
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        return {**record, "error": last.removeprefix("benchsuite: error: ")}
+    try:
+        data = json.loads(proc.stdout)
+        figure = float(data["paging_gb_per_s"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        return {**record, "error": f"unreadable probe output ({type(exc).__name__}: {exc})"}
+    return {**record, "paging_gb_per_s": figure, "device": data.get("device"), "report": data}

@@ -1,7 +1,11 @@
 """The matrix.yaml schema (pydantic, at the boundary) and its validation errors.
 
-`load_matrix(path)` reads the YAML, expands `${VAR}` / `${VAR:-default}` environment references
-in its string values (benchsuite.matrix_env), validates its structure, expands every engine's option
+`load_matrix(path)` reads the YAML (bounded, duplicate keys refused: benchsuite.matrix_yaml), expands
+`${VAR}` / `${VAR:-default}` environment references in its string values (benchsuite.matrix_env),
+refuses numbers no machine could run (every number finite and within MAX_NUMBER, sizes and counts
+within the per-field bounds below, the whole run within MAX_CELLS and MAX_RUN_REQUESTS),
+validates its structure, refuses two workloads with identical settings (they would plan the same
+cells), expands every engine's option
 sweeps (an option whose value is a list is a sweep) and validates each resolved combination with
 that engine kind's `options_model`. Every problem becomes one line naming its YAML path and, where
 it helps, the allowed values, e.g. `engines.paged.options.resident_experts[1]: must be >= 1`.
@@ -22,16 +26,23 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pydantic
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer, model_validator
 
 from benchsuite import reference
 from benchsuite.engines import ADAPTERS
 from benchsuite.errors import UserError
 from benchsuite.matrix_env import expand_env_refs
+from benchsuite.engine_env import NAME as ENV_NAME
+from benchsuite.engine_env import recorded
+from benchsuite.matrix_yaml import YamlError, read_yaml
 
 ENGINE_KINDS = ("builtin", "llamacpp", "sglang")
 MAX_CELLS = 100_000  # a matrix past this is a typo (or a week of GPU time); refuse it before planning
+MAX_RUN_REQUESTS = 10_000_000  # warmup + measured over all cells: ~28 h at 100 requests/s
+MAX_NUMBER = 2**63 - 1  # any number anywhere: what a 64-bit engine flag can hold; 1e30 is a typo
+MAX_TOKENS = 2**24  # 16.8 M tokens: above any model's context or any GPU's KV (98 KB/token -> 1.6 TB)
+MAX_CONCURRENCY = 65_536  # open streams from one load generator
+MAX_REQUESTS_PER_CELL = 1_000_000
 
 
 class MatrixError(UserError):
@@ -42,23 +53,40 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _env_vars(value: Any) -> Any:
+    """`env:` values as text (YAML reads 4 and true as numbers and booleans); names as the shell spells them."""
+    if not isinstance(value, dict):
+        return value
+    out = {}
+    for name, item in value.items():
+        if not isinstance(name, str) or not ENV_NAME.match(name):
+            raise ValueError(f"{name!r} is not an environment variable name (letters, digits, _)")
+        if isinstance(item, bool):
+            item = "1" if item else "0"
+        out[name] = str(item) if isinstance(item, int | float) else item
+    return out
+
+
 class EngineEntry(_Strict):
     kind: Literal["builtin", "llamacpp", "sglang"]
     options: dict[str, Any] = Field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict)  # this engine's environment beyond what engines need
+
+    _text_env = field_validator("env", mode="before")(_env_vars)
 
 
 class Workload(_Strict):
     dataset: Literal["bundled", "sharegpt", "random"] = "bundled"
     path: str | None = None  # ShareGPT JSON file (dataset: sharegpt), relative to the matrix file
-    output_tokens: int = Field(256, ge=1)
+    output_tokens: int = Field(256, ge=1, le=MAX_TOKENS)
     # "short" = natural prompts from the dataset; a number = exact-length prompts of that many tokens.
     prompt_classes: list[str] = Field(default_factory=lambda: ["short"], min_length=1)
     concurrency: list[int] = Field(default_factory=lambda: [1], min_length=1)
-    num_requests: int = Field(8, ge=1)
-    warmup_requests: int = Field(1, ge=0)
+    num_requests: int = Field(8, ge=1, le=MAX_REQUESTS_PER_CELL)
+    warmup_requests: int = Field(1, ge=0, le=MAX_REQUESTS_PER_CELL)
     arrival: Literal["closed", "poisson"] = "closed"
-    rate_rps: float | None = Field(None, gt=0)
-    seed: int = 0
+    rate_rps: float | None = Field(None, gt=0, le=1e6, allow_inf_nan=False)
+    seed: int = Field(0, ge=-MAX_NUMBER, le=MAX_NUMBER)
     # fraction of a cell's measured requests allowed to fail before the cell is `invalid`
     max_error_rate: float = Field(0.0, ge=0.0, le=1.0)
 
@@ -73,8 +101,8 @@ class Workload(_Strict):
     @classmethod
     def _known_classes(cls, value: list[str]) -> list[str]:
         for item in value:
-            if item != "short" and not (item.isdigit() and int(item) >= 1):
-                raise ValueError(f"prompt class {item!r} must be 'short' or a token count >= 1")
+            if item != "short" and not (item.isdigit() and 1 <= int(item) <= MAX_TOKENS):
+                raise ValueError(f"prompt class {item!r} must be 'short' or a token count in [1, {MAX_TOKENS}]")
         if len(set(value)) != len(value):
             raise ValueError("prompt classes must be distinct")
         return value
@@ -82,8 +110,8 @@ class Workload(_Strict):
     @field_validator("concurrency")
     @classmethod
     def _positive_concurrency(cls, value: list[int]) -> list[int]:
-        if any(c < 1 for c in value):
-            raise ValueError("every concurrency must be >= 1")
+        if any(c < 1 or c > MAX_CONCURRENCY for c in value):
+            raise ValueError(f"every concurrency must be in [1, {MAX_CONCURRENCY}]")
         if len(set(value)) != len(value):
             raise ValueError("concurrency levels must be distinct")
         return value
@@ -100,7 +128,7 @@ class Workload(_Strict):
 class Fairness(_Strict):
     """Settings every engine gets alike (DESIGN.md section 2)."""
 
-    kv_capacity_tokens: int = Field(10240, ge=1)
+    kv_capacity_tokens: int = Field(10240, ge=1, le=MAX_TOKENS)
     prefix_caching: bool = False
 
 
@@ -149,6 +177,12 @@ class Matrix(_Strict):
     fairness: Fairness = Field(default_factory=Fairness)
     reference: ReferenceChoice | None = None
     canary: bool = False  # the leak canary on every server after its cells (manifest + report)
+    env: dict[str, str] = Field(default_factory=dict)  # every engine's environment beyond what engines need
+
+    _text_env = field_validator("env", mode="before")(_env_vars)
+    # measure the host->device link once per run before the first server (benchsuite linkbw; needs
+    # CUDA): the report's link-bound section divides by it. Not part of the run id (no cell changes).
+    linkbw: bool = False
 
     @field_validator("reference", mode="before")
     @classmethod
@@ -175,32 +209,32 @@ class ValidatedMatrix:
     matrix_hash: str  # sha256 of the canonical JSON of the matrix (output_root excluded), hex
 
     def as_json(self) -> dict[str, Any]:
-        return self.matrix.model_dump(mode="json")
+        """The matrix as the manifest records it: `env:` values of secret-looking names left out."""
+        dump = self.matrix.model_dump(mode="json")
+        for holder in (dump, *dump["engines"].values()):
+            holder["env"] = recorded(holder.get("env") or {})
+        return dump
 
 
 def load_matrix(path: str | Path) -> ValidatedMatrix:
     """Read, validate and resolve a matrix file; raises MatrixError naming every problem."""
     source = Path(path)
-    raw, unset = expand_env_refs(_read_yaml(source))
-    if unset:
-        raise MatrixError("\n".join(f"{source}: {_path(loc)}: {problem}" for loc, problem in unset))
+    raw, env_problems = expand_env_refs(_read_yaml(source))
+    problems = [f"{source}: {_path(loc)}: {problem}" for loc, problem in env_problems + _number_problems(raw, ())]
+    if problems:
+        raise MatrixError("\n".join(problems))
     try:
         matrix = Matrix.model_validate(raw)
     except pydantic.ValidationError as exc:
         raise MatrixError(_format_errors(source, exc, Matrix, ())) from None
-    problems: list[str] = []
     option_sets: dict[str, tuple[OptionSet, ...]] = {}
     for name, entry in matrix.engines.items():
         sets, errors = _resolve_options(source, name, entry)
         problems.extend(errors)
         option_sets[name] = sets
-    per_server = sum(len(w.prompt_classes) * len(w.concurrency) for w in matrix.workloads.values()) * matrix.repeats
-    cells = per_server * sum(len(sets) for sets in option_sets.values())
-    if cells > MAX_CELLS:
-        problems.append(f"{source}: (top level): the matrix makes {cells} cells (engines x workloads x repeats); at most {MAX_CELLS}")
-    # output_root is where results go, not what is measured: moving them keeps the run id.
-    canonical = json.dumps(matrix.model_dump(mode="json", exclude={"output_root"}), sort_keys=True, separators=(",", ":"))
-    digest = hashlib.sha256(canonical.encode()).hexdigest()
+    problems += _size_problems(source, matrix, option_sets)
+    problems += _owned_env_problems(source, matrix)
+    digest = _matrix_hash(matrix)
     workloads = dict(matrix.workloads)
     for name, workload in matrix.workloads.items():
         if workload.path is not None:  # relative to the matrix file, checked before anything starts
@@ -215,23 +249,81 @@ def load_matrix(path: str | Path) -> ValidatedMatrix:
     return ValidatedMatrix(matrix, option_sets, source, digest)
 
 
+def _matrix_hash(matrix: Matrix) -> str:
+    # output_root is where results go, linkbw a run-level probe, neither what a cell measures: both
+    # keep the run id. An empty `env:` is left out so matrices written before it existed keep theirs.
+    dump = matrix.model_dump(mode="json", exclude={"output_root", "linkbw"})
+    for holder in (dump, *dump["engines"].values()):
+        if not holder.get("env"):
+            holder.pop("env", None)
+    canonical = json.dumps(dump, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _owned_env_problems(source: Path, matrix: Matrix) -> list[str]:
+    """`env:` may not set what an engine's adapter owns (e.g. LLAMA_ARG_CTX_SIZE is -c)."""
+    problems = []
+    for name, entry in matrix.engines.items():
+        try:
+            owned = getattr(ADAPTERS[entry.kind], "owned_env", frozenset())
+        except UserError:
+            continue  # an unavailable kind has its own error
+        for where, env in (("env", matrix.env), (f"engines.{name}.env", entry.env)):
+            for var in sorted(set(env) & set(owned)):
+                problems.append(f"{source}: {where}.{var}: sets {owned[var]}, which the {entry.kind} adapter owns")
+    return problems
+
+
+def _number_problems(value: Any, loc: tuple[str | int, ...]) -> list[tuple[tuple[str | int, ...], str]]:
+    """Every number must be finite and within MAX_NUMBER (YAML reads .inf, .nan and 1e30 as floats)."""
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _number_problems(v, loc + (str(k),))]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _number_problems(v, loc + (i,))]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return []
+    if isinstance(value, float) and not math.isfinite(value):
+        return [(loc, f"{value!r} is not a finite number")]
+    if abs(value) > MAX_NUMBER:
+        return [(loc, f"{value:g} is beyond any real setting (at most {MAX_NUMBER:,} in size)")]
+    return []
+
+
+def _size_problems(source: Path, matrix: Matrix, option_sets: Mapping[str, tuple[OptionSet, ...]]) -> list[str]:
+    """Identical workloads (same cells twice), and runs past MAX_CELLS cells or MAX_RUN_REQUESTS requests."""
+    problems = []
+    seen: dict[str, str] = {}
+    for name, workload in matrix.workloads.items():
+        key = json.dumps(workload.model_dump(mode="json"), sort_keys=True)
+        if key in seen:
+            problems.append(
+                f"{source}: workloads.{name}: the same settings as workloads.{seen[key]} (it would measure the same "
+                "cells again under the same ids); remove one, or change a setting such as seed"
+            )
+        seen.setdefault(key, name)
+    servers = sum(len(sets) for sets in option_sets.values())
+    cells = requests = 0
+    for workload in matrix.workloads.values():
+        n = len(workload.prompt_classes) * len(workload.concurrency) * matrix.repeats * servers
+        cells += n
+        requests += n * (workload.num_requests + workload.warmup_requests)
+    if cells > MAX_CELLS:
+        problems.append(
+            f"{source}: (top level): the matrix makes {cells} cells (engines x workloads x repeats); at most {MAX_CELLS}"
+        )
+    elif requests > MAX_RUN_REQUESTS:
+        problems.append(
+            f"{source}: (top level): the matrix sends {requests:,} requests "
+            f"(cells x (num_requests + warmup_requests)); at most {MAX_RUN_REQUESTS:,}"
+        )
+    return problems
+
+
 def _read_yaml(source: Path) -> Any:
     try:
-        text = source.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise MatrixError(f"{source}: no such matrix file") from None
-    except UnicodeDecodeError as exc:
-        raise MatrixError(f"{source}: not UTF-8 text (byte {exc.start}); a matrix is a YAML text file") from None
-    except OSError as exc:
-        raise MatrixError(f"{source}: cannot read ({exc.strerror})") from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown place"
-        raise MatrixError(f"{source}: YAML syntax error at {where}: {exc.problem}") from None
-    except yaml.YAMLError as exc:
-        raise MatrixError(f"{source}: YAML syntax error: {exc}") from None
+        raw = read_yaml(source)
+    except YamlError as exc:
+        raise MatrixError(str(exc)) from None
     if not isinstance(raw, dict):
         raise MatrixError(f"{source}: the matrix must be a YAML mapping (name, engines, workloads, ...)")
     return raw

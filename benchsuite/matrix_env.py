@@ -1,19 +1,35 @@
 """`${VAR}` and `${VAR:-default}` environment references in a matrix's string values.
 
 Owns the expansion pass `load_matrix` runs on the parsed YAML before validation: every string value
-(mapping keys are left as written) has its references replaced, so the validated matrix, the run id
-hash and the manifest all hold the expanded values (different files are different runs). An unset
-variable without a default is one problem naming its YAML path and what to set. `$${` writes a
-literal `${`.
+has its references replaced, so the validated matrix, the run id hash and the manifest all hold the
+expanded values (different files are different runs). The grammar, all of it:
+- `${NAME}`: the variable's value; unset or empty is a problem naming the YAML path and what to set;
+- `${NAME:-default}`: the default when the variable is unset or empty; the default may itself hold
+  references (`${A:-${B:-x}}`), expanded only when it is used, nested at most MAX_NESTING deep;
+- `$${` writes a literal `${`; a `$` not followed by `{` is itself.
+Every other `${...}` (`${}`, `${1BAD}`, `${A:?x}`, `${A-x}`, an unclosed `${A`) is a problem naming
+its place, so no literal `${` ever reaches the plan as a model path. A mapping key holding `${` is a
+problem too (keys are names, never expanded).
+
+Why our own parser instead of a library (issue 21 asked): PyPI's `expandvars` 1.1.2, the best kept
+candidate, implements the bash grammar rather than ours, and measured on our forms it differs
+where it matters: `$${X}` (our documented escape) is an error or `$$` = its process id, a bare `$`
+(`cost $5`, `$HOME`) is expanded or an error, and forms we must refuse pass silently
+(`${B/e/E}` returns B unchanged). `string.Template`, `os.path.expandvars` and python-dotenv's
+expander have no nested defaults. This grammar is ~60 lines and tested case by case
+(tests/test_matrix_env.py).
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from typing import Any
 
-_REF = re.compile(r"\$\$\{|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+MAX_NESTING = 8  # `${A:-${B:-...}}` levels
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # What an unset variable should hold, by the key it fills (else the generic hint).
 _HINTS = {
     "path": "set it to your ShareGPT JSON file",
@@ -25,37 +41,93 @@ _GENERIC_HINT = "export it before running, or give a default: ${{{name}:-value}}
 Loc = tuple[str | int, ...]
 
 
-def expand_env_refs(raw: Any, environ: dict[str, str] | None = None) -> tuple[Any, list[tuple[Loc, str]]]:
-    """(raw with every reference expanded, [(YAML location, problem), ...] for unset variables)."""
+class _Problem(Exception):
+    """One bad reference; carries the message for the value's YAML location."""
+
+
+def expand_env_refs(raw: Any, environ: Mapping[str, str] | None = None) -> tuple[Any, list[tuple[Loc, str]]]:
+    """(raw with every reference expanded, [(YAML location, problem), ...])."""
     env = os.environ if environ is None else environ
     problems: list[tuple[Loc, str]] = []
     return _walk(raw, (), env, problems), problems
 
 
-def _walk(value: Any, loc: Loc, env: Any, problems: list[tuple[Loc, str]]) -> Any:
+def _walk(value: Any, loc: Loc, env: Mapping[str, str], problems: list[tuple[Loc, str]]) -> Any:
     if isinstance(value, dict):
-        return {k: _walk(v, loc + (str(k),), env, problems) for k, v in value.items()}
+        out = {}
+        for k, v in value.items():
+            if isinstance(k, str) and "${" in k:
+                problems.append((loc + (k,), "a key holds `${`; keys are names and are not expanded"))
+            out[k] = _walk(v, loc + (str(k),), env, problems)
+        return out
     if isinstance(value, list):
         return [_walk(v, loc + (i,), env, problems) for i, v in enumerate(value)]
-    if isinstance(value, str) and "${" in value:
-        return _expand(value, loc, env, problems)
+    if isinstance(value, str) and "$" in value:
+        try:
+            text, end = _expand(value, 0, env, loc, 0, top=True)
+            assert end == len(value)
+            return text
+        except _Problem as exc:
+            problems.append((loc, str(exc)))
     return value
 
 
-def _expand(text: str, loc: Loc, env: Any, problems: list[tuple[Loc, str]]) -> str:
-    def sub(match: re.Match[str]) -> str:
-        if match.group(0) == "$${":
-            return "${"
-        name, default = match.group(1), match.group(2)
-        found = env.get(name)
-        if found:
-            return str(found)
-        if default is not None:
-            return default
-        key = next((str(part) for part in reversed(loc) if isinstance(part, str)), "")
-        hint = _HINTS.get(key) or _GENERIC_HINT.format(name=name)
-        state = "is empty" if found == "" else "is not set"
-        problems.append((loc, f"environment variable {name} {state} ({hint})"))
-        return match.group(0)
+def _expand(text: str, pos: int, env: Mapping[str, str], loc: Loc, nesting: int, *, top: bool,
+            evaluate: bool = True) -> tuple[str, int]:  # fmt: skip
+    """Expands from `pos` to the end (top) or to the `}` closing a default; returns (text, end).
+    With evaluate=False (an unused default) only the syntax is checked."""
+    out: list[str] = []
+    while pos < len(text):
+        if text.startswith("$${", pos):
+            out.append("${")
+            pos += 3
+        elif text.startswith("${", pos):
+            value, pos = _reference(text, pos, env, loc, nesting, evaluate)
+            out.append(value)
+        elif not top and text[pos] == "}":
+            return "".join(out), pos
+        else:
+            out.append(text[pos])
+            pos += 1
+    if not top:
+        raise _Problem(f"{text!r}: a default is not closed with `}}`")
+    return "".join(out), pos
 
-    return _REF.sub(sub, text)
+
+def _reference(
+    text: str, start: int, env: Mapping[str, str], loc: Loc, nesting: int, evaluate: bool
+) -> tuple[str, int]:
+    """One `${...}` starting at `start`; returns (its value, the index after its `}`)."""
+    if nesting >= MAX_NESTING:
+        raise _Problem(f"{text!r}: references nest deeper than {MAX_NESTING} levels")
+    name_match = _NAME.match(text, start + 2)
+    end = name_match.end() if name_match else start + 2
+    close = text.find("}", start)
+    form = text[start : close + 1] if close >= 0 else text[start:]
+    where = repr(form) if form == text else f"{form!r} in {text!r}"
+    if close < 0:
+        raise _Problem(f"{where}: `${{` is not closed with `}}` (write $${{ for a literal ${{)")
+    if name_match is None:
+        raise _Problem(f"{where} is not a reference: write ${{NAME}} or ${{NAME:-default}} (NAME: letters, digits "
+                       "and _, not starting with a digit), or $${ for a literal ${")  # fmt: skip
+    name = name_match.group()
+    if text.startswith("}", end):
+        if evaluate:
+            return _lookup(name, env, loc), end + 1
+        return "", end + 1
+    if text.startswith(":-", end):
+        found = env.get(name) if evaluate else None
+        use_default = evaluate and not found
+        default, close = _expand(text, end + 2, env, loc, nesting + 1, top=False, evaluate=use_default)
+        return (default if use_default else (found or "")), close + 1
+    raise _Problem(f"{where} is not a supported form; only ${{NAME}} and ${{NAME:-default}} are")
+
+
+def _lookup(name: str, env: Mapping[str, str], loc: Loc) -> str:
+    found = env.get(name)
+    if found:
+        return str(found)
+    key = next((str(part) for part in reversed(loc) if isinstance(part, str)), "")
+    hint = _HINTS.get(key) or _GENERIC_HINT.format(name=name)
+    state = "is empty" if found == "" else "is not set"
+    raise _Problem(f"environment variable {name} {state} ({hint})")

@@ -65,9 +65,11 @@ DEFINITIONS: dict[str, str] = {
     "usage_mismatches": "measured requests with no usage, or more content chunks than usage.completion_tokens",
     "miss_rate": "expert misses / (hits + misses) over the cell (engine counters)",
     "bytes_paged_per_token": "bytes paged host->device / generated tokens over the cell (prefill page-ins included)",
+    "bytes_h2d_per_token": "expert bytes copied host->device (paging or offload's streaming) / generated tokens",
     "waves_per_step": "waves / (MoE layer x step) over the cell",
     "union_mean": "union of routed experts per (MoE layer x step), mean over the cell",
     "engine_decode_step_s": "built-in engine: its own time per all-decode step (plan, model, wait, sample, hand-off; no HTTP), mean over the cell",
+    "gpu_memory_used_bytes": "built-in engine on CUDA: device memory in use after the cell, CUDA context and graph pools included",
     "engine_decode_tok_s": "built-in engine: decode tokens / engine decode-step seconds, the aggregate rate in process (compare output_tok_s over HTTP)",
     "prefill_chunks": "prompt chunks (a sequence with more than one token in a step) over the cell (engine counters)",
     "prefill_bytes_per_chunk": "expert bytes paged in during prefill steps / prompt chunks",
@@ -243,6 +245,7 @@ PAGING_COUNTERS = {
     "hits": "paged_experts:expert_hits_total",
     "misses": "paged_experts:expert_misses_total",
     "bytes_paged": "paged_experts:bytes_paged_total",
+    "bytes_h2d": "paged_experts:bytes_h2d_total",
     "waves": "paged_experts:waves_total",
     "moe_steps": "paged_experts:moe_steps_total",
     "union_experts": "paged_experts:union_experts_total",
@@ -301,20 +304,24 @@ def paging_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
     - miss_rate = misses / (hits + misses)
     - bytes_paged_per_token = bytes_paged / generation_tokens (prefill page-ins included, so
       it is the link traffic each generated token cost)
+    - bytes_h2d_per_token = bytes_h2d / generation_tokens: every expert byte that crossed the link,
+      also offload's per-forward streaming (which pages nothing into slots)
     - waves_per_step = waves / moe_steps
     - union_mean = union_experts / moe_steps (mean per-layer union of routed experts per step)
     - engine_decode_step_s = engine decode-step seconds / decode steps: the engine thread's own time
       per step whose chunks are all decode tokens (plan, model, wait, sample, hand-off; no HTTP)
     - engine_decode_tok_s = decode tokens / engine decode-step seconds: the aggregate decode rate the
       engine produced in process; against output_tok_s it shows what the HTTP side costs
+    - gpu_memory_used_bytes: the device memory in use after the cell (a gauge, not a delta; CUDA only):
+      what a card of that size must hold for this configuration
     Prefill (steps with a prompt chunk; bytes, copies, span and waves over the paged layers'
     host-planned layer-steps of those steps, so 0 for a resident cell; per-chunk figures None when
     the cell had no prompt chunk):
     - prefill_chunks; prefill_bytes_per_chunk = prefill bytes paged / chunks;
-    - prefill_router_s_per_chunk = host seconds in a synthetic router override / chunks (the
-      measurement's own cost, in every mode's TTFT alike);
       prefill_copy_s_per_chunk = page-in copy seconds / chunks; prefill_span_s_per_chunk = the steps'
-      device span (first paged layer start to last wave end) / chunks
+      device span (first MoE layer start to last wave end) / chunks
+    - prefill_router_s_per_chunk = host seconds in a synthetic router override / chunks (the
+      measurement's own cost, in every mode's TTFT alike)
     - prefill_copy_busy = copy seconds / span seconds (the copy engine's busy share of the prefill)
     - prefill_waves_per_layer = waves / host-planned layer-steps of those steps
     - decode_miss_rate = (misses - prefill misses) / (hits + misses - prefill hits - prefill misses):
@@ -333,10 +340,12 @@ def paging_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
         "miss_rate": _ratio(misses, looked_up),
         "bytes_paged": _as_int(delta["bytes_paged"]),
         "bytes_paged_per_token": _ratio(delta["bytes_paged"], delta["generation_tokens"]),
+        "bytes_h2d_per_token": _ratio(delta["bytes_h2d"], delta["generation_tokens"]),
         "waves_per_step": _ratio(delta["waves"], delta["moe_steps"]),
         "union_mean": _ratio(delta["union_experts"], delta["moe_steps"]),
         "engine_decode_step_s": _ratio(delta["decode_step_s"], delta["decode_steps"]),
         "engine_decode_tok_s": _ratio(delta["decode_tokens"], delta["decode_step_s"]),
+        "gpu_memory_used_bytes": _as_int(metric_value(after, "paged_experts:gpu_memory_used_bytes") or None),
         **_prefill_fields(delta),
     }
 

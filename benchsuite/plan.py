@@ -21,6 +21,7 @@ from typing import Any
 
 from benchsuite.engines import ADAPTERS
 from benchsuite.engines.base import ServerSpec
+from benchsuite.errors import UserError
 from benchsuite.matrix import ValidatedMatrix, Workload
 
 ID_HEX_DIGITS = 12
@@ -72,15 +73,18 @@ def default_run_id(matrix: ValidatedMatrix) -> str:
 
 
 def make_server_spec(
-    name: str, kind: str, options: Mapping[str, Any], fairness: Mapping[str, Any], max_concurrency: int
+    name: str, kind: str, options: Mapping[str, Any], fairness: Mapping[str, Any], max_concurrency: int,
+    env: Mapping[str, str] | None = None,
 ) -> ServerSpec:
-    body = {
+    body: dict[str, Any] = {
         "name": name,
         "kind": kind,
         "options": dict(options),
         "fairness": dict(fairness),
         "max_concurrency": max_concurrency,
     }
+    if env:  # only when declared, so the ids of matrices without `env:` stay as they were
+        body["env"] = dict(sorted(env.items()))
     return ServerSpec(
         name=name,
         kind=kind,
@@ -88,6 +92,7 @@ def make_server_spec(
         fairness=dict(fairness),
         max_concurrency=max_concurrency,
         server_id=stable_id(body),
+        env=dict(env or {}),
     )
 
 
@@ -139,7 +144,8 @@ def build_plan(matrix: ValidatedMatrix, run_id: str | None = None) -> Plan:
     params: dict[str, Mapping[str, Any]] = {}
     for name, entry in m.engines.items():
         for option_set in matrix.option_sets[name]:
-            spec = make_server_spec(name, entry.kind, option_set.options, fairness, max_concurrency)
+            env = {**m.env, **entry.env}
+            spec = make_server_spec(name, entry.kind, option_set.options, fairness, max_concurrency, env)
             option = search_option(option_set.options)
             if option is not None:
                 searches.append(SearchTask(spec=spec, option=option, params=dict(option_set.params)))
@@ -161,9 +167,43 @@ def build_plan(matrix: ValidatedMatrix, run_id: str | None = None) -> Plan:
 
 def resolve_search(plan: Plan, task: SearchTask, options: Mapping[str, Any]) -> tuple[ServerSpec, tuple[CellSpec, ...]]:
     """The server and cells of a finished search, given its resolved options."""
-    spec = make_server_spec(task.spec.name, task.spec.kind, options, task.spec.fairness, task.spec.max_concurrency)
+    spec = make_server_spec(task.spec.name, task.spec.kind, options, task.spec.fairness, task.spec.max_concurrency,
+                            task.spec.env)
     params = {**task.params, task.option: options[task.option]}
     return spec, plan_cells(plan.matrix, spec, params)
+
+
+def select(plan: Plan, selectors: list[str]) -> Plan:
+    """The part of a plan that `--only` selectors name: `ENGINE` (every server and search of that
+    engine entry) or `ENGINE:OPTION=VALUE` (its servers whose swept option has that value). The run
+    id is the whole matrix's, so a later run of the rest resumes the same results directory.
+    Raises UserError naming a selector that matches nothing."""
+    wanted: list[tuple[str, str | None, str | None]] = []
+    for sel in selectors:
+        name, _, cond = sel.partition(":")
+        option, _, value = cond.partition("=")
+        if not name or (cond and (not option or not value)):
+            raise UserError(f"--only {sel!r}: use ENGINE or ENGINE:OPTION=VALUE (an engine entry name of the matrix)")
+        wanted.append((name, option or None, value or None))
+
+    def match(engine: str, params: Mapping[str, Any], sel: tuple[str, str | None, str | None]) -> bool:
+        name, option, value = sel
+        return engine == name and (option is None or str(params.get(option)) == value)
+
+    servers = tuple(s for s in plan.servers if any(match(s.name, plan.params.get(s.server_id, {}), w) for w in wanted))
+    searches = tuple(t for t in plan.searches if any(match(t.spec.name, t.params, w) for w in wanted))
+    for w in wanted:
+        if not any(match(s.name, plan.params.get(s.server_id, {}), w) for s in plan.servers) and not any(
+            match(t.spec.name, t.params, w) for t in plan.searches
+        ):
+            names = sorted({s.name for s in plan.servers} | {t.spec.name for t in plan.searches})
+            raise UserError(f"--only {':'.join(x for x in w[:1] if x)}{'' if w[1] is None else f':{w[1]}={w[2]}'}: "
+                            f"no server of the matrix matches (engines: {', '.join(names)})")  # fmt: skip
+    ids = {s.server_id for s in servers}
+    return Plan(
+        run_id=plan.run_id, matrix=plan.matrix, servers=servers, cells=tuple(c for c in plan.cells if c.server_id in ids),
+        searches=searches, params={k: v for k, v in plan.params.items() if k in ids},
+    )
 
 
 def format_plan(plan: Plan) -> str:
@@ -174,13 +214,15 @@ def format_plan(plan: Plan) -> str:
         f"{len(plan.searches)} searches -> {m.output_root}/{plan.run_id}",
         f"(port {DRY_RUN_PORT} below stands in for the free port chosen at launch)",
     ]
+    if m.linkbw:
+        lines.append("link bandwidth: `benchsuite linkbw --json` runs once before the first server (manifest link_bandwidth)")
     for server in plan.servers:
         adapter = ADAPTERS[server.kind]
         launch = adapter.launch_plan(server, DRY_RUN_PORT)
         label = _label(plan.params.get(server.server_id, {}))
         lines.append("")
         lines.append(f"server {server.server_id}  {server.name}{label}  mode={adapter.mode(server)}")
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(launch.env.items()))
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted({**launch.env, **server.env}.items()))
         lines.append(f"  $ {env + ' ' if env else ''}{shlex.join(launch.argv)}")
         for cell in plan.cells_of(server.server_id):
             lines.append(
@@ -193,7 +235,31 @@ def format_plan(plan: Plan) -> str:
             f"search {task.spec.name}{_label(task.params)}: {task.option} is searched after the servers "
             f"above (benchsuite.search); its best value then runs every workload"
         )
+        lines.extend(_search_template(plan, task))
     return "\n".join(lines)
+
+
+SEARCH_PLACEHOLDER = "{N}"
+_SENTINEL = 987_654_321  # an option value no matrix uses, replaced by the placeholder in the listing
+
+
+def _search_template(plan: Plan, task: SearchTask) -> list[str]:
+    """The command line of the search's servers, the searched value as {N}, and the cell measured per N."""
+    spec = make_server_spec(task.spec.name, task.spec.kind, {**task.spec.options, task.option: _SENTINEL},
+                            task.spec.fairness, task.spec.max_concurrency, task.spec.env)  # fmt: skip
+    launch = ADAPTERS[spec.kind].launch_plan(spec, DRY_RUN_PORT)
+    argv = [a.replace(str(_SENTINEL), SEARCH_PLACEHOLDER) for a in launch.argv]
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted({**launch.env, **spec.env}.items()))
+    cells = plan_cells(plan.matrix, spec, task.params)
+    first = cells[0]
+    same_class = [c for c in cells if (c.workload, c.prompt_class) == (first.workload, first.prompt_class)]
+    objective = max(same_class, key=lambda c: c.concurrency)
+    command = shlex.join(argv).replace(shlex.quote(SEARCH_PLACEHOLDER), SEARCH_PLACEHOLDER)
+    cell = f"workload={objective.workload} class={objective.prompt_class} concurrency={objective.concurrency}"
+    return [
+        f"  $ {env + ' ' if env else ''}{command}",
+        f"  ({SEARCH_PLACEHOLDER}: each candidate the memory projection lets through; one cell per launch: {cell})",
+    ]
 
 
 def _label(params: Mapping[str, Any]) -> str:

@@ -79,7 +79,8 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
 class EngineProcess:
     """One engine server process group; see the module docstring for the lifecycle.
 
-    `env` entries are added to the parent's environment (they do not replace it).
+    `env` entries are added to the parent's environment, or with `inherit_env=False` are the whole
+    environment (the runner passes benchsuite.engine_env's filtered one).
     `__enter__` only starts; `__aenter__` starts and waits until ready. Both exits stop the group.
     """
 
@@ -92,11 +93,13 @@ class EngineProcess:
         startup_timeout_s: float,
         *,
         crash_patterns: tuple[str, ...] = CRASH_PATTERNS,
+        inherit_env: bool = True,
     ) -> None:
         if not argv:
             raise UserError("engine command line is empty")
         self.argv = list(argv)
         self.env = dict(env or {})
+        self.inherit_env = inherit_env
         self.log_path = Path(log_path)
         self.health_url = health_url
         self.startup_timeout_s = startup_timeout_s
@@ -121,7 +124,7 @@ class EngineProcess:
                 f"port {port} is already in use on {host}: stop whatever listens there or pick another port"
             )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.env, TOKEN_ENV: self._token}
+        env = {**(os.environ if self.inherit_env else {}), **self.env, TOKEN_ENV: self._token}
         with open(self.log_path, "ab") as log:
             self._log_start_offset = log.tell()
             log.write(f"# benchsuite: starting {_quote(self.argv)}\n".encode())

@@ -17,6 +17,7 @@ Building blocks for benchsuite.search (the llama.cpp `--n-cpu-moe` search), whic
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import dataclasses
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -30,13 +31,15 @@ import aiohttp
 from benchsuite import canary, loadgen, metrics
 from benchsuite.engines import ADAPTERS, RUN_DIR_PLACEHOLDER
 from benchsuite.engines.base import EngineAdapter, EngineConfigError, ServerSpec
+from benchsuite.engine_env import engine_environment, recorded
 from benchsuite.errors import RunError, UserError
+from benchsuite.fingerprint import plan_fingerprint
 from benchsuite.machine import git_facts, machine_facts
 from benchsuite.plan import CellSpec, Plan, SearchTask, resolve_search
 from benchsuite.process import EngineProcess, free_port
 from benchsuite.prompts_for_cells import PromptCache, cell_requests
 from benchsuite.records import CellResult, RequestRecord
-from benchsuite.store import RunStore, Writer, atomic_write_bytes, utc_now
+from benchsuite.store import RunStore, Writer, atomic_write_bytes, read_manifest, utc_now
 
 DEFAULT_CELL_TIMEOUT_S = 3600.0
 DEFAULT_REQUEST_TIMEOUT_S = 600.0  # one request; a request past it is a failed record, the cell goes on
@@ -102,7 +105,8 @@ async def launch_server(ctx: RunContext, spec: ServerSpec) -> AsyncIterator[Runn
     launch = adapter.launch_plan(spec, port)
     run_dir = str(ctx.store.run_dir.resolve())
     argv = [arg.replace(RUN_DIR_PLACEHOLDER, run_dir) for arg in launch.argv]
-    env = {k: v.replace(RUN_DIR_PLACEHOLDER, run_dir) for k, v in launch.env.items()}
+    adapter_env = {k: v.replace(RUN_DIR_PLACEHOLDER, run_dir) for k, v in launch.env.items()}
+    env = engine_environment(os.environ, adapter_env, spec.env)  # the whole environment: nothing else leaks in
     base_url = f"http://127.0.0.1:{port}"
     ctx.store.record_server(
         spec.server_id,
@@ -113,7 +117,7 @@ async def launch_server(ctx: RunContext, spec: ServerSpec) -> AsyncIterator[Runn
             "fairness": dict(spec.fairness),
             "max_concurrency": spec.max_concurrency,
             "argv": argv,
-            "env": env,
+            "env": recorded(env),
             "version": adapter.version(spec),
             **({"resolved_options": adapter.resolved_options(spec)} if hasattr(adapter, "resolved_options") else {}),
             "started_utc": utc_now(),
@@ -121,7 +125,8 @@ async def launch_server(ctx: RunContext, spec: ServerSpec) -> AsyncIterator[Runn
         },
     )
     process = EngineProcess(
-        argv, env, ctx.store.log_path(spec.server_id), base_url + launch.health_path, launch.startup_timeout_s
+        argv, env, ctx.store.log_path(spec.server_id), base_url + launch.health_path, launch.startup_timeout_s,
+        inherit_env=False,
     )
     try:
         started_s = time.perf_counter()
@@ -236,10 +241,12 @@ async def run_search_task(ctx: RunContext, task: SearchTask) -> list[CellResult]
     return await run_server_cells(ctx, spec, cells)
 
 
-def open_store(plan: Plan, output_root: Path | None = None, *, write: Writer = atomic_write_bytes) -> RunStore:
-    """Create or resume <output_root>/<run-id> (the matrix's output_root unless given)."""
+def open_store(plan: Plan, output_root: Path | None = None, *, write: Writer = atomic_write_bytes,
+               new_run: bool = False) -> RunStore:  # fmt: skip
+    """Lock, then create or resume <output_root>/<run-id> (the matrix's output_root unless given);
+    `new_run` moves an existing run there aside first. Close the store to release the lock."""
     run_dir = Path(output_root or plan.matrix.matrix.output_root) / plan.run_id
-    return RunStore.open(run_dir, build_manifest(plan), write=write)
+    return RunStore.open(run_dir, build_manifest(plan), write=write, new_run=new_run)
 
 
 def build_manifest(plan: Plan) -> dict[str, Any]:
@@ -251,6 +258,7 @@ def build_manifest(plan: Plan) -> dict[str, Any]:
         "matrix": plan.matrix.as_json(),
         "machine": machine_facts(),
         "git": git_facts(),
+        "fingerprint": plan_fingerprint(plan),  # what the cells depend on beyond the matrix text
         "planned": {
             "servers": {s.server_id: {"engine": s.name, "kind": s.kind, "params": dict(plan.params[s.server_id])}
                         for s in plan.servers},
@@ -289,6 +297,8 @@ async def execute(ctx: RunContext) -> list[str]:
     The tables are rebuilt whatever happens (also on Ctrl-C)."""
     problems: list[str] = []
     try:
+        if ctx.plan.matrix.matrix.linkbw:
+            await _measure_link(ctx)
         for spec in ctx.plan.servers:
             await run_server_cells(ctx, spec, ctx.plan.cells_of(spec.server_id))
         for task in ctx.plan.searches:
@@ -300,6 +310,17 @@ async def execute(ctx: RunContext) -> list[str]:
     finally:
         ctx.store.rebuild_tables()
     return problems
+
+
+async def _measure_link(ctx: RunContext) -> None:
+    """The run's link probe (matrix `linkbw: true`), before the first server while the GPU is idle;
+    a resumed run keeps a figure it already has and retries a probe that failed."""
+    from benchsuite.linkbw import probe_in_subprocess
+
+    stored = read_manifest(ctx.store.run_dir).get("link_bandwidth") or {}
+    if stored.get("paging_gb_per_s"):
+        return
+    ctx.store.record_run("link_bandwidth", await asyncio.to_thread(probe_in_subprocess))
 
 
 async def _load(

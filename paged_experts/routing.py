@@ -147,7 +147,9 @@ class RoutingProcess:
             recency = state.last_use.copy()
             prev_valid = np.where(state.prev >= 0, state.prev, 0)
             recency[rows[:, None], prev_valid] = -1.0  # previous token's experts: not in the stack part
-            order = np.argsort(-recency, axis=1, kind="stable")  # most recent first
+            # most recent first, ties in expert order: one integer key per expert (stamps are whole
+            # numbers), so any sort gives the stable order, and integer sorts are the fast ones
+            order = np.argsort((-recency).astype(np.int64) * e + np.arange(e), axis=1)
             stack = np.empty((b, e))
             np.put_along_axis(stack, order, np.broadcast_to(self.recency_weights, (b, e)), axis=1)
             stack[recency <= 0] = 0.0  # never used, or the previous token's
@@ -159,7 +161,8 @@ class RoutingProcess:
         keep = (self.rng.random((b, k)) < self.keep_prob[layers][:, None]) & ~first[:, None]  # [B, k]
         kept_rows, kept_cols = np.nonzero(keep)
         keys[kept_rows, state.prev[kept_rows, kept_cols]] = -np.inf
-        fresh = np.argsort(-keys, axis=1)[:, :k]  # [B, k] best draws outside the kept ones
+        top = np.argpartition(-keys, k - 1, axis=1)[:, :k]  # [B, k] the k best draws, unordered
+        fresh = np.take_along_axis(top, np.argsort(-np.take_along_axis(keys, top, axis=1), axis=1), axis=1)  # best first
         kept_first = np.take_along_axis(state.prev, np.argsort(~keep, axis=1, kind="stable"), axis=1)
         n_kept = keep.sum(axis=1)[:, None]
         j = np.arange(k)[None, :]

@@ -29,6 +29,7 @@ from paged_experts.server.engine import (
 
 VOCAB = 50
 EOS = 49
+POISON = 48  # a prompt starting with this token gets NaN logits from the fake model (a per-sequence fault)
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,8 @@ class FakeModel:
                     nxt = EOS
                 row = torch.full((VOCAB,), -5.0)
                 row[nxt] = 5.0
+                if c.seq.tokens[0] == POISON:
+                    row = torch.full((VOCAB,), float("nan"))
                 rows.append(row)
             assert self.pool.used_tokens <= self.pool.capacity_tokens, "KV over capacity"
             logits = torch.stack(rows)
@@ -357,3 +360,30 @@ async def test_tiny_top_p_keeps_only_the_best_token(running) -> None:
     assert (await collect(engine.submit("free", [2, 3], free)))[0] != expected_greedy([2, 3], 16)
     nucleus = SamplingParams(max_tokens=16, temperature=2.0, top_p=0.5, seed=3)
     assert (await collect(engine.submit("p", [2, 3], nucleus)))[0] == expected_greedy([2, 3], 16)
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_p"), [(1e-40, 1.0), (5e-324, 1.0), (1.0, 5e-324), (2.0, 5e-324), (1e-30, 1e-30)]
+)
+async def test_extreme_sampling_parameters_are_greedy_and_never_fail_the_step(running, temperature: float, top_p: float) -> None:
+    engine, _, _, _ = make_engine()
+    running(engine)
+    extreme = engine.submit("x", [3, 4], SamplingParams(max_tokens=6, temperature=temperature, top_p=top_p, seed=1))
+    other = engine.submit("o", [5, 6], SamplingParams(max_tokens=6))
+    (got_x, events_x), (got_o, events_o) = await asyncio.gather(collect(extreme), collect(other))
+    assert events_x[-1].finish_reason == FINISH_LENGTH, events_x[-1].error
+    assert got_x == expected_greedy([3, 4], 6)  # a vanishing temperature or nucleus is top-1
+    assert events_o[-1].finish_reason == FINISH_LENGTH and got_o == expected_greedy([5, 6], 6)
+
+
+async def test_a_sequence_whose_sampling_fails_ends_alone_and_its_step_mates_finish(running) -> None:
+    engine, model, pool, finished = make_engine()
+    running(engine)
+    params = SamplingParams(max_tokens=5, temperature=1.0, seed=0)
+    bad = engine.submit("bad", [POISON, 1], params)
+    good = engine.submit("good", [1, 2], SamplingParams(max_tokens=5))
+    (_, events_bad), (tokens_good, events_good) = await asyncio.gather(collect(bad), collect(good))
+    assert any(len(call) == 2 for call in model.calls), "both requests must share a step for this test to mean anything"
+    assert events_bad[-1].finish_reason == FINISH_ERROR and "finite logit" in (events_bad[-1].error or "")
+    assert events_good[-1].finish_reason == FINISH_LENGTH and tokens_good == expected_greedy([1, 2], 5)
+    assert pool.live == {} and {f.request_id: f.finish_reason for f in finished} == {"bad": FINISH_ERROR, "good": FINISH_LENGTH}

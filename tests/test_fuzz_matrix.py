@@ -186,3 +186,48 @@ def test_a_repeat_count_too_large_to_plan_is_refused_quickly(tmp_path: Path) -> 
     except subprocess.TimeoutExpired:
         pytest.fail("planning repeats: 1000000000 did not finish in 20 s; the schema should bound repeats")
     assert done.returncode == 2 and "repeats" in done.stderr, done.stderr[-500:]
+
+
+# ---- hostile YAML: aliases, nesting, duplicate keys, ${...} forms, numbers past any machine -------------
+
+def _bomb(levels: int, fanout: int) -> str:
+    lines = ["name: bomb", f"l0: &l0 [{', '.join(['x'] * fanout)}]"]
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * fanout)}]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+HOSTILE_YAML = st.one_of(
+    st.builds(_bomb, st.integers(2, 12), st.integers(2, 12)),
+    st.builds(lambda d, o, c: "name: deep\nengines: " + o * d + c * d + "\n", st.integers(1, 30_000),
+              st.sampled_from(["[", "{a: "]), st.sampled_from(["]", "}"])),
+    st.builds(lambda d: "name: deep\nengines:\n" + "".join(f"{' ' * (2 * i + 2)}k{i}:\n" for i in range(d)), st.integers(1, 400)),
+    st.sampled_from(["a: &a [*a]\n", "a: &a {b: *a}\n", "engines: &e {x: [*e]}\n", "a: *undefined\n", "a: &a 1\nb: &a 2\n"]),
+    st.builds(lambda key, v1, v2: f"name: dup\n{key}: {v1}\n{key}: {v2}\n", st.sampled_from(["engines", "workloads", "name", "repeats"]),
+              st.sampled_from(["{}", "1", "x"]), st.sampled_from(["{}", "2", "y"])),
+    st.builds(lambda ref: yaml.safe_dump({**BASE, "engines": {"e": {"kind": "builtin", "options": {"model": ref, "mode": "resident"}}}}),
+              st.sampled_from(["${}", "${1BAD}", "${A:-${B:-x}}", "${A:-", "${A:?x}", "${A-x}", "$${lit}", "${ }", "${A:-${}}",
+                               "x${" * 50]) | st.text(st.sampled_from("${}:-AB1_ "), max_size=16)),
+    st.builds(lambda key, v: yaml.safe_dump({**BASE, "fairness": {key: v}}) if key == "kv_capacity_tokens" else
+              yaml.safe_dump({**BASE, "workloads": {"w": {**BASE["workloads"]["w"], key: v}}}),
+              st.sampled_from(["kv_capacity_tokens", "num_requests", "output_tokens", "warmup_requests", "seed", "rate_rps"]),
+              st.sampled_from([1e30, 10**12, 2**64, float("inf"), float("nan"), -(10**30), 10**100])),
+)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(text=HOSTILE_YAML)
+def test_hostile_yaml_plans_or_fails_naming_the_file(text: str, tmp_path: Path) -> None:
+    path = tmp_path / "m.yaml"
+    path.write_text(text)
+    check_outcome(path)
+
+
+@pytest.mark.parametrize("name", ["alias_bomb.yaml", "deep_flow_nesting.yaml", "recursive_alias.yaml"])
+def test_bombs_and_deep_nesting_fail_in_one_line_fast(name: str) -> None:
+    argv = [sys.executable, "-m", "benchsuite", "run", str(CORPUS / name), "--dry-run"]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=20, check=False)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{name}: no answer within 20 s; alias expansion and nesting must be bounded")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr[-800:]
+    assert "Traceback" not in done.stderr

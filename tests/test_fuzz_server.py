@@ -10,9 +10,7 @@ error naming a parameter, and the server still answers /health afterwards.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -24,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from benchsuite.process import EngineProcess, free_port
+from tests.real_servers import builtin_server
 
 CORPUS = Path(__file__).resolve().parent / "data" / "bad_requests.jsonl"
 REQUEST_LIMIT_S = 20.0  # one request's wall-clock limit: the server must answer within it
@@ -40,19 +38,9 @@ CHAT_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "temp
 
 @pytest.fixture(scope="module")
 def server_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    argv = [sys.executable, "-m", "paged_experts.server.app", "--model-path", str(tiny_model_dir), "--port", str(port),
-            "--max-total-tokens", str(KV_CAPACITY_TOKENS), "--max-running-requests", "4", "--log-level", "warning"]  # fmt: skip
-    log = tmp_path_factory.mktemp("fuzz-server") / "server.log"
-    proc = EngineProcess(argv, {}, log, f"http://127.0.0.1:{port}/health", startup_timeout_s=300.0)
-    proc.start()
-    try:
-        asyncio.run(proc.wait_ready())
-        yield f"http://127.0.0.1:{port}"
-        assert proc.alive, f"the server died during fuzzing:\n{proc.log_tail()}"
-        assert "Traceback" not in log.read_text(), proc.log_tail(60)
-    finally:
-        proc.stop()
+    flags = ("--max-total-tokens", str(KV_CAPACITY_TOKENS), "--max-running-requests", "4")
+    with builtin_server(tiny_model_dir, tmp_path_factory.mktemp("fuzz-server"), *flags) as url:
+        yield url
 
 
 def send(url: str, raw: bytes, content_type: str = "application/json") -> tuple[int, bytes]:
@@ -85,8 +73,11 @@ def healthy(base: str) -> bool:
         return resp.status == 200
 
 
+# text as a hostile client writes it: lone UTF-16 surrogates (json.dumps escapes them as \\udXXX), controls
+HOSTILE_TEXT = st.text(st.characters(categories=["Cs", "Cc", "Lu", "Ll", "Nd", "Zs", "So"]), max_size=12)
 JSON_SCALARS = st.one_of(
     st.none(),
+    HOSTILE_TEXT,
     st.booleans(),
     st.integers(-3, 12),
     st.sampled_from([0, -1, 255, 256, 4095, 4096, 2**31, 2**63, 2**64, -(2**63) - 1, 10**30]),
@@ -105,7 +96,11 @@ MESSAGE = st.fixed_dictionaries(
               "name": JSON_VALUES},
 )  # fmt: skip
 PLAUSIBLE = {
+    "model": st.sampled_from([None, "ckpt", "tiny", "gpt-4o", ""]),  # the fixture serves `ckpt` (its directory)
+    "temperature": st.sampled_from([0.0, 1e-40, 5e-324, 1e-300, 0.7, 2.0]) | st.floats(0, 2),
+    "top_p": st.sampled_from([5e-324, 1e-300, 1e-8, 0.5, 1.0]) | st.floats(0, 1, exclude_min=True),
     "prompt": st.text(max_size=30)
+    | HOSTILE_TEXT
     | st.lists(st.integers(-5, 5000), max_size=6)
     | st.lists(st.text(max_size=5), max_size=2)
     | st.lists(st.lists(st.integers(0, 100), max_size=3), max_size=2),
@@ -158,6 +153,33 @@ def test_fuzzed_chat_completions_never_get_a_5xx_or_hang(server_url: str, body: 
     path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
 )
 def test_raw_bodies_never_get_a_5xx(server_url: str, raw: bytes, path: str) -> None:
+    check_answer(*send(f"{server_url}{path}", raw), raw)
+
+
+def _nested(depth: int, inner: str) -> str:
+    return "[" * depth + inner + "]" * depth
+
+
+HOSTILE_RAW = st.one_of(
+    # nesting of any depth in a field, closed or not
+    st.builds(lambda d, field: f'{{"prompt": "hi", "{field}": {_nested(d, "1")}}}'.encode(),
+              st.integers(1, 20_000), st.sampled_from(["prompt", "stop", "x", "messages"])),
+    st.builds(lambda d: ("[" * d).encode(), st.integers(1, 50_000)),
+    # numbers of any size where an int or a float is expected
+    st.builds(lambda n, field: f'{{"prompt": "hi", "{field}": {"9" * n}}}'.encode(),
+              st.integers(1, 6000), st.sampled_from(["max_tokens", "seed", "temperature", "logprobs"])),
+    st.builds(lambda e: f'{{"prompt": "hi", "temperature": 1e{e}}}'.encode(), st.integers(-400, 400)),
+    st.sampled_from([b'{"prompt": "hi", "temperature": NaN}', b'{"prompt": "hi", "top_p": -Infinity}']),
+    # bytes that are not UTF-8, and surrogates escaped or encoded, inside a prompt string
+    st.builds(lambda junk: b'{"prompt": "a' + junk + b'b", "max_tokens": 1}', st.binary(min_size=1, max_size=6)),
+    st.builds(lambda cp: f'{{"prompt": "x\\u{cp:04x}y", "max_tokens": 1}}'.encode(), st.integers(0xD800, 0xDFFF)),
+    st.builds(lambda cp: b'{"prompt": "' + chr(cp).encode("utf-8", "surrogatepass") + b'"}', st.integers(0xD800, 0xDFFF)),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(raw=HOSTILE_RAW, path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+def test_hostile_json_of_any_depth_size_or_encoding_is_a_4xx(server_url: str, raw: bytes, path: str) -> None:
     check_answer(*send(f"{server_url}{path}", raw), raw)
 
 

@@ -79,7 +79,7 @@ def test_changed_flags_rebuild(cache, monkeypatch):
     class Rebuilding(Exception):
         pass
 
-    def fetch(log):
+    def fetch(log, sdist=None):
         raise Rebuilding
 
     monkeypatch.setattr(build, "fetch_source", fetch)

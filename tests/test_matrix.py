@@ -60,7 +60,7 @@ def test_unknown_keys_list_the_allowed_ones(tmp_path: Path) -> None:
     lines = errors_of(tmp_path, text).splitlines()
     # structural errors come first; option errors are checked once the structure is valid
     assert any("workloads.w.concurency: unknown key (allowed: " in l and "concurrency" in l for l in lines)
-    assert any(l.endswith("colour: unknown key (allowed: canary, engines, fairness, name, output_root, reference, repeats, workloads)") for l in lines)
+    assert any(l.endswith("colour: unknown key (allowed: canary, engines, env, fairness, linkbw, name, output_root, reference, repeats, workloads)") for l in lines)
     fixed = text.replace("\n    concurency: [1]", "").replace("colour: red\n", "")
     assert "engines.res.options.devce: unknown key (allowed: " in errors_of(tmp_path, fixed)
 
@@ -73,7 +73,7 @@ def test_literal_and_cross_field_errors(tmp_path: Path) -> None:
     msg = errors_of(tmp_path, GOOD.replace("num_requests: 3", "num_requests: 3\n    arrival: poisson"))
     assert "workloads.w: arrival: poisson needs rate_rps" in msg
     msg = errors_of(tmp_path, GOOD.replace("[short, 64]", "[short, long]"))
-    assert "workloads.w.prompt_classes: prompt class 'long' must be 'short' or a token count >= 1" in msg
+    assert "workloads.w.prompt_classes: prompt class 'long' must be 'short' or a token count in [1, 16777216]" in msg
 
 
 def test_file_and_syntax_errors(tmp_path: Path) -> None:

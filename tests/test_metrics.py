@@ -212,6 +212,7 @@ paged_experts:expert_misses_total{layer="0"} 40
 paged_experts:expert_misses_total{layer="1"} 60
 paged_experts:expert_activations_total 1000
 paged_experts:bytes_paged_total 2.5e9
+paged_experts:bytes_h2d_total 3e9
 paged_experts:waves_total 300
 paged_experts:moe_steps_total 200
 paged_experts:union_experts_total 5000
@@ -244,6 +245,7 @@ def test_paging_delta_maps_counter_deltas_to_cell_fields() -> None:
     assert delta["miss_rate"] == pytest.approx(100 / 900)
     assert delta["bytes_paged"] == 2_500_000_000
     assert delta["bytes_paged_per_token"] == pytest.approx(2.5e9 / 100)
+    assert delta["bytes_h2d_per_token"] == pytest.approx(3e9 / 100)  # offload's streaming counts here too
     assert delta["waves_per_step"] == pytest.approx(1.5)
     assert delta["union_mean"] == pytest.approx(25.0)
     assert set(delta) <= set(CellResult.__dataclass_fields__)

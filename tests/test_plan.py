@@ -81,3 +81,21 @@ def test_dry_run_prints_commands_and_cells(tmp_path: Path, capsys: pytest.Captur
     assert "--n-cpu-moe 2" in out
     assert out.count("  cell ") == 18
     assert not (tmp_path / "out").exists()  # nothing written, nothing started
+
+
+def test_only_selects_servers_by_engine_and_sweep_value_and_keeps_the_run_id(tmp_path: Path) -> None:
+    from benchsuite.errors import UserError
+    from benchsuite.plan import select
+
+    plan = plan_of(tmp_path)
+    part = select(plan, ["paged:resident_experts=8", "cpu"])
+    assert part.run_id == plan.run_id  # a later run of the rest resumes the same directory
+    assert sorted((s.name, dict(part.params[s.server_id])) for s in part.servers) == [
+        ("cpu", {}), ("paged", {"resident_experts": 8})
+    ]
+    assert {c.cell_id for c in part.cells} == {c.cell_id for c in plan.cells if c.server_id in {s.server_id for s in part.servers}}
+    assert len(select(plan, ["paged"]).servers) == 2
+    with pytest.raises(UserError, match="--only paged:resident_experts=5: no server of the matrix matches"):
+        select(plan, ["paged:resident_experts=5"])
+    with pytest.raises(UserError, match="use ENGINE or ENGINE:OPTION=VALUE"):
+        select(plan, ["paged:resident_experts"])

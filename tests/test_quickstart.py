@@ -47,4 +47,4 @@ def test_reduced_quickstart_runs_on_the_real_builtin_server(tiny_model_dir: Path
     assert [r["prompt_tokens"] for r in payload["requests"]] == [24] * 4
     assert len({r["prompt_id"] for r in measured}) == 3
     (server,) = json.loads((run_dir / "manifest.json").read_text())["servers"].values()
-    assert server["argv"][1:3] == ["-m", "paged_experts.server.app"] and "--paged-experts-num-resident" in server["argv"]
+    assert server["argv"][1:3] == ["-m", "paged_experts.server"] and "--paged-experts-num-resident" in server["argv"]

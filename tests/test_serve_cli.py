@@ -112,7 +112,7 @@ def test_server_process_serves_records_routing_and_stops_cleanly(tmp_path: Path)
     port = free_port()
     trace_path = tmp_path / "routing" / "run.trace"
     log_path = tmp_path / "server.log"
-    argv = [sys.executable, "-m", "paged_experts.server.app", "--model", str(ensure_tiny()), "--port", str(port),
+    argv = [sys.executable, "-m", "paged_experts.server", "--model", str(ensure_tiny()), "--port", str(port),
             "--resident-experts", "8", "--max-total-tokens", "1000", "--routing-source", "qwen3-30b-a3b",
             "--record-routing", str(trace_path)]  # fmt: skip
     with log_path.open("w") as log:

@@ -30,7 +30,7 @@ CAPTURE = ServerSpec(
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def base_url(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
     port = free_port()
-    argv = [sys.executable, "-m", "paged_experts.server.app", "--model-path", str(ensure_tiny()), "--port", str(port),
+    argv = [sys.executable, "-m", "paged_experts.server", "--model-path", str(ensure_tiny()), "--port", str(port),
             "--mode", "paged", "--paged-experts-num-resident", "4", "--max-total-tokens", "512",
             "--max-running-requests", "2"]  # fmt: skip
     log = Path(tmp_path_factory.mktemp("builtin")) / "server.log"

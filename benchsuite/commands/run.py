@@ -21,9 +21,10 @@ from rich.table import Table
 from benchsuite.engines.base import ServerSpec
 from benchsuite.errors import UserError
 from benchsuite.matrix import load_matrix
-from benchsuite.plan import CellSpec, Plan, build_plan, format_plan
+from benchsuite.plan import CellSpec, Plan, build_plan, format_plan, select
 from benchsuite.records import CellResult
-from benchsuite.store import read_cells
+from benchsuite.search import describe
+from benchsuite.store import RunStore, read_cells, read_manifest
 
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
@@ -32,6 +33,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("matrix", type=Path, help="matrix YAML file (see configs/quickstart.yaml)")
     parser.add_argument("--dry-run", action="store_true", help="print the cells and engine command lines; start nothing")
     parser.add_argument("--run-id", help="results directory name (default: <matrix name>-<matrix hash>); reuse it to resume")
+    parser.add_argument("--new-run", action="store_true",
+                        help="start a new run in the run directory: an earlier run there (of another matrix, "
+                             "other inputs, or a damaged manifest) is moved aside to <run-id>.replaced-<UTC time>")
     parser.add_argument("--output-root", type=Path, help="parent of the run directory (default: the matrix's output_root)")
     parser.add_argument("--cell-timeout-s", type=float, default=3600.0,
                         help="last resort: fail a whole cell (its records lost) and stop using its server after this long")
@@ -39,6 +43,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="fail one request after this long; the cell keeps its records (workloads' max_error_rate decides)")
     parser.add_argument("--quiet", action="store_true", help="no progress display (CI)")
     parser.add_argument("--no-report", action="store_true", help="do not write the HTML report at the end")
+    parser.add_argument("--only", action="append", default=[], metavar="ENGINE[:OPTION=VALUE]",
+                        help="run only these servers of the matrix (repeatable), e.g. --only resident --only paged:resident_experts=32; "
+                             "the run id stays the matrix's, so a later run without --only measures the rest")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -49,15 +56,26 @@ def main(args: argparse.Namespace) -> int:
     if args.run_id is not None and not _RUN_ID_RE.match(args.run_id):
         raise UserError(f"--run-id {args.run_id!r}: use letters, digits, '.', '_' and '-' only")
     plan = build_plan(load_matrix(args.matrix), run_id=args.run_id)
+    if args.only:
+        plan = select(plan, args.only)
     if args.dry_run:
         print(format_plan(plan))
         return 0
-    from benchsuite.runner import open_store, run_plan  # the load path; a dry run never needs it
+    from benchsuite.runner import open_store  # the load path; a dry run never needs it
 
     console = Console(quiet=args.quiet, highlight=False)
     if not console.is_terminal:
         console.width = max(console.width, 132)  # logs and CI: keep the summary table unwrapped
-    store = open_store(plan, args.output_root)
+    store = open_store(plan, args.output_root, new_run=args.new_run)  # locked until closed
+    try:
+        return _run(args, plan, store, console)
+    finally:
+        store.close()
+
+
+def _run(args: argparse.Namespace, plan: Plan, store: RunStore, console: Console) -> int:
+    from benchsuite.runner import run_plan
+
     todo = sum(1 for c in plan.cells if not store.finished(c.cell_id))
     console.print(f"run {plan.run_id}: {len(plan.cells)} cells ({len(plan.cells) - todo} already done) -> {store.run_dir}")
     try:
@@ -68,6 +86,8 @@ def main(args: argparse.Namespace) -> int:
         return 130
     results = read_cells(store.run_dir)  # search cells included
     console.print(summary_table(plan, results))
+    for line in search_lines(read_manifest(store.run_dir)):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     print(f"results: {store.run_dir}")
     report_status = _write_report(args, store.run_dir)
     for problem in problems:
@@ -155,6 +175,17 @@ def summary_table(plan: Plan, results: list[CellResult]) -> Table:
             _fmt(_median([r.miss_rate for r in ok]), ".3f"),
         )  # fmt: skip
     return table
+
+
+def search_lines(manifest: dict) -> list[str]:
+    """Each search of the run in words (benchsuite.search.describe): the choice, the measured
+    candidates and those ruled out by the memory projection, which are not cells."""
+    lines: list[str] = []
+    for server in manifest.get("servers", {}).values():
+        record = server.get("search") or {}
+        if record.get("candidates"):
+            lines.extend(describe(str(server.get("engine", "")), record))
+    return lines
 
 
 def _median(values: list[float | None]) -> float | None:

@@ -13,6 +13,8 @@ Optional members the runner reads with getattr (an adapter without one simply la
 - `tokenizer_dir(spec) -> Path`: the model's tokenizer, for exact-length prompts;
 - `cell_flags(spec, log_text, cell) -> list[str]`: one-line engine warnings for a finished cell
   (stored in the cell's `extras["flags"]`, shown by the report);
+- `owned_env: dict[str, str]`: environment variables that would set what the adapter owns (llama.cpp's
+  `LLAMA_ARG_CTX_SIZE` ...) -> what sets it instead; the matrix loader refuses them in `env:`;
 - `resolved_options(spec) -> dict`: the options in force with defaults resolved (recorded in the
   manifest's server entry beside the exact argv);
 - `async startup_facts(session, base_url) -> dict`: the engine's own start-up breakdown, read once
@@ -24,12 +26,26 @@ Optional members the runner reads with getattr (an adapter without one simply la
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
 class EngineConfigError(ValueError):
     """A server spec the engine cannot run; the message is one line that names the cause."""
+
+
+def extra_args_check(problems_of: Callable[[list[str]], list[str]]) -> Callable[[list[str]], list[str]]:
+    """A pydantic validator for an adapter's `extra_args` that refuses, in one line, what
+    `problems_of` names (flags the adapter owns), so the matrix load names them."""
+
+    def check(value: list[str]) -> list[str]:
+        problems = problems_of(value)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return value
+
+    return check
 
 
 @dataclass(frozen=True)
@@ -47,6 +63,7 @@ class ServerSpec:
     fairness: dict[str, Any]
     max_concurrency: int
     server_id: str  # stable hash of the above
+    env: dict[str, str] = field(default_factory=dict)  # the matrix's `env:` for this engine (matrix, then engine level)
 
 
 @dataclass

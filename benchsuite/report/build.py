@@ -15,6 +15,7 @@ import pandas as pd
 from benchsuite.errors import UserError
 from benchsuite.reference import Reference, load_reference
 from benchsuite.report import manifest_facts as mf
+from benchsuite.report import roofline, search_section
 from benchsuite.report import tables as tb
 from benchsuite.report.display import display_frame
 from benchsuite.report.figures import Figure, all_figures, missing_figures
@@ -96,11 +97,12 @@ def build_report_data(run_dirs: list[Path], reference_dirs: list[Path] | None = 
         "Configurations (repeats with spread)": tb.summary_table(groups, top_k),
         "TTFT p50 short vs long prompts": tb.ttft_table(groups),
         "Paging counters": tb.paging_table(groups, num_experts),
-        "llama.cpp --n-cpu-moe search": tb.search_table(cells),
+        roofline.TITLE: roofline.roofline_table(cells, runs),
+        "llama.cpp --n-cpu-moe search": search_section.search_table(cells, runs),
         "Failed and invalid cells": tb.failures_table(cells),
         "Raw cells": tb.raw_cells_table(cells),
     })
-    figures = all_figures(groups, cells, samples, top_k, num_experts)
+    figures = all_figures(groups, cells, samples, top_k, num_experts, tables["llama.cpp --n-cpu-moe search"])
     title = f"benchsuite report: {_report_id(runs)}"
     return ReportData(title, runs, cells, groups, samples, top_k, num_experts, published, note, tables, figures)
 
@@ -108,11 +110,16 @@ def build_report_data(run_dirs: list[Path], reference_dirs: list[Path] | None = 
 _ANCHORS = {
     "Paged vs baselines (published layout)": "ratios", "Configurations (repeats with spread)": "configurations",
     "TTFT p50 short vs long prompts": "ttft", "Paging counters": "paging", "llama.cpp --n-cpu-moe search": "search",
+    roofline.TITLE: "roofline",
     "Failed and invalid cells": "failures", "Raw cells": "raw-cells",
 }
 _INTROS = {
+    "roofline": roofline.INTRO,
     "ratios": "<p>One row per paged configuration: the best offload, llama.cpp and cpu-experts configuration measured in the same "
               "setup and concurrency. Medians over repeats, [min–max] beside them; ratio verdicts say whether the spreads overlap.</p>",
+    "search": "<p>One row per candidate N of each search. Launched candidates are cells (measured or failed); rows "
+              "with status 'ruled out' were never launched: llama.cpp's memory projection, with its margin, exceeds "
+              "the budget.</p>",
     "failures": "<p>Cells that failed or were invalidated, with the reason recorded by the runner. They are not in any figure.</p>",
     "raw-cells": "<p>Every cell as stored in cells.parquet; every figure and table above links here by cell id.</p>",
 }

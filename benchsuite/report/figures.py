@@ -180,8 +180,8 @@ def paging_figures(groups: pd.DataFrame, num_experts: int | None) -> list[Figure
     return out
 
 
-def search_curves(cells: pd.DataFrame) -> list[Figure]:
-    everything = search_table(cells)
+def search_curves(everything: pd.DataFrame) -> list[Figure]:
+    """From the search table (benchsuite.report.search_section): measured cells and ruled-out N."""
     everything = everything[everything["N"].notna()]
     measured = everything[everything["decode_tok_s"].notna()]
     if measured.empty:
@@ -206,20 +206,35 @@ def search_curves(cells: pd.DataFrame) -> list[Figure]:
     if not fitting.empty:
         fig.add_vrect(x0=float(fitting["N"].min()) - 0.5, x1=float(fitting["N"].max()) + 0.5, fillcolor="green", opacity=0.08,
                       line_width=0, annotation_text="projection fits VRAM", annotation_position="top left")
-    for n in sorted({int(n) for n in everything.loc[everything["fits"] == False, "N"]}):
-        fig.add_vrect(x0=n - 0.5, x1=n + 0.5, fillcolor="red", opacity=0.08, line_width=0,
-                      annotation_text=f"N={n}: does not fit", annotation_position="top left")
+    for lo, hi in _runs(sorted({int(n) for n in everything.loc[everything["fits"] == False, "N"]})):
+        fig.add_vrect(x0=lo - 0.5, x1=hi + 0.5, fillcolor="red", opacity=0.08, line_width=0,
+                      annotation_text=f"N={lo}{'' if lo == hi else f'-{hi}'}: does not fit",
+                      annotation_position="top left")
     _layout(fig, "llama.cpp --n-cpu-moe search: decode tok/s vs N", "N (layers whose experts stay on the CPU)", "decode tok/s")
     _integer_ticks(fig, list(everything["N"]))
     caption = ("Green: N values whose memory projection fits the VRAM budget; red: N values that do not fit (not measured); "
                "star: the chosen N.")
-    return [Figure("fig-search", "llama.cpp --n-cpu-moe search", fig, caption, tuple(everything["cell_id"]))]
+    ids = tuple(i for i in everything["cell_id"] if i)  # ruled-out rows have no cell
+    return [Figure("fig-search", "llama.cpp --n-cpu-moe search", fig, caption, ids)]
 
 
-def all_figures(groups: pd.DataFrame, cells: pd.DataFrame, samples: pd.DataFrame, top_k: int | None, num_experts: int | None) -> list[Figure]:
+def _runs(ns: list[int]) -> list[tuple[int, int]]:
+    """Sorted integers as (first, last) of each run of consecutive values."""
+    out: list[tuple[int, int]] = []
+    for n in ns:
+        if out and n == out[-1][1] + 1:
+            out[-1] = (out[-1][0], n)
+        else:
+            out.append((n, n))
+    return out
+
+
+def all_figures(groups: pd.DataFrame, cells: pd.DataFrame, samples: pd.DataFrame, top_k: int | None,
+                num_experts: int | None, search: pd.DataFrame | None = None) -> list[Figure]:
     return [
         *throughput_vs_concurrency(groups), *decode_vs_k(groups, top_k), *ttft_short_long(groups),
-        *request_distributions(cells[cells["status"] == "ok"], samples), *paging_figures(groups, num_experts), *search_curves(cells),
+        *request_distributions(cells[cells["status"] == "ok"], samples), *paging_figures(groups, num_experts),
+        *search_curves(search_table(cells) if search is None else search),
     ]
 
 

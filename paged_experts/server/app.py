@@ -21,13 +21,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
+import torch
 from aiohttp import web
 
 from paged_experts.server.handlers import STATE_KEY, ServerState, chat_completions, completions, error_middleware
 from paged_experts.server.launch import ServeConfig, Serving, load_serving, parse_args
 from paged_experts.server.metrics import EngineGauges, ServerMetrics
 
-log = logging.getLogger("paged_experts.server.app")
+log = logging.getLogger("paged_experts.server")
 
 Loader = Callable[[ServeConfig, ServerMetrics], Serving]
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -69,10 +70,19 @@ async def metrics(request: web.Request) -> web.Response:
         gauges = EngineGauges(
             engine.num_running, engine.num_waiting, engine.kv_used_tokens, engine.kv_capacity_tokens,
             engine.decode_steps, engine.decode_tokens, engine.decode_step_s, engine.decode_model_s,
-            engine.timed_steps, engine.phase_seconds(),
+            engine.timed_steps, engine.phase_seconds(), *gpu_memory(serving.runtime.device),
         )  # fmt: skip
     text = state.metrics.render(gauges, counters, state.config.routing_source is not None)
     return web.Response(text=text, content_type="text/plain", charset="utf-8", headers={"X-Prometheus-Format": "0.0.4"})
+
+
+def gpu_memory(device: str) -> tuple[int, int]:
+    """(peak bytes the caching allocator reserved, graph pools included; bytes in use on the device
+    by every process, its context included: what a card of that size would need) on CUDA, else 0s."""
+    if device != "cuda":
+        return 0, 0
+    free, total = torch.cuda.mem_get_info()
+    return torch.cuda.max_memory_reserved(), total - free
 
 
 async def server_info(request: web.Request) -> web.Response:
@@ -155,6 +165,7 @@ async def _shutdown(state: ServerState) -> None:
         await asyncio.gather(state.engine_task, return_exceptions=True)
     for close in serving.closers:
         close()
+    state.close()  # the tokenizer threads
     state.serving = None
 
 

@@ -232,7 +232,11 @@ class Engine:
 
     # ---- admission -------------------------------------------------------------------------
 
-    def check_admissible(self, prompt_len: int, max_tokens: int, prompt_field: str = "prompt") -> None:
+    def check_admissible(
+        self, prompt_len: int, max_tokens: int, prompt_field: str = "prompt", max_tokens_field: str | None = "max_tokens"
+    ) -> None:
+        """Raises AdmissionError naming the field to change: `max_tokens_field`, or the prompt's
+        when that is None (the client sent no max_tokens, so the prompt alone leaves no room)."""
         capacity = self.pool.capacity_tokens
         if prompt_len < 1:
             raise AdmissionError(prompt_field, f"{prompt_field}: must contain at least one token")
@@ -240,18 +244,19 @@ class Engine:
             raise AdmissionError(
                 prompt_field, f"{prompt_field}: {prompt_len} tokens exceed the KV capacity of {capacity} tokens"
             )
-        if prompt_len + max_tokens > capacity:
-            raise AdmissionError(
-                "max_tokens",
-                f"max_tokens: prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceed the KV capacity "
-                f"of {capacity} tokens; lower max_tokens to at most {capacity - prompt_len}",
-            )
         limit = self.config.max_context_tokens
-        if limit is not None and prompt_len + max_tokens > limit:
+        for total, what in ((capacity, "the KV capacity"), (limit, "the model's context length")):
+            if total is None or prompt_len + max_tokens <= total:
+                continue
+            if max_tokens_field is None:
+                raise AdmissionError(
+                    prompt_field,
+                    f"{prompt_field}: {prompt_len} tokens leave no room for a generated token in {what} of {total} tokens",
+                )
             raise AdmissionError(
-                "max_tokens",
-                f"max_tokens: prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceed the model's "
-                f"context length of {limit} tokens",
+                max_tokens_field,
+                f"{max_tokens_field}: prompt ({prompt_len} tokens) + {max_tokens_field} ({max_tokens}) exceed {what} "
+                f"of {total} tokens; lower {max_tokens_field} to at most {total - prompt_len}",
             )
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestStream:

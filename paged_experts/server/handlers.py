@@ -2,9 +2,10 @@
 `POST /v1/chat/completions`, streaming (SSE) and not, plus the shared server state and the error
 middleware that turns every refused request into a JSON error naming the field.
 
-Flow: body -> `api_protocol` (validated options) -> prompt ids and KV admission (400 naming
-`prompt`/`messages`/`max_tokens` if it can never fit) -> `engine.submit` -> `api_generation`
-(text deltas, stop strings) -> `api_openai` shapes. The handler's `finally` aborts the engine
+Flow: body (size-limited) -> `protocol` (validated options) -> the model name (404 when not served)
+-> `prepare` (prompt size limits, tokenization off the event loop, KV admission: 400 naming
+`prompt`/`messages`/`max_tokens` if it can never fit) -> `engine.submit` -> `generation` (text
+deltas, stop strings) -> `openai` shapes. The handler's `finally` aborts the engine
 request, so a client that disconnects (aiohttp cancels the handler) frees its KV at once.
 """
 
@@ -14,7 +15,6 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -36,35 +36,24 @@ from paged_experts.server.openai import (
     usage_chunk,
     vllm_prompt_logprobs,
 )
+from paged_experts.server.prepare import Prepared, Preparer
 from paged_experts.server.protocol import (
     ApiError,
     ChatBody,
     CompletionBody,
-    GenerationOptions,
     chat_options,
     completion_options,
     message_text,
-    parse_json,
     single_prompt,
     validate,
 )
 from paged_experts.server.text import ChatTurn, TextCodec
-from paged_experts.server.engine import AdmissionError, RequestStream, SamplingParams
+from paged_experts.server.engine import RequestStream
 
-log = logging.getLogger("paged_experts.server.app")
+log = logging.getLogger("paged_experts.server")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS = 256  # chat has no documented default; KV is reserved for it up front
-
-
-@dataclass(frozen=True)
-class _Prepared:
-    """A validated request ready for the engine."""
-
-    prompt_ids: list[int]
-    prompt_text: str
-    options: GenerationOptions
-    max_tokens: int
 
 
 class ServerState:
@@ -79,6 +68,7 @@ class ServerState:
         self.load_task: asyncio.Task[None] | None = None
         self.loaded: asyncio.Future[None] | None = None  # resolves when the model is ready
         self.engine_task: asyncio.Task[None] | None = None
+        self._preparer: Preparer | None = None
 
     def ready(self) -> Serving:
         problem = self.not_ready_reason()
@@ -86,6 +76,18 @@ class ServerState:
             raise ApiError(503, None, problem)
         assert self.serving is not None
         return self.serving
+
+    def preparer(self) -> Preparer:
+        """The loaded server's request preparation (made on first use, closed by `close`)."""
+        serving = self.ready()
+        if self._preparer is None or self._preparer.serving is not serving:
+            self._preparer = Preparer(serving)
+        return self._preparer
+
+    def close(self) -> None:
+        if self._preparer is not None:
+            self._preparer.close()
+            self._preparer = None
 
     def not_ready_reason(self) -> str | None:
         """Why requests cannot be served now (loading, failed load, engine loop ended), or None."""
@@ -123,57 +125,6 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         return _error_response(ApiError(500, None, f"internal error: {type(exc).__name__}: {exc}"))
 
 
-# ---- request preparation ---------------------------------------------------------------------
-
-
-def _prepare(serving: Serving, prompt: str | list[int], opts: GenerationOptions, default_max: int, field: str,
-             add_special_tokens: bool) -> _Prepared:  # fmt: skip
-    codec = serving.codec
-    if isinstance(prompt, str):
-        ids = codec.encode(prompt, add_special_tokens=add_special_tokens)
-        text = prompt
-    else:
-        vocab = serving.model.config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ApiError(400, field, f"{field}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
-        ids, text = list(prompt), codec.decode(prompt)
-    if not ids:
-        raise ApiError(400, field, f"{field}: encodes to zero tokens")
-    max_tokens = opts.max_tokens if opts.max_tokens is not None else default_max
-    if opts.max_tokens is None:
-        # an unspecified max_tokens shrinks to what the KV capacity leaves, rather than failing
-        max_tokens = max(1, min(max_tokens, serving.engine.kv_capacity_tokens - len(ids)))
-    try:
-        serving.engine.check_admissible(len(ids), max_tokens, prompt_field=field)
-    except AdmissionError as err:
-        raise ApiError(400, err.field, str(err)) from err
-    return _Prepared(ids, text, opts, max_tokens)
-
-
-def _submit(serving: Serving, request_id: str, prep: _Prepared) -> RequestStream:
-    """Queues the request under the response's id, so traces and responses name it alike."""
-    o = prep.options
-    params = SamplingParams(
-        max_tokens=prep.max_tokens,
-        temperature=o.temperature,
-        top_p=o.top_p,
-        seed=o.seed,
-        ignore_eos=o.ignore_eos,
-        stop_token_ids=o.stop_token_ids,
-        logprobs=o.logprobs,
-        prompt_logprobs=o.prompt_logprobs,
-    )
-    try:
-        return serving.engine.submit(request_id, prep.prompt_ids, params)
-    except AdmissionError as err:
-        raise ApiError(400, err.field, str(err)) from err
-
-
-async def _body(request: web.Request) -> dict[str, Any]:
-    return parse_json(await request.read())
-
-
 async def _sse_start(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
@@ -185,14 +136,15 @@ async def _sse_start(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
-    serving = state.ready()
-    body: CompletionBody = validate(CompletionBody, await _body(request))
+    serving, preparer = state.ready(), state.preparer()
+    body: CompletionBody = validate(CompletionBody, await preparer.body(request))
     opts = completion_options(body)
-    prep = _prepare(serving, single_prompt(body.prompt), opts, COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt", True)
+    preparer.check_model(body.model)
+    prep = await preparer.prepare(single_prompt(body.prompt), opts, COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt", True)
     header = ResponseHeader.new(f"cmpl-{uuid.uuid4().hex}", serving.config.model_name)
     name = state.name_token(serving.codec, opts.tokens_as_ids)
     echo_text = prep.prompt_text if body.echo else ""
-    stream = _submit(serving, header.response_id, prep)
+    stream = preparer.submit(header.response_id, prep)
     try:
         if opts.stream:
             return await _stream_completion(request, serving, stream, prep, header, name, echo_text)
@@ -201,7 +153,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         stream.abort()
 
 
-def _legacy_lp(codec: TextCodec, name: Any, prep: _Prepared, delta: Delta, echo_text: str,
+def _legacy_lp(codec: TextCodec, name: Any, prep: Prepared, delta: Delta, echo_text: str,
                with_prompt: bool) -> LegacyLogprobs | None:  # fmt: skip
     if prep.options.logprobs is None:
         return None
@@ -217,13 +169,13 @@ def _legacy_lp(codec: TextCodec, name: Any, prep: _Prepared, delta: Delta, echo_
     return lp
 
 
-def _vllm_prompt_lps(name: Any, body_echo: bool, prep: _Prepared, delta: Delta) -> Any:
+def _vllm_prompt_lps(name: Any, body_echo: bool, prep: Prepared, delta: Delta) -> Any:
     if prep.options.prompt_logprobs is None or delta.prompt_logprobs is None or body_echo:
         return None
     return vllm_prompt_logprobs(name, delta.prompt_logprobs)
 
 
-async def _full_completion(serving: Serving, stream: RequestStream, prep: _Prepared, header: ResponseHeader,
+async def _full_completion(serving: Serving, stream: RequestStream, prep: Prepared, header: ResponseHeader,
                            name: Any, echo_text: str) -> web.Response:  # fmt: skip
     text, reason, tokens = "", None, 0
     merged = LegacyLogprobs.empty() if prep.options.logprobs is not None else None
@@ -242,7 +194,7 @@ async def _full_completion(serving: Serving, stream: RequestStream, prep: _Prepa
     return web.json_response(completion_response(header, echo_text + text, reason, usage, merged, prompt_lps))
 
 
-async def _stream_completion(request: web.Request, serving: Serving, stream: RequestStream, prep: _Prepared,
+async def _stream_completion(request: web.Request, serving: Serving, stream: RequestStream, prep: Prepared,
                              header: ResponseHeader, name: Any, echo_text: str) -> web.StreamResponse:  # fmt: skip
     resp = await _sse_start(request)
     tokens = 0
@@ -270,19 +222,21 @@ async def _stream_completion(request: web.Request, serving: Serving, stream: Req
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
-    serving = state.ready()
-    body: ChatBody = validate(ChatBody, await _body(request))
+    serving, preparer = state.ready(), state.preparer()
+    body: ChatBody = validate(ChatBody, await preparer.body(request))
     opts = chat_options(body)
+    preparer.check_model(body.model)
     turns = [ChatTurn(m.role, message_text(m)) for m in body.messages]
     try:
         prompt = serving.codec.render_chat(turns, body.add_generation_prompt)
     except Exception as exc:  # template errors are the request's fault (e.g. a role it refuses)
         raise ApiError(400, "messages", f"messages: {exc}") from exc
     # the template already spells every special token
-    prep = _prepare(serving, prompt, opts, CHAT_DEFAULT_MAX_TOKENS, "messages", False)
+    sent = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    prep = await preparer.prepare(prompt, opts, CHAT_DEFAULT_MAX_TOKENS, "messages", False, max_tokens_field=sent)
     header = ResponseHeader.new(f"chatcmpl-{uuid.uuid4().hex}", serving.config.model_name)
     name = state.name_token(serving.codec, opts.tokens_as_ids)
-    stream = _submit(serving, header.response_id, prep)
+    stream = preparer.submit(header.response_id, prep)
     try:
         if opts.stream:
             return await _stream_chat(request, serving, stream, prep, header, name)
@@ -291,7 +245,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         stream.abort()
 
 
-async def _full_chat(serving: Serving, stream: RequestStream, prep: _Prepared, header: ResponseHeader,
+async def _full_chat(serving: Serving, stream: RequestStream, prep: Prepared, header: ResponseHeader,
                      name: Any) -> web.Response:  # fmt: skip
     text, reason, tokens = "", None, 0
     entries: list[dict[str, Any]] | None = [] if prep.options.logprobs is not None else None
@@ -308,7 +262,7 @@ async def _full_chat(serving: Serving, stream: RequestStream, prep: _Prepared, h
     return web.json_response(chat_response(header, text, reason, usage, entries, prompt_lps))
 
 
-async def _stream_chat(request: web.Request, serving: Serving, stream: RequestStream, prep: _Prepared,
+async def _stream_chat(request: web.Request, serving: Serving, stream: RequestStream, prep: Prepared,
                        header: ResponseHeader, name: Any) -> web.StreamResponse:  # fmt: skip
     resp = await _sse_start(request)
     await resp.write(sse(chat_chunk(header, {"role": "assistant", "content": ""}, None, None)))

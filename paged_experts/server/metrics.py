@@ -114,6 +114,8 @@ class EngineGauges:
     decode_model_s: float = 0.0
     steps: int = 0  # every engine step
     phase_s: dict[str, float] | None = None  # host phase -> seconds over every step (server.engine.PHASES)
+    gpu_memory_peak_reserved_bytes: int = 0  # torch's caching allocator, peak since start (CUDA)
+    gpu_memory_used_bytes: int = 0  # the device's memory in use, every process and context included (CUDA)
 
 
 class ServerMetrics:
@@ -164,6 +166,10 @@ class ServerMetrics:
         lines += _scalar("counter", p + "engine_decode_model_seconds_total",
                          "Model time of those steps: launch and wait for the token ids", gauges.decode_model_s)  # fmt: skip
         lines += _scalar("counter", p + "engine_steps_total", "Engine steps", gauges.steps)
+        lines += _scalar("gauge", p + "gpu_memory_peak_reserved_bytes", "Peak GPU memory reserved by the server's allocator",
+                         gauges.gpu_memory_peak_reserved_bytes)  # fmt: skip
+        lines += _scalar("gauge", p + "gpu_memory_used_bytes", "GPU memory in use on the device (contexts included)",
+                         gauges.gpu_memory_used_bytes)  # fmt: skip
         for phase, seconds in (gauges.phase_s or {}).items():
             lines += _scalar("counter", p + f"engine_step_{phase}_seconds_total", f"Engine-thread time in phase {phase}", seconds)
         if counters is not None:

@@ -5,6 +5,12 @@ unknown fields ignored as OpenAI clients send many), the `ApiError` every handle
 JSON error body, and the translation of a validation failure into a 400 that names the field.
 Everything past this module works on validated values; nothing here touches the model.
 
+`parse_json` refuses, with a 400 naming `body` (or the field holding the bad text), whatever is not
+a JSON object of valid Unicode: bytes that are not UTF-8 (RFC 8259 section 8.1), NaN/Infinity
+literals, numbers past Python's 4,300-digit conversion limit, nesting deeper than MAX_JSON_DEPTH
+(no valid request nests past 6; Python's parser itself fails near 1,000 with a RecursionError), and
+strings holding a lone UTF-16 surrogate (`"\ud800"` escapes decode to text no tokenizer can encode).
+
 Extensions beyond OpenAI, with vLLM/SGLang names where they exist: `ignore_eos`,
 `stop_token_ids`, `prompt_logprobs` (int: top alternatives per prompt token),
 `return_tokens_as_token_ids`, `seed`.
@@ -13,6 +19,7 @@ Extensions beyond OpenAI, with vLLM/SGLang names where they exist: `ignore_eos`,
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -20,6 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_JSON_DEPTH = 32  # arrays/objects inside each other; a chat body needs 4
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ApiError(Exception):
@@ -129,12 +138,47 @@ def _union_tags(errors: list[Any], loc: tuple[Any, ...]) -> list[str]:
 
 def parse_json(raw: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ApiError(400, "body", f"body: malformed JSON ({exc})") from exc
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, "body", f"body: malformed JSON (not UTF-8 at byte {exc.start})") from None
+    try:
+        body = json.loads(text, parse_constant=_refuse_constant)
+    except json.JSONDecodeError as exc:
+        raise ApiError(400, "body", f"body: malformed JSON ({exc})") from None
+    except RecursionError:
+        raise ApiError(400, "body", f"body: malformed JSON (nested deeper than {MAX_JSON_DEPTH} levels)") from None
+    except ValueError as exc:  # an integer past sys.get_int_max_str_digits(), or a NaN/Infinity literal
+        raise ApiError(400, "body", f"body: malformed JSON ({str(exc).split(':')[0]})") from None
     if not isinstance(body, dict):
         raise ApiError(400, "body", "body: expected a JSON object")
+    _check_text_and_depth(body)
     return body
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _check_text_and_depth(body: dict[str, Any]) -> None:
+    """Iterative walk (a recursive one would overflow on the depth it checks)."""
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(body, ())]
+    while stack:
+        value, loc = stack.pop()
+        if len(loc) > MAX_JSON_DEPTH:
+            raise ApiError(400, "body", f"body: malformed JSON (nested deeper than {MAX_JSON_DEPTH} levels)")
+        if isinstance(value, str):
+            if (bad := _SURROGATE.search(value)) is not None:
+                param = _loc_param(loc) if loc else "body"
+                raise ApiError(
+                    400, param, f"{param}: invalid Unicode: a lone UTF-16 surrogate U+{ord(bad.group()):04X} "
+                    f"at character {bad.start()}"
+                )  # fmt: skip
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((key, loc))
+                stack.append((item, (*loc, key)))
+        elif isinstance(value, list):
+            stack.extend((item, (*loc, i)) for i, item in enumerate(value))
 
 
 def validate(model: type[BaseModel], body: dict[str, Any]) -> Any:

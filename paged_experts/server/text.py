@@ -42,6 +42,9 @@ class TextCodec:
             eos_ids.add(eos_id)
         self.eos_token_ids: tuple[int, ...] = tuple(sorted(eos_ids))
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        # an upper bound on the text one token spells (byte-level vocabularies write a byte as a
+        # character of up to 2 UTF-8 bytes): what bounds a prompt's bytes by its token limit
+        self.max_token_bytes = max((len(t.encode("utf-8")) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1)
         self._template: Any = None
 
     @classmethod
@@ -59,7 +62,9 @@ class TextCodec:
         return cls(Tokenizer.from_file(str(tok_path)), config, extra_eos_ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        # the batch API releases the GIL while it works (the single-text `encode` holds it), so a
+        # long prompt encoded in a worker thread never stalls the event loop
+        return list(self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)

@@ -98,7 +98,10 @@ def check_graphed_paged(overlap: bool, compile_layers: bool = False, routing: st
     eager = decode(eager_model, prompts, steps=5)
     model.enable_cuda_graphs([1, 2, 3, 4], compile_layers=compile_layers)
     graphed = decode(model, prompts, steps=5)
-    assert model.graph_replays == 5 and model.captured_graphs == [(3, 64)], model.captured_graphs
+    from paged_experts.kernels.fused import expert_backend
+
+    bucket = 0 if expert_backend() == "triton" else 64  # triton attention: one graph for every context length
+    assert model.graph_replays == 5 and model.captured_graphs == [(3, bucket)], model.captured_graphs
     worst = max(((a - b).abs().max() / b.abs().max().clamp(min=1)).item() for a, b in zip(graphed, eager))
     print(f"graphed vs eager paged decode (bf16, overlap={overlap}, compiled={compile_layers}): worst relative difference {worst:.2e}")
     assert worst < 5e-2

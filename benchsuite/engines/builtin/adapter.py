@@ -173,7 +173,7 @@ class BuiltinAdapter:
     def launch_plan(self, spec: ServerSpec, port: int) -> LaunchPlan:
         opts = self._options(spec)
         argv = [
-            sys.executable, "-m", "paged_experts.server.app",
+            sys.executable, "-m", "paged_experts.server",
             "--model-path", str(self.model_dir(spec)),
             "--host", "127.0.0.1", "--port", str(port),
             "--mode", opts.mode,
@@ -196,6 +196,7 @@ class BuiltinAdapter:
         if opts.mode == "paged":
             argv += ["--prefill-residency", str(opts.resolved_prefill_residency())]
         argv += _performance_flags(opts.performance(spec.max_concurrency))
+        argv += ["--served-model-name", opts.model]  # what the runner's requests name (404 for another name)
         # The tiny model on 2 CPU cores starts in seconds; a real checkpoint may take minutes.
         return LaunchPlan(argv=argv, env={"PYTHONUNBUFFERED": "1"}, startup_timeout_s=opts.startup_timeout_s)
 

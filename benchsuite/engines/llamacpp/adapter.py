@@ -28,7 +28,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from benchsuite.engines.base import EngineConfigError, LaunchPlan, ServerSpec
+from benchsuite.engines.base import EngineConfigError, LaunchPlan, ServerSpec, extra_args_check
+from benchsuite.engines.llamacpp import owned
 from benchsuite.errors import UserError
 
 BINARY_NAME = "llama-server"
@@ -64,8 +65,10 @@ class LlamaCppOptions(BaseModel):
         None, gt=0
     )  # emulate a smaller GPU in the n_cpu_moe search
     threads: int | None = Field(None, ge=1)  # -t
-    extra_args: list[str] = Field(default_factory=list)
-    startup_timeout_s: float = Field(600.0, gt=0)
+    extra_args: list[str] = Field(default_factory=list)  # never a flag the adapter owns (owned.py)
+    startup_timeout_s: float = Field(600.0, gt=0, le=7 * 86400)
+
+    _not_owned = field_validator("extra_args")(extra_args_check(owned.extra_args_problems))
 
     @field_validator("flash_attn", mode="before")
     @classmethod
@@ -142,6 +145,7 @@ def has_gpu_device(binary: Path) -> bool:
 class LlamaCppAdapter:
     kind = "llamacpp"
     options_model = LlamaCppOptions
+    owned_env = owned.OWNED_ENV  # LLAMA_ARG_* variables of the flags above; refused in a matrix's env:
 
     def _options(self, spec: ServerSpec) -> LlamaCppOptions:
         return LlamaCppOptions.model_validate(dict(spec.options))
@@ -190,6 +194,11 @@ class LlamaCppAdapter:
         path = Path(opts.model).expanduser()
         if path.is_dir():
             return path
+        from benchsuite.engines.llamacpp.gguf_synth import read_facts
+
+        facts = read_facts(path)  # a GGUF from `benchsuite gguf synth`: its preset's tokenizer beside it
+        if facts is not None and Path(facts["hf_dir"]).is_dir():
+            return Path(facts["hf_dir"])
         raise EngineConfigError(
             f"llamacpp engine {spec.name}: exact-length prompts need an HF model directory, not a GGUF"
         )
@@ -231,7 +240,7 @@ class LlamaCppAdapter:
         flags = (
             binary_flags(found)
             if found
-            else {"--no-cache-prompt", "--cache-ram", "--kv-unified", "--log-verbosity"}
+            else {"--no-cache-prompt", "--cache-ram", "--kv-unified", "--log-verbosity", "--cors-origins"}
         )
         argv = [
             binary, "-m", str(self.model_path(spec, export=False)),
@@ -244,6 +253,8 @@ class LlamaCppAdapter:
         ]  # fmt: skip
         if "--kv-unified" in flags:
             argv.append("--kv-unified")
+        if "--cors-origins" in flags:  # no web page can read this server (owned.py says why)
+            argv += owned.CORS_ARGS
         if "--log-verbosity" in flags:
             argv += [
                 "-lv",
@@ -283,6 +294,7 @@ class LlamaCppAdapter:
 
     def version(self, spec: ServerSpec) -> dict[str, Any]:
         from benchsuite.engines.llamacpp.build import binary_version, read_stamp
+        from benchsuite.engines.llamacpp.gguf_synth import read_facts
 
         found = find_binary(BINARY_NAME, self._options(spec).binary)
         if found is None:
@@ -295,6 +307,10 @@ class LlamaCppAdapter:
                 found.parent
             ),  # None for a binary benchsuite did not build
             "moe_cache_mib_supported": "--moe-cache-mib" in binary_flags(found),
+            "cross_origin": " ".join(owned.CORS_ARGS) if "--cors-origins" in binary_flags(found)
+            else "not blockable: this build has no --cors-origins",
+            # a GGUF from `benchsuite gguf synth`: how it was made (seed, shape, bytes per expert)
+            "model_facts": read_facts(self.model_path(spec, export=False)),
         }
 
     def _expert_facts(self, spec: ServerSpec) -> dict[str, Any]:

@@ -1,7 +1,8 @@
-"""Building llama-server from source: the pinned llama-cpp-python sdist, its vendored llama.cpp,
-CMake, and a per-user cache of finished builds.
+"""Building llama-server from source: the pinned llama-cpp-python sdist's vendored llama.cpp
+(benchsuite.engines.llamacpp.source: downloaded, or a local full or trimmed copy), CMake, and a
+per-user cache of finished builds.
 
-Owns the pinned source version, the cache layout
+Owns the cache layout
 (`~/.cache/benchsuite/llama.cpp/<version>-<cpu|cuda>/bin`), the build stamp (the exact CMake flags,
 reused to skip a rebuild and recorded by the engine as its build flags) and the binary lookup in
 that cache. The engine adapter looks in the matrix, then PATH, then here.
@@ -13,17 +14,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
-import tarfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from benchsuite.engines.llamacpp.source import LLAMA_CPP_PYTHON_VERSION, unpack_source
 from benchsuite.errors import RunError
 
-# llama-cpp-python's sdist vendors a llama.cpp tree; pinning the Python package pins llama.cpp.
-LLAMA_CPP_PYTHON_VERSION = "0.3.36"
-SDIST_NAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
 STAMP_NAME = "build-stamp.json"
 REQUIRED_TARGETS: tuple[str, ...] = (
     "llama-server",
@@ -32,6 +29,7 @@ REQUIRED_TARGETS: tuple[str, ...] = (
 )
 OPTIONAL_TARGETS: tuple[str, ...] = ("llama-fit-params",)
 DEFAULT_CUDA_ARCH = "90"
+CUDA_BIN = Path("/usr/local/cuda/bin")  # where CUDA toolkits install nvcc when it is not on PATH
 
 
 @dataclass(frozen=True)
@@ -152,52 +150,17 @@ def binary_version(binary: Path) -> str:
     return (proc.stdout + proc.stderr).strip()
 
 
-def _run(cmd: list[str], log, cwd: Path | None = None) -> None:
+def _run(cmd: list[str], log, env: dict[str, str] | None = None) -> None:
     print("+ " + " ".join(cmd), file=log, flush=True)
-    proc = subprocess.run(
-        cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, check=False
-    )
+    proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False, env=env)
     if proc.returncode != 0:
         raise RunError(f"command failed with status {proc.returncode}: {' '.join(cmd)}")
 
 
-def fetch_source(log) -> Path:
-    """Download (once) and unpack the sdist's vendored llama.cpp; returns its source directory."""
-    src_root = cache_root() / "llama.cpp" / "src"
-    src_dir = (
-        src_root
-        / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
-        / "vendor"
-        / "llama.cpp"
-    )
-    if (src_dir / "CMakeLists.txt").is_file():
-        return src_dir
-    src_root.mkdir(parents=True, exist_ok=True)
-    sdist = src_root / SDIST_NAME
-    if not sdist.is_file():
-        # --no-binary only for this package: build deps (used for metadata) may stay wheels.
-        _run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--no-deps",
-                "--no-binary",
-                "llama-cpp-python",
-                f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}",
-                "-d",
-                str(src_root),
-            ],
-            log,
-        )
-    prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
-    with tarfile.open(sdist) as tar:
-        members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
-        tar.extractall(src_root, members=members, filter="data")
-    if not (src_dir / "CMakeLists.txt").is_file():
-        raise RunError(f"{sdist} has no vendor/llama.cpp/CMakeLists.txt")
-    return src_dir
+def fetch_source(log, sdist: Path | None = None) -> Path:
+    """The vendored llama.cpp tree in the cache: from `sdist` (a local full or trimmed sdist, for a
+    box without internet), else downloaded once from PyPI (benchsuite.engines.llamacpp.source)."""
+    return unpack_source(cache_root() / "llama.cpp" / "src", log, sdist)
 
 
 def _available_targets(src_dir: Path) -> list[str]:
@@ -209,10 +172,22 @@ def _available_targets(src_dir: Path) -> list[str]:
     return targets
 
 
+def cuda_build_env(cuda: bool) -> dict[str, str] | None:
+    """The environment for CMake: CMake's CUDA check looks for nvcc on PATH (or CUDACXX); a
+    toolkit in /usr/local/cuda that is not on PATH is added (common on fresh GPU boxes)."""
+    if not cuda or shutil.which("nvcc") is not None or not (CUDA_BIN / "nvcc").is_file():
+        return None
+    env = dict(os.environ)
+    env["PATH"] = f"{CUDA_BIN}{os.pathsep}{env.get('PATH', '')}"
+    env.setdefault("CUDACXX", str(CUDA_BIN / "nvcc"))
+    return env
+
+
 def build_llama_server(
-    cuda: bool, jobs: int | None, log, force: bool = False
+    cuda: bool, jobs: int | None, log, force: bool = False, sdist: Path | None = None
 ) -> BuildResult:
-    """Build (or reuse) the binaries; `log` receives the CMake output."""
+    """Build (or reuse) the binaries; `log` receives the CMake output. `sdist`: a local copy of
+    the pinned sdist (full or trimmed) instead of the download."""
     flags = build_flags(cuda)
     dest = install_dir(cuda)
     bin_dir = dest / "bin"
@@ -220,8 +195,9 @@ def build_llama_server(
     if not force and server.is_file() and read_stamp(bin_dir) == flags.to_json():
         return BuildResult(bin_dir, server, binary_version(server), True, 0.0, flags)
     started = time.perf_counter()
-    src_dir = fetch_source(log)
+    src_dir = fetch_source(log, sdist)
     build_dir = dest / "build"
+    env = cuda_build_env(cuda)
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     _run(
         [
@@ -234,12 +210,14 @@ def build_llama_server(
             *[f"-D{k}={v}" for k, v in flags.cmake_defines],
         ],
         log,
+        env,
     )
     targets = _available_targets(src_dir)
     jobs_n = jobs or os.cpu_count() or 1
     _run(
         ["cmake", "--build", str(build_dir), "--target", *targets, "-j", str(jobs_n)],
         log,
+        env,
     )
     bin_dir.mkdir(parents=True, exist_ok=True)
     for name in targets:

@@ -20,6 +20,12 @@ Chunk c of tensor t comes from its own generator seeded with (seed, t, c) over f
 the bytes are a function of (preset, layers, seed, types) whatever the worker count. They are
 not the values of `synth` or `synth_memory` models (other generators; Q8_0, not bf16).
 
+Beside the file (`write_with_facts`, what `benchsuite gguf synth` runs): `<file>.json`, its facts
+(preset, seed, shape, types, bytes per expert, how it was made), which the llamacpp adapter records
+in the run's manifest, and `<file>.hf/`, the preset's weightless HF directory
+(`synth_memory.write_weightless`: config.json and the tokenizer the GGUF's vocabulary comes from),
+which the adapter uses to cut exact-length prompts, the same token ids every engine is sent.
+
 Streaming: the header is written first, the file is extended to its final size, then worker
 processes (numpy's gather holds the GIL, so threads do not scale) each generate one chunk of
 <= CHUNK_BYTES at a time and `pwrite` it at its offset: memory stays ~3 chunks per worker.
@@ -48,6 +54,11 @@ from benchsuite.errors import UserError
 from benchsuite.engines.llamacpp.gguf_export import ARCH, PlannedTensor, add_tensor_infos, plan_tensors, tokenizer_fields, write_metadata
 
 CHUNK_BYTES = 16 * 2**20
+FACTS_SCHEMA_VERSION = 1
+SHAPE_KEYS = (
+    "num_hidden_layers", "hidden_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+)  # fmt: skip
 _SEED_TAG = 0x9E3779B9  # keeps these streams apart from other users of the same seed
 
 
@@ -79,6 +90,7 @@ class SynthGguf:
     num_tensors: int
     write_s: float
     workers: int
+    shape: dict[str, int]  # the HF config's sizes (SHAPE_KEYS)
 
 
 @dataclass(frozen=True)
@@ -262,8 +274,48 @@ def write_synthetic_gguf(
     return SynthGguf(
         path=out, bytes=out.stat().st_size, layers=int(hf["num_hidden_layers"]), seed=seed, expert_type=expert_type,
         dense_type=dense_type, expert_bytes=expert_bytes(planned, int(hf["num_experts"])), num_tensors=len(planned),
-        write_s=time.perf_counter() - started, workers=n_workers,
+        write_s=time.perf_counter() - started, workers=n_workers, shape={k: int(hf[k]) for k in SHAPE_KEYS},
     )  # fmt: skip
+
+
+def facts_path(gguf_path: Path) -> Path:
+    return gguf_path.with_name(gguf_path.name + ".json")
+
+
+def companion_dir(gguf_path: Path) -> Path:
+    return gguf_path.with_name(gguf_path.name + ".hf")
+
+
+def write_with_facts(
+    out: str | Path, preset: str, layers: int | None, seed: int, workers: int | None, log: Any = sys.stderr
+) -> dict[str, Any]:
+    """The GGUF, its weightless HF directory and its facts file (written last: its presence says
+    the other two are complete); returns the facts."""
+    from benchsuite.machine import git_facts
+    from paged_experts.synth_memory import write_weightless
+
+    s = write_synthetic_gguf(out, preset=preset, layers=layers, seed=seed, workers=workers, log=log)
+    hf_dir = write_weightless(preset, companion_dir(s.path), layers=s.layers, seed=seed)
+    facts = {
+        "schema_version": FACTS_SCHEMA_VERSION, "made_by": "benchsuite gguf synth", "path": str(s.path.resolve()),
+        "bytes": s.bytes, "preset": preset, "layers": s.layers, "seed": seed, "shape": s.shape,
+        "expert_type": s.expert_type.upper(), "dense_type": s.dense_type, "expert_bytes": s.expert_bytes,
+        "num_tensors": s.num_tensors, "hf_dir": str(hf_dir.resolve()), "write_s": round(s.write_s, 2),
+        "workers": s.workers, "git": git_facts(),
+    }  # fmt: skip
+    tmp = facts_path(s.path).with_name(f".{facts_path(s.path).name}.tmp")
+    tmp.write_text(json.dumps(facts, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, facts_path(s.path))
+    return facts
+
+
+def read_facts(gguf_path: Path) -> dict[str, Any] | None:
+    """The facts `write_with_facts` left beside a GGUF; None for any other GGUF (or an unreadable file)."""
+    try:
+        facts = json.loads(facts_path(gguf_path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return facts if isinstance(facts, dict) and facts.get("schema_version") == FACTS_SCHEMA_VERSION else None
 
 
 def _run_tasks(tasks: list[_Task], path: Path, workers: int, total: int, log: Any) -> None:

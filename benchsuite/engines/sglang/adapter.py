@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from benchsuite.engines.sglang import logs as sglang_logs
 from benchsuite.engines.sglang import constraints as sglang_constraints
-from benchsuite.engines.base import EngineConfigError, LaunchPlan, ServerSpec
+from benchsuite.engines.base import EngineConfigError, LaunchPlan, ServerSpec, extra_args_check
 from benchsuite.metrics import parse_prometheus
 
 METRIC_PREFIX = "sglang:"  # observability/metrics_collector.py names every series sglang:*
@@ -104,8 +104,10 @@ class SGLangOptions(BaseModel):
     deterministic: bool = False  # --enable-deterministic-inference (accuracy runs)
     return_routed_experts: bool = False  # routing capture: server flag + per-request field
     python: str | None = None  # interpreter with sglang installed; None = this interpreter
-    extra_args: list[str] = Field(default_factory=list)
-    startup_timeout_s: float = Field(1800.0, gt=0)  # a 30B checkpoint plus graph capture takes minutes
+    extra_args: list[str] = Field(default_factory=list)  # never a flag the adapter owns (constraints.OWNED_FLAGS)
+    startup_timeout_s: float = Field(1800.0, gt=0, le=7 * 86400)  # a 30B checkpoint plus graph capture takes minutes
+
+    _not_owned = field_validator("extra_args")(extra_args_check(sglang_constraints.extra_args_problems))
 
     @field_validator("model_path", "speculative_draft_model_path", "python", mode="before")
     @classmethod
@@ -165,7 +167,7 @@ class SGLangAdapter:
 
     def validate(self, spec: ServerSpec) -> None:
         opts = self._options(spec)
-        problems = sglang_constraints.extra_args_problems(opts.extra_args)
+        problems: list[str] = []  # extra_args were checked when the options were validated (matrix load)
         if "kv_capacity_tokens" not in spec.fairness:
             problems.append("fairness.kv_capacity_tokens is required (--max-total-tokens)")
         if opts.mode == "paged":

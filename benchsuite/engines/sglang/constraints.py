@@ -148,12 +148,21 @@ def _first_int(cfg: dict[str, Any], keys: Sequence[str]) -> int | None:
 
 
 def extra_args_problems(extra_args: Sequence[str]) -> list[str]:
-    """Flags in extra_args that the adapter owns (any mode)."""
+    """Flags in extra_args that the adapter owns (any mode). SGLang parses with argparse, which
+    takes any unambiguous prefix of a long flag (`--max-total` is `--max-total-tokens`), so a
+    prefix of an owned flag is refused too, naming the flag it would set."""
     problems = []
     for arg in extra_args:
         flag = arg.split("=", 1)[0]
         if flag in OWNED_FLAGS:
             problems.append(f"extra_args {flag}: set through {OWNED_FLAGS[flag]} instead")
+            continue
+        if flag.startswith("--") and len(flag) > 2:
+            owned = sorted(f for f in OWNED_FLAGS if f.startswith(flag))
+            if owned:
+                problems.append(
+                    f"extra_args {flag}: argparse reads it as {owned[0]}, set through {OWNED_FLAGS[owned[0]]} instead"
+                )
     return problems
 
 

@@ -1,0 +1,87 @@
+"""What a cell's result depends on beyond the matrix text, recorded so a resume cannot mix runs.
+
+`plan_fingerprint(plan)` -> `{"engines": {entry name: {input: facts}}, "workloads": {name: {input:
+facts}}}`, stored in the manifest and compared by the store on resume (benchsuite.store):
+- an engine entry's model: every file of the checkpoint directory (or the GGUF file), by size and
+  modification time, so a checkpoint regenerated at the same path is seen (a hash of 60 GB would
+  cost minutes per resume; size + mtime is what make and rsync trust). `tiny` is the generated
+  checkpoint in the cache. A model that is not a local path (an HF repo id) is recorded as such;
+- the engine build: the adapter's own version facts (llama-server's `--version` and build stamp,
+  the SGLang package version, benchsuite and torch for the built-in engine), plus the binary's
+  size and modification time where there is one;
+- a workload's dataset file (ShareGPT JSON), by size and modification time.
+Cells name their engine entry and workload, so the store refuses only when an input of a stored
+finished cell changed.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from benchsuite.engines import ADAPTERS
+from benchsuite.engines.base import ServerSpec
+from benchsuite.plan import Plan
+
+MAX_FILES_PER_MODEL = 4096  # a checkpoint has tens of files; past this, the count alone is recorded
+_VOLATILE = ("started_utc", "error")
+
+
+def plan_fingerprint(plan: Plan) -> dict[str, dict[str, dict[str, Any]]]:
+    engines: dict[str, dict[str, Any]] = {}
+    for spec in [*plan.servers, *(task.spec for task in plan.searches)]:
+        facts = engines.setdefault(spec.name, {})
+        facts.update(_model_facts(spec))
+        facts.update(_engine_facts(spec))
+    workloads: dict[str, dict[str, Any]] = {}
+    for name, workload in plan.matrix.matrix.workloads.items():
+        workloads[name] = path_facts(f"dataset {workload.path}", Path(workload.path)) if workload.path else {}
+    return {"engines": engines, "workloads": workloads}
+
+
+def path_facts(label: str, path: Path) -> dict[str, Any]:
+    """{label-with-file: {bytes, modified_utc}} for a file, or for every file under a directory."""
+    if path.is_file():
+        return {label: _stat(path)}
+    if not path.is_dir():
+        return {label: "missing"}
+    files = sorted(
+        p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+    )
+    if len(files) > MAX_FILES_PER_MODEL:
+        return {label: f"{len(files)} files"}
+    return {f"{label}/{p.relative_to(path)}": _stat(p) for p in files} or {label: "empty directory"}
+
+
+def _stat(path: Path) -> dict[str, Any]:
+    st = path.stat()
+    modified = datetime.fromtimestamp(st.st_mtime_ns / 1e9, timezone.utc).isoformat(timespec="microseconds")
+    return {"bytes": st.st_size, "modified_utc": modified}
+
+
+def _model_facts(spec: ServerSpec) -> dict[str, Any]:
+    source = spec.options.get("model_path", spec.options.get("model"))
+    if not isinstance(source, str):
+        return {}
+    if source == "tiny":
+        from paged_experts.synth import ensure_tiny
+
+        path = Path(ensure_tiny())
+    else:
+        path = Path(source).expanduser()
+    if not path.exists() and not source.startswith(("/", ".", "~")) and source.count("/") == 1:
+        return {f"model {source}": "not a local path (a hub id): its files are not checked"}
+    return path_facts(f"model {path}", path)
+
+
+def _engine_facts(spec: ServerSpec) -> dict[str, Any]:
+    try:
+        version = ADAPTERS[spec.kind].version(spec)
+    except Exception as exc:  # noqa: BLE001 -- e.g. a model that does not exist yet: its launch says so
+        return {f"engine {spec.kind}": f"version facts unavailable ({type(exc).__name__})"}
+    facts = {k: v for k, v in version.items() if k not in _VOLATILE}
+    binary = facts.get("binary")
+    if isinstance(binary, str) and Path(binary).is_file():
+        facts["binary_file"] = _stat(Path(binary))
+    return {f"engine {spec.kind}": facts}

@@ -1,0 +1,71 @@
+"""configs/h200/*.yaml: every matrix validates and plans (dry run, the model paths pointed at stand-ins)
+with what issue 15 asks: the built-in engine with device, dtype and its mode only, the K, N and
+routing values, llama.cpp's fixed N and its 16 GB search, both prompt classes, c=1 and c=4, >= 2
+repeats, the link probe."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from benchsuite.cli import main
+from benchsuite.matrix import load_matrix
+from benchsuite.plan import build_plan
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "h200"
+MODE_OPTIONS = {"model", "device", "dtype", "mode", "resident_experts", "n_cpu_moe", "offload_layers", "routing"}
+
+
+@pytest.fixture
+def stand_ins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from paged_experts.synth_memory import write_weightless
+
+    monkeypatch.setenv("BENCH_H200_MODEL", str(write_weightless("tiny", tmp_path / "q48")))
+    monkeypatch.setenv("BENCH_H200_FP8_MODEL", str(write_weightless("tiny-fp8", tmp_path / "q48-fp8")))
+    (tmp_path / "q48.gguf").write_bytes(b"")
+    monkeypatch.setenv("BENCH_H200_GGUF", str(tmp_path / "q48.gguf"))
+
+
+@pytest.mark.parametrize("name", ["model", "synthetic", "offload"])
+def test_each_matrix_validates_and_prints_its_plan(
+    name: str, stand_ins: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = CONFIGS / f"{name}.yaml"
+    assert main(["run", str(path), "--dry-run"]) == 0
+    assert "link bandwidth: `benchsuite linkbw --json` runs once" in capsys.readouterr().out
+    m = load_matrix(path).matrix
+    assert m.repeats >= 2 and m.linkbw
+    for workload in m.workloads.values():
+        assert workload.prompt_classes == ["short", "2048"] and workload.concurrency == [1, 4]
+    raw = yaml.safe_load(path.read_text())["engines"]
+    for entry in raw.values():
+        if entry["kind"] == "builtin":  # no performance option: the fast path is the CUDA default
+            assert set(entry["options"]) <= MODE_OPTIONS
+            assert entry["options"]["device"] == "cuda" and entry["options"]["dtype"] == "bfloat16"
+
+
+def test_the_modes_and_values_issue_15_lists(stand_ins: None) -> None:
+    plans = {name: build_plan(load_matrix(CONFIGS / f"{name}.yaml")) for name in ("model", "synthetic", "offload")}
+
+    def values(plan: object, mode: str, option: str, fp8: bool = False) -> list[object]:
+        servers = [s for s in plan.servers if s.name.endswith("-fp8") == fp8]  # type: ignore[attr-defined]
+        return sorted(s.options[option] for s in servers if s.kind == "builtin" and s.options["mode"] == mode)
+
+    for name in ("model", "synthetic"):
+        assert values(plans[name], "paged", "resident_experts") == [16, 30, 32, 64, 92]
+        assert values(plans[name], "resident", "mode") == ["resident"]
+    assert values(plans["model"], "cpu-experts", "n_cpu_moe") == [12, 24]
+    for name in ("model", "synthetic"):  # issue 17: FP8 paged at the published K=40 and K=24, and beyond
+        assert values(plans[name], "paged", "resident_experts", fp8=True) == [24, 40, 56]
+    assert values(plans["model"], "resident", "mode", fp8=True) == ["resident"]
+    assert values(plans["offload"], "offload", "offload_layers") == [48]
+    assert {s.options["routing"] for s in plans["synthetic"].servers} == {"qwen3-30b-a3b"}
+    assert {s.options["routing"] for p in ("model", "offload") for s in plans[p].servers if s.kind == "builtin"} == {
+        "model"
+    }
+    llama = sorted(s.options["n_cpu_moe"] for s in plans["model"].servers if s.kind == "llamacpp")
+    assert llama == [0, 12, 24]
+    (search,) = plans["model"].searches
+    assert search.spec.options["n_cpu_moe"] == "search" and search.spec.options["vram_budget_gb"] == 16

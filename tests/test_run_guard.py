@@ -1,0 +1,273 @@
+"""One run cannot corrupt another (issue 18): the run directory's lock, the input fingerprint a
+resume must match, and damaged stored files set aside and measured again.
+
+Real parts: `benchsuite run` as a subprocess, real run directories, a copy of the generated tiny
+checkpoint as the model, and (in the end-to-end test) the built-in engine on loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from benchsuite.errors import UserError
+from benchsuite.matrix import load_matrix
+from benchsuite.plan import build_plan
+from benchsuite.records import CellResult
+from benchsuite.runner import open_store
+from benchsuite.store import RunStore
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_matrix(tmp_path: Path, model: str, *, sharegpt: Path | None = None, output_tokens: int = 8) -> Path:
+    workloads: dict[str, Any] = {"w": {"concurrency": [1], "num_requests": 2, "warmup_requests": 0,
+                                       "output_tokens": output_tokens}}  # fmt: skip
+    if sharegpt is not None:
+        workloads["chat"] = {"dataset": "sharegpt", "path": str(sharegpt), "concurrency": [1], "num_requests": 2}
+    doc = {"name": "guard", "output_root": str(tmp_path / "out"), "fairness": {"kv_capacity_tokens": 512},
+           "engines": {"e": {"kind": "builtin", "options": {"model": model, "mode": "resident"}}}, "workloads": workloads}  # fmt: skip
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def cli(*args: str, timeout_s: float = 240.0) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    argv = [sys.executable, "-m", "benchsuite", "run", *args, "--quiet", "--no-report"]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
+
+
+def finished_cell(store: RunStore, cell: Any) -> None:
+    result = CellResult(cell_id=cell.cell_id, run_id="r", engine=cell.engine, engine_kind="builtin", mode="resident",
+                        server_id=cell.server_id, params={}, workload=cell.workload, prompt_class=cell.prompt_class,
+                        concurrency=cell.concurrency, repeat=cell.repeat, status="ok")  # fmt: skip
+    store.write_cell(result, [])
+
+
+@pytest.fixture
+def model_copy(tiny_model_dir: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
+
+
+# ---- the lock ----------------------------------------------------------------------------------
+
+
+def test_a_second_runner_on_a_locked_run_exits_2_naming_the_holder(tmp_path: Path) -> None:
+    path = write_matrix(tmp_path, "/nonexistent/model")  # nothing would start anyway: fast either way
+    store = open_store(build_plan(load_matrix(path)))
+    try:
+        done = cli(str(path))
+    finally:
+        store.close()
+    assert done.returncode == 2, done.stderr + done.stdout
+    assert f"pid {os.getpid()}" in done.stderr and "in use by another benchsuite run" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_a_lock_left_by_a_killed_runner_is_taken_over_with_a_note(tmp_path: Path) -> None:
+    path = write_matrix(tmp_path, "/nonexistent/model")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from benchsuite.matrix import load_matrix; from benchsuite.plan import "
+         "build_plan; from benchsuite.runner import open_store; open_store(build_plan(load_matrix(sys.argv[1]))); "
+         "print('locked', flush=True); time.sleep(300)", str(path)],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        busy = cli(str(path))
+        assert busy.returncode == 2 and f"pid {holder.pid}" in busy.stderr, busy.stderr
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    notes: list[str] = []
+    plan = build_plan(load_matrix(path))
+    store = RunStore.open(Path(plan.matrix.matrix.output_root) / plan.run_id, {"matrix_hash": plan.matrix.matrix_hash},
+                          notify=notes.append)  # fmt: skip
+    store.close()
+    assert len(notes) == 1 and f"pid {holder.pid}" in notes[0] and "no longer running" in notes[0], notes
+    again: list[str] = []
+    RunStore.open(store.run_dir, {"matrix_hash": plan.matrix.matrix_hash}, notify=again.append).close()
+    assert again == []  # a clean release leaves nothing to take over
+
+
+# ---- the input fingerprint ---------------------------------------------------------------------
+
+
+def test_resume_refuses_a_regenerated_checkpoint_or_an_edited_dataset_naming_it(tmp_path: Path, model_copy: Path) -> None:
+    sharegpt = tmp_path / "sharegpt.json"
+    sharegpt.write_text(json.dumps([{"id": "a", "conversations": [{"from": "human", "value": "Hello there"}]}]))
+    plan = build_plan(load_matrix(write_matrix(tmp_path, str(model_copy), sharegpt=sharegpt)))
+    store = open_store(plan)
+    finished_cell(store, plan.cells[0])  # workload w, engine e
+    store.close()
+    open_store(plan).close()  # unchanged inputs resume
+    weights = next(model_copy.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes() + b"\0")  # the checkpoint regenerated at the same path
+    with pytest.raises(UserError, match=rf"other inputs.*model {model_copy}/{weights.name}: bytes \d+ -> \d+.*--new-run"):
+        open_store(plan)
+    fresh = open_store(plan, new_run=True)
+    fresh.close()
+    assert not fresh.finished(plan.cells[0].cell_id)  # the new run starts empty
+    aside = [p for p in fresh.run_dir.parent.iterdir() if p.name.startswith(f"{plan.run_id}.replaced-")]
+    assert len(aside) == 1 and (aside[0] / "cells" / f"{plan.cells[0].cell_id}.json").is_file()  # kept, not deleted
+    store = open_store(plan)
+    chat = next(c for c in plan.cells if c.workload == "chat")
+    finished_cell(store, chat)
+    store.close()
+    time.sleep(0.01)
+    sharegpt.write_text(sharegpt.read_text().replace("Hello", "Howdy"))
+    with pytest.raises(UserError, match=rf"dataset {sharegpt}: .*modified_utc.*\(workload chat\)"):
+        open_store(plan)
+
+
+def test_changed_inputs_of_cells_not_finished_yet_are_recorded_anew(tmp_path: Path, model_copy: Path) -> None:
+    plan = build_plan(load_matrix(write_matrix(tmp_path, str(model_copy))))
+    open_store(plan).close()  # nothing finished
+    (model_copy / "config.json").write_text((model_copy / "config.json").read_text() + "\n")
+    notes: list[str] = []
+    run_dir = Path(plan.matrix.matrix.output_root) / plan.run_id
+    from benchsuite.runner import build_manifest
+
+    RunStore.open(run_dir, build_manifest(plan), notify=notes.append).close()
+    assert any("recorded anew" in n for n in notes), notes
+
+
+# ---- damaged files -----------------------------------------------------------------------------
+
+DAMAGE: dict[str, Any] = {
+    "empty_list": b"[]",
+    "null": b"null",
+    "garbage": b"\x00\xff\xfegarbage{",
+    "number": b"42",
+    "no_schema": lambda p: {k: v for k, v in p.items() if k != "schema_version"},
+    "schema_as_text": lambda p: {**p, "schema_version": "1"},
+    "no_attempt": lambda p: {k: v for k, v in p.items() if k != "attempt"},
+    "no_cell": lambda p: {k: v for k, v in p.items() if k != "cell"},
+    "cell_missing_field": lambda p: {**p, "cell": {k: v for k, v in p["cell"].items() if k != "status"}},
+    "cell_wrong_type": lambda p: {**p, "cell": {**p["cell"], "concurrency": "many"}},
+    "cell_of_another_id": lambda p: {**p, "cell": {**p["cell"], "cell_id": "0123456789ab"}},
+    "requests_not_a_list": lambda p: {**p, "requests": {"a": 1}},
+    "request_wrong_type": lambda p: {**p, "requests": [{"cell_id": 1}]},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(DAMAGE))
+def test_a_damaged_cell_file_is_named_set_aside_and_the_cell_runs_again(tmp_path: Path, kind: str) -> None:
+    notes: list[str] = []
+    store = RunStore.open(tmp_path / "r", {"matrix_hash": "h"}, notify=notes.append)
+    result = CellResult(cell_id="c0ffee000001", run_id="r", engine="e", engine_kind="builtin", mode="resident",
+                        server_id="s", params={}, workload="w", prompt_class="short", concurrency=1, repeat=0, status="ok")  # fmt: skip
+    store.write_cell(result, [])
+    path = store.cell_path(result.cell_id)
+    damage = DAMAGE[kind]
+    damaged = damage if isinstance(damage, bytes) else json.dumps(damage(json.loads(path.read_text()))).encode()
+    path.write_bytes(damaged)
+    assert not store.finished(result.cell_id)  # not measured: the run measures it again
+    assert len(notes) == 1 and str(path) in notes[0] and "damaged" in notes[0], notes
+    assert (store.run_dir / "attempts" / f"{result.cell_id}.1.json").read_bytes() == damaged
+    assert store.write_cell(result, []).attempt == 2  # numbered after the damaged attempt
+    store.rebuild_tables()
+    store.close()
+
+
+def test_a_damaged_manifest_is_one_line_and_new_run_starts_afresh(tmp_path: Path) -> None:
+    store = RunStore.open(tmp_path / "r", {"matrix_hash": "h"})
+    store.close()
+    for damage in (b"[]", b"null", b"\xff\x00", b'{"schema_version": "x"}'):
+        store.manifest_path.write_bytes(damage)
+        with pytest.raises(UserError, match=r"manifest.json is damaged \(.*\); .*--new-run") as err:
+            RunStore.open(tmp_path / "r", {"matrix_hash": "h"})
+        assert "\n" not in str(err.value)
+    RunStore.open(tmp_path / "r", {"matrix_hash": "h"}, new_run=True).close()
+
+
+def test_a_damaged_cell_is_measured_again_by_the_next_run(tmp_path: Path, model_copy: Path) -> None:
+    path = write_matrix(tmp_path, str(model_copy), output_tokens=4)
+    first = cli(str(path))
+    assert first.returncode == 0, first.stderr + first.stdout
+    plan = build_plan(load_matrix(path))
+    run_dir = Path(plan.matrix.matrix.output_root) / plan.run_id
+    cell_file = run_dir / "cells" / f"{plan.cells[0].cell_id}.json"
+    cell_file.write_bytes(b"null")
+    second = cli(str(path))
+    assert second.returncode == 0, second.stderr + second.stdout
+    damaged_lines = [line for line in second.stderr.splitlines() if "damaged" in line]
+    assert len(damaged_lines) == 1 and str(cell_file) in damaged_lines[0], second.stderr
+    stored = json.loads(cell_file.read_text())
+    assert stored["attempt"] == 2 and stored["cell"]["status"] == "ok"
+    assert (run_dir / "attempts" / f"{plan.cells[0].cell_id}.1.json").read_bytes() == b"null"
+
+
+# ---- the engine's environment ------------------------------------------------------------------
+
+
+async def test_the_engine_gets_what_it_needs_and_what_the_matrix_declares_only(
+    tmp_path: Path, model_copy: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import psutil
+
+    from benchsuite.runner import RunContext, client_session, launch_server
+
+    path = write_matrix(tmp_path, str(model_copy))
+    doc = yaml.safe_load(path.read_text())
+    doc["env"] = {"DECLARED_FOR_ALL": "1"}
+    doc["engines"]["e"]["env"] = {"DECLARED_FOR_E": 2, "HF_TOKEN": "secret-value"}
+    path.write_text(yaml.safe_dump(doc))
+    monkeypatch.setenv("LLAMA_ARG_CTX_SIZE", "5")  # left in the user's shell: must not reach an engine
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    plan = build_plan(load_matrix(path))
+    store = open_store(plan)
+    try:
+        async with client_session() as session:
+            async with launch_server(RunContext(plan, store, session), plan.servers[0]) as server:
+                env = psutil.Process(server.process.pid).environ()
+    finally:
+        store.close()
+    assert env["DECLARED_FOR_ALL"] == "1" and env["DECLARED_FOR_E"] == "2" and env["PATH"] == os.environ["PATH"]
+    assert "LLAMA_ARG_CTX_SIZE" not in env and "OMP_NUM_THREADS" not in env
+    manifest = json.loads((store.run_dir / "manifest.json").read_text())
+    recorded = manifest["servers"][plan.servers[0].server_id]["env"]
+    assert recorded["DECLARED_FOR_E"] == "2" and recorded["HF_TOKEN"] == "<set>" and "LLAMA_ARG_CTX_SIZE" not in recorded
+    assert "secret-value" not in (store.run_dir / "manifest.json").read_text()
+
+
+@pytest.mark.llamacpp
+async def test_llama_server_is_started_so_no_web_page_can_read_it(tmp_path: Path) -> None:
+    import aiohttp
+
+    from benchsuite.engines.base import ServerSpec
+    from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter, binary_flags, find_binary
+    from benchsuite.process import EngineProcess, free_port
+
+    binary = find_binary()
+    if binary is None:
+        pytest.skip("no llama-server on PATH or in the cache: run `benchsuite install llama-server`")
+    adapter = LlamaCppAdapter()
+    spec = ServerSpec("cors", "llamacpp", {"model": "tiny", "threads": 2}, {"kv_capacity_tokens": 256}, 1, "cors")
+    adapter.prepare(spec)
+    port = free_port()
+    launch = adapter.launch_plan(spec, port)
+    assert "--cors-origins" in binary_flags(binary), "the pinned build lists --cors-origins"
+    base = f"http://127.0.0.1:{port}"
+    async with EngineProcess(launch.argv, launch.env, tmp_path / "server.log", f"{base}/health", 120):
+        async with aiohttp.ClientSession() as http:
+            for path in ("/props", "/metrics", "/v1/models"):
+                headers = {"Origin": "http://evil.example"}
+                async with http.get(base + path, headers=headers) as resp:
+                    allowed = resp.headers.get("Access-Control-Allow-Origin")
+                    assert allowed not in ("*", "http://evil.example"), (path, dict(resp.headers))
+                    assert resp.headers.get("Access-Control-Allow-Credentials") != "true"
+                async with http.options(base + path, headers={**headers, "Access-Control-Request-Method": "GET"}) as resp:
+                    assert resp.headers.get("Access-Control-Allow-Origin") not in ("*", "http://evil.example")
+    assert "cross_origin" in adapter.version(spec) and "--cors-origins" in adapter.version(spec)["cross_origin"]
