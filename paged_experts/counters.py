@@ -172,20 +172,29 @@ class _PrefillStep:
         self.end: TimeMark | None = None
         self.copies: list[tuple[TimeMark, TimeMark]] = []
 
+    def finished(self) -> bool:
+        """Every mark reached on the device (never waits)."""
+        marks = [self.start, *([] if self.end is None else [self.end]), *(m for pair in self.copies for m in pair)]
+        return all(isinstance(m, float) or m.query() for m in marks)
+
 
 class _PrefillAcc:
     def __init__(self) -> None:
         self.values: dict[str, float] = {f.name: 0 for f in fields(PrefillCounts)}
         self.steps: list[_PrefillStep] = []  # unresolved, oldest first
 
-    def resolve(self, keep_last: bool) -> None:
-        """Turns finished steps' marks into seconds; `keep_last`: the newest step may still grow."""
-        done = self.steps[:-1] if keep_last else self.steps
-        for step in done:
+    def resolve(self, finished_only: bool = False) -> None:
+        """Turns steps' marks into seconds, oldest first; `finished_only`: only steps the device has
+        finished and not the newest (which may still grow), without waiting for anything."""
+        done = 0
+        for step in self.steps[:-1] if finished_only else self.steps:
+            if finished_only and not step.finished():
+                break
             if step.end is not None:
                 self.values["span_s"] += _seconds(step.start, step.end)
             self.values["copy_time_s"] += sum(_seconds(a, b) for a, b in step.copies)
-        self.steps = self.steps[len(done) :]
+            done += 1
+        del self.steps[:done]
 
 
 class PagingCounters:
@@ -239,7 +248,7 @@ class PagingCounters:
         """A prefill step starts (its first paged layer): `chunks` prompt chunks of `tokens` tokens."""
         acc = self._prefill
         if len(acc.steps) >= 64:
-            acc.resolve(keep_last=False)  # a long run without snapshots must not pile up events
+            acc.resolve(finished_only=True)  # a long run without snapshots must not pile up events
         acc.steps.append(_PrefillStep(start))
         acc.values["steps"] += 1
         acc.values["chunks"] += chunks
@@ -278,7 +287,7 @@ class PagingCounters:
             layers.append(
                 LayerCounts(**{f.name: (float(v[f.name]) if f.name == "copy_time_s" else int(v[f.name])) for f in fields(LayerCounts)})
             )
-        self._prefill.resolve(keep_last=False)
+        self._prefill.resolve()
         v = self._prefill.values
         prefill = PrefillCounts(**{f.name: (float(v[f.name]) if f.type == "float" else int(v[f.name])) for f in fields(PrefillCounts)})
         return CountersSnapshot(layers=tuple(layers), expert_bytes=self.expert_bytes, mode=self.mode, prefill=prefill)

@@ -151,3 +151,18 @@ def test_recent_leaves_the_last_tokens_experts_where_lru_does_not() -> None:
     for layer, experts in last.items():
         assert set(experts) <= kept["recent"][layer]
     assert any(not set(experts) <= kept["lru"][layer] for layer, experts in last.items())
+
+
+def test_prefill_marks_do_not_pile_up_without_snapshots() -> None:
+    """A server that is never scraped keeps at most 64 prefill steps' marks; the totals stay exact."""
+    from paged_experts.counters import PagingCounters
+
+    counters = PagingCounters(num_layers=2, expert_bytes=10, mode="paged")
+    for i in range(200):
+        counters.prefill_begin(chunks=1, tokens=5, start=float(i))
+        counters.prefill_copy(30, float(i), i + 0.25)
+        counters.prefill_layer_end(end=i + 0.5, waves=3, hits=1, misses=3)
+        assert len(counters._prefill.steps) <= 64
+    p = counters.snapshot().prefill
+    assert (p.steps, p.chunks, p.tokens, p.waves, p.bytes_paged_in) == (200, 200, 1000, 600, 6000)
+    assert p.span_s == pytest.approx(100.0) and p.copy_time_s == pytest.approx(50.0) and p.copy_busy_fraction == pytest.approx(0.5)
