@@ -166,3 +166,36 @@ def test_prefill_marks_do_not_pile_up_without_snapshots() -> None:
     p = counters.snapshot().prefill
     assert (p.steps, p.chunks, p.tokens, p.waves, p.bytes_paged_in) == (200, 200, 1000, 600, 6000)
     assert p.span_s == pytest.approx(100.0) and p.copy_time_s == pytest.approx(50.0) and p.copy_busy_fraction == pytest.approx(0.5)
+
+
+def test_a_reused_step_context_opens_a_new_step() -> None:
+    """Page-ins wait only for their step's start: a layer run twice under one context is two steps."""
+    from paged_experts.moe import StepContext
+
+    model = paged(TINY, 8)
+    ctx = StepContext(seq_ids=(0,) * 40, positions=tuple(range(40)))
+    x = torch.randn(40, model.config.hidden_size)
+    for _ in range(2):
+        for layer in model.moe_layers:
+            layer.forward(x, ctx, None, [])
+    assert model.counters.snapshot().prefill.steps == 2
+
+
+def test_page_ins_wait_for_the_wave_that_last_read_their_slot() -> None:
+    """The dependencies the page-in stream waits on, replayed over a real multi-wave plan: every
+    page-in waits for the last earlier wave that served its slot, never a later one, and never for
+    the wave just before it (that one computes while the copy runs)."""
+    from paged_experts.moe.streaming import wait_groups
+
+    assert wait_groups([(9, 3), (8, 1), (7, 0)], {1: 2, 0: 0}) == [(-1, [(9, 3)]), (0, [(7, 0)]), (2, [(8, 1)])]
+    residency = LayerResidency(64, 16)
+    plan = residency.plan_step([(7 * i) % 64 for i in range(400)])
+    slot_wave: dict[int, int] = {}
+    for j, wave in enumerate(plan.waves):
+        groups = wait_groups(wave.page_ins, slot_wave)
+        assert sorted(p for _, pairs in groups for p in pairs) == sorted(wave.page_ins)
+        for after, pairs in groups:
+            assert after <= j - 2 and all(slot_wave.get(s, -1) == after for _, s in pairs)
+        for s in wave.slots:
+            slot_wave[s] = j
+    assert len(plan.waves) > 4

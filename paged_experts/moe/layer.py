@@ -81,7 +81,7 @@ class MoeLayer:
     ) -> torch.Tensor:
         """x: [T, H] on the device -> [T, H]."""
         sh = self.shared
-        sh.steps.enter(ctx, ctx.seq_ids, sh.device, sh.counters)  # the first layer of a step opens it
+        sh.steps.enter(ctx, self.layer_idx, ctx.seq_ids, sh.device, sh.counters)  # the first layer of a step opens it
         ids_cpu = None
         if router_override is not None:
             t0 = time.perf_counter()

@@ -45,6 +45,18 @@ def prompt_chunks(seq_ids: Sequence[int]) -> tuple[int, int]:
     return len(chunks), sum(chunks)
 
 
+def wait_groups(
+    page_ins: Sequence[tuple[int, int]], slot_wave: dict[int, int]
+) -> list[tuple[int, list[tuple[int, int]]]]:
+    """A wave's (expert, slot) page-ins grouped by the wave of this step that last read the slot
+    (-1: none), earliest first: each group's copies need only that wave's compute to be done, and
+    the copies into slots no wave read go first, waiting for nothing."""
+    groups: dict[int, list[tuple[int, int]]] = {}
+    for expert, slot in page_ins:
+        groups.setdefault(slot_wave.get(slot, -1), []).append((expert, slot))
+    return sorted(groups.items())
+
+
 def mark(device: torch.device) -> TimeMark:
     """A point in time: an event recorded on the current CUDA stream, or perf_counter on the CPU."""
     if device.type != "cuda":
@@ -60,16 +72,22 @@ class StepStreams:
 
     def __init__(self) -> None:
         self._key: object = None
+        self._layers: set[int] = set()  # layers entered in the current step
         self.start: TimeMark | None = None
         self.prefill = False  # the step has a prompt chunk (its host-planned layer-steps are counted)
         # Paged layers planned on the device register here, so the first host-planned layer of a step
         # reads every layer's device state at once (one host read per step, before any page-in).
         self.device_planned: list[Any] = []
 
-    def enter(self, key: object, seq_ids: Sequence[int], device: torch.device, counters: PagingCounters) -> None:
-        if key is self._key:
+    def enter(self, key: object, layer: int, seq_ids: Sequence[int], device: torch.device, counters: PagingCounters) -> None:
+        """A layer begins its part of the step `key` (the step's context). A layer entering twice
+        under one key is a new step too (a caller reusing a context): a step's page-ins wait only
+        for its start, so a step must never be taken for the one before it."""
+        if key is self._key and layer not in self._layers:
+            self._layers.add(layer)
             return
         self._key = key  # held, so its id is never reused while it is compared
+        self._layers = {layer}
         self.start = mark(device)
         chunks, tokens = prompt_chunks(seq_ids)
         self.prefill = chunks > 0
@@ -100,9 +118,6 @@ class LayerCopies:
         """Issues the wave's page-ins; the compute stream waits for them before the wave's compute."""
         if not wave.page_ins:
             return
-        groups: dict[int, list[tuple[int, int]]] = {}  # wave that last read the slot (-1: none) -> pairs
-        for expert, slot in wave.page_ins:
-            groups.setdefault(self.slot_wave.get(slot, -1), []).append((expert, slot))
         if self.copy is None:
             start = mark(self.device)
             copy_rows(wave.page_ins)
@@ -110,12 +125,12 @@ class LayerCopies:
             return
         assert self.compute is not None
         with torch.cuda.stream(self.copy):
-            for after in sorted(groups):  # free slots first: they wait for no compute
+            for after, pairs in wait_groups(wave.page_ins, self.slot_wave):
                 if after >= 0:
                     self.copy.wait_event(self.done[after])
                 start = mark(self.device)
-                copy_rows(groups[after])
-                self._count(len(groups[after]), start, mark(self.device))
+                copy_rows(pairs)
+                self._count(len(pairs), start, mark(self.device))
             landed = torch.cuda.Event()
             landed.record(self.copy)
         self.compute.wait_event(landed)
