@@ -47,6 +47,7 @@ def test_floor_from_the_bytes_per_chunk_and_the_link() -> None:
     pg = table.loc["pg"]
     assert pg["prefill_gb_per_chunk"] == pytest.approx(50.0) and pg["floor_s"] == pytest.approx(1.0)
     assert pg["ttft_of_floor"] == pytest.approx(1.3) and pg["resident_ttft_s"] == pytest.approx(0.32)
+    assert pg["paging_of_floor"] == pytest.approx(1.25)  # 0.05 s of the TTFT was the synthetic router's
     assert (pg["router_s"], pg["copy_busy"], pg["waves_per_layer"], pg["note"]) == (0.05, 0.75, 10.0, "")
     assert pd.isna(table.loc["short", "resident_ttft_s"]) and table.loc["short", "floor_s"] == pytest.approx(0.4)
     assert pd.isna(table.loc["res0", "floor_s"])  # a resident cell pages nothing: no floor, its TTFT is the compute

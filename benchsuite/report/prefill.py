@@ -6,6 +6,7 @@ same run's resident cell with the same workload, routing, concurrency and prompt
     floor_s        = prefill_bytes_per_chunk / link_B_per_s      (the page-in alone, nothing else)
     ttft_of_floor  = ttft_p50_s / floor_s                         (issue 20's target: <= 1.3 at 2,048 tokens)
     router_s       = host time of a synthetic router per chunk   (in every mode's TTFT alike: not paging)
+    paging_of_floor = (ttft_p50_s - router_s) / floor_s           (the same without the synthetic router's draws)
     resident_ttft_s = median TTFT p50 of the matching resident cells (the compute with nothing to page)
 
 Without a link figure the row shows bytes and times only, and says why. The decode columns show what
@@ -27,7 +28,7 @@ TITLE = "Prefill against its page-in floor"
 TARGET_OF_FLOOR = 1.3
 COLUMNS = (
     "run_id", "configuration", "routing", "workload", "prompt_class", "concurrency", "repeat", "ttft_p50_s",
-    "prefill_gb_per_chunk", "link_gb_per_s", "floor_s", "ttft_of_floor", "router_s", "resident_ttft_s",
+    "prefill_gb_per_chunk", "link_gb_per_s", "floor_s", "ttft_of_floor", "router_s", "paging_of_floor", "resident_ttft_s",
     "copy_s", "span_s", "copy_busy", "waves_per_layer", "decode_tok_s_p50", "decode_miss_rate", "note", "cell_id",
 )  # fmt: skip
 INTRO = (
@@ -36,7 +37,7 @@ INTRO = (
     "waves per layer) and the floor those bytes set on the link measured at the start of the run "
     f"(floor = bytes / link; ttft_of_floor = TTFT / floor, target &le; {TARGET_OF_FLOOR}). router_s is the host "
     "time a synthetic router spent drawing the chunk's routing: every mode's TTFT carries it, paging does not "
-    "cause it. resident_ttft_s is the same run's resident cell (same workload, routing, concurrency, prompt class). "
+    "cause it (a model's own router runs on the GPU); paging_of_floor = (TTFT - router_s) / floor. resident_ttft_s is the same run's resident cell (same workload, routing, concurrency, prompt class). "
     "decode_miss_rate is the miss rate outside prefill steps: what the prefill residency left for the decode.</p>"
 )
 
@@ -58,7 +59,7 @@ def _resident_ttft(cells: pd.DataFrame) -> dict[tuple[Any, ...], float]:
 
 
 def _row(c: pd.Series, link: float | None, link_why: str, resident: float | None) -> dict[str, Any]:
-    ttft, per_chunk = _value(c, "ttft_p50_s"), _value(c, "prefill_bytes_per_chunk")
+    ttft, per_chunk, router = _value(c, "ttft_p50_s"), _value(c, "prefill_bytes_per_chunk"), _value(c, "prefill_router_s_per_chunk")
     floor_s = per_chunk / (link * GB) if link and per_chunk else None
     notes = [f"cell {c['status']}"] if c["status"] != "ok" else []
     if link is None and per_chunk:
@@ -71,7 +72,9 @@ def _row(c: pd.Series, link: float | None, link_why: str, resident: float | None
         "ttft_p50_s": ttft, "prefill_gb_per_chunk": None if per_chunk is None else per_chunk / GB,
         "link_gb_per_s": link, "floor_s": floor_s,
         "ttft_of_floor": ttft / floor_s if ttft is not None and floor_s else None,
-        "router_s": _value(c, "prefill_router_s_per_chunk"), "resident_ttft_s": resident,
+        "router_s": router,
+        "paging_of_floor": (ttft - (router or 0.0)) / floor_s if ttft is not None and floor_s else None,
+        "resident_ttft_s": resident,
         "copy_s": _value(c, "prefill_copy_s_per_chunk"), "span_s": _value(c, "prefill_span_s_per_chunk"),
         "copy_busy": _value(c, "prefill_copy_busy"), "waves_per_layer": _value(c, "prefill_waves_per_layer"),
         "decode_tok_s_p50": _value(c, "decode_tok_s_p50"), "decode_miss_rate": _value(c, "decode_miss_rate"),
