@@ -20,7 +20,7 @@ compute) and `serial` (the same plan with the page-in stream taken away, so copi
 compute stream behind each wave: the comparison that shows what the overlap buys).
 
     python benchmarks/prefill_h200.py --out prefill.json            # ~6 min on one H200
-    python benchmarks/prefill_h200.py --out p.json --preset tiny --layers 4 --device cpu --ks 8 --repeats 1   # CPU smoke
+    python benchmarks/prefill_h200.py --out p.json --preset tiny --layers 4 --device cpu --ks 8   # CPU smoke
 """
 
 from __future__ import annotations
@@ -151,16 +151,27 @@ def run_cell(cell: Cell, args: argparse.Namespace, link_b_per_s: float | None) -
     hits, misses = sum(r["decode_hits"] for r in measured), sum(r["decode_misses"] for r in measured)
     floor_s = bytes_paged / link_b_per_s if link_b_per_s and bytes_paged else None
     router_s = statistics.median(r["prefill"]["router_s"] for r in measured)
+    copy_busy = [r["prefill"]["copy_busy_fraction"] or 0.0 for r in measured]
     return {
-        **asdict(cell), "cell": cell.name, "build_s": build_s, "prefill_s": prefill_s,
-        "prefill_bytes": bytes_paged, "floor_s": floor_s, "of_floor": prefill_s / floor_s if floor_s else None,
-        "copy_busy": statistics.median(r["prefill"]["copy_busy_fraction"] or 0.0 for r in measured) if cell.mode == "paged" else None,
-        "waves_per_layer": statistics.median(r["prefill"]["waves"] / max(1, r["prefill"]["layer_steps"]) for r in measured),
-        "router_s": router_s, "paging_of_floor": (prefill_s - router_s) / floor_s if floor_s else None,
+        **asdict(cell),
+        "cell": cell.name,
+        "build_s": build_s,
+        "prefill_s": prefill_s,
+        "prefill_bytes": bytes_paged,
+        "floor_s": floor_s,
+        "of_floor": prefill_s / floor_s if floor_s else None,
+        "copy_busy": statistics.median(copy_busy) if cell.mode == "paged" else None,
+        "waves_per_layer": statistics.median(
+            r["prefill"]["waves"] / max(1, r["prefill"]["layer_steps"]) for r in measured
+        ),
+        "router_s": router_s,
+        "paging_of_floor": (prefill_s - router_s) / floor_s if floor_s else None,
         "decode_hit_rate": hits / (hits + misses) if hits + misses else None,
-        "decode_tok_s_eager": args.decode * len(measured) / sum(r["decode_s"] for r in measured) if args.decode else None,
+        "decode_tok_s_eager": args.decode * len(measured) / sum(r["decode_s"] for r in measured)
+        if args.decode
+        else None,
         "runs": runs,
-    }  # fmt: skip
+    }
 
 
 _PAGE_IN_STREAM = paged_module.page_in_stream
@@ -177,22 +188,25 @@ def provenance() -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _fmt(value: float | None, spec: str) -> str:
+    return format(value, spec) if value is not None else "-"
+
+
 def render(record: dict[str, Any]) -> str:
     link = record["link"].get("paging_gb_per_s")
     lines = [f"link (paging figure): {f'{link:.1f} GB/s' if link else record['link'].get('error')}",
-             f"{'cell':<40} {'prefill s':>9} {'GB':>6} {'floor s':>8} {'/floor':>7} {'busy':>5} {'waves/L':>7}"
-             f" {'router s':>8} {'-router':>7} {'dec hit':>7}"]  # fmt: skip
+             (f"{'cell':<40} {'prefill s':>9} {'GB':>6} {'floor s':>8} {'/floor':>7} {'busy':>5} {'waves/L':>7}"
+              f" {'router s':>8} {'-router':>7} {'dec hit':>7}")]  # fmt: skip
     for c in record["cells"]:
         if "error" in c:
             lines.append(f"{c['cell']:<40} {c['error']}")
             continue
-
-        def f(v: float | None, spec: str) -> str:
-            return format(v, spec) if v is not None else "-"
-
-        lines.append(f"{c['cell']:<40} {c['prefill_s']:>9.3f} {c['prefill_bytes'] / 1e9:>6.1f} {f(c['floor_s'], '8.3f'):>8}"
-                     f" {f(c['of_floor'], '7.2f'):>7} {f(c['copy_busy'], '5.2f'):>5} {c['waves_per_layer']:>7.1f}"
-                     f" {c['router_s']:>8.3f} {f(c['paging_of_floor'], '7.2f'):>7} {f(c['decode_hit_rate'], '7.3f'):>7}")  # fmt: skip
+        figures = (
+            f"{c['prefill_s']:>9.3f} {c['prefill_bytes'] / 1e9:>6.1f} {_fmt(c['floor_s'], '8.3f'):>8}",
+            f"{_fmt(c['of_floor'], '7.2f'):>7} {_fmt(c['copy_busy'], '5.2f'):>5} {c['waves_per_layer']:>7.1f}",
+            f"{c['router_s']:>8.3f} {_fmt(c['paging_of_floor'], '7.2f'):>7} {_fmt(c['decode_hit_rate'], '7.3f'):>7}",
+        )
+        lines.append(f"{c['cell']:<40} " + " ".join(figures))
     return "\n".join(lines)
 
 
@@ -230,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     record["link"] = measure_link(args.device)
     link = record["link"].get("paging_gb_per_s")
     link_b_per_s = link * 1e9 if link else None
-    cells = plan_cells([int(k) for k in args.ks.split(",") if k], args.routings.split(","), args.keeps.split(","), paths)
+    cells = plan_cells(
+        [int(k) for k in args.ks.split(",") if k], args.routings.split(","), args.keeps.split(","), paths
+    )
     txt = args.out.with_suffix(".txt")
     for cell in cells:
         if time.perf_counter() - t_start > args.deadline_s:

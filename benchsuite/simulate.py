@@ -134,12 +134,17 @@ class LayerReplay:
     union: np.ndarray
 
     def stats(self, layer: int, mask: np.ndarray, step_tokens: np.ndarray) -> LayerStats:
-        return LayerStats(layer, int(mask.sum()), int(step_tokens[mask].sum()), int(self.hits[mask].sum()),
-                          int(self.misses[mask].sum()), int(self.waves[mask].sum()), int(self.union[mask].sum()))  # fmt: skip
+        counts = (int(a[mask].sum()) for a in (step_tokens, self.hits, self.misses, self.waves, self.union))
+        return LayerStats(layer, int(mask.sum()), *counts)
 
 
 def replay_layer(
-    routed: list[np.ndarray], num_experts: int, k: int, policy: str, seed: int = 0, prefill_keep: str = DEFAULT_PREFILL_KEEP
+    routed: list[np.ndarray],
+    num_experts: int,
+    k: int,
+    policy: str,
+    seed: int = 0,
+    prefill_keep: str = DEFAULT_PREFILL_KEEP,
 ) -> LayerReplay:
     """Replay one layer's per-step routed ids (token order) through a fresh `LayerResidency`."""
     residency = LayerResidency(num_experts, k, _policy(policy, routed, seed), prefill_keep=prefill_keep)

@@ -39,11 +39,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Union
+from typing import Any
 
 import torch
 
-TimeMark = Union[torch.cuda.Event, float]
+TimeMark = torch.cuda.Event | float
 """A point in time: a CUDA event (timing enabled) or a `time.perf_counter()` reading."""
 
 
@@ -289,7 +289,9 @@ class PagingCounters:
             )
         self._prefill.resolve()
         v = self._prefill.values
-        prefill = PrefillCounts(**{f.name: (float(v[f.name]) if f.type == "float" else int(v[f.name])) for f in fields(PrefillCounts)})
+        prefill = PrefillCounts(
+            **{f.name: (float if f.type == "float" else int)(v[f.name]) for f in fields(PrefillCounts)}
+        )
         return CountersSnapshot(layers=tuple(layers), expert_bytes=self.expert_bytes, mode=self.mode, prefill=prefill)
 
     def reset(self) -> None:

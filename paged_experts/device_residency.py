@@ -115,7 +115,9 @@ def pull_many(pairs: Sequence[tuple[DeviceResidency, LayerResidency]]) -> None:
     """Writes each device state into its host `LayerResidency` (LRU) with one device read for all."""
     if not pairs:
         return
-    rows = torch.cat([torch.cat([d.expert_in[: d.num_slots], d.last_use[: d.num_slots], d.step.view(1)]) for d, _ in pairs])
+    rows = torch.cat([
+        torch.cat([d.expert_in[: d.num_slots], d.last_use[: d.num_slots], d.step.view(1)]) for d, _ in pairs
+    ])
     values = rows.tolist()  # the one host read
     start = 0
     for dev, residency in pairs:

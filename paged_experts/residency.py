@@ -167,7 +167,11 @@ class LayerResidency:
     """K slots of one layer: the expert<->slot maps, the policy and the wave planner."""
 
     def __init__(
-        self, num_experts: int, num_slots: int, policy: EvictionPolicy | None = None, prefill_keep: str = DEFAULT_PREFILL_KEEP
+        self,
+        num_experts: int,
+        num_slots: int,
+        policy: EvictionPolicy | None = None,
+        prefill_keep: str = DEFAULT_PREFILL_KEEP,
     ) -> None:
         if not 1 <= num_slots <= num_experts:
             raise ValueError(f"num_slots must be in [1, {num_experts}], got {num_slots}")
@@ -251,7 +255,11 @@ class LayerResidency:
             if not candidates:
                 raise AssertionError(f"no slot to evict for expert {e}: {self.num_slots} slots all pinned")
             cold = candidates if rank is None or routed is None else [r for r in candidates if r not in routed]
-            victim = self.policy.victim(cold, self.step) if cold else min(candidates, key=rank.__getitem__)  # type: ignore[union-attr]
+            if cold:
+                victim = self.policy.victim(cold, self.step)
+            else:  # every candidate was routed in this step and is served already: the lowest rank leaves
+                assert rank is not None
+                victim = min(candidates, key=rank.__getitem__)
             slot = self.slot_of.pop(victim)
             self.slot_of[e] = slot
             self.expert_in[slot] = e

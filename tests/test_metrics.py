@@ -266,8 +266,10 @@ def test_paging_delta_prefill_fields() -> None:
              p + "prefill_waves_total": 900.0, p + "prefill_router_seconds_total": 1.5}  # fmt: skip
     delta = paging_delta(before, after)
     assert delta["prefill_chunks"] == 2
-    assert delta["prefill_bytes_per_chunk"] == pytest.approx(4.1e9) and delta["prefill_router_s_per_chunk"] == pytest.approx(0.25)
-    assert delta["prefill_copy_s_per_chunk"] == pytest.approx(0.15) and delta["prefill_span_s_per_chunk"] == pytest.approx(0.2)
+    assert delta["prefill_bytes_per_chunk"] == pytest.approx(4.1e9)
+    assert delta["prefill_router_s_per_chunk"] == pytest.approx(0.25)
+    assert delta["prefill_copy_s_per_chunk"] == pytest.approx(0.15)
+    assert delta["prefill_span_s_per_chunk"] == pytest.approx(0.2)
     assert delta["prefill_copy_busy"] == pytest.approx(0.75) and delta["prefill_waves_per_layer"] == pytest.approx(6.25)
     # decode: 900 hits and 200 misses outside the prefill steps
     assert delta["decode_miss_rate"] == pytest.approx(200 / 1100)

@@ -31,10 +31,14 @@ def long_prompt(model: MoeCausalLM, chunk: int, decode_steps: int = 3) -> list[t
     token = 40
     for start in range(0, len(PROMPT), chunk):
         piece = PROMPT[start : start + chunk]
-        out += model.forward([SeqChunk(short, [token], short.num_tokens), SeqChunk(long, piece, start, all_logits=True)])
+        out += model.forward(
+            [SeqChunk(short, [token], short.num_tokens), SeqChunk(long, piece, start, all_logits=True)]
+        )
         token += 1
     for step in range(decode_steps):
-        out += model.forward([SeqChunk(short, [token + step], short.num_tokens), SeqChunk(long, [7 + step], long.num_tokens)])
+        out += model.forward(
+            [SeqChunk(short, [token + step], short.num_tokens), SeqChunk(long, [7 + step], long.num_tokens)]
+        )
     return out
 
 
@@ -45,7 +49,9 @@ def assert_same(got: list[torch.Tensor], want: list[torch.Tensor], what: str) ->
 
 
 def paged(path: str, k: int, keep: str = "recent", dtype: str = "float32") -> MoeCausalLM:
-    return MoeCausalLM.from_pretrained(path, RuntimeConfig(mode="paged", resident_experts=k, prefill_residency=keep, dtype=dtype))
+    return MoeCausalLM.from_pretrained(
+        path, RuntimeConfig(mode="paged", resident_experts=k, prefill_residency=keep, dtype=dtype)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +73,9 @@ def test_long_prompt_paged_equals_resident_for_every_k(resident_fp32: dict[int, 
 
 
 @pytest.mark.parametrize("keep", PREFILL_KEEP)
-def test_every_prefill_residency_policy_equals_resident(keep: str, resident_fp32: dict[int, list[torch.Tensor]]) -> None:
+def test_every_prefill_residency_policy_equals_resident(
+    keep: str, resident_fp32: dict[int, list[torch.Tensor]]
+) -> None:
     for k in (4, 13):
         assert_same(long_prompt(paged(TINY, k, keep), 96), resident_fp32[96], f"{keep}, K={k}")
 
@@ -91,7 +99,9 @@ def test_prefill_counters_count_the_prompt_chunks_and_replay_in_the_planner() ->
     k = 6
     model = paged(TINY, k)
     routed: dict[int, list[list[int]]] = {}
-    model.routing_observers.append(lambda layer, ids, w, ctx: routed.setdefault(layer, []).append(ids.flatten().tolist()))
+    model.routing_observers.append(
+        lambda layer, ids, w, ctx: routed.setdefault(layer, []).append(ids.flatten().tolist())
+    )
     long_prompt(model, 96, decode_steps=2)
     snap = model.counters.snapshot()
     prefill, cfg = snap.prefill, model.config
@@ -143,11 +153,15 @@ def test_recent_leaves_the_last_tokens_experts_where_lru_does_not() -> None:
     k = 8
     models = {keep: paged(TINY, k, keep) for keep in ("recent", "lru")}
     last: dict[int, list[int]] = {}
-    models["recent"].routing_observers.append(lambda layer, ids, w, ctx: last.__setitem__(layer, ids[-2:].flatten().tolist()))
+    models["recent"].routing_observers.append(
+        lambda layer, ids, w, ctx: last.__setitem__(layer, ids[-2:].flatten().tolist())
+    )
     for model in models.values():
         pool = KvPool.for_model(model, capacity_tokens=512)
         model.forward([SeqChunk(pool.new_sequence(), PROMPT, 0)])
-    kept = {keep: [set(m.residency.expert_in) for m in model.moe_layers] for keep, model in models.items()}  # type: ignore[attr-defined]
+    kept = {  # the host planner's slots (on the CPU, every paged layer plans on the host)
+        keep: [set(m.residency.expert_in) for m in model.moe_layers] for keep, model in models.items()  # type: ignore
+    }
     for layer, experts in last.items():
         assert set(experts) <= kept["recent"][layer]
     assert any(not set(experts) <= kept["lru"][layer] for layer, experts in last.items())
@@ -165,7 +179,11 @@ def test_prefill_marks_do_not_pile_up_without_snapshots() -> None:
         assert len(counters._prefill.steps) <= 64
     p = counters.snapshot().prefill
     assert (p.steps, p.chunks, p.tokens, p.waves, p.bytes_paged_in) == (200, 200, 1000, 600, 6000)
-    assert p.span_s == pytest.approx(100.0) and p.copy_time_s == pytest.approx(50.0) and p.copy_busy_fraction == pytest.approx(0.5)
+    assert (
+        p.span_s == pytest.approx(100.0)
+        and p.copy_time_s == pytest.approx(50.0)
+        and p.copy_busy_fraction == pytest.approx(0.5)
+    )
 
 
 def test_a_reused_step_context_opens_a_new_step() -> None:

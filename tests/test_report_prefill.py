@@ -64,7 +64,9 @@ def test_without_a_link_the_rows_show_bytes_and_times_and_say_why() -> None:
 
 
 @pytest.mark.slow
-def test_end_to_end_on_the_builtin_server(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_end_to_end_on_the_builtin_server(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     script = "import json; print(json.dumps({'paging_gb_per_s': 10.0, 'device': 'scripted', 'schema_version': 1}))"
     monkeypatch.setattr(benchsuite.linkbw, "PROBE_ARGV", (sys.executable, "-c", script))
     model = {"model": str(tiny_model_dir), "routing": "qwen3-30b-a3b"}
@@ -88,4 +90,7 @@ def test_end_to_end_on_the_builtin_server(tiny_model_dir: Path, tmp_path: Path, 
         assert row["prefill_gb_per_chunk"] > 0 and row["link_gb_per_s"] == 10.0 and row["floor_s"] > 0
         assert row["router_s"] > 0 and 0 < row["copy_busy"] <= 1 and row["waves_per_layer"] >= 1
     long = paged[paged["prompt_class"] == "200"]
-    assert (long["resident_ttft_s"] > 0).all() and (long["ttft_of_floor"] > 0).all()
+    assert (long["ttft_of_floor"] > 0).all() and (long["paging_of_floor"] < long["ttft_of_floor"]).all()
+    resident = table[~table["configuration"].str.contains("paged") & (table["prompt_class"] == "200")]
+    if (resident["note"] == "").all():  # (a cell a busy client read in one go is invalid: issue 19 fixes that)
+        assert (long["resident_ttft_s"] > 0).all()

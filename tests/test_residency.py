@@ -24,7 +24,9 @@ class BruteForceLru:
         last = max(i for i, r in enumerate(routed) if r == e)
         return (last,) if self.keep == "recent" else (routed.count(e), last)
 
-    def _waves(self, routed: list[int], distinct: list[int], at_start: set[int]) -> tuple[list[list[int]], set[int], bool]:
+    def _waves(
+        self, routed: list[int], distinct: list[int], at_start: set[int]
+    ) -> tuple[list[list[int]], set[int], bool]:
         """(waves, protected, previous wave pinned)."""
         k = len(self.slots)
         resident = [e for e in distinct if e in at_start]

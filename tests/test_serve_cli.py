@@ -66,7 +66,8 @@ def test_parse_args_mirrors_sglang_and_llamacpp_names() -> None:
     assert parse_args(["--model-path", "/m", "--resident-experts", "4", "--mode", "paged"]).resident_experts == 4
     assert parse_args(["--model", "/m", "--n-cpu-moe", "2"]).mode == "cpu-experts"
     assert parse_args(["--model", "/m", "--mode", "offload"]).offload_layers is None  # all layers
-    assert parse_args(["--model", "/m", "--resident-experts", "8", "--prefill-residency", "lru"]).prefill_residency == "lru"
+    cfg = parse_args(["--model", "/m", "--resident-experts", "8", "--prefill-residency", "lru"])
+    assert cfg.prefill_residency == "lru"
 
 
 def test_cuda_graphs_and_expert_kernel_flags(tmp_path: Path) -> None:

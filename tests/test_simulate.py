@@ -94,7 +94,9 @@ def test_cli_labels_synthetic(tmp_path: Path, capsys) -> None:
 
 
 @pytest.mark.parametrize(("routing", "keep"), [(None, "recent"), ("reuse:0.5", "recent"), ("reuse:0.5", "lru")])
-def test_simulator_counts_equal_runtime_counters(tmp_path: Path, torch_one_thread: None, routing: str | None, keep: str) -> None:
+def test_simulator_counts_equal_runtime_counters(
+    tmp_path: Path, torch_one_thread: None, routing: str | None, keep: str
+) -> None:
     from paged_experts.kv import KvPool
     from paged_experts.model import MoeCausalLM, SeqChunk
     from paged_experts.routing import make_router
@@ -103,7 +105,8 @@ def test_simulator_counts_equal_runtime_counters(tmp_path: Path, torch_one_threa
 
     k_slots = 8
     ckpt = write_checkpoint("tiny", tmp_path / "ckpt", seed=3)
-    model = MoeCausalLM.from_pretrained(ckpt, RuntimeConfig(mode="paged", resident_experts=k_slots, prefill_residency=keep))
+    runtime_config = RuntimeConfig(mode="paged", resident_experts=k_slots, prefill_residency=keep)
+    model = MoeCausalLM.from_pretrained(ckpt, runtime_config)
     if routing is not None:
         model.router_override = make_router(routing, model.config, seed=1)
     writer = TraceWriter(tmp_path / "run.trace", model.config, source="model" if routing is None else f"synthetic:{routing}")

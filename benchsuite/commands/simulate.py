@@ -10,7 +10,13 @@ import math
 
 from benchsuite.errors import UserError
 from benchsuite.preflight import GB_BYTES, MB_BYTES, parse_link
-from benchsuite.simulate import SIM_POLICIES, LayerStats, SimOptions, SimResult, simulate
+from benchsuite.simulate import (
+    SIM_POLICIES,
+    LayerStats,
+    SimOptions,
+    SimResult,
+    simulate,
+)
 from paged_experts.residency import DEFAULT_PREFILL_KEEP, PREFILL_KEEP
 from paged_experts.trace import read_trace
 
@@ -61,9 +67,12 @@ def _row(r: SimResult, prefill: bool) -> str:
             f" {t.waves_per_step:>6.2f} {t.union_per_step:>7.1f} {tps}")  # fmt: skip
 
 
-def render(results: list[SimResult], header: list[str], per_layer: bool, prefill: bool = False, early_steps: int = 16) -> str:
+def render(
+    results: list[SimResult], header: list[str], per_layer: bool, prefill: bool = False, early_steps: int = 16
+) -> str:
     split = f" {'prefill':<8} {'dec hit':>7} {'early':>7}" if prefill else ""
-    cols = f"{'policy':<7}{split} {'K':>4} {'conc':>4} {'hit':>7} {'miss/tok':>9} {'MB/tok':>9} {'waves':>6} {'union':>7} {'tok/s':>9}"
+    cols = (f"{'policy':<7}{split} {'K':>4} {'conc':>4} {'hit':>7} {'miss/tok':>9} {'MB/tok':>9} {'waves':>6}"
+            f" {'union':>7} {'tok/s':>9}")  # fmt: skip
     lines = [*header, "", cols]
     if prefill:
         lines.insert(-1, f"dec hit: decode steps only; early: the first {early_steps} decode steps after each prefill")
@@ -111,8 +120,8 @@ def main(args: argparse.Namespace) -> int:
     meta = trace.meta
     label = f"SYNTHETIC routing ({meta.source})" if meta.synthetic else f"routing from {meta.source}"
     header = [
-        f"{label}: {args.trace}, model {meta.model or '-'}, {meta.num_layers} layers, E={meta.num_experts},"
-        f" top_k={meta.top_k}, {'prefill + decode' if args.include_prefill else 'decode steps only'}",
+        (f"{label}: {args.trace}, model {meta.model or '-'}, {meta.num_layers} layers, E={meta.num_experts},"
+         f" top_k={meta.top_k}, {'prefill + decode' if args.include_prefill else 'decode steps only'}"),
         f"expert bytes {expert_bytes:,.0f}" + ("" if args.expert_bytes else " (published Qwen3-30B-A3B int4)"),
     ]
     if link_b_per_s:
@@ -138,11 +147,14 @@ def _stats_dict(s) -> dict:
             "waves_per_step": _nan_to_none(s.waves_per_step), "union_per_step": _nan_to_none(s.union_per_step)}  # fmt: skip
 
 
+SPLITS = ("prefill", "decode", "early")
+
+
 def _result_dict(r: SimResult) -> dict:
     return {
         "policy": r.policy,
         "prefill_keep": r.prefill_keep,
-        **{name: None if st is None else _stats_dict(st) for name, st in (("prefill", r.prefill), ("decode", r.decode), ("early", r.early))},
+        **{name: None if s is None else _stats_dict(s) for name, s in zip(SPLITS, (r.prefill, r.decode, r.early))},
         "k": r.k,
         "concurrency": r.concurrency,
         "bytes_per_token": r.bytes_per_token,

@@ -28,8 +28,9 @@ TITLE = "Prefill against its page-in floor"
 TARGET_OF_FLOOR = 1.3
 COLUMNS = (
     "run_id", "configuration", "routing", "workload", "prompt_class", "concurrency", "repeat", "ttft_p50_s",
-    "prefill_gb_per_chunk", "link_gb_per_s", "floor_s", "ttft_of_floor", "router_s", "paging_of_floor", "resident_ttft_s",
-    "copy_s", "span_s", "copy_busy", "waves_per_layer", "decode_tok_s_p50", "decode_miss_rate", "note", "cell_id",
+    "prefill_gb_per_chunk", "link_gb_per_s", "floor_s", "ttft_of_floor", "router_s", "paging_of_floor",
+    "resident_ttft_s", "copy_s", "span_s", "copy_busy", "waves_per_layer", "decode_tok_s_p50", "decode_miss_rate",
+    "note", "cell_id",
 )  # fmt: skip
 INTRO = (
     "<p>Every built-in cell that prefilled prompts: its TTFT p50 beside what the engine counted per prompt chunk "
@@ -37,7 +38,8 @@ INTRO = (
     "waves per layer) and the floor those bytes set on the link measured at the start of the run "
     f"(floor = bytes / link; ttft_of_floor = TTFT / floor, target &le; {TARGET_OF_FLOOR}). router_s is the host "
     "time a synthetic router spent drawing the chunk's routing: every mode's TTFT carries it, paging does not "
-    "cause it (a model's own router runs on the GPU); paging_of_floor = (TTFT - router_s) / floor. resident_ttft_s is the same run's resident cell (same workload, routing, concurrency, prompt class). "
+    "cause it (a model's own router runs on the GPU); paging_of_floor = (TTFT - router_s) / floor. "
+    "resident_ttft_s is the same run's resident cell (same workload, routing, concurrency, prompt class). "
     "decode_miss_rate is the miss rate outside prefill steps: what the prefill residency left for the decode.</p>"
 )
 
@@ -59,7 +61,11 @@ def _resident_ttft(cells: pd.DataFrame) -> dict[tuple[Any, ...], float]:
 
 
 def _row(c: pd.Series, link: float | None, link_why: str, resident: float | None) -> dict[str, Any]:
-    ttft, per_chunk, router = _value(c, "ttft_p50_s"), _value(c, "prefill_bytes_per_chunk"), _value(c, "prefill_router_s_per_chunk")
+    ttft, per_chunk, router = (
+        _value(c, "ttft_p50_s"),
+        _value(c, "prefill_bytes_per_chunk"),
+        _value(c, "prefill_router_s_per_chunk"),
+    )
     floor_s = per_chunk / (link * GB) if link and per_chunk else None
     notes = [f"cell {c['status']}"] if c["status"] != "ok" else []
     if link is None and per_chunk:

@@ -54,7 +54,7 @@ class MoeShared:
     counters: PagingCounters
     page_in: PageInEngine
     offload_buffer: ExpertTensors | None  # [E, ...] on the device, reused by every offloaded layer
-    steps: StepStreams = field(default_factory=StepStreams)  # the current step's start, for paged layers' page-in streams
+    steps: StepStreams = field(default_factory=StepStreams)  # the current step's start (paged layers' page-ins)
 
 
 class MoeLayer:

@@ -72,7 +72,8 @@ class PagedLayer(MoeLayer):
     ) -> torch.Tensor:
         sh = self.shared
         ids_cpu = ids.to("cpu", torch.long) if ids_cpu is None else ids_cpu  # [T, k]: the one sync per layer, if any
-        copies = LayerCopies(sh.device, page_in_stream(sh.device), sh.steps, sh.counters, self.layer_idx, sh.expert_bytes)
+        stream = page_in_stream(sh.device)
+        copies = LayerCopies(sh.device, stream, sh.steps, sh.counters, self.layer_idx, sh.expert_bytes)
         run, n = self.waves.step(self.kernel, x, ids_cpu, self.host, self.device_experts, sh.page_in, copies)
         self.record_host(union=n.union, routed_pairs=ids_cpu.numel(), hits=n.hits, misses=n.misses, waves=n.waves)
         return run.finish(weights).to(sh.device)
@@ -153,7 +154,8 @@ class PagedLayer(MoeLayer):
         """A copy of this layer's LRU state as the host planner's type (what the simulator replays)."""
         if self.device_lru is None:
             return copy.deepcopy(self.residency)
-        state = LayerResidency(self.shared.num_experts, self.device_lru.residency.num_slots, prefill_keep=self.residency.prefill_keep)
+        k, keep = self.device_lru.residency.num_slots, self.residency.prefill_keep
+        state = LayerResidency(self.shared.num_experts, k, prefill_keep=keep)
         self.device_lru.residency.pull_to(state)
         return state
 

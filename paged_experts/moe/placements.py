@@ -9,7 +9,13 @@ from typing import ClassVar
 
 import torch
 
-from paged_experts.moe.layer import BeforeCompute, ExpertsFn, MoeLayer, MoeShared, StepContext
+from paged_experts.moe.layer import (
+    BeforeCompute,
+    ExpertsFn,
+    MoeLayer,
+    MoeShared,
+    StepContext,
+)
 from paged_experts.store import ExpertTensors
 
 

@@ -79,7 +79,9 @@ class StepStreams:
         # reads every layer's device state at once (one host read per step, before any page-in).
         self.device_planned: list[Any] = []
 
-    def enter(self, key: object, layer: int, seq_ids: Sequence[int], device: torch.device, counters: PagingCounters) -> None:
+    def enter(
+        self, key: object, layer: int, seq_ids: Sequence[int], device: torch.device, counters: PagingCounters
+    ) -> None:
         """A layer begins its part of the step `key` (the step's context). A layer entering twice
         under one key is a new step too (a caller reusing a context): a step's page-ins wait only
         for its start, so a step must never be taken for the one before it."""
@@ -99,8 +101,13 @@ class LayerCopies:
     """One host-planned layer-step's page-ins, stream-ordered against its waves (CUDA), or inline."""
 
     def __init__(
-        self, device: torch.device, copy_stream: torch.cuda.Stream | None, step: StepStreams, counters: PagingCounters,
-        layer: int, row_bytes: int,
+        self,
+        device: torch.device,
+        copy_stream: torch.cuda.Stream | None,
+        step: StepStreams,
+        counters: PagingCounters,
+        layer: int,
+        row_bytes: int,
     ) -> None:
         self.device = device
         self.copy = copy_stream if device.type == "cuda" else None

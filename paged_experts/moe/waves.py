@@ -64,7 +64,7 @@ class _FusedPass:
         experts_t = torch.tensor(experts, dtype=torch.long)  # [n]
         by_row = torch.sort(rows_t).indices  # [n]: the wave's experts in row order
         first, count = self.first[experts_t[by_row]].tolist(), self.count[experts_t[by_row]].tolist()
-        order = torch.from_numpy(np.concatenate([self.by_expert[f : f + c] for f, c in zip(first, count)]))  # [P_w] by row
+        order = torch.from_numpy(np.concatenate([self.by_expert[f : f + c] for f, c in zip(first, count)]))  # [P_w]
         per_row = torch.zeros(table.num_rows, dtype=torch.long).index_copy_(0, rows_t, self.count[experts_t])  # [rows]
         packed = _to_device(torch.cat([order, torch.cumsum(per_row, 0)]), self.device)  # [P_w + rows]
         order_dev, offs_dev = packed[: order.numel()], packed[order.numel() :].to(torch.int32)

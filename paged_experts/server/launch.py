@@ -117,9 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "stream and page the predicted experts in on a second stream while that layer computes "
                         "(mode paged, --device cuda, needs --cuda-graph-max-bs; counted as experts_prefetched_total)")
     p.add_argument("--prefill-residency", choices=PREFILL_KEEP,
-                   help=f"mode paged: what a prefill chunk (a step routing to more than K experts) leaves in the slots: "
-                        f"recent = the experts of the chunk's last tokens, frequent = its most-routed ones, lru = the "
-                        f"last waves' misses (default {DEFAULT_PREFILL_KEEP}; see docs/prefill.md)")
+                   help=f"mode paged: what a prefill chunk (a step routing to more than K experts) leaves in the "
+                        f"slots: recent = the experts of the chunk's last tokens, frequent = its most-routed ones, "
+                        f"lru = the last waves' misses (default {DEFAULT_PREFILL_KEEP}; see docs/prefill.md)")
     p.add_argument("--expert-kernel", choices=("fused", "loop"), default="fused",
                    help="grouped matmuls over the slot table (fused) or the per-expert reference loop")
     p.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_false",

@@ -51,9 +51,13 @@ def long_prompt(model: MoeCausalLM, chunk: int, decode_steps: int = 3) -> list[t
     out = model.forward([SeqChunk(short, [5, 17, 300, 41], 0, all_logits=True)])
     for i, start in enumerate(range(0, len(PROMPT), chunk)):
         piece = PROMPT[start : start + chunk]
-        out += model.forward([SeqChunk(short, [40 + i], short.num_tokens), SeqChunk(long, piece, start, all_logits=True)])
+        out += model.forward(
+            [SeqChunk(short, [40 + i], short.num_tokens), SeqChunk(long, piece, start, all_logits=True)]
+        )
     for step in range(decode_steps):
-        out += model.forward([SeqChunk(short, [60 + step], short.num_tokens), SeqChunk(long, [7 + step], long.num_tokens)])
+        out += model.forward(
+            [SeqChunk(short, [60 + step], short.num_tokens), SeqChunk(long, [7 + step], long.num_tokens)]
+        )
     return out
 
 
@@ -79,7 +83,9 @@ def test_streamed_prefill_equals_resident_qwen_shapes() -> None:
 def test_streamed_prefill_equals_resident_fp8() -> None:
     want = long_prompt(MoeCausalLM.from_pretrained(FP8, rt(mode="resident")), 256)
     for k in (16, 48):
-        assert_same(long_prompt(MoeCausalLM.from_pretrained(FP8, rt(mode="paged", resident_experts=k)), 256), want, f"FP8 K={k}")
+        assert_same(
+            long_prompt(MoeCausalLM.from_pretrained(FP8, rt(mode="paged", resident_experts=k)), 256), want, f"FP8 K={k}"
+        )
 
 
 def _delay_every_wave() -> object:
