@@ -20,7 +20,8 @@ from rich.table import Table
 
 from benchsuite.engines.base import ServerSpec
 from benchsuite.errors import UserError
-from benchsuite.matrix import load_matrix
+from benchsuite.matrix import MatrixError, load_matrix
+from benchsuite.model_checks import missing_model
 from benchsuite.plan import CellSpec, Plan, build_plan, format_plan, select
 from benchsuite.records import CellResult
 from benchsuite.search import describe
@@ -58,9 +59,14 @@ def main(args: argparse.Namespace) -> int:
     plan = build_plan(load_matrix(args.matrix), run_id=args.run_id)
     if args.only:
         plan = select(plan, args.only)
+    missing = missing_models(plan)
     if args.dry_run:
         print(format_plan(plan))
+        for problem in missing:
+            print(f"warning: {problem} (a run would stop here)")
         return 0
+    if missing:  # before the results directory exists
+        raise MatrixError("\n".join(missing))
     from benchsuite.runner import open_store  # the load path; a dry run never needs it
 
     console = Console(quiet=args.quiet, highlight=False)
@@ -96,6 +102,16 @@ def _run(args: argparse.Namespace, plan: Plan, store: RunStore, console: Console
     if failed:
         print(f"benchsuite: {failed} cells failed (reasons in cells.csv); rerun the same command to retry them")
     return 1 if failed or problems else report_status
+
+
+def missing_models(plan: Plan) -> list[str]:
+    """One line per server (or searched server) whose model path does not exist here."""
+    lines = []
+    for spec in [*plan.servers, *(task.spec for task in plan.searches)]:
+        found = missing_model(spec.kind, spec.options)
+        if found is not None:
+            lines.append(f"{plan.matrix.source}: engines.{spec.name}.options.{found[0]}: {found[1]}")
+    return list(dict.fromkeys(lines))
 
 
 def _write_report(args: argparse.Namespace, run_dir: Path) -> int:
@@ -152,7 +168,8 @@ class _ProgressEvents:
 
 
 def summary_table(plan: Plan, results: list[CellResult]) -> Table:
-    """One row per server x workload x class x concurrency; medians over repeats."""
+    """One row per server x workload x class x concurrency; medians over repeats. TTFT p50 in ms, decode tok/s
+    p50 per stream, output tok/s of the cell, expert miss rate; K = resident_experts, N = n_cpu_moe."""
     planned = {c.cell_id: i for i, c in enumerate(plan.cells)}  # server-major, as the matrix reads
 
     def order(r: CellResult) -> tuple[int, str, str, int, int]:
@@ -161,19 +178,30 @@ def summary_table(plan: Plan, results: list[CellResult]) -> Table:
 
     groups: dict[tuple[str, str, str, str, int], list[CellResult]] = defaultdict(list)
     for r in sorted(results, key=order):
-        groups[(r.engine, _params(r.params), r.workload, r.prompt_class, r.concurrency)].append(r)
-    table = Table(title=f"{plan.run_id}: medians over repeats", title_justify="left")
-    for column in ("engine", "params", "workload", "class", "conc", "ok/n", "TTFT p50 ms", "decode tok/s", "out tok/s", "miss rate"):
-        table.add_column(column, justify="right" if column not in ("engine", "params", "workload") else "left")
-    for (engine, params, workload, prompt_class, concurrency), rows in groups.items():
-        ok = [r for r in rows if r.status == "ok"]
-        table.add_row(
-            engine, params.strip(), workload, prompt_class, str(concurrency), f"{len(ok)}/{len(rows)}",
+        groups[(r.engine, _params(r.params, short=True), r.workload, r.prompt_class, r.concurrency)].append(r)
+    rows = []
+    for (engine, params, workload, prompt_class, concurrency), cells in groups.items():
+        ok = [r for r in cells if r.status == "ok"]
+        rows.append((
+            engine, params.strip(), workload, prompt_class, str(concurrency), f"{len(ok)}/{len(cells)}",
             _fmt(_median([r.ttft_p50_s for r in ok]), ".1f", scale=1000.0),
             _fmt(_median([r.decode_tok_s_p50 for r in ok]), ".1f"),
             _fmt(_median([r.output_tok_s for r in ok]), ".1f"),
             _fmt(_median([r.miss_rate for r in ok]), ".3f"),
-        )  # fmt: skip
+        ))  # fmt: skip
+    columns = ["engine", "params", "workload", "class", "conc", "ok/n", "TTFT ms", "dec tok/s", "out tok/s", "miss"]
+    # A column with one value for every row (one workload, one class) moves into the title.
+    fixed = {i for i in (2, 3) if rows and len({row[i] for row in rows}) == 1}
+    title = f"{plan.run_id}: medians over repeats" + "".join(f", {columns[i]} {rows[0][i]}" for i in sorted(fixed))
+    table = Table(title=title, title_justify="left")
+    keep = [i for i in range(len(columns)) if i not in fixed]
+    for i in keep:
+        # no value is ever cut or folded (K=8 and K=16 must not look alike): a column is at least as
+        # wide as its longest value; only the headers wrap on a narrow terminal
+        width = max((len(row[i]) for row in rows), default=1)
+        table.add_column(columns[i], justify="left" if i <= 2 else "right", min_width=width, no_wrap=True)
+    for row in rows:
+        table.add_row(*(row[i] for i in keep))
     return table
 
 
@@ -197,6 +225,9 @@ def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
 
 
-def _params(params: object) -> str:
+_SHORT_NAMES = {"resident_experts": "K", "n_cpu_moe": "N", "offload_layers": "offload"}
+
+
+def _params(params: object, short: bool = False) -> str:
     items = params.items() if isinstance(params, dict) else []
-    return "".join(f" {k}={v}" for k, v in items)
+    return "".join(f" {_SHORT_NAMES.get(k, k) if short else k}={v}" for k, v in items)
