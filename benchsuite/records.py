@@ -104,6 +104,15 @@ class CellResult:
     engine_decode_step_s: float | None = None
     engine_decode_tok_s: float | None = None
     gpu_memory_used_bytes: int | None = None  # device memory in use after the cell (built-in engine on CUDA)
+    # Prefill page-in over the window (metrics.paging_delta): per prompt chunk, the copy engine's share, waves.
+    prefill_chunks: int | None = None
+    prefill_bytes_per_chunk: float | None = None
+    prefill_router_s_per_chunk: float | None = None
+    prefill_copy_s_per_chunk: float | None = None
+    prefill_span_s_per_chunk: float | None = None
+    prefill_copy_busy: float | None = None
+    prefill_waves_per_layer: float | None = None
+    decode_miss_rate: float | None = None
     # Engine-specific extras (parsed log facts, captured batch sizes, flags).
     extras: dict[str, Any] = field(default_factory=dict)
 

@@ -16,7 +16,7 @@ import pandas as pd
 from benchsuite.errors import UserError
 from benchsuite.reference import Reference, load_reference
 from benchsuite.report import manifest_facts as mf
-from benchsuite.report import roofline, search_section
+from benchsuite.report import prefill, roofline, search_section
 from benchsuite.report import tables as tb
 from benchsuite.report.display import display_frame
 from benchsuite.report.caveats import setup_caveats
@@ -107,6 +107,7 @@ def build_report_data(run_dirs: list[Path], reference_dirs: list[Path] | None = 
         "TTFT p50 short vs long prompts": tb.ttft_table(groups),
         "Paging counters": tb.paging_table(groups, num_experts),
         roofline.TITLE: roofline.roofline_table(cells, runs),
+        prefill.TITLE: prefill.prefill_table(cells, runs),
         "llama.cpp --n-cpu-moe search": search_section.search_table(cells, runs),
         "Failed and invalid cells": tb.failures_table(cells),
         "Raw cells": tb.raw_cells_table(cells),
@@ -126,11 +127,12 @@ def _caveats(runs: list[RunData], cells: pd.DataFrame, key: tuple[str, str, str]
 _ANCHORS = {
     "Paged vs baselines (published layout)": "ratios", "Configurations (repeats with spread)": "configurations",
     "TTFT p50 short vs long prompts": "ttft", "Paging counters": "paging", "llama.cpp --n-cpu-moe search": "search",
-    roofline.TITLE: "roofline",
+    roofline.TITLE: "roofline", prefill.TITLE: "prefill",
     "Failed and invalid cells": "failures", "Raw cells": "raw-cells",
 }
 _INTROS = {
     "roofline": roofline.INTRO,
+    "prefill": prefill.INTRO,
     "ratios": "<p>One row per paged configuration: the best offload, llama.cpp and cpu-experts configuration measured in the same "
               "setup and concurrency. Medians over repeats, [min–max] beside them; ratio verdicts say whether the spreads overlap.</p>",
     "search": "<p>One row per candidate N of each search. Launched candidates are cells (measured or failed); rows "
