@@ -23,7 +23,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from benchsuite.errors import UserError
+from benchsuite.errors import RunError, UserError
 from benchsuite.records import RequestRecord
 
 SHORT_CLASS = "short"
@@ -114,6 +114,25 @@ def _read_json_or_jsonl(path: Path) -> Any:
                     f"{path}: not JSON ({whole_error.msg} at line {whole_error.lineno}) nor JSON Lines (line {number})"
                 ) from None
         return rows
+
+
+def gguf_vocab_size(path: str | Path) -> int:
+    """Vocabulary size of a GGUF model: its tokenizer.ggml.tokens array, else `<arch>.vocab_size`."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except (OSError, ValueError) as exc:
+        raise RunError(f"{path}: cannot read as GGUF ({exc})") from None
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None and tokens.data:
+        return len(tokens.data)
+    arch = reader.fields.get("general.architecture")
+    if arch is not None:
+        size = reader.fields.get(f"{bytes(arch.parts[arch.data[0]]).decode()}.vocab_size")
+        if size is not None:
+            return int(size.parts[size.data[0]][0])
+    raise RunError(f"{path}: the GGUF names no vocabulary (no tokenizer.ggml.tokens, no <arch>.vocab_size)")
 
 
 def load_tokenizer(tokenizer_dir_or_file: str | Path) -> Any:

@@ -1,9 +1,13 @@
 """The load generator: streaming OpenAI-compatible requests under closed-loop or Poisson load.
 
 One `RequestRecord` per request sent, warmups and failures included, with raw clock readings:
-`t_sent_s` just before the request goes out, one reading per body read (every event of that
-read shares it), `t_first_token_s` = the first content chunk, `chunk_times_s` = every content
-chunk, `t_done_s` = the read that carried `data: [DONE]` (or the moment the stream ended or failed).
+`t_sent_s` just before the request goes out, one reading per SSE event as it is parsed (events that
+arrive in one body read get their own readings, never one shared timestamp), `t_first_token_s` =
+the first content chunk, `chunk_times_s` = every content chunk, `t_done_s` = the event `data: [DONE]`
+(or the moment the stream ended or failed). `chunk_reads` numbers the body read each content chunk
+came in: two chunks in one read mean the client did not read between them (it fell behind, or the
+server sent them together), so their gap is a parse time, not the server's. `chunk_tokens` is the
+server's cumulative usage.completion_tokens at each content chunk, where it sends usage per chunk.
 
 A *content chunk* is a streamed choice whose generated text is non-empty (`text` for
 /v1/completions; `delta.content` or `delta.reasoning_content` for chat). Role-only chunks,
@@ -270,16 +274,16 @@ class _Sender:
     async def _read_stream(self, resp: aiohttp.ClientResponse, stream: _StreamState) -> None:
         parser = SseParser()
         clock = self.clock
+        read_index = 0
         async for data in resp.content.iter_any():
-            t_s = clock()
+            read_index += 1
             for event in parser.feed(data):
-                stream.on_event(event.data, event.event, t_s)
+                stream.on_event(event.data, event.event, clock(), read_index)  # each event timed as it is parsed
             if stream.error is not None:
                 return
-        t_s = clock()
         for event in parser.close():
-            stream.on_event(event.data, event.event, t_s)
-        stream.on_end(t_s)
+            stream.on_event(event.data, event.event, clock(), read_index + 1)
+        stream.on_end(clock())
 
 
 class _StreamState:
@@ -287,7 +291,9 @@ class _StreamState:
 
     __slots__ = (
         "chat",
+        "chunk_reads",
         "chunk_times_s",
+        "chunk_tokens",
         "completion_tokens",
         "done",
         "error",
@@ -304,6 +310,8 @@ class _StreamState:
         self.chat = chat
         self.http_status: int | None = None
         self.chunk_times_s: list[float] = []
+        self.chunk_reads: list[int] = []
+        self.chunk_tokens: list[int | None] = []
         self.texts: list[str] = []
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
@@ -320,7 +328,7 @@ class _StreamState:
         if self.t_done_s is None:
             self.t_done_s = t_s
 
-    def on_event(self, data: bytes, event: bytes, t_s: float) -> None:
+    def on_event(self, data: bytes, event: bytes, t_s: float, read_index: int = 0) -> None:
         if self.done or self.error is not None:
             return
         if data == b"[DONE]":
@@ -339,12 +347,13 @@ class _StreamState:
             self.fail(f"server error event: {_one_line(json.dumps(obj.get('error', obj)))}", t_s)
             return
         try:
-            self._on_chunk(obj, t_s)
+            self._on_chunk(obj, t_s, read_index)
         except (AttributeError, TypeError, KeyError, IndexError):
             self.fail(f"bad SSE payload: {_one_line(data.decode('utf-8', 'replace'))}", t_s)
 
-    def _on_chunk(self, obj: dict[str, Any], t_s: float) -> None:
+    def _on_chunk(self, obj: dict[str, Any], t_s: float, read_index: int) -> None:
         choices = obj.get("choices")
+        usage = obj.get("usage")
         if choices:
             choice = choices[0]
             if self.chat:
@@ -356,10 +365,11 @@ class _StreamState:
                 raise TypeError("generated text is not a string")
             if text:
                 self.chunk_times_s.append(t_s)
+                self.chunk_reads.append(read_index)
+                self.chunk_tokens.append(_count(usage.get("completion_tokens")) if usage else None)
                 self.texts.append(text)
             if choice.get("finish_reason"):
                 self.finished = True
-        usage = obj.get("usage")
         if usage:
             self.usage_seen = True
             self.prompt_tokens = _count(usage.get("prompt_tokens"))
@@ -394,6 +404,9 @@ class _StreamState:
             t_first_token_s=self.chunk_times_s[0] if chunks else None,
             t_done_s=self.t_done_s,
             chunk_times_s=self.chunk_times_s,
+            chunk_reads=self.chunk_reads,
+            # per-chunk usage counts only when every content chunk carried one
+            chunk_tokens=[t for t in self.chunk_tokens if t is not None] if None not in self.chunk_tokens else [],
             prompt_tokens=self.prompt_tokens,
             output_tokens=self.completion_tokens,
             streamed_chunks=chunks,

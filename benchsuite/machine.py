@@ -1,7 +1,8 @@
 """Machine facts and provenance for the manifest: CPU, cores, RAM, GPU (name, driver, VRAM, PCIe
 generation and width via nvidia-smi when present), OS, Python, package versions, and the git
-commit and dirty flag of the benchsuite source. Every probe that cannot answer gives None, never
-a made-up value, and no probe may fail a run.
+commit and dirty flag of the benchsuite source; and the machine's noise around each cell (load
+averages, CPU clock, CPU time other processes took: `noise_snapshot` / `cell_noise`). Every probe
+that cannot answer gives None, never a made-up value, and no probe may fail a run.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import os
 import platform
 import shutil
 import subprocess
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -151,3 +154,91 @@ def _int(text: str, scale: int = 1) -> int | None:
         return int(float(text)) * scale
     except ValueError:
         return None
+
+
+# ---- machine noise around a cell -------------------------------------------------------------
+
+BUSY_OTHER_CORES_FRACTION = 0.25
+"""A cell ran on a busy machine when processes other than ours (the runner and the engine's process
+tree) kept more than this fraction of the logical cores busy, on average, over the cell."""
+
+
+def noise_snapshot(own_pids: Sequence[int] = ()) -> dict[str, Any]:
+    """Load averages, the mean CPU clock (MHz, where readable), the machine's busy CPU seconds and
+    those of our own processes (this one, its children, and `own_pids` with their descendants)."""
+    times = psutil.cpu_times()
+    busy_s = float(sum(times)) - float(times.idle) - float(getattr(times, "iowait", 0.0))
+    try:
+        load_1m, load_5m, load_15m = os.getloadavg()
+    except OSError:
+        load_1m = load_5m = load_15m = None
+    return {
+        "t_s": time.monotonic(),
+        "load_1m": load_1m,
+        "load_5m": load_5m,
+        "load_15m": load_15m,
+        "cpu_mhz": cpu_mhz(),
+        "cpu_busy_s": busy_s,
+        "own_cpu_s": _own_cpu_s(own_pids),
+        "cpus": os.cpu_count(),
+    }
+
+
+def cpu_mhz() -> float | None:
+    """Mean current clock over the logical CPUs: cpufreq (psutil), else /proc/cpuinfo; None where unreadable."""
+    try:
+        freq = psutil.cpu_freq()
+    except (OSError, NotImplementedError, AttributeError):
+        freq = None
+    if freq is not None and freq.current:
+        return float(freq.current)
+    try:
+        values = [float(line.split(":", 1)[1]) for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("cpu MHz")]
+    except (OSError, ValueError):
+        return None
+    return sum(values) / len(values) if values else None
+
+
+def _own_cpu_s(own_pids: Sequence[int]) -> float:
+    total = 0.0
+    me = psutil.Process()
+    procs = [me, *me.children(recursive=True)]
+    for pid in own_pids:
+        try:
+            leader = psutil.Process(pid)
+            procs += [leader, *leader.children(recursive=True)]
+        except psutil.Error:
+            continue
+    seen: set[int] = set()
+    for proc in procs:
+        if proc.pid in seen:
+            continue
+        seen.add(proc.pid)
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            continue
+    return total
+
+
+def cell_noise(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The cell's noise record: both snapshots, the cores other processes kept busy on average
+    (other_cores = (machine busy CPU s - our CPU s) / wall s), and `busy` with its reason."""
+    wall_s = after["t_s"] - before["t_s"]
+    other_s = (after["cpu_busy_s"] - before["cpu_busy_s"]) - (after["own_cpu_s"] - before["own_cpu_s"])
+    cpus = before.get("cpus") or 1
+    other_cores = max(0.0, other_s / wall_s) if wall_s > 0 else None
+    busy = other_cores is not None and other_cores > BUSY_OTHER_CORES_FRACTION * cpus
+    reason = (f"other processes kept {other_cores:.2f} of {cpus} cores busy during the cell "
+              f"(load average {before.get('load_1m') or 0:.2f} before, {after.get('load_1m') or 0:.2f} after)") if busy else None
+    strip = ("t_s", "cpu_busy_s", "own_cpu_s")
+    return {
+        "before": {k: v for k, v in before.items() if k not in strip},
+        "after": {k: v for k, v in after.items() if k not in strip},
+        "wall_s": wall_s,
+        "other_cores": other_cores,
+        "busy": busy,
+        "busy_reason": reason,
+    }

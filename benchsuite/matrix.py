@@ -7,8 +7,10 @@ within the per-field bounds below, the whole run within MAX_CELLS and MAX_RUN_RE
 validates its structure, refuses two workloads with identical settings (they would plan the same
 cells), expands every engine's option
 sweeps (an option whose value is a list is a sweep) and validates each resolved combination with
-that engine kind's `options_model`. Every problem becomes one line naming its YAML path and, where
-it helps, the allowed values, e.g. `engines.paged.options.resident_experts[1]: must be >= 1`.
+that engine kind's `options_model` and against the model's shape where it is known without loading
+it (benchsuite.model_checks: K between top_k and E). Every problem becomes one line naming its YAML
+path and, where it helps, the allowed values, e.g. `engines.paged.options.resident_experts[1]: must
+be >= 1`; all of them in one pass (top-level keys and engine options together).
 The result is a frozen `ValidatedMatrix` the planner consumes.
 """
 
@@ -28,7 +30,7 @@ from typing import Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer, model_validator
 
-from benchsuite import reference
+from benchsuite import model_checks, reference
 from benchsuite.engine_env import NAME as ENV_NAME
 from benchsuite.engine_env import recorded
 from benchsuite.engines import ADAPTERS
@@ -175,6 +177,10 @@ class Matrix(_Strict):
     engines: dict[str, EngineEntry] = Field(min_length=1)
     workloads: dict[str, Workload] = Field(min_length=1)
     repeats: int = Field(1, ge=1, le=1000)
+    # consecutive: a server's repeats run back to back (one launch). interleaved: repeat r of every server
+    # runs before repeat r + 1 of any (one launch per server and repeat), so repeats see the machine at
+    # different times and their spread covers its drift: what makes an interval over repeats honest.
+    repeat_order: Literal["consecutive", "interleaved"] = "consecutive"
     fairness: Fairness = Field(default_factory=Fairness)
     reference: ReferenceChoice | None = None
     canary: bool = False  # the leak canary on every server after its cells (manifest + report)
@@ -228,7 +234,9 @@ def load_matrix(path: str | Path) -> ValidatedMatrix:
     try:
         matrix = Matrix.model_validate(raw)
     except pydantic.ValidationError as exc:
-        raise MatrixError(_format_errors(source, exc, Matrix, ())) from None
+        # one pass: the engines whose own entry is well formed get their options checked too
+        problems = [*_format_errors(source, exc, Matrix, ()).splitlines(), *_raw_engine_problems(source, raw)]
+        raise MatrixError("\n".join(dict.fromkeys(problems))) from None
     option_sets: dict[str, tuple[OptionSet, ...]] = {}
     for name, entry in matrix.engines.items():
         sets, errors = _resolve_options(source, name, entry)
@@ -332,6 +340,21 @@ def _read_yaml(source: Path) -> Any:
     return raw
 
 
+def _raw_engine_problems(source: Path, raw: dict[str, Any]) -> list[str]:
+    """Option problems of every well-formed engine entry of a matrix that failed elsewhere."""
+    engines = raw.get("engines")
+    if not isinstance(engines, dict):
+        return []
+    problems: list[str] = []
+    for name, body in engines.items():
+        try:
+            entry = EngineEntry.model_validate(body)
+        except pydantic.ValidationError:
+            continue  # the matrix's own errors already name it
+        problems.extend(_resolve_options(source, str(name), entry)[1])
+    return problems
+
+
 def _resolve_options(source: Path, name: str, entry: EngineEntry) -> tuple[tuple[OptionSet, ...], list[str]]:
     """Expand the sweeps of one engine entry and validate every combination."""
     prefix: tuple[str | int, ...] = ("engines", name, "options")
@@ -365,6 +388,10 @@ def _resolve_options(source: Path, name: str, entry: EngineEntry) -> tuple[tuple
             errors.extend(_format_errors(source, exc, model, prefix, index_of).splitlines())
             continue
         dumped = validated.model_dump(mode="json")
+        index_of = {key: i for (key, _, sweep), i in zip(axes, combo) if sweep}
+        shape = model_checks.shape_problems(entry.kind, dumped)  # K against the model's E and top_k
+        errors.extend(f"{source}: {_path(prefix + (key, *([index_of[key]] if key in index_of else [])))}: {message}"
+                      for key, message in shape)
         params = {key: value for key, value in dumped.items() if key in swept}
         sets.append(OptionSet(params=params, options=validated))
     return tuple(sets), errors

@@ -9,15 +9,29 @@ Which requests count:
 Per request (r):
 - TTFT = r.t_first_token_s - r.t_sent_s  (first chunk with non-empty generated text)
 - latency = r.t_done_s - r.t_sent_s
-- ITL = gaps between consecutive content chunks: chunk_times_s[i+1] - chunk_times_s[i];
-  so sum(ITL) = t_last_chunk - t_first_token, and latency - TTFT = sum(ITL) + (t_done - t_last_chunk)
+- ITL = gaps between consecutive content chunks: chunk_times_s[i+1] - chunk_times_s[i], each chunk
+  timed as its SSE event is parsed; so sum(ITL) = t_last_chunk - t_first_token, and
+  latency - TTFT = sum(ITL) + (t_done - t_last_chunk). Where chunks carry several tokens it is an
+  inter-chunk latency: tokens per chunk = (output_tokens - f) / (chunks - 1), f = the first chunk's tokens
+- per-token latency = each gap / the tokens its later chunk carried (per-chunk usage counts where
+  the engine sends them, else the request's mean tokens per chunk)
 - TPOT = (latency - TTFT) / (output_tokens - 1)   (needs output_tokens >= 2)
-- decode tok/s = (output_tokens - 1) / (t_last_chunk - t_first_token)
-  (needs output_tokens >= 2 and at least two chunks apart in time)
+- decode tok/s = (output_tokens - f) / (t_last_chunk - t_first_token), f = 1 unless per-chunk usage
+  says the first chunk held more (needs output_tokens > f and two content chunks). A request whose
+  whole stream came in one body read still counts: its span is the client's parse time, so it ranks
+  as the fastest it is, and the cell says its client could not keep up (`client_flag`).
+- coalesced gaps = chunk gaps inside one body read (the client did not read between the two chunks)
 
 Per cell:
-- TTFT p50/p90/p99 over warm requests; ITL p50/p99 over all warm gaps pooled; TPOT p50 and
-  decode tok/s p50 over warm requests (percentiles: linear interpolation, `percentile`).
+- TTFT p50/p90/p99 over warm requests; ITL p50/p99 and per-token latency p50 over all warm gaps
+  pooled; TPOT p50 and decode tok/s p50 over warm requests (percentiles: linear interpolation).
+  When half or more of the warm streams arrived whole in one read, the client timed no decode the
+  median could land on: decode tok/s p50 is then the engine's own per-request figure, or for an
+  engine without one a lower bound (a whole stream's (output_tokens - f) / (t_last_chunk - t_sent));
+  extras `decode_source` says which.
+- engine decode tok/s p50 = median over warm requests of the engine's own figure (llama.cpp
+  `timings.predicted_per_second`); a cell where it and ours differ by more than
+  ENGINE_TIMINGS_MARGIN carries `engine_timings_flag`.
 - window = max(t_done_s) - min(t_sent_s) over measured requests
 - aggregate output tok/s = sum(output_tokens of measured ok requests) / window
   (None when any of them lacks usage: a partial sum would understate it)
@@ -53,10 +67,16 @@ DEFINITIONS: dict[str, str] = {
     "ttft_p50_s": f"median {_TTFT}",
     "ttft_p90_s": f"90th percentile {_TTFT}",
     "ttft_p99_s": f"99th percentile {_TTFT}",
-    "itl_p50_s": "median ITL; ITL = gap between consecutive content chunks, all warm requests pooled",
-    "itl_p99_s": "99th percentile ITL; ITL = gap between consecutive content chunks, all warm requests pooled",
+    "itl_p50_s": ("median ITL; ITL = gap between consecutive content chunks (an inter-chunk latency where chunks carry "
+                  "several tokens), each chunk timed as its SSE event is parsed, all warm requests pooled"),
+    "itl_p99_s": "99th percentile ITL (inter-chunk latency), all warm requests pooled",
+    "itl_per_token_p50_s": "median per-token latency: each chunk gap / the tokens that chunk carried (per-chunk usage, else the mean)",
+    "tokens_per_chunk_mean": "mean over warm requests of (output_tokens - f) / (chunks - 1), f = first chunk's tokens",
+    "coalesced_gaps": "chunk gaps inside one body read: the client did not read between them (its gap is a parse time)",
+    "whole_stream_reads": "warm requests whose every content chunk came in one body read (counted, ranked fastest)",
+    "timings_decode_tok_s_p50": "median over warm requests of the engine's own decode rate (llama.cpp timings.predicted_per_second)",
     "tpot_p50_s": "median over warm requests of TPOT = (latency - TTFT) / (output_tokens - 1)",
-    "decode_tok_s_p50": "median over warm requests of (output_tokens - 1) / (t_last_chunk - t_first_token)",
+    "decode_tok_s_p50": "median over warm requests of (output_tokens - f) / (t_last_chunk - t_first_token), f = first chunk's tokens (1 unless per-chunk usage says more)",
     "output_tok_s": "sum(output_tokens from usage, measured ok requests) / window_s",
     "request_s": "measured ok requests / window_s",
     "window_s": "last t_done - first t_sent over measured requests",
@@ -75,8 +95,21 @@ DEFINITIONS: dict[str, str] = {
     "pools included",
     "engine_decode_tok_s": "built-in engine: decode tokens / engine decode-step seconds, the aggregate rate in process "
     "(compare output_tok_s over HTTP)",
+    "prefill_chunks": "prompt chunks (a sequence with more than one token in a step) over the cell (engine counters)",
+    "prefill_bytes_per_chunk": "expert bytes paged in during prefill steps / prompt chunks",
+    "prefill_router_s_per_chunk": "host time a synthetic router override took during prefill steps / prompt chunks",
+    "prefill_copy_s_per_chunk": "page-in copy time during prefill steps (CUDA events) / prompt chunks",
+    "prefill_span_s_per_chunk": "prefill steps' device time, first paged layer start to last wave end / prompt chunks",
+    "prefill_copy_busy": "page-in copy time / prefill span: the share of the prefill the copy engine was busy",
+    "prefill_waves_per_layer": "waves / paged layer-steps of prefill steps",
+    "decode_miss_rate": "misses / (hits + misses) of every step but the prefill steps (the decode after the prompts)",
 }
 """Each CellResult metric field with its one-line formula, for reports to print beside the numbers."""
+
+ENGINE_TIMINGS_MARGIN = 0.20
+"""Our decode tok/s p50 and the engine's own may differ this much (HTTP and parsing cost) before the cell is flagged."""
+CLIENT_BEHIND_FRACTION = 0.05
+"""More than this fraction of a cell's chunk gaps inside one body read: the client could not keep up."""
 
 DEFAULT_MAX_ERROR_RATE = 0.0
 """Any failed measured request invalidates the cell unless the caller allows some."""
@@ -123,13 +156,49 @@ def tpot_s(r: RequestRecord) -> float | None:
     return (latency - ttft) / (r.output_tokens - 1)
 
 
+def first_chunk_tokens(r: RequestRecord) -> int:
+    """Tokens in the first content chunk: the per-chunk usage count where the engine sent one, else 1."""
+    if r.chunk_tokens and len(r.chunk_tokens) == len(r.chunk_times_s) and r.chunk_tokens[0] >= 1:
+        return int(r.chunk_tokens[0])
+    return 1
+
+
 def decode_tok_s(r: RequestRecord) -> float | None:
-    if r.output_tokens is None or r.output_tokens < 2 or len(r.chunk_times_s) < 2:
+    f = first_chunk_tokens(r)
+    if r.output_tokens is None or r.output_tokens <= f or len(r.chunk_times_s) < 2:
         return None
     span_s = r.chunk_times_s[-1] - r.chunk_times_s[0]
-    if span_s <= 0:
+    if span_s <= 0:  # only a scripted clock gives two chunks one reading
         return None
-    return (r.output_tokens - 1) / span_s
+    return (r.output_tokens - f) / span_s
+
+
+def tokens_per_chunk(r: RequestRecord) -> float | None:
+    """Tokens each content chunk after the first carried, on average."""
+    if r.output_tokens is None or len(r.chunk_times_s) < 2:
+        return None
+    return (r.output_tokens - first_chunk_tokens(r)) / (len(r.chunk_times_s) - 1)
+
+
+def per_token_latencies_s(r: RequestRecord) -> list[float]:
+    """Each chunk gap divided by the tokens its later chunk carried (per-chunk usage, else the mean)."""
+    gaps = itls_s(r)
+    if r.chunk_tokens and len(r.chunk_tokens) == len(r.chunk_times_s):
+        sizes = [b - a for a, b in itertools.pairwise(r.chunk_tokens)]
+        return [gap / size for gap, size in zip(gaps, sizes) if size > 0]
+    mean = tokens_per_chunk(r)
+    return [gap / mean for gap in gaps] if mean else []
+
+
+def coalesced_gaps(r: RequestRecord) -> int:
+    """Chunk gaps inside one body read (no read between the two chunks)."""
+    return sum(1 for a, b in itertools.pairwise(r.chunk_reads) if a == b)
+
+
+def timings_decode_tok_s(r: RequestRecord) -> float | None:
+    """The engine's own decode rate for this request (llama.cpp timings.predicted_per_second)."""
+    value = (r.engine_timings or {}).get("predicted_per_second")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
 
 
 # ---- cell summary ----------------------------------------------------------------------------
@@ -175,6 +244,7 @@ def summarize(
         reasons.append("output_tokens <= 1 for all requests")
     elif warm and not decode_rates:
         reasons.append("no request has two content chunks and usage to compute decode tok/s")
+    decode_p50, decode_source = _decode_p50(warm, decode_rates)
 
     window = _window_s(measured)
     missing_usage = [r for r in ok if r.output_tokens is None]
@@ -200,8 +270,9 @@ def summarize(
         ttft_p99_s=percentile(ttfts, 99),
         itl_p50_s=percentile(itls, 50),
         itl_p99_s=percentile(itls, 99),
+        **_chunk_fields(warm),
         tpot_p50_s=percentile(tpots, 50),
-        decode_tok_s_p50=percentile(decode_rates, 50),
+        decode_tok_s_p50=decode_p50,
         output_tok_s=output_tok_s,
         request_s=request_s,
         window_s=window,
@@ -217,11 +288,70 @@ def summarize(
     }
     if not reasons:
         reasons += [f"{name} could not be computed" for name, value in headline.items() if value is None]
+    result = replace(result, extras={**result.extras, **_client_flags(result, len(itls)), "decode_source": decode_source})
     if base.status == "failed":
         return result
     if reasons:
         return replace(result, status="invalid", reason="; ".join(reasons))
     return replace(result, status="ok", reason=None)
+
+
+def whole_stream(r: RequestRecord) -> bool:
+    """Every content chunk of the request came in one body read: the client saw no decode timing."""
+    return len(r.chunk_reads) >= 2 and len(set(r.chunk_reads)) == 1
+
+
+def _decode_p50(warm: Sequence[RequestRecord], decode_rates: list[float]) -> tuple[float | None, str]:
+    """The cell's decode tok/s p50 and its source. Streams that arrived whole rank fastest, so the p50
+    over all requests is right while fewer than half of them are whole. Past that the client timed no
+    decode the median could land on: the engine's own per-request figure stands in where it sends one,
+    else a lower bound (a whole stream decoded within its latency, so each value is at most the truth,
+    and so is their median)."""
+    whole = sum(1 for r in warm if whole_stream(r) and decode_tok_s(r) is not None)
+    if not decode_rates or 2 * whole < len(decode_rates):
+        return percentile(decode_rates, 50), "client"
+    why = f"{whole} of {len(decode_rates)} streams arrived whole in one body read, so the client could not time their decode"
+    engine = [d for d in map(timings_decode_tok_s, warm) if d is not None]
+    if engine:
+        return percentile(engine, 50), f"engine timings ({why})"
+    bounds = [_whole_stream_bound(r) if whole_stream(r) else decode_tok_s(r) for r in warm if decode_tok_s(r) is not None]
+    return percentile([b for b in bounds if b is not None], 50), f"client lower bound ({why}: each decoded within its latency)"
+
+
+def _whole_stream_bound(r: RequestRecord) -> float | None:
+    """(output_tokens - f) / (last chunk - sent): a stream seen whole decoded no slower than this."""
+    if r.output_tokens is None or not r.chunk_times_s or r.chunk_times_s[-1] <= r.t_sent_s:
+        return None
+    return (r.output_tokens - first_chunk_tokens(r)) / (r.chunk_times_s[-1] - r.t_sent_s)
+
+
+def _chunk_fields(warm: Sequence[RequestRecord]) -> dict[str, Any]:
+    """Per-token latency, tokens per chunk, coalesced reads and the engine's own decode rate of a cell."""
+    sizes = [t for t in map(tokens_per_chunk, warm) if t is not None]
+    engine = [d for d in map(timings_decode_tok_s, warm) if d is not None]
+    return {
+        "itl_per_token_p50_s": percentile([x for r in warm for x in per_token_latencies_s(r)], 50),
+        "tokens_per_chunk_mean": sum(sizes) / len(sizes) if sizes else None,
+        "coalesced_gaps": sum(coalesced_gaps(r) for r in warm),
+        "whole_stream_reads": sum(1 for r in warm if whole_stream(r)),
+        "timings_decode_tok_s_p50": percentile(engine, 50),
+    }
+
+
+def _client_flags(result: CellResult, gaps: int) -> dict[str, str]:
+    """`client_flag` when the client could not keep up; `engine_timings_flag` when the engine's own decode rate disagrees."""
+    flags: dict[str, str] = {}
+    if gaps and result.coalesced_gaps > CLIENT_BEHIND_FRACTION * gaps:
+        flags["client_flag"] = (
+            f"client could not keep up: {result.coalesced_gaps} of {gaps} chunk gaps fell inside one body read "
+            f"({result.whole_stream_reads} requests arrived whole in one read); those gaps are parse times, so ITL is "
+            f"understated and decode tok/s of those requests overstated (they still count, ranked fastest)")
+    ours, theirs = result.decode_tok_s_p50, result.timings_decode_tok_s_p50
+    if ours and theirs and abs(ours / theirs - 1.0) > ENGINE_TIMINGS_MARGIN:
+        flags["engine_timings_flag"] = (
+            f"decode tok/s p50: ours {ours:.1f}, the engine's own timings {theirs:.1f} "
+            f"({ours / theirs - 1.0:+.0%}, more than the {ENGINE_TIMINGS_MARGIN:.0%} margin)")
+    return flags
 
 
 def _window_s(measured: Sequence[RequestRecord]) -> float | None:
@@ -248,6 +378,15 @@ PAGING_COUNTERS = {
     "decode_steps": "paged_experts:engine_decode_steps_total",
     "decode_tokens": "paged_experts:engine_decode_tokens_total",
     "decode_step_s": "paged_experts:engine_decode_step_seconds_total",
+    "prefill_chunks": "paged_experts:prefill_chunks_total",
+    "prefill_layer_steps": "paged_experts:prefill_layer_steps_total",
+    "prefill_hits": "paged_experts:prefill_expert_hits_total",
+    "prefill_misses": "paged_experts:prefill_expert_misses_total",
+    "prefill_bytes": "paged_experts:prefill_bytes_paged_total",
+    "prefill_copy_s": "paged_experts:prefill_copy_seconds_total",
+    "prefill_span_s": "paged_experts:prefill_span_seconds_total",
+    "prefill_waves": "paged_experts:prefill_waves_total",
+    "prefill_router_s": "paged_experts:prefill_router_seconds_total",
 }
 
 
@@ -311,6 +450,18 @@ def paging_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
       engine produced in process; against output_tok_s it shows what the HTTP side costs
     - gpu_memory_used_bytes: the device memory in use after the cell (a gauge, not a delta; CUDA only):
       what a card of that size must hold for this configuration
+    Prefill (steps with a prompt chunk; bytes, copies, span and waves over the paged layers'
+    host-planned layer-steps of those steps, so 0 for a resident cell; per-chunk figures None when
+    the cell had no prompt chunk):
+    - prefill_chunks; prefill_bytes_per_chunk = prefill bytes paged / chunks;
+      prefill_copy_s_per_chunk = page-in copy seconds / chunks; prefill_span_s_per_chunk = the steps'
+      device span (first MoE layer start to last wave end) / chunks
+    - prefill_router_s_per_chunk = host seconds in a synthetic router override / chunks (the
+      measurement's own cost, in every mode's TTFT alike)
+    - prefill_copy_busy = copy seconds / span seconds (the copy engine's busy share of the prefill)
+    - prefill_waves_per_layer = waves / host-planned layer-steps of those steps
+    - decode_miss_rate = (misses - prefill misses) / (hits + misses - prefill hits - prefill misses):
+      the miss rate of every other step (the decode after the prompts)
     """
     delta: dict[str, float | None] = {}
     for key, name in PAGING_COUNTERS.items():
@@ -331,6 +482,27 @@ def paging_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
         "engine_decode_step_s": _ratio(delta["decode_step_s"], delta["decode_steps"]),
         "engine_decode_tok_s": _ratio(delta["decode_tokens"], delta["decode_step_s"]),
         "gpu_memory_used_bytes": _as_int(metric_value(after, "paged_experts:gpu_memory_used_bytes") or None),
+        **_prefill_fields(delta),
+    }
+
+
+def _prefill_fields(delta: dict[str, float | None]) -> dict[str, Any]:
+    """The prefill cell fields of `paging_delta` (its docstring defines them)."""
+    chunks = delta["prefill_chunks"] or None  # no prompt chunk counted: every per-chunk figure is None
+    hits, misses, p_hits, p_misses = delta["hits"], delta["misses"], delta["prefill_hits"], delta["prefill_misses"]
+    decode_miss = decode_looked_up = None
+    if None not in (hits, misses, p_hits, p_misses):
+        decode_miss = misses - p_misses  # type: ignore[operator]
+        decode_looked_up = hits + misses - p_hits - p_misses  # type: ignore[operator]
+    return {
+        "prefill_chunks": _as_int(delta["prefill_chunks"]),
+        "prefill_bytes_per_chunk": _ratio(delta["prefill_bytes"], chunks),
+        "prefill_router_s_per_chunk": _ratio(delta["prefill_router_s"], chunks),
+        "prefill_copy_s_per_chunk": _ratio(delta["prefill_copy_s"], chunks),
+        "prefill_span_s_per_chunk": _ratio(delta["prefill_span_s"], chunks),
+        "prefill_copy_busy": _ratio(delta["prefill_copy_s"], delta["prefill_span_s"]),
+        "prefill_waves_per_layer": _ratio(delta["prefill_waves"], delta["prefill_layer_steps"]),
+        "decode_miss_rate": _ratio(decode_miss, decode_looked_up),
     }
 
 

@@ -292,6 +292,7 @@ class PreflightInputs:
     formats: tuple[str, ...]  # expert formats to evaluate ("explicit" when --expert-mb is given)
     explicit_expert_bytes: float | None = None
     explicit_kv_bytes_per_token: float | None = None
+    explicit_non_expert_bytes: float | None = None  # attention, embeddings, router, shared experts (explicit shape)
     k: int | None = None
     vram_bytes: float | None = None
     mem_fraction_static: float = 0.88
@@ -443,6 +444,13 @@ def preflight(inp: PreflightInputs) -> PreflightReport:
     non_expert = (
         float(non_expert_weight_bytes(s, inp.non_expert_dtype_bytes)) if s.has_dims and s.vocab_size else None
     )
+    if inp.explicit_non_expert_bytes is not None:
+        non_expert = float(inp.explicit_non_expert_bytes)
+    if inp.vram_bytes is not None:  # a memory budget is never dropped silently for want of a term
+        missing = [flag for flag, value in (("--kv-bytes-per-token", kv_bf16), ("--non-expert-gb", non_expert)) if value is None]
+        if missing:
+            raise UserError(f"--vram-gb needs the KV bytes per token and the non-expert weight bytes: give --model, or "
+                            f"{' and '.join(missing)} with the explicit shape")
     if inp.explicit_expert_bytes is not None:
         sizes = {"explicit": float(inp.explicit_expert_bytes)}
     else:

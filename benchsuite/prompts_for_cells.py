@@ -50,7 +50,10 @@ def _prompt_pool(
     exact_tokens = int(cell.prompt_class) if cell.prompt_class.isdigit() else None
     if exact_tokens is None and workload.dataset == "random":
         exact_tokens = RANDOM_SHORT_TOKENS
-    tokenizer = _tokenizer_dir(adapter, spec) if exact_tokens is not None else None
+    if workload.dataset == "random":  # random ids need only the vocabulary size: a GGUF file is enough
+        tokenizer = _vocab_source(adapter, spec)
+    else:
+        tokenizer = _tokenizer_dir(adapter, spec) if exact_tokens is not None else None
     key = (cell.workload, cell.prompt_class, str(tokenizer))
     if key not in cache:
         natural = (
@@ -70,9 +73,13 @@ def _prompt_pool(
     return cache[key]
 
 
-def _random_token_prompts(tokenizer_dir: Path, n_tokens: int, n: int, seed: int) -> list[datasets.Prompt]:
-    """Dataset `random`: uniformly random ids of the learned vocabulary, the no-locality extreme."""
-    vocab_size = datasets.load_tokenizer(tokenizer_dir).get_vocab_size(with_added_tokens=False)
+def _random_token_prompts(vocab_source: Path, n_tokens: int, n: int, seed: int) -> list[datasets.Prompt]:
+    """Dataset `random`: uniformly random ids of the learned vocabulary, the no-locality extreme.
+    `vocab_source` is an HF tokenizer directory or a GGUF file (its tokenizer.ggml.tokens)."""
+    if vocab_source.is_file() and vocab_source.suffix.lower() == ".gguf":
+        vocab_size = datasets.gguf_vocab_size(vocab_source)
+    else:
+        vocab_size = datasets.load_tokenizer(vocab_source).get_vocab_size(with_added_tokens=False)
     rng = random.Random(seed)
     return [
         datasets.Prompt(
@@ -80,6 +87,13 @@ def _random_token_prompts(tokenizer_dir: Path, n_tokens: int, n: int, seed: int)
         )
         for i in range(n)
     ]
+
+
+def _vocab_source(adapter: EngineAdapter, spec: ServerSpec) -> Path:
+    """Where dataset `random` reads the vocabulary size: the engine's GGUF file when it serves one, else the tokenizer."""
+    gguf_file = getattr(adapter, "gguf_file", None)
+    found = gguf_file(spec) if gguf_file is not None else None
+    return Path(found) if found is not None else _tokenizer_dir(adapter, spec)
 
 
 def _tokenizer_dir(adapter: EngineAdapter, spec: ServerSpec) -> Path:

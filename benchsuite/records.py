@@ -34,7 +34,7 @@ class RequestRecord:
     t_sent_s: float
     t_first_token_s: float | None  # first chunk with non-empty generated text
     t_done_s: float | None
-    chunk_times_s: list[float] = field(default_factory=list)  # every content chunk, in order
+    chunk_times_s: list[float] = field(default_factory=list)  # every content chunk, timed as its SSE event was parsed
     prompt_tokens: int | None = None  # from the server's usage field
     output_tokens: int | None = None  # from the server's usage field, never from max_tokens
     streamed_chunks: int = 0
@@ -44,6 +44,9 @@ class RequestRecord:
     http_status: int | None = None
     output_text: str = ""
     engine_timings: dict[str, Any] | None = None  # engine's own timings when it returns them
+    # last, so positional construction keeps its meaning
+    chunk_reads: list[int] = field(default_factory=list)  # body read each content chunk came in (equal: no read between)
+    chunk_tokens: list[int] = field(default_factory=list)  # cumulative usage.completion_tokens per chunk, where sent
 
     def to_row(self) -> dict[str, Any]:
         return asdict(self)
@@ -80,6 +83,11 @@ class CellResult:
     ttft_p99_s: float | None = None
     itl_p50_s: float | None = None
     itl_p99_s: float | None = None
+    itl_per_token_p50_s: float | None = None  # each chunk gap divided by the tokens that chunk carried
+    tokens_per_chunk_mean: float | None = None  # > 1: ITL is an inter-chunk latency
+    coalesced_gaps: int = 0  # chunk gaps inside one body read (the client did not read between them)
+    whole_stream_reads: int = 0  # warm requests whose every content chunk came in one read
+    timings_decode_tok_s_p50: float | None = None  # the engine's own per-request figure (llama.cpp timings)
     tpot_p50_s: float | None = None
     decode_tok_s_p50: float | None = None  # per-request decode rate, median over requests
     output_tok_s: float | None = None  # aggregate output tokens / measured window
@@ -103,6 +111,15 @@ class CellResult:
     engine_decode_step_s: float | None = None
     engine_decode_tok_s: float | None = None
     gpu_memory_used_bytes: int | None = None  # device memory in use after the cell (built-in engine on CUDA)
+    # Prefill page-in over the window (metrics.paging_delta): per prompt chunk, the copy engine's share, waves.
+    prefill_chunks: int | None = None
+    prefill_bytes_per_chunk: float | None = None
+    prefill_router_s_per_chunk: float | None = None
+    prefill_copy_s_per_chunk: float | None = None
+    prefill_span_s_per_chunk: float | None = None
+    prefill_copy_busy: float | None = None
+    prefill_waves_per_layer: float | None = None
+    decode_miss_rate: float | None = None
     # Engine-specific extras (parsed log facts, captured batch sizes, flags).
     extras: dict[str, Any] = field(default_factory=dict)
 

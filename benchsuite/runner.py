@@ -1,10 +1,11 @@
 """The run loop: plan -> servers -> cells -> store, resumable.
 
-Each server spec starts once (own process group, free port, log in <run>/logs/<server-id>.log)
-and runs all of its cells (workloads x prompt classes x concurrencies x repeats); between cells
+Each server spec starts once (own process group, free port, log in <run>/logs/<server-id>.log;
+once per repeat with `repeat_order: interleaved`) and runs all of its cells (workloads x prompt classes x concurrencies x repeats); between cells
 its prefix cache is flushed where the adapter names a flush path, and its counters are scraped
-before and after each cell. Every cell is written atomically as soon as it ends. A server that
-fails to start, or dies, gets its cells recorded `failed` with the log tail; the rest of the
+before and after each cell, and so is the machine's noise (load average, CPU clock, CPU time other
+processes took: extras["machine"], benchsuite.machine.cell_noise). Every cell is written atomically
+as soon as it ends. A server that fails to start, or dies, gets its cells recorded `failed` with the log tail; the rest of the
 matrix continues. Servers always stop (try/finally), also on Ctrl-C and exceptions.
 
 A search (the llama.cpp `--n-cpu-moe` search, benchsuite.search.run_search) is injected as the
@@ -34,6 +35,7 @@ from benchsuite.engine_env import engine_environment, recorded
 from benchsuite.engines import ADAPTERS, RUN_DIR_PLACEHOLDER
 from benchsuite.engines.base import EngineAdapter, EngineConfigError, EngineOptions, ServerSpec
 from benchsuite.errors import RunError, UserError
+from benchsuite.machine import cell_noise, noise_snapshot
 from benchsuite.manifest import build_manifest
 from benchsuite.plan import CellSpec, Plan, SearchTask, resolve_search
 from benchsuite.process import EngineProcess, free_port
@@ -176,7 +178,10 @@ async def _measure(ctx: RunContext, server: RunningServer, cell: CellSpec, store
         records = [dataclasses.replace(r, warmup=True) for r in warm]
         cold_first = False
     before = await adapter.scrape(ctx.session, server.base_url)
+    own_pids = [server.process.pid] if server.process.pid is not None else []
+    noise_before = noise_snapshot(own_pids)
     measured = await _load(ctx, server, cell, requests, cold_first=cold_first, closed=False)
+    noise = cell_noise(noise_before, noise_snapshot(own_pids))  # the machine around the measured requests
     records += [dataclasses.replace(r, request_index=r.request_index + len(warmups)) for r in measured]
     server.cells_measured += 1
     after = await adapter.scrape(ctx.session, server.base_url) if server.process.alive else None
@@ -184,7 +189,7 @@ async def _measure(ctx: RunContext, server: RunningServer, cell: CellSpec, store
     if before is not None and after is not None:
         result = dataclasses.replace(result, **metrics.paging_delta(before, after))
     log_extras = _log_extras(adapter, spec, cell, ctx.store.log_path(spec.server_id))
-    result = dataclasses.replace(result, extras={**result.extras, **log_extras})
+    result = dataclasses.replace(result, extras={**result.extras, **log_extras, "machine": noise})
     if not server.process.alive:
         result = failed_result(ctx, cell, spec, _death_reason(server), base=result)
     if store:
@@ -284,8 +289,8 @@ async def execute(ctx: RunContext) -> list[str]:
     try:
         if ctx.plan.matrix.matrix.linkbw:
             await _measure_link(ctx)
-        for spec in ctx.plan.servers:
-            await run_server_cells(ctx, spec, ctx.plan.cells_of(spec.server_id))
+        for spec, cells in _server_rounds(ctx.plan):
+            await run_server_cells(ctx, spec, cells)
         for task in ctx.plan.searches:
             try:
                 await run_search_task(ctx, task)
@@ -295,6 +300,18 @@ async def execute(ctx: RunContext) -> list[str]:
     finally:
         ctx.store.rebuild_tables()
     return problems
+
+
+def _server_rounds(plan: Plan) -> list[tuple[ServerSpec, tuple[CellSpec, ...]]]:
+    """(server, its cells) per launch: one launch per server, or with `repeat_order: interleaved` one per
+    server and repeat, repeat-major, so each repeat of a configuration meets the machine at another time."""
+    if plan.matrix.matrix.repeat_order != "interleaved":
+        return [(spec, plan.cells_of(spec.server_id)) for spec in plan.servers]
+    rounds = []
+    for repeat in range(plan.matrix.matrix.repeats):
+        for spec in plan.servers:
+            rounds.append((spec, tuple(c for c in plan.cells_of(spec.server_id) if c.repeat == repeat)))
+    return rounds
 
 
 async def _measure_link(ctx: RunContext) -> None:

@@ -6,6 +6,11 @@ Concurrency regroups a trace into batched steps: each request keeps its own chun
 closed loop keeps `concurrency` requests active (a finished request is replaced by the next one in
 order of first appearance). Concurrency 0 replays the steps exactly as recorded.
 
+With prefill replayed (`include_prefill`), what a prefill chunk leaves in the slots matters to the
+decode that follows: `prefill_keep` runs each residency policy of `paged_experts.residency.PREFILL_KEEP`
+and every result splits its counts into prefill steps (a chunk of more than one token), decode steps,
+and the first `early_decode_steps` decode steps after a prefill step (`decode`, `early`).
+
 Speed model (stated in every report): a step takes `max(compute_s_per_step, step_miss_bytes /
 link_b_per_s)` (compute and page-in fully overlapped, one decode step's compute independent of
 batch size), and predicted tok/s = tokens / sum of step times. It ignores wave serialisation
@@ -19,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from paged_experts.residency import POLICIES, BeladyPolicy, EvictionPolicy, LayerResidency
+from paged_experts.residency import DEFAULT_PREFILL_KEEP, POLICIES, BeladyPolicy, EvictionPolicy, LayerResidency
 from paged_experts.trace import Chunk, Trace
 
 SIM_POLICIES = (*POLICIES, "belady")
@@ -35,6 +40,8 @@ class SimOptions:
     link_b_per_s: float | None = None
     compute_s_per_step: float | None = None
     seed: int = 0
+    prefill_keep: tuple[str, ...] = (DEFAULT_PREFILL_KEEP,)
+    early_decode_steps: int = 16
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,10 @@ class SimResult:
     total: LayerStats  # sums over layers; its `steps` counts layer-steps, its `tokens` tokens once
     bytes_per_token: float | None
     predicted_tok_per_s: float | None
+    prefill_keep: str = DEFAULT_PREFILL_KEEP
+    prefill: LayerStats | None = None  # steps with a prompt chunk (all layers)
+    decode: LayerStats | None = None  # the other steps
+    early: LayerStats | None = None  # the first `early_decode_steps` decode steps after a prefill step
 
 
 def batched_steps(trace: Trace, concurrency: int, include_prefill: bool) -> list[list[Chunk]]:
@@ -113,44 +124,82 @@ def _policy(name: str, routed: list[np.ndarray], seed: int) -> EvictionPolicy:
     return POLICIES[name]()
 
 
+@dataclass(frozen=True)
+class LayerReplay:
+    """One layer's replay, per step [S]."""
+
+    hits: np.ndarray
+    misses: np.ndarray
+    waves: np.ndarray
+    union: np.ndarray
+
+    def stats(self, layer: int, mask: np.ndarray, step_tokens: np.ndarray) -> LayerStats:
+        counts = (int(a[mask].sum()) for a in (step_tokens, self.hits, self.misses, self.waves, self.union))
+        return LayerStats(layer, int(mask.sum()), *counts)
+
+
 def replay_layer(
-    layer: int, routed: list[np.ndarray], num_experts: int, k: int, policy: str, step_tokens: Sequence[int], seed: int = 0
-) -> tuple[LayerStats, np.ndarray]:
-    """Replay one layer's per-step routed ids; returns its stats and misses per step [S]."""
-    residency = LayerResidency(num_experts, k, _policy(policy, routed, seed))
-    misses = np.zeros(len(routed), dtype=np.int64)
-    hits = waves = union = 0
+    routed: list[np.ndarray],
+    num_experts: int,
+    k: int,
+    policy: str,
+    seed: int = 0,
+    prefill_keep: str = DEFAULT_PREFILL_KEEP,
+) -> LayerReplay:
+    """Replay one layer's per-step routed ids (token order) through a fresh `LayerResidency`."""
+    residency = LayerResidency(num_experts, k, _policy(policy, routed, seed), prefill_keep=prefill_keep)
+    out = np.zeros((4, len(routed)), dtype=np.int64)  # hits, misses, waves, union per step
     for s, ids in enumerate(routed):
         plan = residency.plan_step(ids.tolist())
-        hits += plan.hits
-        misses[s] = plan.misses
-        waves += len(plan.waves)
-        union += plan.union
-    stats = LayerStats(layer, len(routed), int(sum(step_tokens)), hits, int(misses.sum()), waves, union)
-    return stats, misses
+        out[:, s] = (plan.hits, plan.misses, len(plan.waves), plan.union)
+    return LayerReplay(*out)
 
 
-def simulate_one(trace: Trace, steps: list[list[Chunk]], k: int, policy: str, concurrency: int, opts: SimOptions) -> SimResult:
+def _step_masks(steps: list[list[Chunk]], early_decode_steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """[S] prefill steps (a chunk of more than one token), [S] decode steps within `early_decode_steps`
+    of the last prefill step."""
+    prefill = np.array([any(c.num_tokens > 1 for c in step) for step in steps], dtype=bool)
+    early = np.zeros(len(steps), dtype=bool)
+    since = None
+    for s, is_prefill in enumerate(prefill):
+        since = 0 if is_prefill else (None if since is None else since + 1)
+        early[s] = not is_prefill and since is not None and since <= early_decode_steps
+    return prefill, early
+
+
+def _total(parts: list[LayerStats], tokens: int) -> LayerStats:
+    return LayerStats(
+        layer=-1,
+        steps=sum(s.steps for s in parts),  # layer-steps: waves and union per step read per layer
+        tokens=tokens,
+        hits=sum(s.hits for s in parts),
+        misses=sum(s.misses for s in parts),
+        waves=sum(s.waves for s in parts),
+        union=sum(s.union for s in parts),
+    )
+
+
+def simulate_one(
+    trace: Trace, steps: list[list[Chunk]], k: int, policy: str, concurrency: int, opts: SimOptions,
+    prefill_keep: str = DEFAULT_PREFILL_KEEP,
+) -> SimResult:
     if policy not in SIM_POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {SIM_POLICIES}")
     meta = trace.meta
-    step_tokens = [sum(c.num_tokens for c in step) for step in steps]
-    layers = []
-    step_misses = np.zeros(len(steps), dtype=np.int64)
-    for layer in range(meta.num_layers):
-        routed = _step_routed(trace, steps, layer)
-        stats, misses = replay_layer(layer, routed, meta.num_experts, k, policy, step_tokens, opts.seed)
-        layers.append(stats)
-        step_misses += misses
-    total = LayerStats(
-        layer=-1,
-        steps=sum(s.steps for s in layers),  # layer-steps: waves and union per step read per layer
-        tokens=int(sum(step_tokens)),
-        hits=sum(s.hits for s in layers),
-        misses=sum(s.misses for s in layers),
-        waves=sum(s.waves for s in layers),
-        union=sum(s.union for s in layers),
-    )
+    step_tokens = np.array([sum(c.num_tokens for c in step) for step in steps], dtype=np.int64)
+    prefill, early = _step_masks(steps, opts.early_decode_steps)
+    every = np.ones(len(steps), dtype=bool)
+    replays = [
+        replay_layer(_step_routed(trace, steps, layer), meta.num_experts, k, policy, opts.seed, prefill_keep)
+        for layer in range(meta.num_layers)
+    ]
+    layers = [r.stats(i, every, step_tokens) for i, r in enumerate(replays)]
+    total = _total(layers, int(step_tokens.sum()))
+    parts = {
+        name: _total([r.stats(i, mask, step_tokens) for i, r in enumerate(replays)], int(step_tokens[mask].sum()))
+        for name, mask in (("prefill", prefill), ("decode", ~prefill), ("early", early))
+    }
+    step_misses = np.sum([r.misses for r in replays], axis=0) if replays else np.zeros(len(steps), dtype=np.int64)
     bytes_per_token = None
     tok_per_s = None
     if opts.expert_bytes is not None and total.tokens:
@@ -158,7 +207,7 @@ def simulate_one(trace: Trace, steps: list[list[Chunk]], k: int, policy: str, co
         if opts.link_b_per_s and opts.compute_s_per_step is not None:
             step_s = np.maximum(opts.compute_s_per_step, step_misses * opts.expert_bytes / opts.link_b_per_s)
             tok_per_s = float(total.tokens / step_s.sum()) if step_s.sum() > 0 else None
-    return SimResult(policy, k, concurrency, tuple(layers), total, bytes_per_token, tok_per_s)
+    return SimResult(policy, k, concurrency, tuple(layers), total, bytes_per_token, tok_per_s, prefill_keep, **parts)
 
 
 def simulate(trace: Trace, opts: SimOptions) -> list[SimResult]:
@@ -169,6 +218,7 @@ def simulate(trace: Trace, opts: SimOptions) -> list[SimResult]:
     for concurrency in opts.concurrencies:
         steps = batched_steps(trace, concurrency, opts.include_prefill)
         for policy in opts.policies:
-            for k in opts.ks:
-                results.append(simulate_one(trace, steps, k, policy, concurrency, opts))
+            for keep in opts.prefill_keep:
+                for k in opts.ks:
+                    results.append(simulate_one(trace, steps, k, policy, concurrency, opts, keep))
     return results

@@ -17,6 +17,22 @@ Definitions (one layer-step is one MoE layer in one `forward`):
   `bytes_paged_in` in paged mode, `num_experts x expert_bytes` per offloaded layer-step;
 - `copy_time_s`: time of the host->device expert copies (CUDA events on GPU, wall clock on CPU);
 - `waves`, `steps`: compute passes and layer-steps; `union_sum`, `union_max` over steps.
+
+Prefill (`PrefillCounts`, `snapshot().prefill`): engine steps with a prompt chunk (a sequence with
+more than one token in the step), any placement:
+- `steps`, `chunks`, `tokens`: prefill steps, their prompt chunks and those chunks' tokens;
+- `router_s`: host time in a router override during those steps (a synthetic router's draws: a cost
+  of the measurement, which a model's own router does not have);
+and over the paged layers' host-planned layer-steps of those steps (moe/streaming.py):
+- `layer_steps`, `hits`, `misses`: those layer-steps and their hits and misses (so the decode's own
+  hit rate is the totals' minus these);
+- `bytes_paged_in`: expert bytes paged in by those layer-steps;
+- `copy_time_s`: time their page-in copies took (CUDA events on the page-in stream; CPU: wall clock);
+- `span_s`: per step, from its first MoE layer starting to its last paged layer's last wave
+  (CUDA events on the compute stream; CPU: wall clock), summed over steps;
+- `waves`: waves of those layer-steps, all layers;
+- `copy_busy_fraction = copy_time_s / span_s`: the share of the prefill the copy engine was busy.
+A prefill step whose layers each fit one device-planned wave (tokens x top_k <= K) is not counted.
 """
 
 from __future__ import annotations
@@ -26,6 +42,9 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
+
+TimeMark = torch.cuda.Event | float
+"""A point in time: a CUDA event (timing enabled) or a `time.perf_counter()` reading."""
 
 
 @dataclass(frozen=True)
@@ -63,10 +82,36 @@ class LayerCounts:
 
 
 @dataclass(frozen=True)
+class PrefillCounts:
+    """Prefill steps' page-in (see the module docstring)."""
+
+    steps: int = 0
+    chunks: int = 0
+    tokens: int = 0
+    router_s: float = 0.0
+    layer_steps: int = 0
+    hits: int = 0
+    misses: int = 0
+    bytes_paged_in: int = 0
+    copy_time_s: float = 0.0
+    span_s: float = 0.0
+    waves: int = 0
+
+    @property
+    def copy_busy_fraction(self) -> float | None:
+        """copy_time_s / span_s; None before any prefill step was timed."""
+        return self.copy_time_s / self.span_s if self.span_s > 0 else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "copy_busy_fraction": self.copy_busy_fraction}
+
+
+@dataclass(frozen=True)
 class CountersSnapshot:
     layers: tuple[LayerCounts, ...]
     expert_bytes: int
     mode: str
+    prefill: PrefillCounts = PrefillCounts()
 
     @property
     def total(self) -> LayerCounts:
@@ -81,6 +126,7 @@ class CountersSnapshot:
             "expert_bytes": self.expert_bytes,
             "total": self.total.to_dict(),
             "layers": [layer.to_dict() for layer in self.layers],
+            "prefill": self.prefill.to_dict(),
         }
 
 
@@ -109,12 +155,55 @@ class _Acc:
         self.pending_events.clear()
 
 
+def _seconds(start: TimeMark, end: TimeMark) -> float:
+    """end - start in seconds (waits for a CUDA end event)."""
+    if isinstance(start, float) and isinstance(end, float):
+        return end - start
+    assert isinstance(start, torch.cuda.Event) and isinstance(end, torch.cuda.Event)
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+class _PrefillStep:
+    """One prefill step's marks, resolved into seconds when the counters are read."""
+
+    def __init__(self, start: TimeMark) -> None:
+        self.start = start
+        self.end: TimeMark | None = None
+        self.copies: list[tuple[TimeMark, TimeMark]] = []
+
+    def finished(self) -> bool:
+        """Every mark reached on the device (never waits)."""
+        marks = [self.start, *([] if self.end is None else [self.end]), *(m for pair in self.copies for m in pair)]
+        return all(isinstance(m, float) or m.query() for m in marks)
+
+
+class _PrefillAcc:
+    def __init__(self) -> None:
+        self.values: dict[str, float] = {f.name: 0 for f in fields(PrefillCounts)}
+        self.steps: list[_PrefillStep] = []  # unresolved, oldest first
+
+    def resolve(self, finished_only: bool = False) -> None:
+        """Turns steps' marks into seconds, oldest first; `finished_only`: only steps the device has
+        finished and not the newest (which may still grow), without waiting for anything."""
+        done = 0
+        for step in self.steps[:-1] if finished_only else self.steps:
+            if finished_only and not step.finished():
+                break
+            if step.end is not None:
+                self.values["span_s"] += _seconds(step.start, step.end)
+            self.values["copy_time_s"] += sum(_seconds(a, b) for a, b in step.copies)
+            done += 1
+        del self.steps[:done]
+
+
 class PagingCounters:
     def __init__(self, num_layers: int, expert_bytes: int, mode: str) -> None:
         self.num_layers = num_layers
         self.expert_bytes = expert_bytes
         self.mode = mode
         self._layers = [_Acc() for _ in range(num_layers)]
+        self._prefill = _PrefillAcc()
 
     def record_step(
         self, layer: int, *, union: int, routed_pairs: int, hits: int, misses: int, cpu_activations: int, waves: int
@@ -146,6 +235,43 @@ class PagingCounters:
         v["bytes_paged_in"] += prefetched * self.expert_bytes
         v["bytes_h2d"] += prefetched * self.expert_bytes
 
+    def record_copy_marks(self, layer: int, num_bytes: int, start: TimeMark, end: TimeMark) -> None:
+        """One page-in of `num_bytes` between two marks (events read lazily, or perf_counter readings)."""
+        if isinstance(start, float) and isinstance(end, float):
+            self.record_copy(layer, bytes_h2d=num_bytes, copy_time_s=end - start)
+            return
+        assert isinstance(start, torch.cuda.Event) and isinstance(end, torch.cuda.Event)
+        self.record_copy_events(layer, start, end)
+        self.record_copy(layer, bytes_h2d=num_bytes)
+
+    def prefill_begin(self, *, chunks: int, tokens: int, start: TimeMark) -> None:
+        """A prefill step starts (its first paged layer): `chunks` prompt chunks of `tokens` tokens."""
+        acc = self._prefill
+        if len(acc.steps) >= 64:
+            acc.resolve(finished_only=True)  # a long run without snapshots must not pile up events
+        acc.steps.append(_PrefillStep(start))
+        acc.values["steps"] += 1
+        acc.values["chunks"] += chunks
+        acc.values["tokens"] += tokens
+
+    def prefill_router(self, seconds: float) -> None:
+        """Host time of one router-override call in the current prefill step."""
+        self._prefill.values["router_s"] += seconds
+
+    def prefill_copy(self, num_bytes: int, start: TimeMark, end: TimeMark) -> None:
+        """A page-in of the current prefill step."""
+        self._prefill.values["bytes_paged_in"] += num_bytes
+        self._prefill.steps[-1].copies.append((start, end))
+
+    def prefill_layer_end(self, *, end: TimeMark, waves: int, hits: int, misses: int) -> None:
+        """A paged layer of the current prefill step issued its last wave (`end` follows it)."""
+        v = self._prefill.values
+        v["layer_steps"] += 1
+        v["waves"] += waves
+        v["hits"] += hits
+        v["misses"] += misses
+        self._prefill.steps[-1].end = end
+
     def record_copy_events(self, layer: int, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
         """CUDA copies are timed by events read lazily, so no host sync happens per wave."""
         acc = self._layers[layer]
@@ -161,10 +287,16 @@ class PagingCounters:
             layers.append(
                 LayerCounts(**{f.name: (float(v[f.name]) if f.name == "copy_time_s" else int(v[f.name])) for f in fields(LayerCounts)})
             )
-        return CountersSnapshot(layers=tuple(layers), expert_bytes=self.expert_bytes, mode=self.mode)
+        self._prefill.resolve()
+        v = self._prefill.values
+        prefill = PrefillCounts(
+            **{f.name: (float if f.type == "float" else int)(v[f.name]) for f in fields(PrefillCounts)}
+        )
+        return CountersSnapshot(layers=tuple(layers), expert_bytes=self.expert_bytes, mode=self.mode, prefill=prefill)
 
     def reset(self) -> None:
         self._layers = [_Acc() for _ in range(self.num_layers)]
+        self._prefill = _PrefillAcc()
 
 
 DeviceTally = tuple[list[list[int]], int, int, tuple[str, ...]]

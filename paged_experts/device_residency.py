@@ -18,6 +18,7 @@ step that synchronizes anyway.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -88,31 +89,50 @@ class DeviceResidency:
 
     def pull_to(self, residency: LayerResidency) -> None:
         """Writes this state into a host `LayerResidency` (LRU) before a host-planned step."""
+        pull_many([(self, residency)])
+
+    def push_from(self, residency: LayerResidency) -> None:
+        """Reads a host `LayerResidency` (LRU) back after a host-planned step: one pinned host buffer
+        copied without blocking the host (the device plan of a later step is stream-ordered after it)."""
         policy = _lru(residency)
-        expert_in = self.expert_in[: self.num_slots].tolist()
-        last_use = self.last_use[: self.num_slots].tolist()
+        e, k = self.num_experts, self.num_slots
+        assert len(residency.expert_in) == k
+        slot_of = [-1] * (e + 1)
+        for ex, s in residency.slot_of.items():
+            slot_of[ex] = s
+        stamps = [policy._last_use.get(ex, -1) for ex in residency.expert_in] + [-1]
+        host = torch.tensor([*slot_of, *residency.expert_in, e, *stamps, residency.step], dtype=torch.long)
+        if self.device.type == "cuda":
+            host = host.pin_memory()  # the caching host allocator keeps it until the copy has run
+        state = (self.slot_of, self.expert_in, self.last_use, self.step.view(1))
+        start = 0
+        for dst in state:
+            dst.copy_(host[start : start + dst.numel()], non_blocking=True)
+            start += dst.numel()
+
+
+def pull_many(pairs: Sequence[tuple[DeviceResidency, LayerResidency]]) -> None:
+    """Writes each device state into its host `LayerResidency` (LRU) with one device read for all."""
+    if not pairs:
+        return
+    rows = torch.cat([
+        torch.cat([d.expert_in[: d.num_slots], d.last_use[: d.num_slots], d.step.view(1)]) for d, _ in pairs
+    ])
+    values = rows.tolist()  # the one host read
+    start = 0
+    for dev, residency in pairs:
+        k = dev.num_slots
+        expert_in, last_use, step = values[start : start + k], values[start + k : start + 2 * k], values[start + 2 * k]
+        start += 2 * k + 1
+        policy = _lru(residency)
         residency.expert_in = expert_in
         residency.slot_of = {ex: s for s, ex in enumerate(expert_in)}
-        residency.step = int(self.step)
+        residency.step = int(step)
         for ex, stamp in zip(expert_in, last_use):
             if stamp >= 0:
                 policy._last_use[ex] = stamp
             else:
                 policy._last_use.pop(ex, None)
-
-    def push_from(self, residency: LayerResidency) -> None:
-        """Reads a host `LayerResidency` (LRU) back after a host-planned step."""
-        policy = _lru(residency)
-        e, k = self.num_experts, self.num_slots
-        slot_of = [-1] * (e + 1)
-        for ex, s in residency.slot_of.items():
-            slot_of[ex] = s
-        stamps = [policy._last_use.get(ex, -1) for ex in residency.expert_in] + [-1]
-        self.slot_of.copy_(torch.tensor(slot_of, dtype=torch.long))
-        self.expert_in.copy_(torch.tensor([*residency.expert_in, e], dtype=torch.long))
-        self.last_use.copy_(torch.tensor(stamps, dtype=torch.long))
-        self.step.fill_(residency.step)
-        assert len(residency.expert_in) == k
 
 
 def plan_step(

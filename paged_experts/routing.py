@@ -198,7 +198,7 @@ def _as_list(x: object, n: int) -> list:
 
 
 class SyntheticRouter:
-    """`Router(layer_idx, router_logits [T, E], ctx) -> (ids [T, k] int64, weights [T, k] float32)`.
+    """`Router(layer_idx, router_logits [T, E], ctx) -> (ids [T, k] int64 on the host, weights [T, k] float32)`.
 
     Ignores the logits' choice: ids come from the routing process, one stream per sequence
     (`ctx.seq_ids[t]`) holding every layer's memory; a token at position 0 starts its stream afresh.
@@ -238,9 +238,10 @@ class SyntheticRouter:
         positions = _as_list(getattr(ctx, "positions", None), t)
         if (tuple(seq_ids), tuple(positions)) != self._step_key:  # a new step: draw all its layers
             self.plan(seq_ids, positions)
-        ids = self._step_ids[:, layer_idx % self.process.num_layers]  # [T, k]
-        ids_t = torch.from_numpy(np.ascontiguousarray(ids)).to(router_logits.device)
-        return ids_t, planned_weights(router_logits, ids_t)
+        ids = torch.from_numpy(np.ascontiguousarray(self._step_ids[:, layer_idx % self.process.num_layers]))  # [T, k]
+        ids_dev = ids.pin_memory() if router_logits.device.type == "cuda" else ids
+        ids_dev = ids_dev.to(router_logits.device, non_blocking=True)
+        return ids, planned_weights(router_logits, ids_dev)  # ids on the host: the planner reads them with no sync
 
 
 def planned_weights(router_logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

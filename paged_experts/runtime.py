@@ -1,4 +1,5 @@
-"""`RuntimeConfig`: how a model is placed and run (mode, K, offloaded / CPU layers, device, dtype).
+"""`RuntimeConfig`: how a model is placed and run (mode, K, offloaded / CPU layers, device, dtype,
+paging options).
 
 Owns validation of those choices against a model's shape, with errors that say what to change.
 """
@@ -11,6 +12,7 @@ from typing import Literal
 import torch
 
 from paged_experts.config import TORCH_DTYPES, MoeModelConfig
+from paged_experts.residency import DEFAULT_PREFILL_KEEP, PREFILL_KEEP
 
 Mode = Literal["resident", "paged", "offload", "cpu-experts"]
 MODES: tuple[str, ...] = ("resident", "paged", "offload", "cpu-experts")
@@ -40,6 +42,9 @@ class RuntimeConfig:
     # then pages in only what the prediction missed (see graphs.GraphedDecoder). Off by default until
     # measured (benchmarks/decode_h200.py '+prefetch' modes).
     prefetch_next_layer: bool = False
+    # What a paged step larger than K (a prefill chunk) leaves in the slots: residency.PREFILL_KEEP
+    # ('recent' keeps the experts of the chunk's last tokens, the next decode tokens' best guess).
+    prefill_residency: str = DEFAULT_PREFILL_KEEP
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -52,6 +57,8 @@ class RuntimeConfig:
             raise ValueError(f"page_in must be 'auto', 'direct' or 'staged', got {self.page_in!r}")
         if self.device_planning not in ("auto", "on", "off"):
             raise ValueError(f"device_planning must be 'auto', 'on' or 'off', got {self.device_planning!r}")
+        if self.prefill_residency not in PREFILL_KEEP:
+            raise ValueError(f"prefill_residency must be one of {PREFILL_KEEP}, got {self.prefill_residency!r}")
         if self.overlap_page_in and not self.plans_on_device:
             raise ValueError("overlap_page_in needs mode='paged' with device planning (device_planning 'on', or 'auto' on CUDA)")
         if self.prefetch_next_layer and not self.plans_on_device:

@@ -49,6 +49,8 @@ class Script:
     crlf: bool = False  # end SSE lines with CRLF
     token_text: str = " tok"
     inject_after_first_chunk: str | None = None  # a raw SSE data payload sent after the first chunk
+    one_write: bool = False  # the whole stream in one write (the client then reads it in one piece)
+    usage_per_chunk: bool = False  # every content chunk carries the cumulative usage (continuous usage stats)
 
 
 ScriptFn = Callable[[dict[str, Any], int], Script]
@@ -175,7 +177,15 @@ async def _stream(writer: asyncio.StreamWriter, script: Script, request: dict[st
             base["choices"] = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
         return base
 
+    pending: list[bytes] = []
+
     async def send(data: bytes) -> None:
+        if script.one_write:
+            pending.append(data)
+            if data == b"":
+                writer.write(_chunked(b"".join(pending)) + _chunked(b""))
+                await writer.drain()
+            return
         if script.split_bytes and data:
             for i in range(0, len(data), script.split_bytes):
                 writer.write(_chunked(data[i : i + script.split_bytes]))
@@ -209,7 +219,11 @@ async def _stream(writer: asyncio.StreamWriter, script: Script, request: dict[st
         if delay_s > 0:
             await asyncio.sleep(delay_s)
         next_s += script.itl_s
-        data = event(choice(script.token_text * size, None))
+        body = choice(script.token_text * size, None)
+        if script.usage_per_chunk:
+            sent = sum(chunk_sizes[: i + 1])
+            body["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": sent, "total_tokens": prompt_tokens + sent}
+        data = event(body)
         if i == 0 and script.inject_after_first_chunk is not None:
             data += event(script.inject_after_first_chunk)
         if i == len(chunk_sizes) - 1:

@@ -78,6 +78,15 @@ def test_each_fast_path_option_turns_off(tmp_path: Path) -> None:
     assert "--disable-overlap-schedule" in argv and not build_parser().parse_args(argv[3:]).overlap_schedule
 
 
+def test_prefill_residency_is_written_for_paged_servers_only(tmp_path: Path) -> None:
+    argv, _ = plan_argv(tmp_path, "device: cpu, mode: paged, resident_experts: 8")
+    assert flag(argv, "--prefill-residency") == "recent"  # the default, written out
+    argv, _ = plan_argv(tmp_path, "device: cpu, mode: paged, resident_experts: 8, prefill_residency: lru")
+    assert flag(argv, "--prefill-residency") == "lru" and parse_args(argv[3:]).prefill_residency == "lru"
+    argv, _ = plan_argv(tmp_path, "device: cpu, mode: resident")
+    assert "--prefill-residency" not in argv
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -90,6 +99,10 @@ def test_each_fast_path_option_turns_off(tmp_path: Path) -> None:
          "engines.e.options.torch_compile: true compiles the captured decode step"),
         ("device: cuda, mode: resident, prefetch_next_layer: true", "engines.e.options.prefetch_next_layer: true needs mode paged"),
         ("device: cuda, mode: resident, expert_kernel: fast", "engines.e.options.expert_kernel:"),
+        ("device: cpu, mode: paged, resident_experts: 8, prefill_residency: newest",
+         "engines.e.options.prefill_residency: 'newest' is not one of recent, frequent, lru"),
+        ("device: cpu, mode: resident, prefill_residency: recent",
+         "engines.e.options.prefill_residency: 'recent' applies to mode paged, not resident"),
     ],
 )  # fmt: skip
 def test_bad_performance_options_name_their_yaml_path(tmp_path: Path, options: str, message: str) -> None:

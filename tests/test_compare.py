@@ -1,56 +1,61 @@
-"""benchsuite compare: matching configurations across two runs, the Mann-Whitney U test on raw
-per-request samples, the threshold, and the markdown / HTML outputs."""
+"""benchsuite compare: matching configurations across runs, the test over repeats (one run a side) or
+over runs (several a side), never over requests, Benjamini-Hochberg over the rows, the A/A statement,
+and the markdown / HTML outputs and CLI."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from benchsuite.cli import main as cli_main
 from benchsuite.manifest import Manifest
 from benchsuite.records import CellResult, RequestRecord
 from benchsuite.report import compare_runs, write_comparison
-from benchsuite.report.compare import comparison_markdown
+from benchsuite.report.compare import LEVEL_REPEATS, LEVEL_RUNS, comparison_markdown
 from benchsuite.store import RunStore
 
-# Per-request multipliers around a cell's rate: median 1, spread +-4%.
-FACTORS = (0.96, 0.98, 0.99, 1.0, 1.0, 1.01, 1.02, 1.04)
 OUTPUT_TOKENS = 17
 
 
-def make_run(root: Path, run_id: str, configs: dict[str, tuple[float, float, int]]) -> Path:
-    """configs: name -> (decode tok/s, ttft s, requests per cell); two repeats each."""
+def make_run(root: Path, run_id: str, configs: dict[str, list[float]], *, commit: str = "c0ffee", request_spread: float = 0.04,
+             busy: bool = False) -> Path:
+    """configs: name -> decode tok/s of each repeat (one cell per value); every request of a cell
+    decodes at the cell's rate times a factor within +-request_spread."""
     run_dir = root / run_id
-    manifest = Manifest(run_id=run_id, created_utc="2026-12-01T00:00:00+00:00", matrix_source="m.yaml", matrix_hash=run_id,
-                        matrix={})  # fmt: skip
+    manifest = Manifest(run_id=run_id, created_utc="2026-12-01T00:00:00+00:00", matrix_source="m.yaml",
+                        matrix_hash="m4tr1x", matrix={}, git={"commit": commit, "dirty": False, "tree": f"tree-{commit}"})
     store = RunStore.open(run_dir, manifest)
-    for name, (rate, ttft, n_requests) in configs.items():
-        for repeat in range(2):
-            cell_id = f"{name}-r{repeat}"
+    for name, rates in configs.items():
+        for repeat, rate in enumerate(rates):
+            cell_id = f"{run_id}-{name}-r{repeat}"
+            extras = {"machine": {"busy": busy, "other_cores": 1.5 if busy else 0.0, "busy_reason": "others busy" if busy else None}}
             result = CellResult(cell_id=cell_id, run_id=run_id, engine="tiny", engine_kind="builtin", mode="paged", server_id="s",
                                 params={"resident_experts": name}, workload="w", prompt_class="short", concurrency=1,
-                                repeat=repeat, status="ok", decode_tok_s_p50=rate, output_tok_s=rate * 0.9, ttft_p50_s=ttft)
+                                repeat=repeat, status="ok", decode_tok_s_p50=rate, output_tok_s=rate * 0.9,
+                                ttft_p50_s=10.0 / rate, extras=extras)
             records = []
-            for index in range(n_requests):
-                factor = FACTORS[(index + repeat) % len(FACTORS)]
+            for index in range(8):
+                factor = 1.0 + request_spread * (index - 3.5) / 3.5
                 t_sent = 100.0 * index
-                t_first = t_sent + ttft * factor
-                step = 1.0 / (rate * factor)
-                chunks = [t_first + i * step for i in range(OUTPUT_TOKENS)]
+                t_first = t_sent + 10.0 / rate * factor
+                chunks = [t_first + i / (rate * factor) for i in range(OUTPUT_TOKENS)]
                 records.append(RequestRecord(cell_id, index, False, False, f"p{index}", "short", OUTPUT_TOKENS, t_sent, t_first,
                                              chunks[-1], chunks, 10, OUTPUT_TOKENS, OUTPUT_TOKENS, ok=True))
             store.write_cell(result, records)
     store.rebuild_tables()
+    store.close()
     return run_dir
 
 
 @pytest.fixture
 def runs(tmp_path: Path) -> tuple[Path, Path]:
-    a = make_run(tmp_path, "run-a", {"slower": (100.0, 0.10, 8), "same": (100.0, 0.10, 8), "tiny-shift": (100.0, 0.10, 8),
-                                     "few": (100.0, 0.10, 1), "gone": (50.0, 0.2, 8)})
-    b = make_run(tmp_path, "run-b", {"slower": (80.0, 0.05, 8), "same": (100.0, 0.10, 8), "tiny-shift": (102.0, 0.10, 8),
-                                     "few": (150.0, 0.10, 1), "new": (60.0, 0.2, 8)})
+    a = make_run(tmp_path, "run-a", {"slower": [100.0, 97.0, 103.0], "same": [100.0, 96.0, 104.0],
+                                     "tiny-shift": [100.0, 99.5, 100.5], "few": [100.0], "gone": [50.0, 51.0]})
+    b = make_run(tmp_path, "run-b", {"slower": [80.0, 78.0, 82.0], "same": [101.0, 97.0, 99.0],
+                                     "tiny-shift": [102.0, 101.5, 102.5], "few": [150.0, 149.0], "new": [60.0, 61.0]},
+                 commit="beef")
     return a, b
 
 
@@ -61,30 +66,60 @@ def _row(comparison, config: str, metric: str) -> dict:
     return match.iloc[0].to_dict()
 
 
-def test_flags_only_significant_changes_over_the_threshold(runs: tuple[Path, Path]) -> None:
+def test_flags_only_changes_significant_over_repeats_and_over_the_threshold(runs: tuple[Path, Path]) -> None:
     comparison = compare_runs(*runs, threshold=0.05, alpha=0.05)
+    assert comparison.level == LEVEL_REPEATS and comparison.same_source is None  # two commits
     slower = _row(comparison, "slower", "decode_tok_s")
-    assert slower["change"] == pytest.approx(-0.2)
-    assert slower["p_value"] < 0.001 and slower["n_a"] == slower["n_b"] == 16
-    assert slower["flagged"] and slower["verdict"] == "REGRESSED"
-    faster_ttft = _row(comparison, "slower", "ttft_p50_ms")
-    assert faster_ttft["change"] == pytest.approx(-0.5) and faster_ttft["verdict"] == "IMPROVED"
+    assert slower["change"] == pytest.approx(-0.2, abs=0.005)
+    assert slower["n_a"] == slower["n_b"] == 3  # repeats, not the 24 requests behind them
+    assert slower["p_value"] < 0.001 and slower["flagged"] and slower["verdict"] == "REGRESSED"
+    assert _row(comparison, "slower", "ttft_p50_ms")["verdict"] == "REGRESSED"  # TTFT went up: lower is better
     same = _row(comparison, "same", "decode_tok_s")
-    assert same["change"] == 0.0 and not same["flagged"] and same["verdict"] == "not significant"
-    shift = _row(comparison, "tiny-shift", "decode_tok_s")
-    assert shift["change"] == pytest.approx(0.02) and not shift["flagged"]  # 2% < 5% threshold, whatever p says
-    few = _row(comparison, "few", "decode_tok_s")
-    assert few["change"] == pytest.approx(0.5) and not few["flagged"] and few["verdict"].startswith("too few samples")
+    assert not same["flagged"] and same["verdict"] == "not significant"
+    shift = _row(comparison, "tiny-shift", "decode_tok_s")  # 2%: real (tight repeats) but under the 5% threshold
+    assert shift["p_value"] < 0.01 and not shift["flagged"] and shift["verdict"] == "significant, below threshold"
+    few = _row(comparison, "few", "decode_tok_s")  # +50% but one repeat in A: no verdict at all
+    assert pd.isna(few["change"]) and not few["flagged"] and few["verdict"] == "not enough repeats (1 and 2; 2 a side needed)"
     assert comparison.only_a == ["tiny · paged · resident_experts=gone · short · c=1"]
     assert comparison.only_b == ["tiny · paged · resident_experts=new · short · c=1"]
     assert set(comparison.flagged["configuration"]) == {"tiny · paged · resident_experts=slower"}
+
+
+def test_requests_are_not_the_unit(tmp_path: Path) -> None:
+    # Repeats scatter by +-10%, requests inside a cell by +-1%: B's +10% is within the repeats' noise.
+    # Mann-Whitney over the 24 requests a side called it IMPROVED (p = 0.005).
+    a = make_run(tmp_path, "a", {"x": [100.0, 90.0, 110.0]}, request_spread=0.01)
+    b = make_run(tmp_path, "b", {"x": [110.0, 99.0, 121.0]}, request_spread=0.01)
+    row = _row(compare_runs(a, b), "x", "decode_tok_s")
+    assert (row["n_a"], row["n_b"]) == (3, 3) and not row["flagged"] and row["verdict"] == "not significant"
+
+
+def test_a_a_comparison_is_named_and_busy_cells_are_counted(tmp_path: Path) -> None:
+    a = make_run(tmp_path, "a", {"x": [100.0, 98.0]})
+    b = make_run(tmp_path, "b", {"x": [99.0, 101.0]}, busy=True)
+    comparison = compare_runs(a, b)
+    assert comparison.same_source is not None and "same commit (c0ffee)" in comparison.same_source
+    assert "A/A comparison" in comparison_markdown(comparison)
+    assert _row(comparison, "x", "decode_tok_s")["machine_busy"] == "2 cells"
+
+
+def test_several_runs_a_side_test_over_runs(tmp_path: Path) -> None:
+    # Tight repeats inside each run, but the runs themselves scatter by +-15%: run-level noise.
+    a = [make_run(tmp_path, f"a{i}", {"x": [r, r * 1.01]}) for i, r in enumerate((100.0, 118.0, 86.0))]
+    b = [make_run(tmp_path, f"b{i}", {"x": [r, r * 1.01]}) for i, r in enumerate((112.0, 90.0, 104.0))]
+    over_runs = compare_runs(a, b)
+    row = _row(over_runs, "x", "decode_tok_s")
+    assert over_runs.level == LEVEL_RUNS and (row["n_a"], row["n_b"]) == (3, 3) and not row["flagged"]
+    over_repeats = compare_runs(a[1], b[1])  # one run a side: the repeats cannot see the run-level noise
+    assert over_repeats.level == LEVEL_REPEATS and _row(over_repeats, "x", "decode_tok_s")["verdict"] == "REGRESSED"
+    assert "give reruns of each side" in comparison_markdown(over_repeats)
 
 
 def test_threshold_and_alpha_are_honoured(runs: tuple[Path, Path]) -> None:
     strict = compare_runs(*runs, threshold=0.25, alpha=0.05)
     assert not _row(strict, "slower", "decode_tok_s")["flagged"]  # -20% is real but under a 25% threshold
     loose = compare_runs(*runs, threshold=0.01, alpha=0.05)
-    assert _row(loose, "tiny-shift", "decode_tok_s")["flagged"] == (_row(loose, "tiny-shift", "decode_tok_s")["p_value"] < 0.05)
+    assert _row(loose, "tiny-shift", "decode_tok_s")["flagged"]
 
 
 def test_outputs_and_cli(runs: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -97,4 +132,7 @@ def test_outputs_and_cli(runs: tuple[Path, Path], tmp_path: Path, capsys: pytest
     assert cli_main(["compare", str(runs[0]), str(runs[1]), "--out", str(tmp_path / "cli")]) == 0
     out = capsys.readouterr().out
     assert out.startswith("# Compare run-a (A) -> run-b (B)") and (tmp_path / "cli" / "compare.html").is_file()
+    assert cli_main(["compare", str(runs[0]), str(runs[0]), "--vs", str(runs[1]), str(runs[1]), "--out", str(tmp_path / "v")]) == 0
+    assert "Tested over runs" in capsys.readouterr().out
     assert cli_main(["compare", str(runs[0]), str(tmp_path / "missing")]) == 2
+    assert cli_main(["compare", str(runs[0])]) == 2

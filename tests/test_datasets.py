@@ -150,3 +150,27 @@ def test_prompt_length_mismatches_across_engines() -> None:
     assert found[0].prompt_tokens_by_engine == {"builtin": (10,), "llamacpp": (11,), "sglang": (10,)}
     assert prompt_length_mismatches({"one": [_r("p", 5), _r("p", 6)]})[0].prompt_tokens_by_engine == {"one": (5, 6)}
     assert prompt_length_mismatches({}) == []
+
+
+@pytest.mark.parametrize("prompt_class", ["short", "16"])
+def test_random_dataset_on_a_gguf_file_needs_only_its_vocabulary(tiny_model_dir: Path, tmp_path: Path, prompt_class: str) -> None:
+    from benchsuite.datasets import gguf_vocab_size, load_tokenizer
+    from benchsuite.engines.base import ServerSpec
+    from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter
+    from benchsuite.engines.llamacpp.gguf_export import export_gguf
+    from benchsuite.matrix import Workload
+    from benchsuite.plan import CellSpec
+    from benchsuite.prompts_for_cells import RANDOM_SHORT_TOKENS, cell_requests
+
+    gguf = tmp_path / "tiny.gguf"
+    export_gguf(tiny_model_dir, gguf, "f32")
+    vocab = load_tokenizer(tiny_model_dir).get_vocab_size(with_added_tokens=False)
+    assert gguf_vocab_size(gguf) >= vocab
+    spec = ServerSpec("llama", "llamacpp", {"model": str(gguf)}, {"kv_capacity_tokens": 512, "prefix_caching": False}, 1, "sid")
+    workload = Workload(dataset="random", prompt_classes=[prompt_class], num_requests=5, output_tokens=4)
+    cell = CellSpec("cid", "sid", "llama", {}, "w", workload, prompt_class, 1, 0)
+    requests = cell_requests({}, LlamaCppAdapter(), spec, cell)
+    length = RANDOM_SHORT_TOKENS if prompt_class == "short" else 16
+    assert len(requests) == 5 and all(len(r.prompt) == length for r in requests)
+    assert all(0 <= t < gguf_vocab_size(gguf) for r in requests for t in r.prompt)
+    assert len({tuple(r.prompt) for r in requests}) == 5

@@ -58,6 +58,19 @@ def tagged_model(tmp_path: Path, tiny_model_dir: Path) -> Path:
     return link
 
 
+def broken_model(tag: Path, tiny_model_dir: Path) -> Path:
+    """The tiny checkpoint with its weights cut short (its path carries the tag): the server exits while
+    loading it. A bad K no longer reaches a launch: the matrix refuses it when it loads."""
+    broken = Path(f"{tag}-broken")
+    broken.mkdir()
+    for item in tiny_model_dir.iterdir():
+        if item.suffix == ".safetensors":
+            (broken / item.name).write_bytes(item.read_bytes()[:1000])
+        else:
+            (broken / item.name).symlink_to(item)
+    return broken
+
+
 def write_matrix(
     tmp_path: Path,
     engines: dict[str, dict[str, Any]],
@@ -214,8 +227,8 @@ async def test_engine_exit_at_start_and_sigkill_mid_cell_fail_only_their_cells_a
     tag = str(model)
     engines = {
         "killed": {"model": tag, "mode": "resident"},
-        # K = 999 of 32 experts: the server parses it and refuses it when it loads the model (exit 1)
-        "bad": {"model": tag, "mode": "paged", "resident_experts": 999},
+        # weights cut short: the server starts, fails to read them and exits 1
+        "bad": {"model": str(broken_model(model, tiny_model_dir)), "mode": "paged", "resident_experts": 8},
         "good": {"model": tag, "mode": "paged", "resident_experts": 8},
     }
     path = write_matrix(tmp_path, engines, concurrency=[1, 2, 3], output_tokens=48)
@@ -235,8 +248,8 @@ async def test_engine_exit_at_start_and_sigkill_mid_cell_fail_only_their_cells_a
     assert "engine exited with code -9" in killed[2]["reason"], killed[2]["reason"]
     assert {c["status"] for c in cells["bad"]} == {"failed"}
     # the cause is the exit or the crash line in the log, whichever the launcher saw first; the log
-    # tail in the reason says which value the server refused
-    assert all("engine did not start" in c["reason"] and "999" in c["reason"] for c in cells["bad"]), cells["bad"][0][
+    # tail in the reason says what the server could not read
+    assert all("engine did not start" in c["reason"] and "invalid header" in c["reason"] for c in cells["bad"]), cells["bad"][0][
         "reason"
     ]
     assert {c["status"] for c in cells["good"]} == {"ok"}  # the matrix went on after both faults

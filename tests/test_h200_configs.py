@@ -22,8 +22,9 @@ MODE_OPTIONS = {"model", "device", "dtype", "mode", "resident_experts", "n_cpu_m
 def stand_ins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from paged_experts.synth_memory import write_weightless
 
-    monkeypatch.setenv("BENCH_H200_MODEL", str(write_weightless("tiny", tmp_path / "q48")))
-    monkeypatch.setenv("BENCH_H200_FP8_MODEL", str(write_weightless("tiny-fp8", tmp_path / "q48-fp8")))
+    # the real shapes (48 layers, 128 experts): the matrix checks K and N against config.json when it loads
+    monkeypatch.setenv("BENCH_H200_MODEL", str(write_weightless("qwen3-30b-a3b-shape", tmp_path / "q48")))
+    monkeypatch.setenv("BENCH_H200_FP8_MODEL", str(write_weightless("qwen3-30b-a3b-fp8-shape", tmp_path / "q48-fp8")))
     (tmp_path / "q48.gguf").write_bytes(b"")
     monkeypatch.setenv("BENCH_H200_GGUF", str(tmp_path / "q48.gguf"))
 

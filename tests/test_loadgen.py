@@ -13,7 +13,7 @@ import pytest
 from benchsuite.errors import UserError
 from benchsuite.loadgen import LoadRequest, LoadSpec, endpoint_url, poisson_arrivals_s, run_load
 from benchsuite.metrics import itls_s, latency_s, ttft_s
-from benchsuite.records import RequestRecord
+from benchsuite.records import CellResult, RequestRecord
 
 try:  # tests/ as a package or as a plain directory on sys.path (pytest's default prepend mode)
     from tests.fakes import FakeServer, Script
@@ -74,8 +74,9 @@ async def test_scripted_clock_pins_latency_minus_ttft_equals_sum_itl() -> None:
     )
     (r,) = records
     assert r.ok and len(r.chunk_times_s) == 4
-    assert r.t_done_s == r.chunk_times_s[-1]  # last token, usage and [DONE] arrive in one read
-    assert latency_s(r) - ttft_s(r) == sum(itls_s(r))  # type: ignore[operator]
+    # the last token, the finish chunk, usage and [DONE] arrive in one read, and each event gets its own reading
+    assert r.t_done_s == r.chunk_times_s[-1] + 3
+    assert latency_s(r) - ttft_s(r) == sum(itls_s(r)) + (r.t_done_s - r.chunk_times_s[-1])  # type: ignore[operator]
     assert all(gap >= 1 for gap in itls_s(r))
 
 
@@ -254,3 +255,79 @@ def test_spec_and_request_validation() -> None:
 def test_endpoint_url_accepts_root_or_v1() -> None:
     assert endpoint_url("http://h:1", chat=False) == "http://h:1/v1/completions"
     assert endpoint_url("http://h:1/v1/", chat=True) == "http://h:1/v1/chat/completions"
+
+
+async def test_events_of_one_read_are_timed_one_by_one_and_the_request_still_counts() -> None:
+    from benchsuite.metrics import decode_tok_s, summarize, whole_stream
+
+    # One stream in four arrives whole in one read: one timestamp per read made its decode span 0 and
+    # dropped it from decode p50 (the fastest request vanished; when all did, the cell went invalid).
+    def script(body: dict[str, Any], arrival: int) -> Script:
+        return Script(one_write=True, itl_s=0.002) if arrival == 0 else Script(itl_s=0.004)
+
+    records, _ = await _run(script, _requests(4, max_tokens=8), LoadSpec(concurrency=1))
+    whole = [r for r in records if whole_stream(r)]
+    assert len(whole) == 1 and len(set(whole[0].chunk_reads)) == 1
+    assert all(b > a for a, b in itertools.pairwise(whole[0].chunk_times_s))  # parse order, no exact-zero gaps
+    rates = {r.request_index: decode_tok_s(r) for r in records}
+    assert None not in rates.values() and rates[whole[0].request_index] == max(rates.values())  # counted, ranked fastest
+    base = CellResult("c", "r", "e", "builtin", "m", "s", {}, "w", "short", 1, 0, "ok")
+    cell = summarize(records, base=base)
+    assert cell.status == "ok" and cell.extras["decode_source"] == "client" and cell.whole_stream_reads == 1
+    assert cell.decode_tok_s_p50 == pytest.approx(sorted(rates.values())[1] / 2 + sorted(rates.values())[2] / 2)
+    assert cell.coalesced_gaps == 7 and cell.extras["client_flag"].startswith("client could not keep up: 7 of 28 chunk gaps")
+
+
+async def test_streams_that_all_arrive_whole_take_the_engines_own_decode_rate_or_a_lower_bound() -> None:
+    from benchsuite.metrics import summarize
+
+    base = CellResult("c", "r", "e", "builtin", "m", "s", {}, "w", "short", 1, 0, "ok")
+    bare, _ = await _run(Script(one_write=True, itl_s=0.002), _requests(3, max_tokens=8), LoadSpec(concurrency=1))
+    cell = summarize(bare, base=base)
+    bounds = sorted(7 / (r.chunk_times_s[-1] - r.t_sent_s) for r in bare)  # 8 tokens, the first one excluded
+    assert cell.status == "ok" and cell.decode_tok_s_p50 == pytest.approx(bounds[1])
+    assert cell.decode_tok_s_p50 < 7 / 0.014  # the server took >= 7 x 2 ms: a lower bound, never the parse time
+    assert cell.extras["decode_source"].startswith("client lower bound (3 of 3 streams arrived whole in one body read")
+    timed, _ = await _run(Script(one_write=True, itl_s=0.002, timings={"predicted_per_second": 480.0}),
+                          _requests(3, max_tokens=8), LoadSpec(concurrency=1))
+    cell = summarize(timed, base=base)
+    assert cell.status == "ok" and cell.decode_tok_s_p50 == 480.0 == cell.timings_decode_tok_s_p50
+    assert cell.extras["decode_source"].startswith("engine timings (3 of 3 streams arrived whole")
+
+
+async def test_a_paced_stream_is_read_chunk_by_chunk_and_not_flagged() -> None:
+    from benchsuite.metrics import summarize
+
+    records, _ = await _run(Script(itl_s=0.01), _requests(3, max_tokens=6), LoadSpec(concurrency=1))
+    assert all(len(set(r.chunk_reads)) == 6 for r in records)
+    cell = summarize(records, base=CellResult("c", "r", "e", "builtin", "m", "s", {}, "w", "short", 1, 0, "ok"))
+    assert cell.coalesced_gaps == 0 and "client_flag" not in cell.extras and cell.tokens_per_chunk_mean == 1.0
+
+
+async def test_per_chunk_usage_counts_the_first_chunk_and_per_token_latency() -> None:
+    from benchsuite.metrics import decode_tok_s, first_chunk_tokens, per_token_latencies_s, tokens_per_chunk
+
+    records, _ = await _run(Script(itl_s=0.01, tokens_per_chunk=3, usage_per_chunk=True), _requests(1, max_tokens=12),
+                            LoadSpec(concurrency=1))
+    (r,) = records
+    assert r.chunk_tokens == [3, 6, 9, 12] and first_chunk_tokens(r) == 3 and tokens_per_chunk(r) == 3.0
+    span = r.chunk_times_s[-1] - r.chunk_times_s[0]
+    assert decode_tok_s(r) == pytest.approx(9 / span)  # not (12 - 1) / span: the first chunk held 3 tokens
+    assert per_token_latencies_s(r) == pytest.approx([g / 3 for g in itls_s(r)])
+    without, _ = await _run(Script(itl_s=0.01, tokens_per_chunk=3), _requests(1, max_tokens=12), LoadSpec(concurrency=1))
+    assert without[0].chunk_tokens == [] and tokens_per_chunk(without[0]) == pytest.approx(11 / 3)
+
+
+def test_engine_timings_are_a_cross_check_flagged_past_the_margin() -> None:
+    from benchsuite.metrics import ENGINE_TIMINGS_MARGIN, summarize
+
+    def record(i: int, engine_rate: float) -> RequestRecord:
+        chunks = [1.0 + 0.01 * k for k in range(11)]  # 10 tok over 0.1 s: 100 tok/s
+        return RequestRecord("c", i, False, False, f"p{i}", "short", 11, 0.0, 1.0, 1.2, chunks, 5, 11, 11, ok=True,
+                             engine_timings={"predicted_per_second": engine_rate}, chunk_reads=list(range(11)))
+
+    base = CellResult("c", "r", "e", "llamacpp", "m", "s", {}, "w", "short", 1, 0, "ok")
+    close = summarize([record(i, 110.0) for i in range(3)], base=base)
+    assert close.timings_decode_tok_s_p50 == 110.0 and "engine_timings_flag" not in close.extras
+    far = summarize([record(i, 100.0 / (1 - ENGINE_TIMINGS_MARGIN) + 10) for i in range(3)], base=base)
+    assert far.extras["engine_timings_flag"].startswith("decode tok/s p50: ours 100.0, the engine's own timings 135.0")

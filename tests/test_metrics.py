@@ -256,6 +256,31 @@ def test_paging_delta_maps_counter_deltas_to_cell_fields() -> None:
     assert delta["waves_per_step"] == pytest.approx(1.5)
     assert delta["union_mean"] == pytest.approx(25.0)
     assert set(delta) <= set(CellResult.__dataclass_fields__)
+    assert delta["prefill_chunks"] is None and delta["prefill_bytes_per_chunk"] is None  # no prefill series scraped
+
+
+def test_paging_delta_prefill_fields() -> None:
+    p = "paged_experts:"
+    before = {p + "expert_hits_total": 0.0, p + "expert_misses_total": 0.0, p + "prefill_chunks_total": 1.0,
+              p + "prefill_layer_steps_total": 48.0, p + "prefill_expert_hits_total": 10.0,
+              p + "prefill_expert_misses_total": 90.0, p + "prefill_bytes_paged_total": 1e9,
+              p + "prefill_copy_seconds_total": 0.02, p + "prefill_span_seconds_total": 0.03,
+              p + "prefill_waves_total": 300.0, p + "prefill_router_seconds_total": 1.0}  # fmt: skip
+    after = {p + "expert_hits_total": 1000.0, p + "expert_misses_total": 5000.0, p + "prefill_chunks_total": 3.0,
+             p + "prefill_layer_steps_total": 144.0, p + "prefill_expert_hits_total": 110.0,
+             p + "prefill_expert_misses_total": 4890.0, p + "prefill_bytes_paged_total": 9.2e9,
+             p + "prefill_copy_seconds_total": 0.32, p + "prefill_span_seconds_total": 0.43,
+             p + "prefill_waves_total": 900.0, p + "prefill_router_seconds_total": 1.5}  # fmt: skip
+    delta = paging_delta(before, after)
+    assert delta["prefill_chunks"] == 2
+    assert delta["prefill_bytes_per_chunk"] == pytest.approx(4.1e9)
+    assert delta["prefill_router_s_per_chunk"] == pytest.approx(0.25)
+    assert delta["prefill_copy_s_per_chunk"] == pytest.approx(0.15)
+    assert delta["prefill_span_s_per_chunk"] == pytest.approx(0.2)
+    assert delta["prefill_copy_busy"] == pytest.approx(0.75) and delta["prefill_waves_per_layer"] == pytest.approx(6.25)
+    # decode: 900 hits and 200 misses outside the prefill steps
+    assert delta["decode_miss_rate"] == pytest.approx(200 / 1100)
+    assert set(delta) <= set(CellResult.__dataclass_fields__)
 
 
 def test_paging_delta_missing_or_reset_counters_are_none() -> None:
@@ -271,7 +296,7 @@ def test_paging_delta_missing_or_reset_counters_are_none() -> None:
 def test_every_filled_metric_field_has_a_definition() -> None:
     before = _base()
     after = summarize([_rec(0, 0.0, [0.1, 0.2, 0.3]), _rec(1, 0.0, [0.2, 0.3])], base=before)
-    filled = {k for k, v in after.to_row().items() if v != before.to_row()[k]} - {"status", "reason"}
+    filled = {k for k, v in after.to_row().items() if v != before.to_row()[k]} - {"status", "reason", "extras"}  # extras: flags, not metrics
     paging = set(paging_delta({}, {})) - {"expert_activations", "expert_hits", "expert_misses", "bytes_paged"}
     assert filled | paging <= set(DEFINITIONS)
     assert set(DEFINITIONS) <= set(CellResult.__dataclass_fields__)

@@ -67,13 +67,13 @@ def test_ids_are_those_of_schema_1(tmp_path: Path) -> None:
     An id hashes every option's value, defaults included: a new option field of an engine changes
     the ids of that engine's servers. Update these deliberately, and say so, when that happens."""
     plan = plan_of(tmp_path)
-    assert [s.server_id for s in plan.servers] == ["35e3f9ff9f7b", "fb81128d7c74", "c74b3cf166ac"]
-    assert (plan.cells[0].cell_id, plan.cells[-1].cell_id) == ("944cad61f7ca", "de533938b5d3")
+    assert [s.server_id for s in plan.servers] == ["2d90240d46bc", "b3f9c326c0e2", "fb77d55dcb05"]
+    assert (plan.cells[0].cell_id, plan.cells[-1].cell_id) == ("41165ab05127", "5ebf77713d89")
     quickstart = build_plan(load_matrix(ROOT / "configs" / "quickstart.yaml"))
     assert [s.server_id for s in quickstart.servers] == [
-        "bbb151997c48", "c0f8faa1bc50", "eab800aa9962", "d7973066f0d1", "85378cf1ea3c"
+        "98910354b81e", "abe55b5d4804", "cb657b59e8b3", "e9260ac7bc64", "ea05bc551b1d"
     ]  # fmt: skip
-    assert quickstart.cells[0].cell_id == "ac81c0df4c74"
+    assert quickstart.cells[0].cell_id == "94b39700a500"
 
 
 def test_search_option_and_resolution(tmp_path: Path) -> None:

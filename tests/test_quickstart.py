@@ -16,19 +16,21 @@ from benchsuite.plan import build_plan
 QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
 
 
-def test_quickstart_plans_four_modes_two_k_values_and_three_concurrencies() -> None:
+def test_quickstart_plans_four_modes_two_k_values_three_concurrencies_three_repeats() -> None:
     plan = build_plan(load_matrix(QUICKSTART))
     modes = sorted(s.options.mode for s in plan.servers)
     assert modes == ["cpu-experts", "offload", "paged", "paged", "resident"]
     assert sorted(s.options.resident_experts for s in plan.servers if s.options.mode == "paged") == [8, 16]
     assert {s.options.model for s in plan.servers} == {"tiny"}
     assert sorted({c.concurrency for c in plan.cells}) == [1, 2, 4]
-    assert len(plan.cells) == 5 * 3
+    assert len(plan.cells) == 5 * 3 * 3  # three repeats, so every ratio has an interval
+    assert plan.matrix.matrix.repeat_order == "interleaved"  # each repeat meets the machine at another time
 
 
 @pytest.mark.slow
 def test_reduced_quickstart_runs_on_the_real_builtin_server(tiny_model_dir: Path, tmp_path: Path) -> None:
     body = yaml.safe_load(QUICKSTART.read_text())
+    body["repeats"] = 1
     options = {"model": str(tiny_model_dir), "mode": "paged", "resident_experts": 8}
     body["engines"] = {"paged": {"kind": "builtin", "options": options}}
     # class "24": exact-length prompts sent as token ids, so the server's usage must say 24

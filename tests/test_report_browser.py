@@ -30,10 +30,30 @@ CHARTS_JS = """() => Array.from(document.querySelectorAll('.js-plotly-plot')).ma
     traces: (d.data || []).map(t => ({name: t.name, type: t.type || 'scatter', x: Array.from(t.x || []),
                                       y: Array.from(t.y || []), customdata: Array.from(t.customdata || [])}))
 }))"""
-TABLE_JS = """(id) => { const t = document.getElementById(id); if (!t) return null;
-    const head = Array.from(t.querySelectorAll('thead th')).map(th => th.textContent);
-    const rows = Array.from(t.querySelectorAll('tbody tr')).map(tr => Array.from(tr.children).map(td => td.textContent));
-    return rows.map(r => Object.fromEntries(head.map((h, i) => [h, r[i]]))); }"""
+VERDICT_JS = """() => ({
+    versus: Array.from(document.querySelectorAll('#verdict .vs')).map(d => ({text: d.textContent, ...d.dataset})),
+    winners: Array.from(document.querySelectorAll('#verdict td.winner')).map(d => ({text: d.textContent, ...d.dataset})),
+    top: document.getElementById('verdict').getBoundingClientRect().top + window.scrollY,
+})"""
+# Anything whose content is wider than its box (a cell cut off, a table that scrolls sideways), and the page width.
+CLIPPED_JS = """() => {
+    const clipped = Array.from(document.querySelectorAll('table, td, th, .scroll, section, ul.caveats'))
+        .filter(e => e.scrollWidth > e.clientWidth + 1)
+        .map(e => e.tagName + (e.id ? '#' + e.id : '') + ': ' + e.textContent.slice(0, 60));
+    return {clipped, page: document.documentElement.scrollWidth, viewport: window.innerWidth};
+}"""
+TABLE_JS = """(id) => { // a wide table is split in parts (id, id-2, ...): rows are merged back by position
+    const parts = Array.from(document.querySelectorAll('table'))
+        .filter(t => t.id === id || (t.id.startsWith(id + '-') && /^[0-9]+$/.test(t.id.slice(id.length + 1))));
+    if (!parts.length) return null;
+    let merged = null;
+    for (const t of parts) {
+        const head = Array.from(t.querySelectorAll('thead th')).map(th => th.textContent);
+        const rows = Array.from(t.querySelectorAll('tbody tr')).map(tr => Array.from(tr.children).map(td => td.textContent));
+        if (merged === null) merged = rows.map(r => Object.fromEntries(head.map((h, i) => [h, r[i]])));
+        else rows.forEach((r, i) => head.forEach((h, j) => { merged[i][h] = r[j]; }));
+    }
+    return merged; }"""
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +87,13 @@ def page_data(tmp_path_factory: pytest.TempPathFactory) -> dict:
             charts = page.evaluate(CHARTS_JS)
             tables = {name: page.evaluate(TABLE_JS, f"table-{name}") for name in ("raw-cells", "ratios", "failures", "reference-decode")}
             text = page.inner_text("body")
+            verdict = page.evaluate(VERDICT_JS)
+            clipping = page.evaluate(CLIPPED_JS)
             page.screenshot(path=str(ARTIFACTS / "report.png"), full_page=True)
         finally:
             browser.close()
-    return {"charts": charts, "tables": tables, "blocked": blocked, "errors": errors, "text": text}
+    return {"charts": charts, "tables": tables, "blocked": blocked, "errors": errors, "text": text, "verdict": verdict,
+            "clipping": clipping}
 
 
 def test_page_is_offline_and_error_free(page_data: dict) -> None:
@@ -112,8 +135,9 @@ def test_tables_match_stored_numbers(page_data: dict) -> None:
               and r["setup"].endswith("short")]
     assert len(ratios) == 1
     assert ratios[0]["paged"] == "42.00 [40.00–44.00]"
-    assert ratios[0]["vs offload"] == "2.00× significant (spreads disjoint) · tiny · offload · offload_layers=4: 21.00 [20.00–22.00]"
-    assert ratios[0]["vs cpu_experts_best"].startswith("0.98× not significant (spreads overlap)")
+    assert ratios[0]["vs offload"] == "is 2.00 x offload [1.50–2.67], significant · tiny · offload · offload_layers=4: 21.00 [20.00–22.00]"
+    assert ratios[0]["vs cpu_experts_best"].startswith("is 0.98 x cpu_experts_best [")
+    assert ratios[0]["vs cpu_experts_best"].split(" · ")[0].endswith("], not significant")
     failures = {r["cell_id"]: r["reason"] for r in page_data["tables"]["failures"]}
     assert failures["off-s2-r1"] == "engine exited with code -11 (see logs/s-offload.log)"
     reference = page_data["tables"]["reference-decode"]
@@ -126,3 +150,48 @@ def test_page_states_what_was_not_run_and_synthetic_routing(page_data: dict) -> 
     assert "sg (sglang): named by the matrix but has no results (not run)." in text
     assert "SYNTHETIC ROUTING" in text
     assert "1 prompt reached the engines as different prompt lengths" in text
+
+
+def test_the_verdict_comes_first_and_its_numbers_are_the_stored_cells(page_data: dict) -> None:
+    from benchsuite import stats
+
+    verdict = page_data["verdict"]
+    assert verdict["top"] < 400  # the first screen, above the machine and package tables
+    stored = pd.read_parquet(FIXTURE / "cells.parquet").set_index("cell_id")
+    checked = 0
+    estimates = []
+    for vs in verdict["versus"]:
+        winner, other = vs["winnerCells"].split(), vs["otherCells"].split()
+        assert set(stored.loc[winner + other, "status"]) == {"ok"}
+        metric = vs["metric"]
+        estimate = stats.ratio_estimate(list(stored.loc[winner, metric]), list(stored.loc[other, metric]))
+        estimates.append(estimate)
+        if estimate is None:
+            assert "ratio" not in vs and "not enough repeats" in vs["text"]
+    # "significant" on the page is a discovery after Benjamini-Hochberg over all its comparisons
+    discoveries = stats.benjamini_hochberg([None if e is None else e.p_value for e in estimates])
+    for vs, estimate, discovery in zip(verdict["versus"], estimates, discoveries):
+        if estimate is None:
+            continue
+        metric = vs["metric"]
+        assert (float(vs["ratio"]), float(vs["low"]), float(vs["high"])) == pytest.approx((estimate.ratio, estimate.low, estimate.high))
+        said = f"{vs['winner']} is {estimate.ratio:.2f} x {vs['other']}" if metric != "ttft_p50_s" else \
+            f"{vs['winner']}'s TTFT is {estimate.ratio:.2f} x {vs['other']}'s"
+        wording = "significant" if discovery else "not significant"
+        assert vs["text"].startswith(f"{said} [{estimate.low:.2f}–{estimate.high:.2f}], {wording} ("), vs["text"]
+        checked += 1
+    assert checked >= 6
+    for cell in verdict["winners"]:
+        values = stored.loc[cell["cells"].split(), cell["metric"]]
+        scale = 1000.0 if cell["metric"] == "ttft_p50_s" else 1.0
+        assert float(cell["value"]) == pytest.approx(float(values.median()) * scale)
+    text = page_data["text"]
+    assert "Device CPU: paging and offload here copy experts within host RAM" in text
+    assert text.index("Device CPU") < text.index("Machine")  # the caveat sits with the verdict, not at the bottom
+    assert "decode tok/s per stream (tok/s)" in text and "output tok/s, all streams (tok/s)" in text
+
+
+def test_nothing_is_clipped_at_1400_px(page_data: dict) -> None:
+    clipping = page_data["clipping"]
+    assert clipping["viewport"] == 1400 and clipping["page"] <= 1400
+    assert clipping["clipped"] == []

@@ -59,10 +59,13 @@ BASE = [
 def test_spread_and_verdicts() -> None:
     assert Spread.of([44.0, None, 40.0, float("nan"), 41.0]) == Spread(40.0, 41.0, 44.0, 3)
     assert Spread.of([None]) is None
-    a, b, c = Spread(40, 42, 44, 2), Spread(20, 21, 22, 2), Spread(43, 44, 45, 2)
-    assert tb.ratio_verdict(a, b) == tb.SIGNIFICANT
-    assert tb.ratio_verdict(a, c) == tb.NOT_SIGNIFICANT
-    assert tb.ratio_verdict(a, Spread(20, 20, 20, 1)) == tb.SPREAD_UNKNOWN
+    a, b, c = Spread.of([40, 44]), Spread.of([20, 22]), Spread.of([43, 45])
+    # the interval is over repeats: 2.0 x with one 10% spread a side -> Welch t on logs, df 2, t(0.975) 4.30
+    assert tb.ratio_verdict(a, b) == "significant [1.50–2.67]"
+    assert tb.ratio_verdict(a, c).startswith(tb.NOT_SIGNIFICANT + " [")
+    assert tb.ratio_verdict(a, Spread.of([20])) == "not enough repeats (2 and 1; 2 a side needed)"
+    # disjoint min..max spreads (the old rule) are not enough: two noisy repeats a side stay not significant
+    assert tb.ratio_verdict(Spread.of([30, 44]), Spread.of([20, 29])).startswith(tb.NOT_SIGNIFICANT)
 
 
 def test_repeats_fold_into_one_configuration_and_failures_are_never_zero() -> None:
@@ -91,16 +94,16 @@ def test_ratio_table_published_layout() -> None:
     one = ratios[(ratios["concurrency"] == 1) & ratios["setup"].str.endswith("short")].iloc[0]
     assert one["metric"] == "decode_tok_s_p50"
     assert (one["paged_median"], one["offload_median"], one["paged_vs_offload"]) == (42.0, 21.0, 2.0)
-    assert one["paged_vs_offload_verdict"] == tb.SIGNIFICANT
+    assert one["paged_vs_offload_verdict"] == "significant [1.50–2.67]"
     assert one["llamacpp_best_config"] == "llama · n-cpu-moe · n_cpu_moe=2"  # N=1 does not fit: excluded
-    assert one["paged_vs_llamacpp_best"] == pytest.approx(42.0 / 42.0)
-    assert one["paged_vs_llamacpp_best_verdict"] == tb.NOT_SIGNIFICANT
+    assert one["paged_vs_llamacpp_best"] == pytest.approx(math.sqrt(40 * 44) / math.sqrt(41 * 43))  # geometric means
+    assert one["paged_vs_llamacpp_best_verdict"].startswith(tb.NOT_SIGNIFICANT)
     assert one["cpu_experts_best_config"] == "not run" and one["paged_vs_cpu_experts_best_verdict"] == "not run"
     assert one["cell_ids"] == "p8a p8b p8c offa offb ll2a ll2b"
     two = ratios[ratios["concurrency"] == 2].iloc[0]
     assert two["metric"] == "output_tok_s"  # aggregate above concurrency 1, as published
     assert two["paged_vs_offload"] == pytest.approx(62.0 / 35.0)
-    assert two["paged_vs_offload_verdict"] == tb.SPREAD_UNKNOWN
+    assert two["paged_vs_offload_verdict"].startswith(tb.SPREAD_UNKNOWN)
     assert two["llamacpp_best_config"] == "not run"
 
 
@@ -199,3 +202,24 @@ def test_flags_and_prompt_length_mismatches() -> None:
     requests = normalize_requests(pd.DataFrame([req("a", "p0", 16), req("b", "p0", 18), req("a", "p1", 20), req("b", "p1", 20)]))
     mismatches = prompt_length_mismatches(cells, requests)
     assert mismatches.to_dict("records") == [{"prompt_id": "p0", "prompt_class": "short", "prompt_tokens_by_engine": "llama: 18; tiny: 16"}]
+
+
+def test_verdicts_name_the_fastest_mode_and_every_ratio_with_its_interval() -> None:
+    from benchsuite.report.verdict import verdicts, verdict_table
+
+    cells, groups = frames(BASE)
+    found = {(v.prompt_class, v.concurrency, v.metric): v for v in verdicts(groups, cells)}
+    ttft = found[("short", 1, "ttft_p50_s")]
+    assert ttft.metric_name == "TTFT p50 (ms), short prompts"
+    assert ttft.winner == "llama · n-cpu-moe · n_cpu_moe=2" and ttft.winner_median == pytest.approx(100.0)
+    versus = {vs.other: vs for vs in ttft.versus}
+    assert set(versus) == {"tiny · paged · K=8", "tiny · offload · defaults"}  # N=1 does not fit: no contender
+    paged = versus["tiny · paged · K=8"]
+    assert paged.estimate.ratio == pytest.approx(math.sqrt(0.09 * 0.11) / math.sqrt(0.10 * 0.12))
+    assert paged.text(ttft.winner, ttft=True) == "llama · n-cpu-moe · n_cpu_moe=2's TTFT is 0.91 x tiny · paged · K=8's [0.50–1.64], not significant"
+    two = found[("short", 2, "output_tok_s")]
+    assert two.metric_name == "output tok/s, all streams (tok/s)" and two.winner == "tiny · paged · K=8"
+    assert two.versus[0].text(two.winner, ttft=False) == "vs tiny · offload · defaults: not enough repeats (2 and 1; 2 a side needed)"
+    table = verdict_table(list(found.values()))
+    assert set(table["verdict"]) <= {"significant", "not significant", "not enough repeats (2 and 1; 2 a side needed)",
+                                     "not enough repeats (1 and 2; 2 a side needed)"}

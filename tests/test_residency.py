@@ -6,49 +6,81 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_experts.residency import LayerResidency, LfuPolicy
+from paged_experts.residency import PREFILL_KEEP, LayerResidency, LfuPolicy
 
 
 class BruteForceLru:
-    """The rules written out literally: a slot array, a global clock, full scans for every choice."""
+    """The rules written out literally: a slot array, a global clock, full scans for every choice.
+    A step whose union fits K is one wave (resident first); a larger one is cut into waves of
+    (K - protected) // 2 with the previous wave pinned too (the module docstring's rules)."""
 
-    def __init__(self, num_experts: int, k: int) -> None:
+    def __init__(self, num_experts: int, k: int, keep: str = "recent") -> None:
         self.slots = list(range(k))  # slot -> expert
         self.last_use_step = [-1] * num_experts
         self.step = 0
+        self.keep = keep
+
+    def _rank(self, routed: list[int], e: int) -> tuple[int, ...]:
+        last = max(i for i, r in enumerate(routed) if r == e)
+        return (last,) if self.keep == "recent" else (routed.count(e), last)
+
+    def _waves(
+        self, routed: list[int], distinct: list[int], at_start: set[int]
+    ) -> tuple[list[list[int]], set[int], bool]:
+        """(waves, protected, previous wave pinned)."""
+        k = len(self.slots)
+        resident = [e for e in distinct if e in at_start]
+        missing = [e for e in distinct if e not in at_start]
+        if len(distinct) <= k:
+            return ([resident + missing] if distinct else []), set(), False
+        protected: list[int] = []
+        if self.keep != "lru":
+            by_rank = sorted(distinct, key=lambda e: self._rank(routed, e))
+            top = set(by_rank[len(by_rank) - k :])
+            protected = [e for e in by_rank if e in top and e in at_start]
+            protected = protected[max(0, len(protected) - k // 2) :] if k >= 2 else []
+            missing = sorted(missing, key=lambda e: self._rank(routed, e))
+        cycling = k - len(protected)
+        width = cycling // 2 if cycling >= 2 else cycling
+        order = [e for e in resident if e not in protected] + missing
+        waves = [order[w : w + width] for w in range(0, len(order), width)]
+        waves[-1] = waves[-1] + protected
+        return waves, set(protected), 2 * width <= cycling
 
     def step_once(self, routed: list[int]) -> list[tuple[tuple[int, ...], tuple[tuple[int, int], ...], int]]:
         distinct = sorted(set(routed))
         at_start = set(self.slots)
-        resident = [e for e in distinct if e in at_start]
-        missing = [e for e in distinct if e not in at_start]
-        ordered = resident + missing
-        k = len(self.slots)
-        waves = []
-        for w in range(0, len(ordered), k):
-            wave = ordered[w : w + k]
+        waves, protected, pin_previous = self._waves(routed, distinct, at_start)
+        multi = len(waves) > 1
+        out = []
+        served: set[int] = set()
+        for j, wave in enumerate(waves):
+            waiting = {e for w in waves[j + 1 :] for e in w if e in at_start}
+            previous = set(waves[j - 1]) if j and pin_previous else set()
             page_ins = []
             for e in wave:
                 if e in self.slots:
                     continue
-                best_slot = None
+                best_slot, best_key = None, None
                 for s, r in enumerate(self.slots):
-                    if r in wave:
+                    if r in wave or r in protected or r in waiting or r in previous:
                         continue
-                    if best_slot is None or (self.last_use_step[r], r) < (
-                        self.last_use_step[self.slots[best_slot]],
-                        self.slots[best_slot],
-                    ):
-                        best_slot = s
+                    if multi and self.keep != "lru":
+                        key = (0, self.last_use_step[r], r) if r not in distinct else (1, *self._rank(routed, r))
+                    else:
+                        key = (self.last_use_step[r], r)
+                    if best_key is None or key < best_key:
+                        best_slot, best_key = s, key
                 assert best_slot is not None
+                assert self.slots[best_slot] not in distinct or self.slots[best_slot] in served
                 self.slots[best_slot] = e
                 page_ins.append((e, best_slot))
             for e in wave:
                 self.last_use_step[e] = self.step
-            hits = sum(1 for e in wave if e in at_start)
-            waves.append((tuple(wave), tuple(page_ins), hits))
+            served.update(wave)
+            out.append((tuple(wave), tuple(page_ins), sum(1 for e in wave if e in at_start)))
         self.step += 1
-        return waves
+        return out
 
 
 @st.composite
@@ -62,11 +94,11 @@ def routing_runs(draw: st.DrawFn) -> tuple[int, int, list[list[int]]]:
 
 
 @settings(max_examples=300, deadline=None)
-@given(routing_runs())
-def test_lru_and_waves_match_brute_force(run: tuple[int, int, list[list[int]]]) -> None:
+@given(routing_runs(), st.sampled_from(PREFILL_KEEP))
+def test_lru_and_waves_match_brute_force(run: tuple[int, int, list[list[int]]], keep: str) -> None:
     num_experts, k, steps = run
-    layer = LayerResidency(num_experts, k)
-    ref = BruteForceLru(num_experts, k)
+    layer = LayerResidency(num_experts, k, prefill_keep=keep)
+    ref = BruteForceLru(num_experts, k, keep)
     for routed in steps:
         resident_before = dict(layer.slot_of)
         plan = layer.plan_step(routed)
@@ -78,10 +110,9 @@ def test_lru_and_waves_match_brute_force(run: tuple[int, int, list[list[int]]]) 
         assert plan.misses == len(distinct - set(resident_before))
         served = [e for w in plan.waves for e in w.experts]
         assert sorted(served) == sorted(distinct)  # every routed expert served exactly once
-        for i, wave in enumerate(plan.waves):
+        for wave in plan.waves:
             assert 1 <= len(wave.experts) <= k
-            if i < len(plan.waves) - 1:
-                assert len(wave.experts) == k  # only the last wave may be partial
+        assert len(plan.waves) == (1 if distinct else 0) or len(distinct) > k  # one wave whenever the union fits K
         # The slot maps agree with each other and with the reference's slot array.
         assert layer.expert_in == ref.slots
         assert all(layer.expert_in[s] == e for e, s in layer.slot_of.items())
@@ -106,10 +137,9 @@ def test_wave_experts_sit_in_their_slots_while_served(run: tuple[int, int, list[
             assert not evicted & set(wave.experts), "a wave expert was evicted by its own wave"
             for e, s in zip(wave.experts, wave.slots):
                 assert slots[s] == e
-            # Resident-first: no page-in in a wave while an expert resident at step start waits for a later wave.
-            later = [e for w in plan.waves[plan.waves.index(wave) + 1 :] for e in w.experts]
-            if wave.page_ins:
-                assert not (set(later) & before)
+            # No page-in evicts an expert resident at step start that a later wave of the step serves.
+            later = {e for w in plan.waves[plan.waves.index(wave) + 1 :] for e in w.experts}
+            assert not (evicted & later & before)
 
 
 def test_initial_slots_hold_first_k_experts() -> None:
@@ -131,11 +161,44 @@ def test_lru_evicts_least_recent_then_lowest_id() -> None:
 
 
 def test_multi_wave_step_serves_union_larger_than_k() -> None:
+    """Waves of K/2 (nothing protected: no resident is among the step's 4 latest experts), hits first."""
     layer = LayerResidency(16, 4)
     plan = layer.plan_step(range(10))
-    assert [len(w.experts) for w in plan.waves] == [4, 4, 2]
-    assert plan.waves[0].experts == (0, 1, 2, 3) and plan.waves[0].page_ins == ()
+    assert [len(w.experts) for w in plan.waves] == [2, 2, 2, 2, 2]
+    assert plan.waves[0].experts == (0, 1) and plan.waves[0].page_ins == ()
     assert plan.hits == 4 and plan.misses == 6 and plan.union == 10
+
+
+def test_page_ins_never_take_the_previous_waves_slots() -> None:
+    """Wave j+1 copies while wave j computes: its victims are never wave j's (nor its own) experts."""
+    layer = LayerResidency(64, 16)
+    routed = [(7 * i) % 64 for i in range(400)]
+    plan = layer.plan_step(routed)
+    for before, wave in zip(plan.waves, plan.waves[1:]):
+        assert not {s for _, s in wave.page_ins} & set(before.slots)
+
+
+def test_recent_keeps_what_the_last_tokens_routed() -> None:
+    """A chunk over experts 4..15 with K=4 whose last tokens route 5, 4, 7, 6: `recent` leaves those
+    four resident, `lru` the highest-id misses whatever the order; both page in the same experts."""
+    routed = [e for t in range(30) for e in (4 + t % 12, 4 + (t + 5) % 12)] + [5, 4, 7, 6]
+    recent, lru = LayerResidency(16, 4), LayerResidency(16, 4, prefill_keep="lru")
+    assert recent.plan_step(routed).misses == lru.plan_step(routed).misses == 12
+    assert sorted(recent.expert_in) == [4, 5, 6, 7]
+    assert sorted(lru.expert_in) == [12, 13, 14, 15]
+    frequent = LayerResidency(16, 4, prefill_keep="frequent")
+    frequent.plan_step([5] * 9 + [6] * 7 + [7] * 5 + [8] * 3 + list(range(9, 16)))
+    assert sorted(frequent.expert_in) == [5, 6, 7, 8]
+
+
+def test_recent_keeps_routed_residents_in_place() -> None:
+    """A resident among the step's latest experts is protected (never evicted), not paged again."""
+    layer = LayerResidency(32, 8)
+    routed = list(range(8, 32)) + [3, 2]  # 3 and 2 resident, used last
+    plan = layer.plan_step(routed)
+    assert plan.waves[-1].experts[-2:] == (3, 2)  # served last, kept in place throughout
+    assert {2, 3} <= set(layer.expert_in)
+    assert all(e not in (2, 3) for w in plan.waves for e, _ in w.page_ins)
 
 
 def test_rejects_bad_arguments() -> None:
@@ -143,6 +206,8 @@ def test_rejects_bad_arguments() -> None:
         LayerResidency(4, 5)
     with pytest.raises(ValueError, match="out of range"):
         LayerResidency(4, 2).plan_step([4])
+    with pytest.raises(ValueError, match="prefill residency must be one of"):
+        LayerResidency(4, 2, prefill_keep="newest")
 
 
 def test_lfu_keeps_frequent_expert() -> None:

@@ -70,8 +70,16 @@ def model_copy(tiny_model_dir: Path, tmp_path: Path) -> Path:
 # ---- the lock ----------------------------------------------------------------------------------
 
 
+def weightless_model(tmp_path: Path) -> str:
+    """A model directory that exists (a missing one stops the run before the lock is even asked for);
+    nothing starts: the lock refuses first."""
+    from paged_experts.synth_memory import write_weightless
+
+    return str(write_weightless("tiny", tmp_path / "weightless"))
+
+
 def test_a_second_runner_on_a_locked_run_exits_2_naming_the_holder(tmp_path: Path) -> None:
-    path = write_matrix(tmp_path, "/nonexistent/model")  # nothing would start anyway: fast either way
+    path = write_matrix(tmp_path, weightless_model(tmp_path))
     store = open_store(build_plan(load_matrix(path)))
     try:
         done = cli(str(path))
@@ -83,7 +91,7 @@ def test_a_second_runner_on_a_locked_run_exits_2_naming_the_holder(tmp_path: Pat
 
 
 def test_a_lock_left_by_a_killed_runner_is_taken_over_with_a_note(tmp_path: Path) -> None:
-    path = write_matrix(tmp_path, "/nonexistent/model")
+    path = write_matrix(tmp_path, weightless_model(tmp_path))
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from benchsuite.matrix import load_matrix; from benchsuite.plan import "
          "build_plan; from benchsuite.runner import open_store; open_store(build_plan(load_matrix(sys.argv[1]))); "

@@ -156,6 +156,21 @@ def test_each_server_starts_once_and_a_rerun_skips_finished_cells(tmp_path: Path
     assert len(json.loads((run_dir / "manifest.json").read_text())["invocations"]) == 2
 
 
+def test_interleaved_repeats_launch_per_repeat_and_every_cell_records_the_machine(tmp_path: Path) -> None:
+    path = matrix(tmp_path, {"a": {}, "b": {"label": 2}}, concurrency=[1])
+    body = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump({**body, "repeats": 2, "repeat_order": "interleaved"}))
+    assert run_cli(str(path)) == 0
+    run_dir = only_run_dir(tmp_path)
+    assert [starts(log) for log in sorted((run_dir / "logs").glob("*.log"))] == [2, 2]  # one launch per server and repeat
+    stored = sorted((c["cell"] for c in cells(run_dir).values()), key=lambda c: c["repeat"])
+    assert [c["repeat"] for c in stored] == [0, 0, 1, 1]
+    for cell in stored:
+        noise = cell["extras"]["machine"]
+        assert noise["before"]["load_1m"] >= 0 and noise["after"]["cpus"] >= 1 and noise["wall_s"] > 0
+        assert noise["other_cores"] >= 0 and isinstance(noise["busy"], bool)
+
+
 def test_failures_are_recorded_the_rest_continues_and_a_rerun_retries(tmp_path: Path) -> None:
     engines = {"crash": {"behaviour": "crash"}, "dies": {"behaviour": "die", "die_after": 2}, "good": {}}
     path = matrix(tmp_path, engines)

@@ -67,6 +67,8 @@ def test_parse_args_mirrors_sglang_and_llamacpp_names() -> None:
     assert parse_args(["--model-path", "/m", "--resident-experts", "4", "--mode", "paged"]).resident_experts == 4
     assert parse_args(["--model", "/m", "--n-cpu-moe", "2"]).mode == "cpu-experts"
     assert parse_args(["--model", "/m", "--mode", "offload"]).offload_layers is None  # all layers
+    cfg = parse_args(["--model", "/m", "--resident-experts", "8", "--prefill-residency", "lru"])
+    assert cfg.prefill_residency == "lru"
 
 
 def test_cuda_graphs_and_expert_kernel_flags(tmp_path: Path) -> None:
@@ -97,6 +99,8 @@ def test_cuda_graphs_and_expert_kernel_flags(tmp_path: Path) -> None:
         (["--prefetch-next-layer"], "--prefetch-next-layer"),  # only inside captured steps
         # paged on the CPU plans on the host: no device residency to prefetch into
         (["--resident-experts", "8", "--cuda-graph-max-bs", "1", "--prefetch-next-layer"], "--prefetch-next-layer"),
+        (["--prefill-residency", "recent"], "--prefill-residency applies to mode paged, not resident"),
+        (["--resident-experts", "8", "--prefill-residency", "newest"], "--prefill-residency"),
     ],
 )
 def test_inconsistent_flags_exit_2_naming_the_flag(argv: list[str], needle: str, capsys) -> None:

@@ -364,5 +364,13 @@ async def test_every_mode_serves_the_same_greedy_text_batched(base_url: str, htt
         values = await metric_values(http, url)
         if flags["mode"] != "cpu-experts":
             assert values["paged_experts:expert_misses_total"] > 0  # the mode really paged or streamed experts
+        p = "paged_experts:"
+        assert values[p + "prefill_chunks_total"] >= len(prompts)  # every prompt was a prefill chunk
+        if flags["mode"] == "paged":  # paged in by host-planned waves
+            assert values[p + "prefill_waves_total"] > 0
+            assert 0 < values[p + "prefill_bytes_paged_total"] <= values[p + "bytes_paged_total"]
+            assert 0 < values[p + "prefill_copy_seconds_total"] <= values[p + "prefill_span_seconds_total"]
+        else:
+            assert values[p + "prefill_bytes_paged_total"] == values[p + "prefill_waves_total"] == 0
     finally:
         await server.close()

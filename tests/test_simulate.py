@@ -44,13 +44,16 @@ def test_hand_computed_lru_and_belady() -> None:
 
 
 def test_waves_union_and_speed_model() -> None:
-    # two requests with disjoint experts; batched together the union (4) exceeds K=2: two waves
+    # two requests with disjoint experts; batched together the union (4) exceeds K=2: waves of
+    # (K - protected) // 2 experts, so that each wave's page-in copies while the previous one computes:
+    # step 1 nothing protected, 4 waves of 1; step 2 keeps expert 3 (the latest of the top 2) in place:
+    # waves [3, 2], [0], [1]
     layouts = [[("a", 1)], [("a", 1)], [("b", 1)], [("b", 1)]]
     trace = _trace(layouts, [[0, 1], [0, 1], [2, 3], [2, 3]], 8, 2)
     opts = SimOptions(ks=(2,), concurrencies=(1, 2), expert_bytes=1e6, link_b_per_s=1e9, compute_s_per_step=1e-3)
     single, batched = simulate(trace, opts)
     assert single.total.waves_per_step == 1.0 and single.total.misses == 2
-    assert batched.total.steps == 2 and batched.total.union_per_step == 4.0 and batched.total.waves_per_step == 2.0
+    assert batched.total.steps == 2 and batched.total.union_per_step == 4.0 and batched.total.waves == 7
     # batched: each step serves its 2 resident experts first, then pages the other 2 (2 ms each)
     assert (batched.total.hits, batched.total.misses) == (4, 4)
     assert batched.predicted_tok_per_s == pytest.approx(4 / 4e-3)
@@ -90,8 +93,10 @@ def test_cli_labels_synthetic(tmp_path: Path, capsys) -> None:
 # ------------------------------------------------------------ equality with the runtime
 
 
-@pytest.mark.parametrize("routing", [None, "reuse:0.5"])
-def test_simulator_counts_equal_runtime_counters(tmp_path: Path, torch_one_thread: None, routing: str | None) -> None:
+@pytest.mark.parametrize(("routing", "keep"), [(None, "recent"), ("reuse:0.5", "recent"), ("reuse:0.5", "lru")])
+def test_simulator_counts_equal_runtime_counters(
+    tmp_path: Path, torch_one_thread: None, routing: str | None, keep: str
+) -> None:
     from paged_experts.kv import KvPool
     from paged_experts.model import MoeCausalLM, SeqChunk
     from paged_experts.routing import make_router
@@ -100,7 +105,8 @@ def test_simulator_counts_equal_runtime_counters(tmp_path: Path, torch_one_threa
 
     k_slots = 8
     ckpt = write_checkpoint("tiny", tmp_path / "ckpt", seed=3)
-    model = MoeCausalLM.from_pretrained(ckpt, RuntimeConfig(mode="paged", resident_experts=k_slots))
+    runtime_config = RuntimeConfig(mode="paged", resident_experts=k_slots, prefill_residency=keep)
+    model = MoeCausalLM.from_pretrained(ckpt, runtime_config)
     if routing is not None:
         model.router_override = make_router(routing, model.config, seed=1)
     writer = TraceWriter(tmp_path / "run.trace", model.config, source="model" if routing is None else f"synthetic:{routing}")
@@ -127,8 +133,46 @@ def test_simulator_counts_equal_runtime_counters(tmp_path: Path, torch_one_threa
     writer.close()
     runtime = model.counters.snapshot()
     trace = read_trace(tmp_path / "run.trace")
-    (sim,) = simulate(trace, SimOptions(ks=(k_slots,), concurrencies=(0,), include_prefill=True))
+    (sim,) = simulate(trace, SimOptions(ks=(k_slots,), concurrencies=(0,), include_prefill=True, prefill_keep=(keep,)))
     assert sum(layer.waves for layer in runtime.layers) > len(runtime.layers) * 10  # waves beyond one per step
     assert len(sim.layers) == len(runtime.layers)
     for s, r in zip(sim.layers, runtime.layers):
         assert (s.hits, s.misses, s.waves, s.union, s.steps) == (r.hits, r.misses, r.waves, r.union_sum, r.steps)
+    p, q = runtime.prefill, sim.prefill  # the two steps with prompt chunks
+    assert q is not None and q.steps == 2 * len(runtime.layers)
+    assert (p.steps, p.layer_steps, p.hits, p.misses, p.waves) == (2, q.steps, q.hits, q.misses, q.waves)
+
+
+def _prefill_then_decode_trace() -> object:
+    """E=16, top_k=2: a 12-token prompt over experts 4..15 ending on (5, 4), (7, 6); decode tokens then
+    route to (5, 4), (7, 6), (5, 6): what the prompt's last tokens used."""
+    prompt = [[4 + (2 * t) % 12, 4 + (2 * t + 1) % 12] for t in range(10)] + [[5, 4], [7, 6]]
+    decode = [[5, 4], [7, 6], [5, 6]] * 3
+    layouts = [[("r", len(prompt))]] + [[("r", 1)]] * len(decode)
+    return _trace(layouts, prompt + decode, 16, 2)
+
+
+def test_prefill_keep_policies_and_the_decode_split() -> None:
+    trace = _prefill_then_decode_trace()
+    opts = SimOptions(ks=(4,), include_prefill=True, prefill_keep=("recent", "lru"), early_decode_steps=3)
+    recent, lru = simulate(trace, opts)
+    assert (recent.prefill_keep, lru.prefill_keep) == ("recent", "lru")
+    for r in (recent, lru):
+        assert r.prefill is not None and r.decode is not None and r.early is not None
+        assert r.prefill.steps == 1 and r.decode.steps == 9 and r.early.steps == 3
+        assert r.prefill.misses == 12 and r.prefill.hits == 0  # the same page-ins whatever the policy
+        assert r.prefill.hits + r.decode.hits == r.total.hits
+    assert recent.decode.misses == 0  # the prompt's last experts stayed
+    assert lru.early.misses > 0 and lru.decode.hit_rate < recent.decode.hit_rate
+
+
+def test_cli_prefill_keep_columns_and_bad_values(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "p.trace"
+    assert cli_main(["trace", "synth", "--preset", "qwen3-30b-a3b", "--tokens", "8", "--prompt-tokens", "64",
+                     "--requests", "2", "--layers", "2", "-o", str(path)]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert cli_main(["simulate", str(path), "--k", "16", "--include-prefill", "--prefill-keep", "recent,lru"]) == 0
+    table = capsys.readouterr().out
+    assert "dec hit" in table and "early" in table and "recent" in table and "lru" in table
+    assert cli_main(["simulate", str(path), "--include-prefill", "--prefill-keep", "newest"]) == 2
+    assert "--prefill-keep" in capsys.readouterr().err

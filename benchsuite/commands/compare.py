@@ -1,11 +1,15 @@
-"""`benchsuite compare RUN_A RUN_B`: per-configuration changes between two result runs, flagged
-only when a Mann-Whitney U test on the per-request samples and a relative threshold agree.
-Writes compare.md and compare.html and prints the markdown."""
+"""`benchsuite compare RUN_A RUN_B` (or `RUN_A1 RUN_A2 ... --vs RUN_B1 RUN_B2 ...`): per-configuration
+changes between two runs, or two sets of reruns, tested over repeats (one run a side) or over runs
+(two or more a side), never over requests; flagged only when significant after Benjamini-Hochberg
+and over the threshold (benchsuite.report.compare). Writes compare.md and compare.html and prints
+the markdown."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+
+from benchsuite.errors import UserError
 
 
 def _fraction(text: str) -> float:
@@ -16,10 +20,13 @@ def _fraction(text: str) -> float:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_a", type=Path, metavar="RUN_A", help="baseline results/<run-id>/")
-    parser.add_argument("run_b", type=Path, metavar="RUN_B", help="candidate results/<run-id>/")
+    parser.add_argument("runs", type=Path, nargs="+", metavar="RUN",
+                        help="RUN_A RUN_B (baseline, candidate); with --vs, every RUN is a rerun of the baseline")
+    parser.add_argument("--vs", type=Path, nargs="+", metavar="RUN_B", default=None,
+                        help="the candidate's runs (reruns of one matrix): with two or more runs a side the test is over runs")
     parser.add_argument("--threshold", type=_fraction, default=0.05, help="relative change needed to flag (default 0.05 = 5%%)")
-    parser.add_argument("--alpha", type=_fraction, default=0.05, help="significance level of the Mann-Whitney U test (default 0.05)")
+    parser.add_argument("--alpha", type=_fraction, default=0.05,
+                        help="false-discovery rate over all rows (Benjamini-Hochberg; default 0.05)")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: reports/compare-<A>-vs-<B>/)")
 
 
@@ -27,7 +34,13 @@ def main(args: argparse.Namespace) -> int:
     from benchsuite.report import compare_runs, write_comparison
     from benchsuite.report.compare import comparison_markdown
 
-    comparison = compare_runs(args.run_a, args.run_b, threshold=args.threshold, alpha=args.alpha)
+    if args.vs is None:
+        if len(args.runs) != 2:
+            raise UserError(f"compare: give RUN_A RUN_B, or RUN_A... --vs RUN_B... (got {len(args.runs)} runs and no --vs)")
+        side_a, side_b = [args.runs[0]], [args.runs[1]]
+    else:
+        side_a, side_b = list(args.runs), list(args.vs)
+    comparison = compare_runs(side_a, side_b, threshold=args.threshold, alpha=args.alpha)
     md_path, html_path = write_comparison(comparison, args.out)
     print(comparison_markdown(comparison))
     print(f"wrote {md_path} and {html_path}")

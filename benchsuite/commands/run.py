@@ -22,7 +22,8 @@ from benchsuite import search
 from benchsuite.engines.base import ServerSpec
 from benchsuite.errors import UserError
 from benchsuite.manifest import Manifest
-from benchsuite.matrix import load_matrix
+from benchsuite.matrix import MatrixError, load_matrix
+from benchsuite.model_checks import missing_model
 from benchsuite.plan import CellSpec, Plan, build_plan, format_plan, select
 from benchsuite.records import CellResult
 from benchsuite.search import describe
@@ -33,26 +34,20 @@ _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("matrix", type=Path, help="matrix YAML file (see configs/quickstart.yaml)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="print the cells and engine command lines; start nothing")
-    parser.add_argument("--run-id",
-                        help="results directory name (default: <matrix name>-<matrix hash>); reuse it to resume")
+    parser.add_argument("--dry-run", action="store_true", help="print the cells and engine command lines; start nothing")
+    parser.add_argument("--run-id", help="results directory name (default: <matrix name>-<matrix hash>); reuse it to resume")
     parser.add_argument("--new-run", action="store_true",
                         help="start a new run in the run directory: an earlier run there (of another matrix, "
                              "other inputs, or a damaged manifest) is moved aside to <run-id>.replaced-<UTC time>")
-    parser.add_argument("--output-root", type=Path,
-                        help="parent of the run directory (default: the matrix's output_root)")
+    parser.add_argument("--output-root", type=Path, help="parent of the run directory (default: the matrix's output_root)")
     parser.add_argument("--cell-timeout-s", type=float, default=3600.0,
-                        help="last resort: fail a whole cell (its records lost) and stop using its server "
-                             "after this long")
+                        help="last resort: fail a whole cell (its records lost) and stop using its server after this long")
     parser.add_argument("--request-timeout-s", type=float, default=600.0,
-                        help="fail one request after this long; the cell keeps its records "
-                             "(workloads' max_error_rate decides)")
+                        help="fail one request after this long; the cell keeps its records (workloads' max_error_rate decides)")
     parser.add_argument("--quiet", action="store_true", help="no progress display (CI)")
     parser.add_argument("--no-report", action="store_true", help="do not write the HTML report at the end")
     parser.add_argument("--only", action="append", default=[], metavar="ENGINE[:OPTION=VALUE]",
-                        help="run only these servers of the matrix (repeatable), e.g. --only resident "
-                             "--only paged:resident_experts=32; "
+                        help="run only these servers of the matrix (repeatable), e.g. --only resident --only paged:resident_experts=32; "
                              "the run id stays the matrix's, so a later run without --only measures the rest")
 
 
@@ -66,9 +61,14 @@ def main(args: argparse.Namespace) -> int:
     plan = build_plan(load_matrix(args.matrix), run_id=args.run_id)
     if args.only:
         plan = select(plan, args.only)
+    missing = missing_models(plan)
     if args.dry_run:
         print(format_plan(plan))
+        for problem in missing:
+            print(f"warning: {problem} (a run would stop here)")
         return 0
+    if missing:  # before the results directory exists
+        raise MatrixError("\n".join(missing))
     from benchsuite.runner import open_store  # the load path; a dry run never needs it
 
     console = Console(quiet=args.quiet, highlight=False)
@@ -85,8 +85,7 @@ def _run(args: argparse.Namespace, plan: Plan, store: RunStore, console: Console
     from benchsuite.runner import run_plan
 
     todo = sum(1 for c in plan.cells if not store.finished(c.cell_id))
-    done = len(plan.cells) - todo
-    console.print(f"run {plan.run_id}: {len(plan.cells)} cells ({done} already done) -> {store.run_dir}")
+    console.print(f"run {plan.run_id}: {len(plan.cells)} cells ({len(plan.cells) - todo} already done) -> {store.run_dir}")
     try:
         with _ProgressEvents(console, todo) as events:
             problems = asyncio.run(run_plan(plan, store, events, cell_timeout_s=args.cell_timeout_s,
@@ -106,6 +105,16 @@ def _run(args: argparse.Namespace, plan: Plan, store: RunStore, console: Console
     if failed:
         print(f"benchsuite: {failed} cells failed (reasons in cells.csv); rerun the same command to retry them")
     return 1 if failed or problems else report_status
+
+
+def missing_models(plan: Plan) -> list[str]:
+    """One line per server (or searched server) whose model path does not exist here."""
+    lines = []
+    for spec in [*plan.servers, *(task.spec for task in plan.searches)]:
+        found = missing_model(spec.kind, spec.options.model_dump(mode="json"))
+        if found is not None:
+            lines.append(f"{plan.matrix.source}: engines.{spec.name}.options.{found[0]}: {found[1]}")
+    return list(dict.fromkeys(lines))
 
 
 def _write_report(args: argparse.Namespace, run_dir: Path) -> int:
@@ -146,8 +155,7 @@ class _ProgressEvents:
         self._progress.update(self._task, description=f"starting {spec.name} (server {spec.server_id})")
 
     def cell_started(self, cell: CellSpec) -> None:
-        label = (f"{cell.engine}{_params(cell.params)} {cell.workload}/{cell.prompt_class} "
-                 f"c={cell.concurrency} r={cell.repeat}")  # fmt: skip
+        label = f"{cell.engine}{_params(cell.params)} {cell.workload}/{cell.prompt_class} c={cell.concurrency} r={cell.repeat}"
         self._progress.update(self._task, description=label)
 
     def cell_finished(self, cell: CellSpec, result: CellResult) -> None:
@@ -155,9 +163,7 @@ class _ProgressEvents:
         if task.total is not None and task.completed >= task.total:
             self._progress.update(self._task, total=task.completed + 1)  # search cells were not counted up front
         self._progress.advance(self._task)
-        failed = result.status == "failed"
-        rate = f"decode {_fmt(result.decode_tok_s_p50, '.1f')} tok/s"
-        detail = (result.reason or "").splitlines()[0] if failed else rate
+        detail = f"decode {_fmt(result.decode_tok_s_p50, '.1f')} tok/s" if result.status != "failed" else (result.reason or "").splitlines()[0]
         self._console.print(
             f"{result.status:7} {cell.engine}{_params(cell.params)} {cell.workload}/{cell.prompt_class} "
             f"c={cell.concurrency} r={cell.repeat}  {detail}"
@@ -165,7 +171,8 @@ class _ProgressEvents:
 
 
 def summary_table(plan: Plan, results: list[CellResult]) -> Table:
-    """One row per server x workload x class x concurrency; medians over repeats."""
+    """One row per server x workload x class x concurrency; medians over repeats. TTFT p50 in ms, decode tok/s
+    p50 per stream, output tok/s of the cell, expert miss rate; K = resident_experts, N = n_cpu_moe."""
     planned = {c.cell_id: i for i, c in enumerate(plan.cells)}  # server-major, as the matrix reads
 
     def order(r: CellResult) -> tuple[int, str, str, int, int]:
@@ -174,21 +181,30 @@ def summary_table(plan: Plan, results: list[CellResult]) -> Table:
 
     groups: dict[tuple[str, str, str, str, int], list[CellResult]] = defaultdict(list)
     for r in sorted(results, key=order):
-        groups[(r.engine, _params(r.params), r.workload, r.prompt_class, r.concurrency)].append(r)
-    table = Table(title=f"{plan.run_id}: medians over repeats", title_justify="left")
-    columns = ("engine", "params", "workload", "class", "conc", "ok/n", "TTFT p50 ms", "decode tok/s", "out tok/s",
-               "miss rate")  # fmt: skip
-    for column in columns:
-        table.add_column(column, justify="right" if column not in ("engine", "params", "workload") else "left")
-    for (engine, params, workload, prompt_class, concurrency), rows in groups.items():
-        ok = [r for r in rows if r.status == "ok"]
-        table.add_row(
-            engine, params.strip(), workload, prompt_class, str(concurrency), f"{len(ok)}/{len(rows)}",
+        groups[(r.engine, _params(r.params, short=True), r.workload, r.prompt_class, r.concurrency)].append(r)
+    rows = []
+    for (engine, params, workload, prompt_class, concurrency), cells in groups.items():
+        ok = [r for r in cells if r.status == "ok"]
+        rows.append((
+            engine, params.strip(), workload, prompt_class, str(concurrency), f"{len(ok)}/{len(cells)}",
             _fmt(_median([r.ttft_p50_s for r in ok]), ".1f", scale=1000.0),
             _fmt(_median([r.decode_tok_s_p50 for r in ok]), ".1f"),
             _fmt(_median([r.output_tok_s for r in ok]), ".1f"),
             _fmt(_median([r.miss_rate for r in ok]), ".3f"),
-        )  # fmt: skip
+        ))  # fmt: skip
+    columns = ["engine", "params", "workload", "class", "conc", "ok/n", "TTFT ms", "dec tok/s", "out tok/s", "miss"]
+    # A column with one value for every row (one workload, one class) moves into the title.
+    fixed = {i for i in (2, 3) if rows and len({row[i] for row in rows}) == 1}
+    title = f"{plan.run_id}: medians over repeats" + "".join(f", {columns[i]} {rows[0][i]}" for i in sorted(fixed))
+    table = Table(title=title, title_justify="left")
+    keep = [i for i in range(len(columns)) if i not in fixed]
+    for i in keep:
+        # no value is ever cut or folded (K=8 and K=16 must not look alike): a column is at least as
+        # wide as its longest value; only the headers wrap on a narrow terminal
+        width = max((len(row[i]) for row in rows), default=1)
+        table.add_column(columns[i], justify="left" if i <= 2 else "right", min_width=width, no_wrap=True)
+    for row in rows:
+        table.add_row(*(row[i] for i in keep))
     return table
 
 
@@ -212,6 +228,9 @@ def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
 
 
-def _params(params: object) -> str:
+_SHORT_NAMES = {"resident_experts": "K", "n_cpu_moe": "N", "offload_layers": "offload"}
+
+
+def _params(params: object, short: bool = False) -> str:
     items = params.items() if isinstance(params, dict) else []
-    return "".join(f" {k}={v}" for k, v in items)
+    return "".join(f" {_SHORT_NAMES.get(k, k) if short else k}={v}" for k, v in items)

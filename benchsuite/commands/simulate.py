@@ -10,7 +10,14 @@ import math
 
 from benchsuite.errors import UserError
 from benchsuite.preflight import GB_BYTES, MB_BYTES, parse_link
-from benchsuite.simulate import SIM_POLICIES, SimOptions, SimResult, simulate
+from benchsuite.simulate import (
+    SIM_POLICIES,
+    LayerStats,
+    SimOptions,
+    SimResult,
+    simulate,
+)
+from paged_experts.residency import DEFAULT_PREFILL_KEEP, PREFILL_KEEP
 from paged_experts.trace import read_trace
 
 SPEED_MODEL = (
@@ -33,6 +40,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="lru", help=f"comma list of {','.join(SIM_POLICIES)}")
     p.add_argument("--concurrency", type=_ints, default=(1,), help="requests batched per step; 0 = as recorded")
     p.add_argument("--include-prefill", action="store_true", help="replay prefill chunks too (default: decode only)")
+    p.add_argument("--prefill-keep", default=DEFAULT_PREFILL_KEEP,
+                   help=f"comma list of {','.join(PREFILL_KEEP)}: what a prefill chunk leaves in the slots")
+    p.add_argument("--early-decode-steps", type=int, default=16,
+                   help="decode steps after a prefill counted as 'early' (the hit rate the prefill left)")
     p.add_argument("--expert-bytes", type=float, help=f"bytes per expert (default {PUBLISHED_INT4_EXPERT_BYTES:.3g}: "
                    "published Qwen3-30B-A3B int4)")  # fmt: skip
     p.add_argument("--link-gbps", help="host->device GB/s: number, pcie5x16, or a linkbw JSON path")
@@ -42,20 +53,31 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
-def _row(r: SimResult) -> str:
+def _rate(stats: LayerStats | None) -> str:
+    return f"{stats.hit_rate:>7.1%}" if stats is not None and stats.hits + stats.misses else f"{'-':>7}"
+
+
+def _row(r: SimResult, prefill: bool) -> str:
     t = r.total
     mb = f"{r.bytes_per_token / MB_BYTES:9.1f}" if r.bytes_per_token is not None else f"{'-':>9}"
     tps = f"{r.predicted_tok_per_s:9.1f}" if r.predicted_tok_per_s is not None else f"{'-':>9}"
     conc = "rec" if r.concurrency == 0 else str(r.concurrency)
-    return (f"{r.policy:<7} {r.k:>4} {conc:>4} {t.hit_rate:>7.1%} {t.misses_per_token:>9.2f} {mb}"
+    split = f" {r.prefill_keep:<8} {_rate(r.decode)} {_rate(r.early)}" if prefill else ""
+    return (f"{r.policy:<7}{split} {r.k:>4} {conc:>4} {t.hit_rate:>7.1%} {t.misses_per_token:>9.2f} {mb}"
             f" {t.waves_per_step:>6.2f} {t.union_per_step:>7.1f} {tps}")  # fmt: skip
 
 
-def render(results: list[SimResult], header: list[str], per_layer: bool) -> str:
-    cols = f"{'policy':<7} {'K':>4} {'conc':>4} {'hit':>7} {'miss/tok':>9} {'MB/tok':>9} {'waves':>6} {'union':>7} {'tok/s':>9}"
+def render(
+    results: list[SimResult], header: list[str], per_layer: bool, prefill: bool = False, early_steps: int = 16
+) -> str:
+    split = f" {'prefill':<8} {'dec hit':>7} {'early':>7}" if prefill else ""
+    cols = (f"{'policy':<7}{split} {'K':>4} {'conc':>4} {'hit':>7} {'miss/tok':>9} {'MB/tok':>9} {'waves':>6}"
+            f" {'union':>7} {'tok/s':>9}")  # fmt: skip
     lines = [*header, "", cols]
+    if prefill:
+        lines.insert(-1, f"dec hit: decode steps only; early: the first {early_steps} decode steps after each prefill")
     for r in results:
-        lines.append(_row(r))
+        lines.append(_row(r, prefill))
         if per_layer:
             for s in r.layers:
                 lines.append(f"   layer {s.layer:>3}: hit {s.hit_rate:6.1%}  miss/tok {s.misses_per_token:6.2f}"
@@ -72,6 +94,11 @@ def main(args: argparse.Namespace) -> int:
     unknown = [p for p in policies if p not in SIM_POLICIES]
     if unknown:
         raise UserError(f"--policy: unknown {unknown}; choose from {SIM_POLICIES}")
+    keeps = tuple(k.strip() for k in args.prefill_keep.split(",") if k.strip())
+    if not keeps or [k for k in keeps if k not in PREFILL_KEEP]:
+        raise UserError(f"--prefill-keep: {args.prefill_keep!r}; choose from {PREFILL_KEEP}")
+    if args.early_decode_steps < 1:
+        raise UserError("--early-decode-steps must be >= 1")
     link_b_per_s, link_source = parse_link(args.link_gbps) if args.link_gbps else (None, "")
     expert_bytes = args.expert_bytes if args.expert_bytes else PUBLISHED_INT4_EXPERT_BYTES
     opts = SimOptions(
@@ -83,6 +110,8 @@ def main(args: argparse.Namespace) -> int:
         link_b_per_s=link_b_per_s,
         compute_s_per_step=args.compute_ms_per_token / 1e3 if args.compute_ms_per_token is not None else None,
         seed=args.seed,
+        prefill_keep=keeps,
+        early_decode_steps=args.early_decode_steps,
     )
     try:
         results = simulate(trace, opts)
@@ -91,8 +120,8 @@ def main(args: argparse.Namespace) -> int:
     meta = trace.meta
     label = f"SYNTHETIC routing ({meta.source})" if meta.synthetic else f"routing from {meta.source}"
     header = [
-        f"{label}: {args.trace}, model {meta.model or '-'}, {meta.num_layers} layers, E={meta.num_experts},"
-        f" top_k={meta.top_k}, {'prefill + decode' if args.include_prefill else 'decode steps only'}",
+        (f"{label}: {args.trace}, model {meta.model or '-'}, {meta.num_layers} layers, E={meta.num_experts},"
+         f" top_k={meta.top_k}, {'prefill + decode' if args.include_prefill else 'decode steps only'}"),
         f"expert bytes {expert_bytes:,.0f}" + ("" if args.expert_bytes else " (published Qwen3-30B-A3B int4)"),
     ]
     if link_b_per_s:
@@ -109,7 +138,7 @@ def main(args: argparse.Namespace) -> int:
         }
         print(json.dumps(out, indent=2, default=_nan_to_none))
     else:
-        print(render(results, header, args.per_layer))
+        print(render(results, header, args.per_layer, args.include_prefill, args.early_decode_steps))
     return 0
 
 
@@ -118,9 +147,14 @@ def _stats_dict(s) -> dict:
             "waves_per_step": _nan_to_none(s.waves_per_step), "union_per_step": _nan_to_none(s.union_per_step)}  # fmt: skip
 
 
+SPLITS = ("prefill", "decode", "early")
+
+
 def _result_dict(r: SimResult) -> dict:
     return {
         "policy": r.policy,
+        "prefill_keep": r.prefill_keep,
+        **{name: None if s is None else _stats_dict(s) for name, s in zip(SPLITS, (r.prefill, r.decode, r.early))},
         "k": r.k,
         "concurrency": r.concurrency,
         "bytes_per_token": r.bytes_per_token,

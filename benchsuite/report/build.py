@@ -1,7 +1,8 @@
 """write_report: results run directories in, reports/<run-id>/{index.html, tables.md, tables.csv} out.
 
 Pipeline: load runs -> annotate cells (labels, K, N) -> fold repeats into configurations ->
-tables + figures -> one HTML page, one markdown file, one CSV file.
+verdicts (the first screen, with their caveats) + tables + figures -> one HTML page, one markdown
+file, one CSV file.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import pandas as pd
 from benchsuite.errors import UserError
 from benchsuite.reference import Reference, load_reference
 from benchsuite.report import manifest_facts as mf
-from benchsuite.report import roofline, search_section
+from benchsuite.report import prefill, roofline, search_section
 from benchsuite.report import tables as tb
+from benchsuite.report.caveats import setup_caveats
 from benchsuite.report.display import display_frame
 from benchsuite.report.figures import Figure, all_figures, missing_figures
+from benchsuite.report.first_screen import verdict_html, verdict_markdown
 from benchsuite.report.groups import annotate_cells, group_configs
 from benchsuite.report.header import header_html, header_markdown
 from benchsuite.report.html import Section, render_page
@@ -31,6 +34,7 @@ from benchsuite.report.published import (
 )
 from benchsuite.report.samples import request_samples
 from benchsuite.report.textout import write_csv, write_markdown
+from benchsuite.report.verdict import Verdict, verdict_table, verdicts
 
 INDEX_NAME = "index.html"
 
@@ -48,6 +52,8 @@ class ReportData:
     reference_note: str  # why the published view is (not) shown
     tables: dict[str, pd.DataFrame]
     figures: list[Figure]
+    verdicts: list[Verdict]  # the first screen
+    caveats: dict[tuple[str, str, str], list[str]]  # (run, workload, prompt class) -> caveats beside its verdict
 
 
 def _report_id(runs: list[RunData]) -> str:
@@ -89,7 +95,10 @@ def build_report_data(run_dirs: list[Path], reference_dirs: list[Path] | None = 
         shape = published.raw.get("model_shape") or {}  # a hub id (no local config.json) of the published model
         top_k = top_k or shape.get("top_k")
         num_experts = num_experts or shape.get("num_experts")
-    tables: dict[str, pd.DataFrame] = {"Paged vs baselines (published layout)": tb.ratio_table(groups, cells)}
+    found = verdicts(groups, cells)
+    caveats = {key: _caveats(runs, cells, key) for key in {(v.run_id, v.workload, v.prompt_class) for v in found}}
+    tables: dict[str, pd.DataFrame] = {"Verdict": verdict_table(found),
+                                       "Paged vs baselines (published layout)": tb.ratio_table(groups, cells)}
     if published is not None:
         tables[f"Published {published.name} vs yours: decode"] = reference_decode_table(published, row_filter, groups, cells)
         tables[f"Published {published.name} vs yours: TTFT p50"] = reference_ttft_table(published, row_filter, groups, cells)
@@ -98,23 +107,32 @@ def build_report_data(run_dirs: list[Path], reference_dirs: list[Path] | None = 
         "TTFT p50 short vs long prompts": tb.ttft_table(groups),
         "Paging counters": tb.paging_table(groups, num_experts),
         roofline.TITLE: roofline.roofline_table(cells, runs),
+        prefill.TITLE: prefill.prefill_table(cells, runs),
         "llama.cpp --n-cpu-moe search": search_section.search_table(cells, runs),
         "Failed and invalid cells": tb.failures_table(cells),
         "Raw cells": tb.raw_cells_table(cells),
     })
     figures = all_figures(groups, cells, samples, top_k, num_experts, tables["llama.cpp --n-cpu-moe search"])
     title = f"benchsuite report: {_report_id(runs)}"
-    return ReportData(title, runs, cells, groups, samples, top_k, num_experts, published, note, tables, figures)
+    return ReportData(title, runs, cells, groups, samples, top_k, num_experts, published, note, tables, figures, found, caveats)
+
+
+def _caveats(runs: list[RunData], cells: pd.DataFrame, key: tuple[str, str, str]) -> list[str]:
+    run = next(r for r in runs if r.run_id == key[0])
+    mine = cells[(cells["run_id"] == key[0]) & (cells["workload"] == key[1]) & (cells["prompt_class"] == key[2])]
+    has_gpu = bool(run.manifest.machine.get("gpus"))
+    return setup_caveats(mine, run.manifest.servers, has_gpu)
 
 
 _ANCHORS = {
     "Paged vs baselines (published layout)": "ratios", "Configurations (repeats with spread)": "configurations",
     "TTFT p50 short vs long prompts": "ttft", "Paging counters": "paging", "llama.cpp --n-cpu-moe search": "search",
-    roofline.TITLE: "roofline",
+    roofline.TITLE: "roofline", prefill.TITLE: "prefill",
     "Failed and invalid cells": "failures", "Raw cells": "raw-cells",
 }
 _INTROS = {
     "roofline": roofline.INTRO,
+    "prefill": prefill.INTRO,
     "ratios": "<p>One row per paged configuration: the best offload, llama.cpp and cpu-experts configuration measured in the same "
               "setup and concurrency. Medians over repeats, [min–max] beside them; ratio verdicts say whether the spreads overlap.</p>",
     "search": "<p>One row per candidate N of each search. Launched candidates are cells (measured or failed); rows "
@@ -128,6 +146,8 @@ _INTROS = {
 def _sections(data: ReportData) -> tuple[list[Section], list[Section]]:
     before, after = [], []
     for name, frame in data.tables.items():
+        if name == "Verdict":
+            continue  # the first screen, rendered by first_screen
         if name.startswith("Published"):
             anchor = "reference-ttft" if name.endswith("TTFT p50") else "reference-decode"
             intro = f"<p>{html.escape(data.reference_note)} Published values are transcribed facts; 'yours' come from this run.</p>"
@@ -156,12 +176,14 @@ def write_report(run_dirs: list[Path], out_dir: Path | None = None, reference_di
     target = Path(out_dir) if out_dir is not None else default_out_dir(data.runs)
     target.mkdir(parents=True, exist_ok=True)
     before, after = _sections(data)
-    page = render_page(data.title, header_html(data.runs, data.cells), before, data.figures, missing_figures(data.figures), after)
+    first = verdict_html(data.verdicts, data.caveats)
+    page = render_page(data.title, first + header_html(data.runs, data.cells), before, data.figures, missing_figures(data.figures), after)
     index = target / INDEX_NAME
     tmp = index.with_suffix(".html.tmp")
     tmp.write_text(page, encoding="utf-8")
     tmp.replace(index)
-    preamble = [*header_markdown(data.runs, data.cells), "", data.reference_note]
-    write_markdown(target / "tables.md", data.title, preamble, {k: display_frame(v) if not v.empty else v for k, v in data.tables.items()})
+    preamble = [*verdict_markdown(data.verdicts, data.caveats), "", *header_markdown(data.runs, data.cells), "", data.reference_note]
+    shown = {k: display_frame(v) if not v.empty else v for k, v in data.tables.items() if k != "Verdict"}
+    write_markdown(target / "tables.md", data.title, preamble, shown)
     write_csv(target / "tables.csv", data.tables)
     return index

@@ -1,57 +1,62 @@
-"""Run comparison: `benchsuite compare RUN_A RUN_B`. Configurations are matched by their resolved
-spec (engine, kind, mode, params, workload, prompt class, concurrency, routing; repeats pooled),
-which also matches identical cell ids. Per matched configuration and metric:
+"""Run comparison: `benchsuite compare RUN_A RUN_B` (or several runs a side: `RUN_A1 RUN_A2 --vs RUN_B1
+RUN_B2`). Configurations are matched by their resolved spec (engine, kind, mode, params, workload,
+prompt class, concurrency, routing), which also matches identical cell ids. Per matched
+configuration and metric (decode tok/s p50, TTFT p50, output tok/s of each cell):
 
-- change = (B - A) / A of the median over ok repeats of the cell metric;
-- a two-sided Mann-Whitney U test on the raw per-request samples of both runs (warm requests only):
-  decode tok/s <- per-request decode rate, TTFT p50 <- per-request TTFT, output tok/s <- per-request
-  output tokens / request latency;
-- flagged only when p < alpha AND |change| > threshold. Fewer than 3 samples a side: never flagged.
+- the level tested is where the noise lives: with two or more runs a side, the RUN (each run's value
+  is the median of its ok repeats), else the REPEAT (every ok cell is one value); never the request
+  (requests of one cell share its machine state: testing them called between-run noise significant);
+- change = B / A - 1 with its interval: benchsuite.stats.ratio_estimate of B over A (Welch t on log
+  values); fewer than stats.MIN_REPEATS values a side: "not enough repeats", never flagged;
+- flagged only when the change is a discovery after Benjamini-Hochberg over all rows at alpha AND
+  |change| > threshold; the page says when A and B ran the same commit and matrix (an A/A comparison:
+  every flag there is a false alarm) and which rows were measured on a busy machine.
 """
 
 from __future__ import annotations
 
 import html
-import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
-from scipy.stats import mannwhitneyu
 
-from benchsuite.report.groups import annotate_cells, group_configs
+from benchsuite import stats
+from benchsuite.report.groups import annotate_cells
 from benchsuite.report.load import RunData, load_run
-from benchsuite.report.samples import request_samples
+from benchsuite.report.noise import busy_cells
 from benchsuite.report.textout import markdown_table
 
 MATCH_KEYS: tuple[str, ...] = ("engine", "engine_kind", "mode", "params_key", "workload", "prompt_class", "concurrency", "routing")
-MIN_SAMPLES = 3
-SAMPLES_NOTE = ("Test samples (warm requests): decode_tok_s <- each request's decode rate; ttft_p50_ms <- each request's TTFT; "
-                "output_tok_s <- each request's output tokens / latency. Values a / b are medians over ok repeats of the cell metric.")
+LEVEL_RUNS = "runs"
+LEVEL_REPEATS = "repeats"
 
 
 @dataclass(frozen=True)
 class MetricSpec:
     name: str  # column in the comparison
     cell_metric: str  # CellResult column
-    sample: str  # request_samples column
     higher_is_better: bool
     scale: float  # display scale (s -> ms)
 
 
 METRIC_SPECS: tuple[MetricSpec, ...] = (
-    MetricSpec("decode_tok_s", "decode_tok_s_p50", "decode_tok_s", True, 1.0),
-    MetricSpec("ttft_p50_ms", "ttft_p50_s", "ttft_s", False, 1000.0),
-    MetricSpec("output_tok_s", "output_tok_s", "e2e_output_tok_s", True, 1.0),
+    MetricSpec("decode_tok_s", "decode_tok_s_p50", True, 1.0),
+    MetricSpec("ttft_p50_ms", "ttft_p50_s", False, 1000.0),
+    MetricSpec("output_tok_s", "output_tok_s", True, 1.0),
 )
 
 
 @dataclass(frozen=True)
 class Comparison:
-    run_a: str
+    run_a: str  # run ids of side A joined by '+'
     run_b: str
     threshold: float
     alpha: float
+    level: str  # LEVEL_RUNS or LEVEL_REPEATS
+    same_source: str | None  # "same commit and matrix" statement, None when they differ
     rows: pd.DataFrame  # one row per matched configuration x metric
     only_a: list[str]  # configuration labels measured only in A
     only_b: list[str]
@@ -61,63 +66,98 @@ class Comparison:
         return self.rows[self.rows["flagged"]] if len(self.rows) else self.rows
 
 
-def _prepared(run: RunData) -> tuple[pd.DataFrame, pd.DataFrame]:
-    cells = annotate_cells(run.cells, many_runs=False)
-    return group_configs(cells), request_samples(run.requests)
+@dataclass(frozen=True)
+class _Side:
+    """One side's ok cells per configuration key, and which of them ran on a busy machine."""
+
+    run_ids: tuple[str, ...]
+    cells: pd.DataFrame  # annotated cells of every run of the side
+    labels: dict[tuple[Any, ...], str]
+    busy: set[str]  # cell ids measured while the machine was busy
 
 
-def _samples(samples: pd.DataFrame, cell_ids: list[str], column: str) -> list[float]:
-    values = samples.loc[samples["cell_id"].isin(cell_ids), column].dropna()
-    return [float(v) for v in values]
+def _side(runs: list[RunData]) -> _Side:
+    frames = [annotate_cells(r.cells, many_runs=False) for r in runs]
+    cells = pd.concat(frames, ignore_index=True)
+    labels = {tuple(row[k] for k in MATCH_KEYS): f"{row['label']}" for _, row in cells.iterrows()}
+    return _Side(tuple(r.run_id for r in runs), cells, labels, busy_cells(cells))
 
 
-def _verdict(change: float | None, p_value: float | None, spec: MetricSpec, threshold: float, alpha: float) -> tuple[bool, str]:
-    if change is None:
+def _values(side: _Side, key: tuple[Any, ...], spec: MetricSpec, level: str) -> tuple[list[float], list[str]]:
+    mask = pd.Series(True, index=side.cells.index)
+    for column, value in zip(MATCH_KEYS, key):
+        mask &= side.cells[column] == value
+    ok = side.cells[mask & (side.cells["status"] == "ok")]
+    ok = ok[ok[spec.cell_metric].notna()]
+    ids = list(ok["cell_id"])
+    if level == LEVEL_REPEATS:
+        return [float(v) * spec.scale for v in ok[spec.cell_metric]], ids
+    per_run = ok.groupby("run_id")[spec.cell_metric].median()
+    return [float(v) * spec.scale for v in per_run], ids
+
+
+def _verdict(estimate: stats.RatioEstimate | None, n: tuple[int, int], discovery: bool, spec: MetricSpec,
+             threshold: float) -> tuple[bool, str]:
+    if min(n) == 0:
         return False, "no ok value on one side"
-    if p_value is None:
-        return False, f"too few samples (< {MIN_SAMPLES})"
-    if p_value >= alpha:
+    if estimate is None:
+        return False, stats.not_enough_text(*n)
+    if not discovery:
         return False, "not significant"
-    if abs(change) <= threshold:
+    if abs(estimate.ratio - 1.0) <= threshold:
         return False, "significant, below threshold"
-    better = (change > 0) == spec.higher_is_better
+    better = (estimate.ratio > 1.0) == spec.higher_is_better
     return True, "IMPROVED" if better else "REGRESSED"
 
 
-def compare_runs(run_a: Path, run_b: Path, threshold: float = 0.05, alpha: float = 0.05) -> Comparison:
-    a, b = load_run(Path(run_a)), load_run(Path(run_b))
-    (groups_a, samples_a), (groups_b, samples_b) = _prepared(a), _prepared(b)
-    keyed_b = {tuple(r[k] for k in MATCH_KEYS): r for _, r in groups_b.iterrows()}
-    keys_a = set()
-    rows = []
-    for _, ga in groups_a.iterrows():
-        key = tuple(ga[k] for k in MATCH_KEYS)
-        keys_a.add(key)
-        gb = keyed_b.get(key)
-        if gb is None:
-            continue
+def same_source(a: list[RunData], b: list[RunData]) -> str | None:
+    """'same commit and matrix' when every run of both sides ran one clean commit (or one dirty tree) and one matrix hash."""
+    facts = {(r.manifest.git.get("commit"), r.manifest.git.get("tree"), r.manifest.matrix_hash) for r in [*a, *b]}
+    if len(facts) != 1:
+        return None
+    commit, _, matrix_hash = next(iter(facts))
+    if commit is None or not matrix_hash:
+        return None
+    return (f"A and B ran the same commit ({str(commit)[:12]}) and the same matrix ({str(matrix_hash)[:8]}): this is an "
+            f"A/A comparison, so any flagged row is a false alarm of the method (or a machine that changed between runs).")
+
+
+def compare_runs(run_a: Path | Sequence[Path], run_b: Path | Sequence[Path], threshold: float = 0.05,
+                 alpha: float = stats.DEFAULT_ALPHA) -> Comparison:
+    """Compare side A with side B; each side is one results run directory or several (reruns of one matrix)."""
+    runs_a = [load_run(Path(p)) for p in ([run_a] if isinstance(run_a, (str, Path)) else run_a)]
+    runs_b = [load_run(Path(p)) for p in ([run_b] if isinstance(run_b, (str, Path)) else run_b)]
+    a, b = _side(runs_a), _side(runs_b)
+    level = LEVEL_RUNS if min(len(runs_a), len(runs_b)) >= 2 else LEVEL_REPEATS
+    rows, estimates = [], []
+    for key in sorted(set(a.labels) & set(b.labels), key=str):
         for spec in METRIC_SPECS:
-            sa, sb = ga[spec.cell_metric], gb[spec.cell_metric]
-            value_a = None if sa is None else sa.median * spec.scale
-            value_b = None if sb is None else sb.median * spec.scale
-            change = None if value_a is None or value_b is None or value_a == 0 else (value_b - value_a) / value_a
-            xs, ys = _samples(samples_a, ga["ok_cell_ids"], spec.sample), _samples(samples_b, gb["ok_cell_ids"], spec.sample)
-            p_value = None
-            if len(xs) >= MIN_SAMPLES and len(ys) >= MIN_SAMPLES:
-                p_value = float(mannwhitneyu(xs, ys, alternative="two-sided").pvalue)
-                p_value = None if math.isnan(p_value) else p_value
-            flagged, verdict = _verdict(change, p_value, spec, threshold, alpha)
+            (xs, ids_a), (ys, ids_b) = _values(a, key, spec, level), _values(b, key, spec, level)
+            estimate = stats.ratio_estimate(ys, xs, alpha)
+            estimates.append((spec, estimate, (len(xs), len(ys))))
+            median_a = float(pd.Series(xs).median()) if xs else None
+            median_b = float(pd.Series(ys).median()) if ys else None
+            busy = sorted((set(ids_a) & a.busy) | (set(ids_b) & b.busy))
             rows.append({
-                "configuration": ga["label"], "workload": ga["workload"], "prompt_class": ga["prompt_class"],
-                "concurrency": int(ga["concurrency"]), "metric": spec.name, "a": value_a, "b": value_b, "change": change,
-                "p_value": p_value, "n_a": len(xs), "n_b": len(ys), "flagged": flagged, "verdict": verdict,
-                "a_cell_ids": " ".join(ga["ok_cell_ids"]), "b_cell_ids": " ".join(gb["ok_cell_ids"]),
+                "configuration": a.labels[key], "workload": key[4], "prompt_class": key[5], "concurrency": int(key[6]),
+                "metric": spec.name, "a": median_a, "b": median_b,
+                "change": None if estimate is None else estimate.ratio - 1.0,
+                "interval": None if estimate is None else f"{estimate.low - 1.0:+.1%} … {estimate.high - 1.0:+.1%}",
+                "p_value": None if estimate is None else estimate.p_value, "level": level, "n_a": len(xs), "n_b": len(ys),
+                "machine_busy": f"{len(busy)} cells" if busy else "", "a_cell_ids": " ".join(ids_a), "b_cell_ids": " ".join(ids_b),
             })
-    only_a = sorted({f"{r['label']} · {r['prompt_class']} · c={r['concurrency']}" for _, r in groups_a.iterrows()
-                     if tuple(r[k] for k in MATCH_KEYS) not in keyed_b})
-    only_b = sorted({f"{r['label']} · {r['prompt_class']} · c={r['concurrency']}" for _, r in groups_b.iterrows()
-                     if tuple(r[k] for k in MATCH_KEYS) not in keys_a})
-    return Comparison(a.run_id, b.run_id, threshold, alpha, pd.DataFrame(rows), only_a, only_b)
+    discoveries = stats.benjamini_hochberg([None if e is None else e.p_value for _, e, _ in estimates], alpha)
+    for row, (spec, estimate, n), discovery in zip(rows, estimates, discoveries):
+        row["flagged"], row["verdict"] = _verdict(estimate, n, discovery, spec, threshold)
+    columns = ["configuration", "workload", "prompt_class", "concurrency", "metric", "a", "b", "change", "interval",
+               "p_value", "level", "n_a", "n_b", "flagged", "verdict", "machine_busy", "a_cell_ids", "b_cell_ids"]
+    frame = pd.DataFrame(rows, columns=columns)
+    return Comparison("+".join(a.run_ids), "+".join(b.run_ids), threshold, alpha, level, same_source(runs_a, runs_b),
+                      frame, _only(a, b), _only(b, a))
+
+
+def _only(side: _Side, other: _Side) -> list[str]:
+    return sorted({f"{side.labels[k]} · {k[5]} · c={k[6]}" for k in set(side.labels) - set(other.labels)})
 
 
 def _display(rows: pd.DataFrame) -> pd.DataFrame:
@@ -125,6 +165,7 @@ def _display(rows: pd.DataFrame) -> pd.DataFrame:
         return rows
     out = rows.copy()
     out["change"] = ["—" if c is None or pd.isna(c) else f"{c * 100:+.1f}%" for c in out["change"]]
+    out["interval"] = ["—" if i is None or pd.isna(i) else i for i in out["interval"]]
     out["p_value"] = ["—" if p is None or pd.isna(p) else f"{p:.3g}" for p in out["p_value"]]
     for col in ("a", "b"):
         out[col] = ["—" if v is None or pd.isna(v) else f"{v:.2f}" for v in out[col]]
@@ -132,12 +173,22 @@ def _display(rows: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def method_text(c: Comparison) -> str:
+    unit = ("each run's median over its ok repeats is one value (two or more runs a side)" if c.level == LEVEL_RUNS else
+            "each ok repeat (cell) is one value; with one run a side, noise shared by a whole run is not covered: "
+            "give reruns of each side (`compare A1 A2 --vs B1 B2`) to test over runs")
+    return (f"Tested over {c.level}: {unit}. change = B / A - 1 (ratio of geometric means) with its {1 - c.alpha:.0%} interval "
+            f"(Welch t on log values); flagged when significant after Benjamini-Hochberg over all {len(c.rows)} rows at "
+            f"{c.alpha:g} and |change| > {c.threshold * 100:g}%. Fewer than {stats.MIN_REPEATS} values a side: not enough "
+            f"repeats, never flagged. a / b: medians of those values.")
+
+
 def comparison_markdown(comparison: Comparison) -> str:
     c = comparison
-    lines = [f"# Compare {c.run_a} (A) -> {c.run_b} (B)\n",
-             (f"Flagged when a two-sided Mann-Whitney U test on per-request samples gives p < {c.alpha} "
-             f"and the relative change of the median exceeds {c.threshold * 100:g}%.\n"),
-             f"{SAMPLES_NOTE}\n", f"{len(c.flagged)} flagged of {len(c.rows)} comparisons.\n"]
+    lines = [f"# Compare {c.run_a} (A) -> {c.run_b} (B)\n", f"{method_text(c)}\n"]
+    if c.same_source:
+        lines.append(f"**{c.same_source}**\n")
+    lines.append(f"{len(c.flagged)} flagged of {len(c.rows)} comparisons.\n")
     if len(c.flagged):
         lines.append("## Flagged\n\n" + markdown_table(_display(c.flagged)))
     lines.append("## All matched configurations\n\n" + (markdown_table(_display(c.rows)) if len(c.rows) else "_no configuration matched_\n"))
@@ -157,13 +208,13 @@ def comparison_html(comparison: Comparison) -> str:
         body.append(f"<tr{style}>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row.values) + "</tr>")
     only = "".join(f"<h2>{html.escape(t)}</h2><ul>{''.join(f'<li>{html.escape(x)}</li>' for x in labels)}</ul>"
                    for t, labels in ((f"Only in {c.run_a}", c.only_a), (f"Only in {c.run_b}", c.only_b)) if labels)
+    same = f'<p class="aa"><strong>{html.escape(c.same_source)}</strong></p>' if c.same_source else ""
     return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>compare {html.escape(c.run_a)} vs {html.escape(c.run_b)}</title><style>"
-            "body{font-family:system-ui,sans-serif;margin:24px}table{border-collapse:collapse;font-size:12px}"
-            "td,th{border:1px solid #ccc;padding:3px 6px}</style></head><body>"
+            "body{font-family:system-ui,sans-serif;margin:24px;max-width:1400px}table{border-collapse:collapse;font-size:12px}"
+            "td,th{border:1px solid #ccc;padding:3px 6px;overflow-wrap:anywhere}</style></head><body>"
             f"<h1>Compare {html.escape(c.run_a)} (A) → {html.escape(c.run_b)} (B)</h1>"
-            f"<p>Flagged when Mann-Whitney U p &lt; {c.alpha} on per-request samples and |change| &gt; {c.threshold * 100:g}%. "
-            f"{len(c.flagged)} flagged of {len(c.rows)}.</p><p>{html.escape(SAMPLES_NOTE)}</p>"
+            f"<p>{html.escape(method_text(c))}</p>{same}<p>{len(c.flagged)} flagged of {len(c.rows)}.</p>"
             f"<table id=\"compare\"><tr>{head}</tr>{''.join(body)}</table>{only}</body></html>")
 
 

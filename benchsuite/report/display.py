@@ -3,7 +3,7 @@
 - each `<x>_min / <x>_median / <x>_max` triple becomes one `<x>` column written "median [min–max]"
   (just "median" when min = max);
 - in the ratio table, each baseline's `<b>_config`, its spread, `paged_vs_<b>` and the verdict become
-  one `vs <b>` column: "2.00× significant (spreads disjoint) · tiny · offload: 21.00 [20.00–22.00]";
+  one `vs <b>` column: "is 2.00 x offload [1.50–2.67], significant · tiny · offload: 21.00 [20.00–22.00]";
 - other columns pass through, formatted by fmt.format_value.
 """
 
@@ -34,8 +34,14 @@ def _baseline_text(row: pd.Series, name: str) -> str:
     if config == "not run":
         return "not run"
     spread = _spread_text(name, row[f"{name}_min"], row[f"{name}_median"], row[f"{name}_max"])
-    ratio = format_value(f"paged_vs_{name}", row[f"paged_vs_{name}"])
-    return f"{ratio} {row[f'paged_vs_{name}_verdict']} · {config}: {spread}"
+    ratio = row[f"paged_vs_{name}"]
+    verdict = str(row[f"paged_vs_{name}_verdict"])
+    if ratio is None or pd.isna(ratio):
+        return f"{verdict} · {config}: {spread}"
+    # "[low–high]" leads the verdict text when there is an interval: "is N x B [low–high], significant"
+    head, _, interval = verdict.partition(" [")
+    said = f"is {ratio:.2f} x {name} [{interval}, {head}" if interval else f"is {ratio:.2f} x {name}, {verdict}"
+    return f"{said} · {config}: {spread}"
 
 
 def display_frame(frame: pd.DataFrame) -> pd.DataFrame:

@@ -1,8 +1,9 @@
 """Warnings attached to cells, collected for the report: engine flags the runner stored in a cell's
 extras (`extras["flags"]`, a list of one-line strings, or any `*_flag` string such as SGLang's
-batch_cap_flag / kv_capacity_flag, also inside `extras["engine_log"]`), usage mismatches (the
-server's completion token count disagreed with the streamed chunks), and prompts that reached
-different engines as different prompt lengths (templates differ: the comparison is then unfair)."""
+batch_cap_flag / kv_capacity_flag and metrics' client_flag / engine_timings_flag, also inside
+`extras["engine_log"]`), usage mismatches (the server's completion token count disagreed with the
+streamed chunks), and prompts that reached different engines as different prompt lengths
+(templates differ: the comparison is then unfair)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
@@ -22,7 +22,7 @@ GROUP_KEYS: tuple[str, ...] = (
     "run_id", "engine", "engine_kind", "mode", "params_key", "workload", "prompt_class", "concurrency", "routing",
 )
 METRICS: tuple[str, ...] = (
-    "decode_tok_s_p50", "output_tok_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "itl_p50_s",
+    "decode_tok_s_p50", "timings_decode_tok_s_p50", "output_tok_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "itl_p50_s",
     "miss_rate", "bytes_paged_per_token", "waves_per_step", "union_mean",
 )
 _LABEL_OPTIONS = ("offload_layers", "cpu_offload_gb")  # fixed server options that tell configurations apart
@@ -32,19 +32,21 @@ _N_PARAMS = ("n_cpu_moe", "search_n", "cpu_expert_layers")
 
 @dataclass(frozen=True)
 class Spread:
-    """min / median / max of one metric over a configuration's ok repeats."""
+    """min / median / max of one metric over a configuration's ok repeats, and the repeat values
+    themselves (sorted) for the intervals of benchsuite.stats."""
 
     min: float
     median: float
     max: float
     n: int
+    values: tuple[float, ...] = field(default=(), compare=False)
 
     @staticmethod
     def of(values: list[float]) -> Spread | None:
         clean = sorted(float(v) for v in values if v is not None and not math.isnan(float(v)))
         if not clean:
             return None
-        return Spread(clean[0], float(pd.Series(clean).median()), clean[-1], len(clean))
+        return Spread(clean[0], float(pd.Series(clean).median()), clean[-1], len(clean), tuple(clean))
 
     def overlaps(self, other: Spread) -> bool:
         return self.min <= other.max and other.min <= self.max

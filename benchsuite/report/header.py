@@ -14,10 +14,13 @@ from benchsuite.report import manifest_facts as mf
 from benchsuite.report.flags import cell_flags, prompt_length_mismatches
 from benchsuite.report.groups import is_synthetic
 from benchsuite.report.load import RunData
+from benchsuite.report.noise import busy_warning
 
 REPORT_DEFINITIONS: tuple[tuple[str, str], ...] = (
     ("spread", "min / median / max over a configuration's ok repeats; failed or invalid repeats are never counted as 0"),
-    ("ratio verdict", "significant only when the two min..max spreads are disjoint; not significant when they overlap"),
+    ("ratio", "A / B = ratio of the geometric means over ok repeats, written 'A is N x B'; the interval is 95% "
+              "(Welch t on log values over repeats, benchsuite.stats): significant when it excludes 1; fewer than 2 "
+              "ok repeats a side: not enough repeats"),
     ("headline metric", "decode_tok_s_p50 at concurrency 1, output_tok_s above 1 (the published layout)"),
     ("per-request figures", "warm requests only (warmup and the cold first request after a start excluded)"),
 )
@@ -79,9 +82,12 @@ def warnings(cells: pd.DataFrame, requests: pd.DataFrame) -> list[tuple[str, str
     if len(bad):
         out.append(("bad", (f"{len(bad)} of {len(cells)} cells failed or are invalid; they are excluded from every figure and "
                            f"listed with their reasons under 'Failed and invalid cells'.")))
+    busy = busy_warning(cells)
+    if busy:
+        out.append(("warn", busy))
     flagged = [c for _, c in cells.iterrows() if cell_flags(c)]
     if flagged:
-        out.append(("warn", (f"Engine warnings on {_count(len(flagged), 'cell')} (see the 'flags' column of the configurations table), "
+        out.append(("warn", (f"Warnings (engine, client, engine timings) on {_count(len(flagged), 'cell')} (see the 'flags' column of the configurations table), "
                             f"for example {flagged[0]['cell_id']}: {cell_flags(flagged[0])[0]}")))
     lengths = prompt_length_mismatches(cells, requests)
     if len(lengths):

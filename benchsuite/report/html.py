@@ -18,11 +18,14 @@ from benchsuite.report.figures import Figure
 from benchsuite.report.tables import NOT_SIGNIFICANT, SPREAD_UNKNOWN
 
 _CSS = """
-body{font-family:system-ui,-apple-system,"Segoe UI",Helvetica,Arial,sans-serif;margin:24px;color:#222;max-width:1500px}
+body{font-family:system-ui,-apple-system,"Segoe UI",Helvetica,Arial,sans-serif;margin:24px;color:#222;max-width:1350px}
 h1{font-size:1.5em}h2{font-size:1.2em;margin-top:2em;border-bottom:1px solid #ddd}h3{font-size:1em}
-table{border-collapse:collapse;font-size:12px;margin:6px 0}th,td{border:1px solid #ccc;padding:3px 6px;text-align:left;vertical-align:top}
-th{background:#f3f3f3;position:sticky;top:0}td{white-space:nowrap}td.wrap{white-space:normal;min-width:220px;max-width:460px}
-.scroll{overflow-x:auto}.scroll.tall{max-height:700px;overflow-y:auto}
+table{border-collapse:collapse;font-size:12px;margin:6px 0;max-width:100%}th,td{border:1px solid #ccc;padding:3px 5px;text-align:left;vertical-align:top}
+th{background:#f3f3f3;position:sticky;top:0}td{white-space:nowrap}td.wrap{white-space:normal;min-width:120px}
+.scroll{max-width:100%}.scroll.tall{max-height:700px;overflow-y:auto}
+table.verdict{table-layout:fixed;width:100%;font-size:13px}table.verdict td{white-space:normal}
+.vs{margin:1px 0}.vs.sig{color:#11602a}.vs.ns{color:#8a5a00}.vs.na{color:#666}.vs .other{color:#666;font-size:11px}
+ul.caveats{background:#fff8e6;border:1px solid #e0c36a;padding:6px 6px 6px 24px;margin:6px 0;font-size:13px}
 code{font-size:11px;word-break:break-all}.banner{padding:8px 12px;margin:8px 0;border-radius:4px}
 .warn{background:#fff3cd;border:1px solid #e0c36a}.bad{background:#fde2e2;border:1px solid #e3a0a0}.info{background:#e8f1fb;border:1px solid #9cc0e8}
 td.ns{color:#8a5a00;font-weight:bold}td.sig{color:#11602a}tr.synthetic td{background:#fff8e6}tr.status-failed td,tr.status-invalid td{background:#fdecec}
@@ -42,12 +45,20 @@ def _id_links(text: str) -> str:
     return " ".join(f'<a href="#cell-{html.escape(i)}">{html.escape(i)}</a>' for i in str(text).split())
 
 
-_WRAP_COLUMNS = ("cell_ids", "reason", "command", "configuration", "your_config", "your_paged_config")
+_WRAP_COLUMNS = ("cell_ids", "reason", "command", "configuration", "your_config", "your_paged_config", "paged_config", "params",
+                 "machine", "flags", "setup", "routing", "prompt_tokens_by_engine")
+
+
+_LONG_TEXT_CHARS = 40  # a value longer than this wraps in any column (notes, reasons a table did not foresee)
+
+
+def _wraps(column: str, text: str) -> bool:
+    return column in _WRAP_COLUMNS or column.startswith("vs ") or len(text) > _LONG_TEXT_CHARS
 
 
 def _cell_class(column: str, text: str) -> str:
     classes = []
-    if column in _WRAP_COLUMNS or column.startswith("vs "):
+    if _wraps(column, text):
         classes.append("wrap")
     if column.endswith("_verdict") or column.startswith("vs "):
         if NOT_SIGNIFICANT in text or SPREAD_UNKNOWN in text:
@@ -57,16 +68,54 @@ def _cell_class(column: str, text: str) -> str:
     return f' class="{" ".join(classes)}"' if classes else ""
 
 
+TABLE_BUDGET_PX = 1300  # the page is 1,400 px wide at most (body margins and cell padding included)
+_CHAR_PX, _CELL_PAD_PX, _WRAP_CHARS = 7, 12, 24
+
+
+def _column_px(frame: pd.DataFrame, column: str) -> int:
+    """A column's width estimate: its widest value (wrapping columns capped), or its longest header segment."""
+    values = [min(len(str(v)), _WRAP_CHARS) if _wraps(column, str(v)) else len(str(v)) for v in frame[column]] or [0]
+    chars = min(max(values), _WRAP_CHARS) if column in _WRAP_COLUMNS or column.startswith("vs ") else max(values)
+    return max(chars, *(len(part) + 1 for part in column.split("_"))) * _CHAR_PX + _CELL_PAD_PX
+
+
+def column_groups(shown: pd.DataFrame, budget_px: int = TABLE_BUDGET_PX) -> list[list[str]]:
+    """The columns split into groups that each fit the budget; every group after the first starts with the
+    key column (cell_id, else configuration, else the first) so its rows still say what they are."""
+    columns = list(shown.columns)
+    key = next((c for c in ("cell_id", "configuration") if c in columns), columns[0])
+    groups: list[list[str]] = [[]]
+    width = 0
+    for column in columns:
+        px = _column_px(shown, column)
+        if groups[-1] and width + px > budget_px:
+            groups.append([key] if column != key else [])
+            width = _column_px(shown, key) if column != key else 0
+        groups[-1].append(column)
+        width += px
+    return groups
+
+
 def render_table(frame: pd.DataFrame, table_id: str, row_anchor_column: str | None = None) -> str:
+    """One table, split into several (ids table_id, table_id-2, ...) when it would be wider than the page."""
     if frame.empty:
         return "<p><em>no rows</em></p>"
     shown = display_frame(frame)
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in shown.columns)
+    parts = []
+    for number, columns in enumerate(column_groups(shown), start=1):
+        part_id = table_id if number == 1 else f"{table_id}-{number}"
+        parts.append(_render_part(frame, shown[columns], part_id, row_anchor_column if number == 1 else None))
+    return "".join(parts)
+
+
+def _render_part(frame: pd.DataFrame, shown: pd.DataFrame, table_id: str, row_anchor_column: str | None) -> str:
+    # headers break at their underscores, so a column is as wide as its values, not its name
+    head = "".join(f"<th>{html.escape(c).replace('_', '_<wbr>')}</th>" for c in shown.columns)
     rows = []
     for index, row in shown.iterrows():
         classes = []
         raw = frame.loc[index]
-        if any("SYNTHETIC" in str(v) for v in row.values) or str(raw.get("routing", "")).startswith("synthetic"):
+        if any("SYNTHETIC" in str(v) for v in frame.loc[index].values) or str(raw.get("routing", "")).startswith("synthetic"):
             classes.append("synthetic")
         if "status" in frame.columns:
             classes.append(f"status-{html.escape(str(raw['status']))}")
@@ -95,9 +144,11 @@ def render_page(title: str, header_html: str, sections_before: list[Section], fi
                 missing_figures: list[str], sections_after: list[Section]) -> str:
     parts = [f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>",
              f"<style>{_CSS}</style><script type=\"text/javascript\">{get_plotlyjs()}</script></head><body>",
-             f"<h1>{html.escape(title)}</h1>", header_html]
-    toc = [*(s for s in sections_before), Section("Figures", "figures", "", None), *sections_after]
+             f"<h1>{html.escape(title)}</h1>"]
+    toc = [Section("Verdict", "verdict", "", None), *(s for s in sections_before), Section("Figures", "figures", "", None),
+           *sections_after]
     parts.append("<nav><strong>Contents:</strong> " + " · ".join(f'<a href="#{s.anchor}">{html.escape(s.title)}</a>' for s in toc) + "</nav>")
+    parts.append(header_html)  # the verdict first, then banners, engines, machine and provenance
     for section in sections_before:
         parts.append(_render_section(section))
     parts.append('<h2 id="figures">Figures</h2>')

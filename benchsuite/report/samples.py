@@ -26,8 +26,10 @@ def _clean(value: Any) -> Any:
 
 
 def _record(row: pd.Series) -> RequestRecord:
-    values = {c: _clean(row[c]) for c in REQUEST_COLUMNS if c not in ("chunk_times_s", "engine_timings")}
-    return RequestRecord(**values, chunk_times_s=list(row["chunk_times_s"]))
+    lists = ("chunk_times_s", "chunk_reads", "chunk_tokens")
+    values = {c: _clean(row[c]) for c in REQUEST_COLUMNS if c not in (*lists, "engine_timings")}
+    as_list = {c: [] if row[c] is None or (isinstance(row[c], float) and math.isnan(row[c])) else list(row[c]) for c in lists}
+    return RequestRecord(**values, **as_list)
 
 
 def _e2e_output_tok_s(record: RequestRecord) -> float | None:

@@ -2,9 +2,9 @@
 markdown and CSV is textout's and html's business).
 
 Every table keeps the cell ids its numbers come from, so any figure can be traced back to the raw
-rows. Ratios compare medians over repeats and carry a verdict: "significant" only when the two
-min..max spreads are disjoint, "not significant" when they overlap, "spread unknown" when either
-side has a single ok repeat.
+rows. Ratios compare repeats and carry a verdict from benchsuite.stats: the ratio of geometric means
+over ok repeats with its 95% interval, "significant" when that interval excludes 1, "not enough
+repeats" when a side has fewer than stats.MIN_REPEATS ok repeats.
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ from typing import Any
 
 import pandas as pd
 
+from benchsuite import stats
 from benchsuite.report.groups import Spread, is_synthetic, routing_label
+from benchsuite.report.noise import busy_cells, load_text
 
 LONG_PROMPT_PREFERENCE = "2048"
-SIGNIFICANT = "significant (spreads disjoint)"
-NOT_SIGNIFICANT = "not significant (spreads overlap)"
-SPREAD_UNKNOWN = "spread unknown (1 repeat)"
+SIGNIFICANT = stats.SIGNIFICANT
+NOT_SIGNIFICANT = stats.NOT_SIGNIFICANT
+SPREAD_UNKNOWN = stats.NOT_ENOUGH
 # Aggregate output tok/s is the published metric with several requests; per-request decode tok/s single-stream.
 SINGLE_STREAM_METRIC = "decode_tok_s_p50"
 MULTI_STREAM_METRIC = "output_tok_s"
@@ -29,10 +31,17 @@ def headline_metric(concurrency: int) -> str:
     return SINGLE_STREAM_METRIC if int(concurrency) == 1 else MULTI_STREAM_METRIC
 
 
+def ratio_estimate(numerator: Spread, denominator: Spread) -> stats.RatioEstimate | None:
+    """numerator / denominator over repeats (benchsuite.stats); None with too few repeats."""
+    return stats.ratio_estimate(numerator.values, denominator.values)
+
+
 def ratio_verdict(numerator: Spread, denominator: Spread) -> str:
-    if numerator.n < 2 or denominator.n < 2:
-        return SPREAD_UNKNOWN
-    return NOT_SIGNIFICANT if numerator.overlaps(denominator) else SIGNIFICANT
+    """'significant [lo–hi]', 'not significant [lo–hi]' or 'not enough repeats (...)'."""
+    estimate = ratio_estimate(numerator, denominator)
+    if estimate is None:
+        return stats.not_enough_text(len(numerator.values), len(denominator.values))
+    return f"{estimate.verdict()} {estimate.interval_text()}"
 
 
 def _batch_cap(k: Any, top_k: int | None) -> int | None:
@@ -57,6 +66,8 @@ def summary_table(groups: pd.DataFrame, top_k: int | None) -> pd.DataFrame:
             "concurrency": int(g["concurrency"]), "K": g["k"], "K_div_top_k": _batch_cap(g["k"], top_k),
             "repeats_ok": int(g["repeats_ok"]), "repeats_not_ok": int(g["repeats_not_ok"]),
             **_spread_cols("decode_tok_s", g["decode_tok_s_p50"]),
+            # the engine's own decode rate where it reports one (llama.cpp timings): a cross-check of ours
+            **_spread_cols("timings_decode_tok_s", g["timings_decode_tok_s_p50"]),
             **_spread_cols("output_tok_s", g["output_tok_s"]),
             **_spread_cols("ttft_p50_ms", g["ttft_p50_s"], 1000.0),
             "flags": " | ".join(g["flags"]), "cell_ids": " ".join(g["cell_ids"]),
@@ -81,7 +92,7 @@ def _best(candidates: pd.DataFrame, metric: str) -> pd.Series | None:
     return candidates.loc[max(scored)[1]]
 
 
-def _fits(row: pd.Series, cells: pd.DataFrame) -> bool:
+def fits(row: pd.Series, cells: pd.DataFrame) -> bool:
     """A llama.cpp configuration counts as a baseline unless one of its cells says it does not fit."""
     mine = cells[cells["cell_id"].isin(row["cell_ids"])]
     return not any(e.get("fits") is False for e in mine["extras"])
@@ -93,7 +104,7 @@ def baselines_for(groups: pd.DataFrame, cells: pd.DataFrame, paged: pd.Series) -
                         & (groups["prompt_class"] == paged["prompt_class"]) & (groups["concurrency"] == paged["concurrency"])]
     same_engine = same_setup[(same_setup["engine_kind"] == paged["engine_kind"]) & (same_setup["routing"] == paged["routing"])]
     llama = same_setup[same_setup["engine_kind"] == "llamacpp"]
-    llama = llama[[_fits(row, cells) for _, row in llama.iterrows()]] if len(llama) else llama
+    llama = llama[[fits(row, cells) for _, row in llama.iterrows()]] if len(llama) else llama
     metric = headline_metric(paged["concurrency"])
     return {
         "offload": _best(same_engine[same_engine["mode"] == "offload"], metric),
@@ -120,7 +131,8 @@ def ratio_table(groups: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame:
             row[f"{name}_config"] = "not run" if base is None else base["label"]
             row.update(_spread_cols(name, base_spread))
             if spread is not None and base_spread is not None and base_spread.median > 0:
-                row[f"paged_vs_{name}"] = spread.median / base_spread.median
+                estimate = ratio_estimate(spread, base_spread)
+                row[f"paged_vs_{name}"] = spread.median / base_spread.median if estimate is None else estimate.ratio
                 row[f"paged_vs_{name}_verdict"] = ratio_verdict(spread, base_spread)
             else:
                 row[f"paged_vs_{name}"] = None
@@ -206,14 +218,17 @@ def search_table(cells: pd.DataFrame) -> pd.DataFrame:
 
 RAW_COLUMNS: tuple[str, ...] = (
     "cell_id", "run_id", "engine", "engine_kind", "mode", "params", "workload", "prompt_class", "concurrency", "repeat",
-    "status", "reason", "routing", "num_requests", "num_errors", "decode_tok_s_p50", "output_tok_s", "ttft_p50_s",
-    "ttft_p90_s", "tpot_p50_s", "itl_p50_s", "miss_rate", "bytes_paged_per_token", "waves_per_step", "union_mean",
-    "usage_mismatches",
+    "status", "reason", "routing", "num_requests", "num_errors", "decode_tok_s_p50", "timings_decode_tok_s_p50",
+    "output_tok_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "itl_p50_s", "itl_per_token_p50_s", "tokens_per_chunk_mean",
+    "coalesced_gaps", "miss_rate", "bytes_paged_per_token", "waves_per_step", "union_mean", "usage_mismatches",
 )
 
 
 def raw_cells_table(cells: pd.DataFrame) -> pd.DataFrame:
-    """Every cell as stored, the table every figure links to."""
+    """Every cell as stored, the table every figure links to; `machine`: its load, clock and busy flag."""
+    busy = busy_cells(cells)
     out = cells.sort_values(["run_id", "engine", "mode", "prompt_class", "concurrency", "repeat"])[list(RAW_COLUMNS)].copy()
     out["params"] = [", ".join(f"{k}={v}" for k, v in sorted(p.items())) or "none" for p in out["params"]]
+    ordered = cells.loc[out.index]
+    out["machine"] = [("BUSY: " if i in busy else "") + load_text(e) for i, e in zip(ordered["cell_id"], ordered["extras"])]
     return out.reset_index(drop=True)

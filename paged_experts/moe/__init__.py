@@ -83,5 +83,5 @@ def make_layer(
     lru = None
     if runtime.plans_on_device:
         lru = DeviceLru(DeviceResidency(cfg.num_experts, k, device), overlap=runtime.overlap_page_in)
-    waves = HostWaves(LayerResidency(cfg.num_experts, k))
+    waves = HostWaves(LayerResidency(cfg.num_experts, k, prefill_keep=runtime.prefill_residency))
     return PagedLayer(layer_idx, router_weight, host, to_device_rows(host, k, device), shared, waves, lru)

@@ -12,8 +12,9 @@ Graphed decode (`graphs.py`) uses a second, device-only contract: `graphable`, `
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from paged_experts.counters import PagingCounters, TalliedCounters
 from paged_experts.device_residency import DeviceResidency
 from paged_experts.kernels.fused import experts_over_rows, route_logits
+from paged_experts.moe.streaming import StepStreams
 from paged_experts.moe.waves import EXPERT_KERNELS, FUSED, WaveKernel
 from paged_experts.store import ExpertTensors, PageInEngine
 
@@ -52,6 +54,7 @@ class MoeShared:
     counters: PagingCounters
     page_in: PageInEngine
     offload_buffer: ExpertTensors | None  # [E, ...] on the device, reused by every offloaded layer
+    steps: StepStreams = field(default_factory=StepStreams)  # the current step's start (paged layers' page-ins)
 
 
 class MoeLayer:
@@ -77,18 +80,23 @@ class MoeLayer:
         observers: Sequence[RoutingObserver],
     ) -> torch.Tensor:
         """x: [T, H] on the device -> [T, H]."""
+        sh = self.shared
+        sh.steps.enter(ctx, self.layer_idx, ctx.seq_ids, sh.device, sh.counters)  # the first layer of a step opens it
         ids_cpu = None
         if router_override is not None:
+            t0 = time.perf_counter()
             ids, weights = router_override(self.layer_idx, F.linear(x, self.router_weight), ctx)
             ids, weights, ids_cpu = self._check_override(ids, weights, x.shape[0])
+            if sh.steps.prefill:  # host time a synthetic router spends drawing (not paging's)
+                sh.counters.prefill_router(time.perf_counter() - t0)
         else:
             ids, weights = self.route_on_device(x)  # [T, k], [T, k]
         for fn in observers:
             fn(self.layer_idx, ids, weights, ctx)
-        return self.experts(x, ids, weights, ids_cpu)
+        return self.experts(x, ids, weights, ids_cpu, ctx)
 
     def experts(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ids_cpu: torch.Tensor | None
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ids_cpu: torch.Tensor | None, ctx: StepContext
     ) -> torch.Tensor:
         """The routed pairs' expert pass: x [T, H], ids/weights [T, k] (ids_cpu: a host copy when
         the override was checked) -> [T, H] on the device; counts the layer-step."""
@@ -196,21 +204,26 @@ class MoeLayer:
     def _check_override(
         self, ids: torch.Tensor, weights: torch.Tensor, num_tokens: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Checks an override's choice on a host copy (one sync), returned for the planner to reuse."""
+        """Checks an override's choice on a host copy, returned for the planner to reuse: ids the
+        override made on the host (a synthetic router's) are checked and sent to the device with no
+        host synchronization; ids on the device are read once (one sync)."""
         sh = self.shared
         expected = (num_tokens, sh.top_k)
         if tuple(ids.shape) != expected or tuple(weights.shape) != expected:
             raise ValueError(
                 f"router_override returned ids {tuple(ids.shape)} and weights {tuple(weights.shape)}; expected {expected}"
             )
-        ids = ids.to(torch.long)
-        ids_cpu = ids.to("cpu")  # [T, k]
+        ids_cpu = ids.to("cpu", torch.long)  # [T, k]
         if ids_cpu.numel() and (int(ids_cpu.min()) < 0 or int(ids_cpu.max()) >= sh.num_experts):
             raise ValueError(f"router_override returned expert ids outside [0, {sh.num_experts})")
-        for row in ids_cpu.tolist():
-            if len(set(row)) != len(row):
-                raise ValueError(f"router_override routed a token to the same expert twice: {row}")
-        return ids, weights.to(torch.float32), ids_cpu
+        ordered = ids_cpu.sort(dim=1).values  # [T, k]
+        twice = (ordered[:, 1:] == ordered[:, :-1]).any(dim=1)  # [T]
+        if bool(twice.any()):
+            row = ids_cpu[int(twice.nonzero()[0, 0])].tolist()
+            raise ValueError(f"router_override routed a token to the same expert twice: {row}")
+        if ids.device.type == "cpu" and sh.device.type == "cuda":
+            ids = ids_cpu.pin_memory().to(sh.device, non_blocking=True)  # pinned: queued, the host goes on
+        return ids.to(device=sh.device, dtype=torch.long), weights.to(torch.float32), ids_cpu
 
 
 _COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}

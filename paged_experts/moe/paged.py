@@ -12,10 +12,11 @@ import copy
 
 import torch
 
-from paged_experts.device_residency import DeviceResidency
+from paged_experts.device_residency import DeviceResidency, pull_many
 from paged_experts.kernels.fused import combine_pairs, experts_over_rows
-from paged_experts.moe.layer import BeforeCompute, ExpertsFn, MoeLayer, MoeShared, page_in_stream
+from paged_experts.moe.layer import BeforeCompute, ExpertsFn, MoeLayer, MoeShared, StepContext, page_in_stream
 from paged_experts.moe.planning import DeviceLru, HostWaves
+from paged_experts.moe.streaming import LayerCopies
 from paged_experts.residency import LayerResidency
 from paged_experts.store import ExpertTensors
 
@@ -38,6 +39,8 @@ class PagedLayer(MoeLayer):
         self.device_experts = slots  # [K, ...] on the device
         self.waves = waves
         self.device_lru = device_lru
+        if device_lru is not None:
+            shared.steps.device_planned.append(self)
 
     @property
     def residency(self) -> LayerResidency:
@@ -48,40 +51,40 @@ class PagedLayer(MoeLayer):
         return self.device_lru.residency if self.device_lru is not None else None
 
     def experts(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ids_cpu: torch.Tensor | None
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ids_cpu: torch.Tensor | None, ctx: StepContext
     ) -> torch.Tensor:
         lru, num_pairs = self.device_lru, ids.numel()
         if lru is None:
-            return self._host_planned(x, ids, weights, ids_cpu)
+            return self._host_planned(x, ids, weights, ids_cpu, ctx)
         if self.kernel.device_pass and lru.fits(num_pairs):
             out, stats = self.decode_pass(x, ids, weights, experts_over_rows, _nothing)
             assert stats is not None
             self.record_device(stats, num_pairs)
             return out
-        lru.pull_to(self.residency)
+        self._pull_stale_states()
         try:
-            return self._host_planned(x, ids, weights, ids_cpu)
+            return self._host_planned(x, ids, weights, ids_cpu, ctx)
         finally:
             lru.push_from(self.residency)
 
     def _host_planned(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ids_cpu: torch.Tensor | None
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ids_cpu: torch.Tensor | None, ctx: StepContext
     ) -> torch.Tensor:
         sh = self.shared
-        ids_cpu = ids.to("cpu", torch.long) if ids_cpu is None else ids_cpu  # [T, k]: the one sync per layer
-        run, n = self.waves.step(
-            self.kernel,
-            x,
-            ids_cpu,
-            self.host,
-            self.device_experts,
-            sh.page_in,
-            sh.counters,
-            self.layer_idx,
-            sh.expert_bytes,
-        )
+        ids_cpu = ids.to("cpu", torch.long) if ids_cpu is None else ids_cpu  # [T, k]: the one sync per layer, if any
+        stream = page_in_stream(sh.device)
+        copies = LayerCopies(sh.device, stream, sh.steps, sh.counters, self.layer_idx, sh.expert_bytes)
+        run, n = self.waves.step(self.kernel, x, ids_cpu, self.host, self.device_experts, sh.page_in, copies)
         self.record_host(union=n.union, routed_pairs=ids_cpu.numel(), hits=n.hits, misses=n.misses, waves=n.waves)
         return run.finish(weights).to(sh.device)
+
+    def _pull_stale_states(self) -> None:
+        """Before a host-planned step: every paged layer's device state the host has not seen, read
+        at once (all layers of a step plan alike, so the later ones need it too)."""
+        stale = [m for m in self.shared.steps.device_planned if m.device_lru.host_stale]
+        pull_many([(m.device_lru.residency, m.residency) for m in stale])
+        for m in stale:
+            m.device_lru.host_stale = False
 
     # ---- the graphed decode contract -----------------------------------------------------------
 
@@ -151,7 +154,8 @@ class PagedLayer(MoeLayer):
         """A copy of this layer's LRU state as the host planner's type (what the simulator replays)."""
         if self.device_lru is None:
             return copy.deepcopy(self.residency)
-        state = LayerResidency(self.shared.num_experts, self.device_lru.residency.num_slots)
+        k, keep = self.device_lru.residency.num_slots, self.residency.prefill_keep
+        state = LayerResidency(self.shared.num_experts, k, prefill_keep=keep)
         self.device_lru.residency.pull_to(state)
         return state
 

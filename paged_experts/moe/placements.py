@@ -9,7 +9,13 @@ from typing import ClassVar
 
 import torch
 
-from paged_experts.moe.layer import BeforeCompute, ExpertsFn, MoeLayer, MoeShared
+from paged_experts.moe.layer import (
+    BeforeCompute,
+    ExpertsFn,
+    MoeLayer,
+    MoeShared,
+    StepContext,
+)
 from paged_experts.store import ExpertTensors
 
 
@@ -22,7 +28,7 @@ class _TableLayer(MoeLayer):
         raise NotImplementedError
 
     def experts(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ids_cpu: torch.Tensor | None
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ids_cpu: torch.Tensor | None, ctx: StepContext
     ) -> torch.Tensor:
         table = self.table()
         num_pairs = ids.numel()
@@ -91,7 +97,7 @@ class CpuLayer(MoeLayer):
     placement = "cpu"
 
     def experts(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ids_cpu: torch.Tensor | None
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ids_cpu: torch.Tensor | None, ctx: StepContext
     ) -> torch.Tensor:
         ids_cpu = ids.to("cpu", torch.long) if ids_cpu is None else ids_cpu  # [T, k]
         out, union = self.host_pass(x, ids_cpu, weights, self.host, torch.device("cpu"))

@@ -1,9 +1,10 @@
 """How a paged layer plans its steps: the two strategies a `PagedLayer` is given.
 
 - `HostWaves`: the host LRU planner (`residency.LayerResidency`, the simulator's own code) splits a
-  step into waves of at most K distinct experts; each wave pages in its misses from the host store
-  (`PageInEngine`), then the layer's kernel computes that wave's pairs. Any step size (prefill,
-  large batches); one host read of the routed ids per layer-step.
+  step into waves (one when its union fits K; pipelined waves of (K - protected) // 2 otherwise);
+  each wave pages in its misses from the host store (`PageInEngine`) on the page-in stream
+  (`streaming.LayerCopies`), then the layer's kernel computes that wave's pairs once they landed.
+  Any step size (prefill, large batches); at most one host read of the routed ids per layer-step.
 - `DeviceLru`: one-wave steps (tokens x top_k <= K) planned on the device (`DeviceResidency`), paged
   in by `copy_kernel.copy_planned`, with no host synchronization (CUDA-graph capturable); optional
   overlap (hits compute while misses copy) and next-layer prefetch. Shares its state with the
@@ -16,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_experts.counters import PagingCounters
 from paged_experts.device_residency import DevicePlan, DeviceResidency
 from paged_experts.kernels.copy_kernel import copy_planned
 from paged_experts.kernels.fused import group_pairs, run_pairs
+from paged_experts.moe.streaming import LayerCopies
 from paged_experts.moe.waves import WaveKernel, WavePass
 from paged_experts.residency import LayerResidency
 from paged_experts.store import ExpertTensors, PageInEngine
@@ -47,17 +48,18 @@ class HostWaves:
         host: ExpertTensors,
         slots: ExpertTensors,
         page_in: PageInEngine,
-        counters: PagingCounters,
-        layer: int,
-        expert_bytes: int,
+        copies: LayerCopies,
     ) -> tuple[WavePass, StepCounts]:
-        """x [T, H] on the slots' device, ids_cpu [T, k] -> (the pass with every wave run: `finish`
-        gives [T, H]; the step's counts); each wave's copies are counted as they are issued."""
+        """x [T, H] on the slots' device, ids_cpu [T, k] -> (the pass with every wave issued: `finish`
+        gives [T, H]; the step's counts). Each wave's page-ins are stream-ordered by `copies` (on
+        the page-in stream while earlier waves compute; inline on the CPU) and counted there."""
         plan = self.residency.plan_step(ids_cpu.reshape(-1).tolist())
         run = kernel.begin(x, ids_cpu, self.residency.num_experts, slots.gate.device)
         for wave in plan.waves:
-            page_in.copy_rows(host, slots, wave.page_ins, counters, layer, expert_bytes)
+            copies.page_in(wave, lambda pairs: page_in.copy_rows(host, slots, pairs))
             run.wave(slots, wave.experts, wave.slots)
+            copies.computed(wave)
+        copies.finish(len(plan.waves), plan.hits, plan.misses)
         return run, StepCounts(plan.union, plan.hits, plan.misses, len(plan.waves))
 
 
@@ -158,12 +160,6 @@ class DeviceLru:
             order, offs, _ = group_pairs(rows_of, k + 1)  # the dummy row k collects the other pass
             run_pairs(x, slots, order, offs[:k], top_k, y)
         return torch.where(plan.pair_missed[:, None], y_miss, y_hit)
-
-    def pull_to(self, residency: LayerResidency) -> None:
-        """Before a host-planned step: the host planner takes the device state if it moved."""
-        if self.host_stale:
-            self.residency.pull_to(residency)
-            self.host_stale = False
 
     def push_from(self, residency: LayerResidency) -> None:
         self.residency.push_from(residency)

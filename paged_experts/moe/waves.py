@@ -16,10 +16,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from paged_experts.experts import build_dispatch, combine, run_experts
-from paged_experts.kernels.fused import combine_pairs, group_pairs, run_pairs
+from paged_experts.kernels.fused import combine_pairs, run_pairs
 from paged_experts.store import ExpertTensors
 
 
@@ -45,31 +46,40 @@ class WaveKernel(Protocol):
 class _FusedPass:
     def __init__(self, x: torch.Tensor, ids_cpu: torch.Tensor, num_experts: int, device: torch.device) -> None:
         self.x = x.to(device)  # [T, H]
-        self.flat = ids_cpu.reshape(-1).to(torch.long)  # [T*k] on the host
+        flat = ids_cpu.reshape(-1).to(torch.long)  # [T*k] on the host
         self.top_k = ids_cpu.shape[1]
-        self.num_experts = num_experts
         self.device = device
-        self.y_pairs = self.x.new_empty(self.flat.numel(), self.x.shape[1])  # [T*k, H]
+        self.y_pairs = self.x.new_empty(flat.numel(), self.x.shape[1])  # [T*k, H]
+        # Once per pass, so a wave costs the host O(its pairs), not O(T*k): pairs sorted by expert
+        # (stable: each expert's pairs in increasing pair order, as one grouped pass would take them).
+        self.by_expert = torch.sort(flat, stable=True).indices.numpy()  # [T*k]
+        self.count = torch.zeros(num_experts, dtype=torch.long).scatter_add_(0, flat, torch.ones_like(flat))  # [E]
+        self.first = torch.cumsum(self.count, 0) - self.count  # [E] start of each expert's pairs in by_expert
 
     def wave(self, table: ExpertTensors, experts: Sequence[int], rows: Sequence[int]) -> None:
-        slot_of = torch.full((self.num_experts,), -1, dtype=torch.long)  # [E]
         rows_t = torch.tensor(rows, dtype=torch.long)  # [n]
         if table.is_fp8:  # dequantize only this wave's experts: a compact table, row i = rows[i]
-            table = table.dense(self.x.dtype, rows_t.to(table.gate.device))
+            table = table.dense(self.x.dtype, _to_device(rows_t, table.gate.device))
             rows_t = torch.arange(len(rows), dtype=torch.long)
-        slot_of[torch.tensor(experts, dtype=torch.long)] = rows_t
-        pair_row = slot_of[self.flat]  # [T*k], -1 for pairs of other waves
-        mine = torch.nonzero(pair_row >= 0).reshape(-1)  # [P_w]
-        sub_order, offs, _ = group_pairs(pair_row[mine], table.num_rows)
-        packed = torch.cat([mine[sub_order], offs.to(torch.long)])  # [P_w + rows]
-        if self.device.type == "cuda":  # pinned + non_blocking: no second sync (the caching host
-            packed = packed.pin_memory()  # allocator keeps the block until the copy has run)
-        packed = packed.to(self.device, non_blocking=True)
-        order, offs_dev = packed[: mine.numel()], packed[mine.numel() :].to(torch.int32)
-        run_pairs(self.x, table, order, offs_dev, self.top_k, self.y_pairs)
+        experts_t = torch.tensor(experts, dtype=torch.long)  # [n]
+        by_row = torch.sort(rows_t).indices  # [n]: the wave's experts in row order
+        first, count = self.first[experts_t[by_row]].tolist(), self.count[experts_t[by_row]].tolist()
+        order = torch.from_numpy(np.concatenate([self.by_expert[f : f + c] for f, c in zip(first, count)]))  # [P_w]
+        per_row = torch.zeros(table.num_rows, dtype=torch.long).index_copy_(0, rows_t, self.count[experts_t])  # [rows]
+        packed = _to_device(torch.cat([order, torch.cumsum(per_row, 0)]), self.device)  # [P_w + rows]
+        order_dev, offs_dev = packed[: order.numel()], packed[order.numel() :].to(torch.int32)
+        run_pairs(self.x, table, order_dev, offs_dev, self.top_k, self.y_pairs)
 
     def finish(self, weights: torch.Tensor) -> torch.Tensor:
         return combine_pairs(self.y_pairs, weights)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor sent without blocking the host: pinned first on CUDA (the caching host allocator
+    keeps the block until the copy has run); a plain copy blocks the host until the stream drains."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 class _LoopPass:

@@ -25,6 +25,7 @@ from paged_experts.server.text import TextCodec
 from paged_experts.config import MoeModelConfig
 from paged_experts.server.engine import Engine, EngineConfig
 from paged_experts.kernels.fused import EXPERT_BACKENDS, set_expert_backend
+from paged_experts.residency import DEFAULT_PREFILL_KEEP, PREFILL_KEEP
 from paged_experts.runtime import MODES, RuntimeConfig
 
 KV_BLOCK_TOKENS = 16
@@ -52,6 +53,7 @@ class ServeConfig:
     enable_torch_compile: bool = False  # torch.compile the per-layer blocks of the captured decode step
     kernel_backend: str = "grouped"  # or "triton": fused.set_expert_backend (routing, experts, decode attention)
     prefetch_next_layer: bool = False  # captured paged decode steps page in the next layer's predicted experts ahead
+    prefill_residency: str | None = None  # paged: what a prefill chunk leaves in the slots (None: residency default)
     expert_kernel: str = "fused"
     overlap_schedule: bool = True  # launch a greedy decode step before reading the previous one's tokens
     log_level: str = "info"
@@ -74,6 +76,7 @@ class ServeConfig:
             device=self.device,
             dtype=dtype,
             prefetch_next_layer=self.prefetch_next_layer,
+            prefill_residency=self.prefill_residency or DEFAULT_PREFILL_KEEP,
         )
         runtime.validate_for(model)
         return runtime
@@ -113,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="in captured paged decode steps, apply each layer's router to the previous layer's residual "
                         "stream and page the predicted experts in on a second stream while that layer computes "
                         "(mode paged, --device cuda, needs --cuda-graph-max-bs; counted as experts_prefetched_total)")
+    p.add_argument("--prefill-residency", choices=PREFILL_KEEP,
+                   help=f"mode paged: what a prefill chunk (a step routing to more than K experts) leaves in the "
+                        f"slots: recent = the experts of the chunk's last tokens, frequent = its most-routed ones, "
+                        f"lru = the last waves' misses (default {DEFAULT_PREFILL_KEEP}; see docs/prefill.md)")
     p.add_argument("--expert-kernel", choices=("fused", "loop"), default="fused",
                    help="grouped matmuls over the slot table (fused) or the per-expert reference loop")
     p.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_false",
@@ -144,6 +151,8 @@ def parse_args(argv: Sequence[str]) -> ServeConfig:
         implied = [m for m, v in (("paged", ns.resident_experts), ("offload", ns.offload_layers),
                                   ("cpu-experts", ns.n_cpu_moe)) if v is not None]  # fmt: skip
         ns.mode = implied[0] if len(implied) == 1 else "resident"
+    if ns.prefill_residency is not None and ns.mode != "paged":
+        parser.error(f"--prefill-residency applies to mode paged, not {ns.mode}")
     config = ServeConfig(**vars(ns))
     try:
         # mode / K / layer flags are checked now; checks against the model's shape come at load
@@ -155,6 +164,7 @@ def parse_args(argv: Sequence[str]) -> ServeConfig:
             device=config.device,
             dtype=config.dtype or "float32",
             prefetch_next_layer=config.prefetch_next_layer,
+            prefill_residency=config.prefill_residency or DEFAULT_PREFILL_KEEP,
         )
     except ValueError as exc:
         parser.error(_flag_names(str(exc)))

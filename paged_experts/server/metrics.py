@@ -7,7 +7,9 @@ Definitions (times are the engine clock, `time.perf_counter`):
 - e2e_request_latency_seconds = finish - arrival, for requests that ended by stop or length;
 - generation_tokens_total counts tokens actually generated (aborted requests included).
 Paging counters are the runtime's own (`paged_experts.counters`), cumulative since start: the
-server never resets them, so they stay monotonic. Per-layer hits/misses are separate metric
+server never resets them, so they stay monotonic. `prefill_*` counters cover the paged layers'
+host-planned layer-steps of steps with a prompt chunk (page-in bytes and copy time, the steps' span
+on the device, waves, hits and misses: `counters.PrefillCounts`). Per-layer hits/misses are separate metric
 names (`layer_expert_hits_total{layer=...}`) so summing a metric never double counts.
 
 The exposition is prometheus_client's (one private registry per server): request counters and
@@ -55,6 +57,21 @@ PAGING_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("waves_total", "waves", "Expert compute waves"),
     ("moe_steps_total", "steps", "MoE layer-steps"),
     ("union_experts_total", "union_sum", "Per layer-step union of routed experts, summed"),
+)
+
+# (metric suffix, PrefillCounts field, help text): prefill steps' page-in (paged_experts.counters)
+PREFILL_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("prefill_steps_total", "steps", "Engine steps with a prompt chunk"),
+    ("prefill_chunks_total", "chunks", "Prompt chunks of those steps"),
+    ("prefill_tokens_total", "tokens", "Tokens of those chunks"),
+    ("prefill_router_seconds_total", "router_s", "Host time in a synthetic router override during those steps"),
+    ("prefill_layer_steps_total", "layer_steps", "Host-planned paged layer-steps of those steps"),
+    ("prefill_expert_hits_total", "hits", "Expert hits of those layer-steps"),
+    ("prefill_expert_misses_total", "misses", "Expert misses of those layer-steps"),
+    ("prefill_bytes_paged_total", "bytes_paged_in", "Expert bytes paged in by those layer-steps"),
+    ("prefill_copy_seconds_total", "copy_time_s", "Time the page-in copies of those steps took"),
+    ("prefill_span_seconds_total", "span_s", "Per step, first paged layer start to last wave end, summed"),
+    ("prefill_waves_total", "waves", "Waves of those layer-steps"),
 )
 
 # No `<name>_created` timestamp series beside each counter and histogram: the scrape keeps the
@@ -136,6 +153,8 @@ def _paging_families(counters: Any) -> Iterator[Metric]:
     p, total = PREFIX, counters.total
     for suffix, attr, help_text in PAGING_COUNTERS:
         yield CounterMetricFamily(p + suffix, help_text, value=getattr(total, attr))
+    for suffix, attr, help_text in PREFILL_COUNTERS:
+        yield CounterMetricFamily(p + suffix, help_text, value=getattr(counters.prefill, attr))
     yield GaugeMetricFamily(p + "union_experts_max", "Largest per layer-step union of routed experts", total.union_max)
     for suffix, attr in (("layer_expert_hits_total", "hits"), ("layer_expert_misses_total", "misses")):
         family = CounterMetricFamily(p + suffix, f"Per-layer {attr}", labels=["layer"])

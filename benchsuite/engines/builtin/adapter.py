@@ -26,6 +26,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from benchsuite.engines import RUN_DIR_PLACEHOLDER
 from benchsuite.engines.base import EngineConfigError, EngineOptions, LaunchPlan, Placement, ServerSpec, options_of
 from benchsuite.metrics import scrape_prometheus
+from paged_experts.residency import DEFAULT_PREFILL_KEEP, PREFILL_KEEP
 
 _MODE_OPTION = {"paged": "resident_experts", "offload": "offload_layers", "cpu-experts": "n_cpu_moe"}
 GRAPHABLE_MODES = ("resident", "paged")  # modes whose decode step the server can capture as a CUDA graph
@@ -52,6 +53,8 @@ class BuiltinOptions(EngineOptions):
     prefetch_next_layer: bool = False  # paged: page in the next layer's predicted experts (measured: off)
     expert_kernel: Literal["fused", "loop"] = "fused"  # grouped matmuls, or the per-expert reference loop
     overlap_schedule: bool = True  # launch a greedy decode step before the previous one's tokens are read
+    # Paged: what a prefill chunk leaves in the slots (paged_experts.residency.PREFILL_KEEP); None = its default.
+    prefill_residency: str | None = None
 
     @field_validator("cuda_graph_max_bs", "torch_compile", "kernel_backend")
     @classmethod
@@ -75,6 +78,21 @@ class BuiltinOptions(EngineOptions):
         if value and info.data.get("cuda_graph_max_bs") == 0:
             raise ValueError("true runs inside the captured decode step: it needs cuda_graph_max_bs > 0")
         return value
+
+    @field_validator("prefill_residency")
+    @classmethod
+    def _prefill_residency(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return value
+        if value not in PREFILL_KEEP:
+            raise ValueError(f"{value!r} is not one of {', '.join(PREFILL_KEEP)}")
+        if info.data.get("mode") != "paged":
+            raise ValueError(f"{value!r} applies to mode paged, not {info.data.get('mode')}")
+        return value
+
+    def resolved_prefill_residency(self) -> str | None:
+        """The policy in force on a paged server (None for other modes)."""
+        return (self.prefill_residency or DEFAULT_PREFILL_KEEP) if self.mode == "paged" else None
 
     def graphs_max_bs(self, max_concurrency: int) -> int:
         """The decode graphs' largest batch: the option, or by default every batch the server runs."""
@@ -184,6 +202,8 @@ class BuiltinAdapter:
             argv += ["--routing-source", opts.routing, "--routing-seed", str(opts.routing_seed)]
         if opts.record_routing:
             argv += ["--record-routing", f"{RUN_DIR_PLACEHOLDER}/routing/{spec.server_id}.trace"]
+        if opts.mode == "paged":
+            argv += ["--prefill-residency", str(opts.resolved_prefill_residency())]
         argv += _performance_flags(opts.performance(spec.max_concurrency))
         argv += ["--served-model-name", opts.model]  # what the runner's requests name (404 for another name)
         # The tiny model on 2 CPU cores starts in seconds; a real checkpoint may take minutes.
@@ -192,7 +212,8 @@ class BuiltinAdapter:
     def resolved_options(self, spec: ServerSpec) -> dict[str, Any]:
         """The options in force, defaults resolved (the performance ones depend on device and mode)."""
         opts = self._options(spec)
-        return {**opts.model_dump(mode="json"), **opts.performance(spec.max_concurrency)}
+        resolved = {"prefill_residency": opts.resolved_prefill_residency()}
+        return {**opts.model_dump(mode="json"), **resolved, **opts.performance(spec.max_concurrency)}
 
     async def startup_facts(self, session: Any, base_url: str) -> dict[str, Any]:
         """The server's own start-up breakdown (load, graph capture, eager warm-up) and its graphs."""

@@ -201,6 +201,11 @@ class LlamaCppAdapter:
         """Before a launch (not a dry run): export the GGUF the command line names, if needed."""
         self.model_path(spec, export=True)
 
+    def gguf_file(self, spec: ServerSpec) -> Path | None:
+        """The GGUF file the model option names (None for a checkpoint directory or `tiny`): dataset `random` reads its vocabulary."""
+        path = Path(self._options(spec).model).expanduser()
+        return path if path.is_file() else None
+
     def tokenizer_dir(self, spec: ServerSpec) -> Path:
         """The HF tokenizer for exact-length prompts (the checkpoint the GGUF came from)."""
         opts = self._options(spec)

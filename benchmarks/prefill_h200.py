@@ -1,0 +1,267 @@
+"""Paged prefill against its page-in floor, in process, on the 48-layer Qwen3-30B-A3B-shaped model.
+
+One process, one pinned host store (`paged_experts.synth_memory`, seeded bf16 weights) shared by
+every cell. Per cell (mode, K, routing, prefill residency policy, page-in path): one warm-up prompt,
+then `--repeats` prompts of `--prompt` tokens (fresh random token ids, one engine step each, the
+model's state carried from one to the next as in a server), each followed by `--decode` eager decode
+steps. Per prompt, from `torch.cuda.synchronize()` to `torch.cuda.synchronize()`:
+
+    prefill_s                    the step's wall time (what TTFT adds over HTTP and sampling)
+    floor_s = prefill bytes / link      link = `benchsuite linkbw`'s paging figure, measured here
+    of_floor = prefill_s / floor_s      (the issue's target: <= 1.3 at K = 16, 32, 64)
+    paging_of_floor = (prefill_s - router_s) / floor_s      (without the synthetic router's host time)
+    copy_busy = page-in copy time / the step's device span (the runtime's prefill counters)
+    router_s = host time in the synthetic router (the measurement's cost; resident pays it too)
+    decode hit rate = hits / (hits + misses) of the decode steps after the prompt (what the prefill
+                      residency policy left behind)
+
+Page-in paths: `streamed` (the runtime: page-ins on the page-in stream, overlapped with the waves'
+compute) and `serial` (the same plan with the page-in stream taken away, so copies queue on the
+compute stream behind each wave: the comparison that shows what the overlap buys).
+
+    python benchmarks/prefill_h200.py --out prefill.json            # ~6 min on one H200
+    python benchmarks/prefill_h200.py --out p.json --preset tiny --layers 4 --device cpu --ks 8   # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import paged_experts.moe.paged as paged_module
+from paged_experts import synth_memory
+from paged_experts.kv import KvPool
+from paged_experts.model import MoeCausalLM, SeqChunk
+from paged_experts.routing import make_router
+from paged_experts.runtime import RuntimeConfig
+
+SCHEMA_VERSION = 1
+PATHS = ("streamed", "serial")
+
+
+@dataclass(frozen=True)
+class Cell:
+    mode: str  # "resident" | "paged"
+    k: int | None
+    routing: str  # "model" or a synthetic routing spec
+    keep: str | None  # prefill residency policy (paged)
+    path: str  # "streamed" | "serial" (paged)
+
+    @property
+    def name(self) -> str:
+        if self.mode == "resident":
+            return f"resident/{self.routing}"
+        return f"paged:{self.k}/{self.routing}/{self.keep}/{self.path}"
+
+
+def plan_cells(ks: list[int], routings: list[str], keeps: list[str], paths: list[str]) -> list[Cell]:
+    """Most important first (a --deadline-s cut drops the tail): the first routing's resident and
+    streamed cells with the first policy, then the other policies, then the serial path, then the
+    other routings."""
+    cells: list[Cell] = []
+    for routing in routings:
+        cells.append(Cell("resident", None, routing, None, "streamed"))
+        cells += [Cell("paged", k, routing, keeps[0], paths[0]) for k in ks]
+        cells += [Cell("paged", k, routing, keep, paths[0]) for keep in keeps[1:] for k in ks]
+        cells += [Cell("paged", k, routing, keeps[0], path) for path in paths[1:] for k in ks]
+    return cells
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_link(device: str) -> dict[str, Any]:
+    """`benchsuite linkbw`'s paging figure (pinned H2D, back-to-back expert-sized copies), measured now."""
+    if device != "cuda":
+        return {"error": "no CUDA device: no link figure, no floor"}
+    from benchsuite.linkbw import LinkPlan, measure
+
+    report = measure(LinkPlan(pageable=False, d2h=False))
+    return {"paging_gb_per_s": report.paging_gb_per_s, "report": report.to_dict()}
+
+
+def build(cell: Cell, args: argparse.Namespace) -> MoeCausalLM:
+    if cell.mode == "resident":
+        rt = RuntimeConfig(mode="resident", device=args.device, dtype=args.dtype)
+    else:
+        rt = RuntimeConfig(mode="paged", resident_experts=cell.k, device=args.device, dtype=args.dtype,
+                           prefill_residency=cell.keep or "recent")  # fmt: skip
+    model = MoeCausalLM.synthetic(args.preset, rt, layers=args.layers, seed=args.seed)
+    model.router_override = None if cell.routing == "model" else make_router(cell.routing, model.config, args.seed)
+    return model
+
+
+def one_prompt(model: MoeCausalLM, pool: KvPool, prompt: list[int], decode: int, device: str) -> dict[str, Any]:
+    """Prefill `prompt` in one step, then `decode` greedy steps; the figures of both."""
+    seq = pool.new_sequence()
+    try:
+        model.counters.reset()
+        sync(device)
+        t0 = time.perf_counter()
+        token = int(model.run_step([SeqChunk(seq, prompt, 0)]).greedy[0])  # the first token on the host
+        prefill_s = time.perf_counter() - t0
+        snap = model.counters.snapshot()
+        t1 = time.perf_counter()
+        for i in range(decode):
+            token = int(model.run_step([SeqChunk(seq, [token], len(prompt) + i)]).greedy[0])
+        sync(device)
+        decode_s = time.perf_counter() - t1
+        after = model.counters.snapshot()  # counters of the decode steps only (reset after the prefill read)
+    finally:
+        pool.free(seq)
+    p, d = snap.prefill, after.total
+    return {
+        "prefill_s": prefill_s,
+        "prefill": p.to_dict(),
+        "union_mean": snap.total.union_sum / max(1, snap.total.steps),
+        "decode_s": decode_s,
+        "decode_hits": d.hits - snap.total.hits,
+        "decode_misses": d.misses - snap.total.misses,
+    }
+
+
+def run_cell(cell: Cell, args: argparse.Namespace, link_b_per_s: float | None) -> dict[str, Any]:
+    if cell.path == "serial":
+        paged_module.page_in_stream = lambda device: None  # type: ignore[assignment]  # copies on the compute stream
+    try:
+        t0 = time.perf_counter()
+        model = build(cell, args)
+        build_s = time.perf_counter() - t0
+        vocab = model.config.vocab_size
+        gen = torch.Generator().manual_seed(args.seed)
+        prompts = [torch.randint(0, vocab, (args.prompt,), generator=gen).tolist() for _ in range(args.repeats + 1)]
+        pool = KvPool.for_model(model, capacity_tokens=256 * -(-(args.prompt + args.decode + 1) // 256))  # whole blocks
+        runs = [one_prompt(model, pool, p, args.decode, args.device) for p in prompts]
+    finally:
+        paged_module.page_in_stream = _PAGE_IN_STREAM
+    measured = runs[1:]  # the first prompt warms the kernels up
+    prefill_s = statistics.median(r["prefill_s"] for r in measured)
+    bytes_paged = statistics.median(r["prefill"]["bytes_paged_in"] for r in measured)
+    hits, misses = sum(r["decode_hits"] for r in measured), sum(r["decode_misses"] for r in measured)
+    floor_s = bytes_paged / link_b_per_s if link_b_per_s and bytes_paged else None
+    router_s = statistics.median(r["prefill"]["router_s"] for r in measured)
+    copy_busy = [r["prefill"]["copy_busy_fraction"] or 0.0 for r in measured]
+    return {
+        **asdict(cell),
+        "cell": cell.name,
+        "build_s": build_s,
+        "prefill_s": prefill_s,
+        "prefill_bytes": bytes_paged,
+        "floor_s": floor_s,
+        "of_floor": prefill_s / floor_s if floor_s else None,
+        "copy_busy": statistics.median(copy_busy) if cell.mode == "paged" else None,
+        "waves_per_layer": statistics.median(
+            r["prefill"]["waves"] / max(1, r["prefill"]["layer_steps"]) for r in measured
+        ),
+        "router_s": router_s,
+        "paging_of_floor": (prefill_s - router_s) / floor_s if floor_s else None,
+        "decode_hit_rate": hits / (hits + misses) if hits + misses else None,
+        "decode_tok_s_eager": args.decode * len(measured) / sum(r["decode_s"] for r in measured)
+        if args.decode
+        else None,
+        "runs": runs,
+    }
+
+
+_PAGE_IN_STREAM = paged_module.page_in_stream
+
+
+def provenance() -> dict[str, Any]:
+    from benchsuite.machine import git_facts
+
+    git = git_facts()
+    return {
+        "git_commit": git["commit"], "git_dirty": git["dirty"], "git_tree": git["tree"], "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
+    }  # fmt: skip
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return format(value, spec) if value is not None else "-"
+
+
+def render(record: dict[str, Any]) -> str:
+    link = record["link"].get("paging_gb_per_s")
+    lines = [f"link (paging figure): {f'{link:.1f} GB/s' if link else record['link'].get('error')}",
+             (f"{'cell':<40} {'prefill s':>9} {'GB':>6} {'floor s':>8} {'/floor':>7} {'busy':>5} {'waves/L':>7}"
+              f" {'router s':>8} {'-router':>7} {'dec hit':>7}")]  # fmt: skip
+    for c in record["cells"]:
+        if "error" in c:
+            lines.append(f"{c['cell']:<40} {c['error']}")
+            continue
+        figures = (
+            f"{c['prefill_s']:>9.3f} {c['prefill_bytes'] / 1e9:>6.1f} {_fmt(c['floor_s'], '8.3f'):>8}",
+            f"{_fmt(c['of_floor'], '7.2f'):>7} {_fmt(c['copy_busy'], '5.2f'):>5} {c['waves_per_layer']:>7.1f}",
+            f"{c['router_s']:>8.3f} {_fmt(c['paging_of_floor'], '7.2f'):>7} {_fmt(c['decode_hit_rate'], '7.3f'):>7}",
+        )
+        lines.append(f"{c['cell']:<40} " + " ".join(figures))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="JSON record (a .txt table is written beside it)")
+    ap.add_argument("--preset", default="qwen3-30b-a3b-shape")
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--ks", default="16,32,64")
+    ap.add_argument("--routings", default="qwen3-30b-a3b,model", help="'model' and/or paged_experts.routing specs")
+    ap.add_argument("--keeps", default="recent,lru", help="prefill residency policies (the first is the default path)")
+    ap.add_argument("--paths", default="streamed,serial", help=f"page-in paths: {', '.join(PATHS)}")
+    ap.add_argument("--prompt", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=3, help="measured prompts per cell (after one warm-up prompt)")
+    ap.add_argument("--decode", type=int, default=32, help="decode steps after each prompt")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--deadline-s", type=float, default=540.0, help="start no new cell after this many seconds")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    paths = [p for p in args.paths.split(",") if p]
+    if [p for p in paths if p not in PATHS]:
+        ap.error(f"--paths: choose from {PATHS}")
+    record: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION, "benchmark": "prefill_h200",
+        "command": ["python", "benchmarks/prefill_h200.py", *(sys.argv[1:] if argv is None else argv)],
+        "model": f"synth:{args.preset}?layers={args.layers}&seed={args.seed} (in-memory random weights)",
+        "provenance": provenance(), "cells": [],
+    }  # fmt: skip
+    cfg = synth_memory.config_for(synth_memory.SynthSpec(args.preset, args.layers, args.seed))
+    t0 = time.perf_counter()
+    synth_memory.host_weights(cfg, getattr(torch, args.dtype), args.seed, torch.device(args.device))
+    record["host_store_build_s"] = time.perf_counter() - t0
+    record["link"] = measure_link(args.device)
+    link = record["link"].get("paging_gb_per_s")
+    link_b_per_s = link * 1e9 if link else None
+    cells = plan_cells(
+        [int(k) for k in args.ks.split(",") if k], args.routings.split(","), args.keeps.split(","), paths
+    )
+    txt = args.out.with_suffix(".txt")
+    for cell in cells:
+        if time.perf_counter() - t_start > args.deadline_s:
+            record["cells"].append({**asdict(cell), "cell": cell.name, "error": "skipped: --deadline-s"})
+            continue
+        try:
+            record["cells"].append(run_cell(cell, args, link_b_per_s))
+        except Exception as exc:  # noqa: BLE001 - a failed cell is recorded, the rest still run
+            record["cells"].append({**asdict(cell), "cell": cell.name, "error": repr(exc)})
+        args.out.write_text(json.dumps(record, indent=2, default=str))
+        txt.write_text(render(record) + "\n")
+        print(render(record).splitlines()[-1], flush=True)
+    print(render(record))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

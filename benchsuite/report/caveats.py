@@ -1,0 +1,86 @@
+"""The caveats that change how a verdict reads, stated beside it (not at the bottom of the page):
+
+- device cpu: the built-in engine's paging and offload on a CPU copy experts within host RAM (no
+  PCIe link), and llama.cpp without a GPU computes everything on the CPU: the ranking says nothing
+  about a GPU;
+- random-weight model (the generated `tiny`, `synth:` presets, weightless checkpoints, checkpoints
+  under benchsuite's model cache): its router routes near-uniformly, so there is little expert reuse for paging to exploit;
+- synthetic routing: the cells' routing came from a generator, not the model's router;
+- bytes per expert that differ between engines (float32 vs bf16 vs a GGUF quantization): a faster
+  engine may only be moving fewer bytes;
+- a busy machine (benchsuite.report.noise) and a client that could not keep up (metrics' client_flag).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import pandas as pd
+
+from benchsuite.manifest import ServerRecord
+from benchsuite.report.groups import is_synthetic
+from benchsuite.report.noise import busy_cells
+
+_GENERATED_MODELS = ("tiny",)
+_CACHE_MARK = "/.cache/benchsuite/models/"
+
+
+_WEIGHTLESS_MARKER = "synthetic_weights.json"  # paged_experts.synth_memory.write_weightless: weights built at load
+
+
+def _random_weights(model: str) -> bool:
+    path = Path(model).expanduser()
+    return (model in _GENERATED_MODELS or model.startswith("synth:") or _CACHE_MARK in str(path)
+            or (path / _WEIGHTLESS_MARKER).is_file())
+
+
+def expert_format(server: ServerRecord) -> str | None:
+    """How one server stores expert weights, as named by its options; None when unknown."""
+    options, kind = server.options, server.kind
+    if kind == "builtin":
+        return str(options.get("dtype") or ("float32" if options.get("model", "tiny") == "tiny" else "checkpoint dtype"))
+    if kind == "llamacpp":
+        model = str(options.get("model", "tiny"))
+        return f"GGUF {Path(model).name}" if model.lower().endswith(".gguf") else str(options.get("gguf_type") or "f32")
+    if kind == "sglang":
+        return str(options.get("quantization") or "checkpoint dtype")
+    return None
+
+
+def _on_cpu(server: ServerRecord, has_gpu: bool) -> bool:
+    options = server.options
+    if server.kind == "builtin":
+        return str(options.get("device", "cpu")) == "cpu"
+    return not has_gpu
+
+
+def setup_caveats(cells: pd.DataFrame, servers: Mapping[str, ServerRecord], has_gpu: bool) -> list[str]:
+    """The caveats of one setup's cells; `servers`: server_id -> manifest server record."""
+    mine = [servers.get(str(s)) or ServerRecord() for s in dict.fromkeys(cells["server_id"])]
+    out: list[str] = []
+    if any(_on_cpu(s, has_gpu) for s in mine):
+        out.append("Device CPU: paging and offload here copy experts within host RAM, not over a PCIe link, so this "
+                   "ranking says nothing about a GPU.")
+    models = sorted({str(s.options.get("model") or s.options.get("model_path") or "")
+                     for s in mine} - {""})
+    random_models = [m for m in models if _random_weights(m)]
+    if random_models:
+        out.append(f"Random-weight model ({', '.join(random_models)}): its router routes near-uniformly, so tokens share "
+                   f"few experts and paging has little reuse to exploit; a trained model routes otherwise.")
+    synthetic = sorted({str(r) for r in cells["routing"] if is_synthetic(r)})
+    if synthetic:
+        out.append(f"Synthetic routing ({', '.join(synthetic)}): experts were chosen by a generator, not the model's router.")
+    formats = {f"{s.kind} {fmt}" for s in mine if (fmt := expert_format(s)) is not None}
+    if len({f.split(' ', 1)[1] for f in formats}) > 1:
+        out.append(f"Bytes per expert differ between engines ({', '.join(sorted(formats))}): a faster engine may only be "
+                   f"moving fewer bytes.")
+    busy = busy_cells(cells)
+    if busy:
+        out.append(f"Busy machine during {len(busy)} of {len(cells)} cells: other processes took CPU time; small "
+                   f"differences are not to be trusted.")
+    behind = [c for c, e in zip(cells["cell_id"], cells["extras"]) if isinstance(e, dict) and e.get("client_flag")]
+    if behind:
+        out.append(f"The client could not keep up in {len(behind)} cells (chunks arrived together): their ITL is "
+                   f"understated.")
+    return out

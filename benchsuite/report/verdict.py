@@ -1,0 +1,172 @@
+"""The report's first screen: per setup (run, workload, prompt class) and concurrency, which mode is
+fastest, by how much against every other mode, with the interval over repeats, and the caveats that
+change the reading, beside it.
+
+- headline metric: decode tok/s per stream at concurrency 1, output tok/s (all streams) above it
+  (tables.headline_metric), and TTFT p50 for the setup's prompt class; each named with its unit;
+- a configuration that does not fit (a llama.cpp --n-cpu-moe whose memory projection exceeds the
+  budget) is no contender;
+- a mode is (engine kind, mode), synthetic routing apart; its best configuration (best K, best N) stands for it; the fastest
+  mode's best configuration is compared with each other mode's best: "A is N x B [low–high]",
+  N = the ratio of geometric means over ok repeats, the 95% interval from benchsuite.stats, and
+  "significant" only for a discovery after Benjamini-Hochberg over all the page's comparisons (too
+  few repeats: "not enough repeats", no verdict);
+- caveats (benchsuite.report.caveats): CPU device, random-weight model, synthetic routing, bytes per
+  expert that differ between engines, a busy machine, a client that could not keep up.
+
+Configuration facts (mode, K, N, routing) are read through `config_facts`, the one place to switch
+to typed fields carried by each cell.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import pandas as pd
+
+from benchsuite import stats
+from benchsuite.report.groups import is_synthetic
+from benchsuite.report.tables import fits, headline_metric
+
+THROUGHPUT_NAMES = {"decode_tok_s_p50": "decode tok/s per stream", "output_tok_s": "output tok/s, all streams"}
+TTFT_METRIC = "ttft_p50_s"
+
+
+@dataclass(frozen=True)
+class ConfigFacts:
+    """What a configuration is, as the verdict names it."""
+
+    family: str  # "paged (builtin)", "n-cpu-moe (llamacpp)": one mode of one engine kind
+    label: str  # the configuration's label (K, N, offload amount)
+    routing: str
+
+
+def config_facts(group: pd.Series) -> ConfigFacts:
+    """Mode, K/N and routing of one configuration row of groups (today: the annotated columns that
+    report.groups reads from params, extras and the command line)."""
+    routing = str(group["routing"])
+    family = f"{group['mode']} ({group['engine_kind']})" + (f", {routing}" if is_synthetic(routing) else "")
+    return ConfigFacts(family, str(group["label"]), routing)
+
+
+@dataclass(frozen=True)
+class Versus:
+    """The winner against one other mode's best configuration."""
+
+    other: str  # the other configuration's label
+    other_family: str
+    other_median: float
+    estimate: stats.RatioEstimate | None  # winner / other over repeats
+    n_winner: int
+    n_other: int
+    discovery: bool  # significant after Benjamini-Hochberg over every comparison of the report
+    winner_cells: tuple[str, ...]  # the winner's ok cells
+    other_cells: tuple[str, ...]  # the other's ok cells
+
+    @property
+    def cell_ids(self) -> tuple[str, ...]:
+        return (*self.winner_cells, *self.other_cells)
+
+    def text(self, winner: str, ttft: bool) -> str:
+        if self.estimate is None:
+            return f"vs {self.other}: {stats.not_enough_text(self.n_winner, self.n_other)}"
+        e = self.estimate
+        what = f"{winner}'s TTFT is {stats.times_text(e.ratio)} x {self.other}'s" if ttft else \
+            f"{winner} is {stats.times_text(e.ratio)} x {self.other}"
+        return f"{what} [{stats.times_text(e.low)}–{stats.times_text(e.high)}], {self.verdict()}"
+
+    def verdict(self) -> str:
+        if self.estimate is None:
+            return stats.not_enough_text(self.n_winner, self.n_other)
+        return stats.SIGNIFICANT if self.discovery else stats.NOT_SIGNIFICANT
+
+
+@dataclass(frozen=True)
+class Verdict:
+    run_id: str
+    workload: str
+    prompt_class: str
+    concurrency: int
+    metric: str  # CellResult column
+    metric_name: str  # with its unit
+    winner: str
+    winner_family: str
+    winner_median: float  # in the display unit (ms for TTFT)
+    versus: tuple[Versus, ...]
+
+    @property
+    def ttft(self) -> bool:
+        return self.metric == TTFT_METRIC
+
+    def lines(self) -> list[str]:
+        return [v.text(self.winner, self.ttft) for v in self.versus]
+
+
+def _best(family: pd.DataFrame, metric: str, lower_is_better: bool) -> pd.Series | None:
+    scored = [(row[metric].median, idx) for idx, row in family.iterrows() if row[metric] is not None]
+    if not scored:
+        return None
+    return family.loc[(min if lower_is_better else max)(scored)[1]]
+
+
+def _verdict(setup: pd.DataFrame, concurrency: int, metric: str) -> Verdict | None:
+    ttft = metric == TTFT_METRIC
+    rows = setup[setup["concurrency"] == concurrency]
+    best: dict[str, pd.Series] = {}
+    for family, members in rows.groupby([config_facts(r).family for _, r in rows.iterrows()], sort=True):
+        chosen = _best(members, metric, ttft)
+        if chosen is not None:
+            best[str(family)] = chosen
+    if len(best) < 2:
+        return None
+    winner_family = (min if ttft else max)(best, key=lambda f: best[f][metric].median)
+    winner = best[winner_family]
+    scale = 1000.0 if ttft else 1.0
+    versus = []
+    for family, other in sorted(best.items(), key=lambda kv: kv[1][metric].median, reverse=not ttft):
+        if family == winner_family:
+            continue
+        a, b = winner[metric], other[metric]
+        estimate = stats.ratio_estimate(a.values, b.values)
+        versus.append(Versus(config_facts(other).label, family, b.median * scale, estimate, len(a.values), len(b.values),
+                             estimate is not None and estimate.significant, tuple(winner["ok_cell_ids"]),
+                             tuple(other["ok_cell_ids"])))
+    name = f"TTFT p50 (ms), {winner['prompt_class']} prompts" if ttft else f"{THROUGHPUT_NAMES[metric]} (tok/s)"
+    return Verdict(str(winner["run_id"]), str(winner["workload"]), str(winner["prompt_class"]), int(concurrency), metric,
+                   name, config_facts(winner).label, winner_family, winner[metric].median * scale, tuple(versus))
+
+
+def verdicts(groups: pd.DataFrame, cells: pd.DataFrame, alpha: float = stats.DEFAULT_ALPHA) -> list[Verdict]:
+    """Per setup and concurrency: the throughput verdict, then the TTFT verdict. "Significant" is a
+    discovery after Benjamini-Hochberg over every comparison of the page, so a page of many
+    comparisons between equal modes still says "not significant" everywhere (at rate alpha)."""
+    out: list[Verdict] = []
+    keys = ["run_id", "workload", "prompt_class"]
+    contenders = groups[[fits(row, cells) for _, row in groups.iterrows()]] if len(groups) else groups
+    for _, setup in contenders.groupby(keys, sort=True):
+        for concurrency in sorted({int(c) for c in setup["concurrency"]}):
+            for metric in (headline_metric(concurrency), TTFT_METRIC):
+                found = _verdict(setup, concurrency, metric)
+                if found is not None:
+                    out.append(found)
+    flat = [vs.estimate for v in out for vs in v.versus]
+    discoveries = iter(stats.benjamini_hochberg([None if e is None else e.p_value for e in flat], alpha))
+    return [replace(v, versus=tuple(replace(vs, discovery=next(discoveries)) for vs in v.versus)) for v in out]
+
+
+def verdict_table(found: list[Verdict]) -> pd.DataFrame:
+    """The first screen as a frame (tables.md / tables.csv): one row per verdict and other mode."""
+    rows: list[dict[str, Any]] = []
+    for v in found:
+        for vs in v.versus:
+            e = vs.estimate
+            rows.append({
+                "setup": f"{v.run_id} · {v.workload} · {v.prompt_class}", "concurrency": v.concurrency, "metric": v.metric_name,
+                "fastest": v.winner, "fastest_median": v.winner_median, "versus": vs.other, "versus_median": vs.other_median,
+                "ratio": None if e is None else e.ratio, "ratio_low": None if e is None else e.low,
+                "ratio_high": None if e is None else e.high,
+                "verdict": vs.verdict(), "p_value": None if e is None else e.p_value,
+                "statement": vs.text(v.winner, v.ttft), "cell_ids": " ".join(vs.cell_ids),
+            })
+    return pd.DataFrame(rows)

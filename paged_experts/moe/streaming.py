@@ -1,0 +1,165 @@
+"""Stream-ordered page-in of host-planned waves: the copy engine works through a step's page-ins
+while the compute stream works through its waves, with no host synchronization between them.
+
+A prefill chunk routes to nearly every expert, so a paged layer pages in about E - K experts per
+chunk: the link, not the compute, sets the chunk's time. What keeps the link busy:
+- wave j's page-ins run on the page-in stream (`layer.page_in_stream`), and wave j's compute waits
+  for them (an event), not for anything else;
+- the planner (`residency.LayerResidency`) gives wave j page-ins only slots that waves <= j-2 used
+  (the previous wave's experts are pinned), so they copy while wave j-1 computes; each copy waits
+  for exactly the wave that last read its slot (`LayerCopies.page_in`), and copies into slots no
+  wave of this step has read go first, waiting for nothing;
+- a layer's first copies wait only for the step to begin (`StepStreams.start`: every earlier step's
+  reads of any slot are ahead of it on the compute stream), not for the previous layer's compute:
+  when the routing is known on the host before the device computes it (a synthetic router
+  override), the host plans layer i+1 while layer i's copies are still in flight, and layer i+1's
+  page-ins queue right behind them.
+With the model's own router the routed ids are read once per layer (the host plans from them);
+nothing else synchronizes.
+
+`StepStreams` also opens each prefill step's counters (`PagingCounters.prefill_*`): page-in bytes
+and copy time per chunk, the step's span, waves. On the CPU everything runs inline in plan order
+and the same counters take wall-clock times.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from paged_experts.counters import PagingCounters, TimeMark
+from paged_experts.residency import Wave
+
+CopyRows = Callable[[Sequence[tuple[int, int]]], None]  # issues the copies of (expert, slot) pairs
+
+
+def prompt_chunks(seq_ids: Sequence[int]) -> tuple[int, int]:
+    """(prompt chunks, their tokens) of a step: a sequence with more than one token in the step is
+    a prompt chunk (a decode token is alone in its sequence)."""
+    per_seq = Counter(seq_ids)
+    chunks = [n for n in per_seq.values() if n > 1]
+    return len(chunks), sum(chunks)
+
+
+def wait_groups(
+    page_ins: Sequence[tuple[int, int]], slot_wave: dict[int, int]
+) -> list[tuple[int, list[tuple[int, int]]]]:
+    """A wave's (expert, slot) page-ins grouped by the wave of this step that last read the slot
+    (-1: none), earliest first: each group's copies need only that wave's compute to be done, and
+    the copies into slots no wave read go first, waiting for nothing."""
+    groups: dict[int, list[tuple[int, int]]] = {}
+    for expert, slot in page_ins:
+        groups.setdefault(slot_wave.get(slot, -1), []).append((expert, slot))
+    return sorted(groups.items())
+
+
+def mark(device: torch.device) -> TimeMark:
+    """A point in time: an event recorded on the current CUDA stream, or perf_counter on the CPU."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+class StepStreams:
+    """What the MoE layers of one model step share; each layer calls `enter` with the step's
+    context, the first one of a step records the step's start (and opens a prefill step's counters)."""
+
+    def __init__(self) -> None:
+        self._key: object = None
+        self._layers: set[int] = set()  # layers entered in the current step
+        self.start: TimeMark | None = None
+        self.prefill = False  # the step has a prompt chunk (its host-planned layer-steps are counted)
+        # Paged layers planned on the device register here, so the first host-planned layer of a step
+        # reads every layer's device state at once (one host read per step, before any page-in).
+        self.device_planned: list[Any] = []
+
+    def enter(
+        self, key: object, layer: int, seq_ids: Sequence[int], device: torch.device, counters: PagingCounters
+    ) -> None:
+        """A layer begins its part of the step `key` (the step's context). A layer entering twice
+        under one key is a new step too (a caller reusing a context): a step's page-ins wait only
+        for its start, so a step must never be taken for the one before it."""
+        if key is self._key and layer not in self._layers:
+            self._layers.add(layer)
+            return
+        self._key = key  # held, so its id is never reused while it is compared
+        self._layers = {layer}
+        self.start = mark(device)
+        chunks, tokens = prompt_chunks(seq_ids)
+        self.prefill = chunks > 0
+        if self.prefill:
+            counters.prefill_begin(chunks=chunks, tokens=tokens, start=self.start)
+
+
+class LayerCopies:
+    """One host-planned layer-step's page-ins, stream-ordered against its waves (CUDA), or inline."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        copy_stream: torch.cuda.Stream | None,
+        step: StepStreams,
+        counters: PagingCounters,
+        layer: int,
+        row_bytes: int,
+    ) -> None:
+        self.device = device
+        self.copy = copy_stream if device.type == "cuda" else None
+        self.compute = torch.cuda.current_stream(device) if self.copy is not None else None
+        self.step = step
+        self.counters = counters
+        self.layer = layer
+        self.row_bytes = row_bytes
+        self.done: list[torch.cuda.Event] = []  # [wave] recorded after the wave's compute
+        self.slot_wave: dict[int, int] = {}  # slot -> last wave of this step that read it
+        if self.copy is not None and isinstance(step.start, torch.cuda.Event):
+            self.copy.wait_event(step.start)  # earlier steps' reads of these slots are behind it
+
+    def page_in(self, wave: Wave, copy_rows: CopyRows) -> None:
+        """Issues the wave's page-ins; the compute stream waits for them before the wave's compute."""
+        if not wave.page_ins:
+            return
+        if self.copy is None:
+            start = mark(self.device)
+            copy_rows(wave.page_ins)
+            self._count(len(wave.page_ins), start, mark(self.device))
+            return
+        assert self.compute is not None
+        with torch.cuda.stream(self.copy):
+            for after, pairs in wait_groups(wave.page_ins, self.slot_wave):
+                if after >= 0:
+                    self.copy.wait_event(self.done[after])
+                start = mark(self.device)
+                copy_rows(pairs)
+                self._count(len(pairs), start, mark(self.device))
+            landed = torch.cuda.Event()
+            landed.record(self.copy)
+        self.compute.wait_event(landed)
+
+    def computed(self, wave: Wave) -> None:
+        """After the wave's compute was issued: its slots are read until this point."""
+        for slot in wave.slots:
+            self.slot_wave[slot] = len(self.done)
+        if self.compute is not None:
+            event = torch.cuda.Event()
+            event.record(self.compute)
+            self.done.append(event)
+        else:
+            self.done.append(None)  # type: ignore[arg-type]  # CPU: inline, nothing to wait for
+
+    def finish(self, waves: int, hits: int, misses: int) -> None:
+        """After the layer-step's last wave was issued (a prefill step's span runs to here)."""
+        if self.step.prefill:
+            self.counters.prefill_layer_end(end=mark(self.device), waves=waves, hits=hits, misses=misses)
+
+    def _count(self, rows: int, start: TimeMark, end: TimeMark) -> None:
+        num_bytes = rows * self.row_bytes
+        self.counters.record_copy_marks(self.layer, num_bytes, start, end)
+        if self.step.prefill:
+            self.counters.prefill_copy(num_bytes, start, end)

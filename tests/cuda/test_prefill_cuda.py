@@ -1,0 +1,189 @@
+"""CUDA checks of paged prefill with stream-ordered page-ins (moe/streaming.py):
+- a long prompt, whole or in chunks beside a decoding sequence, then decode: paged == resident bit for
+  bit at Qwen3-30B-A3B layer shapes (bf16, K = 16, 32, 64, both prefill residency policies) and for
+  block-FP8 experts;
+- slot integrity: with every wave's compute delayed on the compute stream (so copies run far ahead),
+  paged still equals resident; the control, copies that do not wait for the wave that last read their
+  slots, must differ (the test can see a race);
+- a prefill with a synthetic router (ids known on the host) makes no host synchronization at all; with
+  the model's router, exactly one per layer (the routed ids);
+- the prefill counters: bytes, copy time within the span, waves.
+
+Plain functions, so the module also runs as a script: `python tests/cuda/test_prefill_cuda.py`.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+import paged_experts.moe.waves as waves_module
+from paged_experts.kv import KvPool
+from paged_experts.model import MoeCausalLM, SeqChunk
+from paged_experts.moe import StepContext
+from paged_experts.moe.streaming import LayerCopies, mark
+from paged_experts.routing import make_router
+from paged_experts.runtime import RuntimeConfig
+
+try:
+    import pytest
+
+    pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+except ImportError:  # script mode
+    pass
+
+QWEN2 = "synth:qwen3-30b-a3b-shape?layers=2&seed=0"  # 128 experts, top_k 8, bf16 experts of 9.4 MB
+FP8 = "synth:qwen3-30b-a3b-fp8-shape?layers=2&seed=0"  # the same shapes, block-FP8 experts
+PROMPT = [(37 * i + 11) % 4000 for i in range(600)]  # 600 tokens x 8: every layer routes to (nearly) every expert
+SLEEP_CYCLES = 20_000_000  # ~10 ms of GPU time before each wave's compute in the integrity checks
+
+
+def rt(**kw: object) -> RuntimeConfig:
+    return RuntimeConfig(device="cuda", dtype="bfloat16", **kw)  # type: ignore[arg-type]
+
+
+def long_prompt(model: MoeCausalLM, chunk: int, decode_steps: int = 3) -> list[torch.Tensor]:
+    """A short prompt, then the long one in chunks of `chunk` tokens while the short one decodes in the
+    same steps, then both decode: every logit row (fp32, CPU)."""
+    pool = KvPool.for_model(model, capacity_tokens=1024)
+    short, long = pool.new_sequence(), pool.new_sequence()
+    out = model.forward([SeqChunk(short, [5, 17, 300, 41], 0, all_logits=True)])
+    for i, start in enumerate(range(0, len(PROMPT), chunk)):
+        piece = PROMPT[start : start + chunk]
+        out += model.forward(
+            [SeqChunk(short, [40 + i], short.num_tokens), SeqChunk(long, piece, start, all_logits=True)]
+        )
+    for step in range(decode_steps):
+        out += model.forward(
+            [SeqChunk(short, [60 + step], short.num_tokens), SeqChunk(long, [7 + step], long.num_tokens)]
+        )
+    return out
+
+
+def assert_same(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -> None:
+    assert len(got) == len(want), what
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"{what}: output {i} differs by {(a - b).abs().max().item()}"
+
+
+def test_streamed_prefill_equals_resident_qwen_shapes() -> None:
+    resident = MoeCausalLM.from_pretrained(QWEN2, rt(mode="resident"))
+    want = {chunk: long_prompt(resident, chunk) for chunk in (600, 256)}
+    del resident
+    for k in (16, 32, 64):
+        for keep in ("recent", "lru"):
+            model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=k, prefill_residency=keep))
+            for chunk, ref in want.items():
+                assert_same(long_prompt(model, chunk), ref, f"K={k} {keep} chunks of {chunk}")
+            prefill = model.counters.snapshot().prefill
+            assert prefill.misses > 0 and prefill.waves > prefill.layer_steps  # several waves per layer
+
+
+def test_streamed_prefill_equals_resident_fp8() -> None:
+    want = long_prompt(MoeCausalLM.from_pretrained(FP8, rt(mode="resident")), 256)
+    for k in (16, 48):
+        assert_same(
+            long_prompt(MoeCausalLM.from_pretrained(FP8, rt(mode="paged", resident_experts=k)), 256), want, f"FP8 K={k}"
+        )
+
+
+def _delay_every_wave() -> object:
+    """Puts SLEEP_CYCLES on the compute stream before each wave's compute; returns the original."""
+    original = waves_module._FusedPass.wave
+
+    def delayed(self: object, *args: object) -> None:
+        torch.cuda._sleep(SLEEP_CYCLES)
+        original(self, *args)  # type: ignore[arg-type]
+
+    waves_module._FusedPass.wave = delayed  # type: ignore[method-assign]
+    return original
+
+
+def _copies_ignore_readers() -> object:
+    """The control's bug: a wave's page-ins wait for nothing (not for the waves that read their slots)."""
+    original = LayerCopies.page_in
+
+    def eager(self: LayerCopies, wave: object, copy_rows: object) -> None:
+        if not wave.page_ins or self.copy is None:  # type: ignore[attr-defined]
+            return original(self, wave, copy_rows)  # type: ignore[arg-type]
+        with torch.cuda.stream(self.copy):
+            start = mark(self.device)
+            copy_rows(wave.page_ins)  # type: ignore[attr-defined,operator]
+            self._count(len(wave.page_ins), start, mark(self.device))  # type: ignore[attr-defined]
+            landed = torch.cuda.Event()
+            landed.record(self.copy)
+        self.compute.wait_event(landed)  # type: ignore[union-attr]
+        return None
+
+    LayerCopies.page_in = eager  # type: ignore[method-assign]
+    return original
+
+
+def test_slots_are_not_overwritten_while_a_wave_reads_them() -> None:
+    want = long_prompt(MoeCausalLM.from_pretrained(QWEN2, rt(mode="resident")), 600, decode_steps=0)
+    original_wave = _delay_every_wave()
+    try:
+        model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=32))
+        assert_same(long_prompt(model, 600, decode_steps=0), want, "delayed compute")
+        original_copies = _copies_ignore_readers()
+        try:  # control: the same run with copies that do not wait for their slots' readers
+            model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=32))
+            got = long_prompt(model, 600, decode_steps=0)
+        finally:
+            LayerCopies.page_in = original_copies  # type: ignore[method-assign]
+        assert not all(torch.equal(a, b) for a, b in zip(got, want)), "the control's race went unseen"
+    finally:
+        waves_module._FusedPass.wave = original_wave  # type: ignore[method-assign]
+
+
+def _prefill_layers(model: MoeCausalLM, router: object | None, tokens: int = 512) -> list[torch.Tensor]:
+    x = torch.randn(tokens, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    ctx = StepContext(seq_ids=(0,) * tokens, positions=tuple(range(tokens)))
+    return [layer.forward(x, ctx, router, []) for layer in model.moe_layers]  # type: ignore[arg-type]
+
+
+def test_prefill_with_host_known_routing_does_not_sync() -> None:
+    model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=32))
+    router = make_router("qwen3-30b-a3b", model.config, seed=1)
+    _prefill_layers(model, router)  # warm-up: the grouped backend decided, allocator blocks made
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _prefill_layers(model, router)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert model.counters.snapshot().prefill.misses > 0
+
+
+def test_prefill_with_model_routing_reads_the_ids_once_per_layer() -> None:
+    model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=32))
+    _prefill_layers(model, None)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _prefill_layers(model, None)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    assert len(syncs) == len(model.moe_layers), [str(w.message) for w in syncs]
+
+
+def test_prefill_counters_on_cuda() -> None:
+    model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=16))
+    long_prompt(model, 600, decode_steps=0)
+    snap = model.counters.snapshot()
+    p = snap.prefill
+    assert p.chunks == 2 and p.tokens == 4 + len(PROMPT) and p.layer_steps == 2 * len(model.moe_layers)
+    assert p.bytes_paged_in == p.misses * snap.expert_bytes > 0
+    assert 0 < p.copy_time_s <= p.span_s and 0 < p.copy_busy_fraction <= 1
+    assert p.waves >= p.misses // 8  # a wave holds at most (K - protected) // 2 = 8 experts at K = 16
+
+
+if __name__ == "__main__":
+    from _script import run_tests
+
+    raise SystemExit(run_tests(globals()))

@@ -1,0 +1,219 @@
+"""Paged prefill of long prompts (CPU): paged == resident bit for bit for every K from top_k to E with
+a 320-token prompt, whole or in chunks while another sequence decodes in the same steps (pipelined
+multi-wave steps, every prefill residency policy), in fp32, bf16 and block-FP8; the prefill counters
+(chunks, tokens, bytes, waves, copy time within the span) and their replay through the simulator's
+planner; what each policy leaves in the slots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_experts.kv import KvPool
+from paged_experts.model import MoeCausalLM, SeqChunk
+from paged_experts.residency import PREFILL_KEEP, LayerResidency
+from paged_experts.runtime import RuntimeConfig
+
+PROMPT = [(37 * i + 11) % 1000 for i in range(320)]  # 320 tokens: the union is E in every layer
+SHORT = [5, 17, 300, 41]
+TINY = "synth:tiny?layers=3&seed=2"  # E=32, top_k=4
+TINY_FP8 = "synth:tiny-fp8?layers=2&seed=4"  # E=16, top_k=4, block-FP8 experts
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+
+def long_prompt(model: MoeCausalLM, chunk: int, decode_steps: int = 3) -> list[torch.Tensor]:
+    """A short sequence prefills, then the long prompt prefills in chunks of `chunk` tokens while the
+    short one decodes in the same steps; then both decode. Every logit row is returned."""
+    pool = KvPool.for_model(model, capacity_tokens=512)
+    short, long = pool.new_sequence(), pool.new_sequence()
+    out = model.forward([SeqChunk(short, SHORT, 0, all_logits=True)])
+    token = 40
+    for start in range(0, len(PROMPT), chunk):
+        piece = PROMPT[start : start + chunk]
+        out += model.forward(
+            [SeqChunk(short, [token], short.num_tokens), SeqChunk(long, piece, start, all_logits=True)]
+        )
+        token += 1
+    for step in range(decode_steps):
+        out += model.forward(
+            [SeqChunk(short, [token + step], short.num_tokens), SeqChunk(long, [7 + step], long.num_tokens)]
+        )
+    return out
+
+
+def assert_same(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -> None:
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"{what}: output {i} differs by {(a - b).abs().max().item()}"
+
+
+def paged(path: str, k: int, keep: str = "recent", dtype: str = "float32") -> MoeCausalLM:
+    return MoeCausalLM.from_pretrained(
+        path, RuntimeConfig(mode="paged", resident_experts=k, prefill_residency=keep, dtype=dtype)
+    )
+
+
+@pytest.fixture(scope="module")
+def resident_fp32() -> dict[int, list[torch.Tensor]]:
+    model = MoeCausalLM.from_pretrained(TINY, RuntimeConfig(mode="resident"))
+    return {chunk: long_prompt(model, chunk) for chunk in (320, 96)}
+
+
+def test_long_prompt_paged_equals_resident_for_every_k(resident_fp32: dict[int, list[torch.Tensor]]) -> None:
+    cfg = MoeCausalLM.from_pretrained(TINY, RuntimeConfig(mode="resident")).config
+    for k in range(cfg.top_k, cfg.num_experts + 1):
+        model = paged(TINY, k)
+        assert_same(long_prompt(model, 320), resident_fp32[320], f"K={k}, one chunk")
+        snap = model.counters.snapshot()  # the long chunk routes to every expert: ceil(E / K) waves or more per layer
+        assert snap.prefill.chunks == 2 and all(c.union_max == cfg.num_experts for c in snap.layers)
+        assert snap.prefill.waves >= cfg.num_layers * -(-cfg.num_experts // k)
+    for k in (cfg.top_k, 9, 16, 31):
+        assert_same(long_prompt(paged(TINY, k), 96), resident_fp32[96], f"K={k}, chunks of 96")
+
+
+@pytest.mark.parametrize("keep", PREFILL_KEEP)
+def test_every_prefill_residency_policy_equals_resident(
+    keep: str, resident_fp32: dict[int, list[torch.Tensor]]
+) -> None:
+    for k in (4, 13):
+        assert_same(long_prompt(paged(TINY, k, keep), 96), resident_fp32[96], f"{keep}, K={k}")
+
+
+def test_long_prompt_bf16_paged_equals_resident() -> None:
+    want = long_prompt(MoeCausalLM.from_pretrained(TINY, RuntimeConfig(mode="resident", dtype="bfloat16")), 128)
+    for k in (4, 11, 24):
+        assert_same(long_prompt(paged(TINY, k, dtype="bfloat16"), 128), want, f"bf16 K={k}")
+
+
+def test_long_prompt_fp8_paged_equals_resident() -> None:
+    resident = MoeCausalLM.from_pretrained(TINY_FP8, RuntimeConfig(mode="resident"))
+    assert resident.moe_layers[0].host.is_fp8
+    for chunk in (320, 128):
+        want = long_prompt(resident, chunk)
+        for k in range(4, 17, 3):
+            assert_same(long_prompt(paged(TINY_FP8, k), chunk), want, f"FP8 K={k}, chunks of {chunk}")
+
+
+def test_prefill_counters_count_the_prompt_chunks_and_replay_in_the_planner() -> None:
+    k = 6
+    model = paged(TINY, k)
+    routed: dict[int, list[list[int]]] = {}
+    model.routing_observers.append(
+        lambda layer, ids, w, ctx: routed.setdefault(layer, []).append(ids.flatten().tolist())
+    )
+    long_prompt(model, 96, decode_steps=2)
+    snap = model.counters.snapshot()
+    prefill, cfg = snap.prefill, model.config
+    # steps: the short prompt alone (4 tokens x 4 = 16 pairs > K), then 4 chunks of the long one
+    assert (prefill.steps, prefill.chunks, prefill.tokens) == (5, 5, len(SHORT) + len(PROMPT))
+    misses_in_prefill = 0
+    waves_in_prefill = 0
+    for layer in range(cfg.num_layers):
+        ref = LayerResidency(cfg.num_experts, k)
+        plans = [ref.plan_step(ids) for ids in routed[layer]]
+        misses_in_prefill += sum(p.misses for p in plans[:5])
+        waves_in_prefill += sum(len(p.waves) for p in plans[:5])
+        assert snap.layers[layer].misses == sum(p.misses for p in plans)
+    assert prefill.bytes_paged_in == misses_in_prefill * snap.expert_bytes > 0
+    assert prefill.misses == misses_in_prefill and prefill.waves == waves_in_prefill
+    assert prefill.layer_steps == 5 * cfg.num_layers and prefill.hits + prefill.misses < snap.total.activations
+    assert 0 < prefill.copy_time_s <= prefill.span_s and 0 < prefill.copy_busy_fraction <= 1
+    assert snap.to_dict()["prefill"]["chunks"] == 5
+    model.counters.reset()
+    assert model.counters.snapshot().prefill.steps == 0
+
+
+def test_decode_steps_and_resident_models_count_no_prefill() -> None:
+    model = paged(TINY, 8)
+    pool = KvPool.for_model(model, capacity_tokens=64)
+    seq = pool.new_sequence()
+    model.forward([SeqChunk(seq, [1], 0)])
+    model.forward([SeqChunk(seq, [2], 1)])
+    assert model.counters.snapshot().prefill.steps == 0
+    resident = MoeCausalLM.from_pretrained(TINY, RuntimeConfig(mode="resident"))
+    long_prompt(resident, 320, decode_steps=0)
+    prefill = resident.counters.snapshot().prefill  # the chunks are counted, nothing is paged
+    assert (prefill.steps, prefill.chunks) == (2, 2)
+    assert prefill.layer_steps == prefill.bytes_paged_in == prefill.waves == 0 and prefill.span_s == 0.0
+
+
+def test_router_override_time_is_counted_in_prefill_steps() -> None:
+    from paged_experts.routing import make_router
+
+    model = paged(TINY, 8)
+    model.router_override = make_router("qwen3-30b-a3b", model.config, seed=1)
+    long_prompt(model, 320, decode_steps=0)
+    prefill = model.counters.snapshot().prefill
+    assert prefill.router_s > 0 and prefill.misses > 0
+
+
+def test_recent_leaves_the_last_tokens_experts_where_lru_does_not() -> None:
+    """After a long prompt, `recent` slots hold the experts the prompt's last tokens routed to."""
+    k = 8
+    models = {keep: paged(TINY, k, keep) for keep in ("recent", "lru")}
+    last: dict[int, list[int]] = {}
+    models["recent"].routing_observers.append(
+        lambda layer, ids, w, ctx: last.__setitem__(layer, ids[-2:].flatten().tolist())
+    )
+    for model in models.values():
+        pool = KvPool.for_model(model, capacity_tokens=512)
+        model.forward([SeqChunk(pool.new_sequence(), PROMPT, 0)])
+    kept = {  # the host planner's slots (on the CPU, every paged layer plans on the host)
+        keep: [set(m.residency.expert_in) for m in model.moe_layers] for keep, model in models.items()  # type: ignore
+    }
+    for layer, experts in last.items():
+        assert set(experts) <= kept["recent"][layer]
+    assert any(not set(experts) <= kept["lru"][layer] for layer, experts in last.items())
+
+
+def test_prefill_marks_do_not_pile_up_without_snapshots() -> None:
+    """A server that is never scraped keeps at most 64 prefill steps' marks; the totals stay exact."""
+    from paged_experts.counters import PagingCounters
+
+    counters = PagingCounters(num_layers=2, expert_bytes=10, mode="paged")
+    for i in range(200):
+        counters.prefill_begin(chunks=1, tokens=5, start=float(i))
+        counters.prefill_copy(30, float(i), i + 0.25)
+        counters.prefill_layer_end(end=i + 0.5, waves=3, hits=1, misses=3)
+        assert len(counters._prefill.steps) <= 64
+    p = counters.snapshot().prefill
+    assert (p.steps, p.chunks, p.tokens, p.waves, p.bytes_paged_in) == (200, 200, 1000, 600, 6000)
+    assert (
+        p.span_s == pytest.approx(100.0)
+        and p.copy_time_s == pytest.approx(50.0)
+        and p.copy_busy_fraction == pytest.approx(0.5)
+    )
+
+
+def test_a_reused_step_context_opens_a_new_step() -> None:
+    """Page-ins wait only for their step's start: a layer run twice under one context is two steps."""
+    from paged_experts.moe import StepContext
+
+    model = paged(TINY, 8)
+    ctx = StepContext(seq_ids=(0,) * 40, positions=tuple(range(40)))
+    x = torch.randn(40, model.config.hidden_size)
+    for _ in range(2):
+        for layer in model.moe_layers:
+            layer.forward(x, ctx, None, [])
+    assert model.counters.snapshot().prefill.steps == 2
+
+
+def test_page_ins_wait_for_the_wave_that_last_read_their_slot() -> None:
+    """The dependencies the page-in stream waits on, replayed over a real multi-wave plan: every
+    page-in waits for the last earlier wave that served its slot, never a later one, and never for
+    the wave just before it (that one computes while the copy runs)."""
+    from paged_experts.moe.streaming import wait_groups
+
+    assert wait_groups([(9, 3), (8, 1), (7, 0)], {1: 2, 0: 0}) == [(-1, [(9, 3)]), (0, [(7, 0)]), (2, [(8, 1)])]
+    residency = LayerResidency(64, 16)
+    plan = residency.plan_step([(7 * i) % 64 for i in range(400)])
+    slot_wave: dict[int, int] = {}
+    for j, wave in enumerate(plan.waves):
+        groups = wait_groups(wave.page_ins, slot_wave)
+        assert sorted(p for _, pairs in groups for p in pairs) == sorted(wave.page_ins)
+        for after, pairs in groups:
+            assert after <= j - 2 and all(slot_wave.get(s, -1) == after for _, s in pairs)
+        for s in wave.slots:
+            slot_wave[s] = j
+    assert len(plan.waves) > 4
