@@ -11,11 +11,12 @@ facts}}}`, stored in the manifest and compared by the store on resume (benchsuit
   size and modification time where there is one;
 - a workload's dataset file (ShareGPT JSON), by size and modification time.
 Cells name their engine entry and workload, so the store refuses only when an input of a stored
-finished cell changed.
+finished cell changed. `fingerprint_changes(old, new)` says, in one phrase per input, what changed.
 """
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,8 @@ def path_facts(label: str, path: Path) -> dict[str, Any]:
     if not path.is_dir():
         return {label: "missing"}
     files = sorted(
-        p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        p for p in path.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
     )
     if len(files) > MAX_FILES_PER_MODEL:
         return {label: f"{len(files)} files"}
@@ -61,8 +63,8 @@ def _stat(path: Path) -> dict[str, Any]:
 
 
 def _model_facts(spec: ServerSpec) -> dict[str, Any]:
-    source = spec.options.get("model_path", spec.options.get("model"))
-    if not isinstance(source, str):
+    source = spec.options.model_source()
+    if source is None:
         return {}
     if source == "tiny":
         from paged_experts.synth import ensure_tiny
@@ -85,3 +87,37 @@ def _engine_facts(spec: ServerSpec) -> dict[str, Any]:
     if isinstance(binary, str) and Path(binary).is_file():
         facts["binary_file"] = _stat(Path(binary))
     return {f"engine {spec.kind}": facts}
+
+
+def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[tuple[str, str], list[str]]:
+    """(group, name) -> one phrase per input whose recorded facts differ, for the groups `engines`
+    and `workloads` of benchsuite.fingerprint, e.g. `model /m/x.safetensors: bytes 1 -> 2`. Only
+    names in both count: a run of part of the matrix (--only) fingerprints that part."""
+    changes: dict[tuple[str, str], list[str]] = {}
+    for group in ("engines", "workloads"):
+        before_all, after_all = old.get(group) or {}, new.get(group) or {}
+        for name in sorted(set(before_all) & set(after_all)):  # a part left out (--only) is not a change
+            phrases = _fact_changes(before_all.get(name) or {}, after_all.get(name) or {})
+            if phrases:
+                changes[(group, name)] = phrases
+    return changes
+
+
+def _fact_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    phrases = []
+    for key in sorted(set(old) | set(new)):
+        before, after = old.get(key, "absent"), new.get(key, "absent")
+        if before == after:
+            continue
+        if isinstance(before, dict) and isinstance(after, dict):
+            diffs = [f"{k} {before.get(k)!r} -> {after.get(k)!r}" for k in sorted(set(before) | set(after))
+                     if before.get(k) != after.get(k)]  # fmt: skip
+            phrases.append(f"{key}: {', '.join(diffs)}")
+        else:
+            phrases.append(f"{key}: {_short(before)} -> {_short(after)}")
+    return phrases
+
+
+def _short(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
+    return text if len(text) <= 120 else text[:117] + "..."

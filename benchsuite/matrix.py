@@ -31,11 +31,12 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer, model_validator
 
 from benchsuite import model_checks, reference
-from benchsuite.engines import ADAPTERS
-from benchsuite.errors import UserError
-from benchsuite.matrix_env import expand_env_refs
 from benchsuite.engine_env import NAME as ENV_NAME
 from benchsuite.engine_env import recorded
+from benchsuite.engines import ADAPTERS
+from benchsuite.engines.base import EngineOptions
+from benchsuite.errors import UserError
+from benchsuite.matrix_env import expand_env_refs
 from benchsuite.matrix_yaml import YamlError, read_yaml
 
 ENGINE_KINDS = ("builtin", "llamacpp", "sglang")
@@ -200,11 +201,12 @@ class Matrix(_Strict):
 class OptionSet:
     """One resolved combination of an engine entry's options.
 
-    `params` holds only the swept keys (for report labels); `options` every option, validated.
+    `params` holds only the swept keys (for report labels); `options` is the engine's validated
+    options object, carried as is by the plan (ServerSpec.options).
     """
 
     params: Mapping[str, Any]
-    options: Mapping[str, Any]
+    options: EngineOptions
 
 
 @dataclass(frozen=True)
@@ -317,7 +319,8 @@ def _size_problems(source: Path, matrix: Matrix, option_sets: Mapping[str, tuple
         requests += n * (workload.num_requests + workload.warmup_requests)
     if cells > MAX_CELLS:
         problems.append(
-            f"{source}: (top level): the matrix makes {cells} cells (engines x workloads x repeats); at most {MAX_CELLS}"
+            f"{source}: (top level): the matrix makes {cells} cells (engines x workloads x repeats); "
+            f"at most {MAX_CELLS}"
         )
     elif requests > MAX_RUN_REQUESTS:
         problems.append(
@@ -384,13 +387,13 @@ def _resolve_options(source: Path, name: str, entry: EngineEntry) -> tuple[tuple
             index_of = {key: i for (key, _, sweep), i in zip(axes, combo) if sweep}
             errors.extend(_format_errors(source, exc, model, prefix, index_of).splitlines())
             continue
-        options = validated.model_dump(mode="json")
+        dumped = validated.model_dump(mode="json")
         index_of = {key: i for (key, _, sweep), i in zip(axes, combo) if sweep}
-        shape = model_checks.shape_problems(entry.kind, options)  # K against the model's E and top_k
+        shape = model_checks.shape_problems(entry.kind, dumped)  # K against the model's E and top_k
         errors.extend(f"{source}: {_path(prefix + (key, *([index_of[key]] if key in index_of else [])))}: {message}"
                       for key, message in shape)
-        params = {key: value for key, value in options.items() if key in swept}
-        sets.append(OptionSet(params=params, options=options))
+        params = {key: value for key, value in dumped.items() if key in swept}
+        sets.append(OptionSet(params=params, options=validated))
     return tuple(sets), errors
 
 

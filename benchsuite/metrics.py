@@ -51,10 +51,11 @@ from __future__ import annotations
 
 import itertools
 import math
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchsuite.records import CellResult, RequestRecord
 
@@ -88,9 +89,12 @@ DEFINITIONS: dict[str, str] = {
     "bytes_h2d_per_token": "expert bytes copied host->device (paging or offload's streaming) / generated tokens",
     "waves_per_step": "waves / (MoE layer x step) over the cell",
     "union_mean": "union of routed experts per (MoE layer x step), mean over the cell",
-    "engine_decode_step_s": "built-in engine: its own time per all-decode step (plan, model, wait, sample, hand-off; no HTTP), mean over the cell",
-    "gpu_memory_used_bytes": "built-in engine on CUDA: device memory in use after the cell, CUDA context and graph pools included",
-    "engine_decode_tok_s": "built-in engine: decode tokens / engine decode-step seconds, the aggregate rate in process (compare output_tok_s over HTTP)",
+    "engine_decode_step_s": "built-in engine: its own time per all-decode step (plan, model, wait, sample, hand-off; "
+    "no HTTP), mean over the cell",
+    "gpu_memory_used_bytes": "built-in engine on CUDA: device memory in use after the cell, CUDA context and graph "
+    "pools included",
+    "engine_decode_tok_s": "built-in engine: decode tokens / engine decode-step seconds, the aggregate rate in process "
+    "(compare output_tok_s over HTTP)",
     "prefill_chunks": "prompt chunks (a sequence with more than one token in a step) over the cell (engine counters)",
     "prefill_bytes_per_chunk": "expert bytes paged in during prefill steps / prompt chunks",
     "prefill_router_s_per_chunk": "host time a synthetic router override took during prefill steps / prompt chunks",
@@ -360,8 +364,6 @@ def _window_s(measured: Sequence[RequestRecord]) -> float | None:
 
 # ---- Prometheus counters ---------------------------------------------------------------------
 
-_SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
-
 PAGING_COUNTERS = {
     "activations": "paged_experts:expert_activations_total",
     "hits": "paged_experts:expert_hits_total",
@@ -389,22 +391,34 @@ PAGING_COUNTERS = {
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
-    """Prometheus text exposition -> {"name" or "name{labels}": value}. Comments are skipped;
-    histogram and summary series keep their own names (`_bucket{le=..}`, `_sum`, `_count`)."""
+    """Prometheus text exposition -> {"name" or "name{labels}": value}, parsed by prometheus_client;
+    histogram and summary series keep their own names (`_bucket{le=..}`, `_sum`, `_count`).
+    Raises ValueError on text that is not the exposition format (never a partial, guessed read)."""
     samples: dict[str, float] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        match = _SAMPLE_RE.match(line)
-        if match is None:
-            continue
-        name, labels, value = match.groups()
-        try:
-            samples[name + (labels or "")] = float(value)
-        except ValueError:
-            continue
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{_escape_label(v)}"' for k, v in sample.labels.items())
+            samples[sample.name + (f"{{{labels}}}" if labels else "")] = float(sample.value)
     return samples
+
+
+def _escape_label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+async def scrape_prometheus(session: Any, base_url: str, prefix: str) -> dict[str, float] | None:
+    """GET /metrics -> {series: value} for series whose name starts with `prefix`; None when the
+    endpoint is missing, fails, or answers something unparseable (a counter that cannot be read is
+    absent, never 0)."""
+    async with session.get(f"{base_url}/metrics") as resp:
+        if resp.status != 200:
+            return None
+        text = await resp.text()
+    try:
+        samples = parse_prometheus(text)
+    except ValueError:
+        return None
+    return {series: value for series, value in samples.items() if series.startswith(prefix)}
 
 
 def metric_value(samples: dict[str, float], name: str) -> float | None:

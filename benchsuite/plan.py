@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchsuite.engines import ADAPTERS
-from benchsuite.engines.base import ServerSpec
+from benchsuite.engines.base import EngineOptions, ServerSpec
 from benchsuite.errors import UserError
 from benchsuite.matrix import ValidatedMatrix, Workload
 
@@ -45,7 +45,7 @@ class CellSpec:
 class SearchTask:
     """An engine option set with one option left to a search (e.g. llama.cpp n_cpu_moe)."""
 
-    spec: ServerSpec  # options[option] still holds the search request ("search" or {search: ...})
+    spec: ServerSpec  # options.<option> still holds the search request ("search" or {search: ...})
     option: str
     params: Mapping[str, Any]
 
@@ -73,13 +73,14 @@ def default_run_id(matrix: ValidatedMatrix) -> str:
 
 
 def make_server_spec(
-    name: str, kind: str, options: Mapping[str, Any], fairness: Mapping[str, Any], max_concurrency: int,
+    name: str, kind: str, options: EngineOptions, fairness: Mapping[str, Any], max_concurrency: int,
     env: Mapping[str, str] | None = None,
 ) -> ServerSpec:
+    # The id hashes the options' JSON form: the same matrix always gives the same ids (resume).
     body: dict[str, Any] = {
         "name": name,
         "kind": kind,
-        "options": dict(options),
+        "options": options.model_dump(mode="json"),
         "fairness": dict(fairness),
         "max_concurrency": max_concurrency,
     }
@@ -88,7 +89,7 @@ def make_server_spec(
     return ServerSpec(
         name=name,
         kind=kind,
-        options=dict(options),
+        options=options,
         fairness=dict(fairness),
         max_concurrency=max_concurrency,
         server_id=stable_id(body),
@@ -96,9 +97,9 @@ def make_server_spec(
     )
 
 
-def search_option(options: Mapping[str, Any]) -> str | None:
+def search_option(options: EngineOptions) -> str | None:
     """The option left to a search: value `search` or a mapping with a `search` key."""
-    for key, value in options.items():
+    for key, value in options:
         if value == "search" or (isinstance(value, Mapping) and "search" in value):
             return key
     return None
@@ -165,11 +166,11 @@ def build_plan(matrix: ValidatedMatrix, run_id: str | None = None) -> Plan:
     )
 
 
-def resolve_search(plan: Plan, task: SearchTask, options: Mapping[str, Any]) -> tuple[ServerSpec, tuple[CellSpec, ...]]:
+def resolve_search(plan: Plan, task: SearchTask, options: EngineOptions) -> tuple[ServerSpec, tuple[CellSpec, ...]]:
     """The server and cells of a finished search, given its resolved options."""
     spec = make_server_spec(task.spec.name, task.spec.kind, options, task.spec.fairness, task.spec.max_concurrency,
                             task.spec.env)
-    params = {**task.params, task.option: options[task.option]}
+    params = {**task.params, task.option: getattr(options, task.option)}
     return spec, plan_cells(plan.matrix, spec, params)
 
 
@@ -201,7 +202,8 @@ def select(plan: Plan, selectors: list[str]) -> Plan:
                             f"no server of the matrix matches (engines: {', '.join(names)})")  # fmt: skip
     ids = {s.server_id for s in servers}
     return Plan(
-        run_id=plan.run_id, matrix=plan.matrix, servers=servers, cells=tuple(c for c in plan.cells if c.server_id in ids),
+        run_id=plan.run_id, matrix=plan.matrix, servers=servers,
+        cells=tuple(c for c in plan.cells if c.server_id in ids),
         searches=searches, params={k: v for k, v in plan.params.items() if k in ids},
     )
 
@@ -215,13 +217,15 @@ def format_plan(plan: Plan) -> str:
         f"(port {DRY_RUN_PORT} below stands in for the free port chosen at launch)",
     ]
     if m.linkbw:
-        lines.append("link bandwidth: `benchsuite linkbw --json` runs once before the first server (manifest link_bandwidth)")
+        lines.append(
+            "link bandwidth: `benchsuite linkbw --json` runs once before the first server (manifest link_bandwidth)"
+        )
     for server in plan.servers:
         adapter = ADAPTERS[server.kind]
         launch = adapter.launch_plan(server, DRY_RUN_PORT)
         label = _label(plan.params.get(server.server_id, {}))
         lines.append("")
-        lines.append(f"server {server.server_id}  {server.name}{label}  mode={adapter.mode(server)}")
+        lines.append(f"server {server.server_id}  {server.name}{label}  mode={server.options.placement().mode}")
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted({**launch.env, **server.env}.items()))
         lines.append(f"  $ {env + ' ' if env else ''}{shlex.join(launch.argv)}")
         for cell in plan.cells_of(server.server_id):
@@ -245,8 +249,9 @@ _SENTINEL = 987_654_321  # an option value no matrix uses, replaced by the place
 
 def _search_template(plan: Plan, task: SearchTask) -> list[str]:
     """The command line of the search's servers, the searched value as {N}, and the cell measured per N."""
-    spec = make_server_spec(task.spec.name, task.spec.kind, {**task.spec.options, task.option: _SENTINEL},
-                            task.spec.fairness, task.spec.max_concurrency, task.spec.env)  # fmt: skip
+    options = task.spec.options.replaced(**{task.option: _SENTINEL})
+    spec = make_server_spec(task.spec.name, task.spec.kind, options, task.spec.fairness, task.spec.max_concurrency,
+                            task.spec.env)  # fmt: skip
     launch = ADAPTERS[spec.kind].launch_plan(spec, DRY_RUN_PORT)
     argv = [a.replace(str(_SENTINEL), SEARCH_PLACEHOLDER) for a in launch.argv]
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted({**launch.env, **spec.env}.items()))

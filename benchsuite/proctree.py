@@ -7,6 +7,15 @@ environment carries the launch token (`TOKEN_ENV`, inherited by descendants), wh
 those that called setsid and were re-parented to init. Then SIGTERM (+SIGCONT so a stopped
 process can act on it), a grace period, SIGKILL for what is left, and the leader reaped.
 `die_with_parent` asks the kernel to SIGKILL a child when its parent dies (Linux).
+
+psutil finds the processes (descendants, users, environments) and signals them. Three parts stay
+our own because psutil has no equivalent or does worse for this job: the process-group signal
+(`os.killpg`: psutil has no group kill), the launch-token scan (nothing else finds a descendant
+that called setsid after its parent died), and the wait after SIGTERM: `psutil.wait_procs` waits
+for a zombie (a dead descendant its own dying parent has not reaped yet) as if it were alive, so a
+stop would spend the whole grace period on a process that is already dead (measured with psutil
+7: `wait_procs([zombie], timeout=2)` returned it alive after 2.04 s); `_is_running` counts
+a zombie as dead, and the leader, our child, is reaped with `Popen.poll` so its exit code is kept.
 """
 
 from __future__ import annotations

@@ -21,7 +21,9 @@ RANDOM_SHORT_TOKENS = 32  # dataset `random`: length of a `short` prompt (random
 PromptCache = dict[tuple[str, str, str], list[datasets.Prompt]]
 
 
-def cell_requests(cache: PromptCache, adapter: EngineAdapter, spec: ServerSpec, cell: CellSpec) -> list[loadgen.LoadRequest]:
+def cell_requests(
+    cache: PromptCache, adapter: EngineAdapter, spec: ServerSpec, cell: CellSpec
+) -> list[loadgen.LoadRequest]:
     """The measured requests, the same prompts for every engine (seeded order); warmups reuse
     the first ones."""
     workload = cell.workload_spec
@@ -41,7 +43,9 @@ def cell_requests(cache: PromptCache, adapter: EngineAdapter, spec: ServerSpec, 
     ]
 
 
-def _prompt_pool(cache: PromptCache, adapter: EngineAdapter, spec: ServerSpec, cell: CellSpec, count: int) -> list[datasets.Prompt]:
+def _prompt_pool(
+    cache: PromptCache, adapter: EngineAdapter, spec: ServerSpec, cell: CellSpec, count: int
+) -> list[datasets.Prompt]:
     workload = cell.workload_spec
     exact_tokens = int(cell.prompt_class) if cell.prompt_class.isdigit() else None
     if exact_tokens is None and workload.dataset == "random":
@@ -78,7 +82,9 @@ def _random_token_prompts(vocab_source: Path, n_tokens: int, n: int, seed: int) 
         vocab_size = datasets.load_tokenizer(vocab_source).get_vocab_size(with_added_tokens=False)
     rng = random.Random(seed)
     return [
-        datasets.Prompt(f"rand{n_tokens}-s{seed}-{i}", "", str(n_tokens), tuple(rng.randrange(vocab_size) for _ in range(n_tokens)))
+        datasets.Prompt(
+            f"rand{n_tokens}-s{seed}-{i}", "", str(n_tokens), tuple(rng.randrange(vocab_size) for _ in range(n_tokens))
+        )
         for i in range(n)
     ]
 
@@ -91,15 +97,8 @@ def _vocab_source(adapter: EngineAdapter, spec: ServerSpec) -> Path:
 
 
 def _tokenizer_dir(adapter: EngineAdapter, spec: ServerSpec) -> Path:
-    """The model's tokenizer, for exact-length prompts: the adapter's answer or a tokenizer option."""
+    """The model's tokenizer, for exact-length prompts: the adapter's optional `tokenizer_dir` hook."""
     finder = getattr(adapter, "tokenizer_dir", None)
-    if finder is not None:
-        return Path(finder(spec))
-    for key in ("tokenizer", "tokenizer_dir", "hf_tokenizer"):
-        value = spec.options.get(key)
-        if value:
-            return Path(str(value)).expanduser()
-    raise RunError(
-        f"engine {spec.name}: exact-length prompts need the model's tokenizer; "
-        "set a tokenizer option on this engine"
-    )
+    if finder is None:
+        raise RunError(f"engine {spec.name}: kind {spec.kind} cannot name its tokenizer; exact-length prompts need it")
+    return Path(finder(spec))

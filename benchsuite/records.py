@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-SCHEMA_VERSION = 1
-"""Bump when a stored column changes meaning; the store refuses other versions with a fix-it message."""
+SCHEMA_VERSION = 2
+"""Bump when a stored column changes meaning; the store refuses other versions with a fix-it message.
+2: cells carry the server's placement (resident_experts, n_cpu_moe) and options as typed fields,
+the manifest is benchsuite.manifest.Manifest. Version 1 is read through benchsuite.schema_v1."""
 
 CellStatus = Literal["ok", "invalid", "failed"]
 
@@ -58,9 +60,9 @@ class CellResult:
     run_id: str
     engine: str  # engine entry name in the matrix
     engine_kind: str  # builtin | llamacpp | sglang
-    mode: str  # builtin: resident|paged|offload|cpu-experts; llamacpp: n-cpu-moe|moe-cache|gpu; sglang: paged|offload|unpaged
+    mode: str  # engines.base.Placement.mode, e.g. builtin paged, llamacpp n-cpu-moe, sglang offload
     server_id: str  # hash of the server configuration (one launch serves many cells)
-    params: dict[str, Any]  # resolved sweep values, e.g. {"resident_experts": 16}
+    params: dict[str, Any]  # resolved sweep values, e.g. {"resident_experts": 16}: the labels
     workload: str
     prompt_class: str
     concurrency: int
@@ -68,6 +70,11 @@ class CellResult:
     status: CellStatus
     reason: str | None = None
     routing: str = "model"  # "model" or "synthetic:<preset>"; synthetic results say so everywhere
+    # The server's placement and options, from its typed options object (engines.base.Placement).
+    resident_experts: int | None = None  # K
+    n_cpu_moe: int | None = None  # N
+    # every engine option in force (performance ones too; defaults resolved where the adapter does)
+    options: dict[str, Any] = field(default_factory=dict)
     num_requests: int = 0
     num_errors: int = 0
     error_rate: float | None = None

@@ -8,8 +8,9 @@ processes took: extras["machine"], benchsuite.machine.cell_noise). Every cell is
 as soon as it ends. A server that fails to start, or dies, gets its cells recorded `failed` with the log tail; the rest of the
 matrix continues. Servers always stop (try/finally), also on Ctrl-C and exceptions.
 
-Building blocks for benchsuite.search (the llama.cpp `--n-cpu-moe` search), which receives the
-`RunContext` and a plan.SearchTask and returns the resolved options:
+A search (the llama.cpp `--n-cpu-moe` search, benchsuite.search.run_search) is injected as the
+`SearchHook` of the context: it receives the `RunContext` and a plan.SearchTask and returns the
+engine's options object with the searched value set. Its building blocks here:
 - `launch_server(ctx, spec)`: async context manager -> RunningServer (started, ready; stopped on exit);
 - `measure_cell(ctx, server, cell, store=...)`: one measured cell -> CellResult;
 - `plan.make_server_spec` / `plan.plan_cells` to build candidate specs and cells.
@@ -18,10 +19,10 @@ Building blocks for benchsuite.search (the llama.cpp `--n-cpu-moe` search), whic
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
-import dataclasses
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,12 +31,12 @@ from typing import Any, Protocol
 import aiohttp
 
 from benchsuite import canary, loadgen, metrics
-from benchsuite.engines import ADAPTERS, RUN_DIR_PLACEHOLDER
-from benchsuite.engines.base import EngineAdapter, EngineConfigError, ServerSpec
 from benchsuite.engine_env import engine_environment, recorded
+from benchsuite.engines import ADAPTERS, RUN_DIR_PLACEHOLDER
+from benchsuite.engines.base import EngineAdapter, EngineConfigError, EngineOptions, ServerSpec
 from benchsuite.errors import RunError, UserError
-from benchsuite.fingerprint import plan_fingerprint
-from benchsuite.machine import cell_noise, git_facts, machine_facts, noise_snapshot
+from benchsuite.machine import cell_noise, noise_snapshot
+from benchsuite.manifest import build_manifest
 from benchsuite.plan import CellSpec, Plan, SearchTask, resolve_search
 from benchsuite.process import EngineProcess, free_port
 from benchsuite.prompts_for_cells import PromptCache, cell_requests
@@ -77,7 +78,11 @@ class RunContext:
     events: RunEvents = field(default_factory=SilentEvents)
     cell_timeout_s: float = DEFAULT_CELL_TIMEOUT_S  # last resort: a hung engine fails its cell, not the whole run
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S  # per request: its record survives as a failure
+    search: SearchHook | None = None  # runs the plan's searches (benchsuite.search.run_search)
     _prompts: PromptCache = field(default_factory=dict)
+
+
+SearchHook = Callable[[RunContext, SearchTask], Awaitable[EngineOptions]]
 
 
 @dataclass
@@ -111,19 +116,17 @@ async def launch_server(ctx: RunContext, spec: ServerSpec) -> AsyncIterator[Runn
     base_url = f"http://127.0.0.1:{port}"
     ctx.store.record_server(
         spec.server_id,
-        {
-            "engine": spec.name,
-            "kind": spec.kind,
-            "options": dict(spec.options),
-            "fairness": dict(spec.fairness),
-            "max_concurrency": spec.max_concurrency,
-            "argv": argv,
-            "env": recorded(env),
-            "version": adapter.version(spec),
-            **({"resolved_options": adapter.resolved_options(spec)} if hasattr(adapter, "resolved_options") else {}),
-            "started_utc": utc_now(),
-            "log": str(ctx.store.log_path(spec.server_id).relative_to(ctx.store.run_dir)),
-        },
+        engine=spec.name,
+        kind=spec.kind,
+        options=spec.options.model_dump(mode="json"),
+        resolved_options=_options_in_force(adapter, spec),
+        fairness=dict(spec.fairness),
+        max_concurrency=spec.max_concurrency,
+        argv=argv,
+        env=recorded(env),
+        version=adapter.version(spec),
+        started_utc=utc_now(),
+        log=str(ctx.store.log_path(spec.server_id).relative_to(ctx.store.run_dir)),
     )
     process = EngineProcess(
         argv, env, ctx.store.log_path(spec.server_id), base_url + launch.health_path, launch.startup_timeout_s,
@@ -133,11 +136,10 @@ async def launch_server(ctx: RunContext, spec: ServerSpec) -> AsyncIterator[Runn
         started_s = time.perf_counter()
         process.start()
         await process.wait_ready()
-        startup = {"startup_s": round(time.perf_counter() - started_s, 3)}  # launch -> first 200 from health
+        startup_s = round(time.perf_counter() - started_s, 3)  # launch -> first 200 from health
         engine_startup = getattr(adapter, "startup_facts", None)  # the engine's own breakdown, if it reports one
-        if engine_startup is not None:
-            startup.update(await engine_startup(ctx.session, base_url))
-        ctx.store.record_server(spec.server_id, startup)
+        facts = await engine_startup(ctx.session, base_url) if engine_startup is not None else {}
+        ctx.store.record_server(spec.server_id, startup_s=startup_s, startup_facts=facts)
         yield RunningServer(spec, adapter, process, base_url, argv)
     finally:
         process.stop()
@@ -237,12 +239,13 @@ async def run_server_cells(ctx: RunContext, spec: ServerSpec, cells: Sequence[Ce
 
 
 async def run_search_task(ctx: RunContext, task: SearchTask) -> list[CellResult]:
-    """Hand a search to benchsuite.search, then run the workloads on the value it returns."""
-    from benchsuite.search import run_search  # owned by the llama.cpp engineer; imported only when needed
-
-    options: Mapping[str, Any] = await run_search(ctx, task)
+    """Hand a search to the context's search hook, then run the workloads on the value it returns."""
+    if ctx.search is None:
+        raise RunError(f"engine {task.spec.name}: {task.option} asks for a search, and this run has no search hook")
+    options = await ctx.search(ctx, task)
     spec, cells = resolve_search(ctx.plan, task, options)
-    ctx.store.record_server(spec.server_id, {"search": {"option": task.option, "request": task.spec.options[task.option]}})
+    request = getattr(task.spec.options, task.option)
+    ctx.store.record_server(spec.server_id, search={"option": task.option, "request": request})
     return await run_server_cells(ctx, spec, cells)
 
 
@@ -252,26 +255,6 @@ def open_store(plan: Plan, output_root: Path | None = None, *, write: Writer = a
     `new_run` moves an existing run there aside first. Close the store to release the lock."""
     run_dir = Path(output_root or plan.matrix.matrix.output_root) / plan.run_id
     return RunStore.open(run_dir, build_manifest(plan), write=write, new_run=new_run)
-
-
-def build_manifest(plan: Plan) -> dict[str, Any]:
-    return {
-        "run_id": plan.run_id,
-        "created_utc": utc_now(),
-        "matrix_source": str(plan.matrix.source),
-        "matrix_hash": plan.matrix.matrix_hash,
-        "matrix": plan.matrix.as_json(),
-        "machine": machine_facts(),
-        "git": git_facts(),
-        "fingerprint": plan_fingerprint(plan),  # what the cells depend on beyond the matrix text
-        "planned": {
-            "servers": {s.server_id: {"engine": s.name, "kind": s.kind, "params": dict(plan.params[s.server_id])}
-                        for s in plan.servers},
-            "cells": [c.cell_id for c in plan.cells],
-            "searches": [{"engine": t.spec.name, "option": t.option} for t in plan.searches],
-        },
-        "servers": {},
-    }
 
 
 def client_session() -> aiohttp.ClientSession:
@@ -290,11 +273,13 @@ async def run_plan(
     *,
     cell_timeout_s: float = DEFAULT_CELL_TIMEOUT_S,
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+    search: SearchHook | None = None,
 ) -> list[str]:
     """Run every unfinished cell of the plan into the store (the CLI's one library call);
     returns the problems that produced no cell (a search that found no value)."""
     async with client_session() as session:
-        return await execute(RunContext(plan, store, session, events or SilentEvents(), cell_timeout_s, request_timeout_s))
+        ctx = RunContext(plan, store, session, events or SilentEvents(), cell_timeout_s, request_timeout_s, search)
+        return await execute(ctx)
 
 
 async def execute(ctx: RunContext) -> list[str]:
@@ -310,7 +295,7 @@ async def execute(ctx: RunContext) -> list[str]:
             try:
                 await run_search_task(ctx, task)
             except RunError as exc:  # no value fits or every launch failed: the rest of the run stands
-                ctx.store.record_server(task.spec.server_id, {"search_error": str(exc)})
+                ctx.store.record_server(task.spec.server_id, search_error=str(exc))
                 problems.append(str(exc))
     finally:
         ctx.store.rebuild_tables()
@@ -334,14 +319,20 @@ async def _measure_link(ctx: RunContext) -> None:
     a resumed run keeps a figure it already has and retries a probe that failed."""
     from benchsuite.linkbw import probe_in_subprocess
 
-    stored = read_manifest(ctx.store.run_dir).get("link_bandwidth") or {}
+    stored = read_manifest(ctx.store.run_dir).link_bandwidth or {}
     if stored.get("paging_gb_per_s"):
         return
-    ctx.store.record_run("link_bandwidth", await asyncio.to_thread(probe_in_subprocess))
+    ctx.store.record_run(link_bandwidth=await asyncio.to_thread(probe_in_subprocess))
 
 
 async def _load(
-    ctx: RunContext, server: RunningServer, cell: CellSpec, requests: list[loadgen.LoadRequest], *, cold_first: bool, closed: bool
+    ctx: RunContext,
+    server: RunningServer,
+    cell: CellSpec,
+    requests: list[loadgen.LoadRequest],
+    *,
+    cold_first: bool,
+    closed: bool,
 ) -> list[RequestRecord]:
     """One load phase of a cell: closed-loop warmups, or the measured requests as the workload says."""
     workload = cell.workload_spec
@@ -357,22 +348,28 @@ async def _load(
         requests,
         spec,
         cell_id=cell.cell_id,
-        model_name=str(server.spec.options.get("model", server.spec.name)),
+        model_name=server.spec.model_name,
         extras=server.adapter.request_extras(server.spec),
         cold_first=cold_first,
         session=ctx.session,
     )
 
 
+def _options_in_force(adapter: EngineAdapter, spec: ServerSpec) -> dict[str, Any]:
+    """The options a server runs with: the adapter's `resolved_options` hook (defaults that depend on
+    the device, mode or concurrency resolved), else the options object as validated."""
+    resolve = getattr(adapter, "resolved_options", None)
+    return dict(resolve(spec)) if resolve is not None else spec.options.model_dump(mode="json")
+
+
 def _base_result(ctx: RunContext, spec: ServerSpec, cell: CellSpec) -> CellResult:
-    adapter = ADAPTERS[spec.kind]
-    routing_label = getattr(adapter, "routing_label", None)  # engines with synthetic routing say so
+    placement = spec.options.placement()  # typed K, N, mode and routing: the report reads these fields
     return CellResult(
         cell_id=cell.cell_id,
         run_id=ctx.plan.run_id,
         engine=cell.engine,
         engine_kind=spec.kind,
-        mode=adapter.mode(spec),
+        mode=placement.mode,
         server_id=cell.server_id,
         params=dict(cell.params),
         workload=cell.workload,
@@ -380,11 +377,16 @@ def _base_result(ctx: RunContext, spec: ServerSpec, cell: CellSpec) -> CellResul
         concurrency=cell.concurrency,
         repeat=cell.repeat,
         status="ok",
-        routing=routing_label(spec) if routing_label else "model",
+        routing=placement.routing,
+        resident_experts=placement.resident_experts,
+        n_cpu_moe=placement.n_cpu_moe,
+        options=_options_in_force(ADAPTERS[spec.kind], spec),
     )
 
 
-def failed_result(ctx: RunContext, cell: CellSpec, spec: ServerSpec, reason: str, base: CellResult | None = None) -> CellResult:
+def failed_result(
+    ctx: RunContext, cell: CellSpec, spec: ServerSpec, reason: str, base: CellResult | None = None
+) -> CellResult:
     """`base` (or a fresh result of the cell) marked failed with `reason`."""
     return dataclasses.replace(base or _base_result(ctx, spec, cell), status="failed", reason=reason)
 
@@ -430,12 +432,13 @@ async def _after_cells(ctx: RunContext, server: RunningServer, cells: Sequence[C
     hook = getattr(adapter, "after_cells", None)
     if hook is not None:
         try:
-            requests = {(r.prompt_class, r.prompt_id): r for c in cells for r in cell_requests(ctx._prompts, adapter, spec, c)}
+            sent = (r for c in cells for r in cell_requests(ctx._prompts, adapter, spec, c))
+            requests = {(r.prompt_class, r.prompt_id): r for r in sent}
             facts = await hook(ctx, server, list(requests.values()))
         except (*CELL_ERRORS, ValueError) as exc:
             facts = {"after_cells_error": f"{type(exc).__name__}: {exc}"}
         if facts:
-            ctx.store.record_server(spec.server_id, facts)
+            ctx.store.record_server(spec.server_id, facts=facts)
     if ctx.plan.matrix.matrix.canary:
         try:
             report = await canary.run_canary(
@@ -445,4 +448,4 @@ async def _after_cells(ctx: RunContext, server: RunningServer, cells: Sequence[C
             result: dict[str, Any] = report.to_dict()
         except (*CELL_ERRORS, ValueError) as exc:  # not run to the end: no verdict, the reason kept
             result = {"error": f"{type(exc).__name__}: {exc}"}
-        ctx.store.record_server(spec.server_id, {"canary": result})
+        ctx.store.record_server(spec.server_id, canary=result)

@@ -11,8 +11,9 @@ The published baseline launched the server once per N (a linear scan). Here:
 
 `propose` is a generator (guidellm's adaptive-sweep shape): it yields the next N, is sent the
 measured objective (None for a failed launch) and returns a `SearchOutcome`. The objective is
-injected, so unit tests drive it with synthetic curves. `run_search` is the runner hook
-(benchsuite.runner.run_search_task): it projects every N, launches llama-server for each proposed
+injected, so unit tests drive it with synthetic curves. `run_search` is the runner's search hook
+(`runner.SearchHook`, given to `run_plan` by the CLI; the runner never imports this module): it
+projects every N, launches llama-server for each proposed
 N and measures one cell, stores one cell per LAUNCHED N (extras: search_n, fits, projected_bytes,
 chosen) so the report can draw the curve, records every candidate (ruled out ones with their
 projection, never as cells) under the search's server in the manifest, and returns the engine
@@ -26,25 +27,14 @@ from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
+from benchsuite.engines.base import EngineOptions
 from benchsuite.errors import RunError, UserError
+from benchsuite.search_settings import SearchSettings, parse_request
+
+__all__ = ["SearchSettings", "parse_request", "propose", "drive", "run_search", "describe", "format_gb"]
 
 Objective = Callable[[int], "float | None"]
 SearchGen = Generator[int, "float | None", "SearchOutcome"]
-
-
-class SearchSettings(BaseModel):
-    """`n_cpu_moe: {search: {...}}` (all optional; `n_cpu_moe: search` takes the defaults)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    min_n: int = Field(0, ge=0)
-    max_n: int | None = Field(None, ge=0)  # default: the model's layer count (all experts on the CPU)
-    rel_tol: float = Field(0.02, ge=0.0)  # a step right must improve by more than this to continue
-    metric: Literal["decode_tok_s_p50", "output_tok_s"] = "decode_tok_s_p50"
-    margin_mib: int = Field(1024, ge=0)  # llama.cpp's default fit margin per device
-    projection: Literal["auto", "benchsuite", "llama-fit-params"] = "auto"
 
 
 @dataclass(frozen=True)
@@ -135,21 +125,6 @@ def drive(gen: SearchGen, objective: Objective) -> SearchOutcome:
         return stop.value
 
 
-def parse_request(value: Any) -> SearchSettings:
-    """`search` or `{search: {...}}` -> settings; anything else is a user error."""
-    if value == "search":
-        return SearchSettings()
-    if isinstance(value, Mapping) and set(value) == {"search"}:
-        body = value["search"] or {}
-        if not isinstance(body, Mapping):
-            raise UserError("n_cpu_moe: {search: ...} must hold a mapping of search settings")
-        try:
-            return SearchSettings.model_validate(dict(body))
-        except ValidationError as exc:
-            raise UserError(f"n_cpu_moe.search: {exc}") from None
-    raise UserError(f"n_cpu_moe: expected an integer, 'search' or {{search: {{...}}}}, got {value!r}")
-
-
 # ---- runner hook --------------------------------------------------------------------------------
 
 CandidateOutcome = Literal["ruled out", "measured", "failed", "not launched"]
@@ -182,8 +157,8 @@ class _Probe:
         from benchsuite.plan import make_server_spec, plan_cells, stable_id
 
         spec, option = self.task.spec, self.task.option
-        s = make_server_spec(spec.name, spec.kind, {**spec.options, option: n}, spec.fairness, spec.max_concurrency,
-                             spec.env)
+        s = make_server_spec(spec.name, spec.kind, spec.options.replaced(**{option: n}), spec.fairness,
+                             spec.max_concurrency, spec.env)
         cells = plan_cells(self.ctx.plan.matrix, s, {**self.task.params, option: n})
         first = cells[0]
         same_class = [
@@ -234,7 +209,7 @@ def _candidate(n: int, projection: Any, fits: bool, margin_bytes: int, result: A
     )
 
 
-async def run_search(ctx: Any, task: Any) -> Mapping[str, Any]:
+async def run_search(ctx: Any, task: Any) -> EngineOptions:
     """Search `task.option` of a llamacpp engine entry; returns its options with the chosen N.
 
     `ctx` is a benchsuite.runner.RunContext and `task` a benchsuite.plan.SearchTask. Only launched
@@ -247,7 +222,7 @@ async def run_search(ctx: Any, task: Any) -> Mapping[str, Any]:
     adapter = ADAPTERS[spec.kind]
     if not hasattr(adapter, "projections"):
         raise UserError(f"engine {spec.name}: kind {spec.kind} has no {task.option} search")
-    settings = parse_request(spec.options[task.option])
+    settings = parse_request(getattr(spec.options, task.option))
     budget_bytes = adapter.vram_budget_bytes(spec)
     projections = adapter.projections(spec, settings)  # n -> Projection, every candidate N
     margin_bytes = settings.margin_mib * 2**20
@@ -275,12 +250,12 @@ async def run_search(ctx: Any, task: Any) -> Mapping[str, Any]:
         "best_n": outcome.best_n, "launches": outcome.launches, "linear_scan_launches": outcome.linear_scan_launches,
         "candidates": [dataclasses.asdict(c) for c in candidates],
     }  # fmt: skip
-    ctx.store.record_server(spec.server_id, {"engine": spec.name, "kind": spec.kind, "search": record})
+    ctx.store.record_server(spec.server_id, engine=spec.name, kind=spec.kind, search=record)
     if outcome.best_n is None:
         if not fitting:
             raise RunError(f"engine {spec.name}: no {task.option} value fits the {budget_bytes / 2**30:.2f} GiB budget")
         raise RunError(f"engine {spec.name}: every launch of the {task.option} search failed (see the logs)")
-    return {**spec.options, task.option: outcome.best_n}
+    return spec.options.replaced(**{task.option: outcome.best_n})
 
 
 def _objective_cell(probe: _Probe, ns: Sequence[int]) -> dict[str, Any] | None:

@@ -10,8 +10,10 @@
 
 Every write goes through one injectable `write(path, data)` seam, atomic by default (temporary
 file in the same directory, fsync, os.replace), so a crash never leaves half a file and a fault
-test can make writes fail. Files carry SCHEMA_VERSION; other versions are refused with a fix-it
-message. In the tables, dict-valued columns (params, extras, engine_timings) are JSON text.
+test can make writes fail. Files carry SCHEMA_VERSION; version 1 is read (not resumed) through
+benchsuite.schema_v1, other versions are refused with a fix-it message. The manifest is the typed
+benchsuite.manifest.Manifest and this store is its only writer. In the tables, dict-valued columns
+(params, options, extras, engine_timings) are JSON text.
 
 One runner at a time: `open` holds the directory's lock (benchsuite.runlock) until `close`.
 A resume must match what the run was measured with: the matrix hash and the manifest's
@@ -43,7 +45,10 @@ from typing import Any
 import pandas as pd
 import pydantic
 
+from benchsuite import schema_v1
 from benchsuite.errors import RunError, UserError
+from benchsuite.fingerprint import fingerprint_changes
+from benchsuite.manifest import Invocation, Manifest
 from benchsuite.records import SCHEMA_VERSION, CellResult, RequestRecord
 from benchsuite.runlock import RunLock
 
@@ -63,7 +68,8 @@ class DamagedFile(Exception):
 def note_to_stderr(line: str) -> None:
     print(line, file=sys.stderr)
 FINISHED_STATUSES = ("ok", "invalid")  # a rerun skips these; `failed` cells run again
-_JSON_COLUMNS = ("params", "extras", "engine_timings")
+_JSON_COLUMNS = ("params", "options", "extras", "engine_timings")
+_READABLE_VERSIONS = (schema_v1.VERSION, SCHEMA_VERSION)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -99,7 +105,7 @@ class RunStore:
         self._lock: RunLock | None = None
 
     @classmethod
-    def open(cls, run_dir: Path, manifest: dict[str, Any], *, write: Writer = atomic_write_bytes,
+    def open(cls, run_dir: Path, manifest: Manifest, *, write: Writer = atomic_write_bytes,
              new_run: bool = False, notify: Notify = note_to_stderr) -> RunStore:  # fmt: skip
         """Lock the run directory, then create it, or resume it when it holds a run of the same
         matrix measured with the same inputs; `new_run` first moves an existing run aside."""
@@ -140,42 +146,49 @@ class RunStore:
             old_lock.release()
         self._notify(f"benchsuite: --new-run: the earlier run is kept in {aside}")
 
-    def _open(self, manifest: dict[str, Any]) -> None:
-        invocation = {"started_utc": utc_now(), "git": manifest.get("git"), "host": manifest.get("machine", {}).get("hostname")}
+    def _open(self, manifest: Manifest) -> None:
+        invocation = Invocation(started_utc=utc_now(), git=manifest.git, host=manifest.machine.get("hostname"))
         if self.manifest_path.exists():
-            existing = read_manifest(self.run_dir)
-            self._check_resumable(existing, manifest)
-            existing.setdefault("invocations", []).append(invocation)
-            self._write_json(self.manifest_path, existing)
+            existing = self._check_resumable(_read_manifest_file(self.manifest_path, writable=True), manifest)
+            self._write_manifest(existing.model_copy(update={"invocations": [*existing.invocations, invocation]}))
             return
         try:
             for sub in ("cells", "logs", "engine_metrics", "attempts"):
                 (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise RunError(f"cannot create the run directory {self.run_dir}: {exc.strerror or exc}") from None
-        self._write_json(self.manifest_path, {**manifest, "schema_version": SCHEMA_VERSION, "invocations": [invocation]})
+        first = manifest.model_copy(update={"schema_version": SCHEMA_VERSION, "invocations": [invocation]})
+        self._write_manifest(first)
 
-    def _check_resumable(self, existing: dict[str, Any], manifest: dict[str, Any]) -> None:
+    def _check_resumable(self, existing: Manifest, manifest: Manifest) -> Manifest:
+        """`existing` with the new input fingerprint merged in; UserError when resuming would mix inputs."""
         fix = "pass --new-run to start a new run here (the old one is moved aside, never deleted) or another --run-id"
-        if existing.get("matrix_hash") != manifest.get("matrix_hash"):
+        if existing.matrix_hash != manifest.matrix_hash:
             raise UserError(f"{self.run_dir} holds a run of a different matrix; pass another --run-id, or {fix}")
-        old, new = existing.get("fingerprint"), manifest.get("fingerprint")
+        old, new = existing.fingerprint, manifest.fingerprint
         if new is None:  # the caller records no inputs (tests, imported results): nothing to compare
-            return
+            return existing
         if old is None:
-            self._notify(f"benchsuite: {self.manifest_path}: no input fingerprint recorded by the earlier run; recording it now")
+            self._notify(
+                f"benchsuite: {self.manifest_path}: no input fingerprint recorded by the earlier run; recording it now"
+            )
         changes = fingerprint_changes(old or {}, new or {})
         stored = [self.stored_cell(p.stem) for p in sorted((self.run_dir / "cells").glob("*.json"))] if changes else []
         done = [c.result for c in stored if c is not None and c.result.status in FINISHED_STATUSES]
-        blocking = [f"{phrase} ({group[:-1]} {name})" for (group, name), phrases in changes.items() for phrase in phrases
-                    if old is not None and any(name == (c.engine if group == "engines" else c.workload) for c in done)]  # fmt: skip
+        blocking = [f"{phrase} ({group[:-1]} {name})" for (group, name), phrases in changes.items()
+                    for phrase in phrases
+                    if old is not None and any(name == (c.engine if group == "engines" else c.workload) for c in done)
+                    ]  # fmt: skip
         if blocking:
             shown = "; ".join(blocking[:3]) + (f"; and {len(blocking) - 3} more" if len(blocking) > 3 else "")
             raise UserError(f"{self.run_dir} was measured with other inputs, resuming would mix them: {shown}; {fix}")
         if changes and old is not None:
-            self._notify(f"benchsuite: {self.manifest_path}: inputs changed only for cells not finished yet; recorded anew")
+            self._notify(
+                f"benchsuite: {self.manifest_path}: inputs changed only for cells not finished yet; recorded anew"
+            )
         kept = old or {}
-        existing["fingerprint"] = {group: {**(kept.get(group) or {}), **(new.get(group) or {})} for group in new}
+        merged = {group: {**(kept.get(group) or {}), **(new.get(group) or {})} for group in new}
+        return existing.model_copy(update={"fingerprint": merged})
 
     # ---- paths ---------------------------------------------------------------------------------
 
@@ -204,18 +217,18 @@ class RunStore:
     def _write_json(self, path: Path, payload: Any) -> None:
         self._write(path, json.dumps(payload, indent=1, sort_keys=True, default=str).encode())
 
-    def record_server(self, server_id: str, facts: dict[str, Any]) -> None:
-        """Merge launch facts (exact argv, env, engine version, start time) into manifest.servers."""
-        manifest = read_manifest(self.run_dir)
-        servers = manifest.setdefault("servers", {})
-        servers[server_id] = {**servers.get(server_id, {}), **facts}
-        self._write_json(self.manifest_path, manifest)
+    def _write_manifest(self, manifest: Manifest) -> None:
+        self._write_json(self.manifest_path, manifest.to_json())
 
-    def record_run(self, key: str, facts: dict[str, Any]) -> None:
-        """Set a run-level fact of the manifest (e.g. `link_bandwidth`, the run's link probe)."""
-        manifest = read_manifest(self.run_dir)
-        manifest[key] = facts
-        self._write_json(self.manifest_path, manifest)
+    def record_server(self, server_id: str, **facts: Any) -> None:
+        """Merge facts (ServerRecord fields: argv, env, version, canary, ...) into manifest.servers."""
+        manifest = _read_manifest_file(self.manifest_path, writable=True)
+        self._write_manifest(manifest.with_server(server_id, **facts))
+
+    def record_run(self, **facts: Any) -> None:
+        """Set run-level facts of the manifest (Manifest fields, e.g. `link_bandwidth`)."""
+        manifest = _read_manifest_file(self.manifest_path, writable=True)
+        self._write_manifest(Manifest.model_validate({**manifest.model_dump(), **facts}))
 
     def write_cell(self, result: CellResult, records: Iterable[RequestRecord]) -> StoredCell:
         """Store one finished cell; a previous failed attempt is moved to attempts/, never lost."""
@@ -249,7 +262,8 @@ class RunStore:
             os.replace(path, target)
         except OSError as exc:
             raise RunError(f"{path} is damaged ({why}) and cannot be moved aside: {exc.strerror or exc}") from None
-        self._notify(f"benchsuite: {path} is damaged ({why}); moved to {target.relative_to(self.run_dir)}, the cell runs again")
+        moved = target.relative_to(self.run_dir)
+        self._notify(f"benchsuite: {path} is damaged ({why}); moved to {moved}, the cell runs again")
 
     def write_engine_metrics(self, cell_id: str, metrics: dict[str, Any]) -> None:
         self._write_json(self.engine_metrics_path(cell_id), metrics)
@@ -285,28 +299,45 @@ class RunStore:
         return stored is not None and stored.result.status in FINISHED_STATUSES
 
     def _cell_payloads(self, set_aside: bool = True) -> list[dict[str, Any]]:
-        """Every readable cell file; damaged ones are set aside (or, read-only, skipped with a note)."""
+        """Every readable cell file at the current schema (version-1 cells upgraded with their server
+        record; read-only); damaged ones are set aside (or, read-only, skipped with a note)."""
         payloads = []
         for path in sorted((self.run_dir / "cells").glob("*.json")):
             try:
-                payloads.append(_read_cell(path, with_requests=True)[0])
+                payloads.append(_read_cell(path, with_requests=True, writable=set_aside)[0])
             except DamagedFile as exc:
                 if set_aside:
                     self._set_aside(path, str(exc))
                 else:
                     self._notify(f"benchsuite: {path} is damaged ({exc}); left out")
-        return payloads
+        if all(p["schema_version"] == SCHEMA_VERSION for p in payloads):
+            return payloads
+        manifest = read_manifest(self.run_dir)
+        return [p if p["schema_version"] == SCHEMA_VERSION
+                else {**p, "cell": schema_v1.cell_from_v1(p["cell"], manifest.server(str(p["cell"].get("server_id"))))}
+                for p in payloads]  # fmt: skip
 
 
-def read_manifest(run_dir: Path) -> dict[str, Any]:
-    path = Path(run_dir) / "manifest.json"
+def read_manifest(run_dir: Path) -> Manifest:
+    return _read_manifest_file(Path(run_dir) / "manifest.json")
+
+
+def _read_manifest_file(path: Path, *, writable: bool = False) -> Manifest:
+    """The typed manifest (a version-1 file through schema_v1, unless it is to be written)."""
+    fix = ("without it the stored cells' provenance is unknown: pass --new-run to start a new run (the old "
+           "directory is moved aside) or another --run-id")  # fmt: skip
     try:
-        return _read_versioned(path)
+        payload = _read_versioned(path, writable=writable)
     except DamagedFile as exc:
-        raise UserError(
-            f"{path} is damaged ({exc}); without it the stored cells' provenance is unknown: pass --new-run to "
-            "start a new run (the old directory is moved aside) or another --run-id"
-        ) from None
+        raise UserError(f"{path} is damaged ({exc}); {fix}") from None
+    if payload["schema_version"] == schema_v1.VERSION:
+        return schema_v1.manifest_from_v1(payload)
+    try:
+        return Manifest.model_validate(payload)
+    except pydantic.ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        raise UserError(f"{path} is damaged ({where}: {err['msg']}); {fix}") from None
 
 
 def read_cells(run_dir: Path) -> list[CellResult]:
@@ -314,45 +345,13 @@ def read_cells(run_dir: Path) -> list[CellResult]:
 
 
 def read_requests(run_dir: Path) -> list[RequestRecord]:
-    return [r for p in RunStore(run_dir)._cell_payloads(set_aside=False) for r in _REQUESTS.validate_python(p["requests"])]
+    payloads = RunStore(run_dir)._cell_payloads(set_aside=False)
+    return [r for p in payloads for r in _REQUESTS.validate_python(p["requests"])]
 
 
-def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[tuple[str, str], list[str]]:
-    """(group, name) -> one phrase per input whose recorded facts differ, for the groups `engines`
-    and `workloads` of benchsuite.fingerprint, e.g. `model /m/x.safetensors: bytes 1 -> 2`. Only
-    names in both count: a run of part of the matrix (--only) fingerprints that part."""
-    changes: dict[tuple[str, str], list[str]] = {}
-    for group in ("engines", "workloads"):
-        before_all, after_all = old.get(group) or {}, new.get(group) or {}
-        for name in sorted(set(before_all) & set(after_all)):  # a part left out (--only) is not a change
-            phrases = _fact_changes(before_all.get(name) or {}, after_all.get(name) or {})
-            if phrases:
-                changes[(group, name)] = phrases
-    return changes
-
-
-def _fact_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    phrases = []
-    for key in sorted(set(old) | set(new)):
-        before, after = old.get(key, "absent"), new.get(key, "absent")
-        if before == after:
-            continue
-        if isinstance(before, dict) and isinstance(after, dict):
-            diffs = [f"{k} {before.get(k)!r} -> {after.get(k)!r}" for k in sorted(set(before) | set(after))
-                     if before.get(k) != after.get(k)]  # fmt: skip
-            phrases.append(f"{key}: {', '.join(diffs)}")
-        else:
-            phrases.append(f"{key}: {_short(before)} -> {_short(after)}")
-    return phrases
-
-
-def _short(value: Any) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
-    return text if len(text) <= 120 else text[:117] + "..."
-
-
-def _read_versioned(path: Path) -> dict[str, Any]:
-    """The JSON object of a stored file; UserError for another schema version, DamagedFile for the rest."""
+def _read_versioned(path: Path, *, writable: bool = False) -> dict[str, Any]:
+    """The JSON object of a stored file of a version this benchsuite reads (`writable`: one it may
+    also resume); UserError for another schema version, DamagedFile for the rest."""
     try:
         payload = json.loads(path.read_bytes())
     except FileNotFoundError:
@@ -366,18 +365,23 @@ def _read_versioned(path: Path) -> dict[str, Any]:
     version = payload.get("schema_version")
     if not isinstance(version, int) or isinstance(version, bool):
         raise DamagedFile(f"schema_version {version!r} is not a version number")
-    if version != SCHEMA_VERSION:
+    if version == SCHEMA_VERSION or (version in _READABLE_VERSIONS and not writable):
+        return payload
+    if version in _READABLE_VERSIONS:
         raise UserError(
-            f"{path} has results schema version {version}, this benchsuite reads version {SCHEMA_VERSION}: "
-            "rerun the matrix with this version into a new --run-id, or read it with the benchsuite "
-            "release that wrote it"
+            f"{path} has results schema version {version}; this benchsuite reports it but writes only version "
+            f"{SCHEMA_VERSION}: rerun the matrix into a new --run-id to resume it"
         )
-    return payload
+    raise UserError(
+        f"{path} has results schema version {version}, this benchsuite reads versions "
+        f"{', '.join(map(str, _READABLE_VERSIONS))}: rerun the matrix with this version into a new --run-id, "
+        "or read it with the benchsuite release that wrote it"
+    )
 
 
-def _read_cell(path: Path, *, with_requests: bool) -> tuple[dict[str, Any], CellResult]:
+def _read_cell(path: Path, *, with_requests: bool, writable: bool = True) -> tuple[dict[str, Any], CellResult]:
     """A cell file's payload and its CellResult, checked: attempt, the cell of this file, request records."""
-    payload = _read_versioned(path)
+    payload = _read_versioned(path, writable=writable)
     attempt = payload.get("attempt")
     if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 1:
         raise DamagedFile(f"attempt {attempt!r} is not a number >= 1")

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from benchsuite import metrics
 from benchsuite.loadgen import LoadRequest, LoadSpec, run_load
-from benchsuite.records import SCHEMA_VERSION, CellResult
+from benchsuite.manifest import Manifest
+from benchsuite.records import CellResult
 from benchsuite.report import compare_runs
 from benchsuite.report.build import build_report_data
 from benchsuite.store import RunStore
@@ -35,9 +36,9 @@ CONCURRENCY = (1, 2)
 async def _measure_run(root: Path, run_id: str, seed: int, slow_factor: float = 1.0, repeats: int = REPEATS) -> Path:
     run_dir = root / run_id
     run_dir.mkdir(parents=True)
-    manifest = {"schema_version": SCHEMA_VERSION, "run_id": run_id, "servers": {}, "matrix_hash": "aa-matrix",
-                "git": {"commit": "aa-commit", "dirty": False, "tree": "aa-tree"}}
-    (run_dir / "manifest.json").write_text(json.dumps(manifest))
+    manifest = Manifest(run_id=run_id, created_utc="2026-12-01T00:00:00+00:00", matrix_source="aa.yaml",
+                        matrix_hash="aa-matrix", matrix={}, git={"commit": "aa-commit", "dirty": False, "tree": "aa-tree"})
+    (run_dir / "manifest.json").write_text(json.dumps(manifest.to_json()))
     store = RunStore(run_dir)
     rng = random.Random(seed)
     requests = [LoadRequest(f"p{i}", "short", f"prompt {i}", 12) for i in range(6)]

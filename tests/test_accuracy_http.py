@@ -180,11 +180,11 @@ async def test_an_engine_that_ignores_logprobs_is_an_error_not_a_fail_or_pass() 
 )
 async def test_llama_server_against_itself_passes_through_the_cli(tmp_path: Path) -> None:
     from benchsuite.engines.base import ServerSpec
-    from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter
+    from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter, LlamaCppOptions
     from benchsuite.process import EngineProcess, free_port
 
     gguf = await asyncio.to_thread(
-        LlamaCppAdapter().model_path, ServerSpec("a", "llamacpp", {"model": "tiny"}, {}, 1, "a")
+        LlamaCppAdapter().model_path, ServerSpec("a", "llamacpp", LlamaCppOptions(model="tiny"), {}, 1, "a")
     )
     port = free_port()
     argv = [str(find_binary()), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", "1", "-c", "1024"]

@@ -118,11 +118,11 @@ async def test_an_unreachable_endpoint_is_an_error_not_a_pass(capsys: pytest.Cap
 )
 async def test_llama_server_passes(tmp_path: Path) -> None:
     from benchsuite.engines.base import ServerSpec
-    from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter
+    from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter, LlamaCppOptions
     from benchsuite.process import EngineProcess, free_port
 
     gguf = await asyncio.to_thread(
-        LlamaCppAdapter().model_path, ServerSpec("c", "llamacpp", {"model": "tiny"}, {}, 1, "c")
+        LlamaCppAdapter().model_path, ServerSpec("c", "llamacpp", LlamaCppOptions(model="tiny"), {}, 1, "c")
     )
     port = free_port()
     argv = [

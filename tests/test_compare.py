@@ -4,14 +4,14 @@ and the markdown / HTML outputs and CLI."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
 from benchsuite.cli import main as cli_main
-from benchsuite.records import SCHEMA_VERSION, CellResult, RequestRecord
+from benchsuite.manifest import Manifest
+from benchsuite.records import CellResult, RequestRecord
 from benchsuite.report import compare_runs, write_comparison
 from benchsuite.report.compare import LEVEL_REPEATS, LEVEL_RUNS, comparison_markdown
 from benchsuite.store import RunStore
@@ -24,11 +24,9 @@ def make_run(root: Path, run_id: str, configs: dict[str, list[float]], *, commit
     """configs: name -> decode tok/s of each repeat (one cell per value); every request of a cell
     decodes at the cell's rate times a factor within +-request_spread."""
     run_dir = root / run_id
-    run_dir.mkdir(parents=True)
-    manifest = {"schema_version": SCHEMA_VERSION, "run_id": run_id, "servers": {}, "matrix_hash": "m4tr1x",
-                "git": {"commit": commit, "dirty": False, "tree": f"tree-{commit}"}}
-    (run_dir / "manifest.json").write_text(json.dumps(manifest))
-    store = RunStore(run_dir)
+    manifest = Manifest(run_id=run_id, created_utc="2026-12-01T00:00:00+00:00", matrix_source="m.yaml",
+                        matrix_hash="m4tr1x", matrix={}, git={"commit": commit, "dirty": False, "tree": f"tree-{commit}"})
+    store = RunStore.open(run_dir, manifest)
     for name, rates in configs.items():
         for repeat, rate in enumerate(rates):
             cell_id = f"{run_id}-{name}-r{repeat}"
@@ -47,6 +45,7 @@ def make_run(root: Path, run_id: str, configs: dict[str, list[float]], *, commit
                                              chunks[-1], chunks, 10, OUTPUT_TOKENS, OUTPUT_TOKENS, ok=True))
             store.write_cell(result, records)
     store.rebuild_tables()
+    store.close()
     return run_dir
 
 

@@ -156,7 +156,7 @@ def test_prompt_length_mismatches_across_engines() -> None:
 def test_random_dataset_on_a_gguf_file_needs_only_its_vocabulary(tiny_model_dir: Path, tmp_path: Path, prompt_class: str) -> None:
     from benchsuite.datasets import gguf_vocab_size, load_tokenizer
     from benchsuite.engines.base import ServerSpec
-    from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter
+    from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter, LlamaCppOptions
     from benchsuite.engines.llamacpp.gguf_export import export_gguf
     from benchsuite.matrix import Workload
     from benchsuite.plan import CellSpec
@@ -166,7 +166,8 @@ def test_random_dataset_on_a_gguf_file_needs_only_its_vocabulary(tiny_model_dir:
     export_gguf(tiny_model_dir, gguf, "f32")
     vocab = load_tokenizer(tiny_model_dir).get_vocab_size(with_added_tokens=False)
     assert gguf_vocab_size(gguf) >= vocab
-    spec = ServerSpec("llama", "llamacpp", {"model": str(gguf)}, {"kv_capacity_tokens": 512, "prefix_caching": False}, 1, "sid")
+    options = LlamaCppOptions(model=str(gguf))
+    spec = ServerSpec("llama", "llamacpp", options, {"kv_capacity_tokens": 512, "prefix_caching": False}, 1, "sid")
     workload = Workload(dataset="random", prompt_classes=[prompt_class], num_requests=5, output_tokens=4)
     cell = CellSpec("cid", "sid", "llama", {}, "w", workload, prompt_class, 1, 0)
     requests = cell_requests({}, LlamaCppAdapter(), spec, cell)

@@ -52,7 +52,7 @@ def test_the_modes_and_values_issue_15_lists(stand_ins: None) -> None:
 
     def values(plan: object, mode: str, option: str, fp8: bool = False) -> list[object]:
         servers = [s for s in plan.servers if s.name.endswith("-fp8") == fp8]  # type: ignore[attr-defined]
-        return sorted(s.options[option] for s in servers if s.kind == "builtin" and s.options["mode"] == mode)
+        return sorted(getattr(s.options, option) for s in servers if s.kind == "builtin" and s.options.mode == mode)
 
     for name in ("model", "synthetic"):
         assert values(plans[name], "paged", "resident_experts") == [16, 30, 32, 64, 92]
@@ -62,11 +62,11 @@ def test_the_modes_and_values_issue_15_lists(stand_ins: None) -> None:
         assert values(plans[name], "paged", "resident_experts", fp8=True) == [24, 40, 56]
     assert values(plans["model"], "resident", "mode", fp8=True) == ["resident"]
     assert values(plans["offload"], "offload", "offload_layers") == [48]
-    assert {s.options["routing"] for s in plans["synthetic"].servers} == {"qwen3-30b-a3b"}
-    assert {s.options["routing"] for p in ("model", "offload") for s in plans[p].servers if s.kind == "builtin"} == {
+    assert {s.options.routing for s in plans["synthetic"].servers} == {"qwen3-30b-a3b"}
+    assert {s.options.routing for p in ("model", "offload") for s in plans[p].servers if s.kind == "builtin"} == {
         "model"
     }
-    llama = sorted(s.options["n_cpu_moe"] for s in plans["model"].servers if s.kind == "llamacpp")
+    llama = sorted(s.options.n_cpu_moe for s in plans["model"].servers if s.kind == "llamacpp")
     assert llama == [0, 12, 24]
     (search,) = plans["model"].searches
-    assert search.spec.options["n_cpu_moe"] == "search" and search.spec.options["vram_budget_gb"] == 16
+    assert search.spec.options.n_cpu_moe == "search" and search.spec.options.vram_budget_gb == 16

@@ -37,7 +37,7 @@ def _spec(options, kv=4096, conc=4, prefix_caching=False):
     return ServerSpec(
         name="lcpp",
         kind="llamacpp",
-        options=options,
+        options=LlamaCppOptions.model_validate(options),
         fairness={"kv_capacity_tokens": kv, "prefix_caching": prefix_caching},
         max_concurrency=conc,
         server_id="abc",
@@ -85,7 +85,7 @@ def test_command_line_sets_kv_slots_caching_and_metrics(tmp_path, gguf_file):
     assert {"--kv-unified", "--no-cache-prompt", "--metrics"} <= set(argv)
     assert value("--cache-ram") == "0"
     assert adapter.request_extras(spec) == {"cache_prompt": False}
-    assert adapter.mode(spec) == "n-cpu-moe"
+    assert spec.options.placement().mode == "n-cpu-moe" and spec.options.placement().n_cpu_moe == 7
 
 
 def test_flags_the_binary_lacks_are_not_passed(tmp_path, gguf_file):
@@ -94,7 +94,7 @@ def test_flags_the_binary_lacks_are_not_passed(tmp_path, gguf_file):
     argv = LlamaCppAdapter().launch_plan(spec, 1).argv
     assert not {"--kv-unified", "--no-cache-prompt", "--cache-ram"} & set(argv)
     assert "--n-cpu-moe" not in argv  # n_cpu_moe unset: everything on the GPU
-    assert LlamaCppAdapter().mode(spec) == "gpu"
+    assert spec.options.placement().mode == "gpu"
 
 
 def test_prefix_caching_on_keeps_llama_cpp_defaults(tmp_path, gguf_file):
@@ -109,7 +109,7 @@ def test_moe_cache_mode_is_refused_when_the_build_lacks_it(tmp_path, gguf_file):
     spec = _spec(
         {"model": str(gguf_file), "binary": str(binary), "moe_cache_mib": 2048}
     )
-    assert LlamaCppAdapter().mode(spec) == "moe-cache"
+    assert spec.options.placement().mode == "moe-cache"
     with pytest.raises(
         EngineConfigError, match="this llama-server build has no --moe-cache-mib"
     ):

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 
 from benchsuite.engines.base import ServerSpec
-from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter, find_binary
+from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter, LlamaCppOptions, find_binary
 from benchsuite.process import EngineProcess, free_port
 
 needs_server = pytest.mark.skipif(
@@ -108,7 +108,7 @@ async def test_f32_gguf_agrees_with_the_builtin_engine(tmp_path):
     spec = ServerSpec(
         "agree",
         "llamacpp",
-        {"model": "tiny", "threads": 2},
+        LlamaCppOptions(model="tiny", threads=2),
         {"kv_capacity_tokens": 1024},
         1,
         "agree",
@@ -151,7 +151,7 @@ def test_our_projection_matches_llama_fit_params_on_the_host(flash_attn, n_ctx):
     if not fit_binary.is_file():
         pytest.skip(f"{fit_binary} not built")
     model = LlamaCppAdapter().model_path(
-        ServerSpec("p", "llamacpp", {"model": "tiny"}, {}, 1, "p")
+        ServerSpec("p", "llamacpp", LlamaCppOptions(model="tiny"), {}, 1, "p")
     )
     argv = fit_params_argv(fit_binary, model, 0, n_ctx, 2, flash_attn, 999)
     host = next(
@@ -209,9 +209,9 @@ def test_llamacpp_tiny_matrix_end_to_end(tmp_path):
         for c in regular
     ), [(c.engine, c.status, c.reason, c.output_tokens_total, c.decode_tok_s_p50) for c in regular]
     facts = next(
-        s["search"]
-        for s in read_manifest(run_dir)["servers"].values()
-        if "launches" in s.get("search", {})
+        s.search
+        for s in read_manifest(run_dir).servers.values()
+        if "launches" in (s.search or {})
     )
     # N = 0 and 1 exceed the emulated 0.0258 GB: never launched, recorded with their projection,
     # not stored as cells; 2..4 fit.
@@ -223,7 +223,8 @@ def test_llamacpp_tiny_matrix_end_to_end(tmp_path):
     assert len(chosen) == 1 and chosen[0] >= 2
     assert facts["linear_scan_launches"] == 3 and facts["launches"] <= 3
     best = [c for c in regular if c.engine == "best"]
-    assert all(c.params["n_cpu_moe"] == chosen[0] for c in best)
+    assert all(c.params["n_cpu_moe"] == chosen[0] == c.n_cpu_moe for c in best)
+    assert all(c.n_cpu_moe == c.extras["search_n"] for c in search)  # typed N on every search cell
     log_facts = best[0].extras["engine_log"]
     assert log_facts["context"]["n_ctx"] == 2048 and "model" in log_facts["buffers_mib"]
     print(json.dumps({"search": facts}, indent=1))

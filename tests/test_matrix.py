@@ -43,7 +43,7 @@ def test_sweeps_expand_and_params_hold_only_swept_keys(tmp_path: Path) -> None:
     vm = load_matrix(write(tmp_path, GOOD))
     paged = vm.option_sets["paged"]
     assert [s.params for s in paged] == [{"resident_experts": 4}, {"resident_experts": 8}]
-    assert paged[0].options["mode"] == "paged" and paged[0].options["device"] == "cpu"
+    assert paged[0].options.mode == "paged" and paged[0].options.device == "cpu"
     assert vm.option_sets["res"][0].params == {}
     assert vm.matrix.workloads["w"].prompt_classes == ["short", "64"]
 
@@ -119,7 +119,7 @@ def test_synthetic_routing_spec_is_checked_and_labelled(tmp_path: Path) -> None:
     assert "engines.res.options.routing: unknown routing spec 'zipf'" in msg
     plan = build_plan(load_matrix(write(tmp_path, GOOD.replace("mode: resident}", "mode: resident, routing: Zipf:1.2}"))))
     res = next(s for s in plan.servers if s.name == "res")
-    assert BuiltinAdapter().routing_label(res) == "synthetic:zipf:1.2"
+    assert res.options.placement().routing == "synthetic:zipf:1.2"
     assert "--routing-source Zipf:1.2 --routing-seed 0" in " ".join(BuiltinAdapter().launch_plan(res, 1).argv)
 
 
@@ -148,7 +148,7 @@ workloads:
 
 def test_env_references_expand_into_the_manifest_and_the_run_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from benchsuite.plan import build_plan
-    from benchsuite.runner import build_manifest
+    from benchsuite.manifest import build_manifest
 
     for name in ("BENCH_TEST_MODEL", "BENCH_TEST_DEVICE", "BENCH_TEST_SHAREGPT"):
         monkeypatch.delenv(name, raising=False)
@@ -157,9 +157,9 @@ def test_env_references_expand_into_the_manifest_and_the_run_id(tmp_path: Path, 
     monkeypatch.setenv("BENCH_TEST_MODEL", "/models/m1")
     monkeypatch.setenv("BENCH_TEST_SHAREGPT", str(tmp_path / "a.json"))
     vm = load_matrix(write(tmp_path, ENV_MATRIX))
-    assert vm.option_sets["res"][0].options["model"] == "/models/m1"
-    assert vm.option_sets["res"][0].options["device"] == "cpu"  # the default after :-
-    manifest = build_manifest(build_plan(vm))
+    assert vm.option_sets["res"][0].options.model == "/models/m1"
+    assert vm.option_sets["res"][0].options.device == "cpu"  # the default after :-
+    manifest = build_manifest(build_plan(vm)).to_json()
     assert manifest["matrix"]["engines"]["res"]["options"]["model"] == "/models/m1"
     assert manifest["matrix"]["workloads"]["sharegpt"]["path"] == str(tmp_path / "a.json")
     assert "${" not in str(manifest["matrix"])
@@ -170,7 +170,7 @@ def test_env_references_expand_into_the_manifest_and_the_run_id(tmp_path: Path, 
     assert load_matrix(write(tmp_path, ENV_MATRIX)).matrix_hash == vm.matrix_hash
     # $${ is a literal ${
     literal = load_matrix(write(tmp_path, ENV_MATRIX.replace('"${BENCH_TEST_MODEL}"', '"/m/$${X}"')))
-    assert literal.option_sets["res"][0].options["model"] == "/m/${X}"
+    assert literal.option_sets["res"][0].options.model == "/m/${X}"
 
 
 def test_an_unset_variable_is_one_line_naming_path_and_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

@@ -235,6 +235,13 @@ def test_parse_prometheus() -> None:
     assert not any(k.startswith("#") for k in samples)
 
 
+def test_text_that_is_not_the_exposition_format_is_refused_not_half_read() -> None:
+    with pytest.raises(ValueError):
+        parse_prometheus(PROM + "paged_experts:expert_hits_total not-a-number\n")
+    escaped = parse_prometheus('m{path="a\\"b"} 1\n')
+    assert escaped == {'m{path="a\\"b"}': 1.0}  # label values keep their escapes in the key
+
+
 def test_paging_delta_maps_counter_deltas_to_cell_fields() -> None:
     after = parse_prometheus(PROM)
     before = {k: 0.0 for k in after}

@@ -8,8 +8,11 @@ from pathlib import Path
 import pytest
 
 from benchsuite.cli import main
-from benchsuite.plan import SearchTask, build_plan, make_server_spec, resolve_search, search_option
+from benchsuite.engines.llamacpp.adapter import LlamaCppOptions
 from benchsuite.matrix import load_matrix
+from benchsuite.plan import SearchTask, build_plan, make_server_spec, resolve_search, search_option
+
+ROOT = Path(__file__).resolve().parents[1]
 
 MATRIX = """
 name: p
@@ -59,15 +62,30 @@ def test_ids_are_stable_and_change_only_with_their_spec(tmp_path: Path) -> None:
     assert all(c.engine == "paged" for c in a.cells if c.cell_id in same)
 
 
-def test_search_option_and_resolution(tmp_path: Path) -> None:
-    assert search_option({"n_cpu_moe": "search", "ctx": 4}) == "n_cpu_moe"
-    assert search_option({"n_cpu_moe": {"search": {"step": 1}}}) == "n_cpu_moe"
-    assert search_option({"n_cpu_moe": 3}) is None
+def test_ids_are_those_of_schema_1(tmp_path: Path) -> None:
+    """Typed options hash to the ids the untyped option dicts had (a rerun of an old matrix resumes).
+    An id hashes every option's value, defaults included: a new option field of an engine changes
+    the ids of that engine's servers. Update these deliberately, and say so, when that happens."""
     plan = plan_of(tmp_path)
-    spec = make_server_spec("ll", "llamacpp", {"n_cpu_moe": "search"}, {"kv_capacity_tokens": 1}, 4)
+    assert [s.server_id for s in plan.servers] == ["2d90240d46bc", "b3f9c326c0e2", "fb77d55dcb05"]
+    assert (plan.cells[0].cell_id, plan.cells[-1].cell_id) == ("41165ab05127", "5ebf77713d89")
+    quickstart = build_plan(load_matrix(ROOT / "configs" / "quickstart.yaml"))
+    assert [s.server_id for s in quickstart.servers] == [
+        "98910354b81e", "abe55b5d4804", "cb657b59e8b3", "e9260ac7bc64", "ea05bc551b1d"
+    ]  # fmt: skip
+    assert quickstart.cells[0].cell_id == "94b39700a500"
+
+
+def test_search_option_and_resolution(tmp_path: Path) -> None:
+    assert search_option(LlamaCppOptions(n_cpu_moe="search", threads=4)) == "n_cpu_moe"
+    assert search_option(LlamaCppOptions(n_cpu_moe={"search": {"min_n": 1}})) == "n_cpu_moe"
+    assert search_option(LlamaCppOptions(n_cpu_moe=3)) is None
+    plan = plan_of(tmp_path)
+    spec = make_server_spec("ll", "llamacpp", LlamaCppOptions(n_cpu_moe="search"), {"kv_capacity_tokens": 1}, 4)
     task = SearchTask(spec=spec, option="n_cpu_moe", params={})
-    server, cells = resolve_search(plan, task, {"n_cpu_moe": 7})
-    assert server.options == {"n_cpu_moe": 7} and server.server_id != spec.server_id
+    server, cells = resolve_search(plan, task, spec.options.replaced(n_cpu_moe=7))
+    assert server.options == LlamaCppOptions(n_cpu_moe=7) and server.server_id != spec.server_id
+    assert server.options.placement().n_cpu_moe == 7
     assert len(cells) == 3 * 2 and all(c.params == {"n_cpu_moe": 7} for c in cells)
 
 
@@ -77,7 +95,8 @@ def test_dry_run_prints_commands_and_cells(tmp_path: Path, capsys: pytest.Captur
     assert main(["run", str(path), "--dry-run", "--output-root", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
     assert "3 servers, 18 cells" in out
-    assert "--mode paged --device cpu --max-running-requests 4 --max-total-tokens 4096 --paged-experts-num-resident 8" in out
+    flags = "--mode paged --device cpu --max-running-requests 4 --max-total-tokens 4096 --paged-experts-num-resident 8"
+    assert flags in out
     assert "--n-cpu-moe 2" in out
     assert out.count("  cell ") == 18
     assert not (tmp_path / "out").exists()  # nothing written, nothing started
@@ -93,7 +112,8 @@ def test_only_selects_servers_by_engine_and_sweep_value_and_keeps_the_run_id(tmp
     assert sorted((s.name, dict(part.params[s.server_id])) for s in part.servers) == [
         ("cpu", {}), ("paged", {"resident_experts": 8})
     ]
-    assert {c.cell_id for c in part.cells} == {c.cell_id for c in plan.cells if c.server_id in {s.server_id for s in part.servers}}
+    kept = {s.server_id for s in part.servers}
+    assert {c.cell_id for c in part.cells} == {c.cell_id for c in plan.cells if c.server_id in kept}
     assert len(select(plan, ["paged"]).servers) == 2
     with pytest.raises(UserError, match="--only paged:resident_experts=5: no server of the matrix matches"):
         select(plan, ["paged:resident_experts=5"])

@@ -28,8 +28,8 @@ def test_prefill_matrix_plans_what_the_issue_asks(tmp_path: Path, monkeypatch: p
     assert workload.prompt_classes == ["short", "2048"] and workload.concurrency == [1]
     servers = build_plan(load_matrix(PATH)).servers
     paged = sorted(
-        (s.options["resident_experts"], s.options["prefill_residency"]) for s in servers if s.options["mode"] == "paged"
+        (s.options.resident_experts, s.options.prefill_residency) for s in servers if s.options.mode == "paged"
     )
     assert paged == [(k, keep) for k in (16, 32, 64) for keep in ("lru", "recent")]
-    assert [s.options["mode"] for s in servers].count("resident") == 1
-    assert {s.options["routing"] for s in servers} == {"qwen3-30b-a3b"}
+    assert [s.options.mode for s in servers].count("resident") == 1
+    assert {s.options.routing for s in servers} == {"qwen3-30b-a3b"}

@@ -15,6 +15,7 @@ import yaml
 
 import benchsuite.linkbw
 from benchsuite.cli import main
+from benchsuite.manifest import Manifest
 from benchsuite.report.build import build_report_data
 from benchsuite.report.load import RunData
 from benchsuite.report.prefill import TITLE, prefill_table
@@ -31,7 +32,9 @@ def cell(cid: str, mode: str, ttft: float | None, chunk_bytes: float | None, *, 
 
 
 def run(link: dict[str, Any] | None) -> RunData:
-    return RunData("r", Path("."), {} if link is None else {"link_bandwidth": link}, pd.DataFrame(), pd.DataFrame())
+    manifest = Manifest(run_id="r", created_utc="now", matrix_source="m.yaml", matrix_hash="h", matrix={},
+                        link_bandwidth=link)  # fmt: skip
+    return RunData("r", Path("."), manifest, pd.DataFrame(), pd.DataFrame())
 
 
 def test_floor_from_the_bytes_per_chunk_and_the_link() -> None:

@@ -18,13 +18,8 @@ from benchsuite.report.load import normalize_cells, normalize_requests
 from benchsuite.report.published import reference_decode_table, reference_ttft_table
 from benchsuite.report.samples import request_samples
 
-SERVERS = {
-    "s-p8": {"argv": ["serve", "--paged-experts-num-resident", "8"], "options": {"mode": "paged"}},
-    "s-p16": {"argv": ["serve"], "options": {"mode": "paged", "resident_experts": 16}},
-    "s-off": {"argv": ["serve", "--mode", "offload"]},
-    "s-ll1": {"argv": ["llama-server", "--n-cpu-moe", "1"]},
-    "s-ll2": {"argv": ["llama-server", "--n-cpu-moe", "2"]},
-}
+# server -> its typed placement (K, N), as the runner records it on every cell of the server
+SERVERS = {"s-p8": (8, None), "s-p16": (16, None), "s-off": (None, None), "s-ll1": (None, 1), "s-ll2": (None, 2)}
 
 
 def row(cell_id: str, server: str, mode: str, kind: str = "builtin", *, conc: int = 1, rep: int = 0, cls: str = "short",
@@ -32,14 +27,15 @@ def row(cell_id: str, server: str, mode: str, kind: str = "builtin", *, conc: in
         reason: str | None = None, routing: str = "model", params: dict | None = None, extras: dict | None = None,
         miss: float | None = None) -> dict:
     engine = "llama" if kind == "llamacpp" else "tiny"
+    k, n = SERVERS[server]
     return CellResult(cell_id=cell_id, run_id="r1", engine=engine, engine_kind=kind, mode=mode, server_id=server,
                       params=params or {}, workload="w", prompt_class=cls, concurrency=conc, repeat=rep, status=status,
-                      reason=reason, routing=routing, decode_tok_s_p50=decode, output_tok_s=output, ttft_p50_s=ttft,
-                      miss_rate=miss, extras=extras or {}).to_row()
+                      reason=reason, routing=routing, resident_experts=k, n_cpu_moe=n, decode_tok_s_p50=decode,
+                      output_tok_s=output, ttft_p50_s=ttft, miss_rate=miss, extras=extras or {}).to_row()
 
 
 def frames(rows: list[dict]) -> tuple[pd.DataFrame, pd.DataFrame]:
-    cells = annotate_cells(normalize_cells(pd.DataFrame(rows)), SERVERS, many_runs=False)
+    cells = annotate_cells(normalize_cells(pd.DataFrame(rows)), many_runs=False)
     return cells, group_configs(cells)
 
 
@@ -75,7 +71,7 @@ def test_spread_and_verdicts() -> None:
 def test_repeats_fold_into_one_configuration_and_failures_are_never_zero() -> None:
     _cells, groups = frames(BASE)
     paged = groups[(groups["mode"] == "paged") & (groups["prompt_class"] == "short") & (groups["concurrency"] == 1)].iloc[0]
-    assert paged["label"] == "tiny · paged · K=8"  # K read from the exact command line
+    assert paged["label"] == "tiny · paged · K=8"  # K: the cell's typed field
     assert paged["decode_tok_s_p50"] == Spread(40.0, 42.0, 44.0, 2)
     assert (paged["repeats_ok"], paged["repeats_not_ok"]) == (2, 1)
     assert paged["cell_ids"] == ["p8a", "p8b", "p8c"] and paged["ok_cell_ids"] == ["p8a", "p8b"]
@@ -139,7 +135,7 @@ def test_ttft_paging_search_and_failure_tables() -> None:
     assert list(failures["cell_id"]) == ["p8c"] and list(failures["reason"]) == ["engine crashed"]
 
 
-def test_k_from_server_options_and_display_spread() -> None:
+def test_k_from_the_typed_field_and_display_spread() -> None:
     _cells, groups = frames([row("p16", "s-p16", "paged", decode=50.0)])
     assert groups.iloc[0]["k"] == 16 and groups.iloc[0]["label"] == "tiny · paged · K=16"
     shown = display_frame(tb.summary_table(groups, top_k=8))

@@ -14,6 +14,7 @@ import yaml
 
 import benchsuite.linkbw
 from benchsuite.cli import main
+from benchsuite.manifest import Manifest
 from benchsuite.report.build import build_report_data
 from benchsuite.report.load import RunData
 from benchsuite.report.roofline import TITLE, roofline_table
@@ -37,7 +38,8 @@ def cell(
 
 
 def run(link: dict[str, Any] | None) -> RunData:
-    manifest = {} if link is None else {"link_bandwidth": link}
+    manifest = Manifest(run_id="r", created_utc="now", matrix_source="m.yaml", matrix_hash="h", matrix={},
+                        link_bandwidth=link)  # fmt: skip
     return RunData("r", Path("."), manifest, pd.DataFrame(), pd.DataFrame())
 
 

@@ -21,11 +21,18 @@ import pytest
 import yaml
 
 from benchsuite.errors import UserError
+from benchsuite.manifest import Manifest
 from benchsuite.matrix import load_matrix
 from benchsuite.plan import build_plan
 from benchsuite.records import CellResult
 from benchsuite.runner import open_store
 from benchsuite.store import RunStore
+
+
+def bare_manifest(matrix_hash: str) -> Manifest:
+    """A manifest with only what a resume compares (no fingerprint: nothing else to match)."""
+    return Manifest(run_id="r", created_utc="2026-12-01T00:00:00+00:00", matrix_source="m.yaml",
+                    matrix_hash=matrix_hash, matrix={})  # fmt: skip
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -100,12 +107,12 @@ def test_a_lock_left_by_a_killed_runner_is_taken_over_with_a_note(tmp_path: Path
         holder.wait()
     notes: list[str] = []
     plan = build_plan(load_matrix(path))
-    store = RunStore.open(Path(plan.matrix.matrix.output_root) / plan.run_id, {"matrix_hash": plan.matrix.matrix_hash},
+    store = RunStore.open(Path(plan.matrix.matrix.output_root) / plan.run_id, bare_manifest(plan.matrix.matrix_hash),
                           notify=notes.append)  # fmt: skip
     store.close()
     assert len(notes) == 1 and f"pid {holder.pid}" in notes[0] and "no longer running" in notes[0], notes
     again: list[str] = []
-    RunStore.open(store.run_dir, {"matrix_hash": plan.matrix.matrix_hash}, notify=again.append).close()
+    RunStore.open(store.run_dir, bare_manifest(plan.matrix.matrix_hash), notify=again.append).close()
     assert again == []  # a clean release leaves nothing to take over
 
 
@@ -145,7 +152,7 @@ def test_changed_inputs_of_cells_not_finished_yet_are_recorded_anew(tmp_path: Pa
     (model_copy / "config.json").write_text((model_copy / "config.json").read_text() + "\n")
     notes: list[str] = []
     run_dir = Path(plan.matrix.matrix.output_root) / plan.run_id
-    from benchsuite.runner import build_manifest
+    from benchsuite.manifest import build_manifest
 
     RunStore.open(run_dir, build_manifest(plan), notify=notes.append).close()
     assert any("recorded anew" in n for n in notes), notes
@@ -173,7 +180,7 @@ DAMAGE: dict[str, Any] = {
 @pytest.mark.parametrize("kind", sorted(DAMAGE))
 def test_a_damaged_cell_file_is_named_set_aside_and_the_cell_runs_again(tmp_path: Path, kind: str) -> None:
     notes: list[str] = []
-    store = RunStore.open(tmp_path / "r", {"matrix_hash": "h"}, notify=notes.append)
+    store = RunStore.open(tmp_path / "r", bare_manifest("h"), notify=notes.append)
     result = CellResult(cell_id="c0ffee000001", run_id="r", engine="e", engine_kind="builtin", mode="resident",
                         server_id="s", params={}, workload="w", prompt_class="short", concurrency=1, repeat=0, status="ok")  # fmt: skip
     store.write_cell(result, [])
@@ -190,14 +197,14 @@ def test_a_damaged_cell_file_is_named_set_aside_and_the_cell_runs_again(tmp_path
 
 
 def test_a_damaged_manifest_is_one_line_and_new_run_starts_afresh(tmp_path: Path) -> None:
-    store = RunStore.open(tmp_path / "r", {"matrix_hash": "h"})
+    store = RunStore.open(tmp_path / "r", bare_manifest("h"))
     store.close()
     for damage in (b"[]", b"null", b"\xff\x00", b'{"schema_version": "x"}'):
         store.manifest_path.write_bytes(damage)
         with pytest.raises(UserError, match=r"manifest.json is damaged \(.*\); .*--new-run") as err:
-            RunStore.open(tmp_path / "r", {"matrix_hash": "h"})
+            RunStore.open(tmp_path / "r", bare_manifest("h"))
         assert "\n" not in str(err.value)
-    RunStore.open(tmp_path / "r", {"matrix_hash": "h"}, new_run=True).close()
+    RunStore.open(tmp_path / "r", bare_manifest("h"), new_run=True).close()
 
 
 def test_a_damaged_cell_is_measured_again_by_the_next_run(tmp_path: Path, model_copy: Path) -> None:
@@ -255,14 +262,15 @@ async def test_llama_server_is_started_so_no_web_page_can_read_it(tmp_path: Path
     import aiohttp
 
     from benchsuite.engines.base import ServerSpec
-    from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter, binary_flags, find_binary
+    from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter, LlamaCppOptions, binary_flags, find_binary
     from benchsuite.process import EngineProcess, free_port
 
     binary = find_binary()
     if binary is None:
         pytest.skip("no llama-server on PATH or in the cache: run `benchsuite install llama-server`")
     adapter = LlamaCppAdapter()
-    spec = ServerSpec("cors", "llamacpp", {"model": "tiny", "threads": 2}, {"kv_capacity_tokens": 256}, 1, "cors")
+    options = LlamaCppOptions(model="tiny", threads=2)
+    spec = ServerSpec("cors", "llamacpp", options, {"kv_capacity_tokens": 256}, 1, "cors")
     adapter.prepare(spec)
     port = free_port()
     launch = adapter.launch_plan(spec, port)

@@ -22,15 +22,12 @@ from typing import Any, Literal
 import psutil
 import pytest
 import yaml
-from pydantic import BaseModel, ConfigDict
-
-from benchsuite.engines.base import LaunchPlan, ServerSpec
+from benchsuite.engines.base import EngineOptions, LaunchPlan, Placement, ServerSpec, options_of
 
 HERE = Path(__file__).resolve()
 
 
-class FakeOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class FakeOptions(EngineOptions):
     behaviour: Literal["ok", "crash", "die", "hang", "stall"] = "ok"
     # completions served before the process exits (die), blocks forever (hang), or leaves every later
     # completion unanswered while /health and /metrics still answer (stall)
@@ -38,7 +35,10 @@ class FakeOptions(BaseModel):
     token_delay_s: float = 0.01
     label: int | Literal["search"] = 0  # something to sweep, or to search
     tag: str = ""  # marks the engine processes of one test, to look for orphans
-    tokenizer: str = ""  # for exact-length and random-token prompts (the runner reads this option)
+    tokenizer: str = ""  # for exact-length and random-token prompts (FakeAdapter.tokenizer_dir)
+
+    def placement(self) -> Placement:
+        return Placement("fake")
 
 
 class FakeAdapter:
@@ -50,13 +50,13 @@ class FakeAdapter:
         pass
 
     def launch_plan(self, spec: ServerSpec, port: int) -> LaunchPlan:
-        o = FakeOptions.model_validate(dict(spec.options))
+        o = options_of(spec, FakeOptions)
         argv = [sys.executable, str(HERE), "--serve", "--port", str(port), "--behaviour", o.behaviour,
                 "--die-after", str(o.die_after), "--token-delay-s", str(o.token_delay_s), "--tag", o.tag]  # fmt: skip
         return LaunchPlan(argv=argv, startup_timeout_s=60.0)
 
-    def mode(self, spec: ServerSpec) -> str:
-        return "fake"
+    def tokenizer_dir(self, spec: ServerSpec) -> Path:
+        return Path(options_of(spec, FakeOptions).tokenizer)
 
     def request_extras(self, spec: ServerSpec) -> dict[str, Any]:
         return {}
@@ -276,9 +276,9 @@ def test_a_search_hands_back_options_that_then_run_every_workload(tmp_path: Path
 
     seen = []
 
-    async def found(ctx: Any, task: Any) -> dict[str, Any]:
-        seen.append((task.option, task.spec.options["label"]))
-        return {**task.spec.options, "label": 5}
+    async def found(ctx: Any, task: Any) -> EngineOptions:
+        seen.append((task.option, task.spec.options.label))
+        return task.spec.options.replaced(label=5)
 
     monkeypatch.setattr(benchsuite.search, "run_search", found)
     path = matrix(tmp_path, {"s": {"label": "search"}}, concurrency=[1], num_requests=2)
@@ -287,7 +287,7 @@ def test_a_search_hands_back_options_that_then_run_every_workload(tmp_path: Path
     (stored,) = cells(only_run_dir(tmp_path)).values()
     assert stored["cell"]["status"] == "ok" and stored["cell"]["params"] == {"label": 5}
 
-    async def nothing_fits(ctx: Any, task: Any) -> dict[str, Any]:
+    async def nothing_fits(ctx: Any, task: Any) -> EngineOptions:
         raise RunError("engine s: no label value fits")
 
     monkeypatch.setattr(benchsuite.search, "run_search", nothing_fits)

@@ -90,11 +90,12 @@ async def test_routing_capture_after_the_cells_writes_a_trace_and_records_it(tmp
         server = runner.RunningServer(spec, SGLangAdapter(), None, str(http.make_url("")).rstrip("/"), [])  # type: ignore[arg-type]
         await runner._after_cells(ctx, server, plan.cells_of(spec.server_id))
     entry = json.loads((store.run_dir / "manifest.json").read_text())["servers"][spec.server_id]
-    assert entry["routing_trace"] == f"routing/{spec.server_id}.trace" and entry["routing_requests"] == 2
-    assert "canary" not in entry  # the matrix did not ask for one
+    facts = entry["facts"]  # the adapter hook's facts (ServerRecord.facts)
+    assert facts["routing_trace"] == f"routing/{spec.server_id}.trace" and facts["routing_requests"] == 2
+    assert entry["canary"] is None  # the matrix did not ask for one
     # the cells' two prompts, sent once more for their routing
     assert len(bodies) == 2 and all(b["return_routed_experts"] and b["max_tokens"] == 3 for b in bodies)
-    trace = read_trace(store.run_dir / entry["routing_trace"])
+    trace = read_trace(store.run_dir / facts["routing_trace"])
     prompt_tokens = [len(b["prompt"].split()) for b in bodies]
     assert trace.num_tokens == sum(p + 3 - 1 for p in prompt_tokens) and trace.meta.top_k == CONFIG["num_experts_per_tok"]
     assert np.asarray(trace.ids).max() < CONFIG["num_experts"]
@@ -108,7 +109,8 @@ async def test_a_failed_routing_capture_is_recorded_not_raised(tmp_path: Path) -
         server = runner.RunningServer(spec, SGLangAdapter(), None, str(http.make_url("")).rstrip("/"), [])  # type: ignore[arg-type]
         await runner._after_cells(runner.RunContext(plan, store, session), server, plan.cells_of(spec.server_id))
     entry = json.loads((store.run_dir / "manifest.json").read_text())["servers"][spec.server_id]
-    assert entry["after_cells_error"].startswith("RunError: routing capture:") and "HTTP 404" in entry["after_cells_error"]
+    error = entry["facts"]["after_cells_error"]
+    assert error.startswith("RunError: routing capture:") and "HTTP 404" in error
     assert not (store.run_dir / "routing").exists()
 
 

@@ -46,7 +46,7 @@ def test_ruled_out_values_are_not_cells_but_the_summary_names_them(
     assert searched and min(searched) == 2  # the search starts at the smallest fitting N
     assert all(c["status"] == "ok" for c in stored)  # no invalid "0/1" cell for N = 0 or 1
     manifest = json.loads((run_dir / "manifest.json").read_text())
-    (record,) = [s["search"] for s in manifest["servers"].values() if "candidates" in s.get("search", {})]
+    (record,) = [s["search"] for s in manifest["servers"].values() if "candidates" in (s["search"] or {})]
     outcomes = {c["n"]: c["outcome"] for c in record["candidates"]}
     assert outcomes[0] == outcomes[1] == "ruled out" and {outcomes[n] for n in searched} == {"measured"}
     assert {outcomes[n] for n in set(range(2, 6)) - set(searched)} <= {"not launched"}

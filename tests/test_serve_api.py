@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from paged_experts.server.metrics import EngineGauges, Histogram, ServerMetrics
+from benchsuite.metrics import parse_prometheus
+from paged_experts.counters import PagingCounters
+from paged_experts.server.engine import FinishedRequest
+from paged_experts.server.metrics import EngineGauges, ServerMetrics
 from paged_experts.server.protocol import (
     ApiError,
     ChatBody,
@@ -16,8 +19,6 @@ from paged_experts.server.protocol import (
     validate,
 )
 from paged_experts.server.text import ChatTurn, Detokenizer, StopMatcher, TextCodec
-from paged_experts.counters import PagingCounters
-from paged_experts.server.engine import FinishedRequest
 from paged_experts.synth import ensure_tiny
 
 
@@ -135,13 +136,16 @@ def test_detokenizer_deltas_concatenate_to_the_full_decode(codec: TextCodec) -> 
     assert "\ufffd" not in text
 
 
-def test_histogram_buckets_are_cumulative() -> None:
-    h = Histogram("x", "help", (0.1, 1.0))
-    for v in (0.05, 0.1, 0.5, 3.0):
-        h.observe(v)
-    lines = h.render()
-    assert 'x_bucket{le="0.1"} 2' in lines and 'x_bucket{le="1.0"} 3' in lines and 'x_bucket{le="+Inf"} 4' in lines
-    assert "x_count 4" in lines and "x_sum 3.65" in lines
+def test_ttft_histogram_buckets_are_cumulative_with_inclusive_bounds() -> None:
+    m = ServerMetrics()
+    for i, ttft_s in enumerate((0.05, 0.1, 0.5, 100.0)):
+        m.on_finish(FinishedRequest(str(i), 4, 1, 0.0, ttft_s, (ttft_s,), ttft_s, "length"))
+    values = parse_prometheus(m.render(EngineGauges(0, 0, 0, 64), None, routing_synthetic=False))
+    name = "paged_experts:time_to_first_token_seconds"
+    assert values[name + '_bucket{le="0.1"}'] == 2 and values[name + '_bucket{le="0.5"}'] == 3  # 0.1 is in le=0.1
+    assert values[name + '_bucket{le="80.0"}'] == 3 and values[name + '_bucket{le="+Inf"}'] == 4
+    assert values[name + "_count"] == 4 and values[name + "_sum"] == pytest.approx(100.65)
+    assert not any(k.endswith("_created") for k in values)  # no timestamp series beside the counters
 
 
 def test_metrics_text_has_every_required_series() -> None:
@@ -152,7 +156,7 @@ def test_metrics_text_has_every_required_series() -> None:
     counters.record_step(0, union=5, routed_pairs=8, hits=3, misses=2, cpu_activations=0, waves=1)
     counters.record_step(1, union=7, routed_pairs=8, hits=1, misses=6, cpu_activations=0, waves=2)
     text = m.render(EngineGauges(2, 1, 48, 1024), counters.snapshot(), routing_synthetic=True)
-    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if not line.startswith("#")}
+    values = parse_prometheus(text)
     p = "paged_experts:"
     expected = {
         "num_requests_total": 2, "num_aborted_requests_total": 1, "prompt_tokens_total": 14,

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from benchsuite.metrics import parse_prometheus
 from paged_experts.server.launch import parse_args
 from paged_experts.synth import ensure_tiny
 from paged_experts.trace import read_trace
@@ -131,7 +132,7 @@ def test_server_process_serves_records_routing_and_stops_cleanly(tmp_path: Path)
         assert info["runtime"]["mode"] == "paged" and info["runtime"]["resident_experts"] == 8
         assert info["kv"] == {"capacity_tokens": 1000, "block_size": 8}  # exact capacity, not rounded
         metrics = get(f"{base}/metrics")[1]
-        assert "paged_experts:routing_synthetic 1" in metrics.splitlines()
+        assert parse_prometheus(metrics)["paged_experts:routing_synthetic"] == 1
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:

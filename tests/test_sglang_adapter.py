@@ -23,8 +23,9 @@ HEAD = [PY, "-m", "sglang.launch_server", "--model-path", "/models/q", "--host",
 
 def spec(options: dict[str, Any], fairness: dict[str, Any] | None = None, max_concurrency: int = 4) -> ServerSpec:
     return ServerSpec(
-        "sgl", "sglang", {"model_path": "/models/q", **options}, fairness or FAIRNESS, max_concurrency, "id"
-    )
+        "sgl", "sglang", SGLangOptions.model_validate({"model_path": "/models/q", **options}), fairness or FAIRNESS,
+        max_concurrency, "id",
+    )  # fmt: skip
 
 
 def argv(options: dict[str, Any], **kw: Any) -> list[str]:
@@ -126,7 +127,7 @@ def test_request_extras_only_with_routing_capture() -> None:
     assert adapter.request_extras(spec({"mode": "unpaged", "return_routed_experts": True})) == {
         "return_routed_experts": True
     }
-    assert adapter.mode(spec({"mode": "offload", "cpu_offload_gb": 3})) == "offload"
+    assert spec({"mode": "offload", "cpu_offload_gb": 3}).options.placement().mode == "offload"
 
 
 def test_version_when_sglang_is_missing() -> None:

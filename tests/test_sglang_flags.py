@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from benchsuite.engines.base import ServerSpec
-from benchsuite.engines.sglang.adapter import SGLangAdapter
+from benchsuite.engines.sglang.adapter import SGLangAdapter, SGLangOptions
 
 server_args = pytest.importorskip("sglang.srt.server_args", reason="sglang is not installed here")
 
@@ -26,7 +26,8 @@ OPTIONS = [
 @pytest.mark.parametrize("options", OPTIONS)
 def test_sglang_parses_our_commands(options: dict) -> None:
     spec = ServerSpec(
-        "s", "sglang", {"model_path": "/m", **options}, {"kv_capacity_tokens": 10240, "prefix_caching": False}, 4, "i"
+        "s", "sglang", SGLangOptions.model_validate({"model_path": "/m", **options}),
+        {"kv_capacity_tokens": 10240, "prefix_caching": False}, 4, "i",
     )
     argv = SGLangAdapter().launch_plan(spec, 8000).argv
     assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]

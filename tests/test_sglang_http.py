@@ -14,7 +14,7 @@ import pytest_asyncio
 
 from benchsuite import loadgen
 from benchsuite.engines.base import ServerSpec
-from benchsuite.engines.sglang.adapter import SGLangAdapter, scrape_prometheus
+from benchsuite.engines.sglang.adapter import SGLangAdapter, SGLangOptions, scrape_prometheus
 from benchsuite.openai_http import model_name
 from benchsuite.process import EngineProcess, free_port
 from paged_experts.synth import ensure_tiny
@@ -22,7 +22,7 @@ from paged_experts.synth import ensure_tiny
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 CAPTURE = ServerSpec(
-    "sgl", "sglang", {"model_path": "/m", "mode": "unpaged", "return_routed_experts": True},
+    "sgl", "sglang", SGLangOptions(model_path="/m", mode="unpaged", return_routed_experts=True),
     {"kv_capacity_tokens": 512, "prefix_caching": False}, 2, "id",
 )  # fmt: skip
 

@@ -9,10 +9,13 @@ import pandas as pd
 import pytest
 
 from benchsuite.errors import RunError, UserError
+from benchsuite.manifest import Manifest
 from benchsuite.records import SCHEMA_VERSION, CellResult, RequestRecord
 from benchsuite.store import RunStore, atomic_write_bytes, read_cells, read_manifest, read_requests
 
-MANIFEST = {"run_id": "r", "matrix_hash": "abc", "machine": {"hostname": "h"}, "git": {"commit": "c", "dirty": False}}
+MANIFEST = Manifest(run_id="r", created_utc="2026-12-01T00:00:00+00:00", matrix_source="m.yaml", matrix_hash="abc",
+                    matrix={}, machine={"hostname": "h"}, git={"commit": "c", "dirty": False})  # fmt: skip
+FIXTURE_V1 = Path(__file__).parent / "data" / "results_v1"
 
 
 def cell(cell_id: str = "c1", status: str = "ok", **kw) -> CellResult:
@@ -46,7 +49,7 @@ def test_cells_round_trip_and_tables(tmp_path: Path) -> None:
     assert list(pd.read_csv(store.run_dir / "cells.csv")["cell_id"]) == ["c1", "c2"]
     requests = pd.read_parquet(store.run_dir / "requests.parquet")
     assert list(requests["chunk_times_s"].iloc[0]) == [1.5, 2.0]
-    assert read_manifest(store.run_dir)["schema_version"] == SCHEMA_VERSION
+    assert read_manifest(store.run_dir).schema_version == SCHEMA_VERSION
 
 
 def test_empty_run_still_has_typed_tables(tmp_path: Path) -> None:
@@ -69,13 +72,35 @@ def test_retry_keeps_the_failed_attempt(tmp_path: Path) -> None:
 def test_resume_checks_matrix_and_schema(tmp_path: Path) -> None:
     RunStore.open(tmp_path / "r", MANIFEST)
     again = RunStore.open(tmp_path / "r", MANIFEST)
-    assert len(read_manifest(again.run_dir)["invocations"]) == 2
+    assert len(read_manifest(again.run_dir).invocations) == 2
     with pytest.raises(UserError, match="different matrix; pass another --run-id"):
-        RunStore.open(tmp_path / "r", {**MANIFEST, "matrix_hash": "other"})
+        RunStore.open(tmp_path / "r", MANIFEST.model_copy(update={"matrix_hash": "other"}))
     path = tmp_path / "r" / "manifest.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "schema_version": SCHEMA_VERSION + 1}))
-    with pytest.raises(UserError, match=f"schema version {SCHEMA_VERSION + 1}, this benchsuite reads version {SCHEMA_VERSION}: rerun"):
+    newer = f"schema version {SCHEMA_VERSION + 1}, this benchsuite reads versions 1, 2: rerun"
+    with pytest.raises(UserError, match=newer):
         read_manifest(tmp_path / "r")
+
+
+def test_server_facts_are_typed_fields(tmp_path: Path) -> None:
+    store = RunStore.open(tmp_path / "r", MANIFEST)
+    store.record_server("s1", engine="e", argv=["serve", "--port", "1"])
+    store.record_server("s1", canary={"passed": True})
+    server = read_manifest(store.run_dir).servers["s1"]
+    assert (server.engine, server.argv, server.canary) == ("e", ["serve", "--port", "1"], {"passed": True})
+    with pytest.raises(ValueError, match="argvv"):
+        store.record_server("s1", argvv=["typo"])
+
+
+def test_a_version_1_run_is_read_with_typed_placement_and_never_resumed(tmp_path: Path) -> None:
+    manifest = read_manifest(FIXTURE_V1)
+    assert manifest.schema_version == 1 and manifest.servers["s-paged8"].options["resident_experts"] == 8
+    cells = {c.cell_id: c for c in read_cells(FIXTURE_V1)}
+    assert (cells["p8-s1-r0"].resident_experts, cells["p8-s1-r0"].n_cpu_moe) == (8, None)
+    assert cells["cpu-s1-r0"].n_cpu_moe == 4 and cells["ll3-s1-r0"].n_cpu_moe == 3  # server options, search extras
+    assert cells["off-s1-r0"].options["offload_layers"] == 4
+    with pytest.raises(UserError, match="schema version 1; this benchsuite reports it but writes only version 2"):
+        RunStore.open(FIXTURE_V1, MANIFEST.model_copy(update={"matrix_hash": manifest.matrix_hash}))
 
 
 def test_a_failing_write_raises_and_keeps_the_previous_file(tmp_path: Path) -> None:
@@ -139,7 +164,8 @@ def test_git_facts_name_the_tracked_files_as_they_are(tmp_path) -> None:
     from benchsuite.machine import git_facts
 
     def git(*a: str) -> str:
-        return subprocess.run(["git", "-C", str(tmp_path), *a], capture_output=True, text=True, check=True).stdout.strip()
+        done = subprocess.run(["git", "-C", str(tmp_path), *a], capture_output=True, text=True, check=True)
+        return done.stdout.strip()
 
     git("init", "-q")
     (tmp_path / "a.py").write_text("x = 1\n")

@@ -18,8 +18,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from benchsuite import search
 from benchsuite.engines.base import ServerSpec
 from benchsuite.errors import UserError
+from benchsuite.manifest import Manifest
 from benchsuite.matrix import MatrixError, load_matrix
 from benchsuite.model_checks import missing_model
 from benchsuite.plan import CellSpec, Plan, build_plan, format_plan, select
@@ -86,7 +88,8 @@ def _run(args: argparse.Namespace, plan: Plan, store: RunStore, console: Console
     console.print(f"run {plan.run_id}: {len(plan.cells)} cells ({len(plan.cells) - todo} already done) -> {store.run_dir}")
     try:
         with _ProgressEvents(console, todo) as events:
-            problems = asyncio.run(run_plan(plan, store, events, cell_timeout_s=args.cell_timeout_s, request_timeout_s=args.request_timeout_s))
+            problems = asyncio.run(run_plan(plan, store, events, cell_timeout_s=args.cell_timeout_s,
+                                            request_timeout_s=args.request_timeout_s, search=search.run_search))
     except KeyboardInterrupt:
         print(f"benchsuite: interrupted; finished cells are kept in {store.run_dir} (rerun the same command to resume)")
         return 130
@@ -108,7 +111,7 @@ def missing_models(plan: Plan) -> list[str]:
     """One line per server (or searched server) whose model path does not exist here."""
     lines = []
     for spec in [*plan.servers, *(task.spec for task in plan.searches)]:
-        found = missing_model(spec.kind, spec.options)
+        found = missing_model(spec.kind, spec.options.model_dump(mode="json"))
         if found is not None:
             lines.append(f"{plan.matrix.source}: engines.{spec.name}.options.{found[0]}: {found[1]}")
     return list(dict.fromkeys(lines))
@@ -205,14 +208,14 @@ def summary_table(plan: Plan, results: list[CellResult]) -> Table:
     return table
 
 
-def search_lines(manifest: dict) -> list[str]:
+def search_lines(manifest: Manifest) -> list[str]:
     """Each search of the run in words (benchsuite.search.describe): the choice, the measured
     candidates and those ruled out by the memory projection, which are not cells."""
     lines: list[str] = []
-    for server in manifest.get("servers", {}).values():
-        record = server.get("search") or {}
+    for server in manifest.servers.values():
+        record = server.search or {}
         if record.get("candidates"):
-            lines.extend(describe(str(server.get("engine", "")), record))
+            lines.extend(describe(server.engine, record))
     return lines
 
 

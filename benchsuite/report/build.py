@@ -18,8 +18,8 @@ from benchsuite.reference import Reference, load_reference
 from benchsuite.report import manifest_facts as mf
 from benchsuite.report import prefill, roofline, search_section
 from benchsuite.report import tables as tb
-from benchsuite.report.display import display_frame
 from benchsuite.report.caveats import setup_caveats
+from benchsuite.report.display import display_frame
 from benchsuite.report.figures import Figure, all_figures, missing_figures
 from benchsuite.report.first_screen import verdict_html, verdict_markdown
 from benchsuite.report.groups import annotate_cells, group_configs
@@ -85,7 +85,7 @@ def build_report_data(run_dirs: list[Path], reference_dirs: list[Path] | None = 
         raise UserError("report: give at least one results run directory")
     runs = [load_run(Path(d)) for d in run_dirs]
     many = len(runs) > 1
-    cells = pd.concat([annotate_cells(r.cells, mf.server_records(r.manifest), many) for r in runs], ignore_index=True)
+    cells = pd.concat([annotate_cells(r.cells, many) for r in runs], ignore_index=True)
     groups = group_configs(cells)
     samples = pd.concat([request_samples(r.requests) for r in runs], ignore_index=True)
     top_k = next((v for v in (mf.model_top_k(r.manifest, r.run_dir) for r in runs) if v), None)
@@ -120,8 +120,8 @@ def build_report_data(run_dirs: list[Path], reference_dirs: list[Path] | None = 
 def _caveats(runs: list[RunData], cells: pd.DataFrame, key: tuple[str, str, str]) -> list[str]:
     run = next(r for r in runs if r.run_id == key[0])
     mine = cells[(cells["run_id"] == key[0]) & (cells["workload"] == key[1]) & (cells["prompt_class"] == key[2])]
-    has_gpu = bool((run.manifest.get("machine") or {}).get("gpus"))
-    return setup_caveats(mine, mf.server_records(run.manifest), has_gpu)
+    has_gpu = bool(run.manifest.machine.get("gpus"))
+    return setup_caveats(mine, run.manifest.servers, has_gpu)
 
 
 _ANCHORS = {

@@ -13,11 +13,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import pandas as pd
 
+from benchsuite.manifest import ServerRecord
 from benchsuite.report.groups import is_synthetic
 from benchsuite.report.noise import busy_cells
 
@@ -34,10 +35,9 @@ def _random_weights(model: str) -> bool:
             or (path / _WEIGHTLESS_MARKER).is_file())
 
 
-def expert_format(server: dict[str, Any]) -> str | None:
+def expert_format(server: ServerRecord) -> str | None:
     """How one server stores expert weights, as named by its options; None when unknown."""
-    options = server.get("options") or {}
-    kind = server.get("kind")
+    options, kind = server.options, server.kind
     if kind == "builtin":
         return str(options.get("dtype") or ("float32" if options.get("model", "tiny") == "tiny" else "checkpoint dtype"))
     if kind == "llamacpp":
@@ -48,21 +48,21 @@ def expert_format(server: dict[str, Any]) -> str | None:
     return None
 
 
-def _on_cpu(server: dict[str, Any], has_gpu: bool) -> bool:
-    options = server.get("options") or {}
-    if server.get("kind") == "builtin":
+def _on_cpu(server: ServerRecord, has_gpu: bool) -> bool:
+    options = server.options
+    if server.kind == "builtin":
         return str(options.get("device", "cpu")) == "cpu"
     return not has_gpu
 
 
-def setup_caveats(cells: pd.DataFrame, servers: dict[str, dict[str, Any]], has_gpu: bool) -> list[str]:
+def setup_caveats(cells: pd.DataFrame, servers: Mapping[str, ServerRecord], has_gpu: bool) -> list[str]:
     """The caveats of one setup's cells; `servers`: server_id -> manifest server record."""
-    mine = [servers.get(str(s), {}) for s in dict.fromkeys(cells["server_id"])]
+    mine = [servers.get(str(s)) or ServerRecord() for s in dict.fromkeys(cells["server_id"])]
     out: list[str] = []
     if any(_on_cpu(s, has_gpu) for s in mine):
         out.append("Device CPU: paging and offload here copy experts within host RAM, not over a PCIe link, so this "
                    "ranking says nothing about a GPU.")
-    models = sorted({str((s.get("options") or {}).get("model") or (s.get("options") or {}).get("model_path") or "")
+    models = sorted({str(s.options.get("model") or s.options.get("model_path") or "")
                      for s in mine} - {""})
     random_models = [m for m in models if _random_weights(m)]
     if random_models:
@@ -71,7 +71,7 @@ def setup_caveats(cells: pd.DataFrame, servers: dict[str, dict[str, Any]], has_g
     synthetic = sorted({str(r) for r in cells["routing"] if is_synthetic(r)})
     if synthetic:
         out.append(f"Synthetic routing ({', '.join(synthetic)}): experts were chosen by a generator, not the model's router.")
-    formats = {f"{s.get('kind')} {fmt}" for s in mine if (fmt := expert_format(s)) is not None}
+    formats = {f"{s.kind} {fmt}" for s in mine if (fmt := expert_format(s)) is not None}
     if len({f.split(' ', 1)[1] for f in formats}) > 1:
         out.append(f"Bytes per expert differ between engines ({', '.join(sorted(formats))}): a faster engine may only be "
                    f"moving fewer bytes.")

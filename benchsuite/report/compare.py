@@ -26,7 +26,6 @@ import pandas as pd
 from benchsuite import stats
 from benchsuite.report.groups import annotate_cells
 from benchsuite.report.load import RunData, load_run
-from benchsuite.report.manifest_facts import server_records
 from benchsuite.report.noise import busy_cells
 from benchsuite.report.textout import markdown_table
 
@@ -78,7 +77,7 @@ class _Side:
 
 
 def _side(runs: list[RunData]) -> _Side:
-    frames = [annotate_cells(r.cells, server_records(r.manifest), many_runs=False) for r in runs]
+    frames = [annotate_cells(r.cells, many_runs=False) for r in runs]
     cells = pd.concat(frames, ignore_index=True)
     labels = {tuple(row[k] for k in MATCH_KEYS): f"{row['label']}" for _, row in cells.iterrows()}
     return _Side(tuple(r.run_id for r in runs), cells, labels, busy_cells(cells))
@@ -113,12 +112,11 @@ def _verdict(estimate: stats.RatioEstimate | None, n: tuple[int, int], discovery
 
 def same_source(a: list[RunData], b: list[RunData]) -> str | None:
     """'same commit and matrix' when every run of both sides ran one clean commit (or one dirty tree) and one matrix hash."""
-    facts = {((r.manifest.get("git") or {}).get("commit"), (r.manifest.get("git") or {}).get("tree"),
-              r.manifest.get("matrix_hash")) for r in [*a, *b]}
+    facts = {(r.manifest.git.get("commit"), r.manifest.git.get("tree"), r.manifest.matrix_hash) for r in [*a, *b]}
     if len(facts) != 1:
         return None
     commit, _, matrix_hash = next(iter(facts))
-    if commit is None or matrix_hash is None:
+    if commit is None or not matrix_hash:
         return None
     return (f"A and B ran the same commit ({str(commit)[:12]}) and the same matrix ({str(matrix_hash)[:8]}): this is an "
             f"A/A comparison, so any flagged row is a false alarm of the method (or a machine that changed between runs).")

@@ -4,15 +4,13 @@ table and figure shares.
 A configuration is a cell spec without its repeat: (run, engine, kind, mode, params, workload,
 prompt class, concurrency, routing). Only `ok` cells enter a spread; failed and invalid repeats
 are counted beside it, never averaged in as zeros. K (resident experts) and N (--n-cpu-moe) are
-read from the cell's params, then its extras, then the server's options and exact command line
-(manifest.servers).
+the cell's own typed fields (CellResult.resident_experts / n_cpu_moe, from the server's options).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,13 +25,9 @@ METRICS: tuple[str, ...] = (
     "decode_tok_s_p50", "timings_decode_tok_s_p50", "output_tok_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "itl_p50_s",
     "miss_rate", "bytes_paged_per_token", "waves_per_step", "union_mean",
 )
-_K_KEYS = ("resident_experts", "paged_experts_num_resident", "num_resident", "resident_k", "K", "k")
-_N_KEYS = ("search_n", "n_cpu_moe", "cpu_moe_layers", "cpu_expert_layers")
-_SERVER_K_KEYS = ("resident_experts", "paged_experts_num_resident")
-_SERVER_N_KEYS = ("n_cpu_moe",)
-_SERVER_LABEL_KEYS = ("offload_layers", "cpu_offload_gb")  # fixed server options that tell configurations apart
-_K_FLAGS = ("--paged-experts-num-resident", "--resident-experts")
-_N_FLAGS = ("--n-cpu-moe", "--cpu-expert-layers")
+_LABEL_OPTIONS = ("offload_layers", "cpu_offload_gb")  # fixed server options that tell configurations apart
+# params that already show N (the runner, the search, the H200 converter)
+_N_PARAMS = ("n_cpu_moe", "search_n", "cpu_expert_layers")
 
 
 @dataclass(frozen=True)
@@ -71,40 +65,9 @@ def is_synthetic(routing: str) -> bool:
 
 
 def routing_label(routing: str) -> str:
-    return f"SYNTHETIC routing ({routing.split(':', 1)[1] if ':' in routing else routing})" if is_synthetic(routing) else "model routing"
-
-
-def _flag_value(argv: list[str], flags: tuple[str, ...]) -> int | None:
-    for index, arg in enumerate(argv):
-        for flag in flags:
-            if arg == flag and index + 1 < len(argv) and re.fullmatch(r"\d+", str(argv[index + 1])):
-                return int(argv[index + 1])
-            if str(arg).startswith(flag + "=") and re.fullmatch(r"\d+", str(arg).split("=", 1)[1]):
-                return int(str(arg).split("=", 1)[1])
-    return None
-
-
-def _first_int(sources: list[dict[str, Any]], keys: tuple[str, ...]) -> int | None:
-    for source in sources:
-        for key in keys:
-            value = source.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value):
-                return int(value)
-    return None
-
-
-def cell_k(params: dict[str, Any], extras: dict[str, Any], server: dict[str, Any]) -> int | None:
-    found = _first_int([params, extras], _K_KEYS)
-    if found is None:
-        found = _first_int([server.get("options") or {}], _SERVER_K_KEYS)
-    return found if found is not None else _flag_value([str(a) for a in server.get("argv") or []], _K_FLAGS)
-
-
-def cell_n(params: dict[str, Any], extras: dict[str, Any], server: dict[str, Any]) -> int | None:
-    found = _first_int([extras, params], _N_KEYS)
-    if found is None:
-        found = _first_int([server.get("options") or {}], _SERVER_N_KEYS)
-    return found if found is not None else _flag_value([str(a) for a in server.get("argv") or []], _N_FLAGS)
+    if not is_synthetic(routing):
+        return "model routing"
+    return f"SYNTHETIC routing ({routing.split(':', 1)[1] if ':' in routing else routing})"
 
 
 def config_label(row: pd.Series, many_runs: bool) -> str:
@@ -117,30 +80,34 @@ def config_label(row: pd.Series, many_runs: bool) -> str:
     return f"{label} · {routing_label(row['routing'])}" if is_synthetic(row["routing"]) else label
 
 
-def annotate_cells(cells: pd.DataFrame, servers: dict[str, dict[str, Any]], many_runs: bool) -> pd.DataFrame:
-    """Cells with params_key, label, K and N columns added; servers: server_id -> manifest server facts."""
+def _ints(values: pd.Series) -> pd.Series:
+    """object dtype: ints stay ints and absent values None (a float column would print K=8.0, K=nan)."""
+    return pd.Series([None if v is None or (isinstance(v, float) and math.isnan(v)) else int(v) for v in values],
+                     index=values.index, dtype=object)  # fmt: skip
+
+
+def annotate_cells(cells: pd.DataFrame, many_runs: bool) -> pd.DataFrame:
+    """Cells with params_key, label and the K (`k`) and N (`n_cpu_moe`) columns of their typed fields."""
     out = cells.copy()
-    facts = [servers.get(str(s), {}) for s in out["server_id"]]
-    # object dtype keeps ints as ints and absent values as None (a float column would print K=8.0, K=nan)
-    out["k"] = pd.Series([cell_k(p, e, f) for p, e, f in zip(out["params"], out["extras"], facts)], index=out.index, dtype=object)
-    out["n_cpu_moe"] = pd.Series([cell_n(p, e, f) for p, e, f in zip(out["params"], out["extras"], facts)], index=out.index, dtype=object)
-    out["params"] = [effective_params(p, k, n, f.get("options") or {}) for p, k, n, f in zip(out["params"], out["k"], out["n_cpu_moe"], facts)]
+    out["k"] = _ints(out["resident_experts"])
+    out["n_cpu_moe"] = _ints(out["n_cpu_moe"])
+    placed = zip(out["params"], out["k"], out["n_cpu_moe"], out["options"])
+    out["params"] = [effective_params(p, k, n, o) for p, k, n, o in placed]
     out["params_key"] = [params_key(p) for p in out["params"]]
     out["label"] = [config_label(row, many_runs) for _, row in out.iterrows()]
     return out
 
 
 def effective_params(params: dict[str, Any], k: int | None, n: int | None, options: dict[str, Any]) -> dict[str, Any]:
-    """Sweep params plus K / N (and offload amounts) read from extras, server options or the command
-    line when params do not name them, so configurations that differ only in a fixed flag (e.g. each
-    --n-cpu-moe of a search) stay apart and say what they ran."""
+    """Sweep params plus K, N and the offload amount when params do not name them, so configurations
+    that differ only in a fixed option (e.g. each --n-cpu-moe of a search) stay apart and say what they ran."""
     out = dict(params)
-    for key in _SERVER_LABEL_KEYS:
+    for key in _LABEL_OPTIONS:
         if options.get(key) is not None and key not in params:
             out[key] = options[key]
-    if k is not None and not any(key in params for key in _K_KEYS):
+    if k is not None and "resident_experts" not in params:
         out["K"] = k
-    if n is not None and not any(key in params for key in _N_KEYS):
+    if n is not None and not set(_N_PARAMS) & set(params):
         out["n_cpu_moe"] = n
     return out
 
@@ -154,7 +121,8 @@ def group_configs(cells: pd.DataFrame) -> pd.DataFrame:
         first = group.iloc[0]
         row.update(
             label=first["label"], params=first["params"], k=first["k"], n_cpu_moe=first["n_cpu_moe"],
-            cell_ids=list(group.sort_values("repeat")["cell_id"]), ok_cell_ids=list(ok.sort_values("repeat")["cell_id"]),
+            cell_ids=list(group.sort_values("repeat")["cell_id"]),
+            ok_cell_ids=list(ok.sort_values("repeat")["cell_id"]),
             repeats_ok=len(ok), repeats_not_ok=len(group) - len(ok),
             flags=list(dict.fromkeys(f for _, c in group.iterrows() for f in cell_flags(c))),
         )

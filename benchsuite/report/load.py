@@ -1,10 +1,11 @@
 """Reading one results run directory (docs/ARCHITECTURE.md, "Results store layout") into frames
-the report and compare can use: the manifest as a dict, one row per CellResult, one row per
+the report and compare can use: the typed manifest (benchsuite.manifest.Manifest), one row per CellResult, one row per
 RequestRecord.
 
-The store may write `params` / `extras` as JSON strings (parquet) or as dicts; both come out as
-dicts here. A run without cells.parquet (interrupted before the store's final write) is read from
-its cells/<cell-id>.json files. Other schema versions are refused with the store's fix-it message (benchsuite.store.read_manifest).
+The store may write `params` / `options` / `extras` as JSON strings (parquet) or as dicts; all come
+out as dicts here. A run without cells.parquet (interrupted before the store's final write) is read from
+its cells/<cell-id>.json files, and so is a version-1 run (upgraded by benchsuite.schema_v1); other
+schema versions are refused with the store's fix-it message (benchsuite.store.read_manifest).
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ import numpy as np
 import pandas as pd
 
 from benchsuite.errors import UserError
-from benchsuite.records import CellResult, RequestRecord
+from benchsuite.manifest import Manifest
+from benchsuite.records import SCHEMA_VERSION, CellResult, RequestRecord
 from benchsuite.store import read_cells, read_manifest, read_requests
 
 CELL_COLUMNS: tuple[str, ...] = tuple(CellResult.__dataclass_fields__)
 REQUEST_COLUMNS: tuple[str, ...] = tuple(RequestRecord.__dataclass_fields__)
-_DICT_COLUMNS = ("params", "extras")
+_DICT_COLUMNS = ("params", "options", "extras")
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,7 @@ class RunData:
 
     run_id: str
     run_dir: Path
-    manifest: dict[str, Any]
+    manifest: Manifest
     cells: pd.DataFrame  # one row per CellResult; params / extras are dicts
     requests: pd.DataFrame  # one row per RequestRecord; chunk_times_s is a list of floats
 
@@ -64,7 +66,7 @@ def _as_float_list(value: Any) -> list[float]:
 
 
 def normalize_cells(frame: pd.DataFrame) -> pd.DataFrame:
-    """Cells frame with every CellResult column present and params / extras as dicts."""
+    """Cells frame with every CellResult column present and params / options / extras as dicts."""
     cells = frame.copy()
     for column in CELL_COLUMNS:
         if column not in cells.columns:
@@ -87,9 +89,9 @@ def normalize_requests(frame: pd.DataFrame) -> pd.DataFrame:
     return requests.reset_index(drop=True)
 
 
-def _read_cells(run_dir: Path) -> pd.DataFrame:
+def _read_cells(run_dir: Path, schema_version: int) -> pd.DataFrame:
     parquet = run_dir / "cells.parquet"
-    if parquet.is_file():
+    if parquet.is_file() and schema_version == SCHEMA_VERSION:  # older tables lack columns: read cells/ upgraded
         return pd.read_parquet(parquet)
     cells = read_cells(run_dir)
     if not cells:
@@ -110,6 +112,6 @@ def load_run(run_dir: Path) -> RunData:
     if not (run_dir / "manifest.json").is_file():
         raise UserError(f"{run_dir}: no manifest.json; pass a results/<run-id>/ directory")
     manifest = read_manifest(run_dir)
-    cells = normalize_cells(_read_cells(run_dir))
-    run_id = str(manifest.get("run_id") or run_dir.name)
+    cells = normalize_cells(_read_cells(run_dir, manifest.schema_version))
+    run_id = manifest.run_id or run_dir.name
     return RunData(run_id, run_dir, manifest, cells, normalize_requests(_read_requests(run_dir)))

@@ -1,10 +1,8 @@
-"""What the report reads out of a run's manifest.json: machine facts, servers with their exact
-commands and versions, fairness settings, engines named by the matrix, the published reference a
-matrix names, and model shape facts (top_k, number of experts).
+"""What the report shows of a run's manifest (benchsuite.manifest.Manifest, typed): machine facts,
+servers with their exact commands and versions, fairness settings, engines named by the matrix,
+the published reference a matrix names, and model shape facts (top_k, number of experts).
 
-The manifest is written by benchsuite.store; this module tolerates the shapes that layout allows
-(servers as a list or a dict keyed by server id, engines as a list or a dict keyed by name) and
-never invents a value: a fact that is absent is reported as absent.
+Never invents a value: a fact that is absent is reported as absent.
 """
 
 from __future__ import annotations
@@ -14,6 +12,8 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from benchsuite.manifest import Manifest
 
 ENGINE_KINDS: tuple[str, ...] = ("builtin", "llamacpp", "sglang")
 _TOP_K_KEYS = ("top_k", "num_experts_per_tok")
@@ -28,7 +28,7 @@ class ServerFacts:
     command: str  # shell-quoted argv, exactly as launched
     version: str
     canary: str = "not run"  # the leak canary after the server's cells: passed / FAILED (leaks n) / not run
-    expert_format: str | None = None  # how the engine stores one expert (version.expert_format: float8_e4m3fn, q8_0, ...)
+    expert_format: str | None = None  # how the engine stores one expert (version.expert_format: float8_e4m3fn, q8_0)
     expert_bytes: int | None = None  # one expert's gate + up + down bytes as served (FP8: block scales included)
 
     @property
@@ -74,64 +74,45 @@ def flatten_facts(obj: Any, prefix: str = "") -> list[tuple[str, str]]:
     return [(prefix[:-1], "absent" if obj is None else _scalar_text(obj, prefix[:-1]))]
 
 
-def machine_facts(manifest: dict[str, Any]) -> list[tuple[str, str]]:
-    return flatten_facts(manifest.get("machine") or {})
+def machine_facts(manifest: Manifest) -> list[tuple[str, str]]:
+    return flatten_facts(manifest.machine)
 
 
-def git_facts(manifest: dict[str, Any]) -> list[tuple[str, str]]:
-    return flatten_facts(manifest.get("git") or {})
+def git_facts(manifest: Manifest) -> list[tuple[str, str]]:
+    return flatten_facts(manifest.git)
 
 
-def matrix(manifest: dict[str, Any]) -> dict[str, Any]:
-    value = manifest.get("matrix")
-    return value if isinstance(value, dict) else {}
+def fairness_facts(manifest: Manifest) -> list[tuple[str, str]]:
+    return flatten_facts(manifest.matrix.get("fairness") or {})
 
 
-def fairness_facts(manifest: dict[str, Any]) -> list[tuple[str, str]]:
-    return flatten_facts(matrix(manifest).get("fairness") or {})
-
-
-def server_records(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """server_id -> the manifest's record of that server (argv, options, version, ...)."""
-    raw = manifest.get("servers") or []
-    if isinstance(raw, dict):
-        return {str(v.get("server_id", k)): v for k, v in raw.items() if isinstance(v, dict)}
-    return {str(v.get("server_id", "")): v for v in raw if isinstance(v, dict)}
-
-
-def servers(manifest: dict[str, Any]) -> list[ServerFacts]:
+def servers(manifest: Manifest) -> list[ServerFacts]:
     out = []
-    for server_id, item in server_records(manifest).items():
-        item = {**item, "server_id": server_id}
-        argv = item.get("argv") or []
-        command = shlex.join(str(a) for a in argv) if isinstance(argv, list) else str(argv)
-        version = item.get("version")
-        version_text = ", ".join(f"{k}={_scalar_text(v)}" for k, v in version.items()) if isinstance(version, dict) else str(version or "absent")
-        expert = version if isinstance(version, dict) else {}
-        out.append(ServerFacts(str(item.get("server_id", "")), str(item.get("engine", "")), str(item.get("kind", "")), command, version_text,
-                               canary_text(item.get("canary")), expert.get("expert_format"),
-                               int(expert["expert_bytes"]) if isinstance(expert.get("expert_bytes"), int) else None))
+    for server_id, record in manifest.servers.items():
+        version = ", ".join(f"{k}={_scalar_text(v)}" for k, v in record.version.items()) if record.version else "absent"
+        expert_bytes = record.version.get("expert_bytes")
+        out.append(ServerFacts(server_id, record.engine, record.kind, shlex.join(record.argv), version,
+                               canary_text(record.canary), record.version.get("expert_format"),
+                               expert_bytes if isinstance(expert_bytes, int) else None))  # fmt: skip
     return out
 
 
-def matrix_engines(manifest: dict[str, Any]) -> dict[str, str]:
+def matrix_engines(manifest: Manifest) -> dict[str, str]:
     """Engine entry name -> kind, as the matrix names them."""
-    raw = matrix(manifest).get("engines") or []
-    if isinstance(raw, dict):
-        return {str(name): str((entry or {}).get("kind", "")) for name, entry in raw.items()}
-    return {str(entry.get("name", "")): str(entry.get("kind", "")) for entry in raw if isinstance(entry, dict)}
+    engines = manifest.matrix.get("engines") or {}
+    return {str(name): str((entry or {}).get("kind", "")) for name, entry in engines.items()}
 
 
-def reference_name(manifest: dict[str, Any]) -> str | None:
-    value = matrix(manifest).get("reference")
+def reference_name(manifest: Manifest) -> str | None:
+    value = manifest.matrix.get("reference")
     if isinstance(value, dict):
         value = value.get("name")
     return str(value) if value else None
 
 
-def reference_filter(manifest: dict[str, Any]) -> dict[str, str]:
+def reference_filter(manifest: Manifest) -> dict[str, str]:
     """Published-row filter a matrix may give beside its reference (machine, quant)."""
-    value = matrix(manifest).get("reference")
+    value = manifest.matrix.get("reference")
     if not isinstance(value, dict):
         return {}
     return {key: str(value[key]) for key in ("machine", "quant") if value.get(key) is not None}
@@ -169,23 +150,18 @@ def _model_subtrees(obj: Any) -> list[Any]:
     return found
 
 
-_MODEL_FLAGS = ("--model-path", "--model", "-m")
+_MODEL_OPTIONS = ("model", "model_path")  # builtin and llama.cpp; SGLang
 
 
-def _model_dirs(manifest: dict[str, Any], run_dir: Path) -> list[Path]:
-    """Checkpoint directories the servers were started with, resolved as given, then beside the run."""
-    names: list[str] = []
-    for record in server_records(manifest).values():
-        argv = [str(a) for a in record.get("argv") or []]
-        names.extend(argv[i + 1] for i, a in enumerate(argv[:-1]) if a in _MODEL_FLAGS)
-        model = (record.get("options") or {}).get("model")
-        if isinstance(model, str):
-            names.append(model)
+def _model_dirs(manifest: Manifest, run_dir: Path) -> list[Path]:
+    """Checkpoint directories the servers' options name, resolved as given, then beside the run."""
+    options = [r.options for r in manifest.servers.values()]
+    names = [str(o[k]) for o in options for k in _MODEL_OPTIONS if isinstance(o.get(k), str)]
     candidates = [Path(n) if Path(n).is_absolute() else base / n for n in names for base in (Path.cwd(), run_dir)]
     return [c for c in candidates if (c / "config.json").is_file()]
 
 
-def _model_configs(manifest: dict[str, Any], run_dir: Path) -> list[dict[str, Any]]:
+def _model_configs(manifest: Manifest, run_dir: Path) -> list[dict[str, Any]]:
     configs = []
     for directory in _model_dirs(manifest, run_dir):
         try:
@@ -195,13 +171,16 @@ def _model_configs(manifest: dict[str, Any], run_dir: Path) -> list[dict[str, An
     return configs
 
 
-def model_top_k(manifest: dict[str, Any], run_dir: Path) -> int | None:
+def model_top_k(manifest: Manifest, run_dir: Path) -> int | None:
     """num_experts_per_tok anywhere in the manifest (HF config name), else `top_k` inside a model
     block (a sampling top_k elsewhere must not be mistaken for the router's), else the config.json
     of the checkpoint a server was started with."""
-    return (_find_int(manifest, ("num_experts_per_tok",)) or _find_int(_model_subtrees(manifest), _TOP_K_KEYS)
+    raw = manifest.to_json()
+    return (_find_int(raw, ("num_experts_per_tok",)) or _find_int(_model_subtrees(raw), _TOP_K_KEYS)
             or _find_int(_model_configs(manifest, run_dir), ("num_experts_per_tok",)))
 
 
-def model_num_experts(manifest: dict[str, Any], run_dir: Path) -> int | None:
-    return _find_int(_model_subtrees(manifest), _NUM_EXPERTS_KEYS) or _find_int(_model_configs(manifest, run_dir), _NUM_EXPERTS_KEYS)
+def model_num_experts(manifest: Manifest, run_dir: Path) -> int | None:
+    raw = manifest.to_json()
+    found = _find_int(_model_subtrees(raw), _NUM_EXPERTS_KEYS)
+    return found or _find_int(_model_configs(manifest, run_dir), _NUM_EXPERTS_KEYS)

@@ -25,6 +25,7 @@ from typing import Any
 
 import pandas as pd
 
+from benchsuite.manifest import Manifest
 from benchsuite.report.load import RunData
 
 TITLE = "Link and serial bounds (paged, offload)"
@@ -46,9 +47,9 @@ INTRO = (
 )
 
 
-def link_gb_per_s(manifest: Mapping[str, Any]) -> tuple[float | None, str]:
+def link_gb_per_s(manifest: Manifest) -> tuple[float | None, str]:
     """The run's measured paging bandwidth (GB/s), or None and why there is none."""
-    link = manifest.get("link_bandwidth")
+    link = manifest.link_bandwidth
     if not isinstance(link, Mapping):
         return None, "no link bandwidth in this run (matrix `linkbw: true` measures it)"
     value = link.get("paging_gb_per_s")
@@ -112,7 +113,8 @@ def _note(cell: pd.Series, per_token_bytes: float | None, link_why: str, compute
         reasons.append(link_why)
     if compute is None:
         reference = REFERENCE_MODE.get(str(cell["engine_kind"]), "resident")
-        reasons.append(f"no ok {reference} cell with the same workload, routing, concurrency and prompt class in this run")
+        same = "the same workload, routing, concurrency and prompt class"
+        reasons.append(f"no ok {reference} cell with {same} in this run")
     return "; ".join(reasons)
 
 

@@ -9,11 +9,12 @@ recorded its candidates kept ruled-out values as `invalid` cells: those still re
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import pandas as pd
 
+from benchsuite.manifest import Manifest
 from benchsuite.report.load import RunData
 from benchsuite.report.tables import search_table as cell_rows
 from benchsuite.search import format_gb
@@ -21,11 +22,11 @@ from benchsuite.search import format_gb
 RULED_OUT = "ruled out"
 
 
-def ruled_out_rows(run_id: str, manifest: Mapping[str, Any]) -> list[dict[str, Any]]:
+def ruled_out_rows(run_id: str, manifest: Manifest) -> list[dict[str, Any]]:
     """One row per candidate a search of this run ruled out by its projection."""
     rows = []
-    for server in (manifest.get("servers") or {}).values():
-        record = server.get("search") or {}
+    for server in manifest.servers.values():
+        record = server.search or {}
         objective = record.get("objective_cell") or {}
         for c in record.get("candidates") or []:
             if c.get("outcome") != RULED_OUT:
@@ -36,7 +37,7 @@ def ruled_out_rows(run_id: str, manifest: Mapping[str, Any]) -> list[dict[str, A
             over = f"{format_gb(projected)} GB with the margin > budget {format_gb(budget)} GB"
             reason = f"{source} projection {over}; not launched"
             rows.append({
-                "run_id": run_id, "engine": server.get("engine", ""), "workload": objective.get("workload"),
+                "run_id": run_id, "engine": server.engine, "workload": objective.get("workload"),
                 "prompt_class": objective.get("prompt_class"), "concurrency": objective.get("concurrency"),
                 "N": int(c["n"]), "fits": False, "chosen": False, "decode_tok_s": None, "projected_bytes": projected,
                 "budget_bytes": budget, "search_launches": record.get("launches"),

@@ -11,23 +11,35 @@ server never resets them, so they stay monotonic. `prefill_*` counters cover the
 host-planned layer-steps of steps with a prompt chunk (page-in bytes and copy time, the steps' span
 on the device, waves, hits and misses: `counters.PrefillCounts`). Per-layer hits/misses are separate metric
 names (`layer_expert_hits_total{layer=...}`) so summing a metric never double counts.
+
+The exposition is prometheus_client's (one private registry per server): request counters and
+histograms are its Counter / Histogram, the gauges and the paging counters a Collector that reads
+the engine's state at scrape time (the library's way to expose values counted elsewhere).
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-from collections.abc import Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from paged_experts.server.engine import FINISH_LENGTH, FINISH_STOP, FinishedRequest
 
 PREFIX = "paged_experts:"
 
-TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-ITL_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+TTFT_BUCKETS_S = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+ITL_BUCKETS_S = (
+    0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5,
+)  # fmt: skip
 E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 
 # (metric suffix, LayerCounts field, help text); all are counters except union_experts_max
@@ -62,43 +74,9 @@ PREFILL_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("prefill_waves_total", "waves", "Waves of those layer-steps"),
 )
 
-
-class Histogram:
-    def __init__(self, name: str, help_text: str, buckets: Sequence[float]) -> None:
-        self.name = name
-        self.help_text = help_text
-        self.buckets = tuple(buckets)
-        self.counts = [0] * (len(self.buckets) + 1)  # last: +Inf
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help_text}", f"# TYPE {self.name} histogram"]
-        cumulative = 0
-        for bound, n in zip(self.buckets, self.counts):
-            cumulative += n
-            lines.append(f'{self.name}_bucket{{le="{_num(bound)}"}} {cumulative}')
-        lines.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}')
-        lines.append(f"{self.name}_sum {_num(self.sum)}")
-        lines.append(f"{self.name}_count {self.count}")
-        return lines
-
-
-def _num(value: float) -> str:
-    if isinstance(value, int):
-        return str(value)
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value))
-
-
-def _scalar(kind: str, name: str, help_text: str, value: float, labels: str = "") -> list[str]:
-    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{labels} {_num(value)}"]
+# No `<name>_created` timestamp series beside each counter and histogram: the scrape keeps the
+# series it always had (the runner stores every scrape) and no engine we compare with needs them.
+prometheus_client.disable_created_metrics()
 
 
 @dataclass(frozen=True)
@@ -118,76 +96,106 @@ class EngineGauges:
     gpu_memory_used_bytes: int = 0  # the device's memory in use, every process and context included (CUDA)
 
 
+@dataclass(frozen=True)
+class _EngineState:
+    gauges: EngineGauges
+    counters: Any | None  # paged_experts.counters.CountersSnapshot; None before the model loads
+    routing_synthetic: bool
+
+
+class _EngineCollector(Collector):
+    """The engine's gauges and the runtime's cumulative paging counters, as of the current scrape."""
+
+    def __init__(self) -> None:
+        self.state: _EngineState | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.state is None:
+            return
+        p, g = PREFIX, self.state.gauges
+        for name, help_text, value in (
+            ("num_running_reqs", "Requests in the running batch", g.num_running_reqs),
+            ("num_queue_reqs", "Requests waiting for admission", g.num_queue_reqs),
+            ("kv_used_tokens", "KV tokens in use", g.kv_used_tokens),
+            ("kv_capacity_tokens", "KV capacity in tokens", g.kv_capacity_tokens),
+            ("routing_synthetic", "1 when synthetic routing replaces the router", int(self.state.routing_synthetic)),
+        ):
+            yield GaugeMetricFamily(p + name, help_text, value=value)
+        yield from _engine_step_families(g)
+        if self.state.counters is not None:
+            yield from _paging_families(self.state.counters)
+
+
+def _engine_step_families(g: EngineGauges) -> Iterator[Metric]:
+    p = PREFIX
+    for name, help_text, value in (
+        ("engine_decode_steps_total", "Engine steps of decode tokens only", g.decode_steps),
+        ("engine_decode_tokens_total", "Tokens of those steps", g.decode_tokens),
+        ("engine_decode_step_seconds_total", "Engine-thread time of those steps, planning to hand-off (no HTTP)",
+         g.decode_step_s),
+        ("engine_decode_model_seconds_total", "Model time of those steps: launch and wait for the token ids",
+         g.decode_model_s),
+        ("engine_steps_total", "Engine steps", g.steps),
+    ):  # fmt: skip
+        yield CounterMetricFamily(p + name, help_text, value=value)
+    for name, help_text, value in (
+        ("gpu_memory_peak_reserved_bytes", "Peak GPU memory reserved by the server's allocator",
+         g.gpu_memory_peak_reserved_bytes),
+        ("gpu_memory_used_bytes", "GPU memory in use on the device (contexts included)", g.gpu_memory_used_bytes),
+    ):  # fmt: skip
+        yield GaugeMetricFamily(p + name, help_text, value=value)
+    for phase, seconds in (g.phase_s or {}).items():
+        name = p + f"engine_step_{phase}_seconds_total"
+        yield CounterMetricFamily(name, f"Engine-thread time in phase {phase}", seconds)
+
+
+def _paging_families(counters: Any) -> Iterator[Metric]:
+    p, total = PREFIX, counters.total
+    for suffix, attr, help_text in PAGING_COUNTERS:
+        yield CounterMetricFamily(p + suffix, help_text, value=getattr(total, attr))
+    for suffix, attr, help_text in PREFILL_COUNTERS:
+        yield CounterMetricFamily(p + suffix, help_text, value=getattr(counters.prefill, attr))
+    yield GaugeMetricFamily(p + "union_experts_max", "Largest per layer-step union of routed experts", total.union_max)
+    for suffix, attr in (("layer_expert_hits_total", "hits"), ("layer_expert_misses_total", "misses")):
+        family = CounterMetricFamily(p + suffix, f"Per-layer {attr}", labels=["layer"])
+        for index, layer in enumerate(counters.layers):
+            family.add_metric([str(index)], getattr(layer, attr))
+        yield family
+
+
 class ServerMetrics:
     """Request counters and latency histograms, fed by the engine's `on_finish` listener."""
 
     def __init__(self) -> None:
-        self.num_requests = 0
-        self.num_aborted_requests = 0
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS_S)
-        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Gap between generated tokens", ITL_BUCKETS_S)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to finish", E2E_BUCKETS_S)
+        self.registry = CollectorRegistry(auto_describe=True)
+        p, r = PREFIX, self.registry
+        self.num_requests = Counter(p + "num_requests", "Finished requests (any reason)", registry=r)
+        self.num_aborted_requests = Counter(p + "num_aborted_requests", "Requests aborted or failed", registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens of finished requests", registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token", buckets=TTFT_BUCKETS_S,
+                              registry=r)  # fmt: skip
+        self.itl = Histogram(p + "inter_token_latency_seconds", "Gap between generated tokens", buckets=ITL_BUCKETS_S,
+                             registry=r)  # fmt: skip
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival to finish", buckets=E2E_BUCKETS_S, registry=r)
+        self._engine = _EngineCollector()
+        r.register(self._engine)
 
     def on_finish(self, done: FinishedRequest) -> None:
-        self.num_requests += 1
-        self.prompt_tokens += done.prompt_tokens
-        self.generation_tokens += done.completion_tokens
+        self.num_requests.inc()
+        self.prompt_tokens.inc(done.prompt_tokens)
+        self.generation_tokens.inc(done.completion_tokens)
         if done.finish_reason not in (FINISH_STOP, FINISH_LENGTH):
-            self.num_aborted_requests += 1
+            self.num_aborted_requests.inc()
         if done.first_token_s is not None:
             self.ttft.observe(done.first_token_s - done.arrival_s)
-        times = done.token_times_s
-        for earlier, later in pairwise(times):
+        for earlier, later in pairwise(done.token_times_s):
             self.itl.observe(later - earlier)
         if done.finish_reason in (FINISH_STOP, FINISH_LENGTH):
             self.e2e.observe(done.finish_s - done.arrival_s)
 
     def render(self, gauges: EngineGauges, counters: Any | None, routing_synthetic: bool) -> str:
-        """`counters` is a `paged_experts.counters.CountersSnapshot` (None before the model loads)."""
-        p = PREFIX
-        lines: list[str] = []
-        lines += _scalar("counter", p + "num_requests_total", "Finished requests (any reason)", self.num_requests)
-        lines += _scalar("counter", p + "num_aborted_requests_total", "Requests aborted or failed", self.num_aborted_requests)
-        lines += _scalar("counter", p + "prompt_tokens_total", "Prompt tokens of finished requests", self.prompt_tokens)
-        lines += _scalar("counter", p + "generation_tokens_total", "Generated tokens of finished requests", self.generation_tokens)
-        for hist in (self.ttft, self.itl, self.e2e):
-            lines += hist.render()
-        lines += _scalar("gauge", p + "num_running_reqs", "Requests in the running batch", gauges.num_running_reqs)
-        lines += _scalar("gauge", p + "num_queue_reqs", "Requests waiting for admission", gauges.num_queue_reqs)
-        lines += _scalar("gauge", p + "kv_used_tokens", "KV tokens in use", gauges.kv_used_tokens)
-        lines += _scalar("gauge", p + "kv_capacity_tokens", "KV capacity in tokens", gauges.kv_capacity_tokens)
-        lines += _scalar("gauge", p + "routing_synthetic", "1 when a synthetic routing source replaces the router", int(routing_synthetic))
-        lines += _scalar("counter", p + "engine_decode_steps_total", "Engine steps of decode tokens only", gauges.decode_steps)
-        lines += _scalar("counter", p + "engine_decode_tokens_total", "Tokens of those steps", gauges.decode_tokens)
-        lines += _scalar("counter", p + "engine_decode_step_seconds_total",
-                         "Engine-thread time of those steps, planning to hand-off (no HTTP)", gauges.decode_step_s)  # fmt: skip
-        lines += _scalar("counter", p + "engine_decode_model_seconds_total",
-                         "Model time of those steps: launch and wait for the token ids", gauges.decode_model_s)  # fmt: skip
-        lines += _scalar("counter", p + "engine_steps_total", "Engine steps", gauges.steps)
-        lines += _scalar("gauge", p + "gpu_memory_peak_reserved_bytes", "Peak GPU memory reserved by the server's allocator",
-                         gauges.gpu_memory_peak_reserved_bytes)  # fmt: skip
-        lines += _scalar("gauge", p + "gpu_memory_used_bytes", "GPU memory in use on the device (contexts included)",
-                         gauges.gpu_memory_used_bytes)  # fmt: skip
-        for phase, seconds in (gauges.phase_s or {}).items():
-            lines += _scalar("counter", p + f"engine_step_{phase}_seconds_total", f"Engine-thread time in phase {phase}", seconds)
-        if counters is not None:
-            lines += _paging_lines(counters)
-        return "\n".join(lines) + "\n"
-
-
-def _paging_lines(counters: Any) -> list[str]:
-    p = PREFIX
-    total = counters.total
-    lines: list[str] = []
-    for suffix, attr, help_text in PAGING_COUNTERS:
-        lines += _scalar("counter", p + suffix, help_text, getattr(total, attr))
-    lines += _scalar("gauge", p + "union_experts_max", "Largest per layer-step union of routed experts", total.union_max)
-    for suffix, attr, help_text in PREFILL_COUNTERS:
-        lines += _scalar("counter", p + suffix, help_text, getattr(counters.prefill, attr))
-    for suffix, attr in (("layer_expert_hits_total", "hits"), ("layer_expert_misses_total", "misses")):
-        name = p + suffix
-        lines += [f"# HELP {name} Per-layer {attr}", f"# TYPE {name} counter"]
-        lines += [f'{name}{{layer="{i}"}} {getattr(layer, attr)}' for i, layer in enumerate(counters.layers)]
-    return lines
+        """The exposition text; `counters` is a `paged_experts.counters.CountersSnapshot` (None
+        before the model loads). One scrape at a time: the event loop serializes them."""
+        self._engine.state = _EngineState(gauges, counters, routing_synthetic)
+        return generate_latest(self.registry).decode()

@@ -21,21 +21,19 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from benchsuite.engines import RUN_DIR_PLACEHOLDER
-from benchsuite.engines.base import EngineConfigError, LaunchPlan, ServerSpec
-from benchsuite.metrics import parse_prometheus
+from benchsuite.engines.base import EngineConfigError, EngineOptions, LaunchPlan, Placement, ServerSpec, options_of
+from benchsuite.metrics import scrape_prometheus
 from paged_experts.residency import DEFAULT_PREFILL_KEEP, PREFILL_KEEP
 
 _MODE_OPTION = {"paged": "resident_experts", "offload": "offload_layers", "cpu-experts": "n_cpu_moe"}
 GRAPHABLE_MODES = ("resident", "paged")  # modes whose decode step the server can capture as a CUDA graph
 
 
-class BuiltinOptions(BaseModel):
+class BuiltinOptions(EngineOptions):
     """`engines.<name>.options` for `kind: builtin` (one scalar per field after sweep expansion)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = "tiny"  # checkpoint directory, or `tiny` for the generated test model
     mode: Literal["resident", "paged", "offload", "cpu-experts"] = "paged"
@@ -142,6 +140,17 @@ class BuiltinOptions(BaseModel):
                 raise ValueError(f"{option} applies only to mode {mode}, not {self.mode}")
         return self
 
+    def placement(self) -> Placement:
+        # the routing label is the one the server puts on its own counters
+        routing = "model" if self.routing == "model" else f"synthetic:{self.routing.strip().lower()}"
+        return Placement(self.mode, self.resident_experts, self.n_cpu_moe, routing)
+
+    def request_model(self) -> str:
+        return self.model
+
+    def model_source(self) -> str:
+        return self.model
+
 
 class BuiltinAdapter:
     kind = "builtin"
@@ -149,7 +158,7 @@ class BuiltinAdapter:
     flush_cache_path: str | None = "/flush_cache"  # POST between cells
 
     def _options(self, spec: ServerSpec) -> BuiltinOptions:
-        return BuiltinOptions.model_validate(dict(spec.options))
+        return options_of(spec, BuiltinOptions)
 
     def model_dir(self, spec: ServerSpec) -> Path:
         """The checkpoint directory (generates the tiny model on first use)."""
@@ -200,9 +209,6 @@ class BuiltinAdapter:
         # The tiny model on 2 CPU cores starts in seconds; a real checkpoint may take minutes.
         return LaunchPlan(argv=argv, env={"PYTHONUNBUFFERED": "1"}, startup_timeout_s=opts.startup_timeout_s)
 
-    def mode(self, spec: ServerSpec) -> str:
-        return self._options(spec).mode
-
     def resolved_options(self, spec: ServerSpec) -> dict[str, Any]:
         """The options in force, defaults resolved (the performance ones depend on device and mode)."""
         opts = self._options(spec)
@@ -216,10 +222,6 @@ class BuiltinAdapter:
                 return {}
             info = await resp.json()
         return {"engine_startup_s": info.get("startup_s", {}), "captured_graphs": info.get("captured_graphs", [])}
-
-    def routing_label(self, spec: ServerSpec) -> str:
-        routing = self._options(spec).routing
-        return "model" if routing == "model" else f"synthetic:{routing.strip().lower()}"  # as the server labels it
 
     def request_extras(self, spec: ServerSpec) -> dict[str, Any]:
         return {}
@@ -242,11 +244,7 @@ class BuiltinAdapter:
         return {"expert_format": dtype, "expert_bytes": cfg.expert_bytes(dtype)}
 
     async def scrape(self, session: Any, base_url: str) -> dict[str, float] | None:
-        async with session.get(f"{base_url}/metrics") as resp:
-            if resp.status != 200:
-                return None
-            text = await resp.text()
-        return {k: v for k, v in parse_prometheus(text).items() if k.startswith("paged_experts:")}
+        return await scrape_prometheus(session, base_url, "paged_experts:")
 
     def parse_log(self, log_text: str) -> dict[str, Any]:
         # The builtin server reports everything through /metrics; its log carries no extra facts.

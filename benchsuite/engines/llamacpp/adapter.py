@@ -26,11 +26,21 @@ import subprocess
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
-from benchsuite.engines.base import EngineConfigError, LaunchPlan, ServerSpec, extra_args_check
+from benchsuite.engines.base import (
+    EngineConfigError,
+    EngineOptions,
+    LaunchPlan,
+    Placement,
+    ServerSpec,
+    extra_args_check,
+    options_of,
+)
 from benchsuite.engines.llamacpp import owned
 from benchsuite.errors import UserError
+from benchsuite.metrics import scrape_prometheus
+from benchsuite.search_settings import parse_request
 
 BINARY_NAME = "llama-server"
 FIT_PARAMS_NAME = "llama-fit-params"
@@ -40,10 +50,8 @@ _GPU_DEVICE_LINE = re.compile(
 )
 
 
-class LlamaCppOptions(BaseModel):
+class LlamaCppOptions(EngineOptions):
     """`engines.<name>.options` for `kind: llamacpp` (one scalar per field after sweep expansion)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = (
         "tiny"  # GGUF file, HF Qwen3-MoE directory (exported on first use), or `tiny`
@@ -88,13 +96,22 @@ class LlamaCppOptions(BaseModel):
         if isinstance(value, int) and value < 0:
             raise ValueError("must be >= 0")
         if isinstance(value, dict):
-            from benchsuite.search import parse_request
-
             try:
                 parse_request(value)
             except UserError as exc:
                 raise ValueError(str(exc)) from None
         return value
+
+    def placement(self) -> Placement:
+        n = self.n_cpu_moe if isinstance(self.n_cpu_moe, int) else None  # a search request has no N yet
+        mode = "moe-cache" if self.moe_cache_mib is not None else ("n-cpu-moe" if n else "gpu")
+        return Placement(mode, n_cpu_moe=n)
+
+    def request_model(self) -> str:
+        return self.model
+
+    def model_source(self) -> str:
+        return self.model
 
 
 @functools.lru_cache(maxsize=16)
@@ -148,7 +165,7 @@ class LlamaCppAdapter:
     owned_env = owned.OWNED_ENV  # LLAMA_ARG_* variables of the flags above; refused in a matrix's env:
 
     def _options(self, spec: ServerSpec) -> LlamaCppOptions:
-        return LlamaCppOptions.model_validate(dict(spec.options))
+        return options_of(spec, LlamaCppOptions)
 
     def binary(self, spec: ServerSpec) -> Path:
         opts = self._options(spec)
@@ -284,12 +301,6 @@ class LlamaCppAdapter:
             startup_timeout_s=opts.startup_timeout_s,
         )
 
-    def mode(self, spec: ServerSpec) -> str:
-        opts = self._options(spec)
-        if opts.moe_cache_mib is not None:
-            return "moe-cache"
-        return "n-cpu-moe" if opts.n_cpu_moe else "gpu"
-
     def request_extras(self, spec: ServerSpec) -> dict[str, Any]:
         return (
             {}
@@ -329,15 +340,7 @@ class LlamaCppAdapter:
             return {}
 
     async def scrape(self, session: Any, base_url: str) -> dict[str, float] | None:
-        from benchsuite.metrics import parse_prometheus
-
-        async with session.get(f"{base_url}/metrics") as resp:
-            if resp.status != 200:
-                return None
-            text = await resp.text()
-        return {
-            k: v for k, v in parse_prometheus(text).items() if k.startswith("llamacpp:")
-        }
+        return await scrape_prometheus(session, base_url, "llamacpp:")
 
     def parse_log(self, log_text: str) -> dict[str, Any]:
         from benchsuite.engines.llamacpp.logs import parse_server_log

@@ -3,8 +3,8 @@
 Owns the `kind: sglang` options schema of matrix.yaml, the exact server command line in its three
 modes (paged: `--enable-paged-experts --paged-experts-num-resident K`; offload: `--cpu-offload-gb G`;
 unpaged), the request field for routing capture, the version probe, and the Prometheus scrape.
-Constraint checks live in benchsuite.engines.sglang.constraints, log parsing in benchsuite.engines.sglang.logs,
-routing decoding in benchsuite.engines.sglang.routing.
+The options schema lives in benchsuite.engines.sglang.options, constraint checks in .constraints,
+log parsing in .logs, routing decoding in .routing.
 
 Every flag emitted here exists in sglang 0.5.23 (`srt/arg_groups/fields/*.py`, CLI name = field name
 with dashes, `arg_utils.py:288-290`); docs/sglang.md lists each flag with its file and line.
@@ -13,137 +13,21 @@ SGLang needs a CUDA GPU; nothing in this project has run it, and no result here 
 
 from __future__ import annotations
 
-import os
-import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
-from benchsuite.engines.sglang import logs as sglang_logs
+from benchsuite.engines.base import EngineConfigError, LaunchPlan, ServerSpec, options_of
 from benchsuite.engines.sglang import constraints as sglang_constraints
-from benchsuite.engines.base import EngineConfigError, LaunchPlan, ServerSpec, extra_args_check
-from benchsuite.metrics import parse_prometheus
+from benchsuite.engines.sglang import logs as sglang_logs
+from benchsuite.engines.sglang.options import SGLangOptions, expand_env
+from benchsuite.metrics import scrape_prometheus
+
+__all__ = ["SGLangAdapter", "SGLangOptions", "expand_env", "scrape_prometheus"]
 
 METRIC_PREFIX = "sglang:"  # observability/metrics_collector.py names every series sglang:*
 VERSION_PROBE_TIMEOUT_S = 120.0
-
-# sglang 0.5.23 arg_groups/choices.py:32-66 (QUANTIZATION_CHOICES).
-QUANTIZATION_CHOICES = (
-    "awq", "fp8", "mxfp8", "gptq", "gptq_marlin", "awq_marlin", "bitsandbytes", "gguf", "modelopt",
-    "modelopt_fp8", "modelopt_fp4", "nvfp4_online", "modelopt_mixed", "petit_nvfp4", "w8a8_int8",
-    "w8a8_fp8", "moe_wna16", "w4afp8", "mxfp4", "auto-round", "auto-round-int8", "compressed-tensors",
-    "modelslim", "mxfp_w4a8", "quark", "quark_int4fp8_moe", "quark_mxfp4", "mlx_q4", "mlx_q8",
-    "unquant", "humming",
-)  # fmt: skip
-# sglang 0.5.23 arg_groups/choices.py:3-28 (LOAD_FORMAT_CHOICES).
-LOAD_FORMAT_CHOICES = (
-    "auto", "pt", "safetensors", "instanttensor", "npcache", "dummy", "sharded_state", "presharded",
-    "gguf", "expert_pack", "bitsandbytes", "mistral", "layered", "flash_rl", "remote",
-    "remote_instance", "fastsafetensors", "private", "runai_streamer",
-)  # fmt: skip
-# sglang 0.5.23 arg_groups/choices.py:136-159 (MOE_RUNNER_BACKEND_CHOICES).
-MOE_RUNNER_BACKEND_CHOICES = (
-    "auto", "deep_gemm", "triton", "triton_kernel", "flashinfer_trtllm", "experimental_sgl_trtllm",
-    "flashinfer_trtllm_routed", "flashinfer_cutlass", "flashinfer_mxfp4", "flashinfer_cutedsl",
-    "flashinfer_megamoe", "cutlass", "aiter", "marlin", "humming", "experimental_sgl_marlin",
-    "lora_cutedsl", "lora_triton", "lora_marlin", "hpc_ops", "megamoe", "intel_xpu",
-)  # fmt: skip
-KvCacheDtype = Literal["auto", "fp8_e5m2", "fp8_e4m3", "mxfp8", "bf16", "bfloat16", "nvfp4", "fp4_mx_block16"]
-GraphBackend = Literal["full", "breakable", "disabled"]  # model_executor/cuda_graph_config.py:40-48
-
-_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
-
-
-def expand_env(value: str) -> str:
-    """`${NAME}` -> the environment variable's value; ValueError naming what to set when unset."""
-
-    def sub(match: re.Match[str]) -> str:
-        name = match.group(1)
-        found = os.environ.get(name)
-        if not found:
-            raise ValueError(f"environment variable {name} is not set (export {name}=<path> before running)")
-        return found
-
-    return os.path.expanduser(_ENV_REF.sub(sub, value))
-
-
-def _choice(value: str | None, choices: tuple[str, ...], what: str) -> str | None:
-    if value is not None and value not in choices:
-        raise ValueError(f"{what} {value!r} is not an sglang 0.5.23 choice ({', '.join(choices)})")
-    return value
-
-
-class SGLangOptions(BaseModel):
-    """`engines.<name>.options` for `kind: sglang` (one scalar per field after sweep expansion)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    model_path: str  # local checkpoint directory (HF repo ids work for offload/unpaged); ${ENV} expanded
-    mode: Literal["paged", "offload", "unpaged"] = "paged"
-    resident_experts: int | None = Field(None, ge=1)  # K, mode paged (required there, method.py:334)
-    cpu_offload_gb: int | None = Field(None, ge=1)  # mode offload; an int in 0.5.23 (fields/exec_.py:1068)
-    mem_fraction_static: float | None = Field(None, gt=0, lt=1)
-    quantization: str | None = None
-    kv_cache_dtype: KvCacheDtype | None = None
-    tp_size: int = Field(1, ge=1)
-    ep_size: int = Field(1, ge=1)
-    pp_size: int = Field(1, ge=1)
-    dp_size: int = Field(1, ge=1)
-    speculative_algorithm: str | None = None  # e.g. EAGLE, NGRAM (fields/spec.py:31)
-    speculative_draft_model_path: str | None = None
-    disable_cuda_graph: bool = False  # both phases disabled
-    cuda_graph_backend_decode: GraphBackend | None = None  # server default: full
-    cuda_graph_backend_prefill: GraphBackend | None = None  # server default on CUDA: breakable
-    cuda_graph_max_bs: int | None = Field(None, ge=1)  # -> --cuda-graph-max-bs-decode
-    load_format: str | None = None
-    moe_runner_backend: str | None = None
-    disable_shared_experts_fusion: bool = False
-    deterministic: bool = False  # --enable-deterministic-inference (accuracy runs)
-    return_routed_experts: bool = False  # routing capture: server flag + per-request field
-    python: str | None = None  # interpreter with sglang installed; None = this interpreter
-    extra_args: list[str] = Field(default_factory=list)  # never a flag the adapter owns (constraints.OWNED_FLAGS)
-    startup_timeout_s: float = Field(1800.0, gt=0, le=7 * 86400)  # a 30B checkpoint plus graph capture takes minutes
-
-    _not_owned = field_validator("extra_args")(extra_args_check(sglang_constraints.extra_args_problems))
-
-    @field_validator("model_path", "speculative_draft_model_path", "python", mode="before")
-    @classmethod
-    def _expand(cls, value: Any) -> Any:
-        return expand_env(value) if isinstance(value, str) else value
-
-    @field_validator("quantization")
-    @classmethod
-    def _quantization(cls, value: str | None) -> str | None:
-        return _choice(value, QUANTIZATION_CHOICES, "quantization")
-
-    @field_validator("load_format")
-    @classmethod
-    def _load_format(cls, value: str | None) -> str | None:
-        return _choice(value, LOAD_FORMAT_CHOICES, "load_format")
-
-    @field_validator("moe_runner_backend")
-    @classmethod
-    def _moe_runner(cls, value: str | None) -> str | None:
-        return _choice(value, MOE_RUNNER_BACKEND_CHOICES, "moe_runner_backend")
-
-    @model_validator(mode="after")
-    def _mode_options(self) -> SGLangOptions:
-        if self.mode == "paged" and self.resident_experts is None:
-            raise ValueError("mode paged needs resident_experts (K, --paged-experts-num-resident)")
-        if self.mode == "offload" and self.cpu_offload_gb is None:
-            raise ValueError("mode offload needs cpu_offload_gb (--cpu-offload-gb, whole GB)")
-        if self.mode != "paged" and self.resident_experts is not None:
-            raise ValueError(f"resident_experts applies only to mode paged, not {self.mode}")
-        if self.mode != "offload" and self.cpu_offload_gb is not None:
-            raise ValueError(f"cpu_offload_gb applies only to mode offload, not {self.mode}")
-        if self.disable_cuda_graph and (self.cuda_graph_backend_decode or self.cuda_graph_backend_prefill):
-            raise ValueError("disable_cuda_graph conflicts with cuda_graph_backend_decode/prefill; use one")
-        if self.speculative_draft_model_path and not self.speculative_algorithm:
-            raise ValueError("speculative_draft_model_path needs speculative_algorithm")
-        return self
 
 
 class SGLangAdapter:
@@ -153,7 +37,7 @@ class SGLangAdapter:
     flush_cache_path: str | None = "/flush_cache"
 
     def _options(self, spec: ServerSpec) -> SGLangOptions:
-        return SGLangOptions.model_validate(dict(spec.options))
+        return options_of(spec, SGLangOptions)
 
     def tokenizer_dir(self, spec: ServerSpec) -> Path:
         """The checkpoint's tokenizer, for exact-length prompts (the runner asks for it)."""
@@ -223,12 +107,6 @@ class SGLangAdapter:
             startup_timeout_s=opts.startup_timeout_s,
         )
 
-    def mode(self, spec: ServerSpec) -> str:
-        return self._options(spec).mode
-
-    def routing_label(self, spec: ServerSpec) -> str:
-        return "model"  # SGLang routes with the model's own router
-
     def request_extras(self, spec: ServerSpec) -> dict[str, Any]:
         # CompletionRequest.return_routed_experts (entrypoints/openai/protocol.py:390); the ids come
         # back base64 in `sglext.routed_experts` (protocol.py:470-477, 536, 575): on the response, or
@@ -284,23 +162,12 @@ class SGLangAdapter:
         from benchsuite.engines.sglang import routing as sglang_routing
 
         prompts = [r.prompt if isinstance(r.prompt, str) else list(r.prompt) for r in requests]
-        model = str(server.spec.options.get("model", server.spec.name))  # what the measured requests named
         responses = await sglang_routing.capture_routing(
-            ctx.session, server.base_url, model, prompts, max(r.max_tokens for r in requests)
+            ctx.session, server.base_url, server.spec.model_name, prompts, max(r.max_tokens for r in requests)
         )
         path = ctx.store.run_dir / "routing" / f"{server.spec.server_id}.trace"
         sglang_routing.write_routing_trace(path, responses, opts.model_path)
         return {"routing_trace": str(path.relative_to(ctx.store.run_dir)), "routing_requests": len(responses)}
-
-
-async def scrape_prometheus(session: Any, base_url: str, prefix: str) -> dict[str, float] | None:
-    """GET /metrics -> {series: value} for series whose name starts with `prefix`; None when the
-    endpoint is missing or fails (a counter that cannot be read is absent, never 0)."""
-    async with session.get(f"{base_url}/metrics") as resp:
-        if resp.status != 200:
-            return None
-        text = await resp.text()
-    return {series: value for series, value in parse_prometheus(text).items() if series.startswith(prefix)}
 
 
 def _valued(flag: str, value: object) -> list[str]:

@@ -1,7 +1,6 @@
 """SGLang 0.5.23 Paged Experts constraints, checked before a launch instead of a failed launch.
 
-Owns `ModelFacts` (what the checks need from the model's `config.json`), the list of flags the
-adapter sets itself (so `extra_args` cannot override a fairness setting), and `check_paged`,
+Owns `ModelFacts` (what the checks need from the model's `config.json`) and `check_paged`,
 which returns every violated constraint as one line citing the 0.5.23 source it came from.
 
 The list follows the server's own check, `check_paged_experts_compat` in
@@ -18,60 +17,15 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from benchsuite.engines.base import EngineConfigError
-
-if TYPE_CHECKING:
-    from benchsuite.engines.sglang.adapter import SGLangOptions
+from benchsuite.engines.sglang.options import SGLangOptions
 
 SGLANG_REFERENCE_VERSION = "0.5.23"
 _SRC = "sglang 0.5.23 srt/"
 _METHOD = _SRC + "layers/moe/paged_experts/method.py"
 _FORMATS = _SRC + "layers/moe/paged_experts/formats.py"
-
-# Flags the adapter derives from options or from the matrix fairness block; extra_args may not
-# repeat them (a second value would silently win in argparse). Value: the option that sets it.
-OWNED_FLAGS: dict[str, str] = {
-    "--model-path": "model_path",
-    "--model": "model_path",  # alias, arg_groups/fields/model.py:55
-    "--host": "(fixed: 127.0.0.1)",
-    "--port": "(chosen by the runner)",
-    "--disable-radix-cache": "fairness.prefix_caching",
-    "--max-total-tokens": "fairness.kv_capacity_tokens",
-    "--max-running-requests": "the workloads' highest concurrency",
-    "--enable-metrics": "(always on)",
-    "--enable-paged-experts": "mode",
-    "--paged-experts-num-resident": "resident_experts",
-    "--cpu-offload-gb": "cpu_offload_gb",
-    "--mem-fraction-static": "mem_fraction_static",
-    "--quantization": "quantization",
-    "--kv-cache-dtype": "kv_cache_dtype",
-    "--tp-size": "tp_size",
-    "--tensor-parallel-size": "tp_size",
-    "--ep-size": "ep_size",
-    "--ep": "ep_size",
-    "--expert-parallel-size": "ep_size",
-    "--pp-size": "pp_size",
-    "--pipeline-parallel-size": "pp_size",
-    "--dp-size": "dp_size",
-    "--data-parallel-size": "dp_size",
-    "--speculative-algorithm": "speculative_algorithm",
-    "--speculative-draft-model-path": "speculative_draft_model_path",
-    "--speculative-draft-model": "speculative_draft_model_path",
-    "--disable-cuda-graph": "disable_cuda_graph",
-    "--cuda-graph-config": "cuda_graph_backend_decode / cuda_graph_backend_prefill",
-    "--cuda-graph-backend-decode": "cuda_graph_backend_decode",
-    "--cuda-graph-backend-prefill": "cuda_graph_backend_prefill",
-    "--disable-decode-cuda-graph": "cuda_graph_backend_decode",
-    "--disable-prefill-cuda-graph": "cuda_graph_backend_prefill",
-    "--cuda-graph-max-bs-decode": "cuda_graph_max_bs",
-    "--load-format": "load_format",
-    "--moe-runner-backend": "moe_runner_backend",
-    "--disable-shared-experts-fusion": "disable_shared_experts_fusion",
-    "--enable-deterministic-inference": "deterministic",
-    "--enable-return-routed-experts": "return_routed_experts",
-}
 
 # Quantization methods whose fused-MoE method has an ExpertFormat in 0.5.23 (formats.py:321-334).
 # fp8 and gptq carry extra conditions, handled in `_quantization_problem`.
@@ -145,25 +99,6 @@ def _first_int(cfg: dict[str, Any], keys: Sequence[str]) -> int | None:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     return None
-
-
-def extra_args_problems(extra_args: Sequence[str]) -> list[str]:
-    """Flags in extra_args that the adapter owns (any mode). SGLang parses with argparse, which
-    takes any unambiguous prefix of a long flag (`--max-total` is `--max-total-tokens`), so a
-    prefix of an owned flag is refused too, naming the flag it would set."""
-    problems = []
-    for arg in extra_args:
-        flag = arg.split("=", 1)[0]
-        if flag in OWNED_FLAGS:
-            problems.append(f"extra_args {flag}: set through {OWNED_FLAGS[flag]} instead")
-            continue
-        if flag.startswith("--") and len(flag) > 2:
-            owned = sorted(f for f in OWNED_FLAGS if f.startswith(flag))
-            if owned:
-                problems.append(
-                    f"extra_args {flag}: argparse reads it as {owned[0]}, set through {OWNED_FLAGS[owned[0]]} instead"
-                )
-    return problems
 
 
 def effective_cuda_graph_backends(opts: SGLangOptions) -> tuple[str, str]:

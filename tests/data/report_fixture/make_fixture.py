@@ -1,11 +1,13 @@
 """Writes the hand-made results run in this directory (cells/*.json, cells.parquet, cells.csv,
 requests.parquet) from the literal rows below, through benchsuite.store so the layout is the
-store's own; manifest.json (store layout) and model/config.json are written by hand. Run it after
+store's own; manifest.json (store layout, schema version 2) and model/config.json are written by hand;
+each cell's typed K / N / options come from its server's options in manifest.json. Run it after
 changing a row: `python tests/data/report_fixture/make_fixture.py`. The numbers are chosen so the
 report tests can state exact expected values (see tests/test_report_tables.py)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from benchsuite.store import RunStore
 
 HERE = Path(__file__).resolve().parent
 RUN_ID = "fixture-run"
+SERVERS = json.loads((HERE / "manifest.json").read_text())["servers"]
 OUTPUT_TOKENS = 9
 # (cell_id, engine, kind, mode, server, params, prompt_class, concurrency, repeat, status, reason, routing,
 #  decode_tok_s_p50, output_tok_s, ttft_p50_s, paging (miss_rate, bytes_paged_per_token, waves_per_step, union_mean), extras)
@@ -54,9 +57,12 @@ def cell(row: tuple) -> CellResult:
     (cid, engine, kind, mode, server, params, cls, conc, rep, status, reason, routing, decode, output, ttft, paging, extras) = row
     miss, bytes_tok, waves, union = paging if paging else (None, None, None, None)
     ok = status == "ok"
+    options = SERVERS.get(server, {}).get("options") or {}  # a search candidate never launched has no server
     return CellResult(
         cell_id=cid, run_id=RUN_ID, engine=engine, engine_kind=kind, mode=mode, server_id=server, params=params,
         workload="bundled", prompt_class=cls, concurrency=conc, repeat=rep, status=status, reason=reason, routing=routing,
+        resident_experts=options.get("resident_experts"), n_cpu_moe=extras.get("search_n", options.get("n_cpu_moe")),
+        options=options,
         num_requests=4, num_errors=0 if ok else 4, error_rate=0.0 if ok else 1.0, ttft_p50_s=ttft, decode_tok_s_p50=decode,
         output_tok_s=output, miss_rate=miss, bytes_paged_per_token=bytes_tok, waves_per_step=waves, union_mean=union,
         output_tokens_total=4 * OUTPUT_TOKENS if ok else None, extras=extras,

@@ -1,0 +1,149 @@
+"""The module import graph of both packages is acyclic, hidden imports included.
+
+Every `import` statement counts wherever it sits: at the top, inside a function (a lazy import is
+still a dependency), under `if TYPE_CHECKING:` (a type-only loop is still a loop a reader has to
+untangle). `from a.b import c` is an edge to `a.b.c` when that is a module, else to `a.b`.
+`importlib.import_module(...)` with a computed name (the engine registry) is not an edge.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("benchsuite", "paged_experts")
+# Loops known and being untangled; an entry must go when its loop is gone (the test says so).
+KNOWN_CYCLES: set[frozenset[str]] = set()
+
+
+def module_files() -> dict[str, Path]:
+    out = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def _resolve(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    base = base if is_package else base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports_of(module: str, path: Path, known: set[str]) -> Iterator[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield from _known_prefix(alias.name, known)
+        elif isinstance(node, ast.ImportFrom):
+            target = _resolve(node, module, path.name == "__init__.py")
+            for alias in node.names:
+                if f"{target}.{alias.name}" in known:
+                    yield f"{target}.{alias.name}"
+                else:
+                    yield from _known_prefix(target, known)
+
+
+def _known_prefix(name: str, known: set[str]) -> Iterator[str]:
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:end])
+        if candidate in known:
+            yield candidate
+            return
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = module_files()
+    known = set(files)
+    return {m: {t for t in imports_of(m, p, known) if t != m} for m, p in files.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[frozenset[str]] = []
+    counter = 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(frozenset(component))
+    return found
+
+
+def test_the_cycle_finder_finds_a_hidden_loop(tmp_path: Path) -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [frozenset({"a", "b", "c"})]
+    hidden = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import x.y\ndef f():\n    from x import z\n"
+    (tmp_path / "m.py").write_text(hidden)
+    assert set(imports_of("m", tmp_path / "m.py", {"x.y", "x.z", "x"})) == {"x.y", "x.z"}
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_import_cycles(package: str) -> None:
+    found = {c for c in cycles(import_graph()) if any(m.split(".")[0] == package for m in c)}
+    new = found - KNOWN_CYCLES
+    assert not new, "import cycles (every import counts, lazy and TYPE_CHECKING ones too):\n" + "\n".join(
+        " <-> ".join(sorted(c)) for c in new
+    )
+    gone = {c for c in KNOWN_CYCLES if any(m.split(".")[0] == package for m in c)} - found
+    assert not gone, f"these cycles are gone; remove them from KNOWN_CYCLES: {gone}"
+
+
+def test_the_pipeline_knows_engines_only_through_their_contract() -> None:
+    """Outside the engine wings (and the CLI's engine-specific commands: install, gguf), benchsuite
+    imports engines only through benchsuite.engines (the registry) and benchsuite.engines.base."""
+    allowed = {"benchsuite.engines", "benchsuite.engines.base"}
+    graph = import_graph()
+    reaching = {
+        (module, target)
+        for module, targets in graph.items()
+        if module.startswith("benchsuite.") and not module.startswith(("benchsuite.engines", "benchsuite.commands"))
+        for target in targets
+        if target.startswith("benchsuite.engines") and target not in allowed
+    }
+    assert not reaching, f"modules that reach into an engine's wing: {sorted(reaching)}"
