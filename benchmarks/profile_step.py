@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         seqs = [pool.new_sequence() for _ in range(args.batch)]
         logits = model.forward([SeqChunk(s, [1 + b, 2, 3], 0) for b, s in enumerate(seqs)])
 
-        def step() -> None:
+        def step(model: MoeCausalLM = model, seqs: list = seqs) -> None:  # this variant's model, bound now
             nonlocal logits
             logits = model.forward([SeqChunk(s, [int(lg[-1].argmax())], s.num_tokens) for s, lg in zip(seqs, logits)])
 

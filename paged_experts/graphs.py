@@ -348,7 +348,6 @@ class GraphedDecoder:
                 moe.device_residency.in_static_step = False
 
     def _build(self, entry: _Entry, key: tuple[int, int, bool]) -> None:
-        m = self.model
         b, length, _ = key
         if not self.capture:
             with self._graph_body():
