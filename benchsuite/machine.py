@@ -132,7 +132,9 @@ def working_tree_hash(where: Path) -> str | None:
             index.write_bytes(real_path.read_bytes())
         env = {**os.environ, "GIT_INDEX_FILE": str(index)}
         try:
-            add = subprocess.run(["git", "-C", str(where), "add", "-u"], env=env, capture_output=True, timeout=60, check=False)
+            # -A: files the lagging index does not know yet count too (ignored ones never), so a copy
+            # of a clean checkout gives exactly its commit's tree
+            add = subprocess.run(["git", "-C", str(where), "add", "-A"], env=env, capture_output=True, timeout=60, check=False)
             tree = subprocess.run(["git", "-C", str(where), "write-tree"], env=env, capture_output=True, text=True, timeout=60, check=False)
         except (OSError, subprocess.SubprocessError):
             return None

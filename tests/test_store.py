@@ -157,8 +157,9 @@ def test_an_unwritable_output_root_is_one_run_error(tmp_path: Path, monkeypatch:
 
 
 def test_git_facts_name_the_tracked_files_as_they_are(tmp_path) -> None:
-    """A dirty checkout's `tree` is the tree its tracked files would commit as: the code that ran,
-    even on a machine whose copy of .git lags the files."""
+    """A dirty checkout's `tree` is the tree its files would commit as (ignored files excepted): the
+    code that ran, even on a machine whose copy of .git lags the files by commits that changed and
+    added files (the GPU machine's copy of a working tree)."""
     import subprocess
 
     from benchsuite.machine import git_facts
@@ -173,11 +174,14 @@ def test_git_facts_name_the_tracked_files_as_they_are(tmp_path) -> None:
     git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "one")
     clean = git_facts(tmp_path)
     assert clean["dirty"] is False and clean["tree"] == git("rev-parse", "HEAD^{tree}")
+    (tmp_path / ".gitignore").write_text("scratch/\n")
     (tmp_path / "a.py").write_text("x = 2\n")
-    (tmp_path / "untracked.py").write_text("ignored by the hash\n")
+    (tmp_path / "b.py").write_text("a module a later commit added\n")
+    (tmp_path / "scratch").mkdir()
+    (tmp_path / "scratch" / "out.json").write_text("ignored: never part of the code\n")
     dirty = git_facts(tmp_path)
     assert dirty["dirty"] is True and dirty["commit"] == clean["commit"]
-    git("add", "a.py")
+    git("add", "a.py", "b.py", ".gitignore")
     git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "two")
     assert dirty["tree"] == git("rev-parse", "HEAD^{tree}")  # the commit of exactly those files
     assert git("status", "--porcelain", "--untracked-files=no") == ""  # the real index was untouched
