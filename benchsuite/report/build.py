@@ -16,6 +16,7 @@ import pandas as pd
 from benchsuite.errors import UserError
 from benchsuite.reference import Reference, load_reference
 from benchsuite.report import manifest_facts as mf
+from benchsuite.report.budget import run_budget_bytes
 from benchsuite.report import prefill, roofline, search_section
 from benchsuite.report import tables as tb
 from benchsuite.report.caveats import setup_caveats
@@ -85,7 +86,9 @@ def build_report_data(run_dirs: list[Path], reference_dirs: list[Path] | None = 
         raise UserError("report: give at least one results run directory")
     runs = [load_run(Path(d)) for d in run_dirs]
     many = len(runs) > 1
-    cells = pd.concat([annotate_cells(r.cells, many) for r in runs], ignore_index=True)
+    # each cell carries its run's GPU memory budget: configurations over it are no contenders (report/budget.py)
+    cells = pd.concat([annotate_cells(r.cells, many).assign(budget_bytes=run_budget_bytes(r.manifest.servers))
+                       for r in runs], ignore_index=True)  # fmt: skip
     groups = group_configs(cells)
     samples = pd.concat([request_samples(r.requests) for r in runs], ignore_index=True)
     top_k = next((v for v in (mf.model_top_k(r.manifest, r.run_dir) for r in runs) if v), None)

@@ -6,8 +6,9 @@
 - random-weight model (the generated `tiny`, `synth:` presets, weightless checkpoints, checkpoints
   under benchsuite's model cache): its router routes near-uniformly, so there is little expert reuse for paging to exploit;
 - synthetic routing: the cells' routing came from a generator, not the model's router;
-- bytes per expert that differ between engines (float32 vs bf16 vs a GGUF quantization): a faster
-  engine may only be moving fewer bytes;
+- bytes per expert that differ between engines (float32 vs bf16 vs FP8 vs a GGUF quantization): a
+  faster engine may only be moving fewer bytes;
+- configurations over the run's GPU budget (report/budget.py): named with their measured memory;
 - a busy machine (benchsuite.report.noise) and a client that could not keep up (metrics' client_flag).
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 from benchsuite.manifest import ServerRecord
+from benchsuite.report.budget import over_budget
 from benchsuite.report.groups import is_synthetic
 from benchsuite.report.noise import busy_cells
 
@@ -35,9 +37,33 @@ def _random_weights(model: str) -> bool:
             or (path / _WEIGHTLESS_MARKER).is_file())
 
 
+def _recorded_random(server: ServerRecord) -> bool:
+    """What the server's adapter recorded of its model: built-in synthetic weights, a GGUF that
+    `benchsuite gguf synth` wrote (seeded random values)."""
+    version = server.version or {}
+    facts = version.get("model_facts") or {}
+    return bool(version.get("random_weights")) or facts.get("made_by") == "benchsuite gguf synth"
+
+
+def budget_exclusions(cells: pd.DataFrame) -> list[tuple[str, int, int]]:
+    """(configuration label, budget bytes, measured bytes) of the configurations over their run's
+    GPU budget (report/budget.py), largest first."""
+    if "budget_bytes" not in cells or "label" not in cells:
+        return []
+    out = []
+    for label, mine in cells.groupby("label", sort=True):
+        used = over_budget(mine)
+        if used is not None:
+            out.append((str(label), int(mine["budget_bytes"].iloc[0]), used))
+    return sorted(out, key=lambda x: -x[2])
+
+
 def expert_format(server: ServerRecord) -> str | None:
-    """How one server stores expert weights, as named by its options; None when unknown."""
+    """How one server stores expert weights: its adapter's record, else as its options name it."""
     options, kind = server.options, server.kind
+    recorded = (server.version or {}).get("expert_format")
+    if recorded:
+        return str(recorded)
     if kind == "builtin":
         return str(options.get("dtype") or ("float32" if options.get("model", "tiny") == "tiny" else "checkpoint dtype"))
     if kind == "llamacpp":
@@ -65,6 +91,7 @@ def setup_caveats(cells: pd.DataFrame, servers: Mapping[str, ServerRecord], has_
     models = sorted({str(s.options.get("model") or s.options.get("model_path") or "")
                      for s in mine} - {""})
     random_models = [m for m in models if _random_weights(m)]
+    random_models += sorted({str(s.options.get("model")) for s in mine if _recorded_random(s)} - set(random_models))
     if random_models:
         out.append(f"Random-weight model ({', '.join(random_models)}): its router routes near-uniformly, so tokens share "
                    f"few experts and paging has little reuse to exploit; a trained model routes otherwise.")
@@ -75,6 +102,10 @@ def setup_caveats(cells: pd.DataFrame, servers: Mapping[str, ServerRecord], has_
     if len({f.split(' ', 1)[1] for f in formats}) > 1:
         out.append(f"Bytes per expert differ between engines ({', '.join(sorted(formats))}): a faster engine may only be "
                    f"moving fewer bytes.")
+    over = budget_exclusions(cells)
+    if over:
+        out.append(f"Over the run's {over[0][1] / 1e9:.0f} GB GPU budget (measured device memory), so not contenders: "
+                   + ", ".join(f"{label} ({used / 1e9:.1f} GB)" for label, _, used in over) + ".")
     busy = busy_cells(cells)
     if busy:
         out.append(f"Busy machine during {len(busy)} of {len(cells)} cells: other processes took CPU time; small "

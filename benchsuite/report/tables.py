@@ -15,6 +15,7 @@ from typing import Any
 import pandas as pd
 
 from benchsuite import stats
+from benchsuite.report.budget import over_budget
 from benchsuite.report.groups import Spread, is_synthetic, routing_label
 from benchsuite.report.noise import busy_cells, load_text
 
@@ -93,9 +94,13 @@ def _best(candidates: pd.DataFrame, metric: str) -> pd.Series | None:
 
 
 def fits(row: pd.Series, cells: pd.DataFrame) -> bool:
-    """A llama.cpp configuration counts as a baseline unless one of its cells says it does not fit."""
+    """A configuration counts (as a contender or a baseline) unless one of its cells says it does not
+    fit: a llama.cpp search candidate its projection ruled out, or a measured device memory over the
+    run's budget (report/budget.py)."""
     mine = cells[cells["cell_id"].isin(row["cell_ids"])]
-    return not any(e.get("fits") is False for e in mine["extras"])
+    if any(e.get("fits") is False for e in mine["extras"]):
+        return False
+    return "budget_bytes" not in mine or over_budget(mine) is None
 
 
 def baselines_for(groups: pd.DataFrame, cells: pd.DataFrame, paged: pd.Series) -> dict[str, pd.Series | None]:

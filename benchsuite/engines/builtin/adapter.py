@@ -241,7 +241,11 @@ class BuiltinAdapter:
         opts = self._options(spec)
         cfg = MoeModelConfig.from_dir(self.model_dir(spec))
         dtype = cfg.expert_dtype(opts.dtype or ("float32" if opts.device == "cpu" else cfg.torch_dtype))
-        return {"expert_format": dtype, "expert_bytes": cfg.expert_bytes(dtype)}
+        facts: dict[str, Any] = {"expert_format": dtype, "expert_bytes": cfg.expert_bytes(dtype)}
+        marker = self.model_dir(spec) / "synthetic_weights.json"  # paged_experts.synth_memory: seeded random weights
+        if opts.model == "tiny" or marker.is_file():
+            facts["random_weights"] = True  # its router routes near-uniformly: the report says so beside a verdict
+        return facts
 
     async def scrape(self, session: Any, base_url: str) -> dict[str, float] | None:
         return await scrape_prometheus(session, base_url, "paged_experts:")

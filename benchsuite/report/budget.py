@@ -1,0 +1,56 @@
+"""The GPU memory budget a run compares its configurations at, and whether a configuration fits it.
+
+The budget is the one the run declares: the budget its llama.cpp `--n-cpu-moe` search was given
+(`servers.<id>.search.budget_bytes`, decimal GB in the matrix's `vram_budget_gb`); a run with no
+such search has none, and every configuration counts. A configuration fits when each of its cells'
+measured device memory is within the budget (a cell with no figure says nothing against it):
+- built-in engine: `gpu_memory_used_bytes`, the device memory in use after the cell, its CUDA
+  context and graph pools included (what a card of that size must hold);
+- llama.cpp: the `self` column of the memory breakdown its log prints (its model, KV context and
+  compute buffers on each CUDA device; its CUDA context is not in it, so this counts a little less
+  than the built-in engine's figure, never more).
+Measured memory against the budget, with no margin on either side: the search itself chooses by
+llama.cpp's projection plus its 1024 MiB margin (the published rule), which this does not repeat.
+The published comparison counts a llama.cpp N only when it fits, and paging only at a K that fits;
+a configuration over the budget is shown, never a contender or a baseline.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+def run_budget_bytes(servers: Any) -> int | None:
+    """The budget of one run from its manifest's servers (typed records or plain dicts)."""
+    budgets = set()
+    for record in (servers.values() if hasattr(servers, "values") else servers):
+        search = getattr(record, "search", None) if not isinstance(record, dict) else record.get("search")
+        if isinstance(search, dict) and search.get("budget_bytes"):
+            budgets.add(int(search["budget_bytes"]))
+    return min(budgets) if budgets else None
+
+
+def device_bytes(cell: pd.Series) -> int | None:
+    """The device memory a cell's configuration measured, by the rules above; None when unknown."""
+    used = cell.get("gpu_memory_used_bytes")
+    if used is not None and pd.notna(used) and used > 0:
+        return int(used)
+    extras = cell.get("extras") if isinstance(cell.get("extras"), dict) else {}
+    breakdown = (extras.get("engine_log") or {}).get("memory_breakdown_mib") or {}
+    gpu_mib = [row.get("self") for device, row in breakdown.items() if "CUDA" in device and isinstance(row, dict)]
+    gpu_mib = [m for m in gpu_mib if isinstance(m, int | float)]
+    if not gpu_mib:
+        return None
+    return int(sum(gpu_mib) * 2**20)
+
+
+def over_budget(cells: pd.DataFrame) -> int | None:
+    """The largest measured device memory of these cells when it exceeds their run's budget, else None."""
+    worst = None
+    for _, cell in cells.iterrows():
+        budget, used = cell.get("budget_bytes"), device_bytes(cell)
+        if budget is None or pd.isna(budget) or used is None or used <= budget:
+            continue
+        worst = max(worst or 0, used)
+    return worst

@@ -1,0 +1,44 @@
+"""report/budget.py: a run's GPU budget is its llama.cpp search's; a configuration whose measured
+device memory is over it is no contender and no baseline, and the verdict's caveat names it."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from benchsuite.report.budget import device_bytes, over_budget, run_budget_bytes
+from benchsuite.report.caveats import budget_exclusions
+from benchsuite.report.tables import fits
+
+GB = 10**9
+
+
+def cell(cell_id: str, label: str, used: int | None = None, self_mib: float | None = None) -> dict:
+    extras = {} if self_mib is None else {"engine_log": {"memory_breakdown_mib": {"CUDA0 (H200)": {"self": self_mib, "free": 1.0}, "Host": {"self": 9e9}}}}
+    return {"cell_id": cell_id, "label": label, "gpu_memory_used_bytes": used, "extras": extras, "budget_bytes": 16 * GB}
+
+
+def test_the_budget_is_the_search_s_and_absent_without_one() -> None:
+    servers = {"a": {"search": {"budget_bytes": 16 * GB}}, "b": {"search": None}, "c": {}}
+    assert run_budget_bytes(servers) == 16 * GB
+    assert run_budget_bytes({"b": {}}) is None
+
+
+def test_measured_memory_decides_for_both_engines() -> None:
+    builtin_over = pd.Series(cell("1", "paged K=32", used=int(18.6 * GB)))
+    builtin_in = pd.Series(cell("2", "paged K=16", used=int(11.3 * GB)))
+    llama_in = pd.Series(cell("3", "llama N=30", self_mib=14475))  # its CUDA devices only, host memory ignored
+    llama_over = pd.Series(cell("4", "llama N=0", self_mib=32835))
+    unknown = pd.Series(cell("5", "cpu run"))
+    assert device_bytes(builtin_over) == int(18.6 * GB) and device_bytes(llama_in) == 14475 * 2**20
+    assert device_bytes(unknown) is None
+    frame = pd.DataFrame([builtin_over, builtin_in, llama_in, llama_over, unknown])
+    assert over_budget(frame.iloc[[1, 2, 4]]) is None
+    assert over_budget(frame) == 32835 * 2**20
+    groups = pd.DataFrame({"cell_ids": [["1"], ["2"], ["3"], ["4"], ["5"]]})
+    assert [fits(row, frame) for _, row in groups.iterrows()] == [False, True, True, False, True]
+    assert [label for label, _, _ in budget_exclusions(frame)] == ["llama N=0", "paged K=32"]
+
+
+def test_without_a_budget_every_configuration_counts() -> None:
+    frame = pd.DataFrame([cell("1", "resident", used=62 * GB)]).assign(budget_bytes=None)
+    assert fits(pd.Series({"cell_ids": ["1"]}), frame) and budget_exclusions(frame) == []
