@@ -78,6 +78,17 @@ def test_each_fast_path_option_turns_off(tmp_path: Path) -> None:
     assert "--disable-overlap-schedule" in argv and not build_parser().parse_args(argv[3:]).overlap_schedule
 
 
+def test_cpu_threads_default_to_the_cores_minus_one_and_are_named(tmp_path: Path) -> None:
+    from paged_experts.server.threads import default_cpu_threads
+
+    argv, resolved = plan_argv(tmp_path, "device: cpu, mode: resident")
+    assert flag(argv, "--cpu-threads") == str(default_cpu_threads()) == str(resolved["cpu_threads"])
+    argv, _ = plan_argv(tmp_path, "device: cpu, mode: resident, cpu_threads: 3")
+    assert flag(argv, "--cpu-threads") == "3" and parse_args(argv[3:]).cpu_threads == 3
+    with pytest.raises(MatrixError, match="engines.e.options.cpu_threads"):
+        plan_argv(tmp_path, "device: cpu, mode: resident, cpu_threads: 0")
+
+
 def test_prefill_residency_is_written_for_paged_servers_only(tmp_path: Path) -> None:
     argv, _ = plan_argv(tmp_path, "device: cpu, mode: paged, resident_experts: 8")
     assert flag(argv, "--prefill-residency") == "recent"  # the default, written out

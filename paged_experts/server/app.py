@@ -26,6 +26,7 @@ from aiohttp import web
 
 from paged_experts.server.handlers import STATE_KEY, ServerState, chat_completions, completions, error_middleware
 from paged_experts.server.launch import ServeConfig, Serving, load_serving, parse_args
+from paged_experts.server.threads import default_cpu_threads
 from paged_experts.server.metrics import EngineGauges, ServerMetrics
 
 log = logging.getLogger("paged_experts.server")
@@ -202,6 +203,7 @@ async def serve(config: ServeConfig) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(config.cpu_threads or default_cpu_threads())
     log.info("config %s", json.dumps(asdict(config)))
     return asyncio.run(serve(config))
 

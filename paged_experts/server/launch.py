@@ -56,6 +56,7 @@ class ServeConfig:
     prefill_residency: str | None = None  # paged: what a prefill chunk leaves in the slots (None: residency default)
     expert_kernel: str = "fused"
     overlap_schedule: bool = True  # launch a greedy decode step before reading the previous one's tokens
+    cpu_threads: int | None = None  # torch's intra-op threads; None: default_cpu_threads()
     log_level: str = "info"
 
     @property
@@ -127,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "captured batch is launched first, its input tokens taken from the device; SGLang's flag)")
     p.add_argument("--enable-overlap-schedule", dest="overlap_schedule", action="store_true",
                    help="the default (written out by benchsuite so the command names what is in force)")
+    p.add_argument("--cpu-threads", type=int,
+                   help="torch's intra-op threads for CPU work (the CPU device, cpu-experts layers); default: the "
+                        "cores minus one, which the event loop and the engine thread need")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
 
@@ -137,6 +141,8 @@ def parse_args(argv: Sequence[str]) -> ServeConfig:
     for name in ("max_running_requests", "max_total_tokens", "chunked_prefill_size"):
         if getattr(ns, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if ns.cpu_threads is not None and ns.cpu_threads < 1:
+        parser.error("--cpu-threads must be >= 1")
     if ns.cuda_graph_max_bs < 0:
         parser.error("--cuda-graph-max-bs must be >= 0")
     if ns.enable_torch_compile and not ns.cuda_graph_max_bs:
@@ -218,6 +224,7 @@ class Serving:
             "routing": self.config.routing_label,
             "routing_synthetic": self.config.routing_source is not None,
             "startup_s": self.startup_s,
+            "cpu_threads": torch.get_num_threads(),
             "captured_graphs": self.model.captured_graphs,
             "step_timing": self.engine.step_timing(),
             "versions": versions(),

@@ -26,6 +26,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from benchsuite.engines import RUN_DIR_PLACEHOLDER
 from benchsuite.engines.base import EngineConfigError, EngineOptions, LaunchPlan, Placement, ServerSpec, options_of
 from benchsuite.metrics import scrape_prometheus
+from paged_experts.server.threads import default_cpu_threads
 from paged_experts.residency import DEFAULT_PREFILL_KEEP, PREFILL_KEEP
 
 _MODE_OPTION = {"paged": "resident_experts", "offload": "offload_layers", "cpu-experts": "n_cpu_moe"}
@@ -53,6 +54,7 @@ class BuiltinOptions(EngineOptions):
     prefetch_next_layer: bool = False  # paged: page in the next layer's predicted experts (measured: off)
     expert_kernel: Literal["fused", "loop"] = "fused"  # grouped matmuls, or the per-expert reference loop
     overlap_schedule: bool = True  # launch a greedy decode step before the previous one's tokens are read
+    cpu_threads: int | None = Field(None, ge=1)  # torch's intra-op threads; None: this machine's cores minus one
     # Paged: what a prefill chunk leaves in the slots (paged_experts.residency.PREFILL_KEEP); None = its default.
     prefill_residency: str | None = None
 
@@ -119,6 +121,7 @@ class BuiltinOptions(EngineOptions):
             "prefetch_next_layer": self.prefetch_next_layer,
             "expert_kernel": self.expert_kernel,
             "overlap_schedule": self.overlap_schedule,
+            "cpu_threads": self.cpu_threads or default_cpu_threads(),
         }
 
     @field_validator("routing")
@@ -263,6 +266,7 @@ def _performance_flags(perf: dict[str, Any]) -> list[str]:
     if perf["prefetch_next_layer"]:
         flags.append("--prefetch-next-layer")
     flags.append("--enable-overlap-schedule" if perf["overlap_schedule"] else "--disable-overlap-schedule")
+    flags += ["--cpu-threads", str(perf["cpu_threads"])]
     return flags
 
 
