@@ -83,7 +83,9 @@ def search(start: RoutingParams, iterations: int, num_layers: int, tokens: int, 
         err, curve, ov = score(params, num_layers, tokens, seed)
         if err < best_err:
             best, best_err = params, err
-            print(f"{i:3d} err {err:.4f} lru {np.round(curve, 3)} overlap {ov.mean():.3f} [{ov.min():.3f}, {ov.max():.3f}] {params}")
+            print(
+                f"{i:3d} err {err:.4f} lru {np.round(curve, 3)} overlap {ov.mean():.3f} [{ov.min():.3f}, {ov.max():.3f}] {params}"
+            )
             sys.stdout.flush()
     return best
 
@@ -103,7 +105,9 @@ def report(params: RoutingParams, num_layers: int, tokens: int, seed: int, polic
     for policy in policies:
         results = simulate(trace, SimOptions(ks=KS, policies=(policy,), concurrencies=(1,), seed=seed))
         for r, pub in zip(results, PUBLISHED[policy]):
-            print(f"{policy:<8} {r.k:>4} {r.total.hit_rate:>10.1%} {pub:>10.1%} {100 * (r.total.hit_rate - pub):>+6.1f}pt")
+            print(
+                f"{policy:<8} {r.k:>4} {r.total.hit_rate:>10.1%} {pub:>10.1%} {100 * (r.total.hit_rate - pub):>+6.1f}pt"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

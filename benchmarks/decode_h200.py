@@ -85,8 +85,12 @@ def runtime_for(mode: str, device: str, options: frozenset[str] = frozenset()) -
     name, _, n = mode.partition(":")
     if name == "paged":
         return RuntimeConfig(
-            mode="paged", resident_experts=int(n), device=device, dtype="bfloat16",
-            device_planning="off" if "host" in options else "on", overlap_page_in="overlap" in options,
+            mode="paged",
+            resident_experts=int(n),
+            device=device,
+            dtype="bfloat16",
+            device_planning="off" if "host" in options else "on",
+            overlap_page_in="overlap" in options,
             prefetch_next_layer="prefetch" in options,
         )
     if name == "cpu-experts":
@@ -264,7 +268,9 @@ class LruReplay:
             return None
         ids = torch.stack(trace).to("cpu")  # [steps, layers, B, k]
         return sum(
-            lr.plan_step(ids[s, i].reshape(-1).tolist()).misses for s in range(ids.shape[0]) for i, lr in enumerate(self.start)
+            lr.plan_step(ids[s, i].reshape(-1).tolist()).misses
+            for s in range(ids.shape[0])
+            for i, lr in enumerate(self.start)
         )
 
 
@@ -320,17 +326,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--layers", type=int, default=48)
-    ap.add_argument("--modes", default=DEFAULT_MODES, help="mode[/option+option], options: " + ", ".join(VARIANT_OPTIONS))
+    ap.add_argument(
+        "--modes", default=DEFAULT_MODES, help="mode[/option+option], options: " + ", ".join(VARIANT_OPTIONS)
+    )
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--routings", default="model,qwen3-30b-a3b", help="'model' and/or paged_experts.routing specs")
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--cell-cap-s", type=float, default=6.0, help="stop timing a cell after this many seconds")
+    ap.add_argument("--graphs", default="1,2,3,4", help="batch sizes captured by '/graphs' variants")
     ap.add_argument(
-        "--graphs", default="1,2,3,4", help="batch sizes captured by '/graphs' variants"
+        "--deadline-s", type=float, default=1e9, help="start no new mode after this many seconds from start"
     )
-    ap.add_argument("--deadline-s", type=float, default=1e9, help="start no new mode after this many seconds from start")
     ap.add_argument("--linkbw-json", default=None)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seed", type=int, default=0)
@@ -412,9 +420,13 @@ def main(argv: list[str] | None = None) -> int:
                 model.router_override = make_router(routing, cfg, args.seed)
             for b in batches:
                 base = {
-                    **ident, "routing": routing, "layers": args.layers, "build_s": build_s,
+                    **ident,
+                    "routing": routing,
+                    "layers": args.layers,
+                    "build_s": build_s,
                     "planning": planning if mode.startswith("paged") else None,
-                    "overlap_page_in": rt.overlap_page_in, "prefetch_next_layer": rt.prefetch_next_layer,
+                    "overlap_page_in": rt.overlap_page_in,
+                    "prefetch_next_layer": rt.prefetch_next_layer,
                     "expert_backend": expert_backend(),
                 }
                 try:

@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_h200 import provenance  # noqa: E402
 
-from paged_experts.kernels import moe_triton  # noqa: E402
 from paged_experts.experts import route  # noqa: E402
+from paged_experts.kernels import moe_triton  # noqa: E402
 from paged_experts.kernels.fused import experts_over_rows  # noqa: E402
 
 
@@ -59,8 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--reps", type=int, default=16)
     ap.add_argument("--replays", type=int, default=20)
-    ap.add_argument("--sweep", default="gate_up:8,16,32:256,512:2,4,8;down:8,16:256,512:2,4;down/v:4,8,16:64,128,256:4,8",
-                    help="kernel[/v]:block_n list:block_k list:num_warps list, ';'-separated (/v: pairs loaded together)")
+    ap.add_argument(
+        "--sweep",
+        default="gate_up:8,16,32:256,512:2,4,8;down:8,16:256,512:2,4;down/v:4,8,16:64,128,256:4,8",
+        help="kernel[/v]:block_n list:block_k list:num_warps list, ';'-separated (/v: pairs loaded together)",
+    )
     args = ap.parse_args(argv)
     dev, dt = torch.device("cuda"), torch.bfloat16
     e, h, i, k = args.experts, args.hidden, args.inter, args.top_k
@@ -71,9 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     router = torch.randn(e, h, device=dev, dtype=dt, generator=gen) / 40  # [E, H]
     expert_bytes = 3 * h * i * 2
     record: dict[str, Any] = {
-        "benchmark": "moe_kernels_h200", "command": ["python", "benchmarks/moe_kernels_h200.py", *sys.argv[1:]],
-        "provenance": provenance(), "gpu": torch.cuda.get_device_name(),
-        "shape": {"experts": e, "hidden": h, "inter": i, "top_k": k, "dtype": "bfloat16"}, "batches": [],
+        "benchmark": "moe_kernels_h200",
+        "command": ["python", "benchmarks/moe_kernels_h200.py", *sys.argv[1:]],
+        "provenance": provenance(),
+        "gpu": torch.cuda.get_device_name(),
+        "shape": {"experts": e, "hidden": h, "inter": i, "top_k": k, "dtype": "bfloat16"},
+        "batches": [],
     }
     sweep: list[tuple[str, moe_triton.TileConfig]] = []
     for part in filter(None, args.sweep.split(";")):
@@ -123,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
                 row["sweep"].append({"tiles": moe_triton.tile_spec(kernel, tiles), "error": repr(exc)[:200]})
                 continue
             rel = ((out - ref).abs().max() / ref.abs().max()).item()
-            row["sweep"].append({"tiles": moe_triton.tile_spec(kernel, tiles), "experts_us": s * 1e6, "max_rel_vs_grouped": rel})
+            row["sweep"].append(
+                {"tiles": moe_triton.tile_spec(kernel, tiles), "experts_us": s * 1e6, "max_rel_vs_grouped": rel}
+            )
             if b == 1 and rel < 0.05 and (kernel not in best_tiles or s < best_tiles[kernel][0]):
                 best_tiles[kernel] = (s, tiles)
         moe_triton.CONFIGS.update(saved)

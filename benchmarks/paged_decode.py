@@ -109,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "torch": torch.__version__,
-        "routing": "model router, random weights (not natural locality)" if args.routing == "model" else f"synthetic: {args.routing}",
+        "routing": "model router, random weights (not natural locality)"
+        if args.routing == "model"
+        else f"synthetic: {args.routing}",
         "layers": args.layers if args.model is None else "from --model",
         "args": {k: str(v) for k, v in vars(args).items()},
         "rows": rows,

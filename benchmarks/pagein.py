@@ -42,7 +42,13 @@ def copy_ceiling_gbps(device: torch.device, nbytes: int = 2**30, repeats: int = 
 
 
 def bench_strategy(
-    strategy: str, hosts: list[ExpertTensors], slots: list[ExpertTensors], ms: list[int], repeats: int, warmup: int, seed: int
+    strategy: str,
+    hosts: list[ExpertTensors],
+    slots: list[ExpertTensors],
+    ms: list[int],
+    repeats: int,
+    warmup: int,
+    seed: int,
 ) -> list[dict[str, float]]:
     device = slots[0].gate.device
     num_experts, num_slots = hosts[0].num_rows, slots[0].num_rows

@@ -40,7 +40,9 @@ def stream_summary(trace: dict, steps: int) -> str:
         for e in mine:
             top[e["name"][:40]] = top.get(e["name"][:40], 0.0) + e["dur"]
         names = ", ".join(f"{n} {us / 1e3 / steps:.3f}" for n, us in sorted(top.items(), key=lambda kv: -kv[1])[:4])
-        out.append(f"  stream {tid}: {len(mine) / steps:.0f} kernels, busy {busy_us / 1e3 / steps:.3f} ms/step ({names})")
+        out.append(
+            f"  stream {tid}: {len(mine) / steps:.0f} kernels, busy {busy_us / 1e3 / steps:.3f} ms/step ({names})"
+        )
     return "\n".join(out)
 
 
@@ -54,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="qwen3-30b-a3b-shape")
     ap.add_argument("--rows", type=int, default=22)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--trace-dir", type=Path, default=None, help="also write each variant's Chrome trace (.json.gz) here")
+    ap.add_argument(
+        "--trace-dir", type=Path, default=None, help="also write each variant's Chrome trace (.json.gz) here"
+    )
     args = ap.parse_args(argv)
     lines: list[str] = []
     cuda = args.device == "cuda"

@@ -37,11 +37,23 @@ QUICKSTART = REPO / "configs" / "quickstart.yaml"
 def run_quickstart(out_dir: Path, index: int) -> tuple[Path, float]:
     """One `benchsuite run` of the quickstart; (its results run directory, wall seconds)."""
     root = out_dir / f"run-{index}"
-    argv = [sys.executable, "-m", "benchsuite", "run", str(QUICKSTART), "--output-root", str(root / "results"),
-            "--run-id", f"quickstart-aa-{index}", "--quiet"]
+    argv = [
+        sys.executable,
+        "-m",
+        "benchsuite",
+        "run",
+        str(QUICKSTART),
+        "--output-root",
+        str(root / "results"),
+        "--run-id",
+        f"quickstart-aa-{index}",
+        "--quiet",
+    ]
     root.mkdir(parents=True, exist_ok=True)  # the report lands in <root>/reports/
     started = time.perf_counter()
-    done = subprocess.run(argv, cwd=root, capture_output=True, text=True, check=False, env={**os.environ, "PYTHONPATH": str(REPO)})
+    done = subprocess.run(
+        argv, cwd=root, capture_output=True, text=True, check=False, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
     wall_s = time.perf_counter() - started
     if done.returncode != 0:
         raise SystemExit(f"run {index} exited {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
@@ -56,9 +68,16 @@ def run_verdicts(run_dir: Path) -> dict[tuple[str, str, int, str], dict[str, Any
     out = {}
     for v in data.verdicts:
         out[(v.workload, v.prompt_class, v.concurrency, v.metric_name)] = {
-            "winner": v.winner, "winner_family": v.winner_family,
-            "versus": {vs.other_family: {"text": vs.text(v.winner, v.ttft), "verdict": vs.verdict(),
-                                         "ratio": None if vs.estimate is None else vs.estimate.ratio} for vs in v.versus},
+            "winner": v.winner,
+            "winner_family": v.winner_family,
+            "versus": {
+                vs.other_family: {
+                    "text": vs.text(v.winner, v.ttft),
+                    "verdict": vs.verdict(),
+                    "ratio": None if vs.estimate is None else vs.estimate.ratio,
+                }
+                for vs in v.versus
+            },
         }
     return out
 
@@ -98,8 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(run_dir)
         walls.append(wall_s)
         print(f"run {index}: {wall_s:.1f} s wall (load average {load:.2f} at its start) -> {run_dir}", flush=True)
-    print(f"quickstart wall time over {len(walls)} runs: min {min(walls):.1f} s, median {statistics.median(walls):.1f} s, "
-          f"max {max(walls):.1f} s")
+    print(
+        f"quickstart wall time over {len(walls)} runs: min {min(walls):.1f} s, median {statistics.median(walls):.1f} s, "
+        f"max {max(walls):.1f} s"
+    )
     verdicts = [run_verdicts(r) for r in runs]
     report: dict[str, Any] = {"wall_s": walls, "runs": [str(r) for r in runs], "setups": [], "compare": []}
     stable = 0
@@ -119,10 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     for a, b in itertools.combinations(range(len(runs)), 2):
         comparison = compare_runs(runs[a], runs[b])
         flagged = comparison.flagged
-        print(f"A/A compare run {a + 1} -> run {b + 1}: {len(flagged)} of {len(comparison.rows)} rows flagged "
-              f"(tested over {comparison.level}); same commit and matrix: {comparison.same_source is not None}")
+        print(
+            f"A/A compare run {a + 1} -> run {b + 1}: {len(flagged)} of {len(comparison.rows)} rows flagged "
+            f"(tested over {comparison.level}); same commit and matrix: {comparison.same_source is not None}"
+        )
         for _, row in flagged.iterrows():
-            print(f"  ! {row['configuration']} c={row['concurrency']} {row['metric']}: {row['change']:+.1%} ({row['verdict']})")
+            print(
+                f"  ! {row['configuration']} c={row['concurrency']} {row['metric']}: {row['change']:+.1%} ({row['verdict']})"
+            )
         report["compare"].append({"a": a + 1, "b": b + 1, "flagged": len(flagged), "rows": len(comparison.rows)})
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=str))

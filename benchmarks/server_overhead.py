@@ -104,7 +104,10 @@ def phases(run_dir: Path, cells: pd.DataFrame) -> str:
         if steps <= 0:
             continue
         ms = [delta(f"engine_step_{p}_seconds_total") / steps * 1e3 for p in PHASES]
-        rows.append(f"{c['engine']:<12} {c['concurrency']:>2} | {steps:>5.0f} |              " + "  ".join(f"{v:>14.3f}" for v in ms))
+        rows.append(
+            f"{c['engine']:<12} {c['concurrency']:>2} | {steps:>5.0f} |              "
+            + "  ".join(f"{v:>14.3f}" for v in ms)
+        )
     return "\n".join(rows)
 
 

@@ -126,8 +126,7 @@ def format_report(report: AccuracyReport) -> str:
         f"token agreement: {report.token_agreement:.4f} (min {report.thresholds.min_agreement})",
         f"logprob |diff| nats: median {fmt(report.median_logprob_diff_nats)}, "
         f"max {fmt(report.max_logprob_diff_nats)} (limit {report.thresholds.max_logprob_diff_nats})",
-        "first divergence per prompt: "
-        + ", ".join("-" if d is None else str(d) for d in report.first_divergences),
+        "first divergence per prompt: " + ", ".join("-" if d is None else str(d) for d in report.first_divergences),
         f"result: {'PASS' if report.passed else 'FAIL'}",
     ]
     return "\n".join(lines)

@@ -14,7 +14,10 @@ from benchsuite.errors import RunError, UserError
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("benchsuite.commands.run", "run a benchmark matrix (matrix.yaml) and write results + report"),
     "report": ("benchsuite.commands.report", "write the HTML report and tables for one or more result runs"),
-    "compare": ("benchsuite.commands.compare", "compare two runs (or two sets of reruns) per configuration, tested over repeats or runs"),
+    "compare": (
+        "benchsuite.commands.compare",
+        "compare two runs (or two sets of reruns) per configuration, tested over repeats or runs",
+    ),
     "preflight": ("benchsuite.commands.preflight", "memory, K, batch-cap and link arithmetic before a sweep"),
     "linkbw": ("benchsuite.commands.linkbw", "measure host<->device copy bandwidth on this GPU"),
     "simulate": ("benchsuite.commands.simulate", "replay a routing trace through the residency policies"),
@@ -26,10 +29,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-DESCRIPTION = ("Benchmark MoE serving engines (built-in paged experts, SGLang, llama.cpp) on models bigger than the "
-               "GPU: run a matrix, report it, compare runs.")
-EPILOG = ("Start with `benchsuite run configs/quickstart.yaml`; `benchsuite COMMAND --help` lists a command's flags. "
-          "Exit status: 0 ok, 1 some cells failed, 2 a bad matrix or flag (one line per problem), 130 interrupted.")
+DESCRIPTION = (
+    "Benchmark MoE serving engines (built-in paged experts, SGLang, llama.cpp) on models bigger than the "
+    "GPU: run a matrix, report it, compare runs."
+)
+EPILOG = (
+    "Start with `benchsuite run configs/quickstart.yaml`; `benchsuite COMMAND --help` lists a command's flags. "
+    "Exit status: 0 ok, 1 some cells failed, 2 a bad matrix or flag (one line per problem), 130 interrupted."
+)
 
 
 def _build_parser(argv: Sequence[str]) -> tuple[argparse.ArgumentParser, object | None]:

@@ -48,7 +48,8 @@ def path_facts(label: str, path: Path) -> dict[str, Any]:
     if not path.is_dir():
         return {label: "missing"}
     files = sorted(
-        p for p in path.rglob("*")
+        p
+        for p in path.rglob("*")
         if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
     )
     if len(files) > MAX_FILES_PER_MODEL:

@@ -150,7 +150,9 @@ def measure(plan: LinkPlan, device_index: int = 0) -> LinkBwReport:
         raise RunError("linkbw needs a CUDA GPU: torch.cuda.is_available() is False on this machine")
     device = torch.device("cuda", device_index)
     torch.cuda.set_device(device)
-    biggest = max(max(s * (plan.burst_copies if plan.burst_copies > 1 else 1) for s in plan.expert_sizes_bytes), plan.large_bytes)
+    biggest = max(
+        max(s * (plan.burst_copies if plan.burst_copies > 1 else 1) for s in plan.expert_sizes_bytes), plan.large_bytes
+    )
     dev_buf = torch.empty(biggest, dtype=torch.uint8, device=device)
     host = {"pinned": torch.empty(biggest, dtype=torch.uint8, pin_memory=True)}
     if plan.pageable:
@@ -175,7 +177,9 @@ def render(report: LinkBwReport) -> str:
              f"{'dir':<4} {'memory':<9} {'size':>10} {'copies':>6} {'median GB/s':>12} {'best GB/s':>10}"]  # fmt: skip
     for m in report.measurements:
         size = f"{m.size_bytes / 1e6:.2f} MB" if m.size_bytes < GIB_BYTES else f"{m.size_bytes / GIB_BYTES:.0f} GiB"
-        lines.append(f"{m.direction:<4} {m.memory:<9} {size:>10} {m.copies:>6} {m.median_gb_per_s:>12.1f} {m.best_gb_per_s:>10.1f}")
+        lines.append(
+            f"{m.direction:<4} {m.memory:<9} {size:>10} {m.copies:>6} {m.median_gb_per_s:>12.1f} {m.best_gb_per_s:>10.1f}"
+        )
     lines.append(f"paging figure (pinned H2D, back-to-back expert copies): {report.paging_gb_per_s:.1f} GB/s")
     return "\n".join(lines)
 

@@ -134,8 +134,17 @@ def working_tree_hash(where: Path) -> str | None:
         try:
             # -A: files the lagging index does not know yet count too (ignored ones never), so a copy
             # of a clean checkout gives exactly its commit's tree
-            add = subprocess.run(["git", "-C", str(where), "add", "-A"], env=env, capture_output=True, timeout=60, check=False)
-            tree = subprocess.run(["git", "-C", str(where), "write-tree"], env=env, capture_output=True, text=True, timeout=60, check=False)
+            add = subprocess.run(
+                ["git", "-C", str(where), "add", "-A"], env=env, capture_output=True, timeout=60, check=False
+            )
+            tree = subprocess.run(
+                ["git", "-C", str(where), "write-tree"],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
         except (OSError, subprocess.SubprocessError):
             return None
         return tree.stdout.strip() if add.returncode == 0 and tree.returncode == 0 else None
@@ -195,8 +204,11 @@ def cpu_mhz() -> float | None:
     if freq is not None and freq.current:
         return float(freq.current)
     try:
-        values = [float(line.split(":", 1)[1]) for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("cpu MHz")]
+        values = [
+            float(line.split(":", 1)[1])
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("cpu MHz")
+        ]
     except (OSError, ValueError):
         return None
     return sum(values) / len(values) if values else None
@@ -233,8 +245,14 @@ def cell_noise(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     cpus = before.get("cpus") or 1
     other_cores = max(0.0, other_s / wall_s) if wall_s > 0 else None
     busy = other_cores is not None and other_cores > BUSY_OTHER_CORES_FRACTION * cpus
-    reason = (f"other processes kept {other_cores:.2f} of {cpus} cores busy during the cell "
-              f"(load average {before.get('load_1m') or 0:.2f} before, {after.get('load_1m') or 0:.2f} after)") if busy else None
+    reason = (
+        (
+            f"other processes kept {other_cores:.2f} of {cpus} cores busy during the cell "
+            f"(load average {before.get('load_1m') or 0:.2f} before, {after.get('load_1m') or 0:.2f} after)"
+        )
+        if busy
+        else None
+    )
     strip = ("t_s", "cpu_busy_s", "own_cpu_s")
     return {
         "before": {k: v for k, v in before.items() if k not in strip},

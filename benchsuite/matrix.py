@@ -390,8 +390,10 @@ def _resolve_options(source: Path, name: str, entry: EngineEntry) -> tuple[tuple
         dumped = validated.model_dump(mode="json")
         index_of = {key: i for (key, _, sweep), i in zip(axes, combo) if sweep}
         shape = model_checks.shape_problems(entry.kind, dumped)  # K against the model's E and top_k
-        errors.extend(f"{source}: {_path(prefix + (key, *([index_of[key]] if key in index_of else [])))}: {message}"
-                      for key, message in shape)
+        errors.extend(
+            f"{source}: {_path(prefix + (key, *([index_of[key]] if key in index_of else [])))}: {message}"
+            for key, message in shape
+        )
         params = {key: value for key, value in dumped.items() if key in swept}
         sets.append(OptionSet(params=params, options=validated))
     return tuple(sets), errors

@@ -67,8 +67,10 @@ DEFINITIONS: dict[str, str] = {
     "ttft_p50_s": f"median {_TTFT}",
     "ttft_p90_s": f"90th percentile {_TTFT}",
     "ttft_p99_s": f"99th percentile {_TTFT}",
-    "itl_p50_s": ("median ITL; ITL = gap between consecutive content chunks (an inter-chunk latency where chunks carry "
-                  "several tokens), each chunk timed as its SSE event is parsed, all warm requests pooled"),
+    "itl_p50_s": (
+        "median ITL; ITL = gap between consecutive content chunks (an inter-chunk latency where chunks carry "
+        "several tokens), each chunk timed as its SSE event is parsed, all warm requests pooled"
+    ),
     "itl_p99_s": "99th percentile ITL (inter-chunk latency), all warm requests pooled",
     "itl_per_token_p50_s": "median per-token latency: each chunk gap / the tokens that chunk carried (per-chunk usage, else the mean)",
     "tokens_per_chunk_mean": "mean over warm requests of (output_tokens - f) / (chunks - 1), f = first chunk's tokens",
@@ -288,7 +290,9 @@ def summarize(
     }
     if not reasons:
         reasons += [f"{name} could not be computed" for name, value in headline.items() if value is None]
-    result = replace(result, extras={**result.extras, **_client_flags(result, len(itls)), "decode_source": decode_source})
+    result = replace(
+        result, extras={**result.extras, **_client_flags(result, len(itls)), "decode_source": decode_source}
+    )
     if base.status == "failed":
         return result
     if reasons:
@@ -314,8 +318,12 @@ def _decode_p50(warm: Sequence[RequestRecord], decode_rates: list[float]) -> tup
     engine = [d for d in map(timings_decode_tok_s, warm) if d is not None]
     if engine:
         return percentile(engine, 50), f"engine timings ({why})"
-    bounds = [_whole_stream_bound(r) if whole_stream(r) else decode_tok_s(r) for r in warm if decode_tok_s(r) is not None]
-    return percentile([b for b in bounds if b is not None], 50), f"client lower bound ({why}: each decoded within its latency)"
+    bounds = [
+        _whole_stream_bound(r) if whole_stream(r) else decode_tok_s(r) for r in warm if decode_tok_s(r) is not None
+    ]
+    return percentile(
+        [b for b in bounds if b is not None], 50
+    ), f"client lower bound ({why}: each decoded within its latency)"
 
 
 def _whole_stream_bound(r: RequestRecord) -> float | None:
@@ -345,12 +353,14 @@ def _client_flags(result: CellResult, gaps: int) -> dict[str, str]:
         flags["client_flag"] = (
             f"client could not keep up: {result.coalesced_gaps} of {gaps} chunk gaps fell inside one body read "
             f"({result.whole_stream_reads} requests arrived whole in one read); those gaps are parse times, so ITL is "
-            f"understated and decode tok/s of those requests overstated (they still count, ranked fastest)")
+            f"understated and decode tok/s of those requests overstated (they still count, ranked fastest)"
+        )
     ours, theirs = result.decode_tok_s_p50, result.timings_decode_tok_s_p50
     if ours and theirs and abs(ours / theirs - 1.0) > ENGINE_TIMINGS_MARGIN:
         flags["engine_timings_flag"] = (
             f"decode tok/s p50: ours {ours:.1f}, the engine's own timings {theirs:.1f} "
-            f"({ours / theirs - 1.0:+.0%}, more than the {ENGINE_TIMINGS_MARGIN:.0%} margin)")
+            f"({ours / theirs - 1.0:+.0%}, more than the {ENGINE_TIMINGS_MARGIN:.0%} margin)"
+        )
     return flags
 
 

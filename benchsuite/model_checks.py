@@ -83,10 +83,16 @@ def shape_problems(kind: str, options: Mapping[str, Any]) -> list[tuple[str, str
         return []
     problems = []
     if isinstance(k, int) and k > shape.num_experts:
-        problems.append((K_OPTION, f"K={k} is more than the model's {shape.num_experts} experts per layer ({shape.source})"))
+        problems.append(
+            (K_OPTION, f"K={k} is more than the model's {shape.num_experts} experts per layer ({shape.source})")
+        )
     if isinstance(k, int) and k < shape.top_k:
-        problems.append((K_OPTION, f"K={k} is fewer than top_k={shape.top_k}: one token's experts must all be resident "
-                                   f"({shape.source})"))
+        problems.append(
+            (
+                K_OPTION,
+                f"K={k} is fewer than top_k={shape.top_k}: one token's experts must all be resident ({shape.source})",
+            )
+        )
     for key, value in layer_values.items():
         if shape.num_layers is not None and value > shape.num_layers:
             problems.append((key, f"{value} is more than the model's {shape.num_layers} layers ({shape.source})"))

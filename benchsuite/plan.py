@@ -73,7 +73,11 @@ def default_run_id(matrix: ValidatedMatrix) -> str:
 
 
 def make_server_spec(
-    name: str, kind: str, options: EngineOptions, fairness: Mapping[str, Any], max_concurrency: int,
+    name: str,
+    kind: str,
+    options: EngineOptions,
+    fairness: Mapping[str, Any],
+    max_concurrency: int,
     env: Mapping[str, str] | None = None,
 ) -> ServerSpec:
     # The id hashes the options' JSON form: the same matrix always gives the same ids (resume).
@@ -168,8 +172,9 @@ def build_plan(matrix: ValidatedMatrix, run_id: str | None = None) -> Plan:
 
 def resolve_search(plan: Plan, task: SearchTask, options: EngineOptions) -> tuple[ServerSpec, tuple[CellSpec, ...]]:
     """The server and cells of a finished search, given its resolved options."""
-    spec = make_server_spec(task.spec.name, task.spec.kind, options, task.spec.fairness, task.spec.max_concurrency,
-                            task.spec.env)
+    spec = make_server_spec(
+        task.spec.name, task.spec.kind, options, task.spec.fairness, task.spec.max_concurrency, task.spec.env
+    )
     params = {**task.params, task.option: getattr(options, task.option)}
     return spec, plan_cells(plan.matrix, spec, params)
 
@@ -202,9 +207,12 @@ def select(plan: Plan, selectors: list[str]) -> Plan:
                             f"no server of the matrix matches (engines: {', '.join(names)})")  # fmt: skip
     ids = {s.server_id for s in servers}
     return Plan(
-        run_id=plan.run_id, matrix=plan.matrix, servers=servers,
+        run_id=plan.run_id,
+        matrix=plan.matrix,
+        servers=servers,
         cells=tuple(c for c in plan.cells if c.server_id in ids),
-        searches=searches, params={k: v for k, v in plan.params.items() if k in ids},
+        searches=searches,
+        params={k: v for k, v in plan.params.items() if k in ids},
     )
 
 
@@ -269,4 +277,3 @@ def _search_template(plan: Plan, task: SearchTask) -> list[str]:
 
 def _label(params: Mapping[str, Any]) -> str:
     return "".join(f" {k}={v}" for k, v in params.items())
-

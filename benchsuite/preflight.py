@@ -392,7 +392,9 @@ def _verdict(r: dict, inp: PreflightInputs) -> tuple[str, ...]:
     return tuple(lines)
 
 
-def _format_report(fmt: str, expert_size_bytes: float, inp: PreflightInputs, kv_bf16, kv_fp8, non_expert) -> FormatReport:
+def _format_report(
+    fmt: str, expert_size_bytes: float, inp: PreflightInputs, kv_bf16, kv_fp8, non_expert
+) -> FormatReport:
     s = inp.shape
     slot = slot_bytes(expert_size_bytes, s.num_moe_layers)
     k_fit = None
@@ -441,16 +443,20 @@ def _format_report(fmt: str, expert_size_bytes: float, inp: PreflightInputs, kv_
 def preflight(inp: PreflightInputs) -> PreflightReport:
     s = inp.shape
     kv_bf16, kv_fp8 = _kv_per_token(inp)
-    non_expert = (
-        float(non_expert_weight_bytes(s, inp.non_expert_dtype_bytes)) if s.has_dims and s.vocab_size else None
-    )
+    non_expert = float(non_expert_weight_bytes(s, inp.non_expert_dtype_bytes)) if s.has_dims and s.vocab_size else None
     if inp.explicit_non_expert_bytes is not None:
         non_expert = float(inp.explicit_non_expert_bytes)
     if inp.vram_bytes is not None:  # a memory budget is never dropped silently for want of a term
-        missing = [flag for flag, value in (("--kv-bytes-per-token", kv_bf16), ("--non-expert-gb", non_expert)) if value is None]
+        missing = [
+            flag
+            for flag, value in (("--kv-bytes-per-token", kv_bf16), ("--non-expert-gb", non_expert))
+            if value is None
+        ]
         if missing:
-            raise UserError(f"--vram-gb needs the KV bytes per token and the non-expert weight bytes: give --model, or "
-                            f"{' and '.join(missing)} with the explicit shape")
+            raise UserError(
+                f"--vram-gb needs the KV bytes per token and the non-expert weight bytes: give --model, or "
+                f"{' and '.join(missing)} with the explicit shape"
+            )
     if inp.explicit_expert_bytes is not None:
         sizes = {"explicit": float(inp.explicit_expert_bytes)}
     else:

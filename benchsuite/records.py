@@ -45,7 +45,9 @@ class RequestRecord:
     output_text: str = ""
     engine_timings: dict[str, Any] | None = None  # engine's own timings when it returns them
     # last, so positional construction keeps its meaning
-    chunk_reads: list[int] = field(default_factory=list)  # body read each content chunk came in (equal: no read between)
+    chunk_reads: list[int] = field(
+        default_factory=list
+    )  # body read each content chunk came in (equal: no read between)
     chunk_tokens: list[int] = field(default_factory=list)  # cumulative usage.completion_tokens per chunk, where sent
 
     def to_row(self) -> dict[str, Any]:

@@ -129,7 +129,11 @@ async def launch_server(ctx: RunContext, spec: ServerSpec) -> AsyncIterator[Runn
         log=str(ctx.store.log_path(spec.server_id).relative_to(ctx.store.run_dir)),
     )
     process = EngineProcess(
-        argv, env, ctx.store.log_path(spec.server_id), base_url + launch.health_path, launch.startup_timeout_s,
+        argv,
+        env,
+        ctx.store.log_path(spec.server_id),
+        base_url + launch.health_path,
+        launch.startup_timeout_s,
         inherit_env=False,
     )
     try:
@@ -230,7 +234,7 @@ async def run_server_cells(ctx: RunContext, spec: ServerSpec, cells: Sequence[Ce
         if started:
             raise  # not a start failure (e.g. the store cannot write): stop the run
         # The server failed to start: every cell of it fails with the cause (log tail included).
-        for cell in todo[len(results):]:
+        for cell in todo[len(results) :]:
             ctx.events.cell_started(cell)
             result = _store_failure(ctx, cell, spec, f"engine did not start: {exc}")
             results.append(result)
@@ -389,8 +393,6 @@ def failed_result(
 ) -> CellResult:
     """`base` (or a fresh result of the cell) marked failed with `reason`."""
     return dataclasses.replace(base or _base_result(ctx, spec, cell), status="failed", reason=reason)
-
-
 
 
 def _store_failure(ctx: RunContext, cell: CellSpec, spec: ServerSpec, reason: str) -> CellResult:

@@ -157,8 +157,9 @@ class _Probe:
         from benchsuite.plan import make_server_spec, plan_cells, stable_id
 
         spec, option = self.task.spec, self.task.option
-        s = make_server_spec(spec.name, spec.kind, spec.options.replaced(**{option: n}), spec.fairness,
-                             spec.max_concurrency, spec.env)
+        s = make_server_spec(
+            spec.name, spec.kind, spec.options.replaced(**{option: n}), spec.fairness, spec.max_concurrency, spec.env
+        )
         cells = plan_cells(self.ctx.plan.matrix, s, {**self.task.params, option: n})
         first = cells[0]
         same_class = [

@@ -180,7 +180,12 @@ def _total(parts: list[LayerStats], tokens: int) -> LayerStats:
 
 
 def simulate_one(
-    trace: Trace, steps: list[list[Chunk]], k: int, policy: str, concurrency: int, opts: SimOptions,
+    trace: Trace,
+    steps: list[list[Chunk]],
+    k: int,
+    policy: str,
+    concurrency: int,
+    opts: SimOptions,
     prefill_keep: str = DEFAULT_PREFILL_KEEP,
 ) -> SimResult:
     if policy not in SIM_POLICIES:

@@ -68,7 +68,9 @@ def _clean(values: Sequence[float | None]) -> list[float]:
     return [float(v) for v in values if v is not None and not math.isnan(float(v)) and float(v) > 0]
 
 
-def ratio_estimate(a: Sequence[float | None], b: Sequence[float | None], alpha: float = DEFAULT_ALPHA) -> RatioEstimate | None:
+def ratio_estimate(
+    a: Sequence[float | None], b: Sequence[float | None], alpha: float = DEFAULT_ALPHA
+) -> RatioEstimate | None:
     """A / B over positive values (None, NaN and <= 0 are dropped); None with fewer than MIN_REPEATS a side."""
     xs, ys = _clean(a), _clean(b)
     if len(xs) < MIN_REPEATS or len(ys) < MIN_REPEATS:

@@ -67,6 +67,8 @@ class DamagedFile(Exception):
 
 def note_to_stderr(line: str) -> None:
     print(line, file=sys.stderr)
+
+
 FINISHED_STATUSES = ("ok", "invalid")  # a rerun skips these; `failed` cells run again
 _JSON_COLUMNS = ("params", "options", "extras", "engine_timings")
 _READABLE_VERSIONS = (schema_v1.VERSION, SCHEMA_VERSION)

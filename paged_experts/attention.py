@@ -38,7 +38,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [T] (any float-convertible dtype, on inv_freq's device) -> cos, sin [T, D] in `dtype`."""
     freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
@@ -46,8 +48,17 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dt
 
 
 def project_qkv(
-    x: torch.Tensor, input_norm: torch.Tensor, qkv_proj: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
-    cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+    x: torch.Tensor,
+    input_norm: torch.Tensor,
+    qkv_proj: torch.Tensor,
+    q_norm: torch.Tensor,
+    k_norm: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Residual stream x [T, H] -> rotated q [T, nh, D], rotated k [T, kvh, D], v [T, kvh, D]."""
     q, k, v = split_qkv(F.linear(rms_norm(x, input_norm, eps), qkv_proj), num_heads, num_kv_heads, head_dim)
@@ -59,9 +70,20 @@ def project_qkv(
 
 
 def attention_in(
-    x: torch.Tensor, input_norm: torch.Tensor, qkv_proj: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
-    kv_k: torch.Tensor, kv_v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, new_rows: torch.Tensor,
-    num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+    x: torch.Tensor,
+    input_norm: torch.Tensor,
+    qkv_proj: torch.Tensor,
+    q_norm: torch.Tensor,
+    k_norm: torch.Tensor,
+    kv_k: torch.Tensor,
+    kv_v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    new_rows: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    eps: float,
 ) -> torch.Tensor:
     """`project_qkv`, with this step's keys and values written to their KV rows `new_rows` [T] of
     kv_k / kv_v [slots, kvh, D] (one pool); returns the queries [T, nh, D]."""
@@ -88,7 +110,11 @@ def attend(
 
 
 def attention_out(
-    x: torch.Tensor, attn: torch.Tensor, o_proj: torch.Tensor, post_norm: torch.Tensor, router: torch.Tensor | None,
+    x: torch.Tensor,
+    attn: torch.Tensor,
+    o_proj: torch.Tensor,
+    post_norm: torch.Tensor,
+    router: torch.Tensor | None,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Residual [T, H] + o_proj(attention [T, nh*D]) -> (x [T, H], post-norm hidden [T, H], router

@@ -209,7 +209,9 @@ class PagingCounters:
         self, layer: int, *, union: int, routed_pairs: int, hits: int, misses: int, cpu_activations: int, waves: int
     ) -> None:
         if hits + misses + cpu_activations != union:
-            raise AssertionError(f"layer {layer}: hits {hits} + misses {misses} + cpu {cpu_activations} != union {union}")
+            raise AssertionError(
+                f"layer {layer}: hits {hits} + misses {misses} + cpu {cpu_activations} != union {union}"
+            )
         v = self._layers[layer].values
         v["activations"] += union
         v["routed_pairs"] += routed_pairs
@@ -285,7 +287,12 @@ class PagingCounters:
             acc.resolve()
             v = acc.values
             layers.append(
-                LayerCounts(**{f.name: (float(v[f.name]) if f.name == "copy_time_s" else int(v[f.name])) for f in fields(LayerCounts)})
+                LayerCounts(
+                    **{
+                        f.name: (float(v[f.name]) if f.name == "copy_time_s" else int(v[f.name]))
+                        for f in fields(LayerCounts)
+                    }
+                )
             )
         self._prefill.resolve()
         v = self._prefill.values
@@ -355,7 +362,9 @@ class TalliedCounters(PagingCounters):
         """stats: [3] int64 (union, hits, misses) of one layer-step, still on the device."""
         self.record_layers_device(layer, (placement,), stats[None], routed_pairs)
 
-    def record_layers_device(self, first_layer: int, placements: tuple[str, ...], stats: torch.Tensor, routed_pairs: int) -> None:
+    def record_layers_device(
+        self, first_layer: int, placements: tuple[str, ...], stats: torch.Tensor, routed_pairs: int
+    ) -> None:
         """stats: [n, 3] int64 (union, hits, misses) of layers first_layer.. first_layer + n - 1 of
         one step, on the device, or [n, 5] with (prefetched, prefetch_used) after them (a graphed
         decode step queues all its layers as one entry: one host call, not one per layer)."""
@@ -380,7 +389,12 @@ class TalliedCounters(PagingCounters):
                 if prefetched:
                     self.record_prefetch(layer, prefetched=int(prefetched), used=int(used))
                 self.record_step(
-                    layer, union=int(union), routed_pairs=pairs, hits=int(hits), misses=int(misses), cpu_activations=0,
+                    layer,
+                    union=int(union),
+                    routed_pairs=pairs,
+                    hits=int(hits),
+                    misses=int(misses),
+                    cpu_activations=0,
                     waves=1 if union else 0,
                 )
                 if placement == "paged":  # offload layers record their copies as they issue them
@@ -389,4 +403,3 @@ class TalliedCounters(PagingCounters):
     def snapshot(self) -> CountersSnapshot:
         self.flush()
         return super().snapshot()
-

@@ -74,10 +74,18 @@ class DeviceResidency:
             raise ValueError(f"a device-planned step routes at most K={self.num_slots} pairs, got {p}")
         plan_fn = self._compiled_fn if self.in_static_step and self._compiled_fn is not None else plan_step
         pair_slot, pair_missed, miss_experts, miss_slots, stats = plan_fn(
-            flat_ids.to(torch.long), self.slot_of, self.expert_in, self.last_use, self.step, self._arange_e,
-            self.num_experts, self.num_slots,
+            flat_ids.to(torch.long),
+            self.slot_of,
+            self.expert_in,
+            self.last_use,
+            self.step,
+            self._arange_e,
+            self.num_experts,
+            self.num_slots,
         )
-        return DevicePlan(pair_slot=pair_slot, pair_missed=pair_missed, miss_experts=miss_experts, miss_slots=miss_slots, stats=stats)
+        return DevicePlan(
+            pair_slot=pair_slot, pair_missed=pair_missed, miss_experts=miss_experts, miss_slots=miss_slots, stats=stats
+        )
 
     def state(self) -> tuple[torch.Tensor, ...]:
         """A copy of the state (graph capture rewinds a warm-up step with it)."""
@@ -115,9 +123,9 @@ def pull_many(pairs: Sequence[tuple[DeviceResidency, LayerResidency]]) -> None:
     """Writes each device state into its host `LayerResidency` (LRU) with one device read for all."""
     if not pairs:
         return
-    rows = torch.cat([
-        torch.cat([d.expert_in[: d.num_slots], d.last_use[: d.num_slots], d.step.view(1)]) for d, _ in pairs
-    ])
+    rows = torch.cat(
+        [torch.cat([d.expert_in[: d.num_slots], d.last_use[: d.num_slots], d.step.view(1)]) for d, _ in pairs]
+    )
     values = rows.tolist()  # the one host read
     start = 0
     for dev, residency in pairs:
@@ -136,8 +144,14 @@ def pull_many(pairs: Sequence[tuple[DeviceResidency, LayerResidency]]) -> None:
 
 
 def plan_step(
-    flat_ids: torch.Tensor, slot_of: torch.Tensor, expert_in: torch.Tensor, last_use: torch.Tensor,
-    step: torch.Tensor, arange_e: torch.Tensor, e: int, k: int,
+    flat_ids: torch.Tensor,
+    slot_of: torch.Tensor,
+    expert_in: torch.Tensor,
+    last_use: torch.Tensor,
+    step: torch.Tensor,
+    arange_e: torch.Tensor,
+    e: int,
+    k: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One wave's LRU plan over a layer's state (updated in place): flat_ids [P] int64 ->
     (pair_slot [P], pair_missed [P], miss_experts [P], miss_slots [P], stats [3]); see DevicePlan."""

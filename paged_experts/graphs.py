@@ -381,7 +381,9 @@ class GraphedDecoder:
 
     # ---- the static step ---------------------------------------------------------------------
 
-    def _body(self, inputs: torch.Tensor, key: tuple[int, int, bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _body(
+        self, inputs: torch.Tensor, key: tuple[int, int, bool]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Static decode step: [B] tokens -> logits [B, V], argmax [B] and routed ids [layers, B, k];
         adds the step's per-layer stats to the device tally. The inputs end with the synthetic
         router's ids [B, layers, k] for this step when key[2] (planned)."""
@@ -469,10 +471,25 @@ def _buckets_up_to(capacity_tokens: int) -> list[int]:
 
 
 def attention_block(
-    x: torch.Tensor, input_norm: torch.Tensor, qkv_proj: torch.Tensor, o_proj: torch.Tensor, q_norm: torch.Tensor,
-    k_norm: torch.Tensor, post_norm: torch.Tensor, router: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Tensor,
-    cos: torch.Tensor, sin: torch.Tensor, new_rows: torch.Tensor, table: torch.Tensor, mask: torch.Tensor,
-    num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+    x: torch.Tensor,
+    input_norm: torch.Tensor,
+    qkv_proj: torch.Tensor,
+    o_proj: torch.Tensor,
+    q_norm: torch.Tensor,
+    k_norm: torch.Tensor,
+    post_norm: torch.Tensor,
+    router: torch.Tensor,
+    kv_k: torch.Tensor,
+    kv_v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    new_rows: torch.Tensor,
+    table: torch.Tensor,
+    mask: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One layer's attention (KV row written in place) over padded KV rows and its router logits,
     all tensors passed in (one compiled function serves every layer):

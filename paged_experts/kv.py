@@ -136,7 +136,9 @@ class KvPool:
         """Makes room for positions [start_pos, start_pos + num_tokens); called by the model."""
         self._check_live(seq)
         if not 0 <= start_pos <= seq.num_tokens:
-            raise ValueError(f"sequence {seq.seq_id} holds {seq.num_tokens} tokens; chunk start_pos {start_pos} leaves a gap")
+            raise ValueError(
+                f"sequence {seq.seq_id} holds {seq.num_tokens} tokens; chunk start_pos {start_pos} leaves a gap"
+            )
         needed = self._blocks_needed(seq, start_pos + num_tokens)
         if needed > len(self._free_blocks):
             raise KvCapacityError(

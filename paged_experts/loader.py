@@ -198,7 +198,12 @@ def load(path: str | Path, runtime: RuntimeConfig) -> LoadedModel:
         # Only rows that cross the link need pinned memory; cpu layers compute from pageable RAM.
         pin = device.type == "cuda" and placement in ("paged", "offload")
         host = ExpertTensors.empty(
-            cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, torch.device("cpu"), pin=pin,
+            cfg.num_experts,
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            dtype,
+            torch.device("cpu"),
+            pin=pin,
             is_fp8=cfg.fp8_weights,
         )
         _fill_host_experts(reader, i, host, cfg)

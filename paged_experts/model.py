@@ -27,7 +27,6 @@ from paged_experts.attention import attend, attention_out, causal_mask, project_
 from paged_experts.config import MoeModelConfig
 from paged_experts.counters import PagingCounters, TalliedCounters
 from paged_experts.graphs import GraphedDecoder
-from paged_experts.step import StepLogits
 from paged_experts.kv import KvPool, KvSequence, SeqChunk
 from paged_experts.loader import AttentionWeights, DenseWeights, LoadedModel, load
 from paged_experts.moe import (
@@ -40,6 +39,7 @@ from paged_experts.moe import (
 )
 from paged_experts.residency import LayerResidency
 from paged_experts.runtime import RuntimeConfig
+from paged_experts.step import StepLogits
 
 __all__ = ["MoeCausalLM", "SeqChunk", "StepLogits", "rms_norm"]
 
@@ -216,7 +216,9 @@ class MoeCausalLM:
         if self._graphs is not None and self._graphs.accepts(chunks):
             return self._graphs.step(chunks, token_source)
         if token_source is not None:
-            raise ValueError("token_source is taken by static decode steps only (graphs on, every chunk one decode token)")
+            raise ValueError(
+                "token_source is taken by static decode steps only (graphs on, every chunk one decode token)"
+            )
         cfg, dev = self.config, self.device
         by_pool: dict[int, tuple[KvPool, list[tuple[KvSequence, int, int]]]] = {}
         for c in chunks:
@@ -238,7 +240,10 @@ class MoeCausalLM:
             x = x + moe.forward(h, ctx, self.router_override, self.routing_observers)
         for c in chunks:
             c.seq.pool.commit(c.seq, c.start_pos + len(c.token_ids))
-        wanted = [r.token_slice if c.all_logits else slice(r.token_slice.stop - 1, r.token_slice.stop) for c, r in zip(chunks, rows)]
+        wanted = [
+            r.token_slice if c.all_logits else slice(r.token_slice.stop - 1, r.token_slice.stop)
+            for c, r in zip(chunks, rows)
+        ]
         index = torch.cat([torch.arange(s.start, s.stop) for s in wanted]).to(dev)  # [R]
         hidden = rms_norm(x[index], self._dense.final_norm, cfg.rms_norm_eps)  # [R, H]
         logits = F.linear(hidden, self._dense.lm_head)  # [R, V]
@@ -274,14 +279,28 @@ class MoeCausalLM:
         return out
 
     def _attention_step(
-        self, layer_idx: int, w: AttentionWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        self,
+        layer_idx: int,
+        w: AttentionWeights,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
         rows: list[_ChunkRows],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's attention over ragged chunks: residual x [T, H] -> (x + attention [T, H],
         post-attention-norm hidden [T, H]). Each chunk writes and reads its own pool's KV rows."""
         cfg = self.config
         q, k, v = project_qkv(
-            x, w.input_norm, w.qkv_proj, w.q_norm, w.k_norm, cos, sin, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            x,
+            w.input_norm,
+            w.qkv_proj,
+            w.q_norm,
+            w.k_norm,
+            cos,
+            sin,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
             cfg.rms_norm_eps,
         )  # [T, nh, D], [T, kvh, D], [T, kvh, D]
         outs = []

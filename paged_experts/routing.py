@@ -162,7 +162,9 @@ class RoutingProcess:
         kept_rows, kept_cols = np.nonzero(keep)
         keys[kept_rows, state.prev[kept_rows, kept_cols]] = -np.inf
         top = np.argpartition(-keys, k - 1, axis=1)[:, :k]  # [B, k] the k best draws, unordered
-        fresh = np.take_along_axis(top, np.argsort(-np.take_along_axis(keys, top, axis=1), axis=1), axis=1)  # best first
+        fresh = np.take_along_axis(
+            top, np.argsort(-np.take_along_axis(keys, top, axis=1), axis=1), axis=1
+        )  # best first
         kept_first = np.take_along_axis(state.prev, np.argsort(~keep, axis=1, kind="stable"), axis=1)
         n_kept = keep.sum(axis=1)[:, None]
         j = np.arange(k)[None, :]

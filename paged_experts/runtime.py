@@ -60,9 +60,13 @@ class RuntimeConfig:
         if self.prefill_residency not in PREFILL_KEEP:
             raise ValueError(f"prefill_residency must be one of {PREFILL_KEEP}, got {self.prefill_residency!r}")
         if self.overlap_page_in and not self.plans_on_device:
-            raise ValueError("overlap_page_in needs mode='paged' with device planning (device_planning 'on', or 'auto' on CUDA)")
+            raise ValueError(
+                "overlap_page_in needs mode='paged' with device planning (device_planning 'on', or 'auto' on CUDA)"
+            )
         if self.prefetch_next_layer and not self.plans_on_device:
-            raise ValueError("prefetch_next_layer needs mode='paged' with device planning (device_planning 'on', or 'auto' on CUDA)")
+            raise ValueError(
+                "prefetch_next_layer needs mode='paged' with device planning (device_planning 'on', or 'auto' on CUDA)"
+            )
         if self.prefetch_next_layer and self.overlap_page_in:
             raise ValueError("prefetch_next_layer and overlap_page_in both use the page-in stream: choose one")
         if self.mode == "paged" and self.resident_experts is None:
@@ -107,7 +111,9 @@ class RuntimeConfig:
                     f"resident_experts (K) must be in [top_k={model.top_k}, num_experts={model.num_experts}], got {k}"
                 )
         if self.offload_layers is not None and self.offload_layers > model.num_moe_layers:
-            raise ValueError(f"offload_layers={self.offload_layers} exceeds the model's {model.num_moe_layers} MoE layers")
+            raise ValueError(
+                f"offload_layers={self.offload_layers} exceeds the model's {model.num_moe_layers} MoE layers"
+            )
         if self.cpu_expert_layers is not None and self.cpu_expert_layers > model.num_moe_layers:
             raise ValueError(
                 f"cpu_expert_layers={self.cpu_expert_layers} exceeds the model's {model.num_moe_layers} MoE layers"

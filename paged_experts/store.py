@@ -75,7 +75,13 @@ class ExpertTensors:
 
     @classmethod
     def empty(
-        cls, n: int, hidden: int, inter: int, dtype: torch.dtype, device: torch.device, pin: bool = False,
+        cls,
+        n: int,
+        hidden: int,
+        inter: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        pin: bool = False,
         is_fp8: bool = False,
     ) -> ExpertTensors:
         """`is_fp8`: float8_e4m3fn weights and float32 block scales (`dtype` is then ignored)."""
@@ -98,6 +104,7 @@ class ExpertTensors:
     def dense(self, dtype: torch.dtype, rows: torch.Tensor | None = None) -> ExpertTensors:
         """The experts as plain weights in `dtype` (FP8 dequantized): all rows, or `rows` [n] in that
         order. Dense experts are returned as they are (indexed when `rows` is given)."""
+
         def pick(t: torch.Tensor) -> torch.Tensor:
             return t if rows is None else t[rows]
 
@@ -127,7 +134,13 @@ class PageInEngine:
     """Copies host rows into device rows for one device; owns the staging buffers and timing."""
 
     def __init__(
-        self, device: torch.device, strategy: str, hidden: int, inter: int, dtype: torch.dtype, max_rows: int,
+        self,
+        device: torch.device,
+        strategy: str,
+        hidden: int,
+        inter: int,
+        dtype: torch.dtype,
+        max_rows: int,
         is_fp8: bool = False,
     ) -> None:
         if strategy == "auto":

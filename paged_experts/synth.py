@@ -68,28 +68,66 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(
-        num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, moe_intermediate_size=32,
-        num_experts=32, top_k=4, bpe_vocab_size=1536, dtype="float32", rope_theta=10000.0,
+        num_layers=4,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        moe_intermediate_size=32,
+        num_experts=32,
+        top_k=4,
+        bpe_vocab_size=1536,
+        dtype="float32",
+        rope_theta=10000.0,
         max_shard_bytes=2 * 2**30,
     ),
     # Real per-layer shapes of Qwen3-30B-A3B; the vocabulary is the locally trained one (stated
     # in config.json as vocab_size), not Qwen's 151,936 tokens.
     "qwen3-30b-a3b-shape": Preset(
-        num_layers=48, hidden_size=2048, num_heads=32, num_kv_heads=4, head_dim=128, moe_intermediate_size=768,
-        num_experts=128, top_k=8, bpe_vocab_size=4096, dtype="bfloat16", rope_theta=1000000.0,
+        num_layers=48,
+        hidden_size=2048,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        moe_intermediate_size=768,
+        num_experts=128,
+        top_k=8,
+        bpe_vocab_size=4096,
+        dtype="bfloat16",
+        rope_theta=1000000.0,
         max_shard_bytes=4 * 2**30,
     ),
     # Two 128-blocks of hidden, 1.5 of intermediate (a partial block), so scales are really per block.
     "tiny-fp8": Preset(
-        num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, moe_intermediate_size=192,
-        num_experts=16, top_k=4, bpe_vocab_size=1536, dtype="float32", rope_theta=10000.0,
-        max_shard_bytes=2 * 2**30, fp8=True,
+        num_layers=4,
+        hidden_size=256,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        moe_intermediate_size=192,
+        num_experts=16,
+        top_k=4,
+        bpe_vocab_size=1536,
+        dtype="float32",
+        rope_theta=10000.0,
+        max_shard_bytes=2 * 2**30,
+        fp8=True,
     ),
     # The published Qwen3-30B-A3B-FP8 layout at the real shapes (4.72 MB per expert with scales).
     "qwen3-30b-a3b-fp8-shape": Preset(
-        num_layers=48, hidden_size=2048, num_heads=32, num_kv_heads=4, head_dim=128, moe_intermediate_size=768,
-        num_experts=128, top_k=8, bpe_vocab_size=4096, dtype="bfloat16", rope_theta=1000000.0,
-        max_shard_bytes=4 * 2**30, fp8=True,
+        num_layers=48,
+        hidden_size=2048,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        moe_intermediate_size=768,
+        num_experts=128,
+        top_k=8,
+        bpe_vocab_size=4096,
+        dtype="bfloat16",
+        rope_theta=1000000.0,
+        max_shard_bytes=4 * 2**30,
+        fp8=True,
     ),
 }
 
@@ -125,7 +163,12 @@ def train_tokenizer(vocab_size: int, corpus_path: Path = CORPUS_PATH) -> Tokeniz
 def _tokenizer_config(tok: Tokenizer) -> dict[str, object]:
     added = {
         str(tok.token_to_id(t)): {
-            "content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
         }
         for t in SPECIAL_TOKENS
     }
@@ -336,7 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-shard-mb", type=int, default=None)
     args = ap.parse_args(argv)
     shard = args.max_shard_mb * 2**20 if args.max_shard_mb else None
-    out = write_checkpoint(args.preset, args.out, layers=args.layers, seed=args.seed, dtype=args.dtype, max_shard_bytes=shard)
+    out = write_checkpoint(
+        args.preset, args.out, layers=args.layers, seed=args.seed, dtype=args.dtype, max_shard_bytes=shard
+    )
     print(out)
     return 0
 

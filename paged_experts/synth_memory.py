@@ -149,7 +149,11 @@ def host_weights(cfg: MoeModelConfig, dtype: torch.dtype, seed: int, gen_device:
         )
         routers.append(normal(t + 8, (e_n, h), 2 / math.sqrt(h)))
         host = ExpertTensors.empty(e_n, h, inter, dtype, torch.device("cpu"), pin=pin, is_fp8=cfg.fp8_weights)
-        projections = ((9, "gate", (e_n, inter, h), h), (10, "up", (e_n, inter, h), h), (11, "down", (e_n, h, inter), inter))
+        projections = (
+            (9, "gate", (e_n, inter, h), h),
+            (10, "up", (e_n, inter, h), h),
+            (11, "down", (e_n, h, inter), inter),
+        )
         for tag, name, shape, std in projections:
             if not cfg.fp8_weights:
                 normal(t + tag, shape, 1 / math.sqrt(std), out=host.get(name))
@@ -229,4 +233,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
-

@@ -258,7 +258,11 @@ def read_trace(path: str | Path) -> Trace:
 
         ids = load("ids.npy").astype(np.int64)
         weights = load("weights.npy").astype(np.float32) if "weights.npy" in z.namelist() else None
-        step_chunks, chunk_request, chunk_tokens = load("step_chunks.npy"), load("chunk_request.npy"), load("chunk_tokens.npy")
+        step_chunks, chunk_request, chunk_tokens = (
+            load("step_chunks.npy"),
+            load("chunk_request.npy"),
+            load("chunk_tokens.npy"),
+        )
     requests = header.pop("requests")
     header.pop("format")
     header.pop("version")

@@ -222,7 +222,11 @@ async def _stream(writer: asyncio.StreamWriter, script: Script, request: dict[st
         body = choice(script.token_text * size, None)
         if script.usage_per_chunk:
             sent = sum(chunk_sizes[: i + 1])
-            body["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": sent, "total_tokens": prompt_tokens + sent}
+            body["usage"] = {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": sent,
+                "total_tokens": prompt_tokens + sent,
+            }
         data = event(body)
         if i == 0 and script.inject_after_first_chunk is not None:
             data += event(script.inject_after_first_chunk)

@@ -28,7 +28,9 @@ except ImportError:
     from fakes import FakeServer, Script  # type: ignore[no-redef]
 
 BASE_ITL_S = {"fast": 0.002, "slow": 0.003}
-CELL_NOISE_SIGMA = 0.25  # log-normal factor per cell (+-25%): it, not the test machine's own jitter, is the noise that matters
+CELL_NOISE_SIGMA = (
+    0.25  # log-normal factor per cell (+-25%): it, not the test machine's own jitter, is the noise that matters
+)
 REPEATS = 3
 CONCURRENCY = (1, 2)
 
@@ -36,8 +38,14 @@ CONCURRENCY = (1, 2)
 async def _measure_run(root: Path, run_id: str, seed: int, slow_factor: float = 1.0, repeats: int = REPEATS) -> Path:
     run_dir = root / run_id
     run_dir.mkdir(parents=True)
-    manifest = Manifest(run_id=run_id, created_utc="2026-12-01T00:00:00+00:00", matrix_source="aa.yaml",
-                        matrix_hash="aa-matrix", matrix={}, git={"commit": "aa-commit", "dirty": False, "tree": "aa-tree"})
+    manifest = Manifest(
+        run_id=run_id,
+        created_utc="2026-12-01T00:00:00+00:00",
+        matrix_source="aa.yaml",
+        matrix_hash="aa-matrix",
+        matrix={},
+        git={"commit": "aa-commit", "dirty": False, "tree": "aa-tree"},
+    )
     (run_dir / "manifest.json").write_text(json.dumps(manifest.to_json()))
     store = RunStore(run_dir)
     rng = random.Random(seed)
@@ -49,11 +57,29 @@ async def _measure_run(root: Path, run_id: str, seed: int, slow_factor: float = 
                     factor = rng.lognormvariate(0.0, CELL_NOISE_SIGMA) * (slow_factor if name == "slow" else 1.0)
                     server.script = Script(itl_s=itl_s * factor, ttft_s=0.004 * factor)
                     cell_id = f"{run_id}-{name}-c{concurrency}-r{repeat}"
-                    records = await run_load(server.url, requests, LoadSpec(concurrency=concurrency, warmup=1),
-                                             cell_id=cell_id, model_name="fake", extras={}, cold_first=False)
-                    base = CellResult(cell_id=cell_id, run_id=run_id, engine=name, engine_kind="builtin", mode=name,
-                                      server_id=name, params={}, workload="w", prompt_class="short",
-                                      concurrency=concurrency, repeat=repeat, status="ok")
+                    records = await run_load(
+                        server.url,
+                        requests,
+                        LoadSpec(concurrency=concurrency, warmup=1),
+                        cell_id=cell_id,
+                        model_name="fake",
+                        extras={},
+                        cold_first=False,
+                    )
+                    base = CellResult(
+                        cell_id=cell_id,
+                        run_id=run_id,
+                        engine=name,
+                        engine_kind="builtin",
+                        mode=name,
+                        server_id=name,
+                        params={},
+                        workload="w",
+                        prompt_class="short",
+                        concurrency=concurrency,
+                        repeat=repeat,
+                        status="ok",
+                    )
                     store.write_cell(metrics.summarize(records, base=base), records)
     store.rebuild_tables()
     return run_dir

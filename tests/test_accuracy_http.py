@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from conftest import wait_healthy  # tests/ is on sys.path under pytest
 
 import paged_experts.store
 from benchsuite import accuracy
@@ -26,10 +27,8 @@ from benchsuite.cli import main as cli_main
 from benchsuite.datasets import bundled_prompts
 from benchsuite.engines.llamacpp.adapter import find_binary
 from benchsuite.errors import RunError
-from paged_experts.server.launch import ServeConfig, Serving, load_serving
 from paged_experts.server.app import create_app
-
-from conftest import wait_healthy  # tests/ is on sys.path under pytest
+from paged_experts.server.launch import ServeConfig, Serving, load_serving
 
 PROMPTS = [(p.prompt_id, p.text) for p in bundled_prompts()[:4]]
 MAX_TOKENS = 12

@@ -67,7 +67,9 @@ def test_modes_that_cannot_be_captured_and_the_cpu_stay_eager(tmp_path: Path, op
 def test_each_fast_path_option_turns_off(tmp_path: Path) -> None:
     base = "device: cuda, mode: resident"
     argv, _ = plan_argv(tmp_path, base + ", cuda_graph_max_bs: 0")
-    assert flag(argv, "--cuda-graph-max-bs") == "0" and "--disable-torch-compile" in argv  # no graph, nothing to compile
+    assert (
+        flag(argv, "--cuda-graph-max-bs") == "0" and "--disable-torch-compile" in argv
+    )  # no graph, nothing to compile
     argv, _ = plan_argv(tmp_path, base + ", torch_compile: false")
     assert flag(argv, "--cuda-graph-max-bs") == "4" and "--disable-torch-compile" in argv
     argv, _ = plan_argv(tmp_path, base + ", kernel_backend: grouped, cuda_graph_max_bs: 2")

@@ -16,8 +16,8 @@ from aiohttp.test_utils import TestServer
 from benchsuite import canary
 from benchsuite.cli import main as cli_main
 from benchsuite.engines.llamacpp.adapter import find_binary
-from paged_experts.server.launch import ServeConfig
 from paged_experts.server.app import create_app
+from paged_experts.server.launch import ServeConfig
 
 
 async def start(app: web.Application) -> tuple[TestServer, str]:

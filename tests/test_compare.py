@@ -19,30 +19,80 @@ from benchsuite.store import RunStore
 OUTPUT_TOKENS = 17
 
 
-def make_run(root: Path, run_id: str, configs: dict[str, list[float]], *, commit: str = "c0ffee", request_spread: float = 0.04,
-             busy: bool = False) -> Path:
+def make_run(
+    root: Path,
+    run_id: str,
+    configs: dict[str, list[float]],
+    *,
+    commit: str = "c0ffee",
+    request_spread: float = 0.04,
+    busy: bool = False,
+) -> Path:
     """configs: name -> decode tok/s of each repeat (one cell per value); every request of a cell
     decodes at the cell's rate times a factor within +-request_spread."""
     run_dir = root / run_id
-    manifest = Manifest(run_id=run_id, created_utc="2026-12-01T00:00:00+00:00", matrix_source="m.yaml",
-                        matrix_hash="m4tr1x", matrix={}, git={"commit": commit, "dirty": False, "tree": f"tree-{commit}"})
+    manifest = Manifest(
+        run_id=run_id,
+        created_utc="2026-12-01T00:00:00+00:00",
+        matrix_source="m.yaml",
+        matrix_hash="m4tr1x",
+        matrix={},
+        git={"commit": commit, "dirty": False, "tree": f"tree-{commit}"},
+    )
     store = RunStore.open(run_dir, manifest)
     for name, rates in configs.items():
         for repeat, rate in enumerate(rates):
             cell_id = f"{run_id}-{name}-r{repeat}"
-            extras = {"machine": {"busy": busy, "other_cores": 1.5 if busy else 0.0, "busy_reason": "others busy" if busy else None}}
-            result = CellResult(cell_id=cell_id, run_id=run_id, engine="tiny", engine_kind="builtin", mode="paged", server_id="s",
-                                params={"resident_experts": name}, workload="w", prompt_class="short", concurrency=1,
-                                repeat=repeat, status="ok", decode_tok_s_p50=rate, output_tok_s=rate * 0.9,
-                                ttft_p50_s=10.0 / rate, extras=extras)
+            extras = {
+                "machine": {
+                    "busy": busy,
+                    "other_cores": 1.5 if busy else 0.0,
+                    "busy_reason": "others busy" if busy else None,
+                }
+            }
+            result = CellResult(
+                cell_id=cell_id,
+                run_id=run_id,
+                engine="tiny",
+                engine_kind="builtin",
+                mode="paged",
+                server_id="s",
+                params={"resident_experts": name},
+                workload="w",
+                prompt_class="short",
+                concurrency=1,
+                repeat=repeat,
+                status="ok",
+                decode_tok_s_p50=rate,
+                output_tok_s=rate * 0.9,
+                ttft_p50_s=10.0 / rate,
+                extras=extras,
+            )
             records = []
             for index in range(8):
                 factor = 1.0 + request_spread * (index - 3.5) / 3.5
                 t_sent = 100.0 * index
                 t_first = t_sent + 10.0 / rate * factor
                 chunks = [t_first + i / (rate * factor) for i in range(OUTPUT_TOKENS)]
-                records.append(RequestRecord(cell_id, index, False, False, f"p{index}", "short", OUTPUT_TOKENS, t_sent, t_first,
-                                             chunks[-1], chunks, 10, OUTPUT_TOKENS, OUTPUT_TOKENS, ok=True))
+                records.append(
+                    RequestRecord(
+                        cell_id,
+                        index,
+                        False,
+                        False,
+                        f"p{index}",
+                        "short",
+                        OUTPUT_TOKENS,
+                        t_sent,
+                        t_first,
+                        chunks[-1],
+                        chunks,
+                        10,
+                        OUTPUT_TOKENS,
+                        OUTPUT_TOKENS,
+                        ok=True,
+                    )
+                )
             store.write_cell(result, records)
     store.rebuild_tables()
     store.close()
@@ -51,11 +101,29 @@ def make_run(root: Path, run_id: str, configs: dict[str, list[float]], *, commit
 
 @pytest.fixture
 def runs(tmp_path: Path) -> tuple[Path, Path]:
-    a = make_run(tmp_path, "run-a", {"slower": [100.0, 97.0, 103.0], "same": [100.0, 96.0, 104.0],
-                                     "tiny-shift": [100.0, 99.5, 100.5], "few": [100.0], "gone": [50.0, 51.0]})
-    b = make_run(tmp_path, "run-b", {"slower": [80.0, 78.0, 82.0], "same": [101.0, 97.0, 99.0],
-                                     "tiny-shift": [102.0, 101.5, 102.5], "few": [150.0, 149.0], "new": [60.0, 61.0]},
-                 commit="beef")
+    a = make_run(
+        tmp_path,
+        "run-a",
+        {
+            "slower": [100.0, 97.0, 103.0],
+            "same": [100.0, 96.0, 104.0],
+            "tiny-shift": [100.0, 99.5, 100.5],
+            "few": [100.0],
+            "gone": [50.0, 51.0],
+        },
+    )
+    b = make_run(
+        tmp_path,
+        "run-b",
+        {
+            "slower": [80.0, 78.0, 82.0],
+            "same": [101.0, 97.0, 99.0],
+            "tiny-shift": [102.0, 101.5, 102.5],
+            "few": [150.0, 149.0],
+            "new": [60.0, 61.0],
+        },
+        commit="beef",
+    )
     return a, b
 
 
@@ -79,7 +147,11 @@ def test_flags_only_changes_significant_over_repeats_and_over_the_threshold(runs
     shift = _row(comparison, "tiny-shift", "decode_tok_s")  # 2%: real (tight repeats) but under the 5% threshold
     assert shift["p_value"] < 0.01 and not shift["flagged"] and shift["verdict"] == "significant, below threshold"
     few = _row(comparison, "few", "decode_tok_s")  # +50% but one repeat in A: no verdict at all
-    assert pd.isna(few["change"]) and not few["flagged"] and few["verdict"] == "not enough repeats (1 and 2; 2 a side needed)"
+    assert (
+        pd.isna(few["change"])
+        and not few["flagged"]
+        and few["verdict"] == "not enough repeats (1 and 2; 2 a side needed)"
+    )
     assert comparison.only_a == ["tiny · paged · resident_experts=gone · short · c=1"]
     assert comparison.only_b == ["tiny · paged · resident_experts=new · short · c=1"]
     assert set(comparison.flagged["configuration"]) == {"tiny · paged · resident_experts=slower"}
@@ -132,7 +204,12 @@ def test_outputs_and_cli(runs: tuple[Path, Path], tmp_path: Path, capsys: pytest
     assert cli_main(["compare", str(runs[0]), str(runs[1]), "--out", str(tmp_path / "cli")]) == 0
     out = capsys.readouterr().out
     assert out.startswith("# Compare run-a (A) -> run-b (B)") and (tmp_path / "cli" / "compare.html").is_file()
-    assert cli_main(["compare", str(runs[0]), str(runs[0]), "--vs", str(runs[1]), str(runs[1]), "--out", str(tmp_path / "v")]) == 0
+    assert (
+        cli_main(
+            ["compare", str(runs[0]), str(runs[0]), "--vs", str(runs[1]), str(runs[1]), "--out", str(tmp_path / "v")]
+        )
+        == 0
+    )
     assert "Tested over runs" in capsys.readouterr().out
     assert cli_main(["compare", str(runs[0]), str(tmp_path / "missing")]) == 2
     assert cli_main(["compare", str(runs[0])]) == 2

@@ -23,7 +23,9 @@ def test_step_batches_and_single_layers_tally_like_the_host() -> None:
             union = rng.randint(1, 8)
             misses = rng.randint(0, union) if placement == "paged" else 0
             rows.append([union, union - misses, misses])
-            host.record_step(layer, union=union, routed_pairs=8, hits=union - misses, misses=misses, cpu_activations=0, waves=1)
+            host.record_step(
+                layer, union=union, routed_pairs=8, hits=union - misses, misses=misses, cpu_activations=0, waves=1
+            )
             if placement == "paged":
                 host.record_copy(layer, bytes_h2d=misses * expert_bytes)
         stats = torch.tensor(rows)  # [layers, 3]

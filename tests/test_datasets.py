@@ -153,7 +153,9 @@ def test_prompt_length_mismatches_across_engines() -> None:
 
 
 @pytest.mark.parametrize("prompt_class", ["short", "16"])
-def test_random_dataset_on_a_gguf_file_needs_only_its_vocabulary(tiny_model_dir: Path, tmp_path: Path, prompt_class: str) -> None:
+def test_random_dataset_on_a_gguf_file_needs_only_its_vocabulary(
+    tiny_model_dir: Path, tmp_path: Path, prompt_class: str
+) -> None:
     from benchsuite.datasets import gguf_vocab_size, load_tokenizer
     from benchsuite.engines.base import ServerSpec
     from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter, LlamaCppOptions

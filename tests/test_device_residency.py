@@ -14,8 +14,8 @@ import random
 import pytest
 import torch
 
-from paged_experts.kernels.copy_kernel import copy_planned
 from paged_experts.device_residency import DeviceResidency
+from paged_experts.kernels.copy_kernel import copy_planned
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.residency import LayerResidency
@@ -125,7 +125,12 @@ def test_device_planned_model_equals_resident_and_counts_like_host(k: int, overl
     ta, tb = on.counters.snapshot(), off.counters.snapshot()
     for la, lb in zip(ta.layers, tb.layers):
         assert (la.hits, la.misses, la.union_sum, la.waves, la.bytes_paged_in, la.bytes_h2d) == (
-            lb.hits, lb.misses, lb.union_sum, lb.waves, lb.bytes_paged_in, lb.bytes_h2d
+            lb.hits,
+            lb.misses,
+            lb.union_sum,
+            lb.waves,
+            lb.bytes_paged_in,
+            lb.bytes_h2d,
         )
     assert ta.total.misses > 0
 
@@ -140,7 +145,13 @@ def test_static_decode_of_device_planned_paged_model_matches_eager() -> None:
     for a, b in zip(a_out, b_out):
         assert (a - b).abs().max().item() <= 1e-4 * max(b.abs().max().item(), 1.0)
     ta, tb = static.counters.snapshot().total, eager.counters.snapshot().total
-    assert (ta.steps, ta.union_sum, ta.hits, ta.misses, ta.bytes_h2d) == (tb.steps, tb.union_sum, tb.hits, tb.misses, tb.bytes_h2d)
+    assert (ta.steps, ta.union_sum, ta.hits, ta.misses, ta.bytes_h2d) == (
+        tb.steps,
+        tb.union_sum,
+        tb.hits,
+        tb.misses,
+        tb.bytes_h2d,
+    )
 
 
 def test_overlap_needs_device_planning() -> None:
@@ -160,7 +171,9 @@ def test_static_decode_with_synthetic_routing_matches_eager(mode: str) -> None:
     from paged_experts.routing import make_router
 
     def build() -> MoeCausalLM:
-        model = _paged(12, "on") if mode == "paged" else MoeCausalLM.from_pretrained(PATH, RuntimeConfig(mode="resident"))
+        model = (
+            _paged(12, "on") if mode == "paged" else MoeCausalLM.from_pretrained(PATH, RuntimeConfig(mode="resident"))
+        )
         model.router_override = make_router("qwen3-30b-a3b", model.config, seed=4)
         return model
 
@@ -220,7 +233,9 @@ def test_prefetch_needs_device_planning_and_excludes_overlap() -> None:
     with pytest.raises(ValueError, match="prefetch_next_layer needs"):
         RuntimeConfig(mode="paged", resident_experts=8, prefetch_next_layer=True)  # CPU 'auto': host planning
     with pytest.raises(ValueError, match="choose one"):
-        RuntimeConfig(mode="paged", resident_experts=8, device_planning="on", prefetch_next_layer=True, overlap_page_in=True)
+        RuntimeConfig(
+            mode="paged", resident_experts=8, device_planning="on", prefetch_next_layer=True, overlap_page_in=True
+        )
 
 
 def test_graphed_decode_traces_the_routed_ids_it_counted() -> None:
@@ -278,4 +293,10 @@ def test_prepare_decode_runs_every_step_shape_and_leaves_the_model_as_loaded(rou
     for a, b in zip(a_out, b_out):
         assert torch.equal(a, b)
     ta, tb = prepared.counters.snapshot().total, plain.counters.snapshot().total
-    assert (ta.steps, ta.union_sum, ta.hits, ta.misses, ta.bytes_h2d) == (tb.steps, tb.union_sum, tb.hits, tb.misses, tb.bytes_h2d)
+    assert (ta.steps, ta.union_sum, ta.hits, ta.misses, ta.bytes_h2d) == (
+        tb.steps,
+        tb.union_sum,
+        tb.hits,
+        tb.misses,
+        tb.bytes_h2d,
+    )

@@ -120,7 +120,9 @@ class FakeModel:
         return out
 
 
-def make_engine(capacity: int = 256, eos_after: int | None = None, **config: object) -> tuple[Engine, FakeModel, FakePool, list[FinishedRequest]]:
+def make_engine(
+    capacity: int = 256, eos_after: int | None = None, **config: object
+) -> tuple[Engine, FakeModel, FakePool, list[FinishedRequest]]:
     pool = FakePool(capacity)
     model = FakeModel(pool, eos_after)
     finished: list[FinishedRequest] = []
@@ -365,7 +367,9 @@ async def test_tiny_top_p_keeps_only_the_best_token(running) -> None:
 @pytest.mark.parametrize(
     ("temperature", "top_p"), [(1e-40, 1.0), (5e-324, 1.0), (1.0, 5e-324), (2.0, 5e-324), (1e-30, 1e-30)]
 )
-async def test_extreme_sampling_parameters_are_greedy_and_never_fail_the_step(running, temperature: float, top_p: float) -> None:
+async def test_extreme_sampling_parameters_are_greedy_and_never_fail_the_step(
+    running, temperature: float, top_p: float
+) -> None:
     engine, _, _, _ = make_engine()
     running(engine)
     extreme = engine.submit("x", [3, 4], SamplingParams(max_tokens=6, temperature=temperature, top_p=top_p, seed=1))
@@ -386,4 +390,7 @@ async def test_a_sequence_whose_sampling_fails_ends_alone_and_its_step_mates_fin
     assert any(len(call) == 2 for call in model.calls), "both requests must share a step for this test to mean anything"
     assert events_bad[-1].finish_reason == FINISH_ERROR and "finite logit" in (events_bad[-1].error or "")
     assert events_good[-1].finish_reason == FINISH_LENGTH and tokens_good == expected_greedy([1, 2], 5)
-    assert pool.live == {} and {f.request_id: f.finish_reason for f in finished} == {"bad": FINISH_ERROR, "good": FINISH_LENGTH}
+    assert pool.live == {} and {f.request_id: f.finish_reason for f in finished} == {
+        "bad": FINISH_ERROR,
+        "good": FINISH_LENGTH,
+    }

@@ -27,7 +27,9 @@ def tiny_dir() -> Path:
 
 
 def build(tiny_dir: Path, overlap: bool, mode: str = "paged") -> Engine:
-    runtime = RuntimeConfig(mode="paged", resident_experts=12, device_planning="on") if mode == "paged" else RuntimeConfig()
+    runtime = (
+        RuntimeConfig(mode="paged", resident_experts=12, device_planning="on") if mode == "paged" else RuntimeConfig()
+    )
     model = MoeCausalLM.from_pretrained(tiny_dir, runtime)
     model.enable_cuda_graphs([1, 2, 3])  # on the CPU: the static step, uncaptured
     pool = KvPool.for_model(model, capacity_tokens=1024)
@@ -40,8 +42,13 @@ async def scenario(engine: Engine, stop_ids: tuple[int, ...]) -> list[tuple[list
     steps, a fifth aborted while decoding, and a seeded sampled one."""
     task = asyncio.create_task(engine.run())
     try:
-        greedy = [engine.submit(f"g{i}", p, SamplingParams(max_tokens=14 + i, ignore_eos=True)) for i, p in enumerate(PROMPTS[:2])]
-        stopping = engine.submit("stop", PROMPTS[2], SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=stop_ids))
+        greedy = [
+            engine.submit(f"g{i}", p, SamplingParams(max_tokens=14 + i, ignore_eos=True))
+            for i, p in enumerate(PROMPTS[:2])
+        ]
+        stopping = engine.submit(
+            "stop", PROMPTS[2], SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=stop_ids)
+        )
 
         async def tokens(stream) -> tuple[list[int], str]:
             out, reason = [], ""
@@ -57,7 +64,9 @@ async def scenario(engine: Engine, stop_ids: tuple[int, ...]) -> list[tuple[list
         await aborted.__anext__()
         await aborted.__anext__()
         aborted.abort()
-        sampled = engine.submit("sampled", PROMPTS[1], SamplingParams(max_tokens=6, temperature=0.8, seed=7, ignore_eos=True))
+        sampled = engine.submit(
+            "sampled", PROMPTS[1], SamplingParams(max_tokens=6, temperature=0.8, seed=7, ignore_eos=True)
+        )
         rest = [tokens(s) for s in (late, aborted, sampled)]
         return [*(await asyncio.gather(*first)), *(await asyncio.gather(*rest))]
     finally:

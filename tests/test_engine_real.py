@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from paged_experts.server.engine import Engine, EngineConfig, SamplingParams
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.runtime import RuntimeConfig
+from paged_experts.server.engine import Engine, EngineConfig, SamplingParams
 from paged_experts.synth import ensure_tiny
 
 PROMPTS = ([5, 17, 300, 42, 9], [800, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [600, 601, 2, 77])
@@ -78,7 +78,9 @@ async def test_generated_logprobs_equal_prompt_logprobs_of_the_same_text(tiny_di
     prompt = list(PROMPTS[0])
     task = asyncio.create_task(engine.run())
     try:
-        events = [e async for e in engine.submit("gen", prompt, SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3))]
+        events = [
+            e async for e in engine.submit("gen", prompt, SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3))
+        ]
         generated = [lp for e in events for lp in e.new_logprobs]
         full = prompt + [lp.token_id for lp in generated]
         scored = [e async for e in engine.submit("score", full, SamplingParams(max_tokens=1, prompt_logprobs=3))]

@@ -249,9 +249,9 @@ async def test_engine_exit_at_start_and_sigkill_mid_cell_fail_only_their_cells_a
     assert {c["status"] for c in cells["bad"]} == {"failed"}
     # the cause is the exit or the crash line in the log, whichever the launcher saw first; the log
     # tail in the reason says what the server could not read
-    assert all("engine did not start" in c["reason"] and "invalid header" in c["reason"] for c in cells["bad"]), cells["bad"][0][
-        "reason"
-    ]
+    assert all("engine did not start" in c["reason"] and "invalid header" in c["reason"] for c in cells["bad"]), cells[
+        "bad"
+    ][0]["reason"]
     assert {c["status"] for c in cells["good"]} == {"ok"}  # the matrix went on after both faults
 
     first = cell_bytes(store.run_dir)

@@ -224,4 +224,8 @@ def test_runtime_expert_bytes_equal_the_preflight_formula_at_the_published_shape
     hf = hf_config_for(PRESETS["qwen3-30b-a3b-fp8-shape"], 151936, 151643, 151645)
     cfg = MoeModelConfig.from_hf_config(hf)
     assert cfg.fp8_weights and cfg.expert_dtype("bfloat16") == "float8_e4m3fn"
-    assert cfg.expert_bytes("float8_e4m3fn") == preflight.expert_bytes_fp8_block(preflight.shape_from_config(hf)) == 4_719_744
+    assert (
+        cfg.expert_bytes("float8_e4m3fn")
+        == preflight.expert_bytes_fp8_block(preflight.shape_from_config(hf))
+        == 4_719_744
+    )

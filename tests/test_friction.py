@@ -24,16 +24,25 @@ QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.ya
 
 
 def write_matrix(tmp_path: Path, engines: dict, **top: object) -> Path:
-    body = {"name": "f", "output_root": str(tmp_path / "results"), "engines": engines,
-            "workloads": {"w": {"num_requests": 2, "concurrency": [1]}}, **top}
+    body = {
+        "name": "f",
+        "output_root": str(tmp_path / "results"),
+        "engines": engines,
+        "workloads": {"w": {"num_requests": 2, "concurrency": [1]}},
+        **top,
+    }
     path = tmp_path / "m.yaml"
     path.write_text(yaml.safe_dump(body))
     return path
 
 
-def test_k_outside_top_k_and_e_is_caught_when_the_matrix_loads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = write_matrix(tmp_path, {"paged": {"kind": "builtin", "options": {"model": "tiny", "mode": "paged",
-                                                                           "resident_experts": [2, 8, 64]}}})
+def test_k_outside_top_k_and_e_is_caught_when_the_matrix_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_matrix(
+        tmp_path,
+        {"paged": {"kind": "builtin", "options": {"model": "tiny", "mode": "paged", "resident_experts": [2, 8, 64]}}},
+    )
     with pytest.raises(MatrixError) as err:
         load_matrix(path)
     lines = str(err.value).splitlines()
@@ -49,34 +58,64 @@ def test_k_outside_top_k_and_e_is_caught_when_the_matrix_loads(tmp_path: Path, c
 def test_k_is_checked_against_a_local_config_json(tmp_path: Path) -> None:
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({"num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48}))
-    path = write_matrix(tmp_path, {"p": {"kind": "builtin", "options": {"model": str(model), "mode": "paged", "resident_experts": 129}},
-                                   "c": {"kind": "builtin", "options": {"model": str(model), "mode": "cpu-experts", "n_cpu_moe": 49}}})
+    (model / "config.json").write_text(
+        json.dumps({"num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48})
+    )
+    path = write_matrix(
+        tmp_path,
+        {
+            "p": {"kind": "builtin", "options": {"model": str(model), "mode": "paged", "resident_experts": 129}},
+            "c": {"kind": "builtin", "options": {"model": str(model), "mode": "cpu-experts", "n_cpu_moe": 49}},
+        },
+    )
     with pytest.raises(MatrixError) as err:
         load_matrix(path)
-    assert f"engines.p.options.resident_experts: K=129 is more than the model's 128 experts per layer ({model / 'config.json'})" in str(err.value)
+    assert (
+        f"engines.p.options.resident_experts: K=129 is more than the model's 128 experts per layer ({model / 'config.json'})"
+        in str(err.value)
+    )
     assert "engines.c.options.n_cpu_moe: 49 is more than the model's 48 layers" in str(err.value)
     path.write_text(path.read_text().replace("129", "92").replace("49", "30"))
     assert len(build_plan(load_matrix(path)).servers) == 2  # the published K=92 fits E=128
 
 
-def test_a_missing_model_stops_the_run_before_anything_is_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = write_matrix(tmp_path, {"paged": {"kind": "builtin", "options": {"model": str(tmp_path / "nope"), "mode": "paged",
-                                                                           "resident_experts": 8}},
-                                   "llama": {"kind": "llamacpp", "options": {"model": str(tmp_path / "nope.gguf")}}})
+def test_a_missing_model_stops_the_run_before_anything_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_matrix(
+        tmp_path,
+        {
+            "paged": {
+                "kind": "builtin",
+                "options": {"model": str(tmp_path / "nope"), "mode": "paged", "resident_experts": 8},
+            },
+            "llama": {"kind": "llamacpp", "options": {"model": str(tmp_path / "nope.gguf")}},
+        },
+    )
     assert cli_main(["run", str(path), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert f"engines.paged.options.model: no such model: {tmp_path / 'nope'} (a checkpoint directory)" in err
-    assert f"engines.llama.options.model: no such model: {tmp_path / 'nope.gguf'} (a checkpoint directory or GGUF file)" in err
+    assert (
+        f"engines.llama.options.model: no such model: {tmp_path / 'nope.gguf'} (a checkpoint directory or GGUF file)"
+        in err
+    )
     assert not (tmp_path / "results").exists()
     assert cli_main(["run", str(path), "--dry-run"]) == 0  # a plan may name a model that lives on another machine
     assert "warning: " in capsys.readouterr().out
 
 
 def test_every_matrix_problem_is_reported_in_one_pass(tmp_path: Path) -> None:
-    path = write_matrix(tmp_path, {"paged": {"kind": "builtin", "options": {"model": "tiny", "mode": "paged",
-                                                                           "resident_experts": 0, "bogus": 1}},
-                                   "bad": {"kind": "vllm"}}, repeatz=2)
+    path = write_matrix(
+        tmp_path,
+        {
+            "paged": {
+                "kind": "builtin",
+                "options": {"model": "tiny", "mode": "paged", "resident_experts": 0, "bogus": 1},
+            },
+            "bad": {"kind": "vllm"},
+        },
+        repeatz=2,
+    )
     with pytest.raises(MatrixError) as err:
         load_matrix(path)
     text = str(err.value)
@@ -98,9 +137,27 @@ def test_preflight_vram_is_honoured_with_explicit_shapes(capsys: pytest.CaptureF
 
 def test_the_summary_table_keeps_every_swept_value_whole_on_a_narrow_terminal() -> None:
     plan = build_plan(load_matrix(QUICKSTART))
-    results = [CellResult(c.cell_id, plan.run_id, c.engine, "builtin", "m", c.server_id, dict(c.params), c.workload,
-                          c.prompt_class, c.concurrency, c.repeat, "ok", ttft_p50_s=0.0123, decode_tok_s_p50=456.7,
-                          output_tok_s=1234.5, miss_rate=0.25) for c in plan.cells]
+    results = [
+        CellResult(
+            c.cell_id,
+            plan.run_id,
+            c.engine,
+            "builtin",
+            "m",
+            c.server_id,
+            dict(c.params),
+            c.workload,
+            c.prompt_class,
+            c.concurrency,
+            c.repeat,
+            "ok",
+            ttft_p50_s=0.0123,
+            decode_tok_s_p50=456.7,
+            output_tok_s=1234.5,
+            miss_rate=0.25,
+        )
+        for c in plan.cells
+    ]
     out = io.StringIO()
     Console(file=out, width=80).print(summary_table(plan, results))
     rows = [line for line in out.getvalue().splitlines() if line.startswith("│ paged")]

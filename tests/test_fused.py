@@ -92,7 +92,9 @@ def test_device_tallied_counters_match_reference() -> None:
         scenario(fused, decode_steps=1)
         scenario(loop, decode_steps=1)
         a, b = fused.counters.snapshot(), loop.counters.snapshot()
-        assert [x.to_dict() | {"copy_time_s": 0} for x in a.layers] == [x.to_dict() | {"copy_time_s": 0} for x in b.layers]
+        assert [x.to_dict() | {"copy_time_s": 0} for x in a.layers] == [
+            x.to_dict() | {"copy_time_s": 0} for x in b.layers
+        ]
         fused.counters.reset()
         assert fused.counters.snapshot().total.steps == 0
 

@@ -190,6 +190,7 @@ def test_a_repeat_count_too_large_to_plan_is_refused_quickly(tmp_path: Path) -> 
 
 # ---- hostile YAML: aliases, nesting, duplicate keys, ${...} forms, numbers past any machine -------------
 
+
 def _bomb(levels: int, fanout: int) -> str:
     lines = ["name: bomb", f"l0: &l0 [{', '.join(['x'] * fanout)}]"]
     lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * fanout)}]" for i in range(1, levels)]
@@ -198,23 +199,60 @@ def _bomb(levels: int, fanout: int) -> str:
 
 HOSTILE_YAML = st.one_of(
     st.builds(_bomb, st.integers(2, 12), st.integers(2, 12)),
-    st.builds(lambda d, o, c: "name: deep\nengines: " + o * d + c * d + "\n", st.integers(1, 30_000),
-              st.sampled_from(["[", "{a: "]), st.sampled_from(["]", "}"])),
-    st.builds(lambda d: "name: deep\nengines:\n" + "".join(f"{' ' * (2 * i + 2)}k{i}:\n" for i in range(d)), st.integers(1, 400)),
-    st.sampled_from(["a: &a [*a]\n", "a: &a {b: *a}\n", "engines: &e {x: [*e]}\n", "a: *undefined\n", "a: &a 1\nb: &a 2\n"]),
-    st.builds(lambda key, v1, v2: f"name: dup\n{key}: {v1}\n{key}: {v2}\n", st.sampled_from(["engines", "workloads", "name", "repeats"]),
-              st.sampled_from(["{}", "1", "x"]), st.sampled_from(["{}", "2", "y"])),
-    st.builds(lambda ref: yaml.safe_dump({**BASE, "engines": {"e": {"kind": "builtin", "options": {"model": ref, "mode": "resident"}}}}),
-              st.sampled_from(["${}", "${1BAD}", "${A:-${B:-x}}", "${A:-", "${A:?x}", "${A-x}", "$${lit}", "${ }", "${A:-${}}",
-                               "x${" * 50]) | st.text(st.sampled_from("${}:-AB1_ "), max_size=16)),
-    st.builds(lambda key, v: yaml.safe_dump({**BASE, "fairness": {key: v}}) if key == "kv_capacity_tokens" else
-              yaml.safe_dump({**BASE, "workloads": {"w": {**BASE["workloads"]["w"], key: v}}}),
-              st.sampled_from(["kv_capacity_tokens", "num_requests", "output_tokens", "warmup_requests", "seed", "rate_rps"]),
-              st.sampled_from([1e30, 10**12, 2**64, float("inf"), float("nan"), -(10**30), 10**100])),
+    st.builds(
+        lambda d, o, c: "name: deep\nengines: " + o * d + c * d + "\n",
+        st.integers(1, 30_000),
+        st.sampled_from(["[", "{a: "]),
+        st.sampled_from(["]", "}"]),
+    ),
+    st.builds(
+        lambda d: "name: deep\nengines:\n" + "".join(f"{' ' * (2 * i + 2)}k{i}:\n" for i in range(d)),
+        st.integers(1, 400),
+    ),
+    st.sampled_from(
+        ["a: &a [*a]\n", "a: &a {b: *a}\n", "engines: &e {x: [*e]}\n", "a: *undefined\n", "a: &a 1\nb: &a 2\n"]
+    ),
+    st.builds(
+        lambda key, v1, v2: f"name: dup\n{key}: {v1}\n{key}: {v2}\n",
+        st.sampled_from(["engines", "workloads", "name", "repeats"]),
+        st.sampled_from(["{}", "1", "x"]),
+        st.sampled_from(["{}", "2", "y"]),
+    ),
+    st.builds(
+        lambda ref: yaml.safe_dump(
+            {**BASE, "engines": {"e": {"kind": "builtin", "options": {"model": ref, "mode": "resident"}}}}
+        ),
+        st.sampled_from(
+            [
+                "${}",
+                "${1BAD}",
+                "${A:-${B:-x}}",
+                "${A:-",
+                "${A:?x}",
+                "${A-x}",
+                "$${lit}",
+                "${ }",
+                "${A:-${}}",
+                "x${" * 50,
+            ]
+        )
+        | st.text(st.sampled_from("${}:-AB1_ "), max_size=16),
+    ),
+    st.builds(
+        lambda key, v: (
+            yaml.safe_dump({**BASE, "fairness": {key: v}})
+            if key == "kv_capacity_tokens"
+            else yaml.safe_dump({**BASE, "workloads": {"w": {**BASE["workloads"]["w"], key: v}}})
+        ),
+        st.sampled_from(["kv_capacity_tokens", "num_requests", "output_tokens", "warmup_requests", "seed", "rate_rps"]),
+        st.sampled_from([1e30, 10**12, 2**64, float("inf"), float("nan"), -(10**30), 10**100]),
+    ),
 )
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(text=HOSTILE_YAML)
 def test_hostile_yaml_plans_or_fails_naming_the_file(text: str, tmp_path: Path) -> None:
     path = tmp_path / "m.yaml"

@@ -162,18 +162,26 @@ def _nested(depth: int, inner: str) -> str:
 
 HOSTILE_RAW = st.one_of(
     # nesting of any depth in a field, closed or not
-    st.builds(lambda d, field: f'{{"prompt": "hi", "{field}": {_nested(d, "1")}}}'.encode(),
-              st.integers(1, 20_000), st.sampled_from(["prompt", "stop", "x", "messages"])),
+    st.builds(
+        lambda d, field: f'{{"prompt": "hi", "{field}": {_nested(d, "1")}}}'.encode(),
+        st.integers(1, 20_000),
+        st.sampled_from(["prompt", "stop", "x", "messages"]),
+    ),
     st.builds(lambda d: ("[" * d).encode(), st.integers(1, 50_000)),
     # numbers of any size where an int or a float is expected
-    st.builds(lambda n, field: f'{{"prompt": "hi", "{field}": {"9" * n}}}'.encode(),
-              st.integers(1, 6000), st.sampled_from(["max_tokens", "seed", "temperature", "logprobs"])),
+    st.builds(
+        lambda n, field: f'{{"prompt": "hi", "{field}": {"9" * n}}}'.encode(),
+        st.integers(1, 6000),
+        st.sampled_from(["max_tokens", "seed", "temperature", "logprobs"]),
+    ),
     st.builds(lambda e: f'{{"prompt": "hi", "temperature": 1e{e}}}'.encode(), st.integers(-400, 400)),
     st.sampled_from([b'{"prompt": "hi", "temperature": NaN}', b'{"prompt": "hi", "top_p": -Infinity}']),
     # bytes that are not UTF-8, and surrogates escaped or encoded, inside a prompt string
     st.builds(lambda junk: b'{"prompt": "a' + junk + b'b", "max_tokens": 1}', st.binary(min_size=1, max_size=6)),
     st.builds(lambda cp: f'{{"prompt": "x\\u{cp:04x}y", "max_tokens": 1}}'.encode(), st.integers(0xD800, 0xDFFF)),
-    st.builds(lambda cp: b'{"prompt": "' + chr(cp).encode("utf-8", "surrogatepass") + b'"}', st.integers(0xD800, 0xDFFF)),
+    st.builds(
+        lambda cp: b'{"prompt": "' + chr(cp).encode("utf-8", "surrogatepass") + b'"}', st.integers(0xD800, 0xDFFF)
+    ),
 )
 
 

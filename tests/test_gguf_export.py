@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from benchsuite.errors import UserError
 from benchsuite.engines.llamacpp.gguf_export import cached_export, export_gguf
+from benchsuite.errors import UserError
 from paged_experts.synth import write_checkpoint
 
 LAYERS = 2
@@ -20,9 +20,7 @@ LAYERS = 2
 
 @pytest.fixture(scope="module")
 def ckpt_f32(tmp_path_factory):
-    return write_checkpoint(
-        "tiny", tmp_path_factory.mktemp("f32") / "ckpt", layers=LAYERS
-    )
+    return write_checkpoint("tiny", tmp_path_factory.mktemp("f32") / "ckpt", layers=LAYERS)
 
 
 @pytest.fixture(scope="module")
@@ -61,13 +59,8 @@ def test_f32_export_is_byte_identical_with_stacked_experts(ckpt_f32, tmp_path):
     cfg = json.loads((ckpt_f32 / "config.json").read_text())
     _, tensors = _tensors(out)
     assert summary.num_tensors == len(tensors) == 1 + LAYERS * 12 + 2
-    assert (
-        bytes(tensors["token_embd.weight"].data)
-        == hf["model.embed_tokens.weight"].numpy().tobytes()
-    )
-    assert (
-        bytes(tensors["output.weight"].data) == hf["lm_head.weight"].numpy().tobytes()
-    )
+    assert bytes(tensors["token_embd.weight"].data) == hf["model.embed_tokens.weight"].numpy().tobytes()
+    assert bytes(tensors["output.weight"].data) == hf["lm_head.weight"].numpy().tobytes()
     assert (
         bytes(tensors["blk.1.attn_k_norm.weight"].data)
         == hf["model.layers.1.self_attn.k_norm.weight"].numpy().tobytes()
@@ -76,17 +69,12 @@ def test_f32_export_is_byte_identical_with_stacked_experts(ckpt_f32, tmp_path):
         bytes(tensors["blk.0.ffn_norm.weight"].data)
         == hf["model.layers.0.post_attention_layernorm.weight"].numpy().tobytes()
     )
-    assert (
-        bytes(tensors["blk.1.ffn_gate_inp.weight"].data)
-        == hf["model.layers.1.mlp.gate.weight"].numpy().tobytes()
-    )
+    assert bytes(tensors["blk.1.ffn_gate_inp.weight"].data) == hf["model.layers.1.mlp.gate.weight"].numpy().tobytes()
     E, I, H = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["hidden_size"]
     for proj, shape in (("gate", (E, I, H)), ("up", (E, I, H)), ("down", (E, H, I))):
         t = tensors[f"blk.1.ffn_{proj}_exps.weight"]
         assert tuple(int(x) for x in reversed(t.shape)) == shape  # numpy order [E, ...]
-        stacked = torch.stack(
-            [hf[f"model.layers.1.mlp.experts.{e}.{proj}_proj.weight"] for e in range(E)]
-        )
+        stacked = torch.stack([hf[f"model.layers.1.mlp.experts.{e}.{proj}_proj.weight"] for e in range(E)])
         assert bytes(t.data) == stacked.numpy().tobytes()
 
 
@@ -125,18 +113,14 @@ def test_metadata_and_tokenizer(ckpt_f32, tmp_path):
     assert merges[0] == (first if isinstance(first, str) else " ".join(first))
 
 
-def test_bf16_export_keeps_stored_bytes_and_norms_and_router_in_f32(
-    ckpt_bf16, tmp_path
-):
+def test_bf16_export_keeps_stored_bytes_and_norms_and_router_in_f32(ckpt_bf16, tmp_path):
     out = tmp_path / "m.gguf"
     export_gguf(ckpt_bf16, out, "bf16")
     hf = _hf(ckpt_bf16)
     _, tensors = _tensors(out)
     exps = tensors["blk.0.ffn_up_exps.weight"]
     assert exps.tensor_type == gguf.GGMLQuantizationType.BF16
-    stacked = torch.stack(
-        [hf[f"model.layers.0.mlp.experts.{e}.up_proj.weight"] for e in range(32)]
-    )
+    stacked = torch.stack([hf[f"model.layers.0.mlp.experts.{e}.up_proj.weight"] for e in range(32)])
     assert bytes(exps.data) == stacked.view(torch.int16).numpy().tobytes()
     norm = tensors["blk.0.attn_norm.weight"]
     assert norm.tensor_type == gguf.GGMLQuantizationType.F32
@@ -144,10 +128,7 @@ def test_bf16_export_keeps_stored_bytes_and_norms_and_router_in_f32(
         np.asarray(norm.data),
         hf["model.layers.0.input_layernorm.weight"].float().numpy(),
     )
-    assert (
-        tensors["blk.0.ffn_gate_inp.weight"].tensor_type
-        == gguf.GGMLQuantizationType.F32
-    )
+    assert tensors["blk.0.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
 
 
 def test_q8_0_export_matches_the_reference_quantizer(ckpt_f32, tmp_path):

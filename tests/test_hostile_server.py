@@ -32,7 +32,14 @@ HEALTH_LIMIT_S = 1.5
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    flags = ("--max-total-tokens", str(KV_CAPACITY_TOKENS), "--max-running-requests", "8", "--served-model-name", SERVED_NAME)
+    flags = (
+        "--max-total-tokens",
+        str(KV_CAPACITY_TOKENS),
+        "--max-running-requests",
+        "8",
+        "--served-model-name",
+        SERVED_NAME,
+    )
     with builtin_server(tiny_model_dir, tmp_path_factory.mktemp("hostile-server"), *flags) as url:
         yield url
 
@@ -109,7 +116,9 @@ async def test_a_prompt_over_the_token_limit_is_refused_naming_the_prompt(server
 
 
 @pytest.mark.parametrize(("temperature", "top_p"), [(1e-40, 1.0), (5e-324, 1.0), (1.0, 5e-324)])
-async def test_extreme_sampling_next_to_other_streams_fails_nobody(server: str, temperature: float, top_p: float) -> None:
+async def test_extreme_sampling_next_to_other_streams_fails_nobody(
+    server: str, temperature: float, top_p: float
+) -> None:
     async with aiohttp.ClientSession() as http:
         url = f"{server}/v1/completions"
         alone = await post(http, url, {**GREEDY, "max_tokens": 16})
@@ -142,7 +151,9 @@ async def test_an_unknown_model_is_404_and_the_served_names_are_200(server: str,
         status, body = await post(http, f"{server}/v1/chat/completions", chat)
         assert status == 404 and body["error"]["code"] == 404, body
         for name in (SERVED_NAME, str(tiny_model_dir)):
-            status, body = await post(http, f"{server}/v1/completions", {"model": name, "prompt": "hi", "max_tokens": 1})
+            status, body = await post(
+                http, f"{server}/v1/completions", {"model": name, "prompt": "hi", "max_tokens": 1}
+            )
             assert status == 200 and body["model"] == SERVED_NAME, body
 
 

@@ -29,7 +29,9 @@ def test_measurement_arithmetic() -> None:
 
 def test_plan_cases() -> None:
     cases = linkbw._cases(linkbw.LinkPlan())
-    assert len(cases) == 2 * (3 * 2 + 1 + 3 + 1)  # per direction: pinned 3 sizes x (single + burst) + 1 GiB, pageable 3 + 1
+    assert len(cases) == 2 * (
+        3 * 2 + 1 + 3 + 1
+    )  # per direction: pinned 3 sizes x (single + burst) + 1 GiB, pageable 3 + 1
     assert all(copies == 1 for _, memory, _, copies, _ in cases if memory == "pageable")
     assert ("h2d", "pinned", linkbw.GIB_BYTES, 1, 3) in cases
     small = linkbw._cases(linkbw.LinkPlan(pageable=False, d2h=False, burst_copies=1))

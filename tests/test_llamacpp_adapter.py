@@ -106,21 +106,15 @@ def test_prefix_caching_on_keeps_llama_cpp_defaults(tmp_path, gguf_file):
 
 def test_moe_cache_mode_is_refused_when_the_build_lacks_it(tmp_path, gguf_file):
     binary = _fake_binary(tmp_path)
-    spec = _spec(
-        {"model": str(gguf_file), "binary": str(binary), "moe_cache_mib": 2048}
-    )
+    spec = _spec({"model": str(gguf_file), "binary": str(binary), "moe_cache_mib": 2048})
     assert spec.options.placement().mode == "moe-cache"
-    with pytest.raises(
-        EngineConfigError, match="this llama-server build has no --moe-cache-mib"
-    ):
+    with pytest.raises(EngineConfigError, match="this llama-server build has no --moe-cache-mib"):
         LlamaCppAdapter().validate(spec)
 
 
 def test_moe_cache_mode_passes_the_flag_when_supported(tmp_path, gguf_file):
     binary = _fake_binary(tmp_path, help_text=HELP + "--moe-cache-mib N\n")
-    spec = _spec(
-        {"model": str(gguf_file), "binary": str(binary), "moe_cache_mib": 2048}
-    )
+    spec = _spec({"model": str(gguf_file), "binary": str(binary), "moe_cache_mib": 2048})
     adapter = LlamaCppAdapter()
     adapter.validate(spec)
     argv = adapter.launch_plan(spec, 1).argv
@@ -135,9 +129,7 @@ def test_missing_binary_and_model_are_config_errors(tmp_path, gguf_file, monkeyp
         LlamaCppAdapter().validate(_spec({"model": str(gguf_file)}))
     binary = _fake_binary(tmp_path)
     with pytest.raises(EngineConfigError, match="does not exist"):
-        LlamaCppAdapter().validate(
-            _spec({"model": str(tmp_path / "nope.gguf"), "binary": str(binary)})
-        )
+        LlamaCppAdapter().validate(_spec({"model": str(tmp_path / "nope.gguf"), "binary": str(binary)}))
 
 
 def test_binary_lookup_order(tmp_path, monkeypatch):
@@ -157,13 +149,9 @@ def test_binary_lookup_order(tmp_path, monkeypatch):
 
 def test_version_records_binary_output_and_build_stamp(tmp_path, gguf_file):
     (tmp_path / "bin").mkdir()
-    binary = _fake_binary(
-        tmp_path / "bin"
-    )  # the stamp lies beside bin/, as in the build cache
+    binary = _fake_binary(tmp_path / "bin")  # the stamp lies beside bin/, as in the build cache
     (tmp_path / "build-stamp.json").write_text('{"cuda": false}')
-    facts = LlamaCppAdapter().version(
-        _spec({"model": str(gguf_file), "binary": str(binary)})
-    )
+    facts = LlamaCppAdapter().version(_spec({"model": str(gguf_file), "binary": str(binary)}))
     assert facts["version"] == "version: 1 (abc123)"
     assert facts["build"] == {"cuda": False}
 
@@ -185,9 +173,7 @@ def test_options_schema_rejects(options, message):
 
 def test_options_schema_accepts_search_and_yaml_booleans():
     assert LlamaCppOptions.model_validate({"n_cpu_moe": "search"}).n_cpu_moe == "search"
-    assert LlamaCppOptions.model_validate(
-        {"n_cpu_moe": {"search": {"min_n": 1}}}
-    ).n_cpu_moe == {"search": {"min_n": 1}}
+    assert LlamaCppOptions.model_validate({"n_cpu_moe": {"search": {"min_n": 1}}}).n_cpu_moe == {"search": {"min_n": 1}}
     assert LlamaCppOptions.model_validate({"flash_attn": False}).flash_attn == "off"
 
 

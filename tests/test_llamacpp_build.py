@@ -7,8 +7,8 @@ import stat
 
 import pytest
 
-from benchsuite.engines.llamacpp import build as build
 from benchsuite.cli import main as cli_main
+from benchsuite.engines.llamacpp import build as build
 
 
 def _exe(path, body):
@@ -28,11 +28,7 @@ def test_cmake_flags_pin_the_server_tools_and_backend():
     cpu = dict(build.build_flags(cuda=False).cmake_defines)
     assert cpu["LLAMA_BUILD_SERVER"] == "ON" and cpu["LLAMA_BUILD_TOOLS"] == "ON"
     assert cpu["LLAMA_BUILD_EXAMPLES"] == "OFF" and cpu["LLAMA_BUILD_TESTS"] == "OFF"
-    assert (
-        cpu["GGML_CUDA"] == "OFF"
-        and cpu["CMAKE_BUILD_TYPE"] == "Release"
-        and cpu["LLAMA_CURL"] == "OFF"
-    )
+    assert cpu["GGML_CUDA"] == "OFF" and cpu["CMAKE_BUILD_TYPE"] == "Release" and cpu["LLAMA_CURL"] == "OFF"
     assert "CMAKE_CUDA_ARCHITECTURES" not in cpu
     cuda = build.build_flags(cuda=True, cuda_architectures="90")
     assert dict(cuda.cmake_defines)["GGML_CUDA"] == "ON"
@@ -48,22 +44,15 @@ def test_cuda_architectures_from_nvidia_smi(tmp_path, monkeypatch):
 
 
 def test_install_dir_is_per_version_and_backend(cache):
-    assert (
-        build.install_dir(cuda=False)
-        == cache / "llama.cpp" / f"{build.LLAMA_CPP_PYTHON_VERSION}-cpu"
-    )
+    assert build.install_dir(cuda=False) == cache / "llama.cpp" / f"{build.LLAMA_CPP_PYTHON_VERSION}-cpu"
     assert build.install_dir(cuda=True).name.endswith("-cuda")
 
 
 def test_matching_stamp_reuses_the_build_without_compiling(cache, monkeypatch, capsys):
     dest = build.install_dir(cuda=False)
     _exe(dest / "bin" / "llama-server", "echo 'version: 7 (feedbee)' >&2\n")
-    (dest / build.STAMP_NAME).write_text(
-        json.dumps(build.build_flags(cuda=False).to_json())
-    )
-    monkeypatch.setattr(
-        build, "fetch_source", lambda log: pytest.fail("must not fetch or compile")
-    )
+    (dest / build.STAMP_NAME).write_text(json.dumps(build.build_flags(cuda=False).to_json()))
+    monkeypatch.setattr(build, "fetch_source", lambda log: pytest.fail("must not fetch or compile"))
     assert cli_main(["install", "llama-server"]) == 0
     out = capsys.readouterr().out
     assert str(dest / "bin" / "llama-server") in out and "reused cached build" in out

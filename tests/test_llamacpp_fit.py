@@ -30,10 +30,7 @@ def _facts(n_layer: int = 4) -> ModelFacts:
             (f"blk.{i}.attn_q.weight", ATTN_BYTES),
             (f"blk.{i}.ffn_gate_inp.weight", 3),
         ]
-        tensors += [
-            (f"blk.{i}.ffn_{p}_exps.weight", EXPERT_BYTES)
-            for p in ("gate", "up", "down")
-        ]
+        tensors += [(f"blk.{i}.ffn_{p}_exps.weight", EXPERT_BYTES) for p in ("gate", "up", "down")]
     return ModelFacts(
         n_layer=n_layer,
         n_embd=64,
@@ -56,11 +53,7 @@ def test_first_n_layers_experts_and_token_embedding_stay_on_the_host():
         p = project(facts, n, 1024)
         assert p.host_model_bytes == 500 + 3 * EXPERT_BYTES * n
         assert p.gpu_model_bytes + p.host_model_bytes == all_bytes
-    assert (
-        project(facts, 1, 1024).gpu_model_bytes
-        - project(facts, 2, 1024).gpu_model_bytes
-        == 3 * EXPERT_BYTES
-    )
+    assert project(facts, 1, 1024).gpu_model_bytes - project(facts, 2, 1024).gpu_model_bytes == 3 * EXPERT_BYTES
 
 
 def test_kv_is_cells_padded_to_256_times_kv_heads_times_k_plus_v_dims_in_f16():
@@ -85,9 +78,7 @@ def test_separate_kv_streams_shrink_the_attention_span():
 
 def test_cpu_layers_from_ngl_move_whole_layers_and_output():
     facts = _facts()
-    p = project(
-        facts, 0, 1024, n_gpu_layers=2
-    )  # layers 0 and 1 on the CPU, output too (ngl <= n_layer)
+    p = project(facts, 0, 1024, n_gpu_layers=2)  # layers 0 and 1 on the CPU, output too (ngl <= n_layer)
     layer_bytes = ATTN_BYTES + 3 + 3 * EXPERT_BYTES
     assert p.gpu_model_bytes == 2 * layer_bytes
     assert p.gpu_context_bytes == 2 * kv_bytes_per_layer(facts, 1024)
@@ -137,9 +128,7 @@ def test_fit_params_argv_pins_the_server_flags():
     argv = fit_params_argv("bin/llama-fit-params", "m.gguf", 5, 10240, 4, True, 999)
     assert argv[argv.index("--n-cpu-moe") + 1] == "5"
     assert argv[argv.index("-c") + 1] == "10240" and argv[argv.index("-np") + 1] == "4"
-    assert (
-        argv[-2:] == ["--fit-print", "on"] and "--kv-unified" not in argv
-    )  # a server-only flag
+    assert argv[-2:] == ["--fit-print", "on"] and "--kv-unified" not in argv  # a server-only flag
 
 
 def _qwen3_30b_a3b_shape(n_layer: int) -> ModelFacts:
@@ -164,10 +153,7 @@ def _qwen3_30b_a3b_shape(n_layer: int) -> ModelFacts:
             (b + "attn_k_norm.weight", d * f32),
             (b + "ffn_gate_inp.weight", e * h * f32),
         ]
-        tensors += [
-            (b + f"ffn_{p}_exps.weight", e * i * h * bf16)
-            for p in ("gate", "up", "down")
-        ]
+        tensors += [(b + f"ffn_{p}_exps.weight", e * i * h * bf16) for p in ("gate", "up", "down")]
     return ModelFacts(n_layer, h, heads, kv_heads, d, d, v, e, 8, i, tuple(tensors))
 
 

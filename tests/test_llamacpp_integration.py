@@ -40,16 +40,12 @@ NEW_TOKENS = 24
 AGREEMENT_FLOOR_F32 = 0.95
 
 
-def _builtin_greedy(
-    model_dir: Path, prompts: list[list[int]], n_new: int
-) -> list[list[int]]:
+def _builtin_greedy(model_dir: Path, prompts: list[list[int]], n_new: int) -> list[list[int]]:
     from paged_experts.kv import KvPool
     from paged_experts.model import MoeCausalLM, SeqChunk
     from paged_experts.runtime import RuntimeConfig
 
-    model = MoeCausalLM.from_pretrained(
-        model_dir, RuntimeConfig(mode="resident", device="cpu", dtype="float32")
-    )
+    model = MoeCausalLM.from_pretrained(model_dir, RuntimeConfig(mode="resident", device="cpu", dtype="float32"))
     pool = KvPool.for_model(model, capacity_tokens=1024)
     outputs = []
     for ids in prompts:
@@ -69,17 +65,13 @@ def _builtin_greedy(
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     matched = total = 0
     for x, y in zip(a, b, strict=True):
-        prefix = next(
-            (i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y))
-        )
+        prefix = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
         matched += prefix
         total += max(len(x), len(y))
     return matched / total
 
 
-async def _llama_greedy(
-    base_url: str, prompts: list[list[int]], n_new: int
-) -> list[list[int]]:
+async def _llama_greedy(base_url: str, prompts: list[list[int]], n_new: int) -> list[list[int]]:
     outputs = []
     # force_close: a pooled keep-alive connection to llama-server can be closed under it (see runner.client_session)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
@@ -150,28 +142,16 @@ def test_our_projection_matches_llama_fit_params_on_the_host(flash_attn, n_ctx):
     fit_binary = find_binary().parent / "llama-fit-params"
     if not fit_binary.is_file():
         pytest.skip(f"{fit_binary} not built")
-    model = LlamaCppAdapter().model_path(
-        ServerSpec("p", "llamacpp", LlamaCppOptions(model="tiny"), {}, 1, "p")
-    )
+    model = LlamaCppAdapter().model_path(ServerSpec("p", "llamacpp", LlamaCppOptions(model="tiny"), {}, 1, "p"))
     argv = fit_params_argv(fit_binary, model, 0, n_ctx, 2, flash_attn, 999)
-    host = next(
-        r
-        for r in parse_fit_print(
-            subprocess.run(argv, capture_output=True, text=True, check=True).stdout
-        )
-    )
+    host = next(r for r in parse_fit_print(subprocess.run(argv, capture_output=True, text=True, check=True).stdout))
     facts = read_model_facts(model)
-    ours = project(
-        facts, 0, n_ctx, flash_attn=flash_attn, n_kv_streams=2
-    )  # llama-fit-params: -np streams
+    ours = project(facts, 0, n_ctx, flash_attn=flash_attn, n_kv_streams=2)  # llama-fit-params: -np streams
     whole_model = sum(b for _, b in facts.tensor_bytes)
     assert host.device == "Host"
     assert host.model_mib == whole_model // MIB
     assert host.context_mib == ours.gpu_context_bytes // MIB
-    assert (
-        abs(host.compute_mib - ours.gpu_compute_bytes / MIB)
-        <= 1.0 + 0.1 * host.compute_mib
-    )
+    assert abs(host.compute_mib - ours.gpu_compute_bytes / MIB) <= 1.0 + 0.1 * host.compute_mib
 
 
 def test_agreement_counts_the_common_prefix():
@@ -199,20 +179,13 @@ def test_llamacpp_tiny_matrix_end_to_end(tmp_path):
     run_dir = next(tmp_path.iterdir())
     cells = read_cells(run_dir)
     assert rc == 0, [(c.engine, c.status, c.reason) for c in cells if c.status != "ok"]
-    search = sorted(
-        (c for c in cells if "search_n" in c.extras), key=lambda c: c.extras["search_n"]
-    )
+    search = sorted((c for c in cells if "search_n" in c.extras), key=lambda c: c.extras["search_n"])
     regular = [c for c in cells if "search_n" not in c.extras]
     assert {c.engine for c in regular} == {"all-gpu", "ncmoe", "best"}
-    assert all(
-        c.status == "ok" and c.output_tokens_total and c.decode_tok_s_p50
-        for c in regular
-    ), [(c.engine, c.status, c.reason, c.output_tokens_total, c.decode_tok_s_p50) for c in regular]
-    facts = next(
-        s.search
-        for s in read_manifest(run_dir).servers.values()
-        if "launches" in (s.search or {})
-    )
+    assert all(c.status == "ok" and c.output_tokens_total and c.decode_tok_s_p50 for c in regular), [
+        (c.engine, c.status, c.reason, c.output_tokens_total, c.decode_tok_s_p50) for c in regular
+    ]
+    facts = next(s.search for s in read_manifest(run_dir).servers.values() if "launches" in (s.search or {}))
     # N = 0 and 1 exceed the emulated 0.0258 GB: never launched, recorded with their projection,
     # not stored as cells; 2..4 fit.
     ruled_out = [c for c in facts["candidates"] if c["outcome"] == "ruled out"]

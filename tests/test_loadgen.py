@@ -270,12 +270,16 @@ async def test_events_of_one_read_are_timed_one_by_one_and_the_request_still_cou
     assert len(whole) == 1 and len(set(whole[0].chunk_reads)) == 1
     assert all(b > a for a, b in itertools.pairwise(whole[0].chunk_times_s))  # parse order, no exact-zero gaps
     rates = {r.request_index: decode_tok_s(r) for r in records}
-    assert None not in rates.values() and rates[whole[0].request_index] == max(rates.values())  # counted, ranked fastest
+    assert None not in rates.values() and rates[whole[0].request_index] == max(
+        rates.values()
+    )  # counted, ranked fastest
     base = CellResult("c", "r", "e", "builtin", "m", "s", {}, "w", "short", 1, 0, "ok")
     cell = summarize(records, base=base)
     assert cell.status == "ok" and cell.extras["decode_source"] == "client" and cell.whole_stream_reads == 1
     assert cell.decode_tok_s_p50 == pytest.approx(sorted(rates.values())[1] / 2 + sorted(rates.values())[2] / 2)
-    assert cell.coalesced_gaps == 7 and cell.extras["client_flag"].startswith("client could not keep up: 7 of 28 chunk gaps")
+    assert cell.coalesced_gaps == 7 and cell.extras["client_flag"].startswith(
+        "client could not keep up: 7 of 28 chunk gaps"
+    )
 
 
 async def test_streams_that_all_arrive_whole_take_the_engines_own_decode_rate_or_a_lower_bound() -> None:
@@ -288,8 +292,11 @@ async def test_streams_that_all_arrive_whole_take_the_engines_own_decode_rate_or
     assert cell.status == "ok" and cell.decode_tok_s_p50 == pytest.approx(bounds[1])
     assert cell.decode_tok_s_p50 < 7 / 0.014  # the server took >= 7 x 2 ms: a lower bound, never the parse time
     assert cell.extras["decode_source"].startswith("client lower bound (3 of 3 streams arrived whole in one body read")
-    timed, _ = await _run(Script(one_write=True, itl_s=0.002, timings={"predicted_per_second": 480.0}),
-                          _requests(3, max_tokens=8), LoadSpec(concurrency=1))
+    timed, _ = await _run(
+        Script(one_write=True, itl_s=0.002, timings={"predicted_per_second": 480.0}),
+        _requests(3, max_tokens=8),
+        LoadSpec(concurrency=1),
+    )
     cell = summarize(timed, base=base)
     assert cell.status == "ok" and cell.decode_tok_s_p50 == 480.0 == cell.timings_decode_tok_s_p50
     assert cell.extras["decode_source"].startswith("engine timings (3 of 3 streams arrived whole")
@@ -307,14 +314,19 @@ async def test_a_paced_stream_is_read_chunk_by_chunk_and_not_flagged() -> None:
 async def test_per_chunk_usage_counts_the_first_chunk_and_per_token_latency() -> None:
     from benchsuite.metrics import decode_tok_s, first_chunk_tokens, per_token_latencies_s, tokens_per_chunk
 
-    records, _ = await _run(Script(itl_s=0.01, tokens_per_chunk=3, usage_per_chunk=True), _requests(1, max_tokens=12),
-                            LoadSpec(concurrency=1))
+    records, _ = await _run(
+        Script(itl_s=0.01, tokens_per_chunk=3, usage_per_chunk=True),
+        _requests(1, max_tokens=12),
+        LoadSpec(concurrency=1),
+    )
     (r,) = records
     assert r.chunk_tokens == [3, 6, 9, 12] and first_chunk_tokens(r) == 3 and tokens_per_chunk(r) == 3.0
     span = r.chunk_times_s[-1] - r.chunk_times_s[0]
     assert decode_tok_s(r) == pytest.approx(9 / span)  # not (12 - 1) / span: the first chunk held 3 tokens
     assert per_token_latencies_s(r) == pytest.approx([g / 3 for g in itls_s(r)])
-    without, _ = await _run(Script(itl_s=0.01, tokens_per_chunk=3), _requests(1, max_tokens=12), LoadSpec(concurrency=1))
+    without, _ = await _run(
+        Script(itl_s=0.01, tokens_per_chunk=3), _requests(1, max_tokens=12), LoadSpec(concurrency=1)
+    )
     assert without[0].chunk_tokens == [] and tokens_per_chunk(without[0]) == pytest.approx(11 / 3)
 
 
@@ -323,8 +335,25 @@ def test_engine_timings_are_a_cross_check_flagged_past_the_margin() -> None:
 
     def record(i: int, engine_rate: float) -> RequestRecord:
         chunks = [1.0 + 0.01 * k for k in range(11)]  # 10 tok over 0.1 s: 100 tok/s
-        return RequestRecord("c", i, False, False, f"p{i}", "short", 11, 0.0, 1.0, 1.2, chunks, 5, 11, 11, ok=True,
-                             engine_timings={"predicted_per_second": engine_rate}, chunk_reads=list(range(11)))
+        return RequestRecord(
+            "c",
+            i,
+            False,
+            False,
+            f"p{i}",
+            "short",
+            11,
+            0.0,
+            1.0,
+            1.2,
+            chunks,
+            5,
+            11,
+            11,
+            ok=True,
+            engine_timings={"predicted_per_second": engine_rate},
+            chunk_reads=list(range(11)),
+        )
 
     base = CellResult("c", "r", "e", "llamacpp", "m", "s", {}, "w", "short", 1, 0, "ok")
     close = summarize([record(i, 110.0) for i in range(3)], base=base)

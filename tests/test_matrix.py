@@ -55,13 +55,20 @@ def test_bad_sweep_value_names_its_index_and_bound(tmp_path: Path) -> None:
 
 
 def test_unknown_keys_list_the_allowed_ones(tmp_path: Path) -> None:
-    text = GOOD.replace("mode: resident}", "mode: resident, devce: cpu}").replace("num_requests: 3", "num_requests: 3\n    concurency: [1]")
+    text = GOOD.replace("mode: resident}", "mode: resident, devce: cpu}").replace(
+        "num_requests: 3", "num_requests: 3\n    concurency: [1]"
+    )
     text += "colour: red\n"
     lines = errors_of(tmp_path, text).splitlines()
     # structural errors and engine option errors in one pass
     assert any("workloads.w.concurency: unknown key (allowed: " in l and "concurrency" in l for l in lines)
-    assert any(l.endswith("colour: unknown key (allowed: canary, engines, env, fairness, linkbw, name, output_root, reference, "
-                          "repeat_order, repeats, workloads)") for l in lines)
+    assert any(
+        l.endswith(
+            "colour: unknown key (allowed: canary, engines, env, fairness, linkbw, name, output_root, reference, "
+            "repeat_order, repeats, workloads)"
+        )
+        for l in lines
+    )
     assert any("engines.res.options.devce: unknown key (allowed: " in l for l in lines)
 
 
@@ -79,7 +86,9 @@ def test_literal_and_cross_field_errors(tmp_path: Path) -> None:
 def test_file_and_syntax_errors(tmp_path: Path) -> None:
     with pytest.raises(MatrixError, match="no such matrix file"):
         load_matrix(tmp_path / "absent.yaml")
-    assert "YAML syntax error at line 4, column 6: mapping values are not allowed here" in errors_of(tmp_path, "name: t\nengines:\n  a: b\n    c: d\n")
+    assert "YAML syntax error at line 4, column 6: mapping values are not allowed here" in errors_of(
+        tmp_path, "name: t\nengines:\n  a: b\n    c: d\n"
+    )
     assert "key False is not text; quote it" in errors_of(tmp_path, GOOD.replace("  res:", "  off:"))
     assert "must be a YAML mapping" in errors_of(tmp_path, "- a\n- b\n")
     (tmp_path / "m.yaml").write_bytes(b"name: x\n\x80")
@@ -93,7 +102,9 @@ def test_hash_is_stable_and_ignores_output_root(tmp_path: Path) -> None:
     assert load_matrix(write(tmp_path, GOOD + "repeats: 2\n")).matrix_hash != a
 
 
-def test_cli_exits_2_with_one_line_per_problem_and_no_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_exits_2_with_one_line_per_problem_and_no_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = write(tmp_path, GOOD.replace("[4, 8]", "[0, 8]").replace("num_requests: 3", "num_requests: 0"))
     assert main(["run", str(path)]) == 2
     err = capsys.readouterr().err
@@ -117,7 +128,9 @@ def test_synthetic_routing_spec_is_checked_and_labelled(tmp_path: Path) -> None:
 
     msg = errors_of(tmp_path, GOOD.replace("mode: resident}", "mode: resident, routing: zipf}"))
     assert "engines.res.options.routing: unknown routing spec 'zipf'" in msg
-    plan = build_plan(load_matrix(write(tmp_path, GOOD.replace("mode: resident}", "mode: resident, routing: Zipf:1.2}"))))
+    plan = build_plan(
+        load_matrix(write(tmp_path, GOOD.replace("mode: resident}", "mode: resident, routing: Zipf:1.2}")))
+    )
     res = next(s for s in plan.servers if s.name == "res")
     assert res.options.placement().routing == "synthetic:zipf:1.2"
     assert "--routing-source Zipf:1.2 --routing-seed 0" in " ".join(BuiltinAdapter().launch_plan(res, 1).argv)
@@ -146,9 +159,11 @@ workloads:
 """
 
 
-def test_env_references_expand_into_the_manifest_and_the_run_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from benchsuite.plan import build_plan
+def test_env_references_expand_into_the_manifest_and_the_run_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from benchsuite.manifest import build_manifest
+    from benchsuite.plan import build_plan
 
     for name in ("BENCH_TEST_MODEL", "BENCH_TEST_DEVICE", "BENCH_TEST_SHAREGPT"):
         monkeypatch.delenv(name, raising=False)
@@ -173,7 +188,9 @@ def test_env_references_expand_into_the_manifest_and_the_run_id(tmp_path: Path, 
     assert literal.option_sets["res"][0].options.model == "/m/${X}"
 
 
-def test_an_unset_variable_is_one_line_naming_path_and_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_unset_variable_is_one_line_naming_path_and_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("BENCH_TEST_MODEL", "/models/m1")
     monkeypatch.delenv("BENCH_TEST_SHAREGPT", raising=False)
     path = write(tmp_path, ENV_MATRIX)

@@ -296,7 +296,11 @@ def test_paging_delta_missing_or_reset_counters_are_none() -> None:
 def test_every_filled_metric_field_has_a_definition() -> None:
     before = _base()
     after = summarize([_rec(0, 0.0, [0.1, 0.2, 0.3]), _rec(1, 0.0, [0.2, 0.3])], base=before)
-    filled = {k for k, v in after.to_row().items() if v != before.to_row()[k]} - {"status", "reason", "extras"}  # extras: flags, not metrics
+    filled = {k for k, v in after.to_row().items() if v != before.to_row()[k]} - {
+        "status",
+        "reason",
+        "extras",
+    }  # extras: flags, not metrics
     paging = set(paging_delta({}, {})) - {"expert_activations", "expert_hits", "expert_misses", "bytes_paged"}
     assert filled | paging <= set(DEFINITIONS)
     assert set(DEFINITIONS) <= set(CellResult.__dataclass_fields__)

@@ -136,9 +136,18 @@ def test_config_reads_qwen3_fields(ckpt: Path) -> None:
     assert cfg.slot_bytes("bfloat16") == 4 * cfg.expert_bytes("bfloat16")
     assert cfg.kv_bytes_per_token("bfloat16") == 2 * 4 * 2 * 16 * 2
     qwen = {
-        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
-        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "moe_intermediate_size": 768,
-        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "torch_dtype": "bfloat16",
+        "model_type": "qwen3_moe",
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "torch_dtype": "bfloat16",
     }
     big = MoeModelConfig.from_hf_config(qwen)
     assert big.kv_bytes_per_token("bfloat16") == 98_304  # DESIGN.md section 3

@@ -34,8 +34,8 @@ def reference_moe(x, rows, topw, gate, up, down, top_k: int) -> torch.Tensor:
 
 
 def check_kernels(device: str = "cpu", dtype: torch.dtype = torch.float32, tol: float = 1e-4) -> None:
-    from paged_experts.kernels import moe_triton
     from paged_experts.experts import route
+    from paged_experts.kernels import moe_triton
 
     gen = torch.Generator().manual_seed(0)
     for t, e, k, h, i in CASES:

@@ -111,7 +111,8 @@ def test_only_selects_servers_by_engine_and_sweep_value_and_keeps_the_run_id(tmp
     part = select(plan, ["paged:resident_experts=8", "cpu"])
     assert part.run_id == plan.run_id  # a later run of the rest resumes the same directory
     assert sorted((s.name, dict(part.params[s.server_id])) for s in part.servers) == [
-        ("cpu", {}), ("paged", {"resident_experts": 8})
+        ("cpu", {}),
+        ("paged", {"resident_experts": 8}),
     ]
     kept = {s.server_id for s in part.servers}
     assert {c.cell_id for c in part.cells} == {c.cell_id for c in plan.cells if c.server_id in kept}

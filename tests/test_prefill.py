@@ -160,7 +160,8 @@ def test_recent_leaves_the_last_tokens_experts_where_lru_does_not() -> None:
         pool = KvPool.for_model(model, capacity_tokens=512)
         model.forward([SeqChunk(pool.new_sequence(), PROMPT, 0)])
     kept = {  # the host planner's slots (on the CPU, every paged layer plans on the host)
-        keep: [set(m.residency.expert_in) for m in model.moe_layers] for keep, model in models.items()  # type: ignore
+        keep: [set(m.residency.expert_in) for m in model.moe_layers]
+        for keep, model in models.items()  # type: ignore
     }
     for layer, experts in last.items():
         assert set(experts) <= kept["recent"][layer]

@@ -85,7 +85,9 @@ def test_all_miss_prefill_pinned(shape: pf.ModelShape) -> None:
     assert pf.pinned_host_bytes(128, 48, INT4_PUBLISHED_BYTES) == pytest.approx(14.93e9, rel=1e-3)
     # laptop (54 GB RAM, WSL2): int4 experts fit under the half-RAM pin cap, FP8 experts do not
     cap = pf.pinned_cap_bytes(54 * pf.GIB_BYTES, wsl2=True)
-    assert pf.pinned_host_bytes(128, 48, INT4_PUBLISHED_BYTES) < cap < pf.pinned_host_bytes(128, 48, FP8_PUBLISHED_BYTES)
+    assert (
+        pf.pinned_host_bytes(128, 48, INT4_PUBLISHED_BYTES) < cap < pf.pinned_host_bytes(128, 48, FP8_PUBLISHED_BYTES)
+    )
 
 
 def test_k_that_fits_published_desktop_and_laptop(shape: pf.ModelShape) -> None:
@@ -96,9 +98,7 @@ def test_k_that_fits_published_desktop_and_laptop(shape: pf.ModelShape) -> None:
 
 
 def test_verdict_flags_waves_and_pinned_overflow(shape: pf.ModelShape) -> None:
-    inp = pf.PreflightInputs(
-        shape=shape, formats=("fp8",), k=24, concurrency=4, ram_bytes=54 * pf.GIB_BYTES, wsl2=True
-    )
+    inp = pf.PreflightInputs(shape=shape, formats=("fp8",), k=24, concurrency=4, ram_bytes=54 * pf.GIB_BYTES, wsl2=True)
     verdict = pf.preflight(inp).formats[0].verdict
     assert any(v.startswith("WARN") and "several waves" in v for v in verdict)
     assert any(v.startswith("FAIL") and "pinned" in v for v in verdict)

@@ -28,9 +28,16 @@ def test_writes_three_files_and_the_page_is_self_contained(report: Path) -> None
     assert report.name == "index.html"
     assert {p.name for p in report.parent.iterdir()} == {"index.html", "tables.md", "tables.csv"}
     page = report.read_text()
-    assert "<script src" not in page and "<link" not in page and "@import" not in page and "url(" not in page.split("<script")[0]
-    assert page.count("<script type=\"text/javascript\">") >= 1 and "Plotly.newPlot" in page
-    assert "cdn.plot.ly" not in re.sub(r"<script type=\"text/javascript\">.*?</script>", "", page, count=1, flags=re.DOTALL)
+    assert (
+        "<script src" not in page
+        and "<link" not in page
+        and "@import" not in page
+        and "url(" not in page.split("<script")[0]
+    )
+    assert page.count('<script type="text/javascript">') >= 1 and "Plotly.newPlot" in page
+    assert "cdn.plot.ly" not in re.sub(
+        r"<script type=\"text/javascript\">.*?</script>", "", page, count=1, flags=re.DOTALL
+    )
     for anchor in ("raw-cells", "ratios", "failures", "reference-decode", "engines-run", "definitions"):
         assert f'id="{anchor}"' in page
     assert 'id="cell-p8-s1-r0"' in page and 'href="#cell-p8-s1-r0"' in page
@@ -39,15 +46,22 @@ def test_writes_three_files_and_the_page_is_self_contained(report: Path) -> None
 def test_markdown_and_csv_carry_the_tables(report: Path) -> None:
     md = (report.parent / "tables.md").read_text()
     assert "sglang: NOT RUN" in md and "SYNTHETIC ROUTING" in md
-    assert "| fixture-run · bundled · short | 1 | tiny · paged · resident_experts=8 | 8 | decode_tok_s_p50 | no | 42.00 [40.00–44.00] |" in md
+    assert (
+        "| fixture-run · bundled · short | 1 | tiny · paged · resident_experts=8 | 8 | decode_tok_s_p50 | no | 42.00 [40.00–44.00] |"
+        in md
+    )
     assert "engine exited with code -11 (see logs/s-offload.log)" in md
     assert "e.g. p0 (short): llama: 18; tiny: 16." in md  # prompt-length mismatch between engines
     assert "| server KV pool is 4352 tokens, the matrix fixed 4096 | ll3-s1-r0 |" in md  # engine flag in its row
     csv = pd.read_csv(report.parent / "tables.csv")
     ratios = csv[csv["table"] == "Paged vs baselines (published layout)"]
-    row = ratios[(ratios["paged_config"] == "tiny · paged · resident_experts=12") & (ratios["concurrency"] == 1)].iloc[0]
+    row = ratios[(ratios["paged_config"] == "tiny · paged · resident_experts=12") & (ratios["concurrency"] == 1)].iloc[
+        0
+    ]
     assert (row["paged_median"], row["offload_median"], row["llamacpp_best_median"]) == (51.0, 21.0, 46.0)
-    assert row["paged_vs_llamacpp_best"] == pytest.approx((50.0 * 52.0) ** 0.5 / (45.0 * 47.0) ** 0.5)  # geometric means
+    assert row["paged_vs_llamacpp_best"] == pytest.approx(
+        (50.0 * 52.0) ** 0.5 / (45.0 * 47.0) ** 0.5
+    )  # geometric means
     raw = csv[csv["table"] == "Raw cells"]
     assert len(raw) == 26 and set(raw["status"]) == {"ok", "failed", "invalid"}
 
@@ -59,7 +73,9 @@ def test_reference_absent_is_said_not_invented(tmp_path: Path) -> None:
     assert "Published pr42557 vs yours" not in page
 
 
-def test_default_out_dir_and_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_default_out_dir_and_cli(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.chdir(tmp_path)
     assert cli_main(["report", str(FIXTURE)]) == 0
     printed = Path(capsys.readouterr().out.strip())
@@ -124,7 +140,15 @@ def test_a_run_where_everything_failed_still_reports_why(tmp_path: Path) -> None
     run = tmp_path / "failed"
     shutil.copytree(FIXTURE, run)
     cells = pd.read_parquet(run / "cells.parquet")
-    for column in ("decode_tok_s_p50", "output_tok_s", "ttft_p50_s", "miss_rate", "bytes_paged_per_token", "waves_per_step", "union_mean"):
+    for column in (
+        "decode_tok_s_p50",
+        "output_tok_s",
+        "ttft_p50_s",
+        "miss_rate",
+        "bytes_paged_per_token",
+        "waves_per_step",
+        "union_mean",
+    ):
         cells[column] = None
     cells.assign(status="failed", reason="server exited during start-up").to_parquet(run / "cells.parquet", index=False)
     (run / "requests.parquet").unlink()
@@ -141,9 +165,20 @@ def test_each_servers_canary_is_shown_and_a_leak_is_a_red_banner(tmp_path: Path)
     shutil.copytree(FIXTURE, run)
     manifest = json.loads((run / "manifest.json").read_text())
     leaky, passing, errored, *rest = manifest["servers"]
-    manifest["servers"][leaky]["canary"] = {"marker": "CANARY-ab12", "requests_checked": 17, "passed": False,
-                                            "leaks": ["round 0 concurrent: 'x' -> 'CANARY-ab12'"], "interference": []}
-    manifest["servers"][passing]["canary"] = {"marker": "CANARY-cd34", "requests_checked": 17, "passed": True, "leaks": [], "interference": []}
+    manifest["servers"][leaky]["canary"] = {
+        "marker": "CANARY-ab12",
+        "requests_checked": 17,
+        "passed": False,
+        "leaks": ["round 0 concurrent: 'x' -> 'CANARY-ab12'"],
+        "interference": [],
+    }
+    manifest["servers"][passing]["canary"] = {
+        "marker": "CANARY-cd34",
+        "requests_checked": 17,
+        "passed": True,
+        "leaks": [],
+        "interference": [],
+    }
     manifest["servers"][errored]["canary"] = {"error": "RunError: http://127.0.0.1:1/v1/models answered HTTP 500"}
     (run / "manifest.json").write_text(json.dumps(manifest))
     index = write_report([run], tmp_path / "out", reference_dirs=REFERENCE_DIRS)
@@ -158,8 +193,12 @@ def test_each_servers_canary_is_shown_and_a_leak_is_a_red_banner(tmp_path: Path)
     md = (index.parent / "tables.md").read_text()
     assert "> **LEAK CANARY FAILED on server " + leaky in md and "canary: passed" in md
     # a canary failure marks no cell failed
-    assert pd.read_csv(index.parent / "tables.csv").shape == pd.read_csv(
-        write_report([FIXTURE], tmp_path / "plain", reference_dirs=REFERENCE_DIRS).parent / "tables.csv").shape
+    assert (
+        pd.read_csv(index.parent / "tables.csv").shape
+        == pd.read_csv(
+            write_report([FIXTURE], tmp_path / "plain", reference_dirs=REFERENCE_DIRS).parent / "tables.csv"
+        ).shape
+    )
 
 
 def test_bytes_per_expert_of_each_engine_side_by_side(tmp_path: Path) -> None:
@@ -169,7 +208,11 @@ def test_bytes_per_expert_of_each_engine_side_by_side(tmp_path: Path) -> None:
     shutil.copytree(FIXTURE, run)
     manifest = json.loads((run / "manifest.json").read_text())
     first, second, *_ = manifest["servers"]
-    manifest["servers"][first]["version"] = {"engine": "paged_experts", "expert_format": "float8_e4m3fn", "expert_bytes": 4719744}
+    manifest["servers"][first]["version"] = {
+        "engine": "paged_experts",
+        "expert_format": "float8_e4m3fn",
+        "expert_bytes": 4719744,
+    }
     manifest["servers"][second]["version"] = {"engine": "llama.cpp", "expert_format": "q8_0", "expert_bytes": 5013504}
     (run / "manifest.json").write_text(json.dumps(manifest))
     page = write_report([run], tmp_path / "out", reference_dirs=REFERENCE_DIRS).read_text()

@@ -16,13 +16,23 @@ from benchsuite.report import write_report
 CHROMIUM = Path("/usr/bin/chromium")
 FIXTURE = Path(__file__).parent / "data" / "report_fixture"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
-LAUNCH_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-               "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+LAUNCH_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 pytestmark = [
     pytest.mark.browser,
     pytest.mark.slow,  # ~45 s on 2 cores: chromium start plus a 5 MB page with 11 charts
-    pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian chromium at /usr/bin/chromium (apt-get install -y chromium)"),
+    pytest.mark.skipif(
+        not CHROMIUM.exists(), reason="needs Debian chromium at /usr/bin/chromium (apt-get install -y chromium)"
+    ),
 ]
 
 CHARTS_JS = """() => Array.from(document.querySelectorAll('.js-plotly-plot')).map(d => ({
@@ -82,18 +92,31 @@ def page_data(tmp_path_factory: pytest.TempPathFactory) -> dict:
             page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
             page.on("pageerror", lambda exc: errors.append(str(exc)))
             page.goto(index.as_uri(), wait_until="load")
-            page.wait_for_function("() => { const d = document.querySelectorAll('.js-plotly-plot');"
-                                   " return d.length > 0 && Array.from(d).every(x => x.data && x._fullLayout); }", timeout=60_000)
+            page.wait_for_function(
+                "() => { const d = document.querySelectorAll('.js-plotly-plot');"
+                " return d.length > 0 && Array.from(d).every(x => x.data && x._fullLayout); }",
+                timeout=60_000,
+            )
             charts = page.evaluate(CHARTS_JS)
-            tables = {name: page.evaluate(TABLE_JS, f"table-{name}") for name in ("raw-cells", "ratios", "failures", "reference-decode")}
+            tables = {
+                name: page.evaluate(TABLE_JS, f"table-{name}")
+                for name in ("raw-cells", "ratios", "failures", "reference-decode")
+            }
             text = page.inner_text("body")
             verdict = page.evaluate(VERDICT_JS)
             clipping = page.evaluate(CLIPPED_JS)
             page.screenshot(path=str(ARTIFACTS / "report.png"), full_page=True)
         finally:
             browser.close()
-    return {"charts": charts, "tables": tables, "blocked": blocked, "errors": errors, "text": text, "verdict": verdict,
-            "clipping": clipping}
+    return {
+        "charts": charts,
+        "tables": tables,
+        "blocked": blocked,
+        "errors": errors,
+        "text": text,
+        "verdict": verdict,
+        "clipping": clipping,
+    }
 
 
 def test_page_is_offline_and_error_free(page_data: dict) -> None:
@@ -103,14 +126,27 @@ def test_page_is_offline_and_error_free(page_data: dict) -> None:
 
 def test_every_chart_has_its_data_points(page_data: dict) -> None:
     charts = {c["id"]: c for c in page_data["charts"]}
-    expected = {"fig-decode_tok_s_p50-vs-concurrency", "fig-output_tok_s-vs-concurrency", "fig-decode-vs-k", "fig-ttft-short-long",
-                "fig-requests-ttft_s", "fig-requests-decode_tok_s", "fig-miss-rate", "fig-bytes-paged-per-token",
-                "fig-waves-per-step", "fig-union-mean", "fig-search"}
+    expected = {
+        "fig-decode_tok_s_p50-vs-concurrency",
+        "fig-output_tok_s-vs-concurrency",
+        "fig-decode-vs-k",
+        "fig-ttft-short-long",
+        "fig-requests-ttft_s",
+        "fig-requests-decode_tok_s",
+        "fig-miss-rate",
+        "fig-bytes-paged-per-token",
+        "fig-waves-per-step",
+        "fig-union-mean",
+        "fig-search",
+    }
     assert set(charts) == expected
     for chart in charts.values():
         assert chart["traces"], chart["id"]
         for trace in chart["traces"]:
-            assert len(trace["y"]) > 0 and all(isinstance(v, (int, float)) and math.isfinite(v) for v in trace["y"]), (chart["id"], trace["name"])
+            assert len(trace["y"]) > 0 and all(isinstance(v, (int, float)) and math.isfinite(v) for v in trace["y"]), (
+                chart["id"],
+                trace["name"],
+            )
     by_name = {t["name"]: t for t in charts["fig-decode_tok_s_p50-vs-concurrency"]["traces"]}
     paged8 = by_name["tiny · paged · resident_experts=8 · short"]
     assert paged8["x"] == [1, 2] and paged8["y"] == [42.0, 32.0]  # medians of repeats 40/44 and 30/34
@@ -131,11 +167,19 @@ def test_tables_match_stored_numbers(page_data: dict) -> None:
         value = stored.loc[cell_id, "decode_tok_s_p50"]
         assert row["decode_tok_s_p50"] == ("—" if pd.isna(value) else f"{value:.2f}"), cell_id
         assert row["status"] == stored.loc[cell_id, "status"]
-    ratios = [r for r in page_data["tables"]["ratios"] if r["paged_config"] == "tiny · paged · resident_experts=8" and r["concurrency"] == "1"
-              and r["setup"].endswith("short")]
+    ratios = [
+        r
+        for r in page_data["tables"]["ratios"]
+        if r["paged_config"] == "tiny · paged · resident_experts=8"
+        and r["concurrency"] == "1"
+        and r["setup"].endswith("short")
+    ]
     assert len(ratios) == 1
     assert ratios[0]["paged"] == "42.00 [40.00–44.00]"
-    assert ratios[0]["vs offload"] == "is 2.00 x offload [1.50–2.67], significant · tiny · offload · offload_layers=4: 21.00 [20.00–22.00]"
+    assert (
+        ratios[0]["vs offload"]
+        == "is 2.00 x offload [1.50–2.67], significant · tiny · offload · offload_layers=4: 21.00 [20.00–22.00]"
+    )
     assert ratios[0]["vs cpu_experts_best"].startswith("is 0.98 x cpu_experts_best [")
     assert ratios[0]["vs cpu_experts_best"].split(" · ")[0].endswith("], not significant")
     failures = {r["cell_id"]: r["reason"] for r in page_data["tables"]["failures"]}
@@ -174,9 +218,14 @@ def test_the_verdict_comes_first_and_its_numbers_are_the_stored_cells(page_data:
         if estimate is None:
             continue
         metric = vs["metric"]
-        assert (float(vs["ratio"]), float(vs["low"]), float(vs["high"])) == pytest.approx((estimate.ratio, estimate.low, estimate.high))
-        said = f"{vs['winner']} is {estimate.ratio:.2f} x {vs['other']}" if metric != "ttft_p50_s" else \
-            f"{vs['winner']}'s TTFT is {estimate.ratio:.2f} x {vs['other']}'s"
+        assert (float(vs["ratio"]), float(vs["low"]), float(vs["high"])) == pytest.approx(
+            (estimate.ratio, estimate.low, estimate.high)
+        )
+        said = (
+            f"{vs['winner']} is {estimate.ratio:.2f} x {vs['other']}"
+            if metric != "ttft_p50_s"
+            else f"{vs['winner']}'s TTFT is {estimate.ratio:.2f} x {vs['other']}'s"
+        )
         wording = "significant" if discovery else "not significant"
         assert vs["text"].startswith(f"{said} [{estimate.low:.2f}–{estimate.high:.2f}], {wording} ("), vs["text"]
         checked += 1

@@ -13,8 +13,22 @@ GB = 10**9
 
 
 def cell(cell_id: str, label: str, used: int | None = None, self_mib: float | None = None) -> dict:
-    extras = {} if self_mib is None else {"engine_log": {"memory_breakdown_mib": {"CUDA0 (H200)": {"self": self_mib, "free": 1.0}, "Host": {"self": 9e9}}}}
-    return {"cell_id": cell_id, "label": label, "gpu_memory_used_bytes": used, "extras": extras, "budget_bytes": 16 * GB}
+    extras = (
+        {}
+        if self_mib is None
+        else {
+            "engine_log": {
+                "memory_breakdown_mib": {"CUDA0 (H200)": {"self": self_mib, "free": 1.0}, "Host": {"self": 9e9}}
+            }
+        }
+    )
+    return {
+        "cell_id": cell_id,
+        "label": label,
+        "gpu_memory_used_bytes": used,
+        "extras": extras,
+        "budget_bytes": 16 * GB,
+    }
 
 
 def test_the_budget_is_the_search_s_and_absent_without_one() -> None:

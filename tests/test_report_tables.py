@@ -22,16 +22,50 @@ from benchsuite.report.samples import request_samples
 SERVERS = {"s-p8": (8, None), "s-p16": (16, None), "s-off": (None, None), "s-ll1": (None, 1), "s-ll2": (None, 2)}
 
 
-def row(cell_id: str, server: str, mode: str, kind: str = "builtin", *, conc: int = 1, rep: int = 0, cls: str = "short",
-        decode: float | None = None, output: float | None = None, ttft: float | None = None, status: str = "ok",
-        reason: str | None = None, routing: str = "model", params: dict | None = None, extras: dict | None = None,
-        miss: float | None = None) -> dict:
+def row(
+    cell_id: str,
+    server: str,
+    mode: str,
+    kind: str = "builtin",
+    *,
+    conc: int = 1,
+    rep: int = 0,
+    cls: str = "short",
+    decode: float | None = None,
+    output: float | None = None,
+    ttft: float | None = None,
+    status: str = "ok",
+    reason: str | None = None,
+    routing: str = "model",
+    params: dict | None = None,
+    extras: dict | None = None,
+    miss: float | None = None,
+) -> dict:
     engine = "llama" if kind == "llamacpp" else "tiny"
     k, n = SERVERS[server]
-    return CellResult(cell_id=cell_id, run_id="r1", engine=engine, engine_kind=kind, mode=mode, server_id=server,
-                      params=params or {}, workload="w", prompt_class=cls, concurrency=conc, repeat=rep, status=status,
-                      reason=reason, routing=routing, resident_experts=k, n_cpu_moe=n, decode_tok_s_p50=decode,
-                      output_tok_s=output, ttft_p50_s=ttft, miss_rate=miss, extras=extras or {}).to_row()
+    return CellResult(
+        cell_id=cell_id,
+        run_id="r1",
+        engine=engine,
+        engine_kind=kind,
+        mode=mode,
+        server_id=server,
+        params=params or {},
+        workload="w",
+        prompt_class=cls,
+        concurrency=conc,
+        repeat=rep,
+        status=status,
+        reason=reason,
+        routing=routing,
+        resident_experts=k,
+        n_cpu_moe=n,
+        decode_tok_s_p50=decode,
+        output_tok_s=output,
+        ttft_p50_s=ttft,
+        miss_rate=miss,
+        extras=extras or {},
+    ).to_row()
 
 
 def frames(rows: list[dict]) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -47,8 +81,27 @@ BASE = [
     row("offb", "s-off", "offload", rep=1, decode=22.0, output=21.0, ttft=0.220),
     # llama.cpp N=1 is the fastest but its projection does not fit: it must never be "llama.cpp best".
     row("ll1a", "s-ll1", "n-cpu-moe", "llamacpp", decode=90.0, output=88.0, extras={"search_n": 1, "fits": False}),
-    row("ll2a", "s-ll2", "n-cpu-moe", "llamacpp", decode=41.0, output=40.0, ttft=0.09, extras={"search_n": 2, "fits": True, "chosen": True}),
-    row("ll2b", "s-ll2", "n-cpu-moe", "llamacpp", rep=1, decode=43.0, output=42.0, ttft=0.11, extras={"search_n": 2, "fits": True, "chosen": True}),
+    row(
+        "ll2a",
+        "s-ll2",
+        "n-cpu-moe",
+        "llamacpp",
+        decode=41.0,
+        output=40.0,
+        ttft=0.09,
+        extras={"search_n": 2, "fits": True, "chosen": True},
+    ),
+    row(
+        "ll2b",
+        "s-ll2",
+        "n-cpu-moe",
+        "llamacpp",
+        rep=1,
+        decode=43.0,
+        output=42.0,
+        ttft=0.11,
+        extras={"search_n": 2, "fits": True, "chosen": True},
+    ),
     row("p8l", "s-p8", "paged", cls="2048", decode=39.0, output=35.0, ttft=0.300),
     row("p8c2a", "s-p8", "paged", conc=2, decode=30.0, output=60.0, ttft=0.150),
     row("p8c2b", "s-p8", "paged", conc=2, rep=1, decode=32.0, output=64.0, ttft=0.170),
@@ -70,12 +123,17 @@ def test_spread_and_verdicts() -> None:
 
 def test_repeats_fold_into_one_configuration_and_failures_are_never_zero() -> None:
     _cells, groups = frames(BASE)
-    paged = groups[(groups["mode"] == "paged") & (groups["prompt_class"] == "short") & (groups["concurrency"] == 1)].iloc[0]
+    paged = groups[
+        (groups["mode"] == "paged") & (groups["prompt_class"] == "short") & (groups["concurrency"] == 1)
+    ].iloc[0]
     assert paged["label"] == "tiny · paged · K=8"  # K: the cell's typed field
     assert paged["decode_tok_s_p50"] == Spread(40.0, 42.0, 44.0, 2)
     assert (paged["repeats_ok"], paged["repeats_not_ok"]) == (2, 1)
     assert paged["cell_ids"] == ["p8a", "p8b", "p8c"] and paged["ok_cell_ids"] == ["p8a", "p8b"]
-    assert set(groups[groups["engine_kind"] == "llamacpp"]["label"]) == {"llama · n-cpu-moe · n_cpu_moe=1", "llama · n-cpu-moe · n_cpu_moe=2"}
+    assert set(groups[groups["engine_kind"] == "llamacpp"]["label"]) == {
+        "llama · n-cpu-moe · n_cpu_moe=1",
+        "llama · n-cpu-moe · n_cpu_moe=2",
+    }
 
 
 def test_summary_table_exact_numbers() -> None:
@@ -152,7 +210,9 @@ def test_params_as_json_text_or_dict() -> None:
 def test_request_samples_recompute_per_request_metrics() -> None:
     records = [
         RequestRecord("c", 0, True, True, "w", "short", 9, 0.0, 0.5, 1.0, [0.5, 1.0], ok=True, output_tokens=2),
-        RequestRecord("c", 1, False, False, "p", "short", 9, 10.0, 10.2, 10.6, [10.2, 10.4, 10.6], ok=True, output_tokens=5),
+        RequestRecord(
+            "c", 1, False, False, "p", "short", 9, 10.0, 10.2, 10.6, [10.2, 10.4, 10.6], ok=True, output_tokens=5
+        ),
         RequestRecord("c", 2, False, False, "q", "short", 9, 11.0, None, 11.1, ok=False, error="HTTP 500"),
         RequestRecord("c", 3, False, False, "r", "short", 9, 12.0, 12.1, 12.1, [12.1], ok=True, output_tokens=1),
     ]
@@ -166,14 +226,24 @@ def test_request_samples_recompute_per_request_metrics() -> None:
 
 
 def test_reference_tables_line_up_published_and_measured() -> None:
-    reference = parse_reference("t", {
-        "workload": {"prompts": "ShareGPT", "output_tokens": 256, "kv_capacity_tokens": "10240 (all engines)",
-                     "prefix_caching": "off (all engines)", "repeats": "each headline cell measured at least twice"},
-        "machines": {"box": {"gpu": "G", "vram_gb": 8, "pcie": "4.0 x8", "ram_gb": 32, "os": "Linux"}},
-        "single_stream_decode": [{"machine": "box", "quant": "q", "K": 8, "paged": 40.0, "llamacpp_best": 50.0, "cpu_offload_gb": 10.0}],
-        "four_requests_decode": [{"machine": "box", "quant": "q", "K": 8, "paged": 80.0, "llamacpp_best": 100.0}],
-        "ttft_p50_ms": [{"machine": "box", "quant": "q", "paged": [100, 300], "llamacpp_best": [90, 400]}],
-    })
+    reference = parse_reference(
+        "t",
+        {
+            "workload": {
+                "prompts": "ShareGPT",
+                "output_tokens": 256,
+                "kv_capacity_tokens": "10240 (all engines)",
+                "prefix_caching": "off (all engines)",
+                "repeats": "each headline cell measured at least twice",
+            },
+            "machines": {"box": {"gpu": "G", "vram_gb": 8, "pcie": "4.0 x8", "ram_gb": 32, "os": "Linux"}},
+            "single_stream_decode": [
+                {"machine": "box", "quant": "q", "K": 8, "paged": 40.0, "llamacpp_best": 50.0, "cpu_offload_gb": 10.0}
+            ],
+            "four_requests_decode": [{"machine": "box", "quant": "q", "K": 8, "paged": 80.0, "llamacpp_best": 100.0}],
+            "ttft_p50_ms": [{"machine": "box", "quant": "q", "paged": [100, 300], "llamacpp_best": [90, 400]}],
+        },
+    )
     cells, groups = frames(BASE)
     decode = reference_decode_table(reference, {}, groups, cells)
     single = decode.iloc[0]
@@ -183,29 +253,53 @@ def test_reference_tables_line_up_published_and_measured() -> None:
     assert single["yours_vs_published_paged"] == pytest.approx(42.0 / 40.0)
     assert decode.iloc[1]["your_paged_config"] == "not measured"  # no concurrency-4 cell: never invented
     ttft = reference_ttft_table(reference, {}, groups, cells).set_index("engine")
-    assert (ttft.loc["paged", "your_short_ms"], ttft.loc["paged", "your_long_ms"]) == (pytest.approx(110.0), pytest.approx(300.0))
+    assert (ttft.loc["paged", "your_short_ms"], ttft.loc["paged", "your_long_ms"]) == (
+        pytest.approx(110.0),
+        pytest.approx(300.0),
+    )
     assert ttft.loc["llamacpp_best", "your_short_ms"] == pytest.approx(100.0)
 
 
 def test_flags_and_prompt_length_mismatches() -> None:
-    rows = [row("a", "s-p8", "paged", decode=1.0, extras={"flags": ["f1"], "batch_cap_flag": "c=4 exceeds cap 2",
-                                                           "engine_log": {"kv_capacity_flag": "kv 4352 != 4096", "other": 3}}),
-            row("b", "s-ll2", "n-cpu-moe", "llamacpp", decode=1.0)]
+    rows = [
+        row(
+            "a",
+            "s-p8",
+            "paged",
+            decode=1.0,
+            extras={
+                "flags": ["f1"],
+                "batch_cap_flag": "c=4 exceeds cap 2",
+                "engine_log": {"kv_capacity_flag": "kv 4352 != 4096", "other": 3},
+            },
+        ),
+        row("b", "s-ll2", "n-cpu-moe", "llamacpp", decode=1.0),
+    ]
     rows[1]["usage_mismatches"] = 2
     cells, groups = frames(rows)
     assert cell_flags(cells.iloc[0]) == ["f1", "c=4 exceeds cap 2", "kv 4352 != 4096"]
     assert cell_flags(cells.iloc[1]) == ["2 requests: usage token count disagrees with streamed chunks"]
-    assert list(tb.summary_table(groups, None)["flags"]) == ["2 requests: usage token count disagrees with streamed chunks",
-                                                            "f1 | c=4 exceeds cap 2 | kv 4352 != 4096"]
+    assert list(tb.summary_table(groups, None)["flags"]) == [
+        "2 requests: usage token count disagrees with streamed chunks",
+        "f1 | c=4 exceeds cap 2 | kv 4352 != 4096",
+    ]
+
     def req(cell_id: str, prompt_id: str, tokens: int) -> dict:
-        return RequestRecord(cell_id, 1, False, False, prompt_id, "short", 8, 0.0, 0.1, 0.2, prompt_tokens=tokens, ok=True).to_row()
-    requests = normalize_requests(pd.DataFrame([req("a", "p0", 16), req("b", "p0", 18), req("a", "p1", 20), req("b", "p1", 20)]))
+        return RequestRecord(
+            cell_id, 1, False, False, prompt_id, "short", 8, 0.0, 0.1, 0.2, prompt_tokens=tokens, ok=True
+        ).to_row()
+
+    requests = normalize_requests(
+        pd.DataFrame([req("a", "p0", 16), req("b", "p0", 18), req("a", "p1", 20), req("b", "p1", 20)])
+    )
     mismatches = prompt_length_mismatches(cells, requests)
-    assert mismatches.to_dict("records") == [{"prompt_id": "p0", "prompt_class": "short", "prompt_tokens_by_engine": "llama: 18; tiny: 16"}]
+    assert mismatches.to_dict("records") == [
+        {"prompt_id": "p0", "prompt_class": "short", "prompt_tokens_by_engine": "llama: 18; tiny: 16"}
+    ]
 
 
 def test_verdicts_name_the_fastest_mode_and_every_ratio_with_its_interval() -> None:
-    from benchsuite.report.verdict import verdicts, verdict_table
+    from benchsuite.report.verdict import verdict_table, verdicts
 
     cells, groups = frames(BASE)
     found = {(v.prompt_class, v.concurrency, v.metric): v for v in verdicts(groups, cells)}
@@ -216,10 +310,20 @@ def test_verdicts_name_the_fastest_mode_and_every_ratio_with_its_interval() -> N
     assert set(versus) == {"tiny · paged · K=8", "tiny · offload · defaults"}  # N=1 does not fit: no contender
     paged = versus["tiny · paged · K=8"]
     assert paged.estimate.ratio == pytest.approx(math.sqrt(0.09 * 0.11) / math.sqrt(0.10 * 0.12))
-    assert paged.text(ttft.winner, ttft=True) == "llama · n-cpu-moe · n_cpu_moe=2's TTFT is 0.91 x tiny · paged · K=8's [0.50–1.64], not significant"
+    assert (
+        paged.text(ttft.winner, ttft=True)
+        == "llama · n-cpu-moe · n_cpu_moe=2's TTFT is 0.91 x tiny · paged · K=8's [0.50–1.64], not significant"
+    )
     two = found[("short", 2, "output_tok_s")]
     assert two.metric_name == "output tok/s, all streams (tok/s)" and two.winner == "tiny · paged · K=8"
-    assert two.versus[0].text(two.winner, ttft=False) == "vs tiny · offload · defaults: not enough repeats (2 and 1; 2 a side needed)"
+    assert (
+        two.versus[0].text(two.winner, ttft=False)
+        == "vs tiny · offload · defaults: not enough repeats (2 and 1; 2 a side needed)"
+    )
     table = verdict_table(list(found.values()))
-    assert set(table["verdict"]) <= {"significant", "not significant", "not enough repeats (2 and 1; 2 a side needed)",
-                                     "not enough repeats (1 and 2; 2 a side needed)"}
+    assert set(table["verdict"]) <= {
+        "significant",
+        "not significant",
+        "not enough repeats (2 and 1; 2 a side needed)",
+        "not enough repeats (1 and 2; 2 a side needed)",
+    }

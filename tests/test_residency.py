@@ -88,7 +88,9 @@ def routing_runs(draw: st.DrawFn) -> tuple[int, int, list[list[int]]]:
     num_experts = draw(st.integers(2, 24))
     k = draw(st.integers(1, num_experts))
     steps = draw(
-        st.lists(st.lists(st.integers(0, num_experts - 1), min_size=0, max_size=3 * num_experts), min_size=1, max_size=25)
+        st.lists(
+            st.lists(st.integers(0, num_experts - 1), min_size=0, max_size=3 * num_experts), min_size=1, max_size=25
+        )
     )
     return num_experts, k, steps
 

@@ -94,7 +94,8 @@ def test_router_draws_a_step_once_for_all_layers() -> None:
     assert torch.equal(again, per_layer[0])
     planned = router.plan([1, 2], [1, 1])  # the next step, drawn ahead as the graphed step does
     assert planned.shape == (2, 3, 4) and torch.equal(
-        router(2, torch.randn(2, 32), SimpleNamespace(seq_ids=(1, 2), positions=(1, 1)))[0], torch.from_numpy(planned[:, 2])
+        router(2, torch.randn(2, 32), SimpleNamespace(seq_ids=(1, 2), positions=(1, 1)))[0],
+        torch.from_numpy(planned[:, 2]),
     )
 
 

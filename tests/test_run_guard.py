@@ -34,6 +34,7 @@ def bare_manifest(matrix_hash: str) -> Manifest:
     return Manifest(run_id="r", created_utc="2026-12-01T00:00:00+00:00", matrix_source="m.yaml",
                     matrix_hash=matrix_hash, matrix={})  # fmt: skip
 
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -119,7 +120,9 @@ def test_a_lock_left_by_a_killed_runner_is_taken_over_with_a_note(tmp_path: Path
 # ---- the input fingerprint ---------------------------------------------------------------------
 
 
-def test_resume_refuses_a_regenerated_checkpoint_or_an_edited_dataset_naming_it(tmp_path: Path, model_copy: Path) -> None:
+def test_resume_refuses_a_regenerated_checkpoint_or_an_edited_dataset_naming_it(
+    tmp_path: Path, model_copy: Path
+) -> None:
     sharegpt = tmp_path / "sharegpt.json"
     sharegpt.write_text(json.dumps([{"id": "a", "conversations": [{"from": "human", "value": "Hello there"}]}]))
     plan = build_plan(load_matrix(write_matrix(tmp_path, str(model_copy), sharegpt=sharegpt)))
@@ -129,7 +132,9 @@ def test_resume_refuses_a_regenerated_checkpoint_or_an_edited_dataset_naming_it(
     open_store(plan).close()  # unchanged inputs resume
     weights = next(model_copy.glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes() + b"\0")  # the checkpoint regenerated at the same path
-    with pytest.raises(UserError, match=rf"other inputs.*model {model_copy}/{weights.name}: bytes \d+ -> \d+.*--new-run"):
+    with pytest.raises(
+        UserError, match=rf"other inputs.*model {model_copy}/{weights.name}: bytes \d+ -> \d+.*--new-run"
+    ):
         open_store(plan)
     fresh = open_store(plan, new_run=True)
     fresh.close()
@@ -253,7 +258,9 @@ async def test_the_engine_gets_what_it_needs_and_what_the_matrix_declares_only(
     assert "LLAMA_ARG_CTX_SIZE" not in env and "OMP_NUM_THREADS" not in env
     manifest = json.loads((store.run_dir / "manifest.json").read_text())
     recorded = manifest["servers"][plan.servers[0].server_id]["env"]
-    assert recorded["DECLARED_FOR_E"] == "2" and recorded["HF_TOKEN"] == "<set>" and "LLAMA_ARG_CTX_SIZE" not in recorded
+    assert (
+        recorded["DECLARED_FOR_E"] == "2" and recorded["HF_TOKEN"] == "<set>" and "LLAMA_ARG_CTX_SIZE" not in recorded
+    )
     assert "secret-value" not in (store.run_dir / "manifest.json").read_text()
 
 
@@ -284,6 +291,8 @@ async def test_llama_server_is_started_so_no_web_page_can_read_it(tmp_path: Path
                     allowed = resp.headers.get("Access-Control-Allow-Origin")
                     assert allowed not in ("*", "http://evil.example"), (path, dict(resp.headers))
                     assert resp.headers.get("Access-Control-Allow-Credentials") != "true"
-                async with http.options(base + path, headers={**headers, "Access-Control-Request-Method": "GET"}) as resp:
+                async with http.options(
+                    base + path, headers={**headers, "Access-Control-Request-Method": "GET"}
+                ) as resp:
                     assert resp.headers.get("Access-Control-Allow-Origin") not in ("*", "http://evil.example")
     assert "cross_origin" in adapter.version(spec) and "--cors-origins" in adapter.version(spec)["cross_origin"]

@@ -22,6 +22,7 @@ from typing import Any, Literal
 import psutil
 import pytest
 import yaml
+
 from benchsuite.engines.base import EngineOptions, LaunchPlan, Placement, ServerSpec, options_of
 
 HERE = Path(__file__).resolve()
@@ -92,7 +93,9 @@ def matrix(tmp_path: Path, engines: dict[str, Any], concurrency: list[int] = [1,
         "name": "fake",
         "output_root": str(tmp_path / "results"),
         "engines": {name: {"kind": "builtin", "options": options} for name, options in engines.items()},
-        "workloads": {"w": {"output_tokens": 4, "concurrency": concurrency, "num_requests": num_requests, "warmup_requests": 1}},
+        "workloads": {
+            "w": {"output_tokens": 4, "concurrency": concurrency, "num_requests": num_requests, "warmup_requests": 1}
+        },
     }
     path = tmp_path / "m.yaml"
     path.write_text(yaml.safe_dump(body))
@@ -162,7 +165,10 @@ def test_interleaved_repeats_launch_per_repeat_and_every_cell_records_the_machin
     path.write_text(yaml.safe_dump({**body, "repeats": 2, "repeat_order": "interleaved"}))
     assert run_cli(str(path)) == 0
     run_dir = only_run_dir(tmp_path)
-    assert [starts(log) for log in sorted((run_dir / "logs").glob("*.log"))] == [2, 2]  # one launch per server and repeat
+    assert [starts(log) for log in sorted((run_dir / "logs").glob("*.log"))] == [
+        2,
+        2,
+    ]  # one launch per server and repeat
     stored = sorted((c["cell"] for c in cells(run_dir).values()), key=lambda c: c["repeat"])
     assert [c["repeat"] for c in stored] == [0, 0, 1, 1]
     for cell in stored:
@@ -193,7 +199,9 @@ def test_failures_are_recorded_the_rest_continues_and_a_rerun_retries(tmp_path: 
 
 def test_a_hung_engine_fails_its_cell_by_timeout_and_its_later_cells_at_once(tmp_path: Path) -> None:
     tag = f"tag-{tmp_path.name}"
-    path = matrix(tmp_path, {"hung": {"behaviour": "hang", "die_after": 1, "tag": tag}}, concurrency=[1, 2], num_requests=2)
+    path = matrix(
+        tmp_path, {"hung": {"behaviour": "hang", "die_after": 1, "tag": tag}}, concurrency=[1, 2], num_requests=2
+    )
     t0 = time.monotonic()
     assert run_cli(str(path), "--cell-timeout-s", "3") == 1
     assert time.monotonic() - t0 < 60  # one timeout, not one per cell
@@ -201,10 +209,14 @@ def test_a_hung_engine_fails_its_cell_by_timeout_and_its_later_cells_at_once(tmp
     first, second = sorted((p["cell"] for p in cells(only_run_dir(tmp_path)).values()), key=lambda c: c["concurrency"])
     assert first["status"] == "failed" and first["reason"].startswith("TimeoutError: engine did not finish cell")
     assert "within 3 s" in first["reason"]
-    assert second["status"] == "failed" and second["reason"].startswith("engine did not finish cell " + first["cell_id"])
+    assert second["status"] == "failed" and second["reason"].startswith(
+        "engine did not finish cell " + first["cell_id"]
+    )
 
 
-def test_a_port_taken_before_launch_fails_that_server_and_the_rest_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_port_taken_before_launch_fails_that_server_and_the_rest_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import socket
 
     from benchsuite import process, runner
@@ -218,7 +230,9 @@ def test_a_port_taken_before_launch_fails_that_server_and_the_rest_runs(tmp_path
         assert run_cli(str(matrix(tmp_path, {"first": {}, "second": {}}, concurrency=[1], num_requests=2))) == 1
     finally:
         squatter.close()
-    status = {p["cell"]["engine"]: (p["cell"]["status"], p["cell"]["reason"]) for p in cells(only_run_dir(tmp_path)).values()}
+    status = {
+        p["cell"]["engine"]: (p["cell"]["status"], p["cell"]["reason"]) for p in cells(only_run_dir(tmp_path)).values()
+    }
     assert status["first"][0] == "failed" and "already in use" in status["first"][1]
     assert status["second"] == ("ok", None)
 
@@ -226,8 +240,12 @@ def test_a_port_taken_before_launch_fails_that_server_and_the_rest_runs(tmp_path
 def test_sigkill_mid_run_then_rerun_completes_and_keeps_what_was_written(tmp_path: Path) -> None:
     tag = f"tag-{tmp_path.name}"
     # six cells of about a second each: the kill lands after the first one, long before the last
-    path = matrix(tmp_path, {"slow": {"token_delay_s": 0.05, "tag": tag}}, concurrency=[1, 2, 3, 4, 5, 6], num_requests=4)
-    child = subprocess.Popen([sys.executable, str(HERE), "--cli", str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    path = matrix(
+        tmp_path, {"slow": {"token_delay_s": 0.05, "tag": tag}}, concurrency=[1, 2, 3, 4, 5, 6], num_requests=4
+    )
+    child = subprocess.Popen(
+        [sys.executable, str(HERE), "--cli", str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not list((tmp_path / "results").glob("*/cells/*.json")):
@@ -252,7 +270,9 @@ def test_sigkill_mid_run_then_rerun_completes_and_keeps_what_was_written(tmp_pat
 def test_ctrl_c_stops_the_engine_keeps_results_and_exits_130(tmp_path: Path) -> None:
     tag = f"tag-{tmp_path.name}"
     path = matrix(tmp_path, {"slow": {"token_delay_s": 0.05, "tag": tag}}, concurrency=[1, 2, 3, 4], num_requests=4)
-    child = subprocess.Popen([sys.executable, str(HERE), "--cli", str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    child = subprocess.Popen(
+        [sys.executable, str(HERE), "--cli", str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not list((tmp_path / "results").glob("*/cells/*.json")):
@@ -270,7 +290,9 @@ def test_ctrl_c_stops_the_engine_keeps_results_and_exits_130(tmp_path: Path) -> 
     assert (run_dir / "cells.parquet").exists()
 
 
-def test_a_search_hands_back_options_that_then_run_every_workload(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_search_hands_back_options_that_then_run_every_workload(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import benchsuite.search
     from benchsuite.errors import RunError
 
@@ -367,7 +389,10 @@ def serve(args: argparse.Namespace) -> None:
         counters["misses"] += 1
         counters["tokens"] += n
         prompt_tokens = len(body["prompt"]) if isinstance(body["prompt"], list) else 5  # ids are counted as sent
-        usage = {"choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": n + prompt_tokens}}
+        usage = {
+            "choices": [],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": n + prompt_tokens},
+        }
         await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
         await resp.write_eof()
         return resp

@@ -45,7 +45,9 @@ def sglang_plan(tmp_path: Path, options: dict[str, Any], concurrency: list[int])
         "name": "sg",
         "output_root": str(tmp_path / "results"),
         "fairness": {"kv_capacity_tokens": 10240},
-        "engines": {"sg": {"kind": "sglang", "options": {"model_path": str(tmp_path / "model"), "mode": "unpaged", **options}}},
+        "engines": {
+            "sg": {"kind": "sglang", "options": {"model_path": str(tmp_path / "model"), "mode": "unpaged", **options}}
+        },
         "workloads": {"w": {"output_tokens": 3, "concurrency": concurrency, "num_requests": 2}},
     }
     (tmp_path / "model").mkdir(exist_ok=True)
@@ -97,7 +99,9 @@ async def test_routing_capture_after_the_cells_writes_a_trace_and_records_it(tmp
     assert len(bodies) == 2 and all(b["return_routed_experts"] and b["max_tokens"] == 3 for b in bodies)
     trace = read_trace(store.run_dir / facts["routing_trace"])
     prompt_tokens = [len(b["prompt"].split()) for b in bodies]
-    assert trace.num_tokens == sum(p + 3 - 1 for p in prompt_tokens) and trace.meta.top_k == CONFIG["num_experts_per_tok"]
+    assert (
+        trace.num_tokens == sum(p + 3 - 1 for p in prompt_tokens) and trace.meta.top_k == CONFIG["num_experts_per_tok"]
+    )
     assert np.asarray(trace.ids).max() < CONFIG["num_experts"]
 
 
@@ -114,7 +118,9 @@ async def test_a_failed_routing_capture_is_recorded_not_raised(tmp_path: Path) -
     assert not (store.run_dir / "routing").exists()
 
 
-def test_a_request_that_never_answers_fails_alone_and_the_cell_keeps_its_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_request_that_never_answers_fails_alone_and_the_cell_keeps_its_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from benchsuite.engines import ADAPTERS
 
     monkeypatch.setitem(ADAPTERS._loaded, "builtin", FakeAdapter())  # type: ignore[attr-defined]
@@ -138,7 +144,9 @@ def test_a_request_that_never_answers_fails_alone_and_the_cell_keeps_its_records
 
 
 @pytest.mark.slow
-def test_canary_at_the_end_of_a_run_is_stored_and_shown(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_canary_at_the_end_of_a_run_is_stored_and_shown(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from benchsuite.cli import main
     from benchsuite.engines import ADAPTERS
     from benchsuite.engines.builtin.adapter import BuiltinAdapter
@@ -149,7 +157,12 @@ def test_canary_at_the_end_of_a_run_is_stored_and_shown(tiny_model_dir: Path, tm
         "name": "canary",
         "canary": True,
         "fairness": {"kv_capacity_tokens": 2048},
-        "engines": {"paged": {"kind": "builtin", "options": {"model": str(tiny_model_dir), "mode": "paged", "resident_experts": 8}}},
+        "engines": {
+            "paged": {
+                "kind": "builtin",
+                "options": {"model": str(tiny_model_dir), "mode": "paged", "resident_experts": 8},
+            }
+        },
         "workloads": {"w": {"output_tokens": 4, "concurrency": [2], "num_requests": 2, "warmup_requests": 0}},
     }
     path = tmp_path / "m.yaml"

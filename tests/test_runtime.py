@@ -89,7 +89,9 @@ def test_cpu_experts_equals_resident(ckpt: Path, resident: list[torch.Tensor]) -
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_fault_unpaged_down_proj_is_caught(ckpt: Path, resident: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fault_unpaged_down_proj_is_caught(
+    ckpt: Path, resident: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Control: leave down_proj out of page-in (the published silent bug class); equality must FAIL."""
     monkeypatch.setattr(store_mod, "EXPERT_TENSORS", ("gate", "up"))
     model = MoeCausalLM.from_pretrained(ckpt, RuntimeConfig(mode="paged", resident_experts=8))
@@ -102,7 +104,9 @@ def test_paged_counter_invariants_and_replay(ckpt: Path) -> None:
     k = 6
     model = MoeCausalLM.from_pretrained(ckpt, RuntimeConfig(mode="paged", resident_experts=k))
     routed: dict[int, list[list[int]]] = {}
-    model.routing_observers.append(lambda layer, ids, w, ctx: routed.setdefault(layer, []).append(ids.flatten().tolist()))
+    model.routing_observers.append(
+        lambda layer, ids, w, ctx: routed.setdefault(layer, []).append(ids.flatten().tolist())
+    )
     run_scenario(model)
     snap = model.counters.snapshot()
     cfg = model.config
@@ -162,7 +166,10 @@ def test_router_override_drives_paging(ckpt: Path) -> None:
     snap = model.counters.snapshot()
     assert all(c.union_max == top_k and c.misses == top_k for c in snap.layers)
     assert seen_ctx[0].positions == (0, 1, 2) and seen_ctx[0].seq_ids == (seq.seq_id,) * 3
-    model.router_override = lambda layer, logits, ctx: (torch.zeros(logits.shape[0], top_k, dtype=torch.long), torch.ones(logits.shape[0], top_k))
+    model.router_override = lambda layer, logits, ctx: (
+        torch.zeros(logits.shape[0], top_k, dtype=torch.long),
+        torch.ones(logits.shape[0], top_k),
+    )
     with pytest.raises(ValueError, match="same expert twice"):
         model.forward([SeqChunk(seq, [4], 3)])
 

@@ -4,7 +4,6 @@ example (any slot state must give the same result)."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings

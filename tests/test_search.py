@@ -31,9 +31,7 @@ def test_noisy_monotone_curve_finds_a_point_within_noise_of_the_best():
 
 
 def test_bump_lower_than_the_start_does_not_move_the_choice():
-    curve = {
-        n: 100.0 - 2 * n + (15.0 if n == 12 else 0.0) for n in FITTING
-    }  # bump at 12 stays below f(6)
+    curve = {n: 100.0 - 2 * n + (15.0 if n == 12 else 0.0) for n in FITTING}  # bump at 12 stays below f(6)
     outcome = drive(propose(FITTING), curve.__getitem__)
     assert outcome.best_n == 6
     assert outcome.launches < 5
@@ -81,9 +79,7 @@ def test_parse_request(value, expected):
     assert parse_request(value) == expected
 
 
-@pytest.mark.parametrize(
-    "value", ["searhc", {"search": {"bogus": 1}}, {"search": 3}, 5]
-)
+@pytest.mark.parametrize("value", ["searhc", {"search": {"bogus": 1}}, {"search": 3}, 5])
 def test_parse_request_rejects(value):
     with pytest.raises(UserError):
         parse_request(value)

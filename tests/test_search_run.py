@@ -54,8 +54,7 @@ def test_ruled_out_values_are_not_cells_but_the_summary_names_them(
     assert record["objective_cell"] == {"workload": "w", "prompt_class": "short", "concurrency": 1}
     assert (
         "ruled out by the scripted projection, never launched: N=0-1 "
-        "(projected 12.07-13.07 GB with the margin > 12.00 GB)"
-        in out
+        "(projected 12.07-13.07 GB with the margin > 12.00 GB)" in out
     )
     assert f"best N={record['best_n']}" in out and "0/1" not in out
 
@@ -68,6 +67,5 @@ def test_dry_run_prints_the_search_command_template(tmp_path: Path, capsys: pyte
     assert "--serve --port 8000" in out
     assert (
         "({N}: each candidate the memory projection lets through; one cell per launch: "
-        "workload=w class=short concurrency=2)"
-        in out
+        "workload=w class=short concurrency=2)" in out
     )

@@ -13,9 +13,9 @@ import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestServer
 
+from paged_experts.server.app import create_app
 from paged_experts.server.launch import ServeConfig, load_serving
 from paged_experts.server.text import ChatTurn, TextCodec
-from paged_experts.server.app import create_app
 from paged_experts.synth import ensure_tiny
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -86,7 +86,11 @@ async def test_completion_counts_and_text_match_the_generated_tokens(base_url: s
     assert status == 200, body
     choice = body["choices"][0]
     assert body["object"] == "text_completion" and choice["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": len(codec.encode(PROMPT)), "completion_tokens": 10, "total_tokens": len(codec.encode(PROMPT)) + 10}
+    assert body["usage"] == {
+        "prompt_tokens": len(codec.encode(PROMPT)),
+        "completion_tokens": 10,
+        "total_tokens": len(codec.encode(PROMPT)) + 10,
+    }
     ids = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
     assert len(ids) == 10 and choice["text"] == codec.decode(ids)
     assert all(lp <= 0 for lp in choice["logprobs"]["token_logprobs"])
@@ -113,7 +117,12 @@ async def test_token_id_prompt_equals_text_prompt(base_url: str, http, codec: Te
 
 
 async def test_chat_streaming_and_not(base_url: str, http, codec: TextCodec) -> None:
-    body = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    body = {
+        "messages": [{"role": "user", "content": "Say something."}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     status, full = await post(http, f"{base_url}/v1/chat/completions", body)
     assert status == 200, full
     message = full["choices"][0]["message"]
@@ -154,9 +163,13 @@ async def test_echo_logprobs_include_the_prompt(base_url: str, http, codec: Text
 
 
 async def test_prompt_logprobs_option_scores_every_prompt_token(base_url: str, http, codec: TextCodec) -> None:
-    _, gen = await post(http, f"{base_url}/v1/completions", greedy(max_tokens=4, logprobs=0, return_tokens_as_token_ids=True))
+    _, gen = await post(
+        http, f"{base_url}/v1/completions", greedy(max_tokens=4, logprobs=0, return_tokens_as_token_ids=True)
+    )
     ids = codec.encode(PROMPT) + [int(t.removeprefix("token_id:")) for t in gen["choices"][0]["logprobs"]["tokens"]]
-    _, scored = await post(http, f"{base_url}/v1/completions", {"prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0})
+    _, scored = await post(
+        http, f"{base_url}/v1/completions", {"prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
+    )
     plp = scored["choices"][0]["prompt_logprobs"]
     assert len(plp) == len(ids) and plp[0] is None
     scored_generated = [plp[i][str(ids[i])]["logprob"] for i in range(len(ids) - 4, len(ids))]
@@ -193,7 +206,9 @@ async def test_seeded_sampling_is_reproducible(base_url: str, http) -> None:
 async def test_concurrent_greedy_requests_equal_their_solo_output(base_url: str, http) -> None:
     prompts = ["Once upon a time", "In the beginning there", "A B C D E F", "Numbers: 1 2 3"]
     solo = [(await post(http, f"{base_url}/v1/completions", greedy(prompt=p, max_tokens=12)))[1] for p in prompts]
-    together = await asyncio.gather(*(stream(http, f"{base_url}/v1/completions", greedy(prompt=p, max_tokens=12)) for p in prompts))
+    together = await asyncio.gather(
+        *(stream(http, f"{base_url}/v1/completions", greedy(prompt=p, max_tokens=12)) for p in prompts)
+    )
     for alone, events in zip(solo, together):
         assert "".join(e["choices"][0]["text"] for e in events[:-1]) == alone["choices"][0]["text"]
 
@@ -229,7 +244,9 @@ async def metric_values(http: aiohttp.ClientSession, base_url: str) -> dict[str,
     async with http.get(f"{base_url}/metrics") as resp:
         assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/plain")
         text = await resp.text()
-    return {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
+    return {
+        ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln and not ln.startswith("#")
+    }
 
 
 async def test_client_disconnect_frees_kv(base_url: str, http) -> None:
@@ -354,7 +371,9 @@ async def _wait_healthy(http: aiohttp.ClientSession, url: str) -> None:
 )
 async def test_every_mode_serves_the_same_greedy_text_batched(base_url: str, http, tiny_dir: Path, flags: dict) -> None:
     prompts = ["Once upon a time", "A B C D E F", "Numbers: 1 2 3"]
-    reference = [(await post(http, f"{base_url}/v1/completions", greedy(prompt=p)))[1]["choices"][0]["text"] for p in prompts]
+    reference = [
+        (await post(http, f"{base_url}/v1/completions", greedy(prompt=p)))[1]["choices"][0]["text"] for p in prompts
+    ]
     server = await start_server(ServeConfig(model_path=str(tiny_dir), max_total_tokens=256, **flags))
     try:
         url = str(server.make_url("")).rstrip("/")

@@ -55,7 +55,11 @@ def test_config_follows_the_published_rules(env: None, name: str) -> None:
     machine, quant, ks, gguf_var = SETUPS[name]
     ref = load_reference("pr42557")
     m = load_matrix(CONFIGS / name).matrix
-    assert m.reference is not None and (m.reference.name, m.reference.machine, m.reference.quant) == ("pr42557", machine, quant)
+    assert m.reference is not None and (m.reference.name, m.reference.machine, m.reference.quant) == (
+        "pr42557",
+        machine,
+        quant,
+    )
     assert m.repeats >= ref.rules.min_repeats == 2
     assert m.fairness.kv_capacity_tokens == ref.rules.kv_capacity_tokens == 10240
     assert m.fairness.prefix_caching is ref.rules.prefix_caching is False
@@ -66,11 +70,16 @@ def test_config_follows_the_published_rules(env: None, name: str) -> None:
         "2048",
     ]
     fp8 = quant == "fp8_block"  # the FP8 setup also runs without SGLang: built-in engine rows
-    assert {e.kind for e in m.engines.values()} == ({"sglang", "llamacpp", "builtin"} if fp8 else {"sglang", "llamacpp"})
+    assert {e.kind for e in m.engines.values()} == (
+        {"sglang", "llamacpp", "builtin"} if fp8 else {"sglang", "llamacpp"}
+    )
     if fp8:
         builtin = {name: e.options for name, e in m.engines.items() if e.kind == "builtin"}
         assert builtin["builtin_paged"]["resident_experts"] == ks and builtin["builtin_offload"]["mode"] == "offload"
-        assert all(o["model"] == m.engines["sglang_paged"].options["model_path"] and o["device"] == "cuda" for o in builtin.values())
+        assert all(
+            o["model"] == m.engines["sglang_paged"].options["model_path"] and o["device"] == "cuda"
+            for o in builtin.values()
+        )
     llama = m.engines["llamacpp_best"].options
     assert llama["n_cpu_moe"] == "search" and llama["model"] == ENV[gguf_var]  # IQ4_XS for int4, Q8_0 for FP8
     vram = next(mach.vram_gb for mach in ref.machines if mach.key == machine)
@@ -93,7 +102,10 @@ def test_dry_run_prints_exact_commands(env: None, name: str) -> None:
     builtin = len(ks) + 1 if name.startswith("desktop16gb_fp8") else 0  # builtin paged per K, builtin offload
     assert text.count("  cell ") == (len(ks) + 1 + builtin) * 2 * 2 * 2  # servers x classes x concurrencies x repeats
     if builtin:
-        assert all(f"--paged-experts-num-resident {k} --dtype bfloat16" in text for k in ks) and "--offload-layers 32" in text
+        assert (
+            all(f"--paged-experts-num-resident {k} --dtype bfloat16" in text for k in ks)
+            and "--offload-layers 32" in text
+        )
 
 
 def test_unset_model_variable_names_what_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -114,5 +126,7 @@ def test_cli_dry_run_works_with_the_variables_set_and_is_one_line_per_unset_one(
     monkeypatch.delenv("SHAREGPT_PATH")
     assert main(["run", str(CONFIGS / name), "--dry-run"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.endswith("workloads.sharegpt.path: environment variable SHAREGPT_PATH is not set (set it to your ShareGPT JSON file)")
+    assert err.endswith(
+        "workloads.sharegpt.path: environment variable SHAREGPT_PATH is not set (set it to your ShareGPT JSON file)"
+    )
     assert len(err.splitlines()) == 1 and "Traceback" not in err

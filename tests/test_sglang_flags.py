@@ -26,8 +26,12 @@ OPTIONS = [
 @pytest.mark.parametrize("options", OPTIONS)
 def test_sglang_parses_our_commands(options: dict) -> None:
     spec = ServerSpec(
-        "s", "sglang", SGLangOptions.model_validate({"model_path": "/m", **options}),
-        {"kv_capacity_tokens": 10240, "prefix_caching": False}, 4, "i",
+        "s",
+        "sglang",
+        SGLangOptions.model_validate({"model_path": "/m", **options}),
+        {"kv_capacity_tokens": 10240, "prefix_caching": False},
+        4,
+        "i",
     )
     argv = SGLangAdapter().launch_plan(spec, 8000).argv
     assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]

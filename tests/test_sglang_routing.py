@@ -13,7 +13,6 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from benchsuite.errors import RunError
 from benchsuite.engines.sglang.routing import (
     capture_routing,
     merge_stream_chunks,
@@ -21,6 +20,7 @@ from benchsuite.engines.sglang.routing import (
     routing_trace,
     write_routing_trace,
 )
+from benchsuite.errors import RunError
 from paged_experts.trace import read_trace
 
 LAYERS, TOP_K, EXPERTS = 4, 2, 8

@@ -65,7 +65,9 @@ def test_waves_union_and_speed_model() -> None:
 @pytest.mark.parametrize("seed", range(4))
 def test_belady_bounds_online_policies(seed: int) -> None:
     trace = synthesize_trace("reuse:0.3,zipf:0.8", 2, 32, 4, requests=3, tokens_per_request=60, seed=seed)
-    results = simulate(trace, SimOptions(ks=(4, 8, 16), policies=("lru", "lfu", "random", "belady"), concurrencies=(1, 3)))
+    results = simulate(
+        trace, SimOptions(ks=(4, 8, 16), policies=("lru", "lfu", "random", "belady"), concurrencies=(1, 3))
+    )
     for r in results:
         assert r.total.hits + r.total.misses == sum(s.union for s in r.layers)
         best = next(b for b in results if (b.policy, b.k, b.concurrency) == ("belady", r.k, r.concurrency))
@@ -109,7 +111,9 @@ def test_simulator_counts_equal_runtime_counters(
     model = MoeCausalLM.from_pretrained(ckpt, runtime_config)
     if routing is not None:
         model.router_override = make_router(routing, model.config, seed=1)
-    writer = TraceWriter(tmp_path / "run.trace", model.config, source="model" if routing is None else f"synthetic:{routing}")
+    writer = TraceWriter(
+        tmp_path / "run.trace", model.config, source="model" if routing is None else f"synthetic:{routing}"
+    )
     model.routing_observers.append(lambda layer, ids, weights, ctx: writer.observe(layer, ids, weights))
     pool = KvPool.for_model(model, 256)
     seqs = {name: pool.new_sequence() for name in "abc"}

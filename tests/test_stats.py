@@ -60,8 +60,17 @@ def test_cell_noise_counts_only_other_processes() -> None:
 
 def test_noise_snapshot_tells_a_busy_process_that_is_not_ours_from_ours() -> None:
     # A spinner re-parented away from this process (the shell that started it exits): not ours unless named.
-    out = subprocess.run(["sh", "-c", f"{sys.executable} -c 'import time\nt = time.time()\nwhile time.time() - t < 4: pass' "
-                          ">/dev/null 2>&1 & echo $!"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [
+            "sh",
+            "-c",
+            f"{sys.executable} -c 'import time\nt = time.time()\nwhile time.time() - t < 4: pass' "
+            ">/dev/null 2>&1 & echo $!",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     pid = int(out.stdout.strip())
     try:
         time.sleep(0.3)

@@ -12,7 +12,15 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from paged_experts.config import MoeModelConfig
-from paged_experts.synth import PRESETS, SPECIAL_TOKENS, ensure_tiny, hf_config_for, main, train_tokenizer, write_checkpoint
+from paged_experts.synth import (
+    PRESETS,
+    SPECIAL_TOKENS,
+    ensure_tiny,
+    hf_config_for,
+    main,
+    train_tokenizer,
+    write_checkpoint,
+)
 
 FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
@@ -94,7 +102,12 @@ def test_natural_text_compresses(tokenizer: Tokenizer) -> None:
 
 
 def test_layers_and_dtype_overrides_and_cli(tmp_path: Path) -> None:
-    assert main(["--preset", "tiny", "--out", str(tmp_path / "cli"), "--layers", "2", "--dtype", "bfloat16", "--seed", "4"]) == 0
+    assert (
+        main(
+            ["--preset", "tiny", "--out", str(tmp_path / "cli"), "--layers", "2", "--dtype", "bfloat16", "--seed", "4"]
+        )
+        == 0
+    )
     cfg = MoeModelConfig.from_dir(tmp_path / "cli")
     assert cfg.num_layers == 2 and cfg.torch_dtype == "bfloat16"
     with safe_open(str(tmp_path / "cli" / "model.safetensors"), framework="pt") as f:

@@ -172,7 +172,9 @@ def test_cli_synth_show_import(tmp_path: Path, capsys) -> None:
     summary = json.loads(capsys.readouterr().out)
     assert summary["label"] == "SYNTHETIC routing" and summary["decode_tokens"] == 20
     lines = tmp_path / "r.jsonl"
-    lines.write_text(json.dumps({"meta_info": {"prompt_tokens": 1, "routed_experts": _sglang_b64(np.array([[[1, 2]], [[3, 4]]]))}}))
+    lines.write_text(
+        json.dumps({"meta_info": {"prompt_tokens": 1, "routed_experts": _sglang_b64(np.array([[[1, 2]], [[3, 4]]]))}})
+    )
     assert cli_main(["trace", "import-sglang", str(lines), "--layers", "1", "--experts", "8", "--top-k", "2",
                      "-o", str(tmp_path / "g.trace")]) == 0  # fmt: skip
     assert read_trace(tmp_path / "g.trace").ids.tolist() == [[[1, 2]], [[3, 4]]]

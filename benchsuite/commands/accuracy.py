@@ -17,8 +17,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=16, help="number of bundled prompts to send (default 16)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--min-agreement", type=float, default=accuracy.Thresholds.min_agreement)
-    parser.add_argument("--max-logprob-diff", type=float, default=accuracy.Thresholds.max_logprob_diff_nats,
-                        help="largest allowed |logprob A - logprob B| in nats")
+    parser.add_argument(
+        "--max-logprob-diff",
+        type=float,
+        default=accuracy.Thresholds.max_logprob_diff_nats,
+        help="largest allowed |logprob A - logprob B| in nats",
+    )
     parser.add_argument("--json-out", type=Path, help="write the full report as JSON here")
 
 
@@ -26,8 +30,9 @@ def main(args: argparse.Namespace) -> int:
     prompts = [(p.prompt_id, p.text) for p in bundled_prompts()[: args.prompts]]
     thresholds = accuracy.Thresholds(args.min_agreement, args.max_logprob_diff)
     report = asyncio.run(
-        accuracy.run_accuracy(args.a.rstrip("/"), args.b.rstrip("/"), prompts,
-                              max_tokens=args.max_tokens, thresholds=thresholds)
+        accuracy.run_accuracy(
+            args.a.rstrip("/"), args.b.rstrip("/"), prompts, max_tokens=args.max_tokens, thresholds=thresholds
+        )
     )
     print(accuracy.format_report(report))
     if args.json_out:

@@ -20,8 +20,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     report = asyncio.run(
-        canary.run_canary(args.url.rstrip("/"), rounds=args.rounds, concurrency=args.concurrency,
-                          max_tokens=args.max_tokens)
+        canary.run_canary(
+            args.url.rstrip("/"), rounds=args.rounds, concurrency=args.concurrency, max_tokens=args.max_tokens
+        )
     )
     print(canary.format_report(report))
     if args.json_out:

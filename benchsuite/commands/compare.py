@@ -20,14 +20,33 @@ def _fraction(text: str) -> float:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("runs", type=Path, nargs="+", metavar="RUN",
-                        help="RUN_A RUN_B (baseline, candidate); with --vs, every RUN is a rerun of the baseline")
-    parser.add_argument("--vs", type=Path, nargs="+", metavar="RUN_B", default=None,
-                        help="the candidate's runs (reruns of one matrix): with two or more runs a side the test is over runs")
-    parser.add_argument("--threshold", type=_fraction, default=0.05, help="relative change needed to flag (default 0.05 = 5%%)")
-    parser.add_argument("--alpha", type=_fraction, default=0.05,
-                        help="false-discovery rate over all rows (Benjamini-Hochberg; default 0.05)")
-    parser.add_argument("--out", type=Path, default=None, help="output directory (default: reports/compare-<A>-vs-<B>/)")
+    parser.add_argument(
+        "runs",
+        type=Path,
+        nargs="+",
+        metavar="RUN",
+        help="RUN_A RUN_B (baseline, candidate); with --vs, every RUN is a rerun of the baseline",
+    )
+    parser.add_argument(
+        "--vs",
+        type=Path,
+        nargs="+",
+        metavar="RUN_B",
+        default=None,
+        help="the candidate's runs (reruns of one matrix): with two or more runs a side the test is over runs",
+    )
+    parser.add_argument(
+        "--threshold", type=_fraction, default=0.05, help="relative change needed to flag (default 0.05 = 5%%)"
+    )
+    parser.add_argument(
+        "--alpha",
+        type=_fraction,
+        default=0.05,
+        help="false-discovery rate over all rows (Benjamini-Hochberg; default 0.05)",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="output directory (default: reports/compare-<A>-vs-<B>/)"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -36,7 +55,9 @@ def main(args: argparse.Namespace) -> int:
 
     if args.vs is None:
         if len(args.runs) != 2:
-            raise UserError(f"compare: give RUN_A RUN_B, or RUN_A... --vs RUN_B... (got {len(args.runs)} runs and no --vs)")
+            raise UserError(
+                f"compare: give RUN_A RUN_B, or RUN_A... --vs RUN_B... (got {len(args.runs)} runs and no --vs)"
+            )
         side_a, side_b = [args.runs[0]], [args.runs[1]]
     else:
         side_a, side_b = list(args.runs), list(args.vs)

@@ -29,8 +29,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     src.add_argument("--top-k", type=int, help="experts per token (explicit shape)")
     src.add_argument("--expert-mb", type=float, help="bytes of one expert of one layer, decimal MB")
     src.add_argument("--kv-bytes-per-token", type=float, help="KV bytes per token at bf16 (explicit shape)")
-    src.add_argument("--non-expert-gb", type=float,
-                     help="weights that are not routed experts (attention, embeddings, router, shared experts), decimal GB (explicit shape)")
+    src.add_argument(
+        "--non-expert-gb",
+        type=float,
+        help="weights that are not routed experts (attention, embeddings, router, shared experts), decimal GB (explicit shape)",
+    )
     p.add_argument("--format", default=",".join(EXPERT_FORMATS), help="expert formats: bf16,fp8,int4")
     p.add_argument("--k", type=int, help="resident experts per layer to analyse (default: the K that fits)")
     p.add_argument("--vram-gb", type=float, help="GPU memory as sold (GiB: a 16 GB card is 16 x 2^30 bytes)")

@@ -9,7 +9,9 @@ from pathlib import Path
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="results/<run-id>/ directories")
-    parser.add_argument("--out", type=Path, default=None, help="output directory (default: reports/<run-id>/ in the current directory)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="output directory (default: reports/<run-id>/ in the current directory)"
+    )
 
 
 def main(args: argparse.Namespace) -> int:

@@ -34,21 +34,43 @@ _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("matrix", type=Path, help="matrix YAML file (see configs/quickstart.yaml)")
-    parser.add_argument("--dry-run", action="store_true", help="print the cells and engine command lines; start nothing")
-    parser.add_argument("--run-id", help="results directory name (default: <matrix name>-<matrix hash>); reuse it to resume")
-    parser.add_argument("--new-run", action="store_true",
-                        help="start a new run in the run directory: an earlier run there (of another matrix, "
-                             "other inputs, or a damaged manifest) is moved aside to <run-id>.replaced-<UTC time>")
-    parser.add_argument("--output-root", type=Path, help="parent of the run directory (default: the matrix's output_root)")
-    parser.add_argument("--cell-timeout-s", type=float, default=3600.0,
-                        help="last resort: fail a whole cell (its records lost) and stop using its server after this long")
-    parser.add_argument("--request-timeout-s", type=float, default=600.0,
-                        help="fail one request after this long; the cell keeps its records (workloads' max_error_rate decides)")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the cells and engine command lines; start nothing"
+    )
+    parser.add_argument(
+        "--run-id", help="results directory name (default: <matrix name>-<matrix hash>); reuse it to resume"
+    )
+    parser.add_argument(
+        "--new-run",
+        action="store_true",
+        help="start a new run in the run directory: an earlier run there (of another matrix, "
+        "other inputs, or a damaged manifest) is moved aside to <run-id>.replaced-<UTC time>",
+    )
+    parser.add_argument(
+        "--output-root", type=Path, help="parent of the run directory (default: the matrix's output_root)"
+    )
+    parser.add_argument(
+        "--cell-timeout-s",
+        type=float,
+        default=3600.0,
+        help="last resort: fail a whole cell (its records lost) and stop using its server after this long",
+    )
+    parser.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=600.0,
+        help="fail one request after this long; the cell keeps its records (workloads' max_error_rate decides)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress display (CI)")
     parser.add_argument("--no-report", action="store_true", help="do not write the HTML report at the end")
-    parser.add_argument("--only", action="append", default=[], metavar="ENGINE[:OPTION=VALUE]",
-                        help="run only these servers of the matrix (repeatable), e.g. --only resident --only paged:resident_experts=32; "
-                             "the run id stays the matrix's, so a later run without --only measures the rest")
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="ENGINE[:OPTION=VALUE]",
+        help="run only these servers of the matrix (repeatable), e.g. --only resident --only paged:resident_experts=32; "
+        "the run id stays the matrix's, so a later run without --only measures the rest",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -85,11 +107,21 @@ def _run(args: argparse.Namespace, plan: Plan, store: RunStore, console: Console
     from benchsuite.runner import run_plan
 
     todo = sum(1 for c in plan.cells if not store.finished(c.cell_id))
-    console.print(f"run {plan.run_id}: {len(plan.cells)} cells ({len(plan.cells) - todo} already done) -> {store.run_dir}")
+    console.print(
+        f"run {plan.run_id}: {len(plan.cells)} cells ({len(plan.cells) - todo} already done) -> {store.run_dir}"
+    )
     try:
         with _ProgressEvents(console, todo) as events:
-            problems = asyncio.run(run_plan(plan, store, events, cell_timeout_s=args.cell_timeout_s,
-                                            request_timeout_s=args.request_timeout_s, search=search.run_search))
+            problems = asyncio.run(
+                run_plan(
+                    plan,
+                    store,
+                    events,
+                    cell_timeout_s=args.cell_timeout_s,
+                    request_timeout_s=args.request_timeout_s,
+                    search=search.run_search,
+                )
+            )
     except KeyboardInterrupt:
         print(f"benchsuite: interrupted; finished cells are kept in {store.run_dir} (rerun the same command to resume)")
         return 130
@@ -163,7 +195,11 @@ class _ProgressEvents:
         if task.total is not None and task.completed >= task.total:
             self._progress.update(self._task, total=task.completed + 1)  # search cells were not counted up front
         self._progress.advance(self._task)
-        detail = f"decode {_fmt(result.decode_tok_s_p50, '.1f')} tok/s" if result.status != "failed" else (result.reason or "").splitlines()[0]
+        detail = (
+            f"decode {_fmt(result.decode_tok_s_p50, '.1f')} tok/s"
+            if result.status != "failed"
+            else (result.reason or "").splitlines()[0]
+        )
         self._console.print(
             f"{result.status:7} {cell.engine}{_params(cell.params)} {cell.workload}/{cell.prompt_class} "
             f"c={cell.concurrency} r={cell.repeat}  {detail}"

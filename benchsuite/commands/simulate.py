@@ -40,10 +40,17 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="lru", help=f"comma list of {','.join(SIM_POLICIES)}")
     p.add_argument("--concurrency", type=_ints, default=(1,), help="requests batched per step; 0 = as recorded")
     p.add_argument("--include-prefill", action="store_true", help="replay prefill chunks too (default: decode only)")
-    p.add_argument("--prefill-keep", default=DEFAULT_PREFILL_KEEP,
-                   help=f"comma list of {','.join(PREFILL_KEEP)}: what a prefill chunk leaves in the slots")
-    p.add_argument("--early-decode-steps", type=int, default=16,
-                   help="decode steps after a prefill counted as 'early' (the hit rate the prefill left)")
+    p.add_argument(
+        "--prefill-keep",
+        default=DEFAULT_PREFILL_KEEP,
+        help=f"comma list of {','.join(PREFILL_KEEP)}: what a prefill chunk leaves in the slots",
+    )
+    p.add_argument(
+        "--early-decode-steps",
+        type=int,
+        default=16,
+        help="decode steps after a prefill counted as 'early' (the hit rate the prefill left)",
+    )
     p.add_argument("--expert-bytes", type=float, help=f"bytes per expert (default {PUBLISHED_INT4_EXPERT_BYTES:.3g}: "
                    "published Qwen3-30B-A3B int4)")  # fmt: skip
     p.add_argument("--link-gbps", help="host->device GB/s: number, pcie5x16, or a linkbw JSON path")
@@ -120,8 +127,10 @@ def main(args: argparse.Namespace) -> int:
     meta = trace.meta
     label = f"SYNTHETIC routing ({meta.source})" if meta.synthetic else f"routing from {meta.source}"
     header = [
-        (f"{label}: {args.trace}, model {meta.model or '-'}, {meta.num_layers} layers, E={meta.num_experts},"
-         f" top_k={meta.top_k}, {'prefill + decode' if args.include_prefill else 'decode steps only'}"),
+        (
+            f"{label}: {args.trace}, model {meta.model or '-'}, {meta.num_layers} layers, E={meta.num_experts},"
+            f" top_k={meta.top_k}, {'prefill + decode' if args.include_prefill else 'decode steps only'}"
+        ),
         f"expert bytes {expert_bytes:,.0f}" + ("" if args.expert_bytes else " (published Qwen3-30B-A3B int4)"),
     ]
     if link_b_per_s:

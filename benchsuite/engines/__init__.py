@@ -39,9 +39,7 @@ class _LazyAdapters(Mapping[str, EngineAdapter]):
         try:
             cls = getattr(importlib.import_module(module_path), class_name)
         except (ImportError, AttributeError) as exc:
-            raise UserError(
-                f"engine kind {kind!r} is not available here ({module_path}.{class_name}: {exc})"
-            ) from exc
+            raise UserError(f"engine kind {kind!r} is not available here ({module_path}.{class_name}: {exc})") from exc
         adapter = cls()
         self._loaded[kind] = adapter
         return adapter

@@ -21,10 +21,11 @@ from typing import Any
 
 import pandas as pd
 
+
 def run_budget_bytes(servers: Any) -> int | None:
     """The budget of one run from its manifest's servers (typed records or plain dicts)."""
     budgets = set()
-    for record in (servers.values() if hasattr(servers, "values") else servers):
+    for record in servers.values() if hasattr(servers, "values") else servers:
         search = getattr(record, "search", None) if not isinstance(record, dict) else record.get("search")
         if isinstance(search, dict) and search.get("budget_bytes"):
             budgets.add(int(search["budget_bytes"]))

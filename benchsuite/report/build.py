@@ -16,9 +16,9 @@ import pandas as pd
 from benchsuite.errors import UserError
 from benchsuite.reference import Reference, load_reference
 from benchsuite.report import manifest_facts as mf
-from benchsuite.report.budget import run_budget_bytes
 from benchsuite.report import prefill, roofline, search_section
 from benchsuite.report import tables as tb
+from benchsuite.report.budget import run_budget_bytes
 from benchsuite.report.caveats import setup_caveats
 from benchsuite.report.display import display_frame
 from benchsuite.report.figures import Figure, all_figures, missing_figures
@@ -73,11 +73,23 @@ def _reference(runs: list[RunData], reference_dirs: list[Path] | None) -> tuple[
                 published = load_reference(name)
             except UserError as exc:
                 return None, {}, f"The matrix names reference '{name}': {exc}."
-            return published, mf.reference_filter(run.manifest), f"Published figures from {name} ({name}.yaml, shipped)."
+            return (
+                published,
+                mf.reference_filter(run.manifest),
+                f"Published figures from {name} ({name}.yaml, shipped).",
+            )
         path = find_reference(name, reference_dirs)
         if path is None:
-            return None, {}, f"The matrix names reference '{name}', but no {name}.yaml was found in {', '.join(map(str, reference_dirs))}."
-        return load_published(name, path), mf.reference_filter(run.manifest), f"Published figures from {name} ({path.name})."
+            return (
+                None,
+                {},
+                f"The matrix names reference '{name}', but no {name}.yaml was found in {', '.join(map(str, reference_dirs))}.",
+            )
+        return (
+            load_published(name, path),
+            mf.reference_filter(run.manifest),
+            f"Published figures from {name} ({path.name}).",
+        )
     return None, {}, "The matrix names no published reference."
 
 
@@ -100,24 +112,34 @@ def build_report_data(run_dirs: list[Path], reference_dirs: list[Path] | None = 
         num_experts = num_experts or shape.get("num_experts")
     found = verdicts(groups, cells)
     caveats = {key: _caveats(runs, cells, key) for key in {(v.run_id, v.workload, v.prompt_class) for v in found}}
-    tables: dict[str, pd.DataFrame] = {"Verdict": verdict_table(found),
-                                       "Paged vs baselines (published layout)": tb.ratio_table(groups, cells)}
+    tables: dict[str, pd.DataFrame] = {
+        "Verdict": verdict_table(found),
+        "Paged vs baselines (published layout)": tb.ratio_table(groups, cells),
+    }
     if published is not None:
-        tables[f"Published {published.name} vs yours: decode"] = reference_decode_table(published, row_filter, groups, cells)
-        tables[f"Published {published.name} vs yours: TTFT p50"] = reference_ttft_table(published, row_filter, groups, cells)
-    tables.update({
-        "Configurations (repeats with spread)": tb.summary_table(groups, top_k),
-        "TTFT p50 short vs long prompts": tb.ttft_table(groups),
-        "Paging counters": tb.paging_table(groups, num_experts),
-        roofline.TITLE: roofline.roofline_table(cells, runs),
-        prefill.TITLE: prefill.prefill_table(cells, runs),
-        "llama.cpp --n-cpu-moe search": search_section.search_table(cells, runs),
-        "Failed and invalid cells": tb.failures_table(cells),
-        "Raw cells": tb.raw_cells_table(cells),
-    })
+        tables[f"Published {published.name} vs yours: decode"] = reference_decode_table(
+            published, row_filter, groups, cells
+        )
+        tables[f"Published {published.name} vs yours: TTFT p50"] = reference_ttft_table(
+            published, row_filter, groups, cells
+        )
+    tables.update(
+        {
+            "Configurations (repeats with spread)": tb.summary_table(groups, top_k),
+            "TTFT p50 short vs long prompts": tb.ttft_table(groups),
+            "Paging counters": tb.paging_table(groups, num_experts),
+            roofline.TITLE: roofline.roofline_table(cells, runs),
+            prefill.TITLE: prefill.prefill_table(cells, runs),
+            "llama.cpp --n-cpu-moe search": search_section.search_table(cells, runs),
+            "Failed and invalid cells": tb.failures_table(cells),
+            "Raw cells": tb.raw_cells_table(cells),
+        }
+    )
     figures = all_figures(groups, cells, samples, top_k, num_experts, tables["llama.cpp --n-cpu-moe search"])
     title = f"benchsuite report: {_report_id(runs)}"
-    return ReportData(title, runs, cells, groups, samples, top_k, num_experts, published, note, tables, figures, found, caveats)
+    return ReportData(
+        title, runs, cells, groups, samples, top_k, num_experts, published, note, tables, figures, found, caveats
+    )
 
 
 def _caveats(runs: list[RunData], cells: pd.DataFrame, key: tuple[str, str, str]) -> list[str]:
@@ -128,19 +150,24 @@ def _caveats(runs: list[RunData], cells: pd.DataFrame, key: tuple[str, str, str]
 
 
 _ANCHORS = {
-    "Paged vs baselines (published layout)": "ratios", "Configurations (repeats with spread)": "configurations",
-    "TTFT p50 short vs long prompts": "ttft", "Paging counters": "paging", "llama.cpp --n-cpu-moe search": "search",
-    roofline.TITLE: "roofline", prefill.TITLE: "prefill",
-    "Failed and invalid cells": "failures", "Raw cells": "raw-cells",
+    "Paged vs baselines (published layout)": "ratios",
+    "Configurations (repeats with spread)": "configurations",
+    "TTFT p50 short vs long prompts": "ttft",
+    "Paging counters": "paging",
+    "llama.cpp --n-cpu-moe search": "search",
+    roofline.TITLE: "roofline",
+    prefill.TITLE: "prefill",
+    "Failed and invalid cells": "failures",
+    "Raw cells": "raw-cells",
 }
 _INTROS = {
     "roofline": roofline.INTRO,
     "prefill": prefill.INTRO,
     "ratios": "<p>One row per paged configuration: the best offload, llama.cpp and cpu-experts configuration measured in the same "
-              "setup and concurrency. Medians over repeats, [min–max] beside them; ratio verdicts say whether the spreads overlap.</p>",
+    "setup and concurrency. Medians over repeats, [min–max] beside them; ratio verdicts say whether the spreads overlap.</p>",
     "search": "<p>One row per candidate N of each search. Launched candidates are cells (measured or failed); rows "
-              "with status 'ruled out' were never launched: llama.cpp's memory projection, with its margin, exceeds "
-              "the budget.</p>",
+    "with status 'ruled out' were never launched: llama.cpp's memory projection, with its margin, exceeds "
+    "the budget.</p>",
     "failures": "<p>Cells that failed or were invalidated, with the reason recorded by the runner. They are not in any figure.</p>",
     "raw-cells": "<p>Every cell as stored in cells.parquet; every figure and table above links here by cell id.</p>",
 }
@@ -160,7 +187,9 @@ def _sections(data: ReportData) -> tuple[list[Section], list[Section]]:
         section = Section(name, anchor, _INTROS.get(anchor, ""), frame)
         (before if anchor == "ratios" else after).append(section)
     if data.published is None:
-        before.append(Section("Published reference", "reference-decode", f"<p>{html.escape(data.reference_note)}</p>", None))
+        before.append(
+            Section("Published reference", "reference-decode", f"<p>{html.escape(data.reference_note)}</p>", None)
+        )
     return before, after
 
 
@@ -180,12 +209,25 @@ def write_report(run_dirs: list[Path], out_dir: Path | None = None, reference_di
     target.mkdir(parents=True, exist_ok=True)
     before, after = _sections(data)
     first = verdict_html(data.verdicts, data.caveats)
-    page = render_page(data.title, first + header_html(data.runs, data.cells), before, data.figures, missing_figures(data.figures), after)
+    page = render_page(
+        data.title,
+        first + header_html(data.runs, data.cells),
+        before,
+        data.figures,
+        missing_figures(data.figures),
+        after,
+    )
     index = target / INDEX_NAME
     tmp = index.with_suffix(".html.tmp")
     tmp.write_text(page, encoding="utf-8")
     tmp.replace(index)
-    preamble = [*verdict_markdown(data.verdicts, data.caveats), "", *header_markdown(data.runs, data.cells), "", data.reference_note]
+    preamble = [
+        *verdict_markdown(data.verdicts, data.caveats),
+        "",
+        *header_markdown(data.runs, data.cells),
+        "",
+        data.reference_note,
+    ]
     shown = {k: display_frame(v) if not v.empty else v for k, v in data.tables.items() if k != "Verdict"}
     write_markdown(target / "tables.md", data.title, preamble, shown)
     write_csv(target / "tables.csv", data.tables)

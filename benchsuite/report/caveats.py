@@ -33,8 +33,12 @@ _WEIGHTLESS_MARKER = "synthetic_weights.json"  # paged_experts.synth_memory.writ
 
 def _random_weights(model: str) -> bool:
     path = Path(model).expanduser()
-    return (model in _GENERATED_MODELS or model.startswith("synth:") or _CACHE_MARK in str(path)
-            or (path / _WEIGHTLESS_MARKER).is_file())
+    return (
+        model in _GENERATED_MODELS
+        or model.startswith("synth:")
+        or _CACHE_MARK in str(path)
+        or (path / _WEIGHTLESS_MARKER).is_file()
+    )
 
 
 def _recorded_random(server: ServerRecord) -> bool:
@@ -65,7 +69,9 @@ def expert_format(server: ServerRecord) -> str | None:
     if recorded:
         return str(recorded)
     if kind == "builtin":
-        return str(options.get("dtype") or ("float32" if options.get("model", "tiny") == "tiny" else "checkpoint dtype"))
+        return str(
+            options.get("dtype") or ("float32" if options.get("model", "tiny") == "tiny" else "checkpoint dtype")
+        )
     if kind == "llamacpp":
         model = str(options.get("model", "tiny"))
         return f"GGUF {Path(model).name}" if model.lower().endswith(".gguf") else str(options.get("gguf_type") or "f32")
@@ -86,32 +92,45 @@ def setup_caveats(cells: pd.DataFrame, servers: Mapping[str, ServerRecord], has_
     mine = [servers.get(str(s)) or ServerRecord() for s in dict.fromkeys(cells["server_id"])]
     out: list[str] = []
     if any(_on_cpu(s, has_gpu) for s in mine):
-        out.append("Device CPU: paging and offload here copy experts within host RAM, not over a PCIe link, so this "
-                   "ranking says nothing about a GPU.")
-    models = sorted({str(s.options.get("model") or s.options.get("model_path") or "")
-                     for s in mine} - {""})
+        out.append(
+            "Device CPU: paging and offload here copy experts within host RAM, not over a PCIe link, so this "
+            "ranking says nothing about a GPU."
+        )
+    models = sorted({str(s.options.get("model") or s.options.get("model_path") or "") for s in mine} - {""})
     random_models = [m for m in models if _random_weights(m)]
     random_models += sorted({str(s.options.get("model")) for s in mine if _recorded_random(s)} - set(random_models))
     if random_models:
-        out.append(f"Random-weight model ({', '.join(random_models)}): its router routes near-uniformly, so tokens share "
-                   f"few experts and paging has little reuse to exploit; a trained model routes otherwise.")
+        out.append(
+            f"Random-weight model ({', '.join(random_models)}): its router routes near-uniformly, so tokens share "
+            f"few experts and paging has little reuse to exploit; a trained model routes otherwise."
+        )
     synthetic = sorted({str(r) for r in cells["routing"] if is_synthetic(r)})
     if synthetic:
-        out.append(f"Synthetic routing ({', '.join(synthetic)}): experts were chosen by a generator, not the model's router.")
+        out.append(
+            f"Synthetic routing ({', '.join(synthetic)}): experts were chosen by a generator, not the model's router."
+        )
     formats = {f"{s.kind} {fmt}" for s in mine if (fmt := expert_format(s)) is not None}
-    if len({f.split(' ', 1)[1] for f in formats}) > 1:
-        out.append(f"Bytes per expert differ between engines ({', '.join(sorted(formats))}): a faster engine may only be "
-                   f"moving fewer bytes.")
+    if len({f.split(" ", 1)[1] for f in formats}) > 1:
+        out.append(
+            f"Bytes per expert differ between engines ({', '.join(sorted(formats))}): a faster engine may only be "
+            f"moving fewer bytes."
+        )
     over = budget_exclusions(cells)
     if over:
-        out.append(f"Over the run's {over[0][1] / 1e9:.0f} GB GPU budget (measured device memory), so not contenders: "
-                   + ", ".join(f"{label} ({used / 1e9:.1f} GB)" for label, _, used in over) + ".")
+        out.append(
+            f"Over the run's {over[0][1] / 1e9:.0f} GB GPU budget (measured device memory), so not contenders: "
+            + ", ".join(f"{label} ({used / 1e9:.1f} GB)" for label, _, used in over)
+            + "."
+        )
     busy = busy_cells(cells)
     if busy:
-        out.append(f"Busy machine during {len(busy)} of {len(cells)} cells: other processes took CPU time; small "
-                   f"differences are not to be trusted.")
+        out.append(
+            f"Busy machine during {len(busy)} of {len(cells)} cells: other processes took CPU time; small "
+            f"differences are not to be trusted."
+        )
     behind = [c for c, e in zip(cells["cell_id"], cells["extras"]) if isinstance(e, dict) and e.get("client_flag")]
     if behind:
-        out.append(f"The client could not keep up in {len(behind)} cells (chunks arrived together): their ITL is "
-                   f"understated.")
+        out.append(
+            f"The client could not keep up in {len(behind)} cells (chunks arrived together): their ITL is understated."
+        )
     return out

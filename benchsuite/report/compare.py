@@ -29,7 +29,16 @@ from benchsuite.report.load import RunData, load_run
 from benchsuite.report.noise import busy_cells
 from benchsuite.report.textout import markdown_table
 
-MATCH_KEYS: tuple[str, ...] = ("engine", "engine_kind", "mode", "params_key", "workload", "prompt_class", "concurrency", "routing")
+MATCH_KEYS: tuple[str, ...] = (
+    "engine",
+    "engine_kind",
+    "mode",
+    "params_key",
+    "workload",
+    "prompt_class",
+    "concurrency",
+    "routing",
+)
 LEVEL_RUNS = "runs"
 LEVEL_REPEATS = "repeats"
 
@@ -96,8 +105,9 @@ def _values(side: _Side, key: tuple[Any, ...], spec: MetricSpec, level: str) -> 
     return [float(v) * spec.scale for v in per_run], ids
 
 
-def _verdict(estimate: stats.RatioEstimate | None, n: tuple[int, int], discovery: bool, spec: MetricSpec,
-             threshold: float) -> tuple[bool, str]:
+def _verdict(
+    estimate: stats.RatioEstimate | None, n: tuple[int, int], discovery: bool, spec: MetricSpec, threshold: float
+) -> tuple[bool, str]:
     if min(n) == 0:
         return False, "no ok value on one side"
     if estimate is None:
@@ -118,12 +128,18 @@ def same_source(a: list[RunData], b: list[RunData]) -> str | None:
     commit, _, matrix_hash = next(iter(facts))
     if commit is None or not matrix_hash:
         return None
-    return (f"A and B ran the same commit ({str(commit)[:12]}) and the same matrix ({str(matrix_hash)[:8]}): this is an "
-            f"A/A comparison, so any flagged row is a false alarm of the method (or a machine that changed between runs).")
+    return (
+        f"A and B ran the same commit ({str(commit)[:12]}) and the same matrix ({str(matrix_hash)[:8]}): this is an "
+        f"A/A comparison, so any flagged row is a false alarm of the method (or a machine that changed between runs)."
+    )
 
 
-def compare_runs(run_a: Path | Sequence[Path], run_b: Path | Sequence[Path], threshold: float = 0.05,
-                 alpha: float = stats.DEFAULT_ALPHA) -> Comparison:
+def compare_runs(
+    run_a: Path | Sequence[Path],
+    run_b: Path | Sequence[Path],
+    threshold: float = 0.05,
+    alpha: float = stats.DEFAULT_ALPHA,
+) -> Comparison:
     """Compare side A with side B; each side is one results run directory or several (reruns of one matrix)."""
     runs_a = [load_run(Path(p)) for p in ([run_a] if isinstance(run_a, (str, Path)) else run_a)]
     runs_b = [load_run(Path(p)) for p in ([run_b] if isinstance(run_b, (str, Path)) else run_b)]
@@ -138,22 +154,61 @@ def compare_runs(run_a: Path | Sequence[Path], run_b: Path | Sequence[Path], thr
             median_a = float(pd.Series(xs).median()) if xs else None
             median_b = float(pd.Series(ys).median()) if ys else None
             busy = sorted((set(ids_a) & a.busy) | (set(ids_b) & b.busy))
-            rows.append({
-                "configuration": a.labels[key], "workload": key[4], "prompt_class": key[5], "concurrency": int(key[6]),
-                "metric": spec.name, "a": median_a, "b": median_b,
-                "change": None if estimate is None else estimate.ratio - 1.0,
-                "interval": None if estimate is None else f"{estimate.low - 1.0:+.1%} … {estimate.high - 1.0:+.1%}",
-                "p_value": None if estimate is None else estimate.p_value, "level": level, "n_a": len(xs), "n_b": len(ys),
-                "machine_busy": f"{len(busy)} cells" if busy else "", "a_cell_ids": " ".join(ids_a), "b_cell_ids": " ".join(ids_b),
-            })
+            rows.append(
+                {
+                    "configuration": a.labels[key],
+                    "workload": key[4],
+                    "prompt_class": key[5],
+                    "concurrency": int(key[6]),
+                    "metric": spec.name,
+                    "a": median_a,
+                    "b": median_b,
+                    "change": None if estimate is None else estimate.ratio - 1.0,
+                    "interval": None if estimate is None else f"{estimate.low - 1.0:+.1%} … {estimate.high - 1.0:+.1%}",
+                    "p_value": None if estimate is None else estimate.p_value,
+                    "level": level,
+                    "n_a": len(xs),
+                    "n_b": len(ys),
+                    "machine_busy": f"{len(busy)} cells" if busy else "",
+                    "a_cell_ids": " ".join(ids_a),
+                    "b_cell_ids": " ".join(ids_b),
+                }
+            )
     discoveries = stats.benjamini_hochberg([None if e is None else e.p_value for _, e, _ in estimates], alpha)
     for row, (spec, estimate, n), discovery in zip(rows, estimates, discoveries):
         row["flagged"], row["verdict"] = _verdict(estimate, n, discovery, spec, threshold)
-    columns = ["configuration", "workload", "prompt_class", "concurrency", "metric", "a", "b", "change", "interval",
-               "p_value", "level", "n_a", "n_b", "flagged", "verdict", "machine_busy", "a_cell_ids", "b_cell_ids"]
+    columns = [
+        "configuration",
+        "workload",
+        "prompt_class",
+        "concurrency",
+        "metric",
+        "a",
+        "b",
+        "change",
+        "interval",
+        "p_value",
+        "level",
+        "n_a",
+        "n_b",
+        "flagged",
+        "verdict",
+        "machine_busy",
+        "a_cell_ids",
+        "b_cell_ids",
+    ]
     frame = pd.DataFrame(rows, columns=columns)
-    return Comparison("+".join(a.run_ids), "+".join(b.run_ids), threshold, alpha, level, same_source(runs_a, runs_b),
-                      frame, _only(a, b), _only(b, a))
+    return Comparison(
+        "+".join(a.run_ids),
+        "+".join(b.run_ids),
+        threshold,
+        alpha,
+        level,
+        same_source(runs_a, runs_b),
+        frame,
+        _only(a, b),
+        _only(b, a),
+    )
 
 
 def _only(side: _Side, other: _Side) -> list[str]:
@@ -174,13 +229,18 @@ def _display(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 def method_text(c: Comparison) -> str:
-    unit = ("each run's median over its ok repeats is one value (two or more runs a side)" if c.level == LEVEL_RUNS else
-            "each ok repeat (cell) is one value; with one run a side, noise shared by a whole run is not covered: "
-            "give reruns of each side (`compare A1 A2 --vs B1 B2`) to test over runs")
-    return (f"Tested over {c.level}: {unit}. change = B / A - 1 (ratio of geometric means) with its {1 - c.alpha:.0%} interval "
-            f"(Welch t on log values); flagged when significant after Benjamini-Hochberg over all {len(c.rows)} rows at "
-            f"{c.alpha:g} and |change| > {c.threshold * 100:g}%. Fewer than {stats.MIN_REPEATS} values a side: not enough "
-            f"repeats, never flagged. a / b: medians of those values.")
+    unit = (
+        "each run's median over its ok repeats is one value (two or more runs a side)"
+        if c.level == LEVEL_RUNS
+        else "each ok repeat (cell) is one value; with one run a side, noise shared by a whole run is not covered: "
+        "give reruns of each side (`compare A1 A2 --vs B1 B2`) to test over runs"
+    )
+    return (
+        f"Tested over {c.level}: {unit}. change = B / A - 1 (ratio of geometric means) with its {1 - c.alpha:.0%} interval "
+        f"(Welch t on log values); flagged when significant after Benjamini-Hochberg over all {len(c.rows)} rows at "
+        f"{c.alpha:g} and |change| > {c.threshold * 100:g}%. Fewer than {stats.MIN_REPEATS} values a side: not enough "
+        f"repeats, never flagged. a / b: medians of those values."
+    )
 
 
 def comparison_markdown(comparison: Comparison) -> str:
@@ -191,7 +251,10 @@ def comparison_markdown(comparison: Comparison) -> str:
     lines.append(f"{len(c.flagged)} flagged of {len(c.rows)} comparisons.\n")
     if len(c.flagged):
         lines.append("## Flagged\n\n" + markdown_table(_display(c.flagged)))
-    lines.append("## All matched configurations\n\n" + (markdown_table(_display(c.rows)) if len(c.rows) else "_no configuration matched_\n"))
+    lines.append(
+        "## All matched configurations\n\n"
+        + (markdown_table(_display(c.rows)) if len(c.rows) else "_no configuration matched_\n")
+    )
     for title, labels in ((f"Only in {c.run_a}", c.only_a), (f"Only in {c.run_b}", c.only_b)):
         if labels:
             lines.append(f"## {title}\n\n" + "".join(f"- {label}\n" for label in labels))
@@ -204,18 +267,27 @@ def comparison_html(comparison: Comparison) -> str:
     head = "".join(f"<th>{html.escape(col)}</th>" for col in shown.columns)
     body = []
     for (_, row), flagged in zip(shown.iterrows(), c.rows["flagged"] if len(c.rows) else []):
-        style = ' style="background:#fde2e2"' if flagged and row["verdict"] == "REGRESSED" else (' style="background:#e3f6e8"' if flagged else "")
+        style = (
+            ' style="background:#fde2e2"'
+            if flagged and row["verdict"] == "REGRESSED"
+            else (' style="background:#e3f6e8"' if flagged else "")
+        )
         body.append(f"<tr{style}>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row.values) + "</tr>")
-    only = "".join(f"<h2>{html.escape(t)}</h2><ul>{''.join(f'<li>{html.escape(x)}</li>' for x in labels)}</ul>"
-                   for t, labels in ((f"Only in {c.run_a}", c.only_a), (f"Only in {c.run_b}", c.only_b)) if labels)
+    only = "".join(
+        f"<h2>{html.escape(t)}</h2><ul>{''.join(f'<li>{html.escape(x)}</li>' for x in labels)}</ul>"
+        for t, labels in ((f"Only in {c.run_a}", c.only_a), (f"Only in {c.run_b}", c.only_b))
+        if labels
+    )
     same = f'<p class="aa"><strong>{html.escape(c.same_source)}</strong></p>' if c.same_source else ""
-    return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>compare {html.escape(c.run_a)} vs {html.escape(c.run_b)}</title><style>"
-            "body{font-family:system-ui,sans-serif;margin:24px;max-width:1400px}table{border-collapse:collapse;font-size:12px}"
-            "td,th{border:1px solid #ccc;padding:3px 6px;overflow-wrap:anywhere}</style></head><body>"
-            f"<h1>Compare {html.escape(c.run_a)} (A) → {html.escape(c.run_b)} (B)</h1>"
-            f"<p>{html.escape(method_text(c))}</p>{same}<p>{len(c.flagged)} flagged of {len(c.rows)}.</p>"
-            f"<table id=\"compare\"><tr>{head}</tr>{''.join(body)}</table>{only}</body></html>")
+    return (
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+        f"<title>compare {html.escape(c.run_a)} vs {html.escape(c.run_b)}</title><style>"
+        "body{font-family:system-ui,sans-serif;margin:24px;max-width:1400px}table{border-collapse:collapse;font-size:12px}"
+        "td,th{border:1px solid #ccc;padding:3px 6px;overflow-wrap:anywhere}</style></head><body>"
+        f"<h1>Compare {html.escape(c.run_a)} (A) → {html.escape(c.run_b)} (B)</h1>"
+        f"<p>{html.escape(method_text(c))}</p>{same}<p>{len(c.flagged)} flagged of {len(c.rows)}.</p>"
+        f'<table id="compare"><tr>{head}</tr>{"".join(body)}</table>{only}</body></html>'
+    )
 
 
 def default_compare_dir(comparison: Comparison) -> Path:

@@ -25,8 +25,13 @@ def _spread_text(column: str, low: object, mid: object, high: object) -> str:
 
 
 def _baselines(columns: list[str]) -> list[str]:
-    return [c[: -len("_config")] for c in columns
-            if c.endswith("_config") and f"paged_vs_{c[: -len('_config')]}" in columns and f"paged_vs_{c[: -len('_config')]}_verdict" in columns]
+    return [
+        c[: -len("_config")]
+        for c in columns
+        if c.endswith("_config")
+        and f"paged_vs_{c[: -len('_config')]}" in columns
+        and f"paged_vs_{c[: -len('_config')]}_verdict" in columns
+    ]
 
 
 def _baseline_text(row: pd.Series, name: str) -> str:
@@ -59,7 +64,10 @@ def display_frame(frame: pd.DataFrame) -> pd.DataFrame:
         if column.endswith("_median"):
             base = column[: -len("_median")]
             if f"{base}_min" in columns and f"{base}_max" in columns:
-                out[base] = [_spread_text(base, lo, mid, hi) for lo, mid, hi in zip(frame[f"{base}_min"], frame[column], frame[f"{base}_max"])]
+                out[base] = [
+                    _spread_text(base, lo, mid, hi)
+                    for lo, mid, hi in zip(frame[f"{base}_min"], frame[column], frame[f"{base}_max"])
+                ]
                 continue
         if (column.endswith(("_min", "_max"))) and f"{column[:-4]}_median" in columns:
             continue

@@ -12,12 +12,14 @@ from collections.abc import Mapping
 from benchsuite import stats
 from benchsuite.report.verdict import Verdict
 
-HOW_TO_READ = ("A is N x B: N = A / B, the ratio of geometric means over each configuration's ok repeats, with its 95% "
-               "interval (Welch t on log values); significant when it is a discovery after Benjamini-Hochberg over every "
-               "comparison on this page at 5% (among many comparisons an interval can miss 1 by chance). With fewer than "
-               f"{stats.MIN_REPEATS} ok repeats on a side there is no verdict. Each mode is represented by its best "
-               "configuration (best K, best N). c=1: decode tok/s of one stream; c>=2: output tok/s of all streams; "
-               "TTFT: the median time to the first token for that prompt class (lower is faster).")
+HOW_TO_READ = (
+    "A is N x B: N = A / B, the ratio of geometric means over each configuration's ok repeats, with its 95% "
+    "interval (Welch t on log values); significant when it is a discovery after Benjamini-Hochberg over every "
+    "comparison on this page at 5% (among many comparisons an interval can miss 1 by chance). With fewer than "
+    f"{stats.MIN_REPEATS} ok repeats on a side there is no verdict. Each mode is represented by its best "
+    "configuration (best K, best N). c=1: decode tok/s of one stream; c>=2: output tok/s of all streams; "
+    "TTFT: the median time to the first token for that prompt class (lower is faster)."
+)
 
 
 def _setup_key(v: Verdict) -> tuple[str, str, str]:
@@ -33,26 +35,34 @@ def _versus_html(v: Verdict) -> str:
     for vs in v.versus:
         e = vs.estimate
         css = "na" if e is None else ("sig" if vs.discovery else "ns")
-        data = (f' data-metric="{v.metric}" data-winner="{html.escape(v.winner)}" data-other="{html.escape(vs.other)}"'
-                f' data-winner-cells="{html.escape(" ".join(vs.winner_cells))}"'
-                f' data-other-cells="{html.escape(" ".join(vs.other_cells))}"')
+        data = (
+            f' data-metric="{v.metric}" data-winner="{html.escape(v.winner)}" data-other="{html.escape(vs.other)}"'
+            f' data-winner-cells="{html.escape(" ".join(vs.winner_cells))}"'
+            f' data-other-cells="{html.escape(" ".join(vs.other_cells))}"'
+        )
         if e is not None:
             data += f' data-ratio="{e.ratio!r}" data-low="{e.low!r}" data-high="{e.high!r}"'
-        parts.append(f'<div class="vs {css}"{data}>{html.escape(vs.text(v.winner, v.ttft))} '
-                     f'<span class="other">({html.escape(vs.other)}: {_fmt(vs.other_median, v.ttft)})</span></div>')
+        parts.append(
+            f'<div class="vs {css}"{data}>{html.escape(vs.text(v.winner, v.ttft))} '
+            f'<span class="other">({html.escape(vs.other)}: {_fmt(vs.other_median, v.ttft)})</span></div>'
+        )
     return "".join(parts)
 
 
 def verdict_html(found: list[Verdict], caveats: Mapping[tuple[str, str, str], list[str]]) -> str:
     """The first screen: one block per setup (caveats first, then the verdict table)."""
     if not found:
-        return ('<section id="verdict"><h2>Verdict</h2><p>No verdict: fewer than two modes have an ok measurement in '
-                'any setup (see the tables below).</p></section>')
+        return (
+            '<section id="verdict"><h2>Verdict</h2><p>No verdict: fewer than two modes have an ok measurement in '
+            "any setup (see the tables below).</p></section>"
+        )
     by_setup: dict[tuple[str, str, str], list[Verdict]] = defaultdict(list)
     for v in found:
         by_setup[_setup_key(v)].append(v)
-    parts = ['<section id="verdict"><h2>Verdict: which mode is fastest, by how much</h2>',
-             f'<p class="caption">{html.escape(HOW_TO_READ)}</p>']
+    parts = [
+        '<section id="verdict"><h2>Verdict: which mode is fastest, by how much</h2>',
+        f'<p class="caption">{html.escape(HOW_TO_READ)}</p>',
+    ]
     for index, (key, items) in enumerate(by_setup.items()):
         run_id, workload, prompt_class = key
         parts.append(f"<h3>{html.escape(run_id)} · {html.escape(workload)} · {html.escape(prompt_class)} prompts</h3>")
@@ -61,14 +71,18 @@ def verdict_html(found: list[Verdict], caveats: Mapping[tuple[str, str, str], li
             parts.append('<ul class="caveats">' + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul>")
         rows = []
         for v in items:
-            rows.append(f'<tr><td>c={v.concurrency}</td><td>{html.escape(v.metric_name)}</td>'
-                        f'<td class="winner" data-metric="{v.metric}" data-value="{v.winner_median!r}"'
-                        f' data-cells="{html.escape(" ".join(v.versus[0].winner_cells))}">'
-                        f'<strong>{html.escape(v.winner)}</strong>: {_fmt(v.winner_median, v.ttft)}</td>'
-                        f'<td>{_versus_html(v)}</td></tr>')
-        parts.append(f'<table class="verdict" id="verdict-{index}"><colgroup><col style="width:7%"><col style="width:16%">'
-                     f'<col style="width:22%"><col style="width:55%"></colgroup><thead><tr><th>streams</th><th>metric</th>'
-                     f'<th>fastest (median)</th><th>against each other mode</th></tr></thead><tbody>{"".join(rows)}</tbody></table>')
+            rows.append(
+                f"<tr><td>c={v.concurrency}</td><td>{html.escape(v.metric_name)}</td>"
+                f'<td class="winner" data-metric="{v.metric}" data-value="{v.winner_median!r}"'
+                f' data-cells="{html.escape(" ".join(v.versus[0].winner_cells))}">'
+                f"<strong>{html.escape(v.winner)}</strong>: {_fmt(v.winner_median, v.ttft)}</td>"
+                f"<td>{_versus_html(v)}</td></tr>"
+            )
+        parts.append(
+            f'<table class="verdict" id="verdict-{index}"><colgroup><col style="width:7%"><col style="width:16%">'
+            f'<col style="width:22%"><col style="width:55%"></colgroup><thead><tr><th>streams</th><th>metric</th>'
+            f"<th>fastest (median)</th><th>against each other mode</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
+        )
     parts.append("</section>")
     return "\n".join(parts)
 
@@ -83,6 +97,8 @@ def verdict_markdown(found: list[Verdict], caveats: Mapping[tuple[str, str, str]
             seen.add(key)
             lines += [f"### {v.run_id} · {v.workload} · {v.prompt_class} prompts", ""]
             lines += [f"- caveat: {note}" for note in caveats.get(key) or []]
-        lines.append(f"- c={v.concurrency}, {v.metric_name}: fastest {v.winner} ({_fmt(v.winner_median, v.ttft)}); "
-                     + "; ".join(vs.text(v.winner, v.ttft) for vs in v.versus))
+        lines.append(
+            f"- c={v.concurrency}, {v.metric_name}: fastest {v.winner} ({_fmt(v.winner_median, v.ttft)}); "
+            + "; ".join(vs.text(v.winner, v.ttft) for vs in v.versus)
+        )
     return lines

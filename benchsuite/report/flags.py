@@ -38,7 +38,9 @@ def prompt_length_mismatches(cells: pd.DataFrame, requests: pd.DataFrame) -> pd.
     joined = requests[requests["prompt_tokens"].notna()].merge(cells[["cell_id", "engine"]], on="cell_id")
     rows = []
     for (prompt_id, cls), group in joined.groupby(["prompt_id", "prompt_class"], sort=True):
-        per_engine = {engine: sorted({int(t) for t in g["prompt_tokens"]}) for engine, g in group.groupby("engine", sort=True)}
+        per_engine = {
+            engine: sorted({int(t) for t in g["prompt_tokens"]}) for engine, g in group.groupby("engine", sort=True)
+        }
         if len(per_engine) > 1 and len({tuple(v) for v in per_engine.values()}) > 1:
             text = "; ".join(f"{engine}: {', '.join(map(str, tokens))}" for engine, tokens in per_engine.items())
             rows.append({"prompt_id": prompt_id, "prompt_class": cls, "prompt_tokens_by_engine": text})

@@ -19,11 +19,28 @@ import pandas as pd
 from benchsuite.report.flags import cell_flags
 
 GROUP_KEYS: tuple[str, ...] = (
-    "run_id", "engine", "engine_kind", "mode", "params_key", "workload", "prompt_class", "concurrency", "routing",
+    "run_id",
+    "engine",
+    "engine_kind",
+    "mode",
+    "params_key",
+    "workload",
+    "prompt_class",
+    "concurrency",
+    "routing",
 )
 METRICS: tuple[str, ...] = (
-    "decode_tok_s_p50", "timings_decode_tok_s_p50", "output_tok_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "itl_p50_s",
-    "miss_rate", "bytes_paged_per_token", "waves_per_step", "union_mean",
+    "decode_tok_s_p50",
+    "timings_decode_tok_s_p50",
+    "output_tok_s",
+    "ttft_p50_s",
+    "ttft_p90_s",
+    "tpot_p50_s",
+    "itl_p50_s",
+    "miss_rate",
+    "bytes_paged_per_token",
+    "waves_per_step",
+    "union_mean",
 )
 _LABEL_OPTIONS = ("offload_layers", "cpu_offload_gb")  # fixed server options that tell configurations apart
 # params that already show N (the runner, the search, the H200 converter)
@@ -120,17 +137,35 @@ def group_configs(cells: pd.DataFrame) -> pd.DataFrame:
         row: dict[str, Any] = dict(zip(GROUP_KEYS, key))
         first = group.iloc[0]
         row.update(
-            label=first["label"], params=first["params"], k=first["k"], n_cpu_moe=first["n_cpu_moe"],
+            label=first["label"],
+            params=first["params"],
+            k=first["k"],
+            n_cpu_moe=first["n_cpu_moe"],
             cell_ids=list(group.sort_values("repeat")["cell_id"]),
             ok_cell_ids=list(ok.sort_values("repeat")["cell_id"]),
-            repeats_ok=len(ok), repeats_not_ok=len(group) - len(ok),
+            repeats_ok=len(ok),
+            repeats_not_ok=len(group) - len(ok),
             flags=list(dict.fromkeys(f for _, c in group.iterrows() for f in cell_flags(c))),
         )
         for metric in METRICS:
             row[metric] = Spread.of(list(ok[metric].dropna())) if metric in ok else None
         rows.append(row)
-    frame = pd.DataFrame(rows, columns=[*GROUP_KEYS, "label", "params", "k", "n_cpu_moe", "cell_ids", "ok_cell_ids",
-                                        "repeats_ok", "repeats_not_ok", "flags", *METRICS])
+    frame = pd.DataFrame(
+        rows,
+        columns=[
+            *GROUP_KEYS,
+            "label",
+            "params",
+            "k",
+            "n_cpu_moe",
+            "cell_ids",
+            "ok_cell_ids",
+            "repeats_ok",
+            "repeats_not_ok",
+            "flags",
+            *METRICS,
+        ],
+    )
     for column in ("k", "n_cpu_moe"):  # ints stay ints (K=8, not K=8.0), absent stays None
         frame[column] = pd.Series([r[column] for r in rows], index=frame.index, dtype=object)
     return frame

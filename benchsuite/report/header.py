@@ -17,10 +17,16 @@ from benchsuite.report.load import RunData
 from benchsuite.report.noise import busy_warning
 
 REPORT_DEFINITIONS: tuple[tuple[str, str], ...] = (
-    ("spread", "min / median / max over a configuration's ok repeats; failed or invalid repeats are never counted as 0"),
-    ("ratio", "A / B = ratio of the geometric means over ok repeats, written 'A is N x B'; the interval is 95% "
-              "(Welch t on log values over repeats, benchsuite.stats): significant when it excludes 1; fewer than 2 "
-              "ok repeats a side: not enough repeats"),
+    (
+        "spread",
+        "min / median / max over a configuration's ok repeats; failed or invalid repeats are never counted as 0",
+    ),
+    (
+        "ratio",
+        "A / B = ratio of the geometric means over ok repeats, written 'A is N x B'; the interval is 95% "
+        "(Welch t on log values over repeats, benchsuite.stats): significant when it excludes 1; fewer than 2 "
+        "ok repeats a side: not enough repeats",
+    ),
     ("headline metric", "decode_tok_s_p50 at concurrency 1, output_tok_s above 1 (the published layout)"),
     ("per-request figures", "warm requests only (warmup and the cold first request after a start excluded)"),
 )
@@ -47,8 +53,10 @@ class EngineStatus:
             return f"{self.kind}: NOT RUN. These results contain no {self.kind} cell; nothing in this report describes {self.kind}."
         names = ", ".join(self.engines)
         if self.ok_cells == 0:
-            return (f"{self.kind}: attempted ({names}) but NO cell succeeded ({self.other_cells} failed or invalid); "
-                    f"no {self.kind} number appears in this report.")
+            return (
+                f"{self.kind}: attempted ({names}) but NO cell succeeded ({self.other_cells} failed or invalid); "
+                f"no {self.kind} number appears in this report."
+            )
         return f"{self.kind}: run ({names}): {self.ok_cells} ok cells, {self.other_cells} failed or invalid."
 
 
@@ -63,7 +71,14 @@ def engine_statuses(cells: pd.DataFrame) -> list[EngineStatus]:
 
 def unmeasured_matrix_engines(runs: list[RunData], cells: pd.DataFrame) -> list[str]:
     measured = set(cells["engine"])
-    return sorted({f"{name} ({kind})" for run in runs for name, kind in mf.matrix_engines(run.manifest).items() if name not in measured})
+    return sorted(
+        {
+            f"{name} ({kind})"
+            for run in runs
+            for name, kind in mf.matrix_engines(run.manifest).items()
+            if name not in measured
+        }
+    )
 
 
 def _count(n: int, noun: str) -> str:
@@ -75,26 +90,54 @@ def warnings(cells: pd.DataFrame, requests: pd.DataFrame) -> list[tuple[str, str
     out = []
     synthetic = sorted({r for r in cells["routing"] if is_synthetic(r)})
     if synthetic:
-        out.append(("warn", (f"SYNTHETIC ROUTING: {int(cells['routing'].map(is_synthetic).sum())} cells used synthetic routing "
-                            f"({', '.join(synthetic)}), not a real model's router. Paging results from synthetic routing do not "
-                            f"predict real-model paging; they are labelled SYNTHETIC wherever they appear.")))
+        out.append(
+            (
+                "warn",
+                (
+                    f"SYNTHETIC ROUTING: {int(cells['routing'].map(is_synthetic).sum())} cells used synthetic routing "
+                    f"({', '.join(synthetic)}), not a real model's router. Paging results from synthetic routing do not "
+                    f"predict real-model paging; they are labelled SYNTHETIC wherever they appear."
+                ),
+            )
+        )
     bad = cells[cells["status"] != "ok"]
     if len(bad):
-        out.append(("bad", (f"{len(bad)} of {len(cells)} cells failed or are invalid; they are excluded from every figure and "
-                           f"listed with their reasons under 'Failed and invalid cells'.")))
+        out.append(
+            (
+                "bad",
+                (
+                    f"{len(bad)} of {len(cells)} cells failed or are invalid; they are excluded from every figure and "
+                    f"listed with their reasons under 'Failed and invalid cells'."
+                ),
+            )
+        )
     busy = busy_warning(cells)
     if busy:
         out.append(("warn", busy))
     flagged = [c for _, c in cells.iterrows() if cell_flags(c)]
     if flagged:
-        out.append(("warn", (f"Warnings (engine, client, engine timings) on {_count(len(flagged), 'cell')} (see the 'flags' column of the configurations table), "
-                            f"for example {flagged[0]['cell_id']}: {cell_flags(flagged[0])[0]}")))
+        out.append(
+            (
+                "warn",
+                (
+                    f"Warnings (engine, client, engine timings) on {_count(len(flagged), 'cell')} (see the 'flags' column of the configurations table), "
+                    f"for example {flagged[0]['cell_id']}: {cell_flags(flagged[0])[0]}"
+                ),
+            )
+        )
     lengths = prompt_length_mismatches(cells, requests)
     if len(lengths):
         first = lengths.iloc[0]
-        out.append(("bad", (f"{_count(len(lengths), 'prompt')} reached the engines as different prompt lengths (server usage.prompt_tokens), "
-                           f"e.g. {first['prompt_id']} ({first['prompt_class']}): {first['prompt_tokens_by_engine']}. "
-                           f"Engines did not do the same work for these prompts.")))
+        out.append(
+            (
+                "bad",
+                (
+                    f"{_count(len(lengths), 'prompt')} reached the engines as different prompt lengths (server usage.prompt_tokens), "
+                    f"e.g. {first['prompt_id']} ({first['prompt_class']}): {first['prompt_tokens_by_engine']}. "
+                    f"Engines did not do the same work for these prompts."
+                ),
+            )
+        )
     return out
 
 
@@ -111,17 +154,28 @@ def _requests(runs: list[RunData]) -> pd.DataFrame:
 
 def canary_warnings(runs: list[RunData]) -> list[tuple[str, str]]:
     """A red banner per server whose leak canary failed (no cell is marked failed for it)."""
-    return [("bad", (f"LEAK CANARY FAILED on server {s.server_id} ({s.engine}, run {run.run_id}): {s.canary}. A marker planted "
-                     f"in one request came back in another request's response: this engine served one request's state to "
-                     f"another. The canary's responses are in manifest.json (servers.{s.server_id}.canary)."))
-            for run in runs for s in mf.servers(run.manifest) if s.canary_failed]
+    return [
+        (
+            "bad",
+            (
+                f"LEAK CANARY FAILED on server {s.server_id} ({s.engine}, run {run.run_id}): {s.canary}. A marker planted "
+                f"in one request came back in another request's response: this engine served one request's state to "
+                f"another. The canary's responses are in manifest.json (servers.{s.server_id}.canary)."
+            ),
+        )
+        for run in runs
+        for s in mf.servers(run.manifest)
+        if s.canary_failed
+    ]
 
 
 def _server_row(s: mf.ServerFacts) -> str:
     canary_cell = '<td class="bad">' if s.canary_failed else "<td>"
-    return (f"<tr><td>{html.escape(s.server_id)}</td><td>{html.escape(s.engine)}</td><td>{html.escape(s.kind)}</td>"
-            f'<td class="wrap">{html.escape(s.version)}</td><td class="wrap"><code>{html.escape(s.command)}</code></td>'
-            f"{canary_cell}canary: {html.escape(s.canary)}</td></tr>")
+    return (
+        f"<tr><td>{html.escape(s.server_id)}</td><td>{html.escape(s.engine)}</td><td>{html.escape(s.kind)}</td>"
+        f'<td class="wrap">{html.escape(s.version)}</td><td class="wrap"><code>{html.escape(s.command)}</code></td>'
+        f"{canary_cell}canary: {html.escape(s.canary)}</td></tr>"
+    )
 
 
 def header_html(runs: list[RunData], cells: pd.DataFrame) -> str:
@@ -142,16 +196,23 @@ def header_html(runs: list[RunData], cells: pd.DataFrame) -> str:
         servers = mf.servers(run.manifest)
         if servers:
             rows = "".join(_server_row(s) for s in servers)
-            parts.append(f'<table id="servers-{html.escape(run.run_id)}"><tr><th>server</th><th>engine</th><th>kind</th><th>version</th><th>command</th>'
-                         f'<th>leak canary</th></tr>{rows}</table>')
+            parts.append(
+                f'<table id="servers-{html.escape(run.run_id)}"><tr><th>server</th><th>engine</th><th>kind</th><th>version</th><th>command</th>'
+                f"<th>leak canary</th></tr>{rows}</table>"
+            )
         else:
             parts.append("<p><em>no servers recorded in the manifest</em></p>")
         sized = [s for s in servers if s.expert_bytes]
         if sized:  # byte-matched experts (FP8 against Q8_0, ...): what each engine moves per expert
-            rows = "".join(f"<tr><td>{html.escape(s.server_id)}</td><td>{html.escape(s.engine)}</td>"
-                           f"<td>{html.escape(str(s.expert_format))}</td><td>{s.expert_bytes / 1e6:.2f} MB</td></tr>" for s in sized)
-            parts.append(f'<h3>Bytes per expert</h3><table id="expert-bytes-{html.escape(run.run_id)}"><tr><th>server</th>'
-                         f"<th>engine</th><th>expert format</th><th>bytes per expert</th></tr>{rows}</table>")
+            rows = "".join(
+                f"<tr><td>{html.escape(s.server_id)}</td><td>{html.escape(s.engine)}</td>"
+                f"<td>{html.escape(str(s.expert_format))}</td><td>{s.expert_bytes / 1e6:.2f} MB</td></tr>"
+                for s in sized
+            )
+            parts.append(
+                f'<h3>Bytes per expert</h3><table id="expert-bytes-{html.escape(run.run_id)}"><tr><th>server</th>'
+                f"<th>engine</th><th>expert format</th><th>bytes per expert</th></tr>{rows}</table>"
+            )
     parts.append('<h2 id="definitions">Metric definitions</h2><ul>')
     parts.extend(f"<li><strong>{html.escape(k)}</strong>: {html.escape(v)}</li>" for k, v in definitions())
     parts.append("</ul>")
@@ -162,8 +223,17 @@ def header_markdown(runs: list[RunData], cells: pd.DataFrame) -> list[str]:
     lines = [f"> **{text}**" for _, text in canary_warnings(runs) + warnings(cells, _requests(runs))]
     lines.append("")
     lines.extend(f"- {s.statement()}" for s in engine_statuses(cells))
-    lines.extend(f"- {name}: named by the matrix but has no results (not run)." for name in unmeasured_matrix_engines(runs, cells))
+    lines.extend(
+        f"- {name}: named by the matrix but has no results (not run)."
+        for name in unmeasured_matrix_engines(runs, cells)
+    )
     for run in runs:
-        lines.append(f"\n**Run {run.run_id}**: " + "; ".join(f"{k}={v}" for k, v in mf.machine_facts(run.manifest) + mf.git_facts(run.manifest)))
-        lines.extend(f"- `{s.engine}` ({s.kind}, {s.version}, canary: {s.canary}): `{s.command}`" for s in mf.servers(run.manifest))
+        lines.append(
+            f"\n**Run {run.run_id}**: "
+            + "; ".join(f"{k}={v}" for k, v in mf.machine_facts(run.manifest) + mf.git_facts(run.manifest))
+        )
+        lines.extend(
+            f"- `{s.engine}` ({s.kind}, {s.version}, canary: {s.canary}): `{s.command}`"
+            for s in mf.servers(run.manifest)
+        )
     return lines

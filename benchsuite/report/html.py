@@ -45,8 +45,21 @@ def _id_links(text: str) -> str:
     return " ".join(f'<a href="#cell-{html.escape(i)}">{html.escape(i)}</a>' for i in str(text).split())
 
 
-_WRAP_COLUMNS = ("cell_ids", "reason", "command", "configuration", "your_config", "your_paged_config", "paged_config", "params",
-                 "machine", "flags", "setup", "routing", "prompt_tokens_by_engine")
+_WRAP_COLUMNS = (
+    "cell_ids",
+    "reason",
+    "command",
+    "configuration",
+    "your_config",
+    "your_paged_config",
+    "paged_config",
+    "params",
+    "machine",
+    "flags",
+    "setup",
+    "routing",
+    "prompt_tokens_by_engine",
+)
 
 
 _LONG_TEXT_CHARS = 40  # a value longer than this wraps in any column (notes, reasons a table did not foresee)
@@ -115,7 +128,9 @@ def _render_part(frame: pd.DataFrame, shown: pd.DataFrame, table_id: str, row_an
     for index, row in shown.iterrows():
         classes = []
         raw = frame.loc[index]
-        if any("SYNTHETIC" in str(v) for v in frame.loc[index].values) or str(raw.get("routing", "")).startswith("synthetic"):
+        if any("SYNTHETIC" in str(v) for v in frame.loc[index].values) or str(raw.get("routing", "")).startswith(
+            "synthetic"
+        ):
             classes.append("synthetic")
         if "status" in frame.columns:
             classes.append(f"status-{html.escape(str(raw['status']))}")
@@ -124,7 +139,11 @@ def _render_part(frame: pd.DataFrame, shown: pd.DataFrame, table_id: str, row_an
             attrs += f' id="cell-{html.escape(str(raw[row_anchor_column]))}"'
         tds = []
         for column, text in row.items():
-            body = _id_links(text) if column in ("cell_ids", "cell_id") and row_anchor_column != column else html.escape(str(text))
+            body = (
+                _id_links(text)
+                if column in ("cell_ids", "cell_id") and row_anchor_column != column
+                else html.escape(str(text))
+            )
             tds.append(f"<td{_cell_class(column, str(text))}>{body}</td>")
         rows.append(f"<tr{attrs}>{''.join(tds)}</tr>")
     tall = " tall" if len(frame) > 40 else ""
@@ -132,22 +151,41 @@ def _render_part(frame: pd.DataFrame, shown: pd.DataFrame, table_id: str, row_an
 
 
 def render_figure(fig: Figure) -> str:
-    div = fig.figure.to_html(full_html=False, include_plotlyjs=False, div_id=fig.anchor,
-                             config={"displaylogo": False, "responsive": True})
+    div = fig.figure.to_html(
+        full_html=False, include_plotlyjs=False, div_id=fig.anchor, config={"displaylogo": False, "responsive": True}
+    )
     ids = " ".join(fig.cell_ids)
-    return (f'<div class="figure" id="{fig.anchor}-box"><h3>{html.escape(fig.title)}</h3>{div}'
-            f'<p class="caption">{html.escape(fig.caption)} Raw data: <a href="#raw-cells">raw cells table</a>; '
-            f'cells: {_id_links(ids) or "none"}</p></div>')
+    return (
+        f'<div class="figure" id="{fig.anchor}-box"><h3>{html.escape(fig.title)}</h3>{div}'
+        f'<p class="caption">{html.escape(fig.caption)} Raw data: <a href="#raw-cells">raw cells table</a>; '
+        f"cells: {_id_links(ids) or 'none'}</p></div>"
+    )
 
 
-def render_page(title: str, header_html: str, sections_before: list[Section], figures: list[Figure],
-                missing_figures: list[str], sections_after: list[Section]) -> str:
-    parts = [f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>",
-             f"<style>{_CSS}</style><script type=\"text/javascript\">{get_plotlyjs()}</script></head><body>",
-             f"<h1>{html.escape(title)}</h1>"]
-    toc = [Section("Verdict", "verdict", "", None), *(s for s in sections_before), Section("Figures", "figures", "", None),
-           *sections_after]
-    parts.append("<nav><strong>Contents:</strong> " + " · ".join(f'<a href="#{s.anchor}">{html.escape(s.title)}</a>' for s in toc) + "</nav>")
+def render_page(
+    title: str,
+    header_html: str,
+    sections_before: list[Section],
+    figures: list[Figure],
+    missing_figures: list[str],
+    sections_after: list[Section],
+) -> str:
+    parts = [
+        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>',
+        f'<style>{_CSS}</style><script type="text/javascript">{get_plotlyjs()}</script></head><body>',
+        f"<h1>{html.escape(title)}</h1>",
+    ]
+    toc = [
+        Section("Verdict", "verdict", "", None),
+        *(s for s in sections_before),
+        Section("Figures", "figures", "", None),
+        *sections_after,
+    ]
+    parts.append(
+        "<nav><strong>Contents:</strong> "
+        + " · ".join(f'<a href="#{s.anchor}">{html.escape(s.title)}</a>' for s in toc)
+        + "</nav>"
+    )
     parts.append(header_html)  # the verdict first, then banners, engines, machine and provenance
     for section in sections_before:
         parts.append(_render_section(section))

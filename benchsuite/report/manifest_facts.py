@@ -176,8 +176,11 @@ def model_top_k(manifest: Manifest, run_dir: Path) -> int | None:
     block (a sampling top_k elsewhere must not be mistaken for the router's), else the config.json
     of the checkpoint a server was started with."""
     raw = manifest.to_json()
-    return (_find_int(raw, ("num_experts_per_tok",)) or _find_int(_model_subtrees(raw), _TOP_K_KEYS)
-            or _find_int(_model_configs(manifest, run_dir), ("num_experts_per_tok",)))
+    return (
+        _find_int(raw, ("num_experts_per_tok",))
+        or _find_int(_model_subtrees(raw), _TOP_K_KEYS)
+        or _find_int(_model_configs(manifest, run_dir), ("num_experts_per_tok",))
+    )
 
 
 def model_num_experts(manifest: Manifest, run_dir: Path) -> int | None:

@@ -29,10 +29,12 @@ def busy_warning(cells: pd.DataFrame) -> str | None:
         return None
     worst = max(_noise(e).get("other_cores") or 0.0 for e in busy["extras"])
     example = _noise(busy.iloc[0]["extras"]).get("busy_reason")
-    return (f"BUSY MACHINE: {len(busy)} of {recorded} cells ran while other processes kept more than "
-            f"{BUSY_OTHER_CORES_FRACTION:.0%} of the cores busy (up to {worst:.2f} cores; e.g. {busy.iloc[0]['cell_id']}: "
-            f"{example}). Their numbers carry that machine's noise: rerun them on a quiet machine before trusting a small "
-            f"difference.")
+    return (
+        f"BUSY MACHINE: {len(busy)} of {recorded} cells ran while other processes kept more than "
+        f"{BUSY_OTHER_CORES_FRACTION:.0%} of the cores busy (up to {worst:.2f} cores; e.g. {busy.iloc[0]['cell_id']}: "
+        f"{example}). Their numbers carry that machine's noise: rerun them on a quiet machine before trusting a small "
+        f"difference."
+    )
 
 
 def load_text(extras: Any) -> str:

@@ -69,7 +69,9 @@ def decode_prompt_class(groups: pd.DataFrame) -> str | None:
     return "sharegpt" if "sharegpt" in classes else prompt_classes(groups)[0]
 
 
-def reference_decode_table(published: Reference, row_filter: dict[str, str], groups: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame:
+def reference_decode_table(
+    published: Reference, row_filter: dict[str, str], groups: pd.DataFrame, cells: pd.DataFrame
+) -> pd.DataFrame:
     """Each published decode row beside the user's paged / offload / llama.cpp best at the same K and concurrency."""
     prompt_class = decode_prompt_class(groups)
     rows = []
@@ -82,22 +84,35 @@ def reference_decode_table(published: Reference, row_filter: dict[str, str], gro
         offload = _median(None if offload_row is None else offload_row[metric])
         llama = _median(None if llama_row is None else llama_row[metric])
         ids = [i for g in (paged, offload_row, llama_row) if g is not None for i in g["cell_ids"]]
-        rows.append({
-            "machine": _machine_text(published, ref.machine), "quant": ref.quant, "K": ref.resident_experts,
-            "concurrency": ref.concurrency, "metric": metric,
-            "published_paged": ref.paged_tok_s, "published_paged_high": ref.paged_high_tok_s,
-            "published_offload": ref.offload_tok_s, "published_llamacpp_best": ref.llamacpp_best_tok_s,
-            "published_paged_vs_offload": ref.paged_vs_offload, "published_paged_vs_llamacpp": ref.paged_vs_llamacpp,
-            "your_paged_config": "not measured" if paged is None else paged["label"],
-            "your_paged": mine, "your_offload": offload, "your_llamacpp_best": llama,
-            "your_paged_vs_offload": _ratio(mine, offload), "your_paged_vs_llamacpp": _ratio(mine, llama),
-            "yours_vs_published_paged": _ratio(mine, ref.paged_tok_s),
-            "cell_ids": " ".join(ids),
-        })
+        rows.append(
+            {
+                "machine": _machine_text(published, ref.machine),
+                "quant": ref.quant,
+                "K": ref.resident_experts,
+                "concurrency": ref.concurrency,
+                "metric": metric,
+                "published_paged": ref.paged_tok_s,
+                "published_paged_high": ref.paged_high_tok_s,
+                "published_offload": ref.offload_tok_s,
+                "published_llamacpp_best": ref.llamacpp_best_tok_s,
+                "published_paged_vs_offload": ref.paged_vs_offload,
+                "published_paged_vs_llamacpp": ref.paged_vs_llamacpp,
+                "your_paged_config": "not measured" if paged is None else paged["label"],
+                "your_paged": mine,
+                "your_offload": offload,
+                "your_llamacpp_best": llama,
+                "your_paged_vs_offload": _ratio(mine, offload),
+                "your_paged_vs_llamacpp": _ratio(mine, llama),
+                "yours_vs_published_paged": _ratio(mine, ref.paged_tok_s),
+                "cell_ids": " ".join(ids),
+            }
+        )
     return pd.DataFrame(rows)
 
 
-def reference_ttft_table(published: Reference, row_filter: dict[str, str], groups: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame:
+def reference_ttft_table(
+    published: Reference, row_filter: dict[str, str], groups: pd.DataFrame, cells: pd.DataFrame
+) -> pd.DataFrame:
     """Published TTFT p50 (short / 2,048-token prompts) beside the user's paged and llama.cpp best at concurrency 1."""
     short, long = prompt_classes(groups)
     ks: dict[tuple[str, str], int] = {}
@@ -112,18 +127,31 @@ def reference_ttft_table(published: Reference, row_filter: dict[str, str], group
             config = None if paged_short is None else baselines_for(groups, cells, paged_short)["llamacpp_best"]
         long_row = None
         if config is not None:
-            same = groups[(groups["run_id"] == config["run_id"]) & (groups["engine"] == config["engine"])
-                          & (groups["params_key"] == config["params_key"]) & (groups["mode"] == config["mode"])
-                          & (groups["concurrency"] == 1) & (groups["prompt_class"] == long)]
+            same = groups[
+                (groups["run_id"] == config["run_id"])
+                & (groups["engine"] == config["engine"])
+                & (groups["params_key"] == config["params_key"])
+                & (groups["mode"] == config["mode"])
+                & (groups["concurrency"] == 1)
+                & (groups["prompt_class"] == long)
+            ]
             long_row = None if same.empty else same.iloc[0]
         short_ms = _median(None if config is None else config["ttft_p50_s"])
         long_ms = _median(None if long_row is None else long_row["ttft_p50_s"])
-        rows.append({
-            "machine": _machine_text(published, ref.machine), "quant": ref.quant, "engine": ref.engine,
-            "published_short_ms": ref.short_ms, "published_long_ms": ref.long_2048_ms,
-            "your_config": "not measured" if config is None else config["label"],
-            "your_short_ms": None if short_ms is None else short_ms * 1000.0,
-            "your_long_ms": None if long_ms is None else long_ms * 1000.0,
-            "cell_ids": " ".join(([] if config is None else list(config["cell_ids"])) + ([] if long_row is None else list(long_row["cell_ids"]))),
-        })
+        rows.append(
+            {
+                "machine": _machine_text(published, ref.machine),
+                "quant": ref.quant,
+                "engine": ref.engine,
+                "published_short_ms": ref.short_ms,
+                "published_long_ms": ref.long_2048_ms,
+                "your_config": "not measured" if config is None else config["label"],
+                "your_short_ms": None if short_ms is None else short_ms * 1000.0,
+                "your_long_ms": None if long_ms is None else long_ms * 1000.0,
+                "cell_ids": " ".join(
+                    ([] if config is None else list(config["cell_ids"]))
+                    + ([] if long_row is None else list(long_row["cell_ids"]))
+                ),
+            }
+        )
     return pd.DataFrame(rows)

@@ -28,7 +28,9 @@ def _clean(value: Any) -> Any:
 def _record(row: pd.Series) -> RequestRecord:
     lists = ("chunk_times_s", "chunk_reads", "chunk_tokens")
     values = {c: _clean(row[c]) for c in REQUEST_COLUMNS if c not in (*lists, "engine_timings")}
-    as_list = {c: [] if row[c] is None or (isinstance(row[c], float) and math.isnan(row[c])) else list(row[c]) for c in lists}
+    as_list = {
+        c: [] if row[c] is None or (isinstance(row[c], float) and math.isnan(row[c])) else list(row[c]) for c in lists
+    }
     return RequestRecord(**values, **as_list)
 
 
@@ -49,6 +51,13 @@ def request_samples(requests: pd.DataFrame) -> pd.DataFrame:
         record = _record(row)
         if record.warmup or record.cold or not record.ok:
             continue
-        rows.append({"cell_id": record.cell_id, "request_index": record.request_index, "ttft_s": metrics.ttft_s(record),
-                     "decode_tok_s": metrics.decode_tok_s(record), "e2e_output_tok_s": _e2e_output_tok_s(record)})
+        rows.append(
+            {
+                "cell_id": record.cell_id,
+                "request_index": record.request_index,
+                "ttft_s": metrics.ttft_s(record),
+                "decode_tok_s": metrics.decode_tok_s(record),
+                "e2e_output_tok_s": _e2e_output_tok_s(record),
+            }
+        )
     return pd.DataFrame(rows, columns=columns)

@@ -54,36 +54,58 @@ def _batch_cap(k: Any, top_k: int | None) -> int | None:
 def _spread_cols(prefix: str, spread: Spread | None, scale: float = 1.0) -> dict[str, float | None]:
     if spread is None:
         return {f"{prefix}_min": None, f"{prefix}_median": None, f"{prefix}_max": None}
-    return {f"{prefix}_min": spread.min * scale, f"{prefix}_median": spread.median * scale, f"{prefix}_max": spread.max * scale}
+    return {
+        f"{prefix}_min": spread.min * scale,
+        f"{prefix}_median": spread.median * scale,
+        f"{prefix}_max": spread.max * scale,
+    }
 
 
 def summary_table(groups: pd.DataFrame, top_k: int | None) -> pd.DataFrame:
     """One row per configuration with the spread of its headline metrics over ok repeats."""
     rows = []
     for _, g in groups.iterrows():
-        rows.append({
-            "configuration": g["label"], "run_id": g["run_id"], "engine": g["engine"], "mode": g["mode"],
-            "routing": routing_label(g["routing"]), "workload": g["workload"], "prompt_class": g["prompt_class"],
-            "concurrency": int(g["concurrency"]), "K": g["k"], "K_div_top_k": _batch_cap(g["k"], top_k),
-            "repeats_ok": int(g["repeats_ok"]), "repeats_not_ok": int(g["repeats_not_ok"]),
-            **_spread_cols("decode_tok_s", g["decode_tok_s_p50"]),
-            # the engine's own decode rate where it reports one (llama.cpp timings): a cross-check of ours
-            **_spread_cols("timings_decode_tok_s", g["timings_decode_tok_s_p50"]),
-            **_spread_cols("output_tok_s", g["output_tok_s"]),
-            **_spread_cols("ttft_p50_ms", g["ttft_p50_s"], 1000.0),
-            "flags": " | ".join(g["flags"]), "cell_ids": " ".join(g["cell_ids"]),
-        })
+        rows.append(
+            {
+                "configuration": g["label"],
+                "run_id": g["run_id"],
+                "engine": g["engine"],
+                "mode": g["mode"],
+                "routing": routing_label(g["routing"]),
+                "workload": g["workload"],
+                "prompt_class": g["prompt_class"],
+                "concurrency": int(g["concurrency"]),
+                "K": g["k"],
+                "K_div_top_k": _batch_cap(g["k"], top_k),
+                "repeats_ok": int(g["repeats_ok"]),
+                "repeats_not_ok": int(g["repeats_not_ok"]),
+                **_spread_cols("decode_tok_s", g["decode_tok_s_p50"]),
+                # the engine's own decode rate where it reports one (llama.cpp timings): a cross-check of ours
+                **_spread_cols("timings_decode_tok_s", g["timings_decode_tok_s_p50"]),
+                **_spread_cols("output_tok_s", g["output_tok_s"]),
+                **_spread_cols("ttft_p50_ms", g["ttft_p50_s"], 1000.0),
+                "flags": " | ".join(g["flags"]),
+                "cell_ids": " ".join(g["cell_ids"]),
+            }
+        )
     return pd.DataFrame(rows)
 
 
 def failures_table(cells: pd.DataFrame) -> pd.DataFrame:
     """Every failed or invalid cell with its reason."""
     bad = cells[cells["status"] != "ok"].sort_values(["label", "concurrency", "repeat"])
-    return pd.DataFrame({
-        "cell_id": bad["cell_id"], "configuration": bad["label"], "workload": bad["workload"],
-        "prompt_class": bad["prompt_class"], "concurrency": bad["concurrency"].astype(int), "repeat": bad["repeat"].astype(int),
-        "status": bad["status"], "reason": bad["reason"].fillna("no reason recorded"),
-    }).reset_index(drop=True)
+    return pd.DataFrame(
+        {
+            "cell_id": bad["cell_id"],
+            "configuration": bad["label"],
+            "workload": bad["workload"],
+            "prompt_class": bad["prompt_class"],
+            "concurrency": bad["concurrency"].astype(int),
+            "repeat": bad["repeat"].astype(int),
+            "status": bad["status"],
+            "reason": bad["reason"].fillna("no reason recorded"),
+        }
+    ).reset_index(drop=True)
 
 
 def _best(candidates: pd.DataFrame, metric: str) -> pd.Series | None:
@@ -105,9 +127,15 @@ def fits(row: pd.Series, cells: pd.DataFrame) -> bool:
 
 def baselines_for(groups: pd.DataFrame, cells: pd.DataFrame, paged: pd.Series) -> dict[str, pd.Series | None]:
     """The best offload, llama.cpp and cpu-experts configuration comparable with one paged configuration."""
-    same_setup = groups[(groups["run_id"] == paged["run_id"]) & (groups["workload"] == paged["workload"])
-                        & (groups["prompt_class"] == paged["prompt_class"]) & (groups["concurrency"] == paged["concurrency"])]
-    same_engine = same_setup[(same_setup["engine_kind"] == paged["engine_kind"]) & (same_setup["routing"] == paged["routing"])]
+    same_setup = groups[
+        (groups["run_id"] == paged["run_id"])
+        & (groups["workload"] == paged["workload"])
+        & (groups["prompt_class"] == paged["prompt_class"])
+        & (groups["concurrency"] == paged["concurrency"])
+    ]
+    same_engine = same_setup[
+        (same_setup["engine_kind"] == paged["engine_kind"]) & (same_setup["routing"] == paged["routing"])
+    ]
     llama = same_setup[same_setup["engine_kind"] == "llamacpp"]
     llama = llama[[fits(row, cells) for _, row in llama.iterrows()]] if len(llama) else llama
     metric = headline_metric(paged["concurrency"])
@@ -121,13 +149,19 @@ def baselines_for(groups: pd.DataFrame, cells: pd.DataFrame, paged: pd.Series) -
 def ratio_table(groups: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame:
     """Published layout: per setup and concurrency, paged vs offload and vs llama.cpp best (and cpu-experts)."""
     rows = []
-    paged_groups = groups[groups["mode"] == "paged"].sort_values(["run_id", "workload", "prompt_class", "concurrency", "k"])
+    paged_groups = groups[groups["mode"] == "paged"].sort_values(
+        ["run_id", "workload", "prompt_class", "concurrency", "k"]
+    )
     for _, paged in paged_groups.iterrows():
         metric = headline_metric(paged["concurrency"])
         spread = paged[metric]
         row: dict[str, Any] = {
-            "setup": f"{paged['run_id']} · {paged['workload']} · {paged['prompt_class']}", "concurrency": int(paged["concurrency"]),
-            "paged_config": paged["label"], "K": paged["k"], "metric": metric, "synthetic": is_synthetic(paged["routing"]),
+            "setup": f"{paged['run_id']} · {paged['workload']} · {paged['prompt_class']}",
+            "concurrency": int(paged["concurrency"]),
+            "paged_config": paged["label"],
+            "K": paged["k"],
+            "metric": metric,
+            "synthetic": is_synthetic(paged["routing"]),
             **_spread_cols("paged", spread),
         }
         ids = list(paged["cell_ids"])
@@ -189,8 +223,13 @@ def paging_table(groups: pd.DataFrame, num_experts: int | None) -> pd.DataFrame:
             continue
         k = g["k"]
         random_miss = None if num_experts is None or k is None or math.isnan(k) else 1.0 - float(k) / num_experts
-        row = {"configuration": g["label"], "K": k, "concurrency": int(g["concurrency"]), "prompt_class": g["prompt_class"],
-               "random_miss": random_miss}
+        row = {
+            "configuration": g["label"],
+            "K": k,
+            "concurrency": int(g["concurrency"]),
+            "prompt_class": g["prompt_class"],
+            "random_miss": random_miss,
+        }
         for c in counters:
             row[c] = None if g[c] is None else g[c].median
         row["cell_ids"] = " ".join(g["ok_cell_ids"])
@@ -207,33 +246,98 @@ def search_table(cells: pd.DataFrame) -> pd.DataFrame:
         extras = c["extras"]
         chosen = extras.get("chosen")
         n = c["n_cpu_moe"]
-        rows.append({
-            "run_id": c["run_id"], "engine": c["engine"], "workload": c["workload"], "prompt_class": c["prompt_class"],
-            "concurrency": int(c["concurrency"]), "N": None if n is None or (isinstance(n, float) and math.isnan(n)) else int(n),
-            "fits": extras.get("fits"), "chosen": bool(chosen is True or (isinstance(chosen, int) and not isinstance(chosen, bool) and chosen == n)),
-            "decode_tok_s": c["decode_tok_s_p50"], "projected_bytes": extras.get("projected_bytes"),
-            "budget_bytes": extras.get("budget_bytes"), "search_launches": extras.get("search_launches"),
-            "linear_scan_launches": extras.get("linear_scan_launches"), "status": c["status"], "reason": c["reason"],
-            "cell_id": c["cell_id"],
-        })
-    return pd.DataFrame(rows, columns=["run_id", "engine", "workload", "prompt_class", "concurrency", "N", "fits", "chosen",
-                                       "decode_tok_s", "projected_bytes", "budget_bytes", "search_launches",
-                                       "linear_scan_launches", "status", "reason", "cell_id"]).sort_values(["run_id", "engine", "concurrency", "N"]).reset_index(drop=True)
+        rows.append(
+            {
+                "run_id": c["run_id"],
+                "engine": c["engine"],
+                "workload": c["workload"],
+                "prompt_class": c["prompt_class"],
+                "concurrency": int(c["concurrency"]),
+                "N": None if n is None or (isinstance(n, float) and math.isnan(n)) else int(n),
+                "fits": extras.get("fits"),
+                "chosen": bool(
+                    chosen is True or (isinstance(chosen, int) and not isinstance(chosen, bool) and chosen == n)
+                ),
+                "decode_tok_s": c["decode_tok_s_p50"],
+                "projected_bytes": extras.get("projected_bytes"),
+                "budget_bytes": extras.get("budget_bytes"),
+                "search_launches": extras.get("search_launches"),
+                "linear_scan_launches": extras.get("linear_scan_launches"),
+                "status": c["status"],
+                "reason": c["reason"],
+                "cell_id": c["cell_id"],
+            }
+        )
+    return (
+        pd.DataFrame(
+            rows,
+            columns=[
+                "run_id",
+                "engine",
+                "workload",
+                "prompt_class",
+                "concurrency",
+                "N",
+                "fits",
+                "chosen",
+                "decode_tok_s",
+                "projected_bytes",
+                "budget_bytes",
+                "search_launches",
+                "linear_scan_launches",
+                "status",
+                "reason",
+                "cell_id",
+            ],
+        )
+        .sort_values(["run_id", "engine", "concurrency", "N"])
+        .reset_index(drop=True)
+    )
 
 
 RAW_COLUMNS: tuple[str, ...] = (
-    "cell_id", "run_id", "engine", "engine_kind", "mode", "params", "workload", "prompt_class", "concurrency", "repeat",
-    "status", "reason", "routing", "num_requests", "num_errors", "decode_tok_s_p50", "timings_decode_tok_s_p50",
-    "output_tok_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "itl_p50_s", "itl_per_token_p50_s", "tokens_per_chunk_mean",
-    "coalesced_gaps", "miss_rate", "bytes_paged_per_token", "waves_per_step", "union_mean", "usage_mismatches",
+    "cell_id",
+    "run_id",
+    "engine",
+    "engine_kind",
+    "mode",
+    "params",
+    "workload",
+    "prompt_class",
+    "concurrency",
+    "repeat",
+    "status",
+    "reason",
+    "routing",
+    "num_requests",
+    "num_errors",
+    "decode_tok_s_p50",
+    "timings_decode_tok_s_p50",
+    "output_tok_s",
+    "ttft_p50_s",
+    "ttft_p90_s",
+    "tpot_p50_s",
+    "itl_p50_s",
+    "itl_per_token_p50_s",
+    "tokens_per_chunk_mean",
+    "coalesced_gaps",
+    "miss_rate",
+    "bytes_paged_per_token",
+    "waves_per_step",
+    "union_mean",
+    "usage_mismatches",
 )
 
 
 def raw_cells_table(cells: pd.DataFrame) -> pd.DataFrame:
     """Every cell as stored, the table every figure links to; `machine`: its load, clock and busy flag."""
     busy = busy_cells(cells)
-    out = cells.sort_values(["run_id", "engine", "mode", "prompt_class", "concurrency", "repeat"])[list(RAW_COLUMNS)].copy()
+    out = cells.sort_values(["run_id", "engine", "mode", "prompt_class", "concurrency", "repeat"])[
+        list(RAW_COLUMNS)
+    ].copy()
     out["params"] = [", ".join(f"{k}={v}" for k, v in sorted(p.items())) or "none" for p in out["params"]]
     ordered = cells.loc[out.index]
-    out["machine"] = [("BUSY: " if i in busy else "") + load_text(e) for i, e in zip(ordered["cell_id"], ordered["extras"])]
+    out["machine"] = [
+        ("BUSY: " if i in busy else "") + load_text(e) for i, e in zip(ordered["cell_id"], ordered["extras"])
+    ]
     return out.reset_index(drop=True)

@@ -72,8 +72,11 @@ class Versus:
         if self.estimate is None:
             return f"vs {self.other}: {stats.not_enough_text(self.n_winner, self.n_other)}"
         e = self.estimate
-        what = f"{winner}'s TTFT is {stats.times_text(e.ratio)} x {self.other}'s" if ttft else \
-            f"{winner} is {stats.times_text(e.ratio)} x {self.other}"
+        what = (
+            f"{winner}'s TTFT is {stats.times_text(e.ratio)} x {self.other}'s"
+            if ttft
+            else f"{winner} is {stats.times_text(e.ratio)} x {self.other}"
+        )
         return f"{what} [{stats.times_text(e.low)}–{stats.times_text(e.high)}], {self.verdict()}"
 
     def verdict(self) -> str:
@@ -129,12 +132,32 @@ def _verdict(setup: pd.DataFrame, concurrency: int, metric: str) -> Verdict | No
             continue
         a, b = winner[metric], other[metric]
         estimate = stats.ratio_estimate(a.values, b.values)
-        versus.append(Versus(config_facts(other).label, family, b.median * scale, estimate, len(a.values), len(b.values),
-                             estimate is not None and estimate.significant, tuple(winner["ok_cell_ids"]),
-                             tuple(other["ok_cell_ids"])))
+        versus.append(
+            Versus(
+                config_facts(other).label,
+                family,
+                b.median * scale,
+                estimate,
+                len(a.values),
+                len(b.values),
+                estimate is not None and estimate.significant,
+                tuple(winner["ok_cell_ids"]),
+                tuple(other["ok_cell_ids"]),
+            )
+        )
     name = f"TTFT p50 (ms), {winner['prompt_class']} prompts" if ttft else f"{THROUGHPUT_NAMES[metric]} (tok/s)"
-    return Verdict(str(winner["run_id"]), str(winner["workload"]), str(winner["prompt_class"]), int(concurrency), metric,
-                   name, config_facts(winner).label, winner_family, winner[metric].median * scale, tuple(versus))
+    return Verdict(
+        str(winner["run_id"]),
+        str(winner["workload"]),
+        str(winner["prompt_class"]),
+        int(concurrency),
+        metric,
+        name,
+        config_facts(winner).label,
+        winner_family,
+        winner[metric].median * scale,
+        tuple(versus),
+    )
 
 
 def verdicts(groups: pd.DataFrame, cells: pd.DataFrame, alpha: float = stats.DEFAULT_ALPHA) -> list[Verdict]:
@@ -161,12 +184,22 @@ def verdict_table(found: list[Verdict]) -> pd.DataFrame:
     for v in found:
         for vs in v.versus:
             e = vs.estimate
-            rows.append({
-                "setup": f"{v.run_id} · {v.workload} · {v.prompt_class}", "concurrency": v.concurrency, "metric": v.metric_name,
-                "fastest": v.winner, "fastest_median": v.winner_median, "versus": vs.other, "versus_median": vs.other_median,
-                "ratio": None if e is None else e.ratio, "ratio_low": None if e is None else e.low,
-                "ratio_high": None if e is None else e.high,
-                "verdict": vs.verdict(), "p_value": None if e is None else e.p_value,
-                "statement": vs.text(v.winner, v.ttft), "cell_ids": " ".join(vs.cell_ids),
-            })
+            rows.append(
+                {
+                    "setup": f"{v.run_id} · {v.workload} · {v.prompt_class}",
+                    "concurrency": v.concurrency,
+                    "metric": v.metric_name,
+                    "fastest": v.winner,
+                    "fastest_median": v.winner_median,
+                    "versus": vs.other,
+                    "versus_median": vs.other_median,
+                    "ratio": None if e is None else e.ratio,
+                    "ratio_low": None if e is None else e.low,
+                    "ratio_high": None if e is None else e.high,
+                    "verdict": vs.verdict(),
+                    "p_value": None if e is None else e.p_value,
+                    "statement": vs.text(v.winner, v.ttft),
+                    "cell_ids": " ".join(vs.cell_ids),
+                }
+            )
     return pd.DataFrame(rows)

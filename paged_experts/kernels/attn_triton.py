@@ -34,8 +34,20 @@ if triton is not None:
 
     @triton.jit
     def _decode_attention(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
-        q, kv_k, kv_v, blocks, positions, out, scale, width,
-        BS: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, GB: tl.constexpr, D: tl.constexpr, BL: tl.constexpr,
+        q,
+        kv_k,
+        kv_v,
+        blocks,
+        positions,
+        out,
+        scale,
+        width,
+        BS: tl.constexpr,
+        KVH: tl.constexpr,
+        G: tl.constexpr,
+        GB: tl.constexpr,
+        D: tl.constexpr,
+        BL: tl.constexpr,
     ):
         """q [B, KVH*G, D]; kv_k, kv_v [slots, KVH, D]; blocks [B, width] KV block of each BS
         positions; positions [B] (sequence b attends to positions 0..positions[b]); out [B, KVH*G*D]."""
@@ -73,7 +85,11 @@ if triton is not None:
 
 
 def decode_attention(
-    q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Tensor, blocks: torch.Tensor, positions: torch.Tensor,
+    q: torch.Tensor,
+    kv_k: torch.Tensor,
+    kv_v: torch.Tensor,
+    blocks: torch.Tensor,
+    positions: torch.Tensor,
     block_size: int,
 ) -> torch.Tensor:
     """q [B, nh, D] (normed, rotated); kv_k/kv_v [slots, kvh, D] with this step's rows written;

@@ -147,8 +147,11 @@ def uses_triton(num_pairs: int, device: torch.device) -> bool:
 def kernel_choice(is_fp8: bool, device_type: str, dtype: str) -> dict[str, str]:
     """Which expert kernels serve which steps (recorded in the server's info and log)."""
     weights = "FP8 rows + float32 block scales" if is_fp8 else f"{dtype} rows"
-    large = (f"the step's (or wave's) experts dequantized to {dtype}, then grouped GEMM" if is_fp8
-             else "grouped GEMM (torch._grouped_mm or its fallback)")
+    large = (
+        f"the step's (or wave's) experts dequantized to {dtype}, then grouped GEMM"
+        if is_fp8
+        else "grouped GEMM (torch._grouped_mm or its fallback)"
+    )
     if _EXPERT_BACKEND[0] == "triton" and device_type == "cuda":
         small = f"moe_triton per-pair kernels reading {weights}, fp32 accumulation"
         return {f"steps <= {moe_triton.MAX_PAIRS} pairs": small, "larger steps": large}
@@ -170,9 +173,17 @@ def pairs_per_row(pair_rows: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 
 def experts_over_rows(
-    x: torch.Tensor, pair_rows: torch.Tensor, topk_weights: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-    down: torch.Tensor, top_k: int, count_rows: bool = True, gate_scale: torch.Tensor | None = None,
-    up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
+    x: torch.Tensor,
+    pair_rows: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    top_k: int,
+    count_rows: bool = True,
+    gate_scale: torch.Tensor | None = None,
+    up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The whole expert pass of a one-wave step, tensors only (compilable unless the 'triton'
     backend takes it): x [T, H], pair_rows [T*k] weight row (expert or slot) of each pair ->

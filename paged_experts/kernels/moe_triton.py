@@ -51,7 +51,9 @@ class TileConfig:
     block_n: int  # output features per program
     block_k: int  # reduction step
     num_warps: int
-    pair_vector: bool = False  # down only: load a token's k pairs' tiles together ([k, BN, BK]), not one pair after another
+    pair_vector: bool = (
+        False  # down only: load a token's k pairs' tiles together ([k, BN, BK]), not one pair after another
+    )
 
 
 # The fastest batch-1 tiles of benchmarks/moe_kernels_h200.py on the H200 (results/h200/s3_call5):
@@ -103,7 +105,13 @@ if triton is not None:
 
     @triton.jit
     def _route_topk(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
-        logits, ids_out, w_out, E: tl.constexpr, EB: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
+        logits,
+        ids_out,
+        w_out,
+        E: tl.constexpr,
+        EB: tl.constexpr,
+        K: tl.constexpr,
+        KB: tl.constexpr,
         NORM: tl.constexpr,
     ):
         """logits [T, E] (any float dtype) -> ids_out [T, K] int64, w_out [T, K] fp32; one token per program."""
@@ -130,8 +138,16 @@ if triton is not None:
 
     @triton.jit
     def _gate_up(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
-        x, rows, w_gate, w_up, hid, TOP_K: tl.constexpr, I: tl.constexpr, H: tl.constexpr,
-        BN: tl.constexpr, BK: tl.constexpr,
+        x,
+        rows,
+        w_gate,
+        w_up,
+        hid,
+        TOP_K: tl.constexpr,
+        I: tl.constexpr,
+        H: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
     ):
         """x [T, H], rows [T*k] weight row per pair, w_gate/w_up [G, I, H] -> hid [T*k, I]."""
         p = tl.program_id(0).to(tl.int64)
@@ -156,8 +172,16 @@ if triton is not None:
 
     @triton.jit
     def _down_combine(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
-        hid, rows, topw, w_down, out, TOP_K: tl.constexpr, I: tl.constexpr, H: tl.constexpr,
-        BN: tl.constexpr, BK: tl.constexpr,
+        hid,
+        rows,
+        topw,
+        w_down,
+        out,
+        TOP_K: tl.constexpr,
+        I: tl.constexpr,
+        H: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
     ):
         """hid [T*k, I], rows [T*k], topw [T*k] fp32, w_down [G, H, I] -> out [T, H] = sum_j w_j * down(h_j)."""
         t = tl.program_id(0).to(tl.int64)
@@ -179,11 +203,19 @@ if triton is not None:
             acc += wj * part
         tl.store(out + t * H + n, acc.to(out.dtype.element_ty), mask=n_ok)
 
-
     @triton.jit
     def _down_combine_vec(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
-        hid, rows, topw, w_down, out, TOP_K: tl.constexpr, KB: tl.constexpr, I: tl.constexpr, H: tl.constexpr,
-        BN: tl.constexpr, BK: tl.constexpr,
+        hid,
+        rows,
+        topw,
+        w_down,
+        out,
+        TOP_K: tl.constexpr,
+        KB: tl.constexpr,
+        I: tl.constexpr,
+        H: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
     ):
         """`_down_combine` with a token's k pairs loaded together: each step streams k weight tiles
         [KB, BN, BK] at once (k times the bytes in flight of the one-pair loop)."""
@@ -212,8 +244,19 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_fp8(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
-        x, rows, w_gate, w_up, s_gate, s_up, hid, TOP_K: tl.constexpr, I: tl.constexpr, H: tl.constexpr,
-        QB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        x,
+        rows,
+        w_gate,
+        w_up,
+        s_gate,
+        s_up,
+        hid,
+        TOP_K: tl.constexpr,
+        I: tl.constexpr,
+        H: tl.constexpr,
+        QB: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
     ):
         """`_gate_up` over FP8 rows: w_gate/w_up [G, I, H] float8_e4m3fn with scales [G, I/QB, H/QB] fp32."""
         p = tl.program_id(0).to(tl.int64)
@@ -242,8 +285,18 @@ if triton is not None:
 
     @triton.jit
     def _down_combine_fp8(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
-        hid, rows, topw, w_down, s_down, out, TOP_K: tl.constexpr, I: tl.constexpr, H: tl.constexpr,
-        QB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        hid,
+        rows,
+        topw,
+        w_down,
+        s_down,
+        out,
+        TOP_K: tl.constexpr,
+        I: tl.constexpr,
+        H: tl.constexpr,
+        QB: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
     ):
         """`_down_combine` over FP8 rows: w_down [G, H, I] float8_e4m3fn with scales [G, H/QB, I/QB] fp32."""
         t = tl.program_id(0).to(tl.int64)
@@ -282,15 +335,28 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch
     weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)  # [T, k]
     if t:
         _route_topk[(t,)](
-            logits.contiguous(), ids, weights, E=e, EB=triton.next_power_of_2(e), K=top_k,
-            KB=triton.next_power_of_2(top_k), NORM=norm_topk_prob,
+            logits.contiguous(),
+            ids,
+            weights,
+            E=e,
+            EB=triton.next_power_of_2(e),
+            K=top_k,
+            KB=triton.next_power_of_2(top_k),
+            NORM=norm_topk_prob,
         )
     return ids, weights
 
 
 def moe_pairs(
-    x: torch.Tensor, pair_rows: torch.Tensor, topk_weights: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-    down: torch.Tensor, top_k: int, gate_scale: torch.Tensor | None = None, up_scale: torch.Tensor | None = None,
+    x: torch.Tensor,
+    pair_rows: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    top_k: int,
+    gate_scale: torch.Tensor | None = None,
+    up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The expert pass of a decode step: x [T, H], pair_rows [T*k] (row of gate/up [G, I, H],
@@ -310,27 +376,61 @@ def moe_pairs(
         return out
     cg, cd = CONFIGS["gate_up"], CONFIGS["down"]
     _gate_up[(t * top_k, triton.cdiv(inter, cg.block_n))](
-        x.contiguous(), rows, gate, up, hid, TOP_K=top_k, I=inter, H=h, BN=cg.block_n, BK=cg.block_k,
+        x.contiguous(),
+        rows,
+        gate,
+        up,
+        hid,
+        TOP_K=top_k,
+        I=inter,
+        H=h,
+        BN=cg.block_n,
+        BK=cg.block_k,
         num_warps=cg.num_warps,
     )
     topw = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*k]
     grid = (t, triton.cdiv(h, cd.block_n))
     if cd.pair_vector:
         _down_combine_vec[grid](
-            hid, rows, topw, down, out, TOP_K=top_k, KB=triton.next_power_of_2(top_k), I=inter, H=h,
-            BN=cd.block_n, BK=cd.block_k, num_warps=cd.num_warps,
+            hid,
+            rows,
+            topw,
+            down,
+            out,
+            TOP_K=top_k,
+            KB=triton.next_power_of_2(top_k),
+            I=inter,
+            H=h,
+            BN=cd.block_n,
+            BK=cd.block_k,
+            num_warps=cd.num_warps,
         )
     else:
         _down_combine[grid](
-            hid, rows, topw, down, out, TOP_K=top_k, I=inter, H=h, BN=cd.block_n, BK=cd.block_k,
+            hid,
+            rows,
+            topw,
+            down,
+            out,
+            TOP_K=top_k,
+            I=inter,
+            H=h,
+            BN=cd.block_n,
+            BK=cd.block_k,
             num_warps=cd.num_warps,
         )
     return out
 
 
 def _fp8_pairs(
-    x: torch.Tensor, rows: torch.Tensor, topk_weights: torch.Tensor, w: tuple[torch.Tensor, ...],
-    scales: tuple[torch.Tensor, ...], top_k: int, hid: torch.Tensor, out: torch.Tensor,
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w: tuple[torch.Tensor, ...],
+    scales: tuple[torch.Tensor, ...],
+    top_k: int,
+    hid: torch.Tensor,
+    out: torch.Tensor,
 ) -> None:
     """The FP8 kernels of `moe_pairs`: hid [T*k, I] and out [T, H] written in place."""
     t, h = x.shape
@@ -340,11 +440,34 @@ def _fp8_pairs(
         if QUANT_BLOCK % c.block_k:
             raise ValueError(f"FP8 {name} tiles: block_k {c.block_k} must divide the {QUANT_BLOCK}-wide scale blocks")
     _gate_up_fp8[(t * top_k, triton.cdiv(inter, cg.block_n))](
-        x.contiguous(), rows, w[0], w[1], scales[0], scales[1], hid, TOP_K=top_k, I=inter, H=h, QB=QUANT_BLOCK,
-        BN=cg.block_n, BK=cg.block_k, num_warps=cg.num_warps,
+        x.contiguous(),
+        rows,
+        w[0],
+        w[1],
+        scales[0],
+        scales[1],
+        hid,
+        TOP_K=top_k,
+        I=inter,
+        H=h,
+        QB=QUANT_BLOCK,
+        BN=cg.block_n,
+        BK=cg.block_k,
+        num_warps=cg.num_warps,
     )
     topw = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*k]
     _down_combine_fp8[(t, triton.cdiv(h, cd.block_n))](
-        hid, rows, topw, w[2], scales[2], out, TOP_K=top_k, I=inter, H=h, QB=QUANT_BLOCK, BN=cd.block_n,
-        BK=cd.block_k, num_warps=cd.num_warps,
+        hid,
+        rows,
+        topw,
+        w[2],
+        scales[2],
+        out,
+        TOP_K=top_k,
+        I=inter,
+        H=h,
+        QB=QUANT_BLOCK,
+        BN=cd.block_n,
+        BK=cd.block_k,
+        num_warps=cd.num_warps,
     )

@@ -26,8 +26,8 @@ from aiohttp import web
 
 from paged_experts.server.handlers import STATE_KEY, ServerState, chat_completions, completions, error_middleware
 from paged_experts.server.launch import ServeConfig, Serving, load_serving, parse_args
-from paged_experts.server.threads import default_cpu_threads
 from paged_experts.server.metrics import EngineGauges, ServerMetrics
+from paged_experts.server.threads import default_cpu_threads
 
 log = logging.getLogger("paged_experts.server")
 

@@ -233,7 +233,11 @@ class Engine:
     # ---- admission -------------------------------------------------------------------------
 
     def check_admissible(
-        self, prompt_len: int, max_tokens: int, prompt_field: str = "prompt", max_tokens_field: str | None = "max_tokens"
+        self,
+        prompt_len: int,
+        max_tokens: int,
+        prompt_field: str = "prompt",
+        max_tokens_field: str | None = "max_tokens",
     ) -> None:
         """Raises AdmissionError naming the field to change: `max_tokens_field`, or the prompt's
         when that is None (the client sent no max_tokens, so the prompt alone leaves no room)."""
@@ -352,7 +356,9 @@ class Engine:
                 self._thread_main()
             except BaseException as exc:  # noqa: BLE001 -- reported through the task (health answers 503)
                 error = exc
-            self._call_in_loop(lambda: ended.done() or (ended.set_exception(error) if error else ended.set_result(None)))
+            self._call_in_loop(
+                lambda: ended.done() or (ended.set_exception(error) if error else ended.set_result(None))
+            )
 
         with self._cv:
             self._stopping = False
@@ -396,7 +402,9 @@ class Engine:
                 if self._closed or self._stopping:
                     events = []
                     if self._closed:
-                        events = [e for r in list(self._waiting) + list(self._running) if (e := self._finish(r, FINISH_ABORT))]
+                        events = [
+                            e for r in list(self._waiting) + list(self._running) if (e := self._finish(r, FINISH_ABORT))
+                        ]
                         self._waiting.clear()
                     calls, self._calls = self._calls, []
                     break
@@ -424,7 +432,9 @@ class Engine:
         for fn, fut in calls:
             _run_call(fn, fut)
 
-    def _launch(self, work: list[_Work], freed: list[Any], t0: float, token_source: torch.Tensor | None = None) -> _Launched | None:
+    def _launch(
+        self, work: list[_Work], freed: list[Any], t0: float, token_source: torch.Tensor | None = None
+    ) -> _Launched | None:
         """Runs the step's host work and queues its device work; the token ids are read later."""
         t1 = time.perf_counter()
         try:
@@ -517,7 +527,9 @@ class Engine:
     def _admissible(self) -> bool:
         if not self._waiting or len(self._running) >= self.config.max_running_requests:
             return False
-        return self._reserved_tokens + self._waiting[0].reserved_tokens(self.pool.block_size) <= self.pool.capacity_tokens
+        return (
+            self._reserved_tokens + self._waiting[0].reserved_tokens(self.pool.block_size) <= self.pool.capacity_tokens
+        )
 
     def _reap_aborted(self) -> list[_Event]:
         """Running requests whose client ended them: finished here, their KV freed (engine thread)."""
@@ -576,8 +588,12 @@ class Engine:
             return _WorkResult(None, None, prompt_lps)
         if w.req.greedy_only:
             return _WorkResult(greedy_id, None, prompt_lps)
-        last = (cpu_rows[-1] if cpu_rows is not None else step.logits[first + n - 1].to("cpu", torch.float32))  # [V]
-        token = greedy_id if params.temperature == 0.0 else sample_token(last, params.temperature, params.top_p, w.req.generator)
+        last = cpu_rows[-1] if cpu_rows is not None else step.logits[first + n - 1].to("cpu", torch.float32)  # [V]
+        token = (
+            greedy_id
+            if params.temperature == 0.0
+            else sample_token(last, params.temperature, params.top_p, w.req.generator)
+        )
         token_lp = None
         if params.logprobs is not None:
             token_lp = token_logprobs(last[None, :], [token], params.logprobs)[0]

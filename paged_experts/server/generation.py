@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from paged_experts.server.text import Detokenizer, StopMatcher, TextCodec
 from paged_experts.server.engine import FINISH_LENGTH, FINISH_STOP, RequestStream
 from paged_experts.server.sampling import TokenLogprob
+from paged_experts.server.text import Detokenizer, StopMatcher, TextCodec
 
 
 @dataclass(frozen=True)
@@ -48,9 +48,7 @@ async def text_deltas(stream: RequestStream, codec: TextCodec, stop_strings: Seq
             reason = FINISH_STOP
         else:
             reason = None
-        yield Delta(
-            text, emitted, out.new_token_ids, out.new_logprobs, out.prompt_logprobs, reason, len(detok.ids)
-        )
+        yield Delta(text, emitted, out.new_token_ids, out.new_logprobs, out.prompt_logprobs, reason, len(detok.ids))
         emitted += len(text)
         if reason is not None:
             return

@@ -19,6 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
+from paged_experts.server.engine import RequestStream
 from paged_experts.server.generation import Delta, is_failure, text_deltas
 from paged_experts.server.launch import ServeConfig, Serving
 from paged_experts.server.metrics import ServerMetrics
@@ -48,7 +49,6 @@ from paged_experts.server.protocol import (
     validate,
 )
 from paged_experts.server.text import ChatTurn, TextCodec
-from paged_experts.server.engine import RequestStream
 
 log = logging.getLogger("paged_experts.server")
 
@@ -202,7 +202,9 @@ async def _stream_completion(request: web.Request, serving: Serving, stream: Req
     async for delta in text_deltas(stream, serving.codec, prep.options.stop_strings):
         tokens = delta.completion_tokens
         if is_failure(delta.finish_reason):
-            await resp.write(sse(ApiError(500, None, f"generation failed: {delta.error or delta.finish_reason}").body()))
+            await resp.write(
+                sse(ApiError(500, None, f"generation failed: {delta.error or delta.finish_reason}").body())
+            )
             break
         text = (echo_text if first else "") + delta.text
         lp = _legacy_lp(serving.codec, name, prep, delta, echo_text, with_prompt=first)
@@ -270,7 +272,9 @@ async def _stream_chat(request: web.Request, serving: Serving, stream: RequestSt
     async for delta in text_deltas(stream, serving.codec, prep.options.stop_strings):
         tokens = delta.completion_tokens
         if is_failure(delta.finish_reason):
-            await resp.write(sse(ApiError(500, None, f"generation failed: {delta.error or delta.finish_reason}").body()))
+            await resp.write(
+                sse(ApiError(500, None, f"generation failed: {delta.error or delta.finish_reason}").body())
+            )
             break
         entries = chat_logprob_entries(name, delta.logprobs) if prep.options.logprobs is not None else None
         if delta.text or delta.finish_reason is not None or entries:

@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
-from paged_experts.server.metrics import ServerMetrics
-from paged_experts.server.text import TextCodec
 from paged_experts.config import MoeModelConfig
-from paged_experts.server.engine import Engine, EngineConfig
 from paged_experts.kernels.fused import EXPERT_BACKENDS, set_expert_backend
 from paged_experts.residency import DEFAULT_PREFILL_KEEP, PREFILL_KEEP
 from paged_experts.runtime import MODES, RuntimeConfig
+from paged_experts.server.engine import Engine, EngineConfig
+from paged_experts.server.metrics import ServerMetrics
+from paged_experts.server.text import TextCodec
 
 KV_BLOCK_TOKENS = 16
 
@@ -91,10 +91,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=MODES, help="default: implied by the K / layer flag given, else resident")
     p.add_argument("--paged-experts-num-resident", "--resident-experts", dest="resident_experts", type=int,
                    help="K expert slots per layer (mode paged)")  # fmt: skip
-    p.add_argument("--offload-layers", type=int, help="offloaded MoE layers, counted from the first (mode offload; default all)")
-    p.add_argument("--n-cpu-moe", type=int, help="MoE layers whose experts run on the CPU, the first N (mode cpu-experts)")
+    p.add_argument(
+        "--offload-layers", type=int, help="offloaded MoE layers, counted from the first (mode offload; default all)"
+    )
+    p.add_argument(
+        "--n-cpu-moe", type=int, help="MoE layers whose experts run on the CPU, the first N (mode cpu-experts)"
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: float32 on CPU, checkpoint dtype on CUDA")
+    p.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), help="default: float32 on CPU, checkpoint dtype on CUDA"
+    )
     p.add_argument("--max-running-requests", type=int, default=16)
     p.add_argument("--max-total-tokens", type=int, default=16384, help="KV capacity in tokens")
     p.add_argument("--chunked-prefill-size", type=int, default=2048, help="prompt tokens per engine step")
@@ -102,35 +108,70 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--routing-source", help="replace the router with a synthetic routing source (labelled synthetic)")
     p.add_argument("--routing-seed", type=int, default=0)
     p.add_argument("--record-routing", metavar="PATH", help="write a routing trace to PATH")
-    p.add_argument("--cuda-graph-max-bs", type=int, default=0,
-                   help="capture decode steps of batch 1..N as CUDA graphs (CUDA; resident, or paged for N x top_k "
-                        "<= K; 0 = off)")
-    p.add_argument("--enable-torch-compile", action="store_true",
-                   help="torch.compile the per-layer blocks of the captured decode step (needs --cuda-graph-max-bs)")
-    p.add_argument("--disable-torch-compile", dest="enable_torch_compile", action="store_false",
-                   help="the default: no torch.compile (written out by benchsuite so the command names what is in force)")
-    p.add_argument("--kernel-backend", choices=EXPERT_BACKENDS, default="grouped",
-                   help="grouped: torch's grouped GEMM for the fused expert pass; triton: routing, the expert pass "
-                        "and (in captured steps) attention of decode steps as Triton kernels (CUDA; steps of up to "
-                        "32 routed pairs, larger ones keep grouped)")
-    p.add_argument("--prefetch-next-layer", action="store_true",
-                   help="in captured paged decode steps, apply each layer's router to the previous layer's residual "
-                        "stream and page the predicted experts in on a second stream while that layer computes "
-                        "(mode paged, --device cuda, needs --cuda-graph-max-bs; counted as experts_prefetched_total)")
-    p.add_argument("--prefill-residency", choices=PREFILL_KEEP,
-                   help=f"mode paged: what a prefill chunk (a step routing to more than K experts) leaves in the "
-                        f"slots: recent = the experts of the chunk's last tokens, frequent = its most-routed ones, "
-                        f"lru = the last waves' misses (default {DEFAULT_PREFILL_KEEP}; see docs/prefill.md)")
-    p.add_argument("--expert-kernel", choices=("fused", "loop"), default="fused",
-                   help="grouped matmuls over the slot table (fused) or the per-expert reference loop")
-    p.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_false",
-                   help="read every step's tokens before launching the next (default: a greedy decode step of a "
-                        "captured batch is launched first, its input tokens taken from the device; SGLang's flag)")
-    p.add_argument("--enable-overlap-schedule", dest="overlap_schedule", action="store_true",
-                   help="the default (written out by benchsuite so the command names what is in force)")
-    p.add_argument("--cpu-threads", type=int,
-                   help="torch's intra-op threads for CPU work (the CPU device, cpu-experts layers); default: the "
-                        "cores minus one, which the event loop and the engine thread need")
+    p.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=0,
+        help="capture decode steps of batch 1..N as CUDA graphs (CUDA; resident, or paged for N x top_k <= K; 0 = off)",
+    )
+    p.add_argument(
+        "--enable-torch-compile",
+        action="store_true",
+        help="torch.compile the per-layer blocks of the captured decode step (needs --cuda-graph-max-bs)",
+    )
+    p.add_argument(
+        "--disable-torch-compile",
+        dest="enable_torch_compile",
+        action="store_false",
+        help="the default: no torch.compile (written out by benchsuite so the command names what is in force)",
+    )
+    p.add_argument(
+        "--kernel-backend",
+        choices=EXPERT_BACKENDS,
+        default="grouped",
+        help="grouped: torch's grouped GEMM for the fused expert pass; triton: routing, the expert pass "
+        "and (in captured steps) attention of decode steps as Triton kernels (CUDA; steps of up to "
+        "32 routed pairs, larger ones keep grouped)",
+    )
+    p.add_argument(
+        "--prefetch-next-layer",
+        action="store_true",
+        help="in captured paged decode steps, apply each layer's router to the previous layer's residual "
+        "stream and page the predicted experts in on a second stream while that layer computes "
+        "(mode paged, --device cuda, needs --cuda-graph-max-bs; counted as experts_prefetched_total)",
+    )
+    p.add_argument(
+        "--prefill-residency",
+        choices=PREFILL_KEEP,
+        help=f"mode paged: what a prefill chunk (a step routing to more than K experts) leaves in the "
+        f"slots: recent = the experts of the chunk's last tokens, frequent = its most-routed ones, "
+        f"lru = the last waves' misses (default {DEFAULT_PREFILL_KEEP}; see docs/prefill.md)",
+    )
+    p.add_argument(
+        "--expert-kernel",
+        choices=("fused", "loop"),
+        default="fused",
+        help="grouped matmuls over the slot table (fused) or the per-expert reference loop",
+    )
+    p.add_argument(
+        "--disable-overlap-schedule",
+        dest="overlap_schedule",
+        action="store_false",
+        help="read every step's tokens before launching the next (default: a greedy decode step of a "
+        "captured batch is launched first, its input tokens taken from the device; SGLang's flag)",
+    )
+    p.add_argument(
+        "--enable-overlap-schedule",
+        dest="overlap_schedule",
+        action="store_true",
+        help="the default (written out by benchsuite so the command names what is in force)",
+    )
+    p.add_argument(
+        "--cpu-threads",
+        type=int,
+        help="torch's intra-op threads for CPU work (the CPU device, cpu-experts layers); default: the "
+        "cores minus one, which the event loop and the engine thread need",
+    )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
 
@@ -230,7 +271,6 @@ class Serving:
             "versions": versions(),
         }
 
-
     def _expert_facts(self) -> dict[str, Any]:
         """How experts are stored and computed: dtype, bytes per expert (block scales included), kernels."""
         from paged_experts.kernels.fused import kernel_choice
@@ -298,7 +338,10 @@ def load_serving(config: ServeConfig, metrics: ServerMetrics) -> Serving:
         closers.append(writer.close)
     # Ready means ready: every decode graph and compiled kernel a served step could need exists
     # before /health answers 200 (the synthetic router is set: its graphs take its ids as input).
-    startup = {"load_s": load_s, **(model.prepare_decode(pool, config.max_running_requests) if runtime.device == "cuda" else {})}
+    startup = {
+        "load_s": load_s,
+        **(model.prepare_decode(pool, config.max_running_requests) if runtime.device == "cuda" else {}),
+    }
     startup["ready_s"] = time.perf_counter() - t0
     engine_config = EngineConfig(
         max_running_requests=config.max_running_requests,

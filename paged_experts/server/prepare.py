@@ -145,7 +145,9 @@ class Preparer:
         return f"{field}: {n_tokens} tokens exceed the limit of {self._limit_text()}"
 
     def _limit_text(self) -> str:
-        return f"{self.limits.max_prompt_tokens} prompt tokens (KV capacity or context length, minus one generated token)"
+        return (
+            f"{self.limits.max_prompt_tokens} prompt tokens (KV capacity or context length, minus one generated token)"
+        )
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)

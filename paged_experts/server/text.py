@@ -44,7 +44,9 @@ class TextCodec:
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         # an upper bound on the text one token spells (byte-level vocabularies write a byte as a
         # character of up to 2 UTF-8 bytes): what bounds a prompt's bytes by its token limit
-        self.max_token_bytes = max((len(t.encode("utf-8")) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1)
+        self.max_token_bytes = max(
+            (len(t.encode("utf-8")) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1
+        )
         self._template: Any = None
 
     @classmethod

@@ -48,7 +48,9 @@ def run_scenario(model: MoeCausalLM) -> list[torch.Tensor]:
 
 def check_bit_for_bit(dtype: str, strategy: str) -> None:
     ckpt = tiny_ckpt()
-    resident = run_scenario(MoeCausalLM.from_pretrained(ckpt, RuntimeConfig(mode="resident", device="cuda", dtype=dtype)))
+    resident = run_scenario(
+        MoeCausalLM.from_pretrained(ckpt, RuntimeConfig(mode="resident", device="cuda", dtype=dtype))
+    )
     multi_wave = 0
     for k in range(4, 33):
         rt = RuntimeConfig(mode="paged", resident_experts=k, device="cuda", dtype=dtype, page_in=strategy)  # type: ignore[arg-type]
@@ -116,7 +118,9 @@ def test_qwen3_30b_shape_paged_equals_resident_bf16() -> None:
     rt = RuntimeConfig(mode="resident", device="cuda", dtype="bfloat16")
     resident = run_scenario(MoeCausalLM.from_pretrained(ckpt, rt))
     for k in (8, 24, 128):
-        model = MoeCausalLM.from_pretrained(ckpt, RuntimeConfig(mode="paged", resident_experts=k, device="cuda", dtype="bfloat16"))
+        model = MoeCausalLM.from_pretrained(
+            ckpt, RuntimeConfig(mode="paged", resident_experts=k, device="cuda", dtype="bfloat16")
+        )
         paged = run_scenario(model)
         for a, b in zip(paged, resident):
             assert torch.equal(a, b), f"K={k}"

@@ -10,14 +10,13 @@ Plain functions, so the module also runs as a script: `python tests/cuda/test_de
 from __future__ import annotations
 
 import torch
+from _script import check_copy_planned  # tests/cuda is on sys.path (pytest's rootdir import, or script mode)
 
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.moe import StepContext
 from paged_experts.runtime import RuntimeConfig
 from paged_experts.store import ExpertTensors
-
-from _script import check_copy_planned  # tests/cuda is on sys.path (pytest's rootdir import, or script mode)
 
 try:
     import pytest
@@ -77,7 +76,9 @@ def test_device_planned_paged_equals_resident_qwen_shapes() -> None:
     prompts = [[5, 17, 300, 41, 9, 77, 3, 8]]  # batch 1: 8 pairs, one wave for K >= 8
     resident = decode(MoeCausalLM.from_pretrained(QWEN2, rt("bfloat16", mode="resident")), prompts, steps=6)
     for k, overlap in ((8, False), (16, False), (64, False), (16, True)):
-        model = MoeCausalLM.from_pretrained(QWEN2, rt("bfloat16", mode="paged", resident_experts=k, overlap_page_in=overlap))
+        model = MoeCausalLM.from_pretrained(
+            QWEN2, rt("bfloat16", mode="paged", resident_experts=k, overlap_page_in=overlap)
+        )
         assert model.moe_layers[0].device_residency is not None
         for i, (a, b) in enumerate(zip(decode(model, prompts, steps=6), resident)):
             assert torch.equal(a, b), f"K={k} overlap={overlap}: output {i} differs by {(a - b).abs().max().item()}"
@@ -103,7 +104,9 @@ def check_graphed_paged(overlap: bool, compile_layers: bool = False, routing: st
     bucket = 0 if expert_backend() == "triton" else 64  # triton attention: one graph for every context length
     assert model.graph_replays == 5 and model.captured_graphs == [(3, bucket)], model.captured_graphs
     worst = max(((a - b).abs().max() / b.abs().max().clamp(min=1)).item() for a, b in zip(graphed, eager))
-    print(f"graphed vs eager paged decode (bf16, overlap={overlap}, compiled={compile_layers}): worst relative difference {worst:.2e}")
+    print(
+        f"graphed vs eager paged decode (bf16, overlap={overlap}, compiled={compile_layers}): worst relative difference {worst:.2e}"
+    )
     assert worst < 5e-2
     ta, tb = model.counters.snapshot().total, eager_model.counters.snapshot().total
     print(f"graphed misses {ta.misses}, eager misses {tb.misses}")
@@ -152,8 +155,10 @@ def check_prefetch_graphed(compile_layers: bool) -> None:
         for name in ("gate", "up", "down"):
             assert torch.equal(slots.get(name).cpu(), moe.host.get(name)[expert_in]), f"layer {moe.layer_idx} {name}"
     plain, ahead = models[0].counters.snapshot().layers, model.counters.snapshot().layers
-    print(f"prefetch (compiled={compile_layers}): layer 1 prefetched {ahead[1].prefetched}, used {ahead[1].prefetch_used}, "
-          f"misses {ahead[1].misses} (plain {plain[1].misses})")
+    print(
+        f"prefetch (compiled={compile_layers}): layer 1 prefetched {ahead[1].prefetched}, used {ahead[1].prefetch_used}, "
+        f"misses {ahead[1].misses} (plain {plain[1].misses})"
+    )
     assert ahead[0].prefetched == 0 and ahead[1].prefetched > 0 and ahead[1].prefetch_used <= ahead[1].prefetched
     assert all(la.hits + la.misses == la.activations for la in ahead)
 
@@ -182,7 +187,9 @@ def test_triton_expert_backend() -> None:
     set_expert_backend("triton")
     try:
         resident = decode(MoeCausalLM.from_pretrained(QWEN2, rt("bfloat16", mode="resident")), prompts, steps=4)
-        paged = decode(MoeCausalLM.from_pretrained(QWEN2, rt("bfloat16", mode="paged", resident_experts=16)), prompts, steps=4)
+        paged = decode(
+            MoeCausalLM.from_pretrained(QWEN2, rt("bfloat16", mode="paged", resident_experts=16)), prompts, steps=4
+        )
         for a, b in zip(paged, resident):
             assert torch.equal(a, b)
         worst = max(((a - b).abs().max() / b.abs().max().clamp(min=1)).item() for a, b in zip(resident, grouped))
@@ -202,8 +209,8 @@ def test_moe_triton_kernels_bf16() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from test_moe_triton import check_attention, check_kernels, reference_moe
 
-    from paged_experts.kernels import moe_triton
     from paged_experts.experts import route
+    from paged_experts.kernels import moe_triton
 
     check_kernels(device="cuda", dtype=torch.bfloat16, tol=2e-2)
     check_attention(device="cuda", dtype=torch.bfloat16, tol=2e-2)
@@ -264,7 +271,9 @@ def test_prepared_triton_graphs_serve_every_context_length_and_leave_the_model_a
             dr, slots = moe.device_residency, moe.device_experts
             expert_in = dr.expert_in[: dr.num_slots].cpu()
             for name in ("gate", "up", "down"):
-                assert torch.equal(slots.get(name).cpu(), moe.host.get(name)[expert_in]), f"layer {moe.layer_idx} {name}"
+                assert torch.equal(slots.get(name).cpu(), moe.host.get(name)[expert_in]), (
+                    f"layer {moe.layer_idx} {name}"
+                )
     finally:
         set_expert_backend("grouped")
 

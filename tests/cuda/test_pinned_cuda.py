@@ -14,11 +14,10 @@ import gc
 import time
 
 import torch
+from _script import check_copy_planned  # tests/cuda is on sys.path (pytest's rootdir import, or script mode)
 
 from paged_experts import pinned
 from paged_experts.store import ExpertTensors
-
-from _script import check_copy_planned  # tests/cuda is on sys.path (pytest's rootdir import, or script mode)
 
 try:
     import pytest

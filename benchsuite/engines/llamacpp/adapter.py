@@ -45,33 +45,21 @@ from benchsuite.search_settings import parse_request
 BINARY_NAME = "llama-server"
 FIT_PARAMS_NAME = "llama-fit-params"
 GB = 10**9  # vram_budget_gb is decimal gigabytes
-_GPU_DEVICE_LINE = re.compile(
-    r"^\s*(CUDA|ROCm|HIP|Vulkan|Metal|SYCL)\d*\s*:", re.MULTILINE
-)
+_GPU_DEVICE_LINE = re.compile(r"^\s*(CUDA|ROCm|HIP|Vulkan|Metal|SYCL)\d*\s*:", re.MULTILINE)
 
 
 class LlamaCppOptions(EngineOptions):
     """`engines.<name>.options` for `kind: llamacpp` (one scalar per field after sweep expansion)."""
 
-    model: str = (
-        "tiny"  # GGUF file, HF Qwen3-MoE directory (exported on first use), or `tiny`
-    )
-    gguf_type: Literal["f32", "f16", "bf16", "q8_0"] = (
-        "f32"  # export type for an HF directory
-    )
-    binary: str | None = (
-        None  # llama-server path; default PATH, then the benchsuite build cache
-    )
+    model: str = "tiny"  # GGUF file, HF Qwen3-MoE directory (exported on first use), or `tiny`
+    gguf_type: Literal["f32", "f16", "bf16", "q8_0"] = "f32"  # export type for an HF directory
+    binary: str | None = None  # llama-server path; default PATH, then the benchsuite build cache
     n_gpu_layers: int = Field(999, ge=0)  # -ngl
     # -ncmoe: experts of the first N layers on the CPU; `search` or {search: {...}} searches N.
     n_cpu_moe: int | Literal["search"] | dict[str, Any] | None = None
     flash_attn: Literal["on", "off", "auto"] = "off"
-    moe_cache_mib: int | None = Field(
-        None, ge=1
-    )  # llama.cpp's expert cache, where the build has it
-    vram_budget_gb: float | None = Field(
-        None, gt=0
-    )  # emulate a smaller GPU in the n_cpu_moe search
+    moe_cache_mib: int | None = Field(None, ge=1)  # llama.cpp's expert cache, where the build has it
+    vram_budget_gb: float | None = Field(None, gt=0)  # emulate a smaller GPU in the n_cpu_moe search
     threads: int | None = Field(None, ge=1)  # -t
     extra_args: list[str] = Field(default_factory=list)  # never a flag the adapter owns (owned.py)
     startup_timeout_s: float = Field(600.0, gt=0, le=7 * 86400)
@@ -82,11 +70,7 @@ class LlamaCppOptions(EngineOptions):
     @classmethod
     def _yaml_booleans(cls, value: Any) -> Any:
         # YAML reads unquoted on/off as booleans.
-        return (
-            {True: "on", False: "off"}.get(value, value)
-            if isinstance(value, bool)
-            else value
-        )
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
     @field_validator("n_cpu_moe")
     @classmethod
@@ -116,9 +100,7 @@ class LlamaCppOptions(EngineOptions):
 
 @functools.lru_cache(maxsize=16)
 def _help_text(binary: str, mtime_ns: int) -> str:
-    proc = subprocess.run(
-        [binary, "--help"], capture_output=True, text=True, timeout=60, check=False
-    )
+    proc = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=60, check=False)
     return proc.stdout + proc.stderr
 
 
@@ -154,9 +136,7 @@ def binary_flags(binary: Path) -> set[str]:
 
 
 def has_gpu_device(binary: Path) -> bool:
-    return bool(
-        _GPU_DEVICE_LINE.search(_devices_text(str(binary), binary.stat().st_mtime_ns))
-    )
+    return bool(_GPU_DEVICE_LINE.search(_devices_text(str(binary), binary.stat().st_mtime_ns)))
 
 
 class LlamaCppAdapter:
@@ -172,13 +152,9 @@ class LlamaCppAdapter:
         found = find_binary(BINARY_NAME, opts.binary)
         if found is None:
             where = (
-                f"binary {opts.binary!r} does not exist"
-                if opts.binary
-                else "no llama-server on PATH or in the cache"
+                f"binary {opts.binary!r} does not exist" if opts.binary else "no llama-server on PATH or in the cache"
             )
-            raise EngineConfigError(
-                f"llamacpp engine {spec.name}: {where}; run `benchsuite install llama-server`"
-            )
+            raise EngineConfigError(f"llamacpp engine {spec.name}: {where}; run `benchsuite install llama-server`")
         return found
 
     def model_path(self, spec: ServerSpec, *, export: bool = True) -> Path:
@@ -230,33 +206,19 @@ class LlamaCppAdapter:
         binary = self.binary(spec)
         flags = binary_flags(binary)
         if opts.moe_cache_mib is not None and "--moe-cache-mib" not in flags:
-            raise EngineConfigError(
-                f"this llama-server build has no --moe-cache-mib ({binary})"
-            )
-        if (
-            isinstance(opts.n_cpu_moe, int)
-            and opts.n_cpu_moe > 0
-            and "--n-cpu-moe" not in flags
-        ):
-            raise EngineConfigError(
-                f"this llama-server build has no --n-cpu-moe ({binary})"
-            )
+            raise EngineConfigError(f"this llama-server build has no --moe-cache-mib ({binary})")
+        if isinstance(opts.n_cpu_moe, int) and opts.n_cpu_moe > 0 and "--n-cpu-moe" not in flags:
+            raise EngineConfigError(f"this llama-server build has no --n-cpu-moe ({binary})")
         path = Path(opts.model).expanduser()
         if opts.model != "tiny" and not path.exists():
-            raise EngineConfigError(
-                f"llamacpp engine {spec.name}: model {opts.model!r} does not exist"
-            )
+            raise EngineConfigError(f"llamacpp engine {spec.name}: model {opts.model!r} does not exist")
         if path.is_file() and path.suffix != ".gguf":
-            raise EngineConfigError(
-                f"llamacpp engine {spec.name}: model {opts.model!r} is not a .gguf file"
-            )
+            raise EngineConfigError(f"llamacpp engine {spec.name}: model {opts.model!r} is not a .gguf file")
 
     def launch_plan(self, spec: ServerSpec, port: int) -> LaunchPlan:
         opts = self._options(spec)
         if not isinstance(opts.n_cpu_moe, int | None):
-            raise EngineConfigError(
-                f"llamacpp engine {spec.name}: n_cpu_moe is still a search request"
-            )
+            raise EngineConfigError(f"llamacpp engine {spec.name}: n_cpu_moe is still a search request")
         found = find_binary(BINARY_NAME, opts.binary)
         binary = str(found) if found else (opts.binary or BINARY_NAME)
         flags = (
@@ -302,11 +264,7 @@ class LlamaCppAdapter:
         )
 
     def request_extras(self, spec: ServerSpec) -> dict[str, Any]:
-        return (
-            {}
-            if spec.fairness.get("prefix_caching", False)
-            else {"cache_prompt": False}
-        )
+        return {} if spec.fairness.get("prefix_caching", False) else {"cache_prompt": False}
 
     def version(self, spec: ServerSpec) -> dict[str, Any]:
         from benchsuite.engines.llamacpp.build import binary_version, read_stamp
@@ -319,11 +277,10 @@ class LlamaCppAdapter:
             "engine": "llama.cpp",
             "binary": str(found),
             "version": binary_version(found),
-            "build": read_stamp(
-                found.parent
-            ),  # None for a binary benchsuite did not build
+            "build": read_stamp(found.parent),  # None for a binary benchsuite did not build
             "moe_cache_mib_supported": "--moe-cache-mib" in binary_flags(found),
-            "cross_origin": " ".join(owned.CORS_ARGS) if "--cors-origins" in binary_flags(found)
+            "cross_origin": " ".join(owned.CORS_ARGS)
+            if "--cors-origins" in binary_flags(found)
             else "not blockable: this build has no --cors-origins",
             # a GGUF from `benchsuite gguf synth`: how it was made (seed, shape, bytes per expert)
             "model_facts": read_facts(self.model_path(spec, export=False)),
@@ -379,11 +336,7 @@ class LlamaCppAdapter:
         opts = self._options(spec)
         model = self.model_path(spec)
         facts = fit.read_model_facts(model)
-        top = (
-            facts.n_layer
-            if settings.max_n is None
-            else min(settings.max_n, facts.n_layer)
-        )
+        top = facts.n_layer if settings.max_n is None else min(settings.max_n, facts.n_layer)
         candidates = range(settings.min_n, top + 1)
         n_ctx = int(spec.fairness["kv_capacity_tokens"])
         use_llama = settings.projection == "llama-fit-params" or (
@@ -402,9 +355,7 @@ class LlamaCppAdapter:
             }
         fit_binary = self.binary(spec).parent / FIT_PARAMS_NAME
         if not fit_binary.is_file():
-            raise EngineConfigError(
-                f"{fit_binary} is missing; llama.cpp's projection needs llama-fit-params"
-            )
+            raise EngineConfigError(f"{fit_binary} is missing; llama.cpp's projection needs llama-fit-params")
         out: dict[int, Any] = {}
         for n in candidates:
             argv = fit.fit_params_argv(
@@ -416,12 +367,8 @@ class LlamaCppAdapter:
                 opts.flash_attn == "on",
                 opts.n_gpu_layers,
             )
-            proc = subprocess.run(
-                argv, capture_output=True, text=True, timeout=600, check=False
-            )
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
             if proc.returncode != 0:
-                raise EngineConfigError(
-                    f"llama-fit-params failed for n_cpu_moe={n}: {proc.stderr.strip()[-400:]}"
-                )
+                raise EngineConfigError(f"llama-fit-params failed for n_cpu_moe={n}: {proc.stderr.strip()[-400:]}")
             out[n] = fit.projection_from_fit_print(proc.stdout, n)
         return out

@@ -83,9 +83,7 @@ def detect_cuda_architectures() -> str:
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return DEFAULT_CUDA_ARCH
-    archs = sorted(
-        {line.strip().replace(".", "") for line in out.splitlines() if line.strip()}
-    )
+    archs = sorted({line.strip().replace(".", "") for line in out.splitlines() if line.strip()})
     return ";".join(archs) or DEFAULT_CUDA_ARCH
 
 
@@ -225,8 +223,6 @@ def build_llama_server(
         if not built.is_file():
             raise RunError(f"build finished but {built} is missing")
         shutil.copy2(built, bin_dir / name)
-    (dest / STAMP_NAME).write_text(
-        json.dumps(flags.to_json(), indent=2, sort_keys=True)
-    )
+    (dest / STAMP_NAME).write_text(json.dumps(flags.to_json(), indent=2, sort_keys=True))
     seconds = time.perf_counter() - started
     return BuildResult(bin_dir, server, binary_version(server), False, seconds, flags)

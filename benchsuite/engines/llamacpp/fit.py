@@ -124,9 +124,7 @@ def kv_cells(n_ctx_tokens: int) -> int:
 
 def kv_bytes_per_layer(facts: ModelFacts, n_ctx_tokens: int) -> int:
     """cells x kv_heads x (k_dim + v_dim) x 2 bytes (f16 K and V)."""
-    per_cell = (
-        facts.n_head_kv * (facts.head_dim_k + facts.head_dim_v) * KV_ELEMENT_BYTES
-    )
+    per_cell = facts.n_head_kv * (facts.head_dim_k + facts.head_dim_v) * KV_ELEMENT_BYTES
     return kv_cells(n_ctx_tokens) * per_cell
 
 
@@ -191,10 +189,7 @@ def project(
         # GPU for the matmul: llama.cpp's compute buffer grows by about one such tensor (H200:
         # 94 -> 454 MiB for 384 MiB tensors once N >= 1).
         gpu_compute_bytes=(
-            compute_buffer_bytes(
-                facts, n_ctx_tokens, flash_attn, n_ubatch, n_kv_streams
-            )
-            + largest_host_expert
+            compute_buffer_bytes(facts, n_ctx_tokens, flash_attn, n_ubatch, n_kv_streams) + largest_host_expert
             if any_gpu
             else 0
         ),
@@ -209,27 +204,17 @@ def parse_fit_print(text: str) -> list[DeviceMemory]:
     for line in text.splitlines():
         m = _FIT_LINE.match(line)
         if m:
-            rows.append(
-                DeviceMemory(
-                    m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4))
-                )
-            )
+            rows.append(DeviceMemory(m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4))))
     return rows
 
 
-def projection_from_fit_print(
-    text: str, n_cpu_moe: int, device: str | None = None
-) -> Projection:
+def projection_from_fit_print(text: str, n_cpu_moe: int, device: str | None = None) -> Projection:
     """llama.cpp's projection for one GPU (the first non-Host device unless named)."""
     rows = parse_fit_print(text)
     host = next((r for r in rows if r.device == "Host"), None)
-    gpus = [
-        r for r in rows if r.device != "Host" and (device is None or r.device == device)
-    ]
+    gpus = [r for r in rows if r.device != "Host" and (device is None or r.device == device)]
     if not gpus:
-        raise ValueError(
-            "llama-fit-params printed no GPU device line (is this a CPU-only build?)"
-        )
+        raise ValueError("llama-fit-params printed no GPU device line (is this a CPU-only build?)")
     g = gpus[0]
     return Projection(
         n_cpu_moe=n_cpu_moe,

@@ -143,9 +143,7 @@ def plan_tensors(
     layers, experts = int(hf["num_hidden_layers"]), int(hf["num_experts"])
     planned: list[PlannedTensor] = []
 
-    def add(
-        gguf_name: str, sources: tuple[str, ...], tensor_type: str = export_type
-    ) -> None:
+    def add(gguf_name: str, sources: tuple[str, ...], tensor_type: str = export_type) -> None:
         missing = [s for s in sources if s not in shapes]
         if missing:
             raise UserError(f"checkpoint lacks {missing[0]} (needed for {gguf_name})")
@@ -153,21 +151,14 @@ def plan_tensors(
         if any(shapes[s] != first for s in sources):
             raise UserError(f"{gguf_name}: stacked tensors differ in shape")
         shape = (len(sources), *first) if len(sources) > 1 else first
-        planned.append(
-            PlannedTensor(
-                gguf_name, shape, _qtype_for(gguf_name, shape, tensor_type), sources
-            )
-        )
+        planned.append(PlannedTensor(gguf_name, shape, _qtype_for(gguf_name, shape, tensor_type), sources))
 
     add("token_embd.weight", ("model.embed_tokens.weight",))
     for i in range(layers):
         for hf_suffix, gguf_suffix in _LAYER_NAMES.items():
             add(f"blk.{i}.{gguf_suffix}", (f"model.layers.{i}.{hf_suffix}",))
         for proj, gguf_base in _EXPERT_PROJ.items():
-            sources = tuple(
-                f"model.layers.{i}.mlp.experts.{e}.{proj}.weight"
-                for e in range(experts)
-            )
+            sources = tuple(f"model.layers.{i}.mlp.experts.{e}.{proj}.weight" for e in range(experts))
             # [E, I, H] gate/up, [E, H, I] down
             add(f"blk.{i}.{gguf_base}.weight", sources, expert_type or export_type)
     add("output_norm.weight", ("model.norm.weight",))
@@ -185,17 +176,9 @@ def convert_tensor(values: torch.Tensor, qtype: Q) -> np.ndarray:
     if qtype == Q.F16:
         return values.to(torch.float16).contiguous().numpy()
     if qtype == Q.BF16:
-        return (
-            values.to(torch.bfloat16)
-            .contiguous()
-            .view(torch.int16)
-            .numpy()
-            .view(np.uint16)
-        )
+        return values.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
     if qtype == Q.Q8_0:
-        return gguf.quants.quantize(
-            values.to(torch.float32).contiguous().numpy(), Q.Q8_0
-        )
+        return gguf.quants.quantize(values.to(torch.float32).contiguous().numpy(), Q.Q8_0)
     raise ValueError(f"unsupported tensor type {qtype.name}")
 
 
@@ -228,24 +211,18 @@ def tokenizer_fields(model_dir: Path, hf: Mapping[str, Any]) -> dict[str, Any]:
     tok = json.loads(path.read_text(encoding="utf-8"))
     model = tok.get("model") or {}
     if model.get("type") != "BPE":
-        raise UserError(
-            f"{path}: only BPE tokenizers export to GGUF here, got {model.get('type')!r}"
-        )
+        raise UserError(f"{path}: only BPE tokenizers export to GGUF here, got {model.get('type')!r}")
     by_id: dict[int, str] = {int(i): t for t, i in model["vocab"].items()}
     types: dict[int, int] = {i: _TOKEN_NORMAL for i in by_id}
     for added in tok.get("added_tokens") or []:
         by_id[int(added["id"])] = added["content"]
-        types[int(added["id"])] = (
-            _TOKEN_CONTROL if added.get("special") else _TOKEN_USER_DEFINED
-        )
+        types[int(added["id"])] = _TOKEN_CONTROL if added.get("special") else _TOKEN_USER_DEFINED
     vocab_size = max(int(hf["vocab_size"]), max(by_id) + 1)
     tokens, token_types = [], []
     for i in range(vocab_size):
         tokens.append(by_id.get(i, f"[PAD{i}]"))
         token_types.append(types.get(i, _TOKEN_UNUSED))
-    merges = [
-        m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []
-    ]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
     config_path = model_dir / "tokenizer_config.json"
     tok_config = json.loads(config_path.read_text()) if config_path.is_file() else {}
     pad = tok_config.get("pad_token")
@@ -267,9 +244,7 @@ def write_metadata(
     fields: Mapping[str, Any],
 ) -> None:
     """The qwen3moe keys llama.cpp reads, from the HF config; `fields` from `tokenizer_fields`."""
-    head_dim = int(
-        hf.get("head_dim") or int(hf["hidden_size"]) // int(hf["num_attention_heads"])
-    )
+    head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // int(hf["num_attention_heads"]))
     writer.add_name(name)
     writer.add_file_type(_FILE_TYPE[export_type])
     if export_type == "q8_0":
@@ -277,13 +252,9 @@ def write_metadata(
     writer.add_context_length(int(hf.get("max_position_embeddings", 40960)))
     writer.add_embedding_length(int(hf["hidden_size"]))
     writer.add_block_count(int(hf["num_hidden_layers"]))
-    writer.add_feed_forward_length(
-        int(hf.get("intermediate_size", hf["moe_intermediate_size"]))
-    )
+    writer.add_feed_forward_length(int(hf.get("intermediate_size", hf["moe_intermediate_size"])))
     writer.add_head_count(int(hf["num_attention_heads"]))
-    writer.add_head_count_kv(
-        int(hf.get("num_key_value_heads", hf["num_attention_heads"]))
-    )
+    writer.add_head_count_kv(int(hf.get("num_key_value_heads", hf["num_attention_heads"])))
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
@@ -313,28 +284,18 @@ def write_metadata(
 
 def _check_supported(hf: Mapping[str, Any], model_dir: Path) -> None:
     if hf.get("model_type") != "qwen3_moe":
-        raise UserError(
-            f"{model_dir}: GGUF export supports model_type qwen3_moe, got {hf.get('model_type')!r}"
-        )
+        raise UserError(f"{model_dir}: GGUF export supports model_type qwen3_moe, got {hf.get('model_type')!r}")
     if not hf.get("norm_topk_prob", False):
         # llama.cpp's qwen3moe graph always renormalizes the top-k weights.
-        raise UserError(
-            f"{model_dir}: norm_topk_prob=false cannot be expressed in a qwen3moe GGUF"
-        )
+        raise UserError(f"{model_dir}: norm_topk_prob=false cannot be expressed in a qwen3moe GGUF")
     if int(hf.get("decoder_sparse_step", 1)) != 1 or hf.get("mlp_only_layers"):
-        raise UserError(
-            f"{model_dir}: dense MLP layers are not supported by this export"
-        )
+        raise UserError(f"{model_dir}: dense MLP layers are not supported by this export")
 
 
-def export_gguf(
-    model_dir: str | Path, out: str | Path, export_type: str = "f32"
-) -> ExportSummary:
+def export_gguf(model_dir: str | Path, out: str | Path, export_type: str = "f32") -> ExportSummary:
     """Write `out` (atomically: a temporary file renamed at the end)."""
     if export_type not in EXPORT_TYPES:
-        raise UserError(
-            f"--type must be one of {', '.join(EXPORT_TYPES)}, got {export_type!r}"
-        )
+        raise UserError(f"--type must be one of {', '.join(EXPORT_TYPES)}, got {export_type!r}")
     model_dir, out = Path(model_dir).expanduser(), Path(out).expanduser()
     config_path = model_dir / "config.json"
     if not config_path.is_file():
@@ -342,16 +303,12 @@ def export_gguf(
     hf = json.loads(config_path.read_text())
     _check_supported(hf, model_dir)
     ckpt = _Checkpoint(model_dir)
-    planned = plan_tensors(
-        hf, {name: ckpt.shape(name) for name in ckpt.where}, export_type
-    )
+    planned = plan_tensors(hf, {name: ckpt.shape(name) for name in ckpt.where}, export_type)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     writer = gguf.GGUFWriter(tmp, ARCH)
     try:
-        write_metadata(
-            writer, model_dir.name, hf, export_type, tokenizer_fields(model_dir, hf)
-        )
+        write_metadata(writer, model_dir.name, hf, export_type, tokenizer_fields(model_dir, hf))
         add_tensor_infos(writer, planned)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -370,11 +327,7 @@ def export_gguf(
 def add_tensor_infos(writer: gguf.GGUFWriter, planned: list[PlannedTensor]) -> None:
     """Declare every planned tensor (name, shape, type, bytes) before the header is written."""
     for p in planned:
-        byte_shape = (
-            gguf.quants.quant_shape_to_byte_shape(p.shape, p.qtype)
-            if p.qtype == Q.Q8_0
-            else p.shape
-        )
+        byte_shape = gguf.quants.quant_shape_to_byte_shape(p.shape, p.qtype) if p.qtype == Q.Q8_0 else p.shape
         writer.add_tensor_info(
             p.gguf_name,
             byte_shape,
@@ -396,9 +349,7 @@ def checkpoint_fingerprint(model_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def cached_export(
-    model_dir: str | Path, export_type: str = "f32", cache_dir: Path | None = None
-) -> Path:
+def cached_export(model_dir: str | Path, export_type: str = "f32", cache_dir: Path | None = None) -> Path:
     """The GGUF of `model_dir` in the per-user cache, exported on first use."""
     target = export_target(model_dir, export_type, cache_dir)
     if not target.is_file():
@@ -430,7 +381,11 @@ def iter_tensor_bytes(path: Path) -> Iterator[tuple[str, str, tuple[int, ...], i
 def expert_facts(path: Path) -> dict[str, Any]:
     """How a GGUF stores one expert, from its tensor table (layer 0's stacked expert tensors):
     {expert_format: the ggml type of ffn_gate_exps, expert_bytes: gate + up + down bytes of one expert}."""
-    exps = {name: (kind, shape, nbytes) for name, kind, shape, nbytes in iter_tensor_bytes(path) if name.startswith("blk.0.ffn_")}
+    exps = {
+        name: (kind, shape, nbytes)
+        for name, kind, shape, nbytes in iter_tensor_bytes(path)
+        if name.startswith("blk.0.ffn_")
+    }
     parts = [exps.get(f"blk.0.{base}.weight") for base in _EXPERT_PROJ.values()]
     if any(p is None for p in parts):
         return {}

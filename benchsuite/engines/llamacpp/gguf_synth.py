@@ -50,8 +50,15 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from benchsuite.engines.llamacpp.gguf_export import (
+    ARCH,
+    PlannedTensor,
+    add_tensor_infos,
+    plan_tensors,
+    tokenizer_fields,
+    write_metadata,
+)
 from benchsuite.errors import UserError
-from benchsuite.engines.llamacpp.gguf_export import ARCH, PlannedTensor, add_tensor_infos, plan_tensors, tokenizer_fields, write_metadata
 
 CHUNK_BYTES = 16 * 2**20
 FACTS_SCHEMA_VERSION = 1

@@ -34,13 +34,9 @@ _KV_SIZE = re.compile(
 _CONTEXT = re.compile(
     r"^llama_context:\s+(?P<key>n_ctx|n_ctx_seq|n_seq_max|n_batch|n_ubatch|flash_attn|kv_unified)\s*=\s*(?P<value>\S+)"
 )
-_LAUNCH_MARKER = re.compile(
-    r"^# benchsuite: starting ", re.MULTILINE
-)  # written by benchsuite.process
+_LAUNCH_MARKER = re.compile(r"^# benchsuite: starting ", re.MULTILINE)  # written by benchsuite.process
 _PREFIX = re.compile(r"^\d+\.\d+\.\d+\.\d+\s+[A-Z]\s+")
-_BREAKDOWN_ROW = re.compile(
-    r"common_memory_breakdown_print:\s*\|\s*-\s*(?P<device>[^|]+?)\s*\|(?P<body>[^|]*)\|"
-)
+_BREAKDOWN_ROW = re.compile(r"common_memory_breakdown_print:\s*\|\s*-\s*(?P<device>[^|]+?)\s*\|(?P<body>[^|]*)\|")
 _MOE_CACHE_LINE = re.compile(r"moe[ _-]?cache", re.IGNORECASE)
 _HITS = re.compile(r"hits?\s*[=:]\s*(\d+)", re.IGNORECASE)
 _MISSES = re.compile(r"miss(?:es)?\s*[=:]\s*(\d+)", re.IGNORECASE)
@@ -71,9 +67,7 @@ def parse_server_log(text: str) -> dict[str, Any]:
                 breakdown[m["device"]] = row
         elif m := _BUFFER.match(line):
             per_kind = buffers.setdefault(m["kind"], {})
-            per_kind[m["device"]] = round(
-                per_kind.get(m["device"], 0.0) + float(m["mib"]), 3
-            )
+            per_kind[m["device"]] = round(per_kind.get(m["device"], 0.0) + float(m["mib"]), 3)
         elif m := _KV_SIZE.search(line):
             kv = {
                 "size_mib": float(m["mib"]),

@@ -28,8 +28,11 @@ _GROUPS: tuple[tuple[tuple[str, ...], str | None, str], ...] = (
     (("--port",), "LLAMA_ARG_PORT", "the runner (a free port)"),
     (("-c", "--ctx-size"), "LLAMA_ARG_CTX_SIZE", "fairness.kv_capacity_tokens"),
     (("-np", "--parallel"), "LLAMA_ARG_N_PARALLEL", "the workloads' highest concurrency"),
-    (("-kvu", "--kv-unified", "-no-kvu", "--no-kv-unified"), "LLAMA_ARG_KV_UNIFIED",
-     "the adapter (always --kv-unified: one pool of kv_capacity_tokens)"),
+    (
+        ("-kvu", "--kv-unified", "-no-kvu", "--no-kv-unified"),
+        "LLAMA_ARG_KV_UNIFIED",
+        "the adapter (always --kv-unified: one pool of kv_capacity_tokens)",
+    ),
     (("--cache-prompt", "--no-cache-prompt"), "LLAMA_ARG_CACHE_PROMPT", "fairness.prefix_caching"),
     (("-cram", "--cache-ram"), "LLAMA_ARG_CACHE_RAM", "fairness.prefix_caching"),
     (("--cache-reuse",), "LLAMA_ARG_CACHE_REUSE", "fairness.prefix_caching"),
@@ -44,8 +47,11 @@ _GROUPS: tuple[tuple[tuple[str, ...], str | None, str], ...] = (
     (("-t", "--threads"), "LLAMA_ARG_THREADS", "option threads"),
     (("-lv", "--verbosity", "--log-verbosity"), "LLAMA_ARG_LOG_VERBOSITY", "the adapter (4: the memory lines)"),
     (("--cors-origins",), "LLAMA_ARG_CORS_ORIGINS", "the adapter (no cross-origin reads)"),
-    (("--cors-credentials", "--no-cors-credentials"), "LLAMA_ARG_CORS_CREDENTIALS",
-     "the adapter (no cross-origin reads)"),
+    (
+        ("--cors-credentials", "--no-cors-credentials"),
+        "LLAMA_ARG_CORS_CREDENTIALS",
+        "the adapter (no cross-origin reads)",
+    ),
 )
 OWNED_FLAGS: dict[str, str] = {alias: owner for aliases, _, owner in _GROUPS for alias in aliases}
 OWNED_ENV: dict[str, str] = {env: f"{'/'.join(aliases)} ({owner})" for aliases, env, owner in _GROUPS if env}
