@@ -165,9 +165,9 @@ def measure_pagein_paths(host: ExpertTensors, expert_bytes: int, slots_n: int = 
         plan_e[:m], plan_s[:m] = experts, targets
         plan_e, plan_s = plan_e.to(dev), plan_s.to(dev)
         row: dict[str, Any] = {"experts": m}
-        paths = {"dma_copy": lambda: engine.copy_rows(host, slots, pairs)}
+        paths = {"dma_copy": lambda pairs=pairs: engine.copy_rows(host, slots, pairs)}
         if graph_safe(dev):
-            paths["triton_kernel"] = lambda: copy_planned(host, slots, plan_e, plan_s)
+            paths["triton_kernel"] = lambda plan_e=plan_e, plan_s=plan_s: copy_planned(host, slots, plan_e, plan_s)
         for name, fn in paths.items():
             fn()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -36,7 +36,7 @@ MODES = {
 
 
 def matrix_text(args: argparse.Namespace) -> str:
-    lines = ["name: server-overhead", "repeats: 1", "fairness: {kv_capacity_tokens: %d}" % args.kv_tokens, "engines:"]
+    lines = ["name: server-overhead", "repeats: 1", f"fairness: {{kv_capacity_tokens: {args.kv_tokens}}}", "engines:"]
     for mode in args.modes:
         options = dict(MODES[mode])
         if mode == "paged":
@@ -96,7 +96,7 @@ def phases(run_dir: Path, cells: pd.DataFrame) -> str:
         m = json.loads(path.read_text())
         before, after = m.get("before") or {}, m.get("after") or {}
 
-        def delta(name: str) -> float:
+        def delta(name: str, before: dict = before, after: dict = after) -> float:
             key = "paged_experts:" + name
             return float(after.get(key, 0.0)) - float(before.get(key, 0.0))
 

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -88,13 +89,18 @@ def fake_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(ADAPTERS._loaded, "builtin", FakeAdapter())  # type: ignore[attr-defined]
 
 
-def matrix(tmp_path: Path, engines: dict[str, Any], concurrency: list[int] = [1, 2], num_requests: int = 3) -> Path:
+def matrix(tmp_path: Path, engines: dict[str, Any], concurrency: Sequence[int] = (1, 2), num_requests: int = 3) -> Path:
     body = {
         "name": "fake",
         "output_root": str(tmp_path / "results"),
         "engines": {name: {"kind": "builtin", "options": options} for name, options in engines.items()},
         "workloads": {
-            "w": {"output_tokens": 4, "concurrency": concurrency, "num_requests": num_requests, "warmup_requests": 1}
+            "w": {
+                "output_tokens": 4,
+                "concurrency": list(concurrency),
+                "num_requests": num_requests,
+                "warmup_requests": 1,
+            }
         },
     }
     path = tmp_path / "m.yaml"

@@ -322,7 +322,7 @@ def search_curves(everything: pd.DataFrame) -> list[Figure]:
     if measured.empty:
         return []
     fig = go.Figure()
-    for (run_id, engine, conc), g in measured.groupby(["run_id", "engine", "concurrency"], sort=True):
+    for (_run_id, engine, conc), g in measured.groupby(["run_id", "engine", "concurrency"], sort=True):
         name = f"{engine} · c={conc}"
         per_n = g.groupby("N", sort=True)
         ns = list(per_n.groups)
@@ -362,7 +362,7 @@ def search_curves(everything: pd.DataFrame) -> list[Figure]:
                     hovertemplate=_HOVER,
                 )
             )
-    fitting = everything[everything["fits"] == True]
+    fitting = everything[everything["fits"].eq(True)]
     if not fitting.empty:
         fig.add_vrect(
             x0=float(fitting["N"].min()) - 0.5,
@@ -373,7 +373,7 @@ def search_curves(everything: pd.DataFrame) -> list[Figure]:
             annotation_text="projection fits VRAM",
             annotation_position="top left",
         )
-    for lo, hi in _runs(sorted({int(n) for n in everything.loc[everything["fits"] == False, "N"]})):
+    for lo, hi in _runs(sorted({int(n) for n in everything.loc[everything["fits"].eq(False), "N"]})):
         fig.add_vrect(
             x0=lo - 0.5,
             x1=hi + 0.5,
