@@ -10,7 +10,8 @@ Per cell: tok/s = B x steps / seconds; ms per step; hit rate, misses and bytes p
 from the runtime's own counters; and the roofline
     roofline_step_s = max(compute_step_s, misses_per_step x expert_bytes / link_B_per_s)
     serial_step_s = compute_step_s + misses_per_step x expert_bytes / link_B_per_s
-(the second: the bound of a step that pages a layer's misses only after its router ran), where compute_step_s is the resident mode's measured step time at the same B and routing (the
+(the second: the bound of a step that pages a layer's misses only after its router ran), where
+compute_step_s is the resident mode's measured step time at the same B and routing (the
 best the code does with nothing to page) and link_B_per_s the measured pinned host->device rate
 of back-to-back expert copies (`--linkbw-json` from `python -m benchsuite linkbw`, else measured
 here). `roofline_fraction = roofline_step_s / measured_step_s` (1.0 = at the roofline), likewise

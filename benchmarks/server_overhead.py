@@ -76,7 +76,8 @@ def table(cells: pd.DataFrame) -> str:
         http_stream, http_all, engine_all = c["decode_tok_s_p50"], c["output_tok_s"], c.get("engine_decode_tok_s")
         rows.append(
             f"{c['engine']:<12} {c['concurrency']:>2} | {http_stream:>15.1f} {engine_stream:>7.1f} "
-            f"{http_stream / engine_stream:>6.2f} | {http_all:>14.1f} {engine_all:>7.1f} {http_all / engine_all:>6.2f} | "
+            f"{http_stream / engine_stream:>6.2f} | "
+            f"{http_all:>14.1f} {engine_all:>7.1f} {http_all / engine_all:>6.2f} | "
             f"{step_s * 1e3:>7.2f}"
         )
     return "\n".join(rows)

@@ -198,7 +198,8 @@ def test_an_unset_variable_is_one_line_naming_path_and_variable(
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert err.strip().endswith(
-        "workloads.sharegpt.path: environment variable BENCH_TEST_SHAREGPT is not set (set it to your ShareGPT JSON file)"
+        "workloads.sharegpt.path: environment variable BENCH_TEST_SHAREGPT is not set "
+        "(set it to your ShareGPT JSON file)"
     )
     monkeypatch.delenv("BENCH_TEST_MODEL")
     msg = errors_of(tmp_path, ENV_MATRIX)

@@ -325,7 +325,8 @@ def test_a_search_hands_back_options_that_then_run_every_workload(
 
 
 def test_datasets_reach_the_engine_as_text_or_exact_token_ids(tmp_path: Path, tiny_model_dir: Path) -> None:
-    sharegpt = [{"id": f"sg{i}", "conversations": [{"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": "a"}]}
+    sharegpt = [{"id": f"sg{i}",
+                 "conversations": [{"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": "a"}]}
                 for i in range(4)]  # fmt: skip
     (tmp_path / "sg.json").write_text(json.dumps(sharegpt))
     path = matrix(tmp_path, {"e": {"tokenizer": str(tiny_model_dir)}}, concurrency=[1], num_requests=2)

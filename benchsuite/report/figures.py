@@ -163,7 +163,10 @@ def decode_vs_k(groups: pd.DataFrame, top_k: int | None) -> list[Figure]:
                 annotation_text=f"K={conc * top_k}: {conc} req/wave",
                 annotation_font_size=9,
             )
-        caption += f" Dotted lines: the smallest K whose K // top_k (top_k={top_k}) fits each measured concurrency in one wave."
+        caption += (
+            f" Dotted lines: the smallest K whose K // top_k (top_k={top_k}) fits each measured concurrency "
+            "in one wave."
+        )
     else:
         caption += " top_k is not recorded in the manifest, so K // top_k cannot be marked."
     return [Figure("fig-decode-vs-k", "Decode tok/s vs K", fig, caption, tuple(ids))]
