@@ -84,7 +84,8 @@ def search(start: RoutingParams, iterations: int, num_layers: int, tokens: int, 
         if err < best_err:
             best, best_err = params, err
             print(
-                f"{i:3d} err {err:.4f} lru {np.round(curve, 3)} overlap {ov.mean():.3f} [{ov.min():.3f}, {ov.max():.3f}] {params}"
+                f"{i:3d} err {err:.4f} lru {np.round(curve, 3)} "
+                f"overlap {ov.mean():.3f} [{ov.min():.3f}, {ov.max():.3f}] {params}"
             )
             sys.stdout.flush()
     return best

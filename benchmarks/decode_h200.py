@@ -10,7 +10,8 @@ Per cell: tok/s = B x steps / seconds; ms per step; hit rate, misses and bytes p
 from the runtime's own counters; and the roofline
     roofline_step_s = max(compute_step_s, misses_per_step x expert_bytes / link_B_per_s)
     serial_step_s = compute_step_s + misses_per_step x expert_bytes / link_B_per_s
-(the second: the bound of a step that pages a layer's misses only after its router ran), where compute_step_s is the resident mode's measured step time at the same B and routing (the
+(the second: the bound of a step that pages a layer's misses only after its router ran), where
+compute_step_s is the resident mode's measured step time at the same B and routing (the
 best the code does with nothing to page) and link_B_per_s the measured pinned host->device rate
 of back-to-back expert copies (`--linkbw-json` from `python -m benchsuite linkbw`, else measured
 here). `roofline_fraction = roofline_step_s / measured_step_s` (1.0 = at the roofline), likewise
@@ -165,9 +166,9 @@ def measure_pagein_paths(host: ExpertTensors, expert_bytes: int, slots_n: int = 
         plan_e[:m], plan_s[:m] = experts, targets
         plan_e, plan_s = plan_e.to(dev), plan_s.to(dev)
         row: dict[str, Any] = {"experts": m}
-        paths = {"dma_copy": lambda: engine.copy_rows(host, slots, pairs)}
+        paths = {"dma_copy": lambda pairs=pairs: engine.copy_rows(host, slots, pairs)}
         if graph_safe(dev):
-            paths["triton_kernel"] = lambda: copy_planned(host, slots, plan_e, plan_s)
+            paths["triton_kernel"] = lambda plan_e=plan_e, plan_s=plan_s: copy_planned(host, slots, plan_e, plan_s)
         for name, fn in paths.items():
             fn()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

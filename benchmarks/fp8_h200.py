@@ -37,7 +37,7 @@ from paged_experts.routing import make_router
 from paged_experts.runtime import RuntimeConfig
 from paged_experts.store import ExpertTensors, PageInEngine
 
-E, H, I = 128, 2048, 768
+E, H, INTER = 128, 2048, 768
 
 
 def pagein_cells(layers: int, ms: list[int], k: int = 64, repeats: int = 5) -> list[dict[str, Any]]:
@@ -46,11 +46,11 @@ def pagein_cells(layers: int, ms: list[int], k: int = 64, repeats: int = 5) -> l
     out = []
     for is_fp8 in (True, False):
         hosts = [
-            ExpertTensors.empty(E, H, I, torch.bfloat16, torch.device("cpu"), pin=True, is_fp8=is_fp8)
+            ExpertTensors.empty(E, H, INTER, torch.bfloat16, torch.device("cpu"), pin=True, is_fp8=is_fp8)
             for _ in range(layers)
         ]
-        slots = [ExpertTensors.empty(k, H, I, torch.bfloat16, dev, is_fp8=is_fp8) for _ in range(layers)]
-        engine = PageInEngine(dev, "direct", H, I, torch.bfloat16, k, is_fp8=is_fp8)
+        slots = [ExpertTensors.empty(k, H, INTER, torch.bfloat16, dev, is_fp8=is_fp8) for _ in range(layers)]
+        engine = PageInEngine(dev, "direct", H, INTER, torch.bfloat16, k, is_fp8=is_fp8)
         row_bytes = hosts[0].row_bytes
         for m in ms:
             for path in ("dma", "triton_kernel"):

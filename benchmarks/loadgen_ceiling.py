@@ -227,9 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         print(f"ceiling: the client kept up with none of the paced rates at {args.streams} streams")
+    offered = "unpaced" if best.offered_chunks_per_s is None else f"{best.offered_chunks_per_s:,.0f}/s offered"
     print(
-        f"one-core estimate: {best.chunks_per_client_cpu_s:,.0f} chunks per client CPU-second "
-        f"(best phase, {'unpaced' if best.offered_chunks_per_s is None else f'{best.offered_chunks_per_s:,.0f}/s offered'})"
+        f"one-core estimate: {best.chunks_per_client_cpu_s:,.0f} chunks per client CPU-second (best phase, {offered})"
     )
     if args.json:
         args.json.write_text(json.dumps([asdict(p) | {"keeps_up": p.keeps_up} for p in phases], indent=2))

@@ -100,13 +100,17 @@ def main(argv: list[str] | None = None) -> int:
             return [lambda r=r: fn(r) for r in range(args.reps)]
 
         timings = {
-            "route_torch": ops_of(lambda r: route(logits[r], k, True)),
-            "route_triton": ops_of(lambda r: moe_triton.route(logits[r], k, True)),
+            "route_torch": ops_of(lambda r, logits=logits: route(logits[r], k, True)),
+            "route_triton": ops_of(lambda r, logits=logits: moe_triton.route(logits[r], k, True)),
             "experts_grouped": ops_of(
-                lambda r: experts_over_rows(xs[r], routed[r][0].reshape(-1), routed[r][1], gate, up, down, k)
+                lambda r, xs=xs, routed=routed: experts_over_rows(
+                    xs[r], routed[r][0].reshape(-1), routed[r][1], gate, up, down, k
+                )
             ),
             "experts_triton": ops_of(
-                lambda r: moe_triton.moe_pairs(xs[r], routed[r][0].reshape(-1), routed[r][1], gate, up, down, k)
+                lambda r, xs=xs, routed=routed: moe_triton.moe_pairs(
+                    xs[r], routed[r][0].reshape(-1), routed[r][1], gate, up, down, k
+                )
             ),
         }
         for name, ops in timings.items():

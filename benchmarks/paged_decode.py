@@ -97,8 +97,10 @@ def main(argv: list[str] | None = None) -> int:
             row = {"mode": mode, **run_cell(model, batch, args.prompt, args.decode)}
             rows.append(row)
             print(
-                f"{mode:>14} B={batch}: {row['decode_tok_per_s']:8.1f} tok/s  prefill {row['prefill_s'] * 1e3:7.1f} ms  "
-                f"hit {row['hit_rate']:.3f}  union {row['union_per_layer_step']:5.1f}  waves {row['waves_per_layer_step']:4.2f}  "
+                f"{mode:>14} B={batch}: {row['decode_tok_per_s']:8.1f} tok/s  "
+                f"prefill {row['prefill_s'] * 1e3:7.1f} ms  "
+                f"hit {row['hit_rate']:.3f}  union {row['union_per_layer_step']:5.1f}  "
+                f"waves {row['waves_per_layer_step']:4.2f}  "
                 f"h2d {row['bytes_h2d_per_step'] / 1e6:7.1f} MB/step  copy {row['copy_time_share']:.0%}  "
                 f"{row['h2d_gbps_while_copying']:5.1f} GB/s",
                 flush=True,

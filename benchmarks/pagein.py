@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(
             f"{r['strategy']:>8} {r['m']:>3} {r['bytes_per_step'] / 1e6:>8.1f} {r['median_step_s'] * 1e3:>7.3f} "
-            f"{r['gbps_median']:>6.1f} {r['fraction_of_measured_ceiling']:>6.1%} {r['fraction_of_nominal_54gbps']:>6.1%}"
+            f"{r['gbps_median']:>6.1f} {r['fraction_of_measured_ceiling']:>6.1%} "
+            f"{r['fraction_of_nominal_54gbps']:>6.1%}"
         )
     return 0
 

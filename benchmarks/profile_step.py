@@ -96,7 +96,10 @@ def main(argv: list[str] | None = None) -> int:
                 step()
             sync()
         table = prof.key_averages().table(sort_by=sort_key, row_limit=args.rows, max_name_column_width=70)
-        head = f"=== {spec}: {args.layers} layers, batch {args.batch}, {wall_ms:.2f} ms/step wall (unprofiled), replays {model.graph_replays}"
+        head = (
+            f"=== {spec}: {args.layers} layers, batch {args.batch}, {wall_ms:.2f} ms/step wall (unprofiled), "
+            f"replays {model.graph_replays}"
+        )
         print(head, flush=True)
         lines += [head, table]
         if args.trace_dir is not None and cuda:

@@ -61,7 +61,8 @@ def run_quickstart(out_dir: Path, index: int) -> tuple[Path, float]:
 
 
 def run_verdicts(run_dir: Path) -> dict[tuple[str, str, int, str], dict[str, Any]]:
-    """(workload, prompt class, concurrency, metric) -> {winner, winner_family, versus: {family: (text, verdict, ratio)}}."""
+    """(workload, prompt class, concurrency, metric) ->
+    {winner, winner_family, versus: {family: (text, verdict, ratio)}}."""
     from benchsuite.report.build import build_report_data
 
     data = build_report_data([run_dir])
@@ -118,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         walls.append(wall_s)
         print(f"run {index}: {wall_s:.1f} s wall (load average {load:.2f} at its start) -> {run_dir}", flush=True)
     print(
-        f"quickstart wall time over {len(walls)} runs: min {min(walls):.1f} s, median {statistics.median(walls):.1f} s, "
-        f"max {max(walls):.1f} s"
+        f"quickstart wall time over {len(walls)} runs: min {min(walls):.1f} s, "
+        f"median {statistics.median(walls):.1f} s, max {max(walls):.1f} s"
     )
     verdicts = [run_verdicts(r) for r in runs]
     report: dict[str, Any] = {"wall_s": walls, "runs": [str(r) for r in runs], "setups": [], "compare": []}
@@ -146,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         for _, row in flagged.iterrows():
             print(
-                f"  ! {row['configuration']} c={row['concurrency']} {row['metric']}: {row['change']:+.1%} ({row['verdict']})"
+                f"  ! {row['configuration']} c={row['concurrency']} {row['metric']}: "
+                f"{row['change']:+.1%} ({row['verdict']})"
             )
         report["compare"].append({"a": a + 1, "b": b + 1, "flagged": len(flagged), "rows": len(comparison.rows)})
     if args.json:

@@ -36,7 +36,7 @@ MODES = {
 
 
 def matrix_text(args: argparse.Namespace) -> str:
-    lines = ["name: server-overhead", "repeats: 1", "fairness: {kv_capacity_tokens: %d}" % args.kv_tokens, "engines:"]
+    lines = ["name: server-overhead", "repeats: 1", f"fairness: {{kv_capacity_tokens: {args.kv_tokens}}}", "engines:"]
     for mode in args.modes:
         options = dict(MODES[mode])
         if mode == "paged":
@@ -76,7 +76,8 @@ def table(cells: pd.DataFrame) -> str:
         http_stream, http_all, engine_all = c["decode_tok_s_p50"], c["output_tok_s"], c.get("engine_decode_tok_s")
         rows.append(
             f"{c['engine']:<12} {c['concurrency']:>2} | {http_stream:>15.1f} {engine_stream:>7.1f} "
-            f"{http_stream / engine_stream:>6.2f} | {http_all:>14.1f} {engine_all:>7.1f} {http_all / engine_all:>6.2f} | "
+            f"{http_stream / engine_stream:>6.2f} | "
+            f"{http_all:>14.1f} {engine_all:>7.1f} {http_all / engine_all:>6.2f} | "
             f"{step_s * 1e3:>7.2f}"
         )
     return "\n".join(rows)
@@ -96,7 +97,7 @@ def phases(run_dir: Path, cells: pd.DataFrame) -> str:
         m = json.loads(path.read_text())
         before, after = m.get("before") or {}, m.get("after") or {}
 
-        def delta(name: str) -> float:
+        def delta(name: str, before: dict = before, after: dict = after) -> float:
             key = "paged_experts:" + name
             return float(after.get(key, 0.0)) - float(before.get(key, 0.0))
 

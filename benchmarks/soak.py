@@ -248,7 +248,8 @@ async def soak(config: SoakConfig, log_dir: Path) -> SoakResult:
     port = free_port()
     argv = [sys.executable, "-m", "paged_experts.server", "--model-path", model, "--port", str(port),
             "--max-running-requests", str(config.streams + config.burst_size),
-            "--max-total-tokens", str(config.kv_capacity_tokens), "--log-level", "warning", *config.server_args]  # fmt: skip
+            "--max-total-tokens", str(config.kv_capacity_tokens), "--log-level", "warning",
+            *config.server_args]  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     process = EngineProcess(argv, {"PYTHONUNBUFFERED": "1"}, log_dir / "soak-server.log", f"{base}/health", 600.0)
     result = SoakResult(duration_s=config.duration_s, streams=config.streams)

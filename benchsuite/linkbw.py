@@ -178,7 +178,8 @@ def render(report: LinkBwReport) -> str:
     for m in report.measurements:
         size = f"{m.size_bytes / 1e6:.2f} MB" if m.size_bytes < GIB_BYTES else f"{m.size_bytes / GIB_BYTES:.0f} GiB"
         lines.append(
-            f"{m.direction:<4} {m.memory:<9} {size:>10} {m.copies:>6} {m.median_gb_per_s:>12.1f} {m.best_gb_per_s:>10.1f}"
+            f"{m.direction:<4} {m.memory:<9} {size:>10} {m.copies:>6} "
+            f"{m.median_gb_per_s:>12.1f} {m.best_gb_per_s:>10.1f}"
         )
     lines.append(f"paging figure (pinned H2D, back-to-back expert copies): {report.paging_gb_per_s:.1f} GB/s")
     return "\n".join(lines)

@@ -72,13 +72,20 @@ DEFINITIONS: dict[str, str] = {
         "several tokens), each chunk timed as its SSE event is parsed, all warm requests pooled"
     ),
     "itl_p99_s": "99th percentile ITL (inter-chunk latency), all warm requests pooled",
-    "itl_per_token_p50_s": "median per-token latency: each chunk gap / the tokens that chunk carried (per-chunk usage, else the mean)",
+    "itl_per_token_p50_s": (
+        "median per-token latency: each chunk gap / the tokens that chunk carried (per-chunk usage, else the mean)"
+    ),
     "tokens_per_chunk_mean": "mean over warm requests of (output_tokens - f) / (chunks - 1), f = first chunk's tokens",
     "coalesced_gaps": "chunk gaps inside one body read: the client did not read between them (its gap is a parse time)",
     "whole_stream_reads": "warm requests whose every content chunk came in one body read (counted, ranked fastest)",
-    "timings_decode_tok_s_p50": "median over warm requests of the engine's own decode rate (llama.cpp timings.predicted_per_second)",
+    "timings_decode_tok_s_p50": (
+        "median over warm requests of the engine's own decode rate (llama.cpp timings.predicted_per_second)"
+    ),
     "tpot_p50_s": "median over warm requests of TPOT = (latency - TTFT) / (output_tokens - 1)",
-    "decode_tok_s_p50": "median over warm requests of (output_tokens - f) / (t_last_chunk - t_first_token), f = first chunk's tokens (1 unless per-chunk usage says more)",
+    "decode_tok_s_p50": (
+        "median over warm requests of (output_tokens - f) / (t_last_chunk - t_first_token), "
+        "f = first chunk's tokens (1 unless per-chunk usage says more)"
+    ),
     "output_tok_s": "sum(output_tokens from usage, measured ok requests) / window_s",
     "request_s": "measured ok requests / window_s",
     "window_s": "last t_done - first t_sent over measured requests",
@@ -314,7 +321,10 @@ def _decode_p50(warm: Sequence[RequestRecord], decode_rates: list[float]) -> tup
     whole = sum(1 for r in warm if whole_stream(r) and decode_tok_s(r) is not None)
     if not decode_rates or 2 * whole < len(decode_rates):
         return percentile(decode_rates, 50), "client"
-    why = f"{whole} of {len(decode_rates)} streams arrived whole in one body read, so the client could not time their decode"
+    why = (
+        f"{whole} of {len(decode_rates)} streams arrived whole in one body read, "
+        "so the client could not time their decode"
+    )
     engine = [d for d in map(timings_decode_tok_s, warm) if d is not None]
     if engine:
         return percentile(engine, 50), f"engine timings ({why})"
@@ -347,7 +357,8 @@ def _chunk_fields(warm: Sequence[RequestRecord]) -> dict[str, Any]:
 
 
 def _client_flags(result: CellResult, gaps: int) -> dict[str, str]:
-    """`client_flag` when the client could not keep up; `engine_timings_flag` when the engine's own decode rate disagrees."""
+    """`client_flag` when the client could not keep up; `engine_timings_flag` when the engine's own decode
+    rate disagrees."""
     flags: dict[str, str] = {}
     if gaps and result.coalesced_gaps > CLIENT_BEHIND_FRACTION * gaps:
         flags["client_flag"] = (

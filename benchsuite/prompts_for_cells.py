@@ -90,7 +90,8 @@ def _random_token_prompts(vocab_source: Path, n_tokens: int, n: int, seed: int) 
 
 
 def _vocab_source(adapter: EngineAdapter, spec: ServerSpec) -> Path:
-    """Where dataset `random` reads the vocabulary size: the engine's GGUF file when it serves one, else the tokenizer."""
+    """Where dataset `random` reads the vocabulary size: the engine's GGUF file when it serves one, else the
+    tokenizer."""
     gguf_file = getattr(adapter, "gguf_file", None)
     found = gguf_file(spec) if gguf_file is not None else None
     return Path(found) if found is not None else _tokenizer_dir(adapter, spec)

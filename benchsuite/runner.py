@@ -1,12 +1,13 @@
 """The run loop: plan -> servers -> cells -> store, resumable.
 
-Each server spec starts once (own process group, free port, log in <run>/logs/<server-id>.log;
-once per repeat with `repeat_order: interleaved`) and runs all of its cells (workloads x prompt classes x concurrencies x repeats); between cells
-its prefix cache is flushed where the adapter names a flush path, and its counters are scraped
-before and after each cell, and so is the machine's noise (load average, CPU clock, CPU time other
-processes took: extras["machine"], benchsuite.machine.cell_noise). Every cell is written atomically
-as soon as it ends. A server that fails to start, or dies, gets its cells recorded `failed` with the log tail; the rest of the
-matrix continues. Servers always stop (try/finally), also on Ctrl-C and exceptions.
+Each server spec starts once (own process group, free port, log in <run>/logs/<server-id>.log; once
+per repeat with `repeat_order: interleaved`) and runs all of its cells (workloads x prompt classes x
+concurrencies x repeats); between cells its prefix cache is flushed where the adapter names a flush
+path, and its counters are scraped before and after each cell, and so is the machine's noise (load
+average, CPU clock, CPU time other processes took: extras["machine"],
+benchsuite.machine.cell_noise). Every cell is written atomically as soon as it ends. A server that
+fails to start, or dies, gets its cells recorded `failed` with the log tail; the rest of the matrix
+continues. Servers always stop (try/finally), also on Ctrl-C and exceptions.
 
 A search (the llama.cpp `--n-cpu-moe` search, benchsuite.search.run_search) is injected as the
 `SearchHook` of the context: it receives the `RunContext` and a plan.SearchTask and returns the

@@ -47,9 +47,10 @@ def test_k_outside_top_k_and_e_is_caught_when_the_matrix_loads(
         load_matrix(path)
     lines = str(err.value).splitlines()
     assert lines == [
-        f"{path}: engines.paged.options.resident_experts[0]: K=2 is fewer than top_k=4: one token's experts must all be "
-        "resident (the tiny preset)",
-        f"{path}: engines.paged.options.resident_experts[2]: K=64 is more than the model's 32 experts per layer (the tiny preset)",
+        f"{path}: engines.paged.options.resident_experts[0]: K=2 is fewer than top_k=4: "
+        "one token's experts must all be resident (the tiny preset)",
+        f"{path}: engines.paged.options.resident_experts[2]: K=64 is more than the model's 32 experts per layer "
+        "(the tiny preset)",
     ]
     assert cli_main(["run", str(path), "--dry-run"]) == 2  # a dry run no longer lets it through to the launch
     assert "K=64 is more than" in capsys.readouterr().err
@@ -71,8 +72,8 @@ def test_k_is_checked_against_a_local_config_json(tmp_path: Path) -> None:
     with pytest.raises(MatrixError) as err:
         load_matrix(path)
     assert (
-        f"engines.p.options.resident_experts: K=129 is more than the model's 128 experts per layer ({model / 'config.json'})"
-        in str(err.value)
+        "engines.p.options.resident_experts: K=129 is more than the model's 128 experts per layer "
+        f"({model / 'config.json'})" in str(err.value)
     )
     assert "engines.c.options.n_cpu_moe: 49 is more than the model's 48 layers" in str(err.value)
     path.write_text(path.read_text().replace("129", "92").replace("49", "30"))

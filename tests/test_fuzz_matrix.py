@@ -44,7 +44,8 @@ BASE: dict[str, Any] = {
 }  # fmt: skip
 
 WORDS = ["search", "tiny", "resident", "paged", "offload", "builtin", "llamacpp", "sglang", "short", "128",
-         "poisson", "closed", "sharegpt", "random", "on", "off", "yes", "", " ", "pr42557", "model", "mode"]  # fmt: skip
+         "poisson", "closed", "sharegpt", "random", "on", "off", "yes", "", " ", "pr42557", "model",
+         "mode"]  # fmt: skip
 # Integers stay small: `repeats` and sweeps multiply into cells (a huge count is its own test below).
 SCALARS = st.one_of(
     st.none(),

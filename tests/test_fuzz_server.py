@@ -92,7 +92,10 @@ JSON_VALUES = st.recursive(
 )
 MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "system", "assistant", "tool", "developer", "robot"]) | JSON_VALUES},
-    optional={"content": st.text(max_size=20) | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=8)}), max_size=2) | JSON_VALUES,
+    optional={"content": st.text(max_size=20)
+                         | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=8)}),
+                                    max_size=2)
+                         | JSON_VALUES,
               "name": JSON_VALUES},
 )  # fmt: skip
 PLAUSIBLE = {

@@ -70,8 +70,8 @@ def test_f32_export_is_byte_identical_with_stacked_experts(ckpt_f32, tmp_path):
         == hf["model.layers.0.post_attention_layernorm.weight"].numpy().tobytes()
     )
     assert bytes(tensors["blk.1.ffn_gate_inp.weight"].data) == hf["model.layers.1.mlp.gate.weight"].numpy().tobytes()
-    E, I, H = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["hidden_size"]
-    for proj, shape in (("gate", (E, I, H)), ("up", (E, I, H)), ("down", (E, H, I))):
+    E, inter, H = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["hidden_size"]
+    for proj, shape in (("gate", (E, inter, H)), ("up", (E, inter, H)), ("down", (E, H, inter))):
         t = tensors[f"blk.1.ffn_{proj}_exps.weight"]
         assert tuple(int(x) for x in reversed(t.shape)) == shape  # numpy order [E, ...]
         stacked = torch.stack([hf[f"model.layers.1.mlp.experts.{e}.{proj}_proj.weight"] for e in range(E)])

@@ -118,7 +118,8 @@ async def test_f32_gguf_agrees_with_the_builtin_engine(tmp_path):
     reference = _builtin_greedy(model_dir, prompts, NEW_TOKENS)
     rate = agreement(ours, reference)
     print(
-        f"GGUF f32 greedy agreement with the builtin engine: {rate:.3f} over {len(prompts)} prompts x {NEW_TOKENS} tokens"
+        f"GGUF f32 greedy agreement with the builtin engine: {rate:.3f} "
+        f"over {len(prompts)} prompts x {NEW_TOKENS} tokens"
     )
     assert rate >= AGREEMENT_FLOOR_F32, (ours, reference)
 

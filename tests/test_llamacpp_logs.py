@@ -58,10 +58,14 @@ def test_moe_cache_line_forms():
     assert parse_moe_cache_line("moe cache: hits enabled") is None
 
 
+# A backslash at a line end continues the log line (source lines stay within 120 characters).
 PREFIXED = """\
-0.00.139.684 I common_memory_breakdown_print: | memory breakdown [MiB] | total   free    self   model   context   compute    unaccounted |
-0.00.140.001 I common_memory_breakdown_print: |   - CUDA0 (NVIDIA H200) | 143000 = 120000 + (18366 = 17105 +     960 +     301) +        4634 |
-0.00.172.433 I common_memory_breakdown_print: |   - Host               |                    7 =     3 +       1 +       3                |
+0.00.139.684 I common_memory_breakdown_print: | memory breakdown [MiB] \
+| total   free    self   model   context   compute    unaccounted |
+0.00.140.001 I common_memory_breakdown_print: |   - CUDA0 (NVIDIA H200) \
+| 143000 = 120000 + (18366 = 17105 +     960 +     301) +        4634 |
+0.00.172.433 I common_memory_breakdown_print: |   - Host               \
+|                    7 =     3 +       1 +       3                |
 0.00.209.411 I load_tensors:   CPU_Mapped model buffer size =     3.73 MiB
 0.00.225.298 I llama_context: n_ctx                 = 2048
 0.00.228.906 I sched_reserve:        CPU compute buffer size =     3.26 MiB

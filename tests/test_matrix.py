@@ -61,15 +61,15 @@ def test_unknown_keys_list_the_allowed_ones(tmp_path: Path) -> None:
     text += "colour: red\n"
     lines = errors_of(tmp_path, text).splitlines()
     # structural errors and engine option errors in one pass
-    assert any("workloads.w.concurency: unknown key (allowed: " in l and "concurrency" in l for l in lines)
+    assert any("workloads.w.concurency: unknown key (allowed: " in line and "concurrency" in line for line in lines)
     assert any(
-        l.endswith(
+        line.endswith(
             "colour: unknown key (allowed: canary, engines, env, fairness, linkbw, name, output_root, reference, "
             "repeat_order, repeats, workloads)"
         )
-        for l in lines
+        for line in lines
     )
-    assert any("engines.res.options.devce: unknown key (allowed: " in l for l in lines)
+    assert any("engines.res.options.devce: unknown key (allowed: " in line for line in lines)
 
 
 def test_literal_and_cross_field_errors(tmp_path: Path) -> None:
@@ -198,7 +198,8 @@ def test_an_unset_variable_is_one_line_naming_path_and_variable(
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert err.strip().endswith(
-        "workloads.sharegpt.path: environment variable BENCH_TEST_SHAREGPT is not set (set it to your ShareGPT JSON file)"
+        "workloads.sharegpt.path: environment variable BENCH_TEST_SHAREGPT is not set "
+        "(set it to your ShareGPT JSON file)"
     )
     monkeypatch.delenv("BENCH_TEST_MODEL")
     msg = errors_of(tmp_path, ENV_MATRIX)

@@ -1,7 +1,8 @@
 """The decode kernels of moe_triton (routing; gate+up per pair; down with the top-k combine) and
-attn_triton (GQA decode attention over a KV row table) against plain torch, in the Triton interpreter (TRITON_INTERPRET=1, CPU, fp32). Skipped where Triton is
-absent (the CPU torch wheel has none); tests/cuda/test_device_paging_cuda.py runs the same checks
-compiled, in bf16, on a GPU (`check_kernels(device="cuda", ...)`, `check_attention(...)`).
+attn_triton (GQA decode attention over a KV row table) against plain torch, in the Triton
+interpreter (TRITON_INTERPRET=1, CPU, fp32). Skipped where Triton is absent (the CPU torch wheel has
+none); tests/cuda/test_device_paging_cuda.py runs the same checks compiled, in bf16, on a GPU
+(`check_kernels(device="cuda", ...)`, `check_attention(...)`).
 
 Triton reads TRITON_INTERPRET when it is imported, so the checks run in a child interpreter
 started with it set (this process may already hold a compiled Triton)."""

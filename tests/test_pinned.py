@@ -14,7 +14,7 @@ import torch
 from paged_experts import pinned
 from paged_experts.store import ExpertTensors
 
-E, H, I = 6, 64, 40  # down's rows are 64 x 40 x 2 = 5120 bytes: not a multiple of the alignment
+E, H, INTER = 6, 64, 40  # down's rows are 64 x 40 x 2 = 5120 bytes: not a multiple of the alignment
 
 
 class FakeRegistrar:
@@ -47,12 +47,12 @@ def fresh_ledger(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def shapes(e: int = E) -> list[tuple[int, ...]]:
-    return [(e, I, H), (e, I, H), (e, H, I)]  # gate, up, down
+    return [(e, INTER, H), (e, INTER, H), (e, H, INTER)]  # gate, up, down
 
 
 def test_plan_aligns_each_tensor_and_rounds_only_to_the_alignment() -> None:
     lay = pinned.plan(shapes(), torch.bfloat16)
-    row = I * H * 2
+    row = INTER * H * 2
     assert lay.nbytes == (E * row, E * row, E * row)  # 30720 each
     assert lay.offsets == (0, 32768, 65536)
     assert lay.total_bytes == 3 * 32768
@@ -68,7 +68,7 @@ def test_views_have_the_shapes_dtypes_strides_and_disjoint_bytes() -> None:
     assert [t.shape for t in (gate, up, down)] == [torch.Size(s) for s in shapes()]
     assert {t.dtype for t in (gate, up, down)} == {torch.bfloat16}
     assert all(t.is_contiguous() and t.device.type == "cpu" for t in (gate, up, down))
-    assert down.stride() == (H * I, I, 1)
+    assert down.stride() == (H * INTER, INTER, 1)
     base = gate.data_ptr()
     assert [t.data_ptr() - base for t in (gate, up, down)] == list(lay.offsets)
     assert base % pinned.ALIGN_BYTES == 0
@@ -104,10 +104,10 @@ def test_store_keeps_the_block_alive(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakeRegistrar()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(pinned, "_cuda_driver", lambda: fake)
-    store = ExpertTensors.empty(E, H, I, torch.bfloat16, torch.device("cpu"), pin=True)
+    store = ExpertTensors.empty(E, H, INTER, torch.bfloat16, torch.device("cpu"), pin=True)
     assert store.gate.untyped_storage().data_ptr() == store.down.untyped_storage().data_ptr()
     assert pinned.stats().registered_bytes == pinned.plan(shapes(), torch.bfloat16).total_bytes
-    plain = ExpertTensors.empty(E, H, I, torch.bfloat16, torch.device("cpu"))  # pin=False: torch.empty as before
+    plain = ExpertTensors.empty(E, H, INTER, torch.bfloat16, torch.device("cpu"))  # pin=False: torch.empty as before
     assert plain.gate.untyped_storage().data_ptr() != plain.up.untyped_storage().data_ptr()
     del store
     gc.collect()
@@ -140,7 +140,7 @@ def test_falls_back_to_torch_and_says_why(
     assert gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()
     assert "unregister" not in [c[0] for c in fake.calls]
     s = pinned.stats()
-    assert s.registered_bytes == 0 and s.torch_bytes == 3 * E * I * H * 2
+    assert s.registered_bytes == 0 and s.torch_bytes == 3 * E * INTER * H * 2
     assert s.torch_rounded_bytes == 3 * 32768 and s.fallback_reasons[0].startswith(reason)
     del gate, up, down
     gc.collect()

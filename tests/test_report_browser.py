@@ -41,8 +41,10 @@ CHARTS_JS = """() => Array.from(document.querySelectorAll('.js-plotly-plot')).ma
                                       y: Array.from(t.y || []), customdata: Array.from(t.customdata || [])}))
 }))"""
 VERDICT_JS = """() => ({
-    versus: Array.from(document.querySelectorAll('#verdict .vs')).map(d => ({text: d.textContent, ...d.dataset})),
-    winners: Array.from(document.querySelectorAll('#verdict td.winner')).map(d => ({text: d.textContent, ...d.dataset})),
+    versus: Array.from(document.querySelectorAll('#verdict .vs'))
+        .map(d => ({text: d.textContent, ...d.dataset})),
+    winners: Array.from(document.querySelectorAll('#verdict td.winner'))
+        .map(d => ({text: d.textContent, ...d.dataset})),
     top: document.getElementById('verdict').getBoundingClientRect().top + window.scrollY,
 })"""
 # Anything whose content is wider than its box (a cell cut off, a table that scrolls sideways), and the page width.
@@ -59,7 +61,8 @@ TABLE_JS = """(id) => { // a wide table is split in parts (id, id-2, ...): rows 
     let merged = null;
     for (const t of parts) {
         const head = Array.from(t.querySelectorAll('thead th')).map(th => th.textContent);
-        const rows = Array.from(t.querySelectorAll('tbody tr')).map(tr => Array.from(tr.children).map(td => td.textContent));
+        const rows = Array.from(t.querySelectorAll('tbody tr'))
+            .map(tr => Array.from(tr.children).map(td => td.textContent));
         if (merged === null) merged = rows.map(r => Object.fromEntries(head.map((h, i) => [h, r[i]])));
         else rows.forEach((r, i) => head.forEach((h, j) => { merged[i][h] = r[j]; }));
     }

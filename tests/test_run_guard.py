@@ -44,7 +44,8 @@ def write_matrix(tmp_path: Path, model: str, *, sharegpt: Path | None = None, ou
     if sharegpt is not None:
         workloads["chat"] = {"dataset": "sharegpt", "path": str(sharegpt), "concurrency": [1], "num_requests": 2}
     doc = {"name": "guard", "output_root": str(tmp_path / "out"), "fairness": {"kv_capacity_tokens": 512},
-           "engines": {"e": {"kind": "builtin", "options": {"model": model, "mode": "resident"}}}, "workloads": workloads}  # fmt: skip
+           "engines": {"e": {"kind": "builtin", "options": {"model": model, "mode": "resident"}}},
+           "workloads": workloads}  # fmt: skip
     path = tmp_path / "m.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
@@ -94,7 +95,8 @@ def test_a_second_runner_on_a_locked_run_exits_2_naming_the_holder(tmp_path: Pat
 def test_a_lock_left_by_a_killed_runner_is_taken_over_with_a_note(tmp_path: Path) -> None:
     path = write_matrix(tmp_path, weightless_model(tmp_path))
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from benchsuite.matrix import load_matrix; from benchsuite.plan import "
+        [sys.executable, "-c",
+         "import sys, time; from benchsuite.matrix import load_matrix; from benchsuite.plan import "
          "build_plan; from benchsuite.runner import open_store; open_store(build_plan(load_matrix(sys.argv[1]))); "
          "print('locked', flush=True); time.sleep(300)", str(path)],
         stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
@@ -187,7 +189,8 @@ def test_a_damaged_cell_file_is_named_set_aside_and_the_cell_runs_again(tmp_path
     notes: list[str] = []
     store = RunStore.open(tmp_path / "r", bare_manifest("h"), notify=notes.append)
     result = CellResult(cell_id="c0ffee000001", run_id="r", engine="e", engine_kind="builtin", mode="resident",
-                        server_id="s", params={}, workload="w", prompt_class="short", concurrency=1, repeat=0, status="ok")  # fmt: skip
+                        server_id="s", params={}, workload="w", prompt_class="short", concurrency=1, repeat=0,
+                        status="ok")  # fmt: skip
     store.write_cell(result, [])
     path = store.cell_path(result.cell_id)
     damage = DAMAGE[kind]

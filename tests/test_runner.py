@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -88,13 +89,18 @@ def fake_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(ADAPTERS._loaded, "builtin", FakeAdapter())  # type: ignore[attr-defined]
 
 
-def matrix(tmp_path: Path, engines: dict[str, Any], concurrency: list[int] = [1, 2], num_requests: int = 3) -> Path:
+def matrix(tmp_path: Path, engines: dict[str, Any], concurrency: Sequence[int] = (1, 2), num_requests: int = 3) -> Path:
     body = {
         "name": "fake",
         "output_root": str(tmp_path / "results"),
         "engines": {name: {"kind": "builtin", "options": options} for name, options in engines.items()},
         "workloads": {
-            "w": {"output_tokens": 4, "concurrency": concurrency, "num_requests": num_requests, "warmup_requests": 1}
+            "w": {
+                "output_tokens": 4,
+                "concurrency": list(concurrency),
+                "num_requests": num_requests,
+                "warmup_requests": 1,
+            }
         },
     }
     path = tmp_path / "m.yaml"
@@ -319,7 +325,8 @@ def test_a_search_hands_back_options_that_then_run_every_workload(
 
 
 def test_datasets_reach_the_engine_as_text_or_exact_token_ids(tmp_path: Path, tiny_model_dir: Path) -> None:
-    sharegpt = [{"id": f"sg{i}", "conversations": [{"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": "a"}]}
+    sharegpt = [{"id": f"sg{i}",
+                 "conversations": [{"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": "a"}]}
                 for i in range(4)]  # fmt: skip
     (tmp_path / "sg.json").write_text(json.dumps(sharegpt))
     path = matrix(tmp_path, {"e": {"tokenizer": str(tiny_model_dir)}}, concurrency=[1], num_requests=2)

@@ -31,12 +31,15 @@ except ImportError:  # run from inside tests/
 from paged_experts.trace import read_trace
 
 # SGLang 0.5.23 lines (formats from benchsuite.engines.sglang.logs): paged K=26, decode graphs up to batch 3,
-# a KV pool of 10,000 tokens where the matrix fixed 10,240.
+# a KV pool of 10,000 tokens where the matrix fixed 10,240. A backslash at a line end continues the log line.
 SGLANG_LOG = """\
-[2026-11-29 10:00:01] server_args={'model_path': '/m', 'max_total_tokens': 10240, 'enable_paged_experts': True, 'paged_experts_num_resident': 26}
+[2026-11-29 10:00:01] server_args={'model_path': '/m', 'max_total_tokens': 10240, \
+'enable_paged_experts': True, 'paged_experts_num_resident': 26}
 [2026-11-29 10:00:11 TP0] Paged experts: decode CUDA graphs captured at batch sizes [1, 2, 3] (at most K // top_k)
-[2026-11-29 10:02:01 TP0] Capture target decode CUDA graph end. bs=[1, 2, 3], elapsed=6.12 s, mem usage=0.05 GB, avail mem=0.69 GB.
-[2026-11-29 10:02:02 TP0] max_total_num_tokens=10000, chunked_prefill_size=2048, max_prefill_tokens=16384, max_running_requests=4, context_len=40960, available_gpu_mem=0.69 GB
+[2026-11-29 10:02:01 TP0] Capture target decode CUDA graph end. bs=[1, 2, 3], elapsed=6.12 s, \
+mem usage=0.05 GB, avail mem=0.69 GB.
+[2026-11-29 10:02:02 TP0] max_total_num_tokens=10000, chunked_prefill_size=2048, max_prefill_tokens=16384, \
+max_running_requests=4, context_len=40960, available_gpu_mem=0.69 GB
 """
 
 

@@ -27,7 +27,9 @@ def model_dir(tmp_path: Path, quantization: dict[str, Any] | None = GPTQ, **over
 
 
 def check(path: str, **options: Any) -> None:
-    spec = ServerSpec("sgl", "sglang", SGLangOptions.model_validate({"model_path": path, "mode": "paged", "resident_experts": 26, **options}),
+    spec = ServerSpec("sgl", "sglang",
+                      SGLangOptions.model_validate({"model_path": path, "mode": "paged", "resident_experts": 26,
+                                                    **options}),
                       {"kv_capacity_tokens": 10240, "prefix_caching": False}, 4, "id")  # fmt: skip
     SGLangAdapter().validate(spec)
 

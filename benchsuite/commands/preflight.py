@@ -32,7 +32,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     src.add_argument(
         "--non-expert-gb",
         type=float,
-        help="weights that are not routed experts (attention, embeddings, router, shared experts), decimal GB (explicit shape)",
+        help="weights that are not routed experts (attention, embeddings, router, shared experts), "
+        "decimal GB (explicit shape)",
     )
     p.add_argument("--format", default=",".join(EXPERT_FORMATS), help="expert formats: bf16,fp8,int4")
     p.add_argument("--k", type=int, help="resident experts per layer to analyse (default: the K that fits)")

@@ -68,7 +68,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="ENGINE[:OPTION=VALUE]",
-        help="run only these servers of the matrix (repeatable), e.g. --only resident --only paged:resident_experts=32; "
+        help="run only these servers of the matrix (repeatable), "
+        "e.g. --only resident --only paged:resident_experts=32; "
         "the run id stays the matrix's, so a later run without --only measures the rest",
     )
 
@@ -187,7 +188,10 @@ class _ProgressEvents:
         self._progress.update(self._task, description=f"starting {spec.name} (server {spec.server_id})")
 
     def cell_started(self, cell: CellSpec) -> None:
-        label = f"{cell.engine}{_params(cell.params)} {cell.workload}/{cell.prompt_class} c={cell.concurrency} r={cell.repeat}"
+        label = (
+            f"{cell.engine}{_params(cell.params)} {cell.workload}/{cell.prompt_class} "
+            f"c={cell.concurrency} r={cell.repeat}"
+        )
         self._progress.update(self._task, description=label)
 
     def cell_finished(self, cell: CellSpec, result: CellResult) -> None:

@@ -152,8 +152,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _stats_dict(s) -> dict:
-    return {**dataclasses.asdict(s), "hit_rate": _nan_to_none(s.hit_rate), "misses_per_token": _nan_to_none(s.misses_per_token),
-            "waves_per_step": _nan_to_none(s.waves_per_step), "union_per_step": _nan_to_none(s.union_per_step)}  # fmt: skip
+    return {**dataclasses.asdict(s), "hit_rate": _nan_to_none(s.hit_rate),
+            "misses_per_token": _nan_to_none(s.misses_per_token), "waves_per_step": _nan_to_none(s.waves_per_step),
+            "union_per_step": _nan_to_none(s.union_per_step)}  # fmt: skip
 
 
 SPLITS = ("prefill", "decode", "early")

@@ -83,7 +83,8 @@ def _reference(runs: list[RunData], reference_dirs: list[Path] | None) -> tuple[
             return (
                 None,
                 {},
-                f"The matrix names reference '{name}', but no {name}.yaml was found in {', '.join(map(str, reference_dirs))}.",
+                f"The matrix names reference '{name}', but no {name}.yaml was found in "
+                f"{', '.join(map(str, reference_dirs))}.",
             )
         return (
             load_published(name, path),
@@ -163,12 +164,14 @@ _ANCHORS = {
 _INTROS = {
     "roofline": roofline.INTRO,
     "prefill": prefill.INTRO,
-    "ratios": "<p>One row per paged configuration: the best offload, llama.cpp and cpu-experts configuration measured in the same "
-    "setup and concurrency. Medians over repeats, [min–max] beside them; ratio verdicts say whether the spreads overlap.</p>",
+    "ratios": "<p>One row per paged configuration: the best offload, llama.cpp and cpu-experts configuration "
+    "measured in the same setup and concurrency. Medians over repeats, [min–max] beside them; ratio verdicts say "
+    "whether the spreads overlap.</p>",
     "search": "<p>One row per candidate N of each search. Launched candidates are cells (measured or failed); rows "
     "with status 'ruled out' were never launched: llama.cpp's memory projection, with its margin, exceeds "
     "the budget.</p>",
-    "failures": "<p>Cells that failed or were invalidated, with the reason recorded by the runner. They are not in any figure.</p>",
+    "failures": "<p>Cells that failed or were invalidated, with the reason recorded by the runner. "
+    "They are not in any figure.</p>",
     "raw-cells": "<p>Every cell as stored in cells.parquet; every figure and table above links here by cell id.</p>",
 }
 
@@ -180,7 +183,10 @@ def _sections(data: ReportData) -> tuple[list[Section], list[Section]]:
             continue  # the first screen, rendered by first_screen
         if name.startswith("Published"):
             anchor = "reference-ttft" if name.endswith("TTFT p50") else "reference-decode"
-            intro = f"<p>{html.escape(data.reference_note)} Published values are transcribed facts; 'yours' come from this run.</p>"
+            intro = (
+                f"<p>{html.escape(data.reference_note)} "
+                "Published values are transcribed facts; 'yours' come from this run.</p>"
+            )
             before.append(Section(name, anchor, intro, frame))
             continue
         anchor = _ANCHORS[name]

@@ -4,7 +4,8 @@
   PCIe link), and llama.cpp without a GPU computes everything on the CPU: the ranking says nothing
   about a GPU;
 - random-weight model (the generated `tiny`, `synth:` presets, weightless checkpoints, checkpoints
-  under benchsuite's model cache): its router routes near-uniformly, so there is little expert reuse for paging to exploit;
+  under benchsuite's model cache): its router routes near-uniformly, so there is little expert reuse
+  for paging to exploit;
 - synthetic routing: the cells' routing came from a generator, not the model's router;
 - bytes per expert that differ between engines (float32 vs bf16 vs FP8 vs a GGUF quantization): a
   faster engine may only be moving fewer bytes;

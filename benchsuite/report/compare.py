@@ -121,7 +121,8 @@ def _verdict(
 
 
 def same_source(a: list[RunData], b: list[RunData]) -> str | None:
-    """'same commit and matrix' when every run of both sides ran one clean commit (or one dirty tree) and one matrix hash."""
+    """'same commit and matrix' when every run of both sides ran one clean commit (or one dirty tree) and
+    one matrix hash."""
     facts = {(r.manifest.git.get("commit"), r.manifest.git.get("tree"), r.manifest.matrix_hash) for r in [*a, *b]}
     if len(facts) != 1:
         return None
@@ -236,7 +237,8 @@ def method_text(c: Comparison) -> str:
         "give reruns of each side (`compare A1 A2 --vs B1 B2`) to test over runs"
     )
     return (
-        f"Tested over {c.level}: {unit}. change = B / A - 1 (ratio of geometric means) with its {1 - c.alpha:.0%} interval "
+        f"Tested over {c.level}: {unit}. change = B / A - 1 (ratio of geometric means) "
+        f"with its {1 - c.alpha:.0%} interval "
         f"(Welch t on log values); flagged when significant after Benjamini-Hochberg over all {len(c.rows)} rows at "
         f"{c.alpha:g} and |change| > {c.threshold * 100:g}%. Fewer than {stats.MIN_REPEATS} values a side: not enough "
         f"repeats, never flagged. a / b: medians of those values."

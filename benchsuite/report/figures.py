@@ -163,7 +163,10 @@ def decode_vs_k(groups: pd.DataFrame, top_k: int | None) -> list[Figure]:
                 annotation_text=f"K={conc * top_k}: {conc} req/wave",
                 annotation_font_size=9,
             )
-        caption += f" Dotted lines: the smallest K whose K // top_k (top_k={top_k}) fits each measured concurrency in one wave."
+        caption += (
+            f" Dotted lines: the smallest K whose K // top_k (top_k={top_k}) fits each measured concurrency "
+            "in one wave."
+        )
     else:
         caption += " top_k is not recorded in the manifest, so K // top_k cannot be marked."
     return [Figure("fig-decode-vs-k", "Decode tok/s vs K", fig, caption, tuple(ids))]
@@ -322,7 +325,7 @@ def search_curves(everything: pd.DataFrame) -> list[Figure]:
     if measured.empty:
         return []
     fig = go.Figure()
-    for (run_id, engine, conc), g in measured.groupby(["run_id", "engine", "concurrency"], sort=True):
+    for (_run_id, engine, conc), g in measured.groupby(["run_id", "engine", "concurrency"], sort=True):
         name = f"{engine} · c={conc}"
         per_n = g.groupby("N", sort=True)
         ns = list(per_n.groups)
@@ -362,7 +365,7 @@ def search_curves(everything: pd.DataFrame) -> list[Figure]:
                     hovertemplate=_HOVER,
                 )
             )
-    fitting = everything[everything["fits"] == True]
+    fitting = everything[everything["fits"].eq(True)]
     if not fitting.empty:
         fig.add_vrect(
             x0=float(fitting["N"].min()) - 0.5,
@@ -373,7 +376,7 @@ def search_curves(everything: pd.DataFrame) -> list[Figure]:
             annotation_text="projection fits VRAM",
             annotation_position="top left",
         )
-    for lo, hi in _runs(sorted({int(n) for n in everything.loc[everything["fits"] == False, "N"]})):
+    for lo, hi in _runs(sorted({int(n) for n in everything.loc[everything["fits"].eq(False), "N"]})):
         fig.add_vrect(
             x0=lo - 0.5,
             x1=hi + 0.5,

@@ -81,7 +81,8 @@ def verdict_html(found: list[Verdict], caveats: Mapping[tuple[str, str, str], li
         parts.append(
             f'<table class="verdict" id="verdict-{index}"><colgroup><col style="width:7%"><col style="width:16%">'
             f'<col style="width:22%"><col style="width:55%"></colgroup><thead><tr><th>streams</th><th>metric</th>'
-            f"<th>fastest (median)</th><th>against each other mode</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
+            f"<th>fastest (median)</th><th>against each other mode</th></tr></thead>"
+            f"<tbody>{''.join(rows)}</tbody></table>"
         )
     parts.append("</section>")
     return "\n".join(parts)

@@ -50,7 +50,10 @@ class EngineStatus:
 
     def statement(self) -> str:
         if not self.ran:
-            return f"{self.kind}: NOT RUN. These results contain no {self.kind} cell; nothing in this report describes {self.kind}."
+            return (
+                f"{self.kind}: NOT RUN. These results contain no {self.kind} cell; "
+                f"nothing in this report describes {self.kind}."
+            )
         names = ", ".join(self.engines)
         if self.ok_cells == 0:
             return (
@@ -95,7 +98,8 @@ def warnings(cells: pd.DataFrame, requests: pd.DataFrame) -> list[tuple[str, str
                 "warn",
                 (
                     f"SYNTHETIC ROUTING: {int(cells['routing'].map(is_synthetic).sum())} cells used synthetic routing "
-                    f"({', '.join(synthetic)}), not a real model's router. Paging results from synthetic routing do not "
+                    f"({', '.join(synthetic)}), not a real model's router. "
+                    "Paging results from synthetic routing do not "
                     f"predict real-model paging; they are labelled SYNTHETIC wherever they appear."
                 ),
             )
@@ -120,7 +124,8 @@ def warnings(cells: pd.DataFrame, requests: pd.DataFrame) -> list[tuple[str, str
             (
                 "warn",
                 (
-                    f"Warnings (engine, client, engine timings) on {_count(len(flagged), 'cell')} (see the 'flags' column of the configurations table), "
+                    f"Warnings (engine, client, engine timings) on {_count(len(flagged), 'cell')} "
+                    "(see the 'flags' column of the configurations table), "
                     f"for example {flagged[0]['cell_id']}: {cell_flags(flagged[0])[0]}"
                 ),
             )
@@ -132,7 +137,8 @@ def warnings(cells: pd.DataFrame, requests: pd.DataFrame) -> list[tuple[str, str
             (
                 "bad",
                 (
-                    f"{_count(len(lengths), 'prompt')} reached the engines as different prompt lengths (server usage.prompt_tokens), "
+                    f"{_count(len(lengths), 'prompt')} reached the engines as different prompt lengths "
+                    "(server usage.prompt_tokens), "
                     f"e.g. {first['prompt_id']} ({first['prompt_class']}): {first['prompt_tokens_by_engine']}. "
                     f"Engines did not do the same work for these prompts."
                 ),
@@ -158,7 +164,8 @@ def canary_warnings(runs: list[RunData]) -> list[tuple[str, str]]:
         (
             "bad",
             (
-                f"LEAK CANARY FAILED on server {s.server_id} ({s.engine}, run {run.run_id}): {s.canary}. A marker planted "
+                f"LEAK CANARY FAILED on server {s.server_id} ({s.engine}, run {run.run_id}): {s.canary}. "
+                "A marker planted "
                 f"in one request came back in another request's response: this engine served one request's state to "
                 f"another. The canary's responses are in manifest.json (servers.{s.server_id}.canary)."
             ),
@@ -197,7 +204,8 @@ def header_html(runs: list[RunData], cells: pd.DataFrame) -> str:
         if servers:
             rows = "".join(_server_row(s) for s in servers)
             parts.append(
-                f'<table id="servers-{html.escape(run.run_id)}"><tr><th>server</th><th>engine</th><th>kind</th><th>version</th><th>command</th>'
+                f'<table id="servers-{html.escape(run.run_id)}"><tr><th>server</th><th>engine</th><th>kind</th>'
+                "<th>version</th><th>command</th>"
                 f"<th>leak canary</th></tr>{rows}</table>"
             )
         else:

@@ -17,18 +17,22 @@ from benchsuite.report.display import display_frame
 from benchsuite.report.figures import Figure
 from benchsuite.report.tables import NOT_SIGNIFICANT, SPREAD_UNKNOWN
 
+# A backslash at a line end continues the line (the stylesheet's bytes are unchanged).
 _CSS = """
 body{font-family:system-ui,-apple-system,"Segoe UI",Helvetica,Arial,sans-serif;margin:24px;color:#222;max-width:1350px}
 h1{font-size:1.5em}h2{font-size:1.2em;margin-top:2em;border-bottom:1px solid #ddd}h3{font-size:1em}
-table{border-collapse:collapse;font-size:12px;margin:6px 0;max-width:100%}th,td{border:1px solid #ccc;padding:3px 5px;text-align:left;vertical-align:top}
+table{border-collapse:collapse;font-size:12px;margin:6px 0;max-width:100%}\
+th,td{border:1px solid #ccc;padding:3px 5px;text-align:left;vertical-align:top}
 th{background:#f3f3f3;position:sticky;top:0}td{white-space:nowrap}td.wrap{white-space:normal;min-width:120px}
 .scroll{max-width:100%}.scroll.tall{max-height:700px;overflow-y:auto}
 table.verdict{table-layout:fixed;width:100%;font-size:13px}table.verdict td{white-space:normal}
 .vs{margin:1px 0}.vs.sig{color:#11602a}.vs.ns{color:#8a5a00}.vs.na{color:#666}.vs .other{color:#666;font-size:11px}
 ul.caveats{background:#fff8e6;border:1px solid #e0c36a;padding:6px 6px 6px 24px;margin:6px 0;font-size:13px}
 code{font-size:11px;word-break:break-all}.banner{padding:8px 12px;margin:8px 0;border-radius:4px}
-.warn{background:#fff3cd;border:1px solid #e0c36a}.bad{background:#fde2e2;border:1px solid #e3a0a0}.info{background:#e8f1fb;border:1px solid #9cc0e8}
-td.ns{color:#8a5a00;font-weight:bold}td.sig{color:#11602a}tr.synthetic td{background:#fff8e6}tr.status-failed td,tr.status-invalid td{background:#fdecec}
+.warn{background:#fff3cd;border:1px solid #e0c36a}.bad{background:#fde2e2;border:1px solid #e3a0a0}\
+.info{background:#e8f1fb;border:1px solid #9cc0e8}
+td.ns{color:#8a5a00;font-weight:bold}td.sig{color:#11602a}tr.synthetic td{background:#fff8e6}\
+tr.status-failed td,tr.status-invalid td{background:#fdecec}
 .caption{font-size:12px;color:#555}.figure{margin:18px 0;border-top:1px dashed #ddd;padding-top:8px}
 """
 
@@ -147,7 +151,10 @@ def _render_part(frame: pd.DataFrame, shown: pd.DataFrame, table_id: str, row_an
             tds.append(f"<td{_cell_class(column, str(text))}>{body}</td>")
         rows.append(f"<tr{attrs}>{''.join(tds)}</tr>")
     tall = " tall" if len(frame) > 40 else ""
-    return f'<div class="scroll{tall}"><table id="{table_id}"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table></div>'
+    return (
+        f'<div class="scroll{tall}"><table id="{table_id}"><thead><tr>{head}</tr></thead>'
+        f"<tbody>{''.join(rows)}</tbody></table></div>"
+    )
 
 
 def render_figure(fig: Figure) -> str:

@@ -2,8 +2,9 @@
 
 The figures are read by benchsuite.reference (typed rows, shipped in benchsuite/data/reference/);
 this module only finds the reference a matrix names (`reference: pr42557`: the shipped data through
-benchsuite.reference; a search path seam lets tests use a hand-made file) and lines the published rows up with the user's configurations
-at the same K and concurrency. A matrix may narrow the rows with `reference: {name, machine, quant}`.
+benchsuite.reference; a search path seam lets tests use a hand-made file) and lines the published rows
+up with the user's configurations at the same K and concurrency. A matrix may narrow the rows with
+`reference: {name, machine, quant}`.
 Nothing here invents a number: a published row without a matching configuration says "not measured".
 """
 

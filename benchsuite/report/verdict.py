@@ -6,8 +6,8 @@ change the reading, beside it.
   (tables.headline_metric), and TTFT p50 for the setup's prompt class; each named with its unit;
 - a configuration that does not fit (a llama.cpp --n-cpu-moe whose memory projection exceeds the
   budget) is no contender;
-- a mode is (engine kind, mode), synthetic routing apart; its best configuration (best K, best N) stands for it; the fastest
-  mode's best configuration is compared with each other mode's best: "A is N x B [low–high]",
+- a mode is (engine kind, mode), synthetic routing apart; its best configuration (best K, best N)
+  stands for it; the fastest mode's best configuration is compared with each other mode's best: "A is N x B [low–high]",
   N = the ratio of geometric means over ok repeats, the 95% interval from benchsuite.stats, and
   "significant" only for a discovery after Benjamini-Hochberg over all the page's comparisons (too
   few repeats: "not enough repeats", no verdict);

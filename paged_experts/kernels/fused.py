@@ -12,7 +12,8 @@ whichever wave, slot or table holds the expert; group results do not depend on o
 
 Where `torch._grouped_mm` refuses a device/dtype (e.g. fp32 on CUDA), `grouped_mm` falls back:
 on CUDA to a gathered batched matmul (no sync, graph-safe, copies the routed weights), on CPU to a
-loop of per-group matmuls; each is the same computation in every mode, just slower. `grouped_backend()` says which ran, for benchmark provenance.
+loop of per-group matmuls; each is the same computation in every mode, just slower.
+`grouped_backend()` says which ran, for benchmark provenance.
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ if triton is not None:
         w_up,
         hid,
         TOP_K: tl.constexpr,
-        I: tl.constexpr,
+        INTER: tl.constexpr,
         H: tl.constexpr,
         BN: tl.constexpr,
         BK: tl.constexpr,
@@ -152,10 +152,10 @@ if triton is not None:
         """x [T, H], rows [T*k] weight row per pair, w_gate/w_up [G, I, H] -> hid [T*k, I]."""
         p = tl.program_id(0).to(tl.int64)
         n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN]
-        n_ok = n < I
+        n_ok = n < INTER
         r = tl.load(rows + p).to(tl.int64)
         x_row = x + (p // TOP_K) * H
-        w_off = r * I * H + n[:, None].to(tl.int64) * H  # [BN, 1]
+        w_off = r * INTER * H + n[:, None].to(tl.int64) * H  # [BN, 1]
         acc_g = tl.zeros((BN,), dtype=tl.float32)
         acc_u = tl.zeros((BN,), dtype=tl.float32)
         for k0 in range(0, H, BK):
@@ -168,7 +168,7 @@ if triton is not None:
             acc_g += tl.sum(wg * xv, axis=1)
             acc_u += tl.sum(wu * xv, axis=1)
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up, fp32
-        tl.store(hid + p * I + n, h.to(hid.dtype.element_ty), mask=n_ok)
+        tl.store(hid + p * INTER + n, h.to(hid.dtype.element_ty), mask=n_ok)
 
     @triton.jit
     def _down_combine(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
@@ -178,7 +178,7 @@ if triton is not None:
         w_down,
         out,
         TOP_K: tl.constexpr,
-        I: tl.constexpr,
+        INTER: tl.constexpr,
         H: tl.constexpr,
         BN: tl.constexpr,
         BK: tl.constexpr,
@@ -192,12 +192,12 @@ if triton is not None:
             p = t * TOP_K + j
             r = tl.load(rows + p).to(tl.int64)
             wj = tl.load(topw + p).to(tl.float32)
-            w_off = r * H * I + n[:, None].to(tl.int64) * I  # [BN, 1]
+            w_off = r * H * INTER + n[:, None].to(tl.int64) * INTER  # [BN, 1]
             part = tl.zeros((BN,), dtype=tl.float32)
-            for k0 in range(0, I, BK):
+            for k0 in range(0, INTER, BK):
                 k = k0 + tl.arange(0, BK)  # [BK]
-                k_ok = k < I
-                hv = tl.load(hid + p * I + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]  # [1, BK]
+                k_ok = k < INTER
+                hv = tl.load(hid + p * INTER + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]  # [1, BK]
                 wd = tl.load(w_down + w_off + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 part += tl.sum(wd.to(tl.float32) * hv, axis=1)
             acc += wj * part
@@ -212,7 +212,7 @@ if triton is not None:
         out,
         TOP_K: tl.constexpr,
         KB: tl.constexpr,
-        I: tl.constexpr,
+        INTER: tl.constexpr,
         H: tl.constexpr,
         BN: tl.constexpr,
         BK: tl.constexpr,
@@ -227,12 +227,14 @@ if triton is not None:
         p = t * TOP_K + j  # [KB]
         r = tl.load(rows + p, mask=j_ok, other=0).to(tl.int64)  # [KB]
         wj = tl.load(topw + p, mask=j_ok, other=0.0).to(tl.float32)  # [KB]
-        w_off = r[:, None, None] * H * I + n[None, :, None].to(tl.int64) * I  # [KB, BN, 1]
+        w_off = r[:, None, None] * H * INTER + n[None, :, None].to(tl.int64) * INTER  # [KB, BN, 1]
         acc = tl.zeros((KB, BN), dtype=tl.float32)
-        for k0 in range(0, I, BK):
+        for k0 in range(0, INTER, BK):
             k = k0 + tl.arange(0, BK)  # [BK]
-            k_ok = k < I
-            hv = tl.load(hid + p[:, None] * I + k[None, :], mask=j_ok[:, None] & k_ok[None, :], other=0.0)  # [KB, BK]
+            k_ok = k < INTER
+            hv = tl.load(
+                hid + p[:, None] * INTER + k[None, :], mask=j_ok[:, None] & k_ok[None, :], other=0.0
+            )  # [KB, BK]
             ok = j_ok[:, None, None] & n_ok[None, :, None] & k_ok[None, None, :]
             wd = tl.load(w_down + w_off + k[None, None, :], mask=ok, other=0.0)  # [KB, BN, BK]
             acc += tl.sum(wd.to(tl.float32) * hv.to(tl.float32)[:, None, :], axis=2)
@@ -252,7 +254,7 @@ if triton is not None:
         s_up,
         hid,
         TOP_K: tl.constexpr,
-        I: tl.constexpr,
+        INTER: tl.constexpr,
         H: tl.constexpr,
         QB: tl.constexpr,
         BN: tl.constexpr,
@@ -261,12 +263,12 @@ if triton is not None:
         """`_gate_up` over FP8 rows: w_gate/w_up [G, I, H] float8_e4m3fn with scales [G, I/QB, H/QB] fp32."""
         p = tl.program_id(0).to(tl.int64)
         n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN]
-        n_ok = n < I
+        n_ok = n < INTER
         r = tl.load(rows + p).to(tl.int64)
         x_row = x + (p // TOP_K) * H
-        w_off = r * I * H + n[:, None].to(tl.int64) * H  # [BN, 1]
+        w_off = r * INTER * H + n[:, None].to(tl.int64) * H  # [BN, 1]
         sk: tl.constexpr = (H + QB - 1) // QB
-        s_off = r * ((I + QB - 1) // QB) * sk + (n // QB).to(tl.int64) * sk  # [BN]: the row's scale block row
+        s_off = r * ((INTER + QB - 1) // QB) * sk + (n // QB).to(tl.int64) * sk  # [BN]: the row's scale block row
         acc_g = tl.zeros((BN,), dtype=tl.float32)
         acc_u = tl.zeros((BN,), dtype=tl.float32)
         for k0 in range(0, H, BK):
@@ -281,7 +283,7 @@ if triton is not None:
             acc_g += sg * tl.sum(wg * xv, axis=1)
             acc_u += su * tl.sum(wu * xv, axis=1)
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up, fp32
-        tl.store(hid + p * I + n, h.to(hid.dtype.element_ty), mask=n_ok)
+        tl.store(hid + p * INTER + n, h.to(hid.dtype.element_ty), mask=n_ok)
 
     @triton.jit
     def _down_combine_fp8(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
@@ -292,7 +294,7 @@ if triton is not None:
         s_down,
         out,
         TOP_K: tl.constexpr,
-        I: tl.constexpr,
+        INTER: tl.constexpr,
         H: tl.constexpr,
         QB: tl.constexpr,
         BN: tl.constexpr,
@@ -302,19 +304,19 @@ if triton is not None:
         t = tl.program_id(0).to(tl.int64)
         n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN]
         n_ok = n < H
-        si: tl.constexpr = (I + QB - 1) // QB
+        si: tl.constexpr = (INTER + QB - 1) // QB
         acc = tl.zeros((BN,), dtype=tl.float32)
         for j in tl.static_range(TOP_K):
             p = t * TOP_K + j
             r = tl.load(rows + p).to(tl.int64)
             wj = tl.load(topw + p).to(tl.float32)
-            w_off = r * H * I + n[:, None].to(tl.int64) * I  # [BN, 1]
+            w_off = r * H * INTER + n[:, None].to(tl.int64) * INTER  # [BN, 1]
             s_off = r * ((H + QB - 1) // QB) * si + (n // QB).to(tl.int64) * si  # [BN]
             part = tl.zeros((BN,), dtype=tl.float32)
-            for k0 in range(0, I, BK):
+            for k0 in range(0, INTER, BK):
                 k = k0 + tl.arange(0, BK)  # [BK], inside one scale block
-                k_ok = k < I
-                hv = tl.load(hid + p * I + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]  # [1, BK]
+                k_ok = k < INTER
+                hv = tl.load(hid + p * INTER + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]  # [1, BK]
                 wd = tl.load(w_down + w_off + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 sd = tl.load(s_down + s_off + k0 // QB, mask=n_ok, other=0.0)  # [BN]
                 part += sd * tl.sum(wd.to(tl.float32) * hv, axis=1)
@@ -382,7 +384,7 @@ def moe_pairs(
         up,
         hid,
         TOP_K=top_k,
-        I=inter,
+        INTER=inter,
         H=h,
         BN=cg.block_n,
         BK=cg.block_k,
@@ -399,7 +401,7 @@ def moe_pairs(
             out,
             TOP_K=top_k,
             KB=triton.next_power_of_2(top_k),
-            I=inter,
+            INTER=inter,
             H=h,
             BN=cd.block_n,
             BK=cd.block_k,
@@ -413,7 +415,7 @@ def moe_pairs(
             down,
             out,
             TOP_K=top_k,
-            I=inter,
+            INTER=inter,
             H=h,
             BN=cd.block_n,
             BK=cd.block_k,
@@ -448,7 +450,7 @@ def _fp8_pairs(
         scales[1],
         hid,
         TOP_K=top_k,
-        I=inter,
+        INTER=inter,
         H=h,
         QB=QUANT_BLOCK,
         BN=cg.block_n,
@@ -464,7 +466,7 @@ def _fp8_pairs(
         scales[2],
         out,
         TOP_K=top_k,
-        I=inter,
+        INTER=inter,
         H=h,
         QB=QUANT_BLOCK,
         BN=cd.block_n,

@@ -211,7 +211,8 @@ class MoeLayer:
         expected = (num_tokens, sh.top_k)
         if tuple(ids.shape) != expected or tuple(weights.shape) != expected:
             raise ValueError(
-                f"router_override returned ids {tuple(ids.shape)} and weights {tuple(weights.shape)}; expected {expected}"
+                f"router_override returned ids {tuple(ids.shape)} and weights {tuple(weights.shape)}; "
+                f"expected {expected}"
             )
         ids_cpu = ids.to("cpu", torch.long)  # [T, k]
         if ids_cpu.numel() and (int(ids_cpu.min()) < 0 or int(ids_cpu.max()) >= sh.num_experts):

@@ -255,7 +255,8 @@ class Engine:
             if max_tokens_field is None:
                 raise AdmissionError(
                     prompt_field,
-                    f"{prompt_field}: {prompt_len} tokens leave no room for a generated token in {what} of {total} tokens",
+                    f"{prompt_field}: {prompt_len} tokens leave no room for a generated token "
+                    f"in {what} of {total} tokens",
                 )
             raise AdmissionError(
                 max_tokens_field,

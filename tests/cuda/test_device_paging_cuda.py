@@ -105,7 +105,8 @@ def check_graphed_paged(overlap: bool, compile_layers: bool = False, routing: st
     assert model.graph_replays == 5 and model.captured_graphs == [(3, bucket)], model.captured_graphs
     worst = max(((a - b).abs().max() / b.abs().max().clamp(min=1)).item() for a, b in zip(graphed, eager))
     print(
-        f"graphed vs eager paged decode (bf16, overlap={overlap}, compiled={compile_layers}): worst relative difference {worst:.2e}"
+        f"graphed vs eager paged decode (bf16, overlap={overlap}, compiled={compile_layers}): "
+        f"worst relative difference {worst:.2e}"
     )
     assert worst < 5e-2
     ta, tb = model.counters.snapshot().total, eager_model.counters.snapshot().total
@@ -156,7 +157,8 @@ def check_prefetch_graphed(compile_layers: bool) -> None:
             assert torch.equal(slots.get(name).cpu(), moe.host.get(name)[expert_in]), f"layer {moe.layer_idx} {name}"
     plain, ahead = models[0].counters.snapshot().layers, model.counters.snapshot().layers
     print(
-        f"prefetch (compiled={compile_layers}): layer 1 prefetched {ahead[1].prefetched}, used {ahead[1].prefetch_used}, "
+        f"prefetch (compiled={compile_layers}): layer 1 prefetched {ahead[1].prefetched}, "
+        f"used {ahead[1].prefetch_used}, "
         f"misses {ahead[1].misses} (plain {plain[1].misses})"
     )
     assert ahead[0].prefetched == 0 and ahead[1].prefetched > 0 and ahead[1].prefetch_used <= ahead[1].prefetched
@@ -201,8 +203,8 @@ def test_triton_expert_backend() -> None:
 
 
 def test_moe_triton_kernels_bf16() -> None:
-    """moe_triton's routing and per-pair expert kernels and attn_triton's decode attention compiled, in bf16, against torch (the
-    interpreter test's checks at the GPU's dtype), and at the Qwen3-30B-A3B layer shape."""
+    """moe_triton's routing and per-pair expert kernels and attn_triton's decode attention compiled, in bf16,
+    against torch (the interpreter test's checks at the GPU's dtype), and at the Qwen3-30B-A3B layer shape."""
     import sys
     from pathlib import Path
 

@@ -26,7 +26,7 @@ try:
 except ImportError:  # script mode
     pass
 
-E, H, I = 16, 2048, 768  # Qwen3-30B-A3B expert shapes, 16 experts: 48 MiB per tensor, not a power of two
+E, H, INTER = 16, 2048, 768  # Qwen3-30B-A3B expert shapes, 16 experts: 48 MiB per tensor, not a power of two
 
 
 class RecordingDriver(pinned.CudaDriver):
@@ -44,9 +44,9 @@ class RecordingDriver(pinned.CudaDriver):
 
 def filled_store(driver: pinned.CudaDriver | None = None) -> ExpertTensors:
     if driver is None:
-        store = ExpertTensors.empty(E, H, I, torch.bfloat16, torch.device("cpu"), pin=True)
+        store = ExpertTensors.empty(E, H, INTER, torch.bfloat16, torch.device("cpu"), pin=True)
     else:
-        gate, up, down = pinned.empty_pinned([(E, I, H), (E, I, H), (E, H, I)], torch.bfloat16, driver)
+        gate, up, down = pinned.empty_pinned([(E, INTER, H), (E, INTER, H), (E, H, INTER)], torch.bfloat16, driver)
         store = ExpertTensors(gate=gate, up=up, down=down)
     gen = torch.Generator().manual_seed(0)
     for name in ("gate", "up", "down"):
@@ -61,11 +61,11 @@ def test_store_is_registered_at_its_exact_size() -> None:
     store = filled_store()
     after = pinned.stats()
     assert after.fallback_reasons == (), f"fell back to torch's allocator: {after.fallback_reasons}"
-    exact = 3 * E * H * I * 2  # 3 x 48 MiB, already a multiple of 4 KiB
+    exact = 3 * E * H * INTER * 2  # 3 x 48 MiB, already a multiple of 4 KiB
     assert (
         after.registered_bytes - before.registered_bytes
         == exact
-        == pinned.plan([(E, I, H), (E, I, H), (E, H, I)], torch.bfloat16).total_bytes
+        == pinned.plan([(E, INTER, H), (E, INTER, H), (E, H, INTER)], torch.bfloat16).total_bytes
     )
     assert after.torch_rounded_bytes == before.torch_rounded_bytes  # nothing through torch's allocator
     for name in ("gate", "up", "down"):
@@ -75,7 +75,7 @@ def test_store_is_registered_at_its_exact_size() -> None:
 
 def test_non_blocking_copies_are_asynchronous_and_exact() -> None:
     store = filled_store()
-    dev = ExpertTensors.empty(4, H, I, torch.bfloat16, torch.device("cuda"))
+    dev = ExpertTensors.empty(4, H, INTER, torch.bfloat16, torch.device("cuda"))
     torch.cuda.synchronize()
     torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU clocks queued before the copies
     t0 = time.perf_counter()

@@ -178,7 +178,8 @@ class LlamaCppAdapter:
         self.model_path(spec, export=True)
 
     def gguf_file(self, spec: ServerSpec) -> Path | None:
-        """The GGUF file the model option names (None for a checkpoint directory or `tiny`): dataset `random` reads its vocabulary."""
+        """The GGUF file the model option names (None for a checkpoint directory or `tiny`): dataset `random`
+        reads its vocabulary."""
         path = Path(self._options(spec).model).expanduser()
         return path if path.is_file() else None
 

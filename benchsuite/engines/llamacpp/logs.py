@@ -26,10 +26,12 @@ import re
 from typing import Any
 
 _BUFFER = re.compile(
-    r"^(?P<stage>\w+):\s+(?P<device>[\w.\-]+)\s+(?P<kind>model|KV|compute|output|RS) buffer size\s*=\s*(?P<mib>[\d.]+) MiB"
+    r"^(?P<stage>\w+):\s+(?P<device>[\w.\-]+)\s+(?P<kind>model|KV|compute|output|RS) buffer size"
+    r"\s*=\s*(?P<mib>[\d.]+) MiB"
 )
 _KV_SIZE = re.compile(
-    r"llama_kv_cache: size\s*=\s*(?P<mib>[\d.]+) MiB \(\s*(?P<cells>\d+) cells,\s*(?P<layers>\d+) layers,\s*(?P<seqs>\d+/\d+) seqs\)"
+    r"llama_kv_cache: size\s*=\s*(?P<mib>[\d.]+) MiB "
+    r"\(\s*(?P<cells>\d+) cells,\s*(?P<layers>\d+) layers,\s*(?P<seqs>\d+/\d+) seqs\)"
 )
 _CONTEXT = re.compile(
     r"^llama_context:\s+(?P<key>n_ctx|n_ctx_seq|n_seq_max|n_batch|n_ubatch|flash_attn|kv_unified)\s*=\s*(?P<value>\S+)"

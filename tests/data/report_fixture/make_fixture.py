@@ -19,7 +19,8 @@ RUN_ID = "fixture-run"
 SERVERS = json.loads((HERE / "manifest.json").read_text())["servers"]
 OUTPUT_TOKENS = 9
 # (cell_id, engine, kind, mode, server, params, prompt_class, concurrency, repeat, status, reason, routing,
-#  decode_tok_s_p50, output_tok_s, ttft_p50_s, paging (miss_rate, bytes_paged_per_token, waves_per_step, union_mean), extras)
+#  decode_tok_s_p50, output_tok_s, ttft_p50_s,
+#  paging (miss_rate, bytes_paged_per_token, waves_per_step, union_mean), extras)
 ROWS = [
     (
         "p8-s1-r0",
