@@ -70,8 +70,9 @@ async def metrics(request: web.Request) -> web.Response:
         counters = await engine.between_steps(serving.model.counters.snapshot)
         gauges = EngineGauges(
             engine.num_running, engine.num_waiting, engine.kv_used_tokens, engine.kv_capacity_tokens,
-            engine.decode_steps, engine.decode_tokens, engine.decode_step_s, engine.decode_model_s,
-            engine.timed_steps, engine.phase_seconds(), *gpu_memory(serving.runtime.device),
+            engine.timer.decode_steps, engine.timer.decode_tokens, engine.timer.decode_step_s,
+            engine.timer.decode_model_s, engine.timer.steps, dict(engine.timer.phase_s),
+            *gpu_memory(serving.runtime.device),
         )  # fmt: skip
     text = state.metrics.render(gauges, counters, state.config.routing_source is not None)
     return web.Response(text=text, content_type="text/plain", charset="utf-8", headers={"X-Prometheus-Format": "0.0.4"})
