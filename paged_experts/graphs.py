@@ -37,11 +37,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from paged_experts.attention import attend, attention_in, attention_out, rms_norm, rope_tables
+from paged_experts.attention import attention_in, attention_out, rms_norm, rope_tables
+from paged_experts.decode_blocks import attention_block, predict_logits, resident_union_stats, route_block
+from paged_experts.decode_inputs import Entry, StepKey, bucket, buckets_up_to, fill, fill_dummy, new_entry, table_width
 from paged_experts.kernels import attn_triton
 from paged_experts.kernels.copy_kernel import graph_safe
 from paged_experts.kernels.fused import expert_backend, experts_over_rows, route_logits
@@ -51,16 +52,8 @@ from paged_experts.step import StepLogits
 
 log = logging.getLogger(__name__)
 
-MIN_BUCKET = 64
 STAT_COLUMNS = 5  # union, hits, misses, prefetched, prefetch used
 _TALLY_COLUMNS = STAT_COLUMNS + 1  # + union max
-
-
-def bucket(length: int) -> int:
-    b = MIN_BUCKET
-    while b < length:
-        b *= 2
-    return b
 
 
 class DecodeModel(Protocol):
@@ -92,19 +85,6 @@ class DecodeModel(Protocol):
     def graphable(self) -> bool: ...
 
 
-class _Entry:
-    """One (batch size, KV bucket, routing source) step: its buffers and, on CUDA, its graph."""
-
-    def __init__(self, host: torch.Tensor, inputs: torch.Tensor) -> None:
-        self.host = host  # [n] int64 step inputs on the host (pinned on CUDA), filled in place
-        self.inputs = inputs  # [n] the same on the device
-        self.copied: torch.cuda.Event | None = None  # the last host->device copy of `host`
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: torch.Tensor | None = None  # [B, V]
-        self.greedy: torch.Tensor | None = None  # [B]
-        self.ids: torch.Tensor | None = None  # [layers, B, k] the step's routed experts (for `trace`)
-
-
 class GraphedDecoder:
     """Runs eligible decode steps of `model` as static (CUDA-graphed on CUDA) computations."""
 
@@ -133,7 +113,7 @@ class GraphedDecoder:
         if self.capture and self._paged and not graph_safe(model.device):
             raise ValueError("CUDA-graph decode of paged layers needs Triton (the device page-in kernel)")
         self._pool: KvPool | None = None
-        self._entries: dict[tuple[int, int, bool], _Entry] = {}
+        self._entries: dict[StepKey, Entry] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.capture else None
         self.replays = 0
         self.captured: list[tuple[int, int]] = []  # (B, KV bucket; 0 = bucket-free)
@@ -204,8 +184,10 @@ class GraphedDecoder:
         entry = self._entries.get(key)
         fresh = entry is None
         if entry is None:
-            entry = self._new_entry(key)
-        self._fill(entry, key, chunks)
+            entry = new_entry(
+                self._pool, key, self.model.config.num_layers, self.model.config.top_k, self.model.device, self.capture
+            )
+        fill(entry, self._pool, key, chunks, self._planned_ids(chunks) if planned else None)
         if token_source is not None:
             entry.inputs[:b].copy_(token_source[:b])
         if fresh:
@@ -235,15 +217,22 @@ class GraphedDecoder:
         dummy KV rows. The caller restores the paged layers' residency and slots afterwards."""
         self._use_pool(pool)
         planned = self.model.router_override is not None
-        buckets = [0] if self.triton else _buckets_up_to(pool.capacity_tokens)
+        buckets = [0] if self.triton else buckets_up_to(pool.capacity_tokens)
         done = 0
         for b in self.batch_sizes:
             for length in buckets:
                 key = (b, length, planned)
                 if key in self._entries:
                     continue
-                entry = self._new_entry(key)
-                self._fill_dummy(entry, key)
+                entry = new_entry(
+                    self._pool,
+                    key,
+                    self.model.config.num_layers,
+                    self.model.config.top_k,
+                    self.model.device,
+                    self.capture,
+                )
+                fill_dummy(entry, self._pool, key, self.model.config.num_layers, self.model.config.top_k)
                 self._build(entry, key)
                 done += 1
         if self.capture:
@@ -275,65 +264,9 @@ class GraphedDecoder:
             torch.cuda.synchronize()
             self._mempool = torch.cuda.graph_pool_handle()
 
-    def _table_width(self, key: tuple[int, int, bool]) -> int:
-        assert self._pool is not None
-        return self._pool.num_blocks if key[1] == 0 else key[1]
-
-    def _new_entry(self, key: tuple[int, int, bool]) -> _Entry:
-        b, _, planned = key
-        cfg = self.model.config
-        n = b * 3 + b * self._table_width(key) + (b * cfg.num_layers * cfg.top_k if planned else 0)
-        host = torch.zeros(n, dtype=torch.long, pin_memory=self.capture)
-        return _Entry(host, host.to(self.model.device) if self.capture else host.clone())
-
-    def _fill(self, entry: _Entry, key: tuple[int, int, bool], chunks: Sequence[SeqChunk]) -> None:
-        """Writes the step's inputs into the entry's host buffer and starts their copy."""
-        assert self._pool is not None
-        b, length, planned = key
-        bs = self._pool.block_size
-        width = self._table_width(key)
-        if entry.copied is not None:
-            entry.copied.synchronize()  # the previous copy out of this buffer has finished
-        a = entry.host.numpy()
-        for i, c in enumerate(chunks):
-            blocks, pos = c.seq.blocks, c.start_pos
-            a[i] = int(c.token_ids[0])
-            a[b + i] = pos
-            a[2 * b + i] = blocks[pos // bs] * bs + pos % bs
-            row = a[3 * b + i * width : 3 * b + (i + 1) * width]
-            if length == 0:  # block table, padded with block 0 (never read: the kernel stops at pos)
-                row[: len(blocks)] = blocks
-                row[len(blocks) :] = 0
-            else:  # KV row of each position 0..L-1; padded positions reuse the last real row (finite)
-                p = np.minimum(np.arange(length), pos)
-                row[:] = np.asarray(blocks, dtype=np.int64)[p // bs] * bs + p % bs
-        if planned:  # the synthetic router's ids for every layer, drawn now: [B, layers, k]
-            ids = self.model.router_override.plan([c.seq.seq_id for c in chunks], [c.start_pos for c in chunks])
-            a[3 * b + b * width :] = ids.reshape(-1)
-        self._copy_in(entry)
-
-    def _fill_dummy(self, entry: _Entry, key: tuple[int, int, bool]) -> None:
-        """Inputs of a capture before serving: token 0 at the bucket's last position, KV rows of
-        block 0 and the first blocks (free: the pool is empty), experts 0..k-1 if planned."""
-        b, length, planned = key
-        a = entry.host.numpy()
-        a[:] = 0
-        a[b : 2 * b] = max(length - 1, 0)
-        a[2 * b : 3 * b] = np.arange(b)
-        if planned:
-            cfg = self.model.config
-            width = self._table_width(key)
-            ids = np.broadcast_to(np.arange(cfg.top_k), (b, cfg.num_layers, cfg.top_k))
-            a[3 * b + b * width :] = ids.reshape(-1)
-        self._copy_in(entry)
-
-    def _copy_in(self, entry: _Entry) -> None:
-        if not self.capture:
-            entry.inputs.copy_(entry.host)
-            return
-        entry.inputs.copy_(entry.host, non_blocking=True)
-        entry.copied = torch.cuda.Event()
-        entry.copied.record()
+    def _planned_ids(self, chunks: Sequence[SeqChunk]) -> Any:
+        """The synthetic router's ids for every layer of this step, drawn now: [B, layers, k]."""
+        return self.model.router_override.plan([c.seq.seq_id for c in chunks], [c.start_pos for c in chunks])
 
     @contextmanager
     def _graph_body(self) -> Iterator[None]:
@@ -347,7 +280,7 @@ class GraphedDecoder:
             for moe in self._paged:
                 moe.device_residency.in_static_step = False
 
-    def _build(self, entry: _Entry, key: tuple[int, int, bool]) -> None:
+    def _build(self, entry: Entry, key: StepKey) -> None:
         b, length, _ = key
         if not self.capture:
             with self._graph_body():
@@ -381,9 +314,7 @@ class GraphedDecoder:
 
     # ---- the static step ---------------------------------------------------------------------
 
-    def _body(
-        self, inputs: torch.Tensor, key: tuple[int, int, bool]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _body(self, inputs: torch.Tensor, key: StepKey) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Static decode step: [B] tokens -> logits [B, V], argmax [B] and routed ids [layers, B, k];
         adds the step's per-layer stats to the device tally. The inputs end with the synthetic
         router's ids [B, layers, k] for this step when key[2] (planned)."""
@@ -391,7 +322,7 @@ class GraphedDecoder:
         b, length, planned = key
         cfg, dt = m.config, m.runtime.torch_dtype
         assert self._pool is not None
-        width = self._table_width(key)
+        width = table_width(self._pool, key)
         tokens, positions, new_rows = inputs[:b], inputs[b : 2 * b], inputs[2 * b : 3 * b]
         table = inputs[3 * b : 3 * b + b * width].view(b, width)  # [B, W]: block table, or KV rows [B, L]
         planned_ids = inputs[3 * b + b * width :].view(b, -1, cfg.top_k) if planned else None  # [B, layers, k]
@@ -460,68 +391,3 @@ class GraphedDecoder:
         logits = self._predict_fn(x, post_norm, nxt.router_weight, cfg.rms_norm_eps)  # [B, E]
         predicted, _ = route_logits(logits, cfg.top_k, cfg.norm_topk_prob)  # [B, k]
         nxt.prefetch(predicted, copy_stream)
-
-
-def _buckets_up_to(capacity_tokens: int) -> list[int]:
-    """Every KV bucket a sequence of at most `capacity_tokens` tokens can fall in."""
-    out = [MIN_BUCKET]
-    while out[-1] < capacity_tokens:
-        out.append(out[-1] * 2)
-    return out
-
-
-def attention_block(
-    x: torch.Tensor,
-    input_norm: torch.Tensor,
-    qkv_proj: torch.Tensor,
-    o_proj: torch.Tensor,
-    q_norm: torch.Tensor,
-    k_norm: torch.Tensor,
-    post_norm: torch.Tensor,
-    router: torch.Tensor,
-    kv_k: torch.Tensor,
-    kv_v: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    new_rows: torch.Tensor,
-    table: torch.Tensor,
-    mask: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One layer's attention (KV row written in place) over padded KV rows and its router logits,
-    all tensors passed in (one compiled function serves every layer):
-    x [B, H] -> (x + attention [B, H], post-norm hidden [B, H], router logits [B, E])."""
-    q = attention_in(
-        x, input_norm, qkv_proj, q_norm, k_norm, kv_k, kv_v, cos, sin, new_rows, num_heads, num_kv_heads, head_dim, eps
-    )  # [B, nh, D]
-    attn = attend(q[:, None], kv_k, kv_v, table, mask[:, None, :])[:, 0]  # [B, nh*D]
-    return attention_out(x, attn, o_proj, post_norm, router, eps)  # type: ignore[return-value]
-
-
-def predict_logits(x: torch.Tensor, post_norm: torch.Tensor, router: torch.Tensor, eps: float) -> torch.Tensor:
-    """Residual stream x [B, H] -> a layer's router logits [B, E] as if x were its MoE input."""
-    return F.linear(rms_norm(x, post_norm, eps), router)
-
-
-def resident_union_stats(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """ids [R, B, k] of R resident layers -> [R, 3] (union, hits = union, misses = 0) per layer."""
-    r = ids.shape[0]
-    flat = ids.reshape(r, -1).to(torch.long)  # [R, B*k]
-    seen = torch.zeros(r, num_experts, dtype=torch.long, device=ids.device)  # [R, E]
-    union = seen.scatter_(1, flat, 1).sum(dim=1)  # [R]
-    return torch.stack([union, union, torch.zeros_like(union)], dim=1)
-
-
-def route_block(
-    logits: torch.Tensor, top_k: int, norm_topk_prob: bool, planned_ids: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [B, E] -> expert ids [B, k], weights [B, k]. `planned_ids` [B, k]: a synthetic
-    router's ids for this layer, whose weights are the softmax of the model's logits over them."""
-    from paged_experts.routing import planned_weights
-
-    if planned_ids is not None:  # synthetic routing: ids drawn on the host for the step, weights from the model
-        return planned_ids, planned_weights(logits, planned_ids)
-    return route_logits(logits, top_k, norm_topk_prob)
