@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from benchsuite import canary, loadgen, metrics
+from benchsuite import canary, loadgen, metrics, paging
 from benchsuite.engine_env import engine_environment, recorded
 from benchsuite.engines import ADAPTERS, RUN_DIR_PLACEHOLDER
 from benchsuite.engines.base import EngineAdapter, EngineConfigError, EngineOptions, ServerSpec
@@ -192,7 +192,7 @@ async def _measure(ctx: RunContext, server: RunningServer, cell: CellSpec, store
     after = await adapter.scrape(ctx.session, server.base_url) if server.process.alive else None
     result = metrics.summarize(records, base=_base_result(ctx, spec, cell), max_error_rate=workload.max_error_rate)
     if before is not None and after is not None:
-        result = dataclasses.replace(result, **metrics.paging_delta(before, after))
+        result = dataclasses.replace(result, **paging.paging_delta(before, after))
     log_extras = _log_extras(adapter, spec, cell, ctx.store.log_path(spec.server_id))
     result = dataclasses.replace(result, extras={**result.extras, **log_extras, "machine": noise})
     if not server.process.alive:

@@ -67,7 +67,7 @@ class FakeAdapter:
         return {"engine": "fake"}
 
     async def scrape(self, session: Any, base_url: str) -> dict[str, float] | None:
-        from benchsuite.metrics import parse_prometheus
+        from benchsuite.scrape import parse_prometheus
 
         async with session.get(f"{base_url}/metrics") as resp:
             return parse_prometheus(await resp.text())
