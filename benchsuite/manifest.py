@@ -76,7 +76,7 @@ class Manifest(_Record):
     created_utc: str
     matrix_source: str
     matrix_hash: str  # sha256 of the canonical matrix: a resume must match it
-    matrix: dict[str, Any]  # benchsuite.matrix.Matrix in JSON form (sweeps unexpanded)
+    matrix: dict[str, Any]  # benchsuite.matrix_schema.Matrix in JSON form (sweeps unexpanded)
     machine: dict[str, Any] = Field(default_factory=dict)  # benchsuite.machine.machine_facts()
     git: dict[str, Any] = Field(default_factory=dict)  # benchsuite.machine.git_facts()
     # what the cells depend on beyond the matrix text (benchsuite.fingerprint); a resume compares it
