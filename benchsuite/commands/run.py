@@ -167,7 +167,7 @@ def _write_report(args: argparse.Namespace, run_dir: Path) -> int:
 
 
 class _ProgressEvents:
-    """runner.RunEvents drawn with rich: one bar over the cells, one line per finished cell."""
+    """run_context.RunEvents drawn with rich: one bar over the cells, one line per finished cell."""
 
     def __init__(self, console: Console, total_cells: int) -> None:
         self._console = console
