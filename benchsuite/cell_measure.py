@@ -26,6 +26,7 @@ from benchsuite.prompts_for_cells import cell_requests
 from benchsuite.records import CellResult, RequestRecord
 from benchsuite.run_context import RunContext
 from benchsuite.server_launch import RunningServer, death_reason, options_in_force
+from benchsuite.stream_client import LoadRequest
 
 CELL_ERRORS = (RunError, aiohttp.ClientError, asyncio.TimeoutError, OSError, EngineConfigError)
 
@@ -87,7 +88,7 @@ async def _load(
     ctx: RunContext,
     server: RunningServer,
     cell: CellSpec,
-    requests: list[loadgen.LoadRequest],
+    requests: list[LoadRequest],
     *,
     cold_first: bool,
     closed: bool,
