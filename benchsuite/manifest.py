@@ -3,7 +3,7 @@ the plan) and, per server, exactly how it was started (argv, env, engine version
 
 One producer: `build_manifest` makes it when a run starts, and the store (`RunStore.open`,
 `RunStore.record_server`) is the only writer; the report reads the same model back through
-`benchsuite.store.read_manifest`. Layout version: `benchsuite.records.SCHEMA_VERSION`.
+`benchsuite.stored_files.read_manifest`. Layout version: `benchsuite.records.SCHEMA_VERSION`.
 A version-1 manifest (an untyped dict, before this model) is read into it by
 benchsuite.schema_v1; any other version is refused by the store with a message naming it.
 """

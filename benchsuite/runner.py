@@ -46,7 +46,8 @@ from benchsuite.run_context import (
     SilentEvents,
 )
 from benchsuite.server_launch import RunningServer, death_reason, exited, launch_server
-from benchsuite.store import RunStore, Writer, atomic_write_bytes, read_manifest
+from benchsuite.store import RunStore, Writer, atomic_write_bytes
+from benchsuite.stored_files import read_manifest
 
 CANARY_MAX_CONCURRENCY = 4
 
