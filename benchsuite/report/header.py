@@ -181,7 +181,7 @@ def _server_row(s: mf.ServerFacts) -> str:
     return (
         f"<tr><td>{html.escape(s.server_id)}</td><td>{html.escape(s.engine)}</td><td>{html.escape(s.kind)}</td>"
         f'<td class="wrap">{html.escape(s.version)}</td><td class="wrap"><code>{html.escape(s.command)}</code></td>'
-        f"{canary_cell}canary: {html.escape(s.canary)}</td></tr>"
+        f'<td class="wrap">{html.escape(s.startup)}</td>{canary_cell}canary: {html.escape(s.canary)}</td></tr>'
     )
 
 
@@ -205,7 +205,7 @@ def header_html(runs: list[RunData], cells: pd.DataFrame) -> str:
             rows = "".join(_server_row(s) for s in servers)
             parts.append(
                 f'<table id="servers-{html.escape(run.run_id)}"><tr><th>server</th><th>engine</th><th>kind</th>'
-                "<th>version</th><th>command</th>"
+                "<th>version</th><th>command</th><th>startup</th>"
                 f"<th>leak canary</th></tr>{rows}</table>"
             )
         else:
@@ -241,7 +241,7 @@ def header_markdown(runs: list[RunData], cells: pd.DataFrame) -> list[str]:
             + "; ".join(f"{k}={v}" for k, v in mf.machine_facts(run.manifest) + mf.git_facts(run.manifest))
         )
         lines.extend(
-            f"- `{s.engine}` ({s.kind}, {s.version}, canary: {s.canary}): `{s.command}`"
+            f"- `{s.engine}` ({s.kind}, {s.version}, {s.startup}, canary: {s.canary}): `{s.command}`"
             for s in mf.servers(run.manifest)
         )
     return lines

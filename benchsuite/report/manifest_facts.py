@@ -30,6 +30,7 @@ class ServerFacts:
     canary: str = "not run"  # the leak canary after the server's cells: passed / FAILED (leaks n) / not run
     expert_format: str | None = None  # how the engine stores one expert (version.expert_format: float8_e4m3fn, q8_0)
     expert_bytes: int | None = None  # one expert's gate + up + down bytes as served (FP8: block scales included)
+    startup: str = "not recorded"  # launch to ready, and the engine's own breakdown where it reports one
 
     @property
     def canary_failed(self) -> bool:
@@ -93,8 +94,24 @@ def servers(manifest: Manifest) -> list[ServerFacts]:
         expert_bytes = record.version.get("expert_bytes")
         out.append(ServerFacts(server_id, record.engine, record.kind, shlex.join(record.argv), version,
                                canary_text(record.canary), record.version.get("expert_format"),
-                               expert_bytes if isinstance(expert_bytes, int) else None))  # fmt: skip
+                               expert_bytes if isinstance(expert_bytes, int) else None,
+                               startup_text(record)))  # fmt: skip
     return out
+
+
+def startup_text(record: Any) -> str:
+    """'ready in 53.1 s (load 37.8 s, 4 graphs captured in 11.3 s)': the runner's launch-to-ready time
+    and the built-in server's own breakdown (startup_facts.engine_startup_s)."""
+    total = getattr(record, "startup_s", None)
+    if total is None:
+        return "not recorded"
+    facts = (getattr(record, "startup_facts", None) or {}).get("engine_startup_s") or {}
+    parts = []
+    if facts.get("load_s") is not None:
+        parts.append(f"load {facts['load_s']:.1f} s")
+    if facts.get("capture_s") is not None:
+        parts.append(f"{int(facts.get('graphs', 0))} graphs captured in {facts['capture_s']:.1f} s")
+    return f"ready in {total:.1f} s" + (f" ({', '.join(parts)})" if parts else "")
 
 
 def matrix_engines(manifest: Manifest) -> dict[str, str]:
