@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from paged_experts import pinned, synth_memory
-from paged_experts.kernels import moe_triton
+from paged_experts.kernels import moe_tiles
 from paged_experts.kernels.fused import expert_backend, grouped_backend, set_expert_backend
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     def write() -> None:
         add_rooflines(record["cells"], record["link"], expert_bytes, dense_bytes)
         record["grouped_backend"] = grouped_backend()
-        record["moe_triton_tiles"] = {name: asdict(c) for name, c in moe_triton.CONFIGS.items()}
+        record["moe_triton_tiles"] = {name: asdict(c) for name, c in moe_tiles.CONFIGS.items()}
         args.out.write_text(json.dumps(record, indent=2, default=str))
 
     for mode, options in variants:

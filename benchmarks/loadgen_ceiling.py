@@ -31,9 +31,10 @@ from pathlib import Path
 import aiohttp
 import psutil
 
-from benchsuite.loadgen import LoadRequest, LoadSpec, run_load
+from benchsuite.loadgen import LoadSpec, run_load
 from benchsuite.metrics import itls_s, percentile
 from benchsuite.process import EngineProcess, free_port
+from benchsuite.stream_client import LoadRequest
 
 FAKE_SERVER = Path(__file__).resolve().parent.parent / "tests" / "fakes.py"
 

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_h200 import provenance  # noqa: E402
 
 from paged_experts.experts import route  # noqa: E402
-from paged_experts.kernels import moe_triton  # noqa: E402
+from paged_experts.kernels import moe_tiles, moe_triton  # noqa: E402
 from paged_experts.kernels.fused import experts_over_rows  # noqa: E402
 
 
@@ -81,13 +81,13 @@ def main(argv: list[str] | None = None) -> int:
         "shape": {"experts": e, "hidden": h, "inter": i, "top_k": k, "dtype": "bfloat16"},
         "batches": [],
     }
-    sweep: list[tuple[str, moe_triton.TileConfig]] = []
+    sweep: list[tuple[str, moe_tiles.TileConfig]] = []
     for part in filter(None, args.sweep.split(";")):
         kernel, *lists = part.split(":")
         name, vector = kernel.removesuffix("/v"), kernel.endswith("/v")
         for bn, bk, warps in itertools.product(*([int(v) for v in lst.split(",")] for lst in lists)):
-            sweep.append((name, moe_triton.TileConfig(bn, bk, warps, pair_vector=vector)))
-    best_tiles: dict[str, tuple[float, moe_triton.TileConfig]] = {}
+            sweep.append((name, moe_tiles.TileConfig(bn, bk, warps, pair_vector=vector)))
+    best_tiles: dict[str, tuple[float, moe_tiles.TileConfig]] = {}
     for b in (int(v) for v in args.batches.split(",")):
         xs = [torch.randn(b, h, device=dev, dtype=dt, generator=gen) for _ in range(args.reps)]  # [B, H] each
         logits = [torch.nn.functional.linear(x, router) for x in xs]  # [B, E] each
@@ -121,32 +121,32 @@ def main(argv: list[str] | None = None) -> int:
         ref = experts_over_rows(xs[0], routed[0][0].reshape(-1), routed[0][1], gate, up, down, k)[0].float()
         got = moe_triton.moe_pairs(xs[0], routed[0][0].reshape(-1), routed[0][1], gate, up, down, k).float()
         row["triton_vs_grouped_max_rel"] = ((got - ref).abs().max() / ref.abs().max()).item()
-        saved = dict(moe_triton.CONFIGS)
+        saved = dict(moe_tiles.CONFIGS)
         row["sweep"] = []
         for kernel, tiles in sweep:  # one kernel's tiles at a time, the other kernel at its default
-            moe_triton.CONFIGS.update(saved)
-            moe_triton.CONFIGS[kernel] = tiles
+            moe_tiles.CONFIGS.update(saved)
+            moe_tiles.CONFIGS[kernel] = tiles
             try:
                 s = time_graph(timings["experts_triton"], args.replays)
                 out = moe_triton.moe_pairs(xs[0], routed[0][0].reshape(-1), routed[0][1], gate, up, down, k).float()
             except Exception as exc:  # noqa: BLE001 - a tile the compiler refuses is recorded
-                row["sweep"].append({"tiles": moe_triton.tile_spec(kernel, tiles), "error": repr(exc)[:200]})
+                row["sweep"].append({"tiles": moe_tiles.tile_spec(kernel, tiles), "error": repr(exc)[:200]})
                 continue
             rel = ((out - ref).abs().max() / ref.abs().max()).item()
             row["sweep"].append(
-                {"tiles": moe_triton.tile_spec(kernel, tiles), "experts_us": s * 1e6, "max_rel_vs_grouped": rel}
+                {"tiles": moe_tiles.tile_spec(kernel, tiles), "experts_us": s * 1e6, "max_rel_vs_grouped": rel}
             )
             if b == 1 and rel < 0.05 and (kernel not in best_tiles or s < best_tiles[kernel][0]):
                 best_tiles[kernel] = (s, tiles)
-        moe_triton.CONFIGS.update(saved)
+        moe_tiles.CONFIGS.update(saved)
         record["batches"].append(row)
         brief = {key: round(v, 2) for key, v in row.items() if isinstance(v, float)}
         print(f"B={b}: {brief}", flush=True)
         args.out.write_text(json.dumps(record, indent=2, default=str))
-    tiles = ",".join(moe_triton.tile_spec(n, c) for n, (_, c) in best_tiles.items())
+    tiles = ",".join(moe_tiles.tile_spec(n, c) for n, (_, c) in best_tiles.items())
     record["best_tiles_b1"] = tiles
     args.out.write_text(json.dumps(record, indent=2, default=str))
-    print(f"best tiles at batch 1 (each kernel swept with the other at its default): {moe_triton.TILES_ENV}={tiles}")
+    print(f"best tiles at batch 1 (each kernel swept with the other at its default): {moe_tiles.TILES_ENV}={tiles}")
     return 0
 
 

@@ -40,8 +40,8 @@ from pathlib import Path
 import aiohttp
 import psutil
 
-from benchsuite.metrics import parse_prometheus
 from benchsuite.process import EngineProcess, free_port
+from benchsuite.scrape import parse_prometheus
 
 MIB = 1024 * 1024
 KV_USED = "paged_experts:kv_used_tokens"

@@ -3,7 +3,7 @@ the plan) and, per server, exactly how it was started (argv, env, engine version
 
 One producer: `build_manifest` makes it when a run starts, and the store (`RunStore.open`,
 `RunStore.record_server`) is the only writer; the report reads the same model back through
-`benchsuite.store.read_manifest`. Layout version: `benchsuite.records.SCHEMA_VERSION`.
+`benchsuite.stored_files.read_manifest`. Layout version: `benchsuite.records.SCHEMA_VERSION`.
 A version-1 manifest (an untyped dict, before this model) is read into it by
 benchsuite.schema_v1; any other version is refused by the store with a message naming it.
 """
@@ -76,7 +76,7 @@ class Manifest(_Record):
     created_utc: str
     matrix_source: str
     matrix_hash: str  # sha256 of the canonical matrix: a resume must match it
-    matrix: dict[str, Any]  # benchsuite.matrix.Matrix in JSON form (sweeps unexpanded)
+    matrix: dict[str, Any]  # benchsuite.matrix_schema.Matrix in JSON form (sweeps unexpanded)
     machine: dict[str, Any] = Field(default_factory=dict)  # benchsuite.machine.machine_facts()
     git: dict[str, Any] = Field(default_factory=dict)  # benchsuite.machine.git_facts()
     # what the cells depend on beyond the matrix text (benchsuite.fingerprint); a resume compares it

@@ -43,8 +43,9 @@ A metric that cannot be computed is None, never 0. The cell is `invalid` with ev
 there is no successful request, when a headline metric (TTFT p50, decode tok/s p50, aggregate
 output tok/s) is None, or when the error rate exceeds `max_error_rate`.
 
-Paging counters (the built-in server's Prometheus text) become cell fields through
-`paging_delta(before, after)`; see its docstring.
+Paging counters (the built-in server's Prometheus text, read by `scrape.py`) become cell fields
+through `paging.paging_delta(before, after)`; see its docstring (and `paging.PAGING_DEFINITIONS`, merged
+into `DEFINITIONS`).
 """
 
 from __future__ import annotations
@@ -55,8 +56,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
+from benchsuite.paging import PAGING_DEFINITIONS
 from benchsuite.records import CellResult, RequestRecord
 
 _TTFT = "TTFT = t_first_token - t_sent (first chunk with non-empty generated text), warm requests"
@@ -93,25 +93,7 @@ DEFINITIONS: dict[str, str] = {
     "prompt_tokens_mean": "mean usage.prompt_tokens over measured ok requests",
     "output_tokens_total": "sum of usage.completion_tokens over measured ok requests",
     "usage_mismatches": "measured requests with no usage, or more content chunks than usage.completion_tokens",
-    "miss_rate": "expert misses / (hits + misses) over the cell (engine counters)",
-    "bytes_paged_per_token": "bytes paged host->device / generated tokens over the cell (prefill page-ins included)",
-    "bytes_h2d_per_token": "expert bytes copied host->device (paging or offload's streaming) / generated tokens",
-    "waves_per_step": "waves / (MoE layer x step) over the cell",
-    "union_mean": "union of routed experts per (MoE layer x step), mean over the cell",
-    "engine_decode_step_s": "built-in engine: its own time per all-decode step (plan, model, wait, sample, hand-off; "
-    "no HTTP), mean over the cell",
-    "gpu_memory_used_bytes": "built-in engine on CUDA: device memory in use after the cell, CUDA context and graph "
-    "pools included",
-    "engine_decode_tok_s": "built-in engine: decode tokens / engine decode-step seconds, the aggregate rate in process "
-    "(compare output_tok_s over HTTP)",
-    "prefill_chunks": "prompt chunks (a sequence with more than one token in a step) over the cell (engine counters)",
-    "prefill_bytes_per_chunk": "expert bytes paged in during prefill steps / prompt chunks",
-    "prefill_router_s_per_chunk": "host time a synthetic router override took during prefill steps / prompt chunks",
-    "prefill_copy_s_per_chunk": "page-in copy time during prefill steps (CUDA events) / prompt chunks",
-    "prefill_span_s_per_chunk": "prefill steps' device time, first paged layer start to last wave end / prompt chunks",
-    "prefill_copy_busy": "page-in copy time / prefill span: the share of the prefill the copy engine was busy",
-    "prefill_waves_per_layer": "waves / paged layer-steps of prefill steps",
-    "decode_miss_rate": "misses / (hits + misses) of every step but the prefill steps (the decode after the prompts)",
+    **PAGING_DEFINITIONS,
 }
 """Each CellResult metric field with its one-line formula, for reports to print beside the numbers."""
 
@@ -232,42 +214,19 @@ def summarize(
     measured = measured_records(records)
     ok = [r for r in measured if r.ok]
     warm = warm_records(records)
-    reasons: list[str] = []
-
     num_errors = len(measured) - len(ok)
     error_rate = num_errors / len(measured) if measured else None
-    if not measured:
-        reasons.append("no measured requests")
-    elif not ok:
-        reasons.append("no successful requests")
-    elif error_rate is not None and error_rate > max_error_rate:
-        reasons.append(f"error rate {error_rate:.3f} > allowed {max_error_rate:.3f}")
-    if ok and not warm:
-        reasons.append("no warm successful requests (only the cold one succeeded)")
+    reasons = _request_reasons(measured, ok, warm, error_rate, max_error_rate)
 
     ttfts = [t for t in map(ttft_s, warm) if t is not None]
     itls = [gap for r in warm for gap in itls_s(r)]
     tpots = [t for t in map(tpot_s, warm) if t is not None]
     decode_rates = [d for d in map(decode_tok_s, warm) if d is not None]
-    if warm and all(r.output_tokens is not None and r.output_tokens <= 1 for r in warm):
-        reasons.append("output_tokens <= 1 for all requests")
-    elif warm and not decode_rates:
-        reasons.append("no request has two content chunks and usage to compute decode tok/s")
+    reasons += _decode_reasons(warm, decode_rates)
     decode_p50, decode_source = _decode_p50(warm, decode_rates)
-
-    window = _window_s(measured)
-    missing_usage = [r for r in ok if r.output_tokens is None]
-    output_total = None if missing_usage or not ok else sum(r.output_tokens or 0 for r in ok)
-    if ok and missing_usage:
-        reasons.append(f"usage missing for {len(missing_usage)} successful requests")
-    output_tok_s = output_total / window if output_total is not None and window else None
-    request_s = len(ok) / window if ok and window else None
-    if ok and not window:
-        reasons.append("measured window is empty")
-
-    prompt_counts = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
+    throughput, throughput_reasons = _throughput_fields(measured, ok)
+    reasons += throughput_reasons
     cold = next((r for r in records if r.cold), None)
-    cold_ttft = ttft_s(cold) if cold is not None and cold.ok else None
 
     result = replace(
         base,
@@ -282,12 +241,8 @@ def summarize(
         **_chunk_fields(warm),
         tpot_p50_s=percentile(tpots, 50),
         decode_tok_s_p50=decode_p50,
-        output_tok_s=output_tok_s,
-        request_s=request_s,
-        window_s=window,
-        cold_ttft_s=cold_ttft,
-        prompt_tokens_mean=sum(prompt_counts) / len(prompt_counts) if prompt_counts else None,
-        output_tokens_total=output_total,
+        **throughput,
+        cold_ttft_s=ttft_s(cold) if cold is not None and cold.ok else None,
         usage_mismatches=sum(1 for r in measured if r.usage_mismatch),
     )
     headline = {
@@ -305,6 +260,59 @@ def summarize(
     if reasons:
         return replace(result, status="invalid", reason="; ".join(reasons))
     return replace(result, status="ok", reason=None)
+
+
+def _request_reasons(
+    measured: Sequence[RequestRecord],
+    ok: Sequence[RequestRecord],
+    warm: Sequence[RequestRecord],
+    error_rate: float | None,
+    max_error_rate: float,
+) -> list[str]:
+    """Why the cell's requests leave it invalid: none measured, none succeeded, too many failed, only the cold one
+    succeeded."""
+    reasons: list[str] = []
+    if not measured:
+        reasons.append("no measured requests")
+    elif not ok:
+        reasons.append("no successful requests")
+    elif error_rate is not None and error_rate > max_error_rate:
+        reasons.append(f"error rate {error_rate:.3f} > allowed {max_error_rate:.3f}")
+    if ok and not warm:
+        reasons.append("no warm successful requests (only the cold one succeeded)")
+    return reasons
+
+
+def _decode_reasons(warm: Sequence[RequestRecord], decode_rates: list[float]) -> list[str]:
+    """Why no warm request gave a decode rate."""
+    if warm and all(r.output_tokens is not None and r.output_tokens <= 1 for r in warm):
+        return ["output_tokens <= 1 for all requests"]
+    if warm and not decode_rates:
+        return ["no request has two content chunks and usage to compute decode tok/s"]
+    return []
+
+
+def _throughput_fields(
+    measured: Sequence[RequestRecord], ok: Sequence[RequestRecord]
+) -> tuple[dict[str, Any], list[str]]:
+    """The window, aggregate output tok/s, request rate and token totals of a cell, and why any of them is missing."""
+    reasons: list[str] = []
+    window = _window_s(measured)
+    missing_usage = [r for r in ok if r.output_tokens is None]
+    output_total = None if missing_usage or not ok else sum(r.output_tokens or 0 for r in ok)
+    if ok and missing_usage:
+        reasons.append(f"usage missing for {len(missing_usage)} successful requests")
+    if ok and not window:
+        reasons.append("measured window is empty")
+    prompt_counts = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
+    fields = {
+        "output_tok_s": output_total / window if output_total is not None and window else None,
+        "request_s": len(ok) / window if ok and window else None,
+        "window_s": window,
+        "prompt_tokens_mean": sum(prompt_counts) / len(prompt_counts) if prompt_counts else None,
+        "output_tokens_total": output_total,
+    }
+    return fields, reasons
 
 
 def whole_stream(r: RequestRecord) -> bool:
@@ -381,157 +389,3 @@ def _window_s(measured: Sequence[RequestRecord]) -> float | None:
         return None
     span_s = max(done) - min(r.t_sent_s for r in measured)
     return span_s if span_s > 0 else None
-
-
-# ---- Prometheus counters ---------------------------------------------------------------------
-
-PAGING_COUNTERS = {
-    "activations": "paged_experts:expert_activations_total",
-    "hits": "paged_experts:expert_hits_total",
-    "misses": "paged_experts:expert_misses_total",
-    "bytes_paged": "paged_experts:bytes_paged_total",
-    "bytes_h2d": "paged_experts:bytes_h2d_total",
-    "waves": "paged_experts:waves_total",
-    "moe_steps": "paged_experts:moe_steps_total",
-    "union_experts": "paged_experts:union_experts_total",
-    "generation_tokens": "paged_experts:generation_tokens_total",
-    "prompt_tokens": "paged_experts:prompt_tokens_total",
-    "decode_steps": "paged_experts:engine_decode_steps_total",
-    "decode_tokens": "paged_experts:engine_decode_tokens_total",
-    "decode_step_s": "paged_experts:engine_decode_step_seconds_total",
-    "prefill_chunks": "paged_experts:prefill_chunks_total",
-    "prefill_layer_steps": "paged_experts:prefill_layer_steps_total",
-    "prefill_hits": "paged_experts:prefill_expert_hits_total",
-    "prefill_misses": "paged_experts:prefill_expert_misses_total",
-    "prefill_bytes": "paged_experts:prefill_bytes_paged_total",
-    "prefill_copy_s": "paged_experts:prefill_copy_seconds_total",
-    "prefill_span_s": "paged_experts:prefill_span_seconds_total",
-    "prefill_waves": "paged_experts:prefill_waves_total",
-    "prefill_router_s": "paged_experts:prefill_router_seconds_total",
-}
-
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Prometheus text exposition -> {"name" or "name{labels}": value}, parsed by prometheus_client;
-    histogram and summary series keep their own names (`_bucket{le=..}`, `_sum`, `_count`).
-    Raises ValueError on text that is not the exposition format (never a partial, guessed read)."""
-    samples: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f'{k}="{_escape_label(v)}"' for k, v in sample.labels.items())
-            samples[sample.name + (f"{{{labels}}}" if labels else "")] = float(sample.value)
-    return samples
-
-
-def _escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-async def scrape_prometheus(session: Any, base_url: str, prefix: str) -> dict[str, float] | None:
-    """GET /metrics -> {series: value} for series whose name starts with `prefix`; None when the
-    endpoint is missing, fails, or answers something unparseable (a counter that cannot be read is
-    absent, never 0)."""
-    async with session.get(f"{base_url}/metrics") as resp:
-        if resp.status != 200:
-            return None
-        text = await resp.text()
-    try:
-        samples = parse_prometheus(text)
-    except ValueError:
-        return None
-    return {series: value for series, value in samples.items() if series.startswith(prefix)}
-
-
-def metric_value(samples: dict[str, float], name: str) -> float | None:
-    """The unlabelled series `name`, else the sum of its labelled series; None when absent."""
-    if name in samples:
-        return samples[name]
-    prefix = name + "{"
-    labelled = [v for k, v in samples.items() if k.startswith(prefix)]
-    return sum(labelled) if labelled else None
-
-
-def paging_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
-    """CellResult paging fields from the built-in server's counters scraped around a cell.
-
-    Each counter's delta = after - before (None when missing on either side or when it went
-    down, i.e. the server restarted). Assumes waves, moe_steps and union_experts are counted
-    per (MoE layer, engine step).
-    - expert_activations, expert_hits, expert_misses, bytes_paged: the deltas
-    - miss_rate = misses / (hits + misses)
-    - bytes_paged_per_token = bytes_paged / generation_tokens (prefill page-ins included, so
-      it is the link traffic each generated token cost)
-    - bytes_h2d_per_token = bytes_h2d / generation_tokens: every expert byte that crossed the link,
-      also offload's per-forward streaming (which pages nothing into slots)
-    - waves_per_step = waves / moe_steps
-    - union_mean = union_experts / moe_steps (mean per-layer union of routed experts per step)
-    - engine_decode_step_s = engine decode-step seconds / decode steps: the engine thread's own time
-      per step whose chunks are all decode tokens (plan, model, wait, sample, hand-off; no HTTP)
-    - engine_decode_tok_s = decode tokens / engine decode-step seconds: the aggregate decode rate the
-      engine produced in process; against output_tok_s it shows what the HTTP side costs
-    - gpu_memory_used_bytes: the device memory in use after the cell (a gauge, not a delta; CUDA only):
-      what a card of that size must hold for this configuration
-    Prefill (steps with a prompt chunk; bytes, copies, span and waves over the paged layers'
-    host-planned layer-steps of those steps, so 0 for a resident cell; per-chunk figures None when
-    the cell had no prompt chunk):
-    - prefill_chunks; prefill_bytes_per_chunk = prefill bytes paged / chunks;
-      prefill_copy_s_per_chunk = page-in copy seconds / chunks; prefill_span_s_per_chunk = the steps'
-      device span (first MoE layer start to last wave end) / chunks
-    - prefill_router_s_per_chunk = host seconds in a synthetic router override / chunks (the
-      measurement's own cost, in every mode's TTFT alike)
-    - prefill_copy_busy = copy seconds / span seconds (the copy engine's busy share of the prefill)
-    - prefill_waves_per_layer = waves / host-planned layer-steps of those steps
-    - decode_miss_rate = (misses - prefill misses) / (hits + misses - prefill hits - prefill misses):
-      the miss rate of every other step (the decode after the prompts)
-    """
-    delta: dict[str, float | None] = {}
-    for key, name in PAGING_COUNTERS.items():
-        a, b = metric_value(before, name), metric_value(after, name)
-        delta[key] = b - a if a is not None and b is not None and b >= a else None
-    hits, misses = delta["hits"], delta["misses"]
-    looked_up = hits + misses if hits is not None and misses is not None else None
-    return {
-        "expert_activations": _as_int(delta["activations"]),
-        "expert_hits": _as_int(hits),
-        "expert_misses": _as_int(misses),
-        "miss_rate": _ratio(misses, looked_up),
-        "bytes_paged": _as_int(delta["bytes_paged"]),
-        "bytes_paged_per_token": _ratio(delta["bytes_paged"], delta["generation_tokens"]),
-        "bytes_h2d_per_token": _ratio(delta["bytes_h2d"], delta["generation_tokens"]),
-        "waves_per_step": _ratio(delta["waves"], delta["moe_steps"]),
-        "union_mean": _ratio(delta["union_experts"], delta["moe_steps"]),
-        "engine_decode_step_s": _ratio(delta["decode_step_s"], delta["decode_steps"]),
-        "engine_decode_tok_s": _ratio(delta["decode_tokens"], delta["decode_step_s"]),
-        "gpu_memory_used_bytes": _as_int(metric_value(after, "paged_experts:gpu_memory_used_bytes") or None),
-        **_prefill_fields(delta),
-    }
-
-
-def _prefill_fields(delta: dict[str, float | None]) -> dict[str, Any]:
-    """The prefill cell fields of `paging_delta` (its docstring defines them)."""
-    chunks = delta["prefill_chunks"] or None  # no prompt chunk counted: every per-chunk figure is None
-    hits, misses, p_hits, p_misses = delta["hits"], delta["misses"], delta["prefill_hits"], delta["prefill_misses"]
-    decode_miss = decode_looked_up = None
-    if None not in (hits, misses, p_hits, p_misses):
-        decode_miss = misses - p_misses  # type: ignore[operator]
-        decode_looked_up = hits + misses - p_hits - p_misses  # type: ignore[operator]
-    return {
-        "prefill_chunks": _as_int(delta["prefill_chunks"]),
-        "prefill_bytes_per_chunk": _ratio(delta["prefill_bytes"], chunks),
-        "prefill_router_s_per_chunk": _ratio(delta["prefill_router_s"], chunks),
-        "prefill_copy_s_per_chunk": _ratio(delta["prefill_copy_s"], chunks),
-        "prefill_span_s_per_chunk": _ratio(delta["prefill_span_s"], chunks),
-        "prefill_copy_busy": _ratio(delta["prefill_copy_s"], delta["prefill_span_s"]),
-        "prefill_waves_per_layer": _ratio(delta["prefill_waves"], delta["prefill_layer_steps"]),
-        "decode_miss_rate": _ratio(decode_miss, decode_looked_up),
-    }
-
-
-def _ratio(numerator: float | None, denominator: float | None) -> float | None:
-    if numerator is None or denominator is None or denominator <= 0:
-        return None
-    return numerator / denominator
-
-
-def _as_int(value: float | None) -> int | None:
-    return None if value is None else round(value)

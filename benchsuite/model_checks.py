@@ -7,7 +7,7 @@
 - Existence (when a run starts, before its results directory is written): the model path exists.
   A dry run only lists these (a plan may name a model that is not on this machine).
 
-Each problem is (option key, message); benchsuite.matrix prefixes the YAML path.
+Each problem is (option key, message); benchsuite.matrix_sweeps prefixes the YAML path.
 """
 
 from __future__ import annotations

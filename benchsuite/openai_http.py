@@ -1,7 +1,7 @@
 """A small non-streaming OpenAI-completions client shared by the accuracy and canary checks.
 
-The load generator (benchsuite.loadgen) owns streaming and timing; these checks only need the
-final text, tokens and logprobs of greedy completions, so they use plain JSON requests.
+The load generator (benchsuite.loadgen, benchsuite.stream_client) owns streaming and timing; these
+checks only need the final text, tokens and logprobs of greedy completions, so they use plain JSON requests.
 A server that cannot be reached, times out or answers something that is not a completion is a
 RunError naming the URL (one line on stderr, never a traceback or a made-up result).
 """

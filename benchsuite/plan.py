@@ -22,7 +22,8 @@ from typing import Any
 from benchsuite.engines import ADAPTERS
 from benchsuite.engines.base import EngineOptions, ServerSpec
 from benchsuite.errors import UserError
-from benchsuite.matrix import ValidatedMatrix, Workload
+from benchsuite.matrix import ValidatedMatrix
+from benchsuite.matrix_schema import Workload
 
 ID_HEX_DIGITS = 12
 DRY_RUN_PORT = 8000  # stands in for the free port chosen at launch

@@ -109,11 +109,11 @@ class CellResult:
     bytes_h2d_per_token: float | None = None  # every expert byte copied to the device (offload's streaming too)
     waves_per_step: float | None = None
     union_mean: float | None = None
-    # The built-in engine's own decode steps over the window (metrics.paging_delta): step time and rate in process.
+    # The built-in engine's own decode steps over the window (paging.paging_delta): step time and rate in process.
     engine_decode_step_s: float | None = None
     engine_decode_tok_s: float | None = None
     gpu_memory_used_bytes: int | None = None  # device memory in use after the cell (built-in engine on CUDA)
-    # Prefill page-in over the window (metrics.paging_delta): per prompt chunk, the copy engine's share, waves.
+    # Prefill page-in over the window (paging.paging_delta): per prompt chunk, the copy engine's share, waves.
     prefill_chunks: int | None = None
     prefill_bytes_per_chunk: float | None = None
     prefill_router_s_per_chunk: float | None = None

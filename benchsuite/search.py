@@ -12,7 +12,7 @@ The published baseline launched the server once per N (a linear scan). Here:
 `propose` is a generator (guidellm's adaptive-sweep shape): it yields the next N, is sent the
 measured objective (None for a failed launch) and returns a `SearchOutcome`. The objective is
 injected, so unit tests drive it with synthetic curves. `run_search` is the runner's search hook
-(`runner.SearchHook`, given to `run_plan` by the CLI; the runner never imports this module): it
+(`run_context.SearchHook`, given to `run_plan` by the CLI; the runner never imports this module): it
 projects every N, launches llama-server for each proposed
 N and measures one cell, stores one cell per LAUNCHED N (extras: search_n, fits, projected_bytes,
 chosen) so the report can draw the curve, records every candidate (ruled out ones with their
@@ -170,7 +170,8 @@ class _Probe:
         return s, dataclasses.replace(cell, cell_id=cell_id, params={**cell.params, "search_n": n})
 
     async def objective(self, n: int) -> float | None:
-        from benchsuite import runner
+        from benchsuite.cell_measure import CELL_ERRORS, failed_result, measure_cell
+        from benchsuite.server_launch import launch_server
 
         s, cell = self.spec_and_cell(n)
         stored = self.ctx.store.stored_cell(cell.cell_id)
@@ -178,10 +179,10 @@ class _Probe:
             self.results[n] = stored.result  # resumed run: this N was measured already
         else:
             try:
-                async with runner.launch_server(self.ctx, s) as server:
-                    self.results[n] = await runner.measure_cell(self.ctx, server, cell, store=False)
-            except runner.CELL_ERRORS as exc:
-                self.results[n] = runner.failed_result(self.ctx, cell, s, f"{type(exc).__name__}: {exc}")
+                async with launch_server(self.ctx, s) as server:
+                    self.results[n] = await measure_cell(self.ctx, server, cell, store=False)
+            except CELL_ERRORS as exc:
+                self.results[n] = failed_result(self.ctx, cell, s, f"{type(exc).__name__}: {exc}")
         r = self.results[n]
         value = getattr(r, self.metric)
         return value if r.status == "ok" and value is not None else None
@@ -213,7 +214,7 @@ def _candidate(n: int, projection: Any, fits: bool, margin_bytes: int, result: A
 async def run_search(ctx: Any, task: Any) -> EngineOptions:
     """Search `task.option` of a llamacpp engine entry; returns its options with the chosen N.
 
-    `ctx` is a benchsuite.runner.RunContext and `task` a benchsuite.plan.SearchTask. Only launched
+    `ctx` is a benchsuite.run_context.RunContext and `task` a benchsuite.plan.SearchTask. Only launched
     candidates become cells; every candidate, ruled out ones with their projection, is recorded
     in the manifest under the search's server (`search.candidates`).
     """

@@ -10,8 +10,9 @@
 
 Every write goes through one injectable `write(path, data)` seam, atomic by default (temporary
 file in the same directory, fsync, os.replace), so a crash never leaves half a file and a fault
-test can make writes fail. Files carry SCHEMA_VERSION; version 1 is read (not resumed) through
-benchsuite.schema_v1, other versions are refused with a fix-it message. The manifest is the typed
+test can make writes fail. Files carry SCHEMA_VERSION; reading them back (version 1 read, not
+resumed, through benchsuite.schema_v1; other versions refused with a fix-it message; damaged files
+detected) is benchsuite.stored_files. The manifest is the typed
 benchsuite.manifest.Manifest and this store is its only writer. In the tables, dict-valued columns
 (params, options, extras, engine_timings) are JSON text.
 
@@ -35,7 +36,6 @@ import io
 import json
 import os
 import re
-import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -43,35 +43,25 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import pydantic
 
-from benchsuite import schema_v1
 from benchsuite.errors import RunError, UserError
 from benchsuite.fingerprint import fingerprint_changes
 from benchsuite.manifest import Invocation, Manifest
 from benchsuite.records import SCHEMA_VERSION, CellResult, RequestRecord
 from benchsuite.runlock import RunLock
+from benchsuite.stored_files import (
+    DamagedFile,
+    cell_payloads,
+    note_to_stderr,
+    read_cell_file,
+    read_manifest_file,
+)
 
 Writer = Callable[[Path, bytes], None]
 Notify = Callable[[str], None]
-_CELL = pydantic.TypeAdapter(CellResult)
-_REQUESTS = pydantic.TypeAdapter(list[RequestRecord])
-_REQUIRED_FIELDS = {f.name for f in dataclasses.fields(RequestRecord) if f.default is dataclasses.MISSING
-                    and f.default_factory is dataclasses.MISSING}  # fmt: skip
 _ATTEMPT_FILE = re.compile(r"^(?P<cell>[^.]+)\.(?P<n>\d+)\.json$")
-
-
-class DamagedFile(Exception):
-    """A stored file that is not what it should hold; the message says why, in a few words."""
-
-
-def note_to_stderr(line: str) -> None:
-    print(line, file=sys.stderr)
-
-
 FINISHED_STATUSES = ("ok", "invalid")  # a rerun skips these; `failed` cells run again
 _JSON_COLUMNS = ("params", "options", "extras", "engine_timings")
-_READABLE_VERSIONS = (schema_v1.VERSION, SCHEMA_VERSION)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -151,7 +141,7 @@ class RunStore:
     def _open(self, manifest: Manifest) -> None:
         invocation = Invocation(started_utc=utc_now(), git=manifest.git, host=manifest.machine.get("hostname"))
         if self.manifest_path.exists():
-            existing = self._check_resumable(_read_manifest_file(self.manifest_path, writable=True), manifest)
+            existing = self._check_resumable(read_manifest_file(self.manifest_path, writable=True), manifest)
             self._write_manifest(existing.model_copy(update={"invocations": [*existing.invocations, invocation]}))
             return
         try:
@@ -224,12 +214,12 @@ class RunStore:
 
     def record_server(self, server_id: str, **facts: Any) -> None:
         """Merge facts (ServerRecord fields: argv, env, version, canary, ...) into manifest.servers."""
-        manifest = _read_manifest_file(self.manifest_path, writable=True)
+        manifest = read_manifest_file(self.manifest_path, writable=True)
         self._write_manifest(manifest.with_server(server_id, **facts))
 
     def record_run(self, **facts: Any) -> None:
         """Set run-level facts of the manifest (Manifest fields, e.g. `link_bandwidth`)."""
-        manifest = _read_manifest_file(self.manifest_path, writable=True)
+        manifest = read_manifest_file(self.manifest_path, writable=True)
         self._write_manifest(Manifest.model_validate({**manifest.model_dump(), **facts}))
 
     def write_cell(self, result: CellResult, records: Iterable[RequestRecord]) -> StoredCell:
@@ -289,7 +279,7 @@ class RunStore:
         if not path.exists():
             return None
         try:
-            payload, cell = _read_cell(path, with_requests=False)
+            payload, cell = read_cell_file(path, with_requests=False)
         except DamagedFile as exc:
             self._set_aside(path, str(exc))
             return None
@@ -300,113 +290,9 @@ class RunStore:
         stored = self.stored_cell(cell_id)
         return stored is not None and stored.result.status in FINISHED_STATUSES
 
-    def _cell_payloads(self, set_aside: bool = True) -> list[dict[str, Any]]:
-        """Every readable cell file at the current schema (version-1 cells upgraded with their server
-        record; read-only); damaged ones are set aside (or, read-only, skipped with a note)."""
-        payloads = []
-        for path in sorted((self.run_dir / "cells").glob("*.json")):
-            try:
-                payloads.append(_read_cell(path, with_requests=True, writable=set_aside)[0])
-            except DamagedFile as exc:
-                if set_aside:
-                    self._set_aside(path, str(exc))
-                else:
-                    self._notify(f"benchsuite: {path} is damaged ({exc}); left out")
-        if all(p["schema_version"] == SCHEMA_VERSION for p in payloads):
-            return payloads
-        manifest = read_manifest(self.run_dir)
-        return [p if p["schema_version"] == SCHEMA_VERSION
-                else {**p, "cell": schema_v1.cell_from_v1(p["cell"], manifest.server(str(p["cell"].get("server_id"))))}
-                for p in payloads]  # fmt: skip
-
-
-def read_manifest(run_dir: Path) -> Manifest:
-    return _read_manifest_file(Path(run_dir) / "manifest.json")
-
-
-def _read_manifest_file(path: Path, *, writable: bool = False) -> Manifest:
-    """The typed manifest (a version-1 file through schema_v1, unless it is to be written)."""
-    fix = ("without it the stored cells' provenance is unknown: pass --new-run to start a new run (the old "
-           "directory is moved aside) or another --run-id")  # fmt: skip
-    try:
-        payload = _read_versioned(path, writable=writable)
-    except DamagedFile as exc:
-        raise UserError(f"{path} is damaged ({exc}); {fix}") from None
-    if payload["schema_version"] == schema_v1.VERSION:
-        return schema_v1.manifest_from_v1(payload)
-    try:
-        return Manifest.model_validate(payload)
-    except pydantic.ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        raise UserError(f"{path} is damaged ({where}: {err['msg']}); {fix}") from None
-
-
-def read_cells(run_dir: Path) -> list[CellResult]:
-    return [_CELL.validate_python(p["cell"]) for p in RunStore(run_dir)._cell_payloads(set_aside=False)]
-
-
-def read_requests(run_dir: Path) -> list[RequestRecord]:
-    payloads = RunStore(run_dir)._cell_payloads(set_aside=False)
-    return [r for p in payloads for r in _REQUESTS.validate_python(p["requests"])]
-
-
-def _read_versioned(path: Path, *, writable: bool = False) -> dict[str, Any]:
-    """The JSON object of a stored file of a version this benchsuite reads (`writable`: one it may
-    also resume); UserError for another schema version, DamagedFile for the rest."""
-    try:
-        payload = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        raise UserError(f"{path}: not found; is this a benchsuite results directory?") from None
-    except OSError as exc:
-        raise RunError(f"{path}: unreadable ({exc.strerror or exc})") from None
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, absurd nesting
-        raise DamagedFile(f"not JSON: {str(exc)[:80]}") from None
-    if not isinstance(payload, dict):
-        raise DamagedFile(f"a JSON {type(payload).__name__}, not an object")
-    version = payload.get("schema_version")
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise DamagedFile(f"schema_version {version!r} is not a version number")
-    if version == SCHEMA_VERSION or (version in _READABLE_VERSIONS and not writable):
-        return payload
-    if version in _READABLE_VERSIONS:
-        raise UserError(
-            f"{path} has results schema version {version}; this benchsuite reports it but writes only version "
-            f"{SCHEMA_VERSION}: rerun the matrix into a new --run-id to resume it"
-        )
-    raise UserError(
-        f"{path} has results schema version {version}, this benchsuite reads versions "
-        f"{', '.join(map(str, _READABLE_VERSIONS))}: rerun the matrix with this version into a new --run-id, "
-        "or read it with the benchsuite release that wrote it"
-    )
-
-
-def _read_cell(path: Path, *, with_requests: bool, writable: bool = True) -> tuple[dict[str, Any], CellResult]:
-    """A cell file's payload and its CellResult, checked: attempt, the cell of this file, request records."""
-    payload = _read_versioned(path, writable=writable)
-    attempt = payload.get("attempt")
-    if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 1:
-        raise DamagedFile(f"attempt {attempt!r} is not a number >= 1")
-    if not isinstance(payload.get("requests"), list):
-        raise DamagedFile("no request list")
-    cell = _validated(_CELL, payload.get("cell"), "cell")
-    if cell.cell_id != path.stem:
-        raise DamagedFile(f"it holds cell {cell.cell_id!r}")
-    for i, row in enumerate(payload["requests"]):  # the cheap shape check; types below when asked
-        if not isinstance(row, dict) or not _REQUIRED_FIELDS <= row.keys() or row["cell_id"] != cell.cell_id:
-            raise DamagedFile(f"requests.{i} is not a request record of this cell")
-    if with_requests:
-        _validated(_REQUESTS, payload["requests"], "requests")
-    return payload, cell
-
-
-def _validated(adapter: pydantic.TypeAdapter[Any], value: Any, what: str) -> Any:
-    try:
-        return adapter.validate_python(value)
-    except pydantic.ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join([what, *(str(p) for p in err["loc"])])
-        raise DamagedFile(f"{where}: {err['msg']}") from None
+    def _cell_payloads(self) -> list[dict[str, Any]]:
+        """Every readable cell file at the current schema; damaged ones are set aside."""
+        return cell_payloads(self.run_dir, lambda path, exc: self._set_aside(path, str(exc)), writable=True)
 
 
 def _frame(rows: list[dict[str, Any]], row_type: type) -> pd.DataFrame:

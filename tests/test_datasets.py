@@ -160,7 +160,7 @@ def test_random_dataset_on_a_gguf_file_needs_only_its_vocabulary(
     from benchsuite.engines.base import ServerSpec
     from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter, LlamaCppOptions
     from benchsuite.engines.llamacpp.gguf_export import export_gguf
-    from benchsuite.matrix import Workload
+    from benchsuite.matrix_schema import Workload
     from benchsuite.plan import CellSpec
     from benchsuite.prompts_for_cells import RANDOM_SHORT_TOKENS, cell_requests
 

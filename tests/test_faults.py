@@ -34,14 +34,15 @@ import psutil
 import pytest
 import yaml
 
-from benchsuite import runner
+from benchsuite import server_launch
 from benchsuite.cli import main as cli_main
 from benchsuite.engines.llamacpp.adapter import find_binary
 from benchsuite.matrix import load_matrix
 from benchsuite.plan import CellSpec, build_plan
 from benchsuite.process import EngineProcess
 from benchsuite.records import CellResult
-from benchsuite.runner import RunContext, SilentEvents, client_session, execute, open_store
+from benchsuite.run_context import RunContext, SilentEvents
+from benchsuite.runner import client_session, execute, open_store
 from benchsuite.store import RunStore, Writer, atomic_write_bytes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -140,7 +141,7 @@ def by_engine(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
 
 
 class Hooks(SilentEvents):
-    """runner.RunEvents that calls `on_start(cell, index)` as each cell starts (index counts all cells)."""
+    """run_context.RunEvents that calls `on_start(cell, index)` as each cell starts (index counts all cells)."""
 
     def __init__(self, on_start: Callable[[CellSpec, int], None] | None = None) -> None:
         self.on_start = on_start
@@ -325,7 +326,7 @@ async def test_port_taken_while_the_engine_starts_fails_that_server_and_the_rest
             if "resident" in self.argv:  # taken after the launcher's check, before the engine binds
                 squat(int(self.health_url.rsplit(":", 1)[1].split("/")[0]), holders)
 
-    monkeypatch.setattr(runner, "EngineProcess", RacedProcess)
+    monkeypatch.setattr(server_launch, "EngineProcess", RacedProcess)
     try:
         store = await run_in_process(path)
     finally:
@@ -353,7 +354,7 @@ async def test_port_taken_before_launch_fails_or_retries_that_server_and_the_res
     }
     path = write_matrix(tmp_path, engines, concurrency=[1])
     holders: list[socket.socket] = []
-    real_free_port = runner.free_port
+    real_free_port = server_launch.free_port
 
     def free_port() -> int:  # the first pick is taken by someone else before the launch
         port = real_free_port()
@@ -361,7 +362,7 @@ async def test_port_taken_before_launch_fails_or_retries_that_server_and_the_res
             squat(port, holders)
         return port
 
-    monkeypatch.setattr(runner, "free_port", free_port)
+    monkeypatch.setattr(server_launch, "free_port", free_port)
     try:
         store = await run_in_process(path)
     finally:

@@ -165,7 +165,7 @@ def test_agreement_counts_the_common_prefix():
 @needs_server
 def test_llamacpp_tiny_matrix_end_to_end(tmp_path):
     from benchsuite.cli import main as cli_main
-    from benchsuite.store import read_cells, read_manifest
+    from benchsuite.stored_files import read_cells, read_manifest
 
     rc = cli_main(
         [

@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 
 from benchsuite.errors import UserError
-from benchsuite.loadgen import LoadRequest, LoadSpec, endpoint_url, poisson_arrivals_s, run_load
+from benchsuite.loadgen import LoadSpec, poisson_arrivals_s, run_load
 from benchsuite.metrics import itls_s, latency_s, ttft_s
 from benchsuite.records import CellResult, RequestRecord
+from benchsuite.stream_client import LoadRequest, endpoint_url
 
 try:  # tests/ as a package or as a plain directory on sys.path (pytest's default prepend mode)
     from tests.fakes import FakeServer, Script

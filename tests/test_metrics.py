@@ -14,14 +14,14 @@ from benchsuite.metrics import (
     decode_tok_s,
     itls_s,
     latency_s,
-    paging_delta,
-    parse_prometheus,
     percentile,
     summarize,
     tpot_s,
     ttft_s,
 )
+from benchsuite.paging import paging_delta
 from benchsuite.records import CellResult, RequestRecord
+from benchsuite.scrape import parse_prometheus
 
 
 def _base(status: str = "ok") -> CellResult:

@@ -36,7 +36,7 @@ def reference_moe(x, rows, topw, gate, up, down, top_k: int) -> torch.Tensor:
 
 def check_kernels(device: str = "cpu", dtype: torch.dtype = torch.float32, tol: float = 1e-4) -> None:
     from paged_experts.experts import route
-    from paged_experts.kernels import moe_triton
+    from paged_experts.kernels import moe_tiles, moe_triton
 
     gen = torch.Generator().manual_seed(0)
     for t, e, k, h, i in CASES:
@@ -57,16 +57,16 @@ def check_kernels(device: str = "cpu", dtype: torch.dtype = torch.float32, tol: 
         if t > 1:  # token 1 reuses token 0's experts: a row serves several pairs
             rows[1] = rows[0]
         want = reference_moe(x, rows.reshape(-1), topw, gate, up, down, k)
-        saved = moe_triton.CONFIGS["down"]
+        saved = moe_tiles.CONFIGS["down"]
         try:  # the down pass both ways: pairs one after another, and a token's pairs loaded together
-            moe_triton.CONFIGS["down"] = replace(saved, pair_vector=True)
+            moe_tiles.CONFIGS["down"] = replace(saved, pair_vector=True)
             vec = moe_triton.moe_pairs(x, rows.reshape(-1), topw, gate, up, down, k)
         finally:
-            moe_triton.CONFIGS["down"] = replace(saved, pair_vector=False)
+            moe_tiles.CONFIGS["down"] = replace(saved, pair_vector=False)
         try:
             got = moe_triton.moe_pairs(x, rows.reshape(-1), topw, gate, up, down, k)
         finally:
-            moe_triton.CONFIGS["down"] = saved
+            moe_tiles.CONFIGS["down"] = saved
         assert got.shape == (t, h) and got.dtype == dtype and vec.shape == got.shape
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * max(1.0, want.abs().max().item()))
         torch.testing.assert_close(vec.float(), want, rtol=tol, atol=tol * max(1.0, want.abs().max().item()))

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from benchsuite import preflight as pf
+from benchsuite import preflight_report as pfr
 from benchsuite.cli import main as cli_main
 from benchsuite.errors import UserError
 
@@ -91,15 +92,17 @@ def test_all_miss_prefill_pinned(shape: pf.ModelShape) -> None:
 
 
 def test_k_that_fits_published_desktop_and_laptop(shape: pf.ModelShape) -> None:
-    report = pf.preflight(pf.PreflightInputs(shape=shape, formats=("int4",), vram_bytes=16 * pf.GIB_BYTES))
+    report = pfr.preflight(pfr.PreflightInputs(shape=shape, formats=("int4",), vram_bytes=16 * pf.GIB_BYTES))
     assert report.formats[0].k_fit == 92  # the published desktop K
-    laptop = pf.preflight(pf.PreflightInputs(shape=shape, formats=("int4",), vram_bytes=8 * pf.GIB_BYTES))
+    laptop = pfr.preflight(pfr.PreflightInputs(shape=shape, formats=("int4",), vram_bytes=8 * pf.GIB_BYTES))
     assert 26 <= laptop.formats[0].k_fit <= 28  # published laptop K=26 fits, little headroom
 
 
 def test_verdict_flags_waves_and_pinned_overflow(shape: pf.ModelShape) -> None:
-    inp = pf.PreflightInputs(shape=shape, formats=("fp8",), k=24, concurrency=4, ram_bytes=54 * pf.GIB_BYTES, wsl2=True)
-    verdict = pf.preflight(inp).formats[0].verdict
+    inp = pfr.PreflightInputs(
+        shape=shape, formats=("fp8",), k=24, concurrency=4, ram_bytes=54 * pf.GIB_BYTES, wsl2=True
+    )
+    verdict = pfr.preflight(inp).formats[0].verdict
     assert any(v.startswith("WARN") and "several waves" in v for v in verdict)
     assert any(v.startswith("FAIL") and "pinned" in v for v in verdict)
 

@@ -240,7 +240,9 @@ async def test_the_engine_gets_what_it_needs_and_what_the_matrix_declares_only(
 ) -> None:
     import psutil
 
-    from benchsuite.runner import RunContext, client_session, launch_server
+    from benchsuite.run_context import RunContext
+    from benchsuite.runner import client_session
+    from benchsuite.server_launch import launch_server
 
     path = write_matrix(tmp_path, str(model_copy))
     doc = yaml.safe_load(path.read_text())

@@ -67,7 +67,7 @@ class FakeAdapter:
         return {"engine": "fake"}
 
     async def scrape(self, session: Any, base_url: str) -> dict[str, float] | None:
-        from benchsuite.metrics import parse_prometheus
+        from benchsuite.scrape import parse_prometheus
 
         async with session.get(f"{base_url}/metrics") as resp:
             return parse_prometheus(await resp.text())
@@ -225,13 +225,13 @@ def test_a_port_taken_before_launch_fails_that_server_and_the_rest_runs(
 ) -> None:
     import socket
 
-    from benchsuite import process, runner
+    from benchsuite import process, server_launch
 
     squatter = socket.socket()
     squatter.bind(("127.0.0.1", 0))
     squatter.listen(1)
     ports = iter([squatter.getsockname()[1]])
-    monkeypatch.setattr(runner, "free_port", lambda: next(ports, None) or process.free_port())
+    monkeypatch.setattr(server_launch, "free_port", lambda: next(ports, None) or process.free_port())
     try:
         assert run_cli(str(matrix(tmp_path, {"first": {}, "second": {}}, concurrency=[1], num_requests=2))) == 1
     finally:

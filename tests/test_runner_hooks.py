@@ -15,11 +15,13 @@ import pytest
 import yaml
 from aiohttp.test_utils import TestServer
 
-from benchsuite import runner
+from benchsuite import cell_measure, runner
 from benchsuite.engines.sglang.adapter import SGLangAdapter
 from benchsuite.matrix import load_matrix
-from benchsuite.plan import build_plan
+from benchsuite.plan import Plan, build_plan
 from benchsuite.report.flags import cell_flags
+from benchsuite.run_context import RunContext
+from benchsuite.server_launch import RunningServer
 
 try:
     from tests.test_runner import FakeAdapter, matrix, only_run_dir, run_cli
@@ -43,7 +45,7 @@ max_running_requests=4, context_len=40960, available_gpu_mem=0.69 GB
 """
 
 
-def sglang_plan(tmp_path: Path, options: dict[str, Any], concurrency: list[int]) -> runner.Plan:
+def sglang_plan(tmp_path: Path, options: dict[str, Any], concurrency: list[int]) -> Plan:
     body = {
         "name": "sg",
         "output_root": str(tmp_path / "results"),
@@ -66,8 +68,8 @@ def test_sglang_flags_from_the_log_are_stored_per_cell_and_read_by_the_report(tm
     log = tmp_path / "server.log"
     log.write_text(SGLANG_LOG)
     by_concurrency = {c.concurrency: c for c in plan.cells}
-    low = runner._log_extras(SGLangAdapter(), spec, by_concurrency[2], log)
-    high = runner._log_extras(SGLangAdapter(), spec, by_concurrency[4], log)
+    low = cell_measure.log_extras(SGLangAdapter(), spec, by_concurrency[2], log)
+    high = cell_measure.log_extras(SGLangAdapter(), spec, by_concurrency[4], log)
     kv = "KV pool holds 10000 tokens, not the 10240 the matrix fixed for every engine"
     assert low["flags"] == [kv]
     assert len(high["flags"]) == 2 and high["flags"][1] == kv
@@ -75,7 +77,7 @@ def test_sglang_flags_from_the_log_are_stored_per_cell_and_read_by_the_report(tm
     assert high["engine_log"]["batch_cap"] == 3
     assert cell_flags(pd_row(high)) == high["flags"]
     # an adapter without the hook: checked, nothing to say
-    assert runner._log_extras(FakeAdapter(), spec, by_concurrency[4], log) == {"flags": []}
+    assert cell_measure.log_extras(FakeAdapter(), spec, by_concurrency[4], log) == {"flags": []}
 
 
 def pd_row(extras: dict[str, Any]) -> Any:
@@ -91,8 +93,8 @@ async def test_routing_capture_after_the_cells_writes_a_trace_and_records_it(tmp
     store = runner.open_store(plan)
     bodies: list[dict[str, Any]] = []
     async with TestServer(_fake_sglang(bodies)) as http, aiohttp.ClientSession() as session:
-        ctx = runner.RunContext(plan, store, session)
-        server = runner.RunningServer(spec, SGLangAdapter(), None, str(http.make_url("")).rstrip("/"), [])  # type: ignore[arg-type]
+        ctx = RunContext(plan, store, session)
+        server = RunningServer(spec, SGLangAdapter(), None, str(http.make_url("")).rstrip("/"), [])  # type: ignore[arg-type]
         await runner._after_cells(ctx, server, plan.cells_of(spec.server_id))
     entry = json.loads((store.run_dir / "manifest.json").read_text())["servers"][spec.server_id]
     facts = entry["facts"]  # the adapter hook's facts (ServerRecord.facts)
@@ -113,8 +115,8 @@ async def test_a_failed_routing_capture_is_recorded_not_raised(tmp_path: Path) -
     (spec,) = plan.servers
     store = runner.open_store(plan)
     async with TestServer(aiohttp.web.Application()) as http, aiohttp.ClientSession() as session:  # answers 404
-        server = runner.RunningServer(spec, SGLangAdapter(), None, str(http.make_url("")).rstrip("/"), [])  # type: ignore[arg-type]
-        await runner._after_cells(runner.RunContext(plan, store, session), server, plan.cells_of(spec.server_id))
+        server = RunningServer(spec, SGLangAdapter(), None, str(http.make_url("")).rstrip("/"), [])  # type: ignore[arg-type]
+        await runner._after_cells(RunContext(plan, store, session), server, plan.cells_of(spec.server_id))
     entry = json.loads((store.run_dir / "manifest.json").read_text())["servers"][spec.server_id]
     error = entry["facts"]["after_cells_error"]
     assert error.startswith("RunError: routing capture:") and "HTTP 404" in error

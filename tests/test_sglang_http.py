@@ -17,6 +17,7 @@ from benchsuite.engines.base import ServerSpec
 from benchsuite.engines.sglang.adapter import SGLangAdapter, SGLangOptions, scrape_prometheus
 from benchsuite.openai_http import model_name
 from benchsuite.process import EngineProcess, free_port
+from benchsuite.stream_client import LoadRequest
 from paged_experts.synth import ensure_tiny
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -50,7 +51,7 @@ async def test_scrape_and_extras_through_the_load_generator(base_url: str, sessi
     assert await adapter.scrape(session, base_url) == {}
     before = await scrape_prometheus(session, base_url, "paged_experts:")
     assert before is not None and "paged_experts:num_requests_total" in before
-    requests = [loadgen.LoadRequest(f"p{i}", "short", f"hello number {i}", max_tokens=5) for i in range(2)]
+    requests = [LoadRequest(f"p{i}", "short", f"hello number {i}", max_tokens=5) for i in range(2)]
     records = await loadgen.run_load(
         base_url, requests, loadgen.LoadSpec(concurrency=2), cell_id="c", session=session,
         model_name=await model_name(session, base_url), extras=adapter.request_extras(CAPTURE), cold_first=False,

@@ -11,7 +11,8 @@ import pytest
 from benchsuite.errors import RunError, UserError
 from benchsuite.manifest import Manifest
 from benchsuite.records import SCHEMA_VERSION, CellResult, RequestRecord
-from benchsuite.store import RunStore, atomic_write_bytes, read_cells, read_manifest, read_requests
+from benchsuite.store import RunStore, atomic_write_bytes
+from benchsuite.stored_files import read_cells, read_manifest, read_requests
 
 MANIFEST = Manifest(run_id="r", created_utc="2026-12-01T00:00:00+00:00", matrix_source="m.yaml", matrix_hash="abc",
                     matrix={}, machine={"hostname": "h"}, git={"commit": "c", "dirty": False})  # fmt: skip

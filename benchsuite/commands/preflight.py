@@ -1,4 +1,4 @@
-"""`benchsuite preflight`: flags -> PreflightInputs -> benchsuite.preflight.preflight -> table or JSON."""
+"""`benchsuite preflight`: flags -> PreflightInputs -> benchsuite.preflight_report.preflight -> table or JSON."""
 
 from __future__ import annotations
 
@@ -13,12 +13,10 @@ from benchsuite.preflight import (
     GIB_BYTES,
     MB_BYTES,
     ModelShape,
-    PreflightInputs,
-    PreflightReport,
     load_shape,
     parse_link,
-    preflight,
 )
+from benchsuite.preflight_report import PreflightInputs, PreflightReport, preflight
 
 
 def configure(p: argparse.ArgumentParser) -> None:

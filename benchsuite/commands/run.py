@@ -27,7 +27,8 @@ from benchsuite.model_checks import missing_model
 from benchsuite.plan import CellSpec, Plan, build_plan, format_plan, select
 from benchsuite.records import CellResult
 from benchsuite.search import describe
-from benchsuite.store import RunStore, read_cells, read_manifest
+from benchsuite.store import RunStore
+from benchsuite.stored_files import read_cells, read_manifest
 
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
@@ -167,7 +168,7 @@ def _write_report(args: argparse.Namespace, run_dir: Path) -> int:
 
 
 class _ProgressEvents:
-    """runner.RunEvents drawn with rich: one bar over the cells, one line per finished cell."""
+    """run_context.RunEvents drawn with rich: one bar over the cells, one line per finished cell."""
 
     def __init__(self, console: Console, total_cells: int) -> None:
         self._console = console

@@ -21,12 +21,13 @@ from benchsuite.report import tables as tb
 from benchsuite.report.budget import run_budget_bytes
 from benchsuite.report.caveats import setup_caveats
 from benchsuite.report.display import display_frame
-from benchsuite.report.figures import Figure, all_figures, missing_figures
+from benchsuite.report.figures import all_figures, missing_figures
 from benchsuite.report.first_screen import verdict_html, verdict_markdown
 from benchsuite.report.groups import annotate_cells, group_configs
 from benchsuite.report.header import header_html, header_markdown
 from benchsuite.report.html import Section, render_page
 from benchsuite.report.load import RunData, load_run
+from benchsuite.report.plot import Figure
 from benchsuite.report.published import (
     find_reference,
     load_published,

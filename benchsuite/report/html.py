@@ -14,7 +14,7 @@ import pandas as pd
 from plotly.offline import get_plotlyjs
 
 from benchsuite.report.display import display_frame
-from benchsuite.report.figures import Figure
+from benchsuite.report.plot import Figure
 from benchsuite.report.tables import NOT_SIGNIFICANT, SPREAD_UNKNOWN
 
 # A backslash at a line end continues the line (the stylesheet's bytes are unchanged).

@@ -5,7 +5,7 @@ RequestRecord.
 The store may write `params` / `options` / `extras` as JSON strings (parquet) or as dicts; all come
 out as dicts here. A run without cells.parquet (interrupted before the store's final write) is read from
 its cells/<cell-id>.json files, and so is a version-1 run (upgraded by benchsuite.schema_v1); other
-schema versions are refused with the store's fix-it message (benchsuite.store.read_manifest).
+schema versions are refused with the store's fix-it message (benchsuite.stored_files.read_manifest).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pandas as pd
 from benchsuite.errors import UserError
 from benchsuite.manifest import Manifest
 from benchsuite.records import SCHEMA_VERSION, CellResult, RequestRecord
-from benchsuite.store import read_cells, read_manifest, read_requests
+from benchsuite.stored_files import read_cells, read_manifest, read_requests
 
 CELL_COLUMNS: tuple[str, ...] = tuple(CellResult.__dataclass_fields__)
 REQUEST_COLUMNS: tuple[str, ...] = tuple(RequestRecord.__dataclass_fields__)

@@ -1,5 +1,5 @@
 """Prefill against its page-in floor: every built-in cell with prompt chunks, its TTFT beside what the
-engine's counters say its prefill moved and how (metrics.paging_delta's prefill fields), the floor
+engine's counters say its prefill moved and how (paging.paging_delta's prefill fields), the floor
 those bytes set on the run's measured link (manifest `link_bandwidth`, matrix `linkbw: true`), and the
 same run's resident cell with the same workload, routing, concurrency and prompt class:
 

@@ -25,7 +25,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from benchsuite.engines import RUN_DIR_PLACEHOLDER
 from benchsuite.engines.base import EngineConfigError, EngineOptions, LaunchPlan, Placement, ServerSpec, options_of
-from benchsuite.metrics import scrape_prometheus
+from benchsuite.scrape import scrape_prometheus
 from paged_experts.residency import DEFAULT_PREFILL_KEEP, PREFILL_KEEP
 from paged_experts.server.threads import default_cpu_threads
 

@@ -39,7 +39,7 @@ from benchsuite.engines.base import (
 )
 from benchsuite.engines.llamacpp import owned
 from benchsuite.errors import UserError
-from benchsuite.metrics import scrape_prometheus
+from benchsuite.scrape import scrape_prometheus
 from benchsuite.search_settings import parse_request
 
 BINARY_NAME = "llama-server"

@@ -22,7 +22,7 @@ from benchsuite.engines.base import EngineConfigError, LaunchPlan, ServerSpec, o
 from benchsuite.engines.sglang import constraints as sglang_constraints
 from benchsuite.engines.sglang import logs as sglang_logs
 from benchsuite.engines.sglang.options import SGLangOptions, expand_env
-from benchsuite.metrics import scrape_prometheus
+from benchsuite.scrape import scrape_prometheus
 
 __all__ = ["SGLangAdapter", "SGLangOptions", "expand_env", "scrape_prometheus"]
 

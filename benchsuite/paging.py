@@ -1,0 +1,146 @@
+"""The built-in server's paging counters scraped around a cell -> the cell's paging fields.
+
+`PAGING_COUNTERS` names the Prometheus series (`paged_experts.server.metrics` exposes them);
+`paging_delta(before, after)` defines every paging and prefill field with its formula, and
+`PAGING_DEFINITIONS` their one-line definitions (`metrics.DEFINITIONS` carries them for the report).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchsuite.scrape import metric_value
+
+PAGING_DEFINITIONS: dict[str, str] = {
+    "miss_rate": "expert misses / (hits + misses) over the cell (engine counters)",
+    "bytes_paged_per_token": "bytes paged host->device / generated tokens over the cell (prefill page-ins included)",
+    "bytes_h2d_per_token": "expert bytes copied host->device (paging or offload's streaming) / generated tokens",
+    "waves_per_step": "waves / (MoE layer x step) over the cell",
+    "union_mean": "union of routed experts per (MoE layer x step), mean over the cell",
+    "engine_decode_step_s": "built-in engine: its own time per all-decode step (plan, model, wait, sample, hand-off; "
+    "no HTTP), mean over the cell",
+    "gpu_memory_used_bytes": "built-in engine on CUDA: device memory in use after the cell, CUDA context and graph "
+    "pools included",
+    "engine_decode_tok_s": "built-in engine: decode tokens / engine decode-step seconds, the aggregate rate in process "
+    "(compare output_tok_s over HTTP)",
+    "prefill_chunks": "prompt chunks (a sequence with more than one token in a step) over the cell (engine counters)",
+    "prefill_bytes_per_chunk": "expert bytes paged in during prefill steps / prompt chunks",
+    "prefill_router_s_per_chunk": "host time a synthetic router override took during prefill steps / prompt chunks",
+    "prefill_copy_s_per_chunk": "page-in copy time during prefill steps (CUDA events) / prompt chunks",
+    "prefill_span_s_per_chunk": "prefill steps' device time, first paged layer start to last wave end / prompt chunks",
+    "prefill_copy_busy": "page-in copy time / prefill span: the share of the prefill the copy engine was busy",
+    "prefill_waves_per_layer": "waves / paged layer-steps of prefill steps",
+    "decode_miss_rate": "misses / (hits + misses) of every step but the prefill steps (the decode after the prompts)",
+}
+"""Each paging field of `paging_delta` with its one-line formula, in the order the report lists them."""
+
+PAGING_COUNTERS = {
+    "activations": "paged_experts:expert_activations_total",
+    "hits": "paged_experts:expert_hits_total",
+    "misses": "paged_experts:expert_misses_total",
+    "bytes_paged": "paged_experts:bytes_paged_total",
+    "bytes_h2d": "paged_experts:bytes_h2d_total",
+    "waves": "paged_experts:waves_total",
+    "moe_steps": "paged_experts:moe_steps_total",
+    "union_experts": "paged_experts:union_experts_total",
+    "generation_tokens": "paged_experts:generation_tokens_total",
+    "prompt_tokens": "paged_experts:prompt_tokens_total",
+    "decode_steps": "paged_experts:engine_decode_steps_total",
+    "decode_tokens": "paged_experts:engine_decode_tokens_total",
+    "decode_step_s": "paged_experts:engine_decode_step_seconds_total",
+    "prefill_chunks": "paged_experts:prefill_chunks_total",
+    "prefill_layer_steps": "paged_experts:prefill_layer_steps_total",
+    "prefill_hits": "paged_experts:prefill_expert_hits_total",
+    "prefill_misses": "paged_experts:prefill_expert_misses_total",
+    "prefill_bytes": "paged_experts:prefill_bytes_paged_total",
+    "prefill_copy_s": "paged_experts:prefill_copy_seconds_total",
+    "prefill_span_s": "paged_experts:prefill_span_seconds_total",
+    "prefill_waves": "paged_experts:prefill_waves_total",
+    "prefill_router_s": "paged_experts:prefill_router_seconds_total",
+}
+
+
+def paging_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """CellResult paging fields from the built-in server's counters scraped around a cell.
+
+    Each counter's delta = after - before (None when missing on either side or when it went
+    down, i.e. the server restarted). Assumes waves, moe_steps and union_experts are counted
+    per (MoE layer, engine step).
+    - expert_activations, expert_hits, expert_misses, bytes_paged: the deltas
+    - miss_rate = misses / (hits + misses)
+    - bytes_paged_per_token = bytes_paged / generation_tokens (prefill page-ins included, so
+      it is the link traffic each generated token cost)
+    - bytes_h2d_per_token = bytes_h2d / generation_tokens: every expert byte that crossed the link,
+      also offload's per-forward streaming (which pages nothing into slots)
+    - waves_per_step = waves / moe_steps
+    - union_mean = union_experts / moe_steps (mean per-layer union of routed experts per step)
+    - engine_decode_step_s = engine decode-step seconds / decode steps: the engine thread's own time
+      per step whose chunks are all decode tokens (plan, model, wait, sample, hand-off; no HTTP)
+    - engine_decode_tok_s = decode tokens / engine decode-step seconds: the aggregate decode rate the
+      engine produced in process; against output_tok_s it shows what the HTTP side costs
+    - gpu_memory_used_bytes: the device memory in use after the cell (a gauge, not a delta; CUDA only):
+      what a card of that size must hold for this configuration
+    Prefill (steps with a prompt chunk; bytes, copies, span and waves over the paged layers'
+    host-planned layer-steps of those steps, so 0 for a resident cell; per-chunk figures None when
+    the cell had no prompt chunk):
+    - prefill_chunks; prefill_bytes_per_chunk = prefill bytes paged / chunks;
+      prefill_copy_s_per_chunk = page-in copy seconds / chunks; prefill_span_s_per_chunk = the steps'
+      device span (first MoE layer start to last wave end) / chunks
+    - prefill_router_s_per_chunk = host seconds in a synthetic router override / chunks (the
+      measurement's own cost, in every mode's TTFT alike)
+    - prefill_copy_busy = copy seconds / span seconds (the copy engine's busy share of the prefill)
+    - prefill_waves_per_layer = waves / host-planned layer-steps of those steps
+    - decode_miss_rate = (misses - prefill misses) / (hits + misses - prefill hits - prefill misses):
+      the miss rate of every other step (the decode after the prompts)
+    """
+    delta: dict[str, float | None] = {}
+    for key, name in PAGING_COUNTERS.items():
+        a, b = metric_value(before, name), metric_value(after, name)
+        delta[key] = b - a if a is not None and b is not None and b >= a else None
+    hits, misses = delta["hits"], delta["misses"]
+    looked_up = hits + misses if hits is not None and misses is not None else None
+    return {
+        "expert_activations": _as_int(delta["activations"]),
+        "expert_hits": _as_int(hits),
+        "expert_misses": _as_int(misses),
+        "miss_rate": _ratio(misses, looked_up),
+        "bytes_paged": _as_int(delta["bytes_paged"]),
+        "bytes_paged_per_token": _ratio(delta["bytes_paged"], delta["generation_tokens"]),
+        "bytes_h2d_per_token": _ratio(delta["bytes_h2d"], delta["generation_tokens"]),
+        "waves_per_step": _ratio(delta["waves"], delta["moe_steps"]),
+        "union_mean": _ratio(delta["union_experts"], delta["moe_steps"]),
+        "engine_decode_step_s": _ratio(delta["decode_step_s"], delta["decode_steps"]),
+        "engine_decode_tok_s": _ratio(delta["decode_tokens"], delta["decode_step_s"]),
+        "gpu_memory_used_bytes": _as_int(metric_value(after, "paged_experts:gpu_memory_used_bytes") or None),
+        **_prefill_fields(delta),
+    }
+
+
+def _prefill_fields(delta: dict[str, float | None]) -> dict[str, Any]:
+    """The prefill cell fields of `paging_delta` (its docstring defines them)."""
+    chunks = delta["prefill_chunks"] or None  # no prompt chunk counted: every per-chunk figure is None
+    hits, misses, p_hits, p_misses = delta["hits"], delta["misses"], delta["prefill_hits"], delta["prefill_misses"]
+    decode_miss = decode_looked_up = None
+    if None not in (hits, misses, p_hits, p_misses):
+        decode_miss = misses - p_misses  # type: ignore[operator]
+        decode_looked_up = hits + misses - p_hits - p_misses  # type: ignore[operator]
+    return {
+        "prefill_chunks": _as_int(delta["prefill_chunks"]),
+        "prefill_bytes_per_chunk": _ratio(delta["prefill_bytes"], chunks),
+        "prefill_router_s_per_chunk": _ratio(delta["prefill_router_s"], chunks),
+        "prefill_copy_s_per_chunk": _ratio(delta["prefill_copy_s"], chunks),
+        "prefill_span_s_per_chunk": _ratio(delta["prefill_span_s"], chunks),
+        "prefill_copy_busy": _ratio(delta["prefill_copy_s"], delta["prefill_span_s"]),
+        "prefill_waves_per_layer": _ratio(delta["prefill_waves"], delta["prefill_layer_steps"]),
+        "decode_miss_rate": _ratio(decode_miss, decode_looked_up),
+    }
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or denominator is None or denominator <= 0:
+        return None
+    return numerator / denominator
+
+
+def _as_int(value: float | None) -> int | None:
+    return None if value is None else round(value)

@@ -1,0 +1,77 @@
+"""The report's paging figures: miss rate and bytes paged per token against K, waves and the union of
+routed experts per step against concurrency, from the engine's counters (benchsuite.paging).
+
+The miss-rate figure carries the random-routing line 1 - K/E where E is known.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import plotly.graph_objects as go
+
+from benchsuite.report.groups import is_synthetic, routing_label
+from benchsuite.report.plot import HOVER, Figure, integer_ticks, layout, metric_vs
+
+
+def paging_figures(groups: pd.DataFrame, num_experts: int | None) -> list[Figure]:
+    out = []
+    specs = (
+        ("miss_rate", "k", "concurrency", "Miss rate vs K", "K (resident experts)", "misses / expert activations"),
+        (
+            "bytes_paged_per_token",
+            "k",
+            "concurrency",
+            "Bytes paged per token vs K",
+            "K (resident experts)",
+            "bytes paged / output token",
+        ),
+        (
+            "waves_per_step",
+            "concurrency",
+            "k",
+            "Waves per decode step vs concurrency",
+            "concurrent requests",
+            "waves per step",
+        ),
+        (
+            "union_mean",
+            "concurrency",
+            "k",
+            "Union of routed experts per layer vs concurrency",
+            "concurrent requests",
+            "distinct experts per layer-step",
+        ),
+    )
+    for metric, x_col, series, title, x_title, y_title in specs:
+        short_name = "c" if series == "concurrency" else "K"
+        names = [
+            f"{engine} · {short_name}={v} · {cls}" + (f" · {routing_label(r)}" if is_synthetic(r) else "")
+            for engine, v, cls, r in zip(groups["engine"], groups[series], groups["prompt_class"], groups["routing"])
+        ]
+        traces, ids = metric_vs(groups.assign(series=names), metric, x_col, ["series"])
+        if not traces:
+            continue
+        fig = integer_ticks(layout(go.Figure(traces), title, x_title, y_title), [x for t in traces for x in t.x])
+        if metric == "miss_rate" and num_experts:
+            ks = sorted({float(k) for k in groups["k"].dropna()})
+            fig.add_trace(
+                go.Scatter(
+                    name=f"random routing: 1 - K/{num_experts}",
+                    x=ks,
+                    y=[1 - k / num_experts for k in ks],
+                    mode="lines",
+                    line={"dash": "dash", "color": "grey"},
+                    customdata=["formula"] * len(ks),
+                    hovertemplate=HOVER,
+                )
+            )
+        out.append(
+            Figure(
+                f"fig-{metric.replace('_', '-')}",
+                title,
+                fig,
+                "Engine paging counters over the measured window (median over repeats).",
+                tuple(ids),
+            )
+        )
+    return out

@@ -1,0 +1,60 @@
+"""What the stages of one run share: the plan, the store, the HTTP session, progress events, timeouts,
+the search hook and the prompts built so far.
+
+`RunContext` is handed to every stage of the run loop (benchsuite.runner), to the server launcher
+(benchsuite.server_launch), to the cell measurement (benchsuite.cell_measure) and to an injected
+search (`SearchHook`, benchsuite.search.run_search). `RunEvents` is what a progress display hears.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import aiohttp
+
+from benchsuite.engines.base import EngineOptions, ServerSpec
+from benchsuite.plan import CellSpec, Plan, SearchTask
+from benchsuite.prompts_for_cells import PromptCache
+from benchsuite.records import CellResult
+from benchsuite.store import RunStore
+
+DEFAULT_CELL_TIMEOUT_S = 3600.0
+DEFAULT_REQUEST_TIMEOUT_S = 600.0  # one request; a request past it is a failed record, the cell goes on
+
+
+class RunEvents(Protocol):
+    """What a progress display hears about; the runner never draws anything itself."""
+
+    def server_starting(self, spec: ServerSpec, cells: int) -> None: ...
+
+    def cell_started(self, cell: CellSpec) -> None: ...
+
+    def cell_finished(self, cell: CellSpec, result: CellResult) -> None: ...
+
+
+class SilentEvents:
+    def server_starting(self, spec: ServerSpec, cells: int) -> None:
+        pass
+
+    def cell_started(self, cell: CellSpec) -> None:
+        pass
+
+    def cell_finished(self, cell: CellSpec, result: CellResult) -> None:
+        pass
+
+
+@dataclass
+class RunContext:
+    plan: Plan
+    store: RunStore
+    session: aiohttp.ClientSession
+    events: RunEvents = field(default_factory=SilentEvents)
+    cell_timeout_s: float = DEFAULT_CELL_TIMEOUT_S  # last resort: a hung engine fails its cell, not the whole run
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S  # per request: its record survives as a failure
+    search: SearchHook | None = None  # runs the plan's searches (benchsuite.search.run_search)
+    prompts: PromptCache = field(default_factory=dict)  # per (workload, class, tokenizer), built once for the run
+
+
+SearchHook = Callable[[RunContext, SearchTask], Awaitable[EngineOptions]]
