@@ -153,6 +153,8 @@ def _chunked(payload: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(payload), payload)
 
 
+# Over 80 lines on purpose: the scripted server's whole SSE timeline (chunks, usage, errors, stalls) in the
+# order it goes on the wire, which the load generator's timing tests read against.
 async def _stream(writer: asyncio.StreamWriter, script: Script, request: dict[str, Any], chat: bool) -> bool:
     """Stream one scripted response; return whether the connection may serve another request."""
     loop = asyncio.get_running_loop()
