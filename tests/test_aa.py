@@ -24,7 +24,7 @@ from benchsuite.store import RunStore
 from benchsuite.stream_client import LoadRequest
 
 try:  # tests/ as a package or as a plain directory on sys.path (pytest's default prepend mode)
-    from tests.fakes import FakeServer, Script
+    from fakes import FakeServer, Script
 except ImportError:
     from fakes import FakeServer, Script  # type: ignore[no-redef]
 

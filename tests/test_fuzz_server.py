@@ -21,8 +21,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from tests.real_servers import builtin_server
+from real_servers import builtin_server
 
 CORPUS = Path(__file__).resolve().parent / "data" / "bad_requests.jsonl"
 REQUEST_LIMIT_S = 20.0  # one request's wall-clock limit: the server must answer within it

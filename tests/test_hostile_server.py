@@ -19,9 +19,9 @@ from typing import Any
 
 import aiohttp
 import pytest
+from real_servers import builtin_server
 
 from paged_experts.server.text import TextCodec
-from tests.real_servers import builtin_server
 
 KV_CAPACITY_TOKENS = 1024
 SERVED_NAME = "hostile-tiny"

@@ -17,7 +17,7 @@ from benchsuite.records import CellResult, RequestRecord
 from benchsuite.stream_client import LoadRequest, endpoint_url
 
 try:  # tests/ as a package or as a plain directory on sys.path (pytest's default prepend mode)
-    from tests.fakes import FakeServer, Script
+    from fakes import FakeServer, Script
 except ImportError:
     from fakes import FakeServer, Script  # type: ignore[no-redef]
 

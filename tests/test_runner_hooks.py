@@ -24,8 +24,8 @@ from benchsuite.run_context import RunContext
 from benchsuite.server_launch import RunningServer
 
 try:
-    from tests.test_runner import FakeAdapter, matrix, only_run_dir, run_cli
-    from tests.test_sglang_routing import CONFIG, _fake_sglang
+    from test_runner import FakeAdapter, matrix, only_run_dir, run_cli
+    from test_sglang_routing import CONFIG, _fake_sglang
 except ImportError:  # run from inside tests/
     from test_runner import FakeAdapter, matrix, only_run_dir, run_cli  # type: ignore[no-redef]
     from test_sglang_routing import CONFIG, _fake_sglang  # type: ignore[no-redef]
