@@ -13,6 +13,7 @@ Graphed decode (`graphs.py`) uses a second, device-only contract: `graphable`, `
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -57,7 +58,7 @@ class MoeShared:
     steps: StepStreams = field(default_factory=StepStreams)  # the current step's start (paged layers' page-ins)
 
 
-class MoeLayer:
+class MoeLayer(ABC):
     """One layer's router and experts; subclasses are the placements."""
 
     placement: ClassVar[str]
@@ -95,12 +96,12 @@ class MoeLayer:
             fn(self.layer_idx, ids, weights, ctx)
         return self.experts(x, ids, weights, ids_cpu, ctx)
 
+    @abstractmethod
     def experts(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ids_cpu: torch.Tensor | None, ctx: StepContext
     ) -> torch.Tensor:
         """The routed pairs' expert pass: x [T, H], ids/weights [T, k] (ids_cpu: a host copy when
         the override was checked) -> [T, H] on the device; counts the layer-step."""
-        raise NotImplementedError
 
     def set_kernel(self, name: str) -> None:
         """'fused' (grouped matmuls, the default) or 'loop' (the per-expert reference)."""
@@ -151,9 +152,11 @@ class MoeLayer:
 
     def after_replay(self) -> None:
         """A graph replay ran this layer's `decode_pass` without Python: resync any host mirror."""
+        return None  # a hook: only layers with a host mirror of device state (paged) override it
 
     def drop_prefetch(self) -> None:
         """Forgets a prefetch not taken (a graphed step starts with none, even after an error)."""
+        return None  # a hook: only layers that prefetch (paged) override it
 
     # ---- shared helpers ------------------------------------------------------------------------
 

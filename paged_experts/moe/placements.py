@@ -5,6 +5,7 @@ E streamed into a shared device buffer every forward, whatever was routed: SGLan
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import ClassVar
 
 import torch
@@ -24,8 +25,9 @@ class _TableLayer(MoeLayer):
 
     from_link: ClassVar[bool]  # the table crossed the link this step: its experts count as misses, not hits
 
+    @abstractmethod
     def table(self) -> ExpertTensors:
-        raise NotImplementedError
+        """The `[E, ...]` table this step's experts are read from."""
 
     def experts(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ids_cpu: torch.Tensor | None, ctx: StepContext
