@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# One H200 session's jobs, for a device machine whose calls last at most 10 minutes and whose working
+# tree is laid anew on every call: each job runs detached from a copy OUTSIDE that tree (/root/bs),
+# and every call of this script copies the jobs' logs and results into $OUT.
+#
+#   bash configs/h200/session.sh prepare    # copy, wheels, CUDA llama-server build, both 48-layer models (detached)
+#   bash configs/h200/session.sh cuda       # the CUDA tests (foreground, ~3.5 min)
+#   bash configs/h200/session.sh headline   # benchsuite run of configs/h200/headline.yaml (detached)
+#   bash configs/h200/session.sh poll SECS  # wait up to SECS for the running jobs, printing progress
+#
+# Inputs the caller carries: .whl/ (the Python packages the box lacks, configs/h200/README.md) and
+# .carry/llama-src.tar.gz (`benchsuite install llama-server --pack-source`).
+set -uo pipefail
+OUT="${OUT:-/tmp/out}"
+COPY=/root/bs
+JOBS=/root/jobs
+mkdir -p "$OUT" "$JOBS"
+export PYTHONUNBUFFERED=1 BENCH_H200_MODEL=/tmp/h200/q48 BENCH_H200_FP8_MODEL=/tmp/h200/q48-fp8 \
+  BENCH_H200_GGUF=/dev/shm/h200/q48-q8_0.gguf
+
+site() {  # the carried wheels, once per machine
+  if [ ! -d /tmp/site ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  fi
+  export PYTHONPATH="$COPY:/tmp/site"
+}
+
+detach() {  # detach NAME CMD...: run CMD in its own session from the copy, log in $JOBS/NAME.log
+  local name=$1; shift
+  (cd "$COPY" && setsid nohup bash -c "$*; echo \"exit \$?\" >> $JOBS/$name.log" >> "$JOBS/$name.log" 2>&1 &)
+  echo "started $name"
+}
+
+collect() {  # the jobs' logs and the headline run's results into $OUT (at most 8 files come back)
+  for f in "$JOBS"/*.log; do [ -f "$f" ] && tail -c 2000000 "$f" > "$OUT/$(basename "$f")"; done
+  if [ -d "$COPY/results/h200-headline" ]; then
+    tar -C "$COPY/results" -czf "$OUT/h200-headline.tar.gz" h200-headline 2>/dev/null
+  fi
+}
+
+case "${1:-}" in
+  prepare)
+    rm -rf "$COPY" && mkdir -p "$COPY" && cp -a . "$COPY/" && site
+    nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current \
+      --format=csv | tee "$OUT/gpu.csv"
+    detach build "python3 -m benchsuite install llama-server --cuda --source .carry/llama-src.tar.gz --jobs 16 \
+      > $JOBS/build_full.log 2>&1; tail -5 $JOBS/build_full.log"
+    detach models "set -e; mkdir -p /tmp/h200 /dev/shm/h200
+      time python3 -m paged_experts.synth_memory --preset qwen3-30b-a3b-shape --layers 48 --out /tmp/h200/q48
+      time python3 -m paged_experts.synth_memory --preset qwen3-30b-a3b-fp8-shape --layers 48 --out /tmp/h200/q48-fp8
+      time python3 -m benchsuite gguf synth --preset qwen3-30b-a3b-shape --layers 48 --out /dev/shm/h200/q48-q8_0.gguf"
+    ;;
+  cuda)
+    site
+    (cd "$COPY" && python3 -m pytest tests/cuda -m cuda -q -p no:cacheprovider -o addopts= 2>&1 | tee "$JOBS/cuda.log" | tail -40)
+    ;;
+  headline)
+    site
+    detach headline "python3 -m benchsuite run configs/h200/headline.yaml --run-id h200-headline --no-report"
+    ;;
+  poll)
+    site
+    end=$(( $(date +%s) + ${2:-60} ))
+    while [ "$(date +%s)" -lt "$end" ]; do
+      running=$(pgrep -f "benchsuite (install|run|gguf)|synth_memory" | wc -l)
+      echo "$(date +%T) running=$running $(tail -n 1 "$JOBS"/headline.log 2>/dev/null | cut -c1-160)"
+      [ "$running" -eq 0 ] && break
+      collect; sleep 20
+    done
+    ;;
+  *) echo "usage: $0 prepare|cuda|headline|poll SECS" >&2; exit 2 ;;
+esac
+collect
+for f in "$JOBS"/*.log; do [ -f "$f" ] && { echo "== $(basename "$f")"; tail -n 4 "$f"; }; done
