@@ -29,7 +29,7 @@ from typing import Any
 
 import aiohttp
 
-from benchsuite import canary
+from benchsuite import canary, device_memory
 from benchsuite.cell_measure import CELL_ERRORS, failed_result, measure_cell
 from benchsuite.engines.base import EngineConfigError, ServerSpec
 from benchsuite.errors import RunError, UserError
@@ -131,9 +131,15 @@ async def run_plan(
 ) -> list[str]:
     """Run every unfinished cell of the plan into the store (the CLI's one library call);
     returns the problems that produced no cell (a search that found no value)."""
-    async with client_session() as session:
-        ctx = RunContext(plan, store, session, events or SilentEvents(), cell_timeout_s, request_timeout_s, search)
-        return await execute(ctx)
+    reader = device_memory.open_reader()  # through the module: the tests' seam
+    try:
+        async with client_session() as session:
+            ctx = RunContext(plan, store, session, events or SilentEvents(), cell_timeout_s, request_timeout_s, search,
+                             device_reader=reader)  # fmt: skip
+            return await execute(ctx)
+    finally:
+        if reader is not None:
+            reader.close()
 
 
 async def execute(ctx: RunContext) -> list[str]:
