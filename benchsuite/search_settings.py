@@ -74,6 +74,7 @@ def parse_request(value: Any, option: str = "n_cpu_moe") -> Any:
             raise UserError(f"{option}: {{search: ...}} must hold a mapping of search settings")
         try:
             return model.model_validate(dict(body))
-        except ValidationError as exc:
-            raise UserError(f"{option}.search: {exc}") from None
+        except ValidationError as exc:  # one line per problem, named by its path (pydantic's text spans lines)
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise UserError(f"{option}.search.{problems}") from None
     raise UserError(f"{option}: expected an integer, 'search' or {{search: {{...}}}}, got {value!r}")
