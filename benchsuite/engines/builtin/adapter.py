@@ -43,7 +43,9 @@ class BuiltinOptions(EngineOptions):
     mode: Literal["resident", "paged", "offload", "cpu-experts"] = "paged"
     # K, mode paged; `search` or {search: {...}} searches the largest K that fits vram_budget_gb
     resident_experts: int | Literal["search"] | dict[str, Any] | None = None
-    vram_budget_gb: float | None = Field(None, gt=0)  # the resident_experts search's budget (default: the GPU's)
+    # the resident_experts search's budget (default: the GPU's); left out of the dumped options when unset,
+    # so the server ids of matrices without it stay as they were (plan.make_server_spec hashes the dump)
+    vram_budget_gb: float | None = Field(None, gt=0, exclude_if=lambda v: v is None)
     offload_layers: int | None = Field(None, ge=0)  # mode offload
     n_cpu_moe: int | None = Field(None, ge=0)  # mode cpu-experts
     device: Literal["cpu", "cuda"] = "cpu"
