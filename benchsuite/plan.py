@@ -253,6 +253,23 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def search_cell(cells: tuple[CellSpec, ...], option: str) -> CellSpec:
+    """The one cell a search measures per launch (repeat 0, at the highest concurrency: the objective
+    is measured where the server will be loaded most). n_cpu_moe: the first workload and prompt class.
+    resident_experts, whose search is decided by the peak device memory: the longest prompt class of
+    any workload (prefill activations are the part of the peak that grows with the prompt)."""
+    first = cells[0]
+    if option == "resident_experts":
+        return max((c for c in cells if c.repeat == 0), key=lambda c: (_prompt_tokens(c.prompt_class), c.concurrency))
+    same_class = [c for c in cells if (c.workload, c.prompt_class, c.repeat) == (first.workload, first.prompt_class, 0)]
+    return max(same_class, key=lambda c: c.concurrency)
+
+
+def _prompt_tokens(prompt_class: str) -> int:
+    """An exact-length class's tokens ("2048"); other classes ("short", a dataset's) count as 0."""
+    return int(prompt_class) if prompt_class.isdigit() else 0
+
+
 SEARCH_PLACEHOLDER = "{N}"
 PLACEHOLDERS = {"resident_experts": "{K}"}  # the searched value's name in the listing; other options: {N}
 _SENTINEL = 987_654_321  # an option value no matrix uses, replaced by the placeholder in the listing
@@ -268,10 +285,7 @@ def _search_template(plan: Plan, task: SearchTask) -> list[str]:
     launch = ADAPTERS[spec.kind].launch_plan(spec, DRY_RUN_PORT)
     argv = [a.replace(str(_SENTINEL), placeholder) for a in launch.argv]
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted({**launch.env, **spec.env}.items()))
-    cells = plan_cells(plan.matrix, spec, task.params)
-    first = cells[0]
-    same_class = [c for c in cells if (c.workload, c.prompt_class) == (first.workload, first.prompt_class)]
-    objective = max(same_class, key=lambda c: c.concurrency)
+    objective = search_cell(plan_cells(plan.matrix, spec, task.params), task.option)
     command = shlex.join(argv).replace(shlex.quote(placeholder), placeholder)
     cell = f"workload={objective.workload} class={objective.prompt_class} concurrency={objective.concurrency}"
     return [

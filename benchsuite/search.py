@@ -76,20 +76,14 @@ class _Probe:
         self.results: dict[int, Any] = {}  # value -> CellResult
 
     def spec_and_cell(self, n: int) -> tuple[Any, Any]:
-        """The candidate's server and its one cell: the first workload and class, repeat 0, at the
-        highest concurrency (the objective is measured where the server will be loaded most)."""
-        from benchsuite.plan import make_server_spec, plan_cells, stable_id
+        """The candidate's server and its one cell (benchsuite.plan.search_cell)."""
+        from benchsuite.plan import make_server_spec, plan_cells, search_cell, stable_id
 
         spec, option = self.task.spec, self.task.option
         s = make_server_spec(
             spec.name, spec.kind, spec.options.replaced(**{option: n}), spec.fairness, spec.max_concurrency, spec.env
         )
-        cells = plan_cells(self.ctx.plan.matrix, s, {**self.task.params, option: n})
-        first = cells[0]
-        same_class = [
-            c for c in cells if (c.workload, c.prompt_class, c.repeat) == (first.workload, first.prompt_class, 0)
-        ]
-        cell = max(same_class, key=lambda c: c.concurrency)
+        cell = search_cell(plan_cells(self.ctx.plan.matrix, s, {**self.task.params, option: n}), option)
         cell_id = stable_id({"search_of": spec.server_id, "n": n, "cell": cell.cell_id})
         return s, dataclasses.replace(cell, cell_id=cell_id, params={**cell.params, "search_n": n})
 
@@ -204,6 +198,9 @@ async def run_search(ctx: Any, task: Any) -> EngineOptions:
         "fitting": fitting, "measured": [dataclasses.asdict(m) for m in outcome.measurements],
         "best_n": outcome.best_n, "launches": outcome.launches, "linear_scan_launches": outcome.linear_scan_launches,
         "candidates": [dataclasses.asdict(c) for c in candidates],
+        # how a launch's fit was decided: its measured peak, or (no GPU: no peak) its projection + the guess
+        "fit_by": "peak device memory" if any(m.peak_bytes is not None for m in outcome.measurements)
+        else "projection (no device memory measured)",
     }  # fmt: skip
     ctx.store.record_server(spec.server_id, engine=spec.name, kind=spec.kind, search=record)
     if outcome.best_n is None:
@@ -279,6 +276,8 @@ def describe(engine: str, record: Mapping[str, Any]) -> list[str]:
         lines.append(
             f"  launched and failed (reasons in cells.csv): {_ranges([c['n'] for c in by_outcome['failed']], letter)}"
         )
+    if record.get("fit_by", "").startswith("projection") and option == "resident_experts":
+        lines.append("  no device memory measured (no GPU): launched K fit by projection + overhead guess")
     if by_outcome.get("not launched"):
         lines.append(
             f"  fit, not needed by the search: {_ranges([c['n'] for c in by_outcome['not launched']], letter)}"

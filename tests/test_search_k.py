@@ -132,3 +132,24 @@ def test_projection_is_linear_in_k_with_the_slot_of_the_served_format(tmp_path) 
     assert proj[3].gpu_total_bytes - proj[2].gpu_total_bytes == slot
     assert proj[2].kv_bytes == 256 * cfg.kv_bytes_per_token("float32")
     assert proj[8].fits(proj[8].gpu_total_bytes, 0) and not proj[8].fits(proj[8].gpu_total_bytes, 1)
+
+
+def test_the_k_search_measures_the_longest_prompt_at_the_highest_concurrency(tmp_path) -> None:
+    # memory decides K, and prefill activations grow with the prompt: the long class is the one measured
+    from benchsuite.matrix import load_matrix
+    from benchsuite.plan import build_plan, plan_cells, search_cell
+
+    path = tmp_path / "m.yaml"
+    path.write_text(
+        "name: k\nengines:\n  e:\n    kind: builtin\n"
+        "    options: {model: tiny, mode: paged, resident_experts: search}\n"
+        "workloads:\n  a: {prompt_classes: [short], concurrency: [1, 2], num_requests: 1}\n"
+        "  b: {prompt_classes: [short, '64'], concurrency: [1, 2], num_requests: 1}\nrepeats: 2\n"
+    )
+    plan = build_plan(load_matrix(path))
+    (task,) = plan.searches
+    cells = plan_cells(plan.matrix, task.spec, task.params)
+    k_cell = search_cell(cells, "resident_experts")
+    assert (k_cell.workload, k_cell.prompt_class, k_cell.concurrency, k_cell.repeat) == ("b", "64", 2, 0)
+    n_cell = search_cell(cells, "n_cpu_moe")
+    assert (n_cell.workload, n_cell.prompt_class, n_cell.concurrency, n_cell.repeat) == ("a", "short", 2, 0)
