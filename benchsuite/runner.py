@@ -5,16 +5,16 @@ per repeat with `repeat_order: interleaved`) and runs all of its cells (workload
 concurrencies x repeats); between cells its prefix cache is flushed where the adapter names a flush
 path, and its counters are scraped before and after each cell, and so is the machine's noise (load
 average, CPU clock, CPU time other processes took: extras["machine"],
-benchsuite.machine.cell_noise), and the server's peak device memory is sampled over each cell
-(NVML, opened once per run: benchsuite.device_memory). Every cell is written atomically as soon as it ends. A server that
-fails to start, or dies, gets its cells recorded `failed` with the log tail; the rest of the matrix
-continues. Servers always stop (try/finally), also on Ctrl-C and exceptions.
+benchsuite.machine.cell_noise), and the server's peak device memory is sampled over each cell (NVML,
+opened once per run: benchsuite.device_memory). Every cell is written atomically as soon as it ends.
+A server that fails to start, or dies, gets its cells recorded `failed` with the log tail; the rest
+of the matrix continues. Servers always stop (try/finally), also on Ctrl-C and exceptions.
 
 Its parts: `run_context.RunContext` (what the stages share), `server_launch.launch_server` (one
 server's life), `cell_measure.measure_cell` (one cell). A search (llama.cpp `--n-cpu-moe` N or the
-built-in engine's paged K against a memory budget, benchsuite.search.run_search) is injected as the `SearchHook` of the context: it receives
-the `RunContext` and a plan.SearchTask and returns the engine's options object with the searched
-value set. Its building blocks are those parts:
+built-in engine's paged K against a memory budget, benchsuite.search.run_search) is injected as the
+`SearchHook` of the context: it receives the `RunContext` and a plan.SearchTask and returns the
+engine's options object with the searched value set. Its building blocks are those parts:
 - `server_launch.launch_server(ctx, spec)`: async context manager -> RunningServer (started, ready;
   stopped on exit);
 - `cell_measure.measure_cell(ctx, server, cell, store=...)`: one measured cell -> CellResult;
