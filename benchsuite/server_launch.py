@@ -31,9 +31,9 @@ class RunningServer:
     process: EngineProcess
     base_url: str
     argv: list[str]
-    memory_baseline_bytes: int | None = None  # the GPUs' used memory before it started (device_memory)
     cells_measured: int = 0  # the first cell after a start carries the cold request
     hung: str | None = None  # why the server stopped answering; its later cells fail at once
+    memory_baseline_bytes: int | None = None  # the GPUs' used memory before it started (device_memory)
 
 
 @asynccontextmanager
