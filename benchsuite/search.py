@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, cast
 
 from benchsuite.engines.base import EngineOptions
 from benchsuite.errors import RunError, UserError
@@ -44,6 +44,26 @@ __all__ = [
     "SearchSettings", "NCpuMoeSettings", "ResidentExpertsSettings", "parse_request", "Observation", "propose",
     "propose_largest", "propose_fastest", "drive", "run_search", "describe", "format_gb",
 ]  # fmt: skip
+
+
+class Projection(Protocol):
+    """One candidate value's projected device memory, as an adapter gives it (llama.cpp
+    `engines/llamacpp/fit.Projection`, builtin `engines/builtin/memory.KProjection`; dataclasses)."""
+
+    source: str  # where the figure comes from, shown beside ruled-out values
+
+    @property
+    def gpu_total_bytes(self) -> int: ...
+
+    def fits(self, budget_bytes: int, margin_bytes: int) -> bool: ...
+
+
+class SearchableAdapter(Protocol):
+    """The two adapter members a search needs (an engine without them has no search)."""
+
+    def vram_budget_bytes(self, spec: Any) -> int: ...
+
+    def projections(self, spec: Any, settings: Any) -> Mapping[int, Projection]: ...
 
 
 # ---- runner hook --------------------------------------------------------------------------------
@@ -123,7 +143,7 @@ async def _drive_async(gen: SearchGen, objective: Callable[[int], Any]) -> Searc
         return stop.value
 
 
-def _candidate(n: int, projection: Any, fits: bool, margin_bytes: int, probe: _Probe) -> Candidate:
+def _candidate(n: int, projection: Projection, fits: bool, margin_bytes: int, probe: _Probe) -> Candidate:
     projected = {
         "n": n,
         "projected_bytes": projection.gpu_total_bytes + margin_bytes,
@@ -167,9 +187,10 @@ async def run_search(ctx: Any, task: Any) -> EngineOptions:
     from benchsuite.engines import ADAPTERS
 
     spec = task.spec
-    adapter = ADAPTERS[spec.kind]
-    if not hasattr(adapter, "projections"):
+    found = ADAPTERS[spec.kind]
+    if not hasattr(found, "projections") or not hasattr(found, "vram_budget_bytes"):
         raise UserError(f"engine {spec.name}: kind {spec.kind} has no {task.option} search")
+    adapter = cast(SearchableAdapter, found)
     settings = parse_request(getattr(spec.options, task.option), task.option)
     budget_bytes = adapter.vram_budget_bytes(spec)
     projections = adapter.projections(spec, settings)  # value -> projection, every candidate value
