@@ -91,8 +91,10 @@ class Candidate:
 class _Probe:
     """Launches one server per proposed value and measures its search cell (a resumed run reuses it)."""
 
-    def __init__(self, ctx: Any, task: Any, metric: str, budget_bytes: int) -> None:
+    def __init__(self, ctx: Any, task: Any, metric: str, budget_bytes: int,
+                 guess_fits: Mapping[int, bool] | None) -> None:  # fmt: skip
         self.ctx, self.task, self.metric, self.budget_bytes = ctx, task, metric, budget_bytes
+        self.guess_fits = guess_fits  # K without a measured peak (no GPU): fits by projection + overhead guess
         self.results: dict[int, Any] = {}  # value -> CellResult
 
     def spec_and_cell(self, n: int) -> tuple[Any, Any]:
@@ -127,11 +129,11 @@ class _Probe:
         r = self.results[n]
         value = getattr(r, self.metric)
         peak = r.peak_device_memory_bytes
-        return Observation(
-            value=value if r.status == "ok" and value is not None else None,
-            peak_bytes=peak,
-            fits=None if peak is None else peak <= self.budget_bytes,
-        )
+        if peak is not None:
+            fits: bool | None = peak <= self.budget_bytes
+        else:
+            fits = None if self.guess_fits is None else self.guess_fits[n]
+        return Observation(value=value if r.status == "ok" and value is not None else None, peak_bytes=peak, fits=fits)
 
 
 async def _drive_async(gen: SearchGen, objective: Callable[[int], Any]) -> SearchOutcome:
@@ -197,7 +199,9 @@ async def run_search(ctx: Any, task: Any) -> EngineOptions:
     margin_bytes, guess_margin_bytes = _margins(settings)
     fitting = [n for n in sorted(projections) if projections[n].fits(budget_bytes, margin_bytes)]
     guess_bytes = {n: projections[n].gpu_total_bytes + guess_margin_bytes for n in projections}
-    probe = _Probe(ctx, task, settings.metric, budget_bytes)
+    by_guess = {n: b <= budget_bytes for n, b in guess_bytes.items()}
+    probe = _Probe(ctx, task, settings.metric, budget_bytes,
+                   by_guess if isinstance(settings, ResidentExpertsSettings) else None)  # fmt: skip
     gen = _generator(task.option, settings, fitting, guess_bytes, budget_bytes)
     outcome = await _drive_async(gen, probe.objective)
     candidates = [_candidate(n, projections[n], n in fitting, margin_bytes, probe) for n in sorted(projections)]
@@ -298,11 +302,10 @@ def describe(engine: str, record: Mapping[str, Any]) -> list[str]:
             f"  launched and failed (reasons in cells.csv): {_ranges([c['n'] for c in by_outcome['failed']], letter)}"
         )
     if record.get("fit_by", "").startswith("projection") and option == "resident_experts":
-        lines.append("  no device memory measured (no GPU): launched K fit by projection + overhead guess")
+        lines.append("  no device memory measured (no GPU): a launched K fits by its projection + the overhead guess")
     if by_outcome.get("not launched"):
-        lines.append(
-            f"  fit, not needed by the search: {_ranges([c['n'] for c in by_outcome['not launched']], letter)}"
-        )
+        skipped = _ranges([c["n"] for c in by_outcome["not launched"]], letter)
+        lines.append(f"  not launched (the projection fits; the search did not need them): {skipped}")
     return lines
 
 
