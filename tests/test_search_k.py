@@ -153,3 +153,21 @@ def test_the_k_search_measures_the_longest_prompt_at_the_highest_concurrency(tmp
     assert (k_cell.workload, k_cell.prompt_class, k_cell.concurrency, k_cell.repeat) == ("b", "64", 2, 0)
     n_cell = search_cell(cells, "n_cpu_moe")
     assert (n_cell.workload, n_cell.prompt_class, n_cell.concurrency, n_cell.repeat) == ("a", "short", 2, 0)
+
+
+def test_a_launch_s_fit_is_its_measured_peak_else_for_k_its_guess() -> None:
+    from types import SimpleNamespace
+
+    from benchsuite.search import _Probe
+
+    def result(peak: int | None, status: str = "ok") -> SimpleNamespace:
+        return SimpleNamespace(status=status, decode_tok_s_p50=50.0, peak_device_memory_bytes=peak)
+
+    k_probe = _Probe(None, None, "decode_tok_s_p50", BUDGET, guess_fits={20: True, 21: False})
+    k_probe.results = {20: result(None), 21: result(None), 22: result(BUDGET + 1), 23: result(BUDGET, "failed")}
+    assert [k_probe.observation(k).fits for k in (20, 21, 22)] == [True, False, False]
+    assert k_probe.observation(23) == Observation(None, BUDGET, True)  # failed: no value, never 0
+    n_probe = _Probe(None, None, "decode_tok_s_p50", BUDGET, guess_fits=None)
+    n_probe.results = {3: result(None), 4: result(BUDGET - 1)}
+    assert n_probe.observation(3) == Observation(50.0, None, None)  # N without a GPU: its projection decided
+    assert n_probe.observation(4).fits is True
