@@ -240,9 +240,9 @@ class PeakSampler:
         except NvmlError:
             return
         self._samples += 1
-        mine = [snap.used_by_pid[p] for p in process_tree(self.pid) if p in snap.used_by_pid]
-        if mine:
-            self._per_process = max(self._per_process or 0, sum(mine))
+        mine = sum(snap.used_by_pid.get(p, 0) for p in process_tree(self.pid))
+        if mine > 0:  # a listed pid at 0 bytes attributes nothing: the figure stays unknown, never 0
+            self._per_process = max(self._per_process or 0, mine)
         elif self.baseline is not None and snap.device_used_bytes > self.baseline:
             self._delta = max(self._delta or 0, snap.device_used_bytes - self.baseline)
 

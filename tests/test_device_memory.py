@@ -86,9 +86,10 @@ def test_hidden_pids_fall_back_to_the_device_delta(tree) -> None:
 def test_no_gpu_is_none_never_zero(tree) -> None:
     parent, _ = tree
     assert asyncio.run(_sampled(dm.PeakSampler(None, parent, None))) == dm.PeakMemory(None, None, 0)
-    nothing_ours = dm.PeakSampler(Scripted(lambda _: {}, device_used=GIB), parent, baseline=GIB)
+    nothing_ours = dm.PeakSampler(Scripted(lambda _: {parent: 0}, device_used=GIB), parent, baseline=GIB)
     nothing_ours.sample()
-    assert nothing_ours.result().peak_bytes is None  # nothing attributable and no growth: unknown, not 0
+    # listed at 0 bytes, and the device did not grow: nothing attributable, unknown, not 0
+    assert nothing_ours.result() == dm.PeakMemory(None, None, 1)
 
 
 async def _sampled(sampler: dm.PeakSampler) -> dm.PeakMemory:
