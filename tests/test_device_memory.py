@@ -101,4 +101,3 @@ async def _sampled(sampler: dm.PeakSampler) -> dm.PeakMemory:
 def test_a_missing_driver_library_means_no_reader() -> None:
     with pytest.raises(dm.NvmlError):
         dm.NvmlReader("libnvidia-ml-not-here.so.1")
-
