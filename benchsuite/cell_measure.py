@@ -1,4 +1,5 @@
 """One cell measured on a ready server: flush, warm up, scrape, load, scrape, summarize, store.
+The server's peak device memory is sampled over all of it (benchsuite.device_memory).
 
 `measure_cell` never returns a made-up number: a cell whose engine died is `failed` with the log
 tail, one whose metrics cannot be computed is `invalid` (metrics.summarize says why). `base_result`
@@ -17,6 +18,7 @@ from typing import Any
 import aiohttp
 
 from benchsuite import loadgen, metrics, paging
+from benchsuite.device_memory import PeakSampler
 from benchsuite.engines import ADAPTERS
 from benchsuite.engines.base import EngineAdapter, EngineConfigError, ServerSpec
 from benchsuite.errors import RunError
@@ -48,6 +50,23 @@ async def measure_cell(ctx: RunContext, server: RunningServer, cell: CellSpec, *
 
 
 async def _measure(ctx: RunContext, server: RunningServer, cell: CellSpec, store: bool) -> CellResult:
+    # Device memory is sampled over the whole cell, warmups included (benchsuite.device_memory).
+    sampler = PeakSampler(ctx.device_reader, server.process.pid, server.memory_baseline_bytes)
+    sampler.start()
+    try:
+        result, records, scrapes = await _measure_sampled(ctx, server, cell)
+    finally:
+        peak = await sampler.stop()
+    result = dataclasses.replace(result, peak_device_memory_bytes=peak.peak_bytes, device_memory_method=peak.method)
+    if store:
+        ctx.store.write_engine_metrics(cell.cell_id, scrapes)
+        ctx.store.write_cell(result, records)
+    return result
+
+
+async def _measure_sampled(
+    ctx: RunContext, server: RunningServer, cell: CellSpec
+) -> tuple[CellResult, list[RequestRecord], dict[str, Any]]:
     adapter, spec, workload = server.adapter, server.spec, cell.workload_spec
     requests = cell_requests(ctx.prompts, adapter, spec, cell)
     flush_path = getattr(adapter, "flush_cache_path", None)
@@ -78,10 +97,7 @@ async def _measure(ctx: RunContext, server: RunningServer, cell: CellSpec, store
     result = dataclasses.replace(result, extras={**result.extras, **log_facts, "machine": noise})
     if not server.process.alive:
         result = failed_result(ctx, cell, spec, death_reason(server), base=result)
-    if store:
-        ctx.store.write_engine_metrics(cell.cell_id, {"before": before, "after": after})
-        ctx.store.write_cell(result, records)
-    return result
+    return result, records, {"before": before, "after": after}
 
 
 async def _load(

@@ -5,7 +5,8 @@ A cell is server x workload x prompt class x concurrency x repeat. Ids are the f
 digits of the sha256 of the canonical JSON of the resolved spec, so the same matrix always plans
 the same ids (that is what makes a rerun resume) and any change to a spec gives a new id.
 
-An engine entry whose options ask for a search (`n_cpu_moe: search` or `{search: {...}}`) does
+An engine entry whose options ask for a search (llama.cpp `n_cpu_moe`, builtin `resident_experts`:
+`search` or `{search: {...}}`) does
 not become a server here: it becomes a `SearchTask` that the runner hands to benchsuite.search,
 which returns the resolved options; `resolve_search` then plans that server and its cells.
 """
@@ -252,27 +253,44 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def search_cell(cells: tuple[CellSpec, ...], option: str) -> CellSpec:
+    """The one cell a search measures per launch (repeat 0, at the highest concurrency: the objective
+    is measured where the server will be loaded most). n_cpu_moe: the first workload and prompt class.
+    resident_experts, whose search is decided by the peak device memory: the longest prompt class of
+    any workload (prefill activations are the part of the peak that grows with the prompt)."""
+    first = cells[0]
+    if option == "resident_experts":
+        return max((c for c in cells if c.repeat == 0), key=lambda c: (_prompt_tokens(c.prompt_class), c.concurrency))
+    same_class = [c for c in cells if (c.workload, c.prompt_class, c.repeat) == (first.workload, first.prompt_class, 0)]
+    return max(same_class, key=lambda c: c.concurrency)
+
+
+def _prompt_tokens(prompt_class: str) -> int:
+    """An exact-length class's tokens ("2048"); other classes ("short", a dataset's) count as 0."""
+    return int(prompt_class) if prompt_class.isdigit() else 0
+
+
 SEARCH_PLACEHOLDER = "{N}"
+PLACEHOLDERS = {"resident_experts": "{K}"}  # the searched value's name in the listing; other options: {N}
 _SENTINEL = 987_654_321  # an option value no matrix uses, replaced by the placeholder in the listing
 
 
 def _search_template(plan: Plan, task: SearchTask) -> list[str]:
-    """The command line of the search's servers, the searched value as {N}, and the cell measured per N."""
+    """The command line of the search's servers, the searched value as {N} (K: {K}), and the cell measured
+    per value."""
+    placeholder = PLACEHOLDERS.get(task.option, SEARCH_PLACEHOLDER)
     options = task.spec.options.replaced(**{task.option: _SENTINEL})
     spec = make_server_spec(task.spec.name, task.spec.kind, options, task.spec.fairness, task.spec.max_concurrency,
                             task.spec.env)  # fmt: skip
     launch = ADAPTERS[spec.kind].launch_plan(spec, DRY_RUN_PORT)
-    argv = [a.replace(str(_SENTINEL), SEARCH_PLACEHOLDER) for a in launch.argv]
+    argv = [a.replace(str(_SENTINEL), placeholder) for a in launch.argv]
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted({**launch.env, **spec.env}.items()))
-    cells = plan_cells(plan.matrix, spec, task.params)
-    first = cells[0]
-    same_class = [c for c in cells if (c.workload, c.prompt_class) == (first.workload, first.prompt_class)]
-    objective = max(same_class, key=lambda c: c.concurrency)
-    command = shlex.join(argv).replace(shlex.quote(SEARCH_PLACEHOLDER), SEARCH_PLACEHOLDER)
+    objective = search_cell(plan_cells(plan.matrix, spec, task.params), task.option)
+    command = shlex.join(argv).replace(shlex.quote(placeholder), placeholder)
     cell = f"workload={objective.workload} class={objective.prompt_class} concurrency={objective.concurrency}"
     return [
         f"  $ {env + ' ' if env else ''}{command}",
-        f"  ({SEARCH_PLACEHOLDER}: each candidate the memory projection lets through; one cell per launch: {cell})",
+        f"  ({placeholder}: each candidate the memory projection lets through; one cell per launch: {cell})",
     ]
 
 

@@ -122,6 +122,10 @@ class CellResult:
     prefill_copy_busy: float | None = None
     prefill_waves_per_layer: float | None = None
     decode_miss_rate: float | None = None
+    # Peak device memory of the server's processes over the whole cell, every engine alike
+    # (benchsuite.device_memory: NVML per process, sampled); None without a GPU, never 0.
+    peak_device_memory_bytes: int | None = None
+    device_memory_method: str | None = None  # "nvml-per-process", or "nvml-device-delta" where pids are hidden
     # Engine-specific extras (parsed log facts, captured batch sizes, flags).
     extras: dict[str, Any] = field(default_factory=dict)
 

@@ -3,7 +3,8 @@ the search hook and the prompts built so far.
 
 `RunContext` is handed to every stage of the run loop (benchsuite.runner), to the server launcher
 (benchsuite.server_launch), to the cell measurement (benchsuite.cell_measure) and to an injected
-search (`SearchHook`, benchsuite.search.run_search). `RunEvents` is what a progress display hears.
+search (`SearchHook`, benchsuite.search.run_search) and the device-memory reader
+(benchsuite.device_memory). `RunEvents` is what a progress display hears.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Protocol
 
 import aiohttp
 
+from benchsuite.device_memory import DeviceReader
 from benchsuite.engines.base import EngineOptions, ServerSpec
 from benchsuite.plan import CellSpec, Plan, SearchTask
 from benchsuite.prompts_for_cells import PromptCache
@@ -55,6 +57,8 @@ class RunContext:
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S  # per request: its record survives as a failure
     search: SearchHook | None = None  # runs the plan's searches (benchsuite.search.run_search)
     prompts: PromptCache = field(default_factory=dict)  # per (workload, class, tokenizer), built once for the run
+    # NVML for every cell's peak device memory (benchsuite.device_memory); None: no GPU, the figures are None
+    device_reader: DeviceReader | None = None
 
 
 SearchHook = Callable[[RunContext, SearchTask], Awaitable[EngineOptions]]

@@ -5,15 +5,16 @@ per repeat with `repeat_order: interleaved`) and runs all of its cells (workload
 concurrencies x repeats); between cells its prefix cache is flushed where the adapter names a flush
 path, and its counters are scraped before and after each cell, and so is the machine's noise (load
 average, CPU clock, CPU time other processes took: extras["machine"],
-benchsuite.machine.cell_noise). Every cell is written atomically as soon as it ends. A server that
-fails to start, or dies, gets its cells recorded `failed` with the log tail; the rest of the matrix
-continues. Servers always stop (try/finally), also on Ctrl-C and exceptions.
+benchsuite.machine.cell_noise), and the server's peak device memory is sampled over each cell (NVML,
+opened once per run: benchsuite.device_memory). Every cell is written atomically as soon as it ends.
+A server that fails to start, or dies, gets its cells recorded `failed` with the log tail; the rest
+of the matrix continues. Servers always stop (try/finally), also on Ctrl-C and exceptions.
 
 Its parts: `run_context.RunContext` (what the stages share), `server_launch.launch_server` (one
-server's life), `cell_measure.measure_cell` (one cell). A search (the llama.cpp `--n-cpu-moe`
-search, benchsuite.search.run_search) is injected as the `SearchHook` of the context: it receives
-the `RunContext` and a plan.SearchTask and returns the engine's options object with the searched
-value set. Its building blocks are those parts:
+server's life), `cell_measure.measure_cell` (one cell). A search (llama.cpp `--n-cpu-moe` N or the
+built-in engine's paged K against a memory budget, benchsuite.search.run_search) is injected as the
+`SearchHook` of the context: it receives the `RunContext` and a plan.SearchTask and returns the
+engine's options object with the searched value set. Its building blocks are those parts:
 - `server_launch.launch_server(ctx, spec)`: async context manager -> RunningServer (started, ready;
   stopped on exit);
 - `cell_measure.measure_cell(ctx, server, cell, store=...)`: one measured cell -> CellResult;
@@ -29,7 +30,7 @@ from typing import Any
 
 import aiohttp
 
-from benchsuite import canary
+from benchsuite import canary, device_memory
 from benchsuite.cell_measure import CELL_ERRORS, failed_result, measure_cell
 from benchsuite.engines.base import EngineConfigError, ServerSpec
 from benchsuite.errors import RunError, UserError
@@ -131,9 +132,15 @@ async def run_plan(
 ) -> list[str]:
     """Run every unfinished cell of the plan into the store (the CLI's one library call);
     returns the problems that produced no cell (a search that found no value)."""
-    async with client_session() as session:
-        ctx = RunContext(plan, store, session, events or SilentEvents(), cell_timeout_s, request_timeout_s, search)
-        return await execute(ctx)
+    reader = device_memory.open_reader()  # through the module: the tests' seam
+    try:
+        async with client_session() as session:
+            ctx = RunContext(plan, store, session, events or SilentEvents(), cell_timeout_s, request_timeout_s, search,
+                             device_reader=reader)  # fmt: skip
+            return await execute(ctx)
+    finally:
+        if reader is not None:
+            reader.close()
 
 
 async def execute(ctx: RunContext) -> list[str]:

@@ -1,191 +1,139 @@
-"""The llama.cpp `--n-cpu-moe` search: fewest launches to find the best N that fits the GPU.
+"""Searches of one engine option against a GPU memory budget, driven through real launches.
 
-The published baseline launched the server once per N (a linear scan). Here:
-1. values that cannot fit are ruled out without a launch (benchsuite.engines.llamacpp.fit: llama.cpp's
-   `llama-fit-params` projection on a GPU build, our GGUF-based projection on a CPU-only build);
-2. the fitting range is searched with its usual shape in mind: fewer CPU layers is faster, so
-   throughput drops as N grows past the smallest fitting N. `propose` starts there and steps right
-   with doubling strides only while the objective improves by more than `rel_tol`;
-3. the best point's neighbours are verified (measured); a better neighbour moves the best point
-   and its neighbours are verified in turn (hill climbing to a measured local maximum).
+Two knobs, one search: llama.cpp `--n-cpu-moe` N (the fastest N that fits) and the built-in
+engine's paged `resident_experts` K (the largest K whose measured peak device memory fits, or the
+fastest such K). The proposal generators live in benchsuite.search_propose; everything engine-specific
+comes from the engine's adapter: `vram_budget_bytes(spec)` and `projections(spec, settings)` (value ->
+a projection with `gpu_total_bytes`, `fits(budget, margin)` and a `source`), in its wing.
 
-`propose` is a generator (guidellm's adaptive-sweep shape): it yields the next N, is sent the
-measured objective (None for a failed launch) and returns a `SearchOutcome`. The objective is
-injected, so unit tests drive it with synthetic curves. `run_search` is the runner's search hook
-(`run_context.SearchHook`, given to `run_plan` by the CLI; the runner never imports this module): it
-projects every N, launches llama-server for each proposed
-N and measures one cell, stores one cell per LAUNCHED N (extras: search_n, fits, projected_bytes,
-chosen) so the report can draw the curve, records every candidate (ruled out ones with their
-projection, never as cells) under the search's server in the manifest, and returns the engine
-options with the chosen N. `describe` turns that record into the CLI summary's lines.
+`run_search` is the runner's search hook (`run_context.SearchHook`, given to `run_plan` by the CLI;
+the runner never imports this module): it projects every value, launches a server for each
+proposed value and measures one cell, stores one cell per LAUNCHED value (extras: search_n = the
+value, search_option, fits, projected_bytes, chosen; the cell's peak_device_memory_bytes) so the
+report can draw the curve, records every candidate (ruled-out ones with their projection, never as
+cells) under the search's server in the manifest, and returns the engine options with the chosen
+value. `describe` turns that record into the CLI summary's lines.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, cast
 
 from benchsuite.engines.base import EngineOptions
 from benchsuite.errors import RunError, UserError
-from benchsuite.search_settings import SearchSettings, parse_request
+from benchsuite.search_propose import (
+    Observation,
+    SearchGen,
+    SearchOutcome,
+    drive,
+    propose,
+    propose_fastest,
+    propose_largest,
+)
+from benchsuite.search_settings import (
+    NCpuMoeSettings,
+    ResidentExpertsSettings,
+    SearchSettings,
+    parse_request,
+)
 
-__all__ = ["SearchSettings", "parse_request", "propose", "drive", "run_search", "describe", "format_gb"]
-
-Objective = Callable[[int], "float | None"]
-SearchGen = Generator[int, "float | None", "SearchOutcome"]
-
-
-@dataclass(frozen=True)
-class Measurement:
-    n: int
-    value: float | None  # None: the launch or the cell failed; never counted as 0
+__all__ = [
+    "SearchSettings", "NCpuMoeSettings", "ResidentExpertsSettings", "parse_request", "Observation", "propose",
+    "propose_largest", "propose_fastest", "drive", "run_search", "describe", "format_gb",
+]  # fmt: skip
 
 
-@dataclass(frozen=True)
-class SearchOutcome:
-    best_n: int | None
-    best_value: float | None
-    measurements: tuple[Measurement, ...]  # launch order
-    linear_scan_launches: int  # what one launch per fitting N would have cost
+class Projection(Protocol):
+    """One candidate value's projected device memory, as an adapter gives it (llama.cpp
+    `engines/llamacpp/fit.Projection`, builtin `engines/builtin/memory.KProjection`; dataclasses)."""
+
+    source: str  # where the figure comes from, shown beside ruled-out values
 
     @property
-    def launches(self) -> int:
-        return len(self.measurements)
+    def gpu_total_bytes(self) -> int: ...
+
+    def fits(self, budget_bytes: int, margin_bytes: int) -> bool: ...
 
 
-def propose(candidates: Sequence[int], rel_tol: float = 0.02) -> SearchGen:
-    """Yield N values to measure over the sorted fitting `candidates`; send back each objective."""
-    values = sorted(set(candidates))
-    measured: dict[int, float | None] = {}  # index into values -> objective
+class SearchableAdapter(Protocol):
+    """The two adapter members a search needs (an engine without them has no search)."""
 
-    def best_index() -> int | None:
-        ok = [i for i, v in measured.items() if v is not None]
-        return max(ok, key=lambda i: (measured[i], -i)) if ok else None
+    def vram_budget_bytes(self, spec: Any) -> int: ...
 
-    # 1. Smallest fitting N that runs (a failed launch moves one to the right).
-    start = None
-    for i in range(len(values)):
-        measured[i] = yield values[i]
-        if measured[i] is not None:
-            start = i
-            break
-    if start is None:
-        return _outcome(values, measured, None)
-
-    # 2. Step right with doubling strides while the objective improves by more than rel_tol.
-    best, stride = start, 1
-    while best + stride < len(values):
-        j = best + stride
-        if j not in measured:
-            measured[j] = yield values[j]
-        if _improves(measured[j], measured[best], rel_tol):
-            best, stride = j, stride * 2
-        else:
-            break
-
-    # 3. Verify neighbours of the best measured point until it is a measured local maximum.
-    while True:
-        b = best_index()
-        assert b is not None
-        todo = [i for i in (b - 1, b + 1) if 0 <= i < len(values) and i not in measured]
-        if not todo:
-            break
-        for i in todo:
-            measured[i] = yield values[i]
-    return _outcome(values, measured, best_index())
-
-
-def _improves(new: float | None, old: float | None, rel_tol: float) -> bool:
-    """`new` beats `old` by more than the relative tolerance (a failed measurement never does)."""
-    if new is None:
-        return False
-    if old is None:
-        return True
-    return new - old > rel_tol * abs(old)
-
-
-def _outcome(values: Sequence[int], measured: Mapping[int, float | None], best: int | None) -> SearchOutcome:
-    return SearchOutcome(
-        best_n=values[best] if best is not None else None,
-        best_value=measured[best] if best is not None else None,
-        measurements=tuple(Measurement(values[i], v) for i, v in measured.items()),
-        linear_scan_launches=len(values),
-    )
-
-
-def drive(gen: SearchGen, objective: Objective) -> SearchOutcome:
-    """Run a proposal generator against a synchronous objective (tests, simulations)."""
-    try:
-        n = next(gen)
-        while True:
-            n = gen.send(objective(n))
-    except StopIteration as stop:
-        return stop.value
+    def projections(self, spec: Any, settings: Any) -> Mapping[int, Projection]: ...
 
 
 # ---- runner hook --------------------------------------------------------------------------------
 
-CandidateOutcome = Literal["ruled out", "measured", "failed", "not launched"]
+CandidateOutcome = Literal["ruled out", "measured", "over budget", "failed", "not launched"]
+LETTER = {"n_cpu_moe": "N", "resident_experts": "K"}  # how summaries and the report name the value
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One candidate N as the run stores it (manifest `servers.<id>.search.candidates`)."""
+    """One candidate value as the run stores it (manifest `servers.<id>.search.candidates`)."""
 
-    n: int
-    # ruled out: the projection exceeds the budget, never launched (no cell); measured / failed: launched
-    # (one cell); not launched: fits, but the search found its best point without it
+    n: int  # the value (N or K)
+    # ruled out: the projection exceeds the budget, never launched (no cell); measured / over budget /
+    # failed: launched (one cell; over budget: its measured peak device memory exceeds the budget);
+    # not launched: fits, but the search found its best point without it
     outcome: CandidateOutcome
-    projected_bytes: int  # the projection's GPU total + the margin: what is compared with the budget
-    projection: dict[str, Any]  # benchsuite.engines.llamacpp.fit.Projection as a dict
-    value: float | None = None  # the objective of a measured N
-    cell_id: str | None = None  # the stored cell of a launched N
+    projected_bytes: int  # the projection + its margin: what is compared with the budget to rule out
+    projection: dict[str, Any]  # the adapter's projection as a dict (llama.cpp fit.Projection, builtin memory)
+    value: float | None = None  # the objective of a measured value
+    cell_id: str | None = None  # the stored cell of a launched value
+    peak_device_memory_bytes: int | None = None  # measured over the launched cell (None: no GPU)
 
 
 class _Probe:
-    """Launches one server per proposed N and measures its search cell (a resumed run reuses it)."""
+    """Launches one server per proposed value and measures its search cell (a resumed run reuses it)."""
 
-    def __init__(self, ctx: Any, task: Any, metric: str) -> None:
-        self.ctx, self.task, self.metric = ctx, task, metric
-        self.results: dict[int, Any] = {}  # n -> CellResult
+    def __init__(self, ctx: Any, task: Any, metric: str, budget_bytes: int,
+                 guess_fits: Mapping[int, bool] | None) -> None:  # fmt: skip
+        self.ctx, self.task, self.metric, self.budget_bytes = ctx, task, metric, budget_bytes
+        self.guess_fits = guess_fits  # K without a measured peak (no GPU): fits by projection + overhead guess
+        self.results: dict[int, Any] = {}  # value -> CellResult
 
     def spec_and_cell(self, n: int) -> tuple[Any, Any]:
-        """The candidate's server and its one cell: the first workload and class, repeat 0, at the
-        highest concurrency (the objective is measured where the server will be loaded most)."""
-        from benchsuite.plan import make_server_spec, plan_cells, stable_id
+        """The candidate's server and its one cell (benchsuite.plan.search_cell)."""
+        from benchsuite.plan import make_server_spec, plan_cells, search_cell, stable_id
 
         spec, option = self.task.spec, self.task.option
         s = make_server_spec(
             spec.name, spec.kind, spec.options.replaced(**{option: n}), spec.fairness, spec.max_concurrency, spec.env
         )
-        cells = plan_cells(self.ctx.plan.matrix, s, {**self.task.params, option: n})
-        first = cells[0]
-        same_class = [
-            c for c in cells if (c.workload, c.prompt_class, c.repeat) == (first.workload, first.prompt_class, 0)
-        ]
-        cell = max(same_class, key=lambda c: c.concurrency)
+        cell = search_cell(plan_cells(self.ctx.plan.matrix, s, {**self.task.params, option: n}), option)
         cell_id = stable_id({"search_of": spec.server_id, "n": n, "cell": cell.cell_id})
         return s, dataclasses.replace(cell, cell_id=cell_id, params={**cell.params, "search_n": n})
 
-    async def objective(self, n: int) -> float | None:
+    async def objective(self, n: int) -> Observation:
         from benchsuite.cell_measure import CELL_ERRORS, failed_result, measure_cell
         from benchsuite.server_launch import launch_server
 
         s, cell = self.spec_and_cell(n)
         stored = self.ctx.store.stored_cell(cell.cell_id)
         if stored is not None and stored.result.status == "ok":
-            self.results[n] = stored.result  # resumed run: this N was measured already
+            self.results[n] = stored.result  # resumed run: this value was measured already
         else:
             try:
                 async with launch_server(self.ctx, s) as server:
                     self.results[n] = await measure_cell(self.ctx, server, cell, store=False)
             except CELL_ERRORS as exc:
                 self.results[n] = failed_result(self.ctx, cell, s, f"{type(exc).__name__}: {exc}")
+        return self.observation(n)
+
+    def observation(self, n: int) -> Observation:
         r = self.results[n]
         value = getattr(r, self.metric)
-        return value if r.status == "ok" and value is not None else None
+        peak = r.peak_device_memory_bytes
+        if peak is not None:
+            fits: bool | None = peak <= self.budget_bytes
+        else:
+            fits = None if self.guess_fits is None else self.guess_fits[n]
+        return Observation(value=value if r.status == "ok" and value is not None else None, peak_bytes=peak, fits=fits)
 
 
 async def _drive_async(gen: SearchGen, objective: Callable[[int], Any]) -> SearchOutcome:
@@ -197,22 +145,42 @@ async def _drive_async(gen: SearchGen, objective: Callable[[int], Any]) -> Searc
         return stop.value
 
 
-def _candidate(n: int, projection: Any, fits: bool, margin_bytes: int, result: Any, metric: str) -> Candidate:
+def _candidate(n: int, projection: Projection, fits: bool, margin_bytes: int, probe: _Probe) -> Candidate:
     projected = {
         "n": n,
         "projected_bytes": projection.gpu_total_bytes + margin_bytes,
         "projection": dataclasses.asdict(projection),
     }
-    if result is None:
+    if n not in probe.results:
         return Candidate(outcome="not launched" if fits else "ruled out", **projected)
-    value = getattr(result, metric) if result.status == "ok" else None
-    return Candidate(
-        outcome="measured" if value is not None else "failed", value=value, cell_id=result.cell_id, **projected
-    )
+    obs, result = probe.observation(n), probe.results[n]
+    outcome: CandidateOutcome = "failed" if obs.value is None else ("over budget" if obs.fits is False else "measured")
+    return Candidate(outcome=outcome, value=obs.value, cell_id=result.cell_id,
+                     peak_device_memory_bytes=obs.peak_bytes, **projected)  # fmt: skip
+
+
+def _generator(option: str, settings: Any, fitting: Sequence[int], guess_bytes: Mapping[int, int],
+               budget_bytes: int) -> SearchGen:  # fmt: skip
+    """The search each knob gets: N hill-climbs over what fits; K brackets the largest that fits."""
+    if isinstance(settings, ResidentExpertsSettings):
+        if settings.objective == "fastest":
+            return propose_fastest(fitting, guess_bytes, budget_bytes, settings.rel_tol)
+        return propose_largest(fitting, guess_bytes, budget_bytes)
+    return propose(fitting, settings.rel_tol)
+
+
+def _margins(settings: Any) -> tuple[int, int]:
+    """(bytes added to a projection to rule a value out, bytes added to guess a launch's peak).
+    llama.cpp's published rule counts an N only when projection + its margin fits, so both are the
+    margin; the built-in engine's K projection is a lower bound, ruled out with no margin, its
+    overhead guessed until a launch measures it."""
+    if isinstance(settings, ResidentExpertsSettings):
+        return 0, settings.overhead_mib * 2**20
+    return settings.margin_mib * 2**20, settings.margin_mib * 2**20
 
 
 async def run_search(ctx: Any, task: Any) -> EngineOptions:
-    """Search `task.option` of a llamacpp engine entry; returns its options with the chosen N.
+    """Search `task.option` of an engine entry; returns its options with the chosen value.
 
     `ctx` is a benchsuite.run_context.RunContext and `task` a benchsuite.plan.SearchTask. Only launched
     candidates become cells; every candidate, ruled out ones with their projection, is recorded
@@ -221,41 +189,51 @@ async def run_search(ctx: Any, task: Any) -> EngineOptions:
     from benchsuite.engines import ADAPTERS
 
     spec = task.spec
-    adapter = ADAPTERS[spec.kind]
-    if not hasattr(adapter, "projections"):
+    found = ADAPTERS[spec.kind]
+    if not hasattr(found, "projections") or not hasattr(found, "vram_budget_bytes"):
         raise UserError(f"engine {spec.name}: kind {spec.kind} has no {task.option} search")
-    settings = parse_request(getattr(spec.options, task.option))
+    adapter = cast(SearchableAdapter, found)
+    settings = parse_request(getattr(spec.options, task.option), task.option)
     budget_bytes = adapter.vram_budget_bytes(spec)
-    projections = adapter.projections(spec, settings)  # n -> Projection, every candidate N
-    margin_bytes = settings.margin_mib * 2**20
+    projections = adapter.projections(spec, settings)  # value -> projection, every candidate value
+    margin_bytes, guess_margin_bytes = _margins(settings)
     fitting = [n for n in sorted(projections) if projections[n].fits(budget_bytes, margin_bytes)]
-    probe = _Probe(ctx, task, settings.metric)
-    outcome = await _drive_async(propose(fitting, settings.rel_tol), probe.objective)
-    candidates = [
-        _candidate(n, projections[n], n in fitting, margin_bytes, probe.results.get(n), settings.metric)
-        for n in sorted(projections)
-    ]
+    guess_bytes = {n: projections[n].gpu_total_bytes + guess_margin_bytes for n in projections}
+    by_guess = {n: b <= budget_bytes for n, b in guess_bytes.items()}
+    probe = _Probe(ctx, task, settings.metric, budget_bytes,
+                   by_guess if isinstance(settings, ResidentExpertsSettings) else None)  # fmt: skip
+    gen = _generator(task.option, settings, fitting, guess_bytes, budget_bytes)
+    outcome = await _drive_async(gen, probe.objective)
+    candidates = [_candidate(n, projections[n], n in fitting, margin_bytes, probe) for n in sorted(projections)]
     for c in candidates:
         if c.cell_id is None:
             continue
         r = probe.results[c.n]
         extras = {
-            "search_n": c.n, "search_of": spec.server_id, "fits": c.n in fitting, "projected_bytes": c.projected_bytes,
-            "projection": c.projection, "budget_bytes": budget_bytes, "chosen": c.n == outcome.best_n,
+            "search_n": c.n, "search_option": task.option, "search_of": spec.server_id, "fits": c.n in fitting,
+            "projected_bytes": c.projected_bytes, "projection": c.projection, "budget_bytes": budget_bytes,
+            "chosen": c.n == outcome.best_n, "search_outcome": c.outcome,
             "search_launches": outcome.launches, "linear_scan_launches": outcome.linear_scan_launches,
         }  # fmt: skip
         ctx.store.write_cell(dataclasses.replace(r, extras={**r.extras, **extras}), [])
     record = {
         "option": task.option, "settings": settings.model_dump(), "budget_bytes": budget_bytes,
-        "margin_bytes": margin_bytes, "objective_cell": _objective_cell(probe, fitting or sorted(projections)),
+        "margin_bytes": margin_bytes, "guess_margin_bytes": guess_margin_bytes,
+        "objective_cell": _objective_cell(probe, fitting or sorted(projections)),
         "fitting": fitting, "measured": [dataclasses.asdict(m) for m in outcome.measurements],
         "best_n": outcome.best_n, "launches": outcome.launches, "linear_scan_launches": outcome.linear_scan_launches,
         "candidates": [dataclasses.asdict(c) for c in candidates],
+        # how a launch's fit was decided: its measured peak, or (no GPU: no peak) its projection + the guess
+        "fit_by": "peak device memory" if any(m.peak_bytes is not None for m in outcome.measurements)
+        else "projection (no device memory measured)",
     }  # fmt: skip
     ctx.store.record_server(spec.server_id, engine=spec.name, kind=spec.kind, search=record)
     if outcome.best_n is None:
         if not fitting:
-            raise RunError(f"engine {spec.name}: no {task.option} value fits the {budget_bytes / 2**30:.2f} GiB budget")
+            raise RunError(f"engine {spec.name}: no {task.option} value fits the {format_gb(budget_bytes)} GB budget")
+        if any(c.outcome == "over budget" for c in candidates):
+            raise RunError(f"engine {spec.name}: every launched {task.option} value measured over the "
+                           f"{format_gb(budget_bytes)} GB budget")  # fmt: skip
         raise RunError(f"engine {spec.name}: every launch of the {task.option} search failed (see the logs)")
     return spec.options.replaced(**{task.option: outcome.best_n})
 
@@ -287,17 +265,19 @@ def describe(engine: str, record: Mapping[str, Any]) -> list[str]:
     budget, margin = record["budget_bytes"], record["margin_bytes"]
     best = record.get("best_n")
     option = record.get("option", "n_cpu_moe")
+    letter = LETTER.get(option, "N")
     value = next((c["value"] for c in candidates if c["n"] == best), None)
     metric = (record.get("settings") or {}).get("metric", "objective")
     head = (
-        f"search {option} of {engine}: best N={best} ({metric} {value:.1f})"
-        if best is not None
+        f"search {option} of {engine}: best {letter}={best} ({metric} {value:.1f})"
+        if best is not None and value is not None
         else f"search {option} of {engine}: no value chosen"
     )
     scan = record["linear_scan_launches"]
     lines = [
-        f"{head} after {record['launches']} launches (a scan of every fitting N: {scan}); "
-        + f"budget {format_gb(budget)} GB, margin {margin / 2**20:.0f} MiB"
+        f"{head} after {record['launches']} launches (a scan of every fitting {letter}: {scan}); "
+        + f"budget {format_gb(budget)} GB"
+        + (f", margin {margin / 2**20:.0f} MiB" if margin else "")
     ]
     by_outcome: dict[str, list[Mapping[str, Any]]] = {}
     for c in candidates:
@@ -306,24 +286,36 @@ def describe(engine: str, record: Mapping[str, Any]) -> list[str]:
     if ruled:
         lo, hi = min(c["projected_bytes"] for c in ruled), max(c["projected_bytes"] for c in ruled)
         source = ruled[0]["projection"].get("source", "the")
+        with_margin = " with the margin" if margin else ""
         lines.append(
-            f"  ruled out by the {source} projection, never launched: {_ranges([c['n'] for c in ruled])} "
-            f"(projected {format_gb(lo)}-{format_gb(hi)} GB with the margin > {format_gb(budget)} GB)"
+            f"  ruled out by the {source} projection, never launched: {_ranges([c['n'] for c in ruled], letter)} "
+            f"(projected {format_gb(lo)}-{format_gb(hi)} GB{with_margin} > {format_gb(budget)} GB)"
         )
     measured = by_outcome.get("measured", [])
     if measured:
-        lines.append(
-            "  measured: "
-            + ", ".join(f"N={c['n']} {c['value']:.1f}" + (" (best)" if c["n"] == best else "") for c in measured)
-        )
+        lines.append("  measured: " + ", ".join(_measured(c, letter, best) for c in measured))
+    if by_outcome.get("over budget"):
+        lines.append("  measured over the budget: " + ", ".join(_measured(c, letter, best)
+                                                                for c in by_outcome["over budget"]))  # fmt: skip
     if by_outcome.get("failed"):
-        lines.append(f"  launched and failed (reasons in cells.csv): {_ranges([c['n'] for c in by_outcome['failed']])}")
+        lines.append(
+            f"  launched and failed (reasons in cells.csv): {_ranges([c['n'] for c in by_outcome['failed']], letter)}"
+        )
+    if record.get("fit_by", "").startswith("projection") and option == "resident_experts":
+        lines.append("  no device memory measured (no GPU): a launched K fits by its projection + the overhead guess")
     if by_outcome.get("not launched"):
-        lines.append(f"  fit, not needed by the search: {_ranges([c['n'] for c in by_outcome['not launched']])}")
+        skipped = _ranges([c["n"] for c in by_outcome["not launched"]], letter)
+        lines.append(f"  not launched (the projection fits; the search did not need them): {skipped}")
     return lines
 
 
-def _ranges(ns: Sequence[int]) -> str:
+def _measured(c: Mapping[str, Any], letter: str, best: int | None) -> str:
+    peak = c.get("peak_device_memory_bytes")
+    memory = f", peak {format_gb(peak)} GB" if peak is not None else ""
+    return f"{letter}={c['n']} {c['value']:.1f}{memory}" + (" (best)" if c["n"] == best else "")
+
+
+def _ranges(ns: Sequence[int], letter: str = "N") -> str:
     """[0, 1, 2, 5, 7, 8] -> 'N=0-2, 5, 7-8'."""
     parts: list[str] = []
     values = sorted(ns)
@@ -335,4 +327,4 @@ def _ranges(ns: Sequence[int]) -> str:
         parts.append(f"{start}" if start == prev else f"{start}-{prev}")
         if n is not None:
             start = prev = n
-    return "N=" + ", ".join(parts)
+    return f"{letter}=" + ", ".join(parts)

@@ -1,7 +1,12 @@
-"""What a matrix may ask of the `--n-cpu-moe` search: `n_cpu_moe: search` or `{search: {...}}`.
+"""What a matrix may ask of a search against a memory budget: `<option>: search` or `{search: {...}}`.
 
-Its own module (pydantic only) so the llama.cpp options model can validate a search request at
-the matrix boundary without importing the search itself (benchsuite.search), which drives the runner.
+Two knobs are searched, each with its own settings model:
+- llama.cpp `n_cpu_moe` (`NCpuMoeSettings`): the fastest N whose projection fits;
+- the built-in engine's paged `resident_experts` (`ResidentExpertsSettings`): the largest K whose
+  measured peak device memory fits (or the fastest such K, `objective: fastest`).
+
+Its own module (pydantic only) so an engine's options model can validate a search request at the
+matrix boundary without importing the search itself (benchsuite.search), which drives the runner.
 """
 
 from __future__ import annotations
@@ -13,8 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from benchsuite.errors import UserError
 
+Metric = Literal["decode_tok_s_p50", "output_tok_s"]
 
-class SearchSettings(BaseModel):
+
+class NCpuMoeSettings(BaseModel):
     """`n_cpu_moe: {search: {...}}` (all optional; `n_cpu_moe: search` takes the defaults)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -22,21 +29,52 @@ class SearchSettings(BaseModel):
     min_n: int = Field(0, ge=0)
     max_n: int | None = Field(None, ge=0)  # default: the model's layer count (all experts on the CPU)
     rel_tol: float = Field(0.02, ge=0.0)  # a step right must improve by more than this to continue
-    metric: Literal["decode_tok_s_p50", "output_tok_s"] = "decode_tok_s_p50"
+    metric: Metric = "decode_tok_s_p50"
     margin_mib: int = Field(1024, ge=0)  # llama.cpp's default fit margin per device
     projection: Literal["auto", "benchsuite", "llama-fit-params"] = "auto"
 
 
-def parse_request(value: Any) -> SearchSettings:
-    """`search` or `{search: {...}}` -> settings; anything else is a user error."""
+SearchSettings = NCpuMoeSettings  # the name the n_cpu_moe search had first
+
+
+class ResidentExpertsSettings(BaseModel):
+    """`resident_experts: {search: {...}}` for the built-in engine's mode paged (all optional)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Default: max concurrency x top_k, so every concurrency of the matrix decodes in one wave on the
+    # captured graph path (B x top_k <= K); set it to the model's top_k to allow multi-wave batches.
+    min_k: int | None = Field(None, ge=1)
+    max_k: int | None = Field(None, ge=1)  # default: the model's expert count
+    # largest: the largest K whose measured peak fits (memory is linear in K, so 2-3 launches);
+    # fastest: then the fastest measured K at or below it (hill climbing towards smaller K)
+    objective: Literal["largest", "fastest"] = "largest"
+    metric: Metric = "decode_tok_s_p50"  # what `fastest` maximises; recorded for every launch
+    rel_tol: float = Field(0.02, ge=0.0)  # fastest: a step must improve by more than this to continue
+    # What the first launch adds to the projection (CUDA context, allocator caches, graphs, activations)
+    # before the measurement replaces the guess; never a reason to rule a K out.
+    overhead_mib: int = Field(1024, ge=0)
+
+
+SETTINGS_MODELS: dict[str, type[BaseModel]] = {
+    "n_cpu_moe": NCpuMoeSettings,
+    "resident_experts": ResidentExpertsSettings,
+}
+
+
+def parse_request(value: Any, option: str = "n_cpu_moe") -> Any:
+    """`search` or `{search: {...}}` -> the option's settings (an option without its own model takes
+    the n_cpu_moe settings: the fastest fitting value); anything else is a user error."""
+    model = SETTINGS_MODELS.get(option, NCpuMoeSettings)
     if value == "search":
-        return SearchSettings()
+        return model()
     if isinstance(value, Mapping) and set(value) == {"search"}:
         body = value["search"] or {}
         if not isinstance(body, Mapping):
-            raise UserError("n_cpu_moe: {search: ...} must hold a mapping of search settings")
+            raise UserError(f"{option}: {{search: ...}} must hold a mapping of search settings")
         try:
-            return SearchSettings.model_validate(dict(body))
-        except ValidationError as exc:
-            raise UserError(f"n_cpu_moe.search: {exc}") from None
-    raise UserError(f"n_cpu_moe: expected an integer, 'search' or {{search: {{...}}}}, got {value!r}")
+            return model.model_validate(dict(body))
+        except ValidationError as exc:  # one line per problem, named by its path (pydantic's text spans lines)
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise UserError(f"{option}.search.{problems}") from None
+    raise UserError(f"{option}: expected an integer, 'search' or {{search: {{...}}}}, got {value!r}")

@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from benchsuite.device_memory import baseline_bytes
 from benchsuite.engine_env import engine_environment, recorded
 from benchsuite.engines import ADAPTERS, RUN_DIR_PLACEHOLDER
 from benchsuite.engines.base import EngineAdapter, ServerSpec
@@ -32,6 +33,7 @@ class RunningServer:
     argv: list[str]
     cells_measured: int = 0  # the first cell after a start carries the cold request
     hung: str | None = None  # why the server stopped answering; its later cells fail at once
+    memory_baseline_bytes: int | None = None  # the GPUs' used memory before it started (device_memory)
 
 
 @asynccontextmanager
@@ -74,6 +76,7 @@ async def launch_server(ctx: RunContext, spec: ServerSpec) -> AsyncIterator[Runn
         launch.startup_timeout_s,
         inherit_env=False,
     )
+    baseline = baseline_bytes(ctx.device_reader)  # before the start, for the device-delta fallback
     try:
         started_s = time.perf_counter()
         process.start()
@@ -82,7 +85,7 @@ async def launch_server(ctx: RunContext, spec: ServerSpec) -> AsyncIterator[Runn
         engine_startup = getattr(adapter, "startup_facts", None)  # the engine's own breakdown, if it reports one
         facts = await engine_startup(ctx.session, base_url) if engine_startup is not None else {}
         ctx.store.record_server(spec.server_id, startup_s=startup_s, startup_facts=facts)
-        yield RunningServer(spec, adapter, process, base_url, argv)
+        yield RunningServer(spec, adapter, process, base_url, argv, memory_baseline_bytes=baseline)
     finally:
         process.stop()
 

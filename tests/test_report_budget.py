@@ -56,3 +56,13 @@ def test_measured_memory_decides_for_both_engines() -> None:
 def test_without_a_budget_every_configuration_counts() -> None:
     frame = pd.DataFrame([cell("1", "resident", used=62 * GB)]).assign(budget_bytes=None)
     assert fits(pd.Series({"cell_ids": ["1"]}), frame) and budget_exclusions(frame) == []
+
+
+def test_the_common_peak_figure_decides_before_either_engine_s_own() -> None:
+    # the peak over the cell (NVML per process) is the yardstick; the old per-engine figures only fill in
+    both = pd.Series({**cell("1", "paged K=40", used=int(15.2 * GB)), "peak_device_memory_bytes": int(16.8 * GB)})
+    llama = pd.Series({**cell("2", "llama N=30", self_mib=14475), "peak_device_memory_bytes": int(15.9 * GB)})
+    assert device_bytes(both) == int(16.8 * GB) and device_bytes(llama) == int(15.9 * GB)
+    assert over_budget(pd.DataFrame([both, llama])) == int(16.8 * GB)
+    missing = pd.Series({**cell("3", "cpu", used=int(1.0 * GB)), "peak_device_memory_bytes": float("nan")})
+    assert device_bytes(missing) == int(1.0 * GB)

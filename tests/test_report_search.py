@@ -7,6 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
+from benchsuite.report import search_section
 from benchsuite.report.build import build_report_data
 
 FIXTURE = Path(__file__).parent / "data" / "report_fixture"
@@ -30,7 +31,7 @@ def test_ruled_out_candidates_are_rows_of_the_search_table_not_failures(tmp_path
     }}  # fmt: skip
     (run / "manifest.json").write_text(json.dumps(manifest))
     data = build_report_data([run], reference_dirs=[FIXTURE / "reference"])
-    search = data.tables["llama.cpp --n-cpu-moe search"]
+    search = data.tables[search_section.TITLE]
     ruled = search[search["status"] == "ruled out"]
     assert list(ruled["N"]) == [0] and list(ruled["projected_bytes"]) == [9_500_000_000]
     assert (

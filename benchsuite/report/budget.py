@@ -1,16 +1,17 @@
 """The GPU memory budget a run compares its configurations at, and whether a configuration fits it.
 
-The budget is the one the run declares: the budget its llama.cpp `--n-cpu-moe` search was given
-(`servers.<id>.search.budget_bytes`, decimal GB in the matrix's `vram_budget_gb`); a run with no
-such search has none, and every configuration counts. A configuration fits when each of its cells'
-measured device memory is within the budget (a cell with no figure says nothing against it):
-- built-in engine: `gpu_memory_used_bytes`, the device memory in use after the cell, its CUDA
-  context and graph pools included (what a card of that size must hold);
-- llama.cpp: the `self` column of the memory breakdown its log prints (its model, KV context and
-  compute buffers on each CUDA device; its CUDA context is not in it, so this counts a little less
-  than the built-in engine's figure, never more).
-Measured memory against the budget, with no margin on either side: the search itself chooses by
-llama.cpp's projection plus its 1024 MiB margin (the published rule), which this does not repeat.
+The budget is the one the run declares: the budget its searches were given (llama.cpp `n_cpu_moe`,
+built-in `resident_experts`: `servers.<id>.search.budget_bytes`, decimal GB in the matrix's
+`vram_budget_gb`); a run with no such search has none, and every configuration counts. A
+configuration fits when each of its cells' measured device memory is within the budget (a cell with
+no figure says nothing against it). The figure is the same for every engine:
+`peak_device_memory_bytes`, the peak over the cell of the device memory NVML attributes to the
+server's processes (benchsuite.device_memory: CUDA context, allocator caches, graph pools and the
+synthetic router's tables included). Cells stored before that figure existed fall back to what
+their engine reported then: the built-in engine's `gpu_memory_used_bytes` (the device's memory in
+use after the cell) and llama.cpp's log breakdown (`self` per CUDA device: no CUDA context), two
+different yardsticks, used only where the common one is missing.
+Measured memory against the budget, with no margin on either side.
 The published comparison counts a llama.cpp N only when it fits, and paging only at a K that fits;
 a configuration over the budget is shown, never a contender or a baseline.
 """
@@ -34,6 +35,9 @@ def run_budget_bytes(servers: Any) -> int | None:
 
 def device_bytes(cell: pd.Series) -> int | None:
     """The device memory a cell's configuration measured, by the rules above; None when unknown."""
+    peak = cell.get("peak_device_memory_bytes")
+    if peak is not None and pd.notna(peak) and peak > 0:
+        return int(peak)
     used = cell.get("gpu_memory_used_bytes")
     if used is not None and pd.notna(used) and used > 0:
         return int(used)

@@ -132,12 +132,12 @@ def build_report_data(run_dirs: list[Path], reference_dirs: list[Path] | None = 
             "Paging counters": tb.paging_table(groups, num_experts),
             roofline.TITLE: roofline.roofline_table(cells, runs),
             prefill.TITLE: prefill.prefill_table(cells, runs),
-            "llama.cpp --n-cpu-moe search": search_section.search_table(cells, runs),
+            search_section.TITLE: search_section.search_table(cells, runs),
             "Failed and invalid cells": tb.failures_table(cells),
             "Raw cells": tb.raw_cells_table(cells),
         }
     )
-    figures = all_figures(groups, cells, samples, top_k, num_experts, tables["llama.cpp --n-cpu-moe search"])
+    figures = all_figures(groups, cells, samples, top_k, num_experts, tables[search_section.TITLE])
     title = f"benchsuite report: {_report_id(runs)}"
     return ReportData(
         title, runs, cells, groups, samples, top_k, num_experts, published, note, tables, figures, found, caveats
@@ -156,7 +156,7 @@ _ANCHORS = {
     "Configurations (repeats with spread)": "configurations",
     "TTFT p50 short vs long prompts": "ttft",
     "Paging counters": "paging",
-    "llama.cpp --n-cpu-moe search": "search",
+    search_section.TITLE: "search",
     roofline.TITLE: "roofline",
     prefill.TITLE: "prefill",
     "Failed and invalid cells": "failures",
@@ -168,9 +168,7 @@ _INTROS = {
     "ratios": "<p>One row per paged configuration: the best offload, llama.cpp and cpu-experts configuration "
     "measured in the same setup and concurrency. Medians over repeats, [min–max] beside them; ratio verdicts say "
     "whether the spreads overlap.</p>",
-    "search": "<p>One row per candidate N of each search. Launched candidates are cells (measured or failed); rows "
-    "with status 'ruled out' were never launched: llama.cpp's memory projection, with its margin, exceeds "
-    "the budget.</p>",
+    "search": search_section.INTRO,
     "failures": "<p>Cells that failed or were invalidated, with the reason recorded by the runner. "
     "They are not in any figure.</p>",
     "raw-cells": "<p>Every cell as stored in cells.parquet; every figure and table above links here by cell id.</p>",

@@ -1,7 +1,8 @@
-"""The report's `--n-cpu-moe` search figure: decode tok/s against N for each searched engine and
-concurrency (median over repeats and each cell), the chosen N starred, and the N values whose
-memory projection fits (green) or does not (red, never measured) shaded. Its rows come from the
-search table (benchsuite.report.search_section).
+"""The report's budget-search figures, one per searched option (llama.cpp `--n-cpu-moe` N, the
+paged engine's K): decode tok/s against the value for each searched engine and concurrency (median
+over repeats and each cell), the chosen value starred, launches measured over the budget crossed,
+and the values whose memory projection fits (green) or does not (red, never measured) shaded. Its
+rows come from the search table (benchsuite.report.search_section).
 """
 
 from __future__ import annotations
@@ -11,33 +12,46 @@ import plotly.graph_objects as go
 
 from benchsuite.report.plot import HOVER, Figure, integer_ticks, layout
 
+# option -> (figure id, title, letter, axis label)
+_OPTIONS = {
+    "n_cpu_moe": ("fig-search", "llama.cpp --n-cpu-moe search", "N", "N (layers whose experts stay on the CPU)"),
+    "resident_experts": ("fig-search-k", "paged K search", "K", "K (expert slots per layer on the GPU)"),
+}
+
 
 def search_curves(everything: pd.DataFrame) -> list[Figure]:
-    """From the search table (benchsuite.report.search_section): measured cells and ruled-out N."""
+    """From the search table (benchsuite.report.search_section): measured cells and ruled-out values,
+    one figure per searched option."""
     everything = everything[everything["N"].notna()]
+    options = everything["option"].fillna("n_cpu_moe") if "option" in everything else None
+    figures = []
+    for option, (fig_id, title, letter, axis) in _OPTIONS.items():
+        rows = everything if options is None else everything[options == option]
+        figure = _option_figure(rows, fig_id, title, letter, axis)
+        if figure is not None:
+            figures.append(figure)
+    return figures
+
+
+def _option_figure(everything: pd.DataFrame, fig_id: str, title: str, letter: str, axis: str) -> Figure | None:
     measured = everything[everything["decode_tok_s"].notna()]
     if measured.empty:
-        return []
+        return None
     fig = go.Figure()
     for (_run_id, engine, conc), g in measured.groupby(["run_id", "engine", "concurrency"], sort=True):
-        _add_curve(fig, f"{engine} · c={conc}", g)
-    _add_fit_bands(fig, everything)
-    layout(
-        fig,
-        "llama.cpp --n-cpu-moe search: decode tok/s vs N",
-        "N (layers whose experts stay on the CPU)",
-        "decode tok/s",
-    )
+        _add_curve(fig, f"{engine} · c={conc}", g, letter)
+    _add_fit_bands(fig, everything, letter)
+    layout(fig, f"{title}: decode tok/s vs {letter}", axis, "decode tok/s")
     integer_ticks(fig, list(everything["N"]))
     caption = (
-        "Green: N values whose memory projection fits the VRAM budget; red: N values that do not fit (not measured); "
-        "star: the chosen N."
+        f"Green: {letter} values whose memory projection fits the VRAM budget; red: {letter} values that do not fit "
+        f"(not measured); cross: launched, its measured peak device memory over the budget; star: the chosen {letter}."
     )
     ids = tuple(i for i in everything["cell_id"] if i)  # ruled-out rows have no cell
-    return [Figure("fig-search", "llama.cpp --n-cpu-moe search", fig, caption, ids)]
+    return Figure(fig_id, title, fig, caption, ids)
 
 
-def _add_curve(fig: go.Figure, name: str, g: pd.DataFrame) -> None:
+def _add_curve(fig: go.Figure, name: str, g: pd.DataFrame, letter: str) -> None:
     """One searched engine and concurrency: the median over repeats per N, each cell, the chosen N starred."""
     per_n = g.groupby("N", sort=True)
     ns = list(per_n.groups)
@@ -64,11 +78,24 @@ def _add_curve(fig: go.Figure, name: str, g: pd.DataFrame) -> None:
             hovertemplate=HOVER,
         )
     )
+    over = g[g["status"].eq("over budget")] if "status" in g else g.iloc[:0]
+    if not over.empty:
+        fig.add_trace(
+            go.Scatter(
+                name=f"{name} · measured over the budget",
+                x=list(over["N"]),
+                y=list(over["decode_tok_s"]),
+                mode="markers",
+                marker={"symbol": "x", "size": 12, "color": "red"},
+                customdata=list(over["cell_id"]),
+                hovertemplate=HOVER,
+            )
+        )
     chosen_ns = sorted({int(n) for n in g.loc[g["chosen"], "N"]})
     if chosen_ns:
         fig.add_trace(
             go.Scatter(
-                name=f"{name} · chosen N",
+                name=f"{name} · chosen {letter}",
                 x=chosen_ns,
                 y=[medians[ns.index(n)] for n in chosen_ns],
                 mode="markers",
@@ -79,8 +106,8 @@ def _add_curve(fig: go.Figure, name: str, g: pd.DataFrame) -> None:
         )
 
 
-def _add_fit_bands(fig: go.Figure, everything: pd.DataFrame) -> None:
-    """Green over the N range whose projection fits, red over each run of N that does not."""
+def _add_fit_bands(fig: go.Figure, everything: pd.DataFrame, letter: str) -> None:
+    """Green over the range whose projection fits, red over each run of values that does not."""
     fitting = everything[everything["fits"].eq(True)]
     if not fitting.empty:
         fig.add_vrect(
@@ -99,7 +126,7 @@ def _add_fit_bands(fig: go.Figure, everything: pd.DataFrame) -> None:
             fillcolor="red",
             opacity=0.08,
             line_width=0,
-            annotation_text=f"N={lo}{'' if lo == hi else f'-{hi}'}: does not fit",
+            annotation_text=f"{letter}={lo}{'' if lo == hi else f'-{hi}'}: does not fit",
             annotation_position="top left",
         )
 

@@ -1,9 +1,12 @@
-"""The report's `--n-cpu-moe` search table: the launched candidates (cells) and those the memory
-projection ruled out (not cells: the manifest's `servers.<id>.search.candidates`, see
-benchsuite.search), one row per candidate N.
+"""The report's budget-search table: every candidate of every search (llama.cpp `--n-cpu-moe` N,
+the built-in engine's paged K), launched ones (cells) and those the memory projection ruled out
+(not cells: the manifest's `servers.<id>.search.candidates`, see benchsuite.search), one row per
+candidate value (column N, whatever the option; column `option` names it).
 
-Ruled-out rows carry the projection (projected bytes with the margin, the budget) and status
-`ruled out`; they never appear among failed or invalid cells. Runs stored before the search
+Ruled-out rows carry the projection (projected bytes, with llama.cpp's margin where the search
+rules out with one; the built-in K projection is a lower bound and has none) and status
+`ruled out`; they never appear among failed or invalid cells. Launched rows carry the measured
+peak device memory; one over the budget has status `over budget`. Runs stored before the search
 recorded its candidates kept ruled-out values as `invalid` cells: those still read as cells.
 """
 
@@ -16,9 +19,18 @@ import pandas as pd
 
 from benchsuite.manifest import Manifest
 from benchsuite.report.load import RunData
+from benchsuite.report.tables import SEARCH_COLUMNS
 from benchsuite.report.tables import search_table as cell_rows
 from benchsuite.search import format_gb
 
+TITLE = "Budget searches (llama.cpp --n-cpu-moe N, paged K)"
+INTRO = (
+    "<p>One row per candidate value of each search (N: llama.cpp <code>--n-cpu-moe</code>; K: the paged "
+    "engine's resident experts, column <code>option</code>). Launched candidates are cells (measured, over "
+    "budget by their measured peak device memory, or failed); rows with status 'ruled out' were never "
+    "launched: the memory projection (llama.cpp's with its margin; for K a lower bound: weights, KV and K "
+    "slots) exceeds the budget.</p>"
+)
 RULED_OUT = "ruled out"
 
 
@@ -34,15 +46,16 @@ def ruled_out_rows(run_id: str, manifest: Manifest) -> list[dict[str, Any]]:
             budget = record.get("budget_bytes")
             source = (c.get("projection") or {}).get("source", "memory")
             projected = c["projected_bytes"]
-            over = f"{format_gb(projected)} GB with the margin > budget {format_gb(budget)} GB"
-            reason = f"{source} projection {over}; not launched"
+            with_margin = " with the margin" if record.get("margin_bytes", 1) else ""
+            reason = f"{source} projection {format_gb(projected)} GB{with_margin} > budget {format_gb(budget)} GB"
             rows.append({
-                "run_id": run_id, "engine": server.engine, "workload": objective.get("workload"),
-                "prompt_class": objective.get("prompt_class"), "concurrency": objective.get("concurrency"),
-                "N": int(c["n"]), "fits": False, "chosen": False, "decode_tok_s": None, "projected_bytes": projected,
+                "run_id": run_id, "engine": server.engine, "option": record.get("option", "n_cpu_moe"),
+                "workload": objective.get("workload"), "prompt_class": objective.get("prompt_class"),
+                "concurrency": objective.get("concurrency"), "N": int(c["n"]), "fits": False, "chosen": False,
+                "decode_tok_s": None, "projected_bytes": projected, "peak_device_memory_bytes": None,
                 "budget_bytes": budget, "search_launches": record.get("launches"),
-                "linear_scan_launches": record.get("linear_scan_launches"), "status": RULED_OUT, "reason": reason,
-                "cell_id": "",
+                "linear_scan_launches": record.get("linear_scan_launches"), "status": RULED_OUT,
+                "reason": f"{reason}; not launched", "cell_id": "",
             })  # fmt: skip
     return rows
 
@@ -54,9 +67,9 @@ def search_table(cells: pd.DataFrame, runs: Iterable[RunData]) -> pd.DataFrame:
     if not ruled:
         return launched
     frame = (
-        pd.concat([launched, pd.DataFrame(ruled, columns=launched.columns)], ignore_index=True)
+        pd.concat([launched, pd.DataFrame(ruled, columns=SEARCH_COLUMNS)], ignore_index=True)
         if len(launched)
-        else pd.DataFrame(ruled)
+        else pd.DataFrame(ruled, columns=SEARCH_COLUMNS)
     )
     frame["N"] = frame["N"].astype("Int64")
     return frame.sort_values(["run_id", "engine", "N"], kind="stable").reset_index(drop=True)

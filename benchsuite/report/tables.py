@@ -237,59 +237,44 @@ def paging_table(groups: pd.DataFrame, num_experts: int | None) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+SEARCH_COLUMNS = [
+    "run_id", "engine", "option", "workload", "prompt_class", "concurrency", "N", "fits", "chosen", "decode_tok_s",
+    "projected_bytes", "peak_device_memory_bytes", "budget_bytes", "search_launches", "linear_scan_launches",
+    "status", "reason", "cell_id",
+]  # fmt: skip
+
+
 def search_table(cells: pd.DataFrame) -> pd.DataFrame:
-    """The llama.cpp --n-cpu-moe search: cells whose extras carry search_n, fits or chosen."""
+    """The budget searches' launched candidates (llama.cpp n_cpu_moe, built-in resident_experts): cells
+    whose extras carry search_n (the searched value, column N whatever the option), fits or chosen.
+    `status` is the search's outcome where it stored one (`over budget`: measured peak over the budget)."""
     mask = [any(k in e for k in ("search_n", "fits", "chosen")) for e in cells["extras"]]
     found = cells[mask]
     rows = []
     for _, c in found.iterrows():
         extras = c["extras"]
         chosen = extras.get("chosen")
-        n = c["n_cpu_moe"]
+        n = extras.get("search_n", c["n_cpu_moe"])  # cells stored before search_n existed: their N
+        n = None if n is None or (isinstance(n, float) and math.isnan(n)) else int(n)
+        outcome = extras.get("search_outcome")
         rows.append(
             {
-                "run_id": c["run_id"],
-                "engine": c["engine"],
-                "workload": c["workload"],
-                "prompt_class": c["prompt_class"],
-                "concurrency": int(c["concurrency"]),
-                "N": None if n is None or (isinstance(n, float) and math.isnan(n)) else int(n),
-                "fits": extras.get("fits"),
+                "run_id": c["run_id"], "engine": c["engine"], "option": extras.get("search_option", "n_cpu_moe"),
+                "workload": c["workload"], "prompt_class": c["prompt_class"], "concurrency": int(c["concurrency"]),
+                "N": n, "fits": extras.get("fits"),
                 "chosen": bool(
                     chosen is True or (isinstance(chosen, int) and not isinstance(chosen, bool) and chosen == n)
                 ),
-                "decode_tok_s": c["decode_tok_s_p50"],
-                "projected_bytes": extras.get("projected_bytes"),
-                "budget_bytes": extras.get("budget_bytes"),
-                "search_launches": extras.get("search_launches"),
+                "decode_tok_s": c["decode_tok_s_p50"], "projected_bytes": extras.get("projected_bytes"),
+                "peak_device_memory_bytes": c.get("peak_device_memory_bytes"),
+                "budget_bytes": extras.get("budget_bytes"), "search_launches": extras.get("search_launches"),
                 "linear_scan_launches": extras.get("linear_scan_launches"),
-                "status": c["status"],
-                "reason": c["reason"],
+                "status": outcome if outcome == "over budget" else c["status"], "reason": c["reason"],
                 "cell_id": c["cell_id"],
             }
-        )
+        )  # fmt: skip
     return (
-        pd.DataFrame(
-            rows,
-            columns=[
-                "run_id",
-                "engine",
-                "workload",
-                "prompt_class",
-                "concurrency",
-                "N",
-                "fits",
-                "chosen",
-                "decode_tok_s",
-                "projected_bytes",
-                "budget_bytes",
-                "search_launches",
-                "linear_scan_launches",
-                "status",
-                "reason",
-                "cell_id",
-            ],
-        )
+        pd.DataFrame(rows, columns=SEARCH_COLUMNS)
         .sort_values(["run_id", "engine", "concurrency", "N"])
         .reset_index(drop=True)
     )

@@ -25,10 +25,13 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from benchsuite.engines import RUN_DIR_PLACEHOLDER
 from benchsuite.engines.base import EngineConfigError, EngineOptions, LaunchPlan, Placement, ServerSpec, options_of
+from benchsuite.errors import UserError
 from benchsuite.scrape import scrape_prometheus
+from benchsuite.search_settings import parse_request
 from paged_experts.residency import DEFAULT_PREFILL_KEEP, PREFILL_KEEP
 from paged_experts.server.threads import default_cpu_threads
 
+GB = 10**9  # vram_budget_gb is decimal gigabytes
 _MODE_OPTION = {"paged": "resident_experts", "offload": "offload_layers", "cpu-experts": "n_cpu_moe"}
 GRAPHABLE_MODES = ("resident", "paged")  # modes whose decode step the server can capture as a CUDA graph
 
@@ -38,7 +41,11 @@ class BuiltinOptions(EngineOptions):
 
     model: str = "tiny"  # checkpoint directory, or `tiny` for the generated test model
     mode: Literal["resident", "paged", "offload", "cpu-experts"] = "paged"
-    resident_experts: int | None = Field(None, ge=1)  # K, mode paged
+    # K, mode paged; `search` or {search: {...}} searches the largest K that fits vram_budget_gb
+    resident_experts: int | Literal["search"] | dict[str, Any] | None = None
+    # the resident_experts search's budget (default: the GPU's); left out of the dumped options when unset,
+    # so the server ids of matrices without it stay as they were (plan.make_server_spec hashes the dump)
+    vram_budget_gb: float | None = Field(None, gt=0, exclude_if=lambda v: v is None)
     offload_layers: int | None = Field(None, ge=0)  # mode offload
     n_cpu_moe: int | None = Field(None, ge=0)  # mode cpu-experts
     device: Literal["cpu", "cuda"] = "cpu"
@@ -70,6 +77,20 @@ class BuiltinOptions(EngineOptions):
             raise ValueError(f"{value!r} needs mode resident or paged (mode {mode} runs its decode steps eagerly)")
         if info.field_name == "torch_compile" and info.data.get("cuda_graph_max_bs") == 0:
             raise ValueError("true compiles the captured decode step: it needs CUDA graphs (cuda_graph_max_bs > 0)")
+        return value
+
+    @field_validator("resident_experts")
+    @classmethod
+    def _resident_experts(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError("must be an integer, 'search' or {search: {...}}")  # noqa: TRY004 (pydantic reports ValueError)
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be >= 1")
+        if isinstance(value, dict):
+            try:
+                parse_request(value, "resident_experts")
+            except UserError as exc:
+                raise ValueError(str(exc)) from None
         return value
 
     @field_validator("prefetch_next_layer")
@@ -146,7 +167,8 @@ class BuiltinOptions(EngineOptions):
     def placement(self) -> Placement:
         # the routing label is the one the server puts on its own counters
         routing = "model" if self.routing == "model" else f"synthetic:{self.routing.strip().lower()}"
-        return Placement(self.mode, self.resident_experts, self.n_cpu_moe, routing)
+        k = self.resident_experts if isinstance(self.resident_experts, int) else None  # a search has no K yet
+        return Placement(self.mode, k, self.n_cpu_moe, routing)
 
     def request_model(self) -> str:
         return self.model
@@ -193,6 +215,8 @@ class BuiltinAdapter:
             "--max-running-requests", str(spec.max_concurrency),
             "--max-total-tokens", str(spec.fairness["kv_capacity_tokens"]),
         ]  # fmt: skip
+        if opts.resident_experts is not None and not isinstance(opts.resident_experts, int):
+            raise EngineConfigError(f"builtin engine {spec.name}: resident_experts is still a search request")
         if opts.resident_experts is not None:
             argv += ["--paged-experts-num-resident", str(opts.resident_experts)]
         if opts.offload_layers is not None:
@@ -256,6 +280,32 @@ class BuiltinAdapter:
     def parse_log(self, log_text: str) -> dict[str, Any]:
         # The builtin server reports everything through /metrics; its log carries no extra facts.
         return {}
+
+    # ---- the resident_experts search (benchsuite.search; projection in engines/builtin/memory.py) ----
+
+    def vram_budget_bytes(self, spec: ServerSpec) -> int:
+        """`vram_budget_gb`, else the memory of the GPU (NVML) on a cuda server."""
+        from benchsuite.device_memory import gpu_total_bytes
+
+        opts = self._options(spec)
+        if opts.vram_budget_gb is not None:
+            return int(opts.vram_budget_gb * GB)
+        total = gpu_total_bytes() if opts.device == "cuda" else None
+        if total is None:
+            raise UserError(f"engine {spec.name}: the resident_experts search needs vram_budget_gb without a GPU")
+        return total
+
+    def projections(self, spec: ServerSpec, settings: Any) -> dict[int, Any]:
+        """K -> memory.KProjection for every K the search may choose (memory.k_range)."""
+        from benchsuite.engines.builtin import memory
+        from paged_experts.config import MoeModelConfig
+
+        opts = self._options(spec)
+        model_dir = self.model_dir(spec)
+        cfg = MoeModelConfig.from_dir(model_dir)
+        ks = memory.k_range(cfg.num_experts, cfg.top_k, spec.max_concurrency, settings.min_k, settings.max_k)
+        dtype = opts.dtype or ("float32" if opts.device == "cpu" else cfg.torch_dtype)
+        return memory.projections(model_dir, dtype, int(spec.fairness["kv_capacity_tokens"]), ks)
 
 
 def _performance_flags(perf: dict[str, Any]) -> list[str]:

@@ -1,0 +1,58 @@
+"""The built-in engine's device-memory projection per K, for the paged `resident_experts` search.
+
+`projections(...)` -> K -> `KProjection`: the bytes a paged server must hold on the device whatever
+else it does, from benchsuite.preflight's formulas and the runtime's own model shape
+(paged_experts.config: expert bytes in the served format, FP8 scales included):
+`non_expert_weight_bytes + kv_capacity_tokens x kv_bytes_per_token + K x slot_bytes`.
+It is a lower bound: no CUDA context, allocator caches, CUDA graph pools, activations or
+synthetic-router tables. The search rules a K out only when this bound exceeds the budget, and
+guesses the rest (its `overhead_mib`) until a launch measures the peak (benchsuite.search_propose).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchsuite import preflight
+from benchsuite.errors import UserError
+from paged_experts.config import MoeModelConfig, dtype_bytes
+
+SOURCE = "preflight"
+
+
+@dataclass(frozen=True)
+class KProjection:
+    k: int
+    non_expert_bytes: int  # embeddings, LM head, attention, norms, routers (compute dtype)
+    kv_bytes: int  # kv_capacity_tokens x kv_bytes_per_token
+    slot_bytes: int  # one resident expert in every MoE layer
+    source: str = SOURCE
+
+    @property
+    def gpu_total_bytes(self) -> int:
+        return self.non_expert_bytes + self.kv_bytes + self.k * self.slot_bytes
+
+    def fits(self, budget_bytes: int, margin_bytes: int) -> bool:
+        return self.gpu_total_bytes + margin_bytes <= budget_bytes
+
+
+def k_range(num_experts: int, top_k: int, max_concurrency: int, min_k: int | None, max_k: int | None) -> range:
+    """The K a search may choose: from min_k (default max_concurrency x top_k, every batch of the
+    matrix in one wave on the captured graph path; never below top_k) to max_k (default E)."""
+    low = max(top_k, min_k if min_k is not None else preflight.min_k_for_concurrency(max_concurrency, top_k))
+    high = min(num_experts, max_k if max_k is not None else num_experts)
+    if low > high:
+        why = "min_k" if min_k is not None else f"max concurrency {max_concurrency} x top_k {top_k}"
+        raise UserError(f"resident_experts search: K from {low} ({why}) exceeds the largest K {high}")
+    return range(low, high + 1)
+
+
+def projections(model_dir: Path, compute_dtype: str, kv_capacity_tokens: int, ks: range) -> dict[int, KProjection]:
+    cfg = MoeModelConfig.from_dir(model_dir)
+    shape = preflight.load_shape(model_dir)
+    expert = cfg.expert_bytes(cfg.expert_dtype(compute_dtype))
+    slot = int(preflight.slot_bytes(expert, cfg.num_moe_layers))
+    kv = kv_capacity_tokens * preflight.kv_bytes_per_token(shape, dtype_bytes(compute_dtype))
+    non_expert = preflight.non_expert_weight_bytes(shape, dtype_bytes(compute_dtype))
+    return {k: KProjection(k, non_expert, kv, slot) for k in ks}

@@ -1,0 +1,103 @@
+"""benchsuite.device_memory on the CPU: NVML's process records decoded (unknown memory left out,
+never 0), the peak of a real process tree sampled through a scripted reader, the device-delta
+fallback where NVML's pids are not ours, and None (never 0) without a GPU."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import subprocess
+import sys
+
+import pytest
+
+from benchsuite import device_memory as dm
+
+MIB = 2**20
+GIB = 2**30
+
+
+def infos(*rows: tuple[int, int]) -> ctypes.Array[dm._ProcessInfo]:
+    array = (dm._ProcessInfo * len(rows))()
+    for i, (pid, used) in enumerate(rows):
+        array[i].pid, array[i].usedGpuMemory = pid, used
+        array[i].gpuInstanceId = array[i].computeInstanceId = 0xFFFFFFFF
+    return array
+
+
+def test_nvml_records_are_summed_per_pid_and_unknown_memory_is_left_out() -> None:
+    records = infos((10, 500 * MIB), (11, 2**64 - 1), (10, 300 * MIB), (12, 0))
+    assert dm.used_by_pid(records) == {10: 800 * MIB, 12: 0}  # pid 10 on two GPUs; 11 unknown: absent
+
+
+class Scripted:
+    """A reader whose figures the test scripts: bytes per pid, and the device's used memory."""
+
+    def __init__(self, by_pid, device_used: int = 0) -> None:
+        self.by_pid, self.device_used, self.reads = by_pid, device_used, 0
+
+    def read(self) -> dm.DeviceSnapshot:
+        self.reads += 1
+        return dm.DeviceSnapshot(self.by_pid(self.reads), self.device_used)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def tree():
+    """A real parent with one child (the child stands in for an engine's worker process)."""
+    code = "import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); "
+    code += "print(c.pid, flush=True); time.sleep(30)"
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    yield parent.pid, child
+    subprocess.run(["kill", str(child)], check=False)
+    parent.kill()
+    parent.wait(timeout=10)
+
+
+def test_the_peak_sums_the_tree_and_ignores_other_processes(tree) -> None:
+    parent, child = tree
+    curve = [1000, 3000, 2000]  # MiB on the child over three samples: the peak is the middle one
+
+    def by_pid(read: int) -> dict[int, int]:
+        used = curve[min(read, len(curve)) - 1] * MIB
+        return {parent: 400 * MIB, child: used, 1: 70_000 * MIB}  # pid 1: somebody else's job
+
+    sampler = dm.PeakSampler(Scripted(by_pid), parent, baseline=None, interval_s=0.01)
+
+    async def cell() -> dm.PeakMemory:
+        sampler.start()
+        await asyncio.sleep(0.2)
+        return await sampler.stop()
+
+    peak = asyncio.run(cell())
+    assert peak == dm.PeakMemory(3400 * MIB, dm.PER_PROCESS, peak.samples) and peak.samples >= 3
+
+
+def test_hidden_pids_fall_back_to_the_device_delta(tree) -> None:
+    parent, _ = tree
+    sampler = dm.PeakSampler(Scripted(lambda _: {99999: GIB}, device_used=9 * GIB), parent, baseline=2 * GIB)
+    sampler.sample()
+    assert sampler.result() == dm.PeakMemory(7 * GIB, dm.DEVICE_DELTA, 1)
+
+
+def test_no_gpu_is_none_never_zero(tree) -> None:
+    parent, _ = tree
+    assert asyncio.run(_sampled(dm.PeakSampler(None, parent, None))) == dm.PeakMemory(None, None, 0)
+    nothing_ours = dm.PeakSampler(Scripted(lambda _: {parent: 0}, device_used=GIB), parent, baseline=GIB)
+    nothing_ours.sample()
+    # listed at 0 bytes, and the device did not grow: nothing attributable, unknown, not 0
+    assert nothing_ours.result() == dm.PeakMemory(None, None, 1)
+
+
+async def _sampled(sampler: dm.PeakSampler) -> dm.PeakMemory:
+    sampler.start()
+    await asyncio.sleep(0.02)
+    return await sampler.stop()
+
+
+def test_a_missing_driver_library_means_no_reader() -> None:
+    with pytest.raises(dm.NvmlError):
+        dm.NvmlReader("libnvidia-ml-not-here.so.1")
