@@ -81,6 +81,9 @@ def check_kernels(device: str = "cpu", dtype: torch.dtype = torch.float32, tol: 
 # (tokens, experts, top_k, hidden, intermediate) for FP8 experts: partial 128-blocks on both axes,
 # several blocks per row, and shared experts between tokens.
 FP8_CASES = ((1, 8, 2, 300, 200), (3, 12, 4, 256, 192), (2, 6, 3, 130, 128))
+# tiles beside the defaults: the one-pair down loop, steps of 512 and 256 columns (several scale
+# blocks per step, partial at the edge), one-row tiles, and the old kernels' 16 x 128
+FP8_TILES = ("gate_up=16x512x4,down=8x256x4", "gate_up=1x256x2,down=32x64x2xv", "gate_up=16x128x4,down=16x128x4")
 
 
 def check_fp8_kernels(device: str = "cpu", dtype: torch.dtype = torch.float32, tol: float = 1e-4) -> None:
@@ -88,7 +91,7 @@ def check_fp8_kernels(device: str = "cpu", dtype: torch.dtype = torch.float32, t
     table (paged) against the table in expert order (resident): the same bits."""
     from paged_experts import fp8
     from paged_experts.experts import route
-    from paged_experts.kernels import moe_triton
+    from paged_experts.kernels import moe_tiles, moe_triton, moe_triton_fp8
 
     gen = torch.Generator().manual_seed(1)
     for t, e, k, h, i in FP8_CASES:
@@ -108,6 +111,12 @@ def check_fp8_kernels(device: str = "cpu", dtype: torch.dtype = torch.float32, t
         got = moe_triton.moe_pairs(x, rows.reshape(-1), topw, *weights, k, *scales)
         assert got.shape == (t, h) and got.dtype == dtype
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * max(1.0, want.abs().max().item()))
+        for tiles in FP8_TILES:  # every kernel variant and steps spanning several scale blocks
+            parsed = moe_tiles.parse_fp8_tiles(tiles)
+            hid = x.new_empty(t * k, i)  # [T*k, I]
+            out = x.new_empty(t, h)  # [T, H]
+            moe_triton_fp8.fp8_pairs(x, rows.reshape(-1), topw, tuple(weights), tuple(scales), k, hid, out, parsed)
+            torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol * max(1.0, want.abs().max().item()))
         perm = torch.randperm(e, generator=gen).to(device)
         slot_of = torch.argsort(perm)
         paged = moe_triton.moe_pairs(
