@@ -115,3 +115,68 @@ def fp8_tiles(hidden: int, inter: int, top_k: int, tokens: int) -> dict[str, Til
         tiles = dict(per_batch[min(fits) if fits else max(per_batch)])
     tiles.update(FP8_OVERRIDE)
     return tiles
+
+
+@dataclass(frozen=True)
+class GroupedTiles:
+    """Tiles of moe_grouped_fp8 (FP8 steps larger than moe_triton.MAX_PAIRS: prefill)."""
+
+    block_m: int  # pair rows per program (one group's)
+    block_n: int  # output features per program (divides 128)
+    block_k: int  # reduction step (divides 128: one scale block per step)
+    num_warps: int
+    num_stages: int
+
+
+# The large-M FP8 tiles of the published fused-MoE configs for this GPU class (64 x 128 x 128, 4 warps):
+# a step reads one 128 x 128 scale block of a weight, the MMA fills the tensor cores from 64 rows.
+GROUPED_FP8 = GroupedTiles(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
+FP8_PREFILL_ENV = "PAGED_EXPERTS_FP8_PREFILL"
+"""`dequant` (the step's experts dequantized to bf16, then the grouped GEMM) or `triton:64x128x128x4x3`
+(block_m x block_n x block_k x num_warps x num_stages of moe_grouped_fp8): the FP8 path of steps
+above MAX_PAIRS at every shape, over the table's choice."""
+
+
+def parse_prefill(spec: str, source: str = FP8_PREFILL_ENV) -> GroupedTiles | None:
+    """'dequant' -> None; 'triton' -> GROUPED_FP8; 'triton:BMxBNxBKxWxS' -> those tiles."""
+    kind, _, dims = spec.partition(":")
+    nums = dims.split("x") if dims else []
+    if kind == "dequant" and not dims:
+        return None
+    if kind == "triton" and not dims:
+        return GROUPED_FP8
+    if kind == "triton" and len(nums) == 5 and all(v.isdigit() and int(v) > 0 for v in nums):
+        t = GroupedTiles(*(int(v) for v in nums))
+        if 128 % t.block_n == 0 and 128 % t.block_k == 0:
+            return t
+    raise ValueError(f"{source}: {spec!r} is not 'dequant' or 'triton[:BMxBNxBKxWARPSxSTAGES]' (BN, BK divide 128)")
+
+
+def prefill_spec(tiles: GroupedTiles | None) -> str:
+    """parse_prefill's inverse."""
+    if tiles is None:
+        return "dequant"
+    return f"triton:{tiles.block_m}x{tiles.block_n}x{tiles.block_k}x{tiles.num_warps}x{tiles.num_stages}"
+
+
+def _prefill_table(path: Path) -> dict[str, GroupedTiles | None]:
+    raw = json.loads(path.read_text()) if path.exists() else {}
+    return {key: parse_prefill(spec, f"{path.name}: prefill {key}") for key, spec in raw.get("prefill", {}).items()}
+
+
+FP8_PREFILL_TABLE = _prefill_table(FP8_TABLE_PATH)
+_PREFILL_OVERRIDE = os.environ.get(FP8_PREFILL_ENV, "")
+FP8_PREFILL_OVERRIDE = parse_prefill(_PREFILL_OVERRIDE) if _PREFILL_OVERRIDE else GROUPED_FP8
+
+
+def fp8_prefill(hidden: int, inter: int) -> GroupedTiles | None:
+    """The FP8 path of large steps at this shape: moe_grouped_fp8's tiles, or None to dequantize.
+    One choice per shape, never per step size: a resident step and a paged wave must compute a pair alike."""
+    if _PREFILL_OVERRIDE:
+        return FP8_PREFILL_OVERRIDE
+    return FP8_PREFILL_TABLE.get(prefill_key(hidden, inter), GROUPED_FP8)
+
+
+def prefill_key(hidden: int, inter: int) -> str:
+    """The table's key of the large-step path (top_k does not change a grouped matmul)."""
+    return f"H{hidden}_I{inter}"
