@@ -12,11 +12,14 @@ GB/s = bytes of the distinct experts a pass reads (FP8 weights + scales) / time,
 kernels' tiles (16 x 128), and the bf16 kernels (moe_triton.moe_pairs, moe_tiles.CONFIGS) on the
 same values dequantized, which read twice the bytes: FP8 must beat them.
 A tile is kept only if its output equals the default tiles' within bf16 rounding.
+Then the large-step path (steps above MAX_PAIRS: prefill): moe_grouped_fp8's tile candidates and
+'dequant' (the table dequantized to bf16, then the grouped GEMM), timed eagerly at 16, 256 and 2,048
+tokens; the least total time is written as the shape's `prefill` choice (one for every step size).
 
     python benchmarks/fp8_tiles_h200.py [--batches 1,2,4] [--write paged_experts/kernels/moe_tiles_fp8.json]
-        [--out fp8_tiles.json] [--quick]
+        [--out fp8_tiles.json] [--quick] [--no-prefill]
 
-About 2-3 minutes on the H200 with the default sweep (most of it Triton compiling each tile once).
+About 1.5 minutes on the H200 with the default sweep (most of it Triton compiling each tile once).
 """
 
 from __future__ import annotations
@@ -37,13 +40,16 @@ from decode_h200 import provenance  # noqa: E402
 from moe_kernels_h200 import time_graph  # noqa: E402
 
 from paged_experts import fp8  # noqa: E402
-from paged_experts.kernels import moe_tiles, moe_triton  # noqa: E402
+from paged_experts.kernels import fused, moe_tiles, moe_triton  # noqa: E402
 from paged_experts.kernels.moe_tiles import TileConfig  # noqa: E402
 from paged_experts.kernels.moe_triton_fp8 import fp8_pairs  # noqa: E402
+from paged_experts.store import ExpertTensors  # noqa: E402
 
 OLD_TILES = "gate_up=16x128x4,down=16x128x4"  # the kernels before the tile table (per-block partial dots)
 GATE_UP = "gate_up:2,4,8,16,32:256,512,1024:2,4,8"
 DOWN = "down/v:2,4,8,16:128,256,512:4,8;down:8,16,32:256,512,1024:2,4"
+PREFILL_PATHS = ("triton:64x128x128x4x3", "triton:64x128x128x8x3", "triton:128x128x128x8x3", "triton:64x64x128x4x4")
+"""Candidates of the large-step path (moe_grouped_fp8 tiles); 'dequant' (the old path) is always timed."""
 QUICK_GATE_UP = "gate_up:4,8,16:512,1024:4,8"
 QUICK_DOWN = "down/v:2,4,8:256:4,8;down:16:512:4"
 
@@ -151,6 +157,61 @@ def tune_batch(layer: Layer, batch: int, args: argparse.Namespace, gen: torch.Ge
     return row
 
 
+def tune_prefill(layer: Layer, args: argparse.Namespace, gen: torch.Generator) -> dict[str, Any]:
+    """The large-step FP8 path (steps above MAX_PAIRS: prefill, big batches): moe_grouped_fp8 per tile
+    candidate and 'dequant' (dequantize the table, grouped GEMM), each timed eagerly (prefill is not
+    graphed) at every size in --prefill-tokens. One choice serves every size: a pair must compute the
+    same bits in a resident step and in any paged wave, so the path never depends on the step's size."""
+    experts = ExpertTensors(*layer.q, *layer.s)
+    cases = []
+    for tokens in (int(v) for v in args.prefill_tokens.split(",")):
+        rows = torch.stack([torch.randperm(layer.e, generator=gen)[: layer.top_k] for _ in range(tokens)])  # [T, k]
+        _, offs, _ = fused.group_pairs(rows.reshape(-1).cuda(), layer.e)  # [E] cumulative pairs per expert
+        x = torch.randn(tokens * layer.top_k, layer.h, generator=gen).to("cuda", torch.bfloat16)  # [P, H] sorted pairs
+        cases.append((tokens, x, offs))
+    row: dict[str, Any] = {"tokens": [c[0] for c in cases], "us": {}}
+    for spec in ("dequant", *args.prefill_paths.split(",")):
+        tiles = moe_tiles.parse_prefill(spec)
+        times = []
+        for _, x, offs in cases:
+            if tiles is None:
+                op = lambda x=x, offs=offs: fused.expert_mlp(x, experts.dense(torch.bfloat16), offs)  # noqa: E731
+            else:
+                op = lambda x=x, offs=offs, t=tiles: fused.fp8_expert_mlp(x, experts, offs, t)  # noqa: E731
+            try:
+                times.append(time_eager(op, args.replays // 4 or 1))
+            except Exception as exc:  # noqa: BLE001 - a tile the compiler refuses is recorded, not fatal
+                row.setdefault("errors", {})[spec] = repr(exc)[:200]
+                break
+        if len(times) != len(cases):
+            continue
+        row["us"][spec] = [t * 1e6 for t in times]
+        flops = [2 * 3 * tokens * layer.top_k * layer.h * layer.i for tokens, _, _ in cases]
+        print(
+            f"prefill {spec:24s} "
+            + ", ".join(
+                f"{tok} tokens {t * 1e6:7.0f} us ({f / t / 1e12:5.1f} TFLOP/s)"
+                for tok, t, f in zip(row["tokens"], times, flops)
+            ),
+            flush=True,
+        )
+    row["best"] = min(row["us"], key=lambda spec: sum(row["us"][spec]))
+    return row
+
+
+def time_eager(op: Callable[[], object], reps: int) -> float:
+    """Seconds per call, eager (host launch costs included, as a prefill step pays them), CUDA events."""
+    op()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        op()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,2,4")
@@ -165,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
         "--gate-up", default=GATE_UP, help="gate_up candidates: kernel:block_n list:block_k list:warps list"
     )
     ap.add_argument("--down", default=DOWN, help="down candidates, ';'-separated (down/v: a token's pairs together)")
+    ap.add_argument("--prefill-tokens", default="16,256,2048", help="step sizes of the large-step path's sweep")
+    ap.add_argument("--prefill-paths", default=",".join(PREFILL_PATHS), help="its moe_grouped_fp8 candidates")
+    ap.add_argument("--no-prefill", action="store_true", help="tune the decode tiles only")
     ap.add_argument("--quick", action="store_true", help="a smaller sweep (about a minute)")
     ap.add_argument("--write", type=Path, default=moe_tiles.FP8_TABLE_PATH, help="the tile table to update")
     ap.add_argument("--no-write", action="store_true")
@@ -193,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
         "hbm_GB_per_s": args.hbm_gbps,
         "batches": [tune_batch(layer, b, args, gen) for b in batches],
     }
+    if not args.no_prefill:
+        record["prefill"] = tune_prefill(layer, args, gen)
+        print(
+            f"large steps (prefill): {record['prefill']['best']} (least total time over {args.prefill_tokens} tokens)"
+        )
     record["elapsed_s"] = time.perf_counter() - t0
     print(
         f"\n{'batch':>5} {'best tiles':40s} {'us':>7} {'GB/s':>6} {'%HBM':>5} "
@@ -219,6 +288,12 @@ def main(argv: list[str] | None = None) -> int:
             "us_per_layer": {str(r["batch"]): round(r["best_us"], 2) for r in record["batches"]},
             "GB_per_s": {str(r["batch"]): round(r["best_GB_per_s"]) for r in record["batches"]},
         }
+        if "prefill" in record:
+            table.setdefault("prefill", {})[moe_tiles.prefill_key(args.hidden, args.inter)] = record["prefill"]["best"]
+            table["measured"][key]["prefill_us"] = {
+                spec: dict(zip(map(str, record["prefill"]["tokens"]), (round(t) for t in us)))
+                for spec, us in record["prefill"]["us"].items()
+            }
         args.write.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
         print(f"wrote {args.write} ({key}); elapsed {record['elapsed_s']:.0f} s")
     return 0

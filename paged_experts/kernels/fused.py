@@ -109,6 +109,16 @@ def fp8_grouped_tiles(weights: ExpertTensors) -> GroupedTiles | None:
     return moe_tiles.fp8_prefill(hidden, inter)
 
 
+def fp8_expert_mlp(
+    x_sorted: torch.Tensor, weights: ExpertTensors, offs: torch.Tensor, tiles: GroupedTiles
+) -> torch.Tensor:
+    """`expert_mlp` of FP8 rows by moe_grouped_fp8 with the given tiles: x_sorted [P, H] -> [P, H]."""
+    blocks = block_table(offs, x_sorted.shape[0], tiles.block_m)  # one table for the three matmuls
+    gate = grouped_fp8_mm(x_sorted, weights.gate, weights.get("gate_scale"), blocks, tiles)  # [P, I]
+    up = grouped_fp8_mm(x_sorted, weights.up, weights.get("up_scale"), blocks, tiles)  # [P, I]
+    return grouped_fp8_mm(F.silu(gate) * up, weights.down, weights.get("down_scale"), blocks, tiles)  # [P, H]
+
+
 def expert_mlp(x_sorted: torch.Tensor, weights: ExpertTensors, offs: torch.Tensor) -> torch.Tensor:
     """x_sorted: [P, H] pairs sorted by weight row; offs: [G] int32 over G = weights.num_rows -> [P, H].
     FP8 tables run moe_grouped_fp8 on FP8 rows where `fp8_grouped_tiles` says so; elsewhere they are
@@ -118,10 +128,7 @@ def expert_mlp(x_sorted: torch.Tensor, weights: ExpertTensors, offs: torch.Tenso
         return torch.empty_like(x_sorted)
     tiles = fp8_grouped_tiles(weights)
     if tiles is not None:
-        blocks = block_table(offs, x_sorted.shape[0], tiles.block_m)
-        gate = grouped_fp8_mm(x_sorted, weights.gate, weights.get("gate_scale"), blocks, tiles)  # [P, I]
-        up = grouped_fp8_mm(x_sorted, weights.up, weights.get("up_scale"), blocks, tiles)  # [P, I]
-        return grouped_fp8_mm(F.silu(gate) * up, weights.down, weights.get("down_scale"), blocks, tiles)  # [P, H]
+        return fp8_expert_mlp(x_sorted, weights, offs, tiles)
     weights = weights.dense(x_sorted.dtype)
     gate = grouped_mm(x_sorted, weights.gate.transpose(1, 2), offs)  # [P, I]
     up = grouped_mm(x_sorted, weights.up.transpose(1, 2), offs)  # [P, I]
