@@ -60,8 +60,10 @@ if triton is not None:
         BM: tl.constexpr,
         BN: tl.constexpr,
         BK: tl.constexpr,
+        IEEE: tl.constexpr,
     ):
-        """a [P, K], w [G, N, K] fp8, s [G, N/QB, K/QB] fp32, blocks (group, first row, end row) -> out [P, N]."""
+        """a [P, K], w [G, N, K] fp8, s [G, N/QB, K/QB] fp32, blocks (group, first row, end row) -> out [P, N].
+        IEEE: fp32 activations multiply in full fp32 (tl.dot would round them to tf32)."""
         b = tl.program_id(0)
         g = tl.load(blk_group + b).to(tl.int64)
         if g < 0:  # past the last group's blocks
@@ -83,7 +85,10 @@ if triton is not None:
             at = tl.load(a + m[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
             wt = tl.load(w + w_off + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BK, BN] fp8
             sc = tl.load(s + s_row + k0 // QB)  # the block's scale
-            acc += sc * tl.dot(at, wt.to(at.dtype))  # [BM, BN], fp32
+            if IEEE:
+                acc += sc * tl.dot(at, wt.to(at.dtype), input_precision="ieee")  # [BM, BN], fp32
+            else:
+                acc += sc * tl.dot(at, wt.to(at.dtype))  # [BM, BN], fp32
         tl.store(out + m[:, None] * N + n[None, :], acc.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
@@ -162,6 +167,7 @@ def grouped_fp8_mm(
         BM=tiles.block_m,
         BN=tiles.block_n,
         BK=tiles.block_k,
+        IEEE=a.dtype == torch.float32,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
