@@ -81,6 +81,9 @@ def check_kernels(device: str = "cpu", dtype: torch.dtype = torch.float32, tol: 
 # (tokens, experts, top_k, hidden, intermediate) for FP8 experts: partial 128-blocks on both axes,
 # several blocks per row, and shared experts between tokens.
 FP8_CASES = ((1, 8, 2, 300, 200), (3, 12, 4, 256, 192), (2, 6, 3, 130, 128))
+# tiles beside the defaults: the one-pair down loop, steps of 512 and 256 columns (several scale
+# blocks per step, partial at the edge), one-row tiles, and the old kernels' 16 x 128
+FP8_TILES = ("gate_up=16x512x4,down=8x256x4", "gate_up=1x256x2,down=32x64x2xv", "gate_up=16x128x4,down=16x128x4")
 
 
 def check_fp8_kernels(device: str = "cpu", dtype: torch.dtype = torch.float32, tol: float = 1e-4) -> None:
@@ -88,7 +91,7 @@ def check_fp8_kernels(device: str = "cpu", dtype: torch.dtype = torch.float32, t
     table (paged) against the table in expert order (resident): the same bits."""
     from paged_experts import fp8
     from paged_experts.experts import route
-    from paged_experts.kernels import moe_triton
+    from paged_experts.kernels import moe_tiles, moe_triton, moe_triton_fp8
 
     gen = torch.Generator().manual_seed(1)
     for t, e, k, h, i in FP8_CASES:
@@ -108,6 +111,12 @@ def check_fp8_kernels(device: str = "cpu", dtype: torch.dtype = torch.float32, t
         got = moe_triton.moe_pairs(x, rows.reshape(-1), topw, *weights, k, *scales)
         assert got.shape == (t, h) and got.dtype == dtype
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * max(1.0, want.abs().max().item()))
+        for tiles in FP8_TILES:  # every kernel variant and steps spanning several scale blocks
+            parsed = moe_tiles.parse_fp8_tiles(tiles)
+            hid = x.new_empty(t * k, i)  # [T*k, I]
+            out = x.new_empty(t, h)  # [T, H]
+            moe_triton_fp8.fp8_pairs(x, rows.reshape(-1), topw, tuple(weights), tuple(scales), k, hid, out, parsed)
+            torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol * max(1.0, want.abs().max().item()))
         perm = torch.randperm(e, generator=gen).to(device)
         slot_of = torch.argsort(perm)
         paged = moe_triton.moe_pairs(
@@ -115,6 +124,65 @@ def check_fp8_kernels(device: str = "cpu", dtype: torch.dtype = torch.float32, t
         )
         assert torch.equal(paged, got)
         print("ok", (t, e, k, h, i))
+
+
+# (pairs, groups, N, K, pairs covered by the groups) for the grouped FP8 matmul: empty groups, groups
+# over several row blocks, partial N and K tiles, and rows past the last group (the overlapped pass
+# leaves them to the other pass).
+GROUPED_CASES = ((40, 6, 160, 256, 40), (7, 12, 128, 130, 7), (50, 5, 96, 128, 31))
+
+
+def check_grouped_fp8(device: str = "cpu", dtype: torch.dtype = torch.float32, tol: float = 1e-4) -> None:
+    """moe_grouped_fp8 against the dequantized weights per group (fp32), its block table against the
+    plain definition, and a pair's bits independent of its neighbours (a paged wave's table)."""
+    from paged_experts import fp8
+    from paged_experts.kernels.moe_grouped_fp8 import block_table, grouped_fp8_mm
+    from paged_experts.kernels.moe_tiles import GroupedTiles
+
+    gen = torch.Generator().manual_seed(2)
+    tiles = GroupedTiles(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=2)
+    for p, g, n, k, covered in GROUPED_CASES:
+        cuts = torch.sort(torch.randint(0, covered + 1, (g - 1,), generator=gen)).values
+        offs = torch.cat([cuts, torch.tensor([covered])]).to(torch.int32)  # [G] cumulative, some groups empty
+        w, s = fp8.quantize(torch.randn(g, n, k, generator=gen) / 8)
+        a = torch.randn(p, k, generator=gen)
+        blocks = block_table(offs.to(device), p, tiles.block_m)
+        want_blocks = [
+            (gi, m, int(offs[gi]))  # the block's first row and its group's end
+            for gi in range(g)
+            for m in range(int(offs[gi - 1]) if gi else 0, int(offs[gi]), tiles.block_m)
+        ]
+        got_blocks = [(int(x), int(y), int(z)) for x, y, z in zip(*(t.cpu() for t in blocks)) if x >= 0]
+        assert got_blocks == want_blocks, (offs, got_blocks, want_blocks)
+        assert blocks.group.shape[0] == -(-p // tiles.block_m) + min(g, p)
+        assert (blocks.group.cpu()[len(want_blocks) :] == -1).all()
+        got = grouped_fp8_mm(a.to(device, dtype), w.to(device), s.to(device), blocks, tiles)
+        dense = fp8.dequantize(w, s, torch.float32)  # [G, N, K]
+        start = 0
+        for gi, end in enumerate(offs.tolist()):
+            want = a[start:end] @ dense[gi].T  # [rows, N]
+            if end == start:
+                continue
+            torch.testing.assert_close(
+                got[start:end].float().cpu(), want, rtol=tol, atol=tol * max(1.0, want.abs().max().item())
+            )
+            start = end
+        # the same pairs computed one group at a time from a permuted table (a paged wave): the same bits
+        perm = torch.randperm(g, generator=gen)
+        first = 0
+        for gi, end in enumerate(offs.tolist()):
+            if end > first:
+                one = torch.tensor([end - first], dtype=torch.int32)
+                wave = grouped_fp8_mm(
+                    a[first:end].to(device, dtype),
+                    w[perm][torch.argsort(perm)[gi]][None].to(device),
+                    s[gi][None].to(device),
+                    block_table(one.to(device), end - first, tiles.block_m),
+                    tiles,
+                )
+                assert torch.equal(wave, got[first:end]), (gi, (wave - got[first:end]).abs().max())
+            first = end
+        print("ok", (p, g, n, k, covered))
 
 
 # (batch, query heads, KV heads, head dim, block size, positions): GQA groups of 1, 4 and 8,
@@ -152,7 +220,12 @@ def check_attention(device: str = "cpu", dtype: torch.dtype = torch.float32, tol
 
 @pytest.mark.parametrize(
     ("check", "cases"),
-    [("check_kernels", CASES), ("check_attention", ATTENTION_CASES), ("check_fp8_kernels", FP8_CASES)],
+    [
+        ("check_kernels", CASES),
+        ("check_attention", ATTENTION_CASES),
+        ("check_fp8_kernels", FP8_CASES),
+        ("check_grouped_fp8", GROUPED_CASES),
+    ],
 )
 def test_decode_kernels_match_torch_in_the_interpreter(check: str, cases: tuple) -> None:
     pytest.importorskip("triton")

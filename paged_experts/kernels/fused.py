@@ -22,7 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from paged_experts.experts import route
-from paged_experts.kernels import moe_triton
+from paged_experts.kernels import moe_tiles, moe_triton
+from paged_experts.kernels.moe_grouped_fp8 import block_table, grouped_fp8_mm
+from paged_experts.kernels.moe_tiles import GroupedTiles
 from paged_experts.store import ExpertTensors
 
 _BACKEND: dict[tuple[str, torch.dtype], str] = {}
@@ -98,12 +100,35 @@ def expert_backend() -> str:
     return _EXPERT_BACKEND[0]
 
 
+def fp8_grouped_tiles(weights: ExpertTensors) -> GroupedTiles | None:
+    """The tiles of moe_grouped_fp8 where FP8 `weights` run it (on CUDA with Triton, by the shape's
+    measured choice: moe_tiles.fp8_prefill), else None (dequantize, then grouped GEMM)."""
+    if not weights.is_fp8 or weights.gate.device.type != "cuda" or not moe_triton.available():
+        return None
+    inter, hidden = weights.gate.shape[1:]
+    return moe_tiles.fp8_prefill(hidden, inter)
+
+
+def fp8_expert_mlp(
+    x_sorted: torch.Tensor, weights: ExpertTensors, offs: torch.Tensor, tiles: GroupedTiles
+) -> torch.Tensor:
+    """`expert_mlp` of FP8 rows by moe_grouped_fp8 with the given tiles: x_sorted [P, H] -> [P, H]."""
+    blocks = block_table(offs, x_sorted.shape[0], tiles.block_m)  # one table for the three matmuls
+    gate = grouped_fp8_mm(x_sorted, weights.gate, weights.get("gate_scale"), blocks, tiles)  # [P, I]
+    up = grouped_fp8_mm(x_sorted, weights.up, weights.get("up_scale"), blocks, tiles)  # [P, I]
+    return grouped_fp8_mm(F.silu(gate) * up, weights.down, weights.get("down_scale"), blocks, tiles)  # [P, H]
+
+
 def expert_mlp(x_sorted: torch.Tensor, weights: ExpertTensors, offs: torch.Tensor) -> torch.Tensor:
     """x_sorted: [P, H] pairs sorted by weight row; offs: [G] int32 over G = weights.num_rows -> [P, H].
-    FP8 tables are dequantized whole first (no host read: graph-safe); host-planned waves hand in
-    only their own experts' rows (moe/waves.py)."""
+    FP8 tables run moe_grouped_fp8 on FP8 rows where `fp8_grouped_tiles` says so; elsewhere they are
+    dequantized whole first (no host read: graph-safe), and host-planned waves hand in only their
+    own experts' rows (moe/waves.py)."""
     if x_sorted.shape[0] == 0:
         return torch.empty_like(x_sorted)
+    tiles = fp8_grouped_tiles(weights)
+    if tiles is not None:
+        return fp8_expert_mlp(x_sorted, weights, offs, tiles)
     weights = weights.dense(x_sorted.dtype)
     gate = grouped_mm(x_sorted, weights.gate.transpose(1, 2), offs)  # [P, I]
     up = grouped_mm(x_sorted, weights.up.transpose(1, 2), offs)  # [P, I]
@@ -148,11 +173,14 @@ def uses_triton(num_pairs: int, device: torch.device) -> bool:
 def kernel_choice(is_fp8: bool, device_type: str, dtype: str) -> dict[str, str]:
     """Which expert kernels serve which steps (recorded in the server's info and log)."""
     weights = "FP8 rows + float32 block scales" if is_fp8 else f"{dtype} rows"
-    large = (
-        f"the step's (or wave's) experts dequantized to {dtype}, then grouped GEMM"
-        if is_fp8
-        else "grouped GEMM (torch._grouped_mm or its fallback)"
-    )
+    large = "grouped GEMM (torch._grouped_mm or its fallback)"
+    if is_fp8:
+        large = f"the step's (or wave's) experts dequantized to {dtype}, then grouped GEMM"
+        if device_type == "cuda" and moe_triton.available():
+            large = (
+                "moe_grouped_fp8 (FP8 rows converted in registers, tensor-core MMA, block scales in fp32) "
+                f"where the shape's measured choice is triton ({moe_tiles.FP8_PREFILL_ENV}), else {large}"
+            )
     if _EXPERT_BACKEND[0] == "triton" and device_type == "cuda":
         small = f"moe_triton per-pair kernels reading {weights}, fp32 accumulation"
         return {f"steps <= {moe_triton.MAX_PAIRS} pairs": small, "larger steps": large}

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from paged_experts.experts import build_dispatch, combine, run_experts
-from paged_experts.kernels.fused import combine_pairs, run_pairs
+from paged_experts.kernels.fused import combine_pairs, fp8_grouped_tiles, run_pairs
 from paged_experts.store import ExpertTensors
 
 
@@ -58,7 +58,9 @@ class _FusedPass:
 
     def wave(self, table: ExpertTensors, experts: Sequence[int], rows: Sequence[int]) -> None:
         rows_t = torch.tensor(rows, dtype=torch.long)  # [n]
-        if table.is_fp8:  # dequantize only this wave's experts: a compact table, row i = rows[i]
+        # FP8 without the grouped FP8 kernel: dequantize only this wave's experts, a compact table
+        # (row i = rows[i]); with it, the kernel reads the table's FP8 rows as a resident step does
+        if table.is_fp8 and fp8_grouped_tiles(table) is None:
             table = table.dense(self.x.dtype, _to_device(rows_t, table.gate.device))
             rows_t = torch.arange(len(rows), dtype=torch.long)
         experts_t = torch.tensor(experts, dtype=torch.long)  # [n]

@@ -1,6 +1,8 @@
 """CUDA checks of block-FP8 experts (paged_experts/fp8.py) at Qwen3-30B-A3B layer shapes:
 - the FP8 Triton kernels compiled, in bf16, against the dequantized weights (the interpreter test's
   check at the GPU's dtype), and paged (permuted slot table) == resident bit for bit;
+- at the real shape, the decode kernels with the tile table's tiles for batches 1-4, and the grouped
+  FP8 kernel of large steps (prefill) against the dequantize-then-grouped-GEMM path;
 - the page-in kernel copies FP8 rows and their scales from pinned memory, nothing for padding;
 - FP8 paged == FP8 resident bit for bit for K from top_k to E (device-planned one-wave decode,
   host-planned multi-wave prefill), with the grouped backend and with the triton backend;
@@ -48,6 +50,56 @@ def test_fp8_kernels_bf16() -> None:
     from test_moe_triton import check_fp8_kernels
 
     check_fp8_kernels(device="cuda", dtype=torch.bfloat16, tol=2e-2)
+
+
+def test_grouped_fp8_kernel_bf16() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from test_moe_triton import check_grouped_fp8
+
+    check_grouped_fp8(device="cuda", dtype=torch.bfloat16, tol=2e-2)
+
+
+def _real_layer(e: int = 128, h: int = 2048, i: int = 768) -> ExpertTensors:
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q = [fp8.quantize(torch.randn(s, device="cuda", generator=gen) / 30) for s in ((e, i, h), (e, i, h), (e, h, i))]
+    return ExpertTensors(*(w for w, _ in q), *(s for _, s in q))
+
+
+def test_fp8_decode_kernels_at_the_real_shape_with_the_table_tiles() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from test_moe_triton import reference_moe
+
+    from paged_experts.kernels import moe_tiles, moe_triton
+
+    layer = _real_layer()
+    dense = layer.dense(torch.float32)
+    gen = torch.Generator().manual_seed(4)
+    for b in (1, 2, 3, 4):
+        x = torch.randn(b, 2048, generator=gen).to("cuda", torch.bfloat16)  # [B, H]
+        rows = torch.stack([torch.randperm(128, generator=gen)[:8] for _ in range(b)]).reshape(-1).cuda()  # [B*k]
+        w = torch.softmax(torch.randn(b, 8, generator=gen), -1).cuda()  # [B, k]
+        got = moe_triton.moe_pairs(x, rows, w, layer.gate, layer.up, layer.down, 8, *layer.scales)
+        want = reference_moe(x, rows, w, dense.gate, dense.up, dense.down, 8)
+        rel = ((got.float() - want).abs().max() / want.abs().max()).item()
+        print(f"B={b} tiles {moe_tiles.fp8_tiles(2048, 768, 8, b)}: max relative difference {rel:.2e}")
+        assert rel < 2e-2
+
+
+def test_fp8_grouped_kernel_matches_the_dequantized_path_at_the_real_shape() -> None:
+    from paged_experts.kernels.fused import expert_mlp, fp8_grouped_tiles, group_pairs
+
+    layer = _real_layer()
+    assert fp8_grouped_tiles(layer) is not None  # the shipped choice for this shape: the FP8 kernel
+    gen = torch.Generator().manual_seed(5)
+    for tokens in (5, 300):
+        rows = torch.stack([torch.randperm(128, generator=gen)[:8] for _ in range(tokens)]).reshape(-1).cuda()
+        order, offs, _ = group_pairs(rows, 128)
+        x = torch.randn(tokens * 8, 2048, generator=gen).to("cuda", torch.bfloat16)  # [P, H] sorted pairs
+        got = expert_mlp(x, layer, offs).float()
+        want = expert_mlp(x, layer.dense(torch.bfloat16), offs).float()
+        rel = ((got - want).abs().max() / want.abs().max()).item()
+        print(f"{tokens} tokens: grouped FP8 kernel vs dequantized grouped GEMM, max relative difference {rel:.2e}")
+        assert rel < 2e-2
 
 
 def test_page_in_kernel_copies_fp8_rows_and_scales() -> None:

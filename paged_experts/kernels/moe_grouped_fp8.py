@@ -1,0 +1,174 @@
+"""Grouped matmul over block-FP8 expert rows in Triton: the large-step (prefill) twin of fused.grouped_mm.
+
+`grouped_fp8_mm(a, w, scale, offs)`: a [P, K] rows sorted by group (offs [G] cumulative), w [G, N, K]
+float8_e4m3fn with float32 128 x 128 block scales [G, N/128, K/128] -> [P, N] = a[rows of g] @ W[g]^T.
+Before it, FP8 steps larger than moe_triton.MAX_PAIRS dequantized the whole table to bf16 in HBM
+(`ExpertTensors.dense`: a layer's 604 MB of FP8 read, 1.2 GB of bf16 written and read again per
+step); here a weight tile is converted to the activations' dtype in registers (e4m3 values are exact
+in bf16 and fp32), multiplied on the tensor cores, and its 128 x 128 block's scale applied to the
+partial product in fp32, one K step per scale block (block_k divides 128, block_n divides 128).
+
+Programs: one per (block of block_m rows of one group, tile of N). The block table (which group,
+which rows) is built on the device from offs (`block_table`: no host sync, graph-safe), over the
+bound cdiv(P, BM) + min(G, P) blocks; blocks past the last group exit at once.
+
+A row's result depends only on its own activations and its group's weights (masked rows are zeros
+and the MMA computes each output from its own row), and the tiles are fixed per shape, never chosen
+by the step's size: so a pair computes the same bits in a resident step and in any paged wave.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the CPU torch wheel ships no Triton
+    triton = None  # type: ignore[assignment]
+
+from typing import NamedTuple
+
+from paged_experts.kernels.moe_tiles import GroupedTiles
+
+QUANT_BLOCK = 128  # fp8.BLOCK
+
+
+class BlockTable(NamedTuple):
+    """The row blocks of one grouped step: block b computes rows m0[b] to min(m0[b] + BM, m1[b]) of
+    group[b] (-1: none), m1 being the group's end."""
+
+    group: torch.Tensor  # [NB] int32
+    m0: torch.Tensor  # [NB] int32
+    m1: torch.Tensor  # [NB] int32
+
+
+if triton is not None:
+
+    @triton.jit
+    def _grouped_fp8(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
+        a,
+        w,
+        s,
+        out,
+        blk_group,
+        blk_m0,
+        blk_m1,
+        N: tl.constexpr,
+        K: tl.constexpr,
+        QB: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        """a [P, K], w [G, N, K] fp8, s [G, N/QB, K/QB] fp32, blocks (group, first row, end row) -> out [P, N].
+        IEEE: fp32 activations multiply in full fp32 (tl.dot would round them to tf32)."""
+        b = tl.program_id(0)
+        g = tl.load(blk_group + b).to(tl.int64)
+        if g < 0:  # past the last group's blocks
+            return
+        m0 = tl.load(blk_m0 + b).to(tl.int64)
+        m1 = tl.load(blk_m1 + b).to(tl.int64)
+        n0 = tl.program_id(1) * BN
+        m = m0 + tl.arange(0, BM)  # [BM]
+        m_ok = m < m1
+        n = n0 + tl.arange(0, BN)  # [BN]
+        n_ok = n < N
+        sk: tl.constexpr = (K + QB - 1) // QB
+        s_row = g * ((N + QB - 1) // QB) * sk + (n0 // QB) * sk  # scalar: the tile's scale row (BN | QB)
+        w_off = g * N * K + n[None, :].to(tl.int64) * K  # [1, BN]
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            k = k0 + tl.arange(0, BK)  # [BK], inside one scale block (BK | QB)
+            k_ok = k < K
+            at = tl.load(a + m[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
+            wt = tl.load(w + w_off + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BK, BN] fp8
+            sc = tl.load(s + s_row + k0 // QB)  # the block's scale
+            if IEEE:
+                acc += sc * tl.dot(at, wt.to(at.dtype), input_precision="ieee")  # [BM, BN], fp32
+            else:
+                acc += sc * tl.dot(at, wt.to(at.dtype))  # [BM, BN], fp32
+        tl.store(out + m[:, None] * N + n[None, :], acc.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _block_table(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
+        offs,
+        table,
+        NB,
+        G: tl.constexpr,
+        GB: tl.constexpr,
+        BM: tl.constexpr,
+        CH: tl.constexpr,
+    ):
+        """offs [G] cumulative -> table [3, NB] int32 rows (group or -1, first row, end row), one program."""
+        gi = tl.arange(0, GB)  # [GB]
+        g_ok = gi < G
+        end = tl.load(offs + gi, mask=g_ok, other=0).to(tl.int64)  # [GB]
+        start = tl.load(offs + gi - 1, mask=g_ok & (gi > 0), other=0).to(tl.int64)  # [GB]
+        end = tl.where(g_ok, end, start)  # padding groups: no rows
+        nblk = (end - start + BM - 1) // BM  # [GB] blocks of each group
+        cum = tl.cumsum(nblk, axis=0)  # [GB] inclusive
+        first = cum - nblk  # [GB] the group's first block
+        total = tl.sum(nblk, axis=0)
+        for b0 in range(0, NB, CH):
+            b = b0 + tl.arange(0, CH)  # [CH]
+            g = tl.sum((cum[None, :] <= b[:, None]).to(tl.int32), axis=1)  # [CH]: groups wholly before b
+            sel = gi[None, :] == g[:, None]  # [CH, GB] one-hot of b's group
+            g_start = tl.sum(tl.where(sel, start[None, :], 0), axis=1)  # [CH]
+            g_first = tl.sum(tl.where(sel, first[None, :], 0), axis=1)  # [CH]
+            g_end = tl.sum(tl.where(sel, end[None, :], 0), axis=1)  # [CH]
+            valid = b < total
+            b_ok = b < NB
+            tl.store(table + b, tl.where(valid, g, -1).to(tl.int32), mask=b_ok)
+            tl.store(table + NB + b, (g_start + (b - g_first) * BM).to(tl.int32), mask=b_ok)
+            tl.store(table + 2 * NB + b, g_end.to(tl.int32), mask=b_ok)
+
+
+def block_table(offs: torch.Tensor, num_pairs: int, block_m: int) -> BlockTable:
+    """offs [G] int cumulative pair counts -> each group's rows cut into blocks of at most block_m, in
+    group order, over NB = cdiv(P, BM) + min(G, P) blocks: (group [NB] or -1 past the last block,
+    first row [NB], the group's end row [NB]) int32. One kernel (`_block_table`): the same table in torch took a
+    dozen launches, 0.3-0.5 ms of host time per call on the H200, more than a small step's matmuls."""
+    g_count = offs.shape[0]
+    nb = -(-num_pairs // block_m) + min(g_count, num_pairs)
+    table = torch.empty(3, nb, dtype=torch.int32, device=offs.device)  # [3, NB]
+    if nb:
+        _block_table[(1,)](offs, table, nb, G=g_count, GB=triton.next_power_of_2(g_count), BM=block_m, CH=64)
+    return BlockTable(table[0], table[1], table[2])
+
+
+def grouped_fp8_mm(
+    a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, blocks: BlockTable, tiles: GroupedTiles
+) -> torch.Tensor:
+    """a [P, K] sorted by group, w [G, N, K] float8_e4m3fn, scale [G, N/128, K/128] fp32, blocks:
+    `block_table(offs, P, tiles.block_m)` (one table serves every matmul of a step) -> [P, N] in a's
+    dtype (fp32 accumulation, one rounding)."""
+    p, k = a.shape
+    g, n, _ = w.shape
+    if QUANT_BLOCK % tiles.block_k or QUANT_BLOCK % tiles.block_n:
+        raise ValueError(f"grouped FP8 tiles {tiles}: block_n and block_k must divide {QUANT_BLOCK}")
+    out = a.new_empty(p, n)  # [P, N]
+    if p == 0:
+        return out
+    group, m0, m1 = blocks
+    grid = (group.shape[0], triton.cdiv(n, tiles.block_n))
+    _grouped_fp8[grid](
+        a.contiguous(),
+        w,
+        scale,
+        out,
+        group,
+        m0,
+        m1,
+        N=n,
+        K=k,
+        QB=QUANT_BLOCK,
+        BM=tiles.block_m,
+        BN=tiles.block_n,
+        BK=tiles.block_k,
+        IEEE=a.dtype == torch.float32,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    return out
