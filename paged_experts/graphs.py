@@ -9,8 +9,10 @@ override, or a synthetic router whose ids for every layer are drawn before the s
 with the other inputs; every layer resident or device-planned paged) instead replays a graph over
 fixed-shape buffers:
 - tokens [B], positions [B], new KV rows [B], then a KV table: with the triton backend each
-  sequence's block table [B, W] (W = the pool's blocks), which `attn_triton` walks only up to the
-  sequence's own position, so ONE graph per batch size serves every context length; with the torch
+  sequence's block table [B, W] (W = the pool's blocks), which `attn_triton`'s split attention
+  walks in chunks of the context (one program per chunk, a fixed grid sized for the pool's capacity:
+  chunks past a sequence's position exit at once), so ONE graph per batch size serves every context
+  length at every batch size; with the torch
   attention, the KV rows of positions 0..L-1 [B, L] with an additive mask, L the step's longest
   context rounded up to a power of two (at least 64): one graph per (B, L bucket);
 - MoE layers run on the device with no host sync through `MoeLayer.decode_pass`: resident layers
@@ -113,6 +115,7 @@ class GraphedDecoder:
         if self.capture and self._paged and not graph_safe(model.device):
             raise ValueError("CUDA-graph decode of paged layers needs Triton (the device page-in kernel)")
         self._pool: KvPool | None = None
+        self._split: attn_triton.SplitPlan | None = None
         self._entries: dict[StepKey, Entry] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.capture else None
         self.replays = 0
@@ -260,6 +263,8 @@ class GraphedDecoder:
         # graphs address the pool's K/V tensors: a new pool, new graphs
         self._entries.clear()
         self._pool = pool
+        # the split attention's chunks cover the pool's whole table: fixed per pool, every length served
+        self._split = attn_triton.split_plan(pool.num_blocks * pool.block_size)
         if self.capture:  # and a fresh memory pool: reusing the freed graphs' pool trips the allocator
             torch.cuda.synchronize()
             self._mempool = torch.cuda.graph_pool_handle()
@@ -345,7 +350,9 @@ class GraphedDecoder:
                     x, w.input_norm, w.qkv_proj, w.q_norm, w.k_norm, kv_k, kv_v, cos, sin, new_rows,
                     cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
                 )  # fmt: skip
-                attn = attn_triton.decode_attention(q, kv_k, kv_v, table, positions, self._pool.block_size)  # [B, nh*D]
+                attn = attn_triton.decode_attention_split(
+                    q, kv_k, kv_v, table, positions, self._pool.block_size, self._split
+                )  # [B, nh*D]
                 x, h, logits = self._attention_out(x, attn, w.o_proj, w.post_norm, moe.router_weight, cfg.rms_norm_eps)
             else:
                 x, h, logits = self._attention_fn(
