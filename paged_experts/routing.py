@@ -21,16 +21,18 @@ Draws are a pure function of (seed, request id, position, layer): a counter-base
 stream and no per-request state, so runs repeat exactly, a request's routing does not depend on its
 batch-mates, and any token is drawn without its predecessors. The graphed decode step draws inside
 its graph (`SyntheticRouter.draw_device`: one Triton kernel, kernels/routing_triton.py) from the
-request ids and positions in its inputs; an eager step (a prefill chunk) draws every layer of its
-tokens at once on the model's device (`plan`) and copies them to the host once (one sync per step:
-the host planner of paged prefill reads them, layers ahead of the device).
+request ordinals and positions in its inputs; an eager step (a prefill chunk) draws every layer of
+its tokens at once on the model's device (`plan`: the same kernel on CUDA) and copies them to the
+host once (one sync per step: the host planner of paged prefill reads them, layers ahead of the
+device). On the CPU the torch draw (routing_draw.draw) runs, ~1,300 small ops per call.
 
-Memory and host time (Qwen3-30B-A3B: 48 layers, E = 128, k = 8): the device tables are 49 KB
-(`DrawTables.nbytes`), the graphed step's draw writes [B, 48, 8] int64 ids (3 KB at B = 1); an
-eager draw allocates ~24 MB transiently per 256 tokens. Host time per decode token: none (inside
-the graph); per eager step: launching the draw (~450 small kernels for all its tokens and layers)
-and one copy back. The host generator this replaces drew each token of a stream in turn: ~0.4 ms a
-token, 0.8-1.0 s of a 2,048-token prompt's TTFT.
+Memory and host time (Qwen3-30B-A3B: 48 layers, E = 128, k = 8): the device tables are 54 KB
+(`DrawTables.nbytes`), a draw writes [T, 48, 8] int64 ids (3 KB a token: 6.3 MB for a 2,048-token
+prompt; the torch draw off CUDA also holds ~12 temporaries of 256-token slices, ~24 MB). Host time
+per decode token: none (inside the graph); per eager step: one kernel launch and one copy back of
+its ids. The host generator this replaces drew each token of a stream in turn: ~0.4 ms a token,
+0.8-1.0 s of a 2,048-token prompt's TTFT (the H200 figures of the new draw come from
+tests/cuda/test_routing_draw_cuda.py, which prints them).
 
 Owns `RoutingParams`, `parse_spec`, `RoutingProcess` (the per-layer parameters and their draw
 tables), `SyntheticRouter` (the `Router` callable the runtime's `router_override` takes),
@@ -230,7 +232,7 @@ class SyntheticRouter:
         dev = torch.device(device)
         req = torch.tensor(self.request_ids(seq_ids, positions), dtype=torch.long).to(dev)
         pos = torch.tensor([int(p) for p in positions], dtype=torch.long).to(dev)
-        out = draw(self.tables(dev), req, pos).cpu()  # one copy back per step
+        out = self.draw_device(req, pos).cpu()  # one kernel on CUDA, one copy back per step
         self._step_key = (tuple(seq_ids), tuple(positions))
         self._step_ids = out
         return out

@@ -22,10 +22,10 @@ Every random choice is `hash2(key, field)` of the seed, request id, layer, slot,
 integer tables give the inverse CDFs (thresholds in 2^-24 units), so the torch draw here and the
 Triton kernel (kernels/routing_triton.py, the graphed decode step) agree bit for bit.
 
-Cost: the tables are 8 x L x (E + 2) + 8 x MAX_DELTA bytes on the device (49 KB for 48 layers and
-128 experts); a draw of T tokens allocates ~12 int64 tensors of T x L x k transiently (the prefill
-path draws DRAW_CHUNK_TOKENS tokens at a time: ~24 MB at 48 layers, k = 8). No host time per token:
-the graphed decode step draws inside its graph; an eager step draws once, all layers, on the device.
+Cost: the tables are 8 x L x (E + 2) + 8 x MAX_DELTA bytes (54 KB for 48 layers and 128 experts);
+this torch draw of T tokens holds ~12 int64 temporaries of T x L x k (it draws DRAW_CHUNK_TOKENS
+tokens at a time: ~24 MB at 48 layers, k = 8) and runs ~1,300 small ops per slice, which is why
+CUDA runs the Triton kernel instead (one launch, no temporaries) inside and outside graphs.
 """
 
 from __future__ import annotations

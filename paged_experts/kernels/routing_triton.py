@@ -26,18 +26,24 @@ def available() -> bool:
 
 
 if triton is not None:
+    # routing_draw's 32-bit hash on int64 values. Constants above 2^31 are written as their
+    # negative twins (same value mod 2^32) and x & 0xFFFFFFFF as x - ((x >> 32) << 32), so every
+    # literal is an int32 that promotes to int64: no unsigned constant enters the arithmetic.
+    @triton.jit
+    def _low32(x):  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
+        return x - ((x >> 32) << 32)
 
     @triton.jit
-    def _mix32(x):  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
+    def _mix32(x):  # pragma: no cover
         x = x ^ (x >> 16)
-        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x = _low32(x * 0x7FEB352D)
         x = x ^ (x >> 15)
-        x = (x * 0x846CA68B) & 0xFFFFFFFF
+        x = _low32(x * -2073254261)  # 0x846CA68B
         return x ^ (x >> 16)
 
     @triton.jit
     def _hash2(key, value):  # pragma: no cover
-        return _mix32((key + value * 0x9E3779B9) & 0xFFFFFFFF)
+        return _mix32(_low32(key + value * -1640531527))  # 0x9E3779B9
 
     @triton.jit
     def _count_le(cdf_row, u, N: tl.constexpr, NP: tl.constexpr):  # pragma: no cover
