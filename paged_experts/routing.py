@@ -22,9 +22,10 @@ stream and no per-request state, so runs repeat exactly, a request's routing doe
 batch-mates, and any token is drawn without its predecessors. The graphed decode step draws inside
 its graph (`SyntheticRouter.draw_device`: one Triton kernel, kernels/routing_triton.py) from the
 request ordinals and positions in its inputs; an eager step (a prefill chunk) draws every layer of
-its tokens at once on the model's device (`plan`: the same kernel on CUDA) and copies them to the
-host once (one sync per step: the host planner of paged prefill reads them, layers ahead of the
-device). On the CPU the torch draw (routing_draw.draw) runs, ~1,300 small ops per call.
+its tokens at once on the model's device (`plan`: the same kernel on CUDA, on a stream of its own)
+and copies them to the host once (one wait per step, for the draw alone: the host planner of paged
+prefill reads them, layers ahead of the device). On the CPU the torch draw (routing_draw.draw)
+runs, ~1,300 small ops per call.
 
 Memory and host time (Qwen3-30B-A3B: 48 layers, E = 128, k = 8): the device tables are 54 KB
 (`DrawTables.nbytes`), a draw writes [T, 48, 8] int64 ids (3 KB a token: 6.3 MB for a 2,048-token
@@ -192,6 +193,7 @@ class SyntheticRouter:
         self.process = RoutingProcess(num_layers, num_experts, top_k, parse_spec(spec), seed)
         self._tables: dict[torch.device, DrawTables] = {}
         self._requests: dict[Hashable, int] = {}  # live sequence -> its request ordinal
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # eager draws on CUDA
         self._next_request = 0
         self._step_key: tuple[tuple, tuple] | None = None
         self._step_ids = torch.empty(0, num_layers, top_k, dtype=torch.long)  # [T, L, k] of the current step
@@ -230,9 +232,15 @@ class SyntheticRouter:
     def plan(self, seq_ids: list, positions: list, device: torch.device | str = "cpu") -> torch.Tensor:
         """Draws one step on `device`: [T, L, k] int64 ids of every token for every layer, on the host."""
         dev = torch.device(device)
-        req = torch.tensor(self.request_ids(seq_ids, positions), dtype=torch.long).to(dev)
-        pos = torch.tensor([int(p) for p in positions], dtype=torch.long).to(dev)
-        out = self.draw_device(req, pos).cpu()  # one kernel on CUDA, one copy back per step
+        req = torch.tensor(self.request_ids(seq_ids, positions), dtype=torch.long)
+        pos = torch.tensor([int(p) for p in positions], dtype=torch.long)
+        if dev.type == "cuda":  # on a stream of its own: the copy back waits for the draw, not the model's queue
+            if dev not in self._streams:
+                self._streams[dev] = torch.cuda.Stream(dev)
+            with torch.cuda.stream(self._streams[dev]):
+                out = self.draw_device(req.to(dev), pos.to(dev)).cpu()  # one kernel, one copy back per step
+        else:
+            out = self.draw_device(req, pos)
         self._step_key = (tuple(seq_ids), tuple(positions))
         self._step_ids = out
         return out
