@@ -105,7 +105,7 @@ def build_tables(
     rate = np.clip(np.round(RATE_ONE * (1.0 - keep)), 0, RATE_ONE).astype(np.int64)  # 0: a slot never changes
     deltas = np.arange(1, MAX_DELTA + 1, dtype=np.float64)
     return DrawTables(
-        seed_key=int(mix32(torch.tensor((seed * _GOLDEN + 0x5EED) & M32)).item()),
+        seed_key=int(mix32(torch.tensor((seed * _GOLDEN + 0x5EED) & M32)).item()) & 0x7FFFFFFF,  # an int32 for Triton
         top_k=top_k,
         rate=torch.from_numpy(rate),
         mix_threshold=torch.from_numpy(np.round(np.clip(recency_mix, 0.0, 1.0) * U24).astype(np.int64)),

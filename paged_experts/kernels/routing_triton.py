@@ -88,7 +88,7 @@ if triton is not None:
         rate = tl.load(rates + layer)
         threshold = tl.load(thresholds + layer)
         pop_row = pop_cdf + layer * E
-        req_key = _hash2(_hash2(seed_key.to(tl.int64), req), layer)
+        req_key = _hash2(_hash2(req * 0 + seed_key, req), layer)  # int64 even if seed_key is specialised
         j = tl.arange(0, KP).to(tl.int64)  # [KP] slots
         slot_key = _hash2(req_key, j)
         epoch = _epoch(slot_key, pos, rate)
