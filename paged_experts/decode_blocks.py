@@ -64,6 +64,6 @@ def route_block(
     router's ids for this layer, whose weights are the softmax of the model's logits over them."""
     from paged_experts.routing import planned_weights
 
-    if planned_ids is not None:  # synthetic routing: ids drawn on the host for the step, weights from the model
+    if planned_ids is not None:  # synthetic routing: ids drawn for the step on the device, weights from the model
         return planned_ids, planned_weights(logits, planned_ids)
     return route_logits(logits, top_k, norm_topk_prob)

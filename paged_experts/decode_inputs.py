@@ -5,7 +5,8 @@ Layout of a step of B sequences: tokens [B], positions [B], new KV rows [B], the
 rows of W entries: with the triton backend (KV bucket 0) each sequence's block table, W the pool's
 blocks, which `attn_triton` walks only up to the sequence's own position; with the torch attention
 the KV rows of positions 0..L-1, W = L the step's bucket (its longest context rounded up to a power
-of two, at least 64); then, when a synthetic router plans the step, its ids [B, layers, k].
+of two, at least 64); then, when a synthetic router routes the step, each token's request id [B]
+(the router draws every layer's experts inside the graph from request ids and positions).
 A step's key is (B, L bucket or 0, planned).
 """
 
@@ -19,7 +20,7 @@ import torch
 from paged_experts.kv import KvPool, SeqChunk
 
 MIN_BUCKET = 64
-StepKey = tuple[int, int, bool]  # (batch size, KV bucket or 0 for the block table, synthetic ids as input)
+StepKey = tuple[int, int, bool]  # (batch size, KV bucket or 0 for the block table, synthetic routing drawn inside)
 
 
 def bucket(length: int) -> int:
@@ -54,17 +55,17 @@ def table_width(pool: KvPool, key: StepKey) -> int:
     return pool.num_blocks if key[1] == 0 else key[1]
 
 
-def new_entry(pool: KvPool, key: StepKey, num_layers: int, top_k: int, device: torch.device, capture: bool) -> Entry:
+def new_entry(pool: KvPool, key: StepKey, device: torch.device, capture: bool) -> Entry:
     """An entry's buffers: pinned host memory and a device copy on CUDA (capture), one tensor on CPU."""
     b, _, planned = key
-    n = b * 3 + b * table_width(pool, key) + (b * num_layers * top_k if planned else 0)
+    n = b * 3 + b * table_width(pool, key) + (b if planned else 0)
     host = torch.zeros(n, dtype=torch.long, pin_memory=capture)
     return Entry(host, host.to(device) if capture else host.clone())
 
 
-def fill(entry: Entry, pool: KvPool, key: StepKey, chunks: Sequence[SeqChunk], planned_ids: np.ndarray | None) -> None:
+def fill(entry: Entry, pool: KvPool, key: StepKey, chunks: Sequence[SeqChunk], requests: Sequence[int] | None) -> None:
     """Writes a step's inputs into the entry's host buffer and starts their copy to the device.
-    planned_ids: the synthetic router's ids [B, layers, k] of this step (key[2])."""
+    requests: each token's request id [B] for the synthetic router's draw (key[2])."""
     b, length, _ = key
     bs = pool.block_size
     width = table_width(pool, key)
@@ -83,22 +84,19 @@ def fill(entry: Entry, pool: KvPool, key: StepKey, chunks: Sequence[SeqChunk], p
         else:  # KV row of each position 0..L-1; padded positions reuse the last real row (finite)
             p = np.minimum(np.arange(length), pos)
             row[:] = np.asarray(blocks, dtype=np.int64)[p // bs] * bs + p % bs
-    if planned_ids is not None:
-        a[3 * b + b * width :] = planned_ids.reshape(-1)
+    if requests is not None:
+        a[3 * b + b * width :] = requests
     copy_in(entry)
 
 
-def fill_dummy(entry: Entry, pool: KvPool, key: StepKey, num_layers: int, top_k: int) -> None:
+def fill_dummy(entry: Entry, key: StepKey) -> None:
     """Inputs of a capture before serving: token 0 at the bucket's last position, KV rows of
-    block 0 and the first blocks (free: the pool is empty), experts 0..k-1 if planned."""
-    b, length, planned = key
+    block 0 and the first blocks (free: the pool is empty), request 0 if planned."""
+    b, length, _ = key
     a = entry.host.numpy()
     a[:] = 0
     a[b : 2 * b] = max(length - 1, 0)
     a[2 * b : 3 * b] = np.arange(b)
-    if planned:
-        ids = np.broadcast_to(np.arange(top_k), (b, num_layers, top_k))
-        a[3 * b + b * table_width(pool, key) :] = ids.reshape(-1)
     copy_in(entry)
 
 

@@ -5,12 +5,15 @@ sizes B with B x top_k <= K.
 
 Eager decode launches ~80 small kernels per layer (about 4,000 a token for 48 layers): at batch 1
 the GPU waits on Python. A step whose chunks are all one-token decodes (no observers; no router
-override, or a synthetic router whose ids for every layer are drawn before the step and passed in
-with the other inputs; every layer resident or device-planned paged) instead replays a graph over
+override, or a synthetic router, which draws every layer's ids inside the graph from each token's
+request id and position in the inputs; every layer resident or device-planned paged) instead
+replays a graph over
 fixed-shape buffers:
 - tokens [B], positions [B], new KV rows [B], then a KV table: with the triton backend each
-  sequence's block table [B, W] (W = the pool's blocks), which `attn_triton` walks only up to the
-  sequence's own position, so ONE graph per batch size serves every context length; with the torch
+  sequence's block table [B, W] (W = the pool's blocks), which `attn_triton`'s split attention
+  walks in chunks of the context (one program per chunk, a fixed grid sized for the pool's capacity:
+  chunks past a sequence's position exit at once), so ONE graph per batch size serves every context
+  length at every batch size; with the torch
   attention, the KV rows of positions 0..L-1 [B, L] with an additive mask, L the step's longest
   context rounded up to a power of two (at least 64): one graph per (B, L bucket);
 - MoE layers run on the device with no host sync through `MoeLayer.decode_pass`: resident layers
@@ -113,6 +116,7 @@ class GraphedDecoder:
         if self.capture and self._paged and not graph_safe(model.device):
             raise ValueError("CUDA-graph decode of paged layers needs Triton (the device page-in kernel)")
         self._pool: KvPool | None = None
+        self._split: attn_triton.SplitPlan | None = None
         self._entries: dict[StepKey, Entry] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.capture else None
         self.replays = 0
@@ -163,8 +167,8 @@ class GraphedDecoder:
         m = self.model
         if m.routing_observers or len(chunks) not in self.batch_sizes:
             return False
-        if m.router_override is not None and not hasattr(m.router_override, "plan"):
-            return False  # only routers that draw a whole step up front (routing.SyntheticRouter)
+        if m.router_override is not None and not hasattr(m.router_override, "draw_device"):
+            return False  # only routers that draw on the device from (request, position) (routing.SyntheticRouter)
         pool = chunks[0].seq.pool
         return all(len(c.token_ids) == 1 and not c.all_logits and c.seq.pool is pool for c in chunks)
 
@@ -184,10 +188,11 @@ class GraphedDecoder:
         entry = self._entries.get(key)
         fresh = entry is None
         if entry is None:
-            entry = new_entry(
-                self._pool, key, self.model.config.num_layers, self.model.config.top_k, self.model.device, self.capture
-            )
-        fill(entry, self._pool, key, chunks, self._planned_ids(chunks) if planned else None)
+            entry = new_entry(self._pool, key, self.model.device, self.capture)
+        requests = None
+        if planned:  # request ordinals: the router's draw inside the graph reads them with the positions
+            requests = m.router_override.request_ids([c.seq.seq_id for c in chunks], [c.start_pos for c in chunks])
+        fill(entry, self._pool, key, chunks, requests)
         if token_source is not None:
             entry.inputs[:b].copy_(token_source[:b])
         if fresh:
@@ -224,15 +229,8 @@ class GraphedDecoder:
                 key = (b, length, planned)
                 if key in self._entries:
                     continue
-                entry = new_entry(
-                    self._pool,
-                    key,
-                    self.model.config.num_layers,
-                    self.model.config.top_k,
-                    self.model.device,
-                    self.capture,
-                )
-                fill_dummy(entry, self._pool, key, self.model.config.num_layers, self.model.config.top_k)
+                entry = new_entry(self._pool, key, self.model.device, self.capture)
+                fill_dummy(entry, key)
                 self._build(entry, key)
                 done += 1
         if self.capture:
@@ -260,13 +258,11 @@ class GraphedDecoder:
         # graphs address the pool's K/V tensors: a new pool, new graphs
         self._entries.clear()
         self._pool = pool
+        # the split attention's chunks cover the pool's whole table: fixed per pool, every length served
+        self._split = attn_triton.split_plan(pool.num_blocks * pool.block_size)
         if self.capture:  # and a fresh memory pool: reusing the freed graphs' pool trips the allocator
             torch.cuda.synchronize()
             self._mempool = torch.cuda.graph_pool_handle()
-
-    def _planned_ids(self, chunks: Sequence[SeqChunk]) -> Any:
-        """The synthetic router's ids for every layer of this step, drawn now: [B, layers, k]."""
-        return self.model.router_override.plan([c.seq.seq_id for c in chunks], [c.start_pos for c in chunks])
 
     @contextmanager
     def _graph_body(self) -> Iterator[None]:
@@ -307,7 +303,7 @@ class GraphedDecoder:
             log.info(
                 "captured decode step graph: batch %d, %s%s, %.2f s",
                 b, f"KV bucket {length}" if length else "any context length",
-                ", synthetic routing ids as input" if key[2] else "", time.perf_counter() - t0,
+                ", synthetic routing drawn inside" if key[2] else "", time.perf_counter() - t0,
             )  # fmt: skip
             self.captured.append((b, length))
         self._entries[key] = entry
@@ -316,8 +312,9 @@ class GraphedDecoder:
 
     def _body(self, inputs: torch.Tensor, key: StepKey) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Static decode step: [B] tokens -> logits [B, V], argmax [B] and routed ids [layers, B, k];
-        adds the step's per-layer stats to the device tally. The inputs end with the synthetic
-        router's ids [B, layers, k] for this step when key[2] (planned)."""
+        adds the step's per-layer stats to the device tally. The inputs end with each token's
+        request id [B] when key[2] (planned): the synthetic router draws every layer's ids from
+        them and the positions, here, inside the graph."""
         m = self.model
         b, length, planned = key
         cfg, dt = m.config, m.runtime.torch_dtype
@@ -325,7 +322,9 @@ class GraphedDecoder:
         width = table_width(self._pool, key)
         tokens, positions, new_rows = inputs[:b], inputs[b : 2 * b], inputs[2 * b : 3 * b]
         table = inputs[3 * b : 3 * b + b * width].view(b, width)  # [B, W]: block table, or KV rows [B, L]
-        planned_ids = inputs[3 * b + b * width :].view(b, -1, cfg.top_k) if planned else None  # [B, layers, k]
+        planned_ids = None
+        if planned:  # [B, layers, k] drawn on the device: no host work per token
+            planned_ids = m.router_override.draw_device(inputs[3 * b + b * width :], positions)
         cos, sin = rope_tables(positions, self._inv_freq, dt)  # [B, D]
         mask = None
         if length:
@@ -345,7 +344,9 @@ class GraphedDecoder:
                     x, w.input_norm, w.qkv_proj, w.q_norm, w.k_norm, kv_k, kv_v, cos, sin, new_rows,
                     cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
                 )  # fmt: skip
-                attn = attn_triton.decode_attention(q, kv_k, kv_v, table, positions, self._pool.block_size)  # [B, nh*D]
+                attn = attn_triton.decode_attention_split(
+                    q, kv_k, kv_v, table, positions, self._pool.block_size, self._split
+                )  # [B, nh*D]
                 x, h, logits = self._attention_out(x, attn, w.o_proj, w.post_norm, moe.router_weight, cfg.rms_norm_eps)
             else:
                 x, h, logits = self._attention_fn(

@@ -22,7 +22,8 @@ compared by `benchsuite simulate --include-prefill --prefill-keep ...`, docs/pre
   protected: never evicted, served in the last wave so that the first waves stay small and the
   first page-ins can start early). This is what token-by-token LRU would keep, and the next decode
   tokens route mostly to what the last prompt tokens used (consecutive tokens share experts:
-  DESIGN.md section 8). On the calibrated synthetic routing it keeps 0.79 of the first 16 decode
+  DESIGN.md section 8). On the calibrated synthetic routing (its host generator before the
+  counter-based draw of routing_draw.py) it keeps 0.79 of the first 16 decode
   tokens' experts resident after a 2,048-token prompt at K=32 where `lru` keeps 0.71 (0.90 against
   0.80 at K=64), for the same page-in bytes.
 - `frequent`: the same with the step's most-routed experts kept (ties: the later last use).

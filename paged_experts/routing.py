@@ -2,23 +2,42 @@
 `qwen3-30b-a3b` preset (DESIGN.md section 8). Everything made with them is labelled
 `synthetic:<spec>` (`routing_label`).
 
-The generative model, per (request stream, layer), token by token:
-- each of the previous token's k experts is kept with probability `keep_prob`;
-- the remaining slots are drawn without replacement (Gumbel top-k) from a mixture:
-  `recency_mix` x a power law over the layer's recency stack (rank r = r-th most recently used
-  expert of this stream, weight (r + 1)^-recency_alpha, previous token's experts excluded) plus
-  `1 - recency_mix` x a popularity over a fixed per-layer permutation of experts: a working set
-  of the first `working_set` x E experts holds `working_set_mass` of it, Zipf(`zipf_s`) inside,
-  the rest is uniform over all E (defaults: working set = all experts, i.e. plain Zipf);
+The generative model, per (request, layer) (the draws themselves: `routing_draw`):
+- each of a token's k expert slots keeps its expert from the previous token with probability
+  `keep_prob` (an epoch per slot that advances at rate 1 - keep_prob);
+- a slot starting a new epoch takes, with probability `recency_mix`, the expert some slot held a
+  power-law distance (delta^-`recency_alpha`) before (recent reuse), otherwise a draw from a
+  popularity over a fixed per-layer permutation of experts: a working set of the first
+  `working_set` x E experts holds `working_set_mass` of it, Zipf(`zipf_s`) inside, the rest is
+  uniform over all E (defaults: working set = all experts, i.e. plain Zipf); a token's k experts
+  are distinct;
 - layers differ in temporal locality: layer l scales keep_prob and recency_mix by a strength
   lambda_l in [layer_strength_min, 1] (spread over layers with shape `layer_strength_gamma`),
   which is what spreads consecutive-token overlap over layers (published: 7.9%-59.7%); a layer
   with little reuse still routes mostly inside its working set (so it caches well at large K),
   except layers weaker than `working_set_knee`, whose working-set mass shrinks in proportion.
 
-Owns `RoutingParams`, `parse_spec`, `RoutingProcess` (the vectorised generator),
-`SyntheticRouter` (the `Router` callable the runtime's `router_override` takes), `make_router`
-and `routing_label`.
+Draws are a pure function of (seed, request id, position, layer): a counter-based hash, no random
+stream and no per-request state, so runs repeat exactly, a request's routing does not depend on its
+batch-mates, and any token is drawn without its predecessors. The graphed decode step draws inside
+its graph (`SyntheticRouter.draw_device`: one Triton kernel, kernels/routing_triton.py) from the
+request ordinals and positions in its inputs; an eager step (a prefill chunk) draws every layer of
+its tokens at once on the model's device (`plan`: the same kernel on CUDA, on a stream of its own)
+and copies them to the host once (one wait per step, for the draw alone: the host planner of paged
+prefill reads them, layers ahead of the device). On the CPU the torch draw (routing_draw.draw)
+runs, ~1,300 small ops per call.
+
+Memory and host time (Qwen3-30B-A3B: 48 layers, E = 128, k = 8): the device tables are 54 KB
+(`DrawTables.nbytes`), a draw writes [T, 48, 8] int64 ids (3 KB a token: 6.3 MB for a 2,048-token
+prompt; the torch draw off CUDA also holds ~12 temporaries of 256-token slices, ~24 MB). Host time
+per decode token: none (inside the graph); per eager step: one kernel launch and one copy back of
+its ids. The host generator this replaces drew each token of a stream in turn: ~0.4 ms a token,
+0.8-1.0 s of a 2,048-token prompt's TTFT (the H200 figures of the new draw come from
+tests/cuda/test_routing_draw_cuda.py, which prints them).
+
+Owns `RoutingParams`, `parse_spec`, `RoutingProcess` (the per-layer parameters and their draw
+tables), `SyntheticRouter` (the `Router` callable the runtime's `router_override` takes),
+`make_router` and `routing_label`.
 """
 
 from __future__ import annotations
@@ -28,6 +47,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+
+from paged_experts.kernels import routing_triton
+from paged_experts.routing_draw import DrawTables, build_tables, draw
 
 
 @dataclass(frozen=True)
@@ -44,17 +66,18 @@ class RoutingParams:
 
 
 # Calibrated with benchmarks/calibrate_routing.py against DESIGN.md section 8 (E=128, top_k=8,
-# 48 layers, one stream of 3,225 decode tokens replayed through paged_experts.residency).
+# 16 layers, one stream of 2,000 decode tokens; the printed curves replay 48 layers x 3,225 tokens
+# through paged_experts.residency), for the counter-based draw of routing_draw.
 QWEN3_30B_A3B = RoutingParams(
-    keep_prob=0.58,
-    recency_mix=0.85,
-    recency_alpha=1.2,
-    zipf_s=0.8,
-    working_set=0.58,
-    working_set_mass=0.965,
-    working_set_knee=0.25,
-    layer_strength_min=0.0,
-    layer_strength_gamma=0.5,
+    keep_prob=0.322,
+    recency_mix=0.918,
+    recency_alpha=1.396,
+    zipf_s=1.099,
+    working_set=0.374,
+    working_set_mass=0.972,
+    working_set_knee=0.529,
+    layer_strength_min=0.01,
+    layer_strength_gamma=0.6,
 )
 PRESETS: dict[str, RoutingParams] = {"qwen3-30b-a3b": QWEN3_30B_A3B}
 
@@ -97,24 +120,14 @@ def layer_strengths(num_layers: int, params: RoutingParams, seed: int = 0) -> np
     return lam[np.random.default_rng([seed, 7]).permutation(num_layers)]
 
 
-class StreamState:
-    """One request stream's routing memory for a set of layers."""
-
-    def __init__(self, num_rows: int, num_experts: int, top_k: int) -> None:
-        self.prev = np.full((num_rows, top_k), -1, dtype=np.int64)  # [B, k], -1 before the first token
-        self.last_use = np.zeros((num_rows, num_experts))  # [B, E] step of last use, 0 = never
-        self.clock = 0
-
-
 class RoutingProcess:
-    """The generator for L layers; `next(state, rows)` routes one token for the given layer rows."""
+    """The generator for L layers: per-layer parameters, their draw tables, and `draw`."""
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int, params: RoutingParams, seed: int = 0) -> None:
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, {num_experts}]")
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
         self.params = params
-        self.rng = np.random.default_rng(seed)
         lam = layer_strengths(num_layers, params, seed)
         self.keep_prob = params.keep_prob * lam  # [L]
         self.recency_mix = params.recency_mix * lam  # [L]
@@ -131,49 +144,11 @@ class RoutingProcess:
             w[:ws] += mass * inner / inner.sum()
             pop[layer, perm_rng.permutation(num_experts)] = w
         self.popularity = pop
-        self.recency_weights = ranks**-params.recency_alpha  # [E] by stack rank
+        self.tables = build_tables(self.keep_prob, self.recency_mix, pop, params.recency_alpha, top_k, seed)
 
-    def new_state(self, num_rows: int | None = None) -> StreamState:
-        return StreamState(num_rows or self.num_layers, self.num_experts, self.top_k)
-
-    def next(self, state: StreamState, layers: np.ndarray) -> np.ndarray:
-        """Route one token for `layers` ([B] layer index of each state row) -> [B, k] int64."""
-        b, e, k = len(layers), self.num_experts, self.top_k
-        rows = np.arange(b)
-        first = state.prev[:, 0] < 0  # [B]
-        weights = self.popularity[layers]  # [B, E]
-        mix = self.recency_mix[layers][:, None]  # [B, 1]
-        if mix.any():
-            recency = state.last_use.copy()
-            prev_valid = np.where(state.prev >= 0, state.prev, 0)
-            recency[rows[:, None], prev_valid] = -1.0  # previous token's experts: not in the stack part
-            # most recent first, ties in expert order: one integer key per expert (stamps are whole
-            # numbers), so any sort gives the stable order, and integer sorts are the fast ones
-            order = np.argsort((-recency).astype(np.int64) * e + np.arange(e), axis=1)
-            stack = np.empty((b, e))
-            np.put_along_axis(stack, order, np.broadcast_to(self.recency_weights, (b, e)), axis=1)
-            stack[recency <= 0] = 0.0  # never used, or the previous token's
-            norm = stack.sum(axis=1, keepdims=True)
-            stack = np.divide(stack, norm, out=np.zeros_like(stack), where=norm > 0)
-            use_mix = np.where(norm > 0, mix, 0.0)
-            weights = (1.0 - use_mix) * weights + use_mix * stack
-        keys = np.log(weights + 1e-300) - np.log(-np.log(self.rng.random((b, e))))  # Gumbel top-k keys
-        keep = (self.rng.random((b, k)) < self.keep_prob[layers][:, None]) & ~first[:, None]  # [B, k]
-        kept_rows, kept_cols = np.nonzero(keep)
-        keys[kept_rows, state.prev[kept_rows, kept_cols]] = -np.inf
-        top = np.argpartition(-keys, k - 1, axis=1)[:, :k]  # [B, k] the k best draws, unordered
-        fresh = np.take_along_axis(
-            top, np.argsort(-np.take_along_axis(keys, top, axis=1), axis=1), axis=1
-        )  # best first
-        kept_first = np.take_along_axis(state.prev, np.argsort(~keep, axis=1, kind="stable"), axis=1)
-        n_kept = keep.sum(axis=1)[:, None]
-        j = np.arange(k)[None, :]
-        fill = np.take_along_axis(fresh, np.clip(j - n_kept, 0, k - 1), axis=1)
-        out = np.where(j < n_kept, kept_first, fill)
-        state.clock += 1
-        state.prev = out
-        state.last_use[rows[:, None], out] = state.clock
-        return out
+    def draw(self, requests: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """requests [T], positions [T] int64 -> [T, L, k] int64 ids, on the inputs' device."""
+        return draw(self.tables.to(requests.device), requests, positions)
 
 
 def random_weights(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
@@ -202,34 +177,70 @@ def _as_list(x: object, n: int) -> list:
 class SyntheticRouter:
     """`Router(layer_idx, router_logits [T, E], ctx) -> (ids [T, k] int64 on the host, weights [T, k] float32)`.
 
-    Ignores the logits' choice: ids come from the routing process, one stream per sequence
-    (`ctx.seq_ids[t]`) holding every layer's memory; a token at position 0 starts its stream afresh.
-    The ids never depend on the model, so a step's ids for ALL layers are drawn at once (`plan`),
-    vectorised over layers, when the router first sees the step; the CUDA-graph decode step takes
-    them as an input instead of calling the router per layer. Weights are the softmax of the
-    model's logits over the chosen ids (normalised to 1), so outputs stay a function of the model.
+    Ignores the logits' choice: ids are the routing process's draws for each token's (request,
+    position = `ctx.positions[t]`), the request being the ordinal of the sequence among those this
+    router has seen start (`request_ids`: the n-th request routes alike whatever ids the KV pool
+    gave it, whatever ran before or beside it). The ids never depend on the model, so a step's
+    ids for ALL layers are drawn at once (`plan`) when the router first sees the step; the
+    CUDA-graph decode step draws them inside its graph instead (`draw_device`). Weights are the
+    softmax of the model's logits over the chosen ids (normalised to 1), so outputs stay a
+    function of the model.
     """
 
     def __init__(self, spec: str, num_layers: int, num_experts: int, top_k: int, seed: int = 0) -> None:
         self.spec = spec
         self.label = routing_label(spec)
         self.process = RoutingProcess(num_layers, num_experts, top_k, parse_spec(spec), seed)
-        self._streams: dict[Hashable, StreamState] = {}
+        self._tables: dict[torch.device, DrawTables] = {}
+        self._requests: dict[Hashable, int] = {}  # live sequence -> its request ordinal
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # eager draws on CUDA
+        self._next_request = 0
         self._step_key: tuple[tuple, tuple] | None = None
-        self._step_ids = np.empty((0, num_layers, top_k), dtype=np.int64)  # [T, L, k] of the current step
+        self._step_ids = torch.empty(0, num_layers, top_k, dtype=torch.long)  # [T, L, k] of the current step
 
     def forget(self, seq_id: Hashable) -> None:
-        self._streams.pop(seq_id, None)
+        """Drops a finished sequence's request ordinal (the server calls this when its KV is freed)."""
+        self._requests.pop(seq_id, None)
 
-    def plan(self, seq_ids: list, positions: list) -> np.ndarray:
-        """Draws one step: [T, L, k] int64 ids of every token for every layer (advances the streams)."""
-        layers = np.arange(self.process.num_layers)
-        out = np.empty((len(seq_ids), self.process.num_layers, self.process.top_k), dtype=np.int64)
-        for i, (seq, pos) in enumerate(zip(seq_ids, positions)):
-            state = self._streams.get(seq)
-            if state is None or (pos == 0 and state.clock > 0):
-                state = self._streams[seq] = self.process.new_state()
-            out[i] = self.process.next(state, layers)
+    def request_ids(self, seq_ids: list, positions: list) -> list[int]:
+        """Each token's request ordinal: a sequence not seen yet, or seen again at position 0
+        in a later step (a new request), takes the next ordinal."""
+        out = []
+        in_step: set[Hashable] = set()  # a prefill chunk holds position 0 and the tokens after it
+        for seq, pos in zip(seq_ids, positions):
+            if seq not in in_step and (seq not in self._requests or int(pos) == 0):
+                self._requests[seq] = self._next_request
+                self._next_request += 1
+            in_step.add(seq)
+            out.append(self._requests[seq])
+        return out
+
+    def tables(self, device: torch.device) -> DrawTables:
+        """The draw tables on `device` (copied there once; before any graph capture that reads them)."""
+        if device not in self._tables:
+            self._tables[device] = self.process.tables.to(device)
+        return self._tables[device]
+
+    def draw_device(self, requests: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """requests [B], positions [B] int64 on the device -> [B, L, k] ids there, with no host
+        sync (graph-capturable): one Triton kernel on CUDA, the torch draw elsewhere."""
+        tables = self.tables(requests.device)
+        if requests.device.type == "cuda" and routing_triton.available():
+            return routing_triton.draw(tables, requests, positions)
+        return draw(tables, requests, positions)
+
+    def plan(self, seq_ids: list, positions: list, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Draws one step on `device`: [T, L, k] int64 ids of every token for every layer, on the host."""
+        dev = torch.device(device)
+        req = torch.tensor(self.request_ids(seq_ids, positions), dtype=torch.long)
+        pos = torch.tensor([int(p) for p in positions], dtype=torch.long)
+        if dev.type == "cuda":  # on a stream of its own: the copy back waits for the draw, not the model's queue
+            if dev not in self._streams:
+                self._streams[dev] = torch.cuda.Stream(dev)
+            with torch.cuda.stream(self._streams[dev]):
+                out = self.draw_device(req.to(dev), pos.to(dev)).cpu()  # one kernel, one copy back per step
+        else:
+            out = self.draw_device(req, pos)
         self._step_key = (tuple(seq_ids), tuple(positions))
         self._step_ids = out
         return out
@@ -239,8 +250,8 @@ class SyntheticRouter:
         seq_ids = _as_list(getattr(ctx, "seq_ids", None), t)
         positions = _as_list(getattr(ctx, "positions", None), t)
         if (tuple(seq_ids), tuple(positions)) != self._step_key:  # a new step: draw all its layers
-            self.plan(seq_ids, positions)
-        ids = torch.from_numpy(np.ascontiguousarray(self._step_ids[:, layer_idx % self.process.num_layers]))  # [T, k]
+            self.plan(seq_ids, positions, router_logits.device)
+        ids = self._step_ids[:, layer_idx % self.process.num_layers].contiguous()  # [T, k] on the host
         ids_dev = ids.pin_memory() if router_logits.device.type == "cuda" else ids
         ids_dev = ids_dev.to(router_logits.device, non_blocking=True)
         return ids, planned_weights(router_logits, ids_dev)  # ids on the host: the planner reads them with no sync
@@ -260,8 +271,7 @@ def make_router(spec: str, config: object, seed: int = 0) -> SyntheticRouter:
     return SyntheticRouter(spec, num_layers, num_experts, top_k, seed)
 
 
-def synth_stream(process: RoutingProcess, num_tokens: int) -> np.ndarray:
-    """[num_tokens, L, k] ids for one request stream over all layers of `process`."""
-    state = process.new_state()
-    layers = np.arange(process.num_layers)
-    return np.stack([process.next(state, layers) for _ in range(num_tokens)])
+def synth_stream(process: RoutingProcess, num_tokens: int, request: int = 0) -> np.ndarray:
+    """[num_tokens, L, k] ids of one request's positions 0..num_tokens-1 over all layers of `process`."""
+    req = torch.full((num_tokens,), request, dtype=torch.long)
+    return process.draw(req, torch.arange(num_tokens)).numpy()

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from paged_experts.routing import RoutingParams, RoutingProcess, parse_spec, random_weights, routing_label
+from paged_experts.routing import RoutingParams, RoutingProcess, parse_spec, random_weights, routing_label, synth_stream
 
 FORMAT_NAME = "moe-routing-trace"
 FORMAT_VERSION = 1
@@ -314,13 +314,10 @@ def synthesize_trace(
     prefill chunk of `prompt_tokens` then `tokens_per_request` decode steps. Labelled synthetic."""
     process = RoutingProcess(num_layers, num_experts, top_k, params or parse_spec(spec), seed)
     rng = np.random.default_rng([seed, 3])
-    layer_rows = np.arange(num_layers)
     layouts: list[list[tuple[str, int]]] = []
     parts = []
     for r in range(requests):
-        state = process.new_state()
-        stream = np.stack([process.next(state, layer_rows) for _ in range(prompt_tokens + tokens_per_request)])
-        parts.append(stream)
+        parts.append(synth_stream(process, prompt_tokens + tokens_per_request, request=r))  # request id r
         name = f"synth-{r}"
         if prompt_tokens:
             layouts.append([(name, prompt_tokens)])

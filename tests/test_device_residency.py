@@ -166,8 +166,9 @@ def test_graphs_refuse_paged_layers_planned_on_the_host() -> None:
 
 @pytest.mark.parametrize("mode", ["resident", "paged"])
 def test_static_decode_with_synthetic_routing_matches_eager(mode: str) -> None:
-    """The calibrated synthetic router in the graph: its ids for every layer are drawn before the
-    step and passed in; same draws as the eager path (one plan per step), so same counters."""
+    """The calibrated synthetic router in the graph: its ids for every layer are drawn inside the
+    step from the request ordinals and positions in its inputs; same draws as the eager path (one
+    plan per step), so same counters."""
     from paged_experts.routing import make_router
 
     def build() -> MoeCausalLM:
@@ -285,7 +286,7 @@ def test_prepare_decode_runs_every_step_shape_and_leaves_the_model_as_loaded(rou
     assert sorted((b, length) for b, length, _ in graphs._entries) == [(b, L) for b in (1, 2, 3) for L in (64, 128)]
     _slots_hold_their_experts(prepared)
     assert prepared.counters.snapshot().total.steps == 0
-    if routing == "synthetic":  # the warm-up drew for its own sequences only: new streams start alike
+    if routing == "synthetic":  # the warm-up's sequences took request ordinals: fresh routers number from 0
         plain.router_override = make_router("qwen3-30b-a3b", plain.config, seed=4)
         prepared.router_override = make_router("qwen3-30b-a3b", prepared.config, seed=4)
     a_out = _scenario(prepared, decode_steps=6, pool=pool)

@@ -62,8 +62,8 @@ def test_uniform_zipf_and_reuse_strength() -> None:
     assert overlap(synth_stream(RoutingProcess(1, 64, 4, parse_spec("reuse:1.0"), 0), 50)).min() == 1.0
 
 
-def test_router_contract_tracks_streams_per_sequence_and_layer() -> None:
-    """Also: a step's ids for every layer are drawn once (the graphed decode step takes them whole)."""
+def test_router_contract_draws_per_sequence_and_position() -> None:
+    """Also: a step's ids for every layer are drawn once (the graphed decode step draws them itself)."""
     config = SimpleNamespace(num_layers=2, num_experts=32, top_k=4)  # the runtime's MoeModelConfig names
     router = make_router("reuse:1.0", config, seed=0)
     assert router.label == "synthetic:reuse:1.0"
@@ -73,12 +73,18 @@ def test_router_contract_tracks_streams_per_sequence_and_layer() -> None:
     assert ids.shape == (3, 4) and ids.dtype == torch.int64 and weights.dtype == torch.float32
     assert torch.allclose(weights.sum(dim=1), torch.ones(3))
     assert set(ids[0].tolist()) == set(ids[1].tolist())  # token 1 keeps token 0's experts (p = 1)
+    assert set(ids[0].tolist()) != set(ids[2].tolist())  # another request, other experts
     step2, _ = router(0, torch.randn(2, 32), SimpleNamespace(seq_ids=(9, 7), positions=(1, 2)))
     assert set(step2[0].tolist()) == set(ids[2].tolist()) and set(step2[1].tolist()) == set(ids[1].tolist())
-    router(1, torch.randn(1, 32), SimpleNamespace(seq_ids=(7,), positions=(3,)))
-    assert set(router._streams) == {7, 9}  # one stream per sequence, every layer's memory in it
-    router.forget(7)
-    assert set(router._streams) == {9}
+    # requests are ordinals, not pool ids: another router fed the same requests under other
+    # sequence ids, one at a time, draws the same experts
+    other = make_router("reuse:1.0", config, seed=0)
+    alone = [other(0, torch.randn(2, 32), SimpleNamespace(seq_ids=(40, 40), positions=(0, 1)))[0]]
+    alone.append(other(0, torch.randn(1, 32), SimpleNamespace(seq_ids=(41,), positions=(0,)))[0])
+    assert torch.equal(torch.cat(alone), ids)
+    router.forget(7)  # a finished sequence: its id seen again is a new request
+    assert router.request_ids([7, 9], [5, 2]) == [2, 1]
+    assert router.request_ids([9], [0]) == [3]  # position 0 again: a new request
     restart, _ = make_router("uniform", {"num_experts": 32, "num_experts_per_tok": 4, "num_hidden_layers": 1})(
         0, torch.randn(1, 32), SimpleNamespace(seq_ids=(1,), positions=(0,))
     )
@@ -89,14 +95,16 @@ def test_router_draws_a_step_once_for_all_layers() -> None:
     router = make_router("qwen3-30b-a3b", SimpleNamespace(num_layers=3, num_experts=32, top_k=4), seed=2)
     ctx = SimpleNamespace(seq_ids=(1, 2), positions=(0, 0))
     per_layer = [router(layer, torch.randn(2, 32), ctx)[0] for layer in range(3)]
-    assert np.array_equal(np.stack([p.numpy() for p in per_layer], axis=1), router._step_ids)  # [T, L, k]
+    assert torch.equal(torch.stack(per_layer, dim=1), router._step_ids)  # [T, L, k]
     again = router(0, torch.randn(2, 32), ctx)[0]  # the same step asked again: no new draw
     assert torch.equal(again, per_layer[0])
-    planned = router.plan([1, 2], [1, 1])  # the next step, drawn ahead as the graphed step does
+    planned = router.plan([1, 2], [1, 1])  # the next step, drawn whole
     assert planned.shape == (2, 3, 4) and torch.equal(
-        router(2, torch.randn(2, 32), SimpleNamespace(seq_ids=(1, 2), positions=(1, 1)))[0],
-        torch.from_numpy(planned[:, 2]),
+        router(2, torch.randn(2, 32), SimpleNamespace(seq_ids=(1, 2), positions=(1, 1)))[0], planned[:, 2]
     )
+    # the graphed step's draw (inputs on the device, no host sync) gives the same ids
+    device_ids = router.draw_device(torch.tensor(router.request_ids([1, 2], [1, 1])), torch.tensor([1, 1]))
+    assert torch.equal(device_ids, planned)
 
 
 def test_router_weights_follow_model_logits() -> None:
