@@ -22,7 +22,9 @@ Flag sets (the base: -m, --host, --port, -ngl 999, -c, --n-cpu-moe N, --no-cache
   threads    nommap + -t <physical cores this process may use>
   adapter    threads + -lv 4: the adapter's command line now
   np1        adapter without -np 4 --kv-unified --metrics (a bare llama-server's slots)
-Writes <out>/flags.md (the table), flags.json, flags.csv and <out>/<set>.log. Exit 0 when every set ran.
+Writes <out>/flags.md (the table; with --rounds > 1 the median per set), flags.json, flags.csv (every
+round) and <out>/<set>-r<round>.log. Exit 0 when every set ran. On a shared CPU (docs/llamacpp-tuning.md):
+--rounds 3 --extra-args "-t 1" interleaves the sets and keeps the thread count fixed.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import argparse
 import csv
 import json
 import os
+import shlex
 import signal
 import socket
 import statistics
@@ -141,15 +144,16 @@ def completion(base: str, prompt: Any, n_predict: int, timeout_s: float) -> dict
     }
 
 
-def run_set(name: str, argv: list[str], args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def run_set(name: str, argv: list[str], args: argparse.Namespace, out: Path, round_i: int) -> dict[str, Any]:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [
         str(args.server), "-m", str(args.model), "--host", "127.0.0.1", "--port", str(port), "-ngl", "999",
         "-c", str(args.ctx), "--n-cpu-moe", str(args.n_cpu_moe), "--no-cache-prompt", "--cache-ram", "0", *argv,
+        *shlex.split(args.extra_args),
     ]  # fmt: skip
-    log_path = out / f"{name}.log"
-    row: dict[str, Any] = {"set": name, "flags": " ".join(argv)}
+    log_path = out / f"{name}-r{round_i}.log"
+    row: dict[str, Any] = {"set": name, "round": round_i, "flags": " ".join(argv)}
     print(f"[{name}] starting: {' '.join(cmd)}", flush=True)
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -214,8 +218,48 @@ def fit_projections(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]
     return rows
 
 
+def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per set: the median over its rounds of each per-round median (sets in first-seen order)."""
+    out = []
+    for name in dict.fromkeys(r["set"] for r in rows):
+        ok = [r for r in rows if r["set"] == name and "error" not in r]
+        row: dict[str, Any] = {
+            "set": name,
+            "round": f"median of {len(ok)}",
+            "flags": rows[[r["set"] for r in rows].index(name)]["flags"],
+        }
+        for key in (
+            "load_s",
+            "short_ttft_s",
+            "short_decode_tok_s",
+            "long_prompt_n",
+            "long_ttft_s",
+            "long_decode_tok_s",
+        ):
+            values = [r[key] for r in ok if key in r]
+            if values:
+                row[key] = round(statistics.median(values), 3)
+        if not ok:
+            row["error"] = "no round ran"
+        out.append(row)
+    return out
+
+
 def write_table(rows: list[dict[str, Any]], out: Path) -> None:
-    cols = ["set", "load_s", "short_ttft_s", "short_decode_tok_s", "long_prompt_n", "long_ttft_s", "long_decode_tok_s"]
+    if any(r.get("round", 0) for r in rows):  # several rounds: the table is their medians, every round in the csv
+        rows, all_rows = medians(rows), rows
+    else:
+        all_rows = rows
+    cols = [
+        "set",
+        "round",
+        "load_s",
+        "short_ttft_s",
+        "short_decode_tok_s",
+        "long_prompt_n",
+        "long_ttft_s",
+        "long_decode_tok_s",
+    ]
     cols += sorted({k for r in rows for k in r if k.startswith("CUDA")}) + ["error", "flags"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
@@ -223,7 +267,7 @@ def write_table(rows: list[dict[str, Any]], out: Path) -> None:
     with (out / "flags.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows(all_rows)
     print("\n".join(lines), flush=True)
 
 
@@ -243,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=440.0, help="start no flag set after this much time")
     p.add_argument("--startup-timeout-s", type=float, default=150.0)
     p.add_argument("--request-timeout-s", type=float, default=90.0)
+    p.add_argument("--rounds", type=int, default=1, help="run the sets this many times, interleaved (noisy hosts)")
+    p.add_argument("--extra-args", default="", help="appended to every set's flags, so they win (e.g. '-t 1')")
     args = p.parse_args(argv)
     for path in (args.server, args.model):
         if not path.is_file():
@@ -259,16 +305,21 @@ def main(argv: list[str] | None = None) -> int:
     fits = fit_projections(args, args.out)
     rows: list[dict[str, Any]] = []
     longest = 0.0
-    for name in chosen:
+    for round_i, name in [(r, n) for r in range(args.rounds) for n in chosen]:
         elapsed = time.perf_counter() - t0
         if elapsed + longest > args.budget_s:
             rows.append(
-                {"set": name, "flags": " ".join(sets[name]), "error": f"skipped: budget ({elapsed:.0f} s used)"}
+                {
+                    "set": name,
+                    "round": round_i,
+                    "flags": " ".join(sets[name]),
+                    "error": f"skipped: budget ({elapsed:.0f} s)",
+                }
             )
             print(f"[{name}] skipped: {elapsed:.0f} s used, the longest set took {longest:.0f} s", flush=True)
             continue
         start = time.perf_counter()
-        rows.append(run_set(name, sets[name], args, args.out))
+        rows.append(run_set(name, sets[name], args, args.out, round_i))
         longest = max(longest, time.perf_counter() - start)
         write_table(rows, args.out)  # after every set: a killed call still leaves the sets it finished
     (args.out / "flags.json").write_text(
