@@ -119,6 +119,12 @@ def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
             proc.wait(timeout=30)
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads (Linux /proc/<pid>/stat fields 14, 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def exact_prompt(base: str, n_tokens: int) -> list[int]:
     ids: list[int] = []
     text = TEXT
@@ -162,10 +168,15 @@ def run_set(name: str, argv: list[str], args: argparse.Namespace, out: Path, rou
             print(f"[{name}] ready in {row['load_s']} s", flush=True)
             long_prompt = exact_prompt(base, args.long_tokens)
             completion(base, SHORT_PROMPT, 8, args.request_timeout_s)  # warm-up: graphs, caches, first upload
+            cpu_before_s = process_cpu_s(proc.pid)
             short = [
                 completion(base, SHORT_PROMPT, args.output_tokens, args.request_timeout_s)
                 for _ in range(args.short_repeats)
             ]
+            # server CPU time over the short requests per generated token: steadier than wall time on a shared host
+            row["short_cpu_ms_per_token"] = round(
+                1e3 * (process_cpu_s(proc.pid) - cpu_before_s) / sum(r["predicted_n"] for r in short), 4
+            )
             long = [
                 completion(base, long_prompt, args.long_output_tokens, args.request_timeout_s)
                 for _ in range(args.long_repeats)
@@ -232,6 +243,7 @@ def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "load_s",
             "short_ttft_s",
             "short_decode_tok_s",
+            "short_cpu_ms_per_token",
             "long_prompt_n",
             "long_ttft_s",
             "long_decode_tok_s",
@@ -256,6 +268,7 @@ def write_table(rows: list[dict[str, Any]], out: Path) -> None:
         "load_s",
         "short_ttft_s",
         "short_decode_tok_s",
+        "short_cpu_ms_per_token",
         "long_prompt_n",
         "long_ttft_s",
         "long_decode_tok_s",
