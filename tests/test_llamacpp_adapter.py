@@ -190,3 +190,106 @@ def test_command_line_of_an_hf_checkpoint_exports_nothing_until_prepare(tmp_path
     adapter.prepare(spec)
     assert open(gguf_path, "rb").read(4) == b"GGUF"
     assert adapter.launch_plan(spec, port=18080).argv == argv  # the same path before and after
+
+
+HELP_LOAD_MODE = HELP + "-lm, --load-mode MODE\n-lv, --verbosity, --log-verbosity N\n"
+
+
+def _value(argv, flag):
+    return argv[argv.index(flag) + 1]
+
+
+def test_defaults_are_the_moe_offload_tuning_written_out(tmp_path, gguf_file, monkeypatch):
+    from benchsuite.engines.llamacpp import tuning
+
+    monkeypatch.setattr(tuning, "physical_cores", lambda: 12)
+    spec = _spec({"model": str(gguf_file), "binary": str(_fake_binary(tmp_path, HELP_LOAD_MODE)), "n_cpu_moe": 30})
+    argv = LlamaCppAdapter().launch_plan(spec, 1).argv
+    assert (_value(argv, "-fa"), _value(argv, "-b"), _value(argv, "-ub"), _value(argv, "-t")) == (
+        "on",
+        "2048",
+        "2048",
+        "12",
+    )
+    assert _value(argv, "--load-mode") == "none"  # host experts read into (pinned) buffers, not mmap'ed
+    assert _value(argv, "-lv") == "4"  # trace: the memory lines (tuning.py), not debug (5)
+
+
+def test_tuning_options_reach_the_command_line(tmp_path, gguf_file):
+    options = {"flash_attn": "off", "batch_size": 1024, "ubatch_size": 256, "mmap": True, "threads": 3}
+    spec = _spec({"model": str(gguf_file), "binary": str(_fake_binary(tmp_path, HELP_LOAD_MODE))} | options)
+    argv = LlamaCppAdapter().launch_plan(spec, 1).argv
+    assert [_value(argv, f) for f in ("-fa", "-b", "-ub", "--load-mode", "-t")] == ["off", "1024", "256", "mmap", "3"]
+
+
+def test_a_build_without_load_mode_gets_no_mmap(tmp_path, gguf_file):
+    binary = _fake_binary(tmp_path, HELP + "--no-mmap\n")
+    argv = LlamaCppAdapter().launch_plan(_spec({"model": str(gguf_file), "binary": str(binary)}), 1).argv
+    assert "--no-mmap" in argv and "--load-mode" not in argv
+    mapped = _spec({"model": str(gguf_file), "binary": str(binary), "mmap": True})
+    assert "--no-mmap" not in LlamaCppAdapter().launch_plan(mapped, 1).argv  # mmap is that build's default
+
+
+def test_a_micro_batch_larger_than_the_batch_is_refused():
+    with pytest.raises(ValidationError, match="ubatch_size 4096 exceeds batch_size 2048"):
+        LlamaCppOptions.model_validate({"ubatch_size": 4096})
+
+
+@pytest.mark.parametrize(
+    "arg",
+    ["-b", "--batch-size", "-ub", "--ubatch-size=512", "-lm", "--load-mode", "--no-mmap", "--mmap", "--mlock"],
+)
+def test_tuning_flags_are_refused_in_extra_args(arg):
+    with pytest.raises(ValidationError, match=f"{arg.split('=')[0]} is set by option"):
+        LlamaCppOptions.model_validate({"extra_args": [arg, "1"]})
+
+
+def test_tuning_variables_are_owned():
+    from benchsuite.engines.llamacpp.owned import OWNED_ENV
+
+    assert {"LLAMA_ARG_BATCH", "LLAMA_ARG_UBATCH", "LLAMA_ARG_LOAD_MODE", "LLAMA_ARG_NO_MMAP"} <= set(OWNED_ENV)
+
+
+def test_physical_cores_counts_allowed_cores_once_and_honours_the_cgroup_quota(tmp_path):
+    from benchsuite.engines.llamacpp.tuning import physical_cores
+
+    for cpu, core in enumerate([0, 1, 0, 1, 2, 3]):  # cpus 0/2 and 1/3 are SMT siblings
+        topo = tmp_path / "cpu" / f"cpu{cpu}" / "topology"
+        topo.mkdir(parents=True)
+        (topo / "physical_package_id").write_text("0\n")
+        (topo / "core_id").write_text(f"{core}\n")
+    unlimited = tmp_path / "cpu.max"
+    unlimited.write_text("max 100000\n")
+    assert physical_cores({0, 1, 2, 3, 4, 5}, tmp_path / "cpu", unlimited) == 4
+    assert physical_cores({0, 2}, tmp_path / "cpu", unlimited) == 1  # affinity: one core's two threads
+    quota = tmp_path / "quota"
+    quota.write_text("250000 100000\n")  # 2.5 CPUs -> 3
+    assert physical_cores({0, 1, 2, 3, 4, 5}, tmp_path / "cpu", quota) == 3
+    assert physical_cores({7}, tmp_path / "cpu", tmp_path / "missing") == 1  # no topology: the CPU counts
+
+
+def test_the_search_projects_with_the_servers_micro_batch_and_flash_attention(tmp_path, gguf_file, monkeypatch):
+    """A larger -ub grows the compute buffer: an N that fits only at -ub 512 must not count at 2048."""
+    from test_llamacpp_fit import _qwen3_30b_a3b_shape
+
+    from benchsuite.engines.llamacpp import adapter as adapter_module
+    from benchsuite.engines.llamacpp import fit
+    from benchsuite.search_settings import SearchSettings
+
+    monkeypatch.setattr(fit, "read_model_facts", lambda path: _qwen3_30b_a3b_shape(8))
+    monkeypatch.setattr(adapter_module, "has_gpu_device", lambda binary: False)
+    binary = str(_fake_binary(tmp_path))
+    settings = SearchSettings(projection="benchsuite")
+
+    def projected(**options):
+        spec = _spec({"model": str(gguf_file), "binary": binary} | options, kv=10240)
+        return LlamaCppAdapter().projections(spec, settings)
+
+    facts = _qwen3_30b_a3b_shape(8)
+    for options, flash_attn, n_ubatch in [({}, True, 2048), ({"flash_attn": "off", "ubatch_size": 512}, False, 512)]:
+        for n, p in projected(**options).items():
+            assert p == fit.project(facts, n, 10240, flash_attn=flash_attn, n_ubatch=n_ubatch)
+    small, large = projected(ubatch_size=512)[4], projected()[4]
+    budget = small.gpu_total_bytes + fit.DEFAULT_MARGIN_MIB * fit.MIB
+    assert small.fits(budget, fit.DEFAULT_MARGIN_MIB * fit.MIB)
+    assert not large.fits(budget, fit.DEFAULT_MARGIN_MIB * fit.MIB)  # the old flags' N no longer counts

@@ -174,3 +174,20 @@ def test_projection_matches_llama_cpp_on_an_h200(n_cpu_moe):
     assert ours.gpu_model_bytes // MIB == model_mib
     assert ours.gpu_context_bytes // MIB == context_mib
     assert abs(ours.gpu_compute_bytes / MIB - compute_mib) <= 40
+
+
+def test_fit_params_argv_carries_the_servers_batch_sizes():
+    argv = fit_params_argv("bin/llama-fit-params", "m.gguf", 5, 10240, 4, True, 999, batch_size=2048, ubatch_size=1024)
+    assert (argv[argv.index("-b") + 1], argv[argv.index("-ub") + 1], argv[argv.index("-fa") + 1]) == (
+        "2048",
+        "1024",
+        "on",
+    )
+
+
+def test_a_larger_micro_batch_grows_the_projected_compute_buffer():
+    facts = _facts()
+    small = project(facts, 0, 4096, flash_attn=True, n_ubatch=512).gpu_compute_bytes
+    large = project(facts, 0, 4096, flash_attn=True, n_ubatch=2048).gpu_compute_bytes
+    per_token = 4 * (4 * facts.n_embd + 3 * facts.n_expert_used * facts.n_ff_exp) + 2 * 4096
+    assert large - small == 1536 * per_token

@@ -128,7 +128,8 @@ async def test_f32_gguf_agrees_with_the_builtin_engine(tmp_path):
 @needs_server
 @pytest.mark.parametrize("flash_attn", [True, False])
 @pytest.mark.parametrize("n_ctx", [2048, 10240])
-def test_our_projection_matches_llama_fit_params_on_the_host(flash_attn, n_ctx):
+@pytest.mark.parametrize("n_ubatch", [512, 2048])  # llama.cpp's default and the adapter's
+def test_our_projection_matches_llama_fit_params_on_the_host(flash_attn, n_ctx, n_ubatch):
     """On a CPU build llama-fit-params projects everything onto `Host`; ours must agree (MiB, floored)."""
     import subprocess
 
@@ -144,10 +145,10 @@ def test_our_projection_matches_llama_fit_params_on_the_host(flash_attn, n_ctx):
     if not fit_binary.is_file():
         pytest.skip(f"{fit_binary} not built")
     model = LlamaCppAdapter().model_path(ServerSpec("p", "llamacpp", LlamaCppOptions(model="tiny"), {}, 1, "p"))
-    argv = fit_params_argv(fit_binary, model, 0, n_ctx, 2, flash_attn, 999)
+    argv = fit_params_argv(fit_binary, model, 0, n_ctx, 2, flash_attn, 999, ubatch_size=n_ubatch)
     host = next(r for r in parse_fit_print(subprocess.run(argv, capture_output=True, text=True, check=True).stdout))
     facts = read_model_facts(model)
-    ours = project(facts, 0, n_ctx, flash_attn=flash_attn, n_kv_streams=2)  # llama-fit-params: -np streams
+    ours = project(facts, 0, n_ctx, flash_attn=flash_attn, n_ubatch=n_ubatch, n_kv_streams=2)  # -np streams
     whole_model = sum(b for _, b in facts.tensor_bytes)
     assert host.device == "Host"
     assert host.model_mib == whole_model // MIB
@@ -187,7 +188,7 @@ def test_llamacpp_tiny_matrix_end_to_end(tmp_path):
         (c.engine, c.status, c.reason, c.output_tokens_total, c.decode_tok_s_p50) for c in regular
     ]
     facts = next(s.search for s in read_manifest(run_dir).servers.values() if "launches" in (s.search or {}))
-    # N = 0 and 1 exceed the emulated 0.0258 GB: never launched, recorded with their projection,
+    # N = 0 and 1 exceed the emulated 0.0175 GB (-fa on, -ub 2048): never launched, recorded with their projection,
     # not stored as cells; 2..4 fit.
     ruled_out = [c for c in facts["candidates"] if c["outcome"] == "ruled out"]
     assert [c["n"] for c in ruled_out] == [0, 1]

@@ -26,7 +26,7 @@ import subprocess
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from benchsuite.engines.base import (
     EngineConfigError,
@@ -37,7 +37,7 @@ from benchsuite.engines.base import (
     extra_args_check,
     options_of,
 )
-from benchsuite.engines.llamacpp import owned
+from benchsuite.engines.llamacpp import owned, tuning
 from benchsuite.errors import UserError
 from benchsuite.scrape import scrape_prometheus
 from benchsuite.search_settings import parse_request
@@ -45,6 +45,10 @@ from benchsuite.search_settings import parse_request
 BINARY_NAME = "llama-server"
 FIT_PARAMS_NAME = "llama-fit-params"
 GB = 10**9  # vram_budget_gb is decimal gigabytes
+# What a dry run without a binary assumes the build lists (the pinned build does).
+_ASSUMED_FLAGS = frozenset(
+    {"--no-cache-prompt", "--cache-ram", "--kv-unified", "--log-verbosity", "--cors-origins", "--load-mode"}
+)
 _GPU_DEVICE_LINE = re.compile(r"^\s*(CUDA|ROCm|HIP|Vulkan|Metal|SYCL)\d*\s*:", re.MULTILINE)
 
 
@@ -57,10 +61,14 @@ class LlamaCppOptions(EngineOptions):
     n_gpu_layers: int = Field(999, ge=0)  # -ngl
     # -ncmoe: experts of the first N layers on the CPU; `search` or {search: {...}} searches N.
     n_cpu_moe: int | Literal["search"] | dict[str, Any] | None = None
-    flash_attn: Literal["on", "off", "auto"] = "off"
+    # Tuning beyond N, defaults as llama.cpp's MoE-offload users run it (tuning.py says why).
+    flash_attn: Literal["on", "off", "auto"] = "on"  # -fa
+    batch_size: int = Field(tuning.DEFAULT_BATCH_TOKENS, ge=1)  # -b: logical batch (prompt tokens per decode call)
+    ubatch_size: int = Field(tuning.DEFAULT_UBATCH_TOKENS, ge=1)  # -ub: physical micro-batch (GPU compute buffer)
+    mmap: bool = False  # false: --load-mode none (host experts read into pinned buffers on GPU builds)
     moe_cache_mib: int | None = Field(None, ge=1)  # llama.cpp's expert cache, where the build has it
     vram_budget_gb: float | None = Field(None, gt=0)  # emulate a smaller GPU in the n_cpu_moe search
-    threads: int | None = Field(None, ge=1)  # -t
+    threads: int | None = Field(None, ge=1)  # -t; default the physical cores this process may use
     extra_args: list[str] = Field(default_factory=list)  # never a flag the adapter owns (owned.py)
     startup_timeout_s: float = Field(600.0, gt=0, le=7 * 86400)
 
@@ -71,6 +79,13 @@ class LlamaCppOptions(EngineOptions):
     def _yaml_booleans(cls, value: Any) -> Any:
         # YAML reads unquoted on/off as booleans.
         return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _ubatch_within_batch(self) -> LlamaCppOptions:
+        # llama.cpp silently clamps -ub to -b; the projection must not count a micro-batch that never runs.
+        if self.ubatch_size > self.batch_size:
+            raise ValueError(f"ubatch_size {self.ubatch_size} exceeds batch_size {self.batch_size}")
+        return self
 
     @field_validator("n_cpu_moe")
     @classmethod
@@ -222,11 +237,7 @@ class LlamaCppAdapter:
             raise EngineConfigError(f"llamacpp engine {spec.name}: n_cpu_moe is still a search request")
         found = find_binary(BINARY_NAME, opts.binary)
         binary = str(found) if found else (opts.binary or BINARY_NAME)
-        flags = (
-            binary_flags(found)
-            if found
-            else {"--no-cache-prompt", "--cache-ram", "--kv-unified", "--log-verbosity", "--cors-origins"}
-        )
+        flags = binary_flags(found) if found else _ASSUMED_FLAGS
         argv = [
             binary, "-m", str(self.model_path(spec, export=False)),
             "--host", "127.0.0.1", "--port", str(port),
@@ -234,17 +245,18 @@ class LlamaCppAdapter:
             "-c", str(spec.fairness["kv_capacity_tokens"]),
             "-np", str(spec.max_concurrency),
             "-fa", opts.flash_attn,
+            "-b", str(opts.batch_size), "-ub", str(opts.ubatch_size),
+            "-t", str(opts.threads if opts.threads is not None else tuning.physical_cores()),
             "--metrics",
         ]  # fmt: skip
+        argv += tuning.load_args(opts.mmap, flags)
         if "--kv-unified" in flags:
             argv.append("--kv-unified")
         if "--cors-origins" in flags:  # no web page can read this server (owned.py says why)
             argv += owned.CORS_ARGS
         if "--log-verbosity" in flags:
-            argv += [
-                "-lv",
-                "4",
-            ]  # the memory lines (model/KV/compute buffers) are logged at level 4
+            # trace: the memory lines (model/KV/compute buffers, the exit breakdown); nothing per token
+            argv += ["-lv", str(tuning.LOG_VERBOSITY)]
         if not spec.fairness.get("prefix_caching", False):
             if "--no-cache-prompt" in flags:
                 argv.append("--no-cache-prompt")
@@ -254,8 +266,6 @@ class LlamaCppAdapter:
             argv += ["--n-cpu-moe", str(opts.n_cpu_moe)]
         if opts.moe_cache_mib is not None:
             argv += ["--moe-cache-mib", str(opts.moe_cache_mib)]
-        if opts.threads is not None:
-            argv += ["-t", str(opts.threads)]
         argv += list(opts.extra_args)
         return LaunchPlan(
             argv=argv,
@@ -331,7 +341,8 @@ class LlamaCppAdapter:
         )
 
     def projections(self, spec: ServerSpec, settings: Any) -> dict[int, Any]:
-        """n -> benchsuite.engines.llamacpp.fit.Projection for every candidate N of the search."""
+        """n -> benchsuite.engines.llamacpp.fit.Projection for every candidate N of the search, with
+        the flags the server runs with that size its GPU buffers (-fa, -b/-ub, -ngl, -c)."""
         from benchsuite.engines.llamacpp import fit as fit
 
         opts = self._options(spec)
@@ -351,6 +362,7 @@ class LlamaCppAdapter:
                     n_ctx,
                     flash_attn=opts.flash_attn == "on",
                     n_gpu_layers=opts.n_gpu_layers,
+                    n_ubatch=min(opts.ubatch_size, opts.batch_size),
                 )
                 for n in candidates
             }
@@ -367,6 +379,8 @@ class LlamaCppAdapter:
                 spec.max_concurrency,
                 opts.flash_attn == "on",
                 opts.n_gpu_layers,
+                batch_size=opts.batch_size,
+                ubatch_size=opts.ubatch_size,
             )
             proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
             if proc.returncode != 0:

@@ -25,6 +25,7 @@ from pathlib import Path
 MIB = 2**20
 GIB = 2**30
 DEFAULT_MARGIN_MIB = 1024
+DEFAULT_BATCH_TOKENS = 2048  # llama.cpp's defaults for -b and -ub (common/common.h)
 DEFAULT_UBATCH_TOKENS = 512
 KV_CELL_PAD_TOKENS = 256  # llama.cpp sizes the KV cache in multiples of 256 cells
 KV_ELEMENT_BYTES = 2  # default K/V cache type f16
@@ -234,8 +235,12 @@ def fit_params_argv(
     n_parallel: int,
     flash_attn: bool,
     n_gpu_layers: int,
+    *,
+    batch_size: int = DEFAULT_BATCH_TOKENS,
+    ubatch_size: int = DEFAULT_UBATCH_TOKENS,
 ) -> list[str]:
-    """The llama-fit-params command that prints llama.cpp's projection for one N.
+    """The llama-fit-params command that prints llama.cpp's projection for one N, with every flag
+    of the server's command line that sizes a GPU buffer (-fa and -ub the compute buffer).
 
     llama-fit-params takes no --kv-unified (a server flag): its context is the same -c cells,
     its compute buffer is projected for -np separate KV streams (see compute_buffer_bytes).
@@ -243,5 +248,6 @@ def fit_params_argv(
     return [
         str(binary), "-m", str(model), "-ngl", str(n_gpu_layers), "--n-cpu-moe", str(n_cpu_moe),
         "-c", str(n_ctx_tokens), "-np", str(n_parallel),
-        "-fa", "on" if flash_attn else "off", "--fit-print", "on",
+        "-fa", "on" if flash_attn else "off", "-b", str(batch_size), "-ub", str(ubatch_size),
+        "--fit-print", "on",
     ]  # fmt: skip

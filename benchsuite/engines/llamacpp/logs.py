@@ -10,8 +10,10 @@ Context lines: `llama_context: n_ctx = 1024`, `n_ctx_seq`, `n_seq_max`, `n_batch
 `flash_attn`. llama.cpp's own fit projection at startup, one row per device (MiB):
     common_memory_breakdown_print: |   - CUDA0 (H200) | 143000 = 1200 + (18366 = 17105 + 960 + 301) + 123434 |
     common_memory_breakdown_print: |   - Host         |                    7 =     3 +       1 +       3   |
-The server logs memory lines only at verbosity 4 (`-lv 4`, which the adapter passes), each line
-behind a `<time> <level> ` prefix that is stripped here.
+The server logs memory lines only at verbosity 4 (`-lv 4`, trace, which the adapter passes: llama's
+INFO lines map to trace in common/log.cpp, and the breakdown, printed as the server exits, is
+LOG_TRC; nothing is logged per token at 4, docs/llamacpp-tuning.md), each line behind a
+`<time> <level> ` prefix that is stripped here.
 
 Expert-cache lines (`--moe-cache-mib` builds print hit rates at exit, over distinct experts per
 (layer, micro-batch), split into micro-batches of <= 8 tokens and larger). The pinned build has no

@@ -45,6 +45,13 @@ _GROUPS: tuple[tuple[tuple[str, ...], str | None, str], ...] = (
     (("--moe-cache-mib",), None, "option moe_cache_mib"),
     (("-fa", "--flash-attn"), "LLAMA_ARG_FLASH_ATTN", "option flash_attn"),
     (("-t", "--threads"), "LLAMA_ARG_THREADS", "option threads"),
+    (("-b", "--batch-size"), "LLAMA_ARG_BATCH", "option batch_size"),
+    (("-ub", "--ubatch-size"), "LLAMA_ARG_UBATCH", "option ubatch_size"),
+    (("-lm", "--load-mode"), "LLAMA_ARG_LOAD_MODE", "option mmap (--load-mode none or mmap)"),
+    # older builds' spellings of the load mode (not in the pinned build; refused so no build can be told twice)
+    (("--mmap",), "LLAMA_ARG_MMAP", "option mmap"),
+    (("--no-mmap",), "LLAMA_ARG_NO_MMAP", "option mmap"),
+    (("--mlock",), "LLAMA_ARG_MLOCK", "option mmap"),
     (("-lv", "--verbosity", "--log-verbosity"), "LLAMA_ARG_LOG_VERBOSITY", "the adapter (4: the memory lines)"),
     (("--cors-origins",), "LLAMA_ARG_CORS_ORIGINS", "the adapter (no cross-origin reads)"),
     (
