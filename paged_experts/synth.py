@@ -237,7 +237,9 @@ def hf_config_for(p: Preset, vocab_size: int, bos_id: int, eos_id: int) -> dict[
     }
 
 
-def _tensors(p: Preset, hf: dict[str, object], seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+def _tensors(
+    p: Preset, hf: dict[str, object], seed: int, silent: tuple[int, ...]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Every weight in checkpoint order: `weightgen`'s source tensors (exact in every dtype), the
     stacked experts split per expert; FP8 presets' projections quantized with their block scales."""
     dt = _DTYPES[p.dtype]
@@ -252,7 +254,7 @@ def _tensors(p: Preset, hf: dict[str, object], seed: int) -> Iterator[tuple[str,
         yield name.removesuffix("weight") + fp8.SCALE_SUFFIX, scale.contiguous()
 
     stacked: list[torch.Tensor] = []  # a layer's [E, O, I] gate, up, down, in source order
-    for t, values in weightgen.iter_torch(seed, hf, torch.float32):
+    for t, values in weightgen.iter_torch(seed, hf, torch.float32, silent):
         if ".mlp.experts." not in t.name:
             yield from proj(t.name, values) if t.name.endswith(_PROJ_SUFFIXES) else [(t.name, values.to(dt))]
             continue
@@ -342,7 +344,7 @@ def write_checkpoint(
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     generation = {"bos_token_id": bos_id, "eos_token_id": [eos_id, bos_id], "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    _write_shards(_tensors(p, hf, seed), out, p.max_shard_bytes)
+    _write_shards(_tensors(p, hf, seed, weightgen.silent_token_ids(tok)), out, p.max_shard_bytes)
     return out
 
 

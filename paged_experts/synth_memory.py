@@ -106,21 +106,39 @@ def config_for(spec: SynthSpec) -> MoeModelConfig:
 def load_synthetic(path: str | Path, runtime: RuntimeConfig) -> LoadedModel:
     spec = parse_spec(path)
     cfg = config_for(spec) if str(path).startswith(PREFIX) else MoeModelConfig.from_dir(path)
-    return build_from_config(cfg, runtime, spec.seed)
+    return build_from_config(cfg, runtime, spec.seed, silent_ids(path))
 
 
 def build(preset: str, runtime: RuntimeConfig, layers: int | None = None, seed: int = 0) -> LoadedModel:
-    return build_from_config(config_for(SynthSpec(preset, layers, seed)), runtime, seed)
+    spec = SynthSpec(preset, layers, seed)
+    return build_from_config(config_for(spec), runtime, seed, silent_ids(f"{PREFIX}{preset}"))
 
 
-def host_weights(cfg: MoeModelConfig, dtype: torch.dtype, seed: int, gen_device: torch.device) -> HostWeights:
-    """`weightgen`'s source tensors, generated on `gen_device` (the same values on every device)."""
-    key = (cfg, dtype, seed)
+def silent_ids(path: str | Path) -> tuple[int, ...]:
+    """The silent tokens (weightgen.silent_token_ids) of a weightless directory's tokenizer, or of
+    the preset's tokenizer for a `synth:` path; none for a directory without a tokenizer."""
+    from tokenizers import Tokenizer
+
+    if str(path).startswith(PREFIX):
+        tok = preset_tokenizer(PRESETS[parse_spec(path).preset].bpe_vocab_size)
+    elif (Path(path) / "tokenizer.json").is_file():
+        tok = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
+    else:
+        return ()
+    return weightgen.silent_token_ids(tok)
+
+
+def host_weights(
+    cfg: MoeModelConfig, dtype: torch.dtype, seed: int, gen_device: torch.device, silent: tuple[int, ...] = ()
+) -> HostWeights:
+    """`weightgen`'s source tensors, generated on `gen_device` (the same values on every device);
+    `silent`: the tokens whose output rows are zero."""
+    key = (cfg, dtype, seed, silent)
     if key in _CACHE:
         return _CACHE[key]
     _CACHE.clear()  # one host store at a time: 58 GB each
     pin = gen_device.type == "cuda"
-    src = weightgen.by_name(weightgen.hf_shape(cfg))
+    src = weightgen.by_name(weightgen.hf_shape(cfg), silent)
     h, inter, e_n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
 
     def values(name: str) -> torch.Tensor:
@@ -166,11 +184,11 @@ def host_weights(cfg: MoeModelConfig, dtype: torch.dtype, seed: int, gen_device:
     return weights
 
 
-def build_from_config(cfg: MoeModelConfig, runtime: RuntimeConfig, seed: int) -> LoadedModel:
+def build_from_config(cfg: MoeModelConfig, runtime: RuntimeConfig, seed: int, silent: tuple[int, ...]) -> LoadedModel:
     """Places cached (or freshly generated) host weights for `runtime`, as `loader.load` does."""
     runtime.validate_for(cfg)
     device, dtype = runtime.torch_device, runtime.torch_dtype
-    hw = host_weights(cfg, dtype, seed, device)
+    hw = host_weights(cfg, dtype, seed, device, silent)
 
     def dev(t: torch.Tensor) -> torch.Tensor:
         return t.to(device=device, copy=True)

@@ -10,6 +10,7 @@ stacked `[E, O, I]` tensor per projection) is
     hash32(c) = mix(mix(c ^ k1) ^ k2),  mix = lowbias-style xor-shift-multiply on 32 bits
     g     = j // group_numel: the expert (stacked expert tensors), else 0 (one group)
     offset[g] = -(mix(mix(g ^ k2) ^ k1) & 1): each expert at sigma or sigma / 2
+    lm_head rows of silent tokens are 0
 
 `LUT` is 256 int8 values: the midpoint quantiles of N(0, 1) scaled so the largest is 127; its
 standard deviation is LUT_STD (~44). `exponent` is the power of two nearest sigma / LUT_STD, sigma
@@ -23,6 +24,9 @@ Why this form:
   writer's worker processes and a GPU both generate in parallel, in any order;
 - the multipliers are below 2**31, so torch computes the 32-bit products in int64 without overflow
   (no reliance on wrapping signed arithmetic), numpy in uint64: the same integers on every device.
+Silent tokens (`silent_token_ids`: specials, and byte tokens that alone are no valid UTF-8 text)
+get an all-zero output row, so their logit is 0 against a top logit of ~+40: greedy decoding never
+emits a token without visible text, and timing by text chunks and by tokens agree on these models.
 The norms' values (0.75..1.24 in steps of 1/128) are exact in bf16 too. The per-expert offset
 gives experts different magnitudes, as trained experts have: without it every 128 x 128 block holds
 a +-127 LUT entry, so every FP8 block scale of a tensor would be the same, and a paged expert
@@ -49,6 +53,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     import torch
+    from tokenizers import Tokenizer
 
     from paged_experts.config import MoeModelConfig
 
@@ -81,6 +86,7 @@ class SourceTensor:
     kind: str  # "normal" (LUT * 2**exponent) or "norm" (1 + (LUT >> 2) * 2**-7)
     exponent: int
     group_numel: int = 0  # elements per power-of-two group (one expert); 0: the whole tensor, no offset
+    zero_rows: tuple[int, ...] = ()  # rows (first axis) that are all zero: the silent tokens' lm_head rows
 
     @property
     def numel(self) -> int:
@@ -97,8 +103,9 @@ def expert_name(layer: int, proj: str) -> str:
     return f"model.layers.{layer}.mlp.experts.{proj}_proj.weight"
 
 
-def source_tensors(hf: Mapping[str, Any]) -> list[SourceTensor]:
-    """Every source tensor of a qwen3_moe HF config, in checkpoint order, with its value rule."""
+def source_tensors(hf: Mapping[str, Any], silent_ids: tuple[int, ...] = ()) -> list[SourceTensor]:
+    """Every source tensor of a qwen3_moe HF config, in checkpoint order, with its value rule;
+    `silent_ids`: the tokens whose lm_head rows are zero (`silent_token_ids` of the tokenizer)."""
     h, inter, v = int(hf["hidden_size"]), int(hf["moe_intermediate_size"]), int(hf["vocab_size"])
     heads, kv, d = int(hf["num_attention_heads"]), int(hf["num_key_value_heads"]), int(hf["head_dim"])
     e_n = int(hf["num_experts"])
@@ -130,12 +137,27 @@ def source_tensors(hf: Mapping[str, Any]) -> list[SourceTensor]:
             experts(layer, "up", (inter, h), 1 / math.sqrt(h)),
             experts(layer, "down", (h, inter), 1 / math.sqrt(inter)),
         ]
-    out += [norm("model.norm.weight", h), normal("lm_head.weight", (v, h), LOGIT_STD / math.sqrt(h))]
-    return out
+    lm_head = SourceTensor("lm_head.weight", (v, h), "normal", exponent_for(LOGIT_STD / math.sqrt(h)), 0, silent_ids)
+    return [*out, norm("model.norm.weight", h), lm_head]
 
 
-def by_name(hf: Mapping[str, Any]) -> dict[str, SourceTensor]:
-    return {t.name: t for t in source_tensors(hf)}
+def by_name(hf: Mapping[str, Any], silent_ids: tuple[int, ...] = ()) -> dict[str, SourceTensor]:
+    return {t.name: t for t in source_tensors(hf, silent_ids)}
+
+
+def silent_token_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
+    """Ids whose text alone is not visible: special (added) tokens, which engines render as no
+    text, and tokens that decode to nothing, to U+FFFD (a byte of a multi-byte UTF-8 character:
+    a streaming server holds it back) or to control characters other than whitespace."""
+    specials = {int(i) for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+    silent = set(specials)
+    for i in range(tokenizer.get_vocab_size(with_added_tokens=True)):
+        if i in specials:
+            continue
+        text = tokenizer.decode([i], skip_special_tokens=False)
+        if not text or "\ufffd" in text or not all(c.isprintable() or c.isspace() for c in text):
+            silent.add(i)
+    return tuple(sorted(silent))
 
 
 def hf_shape(cfg: MoeModelConfig) -> dict[str, int]:
@@ -249,7 +271,18 @@ def values_np(seed: int, t: SourceTensor, start: int = 0, count: int | None = No
     out = lut_values(t)[indices_np(seed, t.name, start, n)]
     if t.group_numel:
         out *= group_factors(seed, t, start, n)
+    for lo, hi in _zero_spans(t, start, n):
+        out[lo:hi] = 0
     return out
+
+
+def _zero_spans(t: SourceTensor, start: int, count: int) -> Iterator[tuple[int, int]]:
+    """[lo, hi) spans, relative to `start`, of the zero rows within elements start .. start+count."""
+    row = t.numel // t.shape[0] if t.zero_rows else 0
+    for r in t.zero_rows:
+        lo, hi = max(r * row, start), min((r + 1) * row, start + count)
+        if lo < hi:
+            yield lo - start, hi - start
 
 
 def values_torch(
@@ -281,12 +314,16 @@ def values_torch(
                 j = torch.arange(start + first, start + first + m, device=device)
                 v *= factors[j // t.group_numel]
             out[first : first + m] = v.to(dtype)
+        for lo, hi in _zero_spans(t, start, n):
+            out[lo:hi] = 0
     return out.reshape(t.shape) if count is None and start == 0 else out
 
 
-def iter_torch(seed: int, hf: Mapping[str, Any], dtype: torch.dtype) -> Iterator[tuple[SourceTensor, torch.Tensor]]:
+def iter_torch(
+    seed: int, hf: Mapping[str, Any], dtype: torch.dtype, silent_ids: tuple[int, ...] = ()
+) -> Iterator[tuple[SourceTensor, torch.Tensor]]:
     """Every source tensor on the CPU, in checkpoint order."""
-    for t in source_tensors(hf):
+    for t in source_tensors(hf, silent_ids):
         yield t, values_torch(seed, t, "cpu", dtype)
 
 
@@ -298,14 +335,16 @@ RECIPE_SHAPE_KEYS = (
 )  # fmt: skip
 
 
-def recipe(hf: Mapping[str, Any], seed: int) -> dict[str, Any]:
+def recipe(hf: Mapping[str, Any], seed: int, silent_ids: tuple[int, ...]) -> dict[str, Any]:
     """What a generated model's source weights are a function of (the preset's name is not: the
     FP8 preset of a shape quantizes the dense preset's tensors)."""
+    ids = ",".join(map(str, silent_ids)).encode()
     return {
         "generator": GENERATOR,
         "generator_version": GENERATOR_VERSION,
         "seed": int(seed),
         "shape": {k: int(hf[k]) for k in RECIPE_SHAPE_KEYS},
+        "silent_tokens": {"count": len(silent_ids), "sha256_16": hashlib.sha256(ids).hexdigest()[:16]},
     }
 
 

@@ -134,7 +134,7 @@ def test_in_memory_model_holds_the_checkpoints_weights(tiny_pair: tuple[Path, Pa
     ckpt, _ = tiny_pair
     synth_memory.clear_cache()
     cfg = synth_memory.config_for(synth_memory.SynthSpec("tiny", 2, 3))
-    hw = synth_memory.host_weights(cfg, torch.bfloat16, 3, torch.device("cpu"))
+    hw = synth_memory.host_weights(cfg, torch.bfloat16, 3, torch.device("cpu"), synth_memory.silent_ids("synth:tiny"))
     weights = load_file(str(ckpt / "model.safetensors"))
     assert torch.equal(hw.lm_head, weights["lm_head.weight"])
     assert torch.equal(hw.attention[1].o_proj, weights["model.layers.1.self_attn.o_proj.weight"])
@@ -153,3 +153,19 @@ def test_fp8_preset_quantizes_the_same_source(tmp_path: Path) -> None:
     want_q, want_s = fp8.quantize(weightgen.values_torch(2, src)[3])
     assert torch.equal(fp8.raw(w["model.layers.0.mlp.experts.3.up_proj.weight"]), fp8.raw(want_q))
     assert torch.equal(w["model.layers.0.mlp.experts.3.up_proj.weight_scale_inv"], want_s)
+
+
+def test_silent_tokens_have_zero_output_rows(tiny_pair: tuple[Path, Path]) -> None:
+    """Specials and lone bytes of multi-byte UTF-8 characters never win greedy decoding: their
+    lm_head rows are zero (logit 0 against a top logit of tens)."""
+    from tokenizers import Tokenizer
+
+    ckpt, _ = tiny_pair
+    tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    silent = weightgen.silent_token_ids(tok)
+    assert {tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")} <= set(silent)
+    assert 100 < len(silent) < 200  # 3 specials + the 128 bytes >= 0x80 that are not merged text + controls
+    assert "\ufffd" in tok.decode([silent[0]]) or silent[0] in {tok.token_to_id("<|endoftext|>")}
+    lm_head = load_file(str(ckpt / "model.safetensors"))["lm_head.weight"].float()
+    zero = (lm_head == 0).all(dim=1)
+    assert zero.nonzero().flatten().tolist() == list(silent)

@@ -99,17 +99,20 @@ class _Task:
     offset: int  # bytes into the file
 
 
-def synthetic_model(preset: str, layers: int | None, seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(HF config, tokenizer fields) of the preset: the weightless directory's, vocabulary unpadded."""
+def synthetic_model(
+    preset: str, layers: int | None, seed: int
+) -> tuple[dict[str, Any], dict[str, Any], tuple[int, ...]]:
+    """(HF config, tokenizer fields, silent token ids) of the preset: the weightless directory's,
+    vocabulary unpadded."""
     from paged_experts.synth import PRESETS
-    from paged_experts.synth_memory import write_weightless
+    from paged_experts.synth_memory import silent_ids, write_weightless
 
     if preset not in PRESETS:
         raise UserError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}")
     with tempfile.TemporaryDirectory(prefix="gguf-synth-") as tmp:
         d = write_weightless(preset, Path(tmp), layers=layers, seed=seed)
         hf = json.loads((d / "config.json").read_text())
-        return hf, tokenizer_fields(d, hf)
+        return hf, tokenizer_fields(d, hf), silent_ids(d)
 
 
 def synthetic_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -152,7 +155,7 @@ def chunk_bytes(task: _Task) -> np.ndarray:
         out[:, 0] = scales.astype(np.float16).view(np.int16)
         out[:, 1:] = LUT16[idx.view("<u2")].reshape(task.n_blocks, 16)
         return out
-    if task.source.group_numel:  # stacked experts in a dense type: the values, then their bits
+    if task.source.group_numel or task.source.zero_rows:  # per-expert scales, zero rows: the values, then bits
         values = weightgen.values_np(task.seed, task.source, task.start, task.n_blocks)
         return _typed(values, qtype)
     return _typed_lut(task.source, qtype)[idx]
@@ -191,9 +194,10 @@ def _fill(task: _Task) -> int:
     return done
 
 
-def _tasks(planned: list[PlannedTensor], hf: dict[str, Any], data_start: int, alignment: int, seed: int) -> list[_Task]:
+def _tasks(
+    planned: list[PlannedTensor], sources: dict[str, weightgen.SourceTensor], data_start: int, alignment: int, seed: int
+) -> list[_Task]:
     """Every chunk of every tensor with its file offset (tensors aligned as GGUFWriter lays them out)."""
-    sources = weightgen.by_name(hf)
     tasks, offset = [], data_start
     for p in planned:
         block_values, type_bytes = gguf.GGML_QUANT_SIZES[p.qtype]
@@ -234,7 +238,7 @@ def write_synthetic_gguf(
     """Write `out` (atomically: a temporary file in the same directory, renamed at the end)."""
     started = time.perf_counter()
     out = Path(out).expanduser()
-    hf, fields = synthetic_model(preset, layers, seed)
+    hf, fields, silent = synthetic_model(preset, layers, seed)
     planned = plan_tensors(hf, synthetic_shapes(hf), dense_type, expert_type=expert_type)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
@@ -249,7 +253,7 @@ def write_synthetic_gguf(
         assert writer.fout is not None
         data_start = gguf.GGUFWriter.ggml_pad(writer.fout[0].tell(), writer.data_alignment)
         writer.close()
-        tasks = _tasks(planned, hf, data_start, writer.data_alignment, seed)
+        tasks = _tasks(planned, weightgen.by_name(hf, silent), data_start, writer.data_alignment, seed)
         total = data_start + sum(gguf.GGUFWriter.ggml_pad(p.nbytes, writer.data_alignment) for p in planned)
         free = shutil.disk_usage(out.parent).free
         if free < total:
