@@ -344,7 +344,10 @@ def write_checkpoint(
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     generation = {"bos_token_id": bos_id, "eos_token_id": [eos_id, bos_id], "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    _write_shards(_tensors(p, hf, seed, weightgen.silent_token_ids(tok)), out, p.max_shard_bytes)
+    silent = weightgen.silent_token_ids(tok)
+    _write_shards(_tensors(p, hf, seed, silent), out, p.max_shard_bytes)
+    record = weightgen.recipe_record(hf, seed, silent)  # what the weights are a function of (weights_id)
+    (out / weightgen.RECIPE_FILE).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     return out
 
 

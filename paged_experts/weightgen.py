@@ -352,3 +352,13 @@ def recipe_id(r: Mapping[str, Any]) -> str:
     """`gen-` + 16 hex digits of the recipe's canonical JSON."""
     text = json.dumps(dict(r), sort_keys=True, separators=(",", ":"))
     return "gen-" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+RECIPE_FILE = "source_weights.json"  # beside a checkpoint `paged_experts.synth` wrote: its recipe record
+RECIPE_COVERS = "the generator's recipe (the weights are a function of it), not the bytes in memory or on disk"
+
+
+def recipe_record(hf: Mapping[str, Any], seed: int, silent_ids: tuple[int, ...]) -> dict[str, Any]:
+    """{id, kind: recipe, covers, recipe}: a generated model's source-weights record."""
+    r = recipe(hf, seed, silent_ids)
+    return {"id": recipe_id(r), "kind": "recipe", "covers": RECIPE_COVERS, "recipe": r}

@@ -390,3 +390,11 @@ def expert_facts(path: Path) -> dict[str, Any]:
     if any(p is None for p in parts):
         return {}
     return {"expert_format": parts[0][0].lower(), "expert_bytes": sum(p[2] // p[1][0] for p in parts)}  # type: ignore[index]
+
+
+def tensor_formats(path: Path) -> str:
+    """How a GGUF stores its weights, from its tensor table: `GGUF experts Q8_0, attention BF16, ...`."""
+    kinds = {name: kind for name, kind, _, _ in iter_tensor_bytes(path)}
+    parts = [("experts", "blk.0.ffn_gate_exps.weight"), ("attention", "blk.0.attn_q.weight"),
+             ("embeddings", "token_embd.weight"), ("output", "output.weight")]  # fmt: skip
+    return "GGUF " + ", ".join(f"{label} {kinds[name]}" for label, name in parts if name in kinds)

@@ -58,7 +58,7 @@ from benchsuite.errors import UserError
 from paged_experts import weightgen
 
 CHUNK_BYTES = 16 * 2**20
-FACTS_SCHEMA_VERSION = 1
+FACTS_SCHEMA_VERSION = 2  # 2: weightgen's values, unpadded vocabulary, `source_weights`
 SHAPE_KEYS = (
     "num_hidden_layers", "hidden_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok",
     "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
@@ -87,6 +87,7 @@ class SynthGguf:
     write_s: float
     workers: int
     shape: dict[str, int]  # the HF config's sizes (SHAPE_KEYS)
+    source_weights: dict[str, Any]  # weightgen.recipe_record: the source tensors' identity
 
 
 @dataclass(frozen=True)
@@ -270,6 +271,7 @@ def write_synthetic_gguf(
         path=out, bytes=out.stat().st_size, layers=int(hf["num_hidden_layers"]), seed=seed, expert_type=expert_type,
         dense_type=dense_type, expert_bytes=expert_bytes(planned, int(hf["num_experts"])), num_tensors=len(planned),
         write_s=time.perf_counter() - started, workers=n_workers, shape={k: int(hf[k]) for k in SHAPE_KEYS},
+        source_weights=weightgen.recipe_record(hf, seed, silent),
     )  # fmt: skip
 
 
@@ -296,7 +298,7 @@ def write_with_facts(
         "bytes": s.bytes, "preset": preset, "layers": s.layers, "seed": seed, "shape": s.shape,
         "expert_type": s.expert_type.upper(), "dense_type": s.dense_type, "expert_bytes": s.expert_bytes,
         "num_tensors": s.num_tensors, "hf_dir": str(hf_dir.resolve()), "write_s": round(s.write_s, 2),
-        "workers": s.workers, "git": git_facts(),
+        "workers": s.workers, "git": git_facts(), "source_weights": s.source_weights,
     }  # fmt: skip
     tmp = facts_path(s.path).with_name(f".{facts_path(s.path).name}.tmp")
     tmp.write_text(json.dumps(facts, indent=1, sort_keys=True) + "\n")
