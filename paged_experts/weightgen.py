@@ -23,7 +23,8 @@ Why this form:
 - a counter hash has no generator state: any chunk of any tensor is computed alone, so the GGUF
   writer's worker processes and a GPU both generate in parallel, in any order;
 - the multipliers are below 2**31, so torch computes the 32-bit products in int64 without overflow
-  (no reliance on wrapping signed arithmetic), numpy in uint64: the same integers on every device.
+  (no reliance on wrapping signed arithmetic), numpy in uint32 (unsigned products wrap modulo
+  2**32 by definition): the same integers on every device.
 Silent tokens (`silent_token_ids`: specials, and byte tokens that alone are no valid UTF-8 text)
 get an all-zero output row, so their logit is 0 against a top logit of ~+40: greedy decoding never
 emits a token without visible text, and timing by text chunks and by tokens agree on these models.
@@ -189,13 +190,13 @@ def keys(seed: int, name: str) -> tuple[int, int]:
 
 
 def _mix_np(x: np.ndarray) -> np.ndarray:
-    x ^= x >> np.uint64(16)
-    x *= np.uint64(_C1)
-    x &= np.uint64(_M32)
-    x ^= x >> np.uint64(15)
-    x *= np.uint64(_C2)
-    x &= np.uint64(_M32)
-    x ^= x >> np.uint64(16)
+    """In place on uint32: numpy's unsigned products wrap modulo 2**32, which is the `& _M32`
+    torch needs in int64."""
+    x ^= x >> np.uint32(16)
+    x *= np.uint32(_C1)
+    x ^= x >> np.uint32(15)
+    x *= np.uint32(_C2)
+    x ^= x >> np.uint32(16)
     return x
 
 
@@ -203,12 +204,14 @@ def indices_np(seed: int, name: str, start: int, count: int) -> np.ndarray:
     """[count] uint8 LUT indices of elements start .. start+count-1 of tensor `name` (numpy)."""
     k1, k2 = keys(seed, name)
     c0, c1 = start // 4, -(-(start + count) // 4)
-    x = np.arange(c0, c1, dtype=np.uint64)
-    x ^= np.uint64(k1)
+    if c1 > 2**32:
+        raise ValueError(f"{name}: {start + count} elements, past the 2**34 one tensor can have here")
+    x = np.arange(c0, c1, dtype=np.uint32)
+    x ^= np.uint32(k1)
     x = _mix_np(x)
-    x ^= np.uint64(k2)
+    x ^= np.uint32(k2)
     x = _mix_np(x)
-    raw = x.astype("<u4").view(np.uint8)  # [4 * counters], byte 0 of each counter first
+    raw = x.astype("<u4", copy=False).view(np.uint8)  # [4 * counters], byte 0 of each counter first
     lo = start - 4 * c0
     return raw[lo : lo + count]
 
@@ -252,17 +255,19 @@ def group_offsets(seed: int, t: SourceTensor) -> np.ndarray:
     if not t.group_numel:
         return np.zeros(1, dtype=np.int64)
     k1, k2 = keys(seed, t.name)
-    x = np.arange(t.numel // t.group_numel, dtype=np.uint64) ^ np.uint64(k2)
-    x = _mix_np(x) ^ np.uint64(k1)
-    return -(_mix_np(x) & np.uint64(1)).astype(np.int64)
+    x = np.arange(t.numel // t.group_numel, dtype=np.uint32) ^ np.uint32(k2)
+    x = _mix_np(x) ^ np.uint32(k1)
+    return -(_mix_np(x) & np.uint32(1)).astype(np.int64)
 
 
-def group_factors(seed: int, t: SourceTensor, start: int, count: int) -> np.ndarray:
-    """[count] float32 factors 2**offset of elements start.. (exact multipliers)."""
+def group_factors(seed: int, t: SourceTensor, start: int, count: int, step: int = 1) -> np.ndarray:
+    """[ceil(count / step)] float32 factors 2**offset of elements start, start+step, .. (exact
+    multipliers; `step` 32: one per Q8_0 block)."""
     factors = np.ldexp(np.float32(1), group_offsets(seed, t)).astype(np.float32)  # [groups]
+    n = -(-count // step)
     if not t.group_numel:
-        return np.broadcast_to(factors[0], (count,))
-    return factors[np.arange(start, start + count, dtype=np.int64) // t.group_numel]
+        return np.broadcast_to(factors[0], (n,))
+    return factors[(start + step * np.arange(n, dtype=np.int64)) // t.group_numel]
 
 
 def values_np(seed: int, t: SourceTensor, start: int = 0, count: int | None = None) -> np.ndarray:

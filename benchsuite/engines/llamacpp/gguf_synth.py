@@ -151,7 +151,7 @@ def chunk_bytes(task: _Task) -> np.ndarray:
         # A 34-byte block is 17 int16: the fp16 scale, then 16 pairs of int8 quants.
         out = np.empty((task.n_blocks, 17), dtype=np.int16)  # [blocks, 17]
         # each block's scale: the tensor's power of two times its expert's (a block never spans two)
-        block_factors = weightgen.group_factors(task.seed, task.source, task.start, task.n_blocks * 32)[::32]
+        block_factors = weightgen.group_factors(task.seed, task.source, task.start, task.n_blocks * 32, step=32)
         scales = np.float32(2.0**task.source.exponent) * block_factors  # [blocks], powers of two
         out[:, 0] = scales.astype(np.float16).view(np.int16)
         out[:, 1:] = LUT16[idx.view("<u2")].reshape(task.n_blocks, 16)
