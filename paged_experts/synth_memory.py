@@ -133,7 +133,7 @@ def host_weights(
 ) -> HostWeights:
     """`weightgen`'s source tensors, generated on `gen_device` (the same values on every device);
     `silent`: the tokens whose output rows are zero."""
-    key = (cfg, dtype, seed, silent)
+    key = (cfg, dtype, seed, silent, gen_device.type)  # the device too: CUDA's host store is pinned
     if key in _CACHE:
         return _CACHE[key]
     _CACHE.clear()  # one host store at a time: 58 GB each
