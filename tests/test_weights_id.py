@@ -90,3 +90,15 @@ def test_same_model_caveat_names_the_servers() -> None:
     unknown = same_model_caveat([("s1", _record("paged", "gen-1")), ("s2", _record("llamacpp", "absent"))])
     assert unknown is not None and "unknown" in unknown and "llamacpp (unknown)" in unknown
     assert source_id(ServerRecord()) is None
+
+
+def test_an_export_records_its_checkpoints_source_and_tokenizer(made: dict[str, Path], tmp_path: Path) -> None:
+    from benchsuite.engines.llamacpp.gguf_export import export_gguf
+
+    out = export_gguf(made["checkpoint"], tmp_path / "x.gguf", "f32").path
+    facts = read_facts(out)
+    assert facts is not None and facts["made_by"] == "benchsuite gguf export" and facts["random_weights"]
+    assert facts["source_weights"]["id"] == weights_id.source_weights(made["weightless"])["id"]
+    spec = ServerSpec("l", "llamacpp", LlamaCppOptions(model=str(out)), {}, 1, "l")
+    assert LlamaCppAdapter().tokenizer_dir(spec) == made["checkpoint"].resolve()  # exact-length prompts work
+    assert LlamaCppAdapter()._weights(spec)["format"] == "GGUF experts F32, attention F32, embeddings F32, output F32"

@@ -47,10 +47,14 @@ def _random_weights(model: str) -> bool:
 
 def _recorded_random(server: ServerRecord) -> bool:
     """What the server's adapter recorded of its model: built-in synthetic weights, a GGUF that
-    `benchsuite gguf synth` wrote (seeded random values)."""
+    `benchsuite gguf synth` wrote or exported from a generated checkpoint (seeded values)."""
     version = server.version or {}
     facts = version.get("model_facts") or {}
-    return bool(version.get("random_weights")) or facts.get("made_by") == "benchsuite gguf synth"
+    return (
+        bool(version.get("random_weights"))
+        or bool(facts.get("random_weights"))  # a GGUF exported from a generated checkpoint too
+        or facts.get("made_by") == "benchsuite gguf synth"
+    )
 
 
 def budget_exclusions(cells: pd.DataFrame) -> list[tuple[str, int, int]]:

@@ -50,15 +50,19 @@ from benchsuite.engines.llamacpp.gguf_export import (
     ARCH,
     PlannedTensor,
     add_tensor_infos,
+    facts_path,
     plan_tensors,
+    read_facts,
     tokenizer_fields,
+    write_facts,
     write_metadata,
 )
+
+__all__ = ["facts_path", "read_facts", "write_synthetic_gguf", "write_with_facts"]
 from benchsuite.errors import UserError
 from paged_experts import weightgen
 
 CHUNK_BYTES = 16 * 2**20
-FACTS_SCHEMA_VERSION = 2  # 2: weightgen's values, unpadded vocabulary, `source_weights`
 SHAPE_KEYS = (
     "num_hidden_layers", "hidden_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok",
     "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
@@ -275,10 +279,6 @@ def write_synthetic_gguf(
     )  # fmt: skip
 
 
-def facts_path(gguf_path: Path) -> Path:
-    return gguf_path.with_name(gguf_path.name + ".json")
-
-
 def companion_dir(gguf_path: Path) -> Path:
     return gguf_path.with_name(gguf_path.name + ".hf")
 
@@ -294,25 +294,14 @@ def write_with_facts(
     s = write_synthetic_gguf(out, preset=preset, layers=layers, seed=seed, workers=workers, log=log)
     hf_dir = write_weightless(preset, companion_dir(s.path), layers=s.layers, seed=seed)
     facts = {
-        "schema_version": FACTS_SCHEMA_VERSION, "made_by": "benchsuite gguf synth", "path": str(s.path.resolve()),
+        "made_by": "benchsuite gguf synth", "path": str(s.path.resolve()),
         "bytes": s.bytes, "preset": preset, "layers": s.layers, "seed": seed, "shape": s.shape,
         "expert_type": s.expert_type.upper(), "dense_type": s.dense_type, "expert_bytes": s.expert_bytes,
         "num_tensors": s.num_tensors, "hf_dir": str(hf_dir.resolve()), "write_s": round(s.write_s, 2),
-        "workers": s.workers, "git": git_facts(), "source_weights": s.source_weights,
+        "workers": s.workers, "git": git_facts(), "source_weights": s.source_weights, "random_weights": True,
     }  # fmt: skip
-    tmp = facts_path(s.path).with_name(f".{facts_path(s.path).name}.tmp")
-    tmp.write_text(json.dumps(facts, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, facts_path(s.path))
-    return facts
-
-
-def read_facts(gguf_path: Path) -> dict[str, Any] | None:
-    """The facts `write_with_facts` left beside a GGUF; None for any other GGUF (or an unreadable file)."""
-    try:
-        facts = json.loads(facts_path(gguf_path).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    return facts if isinstance(facts, dict) and facts.get("schema_version") == FACTS_SCHEMA_VERSION else None
+    write_facts(s.path, facts)
+    return read_facts(s.path) or facts
 
 
 def _run_tasks(tasks: list[_Task], path: Path, workers: int, total: int, log: Any) -> None:
