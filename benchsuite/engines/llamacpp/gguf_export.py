@@ -205,7 +205,9 @@ def _values(ckpt: _Checkpoint, name: str) -> torch.Tensor:
 
 
 def tokenizer_fields(model_dir: Path, hf: Mapping[str, Any]) -> dict[str, Any]:
-    """Tokens, token types and merges of a byte-level BPE tokenizer.json, padded to vocab_size."""
+    """Tokens, token types and merges of a byte-level BPE tokenizer.json, padded (`[PADi]`, type
+    UNUSED) to vocab_size only where a checkpoint's embedding has more rows than its tokenizer has
+    tokens (Qwen's 151,936 rows for 151,669 tokens); generated models have none."""
     path = model_dir / "tokenizer.json"
     if not path.is_file():
         raise UserError(f"{model_dir}: no tokenizer.json")
