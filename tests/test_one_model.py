@@ -14,6 +14,7 @@ margin of each other there, which the test checks at every first divergence (MAX
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ AGREEMENT_FLOOR = 0.9
 # cache) may swap them: logits here are ~16 wide, rounding moves them by ~1e-3 of that.
 MAX_TIE_MARGIN = 0.05
 
-pytestmark = [
+needs_llama = [
     pytest.mark.llamacpp,
     pytest.mark.skipif(find_binary() is None, reason="no llama-server: run `benchsuite install llama-server`"),
 ]
@@ -116,6 +117,8 @@ def one_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return hf_dir, g.path
 
 
+@needs_llama[0]
+@needs_llama[1]
 def test_llama_server_and_builtin_server_agree_on_one_model(one_model: tuple[Path, Path], tmp_path: Path) -> None:
     hf_dir, gguf_path = one_model
     tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
@@ -138,12 +141,45 @@ def test_llama_server_and_builtin_server_agree_on_one_model(one_model: tuple[Pat
     print("\n".join(report))
     assert rate >= AGREEMENT_FLOOR, "\n".join(report)
 
+    _assert_visible(tok, [*ours, *llama])
+
+
+def _assert_visible(tok: Tokenizer, outputs: list[tuple[list[int], list[float], str]]) -> None:
     silent = set(weightgen.silent_token_ids(tok))
-    for tokens, _, text in [*ours, *llama]:
+    for tokens, _, text in outputs:
+        assert len(tokens) == NEW_TOKENS
         assert not silent & set(tokens), "a generated token has no visible text"
         pieces = [tok.decode([t]) for t in tokens]
-        assert all(pieces), pieces  # each token alone is text: a text chunk per token when streamed
+        assert all(p and "\ufffd" not in p for p in pieces), pieces  # each token alone is text
         assert text == tok.decode(tokens)
+
+
+def test_builtin_server_streams_one_text_chunk_per_token(one_model: tuple[Path, Path], tmp_path: Path) -> None:
+    """Without llama-server too: every greedy token of the generated model is visible text, so a
+    stream's text chunks count its tokens (timing by text chunks and by tokens agree)."""
+    hf_dir, _ = one_model
+    tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    prompts = [tok.encode(p).ids for p in PROMPTS]
+    with builtin_server(hf_dir, tmp_path, "--device", "cpu", "--dtype", "float32") as url:
+        ours = asyncio.run(_builtin(url, prompts))
+        chunks = asyncio.run(_stream_text_chunks(url, prompts[0]))
+    _assert_visible(tok, ours)
+    assert len(chunks) == NEW_TOKENS and all(chunks), chunks
+    assert "".join(chunks) == ours[0][2]
+
+
+async def _stream_text_chunks(url: str, ids: list[int]) -> list[str]:
+    body = {"prompt": ids, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
+    texts = []
+    async with aiohttp.ClientSession() as session, session.post(f"{url}/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choices = json.loads(line[len("data: ") :])["choices"]
+                if choices and choices[0].get("text"):
+                    texts.append(choices[0]["text"])
+    return texts
 
 
 async def _run_llama(
