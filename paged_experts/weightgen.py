@@ -19,24 +19,25 @@ gate/up, 1/sqrt(I) for expert down, ...), so a tensor's spread is within a facto
 Why this form:
 - every value is an integer of at most 8 significant bits times a power of two: exact in bf16,
   fp16 (the exponents stay in its range), fp32, and in Q8_0 (the int8 quants ARE the LUT entries,
-  every block's fp16 scale is 2**exponent): a GGUF's Q8_0 experts are the bf16 experts, bit for bit;
+  every block's fp16 scale is its expert's power of two): a GGUF's Q8_0 experts are the bf16
+  experts, bit for bit;
 - a counter hash has no generator state: any chunk of any tensor is computed alone, so the GGUF
   writer's worker processes and a GPU both generate in parallel, in any order;
 - the multipliers are below 2**31, so torch computes the 32-bit products in int64 without overflow
   (no reliance on wrapping signed arithmetic), numpy in uint32 (unsigned products wrap modulo
   2**32 by definition): the same integers on every device.
 Silent tokens (`silent_token_ids`: specials, and byte tokens that alone are no valid UTF-8 text)
-get an all-zero output row, so their logit is 0 against a top logit of ~+40: greedy decoding never
+get an all-zero output row, so their logit is 0 against a top logit of tens: greedy decoding never
 emits a token without visible text, and timing by text chunks and by tokens agree on these models.
 The norms' values (0.75..1.24 in steps of 1/128) are exact in bf16 too. The per-expert offset
 gives experts different magnitudes, as trained experts have: without it every 128 x 128 block holds
 a +-127 LUT entry, so every FP8 block scale of a tensor would be the same, and a paged expert
 served with another expert's scales (the bug class tests/test_fp8.py guards) could not be seen.
 
-`recipe(...)` names a generated model's source weights (generator version, shape, layers, seed,
-vocabulary) and `recipe_id` hashes it: the fingerprint the manifest records for generated models.
-The FP8 presets quantize these same source tensors per 128 x 128 block, so their recipe is the one
-of the dense preset of the same shape.
+`recipe(...)` names a generated model's source weights (generator version, shape with its layers
+and vocabulary, seed, silent tokens) and `recipe_id` hashes it: the fingerprint the manifest
+records for generated models. The FP8 presets quantize these same source tensors per 128 x 128
+block, so their recipe is the one of the dense preset of the same shape.
 """
 
 from __future__ import annotations
