@@ -102,3 +102,17 @@ def test_an_export_records_its_checkpoints_source_and_tokenizer(made: dict[str, 
     spec = ServerSpec("l", "llamacpp", LlamaCppOptions(model=str(out)), {}, 1, "l")
     assert LlamaCppAdapter().tokenizer_dir(spec) == made["checkpoint"].resolve()  # exact-length prompts work
     assert LlamaCppAdapter()._weights(spec)["format"] == "GGUF experts F32, attention F32, embeddings F32, output F32"
+
+
+def test_the_first_screen_caveats_carry_it() -> None:
+    import pandas as pd
+
+    from benchsuite.report.caveats import setup_caveats
+
+    cells = pd.DataFrame(
+        {"server_id": ["s1", "s2"], "routing": ["model", "model"], "cell_id": ["c1", "c2"], "extras": [{}, {}]}
+    )
+    servers = {"s1": _record("paged", "gen-1"), "s2": _record("llamacpp", "gen-2")}
+    assert any(c.startswith("Not shown to be the same model") for c in setup_caveats(cells, servers, has_gpu=True))
+    servers["s2"] = _record("llamacpp", "gen-1")
+    assert not any("same model" in c for c in setup_caveats(cells, servers, has_gpu=True))
