@@ -9,6 +9,10 @@ engines hold the same fp32 weights bit for bit (tests/test_weightgen.py) and dif
 order of fp32 sums (ggml's SIMD dot products, its softmax, RoPE tables) and in llama.cpp's f16 KV
 cache: a divergence is rounding only where both engines' top two logits are within a rounding
 margin of each other there, which the test checks at every first divergence (MAX_TIE_MARGIN).
+Measured 2026-12-02 (CPU llama-server of llama-cpp-python 0.3.36): agreement 1.000 over 8 prompts
+x 64 tokens; the smallest top-2 gap met was 0.026 nats, and where both engines saw the same
+context their gaps differed by at most 0.023 nats (gaps under 8 nats; past that llama-server's
+float32 probabilities no longer resolve the second token): the rounding scale MAX_TIE_MARGIN allows.
 """
 
 from __future__ import annotations
@@ -138,6 +142,21 @@ def test_llama_server_and_builtin_server_agree_on_one_model(one_model: tuple[Pat
             f"prompt {i}: first divergence at token {first}: top-2 logprob gap built-in {a:.4f}, llama {b:.4f}"
         )
         assert min(a, b) < MAX_TIE_MARGIN, "\n".join(report)  # a divergence that is no near-tie is a bug
+    # The rounding scale: where both engines saw the same context, how far their top-2 gaps differ.
+    same_context = [
+        (a, b)
+        for o, g, first in zip(ours, llama, firsts, strict=True)
+        for a, b in list(zip(o[1], g[1], strict=True))[: NEW_TOKENS if first is None else first + 1]
+    ]
+    # Gaps past ~8 nats are not resolved by llama-server's float32 probabilities (the top one rounds
+    # to 1): the rounding scale is read where both gaps are under 8.
+    resolved = [(a, b) for a, b in same_context if max(a, b) < 8]
+    smallest = min(min(p) for p in same_context)
+    largest = max(abs(a - b) for a, b in resolved)
+    report.append(
+        f"top-2 logprob gaps over {len(same_context)} same-context steps: smallest {smallest:.4f}; "
+        f"largest difference between the engines' gaps (gaps < 8, {len(resolved)} steps) {largest:.5f}"
+    )
     print("\n".join(report))
     assert rate >= AGREEMENT_FLOOR, "\n".join(report)
 
