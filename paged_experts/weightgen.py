@@ -275,8 +275,12 @@ def values_np(seed: int, t: SourceTensor, start: int = 0, count: int | None = No
     """[count] float32 values of elements start.. of `t` (flat, numpy order)."""
     n = t.numel - start if count is None else count
     out = lut_values(t)[indices_np(seed, t.name, start, n)]
-    if t.group_numel:
-        out *= group_factors(seed, t, start, n)
+    if t.group_numel:  # one exact power of two per group, applied to each group's slice
+        offsets = group_offsets(seed, t)
+        for g in range(start // t.group_numel, -(-(start + n) // t.group_numel)):
+            lo, hi = max(g * t.group_numel, start) - start, min((g + 1) * t.group_numel, start + n) - start
+            if offsets[g]:
+                out[lo:hi] *= np.float32(2.0 ** int(offsets[g]))
     for lo, hi in _zero_spans(t, start, n):
         out[lo:hi] = 0
     return out

@@ -169,3 +169,13 @@ def test_silent_tokens_have_zero_output_rows(tiny_pair: tuple[Path, Path]) -> No
     lm_head = load_file(str(ckpt / "model.safetensors"))["lm_head.weight"].float()
     zero = (lm_head == 0).all(dim=1)
     assert zero.nonzero().flatten().tolist() == list(silent)
+
+
+def test_expert_groups_scale_by_their_own_power_of_two() -> None:
+    t = weightgen.SourceTensor("e", (6, 8, 32), "normal", -7, 256)
+    offsets = weightgen.group_offsets(1, t)
+    assert set(offsets.tolist()) == {0, -1}  # both magnitudes occur among 6 experts (seeded)
+    whole = weightgen.values_np(1, t)
+    base = weightgen.lut_values(t)[weightgen.indices_np(1, "e", 0, t.numel)]
+    assert np.array_equal(whole, base * np.repeat(np.ldexp(np.float32(1), offsets), 256).astype(np.float32))
+    assert np.array_equal(weightgen.values_np(1, t, 250, 300), whole[250:550])  # across an expert boundary
