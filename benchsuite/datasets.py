@@ -116,8 +116,14 @@ def _read_json_or_jsonl(path: Path) -> Any:
         return rows
 
 
+_GGUF_TOKEN_NORMAL = 1  # llama.cpp's LLAMA_TOKEN_TYPE_NORMAL
+
+
 def gguf_vocab_size(path: str | Path) -> int:
-    """Vocabulary size of a GGUF model: its tokenizer.ggml.tokens array, else `<arch>.vocab_size`."""
+    """Vocabulary size of a GGUF model for drawing random token ids: its tokenizer.ggml.tokens array
+    without the trailing tokens that are not NORMAL (the special tokens appended after the learned
+    vocabulary, padding), so it equals the HF tokenizer's `get_vocab_size(with_added_tokens=False)`
+    and every engine of a model is sent the same random ids; else `<arch>.vocab_size`."""
     from gguf import GGUFReader
 
     try:
@@ -126,7 +132,13 @@ def gguf_vocab_size(path: str | Path) -> int:
         raise RunError(f"{path}: cannot read as GGUF ({exc})") from None
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     if tokens is not None and tokens.data:
-        return len(tokens.data)
+        n = len(tokens.data)
+        types = reader.fields.get("tokenizer.ggml.token_type")
+        if types is not None and len(types.data) == n:
+            kinds = [int(types.parts[i][0]) for i in types.data]
+            while n > 1 and kinds[n - 1] != _GGUF_TOKEN_NORMAL:
+                n -= 1
+        return n
     arch = reader.fields.get("general.architecture")
     if arch is not None:
         size = reader.fields.get(f"{bytes(arch.parts[arch.data[0]]).decode()}.vocab_size")

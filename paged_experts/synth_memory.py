@@ -2,13 +2,14 @@
 
 A 48-layer `qwen3-30b-a3b-shape` model holds 58 GB of bf16 experts; writing and re-reading that
 as safetensors would need the whole disk of the test machine. Here the weights are generated on
-the runtime's device with a seeded generator (a CUDA generator on a GPU: seconds for 58 GB, then
-one copy per tensor into pinned host memory) with the shapes and standard deviations `synth`
-writes. The values are NOT byte-identical to `synth`'s files (that stream is one CPU generator in
-file order); they are a deterministic function of (preset, layers, seed, generator device).
+the runtime's device by `paged_experts.weightgen` (on a GPU: seconds for 58 GB, then one copy per
+tensor into pinned host memory). They are the values `synth` writes for the same preset, layers
+and seed, and those of the GGUF `benchsuite gguf synth` writes (its Q8_0 experts are these bf16
+experts exactly): a function of (shape, layers, seed) alone, the same on every device.
 
 Paths `MoeCausalLM.from_pretrained` accepts:
-- `synth:qwen3-30b-a3b-shape?layers=48&seed=0` (no tokenizer: vocab = the preset's BPE bound);
+- `synth:qwen3-30b-a3b-shape?layers=48&seed=0` (no tokenizer files; the vocabulary is the size of
+  the preset's tokenizer, the one a weightless directory of the preset carries);
 - a weightless directory written by `write_weightless(...)`: config.json, the tokenizer files and
   `synthetic_weights.json`, no safetensors; the built-in server loads it like any checkpoint:
   `python -m paged_experts.synth_memory --preset qwen3-30b-a3b-shape --layers 48 --out DIR` then
@@ -25,20 +26,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from urllib.parse import parse_qs
 
 import torch
 
-from paged_experts import fp8
+from paged_experts import fp8, weightgen
 from paged_experts.config import MoeModelConfig
 from paged_experts.loader import AttentionWeights, DenseWeights, LoadedModel, build_shared
 from paged_experts.moe import make_layer
 from paged_experts.runtime import RuntimeConfig
 from paged_experts.store import ExpertTensors
-from paged_experts.synth import LOGIT_STD, PRESETS, hf_config_for
+from paged_experts.synth import PRESETS, hf_config_for, preset_tokenizer
 
 MARKER = "synthetic_weights.json"
 PREFIX = "synth:"
@@ -97,81 +97,85 @@ def config_for(spec: SynthSpec) -> MoeModelConfig:
     p = PRESETS[spec.preset]
     if spec.layers is not None:
         p = replace(p, num_layers=spec.layers)
-    vocab = p.bpe_vocab_size
-    return MoeModelConfig.from_hf_config(hf_config_for(p, vocab, vocab - 3, vocab - 1))
+    tok = preset_tokenizer(p.bpe_vocab_size)  # the vocabulary the weightless directory would have
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    bos_id, eos_id = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
+    return MoeModelConfig.from_hf_config(hf_config_for(p, vocab, bos_id, eos_id))
 
 
 def load_synthetic(path: str | Path, runtime: RuntimeConfig) -> LoadedModel:
     spec = parse_spec(path)
     cfg = config_for(spec) if str(path).startswith(PREFIX) else MoeModelConfig.from_dir(path)
-    return build_from_config(cfg, runtime, spec.seed)
+    return build_from_config(cfg, runtime, spec.seed, silent_ids(path))
 
 
 def build(preset: str, runtime: RuntimeConfig, layers: int | None = None, seed: int = 0) -> LoadedModel:
-    return build_from_config(config_for(SynthSpec(preset, layers, seed)), runtime, seed)
+    spec = SynthSpec(preset, layers, seed)
+    return build_from_config(config_for(spec), runtime, seed, silent_ids(f"{PREFIX}{preset}"))
 
 
-def host_weights(cfg: MoeModelConfig, dtype: torch.dtype, seed: int, gen_device: torch.device) -> HostWeights:
-    """Seeded weights of every tensor; one generator per (layer, tensor) so layers build independently."""
-    key = (cfg, dtype, seed, gen_device.type)
+def silent_ids(path: str | Path) -> tuple[int, ...]:
+    """The silent tokens (weightgen.silent_token_ids) of a weightless directory's tokenizer, or of
+    the preset's tokenizer for a `synth:` path; none for a directory without a tokenizer."""
+    from tokenizers import Tokenizer
+
+    if str(path).startswith(PREFIX):
+        tok = preset_tokenizer(PRESETS[parse_spec(path).preset].bpe_vocab_size)
+    elif (Path(path) / "tokenizer.json").is_file():
+        tok = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
+    else:
+        return ()
+    return weightgen.silent_token_ids(tok)
+
+
+def host_weights(
+    cfg: MoeModelConfig, dtype: torch.dtype, seed: int, gen_device: torch.device, silent: tuple[int, ...] = ()
+) -> HostWeights:
+    """`weightgen`'s source tensors, generated on `gen_device` (the same values on every device);
+    `silent`: the tokens whose output rows are zero."""
+    key = (cfg, dtype, seed, silent, gen_device.type)  # the device too: CUDA's host store is pinned
     if key in _CACHE:
         return _CACHE[key]
     _CACHE.clear()  # one host store at a time: 58 GB each
     pin = gen_device.type == "cuda"
-    h, inter, d, e_n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.head_dim, cfg.num_experts
+    src = weightgen.by_name(weightgen.hf_shape(cfg), silent)
+    h, inter, e_n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
 
-    def normal(tag: int, shape: tuple[int, ...], std: float, out: torch.Tensor | None = None) -> torch.Tensor:
-        gen = torch.Generator(device=gen_device).manual_seed(seed * 1_000_003 + tag)
-        t = (torch.randn(shape, generator=gen, device=gen_device, dtype=torch.float32) * std).to(dtype)
-        if out is None:
-            return t.to("cpu")
-        out.copy_(t)
-        return out
-
-    def norm_weight(tag: int, n: int) -> torch.Tensor:
-        gen = torch.Generator(device=gen_device).manual_seed(seed * 1_000_003 + tag)
-        return (1.0 + 0.1 * torch.randn(n, generator=gen, device=gen_device)).to(dtype).to("cpu")
+    def values(name: str) -> torch.Tensor:
+        return weightgen.values_torch(seed, src[name], gen_device, dtype).to("cpu")
 
     attention, routers, experts = [], [], []
     for layer in range(cfg.num_layers):
-        t = 100 * (layer + 1)
+        pre = f"model.layers.{layer}"
         attention.append(
             AttentionWeights(
-                input_norm=norm_weight(t + 0, h),
-                q_proj=normal(t + 1, (cfg.num_heads * d, h), 1 / math.sqrt(h)),
-                k_proj=normal(t + 2, (cfg.num_kv_heads * d, h), 1 / math.sqrt(h)),
-                v_proj=normal(t + 3, (cfg.num_kv_heads * d, h), 1 / math.sqrt(h)),
-                o_proj=normal(t + 4, (h, cfg.num_heads * d), 0.5 / math.sqrt(cfg.num_heads * d)),
-                q_norm=norm_weight(t + 5, d),
-                k_norm=norm_weight(t + 6, d),
-                post_norm=norm_weight(t + 7, h),
+                input_norm=values(f"{pre}.input_layernorm.weight"),
+                q_proj=values(f"{pre}.self_attn.q_proj.weight"),
+                k_proj=values(f"{pre}.self_attn.k_proj.weight"),
+                v_proj=values(f"{pre}.self_attn.v_proj.weight"),
+                o_proj=values(f"{pre}.self_attn.o_proj.weight"),
+                q_norm=values(f"{pre}.self_attn.q_norm.weight"),
+                k_norm=values(f"{pre}.self_attn.k_norm.weight"),
+                post_norm=values(f"{pre}.post_attention_layernorm.weight"),
             )
         )
-        routers.append(normal(t + 8, (e_n, h), 2 / math.sqrt(h)))
+        routers.append(values(f"{pre}.mlp.gate.weight"))
         host = ExpertTensors.empty(e_n, h, inter, dtype, torch.device("cpu"), pin=pin, is_fp8=cfg.fp8_weights)
-        projections = (
-            (9, "gate", (e_n, inter, h), h),
-            (10, "up", (e_n, inter, h), h),
-            (11, "down", (e_n, h, inter), inter),
-        )
-        for tag, name, shape, std in projections:
+        for name in ("gate", "up", "down"):
+            t = src[weightgen.expert_name(layer, name)]
             if not cfg.fp8_weights:
-                normal(t + tag, shape, 1 / math.sqrt(std), out=host.get(name))
+                host.get(name).copy_(weightgen.values_torch(seed, t, gen_device, dtype))  # [E, O, I]
                 continue
-            gen = torch.Generator(device=gen_device).manual_seed(seed * 1_000_003 + t + tag)
-            values = torch.randn(shape, generator=gen, device=gen_device, dtype=torch.float32) / math.sqrt(std)
-            q, scale = fp8.quantize(values)  # [E, O, I] fp8, [E, O/128, I/128] fp32
-            del values
+            q, scale = fp8.quantize(weightgen.values_torch(seed, t, gen_device))  # [E, O, I] fp8, [E, O/128, I/128]
             fp8.raw(host.get(name)).copy_(fp8.raw(q))
             host.get(f"{name}_scale").copy_(scale)
         experts.append(host)
-    v = cfg.vocab_size
     weights = HostWeights(
         key=key,
         config=cfg,
-        embed=normal(1, (v, h), 1.0),
-        final_norm=norm_weight(2, h),
-        lm_head=normal(3, (v, h), LOGIT_STD / math.sqrt(h)),
+        embed=values("model.embed_tokens.weight"),
+        final_norm=values("model.norm.weight"),
+        lm_head=values("lm_head.weight"),
         attention=attention,
         routers=routers,
         experts=experts,
@@ -180,11 +184,11 @@ def host_weights(cfg: MoeModelConfig, dtype: torch.dtype, seed: int, gen_device:
     return weights
 
 
-def build_from_config(cfg: MoeModelConfig, runtime: RuntimeConfig, seed: int) -> LoadedModel:
+def build_from_config(cfg: MoeModelConfig, runtime: RuntimeConfig, seed: int, silent: tuple[int, ...]) -> LoadedModel:
     """Places cached (or freshly generated) host weights for `runtime`, as `loader.load` does."""
     runtime.validate_for(cfg)
     device, dtype = runtime.torch_device, runtime.torch_dtype
-    hw = host_weights(cfg, dtype, seed, device)
+    hw = host_weights(cfg, dtype, seed, device, silent)
 
     def dev(t: torch.Tensor) -> torch.Tensor:
         return t.to(device=device, copy=True)
@@ -201,14 +205,14 @@ def build_from_config(cfg: MoeModelConfig, runtime: RuntimeConfig, seed: int) ->
 
 def write_weightless(preset: str, out_dir: str | Path, layers: int | None = None, seed: int = 0) -> Path:
     """config.json + tokenizer + `synthetic_weights.json`; the weights are built when loaded."""
-    from paged_experts.synth import _tokenizer_config, train_tokenizer
+    from paged_experts.synth import _tokenizer_config
 
     p = PRESETS[preset]
     if layers is not None:
         p = replace(p, num_layers=layers)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(p.bpe_vocab_size)
+    tok = preset_tokenizer(p.bpe_vocab_size)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     bos_id, eos_id = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
     tok.save(str(out / "tokenizer.json"))

@@ -105,6 +105,7 @@ async def test_f32_gguf_agrees_with_the_builtin_engine(tmp_path):
         1,
         "agree",
     )
+    adapter.prepare(spec)  # the tiny checkpoint's GGUF, exported on first use (not left by another test)
     port = free_port()
     plan = adapter.launch_plan(spec, port)
     async with EngineProcess(

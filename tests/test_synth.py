@@ -22,7 +22,10 @@ from paged_experts.synth import (
     write_checkpoint,
 )
 
-FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+FILES = (
+    "config.json", "generation_config.json", "model.safetensors", "source_weights.json", "tokenizer.json",
+    "tokenizer_config.json",
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,11 @@
 (HF Qwen3-MoE) checkpoint as a qwen3moe GGUF that llama-server loads (benchsuite.engines.llamacpp.gguf_export).
 
 `benchsuite gguf synth --preset P [--layers N] [--seed S] --out FILE`: a seeded synthetic GGUF of a
-preset's shape, Q8_0 experts, with no checkpoint in between, and beside it FILE.json (its facts:
-seed, shape, bytes per expert; recorded by the llamacpp engine) and FILE.hf/ (the preset's
-tokenizer, for exact-length prompts) (benchsuite.engines.llamacpp.gguf_synth)."""
+preset's shape with the built-in engine's weights for that preset, layers and seed (Q8_0 experts
+that equal its bf16 experts), with no checkpoint in between, and beside it FILE.json (its facts:
+seed, shape, bytes per expert, the source-weights fingerprint; recorded by the llamacpp engine) and
+FILE.hf/ (the preset's tokenizer, for exact-length prompts) (benchsuite.engines.llamacpp.gguf_synth).
+An export writes FILE.json too (its checkpoint's fingerprint and directory)."""
 
 from __future__ import annotations
 

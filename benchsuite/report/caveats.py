@@ -7,6 +7,9 @@
   under benchsuite's model cache): its router routes near-uniformly, so there is little expert reuse
   for paging to exploit;
 - synthetic routing: the cells' routing came from a generator, not the model's router;
+- not the same model: servers whose recorded source-weights fingerprints (`version.weights.source.id`,
+  paged_experts.weights_id) differ, or where one is unknown (an old run, a GGUF without facts), are
+  named: a comparison of them is not one model served two ways;
 - bytes per expert that differ between engines (float32 vs bf16 vs FP8 vs a GGUF quantization): a
   faster engine may only be moving fewer bytes;
 - configurations over the run's GPU budget (report/budget.py): named with their measured memory;
@@ -44,10 +47,14 @@ def _random_weights(model: str) -> bool:
 
 def _recorded_random(server: ServerRecord) -> bool:
     """What the server's adapter recorded of its model: built-in synthetic weights, a GGUF that
-    `benchsuite gguf synth` wrote (seeded random values)."""
+    `benchsuite gguf synth` wrote or exported from a generated checkpoint (seeded values)."""
     version = server.version or {}
     facts = version.get("model_facts") or {}
-    return bool(version.get("random_weights")) or facts.get("made_by") == "benchsuite gguf synth"
+    return (
+        bool(version.get("random_weights"))
+        or bool(facts.get("random_weights"))  # a GGUF exported from a generated checkpoint too
+        or facts.get("made_by") == "benchsuite gguf synth"
+    )
 
 
 def budget_exclusions(cells: pd.DataFrame) -> list[tuple[str, int, int]]:
@@ -81,6 +88,35 @@ def expert_format(server: ServerRecord) -> str | None:
     return None
 
 
+def source_id(server: ServerRecord) -> str | None:
+    """The fingerprint of the source weights a server ran (its adapter's `weights.source.id`), or None."""
+    weights = (server.version or {}).get("weights")
+    source = weights.get("source") if isinstance(weights, dict) else None
+    found = source.get("id") if isinstance(source, dict) else None
+    return str(found) if found else None
+
+
+def same_model_caveat(servers: list[tuple[str, ServerRecord]]) -> str | None:
+    """A caveat naming the servers when two or more were compared and their source weights are not
+    known to be the same: fingerprints that differ, or one that is unknown."""
+    if len(servers) < 2:
+        return None
+    by_name: dict[str, set[str | None]] = {}
+    for server_id, record in servers:
+        by_name.setdefault(record.engine or server_id, set()).add(source_id(record))
+    ids = set().union(*by_name.values())
+    if len(ids) == 1 and None not in ids:
+        return None
+    named = ", ".join(
+        f"{name} ({' / '.join(sorted(i or 'unknown' for i in found))})" for name, found in sorted(by_name.items())
+    )
+    why = "unknown for some" if len(ids - {None}) <= 1 else "they differ"
+    return (
+        f"Not shown to be the same model: the servers' source-weight fingerprints are {why}: {named}. "
+        f"A difference between them may be a difference of weights, not of engines."
+    )
+
+
 def _on_cpu(server: ServerRecord, has_gpu: bool) -> bool:
     options = server.options
     if server.kind == "builtin":
@@ -110,6 +146,10 @@ def setup_caveats(cells: pd.DataFrame, servers: Mapping[str, ServerRecord], has_
         out.append(
             f"Synthetic routing ({', '.join(synthetic)}): experts were chosen by a generator, not the model's router."
         )
+    ids = [str(s) for s in dict.fromkeys(cells["server_id"])]
+    same = same_model_caveat([(s, servers.get(s) or ServerRecord()) for s in ids])
+    if same:
+        out.append(same)
     formats = {f"{s.kind} {fmt}" for s in mine if (fmt := expert_format(s)) is not None}
     if len({f.split(" ", 1)[1] for f in formats}) > 1:
         out.append(

@@ -35,7 +35,7 @@ except ImportError:  # script mode
 
 QWEN2 = "synth:qwen3-30b-a3b-shape?layers=2&seed=0"  # 128 experts, top_k 8, bf16 experts of 9.4 MB
 FP8 = "synth:qwen3-30b-a3b-fp8-shape?layers=2&seed=0"  # the same shapes, block-FP8 experts
-PROMPT = [(37 * i + 11) % 4000 for i in range(600)]  # 600 tokens x 8: every layer routes to (nearly) every expert
+PROMPT = [(37 * i + 11) % 1000 for i in range(600)]  # 600 tokens x 8: every layer routes to (nearly) every expert
 SLEEP_CYCLES = 20_000_000  # ~10 ms of GPU time before each wave's compute in the integrity checks
 
 

@@ -272,7 +272,19 @@ class BuiltinAdapter:
         marker = self.model_dir(spec) / "synthetic_weights.json"  # paged_experts.synth_memory: seeded random weights
         if opts.model == "tiny" or marker.is_file():
             facts["random_weights"] = True  # its router routes near-uniformly: the report says so beside a verdict
+        compute = opts.dtype or ("float32" if opts.device == "cpu" else cfg.torch_dtype)
+        blocks = " (128x128 blocks)" if cfg.fp8_weights else ""
+        facts["weights"] = {"source": self._source_weights(spec), "format": f"{compute}, experts {dtype}{blocks}"}
         return facts
+
+    def _source_weights(self, spec: ServerSpec) -> dict[str, Any]:
+        """paged_experts.weights_id: the identity of the weights this server loads (report: same model?)."""
+        from paged_experts.weights_id import source_weights
+
+        try:
+            return source_weights(self.model_dir(spec))
+        except (OSError, ValueError, KeyError) as exc:  # unreadable: the identity is unknown, not invented
+            return {"id": None, "kind": "unknown", "covers": f"not fingerprinted ({type(exc).__name__}: {exc})"}
 
     async def scrape(self, session: Any, base_url: str) -> dict[str, float] | None:
         return await scrape_prometheus(session, base_url, "paged_experts:")

@@ -295,7 +295,33 @@ class LlamaCppAdapter:
             else "not blockable: this build has no --cors-origins",
             # a GGUF from `benchsuite gguf synth`: how it was made (seed, shape, bytes per expert)
             "model_facts": read_facts(self.model_path(spec, export=False)),
+            "weights": self._weights(spec),
         }
+
+    def _weights(self, spec: ServerSpec) -> dict[str, Any]:
+        """{source, format}: the identity of the weights the GGUF was made from (a checkpoint this
+        adapter exports: that checkpoint's; a GGUF file: its facts file's record, else unknown) and
+        how the GGUF stores them."""
+        from benchsuite.engines.llamacpp.gguf_export import tensor_formats
+        from benchsuite.engines.llamacpp.gguf_synth import read_facts
+
+        model = self._options(spec).model
+        path = self.model_path(spec, export=False)
+        source: dict[str, Any] | None
+        if model == "tiny" or Path(model).expanduser().is_dir():
+            from paged_experts.synth import ensure_tiny
+            from paged_experts.weights_id import source_weights
+
+            source = source_weights(ensure_tiny() if model == "tiny" else Path(model).expanduser())
+        else:
+            source = (read_facts(path) or {}).get("source_weights")
+        if not source:
+            source = {"id": None, "kind": "unknown", "covers": f"{path.name}: no facts file names its source weights"}
+        try:
+            fmt = tensor_formats(path) if path.is_file() else "not exported yet"
+        except (OSError, ValueError, IndexError, KeyError):
+            fmt = "unreadable GGUF"
+        return {"source": source, "format": fmt}
 
     def _expert_facts(self, spec: ServerSpec) -> dict[str, Any]:
         """Bytes per expert of the served GGUF (the report sets them beside the built-in engine's)."""

@@ -44,6 +44,7 @@ ExportType = Literal["f32", "f16", "bf16", "q8_0"]
 EXPORT_TYPES: tuple[str, ...] = get_args(ExportType)
 ARCH = "qwen3moe"
 EXPORT_FORMAT_VERSION = 1  # part of the cache key: bump when the bytes written change
+FACTS_SCHEMA_VERSION = 2  # the facts file beside a GGUF; 2: `source_weights` (weightgen values, unpadded vocabulary)
 
 _MAIN_QTYPE = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}
 _NUMPY_DTYPE = {Q.F32: np.float32, Q.F16: np.float16, Q.BF16: np.uint16, Q.Q8_0: np.uint8}
@@ -204,7 +205,9 @@ def _values(ckpt: _Checkpoint, name: str) -> torch.Tensor:
 
 
 def tokenizer_fields(model_dir: Path, hf: Mapping[str, Any]) -> dict[str, Any]:
-    """Tokens, token types and merges of a byte-level BPE tokenizer.json, padded to vocab_size."""
+    """Tokens, token types and merges of a byte-level BPE tokenizer.json, padded (`[PADi]`, type
+    UNUSED) to vocab_size only where a checkpoint's embedding has more rows than its tokenizer has
+    tokens (Qwen's 151,936 rows for 151,669 tokens); generated models have none."""
     path = model_dir / "tokenizer.json"
     if not path.is_file():
         raise UserError(f"{model_dir}: no tokenizer.json")
@@ -321,7 +324,45 @@ def export_gguf(model_dir: str | Path, out: str | Path, export_type: str = "f32"
         writer.close()
         if tmp.exists():
             tmp.unlink()
+    _write_export_facts(model_dir, out, export_type)
     return ExportSummary(out, export_type, len(planned), sum(p.nbytes for p in planned))
+
+
+def facts_path(gguf_path: Path) -> Path:
+    """`<file>.json` beside a GGUF: its facts (`gguf_synth.write_with_facts`, `export_gguf`)."""
+    return gguf_path.with_name(gguf_path.name + ".json")
+
+
+def read_facts(gguf_path: Path) -> dict[str, Any] | None:
+    """The facts benchsuite left beside a GGUF; None for any other GGUF, or facts of an older schema
+    (their GGUF predates the source-weights record), or an unreadable file."""
+    try:
+        facts = json.loads(facts_path(gguf_path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return facts if isinstance(facts, dict) and facts.get("schema_version") == FACTS_SCHEMA_VERSION else None
+
+
+def write_facts(gguf_path: Path, facts: dict[str, Any]) -> None:
+    """Atomically, after the GGUF itself: the facts file's presence says the GGUF is complete."""
+    path = facts_path(gguf_path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({"schema_version": FACTS_SCHEMA_VERSION, **facts}, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def _write_export_facts(model_dir: Path, out: Path, export_type: str) -> None:
+    """The export's facts: its source checkpoint (tokenizer directory) and that checkpoint's
+    source-weights record (paged_experts.weights_id), which the llamacpp adapter records."""
+    from paged_experts.weights_id import source_weights
+
+    source = source_weights(model_dir)
+    facts = {
+        "made_by": "benchsuite gguf export", "path": str(out.resolve()), "bytes": out.stat().st_size,
+        "export_type": export_type, "hf_dir": str(model_dir.resolve()), "source_weights": source,
+        "random_weights": source.get("kind") == "recipe",
+    }  # fmt: skip
+    write_facts(out, facts)
 
 
 def add_tensor_infos(writer: gguf.GGUFWriter, planned: list[PlannedTensor]) -> None:
@@ -390,3 +431,11 @@ def expert_facts(path: Path) -> dict[str, Any]:
     if any(p is None for p in parts):
         return {}
     return {"expert_format": parts[0][0].lower(), "expert_bytes": sum(p[2] // p[1][0] for p in parts)}  # type: ignore[index]
+
+
+def tensor_formats(path: Path) -> str:
+    """How a GGUF stores its weights, from its tensor table: `GGUF experts Q8_0, attention BF16, ...`."""
+    kinds = {name: kind for name, kind, _, _ in iter_tensor_bytes(path)}
+    parts = [("experts", "blk.0.ffn_gate_exps.weight"), ("attention", "blk.0.attn_q.weight"),
+             ("embeddings", "token_embd.weight"), ("output", "output.weight")]  # fmt: skip
+    return "GGUF " + ", ".join(f"{label} {kinds[name]}" for label, name in parts if name in kinds)

@@ -1,27 +1,25 @@
-"""Synthetic qwen3moe GGUFs: a `paged_experts.synth` preset's shapes written straight to GGUF with
-seeded random values, no checkpoint in between (the bf16 48-layer model would be 58 GB on disk).
+"""Synthetic qwen3moe GGUFs: a `paged_experts.synth` preset's shapes written straight to GGUF,
+no checkpoint in between (the bf16 48-layer model would be 58 GB on disk), with the SAME weights
+as the built-in engine's model of that preset, layers and seed.
 
-Owns the generated values and the parallel streamed writer. Tensor names, order, types and the
-metadata come from `gguf_export` (`plan_tensors`, `write_metadata`, `add_tensor_infos`), so the
-layout is the one `export_gguf` writes for a checkpoint of that shape. Config and tokenizer are
-`synth_memory.write_weightless`'s, with the vocabulary padded to the preset's `bpe_vocab_size`
-(the vocabulary of `synth:PRESET?layers=N`, which the H200 decode benchmarks run).
+Owns the parallel streamed writer. Tensor names, order, types and the metadata come from
+`gguf_export` (`plan_tensors`, `write_metadata`, `add_tensor_infos`), so the layout is the one
+`export_gguf` writes for a checkpoint of that shape. Config and tokenizer are
+`synth_memory.write_weightless`'s: the tokenizer's own vocabulary (1,042 tokens), no padding.
 
-Values, with the standard deviation sigma `paged_experts.synth` gives each tensor (`value_std`:
-1/sqrt(H) for q/k/v and expert gate/up, 1/sqrt(I) for expert down, 2/sqrt(H) for the router, ...):
-- Q8_0 expert blocks are generated directly, not quantized: each block's 32 int8 quants are
-  drawn uniformly from LUT, the 256 midpoint quantiles of N(0, 1) scaled to +-127, and every
-  block's fp16 scale is d = sigma / std(LUT). The dequantized values q * d then follow N(0,
-  sigma^2) to 8 bits (tails cut at 2.9 sigma) with standard deviation sigma. Decode speed does
-  not depend on the values; routing does, through the hidden states, so their scale matters.
-- other matrices: BF16 (round to nearest even from f32) or F32 samples of N(0, sigma^2); norms
-  F32 1 + 0.1 N(0, 1).
-Chunk c of tensor t comes from its own generator seeded with (seed, t, c) over fixed-size chunks:
-the bytes are a function of (preset, layers, seed, types) whatever the worker count. They are
-not the values of `synth` or `synth_memory` models (other generators; Q8_0, not bf16).
+Values are `paged_experts.weightgen`'s source tensors (numpy side; the built-in engine computes
+the same integers with torch): element j of a tensor is LUT[b_j] * 2**exponent with b_j a byte of
+a counter hash, LUT the 256 int8 midpoint quantiles of N(0, 1). So:
+- Q8_0 expert blocks are written directly: the 32 int8 quants ARE LUT[b_j], every block's fp16
+  scale is 2**exponent, and the dequantized experts equal the built-in model's bf16 experts
+  exactly (no quantization error: the values were chosen to be representable in both);
+- BF16 / F16 / F32 matrices are the exact values (every one fits 8 significant bits); norms F32.
+Chunk boundaries do not matter (a counter hash has no state): the bytes are a function of
+(preset shape, layers, seed, types) whatever the worker count.
 
 Beside the file (`write_with_facts`, what `benchsuite gguf synth` runs): `<file>.json`, its facts
-(preset, seed, shape, types, bytes per expert, how it was made), which the llamacpp adapter records
+(preset, seed, shape, types, bytes per expert, how it was made, and `source_weights`: the
+fingerprint of the source tensors, `paged_experts.weights_id`), which the llamacpp adapter records
 in the run's manifest, and `<file>.hf/`, the preset's weightless HF directory
 (`synth_memory.write_weightless`: config.json and the tokenizer the GGUF's vocabulary comes from),
 which the adapter uses to cut exact-length prompts, the same token ids every engine is sent.
@@ -34,7 +32,6 @@ processes (numpy's gather holds the GIL, so threads do not scale) each generate 
 from __future__ import annotations
 
 import json
-import math
 import multiprocessing
 import os
 import shutil
@@ -43,7 +40,6 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from statistics import NormalDist
 from typing import Any
 
 import gguf
@@ -54,35 +50,32 @@ from benchsuite.engines.llamacpp.gguf_export import (
     ARCH,
     PlannedTensor,
     add_tensor_infos,
+    facts_path,
     plan_tensors,
+    read_facts,
     tokenizer_fields,
+    write_facts,
     write_metadata,
 )
+
+__all__ = ["facts_path", "read_facts", "write_synthetic_gguf", "write_with_facts"]
 from benchsuite.errors import UserError
+from paged_experts import weightgen
 
 CHUNK_BYTES = 16 * 2**20
-FACTS_SCHEMA_VERSION = 1
 SHAPE_KEYS = (
     "num_hidden_layers", "hidden_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok",
     "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
 )  # fmt: skip
-_SEED_TAG = 0x9E3779B9  # keeps these streams apart from other users of the same seed
 
 
-def _q8_lut() -> np.ndarray:
-    """[256] int8: midpoint quantiles of N(0, 1), the top one scaled to 127."""
-    nd = NormalDist()
-    top = nd.inv_cdf(255.5 / 256)
-    return np.array([round(127 * nd.inv_cdf((k + 0.5) / 256) / top) for k in range(256)], dtype=np.int8)
-
-
-LUT8 = _q8_lut()
+LUT8 = np.asarray(weightgen.LUT, dtype=np.int8)
 # Two quants per uint16 index (little-endian pairs): one gather per two bytes is ~2x faster
 # than a gather per byte.
 _u8 = LUT8.view(np.uint8).astype(np.uint16)
 _v = np.arange(65536, dtype=np.uint32)
 LUT16 = (_u8[_v & 0xFF] | (_u8[_v >> 8] << 8)).astype(np.uint16).view(np.int16)
-LUT_STD = float(LUT8.astype(np.float64).std())
+LUT_STD = weightgen.LUT_STD
 
 
 @dataclass(frozen=True)
@@ -98,30 +91,33 @@ class SynthGguf:
     write_s: float
     workers: int
     shape: dict[str, int]  # the HF config's sizes (SHAPE_KEYS)
+    source_weights: dict[str, Any]  # weightgen.recipe_record: the source tensors' identity
 
 
 @dataclass(frozen=True)
 class _Task:
     qtype: int
-    kind: str  # "normal" or "norm"
-    std: float
-    key: tuple[int, ...]  # generator seed
+    source: weightgen.SourceTensor
+    seed: int
+    start: int  # first element (flat, numpy order) of the source tensor
     n_blocks: int
     offset: int  # bytes into the file
 
 
-def synthetic_model(preset: str, layers: int | None, seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(HF config, tokenizer fields) of the preset, vocab padded to the preset's bpe_vocab_size."""
+def synthetic_model(
+    preset: str, layers: int | None, seed: int
+) -> tuple[dict[str, Any], dict[str, Any], tuple[int, ...]]:
+    """(HF config, tokenizer fields, silent token ids) of the preset: the weightless directory's,
+    vocabulary unpadded."""
     from paged_experts.synth import PRESETS
-    from paged_experts.synth_memory import write_weightless
+    from paged_experts.synth_memory import silent_ids, write_weightless
 
     if preset not in PRESETS:
         raise UserError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}")
     with tempfile.TemporaryDirectory(prefix="gguf-synth-") as tmp:
         d = write_weightless(preset, Path(tmp), layers=layers, seed=seed)
         hf = json.loads((d / "config.json").read_text())
-        hf["vocab_size"] = max(int(hf["vocab_size"]), PRESETS[preset].bpe_vocab_size)
-        return hf, tokenizer_fields(d, hf)
+        return hf, tokenizer_fields(d, hf), silent_ids(d)
 
 
 def synthetic_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -150,51 +146,39 @@ def synthetic_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def value_std(hf_name: str, hf: dict[str, Any]) -> tuple[str, float]:
-    """(kind, sigma) of an HF tensor, as paged_experts.synth draws it."""
-    h, inter = int(hf["hidden_size"]), int(hf["moe_intermediate_size"])
-    if hf_name.endswith("norm.weight"):
-        return "norm", 0.1
-    if hf_name == "model.embed_tokens.weight":
-        return "normal", 1.0
-    if hf_name == "lm_head.weight":
-        from paged_experts.synth import LOGIT_STD
-
-        return "normal", LOGIT_STD / math.sqrt(h)
-    if hf_name.endswith("o_proj.weight"):
-        return "normal", 0.5 / math.sqrt(int(hf["num_attention_heads"]) * int(hf["head_dim"]))
-    if hf_name.endswith("mlp.gate.weight"):
-        # Router logits with std ~2: distinct, stable top-k choices.
-        return "normal", 2 / math.sqrt(h)
-    if hf_name.endswith("down_proj.weight"):
-        return "normal", 1 / math.sqrt(inter)
-    return "normal", 1 / math.sqrt(h)  # q/k/v, expert gate/up
-
-
 def chunk_bytes(task: _Task) -> np.ndarray:
-    """The bytes of one chunk: `task.n_blocks` blocks of `task.qtype`."""
-    rng = np.random.Generator(np.random.PCG64DXSM(np.random.SeedSequence(task.key)))
+    """The bytes of one chunk: `task.n_blocks` blocks of `task.qtype` from element `task.start`."""
     qtype = Q(task.qtype)
+    block_values = gguf.GGML_QUANT_SIZES[qtype][0]
+    idx = weightgen.indices_np(task.seed, task.source.name, task.start, task.n_blocks * block_values)
     if qtype == Q.Q8_0:
         # A 34-byte block is 17 int16: the fp16 scale, then 16 pairs of int8 quants.
         out = np.empty((task.n_blocks, 17), dtype=np.int16)  # [blocks, 17]
-        out[:, 0] = np.float16(task.std / LUT_STD).view(np.int16)
-        raw = rng.bit_generator.random_raw(task.n_blocks * 4)  # [blocks * 4] uint64
-        idx = raw.view(np.uint16)  # [blocks * 16]
-        out[:, 1:] = LUT16[idx].reshape(task.n_blocks, 16)
+        # each block's scale: the tensor's power of two times its expert's (a block never spans two)
+        block_factors = weightgen.group_factors(task.seed, task.source, task.start, task.n_blocks * 32, step=32)
+        scales = np.float32(2.0**task.source.exponent) * block_factors  # [blocks], powers of two
+        out[:, 0] = scales.astype(np.float16).view(np.int16)
+        out[:, 1:] = LUT16[idx.view("<u2")].reshape(task.n_blocks, 16)
         return out
-    values = rng.standard_normal(task.n_blocks, dtype=np.float32)  # [n] (block size 1)
-    values *= np.float32(task.std)
-    if task.kind == "norm":
-        values += np.float32(1.0)
+    if task.source.group_numel or task.source.zero_rows:  # per-expert scales, zero rows: the values, then bits
+        values = weightgen.values_np(task.seed, task.source, task.start, task.n_blocks)
+        return _typed(values, qtype)
+    return _typed_lut(task.source, qtype)[idx]
+
+
+def _typed_lut(t: weightgen.SourceTensor, qtype: Q) -> np.ndarray:
+    """[256] values of `t`'s LUT indices as `qtype` stores them (exact: every value fits bf16)."""
+    return _typed(weightgen.lut_values(t), qtype)  # [256]
+
+
+def _typed(values: np.ndarray, qtype: Q) -> np.ndarray:
+    """float32 values (exact in bf16) as `qtype` stores them."""
     if qtype == Q.F32:
         return values
     if qtype == Q.F16:
         return values.astype(np.float16)
     if qtype == Q.BF16:
-        bits = values.view(np.uint32)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # to nearest even
-        return rounded.astype(np.uint16)
+        return (values.view(np.uint32) >> 16).astype(np.uint16)  # exact, so truncation is the rounding
     raise ValueError(f"unsupported tensor type {qtype.name}")
 
 
@@ -215,20 +199,29 @@ def _fill(task: _Task) -> int:
     return done
 
 
-def _tasks(planned: list[PlannedTensor], hf: dict[str, Any], data_start: int, alignment: int, seed: int) -> list[_Task]:
+def _tasks(
+    planned: list[PlannedTensor], sources: dict[str, weightgen.SourceTensor], data_start: int, alignment: int, seed: int
+) -> list[_Task]:
     """Every chunk of every tensor with its file offset (tensors aligned as GGUFWriter lays them out)."""
     tasks, offset = [], data_start
-    for t_index, p in enumerate(planned):
+    for p in planned:
         block_values, type_bytes = gguf.GGML_QUANT_SIZES[p.qtype]
         n_blocks = int(np.prod(p.shape)) // block_values
-        per_chunk = max(1, CHUNK_BYTES // type_bytes)
-        kind, std = value_std(p.sources[0], hf)
-        for c, first in enumerate(range(0, n_blocks, per_chunk)):
+        per_chunk = max(1, CHUNK_BYTES // type_bytes) // 4 * 4  # whole hash counters per chunk
+        src = sources[source_name(p)]
+        for first in range(0, n_blocks, per_chunk):
             n = min(per_chunk, n_blocks - first)
-            key = (_SEED_TAG, seed, t_index, c)
-            tasks.append(_Task(int(p.qtype), kind, std, key, n, offset + first * type_bytes))
+            tasks.append(_Task(int(p.qtype), src, seed, first * block_values, n, offset + first * type_bytes))
         offset += gguf.GGUFWriter.ggml_pad(p.nbytes, alignment)
     return tasks
+
+
+def source_name(p: PlannedTensor) -> str:
+    """The weightgen tensor a planned GGUF tensor holds: its HF source, or the stacked experts."""
+    if len(p.sources) == 1:
+        return p.sources[0]
+    layer, proj = p.sources[0].split(".")[2], p.sources[0].split(".")[-2]  # model.layers.{i}...{proj}_proj.weight
+    return weightgen.expert_name(int(layer), proj.removesuffix("_proj"))
 
 
 def expert_bytes(planned: list[PlannedTensor], num_experts: int) -> int:
@@ -250,7 +243,7 @@ def write_synthetic_gguf(
     """Write `out` (atomically: a temporary file in the same directory, renamed at the end)."""
     started = time.perf_counter()
     out = Path(out).expanduser()
-    hf, fields = synthetic_model(preset, layers, seed)
+    hf, fields, silent = synthetic_model(preset, layers, seed)
     planned = plan_tensors(hf, synthetic_shapes(hf), dense_type, expert_type=expert_type)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
@@ -265,7 +258,7 @@ def write_synthetic_gguf(
         assert writer.fout is not None
         data_start = gguf.GGUFWriter.ggml_pad(writer.fout[0].tell(), writer.data_alignment)
         writer.close()
-        tasks = _tasks(planned, hf, data_start, writer.data_alignment, seed)
+        tasks = _tasks(planned, weightgen.by_name(hf, silent), data_start, writer.data_alignment, seed)
         total = data_start + sum(gguf.GGUFWriter.ggml_pad(p.nbytes, writer.data_alignment) for p in planned)
         free = shutil.disk_usage(out.parent).free
         if free < total:
@@ -282,11 +275,8 @@ def write_synthetic_gguf(
         path=out, bytes=out.stat().st_size, layers=int(hf["num_hidden_layers"]), seed=seed, expert_type=expert_type,
         dense_type=dense_type, expert_bytes=expert_bytes(planned, int(hf["num_experts"])), num_tensors=len(planned),
         write_s=time.perf_counter() - started, workers=n_workers, shape={k: int(hf[k]) for k in SHAPE_KEYS},
+        source_weights=weightgen.recipe_record(hf, seed, silent),
     )  # fmt: skip
-
-
-def facts_path(gguf_path: Path) -> Path:
-    return gguf_path.with_name(gguf_path.name + ".json")
 
 
 def companion_dir(gguf_path: Path) -> Path:
@@ -304,25 +294,14 @@ def write_with_facts(
     s = write_synthetic_gguf(out, preset=preset, layers=layers, seed=seed, workers=workers, log=log)
     hf_dir = write_weightless(preset, companion_dir(s.path), layers=s.layers, seed=seed)
     facts = {
-        "schema_version": FACTS_SCHEMA_VERSION, "made_by": "benchsuite gguf synth", "path": str(s.path.resolve()),
+        "made_by": "benchsuite gguf synth", "path": str(s.path.resolve()),
         "bytes": s.bytes, "preset": preset, "layers": s.layers, "seed": seed, "shape": s.shape,
         "expert_type": s.expert_type.upper(), "dense_type": s.dense_type, "expert_bytes": s.expert_bytes,
         "num_tensors": s.num_tensors, "hf_dir": str(hf_dir.resolve()), "write_s": round(s.write_s, 2),
-        "workers": s.workers, "git": git_facts(),
+        "workers": s.workers, "git": git_facts(), "source_weights": s.source_weights, "random_weights": True,
     }  # fmt: skip
-    tmp = facts_path(s.path).with_name(f".{facts_path(s.path).name}.tmp")
-    tmp.write_text(json.dumps(facts, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, facts_path(s.path))
-    return facts
-
-
-def read_facts(gguf_path: Path) -> dict[str, Any] | None:
-    """The facts `write_with_facts` left beside a GGUF; None for any other GGUF (or an unreadable file)."""
-    try:
-        facts = json.loads(facts_path(gguf_path).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    return facts if isinstance(facts, dict) and facts.get("schema_version") == FACTS_SCHEMA_VERSION else None
+    write_facts(s.path, facts)
+    return read_facts(s.path) or facts
 
 
 def _run_tasks(tasks: list[_Task], path: Path, workers: int, total: int, log: Any) -> None:
