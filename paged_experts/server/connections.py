@@ -27,6 +27,8 @@ from typing import Any
 from aiohttp import web
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
+from aiohttp.web_response import StreamResponse
 
 log = logging.getLogger("paged_experts.server")
 
@@ -130,23 +132,24 @@ class ConnectionGuard:
 class GuardedRequestHandler(RequestHandler):
     """aiohttp's per-connection protocol plus read deadlines, the cap and half-close."""
 
-    __slots__ = ("_guard", "_read_timer", "_reading_body", "_admitted")
+    __slots__ = ("_guard", "_read_timer", "_reading_body", "_unanswered")
 
     def __init__(self, manager: web.Server, guard: ConnectionGuard, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self._guard = guard
         self._read_timer: asyncio.TimerHandle | None = None
         self._reading_body: StreamReader | None = None  # a request's body still arriving
-        self._admitted = False
+        # requests parsed and not yet answered: aiohttp's own flags miss the step between taking a
+        # request off its queue and starting its handler task
+        self._unanswered = 0
 
     def holds_no_request(self) -> bool:
         """Nothing to lose by closing it: no request queued, handled or arriving with a body."""
-        return not self._request_in_progress and not self._messages and self._reading_body is None
+        return self._unanswered == 0 and self._reading_body is None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        self._admitted = self._guard.admit(self)
-        if self._admitted:
+        if self._guard.admit(self):
             # an empty connection gets as long as a header does
             self._arm("header_timeout", self._guard.limits.header_timeout_s)
 
@@ -162,6 +165,7 @@ class GuardedRequestHandler(RequestHandler):
             return
         new = list(self._messages)[queued:]
         if new:
+            self._unanswered += len(new)
             self._disarm()
             payload = new[-1][1]
             self._reading_body = payload if isinstance(payload, StreamReader) and not payload.is_eof() else None
@@ -177,11 +181,23 @@ class GuardedRequestHandler(RequestHandler):
     def eof_received(self) -> bool:
         """The client shut its write side. A complete request already received is still answered
         (the transport stays open for writing, then closes once it is done); otherwise close now."""
-        complete = (self._messages or self._request_in_progress) and self._reading_body is None
-        if not complete:
+        if self._unanswered == 0 or self._reading_body is not None:
             return False
         self.close()  # no further requests on this connection; aiohttp closes after the response
         return True
+
+    async def finish_response(
+        self, request: BaseRequest, resp: StreamResponse, start_time: float | None
+    ) -> tuple[StreamResponse, bool]:
+        try:
+            done = await super().finish_response(request, resp, start_time)
+        finally:
+            self._unanswered = max(0, self._unanswered - 1)
+        if resp.status >= 400 and request.headers.get("Expect") and not request.content.is_eof():
+            # refused before "100 Continue": the client holds its body back, so aiohttp's lingering
+            # read (up to 10 s) would only wait; close once the answer is flushed
+            self.force_close()
+        return done
 
     def _arm(self, reason: str, delay_s: float) -> None:
         self._disarm()
@@ -197,7 +213,7 @@ class GuardedRequestHandler(RequestHandler):
         if self._force_close or self.transport is None:
             return
         self._guard.closed_early[reason] += 1
-        if reason == "header_timeout" and not self._request_in_progress and not self._messages:
+        if reason == "header_timeout" and self._unanswered == 0:
             self.transport.write(_TIMEOUT_408)
         self._guard.release(self)
         self.force_close()
