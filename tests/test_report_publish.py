@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pytest
@@ -46,7 +47,7 @@ def test_two_writers_into_one_folder_leave_one_whole_report(tmp_path: Path) -> N
     runs = [renamed_run(tmp_path, "run-a"), renamed_run(tmp_path, "run-b")]
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for _ in range(3):
+    for _ in range(2):
         procs = [
             subprocess.Popen(
                 [sys.executable, "-m", "benchsuite", "report", str(run), "--out", str(out)],
@@ -68,6 +69,45 @@ def test_two_writers_into_one_folder_leave_one_whole_report(tmp_path: Path) -> N
         assert seen["index.html"] in ({"run-a"}, {"run-b"}), seen
         assert seen["tables.md"] == seen["tables.csv"] == seen["index.html"], seen
         assert (out / "index.html").read_text(encoding="utf-8").rstrip().endswith("</html>")
+
+
+def test_interleaved_writers_never_mix_their_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writes of two reports interleaved on purpose: run-b's tables.md late, run-a's tables.csv
+    later still. Written in place, the folder ended as index/md from one run and csv from the other."""
+    import threading
+    import time
+
+    from benchsuite.report import build
+
+    def slowed(write: Any, delays_s: dict[str, float]) -> Any:
+        def slow(path: Path, *args: Any) -> None:
+            run = next((r for r in delays_s if r in str(args)), "")
+            time.sleep(delays_s.get(run, 0.0))
+            write(path, *args)
+
+        return slow
+
+    monkeypatch.setattr(build, "write_markdown", slowed(build.write_markdown, {"run-b": 3.0}))
+    monkeypatch.setattr(build, "write_csv", slowed(build.write_csv, {"run-a": 6.0}))
+    out = tmp_path / "out"
+    errors: list[BaseException] = []
+
+    def writer(run: Path) -> None:
+        try:
+            write_report([run], out, reference_dirs=REFERENCE_DIRS)
+        except BaseException as exc:  # a thread's failure must fail the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(renamed_run(tmp_path, r),)) for r in ("run-a", "run-b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=240)
+    assert errors == []
+    seen = report_ids(out)
+    assert (
+        seen["index.html"] in ({"run-a"}, {"run-b"}) and seen["tables.md"] == seen["tables.csv"] == seen["index.html"]
+    )
 
 
 def test_a_rewrite_replaces_the_whole_folder(tmp_path: Path) -> None:
