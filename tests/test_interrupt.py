@@ -28,16 +28,16 @@ def interrupted(argv: list[str], after_s: float, cwd: Path) -> tuple[int, str]:
     )  # fmt: skip
     time.sleep(after_s)
     proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=60)
-    return proc.returncode, stderr
+    stdout, stderr = proc.communicate(timeout=60)
+    return proc.returncode, stderr + stdout  # `benchsuite run` says where its finished cells are on stdout
 
 
-def assert_one_clean_line(rc: int, stderr: str, finished_ok: bool = False) -> None:
-    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+def assert_one_clean_line(rc: int, output: str, finished_ok: bool = False) -> None:
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output
     # killed before Python set its handler (-2), interrupted (130), or already done (0)
-    assert rc in (-signal.SIGINT, 130) or (finished_ok and rc == 0), (rc, stderr)
+    assert rc in (-signal.SIGINT, 130) or (finished_ok and rc == 0), (rc, output)
     if rc == 130:
-        assert stderr.strip().splitlines()[-1].endswith("interrupted"), stderr
+        assert [line for line in output.splitlines() if line.startswith("benchsuite: interrupted")], output
 
 
 @pytest.mark.parametrize("after_s", [0.3, 1.0, 2.0, 4.0])
@@ -55,6 +55,19 @@ def test_the_server_interrupted_in_its_first_seconds(tiny_model_dir: Path, tmp_p
 @pytest.mark.parametrize("after_s", [0.3, 1.0, 3.0])
 def test_benchsuite_report_interrupted(tmp_path: Path, after_s: float) -> None:
     argv = [sys.executable, "-m", "benchsuite", "report", str(FIXTURE), "--out", str(tmp_path / "out")]
-    rc, stderr = interrupted(argv, after_s, tmp_path)
-    assert_one_clean_line(rc, stderr, finished_ok=True)
+    rc, output = interrupted(argv, after_s, tmp_path)
+    assert_one_clean_line(rc, output, finished_ok=True)
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]  # no half-written report left
+
+
+@pytest.mark.parametrize("after_s", [0.5, 2.0, 5.0])
+def test_benchsuite_run_interrupted(tiny_model_dir: Path, tmp_path: Path, after_s: float) -> None:
+    matrix = tmp_path / "m.yaml"
+    matrix.write_text(
+        f"name: intr\noutput_root: {tmp_path / 'out'}\nfairness: {{kv_capacity_tokens: 512}}\n"
+        f"engines: {{e: {{kind: builtin, options: {{model: {tiny_model_dir}, mode: resident}}}}}}\n"
+        "workloads: {w: {concurrency: [1], num_requests: 4, warmup_requests: 0, output_tokens: 16}}\n"
+    )
+    argv = [sys.executable, "-m", "benchsuite", "run", str(matrix), "--quiet", "--no-report"]
+    rc, output = interrupted(argv, after_s, tmp_path)
+    assert_one_clean_line(rc, output, finished_ok=True)
