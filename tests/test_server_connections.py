@@ -151,3 +151,30 @@ def test_expect_100_continue_is_checked_against_the_body_limit(server: tuple[str
         while chunk := conn.recv(65536):
             answer += chunk
     assert answer.startswith(b"HTTP/1.1 200"), answer
+
+
+def test_failed_accepts_are_logged_once_per_interval_with_their_count(caplog: pytest.LogCaptureFixture) -> None:
+    import asyncio
+    import errno
+    import logging
+
+    from paged_experts.server.connections import (
+        ACCEPT_ERROR_MESSAGE,
+        AcceptErrorLog,
+        ConnectionGuard,
+        ConnectionLimits,
+    )
+
+    guard = ConnectionGuard(ConnectionLimits(max_connections=640, open_file_limit=1024))
+    handler = AcceptErrorLog(guard, interval_s=3600.0)
+    loop = asyncio.new_event_loop()
+    try:
+        context = {"message": ACCEPT_ERROR_MESSAGE, "exception": OSError(errno.EMFILE, "Too many open files")}
+        with caplog.at_level(logging.WARNING):
+            for _ in range(1000):  # asyncio 3.11 retried thousands of times a second
+                handler(loop, context)
+    finally:
+        loop.close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "Too many open files" in lines[0] and "connection cap 640" in lines[0], lines
+    assert guard.counts().accept_errors == 1000
