@@ -1,5 +1,9 @@
 import sys
 
-from benchsuite.cli import main
+try:
+    from benchsuite.cli import main
+except KeyboardInterrupt:  # Ctrl-C while the interpreter imports the CLI: one line, as cli.main prints
+    print("benchsuite: interrupted", file=sys.stderr)
+    sys.exit(130)
 
 sys.exit(main())

@@ -58,15 +58,17 @@ def load_matrix(path: str | Path) -> ValidatedMatrix:
     """Read, validate and resolve a matrix file; raises MatrixError naming every problem."""
     source = Path(path)
     raw, env_problems = expand_env_refs(_read_yaml(source))
-    problems = [f"{source}: {yaml_path(loc)}: {problem}" for loc, problem in env_problems + _number_problems(raw, ())]
-    if problems:
-        raise MatrixError("\n".join(problems))
+    early = env_problems + _number_problems(raw, ())
+    problems = [f"{source}: {yaml_path(loc)}: {problem}" for loc, problem in early]
     try:
         matrix = Matrix.model_validate(raw)
     except pydantic.ValidationError as exc:
         # one pass: the engines whose own entry is well formed get their options checked too
-        problems = [*format_errors(source, exc, Matrix, ()).splitlines(), *raw_engine_problems(source, raw)]
-        raise MatrixError("\n".join(dict.fromkeys(problems))) from None
+        problems += [*format_errors(source, exc, Matrix, ()).splitlines(), *raw_engine_problems(source, raw)]
+        raise MatrixError("\n".join(_without_repeats(problems, source, early))) from None
+    if problems:  # numbers or ${...} references wrong, the rest well formed: the engines' options still checked
+        problems += raw_engine_problems(source, raw)
+        raise MatrixError("\n".join(_without_repeats(problems, source, early)))
     option_sets: dict[str, tuple[OptionSet, ...]] = {}
     for name, entry in matrix.engines.items():
         sets, errors = resolve_options(source, name, entry)
@@ -87,6 +89,15 @@ def load_matrix(path: str | Path) -> ValidatedMatrix:
         raise MatrixError("\n".join(dict.fromkeys(problems)))
     matrix = matrix.model_copy(update={"workloads": workloads})
     return ValidatedMatrix(matrix, option_sets, source, digest)
+
+
+def _without_repeats(problems: list[str], source: Path, early: list[tuple[tuple[str | int, ...], str]]) -> list[str]:
+    """Each problem once; a place already named for its number or ${...} reference is not named
+    again by the schema (which sees the same bad value)."""
+    early_lines = {f"{source}: {yaml_path(loc)}: {problem}" for loc, problem in early}
+    places = tuple(f"{source}: {yaml_path(loc)}:" for loc, _ in early)
+    kept = [line for line in problems if line in early_lines or not line.startswith(places)]
+    return list(dict.fromkeys(kept))
 
 
 def _matrix_hash(matrix: Matrix) -> str:

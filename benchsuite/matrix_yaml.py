@@ -23,6 +23,7 @@ import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from benchsuite.errors import UserError
+from benchsuite.matrix_errors import yaml_path
 
 MAX_DEPTH = 64
 MAX_EXPANDED_NODES = 200_000
@@ -102,40 +103,56 @@ def _where(mark: Any) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}"
 
 
-def _children(node: Node) -> list[Node]:
+def _children(node: Node, path: tuple[str | int, ...]) -> list[tuple[Node, tuple[str | int, ...]]]:
+    """Each child with its YAML path (a mapping's key nodes sit at the mapping's own path)."""
     if isinstance(node, MappingNode):
-        return [n for pair in node.value for n in pair]
+        out = []
+        for key, value in node.value:
+            out.append((key, path))
+            out.append((value, path + (key.value if isinstance(key, ScalarNode) else "?",)))
+        return out
     if isinstance(node, SequenceNode):
-        return list(node.value)
+        return [(kid, path + (i,)) for i, kid in enumerate(node.value)]
     return []
 
 
 def _check_expanded(source: Path, root: Node) -> None:
-    """Size and depth of the document with aliases expanded, without expanding them (memo per node)."""
+    """Size and depth of the document with aliases expanded, without expanding them (memo per node).
+    Errors name the YAML path (the first way to reach the node) and its line; "aliases expand" only
+    when an alias is involved, else "too many values"."""
     size: dict[int, int] = {}
     depth: dict[int, int] = {}
+    refs: dict[int, int] = {}  # times a node is reached as a child: more than once means an alias
+    aliased: dict[int, bool] = {}  # an alias somewhere in the node's subtree
     on_path: set[int] = set()
-    stack: list[tuple[Node, bool]] = [(root, False)]
+    stack: list[tuple[Node, tuple[str | int, ...], bool]] = [(root, (), False)]
     while stack:
-        node, children_done = stack.pop()
+        node, path, children_done = stack.pop()
         key = id(node)
         if children_done:
             on_path.discard(key)
-            kids = _children(node)
+            kids = [kid for kid, _ in _children(node, path)]
             size[key] = 1 + sum(size[id(k)] for k in kids)
             depth[key] = 1 + max((depth[id(k)] for k in kids), default=0)
+            aliased[key] = any(refs[id(k)] > 1 or aliased[id(k)] for k in kids)
+            where = f"{source}: {yaml_path(path)}: {_where(node.start_mark)}"
             if size[key] > MAX_EXPANDED_NODES:
                 raise YamlError(
-                    f"{source}: {_where(node.start_mark)}: aliases expand to more than {MAX_EXPANDED_NODES} values "
-                    "(an alias bomb?)"
+                    f"{where}: aliases expand to more than {MAX_EXPANDED_NODES} values (an alias bomb?)"
+                    if aliased[key]
+                    else f"{where}: too many values (more than {MAX_EXPANDED_NODES}); a matrix needs a few hundred"
                 )
             if depth[key] > MAX_DEPTH:
-                raise YamlError(f"{source}: {_where(node.start_mark)}: aliases nest deeper than {MAX_DEPTH} levels")
+                raise YamlError(f"{where}: aliases nest deeper than {MAX_DEPTH} levels")
             continue
         if key in size:
             continue
         if key in on_path:
-            raise YamlError(f"{source}: {_where(node.start_mark)}: a recursive alias (an anchor used inside itself)")
+            where = f"{source}: {yaml_path(path)}: {_where(node.start_mark)}"
+            raise YamlError(f"{where}: a recursive alias (an anchor used inside itself)")
         on_path.add(key)
-        stack.append((node, True))
-        stack.extend((kid, False) for kid in _children(node) if id(kid) not in size)
+        stack.append((node, path, True))
+        for kid, kid_path in reversed(_children(node, path)):  # popped in document order: a node's
+            refs[id(kid)] = refs.get(id(kid), 0) + 1  # path is then where its anchor is written
+            if id(kid) not in size:
+                stack.append((kid, kid_path, False))

@@ -20,6 +20,9 @@ One runner at a time: `open` holds the directory's lock (benchsuite.runlock) unt
 A resume must match what the run was measured with: the matrix hash and the manifest's
 `fingerprint` (model files, datasets, engine builds: benchsuite.fingerprint); a difference is a
 UserError naming what changed, unless `new_run` moves the old directory aside first.
+A run directory is only ever one this suite created (`stored_files.not_a_run_dir`: a manifest with
+the run marker keys): any other existing, non-empty folder is refused (UserError naming it) before
+anything is written into it, and `new_run` never moves it.
 
 Damage: a cell file that is not a valid cell record (`[]`, `null`, garbage bytes, a missing field,
 wrong types, another cell's id) is reported in one line naming it (the `notify` seam), moved to
@@ -52,6 +55,7 @@ from benchsuite.runlock import RunLock
 from benchsuite.stored_files import (
     DamagedFile,
     cell_payloads,
+    not_a_run_dir,
     note_to_stderr,
     read_cell_file,
     read_manifest_file,
@@ -101,6 +105,9 @@ class RunStore:
              new_run: bool = False, notify: Notify = note_to_stderr) -> RunStore:  # fmt: skip
         """Lock the run directory, then create it, or resume it when it holds a run of the same
         matrix measured with the same inputs; `new_run` first moves an existing run aside."""
+        problem = not_a_run_dir(run_dir)  # before the lock file: nothing is written into another's folder
+        if problem is not None:
+            raise UserError(problem)
         store = cls(run_dir, write=write, notify=notify)
         store._lock = store._take_lock()
         try:

@@ -43,6 +43,44 @@ def read_manifest(run_dir: Path) -> Manifest:
     return read_manifest_file(Path(run_dir) / "manifest.json")
 
 
+# What a run directory holds (benchsuite.store's layout, plus its lock and atomic-write temporaries)
+RUN_LAYOUT = frozenset({"manifest.json", ".lock", "cells", "attempts", "logs", "engine_metrics", "routing",
+                        "cells.parquet", "cells.csv", "requests.parquet"})  # fmt: skip
+# The manifest's marker: every manifest this suite writes has these keys (version 1 included)
+_MANIFEST_MARKER = ("schema_version", "run_id", "matrix_hash")
+
+
+def not_a_run_dir(run_dir: Path) -> str | None:
+    """Why `run_dir` must not be used as a run directory, or None: it does not exist, is empty, or
+    is one this suite created (its manifest carries the marker keys; or, while the manifest is
+    missing or damaged, it holds nothing but the store's own layout). Anything else is someone
+    else's folder, which a run must neither write into nor move aside."""
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        return None
+    if not run_dir.is_dir():
+        return f"{run_dir} is a file, not a run directory"
+    names = sorted(p.name for p in run_dir.iterdir())
+    if not names or _has_run_manifest(run_dir / "manifest.json"):
+        return None
+    foreign = [n for n in names if n not in RUN_LAYOUT and not (n.startswith(".") and n.endswith(".tmp"))]
+    if not foreign and "cells" in names:
+        return None
+    shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+    return (
+        f"{run_dir} exists and is not a run directory benchsuite created (no run manifest; it holds {shown}); "
+        "benchsuite neither writes into nor moves it: pass another --run-id or output_root"
+    )
+
+
+def _has_run_manifest(path: Path) -> bool:
+    try:
+        payload = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(payload, dict) and all(key in payload for key in _MANIFEST_MARKER)
+
+
 def read_manifest_file(path: Path, *, writable: bool = False) -> Manifest:
     """The typed manifest (a version-1 file through schema_v1, unless it is to be written)."""
     fix = ("without it the stored cells' provenance is unknown: pass --new-run to start a new run (the old "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -12,12 +12,13 @@ from benchsuite.process import EngineProcess, free_port
 
 
 @contextmanager
-def builtin_server(model_dir: Path, log_dir: Path, *flags: str) -> Iterator[str]:
+def builtin_server(model_dir: Path, log_dir: Path, *flags: str, launcher: Sequence[str] = ()) -> Iterator[str]:
     """A real `python -m paged_experts.server` on a free loopback port (tiny model, CPU):
-    yields its base URL; afterwards it must still be alive and its log free of tracebacks."""
+    yields its base URL; afterwards it must still be alive and its log free of tracebacks.
+    `launcher` goes before the interpreter (e.g. `prlimit --nofile=1024:1024`)."""
     port = free_port()
-    argv = [sys.executable, "-m", "paged_experts.server", "--model-path", str(model_dir), "--port", str(port),
-            "--log-level", "warning", *flags]  # fmt: skip
+    argv = [*launcher, sys.executable, "-m", "paged_experts.server", "--model-path", str(model_dir),
+            "--port", str(port), "--log-level", "warning", *flags]  # fmt: skip
     log = log_dir / "server.log"
     proc = EngineProcess(argv, {}, log, f"http://127.0.0.1:{port}/health", startup_timeout_s=300.0)
     proc.start()

@@ -28,6 +28,7 @@ from benchsuite.report.header import header_html, header_markdown
 from benchsuite.report.html import Section, render_page
 from benchsuite.report.load import RunData, load_run
 from benchsuite.report.plot import Figure
+from benchsuite.report.publish import report_folder
 from benchsuite.report.published import (
     find_reference,
     load_published,
@@ -211,7 +212,6 @@ def write_report(run_dirs: list[Path], out_dir: Path | None = None, reference_di
     """Write index.html, tables.md and tables.csv for the given results runs; return index.html's path."""
     data = build_report_data(run_dirs, reference_dirs)
     target = Path(out_dir) if out_dir is not None else default_out_dir(data.runs)
-    target.mkdir(parents=True, exist_ok=True)
     before, after = _sections(data)
     first = verdict_html(data.verdicts, data.caveats)
     page = render_page(
@@ -222,10 +222,6 @@ def write_report(run_dirs: list[Path], out_dir: Path | None = None, reference_di
         missing_figures(data.figures),
         after,
     )
-    index = target / INDEX_NAME
-    tmp = index.with_suffix(".html.tmp")
-    tmp.write_text(page, encoding="utf-8")
-    tmp.replace(index)
     preamble = [
         *verdict_markdown(data.verdicts, data.caveats),
         "",
@@ -234,6 +230,9 @@ def write_report(run_dirs: list[Path], out_dir: Path | None = None, reference_di
         data.reference_note,
     ]
     shown = {k: display_frame(v) if not v.empty else v for k, v in data.tables.items() if k != "Verdict"}
-    write_markdown(target / "tables.md", data.title, preamble, shown)
-    write_csv(target / "tables.csv", data.tables)
+    with report_folder(target) as staging:  # moved into place whole (report.publish)
+        (staging / INDEX_NAME).write_text(page, encoding="utf-8")
+        write_markdown(staging / "tables.md", data.title, preamble, shown)
+        write_csv(staging / "tables.csv", data.tables)
+    index = target / INDEX_NAME
     return index

@@ -2,6 +2,10 @@
 
 import sys
 
-from paged_experts.server.app import main
+try:
+    from paged_experts.server.app import main
+except KeyboardInterrupt:  # Ctrl-C while torch and the server import (the first seconds): one line
+    print("paged_experts.server: interrupted", file=sys.stderr)
+    sys.exit(130)
 
 sys.exit(main())

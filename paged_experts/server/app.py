@@ -7,7 +7,10 @@ label) and `POST /flush_cache` (200 no-op: this engine has no prefix cache, as S
 does when the cache is disabled). The generation endpoints live in `api_handlers`.
 
 The socket opens first and the model loads in a worker thread, so readiness can be polled; a
-failed load exits the process with status 1. Binds 127.0.0.1 unless told otherwise.
+failed load exits the process with status 1. Binds 127.0.0.1 unless told otherwise. Connections
+go through `connections` (read timeouts, the cap, half-close); the POST routes check
+`Expect: 100-continue` against the body limit before answering "100 Continue". Ctrl-C at any
+moment ends with one line on stderr and status 130.
 """
 
 from __future__ import annotations
@@ -24,15 +27,26 @@ from dataclasses import asdict
 import torch
 from aiohttp import web
 
+from paged_experts.server.connections import (
+    KEEPALIVE_TIMEOUT_S,
+    AcceptErrorLog,
+    ConnectionGuard,
+    ConnectionLimits,
+    GuardedSite,
+    default_max_connections,
+    raise_open_file_limit,
+)
 from paged_experts.server.handlers import STATE_KEY, ServerState, chat_completions, completions, error_middleware
 from paged_experts.server.launch import ServeConfig, Serving, load_serving, parse_args
 from paged_experts.server.metrics import EngineGauges, ServerMetrics
+from paged_experts.server.protocol import ApiError
 from paged_experts.server.threads import default_cpu_threads
 
 log = logging.getLogger("paged_experts.server")
 
 Loader = Callable[[ServeConfig, ServerMetrics], Serving]
 MAX_BODY_BYTES = 64 * 1024 * 1024
+CONNECTIONS_KEY = web.AppKey("connections", ConnectionGuard)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -74,7 +88,9 @@ async def metrics(request: web.Request) -> web.Response:
             engine.timer.decode_model_s, engine.timer.steps, dict(engine.timer.phase_s),
             *gpu_memory(serving.runtime.device),
         )  # fmt: skip
-    text = state.metrics.render(gauges, counters, state.config.routing_source is not None)
+    guard = request.app.get(CONNECTIONS_KEY)
+    connections = None if guard is None else guard.counts()
+    text = state.metrics.render(gauges, counters, state.config.routing_source is not None, connections)
     return web.Response(text=text, content_type="text/plain", charset="utf-8", headers={"X-Prometheus-Format": "0.0.4"})
 
 
@@ -99,19 +115,44 @@ async def flush_cache(request: web.Request) -> web.Response:
     return web.json_response({"flushed": True, "prefix_cache": False})
 
 
+async def expect_within_limits(request: web.Request) -> web.StreamResponse | None:
+    """`Expect: 100-continue`: the declared body is checked before the client is told to send it
+    (aiohttp's default handler says "100 Continue" to any size). Refusals close the connection:
+    the client holds its body back, so nothing is left to read."""
+    expect = request.headers.get("Expect", "")
+    if expect.lower() != "100-continue":
+        refusal = ApiError(417, None, f"Expect: {expect!r} is not supported (only 100-continue)")
+    else:
+        state = request.app[STATE_KEY]
+        try:
+            limit = state.preparer().limits.max_body_bytes
+        except ApiError as not_ready:
+            refusal = not_ready
+        else:
+            size = request.content_length
+            if size is None or size <= limit:
+                await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                request.writer.output_size = 0  # the interim response is not part of the answer's size
+                return None
+            refusal = ApiError(413, "body", f"body: {size} bytes exceed the limit of {limit} bytes")
+    response = web.json_response(refusal.body(), status=refusal.status)
+    response.force_close()
+    return response
+
+
 def create_app(config: ServeConfig, loader: Loader = load_serving) -> web.Application:
     """The app; the model loads in a worker thread when the app starts (see `ServerState.loaded`)."""
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     state = ServerState(config)
     app[STATE_KEY] = state
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions, expect_handler=expect_within_limits)
+    app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect_within_limits)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/server_info", server_info)
     app.router.add_get("/get_server_info", server_info)  # SGLang's older name
-    app.router.add_post("/flush_cache", flush_cache)
+    app.router.add_post("/flush_cache", flush_cache, expect_handler=expect_within_limits)
 
     async def start(app: web.Application) -> None:
         state.loaded = asyncio.get_running_loop().create_future()
@@ -171,23 +212,46 @@ async def _shutdown(state: ServerState) -> None:
     state.serving = None
 
 
+def connection_limits(config: ServeConfig) -> ConnectionLimits:
+    open_files = raise_open_file_limit()
+    safe = default_max_connections(open_files)
+    cap = config.max_connections or safe
+    if cap > safe:
+        log.warning("--max-connections %d exceeds what an open-file limit of %d leaves safe (%d): raise `ulimit -n`",
+                    cap, open_files, safe)  # fmt: skip
+    return ConnectionLimits(cap, config.header_timeout, config.body_timeout, KEEPALIVE_TIMEOUT_S, open_files)
+
+
 async def serve(config: ServeConfig) -> int:
     """Runs until SIGINT/SIGTERM; returns the process exit status."""
-    app = create_app(config)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
-    log.info("listening on http://%s:%d, loading %s", config.host, config.port, config.model_path)
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    app = create_app(config)
+    guard = ConnectionGuard(connection_limits(config))
+    app[CONNECTIONS_KEY] = guard
+    loop.set_exception_handler(AcceptErrorLog(guard))
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = GuardedSite(runner, config.host, config.port, guard)
+    await site.start()
+    limits = guard.limits
+    log.info(
+        "listening on http://%s:%d, loading %s (connections <= %d at an open-file limit of %d; header timeout "
+        "%g s, body timeout %g s, keep-alive %g s)",
+        config.host, config.port, config.model_path, limits.max_connections, limits.open_file_limit,
+        limits.header_timeout_s, limits.body_timeout_s, limits.keepalive_timeout_s,
+    )  # fmt: skip
     state = app[STATE_KEY]
-    try:
-        assert state.loaded is not None
-        await state.loaded
-    except RuntimeError:
+    assert state.loaded is not None
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({state.loaded, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if stop.is_set():
+        log.info("shutting down")  # the cleanup waits for a load in progress to finish
+        await runner.cleanup()
+        return 0
+    if state.loaded.exception() is not None:
         await runner.cleanup()
         return 1
     graph_bs = list(range(1, config.cuda_graph_max_bs + 1))
@@ -195,7 +259,7 @@ async def serve(config: ServeConfig) -> int:
         "ready: http://%s:%d model=%s routing=%s expert_kernel=%s cuda_graph_bs=%s",
         config.host, config.port, config.model_name, config.routing_label, config.expert_kernel, graph_bs or "off",
     )  # fmt: skip
-    await stop.wait()
+    await stopped
     log.info("shutting down")
     await runner.cleanup()
     return 0
@@ -206,7 +270,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(config.cpu_threads or default_cpu_threads())
     log.info("config %s", json.dumps(asdict(config)))
-    return asyncio.run(serve(config))
+    try:
+        return asyncio.run(serve(config))
+    except KeyboardInterrupt:  # before the signal handlers are installed, or while asyncio.run winds down
+        return interrupted()
+
+
+def interrupted() -> int:
+    print("paged_experts.server: interrupted", file=sys.stderr)
+    return 130
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from paged_experts.config import MoeModelConfig
 from paged_experts.kernels.fused import EXPERT_BACKENDS, set_expert_backend
 from paged_experts.residency import DEFAULT_PREFILL_KEEP, PREFILL_KEEP
 from paged_experts.runtime import MODES, RuntimeConfig
+from paged_experts.server.connections import BODY_TIMEOUT_S, HEADER_TIMEOUT_S
 from paged_experts.server.engine import Engine, EngineConfig
 from paged_experts.server.metrics import ServerMetrics
 from paged_experts.server.text import TextCodec
@@ -57,6 +58,9 @@ class ServeConfig:
     expert_kernel: str = "fused"
     overlap_schedule: bool = True  # launch a greedy decode step before reading the previous one's tokens
     cpu_threads: int | None = None  # torch's intra-op threads; None: default_cpu_threads()
+    max_connections: int | None = None  # None: from the open-file limit (connections.default_max_connections)
+    header_timeout: float = HEADER_TIMEOUT_S  # seconds to receive a request's header
+    body_timeout: float = BODY_TIMEOUT_S  # seconds to receive a request's body once its header is in
     log_level: str = "info"
 
     @property
@@ -175,6 +179,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch's intra-op threads for CPU work (the CPU device, cpu-experts layers); default: the "
         "cores minus one, which the event loop and the engine thread need",
     )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        help="open connections at most; at the cap a new one replaces the oldest that holds no request "
+        "(default: the open-file limit minus 384 descriptors the process and accept bursts need)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=HEADER_TIMEOUT_S,
+        help=f"seconds from connect (or a request's first byte) to the end of its header "
+        f"(default {HEADER_TIMEOUT_S:g})",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=BODY_TIMEOUT_S,
+        help=f"seconds from the end of a header to the end of its body (default {BODY_TIMEOUT_S:g})",
+    )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
 
@@ -187,6 +210,11 @@ def parse_args(argv: Sequence[str]) -> ServeConfig:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if ns.cpu_threads is not None and ns.cpu_threads < 1:
         parser.error("--cpu-threads must be >= 1")
+    if ns.max_connections is not None and ns.max_connections < 1:
+        parser.error("--max-connections must be >= 1")
+    for name in ("header_timeout", "body_timeout"):
+        if not 0 < getattr(ns, name) < math.inf:
+            parser.error(f"--{name.replace('_', '-')} must be a positive number of seconds")
     if ns.cuda_graph_max_bs < 0:
         parser.error("--cuda-graph-max-bs must be >= 0")
     if ns.enable_torch_compile and not ns.cuda_graph_max_bs:

@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from paged_experts.server.connections import ConnectionCounts
 from paged_experts.server.engine import FINISH_LENGTH, FINISH_STOP, FinishedRequest
 
 PREFIX = "paged_experts:"
@@ -101,6 +102,7 @@ class _EngineState:
     gauges: EngineGauges
     counters: Any | None  # paged_experts.counters.CountersSnapshot; None before the model loads
     routing_synthetic: bool
+    connections: ConnectionCounts | None = None  # None where no connection guard runs (in-process tests)
 
 
 class _EngineCollector(Collector):
@@ -122,6 +124,8 @@ class _EngineCollector(Collector):
         ):
             yield GaugeMetricFamily(p + name, help_text, value=value)
         yield from _engine_step_families(g)
+        if self.state.connections is not None:
+            yield from _connection_families(self.state.connections)
         if self.state.counters is not None:
             yield from _paging_families(self.state.counters)
 
@@ -147,6 +151,24 @@ def _engine_step_families(g: EngineGauges) -> Iterator[Metric]:
     for phase, seconds in (g.phase_s or {}).items():
         name = p + f"engine_step_{phase}_seconds_total"
         yield CounterMetricFamily(name, f"Engine-thread time in phase {phase}", seconds)
+
+
+def _connection_families(c: ConnectionCounts) -> Iterator[Metric]:
+    p = PREFIX
+    yield GaugeMetricFamily(p + "connections_open", "Open client connections", value=c.open)
+    yield GaugeMetricFamily(p + "connections_max", "The cap on open client connections", value=c.max_connections)
+    yield CounterMetricFamily(p + "connections_accepted_total", "Client connections accepted", value=c.accepted)
+    family = CounterMetricFamily(
+        p + "connections_closed_early_total",
+        "Connections closed by the server before a request completed: evicted (the oldest holding no request, "
+        "to make room at the cap), refused (at the cap, every connection busy), header_timeout, body_timeout",
+        labels=["reason"],
+    )
+    for reason, count in c.closed_early.items():
+        family.add_metric([reason], count)
+    yield family
+    yield CounterMetricFamily(p + "accept_errors_total", "Failed accepts (out of descriptors or memory)",
+                              value=c.accept_errors)  # fmt: skip
 
 
 def _paging_families(counters: Any) -> Iterator[Metric]:
@@ -194,8 +216,11 @@ class ServerMetrics:
         if done.finish_reason in (FINISH_STOP, FINISH_LENGTH):
             self.e2e.observe(done.finish_s - done.arrival_s)
 
-    def render(self, gauges: EngineGauges, counters: Any | None, routing_synthetic: bool) -> str:
+    def render(
+        self, gauges: EngineGauges, counters: Any | None, routing_synthetic: bool,
+        connections: ConnectionCounts | None = None,
+    ) -> str:  # fmt: skip
         """The exposition text; `counters` is a `paged_experts.counters.CountersSnapshot` (None
         before the model loads). One scrape at a time: the event loop serializes them."""
-        self._engine.state = _EngineState(gauges, counters, routing_synthetic)
+        self._engine.state = _EngineState(gauges, counters, routing_synthetic, connections)
         return generate_latest(self.registry).decode()

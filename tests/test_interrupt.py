@@ -1,0 +1,73 @@
+"""Ctrl-C at any moment ends with one line and no traceback (issue 27): the built-in server in its
+first seconds (imports, binding, the model load) and `benchsuite report` / `benchsuite run` at
+several moments. Before the fix the server printed a KeyboardInterrupt traceback when interrupted
+before its event loop's handlers were installed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = Path(__file__).parent / "data" / "report_fixture"
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def interrupted(argv: list[str], after_s: float, cwd: Path) -> tuple[int, str]:
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=cwd,
+        # as a terminal's foreground job: a test runner started in the background ignores SIGINT,
+        # and children would inherit that
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    time.sleep(after_s)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    return proc.returncode, stderr + stdout  # `benchsuite run` says where its finished cells are on stdout
+
+
+def assert_one_clean_line(rc: int, output: str, finished_ok: bool = False) -> None:
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output
+    # killed before Python set its handler (-2), interrupted (130), or already done (0)
+    assert rc in (-signal.SIGINT, 130) or (finished_ok and rc == 0), (rc, output)
+    if rc == 130:
+        assert [line for line in output.splitlines() if line.startswith("benchsuite: interrupted")], output
+
+
+@pytest.mark.parametrize("after_s", [0.3, 1.0, 2.0, 4.0])
+def test_the_server_interrupted_in_its_first_seconds(tiny_model_dir: Path, tmp_path: Path, after_s: float) -> None:
+    argv = [sys.executable, "-m", "paged_experts.server", "--model-path", str(tiny_model_dir), "--port", "0",
+            "--log-level", "warning"]  # fmt: skip
+    rc, stderr = interrupted(argv, after_s, tmp_path)
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    # once the loop's handlers are in, SIGINT is a clean shutdown (0); before, one line (130)
+    assert rc in (-signal.SIGINT, 130, 0), (rc, stderr)
+    if rc == 130:
+        assert stderr.strip().splitlines()[-1] == "paged_experts.server: interrupted", stderr
+
+
+@pytest.mark.parametrize("after_s", [0.3, 1.0, 3.0])
+def test_benchsuite_report_interrupted(tmp_path: Path, after_s: float) -> None:
+    argv = [sys.executable, "-m", "benchsuite", "report", str(FIXTURE), "--out", str(tmp_path / "out")]
+    rc, output = interrupted(argv, after_s, tmp_path)
+    assert_one_clean_line(rc, output, finished_ok=True)
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]  # no half-written report left
+
+
+@pytest.mark.parametrize("after_s", [0.5, 2.0, 5.0])
+def test_benchsuite_run_interrupted(tiny_model_dir: Path, tmp_path: Path, after_s: float) -> None:
+    matrix = tmp_path / "m.yaml"
+    matrix.write_text(
+        f"name: intr\noutput_root: {tmp_path / 'out'}\nfairness: {{kv_capacity_tokens: 512}}\n"
+        f"engines: {{e: {{kind: builtin, options: {{model: {tiny_model_dir}, mode: resident}}}}}}\n"
+        "workloads: {w: {concurrency: [1], num_requests: 4, warmup_requests: 0, output_tokens: 16}}\n"
+    )
+    argv = [sys.executable, "-m", "benchsuite", "run", str(matrix), "--quiet", "--no-report"]
+    rc, output = interrupted(argv, after_s, tmp_path)
+    assert_one_clean_line(rc, output, finished_ok=True)
