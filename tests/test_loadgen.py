@@ -278,8 +278,9 @@ async def test_events_of_one_read_are_timed_one_by_one_and_the_request_still_cou
     cell = summarize(records, base=base)
     assert cell.status == "ok" and cell.extras["decode_source"] == "client" and cell.whole_stream_reads == 1
     assert cell.decode_tok_s_p50 == pytest.approx(sorted(rates.values())[1] / 2 + sorted(rates.values())[2] / 2)
-    assert cell.coalesced_gaps == 7 and cell.extras["client_flag"].startswith(
-        "client could not keep up: 7 of 28 chunk gaps"
+    # the whole stream's 7 gaps at least (a busy machine may coalesce a paced gap too)
+    assert cell.coalesced_gaps >= 7 and cell.extras["client_flag"].startswith(
+        f"client could not keep up: {cell.coalesced_gaps} of 28 timeline gaps"
     )
 
 
@@ -324,11 +325,12 @@ async def test_per_chunk_usage_counts_the_first_chunk_and_per_token_latency() ->
     assert r.chunk_tokens == [3, 6, 9, 12] and first_chunk_tokens(r) == 3 and tokens_per_chunk(r) == 3.0
     span = r.chunk_times_s[-1] - r.chunk_times_s[0]
     assert decode_tok_s(r) == pytest.approx(9 / span)  # not (12 - 1) / span: the first chunk held 3 tokens
-    assert per_token_latencies_s(r) == pytest.approx([g / 3 for g in itls_s(r)])
+    assert per_token_latencies_s(r) == pytest.approx([g / 3 for g in itls_s(r) for _ in range(3)])  # once per token
     without, _ = await _run(
         Script(itl_s=0.01, tokens_per_chunk=3), _requests(1, max_tokens=12), LoadSpec(concurrency=1)
     )
-    assert without[0].chunk_tokens == [] and tokens_per_chunk(without[0]) == pytest.approx(11 / 3)
+    assert without[0].chunk_tokens == [] and tokens_per_chunk(without[0]) is None  # 12 tokens, 4 chunks, no counts
+    assert decode_tok_s(without[0]) is None
 
 
 def test_engine_timings_are_a_cross_check_flagged_past_the_margin() -> None:
@@ -357,7 +359,15 @@ def test_engine_timings_are_a_cross_check_flagged_past_the_margin() -> None:
         )
 
     base = CellResult("c", "r", "e", "llamacpp", "m", "s", {}, "w", "short", 1, 0, "ok")
-    close = summarize([record(i, 110.0) for i in range(3)], base=base)
-    assert close.timings_decode_tok_s_p50 == 110.0 and "engine_timings_flag" not in close.extras
-    far = summarize([record(i, 100.0 / (1 - ENGINE_TIMINGS_MARGIN) + 10) for i in range(3)], base=base)
-    assert far.extras["engine_timings_flag"].startswith("decode tok/s p50: ours 100.0, the engine's own timings 135.0")
+    inside = 100.0 / (1 + ENGINE_TIMINGS_MARGIN / 2)  # ours / engine's = 1 + margin/2
+    close = summarize([record(i, inside) for i in range(3)], base=base)
+    assert close.timings_decode_tok_s_p50 == pytest.approx(inside) and "engine_timings_flag" not in close.extras
+    assert close.engine_timings_checked == 3 and close.engine_timings_outside == 0
+    assert close.engine_timings_ratio_p50 == pytest.approx(1 + ENGINE_TIMINGS_MARGIN / 2)
+    outside = 100.0 / (1 + 2 * ENGINE_TIMINGS_MARGIN)
+    one_far = summarize([record(0, inside), record(1, inside), record(2, outside)], base=base)
+    assert one_far.engine_timings_outside == 1  # every request is checked, not only the median
+    assert one_far.extras["engine_timings_flag"].startswith(
+        "decode tok/s disagrees with the engine's own timings: 1 of 3 requests differ by more than"
+    )
+    assert one_far.engine_timings_ratio_max_dev == pytest.approx(2 * ENGINE_TIMINGS_MARGIN)
