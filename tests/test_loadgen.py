@@ -371,3 +371,53 @@ def test_engine_timings_are_a_cross_check_flagged_past_the_margin() -> None:
         "decode tok/s disagrees with the engine's own timings: 1 of 3 requests differ by more than"
     )
     assert one_far.engine_timings_ratio_max_dev == pytest.approx(2 * ENGINE_TIMINGS_MARGIN)
+
+
+async def test_empty_text_tokens_with_counts_are_timed_first_and_last_included() -> None:
+    from benchsuite.metrics import decode_tok_s, summarize, ttft_s, ttft_text_s
+
+    # llama-server with timings_per_token: a chunk per token, tokens 1, 2 and 10 spell nothing, each carries
+    # timings.predicted_n. Text-chunk timing would start at token 3 and stop at token 9.
+    script = Script(ttft_s=0.05, itl_s=0.02, timings_per_chunk=True, empty_text_chunks=(0, 1, 9))
+    records, _ = await _run(script, _requests(2, max_tokens=10), LoadSpec(concurrency=1))
+    for r in records:
+        assert r.count_tokens[:10] == list(range(1, 11)) and r.uncounted_chunks == 0 and r.streamed_chunks == 7
+        assert r.t_first_token_s == r.count_times_s[0] < r.t_first_text_s == r.chunk_times_s[0]
+        assert ttft_s(r) < ttft_text_s(r)
+        span = r.count_times_s[9] - r.count_times_s[0]
+        assert decode_tok_s(r) == pytest.approx(9 / span)
+        assert 9 / span == pytest.approx(50.0, rel=0.3)  # the scripted 20 ms per token, within the machine's noise
+        assert span > r.chunk_times_s[-1] - r.chunk_times_s[0]  # the text chunks span less time
+    base = CellResult("c", "r", "e", "llamacpp", "m", "s", {}, "w", "short", 1, 0, "ok")
+    cell = summarize(records, base=base)
+    assert cell.status == "ok" and cell.untimed_requests == 0 and cell.ttft_text_p50_s > cell.ttft_p50_s
+
+
+async def test_multi_token_chunks_with_counts_and_without() -> None:
+    from benchsuite.metrics import decode_tok_s, summarize, untimed_reason
+
+    counted, _ = await _run(
+        Script(itl_s=0.01, tokens_per_chunk=2, timings_per_chunk=True), _requests(1, max_tokens=8), LoadSpec(1)
+    )
+    (r,) = counted
+    assert r.count_tokens[:4] == [2, 4, 6, 8]
+    assert decode_tok_s(r) == pytest.approx(6 / (r.count_times_s[3] - r.count_times_s[0]))  # f = 2
+    bare, _ = await _run(Script(itl_s=0.01, tokens_per_chunk=2), _requests(3, max_tokens=8), LoadSpec(1))
+    assert all(decode_tok_s(b) is None for b in bare)
+    assert untimed_reason(bare[0]) == (
+        "the engine sent no per-chunk token counts and usage says 8 tokens over 4 text chunks: "
+        "when each token came is unknown"
+    )
+    base = CellResult("c", "r", "e", "sglang", "m", "s", {}, "w", "short", 1, 0, "ok")
+    cell = summarize(bare, base=base)
+    assert cell.status == "invalid" and cell.untimed_requests == 3 and cell.decode_tok_s_p50 is None
+    assert "no request has a token timeline" in cell.reason and "untimed_flag" in cell.extras
+
+
+async def test_a_stream_of_empty_text_tokens_with_counts_is_ok_not_no_tokens() -> None:
+    records, _ = await _run(
+        Script(itl_s=0.002, timings_per_chunk=True, empty_text_chunks=(0, 1, 2, 3)),
+        _requests(1, max_tokens=4),
+        LoadSpec(1),
+    )
+    assert records[0].ok and records[0].streamed_chunks == 0 and records[0].count_tokens[:4] == [1, 2, 3, 4]
