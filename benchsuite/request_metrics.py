@@ -1,0 +1,177 @@
+"""The per-request formulas of benchsuite.metrics on a request's token timeline (the definitions,
+with the rule that decides which timeline a request has, are benchsuite.metrics' docstring; callers
+import these names from there). Pure functions of one RequestRecord; None where a figure is undefined.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from benchsuite.records import RequestRecord
+
+# ---- the token timeline ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenTimeline:
+    """When the stream's cumulative token count first reached each value: counts[i] tokens at times_s[i]."""
+
+    times_s: tuple[float, ...]
+    counts: tuple[int, ...]  # strictly increasing, the first >= 1
+    reads: tuple[int, ...]  # body read of each point
+    source: str  # "counts" (the engine's per-chunk counts) or "text chunks" (one token each)
+
+
+def token_timeline(r: RequestRecord) -> TokenTimeline | None:
+    """The request's token timeline, or None (untimed_reason says why)."""
+    return _timeline(r)[0]
+
+
+def untimed_reason(r: RequestRecord) -> str | None:
+    """Why the request has no token timeline; None when it has one."""
+    return _timeline(r)[1]
+
+
+def _timeline(r: RequestRecord) -> tuple[TokenTimeline | None, str | None]:
+    if r.count_tokens and r.uncounted_chunks == 0:
+        reads = r.count_reads if len(r.count_reads) == len(r.count_tokens) else [0] * len(r.count_tokens)
+        times: list[float] = []
+        counts: list[int] = []
+        kept: list[int] = []
+        for t_s, n, read in zip(r.count_times_s, r.count_tokens, reads):
+            if n >= 1 and (not counts or n > counts[-1]):  # a repeated count (the final chunk) adds no token
+                times.append(t_s)
+                counts.append(n)
+                kept.append(read)
+        if counts:
+            return TokenTimeline(tuple(times), tuple(counts), tuple(kept), "counts"), None
+        return None, "the engine's per-chunk token counts never reached 1"
+    chunks, tokens = len(r.chunk_times_s), r.output_tokens
+    if tokens is None:
+        return None, "no usage: the token count is unknown"
+    if chunks == 0:
+        return None, "no text chunk and no per-chunk token counts"
+    if tokens != chunks:
+        why = (
+            f"{r.uncounted_chunks} text chunks carried no token count"
+            if r.count_tokens
+            else "the engine sent no per-chunk token counts"
+        )
+        return None, f"{why} and usage says {tokens} tokens over {chunks} text chunks: when each token came is unknown"
+    reads = r.chunk_reads if len(r.chunk_reads) == chunks else [0] * chunks
+    return TokenTimeline(tuple(r.chunk_times_s), tuple(range(1, chunks + 1)), tuple(reads), "text chunks"), None
+
+
+# ---- per-request metrics ---------------------------------------------------------------------
+
+
+def ttft_s(r: RequestRecord) -> float | None:
+    line = token_timeline(r)
+    return None if line is None else line.times_s[0] - r.t_sent_s
+
+
+def ttft_text_s(r: RequestRecord) -> float | None:
+    """Time to the first visible text (not token 1: tokens may precede it with no text)."""
+    first = r.t_first_text_s if r.t_first_text_s is not None else (r.chunk_times_s[0] if r.chunk_times_s else None)
+    return None if first is None else first - r.t_sent_s
+
+
+def latency_s(r: RequestRecord) -> float | None:
+    if r.t_done_s is None:
+        return None
+    return r.t_done_s - r.t_sent_s
+
+
+def itls_s(r: RequestRecord) -> list[float]:
+    line = token_timeline(r)
+    return [] if line is None else [b - a for a, b in itertools.pairwise(line.times_s)]
+
+
+def tpot_s(r: RequestRecord) -> float | None:
+    ttft, latency = ttft_s(r), latency_s(r)
+    if ttft is None or latency is None or r.output_tokens is None or r.output_tokens < 2:
+        return None
+    return (latency - ttft) / (r.output_tokens - 1)
+
+
+def first_chunk_tokens(r: RequestRecord) -> int | None:
+    """f: the tokens of the timeline's first point (1 unless a chunk carried several); None when untimed."""
+    line = token_timeline(r)
+    return None if line is None else line.counts[0]
+
+
+def decode_tok_s(r: RequestRecord) -> float | None:
+    line = token_timeline(r)
+    if line is None or len(line.counts) < 2:
+        return None
+    span_s = line.times_s[-1] - line.times_s[0]
+    if span_s <= 0:  # only a scripted clock gives two points one reading
+        return None
+    return (line.counts[-1] - line.counts[0]) / span_s
+
+
+def tokens_per_chunk(r: RequestRecord) -> float | None:
+    """Tokens each timeline point after the first added, on average."""
+    line = token_timeline(r)
+    if line is None or len(line.counts) < 2:
+        return None
+    return (line.counts[-1] - line.counts[0]) / (len(line.counts) - 1)
+
+
+def per_token_latencies_s(r: RequestRecord) -> list[float]:
+    """Each timeline gap divided by the tokens its later point added, once per token."""
+    line = token_timeline(r)
+    if line is None:
+        return []
+    out: list[float] = []
+    for (t0, c0), (t1, c1) in itertools.pairwise(zip(line.times_s, line.counts)):
+        out.extend([(t1 - t0) / (c1 - c0)] * (c1 - c0))
+    return out
+
+
+def coalesced_gaps(r: RequestRecord) -> int:
+    """Timeline gaps inside one body read (no read between the two points)."""
+    line = token_timeline(r)
+    return 0 if line is None else sum(1 for a, b in itertools.pairwise(line.reads) if a == b)
+
+
+def whole_stream(r: RequestRecord) -> bool:
+    """Every timeline point of the request came in one body read: the client saw no decode timing."""
+    line = token_timeline(r)
+    return line is not None and len(line.reads) >= 2 and len(set(line.reads)) == 1
+
+
+def timings_decode_tok_s(r: RequestRecord) -> float | None:
+    """The engine's own decode rate for this request (timings.predicted_per_second: llama-server, built-in)."""
+    value = (r.engine_timings or {}).get("predicted_per_second")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+
+
+def engine_ratio(r: RequestRecord) -> float | None:
+    """Our decode tok/s / the engine's own for this request; None without both, or for a stream seen whole."""
+    ours, theirs = decode_tok_s(r), timings_decode_tok_s(r)
+    if ours is None or theirs is None or whole_stream(r):
+        return None
+    return ours / theirs
+
+
+def decode_interval(r: RequestRecord) -> tuple[float, float, int] | None:
+    """(t_token1, t_tokenn, n - f) of a timed request; None when untimed."""
+    line = token_timeline(r)
+    if line is None:
+        return None
+    return line.times_s[0], line.times_s[-1], line.counts[-1] - line.counts[0]
+
+
+def union_s(intervals: Iterable[tuple[float, float]]) -> float:
+    """The measure of the union of closed intervals [a, b]."""
+    total, end = 0.0, -math.inf
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
