@@ -8,8 +8,8 @@ arrive in one body read get their own readings, never one shared timestamp), `t_
 
 - *count points* (`count_times_s`, `count_tokens`, `count_reads`): every streamed choice that
   carried a cumulative generated-token count, whether it had text or not. The count is
-  `usage.completion_tokens` where the chunk has usage (OpenAI `stream_options.continuous_usage_stats`:
-  SGLang, the built-in server), else `timings.predicted_n` (llama-server with `timings_per_token`:
+  `usage.completion_tokens` where the chunk has usage (`stream_options.continuous_usage_stats`, asked
+  of every engine: SGLang and the built-in server send it), else `timings.predicted_n` (llama-server with `timings_per_token`:
   it sends one chunk per sampled token, the empty-text ones included, and holds back a token whose
   piece ends in an incomplete UTF-8 character, so the next chunk's count jumps by 2). The final
   usage-only chunk (`choices: []`) is not a count point: it says how many, not when.
@@ -89,7 +89,9 @@ def request_body(request: LoadRequest, model_name: str, extras: dict[str, Any]) 
         "max_tokens": request.max_tokens,
         "temperature": 0,
         "stream": True,
-        "stream_options": {"include_usage": True},
+        # continuous_usage_stats (vLLM, SGLang, the built-in server; ignored where unknown, e.g. llama-server,
+        # whose counts come with timings_per_token): usage on every chunk, so each token is timed
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         "ignore_eos": True,
     }
     if request.chat:

@@ -202,3 +202,32 @@ def test_llamacpp_tiny_matrix_end_to_end(tmp_path):
     log_facts = best[0].extras["engine_log"]
     assert log_facts["context"]["n_ctx"] == 2048 and "model" in log_facts["buffers_mib"]
     print(json.dumps({"search": facts}, indent=1))
+
+
+@pytest.mark.llamacpp
+@pytest.mark.slow
+@needs_server
+def test_our_decode_rate_agrees_with_llama_servers_own_per_request(tmp_path):
+    """Every warm request's decode tok/s (token 1 -> token n from timings_per_token counts) is within
+    ENGINE_TIMINGS_MARGIN of llama-server's timings.predicted_per_second, and no request goes untimed."""
+    from benchsuite.cli import main as cli_main
+    from benchsuite.metrics import ENGINE_TIMINGS_MARGIN
+    from benchsuite.stored_files import read_cells
+
+    matrix = tmp_path / "agree.yaml"
+    matrix.write_text(
+        "name: agree\nrepeats: 1\nfairness: {kv_capacity_tokens: 2048, prefix_caching: false}\n"
+        "engines:\n  llamacpp:\n    kind: llamacpp\n    options: {model: tiny, threads: 1}\n"
+        "workloads:\n  random:\n    dataset: random\n    prompt_classes: [short]\n    output_tokens: 64\n"
+        "    concurrency: [1]\n    num_requests: 6\n    warmup_requests: 1\n"
+    )
+    rc = cli_main(["run", str(matrix), "--output-root", str(tmp_path / "out"), "--quiet", "--no-report"])
+    (cell,) = read_cells(next((tmp_path / "out").iterdir()))
+    assert rc == 0 and cell.status == "ok", (cell.status, cell.reason)
+    print(
+        f"llama-server: ours/engine's median {cell.engine_timings_ratio_p50:.4f}, largest deviation "
+        f"{cell.engine_timings_ratio_max_dev:.2%} over {cell.engine_timings_checked} requests"
+    )
+    assert cell.untimed_requests == 0 and cell.engine_timings_checked >= 4  # a stream seen whole is not checked
+    assert cell.engine_timings_outside == 0 and cell.engine_timings_ratio_max_dev <= ENGINE_TIMINGS_MARGIN
+    assert "engine_timings_flag" not in cell.extras

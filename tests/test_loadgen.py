@@ -61,7 +61,7 @@ async def test_completions_stream_records_every_chunk_and_usage() -> None:
         times = [r.t_sent_s, *r.chunk_times_s, r.t_done_s]
         assert times == sorted(times) and r.t_sent_s < r.t_first_token_s
     body = server.bodies[0]
-    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     assert body["temperature"] == 0 and body["ignore_eos"] is True and body["max_tokens"] == 5
     assert body["model"] == "fake-model" and body["cache_prompt"] is False
     assert body["prompt"].startswith("prompt number")

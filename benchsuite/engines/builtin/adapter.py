@@ -227,9 +227,7 @@ class BuiltinAdapter:
         return {"engine_startup_s": info.get("startup_s", {}), "captured_graphs": info.get("captured_graphs", [])}
 
     def request_extras(self, spec: ServerSpec) -> dict[str, Any]:
-        # continuous_usage_stats: a chunk per generated token with usage.completion_tokens so far, text or
-        # not (paged_experts.server.handlers), so benchsuite.metrics times token 1 and token n.
-        return {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        return {}
 
     def version(self, spec: ServerSpec) -> dict[str, Any]:
         return self._expert_facts(spec) | {

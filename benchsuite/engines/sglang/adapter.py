@@ -111,11 +111,7 @@ class SGLangAdapter:
         # CompletionRequest.return_routed_experts (entrypoints/openai/protocol.py:390); the ids come
         # back base64 in `sglext.routed_experts` (protocol.py:470-477, 536, 575): on the response, or
         # when streaming on a chunk with empty `choices` (serving_completions.py:428-476).
-        # continuous_usage_stats: every streamed chunk carries usage.completion_tokens so far, the empty-text
-        # ones too (serving_completions.py: `if continuous_usage_stats: chunk.usage = ...`), so
-        # benchsuite.metrics times token 1 and token n, not the first and last visible text.
-        extras: dict[str, Any] = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-        return {**extras, "return_routed_experts": True} if self._options(spec).return_routed_experts else extras
+        return {"return_routed_experts": True} if self._options(spec).return_routed_experts else {}
 
     def version(self, spec: ServerSpec) -> dict[str, Any]:
         python = self._options(spec).python or sys.executable
