@@ -8,18 +8,20 @@ arrive in one body read get their own readings, never one shared timestamp), `t_
 
 - *count points* (`count_times_s`, `count_tokens`, `count_reads`): every streamed choice that
   carried a cumulative generated-token count, whether it had text or not. The count is
-  `usage.completion_tokens` where the chunk has usage (`stream_options.continuous_usage_stats`, asked
-  of every engine: SGLang and the built-in server send it), else `timings.predicted_n` (llama-server with `timings_per_token`:
-  it sends one chunk per sampled token, the empty-text ones included, and holds back a token whose
-  piece ends in an incomplete UTF-8 character, so the next chunk's count jumps by 2). The final
+  `usage.completion_tokens` where the chunk has usage (`stream_options.continuous_usage_stats`,
+  asked of every engine: SGLang and the built-in server send it), else `timings.predicted_n`
+  (llama-server with `timings_per_token`: it sends one chunk per sampled token, the empty-text ones
+  included, and holds back a token whose piece ends in an incomplete UTF-8 character, so the next
+  chunk's count jumps by 2). The final
   usage-only chunk (`choices: []`) is not a count point: it says how many, not when.
 - *content chunks* (`chunk_times_s`, `chunk_reads`, `chunk_tokens`): choices whose generated text is
   non-empty (`text` for /v1/completions; `delta.content` or `delta.reasoning_content` for chat).
   `streamed_chunks` counts them; `t_first_text_s` is the first (visible text).
 
 `uncounted_chunks` = content chunks without a count: 0 (with count points) means every token is
-placed in time. `t_first_token_s` = the first count point whose count is >= 1, or without counts the
-first content chunk; `benchsuite.metrics.token_timeline` decides which timeline a metric may use.
+placed in time. `t_first_token_s` = the first count point whose count is >= 1 when every content
+chunk carried a count, else the first content chunk; `benchsuite.metrics.token_timeline` decides
+which timeline a metric may use.
 `chunk_reads` / `count_reads` number the body read each chunk came in: two chunks in one read mean
 the client did not read between them (it fell behind, or the server sent them together).
 
@@ -292,7 +294,10 @@ class _StreamState:
         counted = max(self.count_tokens, default=0)
         if error is None and chunks == 0 and counted == 0:
             error = "stream produced no tokens"
-        token1 = next((t for t, n in zip(self.count_times_s, self.count_tokens) if n >= 1), None)
+        # counts place token 1 only when every text chunk carried one (a count on the final chunk alone says
+        # how many, not when)
+        counted_all = self.uncounted_chunks == 0
+        token1 = next((t for t, n in zip(self.count_times_s, self.count_tokens) if n >= 1 and counted_all), None)
         mismatch = chunks > 0 and (self.completion_tokens is None or chunks > self.completion_tokens)
         return RequestRecord(
             cell_id=cell_id,

@@ -421,3 +421,15 @@ async def test_a_stream_of_empty_text_tokens_with_counts_is_ok_not_no_tokens() -
         LoadSpec(1),
     )
     assert records[0].ok and records[0].streamed_chunks == 0 and records[0].count_tokens[:4] == [1, 2, 3, 4]
+
+
+async def test_a_count_on_the_final_chunk_alone_does_not_place_token_1() -> None:
+    from benchsuite.metrics import token_timeline
+
+    # llama-server without timings_per_token: `timings` (predicted_n) only on the finish chunk
+    script = Script(itl_s=0.005, timings={"predicted_n": 6, "predicted_per_second": 200.0})
+    records, _ = await _run(script, _requests(1, max_tokens=6), LoadSpec(1))
+    (r,) = records
+    assert r.count_tokens == [6] and r.uncounted_chunks == 6
+    assert r.t_first_token_s == r.chunk_times_s[0]  # not the finish chunk's time
+    assert token_timeline(r).source == "text chunks"  # 6 tokens over 6 text chunks: each chunk one token
