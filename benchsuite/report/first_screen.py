@@ -1,5 +1,7 @@
 """The report's first screen rendered: per setup, its caveats, then one row per concurrency and metric
-with the fastest configuration and "A is N x B [low–high], verdict" against every other mode (HTML,
+with the fastest configuration and "A is N x B [low–high], verdict" against every other mode, headed
+per concurrency by an "Unverified figures" row naming the configurations whose cells failed the
+cross-check against the engine's own timings or went untimed (Verdict.yardstick) (HTML,
 with the numbers also in data- attributes so a browser test can check them against cells.parquet;
 and markdown lines for tables.md)."""
 
