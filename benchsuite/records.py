@@ -112,8 +112,9 @@ class CellResult:
     untimed_reason: str | None = None  # why (one line), e.g. no per-chunk counts and tokens > text chunks
     decode_agg_tok_s: float | None = None  # sum_i (n_i - f_i) / |union_i [t_token1_i, t_tokenn_i]|
     decode_window_s: float | None = None  # the measure of that union
-    engine_timings_checked: int = 0  # warm requests with both our decode rate and the engine's own
-    engine_timings_outside: int = 0  # of those, how many differ by more than metrics.ENGINE_TIMINGS_MARGIN
+    client_bound_requests: int = 0  # warm requests whose token 1 or token n the client read late (with others)
+    engine_timings_checked: int = 0  # warm requests, not client-bound, with our decode rate and the engine's own
+    engine_timings_outside: int = 0  # of those, how many differ by more than their tolerance (metrics)
     engine_timings_ratio_p50: float | None = None  # median per request of ours / the engine's decode rate
     engine_timings_ratio_max_dev: float | None = None  # largest |ours / engine's - 1| over those requests
     # Paging counters over the measured window, where the engine reports them (builtin).

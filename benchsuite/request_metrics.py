@@ -37,7 +37,8 @@ def untimed_reason(r: RequestRecord) -> str | None:
 
 def _timeline(r: RequestRecord) -> tuple[TokenTimeline | None, str | None]:
     if r.count_tokens and r.uncounted_chunks == 0:
-        reads = r.count_reads if len(r.count_reads) == len(r.count_tokens) else [0] * len(r.count_tokens)
+        # reads unknown (an older record): each point its own read, so nothing reads as coalesced
+        reads = r.count_reads if len(r.count_reads) == len(r.count_tokens) else list(range(len(r.count_tokens)))
         times: list[float] = []
         counts: list[int] = []
         kept: list[int] = []
@@ -61,7 +62,7 @@ def _timeline(r: RequestRecord) -> tuple[TokenTimeline | None, str | None]:
             else "the engine sent no per-chunk token counts"
         )
         return None, f"{why} and usage says {tokens} tokens over {chunks} text chunks: when each token came is unknown"
-    reads = r.chunk_reads if len(r.chunk_reads) == chunks else [0] * chunks
+    reads = r.chunk_reads if len(r.chunk_reads) == chunks else list(range(chunks))
     return TokenTimeline(tuple(r.chunk_times_s), tuple(range(1, chunks + 1)), tuple(reads), "text chunks"), None
 
 
@@ -144,16 +145,44 @@ def whole_stream(r: RequestRecord) -> bool:
     return line is not None and len(line.reads) >= 2 and len(set(line.reads)) == 1
 
 
+CLIENT_BOUND_FRACTION = 0.05
+"""A request whose token 1 or token n came in one body read with more than this fraction of its other
+timeline points is client-bound (see client_bound)."""
+
+
+def client_bound(r: RequestRecord) -> bool:
+    """Token 1 (or token n) was read together with more than CLIENT_BOUND_FRACTION of the request's other
+    timeline points: the client read that end at least that many token gaps late (it was busy or not
+    scheduled), so the span it timed is its own, not the engine's. A whole stream is the extreme case.
+    Coalescing in the middle of a stream does not matter: only the two ends make the span."""
+    line = token_timeline(r)
+    if line is None or len(line.reads) < 2:
+        return False
+    with_first = sum(1 for x in line.reads if x == line.reads[0]) - 1
+    with_last = sum(1 for x in line.reads if x == line.reads[-1]) - 1
+    return max(with_first, with_last) > CLIENT_BOUND_FRACTION * (len(line.reads) - 1)
+
+
 def timings_decode_tok_s(r: RequestRecord) -> float | None:
     """The engine's own decode rate for this request (timings.predicted_per_second: llama-server, built-in)."""
     value = (r.engine_timings or {}).get("predicted_per_second")
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
 
 
+def engine_span_s(r: RequestRecord) -> float | None:
+    """Token 1 -> token n on the engine's clock: timings.predicted_ms, else (predicted_n - 1) / its rate."""
+    timings = r.engine_timings or {}
+    ms = timings.get("predicted_ms")
+    if isinstance(ms, (int, float)) and not isinstance(ms, bool) and ms > 0:
+        return float(ms) / 1e3
+    rate, n = timings_decode_tok_s(r), timings.get("predicted_n")
+    return (n - 1) / rate if rate is not None and isinstance(n, int) and n >= 2 else None
+
+
 def engine_ratio(r: RequestRecord) -> float | None:
-    """Our decode tok/s / the engine's own for this request; None without both, or for a stream seen whole."""
+    """Our decode tok/s / the engine's own for this request; None without both, or for a client-bound stream."""
     ours, theirs = decode_tok_s(r), timings_decode_tok_s(r)
-    if ours is None or theirs is None or whole_stream(r):
+    if ours is None or theirs is None or client_bound(r):
         return None
     return ours / theirs
 

@@ -264,7 +264,7 @@ async def test_events_of_one_read_are_timed_one_by_one_and_the_request_still_cou
     # One stream in four arrives whole in one read: one timestamp per read made its decode span 0 and
     # dropped it from decode p50 (the fastest request vanished; when all did, the cell went invalid).
     def script(body: dict[str, Any], arrival: int) -> Script:
-        return Script(one_write=True, itl_s=0.002) if arrival == 0 else Script(itl_s=0.004)
+        return Script(one_write=True, itl_s=0.002) if arrival == 0 else Script(itl_s=0.03)  # paced: read one by one
 
     records, _ = await _run(script, _requests(4, max_tokens=8), LoadSpec(concurrency=1))
     whole = [r for r in records if whole_stream(r)]
@@ -293,7 +293,7 @@ async def test_streams_that_all_arrive_whole_take_the_engines_own_decode_rate_or
     bounds = sorted(7 / (r.chunk_times_s[-1] - r.t_sent_s) for r in bare)  # 8 tokens, the first one excluded
     assert cell.status == "ok" and cell.decode_tok_s_p50 == pytest.approx(bounds[1])
     assert cell.decode_tok_s_p50 < 7 / 0.014  # the server took >= 7 x 2 ms: a lower bound, never the parse time
-    assert cell.extras["decode_source"].startswith("client lower bound (3 of 3 streams arrived whole in one body read")
+    assert cell.extras["decode_source"].startswith("client lower bound (3 of 3 streams were client-bound")
     timed, _ = await _run(
         Script(one_write=True, itl_s=0.002, timings={"predicted_per_second": 480.0}),
         _requests(3, max_tokens=8),
@@ -301,7 +301,7 @@ async def test_streams_that_all_arrive_whole_take_the_engines_own_decode_rate_or
     )
     cell = summarize(timed, base=base)
     assert cell.status == "ok" and cell.decode_tok_s_p50 == 480.0 == cell.timings_decode_tok_s_p50
-    assert cell.extras["decode_source"].startswith("engine timings (3 of 3 streams arrived whole")
+    assert cell.extras["decode_source"].startswith("engine timings (3 of 3 streams were client-bound")
 
 
 async def test_a_paced_stream_is_read_chunk_by_chunk_and_not_flagged() -> None:

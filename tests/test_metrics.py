@@ -380,3 +380,23 @@ def test_every_filled_metric_field_has_a_definition() -> None:
     paging = set(paging_delta({}, {})) - {"expert_activations", "expert_hits", "expert_misses", "bytes_paged"}
     assert filled | paging <= set(DEFINITIONS)
     assert set(DEFINITIONS) <= set(CellResult.__dataclass_fields__)
+
+
+def test_a_request_whose_token_1_was_read_with_others_is_client_bound_and_not_cross_checked() -> None:
+    from benchsuite.metrics import CLIENT_JITTER_S, ENGINE_TIMINGS_MARGIN, client_bound, engine_tolerance
+
+    times = [1.0 + 0.1 * k for k in range(21)]  # 21 tokens, 100 ms apart: 10 tok/s
+    late_start = _rec(0, 0.0, times, counts=list(range(1, 22)))
+    late_start.count_reads = [0, 0, 0, *range(1, 19)]  # token 1 read with tokens 2 and 3: 2 of 20 gaps > 5%
+    middle = _rec(1, 0.0, times, counts=list(range(1, 22)))
+    middle.count_reads = [0, 1, 2, 3, 3, 3, 3, 3, *range(4, 17)]  # coalesced in the middle only: the span holds
+    assert client_bound(late_start) and not client_bound(middle)
+    for r in (late_start, middle):
+        r.engine_timings = {"predicted_n": 21, "predicted_ms": 2000.0, "predicted_per_second": 10.0}
+    assert engine_tolerance(middle) == pytest.approx(ENGINE_TIMINGS_MARGIN + CLIENT_JITTER_S / 2.0)
+    cell = summarize([late_start, middle], base=_base())
+    assert cell.client_bound_requests == 1 and cell.engine_timings_checked == 1 and cell.engine_timings_outside == 0
+    short = _rec(2, 0.0, [1.0, 1.02, 1.04], counts=[1, 2, 3])  # a 40 ms span: the jitter allowance dominates
+    short.engine_timings = {"predicted_n": 3, "predicted_ms": 50.0, "predicted_per_second": 40.0}  # ours 50: +25%
+    assert engine_tolerance(short) == pytest.approx(ENGINE_TIMINGS_MARGIN + CLIENT_JITTER_S / 0.05)
+    assert summarize([short, middle], base=_base()).engine_timings_outside == 0
