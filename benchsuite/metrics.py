@@ -42,10 +42,10 @@ Per cell:
   p50 over all warm gaps pooled; TPOT p50 and decode tok/s p50 over warm requests (percentiles:
   linear interpolation). Untimed warm requests are counted (`untimed_requests`, `untimed_reason`,
   extras `untimed_flag`), never dropped silently and never timed on text chunks.
-  When half or more of the warm streams are client-bound, the client timed no decode the median
-  could land on: decode tok/s p50 is then the engine's own per-request figure, or for an engine
-  without one a lower bound (a client-bound stream's (n - f) / (t_last - t_sent));
-  extras `decode_source` says which.
+  When half or more of the warm streams arrived (mostly) whole (more than half of their points in
+  the read of token 1 or of token n), the client timed no decode the median could land on: decode
+  tok/s p50 is then the engine's own per-request figure, or for an engine without one a lower bound
+  (such a stream's (n - f) / (t_last - t_sent)); extras `decode_source` says which.
 - engine decode tok/s p50 = median over warm requests of the engine's own figure. Every warm request
   with both figures is cross-checked: `engine_timings_checked`, `engine_timings_outside` (those whose
   |ours / engine's - 1| > their tolerance), `engine_timings_ratio_p50` and `_max_dev`; a cell
@@ -100,6 +100,7 @@ from benchsuite.request_metrics import (
     first_chunk_tokens,
     itls_s,
     latency_s,
+    mostly_whole,
     per_token_latencies_s,
     timings_decode_tok_s,
     token_timeline,
@@ -128,6 +129,7 @@ __all__ = [  # the per-request formulas live in request_metrics; callers read th
     "first_chunk_tokens",
     "itls_s",
     "latency_s",
+    "mostly_whole",
     "per_token_latencies_s",
     "percentile",
     "summarize",
@@ -403,23 +405,24 @@ def _throughput_fields(
 
 
 def _decode_p50(warm: Sequence[RequestRecord], decode_rates: list[float]) -> tuple[float | None, str]:
-    """The cell's decode tok/s p50 and its source. Client-bound streams rank as fast or faster than they
-    were, so the p50 over all requests is right while fewer than half of them are client-bound. Past that
-    the client timed no decode the median could land on: the engine's own per-request figure stands in
-    where it sends one, else a lower bound (a stream decoded within its latency, so each value is at
-    most the truth, and so is their median)."""
-    bound = sum(1 for r in warm if client_bound(r) and decode_tok_s(r) is not None)
-    if not decode_rates or 2 * bound < len(decode_rates):
+    """The cell's decode tok/s p50 and its source. Streams that arrived (mostly) whole rank fastest, so the
+    p50 over all requests is right while fewer than half of them are. Past that the client timed no decode
+    the median could land on: the engine's own per-request figure stands in where it sends one, else a
+    lower bound (a stream decoded within its latency, so each value is at most the truth, and so is their
+    median). A client-bound stream short of that is overstated by its coalesced share (>5%): it counts,
+    is not cross-checked, and `client_flag` says the client could not keep up."""
+    whole = sum(1 for r in warm if mostly_whole(r) and decode_tok_s(r) is not None)
+    if not decode_rates or 2 * whole < len(decode_rates):
         return percentile(decode_rates, 50), "client"
     why = (
-        f"{bound} of {len(decode_rates)} streams were client-bound (token 1 or token n read late, "
-        "with other tokens), so the client could not time their decode"
+        f"{whole} of {len(decode_rates)} streams arrived (mostly) whole: more than half of their tokens in the "
+        "read of token 1 or of token n, so the client could not time their decode"
     )
     engine = [d for d in map(timings_decode_tok_s, warm) if d is not None]
     if engine:
         return percentile(engine, 50), f"engine timings ({why})"
     bounds = [
-        _whole_stream_bound(r) if client_bound(r) else decode_tok_s(r) for r in warm if decode_tok_s(r) is not None
+        _whole_stream_bound(r) if mostly_whole(r) else decode_tok_s(r) for r in warm if decode_tok_s(r) is not None
     ]
     return percentile(
         [b for b in bounds if b is not None], 50

@@ -145,6 +145,16 @@ def whole_stream(r: RequestRecord) -> bool:
     return line is not None and len(line.reads) >= 2 and len(set(line.reads)) == 1
 
 
+def mostly_whole(r: RequestRecord) -> bool:
+    """More than half of the request's timeline points came in the read of token 1 or in that of token n:
+    the client timed less than half of its decode (a whole stream is the extreme case)."""
+    line = token_timeline(r)
+    if line is None or len(line.reads) < 2:
+        return False
+    ends = max(sum(1 for x in line.reads if x == line.reads[0]), sum(1 for x in line.reads if x == line.reads[-1]))
+    return 2 * ends > len(line.reads)
+
+
 CLIENT_BOUND_FRACTION = 0.05
 """A request whose token 1 or token n came in one body read with more than this fraction of its other
 timeline points is client-bound (see client_bound)."""

@@ -293,7 +293,7 @@ async def test_streams_that_all_arrive_whole_take_the_engines_own_decode_rate_or
     bounds = sorted(7 / (r.chunk_times_s[-1] - r.t_sent_s) for r in bare)  # 8 tokens, the first one excluded
     assert cell.status == "ok" and cell.decode_tok_s_p50 == pytest.approx(bounds[1])
     assert cell.decode_tok_s_p50 < 7 / 0.014  # the server took >= 7 x 2 ms: a lower bound, never the parse time
-    assert cell.extras["decode_source"].startswith("client lower bound (3 of 3 streams were client-bound")
+    assert cell.extras["decode_source"].startswith("client lower bound (3 of 3 streams arrived (mostly) whole")
     timed, _ = await _run(
         Script(one_write=True, itl_s=0.002, timings={"predicted_per_second": 480.0}),
         _requests(3, max_tokens=8),
@@ -301,7 +301,7 @@ async def test_streams_that_all_arrive_whole_take_the_engines_own_decode_rate_or
     )
     cell = summarize(timed, base=base)
     assert cell.status == "ok" and cell.decode_tok_s_p50 == 480.0 == cell.timings_decode_tok_s_p50
-    assert cell.extras["decode_source"].startswith("engine timings (3 of 3 streams were client-bound")
+    assert cell.extras["decode_source"].startswith("engine timings (3 of 3 streams arrived (mostly) whole")
 
 
 async def test_a_paced_stream_is_read_chunk_by_chunk_and_not_flagged() -> None:

@@ -400,3 +400,18 @@ def test_a_request_whose_token_1_was_read_with_others_is_client_bound_and_not_cr
     short.engine_timings = {"predicted_n": 3, "predicted_ms": 50.0, "predicted_per_second": 40.0}  # ours 50: +25%
     assert engine_tolerance(short) == pytest.approx(ENGINE_TIMINGS_MARGIN + CLIENT_JITTER_S / 0.05)
     assert summarize([short, middle], base=_base()).engine_timings_outside == 0
+
+
+def test_streams_read_mostly_whole_hand_the_p50_to_the_engines_own_figure() -> None:
+    # llama-server at ~2,000 tok/s on a busy machine: token 1 read with 8 of the next 9 tokens, then the rest
+    times = [1.0 + 0.001 * k for k in range(11)]
+    records = []
+    for i in range(3):
+        r = _rec(i, 0.0, times, counts=list(range(1, 12)))
+        r.count_reads = [0] * 9 + [1, 1]  # ours: 10 tokens over 10 ms of parse time
+        r.engine_timings = {"predicted_n": 11, "predicted_ms": 50.0, "predicted_per_second": 200.0}
+        records.append(r)
+    cell = summarize(records, base=_base())
+    assert cell.whole_stream_reads == 0 and cell.client_bound_requests == 3 and cell.engine_timings_checked == 0
+    assert cell.decode_tok_s_p50 == 200.0 and cell.extras["decode_source"].startswith("engine timings (3 of 3")
+    assert "client_flag" in cell.extras
