@@ -32,7 +32,7 @@ class RequestRecord:
     prompt_class: str  # e.g. "short", "2048", "sharegpt"
     max_tokens: int
     t_sent_s: float
-    t_first_token_s: float | None  # first chunk with non-empty generated text
+    t_first_token_s: float | None  # token 1: the first chunk whose token count reached 1 (else first text chunk)
     t_done_s: float | None
     chunk_times_s: list[float] = field(default_factory=list)  # every content chunk, timed as its SSE event was parsed
     prompt_tokens: int | None = None  # from the server's usage field
@@ -49,6 +49,13 @@ class RequestRecord:
         default_factory=list
     )  # body read each content chunk came in (equal: no read between)
     chunk_tokens: list[int] = field(default_factory=list)  # cumulative usage.completion_tokens per chunk, where sent
+    # Token-accurate timing (metrics.token_timeline): every streamed choice that carried a token count,
+    # text or not (llama.cpp timings_per_token's timings.predicted_n, OpenAI continuous usage stats).
+    count_times_s: list[float] = field(default_factory=list)  # each such chunk, timed as its event was parsed
+    count_tokens: list[int] = field(default_factory=list)  # the cumulative generated-token count it carried
+    count_reads: list[int] = field(default_factory=list)  # body read it came in
+    uncounted_chunks: int = 0  # text chunks that carried no count (0 with counts: every token is placed)
+    t_first_text_s: float | None = None  # first chunk with non-empty generated text (visible text)
 
     def to_row(self) -> dict[str, Any]:
         return asdict(self)
@@ -99,6 +106,17 @@ class CellResult:
     prompt_tokens_mean: float | None = None
     output_tokens_total: int | None = None
     usage_mismatches: int = 0
+    # Token-accurate timing (metrics.token_timeline; metrics.DEFINITIONS has each formula).
+    ttft_text_p50_s: float | None = None  # median time to the first visible text (TTFT is to token 1)
+    untimed_requests: int = 0  # warm requests without a token timeline: no TTFT, rate or ITL from them
+    untimed_reason: str | None = None  # why (one line), e.g. no per-chunk counts and tokens > text chunks
+    decode_agg_tok_s: float | None = None  # sum_i (n_i - f_i) / |union_i [t_token1_i, t_tokenn_i]|
+    decode_window_s: float | None = None  # the measure of that union
+    client_bound_requests: int = 0  # warm requests whose token 1 or token n the client read late (with others)
+    engine_timings_checked: int = 0  # warm requests, not client-bound, with our decode rate and the engine's own
+    engine_timings_outside: int = 0  # of those, how many differ by more than their tolerance (metrics)
+    engine_timings_ratio_p50: float | None = None  # median per request of ours / the engine's decode rate
+    engine_timings_ratio_max_dev: float | None = None  # largest |ours / engine's - 1| over those requests
     # Paging counters over the measured window, where the engine reports them (builtin).
     expert_activations: int | None = None
     expert_hits: int | None = None

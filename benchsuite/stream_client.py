@@ -3,25 +3,35 @@ read and timed, and turned into one `RequestRecord` (benchsuite.loadgen decides 
 
 One `RequestRecord` per request sent, warmups and failures included, with raw clock readings:
 `t_sent_s` just before the request goes out, one reading per SSE event as it is parsed (events that
-arrive in one body read get their own readings, never one shared timestamp), `t_first_token_s` =
-the first content chunk, `chunk_times_s` = every content chunk, `t_done_s` = the event `data: [DONE]`
-(or the moment the stream ended or failed). `chunk_reads` numbers the body read each content chunk
-came in: two chunks in one read mean the client did not read between them (it fell behind, or the
-server sent them together), so their gap is a parse time, not the server's. `chunk_tokens` is the
-server's cumulative usage.completion_tokens at each content chunk, where it sends usage per chunk.
+arrive in one body read get their own readings, never one shared timestamp), `t_done_s` = the event
+`data: [DONE]` (or the moment the stream ended or failed). Two timelines are kept:
 
-A *content chunk* is a streamed choice whose generated text is non-empty (`text` for
-/v1/completions; `delta.content` or `delta.reasoning_content` for chat). Role-only chunks,
-finish-only chunks and the usage-only final chunk are not content. `streamed_chunks` counts
-content chunks.
+- *count points* (`count_times_s`, `count_tokens`, `count_reads`): every streamed choice that
+  carried a cumulative generated-token count, whether it had text or not. The count is
+  `usage.completion_tokens` where the chunk has usage (`stream_options.continuous_usage_stats`,
+  asked of every engine: SGLang and the built-in server send it), else `timings.predicted_n`
+  (llama-server with `timings_per_token`: it sends one chunk per sampled token, the empty-text ones
+  included, and holds back a token whose piece ends in an incomplete UTF-8 character, so the next
+  chunk's count jumps by 2). The final
+  usage-only chunk (`choices: []`) is not a count point: it says how many, not when.
+- *content chunks* (`chunk_times_s`, `chunk_reads`, `chunk_tokens`): choices whose generated text is
+  non-empty (`text` for /v1/completions; `delta.content` or `delta.reasoning_content` for chat).
+  `streamed_chunks` counts them; `t_first_text_s` is the first (visible text).
 
-Token counts come only from the server's `usage` (never from max_tokens). The usage rule: engines
-may put several tokens in one chunk or hold a token back (a partial UTF-8 character), so fewer
-chunks than tokens is normal; `usage_mismatch` is set when a request that streamed content has
-no usage, or streamed MORE content chunks than usage.completion_tokens.
+`uncounted_chunks` = content chunks without a count: 0 (with count points) means every token is
+placed in time. `t_first_token_s` = the first count point whose count is >= 1 when every content
+chunk carried a count, else the first content chunk; `benchsuite.metrics.token_timeline` decides
+which timeline a metric may use.
+`chunk_reads` / `count_reads` number the body read each chunk came in: two chunks in one read mean
+the client did not read between them (it fell behind, or the server sent them together).
 
-A request is `ok` when it got HTTP 200, streamed at least one content chunk, ended with
-`[DONE]` or a finish_reason, and raised no error. Everything else keeps its record with `error`
+Token counts come only from the server (never from max_tokens). The usage rule: engines may put
+several tokens in one chunk or hold a token back (a partial UTF-8 character), so fewer chunks than
+tokens is normal; `usage_mismatch` is set when a request that streamed content has no usage, or
+streamed MORE content chunks than usage.completion_tokens.
+
+A request is `ok` when it got HTTP 200, streamed at least one content chunk or counted token, ended
+with `[DONE]` or a finish_reason, and raised no error. Everything else keeps its record with `error`
 set (HTTP status and body head, connection reset, timeout, error event, "no tokens").
 """
 
@@ -81,7 +91,9 @@ def request_body(request: LoadRequest, model_name: str, extras: dict[str, Any]) 
         "max_tokens": request.max_tokens,
         "temperature": 0,
         "stream": True,
-        "stream_options": {"include_usage": True},
+        # continuous_usage_stats (vLLM, SGLang, the built-in server; ignored where unknown, e.g. llama-server,
+        # whose counts come with timings_per_token): usage on every chunk, so each token is timed
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         "ignore_eos": True,
     }
     if request.chat:
@@ -171,6 +183,9 @@ class _StreamState:
         "chunk_times_s",
         "chunk_tokens",
         "completion_tokens",
+        "count_reads",
+        "count_times_s",
+        "count_tokens",
         "done",
         "error",
         "finished",
@@ -179,6 +194,7 @@ class _StreamState:
         "t_done_s",
         "texts",
         "timings",
+        "uncounted_chunks",
         "usage_seen",
     )
 
@@ -188,6 +204,10 @@ class _StreamState:
         self.chunk_times_s: list[float] = []
         self.chunk_reads: list[int] = []
         self.chunk_tokens: list[int | None] = []
+        self.count_times_s: list[float] = []
+        self.count_tokens: list[int] = []
+        self.count_reads: list[int] = []
+        self.uncounted_chunks = 0
         self.texts: list[str] = []
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
@@ -230,6 +250,7 @@ class _StreamState:
     def _on_chunk(self, obj: dict[str, Any], t_s: float, read_index: int) -> None:
         choices = obj.get("choices")
         usage = obj.get("usage")
+        timings = obj.get("timings")
         if choices:
             choice = choices[0]
             if self.chat:
@@ -239,18 +260,23 @@ class _StreamState:
                 text = choice.get("text")
             if text is not None and not isinstance(text, str):
                 raise TypeError("generated text is not a string")
+            count = _chunk_count(usage, timings)
+            if count is not None:
+                self.count_times_s.append(t_s)
+                self.count_tokens.append(count)
+                self.count_reads.append(read_index)
             if text:
                 self.chunk_times_s.append(t_s)
                 self.chunk_reads.append(read_index)
                 self.chunk_tokens.append(_count(usage.get("completion_tokens")) if usage else None)
                 self.texts.append(text)
+                self.uncounted_chunks += count is None
             if choice.get("finish_reason"):
                 self.finished = True
         if usage:
             self.usage_seen = True
             self.prompt_tokens = _count(usage.get("prompt_tokens"))
             self.completion_tokens = _count(usage.get("completion_tokens"))
-        timings = obj.get("timings")
         if isinstance(timings, dict):
             self.timings = timings
 
@@ -265,8 +291,13 @@ class _StreamState:
     ) -> RequestRecord:
         chunks = len(self.chunk_times_s)
         error = self.error
-        if error is None and chunks == 0:
+        counted = max(self.count_tokens, default=0)
+        if error is None and chunks == 0 and counted == 0:
             error = "stream produced no tokens"
+        # counts place token 1 only when every text chunk carried one (a count on the final chunk alone says
+        # how many, not when)
+        counted_all = self.uncounted_chunks == 0
+        token1 = next((t for t, n in zip(self.count_times_s, self.count_tokens) if n >= 1 and counted_all), None)
         mismatch = chunks > 0 and (self.completion_tokens is None or chunks > self.completion_tokens)
         return RequestRecord(
             cell_id=cell_id,
@@ -277,7 +308,7 @@ class _StreamState:
             prompt_class=request.prompt_class,
             max_tokens=request.max_tokens,
             t_sent_s=t_sent_s,
-            t_first_token_s=self.chunk_times_s[0] if chunks else None,
+            t_first_token_s=token1 if token1 is not None else (self.chunk_times_s[0] if chunks else None),
             t_done_s=self.t_done_s,
             chunk_times_s=self.chunk_times_s,
             chunk_reads=self.chunk_reads,
@@ -292,6 +323,11 @@ class _StreamState:
             http_status=self.http_status,
             output_text="".join(self.texts),
             engine_timings=self.timings,
+            count_times_s=self.count_times_s,
+            count_tokens=self.count_tokens,
+            count_reads=self.count_reads,
+            uncounted_chunks=self.uncounted_chunks,
+            t_first_text_s=self.chunk_times_s[0] if chunks else None,
         )
 
 
@@ -301,6 +337,16 @@ def _count(value: Any) -> int | None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"usage count is not an integer: {value!r}")
     return value
+
+
+def _chunk_count(usage: Any, timings: Any) -> int | None:
+    """The cumulative generated-token count a streamed choice carried: usage.completion_tokens (continuous
+    usage stats), else llama-server's timings.predicted_n (timings_per_token); None when it carried neither."""
+    if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
+        return _count(usage["completion_tokens"])
+    if isinstance(timings, dict) and timings.get("predicted_n") is not None:
+        return _count(timings["predicted_n"])
+    return None
 
 
 def _one_line(text: str) -> str:

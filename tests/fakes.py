@@ -51,6 +51,8 @@ class Script:
     inject_after_first_chunk: str | None = None  # a raw SSE data payload sent after the first chunk
     one_write: bool = False  # the whole stream in one write (the client then reads it in one piece)
     usage_per_chunk: bool = False  # every content chunk carries the cumulative usage (continuous usage stats)
+    timings_per_chunk: bool = False  # every chunk carries llama-server's timings.predicted_n (timings_per_token)
+    empty_text_chunks: tuple[int, ...] = ()  # these chunks (0-based) carry empty text: tokens that spell nothing
 
 
 ScriptFn = Callable[[dict[str, Any], int], Script]
@@ -221,9 +223,11 @@ async def _stream(writer: asyncio.StreamWriter, script: Script, request: dict[st
         if delay_s > 0:
             await asyncio.sleep(delay_s)
         next_s += script.itl_s
-        body = choice(script.token_text * size, None)
+        body = choice("" if i in script.empty_text_chunks else script.token_text * size, None)
+        sent = sum(chunk_sizes[: i + 1])
+        if script.timings_per_chunk:
+            body["timings"] = {"predicted_n": sent}
         if script.usage_per_chunk:
-            sent = sum(chunk_sizes[: i + 1])
             body["usage"] = {
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": sent,

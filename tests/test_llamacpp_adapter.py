@@ -84,7 +84,7 @@ def test_command_line_sets_kv_slots_caching_and_metrics(tmp_path, gguf_file):
     ) == ("4096", "4", "7", "on", "2")
     assert {"--kv-unified", "--no-cache-prompt", "--metrics"} <= set(argv)
     assert value("--cache-ram") == "0"
-    assert adapter.request_extras(spec) == {"cache_prompt": False}
+    assert adapter.request_extras(spec) == {"timings_per_token": True, "cache_prompt": False}
     assert spec.options.placement().mode == "n-cpu-moe" and spec.options.placement().n_cpu_moe == 7
 
 
@@ -101,7 +101,7 @@ def test_prefix_caching_on_keeps_llama_cpp_defaults(tmp_path, gguf_file):
     binary = _fake_binary(tmp_path)
     spec = _spec({"model": str(gguf_file), "binary": str(binary)}, prefix_caching=True)
     assert "--no-cache-prompt" not in LlamaCppAdapter().launch_plan(spec, 1).argv
-    assert LlamaCppAdapter().request_extras(spec) == {}
+    assert LlamaCppAdapter().request_extras(spec) == {"timings_per_token": True}
 
 
 def test_moe_cache_mode_is_refused_when_the_build_lacks_it(tmp_path, gguf_file):

@@ -14,10 +14,15 @@ from benchsuite.metrics import (
     decode_tok_s,
     itls_s,
     latency_s,
+    per_token_latencies_s,
     percentile,
     summarize,
+    token_timeline,
     tpot_s,
     ttft_s,
+    ttft_text_s,
+    union_s,
+    untimed_reason,
 )
 from benchsuite.paging import paging_delta
 from benchsuite.records import CellResult, RequestRecord
@@ -52,7 +57,9 @@ def _rec(
     cold: bool = False,
     ok: bool = True,
     prompt_tokens: int | None = 10,
+    counts: list[int] | None = None,
 ) -> RequestRecord:
+    """A request whose text chunks came at `chunks`; `counts`: the token count each chunk carried."""
     return RequestRecord(
         cell_id="c1",
         request_index=index,
@@ -70,6 +77,11 @@ def _rec(
         streamed_chunks=len(chunks),
         ok=ok,
         error=None if ok else "stream produced no tokens",
+        count_times_s=list(chunks) if counts else [],
+        count_tokens=list(counts or []),
+        count_reads=list(range(len(chunks))) if counts else [],
+        chunk_reads=list(range(len(chunks))),
+        t_first_text_s=chunks[0] if chunks else None,
     )
 
 
@@ -92,12 +104,76 @@ def test_latency_minus_ttft_equals_sum_of_itl_when_done_with_last_chunk(t_sent: 
 
 def test_per_request_formulas_on_scripted_times() -> None:
     # sent at 10, first token at 10.5, chunks every 0.1 s, 4 chunks carrying 7 tokens, done at 11.0
-    r = _rec(0, 10.0, [10.5, 10.6, 10.7, 10.8], tokens=7, t_done=11.0)
+    r = _rec(0, 10.0, [10.5, 10.6, 10.7, 10.8], tokens=7, t_done=11.0, counts=[1, 3, 5, 7])
     assert ttft_s(r) == pytest.approx(0.5)
     assert latency_s(r) == pytest.approx(1.0)
     assert itls_s(r) == pytest.approx([0.1, 0.1, 0.1])
     assert tpot_s(r) == pytest.approx((1.0 - 0.5) / 6)
     assert decode_tok_s(r) == pytest.approx(6 / 0.3)
+    assert per_token_latencies_s(r) == pytest.approx([0.05] * 6)  # each 0.1 s gap carried 2 tokens: once per token
+
+
+def test_tokens_without_text_at_both_ends_get_the_true_rate_from_counts() -> None:
+    # 10 tokens at 1.0, 1.1, ..., 1.9; tokens 1, 2 and 10 spell nothing: text chunks at 1.2 .. 1.8 only.
+    # Text-chunk timing would give TTFT 0.2 s late and (10 - 1) / 0.6 = 15 tok/s: 35% high.
+    times = [1.0 + 0.1 * k for k in range(10)]
+    r = RequestRecord(
+        "c1", 0, False, False, "p", "short", 10, 0.0, times[0], 2.0, chunk_times_s=times[2:9],
+        output_tokens=10, streamed_chunks=7, ok=True, chunk_reads=list(range(2, 9)),
+        count_times_s=[*times, 1.95], count_tokens=[*range(1, 11), 10], count_reads=list(range(11)),
+        t_first_text_s=times[2],
+    )  # fmt: skip
+    assert ttft_s(r) == pytest.approx(1.0) and ttft_text_s(r) == pytest.approx(1.2)
+    assert decode_tok_s(r) == pytest.approx(9 / 0.9)  # the repeated final count adds no token
+    assert token_timeline(r).source == "counts" and untimed_reason(r) is None
+    assert sum(itls_s(r)) == pytest.approx(0.9) and len(per_token_latencies_s(r)) == 9
+
+
+def test_no_counts_and_more_tokens_than_text_chunks_is_untimed_with_the_reason() -> None:
+    r = _rec(0, 0.0, [0.2, 0.3, 0.4], tokens=5)  # 5 tokens, 3 text chunks, no per-chunk counts
+    assert token_timeline(r) is None
+    assert decode_tok_s(r) is None and ttft_s(r) is None and itls_s(r) == [] and tpot_s(r) is None
+    assert untimed_reason(r) == (
+        "the engine sent no per-chunk token counts and usage says 5 tokens over 3 text chunks: "
+        "when each token came is unknown"
+    )
+    assert ttft_text_s(r) == pytest.approx(0.2)  # visible text still timed, under its own name
+    timed = _rec(1, 0.0, [0.2, 0.3, 0.4])  # one token per text chunk: the text chunks are the tokens
+    cell = summarize([r, timed], base=_base())
+    assert cell.status == "ok" and cell.untimed_requests == 1 and cell.decode_tok_s_p50 == pytest.approx(10.0)
+    assert cell.extras["untimed_flag"].startswith("1 warm requests have no token timing")
+    assert cell.decode_agg_tok_s is None  # a partial sum would understate it
+    alone = summarize([r, _rec(1, 0.0, [0.1, 0.5], tokens=4)], base=_base())
+    assert alone.status == "invalid" and alone.decode_tok_s_p50 is None
+    assert "no request has a token timeline to compute decode tok/s (the engine sent no per-chunk" in alone.reason
+
+
+def test_a_text_chunk_without_a_count_among_counted_ones_makes_the_counts_incomplete() -> None:
+    r = _rec(0, 0.0, [0.2, 0.3, 0.4], tokens=5, counts=[2, 4, 5])
+    r.uncounted_chunks = 1
+    assert token_timeline(r) is None and untimed_reason(r).startswith("1 text chunks carried no token count")
+
+
+def test_decode_aggregate_is_tokens_after_each_first_over_the_union_of_decode_intervals() -> None:
+    # Two streams decoding [1, 2] and [1.5, 3] (union 2 s) and one [5, 6] (1 s): 3 s of decoding.
+    a = _rec(0, 0.0, [1.0 + 0.25 * k for k in range(5)])  # 4 tokens after the first over [1, 2]
+    b = _rec(1, 0.0, [1.5 + 0.5 * k for k in range(4)], tokens=7, counts=[2, 4, 6, 7])  # 5 after f=2
+    c = _rec(2, 4.0, [5.0, 6.0])  # 1 after the first
+    cell = summarize([a, b, c], base=_base())
+    assert cell.decode_window_s == pytest.approx(3.0)
+    assert cell.decode_agg_tok_s == pytest.approx((4 + 5 + 1) / 3.0)
+    assert cell.output_tok_s == pytest.approx((5 + 7 + 2) / 6.0)  # its window includes the time to token 1
+    one = summarize([a], base=_base())
+    assert one.decode_agg_tok_s == pytest.approx(decode_tok_s(a))  # one stream: its own decode rate
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 100), st.floats(0, 10)), min_size=1, max_size=20))
+def test_union_measure_is_at_most_the_sum_and_at_least_the_longest(spans: list[tuple[float, float]]) -> None:
+    intervals = [(a, a + d) for a, d in spans]
+    total = union_s(intervals)
+    assert max(d for _, d in spans) - 1e-9 <= total <= sum(d for _, d in spans) + 1e-9
+    assert total <= max(b for _, b in intervals) - min(a for a, _ in intervals) + 1e-9
 
 
 def test_single_token_or_single_chunk_has_no_decode_rate() -> None:
@@ -304,3 +380,38 @@ def test_every_filled_metric_field_has_a_definition() -> None:
     paging = set(paging_delta({}, {})) - {"expert_activations", "expert_hits", "expert_misses", "bytes_paged"}
     assert filled | paging <= set(DEFINITIONS)
     assert set(DEFINITIONS) <= set(CellResult.__dataclass_fields__)
+
+
+def test_a_request_whose_token_1_was_read_with_others_is_client_bound_and_not_cross_checked() -> None:
+    from benchsuite.metrics import CLIENT_JITTER_S, ENGINE_TIMINGS_MARGIN, client_bound, engine_tolerance
+
+    times = [1.0 + 0.1 * k for k in range(21)]  # 21 tokens, 100 ms apart: 10 tok/s
+    late_start = _rec(0, 0.0, times, counts=list(range(1, 22)))
+    late_start.count_reads = [0, 0, 0, *range(1, 19)]  # token 1 read with tokens 2 and 3: 2 of 20 gaps > 5%
+    middle = _rec(1, 0.0, times, counts=list(range(1, 22)))
+    middle.count_reads = [0, 1, 2, 3, 3, 3, 3, 3, *range(4, 17)]  # coalesced in the middle only: the span holds
+    assert client_bound(late_start) and not client_bound(middle)
+    for r in (late_start, middle):
+        r.engine_timings = {"predicted_n": 21, "predicted_ms": 2000.0, "predicted_per_second": 10.0}
+    assert engine_tolerance(middle) == pytest.approx(ENGINE_TIMINGS_MARGIN + CLIENT_JITTER_S / 2.0)
+    cell = summarize([late_start, middle], base=_base())
+    assert cell.client_bound_requests == 1 and cell.engine_timings_checked == 1 and cell.engine_timings_outside == 0
+    short = _rec(2, 0.0, [1.0, 1.02, 1.04], counts=[1, 2, 3])  # a 40 ms span: the jitter allowance dominates
+    short.engine_timings = {"predicted_n": 3, "predicted_ms": 50.0, "predicted_per_second": 40.0}  # ours 50: +25%
+    assert engine_tolerance(short) == pytest.approx(ENGINE_TIMINGS_MARGIN + CLIENT_JITTER_S / 0.05)
+    assert summarize([short, middle], base=_base()).engine_timings_outside == 0
+
+
+def test_streams_read_mostly_whole_hand_the_p50_to_the_engines_own_figure() -> None:
+    # llama-server at ~2,000 tok/s on a busy machine: token 1 read with 8 of the next 9 tokens, then the rest
+    times = [1.0 + 0.001 * k for k in range(11)]
+    records = []
+    for i in range(3):
+        r = _rec(i, 0.0, times, counts=list(range(1, 12)))
+        r.count_reads = [0] * 9 + [1, 1]  # ours: 10 tokens over 10 ms of parse time
+        r.engine_timings = {"predicted_n": 11, "predicted_ms": 50.0, "predicted_per_second": 200.0}
+        records.append(r)
+    cell = summarize(records, base=_base())
+    assert cell.whole_stream_reads == 0 and cell.client_bound_requests == 3 and cell.engine_timings_checked == 0
+    assert cell.decode_tok_s_p50 == 200.0 and cell.extras["decode_source"].startswith("engine timings (3 of 3")
+    assert "client_flag" in cell.extras

@@ -240,7 +240,7 @@ def test_the_verdict_comes_first_and_its_numbers_are_the_stored_cells(page_data:
     text = page_data["text"]
     assert "Device CPU: paging and offload here copy experts within host RAM" in text
     assert text.index("Device CPU") < text.index("Machine")  # the caveat sits with the verdict, not at the bottom
-    assert "decode tok/s per stream (tok/s)" in text and "output tok/s, all streams (tok/s)" in text
+    assert "decode tok/s per stream (tok/s)" in text and "output tok/s, all streams (prefill included) (tok/s)" in text
 
 
 def test_nothing_is_clipped_at_1400_px(page_data: dict) -> None:

@@ -211,8 +211,23 @@ def test_request_samples_recompute_per_request_metrics() -> None:
     records = [
         RequestRecord("c", 0, True, True, "w", "short", 9, 0.0, 0.5, 1.0, [0.5, 1.0], ok=True, output_tokens=2),
         RequestRecord(
-            "c", 1, False, False, "p", "short", 9, 10.0, 10.2, 10.6, [10.2, 10.4, 10.6], ok=True, output_tokens=5
-        ),
+            "c",
+            1,
+            False,
+            False,
+            "p",
+            "short",
+            9,
+            10.0,
+            10.2,
+            10.6,
+            [10.2, 10.4, 10.6],
+            ok=True,
+            output_tokens=5,
+            count_times_s=[10.2, 10.4, 10.6],
+            count_tokens=[1, 3, 5],
+            count_reads=[1, 2, 3],
+        ),  # fmt: skip
         RequestRecord("c", 2, False, False, "q", "short", 9, 11.0, None, 11.1, ok=False, error="HTTP 500"),
         RequestRecord("c", 3, False, False, "r", "short", 9, 12.0, 12.1, 12.1, [12.1], ok=True, output_tokens=1),
     ]
@@ -223,6 +238,9 @@ def test_request_samples_recompute_per_request_metrics() -> None:
     assert first["decode_tok_s"] == pytest.approx((5 - 1) / 0.4)
     assert first["e2e_output_tok_s"] == pytest.approx(5 / 0.6)
     assert samples.iloc[1]["decode_tok_s"] is None or math.isnan(samples.iloc[1]["decode_tok_s"])  # 1 token: undefined
+    records[1].count_tokens = []  # 5 tokens over 3 text chunks and no counts: untimed, no rate
+    samples = request_samples(normalize_requests(pd.DataFrame([r.to_row() for r in records])))
+    assert samples.iloc[0]["decode_tok_s"] is None or math.isnan(samples.iloc[0]["decode_tok_s"])
 
 
 def test_reference_tables_line_up_published_and_measured() -> None:
@@ -315,7 +333,9 @@ def test_verdicts_name_the_fastest_mode_and_every_ratio_with_its_interval() -> N
         == "llama · n-cpu-moe · n_cpu_moe=2's TTFT is 0.91 x tiny · paged · K=8's [0.50–1.64], not significant"
     )
     two = found[("short", 2, "output_tok_s")]
-    assert two.metric_name == "output tok/s, all streams (tok/s)" and two.winner == "tiny · paged · K=8"
+    assert (
+        two.metric_name == "output tok/s, all streams (prefill included) (tok/s)" and two.winner == "tiny · paged · K=8"
+    )
     assert (
         two.versus[0].text(two.winner, ttft=False)
         == "vs tiny · offload · defaults: not enough repeats (2 and 1; 2 a side needed)"
@@ -327,3 +347,34 @@ def test_verdicts_name_the_fastest_mode_and_every_ratio_with_its_interval() -> N
         "not enough repeats (2 and 1; 2 a side needed)",
         "not enough repeats (1 and 2; 2 a side needed)",
     }
+
+
+def test_decode_verdict_at_c2_uses_the_decode_aggregate_and_unverified_cells_show_on_the_first_screen() -> None:
+    from benchsuite.report.first_screen import verdict_html, verdict_markdown
+    from benchsuite.report.verdict import verdicts
+
+    flag = "decode tok/s disagrees with the engine's own timings: 2 of 5 requests differ by more than 5%"
+    rows = [
+        row("pa", "s-p8", "paged", conc=2, decode=30.0, output=60.0, ttft=0.15),
+        row("pb", "s-p8", "paged", conc=2, rep=1, decode=32.0, output=64.0, ttft=0.17),
+        row("la", "s-ll2", "n-cpu-moe", "llamacpp", conc=2, decode=40.0, output=50.0, ttft=0.3),
+        row("lb", "s-ll2", "n-cpu-moe", "llamacpp", conc=2, rep=1, decode=41.0, output=52.0, ttft=0.3,
+            extras={"engine_timings_flag": flag}),
+    ]  # fmt: skip
+    # decode aggregate: llama.cpp decodes faster (90 vs 70) though paged's output tok/s (prefill included) is higher
+    for r, agg in zip(rows, (70.0, 72.0, 90.0, 92.0)):
+        r["decode_agg_tok_s"] = agg
+    cells, groups = frames(rows)
+    found = verdicts(groups, cells)
+    assert [v.metric for v in found] == ["decode_agg_tok_s", "output_tok_s", "ttft_p50_s"]
+    decode, output = found[0], found[1]
+    assert decode.metric_name.startswith("decode tok/s, all streams (tokens after each first")
+    assert decode.winner == "llama · n-cpu-moe · n_cpu_moe=2" and output.winner == "tiny · paged · K=8"
+    note = f"llama · n-cpu-moe · n_cpu_moe=2 (1 of 2 cells): {flag}"
+    assert all(v.yardstick == (note,) for v in found)
+    page = verdict_html(found, {})
+    assert page.count('class="yardstick-flag"') == 1 and "Unverified figures" in page
+    assert page.index("Unverified figures") < page.index("decode tok/s, all streams")  # above the verdicts it affects
+    assert f"- UNVERIFIED, c=2: {note}" in verdict_markdown(found, {})
+    clean = verdicts(*reversed(frames([{**r, "extras": {}} for r in rows])))  # no flag: no unverified row
+    assert "yardstick-flag" not in verdict_html(clean, {})

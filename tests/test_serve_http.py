@@ -109,6 +109,38 @@ async def test_streamed_completion_equals_the_full_response(base_url: str, http)
     assert len({c["id"] for c in chunks}) == 1
 
 
+async def test_continuous_usage_gives_every_token_its_chunk_and_the_finish_chunk_the_engines_timings(
+    base_url: str, http, codec: TextCodec
+) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    _, full = await post(http, f"{base_url}/v1/completions", greedy(max_tokens=12))
+    events = await stream(http, f"{base_url}/v1/completions", greedy(max_tokens=12, stream_options=options))
+    assert events[-1] == "[DONE]" and events[-2]["choices"] == [] and events[-2]["usage"] == full["usage"]
+    chunks, finish = events[:-3], events[-3]
+    # one chunk per generated token, whatever its text: counts 1..12 in order, each a step of one
+    assert [c["usage"]["completion_tokens"] for c in chunks] == list(range(1, 13))
+    assert all(c["usage"]["prompt_tokens"] == len(codec.encode(PROMPT)) for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in events[:-2]) == full["choices"][0]["text"]
+    assert finish["choices"][0]["finish_reason"] == "length" and finish["usage"]["completion_tokens"] == 12
+    timings = finish["timings"]
+    assert timings["predicted_n"] == 12 and timings["prompt_n"] == len(codec.encode(PROMPT))
+    assert timings["prompt_ms"] > 0 and timings["predicted_ms"] > 0
+    assert timings["predicted_per_second"] == pytest.approx(11 / (timings["predicted_ms"] / 1e3))
+    plain = await stream(
+        http, f"{base_url}/v1/completions", greedy(max_tokens=12, stream_options={"include_usage": True})
+    )
+    assert all("usage" not in e for e in plain[:-2]) and plain[-3]["timings"]["predicted_n"] == 12
+
+
+async def test_chat_continuous_usage_counts_from_the_role_chunk(base_url: str, http) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    events = await stream(http, f"{base_url}/v1/chat/completions", {**body, "stream_options": options})
+    counts = [e["usage"]["completion_tokens"] for e in events[:-2]]
+    assert counts[0] == 0 and counts[1:-1] == list(range(1, 7)) and counts[-1] == 6  # role, 6 tokens, finish
+    assert events[-3]["timings"]["predicted_n"] == 6
+
+
 async def test_token_id_prompt_equals_text_prompt(base_url: str, http, codec: TextCodec) -> None:
     _, by_text = await post(http, f"{base_url}/v1/completions", greedy())
     _, by_ids = await post(http, f"{base_url}/v1/completions", greedy(prompt=codec.encode(PROMPT)))

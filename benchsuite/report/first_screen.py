@@ -1,5 +1,7 @@
 """The report's first screen rendered: per setup, its caveats, then one row per concurrency and metric
-with the fastest configuration and "A is N x B [low–high], verdict" against every other mode (HTML,
+with the fastest configuration and "A is N x B [low–high], verdict" against every other mode, headed
+per concurrency by an "Unverified figures" row naming the configurations whose cells failed the
+cross-check against the engine's own timings or went untimed (Verdict.yardstick) (HTML,
 with the numbers also in data- attributes so a browser test can check them against cells.parquet;
 and markdown lines for tables.md)."""
 
@@ -17,8 +19,11 @@ HOW_TO_READ = (
     "interval (Welch t on log values); significant when it is a discovery after Benjamini-Hochberg over every "
     "comparison on this page at 5% (among many comparisons an interval can miss 1 by chance). With fewer than "
     f"{stats.MIN_REPEATS} ok repeats on a side there is no verdict. Each mode is represented by its best "
-    "configuration (best K, best N). c=1: decode tok/s of one stream; c>=2: output tok/s of all streams; "
-    "TTFT: the median time to the first token for that prompt class (lower is faster)."
+    "configuration (best K, best N). c=1: decode tok/s of one stream; c>=2: decode tok/s of all streams (tokens "
+    "after each stream's first token over the time any stream was decoding), then output tok/s of all streams "
+    "(which counts prefill); TTFT: the median time to token 1 for that prompt class (lower is faster). "
+    "Unverified: a cell whose requests' decode rate disagreed with the engine's own timings, or whose tokens "
+    "could not be timed."
 )
 
 
@@ -49,6 +54,14 @@ def _versus_html(v: Verdict) -> str:
     return "".join(parts)
 
 
+def _yardstick_row(v: Verdict) -> str:
+    notes = "".join(f"<li>{html.escape(n)}</li>" for n in v.yardstick)
+    return (
+        f'<tr class="yardstick-flag" data-concurrency="{v.concurrency}"><td>c={v.concurrency}</td>'
+        f'<td colspan="3"><strong>Unverified figures</strong> (the verdicts below use them):<ul>{notes}</ul></td></tr>'
+    )
+
+
 def verdict_html(found: list[Verdict], caveats: Mapping[tuple[str, str, str], list[str]]) -> str:
     """The first screen: one block per setup (caveats first, then the verdict table)."""
     if not found:
@@ -70,7 +83,11 @@ def verdict_html(found: list[Verdict], caveats: Mapping[tuple[str, str, str], li
         if notes:
             parts.append('<ul class="caveats">' + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul>")
         rows = []
+        shown: set[int] = set()
         for v in items:
+            if v.yardstick and v.concurrency not in shown:  # once per concurrency, above its verdicts
+                shown.add(v.concurrency)
+                rows.append(_yardstick_row(v))
             rows.append(
                 f"<tr><td>c={v.concurrency}</td><td>{html.escape(v.metric_name)}</td>"
                 f'<td class="winner" data-metric="{v.metric}" data-value="{v.winner_median!r}"'
@@ -92,12 +109,16 @@ def verdict_markdown(found: list[Verdict], caveats: Mapping[tuple[str, str, str]
     """The same screen as markdown lines, for tables.md."""
     lines = ["## Verdict", "", HOW_TO_READ, ""]
     seen: set[tuple[str, str, str]] = set()
+    flagged: set[tuple[str, str, str, int]] = set()
     for v in found:
         key = _setup_key(v)
         if key not in seen:
             seen.add(key)
             lines += [f"### {v.run_id} · {v.workload} · {v.prompt_class} prompts", ""]
             lines += [f"- caveat: {note}" for note in caveats.get(key) or []]
+        if v.yardstick and (*key, v.concurrency) not in flagged:
+            flagged.add((*key, v.concurrency))
+            lines += [f"- UNVERIFIED, c={v.concurrency}: {note}" for note in v.yardstick]
         lines.append(
             f"- c={v.concurrency}, {v.metric_name}: fastest {v.winner} ({_fmt(v.winner_median, v.ttft)}); "
             + "; ".join(vs.text(v.winner, v.ttft) for vs in v.versus)

@@ -32,6 +32,7 @@ GROUP_KEYS: tuple[str, ...] = (
 METRICS: tuple[str, ...] = (
     "decode_tok_s_p50",
     "timings_decode_tok_s_p50",
+    "decode_agg_tok_s",
     "output_tok_s",
     "ttft_p50_s",
     "ttft_p90_s",

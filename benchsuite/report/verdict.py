@@ -2,8 +2,13 @@
 fastest, by how much against every other mode, with the interval over repeats, and the caveats that
 change the reading, beside it.
 
-- headline metric: decode tok/s per stream at concurrency 1, output tok/s (all streams) above it
-  (tables.headline_metric), and TTFT p50 for the setup's prompt class; each named with its unit;
+- headline metrics: decode tok/s per stream at concurrency 1; above it the decode aggregate
+  (metrics' decode_agg_tok_s: tokens after each stream's first over the time any stream was
+  decoding), then output tok/s of all streams (prefill time included, so at c>=2 with short outputs
+  it is mostly a TTFT figure), and TTFT p50 for the setup's prompt class; each named with its unit;
+- the yardstick: cells of the setup and concurrency whose requests failed the cross-check against the
+  engine's own timings (`engine_timings_flag`) or went untimed (`untimed_flag`), named beside the
+  verdict (`Verdict.yardstick`) so a figure the suite could not verify never reads as plain;
 - a configuration that does not fit (a llama.cpp --n-cpu-moe whose memory projection exceeds the
   budget) is no contender;
 - a mode is (engine kind, mode), synthetic routing apart; its best configuration (best K, best N)
@@ -29,8 +34,23 @@ from benchsuite import stats
 from benchsuite.report.groups import is_synthetic
 from benchsuite.report.tables import fits, headline_metric
 
-THROUGHPUT_NAMES = {"decode_tok_s_p50": "decode tok/s per stream", "output_tok_s": "output tok/s, all streams"}
+DECODE_AGG_METRIC = "decode_agg_tok_s"
+THROUGHPUT_NAMES = {
+    "decode_tok_s_p50": "decode tok/s per stream",
+    DECODE_AGG_METRIC: "decode tok/s, all streams (tokens after each first / time any stream decoded)",
+    "output_tok_s": "output tok/s, all streams (prefill included)",
+}
 TTFT_METRIC = "ttft_p50_s"
+YARDSTICK_FLAGS = ("engine_timings_flag", "untimed_flag")
+"""metrics' flags that say a cell's own figures could not be verified (first screen, not only a table)."""
+
+
+def verdict_metrics(concurrency: int) -> tuple[str, ...]:
+    """The throughput metrics judged at a concurrency, then TTFT: at c>=2 the decode aggregate first
+    (the decode verdict), then output tok/s (which counts prefill time)."""
+    if int(concurrency) == 1:
+        return (headline_metric(concurrency), TTFT_METRIC)
+    return (DECODE_AGG_METRIC, headline_metric(concurrency), TTFT_METRIC)
 
 
 @dataclass(frozen=True)
@@ -97,6 +117,7 @@ class Verdict:
     winner_family: str
     winner_median: float  # in the display unit (ms for TTFT)
     versus: tuple[Versus, ...]
+    yardstick: tuple[str, ...] = ()  # cells of this setup and concurrency whose figures failed verification
 
     @property
     def ttft(self) -> bool:
@@ -169,13 +190,27 @@ def verdicts(groups: pd.DataFrame, cells: pd.DataFrame, alpha: float = stats.DEF
     contenders = groups[[fits(row, cells) for _, row in groups.iterrows()]] if len(groups) else groups
     for _, setup in contenders.groupby(keys, sort=True):
         for concurrency in sorted({int(c) for c in setup["concurrency"]}):
-            for metric in (headline_metric(concurrency), TTFT_METRIC):
+            notes = yardstick_notes(setup, cells, concurrency)
+            for metric in verdict_metrics(concurrency):
                 found = _verdict(setup, concurrency, metric)
                 if found is not None:
-                    out.append(found)
+                    out.append(replace(found, yardstick=notes))
     flat = [vs.estimate for v in out for vs in v.versus]
     discoveries = iter(stats.benjamini_hochberg([None if e is None else e.p_value for e in flat], alpha))
     return [replace(v, versus=tuple(replace(vs, discovery=next(discoveries)) for vs in v.versus)) for v in out]
+
+
+def yardstick_notes(setup: pd.DataFrame, cells: pd.DataFrame, concurrency: int) -> tuple[str, ...]:
+    """One line per configuration of the setup at this concurrency with a cell whose figures failed
+    verification (YARDSTICK_FLAGS): its label, how many of its cells, the first cell's flag."""
+    notes: list[str] = []
+    for _, row in setup[setup["concurrency"] == concurrency].iterrows():
+        mine = cells[cells["cell_id"].isin(row["cell_ids"])]
+        for flag in YARDSTICK_FLAGS:
+            texts = [str(e[flag]) for e in mine["extras"] if isinstance(e, dict) and e.get(flag)]
+            if texts:
+                notes.append(f"{row['label']} ({len(texts)} of {len(mine)} cells): {texts[0]}")
+    return tuple(notes)
 
 
 def verdict_table(found: list[Verdict]) -> pd.DataFrame:
@@ -199,6 +234,7 @@ def verdict_table(found: list[Verdict]) -> pd.DataFrame:
                     "verdict": vs.verdict(),
                     "p_value": None if e is None else e.p_value,
                     "statement": vs.text(v.winner, v.ttft),
+                    "yardstick": " | ".join(v.yardstick),
                     "cell_ids": " ".join(vs.cell_ids),
                 }
             )

@@ -1,5 +1,9 @@
 """From an engine request stream to text deltas: detokenization, stop strings, and the
-token/logprob bookkeeping both endpoints share.
+token/logprob bookkeeping both endpoints share; the request's own timings as the engine measured them.
+
+Every engine event (one generated token) yields one Delta, whose text may be empty (a token that
+spells nothing, or an incomplete UTF-8 character held back): a streaming handler that sends
+continuous usage sends each of them, so a client can time every token.
 
 A stop string ends the generation: the text is cut before it, the engine request is aborted
 (its KV freed at once) and the finish reason is "stop". Completion tokens count every token the
@@ -52,6 +56,24 @@ async def text_deltas(stream: RequestStream, codec: TextCodec, stop_strings: Seq
         emitted += len(text)
         if reason is not None:
             return
+
+
+def engine_timings(stream: RequestStream, prompt_tokens: int) -> dict[str, float | int]:
+    """The engine's own timings of one request, with llama-server's keys (server_slot_stats::to_json) so a
+    client reads both engines alike: predicted_n tokens; predicted_ms = token 1 -> token n on the engine's
+    clock; predicted_per_second = (predicted_n - 1) / predicted_ms (token 1 comes from the prefill, as in
+    llama-server); prompt_ms = arrival -> token 1 (queueing included). Rates are absent, never 0, where
+    they are undefined (fewer than 2 tokens)."""
+    times = stream.token_times_s
+    out: dict[str, float | int] = {"prompt_n": prompt_tokens, "predicted_n": len(times)}
+    if times:
+        out["prompt_ms"] = (times[0] - stream.arrival_s) * 1e3
+    if len(times) >= 2:
+        span_s = times[-1] - times[0]
+        out["predicted_ms"] = span_s * 1e3
+        if span_s > 0:
+            out["predicted_per_second"] = (len(times) - 1) / span_s
+    return out
 
 
 def is_failure(reason: str | None) -> bool:

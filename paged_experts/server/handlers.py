@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from paged_experts.server.engine import RequestStream
-from paged_experts.server.generation import Delta, is_failure, text_deltas
+from paged_experts.server.generation import Delta, engine_timings, is_failure, text_deltas
 from paged_experts.server.launch import ServeConfig, Serving
 from paged_experts.server.metrics import ServerMetrics
 from paged_experts.server.openai import (
@@ -199,6 +199,7 @@ async def _stream_completion(request: web.Request, serving: Serving, stream: Req
     resp = await _sse_start(request)
     tokens = 0
     first = True
+    continuous = prep.options.continuous_usage
     async for delta in text_deltas(stream, serving.codec, prep.options.stop_strings):
         tokens = delta.completion_tokens
         if is_failure(delta.finish_reason):
@@ -209,14 +210,28 @@ async def _stream_completion(request: web.Request, serving: Serving, stream: Req
         text = (echo_text if first else "") + delta.text
         lp = _legacy_lp(serving.codec, name, prep, delta, echo_text, with_prompt=first)
         prompt_lps = _vllm_prompt_lps(name, bool(echo_text), prep, delta)
-        if text or delta.finish_reason is not None or (lp is not None and lp.tokens) or prompt_lps is not None:
-            await resp.write(sse(completion_chunk(header, text, delta.finish_reason, lp, prompt_lps)))
+        # with continuous usage every token gets its chunk, an empty-text one included: the client times it
+        wanted = text or delta.finish_reason is not None or (lp is not None and lp.tokens) or prompt_lps is not None
+        if continuous or wanted:
+            chunk = completion_chunk(header, text, delta.finish_reason, lp, prompt_lps)
+            _add_counts(chunk, stream, prep, delta, continuous)
+            await resp.write(sse(chunk))
             first = False
     if prep.options.include_usage:
         await resp.write(sse(usage_chunk(header, "text_completion", Usage(len(prep.prompt_ids), tokens))))
     await resp.write(SSE_DONE)
     await resp.write_eof()
     return resp
+
+
+def _add_counts(chunk: dict[str, Any], stream: RequestStream, prep: Prepared, delta: Delta, continuous: bool) -> None:
+    """Continuous usage: the tokens generated so far on every chunk. The finish chunk carries the
+    engine's own timings of the request (llama-server's `timings` keys), so every request can be
+    checked against the engine's clock."""
+    if continuous:
+        chunk["usage"] = Usage(len(prep.prompt_ids), delta.completion_tokens).to_dict()
+    if delta.finish_reason is not None:
+        chunk["timings"] = engine_timings(stream, len(prep.prompt_ids))
 
 
 # ---- chat completions ------------------------------------------------------------------------
@@ -267,7 +282,11 @@ async def _full_chat(serving: Serving, stream: RequestStream, prep: Prepared, he
 async def _stream_chat(request: web.Request, serving: Serving, stream: RequestStream, prep: Prepared,
                        header: ResponseHeader, name: Any) -> web.StreamResponse:  # fmt: skip
     resp = await _sse_start(request)
-    await resp.write(sse(chat_chunk(header, {"role": "assistant", "content": ""}, None, None)))
+    continuous = prep.options.continuous_usage
+    role = chat_chunk(header, {"role": "assistant", "content": ""}, None, None)
+    if continuous:
+        role["usage"] = Usage(len(prep.prompt_ids), 0).to_dict()
+    await resp.write(sse(role))
     tokens = 0
     async for delta in text_deltas(stream, serving.codec, prep.options.stop_strings):
         tokens = delta.completion_tokens
@@ -277,11 +296,12 @@ async def _stream_chat(request: web.Request, serving: Serving, stream: RequestSt
             )
             break
         entries = chat_logprob_entries(name, delta.logprobs) if prep.options.logprobs is not None else None
-        if delta.text or delta.finish_reason is not None or entries:
+        if continuous or delta.text or delta.finish_reason is not None or entries:
             chunk = chat_chunk(header, {"content": delta.text} if delta.text else {}, delta.finish_reason, entries)
             prompt_lps = _vllm_prompt_lps(name, False, prep, delta)
             if prompt_lps is not None:
                 chunk["prompt_logprobs"] = prompt_lps
+            _add_counts(chunk, stream, prep, delta, continuous)
             await resp.write(sse(chunk))
     if prep.options.include_usage:
         await resp.write(sse(usage_chunk(header, "chat.completion.chunk", Usage(len(prep.prompt_ids), tokens))))

@@ -12,7 +12,7 @@ literals, numbers past Python's 4,300-digit conversion limit, nesting deeper tha
 strings holding a lone UTF-16 surrogate (`"\ud800"` escapes decode to text no tokenizer can encode).
 
 Extensions beyond OpenAI, with vLLM/SGLang names where they exist: `ignore_eos`,
-`stop_token_ids`, `prompt_logprobs` (int: top alternatives per prompt token),
+`stream_options.continuous_usage_stats`, `stop_token_ids`, `prompt_logprobs` (int: top alternatives per prompt token),
 `return_tokens_as_token_ids`, `seed`.
 """
 
@@ -51,6 +51,8 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    # vLLM / SGLang: usage on every streamed chunk, and a chunk for every generated token (text or not)
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(_Strict):
@@ -108,6 +110,7 @@ class GenerationOptions:
     ignore_eos: bool
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # usage on every chunk, one chunk per generated token even when its text is empty
     logprobs: int | None  # top alternatives per generated token; None: no logprobs
     prompt_logprobs: int | None  # top alternatives per prompt token; None: none
     tokens_as_ids: bool
@@ -215,6 +218,7 @@ def _common_options(body: _SamplingFields, max_tokens: int | None, logprobs: int
         ignore_eos=body.ignore_eos,
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
         logprobs=logprobs,
         prompt_logprobs=body.prompt_logprobs,
         tokens_as_ids=body.return_tokens_as_token_ids,

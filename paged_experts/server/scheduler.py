@@ -102,6 +102,16 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
+    @property
+    def arrival_s(self) -> float:
+        """When the engine accepted the request (its clock)."""
+        return self._req.arrival_s
+
+    @property
+    def token_times_s(self) -> tuple[float, ...]:
+        """When each generated token was read back on the engine's clock: the engine's own timings."""
+        return tuple(self._req.token_times_s)
+
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration

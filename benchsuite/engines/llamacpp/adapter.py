@@ -275,7 +275,11 @@ class LlamaCppAdapter:
         )
 
     def request_extras(self, spec: ServerSpec) -> dict[str, Any]:
-        return {} if spec.fairness.get("prefix_caching", False) else {"cache_prompt": False}
+        # timings_per_token: every streamed chunk carries `timings` (predicted_n: the tokens generated so
+        # far), including the chunks of tokens whose text is empty (server-context.cpp send_partial_response),
+        # so benchsuite.metrics times token 1 and token n, not the first and last visible text.
+        extras: dict[str, Any] = {"timings_per_token": True}
+        return extras if spec.fairness.get("prefix_caching", False) else {**extras, "cache_prompt": False}
 
     def version(self, spec: ServerSpec) -> dict[str, Any]:
         from benchsuite.engines.llamacpp.build import binary_version, read_stamp
