@@ -50,15 +50,22 @@ async def scenario(engine: Engine, stop_ids: tuple[int, ...]) -> list[tuple[list
             "stop", PROMPTS[2], SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=stop_ids)
         )
 
-        async def tokens(stream) -> tuple[list[int], str]:
-            out, reason = [], ""
+        async def tokens(stream, out: list[int]) -> tuple[list[int], str]:
+            reason = ""
             async for e in stream:
                 out += e.new_token_ids
                 reason = e.finish_reason or reason
             return out, reason
 
-        first = [asyncio.create_task(tokens(s)) for s in (*greedy, stopping)]
-        await asyncio.sleep(0.05)
+        g0_tokens: list[int] = []
+        first = [asyncio.create_task(tokens(s, o)) for s, o in zip((*greedy, stopping), (g0_tokens, [], []))]
+        # The others arrive once the first three have decoded a few steps together (greedy, batch 3: the
+        # steps the overlap scheduler launches ahead), however slow this machine is; a fixed sleep made
+        # the overlapped phase vanish on a loaded box. Bounded: 30 s.
+        for _ in range(3000):
+            if len(g0_tokens) >= 4:
+                break
+            await asyncio.sleep(0.01)
         late = engine.submit("late", PROMPTS[3], SamplingParams(max_tokens=9, ignore_eos=True))
         aborted = engine.submit("abort", PROMPTS[0], SamplingParams(max_tokens=500, ignore_eos=True))
         await aborted.__anext__()
@@ -67,7 +74,7 @@ async def scenario(engine: Engine, stop_ids: tuple[int, ...]) -> list[tuple[list
         sampled = engine.submit(
             "sampled", PROMPTS[1], SamplingParams(max_tokens=6, temperature=0.8, seed=7, ignore_eos=True)
         )
-        rest = [tokens(s) for s in (late, aborted, sampled)]
+        rest = [tokens(s, []) for s in (late, aborted, sampled)]
         return [*(await asyncio.gather(*first)), *(await asyncio.gather(*rest))]
     finally:
         task.cancel()
