@@ -85,7 +85,7 @@ class BuiltinOptions(EngineOptions):
         if isinstance(value, bool):
             raise ValueError("must be an integer, 'search' or {search: {...}}")  # noqa: TRY004 (pydantic reports ValueError)
         if isinstance(value, int) and value < 1:
-            raise ValueError("must be >= 1")
+            raise ValueError(f"must be >= 1 (got {value})")
         if isinstance(value, dict):
             try:
                 parse_request(value, "resident_experts")

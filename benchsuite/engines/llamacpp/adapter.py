@@ -93,7 +93,7 @@ class LlamaCppOptions(EngineOptions):
         if isinstance(value, bool):
             raise ValueError("must be an integer, 'search' or {search: {...}}")  # noqa: TRY004 (pydantic reports ValueError)
         if isinstance(value, int) and value < 0:
-            raise ValueError("must be >= 0")
+            raise ValueError(f"must be >= 0 (got {value})")
         if isinstance(value, dict):
             try:
                 parse_request(value)
