@@ -247,7 +247,7 @@ class PeakSampler:
             await asyncio.to_thread(self.sample)  # NVML calls block briefly: off the event loop
             try:
                 await asyncio.wait_for(stopping.wait(), self.interval_s)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
                 pass
 
     def start(self) -> None:
