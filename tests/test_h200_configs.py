@@ -1,7 +1,7 @@
 """configs/h200/*.yaml: every matrix validates and plans (dry run, the model paths pointed at stand-ins)
 with what issue 15 asks: the built-in engine with device, dtype and its mode only, the K, N and
 routing values, llama.cpp's fixed N and its 16 GB search, both prompt classes, c=1 and c=4, >= 2
-repeats, the link probe."""
+repeats, the link probe; and issue 24's headline matrix (headline.yaml)."""
 
 from __future__ import annotations
 
