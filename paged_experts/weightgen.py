@@ -281,12 +281,12 @@ def values_np(seed: int, t: SourceTensor, start: int = 0, count: int | None = No
             lo, hi = max(g * t.group_numel, start) - start, min((g + 1) * t.group_numel, start + n) - start
             if offsets[g]:
                 out[lo:hi] *= np.float32(2.0 ** int(offsets[g]))
-    for lo, hi in _zero_spans(t, start, n):
+    for lo, hi in zero_spans(t, start, n):
         out[lo:hi] = 0
     return out
 
 
-def _zero_spans(t: SourceTensor, start: int, count: int) -> Iterator[tuple[int, int]]:
+def zero_spans(t: SourceTensor, start: int, count: int) -> Iterator[tuple[int, int]]:
     """[lo, hi) spans, relative to `start`, of the zero rows within elements start .. start+count."""
     row = t.numel // t.shape[0] if t.zero_rows else 0
     for r in t.zero_rows:
@@ -335,7 +335,7 @@ def values_slabs(seed: int, t: SourceTensor, device: torch.device | str, dtype: 
             j = torch.arange(start + first, start + first + m, device=device)
             v *= factors[j // t.group_numel]
         out[first : first + m] = v.to(dtype)
-    for lo, hi in _zero_spans(t, start, count):
+    for lo, hi in zero_spans(t, start, count):
         out[lo:hi] = 0
     return out
 

@@ -181,3 +181,21 @@ def test_expert_groups_scale_by_their_own_power_of_two() -> None:
     base = weightgen.lut_values(t)[weightgen.indices_np(1, "e", 0, t.numel)]
     assert np.array_equal(whole, base * np.repeat(np.ldexp(np.float32(1), offsets), 256).astype(np.float32))
     assert np.array_equal(weightgen.values_np(1, t, 250, 300), whole[250:550])  # across an expert boundary
+
+
+def test_a_q8_0_output_layer_keeps_the_silent_rows_zero(tmp_path: Path) -> None:
+    """write_synthetic_gguf(dense_type="q8_0"): the Q8_0 writer wrote every block's LUT quants and
+    skipped the silent tokens' zero rows, so the GGUF's lm_head was no longer the checkpoint's."""
+    from tokenizers import Tokenizer
+
+    from paged_experts.synth_memory import write_weightless
+
+    g = write_synthetic_gguf(tmp_path / "q8.gguf", preset="tiny", layers=1, seed=3, dense_type="q8_0", workers=1).path
+    head = next(t for t in gguf.GGUFReader(g).tensors if t.name == "output.weight")
+    assert head.tensor_type == Q.Q8_0
+    rows = gguf.quants.dequantize(head.data, Q.Q8_0).astype(np.float32).reshape(-1, int(head.shape[0]))
+    tok = Tokenizer.from_file(str(write_weightless("tiny", tmp_path / "hf", seed=3) / "tokenizer.json"))
+    silent = list(weightgen.silent_token_ids(tok))
+    assert np.flatnonzero((rows == 0).all(axis=1)).tolist() == silent
+    src = weightgen.by_name(_tiny_hf() | {"num_hidden_layers": 1}, tuple(silent))["lm_head.weight"]
+    assert np.array_equal(rows.reshape(-1), weightgen.values_np(3, src))  # exact, as the bf16 one
