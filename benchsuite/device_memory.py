@@ -261,7 +261,9 @@ class PeakSampler:
         reading NVML after the caller may have closed the reader."""
         if self._task is not None and self._stopping is not None:
             self._stopping.set()
-            await self._task  # the sample in flight, if any, finishes first
+            # the sample in flight, if any, finishes first; a sampler task cancelled from outside (loop
+            # shutdown) ends the wait without raising here, as before
+            await asyncio.wait({self._task})
             self._task = self._stopping = None
             await asyncio.to_thread(self.sample)
         return self.result()
