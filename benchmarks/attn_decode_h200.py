@@ -5,9 +5,10 @@ KV) for contexts 128 / 2,048 / 8,192 and batch 1 / 4.
 
 Timing: 48 calls, one per layer over 48 distinct KV pools (so keys and values come from HBM, not
 L2), captured in one CUDA graph and replayed `--replays` times between CUDA events; the figure is
-the mean time per layer, launch gaps included, as in a graphed decode step. Each cell's pool holds
-max(10,240, B x context) tokens (10,240: the published runs' KV capacity), and the split kernel's
-grid is sized for that capacity, as the served step's is. GB/s = keys and values read / time.
+the mean time per layer, launch gaps included, as in a graphed decode step
+(`moe_kernels_h200.time_graph`). Each cell's pool holds max(10,240, B x context) tokens (10,240:
+the published runs' KV capacity), and the split kernel's grid is sized for that capacity, as the
+served step's is. GB/s = keys and values read / time.
 Runs in about 30 s on the H200 (most of it Triton's compiles).
 
     python benchmarks/attn_decode_h200.py [--replays 50] [--out attn.json]
@@ -18,33 +19,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from paged_experts.kernels.attn_triton import decode_attention, decode_attention_split, split_plan
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from moe_kernels_h200 import time_graph  # noqa: E402  (the kernel sweeps' graph-replay timer)
+
+from paged_experts.kernels.attn_triton import decode_attention, decode_attention_split, split_plan  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 48, 32, 4, 128, 16
 CAPACITY = 10240
-
-
-def time_per_call(calls: list[Callable[[], object]], replays: int) -> float:
-    """Seconds per call: the calls captured back to back in one graph, replayed."""
-    calls[0]()  # warm-up: Triton compiles outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / (replays * len(calls))
 
 
 def cell(batch: int, context: int, replays: int) -> dict[str, float | int]:
@@ -59,10 +44,10 @@ def cell(batch: int, context: int, replays: int) -> dict[str, float | int]:
     blocks = torch.randperm(num_blocks, device="cuda", generator=gen)[None, :].repeat(batch, 1)  # [B, W]
     positions = torch.full((batch,), context - 1, device="cuda", dtype=torch.long)
     plan = split_plan(num_blocks * BLOCK)
-    old = time_per_call(
+    old = time_graph(
         [lambda k=k: decode_attention(q, k[0], k[1], blocks, positions, BLOCK) for k in kv], replays
     )  # fmt: skip
-    new = time_per_call(
+    new = time_graph(
         [lambda k=k: decode_attention_split(q, k[0], k[1], blocks, positions, BLOCK, plan) for k in kv], replays
     )  # fmt: skip
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2

@@ -229,6 +229,18 @@ def fit_projections(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]
     return rows
 
 
+COLUMNS = (
+    "load_s",
+    "short_ttft_s",
+    "short_decode_tok_s",
+    "short_cpu_ms_per_token",
+    "long_prompt_n",
+    "long_ttft_s",
+    "long_decode_tok_s",
+)
+"""Each round's figures, in table order (a round's row and the rounds' medians alike)."""
+
+
 def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per set: the median over its rounds of each per-round median (sets in first-seen order)."""
     out = []
@@ -239,15 +251,7 @@ def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "round": f"median of {len(ok)}",
             "flags": rows[[r["set"] for r in rows].index(name)]["flags"],
         }
-        for key in (
-            "load_s",
-            "short_ttft_s",
-            "short_decode_tok_s",
-            "short_cpu_ms_per_token",
-            "long_prompt_n",
-            "long_ttft_s",
-            "long_decode_tok_s",
-        ):
+        for key in COLUMNS:
             values = [r[key] for r in ok if key in r]
             if values:
                 row[key] = round(statistics.median(values), 3)
@@ -262,17 +266,7 @@ def write_table(rows: list[dict[str, Any]], out: Path) -> None:
         rows, all_rows = medians(rows), rows
     else:
         all_rows = rows
-    cols = [
-        "set",
-        "round",
-        "load_s",
-        "short_ttft_s",
-        "short_decode_tok_s",
-        "short_cpu_ms_per_token",
-        "long_prompt_n",
-        "long_ttft_s",
-        "long_decode_tok_s",
-    ]
+    cols = ["set", "round", *COLUMNS]
     cols += sorted({k for r in rows for k in r if k.startswith("CUDA")}) + ["error", "flags"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]

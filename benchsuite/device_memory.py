@@ -56,11 +56,6 @@ class DeviceSnapshot:
 
 
 class DeviceReader(Protocol):
-    def total_bytes(self, index: int) -> int:
-        memory = _Memory()
-        self._check(self._nvml.nvmlDeviceGetMemoryInfo(self._devices[index], ctypes.byref(memory)), "GetMemoryInfo")
-        return int(memory.total)
-
     def read(self) -> DeviceSnapshot: ...
 
     def close(self) -> None: ...
@@ -230,6 +225,7 @@ class PeakSampler:
         self._delta: int | None = None
         self._samples = 0
         self._task: asyncio.Task[None] | None = None
+        self._stopping: asyncio.Event | None = None
 
     def sample(self) -> None:
         """One reading folded into the peaks (also called once at stop, so a short cell has one)."""
@@ -246,23 +242,29 @@ class PeakSampler:
         elif self.baseline is not None and snap.device_used_bytes > self.baseline:
             self._delta = max(self._delta or 0, snap.device_used_bytes - self.baseline)
 
-    async def _run(self) -> None:
-        while True:
+    async def _run(self, stopping: asyncio.Event) -> None:
+        while not stopping.is_set():
             await asyncio.to_thread(self.sample)  # NVML calls block briefly: off the event loop
-            await asyncio.sleep(self.interval_s)
+            try:
+                await asyncio.wait_for(stopping.wait(), self.interval_s)
+            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+                pass
 
     def start(self) -> None:
         if self.reader is not None and self.pid is not None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
+            self._stopping = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run(self._stopping))
 
     async def stop(self) -> PeakMemory:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        """The last sample, then the result. The loop is asked to end, not cancelled: a cancelled
+        `to_thread` leaves its sample running in the thread, racing the last one on the peaks and
+        reading NVML after the caller may have closed the reader."""
+        if self._task is not None and self._stopping is not None:
+            self._stopping.set()
+            # the sample in flight, if any, finishes first; a sampler task cancelled from outside (loop
+            # shutdown) ends the wait without raising here, as before
+            await asyncio.wait({self._task})
+            self._task = self._stopping = None
             await asyncio.to_thread(self.sample)
         return self.result()
 

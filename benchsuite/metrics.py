@@ -54,8 +54,9 @@ Per cell:
   requests: the tokens after each stream's first over the time at least one stream was decoding
   (`decode_window_s`, the measure of the union). Why this definition: it leaves out the time before a
   stream's first token (its prefill and queueing, which aggregate output tok/s counts: with 32 output
-  tokens at c=4 that was 52-86% of the window), it reduces at c=1 to each request's own decode rate
-  weighted by its length, and the union never counts a moment twice, so two streams decoding side by
+  tokens at c=4 that was 52-86% of the window), it reduces at c=1 to the requests' own decode rates
+  averaged weighted by their decode time (sum of tokens / sum of spans: not a median, not weighted
+  by tokens), and the union never counts a moment twice, so two streams decoding side by
   side at 50 tok/s each read 100. Prefill steps of one stream that fall inside another's decode stay
   in (continuous batching makes the decoding stream pay for them). None when any measured ok request
   is untimed (a partial sum would understate it).

@@ -53,8 +53,9 @@ _MANIFEST_MARKER = ("schema_version", "run_id", "matrix_hash")
 def not_a_run_dir(run_dir: Path) -> str | None:
     """Why `run_dir` must not be used as a run directory, or None: it does not exist, is empty, or
     is one this suite created (its manifest carries the marker keys; or, while the manifest is
-    missing or damaged, it holds nothing but the store's own layout). Anything else is someone
-    else's folder, which a run must neither write into nor move aside."""
+    missing or damaged, it holds nothing but the store's own layout, with its `cells` or its
+    `.lock`: a run stopped between its lock and its manifest leaves the lock alone). Anything else
+    is someone else's folder, which a run must neither write into nor move aside."""
     run_dir = Path(run_dir)
     if not run_dir.exists():
         return None
@@ -64,7 +65,7 @@ def not_a_run_dir(run_dir: Path) -> str | None:
     if not names or _has_run_manifest(run_dir / "manifest.json"):
         return None
     foreign = [n for n in names if n not in RUN_LAYOUT and not (n.startswith(".") and n.endswith(".tmp"))]
-    if not foreign and "cells" in names:
+    if not foreign and ("cells" in names or ".lock" in names):  # the store's own, stopped before its manifest
         return None
     shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
     return (

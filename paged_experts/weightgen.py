@@ -281,12 +281,12 @@ def values_np(seed: int, t: SourceTensor, start: int = 0, count: int | None = No
             lo, hi = max(g * t.group_numel, start) - start, min((g + 1) * t.group_numel, start + n) - start
             if offsets[g]:
                 out[lo:hi] *= np.float32(2.0 ** int(offsets[g]))
-    for lo, hi in _zero_spans(t, start, n):
+    for lo, hi in zero_spans(t, start, n):
         out[lo:hi] = 0
     return out
 
 
-def _zero_spans(t: SourceTensor, start: int, count: int) -> Iterator[tuple[int, int]]:
+def zero_spans(t: SourceTensor, start: int, count: int) -> Iterator[tuple[int, int]]:
     """[lo, hi) spans, relative to `start`, of the zero rows within elements start .. start+count."""
     row = t.numel // t.shape[0] if t.zero_rows else 0
     for r in t.zero_rows:
@@ -314,19 +314,30 @@ def values_torch(
     if torch.device(device).type == "cpu":
         out = torch.from_numpy(values_np(seed, t, start, n)).to(dtype)
     else:
-        lut = torch.from_numpy(lut_values(t)).to(device)  # [256]
-        factors = torch.from_numpy(np.ldexp(np.float32(1), group_offsets(seed, t)).astype(np.float32)).to(device)
-        out = torch.empty(n, dtype=dtype, device=device)
-        for first in range(0, n, SLAB):
-            m = min(SLAB, n - first)
-            v = lut[indices_torch(seed, t.name, start + first, m, device)]  # [m] float32
-            if t.group_numel:
-                j = torch.arange(start + first, start + first + m, device=device)
-                v *= factors[j // t.group_numel]
-            out[first : first + m] = v.to(dtype)
-        for lo, hi in _zero_spans(t, start, n):
-            out[lo:hi] = 0
+        out = values_slabs(seed, t, device, dtype, start, n)
     return out.reshape(t.shape) if count is None and start == 0 else out
+
+
+def values_slabs(seed: int, t: SourceTensor, device: torch.device | str, dtype: torch.dtype, start: int,
+                 count: int) -> torch.Tensor:  # fmt: skip
+    """[count] flat values of `t` from `start`, computed on `device` by `indices_torch` in slabs of
+    SLAB elements: `values_torch`'s accelerator path (any device runs it; tests compare it with numpy
+    on the CPU)."""
+    import torch
+
+    lut = torch.from_numpy(lut_values(t)).to(device)  # [256]
+    factors = torch.from_numpy(np.ldexp(np.float32(1), group_offsets(seed, t)).astype(np.float32)).to(device)
+    out = torch.empty(count, dtype=dtype, device=device)
+    for first in range(0, count, SLAB):
+        m = min(SLAB, count - first)
+        v = lut[indices_torch(seed, t.name, start + first, m, device)]  # [m] float32
+        if t.group_numel:
+            j = torch.arange(start + first, start + first + m, device=device)
+            v *= factors[j // t.group_numel]
+        out[first : first + m] = v.to(dtype)
+    for lo, hi in zero_spans(t, start, count):
+        out[lo:hi] = 0
+    return out
 
 
 def iter_torch(

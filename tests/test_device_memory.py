@@ -101,3 +101,53 @@ async def _sampled(sampler: dm.PeakSampler) -> dm.PeakMemory:
 def test_a_missing_driver_library_means_no_reader() -> None:
     with pytest.raises(dm.NvmlError):
         dm.NvmlReader("libnvidia-ml-not-here.so.1")
+
+
+class Slow:
+    """A reader whose every read takes `read_s` (NVML on a busy driver): how many reads are in flight,
+    the most there ever were at once, and whether one was still running when it was closed."""
+
+    def __init__(self, pid: int, read_s: float) -> None:
+        import threading
+
+        self.pid, self.read_s, self.reads = pid, read_s, 0
+        self.in_flight = self.most_in_flight = 0
+        self.read_after_close = False
+        self.closed = False
+        self._lock = threading.Lock()
+
+    def read(self) -> dm.DeviceSnapshot:
+        import time
+
+        with self._lock:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            self.reads += 1
+            used = self.reads * GIB  # every read higher: the last one is the peak
+        time.sleep(self.read_s)
+        with self._lock:
+            self.in_flight -= 1
+            self.read_after_close |= self.closed
+        return dm.DeviceSnapshot({self.pid: used}, 0)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_stop_waits_for_the_sample_in_flight_and_keeps_its_figure(tree) -> None:
+    """stop() while a background read is in flight: before, the read went on in its thread after stop
+    returned (its higher figure lost, a second read racing it, the reader closed under it)."""
+    parent, _ = tree
+    reader = Slow(parent, read_s=0.3)
+    sampler = dm.PeakSampler(reader, parent, baseline=None, interval_s=0.01)
+
+    async def cell() -> dm.PeakMemory:
+        sampler.start()
+        await asyncio.sleep(0.1)  # the first read is in flight
+        peak = await sampler.stop()
+        reader.close()  # what the runner does after its last cell
+        return peak
+
+    peak = asyncio.run(cell())
+    assert reader.in_flight == 0 and reader.most_in_flight == 1 and not reader.read_after_close
+    assert peak.peak_bytes == reader.reads * GIB and peak.samples == reader.reads

@@ -1,7 +1,7 @@
 """configs/h200/*.yaml: every matrix validates and plans (dry run, the model paths pointed at stand-ins)
 with what issue 15 asks: the built-in engine with device, dtype and its mode only, the K, N and
 routing values, llama.cpp's fixed N and its 16 GB search, both prompt classes, c=1 and c=4, >= 2
-repeats, the link probe."""
+repeats, the link probe; and issue 24's headline matrix (headline.yaml)."""
 
 from __future__ import annotations
 
@@ -70,3 +70,30 @@ def test_the_modes_and_values_issue_15_lists(stand_ins: None) -> None:
     assert llama == [0, 12, 24]
     (search,) = plans["model"].searches
     assert search.spec.options.n_cpu_moe == "search" and search.spec.options.vram_budget_gb == 16
+
+
+def test_the_headline_matrix_issue_24_asks_for(stand_ins: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """configs/h200/headline.yaml: paged FP8's K searched at 16 GB (model and calibrated synthetic routing),
+    llama.cpp's N searched at 16 GB, resident bf16 as the reference; short and 2,048-token prompts, c=1
+    and c=4, 128 output tokens, 2 repeats, the link probe."""
+    path = CONFIGS / "headline.yaml"
+    assert main(["run", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "link bandwidth: `benchsuite linkbw --json` runs once" in out
+    m = load_matrix(path).matrix
+    assert m.repeats >= 2 and m.linkbw
+    for workload in m.workloads.values():
+        assert workload.prompt_classes == ["short", "2048"] and workload.concurrency == [1, 4]
+        assert workload.output_tokens == 128
+    plan = build_plan(load_matrix(path))
+    searches = {(s.spec.name, s.option): s.spec.options for s in plan.searches}
+    assert set(searches) == {
+        ("paged-fp8", "resident_experts"),
+        ("paged-fp8-synthetic", "resident_experts"),
+        ("llamacpp-16gb", "n_cpu_moe"),
+    }
+    assert {o.vram_budget_gb for o in searches.values()} == {16}
+    assert searches[("paged-fp8-synthetic", "resident_experts")].routing == "qwen3-30b-a3b"
+    assert searches[("paged-fp8", "resident_experts")].routing == "model"
+    (resident,) = [s for s in plan.servers if s.kind == "builtin"]
+    assert resident.options.mode == "resident" and resident.options.dtype == "bfloat16"

@@ -66,3 +66,29 @@ def test_the_common_peak_figure_decides_before_either_engine_s_own() -> None:
     assert over_budget(pd.DataFrame([both, llama])) == int(16.8 * GB)
     missing = pd.Series({**cell("3", "cpu", used=int(1.0 * GB)), "peak_device_memory_bytes": float("nan")})
     assert device_bytes(missing) == int(1.0 * GB)
+
+
+def test_a_budget_judged_by_two_figures_is_named() -> None:
+    """Peak per process for one configuration, an older run's log breakdown for another: the caveat
+    says the fit is not measured alike (before, the two were compared silently)."""
+    from benchsuite.manifest import ServerRecord
+    from benchsuite.report.budget import mixed_figures
+    from benchsuite.report.caveats import setup_caveats
+
+    paged = {**cell("1", "paged K=40"), "peak_device_memory_bytes": int(15.2 * GB),
+             "device_memory_method": "nvml-per-process"}  # fmt: skip
+    llama = cell("2", "llama N=30", self_mib=14475)
+    also_peak = {
+        **cell("3", "resident"),
+        "peak_device_memory_bytes": 62 * GB,
+        "device_memory_method": "nvml-per-process",
+    }
+    frame = pd.DataFrame([paged, llama, also_peak]).assign(server_id=["a", "b", "c"], routing="model")
+    assert mixed_figures(frame) == {
+        "llama.cpp log breakdown": ["llama N=30"],
+        "peak, nvml-per-process": ["paged K=40", "resident"],
+    }
+    assert mixed_figures(frame.iloc[[0, 2]]) == {}  # one figure: nothing to say
+    notes = setup_caveats(frame, {s: ServerRecord() for s in "abc"}, has_gpu=True)
+    (note,) = [n for n in notes if "not one figure" in n]
+    assert "llama N=30" in note and "paged K=40" in note

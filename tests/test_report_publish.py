@@ -146,3 +146,26 @@ def test_an_unwritable_folder_gets_one_line_and_exit_2(
             out.parent.chmod(0o755)
     err = capsys.readouterr().err
     assert err.startswith("benchsuite: error: ") and err.count("\n") == 1, err
+
+
+def test_a_failed_swap_never_deletes_the_previous_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The new report cannot be moved in and the previous one cannot be moved back: the previous
+    report stays on disk (beside the target), never removed with the swap's scratch folder."""
+    from benchsuite.errors import UserError
+    from benchsuite.report import publish
+
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "index.html").write_text("previous")
+    real_rename = Path.rename
+
+    def failing(self: Path, dest: Any) -> Path:
+        if self.name.endswith(".partial") or Path(dest) == target.absolute():
+            raise OSError(5, "I/O error")  # the new one's move in, then the old one's move back
+        return real_rename(self, dest)
+
+    monkeypatch.setattr(Path, "rename", failing)
+    with pytest.raises(UserError), publish.report_folder(target) as staging:
+        (staging / "index.html").write_text("new")
+    kept = [p.read_text() for p in tmp_path.rglob("index.html")]
+    assert kept == ["previous"]

@@ -55,3 +55,18 @@ def test_the_suites_own_runs_and_empty_folders_are_used(tmp_path: Path) -> None:
     RunStore.open(empty, bare_manifest("h")).close()  # a resume
     RunStore.open(empty, bare_manifest("h"), new_run=True).close()  # ours: moved aside
     assert len([p for p in tmp_path.iterdir() if p.name.startswith("empty.replaced-")]) == 1
+
+
+def test_a_run_stopped_before_its_manifest_is_taken_up_again(tmp_path: Path) -> None:
+    """A run that stopped between taking its lock and writing its manifest (killed, or a directory
+    it could not create) leaves only `.lock` behind: before, the same command was then refused as
+    someone else's folder, forever."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / ".lock").write_text("")
+    RunStore.open(folder, bare_manifest("h")).close()
+    assert (folder / "manifest.json").exists()
+    logs_only = users_folder(tmp_path, {})  # a folder with nothing of a run's but a name like one
+    (logs_only / "logs").mkdir()
+    with pytest.raises(UserError, match="not a run directory benchsuite created"):
+        RunStore.open(logs_only, bare_manifest("h"))

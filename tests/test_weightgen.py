@@ -48,16 +48,18 @@ def test_bytes_are_uniform() -> None:
 
 
 def test_torch_slabs_on_a_device_path_match_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The accelerator branch (slabs of indices_torch) equals the numpy branch; run here on the
-    CPU by pretending the device is not one (the CUDA test runs it on the GPU)."""
-    t = weightgen.SourceTensor("model.layers.0.mlp.experts.gate_proj.weight", (3, 40, 64), "normal", -9)
+    """The accelerator path (values_slabs: indices_torch in slabs, the experts' power-of-two groups,
+    the silent tokens' zero rows) equals the numpy path, run here on the CPU over an odd range that
+    crosses slabs, groups and a zero row (the CUDA test runs it on the GPU)."""
+    expert = weightgen.SourceTensor(weightgen.expert_name(0, "gate"), (3, 40, 64), "normal", -9, 40 * 64)
+    head = weightgen.SourceTensor("lm_head.weight", (50, 64), "normal", -8, 0, (3, 7))
     monkeypatch.setattr(weightgen, "SLAB", 1000)
-    want = weightgen.values_torch(5, t, "cpu", torch.bfloat16)
-    lut = torch.from_numpy(weightgen.lut_values(t))
-    got = torch.cat(
-        [lut[weightgen.indices_torch(5, t.name, s, min(1000, t.numel - s), "cpu")] for s in range(0, t.numel, 1000)]
-    )
-    assert torch.equal(got.reshape(t.shape).to(torch.bfloat16), want)
+    assert set(weightgen.group_offsets(1, expert)) == {0, -1}  # both magnitudes occur: the groups are seen
+    for t, start in ((expert, 0), (expert, 1237), (head, 130)):
+        n = t.numel - start
+        want = torch.from_numpy(weightgen.values_np(1, t, start, n)).to(torch.bfloat16)
+        got = weightgen.values_slabs(1, t, "cpu", torch.bfloat16, start, n)
+        assert torch.equal(got, want), (t.name, start)
 
 
 def test_every_value_is_exact_in_bf16_and_fp16() -> None:
@@ -179,3 +181,21 @@ def test_expert_groups_scale_by_their_own_power_of_two() -> None:
     base = weightgen.lut_values(t)[weightgen.indices_np(1, "e", 0, t.numel)]
     assert np.array_equal(whole, base * np.repeat(np.ldexp(np.float32(1), offsets), 256).astype(np.float32))
     assert np.array_equal(weightgen.values_np(1, t, 250, 300), whole[250:550])  # across an expert boundary
+
+
+def test_a_q8_0_output_layer_keeps_the_silent_rows_zero(tmp_path: Path) -> None:
+    """write_synthetic_gguf(dense_type="q8_0"): the Q8_0 writer wrote every block's LUT quants and
+    skipped the silent tokens' zero rows, so the GGUF's lm_head was no longer the checkpoint's."""
+    from tokenizers import Tokenizer
+
+    from paged_experts.synth_memory import write_weightless
+
+    g = write_synthetic_gguf(tmp_path / "q8.gguf", preset="tiny", layers=1, seed=3, dense_type="q8_0", workers=1).path
+    head = next(t for t in gguf.GGUFReader(g).tensors if t.name == "output.weight")
+    assert head.tensor_type == Q.Q8_0
+    rows = gguf.quants.dequantize(head.data, Q.Q8_0).astype(np.float32).reshape(-1, int(head.shape[0]))
+    tok = Tokenizer.from_file(str(write_weightless("tiny", tmp_path / "hf", seed=3) / "tokenizer.json"))
+    silent = list(weightgen.silent_token_ids(tok))
+    assert np.flatnonzero((rows == 0).all(axis=1)).tolist() == silent
+    src = weightgen.by_name(_tiny_hf() | {"num_hidden_layers": 1}, tuple(silent))["lm_head.weight"]
+    assert np.array_equal(rows.reshape(-1), weightgen.values_np(3, src))  # exact, as the bf16 one

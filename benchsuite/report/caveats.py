@@ -13,6 +13,8 @@
 - bytes per expert that differ between engines (float32 vs bf16 vs FP8 vs a GGUF quantization): a
   faster engine may only be moving fewer bytes;
 - configurations over the run's GPU budget (report/budget.py): named with their measured memory;
+- device memory judged against the budget by different figures (report/budget.mixed_figures: peak
+  per process, peak as the device's delta, an older run's after-cell or log figure): named;
 - a busy machine (benchsuite.report.noise) and a client that could not keep up (metrics' client_flag).
 """
 
@@ -24,7 +26,7 @@ from pathlib import Path
 import pandas as pd
 
 from benchsuite.manifest import ServerRecord
-from benchsuite.report.budget import over_budget
+from benchsuite.report.budget import mixed_figures, over_budget
 from benchsuite.report.groups import is_synthetic
 from benchsuite.report.noise import busy_cells
 
@@ -162,6 +164,13 @@ def setup_caveats(cells: pd.DataFrame, servers: Mapping[str, ServerRecord], has_
             f"Over the run's {over[0][1] / 1e9:.0f} GB GPU budget (measured device memory), so not contenders: "
             + ", ".join(f"{label} ({used / 1e9:.1f} GB)" for label, _, used in over)
             + "."
+        )
+    mixed = mixed_figures(cells)
+    if mixed:
+        out.append(
+            "Device memory against the budget is not one figure for every configuration ("
+            + "; ".join(f"{figure}: {', '.join(labels)}" for figure, labels in mixed.items())
+            + "): which of them fits is not measured alike."
         )
     busy = busy_cells(cells)
     if busy:

@@ -1,6 +1,8 @@
 """Publishing a report folder whole: its files are written into a fresh temporary folder beside the
-target and moved into place in one step, under a lock, so a reader or a second writer never sees a
-mix of two reports, and a writer that dies leaves the previous report as it was.
+target and moved into place under a lock (the previous folder renamed aside, the new one renamed in),
+so a reader or a second writer never sees a mix of two reports, only, between the two renames, no
+folder; a writer that dies leaves the previous report as it was, or, between the renames, in a
+`.<name>.*.old` folder beside it.
 
 Two `benchsuite report` runs into one `--out` publish one after the other (the lock serializes the
 swap; each report is whole, the last one stays). A folder that cannot be written, or an existing
@@ -82,7 +84,8 @@ def _swap_in(staging: Path, target: Path) -> None:
     try:
         staging.rename(target)
     except OSError:
-        (aside / target.name).rename(target)  # put the previous report back
+        # put the previous report back; should that fail too, it stays in `aside` (never removed here)
+        (aside / target.name).rename(target)
+        aside.rmdir()
         raise
-    finally:
-        shutil.rmtree(aside, ignore_errors=True)
+    shutil.rmtree(aside, ignore_errors=True)  # the new report is in place: the previous one goes

@@ -159,6 +159,10 @@ def chunk_bytes(task: _Task) -> np.ndarray:
         scales = np.float32(2.0**task.source.exponent) * block_factors  # [blocks], powers of two
         out[:, 0] = scales.astype(np.float16).view(np.int16)
         out[:, 1:] = LUT16[idx.view("<u2")].reshape(task.n_blocks, 16)
+        # zero rows (the silent tokens' lm_head rows) as zero quants: rows are whole blocks (Q8_0
+        # needs a row length that is a multiple of 32)
+        for lo, hi in weightgen.zero_spans(task.source, task.start, task.n_blocks * 32):
+            out[lo // 32 : hi // 32, 1:] = 0
         return out
     if task.source.group_numel or task.source.zero_rows:  # per-expert scales, zero rows: the values, then bits
         values = weightgen.values_np(task.seed, task.source, task.start, task.n_blocks)
