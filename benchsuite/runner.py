@@ -24,13 +24,15 @@ engine's options object with the searched value set. Its building blocks are tho
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from benchsuite import canary, device_memory
+from benchsuite import canary, device_memory, paging
 from benchsuite.cell_measure import CELL_ERRORS, failed_result, measure_cell
 from benchsuite.engines.base import EngineConfigError, ServerSpec
 from benchsuite.errors import RunError, UserError
@@ -90,7 +92,45 @@ async def run_server_cells(ctx: RunContext, spec: ServerSpec, cells: Sequence[Ce
             result = _store_failure(ctx, cell, spec, f"engine did not start: {exc}")
             results.append(result)
             ctx.events.cell_finished(cell, result)
+    if started:
+        results = _add_optimal_hit_rates(ctx, spec, results)
     return results
+
+
+def _add_optimal_hit_rates(ctx: RunContext, spec: ServerSpec, results: list[CellResult]) -> list[CellResult]:
+    """Paged built-in cells: Belady's hit rate over each cell's steps from the routing trace the
+    stopped server wrote (paging.optimal_hit_rate), or the reason there is none in extras; the
+    stored cells are rewritten in place."""
+    placement = spec.options.placement()
+    if spec.kind != "builtin" or placement.mode != "paged" or placement.k is None:
+        return results
+    trace_path = ctx.store.run_dir / "routing" / f"{spec.server_id}.trace"
+    trace, note = None, paging.NO_TRACE_NOTE
+    if trace_path.is_file():
+        from paged_experts.trace import read_trace  # numpy, only with a trace
+
+        try:
+            trace, note = read_trace(trace_path), ""
+        except (OSError, ValueError, KeyError) as exc:
+            note = f"cannot read {trace_path.name}: {exc}"
+    keep = spec.options.resolved_prefill_residency()
+    out = []
+    for result in results:
+        if result.miss_rate is None:
+            out.append(result)
+            continue
+        optimal, why = None, note
+        if trace is not None:
+            try:
+                scrapes = json.loads(ctx.store.engine_metrics_path(result.cell_id).read_bytes())
+                optimal = paging.optimal_hit_rate(trace, scrapes["before"], scrapes["after"], placement.k, keep)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                why = f"trace and counters do not line up: {exc}"
+        extras = {**result.extras, "hit_rate_optimal_note": why} if why else result.extras
+        result = dataclasses.replace(result, hit_rate_optimal=optimal, extras=extras)
+        ctx.store.update_cell(result)
+        out.append(result)
+    return out
 
 
 async def run_search_task(ctx: RunContext, task: SearchTask) -> list[CellResult]:
