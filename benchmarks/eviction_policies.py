@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchsuite.simulate import SimOptions, SimResult, simulate
+from benchsuite.simulate import SimOptions, simulate
 from paged_experts.trace import read_trace
 
 
@@ -53,7 +53,7 @@ def compare(path: str, ks: tuple[int, ...], half_lives: tuple[float, ...], concu
     ]
     cols = "  ".join(f"{p:>12}" for p in policies)
     lines.append(f"{'phase':<14} {'c':>2} {'K':>4}  {cols}  {'best online':>14} {'gap':>6}")
-    for phase, include_prefill in (("decode", False), ("prefill", True)):
+    for include_prefill in (False, True):
         has_prefill = any(c.num_tokens > 1 for chunks in trace.requests().values() for c in chunks)
         if include_prefill and not has_prefill:
             continue

@@ -102,7 +102,7 @@ def _add_optimal_hit_rates(ctx: RunContext, spec: ServerSpec, results: list[Cell
     stopped server wrote (paging.optimal_hit_rate), or the reason there is none in extras; the
     stored cells are rewritten in place."""
     placement = spec.options.placement()
-    if spec.kind != "builtin" or placement.mode != "paged" or placement.k is None:
+    if spec.kind != "builtin" or placement.mode != "paged" or placement.resident_experts is None:
         return results
     trace_path = ctx.store.run_dir / "routing" / f"{spec.server_id}.trace"
     trace, note = None, paging.NO_TRACE_NOTE
@@ -123,7 +123,9 @@ def _add_optimal_hit_rates(ctx: RunContext, spec: ServerSpec, results: list[Cell
         if trace is not None:
             try:
                 scrapes = json.loads(ctx.store.engine_metrics_path(result.cell_id).read_bytes())
-                optimal = paging.optimal_hit_rate(trace, scrapes["before"], scrapes["after"], placement.k, keep)
+                optimal = paging.optimal_hit_rate(
+                    trace, scrapes["before"], scrapes["after"], placement.resident_experts, keep
+                )
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 why = f"trace and counters do not line up: {exc}"
         extras = {**result.extras, "hit_rate_optimal_note": why} if why else result.extras

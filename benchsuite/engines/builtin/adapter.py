@@ -126,7 +126,9 @@ class BuiltinOptions(EngineOptions):
         if info.data.get("mode") != "paged":
             raise ValueError(f"{value!r} applies to mode paged, not {info.data.get('mode')}")
         if value != "lru" and info.data.get("device") == "cuda":
-            raise ValueError(f"{value!r} runs on the host planner only; device cuda plans paged steps on the GPU with LRU")
+            raise ValueError(
+                f"{value!r} runs on the host planner only; device cuda plans paged steps on the GPU with LRU"
+            )
         return value
 
     def resolved_eviction_policy(self) -> str | None:
