@@ -208,6 +208,21 @@ def test_benchsuite_run_stores_the_optimal_hit_rate_from_the_recorded_trace(
     assert (table["of_optimal"].dropna() <= 1 + 1e-12).all()
 
 
+def test_cell_steps_come_from_the_layer_step_counter_and_refuse_what_does_not_line_up() -> None:
+    trace = _trace([[1], [2], [1], [3]], 4, 1)  # one layer, 4 steps
+    at = lambda n: {"paged_experts:moe_steps_total": float(n)}  # noqa: E731
+    assert cell_steps(trace, at(1), at(3)) == (1, 3)
+    assert window_hit_rate(trace, 1, 3, 2, "recent", "lru").hits == 1  # step 1 misses 2, step 2 hits 1
+    with pytest.raises(ValueError, match="the trace holds 4 steps"):
+        cell_steps(trace, at(1), at(5))
+    with pytest.raises(ValueError, match="have no"):
+        cell_steps(trace, {}, at(2))
+    two_layers = build_trace(TraceMeta(num_layers=2, num_experts=4, top_k=1, source="model"), [[("r", 1)]] * 2,
+                             np.zeros((2, 2, 1), dtype=np.int64), None)  # fmt: skip
+    with pytest.raises(ValueError, match="not a whole number of 2-layer steps"):
+        cell_steps(two_layers, at(1), at(2))
+
+
 def test_hit_rate_table_says_why_an_optimum_is_missing() -> None:
     base = {"mode": "paged", "engine": "p", "concurrency": 1, "prompt_class": "short", "repeat": 0,
             "resident_experts": 8}  # fmt: skip

@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--eviction-policy",
         choices=EVICTION_POLICIES,
         help=f"mode paged: which resident expert a miss evicts: lru = the least recently used, lfu-decay = "
-        f"the least used with counts halving every 32 steps (host planner only: refused with --device cuda; "
+        f"the least used with counts halving every 2 steps (host planner only: refused with --device cuda; "
         f"default {DEFAULT_EVICTION_POLICY}; see docs/eviction-policy.md)",
     )
     p.add_argument(
