@@ -3,9 +3,9 @@
 `PAGING_COUNTERS` names the Prometheus series (`paged_experts.server.metrics` exposes them);
 `paging_delta(before, after)` defines every paging and prefill field with its formula, and
 `PAGING_DEFINITIONS` their one-line definitions (`metrics.DEFINITIONS` carries them for the report).
-`optimal_hit_rate(trace, before, after, k, prefill_keep)` is the offline optimum (Belady) of the
-same cell, from the routing trace its server recorded (`record_routing: true`); the runner stores
-it as `hit_rate_optimal` once the server has stopped and written the trace.
+`optimal_hit_rate` is the offline optimum (Belady) of the same cell, from the routing trace its
+server recorded (`record_routing: true`, replayed once per server by `replay_trace`); the runner
+stores it as `hit_rate_optimal` once the server has stopped and written the trace.
 """
 
 from __future__ import annotations
@@ -160,17 +160,17 @@ NO_TRACE_NOTE = "no routing trace: set record_routing: true on the paged builtin
 
 
 @dataclass(frozen=True)
-class WindowHitRate:
-    """Hits and misses of a replay over the cell's steps [start_step, end_step) of the trace."""
+class StepCounts:
+    """Hits and misses per recorded step [S], summed over layers, of one replay of a whole trace."""
 
     policy: str
-    hits: int
-    misses: int
+    hits: Any  # np.ndarray [S] int64
+    misses: Any  # np.ndarray [S] int64
 
-    @property
-    def hit_rate(self) -> float | None:
-        looked_up = self.hits + self.misses
-        return self.hits / looked_up if looked_up else None
+    def hit_rate(self, start: int, end: int) -> float | None:
+        """Hits / (hits + misses) over steps [start, end); None when nothing was looked up."""
+        hits, misses = int(self.hits[start:end].sum()), int(self.misses[start:end].sum())
+        return hits / (hits + misses) if hits + misses else None
 
 
 def cell_steps(trace: Trace, before: dict[str, float], after: dict[str, float]) -> tuple[int, int]:
@@ -190,29 +190,25 @@ def cell_steps(trace: Trace, before: dict[str, float], after: dict[str, float]) 
     return start, end
 
 
-def window_hit_rate(
-    trace: Trace, start: int, end: int, k: int, prefill_keep: str, policy: str = "belady"
-) -> WindowHitRate:
+def replay_trace(trace: Trace, k: int, prefill_keep: str, policy: str = "belady") -> StepCounts:
     """Replays every recorded step (as batched, prompts included) through the runtime's residency
-    code with `policy` from the server's start (slots 0..K-1) and counts steps [start, end)."""
+    code with `policy` from the server's start (slots 0..K-1): once per server, sliced per cell."""
     from benchsuite.simulate import batched_steps, replay_layer, step_routed  # numpy: only with a trace
 
     steps = batched_steps(trace, 0, include_prefill=True)
-    if len(steps) != len(trace.steps):  # a recorded step with no chunk cannot happen; the step index would shift
+    if len(steps) != len(trace.steps):  # a recorded step with no chunk would shift every step index
         raise ValueError("the trace has empty steps")
     hits = misses = 0
     for layer in range(trace.meta.num_layers):
         replay = replay_layer(step_routed(trace, steps, layer), trace.meta.num_experts, k, policy,
                               prefill_keep=prefill_keep)  # fmt: skip
-        hits += int(replay.hits[start:end].sum())
-        misses += int(replay.misses[start:end].sum())
-    return WindowHitRate(policy, hits, misses)
+        hits, misses = hits + replay.hits, misses + replay.misses
+    return StepCounts(policy, hits, misses)
 
 
 def optimal_hit_rate(
-    trace: Trace, before: dict[str, float], after: dict[str, float], k: int, prefill_keep: str
+    optimal: StepCounts, trace: Trace, before: dict[str, float], after: dict[str, float]
 ) -> float | None:
-    """`hit_rate_optimal` of one cell (PAGING_DEFINITIONS); ValueError when the trace and the
-    scrapes do not line up."""
-    start, end = cell_steps(trace, before, after)
-    return window_hit_rate(trace, start, end, k, prefill_keep).hit_rate
+    """`hit_rate_optimal` of one cell (PAGING_DEFINITIONS) from its server's Belady replay
+    (`replay_trace`); ValueError when the trace and the scrapes do not line up."""
+    return optimal.hit_rate(*cell_steps(trace, before, after))

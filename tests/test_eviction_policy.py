@@ -14,7 +14,7 @@ import yaml
 
 from benchsuite.cli import main as cli_main
 from benchsuite.matrix import MatrixError
-from benchsuite.paging import NO_TRACE_NOTE, cell_steps, window_hit_rate
+from benchsuite.paging import NO_TRACE_NOTE, cell_steps, replay_trace
 from benchsuite.report.build import build_report_data
 from benchsuite.report.paging_figures import HIT_RATE_TITLE, hit_rate_table
 from benchsuite.simulate import SimOptions, check_policy, simulate
@@ -198,9 +198,10 @@ def test_benchsuite_run_stores_the_optimal_hit_rate_from_the_recorded_trace(
         scrapes = json.loads((run_dir / "engine_metrics" / f"{cell.cell_id}.json").read_text())
         start, end = cell_steps(trace, scrapes["before"], scrapes["after"])
         # the replay of the server's own policy over the cell's steps reproduces its counters exactly
-        replayed = window_hit_rate(trace, start, end, 8, "recent", policy)
-        assert (replayed.hits, replayed.misses) == (cell.expert_hits, cell.expert_misses), cell.cell_id
-        assert window_hit_rate(trace, start, end, 8, "recent").hit_rate == cell.hit_rate_optimal
+        replayed = replay_trace(trace, 8, "recent", policy)
+        counts = (int(replayed.hits[start:end].sum()), int(replayed.misses[start:end].sum()))
+        assert counts == (cell.expert_hits, cell.expert_misses), cell.cell_id
+        assert replay_trace(trace, 8, "recent").hit_rate(start, end) == cell.hit_rate_optimal
     table = build_report_data([run_dir]).tables[HIT_RATE_TITLE]
     assert len(table) == 6 and table["hit_rate_optimal"].notna().sum() == 4
     plain = table[table["hit_rate_optimal"].isna()]
@@ -212,7 +213,8 @@ def test_cell_steps_come_from_the_layer_step_counter_and_refuse_what_does_not_li
     trace = _trace([[1], [2], [1], [3]], 4, 1)  # one layer, 4 steps
     at = lambda n: {"paged_experts:moe_steps_total": float(n)}  # noqa: E731
     assert cell_steps(trace, at(1), at(3)) == (1, 3)
-    assert window_hit_rate(trace, 1, 3, 2, "recent", "lru").hits == 1  # step 1 misses 2, step 2 hits 1
+    lru = replay_trace(trace, 2, "recent", "lru")  # slots 0, 1: step 1 misses 2, step 2 hits 1
+    assert list(lru.hits[1:3]) == [0, 1] and lru.hit_rate(1, 3) == 0.5 and lru.hit_rate(2, 2) is None
     with pytest.raises(ValueError, match="the trace holds 4 steps"):
         cell_steps(trace, at(1), at(5))
     with pytest.raises(ValueError, match="have no"):
