@@ -11,6 +11,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from benchsuite.cli import main as cli_main
 from benchsuite.matrix import MatrixError
@@ -63,6 +65,19 @@ def test_eviction_order_ties_go_to_the_least_recent_then_the_lowest_id() -> None
     assert p.victim([0, 9, 5], 3) == 0  # never used: score 0, lowest id first
     assert p.victim([3, 4, 5], 3) == 5  # the oldest use has decayed most
     assert p.victim([4, 3], 3) == 3  # equal score and stamp: the lower id
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    k=st.integers(2, 6),
+    steps=st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=14), min_size=1, max_size=25),
+)
+def test_a_vanishing_half_life_plans_exactly_what_lru_plans(k: int, steps: list[list[int]]) -> None:
+    # every older use decays to 0: the score ties and the last use decides, LRU's own order
+    lru = LayerResidency(10, k, LruPolicy())
+    aged = LayerResidency(10, k, DecayedLfuPolicy(half_life_steps=1e-6))
+    for routed in steps:
+        assert aged.plan_step(routed) == lru.plan_step(routed)
 
 
 def test_residency_runs_the_policy_it_is_given() -> None:
