@@ -3,13 +3,20 @@
 `PAGING_COUNTERS` names the Prometheus series (`paged_experts.server.metrics` exposes them);
 `paging_delta(before, after)` defines every paging and prefill field with its formula, and
 `PAGING_DEFINITIONS` their one-line definitions (`metrics.DEFINITIONS` carries them for the report).
+`optimal_hit_rate` is the offline optimum (Belady) of the same cell, from the routing trace its
+server recorded (`record_routing: true`, replayed once per server by `replay_trace`); the runner
+stores it as `hit_rate_optimal` once the server has stopped and written the trace.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from benchsuite.scrape import metric_value
+
+if TYPE_CHECKING:
+    from paged_experts.trace import Trace
 
 PAGING_DEFINITIONS: dict[str, str] = {
     "miss_rate": "expert misses / (hits + misses) over the cell (engine counters)",
@@ -31,6 +38,9 @@ PAGING_DEFINITIONS: dict[str, str] = {
     "prefill_copy_busy": "page-in copy time / prefill span: the share of the prefill the copy engine was busy",
     "prefill_waves_per_layer": "waves / paged layer-steps of prefill steps",
     "decode_miss_rate": "misses / (hits + misses) of every step but the prefill steps (the decode after the prompts)",
+    "hit_rate_optimal": "Belady's hit rate over the cell's steps: the server's recorded routing trace replayed from "
+    "its start with the same K and prefill residency, each miss evicting the expert used farthest in the future; "
+    "compare 1 - miss_rate (None without a trace: record_routing false, or not mode paged)",
 }
 """Each paging field of `paging_delta` with its one-line formula, in the order the report lists them."""
 
@@ -144,3 +154,61 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 def _as_int(value: float | None) -> int | None:
     return None if value is None else round(value)
+
+
+NO_TRACE_NOTE = "no routing trace: set record_routing: true on the paged builtin engine"
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """Hits and misses per recorded step [S], summed over layers, of one replay of a whole trace."""
+
+    policy: str
+    hits: Any  # np.ndarray [S] int64
+    misses: Any  # np.ndarray [S] int64
+
+    def hit_rate(self, start: int, end: int) -> float | None:
+        """Hits / (hits + misses) over steps [start, end); None when nothing was looked up."""
+        hits, misses = int(self.hits[start:end].sum()), int(self.misses[start:end].sum())
+        return hits / (hits + misses) if hits + misses else None
+
+
+def cell_steps(trace: Trace, before: dict[str, float], after: dict[str, float]) -> tuple[int, int]:
+    """The cell's engine steps [start, end) in the trace: the server's MoE layer-step counter at the
+    two scrapes over its MoE layers (the counters start at zero when the server is ready, and every
+    engine step runs every MoE layer once, as the trace records it). ValueError when they disagree."""
+    name = PAGING_COUNTERS["moe_steps"]
+    a, b = metric_value(before, name), metric_value(after, name)
+    layers = trace.meta.num_layers
+    if a is None or b is None:
+        raise ValueError(f"the scrapes have no {name}")
+    if a % layers or b % layers or b < a:
+        raise ValueError(f"{name} {a:g} -> {b:g} is not a whole number of {layers}-layer steps")
+    start, end = int(a) // layers, int(b) // layers
+    if end > len(trace.steps):
+        raise ValueError(f"the cell ends at step {end}, the trace holds {len(trace.steps)} steps")
+    return start, end
+
+
+def replay_trace(trace: Trace, k: int, prefill_keep: str, policy: str = "belady") -> StepCounts:
+    """Replays every recorded step (as batched, prompts included) through the runtime's residency
+    code with `policy` from the server's start (slots 0..K-1): once per server, sliced per cell."""
+    from benchsuite.simulate import batched_steps, replay_layer, step_routed  # numpy: only with a trace
+
+    steps = batched_steps(trace, 0, include_prefill=True)
+    if len(steps) != len(trace.steps):  # a recorded step with no chunk would shift every step index
+        raise ValueError("the trace has empty steps")
+    hits = misses = 0
+    for layer in range(trace.meta.num_layers):
+        replay = replay_layer(step_routed(trace, steps, layer), trace.meta.num_experts, k, policy,
+                              prefill_keep=prefill_keep)  # fmt: skip
+        hits, misses = hits + replay.hits, misses + replay.misses
+    return StepCounts(policy, hits, misses)
+
+
+def optimal_hit_rate(
+    optimal: StepCounts, trace: Trace, before: dict[str, float], after: dict[str, float]
+) -> float | None:
+    """`hit_rate_optimal` of one cell (PAGING_DEFINITIONS) from its server's Belady replay
+    (`replay_trace`); ValueError when the trace and the scrapes do not line up."""
+    return optimal.hit_rate(*cell_steps(trace, before, after))

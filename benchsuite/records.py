@@ -140,6 +140,9 @@ class CellResult:
     prefill_copy_busy: float | None = None
     prefill_waves_per_layer: float | None = None
     decode_miss_rate: float | None = None
+    # Belady's hit rate over the cell's steps from the recorded routing trace (paging.optimal_hit_rate);
+    # None without one (extras["hit_rate_optimal_note"] says why). Set after the server stopped.
+    hit_rate_optimal: float | None = None
     # Peak device memory of the server's processes over the whole cell, every engine alike
     # (benchsuite.device_memory: NVML per process, sampled); None without a GPU, never 0.
     peak_device_memory_bytes: int | None = None

@@ -24,13 +24,15 @@ engine's options object with the searched value set. Its building blocks are tho
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from benchsuite import canary, device_memory
+from benchsuite import canary, device_memory, paging
 from benchsuite.cell_measure import CELL_ERRORS, failed_result, measure_cell
 from benchsuite.engines.base import EngineConfigError, ServerSpec
 from benchsuite.errors import RunError, UserError
@@ -90,7 +92,49 @@ async def run_server_cells(ctx: RunContext, spec: ServerSpec, cells: Sequence[Ce
             result = _store_failure(ctx, cell, spec, f"engine did not start: {exc}")
             results.append(result)
             ctx.events.cell_finished(cell, result)
+    if started:
+        results = _add_optimal_hit_rates(ctx, spec, results)
     return results
+
+
+def _add_optimal_hit_rates(ctx: RunContext, spec: ServerSpec, results: list[CellResult]) -> list[CellResult]:
+    """Paged built-in cells: Belady's hit rate over each cell's steps from the routing trace the
+    stopped server wrote (paging.replay_trace once, paging.optimal_hit_rate per cell), or the reason
+    there is none in extras["hit_rate_optimal_note"]; the stored cells are rewritten in place."""
+    placement = spec.options.placement()
+    if spec.kind != "builtin" or placement.mode != "paged" or placement.resident_experts is None:
+        return results
+    trace_path = ctx.store.run_dir / "routing" / f"{spec.server_id}.trace"
+    trace = optimal = None
+    note = paging.NO_TRACE_NOTE
+    if getattr(spec.options, "record_routing", False):
+        note = f"record_routing was set and the server wrote no {trace_path.name} (it did not stop cleanly)"
+    if trace_path.is_file() and any(r.miss_rate is not None for r in results):
+        from paged_experts.trace import read_trace  # numpy, only with a trace
+
+        try:
+            trace = read_trace(trace_path)
+            keep = spec.options.resolved_prefill_residency()
+            optimal, note = paging.replay_trace(trace, placement.resident_experts, keep), ""
+        except (OSError, ValueError, KeyError) as exc:
+            note = f"cannot replay {trace_path.name}: {exc}"
+    out = []
+    for result in results:
+        if result.miss_rate is None:
+            out.append(result)
+            continue
+        rate, why = None, note
+        if trace is not None and optimal is not None:
+            try:
+                scrapes = json.loads(ctx.store.engine_metrics_path(result.cell_id).read_bytes())
+                rate = paging.optimal_hit_rate(optimal, trace, scrapes["before"], scrapes["after"])
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                why = f"trace and counters do not line up: {exc}"
+        extras = {**result.extras, "hit_rate_optimal_note": why} if why else result.extras
+        result = dataclasses.replace(result, hit_rate_optimal=rate, extras=extras)
+        ctx.store.update_cell(result)
+        out.append(result)
+    return out
 
 
 async def run_search_task(ctx: RunContext, task: SearchTask) -> list[CellResult]:

@@ -24,10 +24,33 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from paged_experts.residency import DEFAULT_PREFILL_KEEP, POLICIES, BeladyPolicy, EvictionPolicy, LayerResidency
+from paged_experts.residency import (
+    DEFAULT_PREFILL_KEEP,
+    POLICIES,
+    BeladyPolicy,
+    DecayedLfuPolicy,
+    EvictionPolicy,
+    LayerResidency,
+)
 from paged_experts.trace import Chunk, Trace
 
 SIM_POLICIES = (*POLICIES, "belady")
+"""Policy names; `lfu-decay:<H>` also names the decayed LFU with a half-life of H steps."""
+
+
+def check_policy(name: str) -> str:
+    """`name` if the simulator knows it (`SIM_POLICIES`, or `lfu-decay:<H>` with H > 0), else ValueError."""
+    base, _, half_life = name.partition(":")
+    if name in SIM_POLICIES:
+        return name
+    if base == "lfu-decay" and half_life:
+        try:
+            DecayedLfuPolicy(float(half_life))
+        except ValueError:
+            pass
+        else:
+            return name
+    raise ValueError(f"unknown policy {name!r}; choose from {SIM_POLICIES} or lfu-decay:<half-life steps>")
 
 
 @dataclass(frozen=True)
@@ -109,7 +132,7 @@ def batched_steps(trace: Trace, concurrency: int, include_prefill: bool) -> list
     return steps
 
 
-def _step_routed(trace: Trace, steps: Sequence[Sequence[Chunk]], layer: int) -> list[np.ndarray]:
+def step_routed(trace: Trace, steps: Sequence[Sequence[Chunk]], layer: int) -> list[np.ndarray]:
     return [
         np.concatenate([trace.ids[c.row_start : c.row_start + c.num_tokens, layer].ravel() for c in step])
         for step in steps
@@ -121,6 +144,8 @@ def _policy(name: str, routed: list[np.ndarray], seed: int) -> EvictionPolicy:
         return BeladyPolicy([set(r.tolist()) for r in routed])
     if name == "random":
         return POLICIES[name](seed)
+    if name.startswith("lfu-decay:"):
+        return DecayedLfuPolicy(float(name.partition(":")[2]))
     return POLICIES[name]()
 
 
@@ -188,14 +213,13 @@ def simulate_one(
     opts: SimOptions,
     prefill_keep: str = DEFAULT_PREFILL_KEEP,
 ) -> SimResult:
-    if policy not in SIM_POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; choose from {SIM_POLICIES}")
+    check_policy(policy)
     meta = trace.meta
     step_tokens = np.array([sum(c.num_tokens for c in step) for step in steps], dtype=np.int64)
     prefill, early = _step_masks(steps, opts.early_decode_steps)
     every = np.ones(len(steps), dtype=bool)
     replays = [
-        replay_layer(_step_routed(trace, steps, layer), meta.num_experts, k, policy, opts.seed, prefill_keep)
+        replay_layer(step_routed(trace, steps, layer), meta.num_experts, k, policy, opts.seed, prefill_keep)
         for layer in range(meta.num_layers)
     ]
     layers = [r.stats(i, every, step_tokens) for i, r in enumerate(replays)]

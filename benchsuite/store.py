@@ -247,6 +247,14 @@ class RunStore:
         self._write_json(self.cell_path(result.cell_id), payload)
         return StoredCell(result, attempt)
 
+    def update_cell(self, result: CellResult) -> None:
+        """Rewrite a stored cell's result in place (same attempt, same request records): fields that
+        are known only after its server stopped (paging.optimal_hit_rate)."""
+        path = self.cell_path(result.cell_id)
+        payload = json.loads(path.read_bytes())
+        payload["cell"] = result.to_row()
+        self._write_json(path, payload)
+
     def _last_archived(self, cell_id: str) -> int:
         numbers = [int(m["n"]) for p in (self.run_dir / "attempts").glob(f"{cell_id}.*.json")
                    if (m := _ATTEMPT_FILE.match(p.name)) and m["cell"] == cell_id]  # fmt: skip

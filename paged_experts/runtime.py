@@ -12,7 +12,7 @@ from typing import Literal
 import torch
 
 from paged_experts.config import TORCH_DTYPES, MoeModelConfig
-from paged_experts.residency import DEFAULT_PREFILL_KEEP, PREFILL_KEEP
+from paged_experts.residency import DEFAULT_EVICTION_POLICY, DEFAULT_PREFILL_KEEP, EVICTION_POLICIES, PREFILL_KEEP
 
 Mode = Literal["resident", "paged", "offload", "cpu-experts"]
 MODES: tuple[str, ...] = ("resident", "paged", "offload", "cpu-experts")
@@ -45,6 +45,9 @@ class RuntimeConfig:
     # What a paged step larger than K (a prefill chunk) leaves in the slots: residency.PREFILL_KEEP
     # ('recent' keeps the experts of the chunk's last tokens, the next decode tokens' best guess).
     prefill_residency: str = DEFAULT_PREFILL_KEEP
+    # Which resident expert a paged miss evicts: residency.EVICTION_POLICIES. 'lfu-decay' runs on the
+    # host planner only (the device plan keeps LRU stamps inside the captured graph).
+    eviction_policy: str = DEFAULT_EVICTION_POLICY
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -59,6 +62,15 @@ class RuntimeConfig:
             raise ValueError(f"device_planning must be 'auto', 'on' or 'off', got {self.device_planning!r}")
         if self.prefill_residency not in PREFILL_KEEP:
             raise ValueError(f"prefill_residency must be one of {PREFILL_KEEP}, got {self.prefill_residency!r}")
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction_policy must be one of {EVICTION_POLICIES}, got {self.eviction_policy!r}")
+        if self.eviction_policy != DEFAULT_EVICTION_POLICY and self.mode != "paged":
+            raise ValueError(f"eviction_policy applies to mode='paged', not {self.mode!r}")
+        if self.eviction_policy != "lru" and self.plans_on_device:
+            raise ValueError(
+                f"eviction_policy={self.eviction_policy!r} runs on the host planner only: device planning "
+                "(CUDA) keeps LRU state on the device; use 'lru' there"
+            )
         if self.overlap_page_in and not self.plans_on_device:
             raise ValueError(
                 "overlap_page_in needs mode='paged' with device planning (device_planning 'on', or 'auto' on CUDA)"

@@ -15,6 +15,7 @@ from benchsuite.simulate import (
     LayerStats,
     SimOptions,
     SimResult,
+    check_policy,
     simulate,
 )
 from paged_experts.residency import DEFAULT_PREFILL_KEEP, PREFILL_KEEP
@@ -37,7 +38,9 @@ def _ints(text: str) -> tuple[int, ...]:
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="routing trace (benchsuite trace synth / --record-routing / import-sglang)")
     p.add_argument("--k", type=_ints, default=(8, 16, 32, 64), help="resident experts per layer, e.g. 8,16,32,64")
-    p.add_argument("--policy", default="lru", help=f"comma list of {','.join(SIM_POLICIES)}")
+    p.add_argument(
+        "--policy", default="lru", help=f"comma list of {','.join(SIM_POLICIES)}, lfu-decay:<half-life steps>"
+    )
     p.add_argument("--concurrency", type=_ints, default=(1,), help="requests batched per step; 0 = as recorded")
     p.add_argument("--include-prefill", action="store_true", help="replay prefill chunks too (default: decode only)")
     p.add_argument(
@@ -70,7 +73,7 @@ def _row(r: SimResult, prefill: bool) -> str:
     tps = f"{r.predicted_tok_per_s:9.1f}" if r.predicted_tok_per_s is not None else f"{'-':>9}"
     conc = "rec" if r.concurrency == 0 else str(r.concurrency)
     split = f" {r.prefill_keep:<8} {_rate(r.decode)} {_rate(r.early)}" if prefill else ""
-    return (f"{r.policy:<7}{split} {r.k:>4} {conc:>4} {t.hit_rate:>7.1%} {t.misses_per_token:>9.2f} {mb}"
+    return (f"{r.policy:<12}{split} {r.k:>4} {conc:>4} {t.hit_rate:>7.1%} {t.misses_per_token:>9.2f} {mb}"
             f" {t.waves_per_step:>6.2f} {t.union_per_step:>7.1f} {tps}")  # fmt: skip
 
 
@@ -78,7 +81,7 @@ def render(
     results: list[SimResult], header: list[str], per_layer: bool, prefill: bool = False, early_steps: int = 16
 ) -> str:
     split = f" {'prefill':<8} {'dec hit':>7} {'early':>7}" if prefill else ""
-    cols = (f"{'policy':<7}{split} {'K':>4} {'conc':>4} {'hit':>7} {'miss/tok':>9} {'MB/tok':>9} {'waves':>6}"
+    cols = (f"{'policy':<12}{split} {'K':>4} {'conc':>4} {'hit':>7} {'miss/tok':>9} {'MB/tok':>9} {'waves':>6}"
             f" {'union':>7} {'tok/s':>9}")  # fmt: skip
     lines = [*header, "", cols]
     if prefill:
@@ -98,9 +101,11 @@ def main(args: argparse.Namespace) -> int:
     except (OSError, ValueError, KeyError) as exc:
         raise UserError(f"cannot read trace {args.trace}: {exc}") from None
     policies = tuple(p.strip() for p in args.policy.split(",") if p.strip())
-    unknown = [p for p in policies if p not in SIM_POLICIES]
-    if unknown:
-        raise UserError(f"--policy: unknown {unknown}; choose from {SIM_POLICIES}")
+    for policy in policies:
+        try:
+            check_policy(policy)
+        except ValueError as exc:
+            raise UserError(f"--policy: {exc}") from None
     keeps = tuple(k.strip() for k in args.prefill_keep.split(",") if k.strip())
     if not keeps or [k for k in keeps if k not in PREFILL_KEEP]:
         raise UserError(f"--prefill-keep: {args.prefill_keep!r}; choose from {PREFILL_KEEP}")

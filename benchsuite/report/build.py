@@ -27,6 +27,7 @@ from benchsuite.report.groups import annotate_cells, group_configs
 from benchsuite.report.header import header_html, header_markdown
 from benchsuite.report.html import Section, render_page
 from benchsuite.report.load import RunData, load_run
+from benchsuite.report.paging_figures import HIT_RATE_NOTE, HIT_RATE_TITLE, hit_rate_table
 from benchsuite.report.plot import Figure
 from benchsuite.report.publish import report_folder
 from benchsuite.report.published import (
@@ -131,6 +132,7 @@ def build_report_data(run_dirs: list[Path], reference_dirs: list[Path] | None = 
             "Configurations (repeats with spread)": tb.summary_table(groups, top_k),
             "TTFT p50 short vs long prompts": tb.ttft_table(groups),
             "Paging counters": tb.paging_table(groups, num_experts),
+            HIT_RATE_TITLE: hit_rate_table(cells),
             roofline.TITLE: roofline.roofline_table(cells, runs),
             prefill.TITLE: prefill.prefill_table(cells, runs),
             search_section.TITLE: search_section.search_table(cells, runs),
@@ -157,6 +159,7 @@ _ANCHORS = {
     "Configurations (repeats with spread)": "configurations",
     "TTFT p50 short vs long prompts": "ttft",
     "Paging counters": "paging",
+    HIT_RATE_TITLE: "hit-rate-optimal",
     search_section.TITLE: "search",
     roofline.TITLE: "roofline",
     prefill.TITLE: "prefill",
@@ -166,6 +169,7 @@ _ANCHORS = {
 _INTROS = {
     "roofline": roofline.INTRO,
     "prefill": prefill.INTRO,
+    "hit-rate-optimal": f"<p>{html.escape(HIT_RATE_NOTE)}</p>",
     "ratios": "<p>One row per paged configuration: the best offload, llama.cpp and cpu-experts configuration "
     "measured in the same setup and concurrency. Medians over repeats, [min–max] beside them; ratio verdicts say "
     "whether the spreads overlap.</p>",

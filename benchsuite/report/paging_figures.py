@@ -1,5 +1,7 @@
 """The report's paging figures: miss rate and bytes paged per token against K, waves and the union of
-routed experts per step against concurrency, from the engine's counters (benchsuite.paging).
+routed experts per step against concurrency, from the engine's counters (benchsuite.paging); and the
+table of each paged cell's realized hit rate beside the offline optimum for its own routing
+(`hit_rate_optimal`, from the routing trace its server recorded).
 
 The miss-rate figure carries the random-routing line 1 - K/E where E is known.
 """
@@ -11,6 +13,37 @@ import plotly.graph_objects as go
 
 from benchsuite.report.groups import is_synthetic, routing_label
 from benchsuite.report.plot import HOVER, Figure, integer_ticks, layout, metric_vs
+
+HIT_RATE_TITLE = "Realized vs optimal hit rate"
+HIT_RATE_NOTE = (
+    "hit_rate = 1 - miss_rate (the engine's counters over the cell); hit_rate_optimal = Belady's hit rate over "
+    "the same steps, replayed from the routing trace the server recorded (record_routing: true); of_optimal = "
+    "hit_rate / hit_rate_optimal. A blank optimum says why in `note`."
+)
+
+
+def hit_rate_table(cells: pd.DataFrame) -> pd.DataFrame:
+    """One row per paged cell with paging counters: realized and optimal hit rate, their ratio, and
+    why the optimum is missing (no trace, or a trace that did not line up with the counters)."""
+    columns = ["configuration", "K", "concurrency", "prompt_class", "repeat", "hit_rate", "hit_rate_optimal",
+               "of_optimal", "note", "cell_id"]  # fmt: skip
+    if not len(cells) or "miss_rate" not in cells:
+        return pd.DataFrame(columns=columns)
+    paged = cells[(cells["mode"] == "paged") & cells["miss_rate"].notna()]
+    rows = []
+    for _, c in paged.iterrows():
+        optimal = c.get("hit_rate_optimal")
+        optimal = None if optimal is None or pd.isna(optimal) else float(optimal)
+        hit = 1.0 - float(c["miss_rate"])
+        extras = c.get("extras") if isinstance(c.get("extras"), dict) else {}
+        note = "" if optimal is not None else extras.get("hit_rate_optimal_note", "stored before hit_rate_optimal")
+        rows.append({
+            "configuration": c.get("label", c["engine"]), "K": c.get("resident_experts"),
+            "concurrency": int(c["concurrency"]), "prompt_class": c["prompt_class"], "repeat": c.get("repeat"),
+            "hit_rate": hit, "hit_rate_optimal": optimal,
+            "of_optimal": hit / optimal if optimal else None, "note": note, "cell_id": c["cell_id"],
+        })  # fmt: skip
+    return pd.DataFrame(rows, columns=columns)
 
 
 def paging_figures(groups: pd.DataFrame, num_experts: int | None) -> list[Figure]:

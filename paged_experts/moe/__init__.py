@@ -33,7 +33,7 @@ from paged_experts.moe.paged import PagedLayer
 from paged_experts.moe.placements import CpuLayer, OffloadLayer, ResidentLayer
 from paged_experts.moe.planning import DeviceLru, HostWaves, PendingPrefetch
 from paged_experts.moe.waves import EXPERT_KERNELS
-from paged_experts.residency import LayerResidency
+from paged_experts.residency import LayerResidency, make_policy
 from paged_experts.runtime import RuntimeConfig
 from paged_experts.store import ExpertTensors, to_device_rows
 
@@ -83,5 +83,6 @@ def make_layer(
     lru = None
     if runtime.plans_on_device:
         lru = DeviceLru(DeviceResidency(cfg.num_experts, k, device), overlap=runtime.overlap_page_in)
-    waves = HostWaves(LayerResidency(cfg.num_experts, k, prefill_keep=runtime.prefill_residency))
+    policy = make_policy(runtime.eviction_policy)  # RuntimeConfig refused a non-LRU one with device planning
+    waves = HostWaves(LayerResidency(cfg.num_experts, k, policy, prefill_keep=runtime.prefill_residency))
     return PagedLayer(layer_idx, router_weight, host, to_device_rows(host, k, device), shared, waves, lru)

@@ -22,7 +22,7 @@ import torch
 
 from paged_experts.config import MoeModelConfig
 from paged_experts.kernels.fused import EXPERT_BACKENDS, set_expert_backend
-from paged_experts.residency import DEFAULT_PREFILL_KEEP, PREFILL_KEEP
+from paged_experts.residency import DEFAULT_EVICTION_POLICY, DEFAULT_PREFILL_KEEP, EVICTION_POLICIES, PREFILL_KEEP
 from paged_experts.runtime import MODES, RuntimeConfig
 from paged_experts.server.connections import BODY_TIMEOUT_S, HEADER_TIMEOUT_S
 from paged_experts.server.engine import Engine, EngineConfig
@@ -55,6 +55,7 @@ class ServeConfig:
     kernel_backend: str = "grouped"  # or "triton": fused.set_expert_backend (routing, experts, decode attention)
     prefetch_next_layer: bool = False  # captured paged decode steps page in the next layer's predicted experts ahead
     prefill_residency: str | None = None  # paged: what a prefill chunk leaves in the slots (None: residency default)
+    eviction_policy: str | None = None  # paged: which resident expert a miss evicts (None: residency default, LRU)
     expert_kernel: str = "fused"
     overlap_schedule: bool = True  # launch a greedy decode step before reading the previous one's tokens
     cpu_threads: int | None = None  # torch's intra-op threads; None: default_cpu_threads()
@@ -82,6 +83,7 @@ class ServeConfig:
             dtype=dtype,
             prefetch_next_layer=self.prefetch_next_layer,
             prefill_residency=self.prefill_residency or DEFAULT_PREFILL_KEEP,
+            eviction_policy=self.eviction_policy or DEFAULT_EVICTION_POLICY,
         )
         runtime.validate_for(model)
         return runtime
@@ -153,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"mode paged: what a prefill chunk (a step routing to more than K experts) leaves in the "
         f"slots: recent = the experts of the chunk's last tokens, frequent = its most-routed ones, "
         f"lru = the last waves' misses (default {DEFAULT_PREFILL_KEEP}; see docs/prefill.md)",
+    )
+    p.add_argument(
+        "--eviction-policy",
+        choices=EVICTION_POLICIES,
+        help=f"mode paged: which resident expert a miss evicts: lru = the least recently used, lfu-decay = "
+        f"the least used with counts halving every 2 steps (host planner only: refused with --device cuda; "
+        f"default {DEFAULT_EVICTION_POLICY}; see docs/eviction-policy.md)",
     )
     p.add_argument(
         "--expert-kernel",
@@ -231,6 +240,8 @@ def parse_args(argv: Sequence[str]) -> ServeConfig:
         ns.mode = implied[0] if len(implied) == 1 else "resident"
     if ns.prefill_residency is not None and ns.mode != "paged":
         parser.error(f"--prefill-residency applies to mode paged, not {ns.mode}")
+    if ns.eviction_policy is not None and ns.mode != "paged":
+        parser.error(f"--eviction-policy applies to mode paged, not {ns.mode}")
     config = ServeConfig(**vars(ns))
     try:
         # mode / K / layer flags are checked now; checks against the model's shape come at load
@@ -243,6 +254,7 @@ def parse_args(argv: Sequence[str]) -> ServeConfig:
             dtype=config.dtype or "float32",
             prefetch_next_layer=config.prefetch_next_layer,
             prefill_residency=config.prefill_residency or DEFAULT_PREFILL_KEEP,
+            eviction_policy=config.eviction_policy or DEFAULT_EVICTION_POLICY,
         )
     except ValueError as exc:
         parser.error(_flag_names(str(exc)))
@@ -264,6 +276,7 @@ def _flag_names(message: str) -> str:
         ("cpu_expert_layers", "--n-cpu-moe"),
         ("mode=", "--mode "),
         ("prefetch_next_layer", "--prefetch-next-layer"),
+        ("eviction_policy=", "--eviction-policy "),
     ):
         message = message.replace(field_name, flag)
     return message

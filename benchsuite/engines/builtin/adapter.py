@@ -28,7 +28,7 @@ from benchsuite.engines.base import EngineConfigError, EngineOptions, LaunchPlan
 from benchsuite.errors import UserError
 from benchsuite.scrape import scrape_prometheus
 from benchsuite.search_settings import parse_request
-from paged_experts.residency import DEFAULT_PREFILL_KEEP, PREFILL_KEEP
+from paged_experts.residency import DEFAULT_EVICTION_POLICY, DEFAULT_PREFILL_KEEP, EVICTION_POLICIES, PREFILL_KEEP
 from paged_experts.server.threads import default_cpu_threads
 
 GB = 10**9  # vram_budget_gb is decimal gigabytes
@@ -64,6 +64,9 @@ class BuiltinOptions(EngineOptions):
     cpu_threads: int | None = Field(None, ge=1)  # torch's intra-op threads; None: this machine's cores minus one
     # Paged: what a prefill chunk leaves in the slots (paged_experts.residency.PREFILL_KEEP); None = its default.
     prefill_residency: str | None = None
+    # Paged: which resident expert a miss evicts (paged_experts.residency.EVICTION_POLICIES); None = LRU.
+    # Left out of the dumped options when unset, so the server ids of matrices without it stay as they were.
+    eviction_policy: str | None = Field(None, exclude_if=lambda v: v is None)
 
     @field_validator("cuda_graph_max_bs", "torch_compile", "kernel_backend")
     @classmethod
@@ -112,6 +115,25 @@ class BuiltinOptions(EngineOptions):
         if info.data.get("mode") != "paged":
             raise ValueError(f"{value!r} applies to mode paged, not {info.data.get('mode')}")
         return value
+
+    @field_validator("eviction_policy")
+    @classmethod
+    def _eviction_policy(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return value
+        if value not in EVICTION_POLICIES:
+            raise ValueError(f"{value!r} is not one of {', '.join(EVICTION_POLICIES)}")
+        if info.data.get("mode") != "paged":
+            raise ValueError(f"{value!r} applies to mode paged, not {info.data.get('mode')}")
+        if value != "lru" and info.data.get("device") == "cuda":
+            raise ValueError(
+                f"{value!r} runs on the host planner only; device cuda plans paged steps on the GPU with LRU"
+            )
+        return value
+
+    def resolved_eviction_policy(self) -> str | None:
+        """The eviction policy in force on a paged server (None for other modes)."""
+        return (self.eviction_policy or DEFAULT_EVICTION_POLICY) if self.mode == "paged" else None
 
     def resolved_prefill_residency(self) -> str | None:
         """The policy in force on a paged server (None for other modes)."""
@@ -231,6 +253,7 @@ class BuiltinAdapter:
             argv += ["--record-routing", f"{RUN_DIR_PLACEHOLDER}/routing/{spec.server_id}.trace"]
         if opts.mode == "paged":
             argv += ["--prefill-residency", str(opts.resolved_prefill_residency())]
+            argv += ["--eviction-policy", str(opts.resolved_eviction_policy())]
         argv += _performance_flags(opts.performance(spec.max_concurrency))
         argv += ["--served-model-name", opts.model]  # what the runner's requests name (404 for another name)
         # The tiny model on 2 CPU cores starts in seconds; a real checkpoint may take minutes.
@@ -239,7 +262,10 @@ class BuiltinAdapter:
     def resolved_options(self, spec: ServerSpec) -> dict[str, Any]:
         """The options in force, defaults resolved (the performance ones depend on device and mode)."""
         opts = self._options(spec)
-        resolved = {"prefill_residency": opts.resolved_prefill_residency()}
+        resolved = {
+            "prefill_residency": opts.resolved_prefill_residency(),
+            "eviction_policy": opts.resolved_eviction_policy(),
+        }
         return {**opts.model_dump(mode="json"), **resolved, **opts.performance(spec.max_concurrency)}
 
     async def startup_facts(self, session: Any, base_url: str) -> dict[str, Any]:

@@ -1,0 +1,255 @@
+"""The decayed LFU eviction policy (aging, eviction order), the simulator's comparison on a trace whose
+answer is known by hand, the `eviction_policy` option from matrix to server command line and runtime,
+and the per-cell optimal hit rate from a routing trace recorded in a real `benchsuite run` (tiny, CPU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from benchsuite.cli import main as cli_main
+from benchsuite.matrix import MatrixError
+from benchsuite.paging import NO_TRACE_NOTE, cell_steps, replay_trace
+from benchsuite.report.build import build_report_data
+from benchsuite.report.paging_figures import HIT_RATE_TITLE, hit_rate_table
+from benchsuite.simulate import SimOptions, check_policy, simulate
+from benchsuite.stored_files import read_cells
+from paged_experts.residency import DecayedLfuPolicy, LayerResidency, LfuPolicy, LruPolicy, make_policy
+from paged_experts.runtime import RuntimeConfig
+from paged_experts.server.launch import parse_args
+from paged_experts.trace import TraceMeta, build_trace, read_trace
+from tests.test_builtin_adapter import flag, plan_argv
+
+
+def test_scores_halve_every_half_life_and_count_once_per_step() -> None:
+    p = DecayedLfuPolicy(half_life_steps=4)
+    assert p.score(7, 0) == 0.0  # never used
+    p.on_use(7, 0)
+    p.on_use(7, 0)  # a second wave of the same step adds nothing
+    assert p.score(7, 0) == 1.0 and p.score(7, 4) == pytest.approx(0.5) and p.score(7, 8) == pytest.approx(0.25)
+    p.on_use(7, 4)
+    assert p.score(7, 4) == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="half_life_steps must be > 0"):
+        DecayedLfuPolicy(0)
+
+
+def test_aging_lets_a_recent_expert_outrank_an_old_favourite() -> None:
+    # expert 1 used at steps 0..3, expert 2 once at step 10: plain LFU evicts 2, the aged count evicts 1
+    decayed, lfu = DecayedLfuPolicy(half_life_steps=2), LfuPolicy()
+    for policy in (decayed, lfu):
+        for step in range(4):
+            policy.on_use(1, step)
+        policy.on_use(2, 10)
+    assert lfu.victim([1, 2], 11) == 2
+    assert decayed.score(1, 11) < decayed.score(2, 11) and decayed.victim([1, 2], 11) == 1
+    # with a long half-life the four uses still weigh more than one recent use
+    slow = DecayedLfuPolicy(half_life_steps=100)
+    for step in range(4):
+        slow.on_use(1, step)
+    slow.on_use(2, 10)
+    assert slow.victim([1, 2], 11) == 2
+
+
+def test_eviction_order_ties_go_to_the_least_recent_then_the_lowest_id() -> None:
+    p = DecayedLfuPolicy(half_life_steps=1000)
+    p.on_use(5, 1)
+    p.on_use(3, 2)
+    p.on_use(4, 2)
+    assert p.victim([0, 9, 5], 3) == 0  # never used: score 0, lowest id first
+    assert p.victim([3, 4, 5], 3) == 5  # the oldest use has decayed most
+    assert p.victim([4, 3], 3) == 3  # equal score and stamp: the lower id
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    k=st.integers(2, 6),
+    steps=st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=14), min_size=1, max_size=25),
+)
+def test_a_vanishing_half_life_plans_exactly_what_lru_plans(k: int, steps: list[list[int]]) -> None:
+    # every older use decays to 0: the score ties and the last use decides, LRU's own order
+    lru = LayerResidency(10, k, LruPolicy())
+    aged = LayerResidency(10, k, DecayedLfuPolicy(half_life_steps=1e-6))
+    for routed in steps:
+        assert aged.plan_step(routed) == lru.plan_step(routed)
+
+
+def test_residency_runs_the_policy_it_is_given() -> None:
+    # K=2 of E=4, top_k=1: experts 0 and 1 start resident; 1 is used three times, then 2 and 3 arrive
+    steps = [[1], [1], [1], [0], [2], [3]]
+    lru = LayerResidency(4, 2, LruPolicy())
+    aged = LayerResidency(4, 2, make_policy("lfu-decay"))
+    for routed in steps:
+        lru.plan_step(routed)
+        aged.plan_step(routed)
+    assert set(lru.slot_of) == {2, 3}  # LRU evicted 1 for 2, then 0 for 3
+    assert set(aged.slot_of) == {1, 3}  # the frequently used 1 stayed; 0, then 2, left
+    with pytest.raises(ValueError, match="eviction policy must be one of"):
+        make_policy("belady")
+
+
+def _trace(ids: list[list[int]], num_experts: int, top_k: int):
+    arr = np.array(ids, dtype=np.int64).reshape(-1, 1, top_k)
+    meta = TraceMeta(num_layers=1, num_experts=num_experts, top_k=top_k, source="model")
+    return build_trace(meta, [[("r", 1)]] * len(ids), arr, None)
+
+
+def test_simulator_ranks_the_policies_on_a_trace_with_a_known_answer() -> None:
+    # E=4, top_k=1, K=2 (slots 0, 1): a hot expert 1 interleaved with a scan over 2, 3, 2, 3.
+    # LRU: 1 hit, then [2] evicts 0, [1] hit, [3] evicts 2, [1] hit, [2] evicts 3, [1] hit, [3] evicts 2
+    # -> 4 hits 4 misses; the aged count keeps 1 too. No policy does better: one slot serves the
+    # scan, whose every step names the expert it is not holding.
+    ids = [[1], [2], [1], [3], [1], [2], [1], [3]]
+    lru, aged, opt = simulate(_trace(ids, 4, 1), SimOptions(ks=(2,), policies=("lru", "lfu-decay:4", "belady")))
+    assert (lru.total.hits, lru.total.misses) == (4, 4)
+    assert (aged.total.hits, aged.total.misses) == (4, 4)
+    assert (opt.total.hits, opt.total.misses) == (4, 4)
+    # a hot expert 1 followed by a scan of two experts each used twice: LRU evicts 1 at the first
+    # scan miss and misses it again; the aged count keeps 1 and gives up the scan's slot instead
+    ids = [[1], [1], [1], [1], [2], [3], [1], [2], [3], [1]]
+    lru, aged, opt = simulate(_trace(ids, 4, 1), SimOptions(ks=(2,), policies=("lru", "lfu-decay:4", "belady")))
+    # LRU: 4 hits; [2] evicts 0; [3] evicts 1; [1] evicts 2; [2] evicts 3; [3] evicts 1; [1] evicts 2
+    assert (lru.total.hits, lru.total.misses) == (4, 6)
+    # aged LFU: 4 hits; [2] evicts 0; [3] evicts 2 (score 1 < 1's); [1] hit; [2] evicts 3; [3] evicts 2; [1] hit
+    assert (aged.total.hits, aged.total.misses) == (6, 4)
+    assert opt.total.hits >= aged.total.hits
+    assert check_policy("lfu-decay:8") == "lfu-decay:8"
+    for bad in ("lfu-decay:0", "lfu-decay:x", "arc"):
+        with pytest.raises(ValueError, match="unknown policy"):
+            check_policy(bad)
+
+
+def test_cli_accepts_a_half_life_and_names_a_bad_one(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "t.trace"
+    from paged_experts.trace import save_trace
+
+    save_trace(_trace([[1], [2], [1], [3]], 4, 1), path)
+    assert cli_main(["simulate", str(path), "--k", "2", "--policy", "lru,lfu-decay:4,belady"]) == 0
+    out = capsys.readouterr().out
+    assert "lfu-decay:4" in out and "belady" in out
+    assert cli_main(["simulate", str(path), "--k", "2", "--policy", "lfu-decay:-1"]) == 2
+    assert "--policy: unknown policy 'lfu-decay:-1'" in capsys.readouterr().err
+
+
+def test_option_is_written_for_paged_servers_and_leaves_other_server_ids_alone(tmp_path: Path) -> None:
+    argv, resolved = plan_argv(tmp_path, "device: cpu, mode: paged, resident_experts: 8")
+    assert flag(argv, "--eviction-policy") == "lru" and resolved["eviction_policy"] == "lru"
+    argv, _ = plan_argv(tmp_path, "device: cpu, mode: paged, resident_experts: 8, eviction_policy: lfu-decay")
+    assert flag(argv, "--eviction-policy") == "lfu-decay" and parse_args(argv[3:]).eviction_policy == "lfu-decay"
+    argv, resolved = plan_argv(tmp_path, "device: cpu, mode: resident")
+    assert "--eviction-policy" not in argv and resolved["eviction_policy"] is None
+    from benchsuite.engines.builtin.adapter import BuiltinOptions
+
+    unset = BuiltinOptions(mode="paged", resident_experts=8)
+    assert "eviction_policy" not in unset.model_dump(mode="json")  # the dump the server id hashes
+    assert BuiltinOptions(mode="paged", resident_experts=8, eviction_policy="lru").model_dump()["eviction_policy"]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ("device: cpu, mode: paged, resident_experts: 8, eviction_policy: arc",
+         "engines.e.options.eviction_policy: 'arc' is not one of lru, lfu-decay"),
+        ("device: cpu, mode: resident, eviction_policy: lru",
+         "engines.e.options.eviction_policy: 'lru' applies to mode paged, not resident"),
+        ("device: cuda, mode: paged, resident_experts: 8, eviction_policy: lfu-decay",
+         "engines.e.options.eviction_policy: 'lfu-decay' runs on the host planner only"),
+    ],
+)  # fmt: skip
+def test_bad_eviction_policy_names_its_yaml_path(tmp_path: Path, options: str, message: str) -> None:
+    with pytest.raises(MatrixError) as info:
+        plan_argv(tmp_path, options)
+    assert message in str(info.value), str(info.value)
+
+
+def test_server_flag_and_runtime_refuse_what_they_cannot_run(capsys) -> None:
+    assert parse_args(["--model", "/m", "--resident-experts", "8"]).eviction_policy is None
+    for argv, message in (
+        (["--eviction-policy", "lru"], "--eviction-policy applies to mode paged, not resident"),
+        (["--resident-experts", "8", "--device", "cuda", "--eviction-policy", "lfu-decay"],
+         "--eviction-policy 'lfu-decay' runs on the host planner only"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit) as info:
+            parse_args(["--model", "/m", *argv])
+        assert info.value.code == 2 and message in capsys.readouterr().err
+    with pytest.raises(ValueError, match="runs on the host planner only"):
+        RuntimeConfig(mode="paged", resident_experts=8, eviction_policy="lfu-decay", device_planning="on")
+    RuntimeConfig(mode="paged", resident_experts=8, eviction_policy="lfu-decay")  # CPU: the host planner
+
+
+@pytest.mark.slow
+def test_benchsuite_run_stores_the_optimal_hit_rate_from_the_recorded_trace(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    model = {"model": str(tiny_model_dir), "mode": "paged", "resident_experts": 8}
+    body = {
+        "name": "optimal", "output_root": str(tmp_path / "results"),
+        "engines": {"rec": {"kind": "builtin", "options": {**model, "record_routing": True,
+                                                           "eviction_policy": ["lru", "lfu-decay"]}},
+                    "plain": {"kind": "builtin", "options": model}},
+        "workloads": {"w": {"output_tokens": 12, "concurrency": [1, 2], "num_requests": 2, "warmup_requests": 1}},
+    }  # fmt: skip
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump(body))
+    assert cli_main(["run", str(path), "--quiet", "--no-report"]) == 0
+    (run_dir,) = (tmp_path / "results").iterdir()
+    cells = read_cells(run_dir)
+    assert len(cells) == 6
+    for cell in cells:
+        realized = 1 - cell.miss_rate
+        if cell.engine == "plain":
+            assert cell.hit_rate_optimal is None and cell.extras["hit_rate_optimal_note"] == NO_TRACE_NOTE
+            continue
+        assert cell.hit_rate_optimal is not None and cell.hit_rate_optimal >= realized - 1e-12
+        policy = cell.params["eviction_policy"]
+        (trace_path,) = [p for p in (run_dir / "routing").iterdir() if p.stem == cell.server_id]
+        trace = read_trace(trace_path)
+        scrapes = json.loads((run_dir / "engine_metrics" / f"{cell.cell_id}.json").read_text())
+        start, end = cell_steps(trace, scrapes["before"], scrapes["after"])
+        # the replay of the server's own policy over the cell's steps reproduces its counters exactly
+        replayed = replay_trace(trace, 8, "recent", policy)
+        counts = (int(replayed.hits[start:end].sum()), int(replayed.misses[start:end].sum()))
+        assert counts == (cell.expert_hits, cell.expert_misses), cell.cell_id
+        assert replay_trace(trace, 8, "recent").hit_rate(start, end) == cell.hit_rate_optimal
+    table = build_report_data([run_dir]).tables[HIT_RATE_TITLE]
+    assert len(table) == 6 and table["hit_rate_optimal"].notna().sum() == 4
+    plain = table[table["hit_rate_optimal"].isna()]
+    assert (plain["note"] == NO_TRACE_NOTE).all() and (plain["configuration"].str.startswith("plain")).all()
+    assert (table["of_optimal"].dropna() <= 1 + 1e-12).all()
+
+
+def test_cell_steps_come_from_the_layer_step_counter_and_refuse_what_does_not_line_up() -> None:
+    trace = _trace([[1], [2], [1], [3]], 4, 1)  # one layer, 4 steps
+    at = lambda n: {"paged_experts:moe_steps_total": float(n)}  # noqa: E731
+    assert cell_steps(trace, at(1), at(3)) == (1, 3)
+    lru = replay_trace(trace, 2, "recent", "lru")  # slots 0, 1: step 1 misses 2, step 2 hits 1
+    assert list(lru.hits[1:3]) == [0, 1] and lru.hit_rate(1, 3) == 0.5 and lru.hit_rate(2, 2) is None
+    with pytest.raises(ValueError, match="the trace holds 4 steps"):
+        cell_steps(trace, at(1), at(5))
+    with pytest.raises(ValueError, match="have no"):
+        cell_steps(trace, {}, at(2))
+    two_layers = build_trace(TraceMeta(num_layers=2, num_experts=4, top_k=1, source="model"), [[("r", 1)]] * 2,
+                             np.zeros((2, 2, 1), dtype=np.int64), None)  # fmt: skip
+    with pytest.raises(ValueError, match="not a whole number of 2-layer steps"):
+        cell_steps(two_layers, at(1), at(2))
+
+
+def test_hit_rate_table_says_why_an_optimum_is_missing() -> None:
+    base = {"mode": "paged", "engine": "p", "concurrency": 1, "prompt_class": "short", "repeat": 0,
+            "resident_experts": 8}  # fmt: skip
+    cells = pd.DataFrame([
+        {**base, "cell_id": "a", "miss_rate": 0.25, "hit_rate_optimal": 0.9, "extras": {}},
+        {**base, "cell_id": "b", "miss_rate": 0.5, "hit_rate_optimal": None, "extras": {"hit_rate_optimal_note": "x"}},
+        {**base, "cell_id": "c", "miss_rate": 0.5, "hit_rate_optimal": None, "extras": {}},
+        {**base, "cell_id": "d", "mode": "resident", "miss_rate": None, "hit_rate_optimal": None, "extras": {}},
+    ])  # fmt: skip
+    rows = hit_rate_table(cells).set_index("cell_id")
+    assert list(rows.index) == ["a", "b", "c"]
+    assert rows.loc["a", "hit_rate"] == 0.75 and rows.loc["a", "of_optimal"] == pytest.approx(0.75 / 0.9)
+    assert rows.loc["b", "note"] == "x" and rows.loc["c", "note"] == "stored before hit_rate_optimal"
