@@ -81,11 +81,12 @@ into `DEFINITIONS`).
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
+
+import numpy as np
 
 from benchsuite.paging import PAGING_DEFINITIONS
 from benchsuite.records import CellResult, RequestRecord
@@ -227,16 +228,9 @@ DEFAULT_MAX_ERROR_RATE = 0.0
 
 def percentile(values: Iterable[float], q: float) -> float | None:
     """The q-th percentile (0..100) with linear interpolation between order statistics (numpy's
-    default); None for no values."""
-    data = sorted(values)
-    if not data:
-        return None
-    if not 0.0 <= q <= 100.0:
-        raise ValueError(f"percentile q must be in [0, 100], got {q}")
-    rank = (len(data) - 1) * q / 100.0
-    low = math.floor(rank)
-    high = min(low + 1, len(data) - 1)
-    return data[low] + (data[high] - data[low]) * (rank - low)
+    default, Hyndman-Fan type 7); None for no values, ValueError for q outside [0, 100]."""
+    data = list(values)
+    return float(np.percentile(data, q)) if data else None
 
 
 # ---- cell summary ----------------------------------------------------------------------------

@@ -23,6 +23,14 @@ intervals far narrower than their nominal coverage. The t interval widens honest
 
 A table of verdicts is corrected with Benjamini-Hochberg at the same alpha: when nothing differs (an
 A/A comparison) the chance that ANY row is flagged stays <= alpha however many rows there are.
+
+The choices above are ours; the arithmetic is the libraries': math.log, numpy's mean and variance (ddof=1),
+scipy's t distribution (ppf, sf) and scipy.stats.false_discovery_control (BH-adjusted p-values; a row
+is a discovery when its adjusted p <= alpha, the step-up rule). Only the Welch-Satterthwaite df is
+written here. scipy.stats.ttest_ind(equal_var=False) is the same test, but its variance (second
+moment x n / (n - 1)) and interval (the lower t quantile at (1 - level) / 2) differ from these in the
+last bits, which the report prints (its data attributes and tables.csv hold full precision), and it
+warns on a side of identical repeats.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from scipy import stats as _scipy_stats
 
 MIN_REPEATS = 2
@@ -64,31 +73,32 @@ class RatioEstimate:
         return f"[{self.low:.2f}–{self.high:.2f}]"
 
 
-def _clean(values: Sequence[float | None]) -> list[float]:
-    return [float(v) for v in values if v is not None and not math.isnan(float(v)) and float(v) > 0]
+def _logs(values: Sequence[float | None]) -> np.ndarray:
+    """The logs of the positive finite values (None, NaN, +-inf and <= 0 are dropped)."""
+    kept = (float(v) for v in values if v is not None)
+    # math.log (libm), not numpy's vectorized log, which differs from it in the last bit for some values
+    return np.array([math.log(v) for v in kept if math.isfinite(v) and v > 0])  # [n]
 
 
 def ratio_estimate(
     a: Sequence[float | None], b: Sequence[float | None], alpha: float = DEFAULT_ALPHA
 ) -> RatioEstimate | None:
-    """A / B over positive values (None, NaN and <= 0 are dropped); None with fewer than MIN_REPEATS a side."""
-    xs, ys = _clean(a), _clean(b)
-    if len(xs) < MIN_REPEATS or len(ys) < MIN_REPEATS:
+    """A / B over positive finite values; None with fewer than MIN_REPEATS a side."""
+    la, lb = _logs(a), _logs(b)
+    if la.size < MIN_REPEATS or lb.size < MIN_REPEATS:
         return None
-    la, lb = [math.log(x) for x in xs], [math.log(y) for y in ys]
-    mean_a, mean_b = sum(la) / len(la), sum(lb) / len(lb)
-    var_a = sum((v - mean_a) ** 2 for v in la) / (len(la) - 1)
-    var_b = sum((v - mean_b) ** 2 for v in lb) / (len(lb) - 1)
-    d = mean_a - mean_b
-    se2 = var_a / len(la) + var_b / len(lb)
+    d = float(np.mean(la) - np.mean(lb))
+    se2_a, se2_b = float(np.var(la, ddof=1)) / la.size, float(np.var(lb, ddof=1)) / lb.size
+    se2 = se2_a + se2_b
     if se2 == 0.0:  # identical repeats on both sides: exact values, no spread to test against
         p = 1.0 if d == 0.0 else 0.0
-        return RatioEstimate(math.exp(d), math.exp(d), math.exp(d), p, len(xs), len(ys), alpha)
-    df = se2**2 / ((var_a / len(la)) ** 2 / (len(la) - 1) + (var_b / len(lb)) ** 2 / (len(lb) - 1))
+        return RatioEstimate(math.exp(d), math.exp(d), math.exp(d), p, la.size, lb.size, alpha)
+    # Welch-Satterthwaite: the degrees of freedom of se2, a sum of two variances of different sizes
+    t = _scipy_stats.t(se2**2 / (se2_a**2 / (la.size - 1) + se2_b**2 / (lb.size - 1)))
     se = math.sqrt(se2)
-    t_crit = float(_scipy_stats.t.ppf(1.0 - alpha / 2.0, df))
-    p = float(2.0 * _scipy_stats.t.sf(abs(d) / se, df))
-    return RatioEstimate(math.exp(d), math.exp(d - t_crit * se), math.exp(d + t_crit * se), p, len(xs), len(ys), alpha)
+    half = float(t.ppf(1.0 - alpha / 2.0)) * se
+    p = float(2.0 * t.sf(abs(d) / se))
+    return RatioEstimate(math.exp(d), math.exp(d - half), math.exp(d + half), p, la.size, lb.size, alpha)
 
 
 def not_enough_text(n_a: int, n_b: int) -> str:
@@ -96,15 +106,12 @@ def not_enough_text(n_a: int, n_b: int) -> str:
 
 
 def benjamini_hochberg(p_values: Sequence[float | None], alpha: float = DEFAULT_ALPHA) -> list[bool]:
-    """Which p-values are discoveries at false-discovery rate alpha (None: never)."""
-    indexed = sorted((p, i) for i, p in enumerate(p_values) if p is not None)
-    m = len(indexed)
-    cutoff = -1
-    for rank, (p, _) in enumerate(indexed, start=1):
-        if p <= alpha * rank / m:
-            cutoff = rank
-    chosen = {i for rank, (_, i) in enumerate(indexed, start=1) if rank <= cutoff}
-    return [i in chosen for i in range(len(p_values))]
+    """Which p-values are discoveries at false-discovery rate alpha: those whose BH-adjusted p-value is
+    <= alpha. None: never, and not counted among the tests; NaN: a test that found nothing (p = 1)."""
+    tested = [(i, 1.0 if math.isnan(p) else p) for i, p in enumerate(p_values) if p is not None]
+    adjusted = np.atleast_1d(_scipy_stats.false_discovery_control([p for _, p in tested], method="bh"))
+    discoveries = {i for (i, _), q in zip(tested, adjusted) if q <= alpha}
+    return [i in discoveries for i in range(len(p_values))]
 
 
 def times_text(ratio: float) -> str:

@@ -195,6 +195,16 @@ def test_percentile_of_nothing_is_none() -> None:
     assert percentile([], 50) is None
 
 
+def test_percentile_against_cases_worked_by_hand() -> None:
+    # rank = (n - 1) q / 100 between order statistics: [1, 2, 3, 4] at 90 -> rank 2.7 -> 3 + 0.7 x (4 - 3)
+    assert percentile([4.0, 1.0, 3.0, 2.0], 90) == pytest.approx(3.7)
+    assert percentile([10.0, 20.0], 25) == pytest.approx(12.5)  # rank 0.25
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([7.0], 99) == 7.0
+    assert percentile(iter([0.2, 0.1]), 100) == 0.2  # any iterable, once
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)
+
+
 def test_summarize_happy_path_numbers() -> None:
     records = [
         _rec(0, 0.0, [0.2, 0.3, 0.4], tokens=3),  # TTFT 0.2

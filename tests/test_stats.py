@@ -30,6 +30,26 @@ def test_ratio_estimate_is_welch_t_on_logs() -> None:
     assert back is not None and (back.low, back.high) == (pytest.approx(1 / est.high), pytest.approx(1 / est.low))
 
 
+def test_ratio_estimate_against_a_case_worked_by_hand() -> None:
+    # logs 1, 3 against 0, 2: d = 1, var = 2 a side, se^2 = 2/2 + 2/2 = 2, Welch-Satterthwaite df = 2^2 / (1 + 1) = 2.
+    # With 2 df the t distribution has closed forms: sf(t) = 1/2 - t / (2 sqrt(2 + t^2)) and
+    # ppf(q) = (2q - 1) / sqrt(2q(1 - q)); t = 1/sqrt(2) gives p = 1 - 1/sqrt(5).
+    est = stats.ratio_estimate([math.e, math.e**3], [1.0, math.e**2])
+    assert est is not None and (est.n_a, est.n_b) == (2, 2)
+    t_975 = 0.95 / math.sqrt(2 * 0.975 * 0.025)  # 4.3027
+    assert est.ratio == pytest.approx(math.e, rel=1e-12)
+    assert est.p_value == pytest.approx(1 - 1 / math.sqrt(5), rel=1e-12)
+    assert est.low == pytest.approx(math.exp(1 - t_975 * math.sqrt(2)), rel=1e-12)
+    assert est.high == pytest.approx(math.exp(1 + t_975 * math.sqrt(2)), rel=1e-12)
+    assert est.interval_text() == "[0.01–1193.77]" and not est.significant
+
+
+def test_ratio_estimate_drops_values_that_are_not_positive_and_finite() -> None:
+    plain = stats.ratio_estimate([2.0, 4.0], [1.0, 2.0])
+    noisy = stats.ratio_estimate([2.0, float("inf"), 4.0, -1.0, None], [1.0, 2.0, float("nan"), 0.0])
+    assert plain is not None and noisy == plain
+
+
 def test_not_enough_repeats_and_degenerate_cases() -> None:
     assert stats.ratio_estimate([1.0], [1.0, 2.0]) is None
     assert stats.ratio_estimate([1.0, None, float("nan"), 0.0], [1.0, 2.0]) is None  # only one usable value
@@ -46,6 +66,17 @@ def test_benjamini_hochberg() -> None:
     assert stats.benjamini_hochberg([0.01, 0.04, 0.9]) == [True, False, False]  # 0.04 > 2 x 0.05 / 3
     assert stats.benjamini_hochberg([0.04] + [0.5] * 19) == [False] * 20  # one p = 0.04 among 20 rows is chance
     assert stats.benjamini_hochberg([None, 0.001]) == [False, True]
+    assert stats.benjamini_hochberg([]) == [] and stats.benjamini_hochberg([None]) == [False]
+
+
+def test_benjamini_hochberg_steps_up_and_counts_nan_as_a_test() -> None:
+    # m = 3: thresholds 0.0167, 0.0333, 0.05. 0.04 and 0.045 miss their own thresholds, but 0.05 meets rank 3's,
+    # so every p at or below it is a discovery (the step-up rule)
+    assert stats.benjamini_hochberg([0.05, 0.04, 0.045]) == [True, True, True]
+    assert stats.benjamini_hochberg([0.051, 0.04, 0.045]) == [False, False, False]
+    # NaN is a test that found nothing: m = 2 and 0.03 > 0.05 / 2; None is no test: m = 1
+    assert stats.benjamini_hochberg([0.03, float("nan")]) == [False, False]
+    assert stats.benjamini_hochberg([0.03, None]) == [True, False]
 
 
 def test_cell_noise_counts_only_other_processes() -> None:

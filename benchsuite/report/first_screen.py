@@ -7,12 +7,13 @@ and markdown lines for tables.md)."""
 
 from __future__ import annotations
 
-import html
 from collections import defaultdict
 from collections.abc import Mapping
+from typing import Any
 
 from benchsuite import stats
-from benchsuite.report.verdict import Verdict
+from benchsuite.report.template_env import render
+from benchsuite.report.verdict import Verdict, Versus
 
 HOW_TO_READ = (
     "A is N x B: N = A / B, the ratio of geometric means over each configuration's ok repeats, with its 95% "
@@ -35,74 +36,44 @@ def _fmt(value: float, ttft: bool) -> str:
     return f"{value:.1f} ms" if ttft else f"{value:.1f} tok/s"
 
 
-def _versus_html(v: Verdict) -> str:
-    parts = []
-    for vs in v.versus:
-        e = vs.estimate
-        css = "na" if e is None else ("sig" if vs.discovery else "ns")
-        data = (
-            f' data-metric="{v.metric}" data-winner="{html.escape(v.winner)}" data-other="{html.escape(vs.other)}"'
-            f' data-winner-cells="{html.escape(" ".join(vs.winner_cells))}"'
-            f' data-other-cells="{html.escape(" ".join(vs.other_cells))}"'
-        )
-        if e is not None:
-            data += f' data-ratio="{e.ratio!r}" data-low="{e.low!r}" data-high="{e.high!r}"'
-        parts.append(
-            f'<div class="vs {css}"{data}>{html.escape(vs.text(v.winner, v.ttft))} '
-            f'<span class="other">({html.escape(vs.other)}: {_fmt(vs.other_median, v.ttft)})</span></div>'
-        )
-    return "".join(parts)
+def _versus_view(v: Verdict, vs: Versus) -> dict[str, Any]:
+    return {
+        "css": "na" if vs.estimate is None else ("sig" if vs.discovery else "ns"),
+        "other": vs.other,
+        "winner_cells": " ".join(vs.winner_cells),
+        "other_cells": " ".join(vs.other_cells),
+        "estimate": vs.estimate,
+        "text": vs.text(v.winner, v.ttft),
+        "other_median": _fmt(vs.other_median, v.ttft),
+    }
 
 
-def _yardstick_row(v: Verdict) -> str:
-    notes = "".join(f"<li>{html.escape(n)}</li>" for n in v.yardstick)
-    return (
-        f'<tr class="yardstick-flag" data-concurrency="{v.concurrency}"><td>c={v.concurrency}</td>'
-        f'<td colspan="3"><strong>Unverified figures</strong> (the verdicts below use them):<ul>{notes}</ul></td></tr>'
-    )
+def _setup_view(key: tuple[str, str, str], items: list[Verdict], caveats: list[str]) -> dict[str, Any]:
+    rows = []
+    shown: set[int] = set()
+    for v in items:
+        rows.append(
+            {
+                "verdict": v,
+                "yardstick_first": bool(v.yardstick) and v.concurrency not in shown,  # once per concurrency, above
+                "winner_median": _fmt(v.winner_median, v.ttft),
+                "winner_cells": " ".join(v.versus[0].winner_cells),
+                "versus": [_versus_view(v, vs) for vs in v.versus],
+            }
+        )
+        if v.yardstick:
+            shown.add(v.concurrency)
+    run_id, workload, prompt_class = key
+    return {"run_id": run_id, "workload": workload, "prompt_class": prompt_class, "caveats": caveats, "rows": rows}
 
 
 def verdict_html(found: list[Verdict], caveats: Mapping[tuple[str, str, str], list[str]]) -> str:
-    """The first screen: one block per setup (caveats first, then the verdict table)."""
-    if not found:
-        return (
-            '<section id="verdict"><h2>Verdict</h2><p>No verdict: fewer than two modes have an ok measurement in '
-            "any setup (see the tables below).</p></section>"
-        )
+    """The first screen (templates/verdict.html.j2): one block per setup (caveats first, then the verdict table)."""
     by_setup: dict[tuple[str, str, str], list[Verdict]] = defaultdict(list)
     for v in found:
         by_setup[_setup_key(v)].append(v)
-    parts = [
-        '<section id="verdict"><h2>Verdict: which mode is fastest, by how much</h2>',
-        f'<p class="caption">{html.escape(HOW_TO_READ)}</p>',
-    ]
-    for index, (key, items) in enumerate(by_setup.items()):
-        run_id, workload, prompt_class = key
-        parts.append(f"<h3>{html.escape(run_id)} · {html.escape(workload)} · {html.escape(prompt_class)} prompts</h3>")
-        notes = caveats.get(key) or []
-        if notes:
-            parts.append('<ul class="caveats">' + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul>")
-        rows = []
-        shown: set[int] = set()
-        for v in items:
-            if v.yardstick and v.concurrency not in shown:  # once per concurrency, above its verdicts
-                shown.add(v.concurrency)
-                rows.append(_yardstick_row(v))
-            rows.append(
-                f"<tr><td>c={v.concurrency}</td><td>{html.escape(v.metric_name)}</td>"
-                f'<td class="winner" data-metric="{v.metric}" data-value="{v.winner_median!r}"'
-                f' data-cells="{html.escape(" ".join(v.versus[0].winner_cells))}">'
-                f"<strong>{html.escape(v.winner)}</strong>: {_fmt(v.winner_median, v.ttft)}</td>"
-                f"<td>{_versus_html(v)}</td></tr>"
-            )
-        parts.append(
-            f'<table class="verdict" id="verdict-{index}"><colgroup><col style="width:7%"><col style="width:16%">'
-            f'<col style="width:22%"><col style="width:55%"></colgroup><thead><tr><th>streams</th><th>metric</th>'
-            f"<th>fastest (median)</th><th>against each other mode</th></tr></thead>"
-            f"<tbody>{''.join(rows)}</tbody></table>"
-        )
-    parts.append("</section>")
-    return "\n".join(parts)
+    setups = [_setup_view(key, items, caveats.get(key) or []) for key, items in by_setup.items()]
+    return render("verdict.html.j2", setups=setups, how_to_read=HOW_TO_READ)
 
 
 def verdict_markdown(found: list[Verdict], caveats: Mapping[tuple[str, str, str], list[str]]) -> list[str]:

@@ -4,8 +4,8 @@ metric definitions, and warnings (synthetic routing, failed cells). HTML and mar
 
 from __future__ import annotations
 
-import html
 from dataclasses import dataclass
+from typing import Any
 
 import pandas as pd
 
@@ -15,6 +15,7 @@ from benchsuite.report.flags import cell_flags, prompt_length_mismatches
 from benchsuite.report.groups import is_synthetic
 from benchsuite.report.load import RunData
 from benchsuite.report.noise import busy_warning
+from benchsuite.report.template_env import render
 
 REPORT_DEFINITIONS: tuple[tuple[str, str], ...] = (
     (
@@ -147,13 +148,6 @@ def warnings(cells: pd.DataFrame, requests: pd.DataFrame) -> list[tuple[str, str
     return out
 
 
-def _kv_table(pairs: list[tuple[str, str]]) -> str:
-    if not pairs:
-        return "<p><em>not recorded</em></p>"
-    rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in pairs)
-    return f"<table>{rows}</table>"
-
-
 def _requests(runs: list[RunData]) -> pd.DataFrame:
     return pd.concat([r.requests for r in runs], ignore_index=True)
 
@@ -176,55 +170,29 @@ def canary_warnings(runs: list[RunData]) -> list[tuple[str, str]]:
     ]
 
 
-def _server_row(s: mf.ServerFacts) -> str:
-    canary_cell = '<td class="bad">' if s.canary_failed else "<td>"
-    return (
-        f"<tr><td>{html.escape(s.server_id)}</td><td>{html.escape(s.engine)}</td><td>{html.escape(s.kind)}</td>"
-        f'<td class="wrap">{html.escape(s.version)}</td><td class="wrap"><code>{html.escape(s.command)}</code></td>'
-        f'<td class="wrap">{html.escape(s.startup)}</td>{canary_cell}canary: {html.escape(s.canary)}</td></tr>'
-    )
+def _run_view(run: RunData) -> dict[str, Any]:
+    servers = mf.servers(run.manifest)
+    return {
+        "run_id": run.run_id,
+        "run_dir": run.run_dir,
+        "machine": mf.machine_facts(run.manifest),
+        "source": mf.git_facts(run.manifest),
+        "fairness": mf.fairness_facts(run.manifest),
+        "servers": servers,
+        "sized": [s for s in servers if s.expert_bytes],  # byte-matched experts (FP8 against Q8_0, ...)
+    }
 
 
 def header_html(runs: list[RunData], cells: pd.DataFrame) -> str:
-    banners = canary_warnings(runs) + warnings(cells, _requests(runs))
-    parts = [f'<div class="banner {cls}">{html.escape(text)}</div>' for cls, text in banners]
-    parts.append('<h2 id="engines-run">Engines run</h2><ul>')
-    parts.extend(f"<li>{html.escape(s.statement())}</li>" for s in engine_statuses(cells))
-    for name in unmeasured_matrix_engines(runs, cells):
-        parts.append(f"<li>{html.escape(name)}: named by the matrix but has no results (not run).</li>")
-    parts.append("</ul>")
-    for run in runs:
-        parts.append(f'<h2 id="run-{html.escape(run.run_id)}">Run {html.escape(run.run_id)}</h2>')
-        parts.append(f"<p>Results: <code>{html.escape(str(run.run_dir))}</code></p>")
-        parts.append("<h3>Machine</h3>" + _kv_table(mf.machine_facts(run.manifest)))
-        parts.append("<h3>Source</h3>" + _kv_table(mf.git_facts(run.manifest)))
-        parts.append("<h3>Fairness settings (shared by all engines)</h3>" + _kv_table(mf.fairness_facts(run.manifest)))
-        parts.append("<h3>Servers: exact commands and versions</h3>")
-        servers = mf.servers(run.manifest)
-        if servers:
-            rows = "".join(_server_row(s) for s in servers)
-            parts.append(
-                f'<table id="servers-{html.escape(run.run_id)}"><tr><th>server</th><th>engine</th><th>kind</th>'
-                "<th>version</th><th>command</th><th>startup</th>"
-                f"<th>leak canary</th></tr>{rows}</table>"
-            )
-        else:
-            parts.append("<p><em>no servers recorded in the manifest</em></p>")
-        sized = [s for s in servers if s.expert_bytes]
-        if sized:  # byte-matched experts (FP8 against Q8_0, ...): what each engine moves per expert
-            rows = "".join(
-                f"<tr><td>{html.escape(s.server_id)}</td><td>{html.escape(s.engine)}</td>"
-                f"<td>{html.escape(str(s.expert_format))}</td><td>{s.expert_bytes / 1e6:.2f} MB</td></tr>"
-                for s in sized
-            )
-            parts.append(
-                f'<h3>Bytes per expert</h3><table id="expert-bytes-{html.escape(run.run_id)}"><tr><th>server</th>'
-                f"<th>engine</th><th>expert format</th><th>bytes per expert</th></tr>{rows}</table>"
-            )
-    parts.append('<h2 id="definitions">Metric definitions</h2><ul>')
-    parts.extend(f"<li><strong>{html.escape(k)}</strong>: {html.escape(v)}</li>" for k, v in definitions())
-    parts.append("</ul>")
-    return "\n".join(parts)
+    """The opening as HTML (templates/header.html.j2)."""
+    return render(
+        "header.html.j2",
+        banners=canary_warnings(runs) + warnings(cells, _requests(runs)),
+        statuses=engine_statuses(cells),
+        unmeasured=unmeasured_matrix_engines(runs, cells),
+        runs=[_run_view(run) for run in runs],
+        definitions=definitions(),
+    )
 
 
 def header_markdown(runs: list[RunData], cells: pd.DataFrame) -> list[str]:

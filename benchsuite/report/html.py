@@ -9,32 +9,16 @@ from __future__ import annotations
 
 import html
 from dataclasses import dataclass
+from typing import Any
 
 import pandas as pd
+from markupsafe import Markup
 from plotly.offline import get_plotlyjs
 
 from benchsuite.report.display import display_frame
 from benchsuite.report.plot import Figure
 from benchsuite.report.tables import NOT_SIGNIFICANT, SPREAD_UNKNOWN
-
-# A backslash at a line end continues the line (the stylesheet's bytes are unchanged).
-_CSS = """
-body{font-family:system-ui,-apple-system,"Segoe UI",Helvetica,Arial,sans-serif;margin:24px;color:#222;max-width:1350px}
-h1{font-size:1.5em}h2{font-size:1.2em;margin-top:2em;border-bottom:1px solid #ddd}h3{font-size:1em}
-table{border-collapse:collapse;font-size:12px;margin:6px 0;max-width:100%}\
-th,td{border:1px solid #ccc;padding:3px 5px;text-align:left;vertical-align:top}
-th{background:#f3f3f3;position:sticky;top:0}td{white-space:nowrap}td.wrap{white-space:normal;min-width:120px}
-.scroll{max-width:100%}.scroll.tall{max-height:700px;overflow-y:auto}
-table.verdict{table-layout:fixed;width:100%;font-size:13px}table.verdict td{white-space:normal}
-.vs{margin:1px 0}.vs.sig{color:#11602a}.vs.ns{color:#8a5a00}.vs.na{color:#666}.vs .other{color:#666;font-size:11px}
-ul.caveats{background:#fff8e6;border:1px solid #e0c36a;padding:6px 6px 6px 24px;margin:6px 0;font-size:13px}
-code{font-size:11px;word-break:break-all}.banner{padding:8px 12px;margin:8px 0;border-radius:4px}
-.warn{background:#fff3cd;border:1px solid #e0c36a}.bad{background:#fde2e2;border:1px solid #e3a0a0}\
-.info{background:#e8f1fb;border:1px solid #9cc0e8}
-td.ns{color:#8a5a00;font-weight:bold}td.sig{color:#11602a}tr.synthetic td{background:#fff8e6}\
-tr.status-failed td,tr.status-invalid td{background:#fdecec}
-.caption{font-size:12px;color:#555}.figure{margin:18px 0;border-top:1px dashed #ddd;padding-top:8px}
-"""
+from benchsuite.report.template_env import render
 
 
 @dataclass(frozen=True)
@@ -157,16 +141,24 @@ def _render_part(frame: pd.DataFrame, shown: pd.DataFrame, table_id: str, row_an
     )
 
 
-def render_figure(fig: Figure) -> str:
+def _figure_view(fig: Figure) -> dict[str, Any]:
     div = fig.figure.to_html(
         full_html=False, include_plotlyjs=False, div_id=fig.anchor, config={"displaylogo": False, "responsive": True}
     )
-    ids = " ".join(fig.cell_ids)
-    return (
-        f'<div class="figure" id="{fig.anchor}-box"><h3>{html.escape(fig.title)}</h3>{div}'
-        f'<p class="caption">{html.escape(fig.caption)} Raw data: <a href="#raw-cells">raw cells table</a>; '
-        f"cells: {_id_links(ids) or 'none'}</p></div>"
-    )
+    links = _id_links(" ".join(fig.cell_ids))
+    return {
+        "anchor": fig.anchor,
+        "title": fig.title,
+        "caption": fig.caption,
+        "div": Markup(div),
+        "cell_links": Markup(links),
+    }
+
+
+def _section_view(section: Section) -> dict[str, Any]:
+    anchor_column = "cell_id" if section.anchor == "raw-cells" else None
+    table = "" if section.table is None else render_table(section.table, f"table-{section.anchor}", anchor_column)
+    return {"anchor": section.anchor, "title": section.title, "intro": Markup(section.intro), "table": Markup(table)}
 
 
 def render_page(
@@ -177,36 +169,22 @@ def render_page(
     missing_figures: list[str],
     sections_after: list[Section],
 ) -> str:
-    parts = [
-        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>',
-        f'<style>{_CSS}</style><script type="text/javascript">{get_plotlyjs()}</script></head><body>',
-        f"<h1>{html.escape(title)}</h1>",
-    ]
+    """The page (templates/page.html.j2): the verdict first, then banners, engines, machine and provenance
+    (header_html), the sections before the figures, the figures, the sections after."""
     toc = [
         Section("Verdict", "verdict", "", None),
-        *(s for s in sections_before),
+        *sections_before,
         Section("Figures", "figures", "", None),
         *sections_after,
     ]
-    parts.append(
-        "<nav><strong>Contents:</strong> "
-        + " · ".join(f'<a href="#{s.anchor}">{html.escape(s.title)}</a>' for s in toc)
-        + "</nav>"
+    return render(
+        "page.html.j2",
+        title=title,
+        plotly_js=Markup(get_plotlyjs()),
+        toc=toc,
+        header=Markup(header_html),
+        before=[_section_view(s) for s in sections_before],
+        missing_figures=missing_figures,
+        figures=[_figure_view(f) for f in figures],
+        after=[_section_view(s) for s in sections_after],
     )
-    parts.append(header_html)  # the verdict first, then banners, engines, machine and provenance
-    for section in sections_before:
-        parts.append(_render_section(section))
-    parts.append('<h2 id="figures">Figures</h2>')
-    if missing_figures:
-        parts.append("<p>Not drawn, for lack of data: " + "; ".join(html.escape(m) for m in missing_figures) + ".</p>")
-    parts.extend(render_figure(f) for f in figures)
-    for section in sections_after:
-        parts.append(_render_section(section))
-    parts.append("</body></html>")
-    return "\n".join(parts)
-
-
-def _render_section(section: Section) -> str:
-    anchor_column = "cell_id" if section.anchor == "raw-cells" else None
-    table = "" if section.table is None else render_table(section.table, f"table-{section.anchor}", anchor_column)
-    return f'<h2 id="{section.anchor}">{html.escape(section.title)}</h2>{section.intro}{table}'
