@@ -182,6 +182,10 @@ DEFINITIONS: dict[str, str] = {
     "decode_window_s": "measure of the union of [t_token1, t_tokenn] over measured ok requests",
     "untimed_requests": "warm requests with no token timeline (no counts and tokens != text chunks): no rate from them",
     "untimed_reason": "why those requests have no token timeline (the most frequent reason)",
+    "ttft_late_requests": (
+        "warm requests whose first timed point carried f > 1 tokens: their TTFT is to token f (an upper bound "
+        "on the time to token 1 by up to f - 1 decode steps)"
+    ),
     "engine_timings_checked": "warm requests, not client-bound, with our decode rate and the engine's own",
     "engine_timings_outside": (
         "of those, requests where |ours / engine's - 1| > ENGINE_TIMINGS_MARGIN + CLIENT_JITTER_S / engine span"
@@ -343,7 +347,14 @@ def _decode_reasons(warm: Sequence[RequestRecord], decode_rates: list[float], un
 def _untimed_fields(warm: Sequence[RequestRecord]) -> dict[str, Any]:
     """How many warm requests have no token timeline, and the most frequent reason."""
     why = [w for w in map(untimed_reason, warm) if w is not None]
-    return {"untimed_requests": len(why), "untimed_reason": Counter(why).most_common(1)[0][0] if why else None}
+    # a first timed point that carried f > 1 tokens (e.g. token 1 was half a UTF-8 character the engine held
+    # back): TTFT is then to token f, late by up to f - 1 decode steps; counted, never silently mixed in
+    late = sum(1 for r in warm if (first_chunk_tokens(r) or 0) > 1)
+    return {
+        "untimed_requests": len(why),
+        "untimed_reason": Counter(why).most_common(1)[0][0] if why else None,
+        "ttft_late_requests": late,
+    }
 
 
 def _decode_agg_fields(ok: Sequence[RequestRecord]) -> dict[str, Any]:

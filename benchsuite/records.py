@@ -110,6 +110,7 @@ class CellResult:
     ttft_text_p50_s: float | None = None  # median time to the first visible text (TTFT is to token 1)
     untimed_requests: int = 0  # warm requests without a token timeline: no TTFT, rate or ITL from them
     untimed_reason: str | None = None  # why (one line), e.g. no per-chunk counts and tokens > text chunks
+    ttft_late_requests: int = 0  # warm requests whose first timed point carried f > 1 tokens (TTFT to token f)
     decode_agg_tok_s: float | None = None  # sum_i (n_i - f_i) / |union_i [t_token1_i, t_tokenn_i]|
     decode_window_s: float | None = None  # the measure of that union
     client_bound_requests: int = 0  # warm requests whose token 1 or token n the client read late (with others)

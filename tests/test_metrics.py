@@ -425,3 +425,13 @@ def test_streams_read_mostly_whole_hand_the_p50_to_the_engines_own_figure() -> N
     assert cell.whole_stream_reads == 0 and cell.client_bound_requests == 3 and cell.engine_timings_checked == 0
     assert cell.decode_tok_s_p50 == 200.0 and cell.extras["decode_source"].startswith("engine timings (3 of 3")
     assert "client_flag" in cell.extras
+
+
+def test_a_first_point_that_carried_two_tokens_is_counted_as_a_late_ttft() -> None:
+    # Token 1 was half a UTF-8 character: the engine sent nothing until token 2 completed it, one chunk
+    # with count 2. TTFT is then to token 2, late by up to one decode step: counted, not silent.
+    on_time = _rec(1, 0.0, [0.5, 0.6, 0.7], counts=[1, 2, 3])
+    late = _rec(2, 1.0, [1.6, 1.7], tokens=3, counts=[2, 3])
+    cell = summarize([on_time, late], base=_base())
+    assert cell.ttft_late_requests == 1
+    assert summarize([on_time], base=_base()).ttft_late_requests == 0

@@ -313,6 +313,7 @@ RAW_COLUMNS: tuple[str, ...] = (
     "tokens_per_chunk_mean",
     "coalesced_gaps",
     "untimed_requests",
+    "ttft_late_requests",
     "miss_rate",
     "bytes_paged_per_token",
     "waves_per_step",
