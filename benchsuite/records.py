@@ -12,10 +12,18 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Bump when a stored column changes meaning; the store refuses other versions with a fix-it message.
 2: cells carry the server's placement (resident_experts, n_cpu_moe) and options as typed fields,
-the manifest is benchsuite.manifest.Manifest. Version 1 is read through benchsuite.schema_v1."""
+the manifest is benchsuite.manifest.Manifest. Version 1 is read through benchsuite.schema_v1.
+3: TTFT, decode tok/s, TPOT and ITL are timed on the token timeline (every chunk that carries a token
+count, text or not; benchsuite.metrics), no longer by text chunks alone. Version 2 is read as it is
+(its fields are a subset), reported with the caveat that its figures were timed by text chunks
+(TEXT_CHUNK_VERSIONS), and never resumed."""
+
+TEXT_CHUNK_VERSIONS = (1, 2)
+"""Schema versions whose stored TTFT and decode figures were timed by text chunks: biased where tokens carry
+no text (measured 2026-12-01: llama.cpp's decode +12% to +40% on a padded vocabulary)."""
 
 CellStatus = Literal["ok", "invalid", "failed"]
 

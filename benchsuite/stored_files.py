@@ -28,7 +28,7 @@ _CELL = pydantic.TypeAdapter(CellResult)
 _REQUESTS = pydantic.TypeAdapter(list[RequestRecord])
 _REQUIRED_FIELDS = {f.name for f in dataclasses.fields(RequestRecord) if f.default is dataclasses.MISSING
                     and f.default_factory is dataclasses.MISSING}  # fmt: skip
-_READABLE_VERSIONS = (schema_v1.VERSION, SCHEMA_VERSION)
+_READABLE_VERSIONS = (schema_v1.VERSION, 2, SCHEMA_VERSION)  # 2: today's layout less fields with defaults
 
 
 class DamagedFile(Exception):
@@ -120,10 +120,10 @@ def cell_payloads(
             payloads.append(read_cell_file(path, with_requests=True, writable=writable)[0])
         except DamagedFile as exc:
             on_damaged(path, exc)
-    if all(p["schema_version"] == SCHEMA_VERSION for p in payloads):
+    if all(p["schema_version"] != schema_v1.VERSION for p in payloads):
         return payloads
     manifest = read_manifest(run_dir)
-    return [p if p["schema_version"] == SCHEMA_VERSION
+    return [p if p["schema_version"] != schema_v1.VERSION
             else {**p, "cell": schema_v1.cell_from_v1(p["cell"], manifest.server(str(p["cell"].get("server_id"))))}
             for p in payloads]  # fmt: skip
 

@@ -220,3 +220,22 @@ def test_bytes_per_expert_of_each_engine_side_by_side(tmp_path: Path) -> None:
     assert table is not None
     rows = re.findall(r"<tr><td>([^<]*)</td><td>[^<]*</td><td>([^<]*)</td><td>([^<]*)</td></tr>", table.group(1))
     assert rows == [(first, "float8_e4m3fn", "4.72 MB"), (second, "q8_0", "5.01 MB")]
+
+
+def test_a_run_timed_by_text_chunks_is_reported_with_that_caveat_and_never_resumed(tmp_path: Path) -> None:
+    # The fixture is a schema-2 run: its TTFT and decode rates were timed by text chunks, which inflated
+    # llama.cpp's decode by a median 40% where its tokens carried no text. It stays readable, says so on
+    # the first screen, and is never resumed under today's definitions.
+    from benchsuite.records import SCHEMA_VERSION, TEXT_CHUNK_VERSIONS
+    from benchsuite.stored_files import read_manifest_file
+
+    assert json.loads((FIXTURE / "manifest.json").read_text())["schema_version"] in TEXT_CHUNK_VERSIONS
+    index = write_report([FIXTURE], tmp_path / "out")
+    assert "Timed by text chunks" in index.read_text()
+    with pytest.raises(UserError, match=f"writes only version {SCHEMA_VERSION}"):
+        read_manifest_file(FIXTURE / "manifest.json", writable=True)
+    fresh = tmp_path / "fresh"
+    shutil.copytree(FIXTURE, fresh)
+    manifest = json.loads((fresh / "manifest.json").read_text())
+    (fresh / "manifest.json").write_text(json.dumps({**manifest, "schema_version": SCHEMA_VERSION}))
+    assert "Timed by text chunks" not in write_report([fresh], tmp_path / "out-fresh").read_text()

@@ -78,7 +78,7 @@ def test_resume_checks_matrix_and_schema(tmp_path: Path) -> None:
         RunStore.open(tmp_path / "r", MANIFEST.model_copy(update={"matrix_hash": "other"}))
     path = tmp_path / "r" / "manifest.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "schema_version": SCHEMA_VERSION + 1}))
-    newer = f"schema version {SCHEMA_VERSION + 1}, this benchsuite reads versions 1, 2: rerun"
+    newer = f"schema version {SCHEMA_VERSION + 1}, this benchsuite reads versions 1, 2, 3: rerun"
     with pytest.raises(UserError, match=newer):
         read_manifest(tmp_path / "r")
 
@@ -100,7 +100,7 @@ def test_a_version_1_run_is_read_with_typed_placement_and_never_resumed(tmp_path
     assert (cells["p8-s1-r0"].resident_experts, cells["p8-s1-r0"].n_cpu_moe) == (8, None)
     assert cells["cpu-s1-r0"].n_cpu_moe == 4 and cells["ll3-s1-r0"].n_cpu_moe == 3  # server options, search extras
     assert cells["off-s1-r0"].options["offload_layers"] == 4
-    with pytest.raises(UserError, match="schema version 1; this benchsuite reports it but writes only version 2"):
+    with pytest.raises(UserError, match="schema version 1; this benchsuite reports it but writes only version 3"):
         RunStore.open(FIXTURE_V1, MANIFEST.model_copy(update={"matrix_hash": manifest.matrix_hash}))
 
 

@@ -15,7 +15,9 @@
 - configurations over the run's GPU budget (report/budget.py): named with their measured memory;
 - device memory judged against the budget by different figures (report/budget.mixed_figures: peak
   per process, peak as the device's delta, an older run's after-cell or log figure): named;
-- a busy machine (benchsuite.report.noise) and a client that could not keep up (metrics' client_flag).
+- a busy machine (benchsuite.report.noise) and a client that could not keep up (metrics' client_flag);
+- figures timed by text chunks (runs stored at a schema version before token-accurate timing,
+  records.TEXT_CHUNK_VERSIONS): TTFT and decode rates of an engine whose tokens carry no text are biased.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 import pandas as pd
 
 from benchsuite.manifest import ServerRecord
+from benchsuite.records import TEXT_CHUNK_VERSIONS
 from benchsuite.report.budget import mixed_figures, over_budget
 from benchsuite.report.groups import is_synthetic
 from benchsuite.report.noise import busy_cells
@@ -171,6 +174,12 @@ def setup_caveats(cells: pd.DataFrame, servers: Mapping[str, ServerRecord], has_
             "Device memory against the budget is not one figure for every configuration ("
             + "; ".join(f"{figure}: {', '.join(labels)}" for figure, labels in mixed.items())
             + "): which of them fits is not measured alike."
+        )
+    if "schema_version" in cells and cells["schema_version"].isin(TEXT_CHUNK_VERSIONS).any():
+        out.append(
+            "Timed by text chunks (a run stored before token-accurate timing): where an engine's tokens carry no "
+            "text, its TTFT is late and its decode rate high (llama.cpp's measured +12% to +40% on a padded "
+            "vocabulary, 2026-12-01); re-run to compare."
         )
     busy = busy_cells(cells)
     if busy:

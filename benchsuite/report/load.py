@@ -18,9 +18,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from benchsuite import schema_v1
 from benchsuite.errors import UserError
 from benchsuite.manifest import Manifest
-from benchsuite.records import SCHEMA_VERSION, CellResult, RequestRecord
+from benchsuite.records import CellResult, RequestRecord
 from benchsuite.stored_files import read_cells, read_manifest, read_requests
 
 CELL_COLUMNS: tuple[str, ...] = tuple(CellResult.__dataclass_fields__)
@@ -91,7 +92,8 @@ def normalize_requests(frame: pd.DataFrame) -> pd.DataFrame:
 
 def _read_cells(run_dir: Path, schema_version: int) -> pd.DataFrame:
     parquet = run_dir / "cells.parquet"
-    if parquet.is_file() and schema_version == SCHEMA_VERSION:  # older tables lack columns: read cells/ upgraded
+    # version 1 tables lack columns: read cells/ upgraded; version 2's are today's less columns with defaults
+    if parquet.is_file() and schema_version != schema_v1.VERSION:
         return pd.read_parquet(parquet)
     cells = read_cells(run_dir)
     if not cells:
@@ -113,5 +115,6 @@ def load_run(run_dir: Path) -> RunData:
         raise UserError(f"{run_dir}: no manifest.json; pass a results/<run-id>/ directory")
     manifest = read_manifest(run_dir)
     cells = normalize_cells(_read_cells(run_dir, manifest.schema_version))
+    cells["schema_version"] = manifest.schema_version  # the caveats name figures timed by text chunks
     run_id = manifest.run_id or run_dir.name
     return RunData(run_id, run_dir, manifest, cells, normalize_requests(_read_requests(run_dir)))
