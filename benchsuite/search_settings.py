@@ -56,13 +56,15 @@ class ResidentExpertsSettings(BaseModel):
     overhead_mib: int = Field(1024, ge=0)
 
 
-SETTINGS_MODELS: dict[str, type[BaseModel]] = {
+SearchSettingsAny = NCpuMoeSettings | ResidentExpertsSettings  # what parse_request returns
+
+SETTINGS_MODELS: dict[str, type[NCpuMoeSettings] | type[ResidentExpertsSettings]] = {
     "n_cpu_moe": NCpuMoeSettings,
     "resident_experts": ResidentExpertsSettings,
 }
 
 
-def parse_request(value: Any, option: str = "n_cpu_moe") -> Any:
+def parse_request(value: Any, option: str = "n_cpu_moe") -> SearchSettingsAny:
     """`search` or `{search: {...}}` -> the option's settings (an option without its own model takes
     the n_cpu_moe settings: the fastest fitting value); anything else is a user error."""
     model = SETTINGS_MODELS.get(option, NCpuMoeSettings)

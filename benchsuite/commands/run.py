@@ -145,7 +145,7 @@ def missing_models(plan: Plan) -> list[str]:
     """One line per server (or searched server) whose model path does not exist here."""
     lines = []
     for spec in [*plan.servers, *(task.spec for task in plan.searches)]:
-        found = missing_model(spec.kind, spec.options.model_dump(mode="json"))
+        found = missing_model(spec.options)
         if found is not None:
             lines.append(f"{plan.matrix.source}: engines.{spec.name}.options.{found[0]}: {found[1]}")
     return list(dict.fromkeys(lines))

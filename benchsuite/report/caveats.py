@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from benchsuite.engines import adapter_of
 from benchsuite.manifest import ServerRecord
 from benchsuite.report.budget import over_budget
 from benchsuite.report.groups import is_synthetic
@@ -72,20 +73,11 @@ def budget_exclusions(cells: pd.DataFrame) -> list[tuple[str, int, int]]:
 
 def expert_format(server: ServerRecord) -> str | None:
     """How one server stores expert weights: its adapter's record, else as its options name it."""
-    options, kind = server.options, server.kind
     recorded = (server.version or {}).get("expert_format")
     if recorded:
         return str(recorded)
-    if kind == "builtin":
-        return str(
-            options.get("dtype") or ("float32" if options.get("model", "tiny") == "tiny" else "checkpoint dtype")
-        )
-    if kind == "llamacpp":
-        model = str(options.get("model", "tiny"))
-        return f"GGUF {Path(model).name}" if model.lower().endswith(".gguf") else str(options.get("gguf_type") or "f32")
-    if kind == "sglang":
-        return str(options.get("quantization") or "checkpoint dtype")
-    return None
+    adapter = adapter_of(str(server.kind))
+    return adapter.recorded_expert_format(server.options) if adapter is not None else None
 
 
 def source_id(server: ServerRecord) -> str | None:
@@ -118,10 +110,8 @@ def same_model_caveat(servers: list[tuple[str, ServerRecord]]) -> str | None:
 
 
 def _on_cpu(server: ServerRecord, has_gpu: bool) -> bool:
-    options = server.options
-    if server.kind == "builtin":
-        return str(options.get("device", "cpu")) == "cpu"
-    return not has_gpu
+    adapter = adapter_of(str(server.kind))
+    return adapter.recorded_on_cpu(server.options, has_gpu) if adapter is not None else not has_gpu
 
 
 def setup_caveats(cells: pd.DataFrame, servers: Mapping[str, ServerRecord], has_gpu: bool) -> list[str]:

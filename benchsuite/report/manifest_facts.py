@@ -15,7 +15,6 @@ from typing import Any
 
 from benchsuite.manifest import Manifest
 
-ENGINE_KINDS: tuple[str, ...] = ("builtin", "llamacpp", "sglang")
 _TOP_K_KEYS = ("top_k", "num_experts_per_tok")
 _NUM_EXPERTS_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
 
