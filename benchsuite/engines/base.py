@@ -94,6 +94,11 @@ class SizedValues:
     layer_counts: Mapping[str, int] = field(default_factory=dict)
 
 
+SHORT_NAMES: Mapping[str, str] = MappingProxyType(
+    {"resident_experts": "K", "n_cpu_moe": "N", "offload_layers": "offload"}
+)  # how summaries name the option values that place experts (K, N, the layers offloaded)
+
+
 class EngineOptions(BaseModel):
     """Base of every adapter's `options_model`: one scalar per field after sweep expansion, frozen,
     unknown keys refused (a typo names its YAML path)."""
@@ -288,6 +293,16 @@ class EngineAdapter(ABC):
         """How a stored server stored expert weights, read from its recorded options (runs stored
         before `version()` recorded `expert_format`)."""
         return None
+
+    def recorded_model(self, options: Mapping[str, Any]) -> str | None:
+        """The model a stored server loaded, as its recorded options name it."""
+        value = options.get(self.options_model.checkpoint_option)
+        return value if isinstance(value, str) else None
+
+    def recorded_label_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        """Fixed options of a stored server that tell its configuration apart in labels (the amount
+        offloaded), beside the placement's K and N."""
+        return {}
 
     def recorded_on_cpu(self, options: Mapping[str, Any], has_gpu: bool) -> bool:
         """Whether a stored server ran its experts on the CPU, read from its recorded options."""

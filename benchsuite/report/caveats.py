@@ -109,6 +109,11 @@ def same_model_caveat(servers: list[tuple[str, ServerRecord]]) -> str | None:
     )
 
 
+def _model(server: ServerRecord) -> str | None:
+    adapter = adapter_of(str(server.kind))
+    return adapter.recorded_model(server.options) if adapter is not None else None
+
+
 def _on_cpu(server: ServerRecord, has_gpu: bool) -> bool:
     adapter = adapter_of(str(server.kind))
     return adapter.recorded_on_cpu(server.options, has_gpu) if adapter is not None else not has_gpu
@@ -123,9 +128,9 @@ def setup_caveats(cells: pd.DataFrame, servers: Mapping[str, ServerRecord], has_
             "Device CPU: paging and offload here copy experts within host RAM, not over a PCIe link, so this "
             "ranking says nothing about a GPU."
         )
-    models = sorted({str(s.options.get("model") or s.options.get("model_path") or "") for s in mine} - {""})
+    models = sorted({_model(s) or "" for s in mine} - {""})
     random_models = [m for m in models if _random_weights(m)]
-    random_models += sorted({str(s.options.get("model")) for s in mine if _recorded_random(s)} - set(random_models))
+    random_models += sorted({str(_model(s)) for s in mine if _recorded_random(s)} - set(random_models))
     if random_models:
         out.append(
             f"Random-weight model ({', '.join(random_models)}): its router routes near-uniformly, so tokens share "

@@ -276,6 +276,9 @@ class BuiltinAdapter(EngineAdapter):
         generated = options.get("model", "tiny") == "tiny"
         return str(options.get("dtype") or ("float32" if generated else "checkpoint dtype"))
 
+    def recorded_label_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        return {"offload_layers": options["offload_layers"]} if options.get("offload_layers") is not None else {}
+
     def recorded_on_cpu(self, options: Mapping[str, Any], has_gpu: bool) -> bool:
         return str(options.get("device", "cpu")) == "cpu"
 

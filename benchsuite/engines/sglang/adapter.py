@@ -157,6 +157,9 @@ class SGLangAdapter(EngineAdapter):
     def recorded_expert_format(self, options: Mapping[str, Any]) -> str | None:
         return str(options.get("quantization") or "checkpoint dtype")
 
+    def recorded_label_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        return {"cpu_offload_gb": options["cpu_offload_gb"]} if options.get("cpu_offload_gb") is not None else {}
+
     def cell_flags(self, spec: ServerSpec, log_text: str, cell: CellView) -> list[str]:
         """Runner hook: warnings for one cell from the server log (concurrency above the captured
         CUDA-graph batch cap; a KV pool that is not the matrix's fixed token capacity)."""
