@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from benchsuite.engines.base import EngineOptions, Projection, ServerSpec
+from benchsuite.engines.base import FIRST_SEARCH_OPTION, EngineOptions, Projection, ServerSpec, search_knob
 from benchsuite.errors import RunError, UserError
 from benchsuite.plan import CellSpec, SearchTask
 from benchsuite.records import CellResult
@@ -41,7 +41,6 @@ from benchsuite.search_settings import (
     ResidentExpertsSettings,
     SearchSettings,
     SearchSettingsAny,
-    parse_request,
 )
 
 __all__ = [
@@ -53,7 +52,12 @@ __all__ = [
 # ---- runner hook --------------------------------------------------------------------------------
 
 CandidateOutcome = Literal["ruled out", "measured", "over budget", "failed", "not launched"]
-LETTER = {"n_cpu_moe": "N", "resident_experts": "K"}  # how summaries and the report name the value
+
+
+def parse_request(value: Any, option: str = FIRST_SEARCH_OPTION) -> SearchSettingsAny:
+    """`search` or `{search: {...}}` -> the option's settings (an option without its own knob takes the
+    first's: the fastest fitting value); anything else is a user error."""
+    return search_knob(option).parse(value)
 
 
 @dataclass(frozen=True)
@@ -245,8 +249,9 @@ def describe(engine: str, record: Mapping[str, Any]) -> list[str]:
         return []
     budget, margin = record["budget_bytes"], record["margin_bytes"]
     best = record.get("best_n")
-    option = record.get("option", "n_cpu_moe")
-    letter = LETTER.get(option, "N")
+    option = record.get("option") or FIRST_SEARCH_OPTION
+    knob = search_knob(option)
+    letter = knob.letter
     value = next((c["value"] for c in candidates if c["n"] == best), None)
     metric = (record.get("settings") or {}).get("metric", "objective")
     head = (
@@ -282,7 +287,7 @@ def describe(engine: str, record: Mapping[str, Any]) -> list[str]:
         lines.append(
             f"  launched and failed (reasons in cells.csv): {_ranges([c['n'] for c in by_outcome['failed']], letter)}"
         )
-    if record.get("fit_by", "").startswith("projection") and option == "resident_experts":
+    if record.get("fit_by", "").startswith("projection") and knob.by_peak_memory:
         lines.append("  no device memory measured (no GPU): a launched K fits by its projection + the overhead guess")
     if by_outcome.get("not launched"):
         skipped = _ranges([c["n"] for c in by_outcome["not launched"]], letter)

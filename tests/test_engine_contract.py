@@ -6,9 +6,10 @@ engine option name appears as a string constant outside the places that own them
 `benchsuite/engines/` (the wings and the contract), `benchsuite/matrix_schema.py` (the `kind:` the
 matrix may name) and the tests. Each exception below says why it is not an engine name.
 
-Option names are the fields of every adapter's `options_model`, less the placement vocabulary
-(`base.Placement`: mode, K, N, routing), which every cell records under those names: those are
-record columns the report reads, declared once in the contract.
+Option names are the fields of every adapter's `options_model`. The placement vocabulary
+(`base.Placement`: mode, resident_experts, n_cpu_moe, routing) is also what every cell records under
+those names, so those few may appear where stored cells are read as records (RECORD_READERS), and
+nowhere else: the plan, the search and the CLI take them from the contract (SearchKnob, SHORT_NAMES).
 """
 
 from __future__ import annotations
@@ -39,19 +40,23 @@ NOT_ENGINE_NAMES = {
 }
 # The OpenAI request's and the records' `model` field, a model config's key: not the engine option.
 GENERIC = {"model"}
+PLACEMENT = {f.name for f in dataclasses.fields(Placement)}
+# Readers of stored cells and manifests, whose columns carry the placement's names: the report, the
+# upgrade of schema-1 records, the run folder's `routing/` directory.
+RECORD_READERS = ("benchsuite/report/", "benchsuite/schema_v1.py", "benchsuite/stored_files.py")
 
 
 def option_names() -> set[str]:
     fields: set[str] = set()
     for kind in KINDS:
         fields |= set(ADAPTERS[kind].options_model.model_fields)
-    return fields - {f.name for f in dataclasses.fields(Placement)} - GENERIC
+    return fields - PLACEMENT - GENERIC
 
 
-def constants_outside_owners(names: set[str]) -> Iterator[tuple[str, int, str]]:
+def constants_outside_owners(names: set[str], also: tuple[str, ...] = ()) -> Iterator[tuple[str, int, str]]:
     for path in sorted((ROOT / "benchsuite").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
-        if rel.startswith(OWNERS):
+        if rel.startswith(OWNERS + also):
             continue
         for node in ast.walk(ast.parse(path.read_text(), filename=rel)):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
@@ -71,6 +76,14 @@ def test_no_engine_option_name_outside_the_wings() -> None:
     assert {"offload_layers", "cpu_offload_gb", "model_path", "n_gpu_layers"} <= names  # the scan sees the options
     found = list(constants_outside_owners(names))
     assert not found, "engine option names outside benchsuite/engines:\n" + "\n".join(
+        f"{f}:{line}: {value!r}" for f, line, value in found
+    )
+
+
+def test_the_placement_vocabulary_is_named_only_where_records_are_read() -> None:
+    assert PLACEMENT == {"mode", "resident_experts", "n_cpu_moe", "routing"}
+    found = list(constants_outside_owners(PLACEMENT, RECORD_READERS))
+    assert not found, "placement names outside the contract and the record readers:\n" + "\n".join(
         f"{f}:{line}: {value!r}" for f, line, value in found
     )
 

@@ -52,7 +52,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 import aiohttp
 from pydantic import BaseModel, ConfigDict
 
-from benchsuite.search_settings import SearchSettingsAny
+from benchsuite.search_settings import NCpuMoeSettings, ResidentExpertsSettings, SearchSettingsAny, parse_with
 from benchsuite.stream_client import LoadRequest
 
 
@@ -94,9 +94,42 @@ class SizedValues:
     layer_counts: Mapping[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class SearchKnob:
+    """An engine option a search may choose against a memory budget (benchsuite.search), as the
+    plan, the CLI summary and the report name it."""
+
+    option: str  # the option's name in `engines.<name>.options`
+    settings_model: type[NCpuMoeSettings] | type[ResidentExpertsSettings]  # its `{search: {...}}` settings
+    letter: str  # how summaries name a value (N=3, K=16) and the dry run's placeholder ({N}, {K})
+    # Decided by the measured peak device memory: its one cell per launch takes the longest prompt
+    # (prefill activations are the part of the peak that grows with the prompt); else the first class.
+    by_peak_memory: bool
+    figure_id: str  # the report's figure of its curve
+    title: str
+    axis: str
+
+    def parse(self, value: Any) -> SearchSettingsAny:
+        """`search` or `{search: {...}}` -> this option's settings; anything else is a user error."""
+        return parse_with(self.settings_model, value, self.option)
+
+
+SEARCH_KNOBS: Mapping[str, SearchKnob] = MappingProxyType({
+    "n_cpu_moe": SearchKnob("n_cpu_moe", NCpuMoeSettings, "N", False, "fig-search", "llama.cpp --n-cpu-moe search",
+                            "N (layers whose experts stay on the CPU)"),
+    "resident_experts": SearchKnob("resident_experts", ResidentExpertsSettings, "K", True, "fig-search-k",
+                                   "paged K search", "K (expert slots per layer on the GPU)"),
+})  # fmt: skip
 SHORT_NAMES: Mapping[str, str] = MappingProxyType(
-    {"resident_experts": "K", "n_cpu_moe": "N", "offload_layers": "offload"}
+    {**{knob.option: knob.letter for knob in SEARCH_KNOBS.values()}, "offload_layers": "offload"}
 )  # how summaries name the option values that place experts (K, N, the layers offloaded)
+FIRST_SEARCH_OPTION = "n_cpu_moe"  # what a search record stored before it named its option searched
+
+
+def search_knob(option: str | None) -> SearchKnob:
+    """The knob of a searched option; an option without its own (or a record without one) searches
+    like the first: the fastest value whose projection fits."""
+    return SEARCH_KNOBS.get(option or FIRST_SEARCH_OPTION, SEARCH_KNOBS[FIRST_SEARCH_OPTION])
 
 
 class EngineOptions(BaseModel):

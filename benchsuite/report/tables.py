@@ -16,6 +16,7 @@ import pandas as pd
 
 from benchsuite import stats
 from benchsuite.engines import traits_of
+from benchsuite.engines.base import FIRST_SEARCH_OPTION
 from benchsuite.report.budget import over_budget
 from benchsuite.report.groups import Spread, is_synthetic, routing_label
 from benchsuite.report.noise import busy_cells, load_text
@@ -263,7 +264,8 @@ def search_table(cells: pd.DataFrame) -> pd.DataFrame:
         outcome = extras.get("search_outcome")
         rows.append(
             {
-                "run_id": c["run_id"], "engine": c["engine"], "option": extras.get("search_option", "n_cpu_moe"),
+                "run_id": c["run_id"], "engine": c["engine"],
+                "option": extras.get("search_option", FIRST_SEARCH_OPTION),
                 "workload": c["workload"], "prompt_class": c["prompt_class"], "concurrency": int(c["concurrency"]),
                 "N": n, "fits": extras.get("fits"),
                 "chosen": bool(

@@ -27,6 +27,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from benchsuite.engines import RUN_DIR_PLACEHOLDER
 from benchsuite.engines.base import (
+    SEARCH_KNOBS,
     EngineAdapter,
     EngineConfigError,
     EngineOptions,
@@ -39,7 +40,7 @@ from benchsuite.engines.base import (
 )
 from benchsuite.errors import UserError
 from benchsuite.scrape import scrape_prometheus
-from benchsuite.search_settings import ResidentExpertsSettings, SearchSettingsAny, parse_request
+from benchsuite.search_settings import ResidentExpertsSettings, SearchSettingsAny
 from paged_experts.residency import DEFAULT_PREFILL_KEEP, PREFILL_KEEP
 from paged_experts.server.threads import default_cpu_threads
 
@@ -100,7 +101,7 @@ class BuiltinOptions(EngineOptions):
             raise ValueError("must be >= 1")
         if isinstance(value, dict):
             try:
-                parse_request(value, "resident_experts")
+                SEARCH_KNOBS["resident_experts"].parse(value)
             except UserError as exc:
                 raise ValueError(str(exc)) from None
         return value

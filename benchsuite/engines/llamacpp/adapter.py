@@ -31,6 +31,7 @@ import aiohttp
 from pydantic import Field, field_validator, model_validator
 
 from benchsuite.engines.base import (
+    SEARCH_KNOBS,
     EngineAdapter,
     EngineConfigError,
     EngineOptions,
@@ -45,7 +46,7 @@ from benchsuite.engines.base import (
 from benchsuite.engines.llamacpp import owned, tuning
 from benchsuite.errors import UserError
 from benchsuite.scrape import scrape_prometheus
-from benchsuite.search_settings import NCpuMoeSettings, SearchSettingsAny, parse_request
+from benchsuite.search_settings import NCpuMoeSettings, SearchSettingsAny
 
 BINARY_NAME = "llama-server"
 FIT_PARAMS_NAME = "llama-fit-params"
@@ -101,7 +102,7 @@ class LlamaCppOptions(EngineOptions):
             raise ValueError("must be >= 0")
         if isinstance(value, dict):
             try:
-                parse_request(value)
+                SEARCH_KNOBS["n_cpu_moe"].parse(value)
             except UserError as exc:
                 raise ValueError(str(exc)) from None
         return value
