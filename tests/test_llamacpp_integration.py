@@ -101,7 +101,7 @@ async def test_f32_gguf_agrees_with_the_builtin_engine(tmp_path):
         "agree",
         "llamacpp",
         LlamaCppOptions(model="tiny", threads=2),
-        {"kv_capacity_tokens": 1024},
+        Fairness(1024),
         1,
         "agree",
     )

@@ -30,13 +30,16 @@ the hooks directly; an adapter overrides the ones its engine has:
   `resolved_options` and every cell's `options`); default: the options as validated;
 - `async startup_facts(session, base_url)`: the engine's own start-up breakdown, read once it is
   ready (the manifest's server entry `startup_facts`, beside the runner's `startup_s`);
-- `async after_cells(session, server, run_dir, requests)`: on the live server after its cells,
-  before it stops (`requests`: the distinct LoadRequests its cells sent); the dict is merged into
-  the manifest's server entry as its `facts` (e.g. SGLang's routing capture: `routing_trace`);
+- `async after_cells(session, spec, base_url, run_dir, requests)`: on the live server after its
+  cells, before it stops (`requests()` builds the distinct LoadRequests its cells sent); the dict is
+  merged into the manifest's server entry as its `facts` (e.g. SGLang's routing capture);
 - `vram_budget_bytes(spec)` and `projections(spec, settings)`: a search of an option against a
-  memory budget (benchsuite.search); None: this engine has no search.
-Facts about a kind the report needs (its label, its all-on-GPU mode, ...) are the typed
-`EngineTraits` each adapter class declares, so no stage outside the wings names a kind.
+  memory budget (benchsuite.search; the searchable options are `SEARCH_KNOBS`); None: no search;
+- `recorded_model`, `recorded_expert_format`, `recorded_label_options`, `recorded_on_cpu`: what the
+  report reads from a stored server's recorded options (runs from any version of this suite).
+Facts about a kind the report needs (its all-on-GPU mode, whether it is the CPU-experts baseline,
+...) are the typed `EngineTraits` each adapter class declares, so no stage outside the wings names
+a kind (tests/test_engine_contract.py).
 """
 
 from __future__ import annotations
