@@ -69,7 +69,7 @@ async def _measure_sampled(
 ) -> tuple[CellResult, list[RequestRecord], dict[str, Any]]:
     adapter, spec, workload = server.adapter, server.spec, cell.workload_spec
     requests = cell_requests(ctx.prompts, adapter, spec, cell)
-    flush_path = getattr(adapter, "flush_cache_path", None)
+    flush_path = adapter.flush_cache_path
     if flush_path:
         async with ctx.session.post(server.base_url + flush_path) as resp:
             if resp.status != 200:
@@ -161,11 +161,10 @@ def failed_result(
 
 def log_extras(adapter: EngineAdapter, spec: ServerSpec, cell: CellSpec, log_path: Path) -> dict[str, Any]:
     """Facts from the engine log and the adapter's warnings for this cell (`flags`, always a list:
-    empty means checked and nothing to say; adapters without the `cell_flags` hook give none)."""
+    empty means checked and nothing to say; adapters without a `cell_flags` hook give none)."""
     log_text = log_path.read_text(errors="replace")
     log_facts = adapter.parse_log(log_text)
-    flags_hook = getattr(adapter, "cell_flags", None)
-    extras: dict[str, Any] = {"flags": [str(f) for f in flags_hook(spec, log_text, cell)] if flags_hook else []}
+    extras: dict[str, Any] = {"flags": [str(f) for f in adapter.cell_flags(spec, log_text, cell)]}
     if log_facts:
         extras["engine_log"] = log_facts
     return extras

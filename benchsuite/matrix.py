@@ -116,7 +116,7 @@ def _owned_env_problems(source: Path, matrix: Matrix) -> list[str]:
     problems = []
     for name, entry in matrix.engines.items():
         try:
-            owned = getattr(ADAPTERS[entry.kind], "owned_env", frozenset())
+            owned = ADAPTERS[entry.kind].owned_env
         except UserError:
             continue  # an unavailable kind has its own error
         for where, env in (("env", matrix.env), (f"engines.{name}.env", entry.env)):

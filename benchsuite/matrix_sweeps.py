@@ -91,7 +91,7 @@ def resolve_options(source: Path, name: str, entry: EngineEntry) -> tuple[tuple[
             continue
         dumped = validated.model_dump(mode="json")
         index_of = {key: i for (key, _, sweep), i in zip(axes, combo) if sweep}
-        shape = model_checks.shape_problems(entry.kind, dumped)  # K against the model's E and top_k
+        shape = model_checks.shape_problems(validated)  # K against the model's E and top_k
         errors.extend(
             f"{source}: {yaml_path(prefix + (key, *([index_of[key]] if key in index_of else [])))}: {message}"
             for key, message in shape

@@ -13,14 +13,11 @@ Each problem is (option key, message); benchsuite.matrix_sweeps prefixes the YAM
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-MODEL_OPTION = {"builtin": "model", "llamacpp": "model", "sglang": "model_path"}
-K_OPTION = "resident_experts"
-LAYER_OPTIONS = ("n_cpu_moe", "offload_layers")
+from benchsuite.engines.base import EngineOptions
+
 GENERATED = "tiny"  # the generated test model (paged_experts.synth preset), made on first use
 SYNTH_PREFIX = "synth:"  # in-memory presets of paged_experts.synth_memory
 _E_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
@@ -35,9 +32,9 @@ class ModelShape:
     source: str  # where the shape was read, for the message
 
 
-def model_shape(kind: str, options: Mapping[str, Any]) -> ModelShape | None:
+def model_shape(options: EngineOptions) -> ModelShape | None:
     """E, top_k and layers of the server's model, or None where they cannot be known without it."""
-    model = str(options.get(MODEL_OPTION.get(kind, "model")) or "")
+    model = str(options.model_source() or "")
     if model == GENERATED or model.startswith(SYNTH_PREFIX):
         return _preset_shape(model)
     path = Path(model).expanduser()
@@ -72,43 +69,40 @@ def _preset_shape(model: str) -> ModelShape | None:
     return ModelShape(preset.num_experts, preset.top_k, layers, f"the {name} preset")
 
 
-def shape_problems(kind: str, options: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """K against top_k and E, and layer counts against the model's layers, where the shape is known."""
-    k = options.get(K_OPTION)
-    layer_values = {key: options.get(key) for key in LAYER_OPTIONS if isinstance(options.get(key), int)}
-    if not isinstance(k, int) and not layer_values:
+def shape_problems(options: EngineOptions) -> list[tuple[str, str]]:
+    """K against top_k and E, and layer counts against the model's layers, where the shape is known
+    (the options say which of their values the shape bounds: EngineOptions.sized_values)."""
+    sized = options.sized_values()
+    layer_values = sized.layer_counts
+    if not sized.experts_per_layer and not layer_values:
         return []
-    shape = model_shape(kind, options)
+    shape = model_shape(options)
     if shape is None:
         return []
     problems = []
-    if isinstance(k, int) and k > shape.num_experts:
-        problems.append(
-            (K_OPTION, f"K={k} is more than the model's {shape.num_experts} experts per layer ({shape.source})")
-        )
-    if isinstance(k, int) and k < shape.top_k:
-        problems.append(
-            (
-                K_OPTION,
-                f"K={k} is fewer than top_k={shape.top_k}: one token's experts must all be resident ({shape.source})",
-            )
-        )
+    for key, k in sized.experts_per_layer.items():
+        if k > shape.num_experts:
+            more = f"more than the model's {shape.num_experts} experts per layer ({shape.source})"
+            problems.append((key, f"K={k} is {more}"))
+        if k < shape.top_k:
+            why = f"one token's experts must all be resident ({shape.source})"
+            problems.append((key, f"K={k} is fewer than top_k={shape.top_k}: {why}"))
     for key, value in layer_values.items():
         if shape.num_layers is not None and value > shape.num_layers:
             problems.append((key, f"{value} is more than the model's {shape.num_layers} layers ({shape.source})"))
     return problems
 
 
-def missing_model(kind: str, options: Mapping[str, Any]) -> tuple[str, str] | None:
+def missing_model(options: EngineOptions) -> tuple[str, str] | None:
     """(option key, message) when the model path does not exist on this machine; None when it does,
-    or when the value is not a path (the generated model, a synth: preset, an SGLang hub id)."""
-    key = MODEL_OPTION.get(kind)
-    value = options.get(key) if key else None
+    or when the value is not a path (the generated model, a synth: preset, a hub id the engine
+    downloads itself)."""
+    key, value = options.checkpoint_option, options.model_source()
     if not isinstance(value, str) or value == GENERATED or value.startswith(SYNTH_PREFIX):
         return None
-    if kind == "sglang" and not value.startswith(("/", ".", "~")):
-        return None  # a hub id such as Qwen/Qwen3-30B-A3B: SGLang downloads it
+    if options.checkpoint_may_be_hub_id and not value.startswith(("/", ".", "~")):
+        return None  # a hub id such as Qwen/Qwen3-30B-A3B
     path = Path(value).expanduser()
     if path.exists():
         return None
-    return key, f"no such model: {path} (a checkpoint directory{' or GGUF file' if kind == 'llamacpp' else ''})"
+    return key, f"no such model: {path} ({options.checkpoint_kinds})"

@@ -21,10 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchsuite.engines import ADAPTERS
-from benchsuite.engines.base import EngineOptions, ServerSpec
+from benchsuite.engines.base import EngineOptions, Fairness, ServerSpec, search_knob
 from benchsuite.errors import UserError
 from benchsuite.matrix import ValidatedMatrix
 from benchsuite.matrix_schema import Workload
+from benchsuite.search_settings import SearchSettingsAny
 
 ID_HEX_DIGITS = 12
 DRY_RUN_PORT = 8000  # stands in for the free port chosen at launch
@@ -50,6 +51,12 @@ class SearchTask:
     spec: ServerSpec  # options.<option> still holds the search request ("search" or {search: ...})
     option: str
     params: Mapping[str, Any]
+    settings: SearchSettingsAny  # the request, parsed once here (benchsuite.search_settings)
+
+    @property
+    def request(self) -> Any:
+        """The search request as the matrix wrote it (the manifest's `search.request`)."""
+        return self.spec.options.model_dump(mode="json")[self.option]
 
 
 @dataclass(frozen=True)
@@ -78,7 +85,7 @@ def make_server_spec(
     name: str,
     kind: str,
     options: EngineOptions,
-    fairness: Mapping[str, Any],
+    fairness: Fairness,
     max_concurrency: int,
     env: Mapping[str, str] | None = None,
 ) -> ServerSpec:
@@ -87,7 +94,7 @@ def make_server_spec(
         "name": name,
         "kind": kind,
         "options": options.model_dump(mode="json"),
-        "fairness": dict(fairness),
+        "fairness": fairness.as_dict(),
         "max_concurrency": max_concurrency,
     }
     if env:  # only when declared, so the ids of matrices without `env:` stay as they were
@@ -96,7 +103,7 @@ def make_server_spec(
         name=name,
         kind=kind,
         options=options,
-        fairness=dict(fairness),
+        fairness=fairness,
         max_concurrency=max_concurrency,
         server_id=stable_id(body),
         env=dict(env or {}),
@@ -143,7 +150,7 @@ def plan_cells(matrix: ValidatedMatrix, server: ServerSpec, params: Mapping[str,
 
 def build_plan(matrix: ValidatedMatrix, run_id: str | None = None) -> Plan:
     m = matrix.matrix
-    fairness = m.fairness.model_dump(mode="json")
+    fairness = Fairness(**m.fairness.model_dump(mode="json"))
     max_concurrency = max(c for w in m.workloads.values() for c in w.concurrency)
     servers: list[ServerSpec] = []
     cells: list[CellSpec] = []
@@ -155,7 +162,8 @@ def build_plan(matrix: ValidatedMatrix, run_id: str | None = None) -> Plan:
             spec = make_server_spec(name, entry.kind, option_set.options, fairness, max_concurrency, env)
             option = search_option(option_set.options)
             if option is not None:
-                searches.append(SearchTask(spec=spec, option=option, params=dict(option_set.params)))
+                request = option_set.options.model_dump(mode="json")[option]
+                searches.append(SearchTask(spec, option, dict(option_set.params), search_knob(option).parse(request)))
                 continue
             if any(s.server_id == spec.server_id for s in servers):
                 continue  # two sweep values that validate to the same options
@@ -177,7 +185,7 @@ def resolve_search(plan: Plan, task: SearchTask, options: EngineOptions) -> tupl
     spec = make_server_spec(
         task.spec.name, task.spec.kind, options, task.spec.fairness, task.spec.max_concurrency, task.spec.env
     )
-    params = {**task.params, task.option: getattr(options, task.option)}
+    params = {**task.params, task.option: options.model_dump(mode="json")[task.option]}
     return spec, plan_cells(plan.matrix, spec, params)
 
 
@@ -255,11 +263,11 @@ def format_plan(plan: Plan) -> str:
 
 def search_cell(cells: tuple[CellSpec, ...], option: str) -> CellSpec:
     """The one cell a search measures per launch (repeat 0, at the highest concurrency: the objective
-    is measured where the server will be loaded most). n_cpu_moe: the first workload and prompt class.
-    resident_experts, whose search is decided by the peak device memory: the longest prompt class of
+    is measured where the server will be loaded most): the first workload and prompt class; for a
+    search decided by the peak device memory (SearchKnob.by_peak_memory), the longest prompt class of
     any workload (prefill activations are the part of the peak that grows with the prompt)."""
     first = cells[0]
-    if option == "resident_experts":
+    if search_knob(option).by_peak_memory:
         return max((c for c in cells if c.repeat == 0), key=lambda c: (_prompt_tokens(c.prompt_class), c.concurrency))
     same_class = [c for c in cells if (c.workload, c.prompt_class, c.repeat) == (first.workload, first.prompt_class, 0)]
     return max(same_class, key=lambda c: c.concurrency)
@@ -270,15 +278,13 @@ def _prompt_tokens(prompt_class: str) -> int:
     return int(prompt_class) if prompt_class.isdigit() else 0
 
 
-SEARCH_PLACEHOLDER = "{N}"
-PLACEHOLDERS = {"resident_experts": "{K}"}  # the searched value's name in the listing; other options: {N}
 _SENTINEL = 987_654_321  # an option value no matrix uses, replaced by the placeholder in the listing
 
 
 def _search_template(plan: Plan, task: SearchTask) -> list[str]:
     """The command line of the search's servers, the searched value as {N} (K: {K}), and the cell measured
     per value."""
-    placeholder = PLACEHOLDERS.get(task.option, SEARCH_PLACEHOLDER)
+    placeholder = f"{{{search_knob(task.option).letter}}}"  # the searched value's name in the listing
     options = task.spec.options.replaced(**{task.option: _SENTINEL})
     spec = make_server_spec(task.spec.name, task.spec.kind, options, task.spec.fairness, task.spec.max_concurrency,
                             task.spec.env)  # fmt: skip

@@ -92,14 +92,13 @@ def _random_token_prompts(vocab_source: Path, n_tokens: int, n: int, seed: int) 
 def _vocab_source(adapter: EngineAdapter, spec: ServerSpec) -> Path:
     """Where dataset `random` reads the vocabulary size: the engine's GGUF file when it serves one, else the
     tokenizer."""
-    gguf_file = getattr(adapter, "gguf_file", None)
-    found = gguf_file(spec) if gguf_file is not None else None
+    found = adapter.gguf_file(spec)
     return Path(found) if found is not None else _tokenizer_dir(adapter, spec)
 
 
 def _tokenizer_dir(adapter: EngineAdapter, spec: ServerSpec) -> Path:
-    """The model's tokenizer, for exact-length prompts: the adapter's optional `tokenizer_dir` hook."""
-    finder = getattr(adapter, "tokenizer_dir", None)
-    if finder is None:
+    """The model's tokenizer, for exact-length prompts: the adapter's `tokenizer_dir` hook."""
+    found = adapter.tokenizer_dir(spec)
+    if found is None:
         raise RunError(f"engine {spec.name}: kind {spec.kind} cannot name its tokenizer; exact-length prompts need it")
-    return Path(finder(spec))
+    return Path(found)

@@ -51,6 +51,7 @@ from benchsuite.run_context import (
 from benchsuite.server_launch import RunningServer, death_reason, exited, launch_server
 from benchsuite.store import RunStore, Writer, atomic_write_bytes
 from benchsuite.stored_files import read_manifest
+from benchsuite.stream_client import LoadRequest
 
 CANARY_MAX_CONCURRENCY = 4
 
@@ -143,8 +144,7 @@ async def run_search_task(ctx: RunContext, task: SearchTask) -> list[CellResult]
         raise RunError(f"engine {task.spec.name}: {task.option} asks for a search, and this run has no search hook")
     options = await ctx.search(ctx, task)
     spec, cells = resolve_search(ctx.plan, task, options)
-    request = getattr(task.spec.options, task.option)
-    ctx.store.record_server(spec.server_id, search={"option": task.option, "request": request})
+    ctx.store.record_server(spec.server_id, search={"option": task.option, "request": task.request})
     return await run_server_cells(ctx, spec, cells)
 
 
@@ -241,16 +241,17 @@ async def _after_cells(ctx: RunContext, server: RunningServer, cells: Sequence[C
     SGLang's routing capture) and, when the matrix asks, the leak canary. Both go to the manifest's
     server entry; neither marks a cell failed (a canary failure is shown in the report instead)."""
     spec, adapter = server.spec, server.adapter
-    hook = getattr(adapter, "after_cells", None)
-    if hook is not None:
-        try:
-            sent = (r for c in cells for r in cell_requests(ctx.prompts, adapter, spec, c))
-            requests = {(r.prompt_class, r.prompt_id): r for r in sent}
-            facts = await hook(ctx, server, list(requests.values()))
-        except (*CELL_ERRORS, ValueError) as exc:
-            facts = {"after_cells_error": f"{type(exc).__name__}: {exc}"}
-        if facts:
-            ctx.store.record_server(spec.server_id, facts=facts)
+
+    def requests() -> list[LoadRequest]:  # built only by a hook that needs them (prompts may read a tokenizer)
+        sent = (r for c in cells for r in cell_requests(ctx.prompts, adapter, spec, c))
+        return list({(r.prompt_class, r.prompt_id): r for r in sent}.values())
+
+    try:
+        facts = await adapter.after_cells(ctx.session, spec, server.base_url, ctx.store.run_dir, requests)
+    except (*CELL_ERRORS, ValueError) as exc:
+        facts = {"after_cells_error": f"{type(exc).__name__}: {exc}"}
+    if facts:
+        ctx.store.record_server(spec.server_id, facts=facts)
     if ctx.plan.matrix.matrix.canary:
         try:
             report = await canary.run_canary(

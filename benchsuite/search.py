@@ -20,10 +20,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, cast
+from typing import Any, Literal
 
-from benchsuite.engines.base import EngineOptions
+from benchsuite.engines.base import FIRST_SEARCH_OPTION, EngineOptions, Projection, ServerSpec, search_knob
 from benchsuite.errors import RunError, UserError
+from benchsuite.plan import CellSpec, SearchTask
+from benchsuite.records import CellResult
+from benchsuite.run_context import RunContext
 from benchsuite.search_propose import (
     Observation,
     SearchGen,
@@ -37,7 +40,7 @@ from benchsuite.search_settings import (
     NCpuMoeSettings,
     ResidentExpertsSettings,
     SearchSettings,
-    parse_request,
+    SearchSettingsAny,
 )
 
 __all__ = [
@@ -46,30 +49,15 @@ __all__ = [
 ]  # fmt: skip
 
 
-class Projection(Protocol):
-    """One candidate value's projected device memory, as an adapter gives it (llama.cpp
-    `engines/llamacpp/fit.Projection`, builtin `engines/builtin/memory.KProjection`; dataclasses)."""
-
-    source: str  # where the figure comes from, shown beside ruled-out values
-
-    @property
-    def gpu_total_bytes(self) -> int: ...
-
-    def fits(self, budget_bytes: int, margin_bytes: int) -> bool: ...
-
-
-class SearchableAdapter(Protocol):
-    """The two adapter members a search needs (an engine without them has no search)."""
-
-    def vram_budget_bytes(self, spec: Any) -> int: ...
-
-    def projections(self, spec: Any, settings: Any) -> Mapping[int, Projection]: ...
-
-
 # ---- runner hook --------------------------------------------------------------------------------
 
 CandidateOutcome = Literal["ruled out", "measured", "over budget", "failed", "not launched"]
-LETTER = {"n_cpu_moe": "N", "resident_experts": "K"}  # how summaries and the report name the value
+
+
+def parse_request(value: Any, option: str = FIRST_SEARCH_OPTION) -> SearchSettingsAny:
+    """`search` or `{search: {...}}` -> the option's settings (an option without its own knob takes the
+    first's: the fastest fitting value); anything else is a user error."""
+    return search_knob(option).parse(value)
 
 
 @dataclass(frozen=True)
@@ -91,13 +79,13 @@ class Candidate:
 class _Probe:
     """Launches one server per proposed value and measures its search cell (a resumed run reuses it)."""
 
-    def __init__(self, ctx: Any, task: Any, metric: str, budget_bytes: int,
+    def __init__(self, ctx: RunContext, task: SearchTask, metric: str, budget_bytes: int,
                  guess_fits: Mapping[int, bool] | None) -> None:  # fmt: skip
         self.ctx, self.task, self.metric, self.budget_bytes = ctx, task, metric, budget_bytes
         self.guess_fits = guess_fits  # K without a measured peak (no GPU): fits by projection + overhead guess
-        self.results: dict[int, Any] = {}  # value -> CellResult
+        self.results: dict[int, CellResult] = {}  # value -> its search cell
 
-    def spec_and_cell(self, n: int) -> tuple[Any, Any]:
+    def spec_and_cell(self, n: int) -> tuple[ServerSpec, CellSpec]:
         """The candidate's server and its one cell (benchsuite.plan.search_cell)."""
         from benchsuite.plan import make_server_spec, plan_cells, search_cell, stable_id
 
@@ -159,7 +147,7 @@ def _candidate(n: int, projection: Projection, fits: bool, margin_bytes: int, pr
                      peak_device_memory_bytes=obs.peak_bytes, **projected)  # fmt: skip
 
 
-def _generator(option: str, settings: Any, fitting: Sequence[int], guess_bytes: Mapping[int, int],
+def _generator(option: str, settings: SearchSettingsAny, fitting: Sequence[int], guess_bytes: Mapping[int, int],
                budget_bytes: int) -> SearchGen:  # fmt: skip
     """The search each knob gets: N hill-climbs over what fits; K brackets the largest that fits."""
     if isinstance(settings, ResidentExpertsSettings):
@@ -169,7 +157,7 @@ def _generator(option: str, settings: Any, fitting: Sequence[int], guess_bytes: 
     return propose(fitting, settings.rel_tol)
 
 
-def _margins(settings: Any) -> tuple[int, int]:
+def _margins(settings: SearchSettingsAny) -> tuple[int, int]:
     """(bytes added to a projection to rule a value out, bytes added to guess a launch's peak).
     llama.cpp's published rule counts an N only when projection + its margin fits, so both are the
     margin; the built-in engine's K projection is a lower bound, ruled out with no margin, its
@@ -179,23 +167,20 @@ def _margins(settings: Any) -> tuple[int, int]:
     return settings.margin_mib * 2**20, settings.margin_mib * 2**20
 
 
-async def run_search(ctx: Any, task: Any) -> EngineOptions:
+async def run_search(ctx: RunContext, task: SearchTask) -> EngineOptions:
     """Search `task.option` of an engine entry; returns its options with the chosen value.
 
-    `ctx` is a benchsuite.run_context.RunContext and `task` a benchsuite.plan.SearchTask. Only launched
-    candidates become cells; every candidate, ruled out ones with their projection, is recorded
-    in the manifest under the search's server (`search.candidates`).
+    Only launched candidates become cells; every candidate, ruled out ones with their projection, is
+    recorded in the manifest under the search's server (`search.candidates`).
     """
     from benchsuite.engines import ADAPTERS
 
-    spec = task.spec
-    found = ADAPTERS[spec.kind]
-    if not hasattr(found, "projections") or not hasattr(found, "vram_budget_bytes"):
-        raise UserError(f"engine {spec.name}: kind {spec.kind} has no {task.option} search")
-    adapter = cast(SearchableAdapter, found)
-    settings = parse_request(getattr(spec.options, task.option), task.option)
+    spec, settings = task.spec, task.settings
+    adapter = ADAPTERS[spec.kind]
     budget_bytes = adapter.vram_budget_bytes(spec)
-    projections = adapter.projections(spec, settings)  # value -> projection, every candidate value
+    projections = adapter.projections(spec, settings) if budget_bytes is not None else None  # value -> projection
+    if budget_bytes is None or projections is None:
+        raise UserError(f"engine {spec.name}: kind {spec.kind} has no {task.option} search")
     margin_bytes, guess_margin_bytes = _margins(settings)
     fitting = [n for n in sorted(projections) if projections[n].fits(budget_bytes, margin_bytes)]
     guess_bytes = {n: projections[n].gpu_total_bytes + guess_margin_bytes for n in projections}
@@ -264,8 +249,9 @@ def describe(engine: str, record: Mapping[str, Any]) -> list[str]:
         return []
     budget, margin = record["budget_bytes"], record["margin_bytes"]
     best = record.get("best_n")
-    option = record.get("option", "n_cpu_moe")
-    letter = LETTER.get(option, "N")
+    option = record.get("option") or FIRST_SEARCH_OPTION
+    knob = search_knob(option)
+    letter = knob.letter
     value = next((c["value"] for c in candidates if c["n"] == best), None)
     metric = (record.get("settings") or {}).get("metric", "objective")
     head = (
@@ -301,7 +287,7 @@ def describe(engine: str, record: Mapping[str, Any]) -> list[str]:
         lines.append(
             f"  launched and failed (reasons in cells.csv): {_ranges([c['n'] for c in by_outcome['failed']], letter)}"
         )
-    if record.get("fit_by", "").startswith("projection") and option == "resident_experts":
+    if record.get("fit_by", "").startswith("projection") and knob.by_peak_memory:
         lines.append("  no device memory measured (no GPU): a launched K fits by its projection + the overhead guess")
     if by_outcome.get("not launched"):
         skipped = _ranges([c["n"] for c in by_outcome["not launched"]], letter)

@@ -5,8 +5,9 @@ Two knobs are searched, each with its own settings model:
 - the built-in engine's paged `resident_experts` (`ResidentExpertsSettings`): the largest K whose
   measured peak device memory fits (or the fastest such K, `objective: fastest`).
 
-Its own module (pydantic only) so an engine's options model can validate a search request at the
-matrix boundary without importing the search itself (benchsuite.search), which drives the runner.
+Which option each model serves is the contract's (benchsuite.engines.base.SEARCH_KNOBS). Its own
+module (pydantic only) so an engine's options model can validate a search request at the matrix
+boundary without importing the search itself (benchsuite.search), which drives the runner.
 """
 
 from __future__ import annotations
@@ -56,16 +57,13 @@ class ResidentExpertsSettings(BaseModel):
     overhead_mib: int = Field(1024, ge=0)
 
 
-SETTINGS_MODELS: dict[str, type[BaseModel]] = {
-    "n_cpu_moe": NCpuMoeSettings,
-    "resident_experts": ResidentExpertsSettings,
-}
+SearchSettingsAny = NCpuMoeSettings | ResidentExpertsSettings  # what parse_with returns
 
 
-def parse_request(value: Any, option: str = "n_cpu_moe") -> Any:
-    """`search` or `{search: {...}}` -> the option's settings (an option without its own model takes
-    the n_cpu_moe settings: the fastest fitting value); anything else is a user error."""
-    model = SETTINGS_MODELS.get(option, NCpuMoeSettings)
+def parse_with(model: type[NCpuMoeSettings] | type[ResidentExpertsSettings], value: Any,
+               option: str) -> SearchSettingsAny:  # fmt: skip
+    """`search` or `{search: {...}}` -> `model`'s settings for `option` (benchsuite.engines.base
+    .SearchKnob.parse names the model of each option); anything else is a user error."""
     if value == "search":
         return model()
     if isinstance(value, Mapping) and set(value) == {"search"}:

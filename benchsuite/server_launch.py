@@ -44,9 +44,7 @@ async def launch_server(ctx: RunContext, spec: ServerSpec) -> AsyncIterator[Runn
     """
     adapter = ADAPTERS[spec.kind]
     adapter.validate(spec)
-    prepare = getattr(adapter, "prepare", None)  # optional: build what the command line names
-    if prepare is not None:
-        prepare(spec)
+    adapter.prepare(spec)  # build what the command line names (a no-op for most engines)
     port = free_port()
     launch = adapter.launch_plan(spec, port)
     run_dir = str(ctx.store.run_dir.resolve())
@@ -60,7 +58,7 @@ async def launch_server(ctx: RunContext, spec: ServerSpec) -> AsyncIterator[Runn
         kind=spec.kind,
         options=spec.options.model_dump(mode="json"),
         resolved_options=options_in_force(adapter, spec),
-        fairness=dict(spec.fairness),
+        fairness=spec.fairness.as_dict(),
         max_concurrency=spec.max_concurrency,
         argv=argv,
         env=recorded(env),
@@ -82,8 +80,7 @@ async def launch_server(ctx: RunContext, spec: ServerSpec) -> AsyncIterator[Runn
         process.start()
         await process.wait_ready()
         startup_s = round(time.perf_counter() - started_s, 3)  # launch -> first 200 from health
-        engine_startup = getattr(adapter, "startup_facts", None)  # the engine's own breakdown, if it reports one
-        facts = await engine_startup(ctx.session, base_url) if engine_startup is not None else {}
+        facts = await adapter.startup_facts(ctx.session, base_url)  # the engine's own breakdown, if it reports one
         ctx.store.record_server(spec.server_id, startup_s=startup_s, startup_facts=facts)
         yield RunningServer(spec, adapter, process, base_url, argv, memory_baseline_bytes=baseline)
     finally:
@@ -92,9 +89,8 @@ async def launch_server(ctx: RunContext, spec: ServerSpec) -> AsyncIterator[Runn
 
 def options_in_force(adapter: EngineAdapter, spec: ServerSpec) -> dict[str, Any]:
     """The options a server runs with: the adapter's `resolved_options` hook (defaults that depend on
-    the device, mode or concurrency resolved), else the options object as validated."""
-    resolve = getattr(adapter, "resolved_options", None)
-    return dict(resolve(spec)) if resolve is not None else spec.options.model_dump(mode="json")
+    the device, mode or concurrency resolved; by default the options object as validated)."""
+    return dict(adapter.resolved_options(spec))
 
 
 async def exited(server: RunningServer, wait_s: float = 1.0) -> bool:

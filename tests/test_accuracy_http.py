@@ -25,6 +25,7 @@ import paged_experts.store
 from benchsuite import accuracy
 from benchsuite.cli import main as cli_main
 from benchsuite.datasets import bundled_prompts
+from benchsuite.engines.base import Fairness
 from benchsuite.engines.llamacpp.adapter import find_binary
 from benchsuite.errors import RunError
 from paged_experts.server.app import create_app
@@ -183,7 +184,8 @@ async def test_llama_server_against_itself_passes_through_the_cli(tmp_path: Path
     from benchsuite.process import EngineProcess, free_port
 
     gguf = await asyncio.to_thread(
-        LlamaCppAdapter().model_path, ServerSpec("a", "llamacpp", LlamaCppOptions(model="tiny"), {}, 1, "a")
+        LlamaCppAdapter().model_path,
+        ServerSpec("a", "llamacpp", LlamaCppOptions(model="tiny"), Fairness(10240), 1, "a"),
     )
     port = free_port()
     argv = [str(find_binary()), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", "1", "-c", "1024"]

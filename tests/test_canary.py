@@ -15,6 +15,7 @@ from aiohttp.test_utils import TestServer
 
 from benchsuite import canary
 from benchsuite.cli import main as cli_main
+from benchsuite.engines.base import Fairness
 from benchsuite.engines.llamacpp.adapter import find_binary
 from paged_experts.server.app import create_app
 from paged_experts.server.launch import ServeConfig
@@ -122,7 +123,8 @@ async def test_llama_server_passes(tmp_path: Path) -> None:
     from benchsuite.process import EngineProcess, free_port
 
     gguf = await asyncio.to_thread(
-        LlamaCppAdapter().model_path, ServerSpec("c", "llamacpp", LlamaCppOptions(model="tiny"), {}, 1, "c")
+        LlamaCppAdapter().model_path,
+        ServerSpec("c", "llamacpp", LlamaCppOptions(model="tiny"), Fairness(10240), 1, "c"),
     )
     port = free_port()
     argv = [

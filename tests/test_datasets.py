@@ -16,6 +16,7 @@ from benchsuite.datasets import (
     load_sharegpt,
     prompt_length_mismatches,
 )
+from benchsuite.engines.base import Fairness
 from benchsuite.errors import UserError
 from benchsuite.records import RequestRecord
 
@@ -169,7 +170,7 @@ def test_random_dataset_on_a_gguf_file_needs_only_its_vocabulary(
     vocab = load_tokenizer(tiny_model_dir).get_vocab_size(with_added_tokens=False)
     assert gguf_vocab_size(gguf) == vocab  # the learned tokens, as the HF path draws them: no special token
     options = LlamaCppOptions(model=str(gguf))
-    spec = ServerSpec("llama", "llamacpp", options, {"kv_capacity_tokens": 512, "prefix_caching": False}, 1, "sid")
+    spec = ServerSpec("llama", "llamacpp", options, Fairness(512, False), 1, "sid")
     workload = Workload(dataset="random", prompt_classes=[prompt_class], num_requests=5, output_tokens=4)
     cell = CellSpec("cid", "sid", "llama", {}, "w", workload, prompt_class, 1, 0)
     requests = cell_requests({}, LlamaCppAdapter(), spec, cell)

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from benchsuite.cli import main as cli_main
-from benchsuite.engines.base import ServerSpec
+from benchsuite.engines.base import Fairness, ServerSpec
 from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter, LlamaCppOptions
 from benchsuite.engines.llamacpp.build import install_dir
 from benchsuite.engines.llamacpp.gguf_synth import read_facts, write_synthetic_gguf
@@ -33,7 +33,7 @@ def synth_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def spec(model: Path) -> ServerSpec:
-    return ServerSpec("ll", "llamacpp", LlamaCppOptions(model=str(model)), {"kv_capacity_tokens": 256}, 1, "sid")
+    return ServerSpec("ll", "llamacpp", LlamaCppOptions(model=str(model)), Fairness(256), 1, "sid")
 
 
 def test_facts_beside_the_file_say_how_it_was_made(synth_gguf: Path, tmp_path: Path) -> None:

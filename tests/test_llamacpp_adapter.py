@@ -7,7 +7,7 @@ import stat
 import pytest
 from pydantic import ValidationError
 
-from benchsuite.engines.base import EngineConfigError, ServerSpec
+from benchsuite.engines.base import EngineConfigError, Fairness, ServerSpec
 from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter, LlamaCppOptions, find_binary
 
 HELP = """\
@@ -38,7 +38,7 @@ def _spec(options, kv=4096, conc=4, prefix_caching=False):
         name="lcpp",
         kind="llamacpp",
         options=LlamaCppOptions.model_validate(options),
-        fairness={"kv_capacity_tokens": kv, "prefix_caching": prefix_caching},
+        fairness=Fairness(kv, prefix_caching),
         max_concurrency=conc,
         server_id="abc",
     )

@@ -6,7 +6,7 @@ import importlib.util
 import stat
 from pathlib import Path
 
-from benchsuite.engines.base import ServerSpec
+from benchsuite.engines.base import Fairness, ServerSpec
 from benchsuite.engines.llamacpp import tuning
 from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter, LlamaCppOptions
 
@@ -39,7 +39,7 @@ def test_the_adapter_set_is_the_adapters_command_line(tmp_path, monkeypatch):
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
     options = LlamaCppOptions(model=str(model), binary=str(binary), n_cpu_moe=30)
-    spec = ServerSpec("s", "llamacpp", options, {"kv_capacity_tokens": 8192}, 4, "s")
+    spec = ServerSpec("s", "llamacpp", options, Fairness(8192), 4, "s")
     adapter_argv = _pairs(LlamaCppAdapter().launch_plan(spec, 1).argv)
     script_set = _pairs(_script().flag_sets(6)["adapter"])
     assert {flag: adapter_argv.get(flag, "absent") for flag in script_set} == script_set

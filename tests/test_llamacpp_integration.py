@@ -16,7 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from benchsuite.engines.base import ServerSpec
+from benchsuite.engines.base import Fairness, ServerSpec
 from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter, LlamaCppOptions, find_binary
 from benchsuite.process import EngineProcess, free_port
 
@@ -101,7 +101,7 @@ async def test_f32_gguf_agrees_with_the_builtin_engine(tmp_path):
         "agree",
         "llamacpp",
         LlamaCppOptions(model="tiny", threads=2),
-        {"kv_capacity_tokens": 1024},
+        Fairness(1024),
         1,
         "agree",
     )
@@ -145,7 +145,9 @@ def test_our_projection_matches_llama_fit_params_on_the_host(flash_attn, n_ctx, 
     fit_binary = find_binary().parent / "llama-fit-params"
     if not fit_binary.is_file():
         pytest.skip(f"{fit_binary} not built")
-    model = LlamaCppAdapter().model_path(ServerSpec("p", "llamacpp", LlamaCppOptions(model="tiny"), {}, 1, "p"))
+    model = LlamaCppAdapter().model_path(
+        ServerSpec("p", "llamacpp", LlamaCppOptions(model="tiny"), Fairness(10240), 1, "p")
+    )
     argv = fit_params_argv(fit_binary, model, 0, n_ctx, 2, flash_attn, 999, ubatch_size=n_ubatch)
     host = next(r for r in parse_fit_print(subprocess.run(argv, capture_output=True, text=True, check=True).stdout))
     facts = read_model_facts(model)

@@ -27,7 +27,7 @@ import pytest
 from real_servers import builtin_server
 from tokenizers import Tokenizer
 
-from benchsuite.engines.base import ServerSpec
+from benchsuite.engines.base import Fairness, ServerSpec
 from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter, LlamaCppOptions, find_binary
 from benchsuite.engines.llamacpp.gguf_synth import write_synthetic_gguf
 from benchsuite.process import EngineProcess, free_port
@@ -205,7 +205,7 @@ async def _run_llama(
     gguf_path: Path, tmp_path: Path, prompts: list[list[int]]
 ) -> list[tuple[list[int], list[float], str]]:
     spec = ServerSpec("one", "llamacpp", LlamaCppOptions(model=str(gguf_path), threads=2),
-                      {"kv_capacity_tokens": 1024}, 1, "one")  # fmt: skip
+                      Fairness(1024), 1, "one")  # fmt: skip
     port = free_port()
     plan = LlamaCppAdapter().launch_plan(spec, port)
     async with EngineProcess(plan.argv, plan.env, tmp_path / "llama.log", f"http://127.0.0.1:{port}/health", 120):

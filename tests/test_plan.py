@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 
 from benchsuite.cli import main
+from benchsuite.engines.base import Fairness
 from benchsuite.engines.llamacpp.adapter import LlamaCppOptions
 from benchsuite.matrix import load_matrix
 from benchsuite.plan import SearchTask, build_plan, make_server_spec, resolve_search, search_option
+from benchsuite.search_settings import NCpuMoeSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,7 +49,7 @@ def test_counts_and_server_facts(tmp_path: Path) -> None:
     # per server: (1 class x 2 conc + 1 class x 1 conc) x 2 repeats
     assert len(plan.cells) == 3 * 3 * 2
     assert {s.max_concurrency for s in plan.servers} == {4}
-    assert plan.servers[0].fairness == {"kv_capacity_tokens": 4096, "prefix_caching": False}
+    assert plan.servers[0].fairness == Fairness(kv_capacity_tokens=4096, prefix_caching=False)
     assert len({c.cell_id for c in plan.cells}) == len(plan.cells)
     assert plan.run_id == f"p-{plan.matrix.matrix_hash[:8]}"
     assert plan_of(tmp_path, run_id="mine").run_id == "mine"
@@ -82,8 +84,9 @@ def test_search_option_and_resolution(tmp_path: Path) -> None:
     assert search_option(LlamaCppOptions(n_cpu_moe={"search": {"min_n": 1}})) == "n_cpu_moe"
     assert search_option(LlamaCppOptions(n_cpu_moe=3)) is None
     plan = plan_of(tmp_path)
-    spec = make_server_spec("ll", "llamacpp", LlamaCppOptions(n_cpu_moe="search"), {"kv_capacity_tokens": 1}, 4)
-    task = SearchTask(spec=spec, option="n_cpu_moe", params={})
+    spec = make_server_spec("ll", "llamacpp", LlamaCppOptions(n_cpu_moe="search"), Fairness(1), 4)
+    task = SearchTask(spec=spec, option="n_cpu_moe", params={}, settings=NCpuMoeSettings())
+    assert task.request == "search"
     server, cells = resolve_search(plan, task, spec.options.replaced(n_cpu_moe=7))
     assert server.options == LlamaCppOptions(n_cpu_moe=7) and server.server_id != spec.server_id
     assert server.options.placement().n_cpu_moe == 7

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
+from benchsuite.engines.base import Fairness
 from benchsuite.errors import UserError
 from benchsuite.manifest import Manifest
 from benchsuite.matrix import load_matrix
@@ -282,7 +283,7 @@ async def test_llama_server_is_started_so_no_web_page_can_read_it(tmp_path: Path
         pytest.skip("no llama-server on PATH or in the cache: run `benchsuite install llama-server`")
     adapter = LlamaCppAdapter()
     options = LlamaCppOptions(model="tiny", threads=2)
-    spec = ServerSpec("cors", "llamacpp", options, {"kv_capacity_tokens": 256}, 1, "cors")
+    spec = ServerSpec("cors", "llamacpp", options, Fairness(256), 1, "cors")
     adapter.prepare(spec)
     port = free_port()
     launch = adapter.launch_plan(spec, port)

@@ -24,7 +24,7 @@ import psutil
 import pytest
 import yaml
 
-from benchsuite.engines.base import EngineOptions, LaunchPlan, Placement, ServerSpec, options_of
+from benchsuite.engines.base import EngineAdapter, EngineOptions, LaunchPlan, Placement, ServerSpec, options_of
 
 HERE = Path(__file__).resolve()
 
@@ -43,7 +43,7 @@ class FakeOptions(EngineOptions):
         return Placement("fake")
 
 
-class FakeAdapter:
+class FakeAdapter(EngineAdapter):
     kind = "builtin"
     options_model = FakeOptions
     flush_cache_path = "/flush_cache"

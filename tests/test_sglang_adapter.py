@@ -12,16 +12,16 @@ import pydantic
 import pytest
 
 from benchsuite.engines import ADAPTERS
-from benchsuite.engines.base import ServerSpec
+from benchsuite.engines.base import Fairness, ServerSpec
 from benchsuite.engines.sglang.adapter import SGLangAdapter, SGLangOptions, expand_env
 
-FAIRNESS = {"kv_capacity_tokens": 10240, "prefix_caching": False}
+FAIRNESS = Fairness(10240, prefix_caching=False)
 PY = sys.executable
 HEAD = [PY, "-m", "sglang.launch_server", "--model-path", "/models/q", "--host", "127.0.0.1", "--port", "8000",
         "--disable-radix-cache", "--max-total-tokens", "10240", "--enable-metrics"]  # fmt: skip
 
 
-def spec(options: dict[str, Any], fairness: dict[str, Any] | None = None, max_concurrency: int = 4) -> ServerSpec:
+def spec(options: dict[str, Any], fairness: Fairness | None = None, max_concurrency: int = 4) -> ServerSpec:
     return ServerSpec(
         "sgl", "sglang", SGLangOptions.model_validate({"model_path": "/models/q", **options}), fairness or FAIRNESS,
         max_concurrency, "id",
@@ -78,7 +78,7 @@ def test_disable_cuda_graph_writes_both_phase_backends_not_the_deprecated_flag()
 
 
 def test_prefix_caching_on_keeps_the_radix_cache() -> None:
-    got = argv({"mode": "unpaged"}, fairness={"kv_capacity_tokens": 2048, "prefix_caching": True})
+    got = argv({"mode": "unpaged"}, fairness=Fairness(2048, prefix_caching=True))
     assert "--disable-radix-cache" not in got
     assert got[got.index("--max-total-tokens") + 1] == "2048"
 
@@ -145,10 +145,8 @@ def test_version_of_an_installed_package(tmp_path: Path, monkeypatch: pytest.Mon
     assert facts["version"] == "0.5.23" and facts["matches_reference"] is True
 
 
-def test_validate_needs_kv_capacity_and_rejects_owned_flags() -> None:
+def test_validate_rejects_owned_flags() -> None:
     adapter = SGLangAdapter()
-    with pytest.raises(ValueError, match="fairness.kv_capacity_tokens is required"):
-        adapter.validate(spec({"mode": "unpaged"}, fairness={"prefix_caching": False}))
     with pytest.raises(ValueError, match="extra_args --max-total-tokens: set through fairness.kv_capacity_tokens"):
         adapter.validate(spec({"mode": "unpaged", "extra_args": ["--max-total-tokens=999"]}))
     adapter.validate(spec({"mode": "offload", "cpu_offload_gb": 4, "extra_args": ["--context-length", "4096"]}))

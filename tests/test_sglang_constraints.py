@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from benchsuite.engines.base import EngineConfigError, ServerSpec
+from benchsuite.engines.base import EngineConfigError, Fairness, ServerSpec
 from benchsuite.engines.sglang.adapter import SGLangAdapter, SGLangOptions
 from benchsuite.engines.sglang.constraints import PAGED_CHECKS, facts_from_config, paged_problems, read_model_facts
 from benchsuite.reference import load_reference
@@ -30,7 +30,7 @@ def check(path: str, **options: Any) -> None:
     spec = ServerSpec("sgl", "sglang",
                       SGLangOptions.model_validate({"model_path": path, "mode": "paged", "resident_experts": 26,
                                                     **options}),
-                      {"kv_capacity_tokens": 10240, "prefix_caching": False}, 4, "id")  # fmt: skip
+                      Fairness(10240, False), 4, "id")  # fmt: skip
     SGLangAdapter().validate(spec)
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from benchsuite.engines.base import ServerSpec
+from benchsuite.engines.base import Fairness, ServerSpec
 from benchsuite.engines.sglang.adapter import SGLangAdapter, SGLangOptions
 
 server_args = pytest.importorskip("sglang.srt.server_args", reason="sglang is not installed here")
@@ -29,7 +29,7 @@ def test_sglang_parses_our_commands(options: dict) -> None:
         "s",
         "sglang",
         SGLangOptions.model_validate({"model_path": "/m", **options}),
-        {"kv_capacity_tokens": 10240, "prefix_caching": False},
+        Fairness(10240, False),
         4,
         "i",
     )

@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 
 from benchsuite import loadgen
-from benchsuite.engines.base import ServerSpec
+from benchsuite.engines.base import Fairness, ServerSpec
 from benchsuite.engines.sglang.adapter import SGLangAdapter, SGLangOptions, scrape_prometheus
 from benchsuite.openai_http import model_name
 from benchsuite.process import EngineProcess, free_port
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow, pytest.mark.asyncio(lo
 
 CAPTURE = ServerSpec(
     "sgl", "sglang", SGLangOptions(model_path="/m", mode="unpaged", return_routed_experts=True),
-    {"kv_capacity_tokens": 512, "prefix_caching": False}, 2, "id",
+    Fairness(512, False), 2, "id",
 )  # fmt: skip
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchsuite.engines.base import ServerSpec
+from benchsuite.engines.base import Fairness, ServerSpec
 from benchsuite.engines.builtin.adapter import BuiltinAdapter, BuiltinOptions
 from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter, LlamaCppOptions
 from benchsuite.engines.llamacpp.gguf_synth import read_facts, write_with_facts
@@ -61,10 +61,12 @@ def test_content_hash_of_a_checkpoint_sees_a_changed_sampled_byte(made: dict[str
 
 def test_adapters_record_source_and_format(made: dict[str, Path]) -> None:
     b = BuiltinAdapter().version(
-        ServerSpec("b", "builtin", BuiltinOptions(model=str(made["weightless"]), mode="resident"), {}, 1, "b")
+        ServerSpec(
+            "b", "builtin", BuiltinOptions(model=str(made["weightless"]), mode="resident"), Fairness(10240), 1, "b"
+        )
     )
     assert b["weights"]["format"] == "float32, experts float32"
-    spec = ServerSpec("l", "llamacpp", LlamaCppOptions(model=str(made["gguf"])), {}, 1, "l")
+    spec = ServerSpec("l", "llamacpp", LlamaCppOptions(model=str(made["gguf"])), Fairness(10240), 1, "l")
     llama = LlamaCppAdapter()._weights(spec)
     assert llama["source"]["id"] == b["weights"]["source"]["id"]
     assert llama["format"] == "GGUF experts Q8_0, attention BF16, embeddings BF16, output BF16"
@@ -73,7 +75,9 @@ def test_adapters_record_source_and_format(made: dict[str, Path]) -> None:
 def test_a_gguf_without_facts_has_an_unknown_source(made: dict[str, Path], tmp_path: Path) -> None:
     bare = tmp_path / "bare.gguf"
     shutil.copy(made["gguf"], bare)
-    w = LlamaCppAdapter()._weights(ServerSpec("l", "llamacpp", LlamaCppOptions(model=str(bare)), {}, 1, "l"))
+    w = LlamaCppAdapter()._weights(
+        ServerSpec("l", "llamacpp", LlamaCppOptions(model=str(bare)), Fairness(10240), 1, "l")
+    )
     assert w["source"]["id"] is None and "no facts file" in w["source"]["covers"]
 
 
@@ -99,7 +103,7 @@ def test_an_export_records_its_checkpoints_source_and_tokenizer(made: dict[str, 
     facts = read_facts(out)
     assert facts is not None and facts["made_by"] == "benchsuite gguf export" and facts["random_weights"]
     assert facts["source_weights"]["id"] == weights_id.source_weights(made["weightless"])["id"]
-    spec = ServerSpec("l", "llamacpp", LlamaCppOptions(model=str(out)), {}, 1, "l")
+    spec = ServerSpec("l", "llamacpp", LlamaCppOptions(model=str(out)), Fairness(10240), 1, "l")
     assert LlamaCppAdapter().tokenizer_dir(spec) == made["checkpoint"].resolve()  # exact-length prompts work
     assert LlamaCppAdapter()._weights(spec)["format"] == "GGUF experts F32, attention F32, embeddings F32, output F32"
 

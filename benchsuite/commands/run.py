@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from benchsuite import search
-from benchsuite.engines.base import ServerSpec
+from benchsuite.engines.base import SHORT_NAMES, ServerSpec
 from benchsuite.errors import UserError
 from benchsuite.manifest import Manifest
 from benchsuite.matrix import MatrixError, load_matrix
@@ -145,7 +145,7 @@ def missing_models(plan: Plan) -> list[str]:
     """One line per server (or searched server) whose model path does not exist here."""
     lines = []
     for spec in [*plan.servers, *(task.spec for task in plan.searches)]:
-        found = missing_model(spec.kind, spec.options.model_dump(mode="json"))
+        found = missing_model(spec.options)
         if found is not None:
             lines.append(f"{plan.matrix.source}: engines.{spec.name}.options.{found[0]}: {found[1]}")
     return list(dict.fromkeys(lines))
@@ -269,9 +269,6 @@ def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
 
 
-_SHORT_NAMES = {"resident_experts": "K", "n_cpu_moe": "N", "offload_layers": "offload"}
-
-
 def _params(params: object, short: bool = False) -> str:
     items = params.items() if isinstance(params, dict) else []
-    return "".join(f" {_SHORT_NAMES.get(k, k) if short else k}={v}" for k, v in items)
+    return "".join(f" {SHORT_NAMES.get(k, k) if short else k}={v}" for k, v in items)

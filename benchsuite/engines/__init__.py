@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterator, Mapping
 
-from benchsuite.engines.base import EngineAdapter
+from benchsuite.engines.base import EngineAdapter, EngineTraits
 from benchsuite.errors import UserError
 
 RUN_DIR_PLACEHOLDER = "{run_dir}"
@@ -52,3 +52,21 @@ class _LazyAdapters(Mapping[str, EngineAdapter]):
 
 
 ADAPTERS: Mapping[str, EngineAdapter] = _LazyAdapters(ADAPTER_PATHS)
+
+
+KINDS: tuple[str, ...] = tuple(ADAPTER_PATHS)  # every engine kind, in the report's order
+
+
+def adapter_of(kind: str) -> EngineAdapter | None:
+    """The adapter of a stored run's kind, or None where this install does not know it or cannot load
+    it (a report reads runs made elsewhere)."""
+    try:
+        return ADAPTERS[kind]
+    except (KeyError, UserError):
+        return None
+
+
+def traits_of(kind: str) -> EngineTraits:
+    """What the report knows of a kind (base.EngineTraits); an unknown kind has the defaults."""
+    adapter = adapter_of(kind)
+    return adapter.traits if adapter is not None else EngineTraits()

@@ -14,31 +14,49 @@ check readiness, what to add to each request, and how to read the engine's own c
 log. Processes, sockets and files are the runner's business (benchsuite.process, loadgen).
 Adapters live in a plain dict registry (benchsuite.engines.ADAPTERS), keyed by `kind`.
 
-Optional members the runner reads with getattr (an adapter without one simply lacks the feature):
-- `prepare(spec) -> None`: before a launch (never in a dry run), build what the command line
-  names (llama.cpp: export the GGUF of an HF checkpoint);
-- `flush_cache_path: str | None`: POSTed before each cell (prefix cache flush);
-- `tokenizer_dir(spec) -> Path`: the model's tokenizer, for exact-length prompts;
-- `cell_flags(spec, log_text, cell) -> list[str]`: one-line engine warnings for a finished cell
-  (stored in the cell's `extras["flags"]`, shown by the report);
-- `owned_env: dict[str, str]`: environment variables that would set what the adapter owns (llama.cpp's
+`EngineAdapter` is an abstract base class: six abstract members every engine has, and every optional
+hook declared with a typed default that means "not supported" (no-op, None, empty). Callers call
+the hooks directly; an adapter overrides the ones its engine has:
+- `prepare(spec)`: before a launch (never in a dry run), build what the command line names
+  (llama.cpp: export the GGUF of an HF checkpoint);
+- `flush_cache_path`: POSTed before each cell (prefix cache flush); None: no flush;
+- `tokenizer_dir(spec)`: the model's tokenizer, for exact-length prompts; None: it cannot name one;
+- `gguf_file(spec)`: the GGUF file the server loads, where it serves one (its vocabulary size);
+- `cell_flags(spec, log_text, cell)`: one-line engine warnings for a finished cell (stored in the
+  cell's `extras["flags"]`, shown by the report);
+- `owned_env`: environment variables that would set what the adapter owns (llama.cpp's
   `LLAMA_ARG_CTX_SIZE` ...) -> what sets it instead; the matrix loader refuses them in `env:`;
-- `resolved_options(spec) -> dict`: the options in force with defaults resolved (the manifest's
-  server entry `resolved_options` and every cell's `options`; without it, the options as validated);
-- `async startup_facts(session, base_url) -> dict`: the engine's own start-up breakdown, read once
-  it is ready (the manifest's server entry `startup_facts`, beside the runner's `startup_s`);
-- `async after_cells(ctx, server, requests) -> dict`: on the live server after its cells, before it
-  stops (`requests`: the distinct LoadRequests its cells sent); the dict is merged into the
-  manifest's server entry as its `facts` (e.g. SGLang's routing capture: `routing_trace`).
+- `resolved_options(spec)`: the options in force with defaults resolved (the manifest's server entry
+  `resolved_options` and every cell's `options`); default: the options as validated;
+- `async startup_facts(session, base_url)`: the engine's own start-up breakdown, read once it is
+  ready (the manifest's server entry `startup_facts`, beside the runner's `startup_s`);
+- `async after_cells(session, spec, base_url, run_dir, requests)`: on the live server after its
+  cells, before it stops (`requests()` builds the distinct LoadRequests its cells sent); the dict is
+  merged into the manifest's server entry as its `facts` (e.g. SGLang's routing capture);
+- `vram_budget_bytes(spec)` and `projections(spec, settings)`: a search of an option against a
+  memory budget (benchsuite.search; the searchable options are `SEARCH_KNOBS`); None: no search;
+- `recorded_model`, `recorded_expert_format`, `recorded_label_options`, `recorded_on_cpu`: what the
+  report reads from a stored server's recorded options (runs from any version of this suite).
+Facts about a kind the report needs (its all-on-GPU mode, whether it is the CPU-experts baseline,
+...) are the typed `EngineTraits` each adapter class declares, so no stage outside the wings names
+a kind (tests/test_engine_contract.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, ClassVar, Protocol, TypeVar
 
+import aiohttp
 from pydantic import BaseModel, ConfigDict
+
+from benchsuite.search_settings import NCpuMoeSettings, ResidentExpertsSettings, SearchSettingsAny, parse_with
+from benchsuite.stream_client import LoadRequest
 
 
 class EngineConfigError(ValueError):
@@ -70,11 +88,64 @@ class Placement:
     routing: str = "model"  # "model", or "synthetic:<spec>"; synthetic results say so everywhere
 
 
+@dataclass(frozen=True)
+class SizedValues:
+    """Option values the model's shape bounds, keyed by the option that sets them (a problem's YAML
+    path): `experts_per_layer` (K: top_k <= K <= E) and `layer_counts` (no more than the layers)."""
+
+    experts_per_layer: Mapping[str, int] = field(default_factory=dict)
+    layer_counts: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SearchKnob:
+    """An engine option a search may choose against a memory budget (benchsuite.search), as the
+    plan, the CLI summary and the report name it."""
+
+    option: str  # the option's name in `engines.<name>.options`
+    settings_model: type[NCpuMoeSettings] | type[ResidentExpertsSettings]  # its `{search: {...}}` settings
+    letter: str  # how summaries name a value (N=3, K=16) and the dry run's placeholder ({N}, {K})
+    # Decided by the measured peak device memory: its one cell per launch takes the longest prompt
+    # (prefill activations are the part of the peak that grows with the prompt); else the first class.
+    by_peak_memory: bool
+    figure_id: str  # the report's figure of its curve
+    title: str
+    axis: str
+
+    def parse(self, value: Any) -> SearchSettingsAny:
+        """`search` or `{search: {...}}` -> this option's settings; anything else is a user error."""
+        return parse_with(self.settings_model, value, self.option)
+
+
+SEARCH_KNOBS: Mapping[str, SearchKnob] = MappingProxyType({
+    "n_cpu_moe": SearchKnob("n_cpu_moe", NCpuMoeSettings, "N", False, "fig-search", "llama.cpp --n-cpu-moe search",
+                            "N (layers whose experts stay on the CPU)"),
+    "resident_experts": SearchKnob("resident_experts", ResidentExpertsSettings, "K", True, "fig-search-k",
+                                   "paged K search", "K (expert slots per layer on the GPU)"),
+})  # fmt: skip
+SHORT_NAMES: Mapping[str, str] = MappingProxyType(
+    {**{knob.option: knob.letter for knob in SEARCH_KNOBS.values()}, "offload_layers": "offload"}
+)  # how summaries name the option values that place experts (K, N, the layers offloaded)
+FIRST_SEARCH_OPTION = "n_cpu_moe"  # what a search record stored before it named its option searched
+
+
+def search_knob(option: str | None) -> SearchKnob:
+    """The knob of a searched option; an option without its own (or a record without one) searches
+    like the first: the fastest value whose projection fits."""
+    return SEARCH_KNOBS.get(option or FIRST_SEARCH_OPTION, SEARCH_KNOBS[FIRST_SEARCH_OPTION])
+
+
 class EngineOptions(BaseModel):
     """Base of every adapter's `options_model`: one scalar per field after sweep expansion, frozen,
     unknown keys refused (a typo names its YAML path)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # The option that names the model (a missing model's YAML path), what it may name, and whether a
+    # value that is not a path may be a hub id the engine downloads itself.
+    checkpoint_option: ClassVar[str] = "model"
+    checkpoint_kinds: ClassVar[str] = "a checkpoint directory"
+    checkpoint_may_be_hub_id: ClassVar[bool] = False
 
     def placement(self) -> Placement:
         """Mode, K, N and routing of a server started with these options."""
@@ -88,9 +159,26 @@ class EngineOptions(BaseModel):
         """The checkpoint or file the server loads, as the options name it (its input fingerprint)."""
         return None
 
+    def sized_values(self) -> SizedValues:
+        """The values of these options that the model's shape bounds (benchsuite.model_checks)."""
+        return SizedValues()
+
     def replaced(self, **values: Any) -> EngineOptions:
         """A copy with `values` set, validated again (e.g. the search's chosen n_cpu_moe)."""
         return self.model_validate({**self.model_dump(), **values})
+
+
+@dataclass(frozen=True)
+class Fairness:
+    """The matrix's `fairness:` block as every engine gets it alike (DESIGN.md section 2); validated
+    at the boundary by matrix_schema.Fairness, this frozen copy is what specs and adapters carry."""
+
+    kv_capacity_tokens: int  # the KV cache every engine holds, in tokens
+    prefix_caching: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON form (the server id's hash and the manifest's `fairness`)."""
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)
@@ -98,14 +186,14 @@ class ServerSpec:
     """One server configuration: a matrix engine entry with every sweep value resolved.
 
     `options` is the engine's validated options object (its adapter's `options_model`).
-    `fairness` holds the matrix's shared settings (kv_capacity_tokens, prefix_caching, ...).
+    `fairness` holds the matrix's shared settings (kv capacity in tokens, prefix caching).
     `max_concurrency` is the highest concurrency any cell run on this server uses.
     """
 
     name: str  # engine entry name in the matrix
     kind: str
     options: EngineOptions
-    fairness: dict[str, Any]
+    fairness: Fairness
     max_concurrency: int
     server_id: str  # stable hash of the above (plan.make_server_spec)
     env: dict[str, str] = field(default_factory=dict)  # the matrix's `env:` for this engine (matrix, then engine level)
@@ -134,24 +222,132 @@ class LaunchPlan:
     startup_timeout_s: float = 600.0
 
 
-class EngineAdapter(Protocol):
-    kind: str
-    options_model: type[EngineOptions]  # validates this engine's `options:` block of matrix.yaml
+class Projection(Protocol):
+    """One candidate value's projected device memory, as an adapter gives it (llama.cpp
+    `engines/llamacpp/fit.Projection`, builtin `engines/builtin/memory.KProjection`; dataclasses)."""
 
+    source: str  # where the figure comes from, shown beside ruled-out values
+
+    @property
+    def gpu_total_bytes(self) -> int: ...
+
+    def fits(self, budget_bytes: int, margin_bytes: int) -> bool: ...
+
+
+class CellView(Protocol):
+    """What `cell_flags` reads of a cell (benchsuite.plan.CellSpec)."""
+
+    @property
+    def concurrency(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class EngineTraits:
+    """Facts about a kind of engine that the report needs, declared by its adapter class.
+
+    `reference_mode`: the placement mode that keeps every expert on the GPU (the roofline's unpaged
+    reference), None where it has none; `is_cpu_expert_baseline`: its best configuration that fits
+    the budget is the published baseline ("llama.cpp, best"); `chunks_prefill`: its cells record
+    prefill chunks (the prefill section); `published_rank`: which engine's cells a comparison with
+    published figures takes first (lower first).
+    """
+
+    reference_mode: str | None = None
+    is_cpu_expert_baseline: bool = False
+    chunks_prefill: bool = False
+    published_rank: int = 99
+
+
+class EngineAdapter(ABC):
+    """One kind of engine: the abstract members every engine has, and the optional hooks (module
+    docstring) with defaults that mean "not supported"."""
+
+    kind: ClassVar[str]
+    options_model: ClassVar[type[EngineOptions]]  # validates this engine's `options:` block of matrix.yaml
+    traits: ClassVar[EngineTraits] = EngineTraits()
+    owned_env: ClassVar[Mapping[str, str]] = MappingProxyType({})  # env var -> what sets it instead
+    flush_cache_path: ClassVar[str | None] = None  # POSTed before each cell
+
+    @abstractmethod
     def validate(self, spec: ServerSpec) -> None:
         """Raise EngineConfigError before any launch when the spec cannot work."""
 
+    @abstractmethod
     def launch_plan(self, spec: ServerSpec, port: int) -> LaunchPlan:
         """The exact command line (and env) that starts this server on 127.0.0.1:port."""
 
+    @abstractmethod
     def request_extras(self, spec: ServerSpec) -> dict[str, Any]:
         """Fields added to every completion request (e.g. llama.cpp's cache_prompt: false)."""
 
+    @abstractmethod
     def version(self, spec: ServerSpec) -> dict[str, Any]:
         """Engine version and build facts for the manifest (without starting the server)."""
 
-    async def scrape(self, session: Any, base_url: str) -> dict[str, float] | None:
+    @abstractmethod
+    async def scrape(self, session: aiohttp.ClientSession, base_url: str) -> dict[str, float] | None:
         """Engine counters (Prometheus text parsed into name -> value), or None if it has none."""
 
+    @abstractmethod
     def parse_log(self, log_text: str) -> dict[str, Any]:
         """Facts from the server log the report needs (memory lines, captured batch sizes, ...)."""
+
+    # ---- optional hooks: the defaults mean "not supported" ------------------------------------
+
+    def prepare(self, spec: ServerSpec) -> None:
+        """Build what the command line names, before a launch (never in a dry run)."""
+        return None
+
+    def tokenizer_dir(self, spec: ServerSpec) -> Path | None:
+        """The model's tokenizer directory, for exact-length prompts."""
+        return None
+
+    def gguf_file(self, spec: ServerSpec) -> Path | None:
+        """The GGUF file the server loads, where it serves one."""
+        return None
+
+    def cell_flags(self, spec: ServerSpec, log_text: str, cell: CellView) -> list[str]:
+        """One-line engine warnings for a finished cell; empty: checked, nothing to say."""
+        return []
+
+    def resolved_options(self, spec: ServerSpec) -> dict[str, Any]:
+        """The options in force, defaults that depend on the device, mode or concurrency resolved."""
+        return spec.options.model_dump(mode="json")
+
+    async def startup_facts(self, session: aiohttp.ClientSession, base_url: str) -> dict[str, Any]:
+        """The engine's own start-up breakdown, read once it is ready."""
+        return {}
+
+    async def after_cells(
+        self, session: aiohttp.ClientSession, spec: ServerSpec, base_url: str, run_dir: Path,
+        requests: Callable[[], Sequence[LoadRequest]],
+    ) -> dict[str, Any]:  # fmt: skip
+        """Facts gathered on the live server after its cells (the manifest's server `facts`)."""
+        return {}
+
+    def recorded_expert_format(self, options: Mapping[str, Any]) -> str | None:
+        """How a stored server stored expert weights, read from its recorded options (runs stored
+        before `version()` recorded `expert_format`)."""
+        return None
+
+    def recorded_model(self, options: Mapping[str, Any]) -> str | None:
+        """The model a stored server loaded, as its recorded options name it."""
+        value = options.get(self.options_model.checkpoint_option)
+        return value if isinstance(value, str) else None
+
+    def recorded_label_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        """Fixed options of a stored server that tell its configuration apart in labels (the amount
+        offloaded), beside the placement's K and N."""
+        return {}
+
+    def recorded_on_cpu(self, options: Mapping[str, Any], has_gpu: bool) -> bool:
+        """Whether a stored server ran its experts on the CPU, read from its recorded options."""
+        return not has_gpu
+
+    def vram_budget_bytes(self, spec: ServerSpec) -> int | None:
+        """The GPU memory budget a search fits its values into."""
+        return None
+
+    def projections(self, spec: ServerSpec, settings: SearchSettingsAny) -> Mapping[int, Projection] | None:
+        """Every candidate value of a search -> its projected device memory."""
+        return None

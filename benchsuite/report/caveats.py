@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from benchsuite.engines import adapter_of
 from benchsuite.manifest import ServerRecord
 from benchsuite.records import TEXT_CHUNK_VERSIONS
 from benchsuite.report.budget import mixed_figures, over_budget
@@ -77,20 +78,11 @@ def budget_exclusions(cells: pd.DataFrame) -> list[tuple[str, int, int]]:
 
 def expert_format(server: ServerRecord) -> str | None:
     """How one server stores expert weights: its adapter's record, else as its options name it."""
-    options, kind = server.options, server.kind
     recorded = (server.version or {}).get("expert_format")
     if recorded:
         return str(recorded)
-    if kind == "builtin":
-        return str(
-            options.get("dtype") or ("float32" if options.get("model", "tiny") == "tiny" else "checkpoint dtype")
-        )
-    if kind == "llamacpp":
-        model = str(options.get("model", "tiny"))
-        return f"GGUF {Path(model).name}" if model.lower().endswith(".gguf") else str(options.get("gguf_type") or "f32")
-    if kind == "sglang":
-        return str(options.get("quantization") or "checkpoint dtype")
-    return None
+    adapter = adapter_of(str(server.kind))
+    return adapter.recorded_expert_format(server.options) if adapter is not None else None
 
 
 def source_id(server: ServerRecord) -> str | None:
@@ -122,11 +114,14 @@ def same_model_caveat(servers: list[tuple[str, ServerRecord]]) -> str | None:
     )
 
 
+def _model(server: ServerRecord) -> str | None:
+    adapter = adapter_of(str(server.kind))
+    return adapter.recorded_model(server.options) if adapter is not None else None
+
+
 def _on_cpu(server: ServerRecord, has_gpu: bool) -> bool:
-    options = server.options
-    if server.kind == "builtin":
-        return str(options.get("device", "cpu")) == "cpu"
-    return not has_gpu
+    adapter = adapter_of(str(server.kind))
+    return adapter.recorded_on_cpu(server.options, has_gpu) if adapter is not None else not has_gpu
 
 
 def setup_caveats(cells: pd.DataFrame, servers: Mapping[str, ServerRecord], has_gpu: bool) -> list[str]:
@@ -138,9 +133,9 @@ def setup_caveats(cells: pd.DataFrame, servers: Mapping[str, ServerRecord], has_
             "Device CPU: paging and offload here copy experts within host RAM, not over a PCIe link, so this "
             "ranking says nothing about a GPU."
         )
-    models = sorted({str(s.options.get("model") or s.options.get("model_path") or "") for s in mine} - {""})
+    models = sorted({_model(s) or "" for s in mine} - {""})
     random_models = [m for m in models if _random_weights(m)]
-    random_models += sorted({str(s.options.get("model")) for s in mine if _recorded_random(s)} - set(random_models))
+    random_models += sorted({str(_model(s)) for s in mine if _recorded_random(s)} - set(random_models))
     if random_models:
         out.append(
             f"Random-weight model ({', '.join(random_models)}): its router routes near-uniformly, so tokens share "

@@ -16,6 +16,7 @@ from typing import Any
 
 import pandas as pd
 
+from benchsuite.engines import adapter_of
 from benchsuite.report.flags import cell_flags
 
 GROUP_KEYS: tuple[str, ...] = (
@@ -43,7 +44,6 @@ METRICS: tuple[str, ...] = (
     "waves_per_step",
     "union_mean",
 )
-_LABEL_OPTIONS = ("offload_layers", "cpu_offload_gb")  # fixed server options that tell configurations apart
 # params that already show N (the runner, the search, the H200 converter)
 _N_PARAMS = ("n_cpu_moe", "search_n", "cpu_expert_layers")
 
@@ -109,20 +109,28 @@ def annotate_cells(cells: pd.DataFrame, many_runs: bool) -> pd.DataFrame:
     out = cells.copy()
     out["k"] = _ints(out["resident_experts"])
     out["n_cpu_moe"] = _ints(out["n_cpu_moe"])
-    placed = zip(out["params"], out["k"], out["n_cpu_moe"], out["options"])
-    out["params"] = [effective_params(p, k, n, o) for p, k, n, o in placed]
+    placed = zip(out["params"], out["k"], out["n_cpu_moe"], out["options"], out["engine_kind"])
+    out["params"] = [effective_params(p, k, n, _label_options(kind, o)) for p, k, n, o, kind in placed]
     out["params_key"] = [params_key(p) for p in out["params"]]
     out["label"] = [config_label(row, many_runs) for _, row in out.iterrows()]
     return out
 
 
-def effective_params(params: dict[str, Any], k: int | None, n: int | None, options: dict[str, Any]) -> dict[str, Any]:
+def _label_options(kind: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """The fixed options the server's engine names its configurations by (the amount offloaded)."""
+    adapter = adapter_of(str(kind))
+    return adapter.recorded_label_options(options) if adapter is not None else {}
+
+
+def effective_params(
+    params: dict[str, Any], k: int | None, n: int | None, label_options: dict[str, Any]
+) -> dict[str, Any]:
     """Sweep params plus K, N and the offload amount when params do not name them, so configurations
     that differ only in a fixed option (e.g. each --n-cpu-moe of a search) stay apart and say what they ran."""
     out = dict(params)
-    for key in _LABEL_OPTIONS:
-        if options.get(key) is not None and key not in params:
-            out[key] = options[key]
+    for key, value in label_options.items():
+        if key not in params:
+            out[key] = value
     if k is not None and "resident_experts" not in params:
         out["K"] = k
     if n is not None and not set(_N_PARAMS) & set(params):

@@ -10,6 +10,7 @@ from typing import Any
 import pandas as pd
 
 from benchsuite import metrics
+from benchsuite.engines import KINDS
 from benchsuite.report import manifest_facts as mf
 from benchsuite.report.flags import cell_flags, prompt_length_mismatches
 from benchsuite.report.groups import is_synthetic
@@ -66,7 +67,7 @@ class EngineStatus:
 
 def engine_statuses(cells: pd.DataFrame) -> list[EngineStatus]:
     out = []
-    for kind in mf.ENGINE_KINDS:
+    for kind in KINDS:
         mine = cells[cells["engine_kind"] == kind]
         ok = int((mine["status"] == "ok").sum())
         out.append(EngineStatus(kind, tuple(sorted(set(mine["engine"]))), ok, len(mine) - ok))

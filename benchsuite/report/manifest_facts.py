@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchsuite.manifest import Manifest
+from benchsuite.engines import adapter_of
+from benchsuite.manifest import Manifest, ServerRecord
 
-ENGINE_KINDS: tuple[str, ...] = ("builtin", "llamacpp", "sglang")
 _TOP_K_KEYS = ("top_k", "num_experts_per_tok")
 _NUM_EXPERTS_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
 
@@ -99,13 +99,13 @@ def servers(manifest: Manifest) -> list[ServerFacts]:
     return out
 
 
-def startup_text(record: Any) -> str:
+def startup_text(record: ServerRecord) -> str:
     """'ready in 53.1 s (load 37.8 s, 4 graphs captured in 11.3 s)': the runner's launch-to-ready time
     and the built-in server's own breakdown (startup_facts.engine_startup_s)."""
-    total = getattr(record, "startup_s", None)
+    total = record.startup_s
     if total is None:
         return "not recorded"
-    facts = (getattr(record, "startup_facts", None) or {}).get("engine_startup_s") or {}
+    facts = (record.startup_facts or {}).get("engine_startup_s") or {}
     parts = []
     if facts.get("load_s") is not None:
         parts.append(f"load {facts['load_s']:.1f} s")
@@ -167,13 +167,10 @@ def _model_subtrees(obj: Any) -> list[Any]:
     return found
 
 
-_MODEL_OPTIONS = ("model", "model_path")  # builtin and llama.cpp; SGLang
-
-
 def _model_dirs(manifest: Manifest, run_dir: Path) -> list[Path]:
     """Checkpoint directories the servers' options name, resolved as given, then beside the run."""
-    options = [r.options for r in manifest.servers.values()]
-    names = [str(o[k]) for o in options for k in _MODEL_OPTIONS if isinstance(o.get(k), str)]
+    adapters = [(adapter_of(r.kind), r.options) for r in manifest.servers.values()]
+    names = [name for adapter, o in adapters if adapter is not None and (name := adapter.recorded_model(o)) is not None]
     candidates = [Path(n) if Path(n).is_absolute() else base / n for n in names for base in (Path.cwd(), run_dir)]
     return [c for c in candidates if (c / "config.json").is_file()]
 

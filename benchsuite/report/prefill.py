@@ -21,6 +21,7 @@ from typing import Any
 
 import pandas as pd
 
+from benchsuite.engines import traits_of
 from benchsuite.report.load import RunData
 from benchsuite.report.roofline import GB, MATCH_KEYS, link_gb_per_s
 
@@ -94,7 +95,8 @@ def prefill_table(cells: pd.DataFrame, runs: Iterable[RunData]) -> pd.DataFrame:
         return pd.DataFrame(columns=list(COLUMNS))  # runs stored before the prefill counters
     links = {run.run_id: link_gb_per_s(run.manifest) for run in runs}
     resident = _resident_ttft(cells)
-    chunked = cells[(cells["engine_kind"] == "builtin") & (pd.to_numeric(cells["prefill_chunks"]).fillna(0) > 0)]
+    chunking = pd.Series([traits_of(str(k)).chunks_prefill for k in cells["engine_kind"]], cells.index, bool)
+    chunked = cells[chunking & (pd.to_numeric(cells["prefill_chunks"]).fillna(0) > 0)]
     rows = []
     for _, c in chunked.sort_values(["run_id", "prompt_class", "routing", "label", "concurrency", "repeat"]).iterrows():
         link, link_why = links.get(str(c["run_id"]), (None, "run not loaded"))

@@ -15,11 +15,10 @@ from typing import Any
 
 import pandas as pd
 
+from benchsuite.engines import traits_of
 from benchsuite.reference import Reference, read_reference_file
 from benchsuite.report.groups import Spread
 from benchsuite.report.tables import baselines_for, headline_metric, prompt_classes
-
-_ENGINE_PREFERENCE = ("sglang", "builtin", "llamacpp")
 
 
 def find_reference(name: str, search_dirs: list[Path]) -> Path | None:
@@ -51,8 +50,11 @@ def _pick_paged(groups: pd.DataFrame, k: int | None, concurrency: int, prompt_cl
         paged = paged[paged["k"] == k]
     if paged.empty:
         return None
-    rank = {kind: i for i, kind in enumerate(_ENGINE_PREFERENCE)}
-    order = sorted(paged.index, key=lambda i: (rank.get(paged.loc[i, "engine_kind"], 99), -(paged.loc[i, "k"] or 0)))
+
+    def rank(i: Any) -> tuple[int, Any]:  # the engines' preference (EngineTraits.published_rank), then the largest K
+        return traits_of(str(paged.loc[i, "engine_kind"])).published_rank, -(paged.loc[i, "k"] or 0)
+
+    order = sorted(paged.index, key=rank)
     return paged.loc[order[0]]
 
 

@@ -25,12 +25,12 @@ from typing import Any
 
 import pandas as pd
 
+from benchsuite.engines import traits_of
 from benchsuite.manifest import Manifest
 from benchsuite.report.load import RunData
 
 TITLE = "Link and serial bounds (paged, offload)"
 BOUNDED_MODES = ("paged", "offload")
-REFERENCE_MODE = {"builtin": "resident", "sglang": "unpaged"}  # engine kind -> its mode with every expert on the GPU
 GB = 10**9
 MATCH_KEYS = ("run_id", "engine_kind", "workload", "routing", "concurrency", "prompt_class")
 COLUMNS = (
@@ -70,7 +70,7 @@ def _references(cells: pd.DataFrame) -> dict[tuple[Any, ...], tuple[float, list[
     found: dict[tuple[Any, ...], list[tuple[float, str]]] = {}
     for _, c in cells.iterrows():
         rate = _num(c["output_tok_s"])
-        if c["status"] == "ok" and c["mode"] == REFERENCE_MODE.get(str(c["engine_kind"])) and rate:
+        if c["status"] == "ok" and c["mode"] == traits_of(str(c["engine_kind"])).reference_mode and rate:
             found.setdefault(tuple(c[k] for k in MATCH_KEYS), []).append((rate, str(c["cell_id"])))
     return {k: (statistics.median(r for r, _ in v), [i for _, i in v]) for k, v in found.items()}
 
@@ -112,7 +112,7 @@ def _note(cell: pd.Series, per_token_bytes: float | None, link_why: str, compute
     if link_why:
         reasons.append(link_why)
     if compute is None:
-        reference = REFERENCE_MODE.get(str(cell["engine_kind"]), "resident")
+        reference = traits_of(str(cell["engine_kind"])).reference_mode or "resident"
         same = "the same workload, routing, concurrency and prompt class"
         reasons.append(f"no ok {reference} cell with {same} in this run")
     return "; ".join(reasons)

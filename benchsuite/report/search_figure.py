@@ -10,24 +10,19 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
+from benchsuite.engines.base import FIRST_SEARCH_OPTION, SEARCH_KNOBS
 from benchsuite.report.plot import HOVER, Figure, integer_ticks, layout
-
-# option -> (figure id, title, letter, axis label)
-_OPTIONS = {
-    "n_cpu_moe": ("fig-search", "llama.cpp --n-cpu-moe search", "N", "N (layers whose experts stay on the CPU)"),
-    "resident_experts": ("fig-search-k", "paged K search", "K", "K (expert slots per layer on the GPU)"),
-}
 
 
 def search_curves(everything: pd.DataFrame) -> list[Figure]:
     """From the search table (benchsuite.report.search_section): measured cells and ruled-out values,
     one figure per searched option."""
     everything = everything[everything["N"].notna()]
-    options = everything["option"].fillna("n_cpu_moe") if "option" in everything else None
+    options = everything["option"].fillna(FIRST_SEARCH_OPTION) if "option" in everything else None
     figures = []
-    for option, (fig_id, title, letter, axis) in _OPTIONS.items():
-        rows = everything if options is None else everything[options == option]
-        figure = _option_figure(rows, fig_id, title, letter, axis)
+    for knob in SEARCH_KNOBS.values():
+        rows = everything if options is None else everything[options == knob.option]
+        figure = _option_figure(rows, knob.figure_id, knob.title, knob.letter, knob.axis)
         if figure is not None:
             figures.append(figure)
     return figures

@@ -17,6 +17,7 @@ from typing import Any
 
 import pandas as pd
 
+from benchsuite.engines.base import FIRST_SEARCH_OPTION
 from benchsuite.manifest import Manifest
 from benchsuite.report.load import RunData
 from benchsuite.report.tables import SEARCH_COLUMNS
@@ -49,7 +50,7 @@ def ruled_out_rows(run_id: str, manifest: Manifest) -> list[dict[str, Any]]:
             with_margin = " with the margin" if record.get("margin_bytes", 1) else ""
             reason = f"{source} projection {format_gb(projected)} GB{with_margin} > budget {format_gb(budget)} GB"
             rows.append({
-                "run_id": run_id, "engine": server.engine, "option": record.get("option", "n_cpu_moe"),
+                "run_id": run_id, "engine": server.engine, "option": record.get("option", FIRST_SEARCH_OPTION),
                 "workload": objective.get("workload"), "prompt_class": objective.get("prompt_class"),
                 "concurrency": objective.get("concurrency"), "N": int(c["n"]), "fits": False, "chosen": False,
                 "decode_tok_s": None, "projected_bytes": projected, "peak_device_memory_bytes": None,

@@ -15,6 +15,8 @@ from typing import Any
 import pandas as pd
 
 from benchsuite import stats
+from benchsuite.engines import traits_of
+from benchsuite.engines.base import FIRST_SEARCH_OPTION
 from benchsuite.report.budget import over_budget
 from benchsuite.report.groups import Spread, is_synthetic, routing_label
 from benchsuite.report.noise import busy_cells, load_text
@@ -138,7 +140,8 @@ def baselines_for(groups: pd.DataFrame, cells: pd.DataFrame, paged: pd.Series) -
     same_engine = same_setup[
         (same_setup["engine_kind"] == paged["engine_kind"]) & (same_setup["routing"] == paged["routing"])
     ]
-    llama = same_setup[same_setup["engine_kind"] == "llamacpp"]
+    baseline_kind = [traits_of(str(k)).is_cpu_expert_baseline for k in same_setup["engine_kind"]]
+    llama = same_setup[baseline_kind] if len(same_setup) else same_setup
     llama = llama[[fits(row, cells) for _, row in llama.iterrows()]] if len(llama) else llama
     metric = headline_metric(paged["concurrency"])
     return {
@@ -261,7 +264,8 @@ def search_table(cells: pd.DataFrame) -> pd.DataFrame:
         outcome = extras.get("search_outcome")
         rows.append(
             {
-                "run_id": c["run_id"], "engine": c["engine"], "option": extras.get("search_option", "n_cpu_moe"),
+                "run_id": c["run_id"], "engine": c["engine"],
+                "option": extras.get("search_option", FIRST_SEARCH_OPTION),
                 "workload": c["workload"], "prompt_class": c["prompt_class"], "concurrency": int(c["concurrency"]),
                 "N": n, "fits": extras.get("fits"),
                 "chosen": bool(

@@ -18,16 +18,29 @@ from __future__ import annotations
 
 import importlib.metadata
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+import aiohttp
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from benchsuite.engines import RUN_DIR_PLACEHOLDER
-from benchsuite.engines.base import EngineConfigError, EngineOptions, LaunchPlan, Placement, ServerSpec, options_of
+from benchsuite.engines.base import (
+    SEARCH_KNOBS,
+    EngineAdapter,
+    EngineConfigError,
+    EngineOptions,
+    EngineTraits,
+    LaunchPlan,
+    Placement,
+    ServerSpec,
+    SizedValues,
+    options_of,
+)
 from benchsuite.errors import UserError
 from benchsuite.scrape import scrape_prometheus
-from benchsuite.search_settings import parse_request
+from benchsuite.search_settings import ResidentExpertsSettings, SearchSettingsAny
 from paged_experts.residency import DEFAULT_EVICTION_POLICY, DEFAULT_PREFILL_KEEP, EVICTION_POLICIES, PREFILL_KEEP
 from paged_experts.server.threads import default_cpu_threads
 
@@ -91,7 +104,7 @@ class BuiltinOptions(EngineOptions):
             raise ValueError(f"must be >= 1 (got {value})")
         if isinstance(value, dict):
             try:
-                parse_request(value, "resident_experts")
+                SEARCH_KNOBS["resident_experts"].parse(value)
             except UserError as exc:
                 raise ValueError(str(exc)) from None
         return value
@@ -198,11 +211,18 @@ class BuiltinOptions(EngineOptions):
     def model_source(self) -> str:
         return self.model
 
+    def sized_values(self) -> SizedValues:
+        k = {"resident_experts": self.resident_experts} if isinstance(self.resident_experts, int) else {}
+        layers = {"n_cpu_moe": self.n_cpu_moe, "offload_layers": self.offload_layers}
+        return SizedValues(k, {key: n for key, n in layers.items() if n is not None})
 
-class BuiltinAdapter:
+
+class BuiltinAdapter(EngineAdapter):
     kind = "builtin"
     options_model = BuiltinOptions
-    flush_cache_path: str | None = "/flush_cache"  # POST between cells
+    # every expert on the GPU: mode resident; its cells count prefill chunks (the report's prefill section)
+    traits = EngineTraits(reference_mode="resident", chunks_prefill=True, published_rank=1)
+    flush_cache_path = "/flush_cache"  # POST between cells
 
     def _options(self, spec: ServerSpec) -> BuiltinOptions:
         return options_of(spec, BuiltinOptions)
@@ -235,7 +255,7 @@ class BuiltinAdapter:
             "--mode", opts.mode,
             "--device", opts.device,
             "--max-running-requests", str(spec.max_concurrency),
-            "--max-total-tokens", str(spec.fairness["kv_capacity_tokens"]),
+            "--max-total-tokens", str(spec.fairness.kv_capacity_tokens),
         ]  # fmt: skip
         if opts.resident_experts is not None and not isinstance(opts.resident_experts, int):
             raise EngineConfigError(f"builtin engine {spec.name}: resident_experts is still a search request")
@@ -268,7 +288,7 @@ class BuiltinAdapter:
         }
         return {**opts.model_dump(mode="json"), **resolved, **opts.performance(spec.max_concurrency)}
 
-    async def startup_facts(self, session: Any, base_url: str) -> dict[str, Any]:
+    async def startup_facts(self, session: aiohttp.ClientSession, base_url: str) -> dict[str, Any]:
         """The server's own start-up breakdown (load, graph capture, eager warm-up) and its graphs."""
         async with session.get(f"{base_url}/server_info") as resp:
             if resp.status != 200:
@@ -278,6 +298,16 @@ class BuiltinAdapter:
 
     def request_extras(self, spec: ServerSpec) -> dict[str, Any]:
         return {}
+
+    def recorded_expert_format(self, options: Mapping[str, Any]) -> str | None:
+        generated = options.get("model", "tiny") == "tiny"
+        return str(options.get("dtype") or ("float32" if generated else "checkpoint dtype"))
+
+    def recorded_label_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        return {"offload_layers": options["offload_layers"]} if options.get("offload_layers") is not None else {}
+
+    def recorded_on_cpu(self, options: Mapping[str, Any], has_gpu: bool) -> bool:
+        return str(options.get("device", "cpu")) == "cpu"
 
     def version(self, spec: ServerSpec) -> dict[str, Any]:
         return self._expert_facts(spec) | {
@@ -312,7 +342,7 @@ class BuiltinAdapter:
         except (OSError, ValueError, KeyError) as exc:  # unreadable: the identity is unknown, not invented
             return {"id": None, "kind": "unknown", "covers": f"not fingerprinted ({type(exc).__name__}: {exc})"}
 
-    async def scrape(self, session: Any, base_url: str) -> dict[str, float] | None:
+    async def scrape(self, session: aiohttp.ClientSession, base_url: str) -> dict[str, float] | None:
         return await scrape_prometheus(session, base_url, "paged_experts:")
 
     def parse_log(self, log_text: str) -> dict[str, Any]:
@@ -333,17 +363,19 @@ class BuiltinAdapter:
             raise UserError(f"engine {spec.name}: the resident_experts search needs vram_budget_gb without a GPU")
         return total
 
-    def projections(self, spec: ServerSpec, settings: Any) -> dict[int, Any]:
+    def projections(self, spec: ServerSpec, settings: SearchSettingsAny) -> dict[int, Any]:
         """K -> memory.KProjection for every K the search may choose (memory.k_range)."""
         from benchsuite.engines.builtin import memory
         from paged_experts.config import MoeModelConfig
 
+        if not isinstance(settings, ResidentExpertsSettings):
+            raise UserError(f"engine {spec.name}: the builtin engine searches resident_experts only")
         opts = self._options(spec)
         model_dir = self.model_dir(spec)
         cfg = MoeModelConfig.from_dir(model_dir)
         ks = memory.k_range(cfg.num_experts, cfg.top_k, spec.max_concurrency, settings.min_k, settings.max_k)
         dtype = opts.dtype or ("float32" if opts.device == "cpu" else cfg.torch_dtype)
-        return memory.projections(model_dir, dtype, int(spec.fairness["kv_capacity_tokens"]), ks)
+        return memory.projections(model_dir, dtype, spec.fairness.kv_capacity_tokens, ks)
 
 
 def _performance_flags(perf: dict[str, Any]) -> list[str]:

@@ -23,24 +23,30 @@ import functools
 import re
 import shutil
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+import aiohttp
 from pydantic import Field, field_validator, model_validator
 
 from benchsuite.engines.base import (
+    SEARCH_KNOBS,
+    EngineAdapter,
     EngineConfigError,
     EngineOptions,
+    EngineTraits,
     LaunchPlan,
     Placement,
     ServerSpec,
+    SizedValues,
     extra_args_check,
     options_of,
 )
 from benchsuite.engines.llamacpp import owned, tuning
 from benchsuite.errors import UserError
 from benchsuite.scrape import scrape_prometheus
-from benchsuite.search_settings import parse_request
+from benchsuite.search_settings import NCpuMoeSettings, SearchSettingsAny
 
 BINARY_NAME = "llama-server"
 FIT_PARAMS_NAME = "llama-fit-params"
@@ -96,7 +102,7 @@ class LlamaCppOptions(EngineOptions):
             raise ValueError(f"must be >= 0 (got {value})")
         if isinstance(value, dict):
             try:
-                parse_request(value)
+                SEARCH_KNOBS["n_cpu_moe"].parse(value)
             except UserError as exc:
                 raise ValueError(str(exc)) from None
         return value
@@ -111,6 +117,11 @@ class LlamaCppOptions(EngineOptions):
 
     def model_source(self) -> str:
         return self.model
+
+    checkpoint_kinds = "a checkpoint directory or GGUF file"
+
+    def sized_values(self) -> SizedValues:
+        return SizedValues(layer_counts={"n_cpu_moe": self.n_cpu_moe} if isinstance(self.n_cpu_moe, int) else {})
 
 
 @functools.lru_cache(maxsize=16)
@@ -154,9 +165,11 @@ def has_gpu_device(binary: Path) -> bool:
     return bool(_GPU_DEVICE_LINE.search(_devices_text(str(binary), binary.stat().st_mtime_ns)))
 
 
-class LlamaCppAdapter:
+class LlamaCppAdapter(EngineAdapter):
     kind = "llamacpp"
     options_model = LlamaCppOptions
+    # its best --n-cpu-moe that fits the budget is the published baseline ("llama.cpp, best")
+    traits = EngineTraits(is_cpu_expert_baseline=True, published_rank=2)
     owned_env = owned.OWNED_ENV  # LLAMA_ARG_* variables of the flags above; refused in a matrix's env:
 
     def _options(self, spec: ServerSpec) -> LlamaCppOptions:
@@ -242,7 +255,7 @@ class LlamaCppAdapter:
             binary, "-m", str(self.model_path(spec, export=False)),
             "--host", "127.0.0.1", "--port", str(port),
             "-ngl", str(opts.n_gpu_layers),
-            "-c", str(spec.fairness["kv_capacity_tokens"]),
+            "-c", str(spec.fairness.kv_capacity_tokens),
             "-np", str(spec.max_concurrency),
             "-fa", opts.flash_attn,
             "-b", str(opts.batch_size), "-ub", str(opts.ubatch_size),
@@ -257,7 +270,7 @@ class LlamaCppAdapter:
         if "--log-verbosity" in flags:
             # trace: the memory lines (model/KV/compute buffers, the exit breakdown); nothing per token
             argv += ["-lv", str(tuning.LOG_VERBOSITY)]
-        if not spec.fairness.get("prefix_caching", False):
+        if not spec.fairness.prefix_caching:
             if "--no-cache-prompt" in flags:
                 argv.append("--no-cache-prompt")
             if "--cache-ram" in flags:
@@ -274,12 +287,16 @@ class LlamaCppAdapter:
             startup_timeout_s=opts.startup_timeout_s,
         )
 
+    def recorded_expert_format(self, options: Mapping[str, Any]) -> str | None:
+        model = str(options.get("model", "tiny"))
+        return f"GGUF {Path(model).name}" if model.lower().endswith(".gguf") else str(options.get("gguf_type") or "f32")
+
     def request_extras(self, spec: ServerSpec) -> dict[str, Any]:
         # timings_per_token: every streamed chunk carries `timings` (predicted_n: the tokens generated so
         # far), including the chunks of tokens whose text is empty (server-context.cpp send_partial_response),
         # so benchsuite.metrics times token 1 and token n, not the first and last visible text.
         extras: dict[str, Any] = {"timings_per_token": True}
-        return extras if spec.fairness.get("prefix_caching", False) else {**extras, "cache_prompt": False}
+        return extras if spec.fairness.prefix_caching else {**extras, "cache_prompt": False}
 
     def version(self, spec: ServerSpec) -> dict[str, Any]:
         from benchsuite.engines.llamacpp.build import binary_version, read_stamp
@@ -337,7 +354,7 @@ class LlamaCppAdapter:
         except (OSError, ValueError, IndexError, KeyError):  # not a readable GGUF: the fact is absent, not invented
             return {}
 
-    async def scrape(self, session: Any, base_url: str) -> dict[str, float] | None:
+    async def scrape(self, session: aiohttp.ClientSession, base_url: str) -> dict[str, float] | None:
         return await scrape_prometheus(session, base_url, "llamacpp:")
 
     def parse_log(self, log_text: str) -> dict[str, Any]:
@@ -370,17 +387,19 @@ class LlamaCppAdapter:
             f"engine {spec.name}: the n_cpu_moe search needs vram_budget_gb on a machine without a GPU build"
         )
 
-    def projections(self, spec: ServerSpec, settings: Any) -> dict[int, Any]:
+    def projections(self, spec: ServerSpec, settings: SearchSettingsAny) -> dict[int, Any]:
         """n -> benchsuite.engines.llamacpp.fit.Projection for every candidate N of the search, with
         the flags the server runs with that size its GPU buffers (-fa, -b/-ub, -ngl, -c)."""
         from benchsuite.engines.llamacpp import fit as fit
 
+        if not isinstance(settings, NCpuMoeSettings):
+            raise UserError(f"engine {spec.name}: llama.cpp searches n_cpu_moe only")
         opts = self._options(spec)
         model = self.model_path(spec)
         facts = fit.read_model_facts(model)
         top = facts.n_layer if settings.max_n is None else min(settings.max_n, facts.n_layer)
         candidates = range(settings.min_n, top + 1)
-        n_ctx = int(spec.fairness["kv_capacity_tokens"])
+        n_ctx = spec.fairness.kv_capacity_tokens
         use_llama = settings.projection == "llama-fit-params" or (
             settings.projection == "auto" and has_gpu_device(self.binary(spec))
         )

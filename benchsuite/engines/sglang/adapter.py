@@ -15,14 +15,26 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchsuite.engines.base import EngineConfigError, LaunchPlan, ServerSpec, options_of
+import aiohttp
+
+from benchsuite.engines.base import (
+    CellView,
+    EngineAdapter,
+    EngineConfigError,
+    EngineTraits,
+    LaunchPlan,
+    ServerSpec,
+    options_of,
+)
 from benchsuite.engines.sglang import constraints as sglang_constraints
 from benchsuite.engines.sglang import logs as sglang_logs
 from benchsuite.engines.sglang.options import SGLangOptions, expand_env
 from benchsuite.scrape import scrape_prometheus
+from benchsuite.stream_client import LoadRequest
 
 __all__ = ["SGLangAdapter", "SGLangOptions", "expand_env", "scrape_prometheus"]
 
@@ -30,11 +42,13 @@ METRIC_PREFIX = "sglang:"  # observability/metrics_collector.py names every seri
 VERSION_PROBE_TIMEOUT_S = 120.0
 
 
-class SGLangAdapter:
+class SGLangAdapter(EngineAdapter):
     kind = "sglang"
     options_model = SGLangOptions
+    # every expert on the GPU: mode unpaged; its published figures are the ones a report compares first
+    traits = EngineTraits(reference_mode="unpaged", published_rank=0)
     # http_server.py:1025 (GET or POST); a no-op with the radix cache off, kept for prefix_caching: true.
-    flush_cache_path: str | None = "/flush_cache"
+    flush_cache_path = "/flush_cache"
 
     def _options(self, spec: ServerSpec) -> SGLangOptions:
         return options_of(spec, SGLangOptions)
@@ -52,8 +66,6 @@ class SGLangAdapter:
     def validate(self, spec: ServerSpec) -> None:
         opts = self._options(spec)
         problems: list[str] = []  # extra_args were checked when the options were validated (matrix load)
-        if "kv_capacity_tokens" not in spec.fairness:
-            problems.append("fairness.kv_capacity_tokens is required (--max-total-tokens)")
         if opts.mode == "paged":
             facts = sglang_constraints.read_model_facts(opts.model_path)
             problems += sglang_constraints.paged_problems(opts, facts)
@@ -67,9 +79,9 @@ class SGLangAdapter:
             "--model-path", opts.model_path,
             "--host", "127.0.0.1", "--port", str(port),
         ]  # fmt: skip
-        if not spec.fairness.get("prefix_caching", False):
+        if not spec.fairness.prefix_caching:
             argv.append("--disable-radix-cache")
-        argv += ["--max-total-tokens", str(spec.fairness["kv_capacity_tokens"]), "--enable-metrics"]
+        argv += ["--max-total-tokens", str(spec.fairness.kv_capacity_tokens), "--enable-metrics"]
         if opts.mode == "paged":
             argv += ["--enable-paged-experts", "--paged-experts-num-resident", str(opts.resident_experts)]
         if opts.mode == "offload":
@@ -133,7 +145,7 @@ class SGLangAdapter:
         version = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "unknown"
         return {**facts, "version": version, "matches_reference": version == facts["reference_version"]}
 
-    async def scrape(self, session: Any, base_url: str) -> dict[str, float] | None:
+    async def scrape(self, session: aiohttp.ClientSession, base_url: str) -> dict[str, float] | None:
         return await scrape_prometheus(session, base_url, METRIC_PREFIX)
 
     def parse_log(self, log_text: str) -> dict[str, Any]:
@@ -142,32 +154,45 @@ class SGLangAdapter:
     def batch_cap_flag(self, parsed_log: dict[str, Any], concurrency: int) -> str | None:
         return sglang_logs.batch_cap_flag(parsed_log, concurrency)
 
-    def cell_flags(self, spec: ServerSpec, log_text: str, cell: Any) -> list[str]:
+    def recorded_expert_format(self, options: Mapping[str, Any]) -> str | None:
+        return str(options.get("quantization") or "checkpoint dtype")
+
+    def recorded_label_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        return {"cpu_offload_gb": options["cpu_offload_gb"]} if options.get("cpu_offload_gb") is not None else {}
+
+    def cell_flags(self, spec: ServerSpec, log_text: str, cell: CellView) -> list[str]:
         """Runner hook: warnings for one cell from the server log (concurrency above the captured
         CUDA-graph batch cap; a KV pool that is not the matrix's fixed token capacity)."""
         parsed = sglang_logs.parse_log(log_text).as_dict()
-        flags = [sglang_logs.batch_cap_flag(parsed, cell.concurrency)]
-        if "kv_capacity_tokens" in spec.fairness:
-            flags.append(sglang_logs.kv_capacity_flag(parsed, int(spec.fairness["kv_capacity_tokens"])))
+        flags = [
+            sglang_logs.batch_cap_flag(parsed, cell.concurrency),
+            sglang_logs.kv_capacity_flag(parsed, spec.fairness.kv_capacity_tokens),
+        ]
         return [f for f in flags if f]
 
-    async def after_cells(self, ctx: Any, server: Any, requests: list[Any]) -> dict[str, Any]:
+    async def after_cells(
+        self, session: aiohttp.ClientSession, spec: ServerSpec, base_url: str, run_dir: Path,
+        requests: Callable[[], Sequence[LoadRequest]],
+    ) -> dict[str, Any]:  # fmt: skip
         """Runner hook, on the live server after its cells: with return_routed_experts, send the
         cells' prompts once more (greedy, not streamed) and write their routing to
         <run_dir>/routing/<server-id>.trace; the manifest's server entry gets the path."""
-        opts = self._options(server.spec)
-        if not opts.return_routed_experts or not requests:
+        opts = self._options(spec)
+        if not opts.return_routed_experts:
+            return {}
+        sent = requests()
+        if not sent:
             return {}
         # imports torch (through paged_experts.trace): only when capturing
         from benchsuite.engines.sglang import routing as sglang_routing
 
-        prompts = [r.prompt if isinstance(r.prompt, str) else list(r.prompt) for r in requests]
+        prompts = [r.prompt if isinstance(r.prompt, str) else list(r.prompt) for r in sent]
         responses = await sglang_routing.capture_routing(
-            ctx.session, server.base_url, server.spec.model_name, prompts, max(r.max_tokens for r in requests)
+            session, base_url, spec.model_name, prompts, max(r.max_tokens for r in sent)
         )
-        path = ctx.store.run_dir / "routing" / f"{server.spec.server_id}.trace"
+        path = run_dir / "routing" / f"{spec.server_id}.trace"
         sglang_routing.write_routing_trace(path, responses, opts.model_path)
-        return {"routing_trace": str(path.relative_to(ctx.store.run_dir)), "routing_requests": len(responses)}
+        return {"routing_trace": str(path.relative_to(run_dir)), "routing_requests": len(responses)}
 
 
 def _valued(flag: str, value: object) -> list[str]:

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from benchsuite.engines.base import EngineOptions, Placement, extra_args_check
+from benchsuite.engines.base import EngineOptions, Placement, SizedValues, extra_args_check
 from benchsuite.engines.sglang.owned import extra_args_problems
 
 # sglang 0.5.23 arg_groups/choices.py:32-66 (QUANTIZATION_CHOICES).
@@ -127,8 +127,14 @@ class SGLangOptions(EngineOptions):
             raise ValueError("speculative_draft_model_path needs speculative_algorithm")
         return self
 
+    checkpoint_option = "model_path"
+    checkpoint_may_be_hub_id = True  # a hub id such as Qwen/Qwen3-30B-A3B: SGLang downloads it
+
     def model_source(self) -> str:
         return self.model_path
+
+    def sized_values(self) -> SizedValues:
+        return SizedValues({"resident_experts": self.resident_experts} if self.resident_experts is not None else {})
 
     def placement(self) -> Placement:
         return Placement(self.mode, resident_experts=self.resident_experts)  # SGLang routes with the model's router
