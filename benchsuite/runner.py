@@ -34,6 +34,7 @@ import aiohttp
 
 from benchsuite import canary, device_memory, paging
 from benchsuite.cell_measure import CELL_ERRORS, failed_result, measure_cell
+from benchsuite.engines import ADAPTERS
 from benchsuite.engines.base import EngineConfigError, ServerSpec
 from benchsuite.errors import RunError, UserError
 from benchsuite.manifest import build_manifest
@@ -102,21 +103,20 @@ def _add_optimal_hit_rates(ctx: RunContext, spec: ServerSpec, results: list[Cell
     """Paged built-in cells: Belady's hit rate over each cell's steps from the routing trace the
     stopped server wrote (paging.replay_trace once, paging.optimal_hit_rate per cell), or the reason
     there is none in extras["hit_rate_optimal_note"]; the stored cells are rewritten in place."""
-    placement = spec.options.placement()
-    if spec.kind != "builtin" or placement.mode != "paged" or placement.resident_experts is None:
+    replay = ADAPTERS[spec.kind].trace_replay(spec)
+    if replay is None:
         return results
-    trace_path = ctx.store.run_dir / "routing" / f"{spec.server_id}.trace"
+    trace_path = ctx.store.run_dir / replay.trace_file
     trace = optimal = None
     note = paging.NO_TRACE_NOTE
-    if getattr(spec.options, "record_routing", False):
+    if replay.recorded:
         note = f"record_routing was set and the server wrote no {trace_path.name} (it did not stop cleanly)"
     if trace_path.is_file() and any(r.miss_rate is not None for r in results):
         from paged_experts.trace import read_trace  # numpy, only with a trace
 
         try:
             trace = read_trace(trace_path)
-            keep = spec.options.resolved_prefill_residency()
-            optimal, note = paging.replay_trace(trace, placement.resident_experts, keep), ""
+            optimal, note = paging.replay_trace(trace, replay.resident_experts, replay.prefill_keep), ""
         except (OSError, ValueError, KeyError) as exc:
             note = f"cannot replay {trace_path.name}: {exc}"
     out = []

@@ -242,6 +242,17 @@ class CellView(Protocol):
 
 
 @dataclass(frozen=True)
+class TraceReplay:
+    """What replaying a paged server's recorded routing trace needs (the realized vs optimal hit rate):
+    its K, what a prefill chunk leaves resident, and whether it was asked to record the trace."""
+
+    resident_experts: int
+    prefill_keep: str
+    recorded: bool
+    trace_file: str  # where the server writes its trace, relative to the run directory
+
+
+@dataclass(frozen=True)
 class EngineTraits:
     """Facts about a kind of engine that the report needs, declared by its adapter class.
 
@@ -346,6 +357,11 @@ class EngineAdapter(ABC):
 
     def vram_budget_bytes(self, spec: ServerSpec) -> int | None:
         """The GPU memory budget a search fits its values into."""
+        return None
+
+    def trace_replay(self, spec: ServerSpec) -> TraceReplay | None:
+        """A paged server whose routing trace (`<run>/routing/<server-id>.trace`) can be replayed
+        with Belady's policy after it stops; None: the engine pages no experts or records no trace."""
         return None
 
     def projections(self, spec: ServerSpec, settings: SearchSettingsAny) -> Mapping[int, Projection] | None:

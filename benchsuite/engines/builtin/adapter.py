@@ -36,6 +36,7 @@ from benchsuite.engines.base import (
     Placement,
     ServerSpec,
     SizedValues,
+    TraceReplay,
     options_of,
 )
 from benchsuite.errors import UserError
@@ -217,6 +218,11 @@ class BuiltinOptions(EngineOptions):
         return SizedValues(k, {key: n for key, n in layers.items() if n is not None})
 
 
+def _trace_file(spec: ServerSpec) -> str:
+    """The routing trace a server with record_routing writes, relative to the run directory."""
+    return f"routing/{spec.server_id}.trace"
+
+
 class BuiltinAdapter(EngineAdapter):
     kind = "builtin"
     options_model = BuiltinOptions
@@ -270,7 +276,7 @@ class BuiltinAdapter(EngineAdapter):
         if opts.routing != "model":
             argv += ["--routing-source", opts.routing, "--routing-seed", str(opts.routing_seed)]
         if opts.record_routing:
-            argv += ["--record-routing", f"{RUN_DIR_PLACEHOLDER}/routing/{spec.server_id}.trace"]
+            argv += ["--record-routing", f"{RUN_DIR_PLACEHOLDER}/{_trace_file(spec)}"]
         if opts.mode == "paged":
             argv += ["--prefill-residency", str(opts.resolved_prefill_residency())]
             argv += ["--eviction-policy", str(opts.resolved_eviction_policy())]
@@ -278,6 +284,13 @@ class BuiltinAdapter(EngineAdapter):
         argv += ["--served-model-name", opts.model]  # what the runner's requests name (404 for another name)
         # The tiny model on 2 CPU cores starts in seconds; a real checkpoint may take minutes.
         return LaunchPlan(argv=argv, env={"PYTHONUNBUFFERED": "1"}, startup_timeout_s=opts.startup_timeout_s)
+
+    def trace_replay(self, spec: ServerSpec) -> TraceReplay | None:
+        opts = self._options(spec)
+        k = opts.placement().resident_experts
+        if opts.mode != "paged" or k is None:
+            return None
+        return TraceReplay(k, opts.resolved_prefill_residency(), opts.record_routing, _trace_file(spec))
 
     def resolved_options(self, spec: ServerSpec) -> dict[str, Any]:
         """The options in force, defaults resolved (the performance ones depend on device and mode)."""
