@@ -222,12 +222,15 @@ def connection_limits(config: ServeConfig) -> ConnectionLimits:
     return ConnectionLimits(cap, config.header_timeout, config.body_timeout, KEEPALIVE_TIMEOUT_S, open_files)
 
 
-async def serve(config: ServeConfig) -> int:
-    """Runs until SIGINT/SIGTERM; returns the process exit status."""
+async def serve(config: ServeConfig, interrupted_early: Callable[[], bool] = lambda: False) -> int:
+    """Runs until SIGINT/SIGTERM; returns the process exit status. `interrupted_early`: whether a
+    SIGINT came before the loop's handlers were in (`python -m paged_experts.server` notes it)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if interrupted_early():
+        stop.set()
     app = create_app(config)
     guard = ConnectionGuard(connection_limits(config))
     app[CONNECTIONS_KEY] = guard
@@ -265,13 +268,13 @@ async def serve(config: ServeConfig) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, interrupted_early: Callable[[], bool] = lambda: False) -> int:
     config = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(config.cpu_threads or default_cpu_threads())
     log.info("config %s", json.dumps(asdict(config)))
     try:
-        return asyncio.run(serve(config))
+        return asyncio.run(serve(config, interrupted_early))
     except KeyboardInterrupt:  # before the signal handlers are installed, or while asyncio.run winds down
         return interrupted()
 
