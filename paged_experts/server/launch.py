@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from paged_experts.config import MoeModelConfig
-from paged_experts.kernels.fused import set_expert_backend
 from paged_experts.residency import DEFAULT_EVICTION_POLICY, DEFAULT_PREFILL_KEEP
 from paged_experts.runtime import RuntimeConfig
 from paged_experts.server import options
@@ -46,6 +45,7 @@ def runtime_config(options: ServeOptions, model: MoeModelConfig) -> RuntimeConfi
         prefetch_next_layer=options.prefetch_next_layer,
         prefill_residency=options.prefill_residency or DEFAULT_PREFILL_KEEP,
         eviction_policy=options.eviction_policy or DEFAULT_EVICTION_POLICY,
+        kernel_backend=options.kernel_backend,
     )
     runtime.validate_for(model)
     return runtime
@@ -101,7 +101,7 @@ class Serving:
         return {
             "dtype": str(host.gate.dtype).removeprefix("torch."),
             "bytes_per_expert": host.row_bytes,
-            "kernels": kernel_choice(host.is_fp8, self.runtime.device, self.runtime.dtype),
+            "kernels": kernel_choice(host.is_fp8, self.runtime.device, self.runtime.dtype, self.runtime.kernel_backend),
         }
 
 
@@ -128,7 +128,6 @@ def load_serving(config: ServeOptions, metrics: ServerMetrics) -> Serving:
     t0 = time.perf_counter()
     model_config = MoeModelConfig.from_dir(config.model_path)
     runtime = runtime_config(config, model_config)
-    set_expert_backend(config.kernel_backend)  # process-wide, before any step (and before graph capture)
     model = MoeCausalLM.from_pretrained(config.model_path, runtime, expert_kernel=config.expert_kernel)
     if config.cuda_graph_max_bs:
         if runtime.device != "cuda" or not model.graphable():
