@@ -32,20 +32,20 @@ from paged_experts.server.text import TextCodec
 KV_BLOCK_TOKENS = 16
 
 
-def runtime_config(options: ServeOptions, model: MoeModelConfig) -> RuntimeConfig:
+def runtime_config(serve: ServeOptions, model: MoeModelConfig) -> RuntimeConfig:
     """The runtime's configuration for `model` (checks the choices that depend on its shape)."""
-    dtype = options.dtype or ("float32" if options.device == "cpu" else model.torch_dtype)
+    dtype = serve.dtype or ("float32" if serve.device == "cpu" else model.torch_dtype)
     runtime = RuntimeConfig(
-        mode=options.mode,  # type: ignore[arg-type]
-        resident_experts=options.resident_experts,
-        offload_layers=options.offload_layers,
-        cpu_expert_layers=options.n_cpu_moe,
-        device=options.device,
+        mode=serve.mode,  # type: ignore[arg-type]
+        resident_experts=serve.resident_experts,
+        offload_layers=serve.offload_layers,
+        cpu_expert_layers=serve.n_cpu_moe,
+        device=serve.device,
         dtype=dtype,
-        prefetch_next_layer=options.prefetch_next_layer,
-        prefill_residency=options.prefill_residency or DEFAULT_PREFILL_KEEP,
-        eviction_policy=options.eviction_policy or DEFAULT_EVICTION_POLICY,
-        kernel_backend=options.kernel_backend,
+        prefetch_next_layer=serve.prefetch_next_layer,
+        prefill_residency=serve.prefill_residency or DEFAULT_PREFILL_KEEP,
+        eviction_policy=serve.eviction_policy or DEFAULT_EVICTION_POLICY,
+        kernel_backend=serve.kernel_backend,
     )
     runtime.validate_for(model)
     return runtime

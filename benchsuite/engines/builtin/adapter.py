@@ -10,8 +10,10 @@ its CUDA graphs on by default: on CUDA, resident and paged servers capture a dec
 batch size up to the server's max concurrency that the mode can capture (paged: B x top_k <= K; the
 server keeps larger batches eager), torch.compile their per-layer blocks and run the Triton decode
 kernels; offload and cpu-experts stay eager (their layers copy or compute on the host each step).
-Every option is resolved here and written as an explicit server flag, so the command line in the
-manifest names the options in force; a matrix turns each one off by setting it.
+Every option is resolved here and written as an explicit server flag, spelled by the server's own
+declaration (`paged_experts.server.options.ServeOptions.argv`), so the command line in the manifest
+names the options in force; a matrix turns each one off by setting it. The rules between options are
+the server's (`options.problems`), worded here in this schema's names so errors name the YAML path.
 """
 
 from __future__ import annotations
