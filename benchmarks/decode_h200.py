@@ -39,7 +39,7 @@ import torch
 
 from paged_experts import pinned, synth_memory
 from paged_experts.kernels import moe_tiles
-from paged_experts.kernels.fused import expert_backend, grouped_backend, set_expert_backend
+from paged_experts.kernels.fused import grouped_backend
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.residency import LayerResidency
@@ -84,6 +84,7 @@ def parse_variant(spec: str) -> tuple[str, frozenset[str]]:
 
 def runtime_for(mode: str, device: str, options: frozenset[str] = frozenset()) -> RuntimeConfig:
     name, _, n = mode.partition(":")
+    backend = "triton" if "triton" in options else "grouped"
     if name == "paged":
         return RuntimeConfig(
             mode="paged",
@@ -93,10 +94,13 @@ def runtime_for(mode: str, device: str, options: frozenset[str] = frozenset()) -
             device_planning="off" if "host" in options else "on",
             overlap_page_in="overlap" in options,
             prefetch_next_layer="prefetch" in options,
+            kernel_backend=backend,
         )
     if name == "cpu-experts":
-        return RuntimeConfig(mode="cpu-experts", cpu_expert_layers=int(n), device=device, dtype="bfloat16")
-    return RuntimeConfig(mode=name, device=device, dtype="bfloat16")  # type: ignore[arg-type]
+        return RuntimeConfig(
+            mode="cpu-experts", cpu_expert_layers=int(n), device=device, dtype="bfloat16", kernel_backend=backend
+        )
+    return RuntimeConfig(mode=name, device=device, dtype="bfloat16", kernel_backend=backend)  # type: ignore[arg-type]
 
 
 def sync(device: str) -> None:
@@ -401,7 +405,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         try:
-            set_expert_backend("triton" if "triton" in options else "grouped")
             rt = runtime_for(mode, args.device, options)
             model = MoeCausalLM.synthetic(preset, rt, layers=args.layers, seed=args.seed, expert_kernel=kernel)
             if graph:
@@ -430,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
                     "planning": planning if mode.startswith("paged") else None,
                     "overlap_page_in": rt.overlap_page_in,
                     "prefetch_next_layer": rt.prefetch_next_layer,
-                    "expert_backend": expert_backend(),
+                    "expert_backend": rt.kernel_backend,
                 }
                 try:
                     cell = {**base, **run_cell(model, b, args)}

@@ -30,7 +30,6 @@ from pagein import copy_ceiling_gbps
 
 from paged_experts import synth_memory
 from paged_experts.kernels.copy_kernel import copy_planned
-from paged_experts.kernels.fused import set_expert_backend
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.routing import make_router
@@ -131,7 +130,6 @@ def decode_cell(model: MoeCausalLM, batch: int, steps: int) -> dict[str, Any]:
 
 
 def decode_cells(layers: int, steps: int, batches: list[int]) -> list[dict[str, Any]]:
-    set_expert_backend("triton")
     out = []
     runs = [
         ("qwen3-30b-a3b-fp8-shape", "resident", None),
@@ -140,7 +138,7 @@ def decode_cells(layers: int, steps: int, batches: list[int]) -> list[dict[str, 
         ("qwen3-30b-a3b-shape", "resident", None),
     ]
     for preset, mode, k in runs:
-        rt = RuntimeConfig(mode=mode, resident_experts=k, device="cuda", dtype="bfloat16")  # type: ignore[arg-type]
+        rt = RuntimeConfig(mode=mode, resident_experts=k, device="cuda", dtype="bfloat16", kernel_backend="triton")  # type: ignore[arg-type]
         t0 = time.perf_counter()
         model = MoeCausalLM.synthetic(preset, rt, layers=layers, seed=0)
         model.enable_cuda_graphs(batches)
@@ -169,7 +167,6 @@ def decode_cells(layers: int, steps: int, batches: list[int]) -> list[dict[str, 
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    set_expert_backend("grouped")
     return out
 
 

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             "route_triton": ops_of(lambda r, logits=logits: moe_triton.route(logits[r], k, True)),
             "experts_grouped": ops_of(
                 lambda r, xs=xs, routed=routed: experts_over_rows(
-                    xs[r], routed[r][0].reshape(-1), routed[r][1], gate, up, down, k
+                    xs[r], routed[r][0].reshape(-1), routed[r][1], gate, up, down, k, backend="grouped"
                 )
             ),
             "experts_triton": ops_of(
@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             row[f"{name}_us"] = s * 1e6
             if name.startswith("experts"):
                 row[f"{name}_GB_per_s"] = moved / s / 1e9
-        ref = experts_over_rows(xs[0], routed[0][0].reshape(-1), routed[0][1], gate, up, down, k)[0].float()
+        ref = experts_over_rows(xs[0], routed[0][0].reshape(-1), routed[0][1], gate, up, down, k, backend="grouped")
+        ref = ref[0].float()
         got = moe_triton.moe_pairs(xs[0], routed[0][0].reshape(-1), routed[0][1], gate, up, down, k).float()
         row["triton_vs_grouped_max_rel"] = ((got - ref).abs().max() / ref.abs().max()).item()
         saved = dict(moe_tiles.CONFIGS)

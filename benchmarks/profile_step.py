@@ -19,7 +19,6 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_h200 import parse_variant, runtime_for  # noqa: E402
 
-from paged_experts.kernels.fused import set_expert_backend  # noqa: E402
 from paged_experts.kv import KvPool  # noqa: E402
 from paged_experts.model import MoeCausalLM, SeqChunk  # noqa: E402
 
@@ -71,7 +70,6 @@ def main(argv: list[str] | None = None) -> int:
     sort_key = "cuda_time_total" if cuda else "cpu_time_total"
     for spec in args.variants.split(","):
         mode, options = parse_variant(spec)
-        set_expert_backend("triton" if "triton" in options else "grouped")
         model = MoeCausalLM.synthetic(args.preset, runtime_for(mode, args.device, options), layers=args.layers, seed=0)
         if "graphs" in options:
             model.enable_cuda_graphs([args.batch], compile_layers="compile" in options)

@@ -58,7 +58,7 @@ def resident_union_stats(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def route_block(
-    logits: torch.Tensor, top_k: int, norm_topk_prob: bool, planned_ids: torch.Tensor | None = None
+    logits: torch.Tensor, top_k: int, norm_topk_prob: bool, planned_ids: torch.Tensor | None, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [B, E] -> expert ids [B, k], weights [B, k]. `planned_ids` [B, k]: a synthetic
     router's ids for this layer, whose weights are the softmax of the model's logits over them."""
@@ -66,4 +66,4 @@ def route_block(
 
     if planned_ids is not None:  # synthetic routing: ids drawn for the step on the device, weights from the model
         return planned_ids, planned_weights(logits, planned_ids)
-    return route_logits(logits, top_k, norm_topk_prob)
+    return route_logits(logits, top_k, norm_topk_prob, backend=backend)

@@ -48,7 +48,7 @@ from paged_experts.decode_blocks import attention_block, predict_logits, residen
 from paged_experts.decode_inputs import Entry, StepKey, bucket, buckets_up_to, fill, fill_dummy, new_entry, table_width
 from paged_experts.kernels import attn_triton
 from paged_experts.kernels.copy_kernel import graph_safe
-from paged_experts.kernels.fused import expert_backend, experts_over_rows, route_logits
+from paged_experts.kernels.fused import experts_over_rows, route_logits
 from paged_experts.kv import KvPool, SeqChunk
 from paged_experts.moe import page_in_stream
 from paged_experts.step import StepLogits
@@ -141,7 +141,7 @@ class GraphedDecoder:
         # layer launches; the graph then captures the compiled kernels.
         # The 'triton' expert backend's routing and expert kernels are already one launch each
         # (moe_triton): they run uncompiled, inside the graph, beside the compiled attention.
-        self.triton = expert_backend() == "triton" and model.device.type == "cuda"
+        self.triton = model.runtime.kernel_backend == "triton" and model.device.type == "cuda"
         compile_moe = compile_layers and not self.triton
         self._attention_fn = torch.compile(attention_block, dynamic=False) if compile_layers else attention_block
         # ... and attention splits around attn_triton's decode kernel: two compiled halves
@@ -357,6 +357,7 @@ class GraphedDecoder:
             ids, weights = self._route_fn(
                 logits, cfg.top_k, cfg.norm_topk_prob,
                 None if planned_ids is None else planned_ids[:, layer_idx % planned_ids.shape[1]],
+                m.runtime.kernel_backend,
             )  # fmt: skip
             routed.append(ids)
             # resident: stats None (tallied below); paged: plan, page-in, next layer's prefetch, slots
@@ -390,5 +391,5 @@ class GraphedDecoder:
         cfg = m.config
         post_norm = m.attention_layers[layer_idx + 1].post_norm
         logits = self._predict_fn(x, post_norm, nxt.router_weight, cfg.rms_norm_eps)  # [B, E]
-        predicted, _ = route_logits(logits, cfg.top_k, cfg.norm_topk_prob)  # [B, k]
+        predicted, _ = route_logits(logits, cfg.top_k, cfg.norm_topk_prob, backend=m.runtime.kernel_backend)  # [B, k]
         nxt.prefetch(predicted, copy_stream)

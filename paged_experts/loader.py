@@ -233,6 +233,7 @@ def build_shared(cfg: MoeModelConfig, runtime: RuntimeConfig) -> tuple[MoeShared
         num_experts=cfg.num_experts,
         top_k=cfg.top_k,
         norm_topk_prob=cfg.norm_topk_prob,
+        kernel_backend=runtime.kernel_backend,
         expert_bytes=expert_bytes,
         counters=counters,
         page_in=page_in,

@@ -1,5 +1,5 @@
 """`RuntimeConfig`: how a model is placed and run (mode, K, offloaded / CPU layers, device, dtype,
-paging options).
+paging options, kernel backend).
 
 Owns validation of those choices against a model's shape, with errors that say what to change.
 """
@@ -12,6 +12,7 @@ from typing import Literal
 import torch
 
 from paged_experts.config import TORCH_DTYPES, MoeModelConfig
+from paged_experts.kernels.fused import check_expert_backend
 from paged_experts.residency import DEFAULT_EVICTION_POLICY, DEFAULT_PREFILL_KEEP, EVICTION_POLICIES, PREFILL_KEEP
 
 Mode = Literal["resident", "paged", "offload", "cpu-experts"]
@@ -48,6 +49,10 @@ class RuntimeConfig:
     # Which resident expert a paged miss evicts: residency.EVICTION_POLICIES. 'lfu-decay' runs on the
     # host planner only (the device plan keeps LRU stamps inside the captured graph).
     eviction_policy: str = DEFAULT_EVICTION_POLICY
+    # Which kernels route and compute one-wave steps (kernels.fused.EXPERT_BACKENDS): 'grouped' (torch's
+    # grouped GEMM) or 'triton' (moe_triton's decode kernels and, in captured steps, attn_triton's
+    # attention; CUDA steps of up to moe_triton.MAX_PAIRS pairs, larger ones keep grouped).
+    kernel_backend: str = "grouped"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -62,6 +67,7 @@ class RuntimeConfig:
             raise ValueError(f"device_planning must be 'auto', 'on' or 'off', got {self.device_planning!r}")
         if self.prefill_residency not in PREFILL_KEEP:
             raise ValueError(f"prefill_residency must be one of {PREFILL_KEEP}, got {self.prefill_residency!r}")
+        check_expert_backend(self.kernel_backend)
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ValueError(f"eviction_policy must be one of {EVICTION_POLICIES}, got {self.eviction_policy!r}")
         if self.eviction_policy != DEFAULT_EVICTION_POLICY and self.mode != "paged":

@@ -29,13 +29,14 @@ from benchsuite.engines.base import Fairness
 from benchsuite.engines.llamacpp.adapter import find_binary
 from benchsuite.errors import RunError
 from paged_experts.server.app import create_app
-from paged_experts.server.launch import ServeConfig, Serving, load_serving
+from paged_experts.server.launch import Serving, load_serving
+from paged_experts.server.options import ServeOptions
 
 PROMPTS = [(p.prompt_id, p.text) for p in bundled_prompts()[:4]]
 MAX_TOKENS = 12
 
 
-async def serve(config: ServeConfig, loader: Callable[..., Serving] = load_serving) -> tuple[TestServer, str]:
+async def serve(config: ServeOptions, loader: Callable[..., Serving] = load_serving) -> tuple[TestServer, str]:
     server = TestServer(create_app(config, loader), host="127.0.0.1")
     await server.start_server()
     url = str(server.make_url("")).rstrip("/")
@@ -45,7 +46,7 @@ async def serve(config: ServeConfig, loader: Callable[..., Serving] = load_servi
 
 @pytest.fixture
 async def resident_url(tiny_model_dir: Path) -> AsyncIterator[str]:
-    server, url = await serve(ServeConfig(model_path=str(tiny_model_dir), max_total_tokens=512))
+    server, url = await serve(ServeOptions(model_path=str(tiny_model_dir), max_total_tokens=512))
     yield url
     await server.close()
 
@@ -54,7 +55,7 @@ async def test_paged_equals_resident_over_http_and_the_cli_passes(
     tiny_model_dir: Path, resident_url: str, tmp_path: Path
 ) -> None:
     paged, paged_url = await serve(
-        ServeConfig(model_path=str(tiny_model_dir), mode="paged", resident_experts=4, max_total_tokens=512)
+        ServeOptions(model_path=str(tiny_model_dir), mode="paged", resident_experts=4, max_total_tokens=512)
     )
     try:
         report = await accuracy.run_accuracy(resident_url, paged_url, PROMPTS, max_tokens=MAX_TOKENS)
@@ -90,7 +91,7 @@ async def test_a_page_in_that_skips_one_expert_tensor_fails_the_check(
     # expert's down projection. The resident server never pages, so only the paged side is wrong.
     monkeypatch.setattr(paged_experts.store, "EXPERT_TENSORS", ("gate", "up"))
     faulty, faulty_url = await serve(
-        ServeConfig(model_path=str(tiny_model_dir), mode="paged", resident_experts=4, max_total_tokens=512)
+        ServeOptions(model_path=str(tiny_model_dir), mode="paged", resident_experts=4, max_total_tokens=512)
     )
     try:
         report = await accuracy.run_accuracy(resident_url, faulty_url, PROMPTS, max_tokens=MAX_TOKENS)

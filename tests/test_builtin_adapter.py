@@ -104,7 +104,7 @@ def test_prefill_residency_is_written_for_paged_servers_only(tmp_path: Path) -> 
     ("options", "message"),
     [
         ("device: cpu, mode: resident, torch_compile: true",
-         "engines.e.options.torch_compile: True needs device: cuda"),
+         "engines.e.options.torch_compile: true needs device: cuda"),
         ("device: cpu, mode: resident, cuda_graph_max_bs: 2",
          "engines.e.options.cuda_graph_max_bs: 2 needs device: cuda"),
         ("device: cpu, mode: resident, kernel_backend: triton",

@@ -18,7 +18,7 @@ from benchsuite.cli import main as cli_main
 from benchsuite.engines.base import Fairness
 from benchsuite.engines.llamacpp.adapter import find_binary
 from paged_experts.server.app import create_app
-from paged_experts.server.launch import ServeConfig
+from paged_experts.server.options import ServeOptions
 
 
 async def start(app: web.Application) -> tuple[TestServer, str]:
@@ -54,7 +54,7 @@ def leaking_app() -> web.Application:
 
 @pytest.fixture
 async def builtin_url(tiny_model_dir: Path, healthy) -> AsyncIterator[str]:
-    config = ServeConfig(
+    config = ServeOptions(
         model_path=str(tiny_model_dir), mode="paged", resident_experts=8, max_total_tokens=1024, max_running_requests=8
     )
     server, url = await start(create_app(config))

@@ -171,7 +171,7 @@ def test_bad_eviction_policy_names_its_yaml_path(tmp_path: Path, options: str, m
 def test_server_flag_and_runtime_refuse_what_they_cannot_run(capsys) -> None:
     assert parse_args(["--model", "/m", "--resident-experts", "8"]).eviction_policy is None
     for argv, message in (
-        (["--eviction-policy", "lru"], "--eviction-policy applies to mode paged, not resident"),
+        (["--eviction-policy", "lru"], "--eviction-policy 'lru' applies to mode paged, not resident"),
         (["--resident-experts", "8", "--device", "cuda", "--eviction-policy", "lfu-decay"],
          "--eviction-policy 'lfu-decay' runs on the host planner only"),
     ):  # fmt: skip

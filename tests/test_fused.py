@@ -167,11 +167,10 @@ def test_static_decode_needs_resident_layers() -> None:
 
 def test_expert_backend_choice_is_checked() -> None:
     from paged_experts.kernels import moe_triton
-    from paged_experts.kernels.fused import expert_backend, set_expert_backend
 
     with pytest.raises(ValueError, match="expert backend must be one of"):
-        set_expert_backend("cutlass")
-    if not moe_triton.available():  # the CPU wheel: refused with the reason, the default kept
+        RuntimeConfig(kernel_backend="cutlass")
+    if not moe_triton.available():  # the CPU wheel: refused with the reason
         with pytest.raises(ValueError, match="needs Triton"):
-            set_expert_backend("triton")
-    assert expert_backend() == "grouped"
+            RuntimeConfig(kernel_backend="triton")
+    assert RuntimeConfig().kernel_backend == "grouped"  # a model's configuration, no process-wide switch

@@ -74,14 +74,15 @@ def test_parse_args_mirrors_sglang_and_llamacpp_names() -> None:
 def test_cuda_graphs_and_expert_kernel_flags(tmp_path: Path) -> None:
     from paged_experts.server.launch import load_serving
     from paged_experts.server.metrics import ServerMetrics
+    from paged_experts.server.options import ServeOptions
 
-    cfg = parse_args(["--model", "/m", "--cuda-graph-max-bs", "4", "--expert-kernel", "loop"])
-    assert (cfg.cuda_graph_max_bs, cfg.expert_kernel) == (4, "loop")
+    assert parse_args(["--model", "/m", "--expert-kernel", "loop"]).expert_kernel == "loop"
     assert parse_args(["--model", "/m"]).cuda_graph_max_bs == 0  # off unless asked for
-    # CUDA graphs exist only for resident models on CUDA: on CPU the load refuses, naming the flag.
+    # CUDA graphs exist only for resident or paged models on CUDA: the command line is refused at
+    # parse time (test_inconsistent_flags_exit_2_naming_the_flag), options built in code at load.
     model_dir = str(ensure_tiny(tmp_path / "cache"))
     with pytest.raises(ValueError, match="--cuda-graph-max-bs"):
-        load_serving(parse_args(["--model", model_dir, "--cuda-graph-max-bs", "2"]), ServerMetrics())
+        load_serving(ServeOptions(model_path=model_dir, cuda_graph_max_bs=2), ServerMetrics())
 
 
 @pytest.mark.parametrize(
@@ -92,6 +93,7 @@ def test_cuda_graphs_and_expert_kernel_flags(tmp_path: Path) -> None:
         (["--max-total-tokens", "0"], "--max-total-tokens"),
         (["--routing-source", "no-such-routing"], "--routing-source"),
         (["--cuda-graph-max-bs", "-1"], "--cuda-graph-max-bs"),
+        (["--cuda-graph-max-bs", "4"], "--cuda-graph-max-bs 4 needs --device cuda"),
         (["--expert-kernel", "magic"], "--expert-kernel"),
         (["--enable-torch-compile"], "--enable-torch-compile"),
         (["--kernel-backend", "triton"], "--kernel-backend"),  # Triton kernels need --device cuda
@@ -99,7 +101,7 @@ def test_cuda_graphs_and_expert_kernel_flags(tmp_path: Path) -> None:
         (["--prefetch-next-layer"], "--prefetch-next-layer"),  # only inside captured steps
         # paged on the CPU plans on the host: no device residency to prefetch into
         (["--resident-experts", "8", "--cuda-graph-max-bs", "1", "--prefetch-next-layer"], "--prefetch-next-layer"),
-        (["--prefill-residency", "recent"], "--prefill-residency applies to mode paged, not resident"),
+        (["--prefill-residency", "recent"], "--prefill-residency 'recent' applies to mode paged, not resident"),
         (["--resident-experts", "8", "--prefill-residency", "newest"], "--prefill-residency"),
     ],
 )

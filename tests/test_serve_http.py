@@ -14,7 +14,8 @@ import pytest_asyncio
 from aiohttp.test_utils import TestServer
 
 from paged_experts.server.app import create_app
-from paged_experts.server.launch import ServeConfig, load_serving
+from paged_experts.server.launch import load_serving
+from paged_experts.server.options import ServeOptions
 from paged_experts.server.text import ChatTurn, TextCodec
 from paged_experts.synth import ensure_tiny
 
@@ -34,7 +35,7 @@ def codec(tiny_dir: Path) -> TextCodec:
     return TextCodec.from_dir(tiny_dir)
 
 
-async def start_server(config: ServeConfig, loader: Any = load_serving) -> TestServer:
+async def start_server(config: ServeOptions, loader: Any = load_serving) -> TestServer:
     server = TestServer(create_app(config, loader), host="127.0.0.1")
     await server.start_server()
     return server
@@ -42,7 +43,7 @@ async def start_server(config: ServeConfig, loader: Any = load_serving) -> TestS
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def base_url(tiny_dir: Path, healthy) -> AsyncIterator[str]:
-    config = ServeConfig(model_path=str(tiny_dir), max_total_tokens=CAPACITY_TOKENS, max_running_requests=8)
+    config = ServeOptions(model_path=str(tiny_dir), max_total_tokens=CAPACITY_TOKENS, max_running_requests=8)
     server = await start_server(config)
     url = str(server.make_url("")).rstrip("/")
     await healthy(url)
@@ -341,14 +342,14 @@ async def test_health_is_503_until_loaded_and_after_a_failed_load(tiny_dir: Path
     gate = asyncio.Event()
     loop = asyncio.get_running_loop()
 
-    def slow_loader(config: ServeConfig, metrics: Any) -> Any:
+    def slow_loader(config: ServeOptions, metrics: Any) -> Any:
         asyncio.run_coroutine_threadsafe(gate.wait(), loop).result()
         return load_serving(config, metrics)
 
-    def broken_loader(config: ServeConfig, metrics: Any) -> Any:
+    def broken_loader(config: ServeOptions, metrics: Any) -> Any:
         raise ValueError("no such checkpoint")
 
-    def dying_engine_loader(config: ServeConfig, metrics: Any) -> Any:
+    def dying_engine_loader(config: ServeOptions, metrics: Any) -> Any:
         serving = load_serving(config, metrics)
 
         async def crash() -> None:
@@ -357,7 +358,7 @@ async def test_health_is_503_until_loaded_and_after_a_failed_load(tiny_dir: Path
         serving.engine.run = crash  # the loop task ends with an exception once started
         return serving
 
-    config = ServeConfig(model_path=str(tiny_dir), max_total_tokens=64)
+    config = ServeOptions(model_path=str(tiny_dir), max_total_tokens=64)
     slow, broken = await start_server(config, slow_loader), await start_server(config, broken_loader)
     dying = await start_server(config, dying_engine_loader)
     try:
@@ -406,7 +407,7 @@ async def test_every_mode_serves_the_same_greedy_text_batched(base_url: str, htt
     reference = [
         (await post(http, f"{base_url}/v1/completions", greedy(prompt=p)))[1]["choices"][0]["text"] for p in prompts
     ]
-    server = await start_server(ServeConfig(model_path=str(tiny_dir), max_total_tokens=256, **flags))
+    server = await start_server(ServeOptions(model_path=str(tiny_dir), max_total_tokens=256, **flags))
     try:
         url = str(server.make_url("")).rstrip("/")
         await _wait_healthy(http, f"{url}/health")

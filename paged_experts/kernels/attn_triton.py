@@ -10,7 +10,7 @@ Why: the graphed decode step's torch attention gathers the rows (`kv[table]`), r
 query head, runs two batched matmuls, a masked softmax and their copies: ~15 us of small kernels
 per layer on the H200 (benchmarks/results/h200/s3_call1/profile.txt) for ~32 KB of keys and
 values at a 64-token context. Used by the graphed decode step when the 'triton' kernel backend is
-selected (`fused.set_expert_backend("triton")`); equal to `attention.attend` within rounding.
+selected (`RuntimeConfig(kernel_backend="triton")`); equal to `attention.attend` within rounding.
 
 Split over the context (flash-decoding, `decode_attention_split`, what the graphed step runs): that
 grid has B x KV heads programs (4 at batch 1 for Qwen3-30B-A3B), each walking its whole context

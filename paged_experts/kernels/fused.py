@@ -80,24 +80,20 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return _loop_mm(a, b, offs)
 
 
+# The kernel backend, a model's configuration (RuntimeConfig.kernel_backend), handed to every choice
+# below: 'grouped' (torch._grouped_mm and its fallbacks) or 'triton' (moe_triton's per-pair decode
+# kernels and routing kernel, for one-wave steps of at most moe_triton.MAX_PAIRS pairs:
+# `experts_over_rows`, i.e. resident, offload and device-planned paged layers; larger or host-planned
+# steps keep 'grouped').
 EXPERT_BACKENDS: tuple[str, ...] = ("grouped", "triton")
-_EXPERT_BACKEND = ["grouped"]
 
 
-def set_expert_backend(name: str) -> None:
-    """'grouped' (torch._grouped_mm and its fallbacks, the default) or 'triton' (moe_triton's
-    per-pair decode kernels and routing kernel, for one-wave steps of at most moe_triton.MAX_PAIRS
-    pairs: `experts_over_rows`, i.e. resident, offload and device-planned paged layers; larger or
-    host-planned steps keep 'grouped'). Process-wide: benchmarks switch it per variant."""
+def check_expert_backend(name: str) -> None:
+    """Raises ValueError for a backend that does not exist or cannot run in this build."""
     if name not in EXPERT_BACKENDS:
         raise ValueError(f"expert backend must be one of {EXPERT_BACKENDS}, got {name!r}")
     if name == "triton" and not moe_triton.available():
         raise ValueError("the 'triton' expert backend needs Triton (a CUDA build of torch)")
-    _EXPERT_BACKEND[0] = name
-
-
-def expert_backend() -> str:
-    return _EXPERT_BACKEND[0]
 
 
 def fp8_grouped_tiles(weights: ExpertTensors) -> GroupedTiles | None:
@@ -165,12 +161,12 @@ def combine_pairs(y_pairs: torch.Tensor, topk_weights: torch.Tensor) -> torch.Te
     return (y_pairs.view(t, k, -1) * w[:, :, None]).sum(dim=1)  # [T, H]
 
 
-def uses_triton(num_pairs: int, device: torch.device) -> bool:
+def uses_triton(num_pairs: int, device: torch.device, backend: str) -> bool:
     """Whether a one-wave step of `num_pairs` pairs runs moe_triton's decode kernels."""
-    return _EXPERT_BACKEND[0] == "triton" and device.type == "cuda" and num_pairs <= moe_triton.MAX_PAIRS
+    return backend == "triton" and device.type == "cuda" and num_pairs <= moe_triton.MAX_PAIRS
 
 
-def kernel_choice(is_fp8: bool, device_type: str, dtype: str) -> dict[str, str]:
+def kernel_choice(is_fp8: bool, device_type: str, dtype: str, backend: str) -> dict[str, str]:
     """Which expert kernels serve which steps (recorded in the server's info and log)."""
     weights = "FP8 rows + float32 block scales" if is_fp8 else f"{dtype} rows"
     large = "grouped GEMM (torch._grouped_mm or its fallback)"
@@ -181,16 +177,18 @@ def kernel_choice(is_fp8: bool, device_type: str, dtype: str) -> dict[str, str]:
                 "moe_grouped_fp8 (FP8 rows converted in registers, tensor-core MMA, block scales in fp32) "
                 f"where the shape's measured choice is triton ({moe_tiles.FP8_PREFILL_ENV}), else {large}"
             )
-    if _EXPERT_BACKEND[0] == "triton" and device_type == "cuda":
+    if backend == "triton" and device_type == "cuda":
         small = f"moe_triton per-pair kernels reading {weights}, fp32 accumulation"
         return {f"steps <= {moe_triton.MAX_PAIRS} pairs": small, "larger steps": large}
     return {"all steps": large}
 
 
-def route_logits(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route_logits(
+    logits: torch.Tensor, top_k: int, norm_topk_prob: bool, *, backend: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, E] router logits -> ids [T, k], weights [T, k]: moe_triton's one-kernel routing where the
     step's experts run as its decode kernels, else `experts.route` (the same semantics)."""
-    if uses_triton(logits.shape[0] * top_k, logits.device):
+    if uses_triton(logits.shape[0] * top_k, logits.device, backend):
         return moe_triton.route(logits, top_k, norm_topk_prob)
     return route(logits, top_k, norm_topk_prob)
 
@@ -213,13 +211,15 @@ def experts_over_rows(
     gate_scale: torch.Tensor | None = None,
     up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
+    *,
+    backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The whole expert pass of a one-wave step, tensors only (compilable unless the 'triton'
     backend takes it): x [T, H], pair_rows [T*k] weight row (expert or slot) of each pair ->
     (out [T, H], pairs per row [G]; None where the triton kernels ran and count_rows is False).
     FP8 experts come with their block scales (`*_scale`): the triton kernels read FP8 rows and
     scales directly; the grouped path dequantizes the table first."""
-    if uses_triton(pair_rows.shape[0], x.device):
+    if uses_triton(pair_rows.shape[0], x.device, backend):
         out = moe_triton.moe_pairs(x, pair_rows, topk_weights, gate, up, down, top_k, gate_scale, up_scale, down_scale)
         return out, pairs_per_row(pair_rows, gate.shape[0]) if count_rows else None
     weights = ExpertTensors(gate, up, down, gate_scale, up_scale, down_scale)

@@ -21,7 +21,7 @@ why steps above MAX_PAIRS keep torch's grouped GEMM, which reads each routed exp
 
 Block-FP8 experts run the same two passes in `moe_triton_fp8` (moe_pairs dispatches on the scales).
 
-Selected with `fused.set_expert_backend("triton")` (decode_h200 variant `triton`). Tile sizes are
+Selected with `RuntimeConfig(kernel_backend="triton")` (decode_h200 variant `triton`). Tile sizes are
 per kernel in `moe_tiles.CONFIGS`; `benchmarks/moe_kernels_h200.py` sweeps them on the GPU.
 """
 

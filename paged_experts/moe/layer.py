@@ -51,6 +51,7 @@ class MoeShared:
     num_experts: int
     top_k: int
     norm_topk_prob: bool
+    kernel_backend: str  # RuntimeConfig.kernel_backend: which kernels route and compute one-wave steps
     expert_bytes: int
     counters: PagingCounters
     page_in: PageInEngine
@@ -112,7 +113,7 @@ class MoeLayer(ABC):
     def route_on_device(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's own router (no override): [T, H] -> ids [T, k], weights [T, k]."""
         sh = self.shared
-        return route_logits(F.linear(x, self.router_weight), sh.top_k, sh.norm_topk_prob)
+        return route_logits(F.linear(x, self.router_weight), sh.top_k, sh.norm_topk_prob, backend=sh.kernel_backend)
 
     # ---- the graphed decode contract (graphs.py) -----------------------------------------------
 
@@ -167,8 +168,9 @@ class MoeLayer(ABC):
         [T, H] -> (out [T, H], union as a device scalar)."""
         flat = ids.reshape(-1).to(device=self.shared.device, dtype=torch.long)  # [T*k]
         out, counts = experts_over_rows(
-            x, flat, weights, table.gate, table.up, table.down, self.shared.top_k, True, *table.scales
-        )
+            x, flat, weights, table.gate, table.up, table.down, self.shared.top_k, True, *table.scales,
+            backend=self.shared.kernel_backend,
+        )  # fmt: skip
         assert counts is not None
         return out, (counts > 0).sum()
 

@@ -116,9 +116,10 @@ class PagedLayer(MoeLayer):
             return combine_pairs(y_pairs, weights), plan.stats
         plan, pending = lru.page_in(self.host, slots, flat)
         before_compute()  # after this layer's page-ins are queued: its misses go first on the link
-        out = experts_fn(h, plan.pair_slot, weights, slots.gate, slots.up, slots.down, sh.top_k, False, *slots.scales)[
-            0
-        ]
+        out = experts_fn(
+            h, plan.pair_slot, weights, slots.gate, slots.up, slots.down, sh.top_k, False, *slots.scales,
+            backend=sh.kernel_backend,
+        )[0]  # fmt: skip
         return out, lru.step_stats(plan, pending, flat)
 
     @property

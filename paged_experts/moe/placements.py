@@ -79,7 +79,10 @@ class ResidentLayer(_TableLayer):
         before_compute()
         w = self.device_experts
         flat = ids.reshape(-1).to(device=self.shared.device, dtype=torch.long)  # [B*k]
-        return experts_fn(h, flat, weights, w.gate, w.up, w.down, self.shared.top_k, False, *w.scales)[0], None
+        sh = self.shared
+        return experts_fn(
+            h, flat, weights, w.gate, w.up, w.down, sh.top_k, False, *w.scales, backend=sh.kernel_backend
+        )[0], None  # fmt: skip
 
 
 class OffloadLayer(_TableLayer):

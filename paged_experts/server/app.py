@@ -37,14 +37,15 @@ from paged_experts.server.connections import (
     raise_open_file_limit,
 )
 from paged_experts.server.handlers import STATE_KEY, ServerState, chat_completions, completions, error_middleware
-from paged_experts.server.launch import ServeConfig, Serving, load_serving, parse_args
+from paged_experts.server.launch import Serving, load_serving, parse_args
 from paged_experts.server.metrics import EngineGauges, ServerMetrics
+from paged_experts.server.options import ServeOptions
 from paged_experts.server.protocol import ApiError
 from paged_experts.server.threads import default_cpu_threads
 
 log = logging.getLogger("paged_experts.server")
 
-Loader = Callable[[ServeConfig, ServerMetrics], Serving]
+Loader = Callable[[ServeOptions, ServerMetrics], Serving]
 MAX_BODY_BYTES = 64 * 1024 * 1024
 CONNECTIONS_KEY = web.AppKey("connections", ConnectionGuard)
 
@@ -140,7 +141,7 @@ async def expect_within_limits(request: web.Request) -> web.StreamResponse | Non
     return response
 
 
-def create_app(config: ServeConfig, loader: Loader = load_serving) -> web.Application:
+def create_app(config: ServeOptions, loader: Loader = load_serving) -> web.Application:
     """The app; the model loads in a worker thread when the app starts (see `ServerState.loaded`)."""
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     state = ServerState(config)
@@ -212,7 +213,7 @@ async def _shutdown(state: ServerState) -> None:
     state.serving = None
 
 
-def connection_limits(config: ServeConfig) -> ConnectionLimits:
+def connection_limits(config: ServeOptions) -> ConnectionLimits:
     open_files = raise_open_file_limit()
     safe = default_max_connections(open_files)
     cap = config.max_connections or safe
@@ -222,7 +223,7 @@ def connection_limits(config: ServeConfig) -> ConnectionLimits:
     return ConnectionLimits(cap, config.header_timeout, config.body_timeout, KEEPALIVE_TIMEOUT_S, open_files)
 
 
-async def serve(config: ServeConfig, interrupted_early: Callable[[], bool] = lambda: False) -> int:
+async def serve(config: ServeOptions, interrupted_early: Callable[[], bool] = lambda: False) -> int:
     """Runs until SIGINT/SIGTERM; returns the process exit status. `interrupted_early`: whether a
     SIGINT came before the loop's handlers were in (`python -m paged_experts.server` notes it)."""
     loop = asyncio.get_running_loop()

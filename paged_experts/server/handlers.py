@@ -21,7 +21,7 @@ from aiohttp import web
 
 from paged_experts.server.engine import RequestStream
 from paged_experts.server.generation import Delta, engine_timings, is_failure, text_deltas
-from paged_experts.server.launch import ServeConfig, Serving
+from paged_experts.server.launch import Serving
 from paged_experts.server.metrics import ServerMetrics
 from paged_experts.server.openai import (
     SSE_DONE,
@@ -37,6 +37,7 @@ from paged_experts.server.openai import (
     usage_chunk,
     vllm_prompt_logprobs,
 )
+from paged_experts.server.options import ServeOptions
 from paged_experts.server.prepare import Prepared, Preparer
 from paged_experts.server.protocol import (
     ApiError,
@@ -59,7 +60,7 @@ CHAT_DEFAULT_MAX_TOKENS = 256  # chat has no documented default; KV is reserved 
 class ServerState:
     """One server's mutable state: set by start-up (serve.py), read by every handler."""
 
-    def __init__(self, config: ServeConfig) -> None:
+    def __init__(self, config: ServeOptions) -> None:
         self.config = config
         self.metrics = ServerMetrics()
         self.started_s = int(time.time())

@@ -86,33 +86,27 @@ def test_split_attention_graph_replays_every_length_and_batch_size() -> None:
 def test_graphed_decode_with_split_attention_equals_eager_past_several_chunks() -> None:
     """Qwen3-30B-A3B shape (2 layers), triton backend: a graph per batch size decodes prompts of
     1, 150 and 333 tokens (past five 64-token chunks) as eager decode does, within bf16 rounding."""
-    from paged_experts.kernels.fused import set_expert_backend
-
     prompts = [[7], list(range(3, 153)), list(range(500, 833))]
-    rt = RuntimeConfig(device="cuda", dtype="bfloat16", mode="resident")
-    set_expert_backend("triton")
-    try:
-        outs = []
-        for graphed in (True, False):
-            model = MoeCausalLM.from_pretrained(QWEN2, rt)
-            if graphed:
-                model.enable_cuda_graphs([1, 2, 3])
-            pool = KvPool.for_model(model, capacity_tokens=2048)
-            seqs = [pool.new_sequence() for _ in prompts]
-            last = model.forward([SeqChunk(s, p, 0) for s, p in zip(seqs, prompts)])
-            got = []
-            for _ in range(4):
-                last = model.forward(
-                    [SeqChunk(s, [int(lg[-1].argmax()) % 1000], s.num_tokens) for s, lg in zip(seqs, last)]
-                )
-                got += [lg.float() for lg in last]
-            assert (model.graph_replays == 4) == graphed
-            outs.append(got)
-        for i, (a, b) in enumerate(zip(*outs)):
-            rel = ((a - b).abs().max() / b.abs().max().clamp(min=1)).item()
-            assert rel < 5e-2, f"output {i}: graphed vs eager relative difference {rel:.2e}"
-    finally:
-        set_expert_backend("grouped")
+    rt = RuntimeConfig(device="cuda", dtype="bfloat16", mode="resident", kernel_backend="triton")
+    outs = []
+    for graphed in (True, False):
+        model = MoeCausalLM.from_pretrained(QWEN2, rt)
+        if graphed:
+            model.enable_cuda_graphs([1, 2, 3])
+        pool = KvPool.for_model(model, capacity_tokens=2048)
+        seqs = [pool.new_sequence() for _ in prompts]
+        last = model.forward([SeqChunk(s, p, 0) for s, p in zip(seqs, prompts)])
+        got = []
+        for _ in range(4):
+            last = model.forward(
+                [SeqChunk(s, [int(lg[-1].argmax()) % 1000], s.num_tokens) for s, lg in zip(seqs, last)]
+            )
+            got += [lg.float() for lg in last]
+        assert (model.graph_replays == 4) == graphed
+        outs.append(got)
+    for i, (a, b) in enumerate(zip(*outs)):
+        rel = ((a - b).abs().max() / b.abs().max().clamp(min=1)).item()
+        assert rel < 5e-2, f"output {i}: graphed vs eager relative difference {rel:.2e}"
 
 
 if __name__ == "__main__":

@@ -86,11 +86,13 @@ def test_device_planned_paged_equals_resident_qwen_shapes() -> None:
         assert total.misses > 0 or k == 64
 
 
-def check_graphed_paged(overlap: bool, compile_layers: bool = False, routing: str | None = None) -> None:
+def check_graphed_paged(
+    overlap: bool, compile_layers: bool = False, routing: str | None = None, backend: str = "grouped"
+) -> None:
     from paged_experts.routing import make_router
 
     prompts = [[5, 17, 300, 41, 9, 77], [800, 2, 64], [11, 12, 13, 14, 15]]
-    paged = rt("bfloat16", mode="paged", resident_experts=12, overlap_page_in=overlap)
+    paged = rt("bfloat16", mode="paged", resident_experts=12, overlap_page_in=overlap, kernel_backend=backend)
     eager_model = MoeCausalLM.from_pretrained(TINY, paged)
     model = MoeCausalLM.from_pretrained(TINY, paged)
     if routing is not None:  # the same seeded synthetic router in both: same draws step by step
@@ -99,9 +101,7 @@ def check_graphed_paged(overlap: bool, compile_layers: bool = False, routing: st
     eager = decode(eager_model, prompts, steps=5)
     model.enable_cuda_graphs([1, 2, 3, 4], compile_layers=compile_layers)
     graphed = decode(model, prompts, steps=5)
-    from paged_experts.kernels.fused import expert_backend
-
-    bucket = 0 if expert_backend() == "triton" else 64  # triton attention: one graph for every context length
+    bucket = 0 if backend == "triton" else 64  # triton attention: one graph for every context length
     assert model.graph_replays == 5 and model.captured_graphs == [(3, bucket)], model.captured_graphs
     worst = max(((a - b).abs().max() / b.abs().max().clamp(min=1)).item() for a, b in zip(graphed, eager))
     print(
@@ -131,7 +131,7 @@ def test_graphed_paged_decode_with_synthetic_routing_matches_eager() -> None:
     check_graphed_paged(overlap=False, compile_layers=True, routing="qwen3-30b-a3b")
 
 
-def check_prefetch_graphed(compile_layers: bool) -> None:
+def check_prefetch_graphed(compile_layers: bool, backend: str = "grouped") -> None:
     """Next-layer prefetch inside the captured step (copy-stream fork/join in the graph): outputs
     equal the plain graphed step bit for bit (the same kernels read the same expert rows from other
     slots), every slot holds the host rows its map names, and the predictions are counted."""
@@ -139,7 +139,8 @@ def check_prefetch_graphed(compile_layers: bool) -> None:
     outs, models = [], []
     for prefetch in (False, True):
         model = MoeCausalLM.from_pretrained(
-            QWEN2, rt("bfloat16", mode="paged", resident_experts=16, prefetch_next_layer=prefetch)
+            QWEN2,
+            rt("bfloat16", mode="paged", resident_experts=16, prefetch_next_layer=prefetch, kernel_backend=backend),
         )
         model.enable_cuda_graphs([1, 2], compile_layers=compile_layers)
         outs.append(decode(model, prompts, steps=6))
@@ -170,36 +171,27 @@ def test_graphed_prefetch_matches_plain_graphed() -> None:
 
 
 def test_compiled_triton_graphed_prefetch_matches_plain_graphed() -> None:
-    from paged_experts.kernels.fused import set_expert_backend
-
-    set_expert_backend("triton")
-    try:
-        check_prefetch_graphed(compile_layers=True)
-    finally:
-        set_expert_backend("grouped")
+    check_prefetch_graphed(compile_layers=True, backend="triton")
 
 
 def test_triton_expert_backend() -> None:
     """moe_triton (decode-sized kernels): paged == resident bit for bit with it, close to the
     grouped GEMM backend, and graph-capturable."""
-    from paged_experts.kernels.fused import set_expert_backend
-
     prompts = [[5, 17, 300, 41, 9, 77, 3, 8]]
     grouped = decode(MoeCausalLM.from_pretrained(QWEN2, rt("bfloat16", mode="resident")), prompts, steps=4)
-    set_expert_backend("triton")
-    try:
-        resident = decode(MoeCausalLM.from_pretrained(QWEN2, rt("bfloat16", mode="resident")), prompts, steps=4)
-        paged = decode(
-            MoeCausalLM.from_pretrained(QWEN2, rt("bfloat16", mode="paged", resident_experts=16)), prompts, steps=4
-        )
-        for a, b in zip(paged, resident):
-            assert torch.equal(a, b)
-        worst = max(((a - b).abs().max() / b.abs().max().clamp(min=1)).item() for a, b in zip(resident, grouped))
-        print(f"triton vs grouped experts (bf16): worst relative difference {worst:.2e}")
-        assert worst < 5e-2
-        check_graphed_paged(overlap=False)
-    finally:
-        set_expert_backend("grouped")
+    triton = {"kernel_backend": "triton"}
+    resident = decode(MoeCausalLM.from_pretrained(QWEN2, rt("bfloat16", mode="resident", **triton)), prompts, steps=4)
+    paged = decode(
+        MoeCausalLM.from_pretrained(QWEN2, rt("bfloat16", mode="paged", resident_experts=16, **triton)),
+        prompts,
+        steps=4,
+    )
+    for a, b in zip(paged, resident):
+        assert torch.equal(a, b)
+    worst = max(((a - b).abs().max() / b.abs().max().clamp(min=1)).item() for a, b in zip(resident, grouped))
+    print(f"triton vs grouped experts (bf16): worst relative difference {worst:.2e}")
+    assert worst < 5e-2
+    check_graphed_paged(overlap=False, backend="triton")
 
 
 def test_moe_triton_kernels_bf16() -> None:
@@ -247,37 +239,31 @@ def test_prepared_triton_graphs_serve_every_context_length_and_leave_the_model_a
     graph per batch size serves contexts across several 64-token blocks of the attention kernel;
     outputs equal a model whose graphs were captured on first use, bit for bit, and every slot holds
     the expert its map names after the warm-up rewound the residency."""
-    from paged_experts.kernels.fused import set_expert_backend
-
     prompts = [list(range(3, 3 + 70)), [800, 2, 64], list(range(500, 500 + 130))]
-    set_expert_backend("triton")
-    try:
-        outs, models = [], []
-        for prepare in (True, False):
-            model = MoeCausalLM.from_pretrained(QWEN2, rt("bfloat16", mode="paged", resident_experts=32))
-            model.enable_cuda_graphs([1, 2, 3, 4], compile_layers=True)
-            pool = KvPool.for_model(model, capacity_tokens=1024)
-            if prepare:
-                model.prepare_decode(pool, max_batch=4)
-                assert model.captured_graphs == [(1, 0), (2, 0), (3, 0), (4, 0)], model.captured_graphs
-                assert model.counters.snapshot().total.steps == 0
-            outs.append(_decode_on(model, pool, prompts, steps=12))
-            models.append(model)
-        assert models[1].captured_graphs == [(3, 0)], models[1].captured_graphs  # contexts 3..143: one graph
-        for i, (a, b) in enumerate(zip(*outs)):
-            assert torch.equal(a, b), f"output {i} differs by {(a - b).abs().max().item()}"
-        ta, tb = (m.counters.snapshot().total for m in models)
-        assert (ta.steps, ta.hits, ta.misses, ta.union_sum) == (tb.steps, tb.hits, tb.misses, tb.union_sum)
-        torch.cuda.synchronize()
-        for moe in models[0].moe_layers:
-            dr, slots = moe.device_residency, moe.device_experts
-            expert_in = dr.expert_in[: dr.num_slots].cpu()
-            for name in ("gate", "up", "down"):
-                assert torch.equal(slots.get(name).cpu(), moe.host.get(name)[expert_in]), (
-                    f"layer {moe.layer_idx} {name}"
-                )
-    finally:
-        set_expert_backend("grouped")
+    outs, models = [], []
+    for prepare in (True, False):
+        model = MoeCausalLM.from_pretrained(
+            QWEN2, rt("bfloat16", mode="paged", resident_experts=32, kernel_backend="triton")
+        )
+        model.enable_cuda_graphs([1, 2, 3, 4], compile_layers=True)
+        pool = KvPool.for_model(model, capacity_tokens=1024)
+        if prepare:
+            model.prepare_decode(pool, max_batch=4)
+            assert model.captured_graphs == [(1, 0), (2, 0), (3, 0), (4, 0)], model.captured_graphs
+            assert model.counters.snapshot().total.steps == 0
+        outs.append(_decode_on(model, pool, prompts, steps=12))
+        models.append(model)
+    assert models[1].captured_graphs == [(3, 0)], models[1].captured_graphs  # contexts 3..143: one graph
+    for i, (a, b) in enumerate(zip(*outs)):
+        assert torch.equal(a, b), f"output {i} differs by {(a - b).abs().max().item()}"
+    ta, tb = (m.counters.snapshot().total for m in models)
+    assert (ta.steps, ta.hits, ta.misses, ta.union_sum) == (tb.steps, tb.hits, tb.misses, tb.union_sum)
+    torch.cuda.synchronize()
+    for moe in models[0].moe_layers:
+        dr, slots = moe.device_residency, moe.device_experts
+        expert_in = dr.expert_in[: dr.num_slots].cpu()
+        for name in ("gate", "up", "down"):
+            assert torch.equal(slots.get(name).cpu(), moe.host.get(name)[expert_in]), f"layer {moe.layer_idx} {name}"
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from test_device_paging_cuda import decode  # tests/cuda is on sys.path (pytest'
 import paged_experts.store as store_mod
 from paged_experts import fp8
 from paged_experts.kernels.copy_kernel import copy_planned
-from paged_experts.kernels.fused import set_expert_backend
 from paged_experts.model import MoeCausalLM
 from paged_experts.moe import StepContext
 from paged_experts.runtime import RuntimeConfig
@@ -120,18 +119,16 @@ def test_page_in_kernel_copies_fp8_rows_and_scales() -> None:
 
 
 def _paged_equals_resident(backend: str) -> None:
-    set_expert_backend(backend)
-    try:
-        resident = decode(MoeCausalLM.from_pretrained(QWEN2, rt(mode="resident")), PROMPTS[:1], steps=6)
-        for k in (8, 9, 16, 64, 128):
-            model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=k))
-            assert model.moe_layers[0].host.is_fp8 and model.moe_layers[0].host.gate.is_pinned()
-            for i, (a, b) in enumerate(zip(decode(model, PROMPTS[:1], steps=6), resident)):
-                assert torch.equal(a, b), f"{backend} K={k}: output {i} differs by {(a - b).abs().max().item()}"
-            total = model.counters.snapshot().total
-            assert (total.misses > 0) == (k < 128) and total.waves >= total.steps
-    finally:
-        set_expert_backend("grouped")
+    resident = decode(
+        MoeCausalLM.from_pretrained(QWEN2, rt(kernel_backend=backend, mode="resident")), PROMPTS[:1], steps=6
+    )
+    for k in (8, 9, 16, 64, 128):
+        model = MoeCausalLM.from_pretrained(QWEN2, rt(kernel_backend=backend, mode="paged", resident_experts=k))
+        assert model.moe_layers[0].host.is_fp8 and model.moe_layers[0].host.gate.is_pinned()
+        for i, (a, b) in enumerate(zip(decode(model, PROMPTS[:1], steps=6), resident)):
+            assert torch.equal(a, b), f"{backend} K={k}: output {i} differs by {(a - b).abs().max().item()}"
+        total = model.counters.snapshot().total
+        assert (total.misses > 0) == (k < 128) and total.waves >= total.steps
 
 
 def test_fp8_paged_equals_resident_grouped() -> None:
@@ -143,39 +140,31 @@ def test_fp8_paged_equals_resident_triton() -> None:
 
 
 def test_graphed_fp8_paged_decode_matches_eager() -> None:
-    set_expert_backend("triton")
-    try:
-        paged = rt(mode="paged", resident_experts=40)
-        eager = decode(MoeCausalLM.from_pretrained(QWEN2, paged), PROMPTS, steps=5)
-        model = MoeCausalLM.from_pretrained(QWEN2, paged)
-        model.enable_cuda_graphs([1, 2, 3, 4])
-        graphed = decode(model, PROMPTS, steps=5)
-        assert model.graph_replays == 5
-        worst = max(((a - b).abs().max() / b.abs().max().clamp(min=1)).item() for a, b in zip(graphed, eager))
-        print(f"graphed vs eager FP8 paged decode (bf16, triton): worst relative difference {worst:.2e}")
-        assert worst < 5e-2
-    finally:
-        set_expert_backend("grouped")
+    paged = rt(kernel_backend="triton", mode="paged", resident_experts=40)
+    eager = decode(MoeCausalLM.from_pretrained(QWEN2, paged), PROMPTS, steps=5)
+    model = MoeCausalLM.from_pretrained(QWEN2, paged)
+    model.enable_cuda_graphs([1, 2, 3, 4])
+    graphed = decode(model, PROMPTS, steps=5)
+    assert model.graph_replays == 5
+    worst = max(((a - b).abs().max() / b.abs().max().clamp(min=1)).item() for a, b in zip(graphed, eager))
+    print(f"graphed vs eager FP8 paged decode (bf16, triton): worst relative difference {worst:.2e}")
+    assert worst < 5e-2
 
 
 def test_device_planned_fp8_paged_layer_does_not_sync() -> None:
-    set_expert_backend("triton")
+    model = MoeCausalLM.from_pretrained(QWEN2, rt(kernel_backend="triton", mode="paged", resident_experts=16))
+    layer = model.moe_layers[0]
+    x = torch.randn(2, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)  # 16 pairs <= K
+    ctx = StepContext(seq_ids=(0, 1), positions=(0, 0))
+    layer.forward(x, ctx, None, [])  # warm-up: Triton compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
     try:
-        model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=16))
-        layer = model.moe_layers[0]
-        x = torch.randn(2, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)  # 16 pairs <= K
-        ctx = StepContext(seq_ids=(0, 1), positions=(0, 0))
-        layer.forward(x, ctx, None, [])  # warm-up: Triton compiles
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            for _ in range(3):
-                layer.forward(torch.randn_like(x), ctx, None, [])
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        assert model.counters.snapshot().total.misses > 0
+        for _ in range(3):
+            layer.forward(torch.randn_like(x), ctx, None, [])
     finally:
-        set_expert_backend("grouped")
+        torch.cuda.set_sync_debug_mode("default")
+    assert model.counters.snapshot().total.misses > 0
 
 
 def test_unpaged_scale_is_caught_on_the_gpu() -> None:

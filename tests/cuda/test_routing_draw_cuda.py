@@ -81,42 +81,36 @@ def test_device_draw_in_a_graph_and_its_memory() -> None:
 
 
 def test_graphed_decode_with_synthetic_routing_routes_as_eager() -> None:
-    from paged_experts.kernels.fused import set_expert_backend
-
     prompts = [[5, 17, 300, 41], [800, 2, 64, 9, 10, 11]]
-    rt = RuntimeConfig(device="cuda", dtype="bfloat16", mode="resident")
-    set_expert_backend("triton")
-    try:
-        runs = []
-        for graphed in (True, False):
-            model = MoeCausalLM.from_pretrained(QWEN2, rt)
-            model.router_override = make_router("qwen3-30b-a3b", model.config, seed=1)
-            seen: list[torch.Tensor] = []
-            if graphed:
-                model.enable_cuda_graphs([1, 2])
-                model.decode_graphs.trace = seen
-            else:
-                model.routing_observers.append(lambda layer, ids, w, ctx, out=seen: out.append(ids.cpu()))
-            pool = KvPool.for_model(model, capacity_tokens=512)
-            seqs = [pool.new_sequence() for _ in prompts]
-            last = model.forward([SeqChunk(s, p, 0) for s, p in zip(seqs, prompts)])
-            if not graphed:
-                seen.clear()  # the prefill's routing: the graphed run has no trace of it
-            logits = []
-            for _ in range(5):
-                last = model.forward(
-                    [SeqChunk(s, [int(lg[-1].argmax()) % 1000], s.num_tokens) for s, lg in zip(seqs, last)]
-                )
-                logits += [lg.float() for lg in last]
-            assert (model.graph_replays == 5) == graphed
-            ids = torch.stack([t.cpu() for t in seen]) if graphed else torch.stack(seen).view(5, -1, 2, 8)
-            runs.append((logits, ids))
-        (lg_g, ids_g), (lg_e, ids_e) = runs
-        assert torch.equal(ids_g, ids_e), "graphed steps routed differently from eager steps"
-        for a, b in zip(lg_g, lg_e):
-            assert ((a - b).abs().max() / b.abs().max().clamp(min=1)).item() < 5e-2
-    finally:
-        set_expert_backend("grouped")
+    rt = RuntimeConfig(device="cuda", dtype="bfloat16", mode="resident", kernel_backend="triton")
+    runs = []
+    for graphed in (True, False):
+        model = MoeCausalLM.from_pretrained(QWEN2, rt)
+        model.router_override = make_router("qwen3-30b-a3b", model.config, seed=1)
+        seen: list[torch.Tensor] = []
+        if graphed:
+            model.enable_cuda_graphs([1, 2])
+            model.decode_graphs.trace = seen
+        else:
+            model.routing_observers.append(lambda layer, ids, w, ctx, out=seen: out.append(ids.cpu()))
+        pool = KvPool.for_model(model, capacity_tokens=512)
+        seqs = [pool.new_sequence() for _ in prompts]
+        last = model.forward([SeqChunk(s, p, 0) for s, p in zip(seqs, prompts)])
+        if not graphed:
+            seen.clear()  # the prefill's routing: the graphed run has no trace of it
+        logits = []
+        for _ in range(5):
+            last = model.forward(
+                [SeqChunk(s, [int(lg[-1].argmax()) % 1000], s.num_tokens) for s, lg in zip(seqs, last)]
+            )
+            logits += [lg.float() for lg in last]
+        assert (model.graph_replays == 5) == graphed
+        ids = torch.stack([t.cpu() for t in seen]) if graphed else torch.stack(seen).view(5, -1, 2, 8)
+        runs.append((logits, ids))
+    (lg_g, ids_g), (lg_e, ids_e) = runs
+    assert torch.equal(ids_g, ids_e), "graphed steps routed differently from eager steps"
+    for a, b in zip(lg_g, lg_e):
+        assert ((a - b).abs().max() / b.abs().max().clamp(min=1)).item() < 5e-2
 
 
 if __name__ == "__main__":

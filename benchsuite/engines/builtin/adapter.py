@@ -10,8 +10,10 @@ its CUDA graphs on by default: on CUDA, resident and paged servers capture a dec
 batch size up to the server's max concurrency that the mode can capture (paged: B x top_k <= K; the
 server keeps larger batches eager), torch.compile their per-layer blocks and run the Triton decode
 kernels; offload and cpu-experts stay eager (their layers copy or compute on the host each step).
-Every option is resolved here and written as an explicit server flag, so the command line in the
-manifest names the options in force; a matrix turns each one off by setting it.
+Every option is resolved here and written as an explicit server flag, spelled by the server's own
+declaration (`paged_experts.server.options.ServeOptions.argv`), so the command line in the manifest
+names the options in force; a matrix turns each one off by setting it. The rules between options are
+the server's (`options.problems`), worded here in this schema's names so errors name the YAML path.
 """
 
 from __future__ import annotations
@@ -42,12 +44,35 @@ from benchsuite.engines.base import (
 from benchsuite.errors import UserError
 from benchsuite.scrape import scrape_prometheus
 from benchsuite.search_settings import ResidentExpertsSettings, SearchSettingsAny
-from paged_experts.residency import DEFAULT_EVICTION_POLICY, DEFAULT_PREFILL_KEEP, EVICTION_POLICIES, PREFILL_KEEP
+from paged_experts.residency import DEFAULT_EVICTION_POLICY, DEFAULT_PREFILL_KEEP
+from paged_experts.server.options import GRAPHABLE_MODES, MODE_OPTION, Namer, ServeOptions, mode_problems, problems
 from paged_experts.server.threads import default_cpu_threads
 
 GB = 10**9  # vram_budget_gb is decimal gigabytes
-_MODE_OPTION = {"paged": "resident_experts", "offload": "offload_layers", "cpu-experts": "n_cpu_moe"}
-GRAPHABLE_MODES = ("resident", "paged")  # modes whose decode step the server can capture as a CUDA graph
+# This schema's names for the server's options where they differ (options.ServeOptions has the rest).
+_MATRIX_NAME = {"enable_torch_compile": "torch_compile", "routing_source": "routing"}
+_SERVER_NAME = {matrix: server for server, matrix in _MATRIX_NAME.items()}
+# the server options whose rules (options.problems) a matrix can break
+_RULED = ("cuda_graph_max_bs", "enable_torch_compile", "kernel_backend", "prefetch_next_layer")
+_RULED += ("prefill_residency", "eviction_policy")
+_LEADING_FLAGS = ("model_path", "host", "port", "mode", "device", "max_running_requests", "max_total_tokens")
+_LEADING_FLAGS += ("resident_experts", "offload_layers", "n_cpu_moe", "dtype")
+_TRAILING_FLAGS = ("record_routing", "prefill_residency", "eviction_policy", "cuda_graph_max_bs")
+_TRAILING_FLAGS += ("enable_torch_compile", "kernel_backend", "expert_kernel", "prefetch_next_layer")
+_TRAILING_FLAGS += ("overlap_schedule", "cpu_threads", "served_model_name")
+
+
+def _matrix_value(name: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"  # as the YAML spells it
+    return repr(value)
+
+
+MATRIX_NAMES = Namer(
+    option=lambda name: _MATRIX_NAME.get(name, name),
+    setting=lambda name, value: f"{_MATRIX_NAME.get(name, name)}: {value}",
+    value=_matrix_value,
+)
 
 
 class BuiltinOptions(EngineOptions):
@@ -82,18 +107,16 @@ class BuiltinOptions(EngineOptions):
     # Left out of the dumped options when unset, so the server ids of matrices without it stay as they were.
     eviction_policy: str | None = Field(None, exclude_if=lambda v: v is None)
 
-    @field_validator("cuda_graph_max_bs", "torch_compile", "kernel_backend")
+    @field_validator(*(_MATRIX_NAME.get(name, name) for name in _RULED))
     @classmethod
-    def _cuda_only(cls, value: Any, info: ValidationInfo) -> Any:
-        device, mode = info.data.get("device"), info.data.get("mode")
-        if value in (None, 0, False, "grouped"):
-            return value
-        if device != "cuda":
-            raise ValueError(f"{value!r} needs device: cuda (got {device})")
-        if info.field_name != "kernel_backend" and mode not in GRAPHABLE_MODES:
-            raise ValueError(f"{value!r} needs mode resident or paged (mode {mode} runs its decode steps eagerly)")
-        if info.field_name == "torch_compile" and info.data.get("cuda_graph_max_bs") == 0:
-            raise ValueError("true compiles the captured decode step: it needs CUDA graphs (cuda_graph_max_bs > 0)")
+    def _server_rules(cls, value: Any, info: ValidationInfo) -> Any:
+        """The server's own rules (options.problems), worded in this schema's names; each option is
+        checked against the options declared before it, which are the ones its rules read."""
+        name = _SERVER_NAME.get(str(info.field_name), str(info.field_name))
+        known = {_SERVER_NAME.get(key, key): v for key, v in info.data.items()}
+        for problem in problems({**known, name: value}, MATRIX_NAMES):
+            if problem.option == name:
+                raise ValueError(problem.message)
         return value
 
     @field_validator("resident_experts")
@@ -108,41 +131,6 @@ class BuiltinOptions(EngineOptions):
                 SEARCH_KNOBS["resident_experts"].parse(value)
             except UserError as exc:
                 raise ValueError(str(exc)) from None
-        return value
-
-    @field_validator("prefetch_next_layer")
-    @classmethod
-    def _prefetch_needs_graphs(cls, value: bool, info: ValidationInfo) -> bool:
-        if value and (info.data.get("mode") != "paged" or info.data.get("device") != "cuda"):
-            raise ValueError("true needs mode paged and device cuda (it runs inside the captured decode step)")
-        if value and info.data.get("cuda_graph_max_bs") == 0:
-            raise ValueError("true runs inside the captured decode step: it needs cuda_graph_max_bs > 0")
-        return value
-
-    @field_validator("prefill_residency")
-    @classmethod
-    def _prefill_residency(cls, value: str | None, info: ValidationInfo) -> str | None:
-        if value is None:
-            return value
-        if value not in PREFILL_KEEP:
-            raise ValueError(f"{value!r} is not one of {', '.join(PREFILL_KEEP)}")
-        if info.data.get("mode") != "paged":
-            raise ValueError(f"{value!r} applies to mode paged, not {info.data.get('mode')}")
-        return value
-
-    @field_validator("eviction_policy")
-    @classmethod
-    def _eviction_policy(cls, value: str | None, info: ValidationInfo) -> str | None:
-        if value is None:
-            return value
-        if value not in EVICTION_POLICIES:
-            raise ValueError(f"{value!r} is not one of {', '.join(EVICTION_POLICIES)}")
-        if info.data.get("mode") != "paged":
-            raise ValueError(f"{value!r} applies to mode paged, not {info.data.get('mode')}")
-        if value != "lru" and info.data.get("device") == "cuda":
-            raise ValueError(
-                f"{value!r} runs on the host planner only; device cuda plans paged steps on the GPU with LRU"
-            )
         return value
 
     def resolved_eviction_policy(self) -> str | None:
@@ -192,12 +180,9 @@ class BuiltinOptions(EngineOptions):
 
     @model_validator(mode="after")
     def _mode_options(self) -> BuiltinOptions:
-        needed = _MODE_OPTION.get(self.mode)
-        if needed is not None and getattr(self, needed) is None:
-            raise ValueError(f"mode {self.mode} needs {needed}")
-        for mode, option in _MODE_OPTION.items():
-            if mode != self.mode and getattr(self, option) is not None:
-                raise ValueError(f"{option} applies only to mode {mode}, not {self.mode}")
+        # a matrix names every mode's count (offload_layers too: the server's default offloads all)
+        for problem in mode_problems(self.model_dump(), MATRIX_NAMES, needs_option=tuple(MODE_OPTION)):
+            raise ValueError(problem.message)
         return self
 
     def placement(self) -> Placement:
@@ -254,34 +239,38 @@ class BuiltinAdapter(EngineAdapter):
 
     def launch_plan(self, spec: ServerSpec, port: int) -> LaunchPlan:
         opts = self._options(spec)
-        argv = [
-            sys.executable, "-m", "paged_experts.server",
-            "--model-path", str(self.model_dir(spec)),
-            "--host", "127.0.0.1", "--port", str(port),
-            "--mode", opts.mode,
-            "--device", opts.device,
-            "--max-running-requests", str(spec.max_concurrency),
-            "--max-total-tokens", str(spec.fairness.kv_capacity_tokens),
-        ]  # fmt: skip
         if opts.resident_experts is not None and not isinstance(opts.resident_experts, int):
             raise EngineConfigError(f"builtin engine {spec.name}: resident_experts is still a search request")
-        if opts.resident_experts is not None:
-            argv += ["--paged-experts-num-resident", str(opts.resident_experts)]
-        if opts.offload_layers is not None:
-            argv += ["--offload-layers", str(opts.offload_layers)]
-        if opts.n_cpu_moe is not None:
-            argv += ["--n-cpu-moe", str(opts.n_cpu_moe)]
-        if opts.dtype is not None:
-            argv += ["--dtype", opts.dtype]
-        if opts.routing != "model":
-            argv += ["--routing-source", opts.routing, "--routing-seed", str(opts.routing_seed)]
-        if opts.record_routing:
-            argv += ["--record-routing", f"{RUN_DIR_PLACEHOLDER}/{_trace_file(spec)}"]
-        if opts.mode == "paged":
-            argv += ["--prefill-residency", str(opts.resolved_prefill_residency())]
-            argv += ["--eviction-policy", str(opts.resolved_eviction_policy())]
-        argv += _performance_flags(opts.performance(spec.max_concurrency))
-        argv += ["--served-model-name", opts.model]  # what the runner's requests name (404 for another name)
+        perf = opts.performance(spec.max_concurrency)
+        serve = ServeOptions(
+            model_path=str(self.model_dir(spec)),
+            port=port,
+            mode=opts.mode,
+            device=opts.device,
+            max_running_requests=spec.max_concurrency,
+            max_total_tokens=spec.fairness.kv_capacity_tokens,
+            resident_experts=opts.resident_experts,
+            offload_layers=opts.offload_layers,
+            n_cpu_moe=opts.n_cpu_moe,
+            dtype=opts.dtype,
+            routing_source=None if opts.routing == "model" else opts.routing,
+            routing_seed=opts.routing_seed,
+            record_routing=f"{RUN_DIR_PLACEHOLDER}/{_trace_file(spec)}" if opts.record_routing else None,
+            prefill_residency=opts.resolved_prefill_residency(),
+            eviction_policy=opts.resolved_eviction_policy(),
+            cuda_graph_max_bs=perf["cuda_graph_max_bs"],
+            enable_torch_compile=perf["torch_compile"],
+            kernel_backend=perf["kernel_backend"],
+            expert_kernel=perf["expert_kernel"],
+            prefetch_next_layer=perf["prefetch_next_layer"],
+            overlap_schedule=perf["overlap_schedule"],
+            cpu_threads=perf["cpu_threads"],
+            served_model_name=opts.model,  # what the runner's requests name (404 for another name)
+        )
+        seed = ("routing_seed",) if serve.routing_source is not None else ()  # the seed of a synthetic source
+        # every flag explicit, in the order earlier manifests wrote them (the command line is recorded)
+        order = (*_LEADING_FLAGS, "routing_source", *seed, *_TRAILING_FLAGS)
+        argv = [sys.executable, "-m", "paged_experts.server", *serve.argv(order)]
         # The tiny model on 2 CPU cores starts in seconds; a real checkpoint may take minutes.
         return LaunchPlan(argv=argv, env={"PYTHONUNBUFFERED": "1"}, startup_timeout_s=opts.startup_timeout_s)
 
@@ -389,18 +378,6 @@ class BuiltinAdapter(EngineAdapter):
         ks = memory.k_range(cfg.num_experts, cfg.top_k, spec.max_concurrency, settings.min_k, settings.max_k)
         dtype = opts.dtype or ("float32" if opts.device == "cpu" else cfg.torch_dtype)
         return memory.projections(model_dir, dtype, spec.fairness.kv_capacity_tokens, ks)
-
-
-def _performance_flags(perf: dict[str, Any]) -> list[str]:
-    """Every performance option as an explicit server flag (the command line names what is in force)."""
-    flags = ["--cuda-graph-max-bs", str(perf["cuda_graph_max_bs"])]
-    flags += ["--enable-torch-compile"] if perf["torch_compile"] else ["--disable-torch-compile"]
-    flags += ["--kernel-backend", perf["kernel_backend"], "--expert-kernel", perf["expert_kernel"]]
-    if perf["prefetch_next_layer"]:
-        flags.append("--prefetch-next-layer")
-    flags.append("--enable-overlap-schedule" if perf["overlap_schedule"] else "--disable-overlap-schedule")
-    flags += ["--cpu-threads", str(perf["cpu_threads"])]
-    return flags
 
 
 def _dist_version(name: str) -> str | None:

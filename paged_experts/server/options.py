@@ -1,0 +1,355 @@
+"""`ServeOptions`: the one declaration of the built-in server's options (`python -m paged_experts.server`).
+
+Each option is a field with its type, default, flag name and help text; the server's argparse parser
+is generated from the fields in declaration order (the `--help` order), the benchsuite adapter writes
+its command line through `ServeOptions.argv` (a flag the server does not know cannot be written), and
+every rule that relates options lives in `problems` once, worded through a `Namer` so the server
+speaks in flags and the matrix in its option names. No torch import: the adapter loads this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from paged_experts.residency import DEFAULT_EVICTION_POLICY, DEFAULT_PREFILL_KEEP, EVICTION_POLICIES, PREFILL_KEEP
+from paged_experts.server.connections import BODY_TIMEOUT_S, HEADER_TIMEOUT_S
+
+MODES: tuple[str, ...] = ("resident", "paged", "offload", "cpu-experts")
+DEVICES: tuple[str, ...] = ("cpu", "cuda")
+GRAPHABLE_MODES = ("resident", "paged")  # modes whose decode step the server can capture as a CUDA graph
+KERNEL_BACKENDS: tuple[str, ...] = ("grouped", "triton")  # kernels.fused: grouped GEMM, or Triton decode kernels
+MODE_OPTION = {"paged": "resident_experts", "offload": "offload_layers", "cpu-experts": "n_cpu_moe"}
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How one option is spelled on the command line. A boolean has an `on` flag and, where the
+    server accepts it, an `off` flag (benchsuite writes one of them so the command names what is in
+    force); `off_first` keeps the `--help` order where the off flag is the one users reach for."""
+
+    name: str
+    help: str | None = None
+    aliases: tuple[str, ...] = ()
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    off: str | None = None
+    off_help: str | None = None
+    off_first: bool = False
+
+
+def _opt(default: Any, flag: str, help: str | None = None, **spelling: Any) -> Any:  # noqa: A002 (argparse's word)
+    return field(default=default, metadata={"flag": Flag(flag, help, **spelling)})
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """The server's options, in `--help` order; `problems` holds the rules between them."""
+
+    model_path: str = field(metadata={"flag": Flag("--model-path", "HF checkpoint directory", aliases=("--model",))})
+    host: str = _opt("127.0.0.1", "--host")
+    port: int = _opt(30000, "--port")
+    mode: str = _opt("resident", "--mode", "default: implied by the K / layer flag given, else resident", choices=MODES)
+    resident_experts: int | None = _opt(
+        None, "--paged-experts-num-resident", "K expert slots per layer (mode paged)", aliases=("--resident-experts",)
+    )
+    offload_layers: int | None = _opt(  # None: every MoE layer
+        None, "--offload-layers", "offloaded MoE layers, counted from the first (mode offload; default all)"
+    )
+    n_cpu_moe: int | None = _opt(
+        None, "--n-cpu-moe", "MoE layers whose experts run on the CPU, the first N (mode cpu-experts)"
+    )
+    device: str = _opt("cpu", "--device", choices=DEVICES)
+    dtype: str | None = _opt(  # None: float32 on CPU, the checkpoint's dtype on CUDA
+        None,
+        "--dtype",
+        "default: float32 on CPU, checkpoint dtype on CUDA",
+        choices=("float32", "bfloat16", "float16"),
+    )
+    max_running_requests: int = _opt(16, "--max-running-requests")
+    max_total_tokens: int = _opt(16384, "--max-total-tokens", "KV capacity in tokens")
+    chunked_prefill_size: int = _opt(2048, "--chunked-prefill-size", "prompt tokens per engine step")
+    served_model_name: str | None = _opt(None, "--served-model-name")
+    routing_source: str | None = _opt(
+        None, "--routing-source", "replace the router with a synthetic routing source (labelled synthetic)"
+    )
+    routing_seed: int = _opt(0, "--routing-seed")
+    record_routing: str | None = _opt(None, "--record-routing", "write a routing trace to PATH", metavar="PATH")
+    cuda_graph_max_bs: int = _opt(
+        0,
+        "--cuda-graph-max-bs",
+        "capture decode steps of batch 1..N as CUDA graphs (CUDA; resident, or paged for N x top_k <= K; 0 = off)",
+    )
+    enable_torch_compile: bool = _opt(
+        False,
+        "--enable-torch-compile",
+        "torch.compile the per-layer blocks of the captured decode step (needs --cuda-graph-max-bs)",
+        off="--disable-torch-compile",
+        off_help="the default: no torch.compile (written out by benchsuite so the command names what is in force)",
+    )
+    kernel_backend: str = _opt(  # handed to the runtime (RuntimeConfig.kernel_backend), which picks the kernels
+        "grouped",
+        "--kernel-backend",
+        "grouped: torch's grouped GEMM for the fused expert pass; triton: routing, the expert pass "
+        "and (in captured steps) attention of decode steps as Triton kernels (CUDA; steps of up to "
+        "32 routed pairs, larger ones keep grouped)",
+        choices=KERNEL_BACKENDS,
+    )
+    prefetch_next_layer: bool = _opt(
+        False,
+        "--prefetch-next-layer",
+        "in captured paged decode steps, apply each layer's router to the previous layer's residual "
+        "stream and page the predicted experts in on a second stream while that layer computes "
+        "(mode paged, --device cuda, needs --cuda-graph-max-bs; counted as experts_prefetched_total)",
+    )
+    prefill_residency: str | None = _opt(  # None: the residency default
+        None,
+        "--prefill-residency",
+        f"mode paged: what a prefill chunk (a step routing to more than K experts) leaves in the "
+        f"slots: recent = the experts of the chunk's last tokens, frequent = its most-routed ones, "
+        f"lru = the last waves' misses (default {DEFAULT_PREFILL_KEEP}; see docs/prefill.md)",
+        choices=PREFILL_KEEP,
+    )
+    eviction_policy: str | None = _opt(  # None: the residency default, LRU
+        None,
+        "--eviction-policy",
+        f"mode paged: which resident expert a miss evicts: lru = the least recently used, lfu-decay = "
+        f"the least used with counts halving every 2 steps (host planner only: refused with --device cuda; "
+        f"default {DEFAULT_EVICTION_POLICY}; see docs/eviction-policy.md)",
+        choices=EVICTION_POLICIES,
+    )
+    expert_kernel: str = _opt(
+        "fused",
+        "--expert-kernel",
+        "grouped matmuls over the slot table (fused) or the per-expert reference loop",
+        choices=("fused", "loop"),
+    )
+    overlap_schedule: bool = _opt(
+        True,
+        "--enable-overlap-schedule",
+        "the default (written out by benchsuite so the command names what is in force)",
+        off="--disable-overlap-schedule",
+        off_help="read every step's tokens before launching the next (default: a greedy decode step of a "
+        "captured batch is launched first, its input tokens taken from the device; SGLang's flag)",
+        off_first=True,
+    )
+    cpu_threads: int | None = _opt(  # None: threads.default_cpu_threads()
+        None,
+        "--cpu-threads",
+        "torch's intra-op threads for CPU work (the CPU device, cpu-experts layers); default: the "
+        "cores minus one, which the event loop and the engine thread need",
+    )
+    max_connections: int | None = _opt(  # None: connections.default_max_connections
+        None,
+        "--max-connections",
+        "open connections at most; at the cap a new one replaces the oldest that holds no request "
+        "(default: the open-file limit minus 384 descriptors the process and accept bursts need)",
+    )
+    header_timeout: float = _opt(
+        HEADER_TIMEOUT_S,
+        "--header-timeout",
+        f"seconds from connect (or a request's first byte) to the end of its header (default {HEADER_TIMEOUT_S:g})",
+    )
+    body_timeout: float = _opt(
+        BODY_TIMEOUT_S,
+        "--body-timeout",
+        f"seconds from the end of a header to the end of its body (default {BODY_TIMEOUT_S:g})",
+    )
+    log_level: str = _opt("info", "--log-level", choices=("debug", "info", "warning", "error"))
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_path).name
+
+    @property
+    def routing_label(self) -> str:
+        return "model" if self.routing_source is None else f"synthetic:{self.routing_source}"
+
+    def argv(self, names: Sequence[str]) -> list[str]:
+        """The flags of the options `names`, in that order; an unset (None) option writes nothing, a
+        boolean its on or off flag (nothing where it has no off flag and is off)."""
+        specs = _flags()
+        out: list[str] = []
+        for name in names:
+            spec, value = specs[name], getattr(self, name)  # KeyError: not a server option
+            if isinstance(value, bool):
+                chosen = spec.name if value else spec.off
+                out += [chosen] if chosen else []
+            elif value is not None:
+                out += [spec.name, str(value)]
+        return out
+
+
+def _flags() -> dict[str, Flag]:
+    return {f.name: f.metadata["flag"] for f in fields(ServeOptions)}
+
+
+def flag_of(name: str) -> str:
+    """The command-line flag of option `name`."""
+    return _flags()[name].name
+
+
+# ---- the rules between options (and the bounds of single ones), worded by a Namer ----
+
+
+@dataclass(frozen=True)
+class Namer:
+    """How a rule names an option (`--device` or `device`), a setting of one (`--device cuda` or
+    `device: cuda`) and a value (`--enable-torch-compile`, or the matrix's `true`)."""
+
+    option: Callable[[str], str]
+    setting: Callable[[str, str], str]
+    value: Callable[[str, Any], str]
+
+
+def _flag_value(name: str, value: Any) -> str:
+    spec = _flags()[name]
+    if isinstance(value, bool):
+        return str(spec.name if value else spec.off)
+    return f"{spec.name} {value!r}" if isinstance(value, str) else f"{spec.name} {value}"
+
+
+FLAGS = Namer(option=flag_of, setting=lambda name, v: f"{flag_of(name)} {v}", value=_flag_value)
+
+
+@dataclass(frozen=True)
+class Problem:
+    option: str  # the option the rule blames: the one to change
+    message: str
+
+
+def problems(values: Mapping[str, Any], say: Namer = FLAGS) -> Iterator[Problem]:
+    """Every broken rule among `values` (ServeOptions field names; a missing or None value is the
+    server's default, never a problem). The matrix hands in the options it knows so far."""
+
+    def get(name: str) -> Any:
+        return values.get(name)
+
+    for name in ("max_running_requests", "max_total_tokens", "chunked_prefill_size", "cpu_threads", "max_connections"):
+        if get(name) is not None and get(name) < 1:
+            yield Problem(name, f"{say.option(name)} must be >= 1")
+    for name in ("header_timeout", "body_timeout"):
+        if get(name) is not None and not 0 < get(name) < math.inf:
+            yield Problem(name, f"{say.option(name)} must be a positive number of seconds")
+    if get("cuda_graph_max_bs") is not None and get("cuda_graph_max_bs") < 0:
+        yield Problem("cuda_graph_max_bs", f"{say.option('cuda_graph_max_bs')} must be >= 0")
+    if get("port") is not None and not 0 <= get("port") < 65536:
+        yield Problem("port", f"{say.option('port')} must be in [0, 65535]")
+    device, mode = get("device") or "cpu", get("mode") or "resident"
+    # CUDA-only performance options (their defaults, 0 / off / grouped, run anywhere)
+    for name in ("cuda_graph_max_bs", "enable_torch_compile", "kernel_backend"):
+        value = get(name)
+        if value in (None, 0, False, "grouped"):
+            continue
+        if device != "cuda":
+            yield Problem(name, f"{say.value(name, value)} needs {say.setting('device', 'cuda')} (got {device})")
+        elif name != "kernel_backend" and mode not in GRAPHABLE_MODES:
+            yield Problem(
+                name,
+                f"{say.value(name, value)} needs mode resident or paged (mode {mode} runs its decode steps eagerly)",
+            )
+        elif name == "enable_torch_compile" and get("cuda_graph_max_bs") == 0:
+            yield Problem(
+                name,
+                f"{say.value(name, value)} compiles the captured decode step: it needs CUDA graphs "
+                f"({say.option('cuda_graph_max_bs')} > 0)",
+            )
+    if get("prefetch_next_layer"):
+        value = say.value("prefetch_next_layer", True)
+        if mode != "paged" or device != "cuda":
+            yield Problem(
+                "prefetch_next_layer",
+                f"{value} needs mode paged and device cuda (it runs inside the captured decode step)",
+            )
+        elif get("cuda_graph_max_bs") == 0:
+            yield Problem(
+                "prefetch_next_layer",
+                f"{value} runs inside the captured decode step: it needs {say.option('cuda_graph_max_bs')} > 0",
+            )
+    for name, accepted in (("prefill_residency", PREFILL_KEEP), ("eviction_policy", EVICTION_POLICIES)):
+        value = get(name)
+        if value is None:
+            continue
+        if value not in accepted:
+            yield Problem(name, f"{say.value(name, value)} is not one of {', '.join(accepted)}")
+        elif mode != "paged":
+            yield Problem(name, f"{say.value(name, value)} applies to mode paged, not {mode}")
+        elif name == "eviction_policy" and value != "lru" and device == "cuda":
+            yield Problem(
+                name,
+                f"{say.value(name, value)} runs on the host planner only; "
+                "device cuda plans paged steps on the GPU with LRU",
+            )
+
+
+def mode_problems(
+    values: Mapping[str, Any], say: Namer = FLAGS, needs_option: Sequence[str] = ("paged", "cpu-experts")
+) -> Iterator[Problem]:
+    """The mode's own option (K, offloaded or CPU layers): the one it needs, and no other mode's.
+    The server offloads every layer when offload_layers is unset; a matrix names the count."""
+    mode = values.get("mode") or "resident"
+    needed = MODE_OPTION.get(mode)
+    if needed is not None and mode in needs_option and values.get(needed) is None:
+        yield Problem("mode", f"mode {mode} needs {say.option(needed)}")
+    for other_mode, option in MODE_OPTION.items():
+        if other_mode != mode and values.get(option) is not None:
+            yield Problem(option, f"{say.option(option)} applies only to mode {other_mode}, not {mode}")
+    for option in ("resident_experts", "offload_layers", "n_cpu_moe"):
+        value = values.get(option)
+        least = 1 if option == "resident_experts" else 0
+        if value is not None and not isinstance(value, bool) and isinstance(value, int) and value < least:
+            yield Problem(option, f"{say.option(option)} must be >= {least} (got {value})")
+
+
+# ---- the server's parser, generated from the fields ----
+
+
+def build_parser(description: str | None = None) -> argparse.ArgumentParser:
+    """The server's argparse parser: one argument per option, in declaration order. Defaults stay
+    out of the namespace (argparse.SUPPRESS) so the dataclass's defaults are the only ones."""
+    p = argparse.ArgumentParser(prog="python -m paged_experts.server", description=description)
+    types = {"int": int, "int | None": int, "float": float}
+    for f in fields(ServeOptions):
+        spec: Flag = f.metadata["flag"]
+        if f.type == "bool":
+            on = {"dest": f.name, "action": "store_true", "help": spec.help}
+            off = {"dest": f.name, "action": "store_false", "help": spec.off_help}
+            pairs = [(spec.off, off), (spec.name, on)] if spec.off_first else [(spec.name, on), (spec.off, off)]
+            for flag, kwargs in pairs:
+                if flag is not None:
+                    p.add_argument(flag, default=argparse.SUPPRESS, **kwargs)  # type: ignore[arg-type]
+            continue
+        kwargs: dict[str, Any] = {"dest": f.name, "help": spec.help, "choices": spec.choices, "metavar": spec.metavar}
+        kwargs["type"] = types.get(str(f.type), str)
+        if f.name == "model_path":
+            kwargs["required"] = True
+        p.add_argument(spec.name, *spec.aliases, default=argparse.SUPPRESS, **kwargs)
+    return p
+
+
+def parse_args(argv: Sequence[str], description: str | None = None) -> ServeOptions:
+    """Parses and checks the server's command line; a broken rule exits 2 naming the flag."""
+    parser = build_parser(description)
+    given = vars(parser.parse_args(list(argv)))
+    if "mode" not in given:  # implied by the one K / layer flag given, else resident
+        implied = [mode for mode, option in MODE_OPTION.items() if given.get(option) is not None]
+        given["mode"] = implied[0] if len(implied) == 1 else "resident"
+    options = ServeOptions(**given)
+    for problem in [*problems(vars_of(options)), *mode_problems(vars_of(options))]:
+        parser.error(problem.message)
+    if options.routing_source is not None:
+        from paged_experts.routing import parse_spec  # imports torch: only for synthetic routing
+
+        try:
+            parse_spec(options.routing_source)
+        except ValueError as exc:
+            parser.error(f"--routing-source: {exc}")
+    return options
+
+
+def vars_of(options: ServeOptions) -> dict[str, Any]:
+    return {f.name: getattr(options, f.name) for f in fields(options)}

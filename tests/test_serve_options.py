@@ -1,0 +1,73 @@
+"""paged_experts.server.options: one declaration of the server's options. The parser generated from it
+reads back every command line `ServeOptions.argv` writes, an option the server does not declare cannot
+be written, and a rule broken in a matrix and on the command line is the same rule, blamed on the same
+option, worded in each one's names."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields
+
+import pytest
+
+from benchsuite.engines.builtin.adapter import MATRIX_NAMES, BuiltinOptions
+from paged_experts.server.options import FLAGS, ServeOptions, build_parser, parse_args, problems
+
+EVERY_OPTION = [f.name for f in fields(ServeOptions)]
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"mode": "paged", "resident_experts": 8, "prefill_residency": "lru", "eviction_policy": "lfu-decay"},
+        {"mode": "offload", "offload_layers": 3, "dtype": "bfloat16", "overlap_schedule": False},
+        {"mode": "cpu-experts", "n_cpu_moe": 2, "cpu_threads": 3, "max_connections": 7, "header_timeout": 2.5},
+        {"routing_source": "qwen3-30b-a3b", "routing_seed": 4, "record_routing": "/r/t.trace", "port": 0},
+        {"served_model_name": "x", "expert_kernel": "loop", "log_level": "debug", "chunked_prefill_size": 64},
+    ],
+)
+def test_the_generated_parser_reads_back_what_argv_writes(changes: dict[str, object]) -> None:
+    options = ServeOptions(model_path="/m", **changes)  # type: ignore[arg-type]
+    assert parse_args(options.argv(EVERY_OPTION)) == options
+
+
+def test_an_option_the_server_does_not_declare_cannot_be_written() -> None:
+    with pytest.raises(KeyError):
+        ServeOptions(model_path="/m").argv(["model_path", "no_such_option"])
+
+
+def test_every_option_has_one_flag_and_help_lists_them_in_declaration_order() -> None:
+    text = build_parser().format_help()
+    flags = [f.metadata["flag"].name for f in fields(ServeOptions)]
+    assert len(set(flags)) == len(flags)
+    positions = [re.search(rf"\n  {flag}\b(?!-)", text).start() for flag in flags]  # type: ignore[union-attr]
+    assert positions == sorted(positions)
+
+
+@pytest.mark.parametrize(
+    ("values", "option", "server_words", "matrix_words"),
+    [
+        ({"device": "cpu", "kernel_backend": "triton"}, "kernel_backend",
+         "--kernel-backend 'triton' needs --device cuda", "'triton' needs device: cuda"),
+        ({"device": "cuda", "mode": "resident", "cuda_graph_max_bs": 0, "enable_torch_compile": True},
+         "enable_torch_compile", "--enable-torch-compile compiles the captured decode step",
+         "true compiles the captured decode step: it needs CUDA graphs (cuda_graph_max_bs > 0)"),
+        ({"device": "cuda", "mode": "paged", "eviction_policy": "lfu-decay"}, "eviction_policy",
+         "--eviction-policy 'lfu-decay' runs on the host planner only", "'lfu-decay' runs on the host planner only"),
+    ],
+)  # fmt: skip
+def test_a_rule_is_one_rule_worded_for_the_server_and_the_matrix(
+    values: dict[str, object], option: str, server_words: str, matrix_words: str
+) -> None:
+    (server,) = problems(values, FLAGS)
+    (matrix,) = problems(values, MATRIX_NAMES)
+    assert server.option == matrix.option == option
+    assert server_words in server.message and matrix_words in matrix.message
+
+
+def test_the_matrix_refuses_what_the_server_refuses() -> None:
+    with pytest.raises(ValueError, match="torch_compile\n.*true needs device: cuda"):
+        BuiltinOptions(device="cpu", mode="resident", torch_compile=True)
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "/m", "--enable-torch-compile", "--cuda-graph-max-bs", "1"])
