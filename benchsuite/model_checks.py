@@ -79,7 +79,7 @@ def shape_problems(options: EngineOptions) -> list[tuple[str, str]]:
             why = f"one token's experts must all be resident ({known.source})"
             problems.append((key, f"K={k} is fewer than top_k={shape.top_k}: {why}"))
     for key, value in layer_values.items():
-        if value > shape.num_layers:
+        if shape.num_layers and value > shape.num_layers:  # 0: the config.json names no layer count
             problems.append((key, f"{value} is more than the model's {shape.num_layers} layers ({known.source})"))
     return problems
 

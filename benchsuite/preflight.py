@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchsuite.errors import UserError
-from paged_experts.shape import ModelShape
+from paged_experts.shape import REQUIRED_FIELDS, ModelShape
 
 GIB_BYTES = 2**30
 GB_BYTES = 10**9
@@ -34,7 +34,11 @@ EXPERT_FORMATS = ("bf16", "fp8", "int4")
 
 def shape_from_config(cfg: dict, name: str = "") -> ModelShape:
     """Read the fields of an HF MoE config.json (paged_experts.shape: qwen3_moe / qwen2_moe / mixtral naming)."""
+    cfg = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+    missing = next((key for key in REQUIRED_FIELDS if key not in cfg), None)
     try:
+        if missing is not None:
+            raise ValueError(f"config.json lacks MoE field {missing!r} (not a MoE model?)")
         return ModelShape.from_hf_config(cfg, name)
     except ValueError as exc:
         raise UserError(str(exc)) from None

@@ -23,6 +23,9 @@ FP8_BLOCK = 128  # block-FP8: one float32 scale per 128 x 128 weight block
 GPTQ_GROUP = 128  # GPTQ int4: one fp16 scale (and, if asymmetric, one 4-bit zero) per 128 inputs
 FP8 = "float8_e4m3fn"  # the expert dtype of block-FP8 checkpoints
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+E_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # qwen / mixtral / deepseek naming
+TOP_K_KEYS = ("num_experts_per_tok", "top_k", "moe_topk")
+REQUIRED_FIELDS = ("num_hidden_layers", "hidden_size")  # what byte sizes need beyond E and top_k
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -57,23 +60,24 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], name: str = "") -> ModelShape:
-        """The fields of an HF MoE config.json; ValueError naming a missing MoE field."""
-        cfg = cfg.get("text_config", cfg) if isinstance(cfg.get("text_config"), dict) else cfg
-        try:
-            num_layers = int(cfg["num_hidden_layers"])
-            hidden = int(cfg["hidden_size"])
-            num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg["n_routed_experts"])
-            top_k = int(cfg["num_experts_per_tok"])
-        except KeyError as exc:
-            raise ValueError(f"config.json lacks MoE field {exc.args[0]!r} (not a MoE model?)") from None
+        """The fields of an HF MoE config.json; ValueError naming a missing MoE field (E, top_k).
+        A field it lacks beyond those is 0 (`required_fields` says which a caller needs)."""
+        cfg = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+        experts = next((cfg[k] for k in E_KEYS if cfg.get(k)), None)
+        top_k = next((cfg[k] for k in TOP_K_KEYS if cfg.get(k)), None)
+        if experts is None or top_k is None:
+            missing = E_KEYS[-1] if experts is None else TOP_K_KEYS[0]
+            raise ValueError(f"config.json lacks MoE field {missing!r} (not a MoE model?)")
+        num_layers = int(cfg.get("num_hidden_layers") or 0)
+        hidden = int(cfg.get("hidden_size") or 0)
         heads = int(cfg.get("num_attention_heads", 0))
         return cls(
             num_layers=num_layers,
             num_moe_layers=_moe_layer_count(cfg, num_layers),
-            num_experts=num_experts,
-            top_k=top_k,
+            num_experts=int(experts),
+            top_k=int(top_k),
             hidden_size=hidden,
-            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size")),
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0),
             num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
             head_dim=int(cfg.get("head_dim") or (hidden // heads if heads else 0)),
             num_attention_heads=heads,
