@@ -44,6 +44,7 @@ from benchsuite.scrape import scrape_prometheus
 from benchsuite.search_settings import ResidentExpertsSettings, SearchSettingsAny
 from paged_experts.residency import DEFAULT_EVICTION_POLICY, DEFAULT_PREFILL_KEEP, EVICTION_POLICIES, PREFILL_KEEP
 from paged_experts.server.threads import default_cpu_threads
+from paged_experts.shape import ModelShape
 
 GB = 10**9  # vram_budget_gb is decimal gigabytes
 _MODE_OPTION = {"paged": "resident_experts", "offload": "offload_layers", "cpu-experts": "n_cpu_moe"}
@@ -329,6 +330,10 @@ class BuiltinAdapter(EngineAdapter):
             "torch": _dist_version("torch"),
             "python": sys.version.split()[0],
         }
+
+    def model_shape(self, spec: ServerSpec) -> ModelShape:
+        """The checkpoint's config.json, read as the runtime will (paged_experts.shape)."""
+        return ModelShape.from_dir(self.model_dir(spec))
 
     def _expert_facts(self, spec: ServerSpec) -> dict[str, Any]:
         """How the served model stores one expert (FP8 with its block scales, or the compute dtype)."""

@@ -1,6 +1,6 @@
 """SGLang 0.5.23 Paged Experts constraints, checked before a launch instead of a failed launch.
 
-Owns `ModelFacts` (what the checks need from the model's `config.json`) and `check_paged`,
+Owns `CheckpointFacts` (what the checks need from the model's `config.json`) and `check_paged`,
 which returns every violated constraint as one line citing the 0.5.23 source it came from.
 
 The list follows the server's own check, `check_paged_experts_compat` in
@@ -52,7 +52,7 @@ _SHARED_EXPERT_KEYS = ("n_shared_experts", "num_shared_experts", "shared_expert_
 
 
 @dataclass(frozen=True)
-class ModelFacts:
+class CheckpointFacts:
     """What the constraint checks read from a model's config.json (text config for VLMs)."""
 
     num_experts: int | None
@@ -63,7 +63,7 @@ class ModelFacts:
     weight_block_size: tuple[int, ...] | None  # block-quantized FP8 checkpoints
 
 
-def read_model_facts(model_path: str) -> ModelFacts:
+def read_model_facts(model_path: str) -> CheckpointFacts:
     """Facts from `<model_path>/config.json`; EngineConfigError when it cannot be read."""
     config_path = Path(model_path).expanduser() / "config.json"
     try:
@@ -78,12 +78,12 @@ def read_model_facts(model_path: str) -> ModelFacts:
     return facts_from_config(raw)
 
 
-def facts_from_config(raw: dict[str, Any]) -> ModelFacts:
+def facts_from_config(raw: dict[str, Any]) -> CheckpointFacts:
     cfg = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
     quant = raw.get("quantization_config") or cfg.get("quantization_config") or {}
     block = quant.get("weight_block_size")
     num_experts = _first_int(cfg, ("num_experts", "n_routed_experts", "num_local_experts"))
-    return ModelFacts(
+    return CheckpointFacts(
         num_experts=num_experts,
         top_k=_first_int(cfg, ("num_experts_per_tok", "moe_topk")),
         num_hidden_layers=_first_int(cfg, ("num_hidden_layers",)),
@@ -110,10 +110,10 @@ def effective_cuda_graph_backends(opts: SGLangOptions) -> tuple[str, str]:
 
 
 # One check per documented constraint: (name, source, check(opts, facts) -> problem or None).
-Check = Callable[["SGLangOptions", ModelFacts], "str | None"]
+Check = Callable[["SGLangOptions", CheckpointFacts], "str | None"]
 
 
-def _single_gpu(opts: SGLangOptions, facts: ModelFacts) -> str | None:
+def _single_gpu(opts: SGLangOptions, facts: CheckpointFacts) -> str | None:
     big = [
         f"{name}={getattr(opts, name)}"
         for name in ("tp_size", "ep_size", "pp_size", "dp_size")
@@ -122,40 +122,40 @@ def _single_gpu(opts: SGLangOptions, facts: ModelFacts) -> str | None:
     return f"{', '.join(big)}: paged experts is single GPU only (tp/ep/pp/dp sizes must be 1)" if big else None
 
 
-def _no_eplb(opts: SGLangOptions, facts: ModelFacts) -> str | None:
+def _no_eplb(opts: SGLangOptions, facts: CheckpointFacts) -> str | None:
     return (
         "extra_args --enable-eplb is not supported with paged experts" if "--enable-eplb" in opts.extra_args else None
     )
 
 
-def _no_speculative(opts: SGLangOptions, facts: ModelFacts) -> str | None:
+def _no_speculative(opts: SGLangOptions, facts: CheckpointFacts) -> str | None:
     if opts.speculative_algorithm:
         algorithm = opts.speculative_algorithm
         return f"speculative_algorithm {algorithm}: speculative decoding is not supported with paged experts"
     return None
 
 
-def _prefill_graph(opts: SGLangOptions, facts: ModelFacts) -> str | None:
+def _prefill_graph(opts: SGLangOptions, facts: CheckpointFacts) -> str | None:
     prefill = effective_cuda_graph_backends(opts)[1]
     if prefill not in ("breakable", "disabled"):
         return f"cuda_graph_backend_prefill {prefill}: prefill CUDA graphs must be breakable or disabled"
     return None
 
 
-def _decode_graph(opts: SGLangOptions, facts: ModelFacts) -> str | None:
+def _decode_graph(opts: SGLangOptions, facts: CheckpointFacts) -> str | None:
     decode = effective_cuda_graph_backends(opts)[0]
     if decode not in ("full", "disabled"):
         return f"cuda_graph_backend_decode {decode}: decode CUDA graphs must be full or disabled"
     return None
 
 
-def _real_weights(opts: SGLangOptions, facts: ModelFacts) -> str | None:
+def _real_weights(opts: SGLangOptions, facts: CheckpointFacts) -> str | None:
     if opts.load_format == "dummy":
         return "load_format dummy: not supported, the host expert store needs real weights"
     return None
 
 
-def _k_at_least_top_k(opts: SGLangOptions, facts: ModelFacts) -> str | None:
+def _k_at_least_top_k(opts: SGLangOptions, facts: CheckpointFacts) -> str | None:
     if facts.top_k is None:
         return "config.json has no num_experts_per_tok: cannot check resident_experts >= top_k"
     k = opts.resident_experts
@@ -164,11 +164,11 @@ def _k_at_least_top_k(opts: SGLangOptions, facts: ModelFacts) -> str | None:
     return None
 
 
-def _quantization(opts: SGLangOptions, facts: ModelFacts) -> str | None:
+def _quantization(opts: SGLangOptions, facts: CheckpointFacts) -> str | None:
     return _quantization_problem(opts.quantization, facts)
 
 
-def _no_fused_sum_all_reduce(opts: SGLangOptions, facts: ModelFacts) -> str | None:
+def _no_fused_sum_all_reduce(opts: SGLangOptions, facts: CheckpointFacts) -> str | None:
     if "--enable-fused-moe-sum-all-reduce" in opts.extra_args:
         return (
             "extra_args --enable-fused-moe-sum-all-reduce is not supported: paged experts sums the top-k outputs itself"
@@ -176,7 +176,7 @@ def _no_fused_sum_all_reduce(opts: SGLangOptions, facts: ModelFacts) -> str | No
     return None
 
 
-def _shared_expert_fusion(opts: SGLangOptions, facts: ModelFacts) -> str | None:
+def _shared_expert_fusion(opts: SGLangOptions, facts: CheckpointFacts) -> str | None:
     if facts.has_shared_experts and not opts.disable_shared_experts_fusion:
         return (
             "the model has shared experts: fused shared experts are not supported, "
@@ -185,7 +185,7 @@ def _shared_expert_fusion(opts: SGLangOptions, facts: ModelFacts) -> str | None:
     return None
 
 
-def _moe_runner(opts: SGLangOptions, facts: ModelFacts) -> str | None:
+def _moe_runner(opts: SGLangOptions, facts: CheckpointFacts) -> str | None:
     if opts.moe_runner_backend not in PAGED_MOE_RUNNERS:
         runner = opts.moe_runner_backend
         return f"moe_runner_backend {runner}: paged experts needs the triton or marlin MoE runner (or auto)"
@@ -207,7 +207,7 @@ PAGED_CHECKS: tuple[tuple[str, str, Check], ...] = (
 )
 
 
-def paged_problems(opts: SGLangOptions, facts: ModelFacts) -> list[str]:
+def paged_problems(opts: SGLangOptions, facts: CheckpointFacts) -> list[str]:
     """Every violated paged-experts constraint, each with its 0.5.23 source."""
     problems = []
     for _name, source, check in PAGED_CHECKS:
@@ -217,14 +217,14 @@ def paged_problems(opts: SGLangOptions, facts: ModelFacts) -> list[str]:
     return problems
 
 
-def check_paged(opts: SGLangOptions, facts: ModelFacts) -> None:
+def check_paged(opts: SGLangOptions, facts: CheckpointFacts) -> None:
     """Raise one EngineConfigError (one line, every problem) when paged experts cannot start."""
     problems = paged_problems(opts, facts)
     if problems:
         raise EngineConfigError("sglang paged experts: " + "; ".join(problems))
 
 
-def _quantization_problem(requested: str | None, facts: ModelFacts) -> str | None:
+def _quantization_problem(requested: str | None, facts: CheckpointFacts) -> str | None:
     """The ExpertFormat lookup of formats.py:337-342, predicted from the option and config.json."""
     effective = requested or facts.quant_method
     if effective not in PAGED_QUANTIZATIONS:
