@@ -20,6 +20,15 @@ from paged_experts.shape import FP8, ModelShape, dtype_bytes
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe",)
 
+# fields the runtime cannot default (ModelShape reads a missing one as 0)
+_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "num_attention_heads",
+    "moe_intermediate_size",
+    "num_experts",
+    "num_experts_per_tok",
+)
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -76,20 +85,23 @@ class MoeModelConfig:
         rope_theta = hf.get("rope_theta")
         if rope_theta is None:
             rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        num_heads = int(hf["num_attention_heads"])
+        missing = next((key for key in _REQUIRED if key not in hf), None)
+        if missing is not None:
+            raise KeyError(missing)
+        shape = ModelShape.from_hf_config(hf)  # the shape's fields, read as everywhere else
         eos = hf.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None
         return cls(
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]),
+            vocab_size=shape.vocab_size,
+            hidden_size=shape.hidden_size,
             num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads", num_heads)),
-            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // num_heads),
-            moe_intermediate_size=int(hf["moe_intermediate_size"]),
-            num_experts=int(hf["num_experts"]),
-            top_k=int(hf["num_experts_per_tok"]),
+            num_heads=shape.num_attention_heads,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            moe_intermediate_size=shape.moe_intermediate_size,
+            num_experts=shape.num_experts,
+            top_k=shape.top_k,
             norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),

@@ -12,7 +12,6 @@ server names. Never invents a value: a fact that is absent is reported as absent
 
 from __future__ import annotations
 
-import json
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from typing import Any
 from benchsuite.engines import adapter_of
 from benchsuite.manifest import Manifest, ServerRecord
 from benchsuite.report.budget import run_budget_bytes
+from paged_experts.shape import ModelShape
 
 _TOP_K_KEYS = ("top_k", "num_experts_per_tok")
 _NUM_EXPERTS_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
@@ -182,14 +182,14 @@ def _model_dirs(manifest: Manifest, run_dir: Path) -> list[Path]:
     return [c for c in candidates if (c / "config.json").is_file()]
 
 
-def _model_configs(manifest: Manifest, run_dir: Path) -> list[dict[str, Any]]:
-    configs = []
+def _model_shapes(manifest: Manifest, run_dir: Path) -> list[ModelShape]:
+    shapes = []
     for directory in _model_dirs(manifest, run_dir):
         try:
-            configs.append(json.loads((directory / "config.json").read_text()))
-        except (OSError, json.JSONDecodeError):
+            shapes.append(ModelShape.from_dir(directory))
+        except (OSError, ValueError, TypeError):  # unreadable or not a MoE config: no shape from it
             continue
-    return configs
+    return shapes
 
 
 def _legacy_top_k(manifest: Manifest, run_dir: Path) -> int | None:
@@ -200,14 +200,14 @@ def _legacy_top_k(manifest: Manifest, run_dir: Path) -> int | None:
     return (
         _find_int(raw, ("num_experts_per_tok",))
         or _find_int(_model_subtrees(raw), _TOP_K_KEYS)
-        or _find_int(_model_configs(manifest, run_dir), ("num_experts_per_tok",))
+        or next((s.top_k for s in _model_shapes(manifest, run_dir)), None)
     )
 
 
 def _legacy_num_experts(manifest: Manifest, run_dir: Path) -> int | None:
     raw = manifest.to_json()
     found = _find_int(_model_subtrees(raw), _NUM_EXPERTS_KEYS)
-    return found or _find_int(_model_configs(manifest, run_dir), _NUM_EXPERTS_KEYS)
+    return found or next((s.num_experts for s in _model_shapes(manifest, run_dir)), None)
 
 
 def _link_gb_per_s(manifest: Manifest) -> tuple[float | None, str]:

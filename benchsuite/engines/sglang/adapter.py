@@ -69,7 +69,7 @@ class SGLangAdapter(EngineAdapter):
         path = Path(self._options(spec).model_path).expanduser()
         try:
             return ModelShape.from_dir(path) if (path / "config.json").is_file() else None
-        except (OSError, ValueError):  # not a MoE config or unreadable: the shape is unknown
+        except (OSError, ValueError, TypeError):  # not a MoE config or unreadable: the shape is unknown
             return None
 
     def validate(self, spec: ServerSpec) -> None:
