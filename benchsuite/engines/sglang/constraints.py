@@ -21,6 +21,7 @@ from typing import Any
 
 from benchsuite.engines.base import EngineConfigError
 from benchsuite.engines.sglang.options import SGLangOptions
+from paged_experts.shape import ModelShape
 
 SGLANG_REFERENCE_VERSION = "0.5.23"
 _SRC = "sglang 0.5.23 srt/"
@@ -55,9 +56,7 @@ _SHARED_EXPERT_KEYS = ("n_shared_experts", "num_shared_experts", "shared_expert_
 class CheckpointFacts:
     """What the constraint checks read from a model's config.json (text config for VLMs)."""
 
-    num_experts: int | None
-    top_k: int | None  # num_experts_per_tok
-    num_hidden_layers: int | None
+    shape: ModelShape | None  # paged_experts.shape; None when config.json names no E or top_k
     has_shared_experts: bool
     quant_method: str | None  # quantization_config.quant_method, lower case
     weight_block_size: tuple[int, ...] | None  # block-quantized FP8 checkpoints
@@ -82,11 +81,12 @@ def facts_from_config(raw: dict[str, Any]) -> CheckpointFacts:
     cfg = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
     quant = raw.get("quantization_config") or cfg.get("quantization_config") or {}
     block = quant.get("weight_block_size")
-    num_experts = _first_int(cfg, ("num_experts", "n_routed_experts", "num_local_experts"))
+    try:
+        shape: ModelShape | None = ModelShape.from_hf_config(raw)
+    except (ValueError, TypeError):
+        shape = None
     return CheckpointFacts(
-        num_experts=num_experts,
-        top_k=_first_int(cfg, ("num_experts_per_tok", "moe_topk")),
-        num_hidden_layers=_first_int(cfg, ("num_hidden_layers",)),
+        shape=shape,
         has_shared_experts=any((_first_int(cfg, (key,)) or 0) > 0 for key in _SHARED_EXPERT_KEYS),
         quant_method=str(quant["quant_method"]).lower() if quant.get("quant_method") else None,
         weight_block_size=tuple(int(b) for b in block) if isinstance(block, list) else None,
@@ -156,11 +156,11 @@ def _real_weights(opts: SGLangOptions, facts: CheckpointFacts) -> str | None:
 
 
 def _k_at_least_top_k(opts: SGLangOptions, facts: CheckpointFacts) -> str | None:
-    if facts.top_k is None:
+    if facts.shape is None:
         return "config.json has no num_experts_per_tok: cannot check resident_experts >= top_k"
-    k = opts.resident_experts
-    if k is not None and k < facts.top_k:
-        return f"resident_experts {k} < top_k {facts.top_k}: K must be at least the router's top-k"
+    k, top_k = opts.resident_experts, facts.shape.top_k
+    if k is not None and k < top_k:
+        return f"resident_experts {k} < top_k {top_k}: K must be at least the router's top-k"
     return None
 
 
