@@ -61,26 +61,12 @@ def load_shape(path: str | Path) -> ModelShape:
 # ---------------------------------------------------------------- expert and slot sizes (paged_experts.shape)
 
 
-def expert_bytes_bf16(shape: ModelShape) -> int:
-    return shape.expert_bytes("bfloat16")
-
-
-def expert_bytes_fp8_block(shape: ModelShape) -> int:
-    return shape.expert_bytes_fp8_block()
-
-
-def expert_bytes_int4_gptq(shape: ModelShape, zero_points: bool = False) -> int:
-    return shape.expert_bytes_int4_gptq(zero_points)
-
-
 def expert_bytes_by_format(shape: ModelShape) -> dict[str, int]:
+    """One expert in each published format: bf16, block-FP8 with its scales, symmetric GPTQ int4."""
     if not shape.has_dims:
         return {}
-    return {
-        "bf16": expert_bytes_bf16(shape),
-        "fp8": expert_bytes_fp8_block(shape),
-        "int4": expert_bytes_int4_gptq(shape),
-    }
+    bf16, fp8, int4 = shape.expert_bytes("bfloat16"), shape.expert_bytes_fp8_block(), shape.expert_bytes_int4_gptq()
+    return {"bf16": bf16, "fp8": fp8, "int4": int4}
 
 
 def slot_bytes(expert_bytes: float, num_moe_layers: int) -> float:
@@ -89,17 +75,9 @@ def slot_bytes(expert_bytes: float, num_moe_layers: int) -> float:
     return expert_bytes * num_moe_layers
 
 
-def kv_bytes_per_token(shape: ModelShape, kv_dtype_bytes: int) -> int:
-    return shape.kv_bytes_per_token(kv_dtype_bytes)
-
-
 def kv_tokens_per_slot(slot_size_bytes: float, kv_token_bytes: float) -> int:
     """KV tokens the memory of one slot would hold instead."""
     return int(slot_size_bytes // kv_token_bytes)
-
-
-def non_expert_weight_bytes(shape: ModelShape, dtype_bytes: float = 2.0) -> int:
-    return shape.non_expert_weight_bytes(dtype_bytes)
 
 
 # ---------------------------------------------------------------- K, batches, host memory
