@@ -19,6 +19,7 @@ from benchsuite.fingerprint import plan_fingerprint
 from benchsuite.machine import git_facts, machine_facts
 from benchsuite.plan import Plan
 from benchsuite.records import SCHEMA_VERSION
+from paged_experts.shape import ModelShape
 
 
 class _Record(BaseModel):
@@ -37,6 +38,9 @@ class ServerRecord(_Record):
     argv: list[str] = Field(default_factory=list)  # exactly as launched
     env: dict[str, str] = Field(default_factory=dict)  # the engine's whole environment, secrets masked
     version: dict[str, Any] = Field(default_factory=dict)  # EngineAdapter.version
+    # the served model's shape as the adapter read it at launch (EngineAdapter.model_shape); None in
+    # runs stored before it was recorded, or where the adapter cannot read it
+    model: ModelShape | None = None
     started_utc: str | None = None
     startup_s: float | None = None  # launch -> first 200 from the health path
     startup_facts: dict[str, Any] = Field(default_factory=dict)  # the adapter's startup_facts hook (graphs, phases)

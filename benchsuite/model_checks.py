@@ -12,28 +12,25 @@ Each problem is (option key, message); benchsuite.matrix_sweeps prefixes the YAM
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from benchsuite.engines.base import EngineOptions
+from paged_experts.shape import ModelShape
 
 GENERATED = "tiny"  # the generated test model (paged_experts.synth preset), made on first use
 SYNTH_PREFIX = "synth:"  # in-memory presets of paged_experts.synth_memory
-_E_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
-_TOP_K_KEYS = ("num_experts_per_tok", "top_k", "moe_topk")
 
 
 @dataclass(frozen=True)
-class ModelShape:
-    num_experts: int
-    top_k: int
-    num_layers: int | None
+class KnownShape:
+    shape: ModelShape
     source: str  # where the shape was read, for the message
 
 
-def model_shape(options: EngineOptions) -> ModelShape | None:
-    """E, top_k and layers of the server's model, or None where they cannot be known without it."""
+def model_shape(options: EngineOptions) -> KnownShape | None:
+    """The server's model's shape (paged_experts.shape) and where it was read, or None where it
+    cannot be known without the weights."""
     model = str(options.model_source() or "")
     if model == GENERATED or model.startswith(SYNTH_PREFIX):
         return _preset_shape(model)
@@ -42,19 +39,12 @@ def model_shape(options: EngineOptions) -> ModelShape | None:
     if config is None or not config.is_file():
         return None
     try:
-        data = json.loads(config.read_text())
-    except (OSError, ValueError):
+        return KnownShape(ModelShape.from_dir(config), f"{config}")
+    except (OSError, ValueError, TypeError, AttributeError):
         return None
-    cfg = data.get("text_config", data) if isinstance(data, dict) else {}
-    experts = next((cfg[k] for k in _E_KEYS if isinstance(cfg.get(k), int)), None)
-    top_k = next((cfg[k] for k in _TOP_K_KEYS if isinstance(cfg.get(k), int)), None)
-    layers = cfg.get("num_hidden_layers") if isinstance(cfg.get("num_hidden_layers"), int) else None
-    if experts is None or top_k is None:
-        return None
-    return ModelShape(experts, top_k, layers, f"{config}")
 
 
-def _preset_shape(model: str) -> ModelShape | None:
+def _preset_shape(model: str) -> KnownShape | None:
     from paged_experts.synth import PRESETS  # imports torch: only for a generated or synth: model
 
     name, _, query = model.removeprefix(SYNTH_PREFIX).partition("?")
@@ -66,7 +56,7 @@ def _preset_shape(model: str) -> ModelShape | None:
         key, _, value = part.partition("=")
         if key == "layers" and value.isdigit():
             layers = int(value)
-    return ModelShape(preset.num_experts, preset.top_k, layers, f"the {name} preset")
+    return KnownShape(ModelShape(layers, layers, preset.num_experts, preset.top_k), f"the {name} preset")
 
 
 def shape_problems(options: EngineOptions) -> list[tuple[str, str]]:
@@ -76,20 +66,21 @@ def shape_problems(options: EngineOptions) -> list[tuple[str, str]]:
     layer_values = sized.layer_counts
     if not sized.experts_per_layer and not layer_values:
         return []
-    shape = model_shape(options)
-    if shape is None:
+    known = model_shape(options)
+    if known is None:
         return []
+    shape = known.shape
     problems = []
     for key, k in sized.experts_per_layer.items():
         if k > shape.num_experts:
-            more = f"more than the model's {shape.num_experts} experts per layer ({shape.source})"
+            more = f"more than the model's {shape.num_experts} experts per layer ({known.source})"
             problems.append((key, f"K={k} is {more}"))
         if k < shape.top_k:
-            why = f"one token's experts must all be resident ({shape.source})"
+            why = f"one token's experts must all be resident ({known.source})"
             problems.append((key, f"K={k} is fewer than top_k={shape.top_k}: {why}"))
     for key, value in layer_values.items():
-        if shape.num_layers is not None and value > shape.num_layers:
-            problems.append((key, f"{value} is more than the model's {shape.num_layers} layers ({shape.source})"))
+        if shape.num_layers and value > shape.num_layers:  # 0: the config.json names no layer count
+            problems.append((key, f"{value} is more than the model's {shape.num_layers} layers ({known.source})"))
     return problems
 
 

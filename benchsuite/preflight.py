@@ -1,10 +1,12 @@
 """Preflight arithmetic: every formula of DESIGN.md section 3, written once, units in names.
 
-Owns the model shape read from an HF `config.json` (or given explicitly), per-format expert sizes,
-slot and KV sizes, the K that fits a memory budget, the one-wave batch cap, pinned host memory,
-prefill page-in cost, the all-miss bytes per token, the miss-rate bound implied by a measured decode
-speed. Pure functions of frozen values; `preflight_report.py` puts them together into the per-format
-report and its verdict, and the CLI (`benchsuite preflight`) only parses flags and prints.
+The model's shape and its byte sizes (expert per format, slot, KV per token, non-expert weights)
+have one owner, `paged_experts.shape.ModelShape`; this module reads it for the CLI (errors as
+UserError) and names its sizes per published format. Owns the K that fits a memory budget, the
+one-wave batch cap, pinned host memory, prefill page-in cost, the all-miss bytes per token, the
+miss-rate bound implied by a measured decode speed. Pure functions of frozen values;
+`preflight_report.py` puts them together into the per-format report and its verdict, and the CLI
+(`benchsuite preflight`) only parses flags and prints.
 
 Units: `_bytes` are bytes, `_b_per_s` bytes per second, `_gb` decimal gigabytes (1e9) unless the
 name says `_gib` (2**30). Published sizes (2.43 MB, 117 MB) are decimal megabytes.
@@ -13,83 +15,33 @@ name says `_gib` (2**30). Published sizes (2.43 MB, 117 MB) are decimal megabyte
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from benchsuite.errors import UserError
+from paged_experts.shape import REQUIRED_FIELDS, ModelShape
 
 GIB_BYTES = 2**30
 GB_BYTES = 10**9
 MB_BYTES = 10**6
 
-# Quantization layouts (per expert = gate, up and down projections of one layer's expert).
-FP8_BLOCK = 128  # fp8 block-scaled: one fp32 scale per 128x128 weight block
-GPTQ_GROUP = 128  # GPTQ int4: one fp16 scale (and, if asymmetric, one 4-bit zero) per 128 inputs
 RANDOM_MISS_REUSE_FACTOR = 0.8  # published analysis: reuse implied when bound < 0.8 x random_miss
 WSL2_PINNED_FRACTION = 0.5  # WSL2 caps pinned (page-locked) memory at about half of system RAM
 
 EXPERT_FORMATS = ("bf16", "fp8", "int4")
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """The shape facts preflight needs. Expert projections are hidden <-> moe_intermediate."""
-
-    num_layers: int  # all decoder layers (KV lives in every one)
-    num_moe_layers: int
-    num_experts: int
-    top_k: int
-    hidden_size: int = 0  # 0 when given by explicit --expert-mb (no per-format sizes then)
-    moe_intermediate_size: int = 0
-    num_kv_heads: int = 0
-    head_dim: int = 0
-    num_attention_heads: int = 0
-    vocab_size: int = 0
-    tie_word_embeddings: bool = False
-    dense_intermediate_size: int = 0  # dense MLP width of non-MoE layers
-    shared_expert_intermediate_size: int = 0
-    name: str = ""
-
-    @property
-    def has_dims(self) -> bool:
-        return self.hidden_size > 0 and self.moe_intermediate_size > 0
-
-
-def _moe_layer_count(cfg: dict, num_layers: int) -> int:
-    step = int(cfg.get("decoder_sparse_step", 1) or 1)
-    mlp_only = set(cfg.get("mlp_only_layers", []) or [])
-    return sum(1 for i in range(num_layers) if i not in mlp_only and (i + 1) % step == 0)
-
-
 def shape_from_config(cfg: dict, name: str = "") -> ModelShape:
-    """Read the fields of an HF MoE config.json (qwen3_moe / qwen2_moe / mixtral naming)."""
+    """Read the fields of an HF MoE config.json (paged_experts.shape: qwen3_moe / qwen2_moe / mixtral naming)."""
+    cfg = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+    missing = next((key for key in REQUIRED_FIELDS if key not in cfg), None)
     try:
-        num_layers = int(cfg["num_hidden_layers"])
-        hidden = int(cfg["hidden_size"])
-        num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg["n_routed_experts"])
-        top_k = int(cfg["num_experts_per_tok"])
-    except KeyError as exc:
-        raise UserError(f"config.json lacks MoE field {exc.args[0]!r} (not a MoE model?)") from None
-    heads = int(cfg.get("num_attention_heads", 0))
-    head_dim = int(cfg.get("head_dim") or (hidden // heads if heads else 0))
-    return ModelShape(
-        num_layers=num_layers,
-        num_moe_layers=_moe_layer_count(cfg, num_layers),
-        num_experts=num_experts,
-        top_k=top_k,
-        hidden_size=hidden,
-        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size")),
-        num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
-        head_dim=head_dim,
-        num_attention_heads=heads,
-        vocab_size=int(cfg.get("vocab_size", 0)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        dense_intermediate_size=int(cfg.get("intermediate_size", 0)),
-        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0) or 0),
-        name=name or str(cfg.get("_name_or_path", "") or cfg.get("model_type", "")),
-    )
+        if missing is not None:
+            raise ValueError(f"config.json lacks MoE field {missing!r} (not a MoE model?)")
+        return ModelShape.from_hf_config(cfg, name)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
 
 
 def load_shape(path: str | Path) -> ModelShape:
@@ -106,77 +58,26 @@ def load_shape(path: str | Path) -> ModelShape:
     return shape_from_config(cfg, name=p.parent.name)
 
 
-# ---------------------------------------------------------------- expert and slot sizes
-
-
-def expert_params(shape: ModelShape) -> int:
-    """gate + up ([I, H] each) and down ([H, I]): 3 x H x I weights per expert per layer."""
-    return 3 * shape.hidden_size * shape.moe_intermediate_size
-
-
-def expert_bytes_bf16(shape: ModelShape) -> int:
-    return 2 * expert_params(shape)
-
-
-def expert_bytes_fp8_block(shape: ModelShape) -> int:
-    """1 byte per weight + one fp32 scale per 128x128 block of each of the three matrices."""
-    h, i = shape.hidden_size, shape.moe_intermediate_size
-    blocks_per_matrix = math.ceil(h / FP8_BLOCK) * math.ceil(i / FP8_BLOCK)
-    return expert_params(shape) + 3 * blocks_per_matrix * 4
-
-
-def expert_bytes_int4_gptq(shape: ModelShape, zero_points: bool = False) -> int:
-    """Half a byte per weight + one fp16 scale per group of 128 inputs per output column.
-
-    Symmetric GPTQ (the Marlin path SGLang uses) keeps no zero points on the device: that is the
-    published 2.43 MB. Asymmetric checkpoints add one packed 4-bit zero per group.
-    """
-    h, i = shape.hidden_size, shape.moe_intermediate_size
-    groups = i * math.ceil(h / GPTQ_GROUP) * 2 + h * math.ceil(i / GPTQ_GROUP)  # gate+up, down
-    per_group_bytes = 2.0 + (0.5 if zero_points else 0.0)
-    return expert_params(shape) // 2 + int(groups * per_group_bytes)
+# ---------------------------------------------------------------- expert and slot sizes (paged_experts.shape)
 
 
 def expert_bytes_by_format(shape: ModelShape) -> dict[str, int]:
+    """One expert in each published format: bf16, block-FP8 with its scales, symmetric GPTQ int4."""
     if not shape.has_dims:
         return {}
-    return {
-        "bf16": expert_bytes_bf16(shape),
-        "fp8": expert_bytes_fp8_block(shape),
-        "int4": expert_bytes_int4_gptq(shape),
-    }
+    bf16, fp8, int4 = shape.expert_bytes("bfloat16"), shape.expert_bytes_fp8_block(), shape.expert_bytes_int4_gptq()
+    return {"bf16": bf16, "fp8": fp8, "int4": int4}
 
 
 def slot_bytes(expert_bytes: float, num_moe_layers: int) -> float:
-    """One resident expert in every MoE layer: `slot_bytes = expert_bytes x num_moe_layers`."""
+    """One resident expert in every MoE layer: `slot_bytes = expert_bytes x num_moe_layers`
+    (ModelShape.slot_bytes for a stored format; this form for an explicit --expert-mb)."""
     return expert_bytes * num_moe_layers
-
-
-def kv_bytes_per_token(shape: ModelShape, kv_dtype_bytes: int) -> int:
-    """`2 x layers x kv_heads x head_dim x kv_dtype_bytes` (K and V in every layer)."""
-    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * kv_dtype_bytes
 
 
 def kv_tokens_per_slot(slot_size_bytes: float, kv_token_bytes: float) -> int:
     """KV tokens the memory of one slot would hold instead."""
     return int(slot_size_bytes // kv_token_bytes)
-
-
-def non_expert_weight_bytes(shape: ModelShape, dtype_bytes: float = 2.0) -> int:
-    """Weights that stay on the GPU: embeddings, LM head, attention, norms, routers, dense/shared MLPs."""
-    h, layers = shape.hidden_size, shape.num_layers
-    q_out = shape.num_attention_heads * shape.head_dim
-    kv_out = shape.num_kv_heads * shape.head_dim
-    attention = h * q_out * 2 + h * kv_out * 2  # q, o and k, v projections
-    norms = 2 * h + 2 * shape.head_dim  # input/post norms, q/k norms (qwen3)
-    router = h * shape.num_experts
-    shared = 3 * h * shape.shared_expert_intermediate_size
-    per_layer = attention + norms + shared
-    dense_layers = layers - shape.num_moe_layers
-    dense_mlp = 3 * h * shape.dense_intermediate_size * dense_layers
-    embeddings = shape.vocab_size * h * (1 if shape.tie_word_embeddings else 2)
-    params = per_layer * layers + router * shape.num_moe_layers + dense_mlp + embeddings + h
-    return int(params * dtype_bytes)
 
 
 # ---------------------------------------------------------------- K, batches, host memory

@@ -18,11 +18,9 @@ from benchsuite.preflight import (
     batch_cap,
     expert_bytes_by_format,
     k_that_fits,
-    kv_bytes_per_token,
     kv_tokens_per_slot,
     max_miss_allowed,
     min_k_for_concurrency,
-    non_expert_weight_bytes,
     pinned_cap_bytes,
     pinned_host_bytes,
     prefill_page_in_bytes,
@@ -103,7 +101,7 @@ def _kv_per_token(inp: PreflightInputs) -> tuple[float | None, float | None]:
         return bf16, bf16 / 2
     s = inp.shape
     if s.num_kv_heads and s.head_dim:
-        return float(kv_bytes_per_token(s, 2)), float(kv_bytes_per_token(s, 1))
+        return float(s.kv_bytes_per_token(2)), float(s.kv_bytes_per_token(1))
     return None, None
 
 
@@ -190,7 +188,7 @@ def _format_report(
 def preflight(inp: PreflightInputs) -> PreflightReport:
     s = inp.shape
     kv_bf16, kv_fp8 = _kv_per_token(inp)
-    non_expert = float(non_expert_weight_bytes(s, inp.non_expert_dtype_bytes)) if s.has_dims and s.vocab_size else None
+    non_expert = float(s.non_expert_weight_bytes(inp.non_expert_dtype_bytes)) if s.has_dims and s.vocab_size else None
     if inp.explicit_non_expert_bytes is not None:
         non_expert = float(inp.explicit_non_expert_bytes)
     if inp.vram_bytes is not None:  # a memory budget is never dropped silently for want of a term

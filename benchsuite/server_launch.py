@@ -63,6 +63,7 @@ async def launch_server(ctx: RunContext, spec: ServerSpec) -> AsyncIterator[Runn
         argv=argv,
         env=recorded(env),
         version=adapter.version(spec),
+        model=adapter.model_shape(spec),
         started_utc=utc_now(),
         log=str(ctx.store.log_path(spec.server_id).relative_to(ctx.store.run_dir)),
     )

@@ -1,8 +1,9 @@
 """`MoeModelConfig`: the model facts the runtime needs, read from a Hugging Face `config.json`.
 
-Owns the mapping from HF field names (qwen3_moe) to our names and the byte sizes derived from
-the shapes (one expert, one slot across all MoE layers, KV per token). Preflight formulas that
-combine these with a machine's budget live in `benchsuite.preflight`.
+Owns the mapping from HF field names (qwen3_moe) to the runtime's names and what the runtime
+refuses (dense layers, attention bias, scaled RoPE). The byte sizes (one expert, one slot across
+all MoE layers, KV per token) are the shape's (`paged_experts.shape.ModelShape`, via `.shape`);
+preflight formulas that combine them with a machine's budget live in `benchsuite.preflight`.
 """
 
 from __future__ import annotations
@@ -15,18 +16,20 @@ from typing import Any
 import torch
 
 from paged_experts import fp8
+from paged_experts.shape import FP8, ModelShape, dtype_bytes
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe",)
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-FP8 = "float8_e4m3fn"  # the expert dtype of block-FP8 checkpoints (weights 1 byte + float32 block scales)
+# fields the runtime cannot default (ModelShape reads a missing one as 0)
+_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "num_attention_heads",
+    "moe_intermediate_size",
+    "num_experts",
+    "num_experts_per_tok",
+)
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def dtype_bytes(dtype: str) -> int:
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}")
-    return DTYPE_BYTES[dtype]
 
 
 @dataclass(frozen=True)
@@ -82,20 +85,23 @@ class MoeModelConfig:
         rope_theta = hf.get("rope_theta")
         if rope_theta is None:
             rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        num_heads = int(hf["num_attention_heads"])
+        missing = next((key for key in _REQUIRED if key not in hf), None)
+        if missing is not None:
+            raise KeyError(missing)
+        shape = ModelShape.from_hf_config(hf)  # the shape's fields, read as everywhere else
         eos = hf.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None
         return cls(
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]),
+            vocab_size=shape.vocab_size,
+            hidden_size=shape.hidden_size,
             num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads", num_heads)),
-            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // num_heads),
-            moe_intermediate_size=int(hf["moe_intermediate_size"]),
-            num_experts=int(hf["num_experts"]),
-            top_k=int(hf["num_experts_per_tok"]),
+            num_heads=shape.num_attention_heads,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            moe_intermediate_size=shape.moe_intermediate_size,
+            num_experts=shape.num_experts,
+            top_k=shape.top_k,
             norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
@@ -119,26 +125,28 @@ class MoeModelConfig:
     def num_moe_layers(self) -> int:
         return self.num_layers
 
+    @property
+    def shape(self) -> ModelShape:
+        """The model's shape, owner of its byte sizes (paged_experts.shape)."""
+        return ModelShape(
+            num_layers=self.num_layers, num_moe_layers=self.num_moe_layers, num_experts=self.num_experts,
+            top_k=self.top_k, hidden_size=self.hidden_size, moe_intermediate_size=self.moe_intermediate_size,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, num_attention_heads=self.num_heads,
+            vocab_size=self.vocab_size, tie_word_embeddings=self.tie_word_embeddings, name=self.model_type,
+        )  # fmt: skip
+
     def expert_dtype(self, compute_dtype: str) -> str:
         """How experts are stored and paged: FP8 for a block-FP8 checkpoint, else the compute dtype."""
         return FP8 if self.fp8_weights else compute_dtype
 
     def expert_bytes(self, dtype: str | None = None) -> int:
-        """Bytes of one expert's gate, up and down projections: 3 x hidden x moe_intermediate x dtype
-        bytes; FP8 (`float8_e4m3fn`): 1 byte per weight plus its float32 128 x 128 block scales."""
-        h, i = self.hidden_size, self.moe_intermediate_size
-        if (dtype or self.torch_dtype) == FP8:
-            return 3 * h * i + 3 * 4 * fp8.blocks(h) * fp8.blocks(i)
-        return 3 * h * i * dtype_bytes(dtype or self.torch_dtype)
+        return self.shape.expert_bytes(dtype or self.torch_dtype)
 
     def slot_bytes(self, dtype: str | None = None) -> int:
-        """One resident expert in every MoE layer: expert_bytes x num_moe_layers."""
-        return self.expert_bytes(dtype) * self.num_moe_layers
+        return self.shape.slot_bytes(dtype or self.torch_dtype)
 
     def kv_bytes_per_token(self, dtype: str | None = None) -> int:
-        """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes(dtype or self.torch_dtype)
+        return self.shape.kv_bytes_per_token(dtype_bytes(dtype or self.torch_dtype))
 
     def all_experts_bytes(self, dtype: str | None = None) -> int:
-        """Every expert of every MoE layer (what the pinned host store holds)."""
-        return self.num_experts * self.slot_bytes(dtype)
+        return self.shape.all_experts_bytes(dtype or self.torch_dtype)

@@ -216,7 +216,7 @@ def test_quantizer_round_trip_and_format_facts() -> None:
 
 
 def test_runtime_expert_bytes_equal_the_preflight_formula_at_the_published_shape() -> None:
-    """The counters' FP8 expert bytes (weights + scales) are preflight's `expert_bytes_fp8_block`: 4.72 MB."""
+    """The counters' FP8 expert bytes (weights + scales) are the shape's `expert_bytes_fp8_block`: 4.72 MB."""
     from benchsuite import preflight
     from paged_experts.config import MoeModelConfig
     from paged_experts.synth import PRESETS, hf_config_for
@@ -224,8 +224,4 @@ def test_runtime_expert_bytes_equal_the_preflight_formula_at_the_published_shape
     hf = hf_config_for(PRESETS["qwen3-30b-a3b-fp8-shape"], 151936, 151643, 151645)
     cfg = MoeModelConfig.from_hf_config(hf)
     assert cfg.fp8_weights and cfg.expert_dtype("bfloat16") == "float8_e4m3fn"
-    assert (
-        cfg.expert_bytes("float8_e4m3fn")
-        == preflight.expert_bytes_fp8_block(preflight.shape_from_config(hf))
-        == 4_719_744
-    )
+    assert cfg.expert_bytes("float8_e4m3fn") == preflight.shape_from_config(hf).expert_bytes_fp8_block() == 4_719_744

@@ -6,7 +6,7 @@ import pytest
 
 from benchsuite.engines.llamacpp.fit import (
     MIB,
-    ModelFacts,
+    GgufFacts,
     Projection,
     fit_params_argv,
     kv_bytes_per_layer,
@@ -19,7 +19,7 @@ EXPERT_BYTES = 1000  # per stacked expert tensor
 ATTN_BYTES = 10
 
 
-def _facts(n_layer: int = 4) -> ModelFacts:
+def _facts(n_layer: int = 4) -> GgufFacts:
     tensors = [
         ("token_embd.weight", 500),
         ("output_norm.weight", 4),
@@ -31,7 +31,7 @@ def _facts(n_layer: int = 4) -> ModelFacts:
             (f"blk.{i}.ffn_gate_inp.weight", 3),
         ]
         tensors += [(f"blk.{i}.ffn_{p}_exps.weight", EXPERT_BYTES) for p in ("gate", "up", "down")]
-    return ModelFacts(
+    return GgufFacts(
         n_layer=n_layer,
         n_embd=64,
         n_head=4,
@@ -131,7 +131,7 @@ def test_fit_params_argv_pins_the_server_flags():
     assert argv[-2:] == ["--fit-print", "on"] and "--kv-unified" not in argv  # a server-only flag
 
 
-def _qwen3_30b_a3b_shape(n_layer: int) -> ModelFacts:
+def _qwen3_30b_a3b_shape(n_layer: int) -> GgufFacts:
     """Tensor bytes of the generated qwen3-30b-a3b-shape checkpoint exported as bf16 (its trained vocab: 1042)."""
     h, heads, kv_heads, d, e, i, v = 2048, 32, 4, 128, 128, 768, 1042
     bf16, f32 = 2, 4
@@ -154,7 +154,7 @@ def _qwen3_30b_a3b_shape(n_layer: int) -> ModelFacts:
             (b + "ffn_gate_inp.weight", e * h * f32),
         ]
         tensors += [(b + f"ffn_{p}_exps.weight", e * i * h * bf16) for p in ("gate", "up", "down")]
-    return ModelFacts(n_layer, h, heads, kv_heads, d, d, v, e, 8, i, tuple(tensors))
+    return GgufFacts(n_layer, h, heads, kv_heads, d, d, v, e, 8, i, tuple(tensors))
 
 
 # llama-fit-params on an H200 (CUDA build of the pinned sdist), 8-layer qwen3-30b-a3b-shape bf16 GGUF,

@@ -38,22 +38,22 @@ def test_config_matches_reference_file(shape: pf.ModelShape) -> None:
 
 
 def test_expert_sizes_match_published(shape: pf.ModelShape) -> None:
-    assert pf.expert_bytes_bf16(shape) == 3 * 2048 * 768 * 2
-    assert pf.expert_bytes_int4_gptq(shape) == pytest.approx(INT4_PUBLISHED_BYTES, rel=0.002)
-    assert pf.expert_bytes_fp8_block(shape) == pytest.approx(FP8_PUBLISHED_BYTES, rel=0.001)
+    assert shape.expert_bytes("bfloat16") == 3 * 2048 * 768 * 2
+    assert shape.expert_bytes_int4_gptq() == pytest.approx(INT4_PUBLISHED_BYTES, rel=0.002)
+    assert shape.expert_bytes_fp8_block() == pytest.approx(FP8_PUBLISHED_BYTES, rel=0.001)
     # asymmetric GPTQ adds packed 4-bit zeros: larger than the symmetric layout
-    assert pf.expert_bytes_int4_gptq(shape, zero_points=True) - pf.expert_bytes_int4_gptq(shape) == 18432
+    assert shape.expert_bytes_int4_gptq(zero_points=True) - shape.expert_bytes_int4_gptq() == 18432
 
 
 def test_slot_sizes_match_published(shape: pf.ModelShape) -> None:
-    assert pf.slot_bytes(pf.expert_bytes_int4_gptq(shape), shape.num_moe_layers) / 1e6 == pytest.approx(117, abs=0.5)
-    assert pf.slot_bytes(pf.expert_bytes_fp8_block(shape), shape.num_moe_layers) / 1e6 == pytest.approx(227, abs=0.6)
+    assert pf.slot_bytes(shape.expert_bytes_int4_gptq(), shape.num_moe_layers) / 1e6 == pytest.approx(117, abs=0.5)
+    assert pf.slot_bytes(shape.expert_bytes_fp8_block(), shape.num_moe_layers) / 1e6 == pytest.approx(227, abs=0.6)
     assert pf.slot_bytes(INT4_PUBLISHED_BYTES, 48) == pytest.approx(116.64e6)
 
 
 def test_kv_bytes_per_token_and_tokens_per_slot(shape: pf.ModelShape) -> None:
-    assert pf.kv_bytes_per_token(shape, 2) == 98_304
-    assert pf.kv_bytes_per_token(shape, 1) == 49_152
+    assert shape.kv_bytes_per_token(2) == 98_304
+    assert shape.kv_bytes_per_token(1) == 49_152
     assert pf.kv_tokens_per_slot(pf.slot_bytes(INT4_PUBLISHED_BYTES, 48), 98_304) == 1186
     assert pf.kv_tokens_per_slot(pf.slot_bytes(FP8_PUBLISHED_BYTES, 48), 98_304) == 2304
 

@@ -10,8 +10,10 @@ import pytest
 import yaml
 
 from benchsuite.cli import main
+from benchsuite.manifest import ServerRecord
 from benchsuite.matrix import load_matrix
 from benchsuite.plan import build_plan
+from paged_experts.shape import ModelShape
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
 
@@ -58,3 +60,7 @@ def test_reduced_quickstart_runs_on_the_real_builtin_server(tiny_model_dir: Path
     (server,) = json.loads((run_dir / "manifest.json").read_text())["servers"].values()
     assert server["argv"][1:3] == ["-m", "paged_experts.server"]
     assert server["argv"][server["argv"].index("--paged-experts-num-resident") + 1] == "8"
+    # the model's shape recorded typed at launch (the adapter's model_shape): the report reads it from here
+    shape = ModelShape.from_dir(tiny_model_dir)
+    assert (server["model"]["top_k"], server["model"]["num_experts"]) == (shape.top_k, shape.num_experts)
+    assert ServerRecord.model_validate(server).model == shape

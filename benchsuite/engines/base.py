@@ -26,6 +26,8 @@ the hooks directly; an adapter overrides the ones its engine has:
   cell's `extras["flags"]`, shown by the report);
 - `owned_env`: environment variables that would set what the adapter owns (llama.cpp's
   `LLAMA_ARG_CTX_SIZE` ...) -> what sets it instead; the matrix loader refuses them in `env:`;
+- `model_shape(spec)`: the served model's shape (`paged_experts.shape.ModelShape`), recorded in
+  the manifest at launch (`ServerRecord.model`) so the report never reads a checkpoint;
 - `resolved_options(spec)`: the options in force with defaults resolved (the manifest's server entry
   `resolved_options` and every cell's `options`); default: the options as validated;
 - `async startup_facts(session, base_url)`: the engine's own start-up breakdown, read once it is
@@ -57,6 +59,7 @@ from pydantic import BaseModel, ConfigDict
 
 from benchsuite.search_settings import NCpuMoeSettings, ResidentExpertsSettings, SearchSettingsAny, parse_with
 from benchsuite.stream_client import LoadRequest
+from paged_experts.shape import ModelShape
 
 
 class EngineConfigError(ValueError):
@@ -335,6 +338,11 @@ class EngineAdapter(ABC):
     ) -> dict[str, Any]:  # fmt: skip
         """Facts gathered on the live server after its cells (the manifest's server `facts`)."""
         return {}
+
+    def model_shape(self, spec: ServerSpec) -> ModelShape | None:
+        """The served model's shape as the engine will load it (paged_experts.shape), recorded typed
+        in the manifest at launch (`ServerRecord.model`); None: the adapter cannot read it."""
+        return None
 
     def recorded_expert_format(self, options: Mapping[str, Any]) -> str | None:
         """How a stored server stored expert weights, read from its recorded options (runs stored

@@ -15,10 +15,8 @@ import pandas as pd
 
 from benchsuite.errors import UserError
 from benchsuite.reference import Reference, load_reference
-from benchsuite.report import manifest_facts as mf
 from benchsuite.report import prefill, roofline, search_section
 from benchsuite.report import tables as tb
-from benchsuite.report.budget import run_budget_bytes
 from benchsuite.report.caveats import setup_caveats
 from benchsuite.report.display import display_frame
 from benchsuite.report.figures import all_figures, missing_figures
@@ -68,7 +66,7 @@ def _reference(runs: list[RunData], reference_dirs: list[Path] | None) -> tuple[
     """The published reference the first run's matrix names: the shipped data (benchsuite.reference),
     or a file found in `reference_dirs` when given (tests, a user's own figures)."""
     for run in runs:
-        name = mf.reference_name(run.manifest)
+        name = run.facts.reference_name
         if name is None:
             continue
         if reference_dirs is None:
@@ -78,7 +76,7 @@ def _reference(runs: list[RunData], reference_dirs: list[Path] | None) -> tuple[
                 return None, {}, f"The matrix names reference '{name}': {exc}."
             return (
                 published,
-                mf.reference_filter(run.manifest),
+                run.facts.reference_filter,
                 f"Published figures from {name} ({name}.yaml, shipped).",
             )
         path = find_reference(name, reference_dirs)
@@ -91,7 +89,7 @@ def _reference(runs: list[RunData], reference_dirs: list[Path] | None) -> tuple[
             )
         return (
             load_published(name, path),
-            mf.reference_filter(run.manifest),
+            run.facts.reference_filter,
             f"Published figures from {name} ({path.name}).",
         )
     return None, {}, "The matrix names no published reference."
@@ -103,12 +101,12 @@ def build_report_data(run_dirs: list[Path], reference_dirs: list[Path] | None = 
     runs = [load_run(Path(d)) for d in run_dirs]
     many = len(runs) > 1
     # each cell carries its run's GPU memory budget: configurations over it are no contenders (report/budget.py)
-    cells = pd.concat([annotate_cells(r.cells, many).assign(budget_bytes=run_budget_bytes(r.manifest.servers))
+    cells = pd.concat([annotate_cells(r.cells, many).assign(budget_bytes=r.facts.budget_bytes)
                        for r in runs], ignore_index=True)  # fmt: skip
     groups = group_configs(cells)
     samples = pd.concat([request_samples(r.requests) for r in runs], ignore_index=True)
-    top_k = next((v for v in (mf.model_top_k(r.manifest, r.run_dir) for r in runs) if v), None)
-    num_experts = next((v for v in (mf.model_num_experts(r.manifest, r.run_dir) for r in runs) if v), None)
+    top_k = next((r.facts.model.top_k for r in runs if r.facts.model.top_k), None)
+    num_experts = next((r.facts.model.num_experts for r in runs if r.facts.model.num_experts), None)
     published, row_filter, note = _reference(runs, reference_dirs)
     if published is not None and (top_k is None or num_experts is None) and _serves_model(runs, published.model):
         shape = published.raw.get("model_shape") or {}  # a hub id (no local config.json) of the published model
@@ -150,8 +148,7 @@ def build_report_data(run_dirs: list[Path], reference_dirs: list[Path] | None = 
 def _caveats(runs: list[RunData], cells: pd.DataFrame, key: tuple[str, str, str]) -> list[str]:
     run = next(r for r in runs if r.run_id == key[0])
     mine = cells[(cells["run_id"] == key[0]) & (cells["workload"] == key[1]) & (cells["prompt_class"] == key[2])]
-    has_gpu = bool(run.manifest.machine.get("gpus"))
-    return setup_caveats(mine, run.manifest.servers, has_gpu)
+    return setup_caveats(mine, run.facts.records, run.facts.has_gpu)
 
 
 _ANCHORS = {
@@ -205,7 +202,7 @@ def _sections(data: ReportData) -> tuple[list[Section], list[Section]]:
 
 def _serves_model(runs: list[RunData], model: str) -> bool:
     """Whether some server was started on the named model (its name appears in the exact command)."""
-    return bool(model) and any(model.lower() in s.command.lower() for r in runs for s in mf.servers(r.manifest))
+    return bool(model) and any(model.lower() in s.command.lower() for r in runs for s in r.facts.servers)
 
 
 def default_out_dir(runs: list[RunData]) -> Path:

@@ -123,7 +123,7 @@ def _verdict(
 def same_source(a: list[RunData], b: list[RunData]) -> str | None:
     """'same commit and matrix' when every run of both sides ran one clean commit (or one dirty tree) and
     one matrix hash."""
-    facts = {(r.manifest.git.get("commit"), r.manifest.git.get("tree"), r.manifest.matrix_hash) for r in [*a, *b]}
+    facts = {r.facts.identity for r in [*a, *b]}
     if len(facts) != 1:
         return None
     commit, _, matrix_hash = next(iter(facts))

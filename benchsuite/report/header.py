@@ -11,7 +11,6 @@ import pandas as pd
 
 from benchsuite import metrics
 from benchsuite.engines import KINDS
-from benchsuite.report import manifest_facts as mf
 from benchsuite.report.flags import cell_flags, prompt_length_mismatches
 from benchsuite.report.groups import is_synthetic
 from benchsuite.report.load import RunData
@@ -77,12 +76,7 @@ def engine_statuses(cells: pd.DataFrame) -> list[EngineStatus]:
 def unmeasured_matrix_engines(runs: list[RunData], cells: pd.DataFrame) -> list[str]:
     measured = set(cells["engine"])
     return sorted(
-        {
-            f"{name} ({kind})"
-            for run in runs
-            for name, kind in mf.matrix_engines(run.manifest).items()
-            if name not in measured
-        }
+        {f"{name} ({kind})" for run in runs for name, kind in run.facts.matrix_engines.items() if name not in measured}
     )
 
 
@@ -166,21 +160,21 @@ def canary_warnings(runs: list[RunData]) -> list[tuple[str, str]]:
             ),
         )
         for run in runs
-        for s in mf.servers(run.manifest)
+        for s in run.facts.servers
         if s.canary_failed
     ]
 
 
 def _run_view(run: RunData) -> dict[str, Any]:
-    servers = mf.servers(run.manifest)
+    facts = run.facts
     return {
         "run_id": run.run_id,
         "run_dir": run.run_dir,
-        "machine": mf.machine_facts(run.manifest),
-        "source": mf.git_facts(run.manifest),
-        "fairness": mf.fairness_facts(run.manifest),
-        "servers": servers,
-        "sized": [s for s in servers if s.expert_bytes],  # byte-matched experts (FP8 against Q8_0, ...)
+        "machine": facts.machine,
+        "source": facts.source,
+        "fairness": facts.fairness,
+        "servers": facts.servers,
+        "sized": [s for s in facts.servers if s.expert_bytes],  # byte-matched experts (FP8 against Q8_0, ...)
     }
 
 
@@ -206,11 +200,10 @@ def header_markdown(runs: list[RunData], cells: pd.DataFrame) -> list[str]:
     )
     for run in runs:
         lines.append(
-            f"\n**Run {run.run_id}**: "
-            + "; ".join(f"{k}={v}" for k, v in mf.machine_facts(run.manifest) + mf.git_facts(run.manifest))
+            f"\n**Run {run.run_id}**: " + "; ".join(f"{k}={v}" for k, v in run.facts.machine + run.facts.source)
         )
         lines.extend(
             f"- `{s.engine}` ({s.kind}, {s.version}, {s.startup}, canary: {s.canary}): `{s.command}`"
-            for s in mf.servers(run.manifest)
+            for s in run.facts.servers
         )
     return lines

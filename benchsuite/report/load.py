@@ -11,7 +11,7 @@ schema versions are refused with the store's fix-it message (benchsuite.stored_f
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from benchsuite import schema_v1
 from benchsuite.errors import UserError
 from benchsuite.manifest import Manifest
 from benchsuite.records import CellResult, RequestRecord
+from benchsuite.report.manifest_facts import RunFacts, read_run_facts
 from benchsuite.stored_files import read_cells, read_manifest, read_requests
 
 CELL_COLUMNS: tuple[str, ...] = tuple(CellResult.__dataclass_fields__)
@@ -38,6 +39,10 @@ class RunData:
     manifest: Manifest
     cells: pd.DataFrame  # one row per CellResult; params / extras are dicts
     requests: pd.DataFrame  # one row per RequestRecord; chunk_times_s is a list of floats
+    facts: RunFacts = field(init=False)  # the manifest's facts, read once: every section takes them from here
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "facts", read_run_facts(self.manifest, self.run_dir))
 
 
 def _as_dict(value: Any) -> dict[str, Any]:

@@ -1,20 +1,27 @@
-"""What the report shows of a run's manifest (benchsuite.manifest.Manifest, typed): machine facts,
-servers with their exact commands and versions, fairness settings, engines named by the matrix,
-the published reference a matrix names, and model shape facts (top_k, number of experts).
+"""A run's facts, read once from its manifest (benchsuite.manifest.Manifest, typed) into one typed
+value, `RunFacts`: machine, source (git), fairness, servers with their exact commands and versions,
+the engines the matrix names, the published reference it names, the measured link, the GPU budget,
+and the model (top_k, number of experts). Every report section takes these from `RunData.facts`;
+none looks into the manifest again.
 
-Never invents a value: a fact that is absent is reported as absent.
+The model comes from the servers' typed `model` records (EngineAdapter.model_shape, at launch). A run
+stored before those were recorded is read the old way, here only: `num_experts_per_tok` anywhere in
+its manifest, `top_k` / `num_experts` inside a model block, else the config.json of a checkpoint a
+server names. Never invents a value: a fact that is absent is reported as absent.
 """
 
 from __future__ import annotations
 
-import json
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from benchsuite.engines import adapter_of
 from benchsuite.manifest import Manifest, ServerRecord
+from benchsuite.report.budget import run_budget_bytes
+from paged_experts.shape import ModelShape
 
 _TOP_K_KEYS = ("top_k", "num_experts_per_tok")
 _NUM_EXPERTS_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
@@ -75,19 +82,19 @@ def flatten_facts(obj: Any, prefix: str = "") -> list[tuple[str, str]]:
     return [(prefix[:-1], "absent" if obj is None else _scalar_text(obj, prefix[:-1]))]
 
 
-def machine_facts(manifest: Manifest) -> list[tuple[str, str]]:
+def _machine_facts(manifest: Manifest) -> list[tuple[str, str]]:
     return flatten_facts(manifest.machine)
 
 
-def git_facts(manifest: Manifest) -> list[tuple[str, str]]:
+def _git_facts(manifest: Manifest) -> list[tuple[str, str]]:
     return flatten_facts(manifest.git)
 
 
-def fairness_facts(manifest: Manifest) -> list[tuple[str, str]]:
+def _fairness_facts(manifest: Manifest) -> list[tuple[str, str]]:
     return flatten_facts(manifest.matrix.get("fairness") or {})
 
 
-def servers(manifest: Manifest) -> list[ServerFacts]:
+def _servers(manifest: Manifest) -> list[ServerFacts]:
     out = []
     for server_id, record in manifest.servers.items():
         version = ", ".join(f"{k}={_scalar_text(v)}" for k, v in record.version.items()) if record.version else "absent"
@@ -114,20 +121,20 @@ def startup_text(record: ServerRecord) -> str:
     return f"ready in {total:.1f} s" + (f" ({', '.join(parts)})" if parts else "")
 
 
-def matrix_engines(manifest: Manifest) -> dict[str, str]:
+def _matrix_engines(manifest: Manifest) -> dict[str, str]:
     """Engine entry name -> kind, as the matrix names them."""
     engines = manifest.matrix.get("engines") or {}
     return {str(name): str((entry or {}).get("kind", "")) for name, entry in engines.items()}
 
 
-def reference_name(manifest: Manifest) -> str | None:
+def _reference_name(manifest: Manifest) -> str | None:
     value = manifest.matrix.get("reference")
     if isinstance(value, dict):
         value = value.get("name")
     return str(value) if value else None
 
 
-def reference_filter(manifest: Manifest) -> dict[str, str]:
+def _reference_filter(manifest: Manifest) -> dict[str, str]:
     """Published-row filter a matrix may give beside its reference (machine, quant)."""
     value = manifest.matrix.get("reference")
     if not isinstance(value, dict):
@@ -175,17 +182,17 @@ def _model_dirs(manifest: Manifest, run_dir: Path) -> list[Path]:
     return [c for c in candidates if (c / "config.json").is_file()]
 
 
-def _model_configs(manifest: Manifest, run_dir: Path) -> list[dict[str, Any]]:
-    configs = []
+def _model_shapes(manifest: Manifest, run_dir: Path) -> list[ModelShape]:
+    shapes = []
     for directory in _model_dirs(manifest, run_dir):
         try:
-            configs.append(json.loads((directory / "config.json").read_text()))
-        except (OSError, json.JSONDecodeError):
+            shapes.append(ModelShape.from_dir(directory))
+        except (OSError, ValueError, TypeError):  # unreadable or not a MoE config: no shape from it
             continue
-    return configs
+    return shapes
 
 
-def model_top_k(manifest: Manifest, run_dir: Path) -> int | None:
+def _legacy_top_k(manifest: Manifest, run_dir: Path) -> int | None:
     """num_experts_per_tok anywhere in the manifest (HF config name), else `top_k` inside a model
     block (a sampling top_k elsewhere must not be mistaken for the router's), else the config.json
     of the checkpoint a server was started with."""
@@ -193,11 +200,74 @@ def model_top_k(manifest: Manifest, run_dir: Path) -> int | None:
     return (
         _find_int(raw, ("num_experts_per_tok",))
         or _find_int(_model_subtrees(raw), _TOP_K_KEYS)
-        or _find_int(_model_configs(manifest, run_dir), ("num_experts_per_tok",))
+        or next((s.top_k for s in _model_shapes(manifest, run_dir)), None)
     )
 
 
-def model_num_experts(manifest: Manifest, run_dir: Path) -> int | None:
+def _legacy_num_experts(manifest: Manifest, run_dir: Path) -> int | None:
     raw = manifest.to_json()
     found = _find_int(_model_subtrees(raw), _NUM_EXPERTS_KEYS)
-    return found or _find_int(_model_configs(manifest, run_dir), _NUM_EXPERTS_KEYS)
+    return found or next((s.num_experts for s in _model_shapes(manifest, run_dir)), None)
+
+
+def _link_gb_per_s(manifest: Manifest) -> tuple[float | None, str]:
+    """The run's measured paging bandwidth (GB/s), or None and why there is none."""
+    link = manifest.link_bandwidth
+    if not isinstance(link, Mapping):
+        return None, "no link bandwidth in this run (matrix `linkbw: true` measures it)"
+    value = link.get("paging_gb_per_s")
+    if isinstance(value, (int, float)) and value > 0:
+        return float(value), ""
+    return None, f"the run's link probe failed: {link.get('error', 'no figure')}"
+
+
+@dataclass(frozen=True)
+class RunModel:
+    """The model a run served, as far as its manifest says (None: not recorded)."""
+
+    top_k: int | None
+    num_experts: int | None
+
+
+def _model(manifest: Manifest, run_dir: Path) -> RunModel:
+    shapes = [r.model for r in manifest.servers.values() if r.model is not None]
+    if shapes:
+        return RunModel(shapes[0].top_k, shapes[0].num_experts)
+    return RunModel(_legacy_top_k(manifest, run_dir), _legacy_num_experts(manifest, run_dir))
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """One run's facts as the report shows and uses them, read once (`read_run_facts`)."""
+
+    machine: list[tuple[str, str]]  # flattened: (dotted.key, text)
+    source: list[tuple[str, str]]  # git: commit, tree, dirty
+    fairness: list[tuple[str, str]]
+    servers: list[ServerFacts]
+    records: Mapping[str, ServerRecord]  # server id -> the typed record (caveats, budget, searches)
+    matrix_engines: dict[str, str]  # entry name -> kind, as the matrix names them
+    reference_name: str | None
+    reference_filter: dict[str, str]
+    link: tuple[float | None, str]  # measured paging GB/s, or None and why
+    budget_bytes: int | None  # the run's GPU memory budget (report/budget.py)
+    has_gpu: bool
+    model: RunModel
+    identity: tuple[object, object, str]  # (git commit, git tree, matrix hash): compare's A/A check
+
+
+def read_run_facts(manifest: Manifest, run_dir: Path) -> RunFacts:
+    return RunFacts(
+        machine=_machine_facts(manifest),
+        source=_git_facts(manifest),
+        fairness=_fairness_facts(manifest),
+        servers=_servers(manifest),
+        records=dict(manifest.servers),
+        matrix_engines=_matrix_engines(manifest),
+        reference_name=_reference_name(manifest),
+        reference_filter=_reference_filter(manifest),
+        link=_link_gb_per_s(manifest),
+        budget_bytes=run_budget_bytes(manifest.servers),
+        has_gpu=bool(manifest.machine.get("gpus")),
+        model=_model(manifest, run_dir),
+        identity=(manifest.git.get("commit"), manifest.git.get("tree"), manifest.matrix_hash),
+    )

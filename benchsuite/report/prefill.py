@@ -23,7 +23,7 @@ import pandas as pd
 
 from benchsuite.engines import traits_of
 from benchsuite.report.load import RunData
-from benchsuite.report.roofline import GB, MATCH_KEYS, link_gb_per_s
+from benchsuite.report.roofline import GB, MATCH_KEYS
 
 TITLE = "Prefill against its page-in floor"
 TARGET_OF_FLOOR = 1.3
@@ -93,7 +93,7 @@ def prefill_table(cells: pd.DataFrame, runs: Iterable[RunData]) -> pd.DataFrame:
     """One row per built-in cell with prompt chunks (every repeat), resident ones included."""
     if "prefill_chunks" not in cells.columns:
         return pd.DataFrame(columns=list(COLUMNS))  # runs stored before the prefill counters
-    links = {run.run_id: link_gb_per_s(run.manifest) for run in runs}
+    links = {run.run_id: run.facts.link for run in runs}
     resident = _resident_ttft(cells)
     chunking = pd.Series([traits_of(str(k)).chunks_prefill for k in cells["engine_kind"]], cells.index, bool)
     chunked = cells[chunking & (pd.to_numeric(cells["prefill_chunks"]).fillna(0) > 0)]

@@ -1,6 +1,6 @@
 """Link and serial bounds of every paging or offload cell of a run, from stored data only: the cell's
 engine counters (expert bytes copied host->device per generated token), the run's measured link
-bandwidth (manifest `link_bandwidth`, matrix `linkbw: true`) and the same run's unpaged reference
+bandwidth (the run's facts: manifest `link_bandwidth`, matrix `linkbw: true`) and the same run's unpaged reference
 cells (builtin `resident`, SGLang `unpaged`) with the same workload, routing, concurrency and prompt
 class. All rates are aggregate output tok/s (output tokens / the cell's window, prefill included):
 
@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import pandas as pd
 
 from benchsuite.engines import traits_of
-from benchsuite.manifest import Manifest
 from benchsuite.report.load import RunData
 
 TITLE = "Link and serial bounds (paged, offload)"
@@ -45,17 +44,6 @@ INTRO = (
     "concurrency and prompt class). Roofline = copies fully overlapped with compute; serial = never overlapped. "
     "Rates are aggregate output tok/s. of_roofline / of_serial = measured / bound.</p>"
 )
-
-
-def link_gb_per_s(manifest: Manifest) -> tuple[float | None, str]:
-    """The run's measured paging bandwidth (GB/s), or None and why there is none."""
-    link = manifest.link_bandwidth
-    if not isinstance(link, Mapping):
-        return None, "no link bandwidth in this run (matrix `linkbw: true` measures it)"
-    value = link.get("paging_gb_per_s")
-    if isinstance(value, (int, float)) and value > 0:
-        return float(value), ""
-    return None, f"the run's link probe failed: {link.get('error', 'no figure')}"
 
 
 def _num(value: Any) -> float | None:
@@ -120,7 +108,7 @@ def _note(cell: pd.Series, per_token_bytes: float | None, link_why: str, compute
 
 def roofline_table(cells: pd.DataFrame, runs: Iterable[RunData]) -> pd.DataFrame:
     """One row per paged or offload cell (every repeat), its bounds or why they are missing."""
-    links = {run.run_id: link_gb_per_s(run.manifest) for run in runs}
+    links = {run.run_id: run.facts.link for run in runs}
     references = _references(cells)
     rows = []
     bounded = cells[cells["mode"].isin(BOUNDED_MODES)].sort_values(

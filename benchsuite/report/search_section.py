@@ -12,13 +12,13 @@ recorded its candidates kept ruled-out values as `invalid` cells: those still re
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import pandas as pd
 
 from benchsuite.engines.base import FIRST_SEARCH_OPTION
-from benchsuite.manifest import Manifest
+from benchsuite.manifest import ServerRecord
 from benchsuite.report.load import RunData
 from benchsuite.report.tables import SEARCH_COLUMNS
 from benchsuite.report.tables import search_table as cell_rows
@@ -35,10 +35,10 @@ INTRO = (
 RULED_OUT = "ruled out"
 
 
-def ruled_out_rows(run_id: str, manifest: Manifest) -> list[dict[str, Any]]:
+def ruled_out_rows(run_id: str, servers: Mapping[str, ServerRecord]) -> list[dict[str, Any]]:
     """One row per candidate a search of this run ruled out by its projection."""
     rows = []
-    for server in manifest.servers.values():
+    for server in servers.values():
         record = server.search or {}
         objective = record.get("objective_cell") or {}
         for c in record.get("candidates") or []:
@@ -64,7 +64,7 @@ def ruled_out_rows(run_id: str, manifest: Manifest) -> list[dict[str, Any]]:
 def search_table(cells: pd.DataFrame, runs: Iterable[RunData]) -> pd.DataFrame:
     """Every candidate of every search: measured or failed cells, then the ruled-out values, by N."""
     launched = cell_rows(cells)
-    ruled = [row for run in runs for row in ruled_out_rows(run.run_id, run.manifest)]
+    ruled = [row for run in runs for row in ruled_out_rows(run.run_id, run.facts.records)]
     if not ruled:
         return launched
     frame = (

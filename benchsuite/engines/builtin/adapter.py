@@ -47,6 +47,7 @@ from benchsuite.search_settings import ResidentExpertsSettings, SearchSettingsAn
 from paged_experts.residency import DEFAULT_EVICTION_POLICY, DEFAULT_PREFILL_KEEP
 from paged_experts.server.options import GRAPHABLE_MODES, MODE_OPTION, Namer, ServeOptions, mode_problems, problems
 from paged_experts.server.threads import default_cpu_threads
+from paged_experts.shape import ModelShape
 
 GB = 10**9  # vram_budget_gb is decimal gigabytes
 # This schema's names for the server's options where they differ (options.ServeOptions has the rest).
@@ -318,6 +319,10 @@ class BuiltinAdapter(EngineAdapter):
             "torch": _dist_version("torch"),
             "python": sys.version.split()[0],
         }
+
+    def model_shape(self, spec: ServerSpec) -> ModelShape:
+        """The checkpoint's config.json, read as the runtime will (paged_experts.shape)."""
+        return ModelShape.from_dir(self.model_dir(spec))
 
     def _expert_facts(self, spec: ServerSpec) -> dict[str, Any]:
         """How the served model stores one expert (FP8 with its block scales, or the compute dtype)."""

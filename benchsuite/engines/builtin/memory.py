@@ -2,7 +2,7 @@
 
 `projections(...)` -> K -> `KProjection`: the bytes a paged server must hold on the device whatever
 else it does, from benchsuite.preflight's formulas and the runtime's own model shape
-(paged_experts.config: expert bytes in the served format, FP8 scales included):
+(paged_experts.shape, through the runtime's config: expert bytes in the served format, FP8 scales included):
 `non_expert_weight_bytes + kv_capacity_tokens x kv_bytes_per_token + K x slot_bytes`.
 It is a lower bound: no CUDA context, allocator caches, CUDA graph pools, activations or
 synthetic-router tables. The search rules a K out only when this bound exceeds the budget, and
@@ -16,7 +16,8 @@ from pathlib import Path
 
 from benchsuite import preflight
 from benchsuite.errors import UserError
-from paged_experts.config import MoeModelConfig, dtype_bytes
+from paged_experts.config import MoeModelConfig
+from paged_experts.shape import dtype_bytes
 
 SOURCE = "preflight"
 
@@ -49,10 +50,10 @@ def k_range(num_experts: int, top_k: int, max_concurrency: int, min_k: int | Non
 
 
 def projections(model_dir: Path, compute_dtype: str, kv_capacity_tokens: int, ks: range) -> dict[int, KProjection]:
+    """The projection of every K in `ks` for the checkpoint's runtime config (its shape owns the sizes)."""
     cfg = MoeModelConfig.from_dir(model_dir)
-    shape = preflight.load_shape(model_dir)
-    expert = cfg.expert_bytes(cfg.expert_dtype(compute_dtype))
-    slot = int(preflight.slot_bytes(expert, cfg.num_moe_layers))
-    kv = kv_capacity_tokens * preflight.kv_bytes_per_token(shape, dtype_bytes(compute_dtype))
-    non_expert = preflight.non_expert_weight_bytes(shape, dtype_bytes(compute_dtype))
+    shape = cfg.shape
+    slot = shape.slot_bytes(cfg.expert_dtype(compute_dtype))
+    kv = kv_capacity_tokens * shape.kv_bytes_per_token(dtype_bytes(compute_dtype))
+    non_expert = shape.non_expert_weight_bytes(dtype_bytes(compute_dtype))
     return {k: KProjection(k, non_expert, kv, slot) for k in ks}

@@ -47,6 +47,7 @@ from benchsuite.engines.llamacpp import owned, tuning
 from benchsuite.errors import UserError
 from benchsuite.scrape import scrape_prometheus
 from benchsuite.search_settings import NCpuMoeSettings, SearchSettingsAny
+from paged_experts.shape import ModelShape
 
 BINARY_NAME = "llama-server"
 FIT_PARAMS_NAME = "llama-fit-params"
@@ -318,6 +319,16 @@ class LlamaCppAdapter(EngineAdapter):
             "model_facts": read_facts(self.model_path(spec, export=False)),
             "weights": self._weights(spec),
         }
+
+    def model_shape(self, spec: ServerSpec) -> ModelShape | None:
+        """The GGUF's metadata (llamacpp.fit), read after `prepare` exported it where needed."""
+        from benchsuite.engines.llamacpp import fit
+
+        path = self.model_path(spec, export=False)
+        try:
+            return fit.read_model_facts(path).shape(path.stem)
+        except (OSError, ValueError, KeyError):  # unreadable: the shape is unknown, not invented
+            return None
 
     def _weights(self, spec: ServerSpec) -> dict[str, Any]:
         """{source, format}: the identity of the weights the GGUF was made from (a checkpoint this

@@ -22,6 +22,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from paged_experts.shape import ModelShape
+
 MIB = 2**20
 GIB = 2**30
 DEFAULT_MARGIN_MIB = 1024
@@ -36,8 +38,9 @@ _FIT_LINE = re.compile(r"^\s*(\S+)\s+(\d+)\s+(\d+)\s+(\d+)\s*$")
 
 
 @dataclass(frozen=True)
-class ModelFacts:
-    """What a projection needs from a GGUF: shapes from its metadata, bytes per tensor."""
+class GgufFacts:
+    """What a projection needs from a GGUF: shapes from its metadata, bytes per tensor (llama.cpp's
+    names; `shape()` gives the suite's ModelShape)."""
 
     n_layer: int
     n_embd: int
@@ -50,6 +53,17 @@ class ModelFacts:
     n_expert_used: int
     n_ff_exp: int
     tensor_bytes: tuple[tuple[str, int], ...]  # (gguf name, bytes)
+
+    def shape(self, name: str = "") -> ModelShape:
+        """The model's shape (paged_experts.shape) as the GGUF gives it; MoE layers are those that
+        hold routed expert tensors."""
+        moe_layers = {int(m.group(1)) for t, _ in self.tensor_bytes if (m := _EXPERT_TENSOR.match(t))}
+        return ModelShape(
+            num_layers=self.n_layer, num_moe_layers=len(moe_layers), num_experts=self.n_expert,
+            top_k=self.n_expert_used, hidden_size=self.n_embd, moe_intermediate_size=self.n_ff_exp,
+            num_kv_heads=self.n_head_kv, head_dim=self.head_dim_k, num_attention_heads=self.n_head,
+            vocab_size=self.n_vocab, name=name,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -79,7 +93,7 @@ class DeviceMemory:
     compute_mib: int
 
 
-def read_model_facts(path: str | Path) -> ModelFacts:
+def read_model_facts(path: str | Path) -> GgufFacts:
     import gguf
 
     reader = gguf.GGUFReader(Path(path))
@@ -96,7 +110,7 @@ def read_model_facts(path: str | Path) -> ModelFacts:
     n_embd, n_head = key("embedding_length"), key("attention.head_count")
     head_dim = n_embd // n_head
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    return ModelFacts(
+    return GgufFacts(
         n_layer=key("block_count"),
         n_embd=n_embd,
         n_head=n_head,
@@ -123,14 +137,14 @@ def kv_cells(n_ctx_tokens: int) -> int:
     return -(-n_ctx_tokens // KV_CELL_PAD_TOKENS) * KV_CELL_PAD_TOKENS
 
 
-def kv_bytes_per_layer(facts: ModelFacts, n_ctx_tokens: int) -> int:
+def kv_bytes_per_layer(facts: GgufFacts, n_ctx_tokens: int) -> int:
     """cells x kv_heads x (k_dim + v_dim) x 2 bytes (f16 K and V)."""
     per_cell = facts.n_head_kv * (facts.head_dim_k + facts.head_dim_v) * KV_ELEMENT_BYTES
     return kv_cells(n_ctx_tokens) * per_cell
 
 
 def compute_buffer_bytes(
-    facts: ModelFacts,
+    facts: GgufFacts,
     n_ctx_tokens: int,
     flash_attn: bool,
     n_ubatch: int = DEFAULT_UBATCH_TOKENS,
@@ -153,7 +167,7 @@ def compute_buffer_bytes(
 
 
 def project(
-    facts: ModelFacts,
+    facts: GgufFacts,
     n_cpu_moe: int,
     n_ctx_tokens: int,
     *,

@@ -35,6 +35,7 @@ from benchsuite.engines.sglang import logs as sglang_logs
 from benchsuite.engines.sglang.options import SGLangOptions, expand_env
 from benchsuite.scrape import scrape_prometheus
 from benchsuite.stream_client import LoadRequest
+from paged_experts.shape import ModelShape
 
 __all__ = ["SGLangAdapter", "SGLangOptions", "expand_env", "scrape_prometheus"]
 
@@ -62,6 +63,14 @@ class SGLangAdapter(EngineAdapter):
                 f"not {path}"
             )
         return path
+
+    def model_shape(self, spec: ServerSpec) -> ModelShape | None:
+        """A local checkpoint's config.json (paged_experts.shape); None for a hub id SGLang downloads."""
+        path = Path(self._options(spec).model_path).expanduser()
+        try:
+            return ModelShape.from_dir(path) if (path / "config.json").is_file() else None
+        except (OSError, ValueError, TypeError):  # not a MoE config or unreadable: the shape is unknown
+            return None
 
     def validate(self, spec: ServerSpec) -> None:
         opts = self._options(spec)

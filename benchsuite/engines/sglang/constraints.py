@@ -1,6 +1,6 @@
 """SGLang 0.5.23 Paged Experts constraints, checked before a launch instead of a failed launch.
 
-Owns `ModelFacts` (what the checks need from the model's `config.json`) and `check_paged`,
+Owns `CheckpointFacts` (what the checks need from the model's `config.json`) and `check_paged`,
 which returns every violated constraint as one line citing the 0.5.23 source it came from.
 
 The list follows the server's own check, `check_paged_experts_compat` in
@@ -21,6 +21,7 @@ from typing import Any
 
 from benchsuite.engines.base import EngineConfigError
 from benchsuite.engines.sglang.options import SGLangOptions
+from paged_experts.shape import ModelShape
 
 SGLANG_REFERENCE_VERSION = "0.5.23"
 _SRC = "sglang 0.5.23 srt/"
@@ -52,18 +53,16 @@ _SHARED_EXPERT_KEYS = ("n_shared_experts", "num_shared_experts", "shared_expert_
 
 
 @dataclass(frozen=True)
-class ModelFacts:
+class CheckpointFacts:
     """What the constraint checks read from a model's config.json (text config for VLMs)."""
 
-    num_experts: int | None
-    top_k: int | None  # num_experts_per_tok
-    num_hidden_layers: int | None
+    shape: ModelShape | None  # paged_experts.shape; None when config.json names no E or top_k
     has_shared_experts: bool
     quant_method: str | None  # quantization_config.quant_method, lower case
     weight_block_size: tuple[int, ...] | None  # block-quantized FP8 checkpoints
 
 
-def read_model_facts(model_path: str) -> ModelFacts:
+def read_model_facts(model_path: str) -> CheckpointFacts:
     """Facts from `<model_path>/config.json`; EngineConfigError when it cannot be read."""
     config_path = Path(model_path).expanduser() / "config.json"
     try:
@@ -78,15 +77,16 @@ def read_model_facts(model_path: str) -> ModelFacts:
     return facts_from_config(raw)
 
 
-def facts_from_config(raw: dict[str, Any]) -> ModelFacts:
+def facts_from_config(raw: dict[str, Any]) -> CheckpointFacts:
     cfg = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
     quant = raw.get("quantization_config") or cfg.get("quantization_config") or {}
     block = quant.get("weight_block_size")
-    num_experts = _first_int(cfg, ("num_experts", "n_routed_experts", "num_local_experts"))
-    return ModelFacts(
-        num_experts=num_experts,
-        top_k=_first_int(cfg, ("num_experts_per_tok", "moe_topk")),
-        num_hidden_layers=_first_int(cfg, ("num_hidden_layers",)),
+    try:
+        shape: ModelShape | None = ModelShape.from_hf_config(raw)
+    except (ValueError, TypeError):
+        shape = None
+    return CheckpointFacts(
+        shape=shape,
         has_shared_experts=any((_first_int(cfg, (key,)) or 0) > 0 for key in _SHARED_EXPERT_KEYS),
         quant_method=str(quant["quant_method"]).lower() if quant.get("quant_method") else None,
         weight_block_size=tuple(int(b) for b in block) if isinstance(block, list) else None,
@@ -110,10 +110,10 @@ def effective_cuda_graph_backends(opts: SGLangOptions) -> tuple[str, str]:
 
 
 # One check per documented constraint: (name, source, check(opts, facts) -> problem or None).
-Check = Callable[["SGLangOptions", ModelFacts], "str | None"]
+Check = Callable[["SGLangOptions", CheckpointFacts], "str | None"]
 
 
-def _single_gpu(opts: SGLangOptions, facts: ModelFacts) -> str | None:
+def _single_gpu(opts: SGLangOptions, facts: CheckpointFacts) -> str | None:
     big = [
         f"{name}={getattr(opts, name)}"
         for name in ("tp_size", "ep_size", "pp_size", "dp_size")
@@ -122,53 +122,53 @@ def _single_gpu(opts: SGLangOptions, facts: ModelFacts) -> str | None:
     return f"{', '.join(big)}: paged experts is single GPU only (tp/ep/pp/dp sizes must be 1)" if big else None
 
 
-def _no_eplb(opts: SGLangOptions, facts: ModelFacts) -> str | None:
+def _no_eplb(opts: SGLangOptions, facts: CheckpointFacts) -> str | None:
     return (
         "extra_args --enable-eplb is not supported with paged experts" if "--enable-eplb" in opts.extra_args else None
     )
 
 
-def _no_speculative(opts: SGLangOptions, facts: ModelFacts) -> str | None:
+def _no_speculative(opts: SGLangOptions, facts: CheckpointFacts) -> str | None:
     if opts.speculative_algorithm:
         algorithm = opts.speculative_algorithm
         return f"speculative_algorithm {algorithm}: speculative decoding is not supported with paged experts"
     return None
 
 
-def _prefill_graph(opts: SGLangOptions, facts: ModelFacts) -> str | None:
+def _prefill_graph(opts: SGLangOptions, facts: CheckpointFacts) -> str | None:
     prefill = effective_cuda_graph_backends(opts)[1]
     if prefill not in ("breakable", "disabled"):
         return f"cuda_graph_backend_prefill {prefill}: prefill CUDA graphs must be breakable or disabled"
     return None
 
 
-def _decode_graph(opts: SGLangOptions, facts: ModelFacts) -> str | None:
+def _decode_graph(opts: SGLangOptions, facts: CheckpointFacts) -> str | None:
     decode = effective_cuda_graph_backends(opts)[0]
     if decode not in ("full", "disabled"):
         return f"cuda_graph_backend_decode {decode}: decode CUDA graphs must be full or disabled"
     return None
 
 
-def _real_weights(opts: SGLangOptions, facts: ModelFacts) -> str | None:
+def _real_weights(opts: SGLangOptions, facts: CheckpointFacts) -> str | None:
     if opts.load_format == "dummy":
         return "load_format dummy: not supported, the host expert store needs real weights"
     return None
 
 
-def _k_at_least_top_k(opts: SGLangOptions, facts: ModelFacts) -> str | None:
-    if facts.top_k is None:
+def _k_at_least_top_k(opts: SGLangOptions, facts: CheckpointFacts) -> str | None:
+    if facts.shape is None:
         return "config.json has no num_experts_per_tok: cannot check resident_experts >= top_k"
-    k = opts.resident_experts
-    if k is not None and k < facts.top_k:
-        return f"resident_experts {k} < top_k {facts.top_k}: K must be at least the router's top-k"
+    k, top_k = opts.resident_experts, facts.shape.top_k
+    if k is not None and k < top_k:
+        return f"resident_experts {k} < top_k {top_k}: K must be at least the router's top-k"
     return None
 
 
-def _quantization(opts: SGLangOptions, facts: ModelFacts) -> str | None:
+def _quantization(opts: SGLangOptions, facts: CheckpointFacts) -> str | None:
     return _quantization_problem(opts.quantization, facts)
 
 
-def _no_fused_sum_all_reduce(opts: SGLangOptions, facts: ModelFacts) -> str | None:
+def _no_fused_sum_all_reduce(opts: SGLangOptions, facts: CheckpointFacts) -> str | None:
     if "--enable-fused-moe-sum-all-reduce" in opts.extra_args:
         return (
             "extra_args --enable-fused-moe-sum-all-reduce is not supported: paged experts sums the top-k outputs itself"
@@ -176,7 +176,7 @@ def _no_fused_sum_all_reduce(opts: SGLangOptions, facts: ModelFacts) -> str | No
     return None
 
 
-def _shared_expert_fusion(opts: SGLangOptions, facts: ModelFacts) -> str | None:
+def _shared_expert_fusion(opts: SGLangOptions, facts: CheckpointFacts) -> str | None:
     if facts.has_shared_experts and not opts.disable_shared_experts_fusion:
         return (
             "the model has shared experts: fused shared experts are not supported, "
@@ -185,7 +185,7 @@ def _shared_expert_fusion(opts: SGLangOptions, facts: ModelFacts) -> str | None:
     return None
 
 
-def _moe_runner(opts: SGLangOptions, facts: ModelFacts) -> str | None:
+def _moe_runner(opts: SGLangOptions, facts: CheckpointFacts) -> str | None:
     if opts.moe_runner_backend not in PAGED_MOE_RUNNERS:
         runner = opts.moe_runner_backend
         return f"moe_runner_backend {runner}: paged experts needs the triton or marlin MoE runner (or auto)"
@@ -207,7 +207,7 @@ PAGED_CHECKS: tuple[tuple[str, str, Check], ...] = (
 )
 
 
-def paged_problems(opts: SGLangOptions, facts: ModelFacts) -> list[str]:
+def paged_problems(opts: SGLangOptions, facts: CheckpointFacts) -> list[str]:
     """Every violated paged-experts constraint, each with its 0.5.23 source."""
     problems = []
     for _name, source, check in PAGED_CHECKS:
@@ -217,14 +217,14 @@ def paged_problems(opts: SGLangOptions, facts: ModelFacts) -> list[str]:
     return problems
 
 
-def check_paged(opts: SGLangOptions, facts: ModelFacts) -> None:
+def check_paged(opts: SGLangOptions, facts: CheckpointFacts) -> None:
     """Raise one EngineConfigError (one line, every problem) when paged experts cannot start."""
     problems = paged_problems(opts, facts)
     if problems:
         raise EngineConfigError("sglang paged experts: " + "; ".join(problems))
 
 
-def _quantization_problem(requested: str | None, facts: ModelFacts) -> str | None:
+def _quantization_problem(requested: str | None, facts: CheckpointFacts) -> str | None:
     """The ExpertFormat lookup of formats.py:337-342, predicted from the option and config.json."""
     effective = requested or facts.quant_method
     if effective not in PAGED_QUANTIZATIONS:

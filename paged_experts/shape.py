@@ -1,0 +1,162 @@
+"""`ModelShape`: a MoE model's shape and every byte size derived from it, written once, units in names.
+
+Owns the reading of an HF `config.json` (qwen3_moe / qwen2_moe / mixtral naming, a VLM's
+`text_config`) into one frozen value, its construction from a GGUF's metadata (llama.cpp) or from
+a generated preset, and the byte formulas of DESIGN.md section 3 that depend on the model alone:
+one expert per stored format, one slot (an expert in every MoE layer), KV per token, the weights
+that stay on the device, all experts (the pinned host store). Formulas that combine these with a
+machine (the K that fits a budget, miss rates, the link) live in `benchsuite.preflight`; the
+runtime's own config (`paged_experts.config.MoeModelConfig`) takes its sizes from here.
+
+No torch: the suite reads shapes at matrix load and in the report without importing it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+FP8_BLOCK = 128  # block-FP8: one float32 scale per 128 x 128 weight block
+GPTQ_GROUP = 128  # GPTQ int4: one fp16 scale (and, if asymmetric, one 4-bit zero) per 128 inputs
+FP8 = "float8_e4m3fn"  # the expert dtype of block-FP8 checkpoints
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+E_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # qwen / mixtral / deepseek naming
+TOP_K_KEYS = ("num_experts_per_tok", "top_k", "moe_topk")
+REQUIRED_FIELDS = ("num_hidden_layers", "hidden_size")  # what byte sizes need beyond E and top_k
+
+
+def dtype_bytes(dtype: str) -> int:
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shape facts of a MoE model. Expert projections are hidden <-> moe_intermediate; a field
+    that is 0 was not given (a shape known only by E / top_k / layers has no byte sizes)."""
+
+    num_layers: int  # all decoder layers (KV lives in every one)
+    num_moe_layers: int
+    num_experts: int
+    top_k: int
+    hidden_size: int = 0
+    moe_intermediate_size: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    num_attention_heads: int = 0
+    vocab_size: int = 0
+    tie_word_embeddings: bool = False
+    dense_intermediate_size: int = 0  # dense MLP width of non-MoE layers
+    shared_expert_intermediate_size: int = 0
+    name: str = ""
+
+    @property
+    def has_dims(self) -> bool:
+        return self.hidden_size > 0 and self.moe_intermediate_size > 0
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], name: str = "") -> ModelShape:
+        """The fields of an HF MoE config.json; ValueError naming a missing MoE field (E, top_k).
+        A field it lacks beyond those is 0 (`required_fields` says which a caller needs)."""
+        cfg = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+        experts = next((cfg[k] for k in E_KEYS if cfg.get(k)), None)
+        top_k = next((cfg[k] for k in TOP_K_KEYS if cfg.get(k)), None)
+        if experts is None or top_k is None:
+            missing = E_KEYS[-1] if experts is None else TOP_K_KEYS[0]
+            raise ValueError(f"config.json lacks MoE field {missing!r} (not a MoE model?)")
+        num_layers = int(cfg.get("num_hidden_layers") or 0)
+        hidden = int(cfg.get("hidden_size") or 0)
+        heads = int(cfg.get("num_attention_heads", 0))
+        return cls(
+            num_layers=num_layers,
+            num_moe_layers=_moe_layer_count(cfg, num_layers),
+            num_experts=int(experts),
+            top_k=int(top_k),
+            hidden_size=hidden,
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0),
+            num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
+            head_dim=int(cfg.get("head_dim") or (hidden // heads if heads else 0)),
+            num_attention_heads=heads,
+            vocab_size=int(cfg.get("vocab_size", 0)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            dense_intermediate_size=int(cfg.get("intermediate_size", 0)),
+            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0) or 0),
+            name=name or str(cfg.get("_name_or_path", "") or cfg.get("model_type", "")),
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelShape:
+        """`path` is a checkpoint directory holding config.json, or the file itself."""
+        p = Path(path).expanduser()
+        config = p / "config.json" if p.is_dir() else p
+        return cls.from_hf_config(json.loads(config.read_text()), name=config.parent.name)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    # ---------------------------------------------------------------- expert and slot sizes
+
+    @property
+    def expert_params(self) -> int:
+        """gate + up ([I, H] each) and down ([H, I]): 3 x H x I weights per expert per layer."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    def expert_bytes_fp8_block(self) -> int:
+        """1 byte per weight + one float32 scale per 128 x 128 block of each of the three matrices."""
+        h, i = self.hidden_size, self.moe_intermediate_size
+        return self.expert_params + 3 * 4 * math.ceil(h / FP8_BLOCK) * math.ceil(i / FP8_BLOCK)
+
+    def expert_bytes_int4_gptq(self, zero_points: bool = False) -> int:
+        """Half a byte per weight + one fp16 scale per group of 128 inputs per output column.
+
+        Symmetric GPTQ (the Marlin path SGLang uses) keeps no zero points on the device: that is the
+        published 2.43 MB. Asymmetric checkpoints add one packed 4-bit zero per group.
+        """
+        h, i = self.hidden_size, self.moe_intermediate_size
+        groups = i * math.ceil(h / GPTQ_GROUP) * 2 + h * math.ceil(i / GPTQ_GROUP)  # gate+up, down
+        per_group_bytes = 2.0 + (0.5 if zero_points else 0.0)
+        return self.expert_params // 2 + int(groups * per_group_bytes)
+
+    def expert_bytes(self, dtype: str) -> int:
+        """One expert's gate, up and down projections stored as `dtype` (a torch dtype name, or
+        `float8_e4m3fn`: block-FP8 with its float32 scales)."""
+        if dtype == FP8:
+            return self.expert_bytes_fp8_block()
+        return self.expert_params * dtype_bytes(dtype)
+
+    def slot_bytes(self, dtype: str) -> int:
+        """One resident expert in every MoE layer: `slot_bytes = expert_bytes x num_moe_layers`."""
+        return self.expert_bytes(dtype) * self.num_moe_layers
+
+    def all_experts_bytes(self, dtype: str) -> int:
+        """Every expert of every MoE layer (what the pinned host store holds): `E x slot_bytes`."""
+        return self.num_experts * self.slot_bytes(dtype)
+
+    def kv_bytes_per_token(self, kv_dtype_bytes: int) -> int:
+        """`2 x layers x kv_heads x head_dim x kv_dtype_bytes` (K and V in every layer)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * kv_dtype_bytes
+
+    def non_expert_weight_bytes(self, dtype_size_bytes: float = 2.0) -> int:
+        """Weights that stay on the GPU: embeddings, LM head, attention, norms, routers, dense/shared MLPs."""
+        h, layers = self.hidden_size, self.num_layers
+        q_out = self.num_attention_heads * self.head_dim
+        kv_out = self.num_kv_heads * self.head_dim
+        attention = h * q_out * 2 + h * kv_out * 2  # q, o and k, v projections
+        norms = 2 * h + 2 * self.head_dim  # input/post norms, q/k norms (qwen3)
+        router = h * self.num_experts
+        shared = 3 * h * self.shared_expert_intermediate_size
+        per_layer = attention + norms + shared
+        dense_mlp = 3 * h * self.dense_intermediate_size * (layers - self.num_moe_layers)
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        params = per_layer * layers + router * self.num_moe_layers + dense_mlp + embeddings + h
+        return int(params * dtype_size_bytes)
+
+
+def _moe_layer_count(cfg: dict[str, Any], num_layers: int) -> int:
+    step = int(cfg.get("decoder_sparse_step", 1) or 1)
+    mlp_only = set(cfg.get("mlp_only_layers", []) or [])
+    return sum(1 for i in range(num_layers) if i not in mlp_only and (i + 1) % step == 0)
