@@ -29,3 +29,16 @@ def builtin_server(model_dir: Path, log_dir: Path, *flags: str, launcher: Sequen
         assert "Traceback" not in log.read_text(), proc.log_tail(60)
     finally:
         proc.stop()
+
+
+# Text prompts both engines are sent in the agreement tests (the same greedy tokens expected)
+TEXT_PROMPTS = (
+    "The quick brown fox",
+    "Once upon a time, in a small village",
+    "In 1969 the first",
+    "Water boils at",
+    "The capital of France is",
+    "def add(a, b):",
+    "Mixture of experts models route each token",
+    "A cat sat on the",
+)

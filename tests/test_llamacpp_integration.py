@@ -15,6 +15,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from real_servers import TEXT_PROMPTS
 
 from benchsuite.engines.base import Fairness, ServerSpec
 from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter, LlamaCppOptions, find_binary
@@ -26,16 +27,6 @@ needs_server = pytest.mark.skipif(
 )
 
 REPO = Path(__file__).resolve().parents[1]
-PROMPTS = (
-    "The quick brown fox",
-    "Once upon a time, in a small village",
-    "In 1969 the first",
-    "Water boils at",
-    "The capital of France is",
-    "def add(a, b):",
-    "Mixture of experts models route each token",
-    "A cat sat on the",
-)
 NEW_TOKENS = 24
 AGREEMENT_FLOOR_F32 = 0.95
 
@@ -95,7 +86,7 @@ async def test_f32_gguf_agrees_with_the_builtin_engine(tmp_path):
 
     model_dir = Path(ensure_tiny())
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    prompts = [tok.encode(p).ids for p in PROMPTS]
+    prompts = [tok.encode(p).ids for p in TEXT_PROMPTS]
     adapter = LlamaCppAdapter()
     spec = ServerSpec(
         "agree",

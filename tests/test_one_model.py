@@ -24,7 +24,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from real_servers import builtin_server
+from real_servers import TEXT_PROMPTS, builtin_server
 from tokenizers import Tokenizer
 
 from benchsuite.engines.base import Fairness, ServerSpec
@@ -34,16 +34,6 @@ from benchsuite.process import EngineProcess, free_port
 from paged_experts import weightgen
 from paged_experts.synth_memory import write_weightless
 
-PROMPTS = (
-    "The quick brown fox",
-    "Once upon a time, in a small village",
-    "In 1969 the first",
-    "Water boils at",
-    "The capital of France is",
-    "def add(a, b):",
-    "Mixture of experts models route each token",
-    "A cat sat on the",
-)
 NEW_TOKENS = 16
 AGREEMENT_FLOOR = 0.9
 # Logprob gap between the top two tokens under which fp32 sums in another order (and an f16 KV
@@ -126,7 +116,7 @@ def one_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def test_llama_server_and_builtin_server_agree_on_one_model(one_model: tuple[Path, Path], tmp_path: Path) -> None:
     hf_dir, gguf_path = one_model
     tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
-    prompts = [tok.encode(p).ids for p in PROMPTS]
+    prompts = [tok.encode(p).ids for p in TEXT_PROMPTS]
     with builtin_server(hf_dir, tmp_path, "--device", "cpu", "--dtype", "float32") as url:
         ours = asyncio.run(_builtin(url, prompts))
     llama = asyncio.run(_run_llama(gguf_path, tmp_path, prompts))
@@ -178,7 +168,7 @@ def test_builtin_server_streams_one_text_chunk_per_token(one_model: tuple[Path, 
     stream's text chunks count its tokens (timing by text chunks and by tokens agree)."""
     hf_dir, _ = one_model
     tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
-    prompts = [tok.encode(p).ids for p in PROMPTS]
+    prompts = [tok.encode(p).ids for p in TEXT_PROMPTS]
     with builtin_server(hf_dir, tmp_path, "--device", "cpu", "--dtype", "float32") as url:
         ours = asyncio.run(_builtin(url, prompts))
         chunks = asyncio.run(_stream_text_chunks(url, prompts[0]))

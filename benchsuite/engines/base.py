@@ -57,6 +57,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 import aiohttp
 from pydantic import BaseModel, ConfigDict
 
+from benchsuite.errors import UserError
 from benchsuite.search_settings import NCpuMoeSettings, ResidentExpertsSettings, SearchSettingsAny, parse_with
 from benchsuite.stream_client import LoadRequest
 from paged_experts.shape import ModelShape
@@ -74,6 +75,25 @@ def extra_args_check(problems_of: Callable[[list[str]], list[str]]) -> Callable[
         problems = problems_of(value)
         if problems:
             raise ValueError("; ".join(problems))
+        return value
+
+    return check
+
+
+def searchable_count(option: str, minimum: int) -> Callable[[Any], Any]:
+    """A pydantic validator for an option that is an integer >= `minimum`, `search`, or {search: {...}}
+    (the request parsed by its knob, SEARCH_KNOBS[option]), so a bad value names its YAML path."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError("must be an integer, 'search' or {search: {...}}")  # noqa: TRY004 (pydantic reports ValueError)
+        if isinstance(value, int) and value < minimum:
+            raise ValueError(f"must be >= {minimum} (got {value})")
+        if isinstance(value, dict):
+            try:
+                SEARCH_KNOBS[option].parse(value)
+            except UserError as exc:
+                raise ValueError(str(exc)) from None
         return value
 
     return check

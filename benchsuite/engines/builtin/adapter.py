@@ -29,7 +29,6 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from benchsuite.engines import RUN_DIR_PLACEHOLDER
 from benchsuite.engines.base import (
-    SEARCH_KNOBS,
     EngineAdapter,
     EngineConfigError,
     EngineOptions,
@@ -40,6 +39,7 @@ from benchsuite.engines.base import (
     SizedValues,
     TraceReplay,
     options_of,
+    searchable_count,
 )
 from benchsuite.errors import UserError
 from benchsuite.scrape import scrape_prometheus
@@ -120,19 +120,7 @@ class BuiltinOptions(EngineOptions):
                 raise ValueError(problem.message)
         return value
 
-    @field_validator("resident_experts")
-    @classmethod
-    def _resident_experts(cls, value: Any) -> Any:
-        if isinstance(value, bool):
-            raise ValueError("must be an integer, 'search' or {search: {...}}")  # noqa: TRY004 (pydantic reports ValueError)
-        if isinstance(value, int) and value < 1:
-            raise ValueError(f"must be >= 1 (got {value})")
-        if isinstance(value, dict):
-            try:
-                SEARCH_KNOBS["resident_experts"].parse(value)
-            except UserError as exc:
-                raise ValueError(str(exc)) from None
-        return value
+    _resident_experts = field_validator("resident_experts")(searchable_count("resident_experts", 1))
 
     def resolved_eviction_policy(self) -> str | None:
         """The eviction policy in force on a paged server (None for other modes)."""

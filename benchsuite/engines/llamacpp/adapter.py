@@ -31,7 +31,6 @@ import aiohttp
 from pydantic import Field, field_validator, model_validator
 
 from benchsuite.engines.base import (
-    SEARCH_KNOBS,
     EngineAdapter,
     EngineConfigError,
     EngineOptions,
@@ -42,6 +41,7 @@ from benchsuite.engines.base import (
     SizedValues,
     extra_args_check,
     options_of,
+    searchable_count,
 )
 from benchsuite.engines.llamacpp import owned, tuning
 from benchsuite.errors import UserError
@@ -94,19 +94,7 @@ class LlamaCppOptions(EngineOptions):
             raise ValueError(f"ubatch_size {self.ubatch_size} exceeds batch_size {self.batch_size}")
         return self
 
-    @field_validator("n_cpu_moe")
-    @classmethod
-    def _n_cpu_moe(cls, value: Any) -> Any:
-        if isinstance(value, bool):
-            raise ValueError("must be an integer, 'search' or {search: {...}}")  # noqa: TRY004 (pydantic reports ValueError)
-        if isinstance(value, int) and value < 0:
-            raise ValueError(f"must be >= 0 (got {value})")
-        if isinstance(value, dict):
-            try:
-                SEARCH_KNOBS["n_cpu_moe"].parse(value)
-            except UserError as exc:
-                raise ValueError(str(exc)) from None
-        return value
+    _n_cpu_moe = field_validator("n_cpu_moe")(searchable_count("n_cpu_moe", 0))
 
     def placement(self) -> Placement:
         n = self.n_cpu_moe if isinstance(self.n_cpu_moe, int) else None  # a search request has no N yet
