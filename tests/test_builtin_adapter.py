@@ -3,41 +3,13 @@ off on demand, errors naming the YAML path, and a command line the server's own 
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 
 import pytest
+from builtin_plans import flag, plan_argv
 
-from benchsuite.engines.builtin.adapter import BuiltinAdapter
-from benchsuite.matrix import MatrixError, load_matrix
-from benchsuite.plan import build_plan
+from benchsuite.matrix import MatrixError
 from paged_experts.server.launch import build_parser, parse_args
-
-MATRIX = """
-name: perf
-engines:
-  e:
-    kind: builtin
-    options: {{model: {model}, {options}}}
-workloads:
-  w: {{concurrency: [1, 4], num_requests: 2}}
-"""
-
-
-def plan_argv(tmp_path: Path, options: str) -> tuple[list[str], dict]:
-    model = tmp_path / "model"
-    model.mkdir(exist_ok=True)
-    (model / "config.json").write_text("{}")
-    path = tmp_path / "m.yaml"
-    path.write_text(textwrap.dedent(MATRIX.format(model=model, options=options)))
-    plan = build_plan(load_matrix(path))
-    (spec,) = plan.servers
-    adapter = BuiltinAdapter()
-    return adapter.launch_plan(spec, 8000).argv, adapter.resolved_options(spec)
-
-
-def flag(argv: list[str], name: str) -> str:
-    return argv[argv.index(name) + 1]
 
 
 @pytest.mark.parametrize("mode", ["mode: resident", "mode: paged, resident_experts: 32"])

@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
+from builtin_plans import flag, plan_argv
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,7 +26,6 @@ from paged_experts.residency import DecayedLfuPolicy, LayerResidency, LfuPolicy,
 from paged_experts.runtime import RuntimeConfig
 from paged_experts.server.launch import parse_args
 from paged_experts.trace import TraceMeta, build_trace, read_trace
-from tests.test_builtin_adapter import flag, plan_argv
 
 
 def test_scores_halve_every_half_life_and_count_once_per_step() -> None:
