@@ -34,7 +34,7 @@ import psutil
 from benchsuite.loadgen import LoadSpec, run_load
 from benchsuite.metrics import itls_s, percentile
 from benchsuite.process import EngineProcess, free_port
-from benchsuite.stream_client import LoadRequest
+from benchsuite.records import LoadRequest
 
 FAKE_SERVER = Path(__file__).resolve().parent.parent / "tests" / "fakes.py"
 

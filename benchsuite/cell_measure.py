@@ -25,10 +25,9 @@ from benchsuite.errors import RunError
 from benchsuite.machine import cell_noise, noise_snapshot
 from benchsuite.plan import CellSpec
 from benchsuite.prompts_for_cells import cell_requests
-from benchsuite.records import CellResult, RequestRecord
+from benchsuite.records import CellResult, LoadRequest, RequestRecord
 from benchsuite.run_context import RunContext
 from benchsuite.server_launch import RunningServer, death_reason, options_in_force
-from benchsuite.stream_client import LoadRequest
 
 CELL_ERRORS = (RunError, aiohttp.ClientError, asyncio.TimeoutError, OSError, EngineConfigError)
 

@@ -28,8 +28,8 @@ from typing import Any, Literal
 import aiohttp
 
 from benchsuite.errors import UserError
-from benchsuite.records import RequestRecord
-from benchsuite.stream_client import Clock, LoadRequest, Progress, Sender
+from benchsuite.records import LoadRequest, RequestRecord
+from benchsuite.stream_client import Clock, Progress, Sender
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The prompts of a cell: the same prompts for every engine (seeded order), per prompt class.
 
-Owns turning a cell's workload and prompt class into `stream_client.LoadRequest`s: natural prompts
+Owns turning a cell's workload and prompt class into `records.LoadRequest`s: natural prompts
 (bundled or ShareGPT), exact-length prompts cut with the model's tokenizer (sent as token ids),
 and dataset `random` (uniformly random token ids). Pools are cached per (workload, class,
 tokenizer) in a dict the caller keeps for the run, so every server of a run gets the same prompts.
@@ -11,19 +11,18 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from benchsuite import datasets, stream_client
+from benchsuite import datasets
 from benchsuite.engines.base import EngineAdapter, ServerSpec
 from benchsuite.errors import RunError
 from benchsuite.plan import CellSpec
+from benchsuite.records import LoadRequest
 
 RANDOM_SHORT_TOKENS = 32  # dataset `random`: length of a `short` prompt (random token ids)
 
 PromptCache = dict[tuple[str, str, str], list[datasets.Prompt]]
 
 
-def cell_requests(
-    cache: PromptCache, adapter: EngineAdapter, spec: ServerSpec, cell: CellSpec
-) -> list[stream_client.LoadRequest]:
+def cell_requests(cache: PromptCache, adapter: EngineAdapter, spec: ServerSpec, cell: CellSpec) -> list[LoadRequest]:
     """The measured requests, the same prompts for every engine (seeded order); warmups reuse
     the first ones."""
     workload = cell.workload_spec
@@ -33,7 +32,7 @@ def cell_requests(
     random.Random(workload.seed).shuffle(order)
     chosen = [prompts[order[i % len(order)]] for i in range(count)]
     return [
-        stream_client.LoadRequest(
+        LoadRequest(
             prompt_id=p.prompt_id,
             prompt_class=cell.prompt_class,
             prompt=p.token_ids if p.token_ids is not None else p.text,  # exact lengths travel as ids

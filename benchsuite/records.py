@@ -1,6 +1,7 @@
-"""The typed rows every stage agrees on: one RequestRecord per request sent, one CellResult per
-measured cell. The load generator produces RequestRecords, `metrics` turns them into CellResults,
-the store writes both (requests.parquet, cells.parquet / cells.csv) and the report reads them back.
+"""The typed rows every stage agrees on: one LoadRequest per prompt to send, one RequestRecord per
+request sent, one CellResult per measured cell. The load generator produces RequestRecords,
+`metrics` turns them into CellResults, the store writes both (requests.parquet, cells.parquet /
+cells.csv) and the report reads them back.
 
 Raw timestamps are `time.perf_counter()` seconds so any metric can be recomputed from the
 requests file. Fields never hold a made-up 0 for "unknown": they hold None, and a cell whose
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
+
+from benchsuite.errors import UserError
 
 SCHEMA_VERSION = 3
 """Bump when a stored column changes meaning; the store refuses other versions with a fix-it message.
@@ -26,6 +29,23 @@ TEXT_CHUNK_VERSIONS = (1, 2)
 no text (measured 2026-12-01: llama.cpp's decode +12% to +40% on a padded vocabulary)."""
 
 CellStatus = Literal["ok", "invalid", "failed"]
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """One prompt to send. `prompt` is text, or token ids for exact prompt lengths (completions only)."""
+
+    prompt_id: str
+    prompt_class: str
+    prompt: str | list[int] | tuple[int, ...]
+    max_tokens: int
+    chat: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise UserError(f"request {self.prompt_id}: max_tokens must be >= 1, got {self.max_tokens}")
+        if self.chat and not isinstance(self.prompt, str):
+            raise UserError(f"request {self.prompt_id}: chat requests take text, not token ids")
 
 
 @dataclass

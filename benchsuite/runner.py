@@ -40,7 +40,7 @@ from benchsuite.errors import RunError, UserError
 from benchsuite.manifest import build_manifest
 from benchsuite.plan import CellSpec, Plan, SearchTask, resolve_search
 from benchsuite.prompts_for_cells import cell_requests
-from benchsuite.records import CellResult
+from benchsuite.records import CellResult, LoadRequest
 from benchsuite.run_context import (
     DEFAULT_CELL_TIMEOUT_S,
     DEFAULT_REQUEST_TIMEOUT_S,
@@ -52,7 +52,6 @@ from benchsuite.run_context import (
 from benchsuite.server_launch import RunningServer, death_reason, exited, launch_server
 from benchsuite.store import RunStore, Writer, atomic_write_bytes
 from benchsuite.stored_files import read_manifest
-from benchsuite.stream_client import LoadRequest
 
 CANARY_MAX_CONCURRENCY = 4
 

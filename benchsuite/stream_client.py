@@ -41,13 +41,11 @@ import asyncio
 import itertools
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
-from benchsuite.errors import UserError
-from benchsuite.records import RequestRecord
+from benchsuite.records import LoadRequest, RequestRecord
 from benchsuite.sse import SseParser
 
 try:  # orjson parses the per-chunk JSON several times faster; the stdlib is the fallback
@@ -59,23 +57,6 @@ Clock = Callable[[], float]
 Progress = Callable[[RequestRecord], None]
 
 _ERROR_BODY_CHARS = 300
-
-
-@dataclass(frozen=True)
-class LoadRequest:
-    """One prompt to send. `prompt` is text, or token ids for exact prompt lengths (completions only)."""
-
-    prompt_id: str
-    prompt_class: str
-    prompt: str | list[int] | tuple[int, ...]
-    max_tokens: int
-    chat: bool = False
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise UserError(f"request {self.prompt_id}: max_tokens must be >= 1, got {self.max_tokens}")
-        if self.chat and not isinstance(self.prompt, str):
-            raise UserError(f"request {self.prompt_id}: chat requests take text, not token ids")
 
 
 def endpoint_url(base_url: str, chat: bool) -> str:

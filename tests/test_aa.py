@@ -17,11 +17,10 @@ from pathlib import Path
 from benchsuite import metrics
 from benchsuite.loadgen import LoadSpec, run_load
 from benchsuite.manifest import Manifest
-from benchsuite.records import CellResult
+from benchsuite.records import CellResult, LoadRequest
 from benchsuite.report import compare_runs
 from benchsuite.report.build import build_report_data
 from benchsuite.store import RunStore
-from benchsuite.stream_client import LoadRequest
 
 try:  # tests/ as a package or as a plain directory on sys.path (pytest's default prepend mode)
     from fakes import FakeServer, Script

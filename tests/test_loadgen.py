@@ -13,8 +13,8 @@ import pytest
 from benchsuite.errors import UserError
 from benchsuite.loadgen import LoadSpec, poisson_arrivals_s, run_load
 from benchsuite.metrics import itls_s, latency_s, ttft_s
-from benchsuite.records import CellResult, RequestRecord
-from benchsuite.stream_client import LoadRequest, endpoint_url
+from benchsuite.records import CellResult, LoadRequest, RequestRecord
+from benchsuite.stream_client import endpoint_url
 
 try:  # tests/ as a package or as a plain directory on sys.path (pytest's default prepend mode)
     from fakes import FakeServer, Script

@@ -17,7 +17,7 @@ from benchsuite.engines.base import Fairness, ServerSpec
 from benchsuite.engines.sglang.adapter import SGLangAdapter, SGLangOptions, scrape_prometheus
 from benchsuite.openai_http import model_name
 from benchsuite.process import EngineProcess, free_port
-from benchsuite.stream_client import LoadRequest
+from benchsuite.records import LoadRequest
 from paged_experts.synth import ensure_tiny
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]

@@ -58,8 +58,8 @@ import aiohttp
 from pydantic import BaseModel, ConfigDict
 
 from benchsuite.errors import UserError
+from benchsuite.records import LoadRequest
 from benchsuite.search_settings import NCpuMoeSettings, ResidentExpertsSettings, SearchSettingsAny, parse_with
-from benchsuite.stream_client import LoadRequest
 from paged_experts.shape import ModelShape
 
 

@@ -33,8 +33,8 @@ from benchsuite.engines.base import (
 from benchsuite.engines.sglang import constraints as sglang_constraints
 from benchsuite.engines.sglang import logs as sglang_logs
 from benchsuite.engines.sglang.options import SGLangOptions, expand_env
+from benchsuite.records import LoadRequest
 from benchsuite.scrape import scrape_prometheus
-from benchsuite.stream_client import LoadRequest
 from paged_experts.shape import ModelShape
 
 __all__ = ["SGLangAdapter", "SGLangOptions", "expand_env", "scrape_prometheus"]
