@@ -9,7 +9,7 @@ LFU 42.5/61.5/79.5/91.7%, random 36.5/58.2/76.7/90.6%, Belady 60.8/78.4/88.8/92.
 
 The search scores candidates with a vectorised LRU that equals `LayerResidency` + `LruPolicy` for
 one stream at batch 1 (resident set = the K experts with the largest (last use, id)); the printed
-curves of the final parameters always come from `benchsuite.simulate` (the residency code).
+curves of the final parameters always come from `benchsuite.tools.simulate` (the residency code).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from benchsuite.simulate import SimOptions, simulate
+from benchsuite.tools.simulate import SimOptions, simulate
 from paged_experts.routing import PRESETS, RoutingParams, RoutingProcess, synth_stream
 from paged_experts.trace import synthesize_trace
 

@@ -113,7 +113,7 @@ def measure_link(device: str, expert_bytes: int, linkbw_json: str | None) -> dic
     out: dict[str, Any] = {}
     if linkbw_json and Path(linkbw_json).is_file():
         try:
-            from benchsuite.linkbw import paging_b_per_s_from_json
+            from benchsuite.tools.linkbw import paging_b_per_s_from_json
 
             out["link_B_per_s"] = paging_b_per_s_from_json(linkbw_json)
             out["link_source"] = linkbw_json
@@ -312,7 +312,7 @@ def add_rooflines(cells: list[dict[str, Any]], link: dict[str, Any], expert_byte
 
 
 def provenance() -> dict[str, Any]:
-    from benchsuite.machine import git_facts
+    from benchsuite.tools.machine import git_facts
 
     git = git_facts()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None

@@ -1,6 +1,6 @@
 """Eviction policies compared by the paging simulator: LRU, plain LFU, LFU with aging (`lfu-decay`,
 paged_experts.residency.DecayedLfuPolicy, at several half-lives) and Belady's offline optimum as
-the bound, per trace x phase x concurrency x K (benchsuite.simulate, the runtime's own residency code).
+the bound, per trace x phase x concurrency x K (benchsuite.tools.simulate, the runtime's own residency code).
 
 Phases: `decode` replays decode steps only (every step one token per active request); `prefill`
 replays the prompts too (each prompt one chunk; the slots after it are what `prefill_keep` left),
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchsuite.simulate import SimOptions, simulate
+from benchsuite.tools.simulate import SimOptions, simulate
 from paged_experts.trace import read_trace
 
 

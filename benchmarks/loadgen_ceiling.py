@@ -1,6 +1,6 @@
 """How fast can the load generator receive streams before it becomes the bottleneck?
 
-Runs `benchsuite.loadgen.run_load` (closed loop, `--streams` concurrent streams) pinned to ONE
+Runs `benchsuite.load.loadgen.run_load` (closed loop, `--streams` concurrent streams) pinned to ONE
 CPU core against the scripted fake server (tests/fakes.py) running in separate processes on other
 cores. Each phase paces the fake so that all streams together offer a given number of SSE chunks
 per second (every stream emits one chunk per `streams / rate` seconds, all streams in step, like a
@@ -31,10 +31,10 @@ from pathlib import Path
 import aiohttp
 import psutil
 
-from benchsuite.loadgen import LoadSpec, run_load
-from benchsuite.metrics import itls_s, percentile
-from benchsuite.process import EngineProcess, free_port
+from benchsuite.load.loadgen import LoadSpec, run_load
+from benchsuite.measure.metrics import itls_s, percentile
 from benchsuite.records import LoadRequest
+from benchsuite.run.process import EngineProcess, free_port
 
 FAKE_SERVER = Path(__file__).resolve().parent.parent / "tests" / "fakes.py"
 

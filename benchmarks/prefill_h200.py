@@ -85,7 +85,7 @@ def measure_link(device: str) -> dict[str, Any]:
     """`benchsuite linkbw`'s paging figure (pinned H2D, back-to-back expert-sized copies), measured now."""
     if device != "cuda":
         return {"error": "no CUDA device: no link figure, no floor"}
-    from benchsuite.linkbw import LinkPlan, measure
+    from benchsuite.tools.linkbw import LinkPlan, measure
 
     report = measure(LinkPlan(pageable=False, d2h=False))
     return {"paging_gb_per_s": report.paging_gb_per_s, "report": report.to_dict()}
@@ -178,7 +178,7 @@ _PAGE_IN_STREAM = paged_module.page_in_stream
 
 
 def provenance() -> dict[str, Any]:
-    from benchsuite.machine import git_facts
+    from benchsuite.tools.machine import git_facts
 
     git = git_facts()
     return {

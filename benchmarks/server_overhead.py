@@ -7,7 +7,7 @@ It writes a matrix (`DIR/server_overhead.yaml`: the built-in engine in each mode
 4, random-token prompts so every request decodes exactly --output-tokens tokens) and runs it with
 the product (`benchsuite run`: its launcher, load generator, store and metric definitions), then
 prints from the stored cells:
-- per stream: decode_tok_s_p50 (the median request's decode rate over HTTP, benchsuite/metrics.py)
+- per stream: decode_tok_s_p50 (the median request's decode rate over HTTP, benchsuite/measure/metrics.py)
   against 1 / engine_decode_step_s (the engine thread's own time per all-decode step in that cell:
   plan, model, wait, sample, hand-off; from the server's counters), and their ratio;
 - aggregate: output_tok_s (the clients' aggregate output rate, prefill included) against

@@ -1,6 +1,6 @@
 """Soak test of the built-in server: many streams and abandoned requests for minutes, then checks.
 
-Starts `python -m paged_experts.server` itself (benchsuite.process.EngineProcess: own session,
+Starts `python -m paged_experts.server` itself (benchsuite.run.process.EngineProcess: own session,
 free loopback port, group kill at the end) on the tiny checkpoint unless `--model` says otherwise,
 and drives it with:
 - `--streams` closed-loop clients (default 64), each sending streamed completions one after
@@ -40,8 +40,8 @@ from pathlib import Path
 import aiohttp
 import psutil
 
-from benchsuite.process import EngineProcess, free_port
-from benchsuite.scrape import parse_prometheus
+from benchsuite.run.process import EngineProcess, free_port
+from benchsuite.tools.scrape import parse_prometheus
 
 MIB = 1024 * 1024
 KV_USED = "paged_experts:kv_used_tokens"

@@ -1,4 +1,4 @@
-"""The basis of metrics.ENGINE_TIMINGS_MARGIN: per request, our decode tok/s (benchsuite/metrics.py,
+"""The basis of metrics.ENGINE_TIMINGS_MARGIN: per request, our decode tok/s (benchsuite/measure/metrics.py,
 token 1 -> token n on the client's clock) against the engine's own (`timings.predicted_per_second`,
 token 1 -> token n on the engine's clock), for every engine that reports one: llama-server and the
 built-in server, both on the generated `tiny` model on this machine's CPU.
@@ -28,11 +28,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from benchsuite import metrics
 from benchsuite.cli import main as benchsuite_main
+from benchsuite.measure import metrics
 from benchsuite.report.load import normalize_requests
 from benchsuite.report.samples import _record
-from benchsuite.stored_files import read_cells
+from benchsuite.results.stored_files import read_cells
 
 
 def matrix_text(output_tokens: list[int], requests: int) -> str:

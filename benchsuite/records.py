@@ -18,9 +18,9 @@ from benchsuite.errors import UserError
 SCHEMA_VERSION = 3
 """Bump when a stored column changes meaning; the store refuses other versions with a fix-it message.
 2: cells carry the server's placement (resident_experts, n_cpu_moe) and options as typed fields,
-the manifest is benchsuite.manifest.Manifest. Version 1 is read through benchsuite.schema_v1.
+the manifest is benchsuite.results.manifest.Manifest. Version 1 is read through benchsuite.results.schema_v1.
 3: TTFT, decode tok/s, TPOT and ITL are timed on the token timeline (every chunk that carries a token
-count, text or not; benchsuite.metrics), no longer by text chunks alone. Version 2 is read as it is
+count, text or not; benchsuite.measure.metrics), no longer by text chunks alone. Version 2 is read as it is
 (its fields are a subset), reported with the caveat that its figures were timed by text chunks
 (TEXT_CHUNK_VERSIONS), and never resumed."""
 
@@ -173,7 +173,7 @@ class CellResult:
     # None without one (extras["hit_rate_optimal_note"] says why). Set after the server stopped.
     hit_rate_optimal: float | None = None
     # Peak device memory of the server's processes over the whole cell, every engine alike
-    # (benchsuite.device_memory: NVML per process, sampled); None without a GPU, never 0.
+    # (benchsuite.tools.device_memory: NVML per process, sampled); None without a GPU, never 0.
     peak_device_memory_bytes: int | None = None
     device_memory_method: str | None = None  # "nvml-per-process", or "nvml-device-delta" where pids are hidden
     # Engine-specific extras (parsed log facts, captured batch sizes, flags).

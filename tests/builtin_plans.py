@@ -5,9 +5,9 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
+from benchsuite.config.matrix import load_matrix
+from benchsuite.config.plan import build_plan
 from benchsuite.engines.builtin.adapter import BuiltinAdapter
-from benchsuite.matrix import load_matrix
-from benchsuite.plan import build_plan
 
 MATRIX = """
 name: perf

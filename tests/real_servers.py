@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from benchsuite.process import EngineProcess, free_port
+from benchsuite.run.process import EngineProcess, free_port
 
 
 @contextmanager

@@ -14,13 +14,13 @@ import json
 import random
 from pathlib import Path
 
-from benchsuite import metrics
-from benchsuite.loadgen import LoadSpec, run_load
-from benchsuite.manifest import Manifest
+from benchsuite.load.loadgen import LoadSpec, run_load
+from benchsuite.measure import metrics
 from benchsuite.records import CellResult, LoadRequest
 from benchsuite.report import compare_runs
 from benchsuite.report.build import build_report_data
-from benchsuite.store import RunStore
+from benchsuite.results.manifest import Manifest
+from benchsuite.results.store import RunStore
 
 try:  # tests/ as a package or as a plain directory on sys.path (pytest's default prepend mode)
     from fakes import FakeServer, Script

@@ -22,12 +22,12 @@ from aiohttp.test_utils import TestServer
 from conftest import wait_healthy  # tests/ is on sys.path under pytest
 
 import paged_experts.store
-from benchsuite import accuracy
+from benchsuite.checks import accuracy
 from benchsuite.cli import main as cli_main
-from benchsuite.datasets import bundled_prompts
 from benchsuite.engines.base import Fairness
 from benchsuite.engines.llamacpp.adapter import find_binary
 from benchsuite.errors import RunError
+from benchsuite.load.datasets import bundled_prompts
 from paged_experts.server.app import create_app
 from paged_experts.server.launch import Serving, load_serving
 from paged_experts.server.options import ServeOptions
@@ -122,7 +122,7 @@ async def test_a_page_in_that_skips_one_expert_tensor_fails_the_check(
 async def test_an_unreachable_engine_is_an_error_not_a_result(
     resident_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from benchsuite.process import free_port
+    from benchsuite.run.process import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"
     code = await asyncio.to_thread(cli_main, ["accuracy", "--a", resident_url, "--b", dead, "--prompts", "1"])
@@ -182,7 +182,7 @@ async def test_an_engine_that_ignores_logprobs_is_an_error_not_a_fail_or_pass() 
 async def test_llama_server_against_itself_passes_through_the_cli(tmp_path: Path) -> None:
     from benchsuite.engines.base import ServerSpec
     from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter, LlamaCppOptions
-    from benchsuite.process import EngineProcess, free_port
+    from benchsuite.run.process import EngineProcess, free_port
 
     gguf = await asyncio.to_thread(
         LlamaCppAdapter().model_path,

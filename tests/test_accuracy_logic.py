@@ -1,7 +1,7 @@
 """The accuracy check's comparison rules on hand-made completions (no server)."""
 
-from benchsuite.accuracy import Thresholds, compare_completions, summarize
-from benchsuite.openai_http import Completion
+from benchsuite.checks.accuracy import Thresholds, compare_completions, summarize
+from benchsuite.load.openai_http import Completion
 
 
 def _c(tokens, logprobs):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from builtin_plans import flag, plan_argv
 
-from benchsuite.matrix import MatrixError
+from benchsuite.config.matrix import MatrixError
 from paged_experts.server.launch import build_parser, parse_args
 
 

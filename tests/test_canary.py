@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from benchsuite import canary
+from benchsuite.checks import canary
 from benchsuite.cli import main as cli_main
 from benchsuite.engines.base import Fairness
 from benchsuite.engines.llamacpp.adapter import find_binary
@@ -106,7 +106,7 @@ async def test_an_endpoint_that_serves_the_previous_prompt_fails(
 
 
 async def test_an_unreachable_endpoint_is_an_error_not_a_pass(capsys: pytest.CaptureFixture[str]) -> None:
-    from benchsuite.process import free_port
+    from benchsuite.run.process import free_port
 
     code = await asyncio.to_thread(cli_main, ["canary", "--url", f"http://127.0.0.1:{free_port()}", "--rounds", "1"])
     captured = capsys.readouterr()
@@ -120,7 +120,7 @@ async def test_an_unreachable_endpoint_is_an_error_not_a_pass(capsys: pytest.Cap
 async def test_llama_server_passes(tmp_path: Path) -> None:
     from benchsuite.engines.base import ServerSpec
     from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter, LlamaCppOptions
-    from benchsuite.process import EngineProcess, free_port
+    from benchsuite.run.process import EngineProcess, free_port
 
     gguf = await asyncio.to_thread(
         LlamaCppAdapter().model_path,

@@ -10,11 +10,11 @@ import pandas as pd
 import pytest
 
 from benchsuite.cli import main as cli_main
-from benchsuite.manifest import Manifest
 from benchsuite.records import CellResult, RequestRecord
 from benchsuite.report import compare_runs, write_comparison
 from benchsuite.report.compare import LEVEL_REPEATS, LEVEL_RUNS, comparison_markdown
-from benchsuite.store import RunStore
+from benchsuite.results.manifest import Manifest
+from benchsuite.results.store import RunStore
 
 OUTPUT_TOKENS = 17
 

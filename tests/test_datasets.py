@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from benchsuite.datasets import (
+from benchsuite.engines.base import Fairness
+from benchsuite.errors import UserError
+from benchsuite.load.datasets import (
     bundled_prompts,
     exact_length_prompts,
     load_sharegpt,
     prompt_length_mismatches,
 )
-from benchsuite.engines.base import Fairness
-from benchsuite.errors import UserError
 from benchsuite.records import RequestRecord
 
 
@@ -157,13 +157,13 @@ def test_prompt_length_mismatches_across_engines() -> None:
 def test_random_dataset_on_a_gguf_file_needs_only_its_vocabulary(
     tiny_model_dir: Path, tmp_path: Path, prompt_class: str
 ) -> None:
-    from benchsuite.datasets import gguf_vocab_size, load_tokenizer
+    from benchsuite.config.plan import CellSpec
+    from benchsuite.config.schema import Workload
     from benchsuite.engines.base import ServerSpec
     from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter, LlamaCppOptions
     from benchsuite.engines.llamacpp.gguf_export import export_gguf
-    from benchsuite.matrix_schema import Workload
-    from benchsuite.plan import CellSpec
-    from benchsuite.prompts_for_cells import RANDOM_SHORT_TOKENS, cell_requests
+    from benchsuite.load.datasets import gguf_vocab_size, load_tokenizer
+    from benchsuite.run.cell_prompts import RANDOM_SHORT_TOKENS, cell_requests
 
     gguf = tmp_path / "tiny.gguf"
     export_gguf(tiny_model_dir, gguf, "f32")

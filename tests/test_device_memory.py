@@ -1,4 +1,4 @@
-"""benchsuite.device_memory on the CPU: NVML's process records decoded (unknown memory left out,
+"""benchsuite.tools.device_memory on the CPU: NVML's process records decoded (unknown memory left out,
 never 0), the peak of a real process tree sampled through a scripted reader, the device-delta
 fallback where NVML's pids are not ours, and None (never 0) without a GPU."""
 
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from benchsuite import device_memory as dm
+from benchsuite.tools import device_memory as dm
 
 MIB = 2**20
 GIB = 2**30

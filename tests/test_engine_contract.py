@@ -3,7 +3,7 @@
 Every adapter is a `base.EngineAdapter` whose hooks keep the base's parameters; the pipeline calls
 hooks directly (no `getattr`/`hasattr` naming an adapter member); and no engine-kind string or
 engine option name appears as a string constant outside the places that own them:
-`benchsuite/engines/` (the wings and the contract), `benchsuite/matrix_schema.py` (the `kind:` the
+`benchsuite/engines/` (the wings and the contract), `benchsuite/config/schema.py` (the `kind:` the
 matrix may name) and the tests. Each exception below says why it is not an engine name.
 
 Option names are the fields of every adapter's `options_model`. The placement vocabulary
@@ -26,24 +26,27 @@ from benchsuite.engines import ADAPTERS, KINDS
 from benchsuite.engines.base import EngineAdapter, Placement
 
 ROOT = Path(__file__).resolve().parents[1]
-OWNERS = ("benchsuite/engines/", "benchsuite/matrix_schema.py")
+OWNERS = ("benchsuite/engines/", "benchsuite/config/schema.py")
 
 # (file, string): a constant equal to an engine name that means something else there.
 NOT_ENGINE_NAMES = {
-    ("benchsuite/machine.py", "sglang"): "the Python package whose installed version the manifest records",
-    ("benchsuite/machine.py", "python"): "the interpreter's version in the machine facts",
-    ("benchsuite/fingerprint.py", "binary"): "a key of an adapter's version facts (the file it fingerprints)",
-    ("benchsuite/linkbw.py", "device"): "the link probe's own CLI flag and JSON key",
-    ("benchsuite/reference.py", "cpu_offload_gb"): "a column of the published reference file, not our option",
-    ("benchsuite/matrix_env.py", "model"): "a hint keyed by the YAML key an unset ${VAR} fills (matrix boundary)",
-    ("benchsuite/matrix_env.py", "model_path"): "a hint keyed by the YAML key an unset ${VAR} fills (matrix boundary)",
+    ("benchsuite/tools/machine.py", "sglang"): "the Python package whose installed version the manifest records",
+    ("benchsuite/tools/machine.py", "python"): "the interpreter's version in the machine facts",
+    ("benchsuite/results/fingerprint.py", "binary"): "a key of an adapter's version facts (the file it fingerprints)",
+    ("benchsuite/tools/linkbw.py", "device"): "the link probe's own CLI flag and JSON key",
+    ("benchsuite/tools/reference.py", "cpu_offload_gb"): "a column of the published reference file, not our option",
+    ("benchsuite/config/env_refs.py", "model"): "a hint keyed by the YAML key an unset ${VAR} fills (matrix boundary)",
+    (
+        "benchsuite/config/env_refs.py",
+        "model_path",
+    ): "a hint keyed by the YAML key an unset ${VAR} fills (matrix boundary)",
 }
 # The OpenAI request's and the records' `model` field, a model config's key: not the engine option.
 GENERIC = {"model"}
 PLACEMENT = {f.name for f in dataclasses.fields(Placement)}
 # Readers of stored cells and manifests, whose columns carry the placement's names: the report, the
 # upgrade of schema-1 records, the run folder's `routing/` directory.
-RECORD_READERS = ("benchsuite/report/", "benchsuite/schema_v1.py", "benchsuite/stored_files.py")
+RECORD_READERS = ("benchsuite/report/", "benchsuite/results/schema_v1.py", "benchsuite/results/stored_files.py")
 
 
 def option_names() -> set[str]:

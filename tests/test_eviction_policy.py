@@ -16,12 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchsuite.cli import main as cli_main
-from benchsuite.matrix import MatrixError
-from benchsuite.paging import NO_TRACE_NOTE, cell_steps, replay_trace
+from benchsuite.config.matrix import MatrixError
+from benchsuite.measure.paging import NO_TRACE_NOTE, cell_steps, replay_trace
 from benchsuite.report.build import build_report_data
 from benchsuite.report.paging_figures import HIT_RATE_TITLE, hit_rate_table
-from benchsuite.simulate import SimOptions, check_policy, simulate
-from benchsuite.stored_files import read_cells
+from benchsuite.results.stored_files import read_cells
+from benchsuite.tools.simulate import SimOptions, check_policy, simulate
 from paged_experts.residency import DecayedLfuPolicy, LayerResidency, LfuPolicy, LruPolicy, make_policy
 from paged_experts.runtime import RuntimeConfig
 from paged_experts.server.launch import parse_args

@@ -34,16 +34,16 @@ import psutil
 import pytest
 import yaml
 
-from benchsuite import server_launch
 from benchsuite.cli import main as cli_main
+from benchsuite.config.matrix import load_matrix
+from benchsuite.config.plan import CellSpec, build_plan
 from benchsuite.engines.llamacpp.adapter import find_binary
-from benchsuite.matrix import load_matrix
-from benchsuite.plan import CellSpec, build_plan
-from benchsuite.process import EngineProcess
 from benchsuite.records import CellResult
-from benchsuite.run_context import RunContext, SilentEvents
-from benchsuite.runner import client_session, execute, open_store
-from benchsuite.store import RunStore, Writer, atomic_write_bytes
+from benchsuite.results.store import RunStore, Writer, atomic_write_bytes
+from benchsuite.run import server_launch
+from benchsuite.run.context import RunContext, SilentEvents
+from benchsuite.run.process import EngineProcess
+from benchsuite.run.runner import client_session, execute, open_store
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_BOUND_S = 240.0  # a run of these matrices takes seconds; past this the runner is hung

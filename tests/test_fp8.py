@@ -217,7 +217,7 @@ def test_quantizer_round_trip_and_format_facts() -> None:
 
 def test_runtime_expert_bytes_equal_the_preflight_formula_at_the_published_shape() -> None:
     """The counters' FP8 expert bytes (weights + scales) are the shape's `expert_bytes_fp8_block`: 4.72 MB."""
-    from benchsuite import preflight
+    from benchsuite.tools import preflight
     from paged_experts.config import MoeModelConfig
     from paged_experts.synth import PRESETS, hf_config_for
 

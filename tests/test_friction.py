@@ -16,8 +16,8 @@ from rich.console import Console
 from benchsuite.cli import COMMANDS, DESCRIPTION
 from benchsuite.cli import main as cli_main
 from benchsuite.commands.run import summary_table
-from benchsuite.matrix import MatrixError, load_matrix
-from benchsuite.plan import build_plan
+from benchsuite.config.matrix import MatrixError, load_matrix
+from benchsuite.config.plan import build_plan
 from benchsuite.records import CellResult
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"

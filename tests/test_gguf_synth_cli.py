@@ -63,7 +63,7 @@ def test_bad_preset_is_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 @pytest.mark.llamacpp
 @pytest.mark.skipif(not CPU_SERVER.is_file(), reason="no CPU llama.cpp build: run `benchsuite install llama-server`")
 async def test_llama_server_loads_the_synthetic_gguf_and_generates(synth_gguf: Path, tmp_path: Path) -> None:
-    from benchsuite.process import EngineProcess, free_port
+    from benchsuite.run.process import EngineProcess, free_port
 
     assert LlamaCppAdapter().version(spec(synth_gguf))["model_facts"]["seed"] == 3  # what the manifest records
     port = free_port()

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from benchsuite.cli import main
-from benchsuite.matrix import load_matrix
-from benchsuite.plan import build_plan
+from benchsuite.config.matrix import load_matrix
+from benchsuite.config.plan import build_plan
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "h200"
 MODE_OPTIONS = {"model", "device", "dtype", "mode", "resident_experts", "n_cpu_moe", "offload_layers", "routing"}

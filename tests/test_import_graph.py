@@ -136,8 +136,9 @@ def test_no_import_cycles(package: str) -> None:
 
 def test_the_pipeline_knows_engines_only_through_their_contract() -> None:
     """Outside the engine wings (and the CLI's engine-specific commands: install, gguf), benchsuite
-    imports engines only through benchsuite.engines (the registry) and benchsuite.engines.base."""
-    allowed = {"benchsuite.engines", "benchsuite.engines.base"}
+    imports engines only through benchsuite.engines (the registry), benchsuite.engines.base (the
+    contract) and benchsuite.engines.search_settings (what a search of an engine option may ask)."""
+    allowed = {"benchsuite.engines", "benchsuite.engines.base", "benchsuite.engines.search_settings"}
     graph = import_graph()
     reaching = {
         (module, target)
@@ -147,3 +148,42 @@ def test_the_pipeline_knows_engines_only_through_their_contract() -> None:
         if target.startswith("benchsuite.engines") and target not in allowed
     }
     assert not reaching, f"modules that reach into an engine's wing: {sorted(reaching)}"
+
+
+# benchsuite's stages, bottom to top: a module imports only from its own stage or one below it.
+# The root's vocabulary (errors, records) sits under everything; the command line over everything.
+STAGES = ("vocabulary", "tools", "engines", "config", "load", "measure", "results", "checks", "run", "report",
+          "commands", "cli")  # fmt: skip
+ROOT_STAGE = {"benchsuite": "vocabulary", "benchsuite.errors": "vocabulary", "benchsuite.records": "vocabulary",
+              "benchsuite.cli": "cli", "benchsuite.__main__": "cli"}  # fmt: skip
+
+
+def stage_of(module: str) -> str:
+    if module in ROOT_STAGE:
+        return ROOT_STAGE[module]
+    folder = module.split(".")[1]
+    assert folder in STAGES, f"{module}: benchsuite's modules live in a stage folder ({', '.join(STAGES[1:-1])})"
+    return folder
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{module} ({stage_of(module)}) imports {target} ({stage_of(target)})"
+        for module, targets in graph.items()
+        if module.split(".")[0] == "benchsuite"
+        for target in targets
+        if target.split(".")[0] == "benchsuite" and STAGES.index(stage_of(target)) > STAGES.index(stage_of(module))
+    )
+
+
+def test_benchsuite_imports_follow_the_stage_order() -> None:
+    assert not upward_imports(import_graph()), "imports that run up the stages:\n" + "\n".join(
+        upward_imports(import_graph())
+    )
+
+
+def test_the_stage_check_finds_an_upward_import() -> None:
+    graph = {"benchsuite.load.loadgen": {"benchsuite.run.runner", "benchsuite.records"}}
+    assert upward_imports(graph) == ["benchsuite.load.loadgen (load) imports benchsuite.run.runner (run)"]
+    with pytest.raises(AssertionError, match="stage folder"):
+        stage_of("benchsuite.flat_module")

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from benchsuite import linkbw
 from benchsuite.cli import main as cli_main
 from benchsuite.errors import RunError, UserError
-from benchsuite.preflight import parse_link
+from benchsuite.tools import linkbw
+from benchsuite.tools.preflight import parse_link
 
 
 def _report(*measurements: linkbw.LinkMeasurement) -> linkbw.LinkBwReport:

@@ -13,8 +13,8 @@ import torch
 import yaml
 from test_runner import fake_engine, matrix, only_run_dir, run_cli  # noqa: F401 (autouse: the fake engine)
 
-import benchsuite.linkbw
-from benchsuite.matrix import load_matrix
+import benchsuite.tools.linkbw
+from benchsuite.config.matrix import load_matrix
 
 
 def with_linkbw(path: Path) -> Path:
@@ -30,7 +30,7 @@ def test_a_scripted_probe_is_stored_once_and_keeps_the_run_id(tmp_path: Path, mo
     script = (f"import json, pathlib; p = pathlib.Path({str(count)!r}); "
               "p.write_text(p.read_text() + 'x' if p.exists() else 'x'); "
               "print(json.dumps({'paging_gb_per_s': 51.5, 'device': 'scripted', 'schema_version': 1}))")  # fmt: skip
-    monkeypatch.setattr(benchsuite.linkbw, "PROBE_ARGV", (sys.executable, "-c", script))
+    monkeypatch.setattr(benchsuite.tools.linkbw, "PROBE_ARGV", (sys.executable, "-c", script))
     with_linkbw(path)
     assert load_matrix(path).matrix_hash == plain_hash
     assert run_cli(str(path)) == 0

@@ -274,7 +274,7 @@ def test_the_search_projects_with_the_servers_micro_batch_and_flash_attention(tm
 
     from benchsuite.engines.llamacpp import adapter as adapter_module
     from benchsuite.engines.llamacpp import fit
-    from benchsuite.search_settings import SearchSettings
+    from benchsuite.engines.search_settings import SearchSettings
 
     monkeypatch.setattr(fit, "read_model_facts", lambda path: _qwen3_30b_a3b_shape(8))
     monkeypatch.setattr(adapter_module, "has_gpu_device", lambda binary: False)

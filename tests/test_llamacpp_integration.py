@@ -19,7 +19,7 @@ from real_servers import TEXT_PROMPTS
 
 from benchsuite.engines.base import Fairness, ServerSpec
 from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter, LlamaCppOptions, find_binary
-from benchsuite.process import EngineProcess, free_port
+from benchsuite.run.process import EngineProcess, free_port
 
 needs_server = pytest.mark.skipif(
     find_binary() is None,
@@ -160,7 +160,7 @@ def test_agreement_counts_the_common_prefix():
 @needs_server
 def test_llamacpp_tiny_matrix_end_to_end(tmp_path):
     from benchsuite.cli import main as cli_main
-    from benchsuite.stored_files import read_cells, read_manifest
+    from benchsuite.results.stored_files import read_cells, read_manifest
 
     rc = cli_main(
         [
@@ -206,7 +206,7 @@ def test_our_decode_rate_agrees_with_llama_servers_own_per_request(tmp_path):
     """Every warm request's decode tok/s (token 1 -> token n from timings_per_token counts) agrees with
     llama-server's timings.predicted_per_second within its tolerance, and no request goes untimed."""
     from benchsuite.cli import main as cli_main
-    from benchsuite.stored_files import read_cells
+    from benchsuite.results.stored_files import read_cells
 
     matrix = tmp_path / "agree.yaml"
     # c=2: on a busy 2-core machine a lone stream at ~2,000 tok/s is often read whole (client-bound, not

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from benchsuite.errors import UserError
-from benchsuite.loadgen import LoadSpec, poisson_arrivals_s, run_load
-from benchsuite.metrics import itls_s, latency_s, ttft_s
+from benchsuite.load.loadgen import LoadSpec, poisson_arrivals_s, run_load
+from benchsuite.load.stream_client import endpoint_url
+from benchsuite.measure.metrics import itls_s, latency_s, ttft_s
 from benchsuite.records import CellResult, LoadRequest, RequestRecord
-from benchsuite.stream_client import endpoint_url
 
 try:  # tests/ as a package or as a plain directory on sys.path (pytest's default prepend mode)
     from fakes import FakeServer, Script
@@ -150,7 +150,7 @@ async def test_failures_are_recorded_with_reason_never_dropped(script: Script, r
 
 
 async def test_unreachable_server_is_a_connection_failure() -> None:
-    from benchsuite.process import free_port
+    from benchsuite.run.process import free_port
 
     records = await run_load(
         f"http://127.0.0.1:{free_port()}",
@@ -259,7 +259,7 @@ def test_endpoint_url_accepts_root_or_v1() -> None:
 
 
 async def test_events_of_one_read_are_timed_one_by_one_and_the_request_still_counts() -> None:
-    from benchsuite.metrics import decode_tok_s, summarize, whole_stream
+    from benchsuite.measure.metrics import decode_tok_s, summarize, whole_stream
 
     # One stream in four arrives whole in one read: one timestamp per read made its decode span 0 and
     # dropped it from decode p50 (the fastest request vanished; when all did, the cell went invalid).
@@ -285,7 +285,7 @@ async def test_events_of_one_read_are_timed_one_by_one_and_the_request_still_cou
 
 
 async def test_streams_that_all_arrive_whole_take_the_engines_own_decode_rate_or_a_lower_bound() -> None:
-    from benchsuite.metrics import summarize
+    from benchsuite.measure.metrics import summarize
 
     base = CellResult("c", "r", "e", "builtin", "m", "s", {}, "w", "short", 1, 0, "ok")
     bare, _ = await _run(Script(one_write=True, itl_s=0.002), _requests(3, max_tokens=8), LoadSpec(concurrency=1))
@@ -305,7 +305,7 @@ async def test_streams_that_all_arrive_whole_take_the_engines_own_decode_rate_or
 
 
 async def test_a_paced_stream_is_read_chunk_by_chunk_and_not_flagged() -> None:
-    from benchsuite.metrics import summarize
+    from benchsuite.measure.metrics import summarize
 
     records, _ = await _run(Script(itl_s=0.01), _requests(3, max_tokens=6), LoadSpec(concurrency=1))
     assert all(len(set(r.chunk_reads)) == 6 for r in records)
@@ -314,7 +314,7 @@ async def test_a_paced_stream_is_read_chunk_by_chunk_and_not_flagged() -> None:
 
 
 async def test_per_chunk_usage_counts_the_first_chunk_and_per_token_latency() -> None:
-    from benchsuite.metrics import decode_tok_s, first_chunk_tokens, per_token_latencies_s, tokens_per_chunk
+    from benchsuite.measure.metrics import decode_tok_s, first_chunk_tokens, per_token_latencies_s, tokens_per_chunk
 
     records, _ = await _run(
         Script(itl_s=0.01, tokens_per_chunk=3, usage_per_chunk=True),
@@ -334,7 +334,7 @@ async def test_per_chunk_usage_counts_the_first_chunk_and_per_token_latency() ->
 
 
 def test_engine_timings_are_a_cross_check_flagged_past_the_margin() -> None:
-    from benchsuite.metrics import ENGINE_TIMINGS_MARGIN, summarize
+    from benchsuite.measure.metrics import ENGINE_TIMINGS_MARGIN, summarize
 
     def record(i: int, engine_rate: float) -> RequestRecord:
         chunks = [1.0 + 0.01 * k for k in range(11)]  # 10 tok over 0.1 s: 100 tok/s
@@ -374,7 +374,7 @@ def test_engine_timings_are_a_cross_check_flagged_past_the_margin() -> None:
 
 
 async def test_empty_text_tokens_with_counts_are_timed_first_and_last_included() -> None:
-    from benchsuite.metrics import decode_tok_s, summarize, ttft_s, ttft_text_s
+    from benchsuite.measure.metrics import decode_tok_s, summarize, ttft_s, ttft_text_s
 
     # llama-server with timings_per_token: a chunk per token, tokens 1, 2 and 10 spell nothing, each carries
     # timings.predicted_n. Text-chunk timing would start at token 3 and stop at token 9.
@@ -394,7 +394,7 @@ async def test_empty_text_tokens_with_counts_are_timed_first_and_last_included()
 
 
 async def test_multi_token_chunks_with_counts_and_without() -> None:
-    from benchsuite.metrics import decode_tok_s, summarize, untimed_reason
+    from benchsuite.measure.metrics import decode_tok_s, summarize, untimed_reason
 
     counted, _ = await _run(
         Script(itl_s=0.01, tokens_per_chunk=2, timings_per_chunk=True), _requests(1, max_tokens=8), LoadSpec(1)
@@ -424,7 +424,7 @@ async def test_a_stream_of_empty_text_tokens_with_counts_is_ok_not_no_tokens() -
 
 
 async def test_a_count_on_the_final_chunk_alone_does_not_place_token_1() -> None:
-    from benchsuite.metrics import token_timeline
+    from benchsuite.measure.metrics import token_timeline
 
     # llama-server without timings_per_token: `timings` (predicted_n) only on the finish chunk
     script = Script(itl_s=0.005, timings={"predicted_n": 6, "predicted_per_second": 200.0})

@@ -7,7 +7,7 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchsuite.sse import SseEvent, SseParser
+from benchsuite.load.sse import SseEvent, SseParser
 
 STREAM = (
     b": keep-alive comment\n\n"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchsuite.cli import main
-from benchsuite.matrix import MatrixError, load_matrix
+from benchsuite.config.matrix import MatrixError, load_matrix
 
 GOOD = """
 name: t
@@ -123,8 +123,8 @@ def test_sharegpt_path_is_relative_to_the_matrix_and_must_exist(tmp_path: Path) 
 
 
 def test_synthetic_routing_spec_is_checked_and_labelled(tmp_path: Path) -> None:
+    from benchsuite.config.plan import build_plan
     from benchsuite.engines.builtin.adapter import BuiltinAdapter
-    from benchsuite.plan import build_plan
 
     msg = errors_of(tmp_path, GOOD.replace("mode: resident}", "mode: resident, routing: zipf}"))
     assert "engines.res.options.routing: unknown routing spec 'zipf'" in msg
@@ -162,8 +162,8 @@ workloads:
 def test_env_references_expand_into_the_manifest_and_the_run_id(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from benchsuite.manifest import build_manifest
-    from benchsuite.plan import build_plan
+    from benchsuite.config.plan import build_plan
+    from benchsuite.results.manifest import build_manifest
 
     for name in ("BENCH_TEST_MODEL", "BENCH_TEST_DEVICE", "BENCH_TEST_SHAREGPT"):
         monkeypatch.delenv(name, raising=False)

@@ -1,4 +1,4 @@
-"""The `${...}` grammar of matrix values (benchsuite.matrix_env), form by form.
+"""The `${...}` grammar of matrix values (benchsuite.config.env_refs), form by form.
 
 Every `${` either expands or is a problem naming its YAML path; only `$${` leaves a literal `${`.
 The rows marked "expandvars differs" are the cases where PyPI's `expandvars` 1.1.2 (bash grammar)
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from benchsuite.matrix_env import MAX_NESTING, expand_env_refs
+from benchsuite.config.env_refs import MAX_NESTING, expand_env_refs
 
 ENV = {"B": "bee", "EMPTY": "", "HOME": "/home/u"}
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from benchsuite.config.matrix import load_matrix
+from benchsuite.config.yaml_safe import MAX_EXPANDED_NODES
 from benchsuite.errors import UserError
-from benchsuite.matrix import load_matrix
-from benchsuite.matrix_yaml import MAX_EXPANDED_NODES
 
 CORPUS = Path(__file__).parent / "data" / "bad_matrices"
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchsuite.metrics import (
+from benchsuite.measure.metrics import (
     DEFINITIONS,
     decode_tok_s,
     itls_s,
@@ -24,9 +24,9 @@ from benchsuite.metrics import (
     union_s,
     untimed_reason,
 )
-from benchsuite.paging import paging_delta
+from benchsuite.measure.paging import paging_delta
 from benchsuite.records import CellResult, RequestRecord
-from benchsuite.scrape import parse_prometheus
+from benchsuite.tools.scrape import parse_prometheus
 
 
 def _base(status: str = "ok") -> CellResult:
@@ -393,7 +393,7 @@ def test_every_filled_metric_field_has_a_definition() -> None:
 
 
 def test_a_request_whose_token_1_was_read_with_others_is_client_bound_and_not_cross_checked() -> None:
-    from benchsuite.metrics import CLIENT_JITTER_S, ENGINE_TIMINGS_MARGIN, client_bound, engine_tolerance
+    from benchsuite.measure.metrics import CLIENT_JITTER_S, ENGINE_TIMINGS_MARGIN, client_bound, engine_tolerance
 
     times = [1.0 + 0.1 * k for k in range(21)]  # 21 tokens, 100 ms apart: 10 tok/s
     late_start = _rec(0, 0.0, times, counts=list(range(1, 22)))

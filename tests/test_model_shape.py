@@ -11,11 +11,11 @@ import pandas as pd
 import pytest
 from pydantic import ValidationError
 
-from benchsuite import preflight
 from benchsuite.engines.builtin import memory
 from benchsuite.engines.llamacpp.fit import GgufFacts
-from benchsuite.manifest import Manifest, ServerRecord
 from benchsuite.report.load import RunData
+from benchsuite.results.manifest import Manifest, ServerRecord
+from benchsuite.tools import preflight
 from paged_experts.config import MoeModelConfig
 from paged_experts.shape import FP8, ModelShape
 

@@ -30,7 +30,7 @@ from tokenizers import Tokenizer
 from benchsuite.engines.base import Fairness, ServerSpec
 from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter, LlamaCppOptions, find_binary
 from benchsuite.engines.llamacpp.gguf_synth import write_synthetic_gguf
-from benchsuite.process import EngineProcess, free_port
+from benchsuite.run.process import EngineProcess, free_port
 from paged_experts import weightgen
 from paged_experts.synth_memory import write_weightless
 

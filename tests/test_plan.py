@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from benchsuite.cli import main
+from benchsuite.config.matrix import load_matrix
+from benchsuite.config.plan import SearchTask, build_plan, make_server_spec, resolve_search, search_option
 from benchsuite.engines.base import Fairness
 from benchsuite.engines.llamacpp.adapter import LlamaCppOptions
-from benchsuite.matrix import load_matrix
-from benchsuite.plan import SearchTask, build_plan, make_server_spec, resolve_search, search_option
-from benchsuite.search_settings import NCpuMoeSettings
+from benchsuite.engines.search_settings import NCpuMoeSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,8 +107,8 @@ def test_dry_run_prints_commands_and_cells(tmp_path: Path, capsys: pytest.Captur
 
 
 def test_only_selects_servers_by_engine_and_sweep_value_and_keeps_the_run_id(tmp_path: Path) -> None:
+    from benchsuite.config.plan import select
     from benchsuite.errors import UserError
-    from benchsuite.plan import select
 
     plan = plan_of(tmp_path)
     part = select(plan, ["paged:resident_experts=8", "cpu"])

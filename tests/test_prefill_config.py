@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from benchsuite.cli import main
-from benchsuite.matrix import load_matrix
-from benchsuite.plan import build_plan
+from benchsuite.config.matrix import load_matrix
+from benchsuite.config.plan import build_plan
 
 PATH = Path(__file__).resolve().parent.parent / "configs" / "h200" / "prefill.yaml"
 

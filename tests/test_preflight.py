@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from benchsuite import preflight as pf
-from benchsuite import preflight_report as pfr
+from benchsuite.checks import preflight_report as pfr
 from benchsuite.cli import main as cli_main
 from benchsuite.errors import UserError
+from benchsuite.tools import preflight as pf
 
 REFERENCE = Path(__file__).resolve().parents[1] / "benchsuite" / "data" / "reference" / "pr42557.yaml"
 QWEN3_CONFIG = {

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from benchsuite.errors import RunError, UserError
-from benchsuite.process import EngineProcess, free_port, port_in_use
+from benchsuite.run.process import EngineProcess, free_port, port_in_use
 
 CHILD = textwrap.dedent(
     """
@@ -223,7 +223,7 @@ PARENT = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from benchsuite.process import EngineProcess
+    from benchsuite.run.process import EngineProcess
     child, pid_file, how = sys.argv[1], sys.argv[2], sys.argv[3]
     proc = EngineProcess([sys.executable, child, "never", "0", pid_file], None,
                          Path(pid_file + ".log"), "http://127.0.0.1:1/health", 60)

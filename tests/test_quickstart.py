@@ -10,9 +10,9 @@ import pytest
 import yaml
 
 from benchsuite.cli import main
-from benchsuite.manifest import ServerRecord
-from benchsuite.matrix import load_matrix
-from benchsuite.plan import build_plan
+from benchsuite.config.matrix import load_matrix
+from benchsuite.config.plan import build_plan
+from benchsuite.results.manifest import ServerRecord
 from paged_experts.shape import ModelShape
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"

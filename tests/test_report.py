@@ -227,7 +227,7 @@ def test_a_run_timed_by_text_chunks_is_reported_with_that_caveat_and_never_resum
     # llama.cpp's decode by a median 40% where its tokens carried no text. It stays readable, says so on
     # the first screen, and is never resumed under today's definitions.
     from benchsuite.records import SCHEMA_VERSION, TEXT_CHUNK_VERSIONS
-    from benchsuite.stored_files import read_manifest_file
+    from benchsuite.results.stored_files import read_manifest_file
 
     assert json.loads((FIXTURE / "manifest.json").read_text())["schema_version"] in TEXT_CHUNK_VERSIONS
     index = write_report([FIXTURE], tmp_path / "out")

@@ -200,7 +200,7 @@ def test_page_states_what_was_not_run_and_synthetic_routing(page_data: dict) -> 
 
 
 def test_the_verdict_comes_first_and_its_numbers_are_the_stored_cells(page_data: dict) -> None:
-    from benchsuite import stats
+    from benchsuite.report import stats
 
     verdict = page_data["verdict"]
     assert verdict["top"] < 400  # the first screen, above the machine and package tables

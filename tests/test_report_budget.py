@@ -71,9 +71,9 @@ def test_the_common_peak_figure_decides_before_either_engine_s_own() -> None:
 def test_a_budget_judged_by_two_figures_is_named() -> None:
     """Peak per process for one configuration, an older run's log breakdown for another: the caveat
     says the fit is not measured alike (before, the two were compared silently)."""
-    from benchsuite.manifest import ServerRecord
     from benchsuite.report.budget import mixed_figures
     from benchsuite.report.caveats import setup_caveats
+    from benchsuite.results.manifest import ServerRecord
 
     paged = {**cell("1", "paged K=40"), "peak_device_memory_bytes": int(15.2 * GB),
              "device_memory_method": "nvml-per-process"}  # fmt: skip

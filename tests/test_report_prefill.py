@@ -13,12 +13,12 @@ import pandas as pd
 import pytest
 import yaml
 
-import benchsuite.linkbw
+import benchsuite.tools.linkbw
 from benchsuite.cli import main
-from benchsuite.manifest import Manifest
 from benchsuite.report.build import build_report_data
 from benchsuite.report.load import RunData
 from benchsuite.report.prefill import TITLE, prefill_table
+from benchsuite.results.manifest import Manifest
 
 
 def cell(cid: str, mode: str, ttft: float | None, chunk_bytes: float | None, *, cls: str = "2048", status: str = "ok",
@@ -71,7 +71,7 @@ def test_end_to_end_on_the_builtin_server(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     script = "import json; print(json.dumps({'paging_gb_per_s': 10.0, 'device': 'scripted', 'schema_version': 1}))"
-    monkeypatch.setattr(benchsuite.linkbw, "PROBE_ARGV", (sys.executable, "-c", script))
+    monkeypatch.setattr(benchsuite.tools.linkbw, "PROBE_ARGV", (sys.executable, "-c", script))
     model = {"model": str(tiny_model_dir), "routing": "qwen3-30b-a3b"}
     body = {
         "name": "prefill", "output_root": str(tmp_path / "results"), "linkbw": True,

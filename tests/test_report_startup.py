@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from benchsuite.manifest import ServerRecord
 from benchsuite.report.manifest_facts import startup_text
+from benchsuite.results.manifest import ServerRecord
 
 
 def test_startup_text_reads_the_runner_time_and_the_engine_breakdown() -> None:

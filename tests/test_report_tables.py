@@ -9,7 +9,6 @@ import pandas as pd
 import pytest
 
 from benchsuite.records import CellResult, RequestRecord
-from benchsuite.reference import parse_reference
 from benchsuite.report import tables as tb
 from benchsuite.report.display import display_frame
 from benchsuite.report.flags import cell_flags, prompt_length_mismatches
@@ -17,6 +16,7 @@ from benchsuite.report.groups import Spread, annotate_cells, group_configs
 from benchsuite.report.load import normalize_cells, normalize_requests
 from benchsuite.report.published import reference_decode_table, reference_ttft_table
 from benchsuite.report.samples import request_samples
+from benchsuite.tools.reference import parse_reference
 
 # server -> its typed placement (K, N), as the runner records it on every cell of the server
 SERVERS = {"s-p8": (8, None), "s-p16": (16, None), "s-off": (None, None), "s-ll1": (None, 1), "s-ll2": (None, 2)}

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchsuite.simulate import SimOptions, simulate
+from benchsuite.tools.simulate import SimOptions, simulate
 from paged_experts.routing import (
     QWEN3_30B_A3B,
     RoutingParams,

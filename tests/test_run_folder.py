@@ -11,7 +11,7 @@ import pytest
 from test_run_guard import bare_manifest, cli, weightless_model, write_matrix
 
 from benchsuite.errors import UserError
-from benchsuite.store import RunStore
+from benchsuite.results.store import RunStore
 
 
 def users_folder(root: Path, files: dict[str, str]) -> Path:

@@ -20,14 +20,14 @@ from typing import Any
 import pytest
 import yaml
 
+from benchsuite.config.matrix import load_matrix
+from benchsuite.config.plan import build_plan
 from benchsuite.engines.base import Fairness
 from benchsuite.errors import UserError
-from benchsuite.manifest import Manifest
-from benchsuite.matrix import load_matrix
-from benchsuite.plan import build_plan
 from benchsuite.records import CellResult
-from benchsuite.runner import open_store
-from benchsuite.store import RunStore
+from benchsuite.results.manifest import Manifest
+from benchsuite.results.store import RunStore
+from benchsuite.run.runner import open_store
 
 
 def bare_manifest(matrix_hash: str) -> Manifest:
@@ -97,8 +97,8 @@ def test_a_lock_left_by_a_killed_runner_is_taken_over_with_a_note(tmp_path: Path
     path = write_matrix(tmp_path, weightless_model(tmp_path))
     holder = subprocess.Popen(
         [sys.executable, "-c",
-         "import sys, time; from benchsuite.matrix import load_matrix; from benchsuite.plan import "
-         "build_plan; from benchsuite.runner import open_store; open_store(build_plan(load_matrix(sys.argv[1]))); "
+         "import sys, time; from benchsuite.config.matrix import load_matrix; from benchsuite.config.plan import "
+         "build_plan; from benchsuite.run.runner import open_store; open_store(build_plan(load_matrix(sys.argv[1]))); "
          "print('locked', flush=True); time.sleep(300)", str(path)],
         stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
     )  # fmt: skip
@@ -160,7 +160,7 @@ def test_changed_inputs_of_cells_not_finished_yet_are_recorded_anew(tmp_path: Pa
     (model_copy / "config.json").write_text((model_copy / "config.json").read_text() + "\n")
     notes: list[str] = []
     run_dir = Path(plan.matrix.matrix.output_root) / plan.run_id
-    from benchsuite.manifest import build_manifest
+    from benchsuite.results.manifest import build_manifest
 
     RunStore.open(run_dir, build_manifest(plan), notify=notes.append).close()
     assert any("recorded anew" in n for n in notes), notes
@@ -241,9 +241,9 @@ async def test_the_engine_gets_what_it_needs_and_what_the_matrix_declares_only(
 ) -> None:
     import psutil
 
-    from benchsuite.run_context import RunContext
-    from benchsuite.runner import client_session
-    from benchsuite.server_launch import launch_server
+    from benchsuite.run.context import RunContext
+    from benchsuite.run.runner import client_session
+    from benchsuite.run.server_launch import launch_server
 
     path = write_matrix(tmp_path, str(model_copy))
     doc = yaml.safe_load(path.read_text())
@@ -276,7 +276,7 @@ async def test_llama_server_is_started_so_no_web_page_can_read_it(tmp_path: Path
 
     from benchsuite.engines.base import ServerSpec
     from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter, LlamaCppOptions, binary_flags, find_binary
-    from benchsuite.process import EngineProcess, free_port
+    from benchsuite.run.process import EngineProcess, free_port
 
     binary = find_binary()
     if binary is None:

@@ -67,7 +67,7 @@ class FakeAdapter(EngineAdapter):
         return {"engine": "fake"}
 
     async def scrape(self, session: Any, base_url: str) -> dict[str, float] | None:
-        from benchsuite.scrape import parse_prometheus
+        from benchsuite.tools.scrape import parse_prometheus
 
         async with session.get(f"{base_url}/metrics") as resp:
             return parse_prometheus(await resp.text())
@@ -225,7 +225,7 @@ def test_a_port_taken_before_launch_fails_that_server_and_the_rest_runs(
 ) -> None:
     import socket
 
-    from benchsuite import process, server_launch
+    from benchsuite.run import process, server_launch
 
     squatter = socket.socket()
     squatter.bind(("127.0.0.1", 0))
@@ -299,7 +299,7 @@ def test_ctrl_c_stops_the_engine_keeps_results_and_exits_130(tmp_path: Path) -> 
 def test_a_search_hands_back_options_that_then_run_every_workload(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import benchsuite.search
+    import benchsuite.run.search
     from benchsuite.errors import RunError
 
     seen = []
@@ -308,7 +308,7 @@ def test_a_search_hands_back_options_that_then_run_every_workload(
         seen.append((task.option, task.spec.options.label))
         return task.spec.options.replaced(label=5)
 
-    monkeypatch.setattr(benchsuite.search, "run_search", found)
+    monkeypatch.setattr(benchsuite.run.search, "run_search", found)
     path = matrix(tmp_path, {"s": {"label": "search"}}, concurrency=[1], num_requests=2)
     assert run_cli(str(path)) == 0
     assert seen == [("label", "search")]
@@ -318,7 +318,7 @@ def test_a_search_hands_back_options_that_then_run_every_workload(
     async def nothing_fits(ctx: Any, task: Any) -> EngineOptions:
         raise RunError("engine s: no label value fits")
 
-    monkeypatch.setattr(benchsuite.search, "run_search", nothing_fits)
+    monkeypatch.setattr(benchsuite.run.search, "run_search", nothing_fits)
     assert run_cli(str(path), "--run-id", "again") == 1
     manifest = json.loads((tmp_path / "results" / "again" / "manifest.json").read_text())
     assert [s.get("search_error") for s in manifest["servers"].values()] == ["engine s: no label value fits"]

@@ -15,13 +15,14 @@ import pytest
 import yaml
 from aiohttp.test_utils import TestServer
 
-from benchsuite import cell_measure, runner
+from benchsuite.config.matrix import load_matrix
+from benchsuite.config.plan import Plan, build_plan
 from benchsuite.engines.sglang.adapter import SGLangAdapter
-from benchsuite.matrix import load_matrix
-from benchsuite.plan import Plan, build_plan
 from benchsuite.report.flags import cell_flags
-from benchsuite.run_context import RunContext
-from benchsuite.server_launch import RunningServer
+from benchsuite.run import cell as cell_measure
+from benchsuite.run import runner
+from benchsuite.run.context import RunContext
+from benchsuite.run.server_launch import RunningServer
 
 try:
     from test_runner import FakeAdapter, matrix, only_run_dir, run_cli

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from benchsuite.errors import UserError
-from benchsuite.search import Observation, SearchSettings, drive, parse_request, propose
+from benchsuite.run.search import Observation, SearchSettings, drive, parse_request, propose
 
 FITTING = list(range(6, 49))  # e.g. a 48-layer model whose first fitting N is 6
 

@@ -8,7 +8,7 @@ import pytest
 
 from benchsuite.engines.builtin import memory
 from benchsuite.errors import UserError
-from benchsuite.search import (
+from benchsuite.run.search import (
     Observation,
     ResidentExpertsSettings,
     drive,
@@ -136,8 +136,8 @@ def test_projection_is_linear_in_k_with_the_slot_of_the_served_format(tmp_path) 
 
 def test_the_k_search_measures_the_longest_prompt_at_the_highest_concurrency(tmp_path) -> None:
     # memory decides K, and prefill activations grow with the prompt: the long class is the one measured
-    from benchsuite.matrix import load_matrix
-    from benchsuite.plan import build_plan, plan_cells, search_cell
+    from benchsuite.config.matrix import load_matrix
+    from benchsuite.config.plan import build_plan, plan_cells, search_cell
 
     path = tmp_path / "m.yaml"
     path.write_text(
@@ -158,7 +158,7 @@ def test_the_k_search_measures_the_longest_prompt_at_the_highest_concurrency(tmp
 def test_a_launch_s_fit_is_its_measured_peak_else_for_k_its_guess() -> None:
     from types import SimpleNamespace
 
-    from benchsuite.search import _Probe
+    from benchsuite.run.search import _Probe
 
     def result(peak: int | None, status: str = "ok") -> SimpleNamespace:
         return SimpleNamespace(status=status, decode_tok_s_p50=50.0, peak_device_memory_bytes=peak)

@@ -14,9 +14,9 @@ import psutil
 import pytest
 import yaml
 
-from benchsuite import device_memory
 from benchsuite.cli import main
 from benchsuite.engines.builtin import memory
+from benchsuite.tools import device_memory
 
 KV_TOKENS = 1024
 CHOSEN = 20  # the largest K whose scripted peak fits the budget below

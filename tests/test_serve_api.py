@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchsuite.scrape import parse_prometheus
+from benchsuite.tools.scrape import parse_prometheus
 from paged_experts.counters import PagingCounters
 from paged_experts.server.engine import FinishedRequest
 from paged_experts.server.metrics import EngineGauges, ServerMetrics

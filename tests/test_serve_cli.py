@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from benchsuite.scrape import parse_prometheus
+from benchsuite.tools.scrape import parse_prometheus
 from paged_experts.server.launch import parse_args
 from paged_experts.synth import ensure_tiny
 from paged_experts.trace import read_trace

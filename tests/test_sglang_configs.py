@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from benchsuite.matrix import MatrixError, load_matrix
-from benchsuite.plan import build_plan, format_plan
-from benchsuite.reference import load_reference
+from benchsuite.config.matrix import MatrixError, load_matrix
+from benchsuite.config.plan import build_plan, format_plan
+from benchsuite.tools.reference import load_reference
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "pr42557"
 ENV = {

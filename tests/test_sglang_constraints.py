@@ -11,7 +11,7 @@ import pytest
 from benchsuite.engines.base import EngineConfigError, Fairness, ServerSpec
 from benchsuite.engines.sglang.adapter import SGLangAdapter, SGLangOptions
 from benchsuite.engines.sglang.constraints import PAGED_CHECKS, facts_from_config, paged_problems, read_model_facts
-from benchsuite.reference import load_reference
+from benchsuite.tools.reference import load_reference
 
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False}
 FP8_BLOCK = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}

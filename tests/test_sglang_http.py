@@ -12,12 +12,12 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from benchsuite import loadgen
 from benchsuite.engines.base import Fairness, ServerSpec
 from benchsuite.engines.sglang.adapter import SGLangAdapter, SGLangOptions, scrape_prometheus
-from benchsuite.openai_http import model_name
-from benchsuite.process import EngineProcess, free_port
+from benchsuite.load import loadgen
+from benchsuite.load.openai_http import model_name
 from benchsuite.records import LoadRequest
+from benchsuite.run.process import EngineProcess, free_port
 from paged_experts.synth import ensure_tiny
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchsuite.errors import UserError
-from benchsuite.reference import load_reference, parse_reference
+from benchsuite.tools.reference import load_reference, parse_reference
 
 
 def test_rows_and_ratios() -> None:

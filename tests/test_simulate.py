@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from benchsuite.cli import main as cli_main
-from benchsuite.simulate import SimOptions, batched_steps, simulate
+from benchsuite.tools.simulate import SimOptions, batched_steps, simulate
 from paged_experts.trace import TraceMeta, TraceWriter, build_trace, read_trace, synthesize_trace
 
 

@@ -1,5 +1,5 @@
-"""benchsuite.stats (ratio intervals over repeats, Benjamini-Hochberg) and the machine-noise record
-(benchsuite.machine.cell_noise), with exact expected numbers."""
+"""benchsuite.report.stats (ratio intervals over repeats, Benjamini-Hochberg) and the machine-noise record
+(benchsuite.tools.machine.cell_noise), with exact expected numbers."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import time
 import pytest
 from scipy import stats as scipy_stats
 
-from benchsuite import stats
-from benchsuite.machine import cell_noise, noise_snapshot
+from benchsuite.report import stats
+from benchsuite.tools.machine import cell_noise, noise_snapshot
 
 
 def test_ratio_estimate_is_welch_t_on_logs() -> None:

@@ -9,10 +9,10 @@ import pandas as pd
 import pytest
 
 from benchsuite.errors import RunError, UserError
-from benchsuite.manifest import Manifest
 from benchsuite.records import SCHEMA_VERSION, CellResult, RequestRecord
-from benchsuite.store import RunStore, atomic_write_bytes
-from benchsuite.stored_files import read_cells, read_manifest, read_requests
+from benchsuite.results.manifest import Manifest
+from benchsuite.results.store import RunStore, atomic_write_bytes
+from benchsuite.results.stored_files import read_cells, read_manifest, read_requests
 
 MANIFEST = Manifest(run_id="r", created_utc="2026-12-01T00:00:00+00:00", matrix_source="m.yaml", matrix_hash="abc",
                     matrix={}, machine={"hostname": "h"}, git={"commit": "c", "dirty": False})  # fmt: skip
@@ -135,7 +135,7 @@ def test_atomic_write_leaves_no_partial_file(tmp_path: Path, monkeypatch: pytest
 
 
 def test_gpu_facts_parse_nvidia_smi_and_unknowns_stay_none(monkeypatch: pytest.MonkeyPatch) -> None:
-    from benchsuite import machine
+    from benchsuite.tools import machine
 
     line = "NVIDIA H200, 570.86.15, 143771, 5, 16, 5, 16\nNVIDIA RTX 4070 Laptop GPU, 566.03, 8188, [N/A], 8, 4, 8\n"
     monkeypatch.setattr(machine, "_run", lambda argv: line if argv[0] == "nvidia-smi" else None)
@@ -163,7 +163,7 @@ def test_git_facts_name_the_tracked_files_as_they_are(tmp_path) -> None:
     added files (the GPU machine's copy of a working tree)."""
     import subprocess
 
-    from benchsuite.machine import git_facts
+    from benchsuite.tools.machine import git_facts
 
     def git(*a: str) -> str:
         done = subprocess.run(["git", "-C", str(tmp_path), *a], capture_output=True, text=True, check=True)

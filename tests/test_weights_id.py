@@ -12,8 +12,8 @@ from benchsuite.engines.base import Fairness, ServerSpec
 from benchsuite.engines.builtin.adapter import BuiltinAdapter, BuiltinOptions
 from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter, LlamaCppOptions
 from benchsuite.engines.llamacpp.gguf_synth import read_facts, write_with_facts
-from benchsuite.manifest import ServerRecord
 from benchsuite.report.caveats import same_model_caveat, source_id
+from benchsuite.results.manifest import ServerRecord
 from paged_experts import weights_id
 from paged_experts.synth import write_checkpoint
 from paged_experts.synth_memory import write_weightless

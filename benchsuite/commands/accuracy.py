@@ -7,8 +7,8 @@ import asyncio
 import json
 from pathlib import Path
 
-from benchsuite import accuracy
-from benchsuite.datasets import bundled_prompts
+from benchsuite.checks import accuracy
+from benchsuite.load.datasets import bundled_prompts
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

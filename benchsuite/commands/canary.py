@@ -7,7 +7,7 @@ import asyncio
 import json
 from pathlib import Path
 
-from benchsuite import canary
+from benchsuite.checks import canary
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

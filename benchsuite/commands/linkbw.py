@@ -1,4 +1,4 @@
-"""`benchsuite linkbw`: measure host<->device copy bandwidth (benchsuite.linkbw) and print or save it."""
+"""`benchsuite linkbw`: measure host<->device copy bandwidth (benchsuite.tools.linkbw) and print or save it."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from benchsuite.linkbw import LinkPlan, measure, render
+from benchsuite.tools.linkbw import LinkPlan, measure, render
 
 
 def configure(p: argparse.ArgumentParser) -> None:

@@ -1,4 +1,4 @@
-"""`benchsuite preflight`: flags -> PreflightInputs -> benchsuite.preflight_report.preflight -> table or JSON."""
+"""`benchsuite preflight`: flags -> PreflightInputs -> benchsuite.checks.preflight_report.preflight -> table or JSON."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import argparse
 import dataclasses
 import json
 
+from benchsuite.checks.preflight_report import PreflightInputs, PreflightReport, preflight
 from benchsuite.errors import UserError
-from benchsuite.preflight import (
+from benchsuite.tools.preflight import (
     EXPERT_FORMATS,
     GB_BYTES,
     GIB_BYTES,
@@ -16,7 +17,6 @@ from benchsuite.preflight import (
     load_shape,
     parse_link,
 )
-from benchsuite.preflight_report import PreflightInputs, PreflightReport, preflight
 
 
 def configure(p: argparse.ArgumentParser) -> None:

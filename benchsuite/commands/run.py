@@ -1,6 +1,6 @@
 """`benchsuite run matrix.yaml`: validate, plan, run (resumable), summarize, report.
 
-The library call is benchsuite.runner.run_plan; this module only parses flags, draws the
+The library call is benchsuite.run.runner.run_plan; this module only parses flags, draws the
 progress (rich; nothing with --quiet) and the one-screen summary, and prints where the results
 and the HTML report are.
 """
@@ -18,17 +18,17 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from benchsuite import search
+from benchsuite.config.matrix import MatrixError, load_matrix
+from benchsuite.config.model_checks import missing_model
+from benchsuite.config.plan import CellSpec, Plan, build_plan, format_plan, select
 from benchsuite.engines.base import SHORT_NAMES, ServerSpec
 from benchsuite.errors import UserError
-from benchsuite.manifest import Manifest
-from benchsuite.matrix import MatrixError, load_matrix
-from benchsuite.model_checks import missing_model
-from benchsuite.plan import CellSpec, Plan, build_plan, format_plan, select
 from benchsuite.records import CellResult
-from benchsuite.search import describe
-from benchsuite.store import RunStore
-from benchsuite.stored_files import read_cells, read_manifest
+from benchsuite.results.manifest import Manifest
+from benchsuite.results.store import RunStore
+from benchsuite.results.stored_files import read_cells, read_manifest
+from benchsuite.run import search
+from benchsuite.run.search import describe
 
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
@@ -93,7 +93,7 @@ def main(args: argparse.Namespace) -> int:
         return 0
     if missing:  # before the results directory exists
         raise MatrixError("\n".join(missing))
-    from benchsuite.runner import open_store  # the load path; a dry run never needs it
+    from benchsuite.run.runner import open_store  # the load path; a dry run never needs it
 
     console = Console(quiet=args.quiet, highlight=False)
     if not console.is_terminal:
@@ -106,7 +106,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, plan: Plan, store: RunStore, console: Console) -> int:
-    from benchsuite.runner import run_plan
+    from benchsuite.run.runner import run_plan
 
     todo = sum(1 for c in plan.cells if not store.finished(c.cell_id))
     console.print(
@@ -250,7 +250,7 @@ def summary_table(plan: Plan, results: list[CellResult]) -> Table:
 
 
 def search_lines(manifest: Manifest) -> list[str]:
-    """Each search of the run in words (benchsuite.search.describe): the choice, the measured
+    """Each search of the run in words (benchsuite.run.search.describe): the choice, the measured
     candidates and those ruled out by the memory projection, which are not cells."""
     lines: list[str] = []
     for server in manifest.servers.values():

@@ -1,5 +1,5 @@
 """`benchsuite simulate TRACE`: replay a routing trace through paged_experts.residency
-(benchsuite.simulate) and print per-policy / K / concurrency results, per layer on request."""
+(benchsuite.tools.simulate) and print per-policy / K / concurrency results, per layer on request."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import json
 import math
 
 from benchsuite.errors import UserError
-from benchsuite.preflight import GB_BYTES, MB_BYTES, parse_link
-from benchsuite.simulate import (
+from benchsuite.tools.preflight import GB_BYTES, MB_BYTES, parse_link
+from benchsuite.tools.simulate import (
     SIM_POLICIES,
     LayerStats,
     SimOptions,

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from benchsuite.errors import UserError
-from benchsuite.preflight import load_shape
+from benchsuite.tools.preflight import load_shape
 from paged_experts.routing import PRESETS, parse_spec
 from paged_experts.trace import Trace, import_sglang_routed_experts, read_trace, save_trace, synthesize_trace
 

@@ -11,7 +11,7 @@ typed facts every cell records (mode, K, N, routing): the report reads those, ne
 
 An adapter is pure: it turns a resolved server spec into an exact command line, says how to
 check readiness, what to add to each request, and how to read the engine's own counters and
-log. Processes, sockets and files are the runner's business (benchsuite.process, loadgen).
+log. Processes, sockets and files are the runner's business (benchsuite.run.process, loadgen).
 Adapters live in a plain dict registry (benchsuite.engines.ADAPTERS), keyed by `kind`.
 
 `EngineAdapter` is an abstract base class: six abstract members every engine has, and every optional
@@ -36,7 +36,7 @@ the hooks directly; an adapter overrides the ones its engine has:
   cells, before it stops (`requests()` builds the distinct LoadRequests its cells sent); the dict is
   merged into the manifest's server entry as its `facts` (e.g. SGLang's routing capture);
 - `vram_budget_bytes(spec)` and `projections(spec, settings)`: a search of an option against a
-  memory budget (benchsuite.search; the searchable options are `SEARCH_KNOBS`); None: no search;
+  memory budget (benchsuite.run.search; the searchable options are `SEARCH_KNOBS`); None: no search;
 - `recorded_model`, `recorded_expert_format`, `recorded_label_options`, `recorded_on_cpu`: what the
   report reads from a stored server's recorded options (runs from any version of this suite).
 Facts about a kind the report needs (its all-on-GPU mode, whether it is the CPU-experts baseline,
@@ -57,9 +57,9 @@ from typing import Any, ClassVar, Protocol, TypeVar
 import aiohttp
 from pydantic import BaseModel, ConfigDict
 
+from benchsuite.engines.search_settings import NCpuMoeSettings, ResidentExpertsSettings, SearchSettingsAny, parse_with
 from benchsuite.errors import UserError
 from benchsuite.records import LoadRequest
-from benchsuite.search_settings import NCpuMoeSettings, ResidentExpertsSettings, SearchSettingsAny, parse_with
 from paged_experts.shape import ModelShape
 
 
@@ -122,7 +122,7 @@ class SizedValues:
 
 @dataclass(frozen=True)
 class SearchKnob:
-    """An engine option a search may choose against a memory budget (benchsuite.search), as the
+    """An engine option a search may choose against a memory budget (benchsuite.run.search), as the
     plan, the CLI summary and the report name it."""
 
     option: str  # the option's name in `engines.<name>.options`
@@ -183,7 +183,7 @@ class EngineOptions(BaseModel):
         return None
 
     def sized_values(self) -> SizedValues:
-        """The values of these options that the model's shape bounds (benchsuite.model_checks)."""
+        """The values of these options that the model's shape bounds (benchsuite.config.model_checks)."""
         return SizedValues()
 
     def replaced(self, **values: Any) -> EngineOptions:
@@ -258,7 +258,7 @@ class Projection(Protocol):
 
 
 class CellView(Protocol):
-    """What `cell_flags` reads of a cell (benchsuite.plan.CellSpec)."""
+    """What `cell_flags` reads of a cell (benchsuite.config.plan.CellSpec)."""
 
     @property
     def concurrency(self) -> int: ...

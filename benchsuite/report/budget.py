@@ -6,7 +6,7 @@ built-in `resident_experts`: `servers.<id>.search.budget_bytes`, decimal GB in t
 configuration fits when each of its cells' measured device memory is within the budget (a cell with
 no figure says nothing against it). The figure is the same for every engine:
 `peak_device_memory_bytes`, the peak over the cell of the device memory NVML attributes to the
-server's processes (benchsuite.device_memory: CUDA context, allocator caches, graph pools and the
+server's processes (benchsuite.tools.device_memory: CUDA context, allocator caches, graph pools and the
 synthetic router's tables included). Cells stored before that figure existed fall back to what
 their engine reported then: the built-in engine's `gpu_memory_used_bytes` (the device's memory in
 use after the cell) and llama.cpp's log breakdown (`self` per CUDA device: no CUDA context), two

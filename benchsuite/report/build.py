@@ -14,7 +14,6 @@ from pathlib import Path
 import pandas as pd
 
 from benchsuite.errors import UserError
-from benchsuite.reference import Reference, load_reference
 from benchsuite.report import prefill, roofline, search_section
 from benchsuite.report import tables as tb
 from benchsuite.report.caveats import setup_caveats
@@ -37,6 +36,7 @@ from benchsuite.report.published import (
 from benchsuite.report.samples import request_samples
 from benchsuite.report.textout import write_csv, write_markdown
 from benchsuite.report.verdict import Verdict, verdict_table, verdicts
+from benchsuite.tools.reference import Reference, load_reference
 
 INDEX_NAME = "index.html"
 
@@ -63,7 +63,7 @@ def _report_id(runs: list[RunData]) -> str:
 
 
 def _reference(runs: list[RunData], reference_dirs: list[Path] | None) -> tuple[Reference | None, dict[str, str], str]:
-    """The published reference the first run's matrix names: the shipped data (benchsuite.reference),
+    """The published reference the first run's matrix names: the shipped data (benchsuite.tools.reference),
     or a file found in `reference_dirs` when given (tests, a user's own figures)."""
     for run in runs:
         name = run.facts.reference_name

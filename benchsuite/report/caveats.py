@@ -28,11 +28,11 @@ from pathlib import Path
 import pandas as pd
 
 from benchsuite.engines import adapter_of
-from benchsuite.manifest import ServerRecord
 from benchsuite.records import TEXT_CHUNK_VERSIONS
 from benchsuite.report.budget import mixed_figures, over_budget
 from benchsuite.report.groups import is_synthetic
 from benchsuite.report.noise import busy_cells
+from benchsuite.results.manifest import ServerRecord
 
 _GENERATED_MODELS = ("tiny",)
 _CACHE_MARK = "/.cache/benchsuite/models/"

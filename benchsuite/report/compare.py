@@ -6,7 +6,7 @@ configuration and metric (decode tok/s p50, TTFT p50, output tok/s of each cell)
 - the level tested is where the noise lives: with two or more runs a side, the RUN (each run's value
   is the median of its ok repeats), else the REPEAT (every ok cell is one value); never the request
   (requests of one cell share its machine state: testing them called between-run noise significant);
-- change = B / A - 1 with its interval: benchsuite.stats.ratio_estimate of B over A (Welch t on log
+- change = B / A - 1 with its interval: benchsuite.report.stats.ratio_estimate of B over A (Welch t on log
   values); fewer than stats.MIN_REPEATS values a side: "not enough repeats", never flagged;
 - flagged only when the change is a discovery after Benjamini-Hochberg over all rows at alpha AND
   |change| > threshold; the page says when A and B ran the same commit and matrix (an A/A comparison:
@@ -23,7 +23,7 @@ from typing import Any
 
 import pandas as pd
 
-from benchsuite import stats
+from benchsuite.report import stats
 from benchsuite.report.groups import annotate_cells
 from benchsuite.report.load import RunData, load_run
 from benchsuite.report.noise import busy_cells

@@ -11,7 +11,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
-from benchsuite import stats
+from benchsuite.report import stats
 from benchsuite.report.template_env import render
 from benchsuite.report.verdict import Verdict, Versus
 

@@ -51,7 +51,7 @@ _N_PARAMS = ("n_cpu_moe", "search_n", "cpu_expert_layers")
 @dataclass(frozen=True)
 class Spread:
     """min / median / max of one metric over a configuration's ok repeats, and the repeat values
-    themselves (sorted) for the intervals of benchsuite.stats."""
+    themselves (sorted) for the intervals of benchsuite.report.stats."""
 
     min: float
     median: float

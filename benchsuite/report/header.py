@@ -9,8 +9,8 @@ from typing import Any
 
 import pandas as pd
 
-from benchsuite import metrics
 from benchsuite.engines import KINDS
+from benchsuite.measure import metrics
 from benchsuite.report.flags import cell_flags, prompt_length_mismatches
 from benchsuite.report.groups import is_synthetic
 from benchsuite.report.load import RunData
@@ -25,7 +25,7 @@ REPORT_DEFINITIONS: tuple[tuple[str, str], ...] = (
     (
         "ratio",
         "A / B = ratio of the geometric means over ok repeats, written 'A is N x B'; the interval is 95% "
-        "(Welch t on log values over repeats, benchsuite.stats): significant when it excludes 1; fewer than 2 "
+        "(Welch t on log values over repeats, benchsuite.report.stats): significant when it excludes 1; fewer than 2 "
         "ok repeats a side: not enough repeats",
     ),
     ("headline metric", "decode_tok_s_p50 at concurrency 1, output_tok_s above 1 (the published layout)"),
@@ -34,7 +34,7 @@ REPORT_DEFINITIONS: tuple[tuple[str, str], ...] = (
 
 
 def definitions() -> list[tuple[str, str]]:
-    """Every metric's formula, as benchsuite.metrics defines it, then the report's own terms."""
+    """Every metric's formula, as benchsuite.measure.metrics defines it, then the report's own terms."""
     return [*metrics.DEFINITIONS.items(), *REPORT_DEFINITIONS]
 
 

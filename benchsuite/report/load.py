@@ -1,11 +1,11 @@
 """Reading one results run directory (docs/ARCHITECTURE.md, "Results store layout") into frames
-the report and compare can use: the typed manifest (benchsuite.manifest.Manifest), one row per CellResult, one row per
-RequestRecord.
+the report and compare can use: the typed manifest (benchsuite.results.manifest.Manifest), one row
+per CellResult, one row per RequestRecord.
 
 The store may write `params` / `options` / `extras` as JSON strings (parquet) or as dicts; all come
 out as dicts here. A run without cells.parquet (interrupted before the store's final write) is read from
-its cells/<cell-id>.json files, and so is a version-1 run (upgraded by benchsuite.schema_v1); other
-schema versions are refused with the store's fix-it message (benchsuite.stored_files.read_manifest).
+its cells/<cell-id>.json files, and so is a version-1 run (upgraded by benchsuite.results.schema_v1); other
+schema versions are refused with the store's fix-it message (benchsuite.results.stored_files.read_manifest).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from benchsuite import schema_v1
 from benchsuite.errors import UserError
-from benchsuite.manifest import Manifest
 from benchsuite.records import CellResult, RequestRecord
 from benchsuite.report.manifest_facts import RunFacts, read_run_facts
-from benchsuite.stored_files import read_cells, read_manifest, read_requests
+from benchsuite.results import schema_v1
+from benchsuite.results.manifest import Manifest
+from benchsuite.results.stored_files import read_cells, read_manifest, read_requests
 
 CELL_COLUMNS: tuple[str, ...] = tuple(CellResult.__dataclass_fields__)
 REQUEST_COLUMNS: tuple[str, ...] = tuple(RequestRecord.__dataclass_fields__)

@@ -1,4 +1,4 @@
-"""A run's facts, read once from its manifest (benchsuite.manifest.Manifest, typed) into one typed
+"""A run's facts, read once from its manifest (benchsuite.results.manifest.Manifest, typed) into one typed
 value, `RunFacts`: machine, source (git), fairness, servers with their exact commands and versions,
 the engines the matrix names, the published reference it names, the measured link, the GPU budget,
 and the model (top_k, number of experts). Every report section takes these from `RunData.facts`;
@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from benchsuite.engines import adapter_of
-from benchsuite.manifest import Manifest, ServerRecord
 from benchsuite.report.budget import run_budget_bytes
+from benchsuite.results.manifest import Manifest, ServerRecord
 from paged_experts.shape import ModelShape
 
 _TOP_K_KEYS = ("top_k", "num_experts_per_tok")
@@ -45,7 +45,7 @@ class ServerFacts:
 
 
 def canary_text(record: Any) -> str:
-    """A server's `canary` manifest entry (benchsuite.canary.CanaryReport.to_dict, or {error})."""
+    """A server's `canary` manifest entry (benchsuite.checks.canary.CanaryReport.to_dict, or {error})."""
     if not isinstance(record, dict):
         return "not run"
     if "error" in record or "passed" not in record:

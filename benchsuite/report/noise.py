@@ -1,5 +1,5 @@
 """The machine's noise as the report reads it: which cells ran while other processes kept the machine
-busy (extras["machine"], written by the runner with benchsuite.machine.cell_noise), and the warning
+busy (extras["machine"], written by the runner with benchsuite.tools.machine.cell_noise), and the warning
 that says so beside the numbers."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import pandas as pd
 
-from benchsuite.machine import BUSY_OTHER_CORES_FRACTION
+from benchsuite.tools.machine import BUSY_OTHER_CORES_FRACTION
 
 
 def _noise(extras: Any) -> dict[str, Any]:

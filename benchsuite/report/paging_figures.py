@@ -1,5 +1,5 @@
 """The report's paging figures: miss rate and bytes paged per token against K, waves and the union of
-routed experts per step against concurrency, from the engine's counters (benchsuite.paging); and the
+routed experts per step against concurrency, from the engine's counters (benchsuite.measure.paging); and the
 table of each paged cell's realized hit rate beside the offline optimum for its own routing
 (`hit_rate_optimal`, from the routing trace its server recorded).
 

@@ -1,8 +1,8 @@
 """Published reference figures (e.g. PR #42557) beside the user's own numbers.
 
-The figures are read by benchsuite.reference (typed rows, shipped in benchsuite/data/reference/);
+The figures are read by benchsuite.tools.reference (typed rows, shipped in benchsuite/data/reference/);
 this module only finds the reference a matrix names (`reference: pr42557`: the shipped data through
-benchsuite.reference; a search path seam lets tests use a hand-made file) and lines the published rows
+benchsuite.tools.reference; a search path seam lets tests use a hand-made file) and lines the published rows
 up with the user's configurations at the same K and concurrency. A matrix may narrow the rows with
 `reference: {name, machine, quant}`.
 Nothing here invents a number: a published row without a matching configuration says "not measured".
@@ -16,9 +16,9 @@ from typing import Any
 import pandas as pd
 
 from benchsuite.engines import traits_of
-from benchsuite.reference import Reference, read_reference_file
 from benchsuite.report.groups import Spread
 from benchsuite.report.tables import baselines_for, headline_metric, prompt_classes
+from benchsuite.tools.reference import Reference, read_reference_file
 
 
 def find_reference(name: str, search_dirs: list[Path]) -> Path | None:

@@ -1,9 +1,9 @@
-"""Per-request samples recomputed from requests.parquet with benchsuite.metrics' own per-request
+"""Per-request samples recomputed from requests.parquet with benchsuite.measure.metrics' own per-request
 definitions (ttft_s, decode_tok_s, latency_s): the raw material of the distribution figures and of
 compare's significance tests. Like the cell metrics, only warm requests count: warmup, cold (first
 after a server start) and failed requests are excluded.
 
-- ttft_s, decode_tok_s: benchsuite.metrics (None where undefined, e.g. fewer than 2 tokens)
+- ttft_s, decode_tok_s: benchsuite.measure.metrics (None where undefined, e.g. fewer than 2 tokens)
 - e2e_output_tok_s = output_tokens / metrics.latency_s: one request's share of output rate
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import pandas as pd
 
-from benchsuite import metrics
+from benchsuite.measure import metrics
 from benchsuite.records import RequestRecord
 from benchsuite.report.load import REQUEST_COLUMNS
 

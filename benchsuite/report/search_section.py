@@ -1,6 +1,6 @@
 """The report's budget-search table: every candidate of every search (llama.cpp `--n-cpu-moe` N,
 the built-in engine's paged K), launched ones (cells) and those the memory projection ruled out
-(not cells: the manifest's `servers.<id>.search.candidates`, see benchsuite.search), one row per
+(not cells: the manifest's `servers.<id>.search.candidates`, see benchsuite.run.search), one row per
 candidate value (column N, whatever the option; column `option` names it).
 
 Ruled-out rows carry the projection (projected bytes, with llama.cpp's margin where the search
@@ -18,11 +18,11 @@ from typing import Any
 import pandas as pd
 
 from benchsuite.engines.base import FIRST_SEARCH_OPTION
-from benchsuite.manifest import ServerRecord
 from benchsuite.report.load import RunData
 from benchsuite.report.tables import SEARCH_COLUMNS
 from benchsuite.report.tables import search_table as cell_rows
-from benchsuite.search import format_gb
+from benchsuite.results.manifest import ServerRecord
+from benchsuite.run.search import format_gb
 
 TITLE = "Budget searches (llama.cpp --n-cpu-moe N, paged K)"
 INTRO = (

@@ -2,7 +2,7 @@
 markdown and CSV is textout's and html's business).
 
 Every table keeps the cell ids its numbers come from, so any figure can be traced back to the raw
-rows. Ratios compare repeats and carry a verdict from benchsuite.stats: the ratio of geometric means
+rows. Ratios compare repeats and carry a verdict from benchsuite.report.stats: the ratio of geometric means
 over ok repeats with its 95% interval, "significant" when that interval excludes 1, "not enough
 repeats" when a side has fewer than stats.MIN_REPEATS ok repeats.
 """
@@ -14,9 +14,9 @@ from typing import Any
 
 import pandas as pd
 
-from benchsuite import stats
 from benchsuite.engines import traits_of
 from benchsuite.engines.base import FIRST_SEARCH_OPTION
+from benchsuite.report import stats
 from benchsuite.report.budget import over_budget
 from benchsuite.report.groups import Spread, is_synthetic, routing_label
 from benchsuite.report.noise import busy_cells, load_text
@@ -35,7 +35,7 @@ def headline_metric(concurrency: int) -> str:
 
 
 def ratio_estimate(numerator: Spread, denominator: Spread) -> stats.RatioEstimate | None:
-    """numerator / denominator over repeats (benchsuite.stats); None with too few repeats."""
+    """numerator / denominator over repeats (benchsuite.report.stats); None with too few repeats."""
     return stats.ratio_estimate(numerator.values, denominator.values)
 
 

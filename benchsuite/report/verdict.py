@@ -13,7 +13,7 @@ change the reading, beside it.
   budget) is no contender;
 - a mode is (engine kind, mode), synthetic routing apart; its best configuration (best K, best N)
   stands for it; the fastest mode's best configuration is compared with each other mode's best: "A is N x B [low–high]",
-  N = the ratio of geometric means over ok repeats, the 95% interval from benchsuite.stats, and
+  N = the ratio of geometric means over ok repeats, the 95% interval from benchsuite.report.stats, and
   "significant" only for a discovery after Benjamini-Hochberg over all the page's comparisons (too
   few repeats: "not enough repeats", no verdict);
 - caveats (benchsuite.report.caveats): CPU device, random-weight model, synthetic routing, bytes per
@@ -30,7 +30,7 @@ from typing import Any
 
 import pandas as pd
 
-from benchsuite import stats
+from benchsuite.report import stats
 from benchsuite.report.groups import is_synthetic
 from benchsuite.report.tables import fits, headline_metric
 

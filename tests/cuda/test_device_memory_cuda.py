@@ -1,4 +1,4 @@
-"""CUDA checks of benchsuite.device_memory with the real driver library (libnvidia-ml through ctypes):
+"""CUDA checks of benchsuite.tools.device_memory with the real driver library (libnvidia-ml through ctypes):
 - NVML opens, sees the GPU and its total memory;
 - a child process (standing in for an engine: the sampler finds it as a descendant) that allocates
   2 GiB on the device, holds it, then frees it, is measured at a peak of at least 2 GiB plus its
@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from benchsuite import device_memory as dm
+from benchsuite.tools import device_memory as dm
 
 try:
     import pytest

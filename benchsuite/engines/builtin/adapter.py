@@ -41,9 +41,9 @@ from benchsuite.engines.base import (
     options_of,
     searchable_count,
 )
+from benchsuite.engines.search_settings import ResidentExpertsSettings, SearchSettingsAny
 from benchsuite.errors import UserError
-from benchsuite.scrape import scrape_prometheus
-from benchsuite.search_settings import ResidentExpertsSettings, SearchSettingsAny
+from benchsuite.tools.scrape import scrape_prometheus
 from paged_experts.residency import DEFAULT_EVICTION_POLICY, DEFAULT_PREFILL_KEEP
 from paged_experts.server.options import GRAPHABLE_MODES, MODE_OPTION, Namer, ServeOptions, mode_problems, problems
 from paged_experts.server.threads import default_cpu_threads
@@ -344,11 +344,11 @@ class BuiltinAdapter(EngineAdapter):
         # The builtin server reports everything through /metrics; its log carries no extra facts.
         return {}
 
-    # ---- the resident_experts search (benchsuite.search; projection in engines/builtin/memory.py) ----
+    # ---- the resident_experts search (benchsuite.run.search; projection in engines/builtin/memory.py) ----
 
     def vram_budget_bytes(self, spec: ServerSpec) -> int:
         """`vram_budget_gb`, else the memory of the GPU (NVML) on a cuda server."""
-        from benchsuite.device_memory import gpu_total_bytes
+        from benchsuite.tools.device_memory import gpu_total_bytes
 
         opts = self._options(spec)
         if opts.vram_budget_gb is not None:

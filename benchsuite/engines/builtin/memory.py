@@ -1,12 +1,12 @@
 """The built-in engine's device-memory projection per K, for the paged `resident_experts` search.
 
 `projections(...)` -> K -> `KProjection`: the bytes a paged server must hold on the device whatever
-else it does, from benchsuite.preflight's formulas and the runtime's own model shape
+else it does, from benchsuite.tools.preflight's formulas and the runtime's own model shape
 (paged_experts.shape, through the runtime's config: expert bytes in the served format, FP8 scales included):
 `non_expert_weight_bytes + kv_capacity_tokens x kv_bytes_per_token + K x slot_bytes`.
 It is a lower bound: no CUDA context, allocator caches, CUDA graph pools, activations or
 synthetic-router tables. The search rules a K out only when this bound exceeds the budget, and
-guesses the rest (its `overhead_mib`) until a launch measures the peak (benchsuite.search_propose).
+guesses the rest (its `overhead_mib`) until a launch measures the peak (benchsuite.run.search_propose).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchsuite import preflight
 from benchsuite.errors import UserError
+from benchsuite.tools import preflight
 from paged_experts.config import MoeModelConfig
 from paged_experts.shape import dtype_bytes
 

@@ -44,9 +44,9 @@ from benchsuite.engines.base import (
     searchable_count,
 )
 from benchsuite.engines.llamacpp import owned, tuning
+from benchsuite.engines.search_settings import NCpuMoeSettings, SearchSettingsAny
 from benchsuite.errors import UserError
-from benchsuite.scrape import scrape_prometheus
-from benchsuite.search_settings import NCpuMoeSettings, SearchSettingsAny
+from benchsuite.tools.scrape import scrape_prometheus
 from paged_experts.shape import ModelShape
 
 BINARY_NAME = "llama-server"
@@ -283,7 +283,7 @@ class LlamaCppAdapter(EngineAdapter):
     def request_extras(self, spec: ServerSpec) -> dict[str, Any]:
         # timings_per_token: every streamed chunk carries `timings` (predicted_n: the tokens generated so
         # far), including the chunks of tokens whose text is empty (server-context.cpp send_partial_response),
-        # so benchsuite.metrics times token 1 and token n, not the first and last visible text.
+        # so benchsuite.measure.metrics times token 1 and token n, not the first and last visible text.
         extras: dict[str, Any] = {"timings_per_token": True}
         return extras if spec.fairness.prefix_caching else {**extras, "cache_prompt": False}
 
@@ -361,7 +361,7 @@ class LlamaCppAdapter(EngineAdapter):
 
         return parse_server_log(log_text)
 
-    # ---- the n_cpu_moe search (benchsuite.search) ------------------------------------------------
+    # ---- the n_cpu_moe search (benchsuite.run.search) ------------------------------------------------
 
     def vram_budget_bytes(self, spec: ServerSpec) -> int:
         """`vram_budget_gb`, else the physical VRAM of GPU 0 on a GPU build."""

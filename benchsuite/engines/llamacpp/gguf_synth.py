@@ -292,7 +292,7 @@ def write_with_facts(
 ) -> dict[str, Any]:
     """The GGUF, its weightless HF directory and its facts file (written last: its presence says
     the other two are complete); returns the facts."""
-    from benchsuite.machine import git_facts
+    from benchsuite.tools.machine import git_facts
     from paged_experts.synth_memory import write_weightless
 
     s = write_synthetic_gguf(out, preset=preset, layers=layers, seed=seed, workers=workers, log=log)

@@ -38,7 +38,7 @@ _KV_SIZE = re.compile(
 _CONTEXT = re.compile(
     r"^llama_context:\s+(?P<key>n_ctx|n_ctx_seq|n_seq_max|n_batch|n_ubatch|flash_attn|kv_unified)\s*=\s*(?P<value>\S+)"
 )
-_LAUNCH_MARKER = re.compile(r"^# benchsuite: starting ", re.MULTILINE)  # written by benchsuite.process
+_LAUNCH_MARKER = re.compile(r"^# benchsuite: starting ", re.MULTILINE)  # written by benchsuite.run.process
 _PREFIX = re.compile(r"^\d+\.\d+\.\d+\.\d+\s+[A-Z]\s+")
 _BREAKDOWN_ROW = re.compile(r"common_memory_breakdown_print:\s*\|\s*-\s*(?P<device>[^|]+?)\s*\|(?P<body>[^|]*)\|")
 _MOE_CACHE_LINE = re.compile(r"moe[ _-]?cache", re.IGNORECASE)

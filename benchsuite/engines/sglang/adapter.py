@@ -34,7 +34,7 @@ from benchsuite.engines.sglang import constraints as sglang_constraints
 from benchsuite.engines.sglang import logs as sglang_logs
 from benchsuite.engines.sglang.options import SGLangOptions, expand_env
 from benchsuite.records import LoadRequest
-from benchsuite.scrape import scrape_prometheus
+from benchsuite.tools.scrape import scrape_prometheus
 from paged_experts.shape import ModelShape
 
 __all__ = ["SGLangAdapter", "SGLangOptions", "expand_env", "scrape_prometheus"]

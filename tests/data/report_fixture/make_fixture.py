@@ -1,5 +1,5 @@
 """Writes the hand-made results run in this directory (cells/*.json, cells.parquet, cells.csv,
-requests.parquet) from the literal rows below, through benchsuite.store so the layout is the
+requests.parquet) from the literal rows below, through benchsuite.results.store so the layout is the
 store's own; manifest.json (store layout, schema version 2) and model/config.json are written by hand;
 each cell's typed K / N / options come from its server's options in manifest.json. Run it after
 changing a row: `python tests/data/report_fixture/make_fixture.py`. The numbers are chosen so the
@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 from benchsuite.records import CellResult, RequestRecord
-from benchsuite.store import RunStore
+from benchsuite.results.store import RunStore
 
 HERE = Path(__file__).resolve().parent
 RUN_ID = "fixture-run"

@@ -1,0 +1,1 @@
+"""Checks beside the benchmark: preflight's report, cross-engine accuracy, the cross-request leak canary."""

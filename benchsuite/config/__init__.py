@@ -1,0 +1,1 @@
+"""The matrix: YAML read safely, validated, expanded into servers and cells (the plan)."""

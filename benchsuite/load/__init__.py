@@ -1,0 +1,1 @@
+"""The load generator: prompts, the streaming client, SSE parsing, closed-loop and Poisson load."""
