@@ -3,7 +3,7 @@
 Owns the mapping from HF field names (qwen3_moe) to the runtime's names and what the runtime
 refuses (dense layers, attention bias, scaled RoPE). The byte sizes (one expert, one slot across
 all MoE layers, KV per token) are the shape's (`paged_experts.shape.ModelShape`, via `.shape`);
-preflight formulas that combine them with a machine's budget live in `benchsuite.preflight`.
+preflight formulas that combine them with a machine's budget live in `benchsuite.tools.preflight`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Owns the reading of an HF `config.json` (qwen3_moe / qwen2_moe / mixtral naming,
 a generated preset, and the byte formulas of DESIGN.md section 3 that depend on the model alone:
 one expert per stored format, one slot (an expert in every MoE layer), KV per token, the weights
 that stay on the device, all experts (the pinned host store). Formulas that combine these with a
-machine (the K that fits a budget, miss rates, the link) live in `benchsuite.preflight`; the
+machine (the K that fits a budget, miss rates, the link) live in `benchsuite.tools.preflight`; the
 runtime's own config (`paged_experts.config.MoeModelConfig`) takes its sizes from here.
 
 No torch: the suite reads shapes at matrix load and in the report without importing it.
