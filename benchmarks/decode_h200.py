@@ -1,6 +1,6 @@
 """Decode tok/s of the 48-layer Qwen3-30B-A3B-shaped model in every mode, against its roofline.
 
-The model is built in memory (`paged_experts.synth_memory`: seeded random bf16 weights, one pinned
+The model is built in memory (`paged_experts.weights.synth_memory`: seeded random bf16 weights, one pinned
 host store shared by every mode), so no 58 GB checkpoint is written. One process runs every cell:
 for each mode a model is placed from the shared host store; for each routing source and batch B,
 B prompts are prefilled, `--warmup` decode steps are discarded, then decode steps are timed
@@ -37,14 +37,15 @@ from typing import Any
 
 import torch
 
-from paged_experts import pinned, synth_memory
 from paged_experts.kernels import moe_tiles
 from paged_experts.kernels.fused import grouped_backend
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
-from paged_experts.residency import LayerResidency
+from paged_experts.residency import pinned
+from paged_experts.residency.policies import LayerResidency
+from paged_experts.residency.store import ExpertTensors
 from paged_experts.runtime import RuntimeConfig
-from paged_experts.store import ExpertTensors
+from paged_experts.weights import synth_memory
 
 SCHEMA_VERSION = 1
 DEFAULT_MODES = (  # most important first: a --deadline-s cut drops the tail
@@ -153,7 +154,7 @@ def measure_pagein_paths(host: ExpertTensors, expert_bytes: int, slots_n: int = 
     host-planned) against the device-planned Triton kernel reading pinned memory (plan padded to
     `slots_n` entries as in a graph). CUDA events around 5 repetitions after a warm-up."""
     from paged_experts.kernels.copy_kernel import copy_planned, graph_safe
-    from paged_experts.store import PageInEngine
+    from paged_experts.residency.store import PageInEngine
 
     dev = torch.device("cuda")
     e = host.num_rows
@@ -337,7 +338,9 @@ def main(argv: list[str] | None = None) -> int:
         "--modes", default=DEFAULT_MODES, help="mode[/option+option], options: " + ", ".join(VARIANT_OPTIONS)
     )
     ap.add_argument("--batches", default="1,4")
-    ap.add_argument("--routings", default="model,qwen3-30b-a3b", help="'model' and/or paged_experts.routing specs")
+    ap.add_argument(
+        "--routings", default="model,qwen3-30b-a3b", help="'model' and/or paged_experts.routing.sources specs"
+    )
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=32)
@@ -421,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
             if routing == "model":
                 model.router_override = None
             else:
-                from paged_experts.routing import make_router
+                from paged_experts.routing.sources import make_router
 
                 model.router_override = make_router(routing, cfg, args.seed)
             for b in batches:

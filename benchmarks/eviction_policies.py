@@ -1,5 +1,5 @@
 """Eviction policies compared by the paging simulator: LRU, plain LFU, LFU with aging (`lfu-decay`,
-paged_experts.residency.DecayedLfuPolicy, at several half-lives) and Belady's offline optimum as
+paged_experts.residency.policies.DecayedLfuPolicy, at several half-lives) and Belady's offline optimum as
 the bound, per trace x phase x concurrency x K (benchsuite.tools.simulate, the runtime's own residency code).
 
 Phases: `decode` replays decode steps only (every step one token per active request); `prefill`
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from benchsuite.tools.simulate import SimOptions, simulate
-from paged_experts.trace import read_trace
+from paged_experts.routing.trace import read_trace
 
 
 def _ints(text: str) -> tuple[int, ...]:

@@ -28,13 +28,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pagein import copy_ceiling_gbps
 
-from paged_experts import synth_memory
 from paged_experts.kernels.copy_kernel import copy_planned
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
-from paged_experts.routing import make_router
+from paged_experts.residency.store import ExpertTensors, PageInEngine
+from paged_experts.routing.sources import make_router
 from paged_experts.runtime import RuntimeConfig
-from paged_experts.store import ExpertTensors, PageInEngine
+from paged_experts.weights import synth_memory
 
 E, H, INTER = 128, 2048, 768
 

@@ -5,7 +5,7 @@ each mode and batch size: one prefill step of B prompts, then `--decode` batched
 Reported per cell: decode tok/s, prefill seconds, and the runtime's own counters over the decode
 steps (hit rate, union and waves per layer-step, host->device bytes per step, copy time share).
 Routing is either the checkpoint's router on random weights (`--routing model`: close to uniform,
-NOT natural-text locality) or a synthetic routing preset from `paged_experts.routing`; the output
+NOT natural-text locality) or a synthetic routing preset from `paged_experts.routing.sources`; the output
 states which. Only the layers present are run, so tok/s is for those layers, not a 48-layer model.
 
     python benchmarks/paged_decode.py --out decode.json [--layers 4] [--modes resident,paged:16,offload]
@@ -25,7 +25,7 @@ import torch
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.runtime import RuntimeConfig
-from paged_experts.synth import write_checkpoint
+from paged_experts.weights.synth import write_checkpoint
 
 
 def runtime_for(mode: str, device: str) -> RuntimeConfig:
@@ -77,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--decode", type=int, default=32)
-    ap.add_argument("--routing", default="model", help="'model' or a paged_experts.routing spec, e.g. qwen3-30b-a3b")
+    ap.add_argument(
+        "--routing", default="model", help="'model' or a paged_experts.routing.sources spec, e.g. qwen3-30b-a3b"
+    )
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode in args.modes.split(","):
         model = MoeCausalLM.from_pretrained(model_dir, runtime_for(mode, args.device))
         if args.routing != "model":
-            from paged_experts.routing import make_router
+            from paged_experts.routing.sources import make_router
 
             model.router_override = make_router(args.routing, model.config, 0)
         for batch in (int(b) for b in args.batches.split(",")):

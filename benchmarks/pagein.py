@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from paged_experts.store import ExpertTensors, PageInEngine
+from paged_experts.residency.store import ExpertTensors, PageInEngine
 
 NOMINAL_CEILING_GBPS = 54.0
 

@@ -1,6 +1,6 @@
 """Paged prefill against its page-in floor, in process, on the 48-layer Qwen3-30B-A3B-shaped model.
 
-One process, one pinned host store (`paged_experts.synth_memory`, seeded bf16 weights) shared by
+One process, one pinned host store (`paged_experts.weights.synth_memory`, seeded bf16 weights) shared by
 every cell. Per cell (mode, K, routing, prefill residency policy, page-in path): one warm-up prompt,
 then `--repeats` prompts of `--prompt` tokens (fresh random token ids, one engine step each, the
 model's state carried from one to the next as in a server), each followed by `--decode` eager decode
@@ -38,11 +38,11 @@ from typing import Any
 import torch
 
 import paged_experts.moe.paged as paged_module
-from paged_experts import synth_memory
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
-from paged_experts.routing import make_router
+from paged_experts.routing.sources import make_router
 from paged_experts.runtime import RuntimeConfig
+from paged_experts.weights import synth_memory
 
 SCHEMA_VERSION = 1
 PATHS = ("streamed", "serial")
@@ -216,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="qwen3-30b-a3b-shape")
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--ks", default="16,32,64")
-    ap.add_argument("--routings", default="qwen3-30b-a3b,model", help="'model' and/or paged_experts.routing specs")
+    ap.add_argument(
+        "--routings", default="qwen3-30b-a3b,model", help="'model' and/or paged_experts.routing.sources specs"
+    )
     ap.add_argument("--keeps", default="recent,lru", help="prefill residency policies (the first is the default path)")
     ap.add_argument("--paths", default="streamed,serial", help=f"page-in paths: {', '.join(PATHS)}")
     ap.add_argument("--prompt", type=int, default=2048)

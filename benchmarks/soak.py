@@ -240,7 +240,7 @@ async def drive(base: str, config: SoakConfig, pid: int, result: SoakResult) -> 
 async def soak(config: SoakConfig, log_dir: Path) -> SoakResult:
     """Start the server, drive it for config.duration_s, check it, always stop it."""
     if config.model is None:
-        from paged_experts.synth import ensure_tiny
+        from paged_experts.weights.synth import ensure_tiny
 
         model = str(ensure_tiny())
     else:

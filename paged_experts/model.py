@@ -25,10 +25,8 @@ import torch.nn.functional as F
 
 from paged_experts.attention import attend, attention_out, causal_mask, project_qkv, rms_norm, rope_tables
 from paged_experts.config import MoeModelConfig
-from paged_experts.counters import PagingCounters, TalliedCounters
-from paged_experts.graphs import GraphedDecoder
+from paged_experts.decode.graphs import GraphedDecoder
 from paged_experts.kv import KvPool, KvSequence, SeqChunk
-from paged_experts.loader import AttentionWeights, DenseWeights, LoadedModel, load
 from paged_experts.moe import (
     EXPERT_KERNELS,
     MoeLayer,
@@ -37,9 +35,11 @@ from paged_experts.moe import (
     RoutingObserver,
     StepContext,
 )
-from paged_experts.residency import LayerResidency
+from paged_experts.residency.counters import PagingCounters, TalliedCounters
+from paged_experts.residency.policies import LayerResidency
 from paged_experts.runtime import RuntimeConfig
 from paged_experts.step import StepLogits
+from paged_experts.weights.loader import AttentionWeights, DenseWeights, LoadedModel, load
 
 __all__ = ["MoeCausalLM", "SeqChunk", "StepLogits", "rms_norm"]
 
@@ -83,8 +83,8 @@ class MoeCausalLM:
     @classmethod
     def from_pretrained(cls, path: str | Path, runtime: RuntimeConfig, expert_kernel: str = "fused") -> MoeCausalLM:
         """An HF checkpoint directory, or a synthetic model built in memory: a `synth:PRESET?layers=N&seed=S`
-        path or a weightless directory written by `paged_experts.synth_memory` (no safetensors)."""
-        from paged_experts import synth_memory
+        path or a weightless directory written by `paged_experts.weights.synth_memory` (no safetensors)."""
+        from paged_experts.weights import synth_memory
 
         loaded = synth_memory.load_synthetic(path, runtime) if synth_memory.is_synthetic(path) else load(path, runtime)
         return cls(loaded, runtime, expert_kernel)
@@ -94,7 +94,7 @@ class MoeCausalLM:
         cls, preset: str, runtime: RuntimeConfig, layers: int | None = None, seed: int = 0, expert_kernel: str = "fused"
     ) -> MoeCausalLM:
         """A model with seeded random weights built straight into the host store and device slots."""
-        from paged_experts import synth_memory
+        from paged_experts.weights import synth_memory
 
         return cls(synth_memory.build(preset, runtime, layers=layers, seed=seed), runtime, expert_kernel)
 

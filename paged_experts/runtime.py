@@ -13,7 +13,12 @@ import torch
 
 from paged_experts.config import TORCH_DTYPES, MoeModelConfig
 from paged_experts.kernels.fused import check_expert_backend
-from paged_experts.residency import DEFAULT_EVICTION_POLICY, DEFAULT_PREFILL_KEEP, EVICTION_POLICIES, PREFILL_KEEP
+from paged_experts.residency.policies import (
+    DEFAULT_EVICTION_POLICY,
+    DEFAULT_PREFILL_KEEP,
+    EVICTION_POLICIES,
+    PREFILL_KEEP,
+)
 
 Mode = Literal["resident", "paged", "offload", "cpu-experts"]
 MODES: tuple[str, ...] = ("resident", "paged", "offload", "cpu-experts")

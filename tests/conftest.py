@@ -10,7 +10,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A freshly generated `tiny` checkpoint (HF layout + tokenizer), once per test session."""
-    from paged_experts.synth import write_checkpoint
+    from paged_experts.weights.synth import write_checkpoint
 
     return write_checkpoint("tiny", tmp_path_factory.mktemp("tiny") / "ckpt")
 

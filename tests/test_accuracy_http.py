@@ -4,7 +4,7 @@ Paged (K = top_k, so every step pages and runs several waves) against resident m
 same comparison with a fault injected into the paged side must fail. The fault is the one
 DESIGN.md section 4 names: a per-expert tensor that page-in forgets, so paged experts run with
 another expert's values. It is injected through the server's loader seam
-(`serve.create_app(config, loader)`) and `paged_experts.store.EXPERT_TENSORS` (the tuple page-in
+(`serve.create_app(config, loader)`) and `paged_experts.residency.store.EXPERT_TENSORS` (the tuple page-in
 walks), so no production code carries a fault flag.
 """
 
@@ -21,7 +21,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from conftest import wait_healthy  # tests/ is on sys.path under pytest
 
-import paged_experts.store
+import paged_experts.residency.store
 from benchsuite.checks import accuracy
 from benchsuite.cli import main as cli_main
 from benchsuite.engines.base import Fairness
@@ -89,7 +89,7 @@ async def test_a_page_in_that_skips_one_expert_tensor_fails_the_check(
 ) -> None:
     # Every page-in in this process now copies gate and up but not down: slots keep the evicted
     # expert's down projection. The resident server never pages, so only the paged side is wrong.
-    monkeypatch.setattr(paged_experts.store, "EXPERT_TENSORS", ("gate", "up"))
+    monkeypatch.setattr(paged_experts.residency.store, "EXPERT_TENSORS", ("gate", "up"))
     faulty, faulty_url = await serve(
         ServeOptions(model_path=str(tiny_model_dir), mode="paged", resident_experts=4, max_total_tokens=512)
     )

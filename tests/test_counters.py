@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from paged_experts.counters import PagingCounters, TalliedCounters
+from paged_experts.residency.counters import PagingCounters, TalliedCounters
 
 
 def test_step_batches_and_single_layers_tally_like_the_host() -> None:

@@ -1,4 +1,4 @@
-"""Device-side residency (paged_experts.device_residency) on CPU tensors:
+"""Device-side residency (paged_experts.residency.device) on CPU tensors:
 - its one-wave plans equal the host LRU planner's (`LayerResidency`) step by step: hits, misses,
   which expert goes to which slot, the slot of every pair; also when host-planned multi-wave
   steps interleave (the two share one state through pull_to / push_from);
@@ -14,13 +14,13 @@ import random
 import pytest
 import torch
 
-from paged_experts.device_residency import DeviceResidency
 from paged_experts.kernels.copy_kernel import copy_planned
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
-from paged_experts.residency import LayerResidency
+from paged_experts.residency.device import DeviceResidency
+from paged_experts.residency.policies import LayerResidency
+from paged_experts.residency.store import ExpertTensors
 from paged_experts.runtime import RuntimeConfig
-from paged_experts.store import ExpertTensors
 
 PATH = "synth:tiny?layers=2&seed=1"  # 32 experts, top_k 4
 PROMPTS = ([5, 17, 300, 41, 9], [800, 2, 64], [11, 12, 13, 14])
@@ -169,7 +169,7 @@ def test_static_decode_with_synthetic_routing_matches_eager(mode: str) -> None:
     """The calibrated synthetic router in the graph: its ids for every layer are drawn inside the
     step from the request ordinals and positions in its inputs; same draws as the eager path (one
     plan per step), so same counters."""
-    from paged_experts.routing import make_router
+    from paged_experts.routing.sources import make_router
 
     def build() -> MoeCausalLM:
         model = (
@@ -269,7 +269,7 @@ def test_prepare_decode_runs_every_step_shape_and_leaves_the_model_as_loaded(rou
     pool) and runs eager steps of the other batch sizes, then rewinds the residency and zeroes the
     counters: outputs and counters then equal an unprepared model's, and every slot holds the expert
     its map names (a warm-up that rewound the map but not the slots would serve other weights)."""
-    from paged_experts.routing import make_router
+    from paged_experts.routing.sources import make_router
 
     def build() -> MoeCausalLM:
         model = _paged(12, "on")

@@ -13,7 +13,7 @@ from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.runtime import RuntimeConfig
 from paged_experts.server.engine import Engine, EngineConfig, SamplingParams
-from paged_experts.synth import ensure_tiny
+from paged_experts.weights.synth import ensure_tiny
 
 PROMPTS = ([5, 17, 300, 42, 9], [800, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [600, 601, 2, 77])
 NEW_TOKENS = 12

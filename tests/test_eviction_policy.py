@@ -22,10 +22,10 @@ from benchsuite.report.build import build_report_data
 from benchsuite.report.paging_figures import HIT_RATE_TITLE, hit_rate_table
 from benchsuite.results.stored_files import read_cells
 from benchsuite.tools.simulate import SimOptions, check_policy, simulate
-from paged_experts.residency import DecayedLfuPolicy, LayerResidency, LfuPolicy, LruPolicy, make_policy
+from paged_experts.residency.policies import DecayedLfuPolicy, LayerResidency, LfuPolicy, LruPolicy, make_policy
+from paged_experts.routing.trace import TraceMeta, build_trace, read_trace
 from paged_experts.runtime import RuntimeConfig
 from paged_experts.server.launch import parse_args
-from paged_experts.trace import TraceMeta, build_trace, read_trace
 
 
 def test_scores_halve_every_half_life_and_count_once_per_step() -> None:
@@ -127,7 +127,7 @@ def test_simulator_ranks_the_policies_on_a_trace_with_a_known_answer() -> None:
 
 def test_cli_accepts_a_half_life_and_names_a_bad_one(tmp_path: Path, capsys) -> None:
     path = tmp_path / "t.trace"
-    from paged_experts.trace import save_trace
+    from paged_experts.routing.trace import save_trace
 
     save_trace(_trace([[1], [2], [1], [3]], 4, 1), path)
     assert cli_main(["simulate", str(path), "--k", "2", "--policy", "lru,lfu-decay:4,belady"]) == 0

@@ -1,4 +1,4 @@
-"""Block-FP8 experts (paged_experts/fp8.py) on the tiny-fp8 generated checkpoint, CPU, fp32 compute:
+"""Block-FP8 experts (paged_experts/weights/fp8.py) on the tiny-fp8 generated checkpoint, CPU, fp32 compute:
 - FP8 paged == FP8 resident bit for bit for every K from top_k to E (multi-wave steps included),
   device-planned paged and graphed (uncaptured) decode too; offload and cpu-experts equal resident;
 - counters: an expert's bytes are its FP8 weights plus their float32 block scales;
@@ -15,12 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import paged_experts.store as store_mod
-from paged_experts import fp8
+import paged_experts.residency.store as store_mod
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.runtime import RuntimeConfig
-from paged_experts.synth import write_checkpoint
+from paged_experts.weights import fp8
+from paged_experts.weights.synth import write_checkpoint
 
 PROMPTS = ([5, 17, 300, 41, 9, 77], [800, 2, 64, 64], [11, 12, 13, 14, 15, 16, 17])
 DECODE = ([40, 41, 42], [7, 700, 70], [1000, 3, 33])
@@ -219,7 +219,7 @@ def test_runtime_expert_bytes_equal_the_preflight_formula_at_the_published_shape
     """The counters' FP8 expert bytes (weights + scales) are the shape's `expert_bytes_fp8_block`: 4.72 MB."""
     from benchsuite.tools import preflight
     from paged_experts.config import MoeModelConfig
-    from paged_experts.synth import PRESETS, hf_config_for
+    from paged_experts.weights.synth import PRESETS, hf_config_for
 
     hf = hf_config_for(PRESETS["qwen3-30b-a3b-fp8-shape"], 151936, 151643, 151645)
     cfg = MoeModelConfig.from_hf_config(hf)

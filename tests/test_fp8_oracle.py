@@ -23,7 +23,7 @@ import torch
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.runtime import RuntimeConfig
-from paged_experts.synth import write_checkpoint
+from paged_experts.weights.synth import write_checkpoint
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("torch_one_thread")

@@ -14,12 +14,12 @@ import json
 import pytest
 import torch
 
-from paged_experts import synth_memory
 from paged_experts.kernels.fused import expert_mlp, group_pairs
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
+from paged_experts.residency.store import ExpertTensors
 from paged_experts.runtime import RuntimeConfig
-from paged_experts.store import ExpertTensors
+from paged_experts.weights import synth_memory
 
 PATH = "synth:tiny?layers=2&seed=1"
 PROMPTS = ([5, 17, 300, 41, 9], [800, 2, 64], [11, 12, 13, 14])

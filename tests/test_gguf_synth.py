@@ -13,8 +13,8 @@ import pytest
 
 from benchsuite.engines.llamacpp.gguf_export import export_gguf, iter_tensor_bytes, plan_tensors
 from benchsuite.engines.llamacpp.gguf_synth import LUT8, LUT_STD, expert_bytes, synthetic_shapes, write_synthetic_gguf
-from paged_experts.synth import PRESETS, hf_config_for
-from paged_experts.weightgen import exponent_for
+from paged_experts.weights.synth import PRESETS, hf_config_for
+from paged_experts.weights.weightgen import exponent_for
 
 
 @pytest.fixture(scope="module")

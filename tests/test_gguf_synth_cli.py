@@ -15,7 +15,7 @@ from benchsuite.engines.base import Fairness, ServerSpec
 from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter, LlamaCppOptions
 from benchsuite.engines.llamacpp.build import install_dir
 from benchsuite.engines.llamacpp.gguf_synth import read_facts, write_synthetic_gguf
-from paged_experts.synth import PRESETS
+from paged_experts.weights.synth import PRESETS
 
 CPU_SERVER = install_dir(cuda=False) / "bin" / "llama-server"
 

@@ -20,7 +20,7 @@ MODE_OPTIONS = {"model", "device", "dtype", "mode", "resident_experts", "n_cpu_m
 
 @pytest.fixture
 def stand_ins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from paged_experts.synth_memory import write_weightless
+    from paged_experts.weights.synth_memory import write_weightless
 
     # the real shapes (48 layers, 128 experts): the matrix checks K and N against config.json when it loads
     monkeypatch.setenv("BENCH_H200_MODEL", str(write_weightless("qwen3-30b-a3b-shape", tmp_path / "q48")))

@@ -82,7 +82,7 @@ async def _llama_greedy(base_url: str, prompts: list[list[int]], n_new: int) -> 
 async def test_f32_gguf_agrees_with_the_builtin_engine(tmp_path):
     from tokenizers import Tokenizer
 
-    from paged_experts.synth import ensure_tiny
+    from paged_experts.weights.synth import ensure_tiny
 
     model_dir = Path(ensure_tiny())
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))

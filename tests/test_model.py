@@ -12,7 +12,7 @@ from paged_experts.config import MoeModelConfig
 from paged_experts.kv import KvCapacityError, KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.runtime import RuntimeConfig
-from paged_experts.synth import write_checkpoint
+from paged_experts.weights.synth import write_checkpoint
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 

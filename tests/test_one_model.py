@@ -31,8 +31,8 @@ from benchsuite.engines.base import Fairness, ServerSpec
 from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter, LlamaCppOptions, find_binary
 from benchsuite.engines.llamacpp.gguf_synth import write_synthetic_gguf
 from benchsuite.run.process import EngineProcess, free_port
-from paged_experts import weightgen
-from paged_experts.synth_memory import write_weightless
+from paged_experts.weights import weightgen
+from paged_experts.weights.synth_memory import write_weightless
 
 NEW_TOKENS = 16
 AGREEMENT_FLOOR = 0.9

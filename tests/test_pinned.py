@@ -1,4 +1,4 @@
-"""Exact-size pinned store (paged_experts/pinned.py) on the CPU, through a fake registrar: the
+"""Exact-size pinned store (paged_experts/residency/pinned.py) on the CPU, through a fake registrar: the
 layout, the three views, one registration of the exact size, and its release when the last tensor
 that can reach the block (views and their slices) is gone. tests/cuda/test_pinned_cuda.py runs the
 same on a GPU with the real driver calls."""
@@ -11,8 +11,8 @@ import logging
 import pytest
 import torch
 
-from paged_experts import pinned
-from paged_experts.store import ExpertTensors
+from paged_experts.residency import pinned
+from paged_experts.residency.store import ExpertTensors
 
 E, H, INTER = 6, 64, 40  # down's rows are 64 x 40 x 2 = 5120 bytes: not a multiple of the alignment
 
@@ -134,7 +134,7 @@ def test_falls_back_to_torch_and_says_why(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fake: FakeRegistrar, reason: str
 ) -> None:
     fake_torch_pinned(monkeypatch)
-    with caplog.at_level(logging.WARNING, logger="paged_experts.pinned"):
+    with caplog.at_level(logging.WARNING, logger="paged_experts.residency.pinned"):
         gate, up, down = pinned.empty_pinned(shapes(), torch.bfloat16, fake)
     assert reason in caplog.text
     assert gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()

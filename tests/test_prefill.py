@@ -11,7 +11,7 @@ import torch
 
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
-from paged_experts.residency import PREFILL_KEEP, LayerResidency
+from paged_experts.residency.policies import PREFILL_KEEP, LayerResidency
 from paged_experts.runtime import RuntimeConfig
 
 PROMPT = [(37 * i + 11) % 1000 for i in range(320)]  # 320 tokens: the union is E in every layer
@@ -139,7 +139,7 @@ def test_decode_steps_and_resident_models_count_no_prefill() -> None:
 
 
 def test_router_override_time_is_counted_in_prefill_steps() -> None:
-    from paged_experts.routing import make_router
+    from paged_experts.routing.sources import make_router
 
     model = paged(TINY, 8)
     model.router_override = make_router("qwen3-30b-a3b", model.config, seed=1)
@@ -170,7 +170,7 @@ def test_recent_leaves_the_last_tokens_experts_where_lru_does_not() -> None:
 
 def test_prefill_marks_do_not_pile_up_without_snapshots() -> None:
     """A server that is never scraped keeps at most 64 prefill steps' marks; the totals stay exact."""
-    from paged_experts.counters import PagingCounters
+    from paged_experts.residency.counters import PagingCounters
 
     counters = PagingCounters(num_layers=2, expert_bytes=10, mode="paged")
     for i in range(200):

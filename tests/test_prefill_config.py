@@ -16,7 +16,7 @@ PATH = Path(__file__).resolve().parent.parent / "configs" / "h200" / "prefill.ya
 
 
 def test_prefill_matrix_plans_what_the_issue_asks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
-    from paged_experts.synth_memory import write_weightless
+    from paged_experts.weights.synth_memory import write_weightless
 
     # the real shapes (48 layers, 128 experts): the matrix checks K against config.json when it loads
     monkeypatch.setenv("BENCH_H200_MODEL", str(write_weightless("qwen3-30b-a3b-shape", tmp_path / "q48")))

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_experts.residency import PREFILL_KEEP, LayerResidency, LfuPolicy
+from paged_experts.residency.policies import PREFILL_KEEP, LayerResidency, LfuPolicy
 
 
 class BruteForceLru:

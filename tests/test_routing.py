@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from benchsuite.tools.simulate import SimOptions, simulate
-from paged_experts.routing import (
+from paged_experts.routing.sources import (
     QWEN3_30B_A3B,
     RoutingParams,
     RoutingProcess,
@@ -19,7 +19,7 @@ from paged_experts.routing import (
     routing_label,
     synth_stream,
 )
-from paged_experts.trace import synthesize_trace
+from paged_experts.routing.trace import synthesize_trace
 
 PUBLISHED_LRU = {8: 0.424, 16: 0.647, 32: 0.810, 64: 0.918}
 PUBLISHED_OVERLAP = 0.427

@@ -1,4 +1,4 @@
-"""The counter-based synthetic routing draw (paged_experts.routing_draw): a pure function of (seed,
+"""The counter-based synthetic routing draw (paged_experts.routing.draw): a pure function of (seed,
 request, position, layer); distinct, in-range ids; the Triton kernel equal to the torch draw bit for
 bit in the interpreter (TRITON_INTERPRET=1, in a child interpreter: Triton reads it at import)."""
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from paged_experts.routing import RoutingProcess, parse_spec
+from paged_experts.routing.sources import RoutingProcess, parse_spec
 
 # (layers, experts, top_k, spec): k not a power of two, E not a power of two, a strong reuse, the preset
 DRAW_CASES = ((3, 16, 4, "qwen3-30b-a3b"), (2, 10, 3, "reuse:0.6,recency:0.9,zipf:1.5"), (2, 128, 8, "qwen3-30b-a3b"),

@@ -76,7 +76,7 @@ def model_copy(tiny_model_dir: Path, tmp_path: Path) -> Path:
 def weightless_model(tmp_path: Path) -> str:
     """A model directory that exists (a missing one stops the run before the lock is even asked for);
     nothing starts: the lock refuses first."""
-    from paged_experts.synth_memory import write_weightless
+    from paged_experts.weights.synth_memory import write_weightless
 
     return str(write_weightless("tiny", tmp_path / "weightless"))
 

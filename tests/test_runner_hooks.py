@@ -31,7 +31,7 @@ except ImportError:  # run from inside tests/
     from test_runner import FakeAdapter, matrix, only_run_dir, run_cli  # type: ignore[no-redef]
     from test_sglang_routing import CONFIG, _fake_sglang  # type: ignore[no-redef]
 
-from paged_experts.trace import read_trace
+from paged_experts.routing.trace import read_trace
 
 # SGLang 0.5.23 lines (formats from benchsuite.engines.sglang.logs): paged K=26, decode graphs up to batch 3,
 # a KV pool of 10,000 tokens where the matrix fixed 10,240. A backslash at a line end continues the log line.

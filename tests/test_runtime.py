@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import paged_experts.store as store_mod
+import paged_experts.residency.store as store_mod
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
-from paged_experts.residency import LayerResidency
+from paged_experts.residency.policies import LayerResidency
 from paged_experts.runtime import RuntimeConfig
-from paged_experts.synth import write_checkpoint
+from paged_experts.weights.synth import write_checkpoint
 
 PROMPTS = ([5, 17, 300, 41, 9, 77, 123], [800, 2, 64, 64, 901], [11, 12, 13, 14, 15, 16, 17, 18, 19])
 DECODE = ([40, 41, 42], [7, 700, 70], [1000, 3, 33])  # fixed tokens per decode step, one per sequence

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.runtime import RuntimeConfig
-from paged_experts.synth import write_checkpoint
+from paged_experts.weights.synth import write_checkpoint
 
 KS = (4, 5, 9, 17, 31)
 NUM_EXPERTS, TOP_K, NUM_LAYERS = 32, 4, 4

@@ -121,7 +121,7 @@ def test_k_range_keeps_one_wave_at_the_highest_concurrency_unless_told() -> None
 
 
 def test_projection_is_linear_in_k_with_the_slot_of_the_served_format(tmp_path) -> None:
-    from paged_experts.synth import ensure_tiny
+    from paged_experts.weights.synth import ensure_tiny
 
     model = ensure_tiny()
     proj = memory.projections(model, "float32", 256, range(2, 9))

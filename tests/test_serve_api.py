@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchsuite.tools.scrape import parse_prometheus
-from paged_experts.counters import PagingCounters
+from paged_experts.residency.counters import PagingCounters
 from paged_experts.server.engine import FinishedRequest
 from paged_experts.server.metrics import EngineGauges, ServerMetrics
 from paged_experts.server.protocol import (
@@ -19,7 +19,7 @@ from paged_experts.server.protocol import (
     validate,
 )
 from paged_experts.server.text import ChatTurn, Detokenizer, StopMatcher, TextCodec
-from paged_experts.synth import ensure_tiny
+from paged_experts.weights.synth import ensure_tiny
 
 
 def refused(model: type, body: dict) -> ApiError:

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 from benchsuite.tools.scrape import parse_prometheus
+from paged_experts.routing.trace import read_trace
 from paged_experts.server.launch import parse_args
-from paged_experts.synth import ensure_tiny
-from paged_experts.trace import read_trace
+from paged_experts.weights.synth import ensure_tiny
 
 STARTUP_TIMEOUT_S = 120.0
 

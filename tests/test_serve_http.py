@@ -17,7 +17,7 @@ from paged_experts.server.app import create_app
 from paged_experts.server.launch import load_serving
 from paged_experts.server.options import ServeOptions
 from paged_experts.server.text import ChatTurn, TextCodec
-from paged_experts.synth import ensure_tiny
+from paged_experts.weights.synth import ensure_tiny
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

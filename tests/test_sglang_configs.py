@@ -35,7 +35,7 @@ def env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("SHAREGPT_PATH", str(sharegpt))
     fp8_dir = tmp_path / "models" / "qwen-fp8"  # the builtin rows check that the checkpoint has a config.json
     fp8_dir.mkdir(parents=True)
-    from paged_experts.synth import PRESETS, hf_config_for
+    from paged_experts.weights.synth import PRESETS, hf_config_for
 
     config = hf_config_for(PRESETS["qwen3-30b-a3b-fp8-shape"], 151936, 151643, 151645)
     (fp8_dir / "config.json").write_text(__import__("json").dumps(config))

@@ -18,7 +18,7 @@ from benchsuite.load import loadgen
 from benchsuite.load.openai_http import model_name
 from benchsuite.records import LoadRequest
 from benchsuite.run.process import EngineProcess, free_port
-from paged_experts.synth import ensure_tiny
+from paged_experts.weights.synth import ensure_tiny
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 

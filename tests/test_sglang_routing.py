@@ -21,7 +21,7 @@ from benchsuite.engines.sglang.routing import (
     write_routing_trace,
 )
 from benchsuite.errors import RunError
-from paged_experts.trace import read_trace
+from paged_experts.routing.trace import read_trace
 
 LAYERS, TOP_K, EXPERTS = 4, 2, 8
 CONFIG = {"num_hidden_layers": LAYERS, "num_experts": EXPERTS, "num_experts_per_tok": TOP_K}

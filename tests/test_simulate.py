@@ -11,7 +11,7 @@ import pytest
 
 from benchsuite.cli import main as cli_main
 from benchsuite.tools.simulate import SimOptions, batched_steps, simulate
-from paged_experts.trace import TraceMeta, TraceWriter, build_trace, read_trace, synthesize_trace
+from paged_experts.routing.trace import TraceMeta, TraceWriter, build_trace, read_trace, synthesize_trace
 
 
 def _trace(layouts: list[list[tuple[str, int]]], ids: list[list[int]], num_experts: int, top_k: int):
@@ -101,9 +101,9 @@ def test_simulator_counts_equal_runtime_counters(
 ) -> None:
     from paged_experts.kv import KvPool
     from paged_experts.model import MoeCausalLM, SeqChunk
-    from paged_experts.routing import make_router
+    from paged_experts.routing.sources import make_router
     from paged_experts.runtime import RuntimeConfig
-    from paged_experts.synth import write_checkpoint
+    from paged_experts.weights.synth import write_checkpoint
 
     k_slots = 8
     ckpt = write_checkpoint("tiny", tmp_path / "ckpt", seed=3)

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from paged_experts.config import MoeModelConfig
-from paged_experts.synth import (
+from paged_experts.weights.synth import (
     PRESETS,
     SPECIAL_TOKENS,
     ensure_tiny,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from benchsuite.cli import main as cli_main
-from paged_experts.trace import (
+from paged_experts.routing.trace import (
     TraceMeta,
     TraceWriter,
     import_sglang_routed_experts,

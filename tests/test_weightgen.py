@@ -1,4 +1,4 @@
-"""paged_experts.weightgen: one definition of the generated weights for every engine.
+"""paged_experts.weights.weightgen: one definition of the generated weights for every engine.
 
 - numpy and torch compute the same LUT indices (bytes) for any chunk, at any offset;
 - every value is exact in bf16, and the Q8_0 quants of the synthetic GGUF are the bf16 experts;
@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from benchsuite.engines.llamacpp.gguf_synth import write_synthetic_gguf
-from paged_experts import synth_memory, weightgen
-from paged_experts.synth import write_checkpoint
+from paged_experts.weights import synth_memory, weightgen
+from paged_experts.weights.synth import write_checkpoint
 
 Q = gguf.GGMLQuantizationType
 
@@ -81,7 +81,7 @@ def test_spread_is_near_sigma() -> None:
 
 
 def _tiny_hf() -> dict[str, int]:
-    from paged_experts.synth_memory import SynthSpec, config_for
+    from paged_experts.weights.synth_memory import SynthSpec, config_for
 
     return weightgen.hf_shape(config_for(SynthSpec("tiny", 2, 0)))
 
@@ -146,7 +146,7 @@ def test_in_memory_model_holds_the_checkpoints_weights(tiny_pair: tuple[Path, Pa
 
 
 def test_fp8_preset_quantizes_the_same_source(tmp_path: Path) -> None:
-    from paged_experts import fp8
+    from paged_experts.weights import fp8
 
     ckpt = write_checkpoint("tiny-fp8", tmp_path / "fp8", layers=1, seed=2)
     w = load_file(str(ckpt / "model.safetensors"))
@@ -188,7 +188,7 @@ def test_a_q8_0_output_layer_keeps_the_silent_rows_zero(tmp_path: Path) -> None:
     skipped the silent tokens' zero rows, so the GGUF's lm_head was no longer the checkpoint's."""
     from tokenizers import Tokenizer
 
-    from paged_experts.synth_memory import write_weightless
+    from paged_experts.weights.synth_memory import write_weightless
 
     g = write_synthetic_gguf(tmp_path / "q8.gguf", preset="tiny", layers=1, seed=3, dense_type="q8_0", workers=1).path
     head = next(t for t in gguf.GGUFReader(g).tensors if t.name == "output.weight")

@@ -1,4 +1,4 @@
-"""The source-weights fingerprint (paged_experts.weights_id), what the adapters record of it, and
+"""The source-weights fingerprint (paged_experts.weights.weights_id), what the adapters record of it, and
 the report's refusal to call two servers "the same model" without it (report/caveats.py)."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from benchsuite.engines.llamacpp.adapter import LlamaCppAdapter, LlamaCppOptions
 from benchsuite.engines.llamacpp.gguf_synth import read_facts, write_with_facts
 from benchsuite.report.caveats import same_model_caveat, source_id
 from benchsuite.results.manifest import ServerRecord
-from paged_experts import weights_id
-from paged_experts.synth import write_checkpoint
-from paged_experts.synth_memory import write_weightless
+from paged_experts.weights import weights_id
+from paged_experts.weights.synth import write_checkpoint
+from paged_experts.weights.synth_memory import write_weightless
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "synth", help="write a seeded synthetic GGUF (Q8_0 experts) of a preset's shape, facts beside it"
     )
     synth.add_argument(
-        "--preset", default="qwen3-30b-a3b-shape", help="a paged_experts.synth preset (default: %(default)s)"
+        "--preset", default="qwen3-30b-a3b-shape", help="a paged_experts.weights.synth preset (default: %(default)s)"
     )
     synth.add_argument("--layers", type=int, default=None, help="MoE layers (default: the preset's)")
     synth.add_argument("--seed", type=int, default=0)
@@ -45,7 +45,7 @@ def main(args: argparse.Namespace) -> int:
 
     model_dir = args.model_dir
     if model_dir == "tiny":
-        from paged_experts.synth import ensure_tiny
+        from paged_experts.weights.synth import ensure_tiny
 
         model_dir = ensure_tiny()
     summary = export_gguf(model_dir, args.out, args.export_type)
@@ -59,7 +59,7 @@ def main(args: argparse.Namespace) -> int:
 def _synth(args: argparse.Namespace) -> int:
     from benchsuite.engines.llamacpp.gguf_synth import facts_path, write_with_facts
     from benchsuite.errors import UserError
-    from paged_experts.synth import PRESETS
+    from paged_experts.weights.synth import PRESETS
 
     if args.preset not in PRESETS:
         raise UserError(f"--preset {args.preset!r}: not a preset (known: {', '.join(sorted(PRESETS))})")

@@ -1,4 +1,4 @@
-"""`benchsuite simulate TRACE`: replay a routing trace through paged_experts.residency
+"""`benchsuite simulate TRACE`: replay a routing trace through paged_experts.residency.policies
 (benchsuite.tools.simulate) and print per-policy / K / concurrency results, per layer on request."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from benchsuite.tools.simulate import (
     check_policy,
     simulate,
 )
-from paged_experts.residency import DEFAULT_PREFILL_KEEP, PREFILL_KEEP
-from paged_experts.trace import read_trace
+from paged_experts.residency.policies import DEFAULT_PREFILL_KEEP, PREFILL_KEEP
+from paged_experts.routing.trace import read_trace
 
 SPEED_MODEL = (
     "predicted tok/s = tokens / sum over steps of max(compute_ms_per_step, step miss bytes / link);"

@@ -1,5 +1,5 @@
 """`benchsuite trace synth|import-sglang|show`: make a synthetic trace, import SGLang routed experts,
-summarise a trace (paged_experts.trace owns the format)."""
+summarise a trace (paged_experts.routing.trace owns the format)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import numpy as np
 
 from benchsuite.errors import UserError
 from benchsuite.tools.preflight import load_shape
-from paged_experts.routing import PRESETS, parse_spec
-from paged_experts.trace import Trace, import_sglang_routed_experts, read_trace, save_trace, synthesize_trace
+from paged_experts.routing.sources import PRESETS, parse_spec
+from paged_experts.routing.trace import Trace, import_sglang_routed_experts, read_trace, save_trace, synthesize_trace
 
 # Shapes of the presets' target model (Qwen3-30B-A3B: 48 MoE layers, E=128, top_k=8).
 PRESET_SHAPES = {"qwen3-30b-a3b": (48, 128, 8)}

@@ -18,8 +18,8 @@ from pathlib import Path
 from benchsuite.engines.base import EngineOptions
 from paged_experts.shape import ModelShape
 
-GENERATED = "tiny"  # the generated test model (paged_experts.synth preset), made on first use
-SYNTH_PREFIX = "synth:"  # in-memory presets of paged_experts.synth_memory
+GENERATED = "tiny"  # the generated test model (paged_experts.weights.synth preset), made on first use
+SYNTH_PREFIX = "synth:"  # in-memory presets of paged_experts.weights.synth_memory
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ def model_shape(options: EngineOptions) -> KnownShape | None:
 
 
 def _preset_shape(model: str) -> KnownShape | None:
-    from paged_experts.synth import PRESETS  # imports torch: only for a generated or synth: model
+    from paged_experts.weights.synth import PRESETS  # imports torch: only for a generated or synth: model
 
     name, _, query = model.removeprefix(SYNTH_PREFIX).partition("?")
     preset = PRESETS.get(name)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from benchsuite.tools.scrape import metric_value
 
 if TYPE_CHECKING:
-    from paged_experts.trace import Trace
+    from paged_experts.routing.trace import Trace
 
 PAGING_DEFINITIONS: dict[str, str] = {
     "miss_rate": "expert misses / (hits + misses) over the cell (engine counters)",

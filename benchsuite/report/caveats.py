@@ -8,7 +8,7 @@
   for paging to exploit;
 - synthetic routing: the cells' routing came from a generator, not the model's router;
 - not the same model: servers whose recorded source-weights fingerprints (`version.weights.source.id`,
-  paged_experts.weights_id) differ, or where one is unknown (an old run, a GGUF without facts), are
+  paged_experts.weights.weights_id) differ, or where one is unknown (an old run, a GGUF without facts), are
   named: a comparison of them is not one model served two ways;
 - bytes per expert that differ between engines (float32 vs bf16 vs FP8 vs a GGUF quantization): a
   faster engine may only be moving fewer bytes;
@@ -38,7 +38,9 @@ _GENERATED_MODELS = ("tiny",)
 _CACHE_MARK = "/.cache/benchsuite/models/"
 
 
-_WEIGHTLESS_MARKER = "synthetic_weights.json"  # paged_experts.synth_memory.write_weightless: weights built at load
+_WEIGHTLESS_MARKER = (
+    "synthetic_weights.json"  # paged_experts.weights.synth_memory.write_weightless: weights built at load
+)
 
 
 def _random_weights(model: str) -> bool:

@@ -68,7 +68,7 @@ def _model_facts(spec: ServerSpec) -> dict[str, Any]:
     if source is None:
         return {}
     if source == "tiny":
-        from paged_experts.synth import ensure_tiny
+        from paged_experts.weights.synth import ensure_tiny
 
         path = Path(ensure_tiny())
     else:

@@ -113,7 +113,7 @@ def _add_optimal_hit_rates(ctx: RunContext, spec: ServerSpec, results: list[Cell
     if replay.recorded:
         note = f"record_routing was set and the server wrote no {trace_path.name} (it did not stop cleanly)"
     if trace_path.is_file() and any(r.miss_rate is not None for r in results):
-        from paged_experts.trace import read_trace  # numpy, only with a trace
+        from paged_experts.routing.trace import read_trace  # numpy, only with a trace
 
         try:
             trace = read_trace(trace_path)

@@ -1,4 +1,4 @@
-"""Paging simulator: replays a routing trace through `paged_experts.residency` (the very
+"""Paging simulator: replays a routing trace through `paged_experts.residency.policies` (the very
 `LayerResidency` and wave planner the runtime uses; Belady through `BeladyPolicy`) and reports per
 layer and in total: hits, misses, hit rate, bytes paged per token, waves per step, union size.
 
@@ -7,7 +7,7 @@ closed loop keeps `concurrency` requests active (a finished request is replaced 
 order of first appearance). Concurrency 0 replays the steps exactly as recorded.
 
 With prefill replayed (`include_prefill`), what a prefill chunk leaves in the slots matters to the
-decode that follows: `prefill_keep` runs each residency policy of `paged_experts.residency.PREFILL_KEEP`
+decode that follows: `prefill_keep` runs each residency policy of `paged_experts.residency.policies.PREFILL_KEEP`
 and every result splits its counts into prefill steps (a chunk of more than one token), decode steps,
 and the first `early_decode_steps` decode steps after a prefill step (`decode`, `early`).
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from paged_experts.residency import (
+from paged_experts.residency.policies import (
     DEFAULT_PREFILL_KEEP,
     POLICIES,
     BeladyPolicy,
@@ -32,7 +32,7 @@ from paged_experts.residency import (
     EvictionPolicy,
     LayerResidency,
 )
-from paged_experts.trace import Chunk, Trace
+from paged_experts.routing.trace import Chunk, Trace
 
 SIM_POLICIES = (*POLICIES, "belady")
 """Policy names; `lfu-decay:<H>` also names the decayed LFU with a half-life of H steps."""

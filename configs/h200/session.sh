@@ -46,8 +46,8 @@ case "${1:-}" in
     detach build "python3 -m benchsuite install llama-server --cuda --source .carry/llama-src.tar.gz --jobs 16 \
       > $JOBS/build_full.log 2>&1; tail -5 $JOBS/build_full.log"
     detach models "set -e; mkdir -p /tmp/h200 /dev/shm/h200
-      time python3 -m paged_experts.synth_memory --preset qwen3-30b-a3b-shape --layers 48 --out /tmp/h200/q48
-      time python3 -m paged_experts.synth_memory --preset qwen3-30b-a3b-fp8-shape --layers 48 --out /tmp/h200/q48-fp8
+      time python3 -m paged_experts.weights.synth_memory --preset qwen3-30b-a3b-shape --layers 48 --out /tmp/h200/q48
+      time python3 -m paged_experts.weights.synth_memory --preset qwen3-30b-a3b-fp8-shape --layers 48 --out /tmp/h200/q48-fp8
       time python3 -m benchsuite gguf synth --preset qwen3-30b-a3b-shape --layers 48 --out /dev/shm/h200/q48-q8_0.gguf"
     ;;
   cuda)

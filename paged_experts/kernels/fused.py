@@ -25,7 +25,7 @@ from paged_experts.experts import route
 from paged_experts.kernels import moe_tiles, moe_triton
 from paged_experts.kernels.moe_grouped_fp8 import block_table, grouped_fp8_mm
 from paged_experts.kernels.moe_tiles import GroupedTiles
-from paged_experts.store import ExpertTensors
+from paged_experts.residency.store import ExpertTensors
 
 _BACKEND: dict[tuple[str, torch.dtype], str] = {}
 """(device type, dtype) -> 'grouped_mm', 'gather_bmm' (CUDA) or 'loop', decided on first use."""

@@ -1,4 +1,4 @@
-"""The calibrated synthetic router's draw (paged_experts.routing_draw) as one Triton kernel, for the
+"""The calibrated synthetic router's draw (paged_experts.routing.draw) as one Triton kernel, for the
 graphed decode step: one program per (token, layer), the k slots as a vector, every step of
 `routing_draw.draw` in the same integer arithmetic, so its ids equal the torch draw's bit for bit
 (tests/test_routing_draw.py in the interpreter, tests/cuda/test_routing_draw_cuda.py compiled).
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from paged_experts import routing_draw as rd
+from paged_experts.routing import draw as rd
 
 try:
     import triton

@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 
 from paged_experts.config import MoeModelConfig
-from paged_experts.device_residency import DeviceResidency
 from paged_experts.moe.layer import (
     BeforeCompute,
     ExpertsFn,
@@ -33,9 +32,10 @@ from paged_experts.moe.paged import PagedLayer
 from paged_experts.moe.placements import CpuLayer, OffloadLayer, ResidentLayer
 from paged_experts.moe.planning import DeviceLru, HostWaves, PendingPrefetch
 from paged_experts.moe.waves import EXPERT_KERNELS
-from paged_experts.residency import LayerResidency, make_policy
+from paged_experts.residency.device import DeviceResidency
+from paged_experts.residency.policies import LayerResidency, make_policy
+from paged_experts.residency.store import ExpertTensors, to_device_rows
 from paged_experts.runtime import RuntimeConfig
-from paged_experts.store import ExpertTensors, to_device_rows
 
 __all__ = [
     "EXPERT_KERNELS",

@@ -21,12 +21,12 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from paged_experts.counters import PagingCounters, TalliedCounters
-from paged_experts.device_residency import DeviceResidency
 from paged_experts.kernels.fused import experts_over_rows, route_logits
 from paged_experts.moe.streaming import StepStreams
 from paged_experts.moe.waves import EXPERT_KERNELS, FUSED, WaveKernel
-from paged_experts.store import ExpertTensors, PageInEngine
+from paged_experts.residency.counters import PagingCounters, TalliedCounters
+from paged_experts.residency.device import DeviceResidency
+from paged_experts.residency.store import ExpertTensors, PageInEngine
 
 RouterOverride = Callable[[int, torch.Tensor, Any], tuple[torch.Tensor, torch.Tensor]]
 RoutingObserver = Callable[[int, torch.Tensor, torch.Tensor, Any], None]

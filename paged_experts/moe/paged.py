@@ -12,13 +12,13 @@ import copy
 
 import torch
 
-from paged_experts.device_residency import DeviceResidency, pull_many
 from paged_experts.kernels.fused import combine_pairs, experts_over_rows
 from paged_experts.moe.layer import BeforeCompute, ExpertsFn, MoeLayer, MoeShared, StepContext, page_in_stream
 from paged_experts.moe.planning import DeviceLru, HostWaves
 from paged_experts.moe.streaming import LayerCopies
-from paged_experts.residency import LayerResidency
-from paged_experts.store import ExpertTensors
+from paged_experts.residency.device import DeviceResidency, pull_many
+from paged_experts.residency.policies import LayerResidency
+from paged_experts.residency.store import ExpertTensors
 
 
 class PagedLayer(MoeLayer):

@@ -17,7 +17,7 @@ from paged_experts.moe.layer import (
     MoeShared,
     StepContext,
 )
-from paged_experts.store import ExpertTensors
+from paged_experts.residency.store import ExpertTensors
 
 
 class _TableLayer(MoeLayer):

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_experts.device_residency import DevicePlan, DeviceResidency
 from paged_experts.kernels.copy_kernel import copy_planned
 from paged_experts.kernels.fused import group_pairs, run_pairs
 from paged_experts.moe.streaming import LayerCopies
 from paged_experts.moe.waves import WaveKernel, WavePass
-from paged_experts.residency import LayerResidency
-from paged_experts.store import ExpertTensors, PageInEngine
+from paged_experts.residency.device import DevicePlan, DeviceResidency
+from paged_experts.residency.policies import LayerResidency
+from paged_experts.residency.store import ExpertTensors, PageInEngine
 
 
 @dataclass(frozen=True)

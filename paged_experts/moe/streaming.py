@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from paged_experts.counters import PagingCounters, TimeMark
-from paged_experts.residency import Wave
+from paged_experts.residency.counters import PagingCounters, TimeMark
+from paged_experts.residency.policies import Wave
 
 CopyRows = Callable[[Sequence[tuple[int, int]]], None]  # issues the copies of (expert, slot) pairs
 

@@ -21,7 +21,7 @@ import torch
 
 from paged_experts.experts import build_dispatch, combine, run_experts
 from paged_experts.kernels.fused import combine_pairs, fp8_grouped_tiles, run_pairs
-from paged_experts.store import ExpertTensors
+from paged_experts.residency.store import ExpertTensors
 
 
 class WavePass(Protocol):

@@ -2,7 +2,7 @@
 names where they mean the same, llama.cpp's `--n-cpu-moe`), and `load_serving`, which builds the
 model, KV pool, tokenizer, routing source, trace writer and engine from one `ServeOptions`.
 
-Routing sources (`paged_experts.routing`) and the trace writer (`paged_experts.trace`) are
+Routing sources (`paged_experts.routing.sources`) and the trace writer (`paged_experts.routing.trace`) are
 imported only when asked for, so the server runs without them.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from paged_experts.config import MoeModelConfig
-from paged_experts.residency import DEFAULT_EVICTION_POLICY, DEFAULT_PREFILL_KEEP
+from paged_experts.residency.policies import DEFAULT_EVICTION_POLICY, DEFAULT_PREFILL_KEEP
 from paged_experts.runtime import RuntimeConfig
 from paged_experts.server import options
 from paged_experts.server.engine import Engine, EngineConfig
@@ -143,14 +143,14 @@ def load_serving(config: ServeOptions, metrics: ServerMetrics) -> Serving:
     step_hooks: list[Callable[[list[tuple[str, int]]], None]] = []
     free_hooks: list[Callable[[Any], None]] = []
     if config.routing_source is not None:
-        from paged_experts.routing import make_router
+        from paged_experts.routing.sources import make_router
 
         router = make_router(config.routing_source, model_config, config.routing_seed)
         model.router_override = router
         # the router keeps per-sequence routing state; drop it when the sequence's KV is freed
         free_hooks.append(lambda seq: router.forget(seq.seq_id))
     if config.record_routing is not None:
-        from paged_experts.trace import TraceWriter
+        from paged_experts.routing.trace import TraceWriter
 
         Path(config.record_routing).parent.mkdir(parents=True, exist_ok=True)
         writer = TraceWriter(config.record_routing, model_config, source=config.routing_label, model=config.model_name)

@@ -6,7 +6,7 @@ Definitions (times are the engine clock, `time.perf_counter`):
 - inter_token_latency_seconds = gap between consecutive generated tokens of one request;
 - e2e_request_latency_seconds = finish - arrival, for requests that ended by stop or length;
 - generation_tokens_total counts tokens actually generated (aborted requests included).
-Paging counters are the runtime's own (`paged_experts.counters`), cumulative since start: the
+Paging counters are the runtime's own (`paged_experts.residency.counters`), cumulative since start: the
 server never resets them, so they stay monotonic. `prefill_*` counters cover the paged layers'
 host-planned layer-steps of steps with a prompt chunk (page-in bytes and copy time, the steps' span
 on the device, waves, hits and misses: `counters.PrefillCounts`). Per-layer hits/misses are separate metric
@@ -60,7 +60,7 @@ PAGING_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("union_experts_total", "union_sum", "Per layer-step union of routed experts, summed"),
 )
 
-# (metric suffix, PrefillCounts field, help text): prefill steps' page-in (paged_experts.counters)
+# (metric suffix, PrefillCounts field, help text): prefill steps' page-in (paged_experts.residency.counters)
 PREFILL_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("prefill_steps_total", "steps", "Engine steps with a prompt chunk"),
     ("prefill_chunks_total", "chunks", "Prompt chunks of those steps"),
@@ -100,7 +100,7 @@ class EngineGauges:
 @dataclass(frozen=True)
 class _EngineState:
     gauges: EngineGauges
-    counters: Any | None  # paged_experts.counters.CountersSnapshot; None before the model loads
+    counters: Any | None  # paged_experts.residency.counters.CountersSnapshot; None before the model loads
     routing_synthetic: bool
     connections: ConnectionCounts | None = None  # None where no connection guard runs (in-process tests)
 
@@ -220,7 +220,7 @@ class ServerMetrics:
         self, gauges: EngineGauges, counters: Any | None, routing_synthetic: bool,
         connections: ConnectionCounts | None = None,
     ) -> str:  # fmt: skip
-        """The exposition text; `counters` is a `paged_experts.counters.CountersSnapshot` (None
+        """The exposition text; `counters` is a `paged_experts.residency.counters.CountersSnapshot` (None
         before the model loads). One scrape at a time: the event loop serializes them."""
         self._engine.state = _EngineState(gauges, counters, routing_synthetic, connections)
         return generate_latest(self.registry).decode()

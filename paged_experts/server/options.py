@@ -16,7 +16,12 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from paged_experts.residency import DEFAULT_EVICTION_POLICY, DEFAULT_PREFILL_KEEP, EVICTION_POLICIES, PREFILL_KEEP
+from paged_experts.residency.policies import (
+    DEFAULT_EVICTION_POLICY,
+    DEFAULT_PREFILL_KEEP,
+    EVICTION_POLICIES,
+    PREFILL_KEEP,
+)
 from paged_experts.server.connections import BODY_TIMEOUT_S, HEADER_TIMEOUT_S
 
 MODES: tuple[str, ...] = ("resident", "paged", "offload", "cpu-experts")
@@ -342,7 +347,7 @@ def parse_args(argv: Sequence[str], description: str | None = None) -> ServeOpti
     for problem in [*problems(vars_of(options)), *mode_problems(vars_of(options))]:
         parser.error(problem.message)
     if options.routing_source is not None:
-        from paged_experts.routing import parse_spec  # imports torch: only for synthetic routing
+        from paged_experts.routing.sources import parse_spec  # imports torch: only for synthetic routing
 
         try:
             parse_spec(options.routing_source)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from paged_experts.kernels.copy_kernel import copy_planned, graph_safe
-from paged_experts.store import ExpertTensors
+from paged_experts.residency.store import ExpertTensors
 
 
 def check_copy_planned(host: ExpertTensors, first: int, second: int, k: int = 4) -> None:

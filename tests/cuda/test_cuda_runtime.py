@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-import paged_experts.store as store_mod
+import paged_experts.residency.store as store_mod
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.runtime import RuntimeConfig
-from paged_experts.synth import write_checkpoint
+from paged_experts.weights.synth import write_checkpoint
 
 try:
     import pytest

@@ -15,8 +15,8 @@ from _script import check_copy_planned  # tests/cuda is on sys.path (pytest's ro
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.moe import StepContext
+from paged_experts.residency.store import ExpertTensors
 from paged_experts.runtime import RuntimeConfig
-from paged_experts.store import ExpertTensors
 
 try:
     import pytest
@@ -89,7 +89,7 @@ def test_device_planned_paged_equals_resident_qwen_shapes() -> None:
 def check_graphed_paged(
     overlap: bool, compile_layers: bool = False, routing: str | None = None, backend: str = "grouped"
 ) -> None:
-    from paged_experts.routing import make_router
+    from paged_experts.routing.sources import make_router
 
     prompts = [[5, 17, 300, 41, 9, 77], [800, 2, 64], [11, 12, 13, 14, 15]]
     paged = rt("bfloat16", mode="paged", resident_experts=12, overlap_page_in=overlap, kernel_backend=backend)

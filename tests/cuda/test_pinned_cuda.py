@@ -1,4 +1,4 @@
-"""CUDA checks of the exact-size pinned store (paged_experts/pinned.py) with the real driver calls:
+"""CUDA checks of the exact-size pinned store (paged_experts/residency/pinned.py) with the real driver calls:
 - one registration of exactly the three tensors' bytes rounded to 4 KiB (torch would pin 2^k each);
 - the views and their slices are pinned, and a `non_blocking` copy from them is asynchronous;
 - non_blocking row copies and the Triton page-in kernel (`copy_kernel.copy_planned`, which reads
@@ -16,8 +16,8 @@ import time
 import torch
 from _script import check_copy_planned  # tests/cuda is on sys.path (pytest's rootdir import, or script mode)
 
-from paged_experts import pinned
-from paged_experts.store import ExpertTensors
+from paged_experts.residency import pinned
+from paged_experts.residency.store import ExpertTensors
 
 try:
     import pytest

@@ -23,7 +23,7 @@ from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.moe import StepContext
 from paged_experts.moe.streaming import LayerCopies, mark
-from paged_experts.routing import make_router
+from paged_experts.routing.sources import make_router
 from paged_experts.runtime import RuntimeConfig
 
 try:

@@ -19,7 +19,7 @@ import torch
 
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
-from paged_experts.routing import RoutingProcess, make_router, parse_spec
+from paged_experts.routing.sources import RoutingProcess, make_router, parse_spec
 from paged_experts.runtime import RuntimeConfig
 
 try:

@@ -1,4 +1,4 @@
-"""CUDA checks of paged_experts.weightgen: the GPU computes the numpy generator's integers, so the
+"""CUDA checks of paged_experts.weights.weightgen: the GPU computes the numpy generator's integers, so the
 built-in engine's in-memory model is the GGUF's model on a GPU too.
 - indices_torch on CUDA == indices_np over a range that crosses several slabs, at an odd offset;
 - one 48-layer-shape expert tensor (gate, [128, 768, 2048]) in bf16 from the GPU == numpy's;
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from paged_experts import synth_memory, weightgen
+from paged_experts.weights import synth_memory, weightgen
 
 try:
     import pytest

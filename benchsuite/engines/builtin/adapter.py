@@ -2,7 +2,7 @@
 
 Owns the builtin `options:` schema of matrix.yaml, the exact server command line, the
 `paged_experts:*` Prometheus counters it exposes and the routing label its cells carry.
-The model `tiny` means the generated tiny checkpoint (paged_experts.synth.ensure_tiny()),
+The model `tiny` means the generated tiny checkpoint (paged_experts.weights.synth.ensure_tiny()),
 made on first use in the cache directory.
 
 Performance options default to the fastest measured path for the device and mode, as SGLang keeps
@@ -44,7 +44,7 @@ from benchsuite.engines.base import (
 from benchsuite.engines.search_settings import ResidentExpertsSettings, SearchSettingsAny
 from benchsuite.errors import UserError
 from benchsuite.tools.scrape import scrape_prometheus
-from paged_experts.residency import DEFAULT_EVICTION_POLICY, DEFAULT_PREFILL_KEEP
+from paged_experts.residency.policies import DEFAULT_EVICTION_POLICY, DEFAULT_PREFILL_KEEP
 from paged_experts.server.options import GRAPHABLE_MODES, MODE_OPTION, Namer, ServeOptions, mode_problems, problems
 from paged_experts.server.threads import default_cpu_threads
 from paged_experts.shape import ModelShape
@@ -90,7 +90,7 @@ class BuiltinOptions(EngineOptions):
     n_cpu_moe: int | None = Field(None, ge=0)  # mode cpu-experts
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] | None = None  # server default when unset
-    routing: str = "model"  # "model", or a synthetic routing spec (paged_experts.routing.parse_spec)
+    routing: str = "model"  # "model", or a synthetic routing spec (paged_experts.routing.sources.parse_spec)
     routing_seed: int = 0  # seed of the synthetic routing source
     record_routing: bool = False  # write the routing trace to <run>/routing/<server-id>.trace
     startup_timeout_s: float = Field(600.0, gt=0)
@@ -102,9 +102,10 @@ class BuiltinOptions(EngineOptions):
     expert_kernel: Literal["fused", "loop"] = "fused"  # grouped matmuls, or the per-expert reference loop
     overlap_schedule: bool = True  # launch a greedy decode step before the previous one's tokens are read
     cpu_threads: int | None = Field(None, ge=1)  # torch's intra-op threads; None: this machine's cores minus one
-    # Paged: what a prefill chunk leaves in the slots (paged_experts.residency.PREFILL_KEEP); None = its default.
+    # Paged: what a prefill chunk leaves in the slots (paged_experts.residency.policies.PREFILL_KEEP);
+    # None = its default.
     prefill_residency: str | None = None
-    # Paged: which resident expert a miss evicts (paged_experts.residency.EVICTION_POLICIES); None = LRU.
+    # Paged: which resident expert a miss evicts (paged_experts.residency.policies.EVICTION_POLICIES); None = LRU.
     # Left out of the dumped options when unset, so the server ids of matrices without it stay as they were.
     eviction_policy: str | None = Field(None, exclude_if=lambda v: v is None)
 
@@ -162,7 +163,7 @@ class BuiltinOptions(EngineOptions):
     @classmethod
     def _routing_spec(cls, value: str) -> str:
         if value != "model":
-            from paged_experts.routing import parse_spec  # imports torch: only for synthetic routing
+            from paged_experts.routing.sources import parse_spec  # imports torch: only for synthetic routing
 
             parse_spec(value)  # ValueError names the accepted forms
         return value
@@ -211,7 +212,7 @@ class BuiltinAdapter(EngineAdapter):
         """The checkpoint directory (generates the tiny model on first use)."""
         model = self._options(spec).model
         if model == "tiny":
-            from paged_experts.synth import ensure_tiny
+            from paged_experts.weights.synth import ensure_tiny
 
             return Path(ensure_tiny())
         return Path(model).expanduser()
@@ -320,7 +321,9 @@ class BuiltinAdapter(EngineAdapter):
         cfg = MoeModelConfig.from_dir(self.model_dir(spec))
         dtype = cfg.expert_dtype(opts.dtype or ("float32" if opts.device == "cpu" else cfg.torch_dtype))
         facts: dict[str, Any] = {"expert_format": dtype, "expert_bytes": cfg.expert_bytes(dtype)}
-        marker = self.model_dir(spec) / "synthetic_weights.json"  # paged_experts.synth_memory: seeded random weights
+        marker = (
+            self.model_dir(spec) / "synthetic_weights.json"
+        )  # paged_experts.weights.synth_memory: seeded random weights
         if opts.model == "tiny" or marker.is_file():
             facts["random_weights"] = True  # its router routes near-uniformly: the report says so beside a verdict
         compute = opts.dtype or ("float32" if opts.device == "cpu" else cfg.torch_dtype)
@@ -329,8 +332,8 @@ class BuiltinAdapter(EngineAdapter):
         return facts
 
     def _source_weights(self, spec: ServerSpec) -> dict[str, Any]:
-        """paged_experts.weights_id: the identity of the weights this server loads (report: same model?)."""
-        from paged_experts.weights_id import source_weights
+        """paged_experts.weights.weights_id: the identity of the weights this server loads (report: same model?)."""
+        from paged_experts.weights.weights_id import source_weights
 
         try:
             return source_weights(self.model_dir(spec))

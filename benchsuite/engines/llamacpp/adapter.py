@@ -182,7 +182,7 @@ class LlamaCppAdapter(EngineAdapter):
 
         convert = cached_export if export else export_target
         if opts.model == "tiny":
-            from paged_experts.synth import ensure_tiny
+            from paged_experts.weights.synth import ensure_tiny
 
             return convert(ensure_tiny(), opts.gguf_type)
         path = Path(opts.model).expanduser()
@@ -204,7 +204,7 @@ class LlamaCppAdapter(EngineAdapter):
         """The HF tokenizer for exact-length prompts (the checkpoint the GGUF came from)."""
         opts = self._options(spec)
         if opts.model == "tiny":
-            from paged_experts.synth import ensure_tiny
+            from paged_experts.weights.synth import ensure_tiny
 
             return Path(ensure_tiny())
         path = Path(opts.model).expanduser()
@@ -329,8 +329,8 @@ class LlamaCppAdapter(EngineAdapter):
         path = self.model_path(spec, export=False)
         source: dict[str, Any] | None
         if model == "tiny" or Path(model).expanduser().is_dir():
-            from paged_experts.synth import ensure_tiny
-            from paged_experts.weights_id import source_weights
+            from paged_experts.weights.synth import ensure_tiny
+            from paged_experts.weights.weights_id import source_weights
 
             source = source_weights(ensure_tiny() if model == "tiny" else Path(model).expanduser())
         else:

@@ -1,4 +1,4 @@
-"""Synthetic qwen3moe GGUFs: a `paged_experts.synth` preset's shapes written straight to GGUF,
+"""Synthetic qwen3moe GGUFs: a `paged_experts.weights.synth` preset's shapes written straight to GGUF,
 no checkpoint in between (the bf16 48-layer model would be 58 GB on disk), with the SAME weights
 as the built-in engine's model of that preset, layers and seed.
 
@@ -7,7 +7,7 @@ Owns the parallel streamed writer. Tensor names, order, types and the metadata c
 `export_gguf` writes for a checkpoint of that shape. Config and tokenizer are
 `synth_memory.write_weightless`'s: the tokenizer's own vocabulary (1,042 tokens), no padding.
 
-Values are `paged_experts.weightgen`'s source tensors (numpy side; the built-in engine computes
+Values are `paged_experts.weights.weightgen`'s source tensors (numpy side; the built-in engine computes
 the same integers with torch): element j of a tensor is LUT[b_j] * 2**exponent with b_j a byte of
 a counter hash, LUT the 256 int8 midpoint quantiles of N(0, 1). So:
 - Q8_0 expert blocks are written directly: the 32 int8 quants ARE LUT[b_j], every block's fp16
@@ -19,7 +19,7 @@ Chunk boundaries do not matter (a counter hash has no state): the bytes are a fu
 
 Beside the file (`write_with_facts`, what `benchsuite gguf synth` runs): `<file>.json`, its facts
 (preset, seed, shape, types, bytes per expert, how it was made, and `source_weights`: the
-fingerprint of the source tensors, `paged_experts.weights_id`), which the llamacpp adapter records
+fingerprint of the source tensors, `paged_experts.weights.weights_id`), which the llamacpp adapter records
 in the run's manifest, and `<file>.hf/`, the preset's weightless HF directory
 (`synth_memory.write_weightless`: config.json and the tokenizer the GGUF's vocabulary comes from),
 which the adapter uses to cut exact-length prompts, the same token ids every engine is sent.
@@ -60,7 +60,7 @@ from benchsuite.engines.llamacpp.gguf_export import (
 
 __all__ = ["facts_path", "read_facts", "write_synthetic_gguf", "write_with_facts"]
 from benchsuite.errors import UserError
-from paged_experts import weightgen
+from paged_experts.weights import weightgen
 
 CHUNK_BYTES = 16 * 2**20
 SHAPE_KEYS = (
@@ -109,8 +109,8 @@ def synthetic_model(
 ) -> tuple[dict[str, Any], dict[str, Any], tuple[int, ...]]:
     """(HF config, tokenizer fields, silent token ids) of the preset: the weightless directory's,
     vocabulary unpadded."""
-    from paged_experts.synth import PRESETS
-    from paged_experts.synth_memory import silent_ids, write_weightless
+    from paged_experts.weights.synth import PRESETS
+    from paged_experts.weights.synth_memory import silent_ids, write_weightless
 
     if preset not in PRESETS:
         raise UserError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}")
@@ -293,7 +293,7 @@ def write_with_facts(
     """The GGUF, its weightless HF directory and its facts file (written last: its presence says
     the other two are complete); returns the facts."""
     from benchsuite.tools.machine import git_facts
-    from paged_experts.synth_memory import write_weightless
+    from paged_experts.weights.synth_memory import write_weightless
 
     s = write_synthetic_gguf(out, preset=preset, layers=layers, seed=seed, workers=workers, log=log)
     hf_dir = write_weightless(preset, companion_dir(s.path), layers=s.layers, seed=seed)

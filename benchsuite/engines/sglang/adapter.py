@@ -192,7 +192,7 @@ class SGLangAdapter(EngineAdapter):
         sent = requests()
         if not sent:
             return {}
-        # imports torch (through paged_experts.trace): only when capturing
+        # imports torch (through paged_experts.routing.trace): only when capturing
         from benchsuite.engines.sglang import routing as sglang_routing
 
         prompts = [r.prompt if isinstance(r.prompt, str) else list(r.prompt) for r in sent]

@@ -13,7 +13,7 @@ Owns a capture pass (`capture_routing`: greedy non-streamed requests that ask fo
 after a cell's measurement so the measured requests stay as they are), turning streamed chunks
 into one response dict, the MoE layer ids of a config.json (SGLang
 returns every hidden layer; dense layers carry no routing), and writing the trace through
-`paged_experts.trace.import_sglang_routed_experts`, which owns the decoding and the file format.
+`paged_experts.routing.trace.import_sglang_routed_experts`, which owns the decoding and the file format.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchsuite.errors import RunError
-from paged_experts.trace import Trace, import_sglang_routed_experts, save_trace
+from paged_experts.routing.trace import Trace, import_sglang_routed_experts, save_trace
 
 
 async def capture_routing(

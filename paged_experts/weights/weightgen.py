@@ -14,7 +14,7 @@ stacked `[E, O, I]` tensor per projection) is
 
 `LUT` is 256 int8 values: the midpoint quantiles of N(0, 1) scaled so the largest is 127; its
 standard deviation is LUT_STD (~44). `exponent` is the power of two nearest sigma / LUT_STD, sigma
-the standard deviation `paged_experts.synth` gives the tensor (1/sqrt(H) for q/k/v and expert
+the standard deviation `paged_experts.weights.synth` gives the tensor (1/sqrt(H) for q/k/v and expert
 gate/up, 1/sqrt(I) for expert down, ...), so a tensor's spread is within a factor sqrt(2) of sigma.
 Why this form:
 - every value is an integer of at most 8 significant bits times a power of two: exact in bf16,
@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
     from paged_experts.config import MoeModelConfig
 
-GENERATOR = "paged_experts.weightgen"
+GENERATOR = "paged_experts.weights.weightgen"
 GENERATOR_VERSION = 1  # bump when any generated value changes
 _M32 = 0xFFFFFFFF
 _C1, _C2 = 0x7FEB352D, 0x446CA68B  # odd, below 2**31 (see the module docstring)
@@ -375,7 +375,7 @@ def recipe_id(r: Mapping[str, Any]) -> str:
     return "gen-" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-RECIPE_FILE = "source_weights.json"  # beside a checkpoint `paged_experts.synth` wrote: its recipe record
+RECIPE_FILE = "source_weights.json"  # beside a checkpoint `paged_experts.weights.synth` wrote: its recipe record
 RECIPE_COVERS = "the generator's recipe (the weights are a function of it), not the bytes in memory or on disk"
 
 

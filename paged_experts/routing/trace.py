@@ -23,7 +23,14 @@ from pathlib import Path
 
 import numpy as np
 
-from paged_experts.routing import RoutingParams, RoutingProcess, parse_spec, random_weights, routing_label, synth_stream
+from paged_experts.routing.sources import (
+    RoutingParams,
+    RoutingProcess,
+    parse_spec,
+    random_weights,
+    routing_label,
+    synth_stream,
+)
 
 FORMAT_NAME = "moe-routing-trace"
 FORMAT_VERSION = 1
@@ -332,7 +339,7 @@ def synthesize_trace(
         model=model,
         layer_ids=tuple(range(num_layers)),
         created_unix_s=time.time(),
-        notes="synthetic routing (paged_experts.routing); not measured from a model",
+        notes="synthetic routing (paged_experts.routing.sources); not measured from a model",
     )
     return build_trace(meta, layouts, ids, weights)
 

@@ -31,7 +31,7 @@ CONTENT_COVERS = (
 
 def source_weights(model: str | Path) -> dict[str, Any]:
     """The source-weights record of a model path the built-in engine accepts (see the docstring)."""
-    from paged_experts import synth_memory, weightgen
+    from paged_experts.weights import synth_memory, weightgen
 
     text = str(model)
     if synth_memory.is_synthetic(text):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_experts.residency import LayerResidency, LruPolicy
+from paged_experts.residency.policies import LayerResidency, LruPolicy
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,8 @@ import torch
 import torch.nn.functional as F
 
 from paged_experts.attention import attention_in, attention_out, rms_norm, rope_tables
-from paged_experts.decode_blocks import attention_block, predict_logits, resident_union_stats, route_block
-from paged_experts.decode_inputs import Entry, StepKey, bucket, buckets_up_to, fill, fill_dummy, new_entry, table_width
+from paged_experts.decode.blocks import attention_block, predict_logits, resident_union_stats, route_block
+from paged_experts.decode.inputs import Entry, StepKey, bucket, buckets_up_to, fill, fill_dummy, new_entry, table_width
 from paged_experts.kernels import attn_triton
 from paged_experts.kernels.copy_kernel import graph_safe
 from paged_experts.kernels.fused import experts_over_rows, route_logits

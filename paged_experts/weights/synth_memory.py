@@ -2,7 +2,7 @@
 
 A 48-layer `qwen3-30b-a3b-shape` model holds 58 GB of bf16 experts; writing and re-reading that
 as safetensors would need the whole disk of the test machine. Here the weights are generated on
-the runtime's device by `paged_experts.weightgen` (on a GPU: seconds for 58 GB, then one copy per
+the runtime's device by `paged_experts.weights.weightgen` (on a GPU: seconds for 58 GB, then one copy per
 tensor into pinned host memory). They are the values `synth` writes for the same preset, layers
 and seed, and those of the GGUF `benchsuite gguf synth` writes (its Q8_0 experts are these bf16
 experts exactly): a function of (shape, layers, seed) alone, the same on every device.
@@ -12,7 +12,7 @@ Paths `MoeCausalLM.from_pretrained` accepts:
   the preset's tokenizer, the one a weightless directory of the preset carries);
 - a weightless directory written by `write_weightless(...)`: config.json, the tokenizer files and
   `synthetic_weights.json`, no safetensors; the built-in server loads it like any checkpoint:
-  `python -m paged_experts.synth_memory --preset qwen3-30b-a3b-shape --layers 48 --out DIR` then
+  `python -m paged_experts.weights.synth_memory --preset qwen3-30b-a3b-shape --layers 48 --out DIR` then
   `python -m paged_experts.server --model-path DIR ...`.
 
 FP8 presets (`qwen3-30b-a3b-fp8-shape`, `tiny-fp8`) quantize the generated experts per 128 x 128 block
@@ -32,13 +32,13 @@ from urllib.parse import parse_qs
 
 import torch
 
-from paged_experts import fp8, weightgen
 from paged_experts.config import MoeModelConfig
-from paged_experts.loader import AttentionWeights, DenseWeights, LoadedModel, build_shared
 from paged_experts.moe import make_layer
+from paged_experts.residency.store import ExpertTensors
 from paged_experts.runtime import RuntimeConfig
-from paged_experts.store import ExpertTensors
-from paged_experts.synth import PRESETS, hf_config_for, preset_tokenizer
+from paged_experts.weights import fp8, weightgen
+from paged_experts.weights.loader import AttentionWeights, DenseWeights, LoadedModel, build_shared
+from paged_experts.weights.synth import PRESETS, hf_config_for, preset_tokenizer
 
 MARKER = "synthetic_weights.json"
 PREFIX = "synth:"
@@ -205,7 +205,7 @@ def build_from_config(cfg: MoeModelConfig, runtime: RuntimeConfig, seed: int, si
 
 def write_weightless(preset: str, out_dir: str | Path, layers: int | None = None, seed: int = 0) -> Path:
     """config.json + tokenizer + `synthetic_weights.json`; the weights are built when loaded."""
-    from paged_experts.synth import _tokenizer_config
+    from paged_experts.weights.synth import _tokenizer_config
 
     p = PRESETS[preset]
     if layers is not None:
@@ -225,7 +225,9 @@ def write_weightless(preset: str, out_dir: str | Path, layers: int | None = None
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m paged_experts.synth_memory", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m paged_experts.weights.synth_memory", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-30b-a3b-shape")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--layers", type=int, default=None)

@@ -1,4 +1,4 @@
-"""The static decode step's inputs (paged_experts/graphs.py): their layout in one int64 buffer, the
+"""The static decode step's inputs (paged_experts/decode/graphs.py): their layout in one int64 buffer, the
 pinned host copy each step fills in place, and the KV buckets of the torch attention.
 
 Layout of a step of B sequences: tokens [B], positions [B], new KV rows [B], then a KV table of B

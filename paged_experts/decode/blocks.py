@@ -1,4 +1,4 @@
-"""The per-layer functions of the static decode step (paged_experts/graphs.py): each a pure function
+"""The per-layer functions of the static decode step (paged_experts/decode/graphs.py): each a pure function
 of the tensors it is given, so one torch.compile serves every layer, and the captured graph holds
 their kernels.
 """
@@ -62,7 +62,7 @@ def route_block(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [B, E] -> expert ids [B, k], weights [B, k]. `planned_ids` [B, k]: a synthetic
     router's ids for this layer, whose weights are the softmax of the model's logits over them."""
-    from paged_experts.routing import planned_weights
+    from paged_experts.routing.sources import planned_weights
 
     if planned_ids is not None:  # synthetic routing: ids drawn for the step on the device, weights from the model
         return planned_ids, planned_weights(logits, planned_ids)

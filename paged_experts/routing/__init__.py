@@ -1,0 +1,1 @@
+"""Synthetic routing sources, their counter-based draws, and the routing trace format."""
