@@ -39,11 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_h200 import provenance  # noqa: E402
 from moe_kernels_h200 import time_graph  # noqa: E402
 
+from paged_experts import fp8  # noqa: E402
 from paged_experts.kernels import fused, moe_tiles, moe_triton  # noqa: E402
 from paged_experts.kernels.moe_tiles import TileConfig  # noqa: E402
 from paged_experts.kernels.moe_triton_fp8 import fp8_pairs  # noqa: E402
 from paged_experts.residency.store import ExpertTensors  # noqa: E402
-from paged_experts.weights import fp8  # noqa: E402
 
 OLD_TILES = "gate_up=16x128x4,down=16x128x4"  # the kernels before the tile table (per-block partial dots)
 GATE_UP = "gate_up:2,4,8,16,32:256,512,1024:2,4,8"

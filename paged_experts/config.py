@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
+from paged_experts import fp8
 from paged_experts.shape import FP8, ModelShape, dtype_bytes
-from paged_experts.weights import fp8
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe",)
 

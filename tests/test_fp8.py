@@ -1,4 +1,4 @@
-"""Block-FP8 experts (paged_experts/weights/fp8.py) on the tiny-fp8 generated checkpoint, CPU, fp32 compute:
+"""Block-FP8 experts (paged_experts/fp8.py) on the tiny-fp8 generated checkpoint, CPU, fp32 compute:
 - FP8 paged == FP8 resident bit for bit for every K from top_k to E (multi-wave steps included),
   device-planned paged and graphed (uncaptured) decode too; offload and cpu-experts equal resident;
 - counters: an expert's bytes are its FP8 weights plus their float32 block scales;
@@ -16,10 +16,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import paged_experts.residency.store as store_mod
+from paged_experts import fp8
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.runtime import RuntimeConfig
-from paged_experts.weights import fp8
 from paged_experts.weights.synth import write_checkpoint
 
 PROMPTS = ([5, 17, 300, 41, 9, 77], [800, 2, 64, 64], [11, 12, 13, 14, 15, 16, 17])

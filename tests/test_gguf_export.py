@@ -170,8 +170,8 @@ def test_q8_0_export_of_an_fp8_checkpoint_serves_its_values_at_matched_bytes(tmp
     """`--type q8_0` of a block-FP8 checkpoint: the FP8 weights dequantized with their scales, then
     Q8_0 (no scale tensor leaks into the GGUF); bytes per expert side by side with the FP8 store."""
     from benchsuite.engines.llamacpp.gguf_export import expert_facts
+    from paged_experts import fp8
     from paged_experts.config import MoeModelConfig
-    from paged_experts.weights import fp8
 
     ckpt = write_checkpoint("tiny-fp8", tmp_path / "ckpt", layers=1)
     out = export_gguf(ckpt, tmp_path / "m.gguf", "q8_0").path

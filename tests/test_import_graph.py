@@ -187,3 +187,36 @@ def test_the_stage_check_finds_an_upward_import() -> None:
     assert upward_imports(graph) == ["benchsuite.load.loadgen (load) imports benchsuite.run.runner (run)"]
     with pytest.raises(AssertionError, match="stage folder"):
         stage_of("benchsuite.flat_module")
+
+
+# paged_experts' layers, bottom to top, checked the same way: the leaves every layer shares (shape,
+# fp8, kv, attention, step), which experts sit where, the runtime's configuration, the kernels (and
+# the reference expert compute), routing, the MoE block, weights (which build MoE blocks), the
+# graphed decode, the model, the server.
+RUNTIME_LAYERS = ("leaves", "residency", "config", "kernels", "runtime", "routing", "moe", "weights", "decode",
+                  "model", "server")  # fmt: skip
+RUNTIME_ROOT = {"paged_experts": "leaves", "paged_experts.shape": "leaves", "paged_experts.fp8": "leaves",
+                "paged_experts.kv": "leaves", "paged_experts.attention": "leaves", "paged_experts.step": "leaves",
+                "paged_experts.experts": "kernels", "paged_experts.config": "config",
+                "paged_experts.runtime": "runtime", "paged_experts.model": "model"}  # fmt: skip
+
+
+def runtime_layer_of(module: str) -> str:
+    if module in RUNTIME_ROOT:
+        return RUNTIME_ROOT[module]
+    folder = module.split(".")[1]
+    assert folder in RUNTIME_LAYERS, f"{module}: add it to a layer of paged_experts (tests/test_import_graph.py)"
+    return folder
+
+
+def test_paged_experts_imports_follow_its_layers() -> None:
+    graph = import_graph()
+    upward = sorted(
+        f"{module} ({runtime_layer_of(module)}) imports {target} ({runtime_layer_of(target)})"
+        for module, targets in graph.items()
+        if module.split(".")[0] == "paged_experts"
+        for target in targets
+        if target.split(".")[0] == "paged_experts"
+        and RUNTIME_LAYERS.index(runtime_layer_of(target)) > RUNTIME_LAYERS.index(runtime_layer_of(module))
+    )
+    assert not upward, "imports that run up paged_experts' layers:\n" + "\n".join(upward)

@@ -89,9 +89,9 @@ FP8_TILES = ("gate_up=16x512x4,down=8x256x4", "gate_up=1x256x2,down=32x64x2xv", 
 def check_fp8_kernels(device: str = "cpu", dtype: torch.dtype = torch.float32, tol: float = 1e-4) -> None:
     """The FP8 kernels against the dequantized weights in fp32 (fp8.dequantize), and a permuted slot
     table (paged) against the table in expert order (resident): the same bits."""
+    from paged_experts import fp8
     from paged_experts.experts import route
     from paged_experts.kernels import moe_tiles, moe_triton, moe_triton_fp8
-    from paged_experts.weights import fp8
 
     gen = torch.Generator().manual_seed(1)
     for t, e, k, h, i in FP8_CASES:
@@ -135,9 +135,9 @@ GROUPED_CASES = ((40, 6, 160, 256, 40), (7, 12, 128, 130, 7), (50, 5, 96, 128, 3
 def check_grouped_fp8(device: str = "cpu", dtype: torch.dtype = torch.float32, tol: float = 1e-4) -> None:
     """moe_grouped_fp8 against the dequantized weights per group (fp32), its block table against the
     plain definition, and a pair's bits independent of its neighbours (a paged wave's table)."""
+    from paged_experts import fp8
     from paged_experts.kernels.moe_grouped_fp8 import block_table, grouped_fp8_mm
     from paged_experts.kernels.moe_tiles import GroupedTiles
-    from paged_experts.weights import fp8
 
     gen = torch.Generator().manual_seed(2)
     tiles = GroupedTiles(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=2)

@@ -27,7 +27,7 @@ def _inputs(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def check_triton_draw(device: str = "cpu", n_tokens: int = 8) -> None:
-    from paged_experts.kernels import routing_triton
+    from paged_experts.routing import draw_triton as routing_triton
 
     for i, (layers, e, k, spec) in enumerate(DRAW_CASES):
         process = RoutingProcess(layers, e, k, parse_spec(spec), seed=i)

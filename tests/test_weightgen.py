@@ -146,7 +146,7 @@ def test_in_memory_model_holds_the_checkpoints_weights(tiny_pair: tuple[Path, Pa
 
 
 def test_fp8_preset_quantizes_the_same_source(tmp_path: Path) -> None:
-    from paged_experts.weights import fp8
+    from paged_experts import fp8
 
     ckpt = write_checkpoint("tiny-fp8", tmp_path / "fp8", layers=1, seed=2)
     w = load_file(str(ckpt / "model.safetensors"))

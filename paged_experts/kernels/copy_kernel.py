@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from paged_experts import fp8
 from paged_experts.residency.store import ExpertTensors
-from paged_experts.weights import fp8
 
 try:  # Triton ships with CUDA builds of torch; the CPU wheel has none
     import triton

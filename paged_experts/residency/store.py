@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
+from paged_experts import fp8
 from paged_experts.residency import pinned
 from paged_experts.residency.counters import PagingCounters
-from paged_experts.weights import fp8
 
 EXPERT_TENSORS: tuple[str, ...] = ("gate", "up", "down")
 """Per-expert tensors. Page-in walks this tuple; the fault-injection test removes one name."""

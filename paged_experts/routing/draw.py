@@ -20,7 +20,7 @@ Layer strengths (keep and recency_mix scaled per layer, working-set knee) are ro
 
 Every random choice is `hash2(key, field)` of the seed, request id, layer, slot, epoch and a tag;
 integer tables give the inverse CDFs (thresholds in 2^-24 units), so the torch draw here and the
-Triton kernel (kernels/routing_triton.py, the graphed decode step) agree bit for bit.
+Triton kernel (routing/draw_triton.py, the graphed decode step) agree bit for bit.
 
 Cost: the tables are 8 x L x (E + 2) + 8 x MAX_DELTA bytes (54 KB for 48 layers and 128 experts);
 this torch draw of T tokens holds ~12 int64 temporaries of T x L x k (it draws DRAW_CHUNK_TOKENS

@@ -20,7 +20,7 @@ The generative model, per (request, layer) (the draws themselves: `routing_draw`
 Draws are a pure function of (seed, request id, position, layer): a counter-based hash, no random
 stream and no per-request state, so runs repeat exactly, a request's routing does not depend on its
 batch-mates, and any token is drawn without its predecessors. The graphed decode step draws inside
-its graph (`SyntheticRouter.draw_device`: one Triton kernel, kernels/routing_triton.py) from the
+its graph (`SyntheticRouter.draw_device`: one Triton kernel, routing/draw_triton.py) from the
 request ordinals and positions in its inputs; an eager step (a prefill chunk) draws every layer of
 its tokens at once on the model's device (`plan`: the same kernel on CUDA, on a stream of its own)
 and copies them to the host once (one wait per step, for the draw alone: the host planner of paged
@@ -48,7 +48,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from paged_experts.kernels import routing_triton
+from paged_experts.routing import draw_triton as routing_triton
 from paged_experts.routing.draw import DrawTables, build_tables, draw
 
 

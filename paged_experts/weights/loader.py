@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from paged_experts import fp8
 from paged_experts.config import MoeModelConfig
 from paged_experts.moe import MoeLayer, MoeShared, make_layer
 from paged_experts.residency.counters import PagingCounters
 from paged_experts.residency.store import ExpertTensors, PageInEngine
 from paged_experts.runtime import RuntimeConfig
-from paged_experts.weights import fp8
 
 
 @dataclass(frozen=True)

@@ -32,11 +32,12 @@ from urllib.parse import parse_qs
 
 import torch
 
+from paged_experts import fp8
 from paged_experts.config import MoeModelConfig
 from paged_experts.moe import make_layer
 from paged_experts.residency.store import ExpertTensors
 from paged_experts.runtime import RuntimeConfig
-from paged_experts.weights import fp8, weightgen
+from paged_experts.weights import weightgen
 from paged_experts.weights.loader import AttentionWeights, DenseWeights, LoadedModel, build_shared
 from paged_experts.weights.synth import PRESETS, hf_config_for, preset_tokenizer
 

@@ -1,4 +1,4 @@
-"""CUDA checks of block-FP8 experts (paged_experts/weights/fp8.py) at Qwen3-30B-A3B layer shapes:
+"""CUDA checks of block-FP8 experts (paged_experts/fp8.py) at Qwen3-30B-A3B layer shapes:
 - the FP8 Triton kernels compiled, in bf16, against the dequantized weights (the interpreter test's
   check at the GPU's dtype), and paged (permuted slot table) == resident bit for bit;
 - at the real shape, the decode kernels with the tile table's tiles for batches 1-4, and the grouped
@@ -22,12 +22,12 @@ import torch
 from test_device_paging_cuda import decode  # tests/cuda is on sys.path (pytest's rootdir import, or script mode)
 
 import paged_experts.residency.store as store_mod
+from paged_experts import fp8
 from paged_experts.kernels.copy_kernel import copy_planned
 from paged_experts.model import MoeCausalLM
 from paged_experts.moe import StepContext
 from paged_experts.residency.store import ExpertTensors
 from paged_experts.runtime import RuntimeConfig
-from paged_experts.weights import fp8
 
 try:
     import pytest

@@ -1,4 +1,4 @@
-"""CUDA checks of the synthetic router's device draw (routing_draw + kernels/routing_triton):
+"""CUDA checks of the synthetic router's device draw (routing_draw + routing/draw_triton.py):
 - the Triton kernel compiled equals the torch draw bit for bit (the interpreter test's cases, and
   Qwen3-30B-A3B's 48 layers x 128 experts x k=8 for 64 tokens at positions up to 70,000);
 - `draw_device` captured in a CUDA graph, replayed with other requests and positions, equals the
@@ -36,7 +36,7 @@ def test_triton_draw_equals_torch_compiled() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from test_routing_draw import check_triton_draw
 
-    from paged_experts.kernels import routing_triton
+    from paged_experts.routing import draw_triton as routing_triton
 
     check_triton_draw(device="cuda", n_tokens=64)
     process = RoutingProcess(48, 128, 8, parse_spec("qwen3-30b-a3b"), seed=0)

@@ -10,7 +10,7 @@ Tensor rules (numpy order, i.e. the reverse of ggml's `ne`):
 - 1-D tensors (norms) and the router `ffn_gate_inp` stay F32 whatever the type (upcasts are exact);
 - `f32`, `f16`, `bf16`: the cast of the stored values (byte-identical when the checkpoint is stored
   in that dtype); `q8_0`: gguf's reference quantizer, F16 for rows not a multiple of 32 values;
-- block-FP8 checkpoints (paged_experts/weights/fp8.py): every FP8 weight is dequantized with its
+- block-FP8 checkpoints (paged_experts/fp8.py): every FP8 weight is dequantized with its
   `weight_scale_inv` first (the scales themselves are not tensors of the GGUF), so `--type q8_0`
   is the FP8 model's values at matched bytes (Q8_0: 34 bytes per 32 weights; FP8: 1 byte per
   weight plus a float32 per 128 x 128 block).
@@ -196,7 +196,7 @@ def _values(ckpt: _Checkpoint, name: str) -> torch.Tensor:
     so `--type q8_0` of an FP8 checkpoint serves the same values at matched bytes."""
     import torch
 
-    from paged_experts.weights import fp8
+    from paged_experts import fp8
 
     scale_name = name.removesuffix("weight") + fp8.SCALE_SUFFIX
     if scale_name not in ckpt.where:
