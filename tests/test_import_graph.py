@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -150,73 +151,65 @@ def test_the_pipeline_knows_engines_only_through_their_contract() -> None:
     assert not reaching, f"modules that reach into an engine's wing: {sorted(reaching)}"
 
 
-# benchsuite's stages, bottom to top: a module imports only from its own stage or one below it.
-# The root's vocabulary (errors, records) sits under everything; the command line over everything.
-STAGES = ("vocabulary", "tools", "engines", "config", "load", "measure", "results", "checks", "run", "report",
-          "commands", "cli")  # fmt: skip
-ROOT_STAGE = {"benchsuite": "vocabulary", "benchsuite.errors": "vocabulary", "benchsuite.records": "vocabulary",
-              "benchsuite.cli": "cli", "benchsuite.__main__": "cli"}  # fmt: skip
+@dataclass(frozen=True)
+class Layers:
+    """A package's layers, bottom to top: a module imports only from its own layer or one below it.
+    A module's layer is its folder, or `root`'s entry for a module at the package's root."""
+
+    package: str
+    order: tuple[str, ...]
+    root: dict[str, str]
+
+    def of(self, module: str) -> str:
+        if module in self.root:
+            return self.root[module]
+        folder = module.split(".")[1]
+        assert folder in self.order, f"{module}: not in a layer of {self.package} (tests/test_import_graph.py)"
+        return folder
+
+    def upward(self, graph: dict[str, set[str]]) -> list[str]:
+        """Every import that runs up the layers, one line each."""
+        rank = {layer: i for i, layer in enumerate(self.order)}
+        return sorted(
+            f"{module} ({self.of(module)}) imports {target} ({self.of(target)})"
+            for module, targets in graph.items()
+            if module.split(".")[0] == self.package
+            for target in targets
+            if target.split(".")[0] == self.package and rank[self.of(target)] > rank[self.of(module)]
+        )
 
 
-def stage_of(module: str) -> str:
-    if module in ROOT_STAGE:
-        return ROOT_STAGE[module]
-    folder = module.split(".")[1]
-    assert folder in STAGES, f"{module}: benchsuite's modules live in a stage folder ({', '.join(STAGES[1:-1])})"
-    return folder
+# benchsuite's stages: the root's vocabulary (errors, records) under everything, the command line
+# over everything.
+BENCHSUITE = Layers(
+    "benchsuite",
+    ("vocabulary", "tools", "engines", "config", "load", "measure", "results", "checks", "run", "report", "commands",
+     "cli"),
+    {"benchsuite": "vocabulary", "benchsuite.errors": "vocabulary", "benchsuite.records": "vocabulary",
+     "benchsuite.cli": "cli", "benchsuite.__main__": "cli"},
+)  # fmt: skip
+# paged_experts' layers: the leaves every layer shares (shape, fp8, kv, attention, step), which
+# experts sit where, the runtime's configuration, the kernels (and the reference expert compute),
+# routing, the MoE block, weights (the loader builds MoE blocks), the graphed decode, the model, the
+# server.
+PAGED_EXPERTS = Layers(
+    "paged_experts",
+    ("leaves", "residency", "config", "kernels", "runtime", "routing", "moe", "weights", "decode", "model", "server"),
+    {"paged_experts": "leaves", "paged_experts.shape": "leaves", "paged_experts.fp8": "leaves",
+     "paged_experts.kv": "leaves", "paged_experts.attention": "leaves", "paged_experts.step": "leaves",
+     "paged_experts.experts": "kernels", "paged_experts.config": "config", "paged_experts.runtime": "runtime",
+     "paged_experts.model": "model"},
+)  # fmt: skip
 
 
-def upward_imports(graph: dict[str, set[str]]) -> list[str]:
-    return sorted(
-        f"{module} ({stage_of(module)}) imports {target} ({stage_of(target)})"
-        for module, targets in graph.items()
-        if module.split(".")[0] == "benchsuite"
-        for target in targets
-        if target.split(".")[0] == "benchsuite" and STAGES.index(stage_of(target)) > STAGES.index(stage_of(module))
-    )
+@pytest.mark.parametrize("layers", [BENCHSUITE, PAGED_EXPERTS], ids=lambda layers: layers.package)
+def test_imports_follow_the_layers(layers: Layers) -> None:
+    upward = layers.upward(import_graph())
+    assert not upward, f"imports that run up {layers.package}'s layers:\n" + "\n".join(upward)
 
 
-def test_benchsuite_imports_follow_the_stage_order() -> None:
-    assert not upward_imports(import_graph()), "imports that run up the stages:\n" + "\n".join(
-        upward_imports(import_graph())
-    )
-
-
-def test_the_stage_check_finds_an_upward_import() -> None:
+def test_the_layer_check_finds_an_upward_import() -> None:
     graph = {"benchsuite.load.loadgen": {"benchsuite.run.runner", "benchsuite.records"}}
-    assert upward_imports(graph) == ["benchsuite.load.loadgen (load) imports benchsuite.run.runner (run)"]
-    with pytest.raises(AssertionError, match="stage folder"):
-        stage_of("benchsuite.flat_module")
-
-
-# paged_experts' layers, bottom to top, checked the same way: the leaves every layer shares (shape,
-# fp8, kv, attention, step), which experts sit where, the runtime's configuration, the kernels (and
-# the reference expert compute), routing, the MoE block, weights (which build MoE blocks), the
-# graphed decode, the model, the server.
-RUNTIME_LAYERS = ("leaves", "residency", "config", "kernels", "runtime", "routing", "moe", "weights", "decode",
-                  "model", "server")  # fmt: skip
-RUNTIME_ROOT = {"paged_experts": "leaves", "paged_experts.shape": "leaves", "paged_experts.fp8": "leaves",
-                "paged_experts.kv": "leaves", "paged_experts.attention": "leaves", "paged_experts.step": "leaves",
-                "paged_experts.experts": "kernels", "paged_experts.config": "config",
-                "paged_experts.runtime": "runtime", "paged_experts.model": "model"}  # fmt: skip
-
-
-def runtime_layer_of(module: str) -> str:
-    if module in RUNTIME_ROOT:
-        return RUNTIME_ROOT[module]
-    folder = module.split(".")[1]
-    assert folder in RUNTIME_LAYERS, f"{module}: add it to a layer of paged_experts (tests/test_import_graph.py)"
-    return folder
-
-
-def test_paged_experts_imports_follow_its_layers() -> None:
-    graph = import_graph()
-    upward = sorted(
-        f"{module} ({runtime_layer_of(module)}) imports {target} ({runtime_layer_of(target)})"
-        for module, targets in graph.items()
-        if module.split(".")[0] == "paged_experts"
-        for target in targets
-        if target.split(".")[0] == "paged_experts"
-        and RUNTIME_LAYERS.index(runtime_layer_of(target)) > RUNTIME_LAYERS.index(runtime_layer_of(module))
-    )
-    assert not upward, "imports that run up paged_experts' layers:\n" + "\n".join(upward)
+    assert BENCHSUITE.upward(graph) == ["benchsuite.load.loadgen (load) imports benchsuite.run.runner (run)"]
+    with pytest.raises(AssertionError, match="not in a layer of benchsuite"):
+        BENCHSUITE.of("benchsuite.flat_module")
