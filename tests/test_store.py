@@ -186,3 +186,11 @@ def test_git_facts_name_the_tracked_files_as_they_are(tmp_path) -> None:
     git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "two")
     assert dirty["tree"] == git("rev-parse", "HEAD^{tree}")  # the commit of exactly those files
     assert git("status", "--porcelain", "--untracked-files=no") == ""  # the real index was untouched
+
+
+def test_git_facts_are_read_at_the_checkout_around_the_package() -> None:
+    """The package's source directory is the checkout's root (where pyproject.toml is), not a
+    folder inside it: a tree hash taken from a subfolder would name part of the code."""
+    from benchsuite.tools import machine
+
+    assert (machine._SOURCE_DIR / "pyproject.toml").is_file(), machine._SOURCE_DIR

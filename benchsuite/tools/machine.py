@@ -30,7 +30,7 @@ _GPU_FIELDS = (
     "pcie.link.width.max",
 )
 _PROBE_TIMEOUT_S = 10.0
-_SOURCE_DIR = Path(__file__).resolve().parent.parent
+_SOURCE_DIR = Path(__file__).resolve().parents[2]  # the checkout: benchsuite/tools/machine.py
 
 
 def machine_facts() -> dict[str, Any]:
