@@ -2,7 +2,10 @@
 
 A `Figure` carries the cell ids it was drawn from; `HOVER` makes every point's hover name its cell
 ids. Points are medians over ok repeats with min..max error bars (`spread_trace`, `metric_vs`);
-one layout for all (`layout`), integer ticks where x is a count (`integer_ticks`).
+one layout for all (`layout`), integer ticks where x is a count (`integer_ticks`), a logarithmic axis
+where values span a decade or more (`log_if_decades`), and one colour per mode (`family_colour`) so a
+mode keeps its colour in every figure whatever the order of the traces; green and red are left to
+meaning (win, loss, fits, does not fit), never to a mode.
 """
 
 from __future__ import annotations
@@ -51,6 +54,39 @@ def integer_ticks(fig: go.Figure, values: list[float]) -> go.Figure:
     """Ticks only at the measured integer x values (concurrency, K, N), never at 1.2 requests."""
     ticks = sorted({int(v) for v in values if v is not None})
     fig.update_xaxes(tickmode="array", tickvals=ticks, ticktext=[str(t) for t in ticks])
+    return fig
+
+
+DECADE = 10.0
+_MODE_COLOURS = {
+    "paged": "#1f77b4",
+    "resident": "#9467bd",
+    "offload": "#8c564b",
+    "cpu-experts": "#17becf",
+    "n-cpu-moe": "#ff7f0e",
+    "gpu": "#e377c2",
+}
+_OTHER_COLOURS = ("#7f7f7f", "#bcbd22", "#393b79", "#843c39")
+
+
+def family_colour(mode: str) -> str:
+    """The colour of a mode in every figure (an unknown mode: one of the other colours, by its name)."""
+    return _MODE_COLOURS.get(mode) or _OTHER_COLOURS[sum(map(ord, mode)) % len(_OTHER_COLOURS)]
+
+
+def spans_decades(values: list[float]) -> bool:
+    """Positive values whose largest is at least DECADE times their smallest."""
+    positive = [float(v) for v in values if v is not None and float(v) > 0]
+    return bool(positive) and max(positive) >= DECADE * min(positive)
+
+
+def log_if_decades(fig: go.Figure, values: list[float], axis: str, column: int | None = None) -> go.Figure:
+    """Make `axis` ("x" or "y") logarithmic when its values span a decade or more, so one large value
+    does not flatten the others; `column`: the subplot's column."""
+    if not spans_decades(values):
+        return fig
+    where = {} if column is None else {"row": 1, "col": column}
+    (fig.update_xaxes if axis == "x" else fig.update_yaxes)(type="log", **where)
     return fig
 
 
