@@ -274,7 +274,7 @@ def _number(value: Any) -> str:
 
 
 def _change_text(row: pd.Series) -> str:
-    """"A → B (change [interval])" of one metric row; "—" where a side has no value."""
+    """ "A → B (change [interval])" of one metric row; "—" where a side has no value."""
     if row["a"] is None or row["b"] is None or pd.isna(row["a"]) or pd.isna(row["b"]):
         return "—"
     said = f"{_number(row['a'])} → {_number(row['b'])}"
@@ -304,7 +304,9 @@ def summary_frame(rows: pd.DataFrame) -> pd.DataFrame:
         entry["peak memory GB"] = memory
         titles = dict(_SUMMARY_METRICS)
         entry["flagged"] = ", ".join(
-            f"{titles.get(r['metric'], r['metric']).split()[0]} {r['verdict']}" for _, r in group.iterrows() if r["flagged"]
+            f"{titles.get(r['metric'], r['metric']).split()[0]} {r['verdict']}"
+            for _, r in group.iterrows()
+            if r["flagged"]
         )
         out.append(entry)
     return pd.DataFrame(out, columns=columns)

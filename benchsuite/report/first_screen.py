@@ -91,8 +91,7 @@ def verdict_html(
     for v in found:
         by_setup[_setup_key(v)].append(v)
     setups = [
-        _setup_view(key, items, caveats.get(key) or [], (budgets or {}).get(key[0]))
-        for key, items in by_setup.items()
+        _setup_view(key, items, caveats.get(key) or [], (budgets or {}).get(key[0])) for key, items in by_setup.items()
     ]
     return render("verdict.html.j2", setups=setups, how_to_read=HOW_TO_READ)
 
@@ -117,9 +116,9 @@ def verdict_markdown(
         if v.yardstick and (*key, v.concurrency) not in flagged:
             flagged.add((*key, v.concurrency))
             lines += [f"- UNVERIFIED, c={v.concurrency}: {note}" for note in v.yardstick]
+        best = "fastest" if v.significant else "best median (not significantly)"
         lines.append(
-            f"- c={v.concurrency}, {v.metric_name}: {'fastest' if v.significant else 'best median (not significantly)'} "
-            f"{v.winner} ({_fmt(v.winner_median, v.ttft)}); "
+            f"- c={v.concurrency}, {v.metric_name}: {best} {v.winner} ({_fmt(v.winner_median, v.ttft)}); "
             + "; ".join(vs.text(v.winner, v.ttft) for vs in v.versus)
         )
     return lines

@@ -31,7 +31,9 @@ def _sentence(v: Verdict, budget_bytes: int | None, streams: str) -> str:
     if runner_up.estimate is None:
         return f"{streams}, too few repeats to name a faster mode: {runner_up.verdict()}."
     if not v.significant:
-        within = f"within noise of {runner_up.other_name}" if not runner_up.discovery else "within noise of another mode"
+        within = (
+            f"within noise of {runner_up.other_name}" if not runner_up.discovery else "within noise of another mode"
+        )
         return (
             f"{streams}, no mode is significantly faster here ({_repeats(v)}): {v.winner_name} has the highest "
             f"median, {within}."

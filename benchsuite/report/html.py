@@ -15,7 +15,7 @@ import pandas as pd
 from markupsafe import Markup
 from plotly.offline import get_plotlyjs
 
-from benchsuite.report.display import display_frame
+from benchsuite.report.display import display_frame, not_run_baselines
 from benchsuite.report.plot import Figure
 from benchsuite.report.tables import NOT_SIGNIFICANT, SPREAD_UNKNOWN
 from benchsuite.report.template_env import render
@@ -112,7 +112,8 @@ def render_table(frame: pd.DataFrame, table_id: str, row_anchor_column: str | No
     if frame.empty:
         return "<p><em>no rows</em></p>"
     shown = display_frame(frame)
-    parts = []
+    absent = not_run_baselines(frame)
+    parts = [f"<p>Not run in any row, so not shown: {html.escape(', '.join(absent))}.</p>"] if absent else []
     for number, columns in enumerate(column_groups(shown), start=1):
         part_id = table_id if number == 1 else f"{table_id}-{number}"
         parts.append(_render_part(frame, shown[columns], part_id, row_anchor_column if number == 1 else None))

@@ -34,6 +34,8 @@ def short_name(row: pd.Series) -> str:
         parts.append(f"N={int(row['n_cpu_moe'])}")
     params = row.get("params") if isinstance(row.get("params"), dict) else {}
     parts += [f"{key}={value}" for key, value in sorted(params.items()) if key not in _SAID_BY_K_OR_N]
+    if "search_n" in params:  # a budget search's candidate, apart from the same N run as a configuration
+        parts.append("(search)")
     name = " ".join(parts)
     return f"{name} (synthetic routing)" if is_synthetic(str(row.get("routing", "model"))) else name
 

@@ -10,6 +10,7 @@ meaning (win, loss, fits, does not fit), never to a mode.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pandas as pd
@@ -86,8 +87,24 @@ def log_if_decades(fig: go.Figure, values: list[float], axis: str, column: int |
     if not spans_decades(values):
         return fig
     where = {} if column is None else {"row": 1, "col": column}
-    (fig.update_xaxes if axis == "x" else fig.update_yaxes)(type="log", **where)
+    ticks = log_ticks([float(v) for v in values if v is not None and float(v) > 0])
+    # ticks written in full (1, 2, 5, 10, 20, ...): plotly's own label minor log ticks "2", "3" (for 200, 300)
+    text = [f"{int(t):,}" if t >= 1 else f"{t:g}" for t in ticks]
+    (fig.update_xaxes if axis == "x" else fig.update_yaxes)(
+        type="log", tickmode="array", tickvals=ticks, ticktext=text, **where
+    )
     return fig
+
+
+def log_ticks(values: list[float]) -> list[float]:
+    """1-2-5 ticks covering the values (one step beyond them on each side)."""
+    low, high = min(values), max(values)
+    out = []
+    for exponent in range(math.floor(math.log10(low)) - 1, math.ceil(math.log10(high)) + 1):
+        out += [m * 10.0**exponent for m in (1, 2, 5)]
+    below = max((t for t in out if t <= low), default=out[0])
+    above = min((t for t in out if t >= high), default=out[-1])
+    return [round(t, 12) for t in out if below <= t <= above]
 
 
 def error_bars(spreads: list[Spread], scale: float) -> dict:
