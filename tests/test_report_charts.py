@@ -122,3 +122,11 @@ def test_a_baseline_no_row_ran_is_said_once_not_in_every_row() -> None:
     assert "vs offload" in shown and "vs llamacpp_best" not in shown and "vs cpu_experts_best" not in shown
     html = render_table(ratios, "t")
     assert "Not run in any row, so not shown: llamacpp_best, cpu_experts_best." in html
+
+
+def test_servers_are_labelled_by_what_they_ran(tmp_path: Path) -> None:
+    index = write_report([FIXTURE], tmp_path, reference_dirs=[FIXTURE / "reference"])
+    page, md = index.read_text(), (index.parent / "tables.md").read_text()
+    assert '<tr><td>tiny K=8 <span class="other">(s-paged8)</span></td>' in page
+    assert "<td>llama N=2 <span" in page
+    assert "- `tiny K=12` (builtin" in md
