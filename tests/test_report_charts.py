@@ -100,6 +100,7 @@ def test_seconds_keep_significant_digits() -> None:
     assert format_value("floor_s", 0.0) == "0 s"
     assert format_value("decode_tok_s", 12.345) == "12.35"  # a rate, not seconds
     assert format_value("bytes_ratio", 0.004) == "0.004"  # small, never 0.00
+    assert format_value("bytes_paged_per_token", 0.0) == "0"  # an exact zero
 
 
 def test_sections_with_nothing_to_show_are_one_line_each(tmp_path: Path) -> None:

@@ -52,6 +52,8 @@ def format_value(column: str, value: Any) -> str:
             return str(int(value))
         if is_seconds(column):
             return seconds_text(value)
+        if value == 0:  # an exact zero (nothing paged), not a value rounded to 0.00
+            return "0"
         if 0 < abs(value) < 0.01:
             return f"{value:.2g}"
         return f"{value:.2f}"
