@@ -104,8 +104,11 @@ def test_seconds_keep_significant_digits() -> None:
 
 
 def test_sections_with_nothing_to_show_are_one_line_each(tmp_path: Path) -> None:
-    page = write_report([FIXTURE], tmp_path, reference_dirs=[FIXTURE / "reference"]).read_text()
-    assert "<em>no rows</em>" not in page
+    index = write_report([FIXTURE], tmp_path, reference_dirs=[FIXTURE / "reference"])
+    page, md = index.read_text(), (index.parent / "tables.md").read_text()
+    assert "<em>no rows</em>" not in page and "_no rows_" not in md
+    assert "## Prefill against its page-in floor" not in md
+    assert "- Prefill against its page-in floor: no paged cell recorded its prefill page-in." in md
     not_shown = page.split('<h2 id="not-shown">')[1].split("</ul>")[0]
     assert "<li>Prefill against its page-in floor: no paged cell recorded its prefill page-in.</li>" in not_shown
     assert 'id="prefill"' not in page

@@ -211,19 +211,31 @@ def _not_shown(empty: list[tuple[str, str]]) -> Section:
     return Section("Not shown", NOT_SHOWN, f"<p>Sections with nothing to show in these runs:</p><ul>{items}</ul>", None)
 
 
-def _sections(data: ReportData) -> tuple[list[Section], list[Section]]:
-    before, after = [], []
+def nothing_to_show(data: ReportData) -> list[tuple[str, str]]:
+    """(title, why) of each table with nothing to show: empty, filler (one note on every row), or the
+    published reference the matrix does not name. The page and tables.md list them once, not as tables."""
     empty: list[tuple[str, str]] = []
+    if data.published is None:
+        empty.append(("Published reference", data.reference_note.rstrip(".")))
     for name, frame in data.tables.items():
-        if name == "Verdict":
-            continue  # the first screen, rendered by first_screen
-        if not name.startswith("Published") and frame.empty:
+        if name == "Verdict" or name.startswith("Published"):
+            continue
+        if frame.empty:
             empty.append((name, _EMPTY[_ANCHORS[name]]))
             continue
         filler = _one_note(frame)
         if filler is not None:
             empty.append((name, f"{filler} (so every one of its {len(frame)} rows said)"))
-            continue
+    return empty
+
+
+def _sections(data: ReportData) -> tuple[list[Section], list[Section]]:
+    before, after = [], []
+    empty = nothing_to_show(data)
+    hidden = {title for title, _ in empty}
+    for name, frame in data.tables.items():
+        if name == "Verdict" or name in hidden:
+            continue  # the first screen (rendered by first_screen), or listed under "Not shown"
         if name.startswith("Published"):
             anchor = "reference-ttft" if name.endswith("TTFT p50") else "reference-decode"
             intro = (
@@ -235,8 +247,6 @@ def _sections(data: ReportData) -> tuple[list[Section], list[Section]]:
         anchor = _ANCHORS[name]
         section = Section(name, anchor, _INTROS.get(anchor, ""), frame)
         (before if anchor == "ratios" else after).append(section)
-    if data.published is None:
-        empty.insert(0, ("Published reference", data.reference_note.rstrip(".")))
     if empty:
         after.append(_not_shown(empty))
     return before, after
@@ -278,10 +288,13 @@ def write_report(run_dirs: list[Path], out_dir: Path | None = None, reference_di
         "",
         data.reference_note,
     ]
-    shown = {k: display_frame(v) if not v.empty else v for k, v in data.tables.items() if k != "Verdict"}
+    empty = nothing_to_show(data)
+    hidden = {title for title, _ in empty} | {"Verdict"}
+    shown = {k: display_frame(v) for k, v in data.tables.items() if k not in hidden}
+    trailer = ["## Not shown", "", *(f"- {title}: {why}." for title, why in empty)] if empty else []
     with report_folder(target) as staging:  # moved into place whole (report.publish)
         (staging / INDEX_NAME).write_text(page, encoding="utf-8")
-        write_markdown(staging / "tables.md", data.title, preamble, shown)
+        write_markdown(staging / "tables.md", data.title, preamble, shown, trailer)
         write_csv(staging / "tables.csv", data.tables)
     index = target / INDEX_NAME
     return index
