@@ -16,7 +16,8 @@ shown on the first screen under the verdict.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -25,7 +26,7 @@ from plotly.subplots import make_subplots
 from benchsuite.report.budget import device_figure
 from benchsuite.report.groups import Spread
 from benchsuite.report.names import short_name
-from benchsuite.report.plot import Figure, family_colour, log_if_decades
+from benchsuite.report.plot import Figure, family_colour, log_if_decades, spans_decades
 
 GB = 1e9
 ANCHOR = "fig-speed-memory"
@@ -112,6 +113,24 @@ def _panel(fig: go.Figure, points: list[Point], column: int, shown_modes: set[st
     )
 
 
+SYNTHETIC_SUFFIX = " (synthetic routing)"
+
+
+def _common_suffix(drawn: list[tuple[list[Point], str]]) -> str:
+    """ " (synthetic routing)" when every point carries it (said once in the title instead), else ""."""
+    names = [p.name for points, _ in drawn for p in points]
+    return SYNTHETIC_SUFFIX if names and all(n.endswith(SYNTHETIC_SUFFIX) for n in names) else ""
+
+
+def _padded_range(values: list[float], log: bool) -> list[float]:
+    """The x range with room for the points' labels at both ends (a label centred on the last point)."""
+    low, high = min(values), max(values)
+    if log:
+        return [math.log10(low) - 0.12, math.log10(high) + 0.12]
+    pad = max((high - low) * 0.12, 0.5)
+    return [max(low - pad, 0.0), high + pad]
+
+
 def _concurrencies(rows: pd.DataFrame) -> tuple[int, int]:
     measured = sorted({int(c) for c in rows["concurrency"]})
     return measured[0], measured[-1]
@@ -138,6 +157,9 @@ def speed_memory_figures(
         drawn = [(points, title) for points, title in drawn if points]
         if not drawn:
             continue
+        suffix = _common_suffix(drawn)
+        if suffix:
+            drawn = [([replace(p, name=p.name[: -len(suffix)]) for p in points], t) for points, t in drawn]
         fig = make_subplots(rows=1, cols=len(drawn), subplot_titles=[t for _, t in drawn], horizontal_spacing=0.08)
         shown: set[str] = set()
         budget = next((float(b) for b in setup_budgets(cells, key) if b), None)
@@ -145,7 +167,9 @@ def speed_memory_figures(
             _panel(fig, points, column, shown)
             fig.update_xaxes(title_text="peak device memory (GB)", row=1, col=column)
             fig.update_yaxes(title_text=title, row=1, col=column)
-            log_if_decades(fig, [p.memory_gb for p in points] + ([budget / GB] if budget else []), "x", column)
+            memory = [p.memory_gb for p in points] + ([budget / GB] if budget else [])
+            log_if_decades(fig, memory, "x", column)
+            fig.update_xaxes(range=_padded_range(memory, spans_decades(memory)), row=1, col=column)
             log_if_decades(fig, [p.speed.median for p in points], "y", column)
             if budget:
                 fig.add_vline(
@@ -158,7 +182,7 @@ def speed_memory_figures(
                     col=column,
                 )
         run_id, workload, prompt_class = key
-        title = f"Speed against device memory: {run_id} · {workload} · {prompt_class} prompts"
+        title = f"Speed against device memory: {run_id} · {workload} · {prompt_class} prompts{suffix}"
         fig.update_layout(
             title=title, template="plotly_white", height=470, margin={"l": 60, "r": 20, "t": 70, "b": 50},
             legend={"font": {"size": 10}}, font={"family": "sans-serif"},
