@@ -18,6 +18,7 @@ from benchsuite.report.fmt import format_value
 from benchsuite.report.html import render_table
 from benchsuite.report.load import normalize_requests
 from benchsuite.report.paging_figures import paging_figures
+from benchsuite.report.plot import family_colour
 from benchsuite.report.samples import request_samples
 
 FIXTURE = Path(__file__).parent / "data" / "report_fixture"
@@ -134,3 +135,17 @@ def test_servers_are_labelled_by_what_they_ran(tmp_path: Path) -> None:
     assert '<tr><td>tiny K=8 <span class="other">(s-paged8)</span></td>' in page
     assert "<td>llama N=2 <span" in page
     assert "- `tiny K=12` (builtin" in md
+
+
+def test_lines_are_coloured_by_mode_not_by_position() -> None:
+    rows = [
+        row("c1", "s-ll2", "n-cpu-moe", "llamacpp", decode=30.0),
+        row("o1", "s-off", "offload", decode=20.0),
+        row("p16", "s-p16", "paged", decode=15.0),  # third trace: plotly's own colourway would make it green
+        row("p8", "s-p8", "paged", decode=14.0),
+    ]
+    _, groups = frames(rows)
+    decode = throughput_vs_concurrency(groups)[0].figure
+    paged = [t for t in decode.data if " · paged · " in t.name]
+    assert {t.line.color for t in paged} == {family_colour("paged")} and len({t.line.dash for t in paged}) == 2
+    assert "#2ca02c" not in {t.line.color for t in decode.data}  # green is left to meaning

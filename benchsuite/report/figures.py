@@ -16,6 +16,7 @@ from benchsuite.report.paging_figures import paging_figures
 from benchsuite.report.plot import (
     HOVER,
     Figure,
+    colour_by_mode,
     error_bars,
     has_metric,
     integer_ticks,
@@ -35,6 +36,7 @@ def throughput_vs_concurrency(groups: pd.DataFrame) -> list[Figure]:
         ("output_tok_s", "Aggregate output tok/s vs concurrency", "output tok/s (all requests)"),
     ):
         traces, ids = metric_vs(groups, metric, "concurrency", ["label", "prompt_class"])
+        colour_by_mode(traces, [_mode_of(groups, t.name.rsplit(" · ", 1)[0]) for t in traces])
         if traces:
             fig = integer_ticks(
                 layout(go.Figure(traces), title, "concurrent requests", y), [x for t in traces for x in t.x]
@@ -50,6 +52,12 @@ def throughput_vs_concurrency(groups: pd.DataFrame) -> list[Figure]:
                 )
             )
     return out
+
+
+def _mode_of(frame: pd.DataFrame, label: str) -> str:
+    """The mode of the configuration labelled `label` (its colour in every figure)."""
+    found = frame[frame["label"] == label]
+    return str(found["mode"].iloc[0]) if len(found) else ""
 
 
 def decode_vs_k(groups: pd.DataFrame, top_k: int | None) -> list[Figure]:
@@ -169,8 +177,9 @@ def request_distributions(cells: pd.DataFrame, samples: pd.DataFrame) -> list[Fi
             data = data[~one_read]
         if data.empty:
             continue
-        traces = []
+        traces, modes = [], []
         for (label, cls, conc), g in data.groupby(["label", "prompt_class", "concurrency"], sort=True):
+            modes.append(_mode_of(cells, label))
             traces.append(
                 go.Box(
                     name=f"{label} · {cls} · c={conc}",
@@ -183,6 +192,7 @@ def request_distributions(cells: pd.DataFrame, samples: pd.DataFrame) -> list[Fi
                     hovertemplate="%{y:.4g}<br>cell: %{customdata}<extra></extra>",
                 )
             )
+        colour_by_mode(traces, modes)
         fig = layout(go.Figure(traces), title + " (requests.parquet, warmup excluded)", "", y)
         fig.update_layout(showlegend=False, height=640, xaxis_tickangle=-30, xaxis_tickfont={"size": 9})
         log_if_decades(fig, list(data[col] * scale), "y")

@@ -75,6 +75,23 @@ def family_colour(mode: str) -> str:
     return _MODE_COLOURS.get(mode) or _OTHER_COLOURS[sum(map(ord, mode)) % len(_OTHER_COLOURS)]
 
 
+_DASHES = ("solid", "dash", "dot", "dashdot", "longdash")
+
+
+def colour_by_mode(traces: list, modes: list[str]) -> None:
+    """Colour each trace by its configuration's mode (family_colour); configurations of one mode
+    are told apart by dash, in trace order."""
+    seen: dict[str, int] = {}
+    for trace, mode in zip(traces, modes):
+        nth = seen.get(mode, 0)
+        seen[mode] = nth + 1
+        if isinstance(trace, go.Scatter):
+            trace.update(line={"color": family_colour(mode), "dash": _DASHES[nth % len(_DASHES)]},
+                         marker={"color": family_colour(mode)})  # fmt: skip
+        else:
+            trace.update(marker={"color": family_colour(mode)}, line={"color": family_colour(mode)})
+
+
 def spans_decades(values: list[float]) -> bool:
     """Positive values whose largest is at least DECADE times their smallest."""
     positive = [float(v) for v in values if v is not None and float(v) > 0]
