@@ -45,7 +45,7 @@ def test_a_stream_read_whole_is_left_out_of_the_per_request_decode_figure_and_co
     figures = {f.anchor: f for f in request_distributions(cells, samples)}
     decode = figures["fig-requests-decode_tok_s"]
     assert max(y for t in decode.figure.data for y in t.y) < 11.0
-    assert "Left out: 1 requests that arrived (mostly) whole in one read" in decode.caption
+    assert "Left out: 1 request that arrived (mostly) whole in one read" in decode.caption
     ttft = figures["fig-requests-ttft_s"]  # its TTFT is still a measurement
     assert sum(len(t.y) for t in ttft.figure.data) == 3
 

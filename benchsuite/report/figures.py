@@ -170,8 +170,9 @@ def request_distributions(cells: pd.DataFrame, samples: pd.DataFrame) -> list[Fi
             # a stream read whole has a decode "rate" that is the client's parse time: it would flatten the rest
             one_read = data["one_read"].fillna(False).astype(bool)
             if one_read.any():
+                n = int(one_read.sum())
                 caption += (
-                    f" Left out: {int(one_read.sum())} requests that arrived (mostly) whole in one read, whose "
+                    f" Left out: {n} request{'s' if n != 1 else ''} that arrived (mostly) whole in one read, whose "
                     "decode the client could not time (their cells' decode figure says what stood in)."
                 )
             data = data[~one_read]
