@@ -22,7 +22,8 @@ HOW_TO_READ = (
     "comparison on this page at 5% (among many comparisons some intervals miss 1 by chance, so an interval that "
     "excludes 1 can still be not significant: the line says so). The best median is in bold only when it is "
     "significantly better than every other mode. With fewer than "
-    f"{stats.MIN_REPEATS} ok repeats on a side there is no verdict. Each mode is represented by its best "
+    f"{stats.MIN_REPEATS} ok repeats on a side there is no verdict. Configurations are named short (engine, "
+    "K resident experts, N layers' experts on the CPU; the full label on hover). Each mode is represented by its best "
     "configuration (best K, best N). c=1: decode tok/s of one stream; c>=2: decode tok/s of all streams (tokens "
     "after each stream's first token over the time any stream was decoding), then output tok/s of all streams "
     "(which counts prefill); TTFT: the median time to token 1 for that prompt class, said as N x faster or slower. "
@@ -42,11 +43,12 @@ def _fmt(value: float, ttft: bool) -> str:
 def _versus_view(v: Verdict, vs: Versus) -> dict[str, Any]:
     return {
         "css": "na" if vs.estimate is None else ("sig" if vs.discovery else "ns"),
-        "other": vs.other,
+        "other": vs.other_name,
+        "other_label": vs.other,
         "winner_cells": " ".join(vs.winner_cells),
         "other_cells": " ".join(vs.other_cells),
         "estimate": vs.estimate,
-        "text": vs.text(v.winner, v.ttft),
+        "text": vs.text(v.winner_name, v.ttft, vs.other_name),
         "corrected_away": vs.corrected_away,
         "other_median": _fmt(vs.other_median, v.ttft),
     }
@@ -118,7 +120,7 @@ def verdict_markdown(
             lines += [f"- UNVERIFIED, c={v.concurrency}: {note}" for note in v.yardstick]
         best = "fastest" if v.significant else "best median (not significantly)"
         lines.append(
-            f"- c={v.concurrency}, {v.metric_name}: {best} {v.winner} ({_fmt(v.winner_median, v.ttft)}); "
-            + "; ".join(vs.text(v.winner, v.ttft) for vs in v.versus)
+            f"- c={v.concurrency}, {v.metric_name}: {best} {v.winner_name} ({_fmt(v.winner_median, v.ttft)}); "
+            + "; ".join(vs.text(v.winner_name, v.ttft, vs.other_name) for vs in v.versus)
         )
     return lines

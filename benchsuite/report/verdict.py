@@ -97,19 +97,21 @@ class Versus:
         """The interval alone excludes 1, but the comparison is no discovery after the page's correction."""
         return self.estimate is not None and self.estimate.significant and not self.discovery
 
-    def text(self, winner: str, ttft: bool) -> str:
+    def text(self, winner: str, ttft: bool, other: str | None = None) -> str:
+        """ "winner is N x other [low–high], verdict"; `other` names the other mode (default: its label)."""
+        other = self.other if other is None else other
         if self.estimate is None:
-            return f"vs {self.other}: {stats.not_enough_text(self.n_winner, self.n_other)}"
+            return f"vs {other}: {stats.not_enough_text(self.n_winner, self.n_other)}"
         e = self.estimate
         if ttft:  # a TTFT ratio below 1 is a win: said as "N x faster", its interval inverted with it
             faster = e.ratio <= 1.0
             factor, low, high = (1 / e.ratio, 1 / e.high, 1 / e.low) if faster else (e.ratio, e.low, e.high)
             what = (
                 f"{winner} reaches the first token {stats.times_text(factor)} x "
-                f"{'faster' if faster else 'slower'} than {self.other}"
+                f"{'faster' if faster else 'slower'} than {other}"
             )
         else:
-            what, low, high = f"{winner} is {stats.times_text(e.ratio)} x {self.other}", e.low, e.high
+            what, low, high = f"{winner} is {stats.times_text(e.ratio)} x {other}", e.low, e.high
         return f"{what} [{stats.times_text(low)}–{stats.times_text(high)}], {self.verdict_text()}"
 
     def verdict(self) -> str:
