@@ -127,6 +127,13 @@ def test_speed_memory_figure_one_point_per_configuration_with_budget_and_frontie
     assert list(line.x) == [12.0]  # llama.cpp is beaten on both axes
     budget = [s for s in fig.layout.shapes if s.x0 == s.x1 == 16.0]
     assert len(budget) == 2  # the budget on both panels
+    assert all(t.marker.symbol == "circle" for t in points)  # both fit the 16 GB budget
+    cells = cells.assign(budget_bytes=14 * GB)  # llama.cpp's 15 GB is now over it: drawn hollow
+    left = [t for t in speed_memory_figures(groups, cells)[0].figure.data if t.mode == "markers+text"]
+    assert {t.text[0]: t.marker.symbol for t in left if t.xaxis == "x"} == {
+        "llama N=2": "circle-open",
+        "tiny K=8": "circle",
+    }
     assert "None" not in " ".join(f"{t.name} {' '.join(t.text or ())}" for t in fig.data)
 
 

@@ -7,7 +7,8 @@ shown on the first screen under the verdict.
   figures; the largest over its ok cells, as a budget must hold the worst repeat);
 - one point per configuration (median over ok repeats, bars min..max), coloured by its mode, named by
   what it is (report.names);
-- the run's GPU memory budget as a vertical line where the run had one;
+- the run's GPU memory budget as a vertical line where the run had one, the configurations over it
+  (no contenders on the first screen) drawn hollow;
 - the frontier: configurations no other configuration beats on both axes (as fast or faster with as
   little memory or less, and strictly better on one), joined by a step line: the best speed
   available at each memory size;
@@ -69,8 +70,9 @@ def frontier(points: list[Point]) -> list[Point]:
     return out
 
 
-def _panel(fig: go.Figure, points: list[Point], column: int, shown_modes: set[str]) -> None:
+def _panel(fig: go.Figure, points: list[Point], column: int, shown_modes: set[str], budget_gb: float | None) -> None:
     for p in points:
+        over = budget_gb is not None and p.memory_gb > budget_gb  # no contender: drawn hollow
         fig.add_trace(
             go.Scatter(
                 x=[p.memory_gb],
@@ -79,7 +81,7 @@ def _panel(fig: go.Figure, points: list[Point], column: int, shown_modes: set[st
                 text=[p.name],
                 textposition="top center",
                 textfont={"size": 9},
-                marker={"size": 9, "color": family_colour(p.mode)},
+                marker={"size": 9, "color": family_colour(p.mode), "symbol": "circle-open" if over else "circle"},
                 error_y={
                     "type": "data",
                     "symmetric": False,
@@ -164,7 +166,7 @@ def speed_memory_figures(
         shown: set[str] = set()
         budget = next((float(b) for b in setup_budgets(cells, key) if b), None)
         for column, (points, title) in enumerate(drawn, start=1):
-            _panel(fig, points, column, shown)
+            _panel(fig, points, column, shown, budget / GB if budget else None)
             fig.update_xaxes(title_text="peak device memory (GB)", row=1, col=column)
             fig.update_yaxes(title_text=title, row=1, col=column)
             memory = [p.memory_gb for p in points] + ([budget / GB] if budget else [])
@@ -192,7 +194,11 @@ def speed_memory_figures(
             "One point per configuration: median over ok repeats, bars min..max; memory is the largest device "
             "memory of its cells. Up and to the left is better; the dotted step line joins the configurations "
             "no other beats on both axes."
-            + (" The dashed line is the run's GPU memory budget." if budget else " This run declared no budget.")
+            + (
+                " The dashed line is the run's GPU memory budget; hollow points are over it (no contenders)."
+                if budget
+                else " This run declared no budget."
+            )
         )
         out.append(Figure(f"{ANCHOR}-{number}", title, fig, caption, tuple(ids)))
     return out
