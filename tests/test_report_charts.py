@@ -149,3 +149,5 @@ def test_lines_are_coloured_by_mode_not_by_position() -> None:
     paged = [t for t in decode.data if " · paged · " in t.name]
     assert {t.line.color for t in paged} == {family_colour("paged")} and len({t.line.dash for t in paged}) == 2
     assert "#2ca02c" not in {t.line.color for t in decode.data}  # green is left to meaning
+    (by_k,) = decode_vs_k(groups, top_k=4)  # traces by concurrency: a colourway without green or red
+    assert not {"#2ca02c", "#d62728", "green", "red"} & set(by_k.figure.layout.colorway)

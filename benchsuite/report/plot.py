@@ -46,6 +46,7 @@ def layout(fig: go.Figure, title: str, x_title: str, y_title: str) -> go.Figure:
         margin={"l": 60, "r": 20, "t": 50, "b": 50},
         legend={"font": {"size": 10}},
         font={"family": "sans-serif"},
+        colorway=list(NEUTRAL_COLOURWAY),
     )
     fig.update_xaxes(automargin=True)
     return fig
@@ -68,6 +69,8 @@ _MODE_COLOURS = {
     "gpu": "#e377c2",
 }
 _OTHER_COLOURS = ("#7f7f7f", "#bcbd22", "#393b79", "#843c39")
+# traces not coloured by mode (one per concurrency, per prompt class) take these in turn: no green, no red
+NEUTRAL_COLOURWAY = ("#1f77b4", "#ff7f0e", "#9467bd", "#8c564b", "#17becf", "#e377c2", "#7f7f7f", "#bcbd22")
 
 
 def family_colour(mode: str) -> str:
