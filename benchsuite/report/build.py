@@ -216,7 +216,8 @@ def nothing_to_show(data: ReportData) -> list[tuple[str, str]]:
     published reference the matrix does not name. The page and tables.md list them once, not as tables."""
     empty: list[tuple[str, str]] = []
     if data.published is None:
-        empty.append(("Published reference", data.reference_note.rstrip(".")))
+        note = data.reference_note.rstrip(".")
+        empty.append(("Published reference", note[:1].lower() + note[1:]))
     for name, frame in data.tables.items():
         if name == "Verdict" or name.startswith("Published"):
             continue
