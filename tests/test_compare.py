@@ -197,7 +197,7 @@ def test_threshold_and_alpha_are_honoured(runs: tuple[Path, Path]) -> None:
 def test_outputs_and_cli(runs: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     comparison = compare_runs(*runs)
     md, page = write_comparison(comparison, tmp_path / "cmp")
-    assert md.read_text() == comparison_markdown(comparison)
+    assert md.read_text() == comparison_markdown(comparison, "all")  # the file keeps every column
     assert "REGRESSED" in md.read_text() and "## Only in run-a" in md.read_text()
     html = page.read_text()
     assert "<table" in html and "REGRESSED" in html and "http" not in html
@@ -213,3 +213,19 @@ def test_outputs_and_cli(runs: tuple[Path, Path], tmp_path: Path, capsys: pytest
     assert "Tested over runs" in capsys.readouterr().out
     assert cli_main(["compare", str(runs[0]), str(tmp_path / "missing")]) == 2
     assert cli_main(["compare", str(runs[0])]) == 2
+
+
+def test_printed_table_is_one_row_per_configuration_with_the_columns_read_first(
+    runs: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli_main(["compare", str(runs[0]), str(runs[1]), "--out", str(tmp_path / "d")]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("| configuration"))
+    assert [h.strip() for h in header.strip("|").split("|")] == [
+        "configuration", "decode tok/s", "TTFT p50 ms", "output tok/s", "peak memory GB", "flagged",
+    ]  # fmt: skip
+    slower = next(line for line in out.splitlines() if "resident_experts=slower · w · short · c=1" in line)
+    assert "100 → 80 (-20.0% [" in slower and "decode REGRESSED, TTFT REGRESSED, output REGRESSED" in slower
+    assert cli_main(["compare", str(runs[0]), str(runs[1]), "--out", str(tmp_path / "a"), "--columns", "all"]) == 0
+    header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| configuration"))
+    assert len(header.strip("|").split("|")) == 20 and "p_value" in header and "a_peak_gb" in header

@@ -218,7 +218,10 @@ def test_bytes_per_expert_of_each_engine_side_by_side(tmp_path: Path) -> None:
     page = write_report([run], tmp_path / "out", reference_dirs=REFERENCE_DIRS).read_text()
     table = re.search(r'<table id="expert-bytes-[^"]*">(.*?)</table>', page)
     assert table is not None
-    rows = re.findall(r"<tr><td>([^<]*)</td><td>[^<]*</td><td>([^<]*)</td><td>([^<]*)</td></tr>", table.group(1))
+    rows = re.findall(
+        r'<tr><td>[^<]* <span class="other">\(([^)]*)\)</span></td><td>[^<]*</td><td>([^<]*)</td><td>([^<]*)</td></tr>',
+        table.group(1),
+    )  # each server named by what it ran, its id beside the name
     assert rows == [(first, "float8_e4m3fn", "4.72 MB"), (second, "q8_0", "5.01 MB")]
 
 

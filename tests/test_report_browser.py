@@ -224,13 +224,25 @@ def test_the_verdict_comes_first_and_its_numbers_are_the_stored_cells(page_data:
         assert (float(vs["ratio"]), float(vs["low"]), float(vs["high"])) == pytest.approx(
             (estimate.ratio, estimate.low, estimate.high)
         )
-        said = (
-            f"{vs['winner']} is {estimate.ratio:.2f} x {vs['other']}"
-            if metric != "ttft_p50_s"
-            else f"{vs['winner']}'s TTFT is {estimate.ratio:.2f} x {vs['other']}'s"
-        )
-        wording = "significant" if discovery else "not significant"
-        assert vs["text"].startswith(f"{said} [{estimate.low:.2f}–{estimate.high:.2f}], {wording} ("), vs["text"]
+        if metric != "ttft_p50_s":
+            said = f"{vs['winner']} is {estimate.ratio:.2f} x {vs['other']} [{estimate.low:.2f}–{estimate.high:.2f}]"
+        elif estimate.ratio <= 1.0:  # TTFT said as N x faster, its interval inverted with it
+            said = (
+                f"{vs['winner']} reaches the first token {1 / estimate.ratio:.2f} x faster than {vs['other']} "
+                f"[{1 / estimate.high:.2f}–{1 / estimate.low:.2f}]"
+            )
+        else:
+            said = (
+                f"{vs['winner']} reaches the first token {estimate.ratio:.2f} x slower than {vs['other']} "
+                f"[{estimate.low:.2f}–{estimate.high:.2f}]"
+            )
+        if discovery:
+            wording = "significant ("
+        elif estimate.significant:  # the interval alone excludes 1: the correction is said in words
+            wording = "not significant after correcting for the page's"
+        else:
+            wording = "not significant ("
+        assert vs["text"].startswith(f"{said}, {wording}"), vs["text"]
         checked += 1
     assert checked >= 6
     for cell in verdict["winners"]:

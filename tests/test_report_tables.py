@@ -7,71 +7,17 @@ import math
 
 import pandas as pd
 import pytest
+from report_rows import frames, row
 
-from benchsuite.records import CellResult, RequestRecord
+from benchsuite.records import RequestRecord
 from benchsuite.report import tables as tb
 from benchsuite.report.display import display_frame
 from benchsuite.report.flags import cell_flags, prompt_length_mismatches
-from benchsuite.report.groups import Spread, annotate_cells, group_configs
+from benchsuite.report.groups import Spread
 from benchsuite.report.load import normalize_cells, normalize_requests
 from benchsuite.report.published import reference_decode_table, reference_ttft_table
 from benchsuite.report.samples import request_samples
 from benchsuite.tools.reference import parse_reference
-
-# server -> its typed placement (K, N), as the runner records it on every cell of the server
-SERVERS = {"s-p8": (8, None), "s-p16": (16, None), "s-off": (None, None), "s-ll1": (None, 1), "s-ll2": (None, 2)}
-
-
-def row(
-    cell_id: str,
-    server: str,
-    mode: str,
-    kind: str = "builtin",
-    *,
-    conc: int = 1,
-    rep: int = 0,
-    cls: str = "short",
-    decode: float | None = None,
-    output: float | None = None,
-    ttft: float | None = None,
-    status: str = "ok",
-    reason: str | None = None,
-    routing: str = "model",
-    params: dict | None = None,
-    extras: dict | None = None,
-    miss: float | None = None,
-) -> dict:
-    engine = "llama" if kind == "llamacpp" else "tiny"
-    k, n = SERVERS[server]
-    return CellResult(
-        cell_id=cell_id,
-        run_id="r1",
-        engine=engine,
-        engine_kind=kind,
-        mode=mode,
-        server_id=server,
-        params=params or {},
-        workload="w",
-        prompt_class=cls,
-        concurrency=conc,
-        repeat=rep,
-        status=status,
-        reason=reason,
-        routing=routing,
-        resident_experts=k,
-        n_cpu_moe=n,
-        decode_tok_s_p50=decode,
-        output_tok_s=output,
-        ttft_p50_s=ttft,
-        miss_rate=miss,
-        extras=extras or {},
-    ).to_row()
-
-
-def frames(rows: list[dict]) -> tuple[pd.DataFrame, pd.DataFrame]:
-    cells = annotate_cells(normalize_cells(pd.DataFrame(rows)), many_runs=False)
-    return cells, group_configs(cells)
-
 
 BASE = [
     row("p8a", "s-p8", "paged", decode=40.0, output=38.0, ttft=0.100, miss=0.30),
@@ -330,7 +276,8 @@ def test_verdicts_name_the_fastest_mode_and_every_ratio_with_its_interval() -> N
     assert paged.estimate.ratio == pytest.approx(math.sqrt(0.09 * 0.11) / math.sqrt(0.10 * 0.12))
     assert (
         paged.text(ttft.winner, ttft=True)
-        == "llama · n-cpu-moe · n_cpu_moe=2's TTFT is 0.91 x tiny · paged · K=8's [0.50–1.64], not significant"
+        == "llama · n-cpu-moe · n_cpu_moe=2 reaches the first token 1.10 x faster than tiny · paged · K=8 [0.61–1.98], "
+        "not significant"
     )
     two = found[("short", 2, "output_tok_s")]
     assert (

@@ -2,7 +2,7 @@
 changes between two runs, or two sets of reruns, tested over repeats (one run a side) or over runs
 (two or more a side), never over requests; flagged only when significant after Benjamini-Hochberg
 and over the threshold (benchsuite.report.compare). Writes compare.md and compare.html and prints
-the markdown."""
+the markdown (one row per configuration; `--columns all` for every column)."""
 
 from __future__ import annotations
 
@@ -47,6 +47,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out", type=Path, default=None, help="output directory (default: reports/compare-<A>-vs-<B>/)"
     )
+    parser.add_argument(
+        "--columns",
+        choices=("default", "all"),
+        default="default",
+        help="printed table: 'default' = one row per configuration (decode, TTFT, output, peak memory, each A -> B "
+        "with its change and interval); 'all' = one row per configuration and metric, every column (compare.md "
+        "always has every column)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -63,6 +71,6 @@ def main(args: argparse.Namespace) -> int:
         side_a, side_b = list(args.runs), list(args.vs)
     comparison = compare_runs(side_a, side_b, threshold=args.threshold, alpha=args.alpha)
     md_path, html_path = write_comparison(comparison, args.out)
-    print(comparison_markdown(comparison))
+    print(comparison_markdown(comparison, args.columns))
     print(f"wrote {md_path} and {html_path}")
     return 0

@@ -24,6 +24,8 @@ from benchsuite.report.groups import annotate_cells, group_configs
 from benchsuite.report.header import header_html, header_markdown
 from benchsuite.report.html import Section, render_page
 from benchsuite.report.load import RunData, load_run
+from benchsuite.report.memory_figure import MISSING as MEMORY_MISSING
+from benchsuite.report.memory_figure import speed_memory_figures
 from benchsuite.report.paging_figures import HIT_RATE_NOTE, HIT_RATE_TITLE, hit_rate_table
 from benchsuite.report.plot import Figure
 from benchsuite.report.publish import report_folder
@@ -177,11 +179,64 @@ _INTROS = {
 }
 
 
+# Why a section has nothing to show, said in one line instead of an empty table (anchor -> reason).
+_EMPTY = {
+    "ratios": "no paged configuration was measured",
+    "configurations": "no configuration was measured",
+    "ttft": "no configuration has a TTFT for a short or a long prompt class",
+    "paging": "no engine reported paging counters",
+    "hit-rate-optimal": "no paged cell reported paging counters",
+    "roofline": "no paged or offload cell with paging counters and a measured link",
+    "prefill": "no paged cell recorded its prefill page-in",
+    "search": "no budget search ran",
+    "failures": "every cell was ok",
+    "raw-cells": "no cell",
+}
+NOT_SHOWN = "not-shown"
+
+
+def _one_note(frame: pd.DataFrame) -> str | None:
+    """The note every row of a table carries, when they all carry the same one: the table is filler (each
+    row says why its figure is missing), said once instead."""
+    if "note" not in frame or frame.empty:
+        return None
+    notes = {str(n) for n in frame["note"]}
+    note = next(iter(notes))
+    return note if len(notes) == 1 and note.strip() and note != "nan" else None
+
+
+def _not_shown(empty: list[tuple[str, str]]) -> Section:
+    """The sections with nothing to show, one line each (title: why)."""
+    items = "".join(f"<li>{html.escape(title)}: {html.escape(why)}.</li>" for title, why in empty)
+    return Section("Not shown", NOT_SHOWN, f"<p>Sections with nothing to show in these runs:</p><ul>{items}</ul>", None)
+
+
+def nothing_to_show(data: ReportData) -> list[tuple[str, str]]:
+    """(title, why) of each table with nothing to show: empty, filler (one note on every row), or the
+    published reference the matrix does not name. The page and tables.md list them once, not as tables."""
+    empty: list[tuple[str, str]] = []
+    if data.published is None:
+        note = data.reference_note.rstrip(".")
+        empty.append(("Published reference", note[:1].lower() + note[1:]))
+    for name, frame in data.tables.items():
+        if name == "Verdict" or name.startswith("Published"):
+            continue
+        if frame.empty:
+            empty.append((name, _EMPTY[_ANCHORS[name]]))
+            continue
+        filler = _one_note(frame)
+        if filler is not None:
+            empty.append((name, f"{filler} (so every one of its {len(frame)} rows said)"))
+    return empty
+
+
 def _sections(data: ReportData) -> tuple[list[Section], list[Section]]:
     before, after = [], []
+    empty = nothing_to_show(data)
+    hidden = {title for title, _ in empty}
     for name, frame in data.tables.items():
-        if name == "Verdict":
-            continue  # the first screen, rendered by first_screen
+        if name == "Verdict" or name in hidden:
+            continue  # the first screen (rendered by first_screen), or listed under "Not shown"
         if name.startswith("Published"):
             anchor = "reference-ttft" if name.endswith("TTFT p50") else "reference-decode"
             intro = (
@@ -193,10 +248,8 @@ def _sections(data: ReportData) -> tuple[list[Section], list[Section]]:
         anchor = _ANCHORS[name]
         section = Section(name, anchor, _INTROS.get(anchor, ""), frame)
         (before if anchor == "ratios" else after).append(section)
-    if data.published is None:
-        before.append(
-            Section("Published reference", "reference-decode", f"<p>{html.escape(data.reference_note)}</p>", None)
-        )
+    if empty:
+        after.append(_not_shown(empty))
     return before, after
 
 
@@ -214,26 +267,35 @@ def write_report(run_dirs: list[Path], out_dir: Path | None = None, reference_di
     data = build_report_data(run_dirs, reference_dirs)
     target = Path(out_dir) if out_dir is not None else default_out_dir(data.runs)
     before, after = _sections(data)
-    first = verdict_html(data.verdicts, data.caveats)
+    budgets = {r.run_id: r.facts.budget_bytes for r in data.runs}
+    first = verdict_html(data.verdicts, data.caveats, budgets)
+    answered = tuple(dict.fromkeys((v.run_id, v.workload, v.prompt_class) for v in data.verdicts))
+    lead = speed_memory_figures(data.groups, data.cells, answered)
     page = render_page(
         data.title,
-        first + header_html(data.runs, data.cells),
+        header_html(data.runs, data.cells),
         before,
         data.figures,
         missing_figures(data.figures),
         after,
+        first_screen=first,
+        lead_figures=tuple(lead),
+        lead_missing="" if lead else MEMORY_MISSING,
     )
     preamble = [
-        *verdict_markdown(data.verdicts, data.caveats),
+        *verdict_markdown(data.verdicts, data.caveats, budgets),
         "",
         *header_markdown(data.runs, data.cells),
         "",
         data.reference_note,
     ]
-    shown = {k: display_frame(v) if not v.empty else v for k, v in data.tables.items() if k != "Verdict"}
+    empty = nothing_to_show(data)
+    hidden = {title for title, _ in empty} | {"Verdict"}
+    shown = {k: display_frame(v) for k, v in data.tables.items() if k not in hidden}
+    trailer = ["## Not shown", "", *(f"- {title}: {why}." for title, why in empty)] if empty else []
     with report_folder(target) as staging:  # moved into place whole (report.publish)
         (staging / INDEX_NAME).write_text(page, encoding="utf-8")
-        write_markdown(staging / "tables.md", data.title, preamble, shown)
+        write_markdown(staging / "tables.md", data.title, preamble, shown, trailer)
         write_csv(staging / "tables.csv", data.tables)
     index = target / INDEX_NAME
     return index

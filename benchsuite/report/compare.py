@@ -11,6 +11,10 @@ configuration and metric (decode tok/s p50, TTFT p50, output tok/s of each cell)
 - flagged only when the change is a discovery after Benjamini-Hochberg over all rows at alpha AND
   |change| > threshold; the page says when A and B ran the same commit and matrix (an A/A comparison:
   every flag there is a false alarm) and which rows were measured on a busy machine.
+
+Printed, a comparison reads as one row per configuration with the columns a user reads first
+(`summary_frame`: decode tok/s, TTFT, output tok/s, each "A → B (change [interval])", peak device
+memory, the flags); `--columns all` prints the full table of one row per configuration and metric.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 import pandas as pd
 
 from benchsuite.report import stats
+from benchsuite.report.budget import device_bytes
 from benchsuite.report.groups import annotate_cells
 from benchsuite.report.load import RunData, load_run
 from benchsuite.report.noise import busy_cells
@@ -39,6 +44,7 @@ MATCH_KEYS: tuple[str, ...] = (
     "concurrency",
     "routing",
 )
+PEAK_MEMORY = "peak_device_memory_bytes"
 LEVEL_RUNS = "runs"
 LEVEL_REPEATS = "repeats"
 
@@ -56,6 +62,11 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("ttft_p50_ms", "ttft_p50_s", False, 1000.0),
     MetricSpec("output_tok_s", "output_tok_s", True, 1.0),
 )
+
+
+MEMORY_SPEC = MetricSpec("peak_gb", PEAK_MEMORY, False, 1.0)
+COLUMNS_DEFAULT = "default"
+COLUMNS_ALL = "all"
 
 
 @dataclass(frozen=True)
@@ -97,6 +108,9 @@ def _values(side: _Side, key: tuple[Any, ...], spec: MetricSpec, level: str) -> 
     for column, value in zip(MATCH_KEYS, key):
         mask &= side.cells[column] == value
     ok = side.cells[mask & (side.cells["status"] == "ok")]
+    if spec.cell_metric == PEAK_MEMORY:  # no test, a figure beside the tested ones
+        found = [m for m in (device_bytes(c) for _, c in ok.iterrows()) if m is not None]
+        return ([max(found) / 1e9] if found else []), list(ok["cell_id"])
     ok = ok[ok[spec.cell_metric].notna()]
     ids = list(ok["cell_id"])
     if level == LEVEL_REPEATS:
@@ -155,6 +169,7 @@ def compare_runs(
             median_a = float(pd.Series(xs).median()) if xs else None
             median_b = float(pd.Series(ys).median()) if ys else None
             busy = sorted((set(ids_a) & a.busy) | (set(ids_b) & b.busy))
+            memory = [_values(side, key, MEMORY_SPEC, level)[0] for side in (a, b)]
             rows.append(
                 {
                     "configuration": a.labels[key],
@@ -173,6 +188,8 @@ def compare_runs(
                     "machine_busy": f"{len(busy)} cells" if busy else "",
                     "a_cell_ids": " ".join(ids_a),
                     "b_cell_ids": " ".join(ids_b),
+                    "a_peak_gb": max(memory[0]) if memory[0] else None,
+                    "b_peak_gb": max(memory[1]) if memory[1] else None,
                 }
             )
     discoveries = stats.benjamini_hochberg([None if e is None else e.p_value for _, e, _ in estimates], alpha)
@@ -195,6 +212,8 @@ def compare_runs(
         "flagged",
         "verdict",
         "machine_busy",
+        "a_peak_gb",
+        "b_peak_gb",
         "a_cell_ids",
         "b_cell_ids",
     ]
@@ -226,6 +245,8 @@ def _display(rows: pd.DataFrame) -> pd.DataFrame:
     for col in ("a", "b"):
         out[col] = ["—" if v is None or pd.isna(v) else f"{v:.2f}" for v in out[col]]
     out["flagged"] = ["YES" if f else "" for f in out["flagged"]]
+    for col in ("a_peak_gb", "b_peak_gb"):
+        out[col] = [_number(v) for v in out[col]]
     return out
 
 
@@ -245,17 +266,66 @@ def method_text(c: Comparison) -> str:
     )
 
 
-def comparison_markdown(comparison: Comparison) -> str:
+_SUMMARY_METRICS = (("decode_tok_s", "decode tok/s"), ("ttft_p50_ms", "TTFT p50 ms"), ("output_tok_s", "output tok/s"))
+
+
+def _number(value: Any) -> str:
+    return "—" if value is None or pd.isna(value) else f"{value:.4g}"
+
+
+def _change_text(row: pd.Series) -> str:
+    """ "A → B (change [interval])" of one metric row; "—" where a side has no value."""
+    if row["a"] is None or row["b"] is None or pd.isna(row["a"]) or pd.isna(row["b"]):
+        return "—"
+    said = f"{_number(row['a'])} → {_number(row['b'])}"
+    if row["change"] is None or pd.isna(row["change"]):
+        return f"{said} ({row['verdict']})"
+    return f"{said} ({row['change'] * 100:+.1f}% [{row['interval']}])"
+
+
+def summary_frame(rows: pd.DataFrame) -> pd.DataFrame:
+    """One row per configuration (workload, prompt class and concurrency in its name) with the columns a
+    user reads first: decode tok/s, TTFT p50, output tok/s as "A → B (change [interval])", the peak
+    device memory of each side (GB), and the metrics flagged with their verdict."""
+    columns = ["configuration", *(title for _, title in _SUMMARY_METRICS), "peak memory GB", "flagged"]
+    out = []
+    keys = ["configuration", "workload", "prompt_class", "concurrency"]
+    for (label, workload, prompt_class, concurrency), group in rows.groupby(keys, sort=False):
+        by_metric = {r["metric"]: r for _, r in group.iterrows()}
+        first = group.iloc[0]
+        memory = (
+            "—"
+            if pd.isna(first["a_peak_gb"]) and pd.isna(first["b_peak_gb"])
+            else f"{_number(first['a_peak_gb'])} → {_number(first['b_peak_gb'])}"
+        )
+        entry = {"configuration": f"{label} · {workload} · {prompt_class} · c={concurrency}"}
+        for metric, title in _SUMMARY_METRICS:
+            entry[title] = _change_text(by_metric[metric]) if metric in by_metric else "—"
+        entry["peak memory GB"] = memory
+        titles = dict(_SUMMARY_METRICS)
+        entry["flagged"] = ", ".join(
+            f"{titles.get(r['metric'], r['metric']).split()[0]} {r['verdict']}"
+            for _, r in group.iterrows()
+            if r["flagged"]
+        )
+        out.append(entry)
+    return pd.DataFrame(out, columns=columns)
+
+
+def comparison_markdown(comparison: Comparison, columns: str = COLUMNS_DEFAULT) -> str:
+    """The comparison as markdown: with `columns` "default" one row per configuration (summary_frame),
+    with "all" one row per configuration and metric with every column."""
     c = comparison
+    shown = summary_frame if columns == COLUMNS_DEFAULT else _display
     lines = [f"# Compare {c.run_a} (A) -> {c.run_b} (B)\n", f"{method_text(c)}\n"]
     if c.same_source:
         lines.append(f"**{c.same_source}**\n")
     lines.append(f"{len(c.flagged)} flagged of {len(c.rows)} comparisons.\n")
     if len(c.flagged):
-        lines.append("## Flagged\n\n" + markdown_table(_display(c.flagged)))
+        lines.append("## Flagged\n\n" + markdown_table(shown(c.flagged)))
     lines.append(
         "## All matched configurations\n\n"
-        + (markdown_table(_display(c.rows)) if len(c.rows) else "_no configuration matched_\n")
+        + (markdown_table(shown(c.rows)) if len(c.rows) else "_no configuration matched_\n")
     )
     for title, labels in ((f"Only in {c.run_a}", c.only_a), (f"Only in {c.run_b}", c.only_b)):
         if labels:
@@ -301,6 +371,6 @@ def write_comparison(comparison: Comparison, out_dir: Path | None = None) -> tup
     target = Path(out_dir) if out_dir is not None else default_compare_dir(comparison)
     target.mkdir(parents=True, exist_ok=True)
     md, page = target / "compare.md", target / "compare.html"
-    md.write_text(comparison_markdown(comparison), encoding="utf-8")
+    md.write_text(comparison_markdown(comparison, COLUMNS_ALL), encoding="utf-8")  # the file keeps every column
     page.write_text(comparison_html(comparison), encoding="utf-8")
     return md, page

@@ -4,6 +4,8 @@
   (just "median" when min = max);
 - in the ratio table, each baseline's `<b>_config`, its spread, `paged_vs_<b>` and the verdict become
   one `vs <b>` column: "is 2.00 x offload [1.50–2.67], significant · tiny · offload: 21.00 [20.00–22.00]";
+- a `vs <b>` column whose every row is "not run" is left out (`not_run_baselines` names them, so the
+  page says so once instead of in every row);
 - other columns pass through, formatted by fmt.format_value.
 """
 
@@ -36,8 +38,8 @@ def _baselines(columns: list[str]) -> list[str]:
 
 def _baseline_text(row: pd.Series, name: str) -> str:
     config = str(row[f"{name}_config"])
-    if config == "not run":
-        return "not run"
+    if config == NOT_RUN:
+        return NOT_RUN
     spread = _spread_text(name, row[f"{name}_min"], row[f"{name}_median"], row[f"{name}_max"])
     ratio = row[f"paged_vs_{name}"]
     verdict = str(row[f"paged_vs_{name}_verdict"])
@@ -49,15 +51,24 @@ def _baseline_text(row: pd.Series, name: str) -> str:
     return f"{said} · {config}: {spread}"
 
 
+NOT_RUN = "not run"
+
+
+def not_run_baselines(frame: pd.DataFrame) -> list[str]:
+    """The baselines of a ratio table that no row ran (every `<b>_config` is "not run")."""
+    return [b for b in _baselines(list(frame.columns)) if len(frame) and all(frame[f"{b}_config"] == NOT_RUN)]
+
+
 def display_frame(frame: pd.DataFrame) -> pd.DataFrame:
     out: dict[str, list[object]] = {}
     columns = list(frame.columns)
     baselines = _baselines(columns)
+    absent = set(not_run_baselines(frame))
     merged = {f"{b}{suffix}" for b in baselines for suffix in ("_config", "_min", "_median", "_max")}
     merged |= {f"paged_vs_{b}{suffix}" for b in baselines for suffix in ("", "_verdict")}
     for column in columns:
         if column in merged:
-            if column.endswith("_config"):
+            if column.endswith("_config") and column[: -len("_config")] not in absent:
                 name = column[: -len("_config")]
                 out[f"vs {name}"] = [_baseline_text(row, name) for _, row in frame.iterrows()]
             continue

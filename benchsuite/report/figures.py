@@ -13,7 +13,18 @@ import plotly.graph_objects as go
 
 from benchsuite.report.groups import is_synthetic, routing_label
 from benchsuite.report.paging_figures import paging_figures
-from benchsuite.report.plot import HOVER, Figure, error_bars, has_metric, integer_ticks, layout, metric_vs, spread_trace
+from benchsuite.report.plot import (
+    HOVER,
+    Figure,
+    colour_by_mode,
+    error_bars,
+    has_metric,
+    integer_ticks,
+    layout,
+    log_if_decades,
+    metric_vs,
+    spread_trace,
+)
 from benchsuite.report.search_figure import search_curves
 from benchsuite.report.tables import prompt_classes, search_table
 
@@ -25,10 +36,12 @@ def throughput_vs_concurrency(groups: pd.DataFrame) -> list[Figure]:
         ("output_tok_s", "Aggregate output tok/s vs concurrency", "output tok/s (all requests)"),
     ):
         traces, ids = metric_vs(groups, metric, "concurrency", ["label", "prompt_class"])
+        colour_by_mode(traces, [_mode_of(groups, t.name.rsplit(" · ", 1)[0]) for t in traces])
         if traces:
             fig = integer_ticks(
                 layout(go.Figure(traces), title, "concurrent requests", y), [x for t in traces for x in t.x]
             )
+            log_if_decades(fig, [y for t in traces for y in t.y], "y")
             out.append(
                 Figure(
                     f"fig-{metric}-vs-concurrency",
@@ -41,6 +54,12 @@ def throughput_vs_concurrency(groups: pd.DataFrame) -> list[Figure]:
     return out
 
 
+def _mode_of(frame: pd.DataFrame, label: str) -> str:
+    """The mode of the configuration labelled `label` (its colour in every figure)."""
+    found = frame[frame["label"] == label]
+    return str(found["mode"].iloc[0]) if len(found) else ""
+
+
 def decode_vs_k(groups: pd.DataFrame, top_k: int | None) -> list[Figure]:
     paged = groups[(groups["mode"] == "paged") & groups["k"].notna() & has_metric(groups, "decode_tok_s_p50")]
     if paged.empty:
@@ -50,13 +69,18 @@ def decode_vs_k(groups: pd.DataFrame, top_k: int | None) -> list[Figure]:
         ["engine", "concurrency", "prompt_class", "routing"], sort=True
     ):
         g = g.sort_values("k")
-        text = [f"K//top_k={int(k) // top_k}" if top_k else "top_k not recorded" for k in g["k"]]
+        text = [f"K//top_k={int(k) // top_k}" for k in g["k"]] if top_k else None
         engine_part = "paged" if engine == "paged" else f"{engine} · paged"
         name = f"{engine_part} · c={conc} · {cls}" + (f" · {routing_label(routing)}" if is_synthetic(routing) else "")
         group_ids = [list(i) for i in g["ok_cell_ids"]]
         traces.append(
             spread_trace(
-                name, list(g["k"]), list(g["decode_tok_s_p50"]), group_ids, text=text, mode="lines+markers+text"
+                name,
+                list(g["k"]),
+                list(g["decode_tok_s_p50"]),
+                group_ids,
+                text=text,
+                mode="lines+markers+text" if text else "lines+markers",
             )
         )
         ids.extend(i for sub in group_ids for i in sub)
@@ -68,7 +92,7 @@ def decode_vs_k(groups: pd.DataFrame, top_k: int | None) -> list[Figure]:
     )
     integer_ticks(fig, list(paged["k"]) + ([int(c) * top_k for c in paged["concurrency"]] if top_k else []))
     fig.update_traces(textposition="middle right", textfont={"size": 9})
-    caption = "Points are labelled with K // top_k, the batch that fits in one wave."
+    caption = "Points are labelled with K // top_k, the batch that fits in one wave." if top_k else ""
     if top_k:
         for conc in sorted({int(c) for c in paged["concurrency"]}):
             fig.add_vline(
@@ -84,7 +108,7 @@ def decode_vs_k(groups: pd.DataFrame, top_k: int | None) -> list[Figure]:
             "in one wave."
         )
     else:
-        caption += " top_k is not recorded in the manifest, so K // top_k cannot be marked."
+        caption = "top_k is not recorded in the manifest, so K // top_k (the batch one wave holds) is not marked."
     return [Figure("fig-decode-vs-k", "Decode tok/s vs K", fig, caption, tuple(ids))]
 
 
@@ -118,6 +142,7 @@ def ttft_short_long(groups: pd.DataFrame) -> list[Figure]:
         else f"TTFT p50, {short} prompts (no long-prompt class was measured)"
     )
     fig = layout(go.Figure(traces), title, "configuration", "TTFT p50 (ms)")
+    log_if_decades(fig, [y for t in traces for y in t.y], "y")
     fig.update_layout(barmode="group", height=600, xaxis_tickangle=-30, xaxis_tickfont={"size": 9})
     return [
         Figure(
@@ -140,10 +165,22 @@ def request_distributions(cells: pd.DataFrame, samples: pd.DataFrame) -> list[Fi
         ("decode_tok_s", 1.0, "Per-request decode rate", "decode tok/s"),
     ):
         data = joined[joined[col].notna()]
+        caption = "Every measured request is a point; its hover names its cell."
+        if col == "decode_tok_s" and "one_read" in data:
+            # a stream read whole has a decode "rate" that is the client's parse time: it would flatten the rest
+            one_read = data["one_read"].fillna(False).astype(bool)
+            if one_read.any():
+                n = int(one_read.sum())
+                caption += (
+                    f" Left out: {n} request{'s' if n != 1 else ''} that arrived (mostly) whole in one read, whose "
+                    "decode the client could not time (their cells' decode figure says what stood in)."
+                )
+            data = data[~one_read]
         if data.empty:
             continue
-        traces = []
+        traces, modes = [], []
         for (label, cls, conc), g in data.groupby(["label", "prompt_class", "concurrency"], sort=True):
+            modes.append(_mode_of(cells, label))
             traces.append(
                 go.Box(
                     name=f"{label} · {cls} · c={conc}",
@@ -156,14 +193,16 @@ def request_distributions(cells: pd.DataFrame, samples: pd.DataFrame) -> list[Fi
                     hovertemplate="%{y:.4g}<br>cell: %{customdata}<extra></extra>",
                 )
             )
+        colour_by_mode(traces, modes)
         fig = layout(go.Figure(traces), title + " (requests.parquet, warmup excluded)", "", y)
         fig.update_layout(showlegend=False, height=640, xaxis_tickangle=-30, xaxis_tickfont={"size": 9})
+        log_if_decades(fig, list(data[col] * scale), "y")
         out.append(
             Figure(
                 f"fig-requests-{col}",
                 title,
                 fig,
-                "Every measured request is a point; its hover names its cell.",
+                caption,
                 tuple(sorted(set(data["cell_id"]))),
             )
         )

@@ -14,6 +14,7 @@ from benchsuite.measure import metrics
 from benchsuite.report.flags import cell_flags, prompt_length_mismatches
 from benchsuite.report.groups import is_synthetic
 from benchsuite.report.load import RunData
+from benchsuite.report.names import short_name
 from benchsuite.report.noise import busy_warning
 from benchsuite.report.template_env import render
 
@@ -165,9 +166,24 @@ def canary_warnings(runs: list[RunData]) -> list[tuple[str, str]]:
     ]
 
 
-def _run_view(run: RunData) -> dict[str, Any]:
+def server_names(run_id: str, cells: pd.DataFrame) -> dict[str, str]:
+    """server id -> what the server ran, named as its configurations are (report.names: "paged K=8"):
+    every distinct name of the run's cells on that server, joined (a budget search's server runs several)."""
+    names: dict[str, list[str]] = {}
+    if not len(cells) or "server_id" not in cells:
+        return {}
+    for _, cell in cells[cells["run_id"] == run_id].iterrows():
+        found = names.setdefault(str(cell["server_id"]), [])
+        name = short_name(cell)
+        if name not in found:
+            found.append(name)
+    return {server: ", ".join(found) for server, found in names.items()}
+
+
+def _run_view(run: RunData, cells: pd.DataFrame) -> dict[str, Any]:
     facts = run.facts
     return {
+        "names": server_names(run.run_id, cells),
         "run_id": run.run_id,
         "run_dir": run.run_dir,
         "machine": facts.machine,
@@ -185,7 +201,7 @@ def header_html(runs: list[RunData], cells: pd.DataFrame) -> str:
         banners=canary_warnings(runs) + warnings(cells, _requests(runs)),
         statuses=engine_statuses(cells),
         unmeasured=unmeasured_matrix_engines(runs, cells),
-        runs=[_run_view(run) for run in runs],
+        runs=[_run_view(run, cells) for run in runs],
         definitions=definitions(),
     )
 
@@ -199,11 +215,13 @@ def header_markdown(runs: list[RunData], cells: pd.DataFrame) -> list[str]:
         for name in unmeasured_matrix_engines(runs, cells)
     )
     for run in runs:
+        names = server_names(run.run_id, cells)
         lines.append(
             f"\n**Run {run.run_id}**: " + "; ".join(f"{k}={v}" for k, v in run.facts.machine + run.facts.source)
         )
         lines.extend(
-            f"- `{s.engine}` ({s.kind}, {s.version}, {s.startup}, canary: {s.canary}): `{s.command}`"
+            f"- `{names.get(s.server_id, s.engine)}` ({s.kind}, {s.version}, {s.startup}, canary: {s.canary}): "
+            f"`{s.command}`"
             for s in run.facts.servers
         )
     return lines

@@ -15,7 +15,7 @@ import pandas as pd
 from markupsafe import Markup
 from plotly.offline import get_plotlyjs
 
-from benchsuite.report.display import display_frame
+from benchsuite.report.display import display_frame, not_run_baselines
 from benchsuite.report.plot import Figure
 from benchsuite.report.tables import NOT_SIGNIFICANT, SPREAD_UNKNOWN
 from benchsuite.report.template_env import render
@@ -57,7 +57,16 @@ def _wraps(column: str, text: str) -> bool:
     return column in _WRAP_COLUMNS or column.startswith("vs ") or len(text) > _LONG_TEXT_CHARS
 
 
-def _cell_class(column: str, text: str) -> str:
+def _ratio_of(column: str, raw: pd.Series) -> float | None:
+    """The paged-vs-baseline ratio behind a `vs <b>` (or `paged_vs_<b>_verdict`) column, where the row has one."""
+    name = column[len("vs ") :] if column.startswith("vs ") else column[len("paged_vs_") : -len("_verdict")]
+    value = raw.get(f"paged_vs_{name}")
+    return None if value is None or pd.isna(value) else float(value)
+
+
+def _cell_class(column: str, text: str, raw: pd.Series | None = None) -> str:
+    """CSS classes of a table cell: colour by meaning, never by position: a significant paged win is
+    green (sig), a significant paged loss red (loss), anything not significant amber (ns)."""
     classes = []
     if _wraps(column, text):
         classes.append("wrap")
@@ -65,7 +74,8 @@ def _cell_class(column: str, text: str) -> str:
         if NOT_SIGNIFICANT in text or SPREAD_UNKNOWN in text:
             classes.append("ns")
         elif "significant" in text:
-            classes.append("sig")
+            ratio = None if raw is None else _ratio_of(column, raw)
+            classes.append("loss" if ratio is not None and ratio < 1.0 else "sig")
     return f' class="{" ".join(classes)}"' if classes else ""
 
 
@@ -102,7 +112,8 @@ def render_table(frame: pd.DataFrame, table_id: str, row_anchor_column: str | No
     if frame.empty:
         return "<p><em>no rows</em></p>"
     shown = display_frame(frame)
-    parts = []
+    absent = not_run_baselines(frame)
+    parts = [f"<p>Not run in any row, so not shown: {html.escape(', '.join(absent))}.</p>"] if absent else []
     for number, columns in enumerate(column_groups(shown), start=1):
         part_id = table_id if number == 1 else f"{table_id}-{number}"
         parts.append(_render_part(frame, shown[columns], part_id, row_anchor_column if number == 1 else None))
@@ -132,7 +143,7 @@ def _render_part(frame: pd.DataFrame, shown: pd.DataFrame, table_id: str, row_an
                 if column in ("cell_ids", "cell_id") and row_anchor_column != column
                 else html.escape(str(text))
             )
-            tds.append(f"<td{_cell_class(column, str(text))}>{body}</td>")
+            tds.append(f"<td{_cell_class(column, str(text), raw)}>{body}</td>")
         rows.append(f"<tr{attrs}>{''.join(tds)}</tr>")
     tall = " tall" if len(frame) > 40 else ""
     return (
@@ -168,9 +179,13 @@ def render_page(
     figures: list[Figure],
     missing_figures: list[str],
     sections_after: list[Section],
+    first_screen: str = "",
+    lead_figures: tuple[Figure, ...] = (),
+    lead_missing: str = "",
 ) -> str:
-    """The page (templates/page.html.j2): the verdict first, then banners, engines, machine and provenance
-    (header_html), the sections before the figures, the figures, the sections after."""
+    """The page (templates/page.html.j2): the verdict first (first_screen), the speed-against-memory
+    figures (lead_figures, or the one line saying why there are none), then banners, engines, machine
+    and provenance (header_html), the sections before the figures, the figures, the sections after."""
     toc = [
         Section("Verdict", "verdict", "", None),
         *sections_before,
@@ -182,6 +197,9 @@ def render_page(
         title=title,
         plotly_js=Markup(get_plotlyjs()),
         toc=toc,
+        first_screen=Markup(first_screen),
+        lead_figures=[_figure_view(f) for f in lead_figures],
+        lead_missing=lead_missing,
         header=Markup(header_html),
         before=[_section_view(s) for s in sections_before],
         missing_figures=missing_figures,

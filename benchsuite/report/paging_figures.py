@@ -12,6 +12,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from benchsuite.report.groups import is_synthetic, routing_label
+from benchsuite.report.names import short_name as config_name
 from benchsuite.report.plot import HOVER, Figure, integer_ticks, layout, metric_vs
 
 HIT_RATE_TITLE = "Realized vs optimal hit rate"
@@ -76,10 +77,13 @@ def paging_figures(groups: pd.DataFrame, num_experts: int | None) -> list[Figure
         ),
     )
     for metric, x_col, series, title, x_title, y_title in specs:
-        short_name = "c" if series == "concurrency" else "K"
+        # a K series is named by what each configuration is (short_name: no "K=None" for one without K)
         names = [
-            f"{engine} · {short_name}={v} · {cls}" + (f" · {routing_label(r)}" if is_synthetic(r) else "")
-            for engine, v, cls, r in zip(groups["engine"], groups[series], groups["prompt_class"], groups["routing"])
+            f"{row['engine']} · c={row['concurrency']} · {row['prompt_class']}"
+            + (f" · {routing_label(row['routing'])}" if is_synthetic(row["routing"]) else "")
+            if series == "concurrency"
+            else f"{config_name(row)} · {row['prompt_class']}"
+            for _, row in groups.iterrows()
         ]
         traces, ids = metric_vs(groups.assign(series=names), metric, x_col, ["series"])
         if not traces:

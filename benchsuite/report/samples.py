@@ -5,6 +5,9 @@ after a server start) and failed requests are excluded.
 
 - ttft_s, decode_tok_s: benchsuite.measure.metrics (None where undefined, e.g. fewer than 2 tokens)
 - e2e_output_tok_s = output_tokens / metrics.latency_s: one request's share of output rate
+- one_read: the stream arrived whole, or mostly whole, in one body read (request_metrics.mostly_whole):
+  the client timed no decode, so its decode_tok_s is a parse time (670,000 tok/s seen), not a rate;
+  the per-request decode figure leaves such requests out and says how many
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 
 import pandas as pd
 
-from benchsuite.measure import metrics
+from benchsuite.measure import metrics, request_metrics
 from benchsuite.records import RequestRecord
 from benchsuite.report.load import REQUEST_COLUMNS
 
@@ -42,8 +45,8 @@ def _e2e_output_tok_s(record: RequestRecord) -> float | None:
 
 
 def request_samples(requests: pd.DataFrame) -> pd.DataFrame:
-    """One row per warm ok request: cell_id, request_index, ttft_s, decode_tok_s, e2e_output_tok_s."""
-    columns = ["cell_id", "request_index", "ttft_s", "decode_tok_s", "e2e_output_tok_s"]
+    """One row per warm ok request: cell_id, request_index, ttft_s, decode_tok_s, e2e_output_tok_s, one_read."""
+    columns = ["cell_id", "request_index", "ttft_s", "decode_tok_s", "e2e_output_tok_s", "one_read"]
     if requests.empty:
         return pd.DataFrame(columns=columns)
     rows = []
@@ -58,6 +61,7 @@ def request_samples(requests: pd.DataFrame) -> pd.DataFrame:
                 "ttft_s": metrics.ttft_s(record),
                 "decode_tok_s": metrics.decode_tok_s(record),
                 "e2e_output_tok_s": _e2e_output_tok_s(record),
+                "one_read": request_metrics.mostly_whole(record),
             }
         )
     return pd.DataFrame(rows, columns=columns)

@@ -24,10 +24,15 @@ def markdown_table(frame: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_markdown(path: Path, title: str, preamble: list[str], tables: dict[str, pd.DataFrame]) -> None:
+def write_markdown(
+    path: Path, title: str, preamble: list[str], tables: dict[str, pd.DataFrame], trailer: list[str] | None = None
+) -> None:
+    """The title, the preamble lines, one section per table, then the trailer lines (the "Not shown" list)."""
     parts = [f"# {title}\n", *[f"{line}\n" for line in preamble]]
     for name, frame in tables.items():
         parts.append(f"\n## {name}\n\n{markdown_table(frame)}")
+    if trailer:
+        parts += ["\n", *[f"{line}\n" for line in trailer]]
     path.write_text("".join(parts))
 
 

@@ -32,6 +32,7 @@ import pandas as pd
 
 from benchsuite.report import stats
 from benchsuite.report.groups import is_synthetic
+from benchsuite.report.names import short_name
 from benchsuite.report.tables import fits, headline_metric
 
 DECODE_AGG_METRIC = "decode_agg_tok_s"
@@ -60,6 +61,7 @@ class ConfigFacts:
     family: str  # "paged (builtin)", "n-cpu-moe (llamacpp)": one mode of one engine kind
     label: str  # the configuration's label (K, N, offload amount)
     routing: str
+    name: str  # its short name for sentences ("paged-fp8 K=40", report.names)
 
 
 def config_facts(group: pd.Series) -> ConfigFacts:
@@ -67,7 +69,7 @@ def config_facts(group: pd.Series) -> ConfigFacts:
     report.groups reads from params, extras and the command line)."""
     routing = str(group["routing"])
     family = f"{group['mode']} ({group['engine_kind']})" + (f", {routing}" if is_synthetic(routing) else "")
-    return ConfigFacts(family, str(group["label"]), routing)
+    return ConfigFacts(family, str(group["label"]), routing, short_name(group))
 
 
 @dataclass(frozen=True)
@@ -83,26 +85,49 @@ class Versus:
     discovery: bool  # significant after Benjamini-Hochberg over every comparison of the report
     winner_cells: tuple[str, ...]  # the winner's ok cells
     other_cells: tuple[str, ...]  # the other's ok cells
+    comparisons: int = 0  # how many comparisons the page's correction ran over (set by `verdicts`)
+    other_name: str = ""  # the other's short name (report.names)
 
     @property
     def cell_ids(self) -> tuple[str, ...]:
         return (*self.winner_cells, *self.other_cells)
 
-    def text(self, winner: str, ttft: bool) -> str:
+    @property
+    def corrected_away(self) -> bool:
+        """The interval alone excludes 1, but the comparison is no discovery after the page's correction."""
+        return self.estimate is not None and self.estimate.significant and not self.discovery
+
+    def text(self, winner: str, ttft: bool, other: str | None = None) -> str:
+        """ "winner is N x other [low–high], verdict"; `other` names the other mode (default: its label)."""
+        other = self.other if other is None else other
         if self.estimate is None:
-            return f"vs {self.other}: {stats.not_enough_text(self.n_winner, self.n_other)}"
+            return f"vs {other}: {stats.not_enough_text(self.n_winner, self.n_other)}"
         e = self.estimate
-        what = (
-            f"{winner}'s TTFT is {stats.times_text(e.ratio)} x {self.other}'s"
-            if ttft
-            else f"{winner} is {stats.times_text(e.ratio)} x {self.other}"
-        )
-        return f"{what} [{stats.times_text(e.low)}–{stats.times_text(e.high)}], {self.verdict()}"
+        if ttft:  # a TTFT ratio below 1 is a win: said as "N x faster", its interval inverted with it
+            faster = e.ratio <= 1.0
+            factor, low, high = (1 / e.ratio, 1 / e.high, 1 / e.low) if faster else (e.ratio, e.low, e.high)
+            what = (
+                f"{winner} reaches the first token {stats.times_text(factor)} x "
+                f"{'faster' if faster else 'slower'} than {other}"
+            )
+        else:
+            what, low, high = f"{winner} is {stats.times_text(e.ratio)} x {other}", e.low, e.high
+        return f"{what} [{stats.times_text(low)}–{stats.times_text(high)}], {self.verdict_text()}"
 
     def verdict(self) -> str:
         if self.estimate is None:
             return stats.not_enough_text(self.n_winner, self.n_other)
         return stats.SIGNIFICANT if self.discovery else stats.NOT_SIGNIFICANT
+
+    def verdict_text(self) -> str:
+        """The verdict, with the correction said in words where the interval alone excludes 1 (which would
+        read as a contradiction of "not significant")."""
+        if not self.corrected_away:
+            return self.verdict()
+        return (
+            f"{stats.NOT_SIGNIFICANT} after correcting for the page's {self.comparisons} comparisons "
+            "(the interval alone excludes 1)"
+        )
 
 
 @dataclass(frozen=True)
@@ -118,10 +143,17 @@ class Verdict:
     winner_median: float  # in the display unit (ms for TTFT)
     versus: tuple[Versus, ...]
     yardstick: tuple[str, ...] = ()  # cells of this setup and concurrency whose figures failed verification
+    winner_name: str = ""  # the winner's short name (report.names)
 
     @property
     def ttft(self) -> bool:
         return self.metric == TTFT_METRIC
+
+    @property
+    def significant(self) -> bool:
+        """The winner is significantly better than every other mode (a discovery against each): only then
+        is it emphasized as the fastest."""
+        return bool(self.versus) and all(vs.discovery for vs in self.versus)
 
     def lines(self) -> list[str]:
         return [v.text(self.winner, self.ttft) for v in self.versus]
@@ -164,6 +196,7 @@ def _verdict(setup: pd.DataFrame, concurrency: int, metric: str) -> Verdict | No
                 estimate is not None and estimate.significant,
                 tuple(winner["ok_cell_ids"]),
                 tuple(other["ok_cell_ids"]),
+                other_name=config_facts(other).name,
             )
         )
     name = f"TTFT p50 (ms), {winner['prompt_class']} prompts" if ttft else f"{THROUGHPUT_NAMES[metric]} (tok/s)"
@@ -178,6 +211,7 @@ def _verdict(setup: pd.DataFrame, concurrency: int, metric: str) -> Verdict | No
         winner_family,
         winner[metric].median * scale,
         tuple(versus),
+        winner_name=config_facts(winner).name,
     )
 
 
@@ -197,7 +231,11 @@ def verdicts(groups: pd.DataFrame, cells: pd.DataFrame, alpha: float = stats.DEF
                     out.append(replace(found, yardstick=notes))
     flat = [vs.estimate for v in out for vs in v.versus]
     discoveries = iter(stats.benjamini_hochberg([None if e is None else e.p_value for e in flat], alpha))
-    return [replace(v, versus=tuple(replace(vs, discovery=next(discoveries)) for vs in v.versus)) for v in out]
+    tested = sum(1 for e in flat if e is not None)
+    return [
+        replace(v, versus=tuple(replace(vs, discovery=next(discoveries), comparisons=tested) for vs in v.versus))
+        for v in out
+    ]
 
 
 def yardstick_notes(setup: pd.DataFrame, cells: pd.DataFrame, concurrency: int) -> tuple[str, ...]:
