@@ -195,7 +195,7 @@ def _open_fd(path: str) -> None:
 
 
 def _fill(task: _Task) -> int:
-    data = memoryview(chunk_bytes(task)).cast("B")
+    data = chunk_bytes(task).data.cast("B")  # the array's buffer as bytes (C-contiguous)
     assert _FD is not None
     done = 0
     while done < len(data):  # pwrite may write less than asked
@@ -302,7 +302,8 @@ def write_with_facts(
         "bytes": s.bytes, "preset": preset, "layers": s.layers, "seed": seed, "shape": s.shape,
         "expert_type": s.expert_type.upper(), "dense_type": s.dense_type, "expert_bytes": s.expert_bytes,
         "num_tensors": s.num_tensors, "hf_dir": str(hf_dir.resolve()), "write_s": round(s.write_s, 2),
-        "workers": s.workers, "git": git_facts(), "source_weights": s.source_weights, "random_weights": True,
+        "workers": s.workers, "git": git_facts().model_dump(mode="json"), "source_weights": s.source_weights,
+        "random_weights": True,
     }  # fmt: skip
     write_facts(s.path, facts)
     return read_facts(s.path) or facts
