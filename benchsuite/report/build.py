@@ -178,7 +178,8 @@ _INTROS = {
 
 
 def _sections(data: ReportData) -> tuple[list[Section], list[Section]]:
-    before, after = [], []
+    before: list[Section] = []
+    after: list[Section] = []
     for name, frame in data.tables.items():
         if name == "Verdict":
             continue  # the first screen, rendered by first_screen

@@ -317,7 +317,8 @@ def _run_tasks(tasks: list[_Task], path: Path, workers: int, total: int, log: An
             for t in tasks:
                 done += _fill(t)
         finally:
-            os.close(_FD)  # type: ignore[arg-type]
+            if _FD is not None:  # set by _open_fd above
+                os.close(_FD)
         return
     # spawn, not fork: a forked worker of a multi-threaded parent (torch's and aiohttp's threads in a
     # test process, the benchmark's own) can inherit a lock some other thread held and hang in it
