@@ -318,9 +318,9 @@ def provenance() -> dict[str, Any]:
     git = git_facts()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {
-        "git_commit": git["commit"],
-        "git_dirty": git["dirty"],
-        "git_tree": git["tree"],  # names the code even where .git lags the files (see git_facts)
+        "git_commit": git.commit,
+        "git_dirty": git.dirty,
+        "git_tree": git.tree,  # names the code even where .git lags the files (see git_facts)
         "torch": torch.__version__,
         "gpu": gpu,
         "cpu_count": os.cpu_count(),

@@ -182,7 +182,7 @@ def provenance() -> dict[str, Any]:
 
     git = git_facts()
     return {
-        "git_commit": git["commit"], "git_dirty": git["dirty"], "git_tree": git["tree"], "torch": torch.__version__,
+        "git_commit": git.commit, "git_dirty": git.dirty, "git_tree": git.tree, "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
     }  # fmt: skip

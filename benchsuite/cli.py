@@ -8,6 +8,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from types import ModuleType
 
 from benchsuite.errors import RunError, UserError
 
@@ -39,11 +40,11 @@ EPILOG = (
 )
 
 
-def _build_parser(argv: Sequence[str]) -> tuple[argparse.ArgumentParser, object | None]:
+def _build_parser(argv: Sequence[str]) -> tuple[argparse.ArgumentParser, ModuleType | None]:
     parser = argparse.ArgumentParser(prog="benchsuite", description=DESCRIPTION, epilog=EPILOG)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = next((a for a in argv if not a.startswith("-")), None)
-    module = None
+    module: ModuleType | None = None
     for name, (module_path, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == wanted:

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model_serializer
+
 from benchsuite.errors import UserError
 
 SCHEMA_VERSION = 3
@@ -29,6 +31,23 @@ TEXT_CHUNK_VERSIONS = (1, 2)
 no text (measured 2026-12-01: llama.cpp's decode +12% to +40% on a padded vocabulary)."""
 
 CellStatus = Literal["ok", "invalid", "failed"]
+
+
+class StoredFacts(BaseModel):
+    """A typed block of facts inside a stored file (the manifest's machine, git, link, canary, search).
+
+    It writes back exactly the keys it was given: a block read from an older file (git facts before
+    `tree` and `source` were recorded, a search record before `fit_by`) keeps its keys, and a key that
+    was never measured is not written as null. Its producers give every key they know, so what they
+    write today is what the plain dicts wrote. Fields are typed where the shape is known; every field
+    has a default so older blocks still validate; unknown keys are refused (a typo is an error).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_serializer(mode="wrap")
+    def _given_keys(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if k in self.model_fields_set}
 
 
 @dataclass(frozen=True)

@@ -185,9 +185,11 @@ class MoeCausalLM:
             finally:
                 for s in seqs:
                     pool.free(s)
-        paged = [m for m in self._moe if m.device_residency is not None]
+        paged = [m for m in self._moe if isinstance(m, PagedLayer) and m.device_residency is not None]
         for m, state in zip(paged, saved):
-            m.device_residency.load_state(state)  # type: ignore[union-attr]
+            residency = m.device_residency
+            assert residency is not None  # kept by the filter above
+            residency.load_state(state)
             m.reload_slots()
         if self.device.type == "cuda":
             torch.cuda.synchronize()

@@ -8,6 +8,7 @@ import pandas as pd
 from benchsuite.report.budget import device_bytes, over_budget, run_budget_bytes
 from benchsuite.report.caveats import budget_exclusions
 from benchsuite.report.tables import fits
+from benchsuite.results.manifest import ServerRecord
 
 GB = 10**9
 
@@ -32,9 +33,14 @@ def cell(cell_id: str, label: str, used: int | None = None, self_mib: float | No
 
 
 def test_the_budget_is_the_search_s_and_absent_without_one() -> None:
-    servers = {"a": {"search": {"budget_bytes": 16 * GB}}, "b": {"search": None}, "c": {}}
+    servers = {
+        "a": ServerRecord.model_validate({"search": {"budget_bytes": 16 * GB}}),
+        "b": ServerRecord(search=None),
+        "c": ServerRecord(),
+        "d": ServerRecord.model_validate({"search": {"option": "n_cpu_moe", "request": "search"}}),  # the chosen value
+    }
     assert run_budget_bytes(servers) == 16 * GB
-    assert run_budget_bytes({"b": {}}) is None
+    assert run_budget_bytes({"b": ServerRecord()}) is None
 
 
 def test_measured_memory_decides_for_both_engines() -> None:

@@ -11,6 +11,7 @@ import pytest
 from benchsuite.errors import RunError, UserError
 from benchsuite.records import SCHEMA_VERSION, CellResult, RequestRecord
 from benchsuite.results.manifest import Manifest
+from benchsuite.results.server_facts import CanaryResult
 from benchsuite.results.store import RunStore, atomic_write_bytes
 from benchsuite.results.stored_files import read_cells, read_manifest, read_requests
 
@@ -88,7 +89,7 @@ def test_server_facts_are_typed_fields(tmp_path: Path) -> None:
     store.record_server("s1", engine="e", argv=["serve", "--port", "1"])
     store.record_server("s1", canary={"passed": True})
     server = read_manifest(store.run_dir).servers["s1"]
-    assert (server.engine, server.argv, server.canary) == ("e", ["serve", "--port", "1"], {"passed": True})
+    assert (server.engine, server.argv, server.canary) == ("e", ["serve", "--port", "1"], CanaryResult(passed=True))
     with pytest.raises(ValueError, match="argvv"):
         store.record_server("s1", argvv=["typo"])
 
@@ -140,10 +141,11 @@ def test_gpu_facts_parse_nvidia_smi_and_unknowns_stay_none(monkeypatch: pytest.M
     line = "NVIDIA H200, 570.86.15, 143771, 5, 16, 5, 16\nNVIDIA RTX 4070 Laptop GPU, 566.03, 8188, [N/A], 8, 4, 8\n"
     monkeypatch.setattr(machine, "_run", lambda argv: line if argv[0] == "nvidia-smi" else None)
     h200, laptop = machine.gpu_facts()
-    assert h200 == {"name": "NVIDIA H200", "driver": "570.86.15", "vram_bytes": 143771 * 2**20, "pcie_gen": 5,
-                    "pcie_width": 16, "pcie_gen_max": 5, "pcie_width_max": 16}  # fmt: skip
-    assert laptop["pcie_gen"] is None and laptop["pcie_width"] == 8
-    assert machine.git_facts() == {"commit": None, "dirty": None, "tree": None, "source": None}
+    assert h200.model_dump() == {"name": "NVIDIA H200", "driver": "570.86.15", "vram_bytes": 143771 * 2**20,
+                                 "pcie_gen": 5, "pcie_width": 16, "pcie_gen_max": 5, "pcie_width_max": 16}  # fmt: skip
+    assert laptop.pcie_gen is None and laptop.pcie_width == 8
+    assert laptop.model_dump()["pcie_gen"] is None  # an unknown is written as null, not left out
+    assert machine.git_facts().model_dump() == {"commit": None, "dirty": None, "tree": None, "source": None}
     monkeypatch.setattr(machine, "_run", lambda argv: None)
     assert machine.gpu_facts() == []
 
@@ -174,17 +176,17 @@ def test_git_facts_name_the_tracked_files_as_they_are(tmp_path) -> None:
     git("add", "a.py")
     git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "one")
     clean = git_facts(tmp_path)
-    assert clean["dirty"] is False and clean["tree"] == git("rev-parse", "HEAD^{tree}")
+    assert clean.dirty is False and clean.tree == git("rev-parse", "HEAD^{tree}")
     (tmp_path / ".gitignore").write_text("scratch/\n")
     (tmp_path / "a.py").write_text("x = 2\n")
     (tmp_path / "b.py").write_text("a module a later commit added\n")
     (tmp_path / "scratch").mkdir()
     (tmp_path / "scratch" / "out.json").write_text("ignored: never part of the code\n")
     dirty = git_facts(tmp_path)
-    assert dirty["dirty"] is True and dirty["commit"] == clean["commit"]
+    assert dirty.dirty is True and dirty.commit == clean.commit
     git("add", "a.py", "b.py", ".gitignore")
     git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "two")
-    assert dirty["tree"] == git("rev-parse", "HEAD^{tree}")  # the commit of exactly those files
+    assert dirty.tree == git("rev-parse", "HEAD^{tree}")  # the commit of exactly those files
     assert git("status", "--porcelain", "--untracked-files=no") == ""  # the real index was untouched
 
 

@@ -89,7 +89,7 @@ def inputs_from_args(args: argparse.Namespace) -> PreflightInputs:
     )
 
 
-def _fmt(value: object, unit: str = "") -> str:
+def _fmt(value: float | None, unit: str = "") -> str:
     if value is None:
         return "-"
     if unit == "MB":

@@ -254,9 +254,8 @@ def search_lines(manifest: Manifest) -> list[str]:
     candidates and those ruled out by the memory projection, which are not cells."""
     lines: list[str] = []
     for server in manifest.servers.values():
-        record = server.search or {}
-        if record.get("candidates"):
-            lines.extend(describe(server.engine, record))
+        if server.search is not None and server.search.candidates:
+            lines.extend(describe(server.engine, server.search))
     return lines
 
 

@@ -53,7 +53,8 @@ def _shape(args: argparse.Namespace, default: tuple[int, int, int] | None) -> tu
     if all(v is not None for v in given):
         return (*given, "")
     if default is not None:
-        return (*(g if g is not None else d for g, d in zip(given, default)), "")
+        layers, experts, top_k = (g if g is not None else d for g, d in zip(given, default))
+        return layers, experts, top_k, ""
     raise UserError("give --model or --layers --experts --top-k")
 
 

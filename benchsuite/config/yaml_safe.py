@@ -44,7 +44,7 @@ class _Bounded(yaml.SafeLoader):
             raise YamlError(f"{self.source}: {_where(self.get_mark())}: nested deeper than {MAX_DEPTH} levels")
         super().fetch_flow_collection_start(token_class)
 
-    def compose_node(self, parent: Node | None, index: Any) -> Node:
+    def compose_node(self, parent: Node | None, index: Any) -> Node | None:
         self.depth += 1
         try:
             if self.depth > MAX_DEPTH:

@@ -249,6 +249,7 @@ class Projection(Protocol):
     """One candidate value's projected device memory, as an adapter gives it (llama.cpp
     `engines/llamacpp/fit.Projection`, builtin `engines/builtin/memory.KProjection`; dataclasses)."""
 
+    __dataclass_fields__: ClassVar[dict[str, Any]]  # a dataclass: the search stores it as a dict
     source: str  # where the figure comes from, shown beside ruled-out values
 
     @property

@@ -48,6 +48,7 @@ import aiohttp
 from benchsuite.load.sse import SseParser
 from benchsuite.records import LoadRequest, RequestRecord
 
+_json_loads: Callable[[bytes | str], Any]
 try:  # orjson parses the per-chunk JSON several times faster; the stdlib is the fallback
     from orjson import loads as _json_loads
 except ImportError:  # pragma: no cover - depends on the environment

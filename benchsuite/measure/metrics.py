@@ -359,11 +359,12 @@ def _untimed_fields(warm: Sequence[RequestRecord]) -> dict[str, Any]:
 
 def _decode_agg_fields(ok: Sequence[RequestRecord]) -> dict[str, Any]:
     """decode_agg_tok_s and decode_window_s over measured ok requests (None when any is untimed)."""
-    spans = [decode_interval(r) for r in ok]
-    if not spans or any(s is None for s in spans):
+    found = [decode_interval(r) for r in ok]
+    spans = [s for s in found if s is not None]
+    if not spans or len(spans) < len(found):
         return {"decode_agg_tok_s": None, "decode_window_s": None}
-    window = union_s((a, b) for a, b, _ in spans)  # type: ignore[misc]
-    tokens = sum(n for _, _, n in spans)  # type: ignore[misc]
+    window = union_s((a, b) for a, b, _ in spans)
+    tokens = sum(n for _, _, n in spans)
     return {"decode_agg_tok_s": tokens / window if window > 0 and tokens > 0 else None, "decode_window_s": window}
 
 

@@ -131,9 +131,9 @@ def _prefill_fields(delta: dict[str, float | None]) -> dict[str, Any]:
     chunks = delta["prefill_chunks"] or None  # no prompt chunk counted: every per-chunk figure is None
     hits, misses, p_hits, p_misses = delta["hits"], delta["misses"], delta["prefill_hits"], delta["prefill_misses"]
     decode_miss = decode_looked_up = None
-    if None not in (hits, misses, p_hits, p_misses):
-        decode_miss = misses - p_misses  # type: ignore[operator]
-        decode_looked_up = hits + misses - p_hits - p_misses  # type: ignore[operator]
+    if hits is not None and misses is not None and p_hits is not None and p_misses is not None:
+        decode_miss = misses - p_misses
+        decode_looked_up = hits + misses - p_hits - p_misses
     return {
         "prefill_chunks": _as_int(delta["prefill_chunks"]),
         "prefill_bytes_per_chunk": _ratio(delta["prefill_bytes"], chunks),
@@ -198,12 +198,9 @@ def replay_trace(trace: Trace, k: int, prefill_keep: str, policy: str = "belady"
     steps = batched_steps(trace, 0, include_prefill=True)
     if len(steps) != len(trace.steps):  # a recorded step with no chunk would shift every step index
         raise ValueError("the trace has empty steps")
-    hits = misses = 0
-    for layer in range(trace.meta.num_layers):
-        replay = replay_layer(step_routed(trace, steps, layer), trace.meta.num_experts, k, policy,
-                              prefill_keep=prefill_keep)  # fmt: skip
-        hits, misses = hits + replay.hits, misses + replay.misses
-    return StepCounts(policy, hits, misses)
+    replays = [replay_layer(step_routed(trace, steps, layer), trace.meta.num_experts, k, policy,
+                            prefill_keep=prefill_keep) for layer in range(trace.meta.num_layers)]  # fmt: skip
+    return StepCounts(policy, sum(r.hits for r in replays), sum(r.misses for r in replays))
 
 
 def optimal_hit_rate(

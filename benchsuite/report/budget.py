@@ -19,18 +19,16 @@ a configuration over the budget is shown, never a contender or a baseline.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
 import pandas as pd
 
+from benchsuite.results.manifest import ServerRecord
 
-def run_budget_bytes(servers: Any) -> int | None:
-    """The budget of one run from its manifest's servers (typed records or plain dicts)."""
-    budgets = set()
-    for record in servers.values() if hasattr(servers, "values") else servers:
-        search = getattr(record, "search", None) if not isinstance(record, dict) else record.get("search")
-        if isinstance(search, dict) and search.get("budget_bytes"):
-            budgets.add(int(search["budget_bytes"]))
+
+def run_budget_bytes(servers: Mapping[str, ServerRecord]) -> int | None:
+    """The budget of one run from its manifest's servers."""
+    budgets = {r.search.budget_bytes for r in servers.values() if r.search is not None and r.search.budget_bytes}
     return min(budgets) if budgets else None
 
 
@@ -52,8 +50,8 @@ def device_figure(cell: pd.Series) -> tuple[int, str] | None:
         return int(used), "gpu memory after the cell"
     extras = cell.get("extras") if isinstance(cell.get("extras"), dict) else {}
     breakdown = (extras.get("engine_log") or {}).get("memory_breakdown_mib") or {}
-    gpu_mib = [row.get("self") for device, row in breakdown.items() if "CUDA" in device and isinstance(row, dict)]
-    gpu_mib = [m for m in gpu_mib if isinstance(m, int | float)]
+    rows = [row.get("self") for device, row in breakdown.items() if "CUDA" in device and isinstance(row, dict)]
+    gpu_mib = [m for m in rows if isinstance(m, int | float)]
     if not gpu_mib:
         return None
     return int(sum(gpu_mib) * 2**20), "llama.cpp log breakdown"

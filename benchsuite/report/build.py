@@ -231,7 +231,8 @@ def nothing_to_show(data: ReportData) -> list[tuple[str, str]]:
 
 
 def _sections(data: ReportData) -> tuple[list[Section], list[Section]]:
-    before, after = [], []
+    before: list[Section] = []
+    after: list[Section] = []
     empty = nothing_to_show(data)
     hidden = {title for title, _ in empty}
     for name, frame in data.tables.items():

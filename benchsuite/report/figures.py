@@ -64,7 +64,8 @@ def decode_vs_k(groups: pd.DataFrame, top_k: int | None) -> list[Figure]:
     paged = groups[(groups["mode"] == "paged") & groups["k"].notna() & has_metric(groups, "decode_tok_s_p50")]
     if paged.empty:
         return []
-    traces, ids = [], []
+    traces: list[go.Scatter | go.Bar] = []
+    ids: list[str] = []
     for (engine, conc, cls, routing), g in paged.groupby(
         ["engine", "concurrency", "prompt_class", "routing"], sort=True
     ):
@@ -114,7 +115,8 @@ def decode_vs_k(groups: pd.DataFrame, top_k: int | None) -> list[Figure]:
 
 def ttft_short_long(groups: pd.DataFrame) -> list[Figure]:
     short, long = prompt_classes(groups)
-    traces, ids = [], []
+    traces: list[go.Scatter | go.Bar] = []
+    ids: list[str] = []
     for cls in (short, long):
         g = groups[(groups["prompt_class"] == cls) & has_metric(groups, "ttft_p50_s")]
         if cls is None or g.empty:

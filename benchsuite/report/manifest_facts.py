@@ -21,6 +21,7 @@ from typing import Any
 from benchsuite.engines import adapter_of
 from benchsuite.report.budget import run_budget_bytes
 from benchsuite.results.manifest import Manifest, ServerRecord
+from benchsuite.results.server_facts import CanaryResult
 from paged_experts.shape import ModelShape
 
 _TOP_K_KEYS = ("top_k", "num_experts_per_tok")
@@ -44,15 +45,17 @@ class ServerFacts:
         return self.canary.startswith("FAILED")
 
 
-def canary_text(record: Any) -> str:
-    """A server's `canary` manifest entry (benchsuite.checks.canary.CanaryReport.to_dict, or {error})."""
-    if not isinstance(record, dict):
+def canary_text(record: CanaryResult | None) -> str:
+    """A server's `canary` manifest entry in words: passed / FAILED (leaks n) / not run (why)."""
+    if record is None:
         return "not run"
-    if "error" in record or "passed" not in record:
-        return f"not run ({record.get('error', 'no verdict')})"
-    if record["passed"]:
-        return f"passed ({record.get('requests_checked', '?')} responses checked)"
-    return f"FAILED (leaks {len(record.get('leaks') or [])})"
+    given = record.model_fields_set
+    if "error" in given or record.passed is None:
+        return f"not run ({record.error if 'error' in given else 'no verdict'})"
+    if record.passed:
+        checked = record.requests_checked if "requests_checked" in given else "?"
+        return f"passed ({checked} responses checked)"
+    return f"FAILED (leaks {len(record.leaks)})"
 
 
 def _scalar_text(value: Any, key: str = "") -> str:
@@ -64,10 +67,11 @@ def _scalar_text(value: Any, key: str = "") -> str:
 
 
 def flatten_facts(obj: Any, prefix: str = "") -> list[tuple[str, str]]:
-    """Nested dicts as (dotted.key, text) pairs; lists of scalars joined by ', '."""
+    """Nested dicts as (dotted.key, text) pairs, keys sorted as the manifest stores them; lists of
+    scalars joined by ', '."""
     if isinstance(obj, dict):
         pairs: list[tuple[str, str]] = []
-        for key, value in obj.items():
+        for key, value in sorted(obj.items()):
             pairs.extend(flatten_facts(value, f"{prefix}{key}."))
         return pairs
     if isinstance(obj, list) and not obj:
@@ -83,11 +87,11 @@ def flatten_facts(obj: Any, prefix: str = "") -> list[tuple[str, str]]:
 
 
 def _machine_facts(manifest: Manifest) -> list[tuple[str, str]]:
-    return flatten_facts(manifest.machine)
+    return flatten_facts(manifest.machine.model_dump(mode="json"))
 
 
 def _git_facts(manifest: Manifest) -> list[tuple[str, str]]:
-    return flatten_facts(manifest.git)
+    return flatten_facts(manifest.git.model_dump(mode="json"))
 
 
 def _fairness_facts(manifest: Manifest) -> list[tuple[str, str]]:
@@ -112,7 +116,7 @@ def startup_text(record: ServerRecord) -> str:
     total = record.startup_s
     if total is None:
         return "not recorded"
-    facts = (record.startup_facts or {}).get("engine_startup_s") or {}
+    facts = record.startup_facts.get("engine_startup_s") or {}
     parts = []
     if facts.get("load_s") is not None:
         parts.append(f"load {facts['load_s']:.1f} s")
@@ -213,12 +217,11 @@ def _legacy_num_experts(manifest: Manifest, run_dir: Path) -> int | None:
 def _link_gb_per_s(manifest: Manifest) -> tuple[float | None, str]:
     """The run's measured paging bandwidth (GB/s), or None and why there is none."""
     link = manifest.link_bandwidth
-    if not isinstance(link, Mapping):
+    if link is None:
         return None, "no link bandwidth in this run (matrix `linkbw: true` measures it)"
-    value = link.get("paging_gb_per_s")
-    if isinstance(value, (int, float)) and value > 0:
-        return float(value), ""
-    return None, f"the run's link probe failed: {link.get('error', 'no figure')}"
+    if link.paging_gb_per_s is not None and link.paging_gb_per_s > 0:
+        return link.paging_gb_per_s, ""
+    return None, f"the run's link probe failed: {link.error if 'error' in link.model_fields_set else 'no figure'}"
 
 
 @dataclass(frozen=True)
@@ -252,7 +255,7 @@ class RunFacts:
     budget_bytes: int | None  # the run's GPU memory budget (report/budget.py)
     has_gpu: bool
     model: RunModel
-    identity: tuple[object, object, str]  # (git commit, git tree, matrix hash): compare's A/A check
+    identity: tuple[str | None, str | None, str]  # (git commit, git tree, matrix hash): compare's A/A check
 
 
 def read_run_facts(manifest: Manifest, run_dir: Path) -> RunFacts:
@@ -267,7 +270,7 @@ def read_run_facts(manifest: Manifest, run_dir: Path) -> RunFacts:
         reference_filter=_reference_filter(manifest),
         link=_link_gb_per_s(manifest),
         budget_bytes=run_budget_bytes(manifest.servers),
-        has_gpu=bool(manifest.machine.get("gpus")),
+        has_gpu=bool(manifest.machine.gpus),
         model=_model(manifest, run_dir),
-        identity=(manifest.git.get("commit"), manifest.git.get("tree"), manifest.matrix_hash),
+        identity=(manifest.git.commit, manifest.git.tree, manifest.matrix_hash),
     )

@@ -160,7 +160,8 @@ def spread_trace(
 def metric_vs(
     groups: pd.DataFrame, metric: str, x_col: str, series_cols: list[str], scale: float = 1.0
 ) -> tuple[list[go.Scatter], list[str]]:
-    traces, all_ids = [], []
+    traces: list[go.Scatter] = []
+    all_ids: list[str] = []
     valid = groups[has_metric(groups, metric)] if len(groups) else groups
     valid = valid[valid[x_col].notna()] if len(valid) else valid
     for key, g in valid.groupby(series_cols, sort=True):

@@ -31,7 +31,7 @@ def _clean(value: Any) -> Any:
 def _record(row: pd.Series) -> RequestRecord:
     lists = ("chunk_times_s", "chunk_reads", "chunk_tokens", "count_times_s", "count_tokens", "count_reads")
     values = {c: _clean(row[c]) for c in REQUEST_COLUMNS if c not in (*lists, "engine_timings")}
-    as_list = {
+    as_list: dict[str, Any] = {
         c: [] if row[c] is None or (isinstance(row[c], float) and math.isnan(row[c])) else list(row[c]) for c in lists
     }
     return RequestRecord(**values, **as_list)

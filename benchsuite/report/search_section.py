@@ -22,6 +22,7 @@ from benchsuite.report.load import RunData
 from benchsuite.report.tables import SEARCH_COLUMNS
 from benchsuite.report.tables import search_table as cell_rows
 from benchsuite.results.manifest import ServerRecord
+from benchsuite.results.server_facts import ObjectiveCell
 from benchsuite.run.search import format_gb
 
 TITLE = "Budget searches (llama.cpp --n-cpu-moe N, paged K)"
@@ -39,23 +40,27 @@ def ruled_out_rows(run_id: str, servers: Mapping[str, ServerRecord]) -> list[dic
     """One row per candidate a search of this run ruled out by its projection."""
     rows = []
     for server in servers.values():
-        record = server.search or {}
-        objective = record.get("objective_cell") or {}
-        for c in record.get("candidates") or []:
-            if c.get("outcome") != RULED_OUT:
+        record = server.search
+        if record is None:
+            continue
+        objective = record.objective_cell or ObjectiveCell()
+        for c in record.candidates:
+            if c.outcome != RULED_OUT:
                 continue
-            budget = record.get("budget_bytes")
-            source = (c.get("projection") or {}).get("source", "memory")
-            projected = c["projected_bytes"]
-            with_margin = " with the margin" if record.get("margin_bytes", 1) else ""
-            reason = f"{source} projection {format_gb(projected)} GB{with_margin} > budget {format_gb(budget)} GB"
+            budget = record.budget_bytes or 0
+            source = c.projection.get("source", "memory")
+            # a record before margins were stored ruled out with one
+            margin = "margin_bytes" not in record.model_fields_set or record.margin_bytes
+            with_margin = " with the margin" if margin else ""
+            projected = format_gb(c.projected_bytes)
+            reason = f"{source} projection {projected} GB{with_margin} > budget {format_gb(budget)} GB"
             rows.append({
-                "run_id": run_id, "engine": server.engine, "option": record.get("option", FIRST_SEARCH_OPTION),
-                "workload": objective.get("workload"), "prompt_class": objective.get("prompt_class"),
-                "concurrency": objective.get("concurrency"), "N": int(c["n"]), "fits": False, "chosen": False,
-                "decode_tok_s": None, "projected_bytes": projected, "peak_device_memory_bytes": None,
-                "budget_bytes": budget, "search_launches": record.get("launches"),
-                "linear_scan_launches": record.get("linear_scan_launches"), "status": RULED_OUT,
+                "run_id": run_id, "engine": server.engine, "option": record.option or FIRST_SEARCH_OPTION,
+                "workload": objective.workload, "prompt_class": objective.prompt_class,
+                "concurrency": objective.concurrency, "N": c.n, "fits": False, "chosen": False,
+                "decode_tok_s": None, "projected_bytes": c.projected_bytes, "peak_device_memory_bytes": None,
+                "budget_bytes": record.budget_bytes, "search_launches": record.launches,
+                "linear_scan_launches": record.linear_scan_launches, "status": RULED_OUT,
                 "reason": f"{reason}; not launched", "cell_id": "",
             })  # fmt: skip
     return rows

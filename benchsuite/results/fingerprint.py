@@ -21,15 +21,31 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from pydantic import Field
+
 from benchsuite.config.plan import Plan
 from benchsuite.engines import ADAPTERS
 from benchsuite.engines.base import ServerSpec
+from benchsuite.records import StoredFacts
 
 MAX_FILES_PER_MODEL = 4096  # a checkpoint has tens of files; past this, the count alone is recorded
 _VOLATILE = ("started_utc", "error")
 
 
-def plan_fingerprint(plan: Plan) -> dict[str, dict[str, dict[str, Any]]]:
+class Fingerprint(StoredFacts):
+    """The manifest's `fingerprint`: per engine entry and per workload, {input label: its facts}. A
+    label names its input (`model <path>/<file>`, `engine <kind>`, `dataset <path>`); its facts are
+    a file's {bytes, modified_utc}, the engine's version facts (its own keys), or a phrase
+    ("missing", "not a local path ...")."""
+
+    engines: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    workloads: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+    def groups(self) -> dict[str, dict[str, dict[str, Any]]]:
+        return {"engines": self.engines, "workloads": self.workloads}
+
+
+def plan_fingerprint(plan: Plan) -> Fingerprint:
     engines: dict[str, dict[str, Any]] = {}
     for spec in [*plan.servers, *(task.spec for task in plan.searches)]:
         facts = engines.setdefault(spec.name, {})
@@ -38,7 +54,7 @@ def plan_fingerprint(plan: Plan) -> dict[str, dict[str, dict[str, Any]]]:
     workloads: dict[str, dict[str, Any]] = {}
     for name, workload in plan.matrix.matrix.workloads.items():
         workloads[name] = path_facts(f"dataset {workload.path}", Path(workload.path)) if workload.path else {}
-    return {"engines": engines, "workloads": workloads}
+    return Fingerprint(engines=engines, workloads=workloads)
 
 
 def path_facts(label: str, path: Path) -> dict[str, Any]:
@@ -90,13 +106,14 @@ def _engine_facts(spec: ServerSpec) -> dict[str, Any]:
     return {f"engine {spec.kind}": facts}
 
 
-def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[tuple[str, str], list[str]]:
+def fingerprint_changes(old: Fingerprint, new: Fingerprint) -> dict[tuple[str, str], list[str]]:
     """(group, name) -> one phrase per input whose recorded facts differ, for the groups `engines`
     and `workloads` of benchsuite.results.fingerprint, e.g. `model /m/x.safetensors: bytes 1 -> 2`. Only
     names in both count: a run of part of the matrix (--only) fingerprints that part."""
     changes: dict[tuple[str, str], list[str]] = {}
+    old_groups, new_groups = old.groups(), new.groups()
     for group in ("engines", "workloads"):
-        before_all, after_all = old.get(group) or {}, new.get(group) or {}
+        before_all, after_all = old_groups[group], new_groups[group]
         for name in sorted(set(before_all) & set(after_all)):  # a part left out (--only) is not a change
             phrases = _fact_changes(before_all.get(name) or {}, after_all.get(name) or {})
             if phrases:

@@ -49,7 +49,7 @@ import pandas as pd
 
 from benchsuite.errors import RunError, UserError
 from benchsuite.records import SCHEMA_VERSION, CellResult, RequestRecord
-from benchsuite.results.fingerprint import fingerprint_changes
+from benchsuite.results.fingerprint import Fingerprint, fingerprint_changes
 from benchsuite.results.manifest import Invocation, Manifest
 from benchsuite.results.runlock import RunLock
 from benchsuite.results.stored_files import (
@@ -146,7 +146,7 @@ class RunStore:
         self._notify(f"benchsuite: --new-run: the earlier run is kept in {aside}")
 
     def _open(self, manifest: Manifest) -> None:
-        invocation = Invocation(started_utc=utc_now(), git=manifest.git, host=manifest.machine.get("hostname"))
+        invocation = Invocation(started_utc=utc_now(), git=manifest.git, host=manifest.machine.hostname)
         if self.manifest_path.exists():
             existing = self._check_resumable(read_manifest_file(self.manifest_path, writable=True), manifest)
             self._write_manifest(existing.model_copy(update={"invocations": [*existing.invocations, invocation]}))
@@ -171,7 +171,7 @@ class RunStore:
             self._notify(
                 f"benchsuite: {self.manifest_path}: no input fingerprint recorded by the earlier run; recording it now"
             )
-        changes = fingerprint_changes(old or {}, new or {})
+        changes = fingerprint_changes(old or Fingerprint(), new)
         stored = [self.stored_cell(p.stem) for p in sorted((self.run_dir / "cells").glob("*.json"))] if changes else []
         done = [c.result for c in stored if c is not None and c.result.status in FINISHED_STATUSES]
         blocking = [f"{phrase} ({group[:-1]} {name})" for (group, name), phrases in changes.items()
@@ -185,8 +185,8 @@ class RunStore:
             self._notify(
                 f"benchsuite: {self.manifest_path}: inputs changed only for cells not finished yet; recorded anew"
             )
-        kept = old or {}
-        merged = {group: {**(kept.get(group) or {}), **(new.get(group) or {})} for group in new}
+        kept = old or Fingerprint()
+        merged = Fingerprint(engines={**kept.engines, **new.engines}, workloads={**kept.workloads, **new.workloads})
         return existing.model_copy(update={"fingerprint": merged})
 
     # ---- paths ---------------------------------------------------------------------------------

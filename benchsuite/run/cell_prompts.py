@@ -49,6 +49,7 @@ def _prompt_pool(
     exact_tokens = int(cell.prompt_class) if cell.prompt_class.isdigit() else None
     if exact_tokens is None and workload.dataset == "random":
         exact_tokens = RANDOM_SHORT_TOKENS
+    tokenizer: Path | None
     if workload.dataset == "random":  # random ids need only the vocabulary size: a GGUF file is enough
         tokenizer = _vocab_source(adapter, spec)
     else:

@@ -28,7 +28,6 @@ import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 
@@ -40,6 +39,7 @@ from benchsuite.errors import RunError, UserError
 from benchsuite.measure import paging
 from benchsuite.records import CellResult, LoadRequest
 from benchsuite.results.manifest import build_manifest
+from benchsuite.results.server_facts import CanaryResult, SearchRecord
 from benchsuite.results.store import RunStore, Writer, atomic_write_bytes
 from benchsuite.results.stored_files import read_manifest
 from benchsuite.run.cell import CELL_ERRORS, failed_result, measure_cell
@@ -145,7 +145,7 @@ async def run_search_task(ctx: RunContext, task: SearchTask) -> list[CellResult]
         raise RunError(f"engine {task.spec.name}: {task.option} asks for a search, and this run has no search hook")
     options = await ctx.search(ctx, task)
     spec, cells = resolve_search(ctx.plan, task, options)
-    ctx.store.record_server(spec.server_id, search={"option": task.option, "request": task.request})
+    ctx.store.record_server(spec.server_id, search=SearchRecord(option=task.option, request=task.request))
     return await run_server_cells(ctx, spec, cells)
 
 
@@ -225,8 +225,8 @@ async def _measure_link(ctx: RunContext) -> None:
     a resumed run keeps a figure it already has and retries a probe that failed."""
     from benchsuite.tools.linkbw import probe_in_subprocess
 
-    stored = read_manifest(ctx.store.run_dir).link_bandwidth or {}
-    if stored.get("paging_gb_per_s"):
+    stored = read_manifest(ctx.store.run_dir).link_bandwidth
+    if stored is not None and stored.paging_gb_per_s:
         return
     ctx.store.record_run(link_bandwidth=await asyncio.to_thread(probe_in_subprocess))
 
@@ -259,7 +259,7 @@ async def _after_cells(ctx: RunContext, server: RunningServer, cells: Sequence[C
                 server.base_url, rounds=1, concurrency=min(CANARY_MAX_CONCURRENCY, spec.max_concurrency),
                 max_tokens=16, extras=adapter.request_extras(spec),
             )  # fmt: skip
-            result: dict[str, Any] = report.to_dict()
+            result = CanaryResult.model_validate(report.to_dict())
         except (*CELL_ERRORS, ValueError) as exc:  # not run to the end: no verdict, the reason kept
-            result = {"error": f"{type(exc).__name__}: {exc}"}
+            result = CanaryResult(error=f"{type(exc).__name__}: {exc}")
         ctx.store.record_server(spec.server_id, canary=result)

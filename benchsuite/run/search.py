@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from benchsuite.config.plan import CellSpec, SearchTask
 from benchsuite.engines.base import FIRST_SEARCH_OPTION, EngineOptions, Projection, ServerSpec, search_knob
@@ -32,6 +31,13 @@ from benchsuite.engines.search_settings import (
 )
 from benchsuite.errors import RunError, UserError
 from benchsuite.records import CellResult
+from benchsuite.results.server_facts import (
+    CandidateOutcome,
+    ObjectiveCell,
+    SearchCandidate,
+    SearchMeasurement,
+    SearchRecord,
+)
 from benchsuite.run.context import RunContext
 from benchsuite.run.search_propose import (
     Observation,
@@ -51,29 +57,11 @@ __all__ = [
 
 # ---- runner hook --------------------------------------------------------------------------------
 
-CandidateOutcome = Literal["ruled out", "measured", "over budget", "failed", "not launched"]
-
 
 def parse_request(value: Any, option: str = FIRST_SEARCH_OPTION) -> SearchSettingsAny:
     """`search` or `{search: {...}}` -> the option's settings (an option without its own knob takes the
     first's: the fastest fitting value); anything else is a user error."""
     return search_knob(option).parse(value)
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One candidate value as the run stores it (manifest `servers.<id>.search.candidates`)."""
-
-    n: int  # the value (N or K)
-    # ruled out: the projection exceeds the budget, never launched (no cell); measured / over budget /
-    # failed: launched (one cell; over budget: its measured peak device memory exceeds the budget);
-    # not launched: fits, but the search found its best point without it
-    outcome: CandidateOutcome
-    projected_bytes: int  # the projection + its margin: what is compared with the budget to rule out
-    projection: dict[str, Any]  # the adapter's projection as a dict (llama.cpp fit.Projection, builtin memory)
-    value: float | None = None  # the objective of a measured value
-    cell_id: str | None = None  # the stored cell of a launched value
-    peak_device_memory_bytes: int | None = None  # measured over the launched cell (None: no GPU)
 
 
 class _Probe:
@@ -133,18 +121,16 @@ async def _drive_async(gen: SearchGen, objective: Callable[[int], Any]) -> Searc
         return stop.value
 
 
-def _candidate(n: int, projection: Projection, fits: bool, margin_bytes: int, probe: _Probe) -> Candidate:
-    projected = {
-        "n": n,
-        "projected_bytes": projection.gpu_total_bytes + margin_bytes,
-        "projection": dataclasses.asdict(projection),
-    }
+def _candidate(n: int, projection: Projection, fits: bool, margin_bytes: int, probe: _Probe) -> SearchCandidate:
+    """Every key given, the unknown ones as None (a stored block writes the keys it was given)."""
+    projected_bytes, as_dict = projection.gpu_total_bytes + margin_bytes, dataclasses.asdict(projection)
     if n not in probe.results:
-        return Candidate(outcome="not launched" if fits else "ruled out", **projected)
+        return SearchCandidate(n=n, outcome="not launched" if fits else "ruled out", projected_bytes=projected_bytes,
+                               projection=as_dict, value=None, cell_id=None, peak_device_memory_bytes=None)  # fmt: skip
     obs, result = probe.observation(n), probe.results[n]
     outcome: CandidateOutcome = "failed" if obs.value is None else ("over budget" if obs.fits is False else "measured")
-    return Candidate(outcome=outcome, value=obs.value, cell_id=result.cell_id,
-                     peak_device_memory_bytes=obs.peak_bytes, **projected)  # fmt: skip
+    return SearchCandidate(n=n, outcome=outcome, projected_bytes=projected_bytes, projection=as_dict, value=obs.value,
+                           cell_id=result.cell_id, peak_device_memory_bytes=obs.peak_bytes)  # fmt: skip
 
 
 def _generator(option: str, settings: SearchSettingsAny, fitting: Sequence[int], guess_bytes: Mapping[int, int],
@@ -201,17 +187,17 @@ async def run_search(ctx: RunContext, task: SearchTask) -> EngineOptions:
             "search_launches": outcome.launches, "linear_scan_launches": outcome.linear_scan_launches,
         }  # fmt: skip
         ctx.store.write_cell(dataclasses.replace(r, extras={**r.extras, **extras}), [])
-    record = {
-        "option": task.option, "settings": settings.model_dump(), "budget_bytes": budget_bytes,
-        "margin_bytes": margin_bytes, "guess_margin_bytes": guess_margin_bytes,
-        "objective_cell": _objective_cell(probe, fitting or sorted(projections)),
-        "fitting": fitting, "measured": [dataclasses.asdict(m) for m in outcome.measurements],
-        "best_n": outcome.best_n, "launches": outcome.launches, "linear_scan_launches": outcome.linear_scan_launches,
-        "candidates": [dataclasses.asdict(c) for c in candidates],
+    record = SearchRecord(
+        option=task.option, settings=settings.model_dump(), budget_bytes=budget_bytes,
+        margin_bytes=margin_bytes, guess_margin_bytes=guess_margin_bytes,
+        objective_cell=_objective_cell(probe, fitting or sorted(projections)),
+        fitting=fitting, measured=[SearchMeasurement(**dataclasses.asdict(m)) for m in outcome.measurements],
+        best_n=outcome.best_n, launches=outcome.launches, linear_scan_launches=outcome.linear_scan_launches,
+        candidates=candidates,
         # how a launch's fit was decided: its measured peak, or (no GPU: no peak) its projection + the guess
-        "fit_by": "peak device memory" if any(m.peak_bytes is not None for m in outcome.measurements)
+        fit_by="peak device memory" if any(m.peak_bytes is not None for m in outcome.measurements)
         else "projection (no device memory measured)",
-    }  # fmt: skip
+    )  # fmt: skip
     ctx.store.record_server(spec.server_id, engine=spec.name, kind=spec.kind, search=record)
     if outcome.best_n is None:
         if not fitting:
@@ -223,11 +209,11 @@ async def run_search(ctx: RunContext, task: SearchTask) -> EngineOptions:
     return spec.options.replaced(**{task.option: outcome.best_n})
 
 
-def _objective_cell(probe: _Probe, ns: Sequence[int]) -> dict[str, Any] | None:
+def _objective_cell(probe: _Probe, ns: Sequence[int]) -> ObjectiveCell | None:
     if not ns:
         return None
     _, cell = probe.spec_and_cell(ns[0])
-    return {"workload": cell.workload, "prompt_class": cell.prompt_class, "concurrency": cell.concurrency}
+    return ObjectiveCell(workload=cell.workload, prompt_class=cell.prompt_class, concurrency=cell.concurrency)
 
 
 # ---- the stored record, in words (the CLI summary; the report has its own table) ----------------
@@ -241,40 +227,40 @@ def format_gb(n_bytes: float) -> str:
     return f"{value:.2f}" if value >= 1 else f"{value:.3g}"
 
 
-def describe(engine: str, record: Mapping[str, Any]) -> list[str]:
+def describe(engine: str, record: SearchRecord) -> list[str]:
     """A search's stored record (manifest `servers.<id>.search`) as summary lines: the choice, then
     the candidates by outcome, ruled-out ones with their projection (never as cells)."""
-    candidates = record.get("candidates") or []
+    candidates = record.candidates
     if not candidates:
         return []
-    budget, margin = record["budget_bytes"], record["margin_bytes"]
-    best = record.get("best_n")
-    option = record.get("option") or FIRST_SEARCH_OPTION
+    budget, margin = record.budget_bytes or 0, record.margin_bytes or 0
+    best = record.best_n
+    option = record.option or FIRST_SEARCH_OPTION
     knob = search_knob(option)
     letter = knob.letter
-    value = next((c["value"] for c in candidates if c["n"] == best), None)
-    metric = (record.get("settings") or {}).get("metric", "objective")
+    value = next((c.value for c in candidates if c.n == best), None)
+    metric = record.settings.get("metric", "objective")
     head = (
         f"search {option} of {engine}: best {letter}={best} ({metric} {value:.1f})"
         if best is not None and value is not None
         else f"search {option} of {engine}: no value chosen"
     )
-    scan = record["linear_scan_launches"]
+    scan = record.linear_scan_launches
     lines = [
-        f"{head} after {record['launches']} launches (a scan of every fitting {letter}: {scan}); "
+        f"{head} after {record.launches} launches (a scan of every fitting {letter}: {scan}); "
         + f"budget {format_gb(budget)} GB"
         + (f", margin {margin / 2**20:.0f} MiB" if margin else "")
     ]
-    by_outcome: dict[str, list[Mapping[str, Any]]] = {}
+    by_outcome: dict[str, list[SearchCandidate]] = {}
     for c in candidates:
-        by_outcome.setdefault(c["outcome"], []).append(c)
+        by_outcome.setdefault(c.outcome, []).append(c)
     ruled = by_outcome.get("ruled out", [])
     if ruled:
-        lo, hi = min(c["projected_bytes"] for c in ruled), max(c["projected_bytes"] for c in ruled)
-        source = ruled[0]["projection"].get("source", "the")
+        lo, hi = min(c.projected_bytes for c in ruled), max(c.projected_bytes for c in ruled)
+        source = ruled[0].projection.get("source", "the")
         with_margin = " with the margin" if margin else ""
         lines.append(
-            f"  ruled out by the {source} projection, never launched: {_ranges([c['n'] for c in ruled], letter)} "
+            f"  ruled out by the {source} projection, never launched: {_ranges([c.n for c in ruled], letter)} "
             f"(projected {format_gb(lo)}-{format_gb(hi)} GB{with_margin} > {format_gb(budget)} GB)"
         )
     measured = by_outcome.get("measured", [])
@@ -285,20 +271,20 @@ def describe(engine: str, record: Mapping[str, Any]) -> list[str]:
                                                                 for c in by_outcome["over budget"]))  # fmt: skip
     if by_outcome.get("failed"):
         lines.append(
-            f"  launched and failed (reasons in cells.csv): {_ranges([c['n'] for c in by_outcome['failed']], letter)}"
+            f"  launched and failed (reasons in cells.csv): {_ranges([c.n for c in by_outcome['failed']], letter)}"
         )
-    if record.get("fit_by", "").startswith("projection") and knob.by_peak_memory:
+    if (record.fit_by or "").startswith("projection") and knob.by_peak_memory:
         lines.append("  no device memory measured (no GPU): a launched K fits by its projection + the overhead guess")
     if by_outcome.get("not launched"):
-        skipped = _ranges([c["n"] for c in by_outcome["not launched"]], letter)
+        skipped = _ranges([c.n for c in by_outcome["not launched"]], letter)
         lines.append(f"  not launched (the projection fits; the search did not need them): {skipped}")
     return lines
 
 
-def _measured(c: Mapping[str, Any], letter: str, best: int | None) -> str:
-    peak = c.get("peak_device_memory_bytes")
+def _measured(c: SearchCandidate, letter: str, best: int | None) -> str:
+    peak = c.peak_device_memory_bytes
     memory = f", peak {format_gb(peak)} GB" if peak is not None else ""
-    return f"{letter}={c['n']} {c['value']:.1f}{memory}" + (" (best)" if c["n"] == best else "")
+    return f"{letter}={c.n} {c.value:.1f}{memory}" + (" (best)" if c.n == best else "")
 
 
 def _ranges(ns: Sequence[int], letter: str = "N") -> str:

@@ -20,7 +20,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import Field
+
 from benchsuite.errors import RunError, UserError
+from benchsuite.records import StoredFacts
 
 SCHEMA_VERSION = 1
 GB_BYTES = 10**9
@@ -189,24 +192,40 @@ PROBE_ARGV: tuple[str, ...] = (sys.executable, "-m", "benchsuite", "linkbw", "--
 PROBE_TIMEOUT_S = 600.0
 
 
-def probe_in_subprocess(argv: tuple[str, ...] | None = None, timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, Any]:
+class LinkBandwidth(StoredFacts):
+    """The run's probe as the manifest keeps it (`link_bandwidth`): the figure, its device and the
+    probe's whole report; or, when the probe could not run, `error` and no figure."""
+
+    command: list[str] = Field(default_factory=list)
+    measured_unix_s: float | None = None
+    paging_gb_per_s: float | None = None
+    device: str | None = None
+    report: dict[str, Any] | None = None  # the probe's own JSON (LinkBwReport, versioned by its schema_version)
+    error: str | None = None
+
+
+def probe_in_subprocess(argv: tuple[str, ...] | None = None, timeout_s: float = PROBE_TIMEOUT_S) -> LinkBandwidth:
     """`benchsuite linkbw --json` in a child process, so its CUDA context and pinned buffers are gone
     before any engine of the run starts: the run's `link_bandwidth` record, with `error` (and no
     figure) when the probe could not run, e.g. on a machine without CUDA."""
     argv = argv or PROBE_ARGV
-    record: dict[str, Any] = {"command": list(argv), "measured_unix_s": time.time()}
+    command, measured_unix_s = list(argv), time.time()
     try:
         proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:
-        return {**record, "error": f"the probe did not finish within {timeout_s:g} s"}
+        error = f"the probe did not finish within {timeout_s:g} s"
+        return LinkBandwidth(command=command, measured_unix_s=measured_unix_s, error=error)
     except OSError as exc:
-        return {**record, "error": f"the probe did not start: {exc}"}
+        return LinkBandwidth(command=command, measured_unix_s=measured_unix_s, error=f"the probe did not start: {exc}")
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
-        return {**record, "error": last.removeprefix("benchsuite: error: ")}
+        error = last.removeprefix("benchsuite: error: ")
+        return LinkBandwidth(command=command, measured_unix_s=measured_unix_s, error=error)
     try:
         data = json.loads(proc.stdout)
         figure = float(data["paging_gb_per_s"])
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-        return {**record, "error": f"unreadable probe output ({type(exc).__name__}: {exc})"}
-    return {**record, "paging_gb_per_s": figure, "device": data.get("device"), "report": data}
+        error = f"unreadable probe output ({type(exc).__name__}: {exc})"
+        return LinkBandwidth(command=command, measured_unix_s=measured_unix_s, error=error)
+    return LinkBandwidth(command=command, measured_unix_s=measured_unix_s, paging_gb_per_s=figure,
+                         device=data.get("device"), report=data)  # fmt: skip

@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from pydantic import Field
+
+from benchsuite.records import StoredFacts
 
 PACKAGES = ("benchsuite", "torch", "aiohttp", "pydantic", "pandas", "pyarrow", "numpy", "sglang", "gguf")
 _GPU_FIELDS = (
@@ -33,21 +36,58 @@ _PROBE_TIMEOUT_S = 10.0
 _SOURCE_DIR = Path(__file__).resolve().parents[2]  # the checkout: benchsuite/tools/machine.py
 
 
-def machine_facts() -> dict[str, Any]:
+class GpuFacts(StoredFacts):
+    """One NVIDIA GPU as nvidia-smi describes it; None where it has no answer (e.g. [N/A])."""
+
+    name: str | None = None
+    driver: str | None = None
+    vram_bytes: int | None = None
+    pcie_gen: int | None = None
+    pcie_width: int | None = None
+    pcie_gen_max: int | None = None
+    pcie_width_max: int | None = None
+
+
+class MachineFacts(StoredFacts):
+    """The manifest's `machine`: every field None where its probe has no answer."""
+
+    hostname: str | None = None
+    os: str | None = None
+    wsl: bool | None = None
+    python: str | None = None
+    cpu_model: str | None = None
+    cpu_cores_logical: int | None = None
+    cpu_cores_physical: int | None = None
+    ram_bytes: int | None = None
+    gpus: list[GpuFacts] = Field(default_factory=list)
+    packages: dict[str, str | None] = Field(default_factory=dict)  # distribution name -> version (None: absent)
+
+
+class GitFacts(StoredFacts):
+    """The manifest's `git` (and each invocation's): the source benchsuite ran from. Runs stored before
+    `source` and `tree` were recorded have only `commit` and `dirty`."""
+
+    commit: str | None = None
+    dirty: bool | None = None
+    tree: str | None = None  # the tree hash of the tracked files as they were (see working_tree_hash)
+    source: str | None = None  # "package" or "working directory": where the checkout was found
+
+
+def machine_facts() -> MachineFacts:
     """Everything about this machine a reader needs to compare numbers across boxes."""
     memory = psutil.virtual_memory()
-    return {
-        "hostname": platform.node(),
-        "os": platform.platform(),
-        "wsl": "microsoft" in platform.release().lower(),
-        "python": platform.python_version(),
-        "cpu_model": cpu_model(),
-        "cpu_cores_logical": os.cpu_count(),
-        "cpu_cores_physical": psutil.cpu_count(logical=False),
-        "ram_bytes": int(memory.total),
-        "gpus": gpu_facts(),
-        "packages": package_versions(),
-    }
+    return MachineFacts(
+        hostname=platform.node(),
+        os=platform.platform(),
+        wsl="microsoft" in platform.release().lower(),
+        python=platform.python_version(),
+        cpu_model=cpu_model(),
+        cpu_cores_logical=os.cpu_count(),
+        cpu_cores_physical=psutil.cpu_count(logical=False),
+        ram_bytes=int(memory.total),
+        gpus=gpu_facts(),
+        packages=package_versions(),
+    )
 
 
 def cpu_model() -> str | None:
@@ -60,7 +100,7 @@ def cpu_model() -> str | None:
     return platform.processor() or None
 
 
-def gpu_facts() -> list[dict[str, Any]]:
+def gpu_facts() -> list[GpuFacts]:
     """One entry per NVIDIA GPU from nvidia-smi; [] when there is none (or no nvidia-smi)."""
     out = _run(["nvidia-smi", f"--query-gpu={','.join(_GPU_FIELDS)}", "--format=csv,noheader,nounits"])
     if out is None:
@@ -72,15 +112,15 @@ def gpu_facts() -> list[dict[str, Any]]:
             continue
         name, driver, mem_mib, gen, width, gen_max, width_max = values
         gpus.append(
-            {
-                "name": name,
-                "driver": driver,
-                "vram_bytes": _int(mem_mib, scale=1024 * 1024),
-                "pcie_gen": _int(gen),
-                "pcie_width": _int(width),
-                "pcie_gen_max": _int(gen_max),
-                "pcie_width_max": _int(width_max),
-            }
+            GpuFacts(
+                name=name,
+                driver=driver,
+                vram_bytes=_int(mem_mib, scale=1024 * 1024),
+                pcie_gen=_int(gen),
+                pcie_width=_int(width),
+                pcie_gen_max=_int(gen_max),
+                pcie_width_max=_int(width_max),
+            )
         )
     return gpus
 
@@ -95,7 +135,7 @@ def package_versions() -> dict[str, str | None]:
     return versions
 
 
-def git_facts(source_dir: Path = _SOURCE_DIR) -> dict[str, Any]:
+def git_facts(source_dir: Path = _SOURCE_DIR) -> GitFacts:
     """Commit and dirty flag of the source tree benchsuite runs from; for a non-editable install
     (no checkout around the package) those of the working directory, said so in `source`."""
     for where, label in ((source_dir, "package"), (Path.cwd(), "working directory")):
@@ -104,8 +144,8 @@ def git_facts(source_dir: Path = _SOURCE_DIR) -> dict[str, Any]:
             status = _run(["git", "-C", str(where), "status", "--porcelain", "--untracked-files=no"])
             dirty = None if status is None else bool(status.strip())
             tree = working_tree_hash(where) if dirty else commit_tree(where)
-            return {"commit": commit.strip(), "dirty": dirty, "tree": tree, "source": label}
-    return {"commit": None, "dirty": None, "tree": None, "source": None}
+            return GitFacts(commit=commit.strip(), dirty=dirty, tree=tree, source=label)
+    return GitFacts(commit=None, dirty=None, tree=None, source=None)
 
 
 def commit_tree(where: Path) -> str | None:
@@ -180,9 +220,10 @@ def noise_snapshot(own_pids: Sequence[int] = ()) -> dict[str, Any]:
     times = psutil.cpu_times()
     busy_s = float(sum(times)) - float(times.idle) - float(getattr(times, "iowait", 0.0))
     try:
-        load_1m, load_5m, load_15m = os.getloadavg()
+        loads: tuple[float | None, float | None, float | None] = os.getloadavg()
     except OSError:
-        load_1m = load_5m = load_15m = None
+        loads = (None, None, None)
+    load_1m, load_5m, load_15m = loads
     return {
         "t_s": time.monotonic(),
         "load_1m": load_1m,

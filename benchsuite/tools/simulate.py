@@ -31,6 +31,7 @@ from paged_experts.residency.policies import (
     DecayedLfuPolicy,
     EvictionPolicy,
     LayerResidency,
+    RandomPolicy,
 )
 from paged_experts.routing.trace import Chunk, Trace
 
@@ -143,7 +144,7 @@ def _policy(name: str, routed: list[np.ndarray], seed: int) -> EvictionPolicy:
     if name == "belady":
         return BeladyPolicy([set(r.tolist()) for r in routed])
     if name == "random":
-        return POLICIES[name](seed)
+        return RandomPolicy(seed)
     if name.startswith("lfu-decay:"):
         return DecayedLfuPolicy(float(name.partition(":")[2]))
     return POLICIES[name]()

@@ -40,7 +40,9 @@ def attention_block(
         x, input_norm, qkv_proj, q_norm, k_norm, kv_k, kv_v, cos, sin, new_rows, num_heads, num_kv_heads, head_dim, eps
     )  # [B, nh, D]
     attn = attend(q[:, None], kv_k, kv_v, table, mask[:, None, :])[:, 0]  # [B, nh*D]
-    return attention_out(x, attn, o_proj, post_norm, router, eps)  # type: ignore[return-value]
+    x, h, logits = attention_out(x, attn, o_proj, post_norm, router, eps)
+    assert logits is not None  # a router was given
+    return x, h, logits
 
 
 def predict_logits(x: torch.Tensor, post_norm: torch.Tensor, router: torch.Tensor, eps: float) -> torch.Tensor:

@@ -188,11 +188,11 @@ class GraphedDecoder:
         entry = self._entries.get(key)
         fresh = entry is None
         if entry is None:
-            entry = new_entry(self._pool, key, self.model.device, self.capture)
+            entry = new_entry(pool, key, self.model.device, self.capture)
         requests = None
         if planned:  # request ordinals: the router's draw inside the graph reads them with the positions
             requests = m.router_override.request_ids([c.seq.seq_id for c in chunks], [c.start_pos for c in chunks])
-        fill(entry, self._pool, key, chunks, requests)
+        fill(entry, pool, key, chunks, requests)
         if token_source is not None:
             entry.inputs[:b].copy_(token_source[:b])
         if fresh:
@@ -205,6 +205,7 @@ class GraphedDecoder:
         self._tally_steps += 1
         self._tally_pairs += b * m.config.top_k
         if self.trace is not None:
+            assert entry.ids is not None  # set by the step's capture or its eager run
             self.trace.append(entry.ids.clone())
         for moe in self._paged:  # a replay planned on the device: the host planner must pull first
             moe.after_replay()
@@ -229,7 +230,7 @@ class GraphedDecoder:
                 key = (b, length, planned)
                 if key in self._entries:
                     continue
-                entry = new_entry(self._pool, key, self.model.device, self.capture)
+                entry = new_entry(pool, key, self.model.device, self.capture)
                 fill_dummy(entry, key)
                 self._build(entry, key)
                 done += 1
@@ -349,11 +350,13 @@ class GraphedDecoder:
                 )  # [B, nh*D]
                 x, h, logits = self._attention_out(x, attn, w.o_proj, w.post_norm, moe.router_weight, cfg.rms_norm_eps)
             else:
+                assert mask is not None  # length > 0: the padded rows' mask
                 x, h, logits = self._attention_fn(
                     x, w.input_norm, w.qkv_proj, w.o_proj, w.q_norm, w.k_norm, w.post_norm, moe.router_weight,
                     kv_k, kv_v, cos, sin, new_rows, table, mask, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                     cfg.rms_norm_eps,
                 )  # fmt: skip
+            assert logits is not None  # every layer has a router
             ids, weights = self._route_fn(
                 logits, cfg.top_k, cfg.norm_topk_prob,
                 None if planned_ids is None else planned_ids[:, layer_idx % planned_ids.shape[1]],
@@ -369,10 +372,11 @@ class GraphedDecoder:
             stats.append(layer_stats)
             x = x + out
         hidden = rms_norm(x, m.dense.final_norm, cfg.rms_norm_eps)  # [B, H]
+        fills: Iterator[torch.Tensor] = iter(())
         if resident_ids:  # every resident layer's union in one pass, not five small kernels per layer
             fills = iter(resident_union_stats(torch.stack(resident_ids), cfg.num_experts))
-            stats = [next(fills) if st is None else st for st in stats]
-        step_stats = torch.stack([F.pad(st, (0, STAT_COLUMNS - st.shape[0])) for st in stats])  # [layers, 5]
+        rows = [next(fills) if st is None else st for st in stats]
+        step_stats = torch.stack([F.pad(st, (0, STAT_COLUMNS - st.shape[0])) for st in rows])  # [layers, 5]
         self._tally[:, :STAT_COLUMNS] += step_stats
         torch.maximum(self._tally[:, STAT_COLUMNS], step_stats[:, 0], out=self._tally[:, STAT_COLUMNS])
         logits = F.linear(hidden, m.dense.lm_head)  # [B, V]

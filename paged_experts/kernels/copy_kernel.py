@@ -22,7 +22,7 @@ try:  # Triton ships with CUDA builds of torch; the CPU wheel has none
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the torch build
-    triton = None  # type: ignore[assignment]
+    triton = None
 
 BLOCK_BYTES = 16384  # 16 KiB per program (8,192 bf16, 16,384 FP8 bytes): enough loads in flight per SM to fill the link
 

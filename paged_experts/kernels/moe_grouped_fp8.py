@@ -25,7 +25,7 @@ try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - the CPU torch wheel ships no Triton
-    triton = None  # type: ignore[assignment]
+    triton = None
 
 from typing import NamedTuple
 

@@ -52,7 +52,8 @@ def parse_tiles(spec: str, source: str = TILES_ENV) -> dict[str, TileConfig]:
         nums = parts[:3] if vector else parts
         if name not in CONFIGS or len(nums) != 3 or not all(p.isdigit() and int(p) > 0 for p in nums):
             raise ValueError(f"{source}: {item!r} is not <{'|'.join(CONFIGS)}>=<block_n>x<block_k>x<num_warps>[xv]")
-        out[name] = TileConfig(*(int(p) for p in nums), pair_vector=vector)
+        block_n, block_k, num_warps = (int(p) for p in nums)
+        out[name] = TileConfig(block_n=block_n, block_k=block_k, num_warps=num_warps, pair_vector=vector)
     return out
 
 

@@ -33,7 +33,7 @@ try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - the CPU torch wheel ships no Triton
-    triton = None  # type: ignore[assignment]
+    triton = None
 
 from paged_experts.kernels.moe_tiles import CONFIGS
 from paged_experts.kernels.moe_triton_fp8 import fp8_pairs

@@ -32,7 +32,7 @@ try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - the CPU torch wheel ships no Triton
-    triton = None  # type: ignore[assignment]
+    triton = None
 
 from paged_experts.kernels.moe_tiles import TileConfig, fp8_tiles
 

@@ -41,8 +41,8 @@ class _TableLayer(MoeLayer):
             self.record_device(torch.stack([union, hits, misses]), num_pairs)
             return out
         out, n = self.host_pass(x, ids.to("cpu", torch.long), weights, table, self.shared.device)
-        hits, misses = (0, n) if self.from_link else (n, 0)
-        self.record_host(union=n, routed_pairs=num_pairs, hits=hits, misses=misses, waves=1 if n else 0)
+        host_hits, host_misses = (0, n) if self.from_link else (n, 0)
+        self.record_host(union=n, routed_pairs=num_pairs, hits=host_hits, misses=host_misses, waves=1 if n else 0)
         return out
 
 

@@ -116,7 +116,7 @@ class LayerCopies:
         self.counters = counters
         self.layer = layer
         self.row_bytes = row_bytes
-        self.done: list[torch.cuda.Event] = []  # [wave] recorded after the wave's compute
+        self.done: list[torch.cuda.Event | None] = []  # [wave] recorded after the wave's compute (None: CPU)
         self.slot_wave: dict[int, int] = {}  # slot -> last wave of this step that read it
         if self.copy is not None and isinstance(step.start, torch.cuda.Event):
             self.copy.wait_event(step.start)  # earlier steps' reads of these slots are behind it
@@ -134,7 +134,9 @@ class LayerCopies:
         with torch.cuda.stream(self.copy):
             for after, pairs in wait_groups(wave.page_ins, self.slot_wave):
                 if after >= 0:
-                    self.copy.wait_event(self.done[after])
+                    computed = self.done[after]
+                    assert computed is not None  # a copy stream: every wave's compute recorded its event
+                    self.copy.wait_event(computed)
                 start = mark(self.device)
                 copy_rows(pairs)
                 self._count(len(pairs), start, mark(self.device))
@@ -151,7 +153,7 @@ class LayerCopies:
             event.record(self.compute)
             self.done.append(event)
         else:
-            self.done.append(None)  # type: ignore[arg-type]  # CPU: inline, nothing to wait for
+            self.done.append(None)  # CPU: inline, nothing to wait for
 
     def finish(self, waves: int, hits: int, misses: int) -> None:
         """After the layer-step's last wave was issued (a prefill step's span runs to here)."""

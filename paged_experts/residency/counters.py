@@ -286,19 +286,16 @@ class PagingCounters:
         for acc in self._layers:
             acc.resolve()
             v = acc.values
-            layers.append(
-                LayerCounts(
-                    **{
-                        f.name: (float(v[f.name]) if f.name == "copy_time_s" else int(v[f.name]))
-                        for f in fields(LayerCounts)
-                    }
-                )
-            )
+            counts: dict[str, Any] = {
+                f.name: (float(v[f.name]) if f.name == "copy_time_s" else int(v[f.name])) for f in fields(LayerCounts)
+            }
+            layers.append(LayerCounts(**counts))
         self._prefill.resolve()
         v = self._prefill.values
-        prefill = PrefillCounts(
-            **{f.name: (float if f.type == "float" else int)(v[f.name]) for f in fields(PrefillCounts)}
-        )
+        prefill_counts: dict[str, Any] = {
+            f.name: (float if f.type == "float" else int)(v[f.name]) for f in fields(PrefillCounts)
+        }
+        prefill = PrefillCounts(**prefill_counts)
         return CountersSnapshot(layers=tuple(layers), expert_bytes=self.expert_bytes, mode=self.mode, prefill=prefill)
 
     def reset(self) -> None:

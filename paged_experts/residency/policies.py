@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -318,7 +318,12 @@ class LayerResidency:
         )
 
 
-POLICIES = {"lru": LruPolicy, "lfu": LfuPolicy, "lfu-decay": DecayedLfuPolicy, "random": RandomPolicy}
+POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
+    "lru": LruPolicy,
+    "lfu": LfuPolicy,
+    "lfu-decay": DecayedLfuPolicy,
+    "random": RandomPolicy,
+}
 """Online policies by name; Belady needs the future and is built by the simulator."""
 
 EVICTION_POLICIES: tuple[str, ...] = ("lru", "lfu-decay")

@@ -224,8 +224,9 @@ class PageInEngine:
 
 def to_device_rows(src: ExpertTensors, rows: int, device: torch.device) -> ExpertTensors:
     """A device copy of the first `rows` experts (the initial slots hold experts 0..K-1), scales included."""
-    return ExpertTensors(*(None if t is None else t[:rows].to(device, copy=True) for t in _all(src)))
 
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        return t[:rows].to(device, copy=True)
 
-def _all(t: ExpertTensors) -> tuple[torch.Tensor | None, ...]:
-    return (t.gate, t.up, t.down, *t.scales)
+    scales = (None if t is None else copy(t) for t in src.scales)
+    return ExpertTensors(copy(src.gate), copy(src.up), copy(src.down), *scales)

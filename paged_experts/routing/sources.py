@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -166,7 +167,7 @@ def _config_field(config: object, *names: str) -> int:
     raise ValueError(f"routing config lacks {names[0]}")
 
 
-def _as_list(x: object, n: int) -> list:
+def _as_list(x: Any, n: int) -> list[Any]:  # x: None, a tensor or array, or a sequence
     if x is None:
         return [0] * n
     if hasattr(x, "tolist"):

@@ -20,6 +20,7 @@ import zipfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -92,7 +93,7 @@ def _meta_from(config_or_meta: object, source: str, model: str) -> TraceMeta:
         return config_or_meta
     get = config_or_meta.get if isinstance(config_or_meta, dict) else lambda n, d=None: getattr(config_or_meta, n, d)
 
-    def first(*names: str) -> object:
+    def first(*names: str) -> Any:  # a config value, checked by int() below
         for n in names:
             v = get(n, None)
             if v is not None:
@@ -344,7 +345,7 @@ def synthesize_trace(
     return build_trace(meta, layouts, ids, weights)
 
 
-def _sglang_field(response: dict, name: str) -> object:
+def _sglang_field(response: dict[str, Any], name: str) -> Any:  # a JSON value, checked by its caller
     """A field of a native /generate response (meta_info), an OpenAI response (sglext, usage, or the
     first choice's sglext) or a flat dict."""
     choice = (response.get("choices") or [{}])[0]

@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
+from typing import Any
 
 import torch
 from aiohttp import web
@@ -250,7 +251,8 @@ async def serve(config: ServeOptions, interrupted_early: Callable[[], bool] = la
     state = app[STATE_KEY]
     assert state.loaded is not None
     stopped = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({state.loaded, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    either: set[asyncio.Future[Any]] = {state.loaded, stopped}
+    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
     if stop.is_set():
         log.info("shutting down")  # the cleanup waits for a load in progress to finish
         await runner.cleanup()

@@ -178,7 +178,7 @@ class GuardedRequestHandler(RequestHandler):
         elif data and self._read_timer is None:
             self._arm("header_timeout", self._guard.limits.header_timeout_s)  # a next request begins
 
-    def eof_received(self) -> bool:
+    def eof_received(self) -> bool:  # type: ignore[override]  # asyncio.Protocol's contract: True keeps it open
         """The client shut its write side. A complete request already received is still answered
         (the transport stays open for writing, then closes once it is done); otherwise close now."""
         if self._unanswered == 0 or self._reading_body is not None:

@@ -218,9 +218,16 @@ class Engine:
                 self._thread_main()
             except BaseException as exc:  # noqa: BLE001 -- reported through the task (health answers 503)
                 error = exc
-            self._call_in_loop(
-                lambda: ended.done() or (ended.set_exception(error) if error else ended.set_result(None))
-            )
+
+            def finish() -> None:
+                if ended.done():
+                    return
+                if error is not None:
+                    ended.set_exception(error)
+                else:
+                    ended.set_result(None)
+
+            self._call_in_loop(finish)
 
         with self._cv:
             self._stopping = False

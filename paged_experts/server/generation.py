@@ -43,7 +43,7 @@ async def text_deltas(stream: RequestStream, codec: TextCodec, stop_strings: Seq
         if out.finish_reason is not None:
             text = matcher.feed(detok.add((), final=True))
             text += "" if matcher.stopped else matcher.flush()
-            reason = FINISH_STOP if matcher.stopped else out.finish_reason
+            reason: str | None = FINISH_STOP if matcher.stopped else out.finish_reason
             yield Delta(text, emitted, (), (), None, reason, len(detok.ids), out.error)
             return
         text = matcher.feed(detok.add(out.new_token_ids))

@@ -36,7 +36,7 @@ def runtime_config(serve: ServeOptions, model: MoeModelConfig) -> RuntimeConfig:
     """The runtime's configuration for `model` (checks the choices that depend on its shape)."""
     dtype = serve.dtype or ("float32" if serve.device == "cpu" else model.torch_dtype)
     runtime = RuntimeConfig(
-        mode=serve.mode,  # type: ignore[arg-type]
+        mode=serve.mode,  # type: ignore[arg-type]  # a str the parser checked against MODES, not the Literal
         resident_experts=serve.resident_experts,
         offload_layers=serve.offload_layers,
         cpu_expert_layers=serve.n_cpu_moe,

@@ -321,12 +321,12 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     for f in fields(ServeOptions):
         spec: Flag = f.metadata["flag"]
         if f.type == "bool":
-            on = {"dest": f.name, "action": "store_true", "help": spec.help}
-            off = {"dest": f.name, "action": "store_false", "help": spec.off_help}
+            on: dict[str, Any] = {"dest": f.name, "action": "store_true", "help": spec.help}
+            off: dict[str, Any] = {"dest": f.name, "action": "store_false", "help": spec.off_help}
             pairs = [(spec.off, off), (spec.name, on)] if spec.off_first else [(spec.name, on), (spec.off, off)]
-            for flag, kwargs in pairs:
+            for flag, flag_kwargs in pairs:
                 if flag is not None:
-                    p.add_argument(flag, default=argparse.SUPPRESS, **kwargs)  # type: ignore[arg-type]
+                    p.add_argument(flag, default=argparse.SUPPRESS, **flag_kwargs)
             continue
         kwargs: dict[str, Any] = {"dest": f.name, "help": spec.help, "choices": spec.choices, "metavar": spec.metavar}
         kwargs["type"] = types.get(str(f.type), str)

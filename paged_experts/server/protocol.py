@@ -248,10 +248,12 @@ def single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str 
         return prompt
     if len(prompt) == 0:
         raise ApiError(400, "prompt", "prompt: must not be empty")
-    if all(isinstance(p, int) for p in prompt):
-        return [int(p) for p in prompt]  # type: ignore[arg-type]
-    if len(prompt) == 1:
-        return prompt[0]  # type: ignore[return-value]
+    ids = [int(p) for p in prompt if isinstance(p, int)]
+    if len(ids) == len(prompt):
+        return ids
+    first = prompt[0]
+    if len(prompt) == 1 and not isinstance(first, int):  # an int alone was returned above
+        return first
     raise ApiError(400, "prompt", "prompt: batches of prompts are not supported; send one request per prompt")
 
 

@@ -39,7 +39,7 @@ from paged_experts.residency.store import ExpertTensors
 from paged_experts.runtime import RuntimeConfig
 from paged_experts.weights import weightgen
 from paged_experts.weights.loader import AttentionWeights, DenseWeights, LoadedModel, build_shared
-from paged_experts.weights.synth import PRESETS, hf_config_for, preset_tokenizer
+from paged_experts.weights.synth import PRESETS, hf_config_for, preset_tokenizer, special_ids
 
 MARKER = "synthetic_weights.json"
 PREFIX = "synth:"
@@ -100,7 +100,7 @@ def config_for(spec: SynthSpec) -> MoeModelConfig:
         p = replace(p, num_layers=spec.layers)
     tok = preset_tokenizer(p.bpe_vocab_size)  # the vocabulary the weightless directory would have
     vocab = tok.get_vocab_size(with_added_tokens=True)
-    bos_id, eos_id = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
+    bos_id, eos_id = special_ids(tok)
     return MoeModelConfig.from_hf_config(hf_config_for(p, vocab, bos_id, eos_id))
 
 
@@ -215,7 +215,7 @@ def write_weightless(preset: str, out_dir: str | Path, layers: int | None = None
     out.mkdir(parents=True, exist_ok=True)
     tok = preset_tokenizer(p.bpe_vocab_size)
     vocab = tok.get_vocab_size(with_added_tokens=True)
-    bos_id, eos_id = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
+    bos_id, eos_id = special_ids(tok)
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(tok), indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(hf_config_for(p, vocab, bos_id, eos_id), indent=2) + "\n")

@@ -54,11 +54,11 @@ GB = 10**9  # vram_budget_gb is decimal gigabytes
 _MATRIX_NAME = {"enable_torch_compile": "torch_compile", "routing_source": "routing"}
 _SERVER_NAME = {matrix: server for server, matrix in _MATRIX_NAME.items()}
 # the server options whose rules (options.problems) a matrix can break
-_RULED = ("cuda_graph_max_bs", "enable_torch_compile", "kernel_backend", "prefetch_next_layer")
+_RULED: tuple[str, ...] = ("cuda_graph_max_bs", "enable_torch_compile", "kernel_backend", "prefetch_next_layer")
 _RULED += ("prefill_residency", "eviction_policy")
-_LEADING_FLAGS = ("model_path", "host", "port", "mode", "device", "max_running_requests", "max_total_tokens")
-_LEADING_FLAGS += ("resident_experts", "offload_layers", "n_cpu_moe", "dtype")
-_TRAILING_FLAGS = ("record_routing", "prefill_residency", "eviction_policy", "cuda_graph_max_bs")
+_LEADING_FLAGS: tuple[str, ...] = ("model_path", "host", "port", "mode", "device", "max_running_requests")
+_LEADING_FLAGS += ("max_total_tokens", "resident_experts", "offload_layers", "n_cpu_moe", "dtype")
+_TRAILING_FLAGS: tuple[str, ...] = ("record_routing", "prefill_residency", "eviction_policy", "cuda_graph_max_bs")
 _TRAILING_FLAGS += ("enable_torch_compile", "kernel_backend", "expert_kernel", "prefetch_next_layer")
 _TRAILING_FLAGS += ("overlap_schedule", "cpu_threads", "served_model_name")
 
@@ -266,10 +266,10 @@ class BuiltinAdapter(EngineAdapter):
 
     def trace_replay(self, spec: ServerSpec) -> TraceReplay | None:
         opts = self._options(spec)
-        k = opts.placement().resident_experts
-        if opts.mode != "paged" or k is None:
+        k, keep = opts.placement().resident_experts, opts.resolved_prefill_residency()  # keep: None unless paged
+        if opts.mode != "paged" or k is None or keep is None:
             return None
-        return TraceReplay(k, opts.resolved_prefill_residency(), opts.record_routing, _trace_file(spec))
+        return TraceReplay(k, keep, opts.record_routing, _trace_file(spec))
 
     def resolved_options(self, spec: ServerSpec) -> dict[str, Any]:
         """The options in force, defaults resolved (the performance ones depend on device and mode)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from paged_experts.shape import ModelShape
 
@@ -125,7 +126,7 @@ def read_model_facts(path: str | Path) -> GgufFacts:
     )
 
 
-def _field(reader, name: str) -> object | None:
+def _field(reader: Any, name: str) -> Any:  # a GGUF field's contents: an int, a string, a list
     f = reader.fields.get(name)
     if f is None:
         return None

@@ -427,10 +427,11 @@ def expert_facts(path: Path) -> dict[str, Any]:
         for name, kind, shape, nbytes in iter_tensor_bytes(path)
         if name.startswith("blk.0.ffn_")
     }
-    parts = [exps.get(f"blk.0.{base}.weight") for base in _EXPERT_PROJ.values()]
-    if any(p is None for p in parts):
+    found = [exps.get(f"blk.0.{base}.weight") for base in _EXPERT_PROJ.values()]
+    parts = [p for p in found if p is not None]
+    if len(parts) < len(found):
         return {}
-    return {"expert_format": parts[0][0].lower(), "expert_bytes": sum(p[2] // p[1][0] for p in parts)}  # type: ignore[index]
+    return {"expert_format": parts[0][0].lower(), "expert_bytes": sum(p[2] // p[1][0] for p in parts)}
 
 
 def tensor_formats(path: Path) -> str:

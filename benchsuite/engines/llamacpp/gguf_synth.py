@@ -195,7 +195,7 @@ def _open_fd(path: str) -> None:
 
 
 def _fill(task: _Task) -> int:
-    data = memoryview(chunk_bytes(task)).cast("B")
+    data = chunk_bytes(task).data.cast("B")  # the array's buffer as bytes (C-contiguous)
     assert _FD is not None
     done = 0
     while done < len(data):  # pwrite may write less than asked
@@ -302,7 +302,8 @@ def write_with_facts(
         "bytes": s.bytes, "preset": preset, "layers": s.layers, "seed": seed, "shape": s.shape,
         "expert_type": s.expert_type.upper(), "dense_type": s.dense_type, "expert_bytes": s.expert_bytes,
         "num_tensors": s.num_tensors, "hf_dir": str(hf_dir.resolve()), "write_s": round(s.write_s, 2),
-        "workers": s.workers, "git": git_facts(), "source_weights": s.source_weights, "random_weights": True,
+        "workers": s.workers, "git": git_facts().model_dump(mode="json"), "source_weights": s.source_weights,
+        "random_weights": True,
     }  # fmt: skip
     write_facts(s.path, facts)
     return read_facts(s.path) or facts
@@ -316,7 +317,8 @@ def _run_tasks(tasks: list[_Task], path: Path, workers: int, total: int, log: An
             for t in tasks:
                 done += _fill(t)
         finally:
-            os.close(_FD)  # type: ignore[arg-type]
+            if _FD is not None:  # set by _open_fd above
+                os.close(_FD)
         return
     # spawn, not fork: a forked worker of a multi-threaded parent (torch's and aiohttp's threads in a
     # test process, the benchmark's own) can inherit a lock some other thread held and hang in it

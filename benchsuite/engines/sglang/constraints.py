@@ -78,7 +78,8 @@ def read_model_facts(model_path: str) -> CheckpointFacts:
 
 
 def facts_from_config(raw: dict[str, Any]) -> CheckpointFacts:
-    cfg = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    text = raw.get("text_config")
+    cfg: dict[str, Any] = text if isinstance(text, dict) else raw
     quant = raw.get("quantization_config") or cfg.get("quantization_config") or {}
     block = quant.get("weight_block_size")
     try:

@@ -73,7 +73,8 @@ def moe_layer_ids(config: dict[str, Any]) -> tuple[int, ...]:
 
     Qwen2/3-MoE: every `decoder_sparse_step`-th layer not in `mlp_only_layers`; DeepSeek-style:
     layers from `first_k_dense_replace` on, every `moe_layer_freq`-th; otherwise every layer."""
-    cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    text = config.get("text_config")
+    cfg: dict[str, Any] = text if isinstance(text, dict) else config
     num_layers = int(cfg["num_hidden_layers"])
     if "first_k_dense_replace" in cfg:
         first, freq = int(cfg["first_k_dense_replace"]), int(cfg.get("moe_layer_freq", 1) or 1)
@@ -85,7 +86,8 @@ def moe_layer_ids(config: dict[str, Any]) -> tuple[int, ...]:
 
 def routing_trace(responses: Sequence[dict[str, Any]], config: dict[str, Any], model: str = "") -> Trace:
     """The trace of `responses` (one dict per request, in the order they ran) for a model config."""
-    cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    text = config.get("text_config")
+    cfg: dict[str, Any] = text if isinstance(text, dict) else config
     num_experts = cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg.get("num_local_experts")
     if not num_experts or "num_experts_per_tok" not in cfg:
         raise ValueError("config.json needs num_experts (or n_routed_experts) and num_experts_per_tok")
