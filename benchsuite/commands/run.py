@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 import statistics
 from collections import defaultdict
@@ -18,6 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from benchsuite.config import checklist
 from benchsuite.config.matrix import MatrixError, load_matrix
 from benchsuite.config.model_checks import missing_model
 from benchsuite.config.plan import CellSpec, Plan, build_plan, format_plan, select
@@ -82,17 +84,18 @@ def main(args: argparse.Namespace) -> int:
         raise UserError(f"--request-timeout-s must be > 0, got {args.request_timeout_s:g}")
     if args.run_id is not None and not _RUN_ID_RE.match(args.run_id):
         raise UserError(f"--run-id {args.run_id!r}: use letters, digits, '.', '_' and '-' only")
-    plan = build_plan(load_matrix(args.matrix), run_id=args.run_id)
+    # a dry run shows a matrix meant for another machine: unset variables stay ${NAME} placeholders
+    plan = build_plan(load_matrix(args.matrix, placeholders=args.dry_run), run_id=args.run_id)
     if args.only:
         plan = select(plan, args.only)
     missing = missing_models(plan)
+    env = checklist.environment(plan)
     if args.dry_run:
         print(format_plan(plan))
-        for problem in missing:
-            print(f"warning: {problem} (a run would stop here)")
+        print("\n".join(dry_run_sections(plan, missing, env)))
         return 0
-    if missing:  # before the results directory exists
-        raise MatrixError("\n".join(missing))
+    if missing or any(line.check.missing for line in env):  # before the results directory exists
+        raise MatrixError("\n".join(stop_lines(plan, missing, env)))
     from benchsuite.run.runner import open_store  # the load path; a dry run never needs it
 
     console = Console(quiet=args.quiet, highlight=False)
@@ -139,6 +142,48 @@ def _run(args: argparse.Namespace, plan: Plan, store: RunStore, console: Console
     if failed:
         print(f"benchsuite: {failed} cells failed (reasons in cells.csv); rerun the same command to retry them")
     return 1 if failed or problems else report_status
+
+
+def stop_lines(plan: Plan, missing: list[str], env: list[checklist.EnvLine]) -> list[str]:
+    """Why a run cannot start, one line each; a matrix some of whose engines could run is refused
+    too (a partial run would look complete), with the `--only` that runs those."""
+    lines = [*missing, *(line.text().removeprefix("missing: ") for line in env if line.check.missing)]
+    blocked = {name for line in env if line.check.missing for name in line.engines}
+    runnable = [name for name in checklist.runnable_without(plan, env) if name not in blocked]
+    if env and runnable and blocked:
+        lines.append("the other engines can run alone: " + " ".join(f"--only {name}" for name in runnable))
+    return lines
+
+
+def dry_run_sections(plan: Plan, missing: list[str], env: list[checklist.EnvLine]) -> list[str]:
+    """After the plan: what this machine lacks and has, the matrix's inputs, the run's size and
+    duration, and the published figures it will be compared with."""
+    unresolved = list(plan.matrix.unresolved)
+    # a model option that is still a ${NAME} placeholder is listed once, as its unset variable
+    models = [line for line in missing if "${" not in line]
+    blocking = [*unresolved, *models, *(line.text().removeprefix("missing: ") for line in env if line.check.missing)]
+    out = ["", "checklist (a run stops at every line marked missing):"]
+    out += [f"  missing: {line}" for line in blocking]
+    out += [f"  {line.text()}" for line in env if not line.check.missing]
+    if not blocking and not env:
+        out.append("  nothing beyond this package is needed")
+    inputs = plan.matrix.matrix.inputs
+    if inputs:
+        out.append("inputs (environment variables):")
+        for name, what in inputs.items():
+            value = os.environ.get(name)
+            out.append(f"  {name}: {'set: ' + value if value else 'unset'}; {what}")
+    size = checklist.estimate(plan)
+    out.append(
+        f"size: {size.cells} cells, {size.requests:,} requests (warmups included), "
+        f"{size.output_tokens:,} output tokens"
+        + (f"; about {checklist.duration_text(size.seconds)} {size.basis}" if size.seconds is not None else "")
+    )
+    published = checklist.published_lines(plan)
+    if published:
+        out.append("")
+        out += published
+    return out
 
 
 def missing_models(plan: Plan) -> list[str]:
