@@ -94,9 +94,7 @@ def estimate(plan: Plan) -> Estimate:
         rate = single if c == 1 or aggregate is None else aggregate
         seconds += (w.num_requests + w.warmup_requests) * w.output_tokens / rate
     shown = ", ".join(f"{role} {s:g}" + (f" ({a:g} at 4 requests)" if a else "") for role, (s, a) in rates.items())
-    basis = (
-        f"at the published decode rates (tok/s: {shown}); prefill, server starts and search launches not included"
-    )
+    basis = f"at the published decode rates (tok/s: {shown}); prefill, server starts and search launches not included"
     return Estimate(len(cells), requests, tokens, seconds, basis)
 
 
@@ -150,7 +148,8 @@ def published_lines(plan: Plan) -> list[str]:
     ref = load_reference(choice.name)
     lines = [f"published figures ({ref.name}, {ref.model}) the report sets beside yours:"]
     for r in ref.decode_rows(choice.machine, choice.quant):
-        rates = [f"paged K={r.resident_experts} {r.paged_tok_s:g}" + (f"-{r.paged_high_tok_s:g}" if r.paged_high_tok_s else "")]
+        high = f"-{r.paged_high_tok_s:g}" if r.paged_high_tok_s else ""
+        rates = [f"paged K={r.resident_experts} {r.paged_tok_s:g}{high}"]
         if r.llamacpp_best_tok_s:
             rates.append(f"llama.cpp best {r.llamacpp_best_tok_s:g}")
         if r.offload_tok_s:

@@ -117,7 +117,8 @@ def _without_repeats(problems: list[str], source: Path, early: list[tuple[tuple[
 
 def _matrix_hash(matrix: Matrix) -> str:
     # output_root is where results go, linkbw a run-level probe, inputs words for a reader: none is
-    # what a cell measures, all keep the run id. An empty `env:` is left out so matrices written before it existed keep theirs.
+    # what a cell measures, all keep the run id. An empty `env:` is left out so matrices written
+    # before it existed keep theirs.
     dump = matrix.model_dump(mode="json", exclude={"output_root", "linkbw", "inputs"})
     for holder in (dump, *dump["engines"].values()):
         if not holder.get("env"):

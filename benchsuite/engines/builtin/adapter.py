@@ -31,9 +31,9 @@ from benchsuite.engines import RUN_DIR_PLACEHOLDER
 from benchsuite.engines.base import (
     EngineAdapter,
     EngineConfigError,
-    EnvCheck,
     EngineOptions,
     EngineTraits,
+    EnvCheck,
     LaunchPlan,
     Placement,
     ServerSpec,

@@ -96,7 +96,8 @@ class SGLangAdapter(EngineAdapter):
         else:
             spec_found = importlib.util.find_spec("sglang")
             ok = spec_found is not None
-            found = f"in {Path(spec_found.origin or '').parent}" if spec_found else f"not importable by {sys.executable}"
+            where = f"in {Path(spec_found.origin or '').parent}" if spec_found else None
+            found = where or f"not importable by {sys.executable}"
         checks = [EnvCheck("SGLang", found, missing=not ok, fix=None if ok else fix)]
         return [*checks, cuda_device_check("run SGLang on a machine with a CUDA GPU (it has no CPU path)")]
 

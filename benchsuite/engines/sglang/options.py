@@ -6,7 +6,6 @@ The adapter (.adapter) turns these into a command line; .constraints checks them
 from __future__ import annotations
 
 import os
-import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -37,6 +36,7 @@ MOE_RUNNER_BACKEND_CHOICES = (
 )  # fmt: skip
 KvCacheDtype = Literal["auto", "fp8_e5m2", "fp8_e4m3", "mxfp8", "bf16", "bfloat16", "nvfp4", "fp4_mx_block16"]
 GraphBackend = Literal["full", "breakable", "disabled"]  # model_executor/cuda_graph_config.py:40-48
+
 
 def _choice(value: str | None, choices: tuple[str, ...], what: str) -> str | None:
     if value is not None and value not in choices:
