@@ -184,3 +184,15 @@ def test_inputs_do_not_change_the_run_id(tmp_path: Path) -> None:
     body["inputs"] = {"MY_MODEL": "where to get it"}
     path.write_text(yaml.safe_dump(body))
     assert build_plan(load_matrix(path)).run_id == before
+
+
+def test_sglang_needs_its_package_and_a_cuda_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cuda_device.OVERRIDE_ENV, "absent")
+    here = {"s": {"kind": "sglang", "options": {"model_path": "/m", "mode": "unpaged"}}}
+    sglang, cuda = checklist.environment(build_plan(load_matrix(write_matrix(tmp_path, here))))
+    assert cuda.check.missing and cuda.check.subject == "a CUDA device" and "run SGLang on a machine" in cuda.text()
+    assert sglang.check.subject == "SGLang"  # installed here or not, the line says which
+    other = {"s": {"kind": "sglang", "options": {"model_path": "/m", "mode": "unpaged", "python": "/no/python"}}}
+    (line,) = checklist.environment(build_plan(load_matrix(write_matrix(tmp_path, other))))
+    # another interpreter's torch decides about CUDA at launch; this one only checks that it exists
+    assert line.check.missing and line.check.found == "interpreter /no/python does not exist"

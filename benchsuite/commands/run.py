@@ -148,9 +148,8 @@ def stop_lines(plan: Plan, missing: list[str], env: list[checklist.EnvLine]) -> 
     """Why a run cannot start, one line each; a matrix some of whose engines could run is refused
     too (a partial run would look complete), with the `--only` that runs those."""
     lines = [*missing, *(line.text().removeprefix("missing: ") for line in env if line.check.missing)]
-    blocked = {name for line in env if line.check.missing for name in line.engines}
-    runnable = [name for name in checklist.runnable_without(plan, env) if name not in blocked]
-    if env and runnable and blocked:
+    runnable = checklist.runnable_without(plan, env)
+    if runnable and any(line.check.missing for line in env):
         lines.append("the other engines can run alone: " + " ".join(f"--only {name}" for name in runnable))
     return lines
 

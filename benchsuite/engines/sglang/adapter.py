@@ -87,7 +87,8 @@ class SGLangAdapter(EngineAdapter):
 
     def environment(self, spec: ServerSpec) -> list[EnvCheck]:
         """SGLang importable (in this interpreter, or the `python` option names an interpreter that
-        exists: asking it would start a process) and a CUDA device (SGLang needs one)."""
+        exists: asking it would start a process) and a CUDA device (SGLang needs one) as this
+        interpreter's torch sees it; with another interpreter, its torch decides at launch."""
         opts = self._options(spec)
         fix = 'pip install ".[sglang]" (SGLang 0.5.23), or set the `python` option to an interpreter that has it'
         if opts.python is not None:
@@ -99,6 +100,8 @@ class SGLangAdapter(EngineAdapter):
             where = f"in {Path(spec_found.origin or '').parent}" if spec_found else None
             found = where or f"not importable by {sys.executable}"
         checks = [EnvCheck("SGLang", found, missing=not ok, fix=None if ok else fix)]
+        if opts.python is not None:
+            return checks
         return [*checks, cuda_device_check("run SGLang on a machine with a CUDA GPU (it has no CPU path)")]
 
     def launch_plan(self, spec: ServerSpec, port: int) -> LaunchPlan:
