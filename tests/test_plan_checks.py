@@ -189,7 +189,7 @@ def test_inputs_do_not_change_the_run_id(tmp_path: Path) -> None:
 def test_sglang_needs_its_package_and_a_cuda_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cuda_device.OVERRIDE_ENV, "absent")
     here = {"s": {"kind": "sglang", "options": {"model_path": "/m", "mode": "unpaged"}}}
-    sglang, cuda = checklist.environment(build_plan(load_matrix(write_matrix(tmp_path, here))))
+    cuda, sglang = checklist.environment(build_plan(load_matrix(write_matrix(tmp_path, here))))  # missing first
     assert cuda.check.missing and cuda.check.subject == "a CUDA device" and "run SGLang on a machine" in cuda.text()
     assert sglang.check.subject == "SGLang"  # installed here or not, the line says which
     other = {"s": {"kind": "sglang", "options": {"model_path": "/m", "mode": "unpaged", "python": "/no/python"}}}
