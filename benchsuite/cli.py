@@ -5,6 +5,7 @@ one command never breaks another)."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
 from collections.abc import Sequence
@@ -40,24 +41,44 @@ EPILOG = (
 )
 
 
-def _build_parser(argv: Sequence[str]) -> tuple[argparse.ArgumentParser, ModuleType | None]:
+def _build_parser(argv: Sequence[str]) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, ModuleType | None]:
+    """(the parser, the wanted command's own parser (the top one when none is named), its module)."""
     parser = argparse.ArgumentParser(prog="benchsuite", description=DESCRIPTION, epilog=EPILOG)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = next((a for a in argv if not a.startswith("-")), None)
+    if wanted is not None and wanted not in COMMANDS:
+        close = difflib.get_close_matches(wanted, list(COMMANDS), n=1, cutoff=0.6)
+        if close:
+            raise UserError(f"unknown command {wanted!r}; did you mean {close[0]}? (benchsuite --help lists them)")
     module: ModuleType | None = None
+    own = parser
     for name, (module_path, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == wanted:
-            module = importlib.import_module(module_path)
+            module, own = importlib.import_module(module_path), p
             module.configure(p)
-    return parser, module
+    return parser, own, module
+
+
+def unknown_arguments(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
+    """What argparse left over, in one line: each unknown `--flag` with the closest flag of the
+    command (difflib; argparse's own abbreviations, `--dry` for `--dry-run`, are accepted before this)."""
+    flags = [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
+    parts = []
+    for extra in extras:
+        name = extra.split("=", 1)[0]
+        close = difflib.get_close_matches(name, flags, n=1, cutoff=0.6) if name.startswith("--") else []
+        parts.append(f"{extra} (did you mean {close[0]}?)" if close else extra)
+    return f"{parser.prog}: unrecognized arguments: {' '.join(parts)}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        parser, module = _build_parser(argv)
-        args = parser.parse_args(argv)
+        parser, own, module = _build_parser(argv)
+        args, extras = parser.parse_known_args(argv)
+        if extras:
+            raise UserError(unknown_arguments(own, extras))
         if module is None:
             parser.print_help()
             return 2

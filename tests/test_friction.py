@@ -102,7 +102,7 @@ def test_a_missing_model_stops_the_run_before_anything_is_written(
     )
     assert not (tmp_path / "results").exists()
     assert cli_main(["run", str(path), "--dry-run"]) == 0  # a plan may name a model that lives on another machine
-    assert "warning: " in capsys.readouterr().out
+    assert f"  missing: {path}: engines.paged.options.model: no such model:" in capsys.readouterr().out
 
 
 def test_every_matrix_problem_is_reported_in_one_pass(tmp_path: Path) -> None:

@@ -54,22 +54,22 @@ def test_bad_sweep_value_names_its_index_and_bound(tmp_path: Path) -> None:
     assert len(msg.splitlines()) == 1
 
 
-def test_unknown_keys_list_the_allowed_ones(tmp_path: Path) -> None:
+def test_unknown_keys_name_the_closest_and_list_the_allowed_ones(tmp_path: Path) -> None:
     text = GOOD.replace("mode: resident}", "mode: resident, devce: cpu}").replace(
         "num_requests: 3", "num_requests: 3\n    concurency: [1]"
     )
     text += "colour: red\n"
     lines = errors_of(tmp_path, text).splitlines()
     # structural errors and engine option errors in one pass
-    assert any("workloads.w.concurency: unknown key (allowed: " in line and "concurrency" in line for line in lines)
+    assert any("workloads.w.concurency: unknown key; did you mean concurrency? (allowed: " in line for line in lines)
     assert any(
         line.endswith(
-            "colour: unknown key (allowed: canary, engines, env, fairness, linkbw, name, output_root, reference, "
-            "repeat_order, repeats, workloads)"
+            "colour: unknown key (allowed: canary, engines, env, fairness, inputs, linkbw, name, output_root, "
+            "reference, repeat_order, repeats, workloads)"
         )
         for line in lines
     )
-    assert any("engines.res.options.devce: unknown key (allowed: " in line for line in lines)
+    assert any("engines.res.options.devce: unknown key; did you mean device? (allowed: " in line for line in lines)
 
 
 def test_literal_and_cross_field_errors(tmp_path: Path) -> None:
@@ -194,7 +194,9 @@ def test_an_unset_variable_is_one_line_naming_path_and_variable(
     monkeypatch.setenv("BENCH_TEST_MODEL", "/models/m1")
     monkeypatch.delenv("BENCH_TEST_SHAREGPT", raising=False)
     path = write(tmp_path, ENV_MATRIX)
-    assert main(["run", str(path), "--dry-run"]) == 2
+    assert main(["run", str(path), "--dry-run"]) == 0  # a dry run lists it with the plan
+    assert "missing: workloads.sharegpt.path: environment variable BENCH_TEST_SHAREGPT" in capsys.readouterr().out
+    assert main(["run", str(path), "--quiet"]) == 2  # a run stops when the matrix loads
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert err.strip().endswith(

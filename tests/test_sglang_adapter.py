@@ -13,7 +13,7 @@ import pytest
 
 from benchsuite.engines import ADAPTERS
 from benchsuite.engines.base import Fairness, ServerSpec
-from benchsuite.engines.sglang.adapter import SGLangAdapter, SGLangOptions, expand_env
+from benchsuite.engines.sglang.adapter import SGLangAdapter, SGLangOptions
 
 FAIRNESS = Fairness(10240, prefix_caching=False)
 PY = sys.executable
@@ -111,14 +111,22 @@ def test_options_refused(options: dict[str, Any], message: str) -> None:
         SGLangOptions.model_validate({"model_path": "/m", **options})
 
 
-def test_model_path_env_expansion(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_model_path_is_expanded_once_by_the_matrix(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`${VAR}` belongs to the matrix loader (config/env_refs.py); the options only expand `~`, so the
+    `$${` escape reaches the command line as a literal `${`, and a dry run's placeholder survives."""
+    from benchsuite.config.matrix import load_matrix
+
     monkeypatch.setenv("QWEN_INT4", "/data/qwen-int4")
-    opts = SGLangOptions.model_validate({"model_path": "${QWEN_INT4}", "mode": "unpaged"})
-    assert opts.model_path == "/data/qwen-int4"
+    matrix = tmp_path / "m.yaml"
+    body = "name: m\nengines:\n  s: {kind: sglang, options: {model_path: '%s', mode: unpaged}}\nworkloads: {w: {}}\n"
+    matrix.write_text(body % "${QWEN_INT4}")
+    assert load_matrix(matrix).option_sets["s"][0].options.model_path == "/data/qwen-int4"
+    matrix.write_text(body % "/data/$${literal}")
+    assert load_matrix(matrix).option_sets["s"][0].options.model_path == "/data/${literal}"
     monkeypatch.delenv("QWEN_INT4")
-    with pytest.raises(pydantic.ValidationError, match="environment variable QWEN_INT4 is not set"):
-        SGLangOptions.model_validate({"model_path": "${QWEN_INT4}", "mode": "unpaged"})
-    assert expand_env("plain/path") == "plain/path"
+    matrix.write_text(body % "${QWEN_INT4}")
+    assert load_matrix(matrix, placeholders=True).option_sets["s"][0].options.model_path == "${QWEN_INT4}"
+    assert SGLangOptions.model_validate({"model_path": "~/m", "mode": "unpaged"}).model_path.endswith("/m")
 
 
 def test_request_extras_only_with_routing_capture() -> None:

@@ -116,7 +116,7 @@ def test_unset_model_variable_names_what_to_set(monkeypatch: pytest.MonkeyPatch)
 
 
 @pytest.mark.parametrize("name", sorted(SETUPS))
-def test_cli_dry_run_works_with_the_variables_set_and_is_one_line_per_unset_one(
+def test_cli_dry_run_works_with_or_without_the_variables_and_a_run_is_one_line_per_unset_one(
     env: None, name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from benchsuite.cli import main
@@ -124,7 +124,9 @@ def test_cli_dry_run_works_with_the_variables_set_and_is_one_line_per_unset_one(
     assert main(["run", str(CONFIGS / name), "--dry-run"]) == 0
     assert "/models/" in capsys.readouterr().out
     monkeypatch.delenv("SHAREGPT_PATH")
-    assert main(["run", str(CONFIGS / name), "--dry-run"]) == 2
+    assert main(["run", str(CONFIGS / name), "--dry-run"]) == 0  # the placeholder is listed, not refused
+    assert "missing: workloads.sharegpt.path: environment variable SHAREGPT_PATH is not set" in capsys.readouterr().out
+    assert main(["run", str(CONFIGS / name), "--quiet"]) == 2  # a run refuses it at load, in one line
     err = capsys.readouterr().err.strip()
     assert err.endswith(
         "workloads.sharegpt.path: environment variable SHAREGPT_PATH is not set (set it to your ShareGPT JSON file)"

@@ -8,20 +8,25 @@ import json
 
 from benchsuite.checks.preflight_report import PreflightInputs, PreflightReport, preflight
 from benchsuite.errors import UserError
+from benchsuite.tools.model_names import model_shape
 from benchsuite.tools.preflight import (
     EXPERT_FORMATS,
     GB_BYTES,
     GIB_BYTES,
     MB_BYTES,
     ModelShape,
-    load_shape,
     parse_link,
 )
 
 
 def configure(p: argparse.ArgumentParser) -> None:
     src = p.add_argument_group("model (either --model or the explicit shapes)")
-    src.add_argument("--model", help="HF config.json or a checkpoint directory holding one")
+    src.add_argument(
+        "--model",
+        help="a checkpoint directory (or its config.json), a generated preset as a matrix names it (tiny, "
+        "synth:qwen3-30b-a3b-shape?layers=8), or a known model: Qwen3-30B-A3B, Qwen3-235B-A22B, "
+        "Mixtral-8x7B-v0.1, gpt-oss-20b, gpt-oss-120b",
+    )
     src.add_argument("--layers", type=int, help="MoE layers (explicit shape)")
     src.add_argument("--experts", type=int, help="experts per layer E (explicit shape)")
     src.add_argument("--top-k", type=int, help="experts per token (explicit shape)")
@@ -51,7 +56,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def _shape(args: argparse.Namespace) -> ModelShape:
     if args.model:
-        return load_shape(args.model)
+        return model_shape(args.model)
     missing = [f for f in ("layers", "experts", "top_k") if getattr(args, f) is None]
     if missing:
         raise UserError("give --model, or --layers --experts --top-k (and --expert-mb)")

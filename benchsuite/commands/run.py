@@ -1,27 +1,29 @@
 """`benchsuite run matrix.yaml`: validate, plan, run (resumable), summarize, report.
 
-The library call is benchsuite.run.runner.run_plan; this module only parses flags, draws the
-progress (rich; nothing with --quiet) and the one-screen summary, and prints where the results
-and the HTML report are.
+The library call is benchsuite.run.runner.run_plan; this module only parses flags, checks what the
+plan needs from the machine (benchsuite.config.checklist), draws the progress
+(benchsuite.commands.run_progress) and the one-screen summary, and prints where the results and the
+HTML report are.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 import statistics
 from collections import defaultdict
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from benchsuite.commands.run_progress import ProgressEvents, params_text
+from benchsuite.config import checklist
 from benchsuite.config.matrix import MatrixError, load_matrix
 from benchsuite.config.model_checks import missing_model
-from benchsuite.config.plan import CellSpec, Plan, build_plan, format_plan, select
-from benchsuite.engines.base import SHORT_NAMES, ServerSpec
+from benchsuite.config.plan import Plan, build_plan, format_plan, select
 from benchsuite.errors import UserError
 from benchsuite.records import CellResult
 from benchsuite.results.manifest import Manifest
@@ -82,17 +84,18 @@ def main(args: argparse.Namespace) -> int:
         raise UserError(f"--request-timeout-s must be > 0, got {args.request_timeout_s:g}")
     if args.run_id is not None and not _RUN_ID_RE.match(args.run_id):
         raise UserError(f"--run-id {args.run_id!r}: use letters, digits, '.', '_' and '-' only")
-    plan = build_plan(load_matrix(args.matrix), run_id=args.run_id)
+    # a dry run shows a matrix meant for another machine: unset variables stay ${NAME} placeholders
+    plan = build_plan(load_matrix(args.matrix, placeholders=args.dry_run), run_id=args.run_id)
     if args.only:
         plan = select(plan, args.only)
     missing = missing_models(plan)
+    env = checklist.environment(plan)
     if args.dry_run:
         print(format_plan(plan))
-        for problem in missing:
-            print(f"warning: {problem} (a run would stop here)")
+        print("\n".join(dry_run_sections(plan, missing, env)))
         return 0
-    if missing:  # before the results directory exists
-        raise MatrixError("\n".join(missing))
+    if missing or any(line.check.missing for line in env):  # before the results directory exists
+        raise MatrixError("\n".join(stop_lines(plan, missing, env)))
     from benchsuite.run.runner import open_store  # the load path; a dry run never needs it
 
     console = Console(quiet=args.quiet, highlight=False)
@@ -113,7 +116,7 @@ def _run(args: argparse.Namespace, plan: Plan, store: RunStore, console: Console
         f"run {plan.run_id}: {len(plan.cells)} cells ({len(plan.cells) - todo} already done) -> {store.run_dir}"
     )
     try:
-        with _ProgressEvents(console, todo) as events:
+        with ProgressEvents(console, todo) as events:
             problems = asyncio.run(
                 run_plan(
                     plan,
@@ -139,6 +142,47 @@ def _run(args: argparse.Namespace, plan: Plan, store: RunStore, console: Console
     if failed:
         print(f"benchsuite: {failed} cells failed (reasons in cells.csv); rerun the same command to retry them")
     return 1 if failed or problems else report_status
+
+
+def stop_lines(plan: Plan, missing: list[str], env: list[checklist.EnvLine]) -> list[str]:
+    """Why a run cannot start, one line each; a matrix some of whose engines could run is refused
+    too (a partial run would look complete), with the `--only` that runs those."""
+    lines = [*missing, *(line.text().removeprefix("missing: ") for line in env if line.check.missing)]
+    runnable = checklist.runnable_without(plan, env)
+    if runnable and any(line.check.missing for line in env):
+        lines.append("the other engines can run alone: " + " ".join(f"--only {name}" for name in runnable))
+    return lines
+
+
+def dry_run_sections(plan: Plan, missing: list[str], env: list[checklist.EnvLine]) -> list[str]:
+    """After the plan: what this machine lacks and has, the matrix's inputs, the run's size and
+    duration, and the published figures it will be compared with."""
+    unresolved = list(plan.matrix.unresolved)
+    # a model option that is still a ${NAME} placeholder is listed once, as its unset variable
+    models = [line for line in missing if "${" not in line]
+    blocking = [*unresolved, *models, *(line.text().removeprefix("missing: ") for line in env if line.check.missing)]
+    out = ["", "checklist (a run stops at every line marked missing):"]
+    out += [f"  missing: {line}" for line in blocking]
+    out += [f"  {line.text()}" for line in env if not line.check.missing]
+    if not blocking and not env:
+        out.append("  nothing beyond this package is needed")
+    inputs = plan.matrix.matrix.inputs
+    if inputs:
+        out.append("inputs (environment variables):")
+        for name, what in inputs.items():
+            value = os.environ.get(name)
+            out.append(f"  {name}: {'set: ' + value if value else 'unset'}; {what}")
+    size = checklist.estimate(plan)
+    out.append(
+        f"size: {size.cells} cells, {size.requests:,} requests (warmups included), "
+        f"{size.output_tokens:,} output tokens"
+        + (f"; about {checklist.duration_text(size.seconds)} {size.basis}" if size.seconds is not None else "")
+    )
+    published = checklist.published_lines(plan)
+    if published:
+        out.append("")
+        out += published
+    return out
 
 
 def missing_models(plan: Plan) -> list[str]:
@@ -167,50 +211,6 @@ def _write_report(args: argparse.Namespace, run_dir: Path) -> int:
     return 0
 
 
-class _ProgressEvents:
-    """run_context.RunEvents drawn with rich: one bar over the cells, one line per finished cell."""
-
-    def __init__(self, console: Console, total_cells: int) -> None:
-        self._console = console
-        self._progress = Progress(
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            console=console, transient=True, disable=console.quiet,
-        )  # fmt: skip
-        self._task = self._progress.add_task("starting", total=total_cells)
-
-    def __enter__(self) -> _ProgressEvents:
-        self._progress.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._progress.stop()
-
-    def server_starting(self, spec: ServerSpec, cells: int) -> None:
-        self._progress.update(self._task, description=f"starting {spec.name} (server {spec.server_id})")
-
-    def cell_started(self, cell: CellSpec) -> None:
-        label = (
-            f"{cell.engine}{_params(cell.params)} {cell.workload}/{cell.prompt_class} "
-            f"c={cell.concurrency} r={cell.repeat}"
-        )
-        self._progress.update(self._task, description=label)
-
-    def cell_finished(self, cell: CellSpec, result: CellResult) -> None:
-        task = self._progress.tasks[0]
-        if task.total is not None and task.completed >= task.total:
-            self._progress.update(self._task, total=task.completed + 1)  # search cells were not counted up front
-        self._progress.advance(self._task)
-        detail = (
-            f"decode {_fmt(result.decode_tok_s_p50, '.1f')} tok/s"
-            if result.status != "failed"
-            else (result.reason or "").splitlines()[0]
-        )
-        self._console.print(
-            f"{result.status:7} {cell.engine}{_params(cell.params)} {cell.workload}/{cell.prompt_class} "
-            f"c={cell.concurrency} r={cell.repeat}  {detail}"
-        )
-
-
 def summary_table(plan: Plan, results: list[CellResult]) -> Table:
     """One row per server x workload x class x concurrency; medians over repeats. TTFT p50 in ms, decode tok/s
     p50 per stream, output tok/s of the cell, expert miss rate; K = resident_experts, N = n_cpu_moe."""
@@ -222,7 +222,7 @@ def summary_table(plan: Plan, results: list[CellResult]) -> Table:
 
     groups: dict[tuple[str, str, str, str, int], list[CellResult]] = defaultdict(list)
     for r in sorted(results, key=order):
-        groups[(r.engine, _params(r.params, short=True), r.workload, r.prompt_class, r.concurrency)].append(r)
+        groups[(r.engine, params_text(r.params, short=True), r.workload, r.prompt_class, r.concurrency)].append(r)
     rows = []
     for (engine, params, workload, prompt_class, concurrency), cells in groups.items():
         ok = [r for r in cells if r.status == "ok"]
@@ -266,8 +266,3 @@ def _median(values: list[float | None]) -> float | None:
 
 def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
-
-
-def _params(params: object, short: bool = False) -> str:
-    items = params.items() if isinstance(params, dict) else []
-    return "".join(f" {SHORT_NAMES.get(k, k) if short else k}={v}" for k, v in items)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 MAX_NESTING = 8  # `${A:-${B:-...}}` levels
@@ -50,6 +50,34 @@ def expand_env_refs(raw: Any, environ: Mapping[str, str] | None = None) -> tuple
     env = os.environ if environ is None else environ
     problems: list[tuple[Loc, str]] = []
     return _walk(raw, (), env, problems), problems
+
+
+def expand_with_placeholders(
+    raw: Any, environ: Mapping[str, str] | None = None
+) -> tuple[Any, list[tuple[Loc, str]], list[tuple[Loc, str]]]:
+    """What a dry run shows: (raw expanded, problems, unset). A variable that is unset or empty with no
+    default stays written `${NAME}` in the value (a placeholder the plan prints) and is listed in
+    `unset` with what to set; every other problem is as in expand_env_refs."""
+    env = _Placeholders(os.environ if environ is None else environ)
+    problems: list[tuple[Loc, str]] = []
+    return _walk(raw, (), env, problems), problems, env.unset
+
+
+class _Placeholders(Mapping[str, str]):
+    """The environment, plus the unset variables a reference without a default asked for."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self._env = env
+        self.unset: list[tuple[Loc, str]] = []
+
+    def __getitem__(self, name: str) -> str:
+        return self._env[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._env)
+
+    def __len__(self) -> int:
+        return len(self._env)
 
 
 def _walk(value: Any, loc: Loc, env: Mapping[str, str], problems: list[tuple[Loc, str]]) -> Any:
@@ -130,4 +158,7 @@ def _lookup(name: str, env: Mapping[str, str], loc: Loc) -> str:
     key = next((str(part) for part in reversed(loc) if isinstance(part, str)), "")
     hint = _HINTS.get(key) or _GENERIC_HINT.format(name=name)
     state = "is empty" if found == "" else "is not set"
+    if isinstance(env, _Placeholders):
+        env.unset.append((loc, f"environment variable {name} {state} ({hint})"))
+        return f"${{{name}}}"
     raise _Problem(f"environment variable {name} {state} ({hint})")

@@ -26,7 +26,7 @@ from typing import Any
 import pydantic
 
 from benchsuite.config.engine_env import recorded
-from benchsuite.config.env_refs import expand_env_refs
+from benchsuite.config.env_refs import expand_env_refs, expand_with_placeholders
 from benchsuite.config.problems import format_errors, yaml_path
 from benchsuite.config.schema import MAX_CELLS, MAX_NUMBER, MAX_RUN_REQUESTS, Matrix
 from benchsuite.config.sweeps import OptionSet, raw_engine_problems, resolve_options
@@ -45,6 +45,8 @@ class ValidatedMatrix:
     option_sets: Mapping[str, tuple[OptionSet, ...]]  # engine name -> its resolved combinations
     source: Path
     matrix_hash: str  # sha256 of the canonical JSON of the matrix (output_root excluded), hex
+    # what a dry run (load_matrix placeholders=True) left unresolved: unset variables, missing files
+    unresolved: tuple[str, ...] = ()
 
     def as_json(self) -> dict[str, Any]:
         """The matrix as the manifest records it: `env:` values of secret-looking names left out."""
@@ -54,10 +56,19 @@ class ValidatedMatrix:
         return dump
 
 
-def load_matrix(path: str | Path) -> ValidatedMatrix:
-    """Read, validate and resolve a matrix file; raises MatrixError naming every problem."""
+def load_matrix(path: str | Path, *, placeholders: bool = False) -> ValidatedMatrix:
+    """Read, validate and resolve a matrix file; raises MatrixError naming every problem.
+
+    `placeholders` (a dry run): an unset variable stays `${NAME}` in its value and a workload file
+    that does not exist is kept as written; both are listed in `ValidatedMatrix.unresolved` instead
+    of stopping the load, so the plan of a matrix meant for another machine can be read."""
     source = Path(path)
-    raw, env_problems = expand_env_refs(_read_yaml(source))
+    unresolved: list[str] = []
+    if placeholders:
+        raw, env_problems, unset = expand_with_placeholders(_read_yaml(source))
+        unresolved += [f"{yaml_path(loc)}: {problem}" for loc, problem in unset]
+    else:
+        raw, env_problems = expand_env_refs(_read_yaml(source))
     early = env_problems + _number_problems(raw, ())
     problems = [f"{source}: {yaml_path(loc)}: {problem}" for loc, problem in early]
     try:
@@ -82,13 +93,17 @@ def load_matrix(path: str | Path) -> ValidatedMatrix:
         if workload.path is not None:  # relative to the matrix file, checked before anything starts
             path = Path(workload.path).expanduser()
             path = path if path.is_absolute() else source.parent / path
+            if not path.is_file() and placeholders:
+                if "${" not in workload.path:  # an unset variable is listed once, as unset
+                    unresolved.append(f"workloads.{name}.path: no such file: {path}")
+                continue
             if not path.is_file():
                 problems.append(f"{source}: workloads.{name}.path: no such file: {path}")
             workloads[name] = workload.model_copy(update={"path": str(path)})
     if problems:
         raise MatrixError("\n".join(dict.fromkeys(problems)))
     matrix = matrix.model_copy(update={"workloads": workloads})
-    return ValidatedMatrix(matrix, option_sets, source, digest)
+    return ValidatedMatrix(matrix, option_sets, source, digest, tuple(unresolved))
 
 
 def _without_repeats(problems: list[str], source: Path, early: list[tuple[tuple[str | int, ...], str]]) -> list[str]:
@@ -101,9 +116,10 @@ def _without_repeats(problems: list[str], source: Path, early: list[tuple[tuple[
 
 
 def _matrix_hash(matrix: Matrix) -> str:
-    # output_root is where results go, linkbw a run-level probe, neither what a cell measures: both
-    # keep the run id. An empty `env:` is left out so matrices written before it existed keep theirs.
-    dump = matrix.model_dump(mode="json", exclude={"output_root", "linkbw"})
+    # output_root is where results go, linkbw a run-level probe, inputs words for a reader: none is
+    # what a cell measures, all keep the run id. An empty `env:` is left out so matrices written
+    # before it existed keep theirs.
+    dump = matrix.model_dump(mode="json", exclude={"output_root", "linkbw", "inputs"})
     for holder in (dump, *dump["engines"].values()):
         if not holder.get("env"):
             holder.pop("env", None)

@@ -1,12 +1,14 @@
 """Validation errors as the matrix's author reads them: one line per problem naming its YAML path.
 
 `format_errors` turns a pydantic ValidationError into lines such as
-`m.yaml: engines.paged.options.resident_experts[1]: must be >= 1`, with the allowed keys of an
-unknown key, the choices of a literal and the bound a number crossed; `yaml_path` spells a location.
+`m.yaml: engines.paged.options.resident_experts[1]: must be >= 1`, with the closest allowed key
+(difflib) and all the allowed keys of an unknown key, the choices of a literal and the bound a number
+crossed; `yaml_path` spells a location.
 """
 
 from __future__ import annotations
 
+import difflib
 import typing
 from collections.abc import Mapping
 from pathlib import Path
@@ -52,7 +54,11 @@ def _describe(err: Mapping[str, Any], model: type[BaseModel], loc: tuple[str | i
     kind, ctx = err["type"], err.get("ctx") or {}
     if kind == "extra_forbidden":
         allowed = _allowed_keys(model, loc[:-1])
-        return f"unknown key (allowed: {', '.join(allowed)})" if allowed else "unknown key"
+        if not allowed:
+            return "unknown key"
+        close = difflib.get_close_matches(str(loc[-1]), allowed, n=1, cutoff=0.6)
+        guess = f"; did you mean {close[0]}?" if close else ""
+        return f"unknown key{guess} (allowed: {', '.join(allowed)})"
     if kind == "missing":
         return "required"
     if kind == "string_pattern_mismatch":

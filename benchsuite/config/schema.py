@@ -158,6 +158,9 @@ class Matrix(_Strict):
     reference: ReferenceChoice | None = None
     canary: bool = False  # the leak canary on every server after its cells (manifest + report)
     env: dict[str, str] = Field(default_factory=dict)  # every engine's environment beyond what engines need
+    # VARIABLE -> what it must hold and how to get it (a checkpoint's hub id and size, a dataset's
+    # URL): a dry run prints it beside a variable that is unset. Not part of the run id.
+    inputs: dict[str, str] = Field(default_factory=dict)
 
     _text_env = field_validator("env", mode="before")(_env_vars)
     # measure the host->device link once per run before the first server (benchsuite linkbw; needs

@@ -35,6 +35,8 @@ the hooks directly; an adapter overrides the ones its engine has:
 - `async after_cells(session, spec, base_url, run_dir, requests)`: on the live server after its
   cells, before it stops (`requests()` builds the distinct LoadRequests its cells sent); the dict is
   merged into the manifest's server entry as its `facts` (e.g. SGLang's routing capture);
+- `environment(spec)`: what this machine has and lacks for the spec (a binary, a package, a CUDA
+  device), as `EnvCheck`s; checked at plan time, before a run writes anything, and listed by a dry run;
 - `vram_budget_bytes(spec)` and `projections(spec, settings)`: a search of an option against a
   memory budget (benchsuite.run.search; the searchable options are `SEARCH_KNOBS`); None: no search;
 - `recorded_model`, `recorded_expert_format`, `recorded_label_options`, `recorded_on_cpu`: what the
@@ -109,6 +111,27 @@ class Placement:
     resident_experts: int | None = None  # K: expert slots per layer on the GPU (paged modes)
     n_cpu_moe: int | None = None  # N: layers whose experts stay on the CPU (cpu-experts, llama.cpp)
     routing: str = "model"  # "model", or "synthetic:<spec>"; synthetic results say so everywhere
+
+
+@dataclass(frozen=True)
+class EnvCheck:
+    """One thing a server needs from this machine, as found: `missing` stops a run before anything
+    is written (`fix` is the command or setting that cures it); a present one is a checklist line."""
+
+    subject: str  # what is needed: "llama-server", "a CUDA device", "SGLang"
+    found: str  # what was found, in words: a path and build, or why it is missing
+    missing: bool = False
+    fix: str | None = None  # e.g. "run `benchsuite install llama-server`"
+
+
+def cuda_device_check(fix: str) -> EnvCheck:
+    """The CUDA device a spec needs, as this process's torch sees it (benchsuite.tools.cuda_device)."""
+    from benchsuite.tools.cuda_device import cuda_description, cuda_unavailable
+
+    why = cuda_unavailable()
+    if why is not None:
+        return EnvCheck("a CUDA device", why, missing=True, fix=fix)
+    return EnvCheck("a CUDA device", cuda_description())
 
 
 @dataclass(frozen=True)
@@ -383,6 +406,11 @@ class EngineAdapter(ABC):
     def recorded_on_cpu(self, options: Mapping[str, Any], has_gpu: bool) -> bool:
         """Whether a stored server ran its experts on the CPU, read from its recorded options."""
         return not has_gpu
+
+    def environment(self, spec: ServerSpec) -> list[EnvCheck]:
+        """What the spec needs from this machine (binaries, packages, devices), as found; cheap: no
+        server is started and no model is read. Empty: nothing beyond this package."""
+        return []
 
     def vram_budget_bytes(self, spec: ServerSpec) -> int | None:
         """The GPU memory budget a search fits its values into."""

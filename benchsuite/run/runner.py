@@ -200,7 +200,9 @@ async def execute(ctx: RunContext) -> list[str]:
         for task in ctx.plan.searches:
             try:
                 await run_search_task(ctx, task)
-            except RunError as exc:  # no value fits or every launch failed: the rest of the run stands
+            # no value fits, every launch failed, or the engine cannot run here (a library caller that
+            # skipped the plan-time checks): the rest of the run stands
+            except (RunError, EngineConfigError) as exc:
                 ctx.store.record_server(task.spec.server_id, search_error=str(exc))
                 problems.append(str(exc))
     finally:

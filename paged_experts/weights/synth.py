@@ -173,6 +173,14 @@ def preset_tokenizer(bpe_vocab_size: int) -> Tokenizer:
     return train_tokenizer(bpe_vocab_size)
 
 
+def special_ids(tok: Tokenizer) -> tuple[int, int]:
+    """(bos, eos): <|endoftext|> and <|im_end|>, which every trained tokenizer has (SPECIAL_TOKENS)."""
+    bos_id, eos_id = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
+    if bos_id is None or eos_id is None:
+        raise ValueError("the tokenizer lacks <|endoftext|> or <|im_end|>")
+    return bos_id, eos_id
+
+
 def _tokenizer_config(tok: Tokenizer) -> dict[str, object]:
     added = {
         str(tok.token_to_id(t)): {
@@ -338,7 +346,7 @@ def write_checkpoint(
         raise FileExistsError(f"{out} is not empty")
     tok = preset_tokenizer(p.bpe_vocab_size)
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
-    bos_id, eos_id = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
+    bos_id, eos_id = special_ids(tok)
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(tok), indent=2) + "\n")
     hf = hf_config_for(p, vocab_size, bos_id, eos_id)

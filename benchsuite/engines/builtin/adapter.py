@@ -33,11 +33,13 @@ from benchsuite.engines.base import (
     EngineConfigError,
     EngineOptions,
     EngineTraits,
+    EnvCheck,
     LaunchPlan,
     Placement,
     ServerSpec,
     SizedValues,
     TraceReplay,
+    cuda_device_check,
     options_of,
     searchable_count,
 )
@@ -226,6 +228,11 @@ class BuiltinAdapter(EngineAdapter):
             raise EngineConfigError(f"builtin model {opts.model!r}: no config.json in that directory")
         if opts.device == "cuda" and opts.mode == "cpu-experts" and opts.n_cpu_moe == 0:
             raise EngineConfigError("mode cpu-experts with n_cpu_moe 0 is mode resident; use that")
+
+    def environment(self, spec: ServerSpec) -> list[EnvCheck]:
+        if self._options(spec).device != "cuda":
+            return []
+        return [cuda_device_check("set `device: cpu` in their options, or run on a machine with a CUDA GPU")]
 
     def launch_plan(self, spec: ServerSpec, port: int) -> LaunchPlan:
         opts = self._options(spec)

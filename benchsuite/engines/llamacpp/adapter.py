@@ -35,6 +35,7 @@ from benchsuite.engines.base import (
     EngineConfigError,
     EngineOptions,
     EngineTraits,
+    EnvCheck,
     LaunchPlan,
     Placement,
     ServerSpec,
@@ -173,6 +174,31 @@ class LlamaCppAdapter(EngineAdapter):
             )
             raise EngineConfigError(f"llamacpp engine {spec.name}: {where}; run `benchsuite install llama-server`")
         return found
+
+    def environment(self, spec: ServerSpec) -> list[EnvCheck]:
+        """llama-server found (the matrix's `binary`, PATH, the build cache) and how it was built: a
+        CPU-only build runs every layer on the CPU whatever -ngl says (listed, not refused: the
+        tiny matrices run on CPU builds on purpose)."""
+        from benchsuite.engines.llamacpp.build import install_dir, read_stamp
+
+        opts = self._options(spec)
+        found = find_binary(BINARY_NAME, opts.binary)
+        if found is None:
+            where = (
+                f"{opts.binary} does not exist (engines.{spec.name}.options.binary)"
+                if opts.binary
+                else f"not on PATH nor in {install_dir(False).parent}"
+            )
+            fix = "run `benchsuite install llama-server` (add --cuda for a GPU build)"
+            if opts.binary:
+                fix = f"point engines.{spec.name}.options.binary at a llama-server, or remove it to use the build cache"
+            return [EnvCheck(BINARY_NAME, where, missing=True, fix=fix)]
+        stamp = read_stamp(found.parent)
+        if stamp is not None:
+            build = "CUDA build" if stamp.get("cuda") else "CPU-only build: no layer runs on a GPU"
+        else:
+            build = "GPU device listed" if has_gpu_device(found) else "no GPU device listed: every layer on the CPU"
+        return [EnvCheck(BINARY_NAME, f"{found} ({build})")]
 
     def model_path(self, spec: ServerSpec, *, export: bool = True) -> Path:
         """The GGUF file. An HF directory or `tiny` is exported into the cache on first use; with

@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -148,11 +149,23 @@ def binary_version(binary: Path) -> str:
     return (proc.stdout + proc.stderr).strip()
 
 
-def _run(cmd: list[str], log, env: dict[str, str] | None = None) -> None:
+def _run(cmd: list[str], log, env: dict[str, str] | None = None, on_line: Callable[[str], None] | None = None) -> None:
+    """Run `cmd` with its output in `log`; `on_line` also sees each output line as it comes (progress)."""
     print("+ " + " ".join(cmd), file=log, flush=True)
-    proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False, env=env)
-    if proc.returncode != 0:
-        raise RunError(f"command failed with status {proc.returncode}: {' '.join(cmd)}")
+    if on_line is None:
+        returncode = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False, env=env).returncode
+    else:
+        with subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace", env=env
+        ) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                log.write(line)
+                on_line(line)
+        returncode = proc.returncode
+        log.flush()
+    if returncode != 0:
+        raise RunError(f"command failed with status {returncode}: {' '.join(cmd)}")
 
 
 def fetch_source(log, sdist: Path | None = None) -> Path:
@@ -182,10 +195,17 @@ def cuda_build_env(cuda: bool) -> dict[str, str] | None:
 
 
 def build_llama_server(
-    cuda: bool, jobs: int | None, log, force: bool = False, sdist: Path | None = None
+    cuda: bool,
+    jobs: int | None,
+    log,
+    force: bool = False,
+    sdist: Path | None = None,
+    phase: Callable[[str], None] = lambda _: None,
+    on_line: Callable[[str], None] | None = None,
 ) -> BuildResult:
     """Build (or reuse) the binaries; `log` receives the CMake output. `sdist`: a local copy of
-    the pinned sdist (full or trimmed) instead of the download."""
+    the pinned sdist (full or trimmed) instead of the download. `phase` hears each step's name as
+    it starts, `on_line` every line the compiler prints (benchsuite.commands.install's progress)."""
     flags = build_flags(cuda)
     dest = install_dir(cuda)
     bin_dir = dest / "bin"
@@ -193,10 +213,12 @@ def build_llama_server(
     if not force and server.is_file() and read_stamp(bin_dir) == flags.to_json():
         return BuildResult(bin_dir, server, binary_version(server), True, 0.0, flags)
     started = time.perf_counter()
+    phase("source")
     src_dir = fetch_source(log, sdist)
     build_dir = dest / "build"
     env = cuda_build_env(cuda)
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    phase("configure")
     _run(
         [
             "cmake",
@@ -212,11 +234,8 @@ def build_llama_server(
     )
     targets = _available_targets(src_dir)
     jobs_n = jobs or os.cpu_count() or 1
-    _run(
-        ["cmake", "--build", str(build_dir), "--target", *targets, "-j", str(jobs_n)],
-        log,
-        env,
-    )
+    phase("compile")
+    _run(["cmake", "--build", str(build_dir), "--target", *targets, "-j", str(jobs_n)], log, env, on_line)
     bin_dir.mkdir(parents=True, exist_ok=True)
     for name in targets:
         built = build_dir / "bin" / name

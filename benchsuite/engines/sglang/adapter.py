@@ -13,6 +13,8 @@ SGLang needs a CUDA GPU; nothing in this project has run it, and no result here 
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -26,18 +28,20 @@ from benchsuite.engines.base import (
     EngineAdapter,
     EngineConfigError,
     EngineTraits,
+    EnvCheck,
     LaunchPlan,
     ServerSpec,
+    cuda_device_check,
     options_of,
 )
 from benchsuite.engines.sglang import constraints as sglang_constraints
 from benchsuite.engines.sglang import logs as sglang_logs
-from benchsuite.engines.sglang.options import SGLangOptions, expand_env
+from benchsuite.engines.sglang.options import SGLangOptions
 from benchsuite.records import LoadRequest
 from benchsuite.tools.scrape import scrape_prometheus
 from paged_experts.shape import ModelShape
 
-__all__ = ["SGLangAdapter", "SGLangOptions", "expand_env", "scrape_prometheus"]
+__all__ = ["SGLangAdapter", "SGLangOptions", "scrape_prometheus"]
 
 METRIC_PREFIX = "sglang:"  # observability/metrics_collector.py names every series sglang:*
 VERSION_PROBE_TIMEOUT_S = 120.0
@@ -80,6 +84,25 @@ class SGLangAdapter(EngineAdapter):
             problems += sglang_constraints.paged_problems(opts, facts)
         if problems:
             raise EngineConfigError(f"sglang {spec.name}: " + "; ".join(problems))
+
+    def environment(self, spec: ServerSpec) -> list[EnvCheck]:
+        """SGLang importable (in this interpreter, or the `python` option names an interpreter that
+        exists: asking it would start a process) and a CUDA device (SGLang needs one) as this
+        interpreter's torch sees it; with another interpreter, its torch decides at launch."""
+        opts = self._options(spec)
+        fix = 'pip install ".[sglang]" (SGLang 0.5.23), or set the `python` option to an interpreter that has it'
+        if opts.python is not None:
+            ok = os.access(Path(opts.python).expanduser(), os.X_OK)
+            found = f"interpreter {opts.python}" + ("" if ok else " does not exist")
+        else:
+            spec_found = importlib.util.find_spec("sglang")
+            ok = spec_found is not None
+            where = f"in {Path(spec_found.origin or '').parent}" if spec_found else None
+            found = where or f"not importable by {sys.executable}"
+        checks = [EnvCheck("SGLang", found, missing=not ok, fix=None if ok else fix)]
+        if opts.python is not None:
+            return checks
+        return [*checks, cuda_device_check("run SGLang on a machine with a CUDA GPU (it has no CPU path)")]
 
     def launch_plan(self, spec: ServerSpec, port: int) -> LaunchPlan:
         opts = self._options(spec)

@@ -6,7 +6,6 @@ The adapter (.adapter) turns these into a command line; .constraints checks them
 from __future__ import annotations
 
 import os
-import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -38,21 +37,6 @@ MOE_RUNNER_BACKEND_CHOICES = (
 KvCacheDtype = Literal["auto", "fp8_e5m2", "fp8_e4m3", "mxfp8", "bf16", "bfloat16", "nvfp4", "fp4_mx_block16"]
 GraphBackend = Literal["full", "breakable", "disabled"]  # model_executor/cuda_graph_config.py:40-48
 
-_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
-
-
-def expand_env(value: str) -> str:
-    """`${NAME}` -> the environment variable's value; ValueError naming what to set when unset."""
-
-    def sub(match: re.Match[str]) -> str:
-        name = match.group(1)
-        found = os.environ.get(name)
-        if not found:
-            raise ValueError(f"environment variable {name} is not set (export {name}=<path> before running)")
-        return found
-
-    return os.path.expanduser(_ENV_REF.sub(sub, value))
-
 
 def _choice(value: str | None, choices: tuple[str, ...], what: str) -> str | None:
     if value is not None and value not in choices:
@@ -63,7 +47,7 @@ def _choice(value: str | None, choices: tuple[str, ...], what: str) -> str | Non
 class SGLangOptions(EngineOptions):
     """`engines.<name>.options` for `kind: sglang` (one scalar per field after sweep expansion)."""
 
-    model_path: str  # local checkpoint directory (HF repo ids work for offload/unpaged); ${ENV} expanded
+    model_path: str  # local checkpoint directory (HF repo ids work for offload/unpaged); `~` expanded
     mode: Literal["paged", "offload", "unpaged"] = "paged"
     resident_experts: int | None = Field(None, ge=1)  # K, mode paged (required there, method.py:334)
     cpu_offload_gb: int | None = Field(None, ge=1)  # mode offload; an int in 0.5.23 (fields/exec_.py:1068)
@@ -91,10 +75,12 @@ class SGLangOptions(EngineOptions):
 
     _not_owned = field_validator("extra_args")(extra_args_check(extra_args_problems))
 
+    # `${VAR}` references were expanded when the matrix loaded (benchsuite.config.env_refs); a `${`
+    # left here is a literal one (`$${`) or a dry run's placeholder for an unset variable.
     @field_validator("model_path", "speculative_draft_model_path", "python", mode="before")
     @classmethod
     def _expand(cls, value: Any) -> Any:
-        return expand_env(value) if isinstance(value, str) else value
+        return os.path.expanduser(value) if isinstance(value, str) else value
 
     @field_validator("quantization")
     @classmethod

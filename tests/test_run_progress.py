@@ -1,0 +1,84 @@
+"""`benchsuite run`'s progress (benchsuite.commands.run_progress): cells done of the total, elapsed and
+time left from the cells measured so far, one line per finished cell when the output is a log, and a
+failed start shown by the log's last line rather than by a header."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from benchsuite.commands.run_progress import Eta, ProgressEvents, clock_text, outcome
+from benchsuite.config.plan import CellSpec
+from benchsuite.config.schema import Workload
+from benchsuite.records import CellResult
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_time_left_comes_from_the_cells_measured_so_far() -> None:
+    clock = FakeClock()
+    eta = Eta(total=10, clock=clock)
+    assert eta.text() == "0/10 cells, 0s"  # nothing measured: no estimate
+    eta.start()
+    clock.now += 30.0
+    eta.finish_one()
+    clock.now += 30.0
+    eta.finish_one()  # 2 cells in 60 s: 8 left at 30 s each
+    assert eta.left_s == 240.0
+    assert eta.text() == "2/10 cells, 1m00s, ~4m00s left"
+    for _ in range(9):  # a search adds cells as it goes: the total follows
+        eta.finish_one()
+    assert (eta.done, eta.total, eta.left_s) == (11, 11, 0.0)
+
+
+def test_clock_text() -> None:
+    assert [clock_text(s) for s in (9, 65, 3725)] == ["9s", "1m05s", "1h02m"]
+
+
+def _cell(repeat: int) -> CellSpec:
+    return CellSpec(f"c{repeat}", "s1", "paged", {"resident_experts": 8}, "chat", Workload(), "short", 1, repeat)
+
+
+def _result(cell: CellSpec, status: str = "ok", reason: str | None = None) -> CellResult:
+    return CellResult(
+        cell_id=cell.cell_id, run_id="r", engine=cell.engine, engine_kind="builtin", mode="paged",
+        server_id=cell.server_id, params=dict(cell.params),
+        workload=cell.workload, prompt_class=cell.prompt_class, concurrency=cell.concurrency, repeat=cell.repeat,
+        status=status, reason=reason, decode_tok_s_p50=123.45 if status == "ok" else None,
+    )  # fmt: skip
+
+
+def test_a_log_gets_one_line_per_cell_with_the_counter_and_time_left() -> None:
+    out = io.StringIO()
+    console = Console(file=out, width=200, force_terminal=False)  # a log: no live line
+    clock = FakeClock()
+    with ProgressEvents(console, 3, clock=clock) as events:
+        for repeat in range(2):
+            cell = _cell(repeat)
+            events.cell_started(cell)
+            clock.now += 20.0
+            events.cell_finished(cell, _result(cell))
+    lines = out.getvalue().splitlines()
+    assert lines == [
+        "[1/3 cells, 20s, ~40s left] ok      paged resident_experts=8 chat/short c=1 r=0  decode 123.5 tok/s",
+        "[2/3 cells, 40s, ~20s left] ok      paged resident_experts=8 chat/short c=1 r=1  decode 123.5 tok/s",
+    ]
+
+
+def test_a_server_that_died_at_start_shows_its_logs_last_line() -> None:
+    reason = (
+        "engine did not start: engine exited with code 1 while starting; log logs/s1.log, last lines:\n"
+        "Loading model\n"
+        "RuntimeError: Found no NVIDIA driver on your system.\n"
+    )
+    cell = _cell(0)
+    text = outcome(_result(cell, "failed", reason))
+    assert text.endswith("last lines: ... RuntimeError: Found no NVIDIA driver on your system.")
+    assert outcome(_result(cell, "failed", "one line")) == "one line"
