@@ -15,7 +15,8 @@ GEMV that wants the HBM bandwidth and nothing else:
   `_down_combine_vec` (tiles with pair_vector) is the same sum with the k pairs' tiles loaded at once.
 Pairs are not sorted or grouped: a pair's row r (expert in `[E, ...]`, slot in `[K, ...]`) is read
 directly. A pair's result depends only on its token's input and its row's weights, and a token's
-sum runs in a fixed order, so paged == resident bit for bit whenever both use these kernels.
+sum runs in a fixed order, so paged == resident bit for bit whenever both use these kernels with
+the same tiles (FP8's depend on the step's token count, the same in both).
 Two pairs of one step that share an expert each stream it (from L2 when close in time): that is
 why steps above MAX_PAIRS keep torch's grouped GEMM, which reads each routed expert once.
 
