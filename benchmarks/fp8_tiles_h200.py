@@ -1,4 +1,4 @@
-"""Tunes the block-FP8 decode expert kernels (moe_triton_fp8) per batch on a GPU and writes the tile
+"""Tunes the block-FP8 decode expert kernels (moe_triton's, scale path on) per batch on a GPU and writes the tile
 table the runtime reads (paged_experts/kernels/moe_tiles_fp8.json, `moe_tiles.fp8_tiles`).
 
 For each batch (tokens per decode step; moe_triton runs steps of at most MAX_PAIRS pairs), one MoE
@@ -42,7 +42,6 @@ from moe_kernels_h200 import time_graph  # noqa: E402
 from paged_experts import fp8  # noqa: E402
 from paged_experts.kernels import fused, moe_tiles, moe_triton  # noqa: E402
 from paged_experts.kernels.moe_tiles import TileConfig  # noqa: E402
-from paged_experts.kernels.moe_triton_fp8 import fp8_pairs  # noqa: E402
 from paged_experts.residency.store import ExpertTensors  # noqa: E402
 
 OLD_TILES = "gate_up=16x128x4,down=16x128x4"  # the kernels before the tile table (per-block partial dots)
@@ -98,14 +97,7 @@ class Layer:
 
     def fp8_op(self, routed: tuple[torch.Tensor, ...], tiles: dict[str, TileConfig]) -> Callable[[], torch.Tensor]:
         x, rows, w = routed
-        hid = x.new_empty(rows.numel(), self.i)  # [B*k, I]
-        out = x.new_empty(x.shape[0], self.h)  # [B, H]
-
-        def op() -> torch.Tensor:
-            fp8_pairs(x, rows, w, tuple(self.q), tuple(self.s), self.top_k, hid, out, tiles)
-            return out
-
-        return op
+        return lambda: moe_triton.moe_pairs(x, rows, w, *self.q, self.top_k, *self.s, tiles=tiles)
 
     def bf16_op(self, routed: tuple[torch.Tensor, ...]) -> Callable[[], torch.Tensor]:
         x, rows, w = routed

@@ -57,16 +57,11 @@ def check_kernels(device: str = "cpu", dtype: torch.dtype = torch.float32, tol: 
         if t > 1:  # token 1 reuses token 0's experts: a row serves several pairs
             rows[1] = rows[0]
         want = reference_moe(x, rows.reshape(-1), topw, gate, up, down, k)
-        saved = moe_tiles.CONFIGS["down"]
-        try:  # the down pass both ways: pairs one after another, and a token's pairs loaded together
-            moe_tiles.CONFIGS["down"] = replace(saved, pair_vector=True)
-            vec = moe_triton.moe_pairs(x, rows.reshape(-1), topw, gate, up, down, k)
-        finally:
-            moe_tiles.CONFIGS["down"] = replace(saved, pair_vector=False)
-        try:
-            got = moe_triton.moe_pairs(x, rows.reshape(-1), topw, gate, up, down, k)
-        finally:
-            moe_tiles.CONFIGS["down"] = saved
+        # the down pass both ways: pairs one after another, and a token's pairs loaded together
+        vec_tiles = {**moe_tiles.CONFIGS, "down": replace(moe_tiles.CONFIGS["down"], pair_vector=True)}
+        loop_tiles = {**moe_tiles.CONFIGS, "down": replace(moe_tiles.CONFIGS["down"], pair_vector=False)}
+        vec = moe_triton.moe_pairs(x, rows.reshape(-1), topw, gate, up, down, k, tiles=vec_tiles)
+        got = moe_triton.moe_pairs(x, rows.reshape(-1), topw, gate, up, down, k, tiles=loop_tiles)
         assert got.shape == (t, h) and got.dtype == dtype and vec.shape == got.shape
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * max(1.0, want.abs().max().item()))
         torch.testing.assert_close(vec.float(), want, rtol=tol, atol=tol * max(1.0, want.abs().max().item()))
@@ -91,7 +86,7 @@ def check_fp8_kernels(device: str = "cpu", dtype: torch.dtype = torch.float32, t
     table (paged) against the table in expert order (resident): the same bits."""
     from paged_experts import fp8
     from paged_experts.experts import route
-    from paged_experts.kernels import moe_tiles, moe_triton, moe_triton_fp8
+    from paged_experts.kernels import moe_tiles, moe_triton
 
     gen = torch.Generator().manual_seed(1)
     for t, e, k, h, i in FP8_CASES:
@@ -113,9 +108,7 @@ def check_fp8_kernels(device: str = "cpu", dtype: torch.dtype = torch.float32, t
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * max(1.0, want.abs().max().item()))
         for tiles in FP8_TILES:  # every kernel variant and steps spanning several scale blocks
             parsed = moe_tiles.parse_fp8_tiles(tiles)
-            hid = x.new_empty(t * k, i)  # [T*k, I]
-            out = x.new_empty(t, h)  # [T, H]
-            moe_triton_fp8.fp8_pairs(x, rows.reshape(-1), topw, tuple(weights), tuple(scales), k, hid, out, parsed)
+            out = moe_triton.moe_pairs(x, rows.reshape(-1), topw, *weights, k, *scales, tiles=parsed)
             torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol * max(1.0, want.abs().max().item()))
         perm = torch.randperm(e, generator=gen).to(device)
         slot_of = torch.argsort(perm)

@@ -1,9 +1,9 @@
-"""Tile sizes of the Triton MoE decode kernels (moe_triton, moe_triton_fp8), per kernel.
+"""Tile sizes of the Triton MoE decode kernels (moe_triton), per kernel and weight dtype.
 
 `CONFIGS` (bf16 / fp16 experts) holds the fastest batch-1 tiles measured on the H200 and takes a
 `PAGED_EXPERTS_MOE_TILES` override at import (`parse_tiles`; `tile_spec` writes one item back):
 `benchmarks/moe_kernels_h200.py` sweeps them on a GPU and prints the best as that value.
-FP8 experts (moe_triton_fp8) take their tiles per shape and batch from `moe_tiles_fp8.json` beside
+FP8 experts (the kernels' scale path) take their tiles per shape and batch from `moe_tiles_fp8.json` beside
 this module (`fp8_tiles`), which `benchmarks/fp8_tiles_h200.py` writes on a GPU; a shape or batch
 the table lacks gets `FP8_CONFIGS`, and `PAGED_EXPERTS_FP8_TILES` (the same syntax) overrides both.
 """

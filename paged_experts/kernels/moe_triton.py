@@ -15,14 +15,27 @@ GEMV that wants the HBM bandwidth and nothing else:
   `_down_combine_vec` (tiles with pair_vector) is the same sum with the k pairs' tiles loaded at once.
 Pairs are not sorted or grouped: a pair's row r (expert in `[E, ...]`, slot in `[K, ...]`) is read
 directly. A pair's result depends only on its token's input and its row's weights, and a token's
-sum runs in a fixed order, so paged == resident bit for bit whenever both use these kernels.
+sum runs in a fixed order, so paged == resident bit for bit whenever both use these kernels with
+the same tiles (FP8's depend on the step's token count, the same in both).
 Two pairs of one step that share an expert each stream it (from L2 when close in time): that is
 why steps above MAX_PAIRS keep torch's grouped GEMM, which reads each routed expert once.
 
-Block-FP8 experts run the same two passes in `moe_triton_fp8` (moe_pairs dispatches on the scales).
+Block-FP8 experts (fp8.py) run the same kernels with the scale path compiled in: `SCALED` is a
+constexpr, as `use_fp8_w8a8` is in the serving engines' fused-MoE kernels, so a bf16 step compiles
+exactly the code it did before the two were one (its scale pointers are None, never loaded): each
+`if SCALED` sits where the two old kernels differed, every operation in its old place, and
+tests/test_moe_triton_switch.py checks that both paths compile to the old kernels' PTX. Where
+the scales go: a tile's rows lie inside one 128-row scale block (block_n divides 128), so the scale
+of element (n, k) is the tile's `s[k // 128]`, a vector over k. Each step scales the activation
+vector by it (`x[k] * s[k // 128]`, fp32) and dots the FP8 row (exact in fp32) with that: one
+multiply per activation, not one per weight, no dequantized weight written, and block_k free of
+the 128-column scale blocks. Scaling each 128-column partial dot instead tied block_k to <= 128 and
+left the GPU waiting on small loads: 61.6 us per batch-1 layer on the H200 (613 GB/s), against
+16.4 us this way and 22.5 us for bf16 (benchmarks/results/h200/README.md).
 
 Selected with `RuntimeConfig(kernel_backend="triton")` (decode_h200 variant `triton`). Tile sizes are
-per kernel in `moe_tiles.CONFIGS`; `benchmarks/moe_kernels_h200.py` sweeps them on the GPU.
+per kernel and dtype: `moe_tiles.CONFIGS` (bf16, swept by `benchmarks/moe_kernels_h200.py`) and, for
+FP8, `moe_tiles.fp8_tiles` per shape and batch (the table `benchmarks/fp8_tiles_h200.py` writes).
 """
 
 from __future__ import annotations
@@ -35,9 +48,9 @@ try:
 except ImportError:  # pragma: no cover - the CPU torch wheel ships no Triton
     triton = None
 
-from paged_experts.kernels.moe_tiles import CONFIGS
-from paged_experts.kernels.moe_triton_fp8 import fp8_pairs
+from paged_experts.kernels.moe_tiles import CONFIGS, TileConfig, fp8_tiles
 
+QUANT_BLOCK = 128  # fp8.BLOCK: the scale block of FP8 weights
 MAX_PAIRS = 32
 """Steps of at most this many (token, expert) pairs (batch 4 at top-8) use the per-pair kernels;
 larger ones (prefill, big batches) keep the grouped GEMM."""
@@ -88,31 +101,44 @@ if triton is not None:
         rows,
         w_gate,
         w_up,
+        s_gate,
+        s_up,
         hid,
         TOP_K: tl.constexpr,
         INTER: tl.constexpr,
         H: tl.constexpr,
         BN: tl.constexpr,
         BK: tl.constexpr,
+        SCALED: tl.constexpr,
+        QB: tl.constexpr,
     ):
-        """x [T, H], rows [T*k] weight row per pair, w_gate/w_up [G, I, H] -> hid [T*k, I]."""
+        """x [T, H], rows [T*k] weight row per pair, w_gate/w_up [G, I, H] -> hid [T*k, I]. SCALED:
+        float8_e4m3fn weights with fp32 scales s_gate/s_up [G, I/QB, H/QB], BN dividing QB (the
+        tile's rows share one scale row); otherwise s_gate/s_up are None."""
         p = tl.program_id(0).to(tl.int64)
-        n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN]
+        n0 = tl.program_id(1) * BN
+        n = n0 + tl.arange(0, BN)  # [BN]
         n_ok = n < INTER
         r = tl.load(rows + p).to(tl.int64)
         x_row = x + (p // TOP_K) * H
         w_off = r * INTER * H + n[:, None].to(tl.int64) * H  # [BN, 1]
+        if SCALED:
+            sk: tl.constexpr = (H + QB - 1) // QB
+            s_row = r * ((INTER + QB - 1) // QB) * sk + (n0 // QB) * sk  # scalar: the tile's scale row
         acc_g = tl.zeros((BN,), dtype=tl.float32)
         acc_u = tl.zeros((BN,), dtype=tl.float32)
         for k0 in range(0, H, BK):
             k = k0 + tl.arange(0, BK)  # [BK]
             k_ok = k < H
-            xv = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]  # [1, BK]
+            xv = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
+            if SCALED:  # each column's weight scale, applied to the activation: x[k] * s[k // QB]
+                sg = tl.load(s_gate + s_row + k // QB, mask=k_ok, other=0.0)  # [BK]
+                su = tl.load(s_up + s_row + k // QB, mask=k_ok, other=0.0)  # [BK]
             ok = n_ok[:, None] & k_ok[None, :]
             wg = tl.load(w_gate + w_off + k[None, :], mask=ok, other=0.0).to(tl.float32)  # [BN, BK]
             wu = tl.load(w_up + w_off + k[None, :], mask=ok, other=0.0).to(tl.float32)  # [BN, BK]
-            acc_g += tl.sum(wg * xv, axis=1)
-            acc_u += tl.sum(wu * xv, axis=1)
+            acc_g += tl.sum(wg * (xv * sg if SCALED else xv)[None, :], axis=1)
+            acc_u += tl.sum(wu * (xv * su if SCALED else xv)[None, :], axis=1)
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up, fp32
         tl.store(hid + p * INTER + n, h.to(hid.dtype.element_ty), mask=n_ok)
 
@@ -122,30 +148,42 @@ if triton is not None:
         rows,
         topw,
         w_down,
+        s_down,
         out,
         TOP_K: tl.constexpr,
         INTER: tl.constexpr,
         H: tl.constexpr,
         BN: tl.constexpr,
         BK: tl.constexpr,
+        SCALED: tl.constexpr,
+        QB: tl.constexpr,
     ):
-        """hid [T*k, I], rows [T*k], topw [T*k] fp32, w_down [G, H, I] -> out [T, H] = sum_j w_j * down(h_j)."""
+        """hid [T*k, I], rows [T*k], topw [T*k] fp32, w_down [G, H, I] -> out [T, H] = sum_j w_j * down(h_j),
+        the pairs one after another. SCALED: float8_e4m3fn weights with fp32 scales s_down [G, H/QB, I/QB]."""
         t = tl.program_id(0).to(tl.int64)
-        n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN]
+        n0 = tl.program_id(1) * BN
+        n = n0 + tl.arange(0, BN)  # [BN]
         n_ok = n < H
+        si: tl.constexpr = (INTER + QB - 1) // QB  # scale blocks per row (used when SCALED)
         acc = tl.zeros((BN,), dtype=tl.float32)
         for j in tl.static_range(TOP_K):
             p = t * TOP_K + j
             r = tl.load(rows + p).to(tl.int64)
             wj = tl.load(topw + p).to(tl.float32)
             w_off = r * H * INTER + n[:, None].to(tl.int64) * INTER  # [BN, 1]
+            if SCALED:
+                s_row = r * ((H + QB - 1) // QB) * si + (n0 // QB) * si  # scalar: the tile's scale row
             part = tl.zeros((BN,), dtype=tl.float32)
             for k0 in range(0, INTER, BK):
                 k = k0 + tl.arange(0, BK)  # [BK]
                 k_ok = k < INTER
-                hv = tl.load(hid + p * INTER + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]  # [1, BK]
-                wd = tl.load(w_down + w_off + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                part += tl.sum(wd.to(tl.float32) * hv, axis=1)
+                hv = tl.load(hid + p * INTER + k, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
+                if SCALED:
+                    sd = tl.load(s_down + s_row + k // QB, mask=k_ok, other=0.0)  # [BK]
+                else:  # broadcast here, before the weight load, as the bf16 kernel always did
+                    hv = hv[None, :]  # [1, BK]
+                wd = tl.load(w_down + w_off + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
+                part += tl.sum(wd.to(tl.float32) * ((hv * sd)[None, :] if SCALED else hv), axis=1)
             acc += wj * part
         tl.store(out + t * H + n, acc.to(out.dtype.element_ty), mask=n_ok)
 
@@ -155,6 +193,7 @@ if triton is not None:
         rows,
         topw,
         w_down,
+        s_down,
         out,
         TOP_K: tl.constexpr,
         KB: tl.constexpr,
@@ -162,11 +201,14 @@ if triton is not None:
         H: tl.constexpr,
         BN: tl.constexpr,
         BK: tl.constexpr,
+        SCALED: tl.constexpr,
+        QB: tl.constexpr,
     ):
         """`_down_combine` with a token's k pairs loaded together: each step streams k weight tiles
         [KB, BN, BK] at once (k times the bytes in flight of the one-pair loop)."""
         t = tl.program_id(0).to(tl.int64)
-        n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN]
+        n0 = tl.program_id(1) * BN
+        n = n0 + tl.arange(0, BN)  # [BN]
         n_ok = n < H
         j = tl.arange(0, KB)  # [KB]
         j_ok = j < TOP_K
@@ -174,16 +216,21 @@ if triton is not None:
         r = tl.load(rows + p, mask=j_ok, other=0).to(tl.int64)  # [KB]
         wj = tl.load(topw + p, mask=j_ok, other=0.0).to(tl.float32)  # [KB]
         w_off = r[:, None, None] * H * INTER + n[None, :, None].to(tl.int64) * INTER  # [KB, BN, 1]
+        if SCALED:
+            si: tl.constexpr = (INTER + QB - 1) // QB
+            s_row = r * ((H + QB - 1) // QB) * si + (n0 // QB) * si  # [KB]: each pair's scale row
         acc = tl.zeros((KB, BN), dtype=tl.float32)
         for k0 in range(0, INTER, BK):
             k = k0 + tl.arange(0, BK)  # [BK]
             k_ok = k < INTER
-            hv = tl.load(
-                hid + p[:, None] * INTER + k[None, :], mask=j_ok[:, None] & k_ok[None, :], other=0.0
-            )  # [KB, BK]
+            jk = j_ok[:, None] & k_ok[None, :]  # [KB, BK]
+            hv = tl.load(hid + p[:, None] * INTER + k[None, :], mask=jk, other=0.0)  # [KB, BK]
+            if SCALED:  # bf16 converts hv at its use, FP8 here: each as before
+                hv = hv.to(tl.float32)
+                sd = tl.load(s_down + s_row[:, None] + k[None, :] // QB, mask=jk, other=0.0)  # [KB, BK]
             ok = j_ok[:, None, None] & n_ok[None, :, None] & k_ok[None, None, :]
             wd = tl.load(w_down + w_off + k[None, None, :], mask=ok, other=0.0)  # [KB, BN, BK]
-            acc += tl.sum(wd.to(tl.float32) * hv.to(tl.float32)[:, None, :], axis=2)
+            acc += tl.sum(wd.to(tl.float32) * (hv * sd if SCALED else hv.to(tl.float32))[:, None, :], axis=2)
         y = tl.sum(acc * wj[:, None], axis=0)  # [BN]: the k pairs, weighted, summed
         tl.store(out + t * H + n, y.to(out.dtype.element_ty), mask=n_ok)
 
@@ -213,6 +260,13 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch
     return ids, weights
 
 
+def check_tiles(tiles: dict[str, TileConfig]) -> None:
+    """FP8 tiles: a tile's rows must share one scale row, so block_n divides the 128-row scale block."""
+    for name, c in tiles.items():
+        if QUANT_BLOCK % c.block_n:
+            raise ValueError(f"FP8 {name} tiles: block_n {c.block_n} must divide the {QUANT_BLOCK}-row scale blocks")
+
+
 def moe_pairs(
     x: torch.Tensor,
     pair_rows: torch.Tensor,
@@ -224,65 +278,48 @@ def moe_pairs(
     gate_scale: torch.Tensor | None = None,
     up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
+    tiles: dict[str, TileConfig] | None = None,
 ) -> torch.Tensor:
     """The expert pass of a decode step: x [T, H], pair_rows [T*k] (row of gate/up [G, I, H],
     down [G, H, I]), topk_weights [T, k] -> [T, H] in x's dtype. FP8 weights come with their block
-    scales (gate/up [G, I/128, H/128], down [G, H/128, I/128])."""
+    scales (gate/up [G, I/128, H/128], down [G, H/128, I/128]). `tiles` (kernel -> TileConfig)
+    defaults to the dtype's table: moe_tiles.CONFIGS, or for FP8 moe_tiles.fp8_tiles at this shape and T."""
     _require()
     t, h = x.shape
     inter = gate.shape[1]
     out = x.new_empty(t, h)  # [T, H]
     if t == 0:
         return out
+    scaled = gate_scale is not None
+    if scaled:
+        assert up_scale is not None and down_scale is not None
+        tiles = tiles or fp8_tiles(h, inter, top_k, t)
+        check_tiles(tiles)
+    tiles = tiles or CONFIGS
     rows = pair_rows.reshape(-1).contiguous()  # [T*k]
     hid = x.new_empty(t * top_k, inter)  # [T*k, I]
-    if gate_scale is not None:
-        assert up_scale is not None and down_scale is not None
-        fp8_pairs(x, rows, topk_weights, (gate, up, down), (gate_scale, up_scale, down_scale), top_k, hid, out)
-        return out
-    cg, cd = CONFIGS["gate_up"], CONFIGS["down"]
+    shape = dict(INTER=inter, H=h, SCALED=scaled, QB=QUANT_BLOCK)
+    cg, cd = tiles["gate_up"], tiles["down"]
     _gate_up[(t * top_k, triton.cdiv(inter, cg.block_n))](
         x.contiguous(),
         rows,
         gate,
         up,
+        gate_scale,
+        up_scale,
         hid,
         TOP_K=top_k,
-        INTER=inter,
-        H=h,
         BN=cg.block_n,
         BK=cg.block_k,
         num_warps=cg.num_warps,
+        **shape,
     )
     topw = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*k]
     grid = (t, triton.cdiv(h, cd.block_n))
+    down_tiles = dict(BN=cd.block_n, BK=cd.block_k, num_warps=cd.num_warps, **shape)
     if cd.pair_vector:
-        _down_combine_vec[grid](
-            hid,
-            rows,
-            topw,
-            down,
-            out,
-            TOP_K=top_k,
-            KB=triton.next_power_of_2(top_k),
-            INTER=inter,
-            H=h,
-            BN=cd.block_n,
-            BK=cd.block_k,
-            num_warps=cd.num_warps,
-        )
+        kb = triton.next_power_of_2(top_k)
+        _down_combine_vec[grid](hid, rows, topw, down, down_scale, out, TOP_K=top_k, KB=kb, **down_tiles)
     else:
-        _down_combine[grid](
-            hid,
-            rows,
-            topw,
-            down,
-            out,
-            TOP_K=top_k,
-            INTER=inter,
-            H=h,
-            BN=cd.block_n,
-            BK=cd.block_k,
-            num_warps=cd.num_warps,
-        )
+        _down_combine[grid](hid, rows, topw, down, down_scale, out, TOP_K=top_k, **down_tiles)
     return out
