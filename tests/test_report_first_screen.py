@@ -4,13 +4,13 @@ the speed-against-device-memory figure with its budget line and frontier."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from report_rows import frames, row
 
-from benchsuite import stats
-from benchsuite.report import write_report
+from benchsuite.report import stats, write_report
 from benchsuite.report.first_screen import verdict_html, verdict_markdown
 from benchsuite.report.groups import Spread
 from benchsuite.report.headline import headline
@@ -67,6 +67,18 @@ def test_a_significant_winner_is_named_with_its_ratio_interval_and_the_budget() 
     page = verdict_html(found, {}, {"r1": 16 * GB})
     assert "<strong>tiny K=8</strong>" in page and 'data-significant="true"' in page
     assert "at a 16 GB budget" in page
+
+
+def test_an_answer_built_on_unverified_figures_says_so_in_the_sentence() -> None:
+    cells, groups = frames(_clear_win())
+    found = verdicts(groups, cells)
+    clean = headline(found, None)
+    note = "llama N=2 (1 of 3 cells): decode tok/s p50: ours 57.3, the engine's own timings 40.2 (+43%)"
+    flagged = [replace(v, yardstick=(note,)) if v.metric == "decode_tok_s_p50" else v for v in found]
+    (sentence,) = headline(flagged, None)
+    assert sentence == clean[0] + (
+        " Unverified: 1 figure behind it disagrees with the engine's own timings or went untimed (listed below)."
+    )
 
 
 def test_ttft_is_said_as_times_faster_or_slower() -> None:

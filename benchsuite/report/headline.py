@@ -5,7 +5,9 @@ table ("paged-fp8 K=40 decodes 1.34 x faster than llamacpp-16gb N=30 [1.33–1.3
 It reads the setup's verdicts (report.verdict): the single-stream decode verdict (the lowest
 concurrency measured when c=1 was not), then output tok/s at the highest concurrency. A mode is named
 faster only when it is a discovery against every other mode after the page's correction
-(`Verdict.significant`); the ratio quoted is against the runner-up, the closest other mode.
+(`Verdict.significant`); the ratio quoted is against the runner-up, the closest other mode. Where
+figures behind the verdict failed the cross-check against an engine's own timings or went untimed
+(`Verdict.yardstick`), the sentence says so at once: an answer never reads plainer than its table.
 """
 
 from __future__ import annotations
@@ -26,7 +28,21 @@ def _ratio(v: Verdict) -> tuple[str, str]:
     return f"{stats.times_text(e.ratio)} x", f"[{stats.times_text(e.low)}–{stats.times_text(e.high)}]"
 
 
+def _unverified(v: Verdict) -> str:
+    if not v.yardstick:
+        return ""
+    n = len(v.yardstick)
+    figures, disagree = ("figure", "disagrees") if n == 1 else ("figures", "disagree")
+    return (
+        f" Unverified: {n} {figures} behind it {disagree} with the engine's own timings or went untimed (listed below)."
+    )
+
+
 def _sentence(v: Verdict, budget_bytes: int | None, streams: str) -> str:
+    return _answer(v, budget_bytes, streams) + _unverified(v)
+
+
+def _answer(v: Verdict, budget_bytes: int | None, streams: str) -> str:
     runner_up = v.versus[0]
     if runner_up.estimate is None:
         return f"{streams}, too few repeats to name a faster mode: {runner_up.verdict()}."
