@@ -49,6 +49,7 @@ class ServerRecord(_Record):
     search_error: str | None = None
     canary: dict[str, Any] | None = None  # canary.CanaryReport.to_dict(), or {error}
     facts: dict[str, Any] = Field(default_factory=dict)  # the adapter's after_cells hook (SGLang: routing_trace)
+    node: str | None = None  # the Ray node it ran on (`run --ray`: a key of Manifest.nodes); None: `machine`
 
 
 class PlannedServer(_Record):
@@ -86,6 +87,9 @@ class Manifest(_Record):
     # what the cells depend on beyond the matrix text (benchsuite.fingerprint); a resume compares it
     fingerprint: dict[str, Any] | None = None
     link_bandwidth: dict[str, Any] | None = None  # the run's host->device probe (matrix `linkbw: true`)
+    # `run --ray`: node id -> that node's machine_facts() plus its hostname, address and source (`git`), as
+    # its first task found them; `machine` stays the driver's. Empty in a run without --ray.
+    nodes: dict[str, dict[str, Any]] = Field(default_factory=dict)
     planned: Planned = Field(default_factory=Planned)
     servers: dict[str, ServerRecord] = Field(default_factory=dict)
     invocations: list[Invocation] = Field(default_factory=list)

@@ -158,6 +158,9 @@ class CellResult:
     device_memory_method: str | None = None  # "nvml-per-process", or "nvml-device-delta" where pids are hidden
     # Engine-specific extras (parsed log facts, captured batch sizes, flags).
     extras: dict[str, Any] = field(default_factory=dict)
+    # The Ray node that measured the cell (`benchsuite run --ray`: its node id, the key of the manifest's
+    # `nodes`); None: the machine of the run's manifest (`machine`), as in every run without --ray.
+    node: str | None = None
 
     def to_row(self) -> dict[str, Any]:
         return asdict(self)

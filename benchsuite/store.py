@@ -275,6 +275,14 @@ class RunStore:
     def write_engine_metrics(self, cell_id: str, metrics: dict[str, Any]) -> None:
         self._write_json(self.engine_metrics_path(cell_id), metrics)
 
+    def write_server_file(self, relative: str, data: bytes) -> None:
+        """A file a server wrote on another machine (`run --ray`: a node's engine log or routing
+        trace), under its place in this run directory: `logs/` or `routing/` only."""
+        path = self.run_dir / relative
+        if path.parent.name not in ("logs", "routing") or path.parent.parent != self.run_dir:
+            raise RunError(f"{relative}: not a server file of a run directory (logs/ or routing/)")
+        self._write(path, data)
+
     def rebuild_tables(self) -> None:
         """cells.parquet, cells.csv and requests.parquet from every cells/<cell-id>.json."""
         cells, requests = [], []

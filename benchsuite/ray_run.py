@@ -1,0 +1,245 @@
+"""`benchsuite run matrix.yaml --ray [ADDRESS]`: the plan's servers spread over a Ray cluster, one store.
+
+Each server round of the plan (benchsuite.runner.server_rounds: a server with its unfinished cells, or
+one per repeat with `repeat_order: interleaved`) and each search becomes one Ray task
+(benchsuite.ray_task.measure_work) asking for one GPU where its engine runs on one
+(`EngineAdapter.needs_gpu`), else `cpus_per_server` CPUs (default: every CPU of the smallest node, so
+CPU engines never share a node's cores while they are measured). Ray places each task on a node with
+that free; a search stays one task, on one node. The driver holds the run's lock and is the store's
+only writer: it writes each message of a task as it arrives (`ray.wait` over the tasks' streaming
+generators), so a cell is stored the moment its node finished it; each node's machine facts go to the
+manifest's `nodes` (the driver's stay its `machine`), each server and cell names its node.
+
+Faults: a task that ends in an error (its node died, its worker crashed) fails the cells it had not
+sent, the reason naming the node and the error; a rerun of the same command measures them again
+(`store.finished`). Ctrl-C cancels every task (Ray raises KeyboardInterrupt in each: their servers stop
+as on a local Ctrl-C), writes what they still send while they stop, then re-raises. Nothing already
+stored is rewritten by a fault.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from benchsuite.cell_measure import cell_identity
+from benchsuite.engines import ADAPTERS
+from benchsuite.engines.base import ServerSpec
+from benchsuite.errors import UserError
+from benchsuite.plan import Plan
+from benchsuite.ray_task import (
+    CellStored,
+    CellUpdated,
+    EngineMetrics,
+    Message,
+    NodeFacts,
+    SearchFailed,
+    ServerFacts,
+    ServerFiles,
+    Timeouts,
+    Work,
+    measure_work,
+)
+from benchsuite.run_context import DEFAULT_CELL_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S, RunEvents, SilentEvents
+from benchsuite.runner import server_rounds
+from benchsuite.store import FINISHED_STATUSES, RunStore
+from benchsuite.stored_files import read_cells, read_manifest
+
+INSTALL_HINT = "`benchsuite run --ray` needs Ray on this machine and every node: pip install 'benchsuite[ray]'"
+_WAIT_S = 0.5  # ray.wait's timeout: how soon the driver's loop notices Ctrl-C
+STOP_GRACE_S = 60.0  # after Ctrl-C: how long cancelled tasks get to stop their servers and send what they have
+
+
+@dataclass
+class _Task:
+    """One submitted task as the driver tracks it."""
+
+    work: Work
+    node: str | None = None  # from its NodeFacts
+    host: str = ""
+    sent: set[str] = field(default_factory=set)  # cell ids it stored
+
+
+def run_on_ray(
+    plan: Plan,
+    store: RunStore,
+    events: RunEvents | None = None,
+    *,
+    address: str | None = None,
+    cell_timeout_s: float = DEFAULT_CELL_TIMEOUT_S,
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+    cpus_per_server: float | None = None,
+    notify: Callable[[str], None] | None = None,
+) -> list[str]:
+    """Run every unfinished cell of the plan on the Ray cluster at `address` (None: RAY_ADDRESS, the
+    cluster last started here, else a new local one) into `store`; returns the problems that produced
+    no cell (a search that found no value), as runner.run_plan does."""
+    ray = import_ray()
+    say = notify or (lambda line: print(line, file=sys.stderr))
+    connected_here = not ray.is_initialized()
+    if connected_here:
+        ray.init(address=address or None, log_to_driver=False, include_dashboard=False)
+    try:
+        if plan.matrix.matrix.linkbw:
+            say("benchsuite: linkbw: not measured under --ray (a link is one machine's); run `benchsuite linkbw` there")
+        driver = _Driver(plan, store, events or SilentEvents(), say)
+        timeouts = Timeouts(cell_timeout_s, request_timeout_s)
+        return driver.run(ray, timeouts, cpus_per_server or smallest_node_cpus(ray))
+    finally:
+        store.rebuild_tables()
+        if connected_here:
+            ray.shutdown()
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise UserError(INSTALL_HINT) from None
+    return ray
+
+
+def smallest_node_cpus(ray: Any) -> float:
+    """The CPUs of the smallest alive node that has any (the head of a test cluster may have none)."""
+    cpus = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")]
+    return min((c for c in cpus if c > 0), default=1.0)
+
+
+def task_resources(spec: ServerSpec, cpus_per_server: float) -> dict[str, float]:
+    """One GPU for a server whose engine runs on one (and a CPU for its load generator), else CPUs."""
+    if ADAPTERS[spec.kind].needs_gpu(spec):
+        return {"num_gpus": 1, "num_cpus": 1}
+    return {"num_cpus": cpus_per_server}
+
+
+class _Driver:
+    def __init__(self, plan: Plan, store: RunStore, events: RunEvents, say: Callable[[str], None]) -> None:
+        self.plan, self.store, self.events, self.say = plan, store, events, say
+        self.cells = {c.cell_id: c for c in plan.cells}
+        self.problems: list[str] = []
+        self.source = read_manifest(store.run_dir).git
+
+    def works(self) -> list[Work]:
+        out = []
+        for spec, cells in server_rounds(self.plan):
+            todo = tuple(c for c in cells if not self.store.finished(c.cell_id))
+            if todo:
+                out.append(Work(spec, todo))
+        stored = [r for r in read_cells(self.store.run_dir) if r.status in FINISHED_STATUSES]
+        for task in self.plan.searches:
+            mine = tuple(r for r in stored if r.engine == task.spec.name)
+            out.append(Work(task.spec, search=task, stored=mine))
+        return out
+
+    def run(self, ray: Any, timeouts: Timeouts, cpus_per_server: float) -> list[str]:
+        remote = ray.remote(measure_work)
+        plan_ref = ray.put(self.plan)
+        manifest_ref = ray.put(read_manifest(self.store.run_dir))
+        tasks: dict[Any, _Task] = {}
+        for work in self.works():
+            options = task_resources(work.spec, cpus_per_server)
+            # max_retries=0: a lost node fails its cells here, with a reason; a rerun measures them
+            gen = remote.options(**options, max_retries=0, name=f"benchsuite {work.spec.name}").remote(
+                plan_ref, manifest_ref, work, timeouts
+            )
+            tasks[gen] = _Task(work)
+            self.events.server_starting(work.spec, len(work.cells))
+        try:
+            self._drain(ray, tasks, deadline=None)
+        except KeyboardInterrupt:
+            for gen in tasks:
+                ray.cancel(gen)
+            self.say(f"benchsuite: interrupted; stopping {len(tasks)} Ray tasks and their servers")
+            self._drain(ray, tasks, deadline=time.monotonic() + STOP_GRACE_S, cancelled=True)
+            raise
+        return self.problems
+
+    def _drain(self, ray: Any, tasks: dict[Any, _Task], deadline: float | None, cancelled: bool = False) -> None:
+        """Write every message as it arrives until every task has ended (or the deadline passed)."""
+        while tasks and (deadline is None or time.monotonic() < deadline):
+            ready, _ = ray.wait(list(tasks), num_returns=1, timeout=_WAIT_S)
+            for gen in ready:
+                task = tasks[gen]
+                try:
+                    message = ray.get(next(gen))
+                except StopIteration:
+                    del tasks[gen]
+                    continue
+                except ray.exceptions.RayError as exc:
+                    del tasks[gen]
+                    if not cancelled:
+                        self._lost(task, exc)
+                    continue
+                self._write(task, message)
+
+    def _write(self, task: _Task, message: Message) -> None:
+        store = self.store
+        if isinstance(message, NodeFacts):
+            task.node, task.host = message.node, f"{message.hostname} ({message.address})"
+            self._record_node(message)
+        elif isinstance(message, ServerFacts):
+            store.record_server(message.server_id, **message.facts, node=task.node)
+        elif isinstance(message, EngineMetrics):
+            store.write_engine_metrics(message.cell_id, message.scrapes)
+        elif isinstance(message, CellStored):
+            store.write_cell(message.result, message.records)
+            task.sent.add(message.result.cell_id)
+            cell = self.cells.get(message.result.cell_id)
+            if cell is not None:  # a search's cells are not in the plan; the progress counts planned ones
+                self.events.cell_started(cell)
+                self.events.cell_finished(cell, message.result)
+        elif isinstance(message, CellUpdated):
+            store.update_cell(message.result)
+        elif isinstance(message, SearchFailed):
+            store.record_server(message.server_id, search_error=message.message)
+            self.problems.append(message.message)
+        elif isinstance(message, ServerFiles):
+            for relative, data in message.files.items():
+                store.write_server_file(relative, data)
+
+    def _record_node(self, message: NodeFacts) -> None:
+        manifest = read_manifest(self.store.run_dir)
+        if message.node in manifest.nodes:
+            return
+        facts = {"hostname": message.hostname, "address": message.address, **message.facts}
+        self.store.record_run(nodes={**manifest.nodes, message.node: facts})
+        theirs, mine = (message.facts.get("git") or {}).get("tree"), self.source.get("tree")
+        if theirs and mine and theirs != mine:
+            self.say(
+                f"benchsuite: node {message.hostname} ({message.address}) runs other benchsuite source than this "
+                f"driver (tree {theirs[:12]} vs {mine[:12]}); its cells are measured by that code"
+            )
+
+    def _lost(self, task: _Task, exc: Exception) -> None:
+        """A task that ended in an error: its unsent cells fail with the reason (a rerun measures them).
+        An exception raised by our code on the node (RayTaskError) is named by its cause; anything else
+        (the node died, its worker crashed, the object was lost) means the task was lost with its node."""
+        where = f"node {task.host} [{task.node[:12]}]" if task.node else "a node that never reported"
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, BaseException):
+            reason = f"Ray task failed on {where}: {_one_line(cause)}"
+        else:
+            reason = f"Ray task lost on {where}: {_one_line(exc)}"
+        self.say(f"benchsuite: {reason}")
+        work = task.work
+        if work.search is not None:
+            self.store.record_server(work.spec.server_id, search_error=reason)
+            self.problems.append(f"engine {work.spec.name}: {reason}")
+            return
+        for cell in work.cells:
+            if cell.cell_id in task.sent or self.store.finished(cell.cell_id):
+                continue
+            result = cell_identity(self.plan.run_id, work.spec, cell, task.node)
+            failed = dataclasses.replace(result, status="failed", reason=reason)
+            self.store.write_cell(failed, [])
+            self.events.cell_started(cell)
+            self.events.cell_finished(cell, failed)
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
