@@ -38,9 +38,9 @@ from benchsuite.plan import CellSpec, Plan, SearchTask
 from benchsuite.records import CellResult, RequestRecord
 from benchsuite.run_context import RunContext, SilentEvents
 from benchsuite.store import RunStore
+from benchsuite.stored_files import SERVER_FILE_DIRS
 
 _HEARTBEAT_S = 0.2  # how soon a cancelled task notices its KeyboardInterrupt while it waits on sockets
-_SHIPPED_DIRS = ("logs", "routing")  # the files servers write beside the store's own (RunStore.write_server_file)
 
 
 @dataclass(frozen=True)
@@ -268,7 +268,7 @@ def _unwind(loop: asyncio.AbstractEventLoop, step: asyncio.Task[bool], steps: As
 
 def _server_files(run_dir: Path) -> dict[str, bytes]:
     files = {}
-    for sub in _SHIPPED_DIRS:
+    for sub in SERVER_FILE_DIRS:  # shipped back whole (RunStore.write_server_file)
         for path in sorted((run_dir / sub).glob("*")):
             if path.is_file():
                 files[f"{sub}/{path.name}"] = path.read_bytes()

@@ -53,6 +53,7 @@ from benchsuite.manifest import Invocation, Manifest
 from benchsuite.records import SCHEMA_VERSION, CellResult, RequestRecord
 from benchsuite.runlock import RunLock
 from benchsuite.stored_files import (
+    SERVER_FILE_DIRS,
     DamagedFile,
     cell_payloads,
     not_a_run_dir,
@@ -279,8 +280,8 @@ class RunStore:
         """A file a server wrote on another machine (`run --ray`: a node's engine log or routing
         trace), under its place in this run directory: `logs/` or `routing/` only."""
         path = self.run_dir / relative
-        if path.parent.name not in ("logs", "routing") or path.parent.parent != self.run_dir:
-            raise RunError(f"{relative}: not a server file of a run directory (logs/ or routing/)")
+        if path.parent.name not in SERVER_FILE_DIRS or path.parent.parent != self.run_dir:
+            raise RunError(f"{relative}: not a server file of a run directory ({', '.join(SERVER_FILE_DIRS)})")
         self._write(path, data)
 
     def rebuild_tables(self) -> None:
