@@ -19,7 +19,9 @@ the manifest is benchsuite.manifest.Manifest. Version 1 is read through benchsui
 3: TTFT, decode tok/s, TPOT and ITL are timed on the token timeline (every chunk that carries a token
 count, text or not; benchsuite.metrics), no longer by text chunks alone. Version 2 is read as it is
 (its fields are a subset), reported with the caveat that its figures were timed by text chunks
-(TEXT_CHUNK_VERSIONS), and never resumed."""
+(TEXT_CHUNK_VERSIONS), and never resumed.
+A field added with a default that means what files without it meant needs no bump: `CellResult.node`
+(None: measured on the manifest's `machine`, as every cell before `run --ray` was)."""
 
 TEXT_CHUNK_VERSIONS = (1, 2)
 """Schema versions whose stored TTFT and decode figures were timed by text chunks: biased where tokens carry

@@ -1,0 +1,77 @@
+"""The parts of `benchsuite run --ray` that need no cluster: the flags, the resources a server asks
+for, the missing-Ray hint, and a task on a node without the model's path (one line, every cell failed)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from benchsuite import ray_task
+from benchsuite.cli import main
+from benchsuite.errors import UserError
+from benchsuite.matrix import load_matrix
+from benchsuite.plan import build_plan
+from benchsuite.ray_run import import_ray, task_resources
+from benchsuite.ray_task import CellStored, NodeFacts, ServerFiles, Timeouts, Work, measure_work
+from benchsuite.runner import open_store, server_rounds
+from benchsuite.stored_files import read_manifest
+
+
+def _matrix(tmp_path: Path, model: str, device: str = "cpu") -> Path:
+    body = {
+        "name": "rayparts",
+        "output_root": str(tmp_path / "results"),
+        "engines": {"paged": {"kind": "builtin", "options": {"model": model, "mode": "resident", "device": device}}},
+        "workloads": {"w": {"dataset": "bundled", "prompt_classes": ["short"], "output_tokens": 4,
+                            "concurrency": [1, 2], "num_requests": 2}},
+    }  # fmt: skip
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump(body))
+    return path
+
+
+def test_a_cpu_engine_asks_for_cpus_and_a_cuda_one_for_a_gpu(tmp_path: Path) -> None:
+    (cpu,) = build_plan(load_matrix(_matrix(tmp_path, "tiny"))).servers
+    (cuda,) = build_plan(load_matrix(_matrix(tmp_path, "tiny", device="cuda"))).servers
+    assert task_resources(cpu, 16.0) == {"num_cpus": 16.0}
+    assert task_resources(cuda, 16.0) == {"num_gpus": 1, "num_cpus": 1}
+
+
+def test_flags_are_checked_and_a_missing_ray_is_one_line_with_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    matrix = str(_matrix(tmp_path, "tiny"))
+    assert main(["run", matrix, "--ray-cpus", "2"]) == UserError.exit_code
+    assert main(["run", matrix, "--ray", "--ray-cpus", "0"]) == UserError.exit_code
+    assert capsys.readouterr().err.splitlines() == [
+        "benchsuite: error: --ray-cpus is for --ray runs",
+        "benchsuite: error: --ray-cpus must be > 0, got 0",
+    ]
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    with pytest.raises(UserError, match=r"pip install 'benchsuite\[ray\]'"):
+        import_ray()
+
+
+def test_a_node_without_the_model_path_fails_every_cell_in_one_line_naming_the_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    missing = tmp_path / "not-on-this-node"
+    plan = build_plan(load_matrix(_matrix(tmp_path, str(missing))))
+    facts = NodeFacts("n" * 56, "gpu-7", "10.0.0.7", {})
+    monkeypatch.setattr(ray_task, "node_facts", lambda: facts)  # outside a Ray worker
+    store = open_store(plan)
+    try:
+        ((spec, cells),) = server_rounds(plan)
+        messages = list(measure_work(plan, read_manifest(store.run_dir), Work(spec, cells), Timeouts(60.0, 60.0)))
+    finally:
+        store.close()
+    assert messages[0] == facts and isinstance(messages[-1], ServerFiles)
+    stored = [m.result for m in messages if isinstance(m, CellStored)]
+    assert sorted(r.cell_id for r in stored) == sorted(c.cell_id for c in cells)
+    for result in stored:
+        assert result.status == "failed" and result.node == facts.node
+        assert str(missing) in (result.reason or "") and "on node gpu-7 (10.0.0.7)" in (result.reason or "")
+        assert "\n" not in (result.reason or "")
