@@ -29,14 +29,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchsuite import device_memory
+from benchsuite import device_memory, search
 from benchsuite.cell_measure import failed_result
 from benchsuite.engines.base import ServerSpec
 from benchsuite.errors import RunError
+from benchsuite.machine import git_facts, machine_facts
 from benchsuite.manifest import Manifest
+from benchsuite.model_checks import missing_model
 from benchsuite.plan import CellSpec, Plan, SearchTask
 from benchsuite.records import CellResult, RequestRecord
 from benchsuite.run_context import RunContext, SilentEvents
+from benchsuite.runner import client_session, search_cells, server_cells
 from benchsuite.store import RunStore
 from benchsuite.stored_files import SERVER_FILE_DIRS
 
@@ -160,9 +163,7 @@ def measure_work(plan: Plan, manifest: Manifest, work: Work, timeouts: Timeouts)
 
 
 def node_facts() -> NodeFacts:
-    import ray
-
-    from benchsuite.machine import git_facts, machine_facts
+    import ray  # only inside a Ray worker: the rest of this module runs without Ray (tests/test_ray_parts.py)
 
     return NodeFacts(
         node=ray.get_runtime_context().get_node_id(),
@@ -175,9 +176,6 @@ def node_facts() -> NodeFacts:
 async def _measure(
     plan: Plan, store: NodeStore, work: Work, timeouts: Timeouts, node: NodeFacts
 ) -> AsyncIterator[None]:
-    from benchsuite import search
-    from benchsuite.runner import client_session, search_cells, server_cells
-
     missing = _missing_model(work, node)
     reader = device_memory.open_reader()
     try:
@@ -203,8 +201,6 @@ async def _measure(
 
 def _missing_model(work: Work, node: NodeFacts) -> str | None:
     """One line when the server's model path does not exist on this node (model paths are per node)."""
-    from benchsuite.model_checks import missing_model
-
     found = missing_model(work.spec.options)
     if found is None:
         return None
