@@ -55,7 +55,7 @@ STOP_GRACE_S = 60.0  # after Ctrl-C: how long cancelled tasks get to stop their 
 
 
 @dataclass
-class _Task:
+class Submitted:
     """One submitted task as the driver tracks it."""
 
     work: Work
@@ -86,7 +86,7 @@ def run_on_ray(
     try:
         if plan.matrix.matrix.linkbw:
             say("benchsuite: linkbw: not measured under --ray (a link is one machine's); run `benchsuite linkbw` there")
-        driver = _Driver(plan, store, events or SilentEvents(), say)
+        driver = Driver(plan, store, events or SilentEvents(), say)
         timeouts = Timeouts(cell_timeout_s, request_timeout_s)
         return driver.run(ray, timeouts, cpus_per_server or smallest_node_cpus(ray))
     finally:
@@ -116,7 +116,9 @@ def task_resources(spec: ServerSpec, cpus_per_server: float) -> dict[str, float]
     return {"num_cpus": cpus_per_server}
 
 
-class _Driver:
+class Driver:
+    """The driver's side of the tasks: what they are, and each message they send written into the store."""
+
     def __init__(self, plan: Plan, store: RunStore, events: RunEvents, say: Callable[[str], None]) -> None:
         self.plan, self.store, self.events, self.say = plan, store, events, say
         self.cells = {c.cell_id: c for c in plan.cells}
@@ -139,14 +141,14 @@ class _Driver:
         remote = ray.remote(measure_work)
         plan_ref = ray.put(self.plan)
         manifest_ref = ray.put(read_manifest(self.store.run_dir))
-        tasks: dict[Any, _Task] = {}
+        tasks: dict[Any, Submitted] = {}
         for work in self.works():
             options = task_resources(work.spec, cpus_per_server)
             # max_retries=0: a lost node fails its cells here, with a reason; a rerun measures them
             gen = remote.options(**options, max_retries=0, name=f"benchsuite {work.spec.name}").remote(
                 plan_ref, manifest_ref, work, timeouts
             )
-            tasks[gen] = _Task(work)
+            tasks[gen] = Submitted(work)
             self.events.server_starting(work.spec, len(work.cells))
         try:
             self._drain(ray, tasks, deadline=None)
@@ -158,7 +160,7 @@ class _Driver:
             raise
         return self.problems
 
-    def _drain(self, ray: Any, tasks: dict[Any, _Task], deadline: float | None, cancelled: bool = False) -> None:
+    def _drain(self, ray: Any, tasks: dict[Any, Submitted], deadline: float | None, cancelled: bool = False) -> None:
         """Write every message as it arrives until every task has ended (or the deadline passed)."""
         while tasks and (deadline is None or time.monotonic() < deadline):
             ready, _ = ray.wait(list(tasks), num_returns=1, timeout=_WAIT_S)
@@ -174,9 +176,10 @@ class _Driver:
                     if not cancelled:
                         self._lost(task, exc)
                     continue
-                self._write(task, message)
+                self.write(task, message)
 
-    def _write(self, task: _Task, message: Message) -> None:
+    def write(self, task: Submitted, message: Message) -> None:
+        """One message of a task into the store (the only writer of the run)."""
         store = self.store
         if isinstance(message, NodeFacts):
             task.node, task.host = message.node, f"{message.hostname} ({message.address})"
@@ -214,7 +217,7 @@ class _Driver:
                 f"driver (tree {theirs[:12]} vs {mine[:12]}); its cells are measured by that code"
             )
 
-    def _lost(self, task: _Task, exc: Exception) -> None:
+    def _lost(self, task: Submitted, exc: Exception) -> None:
         """A task that ended in an error: its unsent cells fail with the reason (a rerun measures them).
         An exception raised by our code on the node (RayTaskError) is named by its cause; anything else
         (the node died, its worker crashed, the object was lost) means the task was lost with its node."""

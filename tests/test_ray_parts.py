@@ -11,13 +11,15 @@ import yaml
 
 from benchsuite import ray_task
 from benchsuite.cli import main
+from benchsuite.commands.run import search_lines
 from benchsuite.errors import UserError
 from benchsuite.matrix import load_matrix
 from benchsuite.plan import build_plan
-from benchsuite.ray_run import import_ray, task_resources
+from benchsuite.ray_run import Driver, Submitted, import_ray, task_resources
 from benchsuite.ray_task import CellStored, NodeFacts, ServerFiles, Timeouts, Work, measure_work
+from benchsuite.run_context import SilentEvents
 from benchsuite.runner import open_store, server_rounds
-from benchsuite.stored_files import read_manifest
+from benchsuite.stored_files import read_cells, read_manifest
 
 
 def _matrix(tmp_path: Path, model: str, device: str = "cpu") -> Path:
@@ -75,3 +77,42 @@ def test_a_node_without_the_model_path_fails_every_cell_in_one_line_naming_the_n
         assert result.status == "failed" and result.node == facts.node
         assert str(missing) in (result.reason or "") and "on node gpu-7 (10.0.0.7)" in (result.reason or "")
         assert "\n" not in (result.reason or "")
+
+
+@pytest.mark.slow
+def test_a_search_runs_as_one_task_and_its_messages_make_the_store_a_local_search_makes(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The K search on the real built-in server, as a Ray task runs it (its body in this process) and
+    the driver writes its messages: the candidates and the chosen K's cells stored, all on the node."""
+    body = yaml.safe_load(_matrix(tmp_path, str(tiny_model_dir)).read_text())
+    body["engines"]["paged"]["options"].update(mode="paged", resident_experts="search", vram_budget_gb=16.0)
+    body["workloads"]["w"]["concurrency"] = [1]
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(body))
+    plan = build_plan(load_matrix(tmp_path / "m.yaml"))
+    (task,) = plan.searches
+    facts = NodeFacts("s" * 56, "gpu-3", "10.0.0.3", {"cpu_model": "test"})
+    monkeypatch.setattr(ray_task, "node_facts", lambda: facts)
+    store = open_store(plan)
+    try:
+        driver = Driver(plan, store, SilentEvents(), say=lambda line: None)
+        (work,) = driver.works()
+        assert work.search == task and work.cells == ()
+        submitted = Submitted(work)
+        for message in measure_work(plan, read_manifest(store.run_dir), work, Timeouts(120.0, 60.0)):
+            driver.write(submitted, message)
+        store.rebuild_tables()
+    finally:
+        store.close()
+    assert driver.problems == []
+    manifest = read_manifest(store.run_dir)
+    assert manifest.nodes == {facts.node: {"hostname": "gpu-3", "address": "10.0.0.3", "cpu_model": "test"}}
+    searched = manifest.servers[task.spec.server_id].search or {}
+    assert searched["best_n"] is not None and searched["candidates"]
+    assert search_lines(manifest)  # the CLI's summary of the search reads it as it reads a local one
+    cells = read_cells(store.run_dir)
+    chosen = [c for c in cells if "search_n" not in c.params]
+    assert [c.resident_experts for c in chosen] == [searched["best_n"]] and chosen[0].status == "ok"
+    assert all(c.node == facts.node for c in cells)
+    assert all(s.node == facts.node for s in manifest.servers.values())
+    assert all((store.run_dir / s.log).is_file() for s in manifest.servers.values() if s.log)
