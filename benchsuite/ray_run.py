@@ -51,6 +51,10 @@ from benchsuite.stored_files import read_cells, read_manifest
 
 INSTALL_HINT = "`benchsuite run --ray` needs Ray on this machine and every node: pip install 'benchsuite[ray]'"
 _WAIT_S = 0.5  # ray.wait's timeout: how soon the driver's loop notices Ctrl-C
+UNPLACEABLE_S = 60.0  # a task no alive node can hold fails after this long (see Driver.fail_unplaceable)
+_PLACE_CHECK_S = 5.0  # how often the driver asks Ray which nodes are alive
+_RAY_NAMES = {"num_gpus": "GPU", "num_cpus": "CPU"}  # task options -> node resource names
+_LONG_LINE = 160
 STOP_GRACE_S = 60.0  # after Ctrl-C: how long cancelled tasks get to stop their servers and send what they have
 
 
@@ -59,9 +63,11 @@ class Submitted:
     """One submitted task as the driver tracks it."""
 
     work: Work
+    resources: dict[str, float] = field(default_factory=dict)  # Ray's names: {"GPU": 1, "CPU": 1}
     node: str | None = None  # from its NodeFacts
     host: str = ""
     sent: set[str] = field(default_factory=set)  # cell ids it stored
+    unplaceable_since: float | None = None  # when no alive node could hold it (monotonic s)
 
 
 def run_on_ray(
@@ -148,7 +154,7 @@ class Driver:
             gen = remote.options(**options, max_retries=0, name=f"benchsuite {work.spec.name}").remote(
                 plan_ref, manifest_ref, work, timeouts
             )
-            tasks[gen] = Submitted(work)
+            tasks[gen] = Submitted(work, {_RAY_NAMES[k]: v for k, v in options.items()})
             self.events.server_starting(work.spec, len(work.cells))
         try:
             self._drain(ray, tasks, deadline=None)
@@ -162,7 +168,11 @@ class Driver:
 
     def _drain(self, ray: Any, tasks: dict[Any, Submitted], deadline: float | None, cancelled: bool = False) -> None:
         """Write every message as it arrives until every task has ended (or the deadline passed)."""
+        checked = time.monotonic()
         while tasks and (deadline is None or time.monotonic() < deadline):
+            if not cancelled and time.monotonic() - checked >= _PLACE_CHECK_S:
+                checked = time.monotonic()
+                self.fail_unplaceable(ray, tasks, checked)
             ready, _ = ray.wait(list(tasks), num_returns=1, timeout=_WAIT_S)
             for gen in ready:
                 task = tasks[gen]
@@ -217,6 +227,23 @@ class Driver:
                 f"driver (tree {theirs[:12]} vs {mine[:12]}); its cells are measured by that code"
             )
 
+    def fail_unplaceable(self, ray: Any, tasks: dict[Any, Submitted], now: float) -> None:
+        """Tasks not started that no alive node can hold (a GPU server on a cluster without GPUs, the only
+        node with GPUs gone) fail after UNPLACEABLE_S: Ray would keep them pending for ever, in case an
+        autoscaler adds a node, which that wait leaves time for."""
+        alive = [n.get("Resources") or {} for n in ray.nodes() if n.get("Alive")]
+        for gen, task in list(tasks.items()):
+            if task.node is not None or any(all(r.get(k, 0.0) >= v for k, v in task.resources.items()) for r in alive):
+                task.unplaceable_since = None
+                continue
+            task.unplaceable_since = task.unplaceable_since or now
+            if now - task.unplaceable_since < UNPLACEABLE_S:
+                continue
+            ray.cancel(gen)
+            del tasks[gen]
+            want = ", ".join(f"{v:g} {k}" for k, v in task.resources.items())
+            self._fail(task, f"no alive node of the Ray cluster has {want} (waited {UNPLACEABLE_S:g} s)")
+
     def _lost(self, task: Submitted, exc: Exception) -> None:
         """A task that ended in an error: its unsent cells fail with the reason (a rerun measures them).
         An exception raised by our code on the node (RayTaskError) is named by its cause; anything else
@@ -224,9 +251,11 @@ class Driver:
         where = f"node {task.host} [{task.node[:12]}]" if task.node else "a node that never reported"
         cause = getattr(exc, "cause", None)
         if isinstance(cause, BaseException):
-            reason = f"Ray task failed on {where}: {_one_line(cause)}"
+            self._fail(task, f"Ray task failed on {where}: {_one_line(cause)}")
         else:
-            reason = f"Ray task lost on {where}: {_one_line(exc)}"
+            self._fail(task, f"Ray task lost on {where}: {_one_line(exc)}")
+
+    def _fail(self, task: Submitted, reason: str) -> None:
         self.say(f"benchsuite: {reason}")
         work = task.work
         if work.search is not None:
@@ -244,5 +273,12 @@ class Driver:
 
 
 def _one_line(exc: BaseException) -> str:
+    """The exception's type and first line, cut at its first sentence when long (Ray's node errors go
+    on with advice on finding the node's logs)."""
     lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    if not lines:
+        return type(exc).__name__
+    first = lines[0]
+    if len(first) > _LONG_LINE and ". " in first:
+        first = first.split(". ", 1)[0]
+    return f"{type(exc).__name__}: {first}"

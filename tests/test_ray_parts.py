@@ -116,3 +116,42 @@ def test_a_search_runs_as_one_task_and_its_messages_make_the_store_a_local_searc
     assert all(c.node == facts.node for c in cells)
     assert all(s.node == facts.node for s in manifest.servers.values())
     assert all((store.run_dir / s.log).is_file() for s in manifest.servers.values() if s.log)
+
+
+class _CpuOnlyCluster:
+    """What the driver asks of Ray to place a task: a cluster whose one alive node has CPUs only."""
+
+    def __init__(self) -> None:
+        self.cancelled: list[str] = []
+
+    def nodes(self) -> list[dict[str, object]]:
+        return [{"Alive": True, "Resources": {"CPU": 16.0}}, {"Alive": False, "Resources": {"CPU": 8.0, "GPU": 1.0}}]
+
+    def cancel(self, gen: str) -> None:
+        self.cancelled.append(gen)
+
+
+def test_a_gpu_server_no_alive_node_can_hold_fails_its_cells_after_a_wait(tmp_path: Path) -> None:
+    from benchsuite.ray_run import UNPLACEABLE_S
+
+    plan = build_plan(load_matrix(_matrix(tmp_path, "tiny", device="cuda")))
+    store = open_store(plan)
+    said: list[str] = []
+    try:
+        driver = Driver(plan, store, SilentEvents(), say=said.append)
+        (work,) = driver.works()
+        tasks = {"gen": Submitted(work, {"GPU": 1.0, "CPU": 1.0})}
+        ray = _CpuOnlyCluster()
+        driver.fail_unplaceable(ray, tasks, now=100.0)
+        driver.fail_unplaceable(ray, tasks, now=100.0 + UNPLACEABLE_S / 2)
+        assert list(tasks) == ["gen"] and read_cells(store.run_dir) == []  # an autoscaler may still add a node
+        driver.fail_unplaceable(ray, tasks, now=100.0 + UNPLACEABLE_S)
+    finally:
+        store.close()
+    assert tasks == {} and ray.cancelled == ["gen"]
+    cells = read_cells(store.run_dir)
+    assert len(cells) == len(work.cells) and all(c.status == "failed" for c in cells)
+    assert {c.reason for c in cells} == {
+        f"no alive node of the Ray cluster has 1 GPU, 1 CPU (waited {UNPLACEABLE_S:g} s)"
+    }
+    assert said == [f"benchsuite: {cells[0].reason}"]
