@@ -49,7 +49,9 @@ class ServerRecord(_Record):
     search_error: str | None = None
     canary: dict[str, Any] | None = None  # canary.CanaryReport.to_dict(), or {error}
     facts: dict[str, Any] = Field(default_factory=dict)  # the adapter's after_cells hook (SGLang: routing_trace)
-    node: str | None = None  # the Ray node it ran on (`run --ray`: a key of Manifest.nodes); None: `machine`
+    # `run --ray`: the Ray node of its last launch (a key of Manifest.nodes; with interleaved repeats its
+    # launches may run on several nodes: each cell names its own); None: the manifest's `machine`
+    node: str | None = None
 
 
 class PlannedServer(_Record):

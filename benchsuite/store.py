@@ -278,10 +278,14 @@ class RunStore:
 
     def write_server_file(self, relative: str, data: bytes) -> None:
         """A file a server wrote on another machine (`run --ray`: a node's engine log or routing
-        trace), under its place in this run directory: `logs/` or `routing/` only."""
+        trace), under its place in this run directory: `logs/` or `routing/` only. A log is appended
+        to what earlier launches of that server wrote (as a local run's log grows launch by launch);
+        a trace replaces the earlier one (as a local relaunch rewrites it)."""
         path = self.run_dir / relative
         if path.parent.name not in SERVER_FILE_DIRS or path.parent.parent != self.run_dir:
             raise RunError(f"{relative}: not a server file of a run directory ({', '.join(SERVER_FILE_DIRS)})")
+        if path.parent.name == "logs" and path.is_file():
+            data = path.read_bytes() + data
         self._write(path, data)
 
     def rebuild_tables(self) -> None:
