@@ -24,7 +24,9 @@ the manifest is benchsuite.results.manifest.Manifest. Version 1 is read through 
 3: TTFT, decode tok/s, TPOT and ITL are timed on the token timeline (every chunk that carries a token
 count, text or not; benchsuite.measure.metrics), no longer by text chunks alone. Version 2 is read as it is
 (its fields are a subset), reported with the caveat that its figures were timed by text chunks
-(TEXT_CHUNK_VERSIONS), and never resumed."""
+(TEXT_CHUNK_VERSIONS), and never resumed.
+A field added with a default that means what files without it meant needs no bump: `CellResult.node`
+(None: measured on the manifest's `machine`, as every cell before `run --ray` was)."""
 
 TEXT_CHUNK_VERSIONS = (1, 2)
 """Schema versions whose stored TTFT and decode figures were timed by text chunks: biased where tokens carry
@@ -197,6 +199,9 @@ class CellResult:
     device_memory_method: str | None = None  # "nvml-per-process", or "nvml-device-delta" where pids are hidden
     # Engine-specific extras (parsed log facts, captured batch sizes, flags).
     extras: dict[str, Any] = field(default_factory=dict)
+    # The Ray node that measured the cell (`benchsuite run --ray`: its node id, the key of the manifest's
+    # `nodes`); None: the machine of the run's manifest (`machine`), as in every run without --ray.
+    node: str | None = None
 
     def to_row(self) -> dict[str, Any]:
         return asdict(self)

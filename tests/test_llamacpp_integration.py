@@ -181,22 +181,23 @@ def test_llamacpp_tiny_matrix_end_to_end(tmp_path):
     assert all(c.status == "ok" and c.output_tokens_total and c.decode_tok_s_p50 for c in regular), [
         (c.engine, c.status, c.reason, c.output_tokens_total, c.decode_tok_s_p50) for c in regular
     ]
-    facts = next(s.search for s in read_manifest(run_dir).servers.values() if "launches" in (s.search or {}))
+    searches = [s.search for s in read_manifest(run_dir).servers.values() if s.search is not None]
+    facts = next(s for s in searches if s.launches is not None)  # the search's own server, not the chosen N's
     # N = 0 and 1 exceed the emulated 0.0175 GB (-fa on, -ub 2048): never launched, recorded with their projection,
     # not stored as cells; 2..4 fit.
-    ruled_out = [c for c in facts["candidates"] if c["outcome"] == "ruled out"]
-    assert [c["n"] for c in ruled_out] == [0, 1]
-    assert all(c["projected_bytes"] > facts["budget_bytes"] for c in ruled_out)
+    ruled_out = [c for c in facts.candidates if c.outcome == "ruled out"]
+    assert [c.n for c in ruled_out] == [0, 1]
+    assert facts.budget_bytes is not None and all(c.projected_bytes > facts.budget_bytes for c in ruled_out)
     assert search and all(c.extras["fits"] and c.status == "ok" for c in search)
     chosen = [c.extras["search_n"] for c in search if c.extras["chosen"]]
     assert len(chosen) == 1 and chosen[0] >= 2
-    assert facts["linear_scan_launches"] == 3 and facts["launches"] <= 3
+    assert facts.linear_scan_launches == 3 and facts.launches <= 3
     best = [c for c in regular if c.engine == "best"]
     assert all(c.params["n_cpu_moe"] == chosen[0] == c.n_cpu_moe for c in best)
     assert all(c.n_cpu_moe == c.extras["search_n"] for c in search)  # typed N on every search cell
     log_facts = best[0].extras["engine_log"]
     assert log_facts["context"]["n_ctx"] == 2048 and "model" in log_facts["buffers_mib"]
-    print(json.dumps({"search": facts}, indent=1))
+    print(json.dumps({"search": facts.model_dump()}, indent=1))
 
 
 @pytest.mark.llamacpp

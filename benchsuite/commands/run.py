@@ -1,9 +1,9 @@
 """`benchsuite run matrix.yaml`: validate, plan, run (resumable), summarize, report.
 
-The library call is benchsuite.run.runner.run_plan; this module only parses flags, checks what the
-plan needs from the machine (benchsuite.config.checklist), draws the progress
-(benchsuite.commands.run_progress) and the one-screen summary, and prints where the results and the
-HTML report are.
+The library call is benchsuite.run.runner.run_plan (benchsuite.run.ray_run.run_on_ray with --ray);
+this module only parses flags, checks what the plan needs from the machine
+(benchsuite.config.checklist), draws the progress (benchsuite.commands.run_progress) and the
+one-screen summary, and prints where the results and the HTML report are.
 """
 
 from __future__ import annotations
@@ -64,6 +64,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=600.0,
         help="fail one request after this long; the cell keeps its records (workloads' max_error_rate decides)",
     )
+    parser.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        metavar="ADDRESS",
+        help="spread the servers over a Ray cluster (pip install 'benchsuite[ray]'): ADDRESS as ray.init takes it "
+        "(host:port, ray://host:port, auto); without it RAY_ADDRESS, the cluster last started here, else a local "
+        "one over this machine's GPUs; one task per server on one GPU (CPU engines: --ray-cpus), one store here",
+    )
+    parser.add_argument(
+        "--ray-cpus",
+        type=float,
+        metavar="N",
+        help="with --ray: the CPUs a server of a CPU engine asks for (default: every CPU of the smallest node)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress display (CI)")
     parser.add_argument("--no-report", action="store_true", help="do not write the HTML report at the end")
     parser.add_argument(
@@ -82,6 +97,10 @@ def main(args: argparse.Namespace) -> int:
         raise UserError(f"--cell-timeout-s must be > 0, got {args.cell_timeout_s:g}")
     if args.request_timeout_s <= 0:
         raise UserError(f"--request-timeout-s must be > 0, got {args.request_timeout_s:g}")
+    if args.ray_cpus is not None and args.ray_cpus <= 0:
+        raise UserError(f"--ray-cpus must be > 0, got {args.ray_cpus:g}")
+    if args.ray_cpus is not None and args.ray is None:
+        raise UserError("--ray-cpus is for --ray runs")
     if args.run_id is not None and not _RUN_ID_RE.match(args.run_id):
         raise UserError(f"--run-id {args.run_id!r}: use letters, digits, '.', '_' and '-' only")
     # a dry run shows a matrix meant for another machine: unset variables stay ${NAME} placeholders
@@ -94,8 +113,12 @@ def main(args: argparse.Namespace) -> int:
         print(format_plan(plan))
         print("\n".join(dry_run_sections(plan, missing, env)))
         return 0
-    if missing or any(line.check.missing for line in env):  # before the results directory exists
+    blocked = missing or any(line.check.missing for line in env)
+    if blocked and args.ray is None:  # before the results directory exists
         raise MatrixError("\n".join(stop_lines(plan, missing, env)))
+    if blocked:  # under --ray model paths, binaries and devices are the nodes': each node checks its own
+        for problem in stop_lines(plan, missing, env):
+            print(f"note: {problem} here; under --ray each node checks its own")
     from benchsuite.run.runner import open_store  # the load path; a dry run never needs it
 
     console = Console(quiet=args.quiet, highlight=False)
@@ -117,16 +140,24 @@ def _run(args: argparse.Namespace, plan: Plan, store: RunStore, console: Console
     )
     try:
         with ProgressEvents(console, todo) as events:
-            problems = asyncio.run(
-                run_plan(
-                    plan,
-                    store,
-                    events,
-                    cell_timeout_s=args.cell_timeout_s,
-                    request_timeout_s=args.request_timeout_s,
-                    search=search.run_search,
+            if args.ray is not None:
+                from benchsuite.run.ray_run import run_on_ray
+
+                problems = run_on_ray(
+                    plan, store, events, address=args.ray or None, cell_timeout_s=args.cell_timeout_s,
+                    request_timeout_s=args.request_timeout_s, cpus_per_server=args.ray_cpus,
+                )  # fmt: skip
+            else:
+                problems = asyncio.run(
+                    run_plan(
+                        plan,
+                        store,
+                        events,
+                        cell_timeout_s=args.cell_timeout_s,
+                        request_timeout_s=args.request_timeout_s,
+                        search=search.run_search,
+                    )
                 )
-            )
     except KeyboardInterrupt:
         print(f"benchsuite: interrupted; finished cells are kept in {store.run_dir} (rerun the same command to resume)")
         return 130

@@ -39,6 +39,8 @@ the hooks directly; an adapter overrides the ones its engine has:
   device), as `EnvCheck`s; checked at plan time, before a run writes anything, and listed by a dry run;
 - `vram_budget_bytes(spec)` and `projections(spec, settings)`: a search of an option against a
   memory budget (benchsuite.run.search; the searchable options are `SEARCH_KNOBS`); None: no search;
+- `needs_gpu(spec)`: whether a server of the spec runs on a GPU (`benchsuite run --ray` asks a GPU of
+  the node for it, else CPUs); default: it does;
 - `recorded_model`, `recorded_expert_format`, `recorded_label_options`, `recorded_on_cpu`: what the
   report reads from a stored server's recorded options (runs from any version of this suite).
 Facts about a kind the report needs (its all-on-GPU mode, whether it is the CPU-experts baseline,
@@ -415,6 +417,10 @@ class EngineAdapter(ABC):
     def vram_budget_bytes(self, spec: ServerSpec) -> int | None:
         """The GPU memory budget a search fits its values into."""
         return None
+
+    def needs_gpu(self, spec: ServerSpec) -> bool:
+        """Whether a server of this spec runs on a GPU (a scheduler gives it one: `run --ray`)."""
+        return True
 
     def trace_replay(self, spec: ServerSpec) -> TraceReplay | None:
         """A paged server whose routing trace (`<run>/routing/<server-id>.trace`) can be replayed

@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from benchsuite.errors import UserError
-from benchsuite.report import prefill, roofline, search_section
+from benchsuite.report import nodes, prefill, roofline, search_section
 from benchsuite.report import tables as tb
 from benchsuite.report.caveats import setup_caveats
 from benchsuite.report.display import display_frame
@@ -136,6 +136,13 @@ def build_report_data(run_dirs: list[Path], reference_dirs: list[Path] | None = 
             roofline.TITLE: roofline.roofline_table(cells, runs),
             prefill.TITLE: prefill.prefill_table(cells, runs),
             search_section.TITLE: search_section.search_table(cells, runs),
+        }
+    )
+    by_node = nodes.nodes_table(cells, runs)
+    if not by_node.empty:  # only a run spread over several machines (run --ray)
+        tables[nodes.TITLE] = by_node
+    tables.update(
+        {
             "Failed and invalid cells": tb.failures_table(cells),
             "Raw cells": tb.raw_cells_table(cells),
         }
@@ -150,7 +157,7 @@ def build_report_data(run_dirs: list[Path], reference_dirs: list[Path] | None = 
 def _caveats(runs: list[RunData], cells: pd.DataFrame, key: tuple[str, str, str]) -> list[str]:
     run = next(r for r in runs if r.run_id == key[0])
     mine = cells[(cells["run_id"] == key[0]) & (cells["workload"] == key[1]) & (cells["prompt_class"] == key[2])]
-    return setup_caveats(mine, run.facts.records, run.facts.has_gpu)
+    return setup_caveats(mine, run.facts.records, run.facts.has_gpu, run.facts.nodes)
 
 
 _ANCHORS = {
@@ -160,6 +167,7 @@ _ANCHORS = {
     "Paging counters": "paging",
     HIT_RATE_TITLE: "hit-rate-optimal",
     search_section.TITLE: "search",
+    nodes.TITLE: "nodes",
     roofline.TITLE: "roofline",
     prefill.TITLE: "prefill",
     "Failed and invalid cells": "failures",
@@ -173,6 +181,7 @@ _INTROS = {
     "measured in the same setup and concurrency. Medians over repeats, [min–max] beside them; ratio verdicts say "
     "whether the spreads overlap.</p>",
     "search": search_section.INTRO,
+    "nodes": nodes.INTRO,
     "failures": "<p>Cells that failed or were invalidated, with the reason recorded by the runner. "
     "They are not in any figure.</p>",
     "raw-cells": "<p>Every cell as stored in cells.parquet; every figure and table above links here by cell id.</p>",

@@ -1,5 +1,7 @@
 """The caveats that change how a verdict reads, stated beside it (not at the bottom of the page):
 
+- different kinds of machine: a setup's cells measured on Ray nodes of more than one kind
+  (report/nodes.py): a ratio between them compares the machines as well;
 - device cpu: the built-in engine's paging and offload on a CPU copy experts within host RAM (no
   PCIe link), and llama.cpp without a GPU computes everything on the CPU: the ranking says nothing
   about a GPU;
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -31,6 +34,7 @@ from benchsuite.engines import adapter_of
 from benchsuite.records import TEXT_CHUNK_VERSIONS
 from benchsuite.report.budget import mixed_figures, over_budget
 from benchsuite.report.groups import is_synthetic
+from benchsuite.report.nodes import mixed_machines_caveat
 from benchsuite.report.noise import busy_cells
 from benchsuite.results.manifest import ServerRecord
 
@@ -126,10 +130,19 @@ def _on_cpu(server: ServerRecord, has_gpu: bool) -> bool:
     return adapter.recorded_on_cpu(server.options, has_gpu) if adapter is not None else not has_gpu
 
 
-def setup_caveats(cells: pd.DataFrame, servers: Mapping[str, ServerRecord], has_gpu: bool) -> list[str]:
-    """The caveats of one setup's cells; `servers`: server_id -> manifest server record."""
+def setup_caveats(
+    cells: pd.DataFrame,
+    servers: Mapping[str, ServerRecord],
+    has_gpu: bool,
+    nodes: Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[str]:
+    """The caveats of one setup's cells; `servers`: server_id -> manifest server record; `nodes`: the
+    run's Ray nodes -> machine facts (report/nodes.py), empty without --ray."""
     mine = [servers.get(str(s)) or ServerRecord() for s in dict.fromkeys(cells["server_id"])]
     out: list[str] = []
+    machines = mixed_machines_caveat(cells, nodes or {})
+    if machines:
+        out.append(machines)
     if any(_on_cpu(s, has_gpu) for s in mine):
         out.append(
             "Device CPU: paging and offload here copy experts within host RAM, not over a PCIe link, so this "

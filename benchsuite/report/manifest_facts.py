@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -256,6 +256,8 @@ class RunFacts:
     has_gpu: bool
     model: RunModel
     identity: tuple[str | None, str | None, str]  # (git commit, git tree, matrix hash): compare's A/A check
+    # `run --ray`: node id -> its machine facts (Manifest.nodes; report/nodes.py); empty without --ray
+    nodes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
 def read_run_facts(manifest: Manifest, run_dir: Path) -> RunFacts:
@@ -270,7 +272,11 @@ def read_run_facts(manifest: Manifest, run_dir: Path) -> RunFacts:
         reference_filter=_reference_filter(manifest),
         link=_link_gb_per_s(manifest),
         budget_bytes=run_budget_bytes(manifest.servers),
-        has_gpu=bool(manifest.machine.gpus),
+        # under --ray the machines that measured are the nodes, not the driver
+        has_gpu=any(bool(m.get("gpus")) for m in manifest.nodes.values())
+        if manifest.nodes
+        else bool(manifest.machine.gpus),
         model=_model(manifest, run_dir),
         identity=(manifest.git.commit, manifest.git.tree, manifest.matrix_hash),
+        nodes=dict(manifest.nodes),
     )

@@ -71,6 +71,9 @@ class ServerRecord(_Record):
     # the adapter's after_cells hook, free-form per engine (SGLang: routing_trace); in a version-1
     # run also every server key the model does not name
     facts: dict[str, Any] = Field(default_factory=dict)
+    # `run --ray`: the Ray node of its last launch (a key of Manifest.nodes; with interleaved repeats its
+    # launches may run on several nodes: each cell names its own); None: the manifest's `machine`
+    node: str | None = None
 
 
 class PlannedServer(_Record):
@@ -110,6 +113,9 @@ class Manifest(_Record):
     # what the cells depend on beyond the matrix text (benchsuite.results.fingerprint); a resume compares it
     fingerprint: Fingerprint | None = None
     link_bandwidth: LinkBandwidth | None = None  # the run's host->device probe (matrix `linkbw: true`)
+    # `run --ray`: node id -> that node's machine_facts() plus its hostname, address and source (`git`), as
+    # its first task found them; `machine` stays the driver's. Empty in a run without --ray.
+    nodes: dict[str, dict[str, Any]] = Field(default_factory=dict)
     planned: Planned = Field(default_factory=Planned)
     servers: dict[str, ServerRecord] = Field(default_factory=dict)
     invocations: list[Invocation] = Field(default_factory=list)

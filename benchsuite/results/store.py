@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import pandas as pd
 
@@ -53,6 +53,7 @@ from benchsuite.results.fingerprint import Fingerprint, fingerprint_changes
 from benchsuite.results.manifest import Invocation, Manifest
 from benchsuite.results.runlock import RunLock
 from benchsuite.results.stored_files import (
+    SERVER_FILE_DIRS,
     DamagedFile,
     cell_payloads,
     not_a_run_dir,
@@ -102,7 +103,7 @@ class RunStore:
 
     @classmethod
     def open(cls, run_dir: Path, manifest: Manifest, *, write: Writer = atomic_write_bytes,
-             new_run: bool = False, notify: Notify = note_to_stderr) -> RunStore:  # fmt: skip
+             new_run: bool = False, notify: Notify = note_to_stderr) -> Self:  # fmt: skip
         """Lock the run directory, then create it, or resume it when it holds a run of the same
         matrix measured with the same inputs; `new_run` first moves an existing run aside."""
         problem = not_a_run_dir(run_dir)  # before the lock file: nothing is written into another's folder
@@ -274,6 +275,18 @@ class RunStore:
 
     def write_engine_metrics(self, cell_id: str, metrics: dict[str, Any]) -> None:
         self._write_json(self.engine_metrics_path(cell_id), metrics)
+
+    def write_server_file(self, relative: str, data: bytes) -> None:
+        """A file a server wrote on another machine (`run --ray`: a node's engine log or routing
+        trace), under its place in this run directory: `logs/` or `routing/` only. A log is appended
+        to what earlier launches of that server wrote (as a local run's log grows launch by launch);
+        a trace replaces the earlier one (as a local relaunch rewrites it)."""
+        path = self.run_dir / relative
+        if path.parent.name not in SERVER_FILE_DIRS or path.parent.parent != self.run_dir:
+            raise RunError(f"{relative}: not a server file of a run directory ({', '.join(SERVER_FILE_DIRS)})")
+        if path.parent.name == "logs" and path.is_file():
+            data = path.read_bytes() + data
+        self._write(path, data)
 
     def rebuild_tables(self) -> None:
         """cells.parquet, cells.csv and requests.parquet from every cells/<cell-id>.json."""

@@ -46,6 +46,8 @@ def read_manifest(run_dir: Path) -> Manifest:
 # What a run directory holds (benchsuite.results.store's layout, plus its lock and atomic-write temporaries)
 RUN_LAYOUT = frozenset({"manifest.json", ".lock", "cells", "attempts", "logs", "engine_metrics", "routing",
                         "cells.parquet", "cells.csv", "requests.parquet"})  # fmt: skip
+# What engine servers write into a run directory beside the store's own files: logs, routing traces
+SERVER_FILE_DIRS = ("logs", "routing")
 # The manifest's marker: every manifest this suite writes has these keys (version 1 included)
 _MANIFEST_MARKER = ("schema_version", "run_id", "matrix_hash")
 

@@ -3,8 +3,9 @@ The server's peak device memory is sampled over all of it (benchsuite.tools.devi
 
 `measure_cell` never returns a made-up number: a cell whose engine died is `failed` with the log
 tail, one whose metrics cannot be computed is `invalid` (metrics.summarize says why). `base_result`
-is a cell's typed identity (K, N, mode, routing, the options in force) before any metric;
-`failed_result` marks one failed; `log_extras` adds the engine log's facts and the adapter's flags.
+is a cell's typed identity (K, N, mode, routing, the options in force) before any metric
+(`cell_identity`: the same without a run context); `failed_result` marks one failed; `log_extras`
+adds the engine log's facts and the adapter's flags.
 `CELL_ERRORS` are the failures that fail one cell, not the run.
 """
 
@@ -131,10 +132,16 @@ async def _load(
 
 
 def base_result(ctx: RunContext, spec: ServerSpec, cell: CellSpec) -> CellResult:
+    return cell_identity(ctx.plan.run_id, spec, cell, ctx.node)
+
+
+def cell_identity(run_id: str, spec: ServerSpec, cell: CellSpec, node: str | None = None) -> CellResult:
+    """A cell's typed identity before any metric (status ok): what a measurement, or a failure
+    recorded without a server (a Ray node lost), starts from."""
     placement = spec.options.placement()  # typed K, N, mode and routing: the report reads these fields
     return CellResult(
         cell_id=cell.cell_id,
-        run_id=ctx.plan.run_id,
+        run_id=run_id,
         engine=cell.engine,
         engine_kind=spec.kind,
         mode=placement.mode,
@@ -149,6 +156,7 @@ def base_result(ctx: RunContext, spec: ServerSpec, cell: CellSpec) -> CellResult
         resident_experts=placement.resident_experts,
         n_cpu_moe=placement.n_cpu_moe,
         options=options_in_force(ADAPTERS[spec.kind], spec),
+        node=node,
     )
 
 

@@ -59,6 +59,7 @@ class RunContext:
     prompts: PromptCache = field(default_factory=dict)  # per (workload, class, tokenizer), built once for the run
     # NVML for every cell's peak device memory (benchsuite.tools.device_memory); None: no GPU, the figures are None
     device_reader: DeviceReader | None = None
+    node: str | None = None  # the Ray node measuring (CellResult.node); None: the run's own machine
 
 
 SearchHook = Callable[[RunContext, SearchTask], Awaitable[EngineOptions]]

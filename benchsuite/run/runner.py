@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import aiohttp
@@ -60,9 +60,16 @@ CANARY_MAX_CONCURRENCY = 4
 
 async def run_server_cells(ctx: RunContext, spec: ServerSpec, cells: Sequence[CellSpec]) -> list[CellResult]:
     """Start `spec` once and measure every unfinished cell; failures become `failed` cells."""
+    return [result async for result in server_cells(ctx, spec, cells)]
+
+
+async def server_cells(ctx: RunContext, spec: ServerSpec, cells: Sequence[CellSpec]) -> AsyncIterator[CellResult]:
+    """One server's life: start `spec` once, measure every unfinished cell and yield each as it is
+    stored (failures as `failed` cells); the server always stops. The local loop and a Ray task
+    (benchsuite.run.ray_task) both run a server through here."""
     todo = [c for c in cells if not ctx.store.finished(c.cell_id)]
     if not todo:
-        return []
+        return
     ctx.events.server_starting(spec, len(todo))
     results: list[CellResult] = []
     started = False
@@ -84,6 +91,7 @@ async def run_server_cells(ctx: RunContext, spec: ServerSpec, cells: Sequence[Ce
                         result = _store_failure(ctx, cell, spec, reason.strip())
                 results.append(result)
                 ctx.events.cell_finished(cell, result)
+                yield result
             if not server.hung and server.process.alive:
                 await _after_cells(ctx, server, todo)
     except (RunError, UserError, EngineConfigError, OSError) as exc:  # UserError: its port was taken
@@ -95,9 +103,9 @@ async def run_server_cells(ctx: RunContext, spec: ServerSpec, cells: Sequence[Ce
             result = _store_failure(ctx, cell, spec, f"engine did not start: {exc}")
             results.append(result)
             ctx.events.cell_finished(cell, result)
+            yield result
     if started:
-        results = _add_optimal_hit_rates(ctx, spec, results)
-    return results
+        _add_optimal_hit_rates(ctx, spec, results)  # the stored cells are rewritten in place
 
 
 def _add_optimal_hit_rates(ctx: RunContext, spec: ServerSpec, results: list[CellResult]) -> list[CellResult]:
@@ -141,12 +149,19 @@ def _add_optimal_hit_rates(ctx: RunContext, spec: ServerSpec, results: list[Cell
 
 async def run_search_task(ctx: RunContext, task: SearchTask) -> list[CellResult]:
     """Hand a search to the context's search hook, then run the workloads on the value it returns."""
+    return [result async for result in search_cells(ctx, task)]
+
+
+async def search_cells(ctx: RunContext, task: SearchTask) -> AsyncIterator[CellResult]:
+    """A search on one machine (the context's search hook), then the workloads' cells on the value it
+    returns, each yielded as it is stored (server_cells); RunError when no value was found."""
     if ctx.search is None:
         raise RunError(f"engine {task.spec.name}: {task.option} asks for a search, and this run has no search hook")
     options = await ctx.search(ctx, task)
     spec, cells = resolve_search(ctx.plan, task, options)
     ctx.store.record_server(spec.server_id, search=SearchRecord(option=task.option, request=task.request))
-    return await run_server_cells(ctx, spec, cells)
+    async for result in server_cells(ctx, spec, cells):
+        yield result
 
 
 def open_store(plan: Plan, output_root: Path | None = None, *, write: Writer = atomic_write_bytes,
@@ -195,7 +210,7 @@ async def execute(ctx: RunContext) -> list[str]:
     try:
         if ctx.plan.matrix.matrix.linkbw:
             await _measure_link(ctx)
-        for spec, cells in _server_rounds(ctx.plan):
+        for spec, cells in server_rounds(ctx.plan):
             await run_server_cells(ctx, spec, cells)
         for task in ctx.plan.searches:
             try:
@@ -210,7 +225,7 @@ async def execute(ctx: RunContext) -> list[str]:
     return problems
 
 
-def _server_rounds(plan: Plan) -> list[tuple[ServerSpec, tuple[CellSpec, ...]]]:
+def server_rounds(plan: Plan) -> list[tuple[ServerSpec, tuple[CellSpec, ...]]]:
     """(server, its cells) per launch: one launch per server, or with `repeat_order: interleaved` one per
     server and repeat, repeat-major, so each repeat of a configuration meets the machine at another time."""
     if plan.matrix.matrix.repeat_order != "interleaved":

@@ -356,6 +356,9 @@ class BuiltinAdapter(EngineAdapter):
 
     # ---- the resident_experts search (benchsuite.run.search; projection in engines/builtin/memory.py) ----
 
+    def needs_gpu(self, spec: ServerSpec) -> bool:
+        return self._options(spec).device == "cuda"
+
     def vram_budget_bytes(self, spec: ServerSpec) -> int:
         """`vram_budget_gb`, else the memory of the GPU (NVML) on a cuda server."""
         from benchsuite.tools.device_memory import gpu_total_bytes

@@ -389,6 +389,16 @@ class LlamaCppAdapter(EngineAdapter):
 
     # ---- the n_cpu_moe search (benchsuite.run.search) ------------------------------------------------
 
+    def needs_gpu(self, spec: ServerSpec) -> bool:
+        """Layers offloaded (-ngl > 0) by a GPU build; where this machine has no build (a driver of a
+        Ray cluster) the build the nodes run is unknown, and offloaded layers ask for a GPU."""
+        if self._options(spec).n_gpu_layers == 0:
+            return False
+        try:
+            return has_gpu_device(self.binary(spec))
+        except EngineConfigError:
+            return True
+
     def vram_budget_bytes(self, spec: ServerSpec) -> int:
         """`vram_budget_gb`, else the physical VRAM of GPU 0 on a GPU build."""
         opts = self._options(spec)
