@@ -120,3 +120,12 @@ def test_a_malformed_dataset_stops_the_run_in_one_line_and_a_dry_run_lists_it(
     assert not (tmp_path / "results").exists()
     assert main(["run", str(matrix), "--dry-run"]) == 0
     assert f"  missing: {matrix}: workloads.chat.path: {dataset}: line 3 is not valid JSON" in capsys.readouterr().out
+
+
+def test_a_directory_named_as_the_dataset_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "sharegpt").mkdir()
+    matrix = write_matrix(tmp_path, tmp_path / "sharegpt")
+    assert main(["run", str(matrix), "--quiet"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"benchsuite: error: {matrix}: workloads.chat.path: {tmp_path / 'sharegpt'} is a directory, not a file"
+    )
