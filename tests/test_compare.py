@@ -203,29 +203,57 @@ def test_outputs_and_cli(runs: tuple[Path, Path], tmp_path: Path, capsys: pytest
     assert "<table" in html and "REGRESSED" in html and "http" not in html
     assert cli_main(["compare", str(runs[0]), str(runs[1]), "--out", str(tmp_path / "cli")]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("# Compare run-a (A) -> run-b (B)") and (tmp_path / "cli" / "compare.html").is_file()
+    assert (
+        out.startswith("run-a (A) -> run-b (B): 4 configurations compared")
+        and (tmp_path / "cli" / "compare.html").is_file()
+    )
     assert (
         cli_main(
             ["compare", str(runs[0]), str(runs[0]), "--vs", str(runs[1]), str(runs[1]), "--out", str(tmp_path / "v")]
         )
         == 0
     )
-    assert "Tested over runs" in capsys.readouterr().out
+    assert "(tested over runs)" in capsys.readouterr().out
     assert cli_main(["compare", str(runs[0]), str(tmp_path / "missing")]) == 2
     assert cli_main(["compare", str(runs[0])]) == 2
 
 
-def test_printed_table_is_one_row_per_configuration_with_the_columns_read_first(
+def test_printed_by_default_are_the_counts_and_the_flagged_rows_only(
     runs: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert cli_main(["compare", str(runs[0]), str(runs[1]), "--out", str(tmp_path / "d")]) == 0
-    out = capsys.readouterr().out
-    header = next(line for line in out.splitlines() if line.startswith("| configuration"))
-    assert [h.strip() for h in header.strip("|").split("|")] == [
-        "configuration", "decode tok/s", "TTFT p50 ms", "output tok/s", "peak memory GB", "flagged",
+    lines = capsys.readouterr().out.splitlines()
+    # slower: 3 metrics flagged; same: 3 not significant; tiny-shift: decode and output within 5%, TTFT
+    # too (2%); few: 3 with one repeat in A
+    assert lines[0] == (
+        "run-a (A) -> run-b (B): 4 configurations compared (12 comparisons: decode tok/s, TTFT p50 ms, "
+        "output tok/s): 0 flagged faster, 3 flagged slower, 3 not significant, 3 significant but within 5%, "
+        "3 not comparable (too few repeats or no ok value); 1 only in run-a, 1 only in run-b"
+    )
+    table = [line for line in lines if line.startswith("| ")]
+    assert [h.strip() for h in table[0].strip("|").split("|")] == [
+        "configuration", "metric", "A → B (change [interval])", "flagged",
     ]  # fmt: skip
-    slower = next(line for line in out.splitlines() if "resident_experts=slower · w · short · c=1" in line)
-    assert "100 → 80 (-20.0% [" in slower and "decode REGRESSED, TTFT REGRESSED, output REGRESSED" in slower
+    rows = table[1:]
+    assert len(rows) == 3 and all("resident_experts=slower · w · short · c=1" in row for row in rows)
+    decode = next(row for row in rows if "| decode tok/s |" in row)
+    assert "100 → 80 (-20.0% [" in decode and decode.rstrip().endswith("| slower |")
+    assert not any("resident_experts=same" in line or "tiny-shift" in line for line in lines)  # unflagged: not shown
+    assert lines[-1].startswith("wrote ") and "compare.md" in lines[-1]
+    md = (tmp_path / "d" / "compare.md").read_text()
+    assert "resident_experts=same" in md and "tiny-shift" in md  # the file keeps every row
     assert cli_main(["compare", str(runs[0]), str(runs[1]), "--out", str(tmp_path / "a"), "--columns", "all"]) == 0
     header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| configuration"))
     assert len(header.strip("|").split("|")) == 20 and "p_value" in header and "a_peak_gb" in header
+
+
+def test_nothing_flagged_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = make_run(tmp_path, "a", {"x": [100.0, 98.0, 102.0]})
+    b = make_run(tmp_path, "b", {"x": [99.0, 101.0, 100.0]}, commit="beef")
+    assert cli_main(["compare", str(a), str(b), "--out", str(tmp_path / "o")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("a (A) -> b (B): 1 configuration compared (3 comparisons") and "0 flagged" in lines[0]
+    assert lines[1] == (
+        "nothing flagged: no change is significant after Benjamini-Hochberg at 0.05 and over 5% (tested over repeats)"
+    )
+    assert len(lines) == 3 and lines[2].startswith("wrote ")

@@ -87,6 +87,16 @@ def test_an_unknown_option_names_the_closest_allowed_one(tmp_path: Path) -> None
     assert "workloads.w.concurency: unknown key; did you mean concurrency? (allowed: " in text
 
 
+def test_a_key_another_engine_spells_shorter_names_the_longer_one(tmp_path: Path) -> None:
+    """`model:` (the built-in and llama.cpp key) on an SGLang entry means `model_path`, not `mode`."""
+    path = tmp_path / "m.yaml"
+    body = {"name": "t", "engines": {"sg": {"kind": "sglang", "options": {"model": "/m"}}}, "workloads": {"w": {}}}
+    path.write_text(yaml.safe_dump(body))
+    with pytest.raises(MatrixError) as err:
+        load_matrix(path)
+    assert "engines.sg.options.model: unknown key; did you mean model_path? (allowed: " in str(err.value)
+
+
 def test_an_unknown_flag_or_command_names_the_closest(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "configs/quickstart.yaml", "--dry-runn", "--qiet"]) == 2
     assert capsys.readouterr().err.strip() == (

@@ -100,7 +100,7 @@ def _kv_per_token(inp: PreflightInputs) -> tuple[float | None, float | None]:
         bf16 = float(inp.explicit_kv_bytes_per_token)
         return bf16, bf16 / 2
     s = inp.shape
-    if s.num_kv_heads and s.head_dim:
+    if s.knows_kv_size:
         return float(s.kv_bytes_per_token(2)), float(s.kv_bytes_per_token(1))
     return None, None
 

@@ -1,8 +1,9 @@
 """`benchsuite compare RUN_A RUN_B` (or `RUN_A1 RUN_A2 ... --vs RUN_B1 RUN_B2 ...`): per-configuration
 changes between two runs, or two sets of reruns, tested over repeats (one run a side) or over runs
 (two or more a side), never over requests; flagged only when significant after Benjamini-Hochberg
-and over the threshold (benchsuite.report.compare). Writes compare.md and compare.html and prints
-the markdown (one row per configuration; `--columns all` for every column)."""
+and over the threshold (benchsuite.report.compare). Writes compare.md and compare.html (every row) and
+prints one line of counts and the flagged rows only (benchsuite.report.compare_text); `--columns all`
+prints the full table."""
 
 from __future__ import annotations
 
@@ -51,15 +52,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--columns",
         choices=("default", "all"),
         default="default",
-        help="printed table: 'default' = one row per configuration (decode, TTFT, output, peak memory, each A -> B "
-        "with its change and interval); 'all' = one row per configuration and metric, every column (compare.md "
-        "always has every column)",
+        help="printed: 'default' = one line of counts (configurations compared, flagged faster, flagged slower, "
+        "not significant, not comparable) and the flagged rows with their interval; 'all' = the full table, one "
+        "row per configuration and metric with every column (compare.md always has every row and column)",
     )
 
 
 def main(args: argparse.Namespace) -> int:
     from benchsuite.report import compare_runs, write_comparison
-    from benchsuite.report.compare import comparison_markdown
+    from benchsuite.report.compare import COLUMNS_ALL, comparison_markdown
+    from benchsuite.report.compare_text import terminal_text
 
     if args.vs is None:
         if len(args.runs) != 2:
@@ -71,6 +73,6 @@ def main(args: argparse.Namespace) -> int:
         side_a, side_b = list(args.runs), list(args.vs)
     comparison = compare_runs(side_a, side_b, threshold=args.threshold, alpha=args.alpha)
     md_path, html_path = write_comparison(comparison, args.out)
-    print(comparison_markdown(comparison, args.columns))
+    print(comparison_markdown(comparison, COLUMNS_ALL) if args.columns == COLUMNS_ALL else terminal_text(comparison))
     print(f"wrote {md_path} and {html_path}")
     return 0

@@ -25,6 +25,7 @@ from benchsuite.config.matrix import MatrixError, load_matrix
 from benchsuite.config.model_checks import missing_model
 from benchsuite.config.plan import Plan, build_plan, format_plan, select
 from benchsuite.errors import UserError
+from benchsuite.load.dataset_check import dataset_problems
 from benchsuite.records import CellResult
 from benchsuite.results.manifest import Manifest
 from benchsuite.results.store import RunStore
@@ -107,7 +108,7 @@ def main(args: argparse.Namespace) -> int:
     plan = build_plan(load_matrix(args.matrix, placeholders=args.dry_run), run_id=args.run_id)
     if args.only:
         plan = select(plan, args.only)
-    missing = missing_models(plan)
+    missing = missing_models(plan) + dataset_problems(plan)  # files here that cannot serve the plan
     env = checklist.environment(plan)
     if args.dry_run:
         print(format_plan(plan))

@@ -93,12 +93,13 @@ def load_matrix(path: str | Path, *, placeholders: bool = False) -> ValidatedMat
         if workload.path is not None:  # relative to the matrix file, checked before anything starts
             path = Path(workload.path).expanduser()
             path = path if path.is_absolute() else source.parent / path
+            what = f"{path} is a directory, not a file" if path.is_dir() else f"no such file: {path}"
             if not path.is_file() and placeholders:
                 if "${" not in workload.path:  # an unset variable is listed once, as unset
-                    unresolved.append(f"workloads.{name}.path: no such file: {path}")
+                    unresolved.append(f"workloads.{name}.path: {what}")
                 continue
             if not path.is_file():
-                problems.append(f"{source}: workloads.{name}.path: no such file: {path}")
+                problems.append(f"{source}: workloads.{name}.path: {what}")
             workloads[name] = workload.model_copy(update={"path": str(path)})
     if problems:
         raise MatrixError("\n".join(dict.fromkeys(problems)))

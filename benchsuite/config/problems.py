@@ -56,7 +56,10 @@ def _describe(err: Mapping[str, Any], model: type[BaseModel], loc: tuple[str | i
         allowed = _allowed_keys(model, loc[:-1])
         if not allowed:
             return "unknown key"
-        close = difflib.get_close_matches(str(loc[-1]), allowed, n=1, cutoff=0.6)
+        # a key another engine spells shorter (`model` where SGLang has `model_path`) is a prefix of the
+        # right one, which spelling distance ranks below a short neighbour (`mode`)
+        longer = [key for key in allowed if key.startswith(f"{loc[-1]}_")]
+        close = longer or difflib.get_close_matches(str(loc[-1]), allowed, n=1, cutoff=0.6)
         guess = f"; did you mean {close[0]}?" if close else ""
         return f"unknown key{guess} (allowed: {', '.join(allowed)})"
     if kind == "missing":

@@ -12,9 +12,11 @@ configuration and metric (decode tok/s p50, TTFT p50, output tok/s of each cell)
   |change| > threshold; the page says when A and B ran the same commit and matrix (an A/A comparison:
   every flag there is a false alarm) and which rows were measured on a busy machine.
 
-Printed, a comparison reads as one row per configuration with the columns a user reads first
-(`summary_frame`: decode tok/s, TTFT, output tok/s, each "A → B (change [interval])", peak device
-memory, the flags); `--columns all` prints the full table of one row per configuration and metric.
+Printed, a comparison reads as one line of counts and the flagged rows only
+(benchsuite.report.compare_text); `--columns all` prints the full table of one row per configuration
+and metric, as compare.md always has; `summary_frame` (one row per configuration with the columns a
+user reads first: decode tok/s, TTFT, output tok/s, each "A → B (change [interval])", peak device
+memory, the flags) is the markdown's default table.
 """
 
 from __future__ import annotations
@@ -266,14 +268,14 @@ def method_text(c: Comparison) -> str:
     )
 
 
-_SUMMARY_METRICS = (("decode_tok_s", "decode tok/s"), ("ttft_p50_ms", "TTFT p50 ms"), ("output_tok_s", "output tok/s"))
+SUMMARY_METRICS = (("decode_tok_s", "decode tok/s"), ("ttft_p50_ms", "TTFT p50 ms"), ("output_tok_s", "output tok/s"))
 
 
 def _number(value: Any) -> str:
     return "—" if value is None or pd.isna(value) else f"{value:.4g}"
 
 
-def _change_text(row: pd.Series) -> str:
+def change_text(row: pd.Series) -> str:
     """ "A → B (change [interval])" of one metric row; "—" where a side has no value."""
     if row["a"] is None or row["b"] is None or pd.isna(row["a"]) or pd.isna(row["b"]):
         return "—"
@@ -287,7 +289,7 @@ def summary_frame(rows: pd.DataFrame) -> pd.DataFrame:
     """One row per configuration (workload, prompt class and concurrency in its name) with the columns a
     user reads first: decode tok/s, TTFT p50, output tok/s as "A → B (change [interval])", the peak
     device memory of each side (GB), and the metrics flagged with their verdict."""
-    columns = ["configuration", *(title for _, title in _SUMMARY_METRICS), "peak memory GB", "flagged"]
+    columns = ["configuration", *(title for _, title in SUMMARY_METRICS), "peak memory GB", "flagged"]
     out = []
     keys = ["configuration", "workload", "prompt_class", "concurrency"]
     for (label, workload, prompt_class, concurrency), group in rows.groupby(keys, sort=False):
@@ -299,10 +301,10 @@ def summary_frame(rows: pd.DataFrame) -> pd.DataFrame:
             else f"{_number(first['a_peak_gb'])} → {_number(first['b_peak_gb'])}"
         )
         entry = {"configuration": f"{label} · {workload} · {prompt_class} · c={concurrency}"}
-        for metric, title in _SUMMARY_METRICS:
-            entry[title] = _change_text(by_metric[metric]) if metric in by_metric else "—"
+        for metric, title in SUMMARY_METRICS:
+            entry[title] = change_text(by_metric[metric]) if metric in by_metric else "—"
         entry["peak memory GB"] = memory
-        titles = dict(_SUMMARY_METRICS)
+        titles = dict(SUMMARY_METRICS)
         entry["flagged"] = ", ".join(
             f"{titles.get(r['metric'], r['metric']).split()[0]} {r['verdict']}"
             for _, r in group.iterrows()

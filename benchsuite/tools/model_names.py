@@ -6,8 +6,10 @@ without weights: what `benchsuite preflight --model` accepts.
   (paged_experts.weights.synth; the vocabulary taken at the preset's BPE bound, since the real one
   is learned when the checkpoint is generated);
 - a well-known MoE model by name (`KNOWN`, case-insensitive, with or without its hub organisation):
-  the config.json fields of its public model card. DeepSeek-V3 is not listed: its attention (MLA)
-  caches a compressed latent, not the K/V heads the KV formula counts.
+  the config.json fields of its public model card (DeepSeek-V3: latent attention, whose KV per token
+  is one 512 + 64 latent per layer, three dense first layers and one shared expert per MoE layer,
+  all read by paged_experts.shape as from its config.json; its multi-token-prediction layer, used
+  only for speculative decoding, is not counted).
 Anything else is an error naming the closest known names.
 """
 
@@ -38,6 +40,14 @@ KNOWN: dict[str, dict[str, Any]] = {
         "model_type": "mixtral", "num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336,
         "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
         "vocab_size": 32000, "tie_word_embeddings": False,
+    },
+    "deepseek-ai/DeepSeek-V3": {
+        "model_type": "deepseek_v3", "num_hidden_layers": 61, "first_k_dense_replace": 3, "moe_layer_freq": 1,
+        "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+        "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+        "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "vocab_size": 129280, "tie_word_embeddings": False,
     },
     "openai/gpt-oss-20b": {
         "model_type": "gpt_oss", "num_hidden_layers": 24, "hidden_size": 2880, "intermediate_size": 2880,
