@@ -180,7 +180,7 @@ async def drive(base: str, config: SoakConfig, pid: int, result: SoakResult) -> 
             while time.monotonic() < end:
                 try:
                     tokens = await _stream(session, base, _body(rng, config.max_tokens), abandon=False)
-                except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError) as exc:
+                except (TimeoutError, aiohttp.ClientError, RuntimeError, ValueError) as exc:
                     fail(f"stream {index}: {type(exc).__name__}: {exc}")
                     await asyncio.sleep(0.5)
                     continue

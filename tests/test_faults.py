@@ -173,7 +173,7 @@ async def run_in_process(
         ctx = RunContext(plan, store, session, events or Hooks(), cell_timeout_s=cell_timeout_s)
         try:
             await asyncio.wait_for(execute(ctx), bound_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pytest.fail(
                 f"the run did not finish within {bound_s:g} s: the runner is hung; stored so far: "
                 + json.dumps({k: (c["status"], (c["reason"] or "")[:80]) for k, c in stored(store.run_dir).items()})

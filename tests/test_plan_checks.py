@@ -159,6 +159,7 @@ def test_the_published_reproduction_dry_runs_with_nothing_set(
     assert main(["run", str(PR42557 / "desktop16gb_fp8_k40_k24.yaml"), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "--model-path '${QWEN3_30B_A3B_FP8}'" in out  # placeholders in the exact commands
+    assert "is the placeholders'; the real run's follows from the variables' values" in out
     for line in (
         "  missing: engines.sglang_paged.options.model_path: environment variable QWEN3_30B_A3B_FP8 is not set",
         "  missing: engines.llamacpp_best.options.model: environment variable QWEN3_30B_A3B_Q8_0_GGUF is not set",
@@ -195,4 +196,36 @@ def test_sglang_needs_its_package_and_a_cuda_device(tmp_path: Path, monkeypatch:
     other = {"s": {"kind": "sglang", "options": {"model_path": "/m", "mode": "unpaged", "python": "/no/python"}}}
     (line,) = checklist.environment(build_plan(load_matrix(write_matrix(tmp_path, other))))
     # another interpreter's torch decides about CUDA at launch; this one only checks that it exists
-    assert line.check.missing and line.check.found == "interpreter /no/python does not exist"
+    assert line.check.missing and line.check.found == "interpreter /no/python does not exist (nor on PATH)"
+    # a bare name is looked up on PATH, as the launch looks it up
+    on_path = {"s": {"kind": "sglang", "options": {"model_path": "/m", "mode": "unpaged", "python": "python3"}}}
+    (line,) = checklist.environment(build_plan(load_matrix(write_matrix(tmp_path, on_path))))
+    assert not line.check.missing and line.check.found == "interpreter python3"
+
+
+def test_the_cuda_line_names_the_device_by_nvml_never_by_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.cuda.get_device_name initializes CUDA in the orchestrating process; the engines' device
+    memory must not share the GPU with such a context. The name comes from NVML."""
+    import torch
+
+    from benchsuite.tools import cuda_device, device_memory
+
+    def no_torch_cuda(*args: object) -> str:
+        raise AssertionError("CUDA initialized in the orchestrator")
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", no_torch_cuda)
+    monkeypatch.delenv(cuda_device.OVERRIDE_ENV, raising=False)
+    monkeypatch.setattr(device_memory, "gpu_names", lambda: ["NVIDIA H200", "NVIDIA H200"])
+    assert cuda_device.cuda_description() == "NVIDIA H200 (2 on this machine)"
+    monkeypatch.setattr(device_memory, "gpu_names", lambda: None)
+    assert cuda_device.cuda_description() == "a CUDA device (its name unread: NVML did not answer)"
+
+
+def test_gpu_names_without_nvml_is_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchsuite.tools import device_memory
+
+    def absent(*args: object) -> None:
+        raise device_memory.NvmlError("libnvidia-ml.so.1: cannot open shared object file")
+
+    monkeypatch.setattr(device_memory, "NvmlReader", absent)
+    assert device_memory.gpu_names() is None

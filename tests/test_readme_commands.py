@@ -23,7 +23,8 @@ def test_command_a_installs_into_a_venv_with_the_cpu_torch_first() -> None:
     assert steps[:2] == ["python3 -m venv .venv", ". .venv/bin/activate"]
     # pinned: an unpinned torch can resolve to a newer build that is not CPU-only
     assert steps[2] == "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
-    assert steps[3:] == ["pip install .", "benchsuite run configs/quickstart.yaml"]
+    # editable: every run records the commit and dirty flag of the code that ran (tools/machine.git_facts)
+    assert steps[3:] == ["pip install -e .", "benchsuite run configs/quickstart.yaml"]
 
 
 def test_ci_runs_command_b_exactly() -> None:

@@ -115,6 +115,18 @@ def test_sections_with_nothing_to_show_are_one_line_each(tmp_path: Path) -> None
     assert 'id="prefill"' not in page
 
 
+def test_a_table_with_measurements_is_shown_though_every_row_shares_a_note() -> None:
+    from benchsuite.report.build import _one_note
+
+    note = "no ok resident cell with a decode rate for this setup"
+    measured = pd.DataFrame({"K": [8, 16], "link_bound_tok_s": [11.75, 14.5], "note": [note, note]})
+    assert _one_note(measured) is None  # the link bounds are measured: the table stays
+    empty = pd.DataFrame({"K": [8, 16], "link_bound_tok_s": [None, None], "note": [note, note]}).astype(
+        {"link_bound_tok_s": float}
+    )
+    assert _one_note(empty) == note  # nothing measured: one line under "Not shown"
+
+
 def test_a_baseline_no_row_ran_is_said_once_not_in_every_row() -> None:
     rows = [
         *(row(f"p{i}", "s-p8", "paged", rep=i, decode=d) for i, d in enumerate((20.0, 20.5))),

@@ -149,6 +149,19 @@ def test_speed_memory_figure_one_point_per_configuration_with_budget_and_frontie
     assert "None" not in " ".join(f"{t.name} {' '.join(t.text or ())}" for t in fig.data)
 
 
+def test_a_memory_that_is_no_peak_is_said_on_the_axis_and_in_the_caption() -> None:
+    cells, groups = frames(_clear_win())
+    llama = cells["engine_kind"] == "llamacpp"
+    # older llama.cpp cells: no peak measured, only the memory in use after the cell
+    cells.loc[llama, "gpu_memory_used_bytes"] = cells.loc[llama, "peak_device_memory_bytes"]
+    cells.loc[llama, "peak_device_memory_bytes"] = None
+    (figure,) = speed_memory_figures(groups, cells)
+    assert figure.figure.layout.xaxis.title.text == "device memory (GB; not all peaks, see below)"
+    assert "not comparable with a peak: llama N=2: gpu memory after the cell." in figure.caption
+    (clean,) = speed_memory_figures(*reversed(frames(_clear_win())))
+    assert clean.figure.layout.xaxis.title.text == "peak device memory (GB)" and "not comparable" not in clean.caption
+
+
 def test_no_memory_figure_without_device_memory() -> None:
     cells, groups = frames(_equal_modes())
     assert speed_memory_figures(groups, cells) == []

@@ -120,3 +120,12 @@ def test_the_first_screen_caveats_carry_it() -> None:
     assert any(c.startswith("Not shown to be the same model") for c in setup_caveats(cells, servers, has_gpu=True))
     servers["s2"] = _record("llamacpp", "gen-1")
     assert not any("same model" in c for c in setup_caveats(cells, servers, has_gpu=True))
+
+
+def test_a_recipe_id_is_pinned_across_releases() -> None:
+    """Ids are recorded in cached models, GGUF facts and every run's fingerprint: one that changes
+    without the weights changing makes the report call two runs of one model different models and
+    refuses a resume. The recipe's generator label is an identity, not the module's import path."""
+    from paged_experts.weights.weights_id import source_weights
+
+    assert source_weights("synth:tiny?layers=2")["id"] == "gen-b546f38f62b823bb"

@@ -198,6 +198,10 @@ def dry_run_sections(plan: Plan, missing: list[str], env: list[checklist.EnvLine
     out += [f"  {line.text()}" for line in env if not line.check.missing]
     if not blocking and not env:
         out.append("  nothing beyond this package is needed")
+    if unresolved:  # the run id hashes the resolved matrix: the placeholders give another one
+        out.append(
+            f"  note: run id {plan.run_id} is the placeholders'; the real run's follows from the variables' values"
+        )
     inputs = plan.matrix.matrix.inputs
     if inputs:
         out.append("inputs (environment variables):")

@@ -165,7 +165,8 @@ def published_lines(plan: Plan) -> list[str]:
 
 
 def duration_text(seconds: float) -> str:
-    """3,725 s -> "1.0 h"; minutes under two hours' worth of minutes."""
+    """Seconds under 2 minutes, minutes under 2 hours, else hours: 90 s -> "90 s", 3,725 s -> "62 min",
+    9,000 s -> "2.5 h"."""
     if seconds < 120:
         return f"{math.ceil(seconds)} s"
     if seconds < 2 * 3600:

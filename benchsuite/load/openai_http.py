@@ -8,7 +8,6 @@ RunError naming the URL (one line on stderr, never a traceback or a made-up resu
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -33,7 +32,7 @@ class Completion:
 async def _transport_errors(url: str) -> AsyncIterator[None]:
     try:
         yield
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         detail = str(exc) or type(exc).__name__
         raise RunError(f"{url}: {detail}") from None
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:

@@ -205,13 +205,22 @@ NOT_SHOWN = "not-shown"
 
 
 def _one_note(frame: pd.DataFrame) -> str | None:
-    """The note every row of a table carries, when they all carry the same one: the table is filler (each
-    row says why its figure is missing), said once instead."""
-    if "note" not in frame or frame.empty:
+    """The note every row of a table carries, when they all carry the same one and the table holds no
+    measurement: the table is filler (each row says why its figure is missing), said once instead. A
+    shared note often explains one missing column beside measured ones (the link bound of a run with no
+    resident cell, a hit rate stored before its optimum was): such a table is shown."""
+    if "note" not in frame or frame.empty or _measured(frame):
         return None
     notes = {str(n) for n in frame["note"]}
     note = next(iter(notes))
     return note if len(notes) == 1 and note.strip() and note != "nan" else None
+
+
+def _measured(frame: pd.DataFrame) -> bool:
+    """Whether any cell of a float column (rates, seconds, fractions, bytes per token: what tables
+    measure; their labels, K, N and concurrency, are integers or text) holds a value."""
+    floats = frame.drop(columns="note").select_dtypes(include="floating")
+    return bool(floats.notna().to_numpy().any())
 
 
 def _not_shown(empty: list[tuple[str, str]]) -> Section:

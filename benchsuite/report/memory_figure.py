@@ -42,22 +42,29 @@ class Point:
     memory_gb: float
     speed: Spread
     cell_ids: tuple[str, ...]
+    memory_figure: str = "peak"  # which figure (report.budget.device_figure): a peak, or a fallback's name
 
 
-def _memory_gb(cells: pd.DataFrame, ids: list[str]) -> float | None:
+def _memory_gb(cells: pd.DataFrame, ids: list[str]) -> tuple[float, str] | None:
+    """The largest device memory of the cells, and which figure it is."""
     found = [device_figure(c) for _, c in cells[cells["cell_id"].isin(ids)].iterrows()]
-    measured = [f[0] for f in found if f is not None]
-    return max(measured) / GB if measured else None
+    measured = [f for f in found if f is not None]
+    if not measured:
+        return None
+    memory_bytes, figure = max(measured)
+    return memory_bytes / GB, "peak" if figure.startswith("peak") else figure
 
 
 def _points(rows: pd.DataFrame, cells: pd.DataFrame, metric: str) -> list[Point]:
     out = []
     for _, row in rows.iterrows():
-        memory = _memory_gb(cells, list(row["ok_cell_ids"]))
-        if row[metric] is None or memory is None:
+        found = _memory_gb(cells, list(row["ok_cell_ids"]))
+        if row[metric] is None or found is None:
             continue
+        memory, figure = found
         family = f"{row['mode']} ({row['engine_kind']})"
-        out.append(Point(short_name(row), str(row["mode"]), family, memory, row[metric], tuple(row["ok_cell_ids"])))
+        ids = tuple(row["ok_cell_ids"])
+        out.append(Point(short_name(row), str(row["mode"]), family, memory, row[metric], ids, figure))
     return sorted(out, key=lambda p: (p.memory_gb, -p.speed.median, p.name))
 
 
@@ -167,7 +174,9 @@ def speed_memory_figures(
         budget = next((float(b) for b in setup_budgets(cells, key) if b), None)
         for column, (points, title) in enumerate(drawn, start=1):
             _panel(fig, points, column, shown, budget / GB if budget else None)
-            fig.update_xaxes(title_text="peak device memory (GB)", row=1, col=column)
+            peaks = all(p.memory_figure == "peak" for p in points)
+            axis = "peak device memory (GB)" if peaks else "device memory (GB; not all peaks, see below)"
+            fig.update_xaxes(title_text=axis, row=1, col=column)
             fig.update_yaxes(title_text=title, row=1, col=column)
             memory = [p.memory_gb for p in points] + ([budget / GB] if budget else [])
             log_if_decades(fig, memory, "x", column)
@@ -190,10 +199,19 @@ def speed_memory_figures(
             legend={"font": {"size": 10}}, font={"family": "sans-serif"},
         )  # fmt: skip
         ids = sorted({i for points, _ in drawn for p in points for i in p.cell_ids})
+        others = sorted(
+            {f"{p.name}: {p.memory_figure}" for points, _ in drawn for p in points if p.memory_figure != "peak"}
+        )
         caption = (
             "One point per configuration: median over ok repeats, bars min..max; memory is the largest device "
             "memory of its cells. Up and to the left is better; the dotted step line joins the configurations "
             "no other beats on both axes."
+            + (
+                " No peak was measured for some points; their memory is another figure, not comparable with a "
+                f"peak: {'; '.join(others)}."
+                if others
+                else ""
+            )
             + (
                 " The dashed line is the run's GPU memory budget; hollow points are over it (no contenders)."
                 if budget

@@ -17,7 +17,7 @@ finished cell changed. `fingerprint_changes(old, new)` says, in one phrase per i
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +75,7 @@ def path_facts(label: str, path: Path) -> dict[str, Any]:
 
 def _stat(path: Path) -> dict[str, Any]:
     st = path.stat()
-    modified = datetime.fromtimestamp(st.st_mtime_ns / 1e9, timezone.utc).isoformat(timespec="microseconds")
+    modified = datetime.fromtimestamp(st.st_mtime_ns / 1e9, UTC).isoformat(timespec="microseconds")
     return {"bytes": st.st_size, "modified_utc": modified}
 
 

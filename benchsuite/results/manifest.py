@@ -16,7 +16,7 @@ another producer defines stays a mapping, said so at its field.
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -139,7 +139,7 @@ def build_manifest(plan: Plan) -> Manifest:
     """The manifest of a run as it starts: the plan, the machine and the source it runs from."""
     return Manifest(
         run_id=plan.run_id,
-        created_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        created_utc=datetime.now(UTC).isoformat(timespec="seconds"),
         matrix_source=str(plan.matrix.source),
         matrix_hash=plan.matrix.matrix_hash,
         matrix=plan.matrix.as_json(),

@@ -41,7 +41,7 @@ import os
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Self
 
@@ -83,7 +83,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 
 def utc_now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ class RunStore:
         return RunLock.acquire(self.run_dir, self._notify)
 
     def _move_aside(self) -> None:
-        aside = self.run_dir.with_name(f"{self.run_dir.name}.replaced-{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}")
+        aside = self.run_dir.with_name(f"{self.run_dir.name}.replaced-{datetime.now(UTC):%Y%m%dT%H%M%SZ}")
         old_lock = self._lock
         try:
             os.rename(self.run_dir, aside)

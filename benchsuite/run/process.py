@@ -165,7 +165,7 @@ class EngineProcess:
                             self._check_alive_and_log()
                             return
                         last_probe = f"HTTP {resp.status}"
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                     last_probe = type(exc).__name__ if not str(exc) else f"{type(exc).__name__}: {exc}"
                 await asyncio.sleep(min(_POLL_INTERVAL_S, max(deadline - time.monotonic(), 0)))
 

@@ -2,8 +2,9 @@
 cuda` (and of engines that need a CUDA GPU), so a run on a box without one stops before any server
 starts instead of a server dying with an empty log tail.
 
-`torch.cuda.is_available()` asks the driver for a device count without creating a context, so the
-GPU stays untouched for the engines; the answer is cached for the process. `BENCHSUITE_CUDA_CHECK`
+`torch.cuda.is_available()` asks the driver for a device count without creating a context, and the
+device's name is NVML's, so the GPU stays untouched for the engines; the answer is cached for the
+process. `BENCHSUITE_CUDA_CHECK`
 set to `absent` or `present` replaces the answer (tests of both sides on any machine).
 """
 
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import os
+
+from benchsuite.tools import device_memory
 
 OVERRIDE_ENV = "BENCHSUITE_CUDA_CHECK"
 
@@ -38,6 +41,9 @@ def cuda_description() -> str:
     """The device found, for a checklist line (call only when cuda_unavailable() is None)."""
     if os.environ.get(OVERRIDE_ENV) == "present":
         return f"assumed present ({OVERRIDE_ENV}=present)"
-    import torch
-
-    return f"{torch.cuda.get_device_name(0)} ({torch.cuda.device_count()} visible)"
+    # by NVML, not torch.cuda.get_device_name: that initializes CUDA in this process, which the engines'
+    # device memory must not share with an orchestrator's context
+    names = device_memory.gpu_names()
+    if not names:
+        return "a CUDA device (its name unread: NVML did not answer)"
+    return f"{names[0]} ({len(names)} on this machine)"

@@ -150,6 +150,11 @@ class NvmlReader:
         self._check(code, "GetComputeRunningProcesses")
         return []
 
+    def name(self, index: int) -> str:
+        buffer = ctypes.create_string_buffer(96)  # NVML_DEVICE_NAME_V2_BUFFER_SIZE
+        self._check(self._nvml.nvmlDeviceGetName(self._devices[index], buffer, len(buffer)), "GetName")
+        return buffer.value.decode(errors="replace")
+
     def total_bytes(self, index: int) -> int:
         memory = _Memory()
         self._check(self._nvml.nvmlDeviceGetMemoryInfo(self._devices[index], ctypes.byref(memory)), "GetMemoryInfo")
@@ -189,6 +194,21 @@ def gpu_total_bytes(index: int = 0) -> int | None:
         return None
     try:
         return reader.total_bytes(index) if index < reader.device_count else None
+    finally:
+        reader.close()
+
+
+def gpu_names() -> list[str] | None:
+    """Every GPU's name (NVML), or None without NVML: what a checklist line names, read without
+    touching CUDA in the orchestrating process (no context, no memory taken from the engines)."""
+    try:
+        reader = NvmlReader()
+    except NvmlError:
+        return None
+    try:
+        return [reader.name(i) for i in range(reader.device_count)]
+    except NvmlError:
+        return None
     finally:
         reader.close()
 
@@ -247,7 +267,7 @@ class PeakSampler:
             await asyncio.to_thread(self.sample)  # NVML calls block briefly: off the event loop
             try:
                 await asyncio.wait_for(stopping.wait(), self.interval_s)
-            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+            except TimeoutError:
                 pass
 
     def start(self) -> None:

@@ -59,7 +59,9 @@ if TYPE_CHECKING:
 
     from paged_experts.config import MoeModelConfig
 
-GENERATOR = "paged_experts.weights.weightgen"
+# an identity label hashed into every recipe id (weights_id), not an import path: it keeps the name the
+# module had when the recipe was defined, so ids recorded before the module moved to weights/ still match
+GENERATOR = "paged_experts.weightgen"
 GENERATOR_VERSION = 1  # bump when any generated value changes
 _M32 = 0xFFFFFFFF
 _C1, _C2 = 0x7FEB352D, 0x446CA68B  # odd, below 2**31 (see the module docstring)

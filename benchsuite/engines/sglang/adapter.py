@@ -14,7 +14,7 @@ SGLang needs a CUDA GPU; nothing in this project has run it, and no result here 
 from __future__ import annotations
 
 import importlib.util
-import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -92,8 +92,9 @@ class SGLangAdapter(EngineAdapter):
         opts = self._options(spec)
         fix = 'pip install ".[sglang]" (SGLang 0.5.23), or set the `python` option to an interpreter that has it'
         if opts.python is not None:
-            ok = os.access(Path(opts.python).expanduser(), os.X_OK)
-            found = f"interpreter {opts.python}" + ("" if ok else " does not exist")
+            # a path, or a bare name found on PATH as the launch will find it (`python3.11`)
+            ok = shutil.which(str(Path(opts.python).expanduser())) is not None
+            found = f"interpreter {opts.python}" + ("" if ok else " does not exist (nor on PATH)")
         else:
             spec_found = importlib.util.find_spec("sglang")
             ok = spec_found is not None
