@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import signal
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -91,5 +92,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def entry() -> int:
+    """The `benchsuite` command: main(), then Ctrl-C ignored while the interpreter shuts down. The
+    command is done and its exit status stands; a SIGINT landing in an atexit finalizer (torch's
+    library cleanup, say) would print "Exception ignored ... KeyboardInterrupt" and change nothing."""
+    try:
+        code = main()
+    except KeyboardInterrupt:  # between main's own handler and here
+        print("benchsuite: interrupted", file=sys.stderr)
+        code = 130
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

@@ -43,7 +43,9 @@ def cluster() -> Iterator[Cluster]:
     c.shutdown()
 
 
-def _matrix(tmp_path: Path, model: Path, concurrency: list[int], repeats: int = 1) -> Path:
+def _matrix(
+    tmp_path: Path, model: Path, concurrency: list[int], repeats: int = 1, output_tokens: int = 8, requests: int = 3
+) -> Path:
     """Two built-in servers on the tiny model, small cells (a few seconds each on a shared 2-core box)."""
     body = {
         "name": "raytiny",
@@ -57,8 +59,8 @@ def _matrix(tmp_path: Path, model: Path, concurrency: list[int], repeats: int = 
         },
         "workloads": {
             "bundled": {
-                "dataset": "bundled", "prompt_classes": ["short"], "output_tokens": 8,
-                "concurrency": concurrency, "num_requests": 3, "warmup_requests": 1,
+                "dataset": "bundled", "prompt_classes": ["short"], "output_tokens": output_tokens,
+                "concurrency": concurrency, "num_requests": requests, "warmup_requests": 1,
             }
         },
     }  # fmt: skip
@@ -186,8 +188,9 @@ class _KillNodeOnFirstCell(SilentEvents):
 def test_a_node_killed_mid_run_fails_its_unsent_cells_and_a_rerun_completes_them(
     cluster: Cluster, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    # runs last: it leaves the cluster one worker node short
-    matrix = _matrix(tmp_path, tiny_model_dir, concurrency=[1, 2, 3])
+    # runs last: it leaves the cluster one worker node short. Cells of seconds each (64 tokens x 4
+    # requests): on a quiet machine 8-token cells all finished before the driver removed the node.
+    matrix = _matrix(tmp_path, tiny_model_dir, concurrency=[1, 2, 3], output_tokens=64, requests=4)
     events = _KillNodeOnFirstCell(cluster)
     problems, run_dir = _run_on_ray(matrix, cluster, events)
     assert problems == [] and events.killed is not None

@@ -41,6 +41,10 @@ def node_label(node: str, facts: Mapping[str, Any]) -> str:
 
 
 def _nodes_of(cells: pd.DataFrame) -> list[str]:
+    """The Ray nodes the cells name; none for a frame without the column (cells of a run stored before
+    `run --ray`, or built by hand)."""
+    if "node" not in cells:
+        return []
     return [str(n) for n in dict.fromkeys(cells["node"]) if isinstance(n, str) and n]
 
 
