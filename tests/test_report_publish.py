@@ -137,8 +137,8 @@ def test_an_unwritable_folder_gets_one_line_and_exit_2(
     if where == "read-only":
         out.parent.mkdir()
         out.parent.chmod(0o555)
-        if os.access(out.parent, os.W_OK):
-            pytest.skip("running as root: permissions do not stop writes")
+        if os.access(out.parent, os.W_OK):  # root (CI): permissions do not stop writes; sysfs refuses anyone
+            out = Path("/sys/benchsuite-report")
     try:
         assert cli_main(["report", str(FIXTURE), "--out", str(out)]) == 2
     finally:
