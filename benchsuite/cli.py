@@ -90,6 +90,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("benchsuite: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        if not caused_by_interrupt(exc):
+            raise
+        print("benchsuite: interrupted", file=sys.stderr)
+        return 130
+
+
+def caused_by_interrupt(exc: BaseException) -> bool:
+    """Whether a KeyboardInterrupt lies in the exception's chain. Ctrl-C while a C extension
+    initializes (scipy's HiGHS module, imported by `benchsuite report`) reaches us as
+    "ImportError: initialization failed" raised from the KeyboardInterrupt: an interrupt all the same."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, KeyboardInterrupt):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def entry() -> int:

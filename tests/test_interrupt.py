@@ -86,3 +86,37 @@ def test_the_command_ignores_ctrl_c_once_it_is_done(monkeypatch: pytest.MonkeyPa
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_an_interrupt_inside_an_extensions_initialization_is_an_interrupt(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C while scipy's HiGHS extension initialized (`benchsuite report` importing its stats)
+    arrived as "ImportError: initialization failed" raised from the KeyboardInterrupt, and printed a
+    traceback (test_benchsuite_report_interrupted[1.0], once in CI). Any exception whose chain holds
+    a KeyboardInterrupt is an interrupt; any other still propagates."""
+    import argparse
+    import types
+
+    from benchsuite import cli
+
+    def failing_import(args: argparse.Namespace) -> int:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as exc:
+            raise ImportError("initialization failed") from exc
+
+    def plain_failure(args: argparse.Namespace) -> int:
+        raise ImportError("no module named nothing")
+
+    for body, expect in ((failing_import, 130), (plain_failure, None)):
+        module = types.SimpleNamespace(configure=lambda p: None, main=body)
+        parser = argparse.ArgumentParser()
+        parser.add_argument("command")
+        monkeypatch.setattr(cli, "_build_parser", lambda argv, m=module, p=parser: (p, p, m))
+        if expect is None:
+            with pytest.raises(ImportError, match="no module named nothing"):
+                cli.main(["report"])
+        else:
+            assert cli.main(["report"]) == expect
+            assert capsys.readouterr().err.strip() == "benchsuite: interrupted"
