@@ -41,8 +41,12 @@ class RuntimeConfig:
     # 'auto' = on for CUDA, off on the CPU (where the host planner is the cheaper path).
     device_planning: Literal["auto", "on", "off"] = "auto"
     # Device-planned paged steps: compute the hits while the misses copy (on a second CUDA stream),
-    # then the misses. Off by default until measured (benchmarks/decode_h200.py '+overlap' modes).
+    # then each group of misses as soon as its copy landed (moe/overlap.py). Off by default until
+    # measured (configs/h200/paged-overlap.yaml; benchmarks/decode_h200.py '+overlap' modes).
     overlap_page_in: bool = False
+    # With overlap_page_in: the groups a step's misses are dealt into (miss i in group i mod G), each
+    # copied, then computed, on its own. 1: the hits, then all the misses.
+    overlap_groups: int = 1
     # Graphed decode steps of paged layers: while layer i computes, layer i+1's router is applied to
     # layer i's hidden state and the predicted experts are paged in on a second stream; layer i+1
     # then pages in only what the prediction missed (see graphs.GraphedDecoder). Off by default until
@@ -86,6 +90,10 @@ class RuntimeConfig:
             raise ValueError(
                 "overlap_page_in needs mode='paged' with device planning (device_planning 'on', or 'auto' on CUDA)"
             )
+        if not 1 <= self.overlap_groups <= 64:
+            raise ValueError(f"overlap_groups must be in [1, 64], got {self.overlap_groups}")
+        if self.overlap_groups != 1 and not self.overlap_page_in:
+            raise ValueError("overlap_groups applies with overlap_page_in only")
         if self.prefetch_next_layer and not self.plans_on_device:
             raise ValueError(
                 "prefetch_next_layer needs mode='paged' with device planning (device_planning 'on', or 'auto' on CUDA)"

@@ -48,6 +48,15 @@ def test_each_fast_path_option_turns_off(tmp_path: Path) -> None:
     assert flag(argv, "--kernel-backend") == "grouped" and flag(argv, "--cuda-graph-max-bs") == "2"
     argv, _ = plan_argv(tmp_path, "device: cuda, mode: paged, resident_experts: 16, prefetch_next_layer: true")
     assert "--prefetch-next-layer" in argv and "--enable-overlap-schedule" in argv
+    argv, _ = plan_argv(tmp_path, "device: cuda, mode: paged, resident_experts: 16")
+    assert "--overlap-page-in" not in argv and "--overlap-groups" not in argv  # off: the command as before
+    argv, resolved = plan_argv(
+        tmp_path, "device: cuda, mode: paged, resident_experts: 16, overlap_page_in: true, overlap_groups: 4"
+    )
+    assert "--overlap-page-in" in argv and flag(argv, "--overlap-groups") == "4"
+    assert (resolved["overlap_page_in"], resolved["overlap_groups"]) == (True, 4)
+    ns = build_parser().parse_args(argv[3:])
+    assert (ns.overlap_page_in, ns.overlap_groups) == (True, 4)
     argv, _ = plan_argv(tmp_path, base + ", overlap_schedule: false")
     assert "--disable-overlap-schedule" in argv and not build_parser().parse_args(argv[3:]).overlap_schedule
 
@@ -88,6 +97,14 @@ def test_prefill_residency_is_written_for_paged_servers_only(tmp_path: Path) -> 
         ("device: cuda, mode: resident, prefetch_next_layer: true",
          "engines.e.options.prefetch_next_layer: true needs mode paged"),
         ("device: cuda, mode: resident, expert_kernel: fast", "engines.e.options.expert_kernel:"),
+        ("device: cpu, mode: paged, resident_experts: 8, overlap_page_in: true",
+         "engines.e.options.overlap_page_in: true needs mode paged and device cuda"),
+        ("device: cuda, mode: paged, resident_experts: 8, prefetch_next_layer: true, overlap_page_in: true",
+         "engines.e.options.overlap_page_in: true and prefetch_next_layer both use the page-in stream"),
+        ("device: cuda, mode: paged, resident_experts: 8, overlap_groups: 2",
+         "engines.e.options.overlap_groups: 2 applies with overlap_page_in only"),
+        ("device: cuda, mode: paged, resident_experts: 8, overlap_page_in: true, overlap_groups: 0",
+         "engines.e.options.overlap_groups: overlap_groups must be in [1, 64]"),
         ("device: cpu, mode: paged, resident_experts: 8, prefill_residency: newest",
          "engines.e.options.prefill_residency: 'newest' is not one of recent, frequent, lru"),
         ("device: cpu, mode: resident, prefill_residency: recent",

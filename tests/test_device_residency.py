@@ -107,16 +107,23 @@ def _scenario(model: MoeCausalLM, decode_steps: int = 4, pool: KvPool | None = N
     return out
 
 
-def _paged(k: int, planning: str, overlap: bool = False) -> MoeCausalLM:
-    rt = RuntimeConfig(mode="paged", resident_experts=k, device_planning=planning, overlap_page_in=overlap)  # type: ignore[arg-type]
+def _paged(k: int, planning: str, overlap: bool = False, groups: int = 1) -> MoeCausalLM:
+    rt = RuntimeConfig(
+        mode="paged", resident_experts=k, device_planning=planning, overlap_page_in=overlap, overlap_groups=groups,  # type: ignore[arg-type]
+    )  # fmt: skip
     return MoeCausalLM.from_pretrained(PATH, rt)
 
 
-@pytest.mark.parametrize(("k", "overlap"), [(4, False), (8, False), (12, False), (8, True), (12, True)])
-def test_device_planned_model_equals_resident_and_counts_like_host(k: int, overlap: bool) -> None:
-    """overlap=True: hits and misses as two grouped passes (a second stream on CUDA), still bit-exact."""
+@pytest.mark.parametrize(
+    ("k", "overlap", "groups"),
+    [(4, False, 1), (8, False, 1), (12, False, 1), (8, True, 1), (12, True, 1), (8, True, 2), (12, True, 3),
+     (12, True, 12)],
+)  # fmt: skip
+def test_device_planned_model_equals_resident_and_counts_like_host(k: int, overlap: bool, groups: int) -> None:
+    """overlap=True: the hits, then each of `groups` groups of misses, as grouped passes (a second
+    stream on CUDA), still bit-exact."""
     resident = _scenario(MoeCausalLM.from_pretrained(PATH, RuntimeConfig(mode="resident")))
-    on, off = _paged(k, "on", overlap), _paged(k, "off")
+    on, off = _paged(k, "on", overlap, groups), _paged(k, "off")
     assert all(m.device_residency is not None for m in on.moe_layers)
     assert all(m.device_residency is None for m in off.moe_layers)
     for i, (a, b, r) in enumerate(zip(_scenario(on), _scenario(off), resident)):
@@ -157,6 +164,10 @@ def test_static_decode_of_device_planned_paged_model_matches_eager() -> None:
 def test_overlap_needs_device_planning() -> None:
     with pytest.raises(ValueError, match="overlap_page_in needs"):
         RuntimeConfig(mode="paged", resident_experts=8, overlap_page_in=True)  # CPU 'auto' plans on the host
+    with pytest.raises(ValueError, match="overlap_groups applies with overlap_page_in only"):
+        RuntimeConfig(mode="paged", resident_experts=8, device_planning="on", overlap_groups=2)
+    with pytest.raises(ValueError, match=r"overlap_groups must be in \[1, 64\], got 0"):
+        RuntimeConfig(mode="paged", resident_experts=8, device_planning="on", overlap_page_in=True, overlap_groups=0)
 
 
 def test_graphs_refuse_paged_layers_planned_on_the_host() -> None:

@@ -97,3 +97,20 @@ def test_the_headline_matrix_issue_24_asks_for(stand_ins: None, capsys: pytest.C
     assert searches[("paged-fp8", "resident_experts")].routing == "model"
     (resident,) = [s for s in plan.servers if s.kind == "builtin"]
     assert resident.options.mode == "resident" and resident.options.dtype == "bfloat16"
+
+
+def test_the_overlap_matrix_issue_29_asks_for(stand_ins: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """configs/h200/overlap.yaml: paged FP8 at K=40, model and calibrated routing, without overlap
+    and with the misses in 1, 2 and 4 groups; the server command names what is in force."""
+    path = CONFIGS / "overlap.yaml"
+    assert main(["run", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    plan = build_plan(load_matrix(path))
+    settings = sorted(
+        (s.options.routing, bool(s.options.overlap_page_in), s.options.overlap_groups or 0) for s in plan.servers
+    )
+    assert settings == [(routing, on, groups) for routing in ("model", "qwen3-30b-a3b")
+                        for on, groups in ((False, 0), (True, 1), (True, 2), (True, 4))]  # fmt: skip
+    assert {(s.options.mode, s.options.resident_experts) for s in plan.servers} == {("paged", 40)}
+    assert out.count("--overlap-page-in --overlap-groups 4") == 2
+    assert load_matrix(path).matrix.linkbw

@@ -381,5 +381,20 @@ def test_unified_kernels_compile_to_the_old_ptx(new, old, pointers, tiles, num_w
     from paged_experts.kernels import moe_triton
 
     before = h200_ptx(globals()[old], pointers, {**SHAPE, **tiles}, num_warps)
-    after = h200_ptx(getattr(moe_triton, new), pointers, {**SHAPE, **tiles, "SCALED": scaled}, num_warps)
+    after = h200_ptx(getattr(moe_triton, new), pointers, {**SHAPE, **tiles, "SCALED": scaled, "SKIP": False}, num_warps)
     assert "ld.global" in before and after == before
+
+
+@pytest.mark.parametrize(("pointers", "num_warps", "scaled"), [(GATE_UP, 2, False), (GATE_UP_FP8, 4, True)])
+def test_the_skipping_gate_up_compiles_for_the_h200(pointers, num_warps, scaled) -> None:
+    """SKIP (the overlapped pass's per-group launches, moe/overlap.py) compiles for sm_90 at the shipped
+    tiles, its weight loads predicated on the pair's row; with SKIP off the PTX is the old one (above)."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter compiles nothing")
+    from paged_experts.kernels import moe_triton
+
+    constants = {**SHAPE, "BN": 8, "BK": 512, "SCALED": scaled}
+    plain = h200_ptx(moe_triton._gate_up, pointers, {**constants, "SKIP": False}, num_warps)
+    skipping = h200_ptx(moe_triton._gate_up, pointers, {**constants, "SKIP": True}, num_warps)
+    assert "ld.global" in skipping and skipping != plain

@@ -25,6 +25,7 @@ EVERY_OPTION = [f.name for f in fields(ServeOptions)]
         {"mode": "cpu-experts", "n_cpu_moe": 2, "cpu_threads": 3, "max_connections": 7, "header_timeout": 2.5},
         {"routing_source": "qwen3-30b-a3b", "routing_seed": 4, "record_routing": "/r/t.trace", "port": 0},
         {"served_model_name": "x", "expert_kernel": "loop", "log_level": "debug", "chunked_prefill_size": 64},
+        {"mode": "paged", "resident_experts": 8, "device": "cuda", "overlap_page_in": True, "overlap_groups": 3},
     ],
 )
 def test_the_generated_parser_reads_back_what_argv_writes(changes: dict[str, object]) -> None:
@@ -55,6 +56,10 @@ def test_every_option_has_one_flag_and_help_lists_them_in_declaration_order() ->
          "true compiles the captured decode step: it needs CUDA graphs (cuda_graph_max_bs > 0)"),
         ({"device": "cuda", "mode": "paged", "eviction_policy": "lfu-decay"}, "eviction_policy",
          "--eviction-policy 'lfu-decay' runs on the host planner only", "'lfu-decay' runs on the host planner only"),
+        ({"device": "cpu", "mode": "paged", "overlap_page_in": True}, "overlap_page_in",
+         "--overlap-page-in needs mode paged and device cuda", "true needs mode paged and device cuda"),
+        ({"device": "cuda", "mode": "paged", "overlap_groups": 4}, "overlap_groups",
+         "--overlap-groups 4 applies with --overlap-page-in only", "4 applies with overlap_page_in only"),
     ],
 )  # fmt: skip
 def test_a_rule_is_one_rule_worded_for_the_server_and_the_matrix(

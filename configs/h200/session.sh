@@ -6,6 +6,7 @@
 #   bash configs/h200/session.sh prepare    # copy, wheels, CUDA llama-server build, both 48-layer models (detached)
 #   bash configs/h200/session.sh cuda       # the CUDA tests (foreground, ~3.5 min)
 #   bash configs/h200/session.sh headline   # benchsuite run of configs/h200/headline.yaml (detached)
+#   bash configs/h200/session.sh overlap    # benchsuite run of configs/h200/overlap.yaml (detached; issue 29)
 #   bash configs/h200/session.sh poll SECS  # wait up to SECS for the running jobs, printing progress
 #
 # Inputs the caller carries: .whl/ (the Python packages the box lacks, configs/h200/README.md) and
@@ -31,11 +32,13 @@ detach() {  # detach NAME CMD...: run CMD in its own session from the copy, log 
   echo "started $name"
 }
 
-collect() {  # the jobs' logs and the headline run's results into $OUT (at most 8 files come back)
+collect() {  # the jobs' logs and the runs' results into $OUT (at most 8 files come back)
   for f in "$JOBS"/*.log; do [ -f "$f" ] && tail -c 2000000 "$f" > "$OUT/$(basename "$f")"; done
-  if [ -d "$COPY/results/h200-headline" ]; then
-    tar -C "$COPY/results" -czf "$OUT/h200-headline.tar.gz" h200-headline 2>/dev/null
-  fi
+  for run in h200-headline h200-overlap; do
+    if [ -d "$COPY/results/$run" ]; then
+      tar -C "$COPY/results" -czf "$OUT/$run.tar.gz" "$run" 2>/dev/null
+    fi
+  done
 }
 
 case "${1:-}" in
@@ -54,21 +57,24 @@ case "${1:-}" in
     site
     (cd "$COPY" && python3 -m pytest tests/cuda -m cuda -q -p no:cacheprovider -o addopts= 2>&1 | tee "$JOBS/cuda.log" | tail -40)
     ;;
-  headline)
+  headline|overlap)
     site
-    detach headline "python3 -m benchsuite run configs/h200/headline.yaml --run-id h200-headline --no-report"
+    detach "$1" "python3 -m benchsuite run configs/h200/$1.yaml --run-id h200-$1 --no-report"
     ;;
   poll)
     site
     end=$(( $(date +%s) + ${2:-60} ))
     while [ "$(date +%s)" -lt "$end" ]; do
       running=$(pgrep -f "benchsuite (install|run|gguf)|synth_memory" | wc -l)
-      echo "$(date +%T) running=$running $(tail -n 1 "$JOBS"/headline.log 2>/dev/null | cut -c1-160)"
+      echo "$(date +%T) running=$running"
+      for run in headline overlap; do
+        [ -f "$JOBS/$run.log" ] && echo "  $run: $(tail -n 1 "$JOBS/$run.log" | cut -c1-160)"
+      done
       [ "$running" -eq 0 ] && break
       collect; sleep 20
     done
     ;;
-  *) echo "usage: $0 prepare|cuda|headline|poll SECS" >&2; exit 2 ;;
+  *) echo "usage: $0 prepare|cuda|headline|overlap|poll SECS" >&2; exit 2 ;;
 esac
 collect
 for f in "$JOBS"/*.log; do [ -f "$f" ] && { echo "== $(basename "$f")"; tail -n 4 "$f"; }; done

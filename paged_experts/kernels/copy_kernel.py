@@ -13,6 +13,8 @@ The kernel's rate against the DMA engines' `copy_` is measured, not assumed:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from paged_experts import fp8
@@ -46,14 +48,23 @@ def graph_safe(device: torch.device) -> bool:
     return device.type == "cuda" and triton is not None
 
 
-def copy_planned(host: ExpertTensors, slots: ExpertTensors, experts: torch.Tensor, slot_ids: torch.Tensor) -> None:
+def copy_planned(
+    host: ExpertTensors,
+    slots: ExpertTensors,
+    experts: torch.Tensor,
+    slot_ids: torch.Tensor,
+    names: Sequence[str] | None = None,
+) -> None:
     """host rows `experts[i]` -> slot rows `slot_ids[i]` for every entry whose expert is < E.
 
     experts, slot_ids: [P] int64 on the slots' device, padded with E (expert) / K (slot). Every tensor of
-    an expert's row is copied (FP8 weights as bytes, and their block scales)."""
+    an expert's row is copied (FP8 weights as bytes, and their block scales), or those of `names`
+    among them (an overlapped pass copies gate/up first, down last)."""
     num_experts = host.num_rows
+    # host.names() read at call time: the fault-injection tests narrow it
+    wanted = [n for n in host.names() if names is None or n in names]
     if graph_safe(slots.gate.device):
-        for name in host.names():  # read at call time: the fault-injection tests narrow it
+        for name in wanted:
             src, dst = fp8.raw(host.get(name)), fp8.raw(slots.get(name))  # FP8 rows copy as bytes
             row_elems, block = src[0].numel(), BLOCK_BYTES // src.element_size()
             grid = (experts.shape[0], triton.cdiv(row_elems, block))
@@ -62,6 +73,6 @@ def copy_planned(host: ExpertTensors, slots: ExpertTensors, experts: torch.Tenso
     valid = (experts < num_experts).nonzero().reshape(-1)  # [m]: the host read (not graph-safe)
     src_idx = experts[valid].to(host.gate.device)
     dst_idx = slot_ids[valid]
-    for name in host.names():  # read at call time: the fault-injection tests narrow it
+    for name in wanted:
         rows = fp8.raw(host.get(name)).index_select(0, src_idx).to(slots.gate.device)
         fp8.raw(slots.get(name)).index_copy_(0, dst_idx, rows)

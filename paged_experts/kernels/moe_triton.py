@@ -111,15 +111,22 @@ if triton is not None:
         BK: tl.constexpr,
         SCALED: tl.constexpr,
         QB: tl.constexpr,
+        SKIP: tl.constexpr = False,
     ):
         """x [T, H], rows [T*k] weight row per pair, w_gate/w_up [G, I, H] -> hid [T*k, I]. SCALED:
         float8_e4m3fn weights with fp32 scales s_gate/s_up [G, I/QB, H/QB], BN dividing QB (the
-        tile's rows share one scale row); otherwise s_gate/s_up are None."""
+        tile's rows share one scale row); otherwise s_gate/s_up are None. SKIP: a pair whose row is
+        negative is not this launch's (its weights may still be copying): it reads no weight and
+        writes nothing (its loads and store masked off), so a step's pairs can be computed over
+        several launches, each pair's values exactly those of one launch over all of them."""
         p = tl.program_id(0).to(tl.int64)
         n0 = tl.program_id(1) * BN
         n = n0 + tl.arange(0, BN)  # [BN]
         n_ok = n < INTER
         r = tl.load(rows + p).to(tl.int64)
+        if SKIP:  # another launch's pair: no column of it is in range
+            n_ok = n < tl.where(r >= 0, INTER, 0)
+            r = tl.maximum(r, 0)  # masked off: any row's address will do
         x_row = x + (p // TOP_K) * H
         w_off = r * INTER * H + n[:, None].to(tl.int64) * H  # [BN, 1]
         if SCALED:
@@ -286,20 +293,46 @@ def moe_pairs(
     defaults to the dtype's table: moe_tiles.CONFIGS, or for FP8 moe_tiles.fp8_tiles at this shape and T."""
     _require()
     t, h = x.shape
-    inter = gate.shape[1]
     out = x.new_empty(t, h)  # [T, H]
     if t == 0:
         return out
-    scaled = gate_scale is not None
-    if scaled:
-        assert up_scale is not None and down_scale is not None
-        tiles = tiles or fp8_tiles(h, inter, top_k, t)
-        check_tiles(tiles)
-    tiles = tiles or CONFIGS
+    tiles = pass_tiles(x, gate, top_k, gate_scale is not None, tiles)
     rows = pair_rows.reshape(-1).contiguous()  # [T*k]
-    hid = x.new_empty(t * top_k, inter)  # [T*k, I]
-    shape = dict(INTER=inter, H=h, SCALED=scaled, QB=QUANT_BLOCK)
-    cg, cd = tiles["gate_up"], tiles["down"]
+    hid = x.new_empty(t * top_k, gate.shape[1])  # [T*k, I]
+    gate_up_pairs(x, rows, gate, up, gate_scale, up_scale, hid, top_k, tiles)
+    down_pairs(hid, rows, topk_weights, down, down_scale, out, top_k, tiles)
+    return out
+
+
+def pass_tiles(
+    x: torch.Tensor, gate: torch.Tensor, top_k: int, scaled: bool, tiles: dict[str, TileConfig] | None = None
+) -> dict[str, TileConfig]:
+    """The tiles of a step's expert pass: `tiles` if given, else the dtype's table (FP8's per shape
+    and token count, x [T, H], gate [G, I, H]); FP8 tiles checked against the scale blocks."""
+    if scaled:
+        tiles = tiles or fp8_tiles(x.shape[1], gate.shape[1], top_k, x.shape[0])
+        check_tiles(tiles)
+    return tiles or CONFIGS
+
+
+def gate_up_pairs(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    gate_scale: torch.Tensor | None,
+    up_scale: torch.Tensor | None,
+    hid: torch.Tensor,
+    top_k: int,
+    tiles: dict[str, TileConfig],
+    skip_negative: bool = False,
+) -> None:
+    """hid [T*k, I] = silu(x . gate[row]) * (x . up[row]) per pair: x [T, H], rows [T*k] contiguous.
+    skip_negative: pairs whose row is -1 are left unwritten (another launch computes them)."""
+    _require()
+    t, h = x.shape
+    inter = gate.shape[1]
+    cg = tiles["gate_up"]
     _gate_up[(t * top_k, triton.cdiv(inter, cg.block_n))](
         x.contiguous(),
         rows,
@@ -312,14 +345,35 @@ def moe_pairs(
         BN=cg.block_n,
         BK=cg.block_k,
         num_warps=cg.num_warps,
-        **shape,
+        INTER=inter,
+        H=h,
+        SCALED=gate_scale is not None,
+        QB=QUANT_BLOCK,
+        SKIP=skip_negative,
     )
+
+
+def down_pairs(
+    hid: torch.Tensor,
+    rows: torch.Tensor,
+    topk_weights: torch.Tensor,
+    down: torch.Tensor,
+    down_scale: torch.Tensor | None,
+    out: torch.Tensor,
+    top_k: int,
+    tiles: dict[str, TileConfig],
+) -> None:
+    """out [T, H] = sum_j w[t, j] * (hid[t*k+j] . down[row]) in j order, fp32: hid [T*k, I], rows [T*k]."""
+    _require()
+    t, h = out.shape
+    inter = hid.shape[1]
+    cd = tiles["down"]
     topw = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*k]
     grid = (t, triton.cdiv(h, cd.block_n))
+    shape = dict(INTER=inter, H=h, SCALED=down_scale is not None, QB=QUANT_BLOCK)
     down_tiles = dict(BN=cd.block_n, BK=cd.block_k, num_warps=cd.num_warps, **shape)
     if cd.pair_vector:
         kb = triton.next_power_of_2(top_k)
         _down_combine_vec[grid](hid, rows, topw, down, down_scale, out, TOP_K=top_k, KB=kb, **down_tiles)
     else:
         _down_combine[grid](hid, rows, topw, down, down_scale, out, TOP_K=top_k, **down_tiles)
-    return out

@@ -82,7 +82,11 @@ def make_layer(
     assert k is not None
     lru = None
     if runtime.plans_on_device:
-        lru = DeviceLru(DeviceResidency(cfg.num_experts, k, device), overlap=runtime.overlap_page_in)
+        lru = DeviceLru(
+            DeviceResidency(cfg.num_experts, k, device),
+            overlap=runtime.overlap_page_in,
+            overlap_groups=runtime.overlap_groups,
+        )
     policy = make_policy(runtime.eviction_policy)  # RuntimeConfig refused a non-LRU one with device planning
     waves = HostWaves(LayerResidency(cfg.num_experts, k, policy, prefill_keep=runtime.prefill_residency))
     return PagedLayer(layer_idx, router_weight, host, to_device_rows(host, k, device), shared, waves, lru)

@@ -12,8 +12,9 @@ import copy
 
 import torch
 
-from paged_experts.kernels.fused import combine_pairs, experts_over_rows
+from paged_experts.kernels.fused import experts_over_rows, uses_triton
 from paged_experts.moe.layer import BeforeCompute, ExpertsFn, MoeLayer, MoeShared, StepContext, page_in_stream
+from paged_experts.moe.overlap import InlineCopies, StreamCopies, overlapped_pass
 from paged_experts.moe.planning import DeviceLru, HostWaves
 from paged_experts.moe.streaming import LayerCopies
 from paged_experts.residency.device import DeviceResidency, pull_many
@@ -112,8 +113,11 @@ class PagedLayer(MoeLayer):
         if lru.overlap:  # hits computing while the misses copy (no prefetch: see RuntimeConfig)
             before_compute()
             plan = lru.plan(flat)
-            y_pairs = lru.overlapped_pass(h, self.host, slots, plan, sh.top_k, page_in_stream(sh.device))
-            return combine_pairs(y_pairs, weights), plan.stats
+            stream = page_in_stream(sh.device)
+            copies = InlineCopies() if stream is None else StreamCopies(stream, sh.device)
+            triton = uses_triton(flat.shape[0], sh.device, sh.kernel_backend)  # what a plain step would run
+            out = overlapped_pass(h, weights, self.host, slots, plan, sh.top_k, lru.overlap_groups, copies, triton)
+            return out, plan.stats
         plan, pending = lru.page_in(self.host, slots, flat)
         before_compute()  # after this layer's page-ins are queued: its misses go first on the link
         out = experts_fn(

@@ -7,7 +7,8 @@
   Any step size (prefill, large batches); at most one host read of the routed ids per layer-step.
 - `DeviceLru`: one-wave steps (tokens x top_k <= K) planned on the device (`DeviceResidency`), paged
   in by `copy_kernel.copy_planned`, with no host synchronization (CUDA-graph capturable); optional
-  overlap (hits compute while misses copy) and next-layer prefetch. Shares its state with the
+  overlap (hits compute while the misses copy, each group of misses as soon as it landed:
+  `overlap.py`) and next-layer prefetch. Shares its state with the
   layer's `HostWaves` (pulled before a host-planned step, pushed back after).
 """
 
@@ -18,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from paged_experts.kernels.copy_kernel import copy_planned
-from paged_experts.kernels.fused import group_pairs, run_pairs
 from paged_experts.moe.streaming import LayerCopies
 from paged_experts.moe.waves import WaveKernel, WavePass
 from paged_experts.residency.device import DevicePlan, DeviceResidency
@@ -74,9 +74,10 @@ class PendingPrefetch:
 class DeviceLru:
     """One-wave LRU steps planned on the device for one paged layer."""
 
-    def __init__(self, residency: DeviceResidency, overlap: bool = False) -> None:
+    def __init__(self, residency: DeviceResidency, overlap: bool = False, overlap_groups: int = 1) -> None:
         self.residency = residency
-        self.overlap = overlap  # RuntimeConfig.overlap_page_in
+        self.overlap = overlap  # RuntimeConfig.overlap_page_in: moe/overlap.py
+        self.overlap_groups = overlap_groups  # RuntimeConfig.overlap_groups
         self.pending: PendingPrefetch | None = None  # set by `prefetch`, taken by `page_in`
         self.host_stale = False  # planned here since the host planner last saw the state
 
@@ -129,37 +130,6 @@ class DeviceLru:
         )  # [E+1], E: padding
         used = routed[pending.plan.miss_experts].sum()  # padding entries name E: never routed
         return torch.cat([plan.stats, torch.stack([pending.plan.stats[2], used])])
-
-    def overlapped_pass(
-        self,
-        x: torch.Tensor,
-        host: ExpertTensors,
-        slots: ExpertTensors,
-        plan: DevicePlan,
-        top_k: int,
-        copy_stream: torch.cuda.Stream | None,
-    ) -> torch.Tensor:
-        """[T, H] -> y_pairs [T*k, H]: the hit pairs compute while the misses copy on `copy_stream`,
-        then the miss pairs. A slot is all-hit or all-miss within a step, so each group is the same
-        product as in one pass (bit for bit). Rows of the other pass are left unwritten by each
-        grouped pass (no group), and `where` picks each row from the pass that owns it."""
-        k = self.residency.num_slots
-        y_hit = x.new_empty(plan.pair_slot.shape[0], x.shape[1])  # [T*k, H]
-        y_miss = torch.empty_like(y_hit)
-        if copy_stream is not None:
-            copy_stream.wait_stream(torch.cuda.current_stream(x.device))
-            with torch.cuda.stream(copy_stream):
-                copy_planned(host, slots, plan.miss_experts, plan.miss_slots)
-        else:
-            copy_planned(host, slots, plan.miss_experts, plan.miss_slots)
-        for rows_of, y in ((torch.where(plan.pair_missed, k, plan.pair_slot), y_hit), (None, y_miss)):
-            if rows_of is None:  # second pass: the misses, once their rows have landed
-                if copy_stream is not None:
-                    torch.cuda.current_stream(x.device).wait_stream(copy_stream)
-                rows_of = torch.where(plan.pair_missed, plan.pair_slot, k)
-            order, offs, _ = group_pairs(rows_of, k + 1)  # the dummy row k collects the other pass
-            run_pairs(x, slots, order, offs[:k], top_k, y)
-        return torch.where(plan.pair_missed[:, None], y_miss, y_hit)
 
     def push_from(self, residency: LayerResidency) -> None:
         self.residency.push_from(residency)

@@ -111,6 +111,19 @@ class ServeOptions:
         "stream and page the predicted experts in on a second stream while that layer computes "
         "(mode paged, --device cuda, needs --cuda-graph-max-bs; counted as experts_prefetched_total)",
     )
+    overlap_page_in: bool = _opt(
+        False,
+        "--overlap-page-in",
+        "paged decode steps planned on the GPU: compute the hit experts while the misses copy on a second "
+        "stream, then each group of misses as soon as its copy landed (mode paged, --device cuda; not with "
+        "--prefetch-next-layer; see --overlap-groups)",
+    )
+    overlap_groups: int = _opt(
+        1,
+        "--overlap-groups",
+        "with --overlap-page-in: the groups a step's misses are dealt into (miss i in group i mod N), each "
+        "copied, then computed, on its own (1..64; 1: the hits, then all the misses)",
+    )
     prefill_residency: str | None = _opt(  # None: the residency default
         None,
         "--prefill-residency",
@@ -275,6 +288,23 @@ def problems(values: Mapping[str, Any], say: Namer = FLAGS) -> Iterator[Problem]
                 "prefetch_next_layer",
                 f"{value} runs inside the captured decode step: it needs {say.option('cuda_graph_max_bs')} > 0",
             )
+    if get("overlap_page_in"):
+        value = say.value("overlap_page_in", True)
+        if mode != "paged" or device != "cuda":
+            yield Problem("overlap_page_in", f"{value} needs mode paged and device cuda (steps planned on the GPU)")
+        elif get("prefetch_next_layer"):
+            yield Problem(
+                "overlap_page_in",
+                f"{value} and {say.option('prefetch_next_layer')} both use the page-in stream: choose one",
+            )
+    groups = get("overlap_groups")
+    if groups is not None and not 1 <= groups <= 64:
+        yield Problem("overlap_groups", f"{say.option('overlap_groups')} must be in [1, 64]")
+    elif groups not in (None, 1) and not get("overlap_page_in"):
+        yield Problem(
+            "overlap_groups",
+            f"{say.value('overlap_groups', groups)} applies with {say.option('overlap_page_in')} only",
+        )
     for name, accepted in (("prefill_residency", PREFILL_KEEP), ("eviction_policy", EVICTION_POLICIES)):
         value = get(name)
         if value is None:

@@ -87,12 +87,15 @@ def test_device_planned_paged_equals_resident_qwen_shapes() -> None:
 
 
 def check_graphed_paged(
-    overlap: bool, compile_layers: bool = False, routing: str | None = None, backend: str = "grouped"
+    overlap: bool, compile_layers: bool = False, routing: str | None = None, backend: str = "grouped", groups: int = 1
 ) -> None:
     from paged_experts.routing.sources import make_router
 
     prompts = [[5, 17, 300, 41, 9, 77], [800, 2, 64], [11, 12, 13, 14, 15]]
-    paged = rt("bfloat16", mode="paged", resident_experts=12, overlap_page_in=overlap, kernel_backend=backend)
+    paged = rt(
+        "bfloat16", mode="paged", resident_experts=12, overlap_page_in=overlap, overlap_groups=groups,
+        kernel_backend=backend,
+    )  # fmt: skip
     eager_model = MoeCausalLM.from_pretrained(TINY, paged)
     model = MoeCausalLM.from_pretrained(TINY, paged)
     if routing is not None:  # the same seeded synthetic router in both: same draws step by step
@@ -121,6 +124,135 @@ def test_graphed_paged_decode_matches_eager() -> None:
 
 def test_graphed_paged_decode_with_overlapped_page_in_matches_eager() -> None:
     check_graphed_paged(overlap=True)
+    check_graphed_paged(overlap=True, groups=3)
+    check_graphed_paged(overlap=True, groups=4, backend="triton", compile_layers=True)
+
+
+@pytest.mark.parametrize("backend", ["grouped", "triton"])
+def test_overlapped_paged_decode_equals_resident(backend: str) -> None:
+    """Hits while the misses copy, then each group of misses as it lands (moe/overlap.py): paged ==
+    resident bit for bit with either expert backend, at every group count (eager steps)."""
+    prompts = [[5, 17, 300, 41, 9, 77, 3, 8], [800, 2, 64]]  # batch 2: 16 pairs, one wave for K >= 16
+    resident = decode(
+        MoeCausalLM.from_pretrained(QWEN2, rt("bfloat16", mode="resident", kernel_backend=backend)), prompts, steps=6
+    )
+    for groups in (1, 2, 8):
+        runtime = rt(
+            "bfloat16", mode="paged", resident_experts=16, overlap_page_in=True, overlap_groups=groups,
+            kernel_backend=backend,
+        )  # fmt: skip
+        model = MoeCausalLM.from_pretrained(QWEN2, runtime)
+        for i, (a, b) in enumerate(zip(decode(model, prompts, steps=6), resident)):
+            assert torch.equal(a, b), f"{backend} G={groups}: output {i} differs by {(a - b).abs().max().item()}"
+        assert model.counters.snapshot().total.misses > 0
+
+
+def _clone(t: ExpertTensors) -> ExpertTensors:
+    return ExpertTensors(*(None if x is None else x.clone() for x in (t.gate, t.up, t.down, *t.scales)))
+
+
+class SlowCopies:
+    """The page-in stream with the GPU held up where a test says: before copy i (in issue order)
+    the copy stream sleeps when i is in `late`, so the compute stream reaches its wait first; with
+    `slow_compute` the compute stream sleeps before its first kernel, so every copy lands early."""
+
+    def __init__(self, late: frozenset[int], slow_compute: bool) -> None:
+        from paged_experts.moe.layer import page_in_stream
+        from paged_experts.moe.overlap import StreamCopies
+
+        self.inner = StreamCopies(page_in_stream(torch.device("cuda")), torch.device("cuda"))
+        self.late, self.issued = late, 0
+        if slow_compute:
+            torch.cuda._sleep(2_000_000)  # ~1 ms on the compute stream
+
+    def start(self, *args: object) -> object:
+        if self.issued in self.late:
+            with torch.cuda.stream(self.inner.copy_stream):
+                torch.cuda._sleep(2_000_000)
+        self.issued += 1
+        return self.inner.start(*args)  # type: ignore[arg-type]
+
+    def wait(self, started: object) -> None:
+        self.inner.wait(started)
+
+
+@pytest.mark.parametrize("backend", ["grouped", "triton"])
+@pytest.mark.parametrize("fp8_rows", [False, True], ids=["bf16", "fp8"])
+def test_overlapped_pass_waits_for_each_group_on_the_gpu(backend: str, fp8_rows: bool) -> None:
+    """One layer's overlapped pass at the Qwen3-30B-A3B shape, eager and captured in a CUDA graph,
+    with the copy stream held up before every subset of its copies (or the compute stream held up
+    instead): the slots its misses go to hold NaN until their copy lands, so a pair computed early
+    shows; the output equals the plain pass over the landed slots, bit for bit."""
+    import itertools
+
+    from paged_experts import fp8
+    from paged_experts.kernels.copy_kernel import copy_planned
+    from paged_experts.kernels.fused import experts_over_rows, uses_triton
+    from paged_experts.moe.overlap import overlapped_pass
+    from paged_experts.residency.device import DeviceResidency
+
+    e, k, top_k, h, i, groups = 128, 16, 8, 2048, 768, 3
+    gen = torch.Generator().manual_seed(0)
+    dense = [torch.randn(e, *s, generator=gen, dtype=torch.bfloat16) / 40 for s in ((i, h), (i, h), (h, i))]
+    if fp8_rows:
+        q = [fp8.quantize(d) for d in dense]
+        tensors = [w for w, _ in q] + [sc for _, sc in q]
+    else:
+        tensors = dense
+    host = ExpertTensors(*(t.pin_memory() for t in tensors))
+    cuda = torch.device("cuda")
+    start_slots = ExpertTensors(*(t[:k].to(cuda) for t in tensors))
+    residency = DeviceResidency(e, k, cuda)
+    ids = torch.tensor([[0, 3, 20, 21, 22, 5, 40, 41], [1, 2, 20, 60, 61, 62, 63, 7]], device=cuda)  # 9 misses
+    plan = residency.plan(ids.reshape(-1))
+    x = torch.randn(2, h, device=cuda, dtype=torch.bfloat16)
+    weights = torch.softmax(torch.randn(2, top_k, device=cuda), -1)
+    triton = uses_triton(16, cuda, backend)
+    landed = _clone(start_slots)
+    copy_planned(host, landed, plan.miss_experts, plan.miss_slots)
+    want = experts_over_rows(
+        x, plan.pair_slot, weights, landed.gate, landed.up, landed.down, top_k, False, *landed.scales, backend=backend
+    )[0]  # fmt: skip
+    taken = plan.miss_slots[plan.miss_slots < k]
+
+    def poisoned() -> ExpertTensors:
+        slots = _clone(start_slots)
+        for name in slots.names():
+            t = slots.get(name)
+            if t.dtype == torch.float8_e4m3fn:
+                t.view(torch.uint8)[taken] = 0x7F  # an e4m3fn NaN
+            else:
+                t[taken] = float("nan")
+        return slots
+
+    copies = groups + (1 if triton else 0)
+    for late in itertools.chain.from_iterable(itertools.combinations(range(copies), n) for n in range(copies + 1)):
+        for slow_compute in (False, True):
+            if slow_compute and late:
+                continue
+            slots = poisoned()
+            got = overlapped_pass(
+                x, weights, host, slots, plan, top_k, groups, SlowCopies(frozenset(late), slow_compute), triton
+            )
+            torch.cuda.synchronize()
+            assert torch.equal(got, want), (late, slow_compute, (got - want).abs().max().item())
+    # captured: the per-group events become graph edges
+    slots = poisoned()
+    graph = torch.cuda.CUDAGraph()
+    overlapped_pass(
+        x, weights, host, poisoned(), plan, top_k, groups, SlowCopies(frozenset(), False), triton
+    )  # warm-up
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        got = overlapped_pass(
+            x, weights, host, slots, plan, top_k, groups, SlowCopies(frozenset({0, 1}), False), triton
+        )
+    for name in slots.names():  # poison again: the replay must copy before it computes
+        fresh = poisoned().get(name)
+        slots.get(name).copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want), (got - want).abs().max().item()
 
 
 def test_compiled_graphed_paged_decode_matches_eager() -> None:

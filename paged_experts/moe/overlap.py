@@ -1,0 +1,169 @@
+"""A device-planned paged step with its page-ins hidden behind compute (RuntimeConfig.overlap_page_in).
+
+Once a layer's routing is planned (`DeviceResidency.plan`), the misses are known on the device.
+Without overlap the step copies them all and then computes every pair. Here:
+- the misses are dealt round-robin into G groups (`overlap_groups`; miss i in group i mod G, so
+  with up to G misses each is alone in its group) and each group's rows are copied on the page-in
+  stream, one after another, each followed by an event (`StreamCopies`);
+- the hit pairs compute at once, while the copies run (a victim slot is never a routed expert's,
+  so no hit reads a slot being written);
+- each group's pairs compute as soon as that group's event has fired: the compute stream waits
+  for the event, not for the host and not for the other groups.
+Everything is stream-ordered, so the pass is captured in the decode graph like the rest.
+
+Two expert kernels, the same ones a non-overlapped step of the same size runs (so paged stays
+equal to resident bit for bit; the caller says which, by `fused.uses_triton`):
+- triton: gate/up per pair is its own launch per group (`moe_triton`'s
+  `SKIP`: pairs of other groups masked off), and a pair's values never depend on the launch that
+  computed them; the down projection sums a token's k pairs in one program, so it runs once, after
+  the last copy. The copies are ordered to match: every group's gate/up rows first, then all the
+  misses' down rows, so the link carries what the next launch needs first;
+- grouped (`fused.run_pairs`, CPU and the grouped backend): each group's pairs as their own
+  grouped pass over the slots, whole rows copied per group; each pair's row comes from the pass
+  that owns it.
+On the CPU the copies run inline (`InlineCopies`). Tests substitute copies that land in any order
+the GPU could produce (tests/test_overlap_page_in.py).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from paged_experts.kernels import moe_triton
+from paged_experts.kernels.copy_kernel import copy_planned
+from paged_experts.kernels.fused import combine_pairs, group_pairs, run_pairs
+from paged_experts.residency.device import DevicePlan
+from paged_experts.residency.store import ExpertTensors
+
+GATE_UP_TENSORS = ("gate", "up", "gate_scale", "up_scale")
+DOWN_TENSORS = ("down", "down_scale")
+
+
+class MissCopies(Protocol):
+    """Where an overlapped pass's page-ins run, and how its compute waits for one of them."""
+
+    def start(
+        self, host: ExpertTensors, slots: ExpertTensors, experts: torch.Tensor, slot_ids: torch.Tensor,
+        names: tuple[str, ...] | None,
+    ) -> object:  # fmt: skip
+        """Issues host rows `experts` -> slots `slot_ids` (padded, as `copy_planned` takes them);
+        returns what `wait` takes."""
+        ...
+
+    def wait(self, started: object) -> None:
+        """Work issued on the compute stream after this sees that copy's rows."""
+        ...
+
+
+class InlineCopies:
+    """Copies done when issued (CPU; a CUDA device without a page-in stream)."""
+
+    def start(
+        self, host: ExpertTensors, slots: ExpertTensors, experts: torch.Tensor, slot_ids: torch.Tensor,
+        names: tuple[str, ...] | None,
+    ) -> object:  # fmt: skip
+        copy_planned(host, slots, experts, slot_ids, names)
+        return None
+
+    def wait(self, started: object) -> None:
+        return None
+
+
+class StreamCopies:
+    """Copies on the page-in stream, each followed by an event the compute stream waits for."""
+
+    def __init__(self, copy_stream: torch.cuda.Stream, device: torch.device) -> None:
+        self.copy_stream = copy_stream
+        self.compute_stream = torch.cuda.current_stream(device)
+        # The plan is written and every earlier read of the slots is done before the first copy.
+        copy_stream.wait_stream(self.compute_stream)
+
+    def start(
+        self, host: ExpertTensors, slots: ExpertTensors, experts: torch.Tensor, slot_ids: torch.Tensor,
+        names: tuple[str, ...] | None,
+    ) -> object:  # fmt: skip
+        with torch.cuda.stream(self.copy_stream):
+            copy_planned(host, slots, experts, slot_ids, names)
+            landed = torch.cuda.Event()
+            landed.record(self.copy_stream)
+        return landed
+
+    def wait(self, started: object) -> None:
+        assert isinstance(started, torch.cuda.Event)
+        self.compute_stream.wait_event(started)
+
+
+def miss_groups(plan: DevicePlan, num_slots: int, groups: int) -> torch.Tensor:
+    """[P] group of each routed pair's page-in (miss i of the plan in group i mod `groups`), -1 for a hit."""
+    p = plan.miss_slots.shape[0]
+    slot_group = torch.full((num_slots + 1,), -1, dtype=torch.long, device=plan.miss_slots.device)  # [K+1]
+    # padding entries all name the spare slot K, which no pair uses
+    slot_group.index_copy_(0, plan.miss_slots, torch.arange(p, device=plan.miss_slots.device) % groups)
+    return torch.where(plan.pair_missed, slot_group[plan.pair_slot], -1)  # [P]
+
+
+def overlapped_pass(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    host: ExpertTensors,
+    slots: ExpertTensors,
+    plan: DevicePlan,
+    top_k: int,
+    groups: int,
+    copies: MissCopies,
+    triton: bool,
+) -> torch.Tensor:
+    """x [T, H], weights [T, k], the step's plan (already applied to the residency) -> [T, H], the
+    misses paged in by `copies` in `groups` groups while the hits compute (module docstring).
+    triton: moe_triton's kernels (where a plain step of this size runs them: `uses_triton`), else
+    the grouped pass."""
+    num_slots = slots.num_rows
+    pair_group = miss_groups(plan, num_slots, groups)  # [P]
+    group_rows = [
+        (plan.miss_experts[g::groups].contiguous(), plan.miss_slots[g::groups].contiguous()) for g in range(groups)
+    ]  # each [ceil((P - g) / G)], padded like the plan
+    if triton:
+        return _triton_pass(x, weights, host, slots, plan, pair_group, group_rows, top_k, copies)
+    landed = [copies.start(host, slots, experts, slot_ids, None) for experts, slot_ids in group_rows]
+    y_pairs = x.new_empty(plan.pair_slot.shape[0], x.shape[1])  # [P, H]
+    for g in range(-1, groups):  # -1: the hits, at once
+        if g >= 0:
+            copies.wait(landed[g])
+        mine = pair_group == g  # [P]
+        rows_of = torch.where(mine, plan.pair_slot, num_slots)  # [P]: the dummy row K collects the others
+        order, offs, _ = group_pairs(rows_of, num_slots + 1)
+        y = x.new_empty(y_pairs.shape) if g >= 0 else y_pairs  # [P, H]
+        run_pairs(x, slots, order, offs[:num_slots], top_k, y)
+        if g >= 0:
+            y_pairs = torch.where(mine[:, None], y, y_pairs)
+    return combine_pairs(y_pairs, weights)
+
+
+def _triton_pass(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    host: ExpertTensors,
+    slots: ExpertTensors,
+    plan: DevicePlan,
+    pair_group: torch.Tensor,
+    group_rows: list[tuple[torch.Tensor, torch.Tensor]],
+    top_k: int,
+    copies: MissCopies,
+) -> torch.Tensor:
+    """moe_triton's two passes: gate/up for the hits, then per group as its rows land; down once."""
+    first = [copies.start(host, slots, experts, slot_ids, GATE_UP_TENSORS) for experts, slot_ids in group_rows]
+    last = copies.start(host, slots, plan.miss_experts, plan.miss_slots, DOWN_TENSORS)
+    gate_scale, up_scale, down_scale = slots.scales
+    tiles = moe_triton.pass_tiles(x, slots.gate, top_k, gate_scale is not None)
+    hid = x.new_empty(plan.pair_slot.shape[0], slots.gate.shape[1])  # [P, I]
+    for g in range(-1, len(group_rows)):  # -1: the hits, at once
+        if g >= 0:
+            copies.wait(first[g])
+        rows = torch.where(pair_group == g, plan.pair_slot, -1)  # [P]: -1 = another launch's pair
+        moe_triton.gate_up_pairs(x, rows, slots.gate, slots.up, gate_scale, up_scale, hid, top_k, tiles, True)
+    copies.wait(last)
+    out = x.new_empty(x.shape)  # [T, H]
+    moe_triton.down_pairs(hid, plan.pair_slot.contiguous(), weights, slots.down, down_scale, out, top_k, tiles)
+    return out
