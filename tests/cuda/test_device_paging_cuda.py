@@ -147,10 +147,6 @@ def test_overlapped_paged_decode_equals_resident(backend: str) -> None:
         assert model.counters.snapshot().total.misses > 0
 
 
-def _clone(t: ExpertTensors) -> ExpertTensors:
-    return ExpertTensors(*(None if x is None else x.clone() for x in (t.gate, t.up, t.down, *t.scales)))
-
-
 class SlowCopies:
     """The page-in stream with the GPU held up where a test says: before copy i (in issue order)
     the copy stream sleeps when i is in `late`, so the compute stream reaches its wait first; with
@@ -184,6 +180,11 @@ def test_overlapped_pass_waits_for_each_group_on_the_gpu(backend: str, fp8_rows:
     instead): the slots its misses go to hold NaN until their copy lands, so a pair computed early
     shows; the output equals the plain pass over the landed slots, bit for bit."""
     import itertools
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from test_overlap_page_in import clone, poison  # the CPU test's poisoned slots
 
     from paged_experts import fp8
     from paged_experts.kernels.copy_kernel import copy_planned
@@ -208,21 +209,15 @@ def test_overlapped_pass_waits_for_each_group_on_the_gpu(backend: str, fp8_rows:
     x = torch.randn(2, h, device=cuda, dtype=torch.bfloat16)
     weights = torch.softmax(torch.randn(2, top_k, device=cuda), -1)
     triton = uses_triton(16, cuda, backend)
-    landed = _clone(start_slots)
+    landed = clone(start_slots)
     copy_planned(host, landed, plan.miss_experts, plan.miss_slots)
     want = experts_over_rows(
         x, plan.pair_slot, weights, landed.gate, landed.up, landed.down, top_k, False, *landed.scales, backend=backend
     )[0]  # fmt: skip
-    taken = plan.miss_slots[plan.miss_slots < k]
 
-    def poisoned() -> ExpertTensors:
-        slots = _clone(start_slots)
-        for name in slots.names():
-            t = slots.get(name)
-            if t.dtype == torch.float8_e4m3fn:
-                t.view(torch.uint8)[taken] = 0x7F  # an e4m3fn NaN
-            else:
-                t[taken] = float("nan")
+    def poisoned() -> ExpertTensors:  # NaN in the slots the misses go to, until their copies land
+        slots = clone(start_slots)
+        poison(slots, plan)
         return slots
 
     copies = groups + (1 if triton else 0)
