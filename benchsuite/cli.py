@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from benchsuite.errors import RunError, UserError
+from benchsuite.errors import RunError, UserError, caused_by_interrupt
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("benchsuite.commands.run", "run a benchmark matrix (matrix.yaml) and write results + report"),
@@ -85,6 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return int(module.main(args) or 0)
     except (UserError, RunError) as exc:
+        if caused_by_interrupt(exc):  # a store or engine error raised while Ctrl-C unwound the run
+            print("benchsuite: interrupted", file=sys.stderr)
+            return 130
         print(f"benchsuite: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
@@ -95,20 +98,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print("benchsuite: interrupted", file=sys.stderr)
         return 130
-
-
-def caused_by_interrupt(exc: BaseException) -> bool:
-    """Whether a KeyboardInterrupt lies in the exception's chain. Ctrl-C while a C extension
-    initializes (scipy's HiGHS module, imported by `benchsuite report`) reaches us as
-    "ImportError: initialization failed" raised from the KeyboardInterrupt: an interrupt all the same."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        if isinstance(current, KeyboardInterrupt):
-            return True
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return False
 
 
 def entry() -> int:

@@ -42,7 +42,7 @@ class RuntimeConfig:
     device_planning: Literal["auto", "on", "off"] = "auto"
     # Device-planned paged steps: compute the hits while the misses copy (on a second CUDA stream),
     # then each group of misses as soon as its copy landed (moe/overlap.py). Off by default until
-    # measured (configs/h200/paged-overlap.yaml; benchmarks/decode_h200.py '+overlap' modes).
+    # measured (configs/h200/overlap.yaml; benchmarks/decode_h200.py '+overlap' modes).
     overlap_page_in: bool = False
     # With overlap_page_in: the groups a step's misses are dealt into (miss i in group i mod G), each
     # copied, then computed, on its own. 1: the hits, then all the misses.

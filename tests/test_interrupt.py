@@ -99,6 +99,7 @@ def test_an_interrupt_inside_an_extensions_initialization_is_an_interrupt(
     import types
 
     from benchsuite import cli
+    from benchsuite.errors import RunError
 
     def failing_import(args: argparse.Namespace) -> int:
         try:
@@ -109,7 +110,23 @@ def test_an_interrupt_inside_an_extensions_initialization_is_an_interrupt(
     def plain_failure(args: argparse.Namespace) -> int:
         raise ImportError("no module named nothing")
 
-    for body, expect in ((failing_import, 130), (plain_failure, None)):
+    def cleanup_error(args: argparse.Namespace) -> int:  # raised while Ctrl-C unwound, from another error
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            try:
+                raise OSError("pipe closed")
+            except OSError as inner:
+                raise RuntimeError("stopping the engine failed") from inner
+
+    def store_error(args: argparse.Namespace) -> int:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise RunError("the store could not be closed") from None
+
+    bodies = ((failing_import, 130), (cleanup_error, 130), (store_error, 130), (plain_failure, None))
+    for body, expect in bodies:
         module = types.SimpleNamespace(configure=lambda p: None, main=body)
         parser = argparse.ArgumentParser()
         parser.add_argument("command")

@@ -24,7 +24,7 @@ from benchsuite.config import checklist
 from benchsuite.config.matrix import MatrixError, load_matrix
 from benchsuite.config.model_checks import missing_model
 from benchsuite.config.plan import Plan, build_plan, format_plan, select
-from benchsuite.errors import UserError
+from benchsuite.errors import UserError, caused_by_interrupt
 from benchsuite.load.dataset_check import dataset_problems
 from benchsuite.records import CellResult
 from benchsuite.results.manifest import Manifest
@@ -159,7 +159,9 @@ def _run(args: argparse.Namespace, plan: Plan, store: RunStore, console: Console
                         search=search.run_search,
                     )
                 )
-    except KeyboardInterrupt:
+    except BaseException as exc:  # Ctrl-C, or an error raised from it (errors.caused_by_interrupt)
+        if not caused_by_interrupt(exc):
+            raise
         print(f"benchsuite: interrupted; finished cells are kept in {store.run_dir} (rerun the same command to resume)")
         return 130
     results = read_cells(store.run_dir)  # search cells included

@@ -116,17 +116,17 @@ if triton is not None:
         """x [T, H], rows [T*k] weight row per pair, w_gate/w_up [G, I, H] -> hid [T*k, I]. SCALED:
         float8_e4m3fn weights with fp32 scales s_gate/s_up [G, I/QB, H/QB], BN dividing QB (the
         tile's rows share one scale row); otherwise s_gate/s_up are None. SKIP: a pair whose row is
-        negative is not this launch's (its weights may still be copying): it reads no weight and
-        writes nothing (its loads and store masked off), so a step's pairs can be computed over
-        several launches, each pair's values exactly those of one launch over all of them."""
+        negative is not this launch's (its weights may still be copying): its programs return after
+        reading the row, so a step's pairs can be computed over several launches, each pair's values
+        exactly those of one launch over all of them (SKIP off compiles the kernel without the check)."""
         p = tl.program_id(0).to(tl.int64)
         n0 = tl.program_id(1) * BN
         n = n0 + tl.arange(0, BN)  # [BN]
         n_ok = n < INTER
         r = tl.load(rows + p).to(tl.int64)
-        if SKIP:  # another launch's pair: no column of it is in range
-            n_ok = n < tl.where(r >= 0, INTER, 0)
-            r = tl.maximum(r, 0)  # masked off: any row's address will do
+        if SKIP:
+            if r < 0:  # another launch's pair: its weights may still be copying
+                return
         x_row = x + (p // TOP_K) * H
         w_off = r * INTER * H + n[:, None].to(tl.int64) * H  # [BN, 1]
         if SCALED:

@@ -13,14 +13,15 @@ Everything is stream-ordered, so the pass is captured in the decode graph like t
 
 Two expert kernels, the same ones a non-overlapped step of the same size runs (so paged stays
 equal to resident bit for bit; the caller says which, by `fused.uses_triton`):
-- triton: gate/up per pair is its own launch per group (`moe_triton`'s
-  `SKIP`: pairs of other groups masked off), and a pair's values never depend on the launch that
-  computed them; the down projection sums a token's k pairs in one program, so it runs once, after
-  the last copy. The copies are ordered to match: every group's gate/up rows first, then all the
-  misses' down rows, so the link carries what the next launch needs first;
+- triton: gate/up is one launch per group (`moe_triton`'s `SKIP`: the programs of other groups'
+  pairs return at once), and a pair's values never depend on the launch that computed them; the
+  down projection sums a token's k pairs in one program, so it runs once, after the last copy.
+  The copies are ordered to match: every group's gate/up rows first, then all the misses' down
+  rows, so the link carries what the next launch needs first;
 - grouped (`fused.run_pairs`, CPU and the grouped backend): each group's pairs as their own
   grouped pass over the slots, whole rows copied per group; each pair's row comes from the pass
-  that owns it.
+  that owns it. Each pass prepares the whole slot table as one pass does (FP8 rows without the
+  grouped FP8 kernel are dequantized G + 1 times): the triton backend is the fast path.
 On the CPU the copies run inline (`InlineCopies`). Tests substitute copies that land in any order
 the GPU could produce (tests/test_overlap_page_in.py).
 """
@@ -48,8 +49,8 @@ class MissCopies(Protocol):
         self, host: ExpertTensors, slots: ExpertTensors, experts: torch.Tensor, slot_ids: torch.Tensor,
         names: tuple[str, ...] | None,
     ) -> object:  # fmt: skip
-        """Issues host rows `experts` -> slots `slot_ids` (padded, as `copy_planned` takes them);
-        returns what `wait` takes."""
+        """Issues host rows `experts` -> slots `slot_ids` (padded, as `copy_planned` takes them),
+        ordered after everything the compute stream was given before; returns what `wait` takes."""
         ...
 
     def wait(self, started: object) -> None:
@@ -77,13 +78,15 @@ class StreamCopies:
     def __init__(self, copy_stream: torch.cuda.Stream, device: torch.device) -> None:
         self.copy_stream = copy_stream
         self.compute_stream = torch.cuda.current_stream(device)
-        # The plan is written and every earlier read of the slots is done before the first copy.
-        copy_stream.wait_stream(self.compute_stream)
 
     def start(
         self, host: ExpertTensors, slots: ExpertTensors, experts: torch.Tensor, slot_ids: torch.Tensor,
         names: tuple[str, ...] | None,
     ) -> object:  # fmt: skip
+        # Each copy after everything issued on the compute stream so far: the plan, the index
+        # tensors it reads (a group's entries are made contiguous there just before), and every
+        # earlier read of the slots. The pass issues every copy before any of its compute.
+        self.copy_stream.wait_stream(self.compute_stream)
         with torch.cuda.stream(self.copy_stream):
             copy_planned(host, slots, experts, slot_ids, names)
             landed = torch.cuda.Event()

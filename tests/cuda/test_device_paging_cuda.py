@@ -128,29 +128,29 @@ def test_graphed_paged_decode_with_overlapped_page_in_matches_eager() -> None:
     check_graphed_paged(overlap=True, groups=4, backend="triton", compile_layers=True)
 
 
-@pytest.mark.parametrize("backend", ["grouped", "triton"])
-def test_overlapped_paged_decode_equals_resident(backend: str) -> None:
+def test_overlapped_paged_decode_equals_resident() -> None:
     """Hits while the misses copy, then each group of misses as it lands (moe/overlap.py): paged ==
     resident bit for bit with either expert backend, at every group count (eager steps)."""
     prompts = [[5, 17, 300, 41, 9, 77, 3, 8], [800, 2, 64]]  # batch 2: 16 pairs, one wave for K >= 16
-    resident = decode(
-        MoeCausalLM.from_pretrained(QWEN2, rt("bfloat16", mode="resident", kernel_backend=backend)), prompts, steps=6
-    )
-    for groups in (1, 2, 8):
-        runtime = rt(
-            "bfloat16", mode="paged", resident_experts=16, overlap_page_in=True, overlap_groups=groups,
-            kernel_backend=backend,
-        )  # fmt: skip
-        model = MoeCausalLM.from_pretrained(QWEN2, runtime)
-        for i, (a, b) in enumerate(zip(decode(model, prompts, steps=6), resident)):
-            assert torch.equal(a, b), f"{backend} G={groups}: output {i} differs by {(a - b).abs().max().item()}"
-        assert model.counters.snapshot().total.misses > 0
+    for backend in ("grouped", "triton"):
+        resident_rt = rt("bfloat16", mode="resident", kernel_backend=backend)
+        resident = decode(MoeCausalLM.from_pretrained(QWEN2, resident_rt), prompts, steps=6)
+        for groups in (1, 2, 8):
+            runtime = rt(
+                "bfloat16", mode="paged", resident_experts=16, overlap_page_in=True, overlap_groups=groups,
+                kernel_backend=backend,
+            )  # fmt: skip
+            model = MoeCausalLM.from_pretrained(QWEN2, runtime)
+            for i, (a, b) in enumerate(zip(decode(model, prompts, steps=6), resident)):
+                assert torch.equal(a, b), f"{backend} G={groups}: output {i} differs by {(a - b).abs().max().item()}"
+            assert model.counters.snapshot().total.misses > 0
 
 
 class SlowCopies:
     """The page-in stream with the GPU held up where a test says: before copy i (in issue order)
     the copy stream sleeps when i is in `late`, so the compute stream reaches its wait first; with
-    `slow_compute` the compute stream sleeps before its first kernel, so every copy lands early."""
+    `slow_compute` the compute stream sleeps before the pass begins, so a copy that did not wait
+    for the compute stream's work (the index tensors it reads) would run ahead of it."""
 
     def __init__(self, late: frozenset[int], slow_compute: bool) -> None:
         from paged_experts.moe.layer import page_in_stream
@@ -172,13 +172,20 @@ class SlowCopies:
         self.inner.wait(started)
 
 
-@pytest.mark.parametrize("backend", ["grouped", "triton"])
-@pytest.mark.parametrize("fp8_rows", [False, True], ids=["bf16", "fp8"])
-def test_overlapped_pass_waits_for_each_group_on_the_gpu(backend: str, fp8_rows: bool) -> None:
-    """One layer's overlapped pass at the Qwen3-30B-A3B shape, eager and captured in a CUDA graph,
-    with the copy stream held up before every subset of its copies (or the compute stream held up
-    instead): the slots its misses go to hold NaN until their copy lands, so a pair computed early
-    shows; the output equals the plain pass over the landed slots, bit for bit."""
+def dirty_small_blocks(device: torch.device, value: int) -> None:
+    """Fills the caching allocator's free small blocks with `value` (allocated, filled, freed), so a
+    buffer read before the kernel that writes it holds that, not last pass's identical contents."""
+    blocks = [torch.full((8,), value, dtype=torch.long, device=device) for _ in range(8192)]
+    del blocks
+
+
+def test_overlapped_pass_waits_for_each_group_on_the_gpu() -> None:
+    """One layer's overlapped pass at the Qwen3-30B-A3B shape, bf16 and FP8 rows, both backends, eager
+    and captured in a CUDA graph, with the copy stream held up before every subset of its copies, or
+    the compute stream held up instead: the slots its misses go to hold NaN until their copy lands
+    (a pair computed early shows), the allocator's free small blocks hold an expert id past E (a copy
+    that read its group's indices before they were written copies nothing), and the output equals
+    the plain pass over the landed slots, bit for bit."""
     import itertools
     import sys
     from pathlib import Path
@@ -193,61 +200,58 @@ def test_overlapped_pass_waits_for_each_group_on_the_gpu(backend: str, fp8_rows:
     from paged_experts.residency.device import DeviceResidency
 
     e, k, top_k, h, i, groups = 128, 16, 8, 2048, 768, 3
+    cuda = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
     dense = [torch.randn(e, *s, generator=gen, dtype=torch.bfloat16) / 40 for s in ((i, h), (i, h), (h, i))]
-    if fp8_rows:
-        q = [fp8.quantize(d) for d in dense]
-        tensors = [w for w, _ in q] + [sc for _, sc in q]
-    else:
-        tensors = dense
-    host = ExpertTensors(*(t.pin_memory() for t in tensors))
-    cuda = torch.device("cuda")
-    start_slots = ExpertTensors(*(t[:k].to(cuda) for t in tensors))
-    residency = DeviceResidency(e, k, cuda)
     ids = torch.tensor([[0, 3, 20, 21, 22, 5, 40, 41], [1, 2, 20, 60, 61, 62, 63, 7]], device=cuda)  # 9 misses
-    plan = residency.plan(ids.reshape(-1))
     x = torch.randn(2, h, device=cuda, dtype=torch.bfloat16)
     weights = torch.softmax(torch.randn(2, top_k, device=cuda), -1)
-    triton = uses_triton(16, cuda, backend)
-    landed = clone(start_slots)
-    copy_planned(host, landed, plan.miss_experts, plan.miss_slots)
-    want = experts_over_rows(
-        x, plan.pair_slot, weights, landed.gate, landed.up, landed.down, top_k, False, *landed.scales, backend=backend
-    )[0]  # fmt: skip
+    for fp8_rows, backend in itertools.product((False, True), ("grouped", "triton")):
+        if fp8_rows:
+            q = [fp8.quantize(d) for d in dense]
+            tensors = [w for w, _ in q] + [sc for _, sc in q]
+        else:
+            tensors = dense
+        host = ExpertTensors(*(t.pin_memory() for t in tensors))
+        start_slots = ExpertTensors(*(t[:k].to(cuda) for t in tensors))
+        plan = DeviceResidency(e, k, cuda).plan(ids.reshape(-1))
+        triton = uses_triton(16, cuda, backend)
+        landed = clone(start_slots)
+        copy_planned(host, landed, plan.miss_experts, plan.miss_slots)
+        want = experts_over_rows(
+            x, plan.pair_slot, weights, landed.gate, landed.up, landed.down, top_k, False, *landed.scales,
+            backend=backend,
+        )[0]  # fmt: skip
 
-    def poisoned() -> ExpertTensors:  # NaN in the slots the misses go to, until their copies land
-        slots = clone(start_slots)
-        poison(slots, plan)
-        return slots
+        def poisoned(start: ExpertTensors = start_slots, plan: object = plan) -> ExpertTensors:
+            slots = clone(start)
+            poison(slots, plan)  # type: ignore[arg-type]
+            return slots
 
-    copies = groups + (1 if triton else 0)
-    for late in itertools.chain.from_iterable(itertools.combinations(range(copies), n) for n in range(copies + 1)):
-        for slow_compute in (False, True):
-            if slow_compute and late:
-                continue
+        copies = groups + (1 if triton else 0)
+        subsets = itertools.chain.from_iterable(itertools.combinations(range(copies), n) for n in range(copies + 1))
+        for late, slow_compute in [*((s, False) for s in subsets), ((), True)]:
             slots = poisoned()
-            got = overlapped_pass(
-                x, weights, host, slots, plan, top_k, groups, SlowCopies(frozenset(late), slow_compute), triton
-            )
+            dirty_small_blocks(cuda, 1 << 40)
+            held = SlowCopies(frozenset(late), slow_compute)
+            got = overlapped_pass(x, weights, host, slots, plan, top_k, groups, held, triton)
             torch.cuda.synchronize()
-            assert torch.equal(got, want), (late, slow_compute, (got - want).abs().max().item())
-    # captured: the per-group events become graph edges
-    slots = poisoned()
-    graph = torch.cuda.CUDAGraph()
-    overlapped_pass(
-        x, weights, host, poisoned(), plan, top_k, groups, SlowCopies(frozenset(), False), triton
-    )  # warm-up
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
-        got = overlapped_pass(
-            x, weights, host, slots, plan, top_k, groups, SlowCopies(frozenset({0, 1}), False), triton
-        )
-    for name in slots.names():  # poison again: the replay must copy before it computes
-        fresh = poisoned().get(name)
-        slots.get(name).copy_(fresh)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(got, want), (got - want).abs().max().item()
+            case = (fp8_rows, backend, late, slow_compute)
+            assert torch.equal(got, want), (case, (got - want).abs().max().item())
+        # captured: the per-group events become graph edges; each replay copies, then computes
+        slots = poisoned()
+        overlapped_pass(x, weights, host, poisoned(), plan, top_k, groups, SlowCopies(frozenset(), False), triton)
+        torch.cuda.synchronize()  # warmed up (Triton compiled) before the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            held = SlowCopies(frozenset({0, 1}), False)
+            got = overlapped_pass(x, weights, host, slots, plan, top_k, groups, held, triton)
+        for _ in range(2):
+            for name in slots.names():  # poisoned again before each replay
+                slots.get(name).copy_(poisoned().get(name))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(got, want), (fp8_rows, backend, "graph", (got - want).abs().max().item())
 
 
 def test_compiled_graphed_paged_decode_matches_eager() -> None:

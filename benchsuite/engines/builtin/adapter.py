@@ -102,7 +102,7 @@ class BuiltinOptions(EngineOptions):
     kernel_backend: Literal["grouped", "triton"] | None = None  # decode-step routing/expert/attention kernels
     prefetch_next_layer: bool = False  # paged: page in the next layer's predicted experts (measured: off)
     # Paged, CUDA: the hit experts compute while the misses copy, each group of misses as soon as it
-    # landed (paged_experts/moe/overlap.py; off until configs/h200/paged-overlap.yaml measures it).
+    # landed (paged_experts/moe/overlap.py; off until configs/h200/overlap.yaml measures it).
     # Both left out of the dumped options when unset, so the server ids of matrices without them stay.
     overlap_page_in: bool | None = Field(None, exclude_if=lambda v: v is None)
     overlap_groups: int | None = Field(None, exclude_if=lambda v: v is None)
