@@ -218,13 +218,23 @@ def test_our_decode_rate_agrees_with_llama_servers_own_per_request(tmp_path):
         "workloads:\n  random:\n    dataset: random\n    prompt_classes: [short]\n    output_tokens: 128\n"
         "    concurrency: [2]\n    num_requests: 8\n    warmup_requests: 2\n"
     )
-    rc = cli_main(["run", str(matrix), "--output-root", str(tmp_path / "out"), "--quiet", "--no-report"])
-    (cell,) = read_cells(next((tmp_path / "out").iterdir()))
-    assert rc == 0 and cell.status == "ok", (cell.status, cell.reason)
-    print(
-        f"llama-server: {cell.engine_timings_checked} requests checked ({cell.client_bound_requests} client-bound), "
-        f"ours/engine's median {cell.engine_timings_ratio_p50}, largest deviation {cell.engine_timings_ratio_max_dev}"
-    )
-    assert cell.untimed_requests == 0 and cell.engine_timings_checked >= 4  # a client-bound stream is not checked
-    # every checked request within its tolerance: ENGINE_TIMINGS_MARGIN + CLIENT_JITTER_S / its span (~150 ms here)
-    assert cell.engine_timings_outside == 0 and "engine_timings_flag" not in cell.extras
+    # Under heavy load most streams can be client-bound (6 of 8 at a load of 2.5 on 2 cores): each such
+    # run's checked requests must still agree, and up to three runs gather at least 4 checked requests.
+    checked = 0
+    for attempt in range(3):
+        out = tmp_path / f"out{attempt}"
+        rc = cli_main(["run", str(matrix), "--output-root", str(out), "--quiet", "--no-report"])
+        (cell,) = read_cells(next(out.iterdir()))
+        assert rc == 0 and cell.status == "ok", (cell.status, cell.reason)
+        print(
+            f"llama-server: {cell.engine_timings_checked} requests checked ({cell.client_bound_requests} "
+            f"client-bound), ours/engine's median {cell.engine_timings_ratio_p50}, largest deviation "
+            f"{cell.engine_timings_ratio_max_dev}"
+        )
+        assert cell.untimed_requests == 0  # a client-bound stream is timed, not checked
+        # every checked request within its tolerance: ENGINE_TIMINGS_MARGIN + CLIENT_JITTER_S / its span
+        assert cell.engine_timings_outside == 0 and "engine_timings_flag" not in cell.extras
+        checked += cell.engine_timings_checked
+        if checked >= 4:
+            break
+    assert checked >= 4
