@@ -101,16 +101,21 @@ def test_the_headline_matrix_issue_24_asks_for(stand_ins: None, capsys: pytest.C
 
 def test_the_overlap_matrix_issue_29_asks_for(stand_ins: None, capsys: pytest.CaptureFixture[str]) -> None:
     """configs/h200/overlap.yaml: paged FP8 at K=40, model and calibrated routing, without overlap
-    and with the misses in 1, 2 and 4 groups; the server command names what is in force."""
+    and with the misses in 1, 2 and 4 groups, beside resident FP8; the server command names what is in force."""
     path = CONFIGS / "overlap.yaml"
     assert main(["run", str(path), "--dry-run"]) == 0
     out = capsys.readouterr().out
     plan = build_plan(load_matrix(path))
+    paged = [s for s in plan.servers if s.options.mode == "paged"]
     settings = sorted(
-        (s.options.routing, bool(s.options.overlap_page_in), s.options.overlap_groups or 0) for s in plan.servers
+        (s.options.routing, bool(s.options.overlap_page_in), s.options.overlap_groups or 0) for s in paged
     )
     assert settings == [(routing, on, groups) for routing in ("model", "qwen3-30b-a3b")
                         for on, groups in ((False, 0), (True, 1), (True, 2), (True, 4))]  # fmt: skip
-    assert {(s.options.mode, s.options.resident_experts) for s in plan.servers} == {("paged", 40)}
+    assert {s.options.resident_experts for s in paged} == {40}
+    # the compute reference of the link and serial bounds: resident FP8 on each routing
+    resident = sorted(s.options.routing for s in plan.servers if s.options.mode == "resident")
+    assert resident == ["model", "qwen3-30b-a3b"] and len(plan.servers) == 10
+    assert all(s.options.model == paged[0].options.model for s in plan.servers)
     assert out.count("--overlap-page-in --overlap-groups 4") == 2
     assert load_matrix(path).matrix.linkbw
