@@ -7,6 +7,7 @@
 #   bash configs/h200/session.sh cuda       # the CUDA tests (foreground, ~3.5 min)
 #   bash configs/h200/session.sh headline   # benchsuite run of configs/h200/headline.yaml (detached)
 #   bash configs/h200/session.sh overlap    # benchsuite run of configs/h200/overlap.yaml (detached; issue 29)
+#   bash configs/h200/session.sh queue RUN  # RUN (headline|overlap) once prepare's jobs and the CUDA tests end
 #   bash configs/h200/session.sh poll SECS  # wait up to SECS for the running jobs, printing progress
 #
 # Inputs the caller carries: .whl/ (the Python packages the box lacks, configs/h200/README.md) and
@@ -61,6 +62,13 @@ case "${1:-}" in
     site
     detach "$1" "python3 -m benchsuite run configs/h200/$1.yaml --run-id h200-$1 --no-report"
     ;;
+  queue)  # no idle GPU between calls: the run starts the moment the build, the models and the tests are done
+    site
+    case "${2:-}" in headline|overlap) ;; *) echo "usage: $0 queue headline|overlap" >&2; exit 2 ;; esac
+    # the bracketed letters keep pgrep from matching this waiter's own command line
+    detach "$2" "while pgrep -f 'benchsuite (install|gguf)|synth_memor[y]|pytes[t] tests/cuda' > /dev/null; do sleep 5; done
+      python3 -m benchsuite run configs/h200/$2.yaml --run-id h200-$2 --no-report"
+    ;;
   poll)
     site
     end=$(( $(date +%s) + ${2:-60} ))
@@ -74,7 +82,7 @@ case "${1:-}" in
       collect; sleep 20
     done
     ;;
-  *) echo "usage: $0 prepare|cuda|headline|overlap|poll SECS" >&2; exit 2 ;;
+  *) echo "usage: $0 prepare|cuda|headline|overlap|queue RUN|poll SECS" >&2; exit 2 ;;
 esac
 collect
 for f in "$JOBS"/*.log; do [ -f "$f" ] && { echo "== $(basename "$f")"; tail -n 4 "$f"; }; done
