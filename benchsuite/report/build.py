@@ -16,7 +16,7 @@ import pandas as pd
 from benchsuite.errors import UserError
 from benchsuite.report import nodes, prefill, roofline, search_section
 from benchsuite.report import tables as tb
-from benchsuite.report.caveats import setup_caveats
+from benchsuite.report.caveats import random_weight_models, setup_caveats, setup_servers
 from benchsuite.report.display import display_frame
 from benchsuite.report.figures import all_figures, missing_figures
 from benchsuite.report.first_screen import verdict_html, verdict_markdown
@@ -114,7 +114,7 @@ def build_report_data(run_dirs: list[Path], reference_dirs: list[Path] | None = 
         shape = published.raw.get("model_shape") or {}  # a hub id (no local config.json) of the published model
         top_k = top_k or shape.get("top_k")
         num_experts = num_experts or shape.get("num_experts")
-    found = verdicts(groups, cells)
+    found = verdicts(groups, cells, synthetic_first=_random_weight_setups(runs, cells))
     caveats = {key: _caveats(runs, cells, key) for key in {(v.run_id, v.workload, v.prompt_class) for v in found}}
     tables: dict[str, pd.DataFrame] = {
         "Verdict": verdict_table(found),
@@ -154,10 +154,23 @@ def build_report_data(run_dirs: list[Path], reference_dirs: list[Path] | None = 
     )
 
 
+def _random_weight_setups(runs: list[RunData], cells: pd.DataFrame) -> set[tuple[str, str, str]]:
+    """Setups that served a random-weight model: their synthetic-routing verdicts lead (its own routing
+    stands for no trained model's; report/locality.py)."""
+    out = set()
+    for run in runs:
+        for (workload, prompt_class), mine in cells[cells["run_id"] == run.run_id].groupby(
+            ["workload", "prompt_class"]
+        ):
+            if random_weight_models(setup_servers(mine, run.facts.records)):
+                out.add((run.run_id, str(workload), str(prompt_class)))
+    return out
+
+
 def _caveats(runs: list[RunData], cells: pd.DataFrame, key: tuple[str, str, str]) -> list[str]:
     run = next(r for r in runs if r.run_id == key[0])
     mine = cells[(cells["run_id"] == key[0]) & (cells["workload"] == key[1]) & (cells["prompt_class"] == key[2])]
-    return setup_caveats(mine, run.facts.records, run.facts.has_gpu, run.facts.nodes)
+    return setup_caveats(mine, run.facts.records, run.facts.has_gpu, run.facts.nodes, run.requests)
 
 
 _ANCHORS = {

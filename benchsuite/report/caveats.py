@@ -6,8 +6,9 @@
   PCIe link), and llama.cpp without a GPU computes everything on the CPU: the ranking says nothing
   about a GPU;
 - random-weight model (the generated `tiny`, `synth:` presets, weightless checkpoints, checkpoints
-  under benchsuite's model cache): its router routes near-uniformly, so there is little expert reuse
-  for paging to exploit;
+  under benchsuite's model cache): its untrained router's expert reuse is not a trained model's, and
+  the caveat says what this run saw of it (report/locality.py: looping output, miss rates on the
+  model's routing beside calibrated routing);
 - synthetic routing: the cells' routing came from a generator, not the model's router;
 - not the same model: servers whose recorded source-weights fingerprints (`version.weights.source.id`,
   paged_experts.weights.weights_id) differ, or where one is unknown (an old run, a GGUF without facts), are
@@ -24,7 +25,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from benchsuite.engines import adapter_of
 from benchsuite.records import TEXT_CHUNK_VERSIONS
 from benchsuite.report.budget import mixed_figures, over_budget
 from benchsuite.report.groups import is_synthetic
+from benchsuite.report.locality import random_model_caveat
 from benchsuite.report.nodes import mixed_machines_caveat
 from benchsuite.report.noise import busy_cells
 from benchsuite.results.manifest import ServerRecord
@@ -130,15 +132,30 @@ def _on_cpu(server: ServerRecord, has_gpu: bool) -> bool:
     return adapter.recorded_on_cpu(server.options, has_gpu) if adapter is not None else not has_gpu
 
 
+def random_weight_models(servers: Iterable[ServerRecord]) -> list[str]:
+    """The random-weight models among the servers' models (named as their adapters record them)."""
+    mine = list(servers)
+    models = sorted({_model(s) or "" for s in mine} - {""})
+    found = [m for m in models if _random_weights(m)]
+    return found + sorted({str(_model(s)) for s in mine if _recorded_random(s)} - set(found))
+
+
+def setup_servers(cells: pd.DataFrame, servers: Mapping[str, ServerRecord]) -> list[ServerRecord]:
+    """The manifest records of the servers behind a setup's cells (an empty record where unknown)."""
+    return [servers.get(str(s)) or ServerRecord() for s in dict.fromkeys(cells["server_id"])]
+
+
 def setup_caveats(
     cells: pd.DataFrame,
     servers: Mapping[str, ServerRecord],
     has_gpu: bool,
     nodes: Mapping[str, Mapping[str, Any]] | None = None,
+    requests: pd.DataFrame | None = None,
 ) -> list[str]:
     """The caveats of one setup's cells; `servers`: server_id -> manifest server record; `nodes`: the
-    run's Ray nodes -> machine facts (report/nodes.py), empty without --ray."""
-    mine = [servers.get(str(s)) or ServerRecord() for s in dict.fromkeys(cells["server_id"])]
+    run's Ray nodes -> machine facts (report/nodes.py), empty without --ray; `requests`: the run's
+    request rows (their output text shows whether a random model's output looped)."""
+    mine = setup_servers(cells, servers)
     out: list[str] = []
     machines = mixed_machines_caveat(cells, nodes or {})
     if machines:
@@ -148,14 +165,9 @@ def setup_caveats(
             "Device CPU: paging and offload here copy experts within host RAM, not over a PCIe link, so this "
             "ranking says nothing about a GPU."
         )
-    models = sorted({_model(s) or "" for s in mine} - {""})
-    random_models = [m for m in models if _random_weights(m)]
-    random_models += sorted({str(_model(s)) for s in mine if _recorded_random(s)} - set(random_models))
+    random_models = random_weight_models(mine)
     if random_models:
-        out.append(
-            f"Random-weight model ({', '.join(random_models)}): its router routes near-uniformly, so tokens share "
-            f"few experts and paging has little reuse to exploit; a trained model routes otherwise."
-        )
+        out.append(random_model_caveat(random_models, cells, requests))
     synthetic = sorted({str(r) for r in cells["routing"] if is_synthetic(r)})
     if synthetic:
         out.append(

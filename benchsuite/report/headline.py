@@ -3,7 +3,9 @@ table ("paged-fp8 K=40 decodes 1.34 x faster than llamacpp-16gb N=30 [1.33–1.3
 "No mode is significantly faster here (3 repeats)").
 
 It reads the setup's verdicts (report.verdict): the single-stream decode verdict (the lowest
-concurrency measured when c=1 was not), then output tok/s at the highest concurrency. A mode is named
+concurrency measured when c=1 was not), then output tok/s at the highest concurrency; where the setup
+was measured under synthetic routing too, each routing world is named (verdict.routing_worlds) and
+the further worlds add their single-stream sentence. A mode is named
 faster only when it is a discovery against every other mode after the page's correction
 (`Verdict.significant`); the ratio quoted is against the runner-up, the closest other mode. Where
 figures behind the verdict failed the cross-check against an engine's own timings or went untimed
@@ -13,7 +15,7 @@ figures behind the verdict failed the cross-check against an engine's own timing
 from __future__ import annotations
 
 from benchsuite.report import stats
-from benchsuite.report.verdict import DECODE_AGG_METRIC, TTFT_METRIC, Verdict
+from benchsuite.report.verdict import DECODE_AGG_METRIC, TTFT_METRIC, Verdict, routing_phrase
 from benchsuite.run.search import GB
 
 
@@ -63,23 +65,28 @@ def _answer(v: Verdict, budget_bytes: int | None, streams: str) -> str:
     return f"{streams}, {v.winner_name} {what} {runner_up.other_name} {interval}{budget} ({_repeats(v)})."
 
 
-def _streams(concurrency: int) -> str:
-    return "With one stream" if concurrency == 1 else f"With {concurrency} streams"
+def _streams(concurrency: int, routing: str = "") -> str:
+    streams = "With one stream" if concurrency == 1 else f"With {concurrency} streams"
+    return f"{streams} {routing_phrase(routing)}" if routing else streams
 
 
 def headline(items: list[Verdict], budget_bytes: int | None) -> list[str]:
-    """One or two sentences for one setup's verdicts (in the order report.verdict.verdicts gives them)."""
-    throughput = [v for v in items if v.metric != TTFT_METRIC and v.versus]
-    if not throughput:
-        return []
-    lowest = min(v.concurrency for v in throughput)
-    first = next(v for v in throughput if v.concurrency == lowest)
-    out = [_sentence(first, budget_bytes, _streams(lowest))]
-    highest = max(v.concurrency for v in throughput)
-    if highest > lowest:
-        last = next(
-            (v for v in throughput if v.concurrency == highest and v.metric == "output_tok_s"),
-            next(v for v in throughput if v.concurrency == highest),
-        )
-        out.append(_sentence(last, budget_bytes, _streams(highest)))
+    """The setup's answer for the verdicts in the order report.verdict.verdicts gives them: for the
+    first routing world, the single-stream sentence and the highest concurrency's; for each further
+    world (a setup measured under synthetic routing too), its single-stream sentence."""
+    out: list[str] = []
+    for routing in dict.fromkeys(v.routing for v in items):
+        throughput = [v for v in items if v.routing == routing and v.metric != TTFT_METRIC and v.versus]
+        if not throughput:
+            continue
+        lowest = min(v.concurrency for v in throughput)
+        first = next(v for v in throughput if v.concurrency == lowest)
+        out.append(_sentence(first, budget_bytes, _streams(lowest, routing)))
+        highest = max(v.concurrency for v in throughput)
+        if highest > lowest and len(out) == 1:
+            last = next(
+                (v for v in throughput if v.concurrency == highest and v.metric == "output_tok_s"),
+                next(v for v in throughput if v.concurrency == highest),
+            )
+            out.append(_sentence(last, budget_bytes, _streams(highest, routing)))
     return out

@@ -12,7 +12,9 @@ change the reading, beside it.
 - a configuration that does not fit (a llama.cpp --n-cpu-moe whose memory projection exceeds the
   budget) is no contender;
 - a mode is (engine kind, mode), synthetic routing apart; its best configuration (best K, best N)
-  stands for it; the fastest mode's best configuration is compared with each other mode's best: "A is N x B [low–high]",
+  stands for it (among configurations with enough repeats for an interval, when any has: not a
+  search's one-cell probe); the fastest mode's best configuration is compared with each other
+  mode's best: "A is N x B [low–high]",
   N = the ratio of geometric means over ok repeats, the 95% interval from benchsuite.report.stats, and
   "significant" only for a discovery after Benjamini-Hochberg over all the page's comparisons (too
   few repeats: "not enough repeats", no verdict);
@@ -25,6 +27,7 @@ to typed fields carried by each cell.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -144,6 +147,7 @@ class Verdict:
     versus: tuple[Versus, ...]
     yardstick: tuple[str, ...] = ()  # cells of this setup and concurrency whose figures failed verification
     winner_name: str = ""  # the winner's short name (report.names)
+    routing: str = ""  # its routing world (routing_worlds): "" where the setup had one, else "model" or synthetic
 
     @property
     def ttft(self) -> bool:
@@ -160,10 +164,15 @@ class Verdict:
 
 
 def _best(family: pd.DataFrame, metric: str, lower_is_better: bool) -> pd.Series | None:
-    scored = [(row[metric].median, idx) for idx, row in family.iterrows() if row[metric] is not None]
+    """The family's best configuration by median, among those with enough repeats for an interval
+    when any has them: a search's one-cell probe of a value (1 repeat) must not stand for the mode
+    beside that value's full repeats and leave the verdict with "not enough repeats"."""
+    scored = [(row[metric].median, row[metric].n, idx) for idx, row in family.iterrows() if row[metric] is not None]
     if not scored:
         return None
-    return family.loc[(min if lower_is_better else max)(scored)[1]]
+    enough = [s for s in scored if s[1] >= stats.MIN_REPEATS] or scored
+    pick = min if lower_is_better else max
+    return family.loc[pick(enough, key=lambda s: s[0])[2]]
 
 
 def _verdict(setup: pd.DataFrame, concurrency: int, metric: str) -> Verdict | None:
@@ -215,20 +224,64 @@ def _verdict(setup: pd.DataFrame, concurrency: int, metric: str) -> Verdict | No
     )
 
 
-def verdicts(groups: pd.DataFrame, cells: pd.DataFrame, alpha: float = stats.DEFAULT_ALPHA) -> list[Verdict]:
-    """Per setup and concurrency: the throughput verdict, then the TTFT verdict. "Significant" is a
-    discovery after Benjamini-Hochberg over every comparison of the page, so a page of many
-    comparisons between equal modes still says "not significant" everywhere (at rate alpha)."""
+MODEL_ROUTING = "model"
+
+
+def _mode_of(row: pd.Series) -> str:
+    return f"{row['mode']} ({row['engine_kind']})"
+
+
+def routing_worlds(setup: pd.DataFrame, synthetic_first: bool = False) -> list[tuple[str, pd.DataFrame]]:
+    """The setup's configurations split by the routing they can be compared under. One routing: one
+    world, named "". With synthetic routing: a mode measured under it (paged) is compared with the
+    other modes under that routing, never with itself under the model's routing (two routings of one
+    mode are two assumptions about the model, not two ways to serve it); modes measured only under
+    the model's routing (llama.cpp, resident, offload: their speed does not depend on which experts
+    are chosen) take part in every world. `synthetic_first`: the synthetic worlds lead (a
+    random-weight model, whose own routing stands for no trained model's)."""
+    synthetic = setup["routing"].map(lambda r: is_synthetic(str(r)))
+    routings = sorted({str(r) for r in setup.loc[synthetic, "routing"]})
+    if not routings:
+        return [("", setup)]
+    varied = {_mode_of(row) for _, row in setup[synthetic].iterrows()}
+    unvaried = setup[[not s and _mode_of(row) not in varied for s, (_, row) in zip(synthetic, setup.iterrows())]]
+    worlds = [(r, pd.concat([setup[setup["routing"].astype(str) == r], unvaried])) for r in routings]
+    model = [(MODEL_ROUTING, setup[~synthetic])]
+    return worlds + model if synthetic_first else model + worlds
+
+
+def routing_phrase(routing: str) -> str:
+    """How a verdict names its routing world ("" for a setup with one)."""
+    if not routing:
+        return ""
+    if routing == MODEL_ROUTING:
+        return "on the model's own routing"
+    return f"on synthetic routing ({routing.split(':', 1)[1] if ':' in routing else routing})"
+
+
+def verdicts(
+    groups: pd.DataFrame,
+    cells: pd.DataFrame,
+    alpha: float = stats.DEFAULT_ALPHA,
+    synthetic_first: Collection[tuple[str, str, str]] = (),
+) -> list[Verdict]:
+    """Per setup, routing world (`routing_worlds`) and concurrency: the throughput verdict, then the
+    TTFT verdict. "Significant" is a discovery after Benjamini-Hochberg over every comparison of the
+    page, so a page of many comparisons between equal modes still says "not significant" everywhere
+    (at rate alpha). `synthetic_first`: setups (run, workload, prompt class) whose synthetic-routing
+    worlds lead."""
     out: list[Verdict] = []
     keys = ["run_id", "workload", "prompt_class"]
     contenders = groups[[fits(row, cells) for _, row in groups.iterrows()]] if len(groups) else groups
-    for _, setup in contenders.groupby(keys, sort=True):
-        for concurrency in sorted({int(c) for c in setup["concurrency"]}):
-            notes = yardstick_notes(setup, cells, concurrency)
-            for metric in verdict_metrics(concurrency):
-                found = _verdict(setup, concurrency, metric)
-                if found is not None:
-                    out.append(replace(found, yardstick=notes))
+    for key, whole in contenders.groupby(keys, sort=True):
+        for routing, setup in routing_worlds(whole, tuple(str(k) for k in key) in synthetic_first):
+            for concurrency in sorted({int(c) for c in setup["concurrency"]}):
+                notes = yardstick_notes(setup, cells, concurrency)
+                for metric in verdict_metrics(concurrency):
+                    found = _verdict(setup, concurrency, metric)
+                    if found is not None:
+                        named = f"{found.metric_name}, {routing_phrase(routing)}" if routing else found.metric_name
+                        out.append(replace(found, yardstick=notes, routing=routing, metric_name=named))
     flat = [vs.estimate for v in out for vs in v.versus]
     discoveries = iter(stats.benjamini_hochberg([None if e is None else e.p_value for e in flat], alpha))
     tested = sum(1 for e in flat if e is not None)

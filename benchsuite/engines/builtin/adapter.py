@@ -342,7 +342,7 @@ class BuiltinAdapter(EngineAdapter):
             self.model_dir(spec) / "synthetic_weights.json"
         )  # paged_experts.weights.synth_memory: seeded random weights
         if opts.model == "tiny" or marker.is_file():
-            facts["random_weights"] = True  # its router routes near-uniformly: the report says so beside a verdict
+            facts["random_weights"] = True  # untrained router: the report's caveat says how it routed
         compute = opts.dtype or ("float32" if opts.device == "cpu" else cfg.torch_dtype)
         blocks = " (128x128 blocks)" if cfg.fp8_weights else ""
         facts["weights"] = {"source": self._source_weights(spec), "format": f"{compute}, experts {dtype}{blocks}"}
