@@ -82,3 +82,35 @@ def test_a_server_that_died_at_start_shows_its_logs_last_line() -> None:
     text = outcome(_result(cell, "failed", reason))
     assert text.endswith("last lines: ... RuntimeError: Found no NVIDIA driver on your system.")
     assert outcome(_result(cell, "failed", "one line")) == "one line"
+
+
+def test_a_search_s_final_cells_are_in_the_total_from_the_start(tmp_path) -> None:
+    """The H200 headline run showed '~0s left' for ten minutes while three searches still had to run
+    their 24 final cells: those cells count from the start, less the ones a resumed run stored."""
+    from benchsuite.commands.run import searched_cells_left
+    from benchsuite.config.matrix import load_matrix
+    from benchsuite.config.plan import build_plan
+    from benchsuite.run.runner import open_store
+
+    path = tmp_path / "m.yaml"
+    path.write_text(
+        "name: s\nengines:\n  e:\n    kind: builtin\n"
+        "    options: {model: tiny, mode: paged, resident_experts: search}\n"
+        "  r:\n    kind: builtin\n    options: {model: tiny, mode: resident}\n"
+        "workloads:\n  a: {prompt_classes: [short, '64'], concurrency: [1, 2], num_requests: 1}\nrepeats: 2\n"
+    )
+    plan = build_plan(load_matrix(path))
+    store = open_store(plan, tmp_path / "results")
+    try:
+        assert len(plan.cells) == 8 and searched_cells_left(plan, store) == 8  # 2 classes x 2 concurrencies x 2
+
+        def stored(cell_id: str, params: dict) -> CellResult:
+            return CellResult(cell_id=cell_id, run_id=plan.run_id, engine="e", engine_kind="builtin", mode="paged",
+                              server_id="x", params=params, workload="a", prompt_class="short", concurrency=1,
+                              repeat=0, status="ok")  # fmt: skip
+
+        store.write_cell(stored("probe", {"resident_experts": 40, "search_n": 40}), [])  # a probe: not a final cell
+        store.write_cell(stored("final", {"resident_experts": 40}), [])
+        assert searched_cells_left(plan, store) == 7
+    finally:
+        store.close()

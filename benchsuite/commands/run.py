@@ -132,15 +132,29 @@ def main(args: argparse.Namespace) -> int:
         store.close()
 
 
+def searched_cells_left(plan: Plan, store: RunStore) -> int:
+    """Cells the searches' chosen values still have to run (their ids are known only once a search
+    has chosen): counted up front so the progress's time left does not read ~0s while searches wait.
+    A search's one-cell probes of each value are not counted (how many it launches is its own)."""
+    stored = [c for c in read_cells(store.run_dir) if not (isinstance(c.params, dict) and "search_n" in c.params)]
+    left = 0
+    for task in plan.searches:
+        done = sum(1 for c in stored if c.engine == task.spec.name)
+        left += max(0, len(checklist.search_final_cells(plan, task)) - done)
+    return left
+
+
 def _run(args: argparse.Namespace, plan: Plan, store: RunStore, console: Console) -> int:
     from benchsuite.run.runner import run_plan
 
     todo = sum(1 for c in plan.cells if not store.finished(c.cell_id))
+    searched = searched_cells_left(plan, store)
     console.print(
         f"run {plan.run_id}: {len(plan.cells)} cells ({len(plan.cells) - todo} already done) -> {store.run_dir}"
+        + (f", and {searched} after {len(plan.searches)} searches" if searched else "")
     )
     try:
-        with ProgressEvents(console, todo) as events:
+        with ProgressEvents(console, todo + searched) as events:
             if args.ray is not None:
                 from benchsuite.run.ray_run import run_on_ray
 
