@@ -2,7 +2,8 @@
 - the kernel copies exactly the planned rows from pinned host memory and nothing for padding;
 - a device-planned paged MoE layer runs with no host synchronization;
 - device-planned paged decode equals resident bit for bit (bf16, Qwen3-30B-A3B layer shapes);
-- graphed paged decode equals eager paged decode within bf16 rounding, with equal counters.
+- graphed paged decode equals eager paged decode within bf16 rounding up to a sequence's routing
+  flip on a near-tie (tests/graph_check.py), with close counters where nothing flipped.
 
 Plain functions, so the module also runs as a script: `python tests/cuda/test_device_paging_cuda.py`.
 """
@@ -89,6 +90,16 @@ def test_device_planned_paged_equals_resident_qwen_shapes() -> None:
 def check_graphed_paged(
     overlap: bool, compile_layers: bool = False, routing: str | None = None, backend: str = "grouped", groups: int = 1
 ) -> None:
+    """Graphed paged decode against eager through tests/graph_check.py: the graphed model is fed
+    eager's tokens, a routing flip must sit on a near-tie of eager's router logits (bf16 rounding
+    of other kernels, compiled or Triton, tips it), and every output before a sequence's flip is
+    within 5e-2."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from graph_check import check_graphed_decode
+
     from paged_experts.routing.sources import make_router
 
     prompts = [[5, 17, 300, 41, 9, 77], [800, 2, 64], [11, 12, 13, 14, 15]]
@@ -101,21 +112,21 @@ def check_graphed_paged(
     if routing is not None:  # the same seeded synthetic router in both: same draws step by step
         eager_model.router_override = make_router(routing, eager_model.config, seed=4)
         model.router_override = make_router(routing, model.config, seed=4)
-    eager = decode(eager_model, prompts, steps=5)
     model.enable_cuda_graphs([1, 2, 3, 4], compile_layers=compile_layers)
-    graphed = decode(model, prompts, steps=5)
+    result = check_graphed_decode(eager_model, model, prompts, steps=5)
     bucket = 0 if backend == "triton" else 64  # triton attention: one graph for every context length
     assert model.graph_replays == 5 and model.captured_graphs == [(3, bucket)], model.captured_graphs
-    worst = max(((a - b).abs().max() / b.abs().max().clamp(min=1)).item() for a, b in zip(graphed, eager))
+    flips = [f"step {f.step} seq {f.seq} layer {f.layer} ({f.margin_ulps:.2f} ulps)" for f in result.flips]
     print(
-        f"graphed vs eager paged decode (bf16, overlap={overlap}, compiled={compile_layers}): "
-        f"worst relative difference {worst:.2e}"
+        f"graphed vs eager paged decode (bf16, overlap={overlap}, groups={groups}, backend={backend}, "
+        f"compiled={compile_layers}): {result.checked} outputs checked, worst relative difference "
+        f"{result.worst:.2e}; {result.skipped} skipped after near-tie flips {flips} (worst {result.worst_skipped:.2e})"
     )
-    assert worst < 5e-2
     ta, tb = model.counters.snapshot().total, eager_model.counters.snapshot().total
     print(f"graphed misses {ta.misses}, eager misses {tb.misses}")
-    # Routing can differ where bf16 rounding flips a near-tie, so counters agree closely, not exactly.
-    assert ta.steps == tb.steps and abs(ta.misses - tb.misses) <= max(2, tb.misses // 10)
+    assert ta.steps == tb.steps
+    if not result.flips:  # after a flip the routings, so the misses, differ legitimately
+        assert abs(ta.misses - tb.misses) <= max(2, tb.misses // 10)
 
 
 def test_graphed_paged_decode_matches_eager() -> None:
