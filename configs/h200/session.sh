@@ -7,7 +7,8 @@
 #   bash configs/h200/session.sh cuda       # the CUDA tests (foreground, ~3.5 min)
 #   bash configs/h200/session.sh headline   # benchsuite run of configs/h200/headline.yaml (detached)
 #   bash configs/h200/session.sh overlap    # benchsuite run of configs/h200/overlap.yaml (detached; issue 29)
-#   bash configs/h200/session.sh queue RUN  # RUN (headline|overlap) once prepare's jobs and the CUDA tests end
+#   bash configs/h200/session.sh flags      # benchmarks/llamacpp_flags_h200.py at N=30 (detached; issue 24, ~8 min)
+#   bash configs/h200/session.sh queue JOB...  # JOBs (headline|overlap|flags) in order, once prepare's jobs and the CUDA tests end
 #   bash configs/h200/session.sh poll SECS  # wait up to SECS for the running jobs, printing progress
 #
 # Inputs the caller carries: .whl/ (the Python packages the box lacks, configs/h200/README.md) and
@@ -19,6 +20,10 @@ JOBS=/root/jobs
 mkdir -p "$OUT" "$JOBS"
 export PYTHONUNBUFFERED=1 BENCH_H200_MODEL=/tmp/h200/q48 BENCH_H200_FP8_MODEL=/tmp/h200/q48-fp8 \
   BENCH_H200_GGUF=/dev/shm/h200/q48-q8_0.gguf
+
+# issue 24's flag sets at N=30, by llama-server's own timings (docs/llamacpp-tuning.md)
+FLAGS_CMD="python3 benchmarks/llamacpp_flags_h200.py --server /root/.cache/benchsuite/llama.cpp/0.3.36-cuda/bin/llama-server \
+  --model $BENCH_H200_GGUF --out $JOBS/flags"
 
 site() {  # the carried wheels, once per machine
   if [ ! -d /tmp/site ]; then
@@ -35,6 +40,7 @@ detach() {  # detach NAME CMD...: run CMD in its own session from the copy, log 
 
 collect() {  # the jobs' logs and the runs' results into $OUT (at most 8 files come back)
   for f in "$JOBS"/*.log; do [ -f "$f" ] && tail -c 2000000 "$f" > "$OUT/$(basename "$f")"; done
+  [ -d "$JOBS/flags" ] && tar -C "$JOBS" -czf "$OUT/h200-flags.tar.gz" flags 2>/dev/null
   for run in h200-headline h200-overlap; do
     if [ -d "$COPY/results/$run" ]; then
       tar -C "$COPY/results" -czf "$OUT/$run.tar.gz" "$run" 2>/dev/null
@@ -62,27 +68,40 @@ case "${1:-}" in
     site
     detach "$1" "python3 -m benchsuite run configs/h200/$1.yaml --run-id h200-$1 --no-report"
     ;;
-  queue)  # no idle GPU between calls: the run starts the moment the build, the models and the tests are done
+  flags)
     site
-    case "${2:-}" in headline|overlap) ;; *) echo "usage: $0 queue headline|overlap" >&2; exit 2 ;; esac
+    detach flags "$FLAGS_CMD"
+    ;;
+  queue)  # no idle GPU between calls: the jobs start the moment the build, the models and the tests are done
+    site
+    shift
+    [ $# -gt 0 ] || { echo "usage: $0 queue headline|overlap|flags ..." >&2; exit 2; }
+    steps=""
+    for job in "$@"; do
+      case "$job" in
+        headline|overlap) steps="$steps; python3 -m benchsuite run configs/h200/$job.yaml --run-id h200-$job --no-report" ;;
+        flags) steps="$steps; $FLAGS_CMD" ;;
+        *) echo "usage: $0 queue headline|overlap|flags ..." >&2; exit 2 ;;
+      esac
+    done
     # the bracketed letters keep pgrep from matching this waiter's own command line
-    detach "$2" "while pgrep -f 'benchsuite (install|gguf)|synth_memor[y]|pytes[t] tests/cuda' > /dev/null; do sleep 5; done
-      python3 -m benchsuite run configs/h200/$2.yaml --run-id h200-$2 --no-report"
+    detach "$(IFS=-; echo "$*")" "while pgrep -f 'benchsuite (install|gguf)|synth_memor[y]|pytes[t] tests/cuda' > /dev/null; do sleep 5; done $steps"
     ;;
   poll)
     site
     end=$(( $(date +%s) + ${2:-60} ))
     while [ "$(date +%s)" -lt "$end" ]; do
-      running=$(pgrep -f "benchsuite (install|run|gguf)|synth_memory" | wc -l)
+      running=$(pgrep -f "benchsuite (install|run|gguf)|synth_memory|llamacpp_flags_h200" | wc -l)
       echo "$(date +%T) running=$running"
-      for run in headline overlap; do
-        [ -f "$JOBS/$run.log" ] && echo "  $run: $(tail -n 1 "$JOBS/$run.log" | cut -c1-160)"
+      for f in "$JOBS"/*.log; do  # the runs' and queues' last lines (not the build's, models' or tests')
+        case "$(basename "$f")" in build*|models*|cuda*) continue ;; esac
+        [ -f "$f" ] && echo "  $(basename "$f" .log): $(tail -n 1 "$f" | cut -c1-160)"
       done
       [ "$running" -eq 0 ] && break
       collect; sleep 20
     done
     ;;
-  *) echo "usage: $0 prepare|cuda|headline|overlap|queue RUN|poll SECS" >&2; exit 2 ;;
+  *) echo "usage: $0 prepare|cuda|headline|overlap|flags|queue JOB...|poll SECS" >&2; exit 2 ;;
 esac
 collect
 for f in "$JOBS"/*.log; do [ -f "$f" ] && { echo "== $(basename "$f")"; tail -n 4 "$f"; }; done
