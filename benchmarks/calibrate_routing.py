@@ -22,7 +22,8 @@ import time
 import numpy as np
 
 from benchsuite.tools.simulate import SimOptions, simulate
-from paged_experts.routing.sources import PRESETS, RoutingParams, RoutingProcess, synth_stream
+from paged_experts.routing.sources import RoutingProcess, synth_stream
+from paged_experts.routing.specs import PRESETS, RoutingParams
 from paged_experts.routing.trace import synthesize_trace
 
 KS = (8, 16, 32, 64)

@@ -10,15 +10,8 @@ import pytest
 import torch
 
 from benchsuite.tools.simulate import SimOptions, simulate
-from paged_experts.routing.sources import (
-    QWEN3_30B_A3B,
-    RoutingParams,
-    RoutingProcess,
-    make_router,
-    parse_spec,
-    routing_label,
-    synth_stream,
-)
+from paged_experts.routing.sources import RoutingProcess, make_router, synth_stream
+from paged_experts.routing.specs import QWEN3_30B_A3B, RoutingParams, parse_spec, routing_label
 from paged_experts.routing.trace import synthesize_trace
 
 PUBLISHED_LRU = {8: 0.424, 16: 0.647, 32: 0.810, 64: 0.918}

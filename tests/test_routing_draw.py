@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from paged_experts.routing.sources import RoutingProcess, parse_spec
+from paged_experts.routing.sources import RoutingProcess
+from paged_experts.routing.specs import parse_spec
 
 # (layers, experts, top_k, spec): k not a power of two, E not a power of two, a strong reuse, the preset
 DRAW_CASES = ((3, 16, 4, "qwen3-30b-a3b"), (2, 10, 3, "reuse:0.6,recency:0.9,zipf:1.5"), (2, 128, 8, "qwen3-30b-a3b"),

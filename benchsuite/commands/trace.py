@@ -12,7 +12,7 @@ import numpy as np
 
 from benchsuite.errors import UserError
 from benchsuite.tools.preflight import load_shape
-from paged_experts.routing.sources import PRESETS, parse_spec
+from paged_experts.routing.specs import PRESETS, parse_spec
 from paged_experts.routing.trace import Trace, import_sglang_routed_experts, read_trace, save_trace, synthesize_trace
 
 # Shapes of the presets' target model (Qwen3-30B-A3B: 48 MoE layers, E=128, top_k=8).

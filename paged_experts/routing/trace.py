@@ -24,14 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from paged_experts.routing.sources import (
-    RoutingParams,
-    RoutingProcess,
-    parse_spec,
-    random_weights,
-    routing_label,
-    synth_stream,
-)
+from paged_experts.routing.sources import RoutingProcess, random_weights, synth_stream
+from paged_experts.routing.specs import RoutingParams, parse_spec, routing_label
 
 FORMAT_NAME = "moe-routing-trace"
 FORMAT_VERSION = 1

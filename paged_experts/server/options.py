@@ -377,7 +377,7 @@ def parse_args(argv: Sequence[str], description: str | None = None) -> ServeOpti
     for problem in [*problems(vars_of(options)), *mode_problems(vars_of(options))]:
         parser.error(problem.message)
     if options.routing_source is not None:
-        from paged_experts.routing.sources import parse_spec  # imports torch: only for synthetic routing
+        from paged_experts.routing.specs import parse_spec
 
         try:
             parse_spec(options.routing_source)

@@ -19,7 +19,8 @@ import torch
 
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
-from paged_experts.routing.sources import RoutingProcess, make_router, parse_spec
+from paged_experts.routing.sources import RoutingProcess, make_router
+from paged_experts.routing.specs import parse_spec
 from paged_experts.runtime import RuntimeConfig
 
 try:

@@ -92,7 +92,7 @@ class BuiltinOptions(EngineOptions):
     n_cpu_moe: int | None = Field(None, ge=0)  # mode cpu-experts
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] | None = None  # server default when unset
-    routing: str = "model"  # "model", or a synthetic routing spec (paged_experts.routing.sources.parse_spec)
+    routing: str = "model"  # "model", or a synthetic routing spec (paged_experts.routing.specs.parse_spec)
     routing_seed: int = 0  # seed of the synthetic routing source
     record_routing: bool = False  # write the routing trace to <run>/routing/<server-id>.trace
     startup_timeout_s: float = Field(600.0, gt=0)
@@ -172,7 +172,7 @@ class BuiltinOptions(EngineOptions):
     @classmethod
     def _routing_spec(cls, value: str) -> str:
         if value != "model":
-            from paged_experts.routing.sources import parse_spec  # imports torch: only for synthetic routing
+            from paged_experts.routing.specs import parse_spec
 
             parse_spec(value)  # ValueError names the accepted forms
         return value
