@@ -170,8 +170,19 @@ def setup_caveats(
         out.append(random_model_caveat(random_models, cells, requests))
     synthetic = sorted({str(r) for r in cells["routing"] if is_synthetic(r)})
     if synthetic:
+        varied = {(m, k) for m, k, r in zip(cells["mode"], cells["engine_kind"], cells["routing"]) if is_synthetic(r)}
+        unvaried = sorted({str(e) for e, m, k in zip(cells["engine"], cells["mode"], cells["engine_kind"])
+                           if (m, k) not in varied})  # fmt: skip
+        verb, its = ("was", "its") if len(unvaried) == 1 else ("were", "their")
+        beside = (
+            f" In every routing's comparison {', '.join(unvaried)} {verb} measured on the model's own routing: "
+            f"{its} speed does not depend on which experts are chosen."
+            if unvaried
+            else ""
+        )
         out.append(
-            f"Synthetic routing ({', '.join(synthetic)}): experts were chosen by a generator, not the model's router."
+            f"Synthetic routing ({', '.join(synthetic)}): experts were chosen by a generator, not the model's "
+            f"router.{beside}"
         )
     ids = [str(s) for s in dict.fromkeys(cells["server_id"])]
     same = same_model_caveat([(s, servers.get(s) or ServerRecord()) for s in ids])

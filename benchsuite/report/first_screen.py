@@ -14,7 +14,7 @@ from typing import Any
 from benchsuite.report import stats
 from benchsuite.report.headline import headline
 from benchsuite.report.template_env import render
-from benchsuite.report.verdict import Verdict, Versus
+from benchsuite.report.verdict import Verdict, Versus, routing_phrase
 
 HOW_TO_READ = (
     "A is N x B: N = A / B, the ratio of geometric means over each configuration's ok repeats, with its 95% "
@@ -27,6 +27,10 @@ HOW_TO_READ = (
     "configuration (best K, best N). c=1: decode tok/s of one stream; c>=2: decode tok/s of all streams (tokens "
     "after each stream's first token over the time any stream was decoding), then output tok/s of all streams "
     "(which counts prefill); TTFT: the median time to token 1 for that prompt class, said as N x faster or slower. "
+    "A setup measured under synthetic routing too is judged per routing: a paged mode under synthetic routing is "
+    "compared with the other modes there (those measured only under the model's routing, whose speed does not "
+    "depend on which experts are chosen, stand in every routing), never with itself under the model's routing. "
+    "A configuration with fewer repeats (a search's one-cell probe) stands for its mode only where none has more. "
     "Unverified: a cell whose requests' decode rate disagreed with the engine's own timings, or whose tokens "
     "could not be timed."
 )
@@ -58,19 +62,20 @@ def _setup_view(
     key: tuple[str, str, str], items: list[Verdict], caveats: list[str], budget_bytes: int | None
 ) -> dict[str, Any]:
     rows = []
-    shown: set[int] = set()
+    shown: set[tuple[str, int]] = set()
     for v in items:
         rows.append(
             {
                 "verdict": v,
-                "yardstick_first": bool(v.yardstick) and v.concurrency not in shown,  # once per concurrency, above
+                # once per routing world and concurrency, above
+                "yardstick_first": bool(v.yardstick) and (v.routing, v.concurrency) not in shown,
                 "winner_median": _fmt(v.winner_median, v.ttft),
                 "winner_cells": " ".join(v.versus[0].winner_cells),
                 "versus": [_versus_view(v, vs) for vs in v.versus],
             }
         )
         if v.yardstick:
-            shown.add(v.concurrency)
+            shown.add((v.routing, v.concurrency))
     run_id, workload, prompt_class = key
     return {
         "run_id": run_id,
@@ -106,7 +111,7 @@ def verdict_markdown(
     """The same screen as markdown lines, for tables.md."""
     lines = ["## Verdict", "", HOW_TO_READ, ""]
     seen: set[tuple[str, str, str]] = set()
-    flagged: set[tuple[str, str, str, int]] = set()
+    flagged: set[tuple[str, str, str, str, int]] = set()
     for v in found:
         key = _setup_key(v)
         if key not in seen:
@@ -115,9 +120,10 @@ def verdict_markdown(
             mine = [x for x in found if _setup_key(x) == key]
             lines += [" ".join(headline(mine, (budgets or {}).get(key[0]))), ""]
             lines += [f"- caveat: {note}" for note in caveats.get(key) or []]
-        if v.yardstick and (*key, v.concurrency) not in flagged:
-            flagged.add((*key, v.concurrency))
-            lines += [f"- UNVERIFIED, c={v.concurrency}: {note}" for note in v.yardstick]
+        if v.yardstick and (*key, v.routing, v.concurrency) not in flagged:
+            flagged.add((*key, v.routing, v.concurrency))
+            where = f", {routing_phrase(v.routing)}" if v.routing else ""
+            lines += [f"- UNVERIFIED, c={v.concurrency}{where}: {note}" for note in v.yardstick]
         best = "fastest" if v.significant else "best median (not significantly)"
         lines.append(
             f"- c={v.concurrency}, {v.metric_name}: {best} {v.winner_name} ({_fmt(v.winner_median, v.ttft)}); "

@@ -18,6 +18,7 @@ import pandas as pd
 
 from benchsuite.engines import adapter_of
 from benchsuite.report.flags import cell_flags
+from paged_experts.routing.specs import is_calibrated as calibrated_preset
 
 GROUP_KEYS: tuple[str, ...] = (
     "run_id",
@@ -82,10 +83,21 @@ def is_synthetic(routing: str) -> bool:
     return str(routing).startswith("synthetic")
 
 
+def synthetic_spec(routing: str) -> str:
+    """`synthetic:qwen3-30b-a3b` -> `qwen3-30b-a3b` (the spec as the matrix wrote it)."""
+    return routing.split(":", 1)[1] if ":" in routing else routing
+
+
+def is_calibrated(routing: str) -> bool:
+    """A synthetic routing calibrated to a trained model's measured routing (a preset), not a hand-set
+    uniform, Zipf or reuse process."""
+    return is_synthetic(routing) and calibrated_preset(synthetic_spec(str(routing)))
+
+
 def routing_label(routing: str) -> str:
     if not is_synthetic(routing):
         return "model routing"
-    return f"SYNTHETIC routing ({routing.split(':', 1)[1] if ':' in routing else routing})"
+    return f"SYNTHETIC routing ({synthetic_spec(routing)})"
 
 
 def config_label(row: pd.Series, many_runs: bool) -> str:

@@ -4,8 +4,8 @@ table ("paged-fp8 K=40 decodes 1.34 x faster than llamacpp-16gb N=30 [1.33–1.3
 
 It reads the setup's verdicts (report.verdict): the single-stream decode verdict (the lowest
 concurrency measured when c=1 was not), then output tok/s at the highest concurrency; where the setup
-was measured under synthetic routing too, each routing world is named (verdict.routing_worlds) and
-the further worlds add their single-stream sentence. A mode is named
+was measured under synthetic routing too, those of the leading routing world (verdict.routing_worlds),
+named, and a pointer to the others' rows. A mode is named
 faster only when it is a discovery against every other mode after the page's correction
 (`Verdict.significant`); the ratio quoted is against the runner-up, the closest other mode. Where
 figures behind the verdict failed the cross-check against an engine's own timings or went untimed
@@ -49,9 +49,16 @@ def _answer(v: Verdict, budget_bytes: int | None, streams: str) -> str:
     if runner_up.estimate is None:
         return f"{streams}, too few repeats to name a faster mode: {runner_up.verdict()}."
     if not v.significant:
-        within = (
-            f"within noise of {runner_up.other_name}" if not runner_up.discovery else "within noise of another mode"
-        )
+        if runner_up.corrected_away:
+            ratio, interval = _ratio(v)
+            within = (
+                f"{ratio} {runner_up.other_name} {interval}, an interval that excludes 1 but no discovery after "
+                f"the page's correction"
+            )
+        elif not runner_up.discovery:
+            within = f"within noise of {runner_up.other_name}"
+        else:
+            within = "within noise of another mode"
         return (
             f"{streams}, no mode is significantly faster here ({_repeats(v)}): {v.winner_name} has the highest "
             f"median, {within}."
@@ -71,22 +78,26 @@ def _streams(concurrency: int, routing: str = "") -> str:
 
 
 def headline(items: list[Verdict], budget_bytes: int | None) -> list[str]:
-    """The setup's answer for the verdicts in the order report.verdict.verdicts gives them: for the
-    first routing world, the single-stream sentence and the highest concurrency's; for each further
-    world (a setup measured under synthetic routing too), its single-stream sentence."""
-    out: list[str] = []
-    for routing in dict.fromkeys(v.routing for v in items):
-        throughput = [v for v in items if v.routing == routing and v.metric != TTFT_METRIC and v.versus]
-        if not throughput:
-            continue
-        lowest = min(v.concurrency for v in throughput)
-        first = next(v for v in throughput if v.concurrency == lowest)
-        out.append(_sentence(first, budget_bytes, _streams(lowest, routing)))
-        highest = max(v.concurrency for v in throughput)
-        if highest > lowest and len(out) == 1:
-            last = next(
-                (v for v in throughput if v.concurrency == highest and v.metric == "output_tok_s"),
-                next(v for v in throughput if v.concurrency == highest),
-            )
-            out.append(_sentence(last, budget_bytes, _streams(highest, routing)))
+    """The setup's answer for the verdicts in the order report.verdict.verdicts gives them: the first
+    routing world's single-stream sentence and its highest concurrency's; a setup measured under
+    other routings too says where their verdicts are, with no sentence of their own (the first
+    world is the one to judge by: report.verdict.routing_worlds)."""
+    worlds = [r for r in dict.fromkeys(v.routing for v in items)
+              if any(v.routing == r and v.metric != TTFT_METRIC and v.versus for v in items)]  # fmt: skip
+    if not worlds:
+        return []
+    lead = worlds[0]
+    throughput = [v for v in items if v.routing == lead and v.metric != TTFT_METRIC and v.versus]
+    lowest = min(v.concurrency for v in throughput)
+    first = next(v for v in throughput if v.concurrency == lowest)
+    out = [_sentence(first, budget_bytes, _streams(lowest, lead))]
+    highest = max(v.concurrency for v in throughput)
+    if highest > lowest:
+        last = next(
+            (v for v in throughput if v.concurrency == highest and v.metric == "output_tok_s"),
+            next(v for v in throughput if v.concurrency == highest),
+        )
+        out.append(_sentence(last, budget_bytes, _streams(highest, lead)))
+    if len(worlds) > 1:
+        out.append(f"The table below also compares the modes {' and '.join(routing_phrase(r) for r in worlds[1:])}.")
     return out

@@ -112,11 +112,16 @@ def failures_table(cells: pd.DataFrame) -> pd.DataFrame:
     ).reset_index(drop=True)
 
 
-def _best(candidates: pd.DataFrame, metric: str) -> pd.Series | None:
-    scored = [(row[metric].median, idx) for idx, row in candidates.iterrows() if row[metric] is not None]
+def best_config(candidates: pd.DataFrame, metric: str, lower_is_better: bool = False) -> pd.Series | None:
+    """The best configuration by median, among those with enough repeats for an interval when any
+    has them: a search's one-cell probe of a value (1 repeat) must not stand for a mode beside that
+    value's full repeats and leave its comparison with "not enough repeats"."""
+    scored = [(row[metric].median, row[metric].n, idx) for idx, row in candidates.iterrows() if row[metric] is not None]
     if not scored:
         return None
-    return candidates.loc[max(scored)[1]]
+    enough = [s for s in scored if s[1] >= stats.MIN_REPEATS] or scored
+    pick = min if lower_is_better else max
+    return candidates.loc[pick(enough, key=lambda s: s[0])[2]]
 
 
 def fits(row: pd.Series, cells: pd.DataFrame) -> bool:
@@ -145,9 +150,9 @@ def baselines_for(groups: pd.DataFrame, cells: pd.DataFrame, paged: pd.Series) -
     llama = llama[[fits(row, cells) for _, row in llama.iterrows()]] if len(llama) else llama
     metric = headline_metric(paged["concurrency"])
     return {
-        "offload": _best(same_engine[same_engine["mode"] == "offload"], metric),
-        "llamacpp_best": _best(llama, metric),
-        "cpu_experts_best": _best(same_engine[same_engine["mode"] == "cpu-experts"], metric),
+        "offload": best_config(same_engine[same_engine["mode"] == "offload"], metric),
+        "llamacpp_best": best_config(llama, metric),
+        "cpu_experts_best": best_config(same_engine[same_engine["mode"] == "cpu-experts"], metric),
     }
 
 

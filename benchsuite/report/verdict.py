@@ -34,9 +34,9 @@ from typing import Any
 import pandas as pd
 
 from benchsuite.report import stats
-from benchsuite.report.groups import is_synthetic
+from benchsuite.report.groups import is_calibrated, is_synthetic, synthetic_spec
 from benchsuite.report.names import short_name
-from benchsuite.report.tables import fits, headline_metric
+from benchsuite.report.tables import best_config, fits, headline_metric
 
 DECODE_AGG_METRIC = "decode_agg_tok_s"
 THROUGHPUT_NAMES = {
@@ -163,24 +163,12 @@ class Verdict:
         return [v.text(self.winner, self.ttft) for v in self.versus]
 
 
-def _best(family: pd.DataFrame, metric: str, lower_is_better: bool) -> pd.Series | None:
-    """The family's best configuration by median, among those with enough repeats for an interval
-    when any has them: a search's one-cell probe of a value (1 repeat) must not stand for the mode
-    beside that value's full repeats and leave the verdict with "not enough repeats"."""
-    scored = [(row[metric].median, row[metric].n, idx) for idx, row in family.iterrows() if row[metric] is not None]
-    if not scored:
-        return None
-    enough = [s for s in scored if s[1] >= stats.MIN_REPEATS] or scored
-    pick = min if lower_is_better else max
-    return family.loc[pick(enough, key=lambda s: s[0])[2]]
-
-
 def _verdict(setup: pd.DataFrame, concurrency: int, metric: str) -> Verdict | None:
     ttft = metric == TTFT_METRIC
     rows = setup[setup["concurrency"] == concurrency]
     best: dict[str, pd.Series] = {}
     for family, members in rows.groupby([config_facts(r).family for _, r in rows.iterrows()], sort=True):
-        chosen = _best(members, metric, ttft)
+        chosen = best_config(members, metric, ttft)
         if chosen is not None:
             best[str(family)] = chosen
     if len(best) < 2:
@@ -238,7 +226,8 @@ def routing_worlds(setup: pd.DataFrame, synthetic_first: bool = False) -> list[t
     mode are two assumptions about the model, not two ways to serve it); modes measured only under
     the model's routing (llama.cpp, resident, offload: their speed does not depend on which experts
     are chosen) take part in every world. `synthetic_first`: the synthetic worlds lead (a
-    random-weight model, whose own routing stands for no trained model's)."""
+    random-weight model, whose own routing stands for no trained model's): the worlds of synthetic
+    routing calibrated to a trained model lead, hand-set ones (uniform, Zipf) follow the model's."""
     synthetic = setup["routing"].map(lambda r: is_synthetic(str(r)))
     routings = sorted({str(r) for r in setup.loc[synthetic, "routing"]})
     if not routings:
@@ -247,7 +236,10 @@ def routing_worlds(setup: pd.DataFrame, synthetic_first: bool = False) -> list[t
     unvaried = setup[[not s and _mode_of(row) not in varied for s, (_, row) in zip(synthetic, setup.iterrows())]]
     worlds = [(r, pd.concat([setup[setup["routing"].astype(str) == r], unvaried])) for r in routings]
     model = [(MODEL_ROUTING, setup[~synthetic])]
-    return worlds + model if synthetic_first else model + worlds
+    if not synthetic_first:
+        return model + worlds
+    calibrated = [w for w in worlds if is_calibrated(w[0])]
+    return calibrated + model + [w for w in worlds if not is_calibrated(w[0])]
 
 
 def routing_phrase(routing: str) -> str:
@@ -256,7 +248,7 @@ def routing_phrase(routing: str) -> str:
         return ""
     if routing == MODEL_ROUTING:
         return "on the model's own routing"
-    return f"on synthetic routing ({routing.split(':', 1)[1] if ':' in routing else routing})"
+    return f"on synthetic routing ({synthetic_spec(routing)})"
 
 
 def verdicts(
@@ -282,13 +274,28 @@ def verdicts(
                     if found is not None:
                         named = f"{found.metric_name}, {routing_phrase(routing)}" if routing else found.metric_name
                         out.append(replace(found, yardstick=notes, routing=routing, metric_name=named))
-    flat = [vs.estimate for v in out for vs in v.versus]
-    discoveries = iter(stats.benjamini_hochberg([None if e is None else e.p_value for e in flat], alpha))
-    tested = sum(1 for e in flat if e is not None)
+    # one test per distinct comparison: modes without a synthetic variant meet in every routing world,
+    # the same cells each time, and a repeated test would count twice in the correction
+    unique: dict[tuple[str, frozenset[tuple[str, ...]]], stats.RatioEstimate | None] = {}
+    for v in out:
+        for vs in v.versus:
+            unique.setdefault(_comparison_key(v, vs), vs.estimate)
+    flags = stats.benjamini_hochberg([None if e is None else e.p_value for e in unique.values()], alpha)
+    discovery = dict(zip(unique, flags))
+    tested = sum(1 for e in unique.values() if e is not None)
     return [
-        replace(v, versus=tuple(replace(vs, discovery=next(discoveries), comparisons=tested) for vs in v.versus))
+        replace(
+            v,
+            versus=tuple(
+                replace(vs, discovery=discovery[_comparison_key(v, vs)], comparisons=tested) for vs in v.versus
+            ),
+        )
         for v in out
     ]
+
+
+def _comparison_key(v: Verdict, vs: Versus) -> tuple[str, frozenset[tuple[str, ...]]]:
+    return v.metric, frozenset({tuple(sorted(vs.winner_cells)), tuple(sorted(vs.other_cells))})
 
 
 def yardstick_notes(setup: pd.DataFrame, cells: pd.DataFrame, concurrency: int) -> tuple[str, ...]:
@@ -314,6 +321,7 @@ def verdict_table(found: list[Verdict]) -> pd.DataFrame:
                 {
                     "setup": f"{v.run_id} · {v.workload} · {v.prompt_class}",
                     "concurrency": v.concurrency,
+                    "routing": v.routing,
                     "metric": v.metric_name,
                     "fastest": v.winner,
                     "fastest_median": v.winner_median,
