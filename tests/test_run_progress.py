@@ -86,7 +86,9 @@ def test_a_server_that_died_at_start_shows_its_logs_last_line() -> None:
 
 def test_a_search_s_final_cells_are_in_the_total_from_the_start(tmp_path) -> None:
     """The H200 headline run showed '~0s left' for ten minutes while three searches still had to run
-    their 24 final cells: those cells count from the start, less the ones a resumed run stored."""
+    their 24 final cells: those cells count from the start, less the ones a resumed run stored (per
+    search: one engine's searches at other swept values, its fixed values, probes and failed cells
+    are not that search's stored finals)."""
     from benchsuite.commands.run import searched_cells_left
     from benchsuite.config.matrix import load_matrix
     from benchsuite.config.plan import build_plan
@@ -95,22 +97,34 @@ def test_a_search_s_final_cells_are_in_the_total_from_the_start(tmp_path) -> Non
     path = tmp_path / "m.yaml"
     path.write_text(
         "name: s\nengines:\n  e:\n    kind: builtin\n"
-        "    options: {model: tiny, mode: paged, resident_experts: search}\n"
+        "    options: {model: tiny, mode: paged, resident_experts: [search, 8], cpu_threads: [1, 2]}\n"
         "  r:\n    kind: builtin\n    options: {model: tiny, mode: resident}\n"
         "workloads:\n  a: {prompt_classes: [short, '64'], concurrency: [1, 2], num_requests: 1}\nrepeats: 2\n"
     )
     plan = build_plan(load_matrix(path))
+    fixed_server = next(s.server_id for s in plan.servers if s.name == "e")
     store = open_store(plan, tmp_path / "results")
     try:
-        assert len(plan.cells) == 8 and searched_cells_left(plan, store) == 8  # 2 classes x 2 concurrencies x 2
+        # 2 searches (cpu_threads 1 and 2), 8 final cells each; the fixed K=8 and resident cells are planned
+        assert len(plan.searches) == 2 and len(plan.cells) == 3 * 8
+        assert searched_cells_left(plan, store) == 16
 
-        def stored(cell_id: str, params: dict) -> CellResult:
+        def stored(cell_id: str, params: dict, status: str = "ok", server: str = "chosen") -> CellResult:
             return CellResult(cell_id=cell_id, run_id=plan.run_id, engine="e", engine_kind="builtin", mode="paged",
-                              server_id="x", params=params, workload="a", prompt_class="short", concurrency=1,
-                              repeat=0, status="ok")  # fmt: skip
+                              server_id=server, params=params, workload="a", prompt_class="short", concurrency=1,
+                              repeat=0, status=status)  # fmt: skip
 
-        store.write_cell(stored("probe", {"resident_experts": 40, "search_n": 40}), [])  # a probe: not a final cell
-        store.write_cell(stored("final", {"resident_experts": 40}), [])
-        assert searched_cells_left(plan, store) == 7
+        for cell in (
+            stored("probe", {"resident_experts": 40, "cpu_threads": 1, "search_n": 40}),  # a probe
+            stored("failed", {"resident_experts": 40, "cpu_threads": 1}, status="failed"),  # runs again
+            stored("fixed", {"resident_experts": 8, "cpu_threads": 1}, server=fixed_server),  # a planned cell
+        ):
+            store.write_cell(cell, [])
+        assert searched_cells_left(plan, store) == 16
+        store.write_cell(stored("final-1", {"resident_experts": 40, "cpu_threads": 1}), [])
+        store.write_cell(stored("final-2", {"resident_experts": 40, "cpu_threads": 1}), [])
+        assert searched_cells_left(plan, store) == 14  # the cpu_threads=1 search's, not the other's
+        store.write_cell(stored("final-3", {"resident_experts": 36, "cpu_threads": 2}, status="invalid"), [])
+        assert searched_cells_left(plan, store) == 13
     finally:
         store.close()

@@ -23,12 +23,12 @@ from benchsuite.commands.run_progress import ProgressEvents, params_text
 from benchsuite.config import checklist
 from benchsuite.config.matrix import MatrixError, load_matrix
 from benchsuite.config.model_checks import missing_model
-from benchsuite.config.plan import Plan, build_plan, format_plan, select
+from benchsuite.config.plan import Plan, build_plan, format_plan, plan_cells, select
 from benchsuite.errors import UserError, caused_by_interrupt
 from benchsuite.load.dataset_check import dataset_problems
 from benchsuite.records import CellResult
 from benchsuite.results.manifest import Manifest
-from benchsuite.results.store import RunStore
+from benchsuite.results.store import FINISHED_STATUSES, RunStore
 from benchsuite.results.stored_files import read_cells, read_manifest
 from benchsuite.run import search
 from benchsuite.run.search import describe
@@ -135,12 +135,24 @@ def main(args: argparse.Namespace) -> int:
 def searched_cells_left(plan: Plan, store: RunStore) -> int:
     """Cells the searches' chosen values still have to run (their ids are known only once a search
     has chosen): counted up front so the progress's time left does not read ~0s while searches wait.
-    A search's one-cell probes of each value are not counted (how many it launches is its own)."""
-    stored = [c for c in read_cells(store.run_dir) if not (isinstance(c.params, dict) and "search_n" in c.params)]
+    A search's one-cell probes of each value are not counted (how many it launches is its own). A
+    stored final cell of a search: its engine's, finished (ok or invalid: a failed one runs again),
+    with the searched option set and the search's other swept values, on no planned server."""
+    planned = {s.server_id for s in plan.servers}
+    stored = [
+        c for c in read_cells(store.run_dir)
+        if c.status in FINISHED_STATUSES and c.server_id not in planned
+        and isinstance(c.params, dict) and "search_n" not in c.params
+    ]  # fmt: skip
     left = 0
     for task in plan.searches:
-        done = sum(1 for c in stored if c.engine == task.spec.name)
-        left += max(0, len(checklist.search_final_cells(plan, task)) - done)
+        fixed = {k: v for k, v in task.params.items() if k != task.option}
+        done = sum(
+            1 for c in stored
+            if c.engine == task.spec.name and task.option in c.params
+            and all(c.params.get(k) == v for k, v in fixed.items())
+        )  # fmt: skip
+        left += max(0, len(plan_cells(plan.matrix, task.spec, task.params)) - done)
     return left
 
 

@@ -16,8 +16,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from benchsuite.config.plan import Plan, SearchTask
-from benchsuite.config.schema import Workload
+from benchsuite.config.plan import Plan, plan_cells
 from benchsuite.engines import ADAPTERS
 from benchsuite.engines.base import EnvCheck, ServerSpec
 from benchsuite.tools.reference import DecodeRow, load_reference
@@ -66,26 +65,17 @@ class Estimate:
     basis: str  # how the seconds were estimated, in words
 
 
-def search_final_cells(plan: Plan, task: SearchTask) -> list[tuple[ServerSpec, Workload, int]]:
-    """(server, workload, concurrency) of each cell a search's chosen value runs once it is found
-    (every workload, prompt class, concurrency and repeat; the per-value launches are not counted)."""
-    m = plan.matrix.matrix
-    return [
-        (task.spec, w, c)
-        for w in m.workloads.values()
-        for _ in w.prompt_classes
-        for c in w.concurrency
-        for _ in range(m.repeats)
-    ]
-
-
 def estimate(plan: Plan) -> Estimate:
     """Sizes of the run and, with a reference, a duration at the published rates: per cell,
     requests x output tokens / the published decode rate of its kind of server at its concurrency
     (paged, offload, or the CPU-experts baseline; single stream at c=1, the published 4-request
     aggregate at c>1 where there is one, else one stream's rate). Prefill, server starts and a
     search's per-value launches are left out: a lower bound for a GPU like the published one."""
-    per_search = [cell for task in plan.searches for cell in search_final_cells(plan, task)]
+    per_search = [
+        (task.spec, c.workload_spec, c.concurrency)
+        for task in plan.searches
+        for c in plan_cells(plan.matrix, task.spec, task.params)
+    ]
     by_id = {s.server_id: s for s in plan.servers}
     cells = [(by_id[c.server_id], c.workload_spec, c.concurrency) for c in plan.cells] + per_search
     requests = sum(w.num_requests + w.warmup_requests for _, w, _ in cells)
