@@ -189,10 +189,13 @@ def check_graphed_decode(
     assert graphs is not None, "enable_cuda_graphs on the graphed model first"
     with record_routing(eager_model) as routing:
         eager = decode_greedy(eager_model, prompts, steps)
+    assert len(routing) == steps + 1, f"eager routing recorded for {len(routing)} of {steps + 1} forwards"
     graphs.trace = []
-    graphed = decode_forced(graphed_model, prompts, eager.tokens)
-    trace = [t.cpu() for t in graphs.trace]
-    graphs.trace = None
+    try:
+        graphed = decode_forced(graphed_model, prompts, eager.tokens)
+        trace = [t.cpu() for t in graphs.trace]
+    finally:
+        graphs.trace = None  # a failed step leaves the model untraced, as it was
     assert len(trace) == steps, f"{len(trace)} of {steps} decode steps ran graphed"
     flips = find_flips(routing[1:], trace, graphed_model.runtime.torch_dtype, tie_ulps)  # [0]: the prefill
     checked = [(f"prefill of sequence {i}", a, b) for i, (a, b) in enumerate(zip(graphed.prefill, eager.prefill))]

@@ -83,12 +83,15 @@ def test_too_few_checked_outputs_fail() -> None:
         check(eager, graphed, min_checked=1.0)
 
 
-def test_large_router_noise_fails_as_an_unexplained_flip() -> None:
-    """25% relative noise: ~10 bf16 ulps at these logits, past any near-tie's margin."""
+@pytest.mark.parametrize("tie_ulps", [4.0, 8.0])  # 8: the CUDA check's allowance
+def test_large_router_noise_fails_as_an_unexplained_flip(tie_ulps: float) -> None:
+    """25% relative noise: ~10 bf16 ulps at these logits, past a near-tie's margin at either allowance
+    (at 8 ulps, 10% noise passed 3 of 6 seeds and 5% all: smaller router errors than that show only
+    through the outputs before a flip)."""
     eager, graphed = models()
     noisy_router(graphed, seed=0, rel=0.25)
     with pytest.raises(AssertionError, match="not a near-tie"):
-        check(eager, graphed)
+        check(eager, graphed, tie_ulps=tie_ulps)
 
 
 def test_wrong_expert_outputs_fail_before_any_flip() -> None:
