@@ -23,7 +23,7 @@ export PYTHONUNBUFFERED=1 BENCH_H200_MODEL=/tmp/h200/q48 BENCH_H200_FP8_MODEL=/t
 
 # issue 24's flag sets at N=30, by llama-server's own timings (docs/llamacpp-tuning.md)
 FLAGS_CMD="python3 benchmarks/llamacpp_flags_h200.py --server /root/.cache/benchsuite/llama.cpp/0.3.36-cuda/bin/llama-server \
-  --model $BENCH_H200_GGUF --out $JOBS/flags"
+  --model $BENCH_H200_GGUF --ctx 10240 --out $JOBS/flags"  # -c as headline.yaml's kv_capacity_tokens
 
 site() {  # the carried wheels, once per machine
   if [ ! -d /tmp/site ]; then
@@ -79,8 +79,8 @@ case "${1:-}" in
     steps=""
     for job in "$@"; do
       case "$job" in
-        headline|overlap) steps="$steps; python3 -m benchsuite run configs/h200/$job.yaml --run-id h200-$job --no-report" ;;
-        flags) steps="$steps; $FLAGS_CMD" ;;
+        headline|overlap) steps="$steps; python3 -m benchsuite run configs/h200/$job.yaml --run-id h200-$job --no-report; echo \"$job exit \$?\"" ;;
+        flags) steps="$steps; $FLAGS_CMD; echo \"flags exit \$?\"" ;;
         *) echo "usage: $0 queue headline|overlap|flags ..." >&2; exit 2 ;;
       esac
     done
