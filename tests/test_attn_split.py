@@ -9,12 +9,9 @@ Triton reads TRITON_INTERPRET when it is imported, so the check runs in a child 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from interpreted import run_interpreted
 
 # (batch, query heads, KV heads, head dim, block size, chunk tokens, positions)
 SPLIT_CASES = (
@@ -75,10 +72,5 @@ def test_split_plan_reasoned_sizes() -> None:
 
 def test_split_attention_matches_torch_and_the_unsplit_kernel_in_the_interpreter() -> None:
     pytest.importorskip("triton")
-    code = "import sys; sys.path.insert(0, sys.argv[1]); import test_attn_split as t; t.check_split()"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", code, os.path.dirname(__file__)], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert done.stdout.count("ok ") == len(SPLIT_CASES)
+    out = run_interpreted("test_attn_split", "check_split")
+    assert out.count("ok ") == len(SPLIT_CASES)

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
+from interpreted import run_interpreted
 
 try:
     import triton
@@ -331,13 +330,8 @@ def check_bits() -> None:
 
 def test_unified_kernels_compute_the_old_bits_in_the_interpreter() -> None:
     pytest.importorskip("triton")
-    code = "import sys; sys.path.insert(0, sys.argv[1]); import test_moe_triton_switch as t; t.check_bits()"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", code, os.path.dirname(__file__)], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert done.stdout.count("ok ") == len(CASES)
+    out = run_interpreted("test_moe_triton_switch", "check_bits")
+    assert out.count("ok ") == len(CASES)
 
 
 def h200_ptx(fn, pointers: dict[str, str], constants: dict[str, object], num_warps: int) -> str:

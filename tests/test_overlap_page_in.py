@@ -15,13 +15,11 @@ fp32 and block-FP8 tables. tests/cuda/test_device_paging_cuda.py checks the stre
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 
 import pytest
 import torch
+from interpreted import run_interpreted
 
 from paged_experts import fp8
 from paged_experts.kernels.copy_kernel import copy_planned
@@ -162,10 +160,5 @@ def check_triton() -> None:
 
 def test_triton_overlap_equals_moe_pairs_in_every_completion_order_in_the_interpreter() -> None:
     pytest.importorskip("triton")
-    code = "import sys; sys.path.insert(0, sys.argv[1]); import test_overlap_page_in as t; t.check_triton()"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", code, os.path.dirname(__file__)], env=env, capture_output=True, text=True, timeout=900
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert done.stdout.count("ok ") == 6, done.stdout
+    out = run_interpreted("test_overlap_page_in", "check_triton", timeout_s=900)
+    assert out.count("ok ") == 6, out

@@ -4,13 +4,10 @@ bit in the interpreter (TRITON_INTERPRET=1, in a child interpreter: Triton reads
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
+from interpreted import run_interpreted
 
 from paged_experts.routing.sources import RoutingProcess
 from paged_experts.routing.specs import parse_spec
@@ -66,10 +63,5 @@ def test_rows_distinct_even_when_popularity_is_one_expert() -> None:
 
 def test_triton_draw_equals_torch_in_the_interpreter() -> None:
     pytest.importorskip("triton")
-    code = "import sys; sys.path.insert(0, sys.argv[1]); import test_routing_draw as t; t.check_triton_draw()"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", code, os.path.dirname(__file__)], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert done.stdout.count("ok ") == len(DRAW_CASES)
+    out = run_interpreted("test_routing_draw", "check_triton_draw")
+    assert out.count("ok ") == len(DRAW_CASES)
