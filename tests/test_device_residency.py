@@ -51,6 +51,18 @@ def test_device_plan_equals_host_lru(seed: int) -> None:
         _check_same_plan(dev, host, routed)
 
 
+def test_device_plan_equals_host_lru_at_the_served_shape() -> None:
+    """E=128, K=40, top_k 8 (the H200 configuration): batches of 1-5 tokens, ties among pinned slots,
+    steps with no miss and steps where every pair misses."""
+    rng = random.Random(7)
+    e, k, top_k = 128, 40, 8
+    dev, host = DeviceResidency(e, k, torch.device("cpu")), LayerResidency(e, k)
+    for step in range(200):
+        pool = range(e) if step % 7 else range(12)  # every 7th step from a small set: mostly hits
+        routed = [x for _ in range(rng.randint(1, k // top_k)) for x in rng.sample(pool, top_k)]
+        _check_same_plan(dev, host, routed)
+
+
 def test_compiled_device_plan_equals_host_lru() -> None:
     """`DeviceResidency.compile()` (torch.compile of the plan, used by compiled graphed decode)
     plans what the host LRU plans, step by step, with state mutated in place as eagerly."""

@@ -164,14 +164,22 @@ def plan_step(
     miss = used & ~resident  # [E+1]
     n_used = used.sum()
     n_miss = miss.sum()
-    # Misses ascending, padded with E: sorting E-for-non-misses puts the misses first.
-    miss_experts = torch.sort(torch.where(miss, arange_e, e)).values[:p]  # [P]
+    # No sort: in the graphed (uncompiled) FP8 step on the H200, torch.sort of these few entries ran as
+    # radix sorts of 26 us (E+1 = 129) and 9 us (K = 40) per paged layer, 1.7 ms of a 48-layer token
+    # (benchmarks/results/h200/2026-12-02-flags-overlap). Counting ranks takes a few small elementwise ops.
+    # Misses ascending, padded with E: the i-th miss is the first expert whose running miss count is i + 1.
+    misses_so_far = torch.cumsum(miss, 0)  # [E+1]
+    wanted = torch.arange(1, p + 1, device=device, dtype=misses_so_far.dtype)  # [P]
+    miss_experts = torch.searchsorted(misses_so_far, wanted).clamp_(max=e)  # [P]; past the last miss: E + 1 -> E
     valid = miss_experts < e  # [P]
-    # Victims: unpinned slots by (last use, expert id); pinned slots (routed now) sort last.
+    # Victims: unpinned slots by (last use, expert id); pinned slots (routed now) rank last.
     pinned = used[expert_in[:k]]  # [K]
     key = (last_use[:k] + 1) * (e + 1) + expert_in[:k]  # [K], distinct per slot
     key = torch.where(pinned, torch.iinfo(torch.long).max, key)
-    victims = torch.sort(key).indices[:p]  # [P] (P <= K: enough unpinned slots for the misses)
+    # rank of slot i = slots ordered before it (ties, among pinned slots only, by slot index): a permutation
+    before = (key[None, :] < key[:, None]) | ((key[None, :] == key[:, None]) & arange_e[None, :k].lt(arange_e[:k, None]))
+    rank = before.sum(1)  # [K]
+    victims = (rank[None, :] == arange_e[:p, None]).to(torch.uint8).argmax(1)  # [P] slot of rank j (P <= K)
     miss_slots = torch.where(valid, victims, k)  # [P]
     evicted = torch.where(valid, expert_in[miss_slots], e)  # [P]
     slot_of.index_fill_(0, evicted, -1)
