@@ -15,6 +15,7 @@ import yaml
 import benchsuite.tools.linkbw
 from benchsuite.cli import main
 from benchsuite.report.build import build_report_data
+from benchsuite.report.decode_bounds import TITLE as DECODE_TITLE
 from benchsuite.report.load import RunData
 from benchsuite.report.roofline import TITLE, roofline_table
 from benchsuite.results.manifest import Manifest
@@ -102,7 +103,14 @@ def test_end_to_end_on_the_builtin_server(
     path.write_text(yaml.safe_dump(body))
     assert main(["run", str(path), "--quiet", "--no-report"]) == 0
     (run_dir,) = (tmp_path / "results").iterdir()
-    table = build_report_data([run_dir]).tables[TITLE].set_index("configuration")
+    data = build_report_data([run_dir])
+    table = data.tables[TITLE].set_index("configuration")
+    # the decode alone (report/decode_bounds.py): the paged cell's decode bytes from its miss rate and the
+    # recorded model shape, its link time at the scripted 10 GB/s, the resident cell as its compute
+    (decode,) = data.tables[DECODE_TITLE].to_dict("records")
+    assert decode["decode_mb_per_token"] >= 0 and decode["decode_miss_rate"] is not None
+    if decode["decode_mb_per_token"] > 0:
+        assert decode["link_ms"] == pytest.approx(decode["decode_mb_per_token"] / 10.0)
     assert len(table) == 2, table
     for _, row in table.iterrows():  # the counters and the link never depend on how the stream was read
         assert row["bytes_per_token_mb"] > 0 and row["link_gb_per_s"] == 10.0 and row["link_bound_tok_s"] > 0

@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from benchsuite.errors import UserError
-from benchsuite.report import nodes, prefill, roofline, search_section
+from benchsuite.report import decode_bounds, nodes, prefill, roofline, search_section
 from benchsuite.report import tables as tb
 from benchsuite.report.caveats import random_weight_models, setup_caveats, setup_servers
 from benchsuite.report.display import display_frame
@@ -134,6 +134,7 @@ def build_report_data(run_dirs: list[Path], reference_dirs: list[Path] | None = 
             "Paging counters": tb.paging_table(groups, num_experts),
             HIT_RATE_TITLE: hit_rate_table(cells),
             roofline.TITLE: roofline.roofline_table(cells, runs),
+            decode_bounds.TITLE: decode_bounds.decode_bounds_table(cells, runs),
             prefill.TITLE: prefill.prefill_table(cells, runs),
             search_section.TITLE: search_section.search_table(cells, runs),
         }
@@ -182,12 +183,14 @@ _ANCHORS = {
     search_section.TITLE: "search",
     nodes.TITLE: "nodes",
     roofline.TITLE: "roofline",
+    decode_bounds.TITLE: decode_bounds.ANCHOR,
     prefill.TITLE: "prefill",
     "Failed and invalid cells": "failures",
     "Raw cells": "raw-cells",
 }
 _INTROS = {
     "roofline": roofline.INTRO,
+    decode_bounds.ANCHOR: decode_bounds.INTRO,
     "prefill": prefill.INTRO,
     "hit-rate-optimal": f"<p>{html.escape(HIT_RATE_NOTE)}</p>",
     "ratios": "<p>One row per paged configuration: the best offload, llama.cpp and cpu-experts configuration "
@@ -209,6 +212,7 @@ _EMPTY = {
     "paging": "no engine reported paging counters",
     "hit-rate-optimal": "no paged cell reported paging counters",
     "roofline": "no paged or offload cell with paging counters and a measured link",
+    decode_bounds.ANCHOR: "no paged cell",
     "prefill": "no paged cell recorded its prefill page-in",
     "search": "no budget search ran",
     "failures": "every cell was ok",

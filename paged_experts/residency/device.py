@@ -177,7 +177,8 @@ def plan_step(
     key = (last_use[:k] + 1) * (e + 1) + expert_in[:k]  # [K], distinct per slot
     key = torch.where(pinned, torch.iinfo(torch.long).max, key)
     # rank of slot i = slots ordered before it (ties, among pinned slots only, by slot index): a permutation
-    before = (key[None, :] < key[:, None]) | ((key[None, :] == key[:, None]) & arange_e[None, :k].lt(arange_e[:k, None]))
+    earlier = arange_e[None, :k] < arange_e[:k, None]  # [K, K]: slot j before slot i
+    before = (key[None, :] < key[:, None]) | ((key[None, :] == key[:, None]) & earlier)  # [K, K]
     rank = before.sum(1)  # [K]
     victims = (rank[None, :] == arange_e[:p, None]).to(torch.uint8).argmax(1)  # [P] slot of rank j (P <= K)
     miss_slots = torch.where(valid, victims, k)  # [P]

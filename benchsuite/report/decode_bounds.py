@@ -1,0 +1,156 @@
+"""Where a paged decode token's time goes: link, compute and how much of the copy was hidden, per cell.
+
+The link and serial bounds section (roofline.py) bounds whole requests (output tok/s, prefill
+included). A paging engine's decode targets are decode rates, so this section bounds the decode
+alone, from stored data only:
+
+    decode rate       = decode_tok_s_p50 at c=1 (one stream), decode_agg_tok_s at c>=2 (all streams,
+                        tokens after each stream's first over the time all streams decoded)
+    decode_mb_per_tok = decode_miss_rate x top_k x MoE layers x bytes per expert
+                        (every lookup of a decode step is one token's top_k x layers; every miss copies
+                        one expert: bytes_paged / expert_misses of the cell, the server's expert_bytes
+                        when it missed nothing; the model's shape from the server's manifest record)
+    link_ms           = decode_mb_per_tok / link GB/s          (the run's measured paging rate)
+    compute_ms        = 1 / the decode rate of the same run's unpaged reference cells (builtin resident;
+                        same workload, routing, concurrency, prompt class; median over their repeats)
+    measured_ms       = 1 / the cell's decode rate
+    hidden_ms         = link_ms + compute_ms - measured_ms: copy time hidden behind compute; negative
+                        when the token took longer than copy then compute (planning, launches, waits)
+    link_bound = 1 / link_ms; roofline = 1 / max(link_ms, compute_ms); serial = 1 / (link_ms + compute_ms)
+
+A figure that cannot be computed says why; nothing is written as 0.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable
+from typing import Any
+
+import pandas as pd
+
+from benchsuite.engines import traits_of
+from benchsuite.report.load import RunData
+
+TITLE = "Decode per token: link, compute and overlap (paged)"
+ANCHOR = "decode-bounds"
+MATCH_KEYS = ("run_id", "engine_kind", "workload", "routing", "concurrency", "prompt_class")
+COLUMNS = (
+    "run_id", "configuration", "routing", "workload", "prompt_class", "concurrency", "repeat", "decode_figure",
+    "decode_tok_s", "decode_miss_rate", "decode_mb_per_token", "link_ms", "compute_ms", "measured_ms", "hidden_ms",
+    "link_bound_tok_s", "roofline_tok_s", "serial_tok_s", "of_link_bound", "of_roofline", "of_serial", "note",
+    "compute_cell_ids", "cell_id",
+)  # fmt: skip
+INTRO = (
+    "<p>Each paged cell's decode (not its prefill) against the link and the compute of this run: link_ms = expert "
+    "bytes copied per decode token (decode miss rate x top_k x MoE layers x bytes per expert) over the run's "
+    "measured link; compute_ms = 1 / the decode rate of the same run's resident cell with the same workload, "
+    "routing, concurrency and prompt class; measured_ms = 1 / the cell's decode rate (one stream's at c=1, all "
+    "streams' decode-phase aggregate at c&ge;2). hidden_ms = link_ms + compute_ms - measured_ms is the copy time "
+    "hidden behind compute; a negative value is time beyond copy-then-compute (planning, launches, waits).</p>"
+)
+
+
+def _num(value: Any) -> float | None:
+    if value is None or isinstance(value, bool):
+        return None
+    number = float(value)
+    return None if math.isnan(number) else number
+
+
+def decode_rate(cell: pd.Series) -> tuple[float | None, str]:
+    """(the cell's decode rate, which figure it is): one stream's at c=1, all streams' at c>=2."""
+    if int(cell["concurrency"]) <= 1:
+        return _num(cell.get("decode_tok_s_p50")), "decode_tok_s_p50"
+    return _num(cell.get("decode_agg_tok_s")), "decode_agg_tok_s"
+
+
+def _references(cells: pd.DataFrame) -> dict[tuple[Any, ...], tuple[float, list[str]]]:
+    """Match key -> (median decode rate, cell ids) of the ok unpaged reference cells."""
+    found: dict[tuple[Any, ...], list[tuple[float, str]]] = {}
+    for _, c in cells.iterrows():
+        rate, _figure = decode_rate(c)
+        if c["status"] == "ok" and c["mode"] == traits_of(str(c["engine_kind"])).reference_mode and rate:
+            found.setdefault(tuple(c[k] for k in MATCH_KEYS), []).append((rate, str(c["cell_id"])))
+    return {k: (statistics.median(r for r, _ in v), [i for _, i in v]) for k, v in found.items()}
+
+
+def _decode_bytes_per_token(cell: pd.Series, run: RunData | None) -> tuple[float | None, str]:
+    """Expert bytes copied per decode token, or None and why."""
+    miss_rate = _num(cell.get("decode_miss_rate"))
+    if miss_rate is None:
+        return None, "no decode miss rate (a cell stored before it existed, or no decode step)"
+    if run is None:
+        return None, "run not loaded"
+    record = run.facts.records.get(str(cell["server_id"]))
+    shape = record.model if record is not None else None
+    if shape is None:
+        return None, "the server's model shape is not in the manifest"
+    misses, paged = _num(cell.get("expert_misses")), _num(cell.get("bytes_paged"))
+    if misses and paged is not None:
+        per_expert: float | None = paged / misses
+    else:
+        per_expert = next((float(s.expert_bytes) for s in run.facts.servers
+                           if s.server_id == str(cell["server_id"]) and s.expert_bytes), None)  # fmt: skip
+    if per_expert is None:
+        return None, "no bytes per expert (no miss, and the server recorded none)"
+    return miss_rate * shape.top_k * shape.num_moe_layers * per_expert, ""
+
+
+def _bounds(measured: float | None, per_token: float | None, link: float | None, compute: float | None) -> dict:
+    out: dict[str, Any] = {k: None for k in ("link_ms", "compute_ms", "measured_ms", "hidden_ms", "link_bound_tok_s",
+                                             "roofline_tok_s", "serial_tok_s", "of_link_bound", "of_roofline",
+                                             "of_serial")}  # fmt: skip
+    if measured:
+        out["measured_ms"] = 1e3 / measured
+    if compute:
+        out["compute_ms"] = 1e3 / compute
+    if per_token is None or not link:
+        return out
+    link_s = per_token / (link * 1e9)
+    out["link_ms"] = 1e3 * link_s
+    if link_s > 0:
+        out["link_bound_tok_s"] = 1 / link_s
+        if measured:
+            out["of_link_bound"] = measured / out["link_bound_tok_s"]
+    if not compute:
+        return out
+    compute_s = 1 / compute
+    out["roofline_tok_s"] = 1 / max(compute_s, link_s)
+    out["serial_tok_s"] = 1 / (compute_s + link_s)
+    if measured:
+        out["hidden_ms"] = 1e3 * (link_s + compute_s - 1 / measured)
+        out["of_roofline"] = measured / out["roofline_tok_s"]
+        out["of_serial"] = measured / out["serial_tok_s"]
+    return out
+
+
+def decode_bounds_table(cells: pd.DataFrame, runs: Iterable[RunData]) -> pd.DataFrame:
+    """One row per paged cell (every repeat): its decode per-token breakdown, or why a part is missing."""
+    by_id = {run.run_id: run for run in runs}
+    references = _references(cells)
+    rows = []
+    paged = cells[cells["mode"] == "paged"].sort_values(["run_id", "label", "routing", "prompt_class", "concurrency",
+                                                          "repeat"])  # fmt: skip
+    for _, c in paged.iterrows():
+        run = by_id.get(str(c["run_id"]))
+        link, link_why = run.facts.link if run is not None else (None, "run not loaded")
+        compute, compute_ids = references.get(tuple(c[k] for k in MATCH_KEYS), (None, []))
+        measured, figure = decode_rate(c) if c["status"] == "ok" else (None, decode_rate(c)[1])
+        per_token, bytes_why = _decode_bytes_per_token(c, run)
+        reasons = [why for why in (f"cell {c['status']}" if c["status"] != "ok" else "", bytes_why, link_why) if why]
+        if measured is None and c["status"] == "ok":
+            reasons.append(f"no {figure}")
+        if compute is None:
+            reference = traits_of(str(c["engine_kind"])).reference_mode or "resident"
+            reasons.append(f"no ok {reference} cell with the same workload, routing, concurrency and prompt class")
+        rows.append({
+            "run_id": c["run_id"], "configuration": c["label"], "routing": c["routing"], "workload": c["workload"],
+            "prompt_class": c["prompt_class"], "concurrency": int(c["concurrency"]), "repeat": int(c["repeat"]),
+            "decode_figure": figure, "decode_tok_s": measured, "decode_miss_rate": _num(c.get("decode_miss_rate")),
+            "decode_mb_per_token": None if per_token is None else per_token / 1e6,
+            **_bounds(measured, per_token, link, compute), "note": "; ".join(reasons),
+            "compute_cell_ids": " ".join(compute_ids), "cell_id": c["cell_id"],
+        })  # fmt: skip
+    return pd.DataFrame(rows, columns=list(COLUMNS))
