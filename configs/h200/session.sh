@@ -21,9 +21,12 @@ mkdir -p "$OUT" "$JOBS"
 export PYTHONUNBUFFERED=1 BENCH_H200_MODEL=/tmp/h200/q48 BENCH_H200_FP8_MODEL=/tmp/h200/q48-fp8 \
   BENCH_H200_GGUF=/dev/shm/h200/q48-q8_0.gguf
 
-# issue 24's flag sets at N=30, by llama-server's own timings (docs/llamacpp-tuning.md)
-FLAGS_CMD="python3 benchmarks/llamacpp_flags_h200.py --server /root/.cache/benchsuite/llama.cpp/0.3.36-cuda/bin/llama-server \
-  --model $BENCH_H200_GGUF --ctx 10240 --out $JOBS/flags"  # -c as headline.yaml's kv_capacity_tokens
+# issue 24's flag sets at N=30, by llama-server's own timings (docs/llamacpp-tuning.md), with the binary the
+# build printed (read when the job starts; without one the job says so instead of failing on a missing path)
+FLAGS_CMD="server=\$(grep -ho '/[^ ]*/bin/llama-server' $JOBS/build.log 2>/dev/null | tail -n 1); \
+  if [ -x \"\$server\" ]; then python3 benchmarks/llamacpp_flags_h200.py --server \"\$server\" \
+  --model $BENCH_H200_GGUF --ctx 10240 --out $JOBS/flags; else echo 'flags: no llama-server built (build_full.log)'; false; fi"
+  # -c as headline.yaml's kv_capacity_tokens
 
 site() {  # the carried wheels, once per machine
   if [ ! -d /tmp/site ]; then
