@@ -83,7 +83,10 @@ def parse_variant(spec: str) -> tuple[str, frozenset[str]]:
     return mode, options
 
 
-def runtime_for(mode: str, device: str, options: frozenset[str] = frozenset()) -> RuntimeConfig:
+def runtime_for(
+    mode: str, device: str, options: frozenset[str] = frozenset(), copy_programs: int | None = None
+) -> RuntimeConfig:
+    """copy_programs: RuntimeConfig.copy_programs of device-planned paged modes (None elsewhere)."""
     name, _, n = mode.partition(":")
     backend = "triton" if "triton" in options else "grouped"
     if name == "paged":
@@ -96,6 +99,7 @@ def runtime_for(mode: str, device: str, options: frozenset[str] = frozenset()) -
             overlap_page_in="overlap" in options,
             prefetch_next_layer="prefetch" in options,
             kernel_backend=backend,
+            copy_programs=None if "host" in options else copy_programs,
         )
     if name == "cpu-experts":
         return RuntimeConfig(
@@ -351,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--linkbw-json", default=None)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--copy-programs", type=int, default=None,
+                    help="paged modes planned on the device: the page-in copy kernel's grid cap")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--preset", default="qwen3-30b-a3b-shape", help="synth preset ('tiny' for a CPU smoke run)")
     args = ap.parse_args(argv)
@@ -408,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         try:
-            rt = runtime_for(mode, args.device, options)
+            rt = runtime_for(mode, args.device, options, args.copy_programs)
             model = MoeCausalLM.synthetic(preset, rt, layers=args.layers, seed=args.seed, expert_kernel=kernel)
             if graph:
                 model.enable_cuda_graphs(graphs, compile_layers="compile" in options)

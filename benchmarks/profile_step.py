@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--preset", default="qwen3-30b-a3b-shape")
     ap.add_argument("--rows", type=int, default=22)
+    ap.add_argument("--copy-programs", type=int, default=None,
+                    help="paged modes planned on the device: the page-in copy kernel's grid cap")  # fmt: skip
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument(
         "--trace-dir", type=Path, default=None, help="also write each variant's Chrome trace (.json.gz) here"
@@ -70,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     sort_key = "cuda_time_total" if cuda else "cpu_time_total"
     for spec in args.variants.split(","):
         mode, options = parse_variant(spec)
-        model = MoeCausalLM.synthetic(args.preset, runtime_for(mode, args.device, options), layers=args.layers, seed=0)
+        runtime = runtime_for(mode, args.device, options, args.copy_programs)
+        model = MoeCausalLM.synthetic(args.preset, runtime, layers=args.layers, seed=0)
         if "graphs" in options:
             model.enable_cuda_graphs([args.batch], compile_layers="compile" in options)
         pool = KvPool.for_model(model, capacity_tokens=args.batch * 128)

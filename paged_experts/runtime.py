@@ -47,6 +47,10 @@ class RuntimeConfig:
     # With overlap_page_in: the groups a step's misses are dealt into (miss i in group i mod G), each
     # copied, then computed, on its own. 1: the hits, then all the misses.
     overlap_groups: int = 1
+    # Device-planned page-ins: the copy kernel's grid cap (kernels/copy_kernel.py). None: one program per
+    # 16 KiB chunk, which fills every SM; N: N programs loop over the chunks, leaving the other SMs to the
+    # kernels an overlapped pass runs beside the copy. Unset until measured on the H200.
+    copy_programs: int | None = None
     # Graphed decode steps of paged layers: while layer i computes, layer i+1's router is applied to
     # layer i's hidden state and the predicted experts are paged in on a second stream; layer i+1
     # then pages in only what the prediction missed (see graphs.GraphedDecoder). Off by default until
@@ -94,6 +98,12 @@ class RuntimeConfig:
             raise ValueError(f"overlap_groups must be in [1, 64], got {self.overlap_groups}")
         if self.overlap_groups != 1 and not self.overlap_page_in:
             raise ValueError("overlap_groups applies with overlap_page_in only")
+        if self.copy_programs is not None and not 1 <= self.copy_programs <= 65535:
+            raise ValueError(f"copy_programs must be in [1, 65535], got {self.copy_programs}")
+        if self.copy_programs is not None and not self.plans_on_device:
+            raise ValueError(
+                "copy_programs needs mode='paged' with device planning (device_planning 'on', or 'auto' on CUDA)"
+            )
         if self.prefetch_next_layer and not self.plans_on_device:
             raise ValueError(
                 "prefetch_next_layer needs mode='paged' with device planning (device_planning 'on', or 'auto' on CUDA)"

@@ -183,6 +183,8 @@ def test_router_override_drives_paging(ckpt: Path) -> None:
         ({"mode": "offload", "offload_layers": -1}, ">= 0"),
         ({"mode": "bogus"}, "mode must be"),
         ({"dtype": "int8"}, "dtype must be"),
+        ({"mode": "paged", "resident_experts": 4, "copy_programs": 8}, "copy_programs needs mode='paged' with device"),
+        ({"mode": "paged", "resident_experts": 4, "device_planning": "on", "copy_programs": 0}, r"\[1, 65535\]"),
     ],
 )
 def test_runtime_config_validation(kwargs: dict[str, object], message: str) -> None:

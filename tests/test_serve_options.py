@@ -26,6 +26,7 @@ EVERY_OPTION = [f.name for f in fields(ServeOptions)]
         {"routing_source": "qwen3-30b-a3b", "routing_seed": 4, "record_routing": "/r/t.trace", "port": 0},
         {"served_model_name": "x", "expert_kernel": "loop", "log_level": "debug", "chunked_prefill_size": 64},
         {"mode": "paged", "resident_experts": 8, "device": "cuda", "overlap_page_in": True, "overlap_groups": 3},
+        {"mode": "paged", "resident_experts": 8, "device": "cuda", "copy_programs": 16},
     ],
 )
 def test_the_generated_parser_reads_back_what_argv_writes(changes: dict[str, object]) -> None:
@@ -60,6 +61,10 @@ def test_every_option_has_one_flag_and_help_lists_them_in_declaration_order() ->
          "--overlap-page-in needs mode paged and device cuda", "true needs mode paged and device cuda"),
         ({"device": "cuda", "mode": "paged", "overlap_groups": 4}, "overlap_groups",
          "--overlap-groups 4 applies with --overlap-page-in only", "4 applies with overlap_page_in only"),
+        ({"device": "cpu", "mode": "paged", "copy_programs": 8}, "copy_programs",
+         "--copy-programs 8 needs mode paged and device cuda", "8 needs mode paged and device cuda"),
+        ({"device": "cuda", "mode": "paged", "copy_programs": 0}, "copy_programs",
+         "--copy-programs must be in [1, 65535]", "copy_programs must be in [1, 65535]"),
     ],
 )  # fmt: skip
 def test_a_rule_is_one_rule_worded_for_the_server_and_the_matrix(

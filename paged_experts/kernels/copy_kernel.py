@@ -42,6 +42,46 @@ if triton is not None:
             v = tl.load(src + expert.to(tl.int64) * row_elems + offs, mask=mask)
             tl.store(dst + slot.to(tl.int64) * row_elems + offs, v, mask=mask)
 
+    @triton.jit
+    def _copy_planned_rows_capped(  # pragma: no cover
+        src, dst, experts, slots, row_elems, num_experts, chunks, work, BLOCK: tl.constexpr
+    ):
+        # The same copy from a grid of few programs, each taking every n-th (entry, chunk): the copy then
+        # holds a few SMs, not all, so kernels on another stream can run beside it (an overlapped pass).
+        for item in range(tl.program_id(0), work, tl.num_programs(0)):
+            entry = item // chunks
+            expert = tl.load(experts + entry)
+            if expert < num_experts:  # padding entries name expert E: nothing to copy
+                slot = tl.load(slots + entry)
+                offs = (item % chunks) * BLOCK + tl.arange(0, BLOCK)
+                mask = offs < row_elems
+                v = tl.load(src + expert.to(tl.int64) * row_elems + offs, mask=mask)
+                tl.store(dst + slot.to(tl.int64) * row_elems + offs, v, mask=mask)
+
+
+def launch_copy(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    experts: torch.Tensor,
+    slot_ids: torch.Tensor,
+    num_experts: int,
+    programs: int | None = None,
+) -> None:
+    """One tensor's planned rows src[experts[i]] -> dst[slot_ids[i]] (entries naming expert >= num_experts
+    skipped) by the Triton kernel: one program per (entry, 16 KiB chunk), or at most `programs`
+    programs looping over them (RuntimeConfig.copy_programs)."""
+    row_elems, block = src[0].numel(), BLOCK_BYTES // src.element_size()
+    chunks = triton.cdiv(row_elems, block)
+    work = experts.shape[0] * chunks
+    if programs is None:
+        grid = (experts.shape[0], chunks)
+        _copy_planned_rows[grid](src, dst, experts, slot_ids, row_elems, num_experts, BLOCK=block, num_warps=4)
+        return
+    grid_capped = (max(1, min(programs, work)),)
+    _copy_planned_rows_capped[grid_capped](
+        src, dst, experts, slot_ids, row_elems, num_experts, chunks, work, BLOCK=block, num_warps=4
+    )
+
 
 def graph_safe(device: torch.device) -> bool:
     """True when `copy_planned` runs without a host read (CUDA with Triton)."""
@@ -54,21 +94,21 @@ def copy_planned(
     experts: torch.Tensor,
     slot_ids: torch.Tensor,
     names: Sequence[str] | None = None,
+    programs: int | None = None,
 ) -> None:
     """host rows `experts[i]` -> slot rows `slot_ids[i]` for every entry whose expert is < E.
 
     experts, slot_ids: [P] int64 on the slots' device, padded with E (expert) / K (slot). Every tensor of
     an expert's row is copied (FP8 weights as bytes, and their block scales), or those of `names`
-    among them (an overlapped pass copies gate/up first, down last)."""
+    among them (an overlapped pass copies gate/up first, down last). `programs`: the copy kernel's
+    grid cap (None: one program per 16 KiB chunk, every SM)."""
     num_experts = host.num_rows
     # host.names() read at call time: the fault-injection tests narrow it
     wanted = [n for n in host.names() if names is None or n in names]
     if graph_safe(slots.gate.device):
         for name in wanted:
             src, dst = fp8.raw(host.get(name)), fp8.raw(slots.get(name))  # FP8 rows copy as bytes
-            row_elems, block = src[0].numel(), BLOCK_BYTES // src.element_size()
-            grid = (experts.shape[0], triton.cdiv(row_elems, block))
-            _copy_planned_rows[grid](src, dst, experts, slot_ids, row_elems, num_experts, BLOCK=block, num_warps=4)
+            launch_copy(src, dst, experts, slot_ids, num_experts, programs)
         return
     valid = (experts < num_experts).nonzero().reshape(-1)  # [m]: the host read (not graph-safe)
     src_idx = experts[valid].to(host.gate.device)

@@ -86,6 +86,7 @@ def make_layer(
             DeviceResidency(cfg.num_experts, k, device),
             overlap=runtime.overlap_page_in,
             overlap_groups=runtime.overlap_groups,
+            copy_programs=runtime.copy_programs,
         )
     policy = make_policy(runtime.eviction_policy)  # RuntimeConfig refused a non-LRU one with device planning
     waves = HostWaves(LayerResidency(cfg.num_experts, k, policy, prefill_keep=runtime.prefill_residency))

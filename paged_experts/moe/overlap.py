@@ -61,11 +61,14 @@ class MissCopies(Protocol):
 class InlineCopies:
     """Copies done when issued (CPU; a CUDA device without a page-in stream)."""
 
+    def __init__(self, programs: int | None = None) -> None:
+        self.programs = programs  # RuntimeConfig.copy_programs
+
     def start(
         self, host: ExpertTensors, slots: ExpertTensors, experts: torch.Tensor, slot_ids: torch.Tensor,
         names: tuple[str, ...] | None,
     ) -> object:  # fmt: skip
-        copy_planned(host, slots, experts, slot_ids, names)
+        copy_planned(host, slots, experts, slot_ids, names, self.programs)
         return None
 
     def wait(self, started: object) -> None:
@@ -75,9 +78,10 @@ class InlineCopies:
 class StreamCopies:
     """Copies on the page-in stream, each followed by an event the compute stream waits for."""
 
-    def __init__(self, copy_stream: torch.cuda.Stream, device: torch.device) -> None:
+    def __init__(self, copy_stream: torch.cuda.Stream, device: torch.device, programs: int | None = None) -> None:
         self.copy_stream = copy_stream
         self.compute_stream = torch.cuda.current_stream(device)
+        self.programs = programs  # RuntimeConfig.copy_programs: a capped copy leaves SMs to the hits' kernels
 
     def start(
         self, host: ExpertTensors, slots: ExpertTensors, experts: torch.Tensor, slot_ids: torch.Tensor,
@@ -88,7 +92,7 @@ class StreamCopies:
         # earlier read of the slots. The pass issues every copy before any of its compute.
         self.copy_stream.wait_stream(self.compute_stream)
         with torch.cuda.stream(self.copy_stream):
-            copy_planned(host, slots, experts, slot_ids, names)
+            copy_planned(host, slots, experts, slot_ids, names, self.programs)
             landed = torch.cuda.Event()
             landed.record(self.copy_stream)
         return landed

@@ -114,7 +114,8 @@ class PagedLayer(MoeLayer):
             before_compute()
             plan = lru.plan(flat)
             stream = page_in_stream(sh.device)
-            copies = InlineCopies() if stream is None else StreamCopies(stream, sh.device)
+            programs = lru.copy_programs
+            copies = InlineCopies(programs) if stream is None else StreamCopies(stream, sh.device, programs)
             triton = uses_triton(flat.shape[0], sh.device, sh.kernel_backend)  # what a plain step would run
             out = overlapped_pass(h, weights, self.host, slots, plan, sh.top_k, lru.overlap_groups, copies, triton)
             return out, plan.stats

@@ -74,10 +74,17 @@ class PendingPrefetch:
 class DeviceLru:
     """One-wave LRU steps planned on the device for one paged layer."""
 
-    def __init__(self, residency: DeviceResidency, overlap: bool = False, overlap_groups: int = 1) -> None:
+    def __init__(
+        self,
+        residency: DeviceResidency,
+        overlap: bool = False,
+        overlap_groups: int = 1,
+        copy_programs: int | None = None,
+    ) -> None:
         self.residency = residency
         self.overlap = overlap  # RuntimeConfig.overlap_page_in: moe/overlap.py
         self.overlap_groups = overlap_groups  # RuntimeConfig.overlap_groups
+        self.copy_programs = copy_programs  # RuntimeConfig.copy_programs: the copy kernel's grid cap
         self.pending: PendingPrefetch | None = None  # set by `prefetch`, taken by `page_in`
         self.host_stale = False  # planned here since the host planner last saw the state
 
@@ -98,7 +105,7 @@ class DeviceLru:
         pending, self.pending = self.pending, None
         if pending is not None and pending.done is not None:
             torch.cuda.current_stream(flat.device).wait_event(pending.done)
-        copy_planned(host, slots, plan.miss_experts, plan.miss_slots)
+        copy_planned(host, slots, plan.miss_experts, plan.miss_slots, programs=self.copy_programs)
         return plan, pending
 
     def prefetch(
@@ -110,11 +117,11 @@ class DeviceLru:
         plan = self.plan(predicted.reshape(-1).to(torch.long))
         done = None
         if copy_stream is None:
-            copy_planned(host, slots, plan.miss_experts, plan.miss_slots)
+            copy_planned(host, slots, plan.miss_experts, plan.miss_slots, programs=self.copy_programs)
         else:
             copy_stream.wait_stream(torch.cuda.current_stream(predicted.device))  # the plan is written
             with torch.cuda.stream(copy_stream):
-                copy_planned(host, slots, plan.miss_experts, plan.miss_slots)
+                copy_planned(host, slots, plan.miss_experts, plan.miss_slots, programs=self.copy_programs)
                 done = torch.cuda.Event()
                 done.record(copy_stream)
         self.pending = PendingPrefetch(plan, done)

@@ -45,6 +45,7 @@ def runtime_config(serve: ServeOptions, model: MoeModelConfig) -> RuntimeConfig:
         prefetch_next_layer=serve.prefetch_next_layer,
         overlap_page_in=serve.overlap_page_in,
         overlap_groups=serve.overlap_groups,
+        copy_programs=serve.copy_programs,
         prefill_residency=serve.prefill_residency or DEFAULT_PREFILL_KEEP,
         eviction_policy=serve.eviction_policy or DEFAULT_EVICTION_POLICY,
         kernel_backend=serve.kernel_backend,

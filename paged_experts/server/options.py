@@ -124,6 +124,13 @@ class ServeOptions:
         "with --overlap-page-in: the groups a step's misses are dealt into (miss i in group i mod N), each "
         "copied, then computed, on its own (1..64; 1: the hits, then all the misses)",
     )
+    copy_programs: int | None = _opt(  # None: the copy kernel's full grid
+        None,
+        "--copy-programs",
+        "paged decode steps planned on the GPU: run each page-in copy kernel on at most N programs that loop "
+        "over its 16 KiB chunks, leaving the other SMs to the kernels beside it (mode paged, --device cuda; "
+        "unset: one program per chunk)",
+    )
     prefill_residency: str | None = _opt(  # None: the residency default
         None,
         "--prefill-residency",
@@ -305,6 +312,12 @@ def problems(values: Mapping[str, Any], say: Namer = FLAGS) -> Iterator[Problem]
             "overlap_groups",
             f"{say.value('overlap_groups', groups)} applies with {say.option('overlap_page_in')} only",
         )
+    programs = get("copy_programs")
+    if programs is not None and not 1 <= programs <= 65535:
+        yield Problem("copy_programs", f"{say.option('copy_programs')} must be in [1, 65535]")
+    elif programs is not None and (mode != "paged" or device != "cuda"):
+        value = say.value("copy_programs", programs)
+        yield Problem("copy_programs", f"{value} needs mode paged and device cuda (steps planned on the GPU)")
     for name, accepted in (("prefill_residency", PREFILL_KEEP), ("eviction_policy", EVICTION_POLICIES)):
         value = get(name)
         if value is None:

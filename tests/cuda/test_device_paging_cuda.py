@@ -76,13 +76,17 @@ def test_device_planned_paged_layer_does_not_sync() -> None:
 def test_device_planned_paged_equals_resident_qwen_shapes() -> None:
     prompts = [[5, 17, 300, 41, 9, 77, 3, 8]]  # batch 1: 8 pairs, one wave for K >= 8
     resident = decode(MoeCausalLM.from_pretrained(QWEN2, rt("bfloat16", mode="resident")), prompts, steps=6)
-    for k, overlap in ((8, False), (16, False), (64, False), (16, True)):
+    # copy_programs: the capped copy grid (1 program: every chunk in one loop; 7: a ragged share each)
+    for k, overlap, programs in ((8, False, None), (16, False, None), (64, False, None), (16, True, None),
+                                 (16, False, 1), (16, True, 7)):  # fmt: skip
         model = MoeCausalLM.from_pretrained(
-            QWEN2, rt("bfloat16", mode="paged", resident_experts=k, overlap_page_in=overlap)
+            QWEN2,
+            rt("bfloat16", mode="paged", resident_experts=k, overlap_page_in=overlap, copy_programs=programs),
         )
         assert model.moe_layers[0].device_residency is not None
         for i, (a, b) in enumerate(zip(decode(model, prompts, steps=6), resident)):
-            assert torch.equal(a, b), f"K={k} overlap={overlap}: output {i} differs by {(a - b).abs().max().item()}"
+            where = f"K={k} overlap={overlap} copy_programs={programs}"
+            assert torch.equal(a, b), f"{where}: output {i} differs by {(a - b).abs().max().item()}"
         total = model.counters.snapshot().total
         assert total.misses > 0 or k == 64
 
