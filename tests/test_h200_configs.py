@@ -101,7 +101,7 @@ def test_the_headline_matrix_issue_24_asks_for(stand_ins: None, capsys: pytest.C
 
 def test_the_overlap_matrix_issue_29_asks_for(stand_ins: None, capsys: pytest.CaptureFixture[str]) -> None:
     """configs/h200/overlap.yaml: paged FP8 at K=40, model and calibrated routing, without overlap
-    and with the misses in 1, 2 and 4 groups, beside resident FP8; the server command names what is in force."""
+    and with the misses in 1 and 4 groups, beside resident FP8; the server command names what is in force."""
     path = CONFIGS / "overlap.yaml"
     assert main(["run", str(path), "--dry-run"]) == 0
     out = capsys.readouterr().out
@@ -111,11 +111,31 @@ def test_the_overlap_matrix_issue_29_asks_for(stand_ins: None, capsys: pytest.Ca
         (s.options.routing, bool(s.options.overlap_page_in), s.options.overlap_groups or 0) for s in paged
     )
     assert settings == [(routing, on, groups) for routing in ("model", "qwen3-30b-a3b")
-                        for on, groups in ((False, 0), (True, 1), (True, 2), (True, 4))]  # fmt: skip
+                        for on, groups in ((False, 0), (True, 1), (True, 4))]  # fmt: skip
     assert {s.options.resident_experts for s in paged} == {40}
     # the compute reference of the link and serial bounds: resident FP8 on each routing
     resident = sorted(s.options.routing for s in plan.servers if s.options.mode == "resident")
-    assert resident == ["model", "qwen3-30b-a3b"] and len(plan.servers) == 10
+    assert resident == ["model", "qwen3-30b-a3b"] and len(plan.servers) == 8
     assert all(s.options.model == paged[0].options.model for s in plan.servers)
     assert out.count("--overlap-page-in --overlap-groups 4") == 2
+    assert load_matrix(path).matrix.linkbw
+
+
+def test_the_copy_matrix_measures_the_capped_copy_grid(stand_ins: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """configs/h200/copy.yaml: paged FP8 at K=40 on both routings with the full copy grid, the grid capped
+    at 16 and 32 programs, and capped with overlap, beside resident FP8; the commands say what is in force."""
+    path = CONFIGS / "copy.yaml"
+    assert main(["run", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    plan = build_plan(load_matrix(path))
+    paged = [s for s in plan.servers if s.options.mode == "paged"]
+    settings = sorted((s.options.routing, s.options.copy_programs or 0, bool(s.options.overlap_page_in)) for s in paged)
+    assert settings == [(routing, programs, on) for routing in ("model", "qwen3-30b-a3b")
+                        for programs, on in ((0, False), (16, False), (16, True), (32, False), (32, True))]  # fmt: skip
+    assert {s.options.resident_experts for s in paged} == {40} and len(plan.servers) == 12
+    resident = sorted(s.options.routing for s in plan.servers if s.options.mode == "resident")
+    assert resident == ["model", "qwen3-30b-a3b"]
+    assert (
+        out.count("--copy-programs 16") == 4 and out.count("--overlap-page-in --overlap-groups 1 --copy-programs") == 4
+    )
     assert load_matrix(path).matrix.linkbw
