@@ -366,6 +366,13 @@ def test_paging_delta_prefill_fields() -> None:
     assert delta["prefill_copy_busy"] == pytest.approx(0.75) and delta["prefill_waves_per_layer"] == pytest.approx(6.25)
     # decode: 900 hits and 200 misses outside the prefill steps
     assert delta["decode_miss_rate"] == pytest.approx(200 / 1100)
+    assert delta["decode_bytes_per_token"] is None  # no bytes_paged or decode tokens scraped
+    more = {p + "bytes_paged_total": 2e9, p + "engine_decode_tokens_total": 0.0}
+    done = {p + "bytes_paged_total": 13.2e9, p + "engine_decode_tokens_total": 40.0}
+    delta = paging_delta({**before, **more}, {**after, **done})
+    # 11.2 GB paged, 8.2 GB of it in prefill steps: 3 GB over 40 decode tokens (a step's tokens share
+    # experts, so not decode_miss_rate x top_k x layers x expert bytes)
+    assert delta["decode_bytes_per_token"] == pytest.approx(3e9 / 40)
     assert set(delta) <= set(CellResult.__dataclass_fields__)
 
 

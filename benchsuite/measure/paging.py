@@ -38,6 +38,8 @@ PAGING_DEFINITIONS: dict[str, str] = {
     "prefill_copy_busy": "page-in copy time / prefill span: the share of the prefill the copy engine was busy",
     "prefill_waves_per_layer": "waves / paged layer-steps of prefill steps",
     "decode_miss_rate": "misses / (hits + misses) of every step but the prefill steps (the decode after the prompts)",
+    "decode_bytes_per_token": "expert bytes paged in during all-decode steps (prefetches included) / the tokens "
+    "those steps generated: the link traffic of one decode token",
     "hit_rate_optimal": "Belady's hit rate over the cell's steps: the server's recorded routing trace replayed from "
     "its start with the same K and prefill residency, each miss evicting the expert used farthest in the future; "
     "compare 1 - miss_rate (None without a trace: record_routing false, or not mode paged)",
@@ -102,6 +104,9 @@ def paging_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
     - prefill_waves_per_layer = waves / host-planned layer-steps of those steps
     - decode_miss_rate = (misses - prefill misses) / (hits + misses - prefill hits - prefill misses):
       the miss rate of every other step (the decode after the prompts)
+    - decode_bytes_per_token = (bytes_paged - prefill bytes) / decode_tokens: the bytes every step
+      without a prompt chunk paged in (prefetches included) over the tokens those steps generated
+      (not miss rate x top_k x layers x expert bytes: with several streams a step's tokens share experts)
     """
     delta: dict[str, float | None] = {}
     for key, name in PAGING_COUNTERS.items():
@@ -134,6 +139,9 @@ def _prefill_fields(delta: dict[str, float | None]) -> dict[str, Any]:
     if hits is not None and misses is not None and p_hits is not None and p_misses is not None:
         decode_miss = misses - p_misses
         decode_looked_up = hits + misses - p_hits - p_misses
+    decode_bytes = None
+    if delta["bytes_paged"] is not None and delta["prefill_bytes"] is not None:
+        decode_bytes = delta["bytes_paged"] - delta["prefill_bytes"]
     return {
         "prefill_chunks": _as_int(delta["prefill_chunks"]),
         "prefill_bytes_per_chunk": _ratio(delta["prefill_bytes"], chunks),
@@ -143,6 +151,7 @@ def _prefill_fields(delta: dict[str, float | None]) -> dict[str, Any]:
         "prefill_copy_busy": _ratio(delta["prefill_copy_s"], delta["prefill_span_s"]),
         "prefill_waves_per_layer": _ratio(delta["prefill_waves"], delta["prefill_layer_steps"]),
         "decode_miss_rate": _ratio(decode_miss, decode_looked_up),
+        "decode_bytes_per_token": _ratio(decode_bytes, delta["decode_tokens"]),
     }
 
 

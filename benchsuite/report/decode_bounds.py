@@ -6,10 +6,13 @@ alone, from stored data only:
 
     decode rate       = decode_tok_s_p50 at c=1 (one stream), decode_agg_tok_s at c>=2 (all streams,
                         tokens after each stream's first over the time all streams decoded)
-    decode_mb_per_tok = decode_miss_rate x top_k x MoE layers x bytes per expert
-                        (every lookup of a decode step is one token's top_k x layers; every miss copies
-                        one expert: bytes_paged / expert_misses of the cell, the server's expert_bytes
-                        when it missed nothing; the model's shape from the server's manifest record)
+    decode_mb_per_tok = decode_bytes_per_token: expert bytes paged in all-decode steps (prefetches
+                        included) / the tokens those steps generated (measure/paging.py). A cell stored
+                        before that field: (bytes_paged - prefill bytes) / (output tokens - requests),
+                        each request's first token being its prefill step's (exact at c=1; at c>=2 a
+                        step mixing a prompt chunk with decode tokens counts as prefill, so slightly
+                        fewer bytes per token), said in the note. Not miss rate x top_k x layers x
+                        expert bytes: with several streams the tokens of a step share experts.
     link_ms           = decode_mb_per_tok / link GB/s          (the run's measured paging rate)
     compute_ms        = 1 / the decode rate of the same run's unpaged reference cells (builtin resident;
                         same workload, routing, concurrency, prompt class; median over their repeats)
@@ -44,8 +47,8 @@ COLUMNS = (
 )  # fmt: skip
 INTRO = (
     "<p>Each paged cell's decode (not its prefill) against the link and the compute of this run: link_ms = expert "
-    "bytes copied per decode token (decode miss rate x top_k x MoE layers x bytes per expert) over the run's "
-    "measured link; compute_ms = 1 / the decode rate of the same run's resident cell with the same workload, "
+    "bytes paged in per decode token (the bytes of the steps without a prompt chunk over their tokens) over the "
+    "run's measured link; compute_ms = 1 / the decode rate of the same run's resident cell with the same workload, "
     "routing, concurrency and prompt class; measured_ms = 1 / the cell's decode rate (one stream's at c=1, all "
     "streams' decode-phase aggregate at c&ge;2). hidden_ms = link_ms + compute_ms - measured_ms is the copy time "
     "hidden behind compute; a negative value is time beyond copy-then-compute (planning, launches, waits).</p>"
@@ -66,36 +69,42 @@ def decode_rate(cell: pd.Series) -> tuple[float | None, str]:
     return _num(cell.get("decode_agg_tok_s")), "decode_agg_tok_s"
 
 
-def _references(cells: pd.DataFrame) -> dict[tuple[Any, ...], tuple[float, list[str]]]:
-    """Match key -> (median decode rate, cell ids) of the ok unpaged reference cells."""
+def _references(cells: pd.DataFrame) -> dict[tuple[Any, ...], tuple[float, list[str], str]]:
+    """Match key -> (median decode rate, cell ids, a note on their spread) of the ok unpaged reference cells."""
     found: dict[tuple[Any, ...], list[tuple[float, str]]] = {}
     for _, c in cells.iterrows():
         rate, _figure = decode_rate(c)
         if c["status"] == "ok" and c["mode"] == traits_of(str(c["engine_kind"])).reference_mode and rate:
             found.setdefault(tuple(c[k] for k in MATCH_KEYS), []).append((rate, str(c["cell_id"])))
-    return {k: (statistics.median(r for r, _ in v), [i for _, i in v]) for k, v in found.items()}
+    return {
+        k: (statistics.median(r for r, _ in v), [i for _, i in v], _reference_spread([r for r, _ in v]))
+        for k, v in found.items()
+    }
 
 
-def _decode_bytes_per_token(cell: pd.Series, run: RunData | None) -> tuple[float | None, str]:
-    """Expert bytes copied per decode token, or None and why."""
-    miss_rate = _num(cell.get("decode_miss_rate"))
-    if miss_rate is None:
-        return None, "no decode miss rate (a cell stored before it existed, or no decode step)"
-    if run is None:
-        return None, "run not loaded"
-    record = run.facts.records.get(str(cell["server_id"]))
-    shape = record.model if record is not None else None
-    if shape is None:
-        return None, "the server's model shape is not in the manifest"
-    misses, paged = _num(cell.get("expert_misses")), _num(cell.get("bytes_paged"))
-    if misses and paged is not None:
-        per_expert: float | None = paged / misses
-    else:
-        per_expert = next((float(s.expert_bytes) for s in run.facts.servers
-                           if s.server_id == str(cell["server_id"]) and s.expert_bytes), None)  # fmt: skip
-    if per_expert is None:
-        return None, "no bytes per expert (no miss, and the server recorded none)"
-    return miss_rate * shape.top_k * shape.num_moe_layers * per_expert, ""
+def _decode_bytes_per_token(cell: pd.Series) -> tuple[float | None, str]:
+    """Expert bytes paged in per decode token, and a note when it is the estimate of an older cell."""
+    measured = _num(cell.get("decode_bytes_per_token"))
+    if measured is not None:
+        return measured, ""
+    paged, chunks, per_chunk = (_num(cell.get(k)) for k in ("bytes_paged", "prefill_chunks", "prefill_bytes_per_chunk"))
+    tokens, requests = _num(cell.get("output_tokens_total")), _num(cell.get("num_requests"))
+    if paged is None or tokens is None or requests is None:
+        return None, "no paging counters"
+    decode_tokens = tokens - requests
+    if decode_tokens <= 0:
+        return None, "no decode token"
+    decode_bytes = paged - (chunks or 0) * (per_chunk or 0)
+    return max(
+        0.0, decode_bytes
+    ) / decode_tokens, "decode bytes per token estimated (a cell stored before the engine's count)"
+
+
+def _reference_spread(rates: list[float]) -> str:
+    """A note when the reference's repeats disagree (its median then stands for neither)."""
+    if len(rates) > 1 and max(rates) > 1.25 * min(rates):
+        return f"the reference's repeats range {min(rates):.0f}-{max(rates):.0f} tok/s"
+    return ""
 
 
 def _bounds(measured: float | None, per_token: float | None, link: float | None, compute: float | None) -> dict:
@@ -136,10 +145,11 @@ def decode_bounds_table(cells: pd.DataFrame, runs: Iterable[RunData]) -> pd.Data
     for _, c in paged.iterrows():
         run = by_id.get(str(c["run_id"]))
         link, link_why = run.facts.link if run is not None else (None, "run not loaded")
-        compute, compute_ids = references.get(tuple(c[k] for k in MATCH_KEYS), (None, []))
+        compute, compute_ids, spread = references.get(tuple(c[k] for k in MATCH_KEYS), (None, [], ""))
         measured, figure = decode_rate(c) if c["status"] == "ok" else (None, decode_rate(c)[1])
-        per_token, bytes_why = _decode_bytes_per_token(c, run)
-        reasons = [why for why in (f"cell {c['status']}" if c["status"] != "ok" else "", bytes_why, link_why) if why]
+        per_token, bytes_why = _decode_bytes_per_token(c)
+        status = f"cell {c['status']}" if c["status"] != "ok" else ""
+        reasons = [why for why in (status, bytes_why, link_why, spread) if why]
         if measured is None and c["status"] == "ok":
             reasons.append(f"no {figure}")
         if compute is None:
