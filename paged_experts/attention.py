@@ -6,7 +6,8 @@ torch.compile of a part serves every layer):
 - `attention_in`: input norm, fused QKV projection, q/k norms, RoPE, and this step's keys and values
   written to their KV rows; returns the queries;
 - the core, over KV rows gathered through a table: `attend` (torch: gather, GQA repeat, two
-  matmuls and an fp32 softmax) or, in the static decode step with the triton backend,
+  matmuls and an fp32 softmax; for prefill chunks on CUDA torch's fused attention, which keeps no
+  scores in memory) or, in the static decode step with the triton backend,
   `kernels.attn_triton.decode_attention` (the same function in one kernel, reading a block table);
 - `attention_out`: output projection, residual, post-attention norm and (optionally) the router.
 Numerics follow transformers' Qwen3-MoE (RMSNorm in fp32, RoPE cos/sin in the model dtype, softmax
@@ -93,16 +94,42 @@ def attention_in(
     return q
 
 
+# A chunk of at least this many queries on CUDA attends through torch's fused attention: the explicit
+# path holds [nh, n, L] scores several times over (bf16 scores, scores + mask, the fp32 softmax, bf16
+# probs: ~1.3 GB for one 2,048-token prompt at 32 heads), device memory a budget would rather give to
+# resident experts (the H200 headline: 2,048-token prompts raised paged FP8's peak by 1.7-2.3 GB).
+FUSED_MIN_QUERIES = 64
+
+
 def attend(
-    q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Tensor, table: torch.Tensor, mask: torch.Tensor
+    q: torch.Tensor,
+    kv_k: torch.Tensor,
+    kv_v: torch.Tensor,
+    table: torch.Tensor,
+    mask: torch.Tensor,
+    fused: bool | None = None,
 ) -> torch.Tensor:
     """q [B, n, nh, D] (n queries per sequence) over the KV rows `table` [B, L] with the additive
     mask [B, n, L] -> [B, n, nh * D]. Eager steps call it per chunk (B=1, n = chunk tokens), the
-    static decode step once for the batch (n=1, L padded to a bucket)."""
+    static decode step once for the batch (n=1, L padded to a bucket).
+
+    fused: torch's scaled_dot_product_attention (no scores in memory; on CUDA its memory-efficient
+    kernel, which takes the mask) instead of the explicit matmuls; None: for chunks of at least
+    FUSED_MIN_QUERIES queries on CUDA, so decode steps (and everything on the CPU) keep the explicit
+    numerics."""
     b, n, num_heads, head_dim = q.shape
+    if fused is None:
+        fused = q.is_cuda and n >= FUSED_MIN_QUERIES
     groups = num_heads // kv_k.shape[1]
+    # KV heads repeated per query head, not SDPA's enable_gqa (which not every fused CUDA kernel takes,
+    # and this mask needs the memory-efficient one); [B, nh, L, D] is small beside the scores it saves
     keys = kv_k[table].repeat_interleave(groups, dim=2).transpose(1, 2)  # [B, nh, L, D]
     values = kv_v[table].repeat_interleave(groups, dim=2).transpose(1, 2)  # [B, nh, L, D]
+    if fused:
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=mask[:, None, :, :], scale=head_dim**-0.5
+        )  # [B, nh, n, D]
+        return out.transpose(1, 2).reshape(b, n, num_heads * head_dim)  # [B, n, nh*D]
     scores = torch.matmul(q.transpose(1, 2), keys.transpose(2, 3)) * head_dim**-0.5  # [B, nh, n, L]
     scores = scores + mask[:, None, :, :]
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [B, nh, n, L]
