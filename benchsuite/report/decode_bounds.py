@@ -26,7 +26,6 @@ A figure that cannot be computed says why; nothing is written as 0.
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Iterable
 from typing import Any
@@ -34,6 +33,7 @@ from typing import Any
 import pandas as pd
 
 from benchsuite.engines import traits_of
+from benchsuite.report.fmt import number
 from benchsuite.report.load import RunData
 
 TITLE = "Decode per token: link, compute and overlap (paged)"
@@ -55,18 +55,11 @@ INTRO = (
 )
 
 
-def _num(value: Any) -> float | None:
-    if value is None or isinstance(value, bool):
-        return None
-    number = float(value)
-    return None if math.isnan(number) else number
-
-
 def decode_rate(cell: pd.Series) -> tuple[float | None, str]:
     """(the cell's decode rate, which figure it is): one stream's at c=1, all streams' at c>=2."""
     if int(cell["concurrency"]) <= 1:
-        return _num(cell.get("decode_tok_s_p50")), "decode_tok_s_p50"
-    return _num(cell.get("decode_agg_tok_s")), "decode_agg_tok_s"
+        return number(cell.get("decode_tok_s_p50")), "decode_tok_s_p50"
+    return number(cell.get("decode_agg_tok_s")), "decode_agg_tok_s"
 
 
 def _references(cells: pd.DataFrame) -> dict[tuple[Any, ...], tuple[float, list[str], str]]:
@@ -84,11 +77,13 @@ def _references(cells: pd.DataFrame) -> dict[tuple[Any, ...], tuple[float, list[
 
 def _decode_bytes_per_token(cell: pd.Series) -> tuple[float | None, str]:
     """Expert bytes paged in per decode token, and a note when it is the estimate of an older cell."""
-    measured = _num(cell.get("decode_bytes_per_token"))
+    measured = number(cell.get("decode_bytes_per_token"))
     if measured is not None:
         return measured, ""
-    paged, chunks, per_chunk = (_num(cell.get(k)) for k in ("bytes_paged", "prefill_chunks", "prefill_bytes_per_chunk"))
-    tokens, requests = _num(cell.get("output_tokens_total")), _num(cell.get("num_requests"))
+    paged, chunks, per_chunk = (
+        number(cell.get(k)) for k in ("bytes_paged", "prefill_chunks", "prefill_bytes_per_chunk")
+    )
+    tokens, requests = number(cell.get("output_tokens_total")), number(cell.get("num_requests"))
     if paged is None or tokens is None or requests is None:
         return None, "no paging counters"
     decode_tokens = tokens - requests
@@ -158,7 +153,7 @@ def decode_bounds_table(cells: pd.DataFrame, runs: Iterable[RunData]) -> pd.Data
         rows.append({
             "run_id": c["run_id"], "configuration": c["label"], "routing": c["routing"], "workload": c["workload"],
             "prompt_class": c["prompt_class"], "concurrency": int(c["concurrency"]), "repeat": int(c["repeat"]),
-            "decode_figure": figure, "decode_tok_s": measured, "decode_miss_rate": _num(c.get("decode_miss_rate")),
+            "decode_figure": figure, "decode_tok_s": measured, "decode_miss_rate": number(c.get("decode_miss_rate")),
             "decode_mb_per_token": None if per_token is None else per_token / 1e6,
             **_bounds(measured, per_token, link, compute), "note": "; ".join(reasons),
             "compute_cell_ids": " ".join(compute_ids), "cell_id": c["cell_id"],

@@ -15,6 +15,17 @@ def _is_absent(value: Any) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
+def number(value: Any) -> float | None:
+    """A stored cell value as a float, or None when it is absent (None, NaN, pandas' NA) or a flag (a bool)."""
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        result = float(value)
+    except TypeError:  # pandas' NA of a nullable column
+        return None
+    return None if math.isnan(result) else result
+
+
 _NOT_SECONDS = ("tok_s", "per_s")  # decode_tok_s, gb_per_s: rates whose names also end in _s
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import pandas as pd
 
 from benchsuite.engines import traits_of
+from benchsuite.report.fmt import number
 from benchsuite.report.load import RunData
 from benchsuite.report.roofline import GB, MATCH_KEYS
 
@@ -46,10 +47,7 @@ INTRO = (
 
 
 def _value(cell: pd.Series, name: str) -> float | None:
-    value = cell.get(name)
-    if value is None or isinstance(value, bool) or pd.isna(value):
-        return None
-    return float(value)
+    return number(cell.get(name))
 
 
 def _resident_ttft(cells: pd.DataFrame) -> dict[tuple[Any, ...], float]:

@@ -18,7 +18,6 @@ nothing is written as 0.
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Iterable
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 import pandas as pd
 
 from benchsuite.engines import traits_of
+from benchsuite.report.fmt import number
 from benchsuite.report.load import RunData
 
 TITLE = "Link and serial bounds (paged, offload)"
@@ -46,28 +46,21 @@ INTRO = (
 )
 
 
-def _num(value: Any) -> float | None:
-    if value is None or isinstance(value, bool):
-        return None
-    number = float(value)
-    return None if math.isnan(number) else number
-
-
 def _references(cells: pd.DataFrame) -> dict[tuple[Any, ...], tuple[float, list[str]]]:
     """Match key -> (median output tok/s, cell ids) of the ok unpaged reference cells."""
     found: dict[tuple[Any, ...], list[tuple[float, str]]] = {}
     for _, c in cells.iterrows():
-        rate = _num(c["output_tok_s"])
+        rate = number(c["output_tok_s"])
         if c["status"] == "ok" and c["mode"] == traits_of(str(c["engine_kind"])).reference_mode and rate:
             found.setdefault(tuple(c[k] for k in MATCH_KEYS), []).append((rate, str(c["cell_id"])))
     return {k: (statistics.median(r for r, _ in v), [i for _, i in v]) for k, v in found.items()}
 
 
 def _bytes_per_token(cell: pd.Series) -> float | None:
-    h2d = _num(cell.get("bytes_h2d_per_token"))
+    h2d = number(cell.get("bytes_h2d_per_token"))
     if h2d is not None:
         return h2d
-    return _num(cell.get("bytes_paged_per_token")) if cell["mode"] == "paged" else None  # runs before bytes_h2d
+    return number(cell.get("bytes_paged_per_token")) if cell["mode"] == "paged" else None  # runs before bytes_h2d
 
 
 def _bounds(
@@ -117,7 +110,7 @@ def roofline_table(cells: pd.DataFrame, runs: Iterable[RunData]) -> pd.DataFrame
     for _, c in bounded.iterrows():
         link, link_why = links.get(str(c["run_id"]), (None, "run not loaded"))
         compute, compute_ids = references.get(tuple(c[k] for k in MATCH_KEYS), (None, []))
-        measured = _num(c["output_tok_s"]) if c["status"] == "ok" else None
+        measured = number(c["output_tok_s"]) if c["status"] == "ok" else None
         per_token = _bytes_per_token(c)
         rows.append({
             "run_id": c["run_id"], "configuration": c["label"], "routing": c["routing"], "workload": c["workload"],
