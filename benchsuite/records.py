@@ -190,7 +190,7 @@ class CellResult:
     prefill_copy_busy: float | None = None
     prefill_waves_per_layer: float | None = None
     decode_miss_rate: float | None = None
-    decode_bytes_per_token: float | None = None  # expert bytes paged in decode steps / their tokens (paging.py)
+    decode_bytes_per_token: float | None = None  # expert bytes paged in per decode token (paging.py says how)
     # Belady's hit rate over the cell's steps from the recorded routing trace (paging.optimal_hit_rate);
     # None without one (extras["hit_rate_optimal_note"] says why). Set after the server stopped.
     hit_rate_optimal: float | None = None

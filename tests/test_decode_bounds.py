@@ -69,7 +69,11 @@ def test_an_older_cell_estimates_its_decode_bytes_from_its_counters_and_says_so(
     row = decode_bounds_table(cells, [run()]).set_index("cell_id").loc["old"]
     assert row["decode_mb_per_token"] == pytest.approx(5e9 / 126 / 1e6)
     assert row["note"] == "decode bytes per token estimated (a cell stored before the engine's count)"
-    assert row["hidden_ms"] is not None
+    assert pd.notna(row["hidden_ms"])
+    # without prefill counters every prefill byte would count as decode: no estimate
+    bare = cell("bare", "paged", one=100.0, bytes_paged=9e9, output_tokens_total=128, num_requests=2)
+    row = decode_bounds_table(pd.DataFrame([bare]), [run()]).set_index("cell_id").loc["bare"]
+    assert pd.isna(row["decode_mb_per_token"]) and row["note"].startswith("no decode bytes counted")
 
 
 def test_every_missing_part_says_why() -> None:

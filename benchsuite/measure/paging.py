@@ -38,8 +38,9 @@ PAGING_DEFINITIONS: dict[str, str] = {
     "prefill_copy_busy": "page-in copy time / prefill span: the share of the prefill the copy engine was busy",
     "prefill_waves_per_layer": "waves / paged layer-steps of prefill steps",
     "decode_miss_rate": "misses / (hits + misses) of every step but the prefill steps (the decode after the prompts)",
-    "decode_bytes_per_token": "expert bytes paged in during all-decode steps (prefetches included) / the tokens "
-    "those steps generated: the link traffic of one decode token",
+    "decode_bytes_per_token": "expert bytes paged in outside the prefill-counted steps (prefetches included) / the "
+    "tokens of all-decode steps: the link traffic of one decode token (a prompt step small enough to be planned on "
+    "the device, or a 1-token prompt chunk, adds its bytes here but not its tokens)",
     "hit_rate_optimal": "Belady's hit rate over the cell's steps: the server's recorded routing trace replayed from "
     "its start with the same K and prefill residency, each miss evicting the expert used farthest in the future; "
     "compare 1 - miss_rate (None without a trace: record_routing false, or not mode paged)",
@@ -104,9 +105,12 @@ def paging_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
     - prefill_waves_per_layer = waves / host-planned layer-steps of those steps
     - decode_miss_rate = (misses - prefill misses) / (hits + misses - prefill hits - prefill misses):
       the miss rate of every other step (the decode after the prompts)
-    - decode_bytes_per_token = (bytes_paged - prefill bytes) / decode_tokens: the bytes every step
-      without a prompt chunk paged in (prefetches included) over the tokens those steps generated
-      (not miss rate x top_k x layers x expert bytes: with several streams a step's tokens share experts)
+    - decode_bytes_per_token = (bytes_paged - prefill bytes) / decode_tokens: the bytes paged in outside
+      the prefill-counted steps (prefetches included) over the tokens of all-decode steps (not miss rate
+      x top_k x layers x expert bytes: with several streams a step's tokens share experts). The two
+      sides differ where a step has a prompt chunk the prefill counters skip: one of 1 token, or a
+      prompt of at most K / top_k tokens planned on the device (counters.py); its bytes count, its
+      tokens do not. The bundled short prompts and 2,048-token prompts at K >= 40 meet neither.
     """
     delta: dict[str, float | None] = {}
     for key, name in PAGING_COUNTERS.items():

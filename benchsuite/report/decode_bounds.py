@@ -86,13 +86,15 @@ def _decode_bytes_per_token(cell: pd.Series) -> tuple[float | None, str]:
     tokens, requests = number(cell.get("output_tokens_total")), number(cell.get("num_requests"))
     if paged is None or tokens is None or requests is None:
         return None, "no paging counters"
+    if chunks is None:  # no prefill counters: every prefill byte would count as decode
+        return None, "no decode bytes counted and no prefill counters to estimate them"
     decode_tokens = tokens - requests
     if decode_tokens <= 0:
         return None, "no decode token"
-    decode_bytes = paged - (chunks or 0) * (per_chunk or 0)
-    return max(
-        0.0, decode_bytes
-    ) / decode_tokens, "decode bytes per token estimated (a cell stored before the engine's count)"
+    decode_bytes = paged - chunks * (per_chunk or 0)
+    if decode_bytes < 0:
+        return None, "inconsistent paging counters (more prefill bytes than bytes paged)"
+    return decode_bytes / decode_tokens, "decode bytes per token estimated (a cell stored before the engine's count)"
 
 
 def _reference_spread(rates: list[float]) -> str:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 ABSENT = "—"
 
 
@@ -17,7 +19,7 @@ def _is_absent(value: Any) -> bool:
 
 def number(value: Any) -> float | None:
     """A stored cell value as a float, or None when it is absent (None, NaN, pandas' NA) or a flag (a bool)."""
-    if value is None or isinstance(value, bool):
+    if value is None or isinstance(value, (bool, np.bool_)):
         return None
     try:
         result = float(value)
