@@ -1,7 +1,11 @@
 """Where a decode step's time goes: torch.profiler over a few decode steps of a synthetic model,
-per mode variant, kernels sorted by device time (the question behind a slow tok/s figure).
+per mode variant, kernels sorted by device time (the question behind a slow tok/s figure). With
+`--prefill-tokens N` the profiled step is instead one prompt of N random tokens on a fresh sequence
+(a paged prompt of more than K / top_k tokens runs the host-planned waves: where a TTFT goes).
 
     python benchmarks/profile_step.py --layers 4 --variants resident,resident/graphs,paged:32/graphs --out prof.txt
+    python benchmarks/profile_step.py --layers 8 --preset qwen3-30b-a3b-fp8-shape --variants resident,paged:42 \
+        --prefill-tokens 2048 --steps 3 --out prefill.txt --trace-dir traces
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--preset", default="qwen3-30b-a3b-shape")
     ap.add_argument("--rows", type=int, default=22)
+    ap.add_argument("--prefill-tokens", type=int, default=0,
+                    help="profile one prompt of this many tokens per step instead of decode steps")  # fmt: skip
     ap.add_argument("--copy-programs", type=int, default=None,
                     help="paged modes planned on the device: the page-in copy kernel's grid cap")  # fmt: skip
     ap.add_argument("--out", type=Path, required=True)
@@ -76,12 +82,27 @@ def main(argv: list[str] | None = None) -> int:
         model = MoeCausalLM.synthetic(args.preset, runtime, layers=args.layers, seed=0)
         if "graphs" in options:
             model.enable_cuda_graphs([args.batch], compile_layers="compile" in options)
-        pool = KvPool.for_model(model, capacity_tokens=args.batch * 128)
+        pool = KvPool.for_model(model, capacity_tokens=max(args.batch * 128, args.prefill_tokens + 16))
         seqs = [pool.new_sequence() for _ in range(args.batch)]
         logits = model.forward([SeqChunk(s, [1 + b, 2, 3], 0) for b, s in enumerate(seqs)])
+        gen = torch.Generator().manual_seed(0)
+        vocab = model.config.vocab_size
 
-        def step(model: MoeCausalLM = model, seqs: list = seqs) -> None:  # this variant's model, bound now
+        def step(
+            model: MoeCausalLM = model,
+            seqs: list = seqs,
+            pool: KvPool = pool,
+            gen: torch.Generator = gen,
+            vocab: int = vocab,
+        ) -> None:  # this variant's objects, bound now
             nonlocal logits
+            if args.prefill_tokens:  # one fresh prompt: the previous one's KV rows freed first
+                for s in seqs:
+                    pool.free(s)
+                seqs[:] = [pool.new_sequence()]
+                prompt = torch.randint(0, vocab, (args.prefill_tokens,), generator=gen).tolist()
+                logits = model.forward([SeqChunk(seqs[0], prompt, 0)])
+                return
             logits = model.forward([SeqChunk(s, [int(lg[-1].argmax())], s.num_tokens) for s, lg in zip(seqs, logits)])
 
         for _ in range(3):
@@ -97,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
                 step()
             sync()
         table = prof.key_averages().table(sort_by=sort_key, row_limit=args.rows, max_name_column_width=70)
+        what = f"one {args.prefill_tokens}-token prompt" if args.prefill_tokens else f"batch {args.batch}"
         head = (
-            f"=== {spec}: {args.layers} layers, batch {args.batch}, {wall_ms:.2f} ms/step wall (unprofiled), "
+            f"=== {spec}: {args.layers} layers, {what}, {wall_ms:.2f} ms/step wall (unprofiled), "
             f"replays {model.graph_replays}"
         )
         print(head, flush=True)
