@@ -31,16 +31,21 @@ BLOCK_BYTES = 16384  # 16 KiB per program (8,192 bf16, 16,384 FP8 bytes): enough
 if triton is not None:
 
     @triton.jit
-    def _copy_planned_rows(src, dst, experts, slots, row_elems, num_experts, BLOCK: tl.constexpr):  # pragma: no cover
-        entry = tl.program_id(0)
-        chunk = tl.program_id(1)
+    def _copy_chunk(
+        src, dst, experts, slots, entry, chunk, row_elems, num_experts, BLOCK: tl.constexpr
+    ):  # pragma: no cover
+        # one 16 KiB chunk of planned entry `entry`; padding entries name expert E: nothing to copy
         expert = tl.load(experts + entry)
-        if expert < num_experts:  # padding entries name expert E: nothing to copy
+        if expert < num_experts:
             slot = tl.load(slots + entry)
             offs = chunk * BLOCK + tl.arange(0, BLOCK)
             mask = offs < row_elems
             v = tl.load(src + expert.to(tl.int64) * row_elems + offs, mask=mask)
             tl.store(dst + slot.to(tl.int64) * row_elems + offs, v, mask=mask)
+
+    @triton.jit
+    def _copy_planned_rows(src, dst, experts, slots, row_elems, num_experts, BLOCK: tl.constexpr):  # pragma: no cover
+        _copy_chunk(src, dst, experts, slots, tl.program_id(0), tl.program_id(1), row_elems, num_experts, BLOCK)
 
     @triton.jit
     def _copy_planned_rows_capped(  # pragma: no cover
@@ -49,14 +54,7 @@ if triton is not None:
         # The same copy from a grid of few programs, each taking every n-th (entry, chunk): the copy then
         # holds a few SMs, not all, so kernels on another stream can run beside it (an overlapped pass).
         for item in range(tl.program_id(0), work, tl.num_programs(0)):
-            entry = item // chunks
-            expert = tl.load(experts + entry)
-            if expert < num_experts:  # padding entries name expert E: nothing to copy
-                slot = tl.load(slots + entry)
-                offs = (item % chunks) * BLOCK + tl.arange(0, BLOCK)
-                mask = offs < row_elems
-                v = tl.load(src + expert.to(tl.int64) * row_elems + offs, mask=mask)
-                tl.store(dst + slot.to(tl.int64) * row_elems + offs, v, mask=mask)
+            _copy_chunk(src, dst, experts, slots, item // chunks, item % chunks, row_elems, num_experts, BLOCK)
 
 
 def launch_copy(
