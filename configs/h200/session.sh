@@ -4,6 +4,8 @@
 # and every call of this script copies the jobs' logs and results into $OUT.
 #
 #   bash configs/h200/session.sh prepare    # copy, wheels, CUDA llama-server build, both 48-layer models (detached)
+#   bash configs/h200/session.sh prepare builtin  # copy, wheels, the built-in engine's two models only (no
+#                                           # llama-server, no GGUF: for copy/overlap, which run no llama.cpp)
 #   bash configs/h200/session.sh cuda       # the CUDA tests (foreground, ~3.5 min)
 #   bash configs/h200/session.sh headline   # benchsuite run of configs/h200/headline.yaml (detached)
 #   bash configs/h200/session.sh overlap    # benchsuite run of configs/h200/overlap.yaml (detached; issue 29)
@@ -59,12 +61,18 @@ case "${1:-}" in
     rm -rf "$COPY" && mkdir -p "$COPY" && cp -a . "$COPY/" && rm -rf "$COPY/results" && site
     nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current \
       --format=csv | tee "$OUT/gpu.csv"
-    detach build "python3 -m benchsuite install llama-server --cuda --source .carry/llama-src.tar.gz --jobs 16 \
-      > $JOBS/build_full.log 2>&1; tail -5 $JOBS/build_full.log"
+    # the build and the GGUF take 16 cores for minutes, beside the CUDA tests: only when a job needs llama.cpp
+    gguf="time python3 -m benchsuite gguf synth --preset qwen3-30b-a3b-shape --layers 48 --out /dev/shm/h200/q48-q8_0.gguf"
+    if [ "${2:-}" = builtin ]; then
+      gguf=true
+    else
+      detach build "python3 -m benchsuite install llama-server --cuda --source .carry/llama-src.tar.gz --jobs 16 \
+        > $JOBS/build_full.log 2>&1; tail -5 $JOBS/build_full.log"
+    fi
     detach models "set -e; mkdir -p /tmp/h200 /dev/shm/h200
       time python3 -m paged_experts.weights.synth_memory --preset qwen3-30b-a3b-shape --layers 48 --out /tmp/h200/q48
       time python3 -m paged_experts.weights.synth_memory --preset qwen3-30b-a3b-fp8-shape --layers 48 --out /tmp/h200/q48-fp8
-      time python3 -m benchsuite gguf synth --preset qwen3-30b-a3b-shape --layers 48 --out /dev/shm/h200/q48-q8_0.gguf"
+      $gguf"
     ;;
   cuda)
     site
@@ -107,7 +115,7 @@ case "${1:-}" in
       collect; sleep 20
     done
     ;;
-  *) echo "usage: $0 prepare|cuda|headline|overlap|copy|flags|queue JOB...|poll SECS" >&2; exit 2 ;;
+  *) echo "usage: $0 prepare [builtin]|cuda|headline|overlap|copy|flags|queue JOB...|poll SECS" >&2; exit 2 ;;
 esac
 collect
 for f in "$JOBS"/*.log; do [ -f "$f" ] && { echo "== $(basename "$f")"; tail -n 4 "$f"; }; done
