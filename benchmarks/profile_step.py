@@ -5,14 +5,17 @@ per mode variant, kernels sorted by device time (the question behind a slow tok/
 
     python benchmarks/profile_step.py --layers 4 --variants resident,resident/graphs,paged:32/graphs --out prof.txt
     python benchmarks/profile_step.py --layers 8 --preset qwen3-30b-a3b-fp8-shape --variants resident,paged:42 \
-        --prefill-tokens 2048 --steps 3 --out prefill.txt --trace-dir traces
+        --prefill-tokens 2048 --steps 3 --host-profile 25 --out prefill.txt --trace-dir traces
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gzip
+import io
 import json
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -62,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="profile one prompt of this many tokens per step instead of decode steps")  # fmt: skip
     ap.add_argument("--copy-programs", type=int, default=None,
                     help="paged modes planned on the device: the page-in copy kernel's grid cap")  # fmt: skip
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="also the host's N costliest functions (cProfile, own time) over more steps")  # fmt: skip
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument(
         "--trace-dir", type=Path, default=None, help="also write each variant's Chrome trace (.json.gz) here"
@@ -113,6 +118,13 @@ def main(argv: list[str] | None = None) -> int:
             step()
         sync()
         wall_ms = 1e3 * (time.perf_counter() - t0) / args.steps
+        host = cProfile.Profile() if args.host_profile else None
+        if host is not None:  # steps of their own: the wall above stays unprofiled
+            host.enable()
+            for _ in range(args.steps):
+                step()
+            sync()
+            host.disable()
         with profile(activities=activities) as prof:
             for _ in range(args.steps):
                 step()
@@ -125,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(head, flush=True)
         lines += [head, table]
+        if host is not None:  # where the host's time goes (a host-bound step: the GPU waits on it)
+            text = io.StringIO()
+            pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(args.host_profile)
+            lines.append(f"host, {args.steps} more steps under cProfile (it slows the host):")
+            lines.append(text.getvalue())
         if args.trace_dir is not None and cuda:
             args.trace_dir.mkdir(parents=True, exist_ok=True)
             raw = args.trace_dir / (spec.replace("/", "_").replace(":", "").replace("+", "-") + ".json")

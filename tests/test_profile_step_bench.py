@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_profile_step_runs_decode_and_prefill_on_the_cpu(tmp_path: Path) -> None:
-    for extra, what in (([], "batch 1"), (["--prefill-tokens", "40"], "one 40-token prompt")):
+    for extra, what in (([], "batch 1"), (["--prefill-tokens", "40", "--host-profile", "5"], "one 40-token prompt")):
         out = tmp_path / "prof.txt"
         argv = [sys.executable, str(ROOT / "benchmarks" / "profile_step.py"), "--device", "cpu", "--preset", "tiny",
                 "--layers", "2", "--variants", "resident,paged:8", "--steps", "2", "--rows", "5", "--out", str(out),
@@ -25,3 +25,5 @@ def test_profile_step_runs_decode_and_prefill_on_the_cpu(tmp_path: Path) -> None
         for variant in ("resident", "paged:8"):
             assert f"=== {variant}: 2 layers, {what}," in text, text[:500]
         assert text.count("Self CPU time total") == 2
+        if "--host-profile" in extra:  # each variant's host functions, by own time
+            assert text.count("more steps under cProfile") == 2 and text.count("tottime") == 2, text[-1500:]

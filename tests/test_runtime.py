@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import paged_experts.residency.store as store_mod
+from paged_experts.kernels.copy_kernel import copy_planned
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.residency.policies import LayerResidency
@@ -72,6 +73,38 @@ def test_direct_page_in_strategy_equals_resident(ckpt: Path, resident: list[torc
 def test_contiguous_runs_coalesce_neighbours() -> None:
     assert store_mod.contiguous_runs([(5, 1), (3, 0), (6, 2), (9, 4)]) == [(3, 0, 1), (5, 1, 2), (9, 4, 1)]
     assert store_mod.contiguous_runs([]) == []
+
+
+@pytest.mark.parametrize("is_fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("row_kernel", [False, True], ids=["dma-only", "scales-by-kernel"])
+def test_direct_page_in_copies_every_tensor_of_every_pair(is_fp8: bool, row_kernel: bool) -> None:
+    """The direct strategy's one-call issue (row views, runs, FP8 scale rows by a row kernel where the
+    engine has one) writes exactly what an index copy writes, and nothing else: single rows, runs of
+    neighbours, one pair (below the row kernel's threshold), and rows copied twice in one engine."""
+    e, k, hidden, inter = 12, 6, 256, 192  # two 128-blocks of hidden, a partial block of intermediate
+    host = store_mod.ExpertTensors.empty(e, hidden, inter, torch.bfloat16, torch.device("cpu"), is_fp8=is_fp8)
+    gen = torch.Generator().manual_seed(0)
+    for name in host.names():
+        t = host.get(name)
+        t.view(torch.uint8).copy_(torch.randint(0, 120, t.view(torch.uint8).shape, generator=gen, dtype=torch.uint8))
+    kernel = copy_planned if row_kernel else None
+    for pairs in ([(3, 0), (4, 1), (5, 2), (9, 4), (0, 5)], [(7, 3)], [(11, 1), (2, 0)], [(3, 0), (4, 1)]):
+        want = store_mod.ExpertTensors.empty(k, hidden, inter, torch.bfloat16, torch.device("cpu"), is_fp8=is_fp8)
+        got = store_mod.ExpertTensors.empty(k, hidden, inter, torch.bfloat16, torch.device("cpu"), is_fp8=is_fp8)
+        for table in (want, got):
+            for name in table.names():
+                table.get(name).view(torch.uint8).fill_(7)  # rows no pair names must keep this
+        for strategy, table in (("index", want), ("direct", got)):
+            engine = store_mod.PageInEngine(
+                torch.device("cpu"), strategy, hidden, inter, torch.bfloat16, k, is_fp8, row_kernel=kernel
+            )
+            engine.copy_rows(host, table, pairs)
+            engine.copy_rows(host, table, pairs)  # the cached row views serve a second call alike
+        for name in host.names():
+            assert torch.equal(got.get(name).view(torch.uint8), want.get(name).view(torch.uint8)), (pairs, name)
+            named = [d for _, d in pairs]
+            untouched = [d for d in range(k) if d not in named]
+            assert bool((got.get(name).view(torch.uint8)[untouched] == 7).all()), (pairs, name)
 
 
 def test_offload_equals_resident(ckpt: Path, resident: list[torch.Tensor]) -> None:

@@ -10,6 +10,7 @@
 #   bash configs/h200/session.sh headline   # benchsuite run of configs/h200/headline.yaml (detached)
 #   bash configs/h200/session.sh overlap    # benchsuite run of configs/h200/overlap.yaml (detached; issue 29)
 #   bash configs/h200/session.sh copy       # benchsuite run of configs/h200/copy.yaml (detached; issue 29, ~12 min)
+#   bash configs/h200/session.sh ttft       # benchsuite run of configs/h200/ttft.yaml (detached; issue 29, ~5 min)
 #   bash configs/h200/session.sh flags      # benchmarks/llamacpp_flags_h200.py at N=30 (detached; issue 24, ~8 min)
 #   bash configs/h200/session.sh queue JOB...  # JOBs (headline|overlap|copy|flags) in order, once prepare's jobs and the CUDA tests end
 #   bash configs/h200/session.sh poll SECS  # wait up to SECS for the running jobs, printing progress
@@ -47,7 +48,7 @@ detach() {  # detach NAME CMD...: run CMD in its own session from the copy, log 
 collect() {  # the jobs' logs and the runs' results into $OUT (at most 8 files come back)
   for f in "$JOBS"/*.log; do [ -f "$f" ] && tail -c 2000000 "$f" > "$OUT/$(basename "$f")"; done
   [ -d "$JOBS/flags" ] && tar -C "$JOBS" -czf "$OUT/h200-flags.tar.gz" flags 2>/dev/null
-  for run in h200-headline h200-overlap h200-copy; do
+  for run in h200-headline h200-overlap h200-copy h200-ttft; do
     if [ -d "$COPY/results/$run" ]; then
       tar -C "$COPY/results" -czf "$OUT/$run.tar.gz" "$run" 2>/dev/null
     fi
@@ -78,7 +79,7 @@ case "${1:-}" in
     site
     (cd "$COPY" && python3 -m pytest tests/cuda -m cuda -q -p no:cacheprovider -o addopts= 2>&1 | tee "$JOBS/cuda.log" | tail -40)
     ;;
-  headline|overlap|copy)
+  headline|overlap|copy|ttft)
     site
     detach "$1" "python3 -m benchsuite run configs/h200/$1.yaml --run-id h200-$1 --no-report"
     ;;
@@ -89,13 +90,13 @@ case "${1:-}" in
   queue)  # no idle GPU between calls: the jobs start the moment the build, the models and the tests are done
     site
     shift
-    [ $# -gt 0 ] || { echo "usage: $0 queue headline|overlap|copy|flags ..." >&2; exit 2; }
+    [ $# -gt 0 ] || { echo "usage: $0 queue headline|overlap|copy|ttft|flags ..." >&2; exit 2; }
     steps=""
     for job in "$@"; do
       case "$job" in
-        headline|overlap|copy) steps="$steps; python3 -m benchsuite run configs/h200/$job.yaml --run-id h200-$job --no-report; echo \"$job exit \$?\"" ;;
+        headline|overlap|copy|ttft) steps="$steps; python3 -m benchsuite run configs/h200/$job.yaml --run-id h200-$job --no-report; echo \"$job exit \$?\"" ;;
         flags) steps="$steps; $FLAGS_CMD; echo \"flags exit \$?\"" ;;
-        *) echo "usage: $0 queue headline|overlap|copy|flags ..." >&2; exit 2 ;;
+        *) echo "usage: $0 queue headline|overlap|copy|ttft|flags ..." >&2; exit 2 ;;
       esac
     done
     # the bracketed letters keep pgrep from matching this waiter's own command line

@@ -25,6 +25,7 @@ from safetensors import safe_open
 
 from paged_experts import fp8
 from paged_experts.config import MoeModelConfig
+from paged_experts.kernels.copy_kernel import copy_planned, graph_safe
 from paged_experts.moe import MoeLayer, MoeShared, make_layer
 from paged_experts.residency.counters import PagingCounters
 from paged_experts.residency.store import ExpertTensors, PageInEngine
@@ -223,7 +224,8 @@ def build_shared(cfg: MoeModelConfig, runtime: RuntimeConfig) -> tuple[MoeShared
     placements = [runtime.layer_mode(i, cfg.num_moe_layers) for i in range(cfg.num_layers)]
     max_slots = runtime.resident_experts or cfg.num_experts
     h, inter, is_fp8 = cfg.hidden_size, cfg.moe_intermediate_size, cfg.fp8_weights
-    page_in = PageInEngine(device, runtime.page_in, h, inter, dtype, max_slots, is_fp8=is_fp8)
+    row_kernel = copy_planned if graph_safe(device) else None  # FP8 scale rows of a direct page-in
+    page_in = PageInEngine(device, runtime.page_in, h, inter, dtype, max_slots, is_fp8=is_fp8, row_kernel=row_kernel)
     offload_buffer = None
     if "offload" in placements:
         offload_buffer = ExpertTensors.empty(cfg.num_experts, h, inter, dtype, device, is_fp8=is_fp8)
