@@ -59,7 +59,7 @@ DEFAULT_MODES = (  # most important first: a --deadline-s cut drops the tail
 )
 
 
-VARIANT_OPTIONS = ("host", "graphs", "compile", "overlap", "loop", "triton", "prefetch")
+VARIANT_OPTIONS = ("host", "graphs", "compile", "overlap", "loop", "triton", "prefetch", "torchplan")
 """Options after '/' in a --modes entry (joined by '+'):
 - host: paged steps planned on the host (device_planning='off'): the path before device planning;
 - graphs: decode steps captured as CUDA graphs (--graphs batch sizes; for paged K only batch sizes
@@ -70,6 +70,7 @@ VARIANT_OPTIONS = ("host", "graphs", "compile", "overlap", "loop", "triton", "pr
   residual stream (its router on it) and paged in on a second stream while that layer computes
   (prefetch_next_layer); the layer then pages in only what the prediction missed;
 - loop: the per-expert reference kernel instead of the fused grouped matmuls;
+- torchplan: device-planned paged layers plan with the torch ops instead of the fused plan kernel;
 - triton: routing and the expert pass of one-wave steps (<= moe_triton.MAX_PAIRS pairs) as
   moe_triton's kernels (one routing kernel; per-pair gate+up+SiLU; down with the top-k combine)."""
 
@@ -81,6 +82,15 @@ def parse_variant(spec: str) -> tuple[str, frozenset[str]]:
     if unknown:
         raise SystemExit(f"--modes entry {spec!r}: unknown options {sorted(unknown)} (known: {VARIANT_OPTIONS})")
     return mode, options
+
+
+def apply_plan_option(model: MoeCausalLM, options: frozenset[str]) -> None:
+    """'torchplan': the device-planned paged layers plan with the torch ops (`device.plan_step`)
+    instead of the fused kernel (`plan_triton`), the A/B of the one-kernel plan (before graphs)."""
+    if "torchplan" in options:
+        for moe in model.moe_layers:
+            if moe.device_residency is not None:
+                moe.device_residency.fused = False
 
 
 def runtime_for(
@@ -416,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             rt = runtime_for(mode, args.device, options, args.copy_programs)
             model = MoeCausalLM.synthetic(preset, rt, layers=args.layers, seed=args.seed, expert_kernel=kernel)
+            apply_plan_option(model, options)
             if graph:
                 model.enable_cuda_graphs(graphs, compile_layers="compile" in options)
             sync(args.device)

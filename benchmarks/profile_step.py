@@ -24,7 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_h200 import parse_variant, runtime_for  # noqa: E402
+from decode_h200 import apply_plan_option, parse_variant, runtime_for  # noqa: E402
 
 from paged_experts.kv import KvPool  # noqa: E402
 from paged_experts.model import MoeCausalLM, SeqChunk  # noqa: E402
@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         mode, options = parse_variant(spec)
         runtime = runtime_for(mode, args.device, options, args.copy_programs)
         model = MoeCausalLM.synthetic(args.preset, runtime, layers=args.layers, seed=0)
+        apply_plan_option(model, options)
         if "graphs" in options:
             model.enable_cuda_graphs([args.batch], compile_layers="compile" in options)
         pool = KvPool.for_model(model, capacity_tokens=max(args.batch * 128, args.prefill_tokens + 16))

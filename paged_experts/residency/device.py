@@ -10,6 +10,9 @@ experts are at most K too. The plan is the same one `residency.LayerResidency` (
 Shapes are static (the plan is padded to P entries; padding names the dummy expert E and the
 dummy slot K, which the maps carry as one spare entry each), so nothing depends on a host read.
 
+On CUDA with Triton the plan is one kernel (`plan_triton`, the same plan bit for bit); `plan_step`
+below is its reference and the CPU's plan.
+
 Steps with more pairs than K (prefill, large batches) fall back to the host planner; the two
 share one state: `pull_to(residency)` writes the device state into the `LayerResidency` before a
 host-planned step and `push_from(residency)` reads it back after, each a few small copies on a
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from paged_experts.residency import plan_triton
 from paged_experts.residency.policies import LayerResidency, LruPolicy
 
 
@@ -56,6 +60,9 @@ class DeviceResidency:
         self.step = torch.zeros((), dtype=torch.long, device=device)  # planned steps so far
         self._arange_e = torch.arange(e + 1, device=device)  # [E+1]
         self._compiled_fn = None
+        # The plan as one fused kernel (plan_triton) where it runs: the same plan as `plan_step`, one
+        # launch instead of ~45 inside the captured decode step. A benchmark sets it False to compare.
+        self.fused = plan_triton.available(device, num_experts, num_slots)
         # Set by the static decode step (graphs.GraphedDecoder) around its body: only there does the
         # plan go through torch.compile, whose shapes are captured before serving. Eager one-wave
         # steps of other sizes keep the plain plan, so nothing compiles inside a served request.
@@ -72,7 +79,12 @@ class DeviceResidency:
         p = flat_ids.shape[0]
         if p > self.num_slots:
             raise ValueError(f"a device-planned step routes at most K={self.num_slots} pairs, got {p}")
-        plan_fn = self._compiled_fn if self.in_static_step and self._compiled_fn is not None else plan_step
+        if self.fused:
+            plan_fn = plan_triton.plan_step_triton
+        elif self.in_static_step and self._compiled_fn is not None:
+            plan_fn = self._compiled_fn
+        else:
+            plan_fn = plan_step
         pair_slot, pair_missed, miss_experts, miss_slots, stats = plan_fn(
             flat_ids.to(torch.long),
             self.slot_of,

@@ -1,5 +1,7 @@
 """CUDA checks of paging planned on the device (device_residency + the Triton page-in kernel):
 - the kernel copies exactly the planned rows from pinned host memory and nothing for padding;
+- the fused plan kernel (residency/plan_triton.py), compiled, plans what `device.plan_step` plans,
+  step by step (the interpreter test's sequences, 200 steps per shape), and a paged layer uses it;
 - a device-planned paged MoE layer runs with no host synchronization;
 - device-planned paged decode equals resident bit for bit (bf16, Qwen3-30B-A3B layer shapes);
 - graphed paged decode equals eager paged decode within bf16 rounding up to a sequence's routing
@@ -9,6 +11,9 @@ Plain functions, so the module also runs as a script: `python tests/cuda/test_de
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import torch
 from _script import check_copy_planned  # tests/cuda is on sys.path (pytest's rootdir import, or script mode)
@@ -53,6 +58,15 @@ def test_kernel_copies_planned_rows_from_pinned_memory() -> None:
 
     host = ExpertTensors(gate=host_rows(), up=host_rows(), down=host_rows().transpose(1, 2).contiguous().pin_memory())
     check_copy_planned(host, 7, 2)
+
+
+def test_fused_plan_equals_torch_compiled() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from test_device_plan_triton import check_fused_plan_equals_torch
+
+    check_fused_plan_equals_torch("cuda", steps=200)
+    model = MoeCausalLM.from_pretrained(QWEN2, rt("bfloat16", mode="paged", resident_experts=40))
+    assert all(m.device_residency.fused for m in model.moe_layers if m.device_residency is not None)
 
 
 def test_device_planned_paged_layer_does_not_sync() -> None:

@@ -1,0 +1,140 @@
+"""The device LRU plan of one paged layer-step as ONE Triton kernel (`device.plan_step` is the reference).
+
+`device.plan_step` is ~45 small torch ops. Inside the captured decode graph each is a kernel of about
+1-1.5 us with ~0.4 us between kernels (an 8-layer FP8 profile on the H200,
+benchmarks/results/h200/2026-12-02-flags-overlap), so the plan alone cost ~60-75 us per paged layer,
+~3 ms of a 48-layer token, on the critical path of every decode step. Here a single program plans
+the step: every vector of the plan lives in registers and the three maps are read once and written
+once.
+
+Same plan, bit for bit (tests/test_device_plan_triton.py, under Triton's interpreter on the CPU; and
+tests/cuda on the GPU):
+- used[e]: some pair routes to e; a miss is a used expert with no slot; misses ascending, padded
+  with E; the i-th miss takes the slot of rank i, slots ranked by (last use + 1) * (E + 1) + expert
+  (never-used first, then least recent, ties by expert id), slots holding a routed expert last, ties
+  among those by slot index;
+- the maps updated (evicted experts lose their slot, misses get theirs), every routed pair's slot
+  stamped with the step, the step counter advanced; the spare entries (E, K) untouched.
+Everything is a comparison matrix ([pairs x experts], [slots x slots], ...) reduced along one axis:
+no gather from a register vector is needed, so the kernel is plain `tl` code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton ships with CUDA builds of torch; the CPU wheel has none
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the torch build
+    triton = None
+
+MAX_TILE = 1 << 15  # the largest comparison matrix (elements) one program holds; larger shapes keep torch
+
+
+def available(device: torch.device, num_experts: int, num_slots: int) -> bool:
+    """True where the fused plan runs: CUDA with Triton, and a shape whose matrices fit one program."""
+    if triton is None or device.type != "cuda":
+        return False
+    return _pow2(num_experts + 1) * _pow2(num_slots) <= MAX_TILE and _pow2(num_slots) ** 2 <= MAX_TILE
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+if triton is not None:
+
+    @triton.jit
+    def _plan_kernel(  # pragma: no cover - runs on the GPU or under TRITON_INTERPRET
+        ids_ptr, slot_of_ptr, expert_in_ptr, last_use_ptr, step_ptr,
+        pair_slot_ptr, pair_missed_ptr, miss_experts_ptr, miss_slots_ptr, stats_ptr,
+        P, E, K,
+        BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        p = tl.arange(0, BLOCK_P)  # pairs, and miss ranks (at most P misses)
+        e = tl.arange(0, BLOCK_E)  # experts
+        k = tl.arange(0, BLOCK_K)  # slots
+        pmask = p < P
+        emask = e < E
+        kmask = k < K
+        ids = tl.load(ids_ptr + p, mask=pmask, other=-1)  # [BP]; -1 matches no expert
+        step = tl.load(step_ptr)
+
+        # used / resident / miss per expert, from [pairs x experts]
+        routes = (ids[:, None] == e[None, :]) & pmask[:, None]  # [BP, BE]
+        used = tl.max(routes.to(tl.int32), axis=0) > 0  # [BE]
+        slot_e = tl.load(slot_of_ptr + e, mask=emask, other=-1)  # [BE]
+        miss = used & (slot_e < 0) & emask  # [BE]
+        n_used = tl.sum(used.to(tl.int64), axis=0)
+        n_miss = tl.sum(miss.to(tl.int64), axis=0)
+
+        # misses ascending: the miss with running count i + 1 is the i-th
+        running = tl.cumsum(miss.to(tl.int32), axis=0)  # [BE]
+        is_ith = miss[None, :] & ((running[None, :] - 1) == p[:, None])  # [BP, BE]
+        found = tl.max(is_ith.to(tl.int32), axis=1) > 0  # [BP]
+        miss_expert = tl.where(found, tl.sum(tl.where(is_ith, e[None, :], 0), axis=1), E)  # [BP] int
+        valid = found & pmask
+
+        # victims: rank of every slot by its key (pinned = holds a routed expert: last)
+        ex_k = tl.load(expert_in_ptr + k, mask=kmask, other=E)  # [BK]
+        lu_k = tl.load(last_use_ptr + k, mask=kmask, other=-1)  # [BK]
+        pinned = tl.max(((ids[:, None] == ex_k[None, :]) & pmask[:, None]).to(tl.int32), axis=0) > 0  # [BK]
+        big = 0x7FFFFFFFFFFFFFFF
+        key = tl.where(pinned | (k >= K), big, (lu_k + 1) * (E + 1) + ex_k)  # [BK] int64
+        before = (key[None, :] < key[:, None]) | ((key[None, :] == key[:, None]) & (k[None, :] < k[:, None]))  # [i, j]
+        rank = tl.sum((before & kmask[None, :]).to(tl.int32), axis=1)  # [BK]: slots ranked before slot i
+        takes = (rank[None, :] == p[:, None]) & kmask[None, :]  # [BP, BK]: miss j takes the slot of rank j
+        victim = tl.sum(tl.where(takes, k[None, :], 0), axis=1)  # [BP]
+        evicted = tl.sum(tl.where(takes, ex_k[None, :], 0), axis=1)  # [BP]: the expert it held
+        miss_slot = tl.where(valid, victim, K)  # [BP]
+        miss_expert = tl.where(valid, miss_expert, E)
+
+        # each pair's slot after the page-ins: a hit keeps its slot, a miss gets its victim
+        slot_hit = tl.sum(tl.where(routes, slot_e[None, :], 0), axis=1)  # [BP] (one match per pair)
+        gets = (ids[:, None] == miss_expert[None, :]) & valid[None, :]  # [pairs, misses]
+        missed = tl.max(gets.to(tl.int32), axis=1) > 0  # [BP]
+        slot_miss = tl.sum(tl.where(gets, miss_slot[None, :], 0), axis=1)  # [BP]
+        pair_slot = tl.where(missed, slot_miss, slot_hit)
+
+        # the plan, then the state (every read above; the write sets are disjoint: evicted experts
+        # are resident, misses are not)
+        tl.store(pair_slot_ptr + p, pair_slot, mask=pmask)
+        tl.store(pair_missed_ptr + p, missed, mask=pmask)
+        tl.store(miss_experts_ptr + p, miss_expert, mask=pmask)
+        tl.store(miss_slots_ptr + p, miss_slot, mask=pmask)
+        tl.store(slot_of_ptr + evicted, -1, mask=valid)
+        tl.store(slot_of_ptr + miss_expert, miss_slot, mask=valid)
+        tl.store(expert_in_ptr + miss_slot, miss_expert, mask=valid)
+        tl.store(last_use_ptr + pair_slot, step + tl.zeros_like(pair_slot), mask=pmask)
+        tl.store(step_ptr, step + 1)
+        tl.store(stats_ptr, n_used)
+        tl.store(stats_ptr + 1, n_used - n_miss)
+        tl.store(stats_ptr + 2, n_miss)
+
+
+def plan_step_triton(
+    flat_ids: torch.Tensor,
+    slot_of: torch.Tensor,
+    expert_in: torch.Tensor,
+    last_use: torch.Tensor,
+    step: torch.Tensor,
+    arange_e: torch.Tensor,
+    e: int,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`device.plan_step`'s signature and results (arange_e unused), as one kernel launch:
+    flat_ids [P] int64 (P <= K) -> (pair_slot [P], pair_missed [P] bool, miss_experts [P],
+    miss_slots [P], stats [3]); slot_of [E+1], expert_in [K+1], last_use [K+1], step [] updated."""
+    p = flat_ids.shape[0]
+    ids = flat_ids.contiguous()
+    pair_slot = torch.empty(p, dtype=torch.long, device=ids.device)
+    pair_missed = torch.empty(p, dtype=torch.bool, device=ids.device)
+    miss_experts = torch.empty(p, dtype=torch.long, device=ids.device)
+    miss_slots = torch.empty(p, dtype=torch.long, device=ids.device)
+    stats = torch.empty(3, dtype=torch.long, device=ids.device)
+    _plan_kernel[(1,)](
+        ids, slot_of, expert_in, last_use, step, pair_slot, pair_missed, miss_experts, miss_slots, stats,
+        p, e, k, BLOCK_P=_pow2(p), BLOCK_E=_pow2(e + 1), BLOCK_K=_pow2(k), num_warps=8,
+    )  # fmt: skip
+    return pair_slot, pair_missed, miss_experts, miss_slots, stats

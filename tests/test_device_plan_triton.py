@@ -1,0 +1,59 @@
+"""The fused device LRU plan (paged_experts.residency.plan_triton) plans exactly what `device.plan_step`
+plans: every output (pair slots, missed flags, padded miss experts and slots, stats) and every state
+tensor (maps, stamps, step, spare entries) equal after every step, over long random sequences at the
+served shape (E=128, K=40/42, top_k 8, 1-5 tokens), at small shapes, with steps of no miss, steps where
+every pair misses and ties among pinned slots. Run in Triton's interpreter (TRITON_INTERPRET=1, in a
+child process: Triton reads it at import) on the CPU; tests/cuda runs the same check compiled."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from interpreted import run_interpreted
+
+from paged_experts.residency import plan_triton
+from paged_experts.residency.device import DeviceResidency, plan_step
+
+SHAPES = ((128, 40, 8, 5), (128, 42, 8, 5), (129, 64, 8, 8), (32, 8, 4, 2), (32, 32, 4, 8), (16, 4, 4, 1))
+STEPS = 40  # per shape (the interpreter runs ~0.1 s a launch)
+
+
+def check_fused_plan_equals_torch(device: str = "cpu", steps: int = STEPS) -> None:
+    """For every shape (E, K, top_k, most tokens): one state planned by each implementation, step by
+    step, from random routings (every 5th step from a small expert pool: mostly hits)."""
+    dev = torch.device(device)
+    for e, k, top_k, most in SHAPES:
+        rng = random.Random(e * 1000 + k)
+        ref, fused = DeviceResidency(e, k, dev), DeviceResidency(e, k, dev)
+        for step in range(steps):
+            pool = range(e) if step % 5 else range(min(e, top_k + 3))
+            tokens = rng.randint(1, max(1, min(most, k // top_k)))
+            routed = [x for _ in range(tokens) for x in rng.sample(pool, top_k)]
+            ids = torch.tensor(routed, dtype=torch.long, device=dev)
+            want = plan_step(ids, ref.slot_of, ref.expert_in, ref.last_use, ref.step, ref._arange_e, e, k)
+            got = plan_triton.plan_step_triton(
+                ids, fused.slot_of, fused.expert_in, fused.last_use, fused.step, fused._arange_e, e, k
+            )
+            names = ("pair_slot", "pair_missed", "miss_experts", "miss_slots", "stats")
+            for name, a, b in zip(names, got, want):
+                assert a.dtype == b.dtype and torch.equal(a, b), (e, k, step, name, a.tolist(), b.tolist())
+            for name in ("slot_of", "expert_in", "last_use", "step"):
+                a, b = getattr(fused, name), getattr(ref, name)
+                assert torch.equal(a, b), (e, k, step, name, a.tolist(), b.tolist())
+    print("fused plan equal", len(SHAPES), "shapes x", steps, "steps")
+
+
+def test_fused_plan_equals_torch_in_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    out = run_interpreted("test_device_plan_triton", "check_fused_plan_equals_torch")
+    assert f"fused plan equal {len(SHAPES)} shapes x {STEPS} steps" in out
+
+
+def test_the_fused_plan_runs_only_on_cuda_and_at_shapes_that_fit_one_program() -> None:
+    assert not plan_triton.available(torch.device("cpu"), 128, 40)
+    assert not DeviceResidency(128, 40, torch.device("cpu")).fused  # the CPU keeps the torch plan
+    if plan_triton.triton is not None:
+        assert plan_triton.available(torch.device("cuda"), 128, 128)
+        assert not plan_triton.available(torch.device("cuda"), 512, 256)  # [256 x 1024] > one program
