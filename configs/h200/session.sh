@@ -11,6 +11,7 @@
 #   bash configs/h200/session.sh overlap    # benchsuite run of configs/h200/overlap.yaml (detached; issue 29)
 #   bash configs/h200/session.sh copy       # benchsuite run of configs/h200/copy.yaml (detached; issue 29, ~12 min)
 #   bash configs/h200/session.sh ttft       # benchsuite run of configs/h200/ttft.yaml (detached; issue 29, ~5 min)
+#   bash configs/h200/session.sh paged16    # benchsuite run of configs/h200/paged16.yaml (detached; issue 29, ~14 min)
 #   bash configs/h200/session.sh flags      # benchmarks/llamacpp_flags_h200.py at N=30 (detached; issue 24, ~8 min)
 #   bash configs/h200/session.sh queue JOB...  # JOBs (headline|overlap|copy|flags) in order, once prepare's jobs and the CUDA tests end
 #   bash configs/h200/session.sh poll SECS  # wait up to SECS for the running jobs, printing progress
@@ -48,7 +49,7 @@ detach() {  # detach NAME CMD...: run CMD in its own session from the copy, log 
 collect() {  # the jobs' logs and the runs' results into $OUT (at most 8 files come back)
   for f in "$JOBS"/*.log; do [ -f "$f" ] && tail -c 2000000 "$f" > "$OUT/$(basename "$f")"; done
   [ -d "$JOBS/flags" ] && tar -C "$JOBS" -czf "$OUT/h200-flags.tar.gz" flags 2>/dev/null
-  for run in h200-headline h200-overlap h200-copy h200-ttft; do
+  for run in h200-headline h200-overlap h200-copy h200-ttft h200-paged16; do
     if [ -d "$COPY/results/$run" ]; then
       tar -C "$COPY/results" -czf "$OUT/$run.tar.gz" "$run" 2>/dev/null
     fi
@@ -79,7 +80,7 @@ case "${1:-}" in
     site
     (cd "$COPY" && python3 -m pytest tests/cuda -m cuda -q -p no:cacheprovider -o addopts= 2>&1 | tee "$JOBS/cuda.log" | tail -40)
     ;;
-  headline|overlap|copy|ttft)
+  headline|overlap|copy|ttft|paged16)
     site
     detach "$1" "python3 -m benchsuite run configs/h200/$1.yaml --run-id h200-$1 --no-report"
     ;;
@@ -90,13 +91,13 @@ case "${1:-}" in
   queue)  # no idle GPU between calls: the jobs start the moment the build, the models and the tests are done
     site
     shift
-    [ $# -gt 0 ] || { echo "usage: $0 queue headline|overlap|copy|ttft|flags ..." >&2; exit 2; }
+    [ $# -gt 0 ] || { echo "usage: $0 queue headline|overlap|copy|ttft|paged16|flags ..." >&2; exit 2; }
     steps=""
     for job in "$@"; do
       case "$job" in
-        headline|overlap|copy|ttft) steps="$steps; python3 -m benchsuite run configs/h200/$job.yaml --run-id h200-$job --no-report; echo \"$job exit \$?\"" ;;
+        headline|overlap|copy|ttft|paged16) steps="$steps; python3 -m benchsuite run configs/h200/$job.yaml --run-id h200-$job --no-report; echo \"$job exit \$?\"" ;;
         flags) steps="$steps; $FLAGS_CMD; echo \"flags exit \$?\"" ;;
-        *) echo "usage: $0 queue headline|overlap|copy|ttft|flags ..." >&2; exit 2 ;;
+        *) echo "usage: $0 queue headline|overlap|copy|ttft|paged16|flags ..." >&2; exit 2 ;;
       esac
     done
     # the bracketed letters keep pgrep from matching this waiter's own command line
@@ -116,7 +117,8 @@ case "${1:-}" in
       collect; sleep 20
     done
     ;;
-  *) echo "usage: $0 prepare [builtin]|cuda|headline|overlap|copy|flags|queue JOB...|poll SECS" >&2; exit 2 ;;
+  *) echo "usage: $0 prepare [builtin]|cuda|headline|overlap|copy|ttft|paged16|flags|queue JOB...|poll SECS" >&2; exit 2 ;;
 esac
 collect
 for f in "$JOBS"/*.log; do [ -f "$f" ] && { echo "== $(basename "$f")"; tail -n 4 "$f"; }; done
+true  # a detached job's log may not exist yet: what is printed here never fails the call (`prepare && ...`)
