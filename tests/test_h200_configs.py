@@ -139,3 +139,41 @@ def test_the_copy_matrix_measures_the_capped_copy_grid(stand_ins: None, capsys: 
         out.count("--copy-programs 16") == 4 and out.count("--overlap-page-in --overlap-groups 1 --copy-programs") == 4
     )
     assert load_matrix(path).matrix.linkbw
+
+
+def test_the_ttft_matrix_measures_paged_prefill_against_its_floor(
+    stand_ins: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """configs/h200/ttft.yaml: paged FP8 at the headline's K=42 on both routings beside resident FP8,
+    2,048-token and short prompts at c=1 and 4, the link probe (the floor's denominator)."""
+    path = CONFIGS / "ttft.yaml"
+    assert main(["run", str(path), "--dry-run"]) == 0
+    capsys.readouterr()
+    m = load_matrix(path).matrix
+    assert m.linkbw and m.repeats >= 2
+    assert [(w.prompt_classes, w.concurrency) for w in m.workloads.values()] == [(["2048", "short"], [1, 4])]
+    plan = build_plan(load_matrix(path))
+    assert sorted((s.options.mode, s.options.routing, s.options.resident_experts or 0) for s in plan.servers) == [
+        ("paged", "model", 42), ("paged", "qwen3-30b-a3b", 42), ("resident", "model", 0)
+    ]  # fmt: skip
+
+
+def test_the_paged16_matrix_searches_k_at_16_gb_on_both_routings(
+    stand_ins: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """configs/h200/paged16.yaml: resident FP8 and paged FP8 with K searched against 16 GB of peak device
+    memory on the model's and the calibrated routing; warm-ups at least the highest concurrency."""
+    path = CONFIGS / "paged16.yaml"
+    assert main(["run", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("search paged-fp8") == 2 and "resident_experts is searched" in out
+    m = load_matrix(path).matrix
+    assert m.linkbw and m.repeats >= 2
+    for workload in m.workloads.values():
+        assert workload.prompt_classes == ["short", "2048"] and workload.concurrency == [1, 4]
+        assert workload.warmup_requests >= max(workload.concurrency)
+    raw = yaml.safe_load(path.read_text())["engines"]
+    paged = [e["options"] for e in raw.values() if e["options"].get("mode") == "paged"]
+    assert [(o["resident_experts"], o["vram_budget_gb"], o.get("routing", "model")) for o in paged] == [
+        ("search", 16, "model"), ("search", 16, "qwen3-30b-a3b")
+    ]  # fmt: skip
