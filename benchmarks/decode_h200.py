@@ -59,7 +59,7 @@ DEFAULT_MODES = (  # most important first: a --deadline-s cut drops the tail
 )
 
 
-VARIANT_OPTIONS = ("host", "graphs", "compile", "overlap", "loop", "triton", "prefetch", "torchplan")
+VARIANT_OPTIONS = ("host", "graphs", "compile", "overlap", "loop", "triton", "prefetch", "torchplan", "pertensor")
 """Options after '/' in a --modes entry (joined by '+'):
 - host: paged steps planned on the host (device_planning='off'): the path before device planning;
 - graphs: decode steps captured as CUDA graphs (--graphs batch sizes; for paged K only batch sizes
@@ -71,6 +71,7 @@ VARIANT_OPTIONS = ("host", "graphs", "compile", "overlap", "loop", "triton", "pr
   (prefetch_next_layer); the layer then pages in only what the prediction missed;
 - loop: the per-expert reference kernel instead of the fused grouped matmuls;
 - torchplan: device-planned paged layers plan with the torch ops instead of the fused plan kernel;
+- pertensor: device-planned page-ins launch the copy kernel once per tensor, not once for all six;
 - triton: routing and the expert pass of one-wave steps (<= moe_triton.MAX_PAIRS pairs) as
   moe_triton's kernels (one routing kernel; per-pair gate+up+SiLU; down with the top-k combine)."""
 
@@ -85,12 +86,17 @@ def parse_variant(spec: str) -> tuple[str, frozenset[str]]:
 
 
 def apply_plan_option(model: MoeCausalLM, options: frozenset[str]) -> None:
-    """'torchplan': the device-planned paged layers plan with the torch ops (`device.plan_step`)
-    instead of the fused kernel (`plan_triton`), the A/B of the one-kernel plan (before graphs)."""
-    if "torchplan" in options:
-        for moe in model.moe_layers:
-            if moe.device_residency is not None:
-                moe.device_residency.fused = False
+    """Before graphs: 'torchplan', the device-planned paged layers plan with the torch ops
+    (`device.plan_step`) instead of the fused kernel (`plan_triton`); 'pertensor', their page-ins
+    launch the copy kernel once per tensor instead of once for all (the A/Bs of the two)."""
+    for moe in model.moe_layers:
+        lru = getattr(moe, "device_lru", None)
+        if lru is None:
+            continue
+        if "torchplan" in options:
+            lru.residency.fused = False
+        if "pertensor" in options:
+            lru.one_launch = False
 
 
 def runtime_for(

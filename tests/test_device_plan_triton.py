@@ -7,6 +7,7 @@ child process: Triton reads it at import) on the CPU; tests/cuda runs the same c
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -57,3 +58,20 @@ def test_the_fused_plan_runs_only_on_cuda_and_at_shapes_that_fit_one_program() -
     if plan_triton.triton is not None:
         assert plan_triton.available(torch.device("cuda"), 128, 128)
         assert not plan_triton.available(torch.device("cuda"), 512, 256)  # [256 x 1024] > one program
+
+
+def test_the_fused_plan_compiles_for_the_h200() -> None:
+    """The real compiler (the interpreter type-checks nothing): sm_90, the served shape's blocks."""
+    triton = pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter compiles nothing")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = plan_triton._plan_kernel
+    pointers = {a: "*i1" if a == "pair_missed_ptr" else "*i64" for a in fn.arg_names if a.endswith("_ptr")}
+    signature = {a: pointers.get(a, "constexpr" if a.startswith("BLOCK") else "i32") for a in fn.arg_names}
+    constants = {"BLOCK_P": 64, "BLOCK_E": 256, "BLOCK_K": 64}
+    src = ASTSource(fn, signature, constants, {})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+    assert "st.global" in ptx

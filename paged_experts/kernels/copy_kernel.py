@@ -7,6 +7,11 @@ programs of padding entries return at once: exactly the planned experts cross th
 launch is capturable in a CUDA graph. On the CPU (tests) and where Triton is missing, the same
 copy runs as an index_copy after one host read of the plan (`graph_safe()` says which).
 
+With the full grid every tensor of the rows (an FP8 row: gate, up, down and their three scale rows)
+goes in ONE launch (`launch_copy_rows`, the tensors as bytes laid end to end): inside a captured decode
+step each launch costs its gap and ramp even when it copies nothing, six of them per paged layer. A
+capped grid (`copy_programs`) keeps one launch per tensor.
+
 The kernel's rate against the DMA engines' `copy_` is measured, not assumed:
 `benchmarks/decode_h200.py --pagein-kernel-bench` (results under benchmarks/results/h200/).
 """
@@ -56,6 +61,86 @@ if triton is not None:
         for item in range(tl.program_id(0), work, tl.num_programs(0)):
             _copy_chunk(src, dst, experts, slots, item // chunks, item % chunks, row_elems, num_experts, BLOCK)
 
+    # The copies of up to 6 tensors of one expert row (an FP8 row: gate, up, down and their scales) in ONE
+    # launch, every tensor as bytes: program (entry, chunk) copies chunk `chunk` of the row's tensors laid
+    # end to end (tensor i's chunks start at c_i; c_0 = 0). Inside a captured decode step a launch costs
+    # ~1-2.5 us with its gap and its ramp even when it copies nothing (the 3 scale rows: 384 bytes each),
+    # and every paged layer copied in 6 launches (benchmarks/results/h200/2026-12-02-flags-overlap).
+    @triton.jit(do_not_specialize=["n0", "n1", "n2", "n3", "n4", "n5", "c1", "c2", "c3", "c4", "c5"])
+    def _copy_rows_one_launch(  # pragma: no cover
+        experts, slots, num_experts,
+        s0, d0, n0, s1, d1, n1, s2, d2, n2, s3, d3, n3, s4, d4, n4, s5, d5, n5,
+        c1, c2, c3, c4, c5,
+        BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        entry = tl.program_id(0)
+        chunk = tl.program_id(1)
+        expert = tl.load(experts + entry)
+        if expert < num_experts:  # padding entries name expert E: nothing to copy
+            slot = tl.load(slots + entry)
+            src = s0
+            dst = d0
+            n = n0
+            first = c1 * 0
+            if chunk >= c1:
+                src = s1
+                dst = d1
+                n = n1
+                first = c1
+            if chunk >= c2:
+                src = s2
+                dst = d2
+                n = n2
+                first = c2
+            if chunk >= c3:
+                src = s3
+                dst = d3
+                n = n3
+                first = c3
+            if chunk >= c4:
+                src = s4
+                dst = d4
+                n = n4
+                first = c4
+            if chunk >= c5:
+                src = s5
+                dst = d5
+                n = n5
+                first = c5
+            offs = (chunk - first) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            v = tl.load(src + expert.to(tl.int64) * n + offs, mask=mask)
+            tl.store(dst + slot.to(tl.int64) * n + offs, v, mask=mask)
+
+
+MAX_ONE_LAUNCH = 6  # tensors one `launch_copy_rows` takes
+
+
+def launch_copy_rows(
+    srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], experts: torch.Tensor, slot_ids: torch.Tensor,
+    num_experts: int,
+) -> None:  # fmt: skip
+    """Rows srcs[t][experts[i]] -> dsts[t][slot_ids[i]] of every tensor t (at most 6, each contiguous; entries
+    naming expert >= num_experts skipped) in one launch of the Triton kernel: one program per (entry,
+    16 KiB chunk of the row's tensors laid end to end)."""
+    if not 1 <= len(srcs) == len(dsts) <= MAX_ONE_LAUNCH:
+        raise ValueError(f"one launch copies 1 to {MAX_ONE_LAUNCH} tensors, got {len(srcs)} and {len(dsts)}")
+    rows_s = [t.view(torch.uint8) for t in srcs]  # bytes: one kernel for every dtype
+    rows_d = [t.view(torch.uint8) for t in dsts]
+    row_bytes = [t[0].numel() for t in rows_s]
+    firsts, total = [], 0  # first chunk of each tensor
+    for n in row_bytes:
+        firsts.append(total)
+        total += triton.cdiv(n, BLOCK_BYTES)
+    while len(rows_s) < MAX_ONE_LAUNCH:  # unused slots: tensor 0 again, starting past every chunk
+        rows_s.append(rows_s[0])
+        rows_d.append(rows_d[0])
+        row_bytes.append(row_bytes[0])
+        firsts.append(total)
+    args = [a for triple in zip(rows_s, rows_d, row_bytes) for a in triple]
+    grid = (experts.shape[0], total)
+    _copy_rows_one_launch[grid](experts, slot_ids, num_experts, *args, *firsts[1:], BLOCK=BLOCK_BYTES, num_warps=4)
+
 
 def launch_copy(
     src: torch.Tensor,
@@ -93,17 +178,24 @@ def copy_planned(
     slot_ids: torch.Tensor,
     names: Sequence[str] | None = None,
     programs: int | None = None,
+    one_launch: bool = True,
 ) -> None:
     """host rows `experts[i]` -> slot rows `slot_ids[i]` for every entry whose expert is < E.
 
     experts, slot_ids: [P] int64 on the slots' device, padded with E (expert) / K (slot). Every tensor of
     an expert's row is copied (FP8 weights as bytes, and their block scales), or those of `names`
     among them (an overlapped pass copies gate/up first, down last). `programs`: the copy kernel's
-    grid cap (None: one program per 16 KiB chunk, every SM)."""
+    grid cap (None: one program per 16 KiB chunk, every SM). `one_launch`: with the full grid, every
+    tensor in one launch (`launch_copy_rows`); False: a launch per tensor (the A/B of the two)."""
     num_experts = host.num_rows
     # host.names() read at call time: the fault-injection tests narrow it
     wanted = [n for n in host.names() if names is None or n in names]
     if graph_safe(slots.gate.device):
+        if one_launch and programs is None and len(wanted) <= MAX_ONE_LAUNCH:
+            srcs, dsts = [host.get(n) for n in wanted], [slots.get(n) for n in wanted]
+            if all(t.is_contiguous() for t in (*srcs, *dsts)):
+                launch_copy_rows(srcs, dsts, experts, slot_ids, num_experts)
+                return
         for name in wanted:
             src, dst = fp8.raw(host.get(name)), fp8.raw(slots.get(name))  # FP8 rows copy as bytes
             launch_copy(src, dst, experts, slot_ids, num_experts, programs)

@@ -85,6 +85,7 @@ class DeviceLru:
         self.overlap = overlap  # RuntimeConfig.overlap_page_in: moe/overlap.py
         self.overlap_groups = overlap_groups  # RuntimeConfig.overlap_groups
         self.copy_programs = copy_programs  # RuntimeConfig.copy_programs: the copy kernel's grid cap
+        self.one_launch = True  # every tensor of the rows in one copy launch (a benchmark sets False to compare)
         self.pending: PendingPrefetch | None = None  # set by `prefetch`, taken by `page_in`
         self.host_stale = False  # planned here since the host planner last saw the state
 
@@ -105,7 +106,9 @@ class DeviceLru:
         pending, self.pending = self.pending, None
         if pending is not None and pending.done is not None:
             torch.cuda.current_stream(flat.device).wait_event(pending.done)
-        copy_planned(host, slots, plan.miss_experts, plan.miss_slots, programs=self.copy_programs)
+        copy_planned(
+            host, slots, plan.miss_experts, plan.miss_slots, programs=self.copy_programs, one_launch=self.one_launch
+        )
         return plan, pending
 
     def prefetch(
@@ -117,11 +120,20 @@ class DeviceLru:
         plan = self.plan(predicted.reshape(-1).to(torch.long))
         done = None
         if copy_stream is None:
-            copy_planned(host, slots, plan.miss_experts, plan.miss_slots, programs=self.copy_programs)
+            copy_planned(
+                host, slots, plan.miss_experts, plan.miss_slots, programs=self.copy_programs, one_launch=self.one_launch
+            )
         else:
             copy_stream.wait_stream(torch.cuda.current_stream(predicted.device))  # the plan is written
             with torch.cuda.stream(copy_stream):
-                copy_planned(host, slots, plan.miss_experts, plan.miss_slots, programs=self.copy_programs)
+                copy_planned(
+                    host,
+                    slots,
+                    plan.miss_experts,
+                    plan.miss_slots,
+                    programs=self.copy_programs,
+                    one_launch=self.one_launch,
+                )
                 done = torch.cuda.Event()
                 done.record(copy_stream)
         self.pending = PendingPrefetch(plan, done)
