@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -203,11 +204,30 @@ def test_recent_keeps_routed_residents_in_place() -> None:
     assert all(e not in (2, 3) for w in plan.waves for e, _ in w.page_ins)
 
 
+@settings(max_examples=200, deadline=None)
+@given(routing_runs(), st.sampled_from(PREFILL_KEEP))
+def test_a_numpy_step_plans_what_the_same_list_plans(run: tuple[int, int, list[list[int]]], keep: str) -> None:
+    """The runtime hands a prefill chunk's routed ids as a numpy array (read in numpy: distinct ids by
+    bincount, keep ranks by maximum.at); every plan and the state after it equal the list's."""
+    num_experts, k, steps = run
+    by_list, by_array = (
+        LayerResidency(num_experts, k, prefill_keep=keep),
+        LayerResidency(num_experts, k, prefill_keep=keep),
+    )
+    for routed in steps:
+        want, got = by_list.plan_step(routed), by_array.plan_step(np.array(routed, dtype=np.int64))
+        assert got == want
+        assert by_array.expert_in == by_list.expert_in and by_array.slot_of == by_list.slot_of
+
+
 def test_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="num_slots"):
         LayerResidency(4, 5)
     with pytest.raises(ValueError, match="out of range"):
         LayerResidency(4, 2).plan_step([4])
+    for bad in (np.array([1, -2, 3]), np.array([[0, 1], [2, 7]])):  # numpy steps too, either end
+        with pytest.raises(ValueError, match="out of range"):
+            LayerResidency(4, 2).plan_step(bad)
     with pytest.raises(ValueError, match="prefill residency must be one of"):
         LayerResidency(4, 2, prefill_keep="newest")
 

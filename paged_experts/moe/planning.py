@@ -53,7 +53,7 @@ class HostWaves:
         """x [T, H] on the slots' device, ids_cpu [T, k] -> (the pass with every wave issued: `finish`
         gives [T, H]; the step's counts). Each wave's page-ins are stream-ordered by `copies` (on
         the page-in stream while earlier waves compute; inline on the CPU) and counted there."""
-        plan = self.residency.plan_step(ids_cpu.reshape(-1).tolist())
+        plan = self.residency.plan_step(ids_cpu.reshape(-1).numpy())  # [T*k], read in numpy
         run = kernel.begin(x, ids_cpu, self.residency.num_experts, slots.gate.device)
         for wave in plan.waves:
             copies.page_in(wave, lambda pairs: page_in.copy_rows(host, slots, pairs))

