@@ -13,7 +13,8 @@
 #   bash configs/h200/session.sh ttft       # benchsuite run of configs/h200/ttft.yaml (detached; issue 29, ~5 min)
 #   bash configs/h200/session.sh paged16    # benchsuite run of configs/h200/paged16.yaml (detached; issue 29, ~14 min)
 #   bash configs/h200/session.sh flags      # benchmarks/llamacpp_flags_h200.py at N=30 (detached; issue 24, ~8 min)
-#   bash configs/h200/session.sh queue JOB...  # JOBs (headline|overlap|copy|flags) in order, once prepare's jobs and the CUDA tests end
+#   bash configs/h200/session.sh queue JOB...  # JOBs (cuda first, then headline|overlap|copy|ttft|paged16|flags) in
+#                                           # order, once prepare's jobs end; a failed CUDA test stops the runs
 #   bash configs/h200/session.sh poll SECS  # wait up to SECS for the running jobs, printing progress
 #
 # Inputs the caller carries: .whl/ (the Python packages the box lacks, configs/h200/README.md) and
@@ -88,19 +89,25 @@ case "${1:-}" in
     site
     detach flags "$FLAGS_CMD"
     ;;
-  queue)  # no idle GPU between calls: the jobs start the moment the build, the models and the tests are done
+  queue)  # no idle GPU between calls: the jobs run one after another the moment the build and the models are done
+    # `cuda` belongs IN the queue (first): a queue started before a separate `session.sh cuda` call could find
+    # no test running yet and start its runs beside the tests (2026-12-02: h200-copy's first 12 cells did)
     site
     shift
-    [ $# -gt 0 ] || { echo "usage: $0 queue headline|overlap|copy|ttft|paged16|flags ..." >&2; exit 2; }
+    [ $# -gt 0 ] || { echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|flags ..." >&2; exit 2; }
+    # a failed CUDA test (this session's cuda.log) stops the queue: no figure is measured on code the GPU found wrong
+    guard="if grep -qE '[0-9]+ (failed|error)' $JOBS/cuda.log 2>/dev/null; then echo 'queue: the CUDA tests failed (cuda.log): nothing run'; exit 1; fi"
     steps=""
     for job in "$@"; do
       case "$job" in
-        headline|overlap|copy|ttft|paged16) steps="$steps; python3 -m benchsuite run configs/h200/$job.yaml --run-id h200-$job --no-report; echo \"$job exit \$?\"" ;;
-        flags) steps="$steps; $FLAGS_CMD; echo \"flags exit \$?\"" ;;
-        *) echo "usage: $0 queue headline|overlap|copy|ttft|paged16|flags ..." >&2; exit 2 ;;
+        cuda) steps="$steps; python3 -m pytest ./tests/cuda -m cuda -q -p no:cacheprovider -o addopts= > $JOBS/cuda.log 2>&1; echo \"cuda exit \$?\"; tail -n 3 $JOBS/cuda.log" ;;
+        headline|overlap|copy|ttft|paged16) steps="$steps; $guard; python3 -m benchsuite run configs/h200/$job.yaml --run-id h200-$job --no-report; echo \"$job exit \$?\"" ;;
+        flags) steps="$steps; $guard; $FLAGS_CMD; echo \"flags exit \$?\"" ;;
+        *) echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|flags ..." >&2; exit 2 ;;
       esac
     done
-    # the bracketed letters keep pgrep from matching this waiter's own command line
+    # the bracketed letters keep pgrep from matching this waiter's own command line (and the queued tests
+    # run as ./tests/cuda for the same reason)
     detach "$(IFS=-; echo "$*")" "while pgrep -f 'benchsuite (install|gguf)|synth_memor[y]|pytes[t] tests/cuda' > /dev/null; do sleep 5; done $steps"
     ;;
   poll)
@@ -117,7 +124,7 @@ case "${1:-}" in
       collect; sleep 20
     done
     ;;
-  *) echo "usage: $0 prepare [builtin]|cuda|headline|overlap|copy|ttft|paged16|flags|queue JOB...|poll SECS" >&2; exit 2 ;;
+  *) echo "usage: $0 prepare [builtin]|cuda|headline|overlap|copy|ttft|paged16|flags|queue [cuda] JOB...|poll SECS" >&2; exit 2 ;;
 esac
 collect
 for f in "$JOBS"/*.log; do [ -f "$f" ] && { echo "== $(basename "$f")"; tail -n 4 "$f"; }; done
