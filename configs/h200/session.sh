@@ -21,8 +21,8 @@
 # .carry/llama-src.tar.gz (`benchsuite install llama-server --pack-source`).
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"
-COPY=/root/bs
-JOBS=/root/jobs
+COPY="${SESSION_COPY:-/root/bs}"  # the copy the jobs run from (tests/test_session_script.py points both elsewhere)
+JOBS="${SESSION_JOBS:-/root/jobs}"
 mkdir -p "$OUT" "$JOBS"
 export PYTHONUNBUFFERED=1 BENCH_H200_MODEL=/tmp/h200/q48 BENCH_H200_FP8_MODEL=/tmp/h200/q48-fp8 \
   BENCH_H200_GGUF=/dev/shm/h200/q48-q8_0.gguf
@@ -35,7 +35,7 @@ FLAGS_CMD="server=\$(grep -ho '/[^ ]*/bin/llama-server' $JOBS/build.log 2>/dev/n
   # -c as headline.yaml's kv_capacity_tokens
 
 site() {  # the carried wheels, once per machine
-  if [ ! -d /tmp/site ]; then
+  if [ ! -d /tmp/site ] && compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   fi
   export PYTHONPATH="$COPY:/tmp/site"
@@ -107,8 +107,9 @@ case "${1:-}" in
       esac
     done
     # the bracketed letters keep pgrep from matching this waiter's own command line (and the queued tests
-    # run as ./tests/cuda for the same reason)
-    detach "$(IFS=-; echo "$*")" "while pgrep -f 'benchsuite (install|gguf)|synth_memor[y]|pytes[t] tests/cuda' > /dev/null; do sleep 5; done $steps"
+    # run as ./tests/cuda for the same reason); the steps run in a subshell, so the guard's exit ends them
+    # and the log still gets its "exit N" line
+    detach "$(IFS=-; echo "$*")" "while pgrep -f 'benchsuite (install|gguf)|synth_memor[y]|pytes[t] tests/cuda' > /dev/null; do sleep 5; done; (true $steps)"
     ;;
   poll)
     site

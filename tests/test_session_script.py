@@ -1,0 +1,80 @@
+"""configs/h200/session.sh's queue, the part of a device session that decides what runs on the GPU and
+when, with a stand-in `python3` on PATH (it records its calls; its "pytest" passes or fails on demand):
+- `queue cuda JOB...` runs the CUDA tests first, then each run in order, never beside the tests;
+- a failed CUDA test stops the queue before any run (no figure on code the GPU found wrong);
+- the queued tests never match the waiter's own pattern (a queue that waited for itself never started)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "configs" / "h200" / "session.sh"
+
+STAND_IN = """#!/bin/bash
+echo "$(date +%s.%N) start $*" >> "$CALLS"
+case "$*" in
+  *pytest*) sleep 1
+    if [ -n "$FAIL_TESTS" ]; then echo "2 failed, 59 passed in 1.0s"; else echo "61 passed in 1.0s"; fi ;;
+  *"benchsuite run"*) sleep 0.5; echo "run done" ;;
+esac
+echo "$(date +%s.%N) end $*" >> "$CALLS"
+"""
+
+
+def _queue(tmp_path: Path, fail: bool) -> tuple[list[str], str]:
+    if shutil.which("pgrep") is None or shutil.which("setsid") is None:
+        pytest.skip("needs pgrep and setsid (procps, util-linux)")
+    bin_dir, copy, jobs = tmp_path / "bin", tmp_path / "copy", tmp_path / "jobs"
+    for d in (bin_dir, copy, jobs):
+        d.mkdir()
+    stand_in = bin_dir / "python3"
+    stand_in.write_text(STAND_IN)
+    stand_in.chmod(stand_in.stat().st_mode | stat.S_IEXEC)
+    calls = tmp_path / "calls.log"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+           "SESSION_COPY": str(copy), "SESSION_JOBS": str(jobs), "CALLS": str(calls),
+           "FAIL_TESTS": "1" if fail else ""}  # fmt: skip
+    done = subprocess.run(["bash", str(SCRIPT), "queue", "cuda", "paged16", "ttft"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert done.returncode == 0 and "started cuda-paged16-ttft" in done.stdout, done.stdout + done.stderr
+    log = jobs / "cuda-paged16-ttft.log"  # the detached queue's; its last line is "exit N" once it ended
+
+    def ended() -> bool:
+        lines = log.read_text().split() if log.exists() else []
+        return len(lines) >= 2 and lines[-2] == "exit"
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not ended():
+        time.sleep(0.2)
+    assert ended(), log.read_text() if log.exists() else "no queue log"
+    text = log.read_text()
+    return calls.read_text().splitlines(), text
+
+
+def test_the_queue_runs_the_cuda_tests_first_then_each_run_alone(tmp_path: Path) -> None:
+    calls, log = _queue(tmp_path, fail=False)
+    what = [" ".join(line.split()[1:]) for line in calls]
+    assert what == [
+        "start -m pytest ./tests/cuda -m cuda -q -p no:cacheprovider -o addopts=",
+        "end -m pytest ./tests/cuda -m cuda -q -p no:cacheprovider -o addopts=",
+        "start -m benchsuite run configs/h200/paged16.yaml --run-id h200-paged16 --no-report",
+        "end -m benchsuite run configs/h200/paged16.yaml --run-id h200-paged16 --no-report",
+        "start -m benchsuite run configs/h200/ttft.yaml --run-id h200-ttft --no-report",
+        "end -m benchsuite run configs/h200/ttft.yaml --run-id h200-ttft --no-report",
+    ], calls  # one after another: nothing starts before the previous call ended
+    assert "cuda exit 0" in log and "paged16 exit 0" in log and "ttft exit 0" in log
+
+
+def test_a_failed_cuda_test_stops_the_queue_before_any_run(tmp_path: Path) -> None:
+    calls, log = _queue(tmp_path, fail=True)
+    assert [line.split()[1] for line in calls] == ["start", "end"] and "pytest" in calls[0]
+    assert "the CUDA tests failed (cuda.log): nothing run" in log
+    assert "benchsuite run" not in "".join(calls)
