@@ -225,7 +225,8 @@ def test_rejects_bad_arguments() -> None:
         LayerResidency(4, 5)
     with pytest.raises(ValueError, match="out of range"):
         LayerResidency(4, 2).plan_step([4])
-    for bad in (np.array([1, -2, 3]), np.array([[0, 1], [2, 7]])):  # numpy steps too, either end
+    # numpy steps too, either end; a huge id is refused before anything sized by it is allocated
+    for bad in (np.array([1, -2, 3]), np.array([[0, 1], [2, 7]]), np.array([1, 10**15])):
         with pytest.raises(ValueError, match="out of range"):
             LayerResidency(4, 2).plan_step(bad)
     with pytest.raises(ValueError, match="prefill residency must be one of"):

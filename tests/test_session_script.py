@@ -1,12 +1,14 @@
 """configs/h200/session.sh's queue, the part of a device session that decides what runs on the GPU and
 when, with a stand-in `python3` on PATH (it records its calls; its "pytest" passes or fails on demand):
 - `queue cuda JOB...` runs the CUDA tests first, then each run in order, never beside the tests;
-- a failed CUDA test stops the queue before any run (no figure on code the GPU found wrong);
+- a failed CUDA test run (here a crash with no summary line) stops the queue before any run (no
+  figure on code the GPU found wrong), and `cuda` anywhere but first is refused;
 - the queued tests never match the waiter's own pattern (a queue that waited for itself never started)."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -22,7 +24,8 @@ STAND_IN = """#!/bin/bash
 echo "$(date +%s.%N) start $*" >> "$CALLS"
 case "$*" in
   *pytest*) sleep 1
-    if [ -n "$FAIL_TESTS" ]; then echo "2 failed, 59 passed in 1.0s"; else echo "61 passed in 1.0s"; fi ;;
+    if [ -n "$FAIL_TESTS" ]; then echo "Fatal Python error: Segmentation fault"; exit 139; fi
+    echo "61 passed in 1.0s" ;;
   *"benchsuite run"*) sleep 0.5; echo "run done" ;;
 esac
 echo "$(date +%s.%N) end $*" >> "$CALLS"
@@ -42,14 +45,16 @@ def _queue(tmp_path: Path, fail: bool) -> tuple[list[str], str]:
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
            "SESSION_COPY": str(copy), "SESSION_JOBS": str(jobs), "CALLS": str(calls),
            "FAIL_TESTS": "1" if fail else ""}  # fmt: skip
+    started = time.monotonic()
     done = subprocess.run(["bash", str(SCRIPT), "queue", "cuda", "paged16", "ttft"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
     assert done.returncode == 0 and "started cuda-paged16-ttft" in done.stdout, done.stdout + done.stderr
+    assert time.monotonic() - started < 1.0  # detached: the call does not wait for its jobs (~2 s here)
     log = jobs / "cuda-paged16-ttft.log"  # the detached queue's; its last line is "exit N" once it ended
 
-    def ended() -> bool:
-        lines = log.read_text().split() if log.exists() else []
-        return len(lines) >= 2 and lines[-2] == "exit"
+    def ended() -> bool:  # the wrapper's own last line, not a step's "<job> exit N"
+        lines = log.read_text().splitlines() if log.exists() else []
+        return bool(lines) and re.fullmatch(r"exit \d+", lines[-1]) is not None
 
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not ended():
@@ -73,8 +78,16 @@ def test_the_queue_runs_the_cuda_tests_first_then_each_run_alone(tmp_path: Path)
     assert "cuda exit 0" in log and "paged16 exit 0" in log and "ttft exit 0" in log
 
 
+def test_cuda_goes_first_in_a_queue(tmp_path: Path) -> None:
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "SESSION_COPY": str(tmp_path), "SESSION_JOBS": str(tmp_path)}
+    done = subprocess.run(["bash", str(SCRIPT), "queue", "paged16", "cuda"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert done.returncode == 2 and "cuda goes first" in done.stderr, done.stdout + done.stderr
+    assert not list(tmp_path.glob("*.log"))  # nothing started
+
+
 def test_a_failed_cuda_test_stops_the_queue_before_any_run(tmp_path: Path) -> None:
     calls, log = _queue(tmp_path, fail=True)
-    assert [line.split()[1] for line in calls] == ["start", "end"] and "pytest" in calls[0]
+    assert len(calls) == 1 and "start" in calls[0] and "pytest" in calls[0]  # it crashed: no "end"
     assert "the CUDA tests failed (cuda.log): nothing run" in log
     assert "benchsuite run" not in "".join(calls)

@@ -43,7 +43,9 @@ site() {  # the carried wheels, once per machine
 
 detach() {  # detach NAME CMD...: run CMD in its own session from the copy, log in $JOBS/NAME.log
   local name=$1; shift
-  (cd "$COPY" && setsid nohup bash -c "$*; echo \"exit \$?\" >> $JOBS/$name.log" >> "$JOBS/$name.log" 2>&1 &)
+  # exec: the job's shell replaces the subshell with its own stdout (the log), so no descriptor of the
+  # caller's stays open in it and the call returns at once even when its output is a pipe
+  (cd "$COPY" && exec setsid nohup bash -c "$*; echo \"exit \$?\" >> $JOBS/$name.log" >> "$JOBS/$name.log" 2>&1 < /dev/null) &
   echo "started $name"
 }
 
@@ -79,7 +81,8 @@ case "${1:-}" in
     ;;
   cuda)
     site
-    (cd "$COPY" && python3 -m pytest tests/cuda -m cuda -q -p no:cacheprovider -o addopts= 2>&1 | tee "$JOBS/cuda.log" | tail -40)
+    (cd "$COPY" && python3 -m pytest tests/cuda -m cuda -q -p no:cacheprovider -o addopts= 2>&1 | tee "$JOBS/cuda.log" \
+      | tail -40; echo "${PIPESTATUS[0]}" > "$JOBS/cuda.rc")  # what a queue's guard reads
     ;;
   headline|overlap|copy|ttft|paged16)
     site
@@ -96,11 +99,15 @@ case "${1:-}" in
     shift
     [ $# -gt 0 ] || { echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|flags ..." >&2; exit 2; }
     # a failed CUDA test (this session's cuda.log) stops the queue: no figure is measured on code the GPU found wrong
-    guard="if grep -qE '[0-9]+ (failed|error)' $JOBS/cuda.log 2>/dev/null; then echo 'queue: the CUDA tests failed (cuda.log): nothing run'; exit 1; fi"
+    # (pytest's exit status, so a crash or a kill stops it too, not only a failed assertion)
+    guard="if [ -f $JOBS/cuda.rc ] && [ \"\$(cat $JOBS/cuda.rc)\" != 0 ]; then echo 'queue: the CUDA tests failed (cuda.log): nothing run'; exit 1; fi"
+    for job in "${@:2}"; do
+      [ "$job" != cuda ] || { echo "queue: cuda goes first (the runs after it are what it guards)" >&2; exit 2; }
+    done
     steps=""
     for job in "$@"; do
       case "$job" in
-        cuda) steps="$steps; python3 -m pytest ./tests/cuda -m cuda -q -p no:cacheprovider -o addopts= > $JOBS/cuda.log 2>&1; echo \"cuda exit \$?\"; tail -n 3 $JOBS/cuda.log" ;;
+        cuda) steps="$steps; python3 -m pytest ./tests/cuda -m cuda -q -p no:cacheprovider -o addopts= > $JOBS/cuda.log 2>&1; echo \$? > $JOBS/cuda.rc; echo \"cuda exit \$(cat $JOBS/cuda.rc)\"; tail -n 3 $JOBS/cuda.log" ;;
         headline|overlap|copy|ttft|paged16) steps="$steps; $guard; python3 -m benchsuite run configs/h200/$job.yaml --run-id h200-$job --no-report; echo \"$job exit \$?\"" ;;
         flags) steps="$steps; $guard; $FLAGS_CMD; echo \"flags exit \$?\"" ;;
         *) echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|flags ..." >&2; exit 2 ;;
@@ -118,7 +125,7 @@ case "${1:-}" in
       running=$(pgrep -f "benchsuite (install|run|gguf)|synth_memory|llamacpp_flags_h200" | wc -l)
       echo "$(date +%T) running=$running"
       for f in "$JOBS"/*.log; do  # the runs' and queues' last lines (not the build's, models' or tests')
-        case "$(basename "$f")" in build*|models*|cuda*) continue ;; esac
+        case "$(basename "$f")" in build*|models*|cuda.log) continue ;; esac
         [ -f "$f" ] && echo "  $(basename "$f" .log): $(tail -n 1 "$f" | cut -c1-160)"
       done
       [ "$running" -eq 0 ] && break

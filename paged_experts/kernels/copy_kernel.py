@@ -66,7 +66,10 @@ if triton is not None:
     # end to end (tensor i's chunks start at c_i; c_0 = 0). Inside a captured decode step a launch costs
     # ~1-2.5 us with its gap and its ramp even when it copies nothing (the 3 scale rows: 384 bytes each),
     # and every paged layer copied in 6 launches (benchmarks/results/h200/2026-12-02-flags-overlap).
-    @triton.jit(do_not_specialize=["n0", "n1", "n2", "n3", "n4", "n5", "c1", "c2", "c3", "c4", "c5"])
+    # The chunk starts may be 1 (a tiny first tensor): kept as i32, never a constexpr, for the if-chain's types.
+    # The row sizes stay specialized: knowing them multiples of 16 is what lets Triton load 16 bytes at a
+    # time (ld.global.v4; without it every byte is its own load).
+    @triton.jit(do_not_specialize=["c1", "c2", "c3", "c4", "c5"])
     def _copy_rows_one_launch(  # pragma: no cover
         experts, slots, num_experts,
         s0, d0, n0, s1, d1, n1, s2, d2, n2, s3, d3, n3, s4, d4, n4, s5, d5, n5,
@@ -190,6 +193,8 @@ def copy_planned(
     num_experts = host.num_rows
     # host.names() read at call time: the fault-injection tests narrow it
     wanted = [n for n in host.names() if names is None or n in names]
+    if not wanted:
+        return
     if graph_safe(slots.gate.device):
         if one_launch and programs is None and len(wanted) <= MAX_ONE_LAUNCH:
             srcs, dsts = [host.get(n) for n in wanted], [slots.get(n) for n in wanted]

@@ -59,6 +59,8 @@ if triton is not None:
         emask = e < E
         kmask = k < K
         ids = tl.load(ids_ptr + p, mask=pmask, other=-1)  # [BP]; -1 matches no expert
+        ids = tl.where((ids >= 0) & (ids < E), ids, -1)  # a bad id routes nothing and stamps no slot
+        pok = pmask & (ids >= 0)
         step = tl.load(step_ptr)
 
         # used / resident / miss per expert, from [pairs x experts]
@@ -106,7 +108,7 @@ if triton is not None:
         tl.store(slot_of_ptr + evicted, -1, mask=valid)
         tl.store(slot_of_ptr + miss_expert, miss_slot, mask=valid)
         tl.store(expert_in_ptr + miss_slot, miss_expert, mask=valid)
-        tl.store(last_use_ptr + pair_slot, step + tl.zeros_like(pair_slot), mask=pmask)
+        tl.store(last_use_ptr + pair_slot, step + tl.zeros_like(pair_slot), mask=pok)
         tl.store(step_ptr, step + 1)
         tl.store(stats_ptr, n_used)
         tl.store(stats_ptr + 1, n_used - n_miss)

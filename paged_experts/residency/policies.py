@@ -246,9 +246,10 @@ class LayerResidency:
         array (the runtime's prefill: 16,384 ids a chunk) is read in numpy; a list as it is."""
         if isinstance(routed, np.ndarray):
             routed = routed.reshape(-1).astype(np.int64, copy=False)
-            low = int(routed.min()) if routed.size else 0
-            # a negative id fails the range check below; bincount (O(n), not a sort) needs none
-            distinct = [low] if low < 0 else np.flatnonzero(np.bincount(routed)).tolist()
+            low, high = (int(routed.min()), int(routed.max())) if routed.size else (0, 0)
+            # an id out of range fails the check below; bincount (O(n), not a sort) only sees valid ones
+            outside = [x for x in (low, high) if not 0 <= x < self.num_experts]
+            distinct = outside or np.flatnonzero(np.bincount(routed)).tolist()
         else:
             routed = routed if isinstance(routed, list) else [int(e) for e in routed]
             distinct = sorted(set(routed))
