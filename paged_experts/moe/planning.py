@@ -106,9 +106,7 @@ class DeviceLru:
         pending, self.pending = self.pending, None
         if pending is not None and pending.done is not None:
             torch.cuda.current_stream(flat.device).wait_event(pending.done)
-        copy_planned(
-            host, slots, plan.miss_experts, plan.miss_slots, programs=self.copy_programs, one_launch=self.one_launch
-        )
+        self._copy_misses(host, slots, plan)
         return plan, pending
 
     def prefetch(
@@ -120,23 +118,20 @@ class DeviceLru:
         plan = self.plan(predicted.reshape(-1).to(torch.long))
         done = None
         if copy_stream is None:
-            copy_planned(
-                host, slots, plan.miss_experts, plan.miss_slots, programs=self.copy_programs, one_launch=self.one_launch
-            )
+            self._copy_misses(host, slots, plan)
         else:
             copy_stream.wait_stream(torch.cuda.current_stream(predicted.device))  # the plan is written
             with torch.cuda.stream(copy_stream):
-                copy_planned(
-                    host,
-                    slots,
-                    plan.miss_experts,
-                    plan.miss_slots,
-                    programs=self.copy_programs,
-                    one_launch=self.one_launch,
-                )
+                self._copy_misses(host, slots, plan)
                 done = torch.cuda.Event()
                 done.record(copy_stream)
         self.pending = PendingPrefetch(plan, done)
+
+    def _copy_misses(self, host: ExpertTensors, slots: ExpertTensors, plan: DevicePlan) -> None:
+        """The plan's misses paged in on the current stream, by this layer's copy settings."""
+        copy_planned(
+            host, slots, plan.miss_experts, plan.miss_slots, programs=self.copy_programs, one_launch=self.one_launch
+        )
 
     def step_stats(self, plan: DevicePlan, pending: PendingPrefetch | None, flat: torch.Tensor) -> torch.Tensor:
         """[3] union, hits, misses of the wave; [5] with (prefetched, prefetch used) when a prefetch

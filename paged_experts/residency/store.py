@@ -12,7 +12,7 @@ Page-in of a wave's misses never synchronizes the host per expert. Strategies:
   pinned store into the slots; the copies queue back-to-back on the stream. They are issued in one
   call (`torch._foreach_copy_`, over row views made once per tensor), and where the engine has a
   device row kernel (CUDA with Triton) an FP8 row's three block-scale rows (384 bytes each) go by one
-  launch per tensor for the whole call instead of one DMA each: a 2,048-token prefill pages in ~86
+  kernel launch for the whole call instead of one DMA each: a 2,048-token prefill pages in ~86
   experts per layer, and issuing their 516 copies one by one from Python (~15 us each) kept the
   host, not the link, the bound (an 8-layer H200 profile: copy engine busy 204 of 628 ms);
 - `staged` (CUDA): gather the rows into a pinned staging buffer on the host, one `non_blocking`
@@ -220,7 +220,7 @@ class PageInEngine:
     def _copy_direct(self, src: ExpertTensors, dst: ExpertTensors, pairs: Sequence[tuple[int, int]]) -> None:
         runs = contiguous_runs(pairs)
         names = src.names()
-        # from 2 rows the kernel replaces at least 6 DMAs by one index upload and 3 launches
+        # from 2 rows the kernel replaces at least 6 DMAs by one index upload and one launch
         small = [n for n in names if n in SCALE_TENSORS] if self.row_kernel is not None and len(pairs) >= 2 else []
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
