@@ -1,9 +1,9 @@
 """configs/h200/session.sh's queue, the part of a device session that decides what runs on the GPU and
 when, with a stand-in `python3` on PATH (it records its calls; its "pytest" passes or fails on demand):
-- `queue cuda JOB...` runs the CUDA tests first, then each run in order, never beside the tests;
+- `queue cuda JOB...` waits for this machine's build by its pid (not for any process that merely names
+  one), then runs the CUDA tests, then each run in order, never beside the tests;
 - a failed CUDA test run (here a crash with no summary line) stops the queue before any run (no
-  figure on code the GPU found wrong), and `cuda` anywhere but first is refused;
-- the queued tests never match the waiter's own pattern (a queue that waited for itself never started)."""
+  figure on code the GPU found wrong), and `cuda` anywhere but first is refused."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import re
 import shutil
 import stat
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -32,9 +33,11 @@ echo "$(date +%s.%N) end $*" >> "$CALLS"
 """
 
 
-def _queue(tmp_path: Path, fail: bool) -> tuple[list[str], str]:
-    if shutil.which("pgrep") is None or shutil.which("setsid") is None:
-        pytest.skip("needs pgrep and setsid (procps, util-linux)")
+def _queue(tmp_path: Path, fail: bool, build_s: float = 0.0) -> tuple[list[str], str]:
+    """Queues `cuda paged16 ttft`; with build_s, a stand-in build job still running that long (its pid in
+    jobs/build.pid, as `detach` writes it)."""
+    if shutil.which("ps") is None or shutil.which("setsid") is None:
+        pytest.skip("needs ps and setsid (procps, util-linux)")
     bin_dir, copy, jobs = tmp_path / "bin", tmp_path / "copy", tmp_path / "jobs"
     for d in (bin_dir, copy, jobs):
         d.mkdir()
@@ -42,6 +45,11 @@ def _queue(tmp_path: Path, fail: bool) -> tuple[list[str], str]:
     stand_in.write_text(STAND_IN)
     stand_in.chmod(stand_in.stat().st_mode | stat.S_IEXEC)
     calls = tmp_path / "calls.log"
+    if build_s:
+        build = subprocess.Popen(["sleep", str(build_s)])  # noqa: S603, S607 - a stand-in job
+        threading.Thread(target=build.wait, daemon=True).start()  # reaped when it ends, as init would
+        (jobs / "build.pid").write_text(f"{build.pid}\n")
+        (tmp_path / "build_end").write_text(str(time.time() + build_s))
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
            "SESSION_COPY": str(copy), "SESSION_JOBS": str(jobs), "CALLS": str(calls),
            "FAIL_TESTS": "1" if fail else ""}  # fmt: skip
@@ -65,11 +73,19 @@ def _queue(tmp_path: Path, fail: bool) -> tuple[list[str], str]:
 
 
 def test_the_queue_runs_the_cuda_tests_first_then_each_run_alone(tmp_path: Path) -> None:
-    calls, log = _queue(tmp_path, fail=False)
+    """... after this machine's build job (by its pid), and not after an unrelated process whose command
+    line merely names `benchsuite install` (the queue once waited on any such process)."""
+    unrelated = subprocess.Popen(["bash", "-c", "sleep 120 # benchsuite install llama-server"])  # noqa: S603, S607
+    try:
+        calls, log = _queue(tmp_path, fail=False, build_s=3.0)
+    finally:
+        unrelated.kill()
+    first_start = float(calls[0].split()[0])
+    assert first_start >= float((tmp_path / "build_end").read_text()) - 0.5, "ran before the build ended"
     what = [" ".join(line.split()[1:]) for line in calls]
     assert what == [
-        "start -m pytest ./tests/cuda -m cuda -q -p no:cacheprovider -o addopts=",
-        "end -m pytest ./tests/cuda -m cuda -q -p no:cacheprovider -o addopts=",
+        "start -m pytest tests/cuda -m cuda -q -p no:cacheprovider -o addopts=",
+        "end -m pytest tests/cuda -m cuda -q -p no:cacheprovider -o addopts=",
         "start -m benchsuite run configs/h200/paged16.yaml --run-id h200-paged16 --no-report",
         "end -m benchsuite run configs/h200/paged16.yaml --run-id h200-paged16 --no-report",
         "start -m benchsuite run configs/h200/ttft.yaml --run-id h200-ttft --no-report",

@@ -46,6 +46,7 @@ detach() {  # detach NAME CMD...: run CMD in its own session from the copy, log 
   # exec: the job's shell replaces the subshell with its own stdout (the log), so no descriptor of the
   # caller's stays open in it and the call returns at once even when its output is a pipe
   (cd "$COPY" && exec setsid nohup bash -c "$*; echo \"exit \$?\" >> $JOBS/$name.log" >> "$JOBS/$name.log" 2>&1 < /dev/null) &
+  echo $! > "$JOBS/$name.pid"  # exec keeps the pid: what a queue waits for (not a name any process may match)
   echo "started $name"
 }
 
@@ -81,7 +82,7 @@ case "${1:-}" in
     ;;
   cuda)
     site
-    (cd "$COPY" && python3 -m pytest tests/cuda -m cuda -q -p no:cacheprovider -o addopts= 2>&1 | tee "$JOBS/cuda.log" \
+    (echo "$BASHPID" > "$JOBS/cuda.pid"; cd "$COPY" && python3 -m pytest tests/cuda -m cuda -q -p no:cacheprovider -o addopts= 2>&1 | tee "$JOBS/cuda.log" \
       | tail -40; echo "${PIPESTATUS[0]}" > "$JOBS/cuda.rc")  # what a queue's guard reads
     ;;
   headline|overlap|copy|ttft|paged16)
@@ -107,16 +108,19 @@ case "${1:-}" in
     steps=""
     for job in "$@"; do
       case "$job" in
-        cuda) steps="$steps; python3 -m pytest ./tests/cuda -m cuda -q -p no:cacheprovider -o addopts= > $JOBS/cuda.log 2>&1; echo \$? > $JOBS/cuda.rc; echo \"cuda exit \$(cat $JOBS/cuda.rc)\"; tail -n 3 $JOBS/cuda.log" ;;
+        cuda) steps="$steps; python3 -m pytest tests/cuda -m cuda -q -p no:cacheprovider -o addopts= > $JOBS/cuda.log 2>&1; echo \$? > $JOBS/cuda.rc; echo \"cuda exit \$(cat $JOBS/cuda.rc)\"; tail -n 3 $JOBS/cuda.log" ;;
         headline|overlap|copy|ttft|paged16) steps="$steps; $guard; python3 -m benchsuite run configs/h200/$job.yaml --run-id h200-$job --no-report; echo \"$job exit \$?\"" ;;
         flags) steps="$steps; $guard; $FLAGS_CMD; echo \"flags exit \$?\"" ;;
         *) echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|flags ..." >&2; exit 2 ;;
       esac
     done
-    # the bracketed letters keep pgrep from matching this waiter's own command line (and the queued tests
-    # run as ./tests/cuda for the same reason); the steps run in a subshell, so the guard's exit ends them
-    # and the log still gets its "exit N" line
-    detach "$(IFS=-; echo "$*")" "while pgrep -f 'benchsuite (install|gguf)|synth_memor[y]|pytes[t] tests/cuda' > /dev/null; do sleep 5; done; (true $steps)"
+    # it waits for this machine's build, models and a separate CUDA test run by their pids (a pattern over
+    # every process's command line also matched unrelated ones, a shell running `benchsuite install` among
+    # them); the steps run in a subshell, so the guard's exit ends them and the log still gets "exit N"
+    # (a zombie, a job ended but not yet reaped, counts as ended)
+    busy="for f in $JOBS/build.pid $JOBS/models.pid $JOBS/cuda.pid; do [ -f \$f ] || continue; \
+      st=\$(ps -o stat= -p \$(cat \$f) 2> /dev/null); [ -n \"\$st\" ] && [ \"\${st#Z}\" = \"\$st\" ] && exit 0; done; exit 1"
+    detach "$(IFS=-; echo "$*")" "while (${busy}); do sleep 5; done; (true $steps)"
     ;;
   poll)
     site
