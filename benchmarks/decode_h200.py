@@ -60,6 +60,7 @@ DEFAULT_MODES = (  # most important first: a --deadline-s cut drops the tail
 
 
 VARIANT_OPTIONS = ("host", "graphs", "compile", "overlap", "loop", "triton", "prefetch", "torchplan", "pertensor")
+VARIANT_OPTIONS += ("fused",)
 """Options after '/' in a --modes entry (joined by '+'):
 - host: paged steps planned on the host (device_planning='off'): the path before device planning;
 - graphs: decode steps captured as CUDA graphs (--graphs batch sizes; for paged K only batch sizes
@@ -72,6 +73,8 @@ VARIANT_OPTIONS = ("host", "graphs", "compile", "overlap", "loop", "triton", "pr
 - loop: the per-expert reference kernel instead of the fused grouped matmuls;
 - torchplan: device-planned paged layers plan with the torch ops instead of the fused plan kernel;
 - pertensor: device-planned page-ins launch the copy kernel once per tensor, not once for all six;
+- fused: with triton, a one-token step's misses are read from the pinned host rows by the expert
+  kernels and written through to their slots (fused_page_in), no copy kernel before the compute;
 - triton: routing and the expert pass of one-wave steps (<= moe_triton.MAX_PAIRS pairs) as
   moe_triton's kernels (one routing kernel; per-pair gate+up+SiLU; down with the top-k combine)."""
 
@@ -113,6 +116,7 @@ def runtime_for(
             dtype="bfloat16",
             device_planning="off" if "host" in options else "on",
             overlap_page_in="overlap" in options,
+            fused_page_in="fused" in options,
             prefetch_next_layer="prefetch" in options,
             kernel_backend=backend,
             copy_programs=None if "host" in options else copy_programs,

@@ -51,6 +51,12 @@ class RuntimeConfig:
     # 16 KiB chunk, which fills every SM; N: N programs loop over the chunks, leaving the other SMs to the
     # kernels an overlapped pass runs beside the copy. Unset until measured on the H200.
     copy_programs: int | None = None
+    # Device-planned paged steps of ONE token on the triton backend: the expert kernels page the misses in
+    # themselves (a missed pair's programs read its row from the pinned host store and write it through
+    # to its slot) while the hits' programs compute, in one launch per projection: no copy kernel before
+    # the compute (moe/paged.py `_fused_page_in`). Larger steps copy, then compute. Off until measured on
+    # the H200 (configs/h200/fused.yaml).
+    fused_page_in: bool = False
     # Graphed decode steps of paged layers: while layer i computes, layer i+1's router is applied to
     # layer i's hidden state and the predicted experts are paged in on a second stream; layer i+1
     # then pages in only what the prediction missed (see graphs.GraphedDecoder). Off by default until
@@ -104,6 +110,14 @@ class RuntimeConfig:
             raise ValueError(
                 "copy_programs needs mode='paged' with device planning (device_planning 'on', or 'auto' on CUDA)"
             )
+        if self.fused_page_in and not self.plans_on_device:
+            raise ValueError(
+                "fused_page_in needs mode='paged' with device planning (device_planning 'on', or 'auto' on CUDA)"
+            )
+        if self.fused_page_in and self.kernel_backend != "triton":
+            raise ValueError("fused_page_in needs kernel_backend='triton' (the expert kernels that read the host rows)")
+        if self.fused_page_in and self.overlap_page_in:
+            raise ValueError("fused_page_in and overlap_page_in are two ways to page a step's misses in: choose one")
         if self.prefetch_next_layer and not self.plans_on_device:
             raise ValueError(
                 "prefetch_next_layer needs mode='paged' with device planning (device_planning 'on', or 'auto' on CUDA)"

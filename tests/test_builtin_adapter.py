@@ -61,6 +61,10 @@ def test_each_fast_path_option_turns_off(tmp_path: Path) -> None:
     argv, resolved = plan_argv(tmp_path, "device: cuda, mode: paged, resident_experts: 16, copy_programs: 16")
     assert flag(argv, "--copy-programs") == "16" and resolved["copy_programs"] == 16
     assert build_parser().parse_args(argv[3:]).copy_programs == 16
+    assert "--fused-page-in" not in argv  # unset: the command as before
+    argv, resolved = plan_argv(tmp_path, "device: cuda, mode: paged, resident_experts: 16, fused_page_in: true")
+    assert "--fused-page-in" in argv and resolved["fused_page_in"] is True
+    assert build_parser().parse_args(argv[3:]).fused_page_in
     argv, _ = plan_argv(tmp_path, base + ", overlap_schedule: false")
     assert "--disable-overlap-schedule" in argv and not build_parser().parse_args(argv[3:]).overlap_schedule
 
@@ -111,6 +115,8 @@ def test_prefill_residency_is_written_for_paged_servers_only(tmp_path: Path) -> 
          "engines.e.options.overlap_groups: overlap_groups must be in [1, 64]"),
         ("device: cuda, mode: resident, copy_programs: 16",
          "engines.e.options.copy_programs: 16 needs mode paged and device cuda"),
+        ("device: cuda, mode: paged, resident_experts: 8, fused_page_in: true, kernel_backend: grouped",
+         "engines.e.options.fused_page_in: true needs kernel_backend triton"),
         ("device: cpu, mode: paged, resident_experts: 8, prefill_residency: newest",
          "engines.e.options.prefill_residency: 'newest' is not one of recent, frequent, lru"),
         ("device: cpu, mode: resident, prefill_residency: recent",

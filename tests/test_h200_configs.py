@@ -177,3 +177,25 @@ def test_the_paged16_matrix_searches_k_at_16_gb_on_both_routings(
     assert [(o["resident_experts"], o["vram_budget_gb"], o.get("routing", "model")) for o in paged] == [
         ("search", 16, "model"), ("search", 16, "qwen3-30b-a3b")
     ]  # fmt: skip
+
+
+def test_the_fused_matrix_measures_the_fused_page_in_on_both_routings(
+    stand_ins: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """configs/h200/fused.yaml: paged FP8 at paged16's K=49 with and without fused_page_in on both routings,
+    resident FP8 on each routing (the compute reference); the commands say which servers read through."""
+    path = CONFIGS / "fused.yaml"
+    assert main(["run", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    plan = build_plan(load_matrix(path))
+    servers = [s for s in plan.servers if s.options.mode == "paged"]
+    paged = sorted((s.options.routing, bool(s.options.fused_page_in)) for s in servers)
+    assert paged == [("model", False), ("model", True), ("qwen3-30b-a3b", False), ("qwen3-30b-a3b", True)]
+    assert {s.options.resident_experts for s in plan.servers if s.options.mode == "paged"} == {49}
+    resident = sorted(s.options.routing for s in plan.servers if s.options.mode == "resident")
+    assert resident == ["model", "qwen3-30b-a3b"]
+    assert out.count("--fused-page-in") == 2 and out.count("--kernel-backend triton") == 6
+    m = load_matrix(path).matrix
+    assert m.linkbw and m.repeats >= 2
+    for workload in m.workloads.values():
+        assert workload.warmup_requests >= max(workload.concurrency)

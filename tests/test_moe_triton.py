@@ -119,6 +119,61 @@ def check_fp8_kernels(device: str = "cpu", dtype: torch.dtype = torch.float32, t
         print("ok", (t, e, k, h, i))
 
 
+# (experts, slots, top_k, hidden, intermediate, FP8) for the read-through page-in: one token whose pairs are
+# all misses, some, or none; partial tiles and scale blocks on both axes.
+READ_CASES = ((16, 8, 4, 160, 48, False), (12, 6, 3, 300, 200, True), (10, 10, 4, 256, 192, True))
+
+
+def check_read_through(device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    """A batch-1 step whose misses the expert kernels read from the host store (`moe_pairs(read=...)`):
+    the same bits as copying the misses into their slots first and computing from the slots, and the
+    missed slots then hold exactly their host rows (the other slots untouched), for every tile variant.
+    Host rows come from pinned host memory on CUDA, from CPU tensors in the interpreter."""
+    from paged_experts import fp8
+    from paged_experts.kernels import moe_tiles, moe_triton
+
+    gen = torch.Generator().manual_seed(2)
+    for e, kslots, k, h, i, is_fp8 in READ_CASES:
+        shapes = {"gate": (e, i, h), "up": (e, i, h), "down": (e, h, i)}
+        if is_fp8:
+            q = {n: fp8.quantize(torch.randn(*sh, generator=gen) / 8) for n, sh in shapes.items()}
+            host = [q[n][0] for n in shapes] + [q[n][1] for n in shapes]
+            tile_sets = [None, *(moe_tiles.parse_fp8_tiles(t) for t in FP8_TILES)]
+        else:
+            host = [(torch.randn(*sh, generator=gen) / 8).to(dtype) for sh in shapes.values()]
+            vec = {**moe_tiles.CONFIGS, "down": replace(moe_tiles.CONFIGS["down"], pair_vector=True)}
+            loop = {**moe_tiles.CONFIGS, "down": replace(moe_tiles.CONFIGS["down"], pair_vector=False)}
+            tile_sets = [vec, loop]
+        if device == "cuda":
+            host = [t.pin_memory() for t in host]
+        x = torch.randn(1, h, generator=gen).to(device, dtype)
+        topw = torch.softmax(torch.randn(1, k, generator=gen), -1).to(device)
+        for misses in (0, 1, k):  # pairs 0..misses-1 miss, the rest hit: none, one, all
+            ids = torch.randperm(e, generator=gen)[:k]  # [k] distinct experts (one token)
+            slot_ids = torch.randperm(kslots, generator=gen)[:k]  # [k] the slot serving each pair
+            src = torch.where(torch.arange(k) < misses, ids, -1)  # [k]
+            # the slots: garbage everywhere, the hits' rows in their slots
+            slots = [torch.randn(kslots, *t.shape[1:], generator=gen).to(t.dtype) for t in host]
+            for t_slot, t_host in zip(slots, host):
+                hit = src < 0
+                t_slot[slot_ids[hit]] = t_host[ids[hit]]
+            copied = [t.clone() for t in slots]  # the misses copied in first: what the copy path computes from
+            for t_copy, t_host in zip(copied, host):
+                t_copy[slot_ids] = t_host[ids]
+            copied = [t.to(device) for t in copied]
+            rows, src_d = slot_ids.to(device), src.to(device)
+            for tiles in tile_sets:
+                dev_slots = [t.to(device) for t in slots]
+                read = moe_triton.ReadThrough(src_d, tuple(host))
+                weights, scales = dev_slots[:3], dev_slots[3:]
+                got = moe_triton.moe_pairs(x, rows, topw, *weights, k, *scales, tiles=tiles, read=read)
+                want = moe_triton.moe_pairs(x, rows, topw, *copied[:3], k, *copied[3:], tiles=tiles)
+                assert torch.equal(got, want), (e, misses, tiles)
+                for t_got, t_want in zip(dev_slots, copied):  # missed slots written, every other slot as it was
+                    assert torch.equal(fp8.raw(t_got).cpu(), fp8.raw(t_want).cpu()), (e, misses, tiles)
+        print("ok", (e, kslots, k, h, i, is_fp8))
+
+
 # (pairs, groups, N, K, pairs covered by the groups) for the grouped FP8 matmul: empty groups, groups
 # over several row blocks, partial N and K tiles, and rows past the last group (the overlapped pass
 # leaves them to the other pass).
@@ -218,6 +273,7 @@ def check_attention(device: str = "cpu", dtype: torch.dtype = torch.float32, tol
         ("check_attention", ATTENTION_CASES),
         ("check_fp8_kernels", FP8_CASES),
         ("check_grouped_fp8", GROUPED_CASES),
+        ("check_read_through", READ_CASES),
     ],
 )
 def test_decode_kernels_match_torch_in_the_interpreter(check: str, cases: tuple) -> None:

@@ -392,3 +392,34 @@ def test_the_skipping_gate_up_compiles_for_the_h200(pointers, num_warps, scaled)
     plain = h200_ptx(moe_triton._gate_up, pointers, {**constants, "SKIP": False}, num_warps)
     skipping = h200_ptx(moe_triton._gate_up, pointers, {**constants, "SKIP": True}, num_warps)
     assert "ld.global" in skipping and skipping != plain
+
+
+READ_POINTERS = {
+    "_gate_up": {**GATE_UP_FP8, "src_rows": "*i64", "h_gate": "*fp8e4nv", "h_up": "*fp8e4nv", "hs_gate": "*fp32",
+                 "hs_up": "*fp32"},
+    "_down_combine_vec": {**DOWN_FP8, "src_rows": "*i64", "h_down": "*fp8e4nv", "hs_down": "*fp32"},
+    "_down_combine": {**DOWN_FP8, "src_rows": "*i64", "h_down": "*fp8e4nv", "hs_down": "*fp32"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kernel", "tiles", "num_warps"),
+    [("_gate_up", dict(BN=8, BK=512), 4), ("_down_combine_vec", dict(KB=8, BN=4, BK=256), 8),
+     ("_down_combine", dict(BN=8, BK=256), 4)],
+)  # fmt: skip
+def test_the_read_through_kernels_compile_for_the_h200(kernel, tiles, num_warps) -> None:
+    """READ (a batch-1 step's misses read from pinned host rows by the expert kernels and written through
+    to their slots: moe/paged.py) compiles for sm_90 at the shipped FP8 tiles: the weight stores are there,
+    16-byte wide as the loads; with READ off the kernel is the plain one (the PTX cases above)."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter compiles nothing")
+    from paged_experts.kernels import moe_triton
+
+    constants = {**SHAPE, **tiles, "SCALED": True}
+    fn = getattr(moe_triton, kernel)
+    plain = h200_ptx(fn, {k: v for k, v in READ_POINTERS[kernel].items() if k in GATE_UP_FP8 or k in DOWN_FP8},
+                     constants, num_warps)  # fmt: skip
+    reading = h200_ptx(fn, READ_POINTERS[kernel], {**constants, "READ": True}, num_warps)
+    assert "st.global" in reading and reading != plain
+    assert "st.global.v4" in reading or "st.global.v2" in reading, "the written-through weights go out scalar"

@@ -218,6 +218,11 @@ def test_router_override_drives_paging(ckpt: Path) -> None:
         ({"dtype": "int8"}, "dtype must be"),
         ({"mode": "paged", "resident_experts": 4, "copy_programs": 8}, "copy_programs needs mode='paged' with device"),
         ({"mode": "paged", "resident_experts": 4, "device_planning": "on", "copy_programs": 0}, r"\[1, 65535\]"),
+        ({"mode": "paged", "resident_experts": 4, "fused_page_in": True}, "fused_page_in needs mode='paged' with"),
+        (
+            {"mode": "paged", "resident_experts": 4, "device_planning": "on", "fused_page_in": True},
+            "fused_page_in needs kernel_backend='triton'",
+        ),
     ],
 )
 def test_runtime_config_validation(kwargs: dict[str, object], message: str) -> None:

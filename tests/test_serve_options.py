@@ -27,6 +27,7 @@ EVERY_OPTION = [f.name for f in fields(ServeOptions)]
         {"served_model_name": "x", "expert_kernel": "loop", "log_level": "debug", "chunked_prefill_size": 64},
         {"mode": "paged", "resident_experts": 8, "device": "cuda", "overlap_page_in": True, "overlap_groups": 3},
         {"mode": "paged", "resident_experts": 8, "device": "cuda", "copy_programs": 16},
+        {"mode": "paged", "resident_experts": 8, "device": "cuda", "kernel_backend": "triton", "fused_page_in": True},
     ],
 )
 def test_the_generated_parser_reads_back_what_argv_writes(changes: dict[str, object]) -> None:
@@ -65,6 +66,12 @@ def test_every_option_has_one_flag_and_help_lists_them_in_declaration_order() ->
          "--copy-programs 8 needs mode paged and device cuda", "8 needs mode paged and device cuda"),
         ({"device": "cuda", "mode": "paged", "copy_programs": 0}, "copy_programs",
          "--copy-programs must be in [1, 65535]", "copy_programs must be in [1, 65535]"),
+        ({"device": "cpu", "mode": "paged", "fused_page_in": True}, "fused_page_in",
+         "--fused-page-in needs mode paged and device cuda", "true needs mode paged and device cuda"),
+        ({"device": "cuda", "mode": "paged", "fused_page_in": True, "kernel_backend": "grouped"}, "fused_page_in",
+         "--fused-page-in needs --kernel-backend triton", "true needs kernel_backend triton"),
+        ({"device": "cuda", "mode": "paged", "fused_page_in": True, "overlap_page_in": True}, "fused_page_in",
+         "--fused-page-in and --overlap-page-in are two ways", "true and overlap_page_in are two ways"),
     ],
 )  # fmt: skip
 def test_a_rule_is_one_rule_worded_for_the_server_and_the_matrix(

@@ -12,10 +12,13 @@
 #   bash configs/h200/session.sh copy       # benchsuite run of configs/h200/copy.yaml (detached; issue 29, ~12 min)
 #   bash configs/h200/session.sh ttft       # benchsuite run of configs/h200/ttft.yaml (detached; issue 29, ~5 min)
 #   bash configs/h200/session.sh paged16    # benchsuite run of configs/h200/paged16.yaml (detached; issue 29, ~14 min)
+#   bash configs/h200/session.sh fused      # benchsuite run of configs/h200/fused.yaml (detached; issue 29, ~6 min)
 #   bash configs/h200/session.sh flags      # benchmarks/llamacpp_flags_h200.py at N=30 (detached; issue 24, ~8 min)
-#   bash configs/h200/session.sh queue JOB...  # JOBs (cuda first, then headline|overlap|copy|ttft|paged16|flags) in
+#   bash configs/h200/session.sh queue JOB...  # JOBs (cuda first, then headline|overlap|copy|ttft|paged16|fused|flags) in
 #                                           # order, once prepare's jobs end; a failed CUDA test stops the runs
 #   bash configs/h200/session.sh poll SECS  # wait up to SECS for the running jobs, printing progress
+# CUDA_TESTS (default tests/cuda): the tests `cuda` runs, e.g. one file when a session has time for only one
+# matrix and the change is confined to what that file checks (say which in the results README).
 #
 # Inputs the caller carries: .whl/ (the Python packages the box lacks, configs/h200/README.md) and
 # .carry/llama-src.tar.gz (`benchsuite install llama-server --pack-source`).
@@ -23,6 +26,7 @@ set -uo pipefail
 OUT="${OUT:-/tmp/out}"
 COPY="${SESSION_COPY:-/root/bs}"  # the copy the jobs run from (tests/test_session_script.py points both elsewhere)
 JOBS="${SESSION_JOBS:-/root/jobs}"
+CUDA_TESTS="${CUDA_TESTS:-tests/cuda}"
 mkdir -p "$OUT" "$JOBS"
 export PYTHONUNBUFFERED=1 BENCH_H200_MODEL=/tmp/h200/q48 BENCH_H200_FP8_MODEL=/tmp/h200/q48-fp8 \
   BENCH_H200_GGUF=/dev/shm/h200/q48-q8_0.gguf
@@ -53,7 +57,7 @@ detach() {  # detach NAME CMD...: run CMD in its own session from the copy, log 
 collect() {  # the jobs' logs and the runs' results into $OUT (at most 8 files come back)
   for f in "$JOBS"/*.log; do [ -f "$f" ] && tail -c 2000000 "$f" > "$OUT/$(basename "$f")"; done
   [ -d "$JOBS/flags" ] && tar -C "$JOBS" -czf "$OUT/h200-flags.tar.gz" flags 2>/dev/null
-  for run in h200-headline h200-overlap h200-copy h200-ttft h200-paged16; do
+  for run in h200-headline h200-overlap h200-copy h200-ttft h200-paged16 h200-fused; do
     if [ -d "$COPY/results/$run" ]; then
       tar -C "$COPY/results" -czf "$OUT/$run.tar.gz" "$run" 2>/dev/null
     fi
@@ -82,10 +86,10 @@ case "${1:-}" in
     ;;
   cuda)
     site
-    (echo "$BASHPID" > "$JOBS/cuda.pid"; cd "$COPY" && python3 -m pytest tests/cuda -m cuda -q -p no:cacheprovider -o addopts= 2>&1 | tee "$JOBS/cuda.log" \
+    (echo "$BASHPID" > "$JOBS/cuda.pid"; cd "$COPY" && python3 -m pytest $CUDA_TESTS -m cuda -q -p no:cacheprovider -o addopts= 2>&1 | tee "$JOBS/cuda.log" \
       | tail -40; echo "${PIPESTATUS[0]}" > "$JOBS/cuda.rc")  # what a queue's guard reads
     ;;
-  headline|overlap|copy|ttft|paged16)
+  headline|overlap|copy|ttft|paged16|fused)
     site
     detach "$1" "python3 -m benchsuite run configs/h200/$1.yaml --run-id h200-$1 --no-report"
     ;;
@@ -98,7 +102,7 @@ case "${1:-}" in
     # no test running yet and start its runs beside the tests (2026-12-02: h200-copy's first 12 cells did)
     site
     shift
-    [ $# -gt 0 ] || { echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|flags ..." >&2; exit 2; }
+    [ $# -gt 0 ] || { echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|fused|flags ..." >&2; exit 2; }
     # a failed CUDA test (this session's cuda.log) stops the queue: no figure is measured on code the GPU found wrong
     # (pytest's exit status, so a crash or a kill stops it too, not only a failed assertion)
     guard="if [ -f $JOBS/cuda.rc ] && [ \"\$(cat $JOBS/cuda.rc)\" != 0 ]; then echo 'queue: the CUDA tests failed (cuda.log): nothing run'; exit 1; fi"
@@ -108,10 +112,10 @@ case "${1:-}" in
     steps=""
     for job in "$@"; do
       case "$job" in
-        cuda) steps="$steps; python3 -m pytest tests/cuda -m cuda -q -p no:cacheprovider -o addopts= > $JOBS/cuda.log 2>&1; echo \$? > $JOBS/cuda.rc; echo \"cuda exit \$(cat $JOBS/cuda.rc)\"; tail -n 3 $JOBS/cuda.log" ;;
-        headline|overlap|copy|ttft|paged16) steps="$steps; $guard; python3 -m benchsuite run configs/h200/$job.yaml --run-id h200-$job --no-report; echo \"$job exit \$?\"" ;;
+        cuda) steps="$steps; python3 -m pytest $CUDA_TESTS -m cuda -q -p no:cacheprovider -o addopts= > $JOBS/cuda.log 2>&1; echo \$? > $JOBS/cuda.rc; echo \"cuda exit \$(cat $JOBS/cuda.rc)\"; tail -n 3 $JOBS/cuda.log" ;;
+        headline|overlap|copy|ttft|paged16|fused) steps="$steps; $guard; python3 -m benchsuite run configs/h200/$job.yaml --run-id h200-$job --no-report; echo \"$job exit \$?\"" ;;
         flags) steps="$steps; $guard; $FLAGS_CMD; echo \"flags exit \$?\"" ;;
-        *) echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|flags ..." >&2; exit 2 ;;
+        *) echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|fused|flags ..." >&2; exit 2 ;;
       esac
     done
     # it waits for this machine's build, models and a separate CUDA test run by their pids (a pattern over
@@ -136,7 +140,7 @@ case "${1:-}" in
       collect; sleep 20
     done
     ;;
-  *) echo "usage: $0 prepare [builtin]|cuda|headline|overlap|copy|ttft|paged16|flags|queue [cuda] JOB...|poll SECS" >&2; exit 2 ;;
+  *) echo "usage: $0 prepare [builtin]|cuda|headline|overlap|copy|ttft|paged16|fused|flags|queue [cuda] JOB...|poll SECS" >&2; exit 2 ;;
 esac
 collect
 for f in "$JOBS"/*.log; do [ -f "$f" ] && { echo "== $(basename "$f")"; tail -n 4 "$f"; }; done

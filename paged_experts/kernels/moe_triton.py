@@ -40,6 +40,8 @@ FP8, `moe_tiles.fp8_tiles` per shape and batch (the table `benchmarks/fp8_tiles_
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 try:
@@ -112,13 +114,24 @@ if triton is not None:
         SCALED: tl.constexpr,
         QB: tl.constexpr,
         SKIP: tl.constexpr = False,
+        src_rows=None,
+        h_gate=None,
+        h_up=None,
+        hs_gate=None,
+        hs_up=None,
+        READ: tl.constexpr = False,
     ):
         """x [T, H], rows [T*k] weight row per pair, w_gate/w_up [G, I, H] -> hid [T*k, I]. SCALED:
         float8_e4m3fn weights with fp32 scales s_gate/s_up [G, I/QB, H/QB], BN dividing QB (the
         tile's rows share one scale row); otherwise s_gate/s_up are None. SKIP: a pair whose row is
         negative is not this launch's (its weights may still be copying): its programs return after
         reading the row, so a step's pairs can be computed over several launches, each pair's values
-        exactly those of one launch over all of them (SKIP off compiles the kernel without the check)."""
+        exactly those of one launch over all of them (SKIP off compiles the kernel without the check).
+        READ: a pair whose src_rows entry e is >= 0 is a miss being paged in by this launch: its weights
+        (and scales) are read from host row e of h_gate/h_up (hs_gate/hs_up), pinned host memory the GPU
+        reads directly, and written through to its slot row r; the arithmetic is the same either way.
+        Each weight element of a pair's row is read by exactly one program, so with no two pairs of a
+        launch on one missed expert (a batch-1 step) exactly the missed rows cross the link, once."""
         p = tl.program_id(0).to(tl.int64)
         n0 = tl.program_id(1) * BN
         n = n0 + tl.arange(0, BN)  # [BN]
@@ -132,18 +145,48 @@ if triton is not None:
         if SCALED:
             sk: tl.constexpr = (H + QB - 1) // QB
             s_row = r * ((INTER + QB - 1) // QB) * sk + (n0 // QB) * sk  # scalar: the tile's scale row
+        if READ:  # where the weights are read: the slot row r, or (a miss) host row e, written through to r
+            g_src = w_gate + w_off
+            u_src = w_up + w_off
+            if SCALED:
+                sg_src = s_gate + s_row
+                su_src = s_up + s_row
+            e = tl.load(src_rows + p).to(tl.int64)
+            if e >= 0:
+                g_src = h_gate + (e * INTER * H + n[:, None].to(tl.int64) * H)
+                u_src = h_up + (e * INTER * H + n[:, None].to(tl.int64) * H)
+                if SCALED:
+                    hs_row = e * ((INTER + QB - 1) // QB) * sk + (n0 // QB) * sk
+                    sg_src = hs_gate + hs_row
+                    su_src = hs_up + hs_row
         acc_g = tl.zeros((BN,), dtype=tl.float32)
         acc_u = tl.zeros((BN,), dtype=tl.float32)
         for k0 in range(0, H, BK):
             k = k0 + tl.arange(0, BK)  # [BK]
             k_ok = k < H
             xv = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
-            if SCALED:  # each column's weight scale, applied to the activation: x[k] * s[k // QB]
-                sg = tl.load(s_gate + s_row + k // QB, mask=k_ok, other=0.0)  # [BK]
-                su = tl.load(s_up + s_row + k // QB, mask=k_ok, other=0.0)  # [BK]
-            ok = n_ok[:, None] & k_ok[None, :]
-            wg = tl.load(w_gate + w_off + k[None, :], mask=ok, other=0.0).to(tl.float32)  # [BN, BK]
-            wu = tl.load(w_up + w_off + k[None, :], mask=ok, other=0.0).to(tl.float32)  # [BN, BK]
+            if READ:
+                if SCALED:
+                    sg = tl.load(sg_src + k // QB, mask=k_ok, other=0.0)  # [BK]
+                    su = tl.load(su_src + k // QB, mask=k_ok, other=0.0)  # [BK]
+                ok = n_ok[:, None] & k_ok[None, :]
+                wg_raw = tl.load(g_src + k[None, :], mask=ok, other=0.0)  # [BN, BK]
+                wu_raw = tl.load(u_src + k[None, :], mask=ok, other=0.0)  # [BN, BK]
+                if e >= 0:  # the miss's tile written through to its slot (no other pair of the launch reads it)
+                    tl.store(w_gate + w_off + k[None, :], wg_raw, mask=ok)
+                    tl.store(w_up + w_off + k[None, :], wu_raw, mask=ok)
+                    if SCALED:
+                        tl.store(s_gate + s_row + k // QB, sg, mask=k_ok)
+                        tl.store(s_up + s_row + k // QB, su, mask=k_ok)
+                wg = wg_raw.to(tl.float32)
+                wu = wu_raw.to(tl.float32)
+            else:  # the plain step: exactly the instructions it always ran (tests/test_moe_triton_switch.py)
+                if SCALED:  # each column's weight scale, applied to the activation: x[k] * s[k // QB]
+                    sg = tl.load(s_gate + s_row + k // QB, mask=k_ok, other=0.0)  # [BK]
+                    su = tl.load(s_up + s_row + k // QB, mask=k_ok, other=0.0)  # [BK]
+                ok = n_ok[:, None] & k_ok[None, :]
+                wg = tl.load(w_gate + w_off + k[None, :], mask=ok, other=0.0).to(tl.float32)  # [BN, BK]
+                wu = tl.load(w_up + w_off + k[None, :], mask=ok, other=0.0).to(tl.float32)  # [BN, BK]
             acc_g += tl.sum(wg * (xv * sg if SCALED else xv)[None, :], axis=1)
             acc_u += tl.sum(wu * (xv * su if SCALED else xv)[None, :], axis=1)
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up, fp32
@@ -164,9 +207,15 @@ if triton is not None:
         BK: tl.constexpr,
         SCALED: tl.constexpr,
         QB: tl.constexpr,
+        src_rows=None,
+        h_down=None,
+        hs_down=None,
+        READ: tl.constexpr = False,
     ):
         """hid [T*k, I], rows [T*k], topw [T*k] fp32, w_down [G, H, I] -> out [T, H] = sum_j w_j * down(h_j),
-        the pairs one after another. SCALED: float8_e4m3fn weights with fp32 scales s_down [G, H/QB, I/QB]."""
+        the pairs one after another. SCALED: float8_e4m3fn weights with fp32 scales s_down [G, H/QB, I/QB].
+        READ: as `_gate_up`'s (a miss's down row read from host row src_rows[p] of h_down/hs_down and
+        written through to its slot row)."""
         t = tl.program_id(0).to(tl.int64)
         n0 = tl.program_id(1) * BN
         n = n0 + tl.arange(0, BN)  # [BN]
@@ -180,16 +229,35 @@ if triton is not None:
             w_off = r * H * INTER + n[:, None].to(tl.int64) * INTER  # [BN, 1]
             if SCALED:
                 s_row = r * ((H + QB - 1) // QB) * si + (n0 // QB) * si  # scalar: the tile's scale row
+            if READ:
+                d_src = w_down + w_off
+                if SCALED:
+                    sd_src = s_down + s_row
+                e = tl.load(src_rows + p).to(tl.int64)
+                if e >= 0:  # a miss: host row e, written through to slot row r
+                    d_src = h_down + (e * H * INTER + n[:, None].to(tl.int64) * INTER)
+                    if SCALED:
+                        sd_src = hs_down + (e * ((H + QB - 1) // QB) * si + (n0 // QB) * si)
             part = tl.zeros((BN,), dtype=tl.float32)
             for k0 in range(0, INTER, BK):
                 k = k0 + tl.arange(0, BK)  # [BK]
                 k_ok = k < INTER
                 hv = tl.load(hid + p * INTER + k, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
                 if SCALED:
-                    sd = tl.load(s_down + s_row + k // QB, mask=k_ok, other=0.0)  # [BK]
+                    if READ:
+                        sd = tl.load(sd_src + k // QB, mask=k_ok, other=0.0)  # [BK]
+                    else:
+                        sd = tl.load(s_down + s_row + k // QB, mask=k_ok, other=0.0)  # [BK]
                 else:  # broadcast here, before the weight load, as the bf16 kernel always did
                     hv = hv[None, :]  # [1, BK]
-                wd = tl.load(w_down + w_off + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
+                if READ:
+                    wd = tl.load(d_src + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
+                    if e >= 0:
+                        tl.store(w_down + w_off + k[None, :], wd, mask=n_ok[:, None] & k_ok[None, :])
+                        if SCALED:
+                            tl.store(s_down + s_row + k // QB, sd, mask=k_ok)
+                else:
+                    wd = tl.load(w_down + w_off + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
                 part += tl.sum(wd.to(tl.float32) * ((hv * sd)[None, :] if SCALED else hv), axis=1)
             acc += wj * part
         tl.store(out + t * H + n, acc.to(out.dtype.element_ty), mask=n_ok)
@@ -210,9 +278,14 @@ if triton is not None:
         BK: tl.constexpr,
         SCALED: tl.constexpr,
         QB: tl.constexpr,
+        src_rows=None,
+        h_down=None,
+        hs_down=None,
+        READ: tl.constexpr = False,
     ):
         """`_down_combine` with a token's k pairs loaded together: each step streams k weight tiles
-        [KB, BN, BK] at once (k times the bytes in flight of the one-pair loop)."""
+        [KB, BN, BK] at once (k times the bytes in flight of the one-pair loop). READ: as `_down_combine`'s,
+        each pair's tiles from its own source (a pointer per pair)."""
         t = tl.program_id(0).to(tl.int64)
         n0 = tl.program_id(1) * BN
         n = n0 + tl.arange(0, BN)  # [BN]
@@ -226,6 +299,14 @@ if triton is not None:
         if SCALED:
             si: tl.constexpr = (INTER + QB - 1) // QB
             s_row = r * ((H + QB - 1) // QB) * si + (n0 // QB) * si  # [KB]: each pair's scale row
+        if READ:  # the misses' pairs read their host rows (written through below), the hits their slots
+            # two loads masked by pair, not one through a pointer chosen per pair: that loses the rows'
+            # contiguity and compiles to byte loads (ld.global.b8)
+            e = tl.load(src_rows + p, mask=j_ok, other=-1).to(tl.int64)  # [KB]
+            miss = e >= 0  # [KB]
+            h_off = e[:, None, None] * H * INTER + n[None, :, None].to(tl.int64) * INTER  # [KB, BN, 1]
+            if SCALED:
+                hs_row = e * ((H + QB - 1) // QB) * si + (n0 // QB) * si  # [KB]
         acc = tl.zeros((KB, BN), dtype=tl.float32)
         for k0 in range(0, INTER, BK):
             k = k0 + tl.arange(0, BK)  # [BK]
@@ -234,9 +315,24 @@ if triton is not None:
             hv = tl.load(hid + p[:, None] * INTER + k[None, :], mask=jk, other=0.0)  # [KB, BK]
             if SCALED:  # bf16 converts hv at its use, FP8 here: each as before
                 hv = hv.to(tl.float32)
-                sd = tl.load(s_down + s_row[:, None] + k[None, :] // QB, mask=jk, other=0.0)  # [KB, BK]
+                if READ:
+                    sd_hit = tl.load(s_down + s_row[:, None] + k[None, :] // QB, mask=jk & ~miss[:, None], other=0.0)
+                    sd_miss = tl.load(hs_down + hs_row[:, None] + k[None, :] // QB, mask=jk & miss[:, None], other=0.0)
+                    sd = tl.where(miss[:, None], sd_miss, sd_hit)  # [KB, BK]
+                else:
+                    sd = tl.load(s_down + s_row[:, None] + k[None, :] // QB, mask=jk, other=0.0)  # [KB, BK]
             ok = j_ok[:, None, None] & n_ok[None, :, None] & k_ok[None, None, :]
-            wd = tl.load(w_down + w_off + k[None, None, :], mask=ok, other=0.0)  # [KB, BN, BK]
+            if READ:
+                m3 = miss[:, None, None]
+                wd_hit = tl.load(w_down + w_off + k[None, None, :], mask=ok & ~m3, other=0.0)  # [KB, BN, BK]
+                wd_miss = tl.load(h_down + h_off + k[None, None, :], mask=ok & m3, other=0.0)  # [KB, BN, BK]
+                wd = tl.where(m3, wd_miss, wd_hit)
+            else:
+                wd = tl.load(w_down + w_off + k[None, None, :], mask=ok, other=0.0)  # [KB, BN, BK]
+            if READ:
+                tl.store(w_down + w_off + k[None, None, :], wd, mask=ok & miss[:, None, None])
+                if SCALED:
+                    tl.store(s_down + s_row[:, None] + k[None, :] // QB, sd, mask=jk & miss[:, None])
             acc += tl.sum(wd.to(tl.float32) * (hv * sd if SCALED else hv.to(tl.float32))[:, None, :], axis=2)
         y = tl.sum(acc * wj[:, None], axis=0)  # [BN]: the k pairs, weighted, summed
         tl.store(out + t * H + n, y.to(out.dtype.element_ty), mask=n_ok)
@@ -274,6 +370,16 @@ def check_tiles(tiles: dict[str, TileConfig]) -> None:
             raise ValueError(f"FP8 {name} tiles: block_n {c.block_n} must divide the {QUANT_BLOCK}-row scale blocks")
 
 
+@dataclass(frozen=True)
+class ReadThrough:
+    """A step's misses paged in by the expert kernels themselves (`moe_pairs(read=...)`): pair p with
+    src_rows[p] = e >= 0 reads host row e of `host` (pinned memory the GPU reads directly; CPU tensors
+    in the interpreter) and writes it through to its slot row; -1: a hit, read from its slot."""
+
+    src_rows: torch.Tensor  # [T*k] int64 on the device
+    host: tuple[torch.Tensor, ...]  # gate, up, down[, gate_scale, up_scale, down_scale]: the host store's rows
+
+
 def moe_pairs(
     x: torch.Tensor,
     pair_rows: torch.Tensor,
@@ -286,11 +392,14 @@ def moe_pairs(
     up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
     tiles: dict[str, TileConfig] | None = None,
+    read: ReadThrough | None = None,
 ) -> torch.Tensor:
     """The expert pass of a decode step: x [T, H], pair_rows [T*k] (row of gate/up [G, I, H],
     down [G, H, I]), topk_weights [T, k] -> [T, H] in x's dtype. FP8 weights come with their block
     scales (gate/up [G, I/128, H/128], down [G, H/128, I/128]). `tiles` (kernel -> TileConfig)
-    defaults to the dtype's table: moe_tiles.CONFIGS, or for FP8 moe_tiles.fp8_tiles at this shape and T."""
+    defaults to the dtype's table: moe_tiles.CONFIGS, or for FP8 moe_tiles.fp8_tiles at this shape and T.
+    `read`: the misses' rows come from the host store and are written through to their slots (no two
+    pairs may share a missed expert: each pair's programs read its row once, alone)."""
     _require()
     t, h = x.shape
     out = x.new_empty(t, h)  # [T, H]
@@ -299,9 +408,20 @@ def moe_pairs(
     tiles = pass_tiles(x, gate, top_k, gate_scale is not None, tiles)
     rows = pair_rows.reshape(-1).contiguous()  # [T*k]
     hid = x.new_empty(t * top_k, gate.shape[1])  # [T*k, I]
-    gate_up_pairs(x, rows, gate, up, gate_scale, up_scale, hid, top_k, tiles)
-    down_pairs(hid, rows, topk_weights, down, down_scale, out, top_k, tiles)
+    gate_up_pairs(x, rows, gate, up, gate_scale, up_scale, hid, top_k, tiles, read=read)
+    down_pairs(hid, rows, topk_weights, down, down_scale, out, top_k, tiles, read=read)
     return out
+
+
+def _read_args(read: ReadThrough | None, names: tuple[int, ...], scaled: bool) -> dict:
+    """The kernels' READ arguments: src_rows and the host tensors at `names` (indices into read.host;
+    the last half of them scales, passed only when SCALED)."""
+    if read is None:
+        return {}
+    if scaled and len(read.host) != 6:
+        raise ValueError("a read-through of FP8 rows needs the host store's three scale tensors")
+    tensors = [read.host[i] if (scaled or i < 3) else None for i in names]
+    return {"src_rows": read.src_rows.reshape(-1).contiguous(), "tensors": tensors}
 
 
 def pass_tiles(
@@ -326,13 +446,19 @@ def gate_up_pairs(
     top_k: int,
     tiles: dict[str, TileConfig],
     skip_negative: bool = False,
+    read: ReadThrough | None = None,
 ) -> None:
     """hid [T*k, I] = silu(x . gate[row]) * (x . up[row]) per pair: x [T, H], rows [T*k] contiguous.
-    skip_negative: pairs whose row is -1 are left unwritten (another launch computes them)."""
+    skip_negative: pairs whose row is -1 are left unwritten (another launch computes them).
+    read: misses read from the host store and written through (`moe_pairs`)."""
     _require()
     t, h = x.shape
     inter = gate.shape[1]
     cg = tiles["gate_up"]
+    extra = _read_args(read, (0, 1, 3, 4), gate_scale is not None)
+    if extra:
+        hg, hu, hsg, hsu = extra["tensors"]
+        extra = dict(src_rows=extra["src_rows"], h_gate=hg, h_up=hu, hs_gate=hsg, hs_up=hsu, READ=True)
     _gate_up[(t * top_k, triton.cdiv(inter, cg.block_n))](
         x.contiguous(),
         rows,
@@ -350,6 +476,7 @@ def gate_up_pairs(
         SCALED=gate_scale is not None,
         QB=QUANT_BLOCK,
         SKIP=skip_negative,
+        **extra,
     )
 
 
@@ -362,8 +489,10 @@ def down_pairs(
     out: torch.Tensor,
     top_k: int,
     tiles: dict[str, TileConfig],
+    read: ReadThrough | None = None,
 ) -> None:
-    """out [T, H] = sum_j w[t, j] * (hid[t*k+j] . down[row]) in j order, fp32: hid [T*k, I], rows [T*k]."""
+    """out [T, H] = sum_j w[t, j] * (hid[t*k+j] . down[row]) in j order, fp32: hid [T*k, I], rows [T*k].
+    read: misses read from the host store and written through (`moe_pairs`)."""
     _require()
     t, h = out.shape
     inter = hid.shape[1]
@@ -371,6 +500,10 @@ def down_pairs(
     topw = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*k]
     grid = (t, triton.cdiv(h, cd.block_n))
     shape = dict(INTER=inter, H=h, SCALED=down_scale is not None, QB=QUANT_BLOCK)
+    extra = _read_args(read, (2, 5), down_scale is not None)
+    if extra:
+        hd, hsd = extra["tensors"]
+        shape.update(src_rows=extra["src_rows"], h_down=hd, hs_down=hsd, READ=True)
     down_tiles = dict(BN=cd.block_n, BK=cd.block_k, num_warps=cd.num_warps, **shape)
     if cd.pair_vector:
         kb = triton.next_power_of_2(top_k)

@@ -87,6 +87,7 @@ def make_layer(
             overlap=runtime.overlap_page_in,
             overlap_groups=runtime.overlap_groups,
             copy_programs=runtime.copy_programs,
+            fused_page_in=runtime.fused_page_in,
         )
     policy = make_policy(runtime.eviction_policy)  # RuntimeConfig refused a non-LRU one with device planning
     waves = HostWaves(LayerResidency(cfg.num_experts, k, policy, prefill_keep=runtime.prefill_residency))

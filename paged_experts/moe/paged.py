@@ -12,6 +12,7 @@ import copy
 
 import torch
 
+from paged_experts.kernels import moe_triton
 from paged_experts.kernels.fused import experts_over_rows, uses_triton
 from paged_experts.moe.layer import BeforeCompute, ExpertsFn, MoeLayer, MoeShared, StepContext, page_in_stream
 from paged_experts.moe.overlap import InlineCopies, StreamCopies, overlapped_pass
@@ -119,12 +120,36 @@ class PagedLayer(MoeLayer):
             triton = uses_triton(flat.shape[0], sh.device, sh.kernel_backend)  # what a plain step would run
             out = overlapped_pass(h, weights, self.host, slots, plan, sh.top_k, lru.overlap_groups, copies, triton)
             return out, plan.stats
+        if lru.fused_page_in and h.shape[0] == 1 and uses_triton(flat.shape[0], sh.device, sh.kernel_backend):
+            return self._fused_page_in(h, flat, weights, before_compute)
         plan, pending = lru.page_in(self.host, slots, flat)
         before_compute()  # after this layer's page-ins are queued: its misses go first on the link
         out = experts_fn(
             h, plan.pair_slot, weights, slots.gate, slots.up, slots.down, sh.top_k, False, *slots.scales,
             backend=sh.kernel_backend,
         )[0]  # fmt: skip
+        return out, lru.step_stats(plan, pending, flat)
+
+    def _fused_page_in(
+        self, h: torch.Tensor, flat: torch.Tensor, weights: torch.Tensor, before_compute: BeforeCompute
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A one-token step whose misses the expert kernels page in themselves (RuntimeConfig.fused_page_in):
+        a missed pair's programs read its row from the pinned host store and write it through to the
+        slot the plan gave it, while the hits' programs of the same launch read their slots. Copy and
+        compute of a miss are one pass, and the hits compute while the misses cross the link, with no
+        copy kernel and no second stream. One token routes to k distinct experts, so each missed row
+        crosses the link once, as a copy would move it; the arithmetic is the plain step's (paged ==
+        resident bit for bit). h [1, H], flat [k] -> (out [1, H], stats)."""
+        lru, slots, sh = self.device_lru, self.device_experts, self.shared
+        assert lru is not None
+        plan, pending = lru.plan_step(flat)
+        before_compute()
+        src_rows = torch.where(plan.pair_missed, flat, -1)  # [k] host row of each missed pair, -1 for a hit
+        host = tuple(t for t in (self.host.gate, self.host.up, self.host.down, *self.host.scales) if t is not None)
+        out = moe_triton.moe_pairs(
+            h, plan.pair_slot, weights, slots.gate, slots.up, slots.down, sh.top_k, *slots.scales,
+            read=moe_triton.ReadThrough(src_rows, host),
+        )  # fmt: skip
         return out, lru.step_stats(plan, pending, flat)
 
     @property

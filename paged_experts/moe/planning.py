@@ -80,9 +80,11 @@ class DeviceLru:
         overlap: bool = False,
         overlap_groups: int = 1,
         copy_programs: int | None = None,
+        fused_page_in: bool = False,
     ) -> None:
         self.residency = residency
         self.overlap = overlap  # RuntimeConfig.overlap_page_in: moe/overlap.py
+        self.fused_page_in = fused_page_in  # RuntimeConfig.fused_page_in: PagedLayer.decode_pass
         self.overlap_groups = overlap_groups  # RuntimeConfig.overlap_groups
         self.copy_programs = copy_programs  # RuntimeConfig.copy_programs: the copy kernel's grid cap
         self.one_launch = True  # every tensor of the rows in one copy launch (a benchmark sets False to compare)
@@ -102,11 +104,19 @@ class DeviceLru:
         """flat [T*k] routed ids -> the wave's LRU plan, whose misses are being paged in (stream-ordered
         before the expert pass), and the prefetch it consumed. The misses copy only after that prefetch
         landed: a mispredicted expert's slot may be the one a miss now takes."""
+        plan, pending = self.plan_step(flat)
+        self._copy_misses(host, slots, plan)
+        return plan, pending
+
+    def plan_step(self, flat: torch.Tensor) -> tuple[DevicePlan, PendingPrefetch | None]:
+        """flat [T*k] routed ids -> the wave's LRU plan and the prefetch it consumed, with no page-in
+        issued: work queued after this sees that prefetch's rows (a mispredicted expert's slot may be
+        the one a miss now takes). `page_in` copies the misses; a fused page-in (RuntimeConfig.fused_page_in)
+        leaves them to the expert kernels."""
         plan = self.plan(flat)
         pending, self.pending = self.pending, None
         if pending is not None and pending.done is not None:
             torch.cuda.current_stream(flat.device).wait_event(pending.done)
-        self._copy_misses(host, slots, plan)
         return plan, pending
 
     def prefetch(

@@ -46,6 +46,7 @@ def runtime_config(serve: ServeOptions, model: MoeModelConfig) -> RuntimeConfig:
         overlap_page_in=serve.overlap_page_in,
         overlap_groups=serve.overlap_groups,
         copy_programs=serve.copy_programs,
+        fused_page_in=serve.fused_page_in,
         prefill_residency=serve.prefill_residency or DEFAULT_PREFILL_KEEP,
         eviction_policy=serve.eviction_policy or DEFAULT_EVICTION_POLICY,
         kernel_backend=serve.kernel_backend,

@@ -131,6 +131,14 @@ class ServeOptions:
         "over its 16 KiB chunks, leaving the other SMs to the kernels beside it (mode paged, --device cuda; "
         "unset: one program per chunk)",
     )
+    fused_page_in: bool = _opt(
+        False,
+        "--fused-page-in",
+        "paged decode steps of one token planned on the GPU: the expert kernels read the misses' rows from "
+        "pinned host memory and write them through to their slots while the hits compute, with no copy "
+        "kernel before the compute (mode paged, --device cuda, --kernel-backend triton; not with "
+        "--overlap-page-in)",
+    )
     prefill_residency: str | None = _opt(  # None: the residency default
         None,
         "--prefill-residency",
@@ -312,6 +320,19 @@ def problems(values: Mapping[str, Any], say: Namer = FLAGS) -> Iterator[Problem]
             "overlap_groups",
             f"{say.value('overlap_groups', groups)} applies with {say.option('overlap_page_in')} only",
         )
+    if get("fused_page_in"):
+        value = say.value("fused_page_in", True)
+        if mode != "paged" or device != "cuda":
+            yield Problem("fused_page_in", f"{value} needs mode paged and device cuda (steps planned on the GPU)")
+        elif get("kernel_backend") not in (None, "triton"):
+            yield Problem(
+                "fused_page_in", f"{value} needs {say.option('kernel_backend')} triton (its kernels read the host rows)"
+            )
+        elif get("overlap_page_in"):
+            yield Problem(
+                "fused_page_in",
+                f"{value} and {say.option('overlap_page_in')} are two ways to page the misses in: choose one",
+            )
     programs = get("copy_programs")
     if programs is not None and not 1 <= programs <= 65535:
         yield Problem("copy_programs", f"{say.option('copy_programs')} must be in [1, 65535]")

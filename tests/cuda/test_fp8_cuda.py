@@ -118,12 +118,14 @@ def test_page_in_kernel_copies_fp8_rows_and_scales() -> None:
         assert not got[1].any() and not got[2].any(), name
 
 
-def _paged_equals_resident(backend: str) -> None:
+def _paged_equals_resident(backend: str, **paged: object) -> None:
     resident = decode(
         MoeCausalLM.from_pretrained(QWEN2, rt(kernel_backend=backend, mode="resident")), PROMPTS[:1], steps=6
     )
     for k in (8, 9, 16, 64, 128):
-        model = MoeCausalLM.from_pretrained(QWEN2, rt(kernel_backend=backend, mode="paged", resident_experts=k))
+        model = MoeCausalLM.from_pretrained(
+            QWEN2, rt(kernel_backend=backend, mode="paged", resident_experts=k, **paged)
+        )
         assert model.moe_layers[0].host.is_fp8 and model.moe_layers[0].host.gate.is_pinned()
         for i, (a, b) in enumerate(zip(decode(model, PROMPTS[:1], steps=6), resident)):
             assert torch.equal(a, b), f"{backend} K={k}: output {i} differs by {(a - b).abs().max().item()}"
@@ -139,16 +141,50 @@ def test_fp8_paged_equals_resident_triton() -> None:
     _paged_equals_resident("triton")
 
 
-def test_graphed_fp8_paged_decode_matches_eager() -> None:
-    paged = rt(kernel_backend="triton", mode="paged", resident_experts=40)
+def test_fp8_paged_equals_resident_triton_fused_page_in() -> None:
+    """RuntimeConfig.fused_page_in: a one-token step's misses read from pinned host rows by the expert kernels
+    and written through to their slots; later steps read those slots as hits, so a wrong write shows too."""
+    _paged_equals_resident("triton", fused_page_in=True)
+
+
+def test_read_through_kernels_bf16_from_pinned_memory() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from test_moe_triton import check_read_through
+
+    check_read_through(device="cuda", dtype=torch.bfloat16)
+
+
+def _graphed_fp8_paged_decode_matches_eager(**paged_kw: object) -> None:
+    paged = rt(kernel_backend="triton", mode="paged", resident_experts=40, **paged_kw)
     eager = decode(MoeCausalLM.from_pretrained(QWEN2, paged), PROMPTS, steps=5)
     model = MoeCausalLM.from_pretrained(QWEN2, paged)
     model.enable_cuda_graphs([1, 2, 3, 4])
     graphed = decode(model, PROMPTS, steps=5)
     assert model.graph_replays == 5
     worst = max(((a - b).abs().max() / b.abs().max().clamp(min=1)).item() for a, b in zip(graphed, eager))
-    print(f"graphed vs eager FP8 paged decode (bf16, triton): worst relative difference {worst:.2e}")
+    print(f"graphed vs eager FP8 paged decode (bf16, triton, {paged_kw}): worst relative difference {worst:.2e}")
     assert worst < 5e-2
+
+
+def test_graphed_fp8_paged_decode_matches_eager() -> None:
+    _graphed_fp8_paged_decode_matches_eager()
+
+
+def test_graphed_fp8_paged_decode_with_fused_page_in_matches_eager_and_plain() -> None:
+    """Batch-1 graphs with the fused page-in: graphed against eager, and against graphed copy-then-compute
+    bit for bit (the same kernels' arithmetic, the same plans)."""
+    _graphed_fp8_paged_decode_matches_eager(fused_page_in=True)
+    runs = []
+    for fused in (False, True):
+        model = MoeCausalLM.from_pretrained(
+            QWEN2, rt(kernel_backend="triton", mode="paged", resident_experts=16, fused_page_in=fused)
+        )
+        model.enable_cuda_graphs([1])
+        runs.append((decode(model, PROMPTS[:1], steps=6), model.counters.snapshot().total))
+        assert model.graph_replays == 6
+    (plain, plain_total), (fused_out, fused_total) = runs
+    assert all(torch.equal(a, b) for a, b in zip(fused_out, plain)), "fused page-in differs from copy-then-compute"
+    assert fused_total.misses == plain_total.misses > 0 and fused_total.bytes_paged_in == plain_total.bytes_paged_in
 
 
 def test_device_planned_fp8_paged_layer_does_not_sync() -> None:
@@ -156,6 +192,24 @@ def test_device_planned_fp8_paged_layer_does_not_sync() -> None:
     layer = model.moe_layers[0]
     x = torch.randn(2, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)  # 16 pairs <= K
     ctx = StepContext(seq_ids=(0, 1), positions=(0, 0))
+    layer.forward(x, ctx, None, [])  # warm-up: Triton compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            layer.forward(torch.randn_like(x), ctx, None, [])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert model.counters.snapshot().total.misses > 0
+
+
+def test_fused_page_in_layer_does_not_sync() -> None:
+    model = MoeCausalLM.from_pretrained(
+        QWEN2, rt(kernel_backend="triton", mode="paged", resident_experts=16, fused_page_in=True)
+    )
+    layer = model.moe_layers[0]
+    x = torch.randn(1, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)  # one token: the fused path
+    ctx = StepContext(seq_ids=(0,), positions=(0,))
     layer.forward(x, ctx, None, [])  # warm-up: Triton compiles
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

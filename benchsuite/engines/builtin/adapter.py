@@ -57,7 +57,8 @@ _MATRIX_NAME = {"enable_torch_compile": "torch_compile", "routing_source": "rout
 _SERVER_NAME = {matrix: server for server, matrix in _MATRIX_NAME.items()}
 # the server options whose rules (options.problems) a matrix can break
 _RULED: tuple[str, ...] = ("cuda_graph_max_bs", "enable_torch_compile", "kernel_backend", "prefetch_next_layer")
-_RULED += ("overlap_page_in", "overlap_groups", "copy_programs", "prefill_residency", "eviction_policy")
+_RULED += ("overlap_page_in", "overlap_groups", "copy_programs", "fused_page_in", "prefill_residency")
+_RULED += ("eviction_policy",)
 _LEADING_FLAGS: tuple[str, ...] = ("model_path", "host", "port", "mode", "device", "max_running_requests")
 _LEADING_FLAGS += ("max_total_tokens", "resident_experts", "offload_layers", "n_cpu_moe", "dtype")
 _TRAILING_FLAGS: tuple[str, ...] = ("record_routing", "prefill_residency", "eviction_policy", "cuda_graph_max_bs")
@@ -108,6 +109,9 @@ class BuiltinOptions(EngineOptions):
     overlap_groups: int | None = Field(None, exclude_if=lambda v: v is None)
     # Paged, CUDA: the page-in copy kernel's grid cap (RuntimeConfig.copy_programs); unset like the two above
     copy_programs: int | None = Field(None, exclude_if=lambda v: v is None)
+    # Paged, CUDA, one-token steps: the expert kernels page the misses in (RuntimeConfig.fused_page_in);
+    # unset like the three above
+    fused_page_in: bool | None = Field(None, exclude_if=lambda v: v is None)
     expert_kernel: Literal["fused", "loop"] = "fused"  # grouped matmuls, or the per-expert reference loop
     overlap_schedule: bool = True  # launch a greedy decode step before the previous one's tokens are read
     cpu_threads: int | None = Field(None, ge=1)  # torch's intra-op threads; None: this machine's cores minus one
@@ -166,6 +170,7 @@ class BuiltinOptions(EngineOptions):
             "overlap_page_in": bool(self.overlap_page_in),
             "overlap_groups": self.overlap_groups or 1,
             "copy_programs": self.copy_programs,
+            "fused_page_in": bool(self.fused_page_in),
             "expert_kernel": self.expert_kernel,
             "overlap_schedule": self.overlap_schedule,
             "cpu_threads": self.cpu_threads or default_cpu_threads(),
@@ -273,6 +278,7 @@ class BuiltinAdapter(EngineAdapter):
             overlap_page_in=perf["overlap_page_in"],
             overlap_groups=perf["overlap_groups"],
             copy_programs=perf["copy_programs"],
+            fused_page_in=perf["fused_page_in"],
             overlap_schedule=perf["overlap_schedule"],
             cpu_threads=perf["cpu_threads"],
             served_model_name=opts.model,  # what the runner's requests name (404 for another name)
@@ -280,8 +286,9 @@ class BuiltinAdapter(EngineAdapter):
         seed = ("routing_seed",) if serve.routing_source is not None else ()  # the seed of a synthetic source
         overlap = ("overlap_page_in", "overlap_groups") if serve.overlap_page_in else ()  # written when on
         capped = ("copy_programs",) if serve.copy_programs is not None else ()  # written when set
+        fused = ("fused_page_in",) if serve.fused_page_in else ()  # written when on
         # every flag explicit, in the order earlier manifests wrote them (the command line is recorded)
-        order = (*_LEADING_FLAGS, "routing_source", *seed, *_TRAILING_FLAGS, *overlap, *capped)
+        order = (*_LEADING_FLAGS, "routing_source", *seed, *_TRAILING_FLAGS, *overlap, *capped, *fused)
         argv = [sys.executable, "-m", "paged_experts.server", *serve.argv(order)]
         # The tiny model on 2 CPU cores starts in seconds; a real checkpoint may take minutes.
         return LaunchPlan(argv=argv, env={"PYTHONUNBUFFERED": "1"}, startup_timeout_s=opts.startup_timeout_s)
