@@ -4,6 +4,7 @@ failed start shown by the log's last line rather than by a header."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 from rich.console import Console
@@ -82,6 +83,15 @@ def test_a_server_that_died_at_start_shows_its_logs_last_line() -> None:
     text = outcome(_result(cell, "failed", reason))
     assert text.endswith("last lines: ... RuntimeError: Found no NVIDIA driver on your system.")
     assert outcome(_result(cell, "failed", "one line")) == "one line"
+
+
+def test_a_cell_of_several_streams_says_its_all_streams_rate_first() -> None:
+    """At c>=2 the line leads with the report's figure (all streams' decode-phase aggregate): h200-paged16's
+    log said 'decode 29.7 tok/s' for a cell whose streams decoded 104.7 tok/s together."""
+    cell = _cell(0)
+    four = dataclasses.replace(_result(cell), concurrency=4, decode_agg_tok_s=104.66, decode_tok_s_p50=29.7)
+    assert outcome(four) == "decode 104.7 tok/s all streams (29.7 one stream's median)"
+    assert outcome(_result(cell)) == "decode 123.5 tok/s"
 
 
 def test_a_search_s_final_cells_are_in_the_total_from_the_start(tmp_path) -> None:

@@ -120,6 +120,10 @@ def outcome(result: CellResult) -> str:
     where the reason carries a log tail, the log's last line (the engine's own error, e.g. a server
     that died at start), not a header that announces lines the terminal would never show."""
     if result.status != "failed":
+        if result.concurrency > 1:  # the report's figure at c>=2: all streams' decode-phase aggregate
+            agg, one = result.decode_agg_tok_s, result.decode_tok_s_p50
+            text = f"decode {'-' if agg is None else format(agg, '.1f')} tok/s all streams"
+            return text + ("" if one is None else f" ({one:.1f} one stream's median)")
         rate = result.decode_tok_s_p50
         return f"decode {'-' if rate is None else format(rate, '.1f')} tok/s"
     lines = [line.strip() for line in (result.reason or "").splitlines() if line.strip()]

@@ -4,8 +4,14 @@ The link and serial bounds section (roofline.py) bounds whole requests (output t
 included). A paging engine's decode targets are decode rates, so this section bounds the decode
 alone, from stored data only:
 
-    decode rate       = decode_tok_s_p50 at c=1 (one stream), decode_agg_tok_s at c>=2 (all streams,
-                        tokens after each stream's first over the time all streams decoded)
+    decode rate       = decode_agg_tok_s: the decode tokens (after each stream's first) over the time any
+                        stream was decoding, at every concurrency: the same tokens and time that
+                        decode_bytes_per_token divides, so link_ms and measured_ms describe one mean token.
+                        One stream's median (decode_tok_s_p50, the verdict's c=1 figure) pairs a median
+                        request with mean bytes: a slow request among fast ones (h200-paged16's
+                        2,048-token c=1 cell: 236 tok/s median, 178 aggregate) then showed copy time
+                        "hidden" that was not. A cell stored without the aggregate falls back to it at
+                        c=1, said in the note; a c=1 cell whose median differs from it by over 10% says so.
     decode_mb_per_tok = decode_bytes_per_token: expert bytes paged in all-decode steps (prefetches
                         included) / the tokens those steps generated (measure/paging.py). A cell stored
                         before that field: (bytes_paged - prefill bytes) / (output tokens - requests),
@@ -49,17 +55,34 @@ INTRO = (
     "<p>Each paged cell's decode (not its prefill) against the link and the compute of this run: link_ms = expert "
     "bytes paged in per decode token (the bytes of the steps without a prompt chunk over their tokens) over the "
     "run's measured link; compute_ms = 1 / the decode rate of the same run's resident cell with the same workload, "
-    "routing, concurrency and prompt class; measured_ms = 1 / the cell's decode rate (one stream's at c=1, all "
-    "streams' decode-phase aggregate at c&ge;2). hidden_ms = link_ms + compute_ms - measured_ms is the copy time "
-    "hidden behind compute; a negative value is time beyond copy-then-compute (planning, launches, waits).</p>"
+    "routing, concurrency and prompt class; measured_ms = 1 / the cell's decode rate: its decode tokens over the "
+    "time any stream was decoding (decode_agg_tok_s, at c=1 too: the same tokens and time the bytes per token are "
+    "counted over, where one stream's median would pair a median request with mean bytes). hidden_ms = link_ms + "
+    "compute_ms - measured_ms is the copy time hidden behind compute; a negative value is time beyond "
+    "copy-then-compute (planning, launches, waits).</p>"
 )
+MEDIAN_APART = 0.10  # a c=1 cell whose one-stream median differs from its aggregate by more says so
 
 
 def decode_rate(cell: pd.Series) -> tuple[float | None, str]:
-    """(the cell's decode rate, which figure it is): one stream's at c=1, all streams' at c>=2."""
-    if int(cell["concurrency"]) <= 1:
+    """(the cell's decode rate, which figure it is): the decode-phase aggregate; at c=1 one stream's median
+    where a cell stored no aggregate."""
+    agg = number(cell.get("decode_agg_tok_s"))
+    if agg is None and int(cell["concurrency"]) <= 1:
         return number(cell.get("decode_tok_s_p50")), "decode_tok_s_p50"
-    return number(cell.get("decode_agg_tok_s")), "decode_agg_tok_s"
+    return agg, "decode_agg_tok_s"
+
+
+def _figure_note(cell: pd.Series, figure: str) -> str:
+    """Why the decode figure of a c=1 cell may not describe its mean token."""
+    if int(cell["concurrency"]) > 1:
+        return ""
+    if figure == "decode_tok_s_p50":
+        return "no decode_agg_tok_s stored: one stream's median stands in (it pairs a median request with mean bytes)"
+    median, agg = number(cell.get("decode_tok_s_p50")), number(cell.get("decode_agg_tok_s"))
+    if median and agg and abs(median - agg) > MEDIAN_APART * agg:
+        return f"one stream's median {median:.1f} tok/s is {median / agg:.2f}x the aggregate: its requests differ"
+    return ""
 
 
 def _references(cells: pd.DataFrame) -> dict[tuple[Any, ...], tuple[float, list[str], str]]:
@@ -146,7 +169,8 @@ def decode_bounds_table(cells: pd.DataFrame, runs: Iterable[RunData]) -> pd.Data
         measured, figure = decode_rate(c) if c["status"] == "ok" else (None, decode_rate(c)[1])
         per_token, bytes_why = _decode_bytes_per_token(c)
         status = f"cell {c['status']}" if c["status"] != "ok" else ""
-        reasons = [why for why in (status, bytes_why, link_why, spread) if why]
+        figure_why = _figure_note(c, figure) if c["status"] == "ok" else ""
+        reasons = [why for why in (status, figure_why, bytes_why, link_why, spread) if why]
         if measured is None and c["status"] == "ok":
             reasons.append(f"no {figure}")
         if compute is None:
