@@ -167,7 +167,7 @@ def test_the_published_reproduction_dry_runs_with_nothing_set(
         "  missing: a CUDA device: no CUDA device",
         "  QWEN3_30B_A3B_FP8: unset; HF checkpoint directory of Qwen/Qwen3-30B-A3B-FP8",
         "  SHAREGPT_PATH: unset; ShareGPT_V3_unfiltered_cleaned_split.json",
-        "size: 56 cells, 1,008 requests (warmups included), 258,048 output tokens; about 8.2 h at the published "
+        "size: 56 cells, 1,064 requests (warmups included), 272,384 output tokens; about 8.6 h at the published "
         "decode rates (tok/s: paged 87.7 (31 at 4 requests), llama.cpp best 45.2 (55 at 4 requests), offload 2.9)",
         "published figures (pr42557, Qwen3-30B-A3B) the report sets beside yours:",
         "  desktop_16gb fp8_block (decode tok/s per stream, c=1): paged K=40 87.7, llama.cpp best 45.2, offload 2.9",

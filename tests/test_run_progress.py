@@ -138,3 +138,10 @@ def test_a_search_s_final_cells_are_in_the_total_from_the_start(tmp_path) -> Non
         assert searched_cells_left(plan, store) == 13
     finally:
         store.close()
+
+
+def test_a_cell_warms_every_stream_at_once() -> None:
+    """warmup_requests is a minimum raised to the cell's concurrency (h200-ttft's resident c=4 stalled 3.4 s on
+    its first four-prompt step after a one-request warm-up); 0 still means no warm-up."""
+    assert [Workload(warmup_requests=1).warmups_at(c) for c in (1, 2, 4)] == [1, 2, 4]
+    assert Workload(warmup_requests=6).warmups_at(4) == 6 and Workload(warmup_requests=0).warmups_at(4) == 0

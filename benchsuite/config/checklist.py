@@ -78,8 +78,8 @@ def estimate(plan: Plan) -> Estimate:
     ]
     by_id = {s.server_id: s for s in plan.servers}
     cells = [(by_id[c.server_id], c.workload_spec, c.concurrency) for c in plan.cells] + per_search
-    requests = sum(w.num_requests + w.warmup_requests for _, w, _ in cells)
-    tokens = sum((w.num_requests + w.warmup_requests) * w.output_tokens for _, w, _ in cells)
+    requests = sum(w.num_requests + w.warmups_at(c) for _, w, c in cells)
+    tokens = sum((w.num_requests + w.warmups_at(c)) * w.output_tokens for _, w, c in cells)
     rates = _published_rates(plan)
     if rates is None:
         return Estimate(len(cells), requests, tokens, None, "no published rates to estimate with (no `reference:`)")
@@ -88,7 +88,7 @@ def estimate(plan: Plan) -> Estimate:
         role = _role(spec)
         single, aggregate = rates[role]
         rate = single if c == 1 or aggregate is None else aggregate
-        seconds += (w.num_requests + w.warmup_requests) * w.output_tokens / rate
+        seconds += (w.num_requests + w.warmups_at(c)) * w.output_tokens / rate
     shown = ", ".join(f"{role} {s:g}" + (f" ({a:g} at 4 requests)" if a else "") for role, (s, a) in rates.items())
     basis = f"at the published decode rates (tok/s: {shown}); prefill, server starts and search launches not included"
     return Estimate(len(cells), requests, tokens, seconds, basis)

@@ -172,9 +172,9 @@ def _size_problems(source: Path, matrix: Matrix, option_sets: Mapping[str, tuple
     servers = sum(len(sets) for sets in option_sets.values())
     cells = requests = 0
     for workload in matrix.workloads.values():
-        n = len(workload.prompt_classes) * len(workload.concurrency) * matrix.repeats * servers
-        cells += n
-        requests += n * (workload.num_requests + workload.warmup_requests)
+        n = len(workload.prompt_classes) * matrix.repeats * servers  # cells per concurrency
+        cells += n * len(workload.concurrency)
+        requests += n * sum(workload.num_requests + workload.warmups_at(c) for c in workload.concurrency)
     if cells > MAX_CELLS:
         problems.append(
             f"{source}: (top level): the matrix makes {cells} cells (engines x workloads x repeats); "
@@ -183,7 +183,7 @@ def _size_problems(source: Path, matrix: Matrix, option_sets: Mapping[str, tuple
     elif requests > MAX_RUN_REQUESTS:
         problems.append(
             f"{source}: (top level): the matrix sends {requests:,} requests "
-            f"(cells x (num_requests + warmup_requests)); at most {MAX_RUN_REQUESTS:,}"
+            f"(cells x (num_requests + warm-ups, at least one per stream)); at most {MAX_RUN_REQUESTS:,}"
         )
     return problems
 

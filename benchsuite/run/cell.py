@@ -75,8 +75,9 @@ async def _measure_sampled(
         async with ctx.session.post(server.base_url + flush_path) as resp:
             if resp.status != 200:
                 raise RunError(f"POST {flush_path} answered HTTP {resp.status}; the prefix cache may be warm")
-    # Warmups run first as their own load so the counters cover the measured requests only.
-    warmups = [requests[i % len(requests)] for i in range(workload.warmup_requests)]
+    # Warmups run first as their own load so the counters cover the measured requests only; at least one per
+    # stream of the cell (Workload.warmups_at), all streams at once.
+    warmups = [requests[i % len(requests)] for i in range(workload.warmups_at(cell.concurrency))]
     cold_first = server.cells_measured == 0
     records: list[RequestRecord] = []
     if warmups:
