@@ -54,8 +54,9 @@ class RuntimeConfig:
     # Device-planned paged steps of ONE token on the triton backend: the expert kernels page the misses in
     # themselves (a missed pair's programs read its row from the pinned host store and write it through
     # to its slot) while the hits' programs compute, in one launch per projection: no copy kernel before
-    # the compute (moe/paged.py `_fused_page_in`). Larger steps copy, then compute. Off until measured on
-    # the H200 (configs/h200/fused.yaml).
+    # the compute (moe/paged.py `_fused_page_in`). Larger steps copy, then compute. Off: slower on the H200
+    # at c=1 on both routings (h200-fused, configs/h200/README.md: its small host reads per program run the
+    # two kernels at the pace of the link's round trips, slower than the copy kernel they replace).
     fused_page_in: bool = False
     # Graphed decode steps of paged layers: while layer i computes, layer i+1's router is applied to
     # layer i's hidden state and the predicted experts are paged in on a second stream; layer i+1
