@@ -136,7 +136,7 @@ case "${1:-}" in
         case "$(basename "$f")" in build*|models*|cuda.log) continue ;; esac
         [ -f "$f" ] && echo "  $(basename "$f" .log): $(tail -n 1 "$f" | cut -c1-160)"
       done
-      [ "$running" -eq 0 ] && { collect; break; }  # the results as they ended, not as of the last poll
+      [ "$running" -eq 0 ] && break
       collect; sleep 20
     done
     ;;
