@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -152,6 +153,11 @@ def test_each_server_starts_once_and_a_rerun_skips_finished_cells(tmp_path: Path
     assert len(manifest["git"]["commit"]) == 40 and manifest["git"]["source"] == "package"
     metrics = json.loads(next((run_dir / "engine_metrics").glob("*.json")).read_text())
     assert metrics["after"]["paged_experts:expert_hits_total"] > metrics["before"]["paged_experts:expert_hits_total"]
+    # every cell flushes the prefix cache before its warm-ups and again after them (they sent measured prompts);
+    # warm-ups: one per stream, one more in a server's first cell (its first request goes alone): c=1 sends
+    # 1 + 1, then 3 measured; c=2 sends 2 (the flush before c=2's warm-ups comes 2 + 3 completions after the first)
+    flushes = [[int(w) for w in re.findall(r"flush after (\d+) completions", log.read_text())] for log in logs]
+    assert flushes == [[0, 2, 5, 7]] * 2
     for payload in stored.values():
         c = payload["cell"]
         measured = [r for r in payload["requests"] if not r["warmup"]]
@@ -365,6 +371,7 @@ def serve(args: argparse.Namespace) -> None:
         return web.Response(text="ok")
 
     async def flush(request: web.Request) -> web.Response:
+        print(f"flush after {counters['completions']} completions", flush=True)  # what the runner's tests read
         return web.Response(text="flushed")
 
     async def metrics(request: web.Request) -> web.Response:

@@ -70,20 +70,20 @@ async def _measure_sampled(
 ) -> tuple[CellResult, list[RequestRecord], dict[str, Any]]:
     adapter, spec, workload = server.adapter, server.spec, cell.workload_spec
     requests = cell_requests(ctx.prompts, adapter, spec, cell)
-    flush_path = adapter.flush_cache_path
-    if flush_path:
-        async with ctx.session.post(server.base_url + flush_path) as resp:
-            if resp.status != 200:
-                raise RunError(f"POST {flush_path} answered HTTP {resp.status}; the prefix cache may be warm")
+    await _flush_prefix_cache(ctx, server)
     # Warmups run first as their own load so the counters cover the measured requests only; at least one per
-    # stream of the cell (Workload.warmups_at), all streams at once.
-    warmups = [requests[i % len(requests)] for i in range(workload.warmups_at(cell.concurrency))]
+    # stream of the cell (Workload.warmups_at), all streams at once: a server's first request goes alone
+    # (cold), so its first cell sends one more, and the c after it still run together.
     cold_first = server.cells_measured == 0
+    count = workload.warmups_at(cell.concurrency)
+    warmups = [requests[i % len(requests)] for i in range(count + (1 if count and cold_first else 0))]
     records: list[RequestRecord] = []
     if warmups:
         warm = await _load(ctx, server, cell, warmups, cold_first=cold_first, closed=True)
         records = [dataclasses.replace(r, warmup=True) for r in warm]
         cold_first = False
+        # the warm-ups sent measured prompts (the first c of them): with a prefix cache, those would be hits
+        await _flush_prefix_cache(ctx, server)
     before = await adapter.scrape(ctx.session, server.base_url)
     own_pids = [server.process.pid] if server.process.pid is not None else []
     noise_before = noise_snapshot(own_pids)
@@ -100,6 +100,15 @@ async def _measure_sampled(
     if not server.process.alive:
         result = failed_result(ctx, cell, spec, death_reason(server), base=result)
     return result, records, {"before": before, "after": after}
+
+
+async def _flush_prefix_cache(ctx: RunContext, server: RunningServer) -> None:
+    """Empties the engine's prefix cache where it has a flush endpoint (each cell starts cold)."""
+    flush_path = server.adapter.flush_cache_path
+    if flush_path:
+        async with ctx.session.post(server.base_url + flush_path) as resp:
+            if resp.status != 200:
+                raise RunError(f"POST {flush_path} answered HTTP {resp.status}; the prefix cache may be warm")
 
 
 async def _load(
