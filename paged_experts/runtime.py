@@ -115,6 +115,8 @@ class RuntimeConfig:
             raise ValueError(
                 "fused_page_in needs mode='paged' with device planning (device_planning 'on', or 'auto' on CUDA)"
             )
+        if self.fused_page_in and self.device != "cuda":
+            raise ValueError("fused_page_in needs device='cuda' (its kernels read pinned host memory from the GPU)")
         if self.fused_page_in and self.kernel_backend != "triton":
             raise ValueError("fused_page_in needs kernel_backend='triton' (the expert kernels that read the host rows)")
         if self.fused_page_in and self.overlap_page_in:

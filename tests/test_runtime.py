@@ -221,6 +221,10 @@ def test_router_override_drives_paging(ckpt: Path) -> None:
         ({"mode": "paged", "resident_experts": 4, "fused_page_in": True}, "fused_page_in needs mode='paged' with"),
         (
             {"mode": "paged", "resident_experts": 4, "device_planning": "on", "fused_page_in": True},
+            "fused_page_in needs device='cuda'",
+        ),
+        (
+            {"mode": "paged", "resident_experts": 4, "device": "cuda", "fused_page_in": True},
             "fused_page_in needs kernel_backend='triton'",
         ),
     ],

@@ -130,8 +130,11 @@ if triton is not None:
         READ: a pair whose src_rows entry e is >= 0 is a miss being paged in by this launch: its weights
         (and scales) are read from host row e of h_gate/h_up (hs_gate/hs_up), pinned host memory the GPU
         reads directly, and written through to its slot row r; the arithmetic is the same either way.
-        Each weight element of a pair's row is read by exactly one program, so with no two pairs of a
-        launch on one missed expert (a batch-1 step) exactly the missed rows cross the link, once."""
+        Each pair on a missed expert must be marked missed (a plan's pair_missed does that): its programs
+        read the row from the host, and every weight element of a pair's row is read by exactly one of
+        its programs, so in a batch-1 step (k distinct experts) each missed row crosses the link once;
+        pairs of several tokens sharing a missed expert would each read it (the same values written
+        twice, the link crossed twice)."""
         p = tl.program_id(0).to(tl.int64)
         n0 = tl.program_id(1) * BN
         n = n0 + tl.arange(0, BN)  # [BN]
@@ -327,12 +330,11 @@ if triton is not None:
                 wd_hit = tl.load(w_down + w_off + k[None, None, :], mask=ok & ~m3, other=0.0)  # [KB, BN, BK]
                 wd_miss = tl.load(h_down + h_off + k[None, None, :], mask=ok & m3, other=0.0)  # [KB, BN, BK]
                 wd = tl.where(m3, wd_miss, wd_hit)
-            else:
-                wd = tl.load(w_down + w_off + k[None, None, :], mask=ok, other=0.0)  # [KB, BN, BK]
-            if READ:
-                tl.store(w_down + w_off + k[None, None, :], wd, mask=ok & miss[:, None, None])
+                tl.store(w_down + w_off + k[None, None, :], wd, mask=ok & m3)  # the misses' tiles written through
                 if SCALED:
                     tl.store(s_down + s_row[:, None] + k[None, :] // QB, sd, mask=jk & miss[:, None])
+            else:
+                wd = tl.load(w_down + w_off + k[None, None, :], mask=ok, other=0.0)  # [KB, BN, BK]
             acc += tl.sum(wd.to(tl.float32) * (hv * sd if SCALED else hv.to(tl.float32))[:, None, :], axis=2)
         y = tl.sum(acc * wj[:, None], axis=0)  # [BN]: the k pairs, weighted, summed
         tl.store(out + t * H + n, y.to(out.dtype.element_ty), mask=n_ok)
@@ -398,8 +400,8 @@ def moe_pairs(
     down [G, H, I]), topk_weights [T, k] -> [T, H] in x's dtype. FP8 weights come with their block
     scales (gate/up [G, I/128, H/128], down [G, H/128, I/128]). `tiles` (kernel -> TileConfig)
     defaults to the dtype's table: moe_tiles.CONFIGS, or for FP8 moe_tiles.fp8_tiles at this shape and T.
-    `read`: the misses' rows come from the host store and are written through to their slots (no two
-    pairs may share a missed expert: each pair's programs read its row once, alone)."""
+    `read`: the misses' rows come from the host store and are written through to their slots (every pair
+    on a missed expert marked; pairs sharing one each read it over the link: for batch-1 steps)."""
     _require()
     t, h = x.shape
     out = x.new_empty(t, h)  # [T, H]

@@ -16,6 +16,8 @@ Plain functions, so the module also runs as a script: `python tests/cuda/test_fp
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -126,6 +128,12 @@ def _paged_equals_resident(backend: str, **paged: object) -> None:
         model = MoeCausalLM.from_pretrained(
             QWEN2, rt(kernel_backend=backend, mode="paged", resident_experts=k, **paged)
         )
+        if paged.get("fused_page_in"):  # the decode steps went the fused way (equal outputs alone cannot say)
+            with fused_calls() as calls:
+                assert decode(model, PROMPTS[:1], steps=1) and calls[0] == len(model.moe_layers)  # one decode step
+            model = MoeCausalLM.from_pretrained(
+                QWEN2, rt(kernel_backend=backend, mode="paged", resident_experts=k, **paged)
+            )
         assert model.moe_layers[0].host.is_fp8 and model.moe_layers[0].host.gate.is_pinned()
         for i, (a, b) in enumerate(zip(decode(model, PROMPTS[:1], steps=6), resident)):
             assert torch.equal(a, b), f"{backend} K={k}: output {i} differs by {(a - b).abs().max().item()}"
@@ -139,6 +147,24 @@ def test_fp8_paged_equals_resident_grouped() -> None:
 
 def test_fp8_paged_equals_resident_triton() -> None:
     _paged_equals_resident("triton")
+
+
+@contextmanager
+def fused_calls() -> Iterator[list[int]]:
+    """Counts `PagedLayer._fused_page_in` calls while open: [count]."""
+    from paged_experts.moe.paged import PagedLayer
+
+    calls, plain = [0], PagedLayer._fused_page_in
+
+    def counted(self: PagedLayer, *args: object) -> object:
+        calls[0] += 1
+        return plain(self, *args)
+
+    PagedLayer._fused_page_in = counted  # type: ignore[method-assign, assignment]
+    try:
+        yield calls
+    finally:
+        PagedLayer._fused_page_in = plain  # type: ignore[method-assign]
 
 
 def test_fp8_paged_equals_resident_triton_fused_page_in() -> None:
@@ -179,7 +205,9 @@ def test_graphed_fp8_paged_decode_with_fused_page_in_matches_eager_and_plain() -
         model = MoeCausalLM.from_pretrained(
             QWEN2, rt(kernel_backend="triton", mode="paged", resident_experts=16, fused_page_in=fused)
         )
-        model.enable_cuda_graphs([1])
+        with fused_calls() as calls:
+            model.enable_cuda_graphs([1])  # the capture runs the step's Python once: the fused pass or not
+        assert (calls[0] > 0) == fused, calls
         runs.append((decode(model, PROMPTS[:1], steps=6), model.counters.snapshot().total))
         assert model.graph_replays == 6
     (plain, plain_total), (fused_out, fused_total) = runs
@@ -188,28 +216,18 @@ def test_graphed_fp8_paged_decode_with_fused_page_in_matches_eager_and_plain() -
 
 
 def test_device_planned_fp8_paged_layer_does_not_sync() -> None:
-    model = MoeCausalLM.from_pretrained(QWEN2, rt(kernel_backend="triton", mode="paged", resident_experts=16))
-    layer = model.moe_layers[0]
-    x = torch.randn(2, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)  # 16 pairs <= K
-    ctx = StepContext(seq_ids=(0, 1), positions=(0, 0))
-    layer.forward(x, ctx, None, [])  # warm-up: Triton compiles
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(3):
-            layer.forward(torch.randn_like(x), ctx, None, [])
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert model.counters.snapshot().total.misses > 0
+    _does_not_sync(tokens=2)  # 16 pairs <= K: copy, then compute
 
 
 def test_fused_page_in_layer_does_not_sync() -> None:
-    model = MoeCausalLM.from_pretrained(
-        QWEN2, rt(kernel_backend="triton", mode="paged", resident_experts=16, fused_page_in=True)
-    )
+    _does_not_sync(tokens=1, fused_page_in=True)  # one token: the fused path
+
+
+def _does_not_sync(tokens: int, **paged: object) -> None:
+    model = MoeCausalLM.from_pretrained(QWEN2, rt(kernel_backend="triton", mode="paged", resident_experts=16, **paged))
     layer = model.moe_layers[0]
-    x = torch.randn(1, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)  # one token: the fused path
-    ctx = StepContext(seq_ids=(0,), positions=(0,))
+    x = torch.randn(tokens, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    ctx = StepContext(seq_ids=tuple(range(tokens)), positions=(0,) * tokens)
     layer.forward(x, ctx, None, [])  # warm-up: Triton compiles
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
