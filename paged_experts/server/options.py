@@ -324,6 +324,8 @@ def problems(values: Mapping[str, Any], say: Namer = FLAGS) -> Iterator[Problem]
         value = say.value("fused_page_in", True)
         if mode != "paged" or device != "cuda":
             yield Problem("fused_page_in", f"{value} needs mode paged and device cuda (steps planned on the GPU)")
+        # unset (None) passes: a matrix leaves kernel_backend to the adapter, which resolves it to triton on
+        # CUDA; the server always has a value (its default, grouped, is refused here)
         elif get("kernel_backend") not in (None, "triton"):
             yield Problem(
                 "fused_page_in", f"{value} needs {say.option('kernel_backend')} triton (its kernels read the host rows)"
