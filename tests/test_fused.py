@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -174,3 +175,34 @@ def test_expert_backend_choice_is_checked() -> None:
         with pytest.raises(ValueError, match="needs Triton"):
             RuntimeConfig(kernel_backend="triton")
     assert RuntimeConfig().kernel_backend == "grouped"  # a model's configuration, no process-wide switch
+
+
+@pytest.mark.parametrize("path", [PATH, "synth:tiny-fp8?layers=2&seed=1"])
+@pytest.mark.parametrize("k", [4, 9])
+def test_laid_out_waves_equal_wave_by_wave(path: str, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host-planned step lays out all its waves at once (`_FusedPass.plan_waves`: one sort and one copy
+    to the device per layer-step); the outputs and counters are those of laying out each wave as it comes,
+    bit for bit, for dense and FP8 rows (dequantized per wave on the CPU), in multi-wave steps."""
+    from paged_experts.moe import waves
+
+    runtime = RuntimeConfig(mode="paged", resident_experts=k)
+    laid_waves = []
+    plain_wave = waves._FusedPass._laid_wave
+
+    def counted(self: waves._FusedPass, *args: object) -> None:
+        laid_waves.append(args)
+        plain_wave(self, *args)
+
+    monkeypatch.setattr(waves._FusedPass, "_laid_wave", counted)
+    laid_model = MoeCausalLM.from_pretrained(path, runtime)
+    laid = scenario(laid_model)
+    assert laid_waves and laid_model.counters.snapshot().total.waves > laid_model.counters.snapshot().total.steps
+    monkeypatch.setattr(waves._FusedPass, "plan_waves", lambda self, plan, rows: None)  # each wave as it comes
+    plain_model = MoeCausalLM.from_pretrained(path, runtime)
+    plain = scenario(plain_model)
+    assert all(torch.equal(a, b) for a, b in zip(laid, plain))
+    laid_counts, plain_counts = (
+        {k: v for k, v in dataclasses.asdict(m.counters.snapshot().total).items() if not k.endswith("_s")}
+        for m in (laid_model, plain_model)
+    )  # the same counts (times are the wall clock's)
+    assert laid_counts == plain_counts and laid_counts["misses"] > 0

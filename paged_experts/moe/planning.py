@@ -55,6 +55,7 @@ class HostWaves:
         the page-in stream while earlier waves compute; inline on the CPU) and counted there."""
         plan = self.residency.plan_step(ids_cpu.reshape(-1).numpy())  # [T*k], read in numpy
         run = kernel.begin(x, ids_cpu, self.residency.num_experts, slots.gate.device)
+        run.plan_waves(plan.waves, slots.num_rows)  # the pass lays out all waves at once (one host-to-device copy)
         for wave in plan.waves:
             copies.page_in(wave, lambda pairs: page_in.copy_rows(host, slots, pairs))
             run.wave(slots, wave.experts, wave.slots)

@@ -14,17 +14,24 @@ sums the pairs over k. Which wave served an expert never changes its bits (exper
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import torch
 
 from paged_experts.experts import build_dispatch, combine, run_experts
-from paged_experts.kernels.fused import combine_pairs, fp8_grouped_tiles, run_pairs
+from paged_experts.kernels.fused import combine_pairs, expert_mlp, fp8_grouped_tiles, run_pairs
+from paged_experts.residency.policies import Wave
 from paged_experts.residency.store import ExpertTensors
 
 
 class WavePass(Protocol):
+    def plan_waves(self, waves: Sequence[Wave], num_rows: int) -> None:
+        """Optional: the step's whole wave plan (every routed expert in one wave, at a row < num_rows of the
+        table every wave reads) before its first `wave`, so the pass can lay out all waves at once."""
+        ...
+
     def wave(self, table: ExpertTensors, experts: Sequence[int], rows: Sequence[int]) -> None:
         """Computes the pairs routed to `experts[i]` from `table` row `rows[i]`."""
         ...
@@ -58,8 +65,44 @@ class _FusedPass:
         self.by_expert = np.argsort(small, kind="stable")  # [T*k]
         self.count = torch.zeros(num_experts, dtype=torch.long).scatter_add_(0, flat, torch.ones_like(flat))  # [E]
         self.first = torch.cumsum(self.count, 0) - self.count  # [E] start of each expert's pairs in by_expert
+        self.flat = flat
+        self.laid: _LaidOut | None = None  # set by plan_waves: every wave's pairs laid out at once
+
+    def plan_waves(self, waves: Sequence[Wave], num_rows: int) -> None:
+        """Lays out every wave's pairs once for the step, so a wave costs the host a slice and its kernel
+        launches, not ~20 small torch ops and a host-to-device copy (the host bounds a paged prefill: ~7.6
+        waves a layer at K=49 on a 2,048-token chunk). Pairs are sorted by (wave, row): a wave's pairs are one
+        contiguous run of the step's sorted activations, grouped by the row that serves them, each row's
+        pairs in increasing pair order (as `wave` sorts them: the same groups, so the same bits)."""
+        if self.flat.numel() == 0:
+            return  # no pair, no wave: nothing to lay out
+        num_experts = self.count.shape[0]
+        stride = num_rows + 1
+        key = np.full(num_experts, len(waves) * stride, dtype=np.int64)  # [E] (wave, row) of each routed expert
+        for w, wave in enumerate(waves):
+            for expert, row in zip(wave.experts, wave.slots):
+                if not (0 <= row < num_rows and key[expert] == len(waves) * stride):
+                    raise AssertionError(f"wave {w}: expert {expert} in row {row} (rows {num_rows}) or served twice")
+                key[expert] = w * stride + row
+        pair_key = key[self.flat.numpy()]  # [T*k]
+        if int(pair_key.max(initial=0)) >= len(waves) * stride:
+            raise AssertionError("a routed expert is in no wave")
+        order = np.argsort(pair_key, kind="stable")  # [T*k]
+        counts = np.bincount(pair_key, minlength=len(waves) * stride).reshape(len(waves), stride)[:, :num_rows]
+        offs = np.cumsum(counts, axis=1)  # [W, rows]: each wave's cumulative pairs per row, from its own start
+        ends = np.cumsum(offs[:, -1]) if num_rows else np.zeros(len(waves), dtype=np.int64)  # [W]
+        packed = _to_device(torch.from_numpy(np.concatenate([order, offs.reshape(-1)])), self.device)
+        order_dev = packed[: order.size]  # [T*k]
+        self.laid = _LaidOut(
+            waves=tuple(waves), next=0, order=order_dev,
+            offs=packed[order.size :].view(len(waves), num_rows).to(torch.int32),
+            starts=[0, *ends.tolist()], tokens=torch.div(order_dev, self.top_k, rounding_mode="floor"),
+        )  # fmt: skip
 
     def wave(self, table: ExpertTensors, experts: Sequence[int], rows: Sequence[int]) -> None:
+        if self.laid is not None:
+            self._laid_wave(table, experts, rows)
+            return
         rows_t = torch.tensor(rows, dtype=torch.long)  # [n]
         # FP8 without the grouped FP8 kernel: dequantize only this wave's experts, a compact table
         # (row i = rows[i]); with it, the kernel reads the table's FP8 rows as a resident step does
@@ -75,8 +118,46 @@ class _FusedPass:
         order_dev, offs_dev = packed[: order.numel()], packed[order.numel() :].to(torch.int32)
         run_pairs(self.x, table, order_dev, offs_dev, self.top_k, self.y_pairs)
 
+    def _laid_wave(self, table: ExpertTensors, experts: Sequence[int], rows: Sequence[int]) -> None:
+        """Wave i of the laid-out plan: its pairs' run of the sorted activations, its rows' offsets."""
+        laid = self.laid
+        assert laid is not None
+        i = laid.next
+        if i >= len(laid.waves) or tuple(experts) != laid.waves[i].experts or tuple(rows) != laid.waves[i].slots:
+            raise AssertionError(f"wave {i} is not the one plan_waves laid out")
+        laid.next += 1
+        start, end = laid.starts[i], laid.starts[i + 1]
+        if end == start:
+            return
+        offs = laid.offs[i]  # [rows] int32
+        if table.is_fp8 and fp8_grouped_tiles(table) is None:
+            # no grouped FP8 kernel: this wave's rows dequantized into a compact table in row order, whose
+            # cumulative counts are the full table's at those rows (the other rows hold none of its pairs)
+            ordered = torch.tensor(sorted(rows), dtype=torch.long)  # [n]
+            table = table.dense(self.x.dtype, _to_device(ordered, table.gate.device))
+            offs = offs[_to_device(ordered, offs.device)]  # [n]
+        # gathered per wave (a [P, H] copy of the chunk's activations up front would add 64 MB to a 2,048-token
+        # prefill's peak, which sets K at a memory budget)
+        y = expert_mlp(self.x[laid.tokens[start:end]], table, offs)  # [P_w, H]
+        self.y_pairs.index_copy_(0, laid.order[start:end], y)
+
     def finish(self, weights: torch.Tensor) -> torch.Tensor:
+        laid = self.laid
+        if laid is not None and laid.next != len(laid.waves):
+            raise AssertionError(f"{laid.next} of {len(laid.waves)} laid-out waves computed")
         return combine_pairs(self.y_pairs, weights)
+
+
+@dataclass
+class _LaidOut:
+    """Every wave of a step laid out at once (`_FusedPass.plan_waves`); P = routed pairs, W = waves."""
+
+    waves: tuple[Wave, ...]
+    next: int  # the wave `wave` computes next
+    order: torch.Tensor  # [P] pair index at each sorted position
+    offs: torch.Tensor  # [W, rows] int32: each wave's cumulative pairs per table row, counted from its start
+    starts: list[int]  # [W + 1] each wave's first sorted position, then P
+    tokens: torch.Tensor  # [P] token of the pair at each sorted position
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -92,6 +173,9 @@ class _LoopPass:
         self.dispatch = build_dispatch(ids_cpu.to(torch.long), num_experts, device)
         self.x_sorted = x.to(device)[self.dispatch.tokens]  # [T*k, H]
         self.y_sorted = torch.empty_like(self.x_sorted)  # [T*k, H]
+
+    def plan_waves(self, waves: Sequence[Wave], num_rows: int) -> None:
+        return None  # each wave indexes the dispatch as it comes
 
     def wave(self, table: ExpertTensors, experts: Sequence[int], rows: Sequence[int]) -> None:
         run_experts(self.x_sorted, table, self.dispatch, experts, rows, self.y_sorted)
