@@ -33,7 +33,9 @@ echo "$(date +%s.%N) end $*" >> "$CALLS"
 """
 
 
-def _queue(tmp_path: Path, fail: bool, build_s: float = 0.0) -> tuple[list[str], str]:
+def _queue(
+    tmp_path: Path, fail: bool, build_s: float = 0.0, more_env: dict[str, str] | None = None
+) -> tuple[list[str], str]:
     """Queues `cuda paged16 ttft`; with build_s, a stand-in build job still running that long (its pid in
     jobs/build.pid, as `detach` writes it)."""
     if shutil.which("ps") is None or shutil.which("setsid") is None:
@@ -52,7 +54,7 @@ def _queue(tmp_path: Path, fail: bool, build_s: float = 0.0) -> tuple[list[str],
         (tmp_path / "build_end").write_text(str(time.time() + build_s))
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
            "SESSION_COPY": str(copy), "SESSION_JOBS": str(jobs), "CALLS": str(calls),
-           "FAIL_TESTS": "1" if fail else ""}  # fmt: skip
+           "FAIL_TESTS": "1" if fail else "", **(more_env or {})}  # fmt: skip
     started = time.monotonic()
     done = subprocess.run(["bash", str(SCRIPT), "queue", "cuda", "paged16", "ttft"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
@@ -92,6 +94,19 @@ def test_the_queue_runs_the_cuda_tests_first_then_each_run_alone(tmp_path: Path)
         "end -m benchsuite run configs/h200/ttft.yaml --run-id h200-ttft --no-report",
     ], calls  # one after another: nothing starts before the previous call ended
     assert "cuda exit 0" in log and "paged16 exit 0" in log and "ttft exit 0" in log
+
+
+def test_the_queue_takes_its_test_files_and_a_run_id_suffix_from_the_environment(tmp_path: Path) -> None:
+    """CUDA_TESTS narrows the tests (a session with time for one matrix); RUN_SUFFIX runs a committed matrix
+    again under a new run id (h200-paged16-b), so its results do not take the committed run's name."""
+    more = {"CUDA_TESTS": "tests/cuda/test_fp8_cuda.py", "RUN_SUFFIX": "-b"}
+    calls, _ = _queue(tmp_path, fail=False, more_env=more)
+    what = [" ".join(line.split()[1:]) for line in calls if " start " in f" {line} "]
+    assert what == [
+        "start -m pytest tests/cuda/test_fp8_cuda.py -m cuda -q -p no:cacheprovider -o addopts=",
+        "start -m benchsuite run configs/h200/paged16.yaml --run-id h200-paged16-b --no-report",
+        "start -m benchsuite run configs/h200/ttft.yaml --run-id h200-ttft-b --no-report",
+    ], calls
 
 
 def test_cuda_goes_first_in_a_queue(tmp_path: Path) -> None:

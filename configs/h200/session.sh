@@ -19,6 +19,8 @@
 #   bash configs/h200/session.sh poll SECS  # wait up to SECS for the running jobs, printing progress
 # CUDA_TESTS (default tests/cuda): the tests `cuda` runs, e.g. one file when a session has time for only one
 # matrix and the change is confined to what that file checks (say which in the results README).
+# RUN_SUFFIX (default none): appended to the run ids (h200-paged16-b), to run a committed matrix again beside
+# its committed results.
 #
 # Inputs the caller carries: .whl/ (the Python packages the box lacks, configs/h200/README.md) and
 # .carry/llama-src.tar.gz (`benchsuite install llama-server --pack-source`).
@@ -57,10 +59,8 @@ detach() {  # detach NAME CMD...: run CMD in its own session from the copy, log 
 collect() {  # the jobs' logs and the runs' results into $OUT (at most 8 files come back)
   for f in "$JOBS"/*.log; do [ -f "$f" ] && tail -c 2000000 "$f" > "$OUT/$(basename "$f")"; done
   [ -d "$JOBS/flags" ] && tar -C "$JOBS" -czf "$OUT/h200-flags.tar.gz" flags 2>/dev/null
-  for run in h200-headline h200-overlap h200-copy h200-ttft h200-paged16 h200-fused; do
-    if [ -d "$COPY/results/$run" ]; then
-      tar -C "$COPY/results" -czf "$OUT/$run.tar.gz" "$run" 2>/dev/null
-    fi
+  for dir in "$COPY"/results/h200-*; do  # this session's runs only: prepare emptied the copy's results/
+    [ -d "$dir" ] && tar -C "$COPY/results" -czf "$OUT/$(basename "$dir").tar.gz" "$(basename "$dir")" 2>/dev/null
   done
 }
 
@@ -91,7 +91,7 @@ case "${1:-}" in
     ;;
   headline|overlap|copy|ttft|paged16|fused)
     site
-    detach "$1" "python3 -m benchsuite run configs/h200/$1.yaml --run-id h200-$1 --no-report"
+    detach "$1" "python3 -m benchsuite run configs/h200/$1.yaml --run-id h200-$1${RUN_SUFFIX:-} --no-report"
     ;;
   flags)
     site
@@ -113,7 +113,7 @@ case "${1:-}" in
     for job in "$@"; do
       case "$job" in
         cuda) steps="$steps; python3 -m pytest $CUDA_TESTS -m cuda -q -p no:cacheprovider -o addopts= > $JOBS/cuda.log 2>&1; echo \$? > $JOBS/cuda.rc; echo \"cuda exit \$(cat $JOBS/cuda.rc)\"; tail -n 3 $JOBS/cuda.log" ;;
-        headline|overlap|copy|ttft|paged16|fused) steps="$steps; $guard; python3 -m benchsuite run configs/h200/$job.yaml --run-id h200-$job --no-report; echo \"$job exit \$?\"" ;;
+        headline|overlap|copy|ttft|paged16|fused) steps="$steps; $guard; python3 -m benchsuite run configs/h200/$job.yaml --run-id h200-$job${RUN_SUFFIX:-} --no-report; echo \"$job exit \$?\"" ;;
         flags) steps="$steps; $guard; $FLAGS_CMD; echo \"flags exit \$?\"" ;;
         *) echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|fused|flags ..." >&2; exit 2 ;;
       esac
