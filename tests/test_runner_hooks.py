@@ -130,8 +130,9 @@ def test_a_request_that_never_answers_fails_alone_and_the_cell_keeps_its_records
     from benchsuite.engines import ADAPTERS
 
     monkeypatch.setitem(ADAPTERS._loaded, "builtin", FakeAdapter())  # type: ignore[attr-defined]
-    # warmup + 2 measured answer, the third measured request never does; the server stays up
-    engines = {"e": {"behaviour": "stall", "die_after": 3}}
+    # two warm-ups (the first cell of a server sends one more: its first request goes alone) + 2 measured
+    # answer, the third measured request never does; the server stays up
+    engines = {"e": {"behaviour": "stall", "die_after": 4}}
     path = matrix(tmp_path, engines, concurrency=[1], num_requests=3)
     assert run_cli(str(path), "--request-timeout-s", "1", "--cell-timeout-s", "120") == 0
     (payload,) = [json.loads(p.read_text()) for p in (only_run_dir(tmp_path) / "cells").glob("*.json")]
