@@ -154,6 +154,7 @@ def test_the_summary_table_keeps_every_swept_value_whole_on_a_narrow_terminal() 
             "ok",
             ttft_p50_s=0.0123,
             decode_tok_s_p50=456.7,
+            decode_agg_tok_s=987.6,
             output_tok_s=1234.5,
             miss_rate=0.25,
         )
@@ -164,6 +165,10 @@ def test_the_summary_table_keeps_every_swept_value_whole_on_a_narrow_terminal() 
     rows = [line for line in out.getvalue().splitlines() if line.startswith("│ paged")]
     assert len(rows) == 6 and sum(" K=8 " in r for r in rows) == 3 and sum(" K=16 " in r for r in rows) == 3
     assert all("1234.5" in r and "0.250" in r for r in rows)  # the numbers are whole too
+    # decode: one stream's median at c=1, all streams' aggregate at c>=2, as the report and its caption say
+    by_conc = {r.split("│")[3].strip(): r for r in rows if " K=8 " in r}
+    assert "456.7" in by_conc["1"] and "987.6" in by_conc["2"] and "987.6" in by_conc["4"], by_conc
+    assert "all streams' decode-phase aggregate at c>=2" in " ".join(out.getvalue().split())
 
 
 def test_cli_help_is_complete(capsys: pytest.CaptureFixture[str]) -> None:

@@ -302,7 +302,8 @@ def summary_table(plan: Plan, results: list[CellResult]) -> Table:
     # A column with one value for every row (one workload, one class) moves into the title.
     fixed = {i for i in (2, 3) if rows and len({row[i] for row in rows}) == 1}
     title = f"{plan.run_id}: medians over repeats" + "".join(f", {columns[i]} {rows[0][i]}" for i in sorted(fixed))
-    table = Table(title=title, title_justify="left")
+    caption = "dec tok/s: one stream's median at c=1, all streams' decode-phase aggregate at c>=2 (the report's)"
+    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
     keep = [i for i in range(len(columns)) if i not in fixed]
     for i in keep:
         # no value is ever cut or folded (K=8 and K=16 must not look alike): a column is at least as
