@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -179,30 +178,26 @@ def test_expert_backend_choice_is_checked() -> None:
 
 @pytest.mark.parametrize("path", [PATH, "synth:tiny-fp8?layers=2&seed=1"])
 @pytest.mark.parametrize("k", [4, 9])
-def test_laid_out_waves_equal_wave_by_wave(path: str, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_laid_out_waves_equal_resident(path: str, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """A host-planned step lays out all its waves at once (`_FusedPass.plan_waves`: one sort and one copy
-    to the device per layer-step); the outputs and counters are those of laying out each wave as it comes,
-    bit for bit, for dense and FP8 rows (dequantized per wave on the CPU), in multi-wave steps."""
+    to the device per layer-step) and computes each from its run of that layout: paged multi-wave steps
+    equal resident bit for bit, dense and FP8 rows (dequantized per wave on the CPU), and a wave asked
+    for out of the laid-out order is refused."""
     from paged_experts.moe import waves
 
-    runtime = RuntimeConfig(mode="paged", resident_experts=k)
-    laid_waves = []
-    plain_wave = waves._FusedPass._laid_wave
+    laid = []
+    plain_plan = waves._FusedPass.plan_waves
 
-    def counted(self: waves._FusedPass, *args: object) -> None:
-        laid_waves.append(args)
-        plain_wave(self, *args)
+    def counted(self: waves._FusedPass, plan: object, rows: int) -> None:
+        laid.append(len(plan))  # type: ignore[arg-type]
+        plain_plan(self, plan, rows)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(waves._FusedPass, "_laid_wave", counted)
-    laid_model = MoeCausalLM.from_pretrained(path, runtime)
-    laid = scenario(laid_model)
-    assert laid_waves and laid_model.counters.snapshot().total.waves > laid_model.counters.snapshot().total.steps
-    monkeypatch.setattr(waves._FusedPass, "plan_waves", lambda self, plan, rows: None)  # each wave as it comes
-    plain_model = MoeCausalLM.from_pretrained(path, runtime)
-    plain = scenario(plain_model)
-    assert all(torch.equal(a, b) for a, b in zip(laid, plain))
-    laid_counts, plain_counts = (
-        {k: v for k, v in dataclasses.asdict(m.counters.snapshot().total).items() if not k.endswith("_s")}
-        for m in (laid_model, plain_model)
-    )  # the same counts (times are the wall clock's)
-    assert laid_counts == plain_counts and laid_counts["misses"] > 0
+    monkeypatch.setattr(waves._FusedPass, "plan_waves", counted)
+    resident = scenario(MoeCausalLM.from_pretrained(path, RuntimeConfig(mode="resident")))
+    model = MoeCausalLM.from_pretrained(path, RuntimeConfig(mode="paged", resident_experts=k))
+    paged = scenario(model)
+    assert all(torch.equal(a, b) for a, b in zip(paged, resident))
+    assert max(laid) > 1 and model.counters.snapshot().total.misses > 0  # multi-wave steps went through it
+    run = waves.FUSED.begin(torch.zeros(1, 4), torch.tensor([[0, 1]]), 4, torch.device("cpu"))
+    with pytest.raises(AssertionError, match="plan_waves lays out the step"):
+        run.wave(ExpertTensors.empty(4, 4, 2, torch.float32, torch.device("cpu")), [0, 1], [0, 1])

@@ -26,6 +26,7 @@ from paged_experts.moe.streaming import StepStreams
 from paged_experts.moe.waves import EXPERT_KERNELS, FUSED, WaveKernel
 from paged_experts.residency.counters import PagingCounters, TalliedCounters
 from paged_experts.residency.device import DeviceResidency
+from paged_experts.residency.policies import Wave
 from paged_experts.residency.store import ExpertTensors, PageInEngine
 
 RouterOverride = Callable[[int, torch.Tensor, Any], tuple[torch.Tensor, torch.Tensor]]
@@ -179,8 +180,9 @@ class MoeLayer(ABC):
     ) -> tuple[torch.Tensor, int]:
         """Every routed expert over an [E, ...] table as one host-planned wave of the layer's kernel,
         computed on `device`: -> (out [T, H] on the model's device, union)."""
-        distinct = sorted(set(ids_cpu.reshape(-1).tolist()))
+        distinct = tuple(sorted(set(ids_cpu.reshape(-1).tolist())))
         run = self.kernel.begin(x, ids_cpu, self.shared.num_experts, device)
+        run.plan_waves((Wave(experts=distinct, slots=distinct, page_ins=(), hits=len(distinct)),), table.num_rows)
         run.wave(table, distinct, distinct)
         return run.finish(weights).to(self.shared.device), len(distinct)
 

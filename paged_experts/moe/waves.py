@@ -5,9 +5,9 @@ of some experts from the table rows that hold them (`wave(table, experts, rows)`
 for a paged wave, the `[E, ...]` store or the device experts otherwise), and `finish` weights and
 sums the pairs over k. Which wave served an expert never changes its bits (experts.py, fused.py).
 
-- `fused` (default): each wave's pairs as grouped matmuls over the table (`fused.run_pairs`); it
-  also has a device pass without host planning (`device_pass`: `fused.experts_over_rows`, used by
-  resident, offload and device-planned paged layers);
+- `fused` (default): each wave's pairs as grouped matmuls over the table (`fused.expert_mlp`), the
+  step's waves laid out at once (`plan_waves`); it also has a device pass without host planning
+  (`device_pass`: `fused.experts_over_rows`, used by resident, offload and device-planned paged layers);
 - `loop`: the per-expert reference (three matmuls per routed expert, `experts.run_experts`).
 """
 
@@ -21,15 +21,15 @@ import numpy as np
 import torch
 
 from paged_experts.experts import build_dispatch, combine, run_experts
-from paged_experts.kernels.fused import combine_pairs, expert_mlp, fp8_grouped_tiles, run_pairs
+from paged_experts.kernels.fused import combine_pairs, expert_mlp, fp8_grouped_tiles
 from paged_experts.residency.policies import Wave
 from paged_experts.residency.store import ExpertTensors
 
 
 class WavePass(Protocol):
     def plan_waves(self, waves: Sequence[Wave], num_rows: int) -> None:
-        """Optional: the step's whole wave plan (every routed expert in one wave, at a row < num_rows of the
-        table every wave reads) before its first `wave`, so the pass can lay out all waves at once."""
+        """The step's whole wave plan (every routed expert in exactly one wave, at a row < num_rows of the
+        table every wave reads), before its first `wave`: the pass lays out all waves at once."""
         ...
 
     def wave(self, table: ExpertTensors, experts: Sequence[int], rows: Sequence[int]) -> None:
@@ -57,14 +57,7 @@ class _FusedPass:
         self.top_k = ids_cpu.shape[1]
         self.device = device
         self.y_pairs = self.x.new_empty(flat.numel(), self.x.shape[1])  # [T*k, H]
-        # Once per pass, so a wave costs the host O(its pairs), not O(T*k): pairs sorted by expert
-        # (stable: each expert's pairs in increasing pair order, as one grouped pass would take them).
-        # numpy's stable argsort of 16-bit ids is a radix sort: 0.06 ms for a 2,048-token chunk's 16,384
-        # pairs, against 0.66 ms for torch.sort (the host bounds a paged prefill)
-        small = flat.numpy().astype(np.int16) if num_experts <= np.iinfo(np.int16).max else flat.numpy()
-        self.by_expert = np.argsort(small, kind="stable")  # [T*k]
-        self.count = torch.zeros(num_experts, dtype=torch.long).scatter_add_(0, flat, torch.ones_like(flat))  # [E]
-        self.first = torch.cumsum(self.count, 0) - self.count  # [E] start of each expert's pairs in by_expert
+        self.num_experts = num_experts
         self.flat = flat
         self.laid: _LaidOut | None = None  # set by plan_waves: every wave's pairs laid out at once
 
@@ -76,9 +69,8 @@ class _FusedPass:
         pairs in increasing pair order (as `wave` sorts them: the same groups, so the same bits)."""
         if self.flat.numel() == 0:
             return  # no pair, no wave: nothing to lay out
-        num_experts = self.count.shape[0]
         stride = num_rows + 1
-        key = np.full(num_experts, len(waves) * stride, dtype=np.int64)  # [E] (wave, row) of each routed expert
+        key = np.full(self.num_experts, len(waves) * stride, dtype=np.int64)  # [E] (wave, row) of each routed expert
         for w, wave in enumerate(waves):
             for expert, row in zip(wave.experts, wave.slots):
                 if not (0 <= row < num_rows and key[expert] == len(waves) * stride):
@@ -102,28 +94,12 @@ class _FusedPass:
         )  # fmt: skip
 
     def wave(self, table: ExpertTensors, experts: Sequence[int], rows: Sequence[int]) -> None:
-        if self.laid is not None:
-            self._laid_wave(table, experts, rows)
-            return
-        rows_t = torch.tensor(rows, dtype=torch.long)  # [n]
-        # FP8 without the grouped FP8 kernel: dequantize only this wave's experts, a compact table
-        # (row i = rows[i]); with it, the kernel reads the table's FP8 rows as a resident step does
-        if table.is_fp8 and fp8_grouped_tiles(table) is None:
-            table = table.dense(self.x.dtype, _to_device(rows_t, table.gate.device))
-            rows_t = torch.arange(len(rows), dtype=torch.long)
-        experts_t = torch.tensor(experts, dtype=torch.long)  # [n]
-        by_row = torch.sort(rows_t).indices  # [n]: the wave's experts in row order
-        first, count = self.first[experts_t[by_row]].tolist(), self.count[experts_t[by_row]].tolist()
-        order = torch.from_numpy(np.concatenate([self.by_expert[f : f + c] for f, c in zip(first, count)]))  # [P_w]
-        per_row = torch.zeros(table.num_rows, dtype=torch.long).index_copy_(0, rows_t, self.count[experts_t])  # [rows]
-        packed = _to_device(torch.cat([order, torch.cumsum(per_row, 0)]), self.device)  # [P_w + rows]
-        order_dev, offs_dev = packed[: order.numel()], packed[order.numel() :].to(torch.int32)
-        run_pairs(self.x, table, order_dev, offs_dev, self.top_k, self.y_pairs)
-
-    def _laid_wave(self, table: ExpertTensors, experts: Sequence[int], rows: Sequence[int]) -> None:
         """Wave i of the laid-out plan: its pairs' run of the sorted activations, its rows' offsets."""
         laid = self.laid
-        assert laid is not None
+        if laid is None:
+            if self.flat.numel() == 0:
+                return
+            raise AssertionError("plan_waves lays out the step before its first wave")
         i = laid.next
         if i >= len(laid.waves) or tuple(experts) != laid.waves[i].experts or tuple(rows) != laid.waves[i].slots:
             raise AssertionError(f"wave {i} is not the one plan_waves laid out")
