@@ -131,6 +131,7 @@ def check_read_through(device: str = "cpu", dtype: torch.dtype = torch.float32) 
     Host rows come from pinned host memory on CUDA, from CPU tensors in the interpreter."""
     from paged_experts import fp8
     from paged_experts.kernels import moe_tiles, moe_triton
+    from paged_experts.residency.store import ExpertTensors
 
     gen = torch.Generator().manual_seed(2)
     for e, kslots, k, h, i, is_fp8 in READ_CASES:
@@ -164,7 +165,7 @@ def check_read_through(device: str = "cpu", dtype: torch.dtype = torch.float32) 
             rows, src_d = slot_ids.to(device), src.to(device)
             for tiles in tile_sets:
                 dev_slots = [t.to(device) for t in slots]
-                read = moe_triton.ReadThrough(src_d, tuple(host))
+                read = moe_triton.ReadThrough(src_d, ExpertTensors(*host))
                 weights, scales = dev_slots[:3], dev_slots[3:]
                 got = moe_triton.moe_pairs(x, rows, topw, *weights, k, *scales, tiles=tiles, read=read)
                 want = moe_triton.moe_pairs(x, rows, topw, *copied[:3], k, *copied[3:], tiles=tiles)

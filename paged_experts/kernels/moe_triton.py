@@ -51,6 +51,7 @@ except ImportError:  # pragma: no cover - the CPU torch wheel ships no Triton
     triton = None
 
 from paged_experts.kernels.moe_tiles import CONFIGS, TileConfig, fp8_tiles
+from paged_experts.residency.store import ExpertTensors
 
 QUANT_BLOCK = 128  # fp8.BLOCK: the scale block of FP8 weights
 MAX_PAIRS = 32
@@ -379,7 +380,22 @@ class ReadThrough:
     in the interpreter) and writes it through to its slot row; -1: a hit, read from its slot."""
 
     src_rows: torch.Tensor  # [T*k] int64 on the device
-    host: tuple[torch.Tensor, ...]  # gate, up, down[, gate_scale, up_scale, down_scale]: the host store's rows
+    host: ExpertTensors  # the host store's rows (FP8 ones with their scales)
+
+    def gate_up_args(self, scaled: bool) -> dict[str, object]:
+        """`_gate_up`'s READ arguments (the host scales only where the step's weights are FP8)."""
+        h = self.host
+        if scaled != h.is_fp8:
+            raise ValueError("a read-through's host rows must be FP8 exactly when the slots are")
+        return dict(src_rows=self.src_rows.reshape(-1).contiguous(), h_gate=h.gate, h_up=h.up,
+                    hs_gate=h.gate_scale, hs_up=h.up_scale, READ=True)  # fmt: skip
+
+    def down_args(self, scaled: bool) -> dict[str, object]:
+        """The down kernels' READ arguments."""
+        if scaled != self.host.is_fp8:
+            raise ValueError("a read-through's host rows must be FP8 exactly when the slots are")
+        return dict(src_rows=self.src_rows.reshape(-1).contiguous(), h_down=self.host.down,
+                    hs_down=self.host.down_scale, READ=True)  # fmt: skip
 
 
 def moe_pairs(
@@ -415,17 +431,6 @@ def moe_pairs(
     return out
 
 
-def _read_args(read: ReadThrough | None, names: tuple[int, ...], scaled: bool) -> dict:
-    """The kernels' READ arguments: src_rows and the host tensors at `names` (indices into read.host;
-    the last half of them scales, passed only when SCALED)."""
-    if read is None:
-        return {}
-    if scaled and len(read.host) != 6:
-        raise ValueError("a read-through of FP8 rows needs the host store's three scale tensors")
-    tensors = [read.host[i] if (scaled or i < 3) else None for i in names]
-    return {"src_rows": read.src_rows.reshape(-1).contiguous(), "tensors": tensors}
-
-
 def pass_tiles(
     x: torch.Tensor, gate: torch.Tensor, top_k: int, scaled: bool, tiles: dict[str, TileConfig] | None = None
 ) -> dict[str, TileConfig]:
@@ -457,10 +462,7 @@ def gate_up_pairs(
     t, h = x.shape
     inter = gate.shape[1]
     cg = tiles["gate_up"]
-    extra = _read_args(read, (0, 1, 3, 4), gate_scale is not None)
-    if extra:
-        hg, hu, hsg, hsu = extra["tensors"]
-        extra = dict(src_rows=extra["src_rows"], h_gate=hg, h_up=hu, hs_gate=hsg, hs_up=hsu, READ=True)
+    extra = {} if read is None else read.gate_up_args(gate_scale is not None)
     _gate_up[(t * top_k, triton.cdiv(inter, cg.block_n))](
         x.contiguous(),
         rows,
@@ -501,11 +503,9 @@ def down_pairs(
     cd = tiles["down"]
     topw = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*k]
     grid = (t, triton.cdiv(h, cd.block_n))
-    shape = dict(INTER=inter, H=h, SCALED=down_scale is not None, QB=QUANT_BLOCK)
-    extra = _read_args(read, (2, 5), down_scale is not None)
-    if extra:
-        hd, hsd = extra["tensors"]
-        shape.update(src_rows=extra["src_rows"], h_down=hd, hs_down=hsd, READ=True)
+    shape: dict[str, object] = dict(INTER=inter, H=h, SCALED=down_scale is not None, QB=QUANT_BLOCK)
+    if read is not None:
+        shape.update(read.down_args(down_scale is not None))
     down_tiles = dict(BN=cd.block_n, BK=cd.block_k, num_warps=cd.num_warps, **shape)
     if cd.pair_vector:
         kb = triton.next_power_of_2(top_k)

@@ -145,10 +145,9 @@ class PagedLayer(MoeLayer):
         plan, pending = lru.plan_step(flat)
         before_compute()
         src_rows = torch.where(plan.pair_missed, flat, -1)  # [k] host row of each missed pair, -1 for a hit
-        host = tuple(t for t in (self.host.gate, self.host.up, self.host.down, *self.host.scales) if t is not None)
         out = moe_triton.moe_pairs(
             h, plan.pair_slot, weights, slots.gate, slots.up, slots.down, sh.top_k, *slots.scales,
-            read=moe_triton.ReadThrough(src_rows, host),
+            read=moe_triton.ReadThrough(src_rows, self.host),
         )  # fmt: skip
         return out, lru.step_stats(plan, pending, flat)
 
