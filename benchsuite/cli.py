@@ -9,8 +9,9 @@ import difflib
 import importlib
 import signal
 import sys
-from collections.abc import Sequence
-from types import ModuleType
+import threading
+from collections.abc import Callable, Sequence
+from types import FrameType, ModuleType
 
 from benchsuite.errors import RunError, UserError, caused_by_interrupt
 
@@ -73,8 +74,40 @@ def unknown_arguments(parser: argparse.ArgumentParser, extras: Sequence[str]) ->
     return f"{parser.prog}: unrecognized arguments: {' '.join(parts)}"
 
 
+def _watch_interrupts() -> tuple[list[bool], Callable[[], None]]:
+    """([True] once a SIGINT arrived, a function that puts the previous handler back). Ctrl-C while a
+    library builds itself on import can reach us as that library's own error with no KeyboardInterrupt
+    in its chain: pydantic-core's "SchemaError: ... KeyboardInterrupt" while `benchsuite run` imported
+    its schema (tests/test_interrupt.py, interrupted at 0.5 s). The flag says it was an interrupt all
+    the same. Where Python's own handler is not in force (a thread, a test runner) nothing is changed."""
+    arrived: list[bool] = []
+    if threading.current_thread() is not threading.main_thread():
+        return arrived, lambda: None
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.default_int_handler:
+        return arrived, lambda: None
+
+    def record(signum: int, frame: FrameType | None) -> None:
+        arrived.append(True)
+        signal.default_int_handler(signum, frame)  # raises KeyboardInterrupt, as before
+
+    def restore() -> None:
+        signal.signal(signal.SIGINT, previous)
+
+    signal.signal(signal.SIGINT, record)
+    return arrived, restore
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    interrupts, restore = _watch_interrupts()
+    try:
+        return _main(argv, interrupts)
+    finally:
+        restore()
+
+
+def _main(argv: list[str], interrupts: list[bool]) -> int:
     try:
         parser, own, module = _build_parser(argv)
         args, extras = parser.parse_known_args(argv)
@@ -85,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return int(module.main(args) or 0)
     except (UserError, RunError) as exc:
-        if caused_by_interrupt(exc):  # a store or engine error raised while Ctrl-C unwound the run
+        if caused_by_interrupt(exc) or interrupts:  # a store or engine error raised while Ctrl-C unwound the run
             print("benchsuite: interrupted", file=sys.stderr)
             return 130
         print(f"benchsuite: error: {exc}", file=sys.stderr)
@@ -94,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("benchsuite: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
-        if not caused_by_interrupt(exc):
+        if not (caused_by_interrupt(exc) or interrupts):
             raise
         print("benchsuite: interrupted", file=sys.stderr)
         return 130

@@ -137,3 +137,42 @@ def test_an_interrupt_inside_an_extensions_initialization_is_an_interrupt(
         else:
             assert cli.main(["report"]) == expect
             assert capsys.readouterr().err.strip() == "benchsuite: interrupted"
+
+
+def test_a_real_ctrl_c_that_a_library_turns_into_its_own_error_is_an_interrupt(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C while pydantic-core built a schema on import (`benchsuite run` interrupted at 0.5 s) came out as
+    "SchemaError: ... KeyboardInterrupt" with no KeyboardInterrupt in its chain, and printed a traceback
+    (test_benchsuite_run_interrupted[0.5], once from a fresh clone). A SIGINT that arrived while the command
+    ran makes its error an interrupt; the same error without one still propagates, and the handler the
+    command found is back afterwards."""
+    import argparse
+    import types
+
+    from benchsuite import cli
+
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # what a terminal's command runs under
+
+    def library_error(signalled: bool) -> int:
+        swallowed = False
+        if signalled:
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1)  # the handler runs at the next bytecode
+            except KeyboardInterrupt:
+                swallowed = True  # a C extension's build step catches it and reports its own error
+        raise RuntimeError(f"SchemaError: Error building `literal` serializer (interrupted: {swallowed})")
+
+    for signalled, expect in ((True, 130), (False, None)):
+        module = types.SimpleNamespace(configure=lambda p: None, main=lambda args, s=signalled: library_error(s))
+        parser = argparse.ArgumentParser()
+        parser.add_argument("command")
+        monkeypatch.setattr(cli, "_build_parser", lambda argv, m=module, p=parser: (p, p, m))
+        if expect is None:
+            with pytest.raises(RuntimeError, match="interrupted: False"):
+                cli.main(["run"])
+        else:
+            assert cli.main(["run"]) == expect
+            assert capsys.readouterr().err.strip() == "benchsuite: interrupted"
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
