@@ -60,7 +60,7 @@ DEFAULT_MODES = (  # most important first: a --deadline-s cut drops the tail
 
 
 VARIANT_OPTIONS = ("host", "graphs", "compile", "overlap", "loop", "triton", "prefetch", "torchplan", "pertensor")
-VARIANT_OPTIONS += ("fused",)
+VARIANT_OPTIONS += ("fused", "kernelcopy")
 """Options after '/' in a --modes entry (joined by '+'):
 - host: paged steps planned on the host (device_planning='off'): the path before device planning;
 - graphs: decode steps captured as CUDA graphs (--graphs batch sizes; for paged K only batch sizes
@@ -73,6 +73,7 @@ VARIANT_OPTIONS += ("fused",)
 - loop: the per-expert reference kernel instead of the fused grouped matmuls;
 - torchplan: device-planned paged layers plan with the torch ops instead of the fused plan kernel;
 - pertensor: device-planned page-ins launch the copy kernel once per tensor, not once for all six;
+- kernelcopy: host-planned page-ins (prefill waves) as one copy-kernel launch per group (page_in='kernel');
 - fused: with triton, a one-token step's misses are read from the pinned host rows by the expert
   kernels and written through to their slots (fused_page_in), no copy kernel before the compute;
 - triton: routing and the expert pass of one-wave steps (<= moe_triton.MAX_PAIRS pairs) as
@@ -120,6 +121,7 @@ def runtime_for(
             prefetch_next_layer="prefetch" in options,
             kernel_backend=backend,
             copy_programs=None if "host" in options else copy_programs,
+            page_in="kernel" if "kernelcopy" in options else "auto",
         )
     if name == "cpu-experts":
         return RuntimeConfig(

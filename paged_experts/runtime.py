@@ -12,6 +12,7 @@ from typing import Literal
 import torch
 
 from paged_experts.config import TORCH_DTYPES, MoeModelConfig
+from paged_experts.kernels import moe_triton
 from paged_experts.kernels.fused import check_expert_backend
 from paged_experts.residency.policies import (
     DEFAULT_EVICTION_POLICY,
@@ -20,6 +21,7 @@ from paged_experts.residency.policies import (
     PREFILL_KEEP,
 )
 
+PAGE_IN_CHOICES: tuple[str, ...] = ("auto", "direct", "kernel", "staged")
 Mode = Literal["resident", "paged", "offload", "cpu-experts"]
 MODES: tuple[str, ...] = ("resident", "paged", "offload", "cpu-experts")
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
@@ -36,7 +38,10 @@ class RuntimeConfig:
     cpu_expert_layers: int | None = None
     device: str = "cpu"
     dtype: str = "float32"
-    page_in: Literal["auto", "direct", "staged"] = "auto"
+    # How host-planned page-ins (prefill waves, steps above one wave, offload) copy host rows to the device
+    # (residency/store.py): 'auto' = 'direct' (a DMA per tensor and run) on CUDA, 'index' on the CPU;
+    # 'kernel' = one Triton copy launch per group of rows (CUDA; measured by configs/h200/prefill.yaml).
+    page_in: Literal["auto", "direct", "kernel", "staged"] = "auto"
     # Paged one-wave steps planned and paged in on the device (no host sync, CUDA-graph capturable):
     # 'auto' = on for CUDA, off on the CPU (where the host planner is the cheaper path).
     device_planning: Literal["auto", "on", "off"] = "auto"
@@ -81,8 +86,12 @@ class RuntimeConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.dtype not in TORCH_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(TORCH_DTYPES)}, got {self.dtype!r}")
-        if self.page_in not in ("auto", "direct", "staged"):
-            raise ValueError(f"page_in must be 'auto', 'direct' or 'staged', got {self.page_in!r}")
+        if self.page_in not in PAGE_IN_CHOICES:
+            raise ValueError(f"page_in must be one of {PAGE_IN_CHOICES}, got {self.page_in!r}")
+        if self.page_in in ("kernel", "staged") and self.device != "cuda":
+            raise ValueError(f"page_in={self.page_in!r} needs a CUDA device (device='cuda'): it copies through the GPU")
+        if self.page_in == "kernel" and not moe_triton.available():
+            raise ValueError("page_in='kernel' needs Triton (a CUDA build of torch): its copy is a Triton kernel")
         if self.device_planning not in ("auto", "on", "off"):
             raise ValueError(f"device_planning must be 'auto', 'on' or 'off', got {self.device_planning!r}")
         if self.prefill_residency not in PREFILL_KEEP:

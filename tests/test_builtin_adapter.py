@@ -65,6 +65,10 @@ def test_each_fast_path_option_turns_off(tmp_path: Path) -> None:
     argv, resolved = plan_argv(tmp_path, "device: cuda, mode: paged, resident_experts: 16, fused_page_in: true")
     assert "--fused-page-in" in argv and resolved["fused_page_in"] is True
     assert build_parser().parse_args(argv[3:]).fused_page_in
+    assert "--page-in" not in argv and resolved["page_in"] == "direct"  # unset: the command as before, auto's choice
+    argv, resolved = plan_argv(tmp_path, "device: cuda, mode: paged, resident_experts: 16, page_in: kernel")
+    assert flag(argv, "--page-in") == "kernel" and resolved["page_in"] == "kernel"
+    assert build_parser().parse_args(argv[3:]).page_in == "kernel"
     argv, _ = plan_argv(tmp_path, base + ", overlap_schedule: false")
     assert "--disable-overlap-schedule" in argv and not build_parser().parse_args(argv[3:]).overlap_schedule
 
@@ -117,6 +121,8 @@ def test_prefill_residency_is_written_for_paged_servers_only(tmp_path: Path) -> 
          "engines.e.options.copy_programs: 16 needs mode paged and device cuda"),
         ("device: cuda, mode: paged, resident_experts: 8, fused_page_in: true, kernel_backend: grouped",
          "engines.e.options.fused_page_in: true needs kernel_backend triton"),
+        ("device: cpu, mode: paged, resident_experts: 8, page_in: kernel",
+         "engines.e.options.page_in: 'kernel' needs device: cuda: it copies through the GPU (got cpu)"),
         ("device: cpu, mode: paged, resident_experts: 8, prefill_residency: newest",
          "engines.e.options.prefill_residency: 'newest' is not one of recent, frequent, lru"),
         ("device: cpu, mode: resident, prefill_residency: recent",

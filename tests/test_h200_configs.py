@@ -199,3 +199,26 @@ def test_the_fused_matrix_measures_the_fused_page_in_on_both_routings(
     assert m.linkbw and m.repeats >= 2
     for workload in m.workloads.values():
         assert workload.warmup_requests >= max(workload.concurrency)
+
+
+def test_the_prefill_matrix_measures_the_kernel_page_in_on_both_routings(
+    stand_ins: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """configs/h200/prefill.yaml: paged FP8 at paged16's K=49 with the prefill's page-ins as DMAs and as one copy
+    kernel launch per group, on both routings, 2,048-token prompts at c=1 and c=4; resident FP8 on each routing
+    (the compute reference); the commands name the copy each paged server runs."""
+    path = CONFIGS / "prefill.yaml"
+    assert main(["run", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    plan = build_plan(load_matrix(path))
+    paged = sorted((s.options.routing, s.options.page_in) for s in plan.servers if s.options.mode == "paged")
+    assert paged == [("model", "direct"), ("model", "kernel"), ("qwen3-30b-a3b", "direct"), ("qwen3-30b-a3b", "kernel")]
+    assert {s.options.resident_experts for s in plan.servers if s.options.mode == "paged"} == {49}
+    resident = sorted(s.options.routing for s in plan.servers if s.options.mode == "resident")
+    assert resident == ["model", "qwen3-30b-a3b"]
+    assert out.count("--page-in kernel") == 2 and out.count("--page-in direct") == 2
+    m = load_matrix(path).matrix
+    assert m.linkbw and m.repeats >= 2
+    for workload in m.workloads.values():
+        assert workload.prompt_classes == ["2048"] and workload.concurrency == [1, 4]
+        assert workload.warmup_requests >= max(workload.concurrency)

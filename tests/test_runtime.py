@@ -70,17 +70,29 @@ def test_direct_page_in_strategy_equals_resident(ckpt: Path, resident: list[torc
         MoeCausalLM.from_pretrained(ckpt, RuntimeConfig(mode="paged", resident_experts=4, page_in="staged"))
 
 
+def test_kernel_page_in_needs_a_row_kernel() -> None:
+    with pytest.raises(ValueError, match="needs a device row kernel"):
+        store_mod.PageInEngine(torch.device("cpu"), "kernel", 256, 192, torch.bfloat16, 4)
+    with pytest.raises(ValueError, match="page_in must be one of"):
+        store_mod.PageInEngine(torch.device("cpu"), "dma", 256, 192, torch.bfloat16, 4)
+
+
 def test_contiguous_runs_coalesce_neighbours() -> None:
     assert store_mod.contiguous_runs([(5, 1), (3, 0), (6, 2), (9, 4)]) == [(3, 0, 1), (5, 1, 2), (9, 4, 1)]
     assert store_mod.contiguous_runs([]) == []
 
 
 @pytest.mark.parametrize("is_fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("row_kernel", [False, True], ids=["dma-only", "scales-by-kernel"])
-def test_direct_page_in_copies_every_tensor_of_every_pair(is_fp8: bool, row_kernel: bool) -> None:
+@pytest.mark.parametrize(
+    ("strategy", "row_kernel"),
+    [("direct", False), ("direct", True), ("kernel", True)],
+    ids=["dma-only", "scales-by-kernel", "all-by-kernel"],
+)
+def test_page_in_copies_every_tensor_of_every_pair(is_fp8: bool, strategy: str, row_kernel: bool) -> None:
     """The direct strategy's one-call issue (row views, runs, FP8 scale rows by a row kernel where the
-    engine has one) writes exactly what an index copy writes, and nothing else: single rows, runs of
-    neighbours, one pair (below the row kernel's threshold), and rows copied twice in one engine."""
+    engine has one) and the kernel strategy's one row-kernel call (every tensor; on the CPU the kernel's
+    index-copy fallback) write exactly what an index copy writes, and nothing else: single rows, runs of
+    neighbours, one pair (below the direct row kernel's threshold), and rows copied twice in one engine."""
     e, k, hidden, inter = 12, 6, 256, 192  # two 128-blocks of hidden, a partial block of intermediate
     host = store_mod.ExpertTensors.empty(e, hidden, inter, torch.bfloat16, torch.device("cpu"), is_fp8=is_fp8)
     gen = torch.Generator().manual_seed(0)
@@ -94,9 +106,9 @@ def test_direct_page_in_copies_every_tensor_of_every_pair(is_fp8: bool, row_kern
         for table in (want, got):
             for name in table.names():
                 table.get(name).view(torch.uint8).fill_(7)  # rows no pair names must keep this
-        for strategy, table in (("index", want), ("direct", got)):
+        for name_of, table in (("index", want), (strategy, got)):
             engine = store_mod.PageInEngine(
-                torch.device("cpu"), strategy, hidden, inter, torch.bfloat16, k, is_fp8, row_kernel=kernel
+                torch.device("cpu"), name_of, hidden, inter, torch.bfloat16, k, is_fp8, row_kernel=kernel
             )
             engine.copy_rows(host, table, pairs)
             engine.copy_rows(host, table, pairs)  # the cached row views serve a second call alike
@@ -219,6 +231,8 @@ def test_router_override_drives_paging(ckpt: Path) -> None:
         ({"mode": "paged", "resident_experts": 4, "copy_programs": 8}, "copy_programs needs mode='paged' with device"),
         ({"mode": "paged", "resident_experts": 4, "device_planning": "on", "copy_programs": 0}, r"\[1, 65535\]"),
         ({"mode": "paged", "resident_experts": 4, "fused_page_in": True}, "fused_page_in needs mode='paged' with"),
+        ({"mode": "paged", "resident_experts": 4, "page_in": "kernel"}, "page_in='kernel' needs a CUDA device"),
+        ({"mode": "paged", "resident_experts": 4, "page_in": "dma"}, "page_in must be one of"),
         (
             {"mode": "paged", "resident_experts": 4, "device_planning": "on", "fused_page_in": True},
             "fused_page_in needs device='cuda'",

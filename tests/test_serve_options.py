@@ -28,6 +28,7 @@ EVERY_OPTION = [f.name for f in fields(ServeOptions)]
         {"mode": "paged", "resident_experts": 8, "device": "cuda", "overlap_page_in": True, "overlap_groups": 3},
         {"mode": "paged", "resident_experts": 8, "device": "cuda", "copy_programs": 16},
         {"mode": "paged", "resident_experts": 8, "device": "cuda", "kernel_backend": "triton", "fused_page_in": True},
+        {"mode": "paged", "resident_experts": 8, "device": "cuda", "page_in": "kernel"},
     ],
 )
 def test_the_generated_parser_reads_back_what_argv_writes(changes: dict[str, object]) -> None:
@@ -72,6 +73,8 @@ def test_every_option_has_one_flag_and_help_lists_them_in_declaration_order() ->
          "--fused-page-in needs --kernel-backend triton", "true needs kernel_backend triton"),
         ({"device": "cuda", "mode": "paged", "fused_page_in": True, "overlap_page_in": True}, "fused_page_in",
          "--fused-page-in and --overlap-page-in are two ways", "true and overlap_page_in are two ways"),
+        ({"device": "cpu", "mode": "paged", "page_in": "kernel"}, "page_in",
+         "--page-in 'kernel' needs --device cuda: it copies through the GPU", "'kernel' needs device: cuda"),
     ],
 )  # fmt: skip
 def test_a_rule_is_one_rule_worded_for_the_server_and_the_matrix(

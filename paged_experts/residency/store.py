@@ -15,6 +15,12 @@ Page-in of a wave's misses never synchronizes the host per expert. Strategies:
   kernel launch for the whole call instead of one DMA each: a 2,048-token prefill pages in ~86
   experts per layer, and issuing their 516 copies one by one from Python (~15 us each) kept the
   host, not the link, the bound (an 8-layer H200 profile: copy engine busy 204 of 628 ms);
+- `kernel` (CUDA with Triton): the whole call as ONE launch of the device row kernel (every tensor of
+  every row: `copy_kernel.copy_planned`), after one upload of its (expert, slot) list: SMs read the
+  pinned rows over the link (51.3 GB/s at 64 experts against the DMA's 52.9,
+  `benchmarks/results/h200/decode_h200_48l.txt`), and the host issues one launch where `direct`
+  issues a DMA per tensor and run (~72 a prefill wave of 12 FP8 experts). For the host-bound paged
+  prefill; `RuntimeConfig.page_in`, measured by configs/h200/prefill.yaml;
 - `staged` (CUDA): gather the rows into a pinned staging buffer on the host, one `non_blocking`
   copy per tensor to a device staging buffer, then one `index_copy_` into the slots. The staging
   buffer is reused, so the host waits for the previous staged copy (once per wave, not per expert).
@@ -147,6 +153,10 @@ def contiguous_runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, in
     return runs
 
 
+PAGE_IN_STRATEGIES: tuple[str, ...] = ("index", "direct", "kernel", "staged")
+"""How host rows reach device rows (module docstring); 'auto' picks `direct` on CUDA, `index` elsewhere."""
+
+
 class PageInEngine:
     """Copies host rows into device rows for one device; owns the staging buffers and timing."""
 
@@ -162,11 +172,16 @@ class PageInEngine:
         row_kernel: RowKernel | None = None,
     ) -> None:
         """`row_kernel`: a device-side row copy (the weights loader passes `copy_kernel.copy_planned`
-        on CUDA with Triton); the `direct` strategy sends an FP8 row's small scale rows by it."""
+        on CUDA with Triton); the `direct` strategy sends an FP8 row's small scale rows by it, the `kernel`
+        strategy every row."""
         if strategy == "auto":
             strategy = "direct" if device.type == "cuda" else "index"
         if strategy == "staged" and device.type != "cuda":
             raise ValueError("page_in='staged' needs a CUDA device (it overlaps pinned staging with the copy stream)")
+        if strategy == "kernel" and row_kernel is None:
+            raise ValueError("page_in='kernel' needs a device row kernel (CUDA with Triton)")
+        if strategy not in PAGE_IN_STRATEGIES:
+            raise ValueError(f"page_in must be one of {('auto', *PAGE_IN_STRATEGIES)}, got {strategy!r}")
         self.device = device
         self.strategy = strategy
         self.row_kernel = row_kernel
@@ -200,6 +215,8 @@ class PageInEngine:
             self._copy_index(src, dst, pairs)
         elif self.strategy == "direct":
             self._copy_direct(src, dst, pairs)
+        elif self.strategy == "kernel":
+            self._copy_kernel(src, dst, pairs, None)
         else:
             self._copy_staged(src, dst, pairs)
         if counters is not None:
@@ -234,12 +251,18 @@ class PageInEngine:
                 dsts.append(d_rows[d] if n == 1 else d_t[d : d + n])
         torch._foreach_copy_(dsts, srcs, non_blocking=True)  # one call: a DMA per run, issued in C++
         if small:
-            assert self.row_kernel is not None
-            index = torch.tensor(pairs, dtype=torch.long).t().contiguous()  # [2, m]: experts, slots
-            if self.device.type == "cuda":  # pinned, so the upload does not block the host (the caching
-                index = index.pin_memory()  # host allocator keeps the block until the copy has run)
-            experts, slots = index.to(self.device, non_blocking=True)  # each [m]
-            self.row_kernel(src, dst, experts, slots, small)
+            self._copy_kernel(src, dst, pairs, small)
+
+    def _copy_kernel(
+        self, src: ExpertTensors, dst: ExpertTensors, pairs: Sequence[tuple[int, int]], names: Sequence[str] | None
+    ) -> None:
+        """The rows of `names` (None: every tensor) by the device row kernel, after one index upload."""
+        assert self.row_kernel is not None
+        index = torch.tensor(pairs, dtype=torch.long).t().contiguous()  # [2, m]: experts, slots
+        if self.device.type == "cuda":  # pinned, so the upload does not block the host (the caching
+            index = index.pin_memory()  # host allocator keeps the block until the copy has run)
+        experts, slots = index.to(self.device, non_blocking=True)  # each [m]
+        self.row_kernel(src, dst, experts, slots, names)
 
     def _rows(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """t's row views, made once per tensor (slicing per copy cost the host ~2 us a row)."""

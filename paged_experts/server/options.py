@@ -28,6 +28,7 @@ MODES: tuple[str, ...] = ("resident", "paged", "offload", "cpu-experts")
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
 GRAPHABLE_MODES = ("resident", "paged")  # modes whose decode step the server can capture as a CUDA graph
 KERNEL_BACKENDS: tuple[str, ...] = ("grouped", "triton")  # kernels.fused: grouped GEMM, or Triton decode kernels
+PAGE_IN_CHOICES: tuple[str, ...] = ("auto", "direct", "kernel", "staged")  # RuntimeConfig.page_in
 MODE_OPTION = {"paged": "resident_experts", "offload": "offload_layers", "cpu-experts": "n_cpu_moe"}
 
 
@@ -138,6 +139,16 @@ class ServeOptions:
         "pinned host memory and write them through to their slots while the hits compute, with no copy "
         "kernel before the compute (mode paged, --device cuda, --kernel-backend triton; not with "
         "--overlap-page-in)",
+    )
+    page_in: str = _opt(
+        "auto",
+        "--page-in",
+        "how host-planned page-ins (prefill waves, steps above K experts, offloaded layers) copy expert rows "
+        "to the GPU: direct = a DMA per tensor and run of rows; kernel = one Triton copy launch per group of "
+        "rows (one host launch where direct issues dozens: for the host-bound paged prefill); staged = "
+        "through a pinned staging buffer; auto = direct on CUDA, an index copy on the CPU "
+        "(kernel and staged: --device cuda)",
+        choices=PAGE_IN_CHOICES,
     )
     prefill_residency: str | None = _opt(  # None: the residency default
         None,
@@ -335,6 +346,12 @@ def problems(values: Mapping[str, Any], say: Namer = FLAGS) -> Iterator[Problem]
                 "fused_page_in",
                 f"{value} and {say.option('overlap_page_in')} are two ways to page the misses in: choose one",
             )
+    page_in = get("page_in")
+    if page_in in ("kernel", "staged") and device != "cuda":
+        value = say.value("page_in", page_in)
+        yield Problem(
+            "page_in", f"{value} needs {say.setting('device', 'cuda')}: it copies through the GPU (got {device})"
+        )
     programs = get("copy_programs")
     if programs is not None and not 1 <= programs <= 65535:
         yield Problem("copy_programs", f"{say.option('copy_programs')} must be in [1, 65535]")

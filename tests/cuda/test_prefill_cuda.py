@@ -7,7 +7,9 @@
   slots, must differ (the test can see a race);
 - a prefill with a synthetic router (ids known on the host) makes no host synchronization at all; with
   the model's router, exactly one per layer (the routed ids);
-- the prefill counters: bytes, copy time within the span, waves.
+- the prefill counters: bytes, copy time within the span, waves;
+- the same with page_in='kernel' (every page-in of a group as one copy-kernel launch): equality, slot
+  integrity, no synchronization, counters.
 
 Plain functions, so the module also runs as a script: `python tests/cuda/test_prefill_cuda.py`.
 """
@@ -23,6 +25,7 @@ from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.moe import StepContext
 from paged_experts.moe.streaming import LayerCopies, mark
+from paged_experts.residency.store import PageInEngine
 from paged_experts.routing.sources import make_router
 from paged_experts.runtime import RuntimeConfig
 
@@ -88,6 +91,37 @@ def test_streamed_prefill_equals_resident_fp8() -> None:
         )
 
 
+def test_kernel_page_in_prefill_equals_resident() -> None:
+    """page_in='kernel': every host-planned page-in as one copy-kernel launch per group of rows (bf16 and FP8);
+    the copies went by the kernel, none by DMA (equal outputs alone cannot say which copy ran)."""
+    want = {chunk: long_prompt(MoeCausalLM.from_pretrained(QWEN2, rt(mode="resident")), chunk) for chunk in (600, 256)}
+    want_fp8 = long_prompt(MoeCausalLM.from_pretrained(FP8, rt(mode="resident")), 256)
+    calls = {"_copy_kernel": 0, "_copy_direct": 0}
+    originals = {name: getattr(PageInEngine, name) for name in calls}
+
+    def counting(name: str) -> object:
+        def counted(self: PageInEngine, *args: object) -> None:
+            calls[name] += 1
+            originals[name](self, *args)
+
+        return counted
+
+    for name in calls:
+        setattr(PageInEngine, name, counting(name))
+    try:
+        for k in (16, 32):
+            model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=k, page_in="kernel"))
+            for chunk, ref in want.items():
+                assert_same(long_prompt(model, chunk), ref, f"kernel page-in K={k} chunks of {chunk}")
+            assert model.counters.snapshot().prefill.misses > 0
+        model = MoeCausalLM.from_pretrained(FP8, rt(mode="paged", resident_experts=16, page_in="kernel"))
+        assert_same(long_prompt(model, 256), want_fp8, "FP8 kernel page-in K=16")
+    finally:
+        for name, fn in originals.items():
+            setattr(PageInEngine, name, fn)
+    assert calls["_copy_kernel"] > 0 and calls["_copy_direct"] == 0, calls
+
+
 def _delay_every_wave() -> object:
     """Puts SLEEP_CYCLES on the compute stream before each wave's compute; returns the original."""
     original = waves_module._FusedPass.wave
@@ -122,17 +156,22 @@ def _copies_ignore_readers() -> object:
 
 def test_slots_are_not_overwritten_while_a_wave_reads_them() -> None:
     want = long_prompt(MoeCausalLM.from_pretrained(QWEN2, rt(mode="resident")), 600, decode_steps=0)
+    for page_in in ("direct", "kernel"):
+        _slots_are_not_overwritten(want, page_in)
+
+
+def _slots_are_not_overwritten(want: list[torch.Tensor], page_in: str) -> None:
     original_wave = _delay_every_wave()
     try:
-        model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=32))
-        assert_same(long_prompt(model, 600, decode_steps=0), want, "delayed compute")
+        model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=32, page_in=page_in))
+        assert_same(long_prompt(model, 600, decode_steps=0), want, f"delayed compute, {page_in}")
         original_copies = _copies_ignore_readers()
         try:  # control: the same run with copies that do not wait for their slots' readers
-            model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=32))
+            model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=32, page_in=page_in))
             got = long_prompt(model, 600, decode_steps=0)
         finally:
             LayerCopies.page_in = original_copies  # type: ignore[method-assign]
-        assert not all(torch.equal(a, b) for a, b in zip(got, want)), "the control's race went unseen"
+        assert not all(torch.equal(a, b) for a, b in zip(got, want)), f"the control's race went unseen ({page_in})"
     finally:
         waves_module._FusedPass.wave = original_wave  # type: ignore[method-assign]
 
@@ -144,7 +183,12 @@ def _prefill_layers(model: MoeCausalLM, router: object | None, tokens: int = 512
 
 
 def test_prefill_with_host_known_routing_does_not_sync() -> None:
-    model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=32))
+    for page_in in ("direct", "kernel"):
+        _host_known_routing_does_not_sync(page_in)
+
+
+def _host_known_routing_does_not_sync(page_in: str) -> None:
+    model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=32, page_in=page_in))
     router = make_router("qwen3-30b-a3b", model.config, seed=1)
     _prefill_layers(model, router)  # warm-up: the grouped backend decided, allocator blocks made
     torch.cuda.synchronize()
@@ -173,7 +217,12 @@ def test_prefill_with_model_routing_reads_the_ids_once_per_layer() -> None:
 
 
 def test_prefill_counters_on_cuda() -> None:
-    model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=16))
+    for page_in in ("direct", "kernel"):
+        _prefill_counters(page_in)
+
+
+def _prefill_counters(page_in: str) -> None:
+    model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=16, page_in=page_in))
     long_prompt(model, 600, decode_steps=0)
     snap = model.counters.snapshot()
     p = snap.prefill

@@ -58,7 +58,7 @@ _SERVER_NAME = {matrix: server for server, matrix in _MATRIX_NAME.items()}
 # the server options whose rules (options.problems) a matrix can break
 _RULED: tuple[str, ...] = ("cuda_graph_max_bs", "enable_torch_compile", "kernel_backend", "prefetch_next_layer")
 _RULED += ("overlap_page_in", "overlap_groups", "copy_programs", "fused_page_in", "prefill_residency")
-_RULED += ("eviction_policy",)
+_RULED += ("eviction_policy", "page_in")
 _LEADING_FLAGS: tuple[str, ...] = ("model_path", "host", "port", "mode", "device", "max_running_requests")
 _LEADING_FLAGS += ("max_total_tokens", "resident_experts", "offload_layers", "n_cpu_moe", "dtype")
 _TRAILING_FLAGS: tuple[str, ...] = ("record_routing", "prefill_residency", "eviction_policy", "cuda_graph_max_bs")
@@ -112,6 +112,9 @@ class BuiltinOptions(EngineOptions):
     # Paged, CUDA, one-token steps: the expert kernels page the misses in (RuntimeConfig.fused_page_in);
     # unset like the three above
     fused_page_in: bool | None = Field(None, exclude_if=lambda v: v is None)
+    # How host-planned page-ins copy (RuntimeConfig.page_in): direct (DMAs), kernel (one Triton launch per
+    # group of rows), staged; unset like fused_page_in (the server's auto: direct on CUDA)
+    page_in: Literal["auto", "direct", "kernel", "staged"] | None = Field(None, exclude_if=lambda v: v is None)
     expert_kernel: Literal["fused", "loop"] = "fused"  # grouped matmuls, or the per-expert reference loop
     overlap_schedule: bool = True  # launch a greedy decode step before the previous one's tokens are read
     cpu_threads: int | None = Field(None, ge=1)  # torch's intra-op threads; None: this machine's cores minus one
@@ -144,6 +147,12 @@ class BuiltinOptions(EngineOptions):
         """The policy in force on a paged server (None for other modes)."""
         return (self.prefill_residency or DEFAULT_PREFILL_KEEP) if self.mode == "paged" else None
 
+    def resolved_page_in(self) -> str:
+        """The page-in copy in force ('auto' resolved as the runtime resolves it)."""
+        if self.page_in not in (None, "auto"):
+            return self.page_in
+        return "direct" if self.device == "cuda" else "index"
+
     def graphs_max_bs(self, max_concurrency: int) -> int:
         """The decode graphs' largest batch: the option, or by default every batch the server runs."""
         if self.cuda_graph_max_bs is not None:
@@ -171,6 +180,7 @@ class BuiltinOptions(EngineOptions):
             "overlap_groups": self.overlap_groups or 1,
             "copy_programs": self.copy_programs,
             "fused_page_in": bool(self.fused_page_in),
+            "page_in": self.resolved_page_in(),
             "expert_kernel": self.expert_kernel,
             "overlap_schedule": self.overlap_schedule,
             "cpu_threads": self.cpu_threads or default_cpu_threads(),
@@ -279,6 +289,7 @@ class BuiltinAdapter(EngineAdapter):
             overlap_groups=perf["overlap_groups"],
             copy_programs=perf["copy_programs"],
             fused_page_in=perf["fused_page_in"],
+            page_in=opts.page_in or "auto",
             overlap_schedule=perf["overlap_schedule"],
             cpu_threads=perf["cpu_threads"],
             served_model_name=opts.model,  # what the runner's requests name (404 for another name)
@@ -287,8 +298,9 @@ class BuiltinAdapter(EngineAdapter):
         overlap = ("overlap_page_in", "overlap_groups") if serve.overlap_page_in else ()  # written when on
         capped = ("copy_programs",) if serve.copy_programs is not None else ()  # written when set
         fused = ("fused_page_in",) if serve.fused_page_in else ()  # written when on
+        copies = ("page_in",) if opts.page_in is not None else ()  # written when set
         # every flag explicit, in the order earlier manifests wrote them (the command line is recorded)
-        order = (*_LEADING_FLAGS, "routing_source", *seed, *_TRAILING_FLAGS, *overlap, *capped, *fused)
+        order = (*_LEADING_FLAGS, "routing_source", *seed, *_TRAILING_FLAGS, *overlap, *capped, *fused, *copies)
         argv = [sys.executable, "-m", "paged_experts.server", *serve.argv(order)]
         # The tiny model on 2 CPU cores starts in seconds; a real checkpoint may take minutes.
         return LaunchPlan(argv=argv, env={"PYTHONUNBUFFERED": "1"}, startup_timeout_s=opts.startup_timeout_s)
