@@ -22,9 +22,9 @@ from benchsuite.results.manifest import Manifest
 
 
 def cell(cid: str, mode: str, ttft: float | None, chunk_bytes: float | None, *, cls: str = "2048", status: str = "ok",
-         repeat: int = 0, chunks: int | None = 4) -> dict[str, Any]:  # fmt: skip
+         repeat: int = 0, chunks: int | None = 4, concurrency: int = 1) -> dict[str, Any]:  # fmt: skip
     return {"cell_id": cid, "run_id": "r", "engine_kind": "builtin", "mode": mode, "label": f"tiny · {mode}",
-            "routing": "synthetic:qwen3-30b-a3b", "workload": "w", "prompt_class": cls, "concurrency": 1,
+            "routing": "synthetic:qwen3-30b-a3b", "workload": "w", "prompt_class": cls, "concurrency": concurrency,
             "repeat": repeat, "status": status, "ttft_p50_s": ttft, "prefill_chunks": chunks,
             "prefill_bytes_per_chunk": chunk_bytes, "prefill_router_s_per_chunk": 0.05,
             "prefill_copy_s_per_chunk": 0.6, "prefill_span_s_per_chunk": 0.8, "prefill_copy_busy": 0.75,
@@ -55,6 +55,20 @@ def test_floor_from_the_bytes_per_chunk_and_the_link() -> None:
     assert pd.isna(table.loc["short", "resident_ttft_s"]) and table.loc["short", "floor_s"] == pytest.approx(0.4)
     assert pd.isna(table.loc["res0", "floor_s"])  # a resident cell pages nothing: no floor, its TTFT is the compute
     assert table.loc["bad", "note"] == "cell failed" and pd.isna(table.loc["bad", "ttft_of_floor"])
+    assert pg["span_of_floor"] == pytest.approx(0.8)  # the chunk's 0.8 s device span over its 1 s floor
+
+
+def test_at_concurrency_above_one_the_row_says_the_ttft_holds_several_chunks() -> None:
+    """Four prompts at once prefill a chunk per step: the p50 request's TTFT holds ~2.5 chunks, so the row
+    says so and span_of_floor (one chunk's span) stays the queue-free figure."""
+    cells = pd.DataFrame([cell("c4", "paged", 2.5, 50e9, concurrency=4), cell("c1", "paged", 1.0, 50e9)])
+    table = prefill_table(cells, [run({"paging_gb_per_s": 50.0})]).set_index("cell_id")
+    assert table.loc["c4", "note"] == (
+        "c=4: the TTFT p50 holds ~2.5 chunks (prompts prefill a chunk a step); span_of_floor is one chunk's"
+    )
+    assert table.loc["c4", "ttft_of_floor"] == pytest.approx(2.5)
+    assert table.loc["c4", "span_of_floor"] == pytest.approx(0.8)
+    assert table.loc["c1", "note"] == ""
 
 
 def test_without_a_link_the_rows_show_bytes_and_times_and_say_why() -> None:

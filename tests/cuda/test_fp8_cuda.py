@@ -205,10 +205,10 @@ def test_graphed_fp8_paged_decode_with_fused_page_in_matches_eager_and_plain() -
         model = MoeCausalLM.from_pretrained(
             QWEN2, rt(kernel_backend="triton", mode="paged", resident_experts=16, fused_page_in=fused)
         )
-        with fused_calls() as calls:
-            model.enable_cuda_graphs([1])  # the capture runs the step's Python once: the fused pass or not
+        model.enable_cuda_graphs([1])
+        with fused_calls() as calls:  # graphs are captured on first use: inside the decode, whose Python runs once
+            runs.append((decode(model, PROMPTS[:1], steps=6), model.counters.snapshot().total))
         assert (calls[0] > 0) == fused, calls
-        runs.append((decode(model, PROMPTS[:1], steps=6), model.counters.snapshot().total))
         assert model.graph_replays == 6
     (plain, plain_total), (fused_out, fused_total) = runs
     assert all(torch.equal(a, b) for a, b in zip(fused_out, plain)), "fused page-in differs from copy-then-compute"
