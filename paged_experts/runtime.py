@@ -71,6 +71,10 @@ class RuntimeConfig:
     # What a paged step larger than K (a prefill chunk) leaves in the slots: residency.PREFILL_KEEP
     # ('recent' keeps the experts of the chunk's last tokens, the next decode tokens' best guess).
     prefill_residency: str = DEFAULT_PREFILL_KEEP
+    # Paged: R device rows, shared by all layers, that take a prefill layer-step's first page-ins while the
+    # layer before it computes (moe/staging.py; residency.policies says which experts). 0: none. Costs R
+    # experts' bytes of device memory; off by default until configs/h200/staging.yaml measures it.
+    prefill_staging_rows: int = 0
     # Which resident expert a paged miss evicts: residency.EVICTION_POLICIES. 'lfu-decay' runs on the
     # host planner only (the device plan keeps LRU stamps inside the captured graph).
     eviction_policy: str = DEFAULT_EVICTION_POLICY
@@ -94,6 +98,10 @@ class RuntimeConfig:
             raise ValueError("page_in='kernel' needs Triton (a CUDA build of torch): its copy is a Triton kernel")
         if self.device_planning not in ("auto", "on", "off"):
             raise ValueError(f"device_planning must be 'auto', 'on' or 'off', got {self.device_planning!r}")
+        if not 0 <= self.prefill_staging_rows <= 256:
+            raise ValueError(f"prefill_staging_rows must be in [0, 256], got {self.prefill_staging_rows}")
+        if self.prefill_staging_rows and self.mode != "paged":
+            raise ValueError(f"prefill_staging_rows applies to mode='paged', not {self.mode!r}")
         if self.prefill_residency not in PREFILL_KEEP:
             raise ValueError(f"prefill_residency must be one of {PREFILL_KEEP}, got {self.prefill_residency!r}")
         check_expert_backend(self.kernel_backend)
@@ -176,6 +184,11 @@ class RuntimeConfig:
             if not model.top_k <= k <= model.num_experts:
                 raise ValueError(
                     f"resident_experts (K) must be in [top_k={model.top_k}, num_experts={model.num_experts}], got {k}"
+                )
+            if self.prefill_staging_rows > model.num_experts - k:
+                raise ValueError(
+                    f"prefill_staging_rows={self.prefill_staging_rows} exceeds the {model.num_experts - k} experts "
+                    f"a layer keeps outside its K={k} slots (num_experts - K)"
                 )
         if self.offload_layers is not None and self.offload_layers > model.num_moe_layers:
             raise ValueError(

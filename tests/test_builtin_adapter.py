@@ -3,12 +3,15 @@ off on demand, errors naming the YAML path, and a command line the server's own 
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import pytest
-from builtin_plans import flag, plan_argv
+from builtin_plans import MATRIX, flag, plan_argv
 
-from benchsuite.config.matrix import MatrixError
+from benchsuite.config.matrix import MatrixError, load_matrix
+from benchsuite.config.plan import build_plan
+from benchsuite.engines.builtin.adapter import BuiltinAdapter
 from paged_experts.server.launch import build_parser, parse_args
 
 
@@ -69,6 +72,10 @@ def test_each_fast_path_option_turns_off(tmp_path: Path) -> None:
     argv, resolved = plan_argv(tmp_path, "device: cuda, mode: paged, resident_experts: 16, page_in: kernel")
     assert flag(argv, "--page-in") == "kernel" and resolved["page_in"] == "kernel"
     assert build_parser().parse_args(argv[3:]).page_in == "kernel"
+    assert "--prefill-staging-rows" not in argv and resolved["prefill_staging_rows"] == 0  # unset: as before
+    argv, resolved = plan_argv(tmp_path, "device: cuda, mode: paged, resident_experts: 16, prefill_staging_rows: 24")
+    assert flag(argv, "--prefill-staging-rows") == "24" and resolved["prefill_staging_rows"] == 24
+    assert build_parser().parse_args(argv[3:]).prefill_staging_rows == 24
     argv, _ = plan_argv(tmp_path, base + ", overlap_schedule: false")
     assert "--disable-overlap-schedule" in argv and not build_parser().parse_args(argv[3:]).overlap_schedule
 
@@ -121,6 +128,8 @@ def test_prefill_residency_is_written_for_paged_servers_only(tmp_path: Path) -> 
          "engines.e.options.copy_programs: 16 needs mode paged and device cuda"),
         ("device: cuda, mode: paged, resident_experts: 8, fused_page_in: true, kernel_backend: grouped",
          "engines.e.options.fused_page_in: true needs kernel_backend triton"),
+        ("device: cpu, mode: resident, prefill_staging_rows: 4",
+         "engines.e.options.prefill_staging_rows: 4 applies to mode paged, not resident"),
         ("device: cpu, mode: paged, resident_experts: 8, page_in: kernel",
          "engines.e.options.page_in: 'kernel' needs device: cuda: it copies through the GPU (got cpu)"),
         ("device: cpu, mode: paged, resident_experts: 8, prefill_residency: newest",
@@ -133,3 +142,18 @@ def test_bad_performance_options_name_their_yaml_path(tmp_path: Path, options: s
     with pytest.raises(MatrixError) as info:
         plan_argv(tmp_path, options)
     assert message in str(info.value), str(info.value)
+
+
+def test_the_trace_replay_stages_as_the_server_does(tmp_path: Path) -> None:
+    """The realized-vs-optimal replay of a paged server's trace takes its staging rows (its plans stage too)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    replays = []
+    for extra in ("", ", prefill_staging_rows: 24"):
+        path = tmp_path / "m.yaml"
+        options = f"device: cpu, mode: paged, resident_experts: 16, record_routing: true{extra}"
+        path.write_text(textwrap.dedent(MATRIX.format(model=model, options=options)))
+        (spec,) = build_plan(load_matrix(path)).servers
+        replays.append(BuiltinAdapter().trace_replay(spec))
+    assert [(r.resident_experts, r.staging_rows) for r in replays if r is not None] == [(16, 0), (16, 24)]

@@ -222,3 +222,27 @@ def test_the_prefill_matrix_measures_the_kernel_page_in_on_both_routings(
     for workload in m.workloads.values():
         assert workload.prompt_classes == ["2048"] and workload.concurrency == [1, 4]
         assert workload.warmup_requests >= max(workload.concurrency)
+
+
+def test_the_staging_matrix_measures_staging_rows_on_both_routings(
+    stand_ins: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """configs/h200/staging.yaml: paged FP8 without staging rows (K=49), with 24 (K=49) and with 40 at K=48, on both
+    routings, 2,048-token prompts at c=1 and c=4; the commands name the rows each server stages into."""
+    path = CONFIGS / "staging.yaml"
+    assert main(["run", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    plan = build_plan(load_matrix(path))
+    got = sorted(
+        (s.options.routing, s.options.resident_experts, s.options.prefill_staging_rows or 0) for s in plan.servers
+    )
+    assert got == [
+        ("model", 48, 40), ("model", 49, 0), ("model", 49, 24),
+        ("qwen3-30b-a3b", 48, 40), ("qwen3-30b-a3b", 49, 0), ("qwen3-30b-a3b", 49, 24),
+    ]  # fmt: skip
+    assert out.count("--prefill-staging-rows 24") == 2 and out.count("--prefill-staging-rows 40") == 2
+    m = load_matrix(path).matrix
+    assert m.linkbw and m.repeats >= 2
+    for workload in m.workloads.values():
+        assert workload.prompt_classes == ["2048"] and workload.concurrency == [1, 4]
+        assert workload.warmup_requests >= max(workload.concurrency)

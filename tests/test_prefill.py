@@ -6,12 +6,13 @@ planner; what each policy leaves in the slots."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
-from paged_experts.residency.policies import PREFILL_KEEP, LayerResidency
+from paged_experts.residency.policies import PREFILL_KEEP, STAGING, LayerResidency
 from paged_experts.runtime import RuntimeConfig
 
 PROMPT = [(37 * i + 11) % 1000 for i in range(320)]  # 320 tokens: the union is E in every layer
@@ -218,3 +219,71 @@ def test_page_ins_wait_for_the_wave_that_last_read_their_slot() -> None:
         for s in wave.slots:
             slot_wave[s] = j
     assert len(plan.waves) > 4
+
+
+def staged(path: str, k: int, rows: int, dtype: str = "float32") -> MoeCausalLM:
+    runtime = RuntimeConfig(mode="paged", resident_experts=k, prefill_staging_rows=rows, dtype=dtype)
+    return MoeCausalLM.from_pretrained(path, runtime)
+
+
+def test_staging_rows_equal_resident(resident_fp32: dict[int, list[torch.Tensor]]) -> None:
+    """RuntimeConfig.prefill_staging_rows: each layer's first page-ins of a chunk copied into shared rows while
+    the layer before computes, served from there: the same bits as resident, fp32, bf16 and block-FP8."""
+    for k, rows in ((4, 1), (4, 8), (13, 4), (24, 8), (28, 4)):
+        for chunk in (320, 96):
+            model = staged(TINY, k, rows)
+            assert_same(
+                long_prompt(model, chunk), resident_fp32[chunk], f"K={k}, {rows} staging rows, chunks of {chunk}"
+            )
+    want = long_prompt(MoeCausalLM.from_pretrained(TINY, RuntimeConfig(mode="resident", dtype="bfloat16")), 128)
+    assert_same(long_prompt(staged(TINY, 11, 6, dtype="bfloat16"), 128), want, "bf16 K=11, 6 rows")
+    want = long_prompt(MoeCausalLM.from_pretrained(TINY_FP8, RuntimeConfig(mode="resident")), 128)
+    assert_same(long_prompt(staged(TINY_FP8, 7, 4), 128), want, "FP8 K=7, 4 rows")
+
+
+def test_staging_counts_as_page_ins_and_replays_in_the_simulator() -> None:
+    """What a staged run counts (per layer and for the prefill) is what the simulator's replay of the same
+    routing with the same staging rule plans (every layer but the first stages); bytes = misses x expert
+    bytes; the STAGING wave is one more wave per staged layer-step."""
+    from benchsuite.tools.simulate import replay_layer
+
+    k, rows = 6, 5
+    model = staged(TINY, k, rows)
+    plain = paged(TINY, k)
+    routed: dict[int, list[np.ndarray]] = {}
+    model.routing_observers.append(
+        lambda layer, ids, w, ctx: routed.setdefault(layer, []).append(ids.flatten().numpy().copy())
+    )
+    long_prompt(model, 96, decode_steps=2)
+    long_prompt(plain, 96, decode_steps=2)
+    snap, base = model.counters.snapshot(), plain.counters.snapshot()
+    cfg = model.config
+    for layer in range(cfg.num_layers):
+        replay = replay_layer(routed[layer], cfg.num_experts, k, "lru", staging_rows=rows, stages=layer > 0)
+        assert snap.layers[layer].misses == int(replay.misses.sum()), layer
+        assert snap.layers[layer].hits == int(replay.hits.sum()), layer
+    p = snap.prefill
+    assert p.bytes_paged_in == p.misses * snap.expert_bytes > 0
+    assert p.hits + p.misses == base.prefill.hits + base.prefill.misses  # the same routing, served once each
+    prefill_waves, staging_waves = 0, 0  # the runtime's prefill waves are the planner's, STAGING ones included
+    for layer in range(cfg.num_layers):
+        ref = LayerResidency(cfg.num_experts, k)
+        for step, ids in enumerate(routed[layer]):
+            stage = ref.stage_candidates(rows, ids.size) if layer > 0 else ()
+            plan = ref.plan_step(ids.tolist(), staged=stage)
+            if step < 5:  # the short prompt, then the long one's four chunks
+                prefill_waves += len(plan.waves)
+                staging_waves += sum(w.table == STAGING and len(w.page_ins) > 0 for w in plan.waves)
+    assert p.waves == prefill_waves
+    # three chunks of 96 tokens with a decode token (388 pairs >= 8 x 32) stage in every layer but the first;
+    # the last chunk (32 tokens: 132 pairs) and the short prompt (16 pairs) do not
+    assert staging_waves == 3 * (cfg.num_layers - 1)
+
+
+def test_staging_needs_paged_mode_and_room_outside_the_slots() -> None:
+    with pytest.raises(ValueError, match="prefill_staging_rows applies to mode='paged'"):
+        RuntimeConfig(mode="resident", prefill_staging_rows=4)
+    with pytest.raises(ValueError, match=r"prefill_staging_rows must be in \[0, 256\]"):
+        RuntimeConfig(mode="paged", resident_experts=4, prefill_staging_rows=-1)
+    with pytest.raises(ValueError, match="exceeds the 4 experts a layer keeps outside its K=28 slots"):
+        staged(TINY, 28, 5)

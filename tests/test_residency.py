@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_experts.residency.policies import PREFILL_KEEP, LayerResidency, LfuPolicy
+from paged_experts.residency.policies import PREFILL_KEEP, SLOTS, STAGING, LayerResidency, LfuPolicy
 
 
 class BruteForceLru:
@@ -240,3 +240,38 @@ def test_lfu_keeps_frequent_expert() -> None:
     layer.plan_step([1])
     plan = layer.plan_step([5])
     assert plan.waves[0].page_ins == ((5, 1),)  # expert 1 used once, expert 0 three times
+
+
+def test_stage_candidates_are_the_least_recently_routed_outside_the_slots() -> None:
+    """Staging (RuntimeConfig.prefill_staging_rows): none below 8 pairs per expert; else up to R non-resident
+    experts, the least recently routed first, ties by id; a pure function of the state."""
+    r = LayerResidency(16, 4)  # slots hold 0..3
+    assert r.stage_candidates(3, 8 * 16 - 1) == () and r.stage_candidates(0, 10_000) == ()
+    assert r.stage_candidates(3, 8 * 16) == (4, 5, 6)  # nothing routed yet: by id
+    r.plan_step([4, 5, 9, 1])  # step 0: the slots hold 1, 4, 5, 9
+    r.plan_step([10, 11, 12, 13])  # step 1 evicts them all: 1, 4, 5, 9 were routed at step 0, 0..3 never
+    assert r.stage_candidates(20, 1000) == (0, 2, 3, 6, 7, 8, 14, 15, 1, 4, 5, 9)
+    assert r.stage_candidates(2, 1000) == (0, 2)
+
+
+def test_a_staged_step_serves_the_staged_experts_first_and_plans_the_rest() -> None:
+    """plan_step(routed, staged): a STAGING wave of the routed staged experts from their rows (every staged one a
+    page-in, routed or not), the rest planned as without them; the union counts them all."""
+    routed = [e for t in range(40) for e in ((t * 3) % 16, (t * 5 + 1) % 16)]  # every one of the 16 experts
+    plain, staged_r = LayerResidency(16, 4), LayerResidency(16, 4)
+    want = plain.plan_step(routed)
+    staged = staged_r.stage_candidates(3, 8 * 16)  # (4, 5, 6): non-resident
+    got = staged_r.plan_step(routed, staged=(*staged, 15))  # 15: also non-resident
+    first = got.waves[0]
+    assert first.table == STAGING and first.experts == (*staged, 15) and first.slots == (0, 1, 2, 3)
+    assert first.page_ins == ((4, 0), (5, 1), (6, 2), (15, 3)) and first.hits == 0
+    assert all(w.table == SLOTS for w in got.waves[1:])
+    assert got.union == want.union == 16 and got.misses == want.misses and got.hits == want.hits
+    served = [e for w in got.waves for e in w.experts]
+    assert sorted(served) == list(range(16))  # each routed expert in exactly one wave
+    assert not any(staged_r.is_resident(e) for e in (*staged, 15))  # staged experts never enter the slots
+    unrouted = LayerResidency(16, 4).plan_step([0, 1, 7, 8], staged=(9,))  # 9 is not routed: moved for nothing
+    assert unrouted.waves[0].experts == () and unrouted.waves[0].page_ins == ((9, 0),) and unrouted.misses == 3
+    for bad in ((0,), (9, 9), (16,)):  # resident, twice, out of range
+        with pytest.raises(ValueError, match="staged experts must be distinct"):
+            LayerResidency(16, 4).plan_step([0, 1, 7, 8], staged=bad)

@@ -29,6 +29,7 @@ EVERY_OPTION = [f.name for f in fields(ServeOptions)]
         {"mode": "paged", "resident_experts": 8, "device": "cuda", "copy_programs": 16},
         {"mode": "paged", "resident_experts": 8, "device": "cuda", "kernel_backend": "triton", "fused_page_in": True},
         {"mode": "paged", "resident_experts": 8, "device": "cuda", "page_in": "kernel"},
+        {"mode": "paged", "resident_experts": 8, "prefill_staging_rows": 12},
     ],
 )
 def test_the_generated_parser_reads_back_what_argv_writes(changes: dict[str, object]) -> None:
@@ -73,6 +74,8 @@ def test_every_option_has_one_flag_and_help_lists_them_in_declaration_order() ->
          "--fused-page-in needs --kernel-backend triton", "true needs kernel_backend triton"),
         ({"device": "cuda", "mode": "paged", "fused_page_in": True, "overlap_page_in": True}, "fused_page_in",
          "--fused-page-in and --overlap-page-in are two ways", "true and overlap_page_in are two ways"),
+        ({"device": "cpu", "mode": "resident", "prefill_staging_rows": 4}, "prefill_staging_rows",
+         "--prefill-staging-rows 4 applies to mode paged, not resident", "4 applies to mode paged, not resident"),
         ({"device": "cpu", "mode": "paged", "page_in": "kernel"}, "page_in",
          "--page-in 'kernel' needs --device cuda: it copies through the GPU", "'kernel' needs device: cuda"),
     ],

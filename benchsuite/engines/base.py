@@ -299,6 +299,7 @@ class TraceReplay:
     prefill_keep: str
     recorded: bool
     trace_file: str  # where the server writes its trace, relative to the run directory
+    staging_rows: int = 0  # the server's prefill staging rows (its replay stages as it did)
 
 
 @dataclass(frozen=True)

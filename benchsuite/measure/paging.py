@@ -203,16 +203,18 @@ def cell_steps(trace: Trace, before: dict[str, float], after: dict[str, float]) 
     return start, end
 
 
-def replay_trace(trace: Trace, k: int, prefill_keep: str, policy: str = "belady") -> StepCounts:
+def replay_trace(trace: Trace, k: int, prefill_keep: str, policy: str = "belady", staging_rows: int = 0) -> StepCounts:
     """Replays every recorded step (as batched, prompts included) through the runtime's residency
-    code with `policy` from the server's start (slots 0..K-1): once per server, sliced per cell."""
+    code with `policy` from the server's start (slots 0..K-1): once per server, sliced per cell;
+    `staging_rows` as the server staged (RuntimeConfig.prefill_staging_rows: every layer but the first)."""
     from benchsuite.tools.simulate import batched_steps, replay_layer, step_routed  # numpy: only with a trace
 
     steps = batched_steps(trace, 0, include_prefill=True)
     if len(steps) != len(trace.steps):  # a recorded step with no chunk would shift every step index
         raise ValueError("the trace has empty steps")
     replays = [replay_layer(step_routed(trace, steps, layer), trace.meta.num_experts, k, policy,
-                            prefill_keep=prefill_keep) for layer in range(trace.meta.num_layers)]  # fmt: skip
+                            prefill_keep=prefill_keep, staging_rows=staging_rows, stages=layer > 0)
+               for layer in range(trace.meta.num_layers)]  # fmt: skip
     return StepCounts(policy, sum(r.hits for r in replays), sum(r.misses for r in replays))
 
 

@@ -171,12 +171,18 @@ def replay_layer(
     policy: str,
     seed: int = 0,
     prefill_keep: str = DEFAULT_PREFILL_KEEP,
+    staging_rows: int = 0,
+    stages: bool = False,
 ) -> LayerReplay:
-    """Replay one layer's per-step routed ids (token order) through a fresh `LayerResidency`."""
+    """Replay one layer's per-step routed ids (token order) through a fresh `LayerResidency`.
+    `staging_rows` with `stages` (every paged layer but the first: the runtime stages a layer's page-ins
+    while the one before it computes): the experts the runtime copies into staging rows before a step
+    (`LayerResidency.stage_candidates`, a function of the state), served from there."""
     residency = LayerResidency(num_experts, k, _policy(policy, routed, seed), prefill_keep=prefill_keep)
     out = np.zeros((4, len(routed)), dtype=np.int64)  # hits, misses, waves, union per step
     for s, ids in enumerate(routed):
-        plan = residency.plan_step(ids.tolist())
+        staged = residency.stage_candidates(staging_rows, int(ids.size)) if stages else ()
+        plan = residency.plan_step(ids.tolist(), staged=staged)
         out[:, s] = (plan.hits, plan.misses, len(plan.waves), plan.union)
     return LayerReplay(*out)
 

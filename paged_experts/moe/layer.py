@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from paged_experts.kernels.fused import experts_over_rows, route_logits
+from paged_experts.moe.staging import StagingRows
 from paged_experts.moe.streaming import StepStreams
 from paged_experts.moe.waves import EXPERT_KERNELS, FUSED, WaveKernel
 from paged_experts.residency.counters import PagingCounters, TalliedCounters
@@ -58,6 +59,7 @@ class MoeShared:
     page_in: PageInEngine
     offload_buffer: ExpertTensors | None  # [E, ...] on the device, reused by every offloaded layer
     steps: StepStreams = field(default_factory=StepStreams)  # the current step's start (paged layers' page-ins)
+    staging: StagingRows | None = None  # RuntimeConfig.prefill_staging_rows: rows for a prefill layer's first page-ins
 
 
 class MoeLayer(ABC):

@@ -43,6 +43,7 @@ class PagedLayer(MoeLayer):
         self.device_lru = device_lru
         if device_lru is not None:
             shared.steps.device_planned.append(self)
+        shared.steps.paged.append(self)  # in layer order: the layer a prefill step stages for next
 
     @property
     def residency(self) -> LayerResidency:
@@ -76,9 +77,30 @@ class PagedLayer(MoeLayer):
         ids_cpu = ids.to("cpu", torch.long) if ids_cpu is None else ids_cpu  # [T, k]: the one sync per layer, if any
         stream = page_in_stream(sh.device)
         copies = LayerCopies(sh.device, stream, sh.steps, sh.counters, self.layer_idx, sh.expert_bytes)
-        run, n = self.waves.step(self.kernel, x, ids_cpu, self.host, self.device_experts, sh.page_in, copies)
+        staged = sh.staging.take(self.layer_idx, ctx) if sh.staging is not None else None
+        run, n = self.waves.step(
+            self.kernel, x, ids_cpu, self.host, self.device_experts, sh.page_in, copies, sh.staging, staged
+        )
+        self._stage_next(ids_cpu.numel(), ctx, stream)
         self.record_host(union=n.union, routed_pairs=ids_cpu.numel(), hits=n.hits, misses=n.misses, waves=n.waves)
         return run.finish(weights).to(sh.device)
+
+    def _stage_next(self, num_pairs: int, ctx: StepContext, stream: torch.cuda.Stream | None) -> None:
+        """With staging rows: the next paged layer's first page-ins of this step, copied now, behind this
+        layer's (moe/staging.py); nothing for a step below the staging threshold or after the last layer."""
+        sh, staging = self.shared, self.shared.staging
+        layers = sh.steps.paged
+        at = layers.index(self)
+        if staging is None or at + 1 >= len(layers):
+            return
+        nxt = layers[at + 1]
+        experts = nxt.residency.stage_candidates(staging.num_rows, num_pairs)
+        if not experts:
+            return
+        copies = LayerCopies(sh.device, stream, sh.steps, sh.counters, nxt.layer_idx, sh.expert_bytes)
+        staging.stage(
+            nxt.layer_idx, ctx, experts, copies, lambda pairs: sh.page_in.copy_rows(nxt.host, staging.rows, pairs)
+        )
 
     def _pull_stale_states(self) -> None:
         """Before a host-planned step: every paged layer's device state the host has not seen, read

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from paged_experts.kernels.copy_kernel import copy_planned
+from paged_experts.moe.staging import Staged, StagingRows
 from paged_experts.moe.streaming import LayerCopies
 from paged_experts.moe.waves import WaveKernel, WavePass
 from paged_experts.residency.device import DevicePlan, DeviceResidency
-from paged_experts.residency.policies import LayerResidency
+from paged_experts.residency.policies import STAGING, LayerResidency
 from paged_experts.residency.store import ExpertTensors, PageInEngine
 
 
@@ -49,14 +50,27 @@ class HostWaves:
         slots: ExpertTensors,
         page_in: PageInEngine,
         copies: LayerCopies,
+        staging: StagingRows | None = None,
+        staged: Staged | None = None,
     ) -> tuple[WavePass, StepCounts]:
         """x [T, H] on the slots' device, ids_cpu [T, k] -> (the pass with every wave issued: `finish`
         gives [T, H]; the step's counts). Each wave's page-ins are stream-ordered by `copies` (on
-        the page-in stream while earlier waves compute; inline on the CPU) and counted there."""
-        plan = self.residency.plan_step(ids_cpu.reshape(-1).numpy())  # [T*k], read in numpy
+        the page-in stream while earlier waves compute; inline on the CPU) and counted there.
+        `staged`: experts already copied into `staging`'s rows for this step (moe/staging.py), served
+        first from those rows."""
+        experts_staged = staged.experts if staged is not None else ()
+        plan = self.residency.plan_step(ids_cpu.reshape(-1).numpy(), staged=experts_staged)  # [T*k], in numpy
         run = kernel.begin(x, ids_cpu, self.residency.num_experts, slots.gate.device)
-        run.plan_waves(plan.waves, slots.num_rows)  # the pass lays out all waves at once (one host-to-device copy)
+        rows = max(slots.num_rows, staging.num_rows if staged is not None and staging is not None else 0)
+        run.plan_waves(plan.waves, rows)  # the pass lays out all waves at once (one host-to-device copy)
         for wave in plan.waves:
+            if wave.table == STAGING:  # copied before the plan: wait for them, then compute from the rows
+                assert staging is not None and staged is not None
+                copies.wait_staged(staged.landed)
+                run.wave(staging.rows, wave.experts, wave.slots)
+                copies.computed(wave)
+                staging.computed(slots.gate.device)
+                continue
             copies.page_in(wave, lambda pairs: page_in.copy_rows(host, slots, pairs))
             run.wave(slots, wave.experts, wave.slots)
             copies.computed(wave)

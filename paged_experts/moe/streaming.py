@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from paged_experts.residency.counters import PagingCounters, TimeMark
-from paged_experts.residency.policies import Wave
+from paged_experts.residency.policies import STAGING, Wave
 
 CopyRows = Callable[[Sequence[tuple[int, int]]], None]  # issues the copies of (expert, slot) pairs
 
@@ -78,6 +78,7 @@ class StepStreams:
         # Paged layers planned on the device register here, so the first host-planned layer of a step
         # reads every layer's device state at once (one host read per step, before any page-in).
         self.device_planned: list[Any] = []
+        self.paged: list[Any] = []  # every paged layer, in layer order (staging: the next one's page-ins)
 
     def enter(
         self, key: object, layer: int, seq_ids: Sequence[int], device: torch.device, counters: PagingCounters
@@ -144,9 +145,36 @@ class LayerCopies:
             landed.record(self.copy)
         self.compute.wait_event(landed)
 
+    def stage(
+        self, pairs: Sequence[tuple[int, int]], copy_rows: CopyRows, after: torch.cuda.Event | None
+    ) -> torch.cuda.Event | None:
+        """Staging-row copies (moe/staging.py) on the page-in stream after `after`, counted as this layer's
+        page-ins; the compute stream does not wait for them here (`wait_staged` does, before their wave).
+        Returns the event their landing records (None on the CPU, where they ran inline)."""
+        if self.copy is None:
+            start = mark(self.device)
+            copy_rows(pairs)
+            self._count(len(pairs), start, mark(self.device))
+            return None
+        with torch.cuda.stream(self.copy):
+            if after is not None:
+                self.copy.wait_event(after)
+            start = mark(self.device)
+            copy_rows(pairs)
+            self._count(len(pairs), start, mark(self.device))
+            landed = torch.cuda.Event()
+            landed.record(self.copy)
+        return landed
+
+    def wait_staged(self, landed: torch.cuda.Event | None) -> None:
+        """Before a STAGING wave's compute: the compute stream waits for the staged copies to land."""
+        if landed is not None and self.compute is not None:
+            self.compute.wait_event(landed)
+
     def computed(self, wave: Wave) -> None:
-        """After the wave's compute was issued: its slots are read until this point."""
-        for slot in wave.slots:
+        """After the wave's compute was issued: its slots are read until this point (a STAGING wave reads
+        staging rows, not slots: no slot's page-in waits for it)."""
+        for slot in wave.slots if wave.table != STAGING else ():
             self.slot_wave[slot] = len(self.done)
         if self.compute is not None:
             event = torch.cuda.Event()

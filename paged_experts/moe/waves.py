@@ -107,7 +107,7 @@ class _FusedPass:
         start, end = laid.starts[i], laid.starts[i + 1]
         if end == start:
             return
-        offs = laid.offs[i]  # [rows] int32
+        offs = laid.offs[i, : table.num_rows]  # [rows] int32 (the layout's rows cover every table: slots, staging)
         if table.is_fp8 and fp8_grouped_tiles(table) is None:
             # no grouped FP8 kernel: this wave's rows dequantized into a compact table in row order, whose
             # cumulative counts are the full table's at those rows (the other rows hold none of its pairs)

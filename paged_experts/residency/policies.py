@@ -32,6 +32,17 @@ compared by `benchsuite simulate --include-prefill --prefill-keep ...`, docs/pre
   nothing to do with the decode that follows.
 None of them moves a byte more than another: hits and misses of a step do not depend on the policy,
 only what the slots hold afterwards (and so the misses of the steps that follow).
+
+Staging rows (`RuntimeConfig.prefill_staging_rows`, docs/prefill.md): a prefill chunk routes to nearly
+every expert, and every one of a layer's K residents is routed, so a layer's first page-in must wait
+until a wave has computed the expert it evicts, i.e. until the layer's attention, its routing and the
+host's plan are done: the link idles there (~3.6 ms a layer on the H200, h200-prefill). R staging rows,
+shared by all layers, take the first page-ins of a layer without evicting anything: while layer i
+computes, the runtime copies layer i+1's `stage_candidates` (R non-resident experts, the least recently
+routed first: a chunk of >= 8 pairs per expert routes to them all but never to their first copy) into
+the staging rows, and layer i+1's `plan_step(..., staged=...)` serves them first, from those rows, as
+a wave of their own (`Wave.table == STAGING`). They never enter the slots; the rest is planned as before.
+A staged expert the chunk does not route moved its bytes for nothing: it is a page-in all the same.
 """
 
 from __future__ import annotations
@@ -166,14 +177,21 @@ class RandomPolicy:
         return self._rng.choice(sorted(candidates))
 
 
+SLOTS, STAGING = "slots", "staging"  # the table a wave reads: the layer's K slots, or the shared staging rows
+STAGE_MIN_PAIRS_PER_EXPERT = 8
+"""A step stages only when it routes at least this many pairs per expert (128 tokens of top-8 over 128
+experts): then nearly every expert is routed, and a staged one is almost never moved for nothing."""
+
+
 @dataclass(frozen=True)
 class Wave:
     """One compute pass over at most K distinct experts, after its page-ins."""
 
     experts: tuple[int, ...]  # distinct expert ids served in this wave
-    slots: tuple[int, ...]  # slot holding each of `experts`, same order
+    slots: tuple[int, ...]  # slot (or staging row) holding each of `experts`, same order
     page_ins: tuple[tuple[int, int], ...]  # (expert, slot) copied from the host before the wave
     hits: int  # experts of this wave already resident when the step began
+    table: str = SLOTS  # STAGING: rows copied before the step's plan (page_ins may hold unrouted experts)
 
 
 @dataclass(frozen=True)
@@ -236,14 +254,28 @@ class LayerResidency:
         self.slot_of: dict[int, int] = {e: e for e in range(num_slots)}
         self.expert_in: list[int] = list(range(num_slots))
         self.step = 0
+        self.last_routed = np.full(num_experts, -1, dtype=np.int64)  # [E] last step that routed each expert
+
+    def stage_candidates(self, rows: int, num_pairs: int) -> tuple[int, ...]:
+        """The experts to copy into `rows` staging rows before a step of `num_pairs` routed pairs (module
+        docstring): none below STAGE_MIN_PAIRS_PER_EXPERT pairs per expert; else up to `rows` non-resident
+        experts, the least recently routed first (ties: lowest id). A pure function of this state, so the
+        simulator replays what the runtime staged."""
+        if rows <= 0 or num_pairs < STAGE_MIN_PAIRS_PER_EXPERT * self.num_experts:
+            return ()
+        outside = np.array([e for e in range(self.num_experts) if e not in self.slot_of], dtype=np.int64)
+        order = np.lexsort((outside, self.last_routed[outside]))  # by last step routed, then id
+        return tuple(outside[order[:rows]].tolist())
 
     def is_resident(self, expert: int) -> bool:
         return expert in self.slot_of
 
-    def plan_step(self, routed: Iterable[int] | np.ndarray) -> StepPlan:
+    def plan_step(self, routed: Iterable[int] | np.ndarray, staged: Sequence[int] = ()) -> StepPlan:
         """Plan one step over the experts routed by all tokens of the step, in token order
         (`[T*k]` flattened, duplicates allowed: the order ranks experts for `prefill_keep`). A numpy
-        array (the runtime's prefill: 16,384 ids a chunk) is read in numpy; a list as it is."""
+        array (the runtime's prefill: 16,384 ids a chunk) is read in numpy; a list as it is.
+        `staged`: non-resident experts copied into staging row i = their index before the plan
+        (`stage_candidates`): served first, from those rows, by a STAGING wave; the rest as before."""
         if isinstance(routed, np.ndarray):
             routed = routed.reshape(-1).astype(np.int64, copy=False)
             low, high = (int(routed.min()), int(routed.max())) if routed.size else (0, 0)
@@ -256,6 +288,11 @@ class LayerResidency:
         if distinct and not (0 <= distinct[0] and distinct[-1] < self.num_experts):
             bad = distinct[0] if distinct[0] < 0 else distinct[-1]
             raise ValueError(f"expert id {bad} out of range [0, {self.num_experts})")
+        union = len(distinct)
+        self.last_routed[distinct] = self.step
+        staging: tuple[Wave, ...] = ()
+        if staged:
+            staging, distinct = self._staging_wave(staged, distinct)
         if len(distinct) <= self.num_slots:
             resident = [e for e in distinct if e in self.slot_of]
             missing = [e for e in distinct if e not in self.slot_of]
@@ -263,7 +300,23 @@ class LayerResidency:
         else:
             waves = self._plan_waves(routed, distinct)
         self.step += 1
-        return StepPlan(waves=waves, union=len(distinct))
+        return StepPlan(waves=staging + waves, union=union)
+
+    def _staging_wave(self, staged: Sequence[int], distinct: list[int]) -> tuple[tuple[Wave, ...], list[int]]:
+        """The STAGING wave of the `staged` experts the step routes (every staged one a page-in, routed or
+        not), and the routed experts left for the slots."""
+        if len(set(staged)) != len(staged) or any(e in self.slot_of or not 0 <= e < self.num_experts for e in staged):
+            raise ValueError(f"staged experts must be distinct, in range and not resident, got {tuple(staged)}")
+        routed = set(distinct)
+        served = [(e, row) for row, e in enumerate(staged) if e in routed]
+        for e, _ in served:
+            self.policy.on_use(e, self.step)
+        wave = Wave(
+            experts=tuple(e for e, _ in served), slots=tuple(r for _, r in served),
+            page_ins=tuple((e, row) for row, e in enumerate(staged)), hits=0, table=STAGING,
+        )  # fmt: skip
+        taken = {e for e, _ in served}
+        return (wave,), [e for e in distinct if e not in taken]
 
     def _plan_waves(self, routed: list[int] | np.ndarray, distinct: list[int]) -> tuple[Wave, ...]:
         """A step larger than K: waves of W = (K - P) // 2 experts (see the module docstring)."""

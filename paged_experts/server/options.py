@@ -150,6 +150,13 @@ class ServeOptions:
         "(kernel and staged: --device cuda)",
         choices=PAGE_IN_CHOICES,
     )
+    prefill_staging_rows: int = _opt(
+        0,
+        "--prefill-staging-rows",
+        "mode paged: N device rows, shared by all layers, that take a prefill chunk's first page-ins of a "
+        "layer while the layer before it computes (the link idles there otherwise: every slot holds an "
+        "expert the chunk routes); costs N experts' bytes of device memory (0: none)",
+    )
     prefill_residency: str | None = _opt(  # None: the residency default
         None,
         "--prefill-residency",
@@ -346,6 +353,12 @@ def problems(values: Mapping[str, Any], say: Namer = FLAGS) -> Iterator[Problem]
                 "fused_page_in",
                 f"{value} and {say.option('overlap_page_in')} are two ways to page the misses in: choose one",
             )
+    staging = get("prefill_staging_rows")
+    if staging is not None and not 0 <= staging <= 256:
+        yield Problem("prefill_staging_rows", f"{say.option('prefill_staging_rows')} must be in [0, 256]")
+    elif staging and mode != "paged":
+        value = say.value("prefill_staging_rows", staging)
+        yield Problem("prefill_staging_rows", f"{value} applies to mode paged, not {mode}")
     page_in = get("page_in")
     if page_in in ("kernel", "staged") and device != "cuda":
         value = say.value("page_in", page_in)

@@ -27,6 +27,7 @@ from paged_experts import fp8
 from paged_experts.config import MoeModelConfig
 from paged_experts.kernels.copy_kernel import copy_planned, graph_safe
 from paged_experts.moe import MoeLayer, MoeShared, make_layer
+from paged_experts.moe.staging import StagingRows
 from paged_experts.residency.counters import PagingCounters
 from paged_experts.residency.store import ExpertTensors, PageInEngine
 from paged_experts.runtime import RuntimeConfig
@@ -226,6 +227,10 @@ def build_shared(cfg: MoeModelConfig, runtime: RuntimeConfig) -> tuple[MoeShared
     h, inter, is_fp8 = cfg.hidden_size, cfg.moe_intermediate_size, cfg.fp8_weights
     row_kernel = copy_planned if graph_safe(device) else None  # FP8 scale rows of a direct page-in
     page_in = PageInEngine(device, runtime.page_in, h, inter, dtype, max_slots, is_fp8=is_fp8, row_kernel=row_kernel)
+    staging = None
+    if runtime.prefill_staging_rows:  # mode paged (RuntimeConfig): rows every paged layer shares
+        rows = ExpertTensors.empty(runtime.prefill_staging_rows, h, inter, dtype, device, is_fp8=is_fp8)
+        staging = StagingRows(rows)
     offload_buffer = None
     if "offload" in placements:
         offload_buffer = ExpertTensors.empty(cfg.num_experts, h, inter, dtype, device, is_fp8=is_fp8)
@@ -240,5 +245,6 @@ def build_shared(cfg: MoeModelConfig, runtime: RuntimeConfig) -> tuple[MoeShared
         counters=counters,
         page_in=page_in,
         offload_buffer=offload_buffer,
+        staging=staging,
     )
     return shared, placements

@@ -122,6 +122,54 @@ def test_kernel_page_in_prefill_equals_resident() -> None:
     assert calls["_copy_kernel"] > 0 and calls["_copy_direct"] == 0, calls
 
 
+def test_staging_rows_prefill_equals_resident_and_does_not_sync() -> None:
+    """prefill_staging_rows: each layer's first page-ins of a chunk copied into shared rows on the page-in stream
+    while the layer before computes, then served from there: the same bits as resident (bf16, FP8, and with
+    every wave's compute delayed so copies run far ahead of it), staged copies on every layer but the first
+    of each large chunk, and no host synchronization with host-known routing."""
+    from paged_experts.moe.staging import StagingRows
+
+    calls, stage = [0], StagingRows.stage
+
+    def counted(self: StagingRows, *args: object) -> None:
+        calls[0] += 1
+        stage(self, *args)  # type: ignore[arg-type]
+
+    StagingRows.stage = counted  # type: ignore[method-assign]
+    try:
+        want = {c: long_prompt(MoeCausalLM.from_pretrained(QWEN2, rt(mode="resident")), c) for c in (600, 256)}
+        for k, rows in ((16, 16), (32, 24)):
+            model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=k, prefill_staging_rows=rows))
+            for chunk, ref in want.items():
+                assert_same(long_prompt(model, chunk), ref, f"K={k}, {rows} staging rows, chunks of {chunk}")
+        # chunks of 600 (one large chunk) and of 256 (two large ones; 88 tokens are below 8 pairs per expert),
+        # two models, every layer but the first of 2
+        assert calls[0] == 2 * (1 + 2), calls
+        want_fp8 = long_prompt(MoeCausalLM.from_pretrained(FP8, rt(mode="resident")), 256)
+        model = MoeCausalLM.from_pretrained(FP8, rt(mode="paged", resident_experts=16, prefill_staging_rows=8))
+        assert_same(long_prompt(model, 256), want_fp8, "FP8 K=16, 8 staging rows")
+        original_wave = _delay_every_wave()
+        try:
+            model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=32, prefill_staging_rows=24))
+            got = long_prompt(model, 600, decode_steps=0)
+            assert_same(got, want[600][: len(got)], "staging rows, delayed compute")
+        finally:
+            waves_module._FusedPass.wave = original_wave  # type: ignore[method-assign]
+    finally:
+        StagingRows.stage = stage  # type: ignore[method-assign]
+    model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=32, prefill_staging_rows=24))
+    router = make_router("qwen3-30b-a3b", model.config, seed=1)
+    _prefill_layers(model, router)  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _prefill_layers(model, router)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert model.counters.snapshot().prefill.misses > 0
+
+
 def _delay_every_wave() -> object:
     """Puts SLEEP_CYCLES on the compute stream before each wave's compute; returns the original."""
     original = waves_module._FusedPass.wave

@@ -58,7 +58,7 @@ _SERVER_NAME = {matrix: server for server, matrix in _MATRIX_NAME.items()}
 # the server options whose rules (options.problems) a matrix can break
 _RULED: tuple[str, ...] = ("cuda_graph_max_bs", "enable_torch_compile", "kernel_backend", "prefetch_next_layer")
 _RULED += ("overlap_page_in", "overlap_groups", "copy_programs", "fused_page_in", "prefill_residency")
-_RULED += ("eviction_policy", "page_in")
+_RULED += ("eviction_policy", "page_in", "prefill_staging_rows")
 _LEADING_FLAGS: tuple[str, ...] = ("model_path", "host", "port", "mode", "device", "max_running_requests")
 _LEADING_FLAGS += ("max_total_tokens", "resident_experts", "offload_layers", "n_cpu_moe", "dtype")
 _TRAILING_FLAGS: tuple[str, ...] = ("record_routing", "prefill_residency", "eviction_policy", "cuda_graph_max_bs")
@@ -115,6 +115,9 @@ class BuiltinOptions(EngineOptions):
     # How host-planned page-ins copy (RuntimeConfig.page_in): direct (DMAs), kernel (one Triton launch per
     # group of rows), staged; unset like fused_page_in (the server's auto: direct on CUDA)
     page_in: Literal["auto", "direct", "kernel", "staged"] | None = Field(None, exclude_if=lambda v: v is None)
+    # Paged: device rows for a prefill layer's first page-ins (RuntimeConfig.prefill_staging_rows); unset like
+    # page_in (the server's 0: none)
+    prefill_staging_rows: int | None = Field(None, ge=0, exclude_if=lambda v: v is None)
     expert_kernel: Literal["fused", "loop"] = "fused"  # grouped matmuls, or the per-expert reference loop
     overlap_schedule: bool = True  # launch a greedy decode step before the previous one's tokens are read
     cpu_threads: int | None = Field(None, ge=1)  # torch's intra-op threads; None: this machine's cores minus one
@@ -181,6 +184,7 @@ class BuiltinOptions(EngineOptions):
             "copy_programs": self.copy_programs,
             "fused_page_in": bool(self.fused_page_in),
             "page_in": self.resolved_page_in(),
+            "prefill_staging_rows": self.prefill_staging_rows or 0,
             "expert_kernel": self.expert_kernel,
             "overlap_schedule": self.overlap_schedule,
             "cpu_threads": self.cpu_threads or default_cpu_threads(),
@@ -290,6 +294,7 @@ class BuiltinAdapter(EngineAdapter):
             copy_programs=perf["copy_programs"],
             fused_page_in=perf["fused_page_in"],
             page_in=opts.page_in or "auto",
+            prefill_staging_rows=opts.prefill_staging_rows or 0,
             overlap_schedule=perf["overlap_schedule"],
             cpu_threads=perf["cpu_threads"],
             served_model_name=opts.model,  # what the runner's requests name (404 for another name)
@@ -298,7 +303,8 @@ class BuiltinAdapter(EngineAdapter):
         overlap = ("overlap_page_in", "overlap_groups") if serve.overlap_page_in else ()  # written when on
         capped = ("copy_programs",) if serve.copy_programs is not None else ()  # written when set
         fused = ("fused_page_in",) if serve.fused_page_in else ()  # written when on
-        copies = ("page_in",) if opts.page_in is not None else ()  # written when set
+        copies: tuple[str, ...] = ("page_in",) if opts.page_in is not None else ()  # written when set
+        copies += ("prefill_staging_rows",) if opts.prefill_staging_rows is not None else ()
         # every flag explicit, in the order earlier manifests wrote them (the command line is recorded)
         order = (*_LEADING_FLAGS, "routing_source", *seed, *_TRAILING_FLAGS, *overlap, *capped, *fused, *copies)
         argv = [sys.executable, "-m", "paged_experts.server", *serve.argv(order)]
@@ -310,7 +316,7 @@ class BuiltinAdapter(EngineAdapter):
         k, keep = opts.placement().resident_experts, opts.resolved_prefill_residency()  # keep: None unless paged
         if opts.mode != "paged" or k is None or keep is None:
             return None
-        return TraceReplay(k, keep, opts.record_routing, _trace_file(spec))
+        return TraceReplay(k, keep, opts.record_routing, _trace_file(spec), opts.prefill_staging_rows or 0)
 
     def resolved_options(self, spec: ServerSpec) -> dict[str, Any]:
         """The options in force, defaults resolved (the performance ones depend on device and mode)."""
