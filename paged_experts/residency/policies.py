@@ -42,7 +42,8 @@ computes, the runtime copies layer i+1's `stage_candidates` (R non-resident expe
 routed first: a chunk of >= 8 pairs per expert routes to them all but never to their first copy) into
 the staging rows, and layer i+1's `plan_step(..., staged=...)` serves them first, from those rows, as
 a wave of their own (`Wave.table == STAGING`). They never enter the slots; the rest is planned as before.
-A staged expert the chunk does not route moved its bytes for nothing: it is a page-in all the same.
+A staged expert the chunk does not route moved its bytes for nothing: it is a page-in all the same (a
+miss, and in the step's union, which then counts the experts served or paged in).
 """
 
 from __future__ import annotations
@@ -292,6 +293,9 @@ class LayerResidency:
         self.last_routed[distinct] = self.step
         staging: tuple[Wave, ...] = ()
         if staged:
+            # the union counts what the step served or paged in: a staged expert it does not route still
+            # crossed the link (a miss), so hits + misses == union holds (PagingCounters checks it)
+            union = len(set(distinct) | set(staged))
             staging, distinct = self._staging_wave(staged, distinct)
         if len(distinct) <= self.num_slots:
             resident = [e for e in distinct if e in self.slot_of]
