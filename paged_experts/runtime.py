@@ -40,7 +40,7 @@ class RuntimeConfig:
     dtype: str = "float32"
     # How host-planned page-ins (prefill waves, steps above one wave, offload) copy host rows to the device
     # (residency/store.py): 'auto' = 'direct' (a DMA per tensor and run) on CUDA, 'index' on the CPU;
-    # 'kernel' = one Triton copy launch per group of rows (CUDA; measured by configs/h200/prefill.yaml).
+    # 'kernel' = one Triton copy launch per group of rows (CUDA; measured by configs/h200/kernelcopy.yaml).
     page_in: Literal["auto", "direct", "kernel", "staged"] = "auto"
     # Paged one-wave steps planned and paged in on the device (no host sync, CUDA-graph capturable):
     # 'auto' = on for CUDA, off on the CPU (where the host planner is the cheaper path).

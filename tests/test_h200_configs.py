@@ -204,10 +204,10 @@ def test_the_fused_matrix_measures_the_fused_page_in_on_both_routings(
 def test_the_prefill_matrix_measures_the_kernel_page_in_on_both_routings(
     stand_ins: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """configs/h200/prefill.yaml: paged FP8 at paged16's K=49 with the prefill's page-ins as DMAs and as one copy
+    """configs/h200/kernelcopy.yaml: paged FP8 at paged16's K=49 with the prefill's page-ins as DMAs and as one copy
     kernel launch per group, on both routings, 2,048-token prompts at c=1 and c=4; resident FP8 on each routing
     (the compute reference); the commands name the copy each paged server runs."""
-    path = CONFIGS / "prefill.yaml"
+    path = CONFIGS / "kernelcopy.yaml"
     assert main(["run", str(path), "--dry-run"]) == 0
     out = capsys.readouterr().out
     plan = build_plan(load_matrix(path))

@@ -20,7 +20,7 @@ Page-in of a wave's misses never synchronizes the host per expert. Strategies:
   pinned rows over the link (51.3 GB/s at 64 experts against the DMA's 52.9,
   `benchmarks/results/h200/decode_h200_48l.txt`), and the host issues one launch where `direct`
   issues a DMA per tensor and run (~72 a prefill wave of 12 FP8 experts). For the host-bound paged
-  prefill; `RuntimeConfig.page_in`, measured by configs/h200/prefill.yaml;
+  prefill; `RuntimeConfig.page_in`, measured by configs/h200/kernelcopy.yaml;
 - `staged` (CUDA): gather the rows into a pinned staging buffer on the host, one `non_blocking`
   copy per tensor to a device staging buffer, then one `index_copy_` into the slots. The staging
   buffer is reused, so the host waits for the previous staged copy (once per wave, not per expert).
