@@ -217,11 +217,7 @@ def test_the_prefill_matrix_measures_the_kernel_page_in_on_both_routings(
     resident = sorted(s.options.routing for s in plan.servers if s.options.mode == "resident")
     assert resident == ["model", "qwen3-30b-a3b"]
     assert out.count("--page-in kernel") == 2 and out.count("--page-in direct") == 2
-    m = load_matrix(path).matrix
-    assert m.linkbw and m.repeats >= 2
-    for workload in m.workloads.values():
-        assert workload.prompt_classes == ["2048"] and workload.concurrency == [1, 4]
-        assert workload.warmup_requests >= max(workload.concurrency)
+    _long_prompts_at_c1_and_c4(path)
 
 
 def test_the_staging_matrix_measures_staging_rows_on_both_routings(
@@ -241,6 +237,12 @@ def test_the_staging_matrix_measures_staging_rows_on_both_routings(
         ("qwen3-30b-a3b", 48, 40), ("qwen3-30b-a3b", 49, 0), ("qwen3-30b-a3b", 49, 24),
     ]  # fmt: skip
     assert out.count("--prefill-staging-rows 24") == 2 and out.count("--prefill-staging-rows 40") == 2
+    _long_prompts_at_c1_and_c4(path)
+
+
+def _long_prompts_at_c1_and_c4(path: Path) -> None:
+    """A prefill matrix's shared terms: the link probe, >= 2 repeats, 2,048-token prompts at c=1 and c=4 with
+    warm-ups at each concurrency."""
     m = load_matrix(path).matrix
     assert m.linkbw and m.repeats >= 2
     for workload in m.workloads.values():

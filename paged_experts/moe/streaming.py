@@ -127,9 +127,7 @@ class LayerCopies:
         if not wave.page_ins:
             return
         if self.copy is None:
-            start = mark(self.device)
-            copy_rows(wave.page_ins)
-            self._count(len(wave.page_ins), start, mark(self.device))
+            self._timed(wave.page_ins, copy_rows)
             return
         assert self.compute is not None
         with torch.cuda.stream(self.copy):
@@ -138,9 +136,7 @@ class LayerCopies:
                     computed = self.done[after]
                     assert computed is not None  # a copy stream: every wave's compute recorded its event
                     self.copy.wait_event(computed)
-                start = mark(self.device)
-                copy_rows(pairs)
-                self._count(len(pairs), start, mark(self.device))
+                self._timed(pairs, copy_rows)
             landed = torch.cuda.Event()
             landed.record(self.copy)
         self.compute.wait_event(landed)
@@ -152,16 +148,12 @@ class LayerCopies:
         page-ins; the compute stream does not wait for them here (`wait_staged` does, before their wave).
         Returns the event their landing records (None on the CPU, where they ran inline)."""
         if self.copy is None:
-            start = mark(self.device)
-            copy_rows(pairs)
-            self._count(len(pairs), start, mark(self.device))
+            self._timed(pairs, copy_rows)
             return None
         with torch.cuda.stream(self.copy):
             if after is not None:
                 self.copy.wait_event(after)
-            start = mark(self.device)
-            copy_rows(pairs)
-            self._count(len(pairs), start, mark(self.device))
+            self._timed(pairs, copy_rows)
             landed = torch.cuda.Event()
             landed.record(self.copy)
         return landed
@@ -187,6 +179,12 @@ class LayerCopies:
         """After the layer-step's last wave was issued (a prefill step's span runs to here)."""
         if self.step.prefill:
             self.counters.prefill_layer_end(end=mark(self.device), waves=waves, hits=hits, misses=misses)
+
+    def _timed(self, pairs: Sequence[tuple[int, int]], copy_rows: CopyRows) -> None:
+        """Issues the copies of `pairs` between two marks on the current stream, and counts them."""
+        start = mark(self.device)
+        copy_rows(pairs)
+        self._count(len(pairs), start, mark(self.device))
 
     def _count(self, rows: int, start: TimeMark, end: TimeMark) -> None:
         num_bytes = rows * self.row_bytes

@@ -157,17 +157,7 @@ def test_staging_rows_prefill_equals_resident_and_does_not_sync() -> None:
             waves_module._FusedPass.wave = original_wave  # type: ignore[method-assign]
     finally:
         StagingRows.stage = stage  # type: ignore[method-assign]
-    model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=32, prefill_staging_rows=24))
-    router = make_router("qwen3-30b-a3b", model.config, seed=1)
-    _prefill_layers(model, router)  # warm-up
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        _prefill_layers(model, router)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    assert model.counters.snapshot().prefill.misses > 0
+    _host_known_routing_does_not_sync(prefill_staging_rows=24)
 
 
 def _delay_every_wave() -> object:
@@ -232,11 +222,11 @@ def _prefill_layers(model: MoeCausalLM, router: object | None, tokens: int = 512
 
 def test_prefill_with_host_known_routing_does_not_sync() -> None:
     for page_in in ("direct", "kernel"):
-        _host_known_routing_does_not_sync(page_in)
+        _host_known_routing_does_not_sync(page_in=page_in)
 
 
-def _host_known_routing_does_not_sync(page_in: str) -> None:
-    model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=32, page_in=page_in))
+def _host_known_routing_does_not_sync(**options: object) -> None:
+    model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=32, **options))
     router = make_router("qwen3-30b-a3b", model.config, seed=1)
     _prefill_layers(model, router)  # warm-up: the grouped backend decided, allocator blocks made
     torch.cuda.synchronize()
