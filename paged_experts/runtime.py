@@ -18,6 +18,7 @@ from paged_experts.residency.policies import (
     DEFAULT_EVICTION_POLICY,
     DEFAULT_PREFILL_KEEP,
     EVICTION_POLICIES,
+    MAX_STAGING_ROWS,
     PREFILL_KEEP,
 )
 
@@ -98,8 +99,10 @@ class RuntimeConfig:
             raise ValueError("page_in='kernel' needs Triton (a CUDA build of torch): its copy is a Triton kernel")
         if self.device_planning not in ("auto", "on", "off"):
             raise ValueError(f"device_planning must be 'auto', 'on' or 'off', got {self.device_planning!r}")
-        if not 0 <= self.prefill_staging_rows <= 256:
-            raise ValueError(f"prefill_staging_rows must be in [0, 256], got {self.prefill_staging_rows}")
+        if not 0 <= self.prefill_staging_rows <= MAX_STAGING_ROWS:
+            raise ValueError(
+                f"prefill_staging_rows must be in [0, {MAX_STAGING_ROWS}], got {self.prefill_staging_rows}"
+            )
         if self.prefill_staging_rows and self.mode != "paged":
             raise ValueError(f"prefill_staging_rows applies to mode='paged', not {self.mode!r}")
         if self.prefill_residency not in PREFILL_KEEP:

@@ -241,21 +241,34 @@ def test_staging_rows_equal_resident(resident_fp32: dict[int, list[torch.Tensor]
     assert_same(long_prompt(staged(TINY_FP8, 7, 4), 128), want, "FP8 K=7, 4 rows")
 
 
-def test_staging_counts_as_page_ins_and_replays_in_the_simulator() -> None:
+@pytest.mark.parametrize(("device_planning", "k"), [("off", 6), ("on", 8)])
+def test_staging_counts_as_page_ins_and_replays_in_the_simulator(device_planning: str, k: int) -> None:
     """What a staged run counts (per layer and for the prefill) is what the simulator's replay of the same
     routing with the same staging rule plans (every layer but the first stages); bytes = misses x expert
-    bytes; the STAGING wave is one more wave per staged layer-step."""
+    bytes. With device planning (K=8: the two-token decode steps fit one wave and are planned on the device,
+    whose state the host sees only in part) the replay still stages what the runtime staged."""
     from benchsuite.tools.simulate import replay_layer
 
-    k, rows = 6, 5
-    model = staged(TINY, k, rows)
-    plain = paged(TINY, k)
+    rows = 5
+    runtime = RuntimeConfig(
+        mode="paged", resident_experts=k, prefill_staging_rows=rows, device_planning=device_planning
+    )
+    model = MoeCausalLM.from_pretrained(TINY, runtime)
+    plain = MoeCausalLM.from_pretrained(
+        TINY, RuntimeConfig(mode="paged", resident_experts=k, device_planning=device_planning)
+    )
     routed: dict[int, list[np.ndarray]] = {}
     model.routing_observers.append(
         lambda layer, ids, w, ctx: routed.setdefault(layer, []).append(ids.flatten().numpy().copy())
     )
-    long_prompt(model, 96, decode_steps=2)
-    long_prompt(plain, 96, decode_steps=2)
+    for m in (model, plain):
+        long_prompt(m, 96, decode_steps=2)
+        pool = KvPool.for_model(m, capacity_tokens=512)
+        seq = pool.new_sequence()
+        m.forward([SeqChunk(seq, PROMPT[:200], 0)])  # a large step, then 12 one-token steps (device-planned
+        for step in range(12):  # with device planning on), then another large step
+            m.forward([SeqChunk(seq, [9 + step], seq.num_tokens)])
+        m.forward([SeqChunk(pool.new_sequence(), PROMPT[100:300], 0)])
     snap, base = model.counters.snapshot(), plain.counters.snapshot()
     cfg = model.config
     for layer in range(cfg.num_layers):
@@ -271,13 +284,13 @@ def test_staging_counts_as_page_ins_and_replays_in_the_simulator() -> None:
         for step, ids in enumerate(routed[layer]):
             stage = ref.stage_candidates(rows, ids.size) if layer > 0 else ()
             plan = ref.plan_step(ids.tolist(), staged=stage)
-            if step < 5:  # the short prompt, then the long one's four chunks
-                prefill_waves += len(plan.waves)
+            if step in (0, 1, 2, 3, 4, 7, 20):  # steps with a prompt: the short one, the long one's four chunks,
+                prefill_waves += len(plan.waves)  # then the two 200-token prompts
                 staging_waves += sum(w.table == STAGING and len(w.page_ins) > 0 for w in plan.waves)
     assert p.waves == prefill_waves
-    # three chunks of 96 tokens with a decode token (388 pairs >= 8 x 32) stage in every layer but the first;
-    # the last chunk (32 tokens: 132 pairs) and the short prompt (16 pairs) do not
-    assert staging_waves == 3 * (cfg.num_layers - 1)
+    # three chunks of 96 tokens with a decode token (388 pairs >= 8 x 32) and the two 200-token prompts stage in
+    # every layer but the first; the last chunk (32 tokens: 132 pairs) and the short prompt (16 pairs) do not
+    assert staging_waves == 5 * (cfg.num_layers - 1)
 
 
 def test_staging_needs_paged_mode_and_room_outside_the_slots() -> None:

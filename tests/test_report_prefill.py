@@ -69,6 +69,10 @@ def test_at_concurrency_above_one_the_row_says_the_ttft_holds_several_chunks() -
     assert table.loc["c4", "ttft_of_floor"] == pytest.approx(2.5)
     assert table.loc["c4", "span_of_floor"] == pytest.approx(0.8)
     assert table.loc["c1", "note"] == ""
+    resident = prefill_table(
+        pd.DataFrame([cell("r4", "resident", 0.4, 0.0, concurrency=4)]), [run({"paging_gb_per_s": 50.0})]
+    )
+    assert resident.loc[0, "note"] == ""  # no floor: nothing to hold the TTFT against
 
 
 def test_without_a_link_the_rows_show_bytes_and_times_and_say_why() -> None:

@@ -242,16 +242,18 @@ def test_lfu_keeps_frequent_expert() -> None:
     assert plan.waves[0].page_ins == ((5, 1),)  # expert 1 used once, expert 0 three times
 
 
-def test_stage_candidates_are_the_least_recently_routed_outside_the_slots() -> None:
+def test_stage_candidates_are_what_the_latest_large_steps_routed_outside_the_slots() -> None:
     """Staging (RuntimeConfig.prefill_staging_rows): none below 8 pairs per expert; else up to R non-resident
-    experts, the least recently routed first, ties by id; a pure function of the state."""
+    experts, the ones the latest large steps routed first, ties by id. Small steps leave no history (the device
+    plans them where it can, and the host would not see it)."""
     r = LayerResidency(16, 4)  # slots hold 0..3
     assert r.stage_candidates(3, 8 * 16 - 1) == () and r.stage_candidates(0, 10_000) == ()
-    assert r.stage_candidates(3, 8 * 16) == (4, 5, 6)  # nothing routed yet: by id
-    r.plan_step([4, 5, 9, 1])  # step 0: the slots hold 1, 4, 5, 9
-    r.plan_step([10, 11, 12, 13])  # step 1 evicts them all: 1, 4, 5, 9 were routed at step 0, 0..3 never
-    assert r.stage_candidates(20, 1000) == (0, 2, 3, 6, 7, 8, 14, 15, 1, 4, 5, 9)
-    assert r.stage_candidates(2, 1000) == (0, 2)
+    assert r.stage_candidates(3, 8 * 16) == (4, 5, 6)  # no history: by id
+    r.plan_step([4, 5, 9, 1])  # a small step: the slots hold 1, 4, 5, 9, no history
+    r.plan_step([10, 11] * 64)  # a large step (128 pairs) routes 10 and 11: they evict 1 and 4
+    r.plan_step([12, 13, 14, 15])  # a small step evicts 5, 9, 10, 11
+    assert r.stage_candidates(4, 1000) == (10, 11, 0, 1)
+    assert (r.large_steps, r.last_large[10], r.last_large[12]) == (1, 0, -1)
 
 
 def test_a_staged_step_serves_the_staged_experts_first_and_plans_the_rest() -> None:

@@ -78,7 +78,7 @@ def _row(c: pd.Series, link: float | None, link_why: str, resident: float | None
         notes.append(link_why)
     span = _value(c, "prefill_span_s_per_chunk")
     concurrency = int(c["concurrency"])
-    if concurrency > 1 and ttft is not None:
+    if concurrency > 1 and ttft is not None and floor_s:
         notes.append(
             f"c={concurrency}: the TTFT p50 holds ~{(concurrency + 1) / 2:g} chunks (prompts prefill a chunk a step); "
             "span_of_floor is one chunk's"

@@ -76,7 +76,7 @@ class LayerStats:
     hits: int
     misses: int
     waves: int  # summed over steps
-    union: int  # summed over steps: distinct experts routed per step
+    union: int  # summed over steps: distinct experts routed per step (and staged ones not routed: policies.StepPlan)
 
     @property
     def hit_rate(self) -> float:

@@ -89,9 +89,11 @@ class PagedLayer(MoeLayer):
         """With staging rows: the next paged layer's first page-ins of this step, copied now, behind this
         layer's (moe/staging.py); nothing for a step below the staging threshold or after the last layer."""
         sh, staging = self.shared, self.shared.staging
+        if staging is None:
+            return
         layers = sh.steps.paged
         at = layers.index(self)
-        if staging is None or at + 1 >= len(layers):
+        if at + 1 >= len(layers):
             return
         nxt = layers[at + 1]
         experts = nxt.residency.stage_candidates(staging.num_rows, num_pairs)
@@ -209,6 +211,7 @@ class PagedLayer(MoeLayer):
         k, keep = self.device_lru.residency.num_slots, self.residency.prefill_keep
         state = LayerResidency(self.shared.num_experts, k, prefill_keep=keep)
         self.device_lru.residency.pull_to(state)
+        state.large_steps, state.last_large = self.residency.large_steps, self.residency.last_large.copy()  # host-only
         return state
 
 

@@ -14,6 +14,9 @@ chunk: the link, not the compute, sets the chunk's time. What keeps the link bus
   when the routing is known on the host before the device computes it (a synthetic router
   override), the host plans layer i+1 while layer i's copies are still in flight, and layer i+1's
   page-ins queue right behind them.
+- with prefill staging rows (moe/staging.py), layer i+1's first page-ins go into rows shared by all layers
+  right behind layer i's page-ins (`LayerCopies.stage`, after the previous STAGING wave read the rows), and
+  its STAGING wave waits for them (`wait_staged`); no slot's page-in waits for a STAGING wave.
 With the model's own router the routed ids are read once per layer (the host plans from them);
 nothing else synchronizes.
 

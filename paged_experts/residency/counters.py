@@ -1,7 +1,8 @@
 """Paging counters per MoE layer and in total; `snapshot()` returns plain frozen data.
 
 Definitions (one layer-step is one MoE layer in one `forward`):
-- `activations`: distinct experts routed in the layer-step (the union), summed over steps;
+- `activations`: distinct experts routed in the layer-step (the union; with prefill staging rows, also a
+  staged expert the step did not route, paged in all the same), summed over steps;
 - `routed_pairs`: tokens x top_k, summed over steps;
 - `hits`: activations already in a device slot when the step began (paged) or resident anyway;
 - `misses`: activations copied from the host store before use (paged page-ins; offload counts

@@ -38,9 +38,9 @@ every expert, and every one of a layer's K residents is routed, so a layer's fir
 until a wave has computed the expert it evicts, i.e. until the layer's attention, its routing and the
 host's plan are done: the link idles there (~3.6 ms a layer on the H200, h200-prefill). R staging rows,
 shared by all layers, take the first page-ins of a layer without evicting anything: while layer i
-computes, the runtime copies layer i+1's `stage_candidates` (R non-resident experts, the least recently
-routed first: a chunk of >= 8 pairs per expert routes to them all but never to their first copy) into
-the staging rows, and layer i+1's `plan_step(..., staged=...)` serves them first, from those rows, as
+computes, the runtime copies layer i+1's `stage_candidates` (R non-resident experts, the ones the
+latest large steps routed first; only for a step of >= 8 pairs per expert, which routes nearly every
+expert) into the staging rows, and layer i+1's `plan_step(..., staged=...)` serves them first, from those rows, as
 a wave of their own (`Wave.table == STAGING`). They never enter the slots; the rest is planned as before.
 A staged expert the chunk does not route moved its bytes for nothing: it is a page-in all the same (a
 miss, and in the step's union, which then counts the experts served or paged in).
@@ -51,7 +51,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 
@@ -178,7 +178,10 @@ class RandomPolicy:
         return self._rng.choice(sorted(candidates))
 
 
-SLOTS, STAGING = "slots", "staging"  # the table a wave reads: the layer's K slots, or the shared staging rows
+WaveTable = Literal["slots", "staging"]  # the table a wave reads: the layer's K slots, or the shared staging rows
+SLOTS: WaveTable = "slots"
+STAGING: WaveTable = "staging"
+MAX_STAGING_ROWS = 256  # RuntimeConfig.prefill_staging_rows' bound: a sanity limit (E - K bounds it per model)
 STAGE_MIN_PAIRS_PER_EXPERT = 8
 """A step stages only when it routes at least this many pairs per expert (128 tokens of top-8 over 128
 experts): then nearly every expert is routed, and a staged one is almost never moved for nothing."""
@@ -192,13 +195,13 @@ class Wave:
     slots: tuple[int, ...]  # slot (or staging row) holding each of `experts`, same order
     page_ins: tuple[tuple[int, int], ...]  # (expert, slot) copied from the host before the wave
     hits: int  # experts of this wave already resident when the step began
-    table: str = SLOTS  # STAGING: rows copied before the step's plan (page_ins may hold unrouted experts)
+    table: WaveTable = SLOTS  # STAGING: rows copied before the step's plan (page_ins may hold unrouted experts)
 
 
 @dataclass(frozen=True)
 class StepPlan:
     waves: tuple[Wave, ...]
-    union: int  # distinct experts routed in the step
+    union: int  # distinct experts routed in the step, and any staged one it did not route (paged in all the same)
 
     @property
     def hits(self) -> int:
@@ -255,17 +258,26 @@ class LayerResidency:
         self.slot_of: dict[int, int] = {e: e for e in range(num_slots)}
         self.expert_in: list[int] = list(range(num_slots))
         self.step = 0
-        self.last_routed = np.full(num_experts, -1, dtype=np.int64)  # [E] last step that routed each expert
+        # Staging's history, kept by large steps only (>= STAGE_MIN_PAIRS_PER_EXPERT pairs per expert: prefill
+        # chunks, which this planner always plans, also where the device plans the small steps, whose state the
+        # host sees only in part): how many such steps were planned, and the last one that routed each expert.
+        self.large_steps = 0
+        self.last_large = np.full(num_experts, -1, dtype=np.int64)  # [E]
+
+    def stages(self, num_pairs: int) -> bool:
+        """Whether a step of `num_pairs` routed pairs is large enough to stage for (and to count in its history)."""
+        return num_pairs >= STAGE_MIN_PAIRS_PER_EXPERT * self.num_experts
 
     def stage_candidates(self, rows: int, num_pairs: int) -> tuple[int, ...]:
         """The experts to copy into `rows` staging rows before a step of `num_pairs` routed pairs (module
-        docstring): none below STAGE_MIN_PAIRS_PER_EXPERT pairs per expert; else up to `rows` non-resident
-        experts, the least recently routed first (ties: lowest id). A pure function of this state, so the
-        simulator replays what the runtime staged."""
-        if rows <= 0 or num_pairs < STAGE_MIN_PAIRS_PER_EXPERT * self.num_experts:
+        docstring): none for a step below `stages`; else up to `rows` non-resident experts, the ones the
+        latest large steps routed first (a chunk most likely routes them again: those it does not were
+        copied for nothing), ties by lowest id. A function of the slots and the large steps' history alone,
+        which runtime and simulator keep alike whoever plans the small steps."""
+        if rows <= 0 or not self.stages(num_pairs):
             return ()
         outside = np.array([e for e in range(self.num_experts) if e not in self.slot_of], dtype=np.int64)
-        order = np.lexsort((outside, self.last_routed[outside]))  # by last step routed, then id
+        order = np.lexsort((outside, -self.last_large[outside]))  # the latest large step first, then id
         return tuple(outside[order[:rows]].tolist())
 
     def is_resident(self, expert: int) -> bool:
@@ -290,7 +302,9 @@ class LayerResidency:
             bad = distinct[0] if distinct[0] < 0 else distinct[-1]
             raise ValueError(f"expert id {bad} out of range [0, {self.num_experts})")
         union = len(distinct)
-        self.last_routed[distinct] = self.step
+        if self.stages(routed.size if isinstance(routed, np.ndarray) else len(routed)):
+            self.last_large[distinct] = self.large_steps
+            self.large_steps += 1
         staging: tuple[Wave, ...] = ()
         if staged:
             # the union counts what the step served or paged in: a staged expert it does not route still

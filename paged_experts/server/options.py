@@ -20,6 +20,7 @@ from paged_experts.residency.policies import (
     DEFAULT_EVICTION_POLICY,
     DEFAULT_PREFILL_KEEP,
     EVICTION_POLICIES,
+    MAX_STAGING_ROWS,
     PREFILL_KEEP,
 )
 from paged_experts.server.connections import BODY_TIMEOUT_S, HEADER_TIMEOUT_S
@@ -354,8 +355,10 @@ def problems(values: Mapping[str, Any], say: Namer = FLAGS) -> Iterator[Problem]
                 f"{value} and {say.option('overlap_page_in')} are two ways to page the misses in: choose one",
             )
     staging = get("prefill_staging_rows")
-    if staging is not None and not 0 <= staging <= 256:
-        yield Problem("prefill_staging_rows", f"{say.option('prefill_staging_rows')} must be in [0, 256]")
+    if staging is not None and not 0 <= staging <= MAX_STAGING_ROWS:
+        yield Problem(
+            "prefill_staging_rows", f"{say.option('prefill_staging_rows')} must be in [0, {MAX_STAGING_ROWS}]"
+        )
     elif staging and mode != "paged":
         value = say.value("prefill_staging_rows", staging)
         yield Problem("prefill_staging_rows", f"{value} applies to mode paged, not {mode}")

@@ -9,7 +9,9 @@
   the model's router, exactly one per layer (the routed ids);
 - the prefill counters: bytes, copy time within the span, waves;
 - the same with page_in='kernel' (every page-in of a group as one copy-kernel launch): equality, slot
-  integrity, no synchronization, counters.
+  integrity, no synchronization, counters;
+- prefill staging rows: equality (bf16, FP8, delayed compute), no synchronization, and a STAGING wave waits
+  for its copies (with a control that must see the race).
 
 Plain functions, so the module also runs as a script: `python tests/cuda/test_prefill_cuda.py`.
 """
@@ -158,6 +160,31 @@ def test_staging_rows_prefill_equals_resident_and_does_not_sync() -> None:
     finally:
         StagingRows.stage = stage  # type: ignore[method-assign]
     _host_known_routing_does_not_sync(prefill_staging_rows=24)
+
+
+def test_a_staging_wave_waits_for_its_copies() -> None:
+    """With every staging copy delayed on the page-in stream (SLEEP_CYCLES before it), paged + staging still
+    equals resident; the control, STAGING waves that do not wait for their copies (`wait_staged` a no-op),
+    must differ (the test can see the race it guards)."""
+    want = long_prompt(MoeCausalLM.from_pretrained(QWEN2, rt(mode="resident")), 600, decode_steps=0)
+    stage, wait = LayerCopies.stage, LayerCopies.wait_staged
+
+    def late(self: LayerCopies, *args: object) -> object:
+        if self.copy is not None:
+            with torch.cuda.stream(self.copy):
+                torch.cuda._sleep(SLEEP_CYCLES)
+        return stage(self, *args)  # type: ignore[arg-type]
+
+    LayerCopies.stage = late  # type: ignore[method-assign, assignment]
+    try:
+        model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=32, prefill_staging_rows=24))
+        assert_same(long_prompt(model, 600, decode_steps=0), want, "staging copies delayed")
+        LayerCopies.wait_staged = lambda self, landed: None  # type: ignore[method-assign, assignment]
+        model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=32, prefill_staging_rows=24))
+        got = long_prompt(model, 600, decode_steps=0)
+        assert not all(torch.equal(a, b) for a, b in zip(got, want)), "the control's race went unseen"
+    finally:
+        LayerCopies.stage, LayerCopies.wait_staged = stage, wait  # type: ignore[method-assign]
 
 
 def _delay_every_wave() -> object:
