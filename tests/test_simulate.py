@@ -3,6 +3,7 @@ equality with the runtime's own counters on the same routing."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -180,3 +181,28 @@ def test_cli_prefill_keep_columns_and_bad_values(tmp_path: Path, capsys) -> None
     assert "dec hit" in table and "early" in table and "recent" in table and "lru" in table
     assert cli_main(["simulate", str(path), "--include-prefill", "--prefill-keep", "newest"]) == 2
     assert "--prefill-keep" in capsys.readouterr().err
+
+
+def test_staging_rows_replay_what_the_runtime_stages(tmp_path: Path, capsys) -> None:
+    """`simulate --staging-rows N`: every layer but the first serves a large step's first page-ins from N staging
+    rows (paged in all the same); decode-only replays and small steps stage nothing; bad values exit 2."""
+    path = tmp_path / "p.trace"
+    assert cli_main(["trace", "synth", "--preset", "qwen3-30b-a3b", "--tokens", "8", "--prompt-tokens", "256",
+                     "--requests", "3", "--layers", "3", "-o", str(path)]) == 0  # fmt: skip
+    trace = read_trace(path)
+    base = SimOptions(ks=(32,), concurrencies=(1,), include_prefill=True)
+    (plain,) = simulate(trace, base)
+    (staged,) = simulate(trace, dataclasses.replace(base, staging_rows=16))
+    assert plain.layers[0] == staged.layers[0]  # the first layer never stages
+    assert staged.prefill is not None and plain.prefill is not None
+    assert staged.prefill.misses >= plain.prefill.misses  # staged experts are page-ins, routed or not
+    assert any(s.waves != p.waves for s, p in zip(staged.layers[1:], plain.layers[1:]))  # a STAGING wave planned
+    decode_only = dataclasses.replace(base, include_prefill=False)
+    assert simulate(trace, decode_only) == simulate(trace, dataclasses.replace(decode_only, staging_rows=16))
+    with pytest.raises(ValueError, match="exceed the 96 experts outside K=32 slots"):
+        simulate(trace, dataclasses.replace(base, staging_rows=97))
+    capsys.readouterr()
+    assert cli_main(["simulate", str(path), "--k", "32", "--include-prefill", "--staging-rows", "16"]) == 0
+    assert "prefill staging rows 16" in capsys.readouterr().out
+    assert cli_main(["simulate", str(path), "--include-prefill", "--staging-rows", "-1"]) == 2
+    assert "--staging-rows must be in [0, 256]" in capsys.readouterr().err

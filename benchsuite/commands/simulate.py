@@ -18,7 +18,7 @@ from benchsuite.tools.simulate import (
     check_policy,
     simulate,
 )
-from paged_experts.residency.policies import DEFAULT_PREFILL_KEEP, PREFILL_KEEP
+from paged_experts.residency.policies import DEFAULT_PREFILL_KEEP, MAX_STAGING_ROWS, PREFILL_KEEP
 from paged_experts.routing.trace import read_trace
 
 SPEED_MODEL = (
@@ -47,6 +47,13 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--prefill-keep",
         default=DEFAULT_PREFILL_KEEP,
         help=f"comma list of {','.join(PREFILL_KEEP)}: what a prefill chunk leaves in the slots",
+    )
+    p.add_argument(
+        "--staging-rows",
+        type=int,
+        default=0,
+        help="prefill staging rows (the server's --prefill-staging-rows): every layer but the first serves a "
+        "large step's first page-ins from N shared rows, which never enter the slots (with --include-prefill)",
     )
     p.add_argument(
         "--early-decode-steps",
@@ -111,6 +118,8 @@ def main(args: argparse.Namespace) -> int:
         raise UserError(f"--prefill-keep: {args.prefill_keep!r}; choose from {PREFILL_KEEP}")
     if args.early_decode_steps < 1:
         raise UserError("--early-decode-steps must be >= 1")
+    if not 0 <= args.staging_rows <= MAX_STAGING_ROWS:
+        raise UserError(f"--staging-rows must be in [0, {MAX_STAGING_ROWS}], got {args.staging_rows}")
     link_b_per_s, link_source = parse_link(args.link_gbps) if args.link_gbps else (None, "")
     expert_bytes = args.expert_bytes if args.expert_bytes else PUBLISHED_INT4_EXPERT_BYTES
     opts = SimOptions(
@@ -124,6 +133,7 @@ def main(args: argparse.Namespace) -> int:
         seed=args.seed,
         prefill_keep=keeps,
         early_decode_steps=args.early_decode_steps,
+        staging_rows=args.staging_rows,
     )
     try:
         results = simulate(trace, opts)
@@ -138,6 +148,8 @@ def main(args: argparse.Namespace) -> int:
         ),
         f"expert bytes {expert_bytes:,.0f}" + ("" if args.expert_bytes else " (published Qwen3-30B-A3B int4)"),
     ]
+    if args.staging_rows:
+        header.append(f"prefill staging rows {args.staging_rows} (every layer but the first)")
     if link_b_per_s:
         header.append(f"link {link_b_per_s / GB_BYTES:.1f} GB/s ({link_source}); {SPEED_MODEL}")
     if args.json:

@@ -66,6 +66,7 @@ class SimOptions:
     seed: int = 0
     prefill_keep: tuple[str, ...] = (DEFAULT_PREFILL_KEEP,)
     early_decode_steps: int = 16
+    staging_rows: int = 0  # RuntimeConfig.prefill_staging_rows: every layer but the first stages large steps
 
 
 @dataclass(frozen=True)
@@ -226,7 +227,16 @@ def simulate_one(
     prefill, early = _step_masks(steps, opts.early_decode_steps)
     every = np.ones(len(steps), dtype=bool)
     replays = [
-        replay_layer(step_routed(trace, steps, layer), meta.num_experts, k, policy, opts.seed, prefill_keep)
+        replay_layer(
+            step_routed(trace, steps, layer),
+            meta.num_experts,
+            k,
+            policy,
+            opts.seed,
+            prefill_keep,
+            staging_rows=opts.staging_rows,
+            stages=layer > 0,
+        )  # fmt: skip
         for layer in range(meta.num_layers)
     ]
     layers = [r.stats(i, every, step_tokens) for i, r in enumerate(replays)]
@@ -250,6 +260,10 @@ def simulate(trace: Trace, opts: SimOptions) -> list[SimResult]:
     for k in opts.ks:
         if not trace.meta.top_k <= k <= trace.meta.num_experts:
             raise ValueError(f"K={k} must be in [top_k={trace.meta.top_k}, E={trace.meta.num_experts}]")
+        if opts.staging_rows > trace.meta.num_experts - k:
+            raise ValueError(
+                f"{opts.staging_rows} staging rows exceed the {trace.meta.num_experts - k} experts outside K={k} slots"
+            )
     results = []
     for concurrency in opts.concurrencies:
         steps = batched_steps(trace, concurrency, opts.include_prefill)
