@@ -226,19 +226,35 @@ def staged(path: str, k: int, rows: int, dtype: str = "float32") -> MoeCausalLM:
     return MoeCausalLM.from_pretrained(path, runtime)
 
 
-def test_staging_rows_equal_resident(resident_fp32: dict[int, list[torch.Tensor]]) -> None:
+def test_staging_rows_equal_resident(
+    resident_fp32: dict[int, list[torch.Tensor]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """RuntimeConfig.prefill_staging_rows: each layer's first page-ins of a chunk copied into shared rows while
-    the layer before computes, served from there: the same bits as resident, fp32, bf16 and block-FP8."""
+    the layer before computes, served from there, the ones the keep policy ranks among the K promoted into the
+    slots (the decode steps after the prompt read them there): the same bits as resident, fp32, bf16, FP8."""
+    from paged_experts.moe.staging import StagingRows
+
+    promoted = [0]
+    promote = StagingRows.promote
+
+    def counted(self: StagingRows, slots: object, promotions: tuple) -> None:
+        promoted[0] += len(promotions)
+        promote(self, slots, promotions)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(StagingRows, "promote", counted)
     for k, rows in ((4, 1), (4, 8), (13, 4), (24, 8), (28, 4)):
         for chunk in (320, 96):
             model = staged(TINY, k, rows)
             assert_same(
                 long_prompt(model, chunk), resident_fp32[chunk], f"K={k}, {rows} staging rows, chunks of {chunk}"
             )
+    assert promoted[0] > 0
     want = long_prompt(MoeCausalLM.from_pretrained(TINY, RuntimeConfig(mode="resident", dtype="bfloat16")), 128)
     assert_same(long_prompt(staged(TINY, 11, 6, dtype="bfloat16"), 128), want, "bf16 K=11, 6 rows")
     want = long_prompt(MoeCausalLM.from_pretrained(TINY_FP8, RuntimeConfig(mode="resident")), 128)
+    before = promoted[0]
     assert_same(long_prompt(staged(TINY_FP8, 7, 4), 128), want, "FP8 K=7, 4 rows")
+    assert promoted[0] > before  # FP8 rows and their scales promoted
 
 
 @pytest.mark.parametrize(("device_planning", "k"), [("off", 6), ("on", 8)])

@@ -271,7 +271,13 @@ def test_a_staged_step_serves_the_staged_experts_first_and_plans_the_rest() -> N
     assert got.union == want.union == 16 and got.misses == want.misses and got.hits == want.hits
     served = [e for w in got.waves for e in w.experts]
     assert sorted(served) == list(range(16))  # each routed expert in exactly one wave
-    assert not any(staged_r.is_resident(e) for e in (*staged, 15))  # staged experts never enter the slots
+    # staged experts the keep policy ranks among the K (the last tokens' 2, 15, 5, 4) are promoted into the slots
+    # of lower-ranked ones after the waves: the slots end as they would have without staging
+    assert got.promotions == ((4, 0, 0), (5, 1, 1), (15, 3, 3)) and not staged_r.is_resident(6)
+    assert sorted(staged_r.slot_of) == sorted(plain.slot_of) == [2, 4, 5, 15]
+    assert all(staged_r.slot_of[e] == slot for e, _, slot in got.promotions)
+    lru = LayerResidency(16, 4, prefill_keep="lru").plan_step(routed, staged=(4, 5))
+    assert lru.promotions == ()  # lru ranks nothing: staged experts stay out
     unrouted = LayerResidency(16, 4).plan_step([0, 1, 7, 8], staged=(9,))  # 9 is not routed: moved for nothing
     assert unrouted.waves[0].experts == () and unrouted.waves[0].page_ins == ((9, 0),) and unrouted.misses == 3
     assert unrouted.union == 5 == unrouted.hits + unrouted.misses  # served or paged in: 0, 1, 7, 8 and 9

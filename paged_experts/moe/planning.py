@@ -69,11 +69,16 @@ class HostWaves:
                 copies.wait_staged(staged.landed)
                 run.wave(staging.rows, wave.experts, wave.slots)
                 copies.computed(wave)
-                staging.computed(slots.gate.device)
+                if not plan.promotions:
+                    staging.computed(slots.gate.device)  # the rows are free once this wave read them
                 continue
             copies.page_in(wave, lambda pairs: page_in.copy_rows(host, slots, pairs))
             run.wave(slots, wave.experts, wave.slots)
             copies.computed(wave)
+        if plan.promotions:  # after every wave read the slots they overwrite, on the compute stream
+            assert staging is not None
+            staging.promote(slots, plan.promotions)
+            staging.computed(slots.gate.device)  # the rows are free once the promotions read them
         copies.finish(len(plan.waves), plan.hits, plan.misses)
         return run, StepCounts(plan.union, plan.hits, plan.misses, len(plan.waves))
 

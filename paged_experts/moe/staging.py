@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from paged_experts import fp8
 from paged_experts.moe.streaming import CopyRows, LayerCopies
 from paged_experts.residency.store import ExpertTensors
 
@@ -58,6 +59,18 @@ class StagingRows:
             return None
         self.pending = None
         return staged
+
+    def promote(self, slots: ExpertTensors, promotions: Sequence[tuple[int, int, int]]) -> None:
+        """Copies staging row `row` into slot `slot` for every (expert, row, slot), every tensor, device to
+        device on the current stream (after the step's waves: policies.LayerResidency._promote says which)."""
+        index = torch.tensor([(row, slot) for _, row, slot in promotions], dtype=torch.long).t().contiguous()  # [2, n]
+        device = slots.gate.device
+        if device.type == "cuda":
+            index = index.pin_memory()  # the upload does not block the host (the caching allocator keeps the block)
+        rows, slot_ids = index.to(device, non_blocking=True)  # each [n]
+        for name in slots.names():
+            src, dst = fp8.raw(self.rows.get(name)), fp8.raw(slots.get(name))  # FP8 as bytes: index_copy_ on CPU
+            dst.index_copy_(0, slot_ids, src.index_select(0, rows))
 
     def computed(self, device: torch.device) -> None:
         """After a STAGING wave's compute was issued: the rows are read until this point."""

@@ -202,6 +202,9 @@ class Wave:
 class StepPlan:
     waves: tuple[Wave, ...]
     union: int  # distinct experts routed in the step, and any staged one it did not route (paged in all the same)
+    # (expert, staging row, slot): staged experts the keep policy ranks among the K, copied device to device
+    # into the slot of a lower-ranked expert after the last wave (what the slots would have kept)
+    promotions: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def hits(self) -> int:
@@ -317,8 +320,28 @@ class LayerResidency:
             waves: tuple[Wave, ...] = (self._plan_wave(resident + missing, hits=len(resident)),) if distinct else ()
         else:
             waves = self._plan_waves(routed, distinct)
+        promotions = self._promote(routed, staging[0]) if staging and staging[0].experts else ()
         self.step += 1
-        return StepPlan(waves=staging + waves, union=union)
+        return StepPlan(waves=staging + waves, union=union, promotions=promotions)
+
+    def _promote(self, routed: list[int] | np.ndarray, wave: Wave) -> tuple[tuple[int, int, int], ...]:
+        """After a staged step's waves: each staged expert the keep policy ranks among the step's K best
+        takes the slot of the lowest-ranked expert outside them (one the step did not route first), so the
+        slots hold what they would have held without staging. None for `lru`, which ranks nothing."""
+        rank = keep_rank(routed, self.prefill_keep)
+        if rank is None:
+            return ()
+        keep = set(sorted(rank, key=rank.__getitem__)[-self.num_slots :])
+        rows = dict(zip(wave.experts, wave.slots))
+        promote = sorted((e for e in wave.experts if e in keep), key=rank.__getitem__, reverse=True)
+        victims = sorted((e for e in self.slot_of if e not in keep), key=lambda e: (e in rank, rank.get(e, ())))
+        out = []
+        for expert, victim in zip(promote, victims):
+            slot = self.slot_of.pop(victim)
+            self.slot_of[expert] = slot
+            self.expert_in[slot] = expert
+            out.append((expert, rows[expert], slot))
+        return tuple(out)
 
     def _staging_wave(self, staged: Sequence[int], distinct: list[int]) -> tuple[tuple[Wave, ...], list[int]]:
         """The STAGING wave of the `staged` experts the step routes (every staged one a page-in, routed or
