@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_experts.residency.policies import PREFILL_KEEP, SLOTS, STAGING, LayerResidency, LfuPolicy
+from paged_experts.residency.policies import PREFILL_KEEP, SLOTS, STAGING, LayerResidency, LfuPolicy, Promotion
 
 
 class BruteForceLru:
@@ -273,9 +273,11 @@ def test_a_staged_step_serves_the_staged_experts_first_and_plans_the_rest() -> N
     assert sorted(served) == list(range(16))  # each routed expert in exactly one wave
     # staged experts the keep policy ranks among the K (the last tokens' 2, 15, 5, 4) are promoted into the slots
     # of lower-ranked ones after the waves: the slots end as they would have without staging
-    assert got.promotions == ((4, 0, 0), (5, 1, 1), (15, 3, 3)) and not staged_r.is_resident(6)
+    # each one once the wave that last reads its slot computed: 12 (slot 1, wave 9), then 10 and 0 (wave 10)
+    assert got.promotions == (Promotion(4, 0, 0, 10), Promotion(5, 1, 1, 9), Promotion(15, 3, 3, 10))
+    assert got.waves[9].experts == (12,) and got.waves[9].slots == (1,) and not staged_r.is_resident(6)
     assert sorted(staged_r.slot_of) == sorted(plain.slot_of) == [2, 4, 5, 15]
-    assert all(staged_r.slot_of[e] == slot for e, _, slot in got.promotions)
+    assert all(staged_r.slot_of[p.expert] == p.slot for p in got.promotions)
     lru = LayerResidency(16, 4, prefill_keep="lru").plan_step(routed, staged=(4, 5))
     assert lru.promotions == ()  # lru ranks nothing: staged experts stay out
     unrouted = LayerResidency(16, 4).plan_step([0, 1, 7, 8], staged=(9,))  # 9 is not routed: moved for nothing
@@ -284,3 +286,20 @@ def test_a_staged_step_serves_the_staged_experts_first_and_plans_the_rest() -> N
     for bad in ((0,), (9, 9), (16,)):  # resident, twice, out of range
         with pytest.raises(ValueError, match="staged experts must be distinct"):
             LayerResidency(16, 4).plan_step([0, 1, 7, 8], staged=bad)
+
+
+def test_promotions_do_not_depend_on_the_slot_maps_order() -> None:
+    """The runtime rebuilds the slot map in slot order when it reads the device's state back; the simulator keeps
+    insertion order: a promotion's victim (an unrouted resident first, by the eviction policy) is the same in
+    both, so the replay stays exact. An unrouted victim's slot is read by no wave: promoted after the STAGING wave."""
+    routed = [0, 1, 2, 3] * 40  # a large step (160 pairs >= 8 x 16) routing four experts
+    results = []
+    for order in (list(range(6)), list(reversed(range(6)))):
+        r = LayerResidency(16, 6)  # slots hold 0..5: 4 and 5 are not routed
+        r.slot_of = {e: r.slot_of[e] for e in order}
+        plan = r.plan_step(routed + [9, 8] * 2, staged=(8, 9))  # the last tokens route 9 and 8: ranked first
+        results.append((plan.promotions, dict(sorted(r.slot_of.items()))))
+    assert results[0] == results[1]
+    promotions, slots = results[0]
+    assert {p.expert for p in promotions} == {8, 9} and all(p.after == 0 for p in promotions)
+    assert set(slots) == {0, 1, 2, 3, 8, 9}  # the unrouted 4 and 5 gave their slots

@@ -53,7 +53,8 @@ def configure(p: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="prefill staging rows (the server's --prefill-staging-rows): every layer but the first serves a "
-        "large step's first page-ins from N shared rows, which never enter the slots (with --include-prefill)",
+        "large step's first page-ins from N shared rows, promoting into the slots the ones the keep policy "
+        "ranks among the K (with --include-prefill)",
     )
     p.add_argument(
         "--early-decode-steps",

@@ -23,7 +23,7 @@ from paged_experts.moe.staging import Staged, StagingRows
 from paged_experts.moe.streaming import LayerCopies
 from paged_experts.moe.waves import WaveKernel, WavePass
 from paged_experts.residency.device import DevicePlan, DeviceResidency
-from paged_experts.residency.policies import STAGING, LayerResidency
+from paged_experts.residency.policies import STAGING, LayerResidency, StepPlan
 from paged_experts.residency.store import ExpertTensors, PageInEngine
 
 
@@ -63,24 +63,31 @@ class HostWaves:
         run = kernel.begin(x, ids_cpu, self.residency.num_experts, slots.gate.device)
         rows = max(slots.num_rows, staging.num_rows if staged is not None and staging is not None else 0)
         run.plan_waves(plan.waves, rows)  # the pass lays out all waves at once (one host-to-device copy)
-        for wave in plan.waves:
+        for i, wave in enumerate(plan.waves):
             if wave.table == STAGING:  # copied before the plan: wait for them, then compute from the rows
                 assert staging is not None and staged is not None
                 copies.wait_staged(staged.landed)
                 run.wave(staging.rows, wave.experts, wave.slots)
-                copies.computed(wave)
-                if not plan.promotions:
-                    staging.computed(slots.gate.device)  # the rows are free once this wave read them
-                continue
-            copies.page_in(wave, lambda pairs: page_in.copy_rows(host, slots, pairs))
-            run.wave(slots, wave.experts, wave.slots)
+            else:
+                copies.page_in(wave, lambda pairs: page_in.copy_rows(host, slots, pairs))
+                run.wave(slots, wave.experts, wave.slots)
             copies.computed(wave)
-        if plan.promotions:  # after every wave read the slots they overwrite, on the compute stream
-            assert staging is not None
-            staging.promote(slots, plan.promotions)
-            staging.computed(slots.gate.device)  # the rows are free once the promotions read them
+            if staged is not None and staging is not None:
+                _promote_after(plan, i, slots, staging)
         copies.finish(len(plan.waves), plan.hits, plan.misses)
         return run, StepCounts(plan.union, plan.hits, plan.misses, len(plan.waves))
+
+
+def _promote_after(plan: StepPlan, wave: int, slots: ExpertTensors, staging: StagingRows) -> None:
+    """After wave `wave` of a staged step was issued: the promotions whose slot no later wave reads, device to
+    device on the compute stream; once the last of them (or the STAGING wave, with none) is issued, the staging
+    rows are free for the next layer's copies (a promotion waits for no other wave than its slot's last reader,
+    so the next layer's staging copy does not wait for this layer's last waves)."""
+    now = [p for p in plan.promotions if p.after == wave]
+    if now:
+        staging.promote(slots, now)
+    if wave == max((p.after for p in plan.promotions), default=0):
+        staging.computed(slots.gate.device)
 
 
 @dataclass(frozen=True)

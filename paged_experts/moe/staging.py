@@ -6,8 +6,10 @@ While paged layer i issues its waves, `stage` copies layer i+1's `stage_candidat
 page-in stream, right behind layer i's own page-ins: the link keeps working through layer i's last wave,
 layer i+1's attention and routing, and the host's plan of layer i+1, where it used to idle (every slot
 of layer i+1 holds an expert its chunk routes, so no slot is free before a wave has computed). Layer
-i+1 then `take`s them: its plan serves them first, from these rows, as a STAGING wave, and records
-`computed` after that wave so the next staging copy waits for it (the rows are read until then).
+i+1 then `take`s them: its plan serves them first, from these rows, as a STAGING wave; the ones it promotes
+into its slots (`promote`) are copied there as soon as the wave that last reads each slot has computed, and
+`computed` is recorded after the last of those copies (or after the STAGING wave, with none), so the next
+staging copy waits for exactly that (the rows are read until then).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_experts import fp8
+from paged_experts.kernels.copy_kernel import copy_planned
 from paged_experts.moe.streaming import CopyRows, LayerCopies
+from paged_experts.residency.policies import Promotion
 from paged_experts.residency.store import ExpertTensors
 
 
@@ -60,17 +63,16 @@ class StagingRows:
         self.pending = None
         return staged
 
-    def promote(self, slots: ExpertTensors, promotions: Sequence[tuple[int, int, int]]) -> None:
-        """Copies staging row `row` into slot `slot` for every (expert, row, slot), every tensor, device to
-        device on the current stream (after the step's waves: policies.LayerResidency._promote says which)."""
-        index = torch.tensor([(row, slot) for _, row, slot in promotions], dtype=torch.long).t().contiguous()  # [2, n]
+    def promote(self, slots: ExpertTensors, promotions: Sequence[Promotion]) -> None:
+        """Copies each promotion's staging row into its slot, every tensor, device to device on the current
+        stream (policies.Promotion; the step's waves that read those slots are ahead of it). One launch of the
+        row copy kernel on CUDA (no temporary copy of the rows: they would count against the memory budget)."""
+        index = torch.tensor([(p.row, p.slot) for p in promotions], dtype=torch.long).t().contiguous()  # [2, n]
         device = slots.gate.device
         if device.type == "cuda":
             index = index.pin_memory()  # the upload does not block the host (the caching allocator keeps the block)
         rows, slot_ids = index.to(device, non_blocking=True)  # each [n]
-        for name in slots.names():
-            src, dst = fp8.raw(self.rows.get(name)), fp8.raw(slots.get(name))  # FP8 as bytes: index_copy_ on CPU
-            dst.index_copy_(0, slot_ids, src.index_select(0, rows))
+        copy_planned(self.rows, slots, rows, slot_ids)
 
     def computed(self, device: torch.device) -> None:
         """After a STAGING wave's compute was issued: the rows are read until this point."""

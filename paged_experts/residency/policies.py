@@ -41,7 +41,9 @@ shared by all layers, take the first page-ins of a layer without evicting anythi
 computes, the runtime copies layer i+1's `stage_candidates` (R non-resident experts, the ones the
 latest large steps routed first; only for a step of >= 8 pairs per expert, which routes nearly every
 expert) into the staging rows, and layer i+1's `plan_step(..., staged=...)` serves them first, from those rows, as
-a wave of their own (`Wave.table == STAGING`). They never enter the slots; the rest is planned as before.
+a wave of their own (`Wave.table == STAGING`); the rest is planned as before, and once a staged expert's
+wave has computed, the ones the keep policy ranks among the K are copied into slots (`Promotion`), so the
+slots end as they would have without staging.
 A staged expert the chunk does not route moved its bytes for nothing: it is a page-in all the same (a
 miss, and in the step's union, which then counts the experts served or paged in).
 """
@@ -199,12 +201,22 @@ class Wave:
 
 
 @dataclass(frozen=True)
+class Promotion:
+    """A staged expert the keep policy ranks among the K, copied device to device from its staging row into
+    the slot of an expert outside them, once wave `after` (the last of the step that reads that slot; 0, the
+    STAGING wave, for an expert the step did not route) has computed: what the slots would have kept."""
+
+    expert: int
+    row: int
+    slot: int
+    after: int
+
+
+@dataclass(frozen=True)
 class StepPlan:
     waves: tuple[Wave, ...]
     union: int  # distinct experts routed in the step, and any staged one it did not route (paged in all the same)
-    # (expert, staging row, slot): staged experts the keep policy ranks among the K, copied device to device
-    # into the slot of a lower-ranked expert after the last wave (what the slots would have kept)
-    promotions: tuple[tuple[int, int, int], ...] = ()
+    promotions: tuple[Promotion, ...] = ()  # staged experts moved into the slots after their waves (`_promote`)
 
     @property
     def hits(self) -> int:
@@ -314,33 +326,40 @@ class LayerResidency:
             # crossed the link (a miss), so hits + misses == union holds (PagingCounters checks it)
             union = len(set(distinct) | set(staged))
             staging, distinct = self._staging_wave(staged, distinct)
+        rank = keep_rank(routed, self.prefill_keep) if len(distinct) > self.num_slots or staged else None
         if len(distinct) <= self.num_slots:
             resident = [e for e in distinct if e in self.slot_of]
             missing = [e for e in distinct if e not in self.slot_of]
             waves: tuple[Wave, ...] = (self._plan_wave(resident + missing, hits=len(resident)),) if distinct else ()
         else:
-            waves = self._plan_waves(routed, distinct)
-        promotions = self._promote(routed, staging[0]) if staging and staging[0].experts else ()
+            waves = self._plan_waves(distinct, rank)
+        promotions = self._promote(staging[0], staging + waves, rank) if staging and rank is not None else ()
         self.step += 1
         return StepPlan(waves=staging + waves, union=union, promotions=promotions)
 
-    def _promote(self, routed: list[int] | np.ndarray, wave: Wave) -> tuple[tuple[int, int, int], ...]:
-        """After a staged step's waves: each staged expert the keep policy ranks among the step's K best
-        takes the slot of the lowest-ranked expert outside them (one the step did not route first), so the
-        slots hold what they would have held without staging. None for `lru`, which ranks nothing."""
-        rank = keep_rank(routed, self.prefill_keep)
-        if rank is None:
-            return ()
+    def _promote(self, staging: Wave, waves: Sequence[Wave], rank: dict[int, tuple[int, ...]]) -> tuple[Promotion, ...]:
+        """After a staged step's waves: each staged expert the keep policy ranks among the step's K best, the
+        best first, takes the slot of an expert outside them: one the step did not route first (the eviction
+        policy's choice, as a page-in's), then the lowest-ranked routed one, so the slots hold what they would
+        have held without staging. (`lru` ranks nothing: plan_step promotes nothing for it.)"""
         keep = set(sorted(rank, key=rank.__getitem__)[-self.num_slots :])
-        rows = dict(zip(wave.experts, wave.slots))
-        promote = sorted((e for e in wave.experts if e in keep), key=rank.__getitem__, reverse=True)
-        victims = sorted((e for e in self.slot_of if e not in keep), key=lambda e: (e in rank, rank.get(e, ())))
+        rows = dict(zip(staging.experts, staging.slots))
+        promote = sorted((e for e in staging.experts if e in keep), key=rank.__getitem__, reverse=True)
+        read_in = {e: i for i, wave in enumerate(waves) if wave.table == SLOTS for e in wave.experts}
         out = []
-        for expert, victim in zip(promote, victims):
+        for expert in promote:
+            outside = [e for e in self.slot_of if e not in keep]
+            unrouted = [e for e in outside if e not in rank]
+            if unrouted:
+                victim = self.policy.victim(unrouted, self.step)
+            elif outside:
+                victim = min(outside, key=rank.__getitem__)
+            else:
+                break
             slot = self.slot_of.pop(victim)
             self.slot_of[expert] = slot
             self.expert_in[slot] = expert
-            out.append((expert, rows[expert], slot))
+            out.append(Promotion(expert, rows[expert], slot, read_in.get(victim, 0)))
         return tuple(out)
 
     def _staging_wave(self, staged: Sequence[int], distinct: list[int]) -> tuple[tuple[Wave, ...], list[int]]:
@@ -359,10 +378,10 @@ class LayerResidency:
         taken = {e for e, _ in served}
         return (wave,), [e for e in distinct if e not in taken]
 
-    def _plan_waves(self, routed: list[int] | np.ndarray, distinct: list[int]) -> tuple[Wave, ...]:
-        """A step larger than K: waves of W = (K - P) // 2 experts (see the module docstring)."""
+    def _plan_waves(self, distinct: list[int], rank: dict[int, tuple[int, ...]] | None) -> tuple[Wave, ...]:
+        """A step larger than K: waves of W = (K - P) // 2 experts (see the module docstring); `rank`: the
+        step's keep_rank (expert -> key, higher = keep; None: 'lru')."""
         k = self.num_slots
-        rank = keep_rank(routed, self.prefill_keep)  # expert -> key, higher = keep; None: 'lru'
         resident = [e for e in distinct if e in self.slot_of]
         missing = [e for e in distinct if e not in self.slot_of]
         protected: list[int] = []

@@ -153,8 +153,8 @@ def test_staging_rows_prefill_equals_resident_and_does_not_sync() -> None:
         original_wave = _delay_every_wave()
         try:
             model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=32, prefill_staging_rows=24))
-            got = long_prompt(model, 600, decode_steps=0)
-            assert_same(got, want[600][: len(got)], "staging rows, delayed compute")
+            # with decode steps after the prompt: they read the promoted slots
+            assert_same(long_prompt(model, 600), want[600], "staging rows, delayed compute")
         finally:
             waves_module._FusedPass.wave = original_wave  # type: ignore[method-assign]
     finally:
