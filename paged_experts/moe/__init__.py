@@ -5,7 +5,7 @@ where expert weights come from and where the matmuls run:
 - `resident` (`placements.ResidentLayer`): all E experts on the device (the unpaged reference);
 - `paged` (`paged.PagedLayer`): K device slots, given its planning strategies (`planning.HostWaves`:
   host LRU waves with batched page-in; `planning.DeviceLru`: one-wave steps planned on the device,
-  overlap, prefetch);
+  overlap, prefetch; `staging.StagingRows`: rows all paged layers share for a prefill's first page-ins);
 - `offload` (`placements.OffloadLayer`): all E experts copied into a shared device buffer every
   forward, whatever the router chose (SGLang `--cpu-offload-gb`);
 - `cpu` (`placements.CpuLayer`): experts computed on the CPU from the host store (llama.cpp `--n-cpu-moe`).
