@@ -231,6 +231,8 @@ PARENT = textwrap.dedent(
     while not Path(pid_file).exists() or len(Path(pid_file).read_text().split()) < 3:
         time.sleep(0.02)
     print("started", flush=True)
+    if how != "sigterm":
+        sys.stdin.readline()  # the test has seen the children running: only now may the parent fail
     if how == "exception":
         raise RuntimeError("parent failed")
     if how == "interrupt":
@@ -247,15 +249,21 @@ def test_parent_dying_never_leaves_orphans(tmp_path: Path, how: str) -> None:
     pid_file = tmp_path / "pids.txt"
     parent = subprocess.Popen(
         [sys.executable, str(tmp_path / "parent.py"), str(tmp_path / "child.py"), str(pid_file), how],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
     )
-    assert parent.stdout is not None
+    assert parent.stdout is not None and parent.stdin is not None
     assert parent.stdout.readline().strip() == b"started"
     pids = _spawned_pids(pid_file)
+    # the parent waits for this line before it fails: it once raised and reaped its children before this
+    # check ran (CI, 2026-12-03), which made the check, not the cleanup, fail
     assert all(_running(p) for p in pids)
     if how == "sigterm":
         parent.send_signal(signal.SIGTERM)
+    else:
+        parent.stdin.write(b"go\n")
+        parent.stdin.flush()
     code = parent.wait(timeout=30)
     assert code != 0
     if how == "sigterm":
