@@ -189,6 +189,7 @@ class CellResult:
     prefill_span_s_per_chunk: float | None = None
     prefill_copy_busy: float | None = None
     prefill_waves_per_layer: float | None = None
+    prefill_staged_unused_per_layer: float | None = None
     decode_miss_rate: float | None = None
     decode_bytes_per_token: float | None = None  # expert bytes paged in per decode token (paging.py says how)
     # Belady's hit rate over the cell's steps from the recorded routing trace (paging.optimal_hit_rate);

@@ -294,7 +294,7 @@ def test_staging_counts_as_page_ins_and_replays_in_the_simulator(device_planning
     p = snap.prefill
     assert p.bytes_paged_in == p.misses * snap.expert_bytes > 0
     assert p.hits + p.misses == base.prefill.hits + base.prefill.misses  # the same routing, served once each
-    prefill_waves, staging_waves = 0, 0  # the runtime's prefill waves are the planner's, STAGING ones included
+    prefill_waves, staging_waves, prefill_unused = 0, 0, 0  # the runtime's prefill waves are the planner's
     for layer in range(cfg.num_layers):
         ref = LayerResidency(cfg.num_experts, k)
         for step, ids in enumerate(routed[layer]):
@@ -302,8 +302,9 @@ def test_staging_counts_as_page_ins_and_replays_in_the_simulator(device_planning
             plan = ref.plan_step(ids.tolist(), staged=stage)
             if step in (0, 1, 2, 3, 4, 7, 20):  # steps with a prompt: the short one, the long one's four chunks,
                 prefill_waves += len(plan.waves)  # then the two 200-token prompts
+                prefill_unused += plan.staged_unused
                 staging_waves += sum(w.table == STAGING and len(w.page_ins) > 0 for w in plan.waves)
-    assert p.waves == prefill_waves
+    assert p.waves == prefill_waves and p.staged_unused == prefill_unused  # staged, paged in, not routed
     # three chunks of 96 tokens with a decode token (388 pairs >= 8 x 32) and the two 200-token prompts stage in
     # every layer but the first; the last chunk (32 tokens: 132 pairs) and the short prompt (16 pairs) do not
     assert staging_waves == 5 * (cfg.num_layers - 1)

@@ -283,6 +283,7 @@ def test_a_staged_step_serves_the_staged_experts_first_and_plans_the_rest() -> N
     unrouted = LayerResidency(16, 4).plan_step([0, 1, 7, 8], staged=(9,))  # 9 is not routed: moved for nothing
     assert unrouted.waves[0].experts == () and unrouted.waves[0].page_ins == ((9, 0),) and unrouted.misses == 3
     assert unrouted.union == 5 == unrouted.hits + unrouted.misses  # served or paged in: 0, 1, 7, 8 and 9
+    assert unrouted.staged_unused == 1 and got.staged_unused == 0
     for bad in ((0,), (9, 9), (16,)):  # resident, twice, out of range
         with pytest.raises(ValueError, match="staged experts must be distinct"):
             LayerResidency(16, 4).plan_step([0, 1, 7, 8], staged=bad)

@@ -37,6 +37,8 @@ PAGING_DEFINITIONS: dict[str, str] = {
     "prefill_span_s_per_chunk": "prefill steps' device time, first paged layer start to last wave end / prompt chunks",
     "prefill_copy_busy": "page-in copy time / prefill span: the share of the prefill the copy engine was busy",
     "prefill_waves_per_layer": "waves / paged layer-steps of prefill steps",
+    "prefill_staged_unused_per_layer": "prefill staging rows: staged experts paged in and not routed / paged "
+    "layer-steps of prefill steps (bytes moved for nothing; 0 without staging)",
     "decode_miss_rate": "misses / (hits + misses) of every step but the prefill steps (the decode after the prompts)",
     "decode_bytes_per_token": "expert bytes paged in outside the prefill-counted steps (prefetches included) / the "
     "tokens of all-decode steps: the link traffic of one decode token (a prompt step small enough to be planned on "
@@ -69,6 +71,7 @@ PAGING_COUNTERS = {
     "prefill_copy_s": "paged_experts:prefill_copy_seconds_total",
     "prefill_span_s": "paged_experts:prefill_span_seconds_total",
     "prefill_waves": "paged_experts:prefill_waves_total",
+    "prefill_staged_unused": "paged_experts:prefill_staged_unused_total",
     "prefill_router_s": "paged_experts:prefill_router_seconds_total",
 }
 
@@ -103,6 +106,8 @@ def paging_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
       measurement's own cost, in every mode's TTFT alike)
     - prefill_copy_busy = copy seconds / span seconds (the copy engine's busy share of the prefill)
     - prefill_waves_per_layer = waves / host-planned layer-steps of those steps
+    - prefill_staged_unused_per_layer = staged experts paged in and not routed / those layer-steps
+      (prefill staging rows: bytes moved for nothing; None from a server without the counter)
     - decode_miss_rate = (misses - prefill misses) / (hits + misses - prefill hits - prefill misses):
       the miss rate of every other step (the decode after the prompts)
     - decode_bytes_per_token = (bytes_paged - prefill bytes) / decode_tokens: the bytes paged in outside
@@ -154,6 +159,7 @@ def _prefill_fields(delta: dict[str, float | None]) -> dict[str, Any]:
         "prefill_span_s_per_chunk": _ratio(delta["prefill_span_s"], chunks),
         "prefill_copy_busy": _ratio(delta["prefill_copy_s"], delta["prefill_span_s"]),
         "prefill_waves_per_layer": _ratio(delta["prefill_waves"], delta["prefill_layer_steps"]),
+        "prefill_staged_unused_per_layer": _ratio(delta["prefill_staged_unused"], delta["prefill_layer_steps"]),
         "decode_miss_rate": _ratio(decode_miss, decode_looked_up),
         "decode_bytes_per_token": _ratio(decode_bytes, delta["decode_tokens"]),
     }

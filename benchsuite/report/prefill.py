@@ -35,8 +35,8 @@ TARGET_OF_FLOOR = 1.3
 COLUMNS = (
     "run_id", "configuration", "routing", "workload", "prompt_class", "concurrency", "repeat", "ttft_p50_s",
     "prefill_gb_per_chunk", "link_gb_per_s", "floor_s", "ttft_of_floor", "router_s", "paging_of_floor",
-    "resident_ttft_s", "copy_s", "span_s", "span_of_floor", "copy_busy", "waves_per_layer", "decode_tok_s_p50",
-    "decode_miss_rate", "note", "cell_id",
+    "resident_ttft_s", "copy_s", "span_s", "span_of_floor", "copy_busy", "waves_per_layer", "staged_unused_per_layer",
+    "decode_tok_s_p50", "decode_miss_rate", "note", "cell_id",
 )  # fmt: skip
 INTRO = (
     "<p>Every built-in cell that prefilled prompts: its TTFT p50 beside what the engine counted per prompt chunk "
@@ -97,6 +97,7 @@ def _row(c: pd.Series, link: float | None, link_why: str, resident: float | None
         "copy_s": _value(c, "prefill_copy_s_per_chunk"), "span_s": span,
         "span_of_floor": span / floor_s if span is not None and floor_s else None,
         "copy_busy": _value(c, "prefill_copy_busy"), "waves_per_layer": _value(c, "prefill_waves_per_layer"),
+        "staged_unused_per_layer": _value(c, "prefill_staged_unused_per_layer"),
         "decode_tok_s_p50": _value(c, "decode_tok_s_p50"), "decode_miss_rate": _value(c, "decode_miss_rate"),
         "note": "; ".join(notes), "cell_id": c["cell_id"],
     }  # fmt: skip

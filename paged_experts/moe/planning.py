@@ -74,7 +74,7 @@ class HostWaves:
             copies.computed(wave)
             if staged is not None and staging is not None:
                 _promote_after(plan, i, slots, staging)
-        copies.finish(len(plan.waves), plan.hits, plan.misses)
+        copies.finish(len(plan.waves), plan.hits, plan.misses, plan.staged_unused)
         return run, StepCounts(plan.union, plan.hits, plan.misses, len(plan.waves))
 
 

@@ -178,10 +178,12 @@ class LayerCopies:
         else:
             self.done.append(None)  # CPU: inline, nothing to wait for
 
-    def finish(self, waves: int, hits: int, misses: int) -> None:
+    def finish(self, waves: int, hits: int, misses: int, staged_unused: int = 0) -> None:
         """After the layer-step's last wave was issued (a prefill step's span runs to here)."""
         if self.step.prefill:
-            self.counters.prefill_layer_end(end=mark(self.device), waves=waves, hits=hits, misses=misses)
+            self.counters.prefill_layer_end(
+                end=mark(self.device), waves=waves, hits=hits, misses=misses, staged_unused=staged_unused
+            )
 
     def _timed(self, pairs: Sequence[tuple[int, int]], copy_rows: CopyRows) -> None:
         """Issues the copies of `pairs` between two marks on the current stream, and counts them."""

@@ -97,6 +97,7 @@ class PrefillCounts:
     copy_time_s: float = 0.0
     span_s: float = 0.0
     waves: int = 0
+    staged_unused: int = 0  # prefill staging rows: staged experts those steps paged in and did not route
 
     @property
     def copy_busy_fraction(self) -> float | None:
@@ -266,13 +267,14 @@ class PagingCounters:
         self._prefill.values["bytes_paged_in"] += num_bytes
         self._prefill.steps[-1].copies.append((start, end))
 
-    def prefill_layer_end(self, *, end: TimeMark, waves: int, hits: int, misses: int) -> None:
+    def prefill_layer_end(self, *, end: TimeMark, waves: int, hits: int, misses: int, staged_unused: int = 0) -> None:
         """A paged layer of the current prefill step issued its last wave (`end` follows it)."""
         v = self._prefill.values
         v["layer_steps"] += 1
         v["waves"] += waves
         v["hits"] += hits
         v["misses"] += misses
+        v["staged_unused"] += staged_unused
         self._prefill.steps[-1].end = end
 
     def record_copy_events(self, layer: int, start: torch.cuda.Event, end: torch.cuda.Event) -> None:

@@ -226,6 +226,11 @@ class StepPlan:
     def misses(self) -> int:
         return sum(len(w.page_ins) for w in self.waves)
 
+    @property
+    def staged_unused(self) -> int:
+        """Staged experts the step did not route: paged in (misses) for nothing."""
+        return sum(len(w.page_ins) - len(w.experts) for w in self.waves if w.table == STAGING)
+
 
 PREFILL_KEEP: tuple[str, ...] = ("recent", "frequent", "lru")
 """What a multi-wave step (a prefill chunk) leaves in the slots; see the module docstring."""

@@ -73,6 +73,7 @@ PREFILL_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("prefill_copy_seconds_total", "copy_time_s", "Time the page-in copies of those steps took"),
     ("prefill_span_seconds_total", "span_s", "Per step, first paged layer start to last wave end, summed"),
     ("prefill_waves_total", "waves", "Waves of those layer-steps"),
+    ("prefill_staged_unused_total", "staged_unused", "Staged experts those layer-steps paged in and did not route"),
 )
 
 # No `<name>_created` timestamp series beside each counter and histogram: the scrape keeps the
