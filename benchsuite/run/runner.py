@@ -125,12 +125,8 @@ def _add_optimal_hit_rates(ctx: RunContext, spec: ServerSpec, results: list[Cell
 
         try:
             trace = read_trace(trace_path)
-            optimal, note = (
-                paging.replay_trace(
-                    trace, replay.resident_experts, replay.prefill_keep, staging_rows=replay.staging_rows
-                ),
-                "",
-            )
+            k, keep, rows = replay.resident_experts, replay.prefill_keep, replay.staging_rows
+            optimal, note = paging.replay_trace(trace, k, keep, staging_rows=rows), ""
         except (OSError, ValueError, KeyError) as exc:
             note = f"cannot replay {trace_path.name}: {exc}"
     out = []

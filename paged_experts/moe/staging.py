@@ -40,7 +40,7 @@ class StagingRows:
 
     def __init__(self, rows: ExpertTensors) -> None:
         self.rows = rows  # [R, ...] on the device
-        self.free: torch.cuda.Event | None = None  # recorded after the last STAGING wave's compute
+        self.free: torch.cuda.Event | None = None  # recorded once the last layer-step's reads of the rows were issued
         self.pending: Staged | None = None
 
     @property
@@ -75,7 +75,8 @@ class StagingRows:
         copy_planned(self.rows, slots, rows, slot_ids)
 
     def computed(self, device: torch.device) -> None:
-        """After a STAGING wave's compute was issued: the rows are read until this point."""
+        """After a layer-step's last read of the rows was issued (its STAGING wave, or its last promotion): the
+        next staging copy waits for this point."""
         if device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
