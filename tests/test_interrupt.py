@@ -5,6 +5,9 @@ before its event loop's handlers were installed."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import logging
 import os
 import signal
 import subprocess
@@ -176,3 +179,106 @@ def test_a_real_ctrl_c_that_a_library_turns_into_its_own_error_is_an_interrupt(
             assert cli.main(["run"]) == expect
             assert capsys.readouterr().err.strip() == "benchsuite: interrupted"
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+# ---- Ctrl-C inside an event loop (benchsuite.interrupt.run_async) --------------------------------
+
+
+async def _measurement_interrupted_mid_line(log: list[str], *, again_while_unwinding: bool = False) -> str:
+    """A cell's shape: the run awaits its measurement through asyncio.wait_for, and SIGINT lands while
+    the measurement's task runs Python code (CI's case: inside aiohttp's response release)."""
+
+    async def measure() -> str:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)  # the handler runs in here, inside this task, mid-line
+            await asyncio.sleep(30)
+            return "finished"
+        finally:
+            log.append("measurement unwound")
+            if again_while_unwinding:
+                os.kill(os.getpid(), signal.SIGINT)
+                await asyncio.sleep(30)  # a slow cleanup the second Ctrl-C does not wait for
+
+    try:
+        return await asyncio.wait_for(measure(), 60)
+    finally:
+        log.append("run unwound")
+
+
+def _asyncio_errors(caplog: pytest.LogCaptureFixture) -> list[str]:
+    gc.collect()  # a task left holding an exception says so when it is collected
+    return [r.getMessage() for r in caplog.records if r.name == "asyncio"]
+
+
+def test_ctrl_c_inside_a_waited_task_cancels_the_run_and_leaves_no_task_holding_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """CI, tests/test_faults.py's Ctrl-C test, once: `benchsuite run` printed its one line and then asyncio's
+    "Task exception was never retrieved" traceback. The KeyboardInterrupt had landed inside the task
+    `asyncio.wait_for` ran a cell's measurement in; the loop closed with that task holding it. Through
+    run_async Ctrl-C cancels the run at its await: both `finally` blocks run inside the loop, the command
+    gets a KeyboardInterrupt (its one line, exit 130), and asyncio has nothing to report. The control runs
+    the same coroutine through asyncio.run under the CLI's handler and shows the old failure."""
+    from benchsuite.cli import _watch_interrupts
+    from benchsuite.interrupt import run_async
+
+    caplog.set_level(logging.ERROR, logger="asyncio")
+    _, restore = _watch_interrupts()
+    try:
+        handler = signal.getsignal(signal.SIGINT)
+        log: list[str] = []
+        with pytest.raises(KeyboardInterrupt) as raised:
+            run_async(_measurement_interrupted_mid_line(log))
+        assert isinstance(raised.value.__cause__, asyncio.CancelledError)
+        assert log == ["measurement unwound", "run unwound"]
+        assert _asyncio_errors(caplog) == []
+        assert signal.getsignal(signal.SIGINT) is handler  # the CLI's handler is back
+
+        log.clear()
+        with pytest.raises(KeyboardInterrupt):  # the control: the old call
+            asyncio.run(_measurement_interrupted_mid_line(log))
+        assert "Task exception was never retrieved" in " ".join(_asyncio_errors(caplog))
+    finally:
+        restore()
+
+
+def test_an_error_raised_while_ctrl_c_unwinds_the_run_is_an_interrupt() -> None:
+    """An engine or store error raised by the cleanup that the cancellation runs (an engine that died of
+    the same Ctrl-C, say) comes out as a KeyboardInterrupt chained to it: errors.caused_by_interrupt."""
+    from benchsuite.errors import RunError, caused_by_interrupt
+    from benchsuite.interrupt import run_async
+
+    async def run() -> None:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            await asyncio.sleep(30)
+        finally:
+            raise RunError("the engine exited with -2 before the cell ended")
+
+    with pytest.raises(KeyboardInterrupt) as raised:
+        run_async(run())
+    assert isinstance(raised.value.__cause__, RunError) and caused_by_interrupt(raised.value)
+
+    async def fine() -> int:
+        return 7
+
+    async def failing() -> None:
+        raise RunError("no engine")
+
+    assert run_async(fine()) == 7  # and without Ctrl-C it is asyncio.run: results and errors as they are
+    with pytest.raises(RunError, match="no engine") as plain:
+        run_async(failing())
+    assert not caused_by_interrupt(plain.value)
+
+
+def test_a_second_ctrl_c_does_not_wait_for_the_cleanup(caplog: pytest.LogCaptureFixture) -> None:
+    from benchsuite.interrupt import run_async
+
+    log: list[str] = []
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        run_async(_measurement_interrupted_mid_line(log, again_while_unwinding=True))
+    assert time.monotonic() - start < 10  # not the cleanup's 30 s
+    assert log[0] == "measurement unwound"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 from pathlib import Path
 
 from benchsuite.checks import accuracy
+from benchsuite.interrupt import run_async
 from benchsuite.load.datasets import bundled_prompts
 
 
@@ -29,7 +29,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     prompts = [(p.prompt_id, p.text) for p in bundled_prompts()[: args.prompts]]
     thresholds = accuracy.Thresholds(args.min_agreement, args.max_logprob_diff)
-    report = asyncio.run(
+    report = run_async(
         accuracy.run_accuracy(
             args.a.rstrip("/"), args.b.rstrip("/"), prompts, max_tokens=args.max_tokens, thresholds=thresholds
         )

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 from pathlib import Path
 
 from benchsuite.checks import canary
+from benchsuite.interrupt import run_async
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -19,7 +19,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    report = asyncio.run(
+    report = run_async(
         canary.run_canary(
             args.url.rstrip("/"), rounds=args.rounds, concurrency=args.concurrency, max_tokens=args.max_tokens
         )

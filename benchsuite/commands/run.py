@@ -9,7 +9,6 @@ one-screen summary, and prints where the results and the HTML report are.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import re
 import statistics
@@ -25,6 +24,7 @@ from benchsuite.config.matrix import MatrixError, load_matrix
 from benchsuite.config.model_checks import missing_model
 from benchsuite.config.plan import Plan, build_plan, format_plan, plan_cells, select
 from benchsuite.errors import UserError, caused_by_interrupt
+from benchsuite.interrupt import run_async
 from benchsuite.load.dataset_check import dataset_problems
 from benchsuite.records import CellResult
 from benchsuite.results.manifest import Manifest
@@ -175,7 +175,7 @@ def _run(args: argparse.Namespace, plan: Plan, store: RunStore, console: Console
                     request_timeout_s=args.request_timeout_s, cpus_per_server=args.ray_cpus,
                 )  # fmt: skip
             else:
-                problems = asyncio.run(
+                problems = run_async(
                     run_plan(
                         plan,
                         store,
