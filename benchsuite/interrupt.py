@@ -26,10 +26,11 @@ T = TypeVar("T")
 
 def run_async(main: Coroutine[Any, Any, T]) -> T:
     """Run `main` on a fresh event loop, as asyncio.run does, with Ctrl-C cancelling it (above).
-    Outside the main thread signals cannot be caught, and this is asyncio.run."""
-    if threading.current_thread() is not threading.main_thread():
+    Where Python's handler is not in force (outside the main thread; SIGINT ignored, as in a job a shell
+    started in the background) this is asyncio.run, and Ctrl-C does what it did."""
+    previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if not callable(previous):  # not Python's handler or one wrapping it (cli._watch_interrupts): SIG_IGN, SIG_DFL
         return asyncio.run(main)
-    previous = signal.getsignal(signal.SIGINT)
     try:
         with asyncio.Runner() as runner:
             loop = runner.get_loop()

@@ -389,7 +389,12 @@ def wait_for_cells(run_root: Path, more_than: int, child: subprocess.Popen[str],
 
 def start_cli_run(matrix_path: Path) -> subprocess.Popen[str]:
     argv = [sys.executable, "-m", "benchsuite", "run", str(matrix_path), "--quiet", "--no-report"]
-    return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        # as a terminal's foreground job: a test runner started in the background ignores SIGINT, and the
+        # runner would inherit that
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
 
 
 @pytest.mark.slow

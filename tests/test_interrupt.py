@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = Path(__file__).parent / "data" / "report_fixture"
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+@pytest.fixture
+def terminal_sigint() -> Iterator[None]:
+    """Python's own SIGINT handler in force for an in-process test, as under a terminal: a test runner
+    started in the background (`cmd &` in a script) ignores SIGINT, and the signals these tests send
+    themselves would vanish. The handler found is put back afterwards."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def interrupted(argv: list[str], after_s: float, cwd: Path) -> tuple[int, str]:
@@ -143,7 +156,7 @@ def test_an_interrupt_inside_an_extensions_initialization_is_an_interrupt(
 
 
 def test_a_real_ctrl_c_that_a_library_turns_into_its_own_error_is_an_interrupt(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], terminal_sigint: None
 ) -> None:
     """Ctrl-C while pydantic-core built a schema on import (`benchsuite run` interrupted at 0.5 s) came out as
     "SchemaError: ... KeyboardInterrupt" with no KeyboardInterrupt in its chain, and printed a traceback
@@ -212,7 +225,7 @@ def _asyncio_errors(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 def test_ctrl_c_inside_a_waited_task_cancels_the_run_and_leaves_no_task_holding_it(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, terminal_sigint: None
 ) -> None:
     """CI, tests/test_faults.py's Ctrl-C test, once: `benchsuite run` printed its one line and then asyncio's
     "Task exception was never retrieved" traceback. The KeyboardInterrupt had landed inside the task
@@ -243,7 +256,7 @@ def test_ctrl_c_inside_a_waited_task_cancels_the_run_and_leaves_no_task_holding_
         restore()
 
 
-def test_an_error_raised_while_ctrl_c_unwinds_the_run_is_an_interrupt() -> None:
+def test_an_error_raised_while_ctrl_c_unwinds_the_run_is_an_interrupt(terminal_sigint: None) -> None:
     """An engine or store error raised by the cleanup that the cancellation runs (an engine that died of
     the same Ctrl-C, say) comes out as a KeyboardInterrupt chained to it: errors.caused_by_interrupt."""
     from benchsuite.errors import RunError, caused_by_interrupt
@@ -272,7 +285,7 @@ def test_an_error_raised_while_ctrl_c_unwinds_the_run_is_an_interrupt() -> None:
     assert not caused_by_interrupt(plain.value)
 
 
-def test_a_second_ctrl_c_does_not_wait_for_the_cleanup(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_second_ctrl_c_does_not_wait_for_the_cleanup(terminal_sigint: None) -> None:
     from benchsuite.interrupt import run_async
 
     log: list[str] = []
@@ -282,3 +295,21 @@ def test_a_second_ctrl_c_does_not_wait_for_the_cleanup(caplog: pytest.LogCapture
     assert time.monotonic() - start < 10  # not the cleanup's 30 s
     assert log[0] == "measurement unwound"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_command_started_with_sigint_ignored_keeps_ignoring_it() -> None:
+    """A shell starts a background job (`benchsuite run m.yaml &`) with SIGINT ignored, so that Ctrl-C at the
+    terminal leaves it running; run_async keeps that, as Python and asyncio.run do."""
+    from benchsuite.interrupt import run_async
+
+    async def run() -> str:
+        os.kill(os.getpid(), signal.SIGINT)
+        await asyncio.sleep(0.2)
+        return "finished"
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        assert run_async(run()) == "finished"
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
