@@ -221,6 +221,65 @@ def test_page_ins_wait_for_the_wave_that_last_read_their_slot() -> None:
     assert len(plan.waves) > 4
 
 
+def test_page_ins_are_issued_once_their_slots_last_reader_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """page_in_after over real multi-wave plans: each wave's copies may go once the last earlier wave reading
+    one of their slots has computed, at most wave j-2 (the previous wave is pinned); and in a real CPU prefill
+    the host issues them right after that compute (and the copies of every earlier wave), before wave j-1's
+    launches (the copies run inline there: one issued too early also breaks paged == resident above)."""
+    from paged_experts.moe.streaming import LayerCopies, page_in_after
+
+    residency = LayerResidency(64, 16)
+    for routed in ([(7 * i) % 64 for i in range(400)], [(5 * i + 3) % 64 for i in range(300)]):
+        plan = residency.plan_step(routed)
+        after = page_in_after(plan.waves)
+        last_read: dict[int, int] = {}
+        for j, wave in enumerate(plan.waves):
+            assert after[j] == max((last_read.get(s, -1) for _, s in wave.page_ins), default=-1)
+            assert after[j] <= j - 2 or not wave.page_ins
+            last_read.update((s, j) for s in wave.slots)
+        assert len(plan.waves) > 4 and any(a >= 0 for a in after)
+
+    calls: list[tuple[str, int]] = []  # ("plan", -1), ("copy", wave), ("compute", wave) in the order issued
+    afters: list[list[int]] = []  # page_in_after of each planned layer-step
+    plan_step, page_in, computed = LayerResidency.plan_step, LayerCopies.page_in, LayerCopies.computed
+
+    def planned(self: LayerResidency, *args: object, **kwargs: object) -> object:
+        out = plan_step(self, *args, **kwargs)  # type: ignore[arg-type]
+        afters.append(page_in_after(out.waves))
+        calls.append(("plan", -1))
+        return out
+
+    def copied(self: LayerCopies, index: int, *args: object) -> None:
+        calls.append(("copy", index))
+        page_in(self, index, *args)  # type: ignore[arg-type]
+
+    def done(self: LayerCopies, wave: object) -> None:
+        calls.append(("compute", len(self.done)))
+        computed(self, wave)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LayerResidency, "plan_step", planned)
+    monkeypatch.setattr(LayerCopies, "page_in", copied)
+    monkeypatch.setattr(LayerCopies, "computed", done)
+    long_prompt(paged(TINY, 8), 320, decode_steps=0)
+    monkeypatch.undo()
+
+    steps: list[list[tuple[str, int]]] = []  # each layer-step's calls after its plan
+    for call in calls:
+        if call[0] == "plan":
+            steps.append([])
+        elif steps:
+            steps[-1].append(call)
+    early = 0
+    for after, seq in zip(afters, steps):
+        for j in range(len(after)):
+            if ("copy", j) in seq:
+                at = seq.index(("copy", j))
+                last_compute = max((i for kind, i in seq[:at] if kind == "compute"), default=-1)
+                assert last_compute == max(after[: j + 1]), (j, after, seq)
+                early += last_compute < j - 1  # before the new order: always j - 1
+    assert early > 10
+
+
 def staged(path: str, k: int, rows: int, dtype: str = "float32") -> MoeCausalLM:
     runtime = RuntimeConfig(mode="paged", resident_experts=k, prefill_staging_rows=rows, dtype=dtype)
     return MoeCausalLM.from_pretrained(path, runtime)

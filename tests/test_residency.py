@@ -45,7 +45,14 @@ class BruteForceLru:
         width = cycling // 2 if cycling >= 2 else cycling
         order = [e for e in resident if e not in protected] + missing
         waves = [order[w : w + width] for w in range(0, len(order), width)]
-        waves[-1] = waves[-1] + protected
+        if len(waves) < 3:
+            waves[-1] = waves[-1] + protected
+        else:  # the middle waves share the protected ones in rank order, the first ones one more
+            middle = len(waves) - 2
+            for n, e in enumerate(protected):  # protected one by one: the m-th share covers its first sizes
+                sizes = [len(protected) // middle + (m < len(protected) % middle) for m in range(middle)]
+                m = next(m for m in range(middle) if n < sum(sizes[: m + 1]))
+                waves[1 + m] = waves[1 + m] + [e]
         return waves, set(protected), 2 * width <= cycling
 
     def step_once(self, routed: list[int]) -> list[tuple[tuple[int, ...], tuple[tuple[int, int], ...], int]]:
@@ -199,7 +206,9 @@ def test_recent_keeps_routed_residents_in_place() -> None:
     layer = LayerResidency(32, 8)
     routed = list(range(8, 32)) + [3, 2]  # 3 and 2 resident, used last
     plan = layer.plan_step(routed)
-    assert plan.waves[-1].experts[-2:] == (3, 2)  # served last, kept in place throughout
+    # waves of 3: 8 9 10 | 11 12 13 3 | 14 15 16 2 | ... | 29 30 31: served in the middle, kept in place throughout
+    assert plan.waves[1].experts[-1] == 3 and plan.waves[2].experts[-1] == 2 and len(plan.waves) == 8
+    assert not {2, 3} & set(plan.waves[0].experts + plan.waves[-1].experts)
     assert {2, 3} <= set(layer.expert_in)
     assert all(e not in (2, 3) for w in plan.waves for e, _ in w.page_ins)
 
@@ -273,8 +282,10 @@ def test_a_staged_step_serves_the_staged_experts_first_and_plans_the_rest() -> N
     assert sorted(served) == list(range(16))  # each routed expert in exactly one wave
     # staged experts the keep policy ranks among the K (the last tokens' 2, 15, 5, 4) are promoted into the slots
     # of lower-ranked ones after the waves: the slots end as they would have without staging
-    # each one once the wave that last reads its slot computed: 12 (slot 1, wave 9), then 10 and 0 (wave 10)
-    assert got.promotions == (Promotion(4, 0, 0, 10), Promotion(5, 1, 1, 9), Promotion(15, 3, 3, 10))
+    # each one once the wave that last reads its slot computed: 0 (slot 0, protected among the routed rest, served
+    # in the middle wave 2), 12 (slot 1, wave 9), 10 (slot 3, wave 10)
+    assert got.promotions == (Promotion(4, 0, 0, 2), Promotion(5, 1, 1, 9), Promotion(15, 3, 3, 10))
+    assert got.waves[2].experts == (3, 0) and got.waves[3].experts == (14, 2)  # the protected 0 and 2
     assert got.waves[9].experts == (12,) and got.waves[9].slots == (1,) and not staged_r.is_resident(6)
     assert sorted(staged_r.slot_of) == sorted(plain.slot_of) == [2, 4, 5, 15]
     assert all(staged_r.slot_of[p.expert] == p.slot for p in got.promotions)

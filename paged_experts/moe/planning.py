@@ -20,7 +20,7 @@ import torch
 
 from paged_experts.kernels.copy_kernel import copy_planned
 from paged_experts.moe.staging import Staged, StagingRows
-from paged_experts.moe.streaming import LayerCopies
+from paged_experts.moe.streaming import LayerCopies, page_in_after
 from paged_experts.moe.waves import WaveKernel, WavePass
 from paged_experts.residency.device import DevicePlan, DeviceResidency
 from paged_experts.residency.policies import STAGING, LayerResidency, StepPlan
@@ -63,17 +63,30 @@ class HostWaves:
         run = kernel.begin(x, ids_cpu, self.residency.num_experts, slots.gate.device)
         rows = max(slots.num_rows, staging.num_rows if staged is not None and staging is not None else 0)
         run.plan_waves(plan.waves, rows)  # the pass lays out all waves at once (one host-to-device copy)
+        after = page_in_after(plan.waves)
+        issued = 0  # the waves whose page-ins are issued: a prefix, so the link takes them in wave order
+
+        def issue(computed: int) -> None:
+            """The page-ins of every next wave whose slots' earlier readers are all among waves <= computed."""
+            nonlocal issued
+            while issued < len(plan.waves) and after[issued] <= computed:
+                if plan.waves[issued].table != STAGING:
+                    copies.page_in(issued, plan.waves[issued], lambda pairs: page_in.copy_rows(host, slots, pairs))
+                issued += 1
+
+        issue(-1)
         for i, wave in enumerate(plan.waves):
             if wave.table == STAGING:  # copied before the plan: wait for them, then compute from the rows
                 assert staging is not None and staged is not None
                 copies.wait_staged(staged.landed)
                 run.wave(staging.rows, wave.experts, wave.slots)
             else:
-                copies.page_in(wave, lambda pairs: page_in.copy_rows(host, slots, pairs))
+                copies.wait_landed(i)  # issued: after[i] < i, and every wave < i has computed
                 run.wave(slots, wave.experts, wave.slots)
             copies.computed(wave)
             if staged is not None and staging is not None:
                 _promote_after(plan, i, slots, staging)
+            issue(i)  # before the next wave's launches: the copy engine gets them one wave earlier
         copies.finish(len(plan.waves), plan.hits, plan.misses, plan.staged_unused)
         return run, StepCounts(plan.union, plan.hits, plan.misses, len(plan.waves))
 

@@ -9,6 +9,9 @@ chunk: the link, not the compute, sets the chunk's time. What keeps the link bus
   (the previous wave's experts are pinned), so they copy while wave j-1 computes; each copy waits
   for exactly the wave that last read its slot (`LayerCopies.page_in`), and copies into slots no
   wave of this step has read go first, waiting for nothing;
+- the host issues wave j's page-ins as soon as the compute of the last wave reading their slots is
+  issued (`page_in_after`: wave j-2's), before wave j-1's launches, and the compute stream waits for
+  them just before wave j (`LayerCopies.wait_landed`): the copy engine learns of them one wave earlier;
 - a layer's first copies wait only for the step to begin (`StepStreams.start`: every earlier step's
   reads of any slot are ahead of it on the compute stream), not for the previous layer's compute:
   when the routing is known on the host before the device computes it (a synthetic router
@@ -58,6 +61,24 @@ def wait_groups(
     for expert, slot in page_ins:
         groups.setdefault(slot_wave.get(slot, -1), []).append((expert, slot))
     return sorted(groups.items())
+
+
+def page_in_after(waves: Sequence[Wave]) -> list[int]:
+    """[W] for each wave of a step, the last earlier wave that reads a slot its page-ins go into (-1: none, and
+    for a STAGING wave, whose copies were issued before the plan): a wave's copies can be issued as soon as
+    that wave's compute is, ahead of the waves in between (they read other slots). The planner pins the
+    previous wave, so wave j's copies are issued after wave j-2's compute, not after wave j-1's: the host
+    issues the copies one wave earlier, and a layer's first copies do not wait for the second wave's launches."""
+    last_read: dict[int, int] = {}  # slot -> the last wave so far that reads it
+    after = []
+    for j, wave in enumerate(waves):
+        if wave.table == STAGING:
+            after.append(-1)
+            continue
+        after.append(max((last_read.get(slot, -1) for _, slot in wave.page_ins), default=-1))
+        for slot in wave.slots:
+            last_read[slot] = j
+    return after
 
 
 def mark(device: torch.device) -> TimeMark:
@@ -122,27 +143,37 @@ class LayerCopies:
         self.row_bytes = row_bytes
         self.done: list[torch.cuda.Event | None] = []  # [wave] recorded after the wave's compute (None: CPU)
         self.slot_wave: dict[int, int] = {}  # slot -> last wave of this step that read it
+        self.landed: dict[int, torch.cuda.Event] = {}  # wave -> its page-ins' landing, until the wave waits for it
         if self.copy is not None and isinstance(step.start, torch.cuda.Event):
             self.copy.wait_event(step.start)  # earlier steps' reads of these slots are behind it
 
-    def page_in(self, wave: Wave, copy_rows: CopyRows) -> None:
-        """Issues the wave's page-ins; the compute stream waits for them before the wave's compute."""
+    def page_in(self, index: int, wave: Wave, copy_rows: CopyRows) -> None:
+        """Issues wave `index`'s page-ins on the page-in stream, each group after the wave that last read its
+        slots, whose compute must be issued already (`page_in_after`); `wait_landed(index)`, before the wave's
+        compute, makes the compute stream wait for them. On the CPU they run here, inline."""
         if not wave.page_ins:
             return
         if self.copy is None:
             self._timed(wave.page_ins, copy_rows)
             return
-        assert self.compute is not None
         with torch.cuda.stream(self.copy):
             for after, pairs in wait_groups(wave.page_ins, self.slot_wave):
                 if after >= 0:
+                    if after >= len(self.done):
+                        raise AssertionError(f"wave {index}'s page-ins issued before wave {after}'s compute")
                     computed = self.done[after]
                     assert computed is not None  # a copy stream: every wave's compute recorded its event
                     self.copy.wait_event(computed)
                 self._timed(pairs, copy_rows)
             landed = torch.cuda.Event()
             landed.record(self.copy)
-        self.compute.wait_event(landed)
+        self.landed[index] = landed
+
+    def wait_landed(self, index: int) -> None:
+        """Before wave `index`'s compute: the compute stream waits for its page-ins (none issued: nothing)."""
+        landed = self.landed.pop(index, None)
+        if landed is not None and self.compute is not None:
+            self.compute.wait_event(landed)
 
     def stage(
         self, pairs: Sequence[tuple[int, int]], copy_rows: CopyRows, after: torch.cuda.Event | None

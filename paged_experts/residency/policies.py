@@ -19,13 +19,13 @@ compared by `benchsuite simulate --include-prefill --prefill-keep ...`, docs/pre
 - `recent` (default): the experts routed by the chunk's LAST tokens stay. Misses are served in order
   of their last use in the step (the latest last), served experts are evicted oldest-last-use first,
   and up to K/2 routed residents among the step's K most recent are kept in place (P of them,
-  protected: never evicted, served in the last wave so that the first waves stay small and the
-  first page-ins can start early). This is what token-by-token LRU would keep, and the next decode
-  tokens route mostly to what the last prompt tokens used (consecutive tokens share experts:
-  DESIGN.md section 8). On the calibrated synthetic routing (its host generator before the
-  counter-based draw of routing_draw.py) it keeps 0.79 of the first 16 decode
-  tokens' experts resident after a 2,048-token prompt at K=32 where `lru` keeps 0.71 (0.90 against
-  0.80 at K=64), for the same page-in bytes.
+  protected: never evicted, served in the middle waves, so that the first wave stays small and the
+  first page-ins start early, and the last wave, the layer's tail after its last page-in, too). This
+  is what token-by-token LRU would keep, and the next decode tokens route mostly to what the last
+  prompt tokens used (consecutive tokens share experts: DESIGN.md section 8). On the calibrated
+  synthetic routing (its host generator before the counter-based draw of routing_draw.py) it keeps
+  0.79 of the first 16 decode tokens' experts resident after a 2,048-token prompt at K=32 where `lru`
+  keeps 0.71 (0.90 against 0.80 at K=64), for the same page-in bytes.
 - `frequent`: the same with the step's most-routed experts kept (ties: the later last use).
 - `lru`: the planner before this policy existed: misses in expert-id order, served experts evicted
   lowest id first, nothing protected; the slots end up holding the highest-id misses, which have
@@ -400,7 +400,7 @@ class LayerResidency:
         kept = set(protected)
         order = [e for e in resident if e not in kept] + missing
         chunks = [order[i : i + width] for i in range(0, len(order), width)] or [[]]
-        chunks[-1] = chunks[-1] + protected  # served last: the first waves stay small, so copies start early
+        _spread(chunks, protected)
         routed_set = set(distinct)
         waiting = set(resident)  # routed residents whose wave has not run: never evicted
         previous: list[int] = []
@@ -425,23 +425,31 @@ class LayerResidency:
         itself by default); with a keep `rank`, experts not routed in this step go first (by the
         policy), then the routed ones already served, lowest rank first."""
         pinned = set(experts) if pinned is None else pinned
+        missing = [e for e in experts if e not in self.slot_of]
         page_ins = []
-        for e in experts:
-            if e in self.slot_of:
-                continue
+        if missing:
+            if not pinned.issuperset(experts):
+                raise AssertionError("a wave's own experts are pinned")
+            # The candidates once a wave: each miss's expert is pinned, so a page-in only takes its victim out
+            # of them (a scan of the K slots per miss cost a 2,048-token chunk's planner ~0.2 ms a layer).
             candidates = [r for r in self.slot_of if r not in pinned]
-            if not candidates:
-                raise AssertionError(f"no slot to evict for expert {e}: {self.num_slots} slots all pinned")
-            cold = candidates if rank is None or routed is None else [r for r in candidates if r not in routed]
-            if cold:
-                victim = self.policy.victim(cold, self.step)
-            else:  # every candidate was routed in this step and is served already: the lowest rank leaves
-                assert rank is not None
-                victim = min(candidates, key=rank.__getitem__)
-            slot = self.slot_of.pop(victim)
-            self.slot_of[e] = slot
-            self.expert_in[slot] = e
-            page_ins.append((e, slot))
+            if rank is None or routed is None:
+                cold, warm = candidates, []
+            else:
+                cold = [r for r in candidates if r not in routed]
+                warm = sorted((r for r in candidates if r in routed), key=rank.__getitem__, reverse=True)
+            for e in missing:
+                if cold:
+                    victim = self.policy.victim(cold, self.step)
+                    cold.remove(victim)
+                elif warm:  # every candidate was routed in this step and is served already: the lowest rank leaves
+                    victim = warm.pop()
+                else:
+                    raise AssertionError(f"no slot to evict for expert {e}: {self.num_slots} slots all pinned")
+                slot = self.slot_of.pop(victim)
+                self.slot_of[e] = slot
+                self.expert_in[slot] = e
+                page_ins.append((e, slot))
         for e in experts:
             self.policy.on_use(e, self.step)
         return Wave(
@@ -450,6 +458,24 @@ class LayerResidency:
             page_ins=tuple(page_ins),
             hits=hits,
         )
+
+
+def _spread(chunks: list[list[int]], protected: Sequence[int]) -> None:
+    """Serves the protected experts (pinned in their slots all step: where they compute changes no page-in
+    and no eviction) in the waves between the first and the last, in rank order, a near-equal share each:
+    not the first, whose compute every first page-in waits for, nor the last, whose compute is the layer's
+    tail after its last page-in landed (a middle wave computes while the next one's copies run, which take
+    longer); with fewer than three waves, in the last."""
+    middle = range(1, len(chunks) - 1)
+    if not middle:
+        chunks[-1] += protected
+        return
+    share, extra = divmod(len(protected), len(middle))
+    start = 0
+    for n, i in enumerate(middle):
+        end = start + share + (1 if n < extra else 0)
+        chunks[i] += protected[start:end]
+        start = end
 
 
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {

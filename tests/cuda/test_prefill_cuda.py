@@ -11,7 +11,8 @@
 - the same with page_in='kernel' (every page-in of a group as one copy-kernel launch): equality, slot
   integrity, no synchronization, counters;
 - prefill staging rows: equality (bf16, FP8, delayed compute), no synchronization, and a STAGING wave waits
-  for its copies (with a control that must see the race).
+  for its copies (with a control that must see the race);
+- a wave waits for its own page-ins, which the host issues one wave early (with a control).
 
 Plain functions, so the module also runs as a script: `python tests/cuda/test_prefill_cuda.py`.
 """
@@ -203,16 +204,16 @@ def _copies_ignore_readers() -> object:
     """The control's bug: a wave's page-ins wait for nothing (not for the waves that read their slots)."""
     original = LayerCopies.page_in
 
-    def eager(self: LayerCopies, wave: object, copy_rows: object) -> None:
+    def eager(self: LayerCopies, index: int, wave: object, copy_rows: object) -> None:
         if not wave.page_ins or self.copy is None:  # type: ignore[attr-defined]
-            return original(self, wave, copy_rows)  # type: ignore[arg-type]
+            return original(self, index, wave, copy_rows)  # type: ignore[arg-type]
         with torch.cuda.stream(self.copy):
             start = mark(self.device)
             copy_rows(wave.page_ins)  # type: ignore[attr-defined,operator]
             self._count(len(wave.page_ins), start, mark(self.device))  # type: ignore[attr-defined]
             landed = torch.cuda.Event()
             landed.record(self.copy)
-        self.compute.wait_event(landed)  # type: ignore[union-attr]
+        self.landed[index] = landed
         return None
 
     LayerCopies.page_in = eager  # type: ignore[method-assign]
@@ -239,6 +240,31 @@ def _slots_are_not_overwritten(want: list[torch.Tensor], page_in: str) -> None:
         assert not all(torch.equal(a, b) for a, b in zip(got, want)), f"the control's race went unseen ({page_in})"
     finally:
         waves_module._FusedPass.wave = original_wave  # type: ignore[method-assign]
+
+
+def test_a_wave_waits_for_its_page_ins_to_land() -> None:
+    """The host issues a wave's page-ins one wave early and the compute stream waits for them only just before
+    that wave (`LayerCopies.wait_landed`). With every group of page-ins delayed on the page-in stream
+    (SLEEP_CYCLES before it), paged still equals resident; the control, waves that do not wait for their
+    page-ins (`wait_landed` a no-op), must differ (the test can see the race it guards)."""
+    want = long_prompt(MoeCausalLM.from_pretrained(QWEN2, rt(mode="resident")), 600, decode_steps=0)
+    timed, wait = LayerCopies._timed, LayerCopies.wait_landed
+
+    def late(self: LayerCopies, *args: object) -> None:
+        if self.copy is not None:
+            torch.cuda._sleep(SLEEP_CYCLES)  # on the page-in stream: _timed runs inside page_in's stream block
+        timed(self, *args)  # type: ignore[arg-type]
+
+    LayerCopies._timed = late  # type: ignore[method-assign, assignment]
+    try:
+        model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=32))
+        assert_same(long_prompt(model, 600, decode_steps=0), want, "page-ins delayed")
+        LayerCopies.wait_landed = lambda self, index: None  # type: ignore[method-assign, assignment]
+        model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=32))
+        got = long_prompt(model, 600, decode_steps=0)
+        assert not all(torch.equal(a, b) for a, b in zip(got, want)), "the control's race went unseen"
+    finally:
+        LayerCopies._timed, LayerCopies.wait_landed = timed, wait  # type: ignore[method-assign]
 
 
 def _prefill_layers(model: MoeCausalLM, router: object | None, tokens: int = 512) -> list[torch.Tensor]:
