@@ -14,6 +14,7 @@ import torch
 from paged_experts.config import TORCH_DTYPES, MoeModelConfig
 from paged_experts.kernels import moe_triton
 from paged_experts.kernels.fused import check_expert_backend
+from paged_experts.residency.page_in import PAGE_IN_CHOICES, PageIn
 from paged_experts.residency.policies import (
     DEFAULT_EVICTION_POLICY,
     DEFAULT_PREFILL_KEEP,
@@ -22,7 +23,6 @@ from paged_experts.residency.policies import (
     PREFILL_KEEP,
 )
 
-PAGE_IN_CHOICES: tuple[str, ...] = ("auto", "direct", "kernel", "staged")
 Mode = Literal["resident", "paged", "offload", "cpu-experts"]
 MODES: tuple[str, ...] = ("resident", "paged", "offload", "cpu-experts")
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
@@ -42,7 +42,7 @@ class RuntimeConfig:
     # How host-planned page-ins (prefill waves, steps above one wave, offload) copy host rows to the device
     # (residency/store.py): 'auto' = 'direct' (a DMA per tensor and run) on CUDA, 'index' on the CPU;
     # 'kernel' = one Triton copy launch per group of rows (CUDA; measured by configs/h200/kernelcopy.yaml).
-    page_in: Literal["auto", "direct", "kernel", "staged"] = "auto"
+    page_in: PageIn = "auto"
     # Paged one-wave steps planned and paged in on the device (no host sync, CUDA-graph capturable):
     # 'auto' = on for CUDA, off on the CPU (where the host planner is the cheaper path).
     device_planning: Literal["auto", "on", "off"] = "auto"

@@ -43,6 +43,7 @@ import torch
 from paged_experts import fp8
 from paged_experts.residency import pinned
 from paged_experts.residency.counters import PagingCounters
+from paged_experts.residency.page_in import PAGE_IN_STRATEGIES
 
 EXPERT_TENSORS: tuple[str, ...] = ("gate", "up", "down")
 """Per-expert tensors. Page-in walks this tuple; the fault-injection test removes one name."""
@@ -151,10 +152,6 @@ def contiguous_runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, in
         else:
             runs.append((src, dst, 1))
     return runs
-
-
-PAGE_IN_STRATEGIES: tuple[str, ...] = ("index", "direct", "kernel", "staged")
-"""How host rows reach device rows (module docstring); 'auto' picks `direct` on CUDA, `index` elsewhere."""
 
 
 class PageInEngine:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from paged_experts.residency.page_in import PAGE_IN_CHOICES
 from paged_experts.residency.policies import (
     DEFAULT_EVICTION_POLICY,
     DEFAULT_PREFILL_KEEP,
@@ -29,7 +30,6 @@ MODES: tuple[str, ...] = ("resident", "paged", "offload", "cpu-experts")
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
 GRAPHABLE_MODES = ("resident", "paged")  # modes whose decode step the server can capture as a CUDA graph
 KERNEL_BACKENDS: tuple[str, ...] = ("grouped", "triton")  # kernels.fused: grouped GEMM, or Triton decode kernels
-PAGE_IN_CHOICES: tuple[str, ...] = ("auto", "direct", "kernel", "staged")  # RuntimeConfig.page_in
 MODE_OPTION = {"paged": "resident_experts", "offload": "offload_layers", "cpu-experts": "n_cpu_moe"}
 
 

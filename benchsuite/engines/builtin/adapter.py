@@ -46,6 +46,7 @@ from benchsuite.engines.base import (
 from benchsuite.engines.search_settings import ResidentExpertsSettings, SearchSettingsAny
 from benchsuite.errors import UserError
 from benchsuite.tools.scrape import scrape_prometheus
+from paged_experts.residency.page_in import PageIn
 from paged_experts.residency.policies import DEFAULT_EVICTION_POLICY, DEFAULT_PREFILL_KEEP
 from paged_experts.server.options import GRAPHABLE_MODES, MODE_OPTION, Namer, ServeOptions, mode_problems, problems
 from paged_experts.server.threads import default_cpu_threads
@@ -114,7 +115,7 @@ class BuiltinOptions(EngineOptions):
     fused_page_in: bool | None = Field(None, exclude_if=lambda v: v is None)
     # How host-planned page-ins copy (RuntimeConfig.page_in): direct (DMAs), kernel (one Triton launch per
     # group of rows), staged; unset like fused_page_in (the server's auto: direct on CUDA)
-    page_in: Literal["auto", "direct", "kernel", "staged"] | None = Field(None, exclude_if=lambda v: v is None)
+    page_in: PageIn | None = Field(None, exclude_if=lambda v: v is None)
     # Paged: device rows for a prefill layer's first page-ins (RuntimeConfig.prefill_staging_rows); unset like
     # page_in (the server's 0: none)
     prefill_staging_rows: int | None = Field(None, ge=0, exclude_if=lambda v: v is None)

@@ -1,0 +1,17 @@
+"""The page-in copy choices, declared once (no torch: the server's options and benchsuite's schema read them).
+
+How host-planned page-ins (prefill waves, steps above one wave, offload) copy host rows to device rows
+(`store.PageInEngine`): `direct`, a DMA per tensor and run of rows; `kernel`, one Triton copy launch per
+group of rows (CUDA); `staged`, through a pinned staging buffer (CUDA); `index`, index_select then
+index_copy_ (the CPU's). `auto` is `direct` on CUDA and `index` elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+PageIn = Literal["auto", "direct", "kernel", "staged"]
+"""What a runtime, a server flag or a matrix option may ask for."""
+PAGE_IN_CHOICES: tuple[str, ...] = get_args(PageIn)
+PAGE_IN_STRATEGIES: tuple[str, ...] = ("index", *PAGE_IN_CHOICES[1:])
+"""What a PageInEngine runs: `auto` resolved (the runtime resolves it by device)."""
