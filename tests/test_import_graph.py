@@ -185,8 +185,8 @@ BENCHSUITE = Layers(
     "benchsuite",
     ("vocabulary", "tools", "engines", "config", "load", "measure", "results", "checks", "run", "report", "commands",
      "cli"),
-    {"benchsuite": "vocabulary", "benchsuite.errors": "vocabulary", "benchsuite.interrupt": "vocabulary", "benchsuite.records": "vocabulary",
-     "benchsuite.cli": "cli", "benchsuite.__main__": "cli"},
+    {"benchsuite": "vocabulary", "benchsuite.errors": "vocabulary", "benchsuite.interrupt": "vocabulary",
+     "benchsuite.records": "vocabulary", "benchsuite.cli": "cli", "benchsuite.__main__": "cli"},
 )  # fmt: skip
 # paged_experts' layers: the leaves every layer shares (shape, fp8, kv, attention, step), which
 # experts sit where, the runtime's configuration, the kernels (and the reference expert compute),
