@@ -9,7 +9,8 @@ command's one line (CI, tests/test_faults.py's Ctrl-C test, about 1 run in 30). 
 the command's task instead: it stops at the await it is on, every `finally` runs inside the task
 (servers stop, tables are rebuilt), and the command then raises KeyboardInterrupt, chained to
 whatever the unwinding raised, so `errors.caused_by_interrupt` calls it an interrupt. A second Ctrl-C
-does not wait for that cleanup."""
+does not wait for that cleanup. Python 3.11's `asyncio.wait_for` can swallow a cancellation that arrives as
+the task it waits on finishes (gh-86296); `stop_if_cancelled` after it keeps Ctrl-C from being lost there."""
 
 from __future__ import annotations
 
@@ -55,3 +56,12 @@ def run_async(main: Coroutine[Any, Any, T]) -> T:
             # the handler stays through the runner's close, which finishes the tasks left over
     finally:
         signal.signal(signal.SIGINT, previous)  # closing the loop set Python's default back
+
+
+def stop_if_cancelled() -> None:
+    """Raises CancelledError where the current task was cancelled and nothing raised it: after an
+    `asyncio.wait_for` that returned its task's result although Ctrl-C cancelled the caller meanwhile
+    (Python 3.11, gh-86296), so the run stops there instead of going on to its next cell."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError

@@ -313,3 +313,28 @@ def test_a_command_started_with_sigint_ignored_keeps_ignoring_it() -> None:
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_a_cancellation_that_wait_for_swallowed_still_stops_the_run() -> None:
+    """Python 3.11's asyncio.wait_for returns its task's result when the caller is cancelled just as that task
+    finishes (gh-86296): Ctrl-C then cancelled nothing, and the run went on to its next cell.
+    `stop_if_cancelled`, right after measure_cell's wait_for, raises the cancellation there. The control, the
+    same steps without it, shows the swallow where this Python has it."""
+    from benchsuite.interrupt import stop_if_cancelled
+
+    async def quick() -> int:
+        return 5
+
+    async def measured(check: bool) -> int:
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()  # Ctrl-C lands as the cell's task is about to finish: it runs first, then the cancel
+        got = await asyncio.wait_for(quick(), 10)
+        if check:
+            stop_if_cancelled()
+        return got
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(measured(check=True))
+    if sys.version_info < (3, 12):  # the control: 3.12 rewrote wait_for, which then raises by itself
+        assert asyncio.run(measured(check=False)) == 5

@@ -221,11 +221,14 @@ def test_page_ins_wait_for_the_wave_that_last_read_their_slot() -> None:
     assert len(plan.waves) > 4
 
 
-def test_page_ins_are_issued_once_their_slots_last_reader_is(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("case", ["plain", "staging", "host-blocking copy"])
+def test_page_ins_are_issued_once_their_slots_last_reader_is(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     """page_in_after over real multi-wave plans: each wave's copies may go once the last earlier wave reading
     one of their slots has computed, at most wave j-2 (the previous wave is pinned); and in a real CPU prefill
     the host issues them right after that compute (and the copies of every earlier wave), before wave j-1's
-    launches (the copies run inline there: one issued too early also breaks paged == resident above)."""
+    launches (the copies run inline there: one issued too early also breaks paged == resident above); also
+    with staging rows (a STAGING wave first, its copies issued before the plan). A copy that blocks the host
+    (page_in='staged', CUDA only: marked here by hand) keeps the old order, just before its wave."""
     from paged_experts.moe.streaming import LayerCopies, page_in_after
 
     residency = LayerResidency(64, 16)
@@ -241,11 +244,13 @@ def test_page_ins_are_issued_once_their_slots_last_reader_is(monkeypatch: pytest
 
     calls: list[tuple[str, int]] = []  # ("plan", -1), ("copy", wave), ("compute", wave) in the order issued
     afters: list[list[int]] = []  # page_in_after of each planned layer-step
+    staging_waves = [0]
     plan_step, page_in, computed = LayerResidency.plan_step, LayerCopies.page_in, LayerCopies.computed
 
     def planned(self: LayerResidency, *args: object, **kwargs: object) -> object:
         out = plan_step(self, *args, **kwargs)  # type: ignore[arg-type]
         afters.append(page_in_after(out.waves))
+        staging_waves[0] += sum(1 for w in out.waves if w.table == STAGING)
         calls.append(("plan", -1))
         return out
 
@@ -260,8 +265,12 @@ def test_page_ins_are_issued_once_their_slots_last_reader_is(monkeypatch: pytest
     monkeypatch.setattr(LayerResidency, "plan_step", planned)
     monkeypatch.setattr(LayerCopies, "page_in", copied)
     monkeypatch.setattr(LayerCopies, "computed", done)
-    long_prompt(paged(TINY, 8), 320, decode_steps=0)
+    model = staged(TINY, 8, 6) if case == "staging" else paged(TINY, 8)
+    blocking = case == "host-blocking copy"
+    model.moe_layers[0].shared.page_in.blocks_host = blocking  # type: ignore[attr-defined]
+    long_prompt(model, 320, decode_steps=0)
     monkeypatch.undo()
+    assert (staging_waves[0] > 0) == (case == "staging")
 
     steps: list[list[tuple[str, int]]] = []  # each layer-step's calls after its plan
     for call in calls:
@@ -275,9 +284,10 @@ def test_page_ins_are_issued_once_their_slots_last_reader_is(monkeypatch: pytest
             if ("copy", j) in seq:
                 at = seq.index(("copy", j))
                 last_compute = max((i for kind, i in seq[:at] if kind == "compute"), default=-1)
-                assert last_compute == max(after[: j + 1]), (j, after, seq)
+                want = max(after[: j + 1] + ([j - 1] if blocking else []))
+                assert last_compute == want, (j, after, seq)
                 early += last_compute < j - 1  # before the new order: always j - 1
-    assert early > 10
+    assert early == 0 if blocking else early > 10
 
 
 def staged(path: str, k: int, rows: int, dtype: str = "float32") -> MoeCausalLM:

@@ -7,7 +7,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_experts.residency.policies import PREFILL_KEEP, SLOTS, STAGING, LayerResidency, LfuPolicy, Promotion
+from paged_experts.residency import policies
+from paged_experts.residency.policies import (
+    POLICIES,
+    PREFILL_KEEP,
+    SLOTS,
+    STAGING,
+    LayerResidency,
+    LfuPolicy,
+    Promotion,
+)
 
 
 class BruteForceLru:
@@ -315,3 +324,35 @@ def test_promotions_do_not_depend_on_the_slot_maps_order() -> None:
     promotions, slots = results[0]
     assert {p.expert for p in promotions} == {8, 9} and all(p.after == 0 for p in promotions)
     assert set(slots) == {0, 1, 2, 3, 8, 9}  # the unrouted 4 and 5 gave their slots
+
+
+@settings(max_examples=200, deadline=None)
+@given(routing_runs(), st.sampled_from(PREFILL_KEEP), st.sampled_from(sorted(POLICIES)), st.integers(0, 3))
+def test_where_the_protected_residents_are_served_changes_no_page_in(
+    run: tuple[int, int, list[list[int]]], keep: str, policy: str, rows: int
+) -> None:
+    """The protected residents are served in the middle waves (so the first wave stays small and the layer's
+    tail after its last page-in is short), no longer in the last. They are pinned all step, so every wave's
+    page-ins, each step's promotions and the slots after it must be what serving them last gave: the same plans
+    side by side, one with `_spread` put back to serving them last, for every policy, staged or not."""
+    num_experts, k, steps = run
+    middle, last = (
+        LayerResidency(num_experts, k, POLICIES[policy](), keep),
+        LayerResidency(num_experts, k, POLICIES[policy](), keep),
+    )
+    monkey = pytest.MonkeyPatch()
+    for routed in steps:
+        staged = middle.stage_candidates(rows, max(len(routed), 1) * 10_000)  # any step stages, for the comparison
+        got = middle.plan_step(routed, staged=staged)
+        with monkey.context() as m:
+            m.setattr(policies, "_spread", lambda chunks, protected: chunks[-1].extend(protected))
+            want = last.plan_step(routed, staged=staged)
+        assert [w.page_ins for w in got.waves] == [w.page_ins for w in want.waves]
+        assert sorted(e for w in got.waves for e in w.experts) == sorted(e for w in want.waves for e in w.experts)
+        assert (got.hits, got.misses, got.union) == (want.hits, want.misses, want.union)
+        assert [(p.expert, p.row, p.slot) for p in got.promotions] == [
+            (p.expert, p.row, p.slot) for p in want.promotions
+        ]
+        assert middle.slot_of == last.slot_of and middle.expert_in == last.expert_in
+        if len(got.waves) >= 3 and got.waves[-1].table == SLOTS:  # the tail wave holds no protected resident now
+            assert len(got.waves[-1].experts) <= len(want.waves[-1].experts)

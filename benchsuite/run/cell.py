@@ -22,6 +22,7 @@ from benchsuite.config.plan import CellSpec
 from benchsuite.engines import ADAPTERS
 from benchsuite.engines.base import EngineAdapter, EngineConfigError, ServerSpec
 from benchsuite.errors import RunError
+from benchsuite.interrupt import stop_if_cancelled
 from benchsuite.load import loadgen
 from benchsuite.measure import metrics, paging
 from benchsuite.records import CellResult, LoadRequest, RequestRecord
@@ -44,10 +45,12 @@ async def measure_cell(ctx: RunContext, server: RunningServer, cell: CellSpec, *
     records are lost) raises TimeoutError and marks the server hung (`server.hung`).
     """
     try:
-        return await asyncio.wait_for(_measure(ctx, server, cell, store), ctx.cell_timeout_s)
+        result = await asyncio.wait_for(_measure(ctx, server, cell, store), ctx.cell_timeout_s)
     except TimeoutError:
         server.hung = f"engine did not finish cell {cell.cell_id} within {ctx.cell_timeout_s:g} s"
         raise TimeoutError(server.hung) from None
+    stop_if_cancelled()  # Ctrl-C as the cell finished: its result is stored, the run stops here
+    return result
 
 
 async def _measure(ctx: RunContext, server: RunningServer, cell: CellSpec, store: bool) -> CellResult:

@@ -65,11 +65,12 @@ class HostWaves:
         run.plan_waves(plan.waves, rows)  # the pass lays out all waves at once (one host-to-device copy)
         after = page_in_after(plan.waves)
         issued = 0  # the waves whose page-ins are issued: a prefix, so the link takes them in wave order
+        ahead = 1 if page_in.blocks_host else len(plan.waves)  # how far past the last computed wave copies go
 
         def issue(computed: int) -> None:
             """The page-ins of every next wave whose slots' earlier readers are all among waves <= computed."""
             nonlocal issued
-            while issued < len(plan.waves) and after[issued] <= computed:
+            while issued < len(plan.waves) and after[issued] <= computed and issued <= computed + ahead:
                 if plan.waves[issued].table != STAGING:
                     copies.page_in(issued, plan.waves[issued], lambda pairs: page_in.copy_rows(host, slots, pairs))
                 issued += 1

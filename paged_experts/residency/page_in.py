@@ -13,5 +13,5 @@ from typing import Literal, get_args
 PageIn = Literal["auto", "direct", "kernel", "staged"]
 """What a runtime, a server flag or a matrix option may ask for."""
 PAGE_IN_CHOICES: tuple[str, ...] = get_args(PageIn)
-PAGE_IN_STRATEGIES: tuple[str, ...] = ("index", *PAGE_IN_CHOICES[1:])
+PAGE_IN_STRATEGIES: tuple[str, ...] = ("index", *(c for c in PAGE_IN_CHOICES if c != "auto"))
 """What a PageInEngine runs: `auto` resolved (the runtime resolves it by device)."""

@@ -429,7 +429,7 @@ class LayerResidency:
         page_ins = []
         if missing:
             if not pinned.issuperset(experts):
-                raise AssertionError("a wave's own experts are pinned")
+                raise AssertionError("a wave's own experts must be pinned")
             # The candidates once a wave: each miss's expert is pinned, so a page-in only takes its victim out
             # of them (a scan of the K slots per miss cost a 2,048-token chunk's planner ~0.2 ms a layer).
             candidates = [r for r in self.slot_of if r not in pinned]

@@ -181,6 +181,9 @@ class PageInEngine:
             raise ValueError(f"page_in must be one of {('auto', *PAGE_IN_STRATEGIES)}, got {strategy!r}")
         self.device = device
         self.strategy = strategy
+        # `staged` waits on the host for its previous copy (one staging buffer): issued ahead of a wave's
+        # launches it would hold them back, so HostWaves issues its copies just before their wave
+        self.blocks_host = strategy == "staged"
         self.row_kernel = row_kernel
         self._staging_host: ExpertTensors | None = None
         self._staging_dev: ExpertTensors | None = None
