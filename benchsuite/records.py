@@ -190,6 +190,8 @@ class CellResult:
     prefill_copy_busy: float | None = None
     prefill_waves_per_layer: float | None = None
     prefill_staged_unused_per_layer: float | None = None
+    prefill_idle_before_layer_s: float | None = None  # link idle before each layer's first page-in, per layer-step
+    prefill_idle_between_waves_s: float | None = None  # link idle between one layer's page-ins, per layer-step
     decode_miss_rate: float | None = None
     decode_bytes_per_token: float | None = None  # expert bytes paged in per decode token (paging.py says how)
     # Belady's hit rate over the cell's steps from the recorded routing trace (paging.optimal_hit_rate);

@@ -120,6 +120,10 @@ def test_prefill_counters_count_the_prompt_chunks_and_replay_in_the_planner() ->
     assert prefill.misses == misses_in_prefill and prefill.waves == waves_in_prefill
     assert prefill.layer_steps == 5 * cfg.num_layers and prefill.hits + prefill.misses < snap.total.activations
     assert 0 < prefill.copy_time_s <= prefill.span_s and 0 < prefill.copy_busy_fraction <= 1
+    # the link's idle time, split, never more than the span leaves (on the CPU: the compute between inline copies)
+    idle = prefill.idle_before_layer_s + prefill.idle_between_waves_s
+    assert prefill.idle_before_layer_s > 0 and prefill.idle_between_waves_s > 0
+    assert prefill.copy_time_s + idle <= prefill.span_s * (1 + 1e-9)
     assert snap.to_dict()["prefill"]["chunks"] == 5
     model.counters.reset()
     assert model.counters.snapshot().prefill.steps == 0
@@ -176,7 +180,7 @@ def test_prefill_marks_do_not_pile_up_without_snapshots() -> None:
     counters = PagingCounters(num_layers=2, expert_bytes=10, mode="paged")
     for i in range(200):
         counters.prefill_begin(chunks=1, tokens=5, start=float(i))
-        counters.prefill_copy(30, float(i), i + 0.25)
+        counters.prefill_copy(30, float(i), i + 0.25, layer=0)
         counters.prefill_layer_end(end=i + 0.5, waves=3, hits=1, misses=3)
         assert len(counters._prefill.steps) <= 64
     p = counters.snapshot().prefill
@@ -186,6 +190,31 @@ def test_prefill_marks_do_not_pile_up_without_snapshots() -> None:
         and p.copy_time_s == pytest.approx(50.0)
         and p.copy_busy_fraction == pytest.approx(0.5)
     )
+
+
+def test_the_links_idle_time_is_split_by_what_it_waited_for() -> None:
+    """prefill idle_before_layer_s / idle_between_waves_s: the page-in stream's gaps, before each layer's first
+    page-in (from the step's start, then from the previous layer's last page-in) and between one layer's
+    page-ins; with the copies and the tail they add up to the span. Marks in seconds, as on the CPU."""
+    from paged_experts.residency.counters import PagingCounters
+
+    counters = PagingCounters(num_layers=3, expert_bytes=10, mode="paged")
+    counters.prefill_begin(chunks=1, tokens=100, start=10.0)
+    # layer 0: copies 10.5-11 and 11.25-12 (0.5 before it, 0.25 between its waves)
+    counters.prefill_copy(10, 10.5, 11.0, layer=0)
+    counters.prefill_copy(10, 11.25, 12.0, layer=0)
+    counters.prefill_layer_end(end=12.5, waves=3, hits=1, misses=2)
+    # layer 1 pages nothing; layer 2: 13-13.5, then 13.5-14 (1.0 before it, none between)
+    counters.prefill_copy(10, 13.0, 13.5, layer=2)
+    counters.prefill_copy(10, 13.5, 14.0, layer=2)
+    counters.prefill_layer_end(end=14.75, waves=2, hits=0, misses=2)
+    p = counters.snapshot().prefill
+    assert p.idle_before_layer_s == pytest.approx(1.5) and p.idle_between_waves_s == pytest.approx(0.25)
+    assert p.copy_time_s == pytest.approx(2.25) and p.span_s == pytest.approx(4.75)
+    tail = p.span_s - p.copy_time_s - p.idle_before_layer_s - p.idle_between_waves_s
+    assert tail == pytest.approx(0.75)  # layer 2's last copy (14.0) to the step's end (14.75)
+    d = p.to_dict()
+    assert d["idle_before_layer_s"] == pytest.approx(1.5) and d["idle_between_waves_s"] == pytest.approx(0.25)
 
 
 def test_a_reused_step_context_opens_a_new_step() -> None:

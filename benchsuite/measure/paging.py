@@ -39,6 +39,11 @@ PAGING_DEFINITIONS: dict[str, str] = {
     "prefill_waves_per_layer": "waves / paged layer-steps of prefill steps",
     "prefill_staged_unused_per_layer": "prefill staging rows: staged experts paged in and not routed / paged "
     "layer-steps of prefill steps (bytes moved for nothing; 0 without staging)",
+    "prefill_idle_before_layer_s": "link idle before each paged layer's first page-in of a prefill step (from the "
+    "step's start or the previous layer's last page-in: the layer's serial chain of last waves, attention, routing, "
+    "the host's plan and first wave) / paged layer-steps",
+    "prefill_idle_between_waves_s": "link idle between the page-ins of one layer of a prefill step (copies waiting "
+    "for a wave's compute) / paged layer-steps",
     "decode_miss_rate": "misses / (hits + misses) of every step but the prefill steps (the decode after the prompts)",
     "decode_bytes_per_token": "expert bytes paged in outside the prefill-counted steps (prefetches included) / the "
     "tokens of all-decode steps: the link traffic of one decode token (a prompt step small enough to be planned on "
@@ -72,6 +77,8 @@ PAGING_COUNTERS = {
     "prefill_span_s": "paged_experts:prefill_span_seconds_total",
     "prefill_waves": "paged_experts:prefill_waves_total",
     "prefill_staged_unused": "paged_experts:prefill_staged_unused_total",
+    "prefill_idle_before_layer_s": "paged_experts:prefill_idle_before_layer_seconds_total",
+    "prefill_idle_between_waves_s": "paged_experts:prefill_idle_between_waves_seconds_total",
     "prefill_router_s": "paged_experts:prefill_router_seconds_total",
 }
 
@@ -108,6 +115,9 @@ def paging_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
     - prefill_waves_per_layer = waves / host-planned layer-steps of those steps
     - prefill_staged_unused_per_layer = staged experts paged in and not routed / those layer-steps
       (prefill staging rows: bytes moved for nothing; None from a server without the counter)
+    - prefill_idle_before_layer_s, prefill_idle_between_waves_s = the link's idle seconds before each
+      layer's first page-in / between one layer's page-ins, over those layer-steps (None from a server
+      without the counters)
     - decode_miss_rate = (misses - prefill misses) / (hits + misses - prefill hits - prefill misses):
       the miss rate of every other step (the decode after the prompts)
     - decode_bytes_per_token = (bytes_paged - prefill bytes) / decode_tokens: the bytes paged in outside
@@ -160,6 +170,8 @@ def _prefill_fields(delta: dict[str, float | None]) -> dict[str, Any]:
         "prefill_copy_busy": _ratio(delta["prefill_copy_s"], delta["prefill_span_s"]),
         "prefill_waves_per_layer": _ratio(delta["prefill_waves"], delta["prefill_layer_steps"]),
         "prefill_staged_unused_per_layer": _ratio(delta["prefill_staged_unused"], delta["prefill_layer_steps"]),
+        "prefill_idle_before_layer_s": _ratio(delta["prefill_idle_before_layer_s"], delta["prefill_layer_steps"]),
+        "prefill_idle_between_waves_s": _ratio(delta["prefill_idle_between_waves_s"], delta["prefill_layer_steps"]),
         "decode_miss_rate": _ratio(decode_miss, decode_looked_up),
         "decode_bytes_per_token": _ratio(decode_bytes, delta["decode_tokens"]),
     }

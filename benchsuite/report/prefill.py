@@ -35,7 +35,8 @@ TARGET_OF_FLOOR = 1.3
 COLUMNS = (
     "run_id", "configuration", "routing", "workload", "prompt_class", "concurrency", "repeat", "ttft_p50_s",
     "prefill_gb_per_chunk", "link_gb_per_s", "floor_s", "ttft_of_floor", "router_s", "paging_of_floor",
-    "resident_ttft_s", "copy_s", "span_s", "span_of_floor", "copy_busy", "waves_per_layer", "staged_unused_per_layer",
+    "resident_ttft_s", "copy_s", "span_s", "span_of_floor", "copy_busy", "idle_before_layer_ms", "idle_waves_ms",
+    "waves_per_layer", "staged_unused_per_layer",
     "decode_tok_s_p50", "decode_miss_rate", "note", "cell_id",
 )  # fmt: skip
 INTRO = (
@@ -48,13 +49,20 @@ INTRO = (
     "resident_ttft_s is the same run's resident cell (same workload, routing, concurrency, prompt class). "
     "span_of_floor = the chunk's device span / floor: at concurrency N &gt; 1 the prompts arrive together and "
     "prefill a chunk per step, so the TTFT p50 waits for about (N + 1) / 2 chunks and span_of_floor is the "
-    "queue-free figure. "
+    "queue-free figure. idle_before_layer_ms is the link idle before each paged layer's first page-in (the "
+    "layer's serial chain: the previous layer's last waves, its attention and routing, the host's plan, its "
+    "first wave) and idle_waves_ms the idle between one layer's page-ins (copies waiting for a wave's compute), "
+    "each per layer-step. "
     "decode_miss_rate is the miss rate outside prefill steps: what the prefill residency left for the decode.</p>"
 )
 
 
 def _value(cell: pd.Series, name: str) -> float | None:
     return number(cell.get(name))
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
 
 
 def _resident_ttft(cells: pd.DataFrame) -> dict[tuple[Any, ...], float]:
@@ -96,7 +104,10 @@ def _row(c: pd.Series, link: float | None, link_why: str, resident: float | None
         "resident_ttft_s": resident,
         "copy_s": _value(c, "prefill_copy_s_per_chunk"), "span_s": span,
         "span_of_floor": span / floor_s if span is not None and floor_s else None,
-        "copy_busy": _value(c, "prefill_copy_busy"), "waves_per_layer": _value(c, "prefill_waves_per_layer"),
+        "copy_busy": _value(c, "prefill_copy_busy"),
+        "idle_before_layer_ms": _ms(_value(c, "prefill_idle_before_layer_s")),
+        "idle_waves_ms": _ms(_value(c, "prefill_idle_between_waves_s")),
+        "waves_per_layer": _value(c, "prefill_waves_per_layer"),
         "staged_unused_per_layer": _value(c, "prefill_staged_unused_per_layer"),
         "decode_tok_s_p50": _value(c, "decode_tok_s_p50"), "decode_miss_rate": _value(c, "decode_miss_rate"),
         "note": "; ".join(notes), "cell_id": c["cell_id"],

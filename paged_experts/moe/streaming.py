@@ -226,4 +226,4 @@ class LayerCopies:
         num_bytes = rows * self.row_bytes
         self.counters.record_copy_marks(self.layer, num_bytes, start, end)
         if self.step.prefill:
-            self.counters.prefill_copy(num_bytes, start, end)
+            self.counters.prefill_copy(num_bytes, start, end, self.layer)

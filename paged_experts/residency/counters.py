@@ -98,6 +98,13 @@ class PrefillCounts:
     span_s: float = 0.0
     waves: int = 0
     staged_unused: int = 0  # prefill staging rows: staged experts those steps paged in and did not route
+    # The link idle in those steps, split by what it waited for (the page-in stream's gaps: a copy's start mark
+    # is recorded after the events it waits on): before each paged layer's first page-in, from the step's start
+    # or the previous layer's last page-in (the layer's serial chain: the previous layer's last waves, this
+    # one's attention and routing, the host's read of the ids and its plan, its first wave); and between the
+    # page-ins of one layer (copies waiting for a wave's compute). span_s less both and copy_time_s is the tail.
+    idle_before_layer_s: float = 0.0
+    idle_between_waves_s: float = 0.0
 
     @property
     def copy_busy_fraction(self) -> float | None:
@@ -172,11 +179,11 @@ class _PrefillStep:
     def __init__(self, start: TimeMark) -> None:
         self.start = start
         self.end: TimeMark | None = None
-        self.copies: list[tuple[TimeMark, TimeMark]] = []
+        self.copies: list[tuple[TimeMark, TimeMark, int]] = []  # (start, end, layer), in the page-in stream's order
 
     def finished(self) -> bool:
         """Every mark reached on the device (never waits)."""
-        marks = [self.start, *([] if self.end is None else [self.end]), *(m for pair in self.copies for m in pair)]
+        marks = [self.start, *([] if self.end is None else [self.end]), *(m for a, b, _ in self.copies for m in (a, b))]
         return all(isinstance(m, float) or m.query() for m in marks)
 
 
@@ -194,7 +201,12 @@ class _PrefillAcc:
                 break
             if step.end is not None:
                 self.values["span_s"] += _seconds(step.start, step.end)
-            self.values["copy_time_s"] += sum(_seconds(a, b) for a, b in step.copies)
+            self.values["copy_time_s"] += sum(_seconds(a, b) for a, b, _ in step.copies)
+            previous: tuple[TimeMark, int | None] = (step.start, None)  # the last copy's end, and its layer
+            for a, b, layer in step.copies:
+                gap = max(0.0, _seconds(previous[0], a))  # marks of two streams: never below zero
+                self.values["idle_between_waves_s" if layer == previous[1] else "idle_before_layer_s"] += gap
+                previous = (b, layer)
             done += 1
         del self.steps[:done]
 
@@ -262,10 +274,10 @@ class PagingCounters:
         """Host time of one router-override call in the current prefill step."""
         self._prefill.values["router_s"] += seconds
 
-    def prefill_copy(self, num_bytes: int, start: TimeMark, end: TimeMark) -> None:
-        """A page-in of the current prefill step."""
+    def prefill_copy(self, num_bytes: int, start: TimeMark, end: TimeMark, layer: int) -> None:
+        """A page-in of the current prefill step for `layer`, issued on the page-in stream after the ones before."""
         self._prefill.values["bytes_paged_in"] += num_bytes
-        self._prefill.steps[-1].copies.append((start, end))
+        self._prefill.steps[-1].copies.append((start, end, layer))
 
     def prefill_layer_end(self, *, end: TimeMark, waves: int, hits: int, misses: int, staged_unused: int = 0) -> None:
         """A paged layer of the current prefill step issued its last wave (`end` follows it)."""

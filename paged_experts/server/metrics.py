@@ -74,7 +74,11 @@ PREFILL_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("prefill_span_seconds_total", "span_s", "Per step, first paged layer start to last wave end, summed"),
     ("prefill_waves_total", "waves", "Waves of those layer-steps"),
     ("prefill_staged_unused_total", "staged_unused", "Staged experts those layer-steps paged in and did not route"),
-)
+    ("prefill_idle_before_layer_seconds_total", "idle_before_layer_s",
+     "Link idle before each paged layer's first page-in of those steps (its serial chain)"),
+    ("prefill_idle_between_waves_seconds_total", "idle_between_waves_s",
+     "Link idle between the page-ins of one layer of those steps (waiting for a wave's compute)"),
+)  # fmt: skip
 
 # No `<name>_created` timestamp series beside each counter and histogram: the scrape keeps the
 # series it always had (the runner stores every scrape) and no engine we compare with needs them.
