@@ -283,8 +283,11 @@ def test_ctrl_c_stops_the_engine_keeps_results_and_exits_130(tmp_path: Path) -> 
     tag = f"tag-{tmp_path.name}"
     path = matrix(tmp_path, {"slow": {"token_delay_s": 0.05, "tag": tag}}, concurrency=[1, 2, 3, 4], num_requests=4)
     child = subprocess.Popen(
-        [sys.executable, str(HERE), "--cli", str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+        [sys.executable, str(HERE), "--cli", str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        # as a terminal's foreground job: a test runner started in the background ignores SIGINT, and the
+        # runner would inherit that (and rightly keep ignoring it)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not list((tmp_path / "results").glob("*/cells/*.json")):
