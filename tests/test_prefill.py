@@ -180,7 +180,7 @@ def test_prefill_marks_do_not_pile_up_without_snapshots() -> None:
     counters = PagingCounters(num_layers=2, expert_bytes=10, mode="paged")
     for i in range(200):
         counters.prefill_begin(chunks=1, tokens=5, start=float(i))
-        counters.prefill_copy(30, float(i), i + 0.25, layer=0)
+        counters.prefill_copy(30, float(i), i + 0.25, opens_layer=True)
         counters.prefill_layer_end(end=i + 0.5, waves=3, hits=1, misses=3)
         assert len(counters._prefill.steps) <= 64
     p = counters.snapshot().prefill
@@ -201,12 +201,12 @@ def test_the_links_idle_time_is_split_by_what_it_waited_for() -> None:
     counters = PagingCounters(num_layers=3, expert_bytes=10, mode="paged")
     counters.prefill_begin(chunks=1, tokens=100, start=10.0)
     # layer 0: copies 10.5-11 and 11.25-12 (0.5 before it, 0.25 between its waves)
-    counters.prefill_copy(10, 10.5, 11.0, layer=0)
-    counters.prefill_copy(10, 11.25, 12.0, layer=0)
+    counters.prefill_copy(10, 10.5, 11.0, opens_layer=True)
+    counters.prefill_copy(10, 11.25, 12.0, opens_layer=False)
     counters.prefill_layer_end(end=12.5, waves=3, hits=1, misses=2)
     # layer 1 pages nothing; layer 2: 13-13.5, then 13.5-14 (1.0 before it, none between)
-    counters.prefill_copy(10, 13.0, 13.5, layer=2)
-    counters.prefill_copy(10, 13.5, 14.0, layer=2)
+    counters.prefill_copy(10, 13.0, 13.5, opens_layer=True)
+    counters.prefill_copy(10, 13.5, 14.0, opens_layer=False)
     counters.prefill_layer_end(end=14.75, waves=2, hits=0, misses=2)
     p = counters.snapshot().prefill
     assert p.idle_before_layer_s == pytest.approx(1.5) and p.idle_between_waves_s == pytest.approx(0.25)
@@ -392,6 +392,8 @@ def test_staging_counts_as_page_ins_and_replays_in_the_simulator(device_planning
     p = snap.prefill
     assert p.bytes_paged_in == p.misses * snap.expert_bytes > 0
     assert p.hits + p.misses == base.prefill.hits + base.prefill.misses  # the same routing, served once each
+    # the staging copies open their layer's page-ins: the idle split still adds up within the span
+    assert p.idle_before_layer_s > 0 and p.copy_time_s + p.idle_before_layer_s + p.idle_between_waves_s <= p.span_s
     prefill_waves, staging_waves, prefill_unused = 0, 0, 0  # the runtime's prefill waves are the planner's
     for layer in range(cfg.num_layers):
         ref = LayerResidency(cfg.num_experts, k)

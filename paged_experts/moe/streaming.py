@@ -144,6 +144,7 @@ class LayerCopies:
         self.done: list[torch.cuda.Event | None] = []  # [wave] recorded after the wave's compute (None: CPU)
         self.slot_wave: dict[int, int] = {}  # slot -> last wave of this step that read it
         self.landed: dict[int, torch.cuda.Event] = {}  # wave -> its page-ins' landing, until the wave waits for it
+        self._counted = False  # a copy counted: the next one is not this layer-step's first (counters.prefill_copy)
         if self.copy is not None and isinstance(step.start, torch.cuda.Event):
             self.copy.wait_event(step.start)  # earlier steps' reads of these slots are behind it
 
@@ -226,4 +227,5 @@ class LayerCopies:
         num_bytes = rows * self.row_bytes
         self.counters.record_copy_marks(self.layer, num_bytes, start, end)
         if self.step.prefill:
-            self.counters.prefill_copy(num_bytes, start, end, self.layer)
+            self.counters.prefill_copy(num_bytes, start, end, opens_layer=not self._counted)
+        self._counted = True

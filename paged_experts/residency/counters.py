@@ -99,10 +99,11 @@ class PrefillCounts:
     waves: int = 0
     staged_unused: int = 0  # prefill staging rows: staged experts those steps paged in and did not route
     # The link idle in those steps, split by what it waited for (the page-in stream's gaps: a copy's start mark
-    # is recorded after the events it waits on): before each paged layer's first page-in, from the step's start
-    # or the previous layer's last page-in (the layer's serial chain: the previous layer's last waves, this
-    # one's attention and routing, the host's read of the ids and its plan, its first wave); and between the
-    # page-ins of one layer (copies waiting for a wave's compute). span_s less both and copy_time_s is the tail.
+    # is recorded after the events it waits on): before each paged layer's first page-in (and its staging copy,
+    # with staging rows), from the step's start or the previous layer's last page-in (the layer's serial chain:
+    # the previous layer's last waves, this one's attention and routing, the host's read of the ids and its
+    # plan, its first wave); and between the page-ins of one layer-step (copies waiting for a wave's compute).
+    # span_s less both and copy_time_s is the tail after the last page-in.
     idle_before_layer_s: float = 0.0
     idle_between_waves_s: float = 0.0
 
@@ -179,7 +180,8 @@ class _PrefillStep:
     def __init__(self, start: TimeMark) -> None:
         self.start = start
         self.end: TimeMark | None = None
-        self.copies: list[tuple[TimeMark, TimeMark, int]] = []  # (start, end, layer), in the page-in stream's order
+        # (start, end, whether it opens a layer-step's page-ins), in the page-in stream's order
+        self.copies: list[tuple[TimeMark, TimeMark, bool]] = []
 
     def finished(self) -> bool:
         """Every mark reached on the device (never waits)."""
@@ -202,11 +204,11 @@ class _PrefillAcc:
             if step.end is not None:
                 self.values["span_s"] += _seconds(step.start, step.end)
             self.values["copy_time_s"] += sum(_seconds(a, b) for a, b, _ in step.copies)
-            previous: tuple[TimeMark, int | None] = (step.start, None)  # the last copy's end, and its layer
-            for a, b, layer in step.copies:
-                gap = max(0.0, _seconds(previous[0], a))  # marks of two streams: never below zero
-                self.values["idle_between_waves_s" if layer == previous[1] else "idle_before_layer_s"] += gap
-                previous = (b, layer)
+            previous = step.start  # the last copy's end
+            for a, b, opens in step.copies:
+                gap = max(0.0, _seconds(previous, a))  # marks of two streams: never below zero
+                self.values["idle_before_layer_s" if opens else "idle_between_waves_s"] += gap
+                previous = b
             done += 1
         del self.steps[:done]
 
@@ -274,10 +276,12 @@ class PagingCounters:
         """Host time of one router-override call in the current prefill step."""
         self._prefill.values["router_s"] += seconds
 
-    def prefill_copy(self, num_bytes: int, start: TimeMark, end: TimeMark, layer: int) -> None:
-        """A page-in of the current prefill step for `layer`, issued on the page-in stream after the ones before."""
+    def prefill_copy(self, num_bytes: int, start: TimeMark, end: TimeMark, opens_layer: bool) -> None:
+        """A page-in of the current prefill step, issued on the page-in stream after the ones before. `opens_layer`:
+        the first of a layer-step's page-ins, or a staging copy for it (the link's idle before it is the layer's
+        chain); else a later one of that layer-step (its idle waited for a wave's compute)."""
         self._prefill.values["bytes_paged_in"] += num_bytes
-        self._prefill.steps[-1].copies.append((start, end, layer))
+        self._prefill.steps[-1].copies.append((start, end, opens_layer))
 
     def prefill_layer_end(self, *, end: TimeMark, waves: int, hits: int, misses: int, staged_unused: int = 0) -> None:
         """A paged layer of the current prefill step issued its last wave (`end` follows it)."""
