@@ -321,6 +321,10 @@ def _prefill_counters(page_in: str) -> None:
     assert p.bytes_paged_in == p.misses * snap.expert_bytes > 0
     assert 0 < p.copy_time_s <= p.span_s and 0 < p.copy_busy_fraction <= 1
     assert p.waves >= p.misses // 8  # a wave holds at most (K - protected) // 2 = 8 experts at K = 16
+    # the link's idle split from the page-in stream's event gaps: each layer's chain shows, and with the copies
+    # it fits the span (events of two streams: a microsecond's slack)
+    assert p.idle_before_layer_s > 0 and p.idle_between_waves_s >= 0
+    assert p.copy_time_s + p.idle_before_layer_s + p.idle_between_waves_s <= p.span_s + 1e-6
 
 
 if __name__ == "__main__":
