@@ -62,23 +62,25 @@ def test_router_contract_draws_per_sequence_and_position() -> None:
     assert router.label == "synthetic:reuse:1.0"
     logits = torch.randn(3, 32)
     ctx = SimpleNamespace(seq_ids=(7, 7, 9), positions=(0, 1, 0))  # prefill of 7 (2 tokens) + start of 9
-    ids, weights = router(0, logits, ctx)
+    planned, weights = router(0, logits, ctx)
+    ids = planned.host
     assert ids.shape == (3, 4) and ids.dtype == torch.int64 and weights.dtype == torch.float32
+    assert torch.equal(planned.device, ids)  # the model's device: the CPU here
     assert torch.allclose(weights.sum(dim=1), torch.ones(3))
     assert set(ids[0].tolist()) == set(ids[1].tolist())  # token 1 keeps token 0's experts (p = 1)
     assert set(ids[0].tolist()) != set(ids[2].tolist())  # another request, other experts
-    step2, _ = router(0, torch.randn(2, 32), SimpleNamespace(seq_ids=(9, 7), positions=(1, 2)))
+    step2 = router(0, torch.randn(2, 32), SimpleNamespace(seq_ids=(9, 7), positions=(1, 2)))[0].host
     assert set(step2[0].tolist()) == set(ids[2].tolist()) and set(step2[1].tolist()) == set(ids[1].tolist())
     # requests are ordinals, not pool ids: another router fed the same requests under other
     # sequence ids, one at a time, draws the same experts
     other = make_router("reuse:1.0", config, seed=0)
-    alone = [other(0, torch.randn(2, 32), SimpleNamespace(seq_ids=(40, 40), positions=(0, 1)))[0]]
-    alone.append(other(0, torch.randn(1, 32), SimpleNamespace(seq_ids=(41,), positions=(0,)))[0])
+    alone = [other(0, torch.randn(2, 32), SimpleNamespace(seq_ids=(40, 40), positions=(0, 1)))[0].host]
+    alone.append(other(0, torch.randn(1, 32), SimpleNamespace(seq_ids=(41,), positions=(0,)))[0].host)
     assert torch.equal(torch.cat(alone), ids)
     router.forget(7)  # a finished sequence: its id seen again is a new request
     assert router.request_ids([7, 9], [5, 2]) == [2, 1]
     assert router.request_ids([9], [0]) == [3]  # position 0 again: a new request
-    restart, _ = make_router("uniform", {"num_experts": 32, "num_experts_per_tok": 4, "num_hidden_layers": 1})(
+    (restart, _), _ = make_router("uniform", {"num_experts": 32, "num_experts_per_tok": 4, "num_hidden_layers": 1})(
         0, torch.randn(1, 32), SimpleNamespace(seq_ids=(1,), positions=(0,))
     )
     assert restart.shape == (1, 4)
@@ -88,12 +90,13 @@ def test_router_draws_a_step_once_for_all_layers() -> None:
     router = make_router("qwen3-30b-a3b", SimpleNamespace(num_layers=3, num_experts=32, top_k=4), seed=2)
     ctx = SimpleNamespace(seq_ids=(1, 2), positions=(0, 0))
     per_layer = [router(layer, torch.randn(2, 32), ctx)[0] for layer in range(3)]
-    assert torch.equal(torch.stack(per_layer, dim=1), router._step_ids)  # [T, L, k]
+    assert torch.equal(torch.stack([p.host for p in per_layer], dim=1), router.step_ids)  # [T, L, k]
+    assert all(p.host.is_contiguous() and p.device.is_contiguous() for p in per_layer)  # views of the step's draw
     again = router(0, torch.randn(2, 32), ctx)[0]  # the same step asked again: no new draw
-    assert torch.equal(again, per_layer[0])
+    assert again.host.data_ptr() == per_layer[0].host.data_ptr()
     planned = router.plan([1, 2], [1, 1])  # the next step, drawn whole
     assert planned.shape == (2, 3, 4) and torch.equal(
-        router(2, torch.randn(2, 32), SimpleNamespace(seq_ids=(1, 2), positions=(1, 1)))[0], planned[:, 2]
+        router(2, torch.randn(2, 32), SimpleNamespace(seq_ids=(1, 2), positions=(1, 1)))[0].host, planned[:, 2]
     )
     # the graphed step's draw (inputs on the device, no host sync) gives the same ids
     device_ids = router.draw_device(torch.tensor(router.request_ids([1, 2], [1, 1])), torch.tensor([1, 1]))
@@ -103,7 +106,8 @@ def test_router_draws_a_step_once_for_all_layers() -> None:
 def test_router_weights_follow_model_logits() -> None:
     router = make_router("uniform", {"num_experts": 8, "top_k": 2, "num_layers": 1})
     logits = torch.randn(4, 8)
-    ids, weights = router(0, logits, SimpleNamespace(seq_ids=(0, 1, 2, 3), positions=(0, 0, 0, 0)))
+    planned, weights = router(0, logits, SimpleNamespace(seq_ids=(0, 1, 2, 3), positions=(0, 0, 0, 0)))
+    ids = planned.host
     expected = torch.softmax(torch.gather(logits, 1, ids), dim=-1)
     assert torch.allclose(weights, expected)
 
@@ -118,3 +122,19 @@ def test_calibrated_preset_reproduces_published_lru_curve() -> None:
     per_layer = overlap(trace.ids)
     assert per_layer.mean() == pytest.approx(PUBLISHED_OVERLAP, abs=0.03)
     assert per_layer.min() < 0.25 and per_layer.max() > 0.5  # layers differ (published 7.9%-59.7%)
+
+
+def test_bad_ids_finds_an_id_out_of_range_or_twice_and_the_router_refuses_such_a_draw(monkeypatch) -> None:
+    from paged_experts.routing.sources import bad_ids
+
+    good = torch.tensor([[[0, 5, 31], [7, 2, 1]], [[30, 31, 0], [4, 8, 6]]])  # [L, T, k]
+    assert not bool(bad_ids(good, 32))
+    for layer, token, slot, value in [(0, 0, 1, 32), (1, 1, 0, -1), (1, 0, 2, 30), (0, 1, 0, 1)]:
+        bad = good.clone()
+        bad[layer, token, slot] = value  # out of range, negative, or an expert its row already has
+        assert bool(bad_ids(bad, 32)), (layer, token, slot, value)
+    assert not bool(bad_ids(torch.empty(3, 0, 4, dtype=torch.long), 32))  # an empty step
+    router = make_router("uniform", {"num_experts": 32, "top_k": 3, "num_layers": 2})
+    monkeypatch.setattr(router, "draw_device", lambda req, pos: torch.full((req.shape[0], 2, 3), 5))
+    with pytest.raises(RuntimeError, match="outside \\[0, E\\) or one twice"):
+        router(0, torch.randn(1, 32), SimpleNamespace(seq_ids=(1,), positions=(0,)))

@@ -219,6 +219,36 @@ def test_router_override_drives_paging(ckpt: Path) -> None:
         model.forward([SeqChunk(seq, [4], 3)])
 
 
+def test_planned_ids_route_as_the_same_ids_checked_per_layer(ckpt: Path) -> None:
+    """The synthetic router's PlannedIds (checked once a step, on both sides) give what its host ids give
+    through the per-layer check and send; a PlannedIds of the wrong shape is refused."""
+    from paged_experts.routing.sources import PlannedIds, make_router
+
+    runs = []
+    for planned in (True, False):
+        model = MoeCausalLM.from_pretrained(ckpt, RuntimeConfig(mode="paged", resident_experts=4))
+        router = make_router("qwen3-30b-a3b", model.config, seed=3)
+        if planned:
+            model.router_override = router
+        else:  # the same draws as plain host ids: checked, pinned and sent by the layer
+            model.router_override = lambda layer, lg, ctx, r=router: (lambda ids, w: (ids.host, w))(*r(layer, lg, ctx))
+        pool = KvPool.for_model(model, 64)
+        seq = pool.new_sequence()
+        out = model.forward([SeqChunk(seq, [1, 2, 3, 4, 5], 0)])
+        out += model.forward([SeqChunk(seq, [6], 5)])
+        runs.append(([lg.float() for lg in out], model.counters.snapshot().layers))
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
+    counts = [[(c.hits, c.misses, c.union_max) for c in layers] for _, layers in runs]
+    assert counts[0] == counts[1]
+    top_k = model.config.top_k
+    model.router_override = lambda layer, lg, ctx: (
+        PlannedIds(torch.zeros(2, top_k, dtype=torch.long), torch.zeros(2, top_k, dtype=torch.long)),
+        torch.ones(lg.shape[0], top_k),
+    )
+    with pytest.raises(ValueError, match=f"planned ids \\(2, {top_k}\\); expected \\(1, {top_k}\\)"):
+        model.forward([SeqChunk(seq, [7], 6)])
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -29,8 +29,9 @@ from paged_experts.residency.counters import PagingCounters, TalliedCounters
 from paged_experts.residency.device import DeviceResidency
 from paged_experts.residency.policies import Wave
 from paged_experts.residency.store import ExpertTensors, PageInEngine
+from paged_experts.routing.sources import PlannedIds
 
-RouterOverride = Callable[[int, torch.Tensor, Any], tuple[torch.Tensor, torch.Tensor]]
+RouterOverride = Callable[[int, torch.Tensor, Any], tuple[torch.Tensor | PlannedIds, torch.Tensor]]
 RoutingObserver = Callable[[int, torch.Tensor, torch.Tensor, Any], None]
 ExpertsFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]  # fused.experts_over_rows or its compiled twin
 BeforeCompute = Callable[[], None]  # graphs: start the next layer's prefetch once this layer's page-ins are queued
@@ -211,13 +212,20 @@ class MoeLayer(ABC):
         )
 
     def _check_override(
-        self, ids: torch.Tensor, weights: torch.Tensor, num_tokens: int
+        self, ids: torch.Tensor | PlannedIds, weights: torch.Tensor, num_tokens: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Checks an override's choice on a host copy, returned for the planner to reuse: ids the
-        override made on the host (a synthetic router's) are checked and sent to the device with no
-        host synchronization; ids on the device are read once (one sync)."""
+        override made on the host are checked and sent to the device with no host synchronization;
+        ids on the device are read once (one sync); `PlannedIds` (the synthetic router's, checked once
+        a step) are taken as they are."""
         sh = self.shared
         expected = (num_tokens, sh.top_k)
+        if isinstance(ids, PlannedIds):  # drawn and checked once for the whole step, on both sides already
+            if tuple(ids.host.shape) != expected or tuple(ids.device.shape) != expected:
+                raise ValueError(f"router_override planned ids {tuple(ids.host.shape)}; expected {expected}")
+            if tuple(weights.shape) != expected:
+                raise ValueError(f"router_override returned weights {tuple(weights.shape)}; expected {expected}")
+            return ids.device.to(device=sh.device, dtype=torch.long), weights.to(torch.float32), ids.host
         if tuple(ids.shape) != expected or tuple(weights.shape) != expected:
             raise ValueError(
                 f"router_override returned ids {tuple(ids.shape)} and weights {tuple(weights.shape)}; "

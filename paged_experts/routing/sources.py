@@ -22,29 +22,33 @@ stream and no per-request state, so runs repeat exactly, a request's routing doe
 batch-mates, and any token is drawn without its predecessors. The graphed decode step draws inside
 its graph (`SyntheticRouter.draw_device`: one Triton kernel, routing/draw_triton.py) from the
 request ordinals and positions in its inputs; an eager step (a prefill chunk) draws every layer of
-its tokens at once on the model's device (`plan`: the same kernel on CUDA, on a stream of its own)
-and copies them to the host once (one wait per step, for the draw alone: the host planner of paged
-prefill reads them, layers ahead of the device). On the CPU the torch draw (routing_draw.draw)
+its tokens at once on the model's device (`plan`: the same kernel on CUDA, on a stream of its own),
+checks them there in one pass (`bad_ids`), and copies them to the host once (one wait per step, for
+the draw alone: the host planner of paged prefill reads them, layers ahead of the device). Both
+copies stay layer-major until the next step, so each layer takes its ids as two views (`PlannedIds`)
+with no host work beyond the weights' two launches. On the CPU the torch draw (routing_draw.draw)
 runs, ~1,300 small ops per call.
 
 Memory and host time (Qwen3-30B-A3B: 48 layers, E = 128, k = 8): the device tables are 54 KB
 (`DrawTables.nbytes`), a draw writes [T, 48, 8] int64 ids (3 KB a token: 6.3 MB for a 2,048-token
-prompt; the torch draw off CUDA also holds ~12 temporaries of 256-token slices, ~24 MB). Host time
-per decode token: none (inside the graph); per eager step: one kernel launch and one copy back of
-its ids. The host generator this replaces drew each token of a stream in turn: ~0.4 ms a token,
-0.8-1.0 s of a 2,048-token prompt's TTFT (the H200 figures of the new draw come from
-tests/cuda/test_routing_draw_cuda.py, which prints them).
+prompt, kept on the device and on the host until the next step; the torch draw off CUDA also holds
+~12 temporaries of 256-token slices, ~24 MB). Host time per decode token: none (inside the graph);
+per eager step: one kernel launch, one check, one copy back of its ids. The host generator of issue
+29 drew each token of a stream in turn: ~0.4 ms a token, 0.8-1.0 s of a 2,048-token prompt's TTFT;
+until 2026-12-03 each layer then sliced, checked (a sort of its [T, k] on the host), pinned and sent
+its ids again: 56-68 ms of host time in a 2,048-token prompt on the H200 (`router_s`). The H200
+figures of the draw come from tests/cuda/test_routing_draw_cuda.py, which prints them.
 
 Owns `RoutingProcess` (the per-layer parameters and their draw
 tables), `SyntheticRouter` (the `Router` callable the runtime's `router_override` takes),
-`make_router`; the specs (`RoutingParams`, presets, `parse_spec`, `routing_label`) live in
-paged_experts.routing.specs.
+`PlannedIds` (the ids it returns) and `bad_ids`, `make_router`; the specs (`RoutingParams`, presets,
+`parse_spec`, `routing_label`) live in paged_experts.routing.specs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from typing import Any
+from collections.abc import Hashable, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -107,16 +111,17 @@ def _config_field(config: object, *names: str) -> int:
     raise ValueError(f"routing config lacks {names[0]}")
 
 
-def _as_list(x: Any, n: int) -> list[Any]:  # x: None, a tensor or array, or a sequence
+def _as_tuple(x: Any, n: int) -> tuple:  # x: None, a tensor or array, or a sequence (a tuple is kept as it is)
     if x is None:
-        return [0] * n
+        return (0,) * n
     if hasattr(x, "tolist"):
-        return list(x.tolist())
-    return list(x)
+        return tuple(x.tolist())
+    return tuple(x)
 
 
 class SyntheticRouter:
-    """`Router(layer_idx, router_logits [T, E], ctx) -> (ids [T, k] int64 on the host, weights [T, k] float32)`.
+    """`Router(layer_idx, router_logits [T, E], ctx) -> (PlannedIds: ids [T, k] int64 on the host and on the
+    logits' device, weights [T, k] float32)`.
 
     Ignores the logits' choice: ids are the routing process's draws for each token's (request,
     position = `ctx.positions[t]`), the request being the ordinal of the sequence among those this
@@ -136,8 +141,9 @@ class SyntheticRouter:
         self._requests: dict[Hashable, int] = {}  # live sequence -> its request ordinal
         self._streams: dict[torch.device, torch.cuda.Stream] = {}  # eager draws on CUDA
         self._next_request = 0
-        self._step_key: tuple[tuple, tuple] | None = None
-        self._step_ids = torch.empty(0, num_layers, top_k, dtype=torch.long)  # [T, L, k] of the current step
+        self._step_key: tuple[tuple, tuple, torch.device] | None = None
+        self._step_host = torch.empty(num_layers, 0, top_k, dtype=torch.long)  # [L, T, k] of the current step
+        self._step_device = self._step_host  # [L, T, k] on the model's device
 
     def forget(self, seq_id: Hashable) -> None:
         """Drops a finished sequence's request ordinal (the server calls this when its KV is freed)."""
@@ -170,32 +176,64 @@ class SyntheticRouter:
             return routing_triton.draw(tables, requests, positions)
         return draw(tables, requests, positions)
 
-    def plan(self, seq_ids: list, positions: list, device: torch.device | str = "cpu") -> torch.Tensor:
-        """Draws one step on `device`: [T, L, k] int64 ids of every token for every layer, on the host."""
+    def plan(self, seq_ids: Sequence, positions: Sequence, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Draws one step on `device`, every layer of every token, checks it once (`bad_ids`) and keeps it
+        layer-major on the device and on the host, so that a layer's ids are a contiguous [T, k] on both
+        sides (`__call__`: no per-layer copy, check or host-to-device send). Returns the host's [T, L, k]."""
         dev = torch.device(device)
-        req = torch.tensor(self.request_ids(seq_ids, positions), dtype=torch.long)
+        req = torch.tensor(self.request_ids(list(seq_ids), list(positions)), dtype=torch.long)
         pos = torch.tensor([int(p) for p in positions], dtype=torch.long)
         if dev.type == "cuda":  # on a stream of its own: the copy back waits for the draw, not the model's queue
             if dev not in self._streams:
                 self._streams[dev] = torch.cuda.Stream(dev)
-            with torch.cuda.stream(self._streams[dev]):
-                out = self.draw_device(req.to(dev), pos.to(dev)).cpu()  # one kernel, one copy back per step
+            stream, compute = self._streams[dev], torch.cuda.current_stream(dev)
+            with torch.cuda.stream(stream):
+                on_device = self.draw_device(req.to(dev), pos.to(dev)).transpose(0, 1).contiguous()  # [L, T, k]
+                bad = bad_ids(on_device, self.process.num_experts)
+                on_host = on_device.cpu()  # one kernel, one copy back per step
+                invalid = bool(bad)
+            compute.wait_stream(stream)  # the layers read on_device on the compute stream
+            on_device.record_stream(compute)  # and may still, when the next step's draw frees it
         else:
-            out = self.draw_device(req, pos)
-        self._step_key = (tuple(seq_ids), tuple(positions))
-        self._step_ids = out
-        return out
+            on_device = on_host = self.draw_device(req, pos).transpose(0, 1).contiguous()  # [L, T, k]
+            invalid = bool(bad_ids(on_host, self.process.num_experts))
+        if invalid:  # the draw makes valid ids by construction (tests/test_routing_draw.py); never trusted blindly
+            raise RuntimeError(f"synthetic router {self.spec!r} drew an expert id outside [0, E) or one twice")
+        self._step_key = (tuple(seq_ids), tuple(positions), dev)
+        self._step_host, self._step_device = on_host, on_device
+        return on_host.transpose(0, 1)
 
-    def __call__(self, layer_idx: int, router_logits: torch.Tensor, ctx: object) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def step_ids(self) -> torch.Tensor:
+        """[T, L, k] int64 ids of the last step drawn, on the host."""
+        return self._step_host.transpose(0, 1)
+
+    def __call__(self, layer_idx: int, router_logits: torch.Tensor, ctx: object) -> tuple[PlannedIds, torch.Tensor]:
         t = router_logits.shape[0]
-        seq_ids = _as_list(getattr(ctx, "seq_ids", None), t)
-        positions = _as_list(getattr(ctx, "positions", None), t)
-        if (tuple(seq_ids), tuple(positions)) != self._step_key:  # a new step: draw all its layers
+        seq_ids = _as_tuple(getattr(ctx, "seq_ids", None), t)
+        positions = _as_tuple(getattr(ctx, "positions", None), t)
+        if (seq_ids, positions, router_logits.device) != self._step_key:  # a new step: draw all its layers
             self.plan(seq_ids, positions, router_logits.device)
-        ids = self._step_ids[:, layer_idx % self.process.num_layers].contiguous()  # [T, k] on the host
-        ids_dev = ids.pin_memory() if router_logits.device.type == "cuda" else ids
-        ids_dev = ids_dev.to(router_logits.device, non_blocking=True)
-        return ids, planned_weights(router_logits, ids_dev)  # ids on the host: the planner reads them with no sync
+        layer = layer_idx % self.process.num_layers
+        ids = PlannedIds(host=self._step_host[layer], device=self._step_device[layer])  # [T, k] each
+        return ids, planned_weights(router_logits, ids.device)
+
+
+class PlannedIds(NamedTuple):
+    """One layer-step's ids from a router that drew and checked its whole step at once (`SyntheticRouter.plan`:
+    in range, a token's k experts distinct), on both sides: the host copy for the planner, the device copy for
+    the kernels. The layer takes them as they are (`MoeLayer.forward`): no check, read or copy per layer."""
+
+    host: torch.Tensor  # [T, k] int64 on the host
+    device: torch.Tensor  # [T, k] int64 on the model's device
+
+
+def bad_ids(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """ids [..., k] int64 -> a 0-dim bool on their device: whether some id is outside [0, num_experts) or some
+    row names an expert twice (one sort over the last axis: one pass for a whole step on the GPU)."""
+    ordered = ids.sort(dim=-1).values  # [..., k]
+    outside = (ordered[..., :1] < 0).any() | (ordered[..., -1:] >= num_experts).any()
+    return outside | (ordered[..., 1:] == ordered[..., :-1]).any()
 
 
 def planned_weights(router_logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

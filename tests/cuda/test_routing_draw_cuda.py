@@ -5,7 +5,8 @@
   torch draw on the host (no host sync: the ids come from the inputs' device tensors);
 - the router's device memory (tables + one draw) stays under 100 MB (DESIGN target; ~50 KB);
 - a graphed decode step with the calibrated synthetic router routes exactly as the eager steps
-  (same ids every layer, every step) and gives the same logits within bf16 rounding.
+  (same ids every layer, every step) and gives the same logits within bf16 rounding;
+- a 2,048-token step's planned ids equal the torch draw on both sides (and the host time it costs).
 
 Plain functions, so the module also runs as a script: `python tests/cuda/test_routing_draw_cuda.py`.
 """
@@ -112,6 +113,34 @@ def test_graphed_decode_with_synthetic_routing_routes_as_eager() -> None:
     assert torch.equal(ids_g, ids_e), "graphed steps routed differently from eager steps"
     for a, b in zip(lg_g, lg_e):
         assert ((a - b).abs().max() / b.abs().max().clamp(min=1)).item() < 5e-2
+
+
+def test_a_prefill_steps_planned_ids_and_its_host_time() -> None:
+    """A 2,048-token step's ids for 48 layers: drawn once, the same on the device and on the host as the
+    torch draw, every layer's two views contiguous; prints the host time of a step's 48 router calls with
+    the layer's take of them (issue 29 item 4: 56-68 ms a 2,048-token prompt on the H200 before
+    PlannedIds), for the first step (the kernel compiled on the way) and two more."""
+    import time
+    from types import SimpleNamespace
+
+    from paged_experts.moe.layer import MoeLayer
+
+    router = make_router("qwen3-30b-a3b", {"num_experts": 128, "top_k": 8, "num_layers": 48}, seed=5)
+    layer = SimpleNamespace(shared=SimpleNamespace(top_k=8, num_experts=128, device=torch.device("cuda")))
+    logits = torch.randn(2048, 128, device="cuda")
+    for step in range(3):
+        ctx = SimpleNamespace(seq_ids=(step,) * 2048, positions=tuple(range(2048)))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        taken = [MoeLayer._check_override(layer, *router(i, logits, ctx), 2048) for i in range(48)]  # type: ignore[arg-type]
+        host_s = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        want = router.process.draw(torch.full((2048,), step), torch.arange(2048))  # [T, L, k] on the host
+        for i, (ids_dev, weights, ids_host) in enumerate(taken):
+            assert ids_dev.is_cuda and ids_dev.is_contiguous() and ids_host.is_contiguous(), i
+            assert torch.equal(ids_host, want[:, i]) and torch.equal(ids_dev.cpu(), want[:, i]), i
+            assert weights.shape == (2048, 8)
+        print(f"step {step}: 48 layers' router calls, 2,048 tokens: {host_s * 1e3:.2f} ms of host time")
 
 
 if __name__ == "__main__":
