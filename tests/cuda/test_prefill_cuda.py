@@ -170,11 +170,11 @@ def test_a_staging_wave_waits_for_its_copies() -> None:
     want = long_prompt(MoeCausalLM.from_pretrained(QWEN2, rt(mode="resident")), 600, decode_steps=0)
     stage, wait = LayerCopies.stage, LayerCopies.wait_staged
 
-    def late(self: LayerCopies, *args: object) -> object:
+    def late(self: LayerCopies, *args: object, **kwargs: object) -> object:
         if self.copy is not None:
             with torch.cuda.stream(self.copy):
                 torch.cuda._sleep(SLEEP_CYCLES)
-        return stage(self, *args)  # type: ignore[arg-type]
+        return stage(self, *args, **kwargs)  # type: ignore[arg-type]
 
     LayerCopies.stage = late  # type: ignore[method-assign, assignment]
     try:
