@@ -181,6 +181,8 @@ class SyntheticRouter:
         layer-major on the device and on the host, so that a layer's ids are a contiguous [T, k] on both
         sides (`__call__`: no per-layer copy, check or host-to-device send). Returns the host's [T, L, k]."""
         dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:  # "cuda" names the current device: the key compares indices
+            dev = torch.device("cuda", torch.cuda.current_device())
         req = torch.tensor(self.request_ids(list(seq_ids), list(positions)), dtype=torch.long)
         pos = torch.tensor([int(p) for p in positions], dtype=torch.long)
         if dev.type == "cuda":  # on a stream of its own: the copy back waits for the draw, not the model's queue
