@@ -223,8 +223,9 @@ def test_the_prefill_matrix_measures_the_kernel_page_in_on_both_routings(
 def test_the_staging_matrix_measures_staging_rows_on_both_routings(
     stand_ins: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """configs/h200/staging.yaml: paged FP8 without staging rows (K=49), with 24 and with 40 at K=48 (K=49 with 24
-    rows peaked over 16 GB), on both routings, 2,048-token prompts at c=1 and c=4; the commands name the rows each
+    """configs/h200/staging.yaml: paged FP8 without staging rows (K=49), with 40 at K=48 and with 64 at K=47 (each
+    below 16 GB: K=49 with 24 rows peaked over it), on both routings, 2,048-token prompts at c=1 and c=4 with 3
+    repeats of 8 requests (a request's TTFT varied up to 1.7x inside a cell); the commands name the rows each
     server stages into."""
     path = CONFIGS / "staging.yaml"
     assert main(["run", str(path), "--dry-run"]) == 0
@@ -234,10 +235,12 @@ def test_the_staging_matrix_measures_staging_rows_on_both_routings(
         (s.options.routing, s.options.resident_experts, s.options.prefill_staging_rows or 0) for s in plan.servers
     )
     assert got == [
-        ("model", 48, 24), ("model", 48, 40), ("model", 49, 0),
-        ("qwen3-30b-a3b", 48, 24), ("qwen3-30b-a3b", 48, 40), ("qwen3-30b-a3b", 49, 0),
+        ("model", 47, 64), ("model", 48, 40), ("model", 49, 0),
+        ("qwen3-30b-a3b", 47, 64), ("qwen3-30b-a3b", 48, 40), ("qwen3-30b-a3b", 49, 0),
     ]  # fmt: skip
-    assert out.count("--prefill-staging-rows 24") == 2 and out.count("--prefill-staging-rows 40") == 2
+    assert out.count("--prefill-staging-rows 64") == 2 and out.count("--prefill-staging-rows 40") == 2
+    m = load_matrix(path).matrix
+    assert m.repeats == 3 and all(w.num_requests == 8 for w in m.workloads.values())
     _long_prompts_at_c1_and_c4(path)
 
 
