@@ -80,7 +80,7 @@ def test_router_contract_draws_per_sequence_and_position() -> None:
     router.forget(7)  # a finished sequence: its id seen again is a new request
     assert router.request_ids([7, 9], [5, 2]) == [2, 1]
     assert router.request_ids([9], [0]) == [3]  # position 0 again: a new request
-    (restart, _), _ = make_router("uniform", {"num_experts": 32, "num_experts_per_tok": 4, "num_hidden_layers": 1})(
+    (restart, _, _), _ = make_router("uniform", {"num_experts": 32, "num_experts_per_tok": 4, "num_hidden_layers": 1})(
         0, torch.randn(1, 32), SimpleNamespace(seq_ids=(1,), positions=(0,))
     )
     assert restart.shape == (1, 4)
@@ -94,6 +94,8 @@ def test_router_draws_a_step_once_for_all_layers() -> None:
     assert all(p.host.is_contiguous() and p.device.is_contiguous() for p in per_layer)  # views of the step's draw
     again = router(0, torch.randn(2, 32), ctx)[0]  # the same step asked again: no new draw
     assert again.host.data_ptr() == per_layer[0].host.data_ptr()
+    first = router.plan([5, 6], [0, 0]).clone()  # two new requests
+    assert torch.equal(router.plan([5, 6], [0, 0]), first)  # drawn again (another device): the same ordinals
     planned = router.plan([1, 2], [1, 1])  # the next step, drawn whole
     assert planned.shape == (2, 3, 4) and torch.equal(
         router(2, torch.randn(2, 32), SimpleNamespace(seq_ids=(1, 2), positions=(1, 1)))[0].host, planned[:, 2]

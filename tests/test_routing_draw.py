@@ -9,8 +9,23 @@ import pytest
 import torch
 from interpreted import run_interpreted
 
+from paged_experts.routing import draw_triton as routing_triton
 from paged_experts.routing.sources import RoutingProcess
 from paged_experts.routing.specs import parse_spec
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU torch wheel ships no Triton
+    triton = None
+
+if triton is not None and routing_triton.available():
+
+    @triton.jit
+    def _count_le_probe(cdf, us, out, N: tl.constexpr, STEPS: tl.constexpr, KP: tl.constexpr):  # pragma: no cover
+        lanes = tl.program_id(0) * KP + tl.arange(0, KP)
+        tl.store(out + lanes, routing_triton._count_le(cdf, tl.load(us + lanes), N, STEPS))
+
 
 # (layers, experts, top_k, spec): k not a power of two, E not a power of two, a strong reuse, the preset
 DRAW_CASES = ((3, 16, 4, "qwen3-30b-a3b"), (2, 10, 3, "reuse:0.6,recency:0.9,zipf:1.5"), (2, 128, 8, "qwen3-30b-a3b"),
@@ -35,6 +50,27 @@ def check_triton_draw(device: str = "cpu", n_tokens: int = 8) -> None:
         got = routing_triton.draw(tables, requests, positions)
         assert torch.equal(got.cpu(), want.cpu()), (spec, (got != want).nonzero()[:5].tolist())
         print("ok", (layers, e, k, spec))
+
+
+def check_count_le() -> None:
+    """The kernel's binary search against torch.searchsorted(right=True) (the torch draw's), on CDFs with
+    flat stretches, at every CDF value, one below and one above it, and past both ends, for sizes around
+    powers of two (its step count is N.bit_length())."""
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 2, 3, 7, 8, 9, 63, 64, 65, 127, 128, 129, 511, 512, 513):
+        cdf = torch.randint(0, max(2, n // 2), (n,), generator=gen).sort().values  # repeats: flat stretches
+        u = torch.cat([cdf, cdf - 1, cdf + 1, torch.tensor([-1, int(cdf.max()) + 1])])
+        u = torch.cat([u, u[: (-u.numel()) % 8]])  # whole programs of 8 lanes
+        out = torch.empty_like(u)
+        _count_le_probe[(u.numel() // 8,)](cdf, u, out, N=n, STEPS=n.bit_length(), KP=8)
+        want = torch.searchsorted(cdf, u, right=True)
+        assert torch.equal(out, want), (n, (out != want).nonzero()[:5].tolist())
+    print("count_le ok")
+
+
+def test_count_le_is_searchsorted_in_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    assert "count_le ok" in run_interpreted("test_routing_draw", "check_count_le")
 
 
 def test_draws_are_a_pure_function_of_seed_request_position_layer() -> None:

@@ -241,12 +241,18 @@ def test_planned_ids_route_as_the_same_ids_checked_per_layer(ckpt: Path) -> None
     counts = [[(c.hits, c.misses, c.union_max) for c in layers] for _, layers in runs]
     assert counts[0] == counts[1]
     top_k = model.config.top_k
-    model.router_override = lambda layer, lg, ctx: (
-        PlannedIds(torch.zeros(2, top_k, dtype=torch.long), torch.zeros(2, top_k, dtype=torch.long)),
-        torch.ones(lg.shape[0], top_k),
-    )
-    with pytest.raises(ValueError, match=f"planned ids \\(2, {top_k}\\); expected \\(1, {top_k}\\)"):
-        model.forward([SeqChunk(seq, [7], 6)])
+    experts, ids = model.config.num_experts, torch.arange(top_k)[None, :]  # [1, k]
+    for planned, message in [
+        (
+            PlannedIds(ids.repeat(2, 1), ids.repeat(2, 1), experts),
+            f"planned ids \\(2, {top_k}\\); expected \\(1, {top_k}\\)",
+        ),
+        (PlannedIds(ids, ids, experts + 1), f"planned ids for {experts + 1} experts; this layer has {experts}"),
+        (PlannedIds(ids.int(), ids, experts), "must be int64"),
+    ]:
+        model.router_override = lambda layer, lg, ctx, p=planned: (p, torch.ones(lg.shape[0], top_k))
+        with pytest.raises(ValueError, match=message):
+            model.forward([SeqChunk(seq, [7], 6)])
 
 
 @pytest.mark.parametrize(

@@ -223,6 +223,12 @@ class MoeLayer(ABC):
         if isinstance(ids, PlannedIds):  # drawn and checked once for the whole step, on both sides already
             if tuple(ids.host.shape) != expected or tuple(ids.device.shape) != expected:
                 raise ValueError(f"router_override planned ids {tuple(ids.host.shape)}; expected {expected}")
+            if ids.num_experts != sh.num_experts:  # checked against another E: out of range here, maybe
+                raise ValueError(
+                    f"router_override planned ids for {ids.num_experts} experts; this layer has {sh.num_experts}"
+                )
+            if ids.host.device.type != "cpu" or ids.host.dtype != torch.long or ids.device.dtype != torch.long:
+                raise ValueError("router_override planned ids must be int64, their host copy on the host")
             if tuple(weights.shape) != expected:
                 raise ValueError(f"router_override returned weights {tuple(weights.shape)}; expected {expected}")
             return ids.device.to(device=sh.device, dtype=torch.long), weights.to(torch.float32), ids.host

@@ -142,6 +142,8 @@ class SyntheticRouter:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}  # eager draws on CUDA
         self._next_request = 0
         self._step_key: tuple[tuple, tuple, torch.device] | None = None
+        self._step_tokens: tuple[tuple, tuple] | None = None  # the last step's (seq_ids, positions), and:
+        self._step_req = self._step_pos = torch.empty(0, dtype=torch.long)  # [T] its request ordinals, positions
         self._step_host = torch.empty(num_layers, 0, top_k, dtype=torch.long)  # [L, T, k] of the current step
         self._step_device = self._step_host  # [L, T, k] on the model's device
 
@@ -183,8 +185,12 @@ class SyntheticRouter:
         dev = torch.device(device)
         if dev.type == "cuda" and dev.index is None:  # "cuda" names the current device: the key compares indices
             dev = torch.device("cuda", torch.cuda.current_device())
-        req = torch.tensor(self.request_ids(list(seq_ids), list(positions)), dtype=torch.long)
-        pos = torch.tensor([int(p) for p in positions], dtype=torch.long)
+        tokens = (tuple(seq_ids), tuple(positions))
+        if tokens != self._step_tokens:  # the same step drawn again (another device) keeps its request ordinals
+            self._step_tokens = tokens
+            self._step_req = torch.tensor(self.request_ids(list(seq_ids), list(positions)), dtype=torch.long)
+            self._step_pos = torch.tensor([int(p) for p in positions], dtype=torch.long)
+        req, pos = self._step_req, self._step_pos  # [T] each, on the host
         if dev.type == "cuda":  # on a stream of its own: the copy back waits for the draw, not the model's queue
             if dev not in self._streams:
                 self._streams[dev] = torch.cuda.Stream(dev)
@@ -196,12 +202,13 @@ class SyntheticRouter:
                 invalid = bool(bad)
             compute.wait_stream(stream)  # the layers read on_device on the compute stream
             on_device.record_stream(compute)  # and may still, when the next step's draw frees it
-        else:
-            on_device = on_host = self.draw_device(req, pos).transpose(0, 1).contiguous()  # [L, T, k]
+        else:  # drawn on the host; another kind of device gets a copy of the draw
+            on_host = self.draw_device(req, pos).transpose(0, 1).contiguous()  # [L, T, k]
             invalid = bool(bad_ids(on_host, self.process.num_experts))
+            on_device = on_host if dev.type == "cpu" else on_host.to(dev)
         if invalid:  # the draw makes valid ids by construction (tests/test_routing_draw.py); never trusted blindly
             raise RuntimeError(f"synthetic router {self.spec!r} drew an expert id outside [0, E) or one twice")
-        self._step_key = (tuple(seq_ids), tuple(positions), dev)
+        self._step_key = (*tokens, dev)
         self._step_host, self._step_device = on_host, on_device
         return on_host.transpose(0, 1)
 
@@ -217,7 +224,7 @@ class SyntheticRouter:
         if (seq_ids, positions, router_logits.device) != self._step_key:  # a new step: draw all its layers
             self.plan(seq_ids, positions, router_logits.device)
         layer = layer_idx % self.process.num_layers
-        ids = PlannedIds(host=self._step_host[layer], device=self._step_device[layer])  # [T, k] each
+        ids = PlannedIds(self._step_host[layer], self._step_device[layer], self.process.num_experts)  # [T, k] each
         return ids, planned_weights(router_logits, ids.device)
 
 
@@ -228,6 +235,7 @@ class PlannedIds(NamedTuple):
 
     host: torch.Tensor  # [T, k] int64 on the host
     device: torch.Tensor  # [T, k] int64 on the model's device
+    num_experts: int  # the E they were checked against (the layer refuses them for another E)
 
 
 def bad_ids(ids: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -6,7 +6,8 @@
 - the router's device memory (tables + one draw) stays under 100 MB (DESIGN target; ~50 KB);
 - a graphed decode step with the calibrated synthetic router routes exactly as the eager steps
   (same ids every layer, every step) and gives the same logits within bf16 rounding;
-- a 2,048-token step's planned ids equal the torch draw on both sides (and the host time it costs).
+- a 2,048-token step's planned ids equal the torch draw on both sides (and the host time it costs), and a
+  step's device ids stay intact while the compute stream reads them behind later steps' draws.
 
 Plain functions, so the module also runs as a script: `python tests/cuda/test_routing_draw_cuda.py`.
 """
@@ -141,6 +142,26 @@ def test_a_prefill_steps_planned_ids_and_its_host_time() -> None:
             assert torch.equal(ids_host, want[:, i]) and torch.equal(ids_dev.cpu(), want[:, i]), i
             assert weights.shape == (2048, 8)
         print(f"step {step}: 48 layers' router calls, 2,048 tokens: {host_s * 1e3:.2f} ms of host time")
+
+
+def test_a_steps_device_ids_outlive_the_next_draws_while_the_compute_stream_reads_them() -> None:
+    """The compute stream still reading step 0's device ids (behind a sleep) while steps 1 and 2 are drawn on
+    the router's own stream: their draws must not reuse step 0's memory before that read (record_stream),
+    nor may step 0's read see anything but step 0's draw."""
+    from types import SimpleNamespace
+
+    router = make_router("qwen3-30b-a3b", {"num_experts": 128, "top_k": 8, "num_layers": 48}, seed=5)
+    logits = torch.randn(2048, 128, device="cuda")
+    steps = [SimpleNamespace(seq_ids=(s,) * 2048, positions=tuple(range(2048))) for s in range(3)]
+    planned, _ = router(7, logits, steps[0])
+    want = planned.host.clone()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s on the compute stream before it reads step 0's ids
+    seen = planned.device.clone()  # [T, k], read on the compute stream after the sleep
+    del planned
+    for ctx in steps[1:]:  # two more steps: the second frees step 0's draw, while the read above still waits
+        router(0, logits, ctx)
+    torch.cuda.synchronize()
+    assert torch.equal(seen.cpu(), want)
 
 
 if __name__ == "__main__":
