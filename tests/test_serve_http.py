@@ -323,6 +323,9 @@ async def test_metrics_expose_requests_latency_and_paging_counters(base_url: str
     assert values[p + "routing_synthetic"] == 0
     assert values[p + "expert_hits_total"] + values[p + "expert_misses_total"] == values[p + "expert_activations_total"]
     assert values[p + 'layer_expert_hits_total{layer="0"}'] > 0
+    # the garbage collector's pauses (server/gc_pauses.py): present, and consistent with each other
+    assert values[p + "gc_collections_total"] >= values[p + "gc_full_collections_total"] >= 0
+    assert values[p + "gc_pause_seconds_total"] >= values[p + "gc_pause_max_seconds"] >= 0
 
 
 async def test_models_server_info_and_flush_cache(base_url: str, http, tiny_dir: Path) -> None:

@@ -30,6 +30,10 @@ PAGING_DEFINITIONS: dict[str, str] = {
     "pools included",
     "engine_decode_tok_s": "built-in engine: decode tokens / engine decode-step seconds, the aggregate rate in process "
     "(compare output_tok_s over HTTP)",
+    "gc_pause_s": "built-in engine: seconds its process stopped in Python garbage collections during the cell (every "
+    "thread stops: the pauses land in TTFTs and token gaps)",
+    "gc_full_collections": "built-in engine: collections of the oldest generation (every tracked object) during the "
+    "cell",
     "prefill_chunks": "prompt chunks (a sequence with more than one token in a step) over the cell (engine counters)",
     "prefill_bytes_per_chunk": "expert bytes paged in during prefill steps / prompt chunks",
     "prefill_router_s_per_chunk": "host time a synthetic router override took during prefill steps / prompt chunks",
@@ -80,6 +84,8 @@ PAGING_COUNTERS = {
     "prefill_idle_before_layer_s": "paged_experts:prefill_idle_before_layer_seconds_total",
     "prefill_idle_between_waves_s": "paged_experts:prefill_idle_between_waves_seconds_total",
     "prefill_router_s": "paged_experts:prefill_router_seconds_total",
+    "gc_pause_s": "paged_experts:gc_pause_seconds_total",
+    "gc_full_collections": "paged_experts:gc_full_collections_total",
 }
 
 
@@ -103,6 +109,9 @@ def paging_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
       engine produced in process; against output_tok_s it shows what the HTTP side costs
     - gpu_memory_used_bytes: the device memory in use after the cell (a gauge, not a delta; CUDA only):
       what a card of that size must hold for this configuration
+    - gc_pause_s, gc_full_collections: the seconds the server process stopped in Python garbage collections
+      during the cell (every thread stops: they land in TTFTs and token gaps), and the collections of the
+      oldest generation among them (None from a server without the counters)
     Prefill (steps with a prompt chunk; bytes, copies, span and waves over the paged layers'
     host-planned layer-steps of those steps, so 0 for a resident cell; per-chunk figures None when
     the cell had no prompt chunk):
@@ -146,6 +155,8 @@ def paging_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
         "engine_decode_step_s": _ratio(delta["decode_step_s"], delta["decode_steps"]),
         "engine_decode_tok_s": _ratio(delta["decode_tokens"], delta["decode_step_s"]),
         "gpu_memory_used_bytes": _as_int(metric_value(after, "paged_experts:gpu_memory_used_bytes") or None),
+        "gc_pause_s": delta["gc_pause_s"],
+        "gc_full_collections": _as_int(delta["gc_full_collections"]),
         **_prefill_fields(delta),
     }
 

@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from paged_experts.server import gc_pauses
 from paged_experts.server.connections import ConnectionCounts
 from paged_experts.server.engine import FINISH_LENGTH, FINISH_STOP, FinishedRequest
 
@@ -129,6 +130,7 @@ class _EngineCollector(Collector):
         ):
             yield GaugeMetricFamily(p + name, help_text, value=value)
         yield from _engine_step_families(g)
+        yield from _gc_families(gc_pauses.clock().snapshot())
         if self.state.connections is not None:
             yield from _connection_families(self.state.connections)
         if self.state.counters is not None:
@@ -156,6 +158,19 @@ def _engine_step_families(g: EngineGauges) -> Iterator[Metric]:
     for phase, seconds in (g.phase_s or {}).items():
         name = p + f"engine_step_{phase}_seconds_total"
         yield CounterMetricFamily(name, f"Engine-thread time in phase {phase}", seconds)
+
+
+def _gc_families(gc: gc_pauses.GcPauses) -> Iterator[Metric]:
+    """The collector's pauses in this process (server/gc_pauses.py): every thread stops for them."""
+    p = PREFIX
+    yield CounterMetricFamily(p + "gc_collections_total", "Python garbage collections, every generation",
+                              value=sum(gc.collections))  # fmt: skip
+    yield CounterMetricFamily(p + "gc_full_collections_total", "Python garbage collections of the oldest "
+                              "generation (every tracked object)", value=gc.collections[-1])  # fmt: skip
+    yield CounterMetricFamily(p + "gc_pause_seconds_total", "Time the process stopped in garbage collections",
+                              value=sum(gc.pause_s))  # fmt: skip
+    yield GaugeMetricFamily(p + "gc_pause_max_seconds", "The longest garbage collection since start",
+                            value=gc.max_pause_s)  # fmt: skip
 
 
 def _connection_families(c: ConnectionCounts) -> Iterator[Metric]:
@@ -207,6 +222,7 @@ class ServerMetrics:
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival to finish", buckets=E2E_BUCKETS_S, registry=r)
         self._engine = _EngineCollector()
         r.register(self._engine)
+        gc_pauses.clock()  # counting from now (the process's clock: installed once)
 
     def on_finish(self, done: FinishedRequest) -> None:
         self.num_requests.inc()

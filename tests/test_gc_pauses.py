@@ -1,0 +1,41 @@
+"""The server's garbage-collection clock (paged_experts/server/gc_pauses.py): each collection counted once in
+its generation, with its duration; nothing counted once uninstalled, nor a collection whose start it missed."""
+
+from __future__ import annotations
+
+import gc
+
+from paged_experts.server.gc_pauses import GcPauseClock, clock
+
+
+def test_the_clock_counts_each_collection_in_its_generation() -> None:
+    watch = GcPauseClock()
+    watch.install()
+    try:
+        garbage = [[i] for i in range(50_000)]  # tracked objects, so a full collection has work to do
+        before = watch.snapshot()
+        gc.collect(2)
+        gc.collect(0)
+        after = watch.snapshot()
+        del garbage
+    finally:
+        watch.uninstall()
+    assert after.collections[2] - before.collections[2] == 1  # exactly the forced full collection
+    assert after.collections[0] - before.collections[0] >= 1
+    assert after.pause_s[2] > before.pause_s[2] and after.max_pause_s >= after.pause_s[2] - before.pause_s[2]
+    gc.collect(2)  # uninstalled: not counted
+    assert watch.snapshot() == after
+
+
+def test_a_stop_without_its_start_is_not_counted() -> None:
+    watch = GcPauseClock()
+    watch._on_gc("stop", {"generation": 2})  # installed during a collection: its start was not seen
+    assert watch.snapshot().collections == (0, 0, 0)
+    watch._on_gc("start", {"generation": 1})
+    watch._on_gc("stop", {"generation": 1})
+    assert watch.snapshot().collections == (0, 1, 0)
+
+
+def test_the_process_clock_is_installed_once() -> None:
+    assert clock() is clock()
+    assert sum(1 for cb in gc.callbacks if getattr(cb, "__self__", None) is clock()) == 1
