@@ -194,7 +194,7 @@ class CellResult:
     prefill_idle_between_waves_s: float | None = None  # link idle between one layer's page-ins, per layer-step
     decode_miss_rate: float | None = None
     decode_bytes_per_token: float | None = None  # expert bytes paged in per decode token (paging.py says how)
-    gc_pause_s: float | None = None  # built-in server: seconds stopped in Python garbage collections over the cell
+    gc_pause_s: float | None = None  # built-in server: CPU seconds of Python garbage collections over the cell
     gc_full_collections: int | None = None  # built-in server: oldest-generation collections over the cell
     # Belady's hit rate over the cell's steps from the recorded routing trace (paging.optimal_hit_rate);
     # None without one (extras["hit_rate_optimal_note"] says why). Set after the server stopped.

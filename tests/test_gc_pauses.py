@@ -11,6 +11,7 @@ from paged_experts.server.gc_pauses import GcPauseClock, clock
 def test_the_clock_counts_each_collection_in_its_generation() -> None:
     watch = GcPauseClock()
     watch.install()
+    gc.disable()  # no automatic collection between the snapshots (gc.collect still runs the callbacks)
     try:
         garbage = [[i] for i in range(50_000)]  # tracked objects, so a full collection has work to do
         before = watch.snapshot()
@@ -19,12 +20,27 @@ def test_the_clock_counts_each_collection_in_its_generation() -> None:
         after = watch.snapshot()
         del garbage
     finally:
+        gc.enable()
         watch.uninstall()
     assert after.collections[2] - before.collections[2] == 1  # exactly the forced full collection
     assert after.collections[0] - before.collections[0] >= 1
     assert after.pause_s[2] > before.pause_s[2] and after.max_pause_s >= after.pause_s[2] - before.pause_s[2]
     gc.collect(2)  # uninstalled: not counted
     assert watch.snapshot() == after
+
+
+def test_a_collection_inside_another_counts_once_and_its_time_once() -> None:
+    """3.12 can start a collection inside another's callback: both are counted, the time only the outer one's."""
+    watch = GcPauseClock()
+    watch._on_gc("start", {"generation": 2})
+    watch._on_gc("start", {"generation": 0})
+    sum(i * i for i in range(200_000))  # CPU time inside both
+    watch._on_gc("stop", {"generation": 0})
+    inner = watch.snapshot()
+    assert inner.collections == (1, 0, 0) and inner.pause_s == (0.0, 0.0, 0.0)
+    watch._on_gc("stop", {"generation": 2})
+    done = watch.snapshot()
+    assert done.collections == (1, 0, 1) and done.pause_s[0] == 0.0 and done.pause_s[2] > 0
 
 
 def test_a_stop_without_its_start_is_not_counted() -> None:

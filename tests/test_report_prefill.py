@@ -29,7 +29,8 @@ def cell(cid: str, mode: str, ttft: float | None, chunk_bytes: float | None, *, 
             "prefill_bytes_per_chunk": chunk_bytes, "prefill_router_s_per_chunk": 0.05,
             "prefill_copy_s_per_chunk": 0.6, "prefill_span_s_per_chunk": 0.8, "prefill_copy_busy": 0.75,
             "prefill_waves_per_layer": 10.0, "decode_tok_s_p50": 20.0, "decode_miss_rate": 0.2,
-            "ttft_p90_s": None if ttft is None else ttft * 1.5, "gc_pause_s": 0.004}  # fmt: skip
+            "ttft_p90_s": None if ttft is None else ttft * 1.5, "gc_pause_s": 0.004, "num_requests": 4,
+            "gc_full_collections": 1}  # fmt: skip
 
 
 def run(link: dict[str, Any] | None) -> RunData:
@@ -57,7 +58,8 @@ def test_floor_from_the_bytes_per_chunk_and_the_link() -> None:
     assert pd.isna(table.loc["res0", "floor_s"])  # a resident cell pages nothing: no floor, its TTFT is the compute
     assert table.loc["bad", "note"] == "cell failed" and pd.isna(table.loc["bad", "ttft_of_floor"])
     assert pg["span_of_floor"] == pytest.approx(0.8)  # the chunk's 0.8 s device span over its 1 s floor
-    assert pg["ttft_p90_of_p50"] == pytest.approx(1.5) and pg["gc_ms"] == pytest.approx(4.0)
+    assert pg["ttft_p90_of_p50"] == pytest.approx(1.5) and pg["gc_ms_per_request"] == pytest.approx(1.0)
+    assert pg["gc_full_collections"] == 1
     assert pd.isna(table.loc["bad", "ttft_p90_of_p50"])  # no TTFT: no spread
 
 

@@ -30,8 +30,8 @@ PAGING_DEFINITIONS: dict[str, str] = {
     "pools included",
     "engine_decode_tok_s": "built-in engine: decode tokens / engine decode-step seconds, the aggregate rate in process "
     "(compare output_tok_s over HTTP)",
-    "gc_pause_s": "built-in engine: seconds its process stopped in Python garbage collections during the cell (every "
-    "thread stops: the pauses land in TTFTs and token gaps)",
+    "gc_pause_s": "built-in engine: CPU seconds of Python garbage collections in its process during the cell (the "
+    "GIL held: every Python thread waits, so they can land in TTFTs and token gaps; queued GPU work goes on)",
     "gc_full_collections": "built-in engine: collections of the oldest generation (every tracked object) during the "
     "cell",
     "prefill_chunks": "prompt chunks (a sequence with more than one token in a step) over the cell (engine counters)",
@@ -109,9 +109,10 @@ def paging_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
       engine produced in process; against output_tok_s it shows what the HTTP side costs
     - gpu_memory_used_bytes: the device memory in use after the cell (a gauge, not a delta; CUDA only):
       what a card of that size must hold for this configuration
-    - gc_pause_s, gc_full_collections: the seconds the server process stopped in Python garbage collections
-      during the cell (every thread stops: they land in TTFTs and token gaps), and the collections of the
-      oldest generation among them (None from a server without the counters)
+    - gc_pause_s, gc_full_collections: the CPU seconds of Python garbage collections in the server process
+      during the cell (the GIL held: every Python thread waits, so they can land in TTFTs and token gaps;
+      queued GPU work goes on), and the collections of the oldest generation among them (None from a server
+      without the counters)
     Prefill (steps with a prompt chunk; bytes, copies, span and waves over the paged layers'
     host-planned layer-steps of those steps, so 0 for a resident cell; per-chunk figures None when
     the cell had no prompt chunk):

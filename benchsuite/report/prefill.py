@@ -13,7 +13,7 @@ so, and span_of_floor (one chunk's span, queue-free) is the figure to hold again
     span_of_floor  = prefill_span_s_per_chunk / floor_s          (one chunk's device span: no queue in it)
     resident_ttft_s = median TTFT p50 of the matching resident cells (the compute with nothing to page)
     ttft_p90_of_p50 = ttft_p90_s / ttft_p50_s                     (the spread of the cell's own requests)
-    gc_ms          = the server's garbage-collection pauses over the whole cell, prefill and decode
+    gc_ms_per_request = the server's garbage-collection time over the cell (prefill and decode) / its requests
 
 Without a link figure the row shows bytes and times only, and says why. The decode columns show what
 the prefill left: decode tok/s (p50 over requests) and the miss rate outside prefill steps.
@@ -38,7 +38,7 @@ COLUMNS = (
     "run_id", "configuration", "routing", "workload", "prompt_class", "concurrency", "repeat", "ttft_p50_s",
     "prefill_gb_per_chunk", "link_gb_per_s", "floor_s", "ttft_of_floor", "router_s", "paging_of_floor",
     "resident_ttft_s", "copy_s", "span_s", "span_of_floor", "copy_busy", "idle_before_layer_ms", "idle_waves_ms",
-    "waves_per_layer", "staged_unused_per_layer", "ttft_p90_of_p50", "gc_ms",
+    "waves_per_layer", "staged_unused_per_layer", "ttft_p90_of_p50", "gc_ms_per_request", "gc_full_collections",
     "decode_tok_s_p50", "decode_miss_rate", "note", "cell_id",
 )  # fmt: skip
 INTRO = (
@@ -55,7 +55,8 @@ INTRO = (
     "layer's serial chain: the previous layer's last waves, its attention and routing, the host's plan, its "
     "first wave) and idle_waves_ms the idle between one layer's page-ins (copies waiting for a wave's compute), "
     "each per layer-step. ttft_p90_of_p50 is the spread of the cell's own requests (a p50 of few requests moves "
-    "with it), gc_ms the time the server stopped in Python garbage collections over the whole cell. "
+    "with it); gc_ms_per_request is the server's time in Python garbage collections over the cell (prefill and "
+    "decode) per measured request, gc_full_collections the cell's collections of every tracked object. "
     "decode_miss_rate is the miss rate outside prefill steps: what the prefill residency left for the decode.</p>"
 )
 
@@ -117,7 +118,8 @@ def _row(c: pd.Series, link: float | None, link_why: str, resident: float | None
         "waves_per_layer": _value(c, "prefill_waves_per_layer"),
         "staged_unused_per_layer": _value(c, "prefill_staged_unused_per_layer"),
         "ttft_p90_of_p50": _ratio(_value(c, "ttft_p90_s"), ttft),
-        "gc_ms": _ms(_value(c, "gc_pause_s")),
+        "gc_ms_per_request": _ms(_ratio(_value(c, "gc_pause_s"), _value(c, "num_requests"))),
+        "gc_full_collections": _value(c, "gc_full_collections"),
         "decode_tok_s_p50": _value(c, "decode_tok_s_p50"), "decode_miss_rate": _value(c, "decode_miss_rate"),
         "note": "; ".join(notes), "cell_id": c["cell_id"],
     }  # fmt: skip

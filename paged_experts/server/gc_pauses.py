@@ -1,13 +1,18 @@
 """The Python garbage collector's pauses in the server process, for `GET /metrics`.
 
-A collection holds the GIL, so every thread of the server stops for its length: the engine's steps (a
-prefill's host-planned waves, the decode's launches) and the HTTP side alike. A loaded 48-layer paged model
+A collection holds the GIL, so every Python thread of the server waits for it: the engine's steps (a
+prefill's host-planned waves, the decode's launches) and the HTTP side alike; work already queued on the GPU,
+and code that released the GIL, go on. A loaded 48-layer paged model
 keeps ~185,000 objects the collector tracks (a full collection of them took 62 ms on a 2-core Xeon), and a
 request's TTFT varied by up to 1.7x inside one cell on the H200 (h200-staging-b) with nothing in the engine's
 own counters to say why: these counters say whether collections account for it.
 
 `clock()` is the process's one `GcPauseClock` (the collector is the process's, so is its clock), installed
-on first use: `gc.callbacks` timestamps each collection's start and stop.
+on first use: `gc.callbacks` marks each collection's start and stop. The pause is the collecting thread's CPU
+time between them (`time.thread_time`): the callbacks are Python code, so the interpreter may hand the GIL to
+another thread inside them, and a wall clock would count that thread's turn as collection (a second busy
+thread made young collections look twice as long on 3.11). A collection can start inside another's callback
+(seen on 3.12): each counts once, and only the outermost one's time is added, as it holds the inner one's.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ class GcPauseClock:
         self._collections = [0] * GENERATIONS
         self._pause_s = [0.0] * GENERATIONS
         self._max_s = 0.0
-        self._started: float | None = None
+        self._starts: list[float] = []  # CPU-time marks of the collections under way, outermost first
 
     def install(self) -> None:
         if self._on_gc not in gc.callbacks:
@@ -45,18 +50,21 @@ class GcPauseClock:
     def uninstall(self) -> None:
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
+        self._starts.clear()
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
-        # runs inside the collection, with the GIL held: no other thread runs between start and stop
+        now = time.thread_time()  # first: the callback's own work stays out of the mark
         if phase == "start":
-            self._started = time.perf_counter()
+            self._starts.append(now)
             return
-        if self._started is None:  # installed during a collection: its start was not seen
+        if not self._starts:  # installed during a collection: its start was not seen
             return
-        seconds = time.perf_counter() - self._started
-        self._started = None
+        started = self._starts.pop()
         generation = min(int(info.get("generation", 0)), GENERATIONS - 1)
         self._collections[generation] += 1
+        if self._starts:  # nested: the outer collection's time holds this one's
+            return
+        seconds = now - started
         self._pause_s[generation] += seconds
         self._max_s = max(self._max_s, seconds)
 

@@ -160,17 +160,17 @@ def _engine_step_families(g: EngineGauges) -> Iterator[Metric]:
         yield CounterMetricFamily(name, f"Engine-thread time in phase {phase}", seconds)
 
 
-def _gc_families(gc: gc_pauses.GcPauses) -> Iterator[Metric]:
-    """The collector's pauses in this process (server/gc_pauses.py): every thread stops for them."""
+def _gc_families(pauses: gc_pauses.GcPauses) -> Iterator[Metric]:
+    """The collector's pauses in this process (server/gc_pauses.py): every Python thread waits for them."""
     p = PREFIX
     yield CounterMetricFamily(p + "gc_collections_total", "Python garbage collections, every generation",
-                              value=sum(gc.collections))  # fmt: skip
+                              value=sum(pauses.collections))  # fmt: skip
     yield CounterMetricFamily(p + "gc_full_collections_total", "Python garbage collections of the oldest "
-                              "generation (every tracked object)", value=gc.collections[-1])  # fmt: skip
-    yield CounterMetricFamily(p + "gc_pause_seconds_total", "Time the process stopped in garbage collections",
-                              value=sum(gc.pause_s))  # fmt: skip
+                              "generation (every tracked object)", value=pauses.collections[-1])  # fmt: skip
+    yield CounterMetricFamily(p + "gc_pause_seconds_total", "CPU time of garbage collections (the GIL held: every "
+                              "Python thread waits)", value=sum(pauses.pause_s))  # fmt: skip
     yield GaugeMetricFamily(p + "gc_pause_max_seconds", "The longest garbage collection since start",
-                            value=gc.max_pause_s)  # fmt: skip
+                            value=pauses.max_pause_s)  # fmt: skip
 
 
 def _connection_families(c: ConnectionCounts) -> Iterator[Metric]:
