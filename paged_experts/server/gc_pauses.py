@@ -2,10 +2,10 @@
 
 A collection holds the GIL, so every Python thread of the server waits for it: the engine's steps (a
 prefill's host-planned waves, the decode's launches) and the HTTP side alike; work already queued on the GPU,
-and code that released the GIL, go on. A loaded 48-layer paged model
-keeps ~185,000 objects the collector tracks (a full collection of them took 62 ms on a 2-core Xeon), and a
-request's TTFT varied by up to 1.7x inside one cell on the H200 (h200-staging-b) with nothing in the engine's
-own counters to say why: these counters say whether collections account for it.
+and code that released the GIL, go on. A loaded 48-layer paged model keeps ~185,000 objects the collector
+tracks (a full collection of them took 62 ms on a 2-core Xeon), and a request's TTFT varied by up to 1.7x
+inside one cell on the H200 (h200-staging-b) with nothing in the engine's own counters to say why: these
+counters say whether collections account for it.
 
 `clock()` is the process's one `GcPauseClock` (the collector is the process's, so is its clock), installed
 on first use: `gc.callbacks` marks each collection's start and stop. The pause is the collecting thread's CPU
@@ -30,8 +30,8 @@ class GcPauses:
     """Totals since the clock was installed."""
 
     collections: tuple[int, ...]  # [generation] collections run
-    pause_s: tuple[float, ...]  # [generation] seconds they took
-    max_pause_s: float  # the longest one
+    pause_s: tuple[float, ...]  # [generation] CPU seconds they took (outermost collections only)
+    max_pause_s: float  # the longest one, in CPU seconds
 
 
 class GcPauseClock:
