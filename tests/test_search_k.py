@@ -171,3 +171,32 @@ def test_a_launch_s_fit_is_its_measured_peak_else_for_k_its_guess() -> None:
     n_probe.results = {3: result(None), 4: result(BUDGET - 1)}
     assert n_probe.observation(3) == Observation(50.0, None, None)  # N without a GPU: its projection decided
     assert n_probe.observation(4).fits is True
+
+
+
+@pytest.mark.parametrize(("rows_option", "rows"), [("", 0), (", prefill_staging_rows: 64", 64)])
+def test_the_k_search_counts_the_staging_rows_and_leaves_them_room(tmp_path, rows_option: str, rows: int) -> None:
+    """Staging rows take one expert's bytes each on the device, at every K the search projects; and a server
+    refuses more rows than the E - K experts outside its slots, so the search stops at K = E - rows."""
+    from benchsuite.config.matrix import load_matrix
+    from benchsuite.config.plan import build_plan
+    from benchsuite.engines.builtin.adapter import BuiltinAdapter
+    from paged_experts.config import MoeModelConfig
+    from paged_experts.weights.synth_memory import write_weightless
+
+    model = write_weightless("qwen3-30b-a3b-fp8-shape", tmp_path / "q48-fp8")  # E = 128, 48 layers
+    path = tmp_path / "m.yaml"
+    path.write_text(
+        "name: k\nengines:\n  e:\n    kind: builtin\n"
+        f"    options: {{model: {model}, device: cuda, dtype: bfloat16, mode: paged, resident_experts: search,\n"
+        f"               vram_budget_gb: 16{rows_option}}}\n"
+        "workloads:\n  a: {prompt_classes: [short], concurrency: [1, 4], num_requests: 1}\n"
+    )
+    (task,) = build_plan(load_matrix(path)).searches
+    proj = BuiltinAdapter().projections(task.spec, ResidentExpertsSettings())
+    cfg = MoeModelConfig.from_dir(model)
+    expert = cfg.expert_bytes(cfg.expert_dtype("bfloat16"))  # one staging row: one FP8 expert with its scales
+    assert expert == 4_719_744  # the H200 runs' expert_bytes
+    assert {p.staging_bytes for p in proj.values()} == {rows * expert}
+    assert (min(proj), max(proj)) == (32, 128 - rows)  # 4 x top_k 8 .. E - rows
+    assert proj[48].gpu_total_bytes - proj[47].gpu_total_bytes == proj[48].slot_bytes

@@ -422,9 +422,12 @@ class BuiltinAdapter(EngineAdapter):
         opts = self._options(spec)
         model_dir = self.model_dir(spec)
         cfg = MoeModelConfig.from_dir(model_dir)
-        ks = memory.k_range(cfg.num_experts, cfg.top_k, spec.max_concurrency, settings.min_k, settings.max_k)
+        rows = opts.prefill_staging_rows or 0
+        # a server refuses more staging rows than the E - K experts outside its slots: K up to E - rows
+        max_k = cfg.num_experts - rows if settings.max_k is None else min(settings.max_k, cfg.num_experts - rows)
+        ks = memory.k_range(cfg.num_experts, cfg.top_k, spec.max_concurrency, settings.min_k, max_k)
         dtype = opts.dtype or ("float32" if opts.device == "cpu" else cfg.torch_dtype)
-        return memory.projections(model_dir, dtype, spec.fairness.kv_capacity_tokens, ks)
+        return memory.projections(model_dir, dtype, spec.fairness.kv_capacity_tokens, ks, rows)
 
 
 def _dist_version(name: str) -> str | None:

@@ -3,7 +3,8 @@
 `projections(...)` -> K -> `KProjection`: the bytes a paged server must hold on the device whatever
 else it does, from benchsuite.tools.preflight's formulas and the runtime's own model shape
 (paged_experts.shape, through the runtime's config: expert bytes in the served format, FP8 scales included):
-`non_expert_weight_bytes + kv_capacity_tokens x kv_bytes_per_token + K x slot_bytes`.
+`non_expert_weight_bytes + kv_capacity_tokens x kv_bytes_per_token + K x slot_bytes + R x expert_bytes`
+(R: the server's prefill staging rows, one expert of one layer each, shared by all layers).
 It is a lower bound: no CUDA context, allocator caches, CUDA graph pools, activations or
 synthetic-router tables. The search rules a K out only when this bound exceeds the budget, and
 guesses the rest (its `overhead_mib`) until a launch measures the peak (benchsuite.run.search_propose).
@@ -28,11 +29,12 @@ class KProjection:
     non_expert_bytes: int  # embeddings, LM head, attention, norms, routers (compute dtype)
     kv_bytes: int  # kv_capacity_tokens x kv_bytes_per_token
     slot_bytes: int  # one resident expert in every MoE layer
+    staging_bytes: int = 0  # the prefill staging rows (RuntimeConfig.prefill_staging_rows), one expert each
     source: str = SOURCE
 
     @property
     def gpu_total_bytes(self) -> int:
-        return self.non_expert_bytes + self.kv_bytes + self.k * self.slot_bytes
+        return self.non_expert_bytes + self.kv_bytes + self.k * self.slot_bytes + self.staging_bytes
 
     def fits(self, budget_bytes: int, margin_bytes: int) -> bool:
         return self.gpu_total_bytes + margin_bytes <= budget_bytes
@@ -49,11 +51,20 @@ def k_range(num_experts: int, top_k: int, max_concurrency: int, min_k: int | Non
     return range(low, high + 1)
 
 
-def projections(model_dir: Path, compute_dtype: str, kv_capacity_tokens: int, ks: range) -> dict[int, KProjection]:
-    """The projection of every K in `ks` for the checkpoint's runtime config (its shape owns the sizes)."""
+def projections(
+    model_dir: Path,
+    compute_dtype: str,
+    kv_capacity_tokens: int,
+    ks: range,
+    staging_rows: int = 0,
+) -> dict[int, KProjection]:
+    """The projection of every K in `ks` for the checkpoint's runtime config (its shape owns the sizes);
+    `staging_rows`: the prefill staging rows the server holds (RuntimeConfig.prefill_staging_rows)."""
     cfg = MoeModelConfig.from_dir(model_dir)
     shape = cfg.shape
-    slot = shape.slot_bytes(cfg.expert_dtype(compute_dtype))
+    expert_dtype = cfg.expert_dtype(compute_dtype)
+    slot = shape.slot_bytes(expert_dtype)
     kv = kv_capacity_tokens * shape.kv_bytes_per_token(dtype_bytes(compute_dtype))
     non_expert = shape.non_expert_weight_bytes(dtype_bytes(compute_dtype))
-    return {k: KProjection(k, non_expert, kv, slot) for k in ks}
+    staging = staging_rows * shape.expert_bytes(expert_dtype)  # one expert of one layer a row
+    return {k: KProjection(k, non_expert, kv, slot, staging) for k in ks}
