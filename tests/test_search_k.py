@@ -173,7 +173,6 @@ def test_a_launch_s_fit_is_its_measured_peak_else_for_k_its_guess() -> None:
     assert n_probe.observation(4).fits is True
 
 
-
 @pytest.mark.parametrize(("rows_option", "rows"), [("", 0), (", prefill_staging_rows: 64", 64)])
 def test_the_k_search_counts_the_staging_rows_and_leaves_them_room(tmp_path, rows_option: str, rows: int) -> None:
     """Staging rows take one expert's bytes each on the device, at every K the search projects; and a server
