@@ -150,8 +150,54 @@ def test_resume_refuses_a_regenerated_checkpoint_or_an_edited_dataset_naming_it(
     store.close()
     time.sleep(0.01)
     sharegpt.write_text(sharegpt.read_text().replace("Hello", "Howdy"))
-    with pytest.raises(UserError, match=rf"dataset {sharegpt}: .*modified_utc.*\(workload chat\)"):
+    with pytest.raises(UserError, match=rf"dataset {sharegpt}: sha256 '[0-9a-f]+' -> '[0-9a-f]+' \(workload chat\)"):
         open_store(plan)
+
+
+def test_a_small_file_written_again_with_the_same_bytes_resumes(
+    tmp_path: Path, model_copy: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device machine taken back: the synthetic model is generated anew on the next one, same bytes, new
+    times. Small files are compared by content; a weight file above the hashed size still by its time."""
+    plan = build_plan(load_matrix(write_matrix(tmp_path, str(model_copy))))
+    store = open_store(plan)
+    finished_cell(store, plan.cells[0])
+    store.close()
+    config = model_copy / "config.json"
+    weights = next(model_copy.glob("*.safetensors"))
+    for path in (config, weights):  # the tiny checkpoint's weights are small enough to be hashed too
+        os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))  # same bytes, a new modification time
+    open_store(plan).close()  # resumes
+    import benchsuite.results.fingerprint as fingerprint
+
+    monkeypatch.setattr(fingerprint, "HASHED_FILE_BYTES", 1024)  # the weights now "large": size and time only
+    (tmp_path / "big").mkdir()
+    plan = build_plan(load_matrix(write_matrix(tmp_path / "big", str(model_copy))))
+    store = open_store(plan)
+    finished_cell(store, plan.cells[0])
+    store.close()
+    os.utime(weights, ns=(time.time_ns(), time.time_ns() + 2 * 10**9))
+    with pytest.raises(UserError, match=rf"model {model_copy}/{weights.name}: modified_utc"):
+        open_store(plan)
+
+
+def test_a_fingerprint_recorded_before_files_were_hashed_compares_by_size_and_time() -> None:
+    from benchsuite.results.fingerprint import Fingerprint, fingerprint_changes
+
+    old = {"bytes": 10, "modified_utc": "2026-12-01T00:00:00.000000+00:00"}  # an older manifest's record
+    new = {**old, "sha256": "ab" * 32}
+    changes = fingerprint_changes(Fingerprint(engines={"e": {"model /m/config.json": old}}),
+                                  Fingerprint(engines={"e": {"model /m/config.json": new}}))  # fmt: skip
+    assert changes == {}
+    later = {**new, "modified_utc": "2026-12-02T00:00:00.000000+00:00"}
+    changes = fingerprint_changes(Fingerprint(engines={"e": {"model /m/config.json": old}}),
+                                  Fingerprint(engines={"e": {"model /m/config.json": later}}))  # fmt: skip
+    assert changes == {("engines", "e"): ["model /m/config.json: modified_utc '2026-12-01T00:00:00.000000+00:00' "
+                                          "-> '2026-12-02T00:00:00.000000+00:00'"]}  # fmt: skip
+    engine_old, engine_new = {"torch": "2.11.0"}, {"torch": "2.11.0", "triton": "3.6.0"}  # not a file: every fact
+    changes = fingerprint_changes(Fingerprint(engines={"e": {"engine builtin": engine_old}}),
+                                  Fingerprint(engines={"e": {"engine builtin": engine_new}}))  # fmt: skip
+    assert changes == {("engines", "e"): ["engine builtin: triton None -> '3.6.0'"]}
 
 
 def test_changed_inputs_of_cells_not_finished_yet_are_recorded_anew(tmp_path: Path, model_copy: Path) -> None:
