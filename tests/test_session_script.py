@@ -122,3 +122,29 @@ def test_a_failed_cuda_test_stops_the_queue_before_any_run(tmp_path: Path) -> No
     assert len(calls) == 1 and "start" in calls[0] and "pytest" in calls[0]  # it crashed: no "end"
     assert "the CUDA tests failed (cuda.log): nothing run" in log
     assert "benchsuite run" not in "".join(calls)
+
+
+def test_prepare_restores_a_carried_run_so_the_queue_resumes_it(tmp_path: Path) -> None:
+    """A machine taken back mid-run: the run's last tar, carried under .carry/results/, is put back into the
+    copy's results/ (which prepare otherwise empties), so `queue` resumes it instead of starting again."""
+    if shutil.which("setsid") is None:
+        pytest.skip("needs setsid (util-linux)")
+    tree, copy, jobs, bin_dir = (tmp_path / d for d in ("tree", "copy", "jobs", "bin"))
+    for d in (tree / ".carry" / "results", tree / "results" / "h200-old", bin_dir):
+        d.mkdir(parents=True)
+    run = tmp_path / "h200-staging-c" / "cells"
+    run.mkdir(parents=True)
+    (run / "a.json").write_text("{}")
+    subprocess.run(["tar", "-C", str(tmp_path), "-czf", str(tree / ".carry" / "results" / "h200-staging-c.tar.gz"),
+                    "h200-staging-c"], check=True)  # fmt: skip
+    for tool in ("python3", "nvidia-smi"):  # stand-ins: the models job and the GPU query
+        stand_in = bin_dir / tool
+        stand_in.write_text("#!/bin/bash\necho stand-in $*\n")
+        stand_in.chmod(stand_in.stat().st_mode | stat.S_IEXEC)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+           "SESSION_COPY": str(copy), "SESSION_JOBS": str(jobs)}  # fmt: skip
+    done = subprocess.run(["bash", str(SCRIPT), "prepare", "builtin"], cwd=tree, env=env, capture_output=True,
+                          text=True, timeout=60, check=False)  # fmt: skip
+    assert done.returncode == 0 and "restored h200-staging-c" in done.stdout, done.stdout + done.stderr
+    assert (copy / "results" / "h200-staging-c" / "cells" / "a.json").is_file()
+    assert not (copy / "results" / "h200-old").exists()  # the committed runs stay out of the copy

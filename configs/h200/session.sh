@@ -25,7 +25,8 @@
 # its committed results.
 #
 # Inputs the caller carries: .whl/ (the Python packages the box lacks, configs/h200/README.md) and
-# .carry/llama-src.tar.gz (`benchsuite install llama-server --pack-source`).
+# .carry/llama-src.tar.gz (`benchsuite install llama-server --pack-source`); to resume a run whose machine was
+# taken back, its last tar under .carry/results/ (`prepare` restores it).
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"
 COPY="${SESSION_COPY:-/root/bs}"  # the copy the jobs run from (tests/test_session_script.py points both elsewhere)
@@ -71,6 +72,12 @@ case "${1:-}" in
     # the committed runs stay out of the copy: a run id found there would resume as already done, and
     # its tar would take one of the 8 files a call brings back
     rm -rf "$COPY" && mkdir -p "$COPY" && cp -a . "$COPY/" && rm -rf "$COPY/results" && site
+    # a run whose machine was taken back mid-run resumes on the next one: its last tar from $OUT, put in
+    # .carry/results/ and carried, comes back into the copy's results/ (the same `queue` command resumes it)
+    for tar in .carry/results/h200-*.tar.gz; do
+      [ -f "$tar" ] || continue
+      mkdir -p "$COPY/results" && tar -C "$COPY/results" -xzf "$tar" && echo "restored $(basename "$tar" .tar.gz)"
+    done
     nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current \
       --format=csv | tee "$OUT/gpu.csv"
     # the build and the GGUF take 16 cores for minutes, beside the CUDA tests: only when a job needs llama.cpp
