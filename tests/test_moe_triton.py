@@ -185,7 +185,7 @@ def check_grouped_fp8(device: str = "cpu", dtype: torch.dtype = torch.float32, t
     """moe_grouped_fp8 against the dequantized weights per group (fp32), its block table against the
     plain definition, and a pair's bits independent of its neighbours (a paged wave's table)."""
     from paged_experts import fp8
-    from paged_experts.kernels.moe_grouped_fp8 import block_table, grouped_fp8_mm
+    from paged_experts.kernels.moe_grouped_fp8 import BlockTable, block_table, grouped_fp8_mm, host_block_tables
     from paged_experts.kernels.moe_tiles import GroupedTiles
 
     gen = torch.Generator().manual_seed(2)
@@ -206,6 +206,13 @@ def check_grouped_fp8(device: str = "cpu", dtype: torch.dtype = torch.float32, t
         assert blocks.group.shape[0] == -(-p // tiles.block_m) + min(g, p)
         assert (blocks.group.cpu()[len(want_blocks) :] == -1).all()
         got = grouped_fp8_mm(a.to(device, dtype), w.to(device), s.to(device), blocks, tiles)
+        # the same blocks laid out on the host (moe/waves.py, one upload a step): no padding, the same bits
+        counts = torch.diff(offs, prepend=torch.zeros(1, dtype=offs.dtype)).numpy()[None]  # [1, G]
+        host, _ = host_block_tables(counts, tiles.block_m)
+        assert [tuple(int(v) for v in col) for col in host.T] == want_blocks
+        laid = BlockTable(*(torch.from_numpy(row).to(device) for row in host))
+        again = grouped_fp8_mm(a.to(device, dtype), w.to(device), s.to(device), laid, tiles)
+        assert torch.equal(again[:covered], got[:covered])  # rows past the last group: no block writes them
         dense = fp8.dequantize(w, s, torch.float32)  # [G, N, K]
         start = 0
         for gi, end in enumerate(offs.tolist()):

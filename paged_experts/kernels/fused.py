@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from paged_experts.experts import route
 from paged_experts.kernels import moe_tiles, moe_triton
-from paged_experts.kernels.moe_grouped_fp8 import block_table, grouped_fp8_mm
+from paged_experts.kernels.moe_grouped_fp8 import BlockTable, block_table, grouped_fp8_mm
 from paged_experts.kernels.moe_tiles import GroupedTiles
 from paged_experts.residency.store import ExpertTensors
 
@@ -106,25 +106,34 @@ def fp8_grouped_tiles(weights: ExpertTensors) -> GroupedTiles | None:
 
 
 def fp8_expert_mlp(
-    x_sorted: torch.Tensor, weights: ExpertTensors, offs: torch.Tensor, tiles: GroupedTiles
+    x_sorted: torch.Tensor,
+    weights: ExpertTensors,
+    offs: torch.Tensor,
+    tiles: GroupedTiles,
+    blocks: BlockTable | None = None,
 ) -> torch.Tensor:
-    """`expert_mlp` of FP8 rows by moe_grouped_fp8 with the given tiles: x_sorted [P, H] -> [P, H]."""
-    blocks = block_table(offs, x_sorted.shape[0], tiles.block_m)  # one table for the three matmuls
+    """`expert_mlp` of FP8 rows by moe_grouped_fp8 with the given tiles: x_sorted [P, H] -> [P, H].
+    blocks: offs's block table for tiles.block_m where the caller laid it out (None: built here)."""
+    if blocks is None:
+        blocks = block_table(offs, x_sorted.shape[0], tiles.block_m)  # one table for the three matmuls
     gate = grouped_fp8_mm(x_sorted, weights.gate, weights.get("gate_scale"), blocks, tiles)  # [P, I]
     up = grouped_fp8_mm(x_sorted, weights.up, weights.get("up_scale"), blocks, tiles)  # [P, I]
     return grouped_fp8_mm(F.silu(gate) * up, weights.down, weights.get("down_scale"), blocks, tiles)  # [P, H]
 
 
-def expert_mlp(x_sorted: torch.Tensor, weights: ExpertTensors, offs: torch.Tensor) -> torch.Tensor:
+def expert_mlp(
+    x_sorted: torch.Tensor, weights: ExpertTensors, offs: torch.Tensor, blocks: BlockTable | None = None
+) -> torch.Tensor:
     """x_sorted: [P, H] pairs sorted by weight row; offs: [G] int32 over G = weights.num_rows -> [P, H].
-    FP8 tables run moe_grouped_fp8 on FP8 rows where `fp8_grouped_tiles` says so; elsewhere they are
+    FP8 tables run moe_grouped_fp8 on FP8 rows where `fp8_grouped_tiles` says so (blocks: offs's block
+    table for those tiles, laid out by the caller; None: built from offs); elsewhere they are
     dequantized whole first (no host read: graph-safe), and host-planned waves hand in only their
     own experts' rows (moe/waves.py)."""
     if x_sorted.shape[0] == 0:
         return torch.empty_like(x_sorted)
     tiles = fp8_grouped_tiles(weights)
     if tiles is not None:
-        return fp8_expert_mlp(x_sorted, weights, offs, tiles)
+        return fp8_expert_mlp(x_sorted, weights, offs, tiles, blocks)
     weights = weights.dense(x_sorted.dtype)
     gate = grouped_mm(x_sorted, weights.gate.transpose(1, 2), offs)  # [P, I]
     up = grouped_mm(x_sorted, weights.up.transpose(1, 2), offs)  # [P, I]

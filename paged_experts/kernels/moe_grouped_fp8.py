@@ -19,6 +19,7 @@ by the step's size: so a pair computes the same bits in a resident step and in a
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 try:
@@ -136,6 +137,30 @@ def block_table(offs: torch.Tensor, num_pairs: int, block_m: int) -> BlockTable:
     if nb:
         _block_table[(1,)](offs, table, nb, G=g_count, GB=triton.next_power_of_2(g_count), BM=block_m, CH=64)
     return BlockTable(table[0], table[1], table[2])
+
+
+def host_block_tables(counts: np.ndarray, block_m: int) -> tuple[np.ndarray, np.ndarray]:
+    """`block_table` of several steps at once on the host, for a plan already there (a host-planned step's
+    waves, moe/waves.py): counts [W, G] pairs of each wave in each group -> (tables [3, NB] int32: each wave's
+    blocks in wave order, then group order (group, first row, end row; rows counted from the wave's own
+    start), starts [W + 1]: wave w's blocks are columns starts[w]:starts[w + 1]). The same blocks as
+    `block_table` over each wave's cumulative counts, without its padding: no launch per wave, and a grid of
+    only the blocks that compute."""
+    w_count, g_count = counts.shape
+    ends = np.cumsum(counts, axis=1)  # [W, G] each group's end row within its wave
+    nblk = -(-counts // block_m)  # [W, G] blocks of each group
+    per_block = nblk.reshape(-1)  # [W*G]
+    total = int(per_block.sum())
+    owner = np.repeat(np.arange(w_count * g_count), per_block)  # [NB] the (wave, group) of each block
+    first = np.cumsum(per_block) - per_block  # [W*G] each group's first block
+    j = np.arange(total) - first[owner]  # [NB] the block's index within its group
+    flat_ends = ends.reshape(-1)
+    tables = np.empty((3, total), dtype=np.int32)
+    tables[0] = owner % g_count
+    tables[1] = flat_ends[owner] - counts.reshape(-1)[owner] + j * block_m
+    tables[2] = flat_ends[owner]
+    starts = np.concatenate([[0], np.cumsum(nblk.sum(axis=1))])  # [W + 1]
+    return tables, starts
 
 
 def grouped_fp8_mm(

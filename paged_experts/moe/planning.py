@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from paged_experts.kernels.copy_kernel import copy_planned
+from paged_experts.kernels.fused import fp8_grouped_tiles
 from paged_experts.moe.staging import Staged, StagingRows
 from paged_experts.moe.streaming import LayerCopies, page_in_after
 from paged_experts.moe.waves import WaveKernel, WavePass
@@ -62,7 +63,9 @@ class HostWaves:
         plan = self.residency.plan_step(ids_cpu.reshape(-1).numpy(), staged=experts_staged)  # [T*k], in numpy
         run = kernel.begin(x, ids_cpu, self.residency.num_experts, slots.gate.device)
         rows = max(slots.num_rows, staging.num_rows if staged is not None and staging is not None else 0)
-        run.plan_waves(plan.waves, rows)  # the pass lays out all waves at once (one host-to-device copy)
+        tiles = fp8_grouped_tiles(slots)  # staging rows hold experts of the slots' shape: the same tiles
+        # the pass lays out all waves at once, their grouped FP8 block tables too (one host-to-device copy)
+        run.plan_waves(plan.waves, rows, tiles.block_m if tiles is not None else None)
         after = page_in_after(plan.waves)
         issued = 0  # the waves whose page-ins are issued: a prefix, so the link takes them in wave order
         ahead = 1 if page_in.blocks_host else len(plan.waves)  # how far past the last computed wave copies go

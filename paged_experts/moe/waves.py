@@ -22,14 +22,17 @@ import torch
 
 from paged_experts.experts import build_dispatch, combine, run_experts
 from paged_experts.kernels.fused import combine_pairs, expert_mlp, fp8_grouped_tiles
+from paged_experts.kernels.moe_grouped_fp8 import BlockTable, host_block_tables
 from paged_experts.residency.policies import Wave
 from paged_experts.residency.store import ExpertTensors
 
 
 class WavePass(Protocol):
-    def plan_waves(self, waves: Sequence[Wave], num_rows: int) -> None:
+    def plan_waves(self, waves: Sequence[Wave], num_rows: int, block_m: int | None = None) -> None:
         """The step's whole wave plan (every routed expert in exactly one wave, at a row < num_rows of the
-        table every wave reads), before its first `wave`: the pass lays out all waves at once."""
+        table every wave reads), before its first `wave`: the pass lays out all waves at once. block_m: the
+        grouped FP8 kernel's row block where the tables run it (`fused.fp8_grouped_tiles`): the pass then
+        lays out every wave's block table too (None: each wave's kernel builds its own)."""
         ...
 
     def wave(self, table: ExpertTensors, experts: Sequence[int], rows: Sequence[int]) -> None:
@@ -61,12 +64,15 @@ class _FusedPass:
         self.flat = flat
         self.laid: _LaidOut | None = None  # set by plan_waves: every wave's pairs laid out at once
 
-    def plan_waves(self, waves: Sequence[Wave], num_rows: int) -> None:
+    def plan_waves(self, waves: Sequence[Wave], num_rows: int, block_m: int | None = None) -> None:
         """Lays out every wave's pairs once for the step, so a wave costs the host a slice and its kernel
         launches, not ~20 small torch ops and a host-to-device copy (the host bounds a paged prefill: ~7.6
         waves a layer at K=49 on a 2,048-token chunk). Pairs are sorted by (wave, row): a wave's pairs are one
         contiguous run of the step's sorted activations, grouped by the row that serves them, each row's
-        pairs in increasing pair order (as `wave` sorts them: the same groups, so the same bits)."""
+        pairs in increasing pair order (as `wave` sorts them: the same groups, so the same bits). With
+        `block_m`, every wave's block table of the grouped FP8 kernel too (`host_block_tables`: the blocks
+        `block_table` builds on the device, one launch a wave, from the counts the host has here), in the
+        same upload."""
         if self.flat.numel() == 0:
             return  # no pair, no wave: nothing to lay out
         stride = num_rows + 1
@@ -85,12 +91,17 @@ class _FusedPass:
         counts = np.bincount(pair_key, minlength=len(waves) * stride).reshape(len(waves), stride)[:, :num_rows]
         offs = np.cumsum(counts, axis=1)  # [W, rows]: each wave's cumulative pairs per row, from its own start
         ends = np.cumsum(offs[:, -1]) if num_rows else np.zeros(len(waves), dtype=np.int64)  # [W]
-        packed = _to_device(torch.from_numpy(np.concatenate([order, offs.reshape(-1)])), self.device)
+        tables, block_starts = host_block_tables(counts, block_m) if block_m else (np.empty((3, 0), np.int32), None)
+        parts = [order, offs.reshape(-1), tables.reshape(-1)]
+        packed = _to_device(torch.from_numpy(np.concatenate(parts)), self.device)  # one upload
         order_dev = packed[: order.size]  # [T*k]
+        small = packed[order.size :].to(torch.int32)  # offs, then the block tables
         self.laid = _LaidOut(
             waves=tuple(waves), next=0, order=order_dev,
-            offs=packed[order.size :].view(len(waves), num_rows).to(torch.int32),
+            offs=small[: offs.size].view(len(waves), num_rows),
             starts=[0, *ends.tolist()], tokens=torch.div(order_dev, self.top_k, rounding_mode="floor"),
+            block_m=block_m if block_starts is not None else None,
+            blocks=small[offs.size :].view(3, -1), block_starts=None if block_starts is None else block_starts.tolist(),
         )  # fmt: skip
 
     def wave(self, table: ExpertTensors, experts: Sequence[int], rows: Sequence[int]) -> None:
@@ -108,7 +119,12 @@ class _FusedPass:
         if end == start:
             return
         offs = laid.offs[i, : table.num_rows]  # [rows] int32 (the layout's rows cover every table: slots, staging)
-        if table.is_fp8 and fp8_grouped_tiles(table) is None:
+        tiles = fp8_grouped_tiles(table) if table.is_fp8 else None
+        blocks = None
+        if tiles is not None and laid.block_starts is not None and tiles.block_m == laid.block_m:
+            b0, b1 = laid.block_starts[i], laid.block_starts[i + 1]  # this wave's laid-out blocks (views)
+            blocks = BlockTable(laid.blocks[0, b0:b1], laid.blocks[1, b0:b1], laid.blocks[2, b0:b1])
+        if table.is_fp8 and tiles is None:
             # no grouped FP8 kernel: this wave's rows dequantized into a compact table in row order, whose
             # cumulative counts are the full table's at those rows (the other rows hold none of its pairs)
             ordered = torch.tensor(sorted(rows), dtype=torch.long)  # [n]
@@ -116,7 +132,7 @@ class _FusedPass:
             offs = offs[_to_device(ordered, offs.device)]  # [n]
         # gathered per wave (a [P, H] copy of the chunk's activations up front would add 64 MB to a 2,048-token
         # prefill's peak, which sets K at a memory budget)
-        y = expert_mlp(self.x[laid.tokens[start:end]], table, offs)  # [P_w, H]
+        y = expert_mlp(self.x[laid.tokens[start:end]], table, offs, blocks)  # [P_w, H]
         self.y_pairs.index_copy_(0, laid.order[start:end], y)
 
     def finish(self, weights: torch.Tensor) -> torch.Tensor:
@@ -136,6 +152,9 @@ class _LaidOut:
     offs: torch.Tensor  # [W, rows] int32: each wave's cumulative pairs per table row, counted from its start
     starts: list[int]  # [W + 1] each wave's first sorted position, then P
     tokens: torch.Tensor  # [P] token of the pair at each sorted position
+    block_m: int | None  # the row block the block tables were laid out for (None: none laid out)
+    blocks: torch.Tensor  # [3, NB] int32: every wave's grouped-FP8 blocks (moe_grouped_fp8.host_block_tables)
+    block_starts: list[int] | None  # [W + 1] each wave's first block, then NB
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -152,7 +171,7 @@ class _LoopPass:
         self.x_sorted = x.to(device)[self.dispatch.tokens]  # [T*k, H]
         self.y_sorted = torch.empty_like(self.x_sorted)  # [T*k, H]
 
-    def plan_waves(self, waves: Sequence[Wave], num_rows: int) -> None:
+    def plan_waves(self, waves: Sequence[Wave], num_rows: int, block_m: int | None = None) -> None:
         return None  # each wave indexes the dispatch as it comes
 
     def wave(self, table: ExpertTensors, experts: Sequence[int], rows: Sequence[int]) -> None:

@@ -12,6 +12,7 @@
   integrity, no synchronization, counters;
 - prefill staging rows: equality (bf16, FP8, delayed compute), no synchronization, and a STAGING wave waits
   for its copies (with a control that must see the race);
+- FP8 waves compute from the block tables laid out with the plan (none built a wave on the device);
 - a wave waits for its own page-ins, which the host issues one wave early (with a control).
 
 Plain functions, so the module also runs as a script: `python tests/cuda/test_prefill_cuda.py`.
@@ -92,6 +93,28 @@ def test_streamed_prefill_equals_resident_fp8() -> None:
         assert_same(
             long_prompt(MoeCausalLM.from_pretrained(FP8, rt(mode="paged", resident_experts=k)), 256), want, f"FP8 K={k}"
         )
+
+
+def test_fp8_waves_run_on_the_block_tables_laid_out_with_the_plan() -> None:
+    """Every host-planned FP8 wave computes from the block table `plan_waves` laid out on the host (no
+    block-table launch a wave), and paged still equals resident bit for bit, with and without staging rows."""
+    want = long_prompt(MoeCausalLM.from_pretrained(FP8, rt(mode="resident")), 256)
+    real = waves_module.expert_mlp
+    seen: list[bool] = []
+
+    def checked(x: torch.Tensor, table: object, offs: torch.Tensor, blocks: object = None) -> torch.Tensor:
+        seen.append(blocks is not None)
+        return real(x, table, offs, blocks)  # type: ignore[arg-type]
+
+    waves_module.expert_mlp = checked  # type: ignore[assignment]
+    try:
+        for kw in ({}, {"prefill_staging_rows": 8}):
+            seen.clear()
+            model = MoeCausalLM.from_pretrained(FP8, rt(mode="paged", resident_experts=16, **kw))
+            assert_same(long_prompt(model, 256), want, f"FP8 K=16 {kw}")
+            assert len(seen) > 2 * 3 and all(seen), seen  # 2 layers x 3 chunks, several waves each
+    finally:
+        waves_module.expert_mlp = real
 
 
 def test_kernel_page_in_prefill_equals_resident() -> None:
