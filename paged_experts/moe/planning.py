@@ -41,6 +41,9 @@ class HostWaves:
 
     def __init__(self, residency: LayerResidency) -> None:
         self.residency = residency
+        # the waves' grouped FP8 block tables laid out with the plan (moe/waves.py); False: one launch a wave
+        # builds each on the device, as before f5cadb7 (benchmarks/profile_step.py's 'devtables' A/B)
+        self.lay_out_block_tables = True
 
     def step(
         self,
@@ -63,7 +66,7 @@ class HostWaves:
         plan = self.residency.plan_step(ids_cpu.reshape(-1).numpy(), staged=experts_staged)  # [T*k], in numpy
         run = kernel.begin(x, ids_cpu, self.residency.num_experts, slots.gate.device)
         rows = max(slots.num_rows, staging.num_rows if staged is not None and staging is not None else 0)
-        tiles = fp8_grouped_tiles(slots)  # staging rows hold experts of the slots' shape: the same tiles
+        tiles = fp8_grouped_tiles(slots) if self.lay_out_block_tables else None  # staging rows: the same shape
         # the pass lays out all waves at once, their grouped FP8 block tables too (one host-to-device copy)
         run.plan_waves(plan.waves, rows, tiles.block_m if tiles is not None else None)
         after = page_in_after(plan.waves)
