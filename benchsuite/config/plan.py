@@ -118,23 +118,30 @@ def search_option(options: EngineOptions) -> str | None:
     return None
 
 
+def cell_id_of(server_id: str, workload: Mapping[str, Any], prompt_class: str, concurrency: int, repeat: int) -> str:
+    """A cell's id from its server's id and the workload's JSON form (as the manifest records the matrix:
+    the report names a planned cell no run measured by deriving the ids again, benchsuite.report.planned)."""
+    body = {
+        "server_id": server_id,
+        "workload": workload,
+        "prompt_class": prompt_class,
+        "concurrency": concurrency,
+        "repeat": repeat,
+    }
+    return stable_id(body)
+
+
 def plan_cells(matrix: ValidatedMatrix, server: ServerSpec, params: Mapping[str, Any]) -> tuple[CellSpec, ...]:
     m = matrix.matrix
     cells = []
     for wname, workload in m.workloads.items():
+        workload_json = workload.model_dump(mode="json")
         for prompt_class in workload.prompt_classes:
             for concurrency in workload.concurrency:
                 for repeat in range(m.repeats):
-                    body = {
-                        "server_id": server.server_id,
-                        "workload": workload.model_dump(mode="json"),
-                        "prompt_class": prompt_class,
-                        "concurrency": concurrency,
-                        "repeat": repeat,
-                    }
                     cells.append(
                         CellSpec(
-                            cell_id=stable_id(body),
+                            cell_id=cell_id_of(server.server_id, workload_json, prompt_class, concurrency, repeat),
                             server_id=server.server_id,
                             engine=server.name,
                             params=dict(params),
