@@ -242,3 +242,31 @@ def test_a_run_timed_by_text_chunks_is_reported_with_that_caveat_and_never_resum
     manifest = json.loads((fresh / "manifest.json").read_text())
     (fresh / "manifest.json").write_text(json.dumps({**manifest, "schema_version": SCHEMA_VERSION}))
     assert "Timed by text chunks" not in write_report([fresh], tmp_path / "out-fresh").read_text()
+
+
+def test_the_report_names_every_planned_cell_as_the_plan_made_it(tmp_path: Path) -> None:
+    from benchsuite.config.matrix import load_matrix
+    from benchsuite.config.plan import build_plan
+    from benchsuite.report.planned import read_planned
+    from benchsuite.results.manifest import Manifest, build_manifest
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    matrix = tmp_path / "m.yaml"
+    matrix.write_text(
+        f"name: named\nrepeats: 2\nengines:\n  e:\n    kind: builtin\n"
+        f"    options: {{model: {model}, mode: paged, resident_experts: [8, 12]}}\n"
+        "workloads:\n  a: {concurrency: [1, 4], num_requests: 2, prompt_classes: [short, '2048']}\n"
+        "  b: {concurrency: [2], num_requests: 3}\n"
+    )
+    plan = build_plan(load_matrix(matrix))
+    stored = Manifest.model_validate(json.loads(json.dumps(build_manifest(plan).to_json())))  # as read from disk
+    planned = read_planned(stored)
+    assert len(plan.cells) == 2 * (2 * 2 + 1) * 2 and planned.unnamed == () and planned.repeats == 2
+    assert [
+        (c.cell_id, c.server_id, c.engine, c.workload, c.prompt_class, c.concurrency, c.repeat) for c in plan.cells
+    ] == [
+        (c.cell_id, c.server_id, c.engine, c.workload, c.prompt_class, c.concurrency, c.repeat) for c in planned.named
+    ]
+    assert [dict(c.params) for c in plan.cells] == [dict(c.params) for c in planned.named]

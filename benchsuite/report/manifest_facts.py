@@ -1,8 +1,8 @@
 """A run's facts, read once from its manifest (benchsuite.results.manifest.Manifest, typed) into one typed
 value, `RunFacts`: machine, source (git), fairness, servers with their exact commands and versions,
-the engines the matrix names, the published reference it names, the measured link, the GPU budget,
-and the model (top_k, number of experts). Every report section takes these from `RunData.facts`;
-none looks into the manifest again.
+the engines the matrix names and the cells the run planned, the published reference it names, the
+measured link, the GPU budget, and the model (top_k, number of experts). Every report section takes
+these from `RunData.facts`; none looks into the manifest again.
 
 The model comes from the servers' typed `model` records (EngineAdapter.model_shape, at launch). A run
 stored before those were recorded is read the old way, here only: `num_experts_per_tok` anywhere in
@@ -20,6 +20,7 @@ from typing import Any
 
 from benchsuite.engines import adapter_of
 from benchsuite.report.budget import run_budget_bytes
+from benchsuite.report.planned import PlannedCells, read_planned
 from benchsuite.results.manifest import Manifest, ServerRecord
 from benchsuite.results.server_facts import CanaryResult
 from paged_experts.shape import ModelShape
@@ -258,6 +259,8 @@ class RunFacts:
     identity: tuple[str | None, str | None, str]  # (git commit, git tree, matrix hash): compare's A/A check
     # `run --ray`: node id -> its machine facts (Manifest.nodes; report/nodes.py); empty without --ray
     nodes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # the cells the run planned, named (report/planned.py); none in a manifest older than `planned`
+    planned: PlannedCells = field(default_factory=PlannedCells)
 
 
 def read_run_facts(manifest: Manifest, run_dir: Path) -> RunFacts:
@@ -279,4 +282,5 @@ def read_run_facts(manifest: Manifest, run_dir: Path) -> RunFacts:
         model=_model(manifest, run_dir),
         identity=(manifest.git.commit, manifest.git.tree, manifest.matrix_hash),
         nodes=dict(manifest.nodes),
+        planned=read_planned(manifest),
     )
