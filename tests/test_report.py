@@ -3,6 +3,7 @@ tables.md / tables.csv content, the default output directory, the CLI, and refus
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import shutil
@@ -242,6 +243,91 @@ def test_a_run_timed_by_text_chunks_is_reported_with_that_caveat_and_never_resum
     manifest = json.loads((fresh / "manifest.json").read_text())
     (fresh / "manifest.json").write_text(json.dumps({**manifest, "schema_version": SCHEMA_VERSION}))
     assert "Timed by text chunks" not in write_report([fresh], tmp_path / "out-fresh").read_text()
+
+
+def _run_with_plan(tmp_path: Path, name: str, missing: list[tuple[str, str, int, int]], extra_ids: list[str]) -> Path:
+    """The fixture run with a `planned` record (older manifests have none): its own cells, the cells in `missing`
+    ((server, prompt class, concurrency, repeat) of the fixture's paged servers, ids derived as the plan derives
+    them) and `extra_ids`, none of those measured: a run stopped before them."""
+    from benchsuite.config.plan import cell_id_of
+
+    run = tmp_path / name
+    shutil.copytree(FIXTURE, run)
+    manifest = json.loads((run / "manifest.json").read_text())
+    workload = manifest["matrix"]["workloads"]["bundled"]
+    stored = list(pd.read_parquet(run / "cells.parquet")["cell_id"])
+    manifest["planned"] = {
+        "servers": {
+            f"s-paged{k}": {"engine": "tiny", "kind": "builtin", "params": {"resident_experts": k}} for k in (8, 12)
+        },
+        "cells": [*stored, *(cell_id_of(s, workload, *point) for s, *point in missing), *extra_ids],
+        "searches": [],
+    }
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    return run
+
+
+def _engines_run(page: str) -> list[str]:
+    """The page's "Engines run" list, as text."""
+    items = re.findall(r"<li>([^<]*)</li>", page.split('<h2 id="engines-run">')[1].split("</ul>")[0])
+    return [html.unescape(item) for item in items]
+
+
+def test_planned_cells_a_stopped_run_never_measured_are_counted_and_listed(tmp_path: Path) -> None:
+    missing = [("s-paged8", "2048", 2, 1), *(("s-paged12", "2048", c, r) for c in (1, 2) for r in (0, 1))]
+    run = _run_with_plan(tmp_path, "stopped", missing, [])
+    index = write_report([run], tmp_path / "out", reference_dirs=REFERENCE_DIRS)
+    md = (index.parent / "tables.md").read_text().splitlines()
+    builtin = (
+        "builtin: run (tiny): 20 ok cells, 2 failed or invalid, "  # failed cells: planned, stored, not counted again
+        "5 of 27 planned cells not measured (the run stopped before them)."
+    )
+    tiny = "tiny (builtin): 5 of its 27 planned cells not measured (the run stopped before them)."
+    header = [
+        builtin,
+        "llamacpp: run (llama): 3 ok cells, 1 failed or invalid.",  # all its planned cells measured
+        "sglang: NOT RUN. These results contain no sglang cell; nothing in this report describes sglang.",
+        tiny,
+        "sg (sglang): named by the matrix but has no results (not run).",
+    ]
+    start = md.index(f"- {builtin}")
+    assert md[start : start + 5] == [f"- {line}" for line in header]
+    listed = [
+        "Planned cells not measured: 5 of the 31 cells run fixture-run planned (the run stopped before them)",
+        "tiny K=8 · workload bundled · prompt class 2048 · concurrency 2 · repeat 1 (1 of 2)",
+        "tiny K=12 · workload bundled · prompt class 2048 · concurrency 1, 2 · repeats 0, 1 (all 2)",
+    ]
+    assert md[md.index("## Not shown") :][-3:] == [f"- {listed[0]}:", f"  - {listed[1]}", f"  - {listed[2]}"]
+    page = index.read_text()
+    assert _engines_run(page) == header
+    not_shown = page.split('<h2 id="not-shown">')[1].split("</body>")[0]
+    assert f"<ul><li>{listed[0]}:<ul><li>{listed[1]}</li><li>{listed[2]}</li></ul></li></ul>" in not_shown
+
+
+def test_a_run_that_measured_all_it_planned_prints_what_it_printed_before(tmp_path: Path) -> None:
+    complete = write_report(
+        [_run_with_plan(tmp_path, "complete", [], [])], tmp_path / "a", reference_dirs=REFERENCE_DIRS
+    )
+    older = write_report([FIXTURE], tmp_path / "b", reference_dirs=REFERENCE_DIRS)  # no `planned` in its manifest
+    md = (complete.parent / "tables.md").read_text()
+    assert md == (older.parent / "tables.md").read_text()
+    assert "planned cells not measured" not in md and "planned cells not measured" not in complete.read_text()
+    assert _engines_run(complete.read_text()) == _engines_run(older.read_text())
+
+
+def test_planned_ids_the_recorded_matrix_does_not_name_are_still_counted(tmp_path: Path) -> None:
+    run = _run_with_plan(tmp_path, "unnamed", [], ["0123456789ab"])
+    index = write_report([run], tmp_path / "out", reference_dirs=REFERENCE_DIRS)
+    md = (index.parent / "tables.md").read_text().splitlines()
+    line = (
+        "run fixture-run: 1 more planned cell not measured (the run stopped before them), which its recorded "
+        "matrix does not name (ids under 'Not shown')."
+    )
+    assert f"- {line}" in md and line in _engines_run(index.read_text())
+    assert md[-2:] == [
+        "- Planned cells not measured: 1 of the 27 cells run fixture-run planned (the run stopped before them):",
+        "  - by id only (the recorded matrix does not derive them): 0123456789ab",
+    ]
 
 
 def test_the_report_names_every_planned_cell_as_the_plan_made_it(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from benchsuite.errors import UserError
-from benchsuite.report import decode_bounds, nodes, prefill, roofline, search_section
+from benchsuite.report import decode_bounds, nodes, prefill, roofline, search_section, unmeasured
 from benchsuite.report import tables as tb
 from benchsuite.report.caveats import random_weight_models, setup_caveats, setup_servers
 from benchsuite.report.display import display_frame
@@ -240,10 +240,26 @@ def _measured(frame: pd.DataFrame) -> bool:
     return bool(floats.notna().to_numpy().any())
 
 
-def _not_shown(empty: list[tuple[str, str]]) -> Section:
-    """The sections with nothing to show, one line each (title: why)."""
+def _not_shown(empty: list[tuple[str, str]], not_measured: list[tuple[str, list[str]]]) -> Section:
+    """The sections with nothing to show, one line each (title: why), then the planned cells no run
+    measured (report.unmeasured), one line per run with its cells below it."""
     items = "".join(f"<li>{html.escape(title)}: {html.escape(why)}.</li>" for title, why in empty)
-    return Section("Not shown", NOT_SHOWN, f"<p>Sections with nothing to show in these runs:</p><ul>{items}</ul>", None)
+    intro = f"<p>Sections with nothing to show in these runs:</p><ul>{items}</ul>" if empty else ""
+    runs = ""
+    for line, cells in not_measured:
+        listed = "".join(f"<li>{html.escape(cell)}</li>" for cell in cells)
+        runs += f"<li>{html.escape(line)}:<ul>{listed}</ul></li>"
+    return Section("Not shown", NOT_SHOWN, intro + (f"<ul>{runs}</ul>" if runs else ""), None)
+
+
+def _not_shown_markdown(empty: list[tuple[str, str]], not_measured: list[tuple[str, list[str]]]) -> list[str]:
+    """tables.md's "Not shown": the same lines as the page's, as a (nested) list."""
+    if not (empty or not_measured):
+        return []
+    lines = ["## Not shown", "", *(f"- {title}: {why}." for title, why in empty)]
+    for line, cells in not_measured:
+        lines += [f"- {line}:", *(f"  - {cell}" for cell in cells)]
+    return lines
 
 
 def nothing_to_show(data: ReportData) -> list[tuple[str, str]]:
@@ -284,8 +300,9 @@ def _sections(data: ReportData) -> tuple[list[Section], list[Section]]:
         anchor = _ANCHORS[name]
         section = Section(name, anchor, _INTROS.get(anchor, ""), frame)
         (before if anchor == "ratios" else after).append(section)
-    if empty:
-        after.append(_not_shown(empty))
+    not_measured = unmeasured.not_measured_items(data.runs, data.cells)
+    if empty or not_measured:
+        after.append(_not_shown(empty, not_measured))
     return before, after
 
 
@@ -328,7 +345,7 @@ def write_report(run_dirs: list[Path], out_dir: Path | None = None, reference_di
     empty = nothing_to_show(data)
     hidden = {title for title, _ in empty} | {"Verdict"}
     shown = {k: display_frame(v) for k, v in data.tables.items() if k not in hidden}
-    trailer = ["## Not shown", "", *(f"- {title}: {why}." for title, why in empty)] if empty else []
+    trailer = _not_shown_markdown(empty, unmeasured.not_measured_items(data.runs, data.cells))
     with report_folder(target) as staging:  # moved into place whole (report.publish)
         (staging / INDEX_NAME).write_text(page, encoding="utf-8")
         write_markdown(staging / "tables.md", data.title, preamble, shown, trailer)

@@ -1,9 +1,11 @@
-"""The report's opening: which engines really ran (and a plain statement for those that did not),
-machine facts, git provenance, fairness settings, every server's exact command and version, the
-metric definitions, and warnings (synthetic routing, failed cells). HTML and markdown lines."""
+"""The report's opening: which engines really ran (and a plain statement for those that did not, and
+for the planned cells a stopped run never measured: report.unmeasured), machine facts, git provenance,
+fairness settings, every server's exact command and version, the metric definitions, and warnings
+(synthetic routing, failed cells). HTML and markdown lines."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,10 +13,11 @@ import pandas as pd
 
 from benchsuite.engines import KINDS
 from benchsuite.measure import metrics
+from benchsuite.report import unmeasured
 from benchsuite.report.flags import cell_flags, prompt_length_mismatches
 from benchsuite.report.groups import is_synthetic
 from benchsuite.report.load import RunData
-from benchsuite.report.names import short_name
+from benchsuite.report.names import server_names
 from benchsuite.report.noise import busy_warning
 from benchsuite.report.template_env import render
 
@@ -45,32 +48,41 @@ class EngineStatus:
     engines: tuple[str, ...]
     ok_cells: int
     other_cells: int
+    not_measured: int = 0  # planned cells with no stored result (report.unmeasured)
+    planned: int = 0  # planned cells of this kind; 0 in a manifest older than `planned`
 
     @property
     def ran(self) -> bool:
         return self.ok_cells + self.other_cells > 0
 
     def statement(self) -> str:
+        gap = unmeasured.clause(self.not_measured, self.planned)
         if not self.ran:
-            return (
+            text = (
                 f"{self.kind}: NOT RUN. These results contain no {self.kind} cell; "
                 f"nothing in this report describes {self.kind}."
             )
+            return f"{text} {gap}." if gap else text
         names = ", ".join(self.engines)
         if self.ok_cells == 0:
-            return (
+            text = (
                 f"{self.kind}: attempted ({names}) but NO cell succeeded ({self.other_cells} failed or invalid); "
                 f"no {self.kind} number appears in this report."
             )
-        return f"{self.kind}: run ({names}): {self.ok_cells} ok cells, {self.other_cells} failed or invalid."
+            return f"{text} {gap}." if gap else text
+        counts = f"{self.kind}: run ({names}): {self.ok_cells} ok cells, {self.other_cells} failed or invalid"
+        return f"{counts}, {gap}." if gap else f"{counts}."
 
 
-def engine_statuses(cells: pd.DataFrame) -> list[EngineStatus]:
+def engine_statuses(cells: pd.DataFrame, gaps: Sequence[unmeasured.RunGaps]) -> list[EngineStatus]:
+    counts = unmeasured.kind_counts(gaps)
     out = []
     for kind in KINDS:
         mine = cells[cells["engine_kind"] == kind]
         ok = int((mine["status"] == "ok").sum())
-        out.append(EngineStatus(kind, tuple(sorted(set(mine["engine"]))), ok, len(mine) - ok))
+        out.append(
+            EngineStatus(kind, tuple(sorted(set(mine["engine"]))), ok, len(mine) - ok, *counts.get(kind, (0, 0)))
+        )
     return out
 
 
@@ -166,20 +178,6 @@ def canary_warnings(runs: list[RunData]) -> list[tuple[str, str]]:
     ]
 
 
-def server_names(run_id: str, cells: pd.DataFrame) -> dict[str, str]:
-    """server id -> what the server ran, named as its configurations are (report.names: "paged K=8"):
-    every distinct name of the run's cells on that server, joined (a budget search's server runs several)."""
-    names: dict[str, list[str]] = {}
-    if not len(cells) or "server_id" not in cells:
-        return {}
-    for _, cell in cells[cells["run_id"] == run_id].iterrows():
-        found = names.setdefault(str(cell["server_id"]), [])
-        name = short_name(cell)
-        if name not in found:
-            found.append(name)
-    return {server: ", ".join(found) for server, found in names.items()}
-
-
 def _run_view(run: RunData, cells: pd.DataFrame) -> dict[str, Any]:
     facts = run.facts
     return {
@@ -196,10 +194,12 @@ def _run_view(run: RunData, cells: pd.DataFrame) -> dict[str, Any]:
 
 def header_html(runs: list[RunData], cells: pd.DataFrame) -> str:
     """The opening as HTML (templates/header.html.j2)."""
+    gaps = [unmeasured.run_gaps(run) for run in runs]
     return render(
         "header.html.j2",
         banners=canary_warnings(runs) + warnings(cells, _requests(runs)),
-        statuses=engine_statuses(cells),
+        statuses=engine_statuses(cells, gaps),
+        gaps=unmeasured.statements(gaps, cells),
         unmeasured=unmeasured_matrix_engines(runs, cells),
         runs=[_run_view(run, cells) for run in runs],
         definitions=definitions(),
@@ -209,7 +209,9 @@ def header_html(runs: list[RunData], cells: pd.DataFrame) -> str:
 def header_markdown(runs: list[RunData], cells: pd.DataFrame) -> list[str]:
     lines = [f"> **{text}**" for _, text in canary_warnings(runs) + warnings(cells, _requests(runs))]
     lines.append("")
-    lines.extend(f"- {s.statement()}" for s in engine_statuses(cells))
+    gaps = [unmeasured.run_gaps(run) for run in runs]
+    lines.extend(f"- {s.statement()}" for s in engine_statuses(cells, gaps))
+    lines.extend(f"- {text}" for text in unmeasured.statements(gaps, cells))
     lines.extend(
         f"- {name}: named by the matrix but has no results (not run)."
         for name in unmeasured_matrix_engines(runs, cells)

@@ -42,3 +42,17 @@ def short_name(row: pd.Series) -> str:
 
 def short_names(frame: pd.DataFrame) -> list[str]:
     return [short_name(row) for _, row in frame.iterrows()]
+
+
+def server_names(run_id: str, cells: pd.DataFrame) -> dict[str, str]:
+    """server id -> what the server ran, named as its configurations are (short_name: "paged K=8"):
+    every distinct name of the run's cells on that server, joined (a budget search's server runs several)."""
+    names: dict[str, list[str]] = {}
+    if not len(cells) or "server_id" not in cells:
+        return {}
+    for _, cell in cells[cells["run_id"] == run_id].iterrows():
+        found = names.setdefault(str(cell["server_id"]), [])
+        name = short_name(cell)
+        if name not in found:
+            found.append(name)
+    return {server: ", ".join(found) for server, found in names.items()}
