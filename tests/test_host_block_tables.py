@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paged_experts.kernels.moe_grouped_fp8 import host_block_tables
+from paged_experts.kernels.moe_grouped_fp8 import ALIGN_BLOCKS, host_block_tables
 
 
 def blocks_by_definition(counts: np.ndarray, block_m: int) -> list[list[tuple[int, int, int]]]:
@@ -29,13 +29,15 @@ def test_every_wave_s_blocks_are_block_table_s_in_order(block_m: int, seed: int)
     rng = np.random.default_rng(seed)
     waves, groups = int(rng.integers(1, 9)), int(rng.integers(1, 60))
     counts = rng.integers(0, 150, size=(waves, groups)) * (rng.random((waves, groups)) < 0.4)  # most rows empty
-    tables, starts = host_block_tables(counts, block_m)
+    tables, starts, blocks = host_block_tables(counts, block_m)
     assert tables.dtype == np.int32 and tables.shape == (3, starts[-1]) and starts[0] == 0
+    assert (starts % ALIGN_BLOCKS == 0).all()  # each wave's slice keeps one 16-byte alignment: one compiled kernel
     for w, want in enumerate(blocks_by_definition(counts, block_m)):
-        got = [tuple(int(v) for v in col) for col in tables[:, starts[w] : starts[w + 1]].T]
+        assert starts[w] + blocks[w] <= starts[w + 1] < starts[w] + blocks[w] + ALIGN_BLOCKS
+        got = [tuple(int(v) for v in col) for col in tables[:, starts[w] : starts[w] + blocks[w]].T]
         assert got == want, (w, counts[w])
 
 
 def test_no_pairs_no_blocks() -> None:
-    tables, starts = host_block_tables(np.zeros((3, 5), dtype=np.int64), 64)
-    assert tables.shape == (3, 0) and starts.tolist() == [0, 0, 0, 0]
+    tables, starts, blocks = host_block_tables(np.zeros((3, 5), dtype=np.int64), 64)
+    assert tables.shape == (3, 0) and starts.tolist() == [0, 0, 0, 0] and blocks.tolist() == [0, 0, 0]

@@ -208,9 +208,9 @@ def check_grouped_fp8(device: str = "cpu", dtype: torch.dtype = torch.float32, t
         got = grouped_fp8_mm(a.to(device, dtype), w.to(device), s.to(device), blocks, tiles)
         # the same blocks laid out on the host (moe/waves.py, one upload a step): no padding, the same bits
         counts = torch.diff(offs, prepend=torch.zeros(1, dtype=offs.dtype)).numpy()[None]  # [1, G]
-        host, _ = host_block_tables(counts, tiles.block_m)
-        assert [tuple(int(v) for v in col) for col in host.T] == want_blocks
-        laid = BlockTable(*(torch.from_numpy(row).to(device) for row in host))
+        host, _, (count,) = host_block_tables(counts, tiles.block_m)
+        assert [tuple(int(v) for v in col) for col in host[:, :count].T] == want_blocks
+        laid = BlockTable(*(torch.from_numpy(row[:count]).to(device) for row in host))
         again = grouped_fp8_mm(a.to(device, dtype), w.to(device), s.to(device), laid, tiles)
         assert torch.equal(again[:covered], got[:covered])  # rows past the last group: no block writes them
         dense = fp8.dequantize(w, s, torch.float32)  # [G, N, K]
@@ -239,6 +239,53 @@ def check_grouped_fp8(device: str = "cpu", dtype: torch.dtype = torch.float32, t
                 assert torch.equal(wave, got[first:end]), (gi, (wave - got[first:end]).abs().max())
             first = end
         print("ok", (p, g, n, k, covered))
+
+
+# (tokens, top_k, experts, slots, staging rows, seed): a host-planned step's waves over the slots and the staging rows
+LAID_OUT_CASES = ((40, 4, 16, 6, 3, 0), (64, 2, 12, 5, 4, 1))
+
+
+def check_laid_out_blocks(device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    """A step's waves laid out by `_FusedPass.plan_waves` with their block tables (moe/waves.py): each wave's
+    columns of the one [3, NB] table, sliced at their aligned offsets, compute through the grouped FP8 kernel
+    exactly what `block_table` over the same wave's counts computes, for waves from the staging rows (fewer
+    rows) and from the slots."""
+    from paged_experts import fp8
+    from paged_experts.kernels.moe_grouped_fp8 import ALIGN_BLOCKS, BlockTable, block_table, grouped_fp8_mm
+    from paged_experts.kernels.moe_tiles import GroupedTiles
+    from paged_experts.moe.waves import FUSED
+    from paged_experts.residency.policies import STAGING, Wave
+
+    tiles = GroupedTiles(block_m=8, block_n=32, block_k=64, num_warps=4, num_stages=2)
+    for t, k, e, slots, rows, seed in LAID_OUT_CASES:
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])  # [T, k]
+        experts = torch.randperm(e, generator=gen).tolist()
+        staged, rest = experts[:rows], experts[rows:]
+        waves = [Wave(tuple(staged), tuple(range(rows)), (), 0, STAGING)]
+        waves += [Wave(tuple(rest[i : i + slots]), tuple(range(len(rest[i : i + slots]))), (), 0)
+                  for i in range(0, len(rest), slots)]  # fmt: skip
+        x = torch.randn(t, 128, generator=gen).to(device, dtype)  # [T, H]
+        run = FUSED.begin(x, ids, e, torch.device(device))
+        run.plan_waves(waves, slots, tiles.block_m)
+        laid = run.laid  # type: ignore[attr-defined]
+        w, sc = fp8.quantize(torch.randn(slots, 96, 128, generator=gen) / 8)
+        for i, wave in enumerate(waves):
+            start, end = laid.starts[i], laid.starts[i + 1]
+            if end == start:
+                continue
+            table_rows = rows if wave.table == STAGING else slots
+            b0 = laid.block_starts[i]
+            assert b0 % ALIGN_BLOCKS == 0 and laid.blocks.storage_offset() % ALIGN_BLOCKS == 0
+            cols = slice(b0, b0 + laid.block_counts[i])
+            mine = BlockTable(laid.blocks[0, cols], laid.blocks[1, cols], laid.blocks[2, cols])
+            assert int(mine.group.max()) < table_rows  # a staging wave's groups are staging rows
+            a = x[laid.tokens[start:end]]  # [P_w, H]
+            ref = block_table(laid.offs[i, :table_rows].contiguous(), end - start, tiles.block_m)
+            want = grouped_fp8_mm(a, w[:table_rows], sc[:table_rows], ref, tiles)
+            got = grouped_fp8_mm(a, w[:table_rows], sc[:table_rows], mine, tiles)
+            assert torch.equal(got, want), (i, (got - want).abs().max())
+        print("ok", (t, k, e, slots, rows, seed))
 
 
 # (batch, query heads, KV heads, head dim, block size, positions): GQA groups of 1, 4 and 8,
@@ -281,6 +328,7 @@ def check_attention(device: str = "cpu", dtype: torch.dtype = torch.float32, tol
         ("check_attention", ATTENTION_CASES),
         ("check_fp8_kernels", FP8_CASES),
         ("check_grouped_fp8", GROUPED_CASES),
+        ("check_laid_out_blocks", LAID_OUT_CASES),
         ("check_read_through", READ_CASES),
     ],
 )

@@ -10,7 +10,8 @@ partial product in fp32, one K step per scale block (block_k divides 128, block_
 
 Programs: one per (block of block_m rows of one group, tile of N). The block table (which group,
 which rows) is built on the device from offs (`block_table`: no host sync, graph-safe), over the
-bound cdiv(P, BM) + min(G, P) blocks; blocks past the last group exit at once.
+bound cdiv(P, BM) + min(G, P) blocks; blocks past the last group exit at once. A host-planned step
+lays its waves' tables out on the host instead (`host_block_tables`, moe/waves.py): exact grids.
 
 A row's result depends only on its own activations and its group's weights (masked rows are zeros
 and the MMA computes each output from its own row), and the tiles are fixed per shape, never chosen
@@ -139,36 +140,45 @@ def block_table(offs: torch.Tensor, num_pairs: int, block_m: int) -> BlockTable:
     return BlockTable(table[0], table[1], table[2])
 
 
-def host_block_tables(counts: np.ndarray, block_m: int) -> tuple[np.ndarray, np.ndarray]:
+ALIGN_BLOCKS = 4  # int32 entries in 16 bytes: Triton compiles a variant per 16-byte alignment of each pointer
+
+
+def host_block_tables(counts: np.ndarray, block_m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`block_table` of several steps at once on the host, for a plan already there (a host-planned step's
-    waves, moe/waves.py): counts [W, G] pairs of each wave in each group -> (tables [3, NB] int32: each wave's
-    blocks in wave order, then group order (group, first row, end row; rows counted from the wave's own
-    start), starts [W + 1]: wave w's blocks are columns starts[w]:starts[w + 1]). The same blocks as
-    `block_table` over each wave's cumulative counts, without its padding: no launch per wave, and a grid of
-    only the blocks that compute."""
+    waves, moe/waves.py): counts [W, G] pairs of each wave in each group -> (tables [3, NB] int32, starts
+    [W + 1], blocks [W]): wave w's blocks are columns starts[w] to starts[w] + blocks[w], in group order (group,
+    first row, end row; rows counted from the wave's own start); columns from there to starts[w + 1] are
+    padding never read. The same blocks as `block_table` over each wave's cumulative counts, without its -1
+    padding: no launch per wave, and a grid of only the blocks that compute. Every wave's columns, and NB,
+    start at a multiple of ALIGN_BLOCKS: the slices a wave passes keep one 16-byte alignment, so the kernel
+    compiles once, not once per alignment its slices happen to have."""
     w_count, g_count = counts.shape
     ends = np.cumsum(counts, axis=1)  # [W, G] each group's end row within its wave
     nblk = -(-counts // block_m)  # [W, G] blocks of each group
+    per_wave = nblk.sum(axis=1)  # [W]
+    padded = -(-per_wave // ALIGN_BLOCKS) * ALIGN_BLOCKS  # [W] each wave's columns, a multiple of ALIGN_BLOCKS
+    starts = np.concatenate([[0], np.cumsum(padded)]).astype(np.int64)  # [W + 1]
     per_block = nblk.reshape(-1)  # [W*G]
     total = int(per_block.sum())
-    owner = np.repeat(np.arange(w_count * g_count), per_block)  # [NB] the (wave, group) of each block
+    owner = np.repeat(np.arange(w_count * g_count), per_block)  # [blocks] the (wave, group) of each block
     first = np.cumsum(per_block) - per_block  # [W*G] each group's first block
-    j = np.arange(total) - first[owner]  # [NB] the block's index within its group
+    j = np.arange(total) - first[owner]  # [blocks] the block's index within its group
+    wave = owner // g_count
+    column = starts[wave] + np.arange(total) - (np.cumsum(per_wave) - per_wave)[wave]  # [blocks] in its wave's run
     flat_ends = ends.reshape(-1)
-    tables = np.empty((3, total), dtype=np.int32)
-    tables[0] = owner % g_count
-    tables[1] = flat_ends[owner] - counts.reshape(-1)[owner] + j * block_m
-    tables[2] = flat_ends[owner]
-    starts = np.concatenate([[0], np.cumsum(nblk.sum(axis=1))])  # [W + 1]
-    return tables, starts
+    tables = np.zeros((3, int(starts[-1])), dtype=np.int32)  # padding: group 0, rows 0 to 0 (never launched)
+    tables[0, column] = owner % g_count
+    tables[1, column] = flat_ends[owner] - counts.reshape(-1)[owner] + j * block_m
+    tables[2, column] = flat_ends[owner]
+    return tables, starts, per_wave
 
 
 def grouped_fp8_mm(
     a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, blocks: BlockTable, tiles: GroupedTiles
 ) -> torch.Tensor:
     """a [P, K] sorted by group, w [G, N, K] float8_e4m3fn, scale [G, N/128, K/128] fp32, blocks:
-    `block_table(offs, P, tiles.block_m)` (one table serves every matmul of a step) -> [P, N] in a's
-    dtype (fp32 accumulation, one rounding)."""
+    `block_table(offs, P, tiles.block_m)`, or a wave's columns of `host_block_tables` (one table serves
+    every matmul of a step) -> [P, N] in a's dtype (fp32 accumulation, one rounding)."""
     p, k = a.shape
     g, n, _ = w.shape
     if QUANT_BLOCK % tiles.block_k or QUANT_BLOCK % tiles.block_n:

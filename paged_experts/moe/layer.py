@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from paged_experts.kernels.fused import experts_over_rows, fp8_grouped_tiles, route_logits
+from paged_experts.kernels.fused import experts_over_rows, route_logits
 from paged_experts.moe.staging import StagingRows
 from paged_experts.moe.streaming import StepStreams
 from paged_experts.moe.waves import EXPERT_KERNELS, FUSED, WaveKernel
@@ -185,9 +185,7 @@ class MoeLayer(ABC):
         computed on `device`: -> (out [T, H] on the model's device, union)."""
         distinct = tuple(sorted(set(ids_cpu.reshape(-1).tolist())))
         run = self.kernel.begin(x, ids_cpu, self.shared.num_experts, device)
-        tiles = fp8_grouped_tiles(table)  # its block table laid out with the plan (moe/waves.py)
-        wave = Wave(experts=distinct, slots=distinct, page_ins=(), hits=len(distinct))
-        run.plan_waves((wave,), table.num_rows, tiles.block_m if tiles is not None else None)
+        run.plan_waves((Wave(experts=distinct, slots=distinct, page_ins=(), hits=len(distinct)),), table.num_rows)
         run.wave(table, distinct, distinct)
         return run.finish(weights).to(self.shared.device), len(distinct)
 

@@ -22,7 +22,7 @@ import torch
 
 from paged_experts.experts import build_dispatch, combine, run_experts
 from paged_experts.kernels.fused import combine_pairs, expert_mlp, fp8_grouped_tiles
-from paged_experts.kernels.moe_grouped_fp8 import BlockTable, host_block_tables
+from paged_experts.kernels.moe_grouped_fp8 import ALIGN_BLOCKS, BlockTable, host_block_tables
 from paged_experts.residency.policies import Wave
 from paged_experts.residency.store import ExpertTensors
 
@@ -91,17 +91,22 @@ class _FusedPass:
         counts = np.bincount(pair_key, minlength=len(waves) * stride).reshape(len(waves), stride)[:, :num_rows]
         offs = np.cumsum(counts, axis=1)  # [W, rows]: each wave's cumulative pairs per row, from its own start
         ends = np.cumsum(offs[:, -1]) if num_rows else np.zeros(len(waves), dtype=np.int64)  # [W]
-        tables, block_starts = host_block_tables(counts, block_m) if block_m else (np.empty((3, 0), np.int32), None)
-        parts = [order, offs.reshape(-1), tables.reshape(-1)]
+        tables, block_starts, block_counts = (
+            host_block_tables(counts, block_m) if block_m else (np.empty((3, 0), np.int32), None, None)
+        )
+        pad = np.zeros(-offs.size % ALIGN_BLOCKS, dtype=np.int64)  # the tables start 16-byte aligned
+        parts = [order, offs.reshape(-1), pad, tables.reshape(-1)]
         packed = _to_device(torch.from_numpy(np.concatenate(parts)), self.device)  # one upload
         order_dev = packed[: order.size]  # [T*k]
-        small = packed[order.size :].to(torch.int32)  # offs, then the block tables
+        as_int32 = packed[order.size :].to(torch.int32)  # offs, padding, then the block tables
         self.laid = _LaidOut(
             waves=tuple(waves), next=0, order=order_dev,
-            offs=small[: offs.size].view(len(waves), num_rows),
+            offs=as_int32[: offs.size].view(len(waves), num_rows),
             starts=[0, *ends.tolist()], tokens=torch.div(order_dev, self.top_k, rounding_mode="floor"),
             block_m=block_m if block_starts is not None else None,
-            blocks=small[offs.size :].view(3, -1), block_starts=None if block_starts is None else block_starts.tolist(),
+            blocks=as_int32[offs.size + pad.size :].view(3, -1),
+            block_starts=None if block_starts is None else block_starts.tolist(),
+            block_counts=None if block_counts is None else block_counts.tolist(),
         )  # fmt: skip
 
     def wave(self, table: ExpertTensors, experts: Sequence[int], rows: Sequence[int]) -> None:
@@ -122,7 +127,9 @@ class _FusedPass:
         tiles = fp8_grouped_tiles(table) if table.is_fp8 else None
         blocks = None
         if tiles is not None and laid.block_starts is not None and tiles.block_m == laid.block_m:
-            b0, b1 = laid.block_starts[i], laid.block_starts[i + 1]  # this wave's laid-out blocks (views)
+            assert laid.block_counts is not None
+            b0 = laid.block_starts[i]
+            b1 = b0 + laid.block_counts[i]  # this wave's laid-out blocks (views; the padding after them unused)
             blocks = BlockTable(laid.blocks[0, b0:b1], laid.blocks[1, b0:b1], laid.blocks[2, b0:b1])
         if table.is_fp8 and tiles is None:
             # no grouped FP8 kernel: this wave's rows dequantized into a compact table in row order, whose
@@ -154,7 +161,8 @@ class _LaidOut:
     tokens: torch.Tensor  # [P] token of the pair at each sorted position
     block_m: int | None  # the row block the block tables were laid out for (None: none laid out)
     blocks: torch.Tensor  # [3, NB] int32: every wave's grouped-FP8 blocks (moe_grouped_fp8.host_block_tables)
-    block_starts: list[int] | None  # [W + 1] each wave's first block, then NB
+    block_starts: list[int] | None  # [W + 1] each wave's first column of `blocks`, then NB (aligned)
+    block_counts: list[int] | None  # [W] each wave's blocks (columns from its start; the rest is padding)
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
