@@ -223,7 +223,9 @@ def build_shared(cfg: MoeModelConfig, runtime: RuntimeConfig) -> tuple[MoeShared
     expert_bytes = cfg.expert_bytes(cfg.expert_dtype(runtime.dtype))  # FP8: weights + block scales
     counters = PagingCounters(cfg.num_moe_layers, expert_bytes, runtime.mode)
     placements = [runtime.layer_mode(i, cfg.num_moe_layers) for i in range(cfg.num_layers)]
-    max_slots = runtime.resident_experts or cfg.num_experts
+    # the most rows one copy takes: a wave's page-ins (at most K), or a step's staged experts (page_in 'staged'
+    # copies through buffers of this many rows, and a prefill stages up to prefill_staging_rows at once)
+    max_slots = max(runtime.resident_experts or cfg.num_experts, runtime.prefill_staging_rows)
     h, inter, is_fp8 = cfg.hidden_size, cfg.moe_intermediate_size, cfg.fp8_weights
     row_kernel = copy_planned if graph_safe(device) else None  # FP8 scale rows of a direct page-in
     page_in = PageInEngine(device, runtime.page_in, h, inter, dtype, max_slots, is_fp8=is_fp8, row_kernel=row_kernel)

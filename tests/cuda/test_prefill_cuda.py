@@ -174,6 +174,11 @@ def test_staging_rows_prefill_equals_resident_and_does_not_sync() -> None:
         want_fp8 = long_prompt(MoeCausalLM.from_pretrained(FP8, rt(mode="resident")), 256)
         model = MoeCausalLM.from_pretrained(FP8, rt(mode="paged", resident_experts=16, prefill_staging_rows=8))
         assert_same(long_prompt(model, 256), want_fp8, "FP8 K=16, 8 staging rows")
+        # more staging rows than K through page_in 'staged' (its buffers once held K rows: the stage failed)
+        model = MoeCausalLM.from_pretrained(
+            FP8, rt(mode="paged", resident_experts=16, prefill_staging_rows=24, page_in="staged")
+        )
+        assert_same(long_prompt(model, 256), want_fp8, "FP8 K=16, 24 staging rows, page_in staged")
         original_wave = _delay_every_wave()
         try:
             model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=32, prefill_staging_rows=24))
