@@ -200,6 +200,43 @@ def test_a_fingerprint_recorded_before_files_were_hashed_compares_by_size_and_ti
     assert changes == {("engines", "e"): ["engine builtin: triton None -> '3.6.0'"]}
 
 
+def _set_code(run_dir: Path, code: dict[str, str] | None) -> None:
+    """The stored run as if an earlier invocation had run other code (its manifest's git.code)."""
+    path = run_dir / "manifest.json"
+    doc = json.loads(path.read_text())
+    doc["git"]["code"] = code
+    path.write_text(json.dumps(doc))
+
+
+def test_resume_refuses_cells_measured_by_other_code(tmp_path: Path, model_copy: Path) -> None:
+    """A run resumed by other code (another machine's copy, a later commit) would report cells of two code
+    versions as one run: refused once a cell has finished, naming the trees; before any, the run becomes
+    the new code's; a run recorded before the code trees is not compared."""
+    from benchsuite.tools.machine import git_facts
+
+    code = git_facts().code
+    if code is None:
+        pytest.skip("no git checkout around the package: no code trees to compare")
+    plan = build_plan(load_matrix(write_matrix(tmp_path, str(model_copy))))
+    store = open_store(plan)
+    run_dir = store.run_dir
+    store.close()
+    _set_code(run_dir, {"benchsuite": "1" * 40, "paged_experts": "2" * 40})
+    open_store(plan).close()  # nothing finished: resumes, and the run takes this code's trees
+    assert json.loads((run_dir / "manifest.json").read_text())["git"]["code"] == code
+    store = open_store(plan)
+    finished_cell(store, plan.cells[0])
+    store.close()
+    open_store(plan).close()  # the same code resumes
+    _set_code(run_dir, {**code, "paged_experts": "2" * 40})
+    with pytest.raises(
+        UserError, match=rf"measured by other code .*paged_experts {'2' * 40} -> [0-9a-f]{{40}}.*--new-run"
+    ):
+        open_store(plan)
+    _set_code(run_dir, None)  # recorded before the code trees: not compared
+    open_store(plan).close()
+
+
 def test_changed_inputs_of_cells_not_finished_yet_are_recorded_anew(tmp_path: Path, model_copy: Path) -> None:
     plan = build_plan(load_matrix(write_matrix(tmp_path, str(model_copy))))
     open_store(plan).close()  # nothing finished

@@ -165,6 +165,8 @@ class RunStore:
         fix = "pass --new-run to start a new run here (the old one is moved aside, never deleted) or another --run-id"
         if existing.matrix_hash != manifest.matrix_hash:
             raise UserError(f"{self.run_dir} holds a run of a different matrix; pass another --run-id, or {fix}")
+        if self._code_changed_before_any_cell(existing, manifest, fix):
+            existing = existing.model_copy(update={"git": manifest.git})  # the run is this code's from here
         old, new = existing.fingerprint, manifest.fingerprint
         if new is None:  # the caller records no inputs (tests, imported results): nothing to compare
             return existing
@@ -189,6 +191,24 @@ class RunStore:
         kept = old or Fingerprint()
         merged = Fingerprint(engines={**kept.engines, **new.engines}, workloads={**kept.workloads, **new.workloads})
         return existing.model_copy(update={"fingerprint": merged})
+
+    def _code_changed_before_any_cell(self, existing: Manifest, manifest: Manifest, fix: str) -> bool:
+        """UserError when finished cells were measured by other code than this invocation's (the package
+        trees of benchsuite and paged_experts, GitFacts.code): a run carried to another machine or resumed
+        after a change would otherwise report cells of two code versions as one run. True when the code
+        changed but no cell has finished (the run is then the new code's). Runs recorded before the code
+        trees, or without git, are not compared."""
+        before, now = existing.git.code, manifest.git.code
+        if not before or not now or before == now:
+            return False
+        stored = [self.stored_cell(p.stem) for p in sorted((self.run_dir / "cells").glob("*.json"))]
+        if not any(c is not None and c.result.status in FINISHED_STATUSES for c in stored):
+            return True
+        changed = ", ".join(f"{name} {before.get(name)} -> {now.get(name)}" for name in sorted(set(before) | set(now))
+                            if before.get(name) != now.get(name))  # fmt: skip
+        commits = f"measured at commit {existing.git.commit or 'unknown'}, this is {manifest.git.commit or 'unknown'}"
+        raise UserError(f"{self.run_dir} was measured by other code ({commits}; trees {changed}); resuming would "
+                        f"mix code versions in one run; {fix}")  # fmt: skip
 
     # ---- paths ---------------------------------------------------------------------------------
 

@@ -71,6 +71,9 @@ class GitFacts(StoredFacts):
     dirty: bool | None = None
     tree: str | None = None  # the tree hash of the tracked files as they were (see working_tree_hash)
     source: str | None = None  # "package" or "working directory": where the checkout was found
+    # {package directory: its tree hash} of the code that measures (CODE_DIRS), without the results a run
+    # writes into its own checkout: a resume compares it (benchsuite.results.store); absent in older runs
+    code: dict[str, str] | None = None
 
 
 def machine_facts() -> MachineFacts:
@@ -144,8 +147,24 @@ def git_facts(source_dir: Path = _SOURCE_DIR) -> GitFacts:
             status = _run(["git", "-C", str(where), "status", "--porcelain", "--untracked-files=no"])
             dirty = None if status is None else bool(status.strip())
             tree = working_tree_hash(where) if dirty else commit_tree(where)
-            return GitFacts(commit=commit.strip(), dirty=dirty, tree=tree, source=label)
+            return GitFacts(commit=commit.strip(), dirty=dirty, tree=tree, source=label, code=code_trees(where, tree))
     return GitFacts(commit=None, dirty=None, tree=None, source=None)
+
+
+CODE_DIRS = ("benchsuite", "paged_experts")  # what measures: the engine, the load generator, the records
+
+
+def code_trees(where: Path, tree: str | None) -> dict[str, str] | None:
+    """{directory: its tree hash inside `tree`} for CODE_DIRS (None without a tree or any of them)."""
+    if tree is None:
+        return None
+    code = {}
+    for name in CODE_DIRS:
+        out = _run(["git", "-C", str(where), "rev-parse", f"{tree}:{name}"])
+        if out is None:
+            return None
+        code[name] = out.strip()
+    return code
 
 
 def commit_tree(where: Path) -> str | None:
