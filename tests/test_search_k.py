@@ -199,3 +199,8 @@ def test_the_k_search_counts_the_staging_rows_and_leaves_them_room(tmp_path, row
     assert {p.staging_bytes for p in proj.values()} == {rows * expert}
     assert (min(proj), max(proj)) == (32, 128 - rows)  # 4 x top_k 8 .. E - rows
     assert proj[48].gpu_total_bytes - proj[47].gpu_total_bytes == proj[48].slot_bytes
+    if rows:  # rows that leave no K the search may choose: the error names them
+        path.write_text(path.read_text().replace(f"prefill_staging_rows: {rows}", "prefill_staging_rows: 100"))
+        (task,) = build_plan(load_matrix(path)).searches
+        with pytest.raises(UserError, match=r"exceeds the largest K 28 \(prefill_staging_rows 100 leave K at most"):
+            BuiltinAdapter().projections(task.spec, ResidentExpertsSettings())

@@ -425,7 +425,12 @@ class BuiltinAdapter(EngineAdapter):
         rows = opts.prefill_staging_rows or 0
         # a server refuses more staging rows than the E - K experts outside its slots: K up to E - rows
         max_k = cfg.num_experts - rows if settings.max_k is None else min(settings.max_k, cfg.num_experts - rows)
-        ks = memory.k_range(cfg.num_experts, cfg.top_k, spec.max_concurrency, settings.min_k, max_k)
+        try:
+            ks = memory.k_range(cfg.num_experts, cfg.top_k, spec.max_concurrency, settings.min_k, max_k)
+        except UserError as exc:
+            if not rows:
+                raise
+            raise UserError(f"{exc} (prefill_staging_rows {rows} leave K at most E - rows = {max_k})") from None
         dtype = opts.dtype or ("float32" if opts.device == "cpu" else cfg.torch_dtype)
         return memory.projections(model_dir, dtype, spec.fairness.kv_capacity_tokens, ks, rows)
 
