@@ -12,8 +12,12 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from types import FrameType, ModuleType
+from typing import TYPE_CHECKING
 
 from benchsuite.errors import RunError, UserError, caused_by_interrupt
+
+if TYPE_CHECKING:
+    from sys import UnraisableHookArgs
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("benchsuite.commands.run", "run a benchmark matrix (matrix.yaml) and write results + report"),
@@ -74,6 +78,9 @@ def unknown_arguments(parser: argparse.ArgumentParser, extras: Sequence[str]) ->
     return f"{parser.prog}: unrecognized arguments: {' '.join(parts)}"
 
 
+REDELIVER_S = 0.01  # a Ctrl-C Python ignored (in a weakref callback) is sent again after this long
+
+
 def _watch_interrupts() -> tuple[list[bool], Callable[[], None]]:
     """([True] once a SIGINT arrived, a function that puts the previous handler back). Ctrl-C while a
     library builds itself on import can reach us as that library's own error with no KeyboardInterrupt
@@ -91,10 +98,26 @@ def _watch_interrupts() -> tuple[list[bool], Callable[[], None]]:
         arrived.append(True)
         signal.default_int_handler(signum, frame)  # raises KeyboardInterrupt, as before
 
+    hook = sys.unraisablehook
+
+    def unraisable(info: UnraisableHookArgs) -> None:
+        """Ctrl-C inside a callback whose exceptions Python ignores (a weakref callback of the import
+        system's module locks, under load: tests/test_interrupt.py report at 1.0 s) printed "Exception
+        ignored ... KeyboardInterrupt" and the command went on. It is delivered again a moment later, once
+        this hook has returned, where it can stop the command."""
+        if info.exc_type is not KeyboardInterrupt:
+            hook(info)
+            return
+        timer = threading.Timer(REDELIVER_S, signal.raise_signal, (signal.SIGINT,))
+        timer.daemon = True
+        timer.start()
+
     def restore() -> None:
         signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = hook
 
     signal.signal(signal.SIGINT, record)
+    sys.unraisablehook = unraisable
     return arrived, restore
 
 

@@ -256,6 +256,37 @@ def test_ctrl_c_inside_a_waited_task_cancels_the_run_and_leaves_no_task_holding_
         restore()
 
 
+def test_a_ctrl_c_python_ignored_in_a_callback_is_delivered_again(
+    terminal_sigint: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C landing in a weakref callback (the import system's module locks: `benchsuite report` interrupted
+    at 1.0 s under load printed "Exception ignored ... KeyboardInterrupt" and went on): Python ignores an
+    exception there, so the command sends the interrupt again once the callback is over, and it stops."""
+    import weakref
+
+    from benchsuite.cli import _watch_interrupts
+
+    class Held:
+        pass
+
+    def callback(_: object) -> None:
+        raise KeyboardInterrupt  # what SIGINT's handler raises when the signal lands inside the callback
+
+    arrived, restore = _watch_interrupts()
+    try:
+        held = Held()
+        ref = weakref.ref(held, callback)
+        with pytest.raises(KeyboardInterrupt):
+            del held  # the callback runs, its KeyboardInterrupt is ignored by Python: the hook sends SIGINT again
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                time.sleep(0.001)
+        assert ref() is None and arrived == [True]  # the second delivery went through the command's handler
+    finally:
+        restore()
+    assert "Exception ignored" not in capsys.readouterr().err
+
+
 def test_an_error_raised_while_ctrl_c_unwinds_the_run_is_an_interrupt(terminal_sigint: None) -> None:
     """An engine or store error raised by the cleanup that the cancellation runs (an engine that died of
     the same Ctrl-C, say) comes out as a KeyboardInterrupt chained to it: errors.caused_by_interrupt."""
