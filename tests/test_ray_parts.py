@@ -113,6 +113,9 @@ def test_a_search_runs_as_one_task_and_its_messages_make_the_store_a_local_searc
     cells = read_cells(store.run_dir)
     chosen = [c for c in cells if "search_n" not in c.params]
     assert [c.resident_experts for c in chosen] == [searched.best_n] and chosen[0].status == "ok"
+    # the chosen K's server and cells joined the manifest's plan (a PlannedMore message), as a local run's do
+    (planned,) = [s for s, p in manifest.planned.servers.items() if p.search_of == task.spec.server_id]
+    assert chosen[0].server_id == planned and chosen[0].cell_id in manifest.planned.cells
     assert all(c.node == facts.node for c in cells)
     assert all(s.node == facts.node for s in manifest.servers.values())
     assert all((store.run_dir / s.log).is_file() for s in manifest.servers.values() if s.log)

@@ -10,7 +10,7 @@ import pytest
 
 from benchsuite.errors import RunError, UserError
 from benchsuite.records import SCHEMA_VERSION, CellResult, RequestRecord
-from benchsuite.results.manifest import Manifest
+from benchsuite.results.manifest import Manifest, Planned, PlannedSearch, PlannedServer
 from benchsuite.results.server_facts import CanaryResult
 from benchsuite.results.store import RunStore, atomic_write_bytes
 from benchsuite.results.stored_files import read_cells, read_manifest, read_requests
@@ -82,6 +82,38 @@ def test_resume_checks_matrix_and_schema(tmp_path: Path) -> None:
     newer = f"schema version {SCHEMA_VERSION + 1}, this benchsuite reads versions 1, 2, 3: rerun"
     with pytest.raises(UserError, match=newer):
         read_manifest(tmp_path / "r")
+
+
+def _planned(servers: list[str], cells: list[str], searches: list[PlannedSearch] | None = None) -> Planned:
+    return Planned(servers={s: PlannedServer(engine="e", kind="builtin", params={}) for s in servers}, cells=cells,
+                   searches=searches or [])  # fmt: skip
+
+
+def test_each_resume_merges_its_plan_into_planned_in_first_seen_order(tmp_path: Path) -> None:
+    old_search = PlannedSearch(engine="e", option="n_cpu_moe")  # a record from before server_id
+    search = PlannedSearch(engine="e", option="n_cpu_moe", server_id="s9", params={"mode": "paged"})
+    first = MANIFEST.model_copy(update={"planned": _planned(["s1"], ["c1", "c2"], [old_search])})
+    RunStore.open(tmp_path / "r", first).close()
+    later = MANIFEST.model_copy(update={"planned": _planned(["s2", "s1"], ["c3", "c1"], [search])})
+    RunStore.open(tmp_path / "r", later).close()
+    manifest = read_manifest(tmp_path / "r")
+    assert len(manifest.invocations) == 2
+    assert list(manifest.planned.servers) == ["s1", "s2"] and manifest.planned.cells == ["c1", "c2", "c3"]
+    assert manifest.planned.searches == [search]  # the older form of the same search takes the one naming it
+    store = RunStore.open(tmp_path / "r", first)
+    store.record_planned(Planned(servers={"s3": PlannedServer(engine="e", kind="builtin", params={"n": 4},
+                                                              search_of="s9")}, cells=["c4", "c3"]))  # fmt: skip
+    store.close()
+    planned = read_manifest(tmp_path / "r").planned
+    assert planned.cells == ["c1", "c2", "c3", "c4"] and planned.servers["s3"].search_of == "s9"
+    assert planned.searches == [search] and len(read_manifest(tmp_path / "r").invocations) == 3
+    # a manifest from before `planned` gains the resumed invocation's plan: what it planned is known from here on
+    bare = tmp_path / "bare"
+    RunStore.open(bare, MANIFEST).close()
+    path = bare / "manifest.json"
+    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "planned"}))
+    RunStore.open(bare, later).close()
+    assert read_manifest(bare).planned == later.planned
 
 
 def test_server_facts_are_typed_fields(tmp_path: Path) -> None:

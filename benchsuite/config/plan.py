@@ -192,8 +192,12 @@ def resolve_search(plan: Plan, task: SearchTask, options: EngineOptions) -> tupl
     spec = make_server_spec(
         task.spec.name, task.spec.kind, options, task.spec.fairness, task.spec.max_concurrency, task.spec.env
     )
-    params = {**task.params, task.option: options.model_dump(mode="json")[task.option]}
-    return spec, plan_cells(plan.matrix, spec, params)
+    return spec, plan_cells(plan.matrix, spec, resolved_params(task, options))
+
+
+def resolved_params(task: SearchTask, options: EngineOptions) -> dict[str, Any]:
+    """The swept values of a search's chosen server: the task's, and the searched option's chosen value."""
+    return {**task.params, task.option: options.model_dump(mode="json")[task.option]}
 
 
 def select(plan: Plan, selectors: list[str]) -> Plan:

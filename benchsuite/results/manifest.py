@@ -1,11 +1,12 @@
 """manifest.json as one typed, versioned model: what a run is (the resolved matrix, machine, git,
 the plan) and, per server, exactly how it was started (argv, env, engine version, options).
 
-One producer: `build_manifest` makes it when a run starts, and the store (`RunStore.open`,
-`RunStore.record_server`) is the only writer; the report reads the same model back through
-`benchsuite.results.stored_files.read_manifest`. Layout version: `benchsuite.records.SCHEMA_VERSION`.
-A version-1 manifest (an untyped dict, before this model) is read into it by
-benchsuite.results.schema_v1; any other version is refused by the store with a message naming it.
+One producer: `build_manifest` makes it when a run starts, and the store is the only writer
+(`RunStore.open`, which merges a resumed invocation's plan into `planned`; `RunStore.record_server`;
+`RunStore.record_planned`, which adds a search's chosen server and cells, `planned_by_search`); the report
+reads the same model back through `benchsuite.results.stored_files.read_manifest`. Layout version:
+`benchsuite.records.SCHEMA_VERSION`. A version-1 manifest (an untyped dict, before this model) is read into
+it by benchsuite.results.schema_v1; any other version is refused by the store with a message naming it.
 
 Blocks whose shape the suite fixes are typed (`benchsuite.records.StoredFacts`: each writes back
 exactly the keys it was given, so older files read and write back unchanged): machine and git
@@ -16,12 +17,14 @@ another producer defines stays a mapping, said so at its field.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from benchsuite.config.plan import Plan
+from benchsuite.config.plan import CellSpec, Plan, SearchTask, resolved_params
+from benchsuite.engines.base import ServerSpec
 from benchsuite.records import SCHEMA_VERSION, StoredFacts
 from benchsuite.results.fingerprint import Fingerprint, plan_fingerprint
 from benchsuite.results.server_facts import CanaryResult, SearchRecord
@@ -76,21 +79,59 @@ class ServerRecord(_Record):
     node: str | None = None
 
 
-class PlannedServer(_Record):
+class PlannedServer(StoredFacts):
+    """A planned server; like every StoredFacts block it writes back the keys it was given (a record older
+    than `search_of` keeps its keys)."""
+
     engine: str
     kind: str
     params: dict[str, Any]  # the swept option values of this server: the engine's option names
+    # a search's chosen value: the id of the search's own server (PlannedSearch.server_id); None for a
+    # server the matrix names, and in a record older than it
+    search_of: str | None = None
 
 
-class PlannedSearch(_Record):
+class PlannedSearch(StoredFacts):
+    """A planned search (a record older than `server_id` and `params` keeps its keys)."""
+
     engine: str
     option: str
+    # the search's own server, under which its outcome is stored (servers.<id>.search, search_error), and its
+    # other swept values; None and empty in a record older than them (the report then judges no search)
+    server_id: str | None = None
+    params: dict[str, Any] = Field(default_factory=dict)
 
 
 class Planned(_Record):
+    """What the run's invocations planned, merged (`merged`): the store adds each resumed invocation's plan,
+    and the runner a search's chosen server and cells once the search has chosen (their ids are known then)."""
+
     servers: dict[str, PlannedServer] = Field(default_factory=dict)
     cells: list[str] = Field(default_factory=list)
     searches: list[PlannedSearch] = Field(default_factory=list)
+
+    def merged(self, other: Planned) -> Planned:
+        """The union of both, in first-seen order (this record's first), without duplicates; an entry seen
+        twice keeps its first form, but a search recorded before `server_id` takes the form that names it."""
+        searches = list(self.searches)
+        for search in other.searches:
+            same = [i for i, s in enumerate(searches) if _same_search(s, search)]
+            if not same:
+                searches.append(search)
+            elif searches[same[0]].server_id is None and search.server_id is not None:
+                searches[same[0]] = search
+        return Planned(
+            servers={**self.servers, **{k: v for k, v in other.servers.items() if k not in self.servers}},
+            cells=list(dict.fromkeys([*self.cells, *other.cells])),
+            searches=searches,
+        )
+
+
+def _same_search(a: PlannedSearch, b: PlannedSearch) -> bool:
+    """One search: by its server id, or by engine entry and option where one record is older than the id."""
+    if a.server_id is not None and b.server_id is not None:
+        return a.server_id == b.server_id
+    return (a.engine, a.option) == (b.engine, b.option)
 
 
 class Invocation(_Record):
@@ -150,6 +191,16 @@ def build_manifest(plan: Plan) -> Manifest:
             servers={s.server_id: PlannedServer(engine=s.name, kind=s.kind, params=dict(plan.params[s.server_id]))
                      for s in plan.servers},
             cells=[c.cell_id for c in plan.cells],
-            searches=[PlannedSearch(engine=t.spec.name, option=t.option) for t in plan.searches],
+            searches=[PlannedSearch(engine=t.spec.name, option=t.option, server_id=t.spec.server_id,
+                                    params=dict(t.params)) for t in plan.searches],
         ),
     )  # fmt: skip
+
+
+def planned_by_search(task: SearchTask, spec: ServerSpec, cells: Sequence[CellSpec]) -> Planned:
+    """What a search plans once it has chosen (plan.resolve_search's server and cells), to merge into the
+    manifest's `planned` (RunStore.record_planned): recorded here rather than derived by the report, which
+    would have to rebuild the engine's options from the recorded matrix to find the server's id."""
+    params = resolved_params(task, spec.options)
+    server = PlannedServer(engine=spec.name, kind=spec.kind, params=params, search_of=task.spec.server_id)
+    return Planned(servers={spec.server_id: server}, cells=[c.cell_id for c in cells])

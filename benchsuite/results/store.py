@@ -17,9 +17,11 @@ benchsuite.results.manifest.Manifest and this store is its only writer. In the t
 (params, options, extras, engine_timings) are JSON text.
 
 One runner at a time: `open` holds the directory's lock (benchsuite.results.runlock) until `close`.
-A resume must match what the run was measured with: the matrix hash and the manifest's
-`fingerprint` (model files, datasets, engine builds: benchsuite.results.fingerprint); a difference is a
-UserError naming what changed, unless `new_run` moves the old directory aside first.
+Each invocation is appended to the manifest's `invocations` and its plan merged into `planned` (a resume
+with other `--only` selectors plans other cells of the same run). A resume must match what the run was
+measured with: the matrix hash and the manifest's `fingerprint` (model files, datasets, engine builds:
+benchsuite.results.fingerprint); a difference is a UserError naming what changed, unless `new_run` moves
+the old directory aside first.
 A run directory is only ever one this suite created (`stored_files.not_a_run_dir`: a manifest with
 the run marker keys): any other existing, non-empty folder is refused (UserError naming it) before
 anything is written into it, and `new_run` never moves it.
@@ -50,7 +52,7 @@ import pandas as pd
 from benchsuite.errors import RunError, UserError
 from benchsuite.records import SCHEMA_VERSION, CellResult, RequestRecord
 from benchsuite.results.fingerprint import Fingerprint, fingerprint_changes
-from benchsuite.results.manifest import Invocation, Manifest
+from benchsuite.results.manifest import Invocation, Manifest, Planned
 from benchsuite.results.runlock import RunLock
 from benchsuite.results.stored_files import (
     SERVER_FILE_DIRS,
@@ -150,7 +152,10 @@ class RunStore:
         invocation = Invocation(started_utc=utc_now(), git=manifest.git, host=manifest.machine.hostname)
         if self.manifest_path.exists():
             existing = self._check_resumable(read_manifest_file(self.manifest_path, writable=True), manifest)
-            self._write_manifest(existing.model_copy(update={"invocations": [*existing.invocations, invocation]}))
+            # this invocation's plan joins the earlier ones' (`--only A`, then `--only B`: both planned)
+            planned = existing.planned.merged(manifest.planned)
+            update = {"invocations": [*existing.invocations, invocation], "planned": planned}
+            self._write_manifest(existing.model_copy(update=update))
             return
         try:
             for sub in ("cells", "logs", "engine_metrics", "attempts"):
@@ -244,6 +249,12 @@ class RunStore:
         """Merge facts (ServerRecord fields: argv, env, version, canary, ...) into manifest.servers."""
         manifest = read_manifest_file(self.manifest_path, writable=True)
         self._write_manifest(manifest.with_server(server_id, **facts))
+
+    def record_planned(self, planned: Planned) -> None:
+        """Merge what the run plans once it knows it (a search's chosen server and its cells) into the
+        manifest's `planned`."""
+        manifest = read_manifest_file(self.manifest_path, writable=True)
+        self._write_manifest(manifest.model_copy(update={"planned": manifest.planned.merged(planned)}))
 
     def record_run(self, **facts: Any) -> None:
         """Set run-level facts of the manifest (Manifest fields, e.g. `link_bandwidth`)."""

@@ -40,6 +40,7 @@ from benchsuite.run.ray_task import (
     EngineMetrics,
     Message,
     NodeFacts,
+    PlannedMore,
     SearchFailed,
     ServerFacts,
     ServerFiles,
@@ -196,6 +197,8 @@ class Driver:
             self._record_node(message)
         elif isinstance(message, ServerFacts):
             store.record_server(message.server_id, **message.facts, node=task.node)
+        elif isinstance(message, PlannedMore):
+            store.record_planned(message.planned)
         elif isinstance(message, EngineMetrics):
             store.write_engine_metrics(message.cell_id, message.scrapes)
         elif isinstance(message, CellStored):

@@ -9,7 +9,8 @@ module writes nothing outside its scratch directory, which it removes when it en
 
 Messages, in order: `NodeFacts` first (who measures: Ray node id, hostname, address, machine and
 source facts); then, as the run loop stores them, `ServerFacts` (the server's manifest record),
-`EngineMetrics` and `CellStored` per cell, `CellUpdated` for fields known once the server stopped;
+`PlannedMore` (a search's chosen server and cells, for the manifest's `planned`), `EngineMetrics` and
+`CellStored` per cell, `CellUpdated` for fields known once the server stopped;
 `SearchFailed` for a search that found no value; `ServerFiles` (engine logs, routing traces) last.
 
 Cancellation (`ray.cancel`, the driver's Ctrl-C) arrives as KeyboardInterrupt in the task's thread:
@@ -34,7 +35,7 @@ from benchsuite.config.plan import CellSpec, Plan, SearchTask
 from benchsuite.engines.base import ServerSpec
 from benchsuite.errors import RunError
 from benchsuite.records import CellResult, RequestRecord
-from benchsuite.results.manifest import Manifest
+from benchsuite.results.manifest import Manifest, Planned
 from benchsuite.results.store import RunStore
 from benchsuite.results.stored_files import SERVER_FILE_DIRS
 from benchsuite.run import search
@@ -97,6 +98,11 @@ class CellUpdated:
 
 
 @dataclass(frozen=True)
+class PlannedMore:
+    planned: Planned  # the argument of RunStore.record_planned: a search's chosen server and its cells
+
+
+@dataclass(frozen=True)
 class SearchFailed:
     server_id: str
     message: str
@@ -107,7 +113,7 @@ class ServerFiles:
     files: dict[str, bytes]  # path relative to the run directory -> content
 
 
-Message = NodeFacts | ServerFacts | EngineMetrics | CellStored | CellUpdated | SearchFailed | ServerFiles
+Message = NodeFacts | ServerFacts | PlannedMore | EngineMetrics | CellStored | CellUpdated | SearchFailed | ServerFiles
 
 
 class NodeStore(RunStore):
@@ -122,6 +128,10 @@ class NodeStore(RunStore):
     def record_server(self, server_id: str, **facts: Any) -> None:
         super().record_server(server_id, **facts)
         self._ship(ServerFacts(server_id, facts))
+
+    def record_planned(self, planned: Planned) -> None:
+        super().record_planned(planned)
+        self._ship(PlannedMore(planned))
 
     def write_engine_metrics(self, cell_id: str, metrics: dict[str, Any]) -> None:
         super().write_engine_metrics(cell_id, metrics)

@@ -38,7 +38,7 @@ from benchsuite.engines.base import EngineConfigError, ServerSpec
 from benchsuite.errors import RunError, UserError
 from benchsuite.measure import paging
 from benchsuite.records import CellResult, LoadRequest
-from benchsuite.results.manifest import build_manifest
+from benchsuite.results.manifest import build_manifest, planned_by_search
 from benchsuite.results.server_facts import CanaryResult, SearchRecord
 from benchsuite.results.store import RunStore, Writer, atomic_write_bytes
 from benchsuite.results.stored_files import read_manifest
@@ -161,6 +161,7 @@ async def search_cells(ctx: RunContext, task: SearchTask) -> AsyncIterator[CellR
     options = await ctx.search(ctx, task)
     spec, cells = resolve_search(ctx.plan, task, options)
     ctx.store.record_server(spec.server_id, search=SearchRecord(option=task.option, request=task.request))
+    ctx.store.record_planned(planned_by_search(task, spec, cells))  # so a stop before them is said
     async for result in server_cells(ctx, spec, cells):
         yield result
 
