@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pytest
@@ -245,10 +246,13 @@ def test_a_run_timed_by_text_chunks_is_reported_with_that_caveat_and_never_resum
     assert "Timed by text chunks" not in write_report([fresh], tmp_path / "out-fresh").read_text()
 
 
-def _run_with_plan(tmp_path: Path, name: str, missing: list[tuple[str, str, int, int]], extra_ids: list[str]) -> Path:
+def _run_with_plan(tmp_path: Path, name: str, missing: list[tuple[str, str, int, int]], extra_ids: list[str],
+                   searches: list[dict[str, Any]] | None = None, invocations: int = 1) -> Path:  # fmt: skip
     """The fixture run with a `planned` record (older manifests have none): its own cells, the cells in `missing`
     ((server, prompt class, concurrency, repeat) of the fixture's paged servers, ids derived as the plan derives
-    them) and `extra_ids`, none of those measured: a run stopped before them."""
+    them) and `extra_ids`, none of those measured: a run stopped before them; the `searches` planned (the
+    fixture's chosen llama server s-llama2 is the choice of a search with server_id s-llama-search); the
+    fixture's one invocation repeated to `invocations`."""
     from benchsuite.config.plan import cell_id_of
 
     run = tmp_path / name
@@ -256,13 +260,18 @@ def _run_with_plan(tmp_path: Path, name: str, missing: list[tuple[str, str, int,
     manifest = json.loads((run / "manifest.json").read_text())
     workload = manifest["matrix"]["workloads"]["bundled"]
     stored = list(pd.read_parquet(run / "cells.parquet")["cell_id"])
+    chosen = {"engine": "llama", "kind": "llamacpp", "params": {"n_cpu_moe": 2}, "search_of": "s-llama-search"}
     manifest["planned"] = {
         "servers": {
-            f"s-paged{k}": {"engine": "tiny", "kind": "builtin", "params": {"resident_experts": k}} for k in (8, 12)
+            **{
+                f"s-paged{k}": {"engine": "tiny", "kind": "builtin", "params": {"resident_experts": k}} for k in (8, 12)
+            },
+            **({"s-llama2": chosen} if searches else {}),
         },
         "cells": [*stored, *(cell_id_of(s, workload, *point) for s, *point in missing), *extra_ids],
-        "searches": [],
+        "searches": searches or [],
     }
+    manifest["invocations"] = manifest["invocations"] * invocations
     (run / "manifest.json").write_text(json.dumps(manifest))
     return run
 
@@ -304,15 +313,59 @@ def test_planned_cells_a_stopped_run_never_measured_are_counted_and_listed(tmp_p
     assert f"<ul><li>{listed[0]}:<ul><li>{listed[1]}</li><li>{listed[2]}</li></ul></li></ul>" in not_shown
 
 
-def test_a_run_that_measured_all_it_planned_prints_what_it_printed_before(tmp_path: Path) -> None:
-    complete = write_report(
-        [_run_with_plan(tmp_path, "complete", [], [])], tmp_path / "a", reference_dirs=REFERENCE_DIRS
-    )
+@pytest.mark.parametrize("searches", [False, True], ids=["cells", "a-resolved-search-resumed"])
+def test_a_run_that_measured_all_it_planned_prints_what_it_printed_before(tmp_path: Path, searches: bool) -> None:
+    planned: list[dict[str, Any]] = [
+        {"engine": "llama", "option": "n_cpu_moe", "server_id": "s-llama-search", "params": {}},  # chose s-llama2
+        {"engine": "tiny", "option": "resident_experts"},  # recorded before server_id: not judged
+    ]
+    run = _run_with_plan(tmp_path, "complete", [], [], planned if searches else None, invocations=1 + searches)
+    complete = write_report([run], tmp_path / "a", reference_dirs=REFERENCE_DIRS)
     older = write_report([FIXTURE], tmp_path / "b", reference_dirs=REFERENCE_DIRS)  # no `planned` in its manifest
     md = (complete.parent / "tables.md").read_text()
     assert md == (older.parent / "tables.md").read_text()
+    assert (complete.parent / "tables.csv").read_bytes() == (older.parent / "tables.csv").read_bytes()
     assert "planned cells not measured" not in md and "planned cells not measured" not in complete.read_text()
+    assert "planned search" not in md and "Planned searches" not in complete.read_text()
     assert _engines_run(complete.read_text()) == _engines_run(older.read_text())
+
+
+def test_planned_searches_that_chose_no_value_are_said_with_why(tmp_path: Path) -> None:
+    from benchsuite.results.manifest import ServerRecord
+
+    searches = [
+        {"engine": "llama", "option": "n_cpu_moe", "server_id": "s-llama-search", "params": {}},  # chose s-llama2
+        {"engine": "tiny", "option": "resident_experts", "server_id": "s-k-paged", "params": {"mode": "paged"}},
+        {"engine": "tiny", "option": "resident_experts", "server_id": "s-k-cpu", "params": {"mode": "cpu-experts"}},
+    ]
+    run = _run_with_plan(tmp_path, "searches", [], [], searches, invocations=2)
+    manifest = json.loads((run / "manifest.json").read_text())
+    error = "engine tiny: no resident_experts value fits the 0.50 GB budget"
+    manifest["servers"]["s-k-paged"] = ServerRecord(engine="tiny", kind="builtin", search_error=error).model_dump(
+        mode="json"
+    )
+    (run / "manifest.json").write_text(json.dumps(manifest))  # s-k-cpu: no record, the search never ended
+    index = write_report([run], tmp_path / "out", reference_dirs=REFERENCE_DIRS)
+    md = (index.parent / "tables.md").read_text().splitlines()
+    stopped = "every invocation that planned it stopped before it chose a value"  # two invocations
+    header = [
+        "run fixture-run: 1 planned search not finished (tiny mode=cpu-experts: resident_experts search): its cells "
+        f"were never planned ({stopped}).",
+        "run fixture-run: 1 planned search chose no value (tiny mode=paged: resident_experts search): its cells "
+        "were never planned (why under 'Not shown').",
+    ]
+    start = md.index(f"- {header[0]}")
+    assert md[start : start + 2] == [f"- {line}" for line in header]
+    listed = [
+        "Planned searches that chose no value: 2 of the 3 searches run fixture-run planned, so the cells of the "
+        "value each would choose were never planned",
+        f"tiny mode=paged: resident_experts search: {error}",
+        f"tiny mode=cpu-experts: resident_experts search: not finished ({stopped})",
+    ]
+    assert md[-3:] == [f"- {listed[0]}:", f"  - {listed[1]}", f"  - {listed[2]}"]
+    page = index.read_text()
+    assert all(line in _engines_run(page) for line in header)
+    assert f"<li>{html.escape(listed[0])}:<ul><li>{html.escape(listed[1])}</li>" in page
 
 
 def test_planned_ids_the_recorded_matrix_does_not_name_are_still_counted(tmp_path: Path) -> None:
@@ -356,3 +409,28 @@ def test_the_report_names_every_planned_cell_as_the_plan_made_it(tmp_path: Path)
         (c.cell_id, c.server_id, c.engine, c.workload, c.prompt_class, c.concurrency, c.repeat) for c in planned.named
     ]
     assert [dict(c.params) for c in plan.cells] == [dict(c.params) for c in planned.named]
+
+
+def test_a_planned_search_is_judged_by_what_its_server_stored() -> None:
+    from benchsuite.report.planned import UnresolvedSearch, read_planned
+    from benchsuite.results.manifest import Manifest, Planned, PlannedSearch, ServerRecord
+    from benchsuite.results.server_facts import SearchRecord
+
+    def search(server_id: str | None) -> PlannedSearch:
+        return PlannedSearch(engine="e", option="n_cpu_moe", server_id=server_id, params={})
+
+    ids = ["chose", "none", "pointer", "nothing", None]
+    servers = {
+        "chose": ServerRecord(search=SearchRecord(option="n_cpu_moe", launches=3, best_n=4)),  # whole record
+        "none": ServerRecord(search=SearchRecord(option="n_cpu_moe", launches=2)),  # ended, no best value
+        "pointer": ServerRecord(search=SearchRecord(option="n_cpu_moe", request="search")),  # not a whole record
+    }
+    manifest = Manifest(run_id="r", created_utc="t", matrix_source="m.yaml", matrix_hash="h", matrix={},
+                        planned=Planned(searches=[search(i) for i in ids]), servers=servers)  # fmt: skip
+    planned = read_planned(manifest)
+    assert planned.recorded and planned.searches == 5
+    assert planned.unresolved == (
+        UnresolvedSearch("e", "n_cpu_moe", {}, "no n_cpu_moe value chosen"),
+        UnresolvedSearch("e", "n_cpu_moe", {}, None),
+        UnresolvedSearch("e", "n_cpu_moe", {}, None),
+    )

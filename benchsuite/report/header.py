@@ -48,15 +48,16 @@ class EngineStatus:
     engines: tuple[str, ...]
     ok_cells: int
     other_cells: int
-    not_measured: int = 0  # planned cells with no stored result (report.unmeasured)
-    planned: int = 0  # planned cells of this kind; 0 in a manifest older than `planned`
+    # planned cells with no stored result, of how many planned (report.unmeasured); none in a manifest older
+    # than `planned`
+    gap: unmeasured.Gap = unmeasured.Gap()
 
     @property
     def ran(self) -> bool:
         return self.ok_cells + self.other_cells > 0
 
     def statement(self) -> str:
-        gap = unmeasured.clause(self.not_measured, self.planned)
+        gap = self.gap.clause()
         if not self.ran:
             text = (
                 f"{self.kind}: NOT RUN. These results contain no {self.kind} cell; "
@@ -75,14 +76,13 @@ class EngineStatus:
 
 
 def engine_statuses(cells: pd.DataFrame, gaps: Sequence[unmeasured.RunGaps]) -> list[EngineStatus]:
-    counts = unmeasured.kind_counts(gaps)
+    by_kind = unmeasured.kind_gaps(gaps)
     out = []
     for kind in KINDS:
         mine = cells[cells["engine_kind"] == kind]
         ok = int((mine["status"] == "ok").sum())
-        out.append(
-            EngineStatus(kind, tuple(sorted(set(mine["engine"]))), ok, len(mine) - ok, *counts.get(kind, (0, 0)))
-        )
+        gap = by_kind.get(kind, unmeasured.Gap())
+        out.append(EngineStatus(kind, tuple(sorted(set(mine["engine"]))), ok, len(mine) - ok, gap))
     return out
 
 

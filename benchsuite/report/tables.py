@@ -10,6 +10,7 @@ repeats" when a side has fewer than stats.MIN_REPEATS ok repeats.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import pandas as pd
@@ -254,12 +255,17 @@ SEARCH_COLUMNS = [
 ]  # fmt: skip
 
 
+def is_search_launch(extras: Mapping[str, Any]) -> bool:
+    """A cell one launch of a budget search measured: its extras carry search_n (the searched value), fits
+    or chosen (cells stored before search_n existed)."""
+    return any(k in extras for k in ("search_n", "fits", "chosen"))
+
+
 def search_table(cells: pd.DataFrame) -> pd.DataFrame:
     """The budget searches' launched candidates (llama.cpp n_cpu_moe, built-in resident_experts): cells
     whose extras carry search_n (the searched value, column N whatever the option), fits or chosen.
     `status` is the search's outcome where it stored one (`over budget`: measured peak over the budget)."""
-    mask = [any(k in e for k in ("search_n", "fits", "chosen")) for e in cells["extras"]]
-    found = cells[mask]
+    found = cells[[is_search_launch(e) for e in cells["extras"]]]
     rows = []
     for _, c in found.iterrows():
         extras = c["extras"]
