@@ -434,3 +434,23 @@ def test_a_planned_search_is_judged_by_what_its_server_stored() -> None:
         UnresolvedSearch("e", "n_cpu_moe", {}, None),
         UnresolvedSearch("e", "n_cpu_moe", {}, None),
     )
+
+
+def test_cells_measured_after_the_tables_were_written_are_read(tmp_path: Path) -> None:
+    """cells.parquet is rebuilt when an invocation ends; one killed later (its machine taken back) leaves it
+    without the cells it measured since. The report then reads cells/, so none is left out."""
+    import shutil
+
+    from benchsuite.report.load import load_run
+
+    run = Path(shutil.copytree(FIXTURE, tmp_path / "run"))
+    stored = sorted((run / "cells").glob("*.json"))
+    assert len(load_run(run).cells) == len(stored)  # the tables are current: read from them
+    newest = stored[-1]
+    doc = json.loads(newest.read_text())
+    doc["cell"]["cell_id"] = "f" * 12  # a cell the tables do not hold
+    for request in doc["requests"]:
+        request["cell_id"] = "f" * 12
+    (run / "cells" / f"{'f' * 12}.json").write_text(json.dumps(doc))
+    cells = load_run(run).cells
+    assert len(cells) == len(stored) + 1 and "f" * 12 in set(cells["cell_id"])

@@ -95,10 +95,21 @@ def normalize_requests(frame: pd.DataFrame) -> pd.DataFrame:
     return requests.reset_index(drop=True)
 
 
-def _read_cells(run_dir: Path, schema_version: int) -> pd.DataFrame:
+def _tables_current(run_dir: Path) -> bool:
+    """Whether cells.parquet holds exactly the cells stored in cells/: the store rebuilds the tables when an
+    invocation ends, so one killed later (its machine taken back) leaves tables without the cells it
+    measured since, which a report from them would leave out or call not measured."""
+    parquet = run_dir / "cells.parquet"
+    if not parquet.is_file():
+        return False
+    stored = {p.stem for p in (run_dir / "cells").glob("*.json")}
+    return set(pd.read_parquet(parquet, columns=["cell_id"])["cell_id"]) == stored
+
+
+def _read_cells(run_dir: Path, schema_version: int, tables: bool) -> pd.DataFrame:
     parquet = run_dir / "cells.parquet"
     # version 1 tables lack columns: read cells/ upgraded; version 2's are today's less columns with defaults
-    if parquet.is_file() and schema_version != schema_v1.VERSION:
+    if tables and schema_version != schema_v1.VERSION:
         return pd.read_parquet(parquet)
     cells = read_cells(run_dir)
     if not cells:
@@ -106,9 +117,9 @@ def _read_cells(run_dir: Path, schema_version: int) -> pd.DataFrame:
     return pd.DataFrame([c.to_row() for c in cells])
 
 
-def _read_requests(run_dir: Path) -> pd.DataFrame:
+def _read_requests(run_dir: Path, tables: bool) -> pd.DataFrame:
     parquet = run_dir / "requests.parquet"
-    if parquet.is_file():
+    if tables and parquet.is_file():
         return pd.read_parquet(parquet)
     return pd.DataFrame([r.to_row() for r in read_requests(run_dir)])
 
@@ -119,7 +130,8 @@ def load_run(run_dir: Path) -> RunData:
     if not (run_dir / "manifest.json").is_file():
         raise UserError(f"{run_dir}: no manifest.json; pass a results/<run-id>/ directory")
     manifest = read_manifest(run_dir)
-    cells = normalize_cells(_read_cells(run_dir, manifest.schema_version))
+    tables = _tables_current(run_dir)  # else every cell from cells/ (a later invocation was killed)
+    cells = normalize_cells(_read_cells(run_dir, manifest.schema_version, tables))
     cells["schema_version"] = manifest.schema_version  # the caveats name figures timed by text chunks
     run_id = manifest.run_id or run_dir.name
-    return RunData(run_id, run_dir, manifest, cells, normalize_requests(_read_requests(run_dir)))
+    return RunData(run_id, run_dir, manifest, cells, normalize_requests(_read_requests(run_dir, tables)))
