@@ -96,14 +96,15 @@ def normalize_requests(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def _tables_current(run_dir: Path) -> bool:
-    """Whether cells.parquet holds exactly the cells stored in cells/: the store rebuilds the tables when an
+    """Whether cells.parquet holds every cell stored in cells/: the store rebuilds the tables when an
     invocation ends, so one killed later (its machine taken back) leaves tables without the cells it
-    measured since, which a report from them would leave out or call not measured."""
+    measured since, which a report from them would leave out or call not measured. Tables without a
+    cells/ directory (results imported as tables) are all there is."""
     parquet = run_dir / "cells.parquet"
     if not parquet.is_file():
         return False
     stored = {p.stem for p in (run_dir / "cells").glob("*.json")}
-    return set(pd.read_parquet(parquet, columns=["cell_id"])["cell_id"]) == stored
+    return stored <= set(pd.read_parquet(parquet, columns=["cell_id"])["cell_id"])
 
 
 def _read_cells(run_dir: Path, schema_version: int, tables: bool) -> pd.DataFrame:
