@@ -1,11 +1,13 @@
 """The server's garbage-collection clock (paged_experts/server/gc_pauses.py): each collection counted once in
-its generation, with its duration; nothing counted once uninstalled, nor a collection whose start it missed."""
+its generation, with its duration; nothing counted once uninstalled, nor a collection whose start it missed; the
+heap freeze (freeze_heap / release_heap) collects first and holds until its last holder releases it."""
 
 from __future__ import annotations
 
 import gc
+import weakref
 
-from paged_experts.server.gc_pauses import GcPauseClock, clock
+from paged_experts.server.gc_pauses import GcPauseClock, clock, freeze_heap, frozen_objects, release_heap
 
 
 def test_the_clock_counts_each_collection_in_its_generation() -> None:
@@ -55,3 +57,30 @@ def test_a_stop_without_its_start_is_not_counted() -> None:
 def test_the_process_clock_is_installed_once() -> None:
     assert clock() is clock()
     assert sum(1 for cb in gc.callbacks if getattr(cb, "__self__", None) is clock()) == 1
+
+
+class _Node:
+    pass
+
+
+def test_the_freeze_collects_first_and_the_heap_stays_frozen_until_its_last_holder_releases_it() -> None:
+    """Two in-process servers froze the heap: the first to stop leaves the other's freeze in place."""
+    gc.unfreeze()
+    gc.disable()  # no automatic collection: only the freeze's own may free the cycle
+    try:
+        node = _Node()
+        node.cycle = node  # type: ignore[attr-defined]
+        alive = weakref.ref(node)
+        del node  # garbage that only a collection frees
+        first = freeze_heap()
+        assert alive() is None  # collected, not frozen for the process's life
+        survivor = [object()]
+        second = freeze_heap()
+        assert 0 < first <= second == frozen_objects() == gc.get_freeze_count()
+        release_heap()
+        assert frozen_objects() > 0 and not any(o is survivor for o in gc.get_objects())
+        release_heap()
+        assert frozen_objects() == 0 and any(o is survivor for o in gc.get_objects())
+    finally:
+        gc.enable()
+        gc.unfreeze()

@@ -30,11 +30,22 @@ EVERY_OPTION = [f.name for f in fields(ServeOptions)]
         {"mode": "paged", "resident_experts": 8, "device": "cuda", "kernel_backend": "triton", "fused_page_in": True},
         {"mode": "paged", "resident_experts": 8, "device": "cuda", "page_in": "kernel"},
         {"mode": "paged", "resident_experts": 8, "prefill_staging_rows": 12},
+        {"gc_freeze": False},
     ],
 )
 def test_the_generated_parser_reads_back_what_argv_writes(changes: dict[str, object]) -> None:
     options = ServeOptions(model_path="/m", **changes)  # type: ignore[arg-type]
     assert parse_args(options.argv(EVERY_OPTION)) == options
+
+
+def test_the_heap_freeze_is_on_unless_disabled() -> None:
+    assert parse_args(["--model", "/m"]).gc_freeze is True
+    assert parse_args(["--model", "/m", "--disable-gc-freeze"]).gc_freeze is False
+    assert parse_args(["--model", "/m", "--disable-gc-freeze", "--enable-gc-freeze"]).gc_freeze is True  # the last
+    assert ServeOptions(model_path="/m", gc_freeze=False).argv(["gc_freeze"]) == ["--disable-gc-freeze"]
+    assert ServeOptions(model_path="/m").argv(["gc_freeze"]) == ["--enable-gc-freeze"]
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "/m", "--gc-freeze", "off"])  # a switch, not a value
 
 
 def test_an_option_the_server_does_not_declare_cannot_be_written() -> None:

@@ -7,7 +7,9 @@ label) and `POST /flush_cache` (200 no-op: this engine has no prefix cache, as S
 does when the cache is disabled). The generation endpoints live in `api_handlers`.
 
 The socket opens first and the model loads in a worker thread, so readiness can be polled; a
-failed load exits the process with status 1. Binds 127.0.0.1 unless told otherwise. Connections
+failed load exits the process with status 1. Once loaded (graphs captured, layers compiled) and before
+`/health` answers 200, the process's heap is frozen for the garbage collector (`gc_pauses.freeze_heap`;
+`--disable-gc-freeze` leaves it) and given back at shutdown. Binds 127.0.0.1 unless told otherwise. Connections
 go through `connections` (read timeouts, the cap, half-close); the POST routes check
 `Expect: 100-continue` against the body limit before answering "100 Continue". Ctrl-C at any
 moment ends with one line on stderr and status 130.
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from paged_experts.server import gc_pauses
 from paged_experts.server.connections import (
     KEEPALIVE_TIMEOUT_S,
     AcceptErrorLog,
@@ -178,6 +181,13 @@ async def _load(state: ServerState, loader: Loader) -> None:
         assert state.loaded is not None
         state.loaded.set_exception(RuntimeError(state.load_error))
         return
+    if state.config.gc_freeze:  # loaded and warmed, not yet ready: no request's objects among them
+        t_freeze = time.perf_counter()
+        frozen = gc_pauses.freeze_heap()
+        state.gc_frozen = True
+        serving.startup_s["gc_freeze_s"] = time.perf_counter() - t_freeze
+        log.info("garbage collector: %d objects frozen in %.3f s (full collections skip them)", frozen,
+                 serving.startup_s["gc_freeze_s"])  # fmt: skip
     state.serving = serving
     state.engine_task = asyncio.create_task(serving.engine.run())
     state.engine_task.add_done_callback(_log_engine_end)
@@ -212,6 +222,9 @@ async def _shutdown(state: ServerState) -> None:
         close()
     state.close()  # the tokenizer threads
     state.serving = None
+    if state.gc_frozen:  # the model's objects back to the collector (an in-process server: tests)
+        gc_pauses.release_heap()
+        state.gc_frozen = False
 
 
 def connection_limits(config: ServeOptions) -> ConnectionLimits:

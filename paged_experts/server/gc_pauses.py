@@ -13,6 +13,12 @@ time between them (`time.thread_time`): the callbacks are Python code, so the in
 another thread inside them, and a wall clock would count that thread's turn as collection (a second busy
 thread made young collections look twice as long on 3.11). A collection can start inside another's callback
 (seen on 3.12): each counts once, and only the outermost one's time is added, as it holds the inner one's.
+
+`freeze_heap()` moves every object the collector tracks into its permanent generation (`gc.freeze`), which
+no later collection walks. The server calls it once loaded, warmed and about to answer ready: a full
+collection then walks only what was allocated since, not the imported modules, the model and the compiled
+state (most of a loaded server's tracked objects; benchmarks/results/cpu/2026-12-03-gc-heap.txt).
+`frozen_objects()` is the `/metrics` gauge `gc_frozen_objects`.
 """
 
 from __future__ import annotations
@@ -79,3 +85,37 @@ def clock() -> GcPauseClock:
     """The process's clock, installed."""
     _CLOCK.install()
     return _CLOCK
+
+
+_holders = 0  # servers of this process whose heap is frozen (tests run several servers in one process)
+
+
+def freeze_heap() -> int:
+    """Collects, then freezes every tracked object; returns the objects the permanent generation holds.
+
+    Why: a full collection walks every tracked object, and a served process holds hundreds of thousands
+    that live as long as it does; CPython 3.11 runs one once the survivors since the last one exceed a
+    quarter of that population, so it lands inside some request and stops every Python thread for it.
+    SGLang met the same 100-300 ms stalls and freezes its processes' heaps (`POST /freeze_gc`, then once
+    after its warm-up: sgl-project/sglang #9241, #34999). The collection first: a frozen cycle is never
+    collected, so the load's garbage would otherwise stay in memory for the process's life.
+    """
+    global _holders
+    gc.collect()
+    gc.freeze()
+    _holders += 1
+    return gc.get_freeze_count()
+
+
+def release_heap() -> None:
+    """One holder of the freeze is done (its server stopped); the last one gives the frozen objects back to
+    the collector (`gc.unfreeze`), so an in-process server's model is freed once closed."""
+    global _holders
+    _holders = max(_holders - 1, 0)
+    if _holders == 0:
+        gc.unfreeze()
+
+
+def frozen_objects() -> int:
+    """Objects in the collector's permanent generation (no collection walks them)."""
+    return gc.get_freeze_count()

@@ -69,6 +69,7 @@ class ServerState:
         self.load_task: asyncio.Task[None] | None = None
         self.loaded: asyncio.Future[None] | None = None  # resolves when the model is ready
         self.engine_task: asyncio.Task[None] | None = None
+        self.gc_frozen = False  # this server froze the process's heap once loaded (gc_pauses.freeze_heap)
         self._preparer: Preparer | None = None
 
     def ready(self) -> Serving:

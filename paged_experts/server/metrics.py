@@ -10,7 +10,9 @@ Paging counters are the runtime's own (`paged_experts.residency.counters`), cumu
 server never resets them, so they stay monotonic. `prefill_*` counters cover the paged layers'
 host-planned layer-steps of steps with a prompt chunk (page-in bytes and copy time, the steps' span
 on the device, waves, hits and misses: `counters.PrefillCounts`). Per-layer hits/misses are separate metric
-names (`layer_expert_hits_total{layer=...}`) so summing a metric never double counts.
+names (`layer_expert_hits_total{layer=...}`) so summing a metric never double counts. `gc_*` are the process's
+garbage collections (`server/gc_pauses.py`): counts, CPU seconds, the longest, and `gc_frozen_objects`, the
+objects frozen out of the collector's reach once the server loaded (`--disable-gc-freeze`: 0).
 
 The exposition is prometheus_client's (one private registry per server): request counters and
 histograms are its Counter / Histogram, the gauges and the paging counters a Collector that reads
@@ -130,7 +132,7 @@ class _EngineCollector(Collector):
         ):
             yield GaugeMetricFamily(p + name, help_text, value=value)
         yield from _engine_step_families(g)
-        yield from _gc_families(gc_pauses.clock().snapshot())
+        yield from _gc_families(gc_pauses.clock().snapshot(), gc_pauses.frozen_objects())
         if self.state.connections is not None:
             yield from _connection_families(self.state.connections)
         if self.state.counters is not None:
@@ -160,8 +162,9 @@ def _engine_step_families(g: EngineGauges) -> Iterator[Metric]:
         yield CounterMetricFamily(name, f"Engine-thread time in phase {phase}", seconds)
 
 
-def _gc_families(pauses: gc_pauses.GcPauses) -> Iterator[Metric]:
-    """The collector's pauses in this process (server/gc_pauses.py): every Python thread waits for them."""
+def _gc_families(pauses: gc_pauses.GcPauses, frozen_objects: int) -> Iterator[Metric]:
+    """The collector's pauses in this process (server/gc_pauses.py): every Python thread waits for them; and the
+    objects frozen out of its reach (`gc.get_freeze_count()`: the loaded server's, unless --disable-gc-freeze)."""
     p = PREFIX
     yield CounterMetricFamily(p + "gc_collections_total", "Python garbage collections, every generation",
                               value=sum(pauses.collections))  # fmt: skip
@@ -171,6 +174,8 @@ def _gc_families(pauses: gc_pauses.GcPauses) -> Iterator[Metric]:
                               "Python thread waits)", value=sum(pauses.pause_s))  # fmt: skip
     yield GaugeMetricFamily(p + "gc_pause_max_seconds", "The longest garbage collection since start",
                             value=pauses.max_pause_s)  # fmt: skip
+    yield GaugeMetricFamily(p + "gc_frozen_objects", "Objects in the collector's permanent generation "
+                            "(gc.freeze: no collection walks them)", value=frozen_objects)  # fmt: skip
 
 
 def _connection_families(c: ConnectionCounts) -> Iterator[Metric]:

@@ -189,6 +189,16 @@ class ServeOptions:
         "captured batch is launched first, its input tokens taken from the device; SGLang's flag)",
         off_first=True,
     )
+    gc_freeze: bool = _opt(
+        True,
+        "--enable-gc-freeze",
+        "the default (written out by benchsuite so the command names what is in force)",
+        off="--disable-gc-freeze",
+        off_help="leave the loaded server's objects to the garbage collector (default: once loaded and warmed, "
+        "before it answers ready, they are frozen, gc.freeze, so a full collection walks only what requests "
+        "allocated since; /metrics gc_frozen_objects)",
+        off_first=True,
+    )
     cpu_threads: int | None = _opt(  # None: threads.default_cpu_threads()
         None,
         "--cpu-threads",
