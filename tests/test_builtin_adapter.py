@@ -11,7 +11,7 @@ from builtin_plans import MATRIX, flag, plan_argv
 
 from benchsuite.config.matrix import MatrixError, load_matrix
 from benchsuite.config.plan import build_plan
-from benchsuite.engines.builtin.adapter import BuiltinAdapter
+from benchsuite.engines.builtin.adapter import BuiltinAdapter, BuiltinOptions
 from paged_experts.server.launch import build_parser, parse_args
 
 
@@ -78,6 +78,18 @@ def test_each_fast_path_option_turns_off(tmp_path: Path) -> None:
     assert build_parser().parse_args(argv[3:]).prefill_staging_rows == 24
     argv, _ = plan_argv(tmp_path, base + ", overlap_schedule: false")
     assert "--disable-overlap-schedule" in argv and not build_parser().parse_args(argv[3:]).overlap_schedule
+
+
+def test_the_heap_freeze_is_written_out_on_by_default_and_turns_off(tmp_path: Path) -> None:
+    argv, resolved = plan_argv(tmp_path, "device: cpu, mode: resident")
+    assert "--enable-gc-freeze" in argv and "--disable-gc-freeze" not in argv and resolved["gc_freeze"] is True
+    assert parse_args(argv[3:]).gc_freeze is True
+    argv, resolved = plan_argv(tmp_path, "device: cpu, mode: resident, gc_freeze: false")
+    assert "--disable-gc-freeze" in argv and "--enable-gc-freeze" not in argv and resolved["gc_freeze"] is False
+    assert parse_args(argv[3:]).gc_freeze is False
+    # unset: left out of the dumped options, so the server ids of matrices without it stay as they were
+    assert "gc_freeze" not in BuiltinOptions(mode="resident").model_dump()
+    assert BuiltinOptions(mode="resident", gc_freeze=False).model_dump()["gc_freeze"] is False
 
 
 def test_cpu_threads_default_to_the_cores_minus_one_and_are_named(tmp_path: Path) -> None:

@@ -119,6 +119,9 @@ class BuiltinOptions(EngineOptions):
     # Paged: device rows for a prefill layer's first page-ins (RuntimeConfig.prefill_staging_rows); unset like
     # page_in (the server's 0: none)
     prefill_staging_rows: int | None = Field(None, ge=0, exclude_if=lambda v: v is None)
+    # Freeze the loaded server's heap for the garbage collector (ServeOptions.gc_freeze; None = the server's
+    # default, on); left out of the dumped options when unset, so the server ids of matrices without it stay
+    gc_freeze: bool | None = Field(None, exclude_if=lambda v: v is None)
     expert_kernel: Literal["fused", "loop"] = "fused"  # grouped matmuls, or the per-expert reference loop
     overlap_schedule: bool = True  # launch a greedy decode step before the previous one's tokens are read
     cpu_threads: int | None = Field(None, ge=1)  # torch's intra-op threads; None: this machine's cores minus one
@@ -189,6 +192,7 @@ class BuiltinOptions(EngineOptions):
             "expert_kernel": self.expert_kernel,
             "overlap_schedule": self.overlap_schedule,
             "cpu_threads": self.cpu_threads or default_cpu_threads(),
+            "gc_freeze": self.gc_freeze is not False,
         }
 
     @field_validator("routing")
@@ -298,6 +302,7 @@ class BuiltinAdapter(EngineAdapter):
             prefill_staging_rows=opts.prefill_staging_rows or 0,
             overlap_schedule=perf["overlap_schedule"],
             cpu_threads=perf["cpu_threads"],
+            gc_freeze=perf["gc_freeze"],
             served_model_name=opts.model,  # what the runner's requests name (404 for another name)
         )
         seed = ("routing_seed",) if serve.routing_source is not None else ()  # the seed of a synthetic source
@@ -308,6 +313,7 @@ class BuiltinAdapter(EngineAdapter):
         copies += ("prefill_staging_rows",) if opts.prefill_staging_rows is not None else ()
         # every flag explicit, in the order earlier manifests wrote them (the command line is recorded)
         order = (*_LEADING_FLAGS, "routing_source", *seed, *_TRAILING_FLAGS, *overlap, *capped, *fused, *copies)
+        order += ("gc_freeze",)  # always written: the server's default changed (it froze nothing before)
         argv = [sys.executable, "-m", "paged_experts.server", *serve.argv(order)]
         # The tiny model on 2 CPU cores starts in seconds; a real checkpoint may take minutes.
         return LaunchPlan(argv=argv, env={"PYTHONUNBUFFERED": "1"}, startup_timeout_s=opts.startup_timeout_s)
