@@ -97,11 +97,14 @@ def freeze_heap() -> int:
     """Collects, then freezes every tracked object; returns the objects the permanent generation holds.
 
     Why: a full collection walks every tracked object, and a served process holds hundreds of thousands
-    that live as long as it does; CPython 3.11 runs one once the survivors since the last one exceed a
-    quarter of that population, so it lands inside some request and stops every Python thread for it.
+    that live as long as it does; CPython (3.11, 3.12) runs one once the survivors since the last one exceed
+    a quarter of that population, so it lands inside some request and stops every Python thread for it.
     SGLang met the same 100-300 ms stalls and freezes its processes' heaps (`POST /freeze_gc`, then once
     after its warm-up: sgl-project/sglang #9241, #34999). The collection first: a frozen cycle is never
-    collected, so the load's garbage would otherwise stay in memory for the process's life.
+    collected, so the load's garbage would otherwise stay in memory until `release_heap` (so would a
+    load-time object that becomes part of a garbage cycle later; the server rebuilds none while serving).
+    That collection runs before ready and the clock counts it (the totals and `max_pause_s` since start;
+    a cell's figures are differences between scrapes, so none of its cells holds it).
     """
     global _holders
     gc.collect()
