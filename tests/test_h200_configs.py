@@ -252,3 +252,20 @@ def _long_prompts_at_c1_and_c4(path: Path) -> None:
     for workload in m.workloads.values():
         assert workload.prompt_classes == ["2048"] and workload.concurrency == [1, 4]
         assert workload.warmup_requests >= max(workload.concurrency)
+
+
+def test_the_gc_freeze_matrix_measures_the_freeze_against_none(
+    stand_ins: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """configs/h200/gcfreeze.yaml: paged FP8 K=49 with the server's heap freeze (its default) and without, on the
+    model's routing, 2,048-token prompts at c=1 and c=4, 3 repeats of 8 requests; the commands name the freeze."""
+    path = CONFIGS / "gcfreeze.yaml"
+    assert main(["run", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    plan = build_plan(load_matrix(path))
+    got = sorted((s.options.resident_experts, str(s.options.gc_freeze), s.options.routing) for s in plan.servers)
+    assert got == [(49, "False", "model"), (49, "None", "model")]  # None: the server's default, the freeze
+    assert out.count("--enable-gc-freeze") == 1 and out.count("--disable-gc-freeze") == 1
+    m = load_matrix(path).matrix
+    assert m.repeats == 3 and all(w.num_requests == 8 for w in m.workloads.values())
+    _long_prompts_at_c1_and_c4(path)
