@@ -6,6 +6,7 @@ per mode variant, kernels sorted by device time (the question behind a slow tok/
     python benchmarks/profile_step.py --layers 4 --variants resident,resident/graphs,paged:32/graphs --out prof.txt
     python benchmarks/profile_step.py --layers 8 --preset qwen3-30b-a3b-fp8-shape --variants resident,paged:42 \
         --prefill-tokens 2048 --steps 3 --host-profile 25 --out prefill.txt --trace-dir traces
+(with --prefill-tokens and --trace-dir, each variant's layer boundaries too: benchmarks/prefill_timeline.py)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_h200 import apply_plan_option, parse_variant, runtime_for  # noqa: E402
+from prefill_timeline import layer_boundaries, summary  # noqa: E402
 
 from paged_experts.kv import KvPool  # noqa: E402
 from paged_experts.model import MoeCausalLM, SeqChunk  # noqa: E402
@@ -147,12 +149,15 @@ def main(argv: list[str] | None = None) -> int:
             args.trace_dir.mkdir(parents=True, exist_ok=True)
             raw = args.trace_dir / (spec.replace("/", "_").replace(":", "").replace("+", "-") + ".json")
             prof.export_chrome_trace(str(raw))
-            summary = stream_summary(json.loads(raw.read_text()), args.steps)
+            trace = json.loads(raw.read_text())
+            streams = stream_summary(trace, args.steps)
+            if args.prefill_tokens:  # where the link idles at each layer boundary (prefill_timeline.py)
+                streams += "\n" + summary(layer_boundaries(trace))
             with gzip.open(f"{raw}.gz", "wt") as f:
                 f.write(raw.read_text())
             raw.unlink()
-            print(summary, flush=True)
-            lines.append(summary)
+            print(streams, flush=True)
+            lines.append(streams)
         args.out.write_text("\n".join(lines))
         del model
         if cuda:

@@ -1,0 +1,116 @@
+"""Where the link idles at a paged prefill's layer boundary, from a torch.profiler Chrome trace of
+`profile_step.py --prefill-tokens N --trace-dir DIR` (model routing: the planner reads each layer's routed
+ids once, a device-to-host copy to pageable memory that the host waits for).
+
+Per layer-step, from the last page-in of the layer before to the first page-in of this one (the link's
+idle time before the layer, the `/metrics` `prefill_idle_before_layer` of a server), in four parts:
+
+- `device_ms`: the previous page-in's end -> the ids' copy to the host ends (the tail wave, attention and
+  the router on the device; `device_gap_ms` of it the compute stream ran nothing: it waited for the host);
+- `read_ms`: the ids' copy ends -> the host's call returns (the synchronization's latency);
+- `host_ms`: the host's call returns -> the host issues the layer's first page-in (plan, layout, launches);
+- `wait_ms`: issued -> the copy starts on the device (it waited for the wave that last read its slot).
+
+    python benchmarks/prefill_timeline.py traces/paged49.json.gz
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+Event = dict[str, Any]
+
+PAGE_IN = "Memcpy HtoD (Pinned -> Device)"
+PARTS = ("idle_ms", "device_ms", "device_gap_ms", "read_ms", "host_ms", "wait_ms")
+
+
+def _end(e: Event) -> float:
+    return float(e["ts"]) + float(e.get("dur", 0.0))
+
+
+def _correlation(e: Event) -> Any:
+    return (e.get("args") or {}).get("correlation")
+
+
+def layer_boundaries(trace: dict) -> list[dict[str, float]]:
+    """One row per layer-step whose ids were read (every field in ms, PARTS); [] without such reads.
+    The ids' reads are the device-to-host copies of the most common size; a layer's first page-in is the
+    first page-in to start after its read, the previous one the last to end before that start."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e]
+    reads = [e for e in events if e.get("cat") == "gpu_memcpy" and "DtoH" in str(e.get("name"))]
+    page_ins = sorted((e for e in events if e.get("name") == PAGE_IN), key=lambda e: float(e["ts"]))
+    if not reads or not page_ins:
+        return []
+    size, _ = Counter((e.get("args") or {}).get("bytes") for e in reads).most_common(1)[0]
+    reads = sorted((e for e in reads if (e.get("args") or {}).get("bytes") == size), key=lambda e: float(e["ts"]))
+    runtime = {_correlation(e): e for e in events if e.get("cat") == "cuda_runtime" and _correlation(e) is not None}
+    host_calls = sorted((e for e in events if e.get("cat") == "cuda_runtime"), key=lambda e: float(e["ts"]))
+    read_stream = reads[0].get("tid")
+    compute = sorted(
+        (e for e in events if e.get("cat") == "kernel" and e.get("tid") == read_stream), key=lambda e: float(e["ts"])
+    )
+    rows = []
+    for read in reads:
+        first = next((c for c in page_ins if float(c["ts"]) >= _end(read)), None)
+        before = [c for c in page_ins if _end(c) <= float(first["ts"])] if first is not None else []
+        call, issued = runtime.get(_correlation(read)), runtime.get(_correlation(first)) if first else None
+        if first is None or not before or call is None or issued is None:
+            continue
+        prev_end = max(_end(c) for c in before)
+        # the host's return: the end of the read's own call, or of a synchronization right after it
+        returned = _end(call)
+        for e in host_calls:
+            if float(e["ts"]) >= returned and "Synchronize" in str(e.get("name")) and float(e["ts"]) - returned < 50:
+                returned = _end(e)
+                break
+        busy = sum(
+            min(_end(k), _end(read)) - max(float(k["ts"]), prev_end)
+            for k in compute
+            if _end(k) > prev_end and float(k["ts"]) < _end(read)
+        )
+        device = _end(read) - prev_end
+        row = {
+            "idle_ms": float(first["ts"]) - prev_end,
+            "device_ms": device,
+            "device_gap_ms": max(0.0, device - busy),
+            "read_ms": returned - _end(read),
+            "host_ms": float(issued["ts"]) - returned,
+            "wait_ms": float(first["ts"]) - float(issued["ts"]),
+        }
+        rows.append({k: v / 1e3 for k, v in row.items()})
+    return rows
+
+
+def summary(rows: list[dict[str, float]]) -> str:
+    """The medians and the means of PARTS over the rows, one line each."""
+    if not rows:
+        return "  layer boundaries: no ids read and page-ins in the trace"
+    med = ", ".join(f"{p} {statistics.median(r[p] for r in rows):.3f}" for p in PARTS)
+    mean = ", ".join(f"{p} {statistics.fmean(r[p] for r in rows):.3f}" for p in PARTS)
+    return f"  layer boundaries ({len(rows)}): medians {med}\n  means {mean}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("traces", type=Path, nargs="+", help="Chrome traces (.json or .json.gz)")
+    ap.add_argument("--rows", action="store_true", help="also every layer-step's row")
+    args = ap.parse_args(argv)
+    for path in args.traces:
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt") as f:
+            rows = layer_boundaries(json.load(f))
+        print(f"{path}:\n{summary(rows)}")
+        for r in rows if args.rows else []:
+            print("   " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
