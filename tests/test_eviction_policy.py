@@ -19,7 +19,7 @@ from benchsuite.cli import main as cli_main
 from benchsuite.config.matrix import MatrixError
 from benchsuite.measure.paging import NO_TRACE_NOTE, cell_steps, replay_trace
 from benchsuite.report.build import build_report_data
-from benchsuite.report.paging_figures import HIT_RATE_TITLE, hit_rate_table
+from benchsuite.report.paging_figures import HIT_RATE_TITLE, NO_OPTIMUM_NOTE, hit_rate_table
 from benchsuite.results.stored_files import read_cells
 from benchsuite.tools.simulate import SimOptions, check_policy, simulate
 from paged_experts.residency.policies import DecayedLfuPolicy, LayerResidency, LfuPolicy, LruPolicy, make_policy
@@ -252,4 +252,4 @@ def test_hit_rate_table_says_why_an_optimum_is_missing() -> None:
     rows = hit_rate_table(cells).set_index("cell_id")
     assert list(rows.index) == ["a", "b", "c"]
     assert rows.loc["a", "hit_rate"] == 0.75 and rows.loc["a", "of_optimal"] == pytest.approx(0.75 / 0.9)
-    assert rows.loc["b", "note"] == "x" and rows.loc["c", "note"] == "stored before hit_rate_optimal"
+    assert rows.loc["b", "note"] == "x" and rows.loc["c", "note"] == NO_OPTIMUM_NOTE

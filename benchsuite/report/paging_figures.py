@@ -23,6 +23,11 @@ HIT_RATE_NOTE = (
 )
 
 
+# A cell gets its optimum (or the reason for none) once its server has stopped: a cell without either was
+# stored before that step existed, or its run stopped (killed, or its folder copied) before the server did.
+NO_OPTIMUM_NOTE = "no optimum recorded: the run stopped before this cell's server did, or predates hit_rate_optimal"
+
+
 def hit_rate_table(cells: pd.DataFrame) -> pd.DataFrame:
     """One row per paged cell with paging counters: realized and optimal hit rate, their ratio, and
     why the optimum is missing (no trace, or a trace that did not line up with the counters)."""
@@ -37,7 +42,7 @@ def hit_rate_table(cells: pd.DataFrame) -> pd.DataFrame:
         optimal = None if optimal is None or pd.isna(optimal) else float(optimal)
         hit = 1.0 - float(c["miss_rate"])
         extras = c.get("extras") if isinstance(c.get("extras"), dict) else {}
-        note = "" if optimal is not None else extras.get("hit_rate_optimal_note", "stored before hit_rate_optimal")
+        note = "" if optimal is not None else extras.get("hit_rate_optimal_note", NO_OPTIMUM_NOTE)
         rows.append({
             "configuration": c.get("label", c["engine"]), "K": c.get("resident_experts"),
             "concurrency": int(c["concurrency"]), "prompt_class": c["prompt_class"], "repeat": c.get("repeat"),
