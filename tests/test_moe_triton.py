@@ -241,6 +241,51 @@ def check_grouped_fp8(device: str = "cpu", dtype: torch.dtype = torch.float32, t
         print("ok", (p, g, n, k, covered))
 
 
+def check_grouped_fp8_glu(device: str = "cpu", dtype: torch.dtype = torch.float32, tol: float = 1e-4) -> None:
+    """grouped_fp8_glu (gate, up, silu and their product in one launch) against the four launches it replaces
+    (grouped_fp8_mm twice, F.silu, the product) and against the dequantized weights in fp32; a pair's bits
+    independent of its neighbours (one group alone, as a paged wave computes it)."""
+    import torch.nn.functional as F
+
+    from paged_experts import fp8
+    from paged_experts.kernels.moe_grouped_fp8 import block_table, grouped_fp8_glu, grouped_fp8_mm
+    from paged_experts.kernels.moe_tiles import GroupedTiles
+
+    gen = torch.Generator().manual_seed(5)
+    tiles = GroupedTiles(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=2)
+    for p, g, n, k, covered in GROUPED_CASES:
+        cuts = torch.sort(torch.randint(0, covered + 1, (g - 1,), generator=gen)).values
+        offs = torch.cat([cuts, torch.tensor([covered])]).to(torch.int32)  # [G] cumulative, some groups empty
+        gate = tuple(t.to(device) for t in fp8.quantize(torch.randn(g, n, k, generator=gen) / 8))
+        up = tuple(t.to(device) for t in fp8.quantize(torch.randn(g, n, k, generator=gen) / 8))
+        a = torch.randn(p, k, generator=gen).to(device, dtype)  # [P, K]
+        blocks = block_table(offs.to(device), p, tiles.block_m)
+        got = grouped_fp8_glu(a, gate, up, blocks, tiles)[:covered].float().cpu()  # [covered, N]
+        four = F.silu(grouped_fp8_mm(a, *gate, blocks, tiles)) * grouped_fp8_mm(a, *up, blocks, tiles)
+        four = four[:covered].float().cpu()
+        # the same roundings; only the exponential's last bits may differ (Triton's against torch's)
+        torch.testing.assert_close(got, four, rtol=tol, atol=tol * max(1.0, four.abs().max().item()))
+        dense_g, dense_u = fp8.dequantize(*gate, torch.float32).cpu(), fp8.dequantize(*up, torch.float32).cpu()
+        start = 0
+        for gi, end in enumerate(offs.tolist()):
+            if end > start:
+                x = a[start:end].float().cpu()
+                want = F.silu(x @ dense_g[gi].T) * (x @ dense_u[gi].T)  # [rows, N]
+                scale = max(1.0, want.abs().max().item())
+                torch.testing.assert_close(got[start:end], want, rtol=5 * tol, atol=5 * tol * scale)
+                one = torch.tensor([end - start], dtype=torch.int32, device=device)
+                alone = grouped_fp8_glu(
+                    a[start:end],
+                    (gate[0][gi : gi + 1], gate[1][gi : gi + 1]),
+                    (up[0][gi : gi + 1], up[1][gi : gi + 1]),
+                    block_table(one, end - start, tiles.block_m),
+                    tiles,
+                )
+                assert torch.equal(alone.float().cpu(), got[start:end]), gi
+            start = end
+        print("ok", (p, g, n, k, covered))
+
+
 # (tokens, top_k, experts, slots, staging rows, seed): a host-planned step's waves over the slots and the staging rows
 LAID_OUT_CASES = ((40, 4, 16, 6, 3, 0), (64, 2, 12, 5, 4, 1))
 
@@ -328,6 +373,7 @@ def check_attention(device: str = "cpu", dtype: torch.dtype = torch.float32, tol
         ("check_attention", ATTENTION_CASES),
         ("check_fp8_kernels", FP8_CASES),
         ("check_grouped_fp8", GROUPED_CASES),
+        ("check_grouped_fp8_glu", GROUPED_CASES),
         ("check_laid_out_blocks", LAID_OUT_CASES),
         ("check_read_through", READ_CASES),
     ],

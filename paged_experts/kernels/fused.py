@@ -23,9 +23,14 @@ import torch.nn.functional as F
 
 from paged_experts.experts import route
 from paged_experts.kernels import moe_tiles, moe_triton
-from paged_experts.kernels.moe_grouped_fp8 import BlockTable, block_table, grouped_fp8_mm
+from paged_experts.kernels.moe_grouped_fp8 import BlockTable, block_table, grouped_fp8_glu, grouped_fp8_mm
 from paged_experts.kernels.moe_tiles import GroupedTiles
 from paged_experts.residency.store import ExpertTensors
+
+GLU_ONE_LAUNCH = True
+"""FP8 grouped steps (prefill) run gate, up, silu and their product as one launch (`grouped_fp8_glu`); False:
+four, as before (benchmarks/profile_step.py's 'unfusedglu' A/B sets it per variant). Both compute a pair alike
+in a resident step and in any paged wave, so paged stays bit-identical to resident either way."""
 
 _BACKEND: dict[tuple[str, torch.dtype], str] = {}
 """(device type, dtype) -> 'grouped_mm', 'gather_bmm' (CUDA) or 'loop', decided on first use."""
@@ -116,9 +121,14 @@ def fp8_expert_mlp(
     blocks: offs's block table for tiles.block_m where the caller laid it out (None: built here)."""
     if blocks is None:
         blocks = block_table(offs, x_sorted.shape[0], tiles.block_m)  # one table for the three matmuls
-    gate = grouped_fp8_mm(x_sorted, weights.gate, weights.get("gate_scale"), blocks, tiles)  # [P, I]
-    up = grouped_fp8_mm(x_sorted, weights.up, weights.get("up_scale"), blocks, tiles)  # [P, I]
-    return grouped_fp8_mm(F.silu(gate) * up, weights.down, weights.get("down_scale"), blocks, tiles)  # [P, H]
+    if GLU_ONE_LAUNCH:
+        gate_up = (weights.gate, weights.get("gate_scale")), (weights.up, weights.get("up_scale"))
+        h = grouped_fp8_glu(x_sorted, *gate_up, blocks, tiles)  # [P, I]
+    else:
+        gate = grouped_fp8_mm(x_sorted, weights.gate, weights.get("gate_scale"), blocks, tiles)  # [P, I]
+        up = grouped_fp8_mm(x_sorted, weights.up, weights.get("up_scale"), blocks, tiles)  # [P, I]
+        h = F.silu(gate) * up  # [P, I]
+    return grouped_fp8_mm(h, weights.down, weights.get("down_scale"), blocks, tiles)  # [P, H]
 
 
 def expert_mlp(

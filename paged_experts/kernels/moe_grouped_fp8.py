@@ -94,6 +94,66 @@ if triton is not None:
         tl.store(out + m[:, None] * N + n[None, :], acc.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
+    def _grouped_fp8_glu(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
+        a,
+        wg,
+        sg,
+        wu,
+        su,
+        out,
+        blk_group,
+        blk_m0,
+        blk_m1,
+        N: tl.constexpr,
+        K: tl.constexpr,
+        QB: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        """_grouped_fp8 of the gate and the up rows at once, then the gated product: a [P, K], wg / wu [G, N, K]
+        fp8, sg / su [G, N/QB, K/QB] fp32 -> out [P, N] = silu(a W_gate^T) * (a W_up^T). Each product is rounded
+        to out's dtype, the silu computed in fp32 and rounded, the product of the two rounded: the roundings
+        of grouped_fp8_mm twice, then torch's silu and mul."""
+        b = tl.program_id(0)
+        g = tl.load(blk_group + b).to(tl.int64)
+        if g < 0:  # past the last group's blocks
+            return
+        m0 = tl.load(blk_m0 + b).to(tl.int64)
+        m1 = tl.load(blk_m1 + b).to(tl.int64)
+        n0 = tl.program_id(1) * BN
+        m = m0 + tl.arange(0, BM)  # [BM]
+        m_ok = m < m1
+        n = n0 + tl.arange(0, BN)  # [BN]
+        n_ok = n < N
+        sk: tl.constexpr = (K + QB - 1) // QB
+        s_row = g * ((N + QB - 1) // QB) * sk + (n0 // QB) * sk  # scalar: the tile's scale row (BN | QB)
+        w_off = g * N * K + n[None, :].to(tl.int64) * K  # [1, BN]
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            k = k0 + tl.arange(0, BK)  # [BK], inside one scale block (BK | QB)
+            k_ok = k < K
+            at = tl.load(a + m[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
+            w_mask = k_ok[:, None] & n_ok[None, :]
+            gt = tl.load(wg + w_off + k[:, None], mask=w_mask, other=0.0)  # [BK, BN] fp8
+            ut = tl.load(wu + w_off + k[:, None], mask=w_mask, other=0.0)  # [BK, BN] fp8
+            scale_g = tl.load(sg + s_row + k0 // QB)
+            scale_u = tl.load(su + s_row + k0 // QB)
+            if IEEE:
+                acc_g += scale_g * tl.dot(at, gt.to(at.dtype), input_precision="ieee")  # [BM, BN], fp32
+                acc_u += scale_u * tl.dot(at, ut.to(at.dtype), input_precision="ieee")
+            else:
+                acc_g += scale_g * tl.dot(at, gt.to(at.dtype))  # [BM, BN], fp32
+                acc_u += scale_u * tl.dot(at, ut.to(at.dtype))
+        dt = out.dtype.element_ty
+        gate = acc_g.to(dt).to(tl.float32)  # [BM, BN]
+        up = acc_u.to(dt).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)  # silu, rounded as torch's
+        tl.store(out + m[:, None] * N + n[None, :], (act * up).to(dt), mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
     def _block_table(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
         offs,
         table,
@@ -192,6 +252,52 @@ def grouped_fp8_mm(
         a.contiguous(),
         w,
         scale,
+        out,
+        group,
+        m0,
+        m1,
+        N=n,
+        K=k,
+        QB=QUANT_BLOCK,
+        BM=tiles.block_m,
+        BN=tiles.block_n,
+        BK=tiles.block_k,
+        IEEE=a.dtype == torch.float32,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    return out
+
+
+def grouped_fp8_glu(
+    a: torch.Tensor,
+    gate: tuple[torch.Tensor, torch.Tensor],
+    up: tuple[torch.Tensor, torch.Tensor],
+    blocks: BlockTable,
+    tiles: GroupedTiles,
+) -> torch.Tensor:
+    """silu(grouped_fp8_mm(a, *gate)) * grouped_fp8_mm(a, *up) in one launch (`_grouped_fp8_glu`): a [P, K] sorted
+    by group; gate and up each (w [G, N, K] float8_e4m3fn, scale [G, N/128, K/128] fp32) -> [P, N] in a's dtype.
+    One launch a step instead of four (two matmuls, the silu, the product), and the two [P, N] products never
+    leave the registers; the roundings are the four launches' (fp32 activations: no rounding at all)."""
+    p, k = a.shape
+    (wg, sg), (wu, su) = gate, up
+    g, n, _ = wg.shape
+    if wu.shape != wg.shape or su.shape != sg.shape:
+        raise ValueError(f"gate {tuple(wg.shape)} and up {tuple(wu.shape)} rows (or their scales) differ")
+    if QUANT_BLOCK % tiles.block_k or QUANT_BLOCK % tiles.block_n:
+        raise ValueError(f"grouped FP8 tiles {tiles}: block_n and block_k must divide {QUANT_BLOCK}")
+    out = a.new_empty(p, n)  # [P, N]
+    if p == 0:
+        return out
+    group, m0, m1 = blocks
+    grid = (group.shape[0], triton.cdiv(n, tiles.block_n))
+    _grouped_fp8_glu[grid](
+        a.contiguous(),
+        wg,
+        sg,
+        wu,
+        su,
         out,
         group,
         m0,

@@ -60,6 +60,13 @@ def test_grouped_fp8_kernel_bf16() -> None:
     check_grouped_fp8(device="cuda", dtype=torch.bfloat16, tol=2e-2)
 
 
+def test_grouped_fp8_glu_kernel_bf16() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from test_moe_triton import check_grouped_fp8_glu
+
+    check_grouped_fp8_glu(device="cuda", dtype=torch.bfloat16, tol=2e-2)
+
+
 def _real_layer(e: int = 128, h: int = 2048, i: int = 768) -> ExpertTensors:
     gen = torch.Generator(device="cuda").manual_seed(3)
     q = [fp8.quantize(torch.randn(s, device="cuda", generator=gen) / 30) for s in ((e, i, h), (e, i, h), (e, h, i))]
