@@ -41,18 +41,26 @@ def _correlation(e: Event) -> Any:
 
 def layer_boundaries(trace: dict) -> list[dict[str, float]]:
     """One row per layer-step whose ids were read (every field in ms, PARTS); [] without such reads.
-    The ids' reads are the device-to-host copies of the most common size; a layer's first page-in is the
-    first page-in to start after its read, the previous one the last to end before that start."""
+    The ids' reads are the device-to-host copies of the most common size; page-ins are the pinned host-to-device
+    copies on other streams than the reads' (the compute stream's pinned uploads, such as the waves' layout, are
+    not); a layer's first page-in is the first to start after its read, the previous one the last to end before
+    that start."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e]
     reads = [e for e in events if e.get("cat") == "gpu_memcpy" and "DtoH" in str(e.get("name"))]
-    page_ins = sorted((e for e in events if e.get("name") == PAGE_IN), key=lambda e: float(e["ts"]))
-    if not reads or not page_ins:
+    if not reads:
         return []
     size, _ = Counter((e.get("args") or {}).get("bytes") for e in reads).most_common(1)[0]
     reads = sorted((e for e in reads if (e.get("args") or {}).get("bytes") == size), key=lambda e: float(e["ts"]))
-    runtime = {_correlation(e): e for e in events if e.get("cat") == "cuda_runtime" and _correlation(e) is not None}
-    host_calls = sorted((e for e in events if e.get("cat") == "cuda_runtime"), key=lambda e: float(e["ts"]))
     read_stream = reads[0].get("tid")
+    # page-ins run on their own stream; a pinned upload on the compute stream (the waves' layout) is not one
+    page_ins = sorted(
+        (e for e in events if e.get("name") == PAGE_IN and e.get("tid") != read_stream), key=lambda e: float(e["ts"])
+    )
+    if not page_ins:
+        return []
+    calls = ("cuda_runtime", "cuda_driver")  # Triton launches are driver calls
+    runtime = {_correlation(e): e for e in events if e.get("cat") in calls and _correlation(e) is not None}
+    host_calls = sorted((e for e in events if e.get("cat") == "cuda_runtime"), key=lambda e: float(e["ts"]))
     compute = sorted(
         (e for e in events if e.get("cat") == "kernel" and e.get("tid") == read_stream), key=lambda e: float(e["ts"])
     )

@@ -29,6 +29,9 @@ def _layer(t0: float, corr: int) -> list[dict]:
         _x("kernel", "attn", t0 + 100, 300),
         _x("kernel", "router", t0 + 500, 400),
         _x("gpu_memcpy", "Memcpy DtoH (Device -> Pageable)", t0 + 950, 50, bytes=65536, correlation=corr + 1),
+        # the waves' layout: a pinned upload on the compute stream, not a page-in
+        _x("gpu_memcpy", PAGE_IN, t0 + 1200, 20, correlation=corr + 4),
+        _x("cuda_runtime", "cudaMemcpyAsync", t0 + 1190, 5, tid=1, correlation=corr + 4),
         _x("cuda_runtime", "cudaMemcpyAsync", t0 + 400, 630, tid=1, correlation=corr + 1),
         _x("cuda_runtime", "cudaStreamSynchronize", t0 + 1035, 15, tid=1),
         _x("cuda_runtime", "cudaMemcpyAsync", t0 + 1450, 5, tid=1, correlation=corr + 2),

@@ -64,11 +64,6 @@ class HostWaves:
         first from those rows."""
         experts_staged = staged.experts if staged is not None else ()
         plan = self.residency.plan_step(ids_cpu.reshape(-1).numpy(), staged=experts_staged)  # [T*k], in numpy
-        run = kernel.begin(x, ids_cpu, self.residency.num_experts, slots.gate.device)
-        rows = max(slots.num_rows, staging.num_rows if staged is not None and staging is not None else 0)
-        tiles = fp8_grouped_tiles(slots) if self.lay_out_block_tables else None  # staging rows: the same shape
-        # the pass lays out all waves at once, their grouped FP8 block tables too (one host-to-device copy)
-        run.plan_waves(plan.waves, rows, tiles.block_m if tiles is not None else None)
         after = page_in_after(plan.waves)
         issued = 0  # the waves whose page-ins are issued: a prefix, so the link takes them in wave order
         ahead = 1 if page_in.blocks_host else len(plan.waves)  # how far past the last computed wave copies go
@@ -81,7 +76,17 @@ class HostWaves:
                     copies.page_in(issued, plan.waves[issued], lambda pairs: page_in.copy_rows(host, slots, pairs))
                 issued += 1
 
+        # The page-ins that wait for no wave of this step (into the slots of residents the step does not route)
+        # go to the link before the pass's layout: the link idles at a layer boundary until this layer's first
+        # page-in, and on the H200 the layout and its upload took ~0.6 ms of the host's ~1.8 ms between the ids'
+        # read and the first page-in (benchmarks/prefill_timeline.py, 2026-12-03). A chunk that routes every
+        # resident (the random model's own routing) has none: its first page-ins wait for wave 0's compute.
         issue(-1)
+        run = kernel.begin(x, ids_cpu, self.residency.num_experts, slots.gate.device)
+        rows = max(slots.num_rows, staging.num_rows if staged is not None and staging is not None else 0)
+        tiles = fp8_grouped_tiles(slots) if self.lay_out_block_tables else None  # staging rows: the same shape
+        # the pass lays out all waves at once, their grouped FP8 block tables too (one host-to-device copy)
+        run.plan_waves(plan.waves, rows, tiles.block_m if tiles is not None else None)
         for i, wave in enumerate(plan.waves):
             if wave.table == STAGING:  # copied before the plan: wait for them, then compute from the rows
                 assert staging is not None and staged is not None
