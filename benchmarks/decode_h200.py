@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from paged_experts.kernels import fused, moe_tiles, qk_rope
+from paged_experts.kernels import fused, moe_tiles
 from paged_experts.kernels.fused import grouped_backend
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
@@ -60,7 +60,7 @@ DEFAULT_MODES = (  # most important first: a --deadline-s cut drops the tail
 
 
 VARIANT_OPTIONS = ("host", "graphs", "compile", "overlap", "loop", "triton", "prefetch", "torchplan", "pertensor")
-VARIANT_OPTIONS += ("fused", "kernelcopy", "devtables", "unfusedglu", "eagerrope")
+VARIANT_OPTIONS += ("fused", "kernelcopy", "devtables", "unfusedglu")
 """Options after '/' in a --modes entry (joined by '+'):
 - host: paged steps planned on the host (device_planning='off'): the path before device planning;
 - graphs: decode steps captured as CUDA graphs (--graphs batch sizes; for paged K only batch sizes
@@ -78,7 +78,6 @@ VARIANT_OPTIONS += ("fused", "kernelcopy", "devtables", "unfusedglu", "eagerrope
   f5cadb7), not laid out with the plan;
 - unfusedglu: FP8 grouped steps (prefill) run gate, up, silu and their product as four launches, as before
   the one-launch grouped_fp8_glu (kernels/fused.py GLU_ONE_LAUNCH);
-- eagerrope: prefill chunks norm and rotate q and k with the eager torch ops, not kernels/qk_rope.py;
 - fused: with triton, a one-token step's misses are read from the pinned host rows by the expert
   kernels and written through to their slots (fused_page_in), no copy kernel before the compute;
 - triton: routing and the expert pass of one-wave steps (<= moe_triton.MAX_PAIRS pairs) as
@@ -99,10 +98,8 @@ def apply_plan_option(model: MoeCausalLM, options: frozenset[str]) -> None:
     (`device.plan_step`) instead of the fused kernel (`plan_triton`); 'pertensor', their page-ins
     launch the copy kernel once per tensor instead of once for all (the A/Bs of the two); 'devtables', the
     host-planned waves build their grouped FP8 block tables by a launch a wave, not laid out with the plan;
-    'unfusedglu', FP8 grouped steps run gate, up, silu and product as four launches; 'eagerrope', prefill chunks
-    norm and rotate q and k with the eager ops (both set for every variant)."""
+    'unfusedglu', FP8 grouped steps run gate, up, silu and product as four launches (set for every variant)."""
     fused.GLU_ONE_LAUNCH = "unfusedglu" not in options
-    qk_rope.ENABLED = "eagerrope" not in options
     for moe in model.moe_layers:
         waves = getattr(moe, "waves", None)
         if waves is not None and "devtables" in options:

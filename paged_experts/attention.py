@@ -3,8 +3,8 @@ static decode step (one token per sequence, captured as a CUDA graph) call the s
 
 A layer's attention is three parts, each a pure function of the tensors it is given (so one
 torch.compile of a part serves every layer):
-- `attention_in`: input norm, fused QKV projection, q/k norms, RoPE (for a prefill chunk on CUDA in one
-  kernel, `kernels.qk_rope`), and this step's keys and values written to their KV rows; returns the queries;
+- `attention_in`: input norm, fused QKV projection, q/k norms, RoPE, and this step's keys and values
+  written to their KV rows; returns the queries;
 - the core, over KV rows gathered through a table: `attend` (torch: gather, GQA repeat, two
   matmuls and an fp32 softmax; for prefill chunks on CUDA torch's fused attention, which keeps no
   scores in memory) or, in the static decode step with the triton backend,
@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from paged_experts.kernels import qk_rope
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -63,13 +61,8 @@ def project_qkv(
     head_dim: int,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Residual stream x [T, H] -> rotated q [T, nh, D], rotated k [T, kvh, D], v [T, kvh, D]. A prefill chunk on
-    CUDA (at least qk_rope.MIN_TOKENS tokens) norms and rotates q and k in one kernel (kernels/qk_rope.py)."""
-    qkv = F.linear(rms_norm(x, input_norm, eps), qkv_proj)  # [T, (nh + 2 kvh) D]
-    q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
-    if qkv.is_cuda and qkv.shape[0] >= qk_rope.MIN_TOKENS and qk_rope.available() and qk_rope.ENABLED:
-        q, k = qk_rope.qk_norm_rope(qkv, q_norm, k_norm, cos, sin, num_heads, num_kv_heads, head_dim, eps)
-        return q, k, v
+    """Residual stream x [T, H] -> rotated q [T, nh, D], rotated k [T, kvh, D], v [T, kvh, D]."""
+    q, k, v = split_qkv(F.linear(rms_norm(x, input_norm, eps), qkv_proj), num_heads, num_kv_heads, head_dim)
     q = rms_norm(q, q_norm, eps)  # [T, nh, D]
     k = rms_norm(k, k_norm, eps)  # [T, kvh, D]
     q = q * cos[:, None, :] + rotate_half(q) * sin[:, None, :]

@@ -286,41 +286,6 @@ def check_grouped_fp8_glu(device: str = "cpu", dtype: torch.dtype = torch.float3
         print("ok", (p, g, n, k, covered))
 
 
-# (tokens, query heads, KV heads, head dim) for the q/k norm and RoPE kernel: GQA groups of 4 and 1, a small head dim
-QK_ROPE_CASES = ((70, 8, 2, 32), (5, 4, 4, 16), (64, 32, 4, 128))
-
-
-def check_qk_rope(device: str = "cpu", dtype: torch.dtype = torch.float32, tol: float = 1e-5) -> None:
-    """qk_rope.qk_norm_rope against the eager q/k RMSNorm and rotation of attention.project_qkv (the torch ops it
-    replaces for prefill chunks), from a fused QKV output with v's columns after k's: in fp32 within `tol`; in a
-    16-bit dtype within a few of its roundings (one intermediate rounding can fall the other way), and at
-    least 99% of the values the same bits."""
-    from paged_experts.attention import rms_norm, rope_tables, rotate_half
-    from paged_experts.kernels.qk_rope import qk_norm_rope
-
-    gen = torch.Generator().manual_seed(7)
-    for t, nh, kvh, d in QK_ROPE_CASES:
-        qkv = (torch.randn(t, (nh + 2 * kvh) * d, generator=gen) * 3).to(device, dtype)  # [T, (nh + 2 kvh) D]
-        q_norm = (1 + torch.randn(d, generator=gen) / 4).to(device, dtype)
-        k_norm = (1 + torch.randn(d, generator=gen) / 4).to(device, dtype)
-        inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-        cos, sin = rope_tables(torch.arange(t) * 37 % 4000, inv_freq, dtype)
-        cos, sin = cos.to(device), sin.to(device)
-        q, k = qk_norm_rope(qkv, q_norm, k_norm, cos, sin, nh, kvh, d, 1e-6)
-        want = []
-        for part, heads, norm in ((qkv[:, : nh * d], nh, q_norm), (qkv[:, nh * d : (nh + kvh) * d], kvh, k_norm)):
-            y = rms_norm(part.reshape(t, heads, d), norm, 1e-6)
-            want.append(y * cos[:, None, :] + rotate_half(y) * sin[:, None, :])
-        for got, ref in zip((q, k), want):
-            assert got.shape == ref.shape and got.dtype == ref.dtype
-            g, r = got.float().cpu(), ref.float().cpu()
-            torch.testing.assert_close(g, r, rtol=tol, atol=tol * max(1.0, r.abs().max().item()))
-            if dtype != torch.float32:  # the same roundings: a differing value is the exception
-                same = (g == r).float().mean().item()
-                assert same > 0.99, same
-        print("ok", (t, nh, kvh, d))
-
-
 # (tokens, top_k, experts, slots, staging rows, seed): a host-planned step's waves over the slots and the staging rows
 LAID_OUT_CASES = ((40, 4, 16, 6, 3, 0), (64, 2, 12, 5, 4, 1))
 
@@ -409,7 +374,6 @@ def check_attention(device: str = "cpu", dtype: torch.dtype = torch.float32, tol
         ("check_fp8_kernels", FP8_CASES),
         ("check_grouped_fp8", GROUPED_CASES),
         ("check_grouped_fp8_glu", GROUPED_CASES),
-        ("check_qk_rope", QK_ROPE_CASES),
         ("check_laid_out_blocks", LAID_OUT_CASES),
         ("check_read_through", READ_CASES),
     ],
