@@ -13,6 +13,9 @@ which rows) is built on the device from offs (`block_table`: no host sync, graph
 bound cdiv(P, BM) + min(G, P) blocks; blocks past the last group exit at once. A host-planned step
 lays its waves' tables out on the host instead (`host_block_tables`, moe/waves.py): exact grids.
 
+`grouped_fp8_glu(a, gate, up, blocks)`: the same kernel with both the gate and the up rows (constexpr GLU), their
+gated product silu(a Wg^T) * (a Wu^T) written once: a prefill wave's gate, up, silu and product in one launch.
+
 A row's result depends only on its own activations and its group's weights (masked rows are zeros
 and the MMA computes each output from its own row), and the tiles are fixed per shape, never chosen
 by the step's size: so a pair computes the same bits in a resident step and in any paged wave.
@@ -52,6 +55,8 @@ if triton is not None:
         a,
         w,
         s,
+        wu,
+        su,
         out,
         blk_group,
         blk_m0,
@@ -63,9 +68,13 @@ if triton is not None:
         BN: tl.constexpr,
         BK: tl.constexpr,
         IEEE: tl.constexpr,
+        GLU: tl.constexpr,
     ):
         """a [P, K], w [G, N, K] fp8, s [G, N/QB, K/QB] fp32, blocks (group, first row, end row) -> out [P, N].
-        IEEE: fp32 activations multiply in full fp32 (tl.dot would round them to tf32)."""
+        IEEE: fp32 activations multiply in full fp32 (tl.dot would round them to tf32).
+        GLU: w / s are the gate rows and wu / su the up rows (unread otherwise), and out = silu(a W^T) * (a Wu^T):
+        each product rounded to out's dtype, the silu computed in fp32 and rounded, then the product of the two
+        rounded (the roundings of two grouped_fp8_mm launches, torch's silu and its mul)."""
         b = tl.program_id(0)
         g = tl.load(blk_group + b).to(tl.int64)
         if g < 0:  # past the last group's blocks
@@ -81,77 +90,34 @@ if triton is not None:
         s_row = g * ((N + QB - 1) // QB) * sk + (n0 // QB) * sk  # scalar: the tile's scale row (BN | QB)
         w_off = g * N * K + n[None, :].to(tl.int64) * K  # [1, BN]
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            k = k0 + tl.arange(0, BK)  # [BK], inside one scale block (BK | QB)
-            k_ok = k < K
-            at = tl.load(a + m[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
-            wt = tl.load(w + w_off + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BK, BN] fp8
-            sc = tl.load(s + s_row + k0 // QB)  # the block's scale
-            if IEEE:
-                acc += sc * tl.dot(at, wt.to(at.dtype), input_precision="ieee")  # [BM, BN], fp32
-            else:
-                acc += sc * tl.dot(at, wt.to(at.dtype))  # [BM, BN], fp32
-        tl.store(out + m[:, None] * N + n[None, :], acc.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-    @triton.jit
-    def _grouped_fp8_glu(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
-        a,
-        wg,
-        sg,
-        wu,
-        su,
-        out,
-        blk_group,
-        blk_m0,
-        blk_m1,
-        N: tl.constexpr,
-        K: tl.constexpr,
-        QB: tl.constexpr,
-        BM: tl.constexpr,
-        BN: tl.constexpr,
-        BK: tl.constexpr,
-        IEEE: tl.constexpr,
-    ):
-        """_grouped_fp8 of the gate and the up rows at once, then the gated product: a [P, K], wg / wu [G, N, K]
-        fp8, sg / su [G, N/QB, K/QB] fp32 -> out [P, N] = silu(a W_gate^T) * (a W_up^T). Each product is rounded
-        to out's dtype, the silu computed in fp32 and rounded, the product of the two rounded: the roundings
-        of grouped_fp8_mm twice, then torch's silu and mul."""
-        b = tl.program_id(0)
-        g = tl.load(blk_group + b).to(tl.int64)
-        if g < 0:  # past the last group's blocks
-            return
-        m0 = tl.load(blk_m0 + b).to(tl.int64)
-        m1 = tl.load(blk_m1 + b).to(tl.int64)
-        n0 = tl.program_id(1) * BN
-        m = m0 + tl.arange(0, BM)  # [BM]
-        m_ok = m < m1
-        n = n0 + tl.arange(0, BN)  # [BN]
-        n_ok = n < N
-        sk: tl.constexpr = (K + QB - 1) // QB
-        s_row = g * ((N + QB - 1) // QB) * sk + (n0 // QB) * sk  # scalar: the tile's scale row (BN | QB)
-        w_off = g * N * K + n[None, :].to(tl.int64) * K  # [1, BN]
-        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)  # GLU only
         for k0 in range(0, K, BK):
             k = k0 + tl.arange(0, BK)  # [BK], inside one scale block (BK | QB)
             k_ok = k < K
             at = tl.load(a + m[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
             w_mask = k_ok[:, None] & n_ok[None, :]
-            gt = tl.load(wg + w_off + k[:, None], mask=w_mask, other=0.0)  # [BK, BN] fp8
-            ut = tl.load(wu + w_off + k[:, None], mask=w_mask, other=0.0)  # [BK, BN] fp8
-            scale_g = tl.load(sg + s_row + k0 // QB)
-            scale_u = tl.load(su + s_row + k0 // QB)
+            wt = tl.load(w + w_off + k[:, None], mask=w_mask, other=0.0)  # [BK, BN] fp8
+            sc = tl.load(s + s_row + k0 // QB)  # the block's scale
             if IEEE:
-                acc_g += scale_g * tl.dot(at, gt.to(at.dtype), input_precision="ieee")  # [BM, BN], fp32
-                acc_u += scale_u * tl.dot(at, ut.to(at.dtype), input_precision="ieee")
+                acc += sc * tl.dot(at, wt.to(at.dtype), input_precision="ieee")  # [BM, BN], fp32
             else:
-                acc_g += scale_g * tl.dot(at, gt.to(at.dtype))  # [BM, BN], fp32
-                acc_u += scale_u * tl.dot(at, ut.to(at.dtype))
+                acc += sc * tl.dot(at, wt.to(at.dtype))  # [BM, BN], fp32
+            if GLU:
+                ut = tl.load(wu + w_off + k[:, None], mask=w_mask, other=0.0)  # [BK, BN] fp8
+                sc_u = tl.load(su + s_row + k0 // QB)
+                if IEEE:
+                    acc_u += sc_u * tl.dot(at, ut.to(at.dtype), input_precision="ieee")
+                else:
+                    acc_u += sc_u * tl.dot(at, ut.to(at.dtype))
         dt = out.dtype.element_ty
-        gate = acc_g.to(dt).to(tl.float32)  # [BM, BN]
-        up = acc_u.to(dt).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)  # silu, rounded as torch's
-        tl.store(out + m[:, None] * N + n[None, :], (act * up).to(dt), mask=m_ok[:, None] & n_ok[None, :])
+        if GLU:
+            gate = acc.to(dt).to(tl.float32)  # [BM, BN]
+            up = acc_u.to(dt).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)  # silu, rounded as torch's
+            res = (act * up).to(dt)
+        else:
+            res = acc.to(dt)
+        tl.store(out + m[:, None] * N + n[None, :], res, mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
     def _block_table(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
@@ -239,34 +205,7 @@ def grouped_fp8_mm(
     """a [P, K] sorted by group, w [G, N, K] float8_e4m3fn, scale [G, N/128, K/128] fp32, blocks:
     `block_table(offs, P, tiles.block_m)`, or a wave's columns of `host_block_tables` (one table serves
     every matmul of a step) -> [P, N] in a's dtype (fp32 accumulation, one rounding)."""
-    p, k = a.shape
-    g, n, _ = w.shape
-    if QUANT_BLOCK % tiles.block_k or QUANT_BLOCK % tiles.block_n:
-        raise ValueError(f"grouped FP8 tiles {tiles}: block_n and block_k must divide {QUANT_BLOCK}")
-    out = a.new_empty(p, n)  # [P, N]
-    if p == 0:
-        return out
-    group, m0, m1 = blocks
-    grid = (group.shape[0], triton.cdiv(n, tiles.block_n))
-    _grouped_fp8[grid](
-        a.contiguous(),
-        w,
-        scale,
-        out,
-        group,
-        m0,
-        m1,
-        N=n,
-        K=k,
-        QB=QUANT_BLOCK,
-        BM=tiles.block_m,
-        BN=tiles.block_n,
-        BK=tiles.block_k,
-        IEEE=a.dtype == torch.float32,
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
-    )
-    return out
+    return _launch(a, (w, scale), None, blocks, tiles)
 
 
 def grouped_fp8_glu(
@@ -276,40 +215,37 @@ def grouped_fp8_glu(
     blocks: BlockTable,
     tiles: GroupedTiles,
 ) -> torch.Tensor:
-    """silu(grouped_fp8_mm(a, *gate)) * grouped_fp8_mm(a, *up) in one launch (`_grouped_fp8_glu`): a [P, K] sorted
-    by group; gate and up each (w [G, N, K] float8_e4m3fn, scale [G, N/128, K/128] fp32) -> [P, N] in a's dtype.
-    One launch a step instead of four (two matmuls, the silu, the product), and the two [P, N] products never
-    leave the registers; the roundings are the four launches' (fp32 activations: no rounding at all)."""
+    """silu(grouped_fp8_mm(a, *gate)) * grouped_fp8_mm(a, *up) in one launch: a [P, K] sorted by group; gate and
+    up each (w [G, N, K] float8_e4m3fn, scale [G, N/128, K/128] fp32) -> [P, N] in a's dtype. One launch a step
+    instead of four (two matmuls, the silu, the product), and the two [P, N] products never leave the registers;
+    the roundings are the four launches' (fp32 activations: no rounding at all)."""
+    if up[0].shape != gate[0].shape or up[1].shape != gate[1].shape:
+        raise ValueError(f"gate {tuple(gate[0].shape)} and up {tuple(up[0].shape)} rows (or their scales) differ")
+    return _launch(a, gate, up, blocks, tiles)
+
+
+def _launch(
+    a: torch.Tensor,
+    weights: tuple[torch.Tensor, torch.Tensor],
+    up: tuple[torch.Tensor, torch.Tensor] | None,
+    blocks: BlockTable,
+    tiles: GroupedTiles,
+) -> torch.Tensor:
+    """One `_grouped_fp8` launch over `blocks`: a plain matmul, or (with `up`) the gated product."""
     p, k = a.shape
-    (wg, sg), (wu, su) = gate, up
-    g, n, _ = wg.shape
-    if wu.shape != wg.shape or su.shape != sg.shape:
-        raise ValueError(f"gate {tuple(wg.shape)} and up {tuple(wu.shape)} rows (or their scales) differ")
+    w, scale = weights
+    g, n, _ = w.shape
     if QUANT_BLOCK % tiles.block_k or QUANT_BLOCK % tiles.block_n:
         raise ValueError(f"grouped FP8 tiles {tiles}: block_n and block_k must divide {QUANT_BLOCK}")
     out = a.new_empty(p, n)  # [P, N]
     if p == 0:
         return out
+    wu, su = up if up is not None else (w, scale)  # unread without GLU
     group, m0, m1 = blocks
     grid = (group.shape[0], triton.cdiv(n, tiles.block_n))
-    _grouped_fp8_glu[grid](
-        a.contiguous(),
-        wg,
-        sg,
-        wu,
-        su,
-        out,
-        group,
-        m0,
-        m1,
-        N=n,
-        K=k,
-        QB=QUANT_BLOCK,
-        BM=tiles.block_m,
-        BN=tiles.block_n,
-        BK=tiles.block_k,
-        IEEE=a.dtype == torch.float32,
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
-    )
+    _grouped_fp8[grid](
+        a.contiguous(), w, scale, wu, su, out, group, m0, m1,
+        N=n, K=k, QB=QUANT_BLOCK, BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k,
+        IEEE=a.dtype == torch.float32, GLU=up is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip
     return out
