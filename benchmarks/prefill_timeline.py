@@ -11,6 +11,12 @@ idle time before the layer, the `/metrics` `prefill_idle_before_layer` of a serv
 - `host_ms`: the host's call returns -> the host issues the layer's first page-in (plan, layout, launches);
 - `wait_ms`: issued -> the copy starts on the device (it waited for the wave that last read its slot).
 
+The four parts add up to the idle time when the link's last work before the layer ended before the ids' read
+(with staging rows it can run past it: `device_ms` is then negative). Page-ins are the pinned host-to-device DMAs
+of the page-in stream: a trace of `page_in: kernel` (a copy kernel
+reads the host rows) has none, and gives no rows. The page-in before a layer's first may be a small upload of
+the previous layer's copies (a scale kernel's row index): its end, not an expert's, then starts the idle time.
+
     python benchmarks/prefill_timeline.py traces/paged49.json.gz
 """
 
@@ -61,23 +67,34 @@ def layer_boundaries(trace: dict) -> list[dict[str, float]]:
     calls = ("cuda_runtime", "cuda_driver")  # Triton launches are driver calls
     runtime = {_correlation(e): e for e in events if e.get("cat") in calls and _correlation(e) is not None}
     host_calls = sorted((e for e in events if e.get("cat") == "cuda_runtime"), key=lambda e: float(e["ts"]))
+    issued_at = {id(c): float(runtime[_correlation(c)]["ts"]) for c in page_ins if _correlation(c) in runtime}
+    # the compute stream's own work: kernels, and its copies and memsets (the read itself among them)
+    work = ("kernel", "gpu_memcpy", "gpu_memset")
     compute = sorted(
-        (e for e in events if e.get("cat") == "kernel" and e.get("tid") == read_stream), key=lambda e: float(e["ts"])
+        (e for e in events if e.get("cat") in work and e.get("tid") == read_stream), key=lambda e: float(e["ts"])
     )
     rows = []
     for read in reads:
-        first = next((c for c in page_ins if float(c["ts"]) >= _end(read)), None)
-        before = [c for c in page_ins if _end(c) <= float(first["ts"])] if first is not None else []
-        call, issued = runtime.get(_correlation(read)), runtime.get(_correlation(first)) if first else None
-        if first is None or not before or call is None or issued is None:
+        call = runtime.get(_correlation(read))
+        if call is None:
             continue
-        prev_end = max(_end(c) for c in before)
-        # the host's return: the end of the read's own call, or of a synchronization right after it
+        # the host's return: the end of the read's own call, or of a synchronization of that thread right after it
         returned = _end(call)
         for e in host_calls:
-            if float(e["ts"]) >= returned and "Synchronize" in str(e.get("name")) and float(e["ts"]) - returned < 50:
+            near = 0 <= float(e["ts"]) - returned < 50 and e.get("tid") == call.get("tid")
+            if near and "Synchronize" in str(e.get("name")):
                 returned = _end(e)
                 break
+        # the layer's first page-in: issued after the host had the ids (a copy issued before, e.g. a staging
+        # row's, is not this layer's planning) and running after the read
+        first = next(
+            (c for c in page_ins if float(c["ts"]) >= _end(read) and issued_at.get(id(c), -1.0) >= returned), None
+        )
+        before = [c for c in page_ins if _end(c) <= float(first["ts"])] if first is not None else []
+        issued = runtime.get(_correlation(first)) if first else None
+        if first is None or not before or issued is None:
+            continue
+        prev_end = max(_end(c) for c in before)
         busy = sum(
             min(_end(k), _end(read)) - max(float(k["ts"]), prev_end)
             for k in compute
@@ -97,12 +114,16 @@ def layer_boundaries(trace: dict) -> list[dict[str, float]]:
 
 
 def summary(rows: list[dict[str, float]]) -> str:
-    """The medians and the means of PARTS over the rows, one line each."""
+    """The medians of PARTS over the rows, and how many rows are over twice the median idle time: a step's first
+    layer, whose boundary holds the previous step's tail (the trace marks no steps, so they are counted, not
+    dropped)."""
     if not rows:
         return "  layer boundaries: no ids read and page-ins in the trace"
     med = ", ".join(f"{p} {statistics.median(r[p] for r in rows):.3f}" for p in PARTS)
-    mean = ", ".join(f"{p} {statistics.fmean(r[p] for r in rows):.3f}" for p in PARTS)
-    return f"  layer boundaries ({len(rows)}): medians {med}\n  means {mean}"
+    idle = statistics.median(r["idle_ms"] for r in rows)
+    long = [r["idle_ms"] for r in rows if r["idle_ms"] > 2 * idle]
+    tail = f"; {len(long)} over twice the median idle ({', '.join(f'{v:.2f}' for v in long)} ms)" if long else ""
+    return f"  layer boundaries ({len(rows)}): medians {med}{tail}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -150,7 +150,8 @@ case "${1:-}" in
       collect; sleep 20
     done
     # a run's last cell is not its end: the server stops, the optimum is replayed, cells.parquet is written
-    [ "${running:-0}" -gt 0 ] && echo "STILL RUNNING: poll again now (a machine idle for 30 s is given back)"
+    running=$(pgrep -f "benchsuite (install|run|gguf)|synth_memory|llamacpp_flags_h200" | wc -l)  # now, not 20 s ago
+    [ "$running" -gt 0 ] && echo "STILL RUNNING: poll again now (a machine idle for 30 s is given back)"
     ;;
   *) echo "usage: $0 prepare [builtin]|cuda|headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|flags|queue [cuda] JOB...|poll SECS" >&2; exit 2 ;;
 esac

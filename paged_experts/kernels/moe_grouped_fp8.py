@@ -13,8 +13,9 @@ which rows) is built on the device from offs (`block_table`: no host sync, graph
 bound cdiv(P, BM) + min(G, P) blocks; blocks past the last group exit at once. A host-planned step
 lays its waves' tables out on the host instead (`host_block_tables`, moe/waves.py): exact grids.
 
-`grouped_fp8_glu(a, gate, up, blocks)`: the same kernel with both the gate and the up rows (constexpr GLU), their
-gated product silu(a Wg^T) * (a Wu^T) written once: a prefill wave's gate, up, silu and product in one launch.
+`grouped_fp8_glu(a, gate, up, blocks)`: the same tile loop (`_grouped_tile`, constexpr GLU) over the gate and the up
+rows at once, their gated product silu(a Wg^T) * (a Wu^T) written once: a wave's gate, up, silu and product in one
+launch.
 
 A row's result depends only on its own activations and its group's weights (masked rows are zeros
 and the MMA computes each output from its own row), and the tiles are fixed per shape, never chosen
@@ -52,33 +53,42 @@ if triton is not None:
 
     @triton.jit
     def _grouped_fp8(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
-        a,
-        w,
-        s,
-        wu,
-        su,
-        out,
-        blk_group,
-        blk_m0,
-        blk_m1,
-        N: tl.constexpr,
-        K: tl.constexpr,
-        QB: tl.constexpr,
-        BM: tl.constexpr,
-        BN: tl.constexpr,
-        BK: tl.constexpr,
+        a, w, s, out, blk_group, blk_m0, blk_m1,
+        N: tl.constexpr, K: tl.constexpr, QB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         IEEE: tl.constexpr,
-        GLU: tl.constexpr,
-    ):
+    ):  # fmt: skip
         """a [P, K], w [G, N, K] fp8, s [G, N/QB, K/QB] fp32, blocks (group, first row, end row) -> out [P, N].
-        IEEE: fp32 activations multiply in full fp32 (tl.dot would round them to tf32).
-        GLU: w / s are the gate rows and wu / su the up rows (unread otherwise), and out = silu(a W^T) * (a Wu^T):
-        each product rounded to out's dtype, the silu computed in fp32 and rounded, then the product of the two
-        rounded (the roundings of two grouped_fp8_mm launches, torch's silu and its mul)."""
+        IEEE: fp32 activations multiply in full fp32 (tl.dot would round them to tf32)."""
         b = tl.program_id(0)
         g = tl.load(blk_group + b).to(tl.int64)
         if g < 0:  # past the last group's blocks
             return
+        _grouped_tile(a, w, s, w, s, out, g, b, blk_m0, blk_m1, N, K, QB, BM, BN, BK, IEEE, False)
+
+    @triton.jit
+    def _grouped_fp8_glu(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
+        a, wg, sg, wu, su, out, blk_group, blk_m0, blk_m1,
+        N: tl.constexpr, K: tl.constexpr, QB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):  # fmt: skip
+        """_grouped_fp8 of the gate rows wg / sg and the up rows wu / su at once -> out = silu(a Wg^T) * (a Wu^T)
+        (its own name, so a profile tells it from the plain matmul)."""
+        b = tl.program_id(0)
+        g = tl.load(blk_group + b).to(tl.int64)
+        if g < 0:  # past the last group's blocks
+            return
+        _grouped_tile(a, wg, sg, wu, su, out, g, b, blk_m0, blk_m1, N, K, QB, BM, BN, BK, IEEE, True)
+
+    @triton.jit
+    def _grouped_tile(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
+        a, w, s, wu, su, out, g, b, blk_m0, blk_m1,
+        N: tl.constexpr, K: tl.constexpr, QB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        IEEE: tl.constexpr, GLU: tl.constexpr,
+    ):  # fmt: skip
+        """Block b (of group g >= 0) times one N tile. GLU: w / s are the gate rows and wu / su the up rows (unread
+        otherwise), and out = silu(a W^T) * (a Wu^T), rounded at the points the four launches round: each
+        product to out's dtype, the silu (computed in fp32) to it, then their product (Triton's exponential,
+        not torch's, so a silu can land one rounding apart)."""
         m0 = tl.load(blk_m0 + b).to(tl.int64)
         m1 = tl.load(blk_m1 + b).to(tl.int64)
         n0 = tl.program_id(1) * BN
@@ -218,7 +228,8 @@ def grouped_fp8_glu(
     """silu(grouped_fp8_mm(a, *gate)) * grouped_fp8_mm(a, *up) in one launch: a [P, K] sorted by group; gate and
     up each (w [G, N, K] float8_e4m3fn, scale [G, N/128, K/128] fp32) -> [P, N] in a's dtype. One launch a step
     instead of four (two matmuls, the silu, the product), and the two [P, N] products never leave the registers;
-    the roundings are the four launches' (fp32 activations: no rounding at all)."""
+    rounded at the points the four launches round, with Triton's exponential (a value can land one rounding apart:
+    closeness is tested, and the share of equal bits reported)."""
     if up[0].shape != gate[0].shape or up[1].shape != gate[1].shape:
         raise ValueError(f"gate {tuple(gate[0].shape)} and up {tuple(up[0].shape)} rows (or their scales) differ")
     return _launch(a, gate, up, blocks, tiles)
@@ -240,12 +251,12 @@ def _launch(
     out = a.new_empty(p, n)  # [P, N]
     if p == 0:
         return out
-    wu, su = up if up is not None else (w, scale)  # unread without GLU
     group, m0, m1 = blocks
     grid = (group.shape[0], triton.cdiv(n, tiles.block_n))
-    _grouped_fp8[grid](
-        a.contiguous(), w, scale, wu, su, out, group, m0, m1,
+    kernel, weights_args = (_grouped_fp8, (w, scale)) if up is None else (_grouped_fp8_glu, (w, scale, *up))
+    kernel[grid](
+        a.contiguous(), *weights_args, out, group, m0, m1,
         N=n, K=k, QB=QUANT_BLOCK, BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k,
-        IEEE=a.dtype == torch.float32, GLU=up is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        IEEE=a.dtype == torch.float32, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     return out

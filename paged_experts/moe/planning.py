@@ -78,7 +78,7 @@ class HostWaves:
 
         # The page-ins that wait for no wave of this step (into the slots of residents the step does not route)
         # go to the link before the pass's layout: the link idles at a layer boundary until this layer's first
-        # page-in, and on the H200 the layout and its upload took ~0.6 ms of the host's ~1.8 ms between the ids'
+        # page-in, and on the H200 the pass's setup and layout took ~0.7 ms of the host's ~1.85 ms between the ids'
         # read and the first page-in (benchmarks/prefill_timeline.py, 2026-12-03). A chunk that routes every
         # resident (the random model's own routing) has none: its first page-ins wait for wave 0's compute.
         issue(-1)
