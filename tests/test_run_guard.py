@@ -208,15 +208,19 @@ def _set_code(run_dir: Path, code: dict[str, str] | None) -> None:
     path.write_text(json.dumps(doc))
 
 
-def test_resume_refuses_cells_measured_by_other_code(tmp_path: Path, model_copy: Path) -> None:
+def test_resume_refuses_cells_measured_by_other_code(
+    tmp_path: Path, model_copy: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A run resumed by other code (another machine's copy, a later commit) would report cells of two code
     versions as one run: refused once a cell has finished, naming the trees; before any, the run becomes
-    the new code's; a run recorded before the code trees is not compared."""
-    from benchsuite.tools.machine import git_facts
+    the new code's; a run recorded before the code trees is not compared. This code's trees are fixed here
+    (git_facts reads them from the checkout, which an installed package may not have)."""
+    from benchsuite.results import manifest
+    from benchsuite.tools.machine import GitFacts
 
-    code = git_facts().code
-    if code is None:
-        pytest.skip("no git checkout around the package: no code trees to compare")
+    code = {"benchsuite": "a" * 40, "paged_experts": "b" * 40}
+    facts = GitFacts(commit="c" * 40, dirty=False, tree="d" * 40, source="package", code=code)
+    monkeypatch.setattr(manifest, "git_facts", lambda: facts)
     plan = build_plan(load_matrix(write_matrix(tmp_path, str(model_copy))))
     store = open_store(plan)
     run_dir = store.run_dir

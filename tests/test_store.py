@@ -220,6 +220,18 @@ def test_git_facts_name_the_tracked_files_as_they_are(tmp_path) -> None:
     git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "two")
     assert dirty.tree == git("rev-parse", "HEAD^{tree}")  # the commit of exactly those files
     assert git("status", "--porcelain", "--untracked-files=no") == ""  # the real index was untouched
+    assert clean.code is None and dirty.code is None  # no benchsuite/ or paged_experts/: no code trees
+    for name in ("benchsuite", "paged_experts"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "m.py").write_text(f"# {name}\n")
+    git("add", "benchsuite", "paged_experts")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "three")
+    code = git_facts(tmp_path).code
+    assert code == {n: git("rev-parse", f"HEAD:{n}") for n in ("benchsuite", "paged_experts")}
+    (tmp_path / "paged_experts" / "m.py").write_text("# changed, not committed\n")
+    changed = git_facts(tmp_path).code  # a dirty tree: the directory's hash as its files are
+    assert changed is not None and changed["benchsuite"] == code["benchsuite"]
+    assert changed["paged_experts"] != code["paged_experts"]
 
 
 def test_git_facts_are_read_at_the_checkout_around_the_package() -> None:
