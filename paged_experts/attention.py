@@ -3,8 +3,8 @@ static decode step (one token per sequence, captured as a CUDA graph) call the s
 
 A layer's attention is three parts, each a pure function of the tensors it is given (so one
 torch.compile of a part serves every layer):
-- `attention_in`: input norm, fused QKV projection, q/k norms, RoPE, and this step's keys and values
-  written to their KV rows; returns the queries;
+- `attention_in`: input norm, fused QKV projection (dense or block-FP8: projection.linear), q/k norms,
+  RoPE, and this step's keys and values written to their KV rows; returns the queries;
 - the core, over KV rows gathered through a table: `attend` (torch: gather, GQA repeat, two
   matmuls and an fp32 softmax; for prefill chunks on CUDA torch's fused attention, which keeps no
   scores in memory) or, in the static decode step with the triton backend,
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from paged_experts.projection import linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,9 +62,12 @@ def project_qkv(
     num_kv_heads: int,
     head_dim: int,
     eps: float,
+    qkv_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Residual stream x [T, H] -> rotated q [T, nh, D], rotated k [T, kvh, D], v [T, kvh, D]."""
-    q, k, v = split_qkv(F.linear(rms_norm(x, input_norm, eps), qkv_proj), num_heads, num_kv_heads, head_dim)
+    """Residual stream x [T, H] -> rotated q [T, nh, D], rotated k [T, kvh, D], v [T, kvh, D].
+    qkv_scale: the block scales of a block-FP8 qkv_proj (projection.linear), None for a dense one."""
+    qkv = linear(rms_norm(x, input_norm, eps), qkv_proj, qkv_scale)  # [T, (nh + 2 kvh) D]
+    q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
     q = rms_norm(q, q_norm, eps)  # [T, nh, D]
     k = rms_norm(k, k_norm, eps)  # [T, kvh, D]
     q = q * cos[:, None, :] + rotate_half(q) * sin[:, None, :]
@@ -85,10 +90,13 @@ def attention_in(
     num_kv_heads: int,
     head_dim: int,
     eps: float,
+    qkv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`project_qkv`, with this step's keys and values written to their KV rows `new_rows` [T] of
     kv_k / kv_v [slots, kvh, D] (one pool); returns the queries [T, nh, D]."""
-    q, k, v = project_qkv(x, input_norm, qkv_proj, q_norm, k_norm, cos, sin, num_heads, num_kv_heads, head_dim, eps)
+    q, k, v = project_qkv(
+        x, input_norm, qkv_proj, q_norm, k_norm, cos, sin, num_heads, num_kv_heads, head_dim, eps, qkv_scale
+    )
     kv_k.index_copy_(0, new_rows, k)  # [slots, kvh, D]
     kv_v.index_copy_(0, new_rows, v)
     return q
@@ -143,10 +151,11 @@ def attention_out(
     post_norm: torch.Tensor,
     router: torch.Tensor | None,
     eps: float,
+    o_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Residual [T, H] + o_proj(attention [T, nh*D]) -> (x [T, H], post-norm hidden [T, H], router
-    logits [T, E] or None when no router is given)."""
-    x = x + F.linear(attn, o_proj)  # [T, H]
+    logits [T, E] or None when no router is given). o_scale: a block-FP8 o_proj's scales (None: dense)."""
+    x = x + linear(attn, o_proj, o_scale)  # [T, H]
     h = rms_norm(x, post_norm, eps)  # [T, H]
     return x, h, None if router is None else F.linear(h, router)
 

@@ -139,6 +139,13 @@ class MoeModelConfig:
         """How experts are stored and paged: FP8 for a block-FP8 checkpoint, else the compute dtype."""
         return FP8 if self.fp8_weights else compute_dtype
 
+    def fp8_attention(self, dequantize: bool = False) -> bool:
+        """Whether the attention projections stay block-FP8 on the device: a block-FP8 checkpoint's do (as
+        SGLang keeps them), unless `dequantize` (RuntimeConfig.dequantize_attention) or their q / k rows
+        are off the 128-row blocks (the fused q/k/v weight needs its scale rows on block boundaries)."""
+        rows = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim)
+        return self.fp8_weights and not dequantize and all(r % fp8.BLOCK == 0 for r in rows)
+
     def expert_bytes(self, dtype: str | None = None) -> int:
         return self.shape.expert_bytes(dtype or self.torch_dtype)
 

@@ -304,6 +304,7 @@ class MoeCausalLM:
             cfg.num_kv_heads,
             cfg.head_dim,
             cfg.rms_norm_eps,
+            w.qkv_scale,
         )  # [T, nh, D], [T, kvh, D], [T, kvh, D]
         outs = []
         for r in rows:
@@ -311,5 +312,5 @@ class MoeCausalLM:
             kv_k.index_copy_(0, r.new_rows, k[r.token_slice])
             kv_v.index_copy_(0, r.new_rows, v[r.token_slice])
             outs.append(attend(q[r.token_slice][None], kv_k, kv_v, r.all_rows[None], r.mask[None])[0])  # [n, nh*D]
-        x, h, _ = attention_out(x, torch.cat(outs, dim=0), w.o_proj, w.post_norm, None, cfg.rms_norm_eps)
+        x, h, _ = attention_out(x, torch.cat(outs, dim=0), w.o_proj, w.post_norm, None, cfg.rms_norm_eps, w.o_scale)
         return x, h

@@ -83,6 +83,10 @@ class RuntimeConfig:
     # grouped GEMM) or 'triton' (moe_triton's decode kernels and, in captured steps, attn_triton's
     # attention; CUDA steps of up to moe_triton.MAX_PAIRS pairs, larger ones keep grouped).
     kernel_backend: str = "grouped"
+    # Block-FP8 checkpoints: their attention projections dequantized to `dtype` at load, instead of kept FP8
+    # on the device (MoeModelConfig.fp8_attention): 2x their bytes (0.9 GB more at Qwen3-30B-A3B's shape).
+    # The runtime did this before 2026-12-03; the option keeps that layout measurable beside the new one.
+    dequantize_attention: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -180,23 +180,33 @@ class ModelShape:
             return self.num_layers * self.kv_latent_size * kv_dtype_bytes
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * kv_dtype_bytes
 
-    def non_expert_weight_bytes(self, dtype_size_bytes: float = 2.0) -> int:
-        """Weights that stay on the GPU: embeddings, LM head, attention, norms, routers, dense/shared MLPs."""
+    def non_expert_weight_bytes(self, dtype_size_bytes: float = 2.0, fp8_attention: bool = False) -> int:
+        """Weights that stay on the GPU: embeddings, LM head, attention, norms, routers, dense/shared MLPs.
+        `fp8_attention`: the attention projections are block-FP8 (1 byte a weight + one float32 scale per
+        128 x 128 block of each matrix, as SGLang and the built-in runtime keep a block-FP8 checkpoint's),
+        the rest `dtype_size_bytes` a weight."""
         h, layers = self.hidden_size, self.num_layers
         if self.kv_latent_size:
             attention, norms = self._latent_attention_params()
+            matrices: tuple[tuple[int, int], ...] = ()
         else:
             q_out = self.num_attention_heads * self.head_dim
             kv_out = self.num_kv_heads * self.head_dim
             attention = h * q_out * 2 + h * kv_out * 2  # q, o and k, v projections
             norms = 2 * h + 2 * self.head_dim  # input/post norms, q/k norms (qwen3)
+            matrices = ((q_out, h), (kv_out, h), (kv_out, h), (h, q_out))
+        fp8_bytes = 0
+        if fp8_attention and matrices:  # the projections leave the dtype-sized params for their FP8 bytes
+            blocks = sum(math.ceil(o / FP8_BLOCK) * math.ceil(i / FP8_BLOCK) for o, i in matrices)
+            fp8_bytes = (attention + 4 * blocks) * layers
+            attention = 0
         router = h * self.num_experts
         shared = 3 * h * self.shared_expert_intermediate_size  # in MoE layers only, beside the routed experts
         per_moe_layer = router + shared
         dense_mlp = 3 * h * self.dense_intermediate_size * (layers - self.num_moe_layers)
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         params = (attention + norms) * layers + per_moe_layer * self.num_moe_layers + dense_mlp + embeddings + h
-        return int(params * dtype_size_bytes)
+        return int(params * dtype_size_bytes) + fp8_bytes
 
     def _latent_attention_params(self) -> tuple[int, int]:
         """(projections, norms) of one MLA layer: the query (low-rank down and up, or full rank), the

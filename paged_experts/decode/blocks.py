@@ -32,15 +32,19 @@ def attention_block(
     num_kv_heads: int,
     head_dim: int,
     eps: float,
+    qkv_scale: torch.Tensor | None = None,
+    o_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One layer's attention (KV row written in place) over padded KV rows and its router logits,
     all tensors passed in (one compiled function serves every layer):
-    x [B, H] -> (x + attention [B, H], post-norm hidden [B, H], router logits [B, E])."""
+    x [B, H] -> (x + attention [B, H], post-norm hidden [B, H], router logits [B, E]).
+    qkv_scale / o_scale: block-FP8 projections' scales (None: dense)."""
     q = attention_in(
-        x, input_norm, qkv_proj, q_norm, k_norm, kv_k, kv_v, cos, sin, new_rows, num_heads, num_kv_heads, head_dim, eps
-    )  # [B, nh, D]
+        x, input_norm, qkv_proj, q_norm, k_norm, kv_k, kv_v, cos, sin, new_rows, num_heads, num_kv_heads, head_dim, eps,
+        qkv_scale,
+    )  # fmt: skip
     attn = attend(q[:, None], kv_k, kv_v, table, mask[:, None, :])[:, 0]  # [B, nh*D]
-    x, h, logits = attention_out(x, attn, o_proj, post_norm, router, eps)
+    x, h, logits = attention_out(x, attn, o_proj, post_norm, router, eps, o_scale)
     assert logits is not None  # a router was given
     return x, h, logits
 

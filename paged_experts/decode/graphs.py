@@ -343,18 +343,20 @@ class GraphedDecoder:
             if length == 0:
                 q = self._attention_in(
                     x, w.input_norm, w.qkv_proj, w.q_norm, w.k_norm, kv_k, kv_v, cos, sin, new_rows,
-                    cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+                    cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, w.qkv_scale,
                 )  # fmt: skip
                 attn = attn_triton.decode_attention_split(
                     q, kv_k, kv_v, table, positions, self._pool.block_size, self._split
                 )  # [B, nh*D]
-                x, h, logits = self._attention_out(x, attn, w.o_proj, w.post_norm, moe.router_weight, cfg.rms_norm_eps)
+                x, h, logits = self._attention_out(
+                    x, attn, w.o_proj, w.post_norm, moe.router_weight, cfg.rms_norm_eps, w.o_scale
+                )
             else:
                 assert mask is not None  # length > 0: the padded rows' mask
                 x, h, logits = self._attention_fn(
                     x, w.input_norm, w.qkv_proj, w.o_proj, w.q_norm, w.k_norm, w.post_norm, moe.router_weight,
                     kv_k, kv_v, cos, sin, new_rows, table, mask, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                    cfg.rms_norm_eps,
+                    cfg.rms_norm_eps, w.qkv_scale, w.o_scale,
                 )  # fmt: skip
             assert logits is not None  # every layer has a router
             ids, weights = self._route_fn(

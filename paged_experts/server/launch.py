@@ -52,6 +52,7 @@ def runtime_config(serve: ServeOptions, model: MoeModelConfig) -> RuntimeConfig:
         prefill_residency=serve.prefill_residency or DEFAULT_PREFILL_KEEP,
         eviction_policy=serve.eviction_policy or DEFAULT_EVICTION_POLICY,
         kernel_backend=serve.kernel_backend,
+        dequantize_attention=serve.dequantize_attention,
     )
     runtime.validate_for(model)
     return runtime

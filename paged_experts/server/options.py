@@ -77,6 +77,12 @@ class ServeOptions:
         "default: float32 on CPU, checkpoint dtype on CUDA",
         choices=("float32", "bfloat16", "float16"),
     )
+    dequantize_attention: bool = _opt(
+        False,
+        "--dequantize-attention",
+        "block-FP8 checkpoints: dequantize the attention projections to --dtype at load (default: kept FP8 "
+        "on the device with their block scales, as SGLang keeps them: half the bytes)",
+    )
     max_running_requests: int = _opt(16, "--max-running-requests")
     max_total_tokens: int = _opt(16384, "--max-total-tokens", "KV capacity in tokens")
     chunked_prefill_size: int = _opt(2048, "--chunked-prefill-size", "prompt tokens per engine step")

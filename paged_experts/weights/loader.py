@@ -9,9 +9,10 @@ transformers 5 may save (`mlp.experts.gate_up_proj [E, 2I, H]`, `mlp.experts.dow
 
 Block-FP8 checkpoints (`quantization_config.quant_method: fp8`, fp8.py): each FP8 weight has its
 `weight_scale_inv`; expert weights and scales are copied as they are into an FP8 host store (and
-slots), so pages move FP8 bytes; other FP8 weights (attention) are dequantized to the runtime dtype
-at load. A missing scale, a scale of the wrong shape or a weight of the wrong dtype is refused with
-one line naming the tensor.
+slots), so pages move FP8 bytes; the attention projections stay FP8 on the device with their scales
+(projection.linear reads them; `RuntimeConfig.dequantize_attention`, or q / k rows off the 128-row blocks,
+dequantize them to the runtime dtype at load, as every other FP8 weight is). A missing scale, a scale
+of the wrong shape or a weight of the wrong dtype is refused with one line naming the tensor.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ from paged_experts.runtime import RuntimeConfig
 
 @dataclass(frozen=True)
 class AttentionWeights:
+    """One layer's attention. The projections are dense in the compute dtype, or (a block-FP8 checkpoint's,
+    unless `RuntimeConfig.dequantize_attention`) float8_e4m3fn with float32 128 x 128 block scales in the
+    `*_scale` fields (None for dense ones): projection.linear takes either."""
+
     input_norm: torch.Tensor  # [H]
     q_proj: torch.Tensor  # [nh*D, H]
     k_proj: torch.Tensor  # [kvh*D, H]
@@ -43,16 +48,48 @@ class AttentionWeights:
     q_norm: torch.Tensor  # [D]
     k_norm: torch.Tensor  # [D]
     post_norm: torch.Tensor  # [H]
+    q_scale: torch.Tensor | None = None  # [nh*D/128, H/128] (FP8 projections only)
+    k_scale: torch.Tensor | None = None  # [kvh*D/128, H/128]
+    v_scale: torch.Tensor | None = None  # [kvh*D/128, H/128]
+    o_scale: torch.Tensor | None = None  # [H/128, nh*D/128]
     qkv_proj: torch.Tensor = field(init=False, repr=False)  # [(nh + 2 kvh) D, H]
+    qkv_scale: torch.Tensor | None = field(init=False, repr=False)  # [(nh + 2 kvh) D / 128, H / 128]
 
     def __post_init__(self) -> None:
         # q, k and v become views of one weight, so a step runs one projection GEMM instead of
         # three (three small GEMVs cost ~3x the launch and tail of one at decode), at no extra memory.
-        qkv = torch.cat([self.q_proj, self.k_proj, self.v_proj])  # [(nh + 2 kvh) D, H]
+        scales = (self.q_scale, self.k_scale, self.v_scale, self.o_scale)
+        if any(s is not None for s in scales) and not all(s is not None for s in scales):
+            raise ValueError("block-FP8 attention needs the scales of all four projections")
         nq, nk = self.q_proj.shape[0], self.k_proj.shape[0]
-        views = {"qkv_proj": qkv, "q_proj": qkv[:nq], "k_proj": qkv[nq : nq + nk], "v_proj": qkv[nq + nk :]}
+        if self.q_scale is not None and (nq % fp8.BLOCK or nk % fp8.BLOCK):
+            # the fused weight's scale rows must stay on 128-row block boundaries (loader.py checks first)
+            raise ValueError(f"block-FP8 q/k/v rows {nq}, {nk} are not multiples of {fp8.BLOCK}: cannot fuse")
+        qkv = torch.cat([self.q_proj, self.k_proj, self.v_proj])  # [(nh + 2 kvh) D, H]
+        views: dict[str, torch.Tensor | None] = {
+            "qkv_proj": qkv, "q_proj": qkv[:nq], "k_proj": qkv[nq : nq + nk], "v_proj": qkv[nq + nk :]
+        }  # fmt: skip
+        if self.q_scale is not None:
+            assert self.k_scale is not None and self.v_scale is not None  # checked above
+            qkv_s = torch.cat([self.q_scale, self.k_scale, self.v_scale])  # [(nh + 2 kvh) D / 128, H / 128]
+            bq, bk = nq // fp8.BLOCK, nk // fp8.BLOCK
+            views |= {"qkv_scale": qkv_s, "q_scale": qkv_s[:bq], "k_scale": qkv_s[bq : bq + bk],
+                      "v_scale": qkv_s[bq + bk :]}  # fmt: skip
+        else:
+            views["qkv_scale"] = None
         for name, value in views.items():
             object.__setattr__(self, name, value)
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the projections are block-FP8."""
+        return self.qkv_scale is not None
+
+    def nbytes(self) -> int:
+        """Device bytes of the layer's attention weights (projections, their scales, norms)."""
+        tensors = (self.qkv_proj, self.o_proj, self.qkv_scale, self.o_scale, self.input_norm, self.q_norm,
+                   self.k_norm, self.post_norm)  # fmt: skip
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 @dataclass(frozen=True)
@@ -180,20 +217,29 @@ def load(path: str | Path, runtime: RuntimeConfig) -> LoadedModel:
     dense_weights = DenseWeights(embed=embed, final_norm=dense("model.norm.weight", h), lm_head=lm_head)
 
     shared, placements = build_shared(cfg, runtime)
+    keep_fp8 = cfg.fp8_attention(runtime.dequantize_attention)
 
     attention, moe = [], []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}"
+        a = f"{p}.self_attn"
+        shapes = {"q": (cfg.num_heads * d, h), "k": (cfg.num_kv_heads * d, h), "v": (cfg.num_kv_heads * d, h),
+                  "o": (h, cfg.num_heads * d)}  # fmt: skip
+        names = {n: f"{a}.{n}_proj.weight" for n in shapes}
+        # a block-FP8 checkpoint's projections stay FP8 (all four or none: the q/k/v weight is fused)
+        if keep_fp8 and all(reader.get(names[n]).dtype == fp8.FP8_DTYPE for n in shapes):
+            held = {n: _checked_fp8(reader, names[n], shapes[n]) for n in shapes}
+            projections = {f"{n}_proj": w.to(device) for n, (w, _) in held.items()}
+            projections |= {f"{n}_scale": s.to(device) for n, (_, s) in held.items()}
+        else:
+            projections = {f"{n}_proj": dense(names[n], *shapes[n]) for n in shapes}
         attention.append(
             AttentionWeights(
                 input_norm=dense(f"{p}.input_layernorm.weight", h),
-                q_proj=dense(f"{p}.self_attn.q_proj.weight", cfg.num_heads * d, h),
-                k_proj=dense(f"{p}.self_attn.k_proj.weight", cfg.num_kv_heads * d, h),
-                v_proj=dense(f"{p}.self_attn.v_proj.weight", cfg.num_kv_heads * d, h),
-                o_proj=dense(f"{p}.self_attn.o_proj.weight", h, cfg.num_heads * d),
-                q_norm=dense(f"{p}.self_attn.q_norm.weight", d),
-                k_norm=dense(f"{p}.self_attn.k_norm.weight", d),
+                q_norm=dense(f"{a}.q_norm.weight", d),
+                k_norm=dense(f"{a}.k_norm.weight", d),
                 post_norm=dense(f"{p}.post_attention_layernorm.weight", h),
+                **projections,
             )
         )
         placement = placements[i]

@@ -16,7 +16,9 @@ Paths `MoeCausalLM.from_pretrained` accepts:
   `python -m paged_experts.server --model-path DIR ...`.
 
 FP8 presets (`qwen3-30b-a3b-fp8-shape`, `tiny-fp8`) quantize the generated experts per 128 x 128 block
-on the generator's device (fp8.quantize) into an FP8 host store with its scales; attention stays dense.
+on the generator's device (fp8.quantize) into an FP8 host store with its scales, and the attention
+projections the same way (kept FP8 on the device unless `RuntimeConfig.dequantize_attention`): the tensors
+`synth` writes for the preset, as `loader.load` places them.
 
 The host weights of the last model built are cached in this process, so runtimes of different
 modes over the same seeded weights (a benchmark's cells) share one host store.
@@ -145,19 +147,31 @@ def host_weights(
     def values(name: str) -> torch.Tensor:
         return weightgen.values_torch(seed, src[name], gen_device, dtype).to("cpu")
 
+    # FP8 presets' projections are quantized from the fp32 values, as `synth` writes them; kept FP8 in the host
+    # copy whenever the layout allows (build_from_config dequantizes them for a runtime that asks)
+    fp8_attention = cfg.fp8_attention()
+
+    def projection(name: str, short: str) -> dict[str, torch.Tensor]:
+        if not cfg.fp8_weights:
+            return {f"{short}_proj": values(name)}
+        q, scale = fp8.quantize(weightgen.values_torch(seed, src[name], gen_device))  # [O, I] fp8, [O/128, I/128]
+        if fp8_attention:
+            return {f"{short}_proj": q.to("cpu"), f"{short}_scale": scale.to("cpu")}
+        return {f"{short}_proj": fp8.dequantize(q, scale, dtype).to("cpu")}
+
     attention, routers, experts = [], [], []
     for layer in range(cfg.num_layers):
         pre = f"model.layers.{layer}"
+        projections: dict[str, torch.Tensor] = {}
+        for short in ("q", "k", "v", "o"):
+            projections |= projection(f"{pre}.self_attn.{short}_proj.weight", short)
         attention.append(
             AttentionWeights(
                 input_norm=values(f"{pre}.input_layernorm.weight"),
-                q_proj=values(f"{pre}.self_attn.q_proj.weight"),
-                k_proj=values(f"{pre}.self_attn.k_proj.weight"),
-                v_proj=values(f"{pre}.self_attn.v_proj.weight"),
-                o_proj=values(f"{pre}.self_attn.o_proj.weight"),
                 q_norm=values(f"{pre}.self_attn.q_norm.weight"),
                 k_norm=values(f"{pre}.self_attn.k_norm.weight"),
                 post_norm=values(f"{pre}.post_attention_layernorm.weight"),
+                **projections,
             )
         )
         routers.append(values(f"{pre}.mlp.gate.weight"))
@@ -196,10 +210,16 @@ def build_from_config(cfg: MoeModelConfig, runtime: RuntimeConfig, seed: int, si
 
     dense = DenseWeights(embed=dev(hw.embed), final_norm=dev(hw.final_norm), lm_head=dev(hw.lm_head))
     shared, placements = build_shared(cfg, runtime)
+    keep_fp8 = cfg.fp8_attention(runtime.dequantize_attention)
     attention, moe = [], []
     for i in range(cfg.num_layers):
         a = hw.attention[i]
-        attention.append(AttentionWeights(**{f.name: dev(getattr(a, f.name)) for f in fields(a) if f.init}))
+        held: dict[str, torch.Tensor] = {f.name: getattr(a, f.name) for f in fields(a) if f.init}
+        held = {name: t for name, t in held.items() if t is not None}  # a dense layer's scales are None
+        if a.fp8 and not keep_fp8:  # dequantized at placement, as loader.load does a checkpoint's
+            for short in ("q", "k", "v", "o"):
+                held[f"{short}_proj"] = fp8.dequantize(held[f"{short}_proj"], held.pop(f"{short}_scale"), dtype)
+        attention.append(AttentionWeights(**{name: dev(t) for name, t in held.items()}))
         moe.append(make_layer(i, placements[i], dev(hw.routers[i]), hw.experts[i], shared, cfg, runtime))
     return LoadedModel(config=cfg, dense=dense, attention=tuple(attention), moe=tuple(moe), counters=shared.counters)
 

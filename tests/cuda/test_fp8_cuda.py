@@ -8,7 +8,10 @@
   host-planned multi-wave prefill), with the grouped backend and with the triton backend;
 - graphed FP8 paged decode (triton backend) equals eager paged decode within bf16 rounding;
 - a device-planned FP8 paged layer does not synchronize the host;
-- the unpaged-scale control fails equality on the GPU too.
+- the unpaged-scale control fails equality on the GPU too;
+- the attention projections kept FP8 (kernels/linear_fp8.py): both kernels in bf16 against the dequantized
+  weight, at the real q/k/v and o shapes for decode and prefill row counts; the compiled, graphed decode
+  (the server's path) with FP8 attention against eager, and against the dequantized attention's logits.
 
 Plain functions, so the module also runs as a script: `python tests/cuda/test_fp8_cuda.py`.
 """
@@ -264,3 +267,52 @@ if __name__ == "__main__":
     from _script import run_tests
 
     raise SystemExit(run_tests(globals()))
+
+
+def test_fp8_linear_kernels_bf16() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from test_fp8_attention import check_fp8_linear
+
+    check_fp8_linear(device="cuda", dtype=torch.bfloat16, tol=2e-2)
+
+
+def test_fp8_linear_at_the_real_shapes() -> None:
+    """q/k/v fused (N 5,120 x K 2,048) and o (2,048 x 4,096) at every decode row bucket and a prefill chunk:
+    within bf16 rounding of the dequantized weight's fp32 product."""
+    from paged_experts.kernels.linear_fp8 import fp8_linear
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    for n, k in ((5120, 2048), (2048, 4096)):
+        q, scale = fp8.quantize(torch.randn(n, k, device="cuda", generator=gen) / 45)
+        dense = fp8.dequantize(q, scale, torch.float32)
+        for m in (1, 2, 3, 4, 8, 16, 17, 2048):
+            x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+            got = fp8_linear(x, q, scale).float()
+            want = x.float() @ dense.T
+            err = ((got - want).abs().max() / want.abs().max()).item()
+            print(f"fp8_linear N={n} K={k} M={m}: max error / max value {err:.2e}")
+            assert err < 1e-2, (n, k, m, err)
+
+
+def test_compiled_graphed_decode_with_fp8_attention() -> None:
+    """The server's decode path (triton backend, compiled attention halves, CUDA graphs) with the attention
+    projections FP8: graphed equals eager within bf16 rounding, and the logits stay close to those of the
+    dequantized attention (the same weights; only the products' rounding differs)."""
+    paged = rt(kernel_backend="triton", mode="paged", resident_experts=40)
+    model = MoeCausalLM.from_pretrained(QWEN2, paged)
+    assert all(a.fp8 for a in model.attention_layers)
+    eager = decode(model, PROMPTS, steps=5)
+    model = MoeCausalLM.from_pretrained(QWEN2, paged)
+    model.enable_cuda_graphs([1, 2, 3, 4], compile_layers=True)
+    graphed = decode(model, PROMPTS, steps=5)
+    assert model.graph_replays == 5
+    worst = max(((a - b).abs().max() / b.abs().max().clamp(min=1)).item() for a, b in zip(graphed, eager))
+    print(f"compiled graphed vs eager decode, FP8 attention: worst relative difference {worst:.2e}")
+    assert worst < 5e-2
+    deq = MoeCausalLM.from_pretrained(QWEN2, rt(kernel_backend="triton", mode="paged", resident_experts=40,
+                                                dequantize_attention=True))  # fmt: skip
+    assert not any(a.fp8 for a in deq.attention_layers)
+    first = decode(deq, PROMPTS, steps=0)
+    worst = max(((a - b).abs().max() / b.abs().max().clamp(min=1)).item() for a, b in zip(first, eager))
+    print(f"prefill logits, FP8 against dequantized attention: worst relative difference {worst:.2e}")
+    assert worst < 5e-2

@@ -50,7 +50,7 @@ from paged_experts.residency.page_in import PageIn
 from paged_experts.residency.policies import DEFAULT_EVICTION_POLICY, DEFAULT_PREFILL_KEEP
 from paged_experts.server.options import GRAPHABLE_MODES, MODE_OPTION, Namer, ServeOptions, mode_problems, problems
 from paged_experts.server.threads import default_cpu_threads
-from paged_experts.shape import ModelShape
+from paged_experts.shape import FP8, ModelShape
 
 GB = 10**9  # vram_budget_gb is decimal gigabytes
 # This schema's names for the server's options where they differ (options.ServeOptions has the rest).
@@ -122,6 +122,9 @@ class BuiltinOptions(EngineOptions):
     # Freeze the loaded server's heap for the garbage collector (ServeOptions.gc_freeze; None = the server's
     # default, on); left out of the dumped options when unset, so the server ids of matrices without it stay
     gc_freeze: bool | None = Field(None, exclude_if=lambda v: v is None)
+    # Block-FP8 checkpoints: the attention projections dequantized at load (RuntimeConfig.dequantize_attention;
+    # None = the server's default, kept FP8); left out of the dumped options when unset like gc_freeze
+    dequantize_attention: bool | None = Field(None, exclude_if=lambda v: v is None)
     expert_kernel: Literal["fused", "loop"] = "fused"  # grouped matmuls, or the per-expert reference loop
     overlap_schedule: bool = True  # launch a greedy decode step before the previous one's tokens are read
     cpu_threads: int | None = Field(None, ge=1)  # torch's intra-op threads; None: this machine's cores minus one
@@ -303,6 +306,7 @@ class BuiltinAdapter(EngineAdapter):
             overlap_schedule=perf["overlap_schedule"],
             cpu_threads=perf["cpu_threads"],
             gc_freeze=perf["gc_freeze"],
+            dequantize_attention=bool(opts.dequantize_attention),
             served_model_name=opts.model,  # what the runner's requests name (404 for another name)
         )
         seed = ("routing_seed",) if serve.routing_source is not None else ()  # the seed of a synthetic source
@@ -311,6 +315,7 @@ class BuiltinAdapter(EngineAdapter):
         fused = ("fused_page_in",) if serve.fused_page_in else ()  # written when on
         copies: tuple[str, ...] = ("page_in",) if opts.page_in is not None else ()  # written when set
         copies += ("prefill_staging_rows",) if opts.prefill_staging_rows is not None else ()
+        copies += ("dequantize_attention",) if opts.dequantize_attention else ()  # written when on
         # every flag explicit, in the order earlier manifests wrote them (the command line is recorded)
         order = (*_LEADING_FLAGS, "routing_source", *seed, *_TRAILING_FLAGS, *overlap, *capped, *fused, *copies)
         order += ("gc_freeze",)  # always written: the server's default changed (it froze nothing before)
@@ -382,7 +387,11 @@ class BuiltinAdapter(EngineAdapter):
             facts["random_weights"] = True  # untrained router: the report's caveat says how it routed
         compute = opts.dtype or ("float32" if opts.device == "cpu" else cfg.torch_dtype)
         blocks = " (128x128 blocks)" if cfg.fp8_weights else ""
-        facts["weights"] = {"source": self._source_weights(spec), "format": f"{compute}, experts {dtype}{blocks}"}
+        attention = f", attention {FP8}{blocks}" if cfg.fp8_attention(bool(opts.dequantize_attention)) else ""
+        facts["weights"] = {
+            "source": self._source_weights(spec),
+            "format": f"{compute}, experts {dtype}{blocks}{attention}",
+        }
         return facts
 
     def _source_weights(self, spec: ServerSpec) -> dict[str, Any]:
@@ -438,7 +447,9 @@ class BuiltinAdapter(EngineAdapter):
                 raise
             raise UserError(f"{exc} (prefill_staging_rows {rows} leave K at most E - rows = {max_k})") from None
         dtype = opts.dtype or ("float32" if opts.device == "cpu" else cfg.torch_dtype)
-        return memory.projections(model_dir, dtype, spec.fairness.kv_capacity_tokens, ks, rows)
+        return memory.projections(
+            model_dir, dtype, spec.fairness.kv_capacity_tokens, ks, rows, bool(opts.dequantize_attention)
+        )
 
 
 def _dist_version(name: str) -> str | None:

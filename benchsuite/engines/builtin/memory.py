@@ -26,7 +26,7 @@ SOURCE = "preflight"
 @dataclass(frozen=True)
 class KProjection:
     k: int
-    non_expert_bytes: int  # embeddings, LM head, attention, norms, routers (compute dtype)
+    non_expert_bytes: int  # embeddings, LM head, attention (FP8 where the server keeps it so), norms, routers
     kv_bytes: int  # kv_capacity_tokens x kv_bytes_per_token
     slot_bytes: int  # one resident expert in every MoE layer
     staging_bytes: int = 0  # the prefill staging rows (RuntimeConfig.prefill_staging_rows), one expert each
@@ -57,14 +57,18 @@ def projections(
     kv_capacity_tokens: int,
     ks: range,
     staging_rows: int = 0,
+    dequantize_attention: bool = False,
 ) -> dict[int, KProjection]:
     """The projection of every K in `ks` for the checkpoint's runtime config (its shape owns the sizes);
-    `staging_rows`: the prefill staging rows the server holds (RuntimeConfig.prefill_staging_rows)."""
+    `staging_rows`: the prefill staging rows the server holds (RuntimeConfig.prefill_staging_rows);
+    a block-FP8 checkpoint's attention projections count as FP8 with their scales unless
+    `dequantize_attention` (MoeModelConfig.fp8_attention)."""
     cfg = MoeModelConfig.from_dir(model_dir)
     shape = cfg.shape
     expert_dtype = cfg.expert_dtype(compute_dtype)
     slot = shape.slot_bytes(expert_dtype)
     kv = kv_capacity_tokens * shape.kv_bytes_per_token(dtype_bytes(compute_dtype))
-    non_expert = shape.non_expert_weight_bytes(dtype_bytes(compute_dtype))
+    fp8_attention = cfg.fp8_attention(dequantize_attention)
+    non_expert = shape.non_expert_weight_bytes(dtype_bytes(compute_dtype), fp8_attention=fp8_attention)
     staging = staging_rows * shape.expert_bytes(expert_dtype)  # one expert of one layer a row
     return {k: KProjection(k, non_expert, kv, slot, staging) for k in ks}

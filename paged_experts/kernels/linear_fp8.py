@@ -1,0 +1,164 @@
+"""The dense block-FP8 linear in Triton: attention projections kept as a block-FP8 checkpoint stores them.
+
+`fp8_linear(x, w, scale)`: x [M, K] (bf16 / fp16 / fp32), w [N, K] float8_e4m3fn with float32 128 x 128 block
+scales [ceil(N/128), ceil(K/128)] -> [M, N] = x @ (w * scale)^T in x's dtype, fp32 accumulation. The weight is
+read as its FP8 bytes (half of bf16's), never dequantized into memory: the attention projections of
+Qwen3-30B-A3B take 0.91 GB this way against 1.81 GB in bf16, room for ~4 more resident experts per layer at a
+16 GB budget, and half the bytes a decode token reads for them.
+
+Two kernels, chosen by M (never by anything else, so a row computes the same bits in every step of its size):
+- M <= GEMV_MAX_ROWS (decode): `_fp8_gemv`, one program per BN output features holding all M rows, the
+  weight tile converted to fp32 and multiplied elementwise with the activations times their column's block
+  scale (the decode expert kernels' arithmetic, moe_triton `_gate_up`), reduced over K in fp32;
+- larger M (prefill): `_fp8_dense`, the grouped prefill kernel's tile (moe_grouped_fp8 `_grouped_tile`) over
+  one group: tensor-core MMA of a converted weight tile, each 128 x 128 block's scale applied to its partial
+  product in fp32.
+Tiles: `LINEAR_TILES` (per row bucket), overridden by `PAGED_EXPERTS_FP8_LINEAR_TILES`; benchmarks/
+fp8_linear_h200.py sweeps them on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the CPU torch wheel ships no Triton
+    triton = None
+
+if triton is not None:
+    from paged_experts.kernels.moe_grouped_fp8 import _grouped_tile
+
+QUANT_BLOCK = 128  # fp8.BLOCK
+GEMV_MAX_ROWS = 16  # larger steps take the MMA tiles
+
+
+@dataclass(frozen=True)
+class GemvTiles:
+    block_n: int  # output features per program (divides 128: the tile shares one row of scales)
+    block_k: int  # reduction step
+    num_warps: int
+
+
+# Untuned, reasoned for the H200 (132 SMs): a decode projection reads 10.5 MB (qkv, N 5,120 x K 2,048) or
+# 8.4 MB (o, 2,048 x 4,096) of FP8, so each SM needs several programs with ~8 KB loads in flight; the
+# [rows, BN, BK] fp32 product stays at <= 64 registers a thread with 4 warps.
+LINEAR_TILES: dict[int, GemvTiles] = {
+    1: GemvTiles(block_n=8, block_k=512, num_warps=4),
+    2: GemvTiles(block_n=8, block_k=256, num_warps=4),
+    4: GemvTiles(block_n=8, block_k=128, num_warps=4),
+    8: GemvTiles(block_n=8, block_k=64, num_warps=4),
+    16: GemvTiles(block_n=4, block_k=64, num_warps=4),
+}
+# Prefill: the published large-M block-FP8 tiles (moe_tiles.GROUPED_FP8): block_m, block_n, block_k, warps, stages.
+DENSE_TILES = (64, 128, 128, 4, 3)
+TILES_ENV = "PAGED_EXPERTS_FP8_LINEAR_TILES"
+"""`1=8x512x4,4=8x128x4` (rows bucket = block_n x block_k x num_warps) overrides LINEAR_TILES' buckets."""
+
+
+def parse_tiles(spec: str, source: str = TILES_ENV) -> dict[int, GemvTiles]:
+    """'1=8x512x4,4=8x128x4' -> {row bucket: GemvTiles}; buckets are LINEAR_TILES' keys, block_n divides 128."""
+    out: dict[int, GemvTiles] = {}
+    for item in filter(None, (p.strip() for p in spec.split(","))):
+        bucket, _, dims = item.partition("=")
+        nums = dims.split("x")
+        ok = bucket.isdigit() and int(bucket) in LINEAR_TILES and len(nums) == 3
+        if not ok or not all(v.isdigit() and int(v) > 0 for v in nums) or QUANT_BLOCK % int(nums[0]):
+            raise ValueError(
+                f"{source}: {item!r} is not <{'|'.join(map(str, LINEAR_TILES))}>=<block_n>x<block_k>x<num_warps>"
+                f" (block_n divides {QUANT_BLOCK})"
+            )
+        out[int(bucket)] = GemvTiles(*(int(v) for v in nums))
+    return out
+
+
+LINEAR_TILES.update(parse_tiles(os.environ.get(TILES_ENV, "")))
+
+
+def row_bucket(m: int) -> int:
+    """The GEMV's row count for M rows: the next power of two (one compiled variant per bucket)."""
+    return 1 << max(0, (m - 1).bit_length())
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _fp8_gemv(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
+        x, w, s, out, M,
+        N: tl.constexpr, K: tl.constexpr, QB: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    ):  # fmt: skip
+        """x [M, K], w [N, K] fp8, s [N/QB, K/QB] fp32 -> out [M, N]; rows M <= MB, one program per BN features."""
+        n0 = tl.program_id(0) * BN
+        n = n0 + tl.arange(0, BN)  # [BN]
+        n_ok = n < N
+        rows = tl.arange(0, MB)  # [MB]
+        m_ok = rows < M
+        sk: tl.constexpr = (K + QB - 1) // QB
+        s_row = (n0 // QB) * sk  # the tile's row of scales (BN divides QB)
+        acc = tl.zeros((MB, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            k = k0 + tl.arange(0, BK)  # [BK]
+            k_ok = k < K
+            sc = tl.load(s + s_row + k // QB, mask=k_ok, other=0.0)  # [BK] each column's block scale
+            xv = tl.load(x + rows[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            xs = xv.to(tl.float32) * sc[None, :]  # [MB, BK]
+            wt = tl.load(w + n[:, None].to(tl.int64) * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += tl.sum(xs[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)  # [MB, BN]
+        tl.store(out + rows[:, None] * N + n[None, :], acc.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _fp8_dense(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
+        a, w, s, out, M,
+        N: tl.constexpr, K: tl.constexpr, QB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):  # fmt: skip
+        """a [M, K], w [N, K] fp8, s [N/QB, K/QB] fp32 -> out [M, N]: the grouped tile over one group."""
+        m0 = (tl.program_id(0) * BM).to(tl.int64)
+        _grouped_tile(a, w, s, w, s, out, 0, m0, M.to(tl.int64), N, K, QB, BM, BN, BK, IEEE, False)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    gemv: GemvTiles | None = None,
+    dense: tuple[int, int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """x [M, K] -> [M, N] = x @ (w * scale)^T in x's dtype (fp32 accumulation, one rounding): w [N, K]
+    float8_e4m3fn, scale [ceil(N/128), ceil(K/128)] float32. Triton (CUDA, or TRITON_INTERPRET=1).
+    gemv / dense: tiles other than the table's (benchmarks/fp8_linear_h200.py sweeps them)."""
+    if triton is None:
+        raise RuntimeError("fp8_linear needs Triton (a CUDA build of torch)")
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k:
+        raise ValueError(f"fp8_linear: x has {k} columns, the weight {w.shape[1]}")
+    out = x.new_empty(m, n)  # [M, N]
+    if m == 0:
+        return out
+    x = x.contiguous()
+    if m <= GEMV_MAX_ROWS:
+        mb = row_bucket(m)
+        t = gemv or LINEAR_TILES[mb]
+        if QUANT_BLOCK % t.block_n:
+            raise ValueError(f"fp8_linear: block_n {t.block_n} must divide {QUANT_BLOCK}")
+        _fp8_gemv[(triton.cdiv(n, t.block_n),)](
+            x, w, scale, out, m, N=n, K=k, QB=QUANT_BLOCK, MB=mb, BN=t.block_n, BK=t.block_k, num_warps=t.num_warps
+        )
+        return out
+    bm, bn, bk, warps, stages = dense or DENSE_TILES
+    if QUANT_BLOCK % bn or QUANT_BLOCK % bk:
+        raise ValueError(f"fp8_linear: block_n {bn} and block_k {bk} must divide {QUANT_BLOCK}")
+    _fp8_dense[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        x, w, scale, out, m, N=n, K=k, QB=QUANT_BLOCK, BM=bm, BN=bn, BK=bk,
+        IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
