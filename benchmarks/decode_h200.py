@@ -60,7 +60,7 @@ DEFAULT_MODES = (  # most important first: a --deadline-s cut drops the tail
 
 
 VARIANT_OPTIONS = ("host", "graphs", "compile", "overlap", "loop", "triton", "prefetch", "torchplan", "pertensor")
-VARIANT_OPTIONS += ("fused", "kernelcopy", "devtables", "unfusedglu")
+VARIANT_OPTIONS += ("fused", "kernelcopy", "devtables", "unfusedglu", "deqattn")
 """Options after '/' in a --modes entry (joined by '+'):
 - host: paged steps planned on the host (device_planning='off'): the path before device planning;
 - graphs: decode steps captured as CUDA graphs (--graphs batch sizes; for paged K only batch sizes
@@ -81,7 +81,9 @@ VARIANT_OPTIONS += ("fused", "kernelcopy", "devtables", "unfusedglu")
 - fused: with triton, a one-token step's misses are read from the pinned host rows by the expert
   kernels and written through to their slots (fused_page_in), no copy kernel before the compute;
 - triton: routing and the expert pass of one-wave steps (<= moe_triton.MAX_PAIRS pairs) as
-  moe_triton's kernels (one routing kernel; per-pair gate+up+SiLU; down with the top-k combine)."""
+  moe_triton's kernels (one routing kernel; per-pair gate+up+SiLU; down with the top-k combine);
+- deqattn: a block-FP8 preset's attention projections dequantized to bf16 at load (dequantize_attention), the
+  layout before 2026-12-03, against the default FP8 projections (kernels/linear_fp8.py)."""
 
 
 def parse_variant(spec: str) -> tuple[str, frozenset[str]]:
@@ -119,6 +121,7 @@ def runtime_for(
     """copy_programs: RuntimeConfig.copy_programs of device-planned paged modes (None elsewhere)."""
     name, _, n = mode.partition(":")
     backend = "triton" if "triton" in options else "grouped"
+    deq = "deqattn" in options  # a block-FP8 model's attention dequantized at load (the layout before 2026-12-03)
     if name == "paged":
         return RuntimeConfig(
             mode="paged",
@@ -132,12 +135,20 @@ def runtime_for(
             kernel_backend=backend,
             copy_programs=None if "host" in options else copy_programs,
             page_in="kernel" if "kernelcopy" in options else "auto",
+            dequantize_attention=deq,
         )
     if name == "cpu-experts":
         return RuntimeConfig(
-            mode="cpu-experts", cpu_expert_layers=int(n), device=device, dtype="bfloat16", kernel_backend=backend
-        )
-    return RuntimeConfig(mode=name, device=device, dtype="bfloat16", kernel_backend=backend)  # type: ignore[arg-type]
+            mode="cpu-experts", cpu_expert_layers=int(n), device=device, dtype="bfloat16", kernel_backend=backend,
+            dequantize_attention=deq,
+        )  # fmt: skip
+    return RuntimeConfig(
+        mode=name,
+        device=device,
+        dtype="bfloat16",
+        kernel_backend=backend,
+        dequantize_attention=deq,  # type: ignore[arg-type]
+    )
 
 
 def sync(device: str) -> None:
