@@ -6,13 +6,16 @@ read as its FP8 bytes (half of bf16's), never dequantized into memory: the atten
 Qwen3-30B-A3B take 0.91 GB this way against 1.81 GB in bf16, room for ~4 more resident experts per layer at a
 16 GB budget, and half the bytes a decode token reads for them.
 
-Two kernels, chosen by M (never by anything else, so a row computes the same bits in every step of its size):
-- M <= GEMV_MAX_ROWS (decode): `_fp8_gemv`, one program per BN output features holding all M rows, the
-  weight tile converted to fp32 and multiplied elementwise with the activations times their column's block
-  scale (the decode expert kernels' arithmetic, moe_triton `_gate_up`), reduced over K in fp32;
-- larger M (prefill): `_fp8_dense`, the grouped prefill kernel's tile (moe_grouped_fp8 `_grouped_tile`) over
-  one group: tensor-core MMA of a converted weight tile, each 128 x 128 block's scale applied to its partial
-  product in fp32.
+Two paths, chosen by M (never by anything else, so a row computes the same bits in every step of its size):
+- M <= GEMV_MAX_ROWS (decode): `_fp8_gemv`, one program per BN output features holding all M rows; each K step
+  multiplies the FP8 weight tile (converted to fp32) elementwise with the activations times their column's block
+  scale (the decode expert kernels' arithmetic, moe_triton `_gate_up`) into a [rows, BN, BK] fp32 accumulator,
+  reduced over BK once at the end: the loop is loads and FMAs only. (The first version reduced every step:
+  2.3-7x slower than cuBLAS' bf16 GEMV at 2-16 rows on the H200, benchmarks/fp8_linear_h200.py.)
+- larger M (prefill): the weight dequantized into a scratch buffer of the activations' dtype (`_dequant`, one
+  read of the FP8 bytes, one write), then `F.linear` (cuBLAS): a Triton MMA over FP8 tiles converted in
+  registers ran 2.3-3x slower than cuBLAS' bf16 at 2,048 rows there. The scratch is one buffer per device and
+  dtype, grown to the largest weight (21 MB at Qwen3-30B-A3B's q/k/v), reused by every layer on the stream.
 Tiles: `LINEAR_TILES` (per row bucket), overridden by `PAGED_EXPERTS_FP8_LINEAR_TILES`; benchmarks/
 fp8_linear_h200.py sweeps them on a GPU.
 """
@@ -23,15 +26,13 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - the CPU torch wheel ships no Triton
     triton = None
-
-if triton is not None:
-    from paged_experts.kernels.moe_grouped_fp8 import _grouped_tile
 
 QUANT_BLOCK = 128  # fp8.BLOCK
 GEMV_MAX_ROWS = 16  # larger steps take the MMA tiles
@@ -44,18 +45,15 @@ class GemvTiles:
     num_warps: int
 
 
-# Untuned, reasoned for the H200 (132 SMs): a decode projection reads 10.5 MB (qkv, N 5,120 x K 2,048) or
-# 8.4 MB (o, 2,048 x 4,096) of FP8, so each SM needs several programs with ~8 KB loads in flight; the
-# [rows, BN, BK] fp32 product stays at <= 64 registers a thread with 4 warps.
+# Untuned for this kernel (the first one's sweep on the H200 favoured 8 features a program and long K steps): the
+# [rows, BN, BK] fp32 accumulator at 32 registers a thread, so several programs fit an SM and hide the loads' latency.
 LINEAR_TILES: dict[int, GemvTiles] = {
     1: GemvTiles(block_n=8, block_k=512, num_warps=4),
     2: GemvTiles(block_n=8, block_k=256, num_warps=4),
-    4: GemvTiles(block_n=8, block_k=128, num_warps=4),
-    8: GemvTiles(block_n=8, block_k=64, num_warps=4),
-    16: GemvTiles(block_n=4, block_k=64, num_warps=4),
+    4: GemvTiles(block_n=8, block_k=256, num_warps=8),
+    8: GemvTiles(block_n=8, block_k=128, num_warps=8),
+    16: GemvTiles(block_n=4, block_k=128, num_warps=8),
 }
-# Prefill: the published large-M block-FP8 tiles (moe_tiles.GROUPED_FP8): block_m, block_n, block_k, warps, stages.
-DENSE_TILES = (64, 128, 128, 4, 3)
 TILES_ENV = "PAGED_EXPERTS_FP8_LINEAR_TILES"
 """`1=8x512x4,4=8x128x4` (rows bucket = block_n x block_k x num_warps) overrides LINEAR_TILES' buckets."""
 
@@ -103,7 +101,7 @@ if triton is not None:
         m_ok = rows < M
         sk: tl.constexpr = (K + QB - 1) // QB
         s_row = (n0 // QB) * sk  # the tile's row of scales (BN divides QB)
-        acc = tl.zeros((MB, BN), dtype=tl.float32)
+        acc = tl.zeros((MB, BN, BK), dtype=tl.float32)  # reduced over BK once, after the loop
         for k0 in range(0, K, BK):
             k = k0 + tl.arange(0, BK)  # [BK]
             k_ok = k < K
@@ -111,30 +109,45 @@ if triton is not None:
             xv = tl.load(x + rows[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             xs = xv.to(tl.float32) * sc[None, :]  # [MB, BK]
             wt = tl.load(w + n[:, None].to(tl.int64) * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += tl.sum(xs[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)  # [MB, BN]
-        tl.store(out + rows[:, None] * N + n[None, :], acc.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+            acc += xs[:, None, :] * wt.to(tl.float32)[None, :, :]  # [MB, BN, BK]
+        res = tl.sum(acc, axis=2)  # [MB, BN]
+        tl.store(out + rows[:, None] * N + n[None, :], res.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
-    def _fp8_dense(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
-        a, w, s, out, M,
-        N: tl.constexpr, K: tl.constexpr, QB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-        IEEE: tl.constexpr,
-    ):  # fmt: skip
-        """a [M, K], w [N, K] fp8, s [N/QB, K/QB] fp32 -> out [M, N]: the grouped tile over one group."""
-        m0 = (tl.program_id(0) * BM).to(tl.int64)
-        _grouped_tile(a, w, s, w, s, out, 0, m0, M.to(tl.int64), N, K, QB, BM, BN, BK, IEEE, False)
+    def _dequant(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
+        w, s, out, N: tl.constexpr, K: tl.constexpr, QB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr
+    ):
+        """w [N, K] fp8, s [N/QB, K/QB] fp32 -> out [N, K] = w * s in out's dtype (fp.dequantize's rounding)."""
+        n = tl.program_id(0) * BN + tl.arange(0, BN)  # [BN]
+        k = tl.program_id(1) * BK + tl.arange(0, BK)  # [BK]
+        ok = (n < N)[:, None] & (k < K)[None, :]
+        sk: tl.constexpr = (K + QB - 1) // QB
+        sc = tl.load(s + (n // QB)[:, None] * sk + (k // QB)[None, :], mask=ok, other=0.0)  # [BN, BK]
+        offs = n[:, None].to(tl.int64) * K + k[None, :]
+        wt = tl.load(w + offs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out + offs, (wt * sc).to(out.dtype.element_ty), mask=ok)
 
 
-def fp8_linear(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    scale: torch.Tensor,
-    gemv: GemvTiles | None = None,
-    dense: tuple[int, int, int, int, int] | None = None,
-) -> torch.Tensor:
+_SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def dequantized(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """w [N, K] fp8 with its block scales -> [N, K] in `dtype`, written into this device's scratch buffer (valid until
+    the next call on it: the caller uses it at once, on the same stream)."""
+    n, k = w.shape
+    key = (w.device, dtype)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < n * k:
+        buf = _SCRATCH[key] = torch.empty(n * k, dtype=dtype, device=w.device)
+    out = buf[: n * k].view(n, k)
+    _dequant[(triton.cdiv(n, 32), triton.cdiv(k, 128))](w, scale, out, N=n, K=k, QB=QUANT_BLOCK, BN=32, BK=128)
+    return out
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, gemv: GemvTiles | None = None) -> torch.Tensor:
     """x [M, K] -> [M, N] = x @ (w * scale)^T in x's dtype (fp32 accumulation, one rounding): w [N, K]
     float8_e4m3fn, scale [ceil(N/128), ceil(K/128)] float32. Triton (CUDA, or TRITON_INTERPRET=1).
-    gemv / dense: tiles other than the table's (benchmarks/fp8_linear_h200.py sweeps them)."""
+    gemv: tiles other than the table's (benchmarks/fp8_linear_h200.py sweeps them)."""
     if triton is None:
         raise RuntimeError("fp8_linear needs Triton (a CUDA build of torch)")
     m, k = x.shape
@@ -154,11 +167,4 @@ def fp8_linear(
             x, w, scale, out, m, N=n, K=k, QB=QUANT_BLOCK, MB=mb, BN=t.block_n, BK=t.block_k, num_warps=t.num_warps
         )
         return out
-    bm, bn, bk, warps, stages = dense or DENSE_TILES
-    if QUANT_BLOCK % bn or QUANT_BLOCK % bk:
-        raise ValueError(f"fp8_linear: block_n {bn} and block_k {bk} must divide {QUANT_BLOCK}")
-    _fp8_dense[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        x, w, scale, out, m, N=n, K=k, QB=QUANT_BLOCK, BM=bm, BN=bn, BK=bk,
-        IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    return out
+    return F.linear(x, dequantized(w, scale, x.dtype))

@@ -63,9 +63,7 @@ if triton is not None:
         g = tl.load(blk_group + b).to(tl.int64)
         if g < 0:  # past the last group's blocks
             return
-        m0 = tl.load(blk_m0 + b).to(tl.int64)
-        m1 = tl.load(blk_m1 + b).to(tl.int64)
-        _grouped_tile(a, w, s, w, s, out, g, m0, m1, N, K, QB, BM, BN, BK, IEEE, False)
+        _grouped_tile(a, w, s, w, s, out, g, b, blk_m0, blk_m1, N, K, QB, BM, BN, BK, IEEE, False)
 
     @triton.jit
     def _grouped_fp8_glu(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
@@ -79,21 +77,20 @@ if triton is not None:
         g = tl.load(blk_group + b).to(tl.int64)
         if g < 0:  # past the last group's blocks
             return
-        m0 = tl.load(blk_m0 + b).to(tl.int64)
-        m1 = tl.load(blk_m1 + b).to(tl.int64)
-        _grouped_tile(a, wg, sg, wu, su, out, g, m0, m1, N, K, QB, BM, BN, BK, IEEE, True)
+        _grouped_tile(a, wg, sg, wu, su, out, g, b, blk_m0, blk_m1, N, K, QB, BM, BN, BK, IEEE, True)
 
     @triton.jit
     def _grouped_tile(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
-        a, w, s, wu, su, out, g, m0, m1,
+        a, w, s, wu, su, out, g, b, blk_m0, blk_m1,
         N: tl.constexpr, K: tl.constexpr, QB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         IEEE: tl.constexpr, GLU: tl.constexpr,
     ):  # fmt: skip
-        """Rows m0 to min(m0 + BM, m1) (of group g >= 0; int64 scalars) times one N tile (program_id(1)); also the
-        dense block-FP8 linear's tile (kernels/linear_fp8.py: g = 0, a one-group table).
-        GLU: w / s are the gate rows and wu / su the up rows (unread otherwise), and out = silu(a W^T) * (a Wu^T),
-        rounded at the points the four launches round: each product to out's dtype, the silu (computed in fp32) to
-        it, then their product (Triton's exponential, not torch's, so a silu can land one rounding apart)."""
+        """Block b (of group g >= 0) times one N tile. GLU: w / s are the gate rows and wu / su the up rows (unread
+        otherwise), and out = silu(a W^T) * (a Wu^T), rounded at the points the four launches round: each
+        product to out's dtype, the silu (computed in fp32) to it, then their product (Triton's exponential,
+        not torch's, so a silu can land one rounding apart)."""
+        m0 = tl.load(blk_m0 + b).to(tl.int64)
+        m1 = tl.load(blk_m1 + b).to(tl.int64)
         n0 = tl.program_id(1) * BN
         m = m0 + tl.arange(0, BM)  # [BM]
         m_ok = m < m1
