@@ -5,9 +5,10 @@ Shapes: Qwen3-30B-A3B's fused q/k/v (N 5,120 x K 2,048) and o (2,048 x 4,096) by
 projection of one layer: `--layers` distinct weights (48: more than the 50 MB L2 holds, so every call reads HBM
 as a decode step's layers do) captured back to back in one CUDA graph and replayed (moe_kernels_h200.time_graph).
 GB/s = the weight's bytes (FP8 + scales, or bf16) / time. For each row bucket (decode steps of 1..16 tokens) the
-table's tiles, every candidate of `--gemv` and bf16 are timed; the fastest candidate per bucket (both shapes'
-times added) is printed as a `PAGED_EXPERTS_FP8_LINEAR_TILES` value. Prefill rows (`--prefill`) time the large-step
-path (the weight dequantized into the scratch buffer, then cuBLAS) against bf16. A candidate whose output differs
+table's tiles, every candidate of `--gemv` and `--mma` (the swap-AB tensor-core kernel) and bf16 are
+timed; the fastest candidate per bucket (both shapes' times added) is printed as a
+`PAGED_EXPERTS_FP8_LINEAR_TILES` value. Prefill rows (`--prefill`) time the large-step path (the weight
+dequantized into the scratch buffer, then cuBLAS) against bf16. A candidate whose output differs
 from the table tiles' by more than bf16 rounding is refused.
 
     python benchmarks/fp8_linear_h200.py --out fp8_linear.json [--buckets 1,2,4] [--prefill 2048]
@@ -36,6 +37,7 @@ from paged_experts.kernels import linear_fp8  # noqa: E402
 from paged_experts.kernels.linear_fp8 import GemvTiles  # noqa: E402
 
 GEMV = "4,8,16:128,256,512,1024:4,8"  # block_n list : block_k list : num_warps list
+MMA = "16,32,64:64,128:4:3,4"  # the swap-AB tensor-core kernel: block_n : block_k : num_warps : num_stages lists
 
 
 def gemv_candidates(spec: str, bucket: int) -> list[GemvTiles]:
@@ -49,12 +51,25 @@ def gemv_candidates(spec: str, bucket: int) -> list[GemvTiles]:
     ]
 
 
+def mma_candidates(spec: str) -> list[GemvTiles]:
+    """'block_n list:block_k list:warps list:stages list' -> swap-AB tiles (block_n and block_k divide 128)."""
+    if not spec:
+        return []
+    bn, bk, warps, stages = (tuple(int(v) for v in part.split(",")) for part in spec.split(":"))
+    return [
+        GemvTiles(n, k, w, kind="mma", num_stages=st)
+        for n, k, w, st in itertools.product(bn, bk, warps, stages)
+        if 128 % n == 0 and 128 % k == 0
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--shapes", default="5120x2048,2048x4096", help="N x K of each projection")
     ap.add_argument("--buckets", default="1,2,4,8,16")
     ap.add_argument("--gemv", default=GEMV)
+    ap.add_argument("--mma", default=MMA, help="swap-AB candidates ('' for none)")
     ap.add_argument("--prefill", default="2048", help="prefill row counts ('' for none)")
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--replays", type=int, default=20)
@@ -86,19 +101,19 @@ def main(argv: list[str] | None = None) -> int:
             timed("fp8 (table tiles)", n, k, m, lambda w, x=x: linear_fp8.fp8_linear(x, *w), qs, fp8_bytes)
             tol = 2e-2 * ref.abs().max().item()
             if m <= linear_fp8.GEMV_MAX_ROWS:
-                for t in gemv_candidates(args.gemv, linear_fp8.row_bucket(m)):
+                for t in gemv_candidates(args.gemv, linear_fp8.row_bucket(m)) + mma_candidates(args.mma):
                     out = linear_fp8.fp8_linear(x, *qs[0], gemv=t).float()
                     if (out - ref).abs().max().item() > tol:
                         print(f"  refused {t}: output differs")
                         continue
-                    label = f"gemv {t.block_n}x{t.block_k}x{t.num_warps}"
+                    label = f"{t.kind} {t.spec().removeprefix('mma:')}"
                     sec = timed(label, n, k, m, lambda w, x=x, t=t: linear_fp8.fp8_linear(x, *w, gemv=t), qs, fp8_bytes)
                     best.setdefault(m, {}).setdefault(t, 0.0)
                     best[m][t] += sec
         del qs, dense
         torch.cuda.empty_cache()
     spec = ",".join(
-        f"{m}={t.block_n}x{t.block_k}x{t.num_warps}"
+        f"{m}={t.spec()}"
         for m, per in sorted(best.items())
         for t in [min(per, key=per.__getitem__)]
         if m in linear_fp8.LINEAR_TILES

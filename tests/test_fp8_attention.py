@@ -34,7 +34,7 @@ LINEAR_CASES += ((17, 256, 256), (70, 200, 300))
 def check_fp8_linear(device: str = "cpu", dtype: torch.dtype = torch.float32, tol: float = 1e-5) -> None:
     """fp8_linear against x @ dequantize(w)^T in fp32, and a row's bits independent of the other rows' values
     in a step of the same size (the kernel and its reduction order are chosen by the row count alone)."""
-    from paged_experts.kernels.linear_fp8 import fp8_linear
+    from paged_experts.kernels.linear_fp8 import GEMV_MAX_ROWS, GemvTiles, fp8_linear
 
     gen = torch.Generator().manual_seed(11)
     for m, n, k in LINEAR_CASES:
@@ -48,6 +48,11 @@ def check_fp8_linear(device: str = "cpu", dtype: torch.dtype = torch.float32, to
         others = x.clone()
         others[:-1] = torch.randn(m - 1, k, generator=gen).to(device, dtype)
         assert torch.equal(fp8_linear(others, q, scale)[-1].cpu(), got[-1].cpu()), (m, n, k)
+        if m <= GEMV_MAX_ROWS:  # the tensor-core variant a bucket's tiles may name (swap-AB)
+            mma = GemvTiles(block_n=16, block_k=64, num_warps=4, kind="mma", num_stages=2)
+            got_mma = fp8_linear(x, q, scale, gemv=mma)
+            torch.testing.assert_close(got_mma.float().cpu(), want, rtol=tol, atol=bound)
+            assert torch.equal(fp8_linear(others, q, scale, gemv=mma)[-1].cpu(), got_mma[-1].cpu()), (m, n, k)
         print("ok", (m, n, k))
 
 
@@ -55,6 +60,17 @@ def test_fp8_linear_matches_the_dequantized_weight_in_the_interpreter() -> None:
     pytest.importorskip("triton")
     out = run_interpreted("test_fp8_attention", "check_fp8_linear")
     assert out.count("ok ") == len(LINEAR_CASES)
+
+
+def test_tiles_spec_round_trip() -> None:
+    from paged_experts.kernels.linear_fp8 import GemvTiles, parse_tiles
+
+    tiles = parse_tiles("1=4x1024x4,4=mma:32x128x4x3")
+    assert tiles == {1: GemvTiles(4, 1024, 4), 4: GemvTiles(32, 128, 4, kind="mma", num_stages=3)}
+    assert parse_tiles(",".join(f"{b}={t.spec()}" for b, t in tiles.items())) == tiles
+    for bad in ("3=4x1024x4", "1=5x1024x4", "1=mma:16x96x4x3", "1=4x1024", "1=mmx:16x64x4x3"):
+        with pytest.raises(ValueError, match="PAGED_EXPERTS_FP8_LINEAR_TILES"):
+            parse_tiles(bad)
 
 
 def test_linear_through_torch_compile_equals_eager() -> None:

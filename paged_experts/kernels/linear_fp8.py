@@ -12,6 +12,7 @@ Two paths, chosen by M (never by anything else, so a row computes the same bits 
   scale (the decode expert kernels' arithmetic, moe_triton `_gate_up`) into a [rows, BN, BK] fp32 accumulator,
   reduced over BK once at the end: the loop is loads and FMAs only. (The first version reduced every step:
   2.3-7x slower than cuBLAS' bf16 GEMV at 2-16 rows on the H200, benchmarks/fp8_linear_h200.py.)
+  A bucket's tiles may instead name `_fp8_mma` (kind 'mma'): the same product on the tensor cores, swap-AB;
 - larger M (prefill): the weight dequantized into a scratch buffer of the activations' dtype (`_dequant`, one
   read of the FP8 bytes, one write), then `F.linear` (cuBLAS): a Triton MMA over FP8 tiles converted in
   registers ran 2.3-3x slower than cuBLAS' bf16 at 2,048 rows there. The scratch is one buffer per device and
@@ -40,37 +41,60 @@ GEMV_MAX_ROWS = 16  # larger steps take the MMA tiles
 
 @dataclass(frozen=True)
 class GemvTiles:
+    """One row bucket's kernel and tiles. kind 'gemv': `_fp8_gemv` (fp32 FMAs); 'mma': `_fp8_mma`, the weight tile
+    as the MMA's first operand and the activations transposed as its second (swap-AB: the rows pad to 16 columns of
+    the tensor-core tile, not to 16 of its rows), each 128-column block's scale applied to its partial product."""
+
     block_n: int  # output features per program (divides 128: the tile shares one row of scales)
-    block_k: int  # reduction step
+    block_k: int  # reduction step ('mma': divides 128, one scale per step)
     num_warps: int
+    kind: str = "gemv"
+    num_stages: int = 3  # 'mma' only: the loads' software pipeline
+
+    def spec(self) -> str:
+        """The PAGED_EXPERTS_FP8_LINEAR_TILES value of these tiles (parse_tiles reads it back)."""
+        dims = f"{self.block_n}x{self.block_k}x{self.num_warps}"
+        return f"mma:{dims}x{self.num_stages}" if self.kind == "mma" else dims
 
 
-# Untuned for this kernel (the first one's sweep on the H200 favoured 8 features a program and long K steps): the
-# [rows, BN, BK] fp32 accumulator at 32 registers a thread, so several programs fit an SM and hide the loads' latency.
+# The H200's fastest (benchmarks/fp8_linear_h200.py, 2026-12-03, the q/k/v and o shapes' times added): at one row
+# 4 features a program over 1,024-column steps, 14.4 us for both projections against cuBLAS' bf16 16.3 us; at 2 and 4
+# rows the GEMV stays slower than bf16 (18.2 and 29.7 us against 16.6 and 16.5: benchmarks/results/h200/
+# 2026-12-03-attnfp8/README.md). Buckets 8 and 16: not swept, the [rows, BN, BK] accumulator at 32 registers a thread.
 LINEAR_TILES: dict[int, GemvTiles] = {
-    1: GemvTiles(block_n=8, block_k=512, num_warps=4),
-    2: GemvTiles(block_n=8, block_k=256, num_warps=4),
-    4: GemvTiles(block_n=8, block_k=256, num_warps=8),
+    1: GemvTiles(block_n=4, block_k=1024, num_warps=4),
+    2: GemvTiles(block_n=4, block_k=1024, num_warps=4),
+    4: GemvTiles(block_n=8, block_k=512, num_warps=8),
     8: GemvTiles(block_n=8, block_k=128, num_warps=8),
     16: GemvTiles(block_n=4, block_k=128, num_warps=8),
 }
 TILES_ENV = "PAGED_EXPERTS_FP8_LINEAR_TILES"
-"""`1=8x512x4,4=8x128x4` (rows bucket = block_n x block_k x num_warps) overrides LINEAR_TILES' buckets."""
+"""`1=4x1024x4,4=mma:32x128x4x3` (rows bucket = [mma:]block_n x block_k x num_warps[x num_stages]) overrides
+LINEAR_TILES' buckets."""
 
 
 def parse_tiles(spec: str, source: str = TILES_ENV) -> dict[int, GemvTiles]:
-    """'1=8x512x4,4=8x128x4' -> {row bucket: GemvTiles}; buckets are LINEAR_TILES' keys, block_n divides 128."""
+    """'1=4x1024x4,4=mma:32x128x4x3' -> {row bucket: GemvTiles}; buckets are LINEAR_TILES' keys, block_n divides
+    128 (and for mma block_k too)."""
     out: dict[int, GemvTiles] = {}
     for item in filter(None, (p.strip() for p in spec.split(","))):
         bucket, _, dims = item.partition("=")
+        kind, _, dims = dims.rpartition(":")
         nums = dims.split("x")
-        ok = bucket.isdigit() and int(bucket) in LINEAR_TILES and len(nums) == 3
-        if not ok or not all(v.isdigit() and int(v) > 0 for v in nums) or QUANT_BLOCK % int(nums[0]):
+        want = 4 if kind == "mma" else 3
+        ok = bucket.isdigit() and int(bucket) in LINEAR_TILES and kind in ("", "mma") and len(nums) == want
+        ok = ok and all(v.isdigit() and int(v) > 0 for v in nums)
+        if ok and (QUANT_BLOCK % int(nums[0]) or (kind == "mma" and QUANT_BLOCK % int(nums[1]))):
+            ok = False
+        if not ok:
             raise ValueError(
-                f"{source}: {item!r} is not <{'|'.join(map(str, LINEAR_TILES))}>=<block_n>x<block_k>x<num_warps>"
-                f" (block_n divides {QUANT_BLOCK})"
+                f"{source}: {item!r} is not <{'|'.join(map(str, LINEAR_TILES))}>=<block_n>x<block_k>x<num_warps> or "
+                f"...=mma:<block_n>x<block_k>x<num_warps>x<num_stages> (block_n, and an mma's block_k, divide "
+                f"{QUANT_BLOCK})"
             )
-        out[int(bucket)] = GemvTiles(*(int(v) for v in nums))
+        values = [int(v) for v in nums]
+        tiles = GemvTiles(*values[:3], kind="mma", num_stages=values[3]) if kind else GemvTiles(*values)
+        out[int(bucket)] = tiles
     return out
 
 
@@ -112,6 +136,34 @@ if triton is not None:
             acc += xs[:, None, :] * wt.to(tl.float32)[None, :, :]  # [MB, BN, BK]
         res = tl.sum(acc, axis=2)  # [MB, BN]
         tl.store(out + rows[:, None] * N + n[None, :], res.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _fp8_mma(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
+        x, w, s, out, M,
+        N: tl.constexpr, K: tl.constexpr, QB: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):  # fmt: skip
+        """_fp8_gemv's product on the tensor cores, swap-AB: acc [BN, MB] = W tile [BN, BK] @ x^T [BK, MB] per K step
+        (MB >= 16 columns, the rows past M masked), times the step's block scale (BK divides QB)."""
+        n0 = tl.program_id(0) * BN
+        n = n0 + tl.arange(0, BN)  # [BN]
+        n_ok = n < N
+        rows = tl.arange(0, MB)  # [MB]
+        m_ok = rows < M
+        sk: tl.constexpr = (K + QB - 1) // QB
+        s_row = (n0 // QB) * sk
+        acc = tl.zeros((BN, MB), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            k = k0 + tl.arange(0, BK)  # [BK], inside one scale block
+            k_ok = k < K
+            wt = tl.load(w + n[:, None].to(tl.int64) * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            xt = tl.load(x + rows[None, :] * K + k[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)  # [BK, MB]
+            sc = tl.load(s + s_row + k0 // QB)
+            if IEEE:
+                acc += sc * tl.dot(wt.to(xt.dtype), xt, input_precision="ieee")  # [BN, MB]
+            else:
+                acc += sc * tl.dot(wt.to(xt.dtype), xt)  # [BN, MB]
+        tl.store(out + rows[None, :] * N + n[:, None], acc.to(out.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
 
     @triton.jit
     def _dequant(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
@@ -161,9 +213,16 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, gemv: Gemv
     if m <= GEMV_MAX_ROWS:
         mb = row_bucket(m)
         t = gemv or LINEAR_TILES[mb]
-        if QUANT_BLOCK % t.block_n:
-            raise ValueError(f"fp8_linear: block_n {t.block_n} must divide {QUANT_BLOCK}")
-        _fp8_gemv[(triton.cdiv(n, t.block_n),)](
+        if QUANT_BLOCK % t.block_n or (t.kind == "mma" and QUANT_BLOCK % t.block_k):
+            raise ValueError(f"fp8_linear: tiles {t.spec()}: block_n (and an mma's block_k) must divide {QUANT_BLOCK}")
+        grid = (triton.cdiv(n, t.block_n),)
+        if t.kind == "mma":
+            _fp8_mma[grid](
+                x, w, scale, out, m, N=n, K=k, QB=QUANT_BLOCK, MB=max(16, mb), BN=t.block_n, BK=t.block_k,
+                IEEE=x.dtype == torch.float32, num_warps=t.num_warps, num_stages=t.num_stages,
+            )  # fmt: skip
+            return out
+        _fp8_gemv[grid](
             x, w, scale, out, m, N=n, K=k, QB=QUANT_BLOCK, MB=mb, BN=t.block_n, BK=t.block_k, num_warps=t.num_warps
         )
         return out
