@@ -110,13 +110,12 @@ def test_gguf_q8_0_experts_are_the_bf16_experts(tiny_pair: tuple[Path, Path]) ->
             )
             assert stacked.dtype == torch.bfloat16
             assert torch.equal(deq, stacked.float())  # exact: no quantization error
-    # bf16 attention: the very bits; norms and router F32: the same values
-    q = tensors["blk.1.attn_q.weight"]
-    assert q.tensor_type == Q.BF16
-    q_bits = np.asarray(q.data).view(np.uint16).reshape(-1)
-    assert np.array_equal(
-        q_bits, weights["model.layers.1.self_attn.q_proj.weight"].view(torch.int16).numpy().view(np.uint16).reshape(-1)
-    )
+    # Q8_0 attention (as llama-quantize types a Q8_0 file): the very values; norms and router F32: the same values
+    for proj, base in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
+        t = tensors[f"blk.1.{base}.weight"]
+        assert t.tensor_type == Q.Q8_0
+        deq = torch.from_numpy(gguf.quants.dequantize(t.data, Q.Q8_0).astype(np.float32))
+        assert torch.equal(deq, weights[f"model.layers.1.self_attn.{proj}_proj.weight"].float())
     norm = np.asarray(tensors["blk.0.attn_norm.weight"].data)
     assert np.array_equal(norm, weights["model.layers.0.input_layernorm.weight"].float().numpy())
 

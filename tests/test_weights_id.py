@@ -69,7 +69,7 @@ def test_adapters_record_source_and_format(made: dict[str, Path]) -> None:
     spec = ServerSpec("l", "llamacpp", LlamaCppOptions(model=str(made["gguf"])), Fairness(10240), 1, "l")
     llama = LlamaCppAdapter()._weights(spec)
     assert llama["source"]["id"] == b["weights"]["source"]["id"]
-    assert llama["format"] == "GGUF experts Q8_0, attention BF16, embeddings BF16, output BF16"
+    assert llama["format"] == "GGUF experts Q8_0, attention Q8_0, embeddings BF16, output BF16"
 
 
 def test_a_gguf_without_facts_has_an_unknown_source(made: dict[str, Path], tmp_path: Path) -> None:

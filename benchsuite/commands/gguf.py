@@ -2,10 +2,11 @@
 (HF Qwen3-MoE) checkpoint as a qwen3moe GGUF that llama-server loads (benchsuite.engines.llamacpp.gguf_export).
 
 `benchsuite gguf synth --preset P [--layers N] [--seed S] --out FILE`: a seeded synthetic GGUF of a
-preset's shape with the built-in engine's weights for that preset, layers and seed (Q8_0 experts
-that equal its bf16 experts), with no checkpoint in between, and beside it FILE.json (its facts:
-seed, shape, bytes per expert, the source-weights fingerprint; recorded by the llamacpp engine) and
-FILE.hf/ (the preset's tokenizer, for exact-length prompts) (benchsuite.engines.llamacpp.gguf_synth).
+preset's shape with the built-in engine's weights for that preset, layers and seed (Q8_0 experts and,
+by default, Q8_0 attention projections that equal its bf16 values), with no checkpoint in between, and
+beside it FILE.json (its facts: seed, shape, bytes per expert, the source-weights fingerprint; recorded by
+the llamacpp engine) and FILE.hf/ (the preset's tokenizer, for exact-length prompts)
+(benchsuite.engines.llamacpp.gguf_synth).
 An export writes FILE.json too (its checkpoint's fingerprint and directory)."""
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     synth.add_argument("--seed", type=int, default=0)
     synth.add_argument("--out", required=True, type=Path, help="GGUF file to write (FILE.json and FILE.hf/ beside it)")
     synth.add_argument("--workers", type=int, default=None, help="writer processes (default: every core)")
+    synth.add_argument(
+        "--attention-type",
+        choices=("q8_0", "bf16"),
+        default="q8_0",
+        help="the attention projections' type: q8_0 (the default, as llama-quantize types a Q8_0 file: 8-bit like "
+        "the block-FP8 attention the built-in engine keeps) or bf16 (the layout before 2026-12-03)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -67,7 +75,9 @@ def _synth(args: argparse.Namespace) -> int:
         raise UserError(f"--layers must be >= 1, got {args.layers}")
     if args.workers is not None and args.workers < 1:
         raise UserError(f"--workers must be >= 1, got {args.workers}")
-    facts = write_with_facts(args.out, args.preset, args.layers, args.seed, args.workers)
+    facts = write_with_facts(
+        args.out, args.preset, args.layers, args.seed, args.workers, attention_type=args.attention_type
+    )
     print(
         json.dumps({k: facts[k] for k in ("path", "bytes", "layers", "seed", "expert_type", "expert_bytes", "write_s")})
     )

@@ -65,6 +65,7 @@ _LAYER_NAMES = {
     "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate.weight": "ffn_gate_inp.weight",
 }
+_ATTENTION_PROJ = tuple(f"self_attn.{p}_proj.weight" for p in "qkvo")
 _EXPERT_PROJ = {
     "gate_proj": "ffn_gate_exps",
     "up_proj": "ffn_up_exps",
@@ -135,11 +136,12 @@ def plan_tensors(
     shapes: Mapping[str, tuple[int, ...]],
     export_type: str,
     expert_type: str | None = None,
+    attention_type: str | None = None,
 ) -> list[PlannedTensor]:
     """Every GGUF tensor in file order, from the HF config and the checkpoint's tensor shapes.
 
     `expert_type` (default: `export_type`) types the stacked expert tensors alone, e.g. Q8_0
-    experts next to BF16 attention.
+    experts next to BF16 embeddings; `attention_type` (default: `export_type`) the q, k, v and o projections.
     """
     layers, experts = int(hf["num_hidden_layers"]), int(hf["num_experts"])
     planned: list[PlannedTensor] = []
@@ -157,7 +159,8 @@ def plan_tensors(
     add("token_embd.weight", ("model.embed_tokens.weight",))
     for i in range(layers):
         for hf_suffix, gguf_suffix in _LAYER_NAMES.items():
-            add(f"blk.{i}.{gguf_suffix}", (f"model.layers.{i}.{hf_suffix}",))
+            kind = (attention_type or export_type) if hf_suffix in _ATTENTION_PROJ else export_type
+            add(f"blk.{i}.{gguf_suffix}", (f"model.layers.{i}.{hf_suffix}",), kind)
         for proj, gguf_base in _EXPERT_PROJ.items():
             sources = tuple(f"model.layers.{i}.mlp.experts.{e}.{proj}.weight" for e in range(experts))
             # [E, I, H] gate/up, [E, H, I] down
@@ -435,7 +438,7 @@ def expert_facts(path: Path) -> dict[str, Any]:
 
 
 def tensor_formats(path: Path) -> str:
-    """How a GGUF stores its weights, from its tensor table: `GGUF experts Q8_0, attention BF16, ...`."""
+    """How a GGUF stores its weights, from its tensor table: `GGUF experts Q8_0, attention Q8_0, ...`."""
     kinds = {name: kind for name, kind, _, _ in iter_tensor_bytes(path)}
     parts = [("experts", "blk.0.ffn_gate_exps.weight"), ("attention", "blk.0.attn_q.weight"),
              ("embeddings", "token_embd.weight"), ("output", "output.weight")]  # fmt: skip

@@ -13,7 +13,10 @@ a counter hash, LUT the 256 int8 midpoint quantiles of N(0, 1). So:
 - Q8_0 expert blocks are written directly: the 32 int8 quants ARE LUT[b_j], every block's fp16
   scale is 2**exponent, and the dequantized experts equal the built-in model's bf16 experts
   exactly (no quantization error: the values were chosen to be representable in both);
-- BF16 / F16 / F32 matrices are the exact values (every one fits 8 significant bits); norms F32.
+- BF16 / F16 / F32 matrices are the exact values (every one fits 8 significant bits); norms F32;
+- the attention projections are Q8_0 by default, written the same way (exact), as `llama-quantize` types
+  them in a Q8_0 file: 8-bit like the block-FP8 attention the built-in engine keeps (`attention_type`
+  `bf16`: the layout before 2026-12-03, 0.9 GB more at Qwen3-30B-A3B's shape).
 Chunk boundaries do not matter (a counter hash has no state): the bytes are a function of
 (preset shape, layers, seed, types) whatever the worker count.
 
@@ -86,6 +89,7 @@ class SynthGguf:
     seed: int
     expert_type: str
     dense_type: str
+    attention_type: str
     expert_bytes: int  # one expert's gate + up + down
     num_tensors: int
     write_s: float
@@ -243,12 +247,13 @@ def write_synthetic_gguf(
     dense_type: str = "bf16",
     workers: int | None = None,
     log: Any = sys.stderr,
+    attention_type: str = "q8_0",
 ) -> SynthGguf:
     """Write `out` (atomically: a temporary file in the same directory, renamed at the end)."""
     started = time.perf_counter()
     out = Path(out).expanduser()
     hf, fields, silent = synthetic_model(preset, layers, seed)
-    planned = plan_tensors(hf, synthetic_shapes(hf), dense_type, expert_type=expert_type)
+    planned = plan_tensors(hf, synthetic_shapes(hf), dense_type, expert_type=expert_type, attention_type=attention_type)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     writer = gguf.GGUFWriter(tmp, ARCH)
@@ -277,7 +282,8 @@ def write_synthetic_gguf(
             tmp.unlink()
     return SynthGguf(
         path=out, bytes=out.stat().st_size, layers=int(hf["num_hidden_layers"]), seed=seed, expert_type=expert_type,
-        dense_type=dense_type, expert_bytes=expert_bytes(planned, int(hf["num_experts"])), num_tensors=len(planned),
+        dense_type=dense_type, attention_type=attention_type,
+        expert_bytes=expert_bytes(planned, int(hf["num_experts"])), num_tensors=len(planned),
         write_s=time.perf_counter() - started, workers=n_workers, shape={k: int(hf[k]) for k in SHAPE_KEYS},
         source_weights=weightgen.recipe_record(hf, seed, silent),
     )  # fmt: skip
@@ -288,19 +294,28 @@ def companion_dir(gguf_path: Path) -> Path:
 
 
 def write_with_facts(
-    out: str | Path, preset: str, layers: int | None, seed: int, workers: int | None, log: Any = sys.stderr
+    out: str | Path,
+    preset: str,
+    layers: int | None,
+    seed: int,
+    workers: int | None,
+    log: Any = sys.stderr,
+    attention_type: str = "q8_0",
 ) -> dict[str, Any]:
     """The GGUF, its weightless HF directory and its facts file (written last: its presence says
     the other two are complete); returns the facts."""
     from benchsuite.tools.machine import git_facts
     from paged_experts.weights.synth_memory import write_weightless
 
-    s = write_synthetic_gguf(out, preset=preset, layers=layers, seed=seed, workers=workers, log=log)
+    s = write_synthetic_gguf(
+        out, preset=preset, layers=layers, seed=seed, workers=workers, log=log, attention_type=attention_type
+    )
     hf_dir = write_weightless(preset, companion_dir(s.path), layers=s.layers, seed=seed)
     facts = {
         "made_by": "benchsuite gguf synth", "path": str(s.path.resolve()),
         "bytes": s.bytes, "preset": preset, "layers": s.layers, "seed": seed, "shape": s.shape,
-        "expert_type": s.expert_type.upper(), "dense_type": s.dense_type, "expert_bytes": s.expert_bytes,
+        "expert_type": s.expert_type.upper(), "dense_type": s.dense_type,
+        "attention_type": s.attention_type.upper(), "expert_bytes": s.expert_bytes,
         "num_tensors": s.num_tensors, "hf_dir": str(hf_dir.resolve()), "write_s": round(s.write_s, 2),
         "workers": s.workers, "git": git_facts().model_dump(mode="json"), "source_weights": s.source_weights,
         "random_weights": True,
