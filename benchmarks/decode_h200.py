@@ -82,8 +82,8 @@ VARIANT_OPTIONS += ("fused", "kernelcopy", "devtables", "unfusedglu", "deqattn")
   kernels and written through to their slots (fused_page_in), no copy kernel before the compute;
 - triton: routing and the expert pass of one-wave steps (<= moe_triton.MAX_PAIRS pairs) as
   moe_triton's kernels (one routing kernel; per-pair gate+up+SiLU; down with the top-k combine);
-- deqattn: a block-FP8 preset's attention projections dequantized to bf16 at load (dequantize_attention), the
-  layout before 2026-12-03, against the default FP8 projections (kernels/linear_fp8.py)."""
+- deqattn: a block-FP8 preset's attention projections dequantized to bf16 at load (dequantize_attention: the bytes of
+  the layout before 2026-12-03, the FP8 values), against the default FP8 projections (kernels/linear_fp8.py)."""
 
 
 def parse_variant(spec: str) -> tuple[str, frozenset[str]]:

@@ -2,7 +2,8 @@
 
 `linear(x, weight, scale)`: scale None -> `F.linear(x, weight)`; else weight [N, K] float8_e4m3fn with
 float32 128 x 128 block scales [ceil(N/128), ceil(K/128)] (fp8.py's layout): on CUDA Triton's
-kernels/linear_fp8 (the weight's FP8 bytes read in place), elsewhere the weight dequantized to x's dtype
+kernels/linear_fp8 (decode steps read the FP8 bytes in place; larger ones dequantize into a scratch buffer
+for cuBLAS), elsewhere the weight dequantized to x's dtype
 for the call (fp8.dequantize, then `F.linear`: the CPU reference). Inside torch.compile the FP8 path is
 the opaque op `paged_experts::fp8_linear`, so a compiled attention block calls the kernel as it is
 (Dynamo does not trace into the launcher) and one compiled function still serves every layer.

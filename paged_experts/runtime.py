@@ -85,7 +85,10 @@ class RuntimeConfig:
     kernel_backend: str = "grouped"
     # Block-FP8 checkpoints: their attention projections dequantized to `dtype` at load, instead of kept FP8
     # on the device (MoeModelConfig.fp8_attention): 2x their bytes (0.9 GB more at Qwen3-30B-A3B's shape).
-    # The runtime did this before 2026-12-03; the option keeps that layout measurable beside the new one.
+    # The runtime did this with every checkpoint before 2026-12-03; the option keeps that layout measurable beside
+    # the new one, and loads a checkpoint declared FP8 whose attention is stored dense. (The in-memory build of the
+    # FP8 presets, synth_memory, kept the unquantized generated values before 2026-12-03; now it holds the FP8
+    # values a checkpoint of the preset stores, so this option gives the same bytes but those values.)
     dequantize_attention: bool = False
 
     def __post_init__(self) -> None:

@@ -1,5 +1,6 @@
 """Block-FP8 attention projections kept FP8 on the device (kernels/linear_fp8.py, projection.py):
-- the two Triton kernels (decode GEMV, prefill MMA tile) against the dequantized weight, every row bucket,
+- the kernels (the decode GEMV and its swap-AB MMA variant; larger steps: the dequantization into the scratch
+  buffer, then the dense product) against the dequantized weight, every row bucket,
   partial N and K blocks, under the interpreter (the CUDA twin runs the same check in bf16 at the real shape);
 - `projection.linear` through torch.compile (the opaque op) equals the eager call;
 - a block-FP8 checkpoint loads with FP8 attention (both loaders: safetensors and the in-memory build), the
@@ -26,7 +27,7 @@ from paged_experts.model import MoeCausalLM
 from paged_experts.projection import linear
 from paged_experts.runtime import RuntimeConfig
 
-# (M rows, N, K): every GEMV bucket (1..16), the MMA path (17, 70), N and K off the 128 blocks
+# (M rows, N, K): every GEMV bucket (1..16), the scratch path (17, 70), N and K off the 128 blocks
 LINEAR_CASES = ((1, 384, 256), (2, 200, 300), (3, 256, 384), (4, 384, 256), (7, 136, 256), (16, 256, 130))
 LINEAR_CASES += ((17, 256, 256), (70, 200, 300))
 
@@ -74,19 +75,27 @@ def test_tiles_spec_round_trip() -> None:
 
 
 def test_linear_through_torch_compile_equals_eager() -> None:
-    """Inside torch.compile the FP8 projection is the opaque op paged_experts::fp8_linear: same values, and
-    one compiled function serves weights of another layer (no recompile per weight)."""
+    """Inside torch.compile the FP8 projection is the opaque op paged_experts::fp8_linear in the graph (not the
+    launcher traced), with the eager values, and one compiled graph serves the weights of every layer."""
     gen = torch.Generator().manual_seed(2)
     layers = [fp8.quantize(torch.randn(256, 128, generator=gen) / 8) for _ in range(3)]
     x = torch.randn(4, 128, generator=gen)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        graphs.append(gm)
+        return gm.forward
 
     def proj(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
         return torch.relu(linear(x, w, s)) + 1.0
 
     torch._dynamo.reset()
-    compiled = torch.compile(proj, dynamic=False, backend="eager")
+    compiled = torch.compile(proj, dynamic=False, backend=backend)
     for w, s in layers:
         torch.testing.assert_close(compiled(x, w, s), proj(x, w, s), rtol=0, atol=0)
+    assert len(graphs) == 1, f"{len(graphs)} graphs compiled for 3 layers' weights"
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert torch.ops.paged_experts.fp8_linear in targets, targets
     dense = fp8.dequantize(*layers[0], torch.float32)
     torch.testing.assert_close(proj(x, dense, None), proj(x, *layers[0]), rtol=0, atol=0)
 
@@ -126,9 +135,9 @@ def test_fp8_checkpoint_keeps_attention_fp8(tmp_path: Path, source: str) -> None
         assert torch.equal(d.k_proj, fp8.dequantize(a.k_proj, a.k_scale, torch.float32))  # the views line up
         assert torch.equal(d.o_proj, fp8.dequantize(a.o_proj, a.o_scale, torch.float32))
         assert a.nbytes() < d.nbytes() / 3  # 1 byte a weight against fp32's 4, plus the scales
-    # on the CPU the FP8 path dequantizes per call: the same products, so the same logits
+    # on the CPU the FP8 path dequantizes per call: the same weights and products, so the same logits
     for x, y in zip(_logits(kept, [5, 17, 300, 41, 9]), _logits(deq, [5, 17, 300, 41, 9])):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+        assert torch.equal(x, y)
 
 
 def test_memory_projection_counts_what_the_model_holds() -> None:
@@ -159,6 +168,25 @@ def test_qwen3_30b_attention_bytes() -> None:
     scales = 4 * (32 * 16 + 4 * 16 * 2 + 16 * 32)
     assert dense - kept == 48 * (per_layer - scales)
     assert 0.90e9 < dense - kept < 0.91e9
+
+
+def test_declared_fp8_attention_stored_dense_is_refused_unless_dequantized(tmp_path: Path) -> None:
+    """config.json decides the memory projection and the weights' format fact: a checkpoint declared block-FP8
+    whose attention is stored dense is refused with one line naming the tensor and the option that loads it."""
+    from safetensors.torch import load_file, save_file
+
+    ckpt = _fp8_checkpoint(tmp_path)
+    (shard,) = sorted(ckpt.glob("*.safetensors"))
+    tensors = load_file(str(shard))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensors[name] = fp8.dequantize(
+        tensors[name], tensors.pop(name.removesuffix("weight") + fp8.SCALE_SUFFIX), torch.float32
+    )
+    save_file(tensors, str(shard))
+    with pytest.raises(ValueError, match=rf"^{name} is torch.float32, .* \(--dequantize-attention loads"):
+        MoeCausalLM.from_pretrained(ckpt, RuntimeConfig())
+    model = MoeCausalLM.from_pretrained(ckpt, RuntimeConfig(dequantize_attention=True))
+    assert not any(a.fp8 for a in model.attention_layers)
 
 
 def test_unaligned_heads_are_dequantized() -> None:

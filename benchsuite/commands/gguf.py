@@ -46,6 +46,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
+_SUMMARY_KEYS = ("path", "bytes", "layers", "seed", "expert_type", "attention_type", "expert_bytes", "write_s")
+
+
 def main(args: argparse.Namespace) -> int:
     if args.gguf_command == "synth":
         return _synth(args)
@@ -79,7 +82,12 @@ def _synth(args: argparse.Namespace) -> int:
         args.out, args.preset, args.layers, args.seed, args.workers, attention_type=args.attention_type
     )
     print(
-        json.dumps({k: facts[k] for k in ("path", "bytes", "layers", "seed", "expert_type", "expert_bytes", "write_s")})
+        json.dumps(
+            {
+                k: facts[k]
+                for k in ("path", "bytes", "layers", "seed", "expert_type", "attention_type", "expert_bytes", "write_s")
+            }
+        )
     )
     print(f"facts: {facts_path(Path(facts['path']))}; tokenizer: {facts['hf_dir']}")
     return 0

@@ -2,7 +2,7 @@
 
 `fp8_linear(x, w, scale)`: x [M, K] (bf16 / fp16 / fp32), w [N, K] float8_e4m3fn with float32 128 x 128 block
 scales [ceil(N/128), ceil(K/128)] -> [M, N] = x @ (w * scale)^T in x's dtype, fp32 accumulation. The weight is
-read as its FP8 bytes (half of bf16's), never dequantized into memory: the attention projections of
+stored as its FP8 bytes (half of bf16's), and decode steps read it so: the attention projections of
 Qwen3-30B-A3B take 0.91 GB this way against 1.81 GB in bf16, room for ~4 more resident experts per layer at a
 16 GB budget, and half the bytes a decode token reads for them.
 
@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover - the CPU torch wheel ships no Triton
     triton = None
 
 QUANT_BLOCK = 128  # fp8.BLOCK
-GEMV_MAX_ROWS = 16  # larger steps take the MMA tiles
+GEMV_MAX_ROWS = 16  # larger steps dequantize into the scratch buffer for cuBLAS
 
 
 @dataclass(frozen=True)
@@ -84,16 +84,18 @@ def parse_tiles(spec: str, source: str = TILES_ENV) -> dict[int, GemvTiles]:
         want = 4 if kind == "mma" else 3
         ok = bucket.isdigit() and int(bucket) in LINEAR_TILES and kind in ("", "mma") and len(nums) == want
         ok = ok and all(v.isdigit() and int(v) > 0 for v in nums)
-        if ok and (QUANT_BLOCK % int(nums[0]) or (kind == "mma" and QUANT_BLOCK % int(nums[1]))):
-            ok = False
+        if ok:  # Triton's aranges take powers of two; the MMA's operands at least 16 on each side
+            bn, bk = int(nums[0]), int(nums[1])
+            ok = QUANT_BLOCK % bn == 0 and bk & (bk - 1) == 0
+            ok = ok and (kind != "mma" or (QUANT_BLOCK % bk == 0 and bn >= 16 and bk >= 16))
         if not ok:
             raise ValueError(
                 f"{source}: {item!r} is not <{'|'.join(map(str, LINEAR_TILES))}>=<block_n>x<block_k>x<num_warps> or "
-                f"...=mma:<block_n>x<block_k>x<num_warps>x<num_stages> (block_n, and an mma's block_k, divide "
-                f"{QUANT_BLOCK})"
+                f"...=mma:<block_n>x<block_k>x<num_warps>x<num_stages> (powers of two; block_n, and an mma's "
+                f"block_k, divide {QUANT_BLOCK}; an mma's both at least 16)"
             )
-        values = [int(v) for v in nums]
-        tiles = GemvTiles(*values[:3], kind="mma", num_stages=values[3]) if kind else GemvTiles(*values)
+        bn, bk, warps = (int(v) for v in nums[:3])
+        tiles = GemvTiles(bn, bk, warps, kind="mma", num_stages=int(nums[3])) if kind else GemvTiles(bn, bk, warps)
         out[int(bucket)] = tiles
     return out
 
@@ -180,6 +182,8 @@ if triton is not None:
         tl.store(out + offs, (wt * sc).to(out.dtype.element_ty), mask=ok)
 
 
+# One buffer per device and dtype, grown to the largest weight and shared by every layer (every call uses it at once,
+# on the stream it runs on): a model-owned buffer would cost one per model in a process that holds several.
 _SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
@@ -190,6 +194,12 @@ def dequantized(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
     key = (w.device, dtype)
     buf = _SCRATCH.get(key)
     if buf is None or buf.numel() < n * k:
+        if w.is_cuda and torch.cuda.is_current_stream_capturing():
+            # a captured graph would keep writing into the old buffer after it is freed: grow it before capture
+            raise RuntimeError(
+                f"fp8_linear: the dequantization scratch ({0 if buf is None else buf.numel()} elements) must grow to "
+                f"{n * k} inside a CUDA graph capture; run one eager step of this shape before capturing"
+            )
         buf = _SCRATCH[key] = torch.empty(n * k, dtype=dtype, device=w.device)
     out = buf[: n * k].view(n, k)
     _dequant[(triton.cdiv(n, 32), triton.cdiv(k, 128))](w, scale, out, N=n, K=k, QB=QUANT_BLOCK, BN=32, BK=128)

@@ -150,11 +150,15 @@ def _scale_name(weight_name: str) -> str:
     return weight_name.removesuffix("weight") + fp8.SCALE_SUFFIX
 
 
-def _checked_fp8(reader: CheckpointReader, name: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """An FP8 weight and its block scales, dtype and shapes checked: ([O, I] fp8, [O/128, I/128] fp32)."""
+def _checked_fp8(
+    reader: CheckpointReader, name: str, shape: tuple[int, int], dense_hint: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 weight and its block scales, dtype and shapes checked: ([O, I] fp8, [O/128, I/128] fp32).
+    dense_hint: the refusal of a weight stored otherwise names the option that loads it dense (attention)."""
     w = _checked(reader, name, shape)
     if w.dtype != fp8.FP8_DTYPE:
-        raise ValueError(f"{name} is {w.dtype}, a block-FP8 checkpoint stores it as {fp8.FP8_DTYPE}")
+        hint = " (--dequantize-attention loads a checkpoint whose attention is not FP8)" if dense_hint else ""
+        raise ValueError(f"{name} is {w.dtype}, a block-FP8 checkpoint stores it as {fp8.FP8_DTYPE}{hint}")
     scale_name = _scale_name(name)
     if not reader.has(scale_name):
         raise ValueError(f"{scale_name} is missing: FP8 weight {name} has no block scales")
@@ -226,9 +230,10 @@ def load(path: str | Path, runtime: RuntimeConfig) -> LoadedModel:
         shapes = {"q": (cfg.num_heads * d, h), "k": (cfg.num_kv_heads * d, h), "v": (cfg.num_kv_heads * d, h),
                   "o": (h, cfg.num_heads * d)}  # fmt: skip
         names = {n: f"{a}.{n}_proj.weight" for n in shapes}
-        # a block-FP8 checkpoint's projections stay FP8 (all four or none: the q/k/v weight is fused)
-        if keep_fp8 and all(reader.get(names[n]).dtype == fp8.FP8_DTYPE for n in shapes):
-            held = {n: _checked_fp8(reader, names[n], shapes[n]) for n in shapes}
+        # a block-FP8 checkpoint's projections stay FP8 (all four: the q/k/v weight is fused); _checked_fp8 refuses one
+        # stored otherwise, so the memory projection and the weights' format fact (both from config.json) hold
+        if keep_fp8:
+            held = {n: _checked_fp8(reader, names[n], shapes[n], dense_hint=True) for n in shapes}
             projections = {f"{n}_proj": w.to(device) for n, (w, _) in held.items()}
             projections |= {f"{n}_scale": s.to(device) for n, (_, s) in held.items()}
         else:

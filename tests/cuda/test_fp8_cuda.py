@@ -262,13 +262,6 @@ def test_unpaged_scale_is_caught_on_the_gpu() -> None:
     assert not all(torch.equal(a, b) for a, b in zip(paged, resident))
 
 
-if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _script import run_tests
-
-    raise SystemExit(run_tests(globals()))
-
-
 def test_fp8_linear_kernels_bf16() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from test_fp8_attention import check_fp8_linear
@@ -316,3 +309,10 @@ def test_compiled_graphed_decode_with_fp8_attention() -> None:
     worst = max(((a - b).abs().max() / b.abs().max().clamp(min=1)).item() for a, b in zip(first, eager))
     print(f"prefill logits, FP8 against dequantized attention: worst relative difference {worst:.2e}")
     assert worst < 5e-2
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _script import run_tests
+
+    raise SystemExit(run_tests(globals()))

@@ -336,6 +336,7 @@ class BuiltinAdapter(EngineAdapter):
         resolved = {
             "prefill_residency": opts.resolved_prefill_residency(),
             "eviction_policy": opts.resolved_eviction_policy(),
+            "dequantize_attention": bool(opts.dequantize_attention),  # unset: the server's default, kept FP8
         }
         return {**opts.model_dump(mode="json"), **resolved, **opts.performance(spec.max_concurrency)}
 
