@@ -98,6 +98,26 @@ def test_k_that_fits_published_desktop_and_laptop(shape: pf.ModelShape) -> None:
     assert 26 <= laptop.formats[0].k_fit <= 28  # published laptop K=26 fits, little headroom
 
 
+def test_fp8_format_counts_fp8_attention(shape: pf.ModelShape) -> None:
+    """A block-FP8 checkpoint's attention projections are FP8 too (SGLang and the built-in runtime keep them so):
+    the fp8 column's non-expert bytes are 0.90 GB lower than bf16 attention's, which is ~4 more K at 16 GB; the
+    other formats and an explicit --non-expert-gb are unchanged."""
+    inp = pfr.PreflightInputs(shape=shape, formats=("bf16", "fp8", "int4"), vram_bytes=16 * pf.GIB_BYTES)
+    bf16, fp8, int4 = pfr.preflight(inp).formats
+    dense = shape.non_expert_weight_bytes(2.0)
+    assert bf16.non_expert_weight_bytes == int4.non_expert_weight_bytes == dense
+    assert fp8.non_expert_weight_bytes == shape.non_expert_weight_bytes(2.0, fp8_attention=True)
+    assert 0.90e9 < dense - fp8.non_expert_weight_bytes < 0.91e9
+    assert int4.k_fit == 92  # the published desktop K, as before
+    explicit = pfr.PreflightInputs(
+        shape=shape, formats=("fp8",), vram_bytes=16 * pf.GIB_BYTES, explicit_non_expert_bytes=dense
+    )
+    old = pfr.preflight(explicit).formats[0]
+    assert old.non_expert_weight_bytes == dense
+    assert fp8.k_fit is not None and old.k_fit is not None
+    assert fp8.k_fit - old.k_fit in (3, 4)  # 0.90 GB over 227 MB slots
+
+
 def test_verdict_flags_waves_and_pinned_overflow(shape: pf.ModelShape) -> None:
     inp = pfr.PreflightInputs(
         shape=shape, formats=("fp8",), k=24, concurrency=4, ram_bytes=54 * pf.GIB_BYTES, wsl2=True

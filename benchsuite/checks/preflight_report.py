@@ -61,6 +61,9 @@ class FormatReport:
     format: str
     expert_bytes: float
     slot_bytes: float
+    # the weights outside the experts in this format: a block-FP8 checkpoint's attention projections are FP8 too
+    # (as SGLang and the built-in runtime keep them), so the fp8 column counts them at 1 byte + their block scales
+    non_expert_weight_bytes: float | None
     kv_tokens_per_slot_bf16: int | None
     kv_tokens_per_slot_fp8: int | None
     k_fit: int | None
@@ -142,6 +145,8 @@ def _format_report(
 ) -> FormatReport:
     s = inp.shape
     slot = slot_bytes(expert_size_bytes, s.num_moe_layers)
+    if fmt == "fp8" and inp.explicit_non_expert_bytes is None and non_expert is not None:
+        non_expert = float(s.non_expert_weight_bytes(inp.non_expert_dtype_bytes, fp8_attention=True))
     k_fit = None
     if inp.vram_bytes is not None and non_expert is not None and kv_bf16 is not None:
         kv_token = kv_bf16 if inp.kv_dtype == "bf16" else kv_fp8
@@ -159,6 +164,7 @@ def _format_report(
         "format": fmt,
         "expert_bytes": float(expert_size_bytes),
         "slot_bytes": slot,
+        "non_expert_weight_bytes": non_expert,
         "kv_tokens_per_slot_bf16": kv_tokens_per_slot(slot, kv_bf16) if kv_bf16 else None,
         "kv_tokens_per_slot_fp8": kv_tokens_per_slot(slot, kv_fp8) if kv_fp8 else None,
         "k_fit": k_fit,

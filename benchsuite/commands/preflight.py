@@ -45,7 +45,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-tokens", type=int, default=10_240, help="KV capacity in tokens (published: 10240)")
     p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16")
     p.add_argument("--overhead-gb", type=float, default=0.25, help="activations, CUDA graphs, slack (GB)")
-    p.add_argument("--non-expert-bytes-per-param", type=float, default=2.0, help="2 = bf16 attention etc.")
+    p.add_argument(
+        "--non-expert-bytes-per-param",
+        type=float,
+        default=2.0,
+        help="2 = bf16 attention etc. (the fp8 format counts its attention projections as block-FP8)",
+    )
     p.add_argument("--link-gbps", help="host->device GB/s: a number, pcie5x16, or a linkbw JSON path")
     p.add_argument("--tok-s", type=float, help="measured single-stream decode tok/s at this K")
     p.add_argument("--concurrency", type=int, default=1, help="target concurrent requests")
@@ -111,6 +116,7 @@ def _fmt(value: float | None, unit: str = "") -> str:
 
 
 _ROWS = (
+    ("non-expert weights (fp8: FP8 attention)", "non_expert_weight_bytes", "GB"),
     ("expert bytes", "expert_bytes", "MB"),
     ("slot bytes (expert x MoE layers)", "slot_bytes", "MB"),
     ("KV tokens per slot (bf16 KV)", "kv_tokens_per_slot_bf16", ""),
@@ -135,7 +141,7 @@ def render_table(report: PreflightReport) -> str:
         f"model {report.model or '(explicit shape)'}: {report.num_moe_layers} MoE layers of {report.num_layers},"
         f" E={report.num_experts}, top_k={report.top_k}",
         f"KV bytes per token: bf16 {_fmt(report.kv_bytes_per_token_bf16)}, fp8 {_fmt(report.kv_bytes_per_token_fp8)};"
-        f" non-expert weights {_fmt(report.non_expert_weight_bytes, 'GB')}",
+        f" non-expert weights {_fmt(report.non_expert_weight_bytes, 'GB')} (per format: the table's first row)",
     ]
     if report.link_b_per_s:
         head.append(f"link {report.link_b_per_s / GB_BYTES:.1f} GB/s ({report.link_source})")
