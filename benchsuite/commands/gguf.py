@@ -41,8 +41,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--attention-type",
         choices=("q8_0", "bf16"),
         default="q8_0",
-        help="the attention projections' type: q8_0 (the default, as llama-quantize types a Q8_0 file: 8-bit like "
-        "the block-FP8 attention the built-in engine keeps) or bf16 (the layout before 2026-12-03)",
+        help="the attention projections' type beside the Q8_0 experts: q8_0 (the default, as llama-quantize types a "
+        "Q8_0 file: 8-bit like the block-FP8 attention the built-in engine keeps) or bf16 (the layout before "
+        "2026-12-03)",
     )
 
 

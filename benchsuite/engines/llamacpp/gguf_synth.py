@@ -14,9 +14,9 @@ a counter hash, LUT the 256 int8 midpoint quantiles of N(0, 1). So:
   scale is 2**exponent, and the dequantized experts equal the built-in model's bf16 experts
   exactly (no quantization error: the values were chosen to be representable in both);
 - BF16 / F16 / F32 matrices are the exact values (every one fits 8 significant bits); norms F32;
-- the attention projections are Q8_0 by default, written the same way (exact), as `llama-quantize` types
-  them in a Q8_0 file: 8-bit like the block-FP8 attention the built-in engine keeps (`attention_type`
-  `bf16`: the layout before 2026-12-03, 0.9 GB more at Qwen3-30B-A3B's shape).
+- beside Q8_0 experts the attention projections are Q8_0 by default, written the same way (exact), as
+  `llama-quantize` types them in a Q8_0 file: 8-bit like the block-FP8 attention the built-in engine keeps
+  (`attention_type` `bf16`: the layout before 2026-12-03, 0.85 GB more at Qwen3-30B-A3B's shape).
 Chunk boundaries do not matter (a counter hash has no state): the bytes are a function of
 (preset shape, layers, seed, types) whatever the worker count.
 
@@ -247,10 +247,14 @@ def write_synthetic_gguf(
     dense_type: str = "bf16",
     workers: int | None = None,
     log: Any = sys.stderr,
-    attention_type: str = "q8_0",
+    attention_type: str | None = None,
 ) -> SynthGguf:
-    """Write `out` (atomically: a temporary file in the same directory, renamed at the end)."""
+    """Write `out` (atomically: a temporary file in the same directory, renamed at the end). attention_type: the
+    q/k/v/o projections' type; None: Q8_0 beside Q8_0 experts (as llama-quantize types a Q8_0 file), else
+    `dense_type` (an all-f32 file stays all f32)."""
     started = time.perf_counter()
+    if attention_type is None:
+        attention_type = "q8_0" if expert_type == "q8_0" else dense_type
     out = Path(out).expanduser()
     hf, fields, silent = synthetic_model(preset, layers, seed)
     planned = plan_tensors(hf, synthetic_shapes(hf), dense_type, expert_type=expert_type, attention_type=attention_type)
@@ -300,7 +304,7 @@ def write_with_facts(
     seed: int,
     workers: int | None,
     log: Any = sys.stderr,
-    attention_type: str = "q8_0",
+    attention_type: str | None = None,
 ) -> dict[str, Any]:
     """The GGUF, its weightless HF directory and its facts file (written last: its presence says
     the other two are complete); returns the facts."""
