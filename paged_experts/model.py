@@ -178,13 +178,17 @@ class MoeCausalLM:
         t1 = time.perf_counter()
         graphed = set(self._graphs.batch_sizes) if self._graphs is not None else set()
         eager = [b for b in range(1, max_batch + 1) if b not in graphed]
-        for b in eager:  # the step's kernels (Triton backends, grouped GEMMs) meet this shape now
-            seqs = [pool.new_sequence() for _ in range(b)]
-            try:
-                self.run_step([SeqChunk(s, [0], 0) for s in seqs])
-            finally:
-                for s in seqs:
-                    pool.free(s)
+        observers, self.routing_observers = self.routing_observers, []  # warm-up steps are no served routing
+        try:
+            for b in eager:  # the step's kernels (Triton backends, grouped GEMMs) meet this shape now
+                seqs = [pool.new_sequence() for _ in range(b)]
+                try:
+                    self.run_step([SeqChunk(s, [0], 0) for s in seqs])
+                finally:
+                    for s in seqs:
+                        pool.free(s)
+        finally:
+            self.routing_observers = observers
         paged = [m for m in self._moe if isinstance(m, PagedLayer) and m.device_residency is not None]
         for m, state in zip(paged, saved):
             residency = m.device_residency

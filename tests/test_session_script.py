@@ -1,7 +1,7 @@
 """configs/h200/session.sh's queue, the part of a device session that decides what runs on the GPU and
 when, with a stand-in `python3` on PATH (it records its calls; its "pytest" passes or fails on demand):
-- `queue cuda JOB...` waits for this machine's build by its pid (not for any process that merely names
-  one), then runs the CUDA tests, then each run in order, never beside the tests;
+- `queue cuda JOB...` runs the CUDA tests at once (beside the build), then waits for this machine's build by
+  its pid (not for any process that merely names one), then runs each run in order, never beside the tests;
 - a failed CUDA test run (here a crash with no summary line) stops the queue before any run (no
   figure on code the GPU found wrong), and `cuda` anywhere but first is refused."""
 
@@ -75,15 +75,18 @@ def _queue(
 
 
 def test_the_queue_runs_the_cuda_tests_first_then_each_run_alone(tmp_path: Path) -> None:
-    """... after this machine's build job (by its pid), and not after an unrelated process whose command
-    line merely names `benchsuite install` (the queue once waited on any such process)."""
+    """The tests at once, beside the build; the runs after this machine's build job (by its pid), and not after an
+    unrelated process whose command line merely names `benchsuite install` (the queue once waited on any such
+    process)."""
     unrelated = subprocess.Popen(["bash", "-c", "sleep 120 # benchsuite install llama-server"])  # noqa: S603, S607
     try:
         calls, log = _queue(tmp_path, fail=False, build_s=3.0)
     finally:
         unrelated.kill()
-    first_start = float(calls[0].split()[0])
-    assert first_start >= float((tmp_path / "build_end").read_text()) - 0.5, "ran before the build ended"
+    build_end = float((tmp_path / "build_end").read_text())
+    tests_start, run_start = float(calls[0].split()[0]), float(calls[2].split()[0])
+    assert tests_start < build_end - 1.0, "the CUDA tests waited for the build (they need none of it)"
+    assert run_start >= build_end - 0.5, "a run started before the build ended"
     what = [" ".join(line.split()[1:]) for line in calls]
     assert what == [
         "start -m pytest tests/cuda -m cuda -q -p no:cacheprovider -o addopts=",

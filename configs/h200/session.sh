@@ -17,7 +17,9 @@
 #   bash configs/h200/session.sh staging    # benchsuite run of configs/h200/staging.yaml (detached; issue 29, ~10 min)
 #   bash configs/h200/session.sh gcfreeze   # benchsuite run of configs/h200/gcfreeze.yaml (detached; the GC heap freeze, ~6 min)
 #   bash configs/h200/session.sh flags      # benchmarks/llamacpp_flags_h200.py at N=30 (detached; issue 24, ~8 min)
-#   bash configs/h200/session.sh queue JOB...  # JOBs (cuda first, then headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|flags) in
+#   bash configs/h200/session.sh policies   # benchmarks/eviction_policies.py over this session's routing traces
+#                                           # (record_routing: headline.yaml's paged servers), one process a trace
+#   bash configs/h200/session.sh queue JOB...  # JOBs (cuda first, then headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|flags|policies) in
 #                                           # order, once prepare's jobs end; a failed CUDA test stops the runs
 #   bash configs/h200/session.sh poll SECS  # wait up to SECS for the running jobs, printing progress
 # CUDA_TESTS (default tests/cuda): the tests `cuda` runs, e.g. one file when a session has time for only one
@@ -44,6 +46,12 @@ FLAGS_CMD="server=\$(grep -ho '/[^ ]*/bin/llama-server' $JOBS/build.log 2>/dev/n
   --model $BENCH_H200_GGUF --ctx 10240 --out $JOBS/flags; else echo 'flags: no llama-server built (build_full.log)'; false; fi"
   # -c as headline.yaml's kv_capacity_tokens
 
+# issue 29's cache policies on the traces the runs recorded (K: 32 and 16 GB's ~54; lfu-decay at a 2-step half-life)
+POLICIES_CMD="if ! ls results/h200-*/routing/*.trace > /dev/null 2>&1; then echo 'policies: no routing trace'; false; \
+  else for t in results/h200-*/routing/*.trace; do python3 benchmarks/eviction_policies.py \"\$t\" --k 32,54 \
+  --half-lives 2 --concurrency 1,4 > $JOBS/policies-\$(basename \"\$t\" .trace).txt 2>&1 & done; wait; \
+  cat $JOBS/policies-*.txt; fi"
+
 site() {  # the carried wheels, once per machine
   if [ ! -d /tmp/site ] && compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -62,9 +70,12 @@ detach() {  # detach NAME CMD...: run CMD in its own session from the copy, log 
 
 collect() {  # the jobs' logs and the runs' results into $OUT (at most 8 files come back)
   for f in "$JOBS"/*.log; do [ -f "$f" ] && tail -c 2000000 "$f" > "$OUT/$(basename "$f")"; done
+  compgen -G "$JOBS/policies-*.txt" > /dev/null && tar -C "$JOBS" -czf "$OUT/policies.tar.gz" $(cd "$JOBS" && ls policies-*.txt)
   [ -d "$JOBS/flags" ] && tar -C "$JOBS" -czf "$OUT/h200-flags.tar.gz" flags 2>/dev/null
   for dir in "$COPY"/results/h200-*; do  # this session's runs only: prepare emptied the copy's results/
-    [ -d "$dir" ] && tar -C "$COPY/results" -czf "$OUT/$(basename "$dir").tar.gz" "$(basename "$dir")" 2>/dev/null
+    # without routing traces (record_routing: tens of MB a server, over what a call brings back; `policies` reads
+    # them there): the run's cells carry their realized and optimal hit rates
+    [ -d "$dir" ] && tar -C "$COPY/results" --exclude=routing -czf "$OUT/$(basename "$dir").tar.gz" "$(basename "$dir")" 2>/dev/null
   done
 }
 
@@ -107,12 +118,16 @@ case "${1:-}" in
     site
     detach flags "$FLAGS_CMD"
     ;;
+  policies)
+    site
+    detach policies "$POLICIES_CMD"
+    ;;
   queue)  # no idle GPU between calls: the jobs run one after another the moment the build and the models are done
     # `cuda` belongs IN the queue (first): a queue started before a separate `session.sh cuda` call could find
     # no test running yet and start its runs beside the tests (2026-12-02: h200-copy's first 12 cells did)
     site
     shift
-    [ $# -gt 0 ] || { echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|flags ..." >&2; exit 2; }
+    [ $# -gt 0 ] || { echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|flags|policies ..." >&2; exit 2; }
     # a failed CUDA test (this session's cuda.log) stops the queue: no figure is measured on code the GPU found wrong
     # (pytest's exit status, so a crash or a kill stops it too, not only a failed assertion)
     guard="if [ -f $JOBS/cuda.rc ] && [ \"\$(cat $JOBS/cuda.rc)\" != 0 ]; then echo 'queue: the CUDA tests failed (cuda.log): nothing run'; exit 1; fi"
@@ -120,27 +135,30 @@ case "${1:-}" in
       [ "$job" != cuda ] || { echo "queue: cuda goes first (the runs after it are what it guards)" >&2; exit 2; }
     done
     steps=""
+    first=true  # the CUDA tests need neither llama-server nor the 48-layer models: they run beside the build
     for job in "$@"; do
       case "$job" in
-        cuda) steps="$steps; python3 -m pytest $CUDA_TESTS -m cuda -q -p no:cacheprovider -o addopts= > $JOBS/cuda.log 2>&1; echo \$? > $JOBS/cuda.rc; echo \"cuda exit \$(cat $JOBS/cuda.rc)\"; tail -n 3 $JOBS/cuda.log" ;;
+        cuda) first="python3 -m pytest $CUDA_TESTS -m cuda -q -p no:cacheprovider -o addopts= > $JOBS/cuda.log 2>&1; echo \$? > $JOBS/cuda.rc; echo \"cuda exit \$(cat $JOBS/cuda.rc)\"; tail -n 3 $JOBS/cuda.log" ;;
         headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8) steps="$steps; $guard; python3 -m benchsuite run configs/h200/$job.yaml --run-id h200-$job${RUN_SUFFIX:-} --no-report; echo \"$job exit \$?\"" ;;
         flags) steps="$steps; $guard; $FLAGS_CMD; echo \"flags exit \$?\"" ;;
-        *) echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|flags ..." >&2; exit 2 ;;
+        policies) steps="$steps; $POLICIES_CMD; echo \"policies exit \$?\"" ;;
+        *) echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|flags|policies ..." >&2; exit 2 ;;
       esac
     done
-    # it waits for this machine's build, models and a separate CUDA test run by their pids (a pattern over
+    # the CUDA tests first, at once (on the GPU, beside the build's and the models' CPU work: slower, not wrong);
+    # the runs wait for this machine's build, models and a separate CUDA test run by their pids (a pattern over
     # every process's command line also matched unrelated ones, a shell running `benchsuite install` among
     # them); the steps run in a subshell, so the guard's exit ends them and the log still gets "exit N"
     # (a zombie, a job ended but not yet reaped, counts as ended)
     busy="for f in $JOBS/build.pid $JOBS/models.pid $JOBS/cuda.pid; do [ -f \$f ] || continue; \
       st=\$(ps -o stat= -p \$(cat \$f) 2> /dev/null); [ -n \"\$st\" ] && [ \"\${st#Z}\" = \"\$st\" ] && exit 0; done; exit 1"
-    detach "$(IFS=-; echo "$*")" "while (${busy}); do sleep 5; done; (true $steps)"
+    detach "$(IFS=-; echo "$*")" "$first; while (${busy}); do sleep 5; done; (true $steps)"
     ;;
   poll)
     site
     end=$(( $(date +%s) + ${2:-60} ))
     while [ "$(date +%s)" -lt "$end" ]; do
-      running=$(pgrep -f "benchsuite (install|run|gguf)|synth_memory|llamacpp_flags_h200" | wc -l)
+      running=$(pgrep -f "benchsuite (install|run|gguf)|synth_memory|llamacpp_flags_h200|eviction_policies" | wc -l)
       echo "$(date +%T) running=$running"
       for f in "$JOBS"/*.log; do  # the runs' and queues' last lines (not the build's, models' or tests')
         case "$(basename "$f")" in build*|models*|cuda.log) continue ;; esac
@@ -150,10 +168,10 @@ case "${1:-}" in
       collect; sleep 20
     done
     # a run's last cell is not its end: the server stops, the optimum is replayed, cells.parquet is written
-    running=$(pgrep -f "benchsuite (install|run|gguf)|synth_memory|llamacpp_flags_h200" | wc -l)  # now, not 20 s ago
+    running=$(pgrep -f "benchsuite (install|run|gguf)|synth_memory|llamacpp_flags_h200|eviction_policies" | wc -l)  # now, not 20 s ago
     [ "$running" -gt 0 ] && echo "STILL RUNNING: poll again now (a machine idle for 30 s is given back)"
     ;;
-  *) echo "usage: $0 prepare [builtin]|cuda|headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|flags|queue [cuda] JOB...|poll SECS" >&2; exit 2 ;;
+  *) echo "usage: $0 prepare [builtin]|cuda|headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|flags|policies|queue [cuda] JOB...|poll SECS" >&2; exit 2 ;;
 esac
 collect
 for f in "$JOBS"/*.log; do [ -f "$f" ] && { echo "== $(basename "$f")"; tail -n 4 "$f"; }; done

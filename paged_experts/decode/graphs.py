@@ -4,7 +4,7 @@ LRU plan, page-in kernel reading pinned host memory, grouped matmuls over the sl
 sizes B with B x top_k <= K.
 
 Eager decode launches ~80 small kernels per layer (about 4,000 a token for 48 layers): at batch 1
-the GPU waits on Python. A step whose chunks are all one-token decodes (no observers; no router
+the GPU waits on Python. A step whose chunks are all one-token decodes (no router
 override, or a synthetic router, which draws every layer's ids inside the graph from each token's
 request id and position in the inputs; every layer resident or device-planned paged) instead
 replays a graph over
@@ -51,6 +51,8 @@ from paged_experts.kernels.copy_kernel import graph_safe
 from paged_experts.kernels.fused import experts_over_rows, route_logits
 from paged_experts.kv import KvPool, SeqChunk
 from paged_experts.moe import page_in_stream
+from paged_experts.moe.layer import StepContext
+from paged_experts.routing.record import observe_step
 from paged_experts.step import StepLogits
 
 log = logging.getLogger(__name__)
@@ -165,7 +167,7 @@ class GraphedDecoder:
 
     def accepts(self, chunks: Sequence[SeqChunk]) -> bool:
         m = self.model
-        if m.routing_observers or len(chunks) not in self.batch_sizes:
+        if len(chunks) not in self.batch_sizes:
             return False
         if m.router_override is not None and not hasattr(m.router_override, "draw_device"):
             return False  # only routers that draw on the device from (request, position) (routing.SyntheticRouter)
@@ -200,7 +202,11 @@ class GraphedDecoder:
         if entry.graph is not None:
             entry.graph.replay()
         elif not fresh:  # CPU: a step runs once (a paged body plans and pages in)
-            entry.logits, entry.greedy, entry.ids = self._body(entry.inputs, key)
+            entry.logits, entry.greedy, entry.ids, entry.weights = self._body(entry.inputs, key)
+        if m.routing_observers:  # e.g. --record-routing's recorder, which stages them without waiting
+            assert entry.ids is not None
+            ctx = StepContext(seq_ids=tuple(c.seq.seq_id for c in chunks), positions=tuple(c.start_pos for c in chunks))
+            observe_step(m.routing_observers, [moe.layer_idx for moe in self._layers], entry.ids, entry.weights, ctx)
         self.replays += 1
         self._tally_steps += 1
         self._tally_pairs += b * m.config.top_k
@@ -281,7 +287,7 @@ class GraphedDecoder:
         b, length, _ = key
         if not self.capture:
             with self._graph_body():
-                entry.logits, entry.greedy, entry.ids = self._body(entry.inputs, key)
+                entry.logits, entry.greedy, entry.ids, entry.weights = self._body(entry.inputs, key)
         else:
             t0 = time.perf_counter()
             saved = [moe.device_residency.state() for moe in self._paged]
@@ -299,7 +305,7 @@ class GraphedDecoder:
             self._tally.copy_(tally)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._mempool), self._graph_body():
-                entry.logits, entry.greedy, entry.ids = self._body(entry.inputs, key)
+                entry.logits, entry.greedy, entry.ids, entry.weights = self._body(entry.inputs, key)
             entry.graph = graph
             log.info(
                 "captured decode step graph: batch %d, %s%s, %.2f s",
@@ -311,8 +317,10 @@ class GraphedDecoder:
 
     # ---- the static step ---------------------------------------------------------------------
 
-    def _body(self, inputs: torch.Tensor, key: StepKey) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Static decode step: [B] tokens -> logits [B, V], argmax [B] and routed ids [layers, B, k];
+    def _body(
+        self, inputs: torch.Tensor, key: StepKey
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Static decode step: [B] tokens -> logits [B, V], argmax [B], routed ids and weights [layers, B, k];
         adds the step's per-layer stats to the device tally. The inputs end with each token's
         request id [B] when key[2] (planned): the synthetic router draws every layer's ids from
         them and the positions, here, inside the graph."""
@@ -335,6 +343,7 @@ class GraphedDecoder:
         stats: list[torch.Tensor | None] = []
         resident_ids: list[torch.Tensor] = []  # [B, k] per resident layer: their stats come at the end
         routed: list[torch.Tensor] = []  # [B, k] per layer
+        routed_weights: list[torch.Tensor] = []  # [B, k] per layer (for routing observers: --record-routing)
         copy_stream = page_in_stream(inputs.device) if self.prefetch else None
         for moe in self._paged:
             moe.drop_prefetch()  # a step interrupted by an error leaves none behind
@@ -365,6 +374,7 @@ class GraphedDecoder:
                 m.runtime.kernel_backend,
             )  # fmt: skip
             routed.append(ids)
+            routed_weights.append(weights)
             # resident: stats None (tallied below); paged: plan, page-in, next layer's prefetch, slots
             out, layer_stats = moe.decode_pass(
                 h, ids, weights, self._experts_fn, lambda i=layer_idx, xi=x: self._prefetch_next(i, xi, copy_stream)
@@ -382,7 +392,7 @@ class GraphedDecoder:
         self._tally[:, :STAT_COLUMNS] += step_stats
         torch.maximum(self._tally[:, STAT_COLUMNS], step_stats[:, 0], out=self._tally[:, STAT_COLUMNS])
         logits = F.linear(hidden, m.dense.lm_head)  # [B, V]
-        return logits, logits.argmax(dim=-1), torch.stack(routed)
+        return logits, logits.argmax(dim=-1), torch.stack(routed), torch.stack(routed_weights)
 
     def _prefetch_next(self, layer_idx: int, x: torch.Tensor, copy_stream: torch.cuda.Stream | None) -> None:
         """Predicts layer `layer_idx + 1`'s experts from the residual stream x [B, H] after this

@@ -48,7 +48,8 @@ class Entry:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # [B, V]
         self.greedy: torch.Tensor | None = None  # [B]
-        self.ids: torch.Tensor | None = None  # [layers, B, k] the step's routed experts (for `trace`)
+        self.ids: torch.Tensor | None = None  # [layers, B, k] the step's routed experts (for `trace`, observers)
+        self.weights: torch.Tensor | None = None  # [layers, B, k] their routing weights (for observers)
 
 
 def table_width(pool: KvPool, key: StepKey) -> int:

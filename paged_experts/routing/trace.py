@@ -20,7 +20,7 @@ import zipfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -28,6 +28,15 @@ from paged_experts.routing.sources import RoutingProcess, random_weights, synth_
 from paged_experts.routing.specs import RoutingParams, parse_spec, routing_label
 
 FORMAT_NAME = "moe-routing-trace"
+
+
+class Rows(Protocol):
+    """[T, k] rows whose values numpy reads (`np.asarray`): an array, or a staged device copy (routing.record)."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
 FORMAT_VERSION = 1
 
 
@@ -110,7 +119,7 @@ class TraceWriter:
         self.path = Path(path)
         self.meta = _meta_from(config_or_meta, source, model)
         self._steps: list[list[tuple[str, int]]] = []
-        self._rows: list[dict[int, list[tuple[np.ndarray, np.ndarray | None]]]] = []
+        self._rows: list[dict[int, list[tuple[Rows, Rows | None]]]] = []
         self._closed = False
         self._complete_layers: set[int] = set()  # layers of the last complete step
         self.dropped_steps = 0  # steps whose forward raised part-way
@@ -122,12 +131,27 @@ class TraceWriter:
         self._rows.append({})
 
     def observe(self, layer: int, ids, weights) -> None:
-        """Routed ids [T, k] and weights [T, k] (or None) of one MoE layer in the current step."""
-        if not self._steps:
-            raise RuntimeError("observe() before begin_step()")
+        """Routed ids [T, k] and weights [T, k] (or None) of one MoE layer in the current step (read now)."""
         ids_np = _to_numpy(ids).astype(np.int64).reshape(-1, self.meta.top_k)
         w_np = None if weights is None else _to_numpy(weights).astype(np.float32).reshape(ids_np.shape)
-        self._rows[-1].setdefault(int(layer), []).append((ids_np, w_np))
+        self.observe_rows(layer, ids_np, w_np)
+
+    def observe_rows(self, layer: int, ids: Rows, weights: Rows | None) -> None:
+        """`observe` of rows already shaped [T, k] (int64 ids, float32 weights) that may become arrays later:
+        numpy arrays, or routing.record's staged device copies, read (`np.asarray`) only when the trace is
+        written."""
+        if not self._steps:
+            raise RuntimeError("observe() before begin_step()")
+        if (
+            len(ids.shape) != 2
+            or ids.shape[1] != self.meta.top_k
+            or (weights is not None and weights.shape != ids.shape)
+        ):
+            raise ValueError(
+                f"layer {layer}: routed rows {ids.shape} / weights {None if weights is None else weights.shape}, "
+                f"want [T, {self.meta.top_k}] both"
+            )
+        self._rows[-1].setdefault(int(layer), []).append((ids, weights))
 
     def _finish_step(self) -> None:
         if not self._steps:
@@ -175,11 +199,11 @@ class TraceWriter:
                     if t:
                         raise ValueError(f"layer {layer} not observed in a step of {t} tokens")
                     continue
-                ids[row : row + t, li] = np.concatenate([p[0] for p in parts])
+                ids[row : row + t, li] = np.concatenate([np.asarray(p[0]) for p in parts])
                 if any(p[1] is None for p in parts):
                     have_weights = False
                 else:
-                    weights[row : row + t, li] = np.concatenate([p[1] for p in parts])
+                    weights[row : row + t, li] = np.concatenate([np.asarray(p[1]) for p in parts])
             row += t
         meta = TraceMeta(**{
             **asdict(self.meta),

@@ -157,13 +157,14 @@ def load_serving(config: ServeOptions, metrics: ServerMetrics) -> Serving:
         # the router keeps per-sequence routing state; drop it when the sequence's KV is freed
         free_hooks.append(lambda seq: router.forget(seq.seq_id))
     if config.record_routing is not None:
-        from paged_experts.routing.trace import TraceWriter
+        from paged_experts.routing.record import RoutingRecorder
 
         Path(config.record_routing).parent.mkdir(parents=True, exist_ok=True)
-        writer = TraceWriter(config.record_routing, model_config, source=config.routing_label, model=config.model_name)
-        model.routing_observers.append(lambda layer, ids, weights, ctx: writer.observe(layer, ids, weights))
-        step_hooks.append(writer.begin_step)
-        closers.append(writer.close)
+        # staged to pinned host memory without waiting for the device; graphed decode steps record too
+        recorder = RoutingRecorder(config.record_routing, model_config, config.routing_label, config.model_name)
+        model.routing_observers.append(recorder)
+        step_hooks.append(recorder.begin_step)
+        closers.append(recorder.close)
     # Ready means ready: every decode graph and compiled kernel a served step could need exists
     # before /health answers 200 (the synthetic router is set: its graphs take its ids as input).
     startup = {

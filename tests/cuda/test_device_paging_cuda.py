@@ -429,6 +429,43 @@ def test_prepared_triton_graphs_serve_every_context_length_and_leave_the_model_a
             assert torch.equal(slots.get(name).cpu(), moe.host.get(name)[expert_in]), f"layer {moe.layer_idx} {name}"
 
 
+def test_recorded_routing_stays_in_the_graphs() -> None:
+    """--record-routing's recorder on a graphed paged model: every decode step replays its graph, the recorder
+    stages the ids and weights to pinned memory without a device wait (no settle with a 64 MiB stage; with a
+    2 KiB one it settles mid-run), and the trace holds exactly the routing the graphs computed."""
+    import tempfile
+
+    from paged_experts.routing.record import RoutingRecorder
+    from paged_experts.routing.trace import read_trace
+
+    prompts = [[5, 17, 300, 41, 9, 77], [800, 2, 64]]
+    for stage_bytes in (64 << 20, 2048):
+        model = MoeCausalLM.from_pretrained(QWEN2, rt("bfloat16", mode="paged", resident_experts=16))
+        model.enable_cuda_graphs([1, 2])
+        assert model.decode_graphs is not None
+        path = Path(tempfile.mkdtemp()) / "r.trace"
+        rec = RoutingRecorder(path, model.config, source="model", model="qwen2", stage_bytes=stage_bytes)
+        model.routing_observers.append(rec)
+        model.decode_graphs.trace = []
+        pool = KvPool.for_model(model, capacity_tokens=512)
+        seqs = [pool.new_sequence() for _ in prompts]
+        rec.begin_step([(str(s.seq_id), len(p)) for s, p in zip(seqs, prompts)])
+        last = model.forward([SeqChunk(s, p, 0) for s, p in zip(seqs, prompts)])
+        for _ in range(6):
+            rec.begin_step([(str(s.seq_id), 1) for s in seqs])
+            last = model.forward(
+                [SeqChunk(s, [int(lg[-1].argmax()) % 1000], s.num_tokens) for s, lg in zip(seqs, last)]
+            )
+        assert model.graph_replays == 6
+        assert (rec.stage.settles == 0) == (stage_bytes == 64 << 20), rec.stage.settles
+        rec.close()
+        trace = read_trace(path)
+        graphed = torch.stack(model.decode_graphs.trace).cpu().long()  # [steps, layers, B, k]
+        decoded = trace.ids[len(prompts[0]) + len(prompts[1]) :]  # [steps x B, layers, k]
+        assert torch.equal(torch.from_numpy(decoded).view(6, 2, 2, -1).transpose(1, 2), graphed)
+        assert trace.weights is not None and (trace.weights[-12:].sum(-1) > 0.5).all()
+
+
 if __name__ == "__main__":
     from _script import run_tests
 
