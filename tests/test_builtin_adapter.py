@@ -169,3 +169,21 @@ def test_the_trace_replay_stages_as_the_server_does(tmp_path: Path) -> None:
         (spec,) = build_plan(load_matrix(path)).servers
         replays.append(BuiltinAdapter().trace_replay(spec))
     assert [(r.resident_experts, r.staging_rows) for r in replays if r is not None] == [(16, 0), (16, 24)]
+
+
+def test_a_recording_server_is_given_time_to_write_its_trace(tmp_path: Path) -> None:
+    """A server with record_routing writes its trace when told to stop (tens of MB on the H200): its launch plan
+    asks the runner to wait for that before SIGKILL; any other server keeps the default grace."""
+    from benchsuite.engines.builtin.adapter import TRACE_STOP_GRACE_S
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    graces = []
+    for record in ("false", "true"):
+        path = tmp_path / "m.yaml"
+        options = f"device: cpu, mode: paged, resident_experts: 16, record_routing: {record}"
+        path.write_text(textwrap.dedent(MATRIX.format(model=model, options=options)))
+        (spec,) = build_plan(load_matrix(path)).servers
+        graces.append(BuiltinAdapter().launch_plan(spec, 8000).stop_grace_s)
+    assert graces == [5.0, TRACE_STOP_GRACE_S]

@@ -25,7 +25,16 @@ import psutil
 import pytest
 import yaml
 
-from benchsuite.engines.base import EngineAdapter, EngineOptions, LaunchPlan, Placement, ServerSpec, options_of
+from benchsuite.engines import RUN_DIR_PLACEHOLDER
+from benchsuite.engines.base import (
+    EngineAdapter,
+    EngineOptions,
+    LaunchPlan,
+    Placement,
+    ServerSpec,
+    TraceReplay,
+    options_of,
+)
 
 HERE = Path(__file__).resolve()
 
@@ -39,6 +48,8 @@ class FakeOptions(EngineOptions):
     label: int | Literal["search"] = 0  # something to sweep, or to search
     tag: str = ""  # marks the engine processes of one test, to look for orphans
     tokenizer: str = ""  # for exact-length and random-token prompts (FakeAdapter.tokenizer_dir)
+    stop_s: float = 0.0  # with record: what the engine takes to write its trace once told to stop
+    record: bool = False  # writes routing/<server-id>.trace when it stops, as a recording built-in server does
 
     def placement(self) -> Placement:
         return Placement("fake")
@@ -56,7 +67,14 @@ class FakeAdapter(EngineAdapter):
         o = options_of(spec, FakeOptions)
         argv = [sys.executable, str(HERE), "--serve", "--port", str(port), "--behaviour", o.behaviour,
                 "--die-after", str(o.die_after), "--token-delay-s", str(o.token_delay_s), "--tag", o.tag]  # fmt: skip
+        if o.record:
+            argv += ["--trace", f"{RUN_DIR_PLACEHOLDER}/routing/{spec.server_id}.trace", "--stop-s", str(o.stop_s)]
+            return LaunchPlan(argv=argv, startup_timeout_s=60.0, stop_grace_s=o.stop_s + 10)
         return LaunchPlan(argv=argv, startup_timeout_s=60.0)
+
+    def trace_replay(self, spec: ServerSpec) -> TraceReplay | None:
+        o = options_of(spec, FakeOptions)
+        return TraceReplay(1, "recent", True, f"routing/{spec.server_id}.trace") if o.record else None
 
     def tokenizer_dir(self, spec: ServerSpec) -> Path:
         return Path(options_of(spec, FakeOptions).tokenizer)
@@ -357,6 +375,34 @@ def test_datasets_reach_the_engine_as_text_or_exact_token_ids(tmp_path: Path, ti
     assert all(i.startswith("len8-s0-") for i in ids["exact"])
 
 
+async def test_a_recording_server_gets_the_time_to_write_its_trace_and_no_earlier_trace_stands_in(
+    tmp_path: Path,
+) -> None:
+    """A search's launch at the chosen value and the server of its cells share an id, so the trace path: the
+    server's own trace must be the one replayed. Killed at the default 5 s grace, the H200's recording servers
+    left the search launch's trace in place (2026-12-03: "the trace holds 390 steps")."""
+    from benchsuite.config.matrix import load_matrix
+    from benchsuite.config.plan import build_plan
+    from benchsuite.run.context import RunContext
+    from benchsuite.run.runner import client_session, open_store
+    from benchsuite.run.server_launch import launch_server
+
+    plan = build_plan(load_matrix(matrix(tmp_path, {"r": {"record": True, "stop_s": 6.0}}, concurrency=[1])))
+    store = open_store(plan)
+    spec = plan.servers[0]
+    trace = store.run_dir / "routing" / f"{spec.server_id}.trace"
+    trace.parent.mkdir(parents=True)
+    trace.write_text("an earlier server's trace")
+    try:
+        async with client_session() as session:
+            async with launch_server(RunContext(plan, store, session), spec) as server:
+                assert not trace.exists()  # gone before this server started
+                port = server.base_url.rsplit(":", 1)[1]
+    finally:
+        store.close()
+    assert trace.read_text() == f"written by the server on port {port}"  # 6 s: past the default 5 s grace
+
+
 # ---- the fake engine ---------------------------------------------------------------------------
 
 
@@ -419,6 +465,14 @@ def serve(args: argparse.Namespace) -> None:
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/flush_cache", flush)
     app.router.add_post("/v1/completions", completions)
+    if args.trace:
+
+        async def write_trace(app: web.Application) -> None:  # on SIGTERM, as the built-in server writes its trace
+            await asyncio.sleep(args.stop_s)
+            Path(args.trace).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.trace).write_text(f"written by the server on port {args.port}")
+
+        app.on_cleanup.append(write_trace)
     web.run_app(app, host="127.0.0.1", port=args.port, print=None)
 
 
@@ -435,4 +489,6 @@ if __name__ == "__main__":
     parser.add_argument("--die-after", type=int, default=0)
     parser.add_argument("--token-delay-s", type=float, default=0.0)
     parser.add_argument("--tag", default="")
+    parser.add_argument("--trace", default="")
+    parser.add_argument("--stop-s", type=float, default=0.0)
     serve(parser.parse_args())

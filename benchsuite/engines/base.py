@@ -268,6 +268,9 @@ class LaunchPlan:
     env: dict[str, str] = field(default_factory=dict)  # added to the runner's environment
     health_path: str = "/health"
     startup_timeout_s: float = 600.0
+    # SIGTERM -> SIGKILL: what the engine may need to stop cleanly (a built-in server that records its routing
+    # writes the trace then: tens of MB, seconds; killed at 5 s, it left none)
+    stop_grace_s: float = 5.0
 
 
 class Projection(Protocol):

@@ -48,6 +48,11 @@ async def launch_server(ctx: RunContext, spec: ServerSpec) -> AsyncIterator[Runn
     port = free_port()
     launch = adapter.launch_plan(spec, port)
     run_dir = str(ctx.store.run_dir.resolve())
+    replay = adapter.trace_replay(spec)
+    if replay is not None and replay.recorded:
+        # a server of the same id before this one (a search's launch at the chosen value) left its trace: this
+        # server's cells must be replayed over this server's trace or none (_add_optimal_hit_rates)
+        (ctx.store.run_dir / replay.trace_file).unlink(missing_ok=True)
     argv = [arg.replace(RUN_DIR_PLACEHOLDER, run_dir) for arg in launch.argv]
     adapter_env = {k: v.replace(RUN_DIR_PLACEHOLDER, run_dir) for k, v in launch.env.items()}
     env = engine_environment(os.environ, adapter_env, spec.env)  # the whole environment: nothing else leaks in
@@ -85,7 +90,7 @@ async def launch_server(ctx: RunContext, spec: ServerSpec) -> AsyncIterator[Runn
         ctx.store.record_server(spec.server_id, startup_s=startup_s, startup_facts=facts)
         yield RunningServer(spec, adapter, process, base_url, argv, memory_baseline_bytes=baseline)
     finally:
-        process.stop()
+        process.stop(launch.stop_grace_s)
 
 
 def options_in_force(adapter: EngineAdapter, spec: ServerSpec) -> dict[str, Any]:

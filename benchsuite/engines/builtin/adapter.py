@@ -62,6 +62,9 @@ _RULED += ("overlap_page_in", "overlap_groups", "copy_programs", "fused_page_in"
 _RULED += ("eviction_policy", "page_in", "prefill_staging_rows")
 _LEADING_FLAGS: tuple[str, ...] = ("model_path", "host", "port", "mode", "device", "max_running_requests")
 _LEADING_FLAGS += ("max_total_tokens", "resident_experts", "offload_layers", "n_cpu_moe", "dtype")
+# A recording server writes its trace when it stops (the H200 headline's 40 requests, 2,048-token prompts among
+# them: tens of MB); it exits as soon as that is done, so a long grace costs only a hung server's wait.
+TRACE_STOP_GRACE_S = 180.0
 _TRAILING_FLAGS: tuple[str, ...] = ("record_routing", "prefill_residency", "eviction_policy", "cuda_graph_max_bs")
 _TRAILING_FLAGS += ("enable_torch_compile", "kernel_backend", "expert_kernel", "prefetch_next_layer")
 _TRAILING_FLAGS += ("overlap_schedule", "cpu_threads", "served_model_name")
@@ -321,7 +324,10 @@ class BuiltinAdapter(EngineAdapter):
         order += ("gc_freeze",)  # always written: the server's default changed (it froze nothing before)
         argv = [sys.executable, "-m", "paged_experts.server", *serve.argv(order)]
         # The tiny model on 2 CPU cores starts in seconds; a real checkpoint may take minutes.
-        return LaunchPlan(argv=argv, env={"PYTHONUNBUFFERED": "1"}, startup_timeout_s=opts.startup_timeout_s)
+        grace_s = TRACE_STOP_GRACE_S if opts.record_routing else LaunchPlan.stop_grace_s
+        return LaunchPlan(
+            argv=argv, env={"PYTHONUNBUFFERED": "1"}, startup_timeout_s=opts.startup_timeout_s, stop_grace_s=grace_s
+        )
 
     def trace_replay(self, spec: ServerSpec) -> TraceReplay | None:
         opts = self._options(spec)
