@@ -269,3 +269,22 @@ def test_the_gc_freeze_matrix_measures_the_freeze_against_none(
     m = load_matrix(path).matrix
     assert m.repeats == 3 and all(w.num_requests == 8 for w in m.workloads.values())
     _long_prompts_at_c1_and_c4(path)
+
+
+def test_the_record_matrix_measures_recording_against_none(stand_ins: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """configs/h200/record.yaml: paged FP8 at 16 GB's K on each routing without and with record_routing (the A/B of
+    what recording costs), both prompt classes at c=1 and c=4, 2 repeats; only the recording servers' commands name
+    a trace, and the headline records nothing (its verdict is measured as users run the engines)."""
+    path = CONFIGS / "record.yaml"
+    assert main(["run", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    plan = build_plan(load_matrix(path))
+    got = sorted((s.options.resident_experts, s.options.routing, s.options.record_routing) for s in plan.servers)
+    assert got == [(53, "model", False), (53, "model", True), (54, "qwen3-30b-a3b", False), (54, "qwen3-30b-a3b", True)]
+    assert out.count("--record-routing") == 2
+    m = load_matrix(path).matrix
+    assert m.repeats == 2 and m.linkbw
+    for workload in m.workloads.values():
+        assert workload.prompt_classes == ["short", "2048"] and workload.concurrency == [1, 4]
+    headline = build_plan(load_matrix(CONFIGS / "headline.yaml"))
+    assert not any(getattr(s.options, "record_routing", False) for s in headline.servers)

@@ -16,10 +16,11 @@
 #   bash configs/h200/session.sh kernelcopy # benchsuite run of configs/h200/kernelcopy.yaml (detached; issue 29, ~6 min)
 #   bash configs/h200/session.sh staging    # benchsuite run of configs/h200/staging.yaml (detached; issue 29, ~10 min)
 #   bash configs/h200/session.sh gcfreeze   # benchsuite run of configs/h200/gcfreeze.yaml (detached; the GC heap freeze, ~6 min)
+#   bash configs/h200/session.sh record     # benchsuite run of configs/h200/record.yaml (detached; what recording costs, ~11 min)
 #   bash configs/h200/session.sh flags      # benchmarks/llamacpp_flags_h200.py at N=30 (detached; issue 24, ~8 min)
 #   bash configs/h200/session.sh policies   # benchmarks/eviction_policies.py over this session's routing traces
-#                                           # (record_routing: headline.yaml's paged servers), one process a trace
-#   bash configs/h200/session.sh queue JOB...  # JOBs (cuda first, then headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|flags|policies) in
+#                                           # (record_routing: record.yaml's recording servers), one process a trace
+#   bash configs/h200/session.sh queue JOB...  # JOBs (cuda first, then headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|flags|policies) in
 #                                           # order, once prepare's jobs end; a failed CUDA test stops the runs
 #   bash configs/h200/session.sh poll SECS  # wait up to SECS for the running jobs, printing progress
 # CUDA_TESTS (default tests/cuda): the tests `cuda` runs, e.g. one file when a session has time for only one
@@ -46,7 +47,8 @@ FLAGS_CMD="server=\$(grep -ho '/[^ ]*/bin/llama-server' $JOBS/build.log 2>/dev/n
   --model $BENCH_H200_GGUF --ctx 10240 --out $JOBS/flags; else echo 'flags: no llama-server built (build_full.log)'; false; fi"
   # -c as headline.yaml's kv_capacity_tokens
 
-# issue 29's cache policies on the traces the runs recorded (K: 32 and 16 GB's ~54; lfu-decay at a 2-step half-life)
+# issue 29's cache policies on the traces the runs recorded (record.yaml; K: 32 and 16 GB's ~54; lfu-decay at a 2-step
+# half-life)
 POLICIES_CMD="if ! ls results/h200-*/routing/*.trace > /dev/null 2>&1; then echo 'policies: no routing trace'; false; \
   else for t in results/h200-*/routing/*.trace; do python3 benchmarks/eviction_policies.py \"\$t\" --k 32,54 \
   --half-lives 2 --concurrency 1,4 > $JOBS/policies-\$(basename \"\$t\" .trace).txt 2>&1 & done; wait; \
@@ -110,7 +112,7 @@ case "${1:-}" in
     (echo "$BASHPID" > "$JOBS/cuda.pid"; cd "$COPY" && python3 -m pytest $CUDA_TESTS -m cuda -q -p no:cacheprovider -o addopts= 2>&1 | tee "$JOBS/cuda.log" \
       | tail -40; echo "${PIPESTATUS[0]}" > "$JOBS/cuda.rc")  # what a queue's guard reads
     ;;
-  headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8)
+  headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record)
     site
     detach "$1" "python3 -m benchsuite run configs/h200/$1.yaml --run-id h200-$1${RUN_SUFFIX:-} --no-report"
     ;;
@@ -127,7 +129,7 @@ case "${1:-}" in
     # no test running yet and start its runs beside the tests (2026-12-02: h200-copy's first 12 cells did)
     site
     shift
-    [ $# -gt 0 ] || { echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|flags|policies ..." >&2; exit 2; }
+    [ $# -gt 0 ] || { echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|flags|policies ..." >&2; exit 2; }
     # a failed CUDA test (this session's cuda.log) stops the queue: no figure is measured on code the GPU found wrong
     # (pytest's exit status, so a crash or a kill stops it too, not only a failed assertion)
     guard="if [ -f $JOBS/cuda.rc ] && [ \"\$(cat $JOBS/cuda.rc)\" != 0 ]; then echo 'queue: the CUDA tests failed (cuda.log): nothing run'; exit 1; fi"
@@ -139,10 +141,10 @@ case "${1:-}" in
     for job in "$@"; do
       case "$job" in
         cuda) first="python3 -m pytest $CUDA_TESTS -m cuda -q -p no:cacheprovider -o addopts= > $JOBS/cuda.log 2>&1; echo \$? > $JOBS/cuda.rc; echo \"cuda exit \$(cat $JOBS/cuda.rc)\"; tail -n 3 $JOBS/cuda.log" ;;
-        headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8) steps="$steps; $guard; python3 -m benchsuite run configs/h200/$job.yaml --run-id h200-$job${RUN_SUFFIX:-} --no-report; echo \"$job exit \$?\"" ;;
+        headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record) steps="$steps; $guard; python3 -m benchsuite run configs/h200/$job.yaml --run-id h200-$job${RUN_SUFFIX:-} --no-report; echo \"$job exit \$?\"" ;;
         flags) steps="$steps; $guard; $FLAGS_CMD; echo \"flags exit \$?\"" ;;
         policies) steps="$steps; $POLICIES_CMD; echo \"policies exit \$?\"" ;;
-        *) echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|flags|policies ..." >&2; exit 2 ;;
+        *) echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|flags|policies ..." >&2; exit 2 ;;
       esac
     done
     # the CUDA tests first, at once (on the GPU, beside the build's and the models' CPU work: slower, not wrong);
@@ -171,7 +173,7 @@ case "${1:-}" in
     running=$(pgrep -f "benchsuite (install|run|gguf)|synth_memory|llamacpp_flags_h200|eviction_policies" | wc -l)  # now, not 20 s ago
     [ "$running" -gt 0 ] && echo "STILL RUNNING: poll again now (a machine idle for 30 s is given back)"
     ;;
-  *) echo "usage: $0 prepare [builtin]|cuda|headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|flags|policies|queue [cuda] JOB...|poll SECS" >&2; exit 2 ;;
+  *) echo "usage: $0 prepare [builtin]|cuda|headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|flags|policies|queue [cuda] JOB...|poll SECS" >&2; exit 2 ;;
 esac
 collect
 for f in "$JOBS"/*.log; do [ -f "$f" ] && { echo "== $(basename "$f")"; tail -n 4 "$f"; }; done
