@@ -11,6 +11,7 @@ from builtin_plans import MATRIX, flag, plan_argv
 
 from benchsuite.config.matrix import MatrixError, load_matrix
 from benchsuite.config.plan import build_plan
+from benchsuite.engines.base import ServerSpec
 from benchsuite.engines.builtin.adapter import BuiltinAdapter, BuiltinOptions
 from paged_experts.server.launch import build_parser, parse_args
 
@@ -156,17 +157,23 @@ def test_bad_performance_options_name_their_yaml_path(tmp_path: Path, options: s
     assert message in str(info.value), str(info.value)
 
 
+def _paged_spec(tmp_path: Path, extra: str) -> ServerSpec:
+    """The one server of a matrix with a paged CPU engine at K=16 and `extra` options (a stand-in model dir)."""
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
+    path = tmp_path / "m.yaml"
+    options = f"device: cpu, mode: paged, resident_experts: 16, {extra}"
+    path.write_text(textwrap.dedent(MATRIX.format(model=model, options=options)))
+    (spec,) = build_plan(load_matrix(path)).servers
+    return spec
+
+
 def test_the_trace_replay_stages_as_the_server_does(tmp_path: Path) -> None:
     """The realized-vs-optimal replay of a paged server's trace takes its staging rows (its plans stage too)."""
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
     replays = []
     for extra in ("", ", prefill_staging_rows: 24"):
-        path = tmp_path / "m.yaml"
-        options = f"device: cpu, mode: paged, resident_experts: 16, record_routing: true{extra}"
-        path.write_text(textwrap.dedent(MATRIX.format(model=model, options=options)))
-        (spec,) = build_plan(load_matrix(path)).servers
+        spec = _paged_spec(tmp_path, f"record_routing: true{extra}")
         replays.append(BuiltinAdapter().trace_replay(spec))
     assert [(r.resident_experts, r.staging_rows) for r in replays if r is not None] == [(16, 0), (16, 24)]
 
@@ -176,14 +183,8 @@ def test_a_recording_server_is_given_time_to_write_its_trace(tmp_path: Path) -> 
     asks the runner to wait for that before SIGKILL; any other server keeps the default grace."""
     from benchsuite.engines.builtin.adapter import TRACE_STOP_GRACE_S
 
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
     graces = []
     for record in ("false", "true"):
-        path = tmp_path / "m.yaml"
-        options = f"device: cpu, mode: paged, resident_experts: 16, record_routing: {record}"
-        path.write_text(textwrap.dedent(MATRIX.format(model=model, options=options)))
-        (spec,) = build_plan(load_matrix(path)).servers
+        spec = _paged_spec(tmp_path, f"record_routing: {record}")
         graces.append(BuiltinAdapter().launch_plan(spec, 8000).stop_grace_s)
     assert graces == [5.0, TRACE_STOP_GRACE_S]
