@@ -91,3 +91,42 @@ def test_prepare_decode_warms_up_without_the_observers(tmp_path: Path) -> None:
     model.routing_observers.append(lambda layer, ids, weights, ctx: seen.append(layer))
     model.prepare_decode(KvPool.for_model(model, capacity_tokens=128), max_batch=3)  # batch 3 warms up eagerly
     assert seen == [] and len(model.routing_observers) == 1
+
+
+def test_a_graphed_step_costs_the_heap_a_handful_of_objects(tmp_path: Path) -> None:
+    """The recorder keeps every step until the trace is written, in a server whose heap is frozen at start: a
+    graphed step's routing is one writer entry (two staged tensors), not ~3 objects for each of its layers
+    (h200-headline-b: full collections inside 2,048-token prefills while recording)."""
+    import gc
+
+    layers, k = 48, 8
+    meta = {"num_hidden_layers": layers, "num_experts": 128, "num_experts_per_tok": k}
+    rec = RoutingRecorder(tmp_path / "t.trace", meta, source="model", model="m")
+    ids, weights = torch.zeros(layers, 4, k, dtype=torch.int64), torch.full((layers, 4, k), 0.125)
+    rec.begin_step([("0", 4)])
+    rec.observe_step(range(layers), ids, weights)  # the first step allocates the stage
+    gc.collect()
+    before = len(gc.get_objects())
+    for step in range(1, 101):
+        rec.begin_step([("0", 4)])
+        rec.observe_step(range(layers), ids + step % 128, weights)
+    gc.collect()
+    per_step = (len(gc.get_objects()) - before) / 100
+    assert per_step < 12, per_step  # a step's layout, its entry, two staged tensors (per layer: ~150)
+    rec.close()
+    trace = read_trace(tmp_path / "t.trace")
+    assert trace.ids.shape == (101 * 4, layers, k) and int(trace.ids[-1, 0, 0]) == 100
+
+
+def test_a_step_is_observed_whole_or_by_layers_not_both(tmp_path: Path) -> None:
+    model = _model("model")
+    rec = RoutingRecorder(tmp_path / "t.trace", model.config, source="model", model="tiny")
+    rec.begin_step([("0", 2)])
+    rec.writer.observe_step_rows([0, 1], np.zeros((2, 2, 4), dtype=np.int64), None)
+    with pytest.raises(ValueError, match="already observed"):
+        rec.writer.observe_rows(0, np.zeros((2, 4), dtype=np.int64), None)
+    with pytest.raises(ValueError, match="already observed"):
+        rec.writer.observe_step_rows([0, 1], np.zeros((2, 2, 4), dtype=np.int64), None)
+    rec.begin_step([("0", 2)])
+    with pytest.raises(ValueError, match=r"want \[2, T, 4\]"):
+        rec.writer.observe_step_rows([0, 1], np.zeros((2, 2, 3), dtype=np.int64), None)

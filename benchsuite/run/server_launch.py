@@ -90,7 +90,7 @@ async def launch_server(ctx: RunContext, spec: ServerSpec) -> AsyncIterator[Runn
         ctx.store.record_server(spec.server_id, startup_s=startup_s, startup_facts=facts)
         yield RunningServer(spec, adapter, process, base_url, argv, memory_baseline_bytes=baseline)
     finally:
-        process.stop(launch.stop_grace_s)
+        process.stop(launch.stop_grace_s)  # not astop: it must finish even when this task is being cancelled
 
 
 def options_in_force(adapter: EngineAdapter, spec: ServerSpec) -> dict[str, Any]:

@@ -50,9 +50,10 @@ FLAGS_CMD="server=\$(grep -ho '/[^ ]*/bin/llama-server' $JOBS/build.log 2>/dev/n
 # issue 29's cache policies on the traces the runs recorded (record.yaml; K: 32 and 16 GB's ~54; lfu-decay at a 2-step
 # half-life)
 POLICIES_CMD="if ! ls results/h200-*/routing/*.trace > /dev/null 2>&1; then echo 'policies: no routing trace'; false; \
-  else for t in results/h200-*/routing/*.trace; do python3 benchmarks/eviction_policies.py \"\$t\" --k 32,54 \
-  --half-lives 2 --concurrency 1,4 > $JOBS/policies-\$(basename \"\$t\" .trace).txt 2>&1 & done; wait; \
-  cat $JOBS/policies-*.txt; fi"
+  else rm -f $JOBS/policies-*.txt; pids=; for t in results/h200-*/routing/*.trace; do \
+  python3 benchmarks/eviction_policies.py \"\$t\" --k 32,54 --half-lives 2 --concurrency 1,4 \
+  > $JOBS/policies-\$(basename \"\$t\" .trace).txt 2>&1 & pids=\"\$pids \$!\"; done; rc=0; \
+  for p in \$pids; do wait \$p || rc=1; done; cat $JOBS/policies-*.txt; (exit \$rc); fi"
 
 site() {  # the carried wheels, once per machine
   if [ ! -d /tmp/site ] && compgen -G ".whl/*.whl" > /dev/null; then
@@ -154,7 +155,10 @@ case "${1:-}" in
     # (a zombie, a job ended but not yet reaped, counts as ended)
     busy="for f in $JOBS/build.pid $JOBS/models.pid $JOBS/cuda.pid; do [ -f \$f ] || continue; \
       st=\$(ps -o stat= -p \$(cat \$f) 2> /dev/null); [ -n \"\$st\" ] && [ \"\${st#Z}\" = \"\$st\" ] && exit 0; done; exit 1"
-    detach "$(IFS=-; echo "$*")" "$first; while (${busy}); do sleep 5; done; (true $steps)"
+    # the tests wait for a separate `session.sh cuda` run only (the same log and status files), not for the build
+    cuda_busy="f=$JOBS/cuda.pid; [ -f \$f ] || exit 1; st=\$(ps -o stat= -p \$(cat \$f) 2> /dev/null); \
+      [ -n \"\$st\" ] && [ \"\${st#Z}\" = \"\$st\" ]"
+    detach "$(IFS=-; echo "$*")" "while (${cuda_busy}); do sleep 5; done; $first; while (${busy}); do sleep 5; done; (true $steps)"
     ;;
   poll)
     site

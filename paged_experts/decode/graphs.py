@@ -203,10 +203,6 @@ class GraphedDecoder:
             entry.graph.replay()
         elif not fresh:  # CPU: a step runs once (a paged body plans and pages in)
             entry.logits, entry.greedy, entry.ids, entry.weights = self._body(entry.inputs, key)
-        if m.routing_observers:  # e.g. --record-routing's recorder, which stages them without waiting
-            assert entry.ids is not None
-            ctx = StepContext(seq_ids=tuple(c.seq.seq_id for c in chunks), positions=tuple(c.start_pos for c in chunks))
-            observe_step(m.routing_observers, [moe.layer_idx for moe in self._layers], entry.ids, entry.weights, ctx)
         self.replays += 1
         self._tally_steps += 1
         self._tally_pairs += b * m.config.top_k
@@ -217,6 +213,12 @@ class GraphedDecoder:
             moe.after_replay()
         for c in chunks:
             pool.commit(c.seq, c.start_pos + 1)
+        if m.routing_observers:  # after the step's bookkeeping: an observer that raises leaves the model consistent
+            # views of the graph's static outputs, rewritten by the next replay: an observer copies what it keeps
+            # (--record-routing's recorder stages them to pinned host memory in stream order, without waiting)
+            assert entry.ids is not None
+            ctx = StepContext(seq_ids=tuple(c.seq.seq_id for c in chunks), positions=tuple(c.start_pos for c in chunks))
+            observe_step(m.routing_observers, [moe.layer_idx for moe in self._layers], entry.ids, entry.weights, ctx)
         assert entry.logits is not None and entry.greedy is not None
         return StepLogits(entry.logits, entry.greedy, (1,) * b)
 

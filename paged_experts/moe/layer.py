@@ -32,6 +32,8 @@ from paged_experts.residency.store import ExpertTensors, PageInEngine
 from paged_experts.routing.sources import PlannedIds
 
 RouterOverride = Callable[[int, torch.Tensor, Any], tuple[torch.Tensor | PlannedIds, torch.Tensor]]
+# (layer, ids [T, k], weights [T, k] or None, StepContext). On a graphed decode step the tensors are views of the
+# graph's static outputs, rewritten by the next replay: an observer copies what it keeps (routing.record stages them).
 RoutingObserver = Callable[[int, torch.Tensor, torch.Tensor, Any], None]
 ExpertsFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]  # fused.experts_over_rows or its compiled twin
 BeforeCompute = Callable[[], None]  # graphs: start the next layer's prefetch once this layer's page-ins are queued

@@ -28,6 +28,8 @@ _ALIGN = 8  # every staged tensor starts at an 8-byte offset (its dtype's view o
 class Staged:
     """One staged tensor: its shape now, its values (numpy) once the stage settles (`np.asarray` settles it)."""
 
+    __slots__ = ("_stage", "_value", "_view", "shape")
+
     def __init__(self, stage: HostStage, view: torch.Tensor) -> None:
         self.shape = tuple(view.shape)
         self._stage: HostStage | None = stage
@@ -48,17 +50,6 @@ class Staged:
         return self._value if dtype is None else self._value.astype(dtype)
 
 
-class StagedRow:
-    """Row i of a staged [n, ...] tensor (one layer of a graphed step's [layers, B, k] routing): one copy a step."""
-
-    def __init__(self, whole: Staged, i: int) -> None:
-        self.shape = whole.shape[1:]
-        self._whole, self._i = whole, i
-
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        return np.asarray(self._whole, dtype=dtype)[self._i]
-
-
 class HostStage:
     """Tensors copied into one host buffer (pinned for CUDA tensors) without waiting for the device; `settle()`
     waits once and takes every pending copy out, then the buffer is reused. Host tensors take the same path
@@ -67,6 +58,7 @@ class HostStage:
     def __init__(self, nbytes: int = STAGE_BYTES) -> None:
         self.nbytes = nbytes
         self._buf: torch.Tensor | None = None  # [nbytes] uint8, allocated on the first put
+        self._pinned = False  # whether _buf is pinned (for CUDA tensors)
         self._used = 0
         self._pending: list[Staged] = []
         self._device: torch.device | None = None
@@ -79,8 +71,9 @@ class HostStage:
             return t.detach().to("cpu").numpy().copy()  # larger than the stage: read now
         if self._used + nbytes > self.nbytes or (self._device is not None and t.device != self._device):
             self.settle()
-        if self._buf is None or self._buf.is_pinned() != t.is_cuda:
+        if self._buf is None or self._pinned != t.is_cuda:
             self._buf = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=t.is_cuda)
+            self._pinned = t.is_cuda
         self._device = t.device
         view = self._buf[self._used : self._used + nbytes].view(t.dtype).view(t.shape)
         view.copy_(t, non_blocking=True)  # in the current stream's order: after the step that wrote t
@@ -124,16 +117,17 @@ class RoutingRecorder:
     def observe_step(
         self, layer_ids: Sequence[int], ids: torch.Tensor, weights: torch.Tensor | None, ctx: object = None
     ) -> None:
-        """A graphed step's routing: ids [layers, B, k], weights the same or None, each staged in one copy."""
+        """A graphed step's routing: ids [layers, B, k], weights the same or None, each staged in one copy and
+        kept as one entry of the writer (a handful of objects a step: the server's heap holds them until close)."""
         k = self.writer.meta.top_k
         n = len(layer_ids)
         ids_all = self.stage.put(ids.reshape(n, -1, k).to(torch.int64))
         w_all = None if weights is None else self.stage.put(weights.reshape(n, -1, k).to(torch.float32))
-        for i, layer in enumerate(layer_ids):
-            w_rows = None if w_all is None else _row(w_all, i)
-            self.writer.observe_rows(layer, _row(ids_all, i), w_rows)
+        self.writer.observe_step_rows(layer_ids, ids_all, w_all)
 
     def close(self) -> Path:
+        """Waits for the staged copies and writes the trace. A device error while waiting (the server is
+        stopping after a CUDA fault) raises here: the caller logs it and closes the rest."""
         self.stage.settle()
         return self.writer.close()
 
@@ -150,7 +144,3 @@ def observe_step(
             continue
         for i, layer in enumerate(layer_ids):
             fn(layer, ids[i], None if weights is None else weights[i], ctx)
-
-
-def _row(rows: Staged | np.ndarray, i: int) -> StagedRow | np.ndarray:
-    return rows[i] if isinstance(rows, np.ndarray) else StagedRow(rows, i)

@@ -120,6 +120,9 @@ class TraceWriter:
         self.meta = _meta_from(config_or_meta, source, model)
         self._steps: list[list[tuple[str, int]]] = []
         self._rows: list[dict[int, list[tuple[Rows, Rows | None]]]] = []
+        # per step, or None: a whole step's routing in one entry (observe_step_rows: a graphed decode step; its few
+        # objects, not ~3 per layer, are what the server's heap holds until close)
+        self._wholes: list[tuple[tuple[int, ...], Rows, Rows | None] | None] = []
         self._closed = False
         self._complete_layers: set[int] = set()  # layers of the last complete step
         self.dropped_steps = 0  # steps whose forward raised part-way
@@ -129,6 +132,7 @@ class TraceWriter:
         self._finish_step()
         self._steps.append([(str(r), int(n)) for r, n in layout])
         self._rows.append({})
+        self._wholes.append(None)
 
     def observe(self, layer: int, ids, weights) -> None:
         """Routed ids [T, k] and weights [T, k] (or None) of one MoE layer in the current step (read now)."""
@@ -151,15 +155,38 @@ class TraceWriter:
                 f"layer {layer}: routed rows {ids.shape} / weights {None if weights is None else weights.shape}, "
                 f"want [T, {self.meta.top_k}] both"
             )
+        if self._wholes[-1] is not None:
+            raise ValueError(f"layer {layer}: this step's routing was already observed whole")
         self._rows[-1].setdefault(int(layer), []).append((ids, weights))
+
+    def observe_step_rows(self, layer_ids: Sequence[int], ids: Rows, weights: Rows | None) -> None:
+        """The current step's routing at once: ids [L, T, k] (int64) and weights the same (float32) or None, layer
+        `layer_ids[i]` in row i; arrays or staged device copies, as `observe_rows` takes."""
+        if not self._steps:
+            raise RuntimeError("observe() before begin_step()")
+        want = (len(layer_ids), ids.shape[1] if len(ids.shape) == 3 else -1, self.meta.top_k)
+        if tuple(ids.shape) != want or (weights is not None and tuple(weights.shape) != want):
+            raise ValueError(
+                f"a step's routing {ids.shape} / weights {None if weights is None else weights.shape}, want "
+                f"[{len(layer_ids)}, T, {self.meta.top_k}] both"
+            )
+        if self._rows[-1] or self._wholes[-1] is not None:
+            raise ValueError("this step's routing was already observed")
+        self._wholes[-1] = (tuple(int(layer) for layer in layer_ids), ids, weights)
+
+    def _observed_rows(self) -> dict[int, int]:
+        """The current step's observed layers -> their token rows."""
+        whole = self._wholes[-1]
+        if whole is not None:
+            return dict.fromkeys(whole[0], whole[1].shape[1])
+        return {layer: sum(p[0].shape[0] for p in parts) for layer, parts in self._rows[-1].items()}
 
     def _finish_step(self) -> None:
         if not self._steps:
             return
         tokens = sum(n for _, n in self._steps[-1])
-        observed = self._rows[-1]
-        for layer, parts in observed.items():
-            got = sum(p[0].shape[0] for p in parts)
+        observed = self._observed_rows()
+        for layer, got in observed.items():
             if got != tokens:  # each layer is observed whole, so a short layer is a bug, not a failed step
                 raise ValueError(f"step {len(self._steps) - 1} layer {layer}: {got} token rows, layout says {tokens}")
         expected_layers = set(self.meta.layer_ids) or self._complete_layers or set(range(self.meta.num_layers))
@@ -168,6 +195,7 @@ class TraceWriter:
             # not a step any engine served, so it is dropped and counted; later steps are unaffected.
             self._steps.pop()
             self._rows.pop()
+            self._wholes.pop()
             self.dropped_steps += int(bool(observed))
             return
         self._complete_layers = set(observed)
@@ -177,7 +205,8 @@ class TraceWriter:
             return self.path
         self._finish_step()
         self._closed = True
-        layer_ids = sorted({layer for step in self._rows for layer in step})
+        layer_ids = sorted({layer for step in self._rows for layer in step} |
+                           {layer for whole in self._wholes if whole is not None for layer in whole[0]})  # fmt: skip
         if self.meta.layer_ids:
             layer_ids = list(self.meta.layer_ids)
         if len(layer_ids) != self.meta.num_layers and self._rows:
@@ -191,8 +220,13 @@ class TraceWriter:
         weights = np.zeros((n, meta_layers, k), dtype=np.float32)
         have_weights = True
         row = 0
-        for layout, per_layer in zip(self._steps, self._rows):
+        for layout, per_layer, whole in zip(self._steps, self._rows, self._wholes):
             t = sum(c for _, c in layout)
+            if whole is not None:  # [L, T, k] -> each layer's [T, k] parts
+                step_ids, step_w = np.asarray(whole[1]), None if whole[2] is None else np.asarray(whole[2])
+                per_layer = {
+                    layer: [(step_ids[i], None if step_w is None else step_w[i])] for i, layer in enumerate(whole[0])
+                }
             for li, layer in enumerate(layer_ids):
                 parts = per_layer.get(layer)
                 if parts is None:

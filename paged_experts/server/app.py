@@ -218,8 +218,11 @@ async def _shutdown(state: ServerState) -> None:
     if state.engine_task is not None:
         state.engine_task.cancel()
         await asyncio.gather(state.engine_task, return_exceptions=True)
-    for close in serving.closers:
-        close()
+    for close in serving.closers:  # each one, whatever the one before it raised (a routing trace's write among them)
+        try:
+            close()
+        except Exception:
+            log.exception("closing %r failed", close)
     state.close()  # the tokenizer threads
     state.serving = None
     if state.gc_frozen:  # the model's objects back to the collector (an in-process server: tests)
