@@ -48,8 +48,6 @@ class FakeOptions(EngineOptions):
     label: int | Literal["search"] = 0  # something to sweep, or to search
     tag: str = ""  # marks the engine processes of one test, to look for orphans
     tokenizer: str = ""  # for exact-length and random-token prompts (FakeAdapter.tokenizer_dir)
-    stop_s: float = 0.0  # with record: what the engine takes to write its trace once told to stop
-    record: bool = False  # writes routing/<server-id>.trace when it stops, as a recording built-in server does
 
     def placement(self) -> Placement:
         return Placement("fake")
@@ -67,14 +65,7 @@ class FakeAdapter(EngineAdapter):
         o = options_of(spec, FakeOptions)
         argv = [sys.executable, str(HERE), "--serve", "--port", str(port), "--behaviour", o.behaviour,
                 "--die-after", str(o.die_after), "--token-delay-s", str(o.token_delay_s), "--tag", o.tag]  # fmt: skip
-        if o.record:
-            argv += ["--trace", f"{RUN_DIR_PLACEHOLDER}/routing/{spec.server_id}.trace", "--stop-s", str(o.stop_s)]
-            return LaunchPlan(argv=argv, startup_timeout_s=60.0, stop_grace_s=o.stop_s + 10)
         return LaunchPlan(argv=argv, startup_timeout_s=60.0)
-
-    def trace_replay(self, spec: ServerSpec) -> TraceReplay | None:
-        o = options_of(spec, FakeOptions)
-        return TraceReplay(1, "recent", True, f"routing/{spec.server_id}.trace") if o.record else None
 
     def tokenizer_dir(self, spec: ServerSpec) -> Path:
         return Path(options_of(spec, FakeOptions).tokenizer)
@@ -93,6 +84,25 @@ class FakeAdapter(EngineAdapter):
 
     def parse_log(self, log_text: str) -> dict[str, Any]:
         return {}
+
+
+class RecordingOptions(FakeOptions):
+    stop_s: float = 0.0  # what the engine takes to write its trace once told to stop
+
+
+class RecordingAdapter(FakeAdapter):
+    """The fake engine writing routing/<server-id>.trace when it stops, as a recording built-in server does."""
+
+    options_model = RecordingOptions
+
+    def launch_plan(self, spec: ServerSpec, port: int) -> LaunchPlan:
+        stop_s = options_of(spec, RecordingOptions).stop_s
+        argv = super().launch_plan(spec, port).argv
+        argv += ["--trace", f"{RUN_DIR_PLACEHOLDER}/routing/{spec.server_id}.trace", "--stop-s", str(stop_s)]
+        return LaunchPlan(argv=argv, startup_timeout_s=60.0, stop_grace_s=stop_s + 10)
+
+    def trace_replay(self, spec: ServerSpec) -> TraceReplay | None:
+        return TraceReplay(1, "recent", True, f"routing/{spec.server_id}.trace")
 
 
 def use_fake_engine() -> None:
@@ -376,18 +386,20 @@ def test_datasets_reach_the_engine_as_text_or_exact_token_ids(tmp_path: Path, ti
 
 
 async def test_a_recording_server_gets_the_time_to_write_its_trace_and_no_earlier_trace_stands_in(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A search's launch at the chosen value and the server of its cells share an id, so the trace path: the
     server's own trace must be the one replayed. Killed at the default 5 s grace, the H200's recording servers
     left the search launch's trace in place (2026-12-03: "the trace holds 390 steps")."""
     from benchsuite.config.matrix import load_matrix
     from benchsuite.config.plan import build_plan
+    from benchsuite.engines import ADAPTERS
     from benchsuite.run.context import RunContext
     from benchsuite.run.runner import client_session, open_store
     from benchsuite.run.server_launch import launch_server
 
-    plan = build_plan(load_matrix(matrix(tmp_path, {"r": {"record": True, "stop_s": 6.0}}, concurrency=[1])))
+    monkeypatch.setitem(ADAPTERS._loaded, "builtin", RecordingAdapter())  # type: ignore[attr-defined]
+    plan = build_plan(load_matrix(matrix(tmp_path, {"r": {"stop_s": 6.0}}, concurrency=[1])))
     store = open_store(plan)
     spec = plan.servers[0]
     trace = store.run_dir / "routing" / f"{spec.server_id}.trace"
@@ -467,12 +479,21 @@ def serve(args: argparse.Namespace) -> None:
     app.router.add_post("/v1/completions", completions)
     if args.trace:
 
-        async def write_trace(app: web.Application) -> None:  # on SIGTERM, as the built-in server writes its trace
-            await asyncio.sleep(args.stop_s)
+        def write_trace_now() -> None:
+            time.sleep(args.stop_s)
             Path(args.trace).parent.mkdir(parents=True, exist_ok=True)
             Path(args.trace).write_text(f"written by the server on port {args.port}")
 
-        app.on_cleanup.append(write_trace)
+        def early_term(signum: int, frame: object) -> None:  # before aiohttp takes SIGTERM over
+            write_trace_now()
+            os._exit(0)
+
+        signal.signal(signal.SIGTERM, early_term)
+
+        async def write_trace(app: web.Application) -> None:  # on SIGTERM, as the built-in server writes its trace
+            write_trace_now()
+
+        app.on_shutdown.append(write_trace)  # first in aiohttp's shutdown: no open connection delays it
     web.run_app(app, host="127.0.0.1", port=args.port, print=None)
 
 
