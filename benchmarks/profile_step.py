@@ -4,6 +4,8 @@ per mode variant, kernels sorted by device time (the question behind a slow tok/
 (a paged prompt of more than K / top_k tokens runs the host-planned waves: where a TTFT goes).
 
     python benchmarks/profile_step.py --layers 4 --variants resident,resident/graphs,paged:32/graphs --out prof.txt
+    python benchmarks/profile_step.py --layers 8 --preset qwen3-30b-a3b-fp8-shape --routing qwen3-30b-a3b \
+        --variants resident/graphs+triton,paged:54/graphs+triton --out decode.txt
     python benchmarks/profile_step.py --layers 8 --preset qwen3-30b-a3b-fp8-shape --variants resident,paged:42 \
         --prefill-tokens 2048 --steps 3 --host-profile 25 --out prefill.txt --trace-dir traces
 (with --prefill-tokens and --trace-dir, each variant's layer boundaries too: benchmarks/prefill_timeline.py)
@@ -30,6 +32,7 @@ from prefill_timeline import layer_boundaries, summary  # noqa: E402
 
 from paged_experts.kv import KvPool  # noqa: E402
 from paged_experts.model import MoeCausalLM, SeqChunk  # noqa: E402
+from paged_experts.routing.sources import SyntheticRouter, make_router  # noqa: E402
 
 
 def stream_summary(trace: dict, steps: int) -> str:
@@ -69,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="paged modes planned on the device: the page-in copy kernel's grid cap")  # fmt: skip
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="also the host's N costliest functions (cProfile, own time) over more steps")  # fmt: skip
+    ap.add_argument("--routing", default=None, metavar="SPEC",
+                    help="a synthetic routing source (e.g. qwen3-30b-a3b, the calibrated one) instead of the "
+                         "random model's own router, as a server's --routing-source")  # fmt: skip
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument(
         "--trace-dir", type=Path, default=None, help="also write each variant's Chrome trace (.json.gz) here"
@@ -88,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         runtime = runtime_for(mode, args.device, options, args.copy_programs)
         model = MoeCausalLM.synthetic(args.preset, runtime, layers=args.layers, seed=0)
         apply_plan_option(model, options)
+        router = None
+        if args.routing is not None:  # before the graphs: their captured steps take the router's ids as input
+            router = make_router(args.routing, model.config, 0)
+            model.router_override = router
         if "graphs" in options:
             model.enable_cuda_graphs([args.batch], compile_layers="compile" in options)
         pool = KvPool.for_model(model, capacity_tokens=max(args.batch * 128, args.prefill_tokens + 16))
@@ -100,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             model: MoeCausalLM = model,
             seqs: list = seqs,
             pool: KvPool = pool,
+            router: SyntheticRouter | None = router,
             gen: torch.Generator = gen,
             vocab: int = vocab,
         ) -> None:  # this variant's objects, bound now
@@ -107,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.prefill_tokens:  # one fresh prompt: the previous one's KV rows freed first
                 for s in seqs:
                     pool.free(s)
+                    if router is not None:  # its per-sequence state, as a server's free hook drops it
+                        router.forget(s.seq_id)
                 seqs[:] = [pool.new_sequence()]
                 prompt = torch.randint(0, vocab, (args.prefill_tokens,), generator=gen).tolist()
                 logits = model.forward([SeqChunk(seqs[0], prompt, 0)])
@@ -134,8 +147,9 @@ def main(argv: list[str] | None = None) -> int:
             sync()
         table = prof.key_averages().table(sort_by=sort_key, row_limit=args.rows, max_name_column_width=70)
         what = f"one {args.prefill_tokens}-token prompt" if args.prefill_tokens else f"batch {args.batch}"
+        routing = f"routing {args.routing} (synthetic)" if args.routing else "the model's own routing"
         head = (
-            f"=== {spec}: {args.layers} layers, {what}, {wall_ms:.2f} ms/step wall (unprofiled), "
+            f"=== {spec}: {args.layers} layers, {what}, {routing}, {wall_ms:.2f} ms/step wall (unprofiled), "
             f"replays {model.graph_replays}"
         )
         print(head, flush=True)

@@ -13,7 +13,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_profile_step_runs_decode_and_prefill_on_the_cpu(tmp_path: Path) -> None:
-    for extra, what in (([], "batch 1"), (["--prefill-tokens", "40", "--host-profile", "5"], "one 40-token prompt")):
+    cases = (
+        ([], "batch 1, the model's own routing"),
+        (["--prefill-tokens", "40", "--host-profile", "5"], "one 40-token prompt, the model's own routing"),
+        (["--routing", "qwen3-30b-a3b", "--prefill-tokens", "40"],
+         "one 40-token prompt, routing qwen3-30b-a3b (synthetic)"),
+        (["--routing", "qwen3-30b-a3b"], "batch 1, routing qwen3-30b-a3b (synthetic)"),
+    )  # fmt: skip
+    for extra, what in cases:
         out = tmp_path / "prof.txt"
         argv = [sys.executable, str(ROOT / "benchmarks" / "profile_step.py"), "--device", "cpu", "--preset", "tiny",
                 "--layers", "2", "--variants", "resident,paged:8", "--steps", "2", "--rows", "5", "--out", str(out),
