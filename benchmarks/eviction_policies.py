@@ -1,5 +1,6 @@
 """Eviction policies compared by the paging simulator: LRU, plain LFU, LFU with aging (`lfu-decay`,
-paged_experts.residency.policies.DecayedLfuPolicy, at several half-lives) and Belady's offline optimum as
+paged_experts.residency.policies.DecayedLfuPolicy, at several half-lives; `lfu-aging`, AgingLfuPolicy, whose
+counts halve every P steps, at several periods) and Belady's offline optimum as
 the bound, per trace x phase x concurrency x K (benchsuite.tools.simulate, the runtime's own residency code).
 
 Phases: `decode` replays decode steps only (every step one token per active request); `prefill`
@@ -9,7 +10,7 @@ and reports the decode steps' hit rate and the first 16 decode steps after each 
 than LRU). A trace labelled SYNTHETIC comes from a routing generator, not a model.
 
     PYTHONPATH=$PWD python benchmarks/eviction_policies.py TRACE... [--k 8,16,32,64] \\
-        [--half-lives 1,2,4,16] [--concurrency 1,4]
+        [--half-lives 1,2,4,16] [--aging-periods 64,256] [--concurrency 1,4]
 
 K values outside [top_k, E) of a trace are dropped for it (the tiny model has E=32, top_k=4:
 pass its sizes with `--k`).
@@ -40,11 +41,17 @@ def _fmt(v: float | None) -> str:
     return f"{v:>7.1%}" if v is not None else f"{'-':>7}"
 
 
-def compare(path: str, ks: tuple[int, ...], half_lives: tuple[float, ...], concurrencies: tuple[int, ...]) -> list[str]:
+def compare(
+    path: str,
+    ks: tuple[int, ...],
+    half_lives: tuple[float, ...],
+    concurrencies: tuple[int, ...],
+    aging_periods: tuple[int, ...] = (),
+) -> list[str]:
     trace = read_trace(path)
     meta = trace.meta
     ks = tuple(k for k in ks if meta.top_k <= k < meta.num_experts)
-    online = ("lru", "lfu", *(f"lfu-decay:{h:g}" for h in half_lives))
+    online = ("lru", "lfu", *(f"lfu-decay:{h:g}" for h in half_lives), *(f"lfu-aging:{p}" for p in aging_periods))
     policies = (*online, "belady")
     label = f"SYNTHETIC routing ({meta.source})" if meta.synthetic else f"routing from {meta.source}"
     lines = [
@@ -89,6 +96,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("traces", nargs="+")
     ap.add_argument("--k", type=_ints, default=(8, 16, 32, 64))
     ap.add_argument("--half-lives", default="1,2,4,16", help="lfu-decay half-lives in steps")
+    ap.add_argument("--aging-periods", type=_ints, default=(), help="lfu-aging periods in steps (counts halve)")
     ap.add_argument("--concurrency", type=_ints, default=(1, 4))
     args = ap.parse_args(argv)
     half_lives = tuple(float(v) for v in args.half_lives.split(",") if v.strip())
@@ -98,7 +106,7 @@ def main(argv: list[str]) -> int:
     print("# gap: (best online - lru) / (belady - lru)")
     for path in args.traces:
         t0 = time.perf_counter()
-        for line in compare(path, args.k, half_lives, args.concurrency):
+        for line in compare(path, args.k, half_lives, args.concurrency, args.aging_periods):
             print(line, flush=True)
         print(f"({time.perf_counter() - t0:.0f} s)\n", flush=True)
     return 0

@@ -18,6 +18,7 @@ from paged_experts.residency.page_in import PAGE_IN_CHOICES, PageIn
 from paged_experts.residency.policies import (
     DEFAULT_EVICTION_POLICY,
     DEFAULT_PREFILL_KEEP,
+    DEVICE_POLICIES,
     EVICTION_POLICIES,
     MAX_STAGING_ROWS,
     PREFILL_KEEP,
@@ -77,7 +78,7 @@ class RuntimeConfig:
     # experts' bytes of device memory; off by default until configs/h200/staging.yaml measures it.
     prefill_staging_rows: int = 0
     # Which resident expert a paged miss evicts: residency.EVICTION_POLICIES. 'lfu-decay' runs on the
-    # host planner only (the device plan keeps LRU stamps inside the captured graph).
+    # host planner only; the device plan (inside the captured graph) runs 'lru' and 'lfu-aging'.
     eviction_policy: str = DEFAULT_EVICTION_POLICY
     # Which kernels route and compute one-wave steps (kernels.fused.EXPERT_BACKENDS): 'grouped' (torch's
     # grouped GEMM) or 'triton' (moe_triton's decode kernels and, in captured steps, attn_triton's
@@ -119,10 +120,10 @@ class RuntimeConfig:
             raise ValueError(f"eviction_policy must be one of {EVICTION_POLICIES}, got {self.eviction_policy!r}")
         if self.eviction_policy != DEFAULT_EVICTION_POLICY and self.mode != "paged":
             raise ValueError(f"eviction_policy applies to mode='paged', not {self.mode!r}")
-        if self.eviction_policy != "lru" and self.plans_on_device:
+        if self.eviction_policy not in DEVICE_POLICIES and self.plans_on_device:
             raise ValueError(
                 f"eviction_policy={self.eviction_policy!r} runs on the host planner only: device planning "
-                "(CUDA) keeps LRU state on the device; use 'lru' there"
+                f"(CUDA) plans on the device with one of {', '.join(DEVICE_POLICIES)}"
             )
         if self.overlap_page_in and not self.plans_on_device:
             raise ValueError(

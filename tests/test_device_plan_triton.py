@@ -1,9 +1,10 @@
-"""The fused device LRU plan (paged_experts.residency.plan_triton) plans exactly what `device.plan_step`
-plans: every output (pair slots, missed flags, padded miss experts and slots, stats) and every state
-tensor (maps, stamps, step, spare entries) equal after every step, over long random sequences at the
-served shape (E=128, K=40/42, top_k 8, 1-5 tokens), at small shapes, with steps of no miss, steps where
-every pair misses and ties among pinned slots. Run in Triton's interpreter (TRITON_INTERPRET=1, in a
-child process: Triton reads it at import) on the CPU; tests/cuda runs the same check compiled."""
+"""The fused device plan (paged_experts.residency.plan_triton), LRU and aging LFU, plans exactly what
+`device.plan_step` plans: every output (pair slots, missed flags, padded miss experts and slots, stats) and
+every state tensor (maps, stamps, use counts, step, spare entries) equal after every step, over long random
+sequences at the served shape (E=128, K=40/42, top_k 8, 1-5 tokens), at small shapes, with steps of no miss,
+steps where every pair misses and ties among pinned slots, and (aging) counts halved every 3 steps. Run in
+Triton's interpreter (TRITON_INTERPRET=1, in a child process: Triton reads it at import) on the CPU;
+tests/cuda runs the same check compiled."""
 
 from __future__ import annotations
 
@@ -22,28 +23,40 @@ STEPS = 40  # per shape (the interpreter runs ~0.1 s a launch)
 
 
 def check_fused_plan_equals_torch(device: str = "cpu", steps: int = STEPS) -> None:
-    """For every shape (E, K, top_k, most tokens): one state planned by each implementation, step by
-    step, from random routings (every 5th step from a small expert pool: mostly hits)."""
-    dev = torch.device(device)
+    """For every shape (E, K, top_k, most tokens) and policy (LRU; aging LFU halving every 3 steps): one state
+    planned by each implementation, step by step, from random routings (every 5th step from a small expert
+    pool: mostly hits)."""
+    for aging in (None, 3):
+        _check_fused_plan(torch.device(device), steps, aging)
+    print("fused plan equal", len(SHAPES), "shapes x", steps, "steps")
+
+
+def _check_fused_plan(dev: torch.device, steps: int, aging: int | None) -> None:
     for e, k, top_k, most in SHAPES:
         rng = random.Random(e * 1000 + k)
-        ref, fused = DeviceResidency(e, k, dev), DeviceResidency(e, k, dev)
+        ref = DeviceResidency(e, k, dev, aging_period_steps=aging)
+        fused = DeviceResidency(e, k, dev, aging_period_steps=aging)
+        period = aging or 0
         for step in range(steps):
             pool = range(e) if step % 5 else range(min(e, top_k + 3))
             tokens = rng.randint(1, max(1, min(most, k // top_k)))
             routed = [x for _ in range(tokens) for x in rng.sample(pool, top_k)]
             ids = torch.tensor(routed, dtype=torch.long, device=dev)
-            want = plan_step(ids, ref.slot_of, ref.expert_in, ref.last_use, ref.step, ref._arange_e, e, k)
-            got = plan_triton.plan_step_triton(
-                ids, fused.slot_of, fused.expert_in, fused.last_use, fused.step, fused._arange_e, e, k
+            want = plan_step(
+                ids, ref.slot_of, ref.expert_in, ref.last_use, ref.step, ref._arange_e, e, k, ref.uses, period
             )
+            got = plan_triton.plan_step_triton(
+                ids, fused.slot_of, fused.expert_in, fused.last_use, fused.step, fused._arange_e, e, k, fused.uses,
+                period,
+            )  # fmt: skip
             names = ("pair_slot", "pair_missed", "miss_experts", "miss_slots", "stats")
             for name, a, b in zip(names, got, want):
-                assert a.dtype == b.dtype and torch.equal(a, b), (e, k, step, name, a.tolist(), b.tolist())
-            for name in ("slot_of", "expert_in", "last_use", "step"):
+                assert a.dtype == b.dtype and torch.equal(a, b), (aging, e, k, step, name, a.tolist(), b.tolist())
+            for name in ("slot_of", "expert_in", "last_use", "step", "uses"):
                 a, b = getattr(fused, name), getattr(ref, name)
-                assert torch.equal(a, b), (e, k, step, name, a.tolist(), b.tolist())
-    print("fused plan equal", len(SHAPES), "shapes x", steps, "steps")
+                assert torch.equal(a, b), (aging, e, k, step, name, a.tolist(), b.tolist())
+        if aging:  # the counts did their job: some expert was counted, and halved (max count < steps)
+            assert 0 < int(ref.uses.max()) < steps, ref.uses.tolist()
 
 
 def test_fused_plan_equals_torch_in_the_interpreter() -> None:
@@ -71,7 +84,9 @@ def test_the_fused_plan_compiles_for_the_h200() -> None:
     fn = plan_triton._plan_kernel
     pointers = {a: "*i1" if a == "pair_missed_ptr" else "*i64" for a in fn.arg_names if a.endswith("_ptr")}
     signature = {a: pointers.get(a, "constexpr" if a.startswith("BLOCK") else "i32") for a in fn.arg_names}
-    constants = {"BLOCK_P": 64, "BLOCK_E": 256, "BLOCK_K": 64}
-    src = ASTSource(fn, signature, constants, {})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
-    assert "st.global" in ptx
+    signature["AGING"] = "constexpr"
+    for aging in (False, True):  # LRU, aging LFU
+        constants = {"BLOCK_P": 64, "BLOCK_E": 256, "BLOCK_K": 64, "AGING": aging}
+        src = ASTSource(fn, signature, constants, {})
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+        assert "st.global" in ptx

@@ -1,7 +1,8 @@
 """Device-side residency (paged_experts.residency.device) on CPU tensors:
-- its one-wave plans equal the host LRU planner's (`LayerResidency`) step by step: hits, misses,
-  which expert goes to which slot, the slot of every pair; also when host-planned multi-wave
-  steps interleave (the two share one state through pull_to / push_from);
+- its one-wave plans equal the host planner's (`LayerResidency`) step by step, with LRU and with aging LFU
+  (`lfu-aging`, counts halved every few steps here): hits, misses, which expert goes to which slot, the slot
+  of every pair; also when host-planned multi-wave steps interleave (the two share one state through
+  pull_to / push_from);
 - a model planned on the device equals resident bit for bit in fp32 and counts exactly what the
   host-planned model counts;
 - the static (graph) decode body of a paged model equals eager decode, with equal counters.
@@ -18,7 +19,7 @@ from paged_experts.kernels.copy_kernel import copy_planned
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.residency.device import DeviceResidency
-from paged_experts.residency.policies import LayerResidency
+from paged_experts.residency.policies import AgingLfuPolicy, LayerResidency, LruPolicy
 from paged_experts.residency.store import ExpertTensors
 from paged_experts.runtime import RuntimeConfig
 
@@ -38,11 +39,18 @@ def _check_same_plan(dev: DeviceResidency, host: LayerResidency, routed: list[in
     assert dev.expert_in[: dev.num_slots].tolist() == host.expert_in
 
 
+def _pair(e: int, k: int, aging: int | None) -> tuple[DeviceResidency, LayerResidency]:
+    """A device residency and a host one of the same policy: LRU (aging None) or aging LFU of that period."""
+    policy = AgingLfuPolicy(aging) if aging else LruPolicy()
+    return DeviceResidency(e, k, torch.device("cpu"), aging_period_steps=aging), LayerResidency(e, k, policy)
+
+
+@pytest.mark.parametrize("aging", [None, 3])
 @pytest.mark.parametrize("seed", range(6))
-def test_device_plan_equals_host_lru(seed: int) -> None:
+def test_device_plan_equals_host_lru(seed: int, aging: int | None) -> None:
     rng = random.Random(seed)
     e, k, top_k = 32, rng.choice([4, 6, 8, 13, 32]), 4
-    dev, host = DeviceResidency(e, k, torch.device("cpu")), LayerResidency(e, k)
+    dev, host = _pair(e, k, aging)
     for _ in range(60):
         tokens = rng.randint(1, max(1, k // top_k))
         routed = [x for _ in range(tokens) for x in rng.sample(range(e), top_k)]
@@ -51,35 +59,40 @@ def test_device_plan_equals_host_lru(seed: int) -> None:
         _check_same_plan(dev, host, routed)
 
 
-def test_device_plan_equals_host_lru_at_the_served_shape() -> None:
+@pytest.mark.parametrize("aging", [None, 5, 256])
+def test_device_plan_equals_host_lru_at_the_served_shape(aging: int | None) -> None:
     """E=128, K=40, top_k 8 (the H200 configuration): batches of 1-5 tokens, ties among pinned slots,
-    steps with no miss and steps where every pair misses."""
+    steps with no miss and steps where every pair misses; LRU and aging LFU (short and served period)."""
     rng = random.Random(7)
     e, k, top_k = 128, 40, 8
-    dev, host = DeviceResidency(e, k, torch.device("cpu")), LayerResidency(e, k)
+    dev, host = _pair(e, k, aging)
     for step in range(200):
         pool = range(e) if step % 7 else range(12)  # every 7th step from a small set: mostly hits
         routed = [x for _ in range(rng.randint(1, k // top_k)) for x in rng.sample(pool, top_k)]
         _check_same_plan(dev, host, routed)
 
 
-def test_compiled_device_plan_equals_host_lru() -> None:
+@pytest.mark.parametrize("aging", [None, 2])
+def test_compiled_device_plan_equals_host_lru(aging: int | None) -> None:
     """`DeviceResidency.compile()` (torch.compile of the plan, used by compiled graphed decode)
-    plans what the host LRU plans, step by step, with state mutated in place as eagerly."""
+    plans what the host plans (LRU, aging LFU), step by step, with state mutated in place as eagerly."""
     rng = random.Random(11)
     e, k, top_k = 32, 8, 4
-    dev, host = DeviceResidency(e, k, torch.device("cpu")), LayerResidency(e, k)
+    dev, host = _pair(e, k, aging)
     dev.compile()
     for _ in range(30):
         routed = [x for _ in range(rng.randint(1, 2)) for x in rng.sample(range(e), top_k)]
         _check_same_plan(dev, host, routed)
 
 
-def test_host_planned_steps_share_the_device_state() -> None:
-    """Multi-wave steps plan on the host after pull_to; push_from hands the state back."""
+@pytest.mark.parametrize("aging", [None, 3, 4])
+def test_host_planned_steps_share_the_device_state(aging: int | None) -> None:
+    """Multi-wave steps plan on the host after pull_to; push_from hands the state back (aging LFU: every
+    expert's count and the residents' last uses, across period boundaries on either side)."""
     rng = random.Random(3)
     e, k, top_k = 32, 8, 4
-    dev, host, ref = DeviceResidency(e, k, torch.device("cpu")), LayerResidency(e, k), LayerResidency(e, k)
+    dev, ref = _pair(e, k, aging)
+    host = _pair(e, k, aging)[1]
     for i in range(80):
         if i % 5 == 4:  # a 6-token step: 24 pairs > K, waves on the host
             routed = [x for _ in range(6) for x in rng.sample(range(e), top_k)]
@@ -90,6 +103,19 @@ def test_host_planned_steps_share_the_device_state() -> None:
             routed = rng.sample(range(e), top_k) + rng.sample(range(e), top_k)
             _check_same_plan(dev, ref, routed)
     assert dev.expert_in[:k].tolist() == ref.expert_in
+    if aging:
+        last = int(dev.step) - 1
+        assert isinstance(ref.policy, AgingLfuPolicy)
+        assert dev.uses[:e].tolist() == [ref.policy.uses(x, last) for x in range(e)]
+
+
+def test_device_plan_refuses_a_host_policy_it_does_not_share() -> None:
+    with pytest.raises(TypeError, match="plans LRU"):
+        DeviceResidency(32, 8, torch.device("cpu")).pull_to(LayerResidency(32, 8, AgingLfuPolicy(4)))
+    with pytest.raises(TypeError, match="every 4 steps"):
+        DeviceResidency(32, 8, torch.device("cpu"), aging_period_steps=4).pull_to(
+            LayerResidency(32, 8, AgingLfuPolicy(8))
+        )
 
 
 def test_device_plan_refuses_more_pairs_than_slots() -> None:
@@ -119,23 +145,27 @@ def _scenario(model: MoeCausalLM, decode_steps: int = 4, pool: KvPool | None = N
     return out
 
 
-def _paged(k: int, planning: str, overlap: bool = False, groups: int = 1) -> MoeCausalLM:
+def _paged(k: int, planning: str, overlap: bool = False, groups: int = 1, policy: str = "lru") -> MoeCausalLM:
     rt = RuntimeConfig(
         mode="paged", resident_experts=k, device_planning=planning, overlap_page_in=overlap, overlap_groups=groups,  # type: ignore[arg-type]
+        eviction_policy=policy,
     )  # fmt: skip
     return MoeCausalLM.from_pretrained(PATH, rt)
 
 
 @pytest.mark.parametrize(
-    ("k", "overlap", "groups"),
-    [(4, False, 1), (8, False, 1), (12, False, 1), (8, True, 1), (12, True, 1), (8, True, 2), (12, True, 3),
-     (12, True, 12)],
+    ("k", "overlap", "groups", "policy"),
+    [(4, False, 1, "lru"), (8, False, 1, "lru"), (12, False, 1, "lru"), (8, True, 1, "lru"), (12, True, 1, "lru"),
+     (8, True, 2, "lru"), (12, True, 3, "lru"), (12, True, 12, "lru"), (8, False, 1, "lfu-aging"),
+     (12, True, 2, "lfu-aging")],
 )  # fmt: skip
-def test_device_planned_model_equals_resident_and_counts_like_host(k: int, overlap: bool, groups: int) -> None:
+def test_device_planned_model_equals_resident_and_counts_like_host(
+    k: int, overlap: bool, groups: int, policy: str
+) -> None:
     """overlap=True: the hits, then each of `groups` groups of misses, as grouped passes (a second
-    stream on CUDA), still bit-exact."""
+    stream on CUDA), still bit-exact; `lfu-aging` planned on the device counts what the host's counts."""
     resident = _scenario(MoeCausalLM.from_pretrained(PATH, RuntimeConfig(mode="resident")))
-    on, off = _paged(k, "on", overlap, groups), _paged(k, "off")
+    on, off = _paged(k, "on", overlap, groups, policy), _paged(k, "off", policy=policy)
     assert all(m.device_residency is not None for m in on.moe_layers)
     assert all(m.device_residency is None for m in off.moe_layers)
     for i, (a, b, r) in enumerate(zip(_scenario(on), _scenario(off), resident)):

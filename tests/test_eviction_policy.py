@@ -1,4 +1,4 @@
-"""The decayed LFU eviction policy (aging, eviction order), the simulator's comparison on a trace whose
+"""The decayed and the aging LFU eviction policies (aging, eviction order), the simulator's comparison on a trace whose
 answer is known by hand, the `eviction_policy` option from matrix to server command line and runtime,
 and the per-cell optimal hit rate from a routing trace recorded in a real `benchsuite run` (tiny, CPU)."""
 
@@ -22,7 +22,15 @@ from benchsuite.report.build import build_report_data
 from benchsuite.report.paging_figures import HIT_RATE_TITLE, NO_OPTIMUM_NOTE, hit_rate_table
 from benchsuite.results.stored_files import read_cells
 from benchsuite.tools.simulate import SimOptions, check_policy, simulate
-from paged_experts.residency.policies import DecayedLfuPolicy, LayerResidency, LfuPolicy, LruPolicy, make_policy
+from paged_experts.residency.policies import (
+    DEFAULT_AGING_PERIOD_STEPS,
+    AgingLfuPolicy,
+    DecayedLfuPolicy,
+    LayerResidency,
+    LfuPolicy,
+    LruPolicy,
+    make_policy,
+)
 from paged_experts.routing.trace import TraceMeta, build_trace, read_trace
 from paged_experts.runtime import RuntimeConfig
 from paged_experts.server.launch import parse_args
@@ -38,6 +46,45 @@ def test_scores_halve_every_half_life_and_count_once_per_step() -> None:
     assert p.score(7, 4) == pytest.approx(1.5)
     with pytest.raises(ValueError, match="half_life_steps must be > 0"):
         DecayedLfuPolicy(0)
+
+
+def test_aging_counts_halve_at_each_period_boundary_lazily_as_eagerly() -> None:
+    p = AgingLfuPolicy(period_steps=4)
+    assert p.uses(7, 0) == 0 and p.last_use(7) == -1
+    for step in (0, 0, 1, 2, 3):  # a second wave of step 0 adds nothing
+        p.on_use(7, step)
+    assert p.uses(7, 3) == 4 and p.uses(7, 4) == 2 and p.uses(7, 7) == 2 and p.uses(7, 8) == 1 and p.uses(7, 12) == 0
+    p.on_use(7, 5)  # the boundary at 4 halved 4 -> 2, then +1
+    assert p.uses(7, 5) == 3 and p.last_use(7) == 5 and p.uses(7, 8) == 1
+    # eager: every count halved whenever a step is a multiple of the period, then the step's uses added
+    eager, lazy = [0] * 3, AgingLfuPolicy(period_steps=3)
+    uses = [[0], [0, 1], [], [1], [2], [0], [], [], [1], [1, 2]]
+    for step, used in enumerate(uses):
+        if step % 3 == 0:
+            eager = [c >> 1 for c in eager]
+        for expert in used:
+            eager[expert] += 1
+            lazy.on_use(expert, step)
+        assert [lazy.uses(x, step) for x in range(3)] == eager, step
+    with pytest.raises(ValueError, match="period_steps must be an integer >= 1"):
+        AgingLfuPolicy(0)
+    assert make_policy("lfu-aging").period_steps == DEFAULT_AGING_PERIOD_STEPS  # type: ignore[attr-defined]
+
+
+def test_aging_lfu_evicts_the_least_used_then_the_least_recent_then_the_lowest_id() -> None:
+    p = AgingLfuPolicy(period_steps=100)
+    for step in range(3):
+        p.on_use(1, step)
+    p.on_use(2, 5)
+    p.on_use(3, 5)
+    assert p.victim([1, 2, 0], 6) == 0  # never used: count 0
+    assert p.victim([1, 2], 6) == 2  # one use against three, though more recent
+    assert p.victim([3, 2], 6) == 2  # equal count and last use: the lower id
+    old = AgingLfuPolicy(period_steps=2)  # the favourite ages out: 3 uses halve to 0 over four boundaries
+    for step in range(3):
+        old.on_use(1, step)
+    old.on_use(2, 9)
+    assert old.uses(1, 10) == 0 and old.victim([1, 2], 10) == 1
 
 
 def test_aging_lets_a_recent_expert_outrank_an_old_favourite() -> None:
@@ -119,8 +166,10 @@ def test_simulator_ranks_the_policies_on_a_trace_with_a_known_answer() -> None:
     # aged LFU: 4 hits; [2] evicts 0; [3] evicts 2 (score 1 < 1's); [1] hit; [2] evicts 3; [3] evicts 2; [1] hit
     assert (aged.total.hits, aged.total.misses) == (6, 4)
     assert opt.total.hits >= aged.total.hits
-    assert check_policy("lfu-decay:8") == "lfu-decay:8"
-    for bad in ("lfu-decay:0", "lfu-decay:x", "arc"):
+    assert check_policy("lfu-decay:8") == "lfu-decay:8" and check_policy("lfu-aging:64") == "lfu-aging:64"
+    aging = simulate(_trace(ids, 4, 1), SimOptions(ks=(2,), policies=("lfu-aging:100",)))[0]
+    assert (aging.total.hits, aging.total.misses) == (6, 4)  # counts: 1 keeps its four uses, as above
+    for bad in ("lfu-decay:0", "lfu-decay:x", "arc", "lfu-aging:0", "lfu-aging:2.5", "lfu-aging:x"):
         with pytest.raises(ValueError, match="unknown policy"):
             check_policy(bad)
 
@@ -155,7 +204,7 @@ def test_option_is_written_for_paged_servers_and_leaves_other_server_ids_alone(t
     ("options", "message"),
     [
         ("device: cpu, mode: paged, resident_experts: 8, eviction_policy: arc",
-         "engines.e.options.eviction_policy: 'arc' is not one of lru, lfu-decay"),
+         "engines.e.options.eviction_policy: 'arc' is not one of lru, lfu-aging, lfu-decay"),
         ("device: cpu, mode: resident, eviction_policy: lru",
          "engines.e.options.eviction_policy: 'lru' applies to mode paged, not resident"),
         ("device: cuda, mode: paged, resident_experts: 8, eviction_policy: lfu-decay",
@@ -181,6 +230,10 @@ def test_server_flag_and_runtime_refuse_what_they_cannot_run(capsys) -> None:
     with pytest.raises(ValueError, match="runs on the host planner only"):
         RuntimeConfig(mode="paged", resident_experts=8, eviction_policy="lfu-decay", device_planning="on")
     RuntimeConfig(mode="paged", resident_experts=8, eviction_policy="lfu-decay")  # CPU: the host planner
+    # the aging LFU runs on the device plan too
+    RuntimeConfig(mode="paged", resident_experts=8, eviction_policy="lfu-aging", device_planning="on")
+    assert parse_args(["--model", "/m", "--resident-experts", "8", "--device", "cuda", "--eviction-policy",
+                       "lfu-aging"]).eviction_policy == "lfu-aging"  # fmt: skip
 
 
 @pytest.mark.slow

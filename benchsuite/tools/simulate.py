@@ -27,6 +27,7 @@ import numpy as np
 from paged_experts.residency.policies import (
     DEFAULT_PREFILL_KEEP,
     POLICIES,
+    AgingLfuPolicy,
     BeladyPolicy,
     DecayedLfuPolicy,
     EvictionPolicy,
@@ -36,22 +37,35 @@ from paged_experts.residency.policies import (
 from paged_experts.routing.trace import Chunk, Trace
 
 SIM_POLICIES = (*POLICIES, "belady")
-"""Policy names; `lfu-decay:<H>` also names the decayed LFU with a half-life of H steps."""
+"""Policy names; `lfu-decay:<H>` also names the decayed LFU with a half-life of H steps, `lfu-aging:<P>` the
+LFU whose counts halve every P steps."""
 
 
 def check_policy(name: str) -> str:
-    """`name` if the simulator knows it (`SIM_POLICIES`, or `lfu-decay:<H>` with H > 0), else ValueError."""
-    base, _, half_life = name.partition(":")
+    """`name` if the simulator knows it (`SIM_POLICIES`, `lfu-decay:<H>` with H > 0 or `lfu-aging:<P>` with an
+    integer P >= 1), else ValueError."""
     if name in SIM_POLICIES:
         return name
-    if base == "lfu-decay" and half_life:
+    base, _, param = name.partition(":")
+    if base in ("lfu-decay", "lfu-aging") and param:
         try:
-            DecayedLfuPolicy(float(half_life))
+            _parametrized(base, param)
         except ValueError:
             pass
         else:
             return name
-    raise ValueError(f"unknown policy {name!r}; choose from {SIM_POLICIES} or lfu-decay:<half-life steps>")
+    raise ValueError(
+        f"unknown policy {name!r}; choose from {SIM_POLICIES}, lfu-decay:<half-life steps> or lfu-aging:<period steps>"
+    )
+
+
+def _parametrized(base: str, param: str) -> EvictionPolicy:
+    if base == "lfu-decay":
+        return DecayedLfuPolicy(float(param))
+    period = float(param)
+    if not period.is_integer():
+        raise ValueError(f"lfu-aging's period is a whole number of steps, got {param!r}")
+    return AgingLfuPolicy(int(period))
 
 
 @dataclass(frozen=True)
@@ -146,8 +160,9 @@ def _policy(name: str, routed: list[np.ndarray], seed: int) -> EvictionPolicy:
         return BeladyPolicy([set(r.tolist()) for r in routed])
     if name == "random":
         return RandomPolicy(seed)
-    if name.startswith("lfu-decay:"):
-        return DecayedLfuPolicy(float(name.partition(":")[2]))
+    if ":" in name:
+        base, _, param = name.partition(":")
+        return _parametrized(base, param)
     return POLICIES[name]()
 
 

@@ -33,7 +33,7 @@ from paged_experts.moe.placements import CpuLayer, OffloadLayer, ResidentLayer
 from paged_experts.moe.planning import DeviceLru, HostWaves, PendingPrefetch
 from paged_experts.moe.waves import EXPERT_KERNELS
 from paged_experts.residency.device import DeviceResidency
-from paged_experts.residency.policies import LayerResidency, make_policy
+from paged_experts.residency.policies import AgingLfuPolicy, LayerResidency, make_policy
 from paged_experts.residency.store import ExpertTensors, to_device_rows
 from paged_experts.runtime import RuntimeConfig
 
@@ -80,15 +80,16 @@ def make_layer(
         raise ValueError(f"unknown placement {placement!r}")
     k = runtime.resident_experts
     assert k is not None
+    policy = make_policy(runtime.eviction_policy)  # RuntimeConfig refused one the device plan cannot run
     lru = None
     if runtime.plans_on_device:
+        aging = policy.period_steps if isinstance(policy, AgingLfuPolicy) else None  # the host's, shared state
         lru = DeviceLru(
-            DeviceResidency(cfg.num_experts, k, device),
+            DeviceResidency(cfg.num_experts, k, device, aging_period_steps=aging),
             overlap=runtime.overlap_page_in,
             overlap_groups=runtime.overlap_groups,
             copy_programs=runtime.copy_programs,
             fused_page_in=runtime.fused_page_in,
         )
-    policy = make_policy(runtime.eviction_policy)  # RuntimeConfig refused a non-LRU one with device planning
     waves = HostWaves(LayerResidency(cfg.num_experts, k, policy, prefill_keep=runtime.prefill_residency))
     return PagedLayer(layer_idx, router_weight, host, to_device_rows(host, k, device), shared, waves, lru)

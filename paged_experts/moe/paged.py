@@ -205,11 +205,13 @@ class PagedLayer(MoeLayer):
             self.device_lru.pending = None
 
     def lru_state(self) -> LayerResidency:
-        """A copy of this layer's LRU state as the host planner's type (what the simulator replays)."""
+        """A copy of this layer's residency state (LRU or aging LFU) as the host planner's type (what the simulator
+        replays)."""
         if self.device_lru is None:
             return copy.deepcopy(self.residency)
         k, keep = self.device_lru.residency.num_slots, self.residency.prefill_keep
-        state = LayerResidency(self.shared.num_experts, k, prefill_keep=keep)
+        # the host policy's copy: the device state overwrites what it holds (same policy, same period)
+        state = LayerResidency(self.shared.num_experts, k, copy.deepcopy(self.residency.policy), prefill_keep=keep)
         self.device_lru.residency.pull_to(state)
         state.large_steps, state.last_large = self.residency.large_steps, self.residency.last_large.copy()  # host-only
         return state

@@ -1,11 +1,14 @@
-"""LRU residency of one paged layer kept on the device: a one-wave step is planned, paged in and
-computed with no host synchronization, so a whole decode step can be captured in a CUDA graph.
+"""LRU (or aging-LFU) residency of one paged layer kept on the device: a one-wave step is planned, paged
+in and computed with no host synchronization, so a whole decode step can be captured in a CUDA graph.
 
 A step fits one wave when its routed pairs P = tokens x top_k are at most K: then its distinct
-experts are at most K too. The plan is the same one `residency.LayerResidency` (LRU) makes:
+experts are at most K too. The plan is the same one `residency.LayerResidency` makes with its policy:
 - hits are the routed experts already in a slot; misses are paged in in increasing expert id;
 - the i-th miss takes the i-th victim: slots whose expert is not routed this step, ordered by
   (last use, expert id), never-used (initial) experts first, as `LruPolicy.victim` orders them;
+  with `aging_period_steps` P (`lfu-aging`, `AgingLfuPolicy`), by (use count, last use, expert id): every
+  expert's count (kept for all E, resident or not) is halved when a planned step is a multiple of P, then
+  the routed experts' counts grow by one after the plan;
 - every routed expert's slot is stamped with the step number after the wave.
 Shapes are static (the plan is padded to P entries; padding names the dummy expert E and the
 dummy slot K, which the maps carry as one spare entry each), so nothing depends on a host read.
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from paged_experts.residency import plan_triton
-from paged_experts.residency.policies import LayerResidency, LruPolicy
+from paged_experts.residency.policies import AgingLfuPolicy, EvictionPolicy, LayerResidency, LruPolicy
 
 
 @dataclass(frozen=True)
@@ -42,14 +45,20 @@ class DevicePlan:
 
 
 class DeviceResidency:
-    """K slots of one layer: expert<->slot maps, per-slot last use and the step counter on `device`."""
+    """K slots of one layer: expert<->slot maps, per-slot last use, per-expert use counts (aging LFU) and the
+    step counter on `device`. `aging_period_steps` None: LRU; P: `lfu-aging` with counts halved every P steps."""
 
-    def __init__(self, num_experts: int, num_slots: int, device: torch.device) -> None:
+    def __init__(
+        self, num_experts: int, num_slots: int, device: torch.device, aging_period_steps: int | None = None
+    ) -> None:
         if not 1 <= num_slots <= num_experts:
             raise ValueError(f"num_slots must be in [1, {num_experts}], got {num_slots}")
+        if aging_period_steps is not None and aging_period_steps < 1:
+            raise ValueError(f"aging_period_steps must be >= 1, got {aging_period_steps}")
         self.num_experts = num_experts
         self.num_slots = num_slots
         self.device = device
+        self.aging_period_steps = aging_period_steps
         e, k = num_experts, num_slots
         # One spare entry each (index E / K) absorbs the padded writes of a plan.
         self.slot_of = torch.full((e + 1,), -1, dtype=torch.long, device=device)  # [E+1] slot or -1
@@ -58,6 +67,8 @@ class DeviceResidency:
         self.expert_in[:k] = torch.arange(k, device=device)
         self.last_use = torch.full((k + 1,), -1, dtype=torch.long, device=device)  # [K+1] step stamp, -1 never
         self.step = torch.zeros((), dtype=torch.long, device=device)  # planned steps so far
+        # [E+1] aging LFU's use counts as of the last planned step (E: the spare entry); all 0 and unused under LRU
+        self.uses = torch.zeros(e + 1, dtype=torch.long, device=device)
         self._arange_e = torch.arange(e + 1, device=device)  # [E+1]
         self._compiled_fn = None
         # The plan as one fused kernel (plan_triton) where it runs: the same plan as `plan_step`, one
@@ -94,6 +105,8 @@ class DeviceResidency:
             self._arange_e,
             self.num_experts,
             self.num_slots,
+            self.uses,
+            self.aging_period_steps or 0,
         )
         return DevicePlan(
             pair_slot=pair_slot, pair_missed=pair_missed, miss_experts=miss_experts, miss_slots=miss_slots, stats=stats
@@ -101,30 +114,42 @@ class DeviceResidency:
 
     def state(self) -> tuple[torch.Tensor, ...]:
         """A copy of the state (graph capture rewinds a warm-up step with it)."""
-        return tuple(t.clone() for t in (self.slot_of, self.expert_in, self.last_use, self.step))
+        return tuple(t.clone() for t in self._state_tensors())
 
     def load_state(self, state: tuple[torch.Tensor, ...]) -> None:
-        for dst, src in zip((self.slot_of, self.expert_in, self.last_use, self.step), state):
+        for dst, src in zip(self._state_tensors(), state, strict=True):
             dst.copy_(src)
 
+    def _state_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.slot_of, self.expert_in, self.last_use, self.step, self.uses)
+
     def pull_to(self, residency: LayerResidency) -> None:
-        """Writes this state into a host `LayerResidency` (LRU) before a host-planned step."""
+        """Writes this state into a host `LayerResidency` (same policy) before a host-planned step."""
         pull_many([(self, residency)])
 
     def push_from(self, residency: LayerResidency) -> None:
-        """Reads a host `LayerResidency` (LRU) back after a host-planned step: one pinned host buffer
+        """Reads a host `LayerResidency` (same policy) back after a host-planned step: one pinned host buffer
         copied without blocking the host (the device plan of a later step is stream-ordered after it)."""
-        policy = _lru(residency)
+        policy = _policy(self, residency)
         e, k = self.num_experts, self.num_slots
         assert len(residency.expert_in) == k
         slot_of = [-1] * (e + 1)
         for ex, s in residency.slot_of.items():
             slot_of[ex] = s
-        stamps = [policy._last_use.get(ex, -1) for ex in residency.expert_in] + [-1]
-        host = torch.tensor([*slot_of, *residency.expert_in, e, *stamps, residency.step], dtype=torch.long)
+        if isinstance(policy, AgingLfuPolicy):
+            # the counts as of the last planned step, as the device keeps them (the next plan halves them first
+            # when its step is a multiple of the period)
+            last = max(residency.step - 1, 0)
+            stamps = [policy.last_use(ex) for ex in residency.expert_in] + [-1]
+            uses = [policy.uses(ex, last) for ex in range(e)] + [0]
+        else:
+            assert isinstance(policy, LruPolicy)
+            stamps = [policy._last_use.get(ex, -1) for ex in residency.expert_in] + [-1]
+            uses = [0] * (e + 1)
+        host = torch.tensor([*slot_of, *residency.expert_in, e, *stamps, residency.step, *uses], dtype=torch.long)
         if self.device.type == "cuda":
             host = host.pin_memory()  # the caching host allocator keeps it until the copy has run
-        state = (self.slot_of, self.expert_in, self.last_use, self.step.view(1))
+        state = (self.slot_of, self.expert_in, self.last_use, self.step.view(1), self.uses)
         start = 0
         for dst in state:
             dst.copy_(host[start : start + dst.numel()], non_blocking=True)
@@ -136,18 +161,31 @@ def pull_many(pairs: Sequence[tuple[DeviceResidency, LayerResidency]]) -> None:
     if not pairs:
         return
     rows = torch.cat(
-        [torch.cat([d.expert_in[: d.num_slots], d.last_use[: d.num_slots], d.step.view(1)]) for d, _ in pairs]
+        [
+            torch.cat([d.expert_in[: d.num_slots], d.last_use[: d.num_slots], d.step.view(1), d.uses[: d.num_experts]])
+            for d, _ in pairs
+        ]
     )
     values = rows.tolist()  # the one host read
     start = 0
     for dev, residency in pairs:
-        k = dev.num_slots
+        k, e = dev.num_slots, dev.num_experts
         expert_in, last_use, step = values[start : start + k], values[start + k : start + 2 * k], values[start + 2 * k]
-        start += 2 * k + 1
-        policy = _lru(residency)
+        uses = values[start + 2 * k + 1 : start + 2 * k + 1 + e]
+        start += 2 * k + 1 + e
+        policy = _policy(dev, residency)
         residency.expert_in = expert_in
         residency.slot_of = {ex: s for s, ex in enumerate(expert_in)}
         residency.step = int(step)
+        if isinstance(policy, AgingLfuPolicy):
+            # counts of every expert as of the last planned step; last uses of the residents only (the device
+            # keeps a stamp per slot: an evicted expert's last use is the host's, from before, or unknown)
+            stamp_of = dict(zip(expert_in, last_use))
+            last = max(int(step) - 1, 0)
+            for ex in range(e):
+                policy.set_state(ex, uses[ex], stamp_of.get(ex, policy.last_use(ex)), last)
+            continue
+        assert isinstance(policy, LruPolicy)
         for ex, stamp in zip(expert_in, last_use):
             if stamp >= 0:
                 policy._last_use[ex] = stamp
@@ -164,9 +202,12 @@ def plan_step(
     arange_e: torch.Tensor,
     e: int,
     k: int,
+    uses: torch.Tensor | None = None,
+    aging_period: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One wave's LRU plan over a layer's state (updated in place): flat_ids [P] int64 ->
-    (pair_slot [P], pair_missed [P], miss_experts [P], miss_slots [P], stats [3]); see DevicePlan."""
+    """One wave's plan over a layer's state (updated in place): flat_ids [P] int64 ->
+    (pair_slot [P], pair_missed [P], miss_experts [P], miss_slots [P], stats [3]); see DevicePlan.
+    aging_period 0: LRU; P > 0: aging LFU over `uses` [E+1] (halved first when the step is a multiple of P)."""
     p = flat_ids.shape[0]
     device = flat_ids.device
     # index_fill_ (a scalar kernel argument), not `t[idx] = value`: that copies the value from
@@ -191,6 +232,12 @@ def plan_step(
     # rank of slot i = slots ordered before it (ties, among pinned slots only, by slot index): a permutation
     earlier = arange_e[None, :k] < arange_e[:k, None]  # [K, K]: slot j before slot i
     before = (key[None, :] < key[:, None]) | ((key[None, :] == key[:, None]) & earlier)  # [K, K]
+    if aging_period:
+        assert uses is not None
+        # the period's halving, before anything reads the counts (a device scalar: no host read)
+        uses.copy_(torch.where(torch.remainder(step, aging_period) == 0, uses >> 1, uses))
+        count = torch.where(pinned, torch.iinfo(torch.long).max, uses[expert_in[:k]])  # [K]
+        before = (count[None, :] < count[:, None]) | ((count[None, :] == count[:, None]) & before)  # [K, K]
     rank = before.sum(1)  # [K]
     victims = (rank[None, :] == arange_e[:p, None]).to(torch.uint8).argmax(1)  # [P] slot of rank j (P <= K)
     miss_slots = torch.where(valid, victims, k)  # [P]
@@ -202,6 +249,10 @@ def plan_step(
     pair_missed = miss[flat_ids]  # [P]
     pair_slot = slot_of[flat_ids]  # [P]
     last_use.index_copy_(0, pair_slot, step.expand(p).contiguous())
+    if aging_period:
+        assert uses is not None
+        uses.add_(used.to(torch.long))  # once per step and routed expert
+        uses[e:].fill_(0)  # the spare entry took the padding's count
     step += 1
     return pair_slot, pair_missed, miss_experts, miss_slots, torch.stack([n_used, n_used - n_miss, n_miss])
 
@@ -215,7 +266,14 @@ def _compiled_plan_step():  # noqa: ANN202 - torch.compile's wrapper type
     return _COMPILED[0]
 
 
-def _lru(residency: LayerResidency) -> LruPolicy:
-    if not isinstance(residency.policy, LruPolicy):
-        raise TypeError(f"device residency implements LRU only, not {type(residency.policy).__name__}")
-    return residency.policy
+def _policy(dev: DeviceResidency, residency: LayerResidency) -> EvictionPolicy:
+    """The host policy that shares `dev`'s state: LRU, or aging LFU of the same period."""
+    policy = residency.policy
+    if dev.aging_period_steps is None:
+        if not isinstance(policy, LruPolicy):
+            raise TypeError(f"this device residency plans LRU, the host {type(policy).__name__}")
+    elif not isinstance(policy, AgingLfuPolicy) or policy.period_steps != dev.aging_period_steps:
+        raise TypeError(
+            f"this device residency plans lfu-aging every {dev.aging_period_steps} steps, the host {policy!r}"
+        )
+    return policy

@@ -1,4 +1,5 @@
-"""The device LRU plan of one paged layer-step as ONE Triton kernel (`device.plan_step` is the reference).
+"""The device LRU (or aging-LFU) plan of one paged layer-step as ONE Triton kernel (`device.plan_step` is the
+reference).
 
 `device.plan_step` is ~45 small torch ops. Inside the captured decode graph each is a kernel of about
 1-1.5 us with ~0.4 us between kernels (an 8-layer FP8 profile on the H200,
@@ -12,9 +13,11 @@ tests/cuda on the GPU):
 - used[e]: some pair routes to e; a miss is a used expert with no slot; misses ascending, padded
   with E; the i-th miss takes the slot of rank i, slots ranked by (last use + 1) * (E + 1) + expert
   (never-used first, then least recent, ties by expert id), slots holding a routed expert last, ties
-  among those by slot index;
+  among those by slot index; aging LFU (`AGING`, `lfu-aging`): every count halved first when the step is a
+  multiple of PERIOD, slots ranked by (count of their expert, then the LRU key);
 - the maps updated (evicted experts lose their slot, misses get theirs), every routed pair's slot
-  stamped with the step, the step counter advanced; the spare entries (E, K) untouched.
+  stamped with the step, the routed experts' counts grown by one (aging), the step counter advanced; the spare
+  entries (E, K) untouched.
 Everything is a comparison matrix ([pairs x experts], [slots x slots], ...) reduced along one axis:
 no gather from a register vector is needed, so the kernel is plain `tl` code.
 """
@@ -47,10 +50,10 @@ if triton is not None:
 
     @triton.jit
     def _plan_kernel(  # pragma: no cover - runs on the GPU or under TRITON_INTERPRET
-        ids_ptr, slot_of_ptr, expert_in_ptr, last_use_ptr, step_ptr,
+        ids_ptr, slot_of_ptr, expert_in_ptr, last_use_ptr, step_ptr, uses_ptr,
         pair_slot_ptr, pair_missed_ptr, miss_experts_ptr, miss_slots_ptr, stats_ptr,
-        P, E, K,
-        BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+        P, E, K, PERIOD,
+        BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, AGING: tl.constexpr,
     ):  # fmt: skip
         p = tl.arange(0, BLOCK_P)  # pairs, and miss ranks (at most P misses)
         e = tl.arange(0, BLOCK_E)  # experts
@@ -85,6 +88,14 @@ if triton is not None:
         big = 0x7FFFFFFFFFFFFFFF
         key = tl.where(pinned | (k >= K), big, (lu_k + 1) * (E + 1) + ex_k)  # [BK] int64
         before = (key[None, :] < key[:, None]) | ((key[None, :] == key[:, None]) & (k[None, :] < k[:, None]))  # [i, j]
+        if AGING:  # aging LFU: (use count, last use, id), counts halved first when the step is a multiple of PERIOD
+            halve = (step % PERIOD) == 0
+            uses_e = tl.load(uses_ptr + e, mask=emask, other=0)  # [BE]
+            uses_e = tl.where(halve, uses_e >> 1, uses_e)
+            uses_k = tl.load(uses_ptr + ex_k, mask=kmask, other=0)  # [BK] the count of each slot's expert
+            uses_k = tl.where(halve, uses_k >> 1, uses_k)
+            count = tl.where(pinned | (k >= K), big, uses_k)  # [BK]
+            before = (count[None, :] < count[:, None]) | ((count[None, :] == count[:, None]) & before)
         rank = tl.sum((before & kmask[None, :]).to(tl.int32), axis=1)  # [BK]: slots ranked before slot i
         takes = (rank[None, :] == p[:, None]) & kmask[None, :]  # [BP, BK]: miss j takes the slot of rank j
         victim = tl.sum(tl.where(takes, k[None, :], 0), axis=1)  # [BP]
@@ -109,6 +120,8 @@ if triton is not None:
         tl.store(slot_of_ptr + miss_expert, miss_slot, mask=valid)
         tl.store(expert_in_ptr + miss_slot, miss_expert, mask=valid)
         tl.store(last_use_ptr + pair_slot, step + tl.zeros_like(pair_slot), mask=pok)
+        if AGING:
+            tl.store(uses_ptr + e, uses_e + used.to(tl.int64), mask=emask)
         tl.store(step_ptr, step + 1)
         tl.store(stats_ptr, n_used)
         tl.store(stats_ptr + 1, n_used - n_miss)
@@ -124,10 +137,16 @@ def plan_step_triton(
     arange_e: torch.Tensor,
     e: int,
     k: int,
+    uses: torch.Tensor | None = None,
+    aging_period: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`device.plan_step`'s signature and results (arange_e unused), as one kernel launch:
     flat_ids [P] int64 (P <= K) -> (pair_slot [P], pair_missed [P] bool, miss_experts [P],
-    miss_slots [P], stats [3]); slot_of [E+1], expert_in [K+1], last_use [K+1], step [] updated."""
+    miss_slots [P], stats [3]); slot_of [E+1], expert_in [K+1], last_use [K+1], step [] updated, and with
+    aging_period > 0 (aging LFU) uses [E+1]."""
+    aging = aging_period > 0
+    if aging and uses is None:
+        raise ValueError("an aging plan needs the use counts")
     p = flat_ids.shape[0]
     ids = flat_ids.contiguous()
     pair_slot = torch.empty(p, dtype=torch.long, device=ids.device)
@@ -136,7 +155,9 @@ def plan_step_triton(
     miss_slots = torch.empty(p, dtype=torch.long, device=ids.device)
     stats = torch.empty(3, dtype=torch.long, device=ids.device)
     _plan_kernel[(1,)](
-        ids, slot_of, expert_in, last_use, step, pair_slot, pair_missed, miss_experts, miss_slots, stats,
-        p, e, k, BLOCK_P=_pow2(p), BLOCK_E=_pow2(e + 1), BLOCK_K=_pow2(k), num_warps=8,
+        ids, slot_of, expert_in, last_use, step, uses if aging else last_use,
+        pair_slot, pair_missed, miss_experts, miss_slots, stats,
+        p, e, k, max(aging_period, 1),
+        BLOCK_P=_pow2(p), BLOCK_E=_pow2(e + 1), BLOCK_K=_pow2(k), AGING=aging, num_warps=8,
     )  # fmt: skip
     return pair_slot, pair_missed, miss_experts, miss_slots, stats

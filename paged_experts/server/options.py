@@ -18,8 +18,10 @@ from typing import Any
 
 from paged_experts.residency.page_in import PAGE_IN_CHOICES
 from paged_experts.residency.policies import (
+    DEFAULT_AGING_PERIOD_STEPS,
     DEFAULT_EVICTION_POLICY,
     DEFAULT_PREFILL_KEEP,
+    DEVICE_POLICIES,
     EVICTION_POLICIES,
     MAX_STAGING_ROWS,
     PREFILL_KEEP,
@@ -175,9 +177,11 @@ class ServeOptions:
     eviction_policy: str | None = _opt(  # None: the residency default, LRU
         None,
         "--eviction-policy",
-        f"mode paged: which resident expert a miss evicts: lru = the least recently used, lfu-decay = "
-        f"the least used with counts halving every 2 steps (host planner only: refused with --device cuda; "
-        f"default {DEFAULT_EVICTION_POLICY}; see docs/eviction-policy.md)",
+        f"mode paged: which resident expert a miss evicts: lru = the least recently used, lfu-aging = the "
+        f"least used, ties to the least recent, with counts halving every {DEFAULT_AGING_PERIOD_STEPS} steps "
+        f"(host and device planner), lfu-decay = the least used with counts decaying by half every 2 steps "
+        f"(host planner only: refused with --device cuda; default {DEFAULT_EVICTION_POLICY}; see "
+        f"docs/eviction-policy.md)",
         choices=EVICTION_POLICIES,
     )
     expert_kernel: str = _opt(
@@ -398,11 +402,11 @@ def problems(values: Mapping[str, Any], say: Namer = FLAGS) -> Iterator[Problem]
             yield Problem(name, f"{say.value(name, value)} is not one of {', '.join(accepted)}")
         elif mode != "paged":
             yield Problem(name, f"{say.value(name, value)} applies to mode paged, not {mode}")
-        elif name == "eviction_policy" and value != "lru" and device == "cuda":
+        elif name == "eviction_policy" and value not in DEVICE_POLICIES and device == "cuda":
             yield Problem(
                 name,
                 f"{say.value(name, value)} runs on the host planner only; "
-                "device cuda plans paged steps on the GPU with LRU",
+                f"device cuda plans paged steps on the GPU with {' or '.join(DEVICE_POLICIES)}",
             )
 
 

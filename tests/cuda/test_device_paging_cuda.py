@@ -105,8 +105,33 @@ def test_device_planned_paged_equals_resident_qwen_shapes() -> None:
         assert total.misses > 0 or k == 64
 
 
+def test_aging_lfu_planned_on_the_gpu_equals_resident_and_counts_what_the_host_plans() -> None:
+    """`lfu-aging` on the fused device plan: outputs equal resident bit for bit, and the misses of every layer
+    equal the host planner's over the same steps (the prompt's multi-wave step included: shared state)."""
+    prompts = [[5, 17, 300, 41, 9, 77, 3, 8]]
+    resident = decode(MoeCausalLM.from_pretrained(QWEN2, rt("bfloat16", mode="resident")), prompts, steps=12)
+    for k in (8, 16):
+        counts = []
+        for planning in ("on", "off"):
+            model = MoeCausalLM.from_pretrained(
+                QWEN2,
+                rt("bfloat16", mode="paged", resident_experts=k, eviction_policy="lfu-aging", device_planning=planning),
+            )
+            assert (model.moe_layers[0].device_residency is not None) == (planning == "on")
+            for i, (a, b) in enumerate(zip(decode(model, prompts, steps=12), resident)):
+                assert torch.equal(a, b), f"K={k} planning={planning}: output {i} differs"
+            counts.append([(la.hits, la.misses) for la in model.counters.snapshot().layers])
+        assert counts[0] == counts[1], (k, counts)
+        assert sum(m for _, m in counts[0]) > 0
+
+
 def check_graphed_paged(
-    overlap: bool, compile_layers: bool = False, routing: str | None = None, backend: str = "grouped", groups: int = 1
+    overlap: bool,
+    compile_layers: bool = False,
+    routing: str | None = None,
+    backend: str = "grouped",
+    groups: int = 1,
+    policy: str = "lru",
 ) -> None:
     """Graphed paged decode against eager through tests/graph_check.py: the graphed model is fed
     eager's tokens, a routing flip must sit on a near-tie of eager's router logits (bf16 rounding
@@ -123,7 +148,7 @@ def check_graphed_paged(
     prompts = [[5, 17, 300, 41, 9, 77], [800, 2, 64], [11, 12, 13, 14, 15]]
     paged = rt(
         "bfloat16", mode="paged", resident_experts=12, overlap_page_in=overlap, overlap_groups=groups,
-        kernel_backend=backend,
+        kernel_backend=backend, eviction_policy=policy,
     )  # fmt: skip
     eager_model = MoeCausalLM.from_pretrained(TINY, paged)
     model = MoeCausalLM.from_pretrained(TINY, paged)
@@ -292,6 +317,10 @@ def test_compiled_graphed_paged_decode_matches_eager() -> None:
 
 def test_graphed_paged_decode_with_synthetic_routing_matches_eager() -> None:
     check_graphed_paged(overlap=False, compile_layers=True, routing="qwen3-30b-a3b")
+    # the aging LFU's plan inside the captured, compiled step (the served configuration's kernels)
+    check_graphed_paged(
+        overlap=False, compile_layers=True, routing="qwen3-30b-a3b", backend="triton", policy="lfu-aging"
+    )
 
 
 def check_prefetch_graphed(compile_layers: bool, backend: str = "grouped") -> None:
