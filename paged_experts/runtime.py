@@ -19,9 +19,10 @@ from paged_experts.residency.policies import (
     DEFAULT_EVICTION_POLICY,
     DEFAULT_PREFILL_KEEP,
     DEVICE_POLICIES,
-    EVICTION_POLICIES,
     MAX_STAGING_ROWS,
     PREFILL_KEEP,
+    eviction_policy_error,
+    policy_base,
 )
 
 Mode = Literal["resident", "paged", "offload", "cpu-experts"]
@@ -116,11 +117,12 @@ class RuntimeConfig:
         if self.prefill_residency not in PREFILL_KEEP:
             raise ValueError(f"prefill_residency must be one of {PREFILL_KEEP}, got {self.prefill_residency!r}")
         check_expert_backend(self.kernel_backend)
-        if self.eviction_policy not in EVICTION_POLICIES:
-            raise ValueError(f"eviction_policy must be one of {EVICTION_POLICIES}, got {self.eviction_policy!r}")
+        problem = eviction_policy_error(self.eviction_policy)
+        if problem is not None:
+            raise ValueError(f"eviction_policy {self.eviction_policy!r} {problem}")
         if self.eviction_policy != DEFAULT_EVICTION_POLICY and self.mode != "paged":
             raise ValueError(f"eviction_policy applies to mode='paged', not {self.mode!r}")
-        if self.eviction_policy not in DEVICE_POLICIES and self.plans_on_device:
+        if policy_base(self.eviction_policy) not in DEVICE_POLICIES and self.plans_on_device:
             raise ValueError(
                 f"eviction_policy={self.eviction_policy!r} runs on the host planner only: device planning "
                 f"(CUDA) plans on the device with one of {', '.join(DEVICE_POLICIES)}"

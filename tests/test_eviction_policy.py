@@ -137,7 +137,7 @@ def test_residency_runs_the_policy_it_is_given() -> None:
         aged.plan_step(routed)
     assert set(lru.slot_of) == {2, 3}  # LRU evicted 1 for 2, then 0 for 3
     assert set(aged.slot_of) == {1, 3}  # the frequently used 1 stayed; 0, then 2, left
-    with pytest.raises(ValueError, match="eviction policy must be one of"):
+    with pytest.raises(ValueError, match="eviction policy .belady. is not one of"):
         make_policy("belady")
 
 
@@ -186,6 +186,18 @@ def test_cli_accepts_a_half_life_and_names_a_bad_one(tmp_path: Path, capsys) -> 
     assert "--policy: unknown policy 'lfu-decay:-1'" in capsys.readouterr().err
 
 
+def test_an_aging_period_reaches_the_server_and_its_device_plan(tmp_path: Path) -> None:
+    from paged_experts.model import MoeCausalLM
+
+    argv, resolved = plan_argv(tmp_path, "device: cpu, mode: paged, resident_experts: 8, eviction_policy: lfu-aging:16")
+    assert flag(argv, "--eviction-policy") == "lfu-aging:16" and resolved["eviction_policy"] == "lfu-aging:16"
+    rt = RuntimeConfig(mode="paged", resident_experts=8, eviction_policy="lfu-aging:16", device_planning="on")
+    model = MoeCausalLM.from_pretrained("synth:tiny?layers=1&seed=1", rt)
+    moe = model.moe_layers[0]
+    assert moe.device_residency is not None and moe.device_residency.aging_period_steps == 16
+    assert isinstance(moe.residency.policy, AgingLfuPolicy) and moe.residency.policy.period_steps == 16
+
+
 def test_option_is_written_for_paged_servers_and_leaves_other_server_ids_alone(tmp_path: Path) -> None:
     argv, resolved = plan_argv(tmp_path, "device: cpu, mode: paged, resident_experts: 8")
     assert flag(argv, "--eviction-policy") == "lru" and resolved["eviction_policy"] == "lru"
@@ -230,8 +242,20 @@ def test_server_flag_and_runtime_refuse_what_they_cannot_run(capsys) -> None:
     with pytest.raises(ValueError, match="runs on the host planner only"):
         RuntimeConfig(mode="paged", resident_experts=8, eviction_policy="lfu-decay", device_planning="on")
     RuntimeConfig(mode="paged", resident_experts=8, eviction_policy="lfu-decay")  # CPU: the host planner
-    # the aging LFU runs on the device plan too
+    # the aging LFU runs on the device plan too, at its default period or one given
     RuntimeConfig(mode="paged", resident_experts=8, eviction_policy="lfu-aging", device_planning="on")
+    RuntimeConfig(mode="paged", resident_experts=8, eviction_policy="lfu-aging:64", device_planning="on")
+    for bad, message in (("lfu-aging:0", "names no period"), ("lfu-aging:x", "names no period"),
+                         ("lru:4", "is not one of lru, lfu-aging, lfu-decay")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            RuntimeConfig(mode="paged", resident_experts=8, eviction_policy=bad)
+        with pytest.raises(SystemExit) as info:
+            parse_args(["--model", "/m", "--resident-experts", "8", "--eviction-policy", bad])
+        assert info.value.code == 2 and f"--eviction-policy {bad!r} {message}" in capsys.readouterr().err
+    assert parse_args(["--model", "/m", "--resident-experts", "8", "--device", "cuda", "--eviction-policy",
+                       "lfu-aging:64"]).eviction_policy == "lfu-aging:64"  # fmt: skip
+    policy = make_policy("lfu-aging:64")
+    assert isinstance(policy, AgingLfuPolicy) and policy.period_steps == 64
     assert parse_args(["--model", "/m", "--resident-experts", "8", "--device", "cuda", "--eviction-policy",
                        "lfu-aging"]).eviction_policy == "lfu-aging"  # fmt: skip
 

@@ -554,8 +554,30 @@ the host planner only."""
 DEFAULT_EVICTION_POLICY = "lru"
 
 
+def eviction_policy_error(name: str) -> str | None:
+    """None where a paged server can run `name`: one of `EVICTION_POLICIES`, or `lfu-aging:<P>` (the aging LFU
+    with a period of P planned steps, an integer >= 1); else what is wrong with it."""
+    base, colon, period = name.partition(":")
+    if not colon:
+        return None if name in EVICTION_POLICIES else f"is not one of {', '.join(EVICTION_POLICIES)} (or lfu-aging:<P>)"
+    if base == "lfu-aging" and period.isdigit() and int(period) >= 1:
+        return None
+    return "names no period: lfu-aging:<P> takes a whole number of steps >= 1" if base == "lfu-aging" else (
+        f"is not one of {', '.join(EVICTION_POLICIES)} (or lfu-aging:<P>)"
+    )  # fmt: skip
+
+
+def policy_base(name: str) -> str:
+    """The policy's name without its parameter ('lfu-aging:64' -> 'lfu-aging')."""
+    return name.partition(":")[0]
+
+
 def make_policy(name: str) -> EvictionPolicy:
-    """A fresh online policy of `name` (one of `EVICTION_POLICIES`), with its default parameters."""
-    if name not in EVICTION_POLICIES:
-        raise ValueError(f"eviction policy must be one of {EVICTION_POLICIES}, got {name!r}")
+    """A fresh online policy of `name` (one of `EVICTION_POLICIES` with its default parameters, or
+    `lfu-aging:<P>`)."""
+    problem = eviction_policy_error(name)
+    if problem is not None:
+        raise ValueError(f"eviction policy {name!r} {problem}")
+    if ":" in name:
+        return AgingLfuPolicy(int(name.partition(":")[2]))
     return POLICIES[name]()

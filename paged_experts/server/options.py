@@ -25,6 +25,8 @@ from paged_experts.residency.policies import (
     EVICTION_POLICIES,
     MAX_STAGING_ROWS,
     PREFILL_KEEP,
+    eviction_policy_error,
+    policy_base,
 )
 from paged_experts.server.connections import BODY_TIMEOUT_S, HEADER_TIMEOUT_S
 
@@ -181,8 +183,8 @@ class ServeOptions:
         f"least used, ties to the least recent, with counts halving every {DEFAULT_AGING_PERIOD_STEPS} steps "
         f"(host and device planner), lfu-decay = the least used with counts decaying by half every 2 steps "
         f"(host planner only: refused with --device cuda; default {DEFAULT_EVICTION_POLICY}; see "
-        f"docs/eviction-policy.md)",
-        choices=EVICTION_POLICIES,
+        f"docs/eviction-policy.md); lfu-aging:<P> halves them every P steps",
+        metavar="{" + ",".join(EVICTION_POLICIES) + ",lfu-aging:<P>}",
     )
     expert_kernel: str = _opt(
         "fused",
@@ -398,11 +400,15 @@ def problems(values: Mapping[str, Any], say: Namer = FLAGS) -> Iterator[Problem]
         value = get(name)
         if value is None:
             continue
-        if value not in accepted:
-            yield Problem(name, f"{say.value(name, value)} is not one of {', '.join(accepted)}")
+        if name == "eviction_policy":
+            problem = eviction_policy_error(value) if isinstance(value, str) else f"is not one of {', '.join(accepted)}"
+        else:
+            problem = None if value in accepted else f"is not one of {', '.join(accepted)}"
+        if problem is not None:
+            yield Problem(name, f"{say.value(name, value)} {problem}")
         elif mode != "paged":
             yield Problem(name, f"{say.value(name, value)} applies to mode paged, not {mode}")
-        elif name == "eviction_policy" and value not in DEVICE_POLICIES and device == "cuda":
+        elif name == "eviction_policy" and policy_base(value) not in DEVICE_POLICIES and device == "cuda":
             yield Problem(
                 name,
                 f"{say.value(name, value)} runs on the host planner only; "
