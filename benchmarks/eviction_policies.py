@@ -46,7 +46,7 @@ def compare(
     ks: tuple[int, ...],
     half_lives: tuple[float, ...],
     concurrencies: tuple[int, ...],
-    aging_periods: tuple[int, ...] = (),
+    aging_periods: tuple[str, ...] = (),
 ) -> list[str]:
     trace = read_trace(path)
     meta = trace.meta
@@ -96,7 +96,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("traces", nargs="+")
     ap.add_argument("--k", type=_ints, default=(8, 16, 32, 64))
     ap.add_argument("--half-lives", default="1,2,4,16", help="lfu-decay half-lives in steps")
-    ap.add_argument("--aging-periods", type=_ints, default=(), help="lfu-aging periods in steps (counts halve)")
+    ap.add_argument("--aging-periods", default="", help="lfu-aging periods in steps (counts halve), each P or P:W "
+                    "(W: a recency window, experts used in the last W steps evicted last)")  # fmt: skip
     ap.add_argument("--concurrency", type=_ints, default=(1, 4))
     args = ap.parse_args(argv)
     half_lives = tuple(float(v) for v in args.half_lives.split(",") if v.strip())
@@ -106,7 +107,8 @@ def main(argv: list[str]) -> int:
     print("# gap: (best online - lru) / (belady - lru)")
     for path in args.traces:
         t0 = time.perf_counter()
-        for line in compare(path, args.k, half_lives, args.concurrency, args.aging_periods):
+        aging = tuple(v.strip() for v in args.aging_periods.split(",") if v.strip())
+        for line in compare(path, args.k, half_lives, args.concurrency, aging):
             print(line, flush=True)
         print(f"({time.perf_counter() - t0:.0f} s)\n", flush=True)
     return 0

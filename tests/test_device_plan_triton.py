@@ -2,7 +2,8 @@
 `device.plan_step` plans: every output (pair slots, missed flags, padded miss experts and slots, stats) and
 every state tensor (maps, stamps, use counts, step, spare entries) equal after every step, over long random
 sequences at the served shape (E=128, K=40/42, top_k 8, 1-5 tokens), at small shapes, with steps of no miss,
-steps where every pair misses and ties among pinned slots, and (aging) counts halved every 3 steps. Run in
+steps where every pair misses and ties among pinned slots, and (aging) counts halved every 3 or 5 steps, with
+and without a 2-step recency window. Run in
 Triton's interpreter (TRITON_INTERPRET=1, in a child process: Triton reads it at import) on the CPU;
 tests/cuda runs the same check compiled."""
 
@@ -26,16 +27,16 @@ def check_fused_plan_equals_torch(device: str = "cpu", steps: int = STEPS) -> No
     """For every shape (E, K, top_k, most tokens) and policy (LRU; aging LFU halving every 3 steps): one state
     planned by each implementation, step by step, from random routings (every 5th step from a small expert
     pool: mostly hits)."""
-    for aging in (None, 3):
-        _check_fused_plan(torch.device(device), steps, aging)
+    for aging, window in ((None, 0), (3, 0), (5, 2)):
+        _check_fused_plan(torch.device(device), steps, aging, window)
     print("fused plan equal", len(SHAPES), "shapes x", steps, "steps")
 
 
-def _check_fused_plan(dev: torch.device, steps: int, aging: int | None) -> None:
+def _check_fused_plan(dev: torch.device, steps: int, aging: int | None, window: int) -> None:
     for e, k, top_k, most in SHAPES:
         rng = random.Random(e * 1000 + k)
-        ref = DeviceResidency(e, k, dev, aging_period_steps=aging)
-        fused = DeviceResidency(e, k, dev, aging_period_steps=aging)
+        ref = DeviceResidency(e, k, dev, aging_period_steps=aging, aging_window_steps=window)
+        fused = DeviceResidency(e, k, dev, aging_period_steps=aging, aging_window_steps=window)
         period = aging or 0
         for step in range(steps):
             pool = range(e) if step % 5 else range(min(e, top_k + 3))
@@ -43,11 +44,11 @@ def _check_fused_plan(dev: torch.device, steps: int, aging: int | None) -> None:
             routed = [x for _ in range(tokens) for x in rng.sample(pool, top_k)]
             ids = torch.tensor(routed, dtype=torch.long, device=dev)
             want = plan_step(
-                ids, ref.slot_of, ref.expert_in, ref.last_use, ref.step, ref._arange_e, e, k, ref.uses, period
+                ids, ref.slot_of, ref.expert_in, ref.last_use, ref.step, ref._arange_e, e, k, ref.uses, period, window
             )
             got = plan_triton.plan_step_triton(
                 ids, fused.slot_of, fused.expert_in, fused.last_use, fused.step, fused._arange_e, e, k, fused.uses,
-                period,
+                period, window,
             )  # fmt: skip
             names = ("pair_slot", "pair_missed", "miss_experts", "miss_slots", "stats")
             for name, a, b in zip(names, got, want):

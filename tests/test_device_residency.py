@@ -39,18 +39,20 @@ def _check_same_plan(dev: DeviceResidency, host: LayerResidency, routed: list[in
     assert dev.expert_in[: dev.num_slots].tolist() == host.expert_in
 
 
-def _pair(e: int, k: int, aging: int | None) -> tuple[DeviceResidency, LayerResidency]:
-    """A device residency and a host one of the same policy: LRU (aging None) or aging LFU of that period."""
-    policy = AgingLfuPolicy(aging) if aging else LruPolicy()
-    return DeviceResidency(e, k, torch.device("cpu"), aging_period_steps=aging), LayerResidency(e, k, policy)
+def _pair(e: int, k: int, aging: int | None, window: int = 0) -> tuple[DeviceResidency, LayerResidency]:
+    """A device residency and a host one of the same policy: LRU (aging None) or aging LFU of that period
+    (and recency window)."""
+    policy = AgingLfuPolicy(aging, window) if aging else LruPolicy()
+    dev = DeviceResidency(e, k, torch.device("cpu"), aging_period_steps=aging, aging_window_steps=window)
+    return dev, LayerResidency(e, k, policy)
 
 
-@pytest.mark.parametrize("aging", [None, 3])
+@pytest.mark.parametrize(("aging", "window"), [(None, 0), (3, 0), (3, 2), (7, 4)])
 @pytest.mark.parametrize("seed", range(6))
-def test_device_plan_equals_host_lru(seed: int, aging: int | None) -> None:
+def test_device_plan_equals_host_lru(seed: int, aging: int | None, window: int) -> None:
     rng = random.Random(seed)
     e, k, top_k = 32, rng.choice([4, 6, 8, 13, 32]), 4
-    dev, host = _pair(e, k, aging)
+    dev, host = _pair(e, k, aging, window)
     for _ in range(60):
         tokens = rng.randint(1, max(1, k // top_k))
         routed = [x for _ in range(tokens) for x in rng.sample(range(e), top_k)]
@@ -59,13 +61,13 @@ def test_device_plan_equals_host_lru(seed: int, aging: int | None) -> None:
         _check_same_plan(dev, host, routed)
 
 
-@pytest.mark.parametrize("aging", [None, 5, 256])
-def test_device_plan_equals_host_lru_at_the_served_shape(aging: int | None) -> None:
+@pytest.mark.parametrize(("aging", "window"), [(None, 0), (5, 0), (256, 0), (256, 4)])
+def test_device_plan_equals_host_lru_at_the_served_shape(aging: int | None, window: int) -> None:
     """E=128, K=40, top_k 8 (the H200 configuration): batches of 1-5 tokens, ties among pinned slots,
     steps with no miss and steps where every pair misses; LRU and aging LFU (short and served period)."""
     rng = random.Random(7)
     e, k, top_k = 128, 40, 8
-    dev, host = _pair(e, k, aging)
+    dev, host = _pair(e, k, aging, window)
     for step in range(200):
         pool = range(e) if step % 7 else range(12)  # every 7th step from a small set: mostly hits
         routed = [x for _ in range(rng.randint(1, k // top_k)) for x in rng.sample(pool, top_k)]
@@ -85,14 +87,14 @@ def test_compiled_device_plan_equals_host_lru(aging: int | None) -> None:
         _check_same_plan(dev, host, routed)
 
 
-@pytest.mark.parametrize("aging", [None, 3, 4])
-def test_host_planned_steps_share_the_device_state(aging: int | None) -> None:
+@pytest.mark.parametrize(("aging", "window"), [(None, 0), (3, 0), (4, 0), (4, 3)])
+def test_host_planned_steps_share_the_device_state(aging: int | None, window: int) -> None:
     """Multi-wave steps plan on the host after pull_to; push_from hands the state back (aging LFU: every
     expert's count and the residents' last uses, across period boundaries on either side)."""
     rng = random.Random(3)
     e, k, top_k = 32, 8, 4
-    dev, ref = _pair(e, k, aging)
-    host = _pair(e, k, aging)[1]
+    dev, ref = _pair(e, k, aging, window)
+    host = _pair(e, k, aging, window)[1]
     for i in range(80):
         if i % 5 == 4:  # a 6-token step: 24 pairs > K, waves on the host
             routed = [x for _ in range(6) for x in rng.sample(range(e), top_k)]
@@ -115,6 +117,10 @@ def test_device_plan_refuses_a_host_policy_it_does_not_share() -> None:
     with pytest.raises(TypeError, match="every 4 steps"):
         DeviceResidency(32, 8, torch.device("cpu"), aging_period_steps=4).pull_to(
             LayerResidency(32, 8, AgingLfuPolicy(8))
+        )
+    with pytest.raises(TypeError, match=r"every 4 steps \(window 2\)"):
+        DeviceResidency(32, 8, torch.device("cpu"), aging_period_steps=4, aging_window_steps=2).pull_to(
+            LayerResidency(32, 8, AgingLfuPolicy(4))
         )
 
 

@@ -71,6 +71,20 @@ def test_aging_counts_halve_at_each_period_boundary_lazily_as_eagerly() -> None:
     assert make_policy("lfu-aging").period_steps == DEFAULT_AGING_PERIOD_STEPS  # type: ignore[attr-defined]
 
 
+def test_a_recency_window_keeps_a_new_working_set_against_old_counts() -> None:
+    # expert 1 used 6 times long ago; 2 and 3 make a new loop (each used every other step): without a window
+    # the loop's expert is evicted before the stale favourite, with a 2-step window the favourite goes
+    for window, evicted in ((0, 3), (2, 1)):
+        p = AgingLfuPolicy(period_steps=1000, window_steps=window)
+        for step in range(6):
+            p.on_use(1, step)
+        for step in range(20, 26):
+            p.on_use(2 if step % 2 else 3, step)
+        assert p.victim([1, 3], 26) == evicted, window  # 3 was used at step 24, two steps back
+    never = AgingLfuPolicy(period_steps=8, window_steps=4)
+    assert never.victim([0, 1], 1) == 0  # never-used experts are not recent, even before W steps have passed
+
+
 def test_aging_lfu_evicts_the_least_used_then_the_least_recent_then_the_lowest_id() -> None:
     p = AgingLfuPolicy(period_steps=100)
     for step in range(3):
@@ -246,6 +260,7 @@ def test_server_flag_and_runtime_refuse_what_they_cannot_run(capsys) -> None:
     RuntimeConfig(mode="paged", resident_experts=8, eviction_policy="lfu-aging", device_planning="on")
     RuntimeConfig(mode="paged", resident_experts=8, eviction_policy="lfu-aging:64", device_planning="on")
     for bad, message in (("lfu-aging:0", "names no period"), ("lfu-aging:x", "names no period"),
+                         ("lfu-aging:4:", "names no period"), ("lfu-aging:4:-1", "names no period"),
                          ("lru:4", "is not one of lru, lfu-aging, lfu-decay")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             RuntimeConfig(mode="paged", resident_experts=8, eviction_policy=bad)
@@ -255,7 +270,9 @@ def test_server_flag_and_runtime_refuse_what_they_cannot_run(capsys) -> None:
     assert parse_args(["--model", "/m", "--resident-experts", "8", "--device", "cuda", "--eviction-policy",
                        "lfu-aging:64"]).eviction_policy == "lfu-aging:64"  # fmt: skip
     policy = make_policy("lfu-aging:64")
-    assert isinstance(policy, AgingLfuPolicy) and policy.period_steps == 64
+    assert isinstance(policy, AgingLfuPolicy) and (policy.period_steps, policy.window_steps) == (64, 0)
+    policy = make_policy("lfu-aging:64:4")
+    assert isinstance(policy, AgingLfuPolicy) and (policy.period_steps, policy.window_steps) == (64, 4)
     assert parse_args(["--model", "/m", "--resident-experts", "8", "--device", "cuda", "--eviction-policy",
                        "lfu-aging"]).eviction_policy == "lfu-aging"  # fmt: skip
 

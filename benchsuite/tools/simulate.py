@@ -27,18 +27,18 @@ import numpy as np
 from paged_experts.residency.policies import (
     DEFAULT_PREFILL_KEEP,
     POLICIES,
-    AgingLfuPolicy,
     BeladyPolicy,
     DecayedLfuPolicy,
     EvictionPolicy,
     LayerResidency,
     RandomPolicy,
+    make_policy,
 )
 from paged_experts.routing.trace import Chunk, Trace
 
 SIM_POLICIES = (*POLICIES, "belady")
 """Policy names; `lfu-decay:<H>` also names the decayed LFU with a half-life of H steps, `lfu-aging:<P>` the
-LFU whose counts halve every P steps."""
+LFU whose counts halve every P steps (`lfu-aging:<P>:<W>`: experts used in the last W steps evicted last)."""
 
 
 def check_policy(name: str) -> str:
@@ -62,10 +62,7 @@ def check_policy(name: str) -> str:
 def _parametrized(base: str, param: str) -> EvictionPolicy:
     if base == "lfu-decay":
         return DecayedLfuPolicy(float(param))
-    period = float(param)
-    if not period.is_integer():
-        raise ValueError(f"lfu-aging's period is a whole number of steps, got {param!r}")
-    return AgingLfuPolicy(int(period))
+    return make_policy(f"{base}:{param}")  # the server's own parsing of lfu-aging:<P>[:<W>]
 
 
 @dataclass(frozen=True)

@@ -83,9 +83,15 @@ def make_layer(
     policy = make_policy(runtime.eviction_policy)  # RuntimeConfig refused one the device plan cannot run
     lru = None
     if runtime.plans_on_device:
-        aging = policy.period_steps if isinstance(policy, AgingLfuPolicy) else None  # the host's, shared state
+        aging = policy if isinstance(policy, AgingLfuPolicy) else None  # the host's: they share one state
         lru = DeviceLru(
-            DeviceResidency(cfg.num_experts, k, device, aging_period_steps=aging),
+            DeviceResidency(
+                cfg.num_experts,
+                k,
+                device,
+                aging_period_steps=aging.period_steps if aging else None,
+                aging_window_steps=aging.window_steps if aging else 0,
+            ),
             overlap=runtime.overlap_page_in,
             overlap_groups=runtime.overlap_groups,
             copy_programs=runtime.copy_programs,

@@ -32,6 +32,9 @@ import torch
 from paged_experts.residency import plan_triton
 from paged_experts.residency.policies import AgingLfuPolicy, EvictionPolicy, LayerResidency, LruPolicy
 
+RECENT = 1 << 40
+"""Added to a recently used slot's count in an aging plan with a window: it ranks after every count."""
+
 
 @dataclass(frozen=True)
 class DevicePlan:
@@ -49,7 +52,12 @@ class DeviceResidency:
     step counter on `device`. `aging_period_steps` None: LRU; P: `lfu-aging` with counts halved every P steps."""
 
     def __init__(
-        self, num_experts: int, num_slots: int, device: torch.device, aging_period_steps: int | None = None
+        self,
+        num_experts: int,
+        num_slots: int,
+        device: torch.device,
+        aging_period_steps: int | None = None,
+        aging_window_steps: int = 0,
     ) -> None:
         if not 1 <= num_slots <= num_experts:
             raise ValueError(f"num_slots must be in [1, {num_experts}], got {num_slots}")
@@ -59,6 +67,7 @@ class DeviceResidency:
         self.num_slots = num_slots
         self.device = device
         self.aging_period_steps = aging_period_steps
+        self.aging_window_steps = aging_window_steps if aging_period_steps is not None else 0  # AgingLfuPolicy's
         e, k = num_experts, num_slots
         # One spare entry each (index E / K) absorbs the padded writes of a plan.
         self.slot_of = torch.full((e + 1,), -1, dtype=torch.long, device=device)  # [E+1] slot or -1
@@ -107,6 +116,7 @@ class DeviceResidency:
             self.num_slots,
             self.uses,
             self.aging_period_steps or 0,
+            self.aging_window_steps,
         )
         return DevicePlan(
             pair_slot=pair_slot, pair_missed=pair_missed, miss_experts=miss_experts, miss_slots=miss_slots, stats=stats
@@ -204,10 +214,12 @@ def plan_step(
     k: int,
     uses: torch.Tensor | None = None,
     aging_period: int = 0,
+    aging_window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One wave's plan over a layer's state (updated in place): flat_ids [P] int64 ->
     (pair_slot [P], pair_missed [P], miss_experts [P], miss_slots [P], stats [3]); see DevicePlan.
-    aging_period 0: LRU; P > 0: aging LFU over `uses` [E+1] (halved first when the step is a multiple of P)."""
+    aging_period 0: LRU; P > 0: aging LFU over `uses` [E+1] (halved first when the step is a multiple of P),
+    with aging_window W > 0 the slots used in the last W steps ranked after every other."""
     p = flat_ids.shape[0]
     device = flat_ids.device
     # index_fill_ (a scalar kernel argument), not `t[idx] = value`: that copies the value from
@@ -236,7 +248,12 @@ def plan_step(
         assert uses is not None
         # the period's halving, before anything reads the counts (a device scalar: no host read)
         uses.copy_(torch.where(torch.remainder(step, aging_period) == 0, uses >> 1, uses))
-        count = torch.where(pinned, torch.iinfo(torch.long).max, uses[expert_in[:k]])  # [K]
+        count = uses[expert_in[:k]]  # [K]
+        if aging_window:
+            stamp = last_use[:k]  # [K]; -1: never used, not recent
+            recent = (stamp >= 0) & (stamp >= step - aging_window)
+            count = count + recent.to(torch.long) * RECENT  # ranks after every count (counts stay below 2P)
+        count = torch.where(pinned, torch.iinfo(torch.long).max, count)  # [K]
         before = (count[None, :] < count[:, None]) | ((count[None, :] == count[:, None]) & before)  # [K, K]
     rank = before.sum(1)  # [K]
     victims = (rank[None, :] == arange_e[:p, None]).to(torch.uint8).argmax(1)  # [P] slot of rank j (P <= K)
@@ -272,8 +289,13 @@ def _policy(dev: DeviceResidency, residency: LayerResidency) -> EvictionPolicy:
     if dev.aging_period_steps is None:
         if not isinstance(policy, LruPolicy):
             raise TypeError(f"this device residency plans LRU, the host {type(policy).__name__}")
-    elif not isinstance(policy, AgingLfuPolicy) or policy.period_steps != dev.aging_period_steps:
+    elif (
+        not isinstance(policy, AgingLfuPolicy)
+        or policy.period_steps != dev.aging_period_steps
+        or policy.window_steps != dev.aging_window_steps
+    ):
         raise TypeError(
-            f"this device residency plans lfu-aging every {dev.aging_period_steps} steps, the host {policy!r}"
+            f"this device residency plans lfu-aging every {dev.aging_period_steps} steps (window "
+            f"{dev.aging_window_steps}), the host {type(policy).__name__}"
         )
     return policy

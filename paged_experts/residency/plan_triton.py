@@ -14,7 +14,8 @@ tests/cuda on the GPU):
   with E; the i-th miss takes the slot of rank i, slots ranked by (last use + 1) * (E + 1) + expert
   (never-used first, then least recent, ties by expert id), slots holding a routed expert last, ties
   among those by slot index; aging LFU (`AGING`, `lfu-aging`): every count halved first when the step is a
-  multiple of PERIOD, slots ranked by (count of their expert, then the LRU key);
+  multiple of PERIOD, slots ranked by (count of their expert, then the LRU key), with WINDOW > 0 the slots
+  used in the last WINDOW steps after every other;
 - the maps updated (evicted experts lose their slot, misses get theirs), every routed pair's slot
   stamped with the step, the routed experts' counts grown by one (aging), the step counter advanced; the spare
   entries (E, K) untouched.
@@ -52,7 +53,7 @@ if triton is not None:
     def _plan_kernel(  # pragma: no cover - runs on the GPU or under TRITON_INTERPRET
         ids_ptr, slot_of_ptr, expert_in_ptr, last_use_ptr, step_ptr, uses_ptr,
         pair_slot_ptr, pair_missed_ptr, miss_experts_ptr, miss_slots_ptr, stats_ptr,
-        P, E, K, PERIOD,
+        P, E, K, PERIOD, WINDOW,
         BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, AGING: tl.constexpr,
     ):  # fmt: skip
         p = tl.arange(0, BLOCK_P)  # pairs, and miss ranks (at most P misses)
@@ -94,7 +95,8 @@ if triton is not None:
             uses_e = tl.where(halve, uses_e >> 1, uses_e)
             uses_k = tl.load(uses_ptr + ex_k, mask=kmask, other=0)  # [BK] the count of each slot's expert
             uses_k = tl.where(halve, uses_k >> 1, uses_k)
-            count = tl.where(pinned | (k >= K), big, uses_k)  # [BK]
+            recent = (lu_k >= 0) & (lu_k >= step - WINDOW) & (WINDOW > 0)  # [BK] used in the last WINDOW steps
+            count = tl.where(pinned | (k >= K), big, uses_k + recent.to(tl.int64) * (1 << 40))  # [BK] (device.RECENT)
             before = (count[None, :] < count[:, None]) | ((count[None, :] == count[:, None]) & before)
         rank = tl.sum((before & kmask[None, :]).to(tl.int32), axis=1)  # [BK]: slots ranked before slot i
         takes = (rank[None, :] == p[:, None]) & kmask[None, :]  # [BP, BK]: miss j takes the slot of rank j
@@ -139,6 +141,7 @@ def plan_step_triton(
     k: int,
     uses: torch.Tensor | None = None,
     aging_period: int = 0,
+    aging_window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`device.plan_step`'s signature and results (arange_e unused), as one kernel launch:
     flat_ids [P] int64 (P <= K) -> (pair_slot [P], pair_missed [P] bool, miss_experts [P],
@@ -157,7 +160,7 @@ def plan_step_triton(
     _plan_kernel[(1,)](
         ids, slot_of, expert_in, last_use, step, uses if aging else last_use,
         pair_slot, pair_missed, miss_experts, miss_slots, stats,
-        p, e, k, max(aging_period, 1),
+        p, e, k, max(aging_period, 1), aging_window,
         BLOCK_P=_pow2(p), BLOCK_E=_pow2(e + 1), BLOCK_K=_pow2(k), AGING=aging, num_warps=8,
     )  # fmt: skip
     return pair_slot, pair_missed, miss_experts, miss_slots, stats

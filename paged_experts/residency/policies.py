@@ -153,10 +153,15 @@ class AgingLfuPolicy:
     Counts are kept for every expert ever used, resident or not (a re-admitted expert keeps its history).
     """
 
-    def __init__(self, period_steps: int = DEFAULT_AGING_PERIOD_STEPS) -> None:
+    def __init__(self, period_steps: int = DEFAULT_AGING_PERIOD_STEPS, window_steps: int = 0) -> None:
         if int(period_steps) != period_steps or period_steps < 1:
             raise ValueError(f"period_steps must be an integer >= 1, got {period_steps}")
+        if int(window_steps) != window_steps or window_steps < 0:
+            raise ValueError(f"window_steps must be an integer >= 0, got {window_steps}")
         self.period_steps = int(period_steps)
+        # > 0: an expert used within the last `window_steps` steps is evicted only after every other candidate
+        # (`lfu-aging:<P>:<W>`): a working set that moved keeps its experts while the old one's counts age
+        self.window_steps = int(window_steps)
         self._count: dict[int, int] = {}  # use count as of epoch `_epoch[e]`
         self._epoch: dict[int, int] = {}  # step // period_steps of the last use
         self._last_use: dict[int, int] = {}  # step of the last use
@@ -190,6 +195,12 @@ class AgingLfuPolicy:
             self._last_use.pop(expert, None)
 
     def victim(self, candidates: Collection[int], step: int) -> int:
+        if self.window_steps:
+            since = step - self.window_steps  # used at or after it (never-used experts are not recent)
+            return min(
+                candidates,
+                key=lambda e: (self._last_use.get(e, -1) >= max(since, 0), self.uses(e, step), self.last_use(e), e),
+            )
         return min(candidates, key=lambda e: (self.uses(e, step), self._last_use.get(e, -1), e))
 
 
@@ -555,16 +566,18 @@ DEFAULT_EVICTION_POLICY = "lru"
 
 
 def eviction_policy_error(name: str) -> str | None:
-    """None where a paged server can run `name`: one of `EVICTION_POLICIES`, or `lfu-aging:<P>` (the aging LFU
-    with a period of P planned steps, an integer >= 1); else what is wrong with it."""
-    base, colon, period = name.partition(":")
+    """None where a paged server can run `name`: one of `EVICTION_POLICIES`, or `lfu-aging:<P>[:<W>]` (the aging
+    LFU with a period of P planned steps, an integer >= 1, and a recency window of W >= 0 steps); else what is
+    wrong with it."""
+    base, colon, params = name.partition(":")
     if not colon:
         return None if name in EVICTION_POLICIES else f"is not one of {', '.join(EVICTION_POLICIES)} (or lfu-aging:<P>)"
-    if base == "lfu-aging" and period.isdigit() and int(period) >= 1:
+    if base != "lfu-aging":
+        return f"is not one of {', '.join(EVICTION_POLICIES)} (or lfu-aging:<P>)"
+    period, _, window = params.partition(":")
+    if period.isdigit() and int(period) >= 1 and (window == "" and ":" not in params or window.isdigit()):
         return None
-    return "names no period: lfu-aging:<P> takes a whole number of steps >= 1" if base == "lfu-aging" else (
-        f"is not one of {', '.join(EVICTION_POLICIES)} (or lfu-aging:<P>)"
-    )  # fmt: skip
+    return "names no period: lfu-aging:<P>[:<W>] takes whole numbers of steps, P >= 1, W >= 0"
 
 
 def policy_base(name: str) -> str:
@@ -579,5 +592,6 @@ def make_policy(name: str) -> EvictionPolicy:
     if problem is not None:
         raise ValueError(f"eviction policy {name!r} {problem}")
     if ":" in name:
-        return AgingLfuPolicy(int(name.partition(":")[2]))
+        period, _, window = name.partition(":")[2].partition(":")
+        return AgingLfuPolicy(int(period), int(window or 0))
     return POLICIES[name]()

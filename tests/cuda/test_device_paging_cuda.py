@@ -106,8 +106,14 @@ def test_device_planned_paged_equals_resident_qwen_shapes() -> None:
 
 
 def test_aging_lfu_planned_on_the_gpu_equals_resident_and_counts_what_the_host_plans() -> None:
-    """`lfu-aging` on the fused device plan: outputs equal resident bit for bit, and the misses of every layer
-    equal the host planner's over the same steps (the prompt's multi-wave step included: shared state)."""
+    for policy in ("lfu-aging", "lfu-aging:4:2"):
+        check_aging_lfu(policy)
+
+
+def check_aging_lfu(policy: str) -> None:
+    """`lfu-aging` on the fused device plan (the default period; a 4-step period with a 2-step window): outputs
+    equal resident bit for bit, and the misses of every layer equal the host planner's over the same steps (the
+    prompt's multi-wave step included: shared state)."""
     prompts = [[5, 17, 300, 41, 9, 77, 3, 8]]
     resident = decode(MoeCausalLM.from_pretrained(QWEN2, rt("bfloat16", mode="resident")), prompts, steps=12)
     for k in (8, 16):
@@ -115,7 +121,7 @@ def test_aging_lfu_planned_on_the_gpu_equals_resident_and_counts_what_the_host_p
         for planning in ("on", "off"):
             model = MoeCausalLM.from_pretrained(
                 QWEN2,
-                rt("bfloat16", mode="paged", resident_experts=k, eviction_policy="lfu-aging", device_planning=planning),
+                rt("bfloat16", mode="paged", resident_experts=k, eviction_policy=policy, device_planning=planning),
             )
             assert (model.moe_layers[0].device_residency is not None) == (planning == "on")
             for i, (a, b) in enumerate(zip(decode(model, prompts, steps=12), resident)):
