@@ -47,11 +47,11 @@ FLAGS_CMD="server=\$(grep -ho '/[^ ]*/bin/llama-server' $JOBS/build.log 2>/dev/n
   --model $BENCH_H200_GGUF --ctx 10240 --out $JOBS/flags; else echo 'flags: no llama-server built (build_full.log)'; false; fi"
   # -c as headline.yaml's kv_capacity_tokens
 
-# issue 29's cache policies on the traces the runs recorded (record.yaml; K: 32 and 16 GB's ~54; lfu-decay at a 2-step
-# half-life)
+# issue 29's cache policies on the traces the runs recorded (record.yaml; K: 16 GB's 53 and 54; lfu-decay at a 2-step
+# half-life, lfu-aging at 256 steps without and with a 4-step window, and at 64 with it)
 POLICIES_CMD="if ! ls results/h200-*/routing/*.trace > /dev/null 2>&1; then echo 'policies: no routing trace'; false; \
   else rm -f $JOBS/policies-*.txt; pids=; for t in results/h200-*/routing/*.trace; do \
-  python3 benchmarks/eviction_policies.py \"\$t\" --k 32,54 --half-lives 2 --concurrency 1,4 \
+  python3 benchmarks/eviction_policies.py \"\$t\" --k 53,54 --half-lives 2 --aging-periods 256,256:4,64:4 --concurrency 1,4 \
   > $JOBS/policies-\$(basename \"\$t\" .trace).txt 2>&1 & pids=\"\$pids \$!\"; done; rc=0; \
   for p in \$pids; do wait \$p || rc=1; done; cat $JOBS/policies-*.txt; (exit \$rc); fi"
 
