@@ -293,16 +293,18 @@ def test_the_record_matrix_measures_recording_against_none(stand_ins: None, caps
 def test_the_policy_matrix_measures_the_aging_lfu_against_lru(
     stand_ins: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """configs/h200/policy.yaml: paged FP8 at 16 GB's K on each routing with LRU and with `lfu-aging` (planned on
-    the GPU: the command lines pass --device cuda with it), short prompts at c=1 and c=4, 2 repeats."""
+    """configs/h200/policy.yaml: paged FP8 at 16 GB's K on each routing with LRU, `lfu-aging` and `lfu-aging:256:4`
+    (planned on the GPU: the command lines pass --device cuda with them), short prompts at c=1 and c=4, 2 repeats."""
     path = CONFIGS / "policy.yaml"
     assert main(["run", str(path), "--dry-run"]) == 0
     out = capsys.readouterr().out
     plan = build_plan(load_matrix(path))
     got = sorted((s.options.resident_experts, s.options.routing, s.options.eviction_policy) for s in plan.servers)
-    assert got == [(53, "model", "lfu-aging"), (53, "model", "lru"), (54, "qwen3-30b-a3b", "lfu-aging"),
-                   (54, "qwen3-30b-a3b", "lru")]  # fmt: skip
-    assert out.count("--eviction-policy lfu-aging") == 2 and out.count("--device cuda") == 4
+    assert got == [(53, "model", p) for p in ("lfu-aging", "lfu-aging:256:4", "lru")] + [
+        (54, "qwen3-30b-a3b", p) for p in ("lfu-aging", "lfu-aging:256:4", "lru")
+    ]
+    assert out.count("--eviction-policy lfu-aging ") == 2 and out.count("--eviction-policy lfu-aging:256:4") == 2
+    assert out.count("--device cuda") == 6
     m = load_matrix(path).matrix
     assert m.repeats == 2 and m.linkbw
     for workload in m.workloads.values():
