@@ -147,7 +147,10 @@ def main(argv: list[str] | None = None) -> int:
             sync()
         table = prof.key_averages().table(sort_by=sort_key, row_limit=args.rows, max_name_column_width=70)
         what = f"one {args.prefill_tokens}-token prompt" if args.prefill_tokens else f"batch {args.batch}"
-        routing = f"routing {args.routing} (synthetic)" if args.routing else "the model's own routing"
+        override = model.router_override  # what the steps were routed by, not what was asked for
+        routing = f"routing {override.spec} (synthetic)" if isinstance(override, SyntheticRouter) else (
+            "the model's own routing"
+        )  # fmt: skip
         head = (
             f"=== {spec}: {args.layers} layers, {what}, {routing}, {wall_ms:.2f} ms/step wall (unprofiled), "
             f"replays {model.graph_replays}"

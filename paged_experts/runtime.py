@@ -157,6 +157,11 @@ class RuntimeConfig:
             )
         if self.prefetch_next_layer and self.overlap_page_in:
             raise ValueError("prefetch_next_layer and overlap_page_in both use the page-in stream: choose one")
+        if self.prefetch_next_layer and policy_base(self.eviction_policy) != "lru":
+            raise ValueError(
+                f"prefetch_next_layer plans each prediction as a step of its own, which {self.eviction_policy!r} "
+                "would count as uses (and age twice a token): use eviction_policy 'lru' with it"
+            )
         if self.mode == "paged" and self.resident_experts is None:
             raise ValueError("mode='paged' needs resident_experts (K, the slots per layer)")
         if self.mode != "paged" and self.resident_experts is not None:

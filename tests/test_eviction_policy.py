@@ -81,8 +81,6 @@ def test_a_recency_window_keeps_a_new_working_set_against_old_counts() -> None:
         for step in range(20, 26):
             p.on_use(2 if step % 2 else 3, step)
         assert p.victim([1, 3], 26) == evicted, window  # 3 was used at step 24, two steps back
-    never = AgingLfuPolicy(period_steps=8, window_steps=4)
-    assert never.victim([0, 1], 1) == 0  # never-used experts are not recent, even before W steps have passed
 
 
 def test_aging_lfu_evicts_the_least_used_then_the_least_recent_then_the_lowest_id() -> None:
@@ -260,7 +258,9 @@ def test_server_flag_and_runtime_refuse_what_they_cannot_run(capsys) -> None:
     RuntimeConfig(mode="paged", resident_experts=8, eviction_policy="lfu-aging", device_planning="on")
     RuntimeConfig(mode="paged", resident_experts=8, eviction_policy="lfu-aging:64", device_planning="on")
     for bad, message in (("lfu-aging:0", "names no period"), ("lfu-aging:x", "names no period"),
-                         ("lfu-aging:4:", "names no period"), ("lfu-aging:4:-1", "names no period"),
+                         ("lfu-aging:\u00b2", "names no period"), ("lfu-aging:" + "9" * 23, "names no period"),
+                         ("lfu-aging:4:", "names no window"), ("lfu-aging:4:-1", "names no window"),
+                         ("lfu-aging:4:\u00b2", "names no window"), ("lfu-aging:4:2:1", "names no window"),
                          ("lru:4", "is not one of lru, lfu-aging, lfu-decay")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             RuntimeConfig(mode="paged", resident_experts=8, eviction_policy=bad)
@@ -273,6 +273,14 @@ def test_server_flag_and_runtime_refuse_what_they_cannot_run(capsys) -> None:
     assert isinstance(policy, AgingLfuPolicy) and (policy.period_steps, policy.window_steps) == (64, 0)
     policy = make_policy("lfu-aging:64:4")
     assert isinstance(policy, AgingLfuPolicy) and (policy.period_steps, policy.window_steps) == (64, 4)
+    # next-layer prefetch plans its predictions as steps: they would count as uses of the aging LFU
+    with pytest.raises(ValueError, match="prefetch_next_layer plans each prediction as a step of its own"):
+        RuntimeConfig(mode="paged", resident_experts=8, eviction_policy="lfu-aging", device_planning="on",
+                      prefetch_next_layer=True)  # fmt: skip
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--model", "/m", "--resident-experts", "8", "--device", "cuda", "--eviction-policy", "lfu-aging",
+                    "--prefetch-next-layer", "--cuda-graph-max-bs", "4"])  # fmt: skip
+    assert info.value.code == 2 and "would count as uses: use lru with it" in capsys.readouterr().err
     assert parse_args(["--model", "/m", "--resident-experts", "8", "--device", "cuda", "--eviction-policy",
                        "lfu-aging"]).eviction_policy == "lfu-aging"  # fmt: skip
 

@@ -39,7 +39,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="routing trace (benchsuite trace synth / --record-routing / import-sglang)")
     p.add_argument("--k", type=_ints, default=(8, 16, 32, 64), help="resident experts per layer, e.g. 8,16,32,64")
     p.add_argument(
-        "--policy", default="lru", help=f"comma list of {','.join(SIM_POLICIES)}, lfu-decay:<half-life steps>"
+        "--policy",
+        default="lru",
+        help=f"comma list of {','.join(SIM_POLICIES)}, lfu-decay:<half-life steps>, "
+        "lfu-aging:<period steps>[:<window steps>]",
     )
     p.add_argument("--concurrency", type=_ints, default=(1,), help="requests batched per step; 0 = as recorded")
     p.add_argument("--include-prefill", action="store_true", help="replay prefill chunks too (default: decode only)")

@@ -51,6 +51,7 @@ miss, and in the step's union, which then counts the experts served or paged in)
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -574,10 +575,20 @@ def eviction_policy_error(name: str) -> str | None:
         return None if name in EVICTION_POLICIES else f"is not one of {', '.join(EVICTION_POLICIES)} (or lfu-aging:<P>)"
     if base != "lfu-aging":
         return f"is not one of {', '.join(EVICTION_POLICIES)} (or lfu-aging:<P>)"
-    period, _, window = params.partition(":")
-    if period.isdigit() and int(period) >= 1 and (window == "" and ":" not in params or window.isdigit()):
-        return None
-    return "names no period: lfu-aging:<P>[:<W>] takes whole numbers of steps, P >= 1, W >= 0"
+    match = _AGING_NAME.fullmatch(params)
+    assert match is not None  # the pattern matches any text
+    period, window = match["period"], match["window"]
+    if not _STEPS.fullmatch(period) or not 1 <= int(period) <= MAX_AGING_STEPS:
+        return f"names no period: lfu-aging:<P>[:<W>] takes a whole number of steps P in [1, {MAX_AGING_STEPS}]"
+    if window is not None and (not _STEPS.fullmatch(window) or int(window) > MAX_AGING_STEPS):
+        return f"names no window: lfu-aging:<P>:<W> takes a whole number of steps W in [0, {MAX_AGING_STEPS}]"
+    return None
+
+
+MAX_AGING_STEPS = 1 << 30
+"""The largest `lfu-aging` period and window (steps): counts stay below 2P in an int64 beside a 2**40 window mark."""
+_AGING_NAME = re.compile(r"(?P<period>[^:]*)(?::(?P<window>.*))?")
+_STEPS = re.compile(r"[0-9]{1,10}")  # ASCII digits only (str.isdigit takes '²', which int() refuses)
 
 
 def policy_base(name: str) -> str:
@@ -587,7 +598,7 @@ def policy_base(name: str) -> str:
 
 def make_policy(name: str) -> EvictionPolicy:
     """A fresh online policy of `name` (one of `EVICTION_POLICIES` with its default parameters, or
-    `lfu-aging:<P>`)."""
+    `lfu-aging:<P>[:<W>]`)."""
     problem = eviction_policy_error(name)
     if problem is not None:
         raise ValueError(f"eviction policy {name!r} {problem}")

@@ -183,8 +183,9 @@ class ServeOptions:
         f"least used, ties to the least recent, with counts halving every {DEFAULT_AGING_PERIOD_STEPS} steps "
         f"(host and device planner), lfu-decay = the least used with counts decaying by half every 2 steps "
         f"(host planner only: refused with --device cuda; default {DEFAULT_EVICTION_POLICY}; see "
-        f"docs/eviction-policy.md); lfu-aging:<P> halves them every P steps",
-        metavar="{" + ",".join(EVICTION_POLICIES) + ",lfu-aging:<P>}",
+        f"docs/eviction-policy.md); lfu-aging:<P> halves them every P steps, lfu-aging:<P>:<W> also evicts the "
+        f"experts used in the last W steps last",
+        metavar="{" + ",".join(EVICTION_POLICIES) + ",lfu-aging:<P>[:<W>]}",
     )
     expert_kernel: str = _opt(
         "fused",
@@ -343,6 +344,12 @@ def problems(values: Mapping[str, Any], say: Namer = FLAGS) -> Iterator[Problem]
             yield Problem(
                 "prefetch_next_layer",
                 f"{value} runs inside the captured decode step: it needs {say.option('cuda_graph_max_bs')} > 0",
+            )
+        elif policy_base(str(get("eviction_policy") or "lru")) != "lru":
+            yield Problem(
+                "prefetch_next_layer",
+                f"{value} plans each prediction as a step of its own, which "
+                f"{say.value('eviction_policy', get('eviction_policy'))} would count as uses: use lru with it",
             )
     if get("overlap_page_in"):
         value = say.value("overlap_page_in", True)
