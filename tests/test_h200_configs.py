@@ -312,3 +312,23 @@ def test_the_policy_matrix_measures_the_aging_lfu_against_lru(
     assert m.repeats == 2 and m.linkbw
     for workload in m.workloads.values():
         assert workload.prompt_classes == ["short"] and workload.concurrency == [1, 4]
+
+
+def test_the_window_matrix_measures_longer_recency_windows_against_lru(
+    stand_ins: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """configs/h200/window.yaml: paged FP8 at 16 GB's K on each routing with LRU and the aging LFU with a 16- and a
+    64-step window, planned on the GPU, every arm recording its routing, short prompts at c=1 and c=4, 2 repeats."""
+    path = CONFIGS / "window.yaml"
+    assert main(["run", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    plan = build_plan(load_matrix(path))
+    got = sorted((s.options.resident_experts, s.options.routing, s.options.eviction_policy) for s in plan.servers)
+    arms = ("lfu-aging:256:16", "lfu-aging:256:64", "lru")
+    assert got == [(53, "model", p) for p in arms] + [(54, "qwen3-30b-a3b", p) for p in arms]
+    assert out.count("--eviction-policy lfu-aging:256:16") == 2 and out.count("--eviction-policy lfu-aging:256:64") == 2
+    assert out.count("--device cuda") == 6 and all(s.options.record_routing for s in plan.servers)
+    m = load_matrix(path).matrix
+    assert m.repeats == 2 and m.linkbw
+    for workload in m.workloads.values():
+        assert workload.prompt_classes == ["short"] and workload.concurrency == [1, 4]

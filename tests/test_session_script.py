@@ -151,3 +151,31 @@ def test_prepare_restores_a_carried_run_so_the_queue_resumes_it(tmp_path: Path) 
     assert done.returncode == 0 and "restored h200-staging-c" in done.stdout, done.stdout + done.stderr
     assert (copy / "results" / "h200-staging-c" / "cells" / "a.json").is_file()
     assert not (copy / "results" / "h200-old").exists()  # the committed runs stay out of the copy
+
+
+def test_a_call_brings_the_runs_back_and_their_routing_traces_in_one_file(tmp_path: Path) -> None:
+    """Every call's collect: each run's tar without its traces, and the traces of every run in routing.tar.gz
+    (the policy replay then runs off the device); over 16 MB compressed they stay on the machine."""
+    copy, jobs, out = tmp_path / "copy", tmp_path / "jobs", tmp_path / "out"
+    for run, size in (("h200-policy-b", 1000), ("h200-window", 2000)):
+        (copy / "results" / run / "routing").mkdir(parents=True)
+        (copy / "results" / run / "cells.parquet").write_text("cells")
+        (copy / "results" / run / "routing" / "abc.trace").write_bytes(b"t" * size)
+    jobs.mkdir()
+    env = {**os.environ, "OUT": str(out), "SESSION_COPY": str(copy), "SESSION_JOBS": str(jobs)}
+    done = subprocess.run(["bash", str(SCRIPT), "poll", "0"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=60, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    listed = subprocess.run(["tar", "-tzf", str(out / "routing.tar.gz")], capture_output=True, text=True,
+                            check=True).stdout.split()  # fmt: skip
+    assert sorted(listed) == ["h200-policy-b/routing/abc.trace", "h200-window/routing/abc.trace"]
+    run = subprocess.run(["tar", "-tzf", str(out / "h200-window.tar.gz")], capture_output=True, text=True,
+                         check=True).stdout.split()  # fmt: skip
+    assert "h200-window/cells.parquet" in run and not any("routing" in name for name in run)
+    # incompressible traces over 16 MB compressed: left on the machine, and the call says so
+    big = copy / "results" / "h200-window" / "routing" / "big.trace"
+    big.write_bytes(os.urandom(17_000_000))
+    done = subprocess.run(["bash", str(SCRIPT), "poll", "0"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=60, check=False)  # fmt: skip
+    assert done.returncode == 0 and "left on the machine" in done.stdout, done.stdout + done.stderr
+    assert not (out / "routing.tar.gz").exists()

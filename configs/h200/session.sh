@@ -17,10 +17,11 @@
 #   bash configs/h200/session.sh staging    # benchsuite run of configs/h200/staging.yaml (detached; issue 29, ~10 min)
 #   bash configs/h200/session.sh gcfreeze   # benchsuite run of configs/h200/gcfreeze.yaml (detached; the GC heap freeze, ~6 min)
 #   bash configs/h200/session.sh record     # benchsuite run of configs/h200/record.yaml (detached; what recording costs, ~11 min)
+#   bash configs/h200/session.sh window     # benchsuite run of configs/h200/window.yaml (detached; the aging LFU's window, ~8 min)
 #   bash configs/h200/session.sh flags      # benchmarks/llamacpp_flags_h200.py at N=30 (detached; issue 24, ~8 min)
 #   bash configs/h200/session.sh policies   # benchmarks/eviction_policies.py over this session's routing traces
 #                                           # (record_routing: record.yaml's recording servers), one process a trace
-#   bash configs/h200/session.sh queue JOB...  # JOBs (cuda first, then headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|flags|policies) in
+#   bash configs/h200/session.sh queue JOB...  # JOBs (cuda first, then headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|window|flags|policies) in
 #                                           # order, once prepare's jobs end; a failed CUDA test stops the runs
 #   bash configs/h200/session.sh poll SECS  # wait up to SECS for the running jobs, printing progress
 # CUDA_TESTS (default tests/cuda): the tests `cuda` runs, e.g. one file when a session has time for only one
@@ -80,6 +81,14 @@ collect() {  # the jobs' logs and the runs' results into $OUT (at most 8 files c
     # them there): the run's cells carry their realized and optimal hit rates
     [ -d "$dir" ] && tar -C "$COPY/results" --exclude=routing -czf "$OUT/$(basename "$dir").tar.gz" "$(basename "$dir")" 2>/dev/null
   done
+  # the traces themselves in one file when it fits what a call brings back (16 MiB a file): short-prompt runs'
+  # do (~1-2 MB a server compressed), 2,048-token prompts' do not; the replay can then run here, off the device
+  if compgen -G "$COPY/results/h200-*/routing/*.trace" > /dev/null; then
+    (cd "$COPY/results" && tar -czf "$OUT/routing.tar.gz" h200-*/routing/*.trace 2>/dev/null)
+    if [ "$(stat -c %s "$OUT/routing.tar.gz" 2>/dev/null || echo 0)" -gt 16000000 ]; then
+      rm -f "$OUT/routing.tar.gz"; echo "routing traces: over 16 MB compressed, left on the machine"
+    fi
+  fi
 }
 
 case "${1:-}" in
@@ -113,7 +122,7 @@ case "${1:-}" in
     (echo "$BASHPID" > "$JOBS/cuda.pid"; cd "$COPY" && python3 -m pytest $CUDA_TESTS -m cuda -q -p no:cacheprovider -o addopts= 2>&1 | tee "$JOBS/cuda.log" \
       | tail -40; echo "${PIPESTATUS[0]}" > "$JOBS/cuda.rc")  # what a queue's guard reads
     ;;
-  headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy)
+  headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|window)
     site
     detach "$1" "python3 -m benchsuite run configs/h200/$1.yaml --run-id h200-$1${RUN_SUFFIX:-} --no-report"
     ;;
@@ -130,7 +139,7 @@ case "${1:-}" in
     # no test running yet and start its runs beside the tests (2026-12-02: h200-copy's first 12 cells did)
     site
     shift
-    [ $# -gt 0 ] || { echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|flags|policies ..." >&2; exit 2; }
+    [ $# -gt 0 ] || { echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|window|flags|policies ..." >&2; exit 2; }
     # a failed CUDA test (this session's cuda.log) stops the queue: no figure is measured on code the GPU found wrong
     # (pytest's exit status, so a crash or a kill stops it too, not only a failed assertion)
     guard="if [ -f $JOBS/cuda.rc ] && [ \"\$(cat $JOBS/cuda.rc)\" != 0 ]; then echo 'queue: the CUDA tests failed (cuda.log): nothing run'; exit 1; fi"
@@ -142,10 +151,10 @@ case "${1:-}" in
     for job in "$@"; do
       case "$job" in
         cuda) first="python3 -m pytest $CUDA_TESTS -m cuda -q -p no:cacheprovider -o addopts= > $JOBS/cuda.log 2>&1; echo \$? > $JOBS/cuda.rc; echo \"cuda exit \$(cat $JOBS/cuda.rc)\"; tail -n 3 $JOBS/cuda.log" ;;
-        headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy) steps="$steps; $guard; python3 -m benchsuite run configs/h200/$job.yaml --run-id h200-$job${RUN_SUFFIX:-} --no-report; echo \"$job exit \$?\"" ;;
+        headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|window) steps="$steps; $guard; python3 -m benchsuite run configs/h200/$job.yaml --run-id h200-$job${RUN_SUFFIX:-} --no-report; echo \"$job exit \$?\"" ;;
         flags) steps="$steps; $guard; $FLAGS_CMD; echo \"flags exit \$?\"" ;;
         policies) steps="$steps; $POLICIES_CMD; echo \"policies exit \$?\"" ;;
-        *) echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|flags|policies ..." >&2; exit 2 ;;
+        *) echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|window|flags|policies ..." >&2; exit 2 ;;
       esac
     done
     # the CUDA tests first, at once (on the GPU, beside the build's and the models' CPU work: slower, not wrong);
@@ -177,7 +186,7 @@ case "${1:-}" in
     running=$(pgrep -f "benchsuite (install|run|gguf)|synth_memory|llamacpp_flags_h200|eviction_policies" | wc -l)  # now, not 20 s ago
     [ "$running" -gt 0 ] && echo "STILL RUNNING: poll again now (a machine idle for 30 s is given back)"
     ;;
-  *) echo "usage: $0 prepare [builtin]|cuda|headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|flags|policies|queue [cuda] JOB...|poll SECS" >&2; exit 2 ;;
+  *) echo "usage: $0 prepare [builtin]|cuda|headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|window|flags|policies|queue [cuda] JOB...|poll SECS" >&2; exit 2 ;;
 esac
 collect
 for f in "$JOBS"/*.log; do [ -f "$f" ] && { echo "== $(basename "$f")"; tail -n 4 "$f"; }; done
