@@ -155,7 +155,8 @@ def test_prepare_restores_a_carried_run_so_the_queue_resumes_it(tmp_path: Path) 
 
 def test_a_call_brings_the_runs_back_and_their_routing_traces_in_one_file(tmp_path: Path) -> None:
     """Every call's collect: each run's tar without its traces, and the traces of every run in routing.tar.gz
-    (the policy replay then runs off the device); over 16 MB compressed they stay on the machine."""
+    (the policy replay then runs off the device), once per set of traces and never while a run measures; over
+    16 MB compressed they stay on the machine."""
     copy, jobs, out = tmp_path / "copy", tmp_path / "jobs", tmp_path / "out"
     for run, size in (("h200-policy-b", 1000), ("h200-window", 2000)):
         (copy / "results" / run / "routing").mkdir(parents=True)
@@ -172,10 +173,24 @@ def test_a_call_brings_the_runs_back_and_their_routing_traces_in_one_file(tmp_pa
     run = subprocess.run(["tar", "-tzf", str(out / "h200-window.tar.gz")], capture_output=True, text=True,
                          check=True).stdout.split()  # fmt: skip
     assert "h200-window/cells.parquet" in run and not any("routing" in name for name in run)
-    # incompressible traces over 16 MB compressed: left on the machine, and the call says so
+
+    def poll() -> str:
+        (out / "routing.tar.gz").unlink(missing_ok=True)  # each call's $OUT starts empty
+        done = subprocess.run(["bash", str(SCRIPT), "poll", "0"], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=60, check=False)  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    poll()  # the same traces: already brought back, not packed again
+    assert not (out / "routing.tar.gz").exists()
+    # a new trace while a run measures: not packed then (gzip would take a core beside it), packed once it ended
     big = copy / "results" / "h200-window" / "routing" / "big.trace"
-    big.write_bytes(os.urandom(17_000_000))
-    done = subprocess.run(["bash", str(SCRIPT), "poll", "0"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=60, check=False)  # fmt: skip
-    assert done.returncode == 0 and "left on the machine" in done.stdout, done.stdout + done.stderr
+    big.write_bytes(os.urandom(17_000_000))  # incompressible: over 16 MB compressed
+    run = subprocess.Popen(["bash", "-c", 'exec -a "python3 -m benchsuite run stand-in" sleep 30'])  # noqa: S603, S607
+    try:
+        assert "routing traces" not in poll() and not (out / "routing.tar.gz").exists()
+    finally:
+        run.kill()
+        run.wait()
+    assert "over 16 MB compressed, left on the machine" in poll()
     assert not (out / "routing.tar.gz").exists()

@@ -49,10 +49,10 @@ FLAGS_CMD="server=\$(grep -ho '/[^ ]*/bin/llama-server' $JOBS/build.log 2>/dev/n
   # -c as headline.yaml's kv_capacity_tokens
 
 # issue 29's cache policies on the traces the runs recorded (record.yaml; K: 16 GB's 53 and 54; lfu-decay at a 2-step
-# half-life, lfu-aging at 256 steps without and with a 4-step window, and at 64 with it)
+# half-life, lfu-aging at 256 steps without and with a 4-, 16- and 64-step window)
 POLICIES_CMD="if ! ls results/h200-*/routing/*.trace > /dev/null 2>&1; then echo 'policies: no routing trace'; false; \
   else rm -f $JOBS/policies-*.txt; pids=; for t in results/h200-*/routing/*.trace; do \
-  python3 benchmarks/eviction_policies.py \"\$t\" --k 53,54 --half-lives 2 --aging-periods 256,256:4,64:4 --concurrency 1,4 \
+  python3 benchmarks/eviction_policies.py \"\$t\" --k 53,54 --half-lives 2 --aging-periods 256,256:4,256:16,256:64 --concurrency 1,4 \
   > $JOBS/policies-\$(basename \"\$t\" .trace).txt 2>&1 & pids=\"\$pids \$!\"; done; rc=0; \
   for p in \$pids; do wait \$p || rc=1; done; cat $JOBS/policies-*.txt; (exit \$rc); fi"
 
@@ -81,9 +81,13 @@ collect() {  # the jobs' logs and the runs' results into $OUT (at most 8 files c
     # them there): the run's cells carry their realized and optimal hit rates
     [ -d "$dir" ] && tar -C "$COPY/results" --exclude=routing -czf "$OUT/$(basename "$dir").tar.gz" "$(basename "$dir")" 2>/dev/null
   done
-  # the traces themselves in one file when it fits what a call brings back (16 MiB a file): short-prompt runs'
-  # do (~1-2 MB a server compressed), 2,048-token prompts' do not; the replay can then run here, off the device
-  if compgen -G "$COPY/results/h200-*/routing/*.trace" > /dev/null; then
+  # the traces themselves in one file when it fits what a call brings back (16 MiB a file), so the replay can run
+  # off the device: a few servers' short-prompt traces fit, six did not (h200-window: 33 requests a server). Only
+  # while nothing is measured or replayed (gzip beside a run takes a core every poll), and once per set of traces.
+  if compgen -G "$COPY/results/h200-*/routing/*.trace" > /dev/null \
+      && ! pgrep -f "benchsuite (run|gguf)|eviction_policies" > /dev/null \
+      && { [ ! -f "$JOBS/routing.done" ] || [ -n "$(find "$COPY"/results/h200-*/routing -name '*.trace' -newer "$JOBS/routing.done")" ]; }; then
+    touch "$JOBS/routing.done"
     (cd "$COPY/results" && tar -czf "$OUT/routing.tar.gz" h200-*/routing/*.trace 2>/dev/null)
     if [ "$(stat -c %s "$OUT/routing.tar.gz" 2>/dev/null || echo 0)" -gt 16000000 ]; then
       rm -f "$OUT/routing.tar.gz"; echo "routing traces: over 16 MB compressed, left on the machine"
