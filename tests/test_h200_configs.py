@@ -332,3 +332,24 @@ def test_the_window_matrix_measures_longer_recency_windows_against_lru(
     assert m.repeats == 2 and m.linkbw
     for workload in m.workloads.values():
         assert workload.prompt_classes == ["short"] and workload.concurrency == [1, 4]
+
+
+def test_the_confirming_policy_matrix_runs_the_16_step_window_against_lru_three_times(
+    stand_ins: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """configs/h200/policyconfirm.yaml: LRU and `lfu-aging:256:16` at 16 GB's K on each routing, recording, short and
+    2,048-token prompts at c=1 and c=4, 3 repeats (the rule it decides by is written in its header)."""
+    path = CONFIGS / "policyconfirm.yaml"
+    assert main(["run", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    plan = build_plan(load_matrix(path))
+    got = sorted((s.options.resident_experts, s.options.routing, s.options.eviction_policy) for s in plan.servers)
+    assert got == [(53, "model", "lfu-aging:256:16"), (53, "model", "lru"),
+                   (54, "qwen3-30b-a3b", "lfu-aging:256:16"), (54, "qwen3-30b-a3b", "lru")]  # fmt: skip
+    assert out.count("--eviction-policy lfu-aging:256:16") == 2 and out.count("--device cuda") == 4
+    assert all(s.options.record_routing for s in plan.servers)
+    m = load_matrix(path).matrix
+    assert m.repeats == 3 and m.linkbw
+    for workload in m.workloads.values():
+        assert workload.prompt_classes == ["short", "2048"] and workload.concurrency == [1, 4]
+    assert "written before it" in path.read_text()  # the decision rule precedes the run

@@ -18,10 +18,11 @@
 #   bash configs/h200/session.sh gcfreeze   # benchsuite run of configs/h200/gcfreeze.yaml (detached; the GC heap freeze, ~6 min)
 #   bash configs/h200/session.sh record     # benchsuite run of configs/h200/record.yaml (detached; what recording costs, ~11 min)
 #   bash configs/h200/session.sh window     # benchsuite run of configs/h200/window.yaml (detached; the aging LFU's window, ~8 min)
+#   bash configs/h200/session.sh policyconfirm  # benchsuite run of configs/h200/policyconfirm.yaml (detached; ~14 min)
 #   bash configs/h200/session.sh flags      # benchmarks/llamacpp_flags_h200.py at N=30 (detached; issue 24, ~8 min)
 #   bash configs/h200/session.sh policies   # benchmarks/eviction_policies.py over this session's routing traces
 #                                           # (record_routing: record.yaml's recording servers), one process a trace
-#   bash configs/h200/session.sh queue JOB...  # JOBs (cuda first, then headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|window|flags|policies) in
+#   bash configs/h200/session.sh queue JOB...  # JOBs (cuda first, then headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|window|policyconfirm|flags|policies) in
 #                                           # order, once prepare's jobs end; a failed CUDA test stops the runs
 #   bash configs/h200/session.sh poll SECS  # wait up to SECS for the running jobs, printing progress
 # CUDA_TESTS (default tests/cuda): the tests `cuda` runs, e.g. one file when a session has time for only one
@@ -126,7 +127,7 @@ case "${1:-}" in
     (echo "$BASHPID" > "$JOBS/cuda.pid"; cd "$COPY" && python3 -m pytest $CUDA_TESTS -m cuda -q -p no:cacheprovider -o addopts= 2>&1 | tee "$JOBS/cuda.log" \
       | tail -40; echo "${PIPESTATUS[0]}" > "$JOBS/cuda.rc")  # what a queue's guard reads
     ;;
-  headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|window)
+  headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|window|policyconfirm)
     site
     detach "$1" "python3 -m benchsuite run configs/h200/$1.yaml --run-id h200-$1${RUN_SUFFIX:-} --no-report"
     ;;
@@ -143,7 +144,7 @@ case "${1:-}" in
     # no test running yet and start its runs beside the tests (2026-12-02: h200-copy's first 12 cells did)
     site
     shift
-    [ $# -gt 0 ] || { echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|window|flags|policies ..." >&2; exit 2; }
+    [ $# -gt 0 ] || { echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|window|policyconfirm|flags|policies ..." >&2; exit 2; }
     # a failed CUDA test (this session's cuda.log) stops the queue: no figure is measured on code the GPU found wrong
     # (pytest's exit status, so a crash or a kill stops it too, not only a failed assertion)
     guard="if [ -f $JOBS/cuda.rc ] && [ \"\$(cat $JOBS/cuda.rc)\" != 0 ]; then echo 'queue: the CUDA tests failed (cuda.log): nothing run'; exit 1; fi"
@@ -155,10 +156,10 @@ case "${1:-}" in
     for job in "$@"; do
       case "$job" in
         cuda) first="python3 -m pytest $CUDA_TESTS -m cuda -q -p no:cacheprovider -o addopts= > $JOBS/cuda.log 2>&1; echo \$? > $JOBS/cuda.rc; echo \"cuda exit \$(cat $JOBS/cuda.rc)\"; tail -n 3 $JOBS/cuda.log" ;;
-        headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|window) steps="$steps; $guard; python3 -m benchsuite run configs/h200/$job.yaml --run-id h200-$job${RUN_SUFFIX:-} --no-report; echo \"$job exit \$?\"" ;;
+        headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|window|policyconfirm) steps="$steps; $guard; python3 -m benchsuite run configs/h200/$job.yaml --run-id h200-$job${RUN_SUFFIX:-} --no-report; echo \"$job exit \$?\"" ;;
         flags) steps="$steps; $guard; $FLAGS_CMD; echo \"flags exit \$?\"" ;;
         policies) steps="$steps; $POLICIES_CMD; echo \"policies exit \$?\"" ;;
-        *) echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|window|flags|policies ..." >&2; exit 2 ;;
+        *) echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|window|policyconfirm|flags|policies ..." >&2; exit 2 ;;
       esac
     done
     # the CUDA tests first, at once (on the GPU, beside the build's and the models' CPU work: slower, not wrong);
@@ -190,7 +191,7 @@ case "${1:-}" in
     running=$(pgrep -f "benchsuite (install|run|gguf)|synth_memory|llamacpp_flags_h200|eviction_policies" | wc -l)  # now, not 20 s ago
     [ "$running" -gt 0 ] && echo "STILL RUNNING: poll again now (a machine idle for 30 s is given back)"
     ;;
-  *) echo "usage: $0 prepare [builtin]|cuda|headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|window|flags|policies|queue [cuda] JOB...|poll SECS" >&2; exit 2 ;;
+  *) echo "usage: $0 prepare [builtin]|cuda|headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|window|policyconfirm|flags|policies|queue [cuda] JOB...|poll SECS" >&2; exit 2 ;;
 esac
 collect
 for f in "$JOBS"/*.log; do [ -f "$f" ] && { echo "== $(basename "$f")"; tail -n 4 "$f"; }; done
