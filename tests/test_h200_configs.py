@@ -294,8 +294,8 @@ def test_the_policy_matrix_measures_the_aging_lfu_against_lru(
     stand_ins: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """configs/h200/policy.yaml: paged FP8 at 16 GB's K on each routing with LRU, `lfu-aging` and `lfu-aging:256:4`
-    (planned on the GPU: the command lines pass --device cuda with them), each recording its routing, short prompts at c=1
-    and c=4, 2 repeats."""
+    (planned on the GPU: the command lines pass --device cuda with them), each recording its routing, short prompts
+    at c=1 and c=4, 2 repeats."""
     path = CONFIGS / "policy.yaml"
     assert main(["run", str(path), "--dry-run"]) == 0
     out = capsys.readouterr().out
