@@ -290,66 +290,36 @@ def test_the_record_matrix_measures_recording_against_none(stand_ins: None, caps
     assert not any(getattr(s.options, "record_routing", False) for s in headline.servers)
 
 
-def test_the_policy_matrix_measures_the_aging_lfu_against_lru(
-    stand_ins: None, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """configs/h200/policy.yaml: paged FP8 at 16 GB's K on each routing with LRU, `lfu-aging` and `lfu-aging:256:4`
-    (planned on the GPU: the command lines pass --device cuda with them), each recording its routing, short prompts
-    at c=1 and c=4, 2 repeats."""
-    path = CONFIGS / "policy.yaml"
+@pytest.mark.parametrize(
+    ("name", "arms", "prompt_classes", "repeats"),
+    [
+        ("policy.yaml", ("lfu-aging", "lfu-aging:256:4", "lru"), ["short"], 2),
+        ("window.yaml", ("lfu-aging:256:16", "lfu-aging:256:64", "lru"), ["short"], 2),
+        ("policyconfirm.yaml", ("lfu-aging:256:16", "lru"), ["short", "2048"], 3),
+    ],
+)
+def test_the_policy_matrices_measure_eviction_policies_against_lru_on_both_routings(
+    stand_ins: None, capsys: pytest.CaptureFixture[str], name: str, arms: tuple[str, ...],
+    prompt_classes: list[str], repeats: int,
+) -> None:  # fmt: skip
+    """configs/h200/policy.yaml (LRU, `lfu-aging`, a 4-step window), window.yaml (16- and 64-step windows) and
+    policyconfirm.yaml (the 16-step window's confirming run): paged FP8 at 16 GB's K on each routing (53 model, 54
+    calibrated) with each arm, planned on the GPU (every command line passes --device cuda and its policy), every arm
+    recording its routing (each cell's realized vs optimal hit rate; the traces `session.sh policies` replays), c=1
+    and c=4."""
+    path = CONFIGS / name
     assert main(["run", str(path), "--dry-run"]) == 0
     out = capsys.readouterr().out
     plan = build_plan(load_matrix(path))
     got = sorted((s.options.resident_experts, s.options.routing, s.options.eviction_policy) for s in plan.servers)
-    assert got == [(53, "model", p) for p in ("lfu-aging", "lfu-aging:256:4", "lru")] + [
-        (54, "qwen3-30b-a3b", p) for p in ("lfu-aging", "lfu-aging:256:4", "lru")
-    ]
-    assert out.count("--eviction-policy lfu-aging ") == 2 and out.count("--eviction-policy lfu-aging:256:4") == 2
-    assert out.count("--device cuda") == 6
-    # every arm records its routing: each cell's realized vs optimal hit rate, the traces `session.sh policies` replays
-    assert all(s.options.record_routing for s in plan.servers)
-    m = load_matrix(path).matrix
-    assert m.repeats == 2 and m.linkbw
-    for workload in m.workloads.values():
-        assert workload.prompt_classes == ["short"] and workload.concurrency == [1, 4]
-
-
-def test_the_window_matrix_measures_longer_recency_windows_against_lru(
-    stand_ins: None, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """configs/h200/window.yaml: paged FP8 at 16 GB's K on each routing with LRU and the aging LFU with a 16- and a
-    64-step window, planned on the GPU, every arm recording its routing, short prompts at c=1 and c=4, 2 repeats."""
-    path = CONFIGS / "window.yaml"
-    assert main(["run", str(path), "--dry-run"]) == 0
-    out = capsys.readouterr().out
-    plan = build_plan(load_matrix(path))
-    got = sorted((s.options.resident_experts, s.options.routing, s.options.eviction_policy) for s in plan.servers)
-    arms = ("lfu-aging:256:16", "lfu-aging:256:64", "lru")
     assert got == [(53, "model", p) for p in arms] + [(54, "qwen3-30b-a3b", p) for p in arms]
-    assert out.count("--eviction-policy lfu-aging:256:16") == 2 and out.count("--eviction-policy lfu-aging:256:64") == 2
-    assert out.count("--device cuda") == 6 and all(s.options.record_routing for s in plan.servers)
-    m = load_matrix(path).matrix
-    assert m.repeats == 2 and m.linkbw
-    for workload in m.workloads.values():
-        assert workload.prompt_classes == ["short"] and workload.concurrency == [1, 4]
-
-
-def test_the_confirming_policy_matrix_runs_the_16_step_window_against_lru_three_times(
-    stand_ins: None, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """configs/h200/policyconfirm.yaml: LRU and `lfu-aging:256:16` at 16 GB's K on each routing, recording, short and
-    2,048-token prompts at c=1 and c=4, 3 repeats (the rule it decides by is written in its header)."""
-    path = CONFIGS / "policyconfirm.yaml"
-    assert main(["run", str(path), "--dry-run"]) == 0
-    out = capsys.readouterr().out
-    plan = build_plan(load_matrix(path))
-    got = sorted((s.options.resident_experts, s.options.routing, s.options.eviction_policy) for s in plan.servers)
-    assert got == [(53, "model", "lfu-aging:256:16"), (53, "model", "lru"),
-                   (54, "qwen3-30b-a3b", "lfu-aging:256:16"), (54, "qwen3-30b-a3b", "lru")]  # fmt: skip
-    assert out.count("--eviction-policy lfu-aging:256:16") == 2 and out.count("--device cuda") == 4
+    for arm in arms:  # the trailing space: `lfu-aging` is not counted inside `lfu-aging:256:4`
+        assert out.count(f"--eviction-policy {arm} ") == 2, arm
+    assert out.count("--device cuda") == len(plan.servers) == 2 * len(arms)
     assert all(s.options.record_routing for s in plan.servers)
     m = load_matrix(path).matrix
-    assert m.repeats == 3 and m.linkbw
+    assert m.repeats == repeats and m.linkbw
     for workload in m.workloads.values():
-        assert workload.prompt_classes == ["short", "2048"] and workload.concurrency == [1, 4]
-    assert "written before it" in path.read_text()  # the decision rule precedes the run
+        assert workload.prompt_classes == prompt_classes and workload.concurrency == [1, 4]
+    if name == "policyconfirm.yaml":
+        assert "written before it" in path.read_text()  # the decision rule precedes the run
