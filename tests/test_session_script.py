@@ -194,3 +194,9 @@ def test_a_call_brings_the_runs_back_and_their_routing_traces_in_one_file(tmp_pa
         run.wait()
     assert "over 16 MB compressed, left on the machine" in poll()
     assert not (out / "routing.tar.gz").exists()
+    # never in the place of a log or a run: a call brings back 8 files at most
+    big.unlink()
+    (copy / "results" / "h200-window" / "routing" / "new.trace").write_bytes(b"n" * 100)
+    for i in range(6):  # with the two runs' tars: 8 files
+        (out / f"job{i}.log").write_text("log")
+    assert "the call's 8 files are taken" in poll() and not (out / "routing.tar.gz").exists()

@@ -88,10 +88,14 @@ collect() {  # the jobs' logs and the runs' results into $OUT (at most 8 files c
   if compgen -G "$COPY/results/h200-*/routing/*.trace" > /dev/null \
       && ! pgrep -f "benchsuite (run|gguf)|eviction_policies" > /dev/null \
       && { [ ! -f "$JOBS/routing.done" ] || [ -n "$(find "$COPY"/results/h200-*/routing -name '*.trace' -newer "$JOBS/routing.done")" ]; }; then
-    touch "$JOBS/routing.done"
-    (cd "$COPY/results" && tar -czf "$OUT/routing.tar.gz" h200-*/routing/*.trace 2>/dev/null)
-    if [ "$(stat -c %s "$OUT/routing.tar.gz" 2>/dev/null || echo 0)" -gt 16000000 ]; then
-      rm -f "$OUT/routing.tar.gz"; echo "routing traces: over 16 MB compressed, left on the machine"
+    if [ "$(find "$OUT" -maxdepth 1 -type f ! -name routing.tar.gz | wc -l)" -ge 8 ]; then
+      echo "routing traces: the call's 8 files are taken, left on the machine"  # never in a log's or a run's place
+    else
+      touch "$JOBS/routing.done"
+      (cd "$COPY/results" && tar -czf "$OUT/routing.tar.gz" h200-*/routing/*.trace 2>/dev/null)
+      if [ "$(stat -c %s "$OUT/routing.tar.gz" 2>/dev/null || echo 0)" -gt 16000000 ]; then
+        rm -f "$OUT/routing.tar.gz"; echo "routing traces: over 16 MB compressed, left on the machine"
+      fi
     fi
   fi
 }
