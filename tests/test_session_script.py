@@ -12,6 +12,7 @@ import re
 import shutil
 import stat
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -154,49 +155,62 @@ def test_prepare_restores_a_carried_run_so_the_queue_resumes_it(tmp_path: Path) 
 
 
 def test_a_call_brings_the_runs_back_and_their_routing_traces_in_one_file(tmp_path: Path) -> None:
-    """Every call's collect: each run's tar without its traces, and the traces of every run in routing.tar.gz
-    (the policy replay then runs off the device), once per set of traces and never while a run measures; over
-    16 MB compressed they stay on the machine."""
+    """Every call's collect: each run's tar without its traces, and the traces of every run in routing.tar without
+    their routing weights (`benchsuite trace ids-only`: the replays read ids only; the policy replay then runs off
+    the device), once per set of traces, never while a run measures and never in the place of a log or a run;
+    over 16 MB they stay on the machine."""
+    from paged_experts.routing.trace import read_trace, save_trace, synthesize_trace
+
     copy, jobs, out = tmp_path / "copy", tmp_path / "jobs", tmp_path / "out"
-    for run, size in (("h200-policy-b", 1000), ("h200-window", 2000)):
+    traces = {}
+    for seed, run in enumerate(("h200-policy-b", "h200-window")):
         (copy / "results" / run / "routing").mkdir(parents=True)
         (copy / "results" / run / "cells.parquet").write_text("cells")
-        (copy / "results" / run / "routing" / "abc.trace").write_bytes(b"t" * size)
+        traces[run] = synthesize_trace("qwen3-30b-a3b", 4, 128, 8, requests=2, tokens_per_request=32, seed=seed)
+        save_trace(traces[run], copy / "results" / run / "routing" / "abc.trace")
     jobs.mkdir()
-    env = {**os.environ, "OUT": str(out), "SESSION_COPY": str(copy), "SESSION_JOBS": str(jobs)}
-    done = subprocess.run(["bash", str(SCRIPT), "poll", "0"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=60, check=False)  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
-    listed = subprocess.run(["tar", "-tzf", str(out / "routing.tar.gz")], capture_output=True, text=True,
-                            check=True).stdout.split()  # fmt: skip
-    assert sorted(listed) == ["h200-policy-b/routing/abc.trace", "h200-window/routing/abc.trace"]
-    run = subprocess.run(["tar", "-tzf", str(out / "h200-window.tar.gz")], capture_output=True, text=True,
-                         check=True).stdout.split()  # fmt: skip
-    assert "h200-window/cells.parquet" in run and not any("routing" in name for name in run)
+    # as on the device: the copy holds the packages, and `python3` is this interpreter
+    for package in ("benchsuite", "paged_experts"):
+        (copy / package).symlink_to(ROOT / package)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out), "SESSION_COPY": str(copy),
+           "SESSION_JOBS": str(jobs)}  # fmt: skip
 
     def poll() -> str:
-        (out / "routing.tar.gz").unlink(missing_ok=True)  # each call's $OUT starts empty
+        (out / "routing.tar").unlink(missing_ok=True)  # each call's $OUT starts empty
         done = subprocess.run(["bash", str(SCRIPT), "poll", "0"], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=60, check=False)  # fmt: skip
+                              text=True, timeout=120, check=False)  # fmt: skip
         assert done.returncode == 0, done.stdout + done.stderr
         return done.stdout
 
+    poll()
+    back = tmp_path / "back"
+    back.mkdir()
+    subprocess.run(["tar", "-C", str(back), "-xf", str(out / "routing.tar")], check=True)  # noqa: S603, S607
+    for run, trace in traces.items():
+        got = read_trace(back / run / "routing" / "abc.trace")
+        assert got.weights is None and (got.ids == trace.ids).all() and got.steps == trace.steps
+    run_tar = subprocess.run(["tar", "-tzf", str(out / "h200-window.tar.gz")], capture_output=True, text=True,
+                             check=True).stdout.split()  # fmt: skip
+    assert "h200-window/cells.parquet" in run_tar and not any("routing" in name for name in run_tar)
     poll()  # the same traces: already brought back, not packed again
-    assert not (out / "routing.tar.gz").exists()
-    # a new trace while a run measures: not packed then (gzip would take a core beside it), packed once it ended
+    assert not (out / "routing.tar").exists()
+    # a new trace while a run measures: not packed then (the copies would take a core beside it), packed once it ended
     big = copy / "results" / "h200-window" / "routing" / "big.trace"
-    big.write_bytes(os.urandom(17_000_000))  # incompressible: over 16 MB compressed
+    big.write_bytes(os.urandom(17_000_000))  # no trace: brought as it is, and over 16 MB
     run = subprocess.Popen(["bash", "-c", 'exec -a "python3 -m benchsuite run stand-in" sleep 30'])  # noqa: S603, S607
     try:
-        assert "routing traces" not in poll() and not (out / "routing.tar.gz").exists()
+        assert "routing traces" not in poll() and not (out / "routing.tar").exists()
     finally:
         run.kill()
         run.wait()
-    assert "over 16 MB compressed, left on the machine" in poll()
-    assert not (out / "routing.tar.gz").exists()
+    assert "over 16 MB without their weights, left on the machine" in poll()
+    assert not (out / "routing.tar").exists()
     # never in the place of a log or a run: a call brings back 8 files at most
     big.unlink()
-    (copy / "results" / "h200-window" / "routing" / "new.trace").write_bytes(b"n" * 100)
+    save_trace(traces["h200-window"], copy / "results" / "h200-window" / "routing" / "new.trace")
     for i in range(6):  # with the two runs' tars: 8 files
         (out / f"job{i}.log").write_text("log")
-    assert "the call's 8 files are taken" in poll() and not (out / "routing.tar.gz").exists()
+    assert "the call's 8 files are taken" in poll() and not (out / "routing.tar").exists()

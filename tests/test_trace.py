@@ -179,3 +179,23 @@ def test_cli_synth_show_import(tmp_path: Path, capsys) -> None:
                      "-o", str(tmp_path / "g.trace")]) == 0  # fmt: skip
     assert read_trace(tmp_path / "g.trace").ids.tolist() == [[[1, 2]], [[3, 4]]]
     assert cli_main(["trace", "show", str(tmp_path / "missing.trace")]) == 2
+
+
+def test_cli_ids_only_drops_the_weights_and_keeps_what_the_replays_read(tmp_path: Path, capsys) -> None:
+    """`benchsuite trace ids-only`: the same steps, requests and ids (what the simulator and the Belady replay
+    read), no weights, said in the meta; a third of the bytes; a trace without weights is copied as it is."""
+    recorded, stripped = tmp_path / "r.trace", tmp_path / "s.trace"
+    trace = synthesize_trace("qwen3-30b-a3b", 4, 128, 8, requests=3, tokens_per_request=64, prompt_tokens=16, seed=1)
+    save_trace(trace, recorded)
+    assert cli_main(["trace", "ids-only", str(recorded), "-o", str(stripped)]) == 0
+    assert "ids only" in capsys.readouterr().out
+    got = read_trace(stripped)
+    assert got.weights is None and got.meta.weights == "absent" and "weights dropped" in got.meta.notes
+    assert np.array_equal(got.ids, trace.ids) and got.steps == trace.steps and got.meta.source == trace.meta.source
+    assert stripped.stat().st_size < 0.5 * recorded.stat().st_size
+    again = tmp_path / "t.trace"
+    assert cli_main(["trace", "ids-only", str(stripped), "-o", str(again)]) == 0
+    assert read_trace(again).meta == got.meta  # nothing more to drop: no second note
+    (tmp_path / "bad.trace").write_text("not a zip")
+    assert cli_main(["trace", "ids-only", str(tmp_path / "bad.trace"), "-o", str(again)]) == 2
+    assert "cannot read trace" in capsys.readouterr().err

@@ -1,11 +1,12 @@
-"""`benchsuite trace synth|import-sglang|show`: make a synthetic trace, import SGLang routed experts,
-summarise a trace (paged_experts.routing.trace owns the format)."""
+"""`benchsuite trace synth|import-sglang|show|ids-only`: make a synthetic trace, import SGLang routed experts,
+summarise a trace, copy one without its routing weights (paged_experts.routing.trace owns the format)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +44,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     w = sub.add_parser("show", help="summarise a trace")
     w.add_argument("trace")
     w.add_argument("--json", action="store_true")
+    d = sub.add_parser("ids-only", help="copy a trace without its routing weights (what the simulator replays)")
+    d.add_argument("trace")
+    d.add_argument("-o", "--out", required=True, help="trace file to write")
 
 
 def _shape(args: argparse.Namespace, default: tuple[int, int, int] | None) -> tuple[int, int, int, str]:
@@ -81,6 +85,16 @@ def summarize(trace: Trace) -> dict:
         "max_tokens_per_step": int(max(np.diff(trace.step_row_start), default=0)),
         "consecutive_decode_overlap": overlap,  # share of a token's experts its predecessor also used
     }
+
+
+def ids_only(trace: Trace) -> Trace:
+    """The trace without its routing weights: the ids, steps and requests the simulator and the Belady replay read
+    (a third of a recorded trace's bytes: uint8 ids against float16 weights), said in its notes."""
+    if trace.weights is None:
+        return trace
+    note = "routing weights dropped (benchsuite trace ids-only)"
+    notes = f"{trace.meta.notes}; {note}" if trace.meta.notes else note
+    return dataclasses.replace(trace, meta=dataclasses.replace(trace.meta, weights="absent", notes=notes), weights=None)
 
 
 def _render(summary: dict) -> str:
@@ -130,8 +144,12 @@ def main(args: argparse.Namespace) -> int:
         return 0
     try:
         trace = read_trace(args.trace)
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
         raise UserError(f"cannot read trace {args.trace}: {exc}") from None
+    if args.trace_command == "ids-only":
+        save_trace(ids_only(trace), args.out)
+        print(f"wrote {args.out}: {trace.num_tokens} tokens, ids only")
+        return 0
     summary = summarize(trace)
     print(json.dumps(summary, indent=2) if args.json else _render(summary))
     return 0

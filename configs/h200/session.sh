@@ -83,18 +83,28 @@ collect() {  # the jobs' logs and the runs' results into $OUT (at most 8 files c
     [ -d "$dir" ] && tar -C "$COPY/results" --exclude=routing -czf "$OUT/$(basename "$dir").tar.gz" "$(basename "$dir")" 2>/dev/null
   done
   # the traces themselves in one file when it fits what a call brings back (16 MiB a file), so the replay can run
-  # off the device: a few servers' short-prompt traces fit, six did not (h200-window: 33 requests a server). Only
-  # while nothing is measured or replayed (gzip beside a run takes a core every poll), and once per set of traces.
+  # off the device: copies without the routing weights (`benchsuite trace ids-only`: a third of the bytes; the
+  # simulator and the Belady replay read ids only), a trace that cannot be read as it is. Six short-prompt servers'
+  # recorded traces were over 16 MB (h200-window). Only while nothing is measured or replayed (the copies take a core),
+  # once per set of traces, and never in the place of a log or a run among the call's 8 files.
   if compgen -G "$COPY/results/h200-*/routing/*.trace" > /dev/null \
       && ! pgrep -f "benchsuite (run|gguf)|eviction_policies" > /dev/null \
       && { [ ! -f "$JOBS/routing.done" ] || [ -n "$(find "$COPY"/results/h200-*/routing -name '*.trace' -newer "$JOBS/routing.done")" ]; }; then
-    if [ "$(find "$OUT" -maxdepth 1 -type f ! -name routing.tar.gz | wc -l)" -ge 8 ]; then
-      echo "routing traces: the call's 8 files are taken, left on the machine"  # never in a log's or a run's place
+    if [ "$(find "$OUT" -maxdepth 1 -type f ! -name routing.tar | wc -l)" -ge 8 ]; then
+      echo "routing traces: the call's 8 files are taken, left on the machine"
     else
       touch "$JOBS/routing.done"
-      (cd "$COPY/results" && tar -czf "$OUT/routing.tar.gz" h200-*/routing/*.trace 2>/dev/null)
-      if [ "$(stat -c %s "$OUT/routing.tar.gz" 2>/dev/null || echo 0)" -gt 16000000 ]; then
-        rm -f "$OUT/routing.tar.gz"; echo "routing traces: over 16 MB compressed, left on the machine"
+      local ids="$JOBS/routing-ids" trace rel
+      rm -rf "$ids"
+      for trace in "$COPY"/results/h200-*/routing/*.trace; do
+        rel=${trace#"$COPY/results/"}
+        mkdir -p "$ids/$(dirname "$rel")"
+        (cd "$COPY" && PYTHONPATH="$COPY:/tmp/site" python3 -m benchsuite trace ids-only "$trace" -o "$ids/$rel" \
+          > /dev/null 2>&1) || cp "$trace" "$ids/$rel"
+      done
+      (cd "$ids" && tar -cf "$OUT/routing.tar" h200-*/routing/*.trace 2>/dev/null)  # each trace is deflated already
+      if [ "$(stat -c %s "$OUT/routing.tar" 2>/dev/null || echo 0)" -gt 16000000 ]; then
+        rm -f "$OUT/routing.tar"; echo "routing traces: over 16 MB without their weights, left on the machine"
       fi
     fi
   fi
