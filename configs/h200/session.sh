@@ -88,7 +88,7 @@ collect() {  # the jobs' logs and the runs' results into $OUT (at most 8 files c
   # recorded traces were over 16 MB (h200-window). Only while nothing is measured or replayed (the copies take a core),
   # once per set of traces, and never in the place of a log or a run among the call's 8 files.
   if compgen -G "$COPY/results/h200-*/routing/*.trace" > /dev/null \
-      && ! pgrep -f "benchsuite (run|gguf)|eviction_policies" > /dev/null \
+      && ! pgrep -f "benchsuite (install|run|gguf)|synth_memory|llamacpp_flags_h200|eviction_policies" > /dev/null \
       && { [ ! -f "$JOBS/routing.done" ] || [ -n "$(find "$COPY"/results/h200-*/routing -name '*.trace' -newer "$JOBS/routing.done")" ]; }; then
     if [ "$(find "$OUT" -maxdepth 1 -type f ! -name routing.tar | wc -l)" -ge 8 ]; then
       echo "routing traces: the call's 8 files are taken, left on the machine"
