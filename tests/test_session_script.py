@@ -175,8 +175,9 @@ def test_a_call_brings_the_runs_back_and_their_routing_traces_in_one_file(tmp_pa
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python3").symlink_to(sys.executable)
+    busy = f"stand-in-run-{os.getpid()}-{tmp_path.name}"  # a run of this test's own, not any on this machine
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out), "SESSION_COPY": str(copy),
-           "SESSION_JOBS": str(jobs)}  # fmt: skip
+           "SESSION_JOBS": str(jobs), "SESSION_BUSY": busy}  # fmt: skip
 
     def poll() -> str:
         (out / "routing.tar").unlink(missing_ok=True)  # each call's $OUT starts empty
@@ -200,7 +201,7 @@ def test_a_call_brings_the_runs_back_and_their_routing_traces_in_one_file(tmp_pa
     # a new trace while a run measures: not packed then (the copies would take a core beside it), packed once it ended
     big = copy / "results" / "h200-window" / "routing" / "big.trace"
     big.write_bytes(os.urandom(17_000_000))  # no trace: brought as it is, and over 16 MB
-    run = subprocess.Popen(["bash", "-c", 'exec -a "python3 -m benchsuite run stand-in" sleep 30'])  # noqa: S603, S607
+    run = subprocess.Popen(["bash", "-c", f'exec -a "{busy}" sleep 30'])  # noqa: S603, S607
     try:
         assert "routing traces" not in poll() and not (out / "routing.tar").exists()
     finally:

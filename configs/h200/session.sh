@@ -38,6 +38,8 @@ OUT="${OUT:-/tmp/out}"
 COPY="${SESSION_COPY:-/root/bs}"  # the copy the jobs run from (tests/test_session_script.py points both elsewhere)
 JOBS="${SESSION_JOBS:-/root/jobs}"
 CUDA_TESTS="${CUDA_TESTS:-tests/cuda}"
+# the jobs poll waits for and collect packs no trace beside (SESSION_BUSY: tests/test_session_script.py's own)
+BUSY="${SESSION_BUSY:-benchsuite (install|run|gguf)|synth_memory|llamacpp_flags_h200|eviction_policies}"
 mkdir -p "$OUT" "$JOBS"
 export PYTHONUNBUFFERED=1 BENCH_H200_MODEL=/tmp/h200/q48 BENCH_H200_FP8_MODEL=/tmp/h200/q48-fp8 \
   BENCH_H200_GGUF=/dev/shm/h200/q48-q8_0.gguf
@@ -88,7 +90,7 @@ collect() {  # the jobs' logs and the runs' results into $OUT (at most 8 files c
   # recorded traces were over 16 MB (h200-window). Only while nothing is measured or replayed (the copies take a core),
   # once per set of traces, and never in the place of a log or a run among the call's 8 files.
   if compgen -G "$COPY/results/h200-*/routing/*.trace" > /dev/null \
-      && ! pgrep -f "benchsuite (install|run|gguf)|synth_memory|llamacpp_flags_h200|eviction_policies" > /dev/null \
+      && ! pgrep -f "$BUSY" > /dev/null \
       && { [ ! -f "$JOBS/routing.done" ] || [ -n "$(find "$COPY"/results/h200-*/routing -name '*.trace' -newer "$JOBS/routing.done")" ]; }; then
     if [ "$(find "$OUT" -maxdepth 1 -type f ! -name routing.tar | wc -l)" -ge 8 ]; then
       echo "routing traces: the call's 8 files are taken, left on the machine"
@@ -192,7 +194,7 @@ case "${1:-}" in
     site
     end=$(( $(date +%s) + ${2:-60} ))
     while [ "$(date +%s)" -lt "$end" ]; do
-      running=$(pgrep -f "benchsuite (install|run|gguf)|synth_memory|llamacpp_flags_h200|eviction_policies" | wc -l)
+      running=$(pgrep -f "$BUSY" | wc -l)
       echo "$(date +%T) running=$running"
       for f in "$JOBS"/*.log; do  # the runs' and queues' last lines (not the build's, models' or tests')
         case "$(basename "$f")" in build*|models*|cuda.log) continue ;; esac
@@ -202,7 +204,7 @@ case "${1:-}" in
       collect; sleep 20
     done
     # a run's last cell is not its end: the server stops, the optimum is replayed, cells.parquet is written
-    running=$(pgrep -f "benchsuite (install|run|gguf)|synth_memory|llamacpp_flags_h200|eviction_policies" | wc -l)  # now, not 20 s ago
+    running=$(pgrep -f "$BUSY" | wc -l)  # now, not 20 s ago
     [ "$running" -gt 0 ] && echo "STILL RUNNING: poll again now (a machine idle for 30 s is given back)"
     ;;
   *) echo "usage: $0 prepare [builtin]|cuda|headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|window|policyconfirm|flags|policies|queue [cuda] JOB...|poll SECS" >&2; exit 2 ;;
