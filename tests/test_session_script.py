@@ -155,10 +155,10 @@ def test_prepare_restores_a_carried_run_so_the_queue_resumes_it(tmp_path: Path) 
 
 
 def test_a_call_brings_the_runs_back_and_their_routing_traces_in_one_file(tmp_path: Path) -> None:
-    """Every call's collect: each run's tar without its traces, and the traces of every run in routing.tar without
-    their routing weights (`benchsuite trace ids-only`: the replays read ids only; the policy replay then runs off
-    the device), once per set of traces, never while a run measures and never in the place of a log or a run;
-    over 16 MB they stay on the machine."""
+    """A poll once the jobs have ended: each run's tar without its traces, and every run's traces in routing.tar
+    without their routing weights (`benchsuite trace ids-only`: the replays read ids only, so the policy replay can
+    run off the device); once per set of traces, never beside a running job, never in the place of a log or a run
+    among the call's 8 files (`session.sh routing` then brings them in a call of their own); over 16 MB they stay."""
     from paged_experts.routing.trace import read_trace, save_trace, synthesize_trace
 
     copy, jobs, out = tmp_path / "copy", tmp_path / "jobs", tmp_path / "out"
@@ -179,14 +179,19 @@ def test_a_call_brings_the_runs_back_and_their_routing_traces_in_one_file(tmp_pa
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out), "SESSION_COPY": str(copy),
            "SESSION_JOBS": str(jobs), "SESSION_BUSY": busy}  # fmt: skip
 
-    def poll() -> str:
-        (out / "routing.tar").unlink(missing_ok=True)  # each call's $OUT starts empty
-        done = subprocess.run(["bash", str(SCRIPT), "poll", "0"], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=120, check=False)  # fmt: skip
+    def call(*verb: str, logs: int = 0) -> str:
+        """One device call: its $OUT starts empty; `logs` stand-in files already in it."""
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        for i in range(logs):
+            (out / f"job{i}.log").write_text("log")
+        done = subprocess.run(["bash", str(SCRIPT), *verb], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=120, check=False)  # fmt: skip
         assert done.returncode == 0, done.stdout + done.stderr
         return done.stdout
 
-    poll()
+    # nothing running: the poll ends at once with its minute left, and packs; 7 files and routing.tar make 8
+    assert "routing traces: 2 in routing.tar (all without their weights)" in call("poll", "61", logs=5)
     back = tmp_path / "back"
     back.mkdir()
     subprocess.run(["tar", "-C", str(back), "-xf", str(out / "routing.tar")], check=True)  # noqa: S603, S607
@@ -196,22 +201,23 @@ def test_a_call_brings_the_runs_back_and_their_routing_traces_in_one_file(tmp_pa
     run_tar = subprocess.run(["tar", "-tzf", str(out / "h200-window.tar.gz")], capture_output=True, text=True,
                              check=True).stdout.split()  # fmt: skip
     assert "h200-window/cells.parquet" in run_tar and not any("routing" in name for name in run_tar)
-    poll()  # the same traces: already brought back, not packed again
-    assert not (out / "routing.tar").exists()
-    # a new trace while a run measures: not packed then (the copies would take a core beside it), packed once it ended
-    big = copy / "results" / "h200-window" / "routing" / "big.trace"
-    big.write_bytes(os.urandom(17_000_000))  # no trace: brought as it is, and over 16 MB
-    run = subprocess.Popen(["bash", "-c", f'exec -a "{busy}" sleep 30'])  # noqa: S603, S607
-    try:
-        assert "routing traces" not in poll() and not (out / "routing.tar").exists()
-    finally:
-        run.kill()
-        run.wait()
-    assert "over 16 MB without their weights, left on the machine" in poll()
-    assert not (out / "routing.tar").exists()
-    # never in the place of a log or a run: a call brings back 8 files at most
-    big.unlink()
+    assert "routing traces" not in call("poll", "61") and not (out / "routing.tar").exists()  # the same set: done
+    assert "routing traces: 2 in routing.tar" in call("routing")  # forced, in a call of its own
+    assert "routing traces" not in call("poll", "59") and not (out / "routing.tar").exists()  # under a minute left
+    # a new trace beside a running job: not packed (the copies would take a core beside it), even when forced
     save_trace(traces["h200-window"], copy / "results" / "h200-window" / "routing" / "new.trace")
-    for i in range(6):  # with the two runs' tars: 8 files
-        (out / f"job{i}.log").write_text("log")
-    assert "the call's 8 files are taken" in poll() and not (out / "routing.tar").exists()
+    job = subprocess.Popen(["bash", "-c", f'exec -a "{busy}" sleep 60'])  # noqa: S603, S607
+    try:
+        assert "a job is running" in call("routing") and not (out / "routing.tar").exists()
+    finally:
+        job.kill()
+        job.wait()
+    # 8 files taken (2 runs' tars, 6 logs): left there, and `routing` brings them alone
+    assert "the call's 8 files are taken" in call("poll", "61", logs=6) and not (out / "routing.tar").exists()
+    assert "routing traces: 3 in routing.tar" in call("routing")
+    # a file that is no trace goes as it is (routing-ids.txt says why), and over 16 MB nothing goes
+    (copy / "results" / "h200-window" / "routing" / "big.trace").write_bytes(os.urandom(17_000_000))
+    said = call("poll", "61")
+    assert "4 over 16 MB (1 of them with their weights: routing-ids.txt says why), left on the machine" in said
+    assert not (out / "routing.tar").exists() and "cannot read trace" in (jobs / "routing-ids.txt").read_text()
+    assert "routing traces" not in call("poll", "61")  # that set is decided: not copied again every poll

@@ -199,3 +199,5 @@ def test_cli_ids_only_drops_the_weights_and_keeps_what_the_replays_read(tmp_path
     (tmp_path / "bad.trace").write_text("not a zip")
     assert cli_main(["trace", "ids-only", str(tmp_path / "bad.trace"), "-o", str(again)]) == 2
     assert "cannot read trace" in capsys.readouterr().err
+    assert cli_main(["trace", "ids-only", str(recorded), "-o", str(tmp_path / "no" / "such" / "dir.trace")]) == 2
+    assert "cannot write" in capsys.readouterr().err

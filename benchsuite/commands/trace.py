@@ -147,7 +147,10 @@ def main(args: argparse.Namespace) -> int:
     except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
         raise UserError(f"cannot read trace {args.trace}: {exc}") from None
     if args.trace_command == "ids-only":
-        save_trace(ids_only(trace), args.out)
+        try:
+            save_trace(ids_only(trace), args.out)
+        except OSError as exc:
+            raise UserError(f"cannot write {args.out}: {exc}") from None
         print(f"wrote {args.out}: {trace.num_tokens} tokens, ids only")
         return 0
     summary = summarize(trace)

@@ -21,10 +21,13 @@
 #   bash configs/h200/session.sh policyconfirm  # benchsuite run of configs/h200/policyconfirm.yaml (detached; ~14 min)
 #   bash configs/h200/session.sh flags      # benchmarks/llamacpp_flags_h200.py at N=30 (detached; issue 24, ~8 min)
 #   bash configs/h200/session.sh policies   # benchmarks/eviction_policies.py over this session's routing traces
-#                                           # (record_routing: record.yaml's recording servers), one process a trace
+#                                           # (the servers with record_routing: record, policy, window, policyconfirm),
+#                                           # one process a trace
 #   bash configs/h200/session.sh queue JOB...  # JOBs (cuda first, then headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|window|policyconfirm|flags|policies) in
 #                                           # order, once prepare's jobs end; a failed CUDA test stops the runs
-#   bash configs/h200/session.sh poll SECS  # wait up to SECS for the running jobs, printing progress
+#   bash configs/h200/session.sh poll SECS  # wait up to SECS for the running jobs, printing progress; once they have
+#                                           # ended, with a minute left, the routing traces in routing.tar if they fit
+#   bash configs/h200/session.sh routing    # the routing traces alone (ids only, routing.tar), in a call of their own
 # CUDA_TESTS (default tests/cuda): the tests `cuda` runs, e.g. one file when a session has time for only one
 # matrix and the change is confined to what that file checks (say which in the results README).
 # RUN_SUFFIX (default none): appended to the run ids (h200-paged16-b), to run a committed matrix again beside
@@ -51,7 +54,7 @@ FLAGS_CMD="server=\$(grep -ho '/[^ ]*/bin/llama-server' $JOBS/build.log 2>/dev/n
   --model $BENCH_H200_GGUF --ctx 10240 --out $JOBS/flags; else echo 'flags: no llama-server built (build_full.log)'; false; fi"
   # -c as headline.yaml's kv_capacity_tokens
 
-# issue 29's cache policies on the traces the runs recorded (record.yaml; K: 16 GB's 53 and 54; lfu-decay at a 2-step
+# issue 29's cache policies on the traces the runs recorded (record_routing servers; K: 16 GB's 53 and 54; lfu-decay at a 2-step
 # half-life, lfu-aging at 256 steps without and with a 4-, 16- and 64-step window)
 POLICIES_CMD="if ! ls results/h200-*/routing/*.trace > /dev/null 2>&1; then echo 'policies: no routing trace'; false; \
   else rm -f $JOBS/policies-*.txt; pids=; for t in results/h200-*/routing/*.trace; do \
@@ -84,34 +87,63 @@ collect() {  # the jobs' logs and the runs' results into $OUT (at most 8 files c
     # them there): the run's cells carry their realized and optimal hit rates
     [ -d "$dir" ] && tar -C "$COPY/results" --exclude=routing -czf "$OUT/$(basename "$dir").tar.gz" "$(basename "$dir")" 2>/dev/null
   done
-  # the traces themselves in one file when it fits what a call brings back (16 MiB a file), so the replay can run
-  # off the device: copies without the routing weights (`benchsuite trace ids-only`: a third of the bytes; the
-  # simulator and the Belady replay read ids only), a trace that cannot be read as it is. Six short-prompt servers'
-  # recorded traces were over 16 MB (h200-window). Only while nothing is measured or replayed (the copies take a core),
-  # once per set of traces, and never in the place of a log or a run among the call's 8 files.
-  if compgen -G "$COPY/results/h200-*/routing/*.trace" > /dev/null \
-      && ! pgrep -f "$BUSY" > /dev/null \
-      && { [ ! -f "$JOBS/routing.done" ] || [ -n "$(find "$COPY"/results/h200-*/routing -name '*.trace' -newer "$JOBS/routing.done")" ]; }; then
-    if [ "$(find "$OUT" -maxdepth 1 -type f ! -name routing.tar | wc -l)" -ge 8 ]; then
-      echo "routing traces: the call's 8 files are taken, left on the machine"
-    else
-      touch "$JOBS/routing.done"
-      local ids="$JOBS/routing-ids" trace rel
-      rm -rf "$ids"
-      for trace in "$COPY"/results/h200-*/routing/*.trace; do
-        rel=${trace#"$COPY/results/"}
-        mkdir -p "$ids/$(dirname "$rel")"
-        (cd "$COPY" && PYTHONPATH="$COPY:/tmp/site" python3 -m benchsuite trace ids-only "$trace" -o "$ids/$rel" \
-          > /dev/null 2>&1) || cp "$trace" "$ids/$rel"
-      done
-      (cd "$ids" && tar -cf "$OUT/routing.tar" h200-*/routing/*.trace 2>/dev/null)  # each trace is deflated already
-      if [ "$(stat -c %s "$OUT/routing.tar" 2>/dev/null || echo 0)" -gt 16000000 ]; then
-        rm -f "$OUT/routing.tar"; echo "routing traces: over 16 MB without their weights, left on the machine"
-      fi
-    fi
-  fi
 }
 
+
+pack_traces() {  # pack_traces [force]: this session's routing traces into $OUT/routing.tar, when they fit
+  # So the policy replay can also run off the device. Copies without the routing weights (`benchsuite trace ids-only`:
+  # a third of the bytes; the simulator and the Belady replay read ids only); a trace the copy fails on goes as it is
+  # (routing-ids.txt says why). Six short-prompt servers' recorded traces were over 16 MB with their weights
+  # (h200-window); 2,048-token prompts' traces are tens of MB each without them and stay on the machine.
+  # Never beside a running job (the copies take a core), never in the place of a log or a run among the call's
+  # 8 files, once per set of traces unless forced (`session.sh routing`, a call of its own).
+  local force=${1:-0} ids="$JOBS/routing-ids" tar="$JOBS/routing.tar" stamp="$JOBS/routing.stamp" trace rel
+  local total=0 fallbacks=0 what
+  if ! compgen -G "$COPY/results/h200-*/routing/*.trace" > /dev/null; then
+    [ "$force" = 1 ] && echo "routing traces: none in $COPY/results"
+    return 0
+  fi
+  if pgrep -f "$BUSY" > /dev/null; then
+    [ "$force" = 1 ] && echo "routing traces: a job is running; again once it has ended"
+    return 0
+  fi
+  if [ "$force" != 1 ] && [ -f "$JOBS/routing.done" ] \
+      && [ -z "$(find "$COPY"/results/h200-*/routing -name '*.trace' -newer "$JOBS/routing.done")" ]; then
+    return 0  # this set was brought back, or found too big, already
+  fi
+  if [ "$(find "$OUT" -type f ! -name routing.tar | wc -l)" -ge 8 ]; then  # the call's limit counts subfolders too
+    echo "routing traces: the call's 8 files are taken, left on the machine (\`session.sh routing\` brings them alone)"
+    return 0
+  fi
+  touch "$stamp"  # a trace written from now on is newer than the set packed here
+  rm -rf "$ids" "$tar"
+  : > "$JOBS/routing-ids.txt"
+  for trace in "$COPY"/results/h200-*/routing/*.trace; do
+    total=$((total + 1))
+    rel=${trace#"$COPY/results/"}
+    mkdir -p "$ids/$(dirname "$rel")"
+    if ! (cd "$COPY" && PYTHONPATH="$COPY:/tmp/site" python3 -m benchsuite trace ids-only "$trace" -o "$ids/$rel" \
+        >> "$JOBS/routing-ids.txt" 2>&1); then
+      fallbacks=$((fallbacks + 1))
+      cp "$trace" "$ids/$rel"
+    fi
+  done
+  if ! (cd "$ids" && tar -cf "$tar" h200-*/routing/*.trace); then  # each trace is deflated already
+    echo "routing traces: tar failed, left on the machine"
+    return 0
+  fi
+  mv "$stamp" "$JOBS/routing.done"  # this set is decided: brought back below, or too big for a call
+  what="all without their weights"
+  [ "$fallbacks" -gt 0 ] && what="$fallbacks of them with their weights: routing-ids.txt says why"
+  if [ "$(stat -c %s "$tar")" -gt 16000000 ]; then
+    rm -f "$tar"
+    echo "routing traces: $total over 16 MB ($what), left on the machine"
+    return 0
+  fi
+  # complete in $JOBS first: a call cut short mid-copy leaves routing.tar.part, never a short routing.tar
+  cp "$tar" "$OUT/routing.tar.part" && mv "$OUT/routing.tar.part" "$OUT/routing.tar" \
+    && echo "routing traces: $total in routing.tar ($what)"
+}
 case "${1:-}" in
   prepare)
     # the committed runs stay out of the copy: a run id found there would resume as already done, and
@@ -203,11 +235,18 @@ case "${1:-}" in
       [ "$running" -eq 0 ] && break
       collect; sleep 20
     done
+    # the traces once the jobs are done, when the call has a minute left for them (a call killed mid-copy loses
+    # them), after this call's logs and runs are in $OUT (they come first among its 8 files)
+    if [ $((end - $(date +%s))) -ge 60 ]; then collect; pack_traces; fi
     # a run's last cell is not its end: the server stops, the optimum is replayed, cells.parquet is written
     running=$(pgrep -f "$BUSY" | wc -l)  # now, not 20 s ago
     [ "$running" -gt 0 ] && echo "STILL RUNNING: poll again now (a machine idle for 30 s is given back)"
     ;;
-  *) echo "usage: $0 prepare [builtin]|cuda|headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|window|policyconfirm|flags|policies|queue [cuda] JOB...|poll SECS" >&2; exit 2 ;;
+  routing)  # the traces alone, in a call of their own (when a call's 8 files were taken), the set packed before too
+    pack_traces 1
+    exit 0
+    ;;
+  *) echo "usage: $0 prepare [builtin]|cuda|headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|window|policyconfirm|flags|policies|queue [cuda] JOB...|poll SECS|routing" >&2; exit 2 ;;
 esac
 collect
 for f in "$JOBS"/*.log; do [ -f "$f" ] && { echo "== $(basename "$f")"; tail -n 4 "$f"; }; done
