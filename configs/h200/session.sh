@@ -89,7 +89,6 @@ collect() {  # the jobs' logs and the runs' results into $OUT (at most 8 files c
   done
 }
 
-
 pack_traces() {  # pack_traces [force]: this session's routing traces into $OUT/routing.tar, when they fit
   # So the policy replay can also run off the device. Copies without the routing weights (`benchsuite trace ids-only`:
   # a third of the bytes; the simulator and the Belady replay read ids only); a trace the copy fails on goes as it is
@@ -144,6 +143,7 @@ pack_traces() {  # pack_traces [force]: this session's routing traces into $OUT/
   cp "$tar" "$OUT/routing.tar.part" && mv "$OUT/routing.tar.part" "$OUT/routing.tar" \
     && echo "routing traces: $total in routing.tar ($what)"
 }
+
 case "${1:-}" in
   prepare)
     # the committed runs stay out of the copy: a run id found there would resume as already done, and
