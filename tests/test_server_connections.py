@@ -10,6 +10,7 @@ answer; a 1 TB `Content-Length` was told "100 Continue".
 from __future__ import annotations
 
 import json
+import os
 import resource
 import shutil
 import socket
@@ -18,6 +19,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 from real_servers import builtin_server
 
@@ -108,6 +110,99 @@ def test_health_answers_while_1100_partial_headers_sit_there(server: tuple[str, 
     finally:
         for conn in partial:
             conn.close()
+
+
+def server_pid(port: int) -> int:
+    """The pid of the built-in server started with `--port port` (prlimit execs it in place)."""
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if "paged_experts.server" in cmdline and str(port) in cmdline:
+            return proc.pid
+    raise AssertionError(f"no server process for port {port}")
+
+
+def test_the_sockets_in_flight_at_a_burst_fit_in_the_reserve(
+    server: tuple[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worst case of a burst, made deterministic: a GuardedSite on its own loop (cap 8) finds a
+    full accept queue on every loop tick (the test connects a backlog's worth each tick, as a client
+    faster than the server does), and every accept notes how many server sockets exist beside the
+    cap. asyncio holds three backlogs there (accepted this tick; accepted last tick, not yet admitted;
+    evicted, not yet closed). Those plus the real server's own descriptors must fit FD_RESERVE: with
+    room for two backlogs, 1,100 partial headers at a 1,024-file limit failed 7 accepts in CI
+    (2026-12-04), as many as the tiny server's own descriptors."""
+    import asyncio
+
+    from aiohttp import web
+
+    from paged_experts.server.connections import LISTEN_BACKLOG, ConnectionGuard, ConnectionLimits, GuardedSite
+
+    cap, ticks_connecting = 8, 10
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = (ticks_connecting + 2) * LISTEN_BACKLOG + 256
+    if hard != resource.RLIM_INFINITY and hard < need:
+        pytest.skip(f"the test process may open {hard} files; {need} needed")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, need), hard))
+    loop = asyncio.new_event_loop()
+    guard = ConnectionGuard(ConnectionLimits(max_connections=cap))
+    clients: list[socket.socket] = []
+    in_flight_peak = 0
+    try:
+        runner = web.AppRunner(web.Application())
+        loop.run_until_complete(runner.setup())
+        site = GuardedSite(runner, "127.0.0.1", 0, guard)
+        loop.run_until_complete(site.start())
+        port = site.name.rsplit(":", 1)[1]
+        own_fds = len(os.listdir("/proc/self/fd"))
+        accept = socket.socket.accept
+
+        def noting_accept(sock: socket.socket) -> tuple[socket.socket, object]:
+            nonlocal in_flight_peak
+            accepted = accept(sock)
+            server_sockets = len(os.listdir("/proc/self/fd")) - own_fds - len(clients)
+            in_flight_peak = max(in_flight_peak, server_sockets - guard.counts().open)
+            return accepted
+
+        monkeypatch.setattr(socket.socket, "accept", noting_accept)
+
+        def connect(n: int) -> None:  # non-blocking: a connect the full queue cannot take just waits
+            for _ in range(n):
+                conn = socket.socket()
+                conn.setblocking(False)
+                conn.connect_ex(("127.0.0.1", int(port)))
+                clients.append(conn)
+
+        done = loop.create_future()
+        tick = 0
+
+        def each_tick() -> None:  # call_soon from a callback runs on the next loop tick
+            nonlocal tick
+            tick += 1
+            if tick <= ticks_connecting:
+                connect(LISTEN_BACKLOG)
+            if tick < ticks_connecting + 6:
+                loop.call_soon(each_tick)
+            else:
+                done.set_result(None)
+
+        connect(LISTEN_BACKLOG + 1)  # the listen queue holds backlog + 1
+        loop.call_soon(each_tick)
+        loop.run_until_complete(done)
+        monkeypatch.undo()
+        for conn in clients:
+            conn.close()
+        loop.run_until_complete(runner.cleanup())
+    finally:
+        for conn in clients:
+            conn.close()
+        loop.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert guard.counts().accepted > (ticks_connecting - 2) * LISTEN_BACKLOG
+    assert guard.counts().accept_errors == 0
+    assert 2 * LISTEN_BACKLOG < in_flight_peak <= 3 * LISTEN_BACKLOG
+    url, port = server
+    server_own_fds = psutil.Process(server_pid(port)).num_fds() - metric(url, "paged_experts:connections_open")
+    assert in_flight_peak + server_own_fds <= FD_RESERVE, (in_flight_peak, server_own_fds, FD_RESERVE)
 
 
 @pytest.mark.parametrize(

@@ -44,9 +44,14 @@ BODY_TIMEOUT_S = 60.0
 KEEPALIVE_TIMEOUT_S = 75.0
 LISTEN_BACKLOG = 128  # aiohttp's default; asyncio also accepts up to this many per loop tick
 # File descriptors kept out of the connection cap: the process's own (checkpoint, tokenizer,
-# logs, a routing trace, CUDA's handles) and the sockets accepted in one loop tick before they are
-# admitted or closed (up to two backlogs in flight).
-FD_RESERVE = 2 * LISTEN_BACKLOG + 128
+# logs, a routing trace, CUDA's handles; a tiny CPU server holds 7) and the sockets in flight
+# at a burst. asyncio accepts up to a backlog per loop tick; an accepted socket's transport is
+# made one tick later, admitted (evicting a victim) the tick after, and the victim's socket closes
+# the tick after that. When the server is the slower side (a loaded 2-core box), each tick finds
+# a full accept queue, so three backlogs are in flight beside the cap: with two reserved, 1,100
+# partial headers at a 1,024-file limit hit EMFILE 7 times (CI, 2026-12-04; reproduced by
+# throttling the server with SIGSTOP/SIGCONT).
+FD_RESERVE = 3 * LISTEN_BACKLOG + 128
 MAX_CONNECTIONS_CEILING = 65536  # with an unlimited or huge file limit
 ACCEPT_ERROR_LOG_INTERVAL_S = 10.0
 ACCEPT_ERROR_MESSAGE = "socket.accept() out of system resource"  # asyncio's context message
@@ -71,7 +76,7 @@ def raise_open_file_limit() -> int:
 
 
 def default_max_connections(open_file_limit: int) -> int:
-    """The cap for a process allowed `open_file_limit` descriptors (at 1,024: 640)."""
+    """The cap for a process allowed `open_file_limit` descriptors (at 1,024: 512)."""
     return max(16, min(MAX_CONNECTIONS_CEILING, open_file_limit - FD_RESERVE))
 
 
