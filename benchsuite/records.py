@@ -193,6 +193,8 @@ class CellResult:
     prefill_idle_before_layer_s: float | None = None  # link idle before each layer's first page-in, per layer-step
     prefill_idle_between_waves_s: float | None = None  # link idle between one layer's page-ins, per layer-step
     decode_miss_rate: float | None = None
+    experts_prefetched: int | None = None  # next-layer prefetch: experts paged in before their routing (paging.py)
+    prefetch_accuracy: float | None = None  # of those, the share the layer then routed to
     decode_bytes_per_token: float | None = None  # expert bytes paged in per decode token (paging.py says how)
     gc_pause_s: float | None = None  # built-in server: CPU seconds of Python garbage collections over the cell
     gc_full_collections: int | None = None  # built-in server: oldest-generation collections over the cell

@@ -40,8 +40,11 @@ def test_one_stream_decode_split_into_link_compute_and_time_beyond_serial() -> N
         cell("res0", "resident", one=181.0, agg=180.0),  # median of the two aggregates: 200 tok/s
         cell("res1", "resident", one=219.0, agg=220.0, repeat=1),
         cell("pg", "paged", one=126.0, agg=125.0, per_token=50e6),  # 50 MB per decode token: 1 ms at 50 GB/s
+        cell("pf", "paged", one=126.0, agg=125.0, per_token=50e6, prefetch_accuracy=0.75),
     ])  # fmt: skip
-    row = decode_bounds_table(cells, [run()]).set_index("cell_id").loc["pg"]
+    table = decode_bounds_table(cells, [run()]).set_index("cell_id")
+    assert table.loc["pf", "prefetch_accuracy"] == pytest.approx(0.75) and pd.isna(table.loc["pg", "prefetch_accuracy"])
+    row = table.loc["pg"]
     assert row["decode_figure"] == "decode_agg_tok_s" and row["decode_mb_per_token"] == pytest.approx(50.0)
     assert row["link_ms"] == pytest.approx(1.0) and row["compute_ms"] == pytest.approx(5.0)
     assert row["measured_ms"] == pytest.approx(8.0) and row["hidden_ms"] == pytest.approx(-2.0)

@@ -303,6 +303,8 @@ paged_experts:waves_total 300
 paged_experts:moe_steps_total 200
 paged_experts:union_experts_total 5000
 paged_experts:generation_tokens_total 100
+paged_experts:experts_prefetched_total 40
+paged_experts:experts_prefetch_used_total 30
 sglang:time_to_first_token_seconds_bucket{le="+Inf",model_name="m"} 12
 sglang:time_to_first_token_seconds_sum{model_name="m"} 3.5
 sglang:time_to_first_token_seconds_count{model_name="m"} 12
@@ -341,6 +343,7 @@ def test_paging_delta_maps_counter_deltas_to_cell_fields() -> None:
     assert delta["bytes_h2d_per_token"] == pytest.approx(3e9 / 100)  # offload's streaming counts here too
     assert delta["waves_per_step"] == pytest.approx(1.5)
     assert delta["union_mean"] == pytest.approx(25.0)
+    assert delta["experts_prefetched"] == 40 and delta["prefetch_accuracy"] == pytest.approx(0.75)
     assert set(delta) <= set(CellResult.__dataclass_fields__)
     assert delta["prefill_chunks"] is None and delta["prefill_bytes_per_chunk"] is None  # no prefill series scraped
 
@@ -376,6 +379,7 @@ def test_paging_delta_prefill_fields() -> None:
     assert delta["gc_pause_s"] == pytest.approx(0.125) and delta["gc_full_collections"] == 2
     # decode: 900 hits and 200 misses outside the prefill steps
     assert delta["decode_miss_rate"] == pytest.approx(200 / 1100)
+    assert delta["experts_prefetched"] is None and delta["prefetch_accuracy"] is None  # no prefetch series scraped
     assert delta["decode_bytes_per_token"] is None  # no bytes_paged or decode tokens scraped
     more = {p + "bytes_paged_total": 2e9, p + "engine_decode_tokens_total": 0.0}
     done = {p + "bytes_paged_total": 13.2e9, p + "engine_decode_tokens_total": 40.0}

@@ -49,6 +49,10 @@ PAGING_DEFINITIONS: dict[str, str] = {
     "prefill_idle_between_waves_s": "link idle between the page-ins of one layer of a prefill step (copies waiting "
     "for a wave's compute) / paged layer-steps",
     "decode_miss_rate": "misses / (hits + misses) of every step but the prefill steps (the decode after the prompts)",
+    "experts_prefetched": "next-layer prefetch: experts paged in before their layer's routing was known, over the cell "
+    "(their bytes are in bytes_paged; 0 with prefetch off)",
+    "prefetch_accuracy": "next-layer prefetch: prefetched experts the layer then routed to / experts prefetched (None "
+    "when none was prefetched)",
     "decode_bytes_per_token": "expert bytes paged in outside the prefill-counted steps (prefetches included) / the "
     "tokens of all-decode steps: the link traffic of one decode token (a prompt step small enough to be planned on "
     "the device, or a 1-token prompt chunk, adds its bytes here but not its tokens)",
@@ -62,6 +66,8 @@ PAGING_COUNTERS = {
     "activations": "paged_experts:expert_activations_total",
     "hits": "paged_experts:expert_hits_total",
     "misses": "paged_experts:expert_misses_total",
+    "prefetched": "paged_experts:experts_prefetched_total",
+    "prefetch_used": "paged_experts:experts_prefetch_used_total",
     "bytes_paged": "paged_experts:bytes_paged_total",
     "bytes_h2d": "paged_experts:bytes_h2d_total",
     "waves": "paged_experts:waves_total",
@@ -102,6 +108,9 @@ def paging_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
     - bytes_h2d_per_token = bytes_h2d / generation_tokens: every expert byte that crossed the link,
       also offload's per-forward streaming (which pages nothing into slots)
     - waves_per_step = waves / moe_steps
+    - experts_prefetched, prefetch_accuracy = the experts next-layer prefetch paged in before their layer's
+      routing was known (their bytes are in bytes_paged), and the share of them the layer then routed to
+      (None when none was prefetched)
     - union_mean = union_experts / moe_steps (mean per-layer union of routed experts per step)
     - engine_decode_step_s = engine decode-step seconds / decode steps: the engine thread's own time
       per step whose chunks are all decode tokens (plan, model, wait, sample, hand-off; no HTTP)
@@ -152,6 +161,8 @@ def paging_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
         "bytes_paged_per_token": _ratio(delta["bytes_paged"], delta["generation_tokens"]),
         "bytes_h2d_per_token": _ratio(delta["bytes_h2d"], delta["generation_tokens"]),
         "waves_per_step": _ratio(delta["waves"], delta["moe_steps"]),
+        "experts_prefetched": _as_int(delta["prefetched"]),
+        "prefetch_accuracy": _ratio(delta["prefetch_used"], delta["prefetched"]),
         "union_mean": _ratio(delta["union_experts"], delta["moe_steps"]),
         "engine_decode_step_s": _ratio(delta["decode_step_s"], delta["decode_steps"]),
         "engine_decode_tok_s": _ratio(delta["decode_tokens"], delta["decode_step_s"]),

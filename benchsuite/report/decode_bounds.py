@@ -16,6 +16,9 @@ alone, from stored data only:
                         (engine_decode_tok_s) is over 10% above the aggregate, the note gives it, and the
                         negative hidden time is then mostly those prefills (and time between the engine's
                         steps), not planning or launches.
+    prefetch_accuracy = of the experts next-layer prefetch paged in, the share their layer then routed to
+                        (empty with prefetch off); the misses it saved are in decode_miss_rate, its wasted
+                        bytes in decode_mb_per_tok
     decode_mb_per_tok = decode_bytes_per_token: expert bytes paged in all-decode steps (prefetches
                         included) / the tokens those steps generated (measure/paging.py). A cell stored
                         before that field: (bytes_paged - prefill bytes) / (output tokens - requests),
@@ -51,9 +54,9 @@ ANCHOR = "decode-bounds"
 MATCH_KEYS = ("run_id", "engine_kind", "workload", "routing", "concurrency", "prompt_class")
 COLUMNS = (
     "run_id", "configuration", "routing", "workload", "prompt_class", "concurrency", "repeat", "decode_figure",
-    "decode_tok_s", "decode_miss_rate", "decode_mb_per_token", "link_ms", "compute_ms", "measured_ms", "hidden_ms",
-    "link_bound_tok_s", "roofline_tok_s", "serial_tok_s", "of_link_bound", "of_roofline", "of_serial", "note",
-    "compute_cell_ids", "cell_id",
+    "decode_tok_s", "decode_miss_rate", "prefetch_accuracy", "decode_mb_per_token", "link_ms", "compute_ms",
+    "measured_ms", "hidden_ms", "link_bound_tok_s", "roofline_tok_s", "serial_tok_s", "of_link_bound", "of_roofline",
+    "of_serial", "note", "compute_cell_ids", "cell_id",
 )  # fmt: skip
 INTRO = (
     "<p>Each paged cell's decode (not its prefill) against the link and the compute of this run: link_ms = expert "
@@ -191,6 +194,7 @@ def decode_bounds_table(cells: pd.DataFrame, runs: Iterable[RunData]) -> pd.Data
             "run_id": c["run_id"], "configuration": c["label"], "routing": c["routing"], "workload": c["workload"],
             "prompt_class": c["prompt_class"], "concurrency": int(c["concurrency"]), "repeat": int(c["repeat"]),
             "decode_figure": figure, "decode_tok_s": measured, "decode_miss_rate": number(c.get("decode_miss_rate")),
+            "prefetch_accuracy": number(c.get("prefetch_accuracy")),
             "decode_mb_per_token": None if per_token is None else per_token / 1e6,
             **_bounds(measured, per_token, link, compute), "note": "; ".join(reasons),
             "compute_cell_ids": " ".join(compute_ids), "cell_id": c["cell_id"],
