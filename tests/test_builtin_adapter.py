@@ -128,6 +128,9 @@ def test_prefill_residency_is_written_for_paged_servers_only(tmp_path: Path) -> 
          "engines.e.options.torch_compile: true compiles the captured decode step"),
         ("device: cuda, mode: resident, prefetch_next_layer: true",
          "engines.e.options.prefetch_next_layer: true needs mode paged"),
+        ("device: cuda, mode: paged, resident_experts: 8, routing: qwen3-30b-a3b, prefetch_next_layer: true",
+         "engines.e.options.prefetch_next_layer: true predicts the next layer's experts with the model's own router, "
+         "which routing replaces"),
         ("device: cuda, mode: resident, expert_kernel: fast", "engines.e.options.expert_kernel:"),
         ("device: cpu, mode: paged, resident_experts: 8, overlap_page_in: true",
          "engines.e.options.overlap_page_in: true needs mode paged and device cuda"),

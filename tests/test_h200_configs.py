@@ -321,3 +321,23 @@ def test_the_policy_matrices_measure_eviction_policies_against_lru_on_both_routi
     assert m.repeats == repeats and m.linkbw
     for workload in m.workloads.values():
         assert workload.prompt_classes == prompt_classes and workload.concurrency == [1, 4]
+
+
+def test_the_prefetch_matrix_measures_next_layer_prefetch_on_the_models_routing(
+    stand_ins: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """configs/h200/prefetch.yaml: paged FP8 at 16 GB's K on the model's own routing (53) without and with
+    next-layer prefetch, beside resident FP8 (the decode bounds' compute reference); no synthetic arm (the server
+    refuses prefetch under a synthetic routing source); both prompt classes, c=1 and c=4, 2 repeats."""
+    path = CONFIGS / "prefetch.yaml"
+    assert main(["run", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    plan = build_plan(load_matrix(path))
+    got = sorted((s.options.mode, s.options.resident_experts, s.options.prefetch_next_layer) for s in plan.servers)
+    assert got == [("paged", 53, False), ("paged", 53, True), ("resident", None, False)]
+    assert {s.options.routing for s in plan.servers} == {"model"}
+    assert out.count("--prefetch-next-layer") == 1 and out.count("--device cuda") == 3
+    m = load_matrix(path).matrix
+    assert m.repeats == 2 and m.linkbw
+    for workload in m.workloads.values():
+        assert workload.prompt_classes == ["short", "2048"] and workload.concurrency == [1, 4]

@@ -101,6 +101,22 @@ def test_cuda_graphs_and_expert_kernel_flags(tmp_path: Path) -> None:
         (["--prefetch-next-layer"], "--prefetch-next-layer"),  # only inside captured steps
         # paged on the CPU plans on the host: no device residency to prefetch into
         (["--resident-experts", "8", "--cuda-graph-max-bs", "1", "--prefetch-next-layer"], "--prefetch-next-layer"),
+        (
+            [
+                "--mode",
+                "paged",
+                "--device",
+                "cuda",
+                "--resident-experts",
+                "8",
+                "--cuda-graph-max-bs",
+                "4",
+                "--routing-source",
+                "qwen3-30b-a3b",
+                "--prefetch-next-layer",
+            ],
+            "--prefetch-next-layer predicts the next layer's experts with the model's own",
+        ),
         (["--prefill-residency", "recent"], "--prefill-residency 'recent' applies to mode paged, not resident"),
         (["--resident-experts", "8", "--prefill-residency", "newest"], "--prefill-residency"),
     ],

@@ -351,6 +351,15 @@ def problems(values: Mapping[str, Any], say: Namer = FLAGS) -> Iterator[Problem]
                 f"{value} plans each prediction as a step of its own, which "
                 f"{say.value('eviction_policy', get('eviction_policy'))} would count as uses: use lru with it",
             )
+        elif get("routing_source") not in (None, "model"):  # a matrix names the model's own router "model"
+            # the prediction applies the next layer's router to the hidden state; a synthetic source's draws do
+            # not depend on it: 0.0-0.1 of the prefetched experts used (benchmarks/results/cpu/prefetch_routing_8l.json)
+            yield Problem(
+                "prefetch_next_layer",
+                f"{value} predicts the next layer's experts with the model's own router, which "
+                f"{say.option('routing_source')} replaces with draws that do not depend on the hidden state: the "
+                "predictions would only load the link",
+            )
     if get("overlap_page_in"):
         value = say.value("overlap_page_in", True)
         if mode != "paged" or device != "cuda":

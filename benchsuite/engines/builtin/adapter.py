@@ -105,7 +105,7 @@ class BuiltinOptions(EngineOptions):
     cuda_graph_max_bs: int | None = Field(None, ge=0)  # decode graphs for batch 1..N; 0 = off
     torch_compile: bool | None = None  # torch.compile the captured step's per-layer blocks
     kernel_backend: Literal["grouped", "triton"] | None = None  # decode-step routing/expert/attention kernels
-    prefetch_next_layer: bool = False  # paged: page in the next layer's predicted experts (measured: off)
+    prefetch_next_layer: bool = False  # paged: page in the next layer's predicted experts (off until measured)
     # Paged, CUDA: the hit experts compute while the misses copy, each group of misses as soon as it
     # landed (paged_experts/moe/overlap.py; off until configs/h200/overlap.yaml measures it).
     # Both left out of the dumped options when unset, so the server ids of matrices without them stay.
