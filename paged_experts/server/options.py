@@ -121,7 +121,8 @@ class ServeOptions:
         "--prefetch-next-layer",
         "in captured paged decode steps, apply each layer's router to the previous layer's residual "
         "stream and page the predicted experts in on a second stream while that layer computes "
-        "(mode paged, --device cuda, needs --cuda-graph-max-bs; counted as experts_prefetched_total)",
+        "(mode paged, --device cuda, needs --cuda-graph-max-bs; refused with --routing-source, whose draws do "
+        "not depend on that stream; counted as experts_prefetched_total)",
     )
     overlap_page_in: bool = _opt(
         False,
@@ -222,7 +223,7 @@ class ServeOptions:
         None,
         "--max-connections",
         "open connections at most; at the cap a new one replaces the oldest that holds no request "
-        "(default: the open-file limit minus 384 descriptors the process and accept bursts need)",
+        "(default: the open-file limit minus 512 descriptors the process and accept bursts need)",
     )
     header_timeout: float = _opt(
         HEADER_TIMEOUT_S,
