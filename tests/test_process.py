@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import uuid
 from pathlib import Path
 
 import psutil
@@ -120,6 +121,83 @@ async def test_ready_then_stop_kills_whole_group_including_escaped_grandchild(tm
     proc.stop()  # idempotent
     log = (tmp_path / "logs" / "engine.log").read_text()
     assert log.startswith("# benchsuite: starting ")
+
+
+async def test_stop_sends_each_process_one_sigterm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The group by killpg, the escaped grandchild by itself, nobody twice: llama-server takes a second
+    interrupt as "terminate immediately" (an H200 llama-server log of 2026-12-01 ends with it), and aiohttp's
+    run_app, given two in one loop tick, skips its on_shutdown (where a recording server writes its trace)."""
+    sent: list[tuple[str, int, int]] = []  # (how, pid or pgid, signal)
+    real_killpg, real_send = os.killpg, psutil.Process.send_signal
+
+    def killpg(pgid: int, sig: int) -> None:
+        sent.append(("group", pgid, int(sig)))
+        real_killpg(pgid, sig)
+
+    def send_signal(self: psutil.Process, sig: int) -> None:
+        sent.append(("one", self.pid, int(sig)))
+        real_send(self, sig)
+
+    proc, pid_file = _engine(tmp_path, "slow")
+    async with proc:
+        pids = _spawned_pids(pid_file)
+        groups = {pid: os.getpgid(pid) for pid in pids}
+        monkeypatch.setattr(os, "killpg", killpg)
+        monkeypatch.setattr(psutil.Process, "send_signal", send_signal)
+    _assert_all_gone(pids)
+    leader, grouped, escaped = pids
+    assert groups[leader] == groups[grouped] == leader != groups[escaped]  # what the stand-in spawns
+    for pid in pids:
+        terms = [
+            s
+            for how, target, s in sent
+            if s == signal.SIGTERM and (target == pid if how == "one" else target == groups[pid])
+        ]
+        assert len(terms) == 1, (pid, sent)
+
+
+def test_an_engine_at_a_reused_pid_gets_its_grace_and_then_sigkill() -> None:
+    """psutil.process_iter caches one Process per pid; an engine started at a pid that an earlier scan
+    of this process saw held by another process was taken for gone (the cached object's is_running is
+    False), so the stop returned at popen.wait's 5 s with the engine alive and no SIGKILL sent: a
+    recording server lost its trace in CI (stop 42), a stubborn one outlived the run."""
+    ns_last_pid = Path("/proc/sys/kernel/ns_last_pid")  # the next fork takes this pid + 1
+    if not os.access(ns_last_pid, os.W_OK):
+        pytest.skip("the kernel does not let this user choose the next pid (needs root in its pid namespace)")
+    from benchsuite.run.proctree import TOKEN_ENV, kill_tree
+
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(60)"
+    token = uuid.uuid4().hex  # this test's own: an engine another test left behind must not be the one killed
+    for _attempt in range(5):  # another fork on the box may take the pid first
+        earlier = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        time.sleep(0.05)  # psutil tells processes apart by pid and start time to 10 ms: the engine starts later
+        list(psutil.process_iter(["uids"]))  # any scan in this process (the orphan checks of these tests) caches it
+        earlier.kill()
+        earlier.wait()
+        ns_last_pid.write_text(str(earlier.pid - 1))
+        engine = subprocess.Popen(
+            [sys.executable, "-c", stubborn],
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+            env={**os.environ, TOKEN_ENV: "t"},
+        )
+        if engine.pid == earlier.pid:
+            break
+        engine.kill()
+        engine.wait()
+    else:
+        pytest.skip("another process kept taking the pid")
+    try:
+        assert engine.stdout is not None
+        engine.stdout.readline()  # SIGTERM is ignored from here on
+        started_s = time.monotonic()
+        kill_tree(engine, token, grace_s=1.0)
+        stop_s = time.monotonic() - started_s
+        assert engine.poll() == -signal.SIGKILL  # the grace ran out, then SIGKILL: not left running
+        assert 1.0 <= stop_s < 4.0  # the grace, not popen.wait's 5 s fallback
+    finally:
+        engine.kill()
+        engine.wait()
 
 
 async def test_exit_before_ready_fails_fast_with_status_and_tail(tmp_path: Path) -> None:

@@ -5,7 +5,8 @@ before signalling anything (a dead leader's children are re-parented and lost to
 the leader's descendants, every process of the group, and every process of ours whose
 environment carries the launch token (`TOKEN_ENV`, inherited by descendants), which finds
 those that called setsid and were re-parented to init. Then SIGTERM (+SIGCONT so a stopped
-process can act on it), a grace period, SIGKILL for what is left, and the leader reaped.
+process can act on it), each process signalled once, a grace period, SIGKILL for what is left,
+and the leader reaped.
 `die_with_parent` asks the kernel to SIGKILL a child when its parent dies (Linux).
 
 psutil finds the processes (descendants, users, environments) and signals them. Three parts stay
@@ -16,6 +17,8 @@ for a zombie (a dead descendant its own dying parent has not reaped yet) as if i
 stop would spend the whole grace period on a process that is already dead (measured with psutil
 7: `wait_procs([zombie], timeout=2)` returned it alive after 2.04 s); `_is_running` counts
 a zombie as dead, and the leader, our child, is reaped with `Popen.poll` so its exit code is kept.
+Every Process object is made at the stop, never taken from `psutil.process_iter`'s cache: a pid
+reused since that cache's last call comes back as the dead process's object, which reads as gone.
 """
 
 from __future__ import annotations
@@ -55,9 +58,16 @@ def _tagged_or_grouped(pgid: int, token: str) -> list[psutil.Process]:
     """
     found = []
     me = os.getuid()
-    for proc in psutil.process_iter(["uids"]):
+    for pid in psutil.pids():
+        if pid == os.getpid():
+            continue
         try:
-            if proc.info["uids"] is None or proc.info["uids"].real != me or proc.pid == os.getpid():
+            # A fresh Process, not process_iter's: that cache keeps the object of whatever held a pid
+            # at its last call, so a pid reused since then (a 32,768-pid box wraps in minutes of
+            # compiling) came back as a dead process's object, and the wait below took the live
+            # engine for gone (is_running False) and returned at popen.wait's 5 s without a SIGKILL.
+            proc = psutil.Process(pid)
+            if proc.uids().real != me:
                 continue
             if os.getpgid(proc.pid) == pgid or proc.environ().get(TOKEN_ENV) == token:
                 found.append(proc)
@@ -67,14 +77,21 @@ def _tagged_or_grouped(pgid: int, token: str) -> list[psutil.Process]:
 
 
 def _signal_all(pgid: int, procs: list[psutil.Process], sig: signal.Signals) -> None:
+    """Send sig once to every process: the group by killpg, the others (those that left it) one by one.
+
+    Once, not twice: llama-server reads a second SIGTERM as "terminate immediately" and skips its
+    shutdown (an H200 llama-server log of 2026-12-01 ends "Received second interrupt")."""
     try:
         os.killpg(pgid, sig)
+        grouped = True
     except (ProcessLookupError, PermissionError):
-        pass
+        grouped = False  # no process of the group is left to have received it
     for proc in procs:
         try:
+            if grouped and os.getpgid(proc.pid) == pgid:
+                continue  # killpg reached it
             proc.send_signal(sig)
-        except psutil.Error:
+        except (psutil.Error, ProcessLookupError):
             continue
 
 
@@ -86,7 +103,7 @@ def kill_tree(popen: subprocess.Popen[bytes], token: str, grace_s: float) -> Non
     for member in _tagged_or_grouped(pgid, token):
         procs.setdefault(member.pid, member)
     try:
-        procs.setdefault(popen.pid, psutil.Process(popen.pid))
+        procs[popen.pid] = psutil.Process(popen.pid)  # ours, made now: the leader is the one process we know
     except psutil.Error:
         pass
     targets = list(procs.values())
@@ -109,7 +126,12 @@ def kill_tree(popen: subprocess.Popen[bytes], token: str, grace_s: float) -> Non
     try:
         popen.wait(timeout=5.0)
     except subprocess.TimeoutExpired:
-        pass
+        # Alive though counted gone (its Process object no longer names it): kill the group, not wait on.
+        _signal_all(pgid, [], signal.SIGKILL)
+        try:
+            popen.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            pass  # uninterruptible (D state): nothing more a signal can do
 
 
 def _is_running(proc: psutil.Process) -> bool:
