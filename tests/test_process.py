@@ -161,34 +161,36 @@ def test_an_engine_at_a_reused_pid_gets_its_grace_and_then_sigkill() -> None:
     of this process saw held by another process was taken for gone (the cached object's is_running is
     False), so the stop returned at popen.wait's 5 s with the engine alive and no SIGKILL sent: a
     recording server lost its trace in CI (stop 42), a stubborn one outlived the run."""
-    ns_last_pid = Path("/proc/sys/kernel/ns_last_pid")  # the next fork takes this pid + 1
-    if not os.access(ns_last_pid, os.W_OK):
-        pytest.skip("the kernel does not let this user choose the next pid (needs root in its pid namespace)")
     from benchsuite.run.proctree import TOKEN_ENV, kill_tree
 
+    ns_last_pid = Path("/proc/sys/kernel/ns_last_pid")  # the next fork takes this pid + 1 (mode 0666: try it)
     stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(60)"
-    token = uuid.uuid4().hex  # this test's own: an engine another test left behind must not be the one killed
+    token = uuid.uuid4().hex  # this test's own: an engine another test left behind cannot stand in for this one
     for _attempt in range(5):  # another fork on the box may take the pid first
         earlier = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
         time.sleep(0.05)  # psutil tells processes apart by pid and start time to 10 ms: the engine starts later
-        list(psutil.process_iter(["uids"]))  # any scan in this process (the orphan checks of these tests) caches it
+        list(psutil.process_iter(["uids"]))  # any scan in this process (other files' orphan checks) caches it
         earlier.kill()
         earlier.wait()
-        ns_last_pid.write_text(str(earlier.pid - 1))
+        try:
+            ns_last_pid.write_text(str(earlier.pid - 1))
+        except OSError as exc:
+            pytest.skip(f"the kernel does not let this user choose the next pid ({exc.strerror}; needs root)")
         engine = subprocess.Popen(
             [sys.executable, "-c", stubborn],
             stdout=subprocess.PIPE,
             start_new_session=True,
-            env={**os.environ, TOKEN_ENV: "t"},
+            env={**os.environ, TOKEN_ENV: token},
         )
         if engine.pid == earlier.pid:
             break
         engine.kill()
         engine.wait()
+        engine.stdout.close()  # type: ignore[union-attr]
     else:
         pytest.skip("another process kept taking the pid")
+    assert engine.stdout is not None
     try:
-        assert engine.stdout is not None
         engine.stdout.readline()  # SIGTERM is ignored from here on
         started_s = time.monotonic()
         kill_tree(engine, token, grace_s=1.0)
@@ -198,6 +200,38 @@ def test_an_engine_at_a_reused_pid_gets_its_grace_and_then_sigkill() -> None:
     finally:
         engine.kill()
         engine.wait()
+        engine.stdout.close()
+
+
+def test_a_stop_after_the_leader_was_reaped_signals_no_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A crash seen by poll() reaps the leader: its pid is free and, once its group empties, so is the group's
+    number, which may name an unrelated process by the time the stop comes. The stop then signals only what
+    carries the launch token, one by one; the leader's child, still in the group, is found that way."""
+    from benchsuite.run.proctree import TOKEN_ENV, kill_tree
+
+    token = uuid.uuid4().hex
+    leader = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess; print(subprocess.Popen(['sleep', '60']).pid, flush=True)"],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+        env={**os.environ, TOKEN_ENV: token},
+    )
+    assert leader.stdout is not None
+    child = int(leader.stdout.readline())
+    leader.stdout.close()
+    assert leader.wait(timeout=10) == 0  # reaped: the stop below comes after the crash was seen
+    assert os.getpgid(child) == leader.pid  # the group lives on in the child
+    groups: list[int] = []
+    real_killpg = os.killpg
+
+    def killpg(pgid: int, sig: int) -> None:
+        groups.append(pgid)
+        real_killpg(pgid, sig)
+
+    monkeypatch.setattr(os, "killpg", killpg)
+    kill_tree(leader, token, grace_s=2.0)
+    assert groups == []
+    _assert_all_gone([child])
 
 
 async def test_exit_before_ready_fails_fast_with_status_and_tail(tmp_path: Path) -> None:

@@ -50,8 +50,8 @@ def _descendants(pid: int) -> list[psutil.Process]:
         return []
 
 
-def _tagged_or_grouped(pgid: int, token: str) -> list[psutil.Process]:
-    """Our user's processes in group pgid or carrying the launch token in their environment.
+def _tagged_or_grouped(pgid: int | None, token: str) -> list[psutil.Process]:
+    """Our user's processes in group pgid (None: no group) or carrying the launch token in their environment.
 
     The token finds descendants that left the group (setsid) and were re-parented to init after
     the leader died, which neither the group nor the process tree can find any more.
@@ -69,27 +69,30 @@ def _tagged_or_grouped(pgid: int, token: str) -> list[psutil.Process]:
             proc = psutil.Process(pid)
             if proc.uids().real != me:
                 continue
-            if os.getpgid(proc.pid) == pgid or proc.environ().get(TOKEN_ENV) == token:
+            if (pgid is not None and os.getpgid(proc.pid) == pgid) or proc.environ().get(TOKEN_ENV) == token:
                 found.append(proc)
         except (ProcessLookupError, PermissionError, psutil.Error):
             continue
     return found
 
 
-def _signal_all(pgid: int, procs: list[psutil.Process], sig: signal.Signals) -> None:
+def _signal_all(pgid: int | None, procs: list[psutil.Process], sig: signal.Signals) -> None:
     """Send sig once to every process: the group by killpg, the others (those that left it) one by one.
 
     Once, not twice: llama-server reads a second SIGTERM as "terminate immediately" and skips its
-    shutdown (an H200 llama-server log of 2026-12-01 ends "Received second interrupt")."""
-    try:
-        os.killpg(pgid, sig)
-        grouped = True
-    except (ProcessLookupError, PermissionError):
-        grouped = False  # no process of the group is left to have received it
+    shutdown (an H200 llama-server log of 2026-12-01 ends "Received second interrupt"). pgid None:
+    one by one only (psutil's send_signal refuses a pid reused since its object was made)."""
+    grouped = False
+    if pgid is not None:
+        try:
+            os.killpg(pgid, sig)
+            grouped = True
+        except (ProcessLookupError, PermissionError):
+            pass  # no process of the group left (ESRCH), or none we may signal (EPERM): one by one
     for proc in procs:
         try:
             if grouped and os.getpgid(proc.pid) == pgid:
-                continue  # killpg reached it
+                continue  # in the group at this check: killpg reached it
             proc.send_signal(sig)
         except (psutil.Error, ProcessLookupError):
             continue
@@ -97,19 +100,27 @@ def _signal_all(pgid: int, procs: list[psutil.Process], sig: signal.Signals) -> 
 
 def kill_tree(popen: subprocess.Popen[bytes], token: str, grace_s: float) -> None:
     """Terminate the leader's group plus every descendant that moved to another group."""
-    pgid = popen.pid  # start_new_session: the leader's pid is the group id
+
+    def group() -> int | None:
+        # The leader's pid is its group's number (start_new_session), ours while the leader is unreaped. Once
+        # reaped (here, or by a poll that saw it crash) the pid is free, and with the group empty so is the
+        # number: either may name an unrelated process by then, so only signals one by one remain.
+        return popen.pid if popen.returncode is None else None
+
+    popen.poll()
     # Collect before signalling: once the leader dies its children are re-parented.
-    procs = {p.pid: p for p in _descendants(popen.pid)}
-    for member in _tagged_or_grouped(pgid, token):
+    procs = {p.pid: p for p in _descendants(popen.pid)} if group() is not None else {}
+    for member in _tagged_or_grouped(group(), token):
         procs.setdefault(member.pid, member)
-    try:
-        procs[popen.pid] = psutil.Process(popen.pid)  # ours, made now: the leader is the one process we know
-    except psutil.Error:
-        pass
+    if group() is not None:
+        try:
+            procs[popen.pid] = psutil.Process(popen.pid)  # made now, while the unreaped leader holds the pid
+        except psutil.Error:
+            pass
     targets = list(procs.values())
-    _signal_all(pgid, targets, signal.SIGTERM)
+    _signal_all(group(), targets, signal.SIGTERM)
     # SIGCONT so a stopped (SIGSTOP'd) process can act on SIGTERM; harmless otherwise.
-    _signal_all(pgid, targets, signal.SIGCONT)
+    _signal_all(group(), targets, signal.SIGCONT)
     deadline = time.monotonic() + max(grace_s, 0.0)
     while True:
         popen.poll()  # reap the leader so it does not linger as a zombie
@@ -117,8 +128,10 @@ def kill_tree(popen: subprocess.Popen[bytes], token: str, grace_s: float) -> Non
         if not alive or time.monotonic() >= deadline:
             break
         time.sleep(0.02)
+    # What forked after the scan carries the token too: killed with what outlived the grace.
+    alive += [p for p in _tagged_or_grouped(None, token) if p.pid not in procs and _is_running(p)]
     if alive:
-        _signal_all(pgid, alive, signal.SIGKILL)
+        _signal_all(group(), alive, signal.SIGKILL)
         deadline = time.monotonic() + 5.0
         while any(_is_running(p) for p in alive) and time.monotonic() < deadline:
             popen.poll()
@@ -126,8 +139,8 @@ def kill_tree(popen: subprocess.Popen[bytes], token: str, grace_s: float) -> Non
     try:
         popen.wait(timeout=5.0)
     except subprocess.TimeoutExpired:
-        # Alive though counted gone (its Process object no longer names it): kill the group, not wait on.
-        _signal_all(pgid, [], signal.SIGKILL)
+        # The leader outlived both waits (stuck in the kernel, or never counted alive): its group's SIGKILL once more.
+        _signal_all(group(), [], signal.SIGKILL)
         try:
             popen.wait(timeout=5.0)
         except subprocess.TimeoutExpired:
