@@ -139,15 +139,20 @@ def test_copy_planned_moves_only_valid_entries() -> None:
         assert not slots.get(name)[1].any()
 
 
-def _scenario(model: MoeCausalLM, decode_steps: int = 4, pool: KvPool | None = None) -> list[torch.Tensor]:
+def _scenario(
+    model: MoeCausalLM, decode_steps: int = 4, pool: KvPool | None = None, prompts: tuple[list[int], ...] = PROMPTS
+) -> list[torch.Tensor]:
     pool = pool or KvPool.for_model(model, capacity_tokens=128)
-    seqs = [pool.new_sequence() for _ in PROMPTS]
-    out = model.forward([SeqChunk(s, p, 0, all_logits=True) for s, p in zip(seqs, PROMPTS)])
-    last = out
+    seqs = [pool.new_sequence() for _ in prompts]
+    out = model.forward([SeqChunk(s, p, 0, all_logits=True) for s, p in zip(seqs, prompts)])
+    last = list(out)  # each sequence's latest logits (a step's output holds only the rows it ran)
     for step in range(decode_steps):
-        live = seqs[: 1 + step % len(seqs)]  # batch 1, 2, 3, 1: device-planned and host-planned steps
-        last = model.forward([SeqChunk(s, [int(lg[-1].argmax())], s.num_tokens) for s, lg in zip(live, last)])
-        out += last
+        n = 1 + step % len(seqs)  # batch 1, 2, 3, 1: device-planned and host-planned steps
+        chunks = [SeqChunk(s, [int(last[i][-1].argmax())], s.num_tokens) for i, s in enumerate(seqs[:n])]
+        step_out = model.forward(chunks)
+        assert len(step_out) == n
+        last[:n] = step_out
+        out += step_out
     return out
 
 
@@ -287,6 +292,50 @@ def test_next_layer_prefetch_changes_no_output_and_counts_its_page_ins(k: int) -
         assert layer.hits + layer.misses == layer.activations
         assert layer.bytes_h2d == layer.bytes_paged_in == (layer.misses + layer.prefetched) * snap.expert_bytes
     assert plain.counters.snapshot().total.prefetched == 0
+
+
+@pytest.mark.parametrize("k", [8, 12])
+def test_prefetch_counts_equal_a_count_from_what_was_predicted_and_routed(
+    k: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """experts_prefetched and prefetch_used, the H200 report's prefetch_accuracy, counted a second way: each
+    prefetch's distinct predicted experts not resident before it (prefetched), of those the ones the layer's
+    next pass routed to (used). Batches of 1-3 rows, two of them alike: an expert two rows predict and route to
+    counts once."""
+    from paged_experts.moe.paged import PagedLayer
+
+    model = _prefetching(k)
+    model.enable_cuda_graphs([1, 2, 3])
+    pending: dict[int, set[int]] = {}  # layer -> experts its prefetch paged in, until its pass
+    expected = {"prefetched": 0, "used": 0}
+    real_prefetch, real_pass = PagedLayer.prefetch, PagedLayer.decode_pass
+
+    def prefetch(self: PagedLayer, predicted: torch.Tensor, copy_stream: object) -> None:
+        lru = self.device_lru
+        assert lru is not None and self.layer_idx not in pending
+        resident = set(lru.residency.expert_in[: lru.residency.num_slots].tolist())
+        paged_in = set(predicted.reshape(-1).tolist()) - resident
+        pending[self.layer_idx] = paged_in
+        expected["prefetched"] += len(paged_in)
+        real_prefetch(self, predicted, copy_stream)  # type: ignore[arg-type]
+
+    def decode_pass(self: PagedLayer, h: torch.Tensor, ids: torch.Tensor, *args: object) -> object:
+        paged_in = pending.pop(self.layer_idx, None)
+        if paged_in is not None:
+            expected["used"] += len(paged_in & set(ids.reshape(-1).tolist()))
+        return real_pass(self, h, ids, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PagedLayer, "prefetch", prefetch)
+    monkeypatch.setattr(PagedLayer, "decode_pass", decode_pass)
+    before = model.counters.snapshot().total
+    _scenario(model, decode_steps=9, prompts=(PROMPTS[0], PROMPTS[0], PROMPTS[1]))  # rows 1 and 2 route alike
+    after = model.counters.snapshot().total
+    assert not pending  # every prefetch was followed by its layer's pass
+    assert expected["prefetched"] > expected["used"] > 0  # the scenario predicts right and wrong
+    assert (after.prefetched - before.prefetched, after.prefetch_used - before.prefetch_used) == (
+        expected["prefetched"],
+        expected["used"],
+    )
 
 
 def test_prefetch_needs_device_planning_and_excludes_overlap() -> None:
