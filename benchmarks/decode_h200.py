@@ -46,6 +46,7 @@ from paged_experts.residency.policies import LayerResidency
 from paged_experts.residency.store import ExpertTensors
 from paged_experts.runtime import RuntimeConfig
 from paged_experts.weights import synth_memory
+from paged_experts.weights.weights_id import source_weights
 
 SCHEMA_VERSION = 1
 DEFAULT_MODES = (  # most important first: a --deadline-s cut drops the tail
@@ -412,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "decode_h200",
         "command": ["python", "benchmarks/decode_h200.py", *(sys.argv[1:] if argv is None else argv)],
         "model": f"synth:{preset}?layers={args.layers}&seed={args.seed} (in-memory random bf16 weights)",
+        # which weights the name meant: the generator changed under the same name (088c29a), and with it the routing
+        "source_weights": source_weights(f"synth:{preset}?layers={args.layers}&seed={args.seed}"),
         "provenance": provenance(),
         "cells": [],
     }

@@ -43,6 +43,7 @@ from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.routing.sources import make_router
 from paged_experts.runtime import RuntimeConfig
 from paged_experts.weights import synth_memory
+from paged_experts.weights.weights_id import source_weights
 
 SCHEMA_VERSION = 1
 PATHS = ("streamed", "serial")
@@ -237,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         "schema_version": SCHEMA_VERSION, "benchmark": "prefill_h200",
         "command": ["python", "benchmarks/prefill_h200.py", *(sys.argv[1:] if argv is None else argv)],
         "model": f"synth:{args.preset}?layers={args.layers}&seed={args.seed} (in-memory random weights)",
+        "source_weights": source_weights(f"synth:{args.preset}?layers={args.layers}&seed={args.seed}"),
         "provenance": provenance(), "cells": [],
     }  # fmt: skip
     cfg = synth_memory.config_for(synth_memory.SynthSpec(args.preset, args.layers, args.seed))

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from paged_experts.weights.weights_id import source_weights
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -29,6 +31,7 @@ def test_prefill_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     record = json.loads(out.read_text())
     assert record["provenance"]["git_commit"] and record["link"]["error"].startswith("no CUDA device")
+    assert record["source_weights"] == source_weights("synth:tiny?layers=2&seed=0")  # what a server of it records
     names = [c["cell"] for c in record["cells"]]
     assert names == ["resident/qwen3-30b-a3b", "paged:6/qwen3-30b-a3b/recent/streamed",
                      "paged:6/qwen3-30b-a3b/lru/streamed", "paged:6/qwen3-30b-a3b/recent/serial"]  # fmt: skip
