@@ -1,0 +1,73 @@
+"""The benchmarks/ scripts on the CPU (tiny model), each run end to end as a process.
+
+prefill_h200: one record per cell with its provenance, and its table; no link figure without CUDA, so no floor
+(never a 0). decode_h200: its cells, with the prefetch counts. Both record which weights their model name meant
+(the source-weights record a server of that name records): two files that name one synthetic model but ran
+different generators are told apart."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from paged_experts.weights.weights_id import source_weights
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_benchmark(script: str, out: Path, *args: str) -> dict[str, Any]:
+    """Runs benchmarks/<script> --out out *args from the repository root; its JSON record."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), "--out", str(out), *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record: dict[str, Any] = json.loads(out.read_text())
+    return record
+
+
+def test_prefill_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
+    # fmt: off
+    record = run_benchmark(
+        "prefill_h200.py", tmp_path / "prefill.json", "--preset", "tiny", "--layers", "2", "--device", "cpu",
+        "--dtype", "float32", "--ks", "6", "--routings", "qwen3-30b-a3b", "--prompt", "200", "--repeats", "1",
+        "--decode", "3",
+    )
+    # fmt: on
+    assert record["provenance"]["git_commit"] and record["link"]["error"].startswith("no CUDA device")
+    assert record["source_weights"] == source_weights("synth:tiny?layers=2&seed=0")  # what a server of it records
+    names = [c["cell"] for c in record["cells"]]
+    assert names == ["resident/qwen3-30b-a3b", "paged:6/qwen3-30b-a3b/recent/streamed",
+                     "paged:6/qwen3-30b-a3b/lru/streamed", "paged:6/qwen3-30b-a3b/recent/serial"]  # fmt: skip
+    for cell in record["cells"]:
+        assert "error" not in cell, cell
+        assert cell["prefill_s"] > 0 and cell["floor_s"] is None and cell["router_s"] > 0
+    paged = record["cells"][1]
+    assert paged["prefill_bytes"] > 0 and paged["waves_per_layer"] > 1 and 0 <= paged["decode_hit_rate"] <= 1
+    assert "paged:6/qwen3-30b-a3b/lru/streamed" in (tmp_path / "prefill.txt").read_text()
+
+
+def test_decode_benchmark_runs_on_the_cpu_and_records_its_weights(tmp_path: Path) -> None:
+    # fmt: off
+    record = run_benchmark(
+        "decode_h200.py", tmp_path / "decode.json", "--device", "cpu", "--preset", "tiny", "--layers", "2",
+        "--seed", "3", "--modes", "resident,paged:8/graphs+prefetch", "--batches", "1", "--routings", "model",
+        "--prompt", "4", "--warmup", "1", "--steps", "3", "--graphs", "1",
+    )
+    # fmt: on
+    assert record["source_weights"] == source_weights("synth:tiny?layers=2&seed=3")
+    assert record["source_weights"]["id"] != source_weights("synth:tiny?layers=2&seed=0")["id"]
+    resident, paged = record["cells"]
+    assert "error" not in resident and "error" not in paged
+    assert resident["hit_rate"] == 1.0 and resident["steps"] == paged["steps"] == 3
+    assert 0 <= paged["prefetch_used_per_step"] <= paged["prefetched_per_step"]
+    assert paged["prefetch_accuracy"] is None or 0 <= paged["prefetch_accuracy"] <= 1
