@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "decode_h200",
         "command": ["python", "benchmarks/decode_h200.py", *(sys.argv[1:] if argv is None else argv)],
         "model": f"synth:{preset}?layers={args.layers}&seed={args.seed} (in-memory random bf16 weights)",
-        # which weights the name meant: the generator changed under the same name (088c29a), and with it the routing
+        # which weights the name meant: they changed under the same name (088c29a, 2121aa7), and with them the routing
         "source_weights": source_weights(f"synth:{preset}?layers={args.layers}&seed={args.seed}"),
         "provenance": provenance(),
         "cells": [],
@@ -421,7 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = synth_memory.config_for(synth_memory.SynthSpec(preset, args.layers, args.seed))
     expert_bytes = cfg.expert_bytes("bfloat16")
     t0 = time.perf_counter()
-    hw = synth_memory.host_weights(cfg, torch.bfloat16, args.seed, torch.device(args.device))
+    # the store the cells' models place (MoeCausalLM.synthetic: the preset's silent tokens): one store, not two
+    silent = synth_memory.silent_ids(f"synth:{preset}")
+    hw = synth_memory.host_weights(cfg, torch.bfloat16, args.seed, torch.device(args.device), silent)
     record["host_store_build_s"] = time.perf_counter() - t0
     record["pinned"] = asdict(pinned.stats())  # how the store was page-locked (exact size or torch's rounding)
     print(f"host store built in {record['host_store_build_s']:.1f} s; pinned {record['pinned']}", flush=True)

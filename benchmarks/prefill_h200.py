@@ -243,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     cfg = synth_memory.config_for(synth_memory.SynthSpec(args.preset, args.layers, args.seed))
     t0 = time.perf_counter()
-    synth_memory.host_weights(cfg, getattr(torch, args.dtype), args.seed, torch.device(args.device))
+    silent = synth_memory.silent_ids(f"synth:{args.preset}")  # as the cells' models (MoeCausalLM.synthetic): one store
+    synth_memory.host_weights(cfg, getattr(torch, args.dtype), args.seed, torch.device(args.device), silent)
     record["host_store_build_s"] = time.perf_counter() - t0
     record["link"] = measure_link(args.device)
     link = record["link"].get("paging_gb_per_s")

@@ -2,11 +2,12 @@
 
 prefill_h200: one record per cell with its provenance, and its table; no link figure without CUDA, so no floor
 (never a 0). decode_h200: its cells, with the prefetch counts. Both record which weights their model name meant
-(the source-weights record a server of that name records): two files that name one synthetic model but ran
-different generators are told apart."""
+(the source-weights record a server of that name records: generator version, shape, seed, vocabulary, silent
+tokens), and build the host store their cells' models place, once."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -14,6 +15,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from paged_experts.weights import synth_memory
 from paged_experts.weights.weights_id import source_weights
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,5 +73,42 @@ def test_decode_benchmark_runs_on_the_cpu_and_records_its_weights(tmp_path: Path
     resident, paged = record["cells"]
     assert "error" not in resident and "error" not in paged
     assert resident["hit_rate"] == 1.0 and resident["steps"] == paged["steps"] == 3
-    assert 0 <= paged["prefetch_used_per_step"] <= paged["prefetched_per_step"]
+    assert 0 <= paged["prefetch_used_per_step"] <= paged["prefetched_per_step"] and paged["prefetched_per_step"] > 0
     assert paged["prefetch_accuracy"] is None or 0 <= paged["prefetch_accuracy"] <= 1
+
+
+class _CountingCache(dict[tuple[object, ...], Any]):
+    """synth_memory's host-store cache, counting the stores generated into it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stores = 0
+
+    def __setitem__(self, key: tuple[object, ...], value: Any) -> None:
+        self.stores += 1
+        super().__setitem__(key, value)
+
+
+# fmt: off
+@pytest.mark.parametrize(("script", "args"), [
+    ("decode_h200.py", ["--device", "cpu", "--preset", "tiny", "--layers", "2", "--modes", "resident",
+                        "--batches", "1", "--routings", "model", "--prompt", "4", "--warmup", "1", "--steps", "2"]),
+    ("prefill_h200.py", ["--device", "cpu", "--preset", "tiny", "--layers", "2", "--ks", "6",
+                         "--routings", "qwen3-30b-a3b", "--prompt", "40", "--repeats", "1", "--decode", "1"]),
+])
+# fmt: on
+def test_a_benchmark_builds_one_host_store(
+    script: str, args: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store built up front (its build time and pinning recorded) is the one the cells' models place: it was
+    built without the preset's silent tokens, so every cell's model generated a second store (2 x 58 GB pinned at
+    48 layers while the first stayed referenced)."""
+    cache = _CountingCache()
+    monkeypatch.setattr(synth_memory, "_CACHE", cache)
+    spec = importlib.util.spec_from_file_location(script.removesuffix(".py"), ROOT / "benchmarks" / script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    assert module.main(["--out", str(tmp_path / "r.json"), *args]) == 0
+    assert cache.stores == 1
