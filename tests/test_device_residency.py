@@ -294,29 +294,32 @@ def test_next_layer_prefetch_changes_no_output_and_counts_its_page_ins(k: int) -
     assert plain.counters.snapshot().total.prefetched == 0
 
 
-@pytest.mark.parametrize("k", [8, 12])
+@pytest.mark.parametrize(("k", "sizes"), [(8, {2}), (12, {2, 3})])  # K=8: 3 rows route 12 pairs > K, host-planned
 def test_prefetch_counts_equal_a_count_from_what_was_predicted_and_routed(
-    k: int, monkeypatch: pytest.MonkeyPatch
+    k: int, sizes: set[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """experts_prefetched and prefetch_used, the H200 report's prefetch_accuracy, counted a second way: each
     prefetch's distinct predicted experts not resident before it (prefetched), of those the ones the layer's
-    next pass routed to (used). Batches of 1-3 rows, two of them alike: an expert two rows predict and route to
-    counts once."""
+    next pass routed to (used). Two sequences of one prompt decode side by side (their rows predict and route
+    alike: an expert both name counts once), a third joins every other step (batches of 2 and 3)."""
     from paged_experts.moe.paged import PagedLayer
 
     model = _prefetching(k)
-    model.enable_cuda_graphs([1, 2, 3])
+    model.enable_cuda_graphs([2, 3])
     pending: dict[int, set[int]] = {}  # layer -> experts its prefetch paged in, until its pass
     expected = {"prefetched": 0, "used": 0}
+    prefetched_rows: list[int] = []  # each prefetch's batch size
     real_prefetch, real_pass = PagedLayer.prefetch, PagedLayer.decode_pass
 
     def prefetch(self: PagedLayer, predicted: torch.Tensor, copy_stream: object) -> None:
         lru = self.device_lru
         assert lru is not None and self.layer_idx not in pending
+        assert torch.equal(predicted[0], predicted[1])  # the twin rows: what is counted once
         resident = set(lru.residency.expert_in[: lru.residency.num_slots].tolist())
         paged_in = set(predicted.reshape(-1).tolist()) - resident
         pending[self.layer_idx] = paged_in
         expected["prefetched"] += len(paged_in)
+        prefetched_rows.append(predicted.shape[0])
         real_prefetch(self, predicted, copy_stream)  # type: ignore[arg-type]
 
     def decode_pass(self: PagedLayer, h: torch.Tensor, ids: torch.Tensor, *args: object) -> object:
@@ -325,12 +328,21 @@ def test_prefetch_counts_equal_a_count_from_what_was_predicted_and_routed(
             expected["used"] += len(paged_in & set(ids.reshape(-1).tolist()))
         return real_pass(self, h, ids, *args)  # type: ignore[arg-type]
 
+    pool = KvPool.for_model(model, capacity_tokens=128)
+    seqs = [pool.new_sequence() for _ in range(3)]
+    last = model.forward([SeqChunk(s, p, 0) for s, p in zip(seqs, (PROMPTS[0], PROMPTS[0], PROMPTS[1]))])
     monkeypatch.setattr(PagedLayer, "prefetch", prefetch)
     monkeypatch.setattr(PagedLayer, "decode_pass", decode_pass)
     before = model.counters.snapshot().total
-    _scenario(model, decode_steps=9, prompts=(PROMPTS[0], PROMPTS[0], PROMPTS[1]))  # rows 1 and 2 route alike
+    for step in range(10):
+        n = 2 + step % 2  # the twins every step, the third every other
+        step_out = model.forward(
+            [SeqChunk(s, [int(last[i][-1].argmax())], s.num_tokens) for i, s in enumerate(seqs[:n])]
+        )
+        last[:n] = step_out
     after = model.counters.snapshot().total
     assert not pending  # every prefetch was followed by its layer's pass
+    assert set(prefetched_rows) == sizes  # the batch sizes that fit one wave prefetched
     assert expected["prefetched"] > expected["used"] > 0  # the scenario predicts right and wrong
     assert (after.prefetched - before.prefetched, after.prefetch_used - before.prefetch_used) == (
         expected["prefetched"],

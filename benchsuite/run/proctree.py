@@ -5,8 +5,10 @@ before signalling anything (a dead leader's children are re-parented and lost to
 the leader's descendants, every process of the group, and every process of ours whose
 environment carries the launch token (`TOKEN_ENV`, inherited by descendants), which finds
 those that called setsid and were re-parented to init. Then SIGTERM (+SIGCONT so a stopped
-process can act on it), each process signalled once, a grace period, SIGKILL for what is left,
-and the leader reaped.
+process can act on it), each process signalled once, a grace period, SIGKILL for what is left
+(with what carries the token but forked after the scan), and the leader reaped. A leader already
+reaped (a crash seen by poll) has freed its pid, and an empty group its number: then neither its
+descendants nor its group are looked up or signalled, only what carries the token.
 `die_with_parent` asks the kernel to SIGKILL a child when its parent dies (Linux).
 
 psutil finds the processes (descendants, users, environments) and signals them. Three parts stay
@@ -99,7 +101,8 @@ def _signal_all(pgid: int | None, procs: list[psutil.Process], sig: signal.Signa
 
 
 def kill_tree(popen: subprocess.Popen[bytes], token: str, grace_s: float) -> None:
-    """Terminate the leader's group plus every descendant that moved to another group."""
+    """Terminate the leader's group plus every descendant that moved to another group (after the leader was
+    reaped: what carries the launch token)."""
 
     def group() -> int | None:
         # The leader's pid is its group's number (start_new_session), ours while the leader is unreaped. Once
