@@ -139,12 +139,10 @@ def test_copy_planned_moves_only_valid_entries() -> None:
         assert not slots.get(name)[1].any()
 
 
-def _scenario(
-    model: MoeCausalLM, decode_steps: int = 4, pool: KvPool | None = None, prompts: tuple[list[int], ...] = PROMPTS
-) -> list[torch.Tensor]:
+def _scenario(model: MoeCausalLM, decode_steps: int = 4, pool: KvPool | None = None) -> list[torch.Tensor]:
     pool = pool or KvPool.for_model(model, capacity_tokens=128)
-    seqs = [pool.new_sequence() for _ in prompts]
-    out = model.forward([SeqChunk(s, p, 0, all_logits=True) for s, p in zip(seqs, prompts)])
+    seqs = [pool.new_sequence() for _ in PROMPTS]
+    out = model.forward([SeqChunk(s, p, 0, all_logits=True) for s, p in zip(seqs, PROMPTS)])
     last = list(out)  # each sequence's latest logits (a step's output holds only the rows it ran)
     for step in range(decode_steps):
         n = 1 + step % len(seqs)  # batch 1, 2, 3, 1: device-planned and host-planned steps
