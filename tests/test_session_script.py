@@ -176,8 +176,10 @@ def test_a_call_brings_the_runs_back_and_their_routing_traces_in_one_file(tmp_pa
     bin_dir.mkdir()
     (bin_dir / "python3").symlink_to(sys.executable)
     busy = f"stand-in-run-{os.getpid()}-{tmp_path.name}"  # a run of this test's own, not any on this machine
+    # a file's and a call's limits in MB, not 16 and 60 (what the device brings back): the parts below stay small
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out), "SESSION_COPY": str(copy),
-           "SESSION_JOBS": str(jobs), "SESSION_BUSY": busy}  # fmt: skip
+           "SESSION_JOBS": str(jobs), "SESSION_BUSY": busy, "SESSION_PART_BYTES": "1000000",
+           "SESSION_CALL_BYTES": "3000000"}  # fmt: skip
 
     def call(*verb: str, logs: int = 0) -> str:
         """One device call: its $OUT starts empty; `logs` stand-in files already in it."""
@@ -215,9 +217,32 @@ def test_a_call_brings_the_runs_back_and_their_routing_traces_in_one_file(tmp_pa
     # 8 files taken (2 runs' tars, 6 logs): left there, and `routing` brings them alone
     assert "the call's 8 files are taken" in call("poll", "61", logs=6) and not (out / "routing.tar").exists()
     assert "routing traces: 3 in routing.tar" in call("routing")
-    # a file that is no trace goes as it is (routing-ids.txt says why), and over 16 MB nothing goes
-    (copy / "results" / "h200-window" / "routing" / "big.trace").write_bytes(os.urandom(17_000_000))
-    said = call("poll", "61")
-    assert "4 over 16 MB (1 of them with their weights: routing-ids.txt says why), left on the machine" in said
-    assert not (out / "routing.tar").exists() and "cannot read trace" in (jobs / "routing-ids.txt").read_text()
+    # a file that is no trace goes as it is (routing-ids.txt says why); over a file's limit the tar comes back in
+    # parts, when the call has the files and bytes for all of them: here 5 logs and 2 runs' tars leave 1 file
+    (copy / "results" / "h200-window" / "routing" / "big.trace").write_bytes(os.urandom(1_500_000))
+    said = call("poll", "61", logs=5)
+    assert (
+        "routing traces: 4, 1 MB in 2 parts (1 of them with their weights: routing-ids.txt says why), left on"
+        " the machine (this call has 1 free files and 2 MB: `session.sh routing` brings them" in said
+    )
+    assert not list(out.glob("routing.tar*")) and "cannot read trace" in (jobs / "routing-ids.txt").read_text()
     assert "routing traces" not in call("poll", "61")  # that set is decided: not copied again every poll
+    said = call("routing")
+    assert "routing traces: 4 in 2 parts, routing.tar.part-00..01 (1 of them with their weights" in said
+    parts = sorted(out.glob("routing.tar.part-*"))
+    assert [p.name for p in parts] == ["routing.tar.part-00", "routing.tar.part-01"]
+    assert all(p.stat().st_size <= 1_000_000 for p in parts)
+    whole = tmp_path / "whole.tar"
+    whole.write_bytes(b"".join(p.read_bytes() for p in parts))  # cat routing.tar.part-* > routing.tar
+    shutil.rmtree(back)
+    back.mkdir()
+    subprocess.run(["tar", "-C", str(back), "-xf", str(whole)], check=True)  # noqa: S603, S607
+    big = copy / "results" / "h200-window" / "routing" / "big.trace"
+    assert (back / "h200-window" / "routing" / "big.trace").read_bytes() == big.read_bytes()
+    got = read_trace(back / "h200-window" / "routing" / "new.trace")
+    assert got.weights is None and (got.ids == traces["h200-window"].ids).all()
+    # over what any call brings back (3 MB here, 60 MB on the device): left there, even in a call of its own
+    (copy / "results" / "h200-policy-b" / "routing" / "big.trace").write_bytes(os.urandom(2_000_000))
+    said = call("routing")
+    assert "routing traces: 5, 3 MB in 4 parts" in said and "left on the machine (this call has 8 free files" in said
+    assert "session.sh routing" not in said and not list(out.glob("routing.tar*"))

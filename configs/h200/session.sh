@@ -23,12 +23,14 @@
 #   bash configs/h200/session.sh flags      # benchmarks/llamacpp_flags_h200.py at N=30 (detached; issue 24, ~8 min)
 #   bash configs/h200/session.sh policies   # benchmarks/eviction_policies.py over this session's routing traces
 #                                           # (the servers with record_routing: record, policy, window, policyconfirm),
-#                                           # one process a trace
+#                                           # one process a trace (2,048-token traces take over 12 min: bring them
+#                                           # back with `routing` and replay them off the device instead)
 #   bash configs/h200/session.sh queue JOB...  # JOBs (cuda first, then headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|window|policyconfirm|prefetch|flags|policies) in
 #                                           # order, once prepare's jobs end; a failed CUDA test stops the runs
 #   bash configs/h200/session.sh poll SECS  # wait up to SECS for the running jobs, printing progress; once they have
-#                                           # ended, with a minute left, the routing traces in routing.tar if they fit
-#   bash configs/h200/session.sh routing    # the routing traces alone (ids only, routing.tar), in a call of their own
+#                                           # ended, with a minute left, the routing traces in routing.tar (over 16 MB
+#                                           # in parts, routing.tar.part-NN) if the call has room for them
+#   bash configs/h200/session.sh routing    # the routing traces alone (ids only), in a call of their own
 # CUDA_TESTS (default tests/cuda): the tests `cuda` runs, e.g. one file when a session has time for only one
 # matrix and the change is confined to what that file checks (say which in the results README).
 # RUN_SUFFIX (default none): appended to the run ids (h200-paged16-b), to run a committed matrix again beside
@@ -44,6 +46,9 @@ JOBS="${SESSION_JOBS:-/root/jobs}"
 CUDA_TESTS="${CUDA_TESTS:-tests/cuda}"
 # the jobs poll waits for and collect packs no trace beside (SESSION_BUSY: tests/test_session_script.py's own)
 BUSY="${SESSION_BUSY:-benchsuite (install|run|gguf)|synth_memory|llamacpp_flags_h200|eviction_policies}"
+# what one file and one call may bring back (16 MiB a file, 64 MiB a call; tests/test_session_script.py sets smaller)
+PART_BYTES="${SESSION_PART_BYTES:-16000000}"
+CALL_BYTES="${SESSION_CALL_BYTES:-60000000}"
 mkdir -p "$OUT" "$JOBS"
 export PYTHONUNBUFFERED=1 BENCH_H200_MODEL=/tmp/h200/q48 BENCH_H200_FP8_MODEL=/tmp/h200/q48-fp8 \
   BENCH_H200_GGUF=/dev/shm/h200/q48-q8_0.gguf
@@ -91,12 +96,14 @@ collect() {  # the jobs' logs and the runs' results into $OUT (at most 8 files c
 }
 
 pack_traces() {  # pack_traces [force]: this session's routing traces into $OUT/routing.tar, when they fit
-  # So the policy replay can also run off the device. Copies without the routing weights (`benchsuite trace ids-only`:
-  # a third of the bytes; the simulator and the Belady replay read ids only); a trace the copy fails on goes as it is
-  # (routing-ids.txt says why). Six short-prompt servers' recorded traces were over 16 MB with their weights
-  # (h200-window); 2,048-token prompts' traces are tens of MB each without them and stay on the machine.
+  # So the policy replay runs off the device (on the device, policyconfirm's four traces had not been replayed after
+  # 12 min, and were lost with the machine). Copies without the routing weights (`benchsuite trace ids-only`: a third
+  # of the bytes; the simulator and the Belady replay read ids only); a trace the copy fails on goes as it is
+  # (routing-ids.txt says why). Over a file's 16 MB the tar comes back in parts (routing.tar.part-00, -01, ...;
+  # `cat routing.tar.part-* > routing.tar`) when the call's free files and bytes (60 MB of 64 MiB) hold them all,
+  # else it stays on the machine and `session.sh routing`, a call of its own, brings it.
   # Never beside a running job (the copies take a core), never in the place of a log or a run among the call's
-  # 8 files, once per set of traces unless forced (`session.sh routing`, a call of its own).
+  # 8 files, once per set of traces unless forced (`session.sh routing`).
   local force=${1:-0} ids="$JOBS/routing-ids" tar="$JOBS/routing.tar" stamp="$JOBS/routing.stamp" trace rel
   local total=0 fallbacks=0 what
   if ! compgen -G "$COPY/results/h200-*/routing/*.trace" > /dev/null; then
@@ -135,14 +142,31 @@ pack_traces() {  # pack_traces [force]: this session's routing traces into $OUT/
   mv "$stamp" "$JOBS/routing.done"  # this set is decided: brought back below, or too big for a call
   what="all without their weights"
   [ "$fallbacks" -gt 0 ] && what="$fallbacks of them with their weights: routing-ids.txt says why"
-  if [ "$(stat -c %s "$tar")" -gt 16000000 ]; then
-    rm -f "$tar"
-    echo "routing traces: $total over 16 MB ($what), left on the machine"
+  local size parts free used part
+  size=$(stat -c %s "$tar")
+  if [ "$size" -le "$PART_BYTES" ]; then
+    # complete in $JOBS first: a call cut short mid-copy leaves routing.tar.tmp, never a short routing.tar
+    cp "$tar" "$OUT/routing.tar.tmp" && mv "$OUT/routing.tar.tmp" "$OUT/routing.tar" \
+      && echo "routing traces: $total in routing.tar ($what)"
     return 0
   fi
-  # complete in $JOBS first: a call cut short mid-copy leaves routing.tar.part, never a short routing.tar
-  cp "$tar" "$OUT/routing.tar.part" && mv "$OUT/routing.tar.part" "$OUT/routing.tar" \
-    && echo "routing traces: $total in routing.tar ($what)"
+  parts=$(( (size + PART_BYTES - 1) / PART_BYTES ))
+  free=$(( 8 - $(find "$OUT" -type f | wc -l) ))
+  used=$(find "$OUT" -type f -printf '%s\n' | awk '{s += $1} END {print s + 0}')
+  if [ "$parts" -gt "$free" ] || [ $((used + size)) -gt "$CALL_BYTES" ]; then
+    local why="this call has $free free files and $(( (CALL_BYTES - used) / 1000000 )) MB"
+    [ "$force" = 1 ] || [ "$parts" -gt 8 ] || [ "$size" -gt "$CALL_BYTES" ] \
+      || why="$why: \`session.sh routing\` brings them in a call of its own"
+    echo "routing traces: $total, $((size / 1000000)) MB in $parts parts ($what), left on the machine ($why)"
+    return 0
+  fi
+  rm -f "$JOBS"/routing.tar.part-*
+  split -b "$PART_BYTES" -d -a 2 "$tar" "$JOBS/routing.tar.part-" || { echo "routing traces: split failed"; return 0; }
+  for part in "$JOBS"/routing.tar.part-*; do  # each part whole or not at all, as routing.tar above
+    cp "$part" "$OUT/$(basename "$part").tmp" && mv "$OUT/$(basename "$part").tmp" "$OUT/$(basename "$part")"
+  done
+  echo "routing traces: $total in $parts parts, routing.tar.part-00..$(printf %02d $((parts - 1))) ($what):" \
+    "cat routing.tar.part-* > routing.tar"
 }
 
 case "${1:-}" in
