@@ -357,7 +357,8 @@ def test_paging_delta_prefill_fields() -> None:
               p + "prefill_waves_total": 300.0, p + "prefill_router_seconds_total": 1.0,
               p + "prefill_staged_unused_total": 4.0, p + "prefill_idle_before_layer_seconds_total": 0.01,
               p + "prefill_idle_between_waves_seconds_total": 0.002, p + "gc_pause_seconds_total": 0.5,
-              p + "gc_full_collections_total": 3.0}  # fmt: skip
+              p + "gc_full_collections_total": 3.0, p + "prefill_host_wait_seconds_total": 0.1,
+              p + "prefill_host_plan_seconds_total": 0.2}  # fmt: skip
     after = {p + "expert_hits_total": 1000.0, p + "expert_misses_total": 5000.0, p + "prefill_chunks_total": 3.0,
              p + "prefill_layer_steps_total": 144.0, p + "prefill_expert_hits_total": 110.0,
              p + "prefill_expert_misses_total": 4890.0, p + "prefill_bytes_paged_total": 9.2e9,
@@ -365,7 +366,8 @@ def test_paging_delta_prefill_fields() -> None:
              p + "prefill_waves_total": 900.0, p + "prefill_router_seconds_total": 1.5,
              p + "prefill_staged_unused_total": 52.0, p + "prefill_idle_before_layer_seconds_total": 0.298,
              p + "prefill_idle_between_waves_seconds_total": 0.05, p + "gc_pause_seconds_total": 0.625,
-             p + "gc_full_collections_total": 5.0}  # fmt: skip
+             p + "gc_full_collections_total": 5.0, p + "prefill_host_wait_seconds_total": 0.196,
+             p + "prefill_host_plan_seconds_total": 0.872}  # fmt: skip
     delta = paging_delta(before, after)
     assert delta["prefill_chunks"] == 2
     assert delta["prefill_bytes_per_chunk"] == pytest.approx(4.1e9)
@@ -376,6 +378,8 @@ def test_paging_delta_prefill_fields() -> None:
     assert delta["prefill_staged_unused_per_layer"] == pytest.approx(0.5)  # 48 over 96 layer-steps
     assert delta["prefill_idle_before_layer_s"] == pytest.approx(0.003)  # 0.288 s over 96 layer-steps
     assert delta["prefill_idle_between_waves_s"] == pytest.approx(0.0005)  # 0.048 s over 96
+    assert delta["prefill_host_wait_s"] == pytest.approx(0.001)  # 0.096 s over 96 layer-steps
+    assert delta["prefill_host_plan_s"] == pytest.approx(0.007)  # 0.672 s over 96
     assert delta["gc_pause_s"] == pytest.approx(0.125) and delta["gc_full_collections"] == 2
     # decode: 900 hits and 200 misses outside the prefill steps
     assert delta["decode_miss_rate"] == pytest.approx(200 / 1100)

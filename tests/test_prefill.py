@@ -6,6 +6,8 @@ planner; what each policy leaves in the slots."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -127,6 +129,43 @@ def test_prefill_counters_count_the_prompt_chunks_and_replay_in_the_planner() ->
     assert snap.to_dict()["prefill"]["chunks"] == 5
     model.counters.reset()
     assert model.counters.snapshot().prefill.steps == 0
+
+
+def test_the_hosts_time_in_each_paged_prefill_layer_is_counted_and_decode_steps_add_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """PrefillCounts.host_wait_s and host_plan_s: the host's seconds in the host-planned paged layers of prefill
+    steps, blocked on the device (a device-planned layer first pulls its residency state, here made 5 ms slow as a
+    busy GPU's read would be) and from the ids to the layer's last launch (on the CPU the waves compute inline in
+    it); both inside the steps' wall clock; steps without a prompt chunk add nothing."""
+    from paged_experts.moe.paged import PagedLayer
+
+    pull = PagedLayer._pull_stale_states
+
+    def slow_pull(layer: PagedLayer) -> None:
+        time.sleep(0.005)
+        pull(layer)
+
+    monkeypatch.setattr(PagedLayer, "_pull_stale_states", slow_pull)
+    model = MoeCausalLM.from_pretrained(TINY, RuntimeConfig(mode="paged", resident_experts=6, device_planning="on"))
+    started = time.perf_counter()
+    long_prompt(model, 96, decode_steps=0)
+    wall_s = time.perf_counter() - started
+    prefill = model.counters.snapshot().prefill
+    assert prefill.layer_steps == 5 * model.config.num_layers  # every layer of the 5 prefill steps, host-planned
+    assert prefill.host_wait_s >= 0.005 * prefill.layer_steps
+    assert prefill.host_plan_s > 0 and prefill.host_wait_s + prefill.host_plan_s < wall_s
+    # two 1-token sequences: 8 routed pairs > K=6, so host-planned (and pulled) again, in no prefill step
+    pool = KvPool.for_model(model, capacity_tokens=64)
+    a, b = pool.new_sequence(), pool.new_sequence()
+    for pos in range(2):
+        model.forward([SeqChunk(a, [1 + pos], pos), SeqChunk(b, [7 + pos], pos)])
+    after = model.counters.snapshot().prefill
+    assert (after.layer_steps, after.host_wait_s, after.host_plan_s) == (
+        prefill.layer_steps,
+        prefill.host_wait_s,
+        prefill.host_plan_s,
+    )
 
 
 def test_decode_steps_and_resident_models_count_no_prefill() -> None:

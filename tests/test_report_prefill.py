@@ -30,7 +30,7 @@ def cell(cid: str, mode: str, ttft: float | None, chunk_bytes: float | None, *, 
             "prefill_copy_s_per_chunk": 0.6, "prefill_span_s_per_chunk": 0.8, "prefill_copy_busy": 0.75,
             "prefill_waves_per_layer": 10.0, "decode_tok_s_p50": 20.0, "decode_miss_rate": 0.2,
             "ttft_p90_s": None if ttft is None else ttft * 1.5, "gc_pause_s": 0.004, "num_requests": 4,
-            "gc_full_collections": 1}  # fmt: skip
+            "gc_full_collections": 1, "prefill_host_wait_s": 0.0005, "prefill_host_plan_s": 0.007}  # fmt: skip
 
 
 def run(link: dict[str, Any] | None) -> RunData:
@@ -54,6 +54,7 @@ def test_floor_from_the_bytes_per_chunk_and_the_link() -> None:
     assert pg["ttft_of_floor"] == pytest.approx(1.3) and pg["resident_ttft_s"] == pytest.approx(0.32)
     assert pg["paging_of_floor"] == pytest.approx(1.25)  # 0.05 s of the TTFT was the synthetic router's
     assert (pg["router_s"], pg["copy_busy"], pg["waves_per_layer"], pg["note"]) == (0.05, 0.75, 10.0, "")
+    assert (pg["host_wait_ms"], pg["host_plan_ms"]) == pytest.approx((0.5, 7.0))  # per layer-step, in ms
     assert pd.isna(table.loc["short", "resident_ttft_s"]) and table.loc["short", "floor_s"] == pytest.approx(0.4)
     assert pd.isna(table.loc["res0", "floor_s"])  # a resident cell pages nothing: no floor, its TTFT is the compute
     assert table.loc["bad", "note"] == "cell failed" and pd.isna(table.loc["bad", "ttft_of_floor"])

@@ -48,6 +48,10 @@ PAGING_DEFINITIONS: dict[str, str] = {
     "the host's plan and first wave) / paged layer-steps",
     "prefill_idle_between_waves_s": "link idle between the page-ins of one layer of a prefill step (copies waiting "
     "for a wave's compute) / paged layer-steps",
+    "prefill_host_wait_s": "built-in engine: host time a paged layer of a prefill step spent blocked on the device "
+    "(reading its routed ids, pulling residency states) / paged layer-steps",
+    "prefill_host_plan_s": "built-in engine: host time from a paged layer's routed ids to its last launch in a prefill "
+    "step (plan, page-ins, waves) / paged layer-steps: with the idle before a layer, whose side the link waited on",
     "decode_miss_rate": "misses / (hits + misses) of every step but the prefill steps (the decode after the prompts)",
     "experts_prefetched": "next-layer prefetch: experts paged in before their layer's routing was known, over the cell "
     "(their bytes are in bytes_paged; 0 with prefetch off)",
@@ -89,6 +93,8 @@ PAGING_COUNTERS = {
     "prefill_staged_unused": "paged_experts:prefill_staged_unused_total",
     "prefill_idle_before_layer_s": "paged_experts:prefill_idle_before_layer_seconds_total",
     "prefill_idle_between_waves_s": "paged_experts:prefill_idle_between_waves_seconds_total",
+    "prefill_host_wait_s": "paged_experts:prefill_host_wait_seconds_total",
+    "prefill_host_plan_s": "paged_experts:prefill_host_plan_seconds_total",
     "prefill_router_s": "paged_experts:prefill_router_seconds_total",
     "gc_pause_s": "paged_experts:gc_pause_seconds_total",
     "gc_full_collections": "paged_experts:gc_full_collections_total",
@@ -137,6 +143,9 @@ def paging_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
     - prefill_idle_before_layer_s, prefill_idle_between_waves_s = the link's idle seconds before each
       layer's first page-in / between one layer's page-ins, over those layer-steps (None from a server
       without the counters)
+    - prefill_host_wait_s, prefill_host_plan_s = the server's host seconds over those layer-steps: blocked on
+      the device (the routed ids, residency pulls), and from the ids to the layer's last launch (None from a
+      server without the counters)
     - decode_miss_rate = (misses - prefill misses) / (hits + misses - prefill hits - prefill misses):
       the miss rate of every other step (the decode after the prompts)
     - decode_bytes_per_token = (bytes_paged - prefill bytes) / decode_tokens: the bytes paged in outside
@@ -195,6 +204,8 @@ def _prefill_fields(delta: dict[str, float | None]) -> dict[str, Any]:
         "prefill_staged_unused_per_layer": _ratio(delta["prefill_staged_unused"], delta["prefill_layer_steps"]),
         "prefill_idle_before_layer_s": _ratio(delta["prefill_idle_before_layer_s"], delta["prefill_layer_steps"]),
         "prefill_idle_between_waves_s": _ratio(delta["prefill_idle_between_waves_s"], delta["prefill_layer_steps"]),
+        "prefill_host_wait_s": _ratio(delta["prefill_host_wait_s"], delta["prefill_layer_steps"]),
+        "prefill_host_plan_s": _ratio(delta["prefill_host_plan_s"], delta["prefill_layer_steps"]),
         "decode_miss_rate": _ratio(decode_miss, decode_looked_up),
         "decode_bytes_per_token": _ratio(decode_bytes, delta["decode_tokens"]),
     }

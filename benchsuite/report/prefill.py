@@ -38,7 +38,8 @@ COLUMNS = (
     "run_id", "configuration", "routing", "workload", "prompt_class", "concurrency", "repeat", "ttft_p50_s",
     "prefill_gb_per_chunk", "link_gb_per_s", "floor_s", "ttft_of_floor", "router_s", "paging_of_floor",
     "resident_ttft_s", "copy_s", "span_s", "span_of_floor", "copy_busy", "idle_before_layer_ms", "idle_waves_ms",
-    "waves_per_layer", "staged_unused_per_layer", "ttft_p90_of_p50", "gc_ms_per_request", "gc_full_collections",
+    "host_wait_ms", "host_plan_ms", "waves_per_layer", "staged_unused_per_layer", "ttft_p90_of_p50",
+    "gc_ms_per_request", "gc_full_collections",
     "decode_tok_s_p50", "decode_miss_rate", "note", "cell_id",
 )  # fmt: skip
 INTRO = (
@@ -54,7 +55,10 @@ INTRO = (
     "queue-free figure. idle_before_layer_ms is the link idle before each paged layer's first page-in (the "
     "layer's serial chain: the previous layer's last waves, its attention and routing, the host's plan, its "
     "first wave) and idle_waves_ms the idle between one layer's page-ins (copies waiting for a wave's compute), "
-    "each per layer-step. ttft_p90_of_p50 is the spread of the cell's own requests (a p50 of few requests moves "
+    "each per layer-step; host_wait_ms and host_plan_ms are the server's host time per layer-step, blocked on "
+    "the device (reading the routed ids) and from the ids to the layer's last launch: an idle before a layer "
+    "that grows with host_plan_ms is the host's, one that grows with host_wait_ms the device queue's. "
+    "ttft_p90_of_p50 is the spread of the cell's own requests (a p50 of few requests moves "
     "with it); gc_ms_per_request is the server's time in Python garbage collections over the cell (prefill and "
     "decode) per measured request, gc_full_collections the cell's collections of every tracked object. "
     "decode_miss_rate is the miss rate outside prefill steps: what the prefill residency left for the decode.</p>"
@@ -115,6 +119,8 @@ def _row(c: pd.Series, link: float | None, link_why: str, resident: float | None
         "copy_busy": _value(c, "prefill_copy_busy"),
         "idle_before_layer_ms": _ms(_value(c, "prefill_idle_before_layer_s")),
         "idle_waves_ms": _ms(_value(c, "prefill_idle_between_waves_s")),
+        "host_wait_ms": _ms(_value(c, "prefill_host_wait_s")),
+        "host_plan_ms": _ms(_value(c, "prefill_host_plan_s")),
         "waves_per_layer": _value(c, "prefill_waves_per_layer"),
         "staged_unused_per_layer": _value(c, "prefill_staged_unused_per_layer"),
         "ttft_p90_of_p50": _ratio(_value(c, "ttft_p90_s"), ttft),

@@ -9,6 +9,7 @@ the step's size and the kernel, never by a flag inside the compute.
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 
@@ -64,17 +65,29 @@ class PagedLayer(MoeLayer):
             assert stats is not None
             self.record_device(stats, num_pairs)
             return out
-        self._pull_stale_states()
+        t0 = time.perf_counter()
+        self._pull_stale_states()  # a read of device state: waits for the device like the ids do
+        pulled_s = time.perf_counter() - t0
         try:
-            return self._host_planned(x, ids, weights, ids_cpu, ctx)
+            return self._host_planned(x, ids, weights, ids_cpu, ctx, waited_s=pulled_s)
         finally:
             lru.push_from(self.residency)
 
     def _host_planned(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ids_cpu: torch.Tensor | None, ctx: StepContext
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        ids_cpu: torch.Tensor | None,
+        ctx: StepContext,
+        waited_s: float = 0.0,
     ) -> torch.Tensor:
+        """A layer-step planned on the host, wave by wave; in a prefill step the host's time is counted
+        (`PrefillCounts.host_wait_s`, `host_plan_s`): `waited_s`, already blocked on the device before it."""
         sh = self.shared
+        t0 = time.perf_counter()
         ids_cpu = ids.to("cpu", torch.long) if ids_cpu is None else ids_cpu  # [T, k]: the one sync per layer, if any
+        t_ids = time.perf_counter()
         stream = page_in_stream(sh.device)
         copies = LayerCopies(sh.device, stream, sh.steps, sh.counters, self.layer_idx, sh.expert_bytes)
         staged = sh.staging.take(self.layer_idx, ctx) if sh.staging is not None else None
@@ -83,7 +96,10 @@ class PagedLayer(MoeLayer):
         )
         self._stage_next(ids_cpu.numel(), ctx, stream)
         self.record_host(union=n.union, routed_pairs=ids_cpu.numel(), hits=n.hits, misses=n.misses, waves=n.waves)
-        return run.finish(weights).to(sh.device)
+        out = run.finish(weights).to(sh.device)
+        if sh.steps.prefill:
+            sh.counters.prefill_host(wait_s=waited_s + t_ids - t0, plan_s=time.perf_counter() - t_ids)
+        return out
 
     def _stage_next(self, num_pairs: int, ctx: StepContext, stream: torch.cuda.Stream | None) -> None:
         """With staging rows: the next paged layer's first page-ins of this step, copied now, behind this

@@ -32,6 +32,11 @@ and over the paged layers' host-planned layer-steps of those steps (moe/streamin
 - `span_s`: per step, from its first MoE layer starting to its last paged layer's last wave
   (CUDA events on the compute stream; CPU: wall clock), summed over steps;
 - `waves`: waves of those layer-steps, all layers;
+- `host_wait_s`: host time those layer-steps spent blocked on the device: reading the layer's routed ids
+  (the model's own router) and pulling device-planned residency states;
+- `host_plan_s`: host time from those ids to each layer-step's last launch (its plan, the page-ins' and
+  waves' launches; on the CPU the waves' compute too). The link's idle before a layer is the host's
+  when `host_plan_s` grows with it, the device queue's when `host_wait_s` does;
 - `copy_busy_fraction = copy_time_s / span_s`: the share of the prefill the copy engine was busy.
 A prefill step whose layers each fit one device-planned wave (tokens x top_k <= K) is not counted.
 """
@@ -106,6 +111,9 @@ class PrefillCounts:
     # span_s less both and copy_time_s is the tail after the last page-in.
     idle_before_layer_s: float = 0.0
     idle_between_waves_s: float = 0.0
+    # The host's side of those layer-steps (perf_counter): blocked on the device, and planning and launching
+    host_wait_s: float = 0.0
+    host_plan_s: float = 0.0
 
     @property
     def copy_busy_fraction(self) -> float | None:
@@ -275,6 +283,13 @@ class PagingCounters:
     def prefill_router(self, seconds: float) -> None:
         """Host time of one router-override call in the current prefill step."""
         self._prefill.values["router_s"] += seconds
+
+    def prefill_host(self, *, wait_s: float, plan_s: float) -> None:
+        """One host-planned paged layer-step of the current prefill step: the host's seconds blocked on the
+        device (the routed ids, residency pulls) and from the ids to its last launch."""
+        v = self._prefill.values
+        v["host_wait_s"] += wait_s
+        v["host_plan_s"] += plan_s
 
     def prefill_copy(self, num_bytes: int, start: TimeMark, end: TimeMark, opens_layer: bool) -> None:
         """A page-in of the current prefill step, issued on the page-in stream after the ones before. `opens_layer`:

@@ -82,6 +82,10 @@ PREFILL_COUNTERS: tuple[tuple[str, str, str], ...] = (
      "Link idle before each paged layer's first page-in of those steps (its serial chain)"),
     ("prefill_idle_between_waves_seconds_total", "idle_between_waves_s",
      "Link idle between the page-ins of one layer of those steps (waiting for a wave's compute)"),
+    ("prefill_host_wait_seconds_total", "host_wait_s",
+     "Host time blocked on the device in the host-planned paged layers of those steps (routed ids, residency)"),
+    ("prefill_host_plan_seconds_total", "host_plan_s",
+     "Host time from the routed ids to each host-planned paged layer's last launch in those steps"),
 )  # fmt: skip
 
 # No `<name>_created` timestamp series beside each counter and histogram: the scrape keeps the

@@ -353,6 +353,9 @@ def _prefill_counters(page_in: str) -> None:
     # it fits the span (events of two streams: a microsecond's slack)
     assert p.idle_before_layer_s > 0 and p.idle_between_waves_s >= 0
     assert p.copy_time_s + p.idle_before_layer_s + p.idle_between_waves_s <= p.span_s + 1e-6
+    # the host's side of those layer-steps: each one reads its routed ids (a wait on the device) and plans and
+    # launches after it; neither is zero, and the report's host_wait_ms / host_plan_ms come from these
+    assert p.host_wait_s > 0 and p.host_plan_s > 0
 
 
 if __name__ == "__main__":
