@@ -23,7 +23,7 @@
 #   bash configs/h200/session.sh flags      # benchmarks/llamacpp_flags_h200.py at N=30 (detached; issue 24, ~8 min)
 #   bash configs/h200/session.sh policies   # benchmarks/eviction_policies.py over this session's routing traces
 #                                           # (the servers with record_routing: record, policy, window, policyconfirm),
-#                                           # one process a trace (2,048-token traces take over 12 min: bring them
+#                                           # one process a trace (2,048-token traces take over 11 min: bring them
 #                                           # back with `routing` and replay them off the device instead)
 #   bash configs/h200/session.sh queue JOB...  # JOBs (cuda first, then headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|window|policyconfirm|prefetch|flags|policies) in
 #                                           # order, once prepare's jobs end; a failed CUDA test stops the runs
@@ -97,7 +97,7 @@ collect() {  # the jobs' logs and the runs' results into $OUT (at most 8 files c
 
 pack_traces() {  # pack_traces [force]: this session's routing traces into $OUT/routing.tar, when they fit
   # So the policy replay runs off the device (on the device, policyconfirm's four traces had not been replayed after
-  # 12 min, and were lost with the machine). Copies without the routing weights (`benchsuite trace ids-only`: a third
+  # 11 min, and were lost with the machine). Copies without the routing weights (`benchsuite trace ids-only`: a third
   # of the bytes; the simulator and the Belady replay read ids only); a trace the copy fails on goes as it is
   # (routing-ids.txt says why). Over a file's 16 MB the tar comes back in parts (routing.tar.part-00, -01, ...;
   # `cat routing.tar.part-* > routing.tar`) when the call's free files and bytes (60 MB of 64 MiB) hold them all,
