@@ -131,41 +131,64 @@ def test_prefill_counters_count_the_prompt_chunks_and_replay_in_the_planner() ->
     assert model.counters.snapshot().prefill.steps == 0
 
 
-def test_the_hosts_time_in_each_paged_prefill_layer_is_counted_and_decode_steps_add_none(
+def test_the_hosts_time_in_each_paged_prefill_layer_is_split_into_waiting_and_the_rest_and_decode_adds_none(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """PrefillCounts.host_wait_s and host_plan_s: the host's seconds in the host-planned paged layers of prefill
-    steps, blocked on the device (a device-planned layer first pulls its residency state, here made 5 ms slow as a
-    busy GPU's read would be) and from the ids to the layer's last launch (on the CPU the waves compute inline in
-    it); both inside the steps' wall clock; steps without a prompt chunk add nothing."""
-    from paged_experts.moe.paged import PagedLayer
+    steps. What blocks on the device (here the residency states' read, made 5 ms slow as a busy GPU's would be) is
+    host_wait_s; the rest of the layer-step (the plan, the waves, which compute inline on the CPU, and the residency
+    write-back after it, made 3 ms slow) is host_plan_s. Both sit inside the steps' wall clock; steps without a
+    prompt chunk add nothing."""
+    import paged_experts.moe.paged as paged_module
+    from paged_experts.moe.planning import DeviceLru
 
-    pull = PagedLayer._pull_stale_states
+    read, write_back = paged_module.pull_many, DeviceLru.push_from
 
-    def slow_pull(layer: PagedLayer) -> None:
+    def slow_read(pairs):  # noqa: ANN001, ANN202 - pull_many's own signature
         time.sleep(0.005)
-        pull(layer)
+        return read(pairs) + 0.005  # the seconds the read blocked, as pull_many reports them
 
-    monkeypatch.setattr(PagedLayer, "_pull_stale_states", slow_pull)
+    def slow_write_back(lru: DeviceLru, residency) -> None:  # noqa: ANN001 - a LayerResidency
+        time.sleep(0.003)
+        write_back(lru, residency)
+
+    monkeypatch.setattr(paged_module, "pull_many", slow_read)
+    monkeypatch.setattr(DeviceLru, "push_from", slow_write_back)
     model = MoeCausalLM.from_pretrained(TINY, RuntimeConfig(mode="paged", resident_experts=6, device_planning="on"))
     started = time.perf_counter()
     long_prompt(model, 96, decode_steps=0)
     wall_s = time.perf_counter() - started
     prefill = model.counters.snapshot().prefill
-    assert prefill.layer_steps == 5 * model.config.num_layers  # every layer of the 5 prefill steps, host-planned
-    assert prefill.host_wait_s >= 0.005 * prefill.layer_steps
-    assert prefill.host_plan_s > 0 and prefill.host_wait_s + prefill.host_plan_s < wall_s
-    # two 1-token sequences: 8 routed pairs > K=6, so host-planned (and pulled) again, in no prefill step
+    steps = prefill.layer_steps
+    assert steps == 5 * model.config.num_layers  # every layer of the 5 prefill steps, host-planned
+    # the reads' 5 ms in host_wait_s, the write-backs' 3 ms not (the ids are CPU tensors: their read waits for nothing)
+    assert 0.005 * steps <= prefill.host_wait_s < 0.0075 * steps
+    assert prefill.host_plan_s >= 0.003 * steps
+    assert prefill.host_wait_s + prefill.host_plan_s < wall_s
+    # two 1-token sequences: 8 routed pairs > K=6, so host-planned (and read, and written back) again, in no prefill
     pool = KvPool.for_model(model, capacity_tokens=64)
     a, b = pool.new_sequence(), pool.new_sequence()
     for pos in range(2):
         model.forward([SeqChunk(a, [1 + pos], pos), SeqChunk(b, [7 + pos], pos)])
     after = model.counters.snapshot().prefill
     assert (after.layer_steps, after.host_wait_s, after.host_plan_s) == (
-        prefill.layer_steps,
+        steps,
         prefill.host_wait_s,
         prefill.host_plan_s,
     )
+
+
+def test_the_residency_read_reports_its_own_seconds() -> None:
+    """pull_many returns the seconds of its one device read, which the prefill counters file as waiting: never
+    more than the whole call, and 0 when there is nothing to read."""
+    from paged_experts.residency.device import pull_many
+
+    model = MoeCausalLM.from_pretrained(TINY, RuntimeConfig(mode="paged", resident_experts=6, device_planning="on"))
+    pairs = [(m.device_lru.residency, m.residency) for m in model.moe_layers]
+    started = time.perf_counter()
+    read_s = pull_many(pairs)
+    assert 0 < read_s <= time.perf_counter() - started
+    assert pull_many([]) == 0.0
 
 
 def test_decode_steps_and_resident_models_count_no_prefill() -> None:

@@ -154,11 +154,13 @@ def test_prepare_restores_a_carried_run_so_the_queue_resumes_it(tmp_path: Path) 
     assert not (copy / "results" / "h200-old").exists()  # the committed runs stay out of the copy
 
 
-def test_a_call_brings_the_runs_back_and_their_routing_traces_in_one_file(tmp_path: Path) -> None:
+def test_a_call_brings_the_runs_back_and_their_routing_traces(tmp_path: Path) -> None:
     """A poll once the jobs have ended: each run's tar without its traces, and every run's traces in routing.tar
     without their routing weights (`benchsuite trace ids-only`: the replays read ids only, so the policy replay can
     run off the device); once per set of traces, never beside a running job, never in the place of a log or a run
-    among the call's 8 files (`session.sh routing` then brings them in a call of their own); over 16 MB they stay."""
+    among the call's 8 files (`session.sh routing` then brings them in a call of their own); over a file's limit
+    (16 MB) in parts, routing.tar.part-NN, when the call has the files and bytes (60 MB) for them all, as for the
+    one file; over what any call brings back they stay."""
     from paged_experts.routing.trace import read_trace, save_trace, synthesize_trace
 
     copy, jobs, out = tmp_path / "copy", tmp_path / "jobs", tmp_path / "out"
@@ -181,12 +183,12 @@ def test_a_call_brings_the_runs_back_and_their_routing_traces_in_one_file(tmp_pa
            "SESSION_JOBS": str(jobs), "SESSION_BUSY": busy, "SESSION_PART_BYTES": "1000000",
            "SESSION_CALL_BYTES": "3000000"}  # fmt: skip
 
-    def call(*verb: str, logs: int = 0) -> str:
-        """One device call: its $OUT starts empty; `logs` stand-in files already in it."""
+    def call(*verb: str, logs: int = 0, log_bytes: int = 3) -> str:
+        """One device call: its $OUT starts empty; `logs` stand-in files of `log_bytes` already in it."""
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir()
         for i in range(logs):
-            (out / f"job{i}.log").write_text("log")
+            (out / f"job{i}.log").write_bytes(b"x" * log_bytes)
         done = subprocess.run(["bash", str(SCRIPT), *verb], cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=120, check=False)  # fmt: skip
         assert done.returncode == 0, done.stdout + done.stderr
@@ -217,32 +219,51 @@ def test_a_call_brings_the_runs_back_and_their_routing_traces_in_one_file(tmp_pa
     # 8 files taken (2 runs' tars, 6 logs): left there, and `routing` brings them alone
     assert "the call's 8 files are taken" in call("poll", "61", logs=6) and not (out / "routing.tar").exists()
     assert "routing traces: 3 in routing.tar" in call("routing")
+    # one file, but over the call's bytes (3 MB here, 60 MB on the device): 3 MB of logs already in it
+    save_trace(traces["h200-policy-b"], copy / "results" / "h200-policy-b" / "routing" / "new.trace")
+    said = call("poll", "61", logs=2, log_bytes=1_500_000)
+    assert (
+        "routing traces: 4, 1 MB in one file (all without their weights), left on the machine (this call has 4 free"
+        " files and 0 MB: `session.sh routing` brings them in a call of its own)" in said
+    )
+    assert not list(out.glob("routing.tar*"))
+    assert "routing traces: 4 in routing.tar" in call("routing")
     # a file that is no trace goes as it is (routing-ids.txt says why); over a file's limit the tar comes back in
     # parts, when the call has the files and bytes for all of them: here 5 logs and 2 runs' tars leave 1 file
-    (copy / "results" / "h200-window" / "routing" / "big.trace").write_bytes(os.urandom(1_500_000))
+    big = copy / "results" / "h200-window" / "routing" / "big.trace"
+    big.write_bytes(os.urandom(1_500_000))
     said = call("poll", "61", logs=5)
     assert (
-        "routing traces: 4, 1 MB in 2 parts (1 of them with their weights: routing-ids.txt says why), left on"
+        "routing traces: 5, 2 MB in 2 parts (1 of them with their weights: routing-ids.txt says why), left on"
         " the machine (this call has 1 free files and 2 MB: `session.sh routing` brings them" in said
     )
     assert not list(out.glob("routing.tar*")) and "cannot read trace" in (jobs / "routing-ids.txt").read_text()
     assert "routing traces" not in call("poll", "61")  # that set is decided: not copied again every poll
     said = call("routing")
-    assert "routing traces: 4 in 2 parts, routing.tar.part-00..01 (1 of them with their weights" in said
-    parts = sorted(out.glob("routing.tar.part-*"))
-    assert [p.name for p in parts] == ["routing.tar.part-00", "routing.tar.part-01"]
-    assert all(p.stat().st_size <= 1_000_000 for p in parts)
-    whole = tmp_path / "whole.tar"
-    whole.write_bytes(b"".join(p.read_bytes() for p in parts))  # cat routing.tar.part-* > routing.tar
-    shutil.rmtree(back)
-    back.mkdir()
-    subprocess.run(["tar", "-C", str(back), "-xf", str(whole)], check=True)  # noqa: S603, S607
-    big = copy / "results" / "h200-window" / "routing" / "big.trace"
-    assert (back / "h200-window" / "routing" / "big.trace").read_bytes() == big.read_bytes()
+    assert "routing traces: 5 in 2 parts, routing.tar.part-00..01 (1 of them with their weights" in said
+
+    def unpacked() -> Path:
+        """The parts this call brought, put together (`cat routing.tar.part-* > routing.tar`) and unpacked."""
+        parts = sorted(out.glob("routing.tar.part-*"))
+        assert [p.name for p in parts] == [f"routing.tar.part-{i:02d}" for i in range(len(parts))]
+        assert all(p.stat().st_size <= 1_000_000 for p in parts)
+        whole = tmp_path / "whole.tar"
+        whole.write_bytes(b"".join(p.read_bytes() for p in parts))
+        shutil.rmtree(back)
+        back.mkdir()
+        subprocess.run(["tar", "-C", str(back), "-xf", str(whole)], check=True)  # noqa: S603, S607
+        return back
+
+    assert (unpacked() / "h200-window" / "routing" / "big.trace").read_bytes() == big.read_bytes()
     got = read_trace(back / "h200-window" / "routing" / "new.trace")
     assert got.weights is None and (got.ids == traces["h200-window"].ids).all()
+    # a new set in parts, in a poll this time (room for both parts among its files and bytes)
+    save_trace(traces["h200-window"], copy / "results" / "h200-window" / "routing" / "newer.trace")
+    said = call("poll", "61", logs=2)
+    assert "routing traces: 6 in 2 parts, routing.tar.part-00..01" in said
+    assert (unpacked() / "h200-window" / "routing" / "newer.trace").exists()
     # over what any call brings back (3 MB here, 60 MB on the device): left there, even in a call of its own
     (copy / "results" / "h200-policy-b" / "routing" / "big.trace").write_bytes(os.urandom(2_000_000))
     said = call("routing")
-    assert "routing traces: 5, 3 MB in 4 parts" in said and "left on the machine (this call has 8 free files" in said
+    assert "routing traces: 7, 4 MB in 4 parts" in said and "left on the machine (this call has 8 free files" in said
     assert "session.sh routing" not in said and not list(out.glob("routing.tar*"))

@@ -49,9 +49,11 @@ PAGING_DEFINITIONS: dict[str, str] = {
     "prefill_idle_between_waves_s": "link idle between the page-ins of one layer of a prefill step (copies waiting "
     "for a wave's compute) / paged layer-steps",
     "prefill_host_wait_s": "built-in engine: host time a paged layer of a prefill step spent blocked on the device "
-    "(reading its routed ids, pulling residency states) / paged layer-steps",
-    "prefill_host_plan_s": "built-in engine: host time from a paged layer's routed ids to its last launch in a prefill "
-    "step (plan, page-ins, waves) / paged layer-steps: with the idle before a layer, whose side the link waited on",
+    "(reading its routed ids, the residency states' read; a synthetic router's ids are on the host) / paged "
+    "layer-steps",
+    "prefill_host_plan_s": "built-in engine: the rest of a paged layer's host time in a prefill step (plan, page-in "
+    "and wave launches, residency write-backs; `page_in: staged` copies block inside it) / paged layer-steps: with "
+    "the idle before a layer, whose side the link waited on",
     "decode_miss_rate": "misses / (hits + misses) of every step but the prefill steps (the decode after the prompts)",
     "experts_prefetched": "next-layer prefetch: experts paged in before their layer's routing was known, over the cell "
     "(their bytes are in bytes_paged; 0 with prefetch off)",

@@ -142,29 +142,41 @@ pack_traces() {  # pack_traces [force]: this session's routing traces into $OUT/
   mv "$stamp" "$JOBS/routing.done"  # this set is decided: brought back below, or too big for a call
   what="all without their weights"
   [ "$fallbacks" -gt 0 ] && what="$fallbacks of them with their weights: routing-ids.txt says why"
-  local size parts free used part
+  local size parts free used part mb room what_size arrived=0
   size=$(stat -c %s "$tar")
-  if [ "$size" -le "$PART_BYTES" ]; then
-    # complete in $JOBS first: a call cut short mid-copy leaves routing.tar.tmp, never a short routing.tar
-    cp "$tar" "$OUT/routing.tar.tmp" && mv "$OUT/routing.tar.tmp" "$OUT/routing.tar" \
-      && echo "routing traces: $total in routing.tar ($what)"
-    return 0
-  fi
   parts=$(( (size + PART_BYTES - 1) / PART_BYTES ))
   free=$(( 8 - $(find "$OUT" -type f | wc -l) ))
   used=$(find "$OUT" -type f -printf '%s\n' | awk '{s += $1} END {print s + 0}')
+  mb=$(( (size + 999999) / 1000000 ))
+  what_size="$mb MB in $parts parts"
+  [ "$parts" -gt 1 ] || what_size="$mb MB in one file"
   if [ "$parts" -gt "$free" ] || [ $((used + size)) -gt "$CALL_BYTES" ]; then
-    local why="this call has $free free files and $(( (CALL_BYTES - used) / 1000000 )) MB"
+    room=$(( used < CALL_BYTES ? (CALL_BYTES - used) / 1000000 : 0 ))
+    local why="this call has $free free files and $room MB"
     [ "$force" = 1 ] || [ "$parts" -gt 8 ] || [ "$size" -gt "$CALL_BYTES" ] \
       || why="$why: \`session.sh routing\` brings them in a call of its own"
-    echo "routing traces: $total, $((size / 1000000)) MB in $parts parts ($what), left on the machine ($why)"
+    echo "routing traces: $total, $what_size ($what), left on the machine ($why)"
+    return 0
+  fi
+  if [ "$parts" -eq 1 ]; then
+    # complete in $JOBS first: a call cut short mid-copy leaves routing.tar.tmp, never a short routing.tar
+    if cp "$tar" "$OUT/routing.tar.tmp" && mv "$OUT/routing.tar.tmp" "$OUT/routing.tar"; then
+      echo "routing traces: $total in routing.tar ($what)"
+    else
+      echo "routing traces: the copy into this call's files failed; \`session.sh routing\` brings them"
+    fi
     return 0
   fi
   rm -f "$JOBS"/routing.tar.part-*
   split -b "$PART_BYTES" -d -a 2 "$tar" "$JOBS/routing.tar.part-" || { echo "routing traces: split failed"; return 0; }
   for part in "$JOBS"/routing.tar.part-*; do  # each part whole or not at all, as routing.tar above
-    cp "$part" "$OUT/$(basename "$part").tmp" && mv "$OUT/$(basename "$part").tmp" "$OUT/$(basename "$part")"
+    cp "$part" "$OUT/$(basename "$part").tmp" && mv "$OUT/$(basename "$part").tmp" "$OUT/$(basename "$part")" \
+      && arrived=$((arrived + 1))
   done
+  if [ "$arrived" -lt "$parts" ]; then
+    echo "routing traces: $arrived of $parts parts copied into this call's files; \`session.sh routing\` brings them all"
+    return 0
+  fi
   echo "routing traces: $total in $parts parts, routing.tar.part-00..$(printf %02d $((parts - 1))) ($what):" \
     "cat routing.tar.part-* > routing.tar"
 }

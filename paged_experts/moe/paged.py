@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -58,20 +60,31 @@ class PagedLayer(MoeLayer):
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ids_cpu: torch.Tensor | None, ctx: StepContext
     ) -> torch.Tensor:
         lru, num_pairs = self.device_lru, ids.numel()
-        if lru is None:
-            return self._host_planned(x, ids, weights, ids_cpu, ctx)
-        if self.kernel.device_pass and lru.fits(num_pairs):
+        if lru is not None and self.kernel.device_pass and lru.fits(num_pairs):
             out, stats = self.decode_pass(x, ids, weights, experts_over_rows, _nothing)
             assert stats is not None
             self.record_device(stats, num_pairs)
             return out
-        t0 = time.perf_counter()
-        self._pull_stale_states()  # a read of device state: waits for the device like the ids do
-        pulled_s = time.perf_counter() - t0
-        try:
-            return self._host_planned(x, ids, weights, ids_cpu, ctx, waited_s=pulled_s)
-        finally:
-            lru.push_from(self.residency)
+        with self._host_time() as waits:
+            if lru is None:
+                return self._host_planned(x, ids, weights, ids_cpu, ctx, waits)
+            waits.append(self._pull_stale_states())  # a read of device state: waits for the device like the ids do
+            try:
+                return self._host_planned(x, ids, weights, ids_cpu, ctx, waits)
+            finally:
+                lru.push_from(self.residency)  # host work of this layer-step too: counted in its host_plan_s
+
+    @contextmanager
+    def _host_time(self) -> Iterator[list[float]]:
+        """The host's seconds in one host-planned layer-step, counted when it is part of a prefill step
+        (`PrefillCounts.host_wait_s`, `host_plan_s`): the reads that block on the device append their seconds to
+        the list this yields; the rest of the layer-step (plan, launches, residency write-backs) is host_plan_s."""
+        waits: list[float] = []
+        started = time.perf_counter()
+        yield waits
+        if self.shared.steps.prefill:
+            wait_s = sum(waits)
+            self.shared.counters.prefill_host(wait_s=wait_s, plan_s=time.perf_counter() - started - wait_s)
 
     def _host_planned(
         self,
@@ -80,14 +93,14 @@ class PagedLayer(MoeLayer):
         weights: torch.Tensor,
         ids_cpu: torch.Tensor | None,
         ctx: StepContext,
-        waited_s: float = 0.0,
+        waits: list[float],
     ) -> torch.Tensor:
-        """A layer-step planned on the host, wave by wave; in a prefill step the host's time is counted
-        (`PrefillCounts.host_wait_s`, `host_plan_s`): `waited_s`, already blocked on the device before it."""
+        """A layer-step planned on the host, wave by wave; the seconds its read of the routed ids blocked on
+        the device are appended to `waits` (`_host_time`)."""
         sh = self.shared
         t0 = time.perf_counter()
         ids_cpu = ids.to("cpu", torch.long) if ids_cpu is None else ids_cpu  # [T, k]: the one sync per layer, if any
-        t_ids = time.perf_counter()
+        waits.append(time.perf_counter() - t0)
         stream = page_in_stream(sh.device)
         copies = LayerCopies(sh.device, stream, sh.steps, sh.counters, self.layer_idx, sh.expert_bytes)
         staged = sh.staging.take(self.layer_idx, ctx) if sh.staging is not None else None
@@ -96,10 +109,7 @@ class PagedLayer(MoeLayer):
         )
         self._stage_next(ids_cpu.numel(), ctx, stream)
         self.record_host(union=n.union, routed_pairs=ids_cpu.numel(), hits=n.hits, misses=n.misses, waves=n.waves)
-        out = run.finish(weights).to(sh.device)
-        if sh.steps.prefill:
-            sh.counters.prefill_host(wait_s=waited_s + t_ids - t0, plan_s=time.perf_counter() - t_ids)
-        return out
+        return run.finish(weights).to(sh.device)
 
     def _stage_next(self, num_pairs: int, ctx: StepContext, stream: torch.cuda.Stream | None) -> None:
         """With staging rows: the next paged layer's first page-ins of this step, copied now, behind this
@@ -120,13 +130,15 @@ class PagedLayer(MoeLayer):
             nxt.layer_idx, ctx, experts, copies, lambda pairs: sh.page_in.copy_rows(nxt.host, staging.rows, pairs)
         )
 
-    def _pull_stale_states(self) -> None:
+    def _pull_stale_states(self) -> float:
         """Before a host-planned step: every paged layer's device state the host has not seen, read
-        at once (all layers of a step plan alike, so the later ones need it too)."""
+        at once (all layers of a step plan alike, so the later ones need it too). Returns the seconds the
+        read blocked on the device (writing the states into the host planners is not in them)."""
         stale = [m for m in self.shared.steps.device_planned if m.device_lru.host_stale]
-        pull_many([(m.device_lru.residency, m.residency) for m in stale])
+        read_s = pull_many([(m.device_lru.residency, m.residency) for m in stale])
         for m in stale:
             m.device_lru.host_stale = False
+        return read_s
 
     # ---- the graphed decode contract -----------------------------------------------------------
 

@@ -33,10 +33,13 @@ and over the paged layers' host-planned layer-steps of those steps (moe/streamin
   (CUDA events on the compute stream; CPU: wall clock), summed over steps;
 - `waves`: waves of those layer-steps, all layers;
 - `host_wait_s`: host time those layer-steps spent blocked on the device: reading the layer's routed ids
-  (the model's own router) and pulling device-planned residency states;
-- `host_plan_s`: host time from those ids to each layer-step's last launch (its plan, the page-ins' and
-  waves' launches; on the CPU the waves' compute too). The link's idle before a layer is the host's
-  when `host_plan_s` grows with it, the device queue's when `host_wait_s` does;
+  (the model's own router; a synthetic router's ids are on the host already, its draws in `router_s`) and
+  the one read of the device-planned residency states;
+- `host_plan_s`: the rest of those layer-steps' host time: the plan, the page-ins' and waves' launches,
+  writing residency states between host and device planners (on the CPU the waves' compute too; with
+  `page_in: staged` the copies block the host, inside it). An idle before a layer that grows with
+  `host_plan_s` points to the host's own work, one that grows with `host_wait_s` to the device's queue;
+  the attention and router launches between layers are in neither;
 - `copy_busy_fraction = copy_time_s / span_s`: the share of the prefill the copy engine was busy.
 A prefill step whose layers each fit one device-planned wave (tokens x top_k <= K) is not counted.
 """

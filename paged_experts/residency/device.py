@@ -24,6 +24,7 @@ step that synchronizes anyway.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -166,17 +167,20 @@ class DeviceResidency:
             start += dst.numel()
 
 
-def pull_many(pairs: Sequence[tuple[DeviceResidency, LayerResidency]]) -> None:
-    """Writes each device state into its host `LayerResidency` (LRU) with one device read for all."""
+def pull_many(pairs: Sequence[tuple[DeviceResidency, LayerResidency]]) -> float:
+    """Writes each device state into its host `LayerResidency` (LRU) with one device read for all. Returns the
+    seconds of that read (on CUDA it waits for the device's queued work: the prefill counters' host_wait_s)."""
     if not pairs:
-        return
+        return 0.0
     rows = torch.cat(
         [
             torch.cat([d.expert_in[: d.num_slots], d.last_use[: d.num_slots], d.step.view(1), d.uses[: d.num_experts]])
             for d, _ in pairs
         ]
     )
+    started = time.perf_counter()
     values = rows.tolist()  # the one host read
+    read_s = time.perf_counter() - started
     start = 0
     for dev, residency in pairs:
         k, e = dev.num_slots, dev.num_experts
@@ -201,6 +205,7 @@ def pull_many(pairs: Sequence[tuple[DeviceResidency, LayerResidency]]) -> None:
                 policy._last_use[ex] = stamp
             else:
                 policy._last_use.pop(ex, None)
+    return read_s
 
 
 def plan_step(

@@ -20,7 +20,9 @@ Plain functions, so the module also runs as a script: `python tests/cuda/test_pr
 
 from __future__ import annotations
 
+import time
 import warnings
+from typing import Any
 
 import torch
 
@@ -28,6 +30,7 @@ import paged_experts.moe.waves as waves_module
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.moe import StepContext
+from paged_experts.moe.paged import PagedLayer
 from paged_experts.moe.streaming import LayerCopies, mark
 from paged_experts.residency.store import PageInEngine
 from paged_experts.routing.sources import make_router
@@ -353,9 +356,42 @@ def _prefill_counters(page_in: str) -> None:
     # it fits the span (events of two streams: a microsecond's slack)
     assert p.idle_before_layer_s > 0 and p.idle_between_waves_s >= 0
     assert p.copy_time_s + p.idle_before_layer_s + p.idle_between_waves_s <= p.span_s + 1e-6
-    # the host's side of those layer-steps: each one reads its routed ids (a wait on the device) and plans and
-    # launches after it; neither is zero, and the report's host_wait_ms / host_plan_ms come from these
-    assert p.host_wait_s > 0 and p.host_plan_s > 0
+
+
+def test_prefill_host_times_file_a_wait_on_the_device_as_waiting() -> None:
+    """The host's side of the paged prefill layers (PrefillCounts.host_wait_s, host_plan_s; the report's
+    host_wait_ms, host_plan_ms): a GPU sleep queued behind one layer's router makes that layer's read of its ids
+    wait, and the wait lands in host_wait_s, not host_plan_s; both fit the prefill's wall clock."""
+    cycles = 5 * SLEEP_CYCLES
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    sleep_s = start.elapsed_time(end) / 1e3  # ~50 ms: what the queued sleep holds the ids' read back
+    original = PagedLayer._host_planned
+    slept: list[int] = []
+
+    def delayed(layer: PagedLayer, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not slept:  # the first host-planned layer-step (a prefill step's): queued after its router
+            torch.cuda._sleep(cycles)
+            slept.append(layer.layer_idx)
+        return original(layer, *args, **kwargs)
+
+    PagedLayer._host_planned = delayed  # type: ignore[method-assign]
+    try:
+        model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=16))
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        long_prompt(model, 600, decode_steps=0)
+        torch.cuda.synchronize()
+        wall_s = time.perf_counter() - started
+    finally:
+        PagedLayer._host_planned = original  # type: ignore[method-assign]
+    p = model.counters.snapshot().prefill
+    assert slept and p.layer_steps == 2 * len(model.moe_layers)
+    assert p.host_wait_s >= 0.8 * sleep_s, (p.host_wait_s, sleep_s)
+    assert 0 < p.host_plan_s and p.host_wait_s + p.host_plan_s <= wall_s
 
 
 if __name__ == "__main__":
