@@ -14,6 +14,10 @@ steps. Per prompt, from `torch.cuda.synchronize()` to `torch.cuda.synchronize()`
     router_s = host time in the synthetic router (the measurement's cost; resident pays it too)
     decode hit rate = hits / (hits + misses) of the decode steps after the prompt (what the prefill
                       residency policy left behind)
+    idle / wait / plan ms = per paged layer-step, medians over the prompts: the link's idle before the
+                      layer's first page-in, and the host's time blocked on the device (the routed ids) and
+                      the rest of its host time (plan, launches); beside the prompts' fastest and slowest
+                      prefill_s, they say whether a slow prompt waited on the host or on the device
 
 Page-in paths: `streamed` (the runtime: page-ins on the page-in stream, overlapped with the waves'
 compute) and `serial` (the same plan with the page-in stream taken away, so copies queue on the
@@ -153,11 +157,19 @@ def run_cell(cell: Cell, args: argparse.Namespace, link_b_per_s: float | None) -
     floor_s = bytes_paged / link_b_per_s if link_b_per_s and bytes_paged else None
     router_s = statistics.median(r["prefill"]["router_s"] for r in measured)
     copy_busy = [r["prefill"]["copy_busy_fraction"] or 0.0 for r in measured]
+
+    def per_layer_ms(name: str) -> float | None:  # a prefill counter per paged layer-step, median over the prompts
+        if cell.mode != "paged":
+            return None
+        return statistics.median(1e3 * r["prefill"][name] / max(1, r["prefill"]["layer_steps"]) for r in measured)
+
     return {
         **asdict(cell),
         "cell": cell.name,
         "build_s": build_s,
         "prefill_s": prefill_s,
+        "prefill_s_min": min(r["prefill_s"] for r in measured),
+        "prefill_s_max": max(r["prefill_s"] for r in measured),
         "prefill_bytes": bytes_paged,
         "floor_s": floor_s,
         "of_floor": prefill_s / floor_s if floor_s else None,
@@ -166,6 +178,9 @@ def run_cell(cell: Cell, args: argparse.Namespace, link_b_per_s: float | None) -
             r["prefill"]["waves"] / max(1, r["prefill"]["layer_steps"]) for r in measured
         ),
         "router_s": router_s,
+        "idle_before_layer_ms": per_layer_ms("idle_before_layer_s"),
+        "host_wait_ms": per_layer_ms("host_wait_s"),
+        "host_plan_ms": per_layer_ms("host_plan_s"),
         "paging_of_floor": (prefill_s - router_s) / floor_s if floor_s else None,
         "decode_hit_rate": hits / (hits + misses) if hits + misses else None,
         "decode_tok_s_eager": args.decode * len(measured) / sum(r["decode_s"] for r in measured)
@@ -196,16 +211,20 @@ def _fmt(value: float | None, spec: str) -> str:
 def render(record: dict[str, Any]) -> str:
     link = record["link"].get("paging_gb_per_s")
     lines = [f"link (paging figure): {f'{link:.1f} GB/s' if link else record['link'].get('error')}",
-             (f"{'cell':<40} {'prefill s':>9} {'GB':>6} {'floor s':>8} {'/floor':>7} {'busy':>5} {'waves/L':>7}"
-              f" {'router s':>8} {'-router':>7} {'dec hit':>7}")]  # fmt: skip
+             (f"{'cell':<40} {'prefill s':>9} {'min-max s':>11} {'GB':>6} {'floor s':>8} {'/floor':>7} {'busy':>5}"
+              f" {'waves/L':>7} {'router s':>8} {'-router':>7} {'dec hit':>7} {'idle ms':>7} {'wait ms':>7}"
+              f" {'plan ms':>7}")]  # fmt: skip
     for c in record["cells"]:
         if "error" in c:
             lines.append(f"{c['cell']:<40} {c['error']}")
             continue
+        spread = f"{c['prefill_s_min']:.3f}-{c['prefill_s_max']:.3f}"
         figures = (
-            f"{c['prefill_s']:>9.3f} {c['prefill_bytes'] / 1e9:>6.1f} {_fmt(c['floor_s'], '8.3f'):>8}",
+            f"{c['prefill_s']:>9.3f} {spread:>11} {c['prefill_bytes'] / 1e9:>6.1f} {_fmt(c['floor_s'], '8.3f'):>8}",
             f"{_fmt(c['of_floor'], '7.2f'):>7} {_fmt(c['copy_busy'], '5.2f'):>5} {c['waves_per_layer']:>7.1f}",
             f"{c['router_s']:>8.3f} {_fmt(c['paging_of_floor'], '7.2f'):>7} {_fmt(c['decode_hit_rate'], '7.3f'):>7}",
+            f"{_fmt(c['idle_before_layer_ms'], '7.2f'):>7} {_fmt(c['host_wait_ms'], '7.2f'):>7}",
+            f"{_fmt(c['host_plan_ms'], '7.2f'):>7}",
         )
         lines.append(f"{c['cell']:<40} " + " ".join(figures))
     return "\n".join(lines)

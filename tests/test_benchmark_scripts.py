@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +44,7 @@ def test_prefill_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
     # fmt: off
     record = run_benchmark(
         "prefill_h200.py", tmp_path / "prefill.json", "--preset", "tiny", "--layers", "2", "--device", "cpu",
-        "--dtype", "float32", "--ks", "6", "--routings", "qwen3-30b-a3b", "--prompt", "200", "--repeats", "1",
+        "--dtype", "float32", "--ks", "6", "--routings", "qwen3-30b-a3b", "--prompt", "200", "--repeats", "2",
         "--decode", "3",
     )
     # fmt: on
@@ -57,7 +58,18 @@ def test_prefill_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
         assert cell["prefill_s"] > 0 and cell["floor_s"] is None and cell["router_s"] > 0
     paged = record["cells"][1]
     assert paged["prefill_bytes"] > 0 and paged["waves_per_layer"] > 1 and 0 <= paged["decode_hit_rate"] <= 1
-    assert "paged:6/qwen3-30b-a3b/lru/streamed" in (tmp_path / "prefill.txt").read_text()
+    # the prompts' spread, and the link's idle and the host's two times per paged layer-step (medians over prompts)
+    measured = paged["runs"][1:]  # the first prompt is the warm-up
+    assert len(measured) == 2 and paged["prefill_s_min"] <= paged["prefill_s"] <= paged["prefill_s_max"]
+    assert [paged["prefill_s_min"], paged["prefill_s_max"]] == sorted(r["prefill_s"] for r in measured)
+    for column, counter in (("idle_before_layer_ms", "idle_before_layer_s"), ("host_wait_ms", "host_wait_s"),
+                            ("host_plan_ms", "host_plan_s")):  # fmt: skip
+        per_layer = [1e3 * r["prefill"][counter] / r["prefill"]["layer_steps"] for r in measured]
+        assert paged[column] == pytest.approx(statistics.median(per_layer)), column
+        assert record["cells"][0][column] is None  # resident: no paged layer-step
+    assert paged["host_plan_ms"] > 0  # on the CPU the waves compute inside it
+    table = (tmp_path / "prefill.txt").read_text()
+    assert "paged:6/qwen3-30b-a3b/lru/streamed" in table and "plan ms" in table
 
 
 def test_decode_benchmark_runs_on_the_cpu_and_records_its_weights(tmp_path: Path) -> None:
