@@ -193,7 +193,7 @@ class CellResult:
     prefill_idle_before_layer_s: float | None = None  # link idle before each layer's first page-in, per layer-step
     prefill_idle_between_waves_s: float | None = None  # link idle between one layer's page-ins, per layer-step
     prefill_host_wait_s: float | None = None  # host blocked on the device per paged layer-step (paging.py)
-    prefill_host_plan_s: float | None = None  # host from the routed ids to the last launch, per paged layer-step
+    prefill_host_plan_s: float | None = None  # the rest of its host time (plan, launches), per paged layer-step
     decode_miss_rate: float | None = None
     experts_prefetched: int | None = None  # next-layer prefetch: experts paged in before their routing (paging.py)
     prefetch_accuracy: float | None = None  # of those, the share the layer then routed to

@@ -146,8 +146,8 @@ def paging_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
       layer's first page-in / between one layer's page-ins, over those layer-steps (None from a server
       without the counters)
     - prefill_host_wait_s, prefill_host_plan_s = the server's host seconds over those layer-steps: blocked on
-      the device (the routed ids, residency pulls), and from the ids to the layer's last launch (None from a
-      server without the counters)
+      the device (the routed ids, the residency states' read), and the rest of the layer-step's host time (plan,
+      launches, residency write-backs) (None from a server without the counters)
     - decode_miss_rate = (misses - prefill misses) / (hits + misses - prefill hits - prefill misses):
       the miss rate of every other step (the decode after the prompts)
     - decode_bytes_per_token = (bytes_paged - prefill bytes) / decode_tokens: the bytes paged in outside

@@ -114,7 +114,7 @@ class PrefillCounts:
     # span_s less both and copy_time_s is the tail after the last page-in.
     idle_before_layer_s: float = 0.0
     idle_between_waves_s: float = 0.0
-    # The host's side of those layer-steps (perf_counter): blocked on the device, and planning and launching
+    # The host's side of those layer-steps (perf_counter): blocked on the device, and the rest (plan, launches)
     host_wait_s: float = 0.0
     host_plan_s: float = 0.0
 
@@ -289,7 +289,7 @@ class PagingCounters:
 
     def prefill_host(self, *, wait_s: float, plan_s: float) -> None:
         """One host-planned paged layer-step of the current prefill step: the host's seconds blocked on the
-        device (the routed ids, residency pulls) and from the ids to its last launch."""
+        device (the routed ids, the residency states' read) and the rest of its host time."""
         v = self._prefill.values
         v["host_wait_s"] += wait_s
         v["host_plan_s"] += plan_s

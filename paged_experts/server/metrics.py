@@ -85,7 +85,7 @@ PREFILL_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("prefill_host_wait_seconds_total", "host_wait_s",
      "Host time blocked on the device in the host-planned paged layers of those steps (routed ids, residency)"),
     ("prefill_host_plan_seconds_total", "host_plan_s",
-     "Host time from the routed ids to each host-planned paged layer's last launch in those steps"),
+     "The rest of the host time of the host-planned paged layers of those steps (plan, launches, write-backs)"),
 )  # fmt: skip
 
 # No `<name>_created` timestamp series beside each counter and histogram: the scrape keeps the
