@@ -218,6 +218,7 @@ class MoeCausalLM:
         reach the host; only static decode steps take it."""
         if not chunks:
             return StepLogits.empty(self.device)
+        started_s, opened = time.perf_counter(), self.counters.prefill_steps_opened
         self._check_chunks(chunks)
         if self._graphs is not None and self._graphs.accepts(chunks):
             return self._graphs.step(chunks, token_source)
@@ -253,7 +254,11 @@ class MoeCausalLM:
         index = torch.cat([torch.arange(s.start, s.stop) for s in wanted]).to(dev)  # [R]
         hidden = rms_norm(x[index], self._dense.final_norm, cfg.rms_norm_eps)  # [R, H]
         logits = F.linear(hidden, self._dense.lm_head)  # [R, V]
-        return StepLogits(logits, logits.argmax(dim=-1), tuple(s.stop - s.start for s in wanted))
+        greedy = logits.argmax(dim=-1)  # [R]
+        prefill = self.counters.prefill_step_host(opened)
+        if prefill is not None:  # everything of the step is issued: its host time ends here
+            prefill = replace(prefill, issue_s=time.perf_counter() - started_s)
+        return StepLogits(logits, greedy, tuple(s.stop - s.start for s in wanted), prefill)
 
     def _check_chunks(self, chunks: Sequence[SeqChunk]) -> None:
         seen: set[int] = set()

@@ -12,12 +12,17 @@ from dataclasses import dataclass
 
 import torch
 
+from paged_experts.residency.counters import PrefillStepHost
+
 
 @dataclass(frozen=True)
 class StepLogits:
     logits: torch.Tensor  # [R, V] in the model dtype, on the model's device
     greedy: torch.Tensor  # [R] int64: argmax of each row (first maximal index, as torch.argmax)
     rows: tuple[int, ...]  # rows of each chunk, in chunk order: n if the chunk asked all_logits, else 1
+    # a step with a prompt chunk: the host's side of it (issue time, paged layers' plan and waits), for the
+    # requests whose chunks it ran (the server's per-request timings); None for other steps
+    prefill: PrefillStepHost | None = None
 
     @classmethod
     def empty(cls, device: torch.device) -> StepLogits:

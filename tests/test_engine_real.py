@@ -13,6 +13,7 @@ from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.runtime import RuntimeConfig
 from paged_experts.server.engine import Engine, EngineConfig, SamplingParams
+from paged_experts.server.generation import engine_timings
 from paged_experts.weights.synth import ensure_tiny
 
 PROMPTS = ([5, 17, 300, 42, 9], [800, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [600, 601, 2, 77])
@@ -94,3 +95,47 @@ async def test_generated_logprobs_equal_prompt_logprobs_of_the_same_text(tiny_di
         assert math.isclose(entry.logprob, gen.logprob, abs_tol=1e-4)
         assert [t for t, _ in entry.top] == [t for t, _ in gen.top]
         assert gen.top[0][0] == gen.token_id  # greedy picks the top token
+
+
+async def run_streams(engine: Engine, prompts: tuple[list[int], ...], params: SamplingParams) -> list[dict]:
+    """Every request's timings once it ended (generation.engine_timings, as the server's last chunk has them)."""
+    task = asyncio.create_task(engine.run())
+    try:
+        streams = [engine.submit(f"t{i}", p, params) for i, p in enumerate(prompts)]
+
+        async def drain(stream) -> None:
+            async for _ in stream:
+                pass
+
+        await asyncio.gather(*(drain(s) for s in streams))
+        return [engine_timings(s, len(p)) for s, p in zip(streams, prompts)]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+@pytest.mark.parametrize("mode", ["paged-k4", "resident"])
+async def test_each_request_carries_the_host_side_of_its_own_prefill_steps(tiny_dir: Path, mode: str) -> None:
+    layers = MoeCausalLM.from_pretrained(tiny_dir, MODES[mode]).config.num_layers
+    paged_layers = layers if mode.startswith("paged") else 0  # resident layers are not host-planned
+    # alone, in chunks of 6: the 11-token prompt takes two steps, none shared
+    engine = build(tiny_dir, MODES[mode], chunked_prefill_tokens=6)
+    (alone,) = await run_streams(engine, (PROMPTS[2],), SamplingParams(max_tokens=3, ignore_eos=True))
+    assert alone["prefill_steps"] == 2 and alone["prefill_shared_steps"] == 0
+    assert alone["prefill_layer_steps"] == 2 * paged_layers
+    host_ms = alone["prefill_host_wait_ms"] + alone["prefill_host_plan_ms"] + alone["prefill_router_ms"]
+    assert 0 < alone["prefill_issue_ms"] <= alone["prompt_ms"]  # issued inside the time to its first token
+    assert host_ms <= alone["prefill_issue_ms"]  # the paged layers' host time is part of the step's issue
+    assert (alone["prefill_host_plan_ms"] > 0) == (paged_layers > 0)
+    # two prompts in one step (a budget that takes both whole): the step's figures go to each, said shared
+    engine = build(tiny_dir, MODES[mode], chunked_prefill_tokens=64)
+    both = await run_streams(engine, (PROMPTS[0], PROMPTS[2]), SamplingParams(max_tokens=3, ignore_eos=True))
+    assert [t["prefill_steps"] for t in both] == [1, 1] and [t["prefill_shared_steps"] for t in both] == [1, 1]
+    assert both[0]["prefill_issue_ms"] == both[1]["prefill_issue_ms"]
+    assert [t["prefill_layer_steps"] for t in both] == [paged_layers, paged_layers]
+
+
+async def test_a_one_token_prompt_has_no_prefill_step(tiny_dir: Path) -> None:
+    engine = build(tiny_dir, MODES["paged-k4"])
+    (timings,) = await run_streams(engine, ([77],), SamplingParams(max_tokens=2, ignore_eos=True))
+    assert timings["predicted_n"] == 2 and not any(key.startswith("prefill_") for key in timings)

@@ -215,6 +215,30 @@ def test_router_override_time_is_counted_in_prefill_steps() -> None:
     assert prefill.router_s > 0 and prefill.misses > 0
 
 
+def test_a_step_with_a_prompt_chunk_hands_back_the_host_side_of_that_step_alone() -> None:
+    from paged_experts.routing.sources import make_router
+
+    model = paged(TINY, 8)
+    model.router_override = make_router("qwen3-30b-a3b", model.config, seed=1)
+    pool = KvPool.for_model(model, capacity_tokens=512)
+    short, long = pool.new_sequence(), pool.new_sequence()
+    assert model.run_step([SeqChunk(short, SHORT, 0)]).prefill is not None  # a 4-token prompt is a chunk too
+    before = model.counters.snapshot().prefill
+    step = model.run_step([SeqChunk(short, [40], len(SHORT)), SeqChunk(long, PROMPT, 0)])
+    after = model.counters.snapshot().prefill
+    got = step.prefill
+    assert got is not None and (got.chunks, got.tokens) == (1, len(PROMPT))  # the decode token is no chunk
+    assert got.layer_steps == model.config.num_layers == after.layer_steps - before.layer_steps
+    # this step's figures, not the run's: the counters' growth over the step
+    assert got.host_plan_s == pytest.approx(after.host_plan_s - before.host_plan_s)
+    assert got.host_wait_s == pytest.approx(after.host_wait_s - before.host_wait_s)
+    assert got.router_s == pytest.approx(after.router_s - before.router_s) and got.router_s > 0
+    assert got.host_plan_s > 0 and got.host_wait_s + got.host_plan_s + got.router_s <= got.issue_s
+    assert model.run_step([SeqChunk(short, [41], len(SHORT) + 1), SeqChunk(long, [7], len(PROMPT))]).prefill is None
+    model.counters.reset()  # a step that opened before a reset is not handed to the next one
+    assert model.counters.prefill_step_host(0) is None
+
+
 def test_recent_leaves_the_last_tokens_experts_where_lru_does_not() -> None:
     """After a long prompt, `recent` slots hold the experts the prompt's last tokens routed to."""
     k = 8

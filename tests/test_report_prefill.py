@@ -15,6 +15,7 @@ import yaml
 
 import benchsuite.tools.linkbw
 from benchsuite.cli import main
+from benchsuite.report import prefill_requests
 from benchsuite.report.build import build_report_data
 from benchsuite.report.load import RunData
 from benchsuite.report.prefill import TITLE, prefill_table
@@ -118,6 +119,13 @@ def test_end_to_end_on_the_builtin_server(
         assert row["router_s"] > 0 and 0 < row["copy_busy"] <= 1 and row["waves_per_layer"] >= 1
     long = paged[paged["prompt_class"] == "200"]
     assert (long["ttft_of_floor"] > 0).all() and (long["paging_of_floor"] < long["ttft_of_floor"]).all()
+    # each request's own prefill keys: every cell's 2 measured requests, a fast and a slow half of one each
+    halves = build_report_data([run_dir]).tables[prefill_requests.TITLE]
+    assert len(halves) == 2 * 6 and set(halves["half"]) == {"fast", "slow"} and (halves["requests"] == 1).all()
+    assert ((halves["issue_of_prompt"] > 0) & (halves["issue_of_prompt"] <= 1)).all()
+    paged_halves = halves[halves["configuration"].str.contains("paged")]
+    assert (paged_halves["host_plan_ms"] > 0).all() and (paged_halves["router_ms"] > 0).all()
+    assert halves[~halves["configuration"].str.contains("paged")]["host_plan_ms"].isna().all()  # nothing paged
     resident = table[~table["configuration"].str.contains("paged") & (table["prompt_class"] == "200")]
     if (resident["note"] == "").all():  # (a cell a busy client read in one go is invalid: issue 19 fixes that)
         assert (long["resident_ttft_s"] > 0).all()

@@ -128,6 +128,8 @@ async def test_continuous_usage_gives_every_token_its_chunk_and_the_finish_chunk
     assert timings["predicted_n"] == 12 and timings["prompt_n"] == len(codec.encode(PROMPT))
     assert timings["prompt_ms"] > 0 and timings["predicted_ms"] > 0
     assert timings["predicted_per_second"] == pytest.approx(11 / (timings["predicted_ms"] / 1e3))
+    # the engine's own prefill keys: one step ran the whole prompt, issued within the time to token 1
+    assert timings["prefill_steps"] == 1 and 0 < timings["prefill_issue_ms"] <= timings["prompt_ms"]
     plain = await stream(
         http, f"{base_url}/v1/completions", greedy(max_tokens=12, stream_options={"include_usage": True})
     )

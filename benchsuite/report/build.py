@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from benchsuite.errors import UserError
-from benchsuite.report import decode_bounds, nodes, prefill, roofline, search_section, unmeasured
+from benchsuite.report import decode_bounds, nodes, prefill, prefill_requests, roofline, search_section, unmeasured
 from benchsuite.report import tables as tb
 from benchsuite.report.caveats import random_weight_models, setup_caveats, setup_servers
 from benchsuite.report.display import display_frame
@@ -136,6 +136,7 @@ def build_report_data(run_dirs: list[Path], reference_dirs: list[Path] | None = 
             roofline.TITLE: roofline.roofline_table(cells, runs),
             decode_bounds.TITLE: decode_bounds.decode_bounds_table(cells, runs),
             prefill.TITLE: prefill.prefill_table(cells, runs),
+            prefill_requests.TITLE: prefill_requests.prefill_requests_table(cells, runs),
             search_section.TITLE: search_section.search_table(cells, runs),
         }
     )
@@ -185,6 +186,7 @@ _ANCHORS = {
     roofline.TITLE: "roofline",
     decode_bounds.TITLE: decode_bounds.ANCHOR,
     prefill.TITLE: "prefill",
+    prefill_requests.TITLE: prefill_requests.ANCHOR,
     "Failed and invalid cells": "failures",
     "Raw cells": "raw-cells",
 }
@@ -192,6 +194,7 @@ _INTROS = {
     "roofline": roofline.INTRO,
     decode_bounds.ANCHOR: decode_bounds.INTRO,
     "prefill": prefill.INTRO,
+    prefill_requests.ANCHOR: prefill_requests.INTRO,
     "hit-rate-optimal": f"<p>{html.escape(HIT_RATE_NOTE)}</p>",
     "ratios": "<p>One row per paged configuration: the best offload, llama.cpp and cpu-experts configuration "
     "measured in the same setup and concurrency. Medians over repeats, [min–max] beside them; ratio verdicts say "
@@ -214,6 +217,7 @@ _EMPTY = {
     "roofline": "no paged or offload cell with paging counters and a measured link",
     decode_bounds.ANCHOR: "no paged cell",
     "prefill": "no paged cell recorded its prefill page-in",
+    prefill_requests.ANCHOR: prefill_requests.EMPTY,
     "search": "no budget search ran",
     "failures": "every cell was ok",
     "raw-cells": "no cell",

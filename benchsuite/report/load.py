@@ -45,7 +45,7 @@ class RunData:
         object.__setattr__(self, "facts", read_run_facts(self.manifest, self.run_dir))
 
 
-def _as_dict(value: Any) -> dict[str, Any]:
+def as_dict(value: Any) -> dict[str, Any]:
     if isinstance(value, dict):
         return value
     if value is None or (isinstance(value, float) and np.isnan(value)):
@@ -55,6 +55,8 @@ def _as_dict(value: Any) -> dict[str, Any]:
         if not text.strip():
             return {}
         parsed = json.loads(text)
+        if parsed is None:  # a stored None (the store writes JSON columns' None as 'null')
+            return {}
         if not isinstance(parsed, dict):
             raise TypeError(f"expected a JSON object, got {text[:60]!r}")
         return parsed
@@ -78,7 +80,7 @@ def normalize_cells(frame: pd.DataFrame) -> pd.DataFrame:
         if column not in cells.columns:
             cells[column] = None
     for column in _DICT_COLUMNS:
-        cells[column] = [_as_dict(v) for v in cells[column]]
+        cells[column] = [as_dict(v) for v in cells[column]]
     cells["concurrency"] = cells["concurrency"].astype(int)
     cells["repeat"] = cells["repeat"].astype(int)
     cells["routing"] = cells["routing"].fillna("model").astype(str)

@@ -128,6 +128,23 @@ class PrefillCounts:
 
 
 @dataclass(frozen=True)
+class PrefillStepHost:
+    """The host's side of ONE prefill step (perf_counter seconds), for a server to give the requests whose prompt
+    chunks the step ran (their `timings`): the same figures as `PrefillCounts`' host fields, not summed over steps,
+    with `issue_s`, the model's host time from the step's call to its return (every launch issued; with the
+    model's own router, the reads of its ids too; `StepLogits.prefill`). Host figures only: they are known when the
+    step returns, where the device's (copy, span, idle) are events read later."""
+
+    chunks: int  # prompt chunks in the step (more than one: the step's figures are shared by their requests)
+    tokens: int
+    layer_steps: int  # host-planned paged layer-steps (0 in resident and offload steps)
+    router_s: float = 0.0
+    host_wait_s: float = 0.0
+    host_plan_s: float = 0.0
+    issue_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class CountersSnapshot:
     layers: tuple[LayerCounts, ...]
     expert_bytes: int
@@ -231,6 +248,7 @@ class PagingCounters:
         self.mode = mode
         self._layers = [_Acc() for _ in range(num_layers)]
         self._prefill = _PrefillAcc()
+        self._step_host: dict[str, float] | None = None  # the newest prefill step's host figures (`prefill_step_host`)
 
     def record_step(
         self, layer: int, *, union: int, routed_pairs: int, hits: int, misses: int, cpu_activations: int, waves: int
@@ -282,10 +300,30 @@ class PagingCounters:
         acc.values["steps"] += 1
         acc.values["chunks"] += chunks
         acc.values["tokens"] += tokens
+        self._step_host = {"chunks": chunks, "tokens": tokens, "layer_steps": 0, "router_s": 0.0,
+                           "host_wait_s": 0.0, "host_plan_s": 0.0}  # fmt: skip
+
+    @property
+    def prefill_steps_opened(self) -> int:
+        """Prefill steps begun since the counters started (or were reset): a step that moves it opened one."""
+        return int(self._prefill.values["steps"])
+
+    def prefill_step_host(self, opened_before: int) -> PrefillStepHost | None:
+        """The newest prefill step's host figures, if one began after `prefill_steps_opened` read `opened_before`
+        (a model reads it before its step and calls this after: None for a step without a prompt chunk)."""
+        if self.prefill_steps_opened <= opened_before or self._step_host is None:
+            return None
+        v = self._step_host
+        return PrefillStepHost(
+            chunks=int(v["chunks"]), tokens=int(v["tokens"]), layer_steps=int(v["layer_steps"]),
+            router_s=v["router_s"], host_wait_s=v["host_wait_s"], host_plan_s=v["host_plan_s"],
+        )  # fmt: skip
 
     def prefill_router(self, seconds: float) -> None:
         """Host time of one router-override call in the current prefill step."""
         self._prefill.values["router_s"] += seconds
+        if self._step_host is not None:
+            self._step_host["router_s"] += seconds
 
     def prefill_host(self, *, wait_s: float, plan_s: float) -> None:
         """One host-planned paged layer-step of the current prefill step: the host's seconds blocked on the
@@ -293,6 +331,9 @@ class PagingCounters:
         v = self._prefill.values
         v["host_wait_s"] += wait_s
         v["host_plan_s"] += plan_s
+        if self._step_host is not None:
+            self._step_host["host_wait_s"] += wait_s
+            self._step_host["host_plan_s"] += plan_s
 
     def prefill_copy(self, num_bytes: int, start: TimeMark, end: TimeMark, opens_layer: bool) -> None:
         """A page-in of the current prefill step, issued on the page-in stream after the ones before. `opens_layer`:
@@ -310,6 +351,8 @@ class PagingCounters:
         v["misses"] += misses
         v["staged_unused"] += staged_unused
         self._prefill.steps[-1].end = end
+        if self._step_host is not None:
+            self._step_host["layer_steps"] += 1
 
     def record_copy_events(self, layer: int, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
         """CUDA copies are timed by events read lazily, so no host sync happens per wave."""
@@ -338,6 +381,7 @@ class PagingCounters:
     def reset(self) -> None:
         self._layers = [_Acc() for _ in range(self.num_layers)]
         self._prefill = _PrefillAcc()
+        self._step_host = None
 
 
 DeviceTally = tuple[list[list[int]], int, int, tuple[str, ...]]

@@ -314,6 +314,10 @@ class Engine:
                 hook(layout)
             chunks = [self._make_chunk(w.req.seq, w.token_ids, w.start_pos, w.all_logits) for w in work]
             step = self._run_model(chunks, token_source)
+            if step.prefill is not None:  # the host's side of a step with prompt chunks, for their requests
+                for w in work:
+                    if len(w.token_ids) > 1:  # a prompt chunk as the counters count one (a decode token is alone)
+                        w.req.prefill.add(step.prefill)
             ids, done = _start_readback(step.greedy)
         except Exception as exc:  # noqa: BLE001 -- a failed step ends its requests, never the server
             self._fail_step(work, exc)

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 import torch
 
+from paged_experts.residency.counters import PrefillStepHost
 from paged_experts.server.sampling import TokenLogprob
 
 FINISH_STOP = "stop"
@@ -88,6 +89,42 @@ class FinishedRequest:
     token_times_s: tuple[float, ...]
     finish_s: float
     finish_reason: str
+
+
+@dataclass
+class RequestPrefill:
+    """The host's side of one request's prefill, summed over the steps that ran its prompt chunks (the model's
+    `StepLogits.prefill`), for its `timings` (generation.engine_timings): per request, where the counters of
+    /metrics sum a whole cell, so a cell whose requests prefill at two speeds shows which side each one took.
+    A step with several prompt chunks gives its figures to each of their requests (`shared_steps` counts them)."""
+
+    steps: int = 0
+    shared_steps: int = 0
+    layer_steps: int = 0
+    issue_s: float = 0.0
+    router_s: float = 0.0
+    host_wait_s: float = 0.0
+    host_plan_s: float = 0.0
+
+    def add(self, step: PrefillStepHost) -> None:
+        self.steps += 1
+        self.shared_steps += step.chunks > 1
+        self.layer_steps += step.layer_steps
+        self.issue_s += step.issue_s
+        self.router_s += step.router_s
+        self.host_wait_s += step.host_wait_s
+        self.host_plan_s += step.host_plan_s
+
+    def timings(self) -> dict[str, float | int]:
+        """The `prefill_*` keys of the request's timings (none before a prefill step ran its prompt)."""
+        if not self.steps:
+            return {}
+        return {
+            "prefill_steps": self.steps, "prefill_shared_steps": self.shared_steps,
+            "prefill_layer_steps": self.layer_steps, "prefill_issue_ms": self.issue_s * 1e3,
+            "prefill_router_ms": self.router_s * 1e3, "prefill_host_wait_ms": self.host_wait_s * 1e3,
+            "prefill_host_plan_ms": self.host_plan_s * 1e3,
+        }  # fmt: skip
 
 
 class AdmissionError(ValueError):

@@ -34,6 +34,7 @@ from paged_experts.server.engine_types import (
     FinishedRequest,
     KvPoolLike,
     RequestOutput,
+    RequestPrefill,
     SamplingParams,
 )
 from paged_experts.server.sampling import TokenLogprob, sample_token, token_logprobs
@@ -53,6 +54,7 @@ class Request:
     generated: list[int] = field(default_factory=list)
     prompt_lps: list[TokenLogprob | None] = field(default_factory=list)
     token_times_s: list[float] = field(default_factory=list)
+    prefill: RequestPrefill = field(default_factory=RequestPrefill)  # the host's side of its prompt's steps
     abort_reason: str | None = None  # set when the consumer ends the request early
     finished: bool = False
 
@@ -111,6 +113,12 @@ class RequestStream:
     def token_times_s(self) -> tuple[float, ...]:
         """When each generated token was read back on the engine's clock: the engine's own timings."""
         return tuple(self._req.token_times_s)
+
+    @property
+    def prefill_timings(self) -> dict[str, float | int]:
+        """The host's side of the steps that ran its prompt (`RequestPrefill.timings`; written by the engine
+        thread before the request's first token, read after it)."""
+        return self._req.prefill.timings()
 
     async def __anext__(self) -> RequestOutput:
         if self.finished:

@@ -1,0 +1,64 @@
+"""The report's per-request prefill table (benchsuite.report.prefill_requests): a cell's measured requests split
+at their median TTFT, each half's medians of the engine's own prefill keys; warm-up, failed and key-less requests
+left out; cells with fewer than two such requests, and runs stored before the keys, give no row."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+
+from benchsuite.report.load import RunData
+from benchsuite.report.prefill_requests import prefill_requests_table
+from benchsuite.results.manifest import Manifest
+
+
+def cell(cid: str, concurrency: int = 1) -> dict[str, Any]:
+    return {"cell_id": cid, "run_id": "r", "label": "tiny · paged", "routing": "synthetic:qwen3-30b-a3b",
+            "workload": "w", "prompt_class": "2048", "concurrency": concurrency, "repeat": 0}  # fmt: skip
+
+
+def request(cid: str, ttft_s: float, issue_ms: float | None, plan_ms: float, *, warmup: bool = False,
+            ok: bool = True, shared: int = 0, as_text: bool = True) -> dict[str, Any]:  # fmt: skip
+    timings: dict[str, Any] = {"prompt_n": 2048, "predicted_n": 8, "prompt_ms": ttft_s * 1e3 - 5}
+    if issue_ms is not None:
+        timings |= {"prefill_steps": 1, "prefill_shared_steps": shared, "prefill_layer_steps": 48,
+                    "prefill_issue_ms": issue_ms, "prefill_host_plan_ms": plan_ms * 48,
+                    "prefill_host_wait_ms": 0.48, "prefill_router_ms": 9.0}  # fmt: skip
+    return {"cell_id": cid, "warmup": warmup, "ok": ok, "t_sent_s": 100.0, "t_first_token_s": 100.0 + ttft_s,
+            "engine_timings": json.dumps(timings) if as_text else timings}  # fmt: skip
+
+
+def run(requests: list[dict[str, Any]]) -> RunData:
+    manifest = Manifest(run_id="r", created_utc="now", matrix_source="m.yaml", matrix_hash="h", matrix={})
+    return RunData("r", Path("."), manifest, pd.DataFrame(), pd.DataFrame(requests))
+
+
+def test_the_requests_split_at_the_median_ttft_and_each_half_shows_its_hosts_side() -> None:
+    requests = [
+        request("a", 0.40, 300.0, 5.0), request("a", 0.41, 310.0, 5.2, as_text=False),  # the dict a fresh run holds
+        request("a", 0.50, 490.0, 7.0), request("a", 0.52, 500.0, 7.5), request("a", 0.55, 520.0, 8.0),
+        request("a", 0.10, 90.0, 1.0, warmup=True), request("a", 0.05, 40.0, 1.0, ok=False),  # never counted
+    ]  # fmt: skip
+    table = prefill_requests_table(pd.DataFrame([cell("a")]), [run(requests)])
+    assert list(table["half"]) == ["fast", "slow"] and list(table["requests"]) == [2, 3]  # the odd one is slow
+    fast, slow = (row for _, row in table.iterrows())
+    assert fast["ttft_s"] == pytest.approx(0.405) and slow["ttft_s"] == pytest.approx(0.52)
+    assert fast["prompt_ms"] == pytest.approx(400.0) and slow["issue_ms"] == pytest.approx(500.0)
+    assert fast["issue_of_prompt"] == pytest.approx((300 / 395 + 310 / 405) / 2)
+    assert slow["issue_of_prompt"] == pytest.approx(500 / 515)
+    assert (fast["host_plan_ms"], slow["host_plan_ms"]) == pytest.approx((5.1, 7.5))  # per layer-step
+    assert fast["host_wait_ms"] == pytest.approx(0.01) and fast["router_ms"] == 9.0
+    assert (fast["note"], fast["shared_steps"]) == ("", 0)
+
+
+def test_cells_without_two_requests_with_the_keys_give_no_row() -> None:
+    requests = [request("one", 0.4, 300.0, 5.0), request("one", 0.5, None, 0.0),  # one has no prefill keys
+                request("c4", 1.0, 300.0, 5.0, shared=1), request("c4", 1.4, 320.0, 5.0, shared=1)]  # fmt: skip
+    table = prefill_requests_table(pd.DataFrame([cell("one"), cell("c4", concurrency=4)]), [run(requests)])
+    assert set(table["cell_id"]) == {"c4"}
+    assert set(table["note"]) == {"c=4: TTFT holds queueing"} and list(table["shared_steps"]) == [1, 1]
+    assert prefill_requests_table(pd.DataFrame([cell("a")]), [run([])]).empty  # a run without requests
