@@ -218,7 +218,7 @@ class MoeCausalLM:
         reach the host; only static decode steps take it."""
         if not chunks:
             return StepLogits.empty(self.device)
-        started_s, opened = time.perf_counter(), self.counters.prefill_steps_opened
+        started_s, started_cpu_s, opened = time.perf_counter(), time.thread_time(), self.counters.prefill_steps_opened
         self._check_chunks(chunks)
         if self._graphs is not None and self._graphs.accepts(chunks):
             return self._graphs.step(chunks, token_source)
@@ -257,7 +257,9 @@ class MoeCausalLM:
         greedy = logits.argmax(dim=-1)  # [R]
         prefill = self.counters.prefill_step_host(opened)
         if prefill is not None:  # everything of the step is issued: its host time ends here
-            prefill = replace(prefill, issue_s=time.perf_counter() - started_s)
+            prefill = replace(
+                prefill, issue_s=time.perf_counter() - started_s, issue_cpu_s=time.thread_time() - started_cpu_s
+            )
         return StepLogits(logits, greedy, tuple(s.stop - s.start for s in wanted), prefill)
 
     def _check_chunks(self, chunks: Sequence[SeqChunk]) -> None:

@@ -126,6 +126,7 @@ async def test_each_request_carries_the_host_side_of_its_own_prefill_steps(tiny_
     host_ms = alone["prefill_host_wait_ms"] + alone["prefill_host_plan_ms"] + alone["prefill_router_ms"]
     assert 0 < alone["prefill_issue_ms"] <= alone["prompt_ms"]  # issued inside the time to its first token
     assert host_ms <= alone["prefill_issue_ms"]  # the paged layers' host time is part of the step's issue
+    assert 0 < alone["prefill_issue_cpu_ms"] <= alone["prefill_issue_ms"] + 1  # the engine thread's CPU time
     assert (alone["prefill_host_plan_ms"] > 0) == (paged_layers > 0)
     # two prompts in one step (a budget that takes both whole): the step's figures go to each, said shared
     engine = build(tiny_dir, MODES[mode], chunked_prefill_tokens=64)

@@ -123,6 +123,7 @@ def test_end_to_end_on_the_builtin_server(
     halves = build_report_data([run_dir]).tables[prefill_requests.TITLE]
     assert len(halves) == 2 * 6 and set(halves["half"]) == {"fast", "slow"} and (halves["requests"] == 1).all()
     assert ((halves["issue_of_prompt"] > 0) & (halves["issue_of_prompt"] <= 1)).all()
+    assert ((halves["on_cpu"] > 0) & (halves["on_cpu"] <= 1.05)).all()  # CPU time over wall time, one thread
     paged_halves = halves[halves["configuration"].str.contains("paged")]
     assert (paged_halves["host_plan_ms"] > 0).all() and (paged_halves["router_ms"] > 0).all()
     assert halves[~halves["configuration"].str.contains("paged")]["host_plan_ms"].isna().all()  # nothing paged

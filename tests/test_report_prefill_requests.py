@@ -26,8 +26,9 @@ def request(cid: str, ttft_s: float, issue_ms: float | None, plan_ms: float, *, 
     timings: dict[str, Any] = {"prompt_n": 2048, "predicted_n": 8, "prompt_ms": ttft_s * 1e3 - 5}
     if issue_ms is not None:
         timings |= {"prefill_steps": 1, "prefill_shared_steps": shared, "prefill_layer_steps": 48,
-                    "prefill_issue_ms": issue_ms, "prefill_host_plan_ms": plan_ms * 48,
-                    "prefill_host_wait_ms": 0.48, "prefill_router_ms": 9.0}  # fmt: skip
+                    "prefill_issue_ms": issue_ms, "prefill_issue_cpu_ms": issue_ms * 0.9,
+                    "prefill_host_plan_ms": plan_ms * 48, "prefill_host_wait_ms": 0.48,
+                    "prefill_router_ms": 9.0}  # fmt: skip
     return {"cell_id": cid, "warmup": warmup, "ok": ok, "t_sent_s": 100.0, "t_first_token_s": 100.0 + ttft_s,
             "engine_timings": json.dumps(timings) if as_text else timings}  # fmt: skip
 
@@ -52,6 +53,7 @@ def test_the_requests_split_at_the_median_ttft_and_each_half_shows_its_hosts_sid
     assert slow["issue_of_prompt"] == pytest.approx(500 / 515)
     assert (fast["host_plan_ms"], slow["host_plan_ms"]) == pytest.approx((5.1, 7.5))  # per layer-step
     assert fast["host_wait_ms"] == pytest.approx(0.01) and fast["router_ms"] == 9.0
+    assert (fast["on_cpu"], slow["on_cpu"]) == pytest.approx((0.9, 0.9))
     assert (fast["note"], fast["shared_steps"]) == ("", 0)
 
 

@@ -8,13 +8,16 @@ host was on.
 Per request (the engine's clock, except TTFT, the client's):
 
     issue_of_prompt = prefill_issue_ms / prompt_ms   (the host issuing the prompt's steps, over arrival -> token 1)
+    on_cpu          = prefill_issue_cpu_ms / prefill_issue_ms   (the engine thread's CPU time while it issued them)
     host_plan_ms    = prefill_host_plan_ms / prefill_layer_steps   (per paged host-planned layer-step)
     host_wait_ms    = prefill_host_wait_ms / prefill_layer_steps
 
 and per half the median over its requests. issue_of_prompt near 1: the host issued the prompt for as long as the
 request waited, so the host bounds the prefill: its own work (host_plan_ms) or its reads of the device
 (host_wait_ms, the model's router); well below 1: the host ran ahead and the device's queue set the time. A slow
-half whose host_plan_ms is above the fast half's, at the same routing, had a slower host.
+half whose host_plan_ms is above the fast half's, at the same routing, had a slower host: on_cpu near 1 says the
+thread ran all along (more work, or a slower CPU), well below 1 that it was off the CPU (preempted, or waiting for
+the interpreter lock another of the server's threads held).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ TITLE = "Prefill requests: fast half against slow half"
 ANCHOR = "prefill-requests"
 COLUMNS = (
     "run_id", "configuration", "routing", "workload", "prompt_class", "concurrency", "repeat", "half", "requests",
-    "ttft_s", "prompt_ms", "issue_ms", "issue_of_prompt", "host_plan_ms", "host_wait_ms", "router_ms",
+    "ttft_s", "prompt_ms", "issue_ms", "issue_of_prompt", "on_cpu", "host_plan_ms", "host_wait_ms", "router_ms",
     "shared_steps", "note", "cell_id",
 )  # fmt: skip
 INTRO = (
@@ -40,8 +43,10 @@ INTRO = (
     "requests split at their median TTFT: the fast half, then the slow half (medians over each half's requests). "
     "prompt_ms is the engine's arrival to first token; issue_ms the host's time issuing the steps that ran the "
     "prompt (every launch; with the model's own router, its reads of the routed ids too); issue_of_prompt = "
-    "issue_ms / prompt_ms per request; host_plan_ms and host_wait_ms the host's time per paged layer-step, its own "
-    "work (plan, launches) and blocked on the device; router_ms a synthetic router's draws. Reading: "
+    "issue_ms / prompt_ms per request; on_cpu the engine thread's CPU time over issue_ms (below 1: the thread was "
+    "off the CPU, preempted or waiting for another thread's interpreter lock); host_plan_ms and host_wait_ms the "
+    "host's time per paged layer-step, its own work (plan, launches) and blocked on the device; router_ms a "
+    "synthetic router's draws. Reading: "
     "issue_of_prompt near 1 means the host bounded the prefill (its own work, or its waits on the device); well "
     "below 1, the host ran ahead and the device set the time. A slow half whose host_plan_ms exceeds the fast "
     "half's had a slower host. shared_steps counts steps that also ran another request's prompt chunk (their "
@@ -62,6 +67,7 @@ def _per_request(requests: pd.DataFrame) -> pd.DataFrame:
         if issue is None or prompt is None or sent is None or first is None:
             continue
         layer_steps = number(t.get("prefill_layer_steps")) or 0.0
+        cpu = number(t.get("prefill_issue_cpu_ms"))
 
         def per_layer(key: str, t: dict[str, Any] = t, layer_steps: float = layer_steps) -> float | None:
             value = number(t.get(key))
@@ -70,10 +76,11 @@ def _per_request(requests: pd.DataFrame) -> pd.DataFrame:
         rows.append({
             "cell_id": r["cell_id"], "ttft_s": first - sent, "prompt_ms": prompt, "issue_ms": issue,
             "issue_of_prompt": issue / prompt if prompt > 0 else None,
+            "on_cpu": cpu / issue if cpu is not None and issue > 0 else None,
             "host_plan_ms": per_layer("prefill_host_plan_ms"), "host_wait_ms": per_layer("prefill_host_wait_ms"),
             "router_ms": number(t.get("prefill_router_ms")), "shared_steps": number(t.get("prefill_shared_steps")),
         })  # fmt: skip
-    return pd.DataFrame(rows, columns=["cell_id", "ttft_s", "prompt_ms", "issue_ms", "issue_of_prompt",
+    return pd.DataFrame(rows, columns=["cell_id", "ttft_s", "prompt_ms", "issue_ms", "issue_of_prompt", "on_cpu",
                                        "host_plan_ms", "host_wait_ms", "router_ms", "shared_steps"])  # fmt: skip
 
 
@@ -105,7 +112,7 @@ def prefill_requests_table(cells: pd.DataFrame, runs: Iterable[RunData]) -> pd.D
                 "run_id": c["run_id"], "configuration": c["label"], "routing": c["routing"],
                 "workload": c["workload"], "prompt_class": c["prompt_class"], "concurrency": int(c["concurrency"]),
                 "repeat": int(c["repeat"]), "half": half, "requests": len(group),
-                **{k: _median(group[k]) for k in ("ttft_s", "prompt_ms", "issue_ms", "issue_of_prompt",
+                **{k: _median(group[k]) for k in ("ttft_s", "prompt_ms", "issue_ms", "issue_of_prompt", "on_cpu",
                                                    "host_plan_ms", "host_wait_ms", "router_ms")},
                 "shared_steps": int(sum(number(v) or 0 for v in group["shared_steps"])),
                 "note": note, "cell_id": c["cell_id"],

@@ -102,6 +102,7 @@ class RequestPrefill:
     shared_steps: int = 0
     layer_steps: int = 0
     issue_s: float = 0.0
+    issue_cpu_s: float = 0.0
     router_s: float = 0.0
     host_wait_s: float = 0.0
     host_plan_s: float = 0.0
@@ -111,6 +112,7 @@ class RequestPrefill:
         self.shared_steps += step.chunks > 1
         self.layer_steps += step.layer_steps
         self.issue_s += step.issue_s
+        self.issue_cpu_s += step.issue_cpu_s
         self.router_s += step.router_s
         self.host_wait_s += step.host_wait_s
         self.host_plan_s += step.host_plan_s
@@ -122,6 +124,7 @@ class RequestPrefill:
         return {
             "prefill_steps": self.steps, "prefill_shared_steps": self.shared_steps,
             "prefill_layer_steps": self.layer_steps, "prefill_issue_ms": self.issue_s * 1e3,
+            "prefill_issue_cpu_ms": self.issue_cpu_s * 1e3,
             "prefill_router_ms": self.router_s * 1e3, "prefill_host_wait_ms": self.host_wait_s * 1e3,
             "prefill_host_plan_ms": self.host_plan_s * 1e3,
         }  # fmt: skip
