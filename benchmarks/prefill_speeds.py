@@ -1,0 +1,96 @@
+"""Whether a run's paged prefills ran at two speeds, and whether the host set them, from the stored run alone
+(no GPU: cells.csv and requests.parquet of `benchsuite run`).
+
+For each paged cell with prompt chunks of the class given (2,048 tokens by default), and each routing:
+
+- per request, the client's TTFT and the engine's own `prompt_ms` (arrival -> token 1 on its clock): when they
+  agree the time is the engine's, not the HTTP path's; and, for runs since 2026-12-04, the engine's per-request
+  prefill keys (`prefill_issue_ms` over `prompt_ms`: near 1, the host issued the prompt for as long as the
+  request waited; `prefill_issue_cpu_ms` over `prefill_issue_ms`: near 1, the engine thread was on the CPU all
+  along; `prefill_host_plan_ms` per layer-step);
+- per cell, the chunk's device span beside the synthetic router's host time per chunk (`router_s`): the router
+  does the same host work for every 2,048-token chunk, so its time is a probe of the host's speed during the
+  cell, and a span that moves with it (the correlation over the run's cells is printed) says the host, not the
+  link or the GPU, set the prefill's time.
+
+    python benchmarks/prefill_speeds.py results/h200-policyconfirm [--prompt-class 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+
+def _timings(value: Any) -> dict[str, Any]:
+    if isinstance(value, dict):
+        return value
+    if isinstance(value, str) and value.strip():
+        parsed = json.loads(value)
+        return parsed if isinstance(parsed, dict) else {}
+    return {}
+
+
+def per_request(run: Path, cells: pd.DataFrame) -> pd.DataFrame:
+    requests = pd.read_parquet(run / "requests.parquet")
+    keys = ["cell_id", "server_id", "routing", "concurrency", "repeat"]
+    merged = requests.merge(cells[keys], on="cell_id").sort_values("t_sent_s")
+    merged = merged[merged["ok"].astype(bool)]
+    t = [_timings(v) for v in merged["engine_timings"]]
+    merged["ttft_ms"] = (merged["t_first_token_s"] - merged["t_sent_s"]) * 1e3
+    merged["prompt_ms"] = [x.get("prompt_ms") for x in t]
+    merged["issue_ms"] = [x.get("prefill_issue_ms") for x in t]
+    merged["on_cpu"] = [
+        x["prefill_issue_cpu_ms"] / x["prefill_issue_ms"] if x.get("prefill_issue_ms") else None for x in t
+    ]
+    merged["plan_ms_per_layer"] = [
+        x["prefill_host_plan_ms"] / x["prefill_layer_steps"] if x.get("prefill_layer_steps") else None for x in t
+    ]
+    return merged
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("run", type=Path, help="a results run directory")
+    ap.add_argument("--prompt-class", default="2048")
+    args = ap.parse_args()
+    cells = pd.read_csv(args.run / "cells.csv")
+    cells = cells[(cells["mode"] == "paged") & (cells["prompt_class"].astype(str) == args.prompt_class)]
+    cells = cells[pd.to_numeric(cells.get("prefill_chunks"), errors="coerce").fillna(0) > 0]
+    if cells.empty:
+        raise SystemExit(f"{args.run}: no paged cell with {args.prompt_class}-token prompt chunks")
+    requests = per_request(args.run, cells)
+    for (routing, concurrency), mine in requests.groupby(["routing", "concurrency"]):
+        measured = mine[~mine["warmup"].astype(bool)]
+        print(f"\n== {routing}, c={concurrency}: {len(measured)} measured requests (warm-up ones too below)")
+        header = ("server", "rep", "warm", "ttft_ms", "prompt_ms", "issue_ms", "on_cpu", "plan/layer")
+        print("{:<13} {:>3} {:>4} {:>8} {:>9} {:>8} {:>6} {:>10}".format(*header))
+        for _, r in mine.iterrows():
+            issue = "" if pd.isna(r["issue_ms"]) else f"{r['issue_ms']:8.1f}"
+            plan = "" if pd.isna(r["plan_ms_per_layer"]) else f"{r['plan_ms_per_layer']:10.3f}"
+            on_cpu = "" if pd.isna(r["on_cpu"]) else f"{r['on_cpu']:6.2f}"
+            print(f"{r['server_id']:<13} {r['repeat']:>3} {'yes' if r['warmup'] else '':>4} {r['ttft_ms']:8.1f} "
+                  f"{r['prompt_ms']:9.1f} {issue:>8} {on_cpu:>6} {plan:>10}")  # fmt: skip
+        gap = (measured["ttft_ms"] - measured["prompt_ms"]).dropna()
+        if len(gap):
+            print(f"client TTFT - engine prompt_ms: median {statistics.median(gap):.1f} ms, max {gap.max():.1f} ms")
+    print("\n== per cell: the chunk's device span against the synthetic router's host time per chunk")
+    synthetic = cells[pd.to_numeric(cells["prefill_router_s_per_chunk"], errors="coerce").fillna(0) > 0]
+    for _, c in synthetic.sort_values("prefill_span_s_per_chunk").iterrows():
+        idle = c.get("prefill_idle_before_layer_s")
+        idle_ms = "" if pd.isna(idle) else f"{idle * 1e3:6.2f}"
+        print(f"{c['routing']:<26} c={c['concurrency']} rep {c['repeat']}: span {c['prefill_span_s_per_chunk']:.3f} s, "
+              f"router {c['prefill_router_s_per_chunk'] * 1e3:6.2f} ms, idle before a layer {idle_ms} ms")  # fmt: skip
+    if len(synthetic) >= 3:
+        r = np.corrcoef(synthetic["prefill_router_s_per_chunk"], synthetic["prefill_span_s_per_chunk"])[0, 1]
+        print(f"correlation of span with router time over {len(synthetic)} cells: {r:.2f}")
+
+
+if __name__ == "__main__":
+    main()
