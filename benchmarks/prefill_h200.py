@@ -18,6 +18,9 @@ steps. Per prompt, from `torch.cuda.synchronize()` to `torch.cuda.synchronize()`
                       layer's first page-in, and the host's time blocked on the device (the routed ids) and
                       the rest of its host time (plan, launches); beside the prompts' fastest and slowest
                       prefill_s, they say whether a slow prompt waited on the host or on the device
+    issue / cpu = medians over the prompts of the model's host time issuing the prompt's step over prefill_s
+                      (near 1: the host bounded it), and of the thread's CPU time over that issue time (near
+                      1: the thread ran all along; below: it was off the CPU)
 
 Page-in paths: `streamed` (the runtime: page-ins on the page-in stream, overlapped with the waves'
 compute) and `serial` (the same plan with the page-in stream taken away, so copies queue on the
@@ -35,6 +38,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -114,7 +118,8 @@ def one_prompt(model: MoeCausalLM, pool: KvPool, prompt: list[int], decode: int,
         model.counters.reset()
         sync(device)
         t0 = time.perf_counter()
-        token = int(model.run_step([SeqChunk(seq, prompt, 0)]).greedy[0])  # the first token on the host
+        step = model.run_step([SeqChunk(seq, prompt, 0)])
+        token = int(step.greedy[0])  # the first token on the host
         prefill_s = time.perf_counter() - t0
         snap = model.counters.snapshot()
         t1 = time.perf_counter()
@@ -129,6 +134,8 @@ def one_prompt(model: MoeCausalLM, pool: KvPool, prompt: list[int], decode: int,
     return {
         "prefill_s": prefill_s,
         "prefill": p.to_dict(),
+        "issue_s": None if step.prefill is None else step.prefill.issue_s,  # the host's time issuing the step
+        "issue_cpu_s": None if step.prefill is None else step.prefill.issue_cpu_s,  # the thread's CPU time in it
         "union_mean": snap.total.union_sum / max(1, snap.total.steps),
         "decode_s": decode_s,
         "decode_hits": d.hits - snap.total.hits,
@@ -182,6 +189,8 @@ def run_cell(cell: Cell, args: argparse.Namespace, link_b_per_s: float | None) -
         "host_wait_ms": per_layer_ms("host_wait_s"),
         "host_plan_ms": per_layer_ms("host_plan_s"),
         "paging_of_floor": (prefill_s - router_s) / floor_s if floor_s else None,
+        "issue_of_prefill": _median_of(r["issue_s"] / r["prefill_s"] for r in measured if r["issue_s"] is not None),
+        "on_cpu": _median_of(r["issue_cpu_s"] / r["issue_s"] for r in measured if r["issue_s"]),
         "decode_hit_rate": hits / (hits + misses) if hits + misses else None,
         "decode_tok_s_eager": args.decode * len(measured) / sum(r["decode_s"] for r in measured)
         if args.decode
@@ -191,6 +200,11 @@ def run_cell(cell: Cell, args: argparse.Namespace, link_b_per_s: float | None) -
 
 
 _PAGE_IN_STREAM = paged_module.page_in_stream
+
+
+def _median_of(values: Iterable[float]) -> float | None:
+    present = list(values)
+    return statistics.median(present) if present else None
 
 
 def provenance() -> dict[str, Any]:
@@ -213,7 +227,7 @@ def render(record: dict[str, Any]) -> str:
     lines = [f"link (paging figure): {f'{link:.1f} GB/s' if link else record['link'].get('error')}",
              (f"{'cell':<40} {'prefill s':>9} {'min-max s':>11} {'GB':>6} {'floor s':>8} {'/floor':>7} {'busy':>5}"
               f" {'waves/L':>7} {'router s':>8} {'-router':>7} {'dec hit':>7} {'idle ms':>7} {'wait ms':>7}"
-              f" {'plan ms':>7}")]  # fmt: skip
+              f" {'plan ms':>7} {'issue':>5} {'cpu':>5}")]  # fmt: skip
     for c in record["cells"]:
         if "error" in c:
             lines.append(f"{c['cell']:<40} {c['error']}")
@@ -224,7 +238,8 @@ def render(record: dict[str, Any]) -> str:
             f"{_fmt(c['of_floor'], '7.2f'):>7} {_fmt(c['copy_busy'], '5.2f'):>5} {c['waves_per_layer']:>7.1f}",
             f"{c['router_s']:>8.3f} {_fmt(c['paging_of_floor'], '7.2f'):>7} {_fmt(c['decode_hit_rate'], '7.3f'):>7}",
             f"{_fmt(c['idle_before_layer_ms'], '7.2f'):>7} {_fmt(c['host_wait_ms'], '7.2f'):>7}",
-            f"{_fmt(c['host_plan_ms'], '7.2f'):>7}",
+            f"{_fmt(c['host_plan_ms'], '7.2f'):>7} {_fmt(c.get('issue_of_prefill'), '5.2f'):>5}",
+            f"{_fmt(c.get('on_cpu'), '5.2f'):>5}",
         )
         lines.append(f"{c['cell']:<40} " + " ".join(figures))
     return "\n".join(lines)

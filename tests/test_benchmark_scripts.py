@@ -68,8 +68,13 @@ def test_prefill_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
         assert paged[column] == pytest.approx(statistics.median(per_layer)), column
         assert record["cells"][0][column] is None  # resident: no paged layer-step
     assert paged["host_plan_ms"] > 0  # on the CPU the waves compute inside it
+    # the host's time issuing the prompt's step over its wall time, and the thread's CPU share of that issue time
+    for cell in record["cells"]:
+        issue = [r["issue_s"] / r["prefill_s"] for r in cell["runs"][1:]]
+        assert cell["issue_of_prefill"] == pytest.approx(statistics.median(issue)) and 0 < max(issue) <= 1
+        assert 0 < cell["on_cpu"] <= 1.05
     table = (tmp_path / "prefill.txt").read_text()
-    assert "paged:6/qwen3-30b-a3b/lru/streamed" in table and "plan ms" in table
+    assert "paged:6/qwen3-30b-a3b/lru/streamed" in table and "plan ms" in table and " cpu" in table
 
 
 def test_decode_benchmark_runs_on_the_cpu_and_records_its_weights(tmp_path: Path) -> None:
