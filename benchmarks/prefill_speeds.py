@@ -1,5 +1,5 @@
 """Whether a run's paged prefills ran at two speeds, and whether the host set them, from the stored run alone
-(no GPU: cells.csv and requests.parquet of `benchsuite run`).
+(no GPU: the cells and requests of `benchsuite run`, read as the report reads them).
 
 For each paged cell with prompt chunks of the class given (2,048 tokens by default), and each routing:
 
@@ -8,10 +8,11 @@ For each paged cell with prompt chunks of the class given (2,048 tokens by defau
   prefill keys (`prefill_issue_ms` over `prompt_ms`: near 1, the host issued the prompt for as long as the
   request waited; `prefill_issue_cpu_ms` over `prefill_issue_ms`: near 1, the engine thread was on the CPU all
   along; `prefill_host_plan_ms` per layer-step);
-- per cell, the chunk's device span beside the synthetic router's host time per chunk (`router_s`): the router
-  does the same host work for every 2,048-token chunk, so its time is a probe of the host's speed during the
-  cell, and a span that moves with it (the correlation over the run's cells is printed) says the host, not the
-  link or the GPU, set the prefill's time.
+- per cell, the chunk's device span beside the synthetic router's time per chunk (`router_s`): the router does the
+  same work for every 2,048-token chunk, nearly all of it on the host (its draw kernel and the one copy back, ~1.1
+  ms on the H200, are the same every chunk), so its time is a probe of the host's speed during the cell, and a span
+  that moves with it (the correlation over the run's cells is printed) points to the host, not the link or the
+  GPU.
 
     python benchmarks/prefill_speeds.py results/h200-policyconfirm [--prompt-class 2048]
 """
@@ -19,30 +20,20 @@ For each paged cell with prompt chunks of the class given (2,048 tokens by defau
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pandas as pd
 
-
-def _timings(value: Any) -> dict[str, Any]:
-    if isinstance(value, dict):
-        return value
-    if isinstance(value, str) and value.strip():
-        parsed = json.loads(value)
-        return parsed if isinstance(parsed, dict) else {}
-    return {}
+from benchsuite.report.load import as_dict, load_run
 
 
-def per_request(run: Path, cells: pd.DataFrame) -> pd.DataFrame:
-    requests = pd.read_parquet(run / "requests.parquet")
+def per_request(requests: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame:
     keys = ["cell_id", "server_id", "routing", "concurrency", "repeat"]
     merged = requests.merge(cells[keys], on="cell_id").sort_values("t_sent_s")
     merged = merged[merged["ok"].astype(bool)]
-    t = [_timings(v) for v in merged["engine_timings"]]
+    t = [as_dict(v) for v in merged["engine_timings"]]
     merged["ttft_ms"] = (merged["t_first_token_s"] - merged["t_sent_s"]) * 1e3
     merged["prompt_ms"] = [x.get("prompt_ms") for x in t]
     merged["issue_ms"] = [x.get("prefill_issue_ms") for x in t]
@@ -60,12 +51,15 @@ def main() -> None:
     ap.add_argument("run", type=Path, help="a results run directory")
     ap.add_argument("--prompt-class", default="2048")
     args = ap.parse_args()
-    cells = pd.read_csv(args.run / "cells.csv")
+    run = load_run(args.run)
+    cells = run.cells
+    if "prefill_chunks" not in cells:
+        raise SystemExit(f"{args.run}: stored before the prefill counters (no prefill_chunks)")
     cells = cells[(cells["mode"] == "paged") & (cells["prompt_class"].astype(str) == args.prompt_class)]
-    cells = cells[pd.to_numeric(cells.get("prefill_chunks"), errors="coerce").fillna(0) > 0]
+    cells = cells[pd.to_numeric(cells["prefill_chunks"], errors="coerce").fillna(0) > 0]
     if cells.empty:
         raise SystemExit(f"{args.run}: no paged cell with {args.prompt_class}-token prompt chunks")
-    requests = per_request(args.run, cells)
+    requests = per_request(run.requests, cells)
     for (routing, concurrency), mine in requests.groupby(["routing", "concurrency"]):
         measured = mine[~mine["warmup"].astype(bool)]
         print(f"\n== {routing}, c={concurrency}: {len(measured)} measured requests (warm-up ones too below)")
@@ -80,7 +74,7 @@ def main() -> None:
         gap = (measured["ttft_ms"] - measured["prompt_ms"]).dropna()
         if len(gap):
             print(f"client TTFT - engine prompt_ms: median {statistics.median(gap):.1f} ms, max {gap.max():.1f} ms")
-    print("\n== per cell: the chunk's device span against the synthetic router's host time per chunk")
+    print("\n== per cell: the chunk's device span against the synthetic router's time per chunk")
     synthetic = cells[pd.to_numeric(cells["prefill_router_s_per_chunk"], errors="coerce").fillna(0) > 0]
     for _, c in synthetic.sort_values("prefill_span_s_per_chunk").iterrows():
         idle = c.get("prefill_idle_before_layer_s")

@@ -236,8 +236,8 @@ def test_a_step_with_a_prompt_chunk_hands_back_the_host_side_of_that_step_alone(
     assert got.host_plan_s > 0 and got.host_wait_s + got.host_plan_s + got.router_s <= got.issue_s
     assert 0 < got.issue_cpu_s <= got.issue_s + 1e-3  # one thread's CPU time never exceeds its wall time
     assert model.run_step([SeqChunk(short, [41], len(SHORT) + 1), SeqChunk(long, [7], len(PROMPT))]).prefill is None
-    model.counters.reset()  # a step that opened before a reset is not handed to the next one
-    assert model.counters.prefill_step_host(0) is None
+    model.counters.reset()  # the figures of a step that opened before a reset are gone with it
+    assert model.counters.prefill_steps_opened == 0 and model.counters.prefill_step_host(-1) is None
 
 
 def test_recent_leaves_the_last_tokens_experts_where_lru_does_not() -> None:

@@ -5,6 +5,8 @@ probe, then the section built from the store."""
 
 from __future__ import annotations
 
+import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -127,6 +129,13 @@ def test_end_to_end_on_the_builtin_server(
     paged_halves = halves[halves["configuration"].str.contains("paged")]
     assert (paged_halves["host_plan_ms"] > 0).all() and (paged_halves["router_ms"] > 0).all()
     assert halves[~halves["configuration"].str.contains("paged")]["host_plan_ms"].isna().all()  # nothing paged
+    # benchmarks/prefill_speeds.py reads the same keys from the stored run, request by request
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "prefill_speeds.py"
+    out = subprocess.run([sys.executable, str(script), str(run_dir), "--prompt-class", "200"],
+                         capture_output=True, text=True, check=True, timeout=120).stdout  # fmt: skip
+    rows = [line.split() for line in out.splitlines() if re.match(r"[0-9a-f]{12} ", line)]  # a request: its server
+    measured = [f for f in rows if "yes" not in f]  # server, repeat, ttft, prompt, issue, on_cpu, plan per layer
+    assert len(measured) == 2 * 2 and all(len(f) == 7 and 0 < float(f[5]) <= 1.05 for f in measured), out
     resident = table[~table["configuration"].str.contains("paged") & (table["prompt_class"] == "200")]
     if (resident["note"] == "").all():  # (a cell a busy client read in one go is invalid: issue 19 fixes that)
         assert (long["resident_ttft_s"] > 0).all()

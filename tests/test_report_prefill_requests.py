@@ -1,6 +1,7 @@
 """The report's per-request prefill table (benchsuite.report.prefill_requests): a cell's measured requests split
 at their median TTFT, each half's medians of the engine's own prefill keys; warm-up, failed and key-less requests
-left out; cells with fewer than two such requests, and runs stored before the keys, give no row."""
+left out; cells with fewer than two such requests, cells above concurrency 1 and runs stored before the keys give
+no row; two runs that share cell ids keep their own requests."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from benchsuite.report.prefill_requests import prefill_requests_table
 from benchsuite.results.manifest import Manifest
 
 
-def cell(cid: str, concurrency: int = 1) -> dict[str, Any]:
-    return {"cell_id": cid, "run_id": "r", "label": "tiny · paged", "routing": "synthetic:qwen3-30b-a3b",
+def cell(cid: str, concurrency: int = 1, run_id: str = "r") -> dict[str, Any]:
+    return {"cell_id": cid, "run_id": run_id, "label": "tiny · paged", "routing": "synthetic:qwen3-30b-a3b",
             "workload": "w", "prompt_class": "2048", "concurrency": concurrency, "repeat": 0}  # fmt: skip
 
 
@@ -33,9 +34,9 @@ def request(cid: str, ttft_s: float, issue_ms: float | None, plan_ms: float, *, 
             "engine_timings": json.dumps(timings) if as_text else timings}  # fmt: skip
 
 
-def run(requests: list[dict[str, Any]]) -> RunData:
-    manifest = Manifest(run_id="r", created_utc="now", matrix_source="m.yaml", matrix_hash="h", matrix={})
-    return RunData("r", Path("."), manifest, pd.DataFrame(), pd.DataFrame(requests))
+def run(requests: list[dict[str, Any]], run_id: str = "r") -> RunData:
+    manifest = Manifest(run_id=run_id, created_utc="now", matrix_source="m.yaml", matrix_hash="h", matrix={})
+    return RunData(run_id, Path("."), manifest, pd.DataFrame(), pd.DataFrame(requests))
 
 
 def test_the_requests_split_at_the_median_ttft_and_each_half_shows_its_hosts_side() -> None:
@@ -54,13 +55,22 @@ def test_the_requests_split_at_the_median_ttft_and_each_half_shows_its_hosts_sid
     assert (fast["host_plan_ms"], slow["host_plan_ms"]) == pytest.approx((5.1, 7.5))  # per layer-step
     assert fast["host_wait_ms"] == pytest.approx(0.01) and fast["router_ms"] == 9.0
     assert (fast["on_cpu"], slow["on_cpu"]) == pytest.approx((0.9, 0.9))
-    assert (fast["note"], fast["shared_steps"]) == ("", 0)
+    assert fast["shared_steps"] == 0
 
 
-def test_cells_without_two_requests_with_the_keys_give_no_row() -> None:
+def test_cells_without_two_requests_with_the_keys_or_above_concurrency_one_give_no_row() -> None:
     requests = [request("one", 0.4, 300.0, 5.0), request("one", 0.5, None, 0.0),  # one has no prefill keys
-                request("c4", 1.0, 300.0, 5.0, shared=1), request("c4", 1.4, 320.0, 5.0, shared=1)]  # fmt: skip
-    table = prefill_requests_table(pd.DataFrame([cell("one"), cell("c4", concurrency=4)]), [run(requests)])
-    assert set(table["cell_id"]) == {"c4"}
-    assert set(table["note"]) == {"c=4: TTFT holds queueing"} and list(table["shared_steps"]) == [1, 1]
+                request("c4", 0.4, 300.0, 5.0, shared=1), request("c4", 0.8, 320.0, 5.0, shared=1)]  # fmt: skip
+    # at c=4 a TTFT holds the request's place in the queue: a split on it sorts by arrival, not speed
+    assert prefill_requests_table(pd.DataFrame([cell("one"), cell("c4", concurrency=4)]), [run(requests)]).empty
     assert prefill_requests_table(pd.DataFrame([cell("a")]), [run([])]).empty  # a run without requests
+
+
+def test_two_runs_with_the_same_cell_ids_keep_their_own_requests() -> None:
+    first = [request("a", 0.40, 300.0, 5.0), request("a", 0.41, 300.0, 5.0)]
+    second = [request("a", 0.60, 500.0, 9.0), request("a", 0.61, 500.0, 9.0)]
+    cells = pd.DataFrame([cell("a", run_id="r1"), cell("a", run_id="r2")])
+    table = prefill_requests_table(cells, [run(first, "r1"), run(second, "r2")]).set_index(["run_id", "half"])
+    assert table.loc[("r1", "fast"), "ttft_s"] == pytest.approx(0.40)
+    assert table.loc[("r1", "slow"), "ttft_s"] == pytest.approx(0.41)
+    assert table.loc[("r2", "fast"), "ttft_s"] == pytest.approx(0.60) and table.loc[("r2", "slow"), "host_plan_ms"] == 9

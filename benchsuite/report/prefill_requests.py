@@ -1,9 +1,10 @@
-"""Prefill requests, fast half against slow half: for every built-in cell whose requests carry the engine's own
-prefill keys (paged_experts' `timings`: `RequestPrefill`), the cell's measured requests split at their median
-TTFT, each half beside the host's side of its prefill steps. Why: a cell's prefill counters (report/prefill.py)
-sum its requests, so a cell whose prompts prefill at two speeds (h200-policyconfirm: 0.40 or 0.49-0.56 s a
-2,048-token chunk, request by request) shows one blurred figure; per request the engine says which side the
-host was on.
+"""Prefill requests, fast half against slow half: for every built-in cell at concurrency 1 whose requests carry the
+engine's own prefill keys (paged_experts' `timings`: `RequestPrefill`), the cell's measured requests split at their
+median TTFT, each half beside the host's side of its prefill steps. Why: a cell's prefill counters
+(report/prefill.py) sum its requests, so a cell whose prompts prefill at two speeds (h200-policyconfirm: 0.396-0.436
+s or 0.451-0.621 s a 2,048-token prompt, request by request) shows one blurred figure; per request the engine says
+which side the host was on. Concurrency 1 only: above it a request's TTFT holds its place in the queue (at c=4
+about 1, 2, 3 and 4 chunks), so a split on it would sort requests by arrival, not by speed.
 
 Per request (the engine's clock, except TTFT, the client's):
 
@@ -12,10 +13,10 @@ Per request (the engine's clock, except TTFT, the client's):
     host_plan_ms    = prefill_host_plan_ms / prefill_layer_steps   (per paged host-planned layer-step)
     host_wait_ms    = prefill_host_wait_ms / prefill_layer_steps
 
-and per half the median over its requests. issue_of_prompt near 1: the host issued the prompt for as long as the
-request waited, so the host bounds the prefill: its own work (host_plan_ms) or its reads of the device
-(host_wait_ms, the model's router); well below 1: the host ran ahead and the device's queue set the time. A slow
-half whose host_plan_ms is above the fast half's, at the same routing, had a slower host: on_cpu near 1 says the
+and per half the median over its requests. issue_of_prompt near 1: the device never got ahead of the host's issue
+(host_wait_ms says whether the host was working or waiting for the device meanwhile: with the model's own router it
+waits at every layer); well below 1: the host ran ahead and the device's queue set the time. A slow half whose
+host_plan_ms is above the fast half's, at the same routing, had a slower host: on_cpu near 1 says the
 thread ran all along (more work, or a slower CPU), well below 1 that it was off the CPU (preempted, or waiting for
 the interpreter lock another of the server's threads held).
 """
@@ -36,26 +37,33 @@ ANCHOR = "prefill-requests"
 COLUMNS = (
     "run_id", "configuration", "routing", "workload", "prompt_class", "concurrency", "repeat", "half", "requests",
     "ttft_s", "prompt_ms", "issue_ms", "issue_of_prompt", "on_cpu", "host_plan_ms", "host_wait_ms", "router_ms",
-    "shared_steps", "note", "cell_id",
+    "shared_steps", "cell_id",
 )  # fmt: skip
+FIGURES = ("ttft_s", "prompt_ms", "issue_ms", "issue_of_prompt", "on_cpu", "host_plan_ms", "host_wait_ms", "router_ms")
 INTRO = (
-    "<p>The built-in engine's own prefill figures per request (its <code>timings</code>), for each cell's measured "
-    "requests split at their median TTFT: the fast half, then the slow half (medians over each half's requests). "
+    "<p>The built-in engine's own prefill figures per request (its <code>timings</code>), for each concurrency-1 "
+    "cell's measured requests split at their median TTFT: the fast half, then the slow half (medians over each "
+    "half's requests; above concurrency 1 a TTFT holds the request's place in the queue, so cells there are left "
+    "out). "
     "prompt_ms is the engine's arrival to first token; issue_ms the host's time issuing the steps that ran the "
     "prompt (every launch; with the model's own router, its reads of the routed ids too); issue_of_prompt = "
     "issue_ms / prompt_ms per request; on_cpu the engine thread's CPU time over issue_ms (below 1: the thread was "
     "off the CPU, preempted or waiting for another thread's interpreter lock); host_plan_ms and host_wait_ms the "
     "host's time per paged layer-step, its own work (plan, launches) and blocked on the device; router_ms a "
     "synthetic router's draws. Reading: "
-    "issue_of_prompt near 1 means the host bounded the prefill (its own work, or its waits on the device); well "
-    "below 1, the host ran ahead and the device set the time. A slow half whose host_plan_ms exceeds the fast "
+    "issue_of_prompt near 1 means the device never got ahead of the host's issue (host_wait_ms says whether the "
+    "host was working or waiting on the device meanwhile: with the model's own router it waits at every layer); "
+    "well below 1, the host ran ahead and the device set the time. A slow half whose host_plan_ms exceeds the fast "
     "half's had a slower host. shared_steps counts steps that also ran another request's prompt chunk (their "
-    "figures are the whole step's); at concurrency above 1 the TTFT also holds queueing.</p>"
+    "figures are the whole step's).</p>"
 )
-EMPTY = "no built-in cell's requests carried the engine's prefill timings (runs before 2026-12-04, or no prompts)"
+EMPTY = (
+    "no built-in cell at concurrency 1 had two measured requests with the engine's prefill timings (runs before "
+    "2026-12-04, or no prompts)"
+)
 
 
-def _per_request(requests: pd.DataFrame) -> pd.DataFrame:
+def _per_request(run_id: str, requests: pd.DataFrame) -> pd.DataFrame:
     """Measured requests with the engine's prefill keys: TTFT and the per-request figures of the module docstring."""
     rows = []
     for _, r in requests.iterrows():
@@ -74,14 +82,13 @@ def _per_request(requests: pd.DataFrame) -> pd.DataFrame:
             return value / layer_steps if value is not None and layer_steps else None
 
         rows.append({
-            "cell_id": r["cell_id"], "ttft_s": first - sent, "prompt_ms": prompt, "issue_ms": issue,
+            "run_id": run_id, "cell_id": r["cell_id"], "ttft_s": first - sent, "prompt_ms": prompt, "issue_ms": issue,
             "issue_of_prompt": issue / prompt if prompt > 0 else None,
             "on_cpu": cpu / issue if cpu is not None and issue > 0 else None,
             "host_plan_ms": per_layer("prefill_host_plan_ms"), "host_wait_ms": per_layer("prefill_host_wait_ms"),
             "router_ms": number(t.get("prefill_router_ms")), "shared_steps": number(t.get("prefill_shared_steps")),
         })  # fmt: skip
-    return pd.DataFrame(rows, columns=["cell_id", "ttft_s", "prompt_ms", "issue_ms", "issue_of_prompt", "on_cpu",
-                                       "host_plan_ms", "host_wait_ms", "router_ms", "shared_steps"])  # fmt: skip
+    return pd.DataFrame(rows, columns=["run_id", "cell_id", *FIGURES, "shared_steps"])
 
 
 def _median(values: Iterable[Any]) -> float | None:
@@ -97,24 +104,25 @@ def _halves(mine: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
 
 
 def prefill_requests_table(cells: pd.DataFrame, runs: Iterable[RunData]) -> pd.DataFrame:
-    """Two rows (fast, slow) per cell with at least two measured requests carrying the engine's prefill keys."""
-    frames = [_per_request(run.requests) for run in runs if not run.requests.empty]
-    per_request = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["cell_id"])
+    """Two rows (fast, slow) per concurrency-1 cell with at least two measured requests carrying the engine's
+    prefill keys. Cell ids repeat across runs (a run's rerun under a new id keeps them): requests are the cell's
+    own run's."""
+    frames = [_per_request(run.run_id, run.requests) for run in runs if not run.requests.empty]
+    per_request = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["run_id", "cell_id"])
     rows = []
-    by_cell = {str(k): g for k, g in per_request.groupby("cell_id")} if not per_request.empty else {}
-    for _, c in cells.sort_values(["run_id", "prompt_class", "routing", "label", "concurrency", "repeat"]).iterrows():
-        mine = by_cell.get(str(c["cell_id"]))
+    by_cell = {(str(r), str(c)): g for (r, c), g in per_request.groupby(["run_id", "cell_id"])}
+    alone = cells[cells["concurrency"].astype(int) == 1]
+    for _, c in alone.sort_values(["run_id", "prompt_class", "routing", "label", "repeat"]).iterrows():
+        mine = by_cell.get((str(c["run_id"]), str(c["cell_id"])))
         if mine is None or len(mine) < 2:
             continue
-        note = f"c={int(c['concurrency'])}: TTFT holds queueing" if int(c["concurrency"]) > 1 else ""
         for half, group in _halves(mine):
             rows.append({
                 "run_id": c["run_id"], "configuration": c["label"], "routing": c["routing"],
                 "workload": c["workload"], "prompt_class": c["prompt_class"], "concurrency": int(c["concurrency"]),
                 "repeat": int(c["repeat"]), "half": half, "requests": len(group),
-                **{k: _median(group[k]) for k in ("ttft_s", "prompt_ms", "issue_ms", "issue_of_prompt", "on_cpu",
-                                                   "host_plan_ms", "host_wait_ms", "router_ms")},
+                **{k: _median(group[k]) for k in FIGURES},
                 "shared_steps": int(sum(number(v) or 0 for v in group["shared_steps"])),
-                "note": note, "cell_id": c["cell_id"],
+                "cell_id": c["cell_id"],
             })  # fmt: skip
     return pd.DataFrame(rows, columns=list(COLUMNS))

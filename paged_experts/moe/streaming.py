@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from paged_experts.residency.counters import PagingCounters, TimeMark
+from paged_experts.residency.counters import PagingCounters, TimeMark, is_prompt_chunk
 from paged_experts.residency.policies import STAGING, Wave
 
 CopyRows = Callable[[Sequence[tuple[int, int]]], None]  # issues the copies of (expert, slot) pairs
@@ -47,7 +47,7 @@ def prompt_chunks(seq_ids: Sequence[int]) -> tuple[int, int]:
     """(prompt chunks, their tokens) of a step: a sequence with more than one token in the step is
     a prompt chunk (a decode token is alone in its sequence)."""
     per_seq = Counter(seq_ids)
-    chunks = [n for n in per_seq.values() if n > 1]
+    chunks = [n for n in per_seq.values() if is_prompt_chunk(n)]
     return len(chunks), sum(chunks)
 
 

@@ -127,6 +127,12 @@ class PrefillCounts:
         return {**asdict(self), "copy_busy_fraction": self.copy_busy_fraction}
 
 
+def is_prompt_chunk(tokens: int) -> bool:
+    """Whether a sequence's `tokens` in one step are a prompt chunk, as the prefill counters count one: more than
+    one token (a decode token is alone in its sequence; so is a prompt's one-token last chunk, counted as none)."""
+    return tokens > 1
+
+
 @dataclass(frozen=True)
 class PrefillStepHost:
     """The host's side of ONE prefill step (perf_counter seconds), for a server to give the requests whose prompt
@@ -223,6 +229,18 @@ class _PrefillStep:
         return all(isinstance(m, float) or m.query() for m in marks)
 
 
+@dataclass
+class _StepHost:
+    """The current prefill step's host figures as they accrue (`PrefillStepHost` without the model's issue times)."""
+
+    chunks: int
+    tokens: int
+    layer_steps: int = 0
+    router_s: float = 0.0
+    host_wait_s: float = 0.0
+    host_plan_s: float = 0.0
+
+
 class _PrefillAcc:
     def __init__(self) -> None:
         self.values: dict[str, float] = {f.name: 0 for f in fields(PrefillCounts)}
@@ -254,7 +272,7 @@ class PagingCounters:
         self.mode = mode
         self._layers = [_Acc() for _ in range(num_layers)]
         self._prefill = _PrefillAcc()
-        self._step_host: dict[str, float] | None = None  # the newest prefill step's host figures (`prefill_step_host`)
+        self._step_host: _StepHost | None = None  # the newest prefill step's host figures (`prefill_step_host`)
 
     def record_step(
         self, layer: int, *, union: int, routed_pairs: int, hits: int, misses: int, cpu_activations: int, waves: int
@@ -306,8 +324,7 @@ class PagingCounters:
         acc.values["steps"] += 1
         acc.values["chunks"] += chunks
         acc.values["tokens"] += tokens
-        self._step_host = {"chunks": chunks, "tokens": tokens, "layer_steps": 0, "router_s": 0.0,
-                           "host_wait_s": 0.0, "host_plan_s": 0.0}  # fmt: skip
+        self._step_host = _StepHost(chunks=chunks, tokens=tokens)
 
     @property
     def prefill_steps_opened(self) -> int:
@@ -319,17 +336,13 @@ class PagingCounters:
         (a model reads it before its step and calls this after: None for a step without a prompt chunk)."""
         if self.prefill_steps_opened <= opened_before or self._step_host is None:
             return None
-        v = self._step_host
-        return PrefillStepHost(
-            chunks=int(v["chunks"]), tokens=int(v["tokens"]), layer_steps=int(v["layer_steps"]),
-            router_s=v["router_s"], host_wait_s=v["host_wait_s"], host_plan_s=v["host_plan_s"],
-        )  # fmt: skip
+        return PrefillStepHost(**asdict(self._step_host))
 
     def prefill_router(self, seconds: float) -> None:
         """Host time of one router-override call in the current prefill step."""
         self._prefill.values["router_s"] += seconds
         if self._step_host is not None:
-            self._step_host["router_s"] += seconds
+            self._step_host.router_s += seconds
 
     def prefill_host(self, *, wait_s: float, plan_s: float) -> None:
         """One host-planned paged layer-step of the current prefill step: the host's seconds blocked on the
@@ -338,8 +351,8 @@ class PagingCounters:
         v["host_wait_s"] += wait_s
         v["host_plan_s"] += plan_s
         if self._step_host is not None:
-            self._step_host["host_wait_s"] += wait_s
-            self._step_host["host_plan_s"] += plan_s
+            self._step_host.host_wait_s += wait_s
+            self._step_host.host_plan_s += plan_s
 
     def prefill_copy(self, num_bytes: int, start: TimeMark, end: TimeMark, opens_layer: bool) -> None:
         """A page-in of the current prefill step, issued on the page-in stream after the ones before. `opens_layer`:
@@ -358,7 +371,7 @@ class PagingCounters:
         v["staged_unused"] += staged_unused
         self._prefill.steps[-1].end = end
         if self._step_host is not None:
-            self._step_host["layer_steps"] += 1
+            self._step_host.layer_steps += 1
 
     def record_copy_events(self, layer: int, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
         """CUDA copies are timed by events read lazily, so no host sync happens per wave."""

@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from paged_experts.residency.counters import is_prompt_chunk
 from paged_experts.server.engine_types import (
     FINISH_ABORT,
     FINISH_ERROR,
@@ -316,7 +317,7 @@ class Engine:
             step = self._run_model(chunks, token_source)
             if step.prefill is not None:  # the host's side of a step with prompt chunks, for their requests
                 for w in work:
-                    if len(w.token_ids) > 1:  # a prompt chunk as the counters count one (a decode token is alone)
+                    if is_prompt_chunk(len(w.token_ids)):  # as the counters count one: not a decode token
                         w.req.prefill.add(step.prefill)
             ids, done = _start_readback(step.greedy)
         except Exception as exc:  # noqa: BLE001 -- a failed step ends its requests, never the server

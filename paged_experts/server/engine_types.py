@@ -96,7 +96,9 @@ class RequestPrefill:
     """The host's side of one request's prefill, summed over the steps that ran its prompt chunks (the model's
     `StepLogits.prefill`), for its `timings` (generation.engine_timings): per request, where the counters of
     /metrics sum a whole cell, so a cell whose requests prefill at two speeds shows which side each one took.
-    A step with several prompt chunks gives its figures to each of their requests (`shared_steps` counts them)."""
+    A step with several prompt chunks gives its figures to each of their requests (`shared_steps` counts them); a
+    step that also ran other requests' decode tokens is not counted as shared, though their work is in its issue
+    time too."""
 
     steps: int = 0
     shared_steps: int = 0

@@ -65,12 +65,11 @@ def engine_timings(stream: RequestStream, prompt_tokens: int) -> dict[str, float
     llama-server); prompt_ms = arrival -> token 1 (queueing included). Rates are absent, never 0, where
     they are undefined (fewer than 2 tokens). Beside them, this engine's own `prefill_*` keys: the host's side
     of the steps that ran the request's prompt chunks (`RequestPrefill.timings`): prefill_issue_ms, the model's
-    host time issuing those steps, prefill_issue_cpu_ms the engine thread's CPU time in it (below it by the time
-    the thread was off the CPU: preempted, or waiting for another thread's interpreter lock), and of the paged
-    layers' host-planned layer-steps in them
-    (prefill_layer_steps) the time blocked on the device (prefill_host_wait_ms) and the rest
-    (prefill_host_plan_ms); prefill_router_ms, a synthetic router's; a step with several prompt chunks gives its
-    figures to each (prefill_shared_steps)."""
+    host time issuing those steps; prefill_issue_cpu_ms, the engine thread's CPU time in it (below it by the time
+    the thread was off the CPU: preempted, or waiting for another thread's interpreter lock); over the paged
+    layers' host-planned layer-steps in them (prefill_layer_steps), the time blocked on the device
+    (prefill_host_wait_ms) and the rest (prefill_host_plan_ms); prefill_router_ms, a synthetic router's. A step
+    with several prompt chunks gives its figures to each (prefill_shared_steps)."""
     times = stream.token_times_s
     out: dict[str, float | int] = {"prompt_n": prompt_tokens, "predicted_n": len(times), **stream.prefill_timings}
     if times:
