@@ -37,8 +37,9 @@ from typing import Any
 
 import torch
 
-from paged_experts.residency.counters import PagingCounters, TimeMark, is_prompt_chunk
+from paged_experts.residency.counters import PagingCounters, TimeMark
 from paged_experts.residency.policies import STAGING, Wave
+from paged_experts.step import is_prompt_chunk
 
 CopyRows = Callable[[Sequence[tuple[int, int]]], None]  # issues the copies of (expert, slot) pairs
 

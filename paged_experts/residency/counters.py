@@ -52,6 +52,8 @@ from typing import Any
 
 import torch
 
+from paged_experts.step import PrefillStepHost
+
 TimeMark = torch.cuda.Event | float
 """A point in time: a CUDA event (timing enabled) or a `time.perf_counter()` reading."""
 
@@ -125,35 +127,6 @@ class PrefillCounts:
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "copy_busy_fraction": self.copy_busy_fraction}
-
-
-def is_prompt_chunk(tokens: int) -> bool:
-    """Whether a sequence's `tokens` in one step are a prompt chunk, as the prefill counters count one: more than
-    one token (a decode token is alone in its sequence; so is a prompt's one-token last chunk, counted as none)."""
-    return tokens > 1
-
-
-@dataclass(frozen=True)
-class PrefillStepHost:
-    """The host's side of ONE prefill step (perf_counter seconds), for a server to give the requests whose prompt
-    chunks the step ran (their `timings`): the same figures as `PrefillCounts`' host fields, not summed over steps,
-    with `issue_s`, the model's host time from the step's call to its return (every launch issued; with the
-    model's own router, the reads of its ids too; `StepLogits.prefill`), and the thread's CPU time in it. Host
-    figures only: they are known when the step returns, where the device's (copy, span, idle) are events read
-    later."""
-
-    chunks: int  # prompt chunks in the step (more than one: the step's figures are shared by their requests)
-    tokens: int
-    layer_steps: int  # host-planned paged layer-steps (0 in resident and offload steps)
-    router_s: float = 0.0
-    host_wait_s: float = 0.0
-    host_plan_s: float = 0.0
-    issue_s: float = 0.0
-    # the calling thread's CPU time over the same interval (time.thread_time): below issue_s by the time the thread
-    # was off the CPU (preempted, or waiting for the interpreter lock another thread held; a CUDA read that spins
-    # keeps the thread on it); near issue_s, the thread ran throughout and a longer issue_s was more work or a
-    # slower CPU
-    issue_cpu_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from paged_experts.residency.counters import is_prompt_chunk
 from paged_experts.server.engine_types import (
     FINISH_ABORT,
     FINISH_ERROR,
@@ -52,7 +51,7 @@ from paged_experts.server.engine_types import (
 )
 from paged_experts.server.scheduler import Event, Request, RequestStream, Scheduler, Work, WorkResult, sample_work
 from paged_experts.server.step_timing import StepTimer
-from paged_experts.step import StepLogits
+from paged_experts.step import StepLogits, is_prompt_chunk
 
 __all__ = [
     "FINISH_ABORT",

@@ -11,8 +11,8 @@ from typing import Any, Protocol
 
 import torch
 
-from paged_experts.residency.counters import PrefillStepHost
 from paged_experts.server.sampling import TokenLogprob
+from paged_experts.step import PrefillStepHost
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
