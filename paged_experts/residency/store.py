@@ -202,10 +202,13 @@ class PageInEngine:
         layer: int = 0,
         row_bytes: int = 0,
     ) -> None:
-        """Copies src row `s` to dst row `d` for every (s, d) in `pairs`, for every expert tensor."""
+        """Copies src row `s` to dst row `d` for every (s, d) in `pairs`, for every expert tensor; with `counters`,
+        counts and times them there (a caller that times its copies itself passes none: a paged prefill's waves
+        mark theirs in `streaming.LayerCopies`, and two timing events a call are host time a layer-step pays ~10
+        times on the H200, where the host bounds the prefill: docs/prefill.md)."""
         if not pairs:
             return
-        timing_cuda = self.device.type == "cuda"
+        timing_cuda = self.device.type == "cuda" and counters is not None
         if timing_cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
