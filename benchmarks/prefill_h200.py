@@ -19,8 +19,9 @@ steps. Per prompt, from `torch.cuda.synchronize()` to `torch.cuda.synchronize()`
                       the rest of its host time (plan, launches); beside the prompts' fastest and slowest
                       prefill_s, they say whether a slow prompt waited on the host or on the device
     issue / cpu = medians over the prompts of the model's host time issuing the prompt's step over prefill_s
-                      (near 1: the host bounded it), and of the thread's CPU time over that issue time (near
-                      1: the thread ran all along; below: it was off the CPU)
+                      (near 1: the device never got ahead of the host's issue; wait ms says whether the host
+                      was working or waiting on the device meanwhile), and of the thread's CPU time over that
+                      issue time (near 1: the thread ran all along; below: it was off the CPU)
 
 Page-in paths: `streamed` (the runtime: page-ins on the page-in stream, overlapped with the waves'
 compute) and `serial` (the same plan with the page-in stream taken away, so copies queue on the

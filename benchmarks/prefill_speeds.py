@@ -38,7 +38,10 @@ def per_request(requests: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame:
     merged["prompt_ms"] = [x.get("prompt_ms") for x in t]
     merged["issue_ms"] = [x.get("prefill_issue_ms") for x in t]
     merged["on_cpu"] = [
-        x["prefill_issue_cpu_ms"] / x["prefill_issue_ms"] if x.get("prefill_issue_ms") else None for x in t
+        x["prefill_issue_cpu_ms"] / x["prefill_issue_ms"]
+        if x.get("prefill_issue_ms") and x.get("prefill_issue_cpu_ms") is not None
+        else None
+        for x in t
     ]
     merged["plan_ms_per_layer"] = [
         x["prefill_host_plan_ms"] / x["prefill_layer_steps"] if x.get("prefill_layer_steps") else None for x in t

@@ -218,11 +218,12 @@ class MoeCausalLM:
         reach the host; only static decode steps take it."""
         if not chunks:
             return StepLogits.empty(self.device)
-        started_s = time.perf_counter()
         self._check_chunks(chunks)
         if self._graphs is not None and self._graphs.accepts(chunks):
             return self._graphs.step(chunks, token_source)
-        started_cpu_s, opened = time.thread_time(), self.counters.prefill_steps_opened  # a system call: not per decode
+        # the host's issue of an eager step (thread_time is a system call: graphed decode steps take neither clock)
+        started_s, started_cpu_s = time.perf_counter(), time.thread_time()
+        opened = self.counters.prefill_steps_opened
         if token_source is not None:
             raise ValueError(
                 "token_source is taken by static decode steps only (graphs on, every chunk one decode token)"

@@ -5,6 +5,7 @@ probe, then the section built from the store."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -130,9 +131,12 @@ def test_end_to_end_on_the_builtin_server(
     assert (paged_halves["host_plan_ms"] > 0).all() and (paged_halves["router_ms"] > 0).all()
     assert halves[~halves["configuration"].str.contains("paged")]["host_plan_ms"].isna().all()  # nothing paged
     # benchmarks/prefill_speeds.py reads the same keys from the stored run, request by request
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "prefill_speeds.py"
-    out = subprocess.run([sys.executable, str(script), str(run_dir), "--prompt-class", "200"],
-                         capture_output=True, text=True, check=True, timeout=120).stdout  # fmt: skip
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "prefill_speeds.py"), str(run_dir),
+                           "--prompt-class", "200"], capture_output=True, text=True, check=False, timeout=120,
+                          cwd=root, env={**os.environ, "PYTHONPATH": str(root)})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
     rows = [line.split() for line in out.splitlines() if re.match(r"[0-9a-f]{12} ", line)]  # a request: its server
     measured = [f for f in rows if "yes" not in f]  # server, repeat, ttft, prompt, issue, on_cpu, plan per layer
     assert len(measured) == 2 * 2 and all(len(f) == 7 and 0 < float(f[5]) <= 1.05 for f in measured), out

@@ -107,6 +107,8 @@ def prefill_requests_table(cells: pd.DataFrame, runs: Iterable[RunData]) -> pd.D
     """Two rows (fast, slow) per concurrency-1 cell with at least two measured requests carrying the engine's
     prefill keys. Cell ids repeat across runs (a run's rerun under a new id keeps them): requests are the cell's
     own run's."""
+    if cells.empty or "concurrency" not in cells:
+        return pd.DataFrame(columns=list(COLUMNS))
     frames = [_per_request(run.run_id, run.requests) for run in runs if not run.requests.empty]
     per_request = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["run_id", "cell_id"])
     rows = []
