@@ -26,27 +26,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from benchsuite.report.load import as_dict, load_run
+from benchsuite.report.load import load_run
+from benchsuite.report.prefill_requests import request_figures
 
 
-def per_request(requests: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame:
+def per_request(run_id: str, requests: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame:
+    """The report's per-request figures (report/prefill_requests.py) of the cells' requests, in sending order."""
     keys = ["cell_id", "server_id", "routing", "concurrency", "repeat"]
-    merged = requests.merge(cells[keys], on="cell_id").sort_values("t_sent_s")
-    merged = merged[merged["ok"].astype(bool)]
-    t = [as_dict(v) for v in merged["engine_timings"]]
-    merged["ttft_ms"] = (merged["t_first_token_s"] - merged["t_sent_s"]) * 1e3
-    merged["prompt_ms"] = [x.get("prompt_ms") for x in t]
-    merged["issue_ms"] = [x.get("prefill_issue_ms") for x in t]
-    merged["on_cpu"] = [
-        x["prefill_issue_cpu_ms"] / x["prefill_issue_ms"]
-        if x.get("prefill_issue_ms") and x.get("prefill_issue_cpu_ms") is not None
-        else None
-        for x in t
-    ]
-    merged["plan_ms_per_layer"] = [
-        x["prefill_host_plan_ms"] / x["prefill_layer_steps"] if x.get("prefill_layer_steps") else None for x in t
-    ]
-    return merged
+    return request_figures(run_id, requests).merge(cells[keys], on="cell_id").sort_values("t_sent_s")
 
 
 def main() -> None:
@@ -62,7 +49,7 @@ def main() -> None:
     cells = cells[pd.to_numeric(cells["prefill_chunks"], errors="coerce").fillna(0) > 0]
     if cells.empty:
         raise SystemExit(f"{args.run}: no paged cell with {args.prompt_class}-token prompt chunks")
-    requests = per_request(run.requests, cells)
+    requests = per_request(run.run_id, run.requests, cells)
     for (routing, concurrency), mine in requests.groupby(["routing", "concurrency"]):
         measured = mine[~mine["warmup"].astype(bool)]
         print(f"\n== {routing}, c={concurrency}: {len(measured)} measured requests (warm-up ones too below)")
@@ -70,11 +57,11 @@ def main() -> None:
         print("{:<13} {:>3} {:>4} {:>8} {:>9} {:>8} {:>6} {:>10}".format(*header))
         for _, r in mine.iterrows():
             issue = "" if pd.isna(r["issue_ms"]) else f"{r['issue_ms']:8.1f}"
-            plan = "" if pd.isna(r["plan_ms_per_layer"]) else f"{r['plan_ms_per_layer']:10.3f}"
+            plan = "" if pd.isna(r["host_plan_ms"]) else f"{r['host_plan_ms']:10.3f}"
             on_cpu = "" if pd.isna(r["on_cpu"]) else f"{r['on_cpu']:6.2f}"
-            print(f"{r['server_id']:<13} {r['repeat']:>3} {'yes' if r['warmup'] else '':>4} {r['ttft_ms']:8.1f} "
+            print(f"{r['server_id']:<13} {r['repeat']:>3} {'yes' if r['warmup'] else '':>4} {r['ttft_s'] * 1e3:8.1f} "
                   f"{r['prompt_ms']:9.1f} {issue:>8} {on_cpu:>6} {plan:>10}")  # fmt: skip
-        gap = (measured["ttft_ms"] - measured["prompt_ms"]).dropna()
+        gap = (measured["ttft_s"] * 1e3 - measured["prompt_ms"]).dropna()
         if len(gap):
             print(f"client TTFT - engine prompt_ms: median {statistics.median(gap):.1f} ms, max {gap.max():.1f} ms")
     print("\n== per cell: the chunk's device span against the synthetic router's time per chunk")

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from benchsuite.report.load import RunData
-from benchsuite.report.prefill_requests import prefill_requests_table
+from benchsuite.report.prefill_requests import prefill_requests_table, request_figures
 from benchsuite.results.manifest import Manifest
 
 
@@ -74,3 +74,15 @@ def test_two_runs_with_the_same_cell_ids_keep_their_own_requests() -> None:
     assert table.loc[("r1", "fast"), "ttft_s"] == pytest.approx(0.40)
     assert table.loc[("r1", "slow"), "ttft_s"] == pytest.approx(0.41)
     assert table.loc[("r2", "fast"), "ttft_s"] == pytest.approx(0.60) and table.loc[("r2", "slow"), "host_plan_ms"] == 9
+
+
+def test_request_figures_keep_warm_up_and_key_less_requests_for_the_analysis_script() -> None:
+    """benchmarks/prefill_speeds.py lists every request, older runs' too: the figures the engine did not send are
+    None, warm-up requests are kept and marked, failed ones and those without the engine's prompt_ms are left out."""
+    requests = [request("a", 0.40, 300.0, 5.0, warmup=True), request("a", 0.50, None, 0.0),
+                request("a", 0.30, 200.0, 5.0, ok=False),
+                {**request("a", 0.2, None, 0.0), "engine_timings": None}]  # fmt: skip
+    figures = request_figures("r", pd.DataFrame(requests))
+    assert list(figures["warmup"]) == [True, False] and list(figures["ttft_s"]) == pytest.approx([0.40, 0.50])
+    assert figures.loc[0, "issue_of_prompt"] == pytest.approx(300 / 395) and pd.isna(figures.loc[1, "issue_ms"])
+    assert pd.isna(figures.loc[1, "on_cpu"]) and pd.isna(figures.loc[1, "host_plan_ms"])

@@ -63,32 +63,34 @@ EMPTY = (
 )
 
 
-def _per_request(run_id: str, requests: pd.DataFrame) -> pd.DataFrame:
-    """Measured requests with the engine's prefill keys: TTFT and the per-request figures of the module docstring."""
+def request_figures(run_id: str, requests: pd.DataFrame) -> pd.DataFrame:
+    """Every ok request with its two timestamps and the engine's prompt_ms (warm-up ones too, marked): TTFT and the
+    per-request figures of the module docstring, None where the engine sent no prefill keys (a run before
+    2026-12-04, another engine). The report's table and benchmarks/prefill_speeds.py both read these."""
     rows = []
     for _, r in requests.iterrows():
-        if r.get("warmup") or not r.get("ok"):
+        if not r.get("ok"):
             continue
         t = as_dict(r.get("engine_timings"))
-        issue, prompt, sent, first = (number(v) for v in (t.get("prefill_issue_ms"), t.get("prompt_ms"),
-                                                          r.get("t_sent_s"), r.get("t_first_token_s")))  # fmt: skip
-        if issue is None or prompt is None or sent is None or first is None:
+        prompt, sent, first = (number(v) for v in (t.get("prompt_ms"), r.get("t_sent_s"), r.get("t_first_token_s")))
+        if prompt is None or sent is None or first is None:
             continue
+        issue, cpu = number(t.get("prefill_issue_ms")), number(t.get("prefill_issue_cpu_ms"))
         layer_steps = number(t.get("prefill_layer_steps")) or 0.0
-        cpu = number(t.get("prefill_issue_cpu_ms"))
 
         def per_layer(key: str, t: dict[str, Any] = t, layer_steps: float = layer_steps) -> float | None:
             value = number(t.get(key))
             return value / layer_steps if value is not None and layer_steps else None
 
         rows.append({
-            "run_id": run_id, "cell_id": r["cell_id"], "ttft_s": first - sent, "prompt_ms": prompt, "issue_ms": issue,
-            "issue_of_prompt": issue / prompt if prompt > 0 else None,
-            "on_cpu": cpu / issue if cpu is not None and issue > 0 else None,
+            "run_id": run_id, "cell_id": r["cell_id"], "warmup": bool(r.get("warmup")), "t_sent_s": sent,
+            "ttft_s": first - sent, "prompt_ms": prompt, "issue_ms": issue,
+            "issue_of_prompt": issue / prompt if issue is not None and prompt > 0 else None,
+            "on_cpu": cpu / issue if cpu is not None and issue else None,
             "host_plan_ms": per_layer("prefill_host_plan_ms"), "host_wait_ms": per_layer("prefill_host_wait_ms"),
             "router_ms": number(t.get("prefill_router_ms")), "shared_steps": number(t.get("prefill_shared_steps")),
         })  # fmt: skip
-    return pd.DataFrame(rows, columns=["run_id", "cell_id", *FIGURES, "shared_steps"])
+    return pd.DataFrame(rows, columns=["run_id", "cell_id", "warmup", "t_sent_s", *FIGURES, "shared_steps"])
 
 
 def _median(values: Iterable[Any]) -> float | None:
@@ -109,8 +111,9 @@ def prefill_requests_table(cells: pd.DataFrame, runs: Iterable[RunData]) -> pd.D
     own run's."""
     if cells.empty or "concurrency" not in cells:
         return pd.DataFrame(columns=list(COLUMNS))
-    frames = [_per_request(run.run_id, run.requests) for run in runs if not run.requests.empty]
-    per_request = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["run_id", "cell_id"])
+    frames = [request_figures(run.run_id, run.requests) for run in runs if not run.requests.empty]
+    figures = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["run_id", "cell_id"])
+    per_request = figures[~figures["warmup"].astype(bool) & figures["issue_ms"].notna()] if frames else figures
     rows = []
     by_cell = {(str(r), str(c)): g for (r, c), g in per_request.groupby(["run_id", "cell_id"])}
     alone = cells[cells["concurrency"].astype(int) == 1]
