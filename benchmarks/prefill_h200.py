@@ -22,6 +22,9 @@ steps. Per prompt, from `torch.cuda.synchronize()` to `torch.cuda.synchronize()`
                       (near 1: the device never got ahead of the host's issue; wait ms says whether the host
                       was working or waiting on the device meanwhile), and of the thread's CPU time over that
                       issue time (near 1: the thread ran all along; below: it was off the CPU)
+    queued / cpus = the median share of that issue time the thread was runnable but waiting for a CPU (the rest
+                      off the CPU was blocked: a lock, a sleeping read), and the CPUs the prompts' steps ended on
+                      (paged_experts/thread_clock.py; Linux)
 
 Page-in paths: `streamed` (the runtime: page-ins on the page-in stream, overlapped with the waves'
 compute) and `serial` (the same plan with the page-in stream taken away, so copies queue on the
@@ -137,6 +140,17 @@ def one_prompt(model: MoeCausalLM, pool: KvPool, prompt: list[int], decode: int,
         "prefill": p.to_dict(),
         "issue_s": None if step.prefill is None else step.prefill.issue_s,  # the host's time issuing the step
         "issue_cpu_s": None if step.prefill is None else step.prefill.issue_cpu_s,  # the thread's CPU time in it
+        # the rest of it: runnable but waiting for a CPU, the switches, the CPUs (paged_experts/thread_clock.py)
+        **{
+            name: None if step.prefill is None else getattr(step.prefill, name)
+            for name in (
+                "issue_run_delay_s",
+                "issue_voluntary_switches",
+                "issue_involuntary_switches",
+                "cpu_first",
+                "cpu_last",
+            )
+        },  # fmt: skip
         "union_mean": snap.total.union_sum / max(1, snap.total.steps),
         "decode_s": decode_s,
         "decode_hits": d.hits - snap.total.hits,
@@ -192,6 +206,12 @@ def run_cell(cell: Cell, args: argparse.Namespace, link_b_per_s: float | None) -
         "paging_of_floor": (prefill_s - router_s) / floor_s if floor_s else None,
         "issue_of_prefill": _median_of(r["issue_s"] / r["prefill_s"] for r in measured if r["issue_s"] is not None),
         "on_cpu": _median_of(r["issue_cpu_s"] / r["issue_s"] for r in measured if r["issue_s"]),
+        "queued": _median_of(  # waiting for a CPU, of the issue time
+            r["issue_run_delay_s"] / r["issue_s"]
+            for r in measured
+            if r["issue_s"] and r["issue_run_delay_s"] is not None
+        ),
+        "cpus": sorted({r["cpu_last"] for r in measured if r["cpu_last"] is not None}),
         "decode_hit_rate": hits / (hits + misses) if hits + misses else None,
         "decode_tok_s_eager": args.decode * len(measured) / sum(r["decode_s"] for r in measured)
         if args.decode
@@ -223,12 +243,16 @@ def _fmt(value: float | None, spec: str) -> str:
     return format(value, spec) if value is not None else "-"
 
 
+def _cpus(cpus: list[int] | None) -> str:
+    return ",".join(str(c) for c in cpus) if cpus else "-"
+
+
 def render(record: dict[str, Any]) -> str:
     link = record["link"].get("paging_gb_per_s")
     lines = [f"link (paging figure): {f'{link:.1f} GB/s' if link else record['link'].get('error')}",
              (f"{'cell':<40} {'prefill s':>9} {'min-max s':>11} {'GB':>6} {'floor s':>8} {'/floor':>7} {'busy':>5}"
               f" {'waves/L':>7} {'router s':>8} {'-router':>7} {'dec hit':>7} {'idle ms':>7} {'wait ms':>7}"
-              f" {'plan ms':>7} {'issue':>5} {'cpu':>5}")]  # fmt: skip
+              f" {'plan ms':>7} {'issue':>5} {'cpu':>5} {'queued':>6}  cpus")]  # fmt: skip
     for c in record["cells"]:
         if "error" in c:
             lines.append(f"{c['cell']:<40} {c['error']}")
@@ -240,7 +264,7 @@ def render(record: dict[str, Any]) -> str:
             f"{c['router_s']:>8.3f} {_fmt(c['paging_of_floor'], '7.2f'):>7} {_fmt(c['decode_hit_rate'], '7.3f'):>7}",
             f"{_fmt(c['idle_before_layer_ms'], '7.2f'):>7} {_fmt(c['host_wait_ms'], '7.2f'):>7}",
             f"{_fmt(c['host_plan_ms'], '7.2f'):>7} {_fmt(c.get('issue_of_prefill'), '5.2f'):>5}",
-            f"{_fmt(c.get('on_cpu'), '5.2f'):>5}",
+            f"{_fmt(c.get('on_cpu'), '5.2f'):>5} {_fmt(c.get('queued'), '6.2f'):>6}  {_cpus(c.get('cpus'))}",
         )
         lines.append(f"{c['cell']:<40} " + " ".join(figures))
     return "\n".join(lines)

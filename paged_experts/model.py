@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from paged_experts import thread_clock
 from paged_experts.attention import attend, attention_out, causal_mask, project_qkv, rms_norm, rope_tables
 from paged_experts.config import MoeModelConfig
 from paged_experts.decode.graphs import GraphedDecoder
@@ -38,7 +39,7 @@ from paged_experts.moe import (
 from paged_experts.residency.counters import PagingCounters, TalliedCounters
 from paged_experts.residency.policies import LayerResidency
 from paged_experts.runtime import RuntimeConfig
-from paged_experts.step import StepLogits
+from paged_experts.step import StepLogits, is_prompt_chunk
 from paged_experts.weights.loader import AttentionWeights, DenseWeights, LoadedModel, load
 
 __all__ = ["MoeCausalLM", "SeqChunk", "StepLogits", "rms_norm"]
@@ -221,8 +222,9 @@ class MoeCausalLM:
         self._check_chunks(chunks)
         if self._graphs is not None and self._graphs.accepts(chunks):
             return self._graphs.step(chunks, token_source)
-        # the host's issue of an eager step (thread_time is a system call: graphed decode steps take neither clock)
-        started_s, started_cpu_s = time.perf_counter(), time.thread_time()
+        # the host's issue of a step that runs a prompt chunk (the thread's clocks cost ~4 us a reading: other eager
+        # steps and graphed decode steps read none)
+        started = thread_clock.read() if any(is_prompt_chunk(len(c.token_ids)) for c in chunks) else None
         opened = self.counters.prefill_steps_opened
         if token_source is not None:
             raise ValueError(
@@ -258,10 +260,13 @@ class MoeCausalLM:
         logits = F.linear(hidden, self._dense.lm_head)  # [R, V]
         greedy = logits.argmax(dim=-1)  # [R]
         prefill = self.counters.prefill_step_host(opened)
-        if prefill is not None:  # everything of the step is issued: its host time ends here
+        if prefill is not None and started is not None:  # everything of the step is issued: its host time ends here
+            host = thread_clock.between(started, thread_clock.read())
             prefill = replace(
-                prefill, issue_s=time.perf_counter() - started_s, issue_cpu_s=time.thread_time() - started_cpu_s
-            )
+                prefill, issue_s=host.wall_s, issue_cpu_s=host.cpu_s, issue_run_delay_s=host.run_delay_s,
+                issue_voluntary_switches=host.voluntary_switches, issue_involuntary_switches=host.involuntary_switches,
+                cpu_first=host.cpu_first, cpu_last=host.cpu_last,
+            )  # fmt: skip
         return StepLogits(logits, greedy, tuple(s.stop - s.start for s in wanted), prefill)
 
     def _check_chunks(self, chunks: Sequence[SeqChunk]) -> None:

@@ -42,6 +42,14 @@ class PrefillStepHost:
     # keeps the thread on it); near issue_s, the thread ran throughout and a longer issue_s was more work or a
     # slower CPU
     issue_cpu_s: float = 0.0
+    # how the rest of issue_s went (thread_clock): runnable but waiting for a CPU, and the context switches, voluntary
+    # (it blocked: the interpreter lock, a sleeping read) and involuntary (the scheduler took the CPU back); then the
+    # CPU it ran on at the step's start and end. None: the platform cannot say (only Linux gives all of them)
+    issue_run_delay_s: float | None = None
+    issue_voluntary_switches: int | None = None
+    issue_involuntary_switches: int | None = None
+    cpu_first: int | None = None
+    cpu_last: int | None = None
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import sys
 import threading
 from pathlib import Path
 
@@ -128,6 +129,11 @@ async def test_each_request_carries_the_host_side_of_its_own_prefill_steps(tiny_
     assert 0 < alone["prefill_issue_ms"] <= alone["prompt_ms"]  # issued inside the time to its first token
     assert host_ms <= alone["prefill_issue_ms"]  # the paged layers' host time is part of the step's issue
     assert 0 < alone["prefill_issue_cpu_ms"] <= alone["prefill_issue_ms"] + 1  # the engine thread's CPU time
+    if sys.platform.startswith("linux"):  # the rest of it: queued for a CPU, switches, and where it ran
+        off_cpu_ms = alone["prefill_issue_ms"] - alone["prefill_issue_cpu_ms"]
+        assert 0 <= alone["prefill_issue_run_delay_ms"] <= off_cpu_ms + 1
+        assert alone["prefill_issue_voluntary_switches"] >= 0 and alone["prefill_issue_involuntary_switches"] >= 0
+        assert alone["prefill_cpu_first"] >= 0 and alone["prefill_cpu_last"] >= 0
     assert (alone["prefill_host_plan_ms"] > 0) == (paged_layers > 0)
     # two prompts in one step (a budget that takes both whole): the step's figures go to each, said shared
     engine = build(tiny_dir, MODES[mode], chunked_prefill_tokens=64)

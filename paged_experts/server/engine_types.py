@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -108,8 +108,16 @@ class RequestPrefill:
     router_s: float = 0.0
     host_wait_s: float = 0.0
     host_plan_s: float = 0.0
+    # the engine thread over the same steps (PrefillStepHost): None once a step could not say
+    issue_run_delay_s: float | None = 0.0
+    issue_voluntary_switches: int | None = 0
+    issue_involuntary_switches: int | None = 0
+    cpu_first: int | None = None  # the CPU at the start of the first such step
+    cpu_last: int | None = None  # and at the end of the last
 
     def add(self, step: PrefillStepHost) -> None:
+        if not self.steps:
+            self.cpu_first = step.cpu_first
         self.steps += 1
         self.shared_steps += step.chunks > 1
         self.layer_steps += step.layer_steps
@@ -118,6 +126,10 @@ class RequestPrefill:
         self.router_s += step.router_s
         self.host_wait_s += step.host_wait_s
         self.host_plan_s += step.host_plan_s
+        self.issue_run_delay_s = _plus(self.issue_run_delay_s, step.issue_run_delay_s)
+        self.issue_voluntary_switches = _plus(self.issue_voluntary_switches, step.issue_voluntary_switches)
+        self.issue_involuntary_switches = _plus(self.issue_involuntary_switches, step.issue_involuntary_switches)
+        self.cpu_last = step.cpu_last
 
     def timings(self) -> dict[str, float | int]:
         """The `prefill_*` keys of the request's timings (none before a prefill step ran its prompt)."""
@@ -129,7 +141,26 @@ class RequestPrefill:
             "prefill_issue_cpu_ms": self.issue_cpu_s * 1e3,
             "prefill_router_ms": self.router_s * 1e3, "prefill_host_wait_ms": self.host_wait_s * 1e3,
             "prefill_host_plan_ms": self.host_plan_s * 1e3,
+            **_present({
+                "prefill_issue_run_delay_ms": None if self.issue_run_delay_s is None else self.issue_run_delay_s * 1e3,
+                "prefill_issue_voluntary_switches": self.issue_voluntary_switches,
+                "prefill_issue_involuntary_switches": self.issue_involuntary_switches,
+                "prefill_cpu_first": self.cpu_first, "prefill_cpu_last": self.cpu_last,
+            }),
         }  # fmt: skip
+
+
+_N = TypeVar("_N", int, float)
+
+
+def _plus(total: _N | None, step: _N | None) -> _N | None:
+    """A sum that stays None once a part is unknown (a figure over some of the steps would read as all of them)."""
+    return None if total is None or step is None else total + step
+
+
+def _present(values: dict[str, float | int | None]) -> dict[str, float | int]:
+    """The keys a platform could give (a key the engine cannot measure is left out, never sent as 0)."""
+    return {k: v for k, v in values.items() if v is not None}
 
 
 class AdmissionError(ValueError):
