@@ -7,7 +7,10 @@ For each paged cell with prompt chunks of the class given (2,048 tokens by defau
   agree the time is the engine's, not the HTTP path's; and, for runs since 2026-12-04, the engine's per-request
   prefill keys (`prefill_issue_ms` over `prompt_ms`: near 1, the host issued the prompt for as long as the
   request waited; `prefill_issue_cpu_ms` over `prefill_issue_ms`: near 1, the engine thread was on the CPU all
-  along; `prefill_host_plan_ms` per layer-step);
+  along; `prefill_host_plan_ms` per layer-step); for runs since 2026-12-05, how the rest of that time went (queued:
+  runnable but waiting for a CPU; blocked: asleep), the thread's context switches (voluntary / involuntary), the
+  CPU its prefill ended on, and the memory sampler's NVML reads inside the request's wait for its first token
+  (sampler ms); then, per CPU, how many of the measured requests were in the cell's fast or slow half;
 - per cell, the chunk's device span beside the synthetic router's time per chunk (`router_s`): the router does the
   same work for every 2,048-token chunk, nearly all of it on the host (its draw kernel and the one copy back, ~1.1
   ms on the H200, are the same every chunk), so its time is a probe of the host's speed during the cell, and a span
@@ -27,13 +30,31 @@ import numpy as np
 import pandas as pd
 
 from benchsuite.report.load import load_run
-from benchsuite.report.prefill_requests import request_figures
+from benchsuite.report.prefill_requests import request_figures, sampler_windows
 
 
 def per_request(run_id: str, requests: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame:
     """The report's per-request figures (report/prefill_requests.py) of the cells' requests, in sending order."""
     keys = ["cell_id", "server_id", "routing", "concurrency", "repeat"]
-    return request_figures(run_id, requests).merge(cells[keys], on="cell_id").sort_values("t_sent_s")
+    windows = {c: w for (_, c), w in sampler_windows(cells).items()}
+    return request_figures(run_id, requests, windows).merge(cells[keys], on="cell_id").sort_values("t_sent_s")
+
+
+def _cell(value: object, spec: str) -> str:
+    return "" if value is None or pd.isna(value) else format(value, spec)
+
+
+def by_cpu(measured: pd.DataFrame) -> dict[int, tuple[int, int]]:
+    """CPU -> (requests in their cell's fast half, in its slow half): the split of the report's table, per CPU the
+    engine thread's prefill ended on (requests that did not say are left out)."""
+    counts: dict[int, list[int]] = {}
+    for _, cell in measured.groupby("cell_id"):
+        ordered = cell.sort_values("ttft_s", kind="stable")
+        cut = len(ordered) // 2
+        for i, (_, r) in enumerate(ordered.iterrows()):
+            if not pd.isna(r["cpu"]):
+                counts.setdefault(int(r["cpu"]), [0, 0])[i >= cut] += 1
+    return {cpu: (fast, slow) for cpu, (fast, slow) in sorted(counts.items())}
 
 
 def main() -> None:
@@ -53,17 +74,23 @@ def main() -> None:
     for (routing, concurrency), mine in requests.groupby(["routing", "concurrency"]):
         measured = mine[~mine["warmup"].astype(bool)]
         print(f"\n== {routing}, c={concurrency}: {len(measured)} measured requests (warm-up ones too below)")
-        header = ("server", "rep", "warm", "ttft_ms", "prompt_ms", "issue_ms", "on_cpu", "plan/layer")
-        print("{:<13} {:>3} {:>4} {:>8} {:>9} {:>8} {:>6} {:>10}".format(*header))
+        header = ("server", "rep", "warm", "ttft_ms", "prompt_ms", "issue_ms", "on_cpu", "queued", "blocked",
+                  "vol", "invol", "cpu", "sampler_ms", "plan/layer")  # fmt: skip
+        print("{:<13} {:>3} {:>4} {:>8} {:>9} {:>8} {:>6} {:>6} {:>7} {:>4} {:>5} {:>3} {:>10} {:>10}".format(*header))
         for _, r in mine.iterrows():
-            issue = "" if pd.isna(r["issue_ms"]) else f"{r['issue_ms']:8.1f}"
-            plan = "" if pd.isna(r["host_plan_ms"]) else f"{r['host_plan_ms']:10.3f}"
-            on_cpu = "" if pd.isna(r["on_cpu"]) else f"{r['on_cpu']:6.2f}"
             print(f"{r['server_id']:<13} {r['repeat']:>3} {'yes' if r['warmup'] else '':>4} {r['ttft_s'] * 1e3:8.1f} "
-                  f"{r['prompt_ms']:9.1f} {issue:>8} {on_cpu:>6} {plan:>10}")  # fmt: skip
+                  f"{r['prompt_ms']:9.1f} {_cell(r['issue_ms'], '8.1f'):>8} {_cell(r['on_cpu'], '6.2f'):>6} "
+                  f"{_cell(r['queued'], '6.2f'):>6} {_cell(r['blocked'], '7.2f'):>7} "
+                  f"{_cell(r['vol_switches'], '4.0f'):>4} {_cell(r['invol_switches'], '5.0f'):>5} "
+                  f"{_cell(r['cpu'], '3.0f'):>3} {_cell(r['sampler_ms'], '10.2f'):>10} "
+                  f"{_cell(r['host_plan_ms'], '10.3f'):>10}")  # fmt: skip
         gap = (measured["ttft_s"] * 1e3 - measured["prompt_ms"]).dropna()
         if len(gap):
             print(f"client TTFT - engine prompt_ms: median {statistics.median(gap):.1f} ms, max {gap.max():.1f} ms")
+        cpus = by_cpu(measured)
+        if cpus:
+            print("per CPU (fast half / slow half of their cell): "
+                  + ", ".join(f"{cpu}: {fast}/{slow}" for cpu, (fast, slow) in cpus.items()))  # fmt: skip
     print("\n== per cell: the chunk's device span against the synthetic router's time per chunk")
     synthetic = cells[pd.to_numeric(cells["prefill_router_s_per_chunk"], errors="coerce").fillna(0) > 0]
     for _, c in synthetic.sort_values("prefill_span_s_per_chunk").iterrows():

@@ -8,6 +8,7 @@ import asyncio
 import ctypes
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -151,3 +152,39 @@ def test_stop_waits_for_the_sample_in_flight_and_keeps_its_figure(tree) -> None:
     peak = asyncio.run(cell())
     assert reader.in_flight == 0 and reader.most_in_flight == 1 and not reader.read_after_close
     assert peak.peak_bytes == reader.reads * GIB and peak.samples == reader.reads
+
+
+def test_each_read_is_kept_with_its_window_on_the_request_clock(tree, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sampler keeps when it read NVML and for how long (failed reads too), on perf_counter, the clock the load
+    generator times requests by; `sampler_record` keeps each window until MAX_STORED_READS, then the counts only."""
+    parent, _ = tree
+    reader = Slow(parent, read_s=0.02)
+    sampler = dm.PeakSampler(reader, parent, baseline=None, interval_s=0.01)
+
+    async def cell() -> tuple[float, dm.PeakMemory, float]:
+        before = time.perf_counter()
+        sampler.start()
+        await asyncio.sleep(0.15)
+        peak = await sampler.stop()
+        return before, peak, time.perf_counter()
+
+    before, peak, after = asyncio.run(cell())
+    assert len(peak.reads) == peak.samples == reader.reads >= 3
+    starts = [t for t, _ in peak.reads]
+    assert starts == sorted(starts) and before <= starts[0] and starts[-1] < after
+    assert all(0.02 <= d < 0.5 for _, d in peak.reads)  # each window holds its (scripted) read
+    record = dm.sampler_record(peak, sampler.interval_s)
+    assert record["reads"] == len(peak.reads) and record["interval_s"] == 0.01
+    assert 20 <= record["read_ms_median"] <= record["read_ms_max"] and record["read_s_total"] >= 0.02 * len(starts)
+    assert [w[0] for w in record["windows"]] == pytest.approx(starts, abs=1e-6)
+    monkeypatch.setattr(dm, "MAX_STORED_READS", 2)
+    assert dm.sampler_record(peak)["windows"] is None and dm.sampler_record(peak)["reads"] == len(starts)
+
+    class Failing(Slow):
+        def read(self) -> dm.DeviceSnapshot:
+            raise dm.NvmlError("GPU is lost")
+
+    failing = dm.PeakSampler(Failing(parent, read_s=0.0), parent, baseline=None)
+    failing.sample()
+    failed = failing.result()
+    assert failed.samples == 0 and len(failed.reads) == 1  # a failed read gave no figure but took its time

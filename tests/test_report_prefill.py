@@ -130,6 +130,11 @@ def test_end_to_end_on_the_builtin_server(
     paged_halves = halves[halves["configuration"].str.contains("paged")]
     assert (paged_halves["host_plan_ms"] > 0).all() and (paged_halves["router_ms"] > 0).all()
     assert halves[~halves["configuration"].str.contains("paged")]["host_plan_ms"].isna().all()  # nothing paged
+    if sys.platform.startswith("linux"):  # how the engine thread spent it, and where (paged_experts.thread_clock)
+        assert ((halves["queued"] >= 0) & (halves["blocked"] >= 0)).all()
+        assert (halves["queued"] + halves["on_cpu"] <= 1.05).all()  # shares of one thread's wall time
+        assert halves["cpus"].notna().all() and (halves["vol_switches"] >= 0).all()
+    assert halves["sampler_ms"].isna().all()  # no GPU here: the memory sampler read nothing, so it kept no window
     # benchmarks/prefill_speeds.py reads the same keys from the stored run, request by request
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, str(root / "benchmarks" / "prefill_speeds.py"), str(run_dir),
@@ -138,8 +143,12 @@ def test_end_to_end_on_the_builtin_server(
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     rows = [line.split() for line in out.splitlines() if re.match(r"[0-9a-f]{12} ", line)]  # a request: its server
-    measured = [f for f in rows if "yes" not in f]  # server, repeat, ttft, prompt, issue, on_cpu, plan per layer
-    assert len(measured) == 2 * 2 and all(len(f) == 7 and 0 < float(f[5]) <= 1.05 for f in measured), out
+    # server, repeat, ttft, prompt, issue, on_cpu, (on Linux: queued, blocked, vol, invol, cpu), plan per layer
+    measured = [f for f in rows if "yes" not in f]
+    fields = 12 if sys.platform.startswith("linux") else 7
+    assert len(measured) == 2 * 2 and all(len(f) == fields and 0 < float(f[5]) <= 1.05 for f in measured), out
+    if sys.platform.startswith("linux"):
+        assert "per CPU (fast half / slow half of their cell): " in out, out
     resident = table[~table["configuration"].str.contains("paged") & (table["prompt_class"] == "200")]
     if (resident["note"] == "").all():  # (a cell a busy client read in one go is invalid: issue 19 fixes that)
         assert (long["resident_ttft_s"] > 0).all()

@@ -12,19 +12,28 @@ Per request (the engine's clock, except TTFT, the client's):
     on_cpu          = prefill_issue_cpu_ms / prefill_issue_ms   (the engine thread's CPU time while it issued them)
     host_plan_ms    = prefill_host_plan_ms / prefill_layer_steps   (per paged host-planned layer-step)
     host_wait_ms    = prefill_host_wait_ms / prefill_layer_steps
+    queued          = prefill_issue_run_delay_ms / prefill_issue_ms   (runnable, waiting for a CPU: paged_experts'
+                                                                       thread_clock, Linux, since 2026-12-05)
+    blocked         = 1 - on_cpu - queued   (asleep: a lock such as the interpreter's, a blocking read)
+    vol_switches, invol_switches = the engine thread's context switches over those steps (it blocked; the
+                      scheduler took the CPU back), and cpu the CPU the last of them ended on
+    sampler_ms      = the time the runner's memory sampler spent in NVML reads inside the request's
+                      [sent, first token] (CellResult.extras["memory_sampler"], benchsuite.tools.device_memory)
 
-and per half the median over its requests. issue_of_prompt near 1: the device never got ahead of the host's issue
-(host_wait_ms says whether the host was working or waiting for the device meanwhile: with the model's own router it
-waits at every layer); well below 1: the host ran ahead and the device's queue set the time. A slow half whose
+and per half the median over its requests (cpus: the distinct CPUs its requests ended on). issue_of_prompt near
+1: the device never got ahead of the host's issue (host_wait_ms says whether the host was working or waiting for
+the device meanwhile: with the model's own router it waits at every layer); well below 1: the host ran ahead and
+the device's queue set the time. A slow half whose
 host_plan_ms is above the fast half's, at the same routing, had a slower host: on_cpu near 1 says the
 thread ran all along (more work, or a slower CPU), well below 1 that it was off the CPU (preempted, or waiting for
-the interpreter lock another of the server's threads held).
+the interpreter lock another of the server's threads held); queued and blocked say which of the two, and
+sampler_ms whether the instrument's own NVML reads lay in the slow requests' prefills.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import pandas as pd
@@ -36,10 +45,13 @@ TITLE = "Prefill requests: fast half against slow half"
 ANCHOR = "prefill-requests"
 COLUMNS = (
     "run_id", "configuration", "routing", "workload", "prompt_class", "concurrency", "repeat", "half", "requests",
-    "ttft_s", "prompt_ms", "issue_ms", "issue_of_prompt", "on_cpu", "host_plan_ms", "host_wait_ms", "router_ms",
-    "shared_steps", "cell_id",
+    "ttft_s", "prompt_ms", "issue_ms", "issue_of_prompt", "on_cpu", "queued", "blocked", "vol_switches",
+    "invol_switches", "cpus", "sampler_ms", "host_plan_ms", "host_wait_ms", "router_ms", "shared_steps", "cell_id",
 )  # fmt: skip
-FIGURES = ("ttft_s", "prompt_ms", "issue_ms", "issue_of_prompt", "on_cpu", "host_plan_ms", "host_wait_ms", "router_ms")
+FIGURES = (
+    "ttft_s", "prompt_ms", "issue_ms", "issue_of_prompt", "on_cpu", "queued", "blocked", "vol_switches",
+    "invol_switches", "sampler_ms", "host_plan_ms", "host_wait_ms", "router_ms",
+)  # fmt: skip
 INTRO = (
     "<p>The built-in engine's own prefill figures per request (its <code>timings</code>), for each concurrency-1 "
     "cell's measured requests split at their median TTFT: the fast half, then the slow half (medians over each "
@@ -48,7 +60,11 @@ INTRO = (
     "prompt_ms is the engine's arrival to first token; issue_ms the host's time issuing the steps that ran the "
     "prompt (every launch; with the model's own router, its reads of the routed ids too); issue_of_prompt = "
     "issue_ms / prompt_ms per request; on_cpu the engine thread's CPU time over issue_ms (below 1: the thread was "
-    "off the CPU, preempted or waiting for another thread's interpreter lock); host_plan_ms and host_wait_ms the "
+    "off the CPU); queued and blocked split the rest: runnable but waiting for a CPU (preempted, or queued behind "
+    "other tasks), and asleep (a lock such as the interpreter's, a blocking read), with the engine thread's "
+    "voluntary and involuntary context switches and the CPUs its requests' prefills ended on; sampler_ms the time "
+    "the runner's device-memory sampler spent in NVML reads during the request's wait for its first token (the "
+    "instrument's own reads: a slow half with more of it points at them); host_plan_ms and host_wait_ms the "
     "host's time per paged layer-step, its own work (plan, launches) and blocked on the device; router_ms a "
     "synthetic router's draws. Reading: "
     "issue_of_prompt near 1 means the device never got ahead of the host's issue (host_wait_ms says whether the "
@@ -63,10 +79,35 @@ EMPTY = (
 )
 
 
-def request_figures(run_id: str, requests: pd.DataFrame) -> pd.DataFrame:
+Windows = Mapping[str, Sequence[Sequence[float]]]  # cell id -> its memory sampler's NVML reads [start s, seconds]
+
+
+def sampler_windows(cells: pd.DataFrame) -> dict[tuple[str, str], list[list[float]]]:
+    """(run id, cell id) -> the memory sampler's NVML read windows its cell stored (none: absent)."""
+    out: dict[tuple[str, str], list[list[float]]] = {}
+    if "extras" not in cells:
+        return out
+    for _, c in cells.iterrows():
+        sampler = as_dict(as_dict(c.get("extras")).get("memory_sampler"))
+        windows = sampler.get("windows")
+        if isinstance(windows, list):
+            out[(str(c.get("run_id")), str(c.get("cell_id")))] = windows
+    return out
+
+
+def _overlap_ms(windows: Sequence[Sequence[float]] | None, start_s: float, end_s: float) -> float | None:
+    """Milliseconds of the windows ([start s, seconds]) inside [start_s, end_s]; None: the cell kept none."""
+    if windows is None:
+        return None
+    return 1e3 * sum(max(0.0, min(end_s, t + d) - max(start_s, t)) for t, d in windows)
+
+
+def request_figures(run_id: str, requests: pd.DataFrame, windows: Windows | None = None) -> pd.DataFrame:
     """Every ok request with its two timestamps and the engine's prompt_ms (warm-up ones too, marked): TTFT and the
     per-request figures of the module docstring, None where the engine sent no prefill keys (a run before
-    2026-12-04, another engine). The report's table and benchmarks/prefill_speeds.py both read these."""
+    2026-12-04, another engine) or a key the platform could not give; `windows`: each cell's memory sampler reads
+    (`sampler_windows`), for sampler_ms. The report's table and benchmarks/prefill_speeds.py both read these."""
+    windows = windows or {}
     rows = []
     for _, r in requests.iterrows():
         if not r.get("ok"):
@@ -76,7 +117,10 @@ def request_figures(run_id: str, requests: pd.DataFrame) -> pd.DataFrame:
         if prompt is None or sent is None or first is None:
             continue
         issue, cpu = number(t.get("prefill_issue_ms")), number(t.get("prefill_issue_cpu_ms"))
+        delay = number(t.get("prefill_issue_run_delay_ms"))
         layer_steps = number(t.get("prefill_layer_steps")) or 0.0
+        queued = delay / issue if delay is not None and issue else None
+        blocked = max(0.0, 1.0 - cpu / issue - queued) if cpu is not None and issue and queued is not None else None
 
         def per_layer(key: str, t: dict[str, Any] = t, layer_steps: float = layer_steps) -> float | None:
             value = number(t.get(key))
@@ -86,16 +130,26 @@ def request_figures(run_id: str, requests: pd.DataFrame) -> pd.DataFrame:
             "run_id": run_id, "cell_id": r["cell_id"], "warmup": bool(r.get("warmup")), "t_sent_s": sent,
             "ttft_s": first - sent, "prompt_ms": prompt, "issue_ms": issue,
             "issue_of_prompt": issue / prompt if issue is not None and prompt > 0 else None,
-            "on_cpu": cpu / issue if cpu is not None and issue else None,
+            "on_cpu": cpu / issue if cpu is not None and issue else None, "queued": queued, "blocked": blocked,
+            "vol_switches": number(t.get("prefill_issue_voluntary_switches")),
+            "invol_switches": number(t.get("prefill_issue_involuntary_switches")),
+            "cpu": number(t.get("prefill_cpu_last")),
+            "sampler_ms": _overlap_ms(windows.get(str(r["cell_id"])), sent, first),
             "host_plan_ms": per_layer("prefill_host_plan_ms"), "host_wait_ms": per_layer("prefill_host_wait_ms"),
             "router_ms": number(t.get("prefill_router_ms")), "shared_steps": number(t.get("prefill_shared_steps")),
         })  # fmt: skip
-    return pd.DataFrame(rows, columns=["run_id", "cell_id", "warmup", "t_sent_s", *FIGURES, "shared_steps"])
+    return pd.DataFrame(rows, columns=["run_id", "cell_id", "warmup", "t_sent_s", *FIGURES, "cpu", "shared_steps"])
 
 
 def _median(values: Iterable[Any]) -> float | None:
     present = [v for v in (number(x) for x in values) if v is not None]
     return statistics.median(present) if present else None
+
+
+def _cpus(values: Iterable[Any]) -> str | None:
+    """The distinct CPUs, ascending, as '3,7' (None: no request said)."""
+    cpus = sorted({int(v) for v in (number(x) for x in values) if v is not None})
+    return ",".join(str(c) for c in cpus) if cpus else None
 
 
 def _halves(mine: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
@@ -111,7 +165,12 @@ def prefill_requests_table(cells: pd.DataFrame, runs: Iterable[RunData]) -> pd.D
     own run's."""
     if cells.empty or "concurrency" not in cells:
         return pd.DataFrame(columns=list(COLUMNS))
-    frames = [request_figures(run.run_id, run.requests) for run in runs if not run.requests.empty]
+    reads = sampler_windows(cells)
+    frames = [
+        request_figures(run.run_id, run.requests, {c: w for (r, c), w in reads.items() if r == run.run_id})
+        for run in runs
+        if not run.requests.empty
+    ]
     figures = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["run_id", "cell_id"])
     per_request = figures[~figures["warmup"].astype(bool) & figures["issue_ms"].notna()] if frames else figures
     rows = []
@@ -127,6 +186,7 @@ def prefill_requests_table(cells: pd.DataFrame, runs: Iterable[RunData]) -> pd.D
                 "workload": c["workload"], "prompt_class": c["prompt_class"], "concurrency": int(c["concurrency"]),
                 "repeat": int(c["repeat"]), "half": half, "requests": len(group),
                 **{k: _median(group[k]) for k in FIGURES},
+                "cpus": _cpus(group["cpu"]),
                 "shared_steps": int(sum(number(v) or 0 for v in group["shared_steps"])),
                 "cell_id": c["cell_id"],
             })  # fmt: skip

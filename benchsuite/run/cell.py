@@ -29,7 +29,7 @@ from benchsuite.records import CellResult, LoadRequest, RequestRecord
 from benchsuite.run.cell_prompts import cell_requests
 from benchsuite.run.context import RunContext
 from benchsuite.run.server_launch import RunningServer, death_reason, options_in_force
-from benchsuite.tools.device_memory import PeakSampler
+from benchsuite.tools.device_memory import PeakSampler, sampler_record
 from benchsuite.tools.machine import cell_noise, noise_snapshot
 
 CELL_ERRORS = (RunError, aiohttp.ClientError, asyncio.TimeoutError, OSError, EngineConfigError)
@@ -61,7 +61,14 @@ async def _measure(ctx: RunContext, server: RunningServer, cell: CellSpec, store
         result, records, scrapes = await _measure_sampled(ctx, server, cell)
     finally:
         peak = await sampler.stop()
-    result = dataclasses.replace(result, peak_device_memory_bytes=peak.peak_bytes, device_memory_method=peak.method)
+    # what the sampler did beside the requests (its NVML reads' windows), where it read at all (a GPU machine)
+    sampled = {"memory_sampler": sampler_record(peak, sampler.interval_s)} if peak.reads else {}
+    result = dataclasses.replace(
+        result,
+        peak_device_memory_bytes=peak.peak_bytes,
+        device_memory_method=peak.method,
+        extras={**result.extras, **sampled},
+    )
     if store:
         ctx.store.write_engine_metrics(cell.cell_id, scrapes)
         ctx.store.write_cell(result, records)

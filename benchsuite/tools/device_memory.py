@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import statistics
+import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import psutil
 
@@ -63,11 +65,36 @@ class DeviceReader(Protocol):
 
 @dataclass(frozen=True)
 class PeakMemory:
-    """A cell's peak device memory and how it was measured (the CellResult fields of the same meaning)."""
+    """A cell's peak device memory and how it was measured (the CellResult fields of the same meaning), and when
+    the sampler read NVML: (perf_counter start, seconds) per read, the clock the load generator times requests by,
+    so a request can be checked against the reads that overlapped it (`sampler_record`)."""
 
     peak_bytes: int | None
     method: str | None  # PER_PROCESS, DEVICE_DELTA, or None with peak_bytes None
     samples: int
+    reads: tuple[tuple[float, float], ...] = field(default=(), compare=False)  # how it was read, not the figure
+
+
+MAX_STORED_READS = 4000  # ten minutes of reads at SAMPLE_INTERVAL_S; a longer cell keeps the counts, not each window
+
+
+def sampler_record(peak: PeakMemory, interval_s: float = SAMPLE_INTERVAL_S) -> dict[str, Any]:
+    """What the memory sampler did during a cell (CellResult.extras["memory_sampler"]): its interval, how many NVML
+    reads it made and how long they took, and each read's window ([start perf_counter s, seconds]; None past
+    MAX_STORED_READS). Why: the instrument must not be what it measures, and NVML's process-list queries are not
+    free: a monitoring tool measured its graphics-process query at 4.5 ms a call, holding the driver's lock that a
+    game's submission threads then waited on (MangoHud PR #2104). This sampler's compute-process query runs every
+    150 ms of every cell, so each read's window is kept, and the report sets it beside the requests it overlapped
+    (report/prefill_requests.py)."""
+    seconds = sorted(d for _, d in peak.reads)
+    return {
+        "interval_s": interval_s,
+        "reads": len(peak.reads),
+        "read_ms_median": statistics.median(seconds) * 1e3 if seconds else None,
+        "read_ms_max": seconds[-1] * 1e3 if seconds else None,
+        "read_s_total": sum(seconds),
+        "windows": [[round(t, 6), round(d, 7)] for t, d in peak.reads] if len(peak.reads) <= MAX_STORED_READS else None,
+    }
 
 
 # ---- NVML through ctypes --------------------------------------------------------------------------
@@ -244,6 +271,7 @@ class PeakSampler:
         self._per_process: int | None = None
         self._delta: int | None = None
         self._samples = 0
+        self._reads: list[tuple[float, float]] = []  # every NVML read, failed ones too (PeakMemory.reads)
         self._task: asyncio.Task[None] | None = None
         self._stopping: asyncio.Event | None = None
 
@@ -251,10 +279,13 @@ class PeakSampler:
         """One reading folded into the peaks (also called once at stop, so a short cell has one)."""
         if self.reader is None or self.pid is None:
             return
+        started_s = time.perf_counter()
         try:
             snap = self.reader.read()
         except NvmlError:
             return
+        finally:
+            self._reads.append((started_s, time.perf_counter() - started_s))
         self._samples += 1
         mine = sum(snap.used_by_pid.get(p, 0) for p in process_tree(self.pid))
         if mine > 0:  # a listed pid at 0 bytes attributes nothing: the figure stays unknown, never 0
@@ -290,8 +321,9 @@ class PeakSampler:
 
     def result(self) -> PeakMemory:
         # per-process attribution wins whenever any sample had it: the delta is only the fallback
+        reads = tuple(self._reads)
         if self._per_process is not None:
-            return PeakMemory(self._per_process, PER_PROCESS, self._samples)
+            return PeakMemory(self._per_process, PER_PROCESS, self._samples, reads)
         if self._delta is not None:
-            return PeakMemory(self._delta, DEVICE_DELTA, self._samples)
-        return PeakMemory(None, None, self._samples)
+            return PeakMemory(self._delta, DEVICE_DELTA, self._samples, reads)
+        return PeakMemory(None, None, self._samples, reads)
