@@ -198,8 +198,8 @@ PAGED_EXPERTS = Layers(
     ("leaves", "residency", "config", "kernels", "runtime", "routing", "moe", "weights", "decode", "model", "server"),
     {"paged_experts": "leaves", "paged_experts.shape": "leaves", "paged_experts.fp8": "leaves",
      "paged_experts.kv": "leaves", "paged_experts.attention": "kernels", "paged_experts.step": "leaves",
-     "paged_experts.thread_clock": "leaves", "paged_experts.experts": "kernels", "paged_experts.projection": "kernels", "paged_experts.config": "config",
-     "paged_experts.runtime": "runtime",
+     "paged_experts.thread_clock": "leaves", "paged_experts.experts": "kernels",
+     "paged_experts.projection": "kernels", "paged_experts.config": "config", "paged_experts.runtime": "runtime",
      "paged_experts.model": "model"},
 )  # fmt: skip
 

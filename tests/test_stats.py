@@ -14,6 +14,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from benchsuite.report import stats
+from benchsuite.report.noise import load_text
 from benchsuite.tools.machine import cell_noise, noise_snapshot
 
 
@@ -83,10 +84,13 @@ def test_cell_noise_counts_only_other_processes() -> None:
     before = {"t_s": 0.0, "load_1m": 0.5, "cpu_busy_s": 100.0, "own_cpu_s": 10.0, "cpus": 2, "cpu_mhz": 2600.0}
     quiet = cell_noise(before, {**before, "t_s": 10.0, "cpu_busy_s": 110.0, "own_cpu_s": 19.0})
     assert quiet["other_cores"] == pytest.approx(0.1) and not quiet["busy"] and quiet["busy_reason"] is None
+    assert quiet["own_cores"] == pytest.approx(0.9)  # our processes: 9 CPU s in 10 s
     busy = cell_noise(before, {**before, "t_s": 10.0, "load_1m": 2.5, "cpu_busy_s": 120.0, "own_cpu_s": 11.0})
     assert busy["other_cores"] == pytest.approx(1.9) and busy["busy"]
     assert busy["busy_reason"].startswith("other processes kept 1.90 of 2 cores busy")
     assert "cpu_busy_s" not in busy["before"] and busy["after"]["load_1m"] == 2.5
+    # the report's per-cell machine column says both
+    assert load_text({"machine": quiet}) == "load 0.50 -> 0.50, 2600 MHz, others 0.10 cores, ours 0.90"
 
 
 def test_noise_snapshot_tells_a_busy_process_that_is_not_ours_from_ours() -> None:

@@ -38,7 +38,7 @@ def busy_warning(cells: pd.DataFrame) -> str | None:
 
 
 def load_text(extras: Any) -> str:
-    """'load 1.20 -> 1.35, 2600 MHz, others 0.4 cores' for one cell; '' when not recorded."""
+    """'load 1.20 -> 1.35, 2600 MHz, others 0.40 cores, ours 1.02' for one cell; '' when not recorded."""
     noise = _noise(extras)
     if not noise:
         return ""
@@ -50,4 +50,6 @@ def load_text(extras: Any) -> str:
         parts.append(f"{after['cpu_mhz']:.0f} MHz")
     if noise.get("other_cores") is not None:
         parts.append(f"others {noise['other_cores']:.2f} cores")
+    if noise.get("own_cores") is not None:
+        parts.append(f"ours {noise['own_cores']:.2f}")
     return ", ".join(parts)

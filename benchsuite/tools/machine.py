@@ -299,9 +299,12 @@ def _own_cpu_s(own_pids: Sequence[int]) -> float:
 
 def cell_noise(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """The cell's noise record: both snapshots, the cores other processes kept busy on average
-    (other_cores = (machine busy CPU s - our CPU s) / wall s), and `busy` with its reason."""
+    (other_cores = (machine busy CPU s - our CPU s) / wall s), the cores our own processes kept busy (own_cores:
+    the runner, the server and their children; about 1 when only a server's engine thread runs, more when another
+    of our threads spins beside it), and `busy` with its reason."""
     wall_s = after["t_s"] - before["t_s"]
-    other_s = (after["cpu_busy_s"] - before["cpu_busy_s"]) - (after["own_cpu_s"] - before["own_cpu_s"])
+    own_s = after["own_cpu_s"] - before["own_cpu_s"]
+    other_s = (after["cpu_busy_s"] - before["cpu_busy_s"]) - own_s
     cpus = before.get("cpus") or 1
     other_cores = max(0.0, other_s / wall_s) if wall_s > 0 else None
     busy = other_cores is not None and other_cores > BUSY_OTHER_CORES_FRACTION * cpus
@@ -319,6 +322,7 @@ def cell_noise(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
         "after": {k: v for k, v in after.items() if k not in strip},
         "wall_s": wall_s,
         "other_cores": other_cores,
+        "own_cores": max(0.0, own_s / wall_s) if wall_s > 0 else None,
         "busy": busy,
         "busy_reason": reason,
     }
