@@ -10,7 +10,8 @@ For each paged cell with prompt chunks of the class given (2,048 tokens by defau
   along; `prefill_host_plan_ms` per layer-step); for runs since 2026-12-05, how the rest of that time went (queued:
   runnable but waiting for a CPU; blocked: asleep), the thread's context switches (voluntary / involuntary), the
   CPU its prefill ended on, and the memory sampler's NVML reads inside the request's wait for its first token
-  (sampler ms); then, per CPU, how many of the measured requests were in the cell's fast or slow half;
+  (sampler ms); then, per server, each measured request's half of its cell in sending order with a runs test
+  (whether the speed comes in regimes of consecutive requests), and per CPU how many were fast or slow;
 - per cell, the chunk's device span beside the synthetic router's time per chunk (`router_s`): the router does the
   same work for every 2,048-token chunk, nearly all of it on the host (its draw kernel and the one copy back, ~1.1
   ms on the H200, are the same every chunk), so its time is a probe of the host's speed during the cell, and a span
@@ -44,17 +45,35 @@ def _cell(value: object, spec: str) -> str:
     return "" if value is None or pd.isna(value) else format(value, spec)
 
 
-def by_cpu(measured: pd.DataFrame) -> dict[int, tuple[int, int]]:
-    """CPU -> (requests in their cell's fast half, in its slow half): the split of the report's table, per CPU the
-    engine thread's prefill ended on (requests that did not say are left out)."""
-    counts: dict[int, list[int]] = {}
+def slow_half(measured: pd.DataFrame) -> pd.Series:
+    """Whether each request is in its cell's slow half (the report's split: the faster floor(n/2) are fast)."""
+    slow = pd.Series(False, index=measured.index)
     for _, cell in measured.groupby("cell_id"):
         ordered = cell.sort_values("ttft_s", kind="stable")
-        cut = len(ordered) // 2
-        for i, (_, r) in enumerate(ordered.iterrows()):
-            if not pd.isna(r["cpu"]):
-                counts.setdefault(int(r["cpu"]), [0, 0])[i >= cut] += 1
+        slow[ordered.index[len(ordered) // 2 :]] = True
+    return slow
+
+
+def by_cpu(measured: pd.DataFrame) -> dict[int, tuple[int, int]]:
+    """CPU -> (requests in their cell's fast half, in its slow half), per CPU the engine thread's prefill ended on
+    (requests that did not say are left out)."""
+    counts: dict[int, list[int]] = {}
+    for (_, r), slow in zip(measured.iterrows(), slow_half(measured)):
+        if not pd.isna(r["cpu"]):
+            counts.setdefault(int(r["cpu"]), [0, 0])[int(slow)] += 1
     return {cpu: (fast, slow) for cpu, (fast, slow) in sorted(counts.items())}
+
+
+def runs_test(slow: list[bool]) -> tuple[int, float, float | None]:
+    """(runs, the runs expected if each request's half were independent of the one before, z): Wald-Wolfowitz over
+    a server's requests in sending order. z well below 0: fewer, longer runs than chance (the speed comes in
+    regimes); near 0: request by request at random."""
+    n_slow, n = sum(slow), len(slow)
+    n_fast = n - n_slow
+    runs = 1 + sum(a != b for a, b in zip(slow, slow[1:])) if n else 0
+    expected = 1 + 2 * n_fast * n_slow / n if n else 0.0
+    var = 2 * n_fast * n_slow * (2 * n_fast * n_slow - n) / (n * n * (n - 1)) if n > 1 else 0.0
+    return runs, expected, (runs - expected) / var**0.5 if var > 0 else None
 
 
 def main() -> None:
@@ -87,7 +106,15 @@ def main() -> None:
         gap = (measured["ttft_s"] * 1e3 - measured["prompt_ms"]).dropna()
         if len(gap):
             print(f"client TTFT - engine prompt_ms: median {statistics.median(gap):.1f} ms, max {gap.max():.1f} ms")
-        cpus = by_cpu(measured)
+        for server, mine_server in measured.groupby("server_id") if concurrency == 1 else ():  # c>1: queue order
+            ordered = mine_server.sort_values("t_sent_s")
+            halves = slow_half(ordered)
+            slow = [bool(halves[i]) for i in ordered.index]
+            runs, expected, z = runs_test(slow)
+            order = "".join("s" if x else "F" for x in slow)
+            tail = "" if z is None else f", z = {z:.2f}"
+            print(f"server {server}: halves in sending order {order}; {runs} runs, {expected:.1f} if independent{tail}")
+        cpus = by_cpu(measured) if concurrency == 1 else {}
         if cpus:
             print("per CPU (fast half / slow half of their cell): "
                   + ", ".join(f"{cpu}: {fast}/{slow}" for cpu, (fast, slow) in cpus.items()))  # fmt: skip
