@@ -22,7 +22,7 @@ steps. Per prompt, from `torch.cuda.synchronize()` to `torch.cuda.synchronize()`
                       (near 1: the device never got ahead of the host's issue; wait ms says whether the host
                       was working or waiting on the device meanwhile), and of the thread's CPU time over that
                       issue time (near 1: the thread ran all along; below: it was off the CPU)
-    queued / cpus = the median share of that issue time the thread was runnable but waiting for a CPU (the rest
+    queued / cpu ids = the median share of that issue time the thread was runnable but waiting for a CPU (the rest
                       off the CPU was blocked: a lock, a sleeping read), and the CPUs the prompts' steps ended on
                       (paged_experts/thread_clock.py; Linux)
 
@@ -147,8 +147,8 @@ def one_prompt(model: MoeCausalLM, pool: KvPool, prompt: list[int], decode: int,
                 "issue_run_delay_s",
                 "issue_voluntary_switches",
                 "issue_involuntary_switches",
-                "cpu_first",
-                "cpu_last",
+                "cpu_id_first",
+                "cpu_id_last",
             )
         },  # fmt: skip
         "union_mean": snap.total.union_sum / max(1, snap.total.steps),
@@ -211,7 +211,7 @@ def run_cell(cell: Cell, args: argparse.Namespace, link_b_per_s: float | None) -
             for r in measured
             if r["issue_s"] and r["issue_run_delay_s"] is not None
         ),
-        "cpus": sorted({r["cpu_last"] for r in measured if r["cpu_last"] is not None}),
+        "cpu_ids": sorted({r["cpu_id_last"] for r in measured if r["cpu_id_last"] is not None}),
         "decode_hit_rate": hits / (hits + misses) if hits + misses else None,
         "decode_tok_s_eager": args.decode * len(measured) / sum(r["decode_s"] for r in measured)
         if args.decode
@@ -243,7 +243,7 @@ def _fmt(value: float | None, spec: str) -> str:
     return format(value, spec) if value is not None else "-"
 
 
-def _cpus(cpus: list[int] | None) -> str:
+def _cpu_ids(cpus: list[int] | None) -> str:
     return ",".join(str(c) for c in cpus) if cpus else "-"
 
 
@@ -252,7 +252,7 @@ def render(record: dict[str, Any]) -> str:
     lines = [f"link (paging figure): {f'{link:.1f} GB/s' if link else record['link'].get('error')}",
              (f"{'cell':<40} {'prefill s':>9} {'min-max s':>11} {'GB':>6} {'floor s':>8} {'/floor':>7} {'busy':>5}"
               f" {'waves/L':>7} {'router s':>8} {'-router':>7} {'dec hit':>7} {'idle ms':>7} {'wait ms':>7}"
-              f" {'plan ms':>7} {'issue':>5} {'cpu':>5} {'queued':>6}  cpus")]  # fmt: skip
+              f" {'plan ms':>7} {'issue':>5} {'cpu':>5} {'queued':>6}  cpu ids")]  # fmt: skip
     for c in record["cells"]:
         if "error" in c:
             lines.append(f"{c['cell']:<40} {c['error']}")
@@ -264,7 +264,7 @@ def render(record: dict[str, Any]) -> str:
             f"{c['router_s']:>8.3f} {_fmt(c['paging_of_floor'], '7.2f'):>7} {_fmt(c['decode_hit_rate'], '7.3f'):>7}",
             f"{_fmt(c['idle_before_layer_ms'], '7.2f'):>7} {_fmt(c['host_wait_ms'], '7.2f'):>7}",
             f"{_fmt(c['host_plan_ms'], '7.2f'):>7} {_fmt(c.get('issue_of_prefill'), '5.2f'):>5}",
-            f"{_fmt(c.get('on_cpu'), '5.2f'):>5} {_fmt(c.get('queued'), '6.2f'):>6}  {_cpus(c.get('cpus'))}",
+            f"{_fmt(c.get('on_cpu'), '5.2f'):>5} {_fmt(c.get('queued'), '6.2f'):>6}  {_cpu_ids(c.get('cpu_ids'))}",
         )
         lines.append(f"{c['cell']:<40} " + " ".join(figures))
     return "\n".join(lines)

@@ -10,8 +10,10 @@ For each paged cell with prompt chunks of the class given (2,048 tokens by defau
   along; `prefill_host_plan_ms` per layer-step); for runs since 2026-12-05, how the rest of that time went (queued:
   runnable but waiting for a CPU; blocked: asleep), the thread's context switches (voluntary / involuntary), the
   CPU its prefill ended on, and the memory sampler's NVML reads inside the request's wait for its first token
-  (sampler ms); then, per server, each measured request's half of its cell in sending order with a runs test
-  (whether the speed comes in regimes of consecutive requests), and per CPU how many were fast or slow;
+  (sampler ms); then, at concurrency 1, each server's measured requests as their cell's fast or slow half in
+  sending order, with a runs test against the same halves shuffled within each cell (whether the speed comes in
+  regimes of consecutive requests: the split sets each cell's halves, so only runs across a cell's requests are
+  tested; a regime as long as a cell shows in the per-cell figures below), and per CPU how many were fast or slow;
 - per cell, the chunk's device span beside the synthetic router's time per chunk (`router_s`): the router does the
   same work for every 2,048-token chunk, nearly all of it on the host (its draw kernel and the one copy back, ~1.1
   ms on the H200, are the same every chunk), so its time is a probe of the host's speed during the cell, and a span
@@ -31,14 +33,13 @@ import numpy as np
 import pandas as pd
 
 from benchsuite.report.load import load_run
-from benchsuite.report.prefill_requests import request_figures, sampler_windows
+from benchsuite.report.prefill_requests import halves, request_figures
 
 
 def per_request(run_id: str, requests: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame:
     """The report's per-request figures (report/prefill_requests.py) of the cells' requests, in sending order."""
     keys = ["cell_id", "server_id", "routing", "concurrency", "repeat"]
-    windows = {c: w for (_, c), w in sampler_windows(cells).items()}
-    return request_figures(run_id, requests, windows).merge(cells[keys], on="cell_id").sort_values("t_sent_s")
+    return request_figures(run_id, requests).merge(cells[keys], on="cell_id").sort_values("t_sent_s")
 
 
 def _cell(value: object, spec: str) -> str:
@@ -46,11 +47,10 @@ def _cell(value: object, spec: str) -> str:
 
 
 def slow_half(measured: pd.DataFrame) -> pd.Series:
-    """Whether each request is in its cell's slow half (the report's split: the faster floor(n/2) are fast)."""
+    """Whether each request is in its cell's slow half (report/prefill_requests.halves, the report's split)."""
     slow = pd.Series(False, index=measured.index)
     for _, cell in measured.groupby("cell_id"):
-        ordered = cell.sort_values("ttft_s", kind="stable")
-        slow[ordered.index[len(ordered) // 2 :]] = True
+        slow[halves(cell)[1][1].index] = True
     return slow
 
 
@@ -59,21 +59,34 @@ def by_cpu(measured: pd.DataFrame) -> dict[int, tuple[int, int]]:
     (requests that did not say are left out)."""
     counts: dict[int, list[int]] = {}
     for (_, r), slow in zip(measured.iterrows(), slow_half(measured)):
-        if not pd.isna(r["cpu"]):
-            counts.setdefault(int(r["cpu"]), [0, 0])[int(slow)] += 1
+        if not pd.isna(r["cpu_id"]):
+            counts.setdefault(int(r["cpu_id"]), [0, 0])[int(slow)] += 1
     return {cpu: (fast, slow) for cpu, (fast, slow) in sorted(counts.items())}
 
 
-def runs_test(slow: list[bool]) -> tuple[int, float, float | None]:
-    """(runs, the runs expected if each request's half were independent of the one before, z): Wald-Wolfowitz over
-    a server's requests in sending order. z well below 0: fewer, longer runs than chance (the speed comes in
-    regimes); near 0: request by request at random."""
-    n_slow, n = sum(slow), len(slow)
-    n_fast = n - n_slow
-    runs = 1 + sum(a != b for a, b in zip(slow, slow[1:])) if n else 0
-    expected = 1 + 2 * n_fast * n_slow / n if n else 0.0
-    var = 2 * n_fast * n_slow * (2 * n_fast * n_slow - n) / (n * n * (n - 1)) if n > 1 else 0.0
-    return runs, expected, (runs - expected) / var**0.5 if var > 0 else None
+def _runs(labels: np.ndarray) -> int:
+    return 1 + int(np.count_nonzero(labels[1:] != labels[:-1])) if labels.size else 0
+
+
+def runs_test(slow: list[bool], cells: list[str], shuffles: int = 4000, seed: int = 0) -> tuple[int, float, float]:
+    """(runs of equal halves in sending order, the mean runs over `shuffles` shuffles of the halves within each cell,
+    p: the share of shuffles with as few runs or fewer). The halves are set per cell (half of each cell is slow),
+    so the reference keeps each cell's labels and positions and permutes only which of its requests is slow: a
+    formula for independent labels would expect too few runs here. p small: the speed comes in regimes of
+    consecutive requests; near 1: it alternates more than chance."""
+    labels, groups = np.array(slow, dtype=bool), np.array(cells)
+    observed = _runs(labels)
+    if not labels.size:
+        return 0, 0.0, 1.0
+    rng = np.random.default_rng(seed)
+    members = [np.flatnonzero(groups == g) for g in dict.fromkeys(cells)]
+    shuffled = labels.copy()
+    counts = np.empty(shuffles, dtype=np.int64)
+    for i in range(shuffles):
+        for idx in members:
+            shuffled[idx] = rng.permutation(labels[idx])
+        counts[i] = _runs(shuffled)
+    return observed, float(counts.mean()), float(np.mean(counts <= observed))
 
 
 def main() -> None:
@@ -101,19 +114,19 @@ def main() -> None:
                   f"{r['prompt_ms']:9.1f} {_cell(r['issue_ms'], '8.1f'):>8} {_cell(r['on_cpu'], '6.2f'):>6} "
                   f"{_cell(r['queued'], '6.2f'):>6} {_cell(r['blocked'], '7.2f'):>7} "
                   f"{_cell(r['vol_switches'], '4.0f'):>4} {_cell(r['invol_switches'], '5.0f'):>5} "
-                  f"{_cell(r['cpu'], '3.0f'):>3} {_cell(r['sampler_ms'], '10.2f'):>10} "
+                  f"{_cell(r['cpu_id'], '3.0f'):>3} {_cell(r['sampler_ms'], '10.2f'):>10} "
                   f"{_cell(r['host_plan_ms'], '10.3f'):>10}")  # fmt: skip
         gap = (measured["ttft_s"] * 1e3 - measured["prompt_ms"]).dropna()
         if len(gap):
             print(f"client TTFT - engine prompt_ms: median {statistics.median(gap):.1f} ms, max {gap.max():.1f} ms")
         for server, mine_server in measured.groupby("server_id") if concurrency == 1 else ():  # c>1: queue order
             ordered = mine_server.sort_values("t_sent_s")
-            halves = slow_half(ordered)
-            slow = [bool(halves[i]) for i in ordered.index]
-            runs, expected, z = runs_test(slow)
+            halves_of = slow_half(ordered)
+            slow = [bool(halves_of[i]) for i in ordered.index]
+            runs, expected, p = runs_test(slow, [str(c) for c in ordered["cell_id"]])
             order = "".join("s" if x else "F" for x in slow)
-            tail = "" if z is None else f", z = {z:.2f}"
-            print(f"server {server}: halves in sending order {order}; {runs} runs, {expected:.1f} if independent{tail}")
+            print(f"server {server}: halves in sending order {order}; {runs} runs, {expected:.1f} with each cell's "
+                  f"halves shuffled (p = {p:.3f} for as few)")  # fmt: skip
         cpus = by_cpu(measured) if concurrency == 1 else {}
         if cpus:
             print("per CPU (fast half / slow half of their cell): "

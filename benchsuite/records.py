@@ -105,6 +105,10 @@ class RequestRecord:
     count_reads: list[int] = field(default_factory=list)  # body read it came in
     uncounted_chunks: int = 0  # text chunks that carried no count (0 with counts: every token is placed)
     t_first_text_s: float | None = None  # first chunk with non-empty generated text (visible text)
+    # seconds the runner's device-memory sampler spent in NVML reads inside [t_sent_s, t_first_token_s]: the
+    # instrument's own driver calls beside the engine's work (device_memory.sampler_record); None: none was timed
+    # (no GPU, no first token, or a run before 2026-12-05)
+    sampler_read_s: float | None = None
 
     def to_row(self) -> dict[str, Any]:
         return asdict(self)

@@ -260,12 +260,14 @@ class MoeCausalLM:
         logits = F.linear(hidden, self._dense.lm_head)  # [R, V]
         greedy = logits.argmax(dim=-1)  # [R]
         prefill = self.counters.prefill_step_host(opened)
-        if prefill is not None and started is not None:  # everything of the step is issued: its host time ends here
+        if prefill is not None:  # everything of the step is issued: its host time ends here
+            if started is None:  # the counters and this step's clocks must follow one rule (is_prompt_chunk)
+                raise AssertionError("a prefill step opened without a prompt chunk: its issue time was not read")
             host = thread_clock.between(started, thread_clock.read())
             prefill = replace(
                 prefill, issue_s=host.wall_s, issue_cpu_s=host.cpu_s, issue_run_delay_s=host.run_delay_s,
                 issue_voluntary_switches=host.voluntary_switches, issue_involuntary_switches=host.involuntary_switches,
-                cpu_first=host.cpu_first, cpu_last=host.cpu_last,
+                cpu_id_first=host.cpu_id_first, cpu_id_last=host.cpu_id_last,
             )  # fmt: skip
         return StepLogits(logits, greedy, tuple(s.stop - s.start for s in wanted), prefill)
 

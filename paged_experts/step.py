@@ -48,8 +48,8 @@ class PrefillStepHost:
     issue_run_delay_s: float | None = None
     issue_voluntary_switches: int | None = None
     issue_involuntary_switches: int | None = None
-    cpu_first: int | None = None
-    cpu_last: int | None = None
+    cpu_id_first: int | None = None
+    cpu_id_last: int | None = None
 
 
 @dataclass(frozen=True)

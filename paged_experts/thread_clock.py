@@ -53,7 +53,7 @@ class ThreadReading:
     run_delay_s: float | None
     voluntary_switches: int | None
     involuntary_switches: int | None
-    cpu: int | None  # the CPU it was on when read
+    cpu_id: int | None  # the CPU it was on when read
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,8 @@ class ThreadInterval:
     run_delay_s: float | None
     voluntary_switches: int | None
     involuntary_switches: int | None
-    cpu_first: int | None  # the CPU at the first reading
-    cpu_last: int | None  # and at the second
+    cpu_id_first: int | None  # the CPU at the first reading
+    cpu_id_last: int | None  # and at the second
 
 
 def _open(path: str) -> int:
@@ -92,6 +92,15 @@ class _Files:
 
 
 _local = threading.local()
+
+
+def _forget_files() -> None:
+    """In a forked child: the file the forking thread held names the parent's thread; the child opens its own."""
+    _local.files = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_files)
 
 
 def _thread_files() -> _Files:
@@ -144,6 +153,6 @@ def between(first: ThreadReading, last: ThreadReading) -> ThreadInterval:
         run_delay_s=None if delay is None else float(delay),
         voluntary_switches=None if voluntary is None else int(voluntary),
         involuntary_switches=None if involuntary is None else int(involuntary),
-        cpu_first=first.cpu,
-        cpu_last=last.cpu,
+        cpu_id_first=first.cpu_id,
+        cpu_id_last=last.cpu_id,
     )

@@ -74,25 +74,30 @@ def test_prefill_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
         assert cell["issue_of_prefill"] == pytest.approx(statistics.median(issue)) and 0 < max(issue) <= 1
         assert 0 < cell["on_cpu"] <= 1.05
         if sys.platform.startswith("linux"):  # the rest of the issue time: waiting for a CPU; and the CPUs
-            assert 0 <= cell["queued"] <= 1 and cell["cpus"] and all(c >= 0 for c in cell["cpus"])
-            assert all(r["issue_voluntary_switches"] >= 0 and r["cpu_last"] in cell["cpus"] for r in cell["runs"][1:])
+            assert 0 <= cell["queued"] <= 1 and cell["cpu_ids"] and all(c >= 0 for c in cell["cpu_ids"])
+            assert all(
+                r["issue_voluntary_switches"] >= 0 and r["cpu_id_last"] in cell["cpu_ids"] for r in cell["runs"][1:]
+            )
     table = (tmp_path / "prefill.txt").read_text()
     assert "paged:6/qwen3-30b-a3b/lru/streamed" in table and "plan ms" in table and " cpu" in table
-    assert "queued" in table and "cpus" in table
+    assert "queued" in table and "cpu ids" in table
 
 
 def test_the_runs_test_tells_regimes_from_alternation() -> None:
-    """benchmarks/prefill_speeds.py's runs test over a server's fast and slow halves in sending order."""
+    """benchmarks/prefill_speeds.py's runs test over a server's fast and slow halves in sending order, against the
+    same halves shuffled within each cell (each cell is half slow by construction)."""
     spec = importlib.util.spec_from_file_location("prefill_speeds", ROOT / "benchmarks" / "prefill_speeds.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    regimes = [False] * 6 + [True] * 6  # two long runs
-    runs, expected, z = module.runs_test(regimes)
-    assert (runs, expected) == (2, 7.0) and z < -2.5
-    alternating = [False, True] * 6
-    assert module.runs_test(alternating)[0] == 12 and module.runs_test(alternating)[2] > 2.5
-    assert module.runs_test([True] * 4)[2] is None and module.runs_test([]) == (0, 0.0, None)  # nothing to test
+    cells = [f"c{i // 8}" for i in range(32)]  # four cells of eight requests in sending order
+    regimes = [False] * 4 + [True] * 4  # each cell: its fast half first, then its slow half
+    runs, mean, p = module.runs_test(regimes * 4, cells)
+    assert runs == 8 and mean > 12 and p < 0.01  # long runs inside cells: regimes
+    alternating = [False, True] * 16
+    runs, mean, p = module.runs_test(alternating, cells)
+    assert runs == 32 and p > 0.99  # more runs than any shuffle: alternation, not regimes
+    assert module.runs_test([], []) == (0, 0.0, 1.0)
 
 
 def test_decode_benchmark_runs_on_the_cpu_and_records_its_weights(tmp_path: Path) -> None:

@@ -133,7 +133,7 @@ async def test_each_request_carries_the_host_side_of_its_own_prefill_steps(tiny_
         off_cpu_ms = alone["prefill_issue_ms"] - alone["prefill_issue_cpu_ms"]
         assert 0 <= alone["prefill_issue_run_delay_ms"] <= off_cpu_ms + 1
         assert alone["prefill_issue_voluntary_switches"] >= 0 and alone["prefill_issue_involuntary_switches"] >= 0
-        assert alone["prefill_cpu_first"] >= 0 and alone["prefill_cpu_last"] >= 0
+        assert alone["prefill_cpu_id_first"] >= 0 and alone["prefill_cpu_id_last"] >= 0
     assert (alone["prefill_host_plan_ms"] > 0) == (paged_layers > 0)
     # two prompts in one step (a budget that takes both whole): the step's figures go to each, said shared
     engine = build(tiny_dir, MODES[mode], chunked_prefill_tokens=64)

@@ -240,7 +240,9 @@ def test_a_step_with_a_prompt_chunk_hands_back_the_host_side_of_that_step_alone(
         assert got.issue_run_delay_s is not None and 0 <= got.issue_run_delay_s <= got.issue_s - got.issue_cpu_s + 1e-3
         assert got.issue_voluntary_switches is not None and got.issue_voluntary_switches >= 0
         assert got.issue_involuntary_switches is not None and got.issue_involuntary_switches >= 0
-        assert got.cpu_first is not None and got.cpu_last is not None and min(got.cpu_first, got.cpu_last) >= 0
+        assert (
+            got.cpu_id_first is not None and got.cpu_id_last is not None and min(got.cpu_id_first, got.cpu_id_last) >= 0
+        )
     assert model.run_step([SeqChunk(short, [41], len(SHORT) + 1), SeqChunk(long, [7], len(PROMPT))]).prefill is None
     model.counters.reset()  # the figures of a step that opened before a reset are gone with it
     assert model.counters.prefill_steps_opened == 0 and model.counters.prefill_step_host(-1) is None

@@ -89,35 +89,32 @@ def test_request_figures_keep_warm_up_and_key_less_requests_for_the_analysis_scr
 
 
 def test_each_half_says_how_the_engine_thread_spent_its_time_and_what_the_sampler_read_meanwhile() -> None:
-    """The thread's scheduling keys (queued, blocked, switches, CPUs) and the memory sampler's NVML reads that fell
-    inside each request's wait for its first token (the cell's extras), per half; a run stored before either has
+    """The thread's scheduling keys (queued, blocked, switches, CPUs) and the memory sampler's NVML read time inside
+    each request's wait for its first token (its record's sampler_read_s), per half; a run stored before either has
     None there, not 0."""
 
-    def sched(req: dict[str, Any], delay_ms: float, voluntary: int, cpu: int, sent_s: float) -> dict[str, Any]:
+    def sched(req: dict[str, Any], delay_ms: float, voluntary: int, cpu: int, read_s: float) -> dict[str, Any]:
         timings = json.loads(req["engine_timings"])
         timings |= {
             "prefill_issue_run_delay_ms": delay_ms, "prefill_issue_voluntary_switches": voluntary,
-            "prefill_issue_involuntary_switches": 2, "prefill_cpu_first": cpu, "prefill_cpu_last": cpu,
+            "prefill_issue_involuntary_switches": 2, "prefill_cpu_id_first": cpu, "prefill_cpu_id_last": cpu,
         }  # fmt: skip
-        ttft_s = req["t_first_token_s"] - req["t_sent_s"]
-        return {**req, "engine_timings": json.dumps(timings), "t_sent_s": sent_s, "t_first_token_s": sent_s + ttft_s}
+        return {**req, "engine_timings": json.dumps(timings), "sampler_read_s": read_s}
 
     requests = [
-        sched(request("a", 0.40, 400.0, 5.0), 4.0, 1, cpu=3, sent_s=10.0),
-        sched(request("a", 0.41, 400.0, 5.0), 4.0, 3, cpu=5, sent_s=11.0),
-        sched(request("a", 0.50, 500.0, 7.0), 50.0, 9, cpu=3, sent_s=12.0),
-        sched(request("a", 0.52, 500.0, 7.0), 50.0, 11, cpu=3, sent_s=13.0),
+        sched(request("a", 0.40, 400.0, 5.0), 4.0, 1, cpu=3, read_s=0.0),
+        sched(request("a", 0.41, 400.0, 5.0), 4.0, 3, cpu=5, read_s=0.0),
+        sched(request("a", 0.50, 500.0, 7.0), 50.0, 9, cpu=3, read_s=0.004),
+        sched(request("a", 0.52, 500.0, 7.0), 50.0, 11, cpu=3, read_s=0.002),
     ]
-    # NVML reads [start s, seconds]: 4 ms inside the first slow request's wait, 2 of 4 ms at the end of the second's,
-    # one just after the first fast request's first token
-    windows = [[12.1, 0.004], [10.45, 0.004], [13.518, 0.004]]
-    cells = pd.DataFrame([{**cell("a"), "extras": json.dumps({"memory_sampler": {"windows": windows}})}])
-    fast, slow = (row for _, row in prefill_requests_table(cells, [run(requests)]).iterrows())
+    fast, slow = (row for _, row in prefill_requests_table(pd.DataFrame([cell("a")]), [run(requests)]).iterrows())
     assert (fast["queued"], slow["queued"]) == pytest.approx((0.01, 0.1))  # run delay over issue time
     assert (fast["blocked"], slow["blocked"]) == pytest.approx((0.09, 0.0))  # 1 - on_cpu (0.9) - queued
-    assert (fast["vol_switches"], slow["vol_switches"], slow["invol_switches"]) == (2, 10, 2)
-    assert (fast["cpus"], slow["cpus"]) == ("3,5", "3")
+    assert (fast["switches"], slow["switches"]) == ("2/2", "10/2")  # voluntary / involuntary medians
+    assert (fast["cpu_ids"], slow["cpu_ids"]) == ("3,5", "3")
     assert (fast["sampler_ms"], slow["sampler_ms"]) == pytest.approx((0.0, 3.0))  # medians of (0, 0) and (4, 2)
-    # a run without the keys or the sampler's windows: unknown, not 0
+    many = [sched(request("b", 0.4 + i / 100, 400.0, 5.0), 4.0, 1, cpu=i, read_s=0.0) for i in range(12)]
+    assert set(prefill_requests_table(pd.DataFrame([cell("b")]), [run(many)])["cpu_ids"]) == {"6 CPUs"}
+    # a run without the keys or the sampler's reads: unknown, not 0
     old = prefill_requests_table(pd.DataFrame([cell("a")]), [run([request("a", 0.4, 400.0, 5.0)] * 2)])
-    assert old[["queued", "blocked", "vol_switches", "sampler_ms", "cpus"]].isna().all().all()
+    assert old[["queued", "blocked", "switches", "sampler_ms", "cpu_ids"]].isna().all().all()

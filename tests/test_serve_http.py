@@ -132,7 +132,7 @@ async def test_continuous_usage_gives_every_token_its_chunk_and_the_finish_chunk
     # the engine's own prefill keys: one step ran the whole prompt, issued within the time to token 1
     assert timings["prefill_steps"] == 1 and 0 < timings["prefill_issue_ms"] <= timings["prompt_ms"]
     if sys.platform.startswith("linux"):  # and how the engine thread spent that time (thread_clock)
-        assert {"prefill_issue_run_delay_ms", "prefill_issue_voluntary_switches", "prefill_cpu_last"} <= set(timings)
+        assert {"prefill_issue_run_delay_ms", "prefill_issue_voluntary_switches", "prefill_cpu_id_last"} <= set(timings)
     plain = await stream(
         http, f"{base_url}/v1/completions", greedy(max_tokens=12, stream_options={"include_usage": True})
     )

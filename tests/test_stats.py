@@ -90,7 +90,7 @@ def test_cell_noise_counts_only_other_processes() -> None:
     assert busy["busy_reason"].startswith("other processes kept 1.90 of 2 cores busy")
     assert "cpu_busy_s" not in busy["before"] and busy["after"]["load_1m"] == 2.5
     # the report's per-cell machine column says both
-    assert load_text({"machine": quiet}) == "load 0.50 -> 0.50, 2600 MHz, others 0.10 cores, ours 0.90"
+    assert load_text({"machine": quiet}) == "load 0.50 -> 0.50, 2600 MHz, others 0.10 cores, ours 0.90 cores"
 
 
 def test_noise_snapshot_tells_a_busy_process_that_is_not_ours_from_ours() -> None:

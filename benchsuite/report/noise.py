@@ -38,7 +38,7 @@ def busy_warning(cells: pd.DataFrame) -> str | None:
 
 
 def load_text(extras: Any) -> str:
-    """'load 1.20 -> 1.35, 2600 MHz, others 0.40 cores, ours 1.02' for one cell; '' when not recorded."""
+    """'load 1.20 -> 1.35, 2600 MHz, others 0.40 cores, ours 1.02 cores' for one cell; '' when not recorded."""
     noise = _noise(extras)
     if not noise:
         return ""
@@ -51,5 +51,5 @@ def load_text(extras: Any) -> str:
     if noise.get("other_cores") is not None:
         parts.append(f"others {noise['other_cores']:.2f} cores")
     if noise.get("own_cores") is not None:
-        parts.append(f"ours {noise['own_cores']:.2f}")
+        parts.append(f"ours {noise['own_cores']:.2f} cores")
     return ", ".join(parts)

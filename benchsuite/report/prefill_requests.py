@@ -14,26 +14,28 @@ Per request (the engine's clock, except TTFT, the client's):
     host_wait_ms    = prefill_host_wait_ms / prefill_layer_steps
     queued          = prefill_issue_run_delay_ms / prefill_issue_ms   (runnable, waiting for a CPU: paged_experts'
                                                                        thread_clock, Linux, since 2026-12-05)
-    blocked         = 1 - on_cpu - queued   (asleep: a lock such as the interpreter's, a blocking read)
+    blocked         = max(0, 1 - on_cpu - queued)   (asleep: a lock such as the interpreter's, a blocking read;
+                      clamped, as the clocks are read a few microseconds apart)
     vol_switches, invol_switches = the engine thread's context switches over those steps (it blocked; the
-                      scheduler took the CPU back), and cpu the CPU the last of them ended on
+                      scheduler took the CPU back), and cpu_id the CPU the last of them ended on
     sampler_ms      = the time the runner's memory sampler spent in NVML reads inside the request's
-                      [sent, first token] (CellResult.extras["memory_sampler"], benchsuite.tools.device_memory)
+                      [sent, first token] (RequestRecord.sampler_read_s, benchsuite.tools.device_memory)
 
-and per half the median over its requests (cpus: the distinct CPUs its requests ended on). issue_of_prompt near
-1: the device never got ahead of the host's issue (host_wait_ms says whether the host was working or waiting for
-the device meanwhile: with the model's own router it waits at every layer); well below 1: the host ran ahead and
-the device's queue set the time. A slow half whose
-host_plan_ms is above the fast half's, at the same routing, had a slower host: on_cpu near 1 says the
-thread ran all along (more work, or a slower CPU), well below 1 that it was off the CPU (preempted, or waiting for
-the interpreter lock another of the server's threads held); queued and blocked say which of the two, and
-sampler_ms whether the instrument's own NVML reads lay in the slow requests' prefills.
+and per half the median of each over its requests (so a half's on_cpu, queued and blocked need not add up to 1),
+its switches as 'voluntary/involuntary' medians, and cpu_ids: the distinct CPUs its requests ended on (their
+count past four). issue_of_prompt near 1: the device never got ahead of the host's issue (host_wait_ms says
+whether the host was working or waiting for the device meanwhile: with the model's own router it waits at every
+layer); well below 1: the host ran ahead and the device's queue set the time. A slow half whose host_plan_ms is
+above the fast half's, at the same routing, had a slower host: on_cpu near 1 says the thread ran all along (more
+work, or a slower CPU), well below 1 that it was off the CPU; queued (preempted, or queued behind other tasks) and
+blocked (the interpreter lock another of the server's threads held, a sleeping read) say which, and sampler_ms
+whether the instrument's own NVML reads lay in the slow requests' waits.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import pandas as pd
@@ -45,13 +47,16 @@ TITLE = "Prefill requests: fast half against slow half"
 ANCHOR = "prefill-requests"
 COLUMNS = (
     "run_id", "configuration", "routing", "workload", "prompt_class", "concurrency", "repeat", "half", "requests",
-    "ttft_s", "prompt_ms", "issue_ms", "issue_of_prompt", "on_cpu", "queued", "blocked", "vol_switches",
-    "invol_switches", "cpus", "sampler_ms", "host_plan_ms", "host_wait_ms", "router_ms", "shared_steps", "cell_id",
+    "ttft_s", "prompt_ms", "issue_ms", "issue_of_prompt", "on_cpu", "queued", "blocked", "switches", "cpu_ids",
+    "sampler_ms", "host_plan_ms", "host_wait_ms", "router_ms", "shared_steps", "cell_id",
 )  # fmt: skip
 FIGURES = (
-    "ttft_s", "prompt_ms", "issue_ms", "issue_of_prompt", "on_cpu", "queued", "blocked", "vol_switches",
-    "invol_switches", "sampler_ms", "host_plan_ms", "host_wait_ms", "router_ms",
+    "ttft_s", "prompt_ms", "issue_ms", "issue_of_prompt", "on_cpu", "queued", "blocked", "sampler_ms",
+    "host_plan_ms", "host_wait_ms", "router_ms",
 )  # fmt: skip
+PER_REQUEST = ("run_id", "cell_id", "warmup", "t_sent_s", *FIGURES, "vol_switches", "invol_switches", "cpu_id",
+               "shared_steps")  # fmt: skip
+MOST_CPU_IDS = 4  # a half whose requests ended on more CPUs shows their count
 INTRO = (
     "<p>The built-in engine's own prefill figures per request (its <code>timings</code>), for each concurrency-1 "
     "cell's measured requests split at their median TTFT: the fast half, then the slow half (medians over each "
@@ -61,8 +66,9 @@ INTRO = (
     "prompt (every launch; with the model's own router, its reads of the routed ids too); issue_of_prompt = "
     "issue_ms / prompt_ms per request; on_cpu the engine thread's CPU time over issue_ms (below 1: the thread was "
     "off the CPU); queued and blocked split the rest: runnable but waiting for a CPU (preempted, or queued behind "
-    "other tasks), and asleep (a lock such as the interpreter's, a blocking read), with the engine thread's "
-    "voluntary and involuntary context switches and the CPUs its requests' prefills ended on; sampler_ms the time "
+    "other tasks), and asleep (a lock such as the interpreter's, a blocking read; clamped at 0), each a median, so "
+    "a half's three need not add up to 1; switches the engine thread's voluntary/involuntary context switches "
+    "(medians) and cpu_ids the CPUs its requests' prefills ended on; sampler_ms the time "
     "the runner's device-memory sampler spent in NVML reads during the request's wait for its first token (the "
     "instrument's own reads: a slow half with more of it points at them); host_plan_ms and host_wait_ms the "
     "host's time per paged layer-step, its own work (plan, launches) and blocked on the device; router_ms a "
@@ -79,35 +85,11 @@ EMPTY = (
 )
 
 
-Windows = Mapping[str, Sequence[Sequence[float]]]  # cell id -> its memory sampler's NVML reads [start s, seconds]
-
-
-def sampler_windows(cells: pd.DataFrame) -> dict[tuple[str, str], list[list[float]]]:
-    """(run id, cell id) -> the memory sampler's NVML read windows its cell stored (none: absent)."""
-    out: dict[tuple[str, str], list[list[float]]] = {}
-    if "extras" not in cells:
-        return out
-    for _, c in cells.iterrows():
-        sampler = as_dict(as_dict(c.get("extras")).get("memory_sampler"))
-        windows = sampler.get("windows")
-        if isinstance(windows, list):
-            out[(str(c.get("run_id")), str(c.get("cell_id")))] = windows
-    return out
-
-
-def _overlap_ms(windows: Sequence[Sequence[float]] | None, start_s: float, end_s: float) -> float | None:
-    """Milliseconds of the windows ([start s, seconds]) inside [start_s, end_s]; None: the cell kept none."""
-    if windows is None:
-        return None
-    return 1e3 * sum(max(0.0, min(end_s, t + d) - max(start_s, t)) for t, d in windows)
-
-
-def request_figures(run_id: str, requests: pd.DataFrame, windows: Windows | None = None) -> pd.DataFrame:
+def request_figures(run_id: str, requests: pd.DataFrame) -> pd.DataFrame:
     """Every ok request with its two timestamps and the engine's prompt_ms (warm-up ones too, marked): TTFT and the
     per-request figures of the module docstring, None where the engine sent no prefill keys (a run before
-    2026-12-04, another engine) or a key the platform could not give; `windows`: each cell's memory sampler reads
-    (`sampler_windows`), for sampler_ms. The report's table and benchmarks/prefill_speeds.py both read these."""
-    windows = windows or {}
+    2026-12-04, another engine) or a key the platform could not give. The report's table and
+    benchmarks/prefill_speeds.py both read these."""
     rows = []
     for _, r in requests.iterrows():
         if not r.get("ok"):
@@ -133,12 +115,12 @@ def request_figures(run_id: str, requests: pd.DataFrame, windows: Windows | None
             "on_cpu": cpu / issue if cpu is not None and issue else None, "queued": queued, "blocked": blocked,
             "vol_switches": number(t.get("prefill_issue_voluntary_switches")),
             "invol_switches": number(t.get("prefill_issue_involuntary_switches")),
-            "cpu": number(t.get("prefill_cpu_last")),
-            "sampler_ms": _overlap_ms(windows.get(str(r["cell_id"])), sent, first),
+            "cpu_id": number(t.get("prefill_cpu_id_last")),
+            "sampler_ms": None if (read := number(r.get("sampler_read_s"))) is None else read * 1e3,
             "host_plan_ms": per_layer("prefill_host_plan_ms"), "host_wait_ms": per_layer("prefill_host_wait_ms"),
             "router_ms": number(t.get("prefill_router_ms")), "shared_steps": number(t.get("prefill_shared_steps")),
         })  # fmt: skip
-    return pd.DataFrame(rows, columns=["run_id", "cell_id", "warmup", "t_sent_s", *FIGURES, "cpu", "shared_steps"])
+    return pd.DataFrame(rows, columns=list(PER_REQUEST))
 
 
 def _median(values: Iterable[Any]) -> float | None:
@@ -146,14 +128,25 @@ def _median(values: Iterable[Any]) -> float | None:
     return statistics.median(present) if present else None
 
 
-def _cpus(values: Iterable[Any]) -> str | None:
-    """The distinct CPUs, ascending, as '3,7' (None: no request said)."""
+def _cpu_ids(values: Iterable[Any]) -> str | None:
+    """The distinct CPUs, ascending, as '3,7', or '6 CPUs' past MOST_CPU_IDS (None: no request said)."""
     cpus = sorted({int(v) for v in (number(x) for x in values) if v is not None})
+    if len(cpus) > MOST_CPU_IDS:
+        return f"{len(cpus)} CPUs"
     return ",".join(str(c) for c in cpus) if cpus else None
 
 
-def _halves(mine: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
-    """The requests by TTFT: the faster floor(n/2), then the rest (an odd one out goes to the slow half)."""
+def _switches(group: pd.DataFrame) -> str | None:
+    """'voluntary/involuntary' medians (None: no request said)."""
+    voluntary, involuntary = _median(group["vol_switches"]), _median(group["invol_switches"])
+    if voluntary is None or involuntary is None:
+        return None
+    return f"{voluntary:g}/{involuntary:g}"
+
+
+def halves(mine: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    """A cell's requests by TTFT: the faster floor(n/2), then the rest (an odd one out goes to the slow half). The
+    report's split, and benchmarks/prefill_speeds.py's."""
     ordered = mine.sort_values("ttft_s", kind="stable")
     cut = len(ordered) // 2
     return [("fast", ordered.iloc[:cut]), ("slow", ordered.iloc[cut:])]
@@ -165,12 +158,7 @@ def prefill_requests_table(cells: pd.DataFrame, runs: Iterable[RunData]) -> pd.D
     own run's."""
     if cells.empty or "concurrency" not in cells:
         return pd.DataFrame(columns=list(COLUMNS))
-    reads = sampler_windows(cells)
-    frames = [
-        request_figures(run.run_id, run.requests, {c: w for (r, c), w in reads.items() if r == run.run_id})
-        for run in runs
-        if not run.requests.empty
-    ]
+    frames = [request_figures(run.run_id, run.requests) for run in runs if not run.requests.empty]
     figures = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["run_id", "cell_id"])
     per_request = figures[~figures["warmup"].astype(bool) & figures["issue_ms"].notna()] if frames else figures
     rows = []
@@ -180,13 +168,13 @@ def prefill_requests_table(cells: pd.DataFrame, runs: Iterable[RunData]) -> pd.D
         mine = by_cell.get((str(c["run_id"]), str(c["cell_id"])))
         if mine is None or len(mine) < 2:
             continue
-        for half, group in _halves(mine):
+        for half, group in halves(mine):
             rows.append({
                 "run_id": c["run_id"], "configuration": c["label"], "routing": c["routing"],
                 "workload": c["workload"], "prompt_class": c["prompt_class"], "concurrency": int(c["concurrency"]),
                 "repeat": int(c["repeat"]), "half": half, "requests": len(group),
                 **{k: _median(group[k]) for k in FIGURES},
-                "cpus": _cpus(group["cpu"]),
+                "switches": _switches(group), "cpu_ids": _cpu_ids(group["cpu_id"]),
                 "shared_steps": int(sum(number(v) or 0 for v in group["shared_steps"])),
                 "cell_id": c["cell_id"],
             })  # fmt: skip

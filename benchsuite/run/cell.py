@@ -29,7 +29,7 @@ from benchsuite.records import CellResult, LoadRequest, RequestRecord
 from benchsuite.run.cell_prompts import cell_requests
 from benchsuite.run.context import RunContext
 from benchsuite.run.server_launch import RunningServer, death_reason, options_in_force
-from benchsuite.tools.device_memory import PeakSampler, sampler_record
+from benchsuite.tools.device_memory import PeakSampler, read_s_within, sampler_record
 from benchsuite.tools.machine import cell_noise, noise_snapshot
 
 CELL_ERRORS = (RunError, aiohttp.ClientError, asyncio.TimeoutError, OSError, EngineConfigError)
@@ -61,7 +61,8 @@ async def _measure(ctx: RunContext, server: RunningServer, cell: CellSpec, store
         result, records, scrapes = await _measure_sampled(ctx, server, cell)
     finally:
         peak = await sampler.stop()
-    # what the sampler did beside the requests (its NVML reads' windows), where it read at all (a GPU machine)
+    # what the sampler did beside the requests, where it read at all (a GPU machine): its reads per cell, and each
+    # request's share of them in its wait for the first token (one process, one perf_counter: the reads' clock)
     sampled = {"memory_sampler": sampler_record(peak, sampler.interval_s)} if peak.reads else {}
     result = dataclasses.replace(
         result,
@@ -69,6 +70,12 @@ async def _measure(ctx: RunContext, server: RunningServer, cell: CellSpec, store
         device_memory_method=peak.method,
         extras={**result.extras, **sampled},
     )
+    if peak.reads:
+        records = [
+            r if r.t_first_token_s is None else
+            dataclasses.replace(r, sampler_read_s=read_s_within(peak.reads, r.t_sent_s, r.t_first_token_s))
+            for r in records
+        ]  # fmt: skip
     if store:
         ctx.store.write_engine_metrics(cell.cell_id, scrapes)
         ctx.store.write_cell(result, records)

@@ -75,17 +75,13 @@ class PeakMemory:
     reads: tuple[tuple[float, float], ...] = field(default=(), compare=False)  # how it was read, not the figure
 
 
-MAX_STORED_READS = 4000  # ten minutes of reads at SAMPLE_INTERVAL_S; a longer cell keeps the counts, not each window
-
-
 def sampler_record(peak: PeakMemory, interval_s: float = SAMPLE_INTERVAL_S) -> dict[str, Any]:
     """What the memory sampler did during a cell (CellResult.extras["memory_sampler"]): its interval, how many NVML
-    reads it made and how long they took, and each read's window ([start perf_counter s, seconds]; None past
-    MAX_STORED_READS). Why: the instrument must not be what it measures, and NVML's process-list queries are not
-    free: a monitoring tool measured its graphics-process query at 4.5 ms a call, holding the driver's lock that a
-    game's submission threads then waited on (MangoHud PR #2104). This sampler's compute-process query runs every
-    150 ms of every cell, so each read's window is kept, and the report sets it beside the requests it overlapped
-    (report/prefill_requests.py)."""
+    reads it made and how long they took. Why: the instrument must not be what it measures, and NVML's process-list
+    queries are not free: a monitoring tool measured its graphics-process query at 4.5 ms a call, holding the
+    driver's lock that a game's submission threads then waited on (MangoHud PR #2104). This sampler's
+    compute-process query runs every `interval_s` of every cell, so its cost is kept per cell, and each request's
+    share of it (`read_s_within`) on the request's record (RequestRecord.sampler_read_s)."""
     seconds = sorted(d for _, d in peak.reads)
     return {
         "interval_s": interval_s,
@@ -93,8 +89,12 @@ def sampler_record(peak: PeakMemory, interval_s: float = SAMPLE_INTERVAL_S) -> d
         "read_ms_median": statistics.median(seconds) * 1e3 if seconds else None,
         "read_ms_max": seconds[-1] * 1e3 if seconds else None,
         "read_s_total": sum(seconds),
-        "windows": [[round(t, 6), round(d, 7)] for t, d in peak.reads] if len(peak.reads) <= MAX_STORED_READS else None,
     }
+
+
+def read_s_within(reads: Iterable[tuple[float, float]], start_s: float, end_s: float) -> float:
+    """Seconds of the reads ((start perf_counter s, seconds) each) inside [start_s, end_s]."""
+    return sum(max(0.0, min(end_s, t + d) - max(start_s, t)) for t, d in reads)
 
 
 # ---- NVML through ctypes --------------------------------------------------------------------------

@@ -300,8 +300,8 @@ def _own_cpu_s(own_pids: Sequence[int]) -> float:
 def cell_noise(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """The cell's noise record: both snapshots, the cores other processes kept busy on average
     (other_cores = (machine busy CPU s - our CPU s) / wall s), the cores our own processes kept busy (own_cores:
-    the runner, the server and their children; about 1 when only a server's engine thread runs, more when another
-    of our threads spins beside it), and `busy` with its reason."""
+    the runner with its load generator and sampler, the server and their children, as the snapshots found them; a
+    process that starts or ends between them moves it), and `busy` with its reason."""
     wall_s = after["t_s"] - before["t_s"]
     own_s = after["own_cpu_s"] - before["own_cpu_s"]
     other_s = (after["cpu_busy_s"] - before["cpu_busy_s"]) - own_s

@@ -112,12 +112,12 @@ class RequestPrefill:
     issue_run_delay_s: float | None = 0.0
     issue_voluntary_switches: int | None = 0
     issue_involuntary_switches: int | None = 0
-    cpu_first: int | None = None  # the CPU at the start of the first such step
-    cpu_last: int | None = None  # and at the end of the last
+    cpu_id_first: int | None = None  # the CPU at the start of the first such step
+    cpu_id_last: int | None = None  # and at the end of the last
 
     def add(self, step: PrefillStepHost) -> None:
         if not self.steps:
-            self.cpu_first = step.cpu_first
+            self.cpu_id_first = step.cpu_id_first
         self.steps += 1
         self.shared_steps += step.chunks > 1
         self.layer_steps += step.layer_steps
@@ -129,7 +129,7 @@ class RequestPrefill:
         self.issue_run_delay_s = _plus(self.issue_run_delay_s, step.issue_run_delay_s)
         self.issue_voluntary_switches = _plus(self.issue_voluntary_switches, step.issue_voluntary_switches)
         self.issue_involuntary_switches = _plus(self.issue_involuntary_switches, step.issue_involuntary_switches)
-        self.cpu_last = step.cpu_last
+        self.cpu_id_last = step.cpu_id_last
 
     def timings(self) -> dict[str, float | int]:
         """The `prefill_*` keys of the request's timings (none before a prefill step ran its prompt)."""
@@ -145,7 +145,7 @@ class RequestPrefill:
                 "prefill_issue_run_delay_ms": None if self.issue_run_delay_s is None else self.issue_run_delay_s * 1e3,
                 "prefill_issue_voluntary_switches": self.issue_voluntary_switches,
                 "prefill_issue_involuntary_switches": self.issue_involuntary_switches,
-                "prefill_cpu_first": self.cpu_first, "prefill_cpu_last": self.cpu_last,
+                "prefill_cpu_id_first": self.cpu_id_first, "prefill_cpu_id_last": self.cpu_id_last,
             }),
         }  # fmt: skip
 
