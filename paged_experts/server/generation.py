@@ -68,8 +68,11 @@ def engine_timings(stream: RequestStream, prompt_tokens: int) -> dict[str, float
     host time issuing those steps; prefill_issue_cpu_ms, the engine thread's CPU time in it (below it by the time
     the thread was off the CPU: preempted, or waiting for another thread's interpreter lock); over the paged
     layers' host-planned layer-steps in them (prefill_layer_steps), the time blocked on the device
-    (prefill_host_wait_ms) and the rest (prefill_host_plan_ms); prefill_router_ms, a synthetic router's. A step
-    with several prompt chunks gives its figures to each (prefill_shared_steps)."""
+    (prefill_host_wait_ms) and the rest (prefill_host_plan_ms); prefill_router_ms, a synthetic router's; where the
+    platform says (thread_clock: Linux), how the rest of the issue time went: prefill_issue_run_delay_ms (runnable,
+    waiting for a CPU), prefill_issue_voluntary_switches and prefill_issue_involuntary_switches, and the CPUs at the
+    first step's start and the last one's end (prefill_cpu_id_first, prefill_cpu_id_last). A step with several
+    prompt chunks gives its figures to each (prefill_shared_steps)."""
     times = stream.token_times_s
     out: dict[str, float | int] = {"prompt_n": prompt_tokens, "predicted_n": len(times), **stream.prefill_timings}
     if times:
