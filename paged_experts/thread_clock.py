@@ -34,7 +34,7 @@ def _sched_getcpu() -> Callable[[], int] | None:
     """glibc's sched_getcpu: ~0.1 us through ctypes here (/proc/thread-self/stat's field 39 cost 4.5 us)."""
     try:
         fn = ctypes.CDLL(None).sched_getcpu
-    except (AttributeError, OSError):
+    except (AttributeError, OSError, TypeError):  # no such symbol (macOS), no C library to open by None
         return None
     fn.restype, fn.argtypes = ctypes.c_int, []
     return fn
