@@ -26,6 +26,11 @@ steps. Per prompt, from `torch.cuda.synchronize()` to `torch.cuda.synchronize()`
                       off the CPU was blocked: a lock, a sleeping read), and the CPUs the prompts' steps ended on
                       (paged_experts/thread_clock.py; Linux)
 
+    nvml/off = with --nvml-sampler ab: the median prefill_s of the measured prompts 2, 4, ... (the runner's memory
+                      sampler's NVML reads running beside them in a process of their own, every 150 ms:
+                      benchsuite.tools.nvml_load) over that of prompts 1, 3, ... (without): above 1, the instrument's
+                      reads slow the engine; each cell's nvml_read_ms_max says how long one read took
+
 Page-in paths: `streamed` (the runtime: page-ins on the page-in stream, overlapped with the waves'
 compute) and `serial` (the same plan with the page-in stream taken away, so copies queue on the
 compute stream behind each wave: the comparison that shows what the overlap buys).
@@ -40,6 +45,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Iterable
@@ -87,6 +93,33 @@ def plan_cells(ks: list[int], routings: list[str], keeps: list[str], paths: list
         cells += [Cell("paged", k, routing, keep, paths[0]) for keep in keeps[1:] for k in ks]
         cells += [Cell("paged", k, routing, keeps[0], path) for path in paths[1:] for k in ks]
     return cells
+
+
+class NvmlLoad:
+    """The runner's memory sampler's reads (benchsuite.tools.nvml_load) in a process of their own, for the length
+    of a `with` block: it starts reading before the block's body and stops after it. `stats` holds what it read
+    (reads, read_ms_median, read_ms_max, read_s_total)."""
+
+    def __init__(self, scripted_read_s: float | None = None) -> None:
+        self.argv = [sys.executable, "-m", "benchsuite.tools.nvml_load"]
+        if scripted_read_s is not None:
+            self.argv += ["--scripted-read-s", str(scripted_read_s)]
+        self.stats: dict[str, Any] | None = None
+        self._proc: subprocess.Popen[str] | None = None
+
+    def __enter__(self) -> NvmlLoad:
+        self._proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self._proc.stdout is not None
+        first = self._proc.stdout.readline().strip()
+        if first != "ready":  # its one-line JSON error (no NVML), or nothing
+            self._proc.wait(timeout=30)
+            raise RuntimeError(f"nvml_load did not start: {first or 'no output'}")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._proc is not None
+        out, _ = self._proc.communicate(input="", timeout=60)  # stdin closed: it stops and reports
+        self.stats = json.loads(out.strip().splitlines()[-1]) if out.strip() else None
 
 
 def sync(device: str) -> None:
@@ -169,7 +202,14 @@ def run_cell(cell: Cell, args: argparse.Namespace, link_b_per_s: float | None) -
         gen = torch.Generator().manual_seed(args.seed)
         prompts = [torch.randint(0, vocab, (args.prompt,), generator=gen).tolist() for _ in range(args.repeats + 1)]
         pool = KvPool.for_model(model, capacity_tokens=256 * -(-(args.prompt + args.decode + 1) // 256))  # whole blocks
-        runs = [one_prompt(model, pool, p, args.decode, args.device) for p in prompts]
+        runs = []
+        for i, p in enumerate(prompts):
+            if args.nvml_sampler == "ab" and i % 2 == 0 and i > 0:  # measured prompts 2, 4, ...: the reads beside
+                with NvmlLoad(args.nvml_scripted_read_s) as load:
+                    run = one_prompt(model, pool, p, args.decode, args.device)
+                runs.append({**run, "nvml": load.stats})
+            else:
+                runs.append({**one_prompt(model, pool, p, args.decode, args.device), "nvml": None})
     finally:
         paged_module.page_in_stream = _PAGE_IN_STREAM
     measured = runs[1:]  # the first prompt warms the kernels up
@@ -212,6 +252,12 @@ def run_cell(cell: Cell, args: argparse.Namespace, link_b_per_s: float | None) -
             if r["issue_s"] and r["issue_run_delay_s"] is not None
         ),
         "cpu_ids": sorted({r["cpu_id_last"] for r in measured if r["cpu_id_last"] is not None}),
+        # --nvml-sampler ab: the prompts with the sampler's reads beside them against those without
+        "prefill_s_nvml_on": _median_of(r["prefill_s"] for r in measured if r["nvml"] is not None),
+        "prefill_s_nvml_off": _median_of(r["prefill_s"] for r in measured if r["nvml"] is None)
+        if args.nvml_sampler == "ab"
+        else None,
+        "nvml_read_ms_max": max((r["nvml"]["read_ms_max"] or 0.0 for r in measured if r["nvml"]), default=None),
         "decode_hit_rate": hits / (hits + misses) if hits + misses else None,
         "decode_tok_s_eager": args.decode * len(measured) / sum(r["decode_s"] for r in measured)
         if args.decode
@@ -243,6 +289,12 @@ def _fmt(value: float | None, spec: str) -> str:
     return format(value, spec) if value is not None else "-"
 
 
+def _nvml_ratio(cell: dict[str, Any]) -> float | None:
+    """The median prefill with the sampler's reads beside it over the median without (--nvml-sampler ab)."""
+    on, off = cell.get("prefill_s_nvml_on"), cell.get("prefill_s_nvml_off")
+    return on / off if on and off else None
+
+
 def _cpu_ids(cpus: list[int] | None) -> str:
     return ",".join(str(c) for c in cpus) if cpus else "-"
 
@@ -252,7 +304,7 @@ def render(record: dict[str, Any]) -> str:
     lines = [f"link (paging figure): {f'{link:.1f} GB/s' if link else record['link'].get('error')}",
              (f"{'cell':<40} {'prefill s':>9} {'min-max s':>11} {'GB':>6} {'floor s':>8} {'/floor':>7} {'busy':>5}"
               f" {'waves/L':>7} {'router s':>8} {'-router':>7} {'dec hit':>7} {'idle ms':>7} {'wait ms':>7}"
-              f" {'plan ms':>7} {'issue':>5} {'cpu':>5} {'queued':>6}  cpu ids")]  # fmt: skip
+              f" {'plan ms':>7} {'issue':>5} {'cpu':>5} {'queued':>6} {'nvml/off':>8}  cpu ids")]  # fmt: skip
     for c in record["cells"]:
         if "error" in c:
             lines.append(f"{c['cell']:<40} {c['error']}")
@@ -264,7 +316,8 @@ def render(record: dict[str, Any]) -> str:
             f"{c['router_s']:>8.3f} {_fmt(c['paging_of_floor'], '7.2f'):>7} {_fmt(c['decode_hit_rate'], '7.3f'):>7}",
             f"{_fmt(c['idle_before_layer_ms'], '7.2f'):>7} {_fmt(c['host_wait_ms'], '7.2f'):>7}",
             f"{_fmt(c['host_plan_ms'], '7.2f'):>7} {_fmt(c.get('issue_of_prefill'), '5.2f'):>5}",
-            f"{_fmt(c.get('on_cpu'), '5.2f'):>5} {_fmt(c.get('queued'), '6.2f'):>6}  {_cpu_ids(c.get('cpu_ids'))}",
+            f"{_fmt(c.get('on_cpu'), '5.2f'):>5} {_fmt(c.get('queued'), '6.2f'):>6} {_fmt(_nvml_ratio(c), '8.3f'):>8}"
+            f"  {_cpu_ids(c.get('cpu_ids'))}",
         )
         lines.append(f"{c['cell']:<40} " + " ".join(figures))
     return "\n".join(lines)
@@ -288,7 +341,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--deadline-s", type=float, default=540.0, help="start no new cell after this many seconds")
+    ap.add_argument("--nvml-sampler", choices=("off", "ab"), default="off",
+                    help="ab: every other measured prompt runs beside the runner's memory sampler's NVML reads "
+                         "(benchsuite.tools.nvml_load), the rest without")  # fmt: skip
+    ap.add_argument("--nvml-scripted-read-s", type=float, default=None, help=argparse.SUPPRESS)  # the harness's test
     args = ap.parse_args(argv)
+    if args.nvml_sampler == "ab":
+        try:
+            with NvmlLoad(args.nvml_scripted_read_s):
+                pass
+        except RuntimeError as exc:
+            ap.error(f"--nvml-sampler ab: {exc}")
     t_start = time.perf_counter()
     paths = [p for p in args.paths.split(",") if p]
     if [p for p in paths if p not in PATHS]:

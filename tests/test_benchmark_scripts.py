@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from benchsuite.tools import device_memory
 from paged_experts.weights import synth_memory
 from paged_experts.weights.weights_id import source_weights
 
@@ -81,6 +82,39 @@ def test_prefill_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
     table = (tmp_path / "prefill.txt").read_text()
     assert "paged:6/qwen3-30b-a3b/lru/streamed" in table and "plan ms" in table and " cpu" in table
     assert "queued" in table and "cpu ids" in table
+
+
+def test_the_prefill_benchmark_sets_prompts_beside_the_samplers_reads_against_prompts_without(tmp_path: Path) -> None:
+    """--nvml-sampler ab: measured prompts 2, 4, ... run while benchsuite.tools.nvml_load reads (here scripted reads
+    of 5 ms: no GPU), 1, 3, ... without; each cell sets the two medians side by side."""
+    # fmt: off
+    record = run_benchmark(
+        "prefill_h200.py", tmp_path / "p.json", "--preset", "tiny", "--layers", "2", "--device", "cpu",
+        "--dtype", "float32", "--ks", "6", "--routings", "qwen3-30b-a3b", "--keeps", "recent", "--paths", "streamed",
+        "--prompt", "200", "--repeats", "4", "--decode", "20", "--nvml-sampler", "ab",
+        "--nvml-scripted-read-s", "0.005",
+    )
+    # fmt: on
+    for cell in record["cells"]:
+        runs = cell["runs"][1:]  # after the warm-up prompt
+        assert [r["nvml"] is not None for r in runs] == [False, True, False, True], cell["cell"]
+        assert all(r["nvml"]["reads"] >= 1 and r["nvml"]["read_ms_max"] >= 5 for r in runs if r["nvml"])
+        on = statistics.median(r["prefill_s"] for r in runs if r["nvml"])
+        off = statistics.median(r["prefill_s"] for r in runs if not r["nvml"])
+        assert (cell["prefill_s_nvml_on"], cell["prefill_s_nvml_off"]) == pytest.approx((on, off))
+        assert cell["nvml_read_ms_max"] >= 5
+    assert "nvml/off" in (tmp_path / "p.txt").read_text()
+
+
+@pytest.mark.skipif(device_memory.open_reader() is not None, reason="this machine has NVML to read")
+def test_the_prefill_benchmark_refuses_the_samplers_reads_without_nvml(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "prefill_h200.py"), "--out", str(tmp_path / "p.json"), "--device",
+         "cpu", "--preset", "tiny", "--nvml-sampler", "ab"],
+        capture_output=True, text=True, check=False, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert proc.returncode == 2 and "--nvml-sampler ab: nvml_load did not start: " in proc.stderr
+    assert "no NVML to read" in proc.stderr and not (tmp_path / "p.json").exists()
 
 
 def test_the_runs_test_tells_regimes_from_alternation() -> None:
