@@ -29,7 +29,8 @@ steps. Per prompt, from `torch.cuda.synchronize()` to `torch.cuda.synchronize()`
     nvml/off = with --nvml-sampler ab: the median prefill_s of the measured prompts 2, 4, ... (the runner's memory
                       sampler's NVML reads running beside them in a process of their own, every 150 ms:
                       benchsuite.tools.nvml_load) over that of prompts 1, 3, ... (without): above 1, the instrument's
-                      reads slow the engine; each cell's nvml_read_ms_max says how long one read took
+                      reads slow the engine; each cell's nvml_read_ms_max says how long one read took (the other
+                      columns are then over all measured prompts, with and without)
 
 Page-in paths: `streamed` (the runtime: page-ins on the page-in stream, overlapped with the waves'
 compute) and `serial` (the same plan with the page-in stream taken away, so copies queue on the
