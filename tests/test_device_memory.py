@@ -190,3 +190,34 @@ def test_each_read_is_kept_with_its_window_on_the_request_clock(tree) -> None:
     failing.sample()
     failed = failing.result()
     assert failed.samples == 0 and len(failed.reads) == 1  # a failed read gave no figure but took its time
+
+
+def test_each_request_gets_the_read_time_inside_its_wait_for_the_first_token(tree) -> None:
+    """run/cell.with_sampler_reads: a request whose wait spans reads gets their time, one that got no first token
+    and a cell with no read timed keep None; the load generator times requests on the sampler's clock."""
+    import inspect
+
+    from benchsuite.load import loadgen
+    from benchsuite.records import RequestRecord
+    from benchsuite.run.cell import with_sampler_reads
+
+    assert inspect.signature(loadgen.run_load).parameters["clock"].default is time.perf_counter
+    parent, _ = tree
+    sampler = dm.PeakSampler(Slow(parent, read_s=0.02), parent, baseline=None, interval_s=0.01)
+
+    def record(sent: float, first: float | None) -> RequestRecord:
+        return RequestRecord("c", 0, False, False, "p", "short", 8, sent, first, first)
+
+    async def cell() -> tuple[list[RequestRecord], dm.PeakMemory]:
+        sampler.start()
+        await asyncio.sleep(0.05)
+        sent = time.perf_counter()
+        await asyncio.sleep(0.2)  # the request's wait: reads of 20 ms every ~30 ms run meanwhile
+        waited = record(sent, time.perf_counter())
+        return [waited, record(sent, None)], await sampler.stop()
+
+    records, peak = asyncio.run(cell())
+    waited, failed = with_sampler_reads(records, peak.reads)
+    assert waited.sampler_read_s == pytest.approx(dm.read_s_within(peak.reads, waited.t_sent_s, waited.t_first_token_s))
+    assert 0.06 <= waited.sampler_read_s <= 0.2  # several reads' time, never more than the wait
+    assert failed.sampler_read_s is None and with_sampler_reads(records, ()) == records

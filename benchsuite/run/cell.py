@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,12 +71,7 @@ async def _measure(ctx: RunContext, server: RunningServer, cell: CellSpec, store
         device_memory_method=peak.method,
         extras={**result.extras, **sampled},
     )
-    if peak.reads:
-        records = [
-            r if r.t_first_token_s is None else
-            dataclasses.replace(r, sampler_read_s=read_s_within(peak.reads, r.t_sent_s, r.t_first_token_s))
-            for r in records
-        ]  # fmt: skip
+    records = with_sampler_reads(records, peak.reads)
     if store:
         ctx.store.write_engine_metrics(cell.cell_id, scrapes)
         ctx.store.write_cell(result, records)
@@ -117,6 +113,19 @@ async def _measure_sampled(
     if not server.process.alive:
         result = failed_result(ctx, cell, spec, death_reason(server), base=result)
     return result, records, {"before": before, "after": after}
+
+
+def with_sampler_reads(records: list[RequestRecord], reads: Sequence[tuple[float, float]]) -> list[RequestRecord]:
+    """Each record with the sampler's read time inside its [sent, first token] (`sampler_read_s`). The reads and
+    the load generator's times are both `time.perf_counter` readings of this process. No read timed (no GPU), or no
+    first token: the record as it was (None, not 0)."""
+    if not reads:
+        return records
+    return [
+        r if r.t_first_token_s is None else
+        dataclasses.replace(r, sampler_read_s=read_s_within(reads, r.t_sent_s, r.t_first_token_s))
+        for r in records
+    ]  # fmt: skip
 
 
 async def _flush_prefix_cache(ctx: RunContext, server: RunningServer) -> None:
