@@ -113,6 +113,19 @@ def test_the_queue_takes_its_test_files_and_a_run_id_suffix_from_the_environment
     ], calls
 
 
+def test_the_queue_runs_only_the_servers_named_in_run_only(tmp_path: Path) -> None:
+    """RUN_ONLY: a session with device time for part of a matrix measures those servers; the run id is the
+    matrix's, so a later run without it measures the rest."""
+    more = {"RUN_ONLY": "paged-fp8 paged-fp8-synthetic", "RUN_SUFFIX": "-c"}
+    calls, _ = _queue(tmp_path, fail=False, more_env=more)
+    runs = [" ".join(line.split()[1:]) for line in calls if " start " in f" {line} " and "benchsuite run" in line]
+    only = "--only paged-fp8 --only paged-fp8-synthetic"
+    assert runs == [
+        f"start -m benchsuite run configs/h200/paged16.yaml --run-id h200-paged16-c {only} --no-report",
+        f"start -m benchsuite run configs/h200/ttft.yaml --run-id h200-ttft-c {only} --no-report",
+    ], calls
+
+
 def test_cuda_goes_first_in_a_queue(tmp_path: Path) -> None:
     env = {**os.environ, "OUT": str(tmp_path / "out"), "SESSION_COPY": str(tmp_path), "SESSION_JOBS": str(tmp_path)}
     done = subprocess.run(["bash", str(SCRIPT), "queue", "paged16", "cuda"], cwd=tmp_path, env=env,

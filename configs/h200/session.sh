@@ -35,6 +35,8 @@
 # matrix and the change is confined to what that file checks (say which in the results README).
 # RUN_SUFFIX (default none): appended to the run ids (h200-paged16-b), to run a committed matrix again beside
 # its committed results.
+# RUN_ONLY (default none): the servers each queued run measures ("paged-fp8 paged-fp8-synthetic": `benchsuite run
+# --only` for each), when a session has device time for part of a matrix; the same run id without it measures the rest.
 #
 # Inputs the caller carries: .whl/ (the Python packages the box lacks, configs/h200/README.md) and
 # .carry/llama-src.tar.gz (`benchsuite install llama-server --pack-source`); to resume a run whose machine was
@@ -236,12 +238,14 @@ case "${1:-}" in
     for job in "${@:2}"; do
       [ "$job" != cuda ] || { echo "queue: cuda goes first (the runs after it are what it guards)" >&2; exit 2; }
     done
+    only=""  # RUN_ONLY="a b": each run measures only those servers (--only), the rest left for a later run
+    for server in ${RUN_ONLY:-}; do only="$only --only $server"; done
     steps=""
     first=true  # the CUDA tests need neither llama-server nor the 48-layer models: they run beside the build
     for job in "$@"; do
       case "$job" in
         cuda) first="python3 -m pytest $CUDA_TESTS -m cuda -q -p no:cacheprovider -o addopts= > $JOBS/cuda.log 2>&1; echo \$? > $JOBS/cuda.rc; echo \"cuda exit \$(cat $JOBS/cuda.rc)\"; tail -n 3 $JOBS/cuda.log" ;;
-        headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|window|policyconfirm|prefetch) steps="$steps; $guard; python3 -m benchsuite run configs/h200/$job.yaml --run-id h200-$job${RUN_SUFFIX:-} --no-report; echo \"$job exit \$?\"" ;;
+        headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|window|policyconfirm|prefetch) steps="$steps; $guard; python3 -m benchsuite run configs/h200/$job.yaml --run-id h200-$job${RUN_SUFFIX:-}$only --no-report; echo \"$job exit \$?\"" ;;
         flags) steps="$steps; $guard; $FLAGS_CMD; echo \"flags exit \$?\"" ;;
         policies) steps="$steps; $POLICIES_CMD; echo \"policies exit \$?\"" ;;
         *) echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|window|policyconfirm|prefetch|flags|policies ..." >&2; exit 2 ;;
