@@ -160,8 +160,11 @@ def attention_out(
     return x, h, None if router is None else F.linear(h, router)
 
 
-def causal_mask(start_pos: int, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """[n, start_pos + n] additive mask of a chunk's queries over its sequence's keys."""
-    q_pos = torch.arange(start_pos, start_pos + n)[:, None]  # [n, 1]
-    k_pos = torch.arange(start_pos + n)[None, :]  # [1, L]
-    return torch.zeros(n, start_pos + n, dtype=dtype).masked_fill(k_pos > q_pos, torch.finfo(dtype).min)
+def causal_mask(start_pos: int, n: int, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    """[n, start_pos + n] additive mask of a chunk's queries over its sequence's keys, built on `device` (default
+    the CPU): a 2,048-token chunk's mask built on the host took ~12 ms of the H200 host's time a step, and its 8 MB
+    pageable copy blocked the host (benchmarks/results/h200/2026-12-05-headline-c)."""
+    q_pos = torch.arange(start_pos, start_pos + n, device=device)[:, None]  # [n, 1]
+    k_pos = torch.arange(start_pos + n, device=device)[None, :]  # [1, L]
+    mask = torch.zeros(n, start_pos + n, dtype=dtype, device=device)  # [n, L]
+    return mask.masked_fill_(k_pos > q_pos, torch.finfo(dtype).min)

@@ -14,6 +14,8 @@ from typing import Any, Protocol
 
 import torch
 
+from paged_experts.upload import to_device
+
 
 class _HasKvShape(Protocol):
     """What `KvPool.for_model` reads of a model (its config's KV shape, its dtype and device)."""
@@ -158,7 +160,7 @@ class KvPool:
             raise ValueError(f"positions up to {end_pos} are not reserved for sequence {seq.seq_id}")
         pos = torch.arange(start_pos, end_pos)  # [n]
         blocks = torch.tensor(seq.blocks, dtype=torch.long)  # [nb]
-        return (blocks[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.device)
+        return to_device(blocks[pos // self.block_size] * self.block_size + pos % self.block_size, self.device)
 
     def block_table(self, seqs: Sequence[KvSequence], width: int) -> list[list[int]]:
         """Each sequence's blocks, padded with block 0 to `width` entries (a decode step's table)."""

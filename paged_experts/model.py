@@ -40,6 +40,7 @@ from paged_experts.residency.counters import PagingCounters, TalliedCounters
 from paged_experts.residency.policies import LayerResidency
 from paged_experts.runtime import RuntimeConfig
 from paged_experts.step import StepLogits, is_prompt_chunk
+from paged_experts.upload import to_device
 from paged_experts.weights.loader import AttentionWeights, DenseWeights, LoadedModel, load
 
 __all__ = ["MoeCausalLM", "SeqChunk", "StepLogits", "rms_norm"]
@@ -244,8 +245,9 @@ class MoeCausalLM:
         ctx = StepContext(seq_ids=tuple(seq_ids), positions=tuple(positions))
         rows = self._chunk_rows(chunks)
         cos, sin = rope_tables(torch.tensor(positions, dtype=torch.float32), self._inv_freq, self.runtime.torch_dtype)
-        cos, sin = cos.to(dev), sin.to(dev)  # [T, D]
-        x = self._dense.embed[torch.tensor(token_ids, dtype=torch.long, device=dev)]  # [T, H]
+        # the step's host tensors go pinned (upload.to_device): a pageable copy blocks the issuing thread
+        cos, sin = to_device(cos, dev), to_device(sin, dev)  # [T, D]
+        x = self._dense.embed[to_device(torch.tensor(token_ids, dtype=torch.long), dev)]  # [T, H]
         for layer_idx, (attn, moe) in enumerate(zip(self._attention, self._moe)):
             x, h = self._attention_step(layer_idx, attn, x, cos, sin, rows)
             x = x + moe.forward(h, ctx, self.router_override, self.routing_observers)
@@ -255,7 +257,7 @@ class MoeCausalLM:
             r.token_slice if c.all_logits else slice(r.token_slice.stop - 1, r.token_slice.stop)
             for c, r in zip(chunks, rows)
         ]
-        index = torch.cat([torch.arange(s.start, s.stop) for s in wanted]).to(dev)  # [R]
+        index = to_device(torch.cat([torch.arange(s.start, s.stop) for s in wanted]), dev)  # [R]
         hidden = rms_norm(x[index], self._dense.final_norm, cfg.rms_norm_eps)  # [R, H]
         logits = F.linear(hidden, self._dense.lm_head)  # [R, V]
         greedy = logits.argmax(dim=-1)  # [R]
@@ -293,7 +295,7 @@ class MoeCausalLM:
                     token_slice=slice(start, start + n),
                     new_rows=pool.rows(c.seq, c.start_pos, end_pos),
                     all_rows=pool.rows(c.seq, 0, end_pos),
-                    mask=causal_mask(c.start_pos, n, self.runtime.torch_dtype).to(self.device),
+                    mask=causal_mask(c.start_pos, n, self.runtime.torch_dtype, self.device),
                     pool=pool,
                 )
             )

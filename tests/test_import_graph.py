@@ -188,7 +188,7 @@ BENCHSUITE = Layers(
     {"benchsuite": "vocabulary", "benchsuite.errors": "vocabulary", "benchsuite.interrupt": "vocabulary",
      "benchsuite.records": "vocabulary", "benchsuite.cli": "cli", "benchsuite.__main__": "cli"},
 )  # fmt: skip
-# paged_experts' layers: the leaves every layer shares (shape, fp8, kv, step, thread_clock), which experts sit
+# paged_experts' layers: the leaves every layer shares (shape, fp8, kv, step, thread_clock, upload), which experts sit
 # where, the runtime's configuration, the kernels (with the reference expert compute, attention and
 # the projection over dense or block-FP8 weights, which calls kernels/linear_fp8),
 # routing, the MoE block, weights (the loader builds MoE blocks), the graphed decode, the model, the
@@ -198,7 +198,7 @@ PAGED_EXPERTS = Layers(
     ("leaves", "residency", "config", "kernels", "runtime", "routing", "moe", "weights", "decode", "model", "server"),
     {"paged_experts": "leaves", "paged_experts.shape": "leaves", "paged_experts.fp8": "leaves",
      "paged_experts.kv": "leaves", "paged_experts.attention": "kernels", "paged_experts.step": "leaves",
-     "paged_experts.thread_clock": "leaves", "paged_experts.experts": "kernels",
+     "paged_experts.thread_clock": "leaves", "paged_experts.upload": "leaves", "paged_experts.experts": "kernels",
      "paged_experts.projection": "kernels", "paged_experts.config": "config", "paged_experts.runtime": "runtime",
      "paged_experts.model": "model"},
 )  # fmt: skip

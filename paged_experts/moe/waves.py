@@ -25,6 +25,7 @@ from paged_experts.kernels.fused import combine_pairs, expert_mlp, fp8_grouped_t
 from paged_experts.kernels.moe_grouped_fp8 import ALIGN_BLOCKS, BlockTable, host_block_tables
 from paged_experts.residency.policies import Wave
 from paged_experts.residency.store import ExpertTensors
+from paged_experts.upload import to_device
 
 
 class WavePass(Protocol):
@@ -96,7 +97,7 @@ class _FusedPass:
         )
         pad = np.zeros(-offs.size % ALIGN_BLOCKS, dtype=np.int64)  # the tables start 16-byte aligned
         parts = [order, offs.reshape(-1), pad, tables.reshape(-1)]
-        packed = _to_device(torch.from_numpy(np.concatenate(parts)), self.device)  # one upload
+        packed = to_device(torch.from_numpy(np.concatenate(parts)), self.device)  # one upload
         order_dev = packed[: order.size]  # [T*k]
         as_int32 = packed[order.size :].to(torch.int32)  # offs, padding, then the block tables
         self.laid = _LaidOut(
@@ -135,8 +136,8 @@ class _FusedPass:
             # no grouped FP8 kernel: this wave's rows dequantized into a compact table in row order, whose
             # cumulative counts are the full table's at those rows (the other rows hold none of its pairs)
             ordered = torch.tensor(sorted(rows), dtype=torch.long)  # [n]
-            table = table.dense(self.x.dtype, _to_device(ordered, table.gate.device))
-            offs = offs[_to_device(ordered, offs.device)]  # [n]
+            table = table.dense(self.x.dtype, to_device(ordered, table.gate.device))
+            offs = offs[to_device(ordered, offs.device)]  # [n]
         # gathered per wave (a [P, H] copy of the chunk's activations up front would add 64 MB to a 2,048-token
         # prefill's peak, which sets K at a memory budget)
         y = expert_mlp(self.x[laid.tokens[start:end]], table, offs, blocks)  # [P_w, H]
@@ -163,14 +164,6 @@ class _LaidOut:
     blocks: torch.Tensor  # [3, NB] int32: every wave's grouped-FP8 blocks (moe_grouped_fp8.host_block_tables)
     block_starts: list[int] | None  # [W + 1] each wave's first column of `blocks`, then NB (aligned)
     block_counts: list[int] | None  # [W] each wave's blocks (columns from its start; the rest is padding)
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor sent without blocking the host: pinned first on CUDA (the caching host allocator
-    keeps the block until the copy has run); a plain copy blocks the host until the stream drains."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 class _LoopPass:

@@ -57,6 +57,7 @@ import torch
 from paged_experts.routing import draw_triton as routing_triton
 from paged_experts.routing.draw import DrawTables, build_tables, draw
 from paged_experts.routing.specs import RoutingParams, parse_spec, routing_label
+from paged_experts.upload import to_device
 
 
 def layer_strengths(num_layers: int, params: RoutingParams, seed: int = 0) -> np.ndarray:
@@ -197,7 +198,8 @@ class SyntheticRouter:
                 self._streams[dev] = torch.cuda.Stream(dev)
             stream, compute = self._streams[dev], torch.cuda.current_stream(dev)
             with torch.cuda.stream(stream):
-                on_device = self.draw_device(req.to(dev), pos.to(dev)).transpose(0, 1).contiguous()  # [L, T, k]
+                drawn = self.draw_device(to_device(req, dev), to_device(pos, dev))  # [T, L, k]
+                on_device = drawn.transpose(0, 1).contiguous()  # [L, T, k]
                 bad = bad_ids(on_device, self.process.num_experts)
                 on_host = on_device.cpu()  # one kernel, one copy back per step
                 invalid = bool(bad)
