@@ -22,6 +22,10 @@ steps. Per prompt, from `torch.cuda.synchronize()` to `torch.cuda.synchronize()`
                       (near 1: the device never got ahead of the host's issue; wait ms says whether the host
                       was working or waiting on the device meanwhile), and of the thread's CPU time over that
                       issue time (near 1: the thread ran all along; below: it was off the CPU)
+    gc ms = the longest time the garbage collector took inside one measured prompt's prefill (CPU ms of its
+                      collections: paged_experts/server/gc_pauses.py); with --gc-freeze on (the default, as the
+                      server: `--enable-gc-freeze`) the heap is frozen after each cell's warm-up prompt, so no
+                      collection walks the model; a collection is CPU time on the engine thread, on its CPU
     queued / cpu ids = the median share of that issue time the thread was runnable but waiting for a CPU (the rest
                       off the CPU was blocked: a lock, a sleeping read), and the CPUs the prompts' steps ended on
                       (paged_experts/thread_clock.py; Linux)
@@ -61,6 +65,7 @@ from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.routing.sources import make_router
 from paged_experts.runtime import RuntimeConfig
+from paged_experts.server import gc_pauses
 from paged_experts.weights import synth_memory
 from paged_experts.weights.weights_id import source_weights
 
@@ -155,10 +160,12 @@ def one_prompt(model: MoeCausalLM, pool: KvPool, prompt: list[int], decode: int,
     try:
         model.counters.reset()
         sync(device)
+        gc_before = gc_pauses.clock().snapshot()
         t0 = time.perf_counter()
         step = model.run_step([SeqChunk(seq, prompt, 0)])
         token = int(step.greedy[0])  # the first token on the host
         prefill_s = time.perf_counter() - t0
+        gc_after = gc_pauses.clock().snapshot()
         snap = model.counters.snapshot()
         t1 = time.perf_counter()
         for i in range(decode):
@@ -185,6 +192,9 @@ def one_prompt(model: MoeCausalLM, pool: KvPool, prompt: list[int], decode: int,
                 "cpu_id_last",
             )
         },  # fmt: skip
+        # the collector inside the prefill: CPU seconds of its collections, and how many of each generation
+        "gc_s": sum(gc_after.pause_s) - sum(gc_before.pause_s),
+        "gc_collections": [a - b for a, b in zip(gc_after.collections, gc_before.collections)],
         "union_mean": snap.total.union_sum / max(1, snap.total.steps),
         "decode_s": decode_s,
         "decode_hits": d.hits - snap.total.hits,
@@ -195,6 +205,7 @@ def one_prompt(model: MoeCausalLM, pool: KvPool, prompt: list[int], decode: int,
 def run_cell(cell: Cell, args: argparse.Namespace, link_b_per_s: float | None) -> dict[str, Any]:
     if cell.path == "serial":
         paged_module.page_in_stream = lambda device: None  # type: ignore[assignment]  # copies on the compute stream
+    frozen = False  # the heap frozen for this cell (--gc-freeze on), given back at its end
     try:
         t0 = time.perf_counter()
         model = build(cell, args)
@@ -205,6 +216,9 @@ def run_cell(cell: Cell, args: argparse.Namespace, link_b_per_s: float | None) -
         pool = KvPool.for_model(model, capacity_tokens=256 * -(-(args.prompt + args.decode + 1) // 256))  # whole blocks
         runs = []
         for i, p in enumerate(prompts):
+            if i == 1 and args.gc_freeze == "on":  # as the server: loaded and warmed, then the heap frozen
+                gc_pauses.freeze_heap()
+                frozen = True
             if args.nvml_sampler == "ab" and i % 2 == 0 and i > 0:  # measured prompts 2, 4, ...: the reads beside
                 with NvmlLoad(args.nvml_scripted_read_s) as load:
                     run = one_prompt(model, pool, p, args.decode, args.device)
@@ -213,6 +227,8 @@ def run_cell(cell: Cell, args: argparse.Namespace, link_b_per_s: float | None) -
                 runs.append({**one_prompt(model, pool, p, args.decode, args.device), "nvml": None})
     finally:
         paged_module.page_in_stream = _PAGE_IN_STREAM
+        if frozen:  # the next cell's model is built unfrozen: this cell's objects go back to the collector
+            gc_pauses.release_heap()
     measured = runs[1:]  # the first prompt warms the kernels up
     prefill_s = statistics.median(r["prefill_s"] for r in measured)
     bytes_paged = statistics.median(r["prefill"]["bytes_paged_in"] for r in measured)
@@ -253,6 +269,8 @@ def run_cell(cell: Cell, args: argparse.Namespace, link_b_per_s: float | None) -
             if r["issue_s"] and r["issue_run_delay_s"] is not None
         ),
         "cpu_ids": sorted({r["cpu_id_last"] for r in measured if r["cpu_id_last"] is not None}),
+        "gc_ms_max": 1e3 * max(r["gc_s"] for r in measured),  # the longest collection time inside one prefill
+        "gc_full_collections": sum(r["gc_collections"][-1] for r in measured),
         # --nvml-sampler ab: the prompts with the sampler's reads beside them against those without
         "prefill_s_nvml_on": _median_of(r["prefill_s"] for r in measured if r["nvml"] is not None),
         "prefill_s_nvml_off": _median_of(r["prefill_s"] for r in measured if r["nvml"] is None)
@@ -305,7 +323,8 @@ def render(record: dict[str, Any]) -> str:
     lines = [f"link (paging figure): {f'{link:.1f} GB/s' if link else record['link'].get('error')}",
              (f"{'cell':<40} {'prefill s':>9} {'min-max s':>11} {'GB':>6} {'floor s':>8} {'/floor':>7} {'busy':>5}"
               f" {'waves/L':>7} {'router s':>8} {'-router':>7} {'dec hit':>7} {'idle ms':>7} {'wait ms':>7}"
-              f" {'plan ms':>7} {'issue':>5} {'cpu':>5} {'queued':>6} {'nvml/off':>8}  cpu ids")]  # fmt: skip
+              f" {'plan ms':>7} {'issue':>5} {'cpu':>5} {'queued':>6} {'gc ms':>6} {'nvml/off':>8}"
+              "  cpu ids")]  # fmt: skip
     for c in record["cells"]:
         if "error" in c:
             lines.append(f"{c['cell']:<40} {c['error']}")
@@ -317,8 +336,8 @@ def render(record: dict[str, Any]) -> str:
             f"{c['router_s']:>8.3f} {_fmt(c['paging_of_floor'], '7.2f'):>7} {_fmt(c['decode_hit_rate'], '7.3f'):>7}",
             f"{_fmt(c['idle_before_layer_ms'], '7.2f'):>7} {_fmt(c['host_wait_ms'], '7.2f'):>7}",
             f"{_fmt(c['host_plan_ms'], '7.2f'):>7} {_fmt(c.get('issue_of_prefill'), '5.2f'):>5}",
-            f"{_fmt(c.get('on_cpu'), '5.2f'):>5} {_fmt(c.get('queued'), '6.2f'):>6} {_fmt(_nvml_ratio(c), '8.3f'):>8}"
-            f"  {_cpu_ids(c.get('cpu_ids'))}",
+            f"{_fmt(c.get('on_cpu'), '5.2f'):>5} {_fmt(c.get('queued'), '6.2f'):>6}",
+            f"{_fmt(c.get('gc_ms_max'), '6.1f'):>6} {_fmt(_nvml_ratio(c), '8.3f'):>8}  {_cpu_ids(c.get('cpu_ids'))}",
         )
         lines.append(f"{c['cell']:<40} " + " ".join(figures))
     return "\n".join(lines)
@@ -345,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nvml-sampler", choices=("off", "ab"), default="off",
                     help="ab: every other measured prompt runs beside the runner's memory sampler's NVML reads "
                          "(benchsuite.tools.nvml_load), the rest without")  # fmt: skip
+    ap.add_argument("--gc-freeze", choices=("on", "off"), default="on",
+                    help="on (as the server): the heap frozen for the garbage collector after each cell's warm-up "
+                         "prompt; off: every collection walks the model")  # fmt: skip
     ap.add_argument("--nvml-scripted-read-s", type=float, default=None, help=argparse.SUPPRESS)  # the harness's test
     args = ap.parse_args(argv)
     if args.nvml_sampler == "ab":

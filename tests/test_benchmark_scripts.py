@@ -106,6 +106,44 @@ def test_the_prefill_benchmark_sets_prompts_beside_the_samplers_reads_against_pr
     assert "nvml/off" in (tmp_path / "p.txt").read_text()
 
 
+def test_the_prefill_benchmark_counts_the_collectors_time_in_each_prefill_and_freezes_the_heap_as_the_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each prompt's prefill carries the collector's CPU time and collections inside it (here forced: a threshold
+    of 50 new objects runs young collections all through the step), and --gc-freeze on freezes the heap once per
+    cell after its warm-up prompt and gives it back at the cell's end (the next cell's model is built unfrozen)."""
+    import gc
+
+    spec = importlib.util.spec_from_file_location("prefill_h200", ROOT / "benchmarks" / "prefill_h200.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "prefill_h200", module)  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    calls: list[str] = []
+    freeze, release = module.gc_pauses.freeze_heap, module.gc_pauses.release_heap
+    monkeypatch.setattr(module.gc_pauses, "freeze_heap", lambda: (calls.append("freeze"), freeze())[1])
+    monkeypatch.setattr(module.gc_pauses, "release_heap", lambda: (calls.append("release"), release())[1])
+    thresholds, frozen_before = gc.get_threshold(), gc.get_freeze_count()
+    common = ["--preset", "tiny", "--layers", "2", "--device", "cpu", "--dtype", "float32", "--ks", "6",
+              "--routings", "qwen3-30b-a3b", "--keeps", "recent", "--paths", "streamed", "--prompt", "200",
+              "--repeats", "2", "--decode", "2"]  # fmt: skip
+    gc.set_threshold(50)
+    try:
+        assert module.main(["--out", str(tmp_path / "off.json"), *common, "--gc-freeze", "off"]) == 0
+    finally:
+        gc.set_threshold(*thresholds)
+    assert calls == []  # off: never frozen
+    for cell in json.loads((tmp_path / "off.json").read_text())["cells"]:
+        runs = cell["runs"][1:]
+        assert all(r["gc_collections"][0] >= 1 and r["gc_s"] > 0 for r in runs), cell["cell"]
+        assert cell["gc_ms_max"] == pytest.approx(1e3 * max(r["gc_s"] for r in runs))
+        assert cell["gc_full_collections"] == sum(r["gc_collections"][2] for r in runs)
+    assert module.main(["--out", str(tmp_path / "on.json"), *common]) == 0  # the default: on
+    assert calls == ["freeze", "release"] * 2  # two cells (resident, paged): each its own freeze
+    assert gc.get_freeze_count() == frozen_before  # every freeze given back
+    assert "gc ms" in (tmp_path / "on.txt").read_text()
+
+
 @pytest.mark.skipif(device_memory.open_reader() is not None, reason="this machine has NVML to read")
 def test_the_prefill_benchmark_refuses_the_samplers_reads_without_nvml(tmp_path: Path) -> None:
     proc = subprocess.run(
