@@ -121,8 +121,17 @@ def test_the_prefill_benchmark_counts_the_collectors_time_in_each_prefill_and_fr
     spec.loader.exec_module(module)
     calls: list[str] = []
     freeze, release = module.gc_pauses.freeze_heap, module.gc_pauses.release_heap
-    monkeypatch.setattr(module.gc_pauses, "freeze_heap", lambda: (calls.append("freeze"), freeze())[1])
-    monkeypatch.setattr(module.gc_pauses, "release_heap", lambda: (calls.append("release"), release())[1])
+
+    def counted_freeze() -> int:
+        calls.append("freeze")
+        return int(freeze())
+
+    def counted_release() -> None:
+        calls.append("release")
+        release()
+
+    monkeypatch.setattr(module.gc_pauses, "freeze_heap", counted_freeze)
+    monkeypatch.setattr(module.gc_pauses, "release_heap", counted_release)
     thresholds, frozen_before = gc.get_threshold(), gc.get_freeze_count()
     common = ["--preset", "tiny", "--layers", "2", "--device", "cpu", "--dtype", "float32", "--ks", "6",
               "--routings", "qwen3-30b-a3b", "--keeps", "recent", "--paths", "streamed", "--prompt", "200",
