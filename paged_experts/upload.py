@@ -14,7 +14,9 @@ import torch
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`t` (on the host) on `device`: pinned and queued without blocking on CUDA, a plain copy elsewhere."""
+    """`t` (on the host) on `device`: a pinned copy queued without blocking on CUDA (the caller may reuse `t` at once;
+    a `t` pinned already is sent as it is, so it must not change until the copy has run), `t.to(device)` elsewhere
+    (on the CPU, `t` itself)."""
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)

@@ -30,6 +30,7 @@ from paged_experts.residency.device import DeviceResidency
 from paged_experts.residency.policies import Wave
 from paged_experts.residency.store import ExpertTensors, PageInEngine
 from paged_experts.routing.sources import PlannedIds
+from paged_experts.upload import to_device
 
 RouterOverride = Callable[[int, torch.Tensor, Any], tuple[torch.Tensor | PlannedIds, torch.Tensor]]
 # (layer, ids [T, k], weights [T, k] or None, StepContext). On a graphed decode step the tensors are views of the
@@ -248,7 +249,7 @@ class MoeLayer(ABC):
             row = ids_cpu[int(twice.nonzero()[0, 0])].tolist()
             raise ValueError(f"router_override routed a token to the same expert twice: {row}")
         if ids.device.type == "cpu" and sh.device.type == "cuda":
-            ids = ids_cpu.pin_memory().to(sh.device, non_blocking=True)  # pinned: queued, the host goes on
+            ids = to_device(ids_cpu, sh.device)  # pinned: queued, the host goes on
         return ids.to(device=sh.device, dtype=torch.long), weights.to(torch.float32), ids_cpu
 
 

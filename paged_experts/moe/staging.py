@@ -23,6 +23,7 @@ from paged_experts.kernels.copy_kernel import copy_planned
 from paged_experts.moe.streaming import CopyRows, LayerCopies
 from paged_experts.residency.policies import Promotion
 from paged_experts.residency.store import ExpertTensors
+from paged_experts.upload import to_device
 
 
 @dataclass(frozen=True)
@@ -69,9 +70,7 @@ class StagingRows:
         row copy kernel on CUDA (no temporary copy of the rows: they would count against the memory budget)."""
         index = torch.tensor([(p.row, p.slot) for p in promotions], dtype=torch.long).t().contiguous()  # [2, n]
         device = slots.gate.device
-        if device.type == "cuda":
-            index = index.pin_memory()  # the upload does not block the host (the caching allocator keeps the block)
-        rows, slot_ids = index.to(device, non_blocking=True)  # each [n]
+        rows, slot_ids = to_device(index, device)  # each [n]; pinned: the upload does not block the host
         copy_planned(self.rows, slots, rows, slot_ids)
 
     def computed(self, device: torch.device) -> None:

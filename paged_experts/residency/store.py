@@ -44,6 +44,7 @@ from paged_experts import fp8
 from paged_experts.residency import pinned
 from paged_experts.residency.counters import PagingCounters
 from paged_experts.residency.page_in import PAGE_IN_STRATEGIES
+from paged_experts.upload import to_device
 
 EXPERT_TENSORS: tuple[str, ...] = ("gate", "up", "down")
 """Per-expert tensors. Page-in walks this tuple; the fault-injection test removes one name."""
@@ -261,9 +262,7 @@ class PageInEngine:
         """The rows of `names` (None: every tensor) by the device row kernel, after one index upload."""
         assert self.row_kernel is not None
         index = torch.tensor(pairs, dtype=torch.long).t().contiguous()  # [2, m]: experts, slots
-        if self.device.type == "cuda":  # pinned, so the upload does not block the host (the caching
-            index = index.pin_memory()  # host allocator keeps the block until the copy has run)
-        experts, slots = index.to(self.device, non_blocking=True)  # each [m]
+        experts, slots = to_device(index, self.device)  # each [m]; pinned: the upload does not block the host
         self.row_kernel(src, dst, experts, slots, names)
 
     def _rows(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:

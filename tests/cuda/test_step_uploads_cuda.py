@@ -1,8 +1,9 @@
 """CUDA checks of the host tensors a model step sends to the device (paged_experts/upload.py):
 - the causal mask built on the device equals the one built on the host, value for value;
 - a paged prefill step with a synthetic router (ids known on the host) issues no copy from pageable host memory
-  (torch's profiler names each copy's source), where it issued five a step before: such a copy blocks the issuing
-  thread, and a paged prefill's host is its bound; the control, one pageable `.to()`, must be seen.
+  (torch's profiler names each copy's source), where it issued nine a step before (the rope tables, the token ids,
+  the KV rows, the logits index, the mask, the router's request and position ids): such a copy can block the
+  issuing thread, and a paged prefill's host is its bound; the control, one pageable `.to()`, must be seen.
 
 Plain functions, so the module also runs as a script: `python tests/cuda/test_step_uploads_cuda.py`.
 """
