@@ -18,9 +18,15 @@ For each paged cell with prompt chunks of the class given (2,048 tokens by defau
   same work for every 2,048-token chunk, nearly all of it on the host (its draw kernel and the one copy back, ~1.1
   ms on the H200, are the same every chunk), so its time is a probe of the host's speed during the cell, and a span
   that moves with it (the correlation over the run's cells is printed) points to the host, not the link or the
-  GPU.
+  GPU;
+- with `--against BASE` (another run of the same matrix, e.g. other code on the same machine): per server (the same
+  configuration has the same server id in both runs), routing and concurrency, the measured requests' engine
+  `prompt_ms`, `prefill_issue_ms` and host plan per layer-step, as medians in each run, their ratio (this run over
+  BASE) and p: the share of 20,000 shuffles of the two runs' pooled requests whose medians differ by as much. The
+  shuffle treats requests as exchangeable; requests of one cell share a server's state, so read a small p beside
+  the cells' own spread, not alone.
 
-    python benchmarks/prefill_speeds.py results/h200-policyconfirm [--prompt-class 2048]
+    python benchmarks/prefill_speeds.py results/h200-policyconfirm [--prompt-class 2048] [--against results/RUN]
 """
 
 from __future__ import annotations
@@ -89,20 +95,58 @@ def runs_test(slow: list[bool], cells: list[str], shuffles: int = 4000, seed: in
     return observed, float(counts.mean()), float(np.mean(counts <= observed))
 
 
+def median_ratio_test(base: list[float], new: list[float], shuffles: int = 20000, seed: int = 0) -> tuple[float, float]:
+    """(median(new) / median(base), p: the share of `shuffles` random splits of the pooled values into groups of the
+    same sizes whose medians differ by at least as much as the observed ones). Both groups must be non-empty."""
+    a, b = np.asarray(base, dtype=float), np.asarray(new, dtype=float)
+    observed = abs(float(np.median(b) - np.median(a)))
+    pooled = np.tile(np.concatenate([a, b]), (shuffles, 1))  # [shuffles, n_a + n_b]
+    pooled = np.random.default_rng(seed).permuted(pooled, axis=1)
+    diffs = np.abs(np.median(pooled[:, a.size :], axis=1) - np.median(pooled[:, : a.size], axis=1))
+    # a tolerance for float noise, so a shuffle that reproduces the observed split counts as "as much"
+    return float(np.median(b) / np.median(a)), float(np.mean(diffs >= observed - 1e-12))
+
+
+def paged_cells(run_dir: Path, prompt_class: str) -> tuple[str, pd.DataFrame, pd.DataFrame]:
+    """(run id, the run's paged cells with prompt chunks of the class, their requests in sending order)."""
+    run = load_run(run_dir)
+    cells = run.cells
+    if "prefill_chunks" not in cells:
+        raise SystemExit(f"{run_dir}: stored before the prefill counters (no prefill_chunks)")
+    cells = cells[(cells["mode"] == "paged") & (cells["prompt_class"].astype(str) == prompt_class)]
+    cells = cells[pd.to_numeric(cells["prefill_chunks"], errors="coerce").fillna(0) > 0]
+    if cells.empty:
+        raise SystemExit(f"{run_dir}: no paged cell with {prompt_class}-token prompt chunks")
+    return run.run_id, cells, per_request(run.run_id, run.requests, cells)
+
+
+def compare(base: pd.DataFrame, new: pd.DataFrame) -> list[dict[str, object]]:
+    """Per (server, routing, concurrency) in both runs: each figure's medians over the measured requests, their
+    ratio (new over base) and p (median_ratio_test)."""
+    keys = ["server_id", "routing", "concurrency"]
+    rows: list[dict[str, object]] = []
+    base_measured, new_measured = (r[~r["warmup"].astype(bool)] for r in (base, new))
+    for key, mine in new_measured.groupby(keys):
+        theirs = base_measured[(base_measured[keys] == pd.Series(key, index=keys)).all(axis=1)]
+        row: dict[str, object] = dict(zip(keys, key)) | {"base_requests": len(theirs), "requests": len(mine)}
+        for figure in ("prompt_ms", "issue_ms", "host_plan_ms"):
+            a, b = (pd.to_numeric(r[figure], errors="coerce").dropna().tolist() for r in (theirs, mine))
+            if a and b:
+                ratio, p = median_ratio_test(a, b)
+                row |= {f"{figure}_base": statistics.median(a), figure: statistics.median(b),
+                        f"{figure}_ratio": ratio, f"{figure}_p": p}  # fmt: skip
+        if len(row) > len(keys) + 2:
+            rows.append(row)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("run", type=Path, help="a results run directory")
     ap.add_argument("--prompt-class", default="2048")
+    ap.add_argument("--against", type=Path, help="a run of the same matrix to compare the requests with")
     args = ap.parse_args()
-    run = load_run(args.run)
-    cells = run.cells
-    if "prefill_chunks" not in cells:
-        raise SystemExit(f"{args.run}: stored before the prefill counters (no prefill_chunks)")
-    cells = cells[(cells["mode"] == "paged") & (cells["prompt_class"].astype(str) == args.prompt_class)]
-    cells = cells[pd.to_numeric(cells["prefill_chunks"], errors="coerce").fillna(0) > 0]
-    if cells.empty:
-        raise SystemExit(f"{args.run}: no paged cell with {args.prompt_class}-token prompt chunks")
-    requests = per_request(run.run_id, run.requests, cells)
+    _, cells, requests = paged_cells(args.run, args.prompt_class)
     for (routing, concurrency), mine in requests.groupby(["routing", "concurrency"]):
         measured = mine[~mine["warmup"].astype(bool)]
         print(f"\n== {routing}, c={concurrency}: {len(measured)} measured requests (warm-up ones too below)")
@@ -141,6 +185,24 @@ def main() -> None:
     if len(synthetic) >= 3:
         r = np.corrcoef(synthetic["prefill_router_s_per_chunk"], synthetic["prefill_span_s_per_chunk"])[0, 1]
         print(f"correlation of span with router time over {len(synthetic)} cells: {r:.2f}")
+    if args.against is not None:
+        base_id, _, base = paged_cells(args.against, args.prompt_class)
+        print(
+            f"\n== against {base_id}: medians over each server's measured requests (n: {base_id}'s / this run's); "
+            f"each figure as {base_id}'s, this run's, their ratio, p"
+        )
+        print("{:<13} {:<26} {:>2} {:>7}  {:<29}  {:<29}  {}".format(
+            "server", "routing", "c", "n", "prompt_ms", "issue_ms", "plan/layer ms"))  # fmt: skip
+        for row in compare(base, requests):
+            figures = []
+            for figure, spec in (("prompt_ms", "7.1f"), ("issue_ms", "7.1f"), ("host_plan_ms", "7.3f")):
+                if figure in row:
+                    figures.append(f"{row[f'{figure}_base']:{spec}} {row[figure]:{spec}} "
+                                   f"{row[f'{figure}_ratio']:5.3f} {row[f'{figure}_p']:5.3f}")  # fmt: skip
+                else:
+                    figures.append(f"{'-':<29}")
+            n = f"{row['base_requests']}/{row['requests']}"
+            print(f"{row['server_id']:<13} {row['routing']:<26} {row['concurrency']:>2} {n:>7}  " + "  ".join(figures))
 
 
 if __name__ == "__main__":

@@ -181,6 +181,22 @@ def test_the_runs_test_tells_regimes_from_alternation() -> None:
     assert module.runs_test([], []) == (0, 0.0, 1.0)
 
 
+def test_the_median_ratio_test_tells_a_shift_from_noise() -> None:
+    """benchmarks/prefill_speeds.py --against: two runs' requests compared by their medians and a shuffle test."""
+    spec = importlib.util.spec_from_file_location("prefill_speeds", ROOT / "benchmarks" / "prefill_speeds.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    base = [550.0, 560.0, 570.0, 580.0, 590.0, 600.0, 555.0, 565.0]
+    faster = [v * 0.9 - 20.0 for v in base]  # every request of the new run faster than every one of the base
+    ratio, p = module.median_ratio_test(base, faster)
+    assert ratio == pytest.approx(statistics.median(faster) / statistics.median(base)) and p < 0.01
+    ratio, p = module.median_ratio_test(base, list(reversed(base)))  # the same requests: no shift at all
+    assert ratio == 1.0 and p == 1.0
+    _, p = module.median_ratio_test(base, [base[i] for i in (1, 2, 4, 5, 0, 3, 6, 7)][:6] + [575.0, 585.0])
+    assert p > 0.2  # the same spread, medians within it
+
+
 def test_decode_benchmark_runs_on_the_cpu_and_records_its_weights(tmp_path: Path) -> None:
     # fmt: off
     record = run_benchmark(

@@ -151,6 +151,16 @@ def test_end_to_end_on_the_builtin_server(
         assert all(float(r["queued"]) >= 0 and int(r["cpu"]) >= 0 and int(r["vol"]) >= 0 for r in measured), out
     if sys.platform.startswith("linux"):
         assert "per CPU (fast half / slow half of their cell): " in out, out
+    # --against: a run compared with itself finds every figure's medians equal (ratio 1, p 1)
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "prefill_speeds.py"), str(run_dir),
+                           "--prompt-class", "200", "--against", str(run_dir)], capture_output=True, text=True,
+                          check=False, timeout=120, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    against = proc.stdout.split("\n== against ", 1)[1].splitlines()[2:]
+    assert len(against) == 2, proc.stdout  # the paged server with its two prefill policies, at c=1
+    for line in against:
+        fields = line.split()
+        assert fields[3] == "2/2" and fields[6:8] == ["1.000", "1.000"], line  # prompt_ms: ratio 1, p 1
     resident = table[~table["configuration"].str.contains("paged") & (table["prompt_class"] == "200")]
     if (resident["note"] == "").all():  # (a cell a busy client read in one go is invalid: issue 19 fixes that)
         assert (long["resident_ttft_s"] > 0).all()
