@@ -27,9 +27,13 @@ def make_run(
     commit: str = "c0ffee",
     request_spread: float = 0.04,
     busy: bool = False,
+    texts: dict[str, list[str]] | None = None,
+    routing: str = "model",
+    code: dict[str, str] | None = None,
 ) -> Path:
     """configs: name -> decode tok/s of each repeat (one cell per value); every request of a cell
-    decodes at the cell's rate times a factor within +-request_spread."""
+    decodes at the cell's rate times a factor within +-request_spread; texts: name -> the text each of its
+    eight prompts generated (none: no text, as an engine that streams none)."""
     run_dir = root / run_id
     manifest = Manifest(
         run_id=run_id,
@@ -37,7 +41,7 @@ def make_run(
         matrix_source="m.yaml",
         matrix_hash="m4tr1x",
         matrix={},
-        git={"commit": commit, "dirty": False, "tree": f"tree-{commit}"},
+        git={"commit": commit, "dirty": False, "tree": f"tree-{commit}", "code": code},
     )
     store = RunStore.open(run_dir, manifest)
     for name, rates in configs.items():
@@ -63,6 +67,7 @@ def make_run(
                 concurrency=1,
                 repeat=repeat,
                 status="ok",
+                routing=routing,
                 decode_tok_s_p50=rate,
                 output_tok_s=rate * 0.9,
                 ttft_p50_s=10.0 / rate,
@@ -91,6 +96,7 @@ def make_run(
                         OUTPUT_TOKENS,
                         OUTPUT_TOKENS,
                         ok=True,
+                        output_text=(texts or {}).get(name, [""] * 8)[index],
                     )
                 )
             store.write_cell(result, records)
@@ -175,6 +181,21 @@ def test_a_a_comparison_is_named_and_busy_cells_are_counted(tmp_path: Path) -> N
     assert _row(comparison, "x", "decode_tok_s")["machine_busy"] == "2 cells"
 
 
+def test_other_commits_with_the_same_measuring_code_are_an_a_a_comparison(tmp_path: Path) -> None:
+    """A commit that changed no measuring code (a README, a results folder), or a run from an unpacked archive
+    with no commit at all, measured with the same code: the comparison names it A/A by the code's trees."""
+    code = {"benchsuite": "1" * 40, "paged_experts": "2" * 40}
+    a = make_run(tmp_path, "a", {"x": [100.0, 98.0]}, code=code)
+    b = make_run(tmp_path, "b", {"x": [99.0, 101.0]}, commit="beef", code=code)
+    said = compare_runs(a, b).same_source
+    assert said is not None and "same measuring code (benchsuite 1111111, paged_experts 2222222" in said
+    assert "commits beef, c0ffee" in said and "A/A comparison" in said
+    other = make_run(tmp_path, "c", {"x": [99.0, 101.0]}, commit="beef", code={**code, "paged_experts": "3" * 40})
+    assert compare_runs(a, other).same_source is None  # the engine changed
+    unrecorded = make_run(tmp_path, "d", {"x": [99.0, 101.0]}, commit="beef")
+    assert compare_runs(a, unrecorded).same_source is None  # a side that did not say: not assumed the same
+
+
 def test_several_runs_a_side_test_over_runs(tmp_path: Path) -> None:
     # Tight repeats inside each run, but the runs themselves scatter by +-15%: run-level noise.
     a = [make_run(tmp_path, f"a{i}", {"x": [r, r * 1.01]}) for i, r in enumerate((100.0, 118.0, 86.0))]
@@ -232,8 +253,11 @@ def test_printed_by_default_are_the_counts_and_the_flagged_rows_only(
     )
     table = [line for line in lines if line.startswith("| ")]
     assert [h.strip() for h in table[0].strip("|").split("|")] == [
-        "configuration", "metric", "A → B (change [interval])", "flagged",
-    ]  # fmt: skip
+        "configuration",
+        "metric",
+        "A → B (change [interval])",
+        "flagged",
+    ]  # fmt: skip  (no text in these runs: no outputs column)
     rows = table[1:]
     assert len(rows) == 3 and all("resident_experts=slower · w · short · c=1" in row for row in rows)
     decode = next(row for row in rows if "| decode tok/s |" in row)
@@ -244,7 +268,7 @@ def test_printed_by_default_are_the_counts_and_the_flagged_rows_only(
     assert "resident_experts=same" in md and "tiny-shift" in md  # the file keeps every row
     assert cli_main(["compare", str(runs[0]), str(runs[1]), "--out", str(tmp_path / "a"), "--columns", "all"]) == 0
     header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| configuration"))
-    assert len(header.strip("|").split("|")) == 20 and "p_value" in header and "a_peak_gb" in header
+    assert len(header.strip("|").split("|")) == 21 and "p_value" in header and "a_peak_gb" in header
 
 
 def test_nothing_flagged_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -257,3 +281,35 @@ def test_nothing_flagged_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixtu
         "nothing flagged: no change is significant after Benjamini-Hochberg at 0.05 and over 5% (tested over repeats)"
     )
     assert len(lines) == 3 and lines[2].startswith("wrote ")
+
+
+def test_the_comparison_says_where_the_two_sides_generated_other_text(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A paged decode figure measures the experts its tokens route to: where A and B generated other text under the
+    model's routing the comparison names the configuration (benchsuite.report.outputs); the same text, no text at
+    all, or synthetic routing (the same experts whatever the text) are not named."""
+    texts = [f"text of prompt {i}" for i in range(8)]
+    other = [*texts[:5], "flipped a", "flipped b", texts[7]]
+    rates = {"flipped": [100.0, 99.0, 101.0], "kept": [100.0, 99.0, 101.0], "untold": [100.0, 99.0, 101.0]}
+    a = make_run(tmp_path, "a", rates, texts={"flipped": texts, "kept": texts})
+    b = make_run(tmp_path, "b", rates, commit="beef", texts={"flipped": other, "kept": texts})
+    comparison = compare_runs(a, b)
+    outputs = {_row(comparison, name, "decode_tok_s")["outputs"] for name in rates}
+    assert _row(comparison, "flipped", "decode_tok_s")["outputs"] == "differ: 2 of 8 prompts"
+    assert _row(comparison, "kept", "decode_tok_s")["outputs"] == "same"
+    assert _row(comparison, "untold", "decode_tok_s")["outputs"] == "" and len(outputs) == 3  # unknown, not "same"
+    assert cli_main(["compare", str(a), str(b), "--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    named = [line for line in out.splitlines() if line.startswith("- ")]
+    assert named == ["- tiny · paged · resident_experts=flipped · w · short · c=1 (differ: 2 of 8 prompts)"], out
+    assert "generated other text in A and B (1)" in out
+    assert "| differ: 2 of 8 prompts |" in (tmp_path / "o" / "compare.md").read_text()
+    # synthetic routing: other text, the same experts: said in the row, not named as other work
+    a = make_run(tmp_path / "s", "a", {"flipped": [100.0, 99.0]}, texts={"flipped": texts}, routing="synthetic:q")
+    b = make_run(tmp_path / "s", "b", {"flipped": [100.0, 99.0]}, commit="beef", texts={"flipped": other},
+                 routing="synthetic:q")  # fmt: skip
+    row = compare_runs(a, b).rows.iloc[0]
+    assert row["outputs"] == "differ: 2 of 8 prompts (synthetic routing: the same experts)"
+    assert cli_main(["compare", str(a), str(b), "--out", str(tmp_path / "so")]) == 0
+    assert "generated other text" not in capsys.readouterr().out

@@ -10,7 +10,9 @@ configuration and metric (decode tok/s p50, TTFT p50, output tok/s of each cell)
   values); fewer than stats.MIN_REPEATS values a side: "not enough repeats", never flagged;
 - flagged only when the change is a discovery after Benjamini-Hochberg over all rows at alpha AND
   |change| > threshold; the page says when A and B ran the same commit and matrix (an A/A comparison:
-  every flag there is a false alarm) and which rows were measured on a busy machine.
+  every flag there is a false alarm) and which rows were measured on a busy machine;
+- outputs: whether the configuration's requests generated the same text on both sides, prompt by prompt
+  (benchsuite.report.outputs): where they differ, a decode figure's change is partly other work measured.
 
 Printed, a comparison reads as one line of counts and the flagged rows only
 (benchsuite.report.compare_text); `--columns all` prints the full table of one row per configuration
@@ -31,9 +33,10 @@ import pandas as pd
 
 from benchsuite.report import stats
 from benchsuite.report.budget import device_bytes
-from benchsuite.report.groups import annotate_cells
+from benchsuite.report.groups import annotate_cells, is_synthetic
 from benchsuite.report.load import RunData, load_run
 from benchsuite.report.noise import busy_cells
+from benchsuite.report.outputs import outputs_status, texts_by_prompt
 from benchsuite.report.textout import markdown_table
 
 MATCH_KEYS: tuple[str, ...] = (
@@ -96,13 +99,22 @@ class _Side:
     cells: pd.DataFrame  # annotated cells of every run of the side
     labels: dict[tuple[Any, ...], str]
     busy: set[str]  # cell ids measured while the machine was busy
+    requests: pd.DataFrame  # every run's requests (their texts: benchsuite.report.outputs)
 
 
 def _side(runs: list[RunData]) -> _Side:
     frames = [annotate_cells(r.cells, many_runs=False) for r in runs]
     cells = pd.concat(frames, ignore_index=True)
     labels = {tuple(row[k] for k in MATCH_KEYS): f"{row['label']}" for _, row in cells.iterrows()}
-    return _Side(tuple(r.run_id for r in runs), cells, labels, busy_cells(cells))
+    requests = pd.concat([r.requests for r in runs if r.requests is not None], ignore_index=True)
+    return _Side(tuple(r.run_id for r in runs), cells, labels, busy_cells(cells), requests)
+
+
+def _ok_cell_ids(side: _Side, key: tuple[Any, ...]) -> list[str]:
+    mask = side.cells["status"] == "ok"
+    for column, value in zip(MATCH_KEYS, key):
+        mask &= side.cells[column] == value
+    return [str(c) for c in side.cells[mask]["cell_id"]]
 
 
 def _values(side: _Side, key: tuple[Any, ...], spec: MetricSpec, level: str) -> tuple[list[float], list[str]]:
@@ -138,16 +150,27 @@ def _verdict(
 
 def same_source(a: list[RunData], b: list[RunData]) -> str | None:
     """'same commit and matrix' when every run of both sides ran one clean commit (or one dirty tree) and
-    one matrix hash."""
-    facts = {r.facts.identity for r in [*a, *b]}
-    if len(facts) != 1:
+    one matrix hash; 'same measuring code and matrix' when their commits differ (or were not recorded) but every
+    run recorded the same trees of benchsuite and paged_experts (GitFacts.code) and one matrix hash."""
+    runs = [*a, *b]
+    aa = "this is an A/A comparison, so any flagged row is a false alarm of the method (or a machine that changed "
+    aa += "between runs)."
+    facts = {r.facts.identity for r in runs}
+    if len(facts) == 1:
+        commit, _, matrix_hash = next(iter(facts))
+        if commit is not None and matrix_hash:
+            return (
+                f"A and B ran the same commit ({str(commit)[:12]}) and the same matrix ({str(matrix_hash)[:8]}): {aa}"
+            )
+    # other commits (or none: a run from an unpacked archive) whose measuring code is the same tree for tree
+    codes, matrices = {r.facts.code for r in runs}, {r.facts.identity[2] for r in runs}
+    if len(codes) != 1 or None in codes or len(matrices) != 1 or not next(iter(matrices)):
         return None
-    commit, _, matrix_hash = next(iter(facts))
-    if commit is None or not matrix_hash:
-        return None
+    trees = ", ".join(f"{name} {tree[:7]}" for name, tree in next(iter(codes)) or ())
+    commits = sorted({str(r.facts.identity[0])[:12] if r.facts.identity[0] else "none recorded" for r in runs})
     return (
-        f"A and B ran the same commit ({str(commit)[:12]}) and the same matrix ({str(matrix_hash)[:8]}): this is an "
-        f"A/A comparison, so any flagged row is a false alarm of the method (or a machine that changed between runs)."
+        f"A and B ran the same measuring code ({trees}; commits {', '.join(commits)}) and the same matrix "
+        f"({str(next(iter(matrices)))[:8]}): {aa}"
     )
 
 
@@ -164,6 +187,8 @@ def compare_runs(
     level = LEVEL_RUNS if min(len(runs_a), len(runs_b)) >= 2 else LEVEL_REPEATS
     rows, estimates = [], []
     for key in sorted(set(a.labels) & set(b.labels), key=str):
+        texts_a, texts_b = (texts_by_prompt(side.requests, _ok_cell_ids(side, key)) for side in (a, b))
+        outputs = outputs_status(texts_a, texts_b, synthetic=is_synthetic(str(key[MATCH_KEYS.index("routing")])))
         for spec in METRIC_SPECS:
             (xs, ids_a), (ys, ids_b) = _values(a, key, spec, level), _values(b, key, spec, level)
             estimate = stats.ratio_estimate(ys, xs, alpha)
@@ -188,6 +213,7 @@ def compare_runs(
                     "n_a": len(xs),
                     "n_b": len(ys),
                     "machine_busy": f"{len(busy)} cells" if busy else "",
+                    "outputs": outputs,
                     "a_cell_ids": " ".join(ids_a),
                     "b_cell_ids": " ".join(ids_b),
                     "a_peak_gb": max(memory[0]) if memory[0] else None,
@@ -213,6 +239,7 @@ def compare_runs(
         "n_b",
         "flagged",
         "verdict",
+        "outputs",
         "machine_busy",
         "a_peak_gb",
         "b_peak_gb",
@@ -288,8 +315,9 @@ def change_text(row: pd.Series) -> str:
 def summary_frame(rows: pd.DataFrame) -> pd.DataFrame:
     """One row per configuration (workload, prompt class and concurrency in its name) with the columns a
     user reads first: decode tok/s, TTFT p50, output tok/s as "A → B (change [interval])", the peak
-    device memory of each side (GB), and the metrics flagged with their verdict."""
-    columns = ["configuration", *(title for _, title in SUMMARY_METRICS), "peak memory GB", "flagged"]
+    device memory of each side (GB), the metrics flagged with their verdict, and whether the two sides generated
+    the same text (benchsuite.report.outputs)."""
+    columns = ["configuration", *(title for _, title in SUMMARY_METRICS), "peak memory GB", "flagged", "outputs"]
     out = []
     keys = ["configuration", "workload", "prompt_class", "concurrency"]
     for (label, workload, prompt_class, concurrency), group in rows.groupby(keys, sort=False):
@@ -310,6 +338,7 @@ def summary_frame(rows: pd.DataFrame) -> pd.DataFrame:
             for _, r in group.iterrows()
             if r["flagged"]
         )
+        entry["outputs"] = first.get("outputs", "")
         out.append(entry)
     return pd.DataFrame(out, columns=columns)
 

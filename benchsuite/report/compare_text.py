@@ -4,8 +4,9 @@ Owns the terminal reading of a `Comparison` (benchsuite.report.compare): how man
 were compared and how their comparisons (one per configuration and metric) came out: flagged
 faster, flagged slower, not significant, significant but within the threshold, not comparable (too
 few repeats, or no ok value on one side); then each flagged comparison with its change and
-interval, or one line saying nothing was flagged. The full tables stay in compare.md and
-`--columns all`.
+interval, or one line saying nothing was flagged; and which configurations generated other text on the two
+sides (benchsuite.report.outputs: their decode figures measured other tokens). The full tables stay in compare.md
+and `--columns all`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections import Counter
 import pandas as pd
 
 from benchsuite.report.compare import SUMMARY_METRICS, Comparison, change_text
+from benchsuite.report.outputs import changes_work
 from benchsuite.report.textout import markdown_table
 
 IMPROVED, REGRESSED = "IMPROVED", "REGRESSED"
@@ -54,8 +56,22 @@ def counts_line(c: Comparison) -> str:
     return line + (f"; {', '.join(unmatched)}" if unmatched else "")
 
 
+def differing_outputs(c: Comparison) -> list[str]:
+    """'configuration · workload · prompt class · c=N (differ: k of n prompts)' where the sides' texts differ under
+    the model's routing (under synthetic routing other text routes to the same experts)."""
+    if not len(c.rows) or "outputs" not in c.rows:
+        return []
+    keys = ["configuration", "workload", "prompt_class", "concurrency"]
+    return [
+        f"{label} · {workload} · {prompt_class} · c={concurrency} ({group.iloc[0]['outputs']})"
+        for (label, workload, prompt_class, concurrency), group in c.rows.groupby(keys, sort=False)
+        if changes_work(str(group.iloc[0]["outputs"]))
+    ]
+
+
 def flagged_frame(c: Comparison) -> pd.DataFrame:
-    """One row per flagged comparison: where, which metric, A -> B (change [interval]), faster or slower."""
+    """One row per flagged comparison: where, which metric, A -> B (change [interval]), faster or slower, and
+    whether the two sides generated the same text (the column left out where no flagged row's texts were known)."""
     titles = dict(SUMMARY_METRICS)
     out = [
         {
@@ -63,10 +79,13 @@ def flagged_frame(c: Comparison) -> pd.DataFrame:
             "metric": titles.get(r["metric"], r["metric"]),
             "A → B (change [interval])": change_text(r),
             "flagged": outcome(str(r["verdict"])),
+            "outputs": r.get("outputs", ""),
         }
         for _, r in c.flagged.iterrows()
     ]
-    return pd.DataFrame(out, columns=["configuration", "metric", "A → B (change [interval])", "flagged"])
+    frame = pd.DataFrame(out, columns=["configuration", "metric", "A → B (change [interval])", "flagged", "outputs"])
+    # the outputs column only where a flagged row's texts were compared (an engine that streams none says nothing)
+    return frame if (frame["outputs"].fillna("") != "").any() else frame.drop(columns=["outputs"])
 
 
 def terminal_text(c: Comparison) -> str:
@@ -79,4 +98,12 @@ def terminal_text(c: Comparison) -> str:
         lines += ["", f"flagged ({rule}, tested over {c.level}):", markdown_table(flagged_frame(c)).rstrip("\n")]
     else:
         lines.append(f"nothing flagged: no change is {rule} (tested over {c.level})")
+    differ = differing_outputs(c)
+    if differ:
+        lines += [
+            "",
+            f"generated other text in A and B ({len(differ)}): their decode figures measured other tokens, so a "
+            "change there is partly other work, not only the engine (benchsuite.report.outputs):",
+        ]
+        lines += [f"- {entry}" for entry in differ]
     return "\n".join(lines)

@@ -257,6 +257,9 @@ class RunFacts:
     has_gpu: bool
     model: RunModel
     identity: tuple[str | None, str | None, str]  # (git commit, git tree, matrix hash): compare's A/A check
+    # the measuring code's trees (GitFacts.code: benchsuite, paged_experts), sorted; None where the run did not
+    # record them: compare's A/A check across commits that changed none of that code
+    code: tuple[tuple[str, str], ...] | None = None
     # `run --ray`: node id -> its machine facts (Manifest.nodes; report/nodes.py); empty without --ray
     nodes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # the cells the run planned, named (report/planned.py); none in a manifest older than `planned`
@@ -281,6 +284,7 @@ def read_run_facts(manifest: Manifest, run_dir: Path) -> RunFacts:
         else bool(manifest.machine.gpus),
         model=_model(manifest, run_dir),
         identity=(manifest.git.commit, manifest.git.tree, manifest.matrix_hash),
+        code=tuple(sorted(manifest.git.code.items())) if manifest.git.code else None,
         nodes=dict(manifest.nodes),
         planned=read_planned(manifest),
     )
