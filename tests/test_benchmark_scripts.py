@@ -197,6 +197,36 @@ def test_the_median_ratio_test_tells_a_shift_from_noise() -> None:
     assert p > 0.2  # the same spread, medians within it
 
 
+def test_prefill_ab_compares_two_settings_prompt_by_prompt(tmp_path: Path) -> None:
+    """benchmarks/prefill_ab.py: per cell, each file's median over its measured prompts (the warm-up left out), the
+    sides' pooled medians, their ratio and a shuffle test's p, the host plan and the collector's time a side."""
+
+    def write(name: str, prefill_s: list[float], gc_full: int = 0) -> Path:
+        warm_up = {"prefill_s": 9.0, "prefill": {"host_plan_s": 9.0}, "gc_s": 1.0, "gc_collections": [0, 0, 5]}
+        runs = [warm_up]
+        runs += [{"prefill_s": v, "prefill": {"host_plan_s": v * 0.75}, "gc_s": 0.001,
+                  "gc_collections": [1, 0, gc_full if i == 0 else 0]} for i, v in enumerate(prefill_s)]  # fmt: skip
+        cells = [{"cell": "paged:54/model", "runs": runs}, {"cell": "broken", "error": "OOM"}]
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"cells": cells}))
+        return path
+
+    slow = [write("off1", [0.60, 0.61, 0.62, 0.59], gc_full=1), write("off2", [0.58, 0.60, 0.63, 0.61])]
+    fast = [write("on1", [0.50, 0.51, 0.52, 0.49]), write("on2", [0.48, 0.50, 0.53, 0.51])]
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "prefill_ab.py"), "--a", *map(str, slow),
+                           "--b", *map(str, fast), "--names", "off,on"], capture_output=True, text=True,
+                          check=False, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    header, row, *rest = proc.stdout.splitlines()
+    assert not rest and header.split()[:3] == ["cell", "files", "off"] and "on/off" in header  # the failed cell: out
+    fields = row.split()
+    assert fields[0] == "paged:54/model" and fields[1:5] == ["0.605", "0.605", "0.505", "0.505"]  # each file's median
+    assert fields[5:7] == ["0.605", "0.505"] and float(fields[7]) == pytest.approx(0.505 / 0.605, abs=1e-3)
+    assert float(fields[8]) < 0.01  # every prompt of B faster than every one of A
+    assert fields[9:11] == ["0.454", "0.379"]  # the host plan, pooled medians (0.75 of each prefill)
+    assert fields[11] == "8.0/8.0" and fields[12] == "1/0"  # collector ms a side (warm-up left out), full ones
+
+
 def test_decode_benchmark_runs_on_the_cpu_and_records_its_weights(tmp_path: Path) -> None:
     # fmt: off
     record = run_benchmark(
