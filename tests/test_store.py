@@ -177,7 +177,10 @@ def test_gpu_facts_parse_nvidia_smi_and_unknowns_stay_none(monkeypatch: pytest.M
                                  "pcie_gen": 5, "pcie_width": 16, "pcie_gen_max": 5, "pcie_width_max": 16}  # fmt: skip
     assert laptop.pcie_gen is None and laptop.pcie_width == 8
     assert laptop.model_dump()["pcie_gen"] is None  # an unknown is written as null, not left out
-    assert machine.git_facts().model_dump() == {"commit": None, "dirty": None, "tree": None, "source": None}
+    # no git: no commit, but the code is still named by its files' hashes (tests/test_code_provenance.py)
+    no_git = machine.git_facts().model_dump()
+    assert {k: no_git[k] for k in ("commit", "dirty", "tree")} == {"commit": None, "dirty": None, "tree": None}
+    assert no_git["source"] == machine.FILES_SOURCE and set(no_git["code"]) == set(machine.CODE_DIRS)
     monkeypatch.setattr(machine, "_run", lambda argv: None)
     assert machine.gpu_facts() == []
 

@@ -148,7 +148,9 @@ def git_facts(source_dir: Path = _SOURCE_DIR) -> GitFacts:
             dirty = None if status is None else bool(status.strip())
             tree = working_tree_hash(where) if dirty else commit_tree(where)
             return GitFacts(commit=commit.strip(), dirty=dirty, tree=tree, source=label, code=code_trees(where, tree))
-    return GitFacts(commit=None, dirty=None, tree=None, source=None)
+    # no checkout (an unpacked archive, an installed wheel): the code is still named, by its files' content
+    code = installed_code_trees()
+    return GitFacts(commit=None, dirty=None, tree=None, source=FILES_SOURCE if code else None, code=code)
 
 
 CODE_DIRS = ("benchsuite", "paged_experts")  # what measures: the engine, the load generator, the records
@@ -165,6 +167,73 @@ def code_trees(where: Path, tree: str | None) -> dict[str, str] | None:
             return None
         code[name] = out.strip()
     return code
+
+
+FILES_SOURCE = "files (no git checkout)"
+# what a checkout's tracked files never hold but a running copy does (bytecode, an install's metadata)
+_NOT_SOURCE_DIRS = ("__pycache__",)
+_NOT_SOURCE_SUFFIXES = (".pyc", ".pyo", ".egg-info", ".dist-info")
+
+
+def installed_code_trees() -> dict[str, str] | None:
+    """{directory: content_tree_hash} of CODE_DIRS as imported (None when one is missing): the same hashes a
+    checkout's `git rev-parse COMMIT:benchsuite` gives, where the files are that commit's."""
+    import importlib.util
+
+    code = {}
+    for name in CODE_DIRS:
+        spec = importlib.util.find_spec(name)
+        places = list(spec.submodule_search_locations or []) if spec is not None else []
+        digest = content_tree_hash(Path(places[0])) if places else None
+        if digest is None:
+            return None
+        code[name] = digest
+    return code
+
+
+def content_tree_hash(directory: Path) -> str | None:
+    """Git's tree hash of a directory's files as they are on disk, computed without git (None when it is not a
+    directory): blobs of each file's bytes (a symlink's target), modes 100644 / 100755 / 120000 / 40000, entries
+    sorted as git sorts them (a directory's name with a '/' after it), empty directories left out as git leaves
+    them. Bytecode and install metadata (_NOT_SOURCE_DIRS, _NOT_SOURCE_SUFFIXES) are skipped, so an unpacked
+    `git archive` of a commit hashes to that commit's tree of the directory whether or not it ran."""
+    import hashlib
+
+    if not directory.is_dir() or directory.is_symlink():
+        return None
+
+    def git_object(kind: bytes, body: bytes) -> bytes:
+        return hashlib.sha1(kind + b" " + str(len(body)).encode() + b"\0" + body).digest()  # noqa: S324 (git's hash)
+
+    entries: list[tuple[bytes, bytes, bytes]] = []  # (sort key, mode, digest) ... name kept in the key
+    for path in directory.iterdir():
+        name = path.name
+        if name in _NOT_SOURCE_DIRS or name.endswith(_NOT_SOURCE_SUFFIXES):
+            continue
+        raw = os.fsencode(name)
+        if path.is_symlink():
+            entries.append((raw, b"120000", git_object(b"blob", os.fsencode(os.readlink(path)))))
+        elif path.is_dir():
+            sub = content_tree_hash(path)
+            if sub is not None and any(True for _ in _source_files(path)):
+                entries.append((raw + b"/", b"40000", bytes.fromhex(sub)))
+        elif path.is_file():
+            mode = b"100755" if os.access(path, os.X_OK) else b"100644"
+            entries.append((raw, mode, git_object(b"blob", path.read_bytes())))
+    body = b"".join(mode + b" " + key.rstrip(b"/") + b"\0" + digest for key, mode, digest in sorted(entries))
+    return git_object(b"tree", body).hex()
+
+
+def _source_files(directory: Path) -> list[Path]:
+    """The files content_tree_hash would hash under a directory (empty: git keeps no tree for it)."""
+    found = []
+    for path in directory.rglob("*"):
+        parts = path.relative_to(directory).parts
+        if any(p in _NOT_SOURCE_DIRS or p.endswith(_NOT_SOURCE_SUFFIXES) for p in parts):
+            continue
+        if path.is_file() or path.is_symlink():
+            found.append(path)
+    return found
 
 
 def commit_tree(where: Path) -> str | None:
