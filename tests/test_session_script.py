@@ -33,6 +33,12 @@ esac
 echo "$(date +%s.%N) end $*" >> "$CALLS"
 """
 
+# the card the session script asks nvidia-smi for (RUN_PREFIX's default): none unless a test sets FAKE_GPU
+GPU_STAND_IN = """#!/bin/bash
+[ -n "$FAKE_GPU" ] || exit 9
+echo "$FAKE_GPU"
+"""
+
 
 def _queue(
     tmp_path: Path, fail: bool, build_s: float = 0.0, more_env: dict[str, str] | None = None
@@ -47,6 +53,9 @@ def _queue(
     stand_in = bin_dir / "python3"
     stand_in.write_text(STAND_IN)
     stand_in.chmod(stand_in.stat().st_mode | stat.S_IEXEC)
+    gpu = bin_dir / "nvidia-smi"  # this machine's own card, if any, names no run here
+    gpu.write_text(GPU_STAND_IN)
+    gpu.chmod(gpu.stat().st_mode | stat.S_IEXEC)
     calls = tmp_path / "calls.log"
     if build_s:
         build = subprocess.Popen(["sleep", str(build_s)])  # noqa: S603, S607 - a stand-in job
@@ -55,7 +64,7 @@ def _queue(
         (tmp_path / "build_end").write_text(str(time.time() + build_s))
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
            "SESSION_COPY": str(copy), "SESSION_JOBS": str(jobs), "CALLS": str(calls),
-           "FAIL_TESTS": "1" if fail else "", **(more_env or {})}  # fmt: skip
+           "FAIL_TESTS": "1" if fail else "", "FAKE_GPU": "", "RUN_PREFIX": "", **(more_env or {})}  # fmt: skip
     started = time.monotonic()
     done = subprocess.run(["bash", str(SCRIPT), "queue", "cuda", "paged16", "ttft"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
@@ -111,6 +120,23 @@ def test_the_queue_takes_its_test_files_and_a_run_id_suffix_from_the_environment
         "start -m benchsuite run configs/h200/paged16.yaml --run-id h200-paged16-b --no-report",
         "start -m benchsuite run configs/h200/ttft.yaml --run-id h200-ttft-b --no-report",
     ], calls
+
+
+def test_the_run_ids_name_the_card_that_measured_them(tmp_path: Path) -> None:
+    """RUN_PREFIX defaults to the card nvidia-smi names (h100 on an H100, the matrices' h200 otherwise), so a run
+    on a card other than the one asked for does not take the H200's name; set, it is used as given."""
+    for name in ("h100", "h200", "set"):
+        (tmp_path / name).mkdir()
+    calls, _ = _queue(tmp_path / "h100", fail=False, more_env={"FAKE_GPU": "NVIDIA H100 80GB HBM3"})
+    runs = [line.split("--run-id ")[1].split()[0] for line in calls if " start " in f" {line} " and "--run-id" in line]
+    assert runs == ["h100-paged16", "h100-ttft"], calls
+    calls, _ = _queue(tmp_path / "h200", fail=False, more_env={"FAKE_GPU": "NVIDIA H200"})
+    runs = [line.split("--run-id ")[1].split()[0] for line in calls if " start " in f" {line} " and "--run-id" in line]
+    assert runs == ["h200-paged16", "h200-ttft"], calls
+    more = {"FAKE_GPU": "NVIDIA H100 80GB HBM3", "RUN_PREFIX": "lab", "RUN_SUFFIX": "-b"}
+    calls, _ = _queue(tmp_path / "set", fail=False, more_env=more)
+    runs = [line.split("--run-id ")[1].split()[0] for line in calls if " start " in f" {line} " and "--run-id" in line]
+    assert runs == ["lab-paged16-b", "lab-ttft-b"], calls
 
 
 def test_the_queue_runs_only_the_servers_named_in_run_only(tmp_path: Path) -> None:
