@@ -19,7 +19,7 @@ from benchsuite.tools.machine import GitFacts, MachineFacts, machine_facts
 
 ROOT = Path(__file__).resolve().parents[1]
 STORED = [
-    *sorted((ROOT / "results").glob("h200-*/manifest.json")),
+    *sorted((ROOT / "results").glob("h[12]00-*/manifest.json")),  # the device machine's runs (.gitignore)
     ROOT / "tests/data/report_fixture/manifest.json",
 ]
 
