@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ case "$*" in
   *pytest*) sleep 1
     if [ -n "$FAIL_TESTS" ]; then echo "Fatal Python error: Segmentation fault"; exit 139; fi
     echo "61 passed in 1.0s" ;;
-  *"benchsuite run"*) sleep 0.5; echo "run done" ;;
+  *"benchsuite run"*) echo "$PWD $*" >> "$CALLS.cwd"; sleep 0.5; echo "run done" ;;
 esac
 echo "$(date +%s.%N) end $*" >> "$CALLS"
 """
@@ -41,7 +42,11 @@ echo "$FAKE_GPU"
 
 
 def _queue(
-    tmp_path: Path, fail: bool, build_s: float = 0.0, more_env: dict[str, str] | None = None
+    tmp_path: Path,
+    fail: bool,
+    build_s: float = 0.0,
+    more_env: dict[str, str] | None = None,
+    copy_setup: Callable[[Path], None] | None = None,
 ) -> tuple[list[str], str]:
     """Queues `cuda paged16 ttft`; with build_s, a stand-in build job still running that long (its pid in
     jobs/build.pid, as `detach` writes it)."""
@@ -50,6 +55,8 @@ def _queue(
     bin_dir, copy, jobs = tmp_path / "bin", tmp_path / "copy", tmp_path / "jobs"
     for d in (bin_dir, copy, jobs):
         d.mkdir()
+    if copy_setup is not None:
+        copy_setup(copy)
     stand_in = bin_dir / "python3"
     stand_in.write_text(STAND_IN)
     stand_in.chmod(stand_in.stat().st_mode | stat.S_IEXEC)
@@ -64,6 +71,7 @@ def _queue(
         (tmp_path / "build_end").write_text(str(time.time() + build_s))
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
            "SESSION_COPY": str(copy), "SESSION_JOBS": str(jobs), "CALLS": str(calls),
+           "SESSION_BASE": str(tmp_path / "base"),
            "FAIL_TESTS": "1" if fail else "", "FAKE_GPU": "", "RUN_PREFIX": "", **(more_env or {})}  # fmt: skip
     started = time.monotonic()
     done = subprocess.run(["bash", str(SCRIPT), "queue", "cuda", "paged16", "ttft"], cwd=tmp_path, env=env,
@@ -137,6 +145,40 @@ def test_the_run_ids_name_the_card_that_measured_them(tmp_path: Path) -> None:
     calls, _ = _queue(tmp_path / "set", fail=False, more_env=more)
     runs = [line.split("--run-id ")[1].split()[0] for line in calls if " start " in f" {line} " and "--run-id" in line]
     assert runs == ["lab-paged16-b", "lab-ttft-b"], calls
+
+
+def _git_copy(copy: Path) -> None:
+    """The copy as prepare leaves it: a checkout with its .git (here one commit of one file)."""
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}  # fmt: skip
+    (copy / "marker.txt").write_text("the base commit's tree\n")
+    for argv in (["init", "-q"], ["add", "marker.txt"], ["commit", "-q", "-m", "base"], ["tag", "base"]):
+        subprocess.run(["git", *argv], cwd=copy, env=env, check=True, capture_output=True)
+
+
+def test_a_base_commit_measures_each_run_again_by_its_own_code(tmp_path: Path) -> None:
+    """BASE_COMMIT: after each run, the same run id with -base, run from that commit's unpacked tree (an A/B on
+    whichever card came, both sides on it); the tree is unpacked once, so the second base run keeps the first's
+    results; a commit the copy's .git lacks skips the base runs, said in the log, and the head runs still go."""
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+    calls, log = _queue(tmp_path, fail=False, more_env={"BASE_COMMIT": "base", "RUN_SUFFIX": "-e"},
+                        copy_setup=_git_copy)  # fmt: skip
+    cwd = (tmp_path / "calls.log.cwd").read_text().splitlines()
+    base = tmp_path / "base"
+    runs = [(line.split()[0], line.split("--run-id ")[1].split()[0]) for line in cwd]
+    assert runs == [
+        (str(tmp_path / "copy"), "h200-paged16-e"), (str(base), "h200-paged16-e-base"),
+        (str(tmp_path / "copy"), "h200-ttft-e"), (str(base), "h200-ttft-e-base"),
+    ], cwd  # fmt: skip
+    assert (base / "marker.txt").read_text() == "the base commit's tree\n" and (base / ".base_commit").is_file()
+    assert "paged16 base exit 0" in log and "ttft base exit 0" in log
+    missing = tmp_path / "missing"
+    missing.mkdir()
+    calls, log = _queue(missing, fail=False, more_env={"BASE_COMMIT": "no-such-commit"}, copy_setup=_git_copy)
+    ran = [line.split("--run-id ")[1].split()[0] for line in (missing / "calls.log.cwd").read_text().splitlines()]
+    assert ran == ["h200-paged16", "h200-ttft"] and "ttft exit 0" in log, log
+    assert re.search(r"^paged16 base exit [1-9]", log, re.M) and "not a valid object name" in log, log
 
 
 def test_the_queue_runs_only_the_servers_named_in_run_only(tmp_path: Path) -> None:

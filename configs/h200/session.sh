@@ -37,6 +37,10 @@
 # its committed results.
 # RUN_PREFIX (default: h100 where nvidia-smi names an H100, else h200): the run ids' first part, so a run says which
 # card measured it (2026-12-05 an H100 was lent for an H200 and its run took the name h200-headline-e).
+# BASE_COMMIT (default none): each queued run is measured again right after, by that commit's code (`git archive`
+# of the copy's .git into SESSION_BASE, /root/bs-base by default) as run id ...-base: an A/B on whichever card was
+# lent, both sides on it (2026-12-05 an H100 came for the H200, and the baseline ran by hand). Compare them here:
+# `benchsuite compare results/RUN-base results/RUN`, `benchmarks/prefill_speeds.py results/RUN --against ...-base`.
 # RUN_ONLY (default none): the servers each queued run measures ("paged-fp8 paged-fp8-synthetic": `benchsuite run
 # --only` for each), when a session has device time for part of a matrix; the same run id without it measures the rest.
 #
@@ -47,6 +51,7 @@ set -uo pipefail
 OUT="${OUT:-/tmp/out}"
 COPY="${SESSION_COPY:-/root/bs}"  # the copy the jobs run from (tests/test_session_script.py points both elsewhere)
 JOBS="${SESSION_JOBS:-/root/jobs}"
+BASE="${SESSION_BASE:-/root/bs-base}"  # BASE_COMMIT's code, unpacked (tests/test_session_script.py points it elsewhere)
 CUDA_TESTS="${CUDA_TESTS:-tests/cuda}"
 # the jobs poll waits for and collect packs no trace beside (SESSION_BUSY: tests/test_session_script.py's own)
 BUSY="${SESSION_BUSY:-benchsuite (install|run|gguf)|synth_memory|llamacpp_flags_h200|eviction_policies}"
@@ -98,10 +103,10 @@ collect() {  # the jobs' logs and the runs' results into $OUT (at most 8 files c
   for f in "$JOBS"/*.log; do [ -f "$f" ] && tail -c 2000000 "$f" > "$OUT/$(basename "$f")"; done
   compgen -G "$JOBS/policies-*.txt" > /dev/null && tar -C "$JOBS" -czf "$OUT/policies.tar.gz" $(cd "$JOBS" && ls policies-*.txt)
   [ -d "$JOBS/flags" ] && tar -C "$JOBS" -czf "$OUT/h200-flags.tar.gz" flags 2>/dev/null
-  for dir in "$COPY"/results/h[12]00-*; do  # this session's runs only: prepare emptied the copy's results/
-    # without routing traces (record_routing: tens of MB a server, over what a call brings back; `policies` reads
-    # them there): the run's cells carry their realized and optimal hit rates
-    [ -d "$dir" ] && tar -C "$COPY/results" --exclude=routing -czf "$OUT/$(basename "$dir").tar.gz" "$(basename "$dir")" 2>/dev/null
+  for dir in "$COPY"/results/h[12]00-* "$BASE"/results/h[12]00-*; do  # this session's runs only: prepare emptied
+    # the copy's results/ and a base run unpacks its code anew; without routing traces (record_routing: tens of MB a
+    # server, over what a call brings back; `policies` reads them there): the cells carry their hit rates
+    [ -d "$dir" ] && tar -C "$(dirname "$dir")" --exclude=routing -czf "$OUT/$(basename "$dir").tar.gz" "$(basename "$dir")" 2>/dev/null
   done
 }
 
@@ -253,7 +258,17 @@ case "${1:-}" in
     for job in "$@"; do
       case "$job" in
         cuda) first="python3 -m pytest $CUDA_TESTS -m cuda -q -p no:cacheprovider -o addopts= > $JOBS/cuda.log 2>&1; echo \$? > $JOBS/cuda.rc; echo \"cuda exit \$(cat $JOBS/cuda.rc)\"; tail -n 3 $JOBS/cuda.log" ;;
-        headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|window|policyconfirm|prefetch) steps="$steps; $guard; python3 -m benchsuite run configs/h200/$job.yaml --run-id $RUN_PREFIX-$job${RUN_SUFFIX:-}$only --no-report; echo \"$job exit \$?\"" ;;
+        headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|window|policyconfirm|prefetch)
+          run="python3 -m benchsuite run configs/h200/$job.yaml --run-id $RUN_PREFIX-$job${RUN_SUFFIX:-}"
+          steps="$steps; $guard; $run$only --no-report; echo \"$job exit \$?\""
+          # then the same run by the base commit's code (its own matrix file, its own results/), unpacked once per
+          # commit (.base_commit says which; a second run keeps the first's results): `git archive` fails loudly on
+          # a commit the copy's .git does not have, and the base run is skipped, said in the log
+          unpack="[ \"\$(cat $BASE/.base_commit 2> /dev/null)\" = \"${BASE_COMMIT:-}\" ] || (set -o pipefail; \
+            rm -rf $BASE && mkdir -p $BASE && git archive ${BASE_COMMIT:-} | tar -x -C $BASE \
+            && echo ${BASE_COMMIT:-} > $BASE/.base_commit)"
+          [ -z "${BASE_COMMIT:-}" ] || steps="$steps; $guard; ($unpack) && (cd $BASE && PYTHONPATH=$BASE:/tmp/site \
+            $run-base$only --no-report); echo \"$job base exit \$?\"" ;;
         flags) steps="$steps; $guard; $FLAGS_CMD; echo \"flags exit \$?\"" ;;
         policies) steps="$steps; $POLICIES_CMD; echo \"policies exit \$?\"" ;;
         *) echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|window|policyconfirm|prefetch|flags|policies ..." >&2; exit 2 ;;
