@@ -97,14 +97,16 @@ def runs_test(slow: list[bool], cells: list[str], shuffles: int = 4000, seed: in
 
 def median_ratio_test(base: list[float], new: list[float], shuffles: int = 20000, seed: int = 0) -> tuple[float, float]:
     """(median(new) / median(base), p: the share of `shuffles` random splits of the pooled values into groups of the
-    same sizes whose medians differ by at least as much as the observed ones). Both groups must be non-empty."""
+    same sizes whose medians differ by at least as much as the observed ones, counting the observed split itself,
+    so p is never 0: (k + 1) / (shuffles + 1)). Both groups must be non-empty."""
     a, b = np.asarray(base, dtype=float), np.asarray(new, dtype=float)
     observed = abs(float(np.median(b) - np.median(a)))
     pooled = np.tile(np.concatenate([a, b]), (shuffles, 1))  # [shuffles, n_a + n_b]
     pooled = np.random.default_rng(seed).permuted(pooled, axis=1)
     diffs = np.abs(np.median(pooled[:, a.size :], axis=1) - np.median(pooled[:, : a.size], axis=1))
     # a tolerance for float noise, so a shuffle that reproduces the observed split counts as "as much"
-    return float(np.median(b) / np.median(a)), float(np.mean(diffs >= observed - 1e-12))
+    as_much = int(np.count_nonzero(diffs >= observed - 1e-12))
+    return float(np.median(b) / np.median(a)), (as_much + 1) / (shuffles + 1)
 
 
 def paged_cells(run_dir: Path, prompt_class: str) -> tuple[str, pd.DataFrame, pd.DataFrame]:
@@ -122,21 +124,28 @@ def paged_cells(run_dir: Path, prompt_class: str) -> tuple[str, pd.DataFrame, pd
 
 def compare(base: pd.DataFrame, new: pd.DataFrame) -> list[dict[str, object]]:
     """Per (server, routing, concurrency) in both runs: each figure's medians over the measured requests, their
-    ratio (new over base) and p (median_ratio_test)."""
+    ratio (new over base) and p (median_ratio_test); one in a single run gets a row with its requests counted and
+    no figure (`only`: which run has it)."""
     keys = ["server_id", "routing", "concurrency"]
     rows: list[dict[str, object]] = []
     base_measured, new_measured = (r[~r["warmup"].astype(bool)] for r in (base, new))
     for key, mine in new_measured.groupby(keys):
         theirs = base_measured[(base_measured[keys] == pd.Series(key, index=keys)).all(axis=1)]
         row: dict[str, object] = dict(zip(keys, key)) | {"base_requests": len(theirs), "requests": len(mine)}
+        if theirs.empty:
+            rows.append(row | {"only": "this run"})
+            continue
         for figure in ("prompt_ms", "issue_ms", "host_plan_ms"):
             a, b = (pd.to_numeric(r[figure], errors="coerce").dropna().tolist() for r in (theirs, mine))
             if a and b:
                 ratio, p = median_ratio_test(a, b)
                 row |= {f"{figure}_base": statistics.median(a), figure: statistics.median(b),
                         f"{figure}_ratio": ratio, f"{figure}_p": p}  # fmt: skip
-        if len(row) > len(keys) + 2:
-            rows.append(row)
+        rows.append(row)
+    seen = {tuple(r[k] for k in keys) for r in rows}
+    for key, theirs in base_measured.groupby(keys):
+        if tuple(key) not in seen:
+            rows.append(dict(zip(keys, key)) | {"base_requests": len(theirs), "requests": 0, "only": "the base run"})
     return rows
 
 
@@ -191,7 +200,7 @@ def main() -> None:
             f"\n== against {base_id}: medians over each server's measured requests (n: {base_id}'s / this run's); "
             f"each figure as {base_id}'s, this run's, their ratio, p"
         )
-        print("{:<13} {:<26} {:>2} {:>7}  {:<29}  {:<29}  {}".format(
+        print("{:<13} {:<26} {:>2} {:>7}  {:<27}  {:<27}  {}".format(
             "server", "routing", "c", "n", "prompt_ms", "issue_ms", "plan/layer ms"))  # fmt: skip
         for row in compare(base, requests):
             figures = []
@@ -200,9 +209,10 @@ def main() -> None:
                     figures.append(f"{row[f'{figure}_base']:{spec}} {row[figure]:{spec}} "
                                    f"{row[f'{figure}_ratio']:5.3f} {row[f'{figure}_p']:5.3f}")  # fmt: skip
                 else:
-                    figures.append(f"{'-':<29}")
+                    figures.append(f"{'-':<27}")
             n = f"{row['base_requests']}/{row['requests']}"
-            print(f"{row['server_id']:<13} {row['routing']:<26} {row['concurrency']:>2} {n:>7}  " + "  ".join(figures))
+            said = f"only in {row['only']}" if "only" in row else "  ".join(figures)
+            print(f"{row['server_id']:<13} {row['routing']:<26} {row['concurrency']:>2} {n:>7}  {said}".rstrip())
 
 
 if __name__ == "__main__":

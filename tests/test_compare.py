@@ -30,6 +30,7 @@ def make_run(
     texts: dict[str, list[str]] | None = None,
     routing: str = "model",
     code: dict[str, str] | None = None,
+    mode: str = "paged",
 ) -> Path:
     """configs: name -> decode tok/s of each repeat (one cell per value); every request of a cell
     decodes at the cell's rate times a factor within +-request_spread; texts: name -> the text each of its
@@ -59,7 +60,7 @@ def make_run(
                 run_id=run_id,
                 engine="tiny",
                 engine_kind="builtin",
-                mode="paged",
+                mode=mode,
                 server_id="s",
                 params={"resident_experts": name},
                 workload="w",
@@ -312,4 +313,11 @@ def test_the_comparison_says_where_the_two_sides_generated_other_text(
     row = compare_runs(a, b).rows.iloc[0]
     assert row["outputs"] == "differ: 2 of 8 prompts (synthetic routing: the same experts)"
     assert cli_main(["compare", str(a), str(b), "--out", str(tmp_path / "so")]) == 0
+    assert "generated other text" not in capsys.readouterr().out
+    # every expert resident: other text is the same work a token, said in the row, not named
+    a = make_run(tmp_path / "r", "a", {"flipped": [100.0, 99.0]}, texts={"flipped": texts}, mode="resident")
+    b = make_run(tmp_path / "r", "b", {"flipped": [100.0, 99.0]}, commit="beef", texts={"flipped": other},
+                 mode="resident")  # fmt: skip
+    assert compare_runs(a, b).rows.iloc[0]["outputs"] == "differ: 2 of 8 prompts (not paged: the same work a token)"
+    assert cli_main(["compare", str(a), str(b), "--out", str(tmp_path / "ro")]) == 0
     assert "generated other text" not in capsys.readouterr().out

@@ -40,3 +40,5 @@ def test_two_sides_are_the_same_only_where_every_shared_prompt_generated_the_sam
     synthetic = outputs_status(a, {"p0": frozenset({"q"})}, synthetic=True)
     assert synthetic.startswith("differ: 1 of 1 prompts") and not changes_work(synthetic)
     assert changes_work("differ: 1 of 1 prompts") and not changes_work(SAME) and not changes_work("")
+    resident = outputs_status(a, {"p0": frozenset({"q"})}, paged=False)  # every expert resident: the same work
+    assert resident == "differ: 1 of 1 prompts (not paged: the same work a token)" and not changes_work(resident)

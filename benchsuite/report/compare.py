@@ -188,7 +188,8 @@ def compare_runs(
     rows, estimates = [], []
     for key in sorted(set(a.labels) & set(b.labels), key=str):
         texts_a, texts_b = (texts_by_prompt(side.requests, _ok_cell_ids(side, key)) for side in (a, b))
-        outputs = outputs_status(texts_a, texts_b, synthetic=is_synthetic(str(key[MATCH_KEYS.index("routing")])))
+        routing, mode = (str(key[MATCH_KEYS.index(k)]) for k in ("routing", "mode"))
+        outputs = outputs_status(texts_a, texts_b, synthetic=is_synthetic(routing), paged=mode == "paged")
         for spec in METRIC_SPECS:
             (xs, ids_a), (ys, ids_b) = _values(a, key, spec, level), _values(b, key, spec, level)
             estimate = stats.ratio_estimate(ys, xs, alpha)

@@ -57,8 +57,9 @@ def counts_line(c: Comparison) -> str:
 
 
 def differing_outputs(c: Comparison) -> list[str]:
-    """'configuration · workload · prompt class · c=N (differ: k of n prompts)' where the sides' texts differ under
-    the model's routing (under synthetic routing other text routes to the same experts)."""
+    """'configuration · workload · prompt class · c=N (differ: k of n prompts)' where the sides' texts differ in a
+    paged configuration under the model's routing (under synthetic routing other text routes to the same experts;
+    outside paged mode a token of other text costs the same work)."""
     if not len(c.rows) or "outputs" not in c.rows:
         return []
     keys = ["configuration", "workload", "prompt_class", "concurrency"]

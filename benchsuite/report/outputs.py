@@ -16,7 +16,9 @@ prompt id, the set of texts its requests generated (over the side's repeats and 
 sides sent generated the same texts; "differ: k of n prompts"; "" where a side carried no text or no prompt id
 (an engine that streams none, a run stored before `output_text`): unknown, not "same". Under synthetic routing
 (paged_experts' router draws each token's experts from (seed, request, position)) other text routes to the same
-experts: `outputs_status(..., synthetic=True)` says so, and `changes_work` is False for it.
+experts: `outputs_status(..., synthetic=True)` says so, and `changes_work` is False for it. Only a paged engine
+reads its tokens' routing off the link: in other modes (resident, offload, llama.cpp's CPU experts) a token of
+other text costs the same work, which `outputs_status(..., paged=False)` says instead.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import pandas as pd
 
 SAME = "same"
 SYNTHETIC_NOTE = "synthetic routing: the same experts"
+UNPAGED_NOTE = "not paged: the same work a token"
 
 
 def texts_by_prompt(requests: pd.DataFrame, cell_ids: Iterable[str]) -> dict[str, frozenset[str]]:
@@ -47,18 +50,21 @@ def texts_by_prompt(requests: pd.DataFrame, cell_ids: Iterable[str]) -> dict[str
     return {prompt: frozenset(digests) for prompt, digests in found.items()}
 
 
-def outputs_status(a: dict[str, frozenset[str]], b: dict[str, frozenset[str]], synthetic: bool = False) -> str:
-    """SAME, "differ: k of n prompts" (n: the prompts both sides sent; under synthetic routing with SYNTHETIC_NOTE
-    after it), or "" when either side said nothing."""
+def outputs_status(
+    a: dict[str, frozenset[str]], b: dict[str, frozenset[str]], synthetic: bool = False, paged: bool = True
+) -> str:
+    """SAME, "differ: k of n prompts" (n: the prompts both sides sent; with UNPAGED_NOTE after it outside paged
+    mode, SYNTHETIC_NOTE under synthetic routing), or "" when either side said nothing."""
     shared = sorted(set(a) & set(b))
     if not shared:
         return ""
     differ = sum(1 for prompt in shared if a[prompt] != b[prompt])
     if differ == 0:
         return SAME
-    return f"differ: {differ} of {len(shared)} prompts" + (f" ({SYNTHETIC_NOTE})" if synthetic else "")
+    note = UNPAGED_NOTE if not paged else SYNTHETIC_NOTE if synthetic else None
+    return f"differ: {differ} of {len(shared)} prompts" + (f" ({note})" if note else "")
 
 
 def changes_work(status: str) -> bool:
-    """Whether an outputs_status says the two sides decoded other work: other text under the model's routing."""
-    return status.startswith("differ") and SYNTHETIC_NOTE not in status
+    """Whether an outputs_status says the two sides decoded other work: other text, paged, the model's routing."""
+    return status.startswith("differ") and SYNTHETIC_NOTE not in status and UNPAGED_NOTE not in status
