@@ -14,7 +14,7 @@ import pytest
 from benchsuite.tools import machine
 from benchsuite.tools.machine import FILES_SOURCE, content_tree_hash
 
-pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git to check the hashes against")
+needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="needs git to check the hashes against")
 
 
 def _git(cwd: Path, *args: str) -> str:
@@ -23,6 +23,7 @@ def _git(cwd: Path, *args: str) -> str:
     return subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True, check=True).stdout.strip()
 
 
+@needs_git
 def test_the_content_hash_is_gits_tree_hash_of_the_same_files(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     pkg = repo / "pkg"
@@ -30,9 +31,11 @@ def test_the_content_hash_is_gits_tree_hash_of_the_same_files(tmp_path: Path) ->
     (pkg / "__init__.py").write_text("x = 1\n")
     (pkg / "sub" / "mod.py").write_text("y = 2\n")
     (pkg / "sub" / "deeper" / "data.bin").write_bytes(bytes(range(256)))
-    (pkg / "sub-file.txt").write_text("sorted after 'sub/' by git, before it by name\n")
+    (pkg / "sub-file.txt").write_text("sorted before 'sub/' by git ('-' < '/'), after 'sub' by name\n")
     (pkg / "run.sh").write_text("#!/bin/sh\n")
     (pkg / "run.sh").chmod(0o755)
+    (pkg / "others.sh").write_text("#!/bin/sh\n")
+    (pkg / "others.sh").chmod(0o655)  # executable by group and others, not the owner: git stores 100644
     (pkg / "link").symlink_to("sub/mod.py")
     _git(repo.parent, "init", "-q", str(repo))
     _git(repo, "add", ".")
@@ -52,6 +55,7 @@ def test_the_content_hash_is_gits_tree_hash_of_the_same_files(tmp_path: Path) ->
     assert content_tree_hash(tmp_path / "missing") is None
 
 
+@needs_git
 def test_an_unpacked_archive_of_this_checkout_names_its_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """This checkout's own packages, as `git archive` unpacks them (no .git): the hashes the manifest gets are
     the commit's trees, so `git rev-parse COMMIT:benchsuite` finds which code ran."""
@@ -72,11 +76,26 @@ def test_an_unpacked_archive_of_this_checkout_names_its_commit(tmp_path: Path, m
     assert facts.code == {name: _git(root, "rev-parse", f"HEAD:{name}") for name in machine.CODE_DIRS}
 
 
-def test_the_installed_packages_are_hashed_where_python_imports_them() -> None:
-    trees = machine.installed_code_trees()
-    assert trees is not None and set(trees) == set(machine.CODE_DIRS)
+def test_the_installed_packages_are_hashed_where_python_imports_them(tmp_path: Path) -> None:
+    """Where Python imports each package from, a linked package directory hashed where it points; a file that
+    cannot be read names no code rather than failing the run."""
     import benchsuite
     import paged_experts
 
+    trees = machine.installed_code_trees()
+    assert trees is not None and set(trees) == set(machine.CODE_DIRS)
     for module in (benchsuite, paged_experts):
         assert trees[module.__name__] == content_tree_hash(Path(module.__file__).parent)
+    linked = tmp_path / "linked"  # a copy whose package directory is a link
+    linked.symlink_to(Path(paged_experts.__file__).parent)
+    assert machine.package_dir("paged_experts") == Path(paged_experts.__file__).parent.resolve()
+    assert content_tree_hash(linked) is None  # the link itself is not a tree...
+    via_link = machine.installed_code_trees(lambda name: linked.resolve())  # ...where it points is
+    assert via_link == {name: trees["paged_experts"] for name in machine.CODE_DIRS}
+
+    def unreadable(directory: Path) -> str:  # as a file the user cannot read (root reads every file: simulated)
+        raise PermissionError(13, "Permission denied", str(directory / "a.py"))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(machine, "content_tree_hash", unreadable)
+        assert machine.installed_code_trees() is None  # not an error: no code named

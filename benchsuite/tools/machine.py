@@ -11,9 +11,10 @@ import importlib.metadata
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +71,8 @@ class GitFacts(StoredFacts):
     commit: str | None = None
     dirty: bool | None = None
     tree: str | None = None  # the tree hash of the tracked files as they were (see working_tree_hash)
-    source: str | None = None  # "package" or "working directory": where the checkout was found
+    source: str | None = None  # "package" or "working directory": where the checkout was found; FILES_SOURCE
+    # without one (the code then named by its files' hashes only)
     # {package directory: its tree hash} of the code that measures (CODE_DIRS), without the results a run
     # writes into its own checkout: a resume compares it (benchsuite.results.store); absent in older runs
     code: dict[str, str] | None = None
@@ -175,16 +177,26 @@ _NOT_SOURCE_DIRS = ("__pycache__",)
 _NOT_SOURCE_SUFFIXES = (".pyc", ".pyo", ".egg-info", ".dist-info")
 
 
-def installed_code_trees() -> dict[str, str] | None:
-    """{directory: content_tree_hash} of CODE_DIRS as imported (None when one is missing): the same hashes a
-    checkout's `git rev-parse COMMIT:benchsuite` gives, where the files are that commit's."""
+def package_dir(name: str) -> Path | None:
+    """Where Python imports package `name` from (a linked directory resolved), or None where it finds none."""
     import importlib.util
 
+    spec = importlib.util.find_spec(name)
+    places = list(spec.submodule_search_locations or []) if spec is not None else []
+    return Path(places[0]).resolve() if places else None
+
+
+def installed_code_trees(locate: Callable[[str], Path | None] = package_dir) -> dict[str, str] | None:
+    """{directory: content_tree_hash} of CODE_DIRS where `locate` finds them (None when one is missing or cannot
+    be read: a probe never fails a run): the same hashes a checkout's `git rev-parse COMMIT:benchsuite` gives,
+    where the files are that commit's."""
     code = {}
     for name in CODE_DIRS:
-        spec = importlib.util.find_spec(name)
-        places = list(spec.submodule_search_locations or []) if spec is not None else []
-        digest = content_tree_hash(Path(places[0])) if places else None
+        place = locate(name)
+        try:
+            digest = content_tree_hash(place) if place is not None else None
+        except OSError:  # a file unreadable or gone mid-walk
+            return None
         if digest is None:
             return None
         code[name] = digest
@@ -215,25 +227,25 @@ def content_tree_hash(directory: Path) -> str | None:
             entries.append((raw, b"120000", git_object(b"blob", os.fsencode(os.readlink(path)))))
         elif path.is_dir():
             sub = content_tree_hash(path)
-            if sub is not None and any(True for _ in _source_files(path)):
+            if sub is not None and _has_source_files(path):
                 entries.append((raw + b"/", b"40000", bytes.fromhex(sub)))
         elif path.is_file():
-            mode = b"100755" if os.access(path, os.X_OK) else b"100644"
+            # git's rule: the owner's execute bit alone (not who may run it here, root or a noexec mount)
+            mode = b"100755" if path.lstat().st_mode & stat.S_IXUSR else b"100644"
             entries.append((raw, mode, git_object(b"blob", path.read_bytes())))
     body = b"".join(mode + b" " + key.rstrip(b"/") + b"\0" + digest for key, mode, digest in sorted(entries))
     return git_object(b"tree", body).hex()
 
 
-def _source_files(directory: Path) -> list[Path]:
-    """The files content_tree_hash would hash under a directory (empty: git keeps no tree for it)."""
-    found = []
+def _has_source_files(directory: Path) -> bool:
+    """Whether content_tree_hash hashes any file under a directory (none: git keeps no tree for it)."""
     for path in directory.rglob("*"):
         parts = path.relative_to(directory).parts
         if any(p in _NOT_SOURCE_DIRS or p.endswith(_NOT_SOURCE_SUFFIXES) for p in parts):
             continue
         if path.is_file() or path.is_symlink():
-            found.append(path)
-    return found
+            return True
+    return False
 
 
 def commit_tree(where: Path) -> str | None:
