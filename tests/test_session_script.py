@@ -131,9 +131,10 @@ def test_the_queue_takes_its_test_files_and_a_run_id_suffix_from_the_environment
 
 
 def test_the_run_ids_name_the_card_that_measured_them(tmp_path: Path) -> None:
-    """RUN_PREFIX defaults to the card nvidia-smi names (h100 on an H100, the matrices' h200 otherwise), so a run
-    on a card other than the one asked for does not take the H200's name; set, it is used as given."""
-    for name in ("h100", "h200", "set"):
+    """RUN_PREFIX defaults to the card nvidia-smi names (h100 on an H100, h200 on an H200 or where nvidia-smi says
+    nothing, another card's model otherwise), so a run on a card other than the one asked for does not take the
+    H200's name; set, it is used as given."""
+    for name in ("h100", "h200", "a100", "set"):
         (tmp_path / name).mkdir()
     calls, _ = _queue(tmp_path / "h100", fail=False, more_env={"FAKE_GPU": "NVIDIA H100 80GB HBM3"})
     runs = [line.split("--run-id ")[1].split()[0] for line in calls if " start " in f" {line} " and "--run-id" in line]
@@ -141,6 +142,9 @@ def test_the_run_ids_name_the_card_that_measured_them(tmp_path: Path) -> None:
     calls, _ = _queue(tmp_path / "h200", fail=False, more_env={"FAKE_GPU": "NVIDIA H200"})
     runs = [line.split("--run-id ")[1].split()[0] for line in calls if " start " in f" {line} " and "--run-id" in line]
     assert runs == ["h200-paged16", "h200-ttft"], calls
+    calls, _ = _queue(tmp_path / "a100", fail=False, more_env={"FAKE_GPU": "NVIDIA A100-SXM4-80GB"})
+    runs = [line.split("--run-id ")[1].split()[0] for line in calls if " start " in f" {line} " and "--run-id" in line]
+    assert runs == ["a100-paged16", "a100-ttft"], calls  # another card: its own name, not the H200's
     more = {"FAKE_GPU": "NVIDIA H100 80GB HBM3", "RUN_PREFIX": "lab", "RUN_SUFFIX": "-b"}
     calls, _ = _queue(tmp_path / "set", fail=False, more_env=more)
     runs = [line.split("--run-id ")[1].split()[0] for line in calls if " start " in f" {line} " and "--run-id" in line]
@@ -152,7 +156,9 @@ def _git_copy(copy: Path) -> None:
     env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
            "GIT_COMMITTER_EMAIL": "t@t"}  # fmt: skip
     (copy / "marker.txt").write_text("the base commit's tree\n")
-    for argv in (["init", "-q"], ["add", "marker.txt"], ["commit", "-q", "-m", "base"], ["tag", "base"]):
+    (copy / "results" / "h200-committed").mkdir(parents=True)  # a committed run: never a base run's result
+    (copy / "results" / "h200-committed" / "manifest.json").write_text("{}\n")
+    for argv in (["init", "-q"], ["add", "."], ["commit", "-q", "-m", "base"], ["tag", "base"]):
         subprocess.run(["git", *argv], cwd=copy, env=env, check=True, capture_output=True)
 
 
@@ -172,6 +178,7 @@ def test_a_base_commit_measures_each_run_again_by_its_own_code(tmp_path: Path) -
         (str(tmp_path / "copy"), "h200-ttft-e"), (str(base), "h200-ttft-e-base"),
     ], cwd  # fmt: skip
     assert (base / "marker.txt").read_text() == "the base commit's tree\n" and (base / ".base_commit").is_file()
+    assert not (base / "results" / "h200-committed").exists()  # collect would bring it back as this session's
     assert "paged16 base exit 0" in log and "ttft base exit 0" in log
     missing = tmp_path / "missing"
     missing.mkdir()

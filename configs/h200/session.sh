@@ -35,8 +35,10 @@
 # matrix and the change is confined to what that file checks (say which in the results README).
 # RUN_SUFFIX (default none): appended to the run ids (h200-paged16-b), to run a committed matrix again beside
 # its committed results.
-# RUN_PREFIX (default: h100 where nvidia-smi names an H100, else h200): the run ids' first part, so a run says which
-# card measured it (2026-12-05 an H100 was lent for an H200 and its run took the name h200-headline-e).
+# RUN_PREFIX (default: the card nvidia-smi names: h100, h200, else its model in lower case, a100, l40s, ...; h200 where
+# nvidia-smi does not answer): the run ids' first part, so a run says which card measured it (2026-12-05 an H100
+# was lent for an H200 and its run took the name h200-headline-e). .gitignore keeps h100-* and h200-* runs. A run
+# carried to another card resumes only under its own name: set RUN_PREFIX to its prefix.
 # BASE_COMMIT (default none): each queued run is measured again right after, by that commit's code (`git archive`
 # of the copy's .git into SESSION_BASE, /root/bs-base by default) as run id ...-base: an A/B on whichever card was
 # lent, both sides on it (2026-12-05 an H100 came for the H200, and the baseline ran by hand). Compare them here:
@@ -60,9 +62,12 @@ PART_BYTES="${SESSION_PART_BYTES:-16000000}"
 CALL_BYTES="${SESSION_CALL_BYTES:-60000000}"
 mkdir -p "$OUT" "$JOBS"
 if [ -z "${RUN_PREFIX:-}" ]; then
-  case "$(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -n 1)" in
+  card="$(timeout 20 nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -n 1)"
+  case "$card" in
     *H100*) RUN_PREFIX=h100 ;;
-    *) RUN_PREFIX=h200 ;;  # the matrices' card (configs/h200), and where no nvidia-smi answers
+    *H200*|"") RUN_PREFIX=h200 ;;  # the matrices' card (configs/h200), and where no nvidia-smi answers
+    *) RUN_PREFIX="$(echo "${card#NVIDIA }" | sed -E 's/[^A-Za-z0-9].*//' | tr '[:upper:]' '[:lower:]')"
+       RUN_PREFIX="${RUN_PREFIX:-gpu}" ;;
   esac
 fi
 export PYTHONUNBUFFERED=1 BENCH_H200_MODEL=/tmp/h200/q48 BENCH_H200_FP8_MODEL=/tmp/h200/q48-fp8 \
@@ -77,8 +82,8 @@ FLAGS_CMD="server=\$(grep -ho '/[^ ]*/bin/llama-server' $JOBS/build.log 2>/dev/n
 
 # issue 29's cache policies on the traces the runs recorded (record_routing servers; K: 16 GB's 53 and 54; lfu-decay at a 2-step
 # half-life, lfu-aging at 256 steps without and with a 4-, 16- and 64-step window)
-POLICIES_CMD="if ! ls results/h[12]00-*/routing/*.trace > /dev/null 2>&1; then echo 'policies: no routing trace'; false; \
-  else rm -f $JOBS/policies-*.txt; pids=; for t in results/h[12]00-*/routing/*.trace; do \
+POLICIES_CMD="if ! ls results/*/routing/*.trace > /dev/null 2>&1; then echo 'policies: no routing trace'; false; \
+  else rm -f $JOBS/policies-*.txt; pids=; for t in results/*/routing/*.trace; do \
   python3 benchmarks/eviction_policies.py \"\$t\" --k 53,54 --half-lives 2 --aging-periods 256,256:4,256:16,256:64 --concurrency 1,4 \
   > $JOBS/policies-\$(basename \"\$t\" .trace).txt 2>&1 & pids=\"\$pids \$!\"; done; rc=0; \
   for p in \$pids; do wait \$p || rc=1; done; cat $JOBS/policies-*.txt; (exit \$rc); fi"
@@ -103,7 +108,7 @@ collect() {  # the jobs' logs and the runs' results into $OUT (at most 8 files c
   for f in "$JOBS"/*.log; do [ -f "$f" ] && tail -c 2000000 "$f" > "$OUT/$(basename "$f")"; done
   compgen -G "$JOBS/policies-*.txt" > /dev/null && tar -C "$JOBS" -czf "$OUT/policies.tar.gz" $(cd "$JOBS" && ls policies-*.txt)
   [ -d "$JOBS/flags" ] && tar -C "$JOBS" -czf "$OUT/h200-flags.tar.gz" flags 2>/dev/null
-  for dir in "$COPY"/results/h[12]00-* "$BASE"/results/h[12]00-*; do  # this session's runs only: prepare emptied
+  for dir in "$COPY"/results/* "$BASE"/results/*; do  # this session's runs only: prepare emptied
     # the copy's results/ and a base run unpacks its code anew; without routing traces (record_routing: tens of MB a
     # server, over what a call brings back; `policies` reads them there): the cells carry their hit rates
     [ -d "$dir" ] && tar -C "$(dirname "$dir")" --exclude=routing -czf "$OUT/$(basename "$dir").tar.gz" "$(basename "$dir")" 2>/dev/null
@@ -121,7 +126,7 @@ pack_traces() {  # pack_traces [force]: this session's routing traces into $OUT/
   # 8 files, once per set of traces unless forced (`session.sh routing`).
   local force=${1:-0} ids="$JOBS/routing-ids" tar="$JOBS/routing.tar" stamp="$JOBS/routing.stamp" trace rel
   local total=0 fallbacks=0 what
-  if ! compgen -G "$COPY/results/h[12]00-*/routing/*.trace" > /dev/null; then
+  if ! compgen -G "$COPY/results/*/routing/*.trace" > /dev/null; then
     [ "$force" = 1 ] && echo "routing traces: none in $COPY/results"
     return 0
   fi
@@ -130,7 +135,7 @@ pack_traces() {  # pack_traces [force]: this session's routing traces into $OUT/
     return 0
   fi
   if [ "$force" != 1 ] && [ -f "$JOBS/routing.done" ] \
-      && [ -z "$(find "$COPY"/results/h[12]00-*/routing -name '*.trace' -newer "$JOBS/routing.done")" ]; then
+      && [ -z "$(find "$COPY"/results/*/routing -name '*.trace' -newer "$JOBS/routing.done")" ]; then
     return 0  # this set was brought back, or found too big, already
   fi
   if [ "$(find "$OUT" -type f ! -name routing.tar | wc -l)" -ge 8 ]; then  # the call's limit counts subfolders too
@@ -140,7 +145,7 @@ pack_traces() {  # pack_traces [force]: this session's routing traces into $OUT/
   touch "$stamp"  # a trace written from now on is newer than the set packed here
   rm -rf "$ids" "$tar"
   : > "$JOBS/routing-ids.txt"
-  for trace in "$COPY"/results/h[12]00-*/routing/*.trace; do
+  for trace in "$COPY"/results/*/routing/*.trace; do
     total=$((total + 1))
     rel=${trace#"$COPY/results/"}
     mkdir -p "$ids/$(dirname "$rel")"
@@ -150,7 +155,7 @@ pack_traces() {  # pack_traces [force]: this session's routing traces into $OUT/
       cp "$trace" "$ids/$rel"
     fi
   done
-  if ! (cd "$ids" && tar -cf "$tar" h[12]00-*/routing/*.trace); then  # each trace is deflated already
+  if ! (cd "$ids" && tar -cf "$tar" */routing/*.trace); then  # each trace is deflated already
     echo "routing traces: tar failed, left on the machine"
     return 0
   fi
@@ -203,7 +208,7 @@ case "${1:-}" in
     rm -rf "$COPY" && mkdir -p "$COPY" && cp -a . "$COPY/" && rm -rf "$COPY/results" && site
     # a run whose machine was taken back mid-run resumes on the next one: its last tar from $OUT, put in
     # .carry/results/ and carried, comes back into the copy's results/ (the same `queue` command resumes it)
-    for tar in .carry/results/h[12]00-*.tar.gz; do
+    for tar in .carry/results/*.tar.gz; do
       [ -f "$tar" ] || continue
       mkdir -p "$COPY/results" && tar -C "$COPY/results" -xzf "$tar" && echo "restored $(basename "$tar" .tar.gz)"
     done
@@ -261,12 +266,13 @@ case "${1:-}" in
         headline|overlap|copy|ttft|paged16|fused|kernelcopy|staging|gcfreeze|attnfp8|record|policy|window|policyconfirm|prefetch)
           run="python3 -m benchsuite run configs/h200/$job.yaml --run-id $RUN_PREFIX-$job${RUN_SUFFIX:-}"
           steps="$steps; $guard; $run$only --no-report; echo \"$job exit \$?\""
-          # then the same run by the base commit's code (its own matrix file, its own results/), unpacked once per
-          # commit (.base_commit says which; a second run keeps the first's results): `git archive` fails loudly on
-          # a commit the copy's .git does not have, and the base run is skipped, said in the log
+          # then the same run by the base commit's code (its own matrix file, its own results/ without the commit's
+          # committed runs, as prepare's copy), unpacked once per commit (.base_commit says which; a second run
+          # keeps the first's results): `git archive` fails loudly on a commit the copy's .git does not have, and
+          # the base run is skipped, said in the log
           unpack="[ \"\$(cat $BASE/.base_commit 2> /dev/null)\" = \"${BASE_COMMIT:-}\" ] || (set -o pipefail; \
             rm -rf $BASE && mkdir -p $BASE && git archive ${BASE_COMMIT:-} | tar -x -C $BASE \
-            && echo ${BASE_COMMIT:-} > $BASE/.base_commit)"
+            && rm -rf $BASE/results && echo ${BASE_COMMIT:-} > $BASE/.base_commit)"
           [ -z "${BASE_COMMIT:-}" ] || steps="$steps; $guard; ($unpack) && (cd $BASE && PYTHONPATH=$BASE:/tmp/site \
             $run-base$only --no-report); echo \"$job base exit \$?\"" ;;
         flags) steps="$steps; $guard; $FLAGS_CMD; echo \"flags exit \$?\"" ;;
