@@ -197,6 +197,32 @@ def test_the_median_ratio_test_tells_a_shift_from_noise() -> None:
     assert p > 0.2  # the same spread, medians within it
 
 
+def test_prefill_speeds_against_matches_servers_and_says_which_run_alone_has_one() -> None:
+    """--against: per (server, routing, concurrency) the measured requests of both runs (warm-ups left out);
+    a server measured in one run only is listed with that run named, not dropped."""
+    import pandas as pd
+
+    spec = importlib.util.spec_from_file_location("prefill_speeds", ROOT / "benchmarks" / "prefill_speeds.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def requests(rows: list[tuple[str, float, bool]]) -> pd.DataFrame:
+        fixed = {"routing": "model", "concurrency": 1, "host_plan_ms": None}
+        return pd.DataFrame([{**fixed, "server_id": server, "warmup": warm, "prompt_ms": ms, "issue_ms": ms - 1.0}
+                             for server, ms, warm in rows])  # fmt: skip
+
+    base = requests([("s1", 600.0, True), ("s1", 550.0, False), ("s1", 560.0, False), ("s3", 500.0, False)])
+    new = requests([("s1", 400.0, True), ("s1", 500.0, False), ("s1", 510.0, False), ("s2", 450.0, False)])
+    rows = {row["server_id"]: row for row in module.compare(base, new)}
+    assert set(rows) == {"s1", "s2", "s3"}
+    s1 = rows["s1"]
+    assert (s1["base_requests"], s1["requests"]) == (2, 2) and "only" not in s1
+    assert s1["prompt_ms_base"] == 555.0 and s1["prompt_ms"] == 505.0  # warm-ups (600, 400) left out
+    assert s1["prompt_ms_ratio"] == pytest.approx(505.0 / 555.0) and "host_plan_ms" not in s1  # no plan: no figure
+    assert rows["s2"]["only"] == "this run" and rows["s3"]["only"] == "the base run"
+
+
 def test_prefill_ab_compares_two_settings_prompt_by_prompt(tmp_path: Path) -> None:
     """benchmarks/prefill_ab.py: per cell, each file's median over its measured prompts (the warm-up left out), the
     sides' pooled medians, their ratio and a shuffle test's p, the host plan and the collector's time a side."""
