@@ -38,7 +38,8 @@ steps. Per prompt, from `torch.cuda.synchronize()` to `torch.cuda.synchronize()`
 
 Page-in paths: `streamed` (the runtime: page-ins on the page-in stream, overlapped with the waves'
 compute) and `serial` (the same plan with the page-in stream taken away, so copies queue on the
-compute stream behind each wave: the comparison that shows what the overlap buys).
+compute stream behind each wave: the comparison that shows what the overlap buys), and `batch` (streamed,
+with each group of page-ins as one cuMemcpyBatchAsync: `page_in: batch`, against streamed's DMAs).
 
     python benchmarks/prefill_h200.py --out prefill.json            # ~6 min on one H200
     python benchmarks/prefill_h200.py --out p.json --preset tiny --layers 4 --device cpu --ks 8   # CPU smoke
@@ -70,7 +71,7 @@ from paged_experts.weights import synth_memory
 from paged_experts.weights.weights_id import source_weights
 
 SCHEMA_VERSION = 1
-PATHS = ("streamed", "serial")
+PATHS = ("streamed", "serial", "batch")
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ class Cell:
     k: int | None
     routing: str  # "model" or a synthetic routing spec
     keep: str | None  # prefill residency policy (paged)
-    path: str  # "streamed" | "serial" (paged)
+    path: str  # "streamed" | "serial" | "batch" (paged)
 
     @property
     def name(self) -> str:
@@ -147,8 +148,9 @@ def build(cell: Cell, args: argparse.Namespace) -> MoeCausalLM:
     if cell.mode == "resident":
         rt = RuntimeConfig(mode="resident", device=args.device, dtype=args.dtype)
     else:
+        page_in = "batch" if cell.path == "batch" else "auto"
         rt = RuntimeConfig(mode="paged", resident_experts=cell.k, device=args.device, dtype=args.dtype,
-                           prefill_residency=cell.keep or "recent")  # fmt: skip
+                           prefill_residency=cell.keep or "recent", page_in=page_in)  # fmt: skip
     model = MoeCausalLM.synthetic(args.preset, rt, layers=args.layers, seed=args.seed)
     model.router_override = None if cell.routing == "model" else make_router(cell.routing, model.config, args.seed)
     return model

@@ -43,7 +43,9 @@ class RuntimeConfig:
     dtype: str = "float32"
     # How host-planned page-ins (prefill waves, steps above one wave, offload) copy host rows to the device
     # (residency/store.py): 'auto' = 'direct' (a DMA per tensor and run) on CUDA, 'index' on the CPU;
-    # 'kernel' = one Triton copy launch per group of rows (CUDA; measured by configs/h200/kernelcopy.yaml).
+    # 'kernel' = one Triton copy launch per group of rows (CUDA; measured by configs/h200/kernelcopy.yaml);
+    # 'batch' = every tensor's runs of rows in one cuMemcpyBatchAsync call (CUDA driver 12.8+; memmoves on the CPU;
+    # to be measured by configs/h200/batchcopy.yaml).
     page_in: PageIn = "auto"
     # Paged one-wave steps planned and paged in on the device (no host sync, CUDA-graph capturable):
     # 'auto' = on for CUDA, off on the CPU (where the host planner is the cheaper path).

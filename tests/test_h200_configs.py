@@ -220,6 +220,25 @@ def test_the_prefill_matrix_measures_the_kernel_page_in_on_both_routings(
     _long_prompts_at_c1_and_c4(path)
 
 
+def test_the_batch_copy_matrix_measures_one_driver_call_against_the_dmas_on_both_routings(
+    stand_ins: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """configs/h200/batchcopy.yaml: paged FP8 at h200-headline-c's searched K (53 model routing, 54 calibrated) with
+    the prefill's page-ins as DMAs and as one cuMemcpyBatchAsync a group, on both routings, 2,048-token prompts at
+    c=1 and c=4; the two arms differ in the copy alone, and the commands name it."""
+    path = CONFIGS / "batchcopy.yaml"
+    assert main(["run", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    plan = build_plan(load_matrix(path))
+    paged = sorted((s.options.routing, s.options.resident_experts, s.options.page_in) for s in plan.servers)
+    assert paged == [
+        ("model", 53, "batch"), ("model", 53, "direct"), ("qwen3-30b-a3b", 54, "batch"), ("qwen3-30b-a3b", 54, "direct")
+    ]  # fmt: skip
+    assert all(s.options.mode == "paged" for s in plan.servers)
+    assert out.count("--page-in batch") == 2 and out.count("--page-in direct") == 2
+    _long_prompts_at_c1_and_c4(path)
+
+
 def test_the_staging_matrix_measures_staging_rows_on_both_routings(
     stand_ins: None, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -52,10 +52,9 @@ def assert_same(got: list[torch.Tensor], want: list[torch.Tensor], what: str) ->
         assert torch.equal(a, b), f"{what}: output {i} differs by {(a - b).abs().max().item()}"
 
 
-def paged(path: str, k: int, keep: str = "recent", dtype: str = "float32") -> MoeCausalLM:
-    return MoeCausalLM.from_pretrained(
-        path, RuntimeConfig(mode="paged", resident_experts=k, prefill_residency=keep, dtype=dtype)
-    )
+def paged(path: str, k: int, keep: str = "recent", dtype: str = "float32", page_in: str = "auto") -> MoeCausalLM:
+    rt = RuntimeConfig(mode="paged", resident_experts=k, prefill_residency=keep, dtype=dtype, page_in=page_in)  # type: ignore[arg-type]
+    return MoeCausalLM.from_pretrained(path, rt)
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +96,9 @@ def test_long_prompt_fp8_paged_equals_resident() -> None:
         want = long_prompt(resident, chunk)
         for k in range(4, 17, 3):
             assert_same(long_prompt(paged(TINY_FP8, k), chunk), want, f"FP8 K={k}, chunks of {chunk}")
+        for k in (4, 9):  # page_in 'batch': weights and block scales of every run in one call (memmoves here)
+            got = long_prompt(paged(TINY_FP8, k, page_in="batch"), chunk)
+            assert_same(got, want, f"FP8 batch page-in K={k}, chunks of {chunk}")
 
 
 def test_prefill_counters_count_the_prompt_chunks_and_replay_in_the_planner() -> None:

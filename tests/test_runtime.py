@@ -5,6 +5,7 @@ counter invariants, and a fault-injection control that the equality check must c
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -62,10 +63,12 @@ def test_paged_equals_resident_bit_for_bit_for_every_k(ckpt: Path, resident: lis
 
 
 def test_direct_page_in_strategy_equals_resident(ckpt: Path, resident: list[torch.Tensor]) -> None:
-    """The CUDA default strategy (row-run copies) also runs on the CPU; it must be exact too."""
-    for k in (4, 7, 16):
-        model = MoeCausalLM.from_pretrained(ckpt, RuntimeConfig(mode="paged", resident_experts=k, page_in="direct"))
-        assert all(torch.equal(a, b) for a, b in zip(run_scenario(model), resident))
+    """The CUDA default strategy (row-run copies) also runs on the CPU; it must be exact too, and so must the
+    batch strategy, whose descriptors (every tensor's runs of rows as addresses) the CPU runs as memmoves."""
+    for page_in in ("direct", "batch"):
+        for k in (4, 7, 16):
+            model = MoeCausalLM.from_pretrained(ckpt, RuntimeConfig(mode="paged", resident_experts=k, page_in=page_in))
+            assert all(torch.equal(a, b) for a, b in zip(run_scenario(model), resident)), (page_in, k)
     with pytest.raises(ValueError, match="needs a CUDA device"):
         MoeCausalLM.from_pretrained(ckpt, RuntimeConfig(mode="paged", resident_experts=4, page_in="staged"))
 
@@ -85,8 +88,8 @@ def test_contiguous_runs_coalesce_neighbours() -> None:
 @pytest.mark.parametrize("is_fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize(
     ("strategy", "row_kernel"),
-    [("direct", False), ("direct", True), ("kernel", True)],
-    ids=["dma-only", "scales-by-kernel", "all-by-kernel"],
+    [("direct", False), ("direct", True), ("kernel", True), ("batch", False)],
+    ids=["dma-only", "scales-by-kernel", "all-by-kernel", "batch"],
 )
 def test_page_in_copies_every_tensor_of_every_pair(is_fp8: bool, strategy: str, row_kernel: bool) -> None:
     """The direct strategy's one-call issue (row views, runs, FP8 scale rows by a row kernel where the
@@ -117,6 +120,74 @@ def test_page_in_copies_every_tensor_of_every_pair(is_fp8: bool, strategy: str, 
             named = [d for _, d in pairs]
             untouched = [d for d in range(k) if d not in named]
             assert bool((got.get(name).view(torch.uint8)[untouched] == 7).all()), (pairs, name)
+
+
+def test_batch_page_in_refuses_a_run_outside_the_tables_before_copying() -> None:
+    """A batch copy makes raw addresses, which have no bounds check of their own: a pair naming a row outside
+    either table raises before any byte is copied (torch's slicing would raise for `direct`)."""
+    e, k = 8, 4
+    host = store_mod.ExpertTensors.empty(e, 256, 192, torch.bfloat16, torch.device("cpu"))
+    slots = store_mod.ExpertTensors.empty(k, 256, 192, torch.bfloat16, torch.device("cpu"))
+    for t in (*host.names(),):
+        host.get(t).fill_(1.0)
+        slots.get(t).fill_(0.0)
+    engine = store_mod.PageInEngine(torch.device("cpu"), "batch", 256, 192, torch.bfloat16, k)
+    for pairs in ([(0, 0), (7, 4)], [(8, 0)], [(-1, 0)], [(6, 3), (7, 4)]):
+        with pytest.raises(IndexError, match="outside the tables"):
+            engine.copy_rows(host, slots, pairs)
+        assert all(bool((slots.get(t) == 0).all()) for t in slots.names()), pairs
+
+
+def test_batch_page_in_remakes_its_addresses_when_a_table_tensor_is_replaced() -> None:
+    """The engine keeps each pair of tables' base addresses by the tables' ids; tables are frozen, but a table freed
+    and another made at its id (here: its tensor swapped in place) must get new ones (a stale base would write
+    into the old tensor's memory)."""
+    host = store_mod.ExpertTensors.empty(6, 256, 192, torch.float32, torch.device("cpu"))
+    for name in host.names():
+        host.get(name).copy_(torch.arange(host.get(name).numel(), dtype=torch.float32).view_as(host.get(name)))
+    slots = store_mod.ExpertTensors.empty(3, 256, 192, torch.float32, torch.device("cpu"))
+    engine = store_mod.PageInEngine(torch.device("cpu"), "batch", 256, 192, torch.float32, 3)
+    engine.copy_rows(host, slots, [(4, 1)])
+    old = slots.gate
+    object.__setattr__(slots, "gate", torch.zeros_like(old))
+    old.zero_()
+    engine.copy_rows(host, slots, [(5, 2)])
+    assert torch.equal(slots.gate[2], host.gate[5]) and not bool(old.any())
+
+
+def test_driver_batch_copy_names_why_it_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """page_in='batch' on a CUDA driver without cuMemcpyBatchAsync (before 12.8, or a failed lookup) is refused
+    with the reason and the driver's version, not a crash inside ctypes."""
+    import ctypes
+
+    from paged_experts.residency import batch_copy
+
+    class Fn:  # a ctypes function: callable, with settable argtypes
+        def __init__(self, result: int) -> None:
+            self.result = result
+
+        def __call__(self, *args: Any) -> int:
+            return self.result
+
+    class FakeLib:
+        def __init__(self, version: int, lookup: int) -> None:
+            self.version = version
+            self.cuGetProcAddress_v2 = Fn(lookup)
+
+        def cuDriverGetVersion(self, out: Any) -> int:
+            ctypes.cast(out, ctypes.POINTER(ctypes.c_int))[0] = self.version
+            return 0
+
+    for version, lookup, message in (
+        (12040, 0, r"needs a CUDA 12\.8 driver or newer \(this one: 12\.4\)"),
+        (13000, 500, "cuGetProcAddress.*CUresult 500"),
+    ):
+        monkeypatch.setattr(batch_copy.ctypes, "CDLL", lambda name, v=version, lk=lookup: FakeLib(v, lk))
+        with pytest.raises(batch_copy.BatchCopyUnavailable, match=message):
+            batch_copy.DriverBatchCopy(torch.device("cuda"))
+    monkeypatch.setattr(batch_copy.ctypes, "CDLL", lambda name: (_ for _ in ()).throw(OSError("no libcuda")))
+    with pytest.raises(batch_copy.BatchCopyUnavailable, match="no CUDA driver library"):
+        batch_copy.DriverBatchCopy(torch.device("cuda"))
 
 
 def test_offload_equals_resident(ckpt: Path, resident: list[torch.Tensor]) -> None:

@@ -2,7 +2,8 @@
 
 How host-planned page-ins (prefill waves, steps above one wave, offload) copy host rows to device rows
 (`store.PageInEngine`): `direct`, a DMA per tensor and run of rows; `kernel`, one Triton copy launch per
-group of rows (CUDA); `staged`, through a pinned staging buffer (CUDA); `index`, index_select then
+group of rows (CUDA); `batch`, every tensor's runs of rows in one `cuMemcpyBatchAsync` (CUDA driver 12.8+;
+memmoves on the CPU); `staged`, through a pinned staging buffer (CUDA); `index`, index_select then
 index_copy_ (the CPU's). `auto` is `direct` on CUDA and `index` elsewhere.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-PageIn = Literal["auto", "direct", "kernel", "staged"]
+PageIn = Literal["auto", "direct", "kernel", "batch", "staged"]
 """What a runtime, a server flag or a matrix option may ask for."""
 PAGE_IN_CHOICES: tuple[str, ...] = get_args(PageIn)
 PAGE_IN_STRATEGIES: tuple[str, ...] = ("index", *(c for c in PAGE_IN_CHOICES if c != "auto"))

@@ -21,6 +21,11 @@ Page-in of a wave's misses never synchronizes the host per expert. Strategies:
   `benchmarks/results/h200/decode_h200_48l.txt`), and the host issues one launch where `direct`
   issues a DMA per tensor and run (~72 a prefill wave of 12 FP8 experts). For the host-bound paged
   prefill; `RuntimeConfig.page_in`, measured by configs/h200/kernelcopy.yaml;
+- `batch`: every tensor of every run of rows, FP8 scales included, in ONE driver call
+  (`cuMemcpyBatchAsync`, CUDA driver 12.8+: `batch_copy.py`): the host issues one call where `direct` issues a
+  DMA per tensor and run, an index upload and a row-kernel launch; the copies are the same DMAs from the
+  pinned store. On the legacy default stream, which the driver refuses, it copies as `direct`; on the CPU the
+  same descriptors run as memmoves. For the host-bound paged prefill; measured by configs/h200/batchcopy.yaml;
 - `staged` (CUDA): gather the rows into a pinned staging buffer on the host, one `non_blocking`
   copy per tensor to a device staging buffer, then one `index_copy_` into the slots. The staging
   buffer is reused, so the host waits for the previous staged copy (once per wave, not per expert).
@@ -42,6 +47,7 @@ import torch
 
 from paged_experts import fp8
 from paged_experts.residency import pinned
+from paged_experts.residency.batch_copy import BatchCopy, RowTables, descriptors, memmove_batch, row_tables
 from paged_experts.residency.counters import PagingCounters
 from paged_experts.residency.page_in import PAGE_IN_STRATEGIES
 from paged_experts.upload import to_device
@@ -168,16 +174,22 @@ class PageInEngine:
         max_rows: int,
         is_fp8: bool = False,
         row_kernel: RowKernel | None = None,
+        batch_copy: BatchCopy | None = None,
     ) -> None:
         """`row_kernel`: a device-side row copy (the weights loader passes `copy_kernel.copy_planned`
         on CUDA with Triton); the `direct` strategy sends an FP8 row's small scale rows by it, the `kernel`
-        strategy every row."""
+        strategy every row. `batch_copy`: the `batch` strategy's one call a copy (the loader passes the
+        driver's on CUDA: `batch_copy.driver_batch_copy`; on the CPU memmoves by default)."""
         if strategy == "auto":
             strategy = "direct" if device.type == "cuda" else "index"
         if strategy == "staged" and device.type != "cuda":
             raise ValueError("page_in='staged' needs a CUDA device (it overlaps pinned staging with the copy stream)")
         if strategy == "kernel" and row_kernel is None:
             raise ValueError("page_in='kernel' needs a device row kernel (CUDA with Triton)")
+        if strategy == "batch" and batch_copy is None:
+            if device.type == "cuda":
+                raise ValueError("page_in='batch' on CUDA needs the driver's batch copy (batch_copy.driver_batch_copy)")
+            batch_copy = memmove_batch
         if strategy not in PAGE_IN_STRATEGIES:
             raise ValueError(f"page_in must be one of {('auto', *PAGE_IN_STRATEGIES)}, got {strategy!r}")
         self.device = device
@@ -186,6 +198,8 @@ class PageInEngine:
         # launches it would hold them back, so HostWaves issues its copies just before their wave
         self.blocks_host = strategy == "staged"
         self.row_kernel = row_kernel
+        self.batch_copy = batch_copy
+        self._tables: dict[tuple[int, int, tuple[str, ...]], RowTables] = {}  # `batch`: (src, dst, names) -> tables
         self._staging_host: ExpertTensors | None = None
         self._staging_dev: ExpertTensors | None = None
         self._staging_free: torch.cuda.Event | None = None
@@ -220,6 +234,8 @@ class PageInEngine:
             self._copy_direct(src, dst, pairs)
         elif self.strategy == "kernel":
             self._copy_kernel(src, dst, pairs, None)
+        elif self.strategy == "batch":
+            self._copy_batch(src, dst, pairs)
         else:
             self._copy_staged(src, dst, pairs)
         if counters is not None:
@@ -255,6 +271,37 @@ class PageInEngine:
         torch._foreach_copy_(dsts, srcs, non_blocking=True)  # one call: a DMA per run, issued in C++
         if small:
             self._copy_kernel(src, dst, pairs, small)
+
+    def _copy_batch(self, src: ExpertTensors, dst: ExpertTensors, pairs: Sequence[tuple[int, int]]) -> None:
+        """Every tensor's runs of rows in one `batch_copy` call on the current stream (batch_copy.py)."""
+        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
+        if self.device.type == "cuda" and not stream:
+            self._copy_direct(src, dst, pairs)  # the legacy default stream: the driver refuses a batch there
+            return
+        assert self.batch_copy is not None
+        dsts, srcs, sizes = descriptors(self._row_tables(src, dst), contiguous_runs(pairs))
+        self.batch_copy(dsts, srcs, sizes, stream)
+
+    def _row_tables(self, src: ExpertTensors, dst: ExpertTensors) -> RowTables:
+        """src and dst's tensors as base addresses, made once per pair of tables and kept while every tensor is
+        the one they were made from (a table whose tensor was replaced gets new ones: a stale base would be a
+        wild pointer)."""
+        names = src.names()
+        key = (id(src), id(dst), names)
+        tensors = (*(src.get(n) for n in names), *(dst.get(n) for n in names))
+        cached = self._tables.get(key)
+        if (
+            cached is None
+            or len(cached.tensors) != len(tensors)
+            or any(a is not b for a, b in zip(cached.tensors, tensors))
+        ):
+            src_t, dst_t = tensors[: len(names)], tensors[len(names) :]
+            cached = row_tables([fp8.raw(t) for t in src_t], [fp8.raw(t) for t in dst_t])
+            cached = RowTables(
+                tensors, cached.src_base, cached.dst_base, cached.row_bytes, cached.src_rows, cached.dst_rows
+            )
+            self._tables[key] = cached
+        return cached
 
     def _copy_kernel(
         self, src: ExpertTensors, dst: ExpertTensors, pairs: Sequence[tuple[int, int]], names: Sequence[str] | None

@@ -157,7 +157,9 @@ class ServeOptions:
         "--page-in",
         "how host-planned page-ins (prefill waves, steps above K experts, offloaded layers) copy expert rows "
         "to the GPU: direct = a DMA per tensor and run of rows; kernel = one Triton copy launch per group of "
-        "rows (one host launch where direct issues dozens: for the host-bound paged prefill); staged = "
+        "rows (one host launch where direct issues dozens: for the host-bound paged prefill); batch = every "
+        "tensor's runs of rows in one cuMemcpyBatchAsync driver call (CUDA driver 12.8+; memmoves on the CPU); "
+        "staged = "
         "through a pinned staging buffer; auto = direct on CUDA, an index copy on the CPU "
         "(kernel and staged: --device cuda)",
         choices=PAGE_IN_CHOICES,

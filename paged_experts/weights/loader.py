@@ -29,6 +29,7 @@ from paged_experts.config import MoeModelConfig
 from paged_experts.kernels.copy_kernel import copy_planned, graph_safe
 from paged_experts.moe import MoeLayer, MoeShared, make_layer
 from paged_experts.moe.staging import StagingRows
+from paged_experts.residency.batch_copy import BatchCopy, BatchCopyUnavailable, driver_batch_copy
 from paged_experts.residency.counters import PagingCounters
 from paged_experts.residency.store import ExpertTensors, PageInEngine
 from paged_experts.runtime import RuntimeConfig
@@ -279,7 +280,10 @@ def build_shared(cfg: MoeModelConfig, runtime: RuntimeConfig) -> tuple[MoeShared
     max_slots = max(runtime.resident_experts or cfg.num_experts, runtime.prefill_staging_rows)
     h, inter, is_fp8 = cfg.hidden_size, cfg.moe_intermediate_size, cfg.fp8_weights
     row_kernel = copy_planned if graph_safe(device) else None  # FP8 scale rows of a direct page-in
-    page_in = PageInEngine(device, runtime.page_in, h, inter, dtype, max_slots, is_fp8=is_fp8, row_kernel=row_kernel)
+    page_in = PageInEngine(
+        device, runtime.page_in, h, inter, dtype, max_slots, is_fp8=is_fp8, row_kernel=row_kernel,
+        batch_copy=_batch_copy(device) if runtime.page_in == "batch" else None,
+    )  # fmt: skip
     staging = None
     if runtime.prefill_staging_rows:  # mode paged (RuntimeConfig): rows every paged layer shares
         rows = ExpertTensors.empty(runtime.prefill_staging_rows, h, inter, dtype, device, is_fp8=is_fp8)
@@ -301,3 +305,14 @@ def build_shared(cfg: MoeModelConfig, runtime: RuntimeConfig) -> tuple[MoeShared
         staging=staging,
     )
     return shared, placements
+
+
+def _batch_copy(device: torch.device) -> BatchCopy | None:
+    """page_in 'batch': the driver's batch copy on CUDA (a driver without one is a configuration error that names
+    the driver's version), the engine's memmoves on the CPU."""
+    if device.type != "cuda":
+        return None
+    try:
+        return driver_batch_copy(device)
+    except BatchCopyUnavailable as e:
+        raise ValueError(f"page_in='batch': {e}") from e

@@ -83,6 +83,10 @@ def test_paged_equals_resident_bit_for_bit_bf16_staged() -> None:
     check_bit_for_bit("bfloat16", "staged")
 
 
+def test_paged_equals_resident_bit_for_bit_bf16_batch() -> None:
+    check_bit_for_bit("bfloat16", "batch")  # page-ins of every host-planned step as one cuMemcpyBatchAsync
+
+
 def test_offload_and_cpu_experts_close_to_resident_cuda() -> None:
     ckpt = tiny_ckpt()
     resident = run_scenario(MoeCausalLM.from_pretrained(ckpt, RuntimeConfig(mode="resident", device="cuda")))

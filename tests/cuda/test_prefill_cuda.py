@@ -9,7 +9,8 @@
   the model's router, exactly one per layer (the routed ids);
 - the prefill counters: bytes, copy time within the span, waves;
 - the same with page_in='kernel' (every page-in of a group as one copy-kernel launch): equality, slot
-  integrity, no synchronization, counters;
+  integrity, no synchronization, counters; page_in='batch' (every page-in of a group as one cuMemcpyBatchAsync):
+  equality, slot integrity, its copies byte for byte against an index copy, the default stream's fallback;
 - prefill staging rows: equality (bf16, FP8, delayed compute), no synchronization, and a STAGING wave waits
   for its copies (with a control that must see the race);
 - FP8 waves compute from the block tables laid out with the plan (none built a wave on the device);
@@ -123,10 +124,23 @@ def test_fp8_waves_run_on_the_block_tables_laid_out_with_the_plan() -> None:
 def test_kernel_page_in_prefill_equals_resident() -> None:
     """page_in='kernel': every host-planned page-in as one copy-kernel launch per group of rows (bf16 and FP8);
     the copies went by the kernel, none by DMA (equal outputs alone cannot say which copy ran)."""
+    _one_call_page_in_equals_resident("kernel", "_copy_kernel")
+
+
+def test_batch_page_in_prefill_equals_resident() -> None:
+    """page_in='batch': every host-planned page-in group as one cuMemcpyBatchAsync (bf16 and FP8, weights and
+    scales in one call); the copies went by the driver's batch, none by `direct`'s DMAs or row kernel."""
+    _one_call_page_in_equals_resident("batch", "_copy_batch")
+
+
+def _one_call_page_in_equals_resident(page_in: str, method: str) -> None:
+    from paged_experts.residency.batch_copy import DriverBatchCopy
+
     want = {chunk: long_prompt(MoeCausalLM.from_pretrained(QWEN2, rt(mode="resident")), chunk) for chunk in (600, 256)}
     want_fp8 = long_prompt(MoeCausalLM.from_pretrained(FP8, rt(mode="resident")), 256)
-    calls = {"_copy_kernel": 0, "_copy_direct": 0}
-    originals = {name: getattr(PageInEngine, name) for name in calls}
+    calls = {method: 0, "_copy_direct": 0, "driver": 0}
+    originals = {name: getattr(PageInEngine, name) for name in (method, "_copy_direct")}
+    driver_call = DriverBatchCopy.__call__
 
     def counting(name: str) -> object:
         def counted(self: PageInEngine, *args: object) -> None:
@@ -135,20 +149,82 @@ def test_kernel_page_in_prefill_equals_resident() -> None:
 
         return counted
 
-    for name in calls:
+    def driver_counted(self: DriverBatchCopy, *args: Any) -> None:
+        calls["driver"] += 1
+        driver_call(self, *args)
+
+    for name in originals:
         setattr(PageInEngine, name, counting(name))
+    DriverBatchCopy.__call__ = driver_counted  # type: ignore[method-assign]
     try:
         for k in (16, 32):
-            model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=k, page_in="kernel"))
+            model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=k, page_in=page_in))
             for chunk, ref in want.items():
-                assert_same(long_prompt(model, chunk), ref, f"kernel page-in K={k} chunks of {chunk}")
+                assert_same(long_prompt(model, chunk), ref, f"{page_in} page-in K={k} chunks of {chunk}")
             assert model.counters.snapshot().prefill.misses > 0
-        model = MoeCausalLM.from_pretrained(FP8, rt(mode="paged", resident_experts=16, page_in="kernel"))
-        assert_same(long_prompt(model, 256), want_fp8, "FP8 kernel page-in K=16")
+        model = MoeCausalLM.from_pretrained(FP8, rt(mode="paged", resident_experts=16, page_in=page_in))
+        assert_same(long_prompt(model, 256), want_fp8, f"FP8 {page_in} page-in K=16")
     finally:
         for name, fn in originals.items():
             setattr(PageInEngine, name, fn)
-    assert calls["_copy_kernel"] > 0 and calls["_copy_direct"] == 0, calls
+        DriverBatchCopy.__call__ = driver_call  # type: ignore[method-assign]
+    assert calls[method] > 0 and calls["_copy_direct"] == 0, calls
+    assert (calls["driver"] == calls[method]) if page_in == "batch" else calls["driver"] == 0, calls
+
+
+def test_batch_copy_writes_every_tensor_and_falls_back_on_the_default_stream() -> None:
+    """The driver's batch (cuMemcpyBatchAsync) from the pinned store on a side stream writes exactly what an index
+    copy writes (bf16 and FP8 rows, runs of neighbours and single rows, nothing else touched); on the legacy
+    default stream, which the driver refuses, the engine copies as `direct`."""
+    from paged_experts.residency.store import ExpertTensors
+
+    e, k, hidden, inter = 12, 6, 256, 192
+    dev = torch.device("cuda")
+    direct = PageInEngine._copy_direct
+    fell_back: list[int] = []
+
+    def counted(self: PageInEngine, *args: Any) -> None:
+        fell_back.append(1)
+        direct(self, *args)
+
+    for is_fp8 in (False, True):
+        host = ExpertTensors.empty(e, hidden, inter, torch.bfloat16, torch.device("cpu"), pin=True, is_fp8=is_fp8)
+        gen = torch.Generator().manual_seed(0)
+        for name in host.names():
+            raw = host.get(name).view(torch.uint8)
+            raw.copy_(torch.randint(0, 120, raw.shape, generator=gen, dtype=torch.uint8))
+        engine = PageInEngine(dev, "batch", hidden, inter, torch.bfloat16, k, is_fp8, batch_copy=_driver())
+        index = PageInEngine(dev, "index", hidden, inter, torch.bfloat16, k, is_fp8)
+        for pairs in ([(3, 0), (4, 1), (5, 2), (9, 4), (0, 5)], [(7, 3)], [(11, 1), (2, 0)]):
+            want = ExpertTensors.empty(k, hidden, inter, torch.bfloat16, dev, is_fp8=is_fp8)
+            side = ExpertTensors.empty(k, hidden, inter, torch.bfloat16, dev, is_fp8=is_fp8)
+            legacy = ExpertTensors.empty(k, hidden, inter, torch.bfloat16, dev, is_fp8=is_fp8)
+            for table in (want, side, legacy):
+                for name in table.names():
+                    table.get(name).view(torch.uint8).fill_(7)
+            index.copy_rows(host, want, pairs)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())  # the fills are done before the copies
+            with torch.cuda.stream(stream):
+                engine.copy_rows(host, side, pairs)
+            torch.cuda.current_stream().wait_stream(stream)
+            fell_back.clear()
+            PageInEngine._copy_direct = counted  # type: ignore[method-assign]
+            try:
+                engine.copy_rows(host, legacy, pairs)  # the default stream
+            finally:
+                PageInEngine._copy_direct = direct  # type: ignore[method-assign]
+            assert fell_back, "the legacy default stream did not fall back to direct"
+            torch.cuda.synchronize()
+            for name in host.names():
+                for got in (side, legacy):
+                    assert torch.equal(got.get(name).view(torch.uint8), want.get(name).view(torch.uint8)), (pairs, name)
+
+
+def _driver() -> Any:
+    from paged_experts.residency.batch_copy import driver_batch_copy
+
+    return driver_batch_copy(torch.device("cuda"))
 
 
 def test_staging_rows_prefill_equals_resident_and_does_not_sync() -> None:
@@ -253,7 +329,7 @@ def _copies_ignore_readers() -> object:
 
 def test_slots_are_not_overwritten_while_a_wave_reads_them() -> None:
     want = long_prompt(MoeCausalLM.from_pretrained(QWEN2, rt(mode="resident")), 600, decode_steps=0)
-    for page_in in ("direct", "kernel"):
+    for page_in in ("direct", "kernel", "batch"):
         _slots_are_not_overwritten(want, page_in)
 
 
