@@ -190,6 +190,89 @@ def test_driver_batch_copy_names_why_it_is_unavailable(monkeypatch: pytest.Monke
         batch_copy.DriverBatchCopy(torch.device("cuda"))
 
 
+def test_batch_descriptors_refuse_a_run_whose_end_would_wrap_and_a_destination_named_twice() -> None:
+    """A row index near 2**63 makes `row + n` wrap negative: each column is checked on its own, so it still raises;
+    and one call naming a destination row twice is refused (a batch's copies run in no set order)."""
+    from paged_experts.residency.batch_copy import descriptors, row_tables
+
+    tables = row_tables([torch.zeros(4, 8)], [torch.zeros(3, 8)])
+    for runs in ([(2**63 - 1, 0, 1)], [(0, 2**63 - 1, 1)], [(0, 0, 2**63 - 1)], [(3, 0, 2)], [(0, 0, 0)]):
+        with pytest.raises(IndexError, match="outside the tables"):
+            descriptors(tables, runs)
+    dsts, srcs, sizes = descriptors(tables, [(1, 0, 2), (3, 2, 1)])
+    assert sizes.tolist() == [64, 32] and (srcs - tables.src_base[0]).tolist() == [32, 96]
+    assert (dsts - tables.dst_base[0]).tolist() == [0, 64]
+    e = store_mod.ExpertTensors.empty(6, 256, 192, torch.float32, torch.device("cpu"))
+    slots = store_mod.ExpertTensors.empty(3, 256, 192, torch.float32, torch.device("cpu"))
+    engine = store_mod.PageInEngine(torch.device("cpu"), "batch", 256, 192, torch.float32, 3)
+    with pytest.raises(ValueError, match="destination row twice"):
+        engine.copy_rows(e, slots, [(1, 0), (2, 0)])
+
+
+def test_driver_batch_copy_passes_the_12_8_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver entry point, stood in by a C callback that records its nine arguments and copies as told: the
+    descriptors' three arrays and their count, one attribute entry (source read in stream order) applying from
+    copy 0, a failIdx slot and the stream; the legacy default stream is refused before any call."""
+    import ctypes
+
+    import numpy as np
+
+    from paged_experts.residency import batch_copy
+
+    seen: dict[str, Any] = {}
+
+    def entry(dsts: int, srcs: int, sizes: int, count: int, attrs: int, idxs: int, num: int, fail: int, s: int) -> int:
+        a = batch_copy._Attributes.from_address(attrs)
+        seen.update(count=count, order=a.srcAccessOrder, flags=a.flags, first=ctypes.c_size_t.from_address(idxs).value,
+                    num=num, fail=fail, stream=s)  # fmt: skip
+        arrays = [(ctypes.c_uint64 * count).from_address(p) for p in (dsts, srcs, sizes)]
+        for d, src, n in zip(*arrays):
+            ctypes.memmove(d, src, n)
+        return 0
+
+    callback = batch_copy._BATCH_FN(entry)
+
+    class Fn:
+        def __init__(self, body: Any) -> None:
+            self.body = body
+
+        def __call__(self, *args: Any) -> int:
+            return int(self.body(*args))
+
+    def get_proc(symbol: bytes, pfn: Any, version: int, flags: int, status: Any) -> int:
+        assert symbol == b"cuMemcpyBatchAsync" and version == 12080 and flags == 0
+        ctypes.cast(pfn, ctypes.POINTER(ctypes.c_void_p))[0] = ctypes.cast(callback, ctypes.c_void_p).value
+        return 0
+
+    def version(out: Any) -> int:
+        ctypes.cast(out, ctypes.POINTER(ctypes.c_int))[0] = 13000
+        return 0
+
+    def current(out: Any) -> int:
+        ctypes.cast(out, ctypes.POINTER(ctypes.c_void_p))[0] = 1  # a context is current
+        return 0
+
+    class FakeLib:
+        cuDriverGetVersion = Fn(version)
+        cuGetProcAddress_v2 = Fn(get_proc)
+        cuCtxGetCurrent = Fn(current)
+        cuGetErrorName = cuDeviceGet = cuDevicePrimaryCtxRetain = cuCtxSetCurrent = Fn(lambda *a: 0)
+
+    monkeypatch.setattr(batch_copy.ctypes, "CDLL", lambda name: FakeLib())
+    driver = batch_copy.DriverBatchCopy(torch.device("cuda"))
+    src, dst = torch.arange(24, dtype=torch.float32).view(6, 4), torch.zeros(3, 4)
+    tables = batch_copy.row_tables([src], [dst])
+    dsts, srcs, sizes = batch_copy.descriptors(tables, [(4, 0, 2), (1, 2, 1)])
+    driver(dsts, srcs, sizes, 7)
+    assert seen == {"count": 2, "order": 1, "flags": 0, "first": 0, "num": 1, "fail": seen["fail"], "stream": 7}
+    assert seen["fail"] and torch.equal(dst, torch.stack([src[4], src[5], src[1]]))
+    for legacy in (0, 1):
+        with pytest.raises(ValueError, match="legacy default stream"):
+            driver(dsts, srcs, sizes, legacy)
+    with pytest.raises(ValueError, match="uint64"):
+        driver(dsts, srcs.astype(np.int64), sizes, 7)
+
+
 def test_offload_equals_resident(ckpt: Path, resident: list[torch.Tensor]) -> None:
     for layers in (None, 2):
         model = MoeCausalLM.from_pretrained(ckpt, RuntimeConfig(mode="offload", offload_layers=layers))

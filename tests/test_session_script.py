@@ -201,6 +201,18 @@ def test_the_queue_runs_only_the_servers_named_in_run_only(tmp_path: Path) -> No
     ], calls
 
 
+def test_a_job_of_its_own_run_only_measures_its_servers_beside_the_others(tmp_path: Path) -> None:
+    """RUN_ONLY_<job> replaces RUN_ONLY for that job, and an empty one measures its whole matrix: one queue runs a
+    whole A/B matrix and part of another."""
+    more = {"RUN_ONLY": "paged-fp8", "RUN_ONLY_paged16": "", "RUN_ONLY_ttft": "a b"}
+    calls, _ = _queue(tmp_path, fail=False, more_env=more)
+    runs = [" ".join(line.split()[1:]) for line in calls if " start " in f" {line} " and "benchsuite run" in line]
+    assert runs == [
+        "start -m benchsuite run configs/h200/paged16.yaml --run-id h200-paged16 --no-report",
+        "start -m benchsuite run configs/h200/ttft.yaml --run-id h200-ttft --only a --only b --no-report",
+    ], calls
+
+
 def test_cuda_goes_first_in_a_queue(tmp_path: Path) -> None:
     env = {**os.environ, "OUT": str(tmp_path / "out"), "SESSION_COPY": str(tmp_path), "SESSION_JOBS": str(tmp_path)}
     done = subprocess.run(["bash", str(SCRIPT), "queue", "paged16", "cuda"], cwd=tmp_path, env=env,

@@ -46,6 +46,8 @@
 # `benchsuite compare results/RUN-base results/RUN`, `benchmarks/prefill_speeds.py results/RUN --against ...-base`.
 # RUN_ONLY (default none): the servers each queued run measures ("paged-fp8 paged-fp8-synthetic": `benchsuite run
 # --only` for each), when a session has device time for part of a matrix; the same run id without it measures the rest.
+# RUN_ONLY_<job> (e.g. RUN_ONLY_headline): the same for that job alone, over RUN_ONLY ("" = the whole matrix), so one
+# queue can run a whole A/B matrix and part of another.
 #
 # Inputs the caller carries: .whl/ (the Python packages the box lacks, configs/h200/README.md) and
 # .carry/llama-src.tar.gz (`benchsuite install llama-server --pack-source`); to resume a run whose machine was
@@ -257,14 +259,18 @@ case "${1:-}" in
     for job in "${@:2}"; do
       [ "$job" != cuda ] || { echo "queue: cuda goes first (the runs after it are what it guards)" >&2; exit 2; }
     done
-    only=""  # RUN_ONLY="a b": each run measures only those servers (--only), the rest left for a later run
-    for server in ${RUN_ONLY:-}; do only="$only --only $server"; done
     steps=""
     first=true  # the CUDA tests need neither llama-server nor the 48-layer models: they run beside the build
     for job in "$@"; do
       case "$job" in
         cuda) first="python3 -m pytest $CUDA_TESTS -m cuda -q -p no:cacheprovider -o addopts= > $JOBS/cuda.log 2>&1; echo \$? > $JOBS/cuda.rc; echo \"cuda exit \$(cat $JOBS/cuda.rc)\"; tail -n 3 $JOBS/cuda.log" ;;
         headline|overlap|copy|ttft|paged16|fused|kernelcopy|batchcopy|staging|gcfreeze|attnfp8|record|policy|window|policyconfirm|prefetch)
+          # RUN_ONLY="a b": the run measures only those servers (--only), the rest left for a later run;
+          # RUN_ONLY_<job>, where set (even empty), replaces it for this job
+          names_var="RUN_ONLY_$job"
+          if [ -n "${!names_var+set}" ]; then names="${!names_var}"; else names="${RUN_ONLY:-}"; fi
+          only=""
+          for server in $names; do only="$only --only $server"; done
           run="python3 -m benchsuite run configs/h200/$job.yaml --run-id $RUN_PREFIX-$job${RUN_SUFFIX:-}"
           steps="$steps; $guard; $run$only --no-report; echo \"$job exit \$?\""
           # then the same run by the base commit's code (its own matrix file, its own results/ without the commit's

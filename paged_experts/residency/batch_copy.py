@@ -16,8 +16,10 @@ The ABI: `cuMemcpyBatchAsync` appeared in CUDA 12.8 with a `failIdx` argument th
 `cuMemcpyBatchAsync_v2`); `cuGetProcAddress` asked for the 12.8 version returns the 12.8 entry point from
 any driver >= 12.8, so one signature serves both. The source is read in stream order
 (`CU_MEMCPY_SRC_ACCESS_ORDER_STREAM`), as a `cudaMemcpyAsync` reads it. The driver refuses the legacy
-default stream (handle 0): `store.PageInEngine` sends a call made there (a benchmark's serial path, a slot
-reload) by its `direct` copies instead.
+default stream (handle 0 or CU_STREAM_LEGACY), and a batch copy cannot be captured into a CUDA graph:
+`store.PageInEngine` sends a call made on the legacy stream (a benchmark's serial path, a slot reload, offloaded
+layers) or under capture by its `direct` copies instead, and counts those calls. Copies within one batch run in
+no set order, so a call naming one destination row twice is refused (`direct` would let the last one win).
 
 On the CPU the same descriptors run as `ctypes.memmove`s (`memmove_batch`), so the CPU tests check every
 address a GPU would copy.
@@ -38,6 +40,7 @@ import torch
 _CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
 _ABI_VERSION = 12080  # the 12.8 signature (with failIdx), which drivers of 13.x still return when asked for it
 _CU_GET_PROC_ADDRESS_DEFAULT = 0
+LEGACY_STREAMS = (0, 1)  # the legacy default stream: the NULL handle and CU_STREAM_LEGACY (the driver refuses both)
 
 
 class BatchCopyUnavailable(RuntimeError):
@@ -91,13 +94,16 @@ def descriptors(tables: RowTables, runs: Sequence[tuple[int, int, int]]) -> tupl
     """runs [(src row, dst row, n)] -> (dsts, srcs, sizes), each [N_tensors * R] uint64, tensor-major. Raises
     before making an address when a run leaves either table."""
     r = np.asarray(runs, dtype=np.int64).reshape(-1, 3)  # [R, 3]
-    if r.size and (
-        int(r.min()) < 0
-        or int(r[:, 2].min()) < 1
-        or int((r[:, 0] + r[:, 2]).max()) > tables.src_rows
-        or int((r[:, 1] + r[:, 2]).max()) > tables.dst_rows
-    ):
-        raise IndexError(f"a run of rows outside the tables ({tables.src_rows} source, {tables.dst_rows} dest): {runs}")
+    if r.size:
+        src, dst, n = r[:, 0], r[:, 1], r[:, 2]
+        # each column on its own, no sums (a sum near 2**63 wraps, and the wrapped run would pass)
+        if not (
+            (src >= 0).all() and (dst >= 0).all() and (src < tables.src_rows).all() and (dst < tables.dst_rows).all()
+            and (n >= 1).all() and (n <= tables.src_rows - src).all() and (n <= tables.dst_rows - dst).all()
+        ):  # fmt: skip
+            raise IndexError(
+                f"a run of rows outside the tables ({tables.src_rows} source, {tables.dst_rows} dest): {runs}"
+            )
     u = r.astype(np.uint64)
     rb = tables.row_bytes[:, None]  # [N, 1]
     srcs = (tables.src_base[:, None] + u[None, :, 0] * rb).reshape(-1)  # [N * R]
@@ -165,6 +171,9 @@ class DriverBatchCopy:
             )
         lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+        lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+        lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
         self._lib = lib
         self._fn = _BATCH_FN(fn.value)
         self._device = device
@@ -174,8 +183,11 @@ class DriverBatchCopy:
         self.version = version.value
 
     def __call__(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
-        if not stream:
+        if stream in LEGACY_STREAMS:
             raise ValueError("cuMemcpyBatchAsync refuses the legacy default stream")
+        for a in (dsts, srcs, sizes):  # the driver reads dsts.size entries of each: exactly those, as uint64
+            if a.dtype != np.uint64 or a.ndim != 1 or a.size != dsts.size or not a.flags.c_contiguous:
+                raise ValueError(f"batch copy descriptors must be three [N] uint64 arrays, got {a.dtype} {a.shape}")
         if not dsts.size:
             return
         if not getattr(self._threads, "ready", False):
@@ -191,11 +203,21 @@ class DriverBatchCopy:
             )
 
     def _current_context(self) -> None:
-        """A driver call needs its context current on the calling thread; a thread that has not yet called the
-        runtime has none, and setting the device makes the device's primary context current (once a thread)."""
+        """A driver call needs a context current on the calling thread. A thread that has called the runtime has
+        the device's primary context current (every thread that runs a step has launched kernels before its first
+        page-in); one that has not is given it here, through the driver (the runtime's set_device skips a device it
+        believes current), then checked (once a thread)."""
         ctx = ctypes.c_void_p()
         if self._lib.cuCtxGetCurrent(ctypes.byref(ctx)) or not ctx.value:
-            torch.cuda.set_device(self._device)
+            index = self._device.index if self._device.index is not None else torch.cuda.current_device()
+            dev, primary = ctypes.c_int(), ctypes.c_void_p()
+            # retained for the process's life: the runtime holds the same primary context for as long
+            code = self._lib.cuDeviceGet(ctypes.byref(dev), index)
+            code = code or self._lib.cuDevicePrimaryCtxRetain(ctypes.byref(primary), dev)
+            code = code or self._lib.cuCtxSetCurrent(primary)
+            code = code or self._lib.cuCtxGetCurrent(ctypes.byref(ctx))
+            if code or not ctx.value:
+                raise RuntimeError(f"cuMemcpyBatchAsync: no CUDA context for device {index} on this thread ({code})")
         self._threads.ready = True
 
     def _error_name(self, code: int) -> str:

@@ -38,6 +38,7 @@ the copy instead of alongside it. Hence `direct` is the CUDA default.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,10 +48,19 @@ import torch
 
 from paged_experts import fp8
 from paged_experts.residency import pinned
-from paged_experts.residency.batch_copy import BatchCopy, RowTables, descriptors, memmove_batch, row_tables
+from paged_experts.residency.batch_copy import (
+    LEGACY_STREAMS,
+    BatchCopy,
+    RowTables,
+    descriptors,
+    memmove_batch,
+    row_tables,
+)
 from paged_experts.residency.counters import PagingCounters
 from paged_experts.residency.page_in import PAGE_IN_STRATEGIES
 from paged_experts.upload import to_device
+
+log = logging.getLogger(__name__)
 
 EXPERT_TENSORS: tuple[str, ...] = ("gate", "up", "down")
 """Per-expert tensors. Page-in walks this tuple; the fault-injection test removes one name."""
@@ -199,6 +209,8 @@ class PageInEngine:
         self.blocks_host = strategy == "staged"
         self.row_kernel = row_kernel
         self.batch_copy = batch_copy
+        self.batch_calls = 0  # `batch`: calls the batch copy took
+        self.batch_fallbacks = 0  # `batch`: calls copied as `direct` (the legacy default stream, graph capture)
         self._tables: dict[tuple[int, int, tuple[str, ...]], RowTables] = {}  # `batch`: (src, dst, names) -> tables
         self._staging_host: ExpertTensors | None = None
         self._staging_dev: ExpertTensors | None = None
@@ -273,33 +285,43 @@ class PageInEngine:
             self._copy_kernel(src, dst, pairs, small)
 
     def _copy_batch(self, src: ExpertTensors, dst: ExpertTensors, pairs: Sequence[tuple[int, int]]) -> None:
-        """Every tensor's runs of rows in one `batch_copy` call on the current stream (batch_copy.py)."""
-        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
-        if self.device.type == "cuda" and not stream:
-            self._copy_direct(src, dst, pairs)  # the legacy default stream: the driver refuses a batch there
-            return
+        """Every tensor's runs of rows in one `batch_copy` call on the current stream (batch_copy.py). On the legacy
+        default stream, which the driver refuses, or under graph capture, which a batch cannot join: as `direct`
+        (counted in `batch_fallbacks`; logged once)."""
+        if len({d for _, d in pairs}) != len(pairs):  # a batch's copies run in no set order: one writer a row
+            raise ValueError(f"a batch copy names a destination row twice: {list(pairs)}")
+        stream = 0
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+            if stream in LEGACY_STREAMS or torch.cuda.is_current_stream_capturing():
+                self.batch_fallbacks += 1
+                if self.batch_fallbacks == 1:
+                    log.info("page_in batch: a call on the legacy default stream or under capture went as direct")
+                self._copy_direct(src, dst, pairs)
+                return
         assert self.batch_copy is not None
         dsts, srcs, sizes = descriptors(self._row_tables(src, dst), contiguous_runs(pairs))
         self.batch_copy(dsts, srcs, sizes, stream)
+        self.batch_calls += 1
+        if self.batch_calls == 1:  # the server's log says the batch ran (a slot reload's copies go direct, above)
+            log.info("page_in batch: the first call went by one batch copy (%d copies)", dsts.size)
 
     def _row_tables(self, src: ExpertTensors, dst: ExpertTensors) -> RowTables:
         """src and dst's tensors as base addresses, made once per pair of tables and kept while every tensor is
-        the one they were made from (a table whose tensor was replaced gets new ones: a stale base would be a
-        wild pointer)."""
+        the one they were made from, at the same address (a table freed and another made at its id, or a tensor
+        whose storage moved, gets new ones: a stale base would be a wild pointer)."""
         names = src.names()
         key = (id(src), id(dst), names)
         tensors = (*(src.get(n) for n in names), *(dst.get(n) for n in names))
         cached = self._tables.get(key)
-        if (
-            cached is None
-            or len(cached.tensors) != len(tensors)
-            or any(a is not b for a, b in zip(cached.tensors, tensors))
-        ):
-            src_t, dst_t = tensors[: len(names)], tensors[len(names) :]
-            cached = row_tables([fp8.raw(t) for t in src_t], [fp8.raw(t) for t in dst_t])
-            cached = RowTables(
-                tensors, cached.src_base, cached.dst_base, cached.row_bytes, cached.src_rows, cached.dst_rows
+        if cached is None or any(
+            a is not b or a.data_ptr() != base
+            for a, b, base in zip(
+                cached.tensors, tensors, (*cached.src_base.tolist(), *cached.dst_base.tolist()), strict=True
             )
+        ):
+            raw = [fp8.raw(t) for t in tensors]
+            cached = row_tables(raw[: len(names)], raw[len(names) :], keep=tensors)
             self._tables[key] = cached
         return cached
 

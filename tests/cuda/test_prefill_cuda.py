@@ -205,16 +205,17 @@ def test_batch_copy_writes_every_tensor_and_falls_back_on_the_default_stream() -
             index.copy_rows(host, want, pairs)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())  # the fills are done before the copies
-            with torch.cuda.stream(stream):
-                engine.copy_rows(host, side, pairs)
-            torch.cuda.current_stream().wait_stream(stream)
-            fell_back.clear()
+            calls, fell_back[:] = engine.batch_calls, []
             PageInEngine._copy_direct = counted  # type: ignore[method-assign]
             try:
+                with torch.cuda.stream(stream):
+                    engine.copy_rows(host, side, pairs)
+                assert engine.batch_calls == calls + 1 and not fell_back, "the side stream's copy did not go by batch"
+                torch.cuda.current_stream().wait_stream(stream)
                 engine.copy_rows(host, legacy, pairs)  # the default stream
+                assert len(fell_back) == 1 and engine.batch_calls == calls + 1, "the legacy stream did not go direct"
             finally:
                 PageInEngine._copy_direct = direct  # type: ignore[method-assign]
-            assert fell_back, "the legacy default stream did not fall back to direct"
             torch.cuda.synchronize()
             for name in host.names():
                 for got in (side, legacy):
@@ -352,8 +353,9 @@ def _slots_are_not_overwritten(want: list[torch.Tensor], page_in: str) -> None:
 def test_a_wave_waits_for_its_page_ins_to_land() -> None:
     """The host issues a wave's page-ins one wave early and the compute stream waits for them only just before
     that wave (`LayerCopies.wait_landed`). With every group of page-ins delayed on the page-in stream
-    (SLEEP_CYCLES before it), paged still equals resident; the control, waves that do not wait for their
-    page-ins (`wait_landed` a no-op), must differ (the test can see the race it guards)."""
+    (SLEEP_CYCLES before it), paged still equals resident, with the page-ins as DMAs and as one batch call; the
+    control, waves that do not wait for their page-ins (`wait_landed` a no-op), must differ (the test can see the
+    race it guards)."""
     want = long_prompt(MoeCausalLM.from_pretrained(QWEN2, rt(mode="resident")), 600, decode_steps=0)
     timed, wait = LayerCopies._timed, LayerCopies.wait_landed
 
@@ -364,12 +366,14 @@ def test_a_wave_waits_for_its_page_ins_to_land() -> None:
 
     LayerCopies._timed = late  # type: ignore[method-assign, assignment]
     try:
-        model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=32))
-        assert_same(long_prompt(model, 600, decode_steps=0), want, "page-ins delayed")
+        for page_in in ("direct", "batch"):
+            model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=32, page_in=page_in))
+            assert_same(long_prompt(model, 600, decode_steps=0), want, f"page-ins delayed, {page_in}")
         LayerCopies.wait_landed = lambda self, index: None  # type: ignore[method-assign, assignment]
-        model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=32))
-        got = long_prompt(model, 600, decode_steps=0)
-        assert not all(torch.equal(a, b) for a, b in zip(got, want)), "the control's race went unseen"
+        for page_in in ("direct", "batch"):
+            model = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=32, page_in=page_in))
+            got = long_prompt(model, 600, decode_steps=0)
+            assert not all(torch.equal(a, b) for a, b in zip(got, want)), f"the control's race went unseen ({page_in})"
     finally:
         LayerCopies._timed, LayerCopies.wait_landed = timed, wait  # type: ignore[method-assign]
 
@@ -381,7 +385,7 @@ def _prefill_layers(model: MoeCausalLM, router: object | None, tokens: int = 512
 
 
 def test_prefill_with_host_known_routing_does_not_sync() -> None:
-    for page_in in ("direct", "kernel"):
+    for page_in in ("direct", "kernel", "batch"):
         _host_known_routing_does_not_sync(page_in=page_in)
 
 
@@ -415,7 +419,7 @@ def test_prefill_with_model_routing_reads_the_ids_once_per_layer() -> None:
 
 
 def test_prefill_counters_on_cuda() -> None:
-    for page_in in ("direct", "kernel"):
+    for page_in in ("direct", "kernel", "batch"):
         _prefill_counters(page_in)
 
 
