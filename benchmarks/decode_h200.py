@@ -41,6 +41,7 @@ from paged_experts.kernels import fused, moe_tiles
 from paged_experts.kernels.fused import grouped_backend
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
+from paged_experts.moe import waves as waves_module
 from paged_experts.residency import pinned
 from paged_experts.residency.policies import LayerResidency
 from paged_experts.residency.store import ExpertTensors
@@ -61,7 +62,7 @@ DEFAULT_MODES = (  # most important first: a --deadline-s cut drops the tail
 
 
 VARIANT_OPTIONS = ("host", "graphs", "compile", "overlap", "loop", "triton", "prefetch", "torchplan", "pertensor")
-VARIANT_OPTIONS += ("fused", "kernelcopy", "devtables", "unfusedglu", "deqattn")
+VARIANT_OPTIONS += ("fused", "kernelcopy", "batchcopy", "devtables", "unfusedglu", "gathered", "deqattn")
 """Options after '/' in a --modes entry (joined by '+'):
 - host: paged steps planned on the host (device_planning='off'): the path before device planning;
 - graphs: decode steps captured as CUDA graphs (--graphs batch sizes; for paged K only batch sizes
@@ -75,10 +76,13 @@ VARIANT_OPTIONS += ("fused", "kernelcopy", "devtables", "unfusedglu", "deqattn")
 - torchplan: device-planned paged layers plan with the torch ops instead of the fused plan kernel;
 - pertensor: device-planned page-ins launch the copy kernel once per tensor, not once for all six;
 - kernelcopy: host-planned page-ins (prefill waves) as one copy-kernel launch per group (page_in='kernel');
+- batchcopy: host-planned page-ins as one cuMemcpyBatchAsync per group (page_in='batch');
 - devtables: host-planned FP8 waves build their grouped kernel's block table by a launch a wave (before
   f5cadb7), not laid out with the plan;
 - unfusedglu: FP8 grouped steps (prefill) run gate, up, silu and their product as four launches, as before
   the one-launch grouped_fp8_glu (kernels/fused.py GLU_ONE_LAUNCH);
+- gathered: host-planned FP8 waves gather their pairs' activations before the grouped launches and index-copy the
+  outputs after, as before the launches read and wrote through the layout (moe/waves.py ROWS_IN_KERNEL);
 - fused: with triton, a one-token step's misses are read from the pinned host rows by the expert
   kernels and written through to their slots (fused_page_in), no copy kernel before the compute;
 - triton: routing and the expert pass of one-wave steps (<= moe_triton.MAX_PAIRS pairs) as
@@ -101,8 +105,11 @@ def apply_plan_option(model: MoeCausalLM, options: frozenset[str]) -> None:
     (`device.plan_step`) instead of the fused kernel (`plan_triton`); 'pertensor', their page-ins
     launch the copy kernel once per tensor instead of once for all (the A/Bs of the two); 'devtables', the
     host-planned waves build their grouped FP8 block tables by a launch a wave, not laid out with the plan;
-    'unfusedglu', FP8 grouped steps run gate, up, silu and product as four launches (set for every variant)."""
+    'unfusedglu', FP8 grouped steps run gate, up, silu and product as four launches (set for every variant);
+    'gathered', host-planned FP8 waves gather their activations and index-copy their outputs around the grouped
+    launches instead of reading and writing through the layout (waves.ROWS_IN_KERNEL, set for every variant)."""
     fused.GLU_ONE_LAUNCH = "unfusedglu" not in options
+    waves_module.ROWS_IN_KERNEL = "gathered" not in options
     for moe in model.moe_layers:
         waves = getattr(moe, "waves", None)
         if waves is not None and "devtables" in options:
@@ -135,7 +142,7 @@ def runtime_for(
             prefetch_next_layer="prefetch" in options,
             kernel_backend=backend,
             copy_programs=None if "host" in options else copy_programs,
-            page_in="kernel" if "kernelcopy" in options else "auto",
+            page_in="kernel" if "kernelcopy" in options else "batch" if "batchcopy" in options else "auto",
             dequantize_attention=deq,
         )
     if name == "cpu-experts":

@@ -62,6 +62,7 @@ from typing import Any
 import torch
 
 import paged_experts.moe.paged as paged_module
+import paged_experts.moe.waves as waves_module
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.routing.sources import make_router
@@ -369,8 +370,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gc-freeze", choices=("on", "off"), default="on",
                     help="on (as the server): the heap frozen for the garbage collector after each cell's warm-up "
                          "prompt; off: every collection walks the model")  # fmt: skip
+    ap.add_argument("--rows-in-kernel", choices=("on", "off"), default="on",
+                    help="on (the runtime's default): a host-planned FP8 wave's grouped launches read and write its "
+                         "rows through the step's layout; off: a gather before them and an index copy after "
+                         "(moe/waves.py ROWS_IN_KERNEL; A/B two processes with benchmarks/prefill_ab.py)")  # fmt: skip
     ap.add_argument("--nvml-scripted-read-s", type=float, default=None, help=argparse.SUPPRESS)  # the harness's test
     args = ap.parse_args(argv)
+    waves_module.ROWS_IN_KERNEL = args.rows_in_kernel == "on"
     if args.nvml_sampler == "ab":
         try:
             with NvmlLoad(args.nvml_scripted_read_s):

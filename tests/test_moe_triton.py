@@ -9,6 +9,7 @@ started with it set (this process may already hold a compiled Triton)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -335,6 +336,77 @@ def check_laid_out_blocks(device: str = "cpu", dtype: torch.dtype = torch.float3
         print("ok", (t, k, e, slots, rows, seed))
 
 
+# (tokens, top_k, experts, slots, seed): a host-planned step's waves, each computed with its rows read and written
+# through the layout (RowMap) and through a gather and an index copy
+ROW_MAP_CASES = ((40, 4, 16, 6, 0), (33, 2, 12, 5, 1))
+
+
+def check_row_maps(device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    """The grouped FP8 launches with their rows read (`gather`) and written (`scatter`) through a wave's run of the
+    step's layout compute the same bits as the gathered copy, the launch and the index copy they replace (moe/waves.py
+    ROWS_IN_KERNEL), and write no other row: per launch, and through `_FusedPass.wave` for a whole step (a first row
+    that is not 16-byte aligned among them)."""
+    from paged_experts import fp8
+    from paged_experts.kernels import fused
+    from paged_experts.kernels.moe_grouped_fp8 import RowMap, block_table, grouped_fp8_glu, grouped_fp8_mm
+    from paged_experts.kernels.moe_tiles import GroupedTiles
+    from paged_experts.moe import waves as waves_module
+    from paged_experts.residency.policies import LayerResidency
+    from paged_experts.residency.store import ExpertTensors
+
+    tiles = GroupedTiles(block_m=8, block_n=32, block_k=64, num_warps=4, num_stages=2)
+    hidden, inter = 128, 96
+    for t, k, e, slots, seed in ROW_MAP_CASES:
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(t, hidden, generator=gen).to(device, dtype)  # [T, H]
+        # one launch each way: rows 3.. of a permutation of the pairs, in 2 groups
+        perm = torch.randperm(t * k, generator=gen).to(device)  # [T*k]
+        tokens = torch.div(perm, k, rounding_mode="floor")  # [T*k]
+        first, num = 3, t * k - 5
+        offs = torch.tensor([num // 2, num], dtype=torch.int32, device=device)
+        blocks = block_table(offs, num, tiles.block_m)
+        gate = tuple(q.to(device) for q in fp8.quantize(torch.randn(2, inter, hidden, generator=gen) / 8))
+        up = tuple(q.to(device) for q in fp8.quantize(torch.randn(2, inter, hidden, generator=gen) / 8))
+        down = tuple(q.to(device) for q in fp8.quantize(torch.randn(2, hidden, inter, generator=gen) / 8))
+        want_h = grouped_fp8_glu(x[tokens[first : first + num]], gate, up, blocks, tiles)
+        got_h = grouped_fp8_glu(x, gate, up, blocks, tiles, RowMap(tokens, first, num))
+        assert torch.equal(got_h, want_h), (got_h - want_h).abs().max()
+        want_y = torch.full((t * k, hidden), 7.0, dtype=dtype, device=device)
+        want_y.index_copy_(0, perm[first : first + num], grouped_fp8_mm(want_h, *down, blocks, tiles))
+        got_y = torch.full((t * k, hidden), 7.0, dtype=dtype, device=device)
+        out = grouped_fp8_mm(want_h, *down, blocks, tiles, (got_y, RowMap(perm, first, num)))
+        assert out is got_y and torch.equal(got_y, want_y)  # the rows outside the map kept their 7s
+        # a whole step through the waves, its tables FP8 on this device (the grouped kernel as on a GPU)
+        real_tiles = fused.fp8_grouped_tiles
+        fused.fp8_grouped_tiles = waves_module.fp8_grouped_tiles = lambda w: tiles if w.is_fp8 else None  # type: ignore[assignment]
+        try:
+            host = ExpertTensors.empty(e, hidden, inter, dtype, torch.device(device), is_fp8=True)
+            for name in ("gate", "up", "down"):
+                q, sc = fp8.quantize(torch.randn(e, *host.get(name).shape[1:], generator=gen) / 8)
+                host.get(name).copy_(q)
+                host.get(f"{name}_scale").copy_(sc)
+            ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])  # [T, k]
+            weights = torch.rand(t, k, generator=gen).to(device, dtype)
+            plan = LayerResidency(e, slots, prefill_keep="recent").plan_step(ids.reshape(-1).numpy())
+            # each wave served from the store's own rows (so one table holds every expert; the bits are the slots')
+            waves = [dataclasses.replace(w, slots=w.experts) for w in plan.waves]
+            assert len(waves) >= 3, len(waves)
+            results = []
+            for rows_in_kernel in (False, True):
+                waves_module.ROWS_IN_KERNEL = rows_in_kernel
+                run = waves_module.FUSED.begin(x, ids, e, torch.device(device))
+                run.plan_waves(waves, e, tiles.block_m)
+                for wave in waves:
+                    run.wave(host, wave.experts, wave.slots)
+                results.append(run.finish(weights))
+            assert any(s % 2 for s in run.laid.starts[:-1]), run.laid.starts  # type: ignore[attr-defined]
+            assert torch.equal(results[0], results[1]), (results[0] - results[1]).abs().max()
+        finally:
+            fused.fp8_grouped_tiles = waves_module.fp8_grouped_tiles = real_tiles  # type: ignore[assignment]
+            waves_module.ROWS_IN_KERNEL = True
+        print("ok", (t, k, e, slots, seed))
+
+
 # (batch, query heads, KV heads, head dim, block size, positions): GQA groups of 1, 4 and 8,
 # contexts inside one block of the online softmax, across several, a sequence that has only its
 # first token, and a block size that does not divide the softmax block.
@@ -377,6 +449,7 @@ def check_attention(device: str = "cpu", dtype: torch.dtype = torch.float32, tol
         ("check_grouped_fp8", GROUPED_CASES),
         ("check_grouped_fp8_glu", GLU_CASES),
         ("check_laid_out_blocks", LAID_OUT_CASES),
+        ("check_row_maps", ROW_MAP_CASES),
         ("check_read_through", READ_CASES),
     ],
 )

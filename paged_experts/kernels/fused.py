@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from paged_experts.experts import route
 from paged_experts.kernels import moe_tiles, moe_triton
-from paged_experts.kernels.moe_grouped_fp8 import BlockTable, block_table, grouped_fp8_glu, grouped_fp8_mm
+from paged_experts.kernels.moe_grouped_fp8 import BlockTable, RowMap, block_table, grouped_fp8_glu, grouped_fp8_mm
 from paged_experts.kernels.moe_tiles import GroupedTiles
 from paged_experts.residency.store import ExpertTensors
 
@@ -116,19 +116,28 @@ def fp8_expert_mlp(
     offs: torch.Tensor,
     tiles: GroupedTiles,
     blocks: BlockTable | None = None,
+    gather: RowMap | None = None,
+    scatter: tuple[torch.Tensor, RowMap] | None = None,
 ) -> torch.Tensor:
     """`expert_mlp` of FP8 rows by moe_grouped_fp8 with the given tiles: x_sorted [P, H] -> [P, H].
-    blocks: offs's block table for tiles.block_m where the caller laid it out (None: built here)."""
+    blocks: offs's block table for tiles.block_m where the caller laid it out (None: built here).
+    gather: x_sorted is every token's activations [T, H], pair m's row gather.rows[gather.first + m] (P =
+    gather.num; the gate and up launch reads them there, no gathered copy); scatter (y [R, H], rows): pair m's
+    output goes to y's row rows.rows[rows.first + m] (the down launch writes it there, no copy after), and y is
+    returned. The arithmetic is the same either way (moe_grouped_fp8)."""
+    p = gather.num if gather is not None else x_sorted.shape[0]
     if blocks is None:
-        blocks = block_table(offs, x_sorted.shape[0], tiles.block_m)  # one table for the three matmuls
+        blocks = block_table(offs, p, tiles.block_m)  # one table for the three matmuls
     if GLU_ONE_LAUNCH:
         gate_up = (weights.gate, weights.get("gate_scale")), (weights.up, weights.get("up_scale"))
-        h = grouped_fp8_glu(x_sorted, *gate_up, blocks, tiles)  # [P, I]
+        h = grouped_fp8_glu(x_sorted, *gate_up, blocks, tiles, gather)  # [P, I]
     else:
+        if gather is not None:  # the four-launch reference reads sorted rows
+            x_sorted, gather = x_sorted[gather.rows[gather.first : gather.first + gather.num]], None
         gate = grouped_fp8_mm(x_sorted, weights.gate, weights.get("gate_scale"), blocks, tiles)  # [P, I]
         up = grouped_fp8_mm(x_sorted, weights.up, weights.get("up_scale"), blocks, tiles)  # [P, I]
         h = F.silu(gate) * up  # [P, I]
-    return grouped_fp8_mm(h, weights.down, weights.get("down_scale"), blocks, tiles)  # [P, H]
+    return grouped_fp8_mm(h, weights.down, weights.get("down_scale"), blocks, tiles, scatter)  # [P, H] or y
 
 
 def expert_mlp(

@@ -50,26 +50,31 @@ class BlockTable(NamedTuple):
 
 
 if triton is not None:
-
-    @triton.jit
+    # row0 is not specialized: a wave's first row takes every value, and each value class would compile a variant
+    @triton.jit(do_not_specialize=["row0"])
     def _grouped_fp8(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
-        a, w, s, out, blk_group, blk_m0, blk_m1,
+        a, w, s, out, blk_group, blk_m0, blk_m1, a_rows, out_rows, row0,
         N: tl.constexpr, K: tl.constexpr, QB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-        IEEE: tl.constexpr,
+        IEEE: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr,
     ):  # fmt: skip
         """a [P, K], w [G, N, K] fp8, s [G, N/QB, K/QB] fp32, blocks (group, first row, end row) -> out [P, N].
-        IEEE: fp32 activations multiply in full fp32 (tl.dot would round them to tf32)."""
+        IEEE: fp32 activations multiply in full fp32 (tl.dot would round them to tf32). GATHER: row m of the
+        product reads a's row a_rows[row0 + m] (a: every row, unsorted); SCATTER: it writes out's row
+        out_rows[row0 + m] (out: every row)."""
         b = tl.program_id(0)
         g = tl.load(blk_group + b).to(tl.int64)
         if g < 0:  # past the last group's blocks
             return
-        _grouped_tile(a, w, s, w, s, out, g, b, blk_m0, blk_m1, N, K, QB, BM, BN, BK, IEEE, False)
+        _grouped_tile(
+            a, w, s, w, s, out, g, b, blk_m0, blk_m1, a_rows, out_rows, row0,
+            N, K, QB, BM, BN, BK, IEEE, False, GATHER, SCATTER,
+        )  # fmt: skip
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["row0"])
     def _grouped_fp8_glu(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
-        a, wg, sg, wu, su, out, blk_group, blk_m0, blk_m1,
+        a, wg, sg, wu, su, out, blk_group, blk_m0, blk_m1, a_rows, out_rows, row0,
         N: tl.constexpr, K: tl.constexpr, QB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-        IEEE: tl.constexpr,
+        IEEE: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr,
     ):  # fmt: skip
         """_grouped_fp8 of the gate rows wg / sg and the up rows wu / su at once -> out = silu(a Wg^T) * (a Wu^T)
         (its own name, so a profile tells it from the plain matmul)."""
@@ -77,23 +82,31 @@ if triton is not None:
         g = tl.load(blk_group + b).to(tl.int64)
         if g < 0:  # past the last group's blocks
             return
-        _grouped_tile(a, wg, sg, wu, su, out, g, b, blk_m0, blk_m1, N, K, QB, BM, BN, BK, IEEE, True)
+        _grouped_tile(
+            a, wg, sg, wu, su, out, g, b, blk_m0, blk_m1, a_rows, out_rows, row0,
+            N, K, QB, BM, BN, BK, IEEE, True, GATHER, SCATTER,
+        )  # fmt: skip
 
     @triton.jit
     def _grouped_tile(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
-        a, w, s, wu, su, out, g, b, blk_m0, blk_m1,
+        a, w, s, wu, su, out, g, b, blk_m0, blk_m1, a_rows, out_rows, row0,
         N: tl.constexpr, K: tl.constexpr, QB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-        IEEE: tl.constexpr, GLU: tl.constexpr,
+        IEEE: tl.constexpr, GLU: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr,
     ):  # fmt: skip
         """Block b (of group g >= 0) times one N tile. GLU: w / s are the gate rows and wu / su the up rows (unread
         otherwise), and out = silu(a W^T) * (a Wu^T), rounded at the points the four launches round: each
         product to out's dtype, the silu (computed in fp32) to it, then their product (Triton's exponential,
-        not torch's, so a silu can land one rounding apart)."""
+        not torch's, so a silu can land one rounding apart). GATHER / SCATTER: rows read from a and written to
+        out through a_rows / out_rows (from row0 on); the arithmetic is the same either way."""
         m0 = tl.load(blk_m0 + b).to(tl.int64)
         m1 = tl.load(blk_m1 + b).to(tl.int64)
         n0 = tl.program_id(1) * BN
         m = m0 + tl.arange(0, BM)  # [BM]
         m_ok = m < m1
+        if GATHER:
+            a_row = tl.load(a_rows + row0 + m, mask=m_ok, other=0).to(tl.int64)  # [BM] a's row of each product row
+        else:
+            a_row = m
         n = n0 + tl.arange(0, BN)  # [BN]
         n_ok = n < N
         sk: tl.constexpr = (K + QB - 1) // QB
@@ -104,7 +117,7 @@ if triton is not None:
         for k0 in range(0, K, BK):
             k = k0 + tl.arange(0, BK)  # [BK], inside one scale block (BK | QB)
             k_ok = k < K
-            at = tl.load(a + m[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
+            at = tl.load(a + a_row[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
             w_mask = k_ok[:, None] & n_ok[None, :]
             wt = tl.load(w + w_off + k[:, None], mask=w_mask, other=0.0)  # [BK, BN] fp8
             sc = tl.load(s + s_row + k0 // QB)  # the block's scale
@@ -127,7 +140,11 @@ if triton is not None:
             res = (act * up).to(dt)
         else:
             res = acc.to(dt)
-        tl.store(out + m[:, None] * N + n[None, :], res, mask=m_ok[:, None] & n_ok[None, :])
+        if SCATTER:
+            o_row = tl.load(out_rows + row0 + m, mask=m_ok, other=0).to(tl.int64)  # [BM] out's row of each
+        else:
+            o_row = m
+        tl.store(out + o_row[:, None] * N + n[None, :], res, mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
     def _block_table(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
@@ -209,13 +226,29 @@ def host_block_tables(counts: np.ndarray, block_m: int) -> tuple[np.ndarray, np.
     return tables, starts, per_wave
 
 
+class RowMap(NamedTuple):
+    """Rows of a launch read from (gather) or written to (scatter) another table: launch row m is the table's
+    row rows[first + m], for m < num (a wave's run of a step's laid-out pairs: moe/waves.py)."""
+
+    rows: torch.Tensor  # [>= first + num] int64 on the kernel's device
+    first: int
+    num: int
+
+
 def grouped_fp8_mm(
-    a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, blocks: BlockTable, tiles: GroupedTiles
+    a: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    blocks: BlockTable,
+    tiles: GroupedTiles,
+    scatter: tuple[torch.Tensor, RowMap] | None = None,
 ) -> torch.Tensor:
     """a [P, K] sorted by group, w [G, N, K] float8_e4m3fn, scale [G, N/128, K/128] fp32, blocks:
     `block_table(offs, P, tiles.block_m)`, or a wave's columns of `host_block_tables` (one table serves
-    every matmul of a step) -> [P, N] in a's dtype (fp32 accumulation, one rounding)."""
-    return _launch(a, (w, scale), None, blocks, tiles)
+    every matmul of a step) -> [P, N] in a's dtype (fp32 accumulation, one rounding). `scatter` (out [R, N],
+    rows): row m written to out's row rows.rows[rows.first + m] instead (a step's pair outputs, no copy after),
+    and out returned."""
+    return _launch(a, (w, scale), None, blocks, tiles, None, scatter)
 
 
 def grouped_fp8_glu(
@@ -224,15 +257,17 @@ def grouped_fp8_glu(
     up: tuple[torch.Tensor, torch.Tensor],
     blocks: BlockTable,
     tiles: GroupedTiles,
+    gather: RowMap | None = None,
 ) -> torch.Tensor:
     """silu(grouped_fp8_mm(a, *gate)) * grouped_fp8_mm(a, *up) in one launch: a [P, K] sorted by group; gate and
     up each (w [G, N, K] float8_e4m3fn, scale [G, N/128, K/128] fp32) -> [P, N] in a's dtype. One launch a step
     instead of four (two matmuls, the silu, the product), and the two [P, N] products never leave the registers;
     rounded at the points the four launches round, with Triton's exponential (a value can land one rounding apart:
-    closeness is tested, and the share of equal bits reported)."""
+    closeness is tested, and the share of equal bits reported). `gather`: a holds every token's row, unsorted,
+    and product row m reads a's row gather.rows[gather.first + m] (P = gather.num): no gathered copy of a."""
     if up[0].shape != gate[0].shape or up[1].shape != gate[1].shape:
         raise ValueError(f"gate {tuple(gate[0].shape)} and up {tuple(up[0].shape)} rows (or their scales) differ")
-    return _launch(a, gate, up, blocks, tiles)
+    return _launch(a, gate, up, blocks, tiles, gather, None)
 
 
 def _launch(
@@ -241,22 +276,40 @@ def _launch(
     up: tuple[torch.Tensor, torch.Tensor] | None,
     blocks: BlockTable,
     tiles: GroupedTiles,
+    gather: RowMap | None,
+    scatter: tuple[torch.Tensor, RowMap] | None,
 ) -> torch.Tensor:
-    """One `_grouped_fp8` launch over `blocks`: a plain matmul, or (with `up`) the gated product."""
-    p, k = a.shape
+    """One `_grouped_fp8` launch over `blocks`: a plain matmul, or (with `up`) the gated product; rows read
+    through `gather` and written through `scatter` where given (not both: one map, one row0)."""
+    k = a.shape[1]
     w, scale = weights
     g, n, _ = w.shape
     if QUANT_BLOCK % tiles.block_k or QUANT_BLOCK % tiles.block_n:
         raise ValueError(f"grouped FP8 tiles {tiles}: block_n and block_k must divide {QUANT_BLOCK}")
-    out = a.new_empty(p, n)  # [P, N]
+    if gather is not None and scatter is not None:
+        raise ValueError("a launch gathers its rows or scatters them, not both")
+    rows = gather if gather is not None else scatter[1] if scatter is not None else None
+    if rows is not None and (
+        rows.rows.dtype != torch.int64 or rows.first < 0 or rows.rows.numel() < rows.first + rows.num
+    ):
+        raise ValueError(f"row map of {rows.num} rows from {rows.first} over {rows.rows.numel()} rows")
+    p = gather.num if gather is not None else a.shape[0]
+    if scatter is not None:
+        out = scatter[0]  # [R, N]: every row of the step, this launch's written in place
+        if scatter[1].num != p or out.shape[1] != n or out.dtype != a.dtype:
+            raise ValueError(f"scatter into {tuple(out.shape)} {out.dtype} of {scatter[1].num} rows from [{p}, {n}]")
+    else:
+        out = a.new_empty(p, n)  # [P, N]
     if p == 0:
         return out
     group, m0, m1 = blocks
     grid = (group.shape[0], triton.cdiv(n, tiles.block_n))
     kernel, weights_args = (_grouped_fp8, (w, scale)) if up is None else (_grouped_fp8_glu, (w, scale, *up))
+    index = rows.rows if rows is not None else group  # unread without a map: any pointer
     kernel[grid](
-        a.contiguous(), *weights_args, out, group, m0, m1,
+        a.contiguous(), *weights_args, out, group, m0, m1, index, index, rows.first if rows is not None else 0,
         N=n, K=k, QB=QUANT_BLOCK, BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k,
-        IEEE=a.dtype == torch.float32, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        IEEE=a.dtype == torch.float32, GATHER=gather is not None, SCATTER=scatter is not None,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     return out

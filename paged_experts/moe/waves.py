@@ -21,11 +21,17 @@ import numpy as np
 import torch
 
 from paged_experts.experts import build_dispatch, combine, run_experts
-from paged_experts.kernels.fused import combine_pairs, expert_mlp, fp8_grouped_tiles
-from paged_experts.kernels.moe_grouped_fp8 import ALIGN_BLOCKS, BlockTable, host_block_tables
+from paged_experts.kernels.fused import combine_pairs, expert_mlp, fp8_expert_mlp, fp8_grouped_tiles
+from paged_experts.kernels.moe_grouped_fp8 import ALIGN_BLOCKS, BlockTable, RowMap, host_block_tables
 from paged_experts.residency.policies import Wave
 from paged_experts.residency.store import ExpertTensors
 from paged_experts.upload import to_device
+
+ROWS_IN_KERNEL = True
+"""A wave's grouped FP8 launches read its pairs' activations and write their outputs through the step's laid-out
+order (`RowMap`): no gather of the activations before them and no index copy after, two host ops and two kernels
+a wave fewer on the host-bound paged prefill. False: the gather and the copy, as before (an A/B switch, as
+fused.GLU_ONE_LAUNCH). The arithmetic is the same either way (tests/test_moe_triton.py checks the bits)."""
 
 
 class WavePass(Protocol):
@@ -132,6 +138,11 @@ class _FusedPass:
             b0 = laid.block_starts[i]
             b1 = b0 + laid.block_counts[i]  # this wave's laid-out blocks (views; the padding after them unused)
             blocks = BlockTable(laid.blocks[0, b0:b1], laid.blocks[1, b0:b1], laid.blocks[2, b0:b1])
+        if tiles is not None and ROWS_IN_KERNEL:
+            n = end - start  # the wave's pairs: sorted positions start..end of the step's layout
+            gather, scatter = RowMap(laid.tokens, start, n), (self.y_pairs, RowMap(laid.order, start, n))
+            fp8_expert_mlp(self.x, table, offs, tiles, blocks, gather, scatter)  # writes y_pairs' rows
+            return
         if table.is_fp8 and tiles is None:
             # no grouped FP8 kernel: this wave's rows dequantized into a compact table in row order, whose
             # cumulative counts are the full table's at those rows (the other rows hold none of its pairs)

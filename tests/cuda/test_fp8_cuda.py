@@ -70,6 +70,15 @@ def test_grouped_fp8_glu_kernel_bf16() -> None:
     check_grouped_fp8_glu(device="cuda", dtype=torch.bfloat16, tol=2e-2)
 
 
+def test_grouped_fp8_row_maps_bf16() -> None:
+    """A wave's launches reading and writing rows through the layout (moe/waves.py ROWS_IN_KERNEL) compute the bits
+    of the gather, launch and index copy they replace, on the GPU's compiled kernels (the interpreter's check)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from test_moe_triton import check_row_maps
+
+    check_row_maps(device="cuda", dtype=torch.bfloat16)
+
+
 def _real_layer(e: int = 128, h: int = 2048, i: int = 768) -> ExpertTensors:
     gen = torch.Generator(device="cuda").manual_seed(3)
     q = [fp8.quantize(torch.randn(s, device="cuda", generator=gen) / 30) for s in ((e, i, h), (e, i, h), (e, h, i))]
