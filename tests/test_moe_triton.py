@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -341,11 +342,14 @@ def check_laid_out_blocks(device: str = "cpu", dtype: torch.dtype = torch.float3
 ROW_MAP_CASES = ((40, 4, 16, 6, 0), (33, 2, 12, 5, 1))
 
 
-def check_row_maps(device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+def check_row_maps(
+    device: str = "cpu", dtype: torch.dtype = torch.float32, tiles: Any = None, hidden: int = 128, inter: int = 96
+) -> None:
     """The grouped FP8 launches with their rows read (`gather`) and written (`scatter`) through a wave's run of the
     step's layout compute the same bits as the gathered copy, the launch and the index copy they replace (moe/waves.py
-    ROWS_IN_KERNEL), and write no other row: per launch, and through `_FusedPass.wave` for a whole step (a first row
-    that is not 16-byte aligned among them)."""
+    ROWS_IN_KERNEL), and write no other row: per launch, and through `_FusedPass.wave` for whole steps (a first row
+    that is not 16-byte aligned among them), with the gated launch and with four, with block tables laid out with
+    the plan and built per wave. `tiles` (default: small ones) and the shape: a GPU test passes the production's."""
     from paged_experts import fp8
     from paged_experts.kernels import fused
     from paged_experts.kernels.moe_grouped_fp8 import RowMap, block_table, grouped_fp8_glu, grouped_fp8_mm
@@ -354,8 +358,7 @@ def check_row_maps(device: str = "cpu", dtype: torch.dtype = torch.float32) -> N
     from paged_experts.residency.policies import LayerResidency
     from paged_experts.residency.store import ExpertTensors
 
-    tiles = GroupedTiles(block_m=8, block_n=32, block_k=64, num_warps=4, num_stages=2)
-    hidden, inter = 128, 96
+    tiles = tiles or GroupedTiles(block_m=8, block_n=32, block_k=64, num_warps=4, num_stages=2)
     for t, k, e, slots, seed in ROW_MAP_CASES:
         gen = torch.Generator().manual_seed(seed)
         x = torch.randn(t, hidden, generator=gen).to(device, dtype)  # [T, H]
@@ -376,8 +379,8 @@ def check_row_maps(device: str = "cpu", dtype: torch.dtype = torch.float32) -> N
         got_y = torch.full((t * k, hidden), 7.0, dtype=dtype, device=device)
         out = grouped_fp8_mm(want_h, *down, blocks, tiles, (got_y, RowMap(perm, first, num)))
         assert out is got_y and torch.equal(got_y, want_y)  # the rows outside the map kept their 7s
-        # a whole step through the waves, its tables FP8 on this device (the grouped kernel as on a GPU)
-        real_tiles = fused.fp8_grouped_tiles
+        # whole steps through the waves, their tables FP8 on this device (the grouped kernel as on a GPU)
+        real_tiles, real_glu, real_rows = fused.fp8_grouped_tiles, fused.GLU_ONE_LAUNCH, waves_module.ROWS_IN_KERNEL
         fused.fp8_grouped_tiles = waves_module.fp8_grouped_tiles = lambda w: tiles if w.is_fp8 else None  # type: ignore[assignment]
         try:
             host = ExpertTensors.empty(e, hidden, inter, dtype, torch.device(device), is_fp8=True)
@@ -391,19 +394,27 @@ def check_row_maps(device: str = "cpu", dtype: torch.dtype = torch.float32) -> N
             # each wave served from the store's own rows (so one table holds every expert; the bits are the slots')
             waves = [dataclasses.replace(w, slots=w.experts) for w in plan.waves]
             assert len(waves) >= 3, len(waves)
-            results = []
-            for rows_in_kernel in (False, True):
-                waves_module.ROWS_IN_KERNEL = rows_in_kernel
-                run = waves_module.FUSED.begin(x, ids, e, torch.device(device))
-                run.plan_waves(waves, e, tiles.block_m)
-                for wave in waves:
-                    run.wave(host, wave.experts, wave.slots)
-                results.append(run.finish(weights))
-            assert any(s % 2 for s in run.laid.starts[:-1]), run.laid.starts  # type: ignore[attr-defined]
-            assert torch.equal(results[0], results[1]), (results[0] - results[1]).abs().max()
+            for glu_one_launch in (True, False):
+                fused.GLU_ONE_LAUNCH = glu_one_launch
+                for block_m in (tiles.block_m, None):  # the tables laid out with the plan, or built a wave
+                    results = []
+                    for rows_in_kernel in (False, True):
+                        waves_module.ROWS_IN_KERNEL = rows_in_kernel
+                        run = waves_module.FUSED.begin(x, ids, e, torch.device(device))
+                        run.y_pairs.fill_(float("nan"))  # type: ignore[attr-defined]  # a row left unwritten shows
+                        run.plan_waves(waves, e, block_m)
+                        for wave in waves:
+                            run.wave(host, wave.experts, wave.slots)
+                        results.append(run.finish(weights))
+                    assert any(s % 2 for s in run.laid.starts[:-1]), run.laid.starts  # type: ignore[attr-defined]
+                    assert not results[1].isnan().any() and torch.equal(results[0], results[1]), (
+                        glu_one_launch,
+                        block_m,
+                        (results[0] - results[1]).abs().max(),
+                    )
         finally:
             fused.fp8_grouped_tiles = waves_module.fp8_grouped_tiles = real_tiles  # type: ignore[assignment]
-            waves_module.ROWS_IN_KERNEL = True
+            fused.GLU_ONE_LAUNCH, waves_module.ROWS_IN_KERNEL = real_glu, real_rows
         print("ok", (t, k, e, slots, seed))
 
 

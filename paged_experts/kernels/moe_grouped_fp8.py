@@ -107,6 +107,10 @@ if triton is not None:
             a_row = tl.load(a_rows + row0 + m, mask=m_ok, other=0).to(tl.int64)  # [BM] a's row of each product row
         else:
             a_row = m
+        if SCATTER:  # loaded before the K loop, so its latency hides behind the loop, not in the store after it
+            o_row = tl.load(out_rows + row0 + m, mask=m_ok, other=0).to(tl.int64)  # [BM] out's row of each
+        else:
+            o_row = m
         n = n0 + tl.arange(0, BN)  # [BN]
         n_ok = n < N
         sk: tl.constexpr = (K + QB - 1) // QB
@@ -140,10 +144,6 @@ if triton is not None:
             res = (act * up).to(dt)
         else:
             res = acc.to(dt)
-        if SCATTER:
-            o_row = tl.load(out_rows + row0 + m, mask=m_ok, other=0).to(tl.int64)  # [BM] out's row of each
-        else:
-            o_row = m
         tl.store(out + o_row[:, None] * N + n[None, :], res, mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
@@ -290,13 +290,20 @@ def _launch(
         raise ValueError("a launch gathers its rows or scatters them, not both")
     rows = gather if gather is not None else scatter[1] if scatter is not None else None
     if rows is not None and (
-        rows.rows.dtype != torch.int64 or rows.first < 0 or rows.rows.numel() < rows.first + rows.num
-    ):
-        raise ValueError(f"row map of {rows.num} rows from {rows.first} over {rows.rows.numel()} rows")
+        rows.rows.dtype != torch.int64 or rows.rows.dim() != 1 or not rows.rows.is_contiguous()
+        or rows.rows.device != a.device or rows.first < 0 or rows.rows.numel() < rows.first + rows.num
+    ):  # fmt: skip
+        raise ValueError(
+            f"row map of {rows.num} rows from {rows.first} over {tuple(rows.rows.shape)} {rows.rows.dtype} on "
+            f"{rows.rows.device}: one contiguous int64 row index on {a.device} holding them"
+        )
     p = gather.num if gather is not None else a.shape[0]
     if scatter is not None:
-        out = scatter[0]  # [R, N]: every row of the step, this launch's written in place
-        if scatter[1].num != p or out.shape[1] != n or out.dtype != a.dtype:
+        out = scatter[0]  # [R, N]: every row of the step, this launch's written in place (row stride N)
+        if (
+            scatter[1].num != p or out.dim() != 2 or out.shape[1] != n or out.dtype != a.dtype
+            or not out.is_contiguous() or out.device != a.device
+        ):  # fmt: skip
             raise ValueError(f"scatter into {tuple(out.shape)} {out.dtype} of {scatter[1].num} rows from [{p}, {n}]")
     else:
         out = a.new_empty(p, n)  # [P, N]

@@ -72,11 +72,15 @@ def test_grouped_fp8_glu_kernel_bf16() -> None:
 
 def test_grouped_fp8_row_maps_bf16() -> None:
     """A wave's launches reading and writing rows through the layout (moe/waves.py ROWS_IN_KERNEL) compute the bits
-    of the gather, launch and index copy they replace, on the GPU's compiled kernels (the interpreter's check)."""
+    of the gather, launch and index copy they replace, on the GPU's compiled kernels (the interpreter's check): small
+    tiles, then the production's tiles at Qwen3-30B-A3B's expert shape (wgmma and a pipelined K loop on Hopper)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from test_moe_triton import check_row_maps
 
+    from paged_experts.kernels import moe_tiles
+
     check_row_maps(device="cuda", dtype=torch.bfloat16)
+    check_row_maps(device="cuda", dtype=torch.bfloat16, tiles=moe_tiles.fp8_prefill(2048, 768), hidden=2048, inter=768)
 
 
 def _real_layer(e: int = 128, h: int = 2048, i: int = 768) -> ExpertTensors:

@@ -101,24 +101,35 @@ def test_streamed_prefill_equals_resident_fp8() -> None:
 
 def test_fp8_waves_run_on_the_block_tables_laid_out_with_the_plan() -> None:
     """Every host-planned FP8 wave computes from the block table `plan_waves` laid out on the host (no
-    block-table launch a wave), and paged still equals resident bit for bit, with and without staging rows."""
+    block-table launch a wave), and paged still equals resident bit for bit, with and without staging rows,
+    with the wave's rows read and written through the layout (waves.ROWS_IN_KERNEL, the default) and gathered
+    and copied around the launches."""
     want = long_prompt(MoeCausalLM.from_pretrained(FP8, rt(mode="resident")), 256)
-    real = waves_module.expert_mlp
+    real, real_fp8, rows_in_kernel = waves_module.expert_mlp, waves_module.fp8_expert_mlp, waves_module.ROWS_IN_KERNEL
     seen: list[bool] = []
 
     def checked(x: torch.Tensor, table: object, offs: torch.Tensor, blocks: object = None) -> torch.Tensor:
         seen.append(blocks is not None)
         return real(x, table, offs, blocks)  # type: ignore[arg-type]
 
+    def checked_fp8(x: torch.Tensor, table: object, offs: torch.Tensor, tiles: object, blocks: object = None,
+                    *maps: Any) -> torch.Tensor:  # fmt: skip
+        seen.append(blocks is not None and all(m is not None for m in maps) and len(maps) == 2)
+        return real_fp8(x, table, offs, tiles, blocks, *maps)  # type: ignore[arg-type]
+
     waves_module.expert_mlp = checked  # type: ignore[assignment]
+    waves_module.fp8_expert_mlp = checked_fp8  # type: ignore[assignment]
     try:
-        for kw in ({}, {"prefill_staging_rows": 8}):
-            seen.clear()
-            model = MoeCausalLM.from_pretrained(FP8, rt(mode="paged", resident_experts=16, **kw))
-            assert_same(long_prompt(model, 256), want, f"FP8 K=16 {kw}")
-            assert len(seen) > 2 * 3 and all(seen), seen  # 2 layers x 3 chunks, several waves each
+        for in_kernel in (True, False):
+            waves_module.ROWS_IN_KERNEL = in_kernel
+            for kw in ({}, {"prefill_staging_rows": 8}):
+                seen.clear()
+                model = MoeCausalLM.from_pretrained(FP8, rt(mode="paged", resident_experts=16, **kw))
+                assert_same(long_prompt(model, 256), want, f"FP8 K=16 {kw}, rows in kernel {in_kernel}")
+                assert len(seen) > 2 * 3 and all(seen), seen  # 2 layers x 3 chunks, several waves each
     finally:
-        waves_module.expert_mlp = real
+        waves_module.expert_mlp, waves_module.fp8_expert_mlp = real, real_fp8
+        waves_module.ROWS_IN_KERNEL = rows_in_kernel
 
 
 def test_kernel_page_in_prefill_equals_resident() -> None:

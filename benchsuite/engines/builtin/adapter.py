@@ -117,7 +117,8 @@ class BuiltinOptions(EngineOptions):
     # unset like the three above
     fused_page_in: bool | None = Field(None, exclude_if=lambda v: v is None)
     # How host-planned page-ins copy (RuntimeConfig.page_in): direct (DMAs), kernel (one Triton launch per
-    # group of rows), staged; unset like fused_page_in (the server's auto: direct on CUDA)
+    # group of rows), batch (one cuMemcpyBatchAsync per group), staged; unset like fused_page_in (the server's
+    # auto: direct on CUDA)
     page_in: PageIn | None = Field(None, exclude_if=lambda v: v is None)
     # Paged: device rows for a prefill layer's first page-ins (RuntimeConfig.prefill_staging_rows); unset like
     # page_in (the server's 0: none)
