@@ -473,3 +473,46 @@ def test_decode_kernels_match_torch_in_the_interpreter(check: str, cases: tuple)
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert done.stdout.count("ok ") == len(cases)
+
+
+def test_row_maps_compile_for_the_h200_as_the_plain_kernels() -> None:
+    """The grouped FP8 kernels with their rows read or written through a map (moe/waves.py ROWS_IN_KERNEL) compile
+    for the H200 (sm_90) at the production's tiles to the same matmul code as without one: the same tensor-core
+    instructions, the same 16-byte asynchronous loads into shared memory and 16-byte stores (an index that broke
+    the loads' vectorization or their pipelining would show here); only the index loads are added."""
+    triton = pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter compiles nothing")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from paged_experts.kernels import moe_grouped_fp8 as g
+    from paged_experts.kernels.moe_tiles import fp8_prefill
+
+    tiles = fp8_prefill(2048, 768)
+    assert tiles is not None
+
+    def ptx(fn: Any, n: int, k: int, gather: bool, scatter: bool) -> str:
+        kinds = {"a": "*bf16", "out": "*bf16", "row0": "i32", "a_rows": "*i64", "out_rows": "*i64"}
+        kinds |= {name: "*fp8e4nv" for name in ("w", "wg", "wu")} | {name: "*fp32" for name in ("s", "sg", "su")}
+        kinds |= {name: "*i32" for name in ("blk_group", "blk_m0", "blk_m1")}
+        constants = {"N": n, "K": k, "QB": g.QUANT_BLOCK, "BM": tiles.block_m, "BN": tiles.block_n,
+                     "BK": tiles.block_k, "IEEE": False, "GATHER": gather, "SCATTER": scatter}  # fmt: skip
+        signature = {a: "constexpr" if a in constants else kinds[a] for a in fn.arg_names}
+        # what the launcher derives for real tensors: every pointer 16-byte aligned
+        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if kinds.get(a, "")[:1] == "*"}
+        src = ASTSource(fn, signature, constants, attrs)
+        options = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
+        return str(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"])
+
+    def counts(code: str) -> tuple[int, ...]:
+        return tuple(code.count(s) for s in ("wgmma.mma_async", "cp.async.cg.shared.global", "st.global.v4"))
+
+    plain_glu, gathered = (
+        ptx(g._grouped_fp8_glu, 768, 2048, False, False),
+        ptx(g._grouped_fp8_glu, 768, 2048, True, False),
+    )
+    plain_down, scattered = ptx(g._grouped_fp8, 2048, 768, False, False), ptx(g._grouped_fp8, 2048, 768, False, True)
+    for plain, mapped in ((plain_glu, gathered), (plain_down, scattered)):
+        assert counts(mapped) == counts(plain) and all(counts(plain)), (counts(plain), counts(mapped))
+        print("ok", counts(plain))
