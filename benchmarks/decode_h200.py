@@ -128,6 +128,8 @@ def runtime_for(
 ) -> RuntimeConfig:
     """copy_programs: RuntimeConfig.copy_programs of device-planned paged modes (None elsewhere)."""
     name, _, n = mode.partition(":")
+    if {"kernelcopy", "batchcopy"} <= options:
+        raise SystemExit(f"{mode}: kernelcopy and batchcopy are two page-in copies; a variant takes one")
     backend = "triton" if "triton" in options else "grouped"
     deq = "deqattn" in options  # a block-FP8 model's attention dequantized at load (the layout before 2026-12-03)
     if name == "paged":

@@ -5,7 +5,8 @@ device, one read of the routed ids, then the host's plan, then the first page-in
 times the host's part of it that does not touch a device: `LayerResidency.plan_step` (waves, victims,
 keep ranks), `plan_waves` (the one layout of every wave's pairs) and `batch_desc` (`page_in: batch`'s
 descriptors of every wave's page-ins: `contiguous_runs` and `batch_copy.descriptors` over an FP8 row's six
-tensors, what the host does before each wave's one driver call), on the 2,048-token chunks of a
+tensors, the bulk of the host's work before each wave's one driver call; the engine's table lookup, duplicate
+and stream checks are not in it), on the 2,048-token chunks of a
 Qwen3-30B-A3B-shaped layer (E=128, top_k=8) at the K a 16 GB budget gives (49), for routing drawn
 uniformly and skewed (a Dirichlet(0.7) popularity, about the random model's own skew). Each chunk is
 planned after the ones before it, as a server plans a prompt's chunks, one layer at a time.

@@ -69,6 +69,8 @@ def test_direct_page_in_strategy_equals_resident(ckpt: Path, resident: list[torc
         for k in (4, 7, 16):
             model = MoeCausalLM.from_pretrained(ckpt, RuntimeConfig(mode="paged", resident_experts=k, page_in=page_in))
             assert all(torch.equal(a, b) for a, b in zip(run_scenario(model), resident)), (page_in, k)
+            engine = model.moe_layers[0].shared.page_in  # every strategy copies alike here: say which one ran
+            assert engine.strategy == page_in and (engine.batch_calls > 0) == (page_in == "batch"), engine.strategy
     with pytest.raises(ValueError, match="needs a CUDA device"):
         MoeCausalLM.from_pretrained(ckpt, RuntimeConfig(mode="paged", resident_experts=4, page_in="staged"))
 
@@ -93,8 +95,9 @@ def test_contiguous_runs_coalesce_neighbours() -> None:
 )
 def test_page_in_copies_every_tensor_of_every_pair(is_fp8: bool, strategy: str, row_kernel: bool) -> None:
     """The direct strategy's one-call issue (row views, runs, FP8 scale rows by a row kernel where the
-    engine has one) and the kernel strategy's one row-kernel call (every tensor; on the CPU the kernel's
-    index-copy fallback) write exactly what an index copy writes, and nothing else: single rows, runs of
+    engine has one), the kernel strategy's one row-kernel call (every tensor; on the CPU the kernel's
+    index-copy fallback) and the batch strategy's descriptors (every tensor's runs; on the CPU memmoves) write
+    exactly what an index copy writes, and nothing else: single rows, runs of
     neighbours, one pair (below the direct row kernel's threshold), and rows copied twice in one engine."""
     e, k, hidden, inter = 12, 6, 256, 192  # two 128-blocks of hidden, a partial block of intermediate
     host = store_mod.ExpertTensors.empty(e, hidden, inter, torch.bfloat16, torch.device("cpu"), is_fp8=is_fp8)
