@@ -23,8 +23,9 @@ Page-in of a wave's misses never synchronizes the host per expert. Strategies:
   prefill; `RuntimeConfig.page_in`, measured by configs/h200/kernelcopy.yaml;
 - `batch`: every tensor of every run of rows, FP8 scales included, in ONE driver call
   (`cuMemcpyBatchAsync`, CUDA driver 12.8+: `batch_copy.py`): the host issues one call where `direct` issues a
-  DMA per tensor and run, an index upload and a row-kernel launch; the copies are the same DMAs from the
-  pinned store. On the legacy default stream, which the driver refuses, it copies as `direct`; on the CPU the
+  DMA per tensor and run, an index upload and a row-kernel launch; the weights' copies are the same DMAs from
+  the pinned store, and an FP8 row's three scale rows become three small descriptors a run (where `direct` sends
+  them by the row kernel). On the legacy default stream, which the driver refuses, it copies as `direct`; on the CPU the
   same descriptors run as memmoves. For the host-bound paged prefill; measured by configs/h200/batchcopy.yaml;
 - `staged` (CUDA): gather the rows into a pinned staging buffer on the host, one `non_blocking`
   copy per tensor to a device staging buffer, then one `index_copy_` into the slots. The staging
