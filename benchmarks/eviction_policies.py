@@ -1,6 +1,6 @@
 """Eviction policies compared by the paging simulator: LRU, plain LFU, LFU with aging (`lfu-decay`,
 paged_experts.residency.policies.DecayedLfuPolicy, at several half-lives; `lfu-aging`, AgingLfuPolicy, whose
-counts halve every P steps, at several periods) and Belady's offline optimum as
+counts halve every P steps, at several periods; `--others arc`: ArcPolicy) and Belady's offline optimum as
 the bound, per trace x phase x concurrency x K (benchsuite.tools.simulate, the runtime's own residency code).
 
 Phases: `decode` replays decode steps only (every step one token per active request); `prefill`
@@ -10,7 +10,7 @@ and reports the decode steps' hit rate and the first 16 decode steps after each 
 than LRU). A trace labelled SYNTHETIC comes from a routing generator, not a model.
 
     PYTHONPATH=$PWD python benchmarks/eviction_policies.py TRACE... [--k 8,16,32,64] \\
-        [--half-lives 1,2,4,16] [--aging-periods 64,256] [--concurrency 1,4]
+        [--half-lives 1,2,4,16] [--aging-periods 64,256] [--others arc] [--concurrency 1,4]
 
 K values outside [top_k, E) of a trace are dropped for it (the tiny model has E=32, top_k=4:
 pass its sizes with `--k`).
@@ -47,11 +47,13 @@ def compare(
     half_lives: tuple[float, ...],
     concurrencies: tuple[int, ...],
     aging_periods: tuple[str, ...] = (),
+    others: tuple[str, ...] = (),
 ) -> list[str]:
     trace = read_trace(path)
     meta = trace.meta
     ks = tuple(k for k in ks if meta.top_k <= k < meta.num_experts)
-    online = ("lru", "lfu", *(f"lfu-decay:{h:g}" for h in half_lives), *(f"lfu-aging:{p}" for p in aging_periods))
+    decays, agings = (f"lfu-decay:{h:g}" for h in half_lives), (f"lfu-aging:{p}" for p in aging_periods)
+    online = ("lru", "lfu", *decays, *agings, *others)
     policies = (*online, "belady")
     label = f"SYNTHETIC routing ({meta.source})" if meta.synthetic else f"routing from {meta.source}"
     lines = [
@@ -98,6 +100,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--half-lives", default="1,2,4,16", help="lfu-decay half-lives in steps")
     ap.add_argument("--aging-periods", default="", help="lfu-aging periods in steps (counts halve), each P or P:W "
                     "(W: a recency window, experts used in the last W steps evicted last)")  # fmt: skip
+    ap.add_argument("--others", default="", help="more online policies by name, comma-separated (e.g. arc)")
     ap.add_argument("--concurrency", type=_ints, default=(1, 4))
     args = ap.parse_args(argv)
     half_lives = tuple(float(v) for v in args.half_lives.split(",") if v.strip())
@@ -108,7 +111,8 @@ def main(argv: list[str]) -> int:
     for path in args.traces:
         t0 = time.perf_counter()
         aging = tuple(v.strip() for v in args.aging_periods.split(",") if v.strip())
-        for line in compare(path, args.k, half_lives, args.concurrency, aging):
+        others = tuple(v.strip() for v in args.others.split(",") if v.strip())
+        for line in compare(path, args.k, half_lives, args.concurrency, aging, others):
             print(line, flush=True)
         print(f"({time.perf_counter() - t0:.0f} s)\n", flush=True)
     return 0

@@ -25,6 +25,7 @@ from benchsuite.tools.simulate import SimOptions, check_policy, simulate
 from paged_experts.residency.policies import (
     DEFAULT_AGING_PERIOD_STEPS,
     AgingLfuPolicy,
+    ArcPolicy,
     DecayedLfuPolicy,
     LayerResidency,
     LfuPolicy,
@@ -153,6 +154,38 @@ def test_residency_runs_the_policy_it_is_given() -> None:
         make_policy("belady")
 
 
+def test_arc_keeps_twice_used_experts_through_a_scan_that_lru_lets_in() -> None:
+    # K=3 of E=10, top_k=1: 0, 1, 2 start resident; 1 and 2 are used in two steps each (ARC's T2), then a scan of
+    # experts used once. ARC evicts the never-used 0, then each scan expert for the next (T1 above its target 0);
+    # LRU evicts 0, then 1 and 2, the least recent.
+    steps = [[1], [2], [1], [2], [5], [6], [7], [8]]
+    arc = LayerResidency(10, 3, ArcPolicy())
+    lru = LayerResidency(10, 3, LruPolicy())
+    for routed in steps:
+        arc.plan_step(routed)
+        lru.plan_step(routed)
+    assert set(arc.slot_of) == {1, 2, 8}
+    assert set(lru.slot_of) == {6, 7, 8}
+    assert arc.plan_step([1]).hits == 1 and arc.plan_step([2]).hits == 1
+
+
+def test_arc_moves_its_target_by_the_ghost_a_miss_comes_back_from() -> None:
+    p = ArcPolicy()
+    assert p.victim([4, 0, 9], 0) == 0  # never used: lowest id first, whatever the lists hold
+    for step in (0, 1):
+        p.on_use(1, step)
+        p.on_use(2, step)
+        p.on_use(2, step)  # once per step: a second use in the same step moves nothing
+    p.on_use(3, 2)  # used in one step: T1
+    assert p.victim([1, 2, 3], 3) == 3  # T1 holds 1 > target 0
+    p.on_use(3, 3)  # back from B1: recency was cut short, the target grows by max(|B2| / |B1|, 1)
+    assert p.target_t1 == 1.0
+    assert p.victim([1, 2, 3], 4) == 1  # T1 is empty: T2's least recent (1 and 2 used at step 1, 1 first)
+    p.on_use(1, 5)  # back from B2: frequency was cut short, the target shrinks
+    assert p.target_t1 == 0.0
+    assert p.victim([2, 3, 1], 6) == 2  # T2 in use order: 2 (step 1), 3 (step 3), 1 (step 5)
+
+
 def _trace(ids: list[list[int]], num_experts: int, top_k: int):
     arr = np.array(ids, dtype=np.int64).reshape(-1, 1, top_k)
     meta = TraceMeta(num_layers=1, num_experts=num_experts, top_k=top_k, source="model")
@@ -181,7 +214,11 @@ def test_simulator_ranks_the_policies_on_a_trace_with_a_known_answer() -> None:
     assert check_policy("lfu-decay:8") == "lfu-decay:8" and check_policy("lfu-aging:64") == "lfu-aging:64"
     aging = simulate(_trace(ids, 4, 1), SimOptions(ks=(2,), policies=("lfu-aging:100",)))[0]
     assert (aging.total.hits, aging.total.misses) == (6, 4)  # counts: 1 keeps its four uses, as above
-    for bad in ("lfu-decay:0", "lfu-decay:x", "arc", "lfu-aging:0", "lfu-aging:2.5", "lfu-aging:x"):
+    # ARC (simulator only): [2] evicts the never-used 0; [3] evicts 2 (T1, above its target 0); [1] hit; [2] evicts
+    # 3 and comes back from B1 (target 1); [3] evicts T2's least recent 1; [1] evicts 2: between LRU and the counts
+    arc = simulate(_trace(ids, 4, 1), SimOptions(ks=(2,), policies=(check_policy("arc"),)))[0]
+    assert (arc.total.hits, arc.total.misses) == (5, 5)
+    for bad in ("lfu-decay:0", "lfu-decay:x", "arc:2", "lfu-aging:0", "lfu-aging:2.5", "lfu-aging:x"):
         with pytest.raises(ValueError, match="unknown policy"):
             check_policy(bad)
 

@@ -205,6 +205,85 @@ class AgingLfuPolicy:
         return min(candidates, key=lambda e: (self.uses(e, step), self._last_use.get(e, -1), e))
 
 
+class ArcPolicy:
+    """Adaptive replacement (Megiddo and Modha, FAST 2003) over a layer's slots: a simulator candidate.
+
+    Why: the two routings the H200 measures want opposite policies. On the calibrated routing a layer's popular
+    experts stay popular, and frequency (`lfu-aging`) beats LRU; on the random-weight model's greedy loops each
+    request decodes from a small working set that recency keeps, and every frequency count tried lost there
+    (docs/eviction-policy.md). ARC splits the residents into T1 (used in one step since they came in) and T2
+    (used in two or more), evicts from T1 while it holds more than a target p, and moves p by where the misses
+    come back from: an expert evicted from T1 and missed again (ghost list B1) says recency was cut too short
+    (p grows); one evicted from T2 and missed again (B2) says frequency was (p shrinks). No period or window to
+    tune.
+
+    Adapted to steps: an expert counts once per step (a step routes a set, several waves may use it); the cache
+    size c is the number of residents the policy has seen used (the K slots, once the initial 0..K-1 have all
+    been used or evicted); never-used residents go first, lowest id first, as LRU's. Each list is kept in use
+    order (dicts keep insertion order; a use moves the expert to the end). The victim is chosen among the
+    candidates the planner gives (residents not pinned by the step): T1's least recent candidate when T1 is
+    above p or T2 has none, else T2's; the ghost lists keep at most c - |T1| (B1) and 2c in all.
+    """
+
+    def __init__(self) -> None:
+        self._t1: dict[int, None] = {}  # residents used in one step since they came in, least recent first
+        self._t2: dict[int, None] = {}  # residents used in two or more steps, least recent first
+        self._b1: dict[int, None] = {}  # evicted from T1, oldest eviction first
+        self._b2: dict[int, None] = {}  # evicted from T2, oldest eviction first
+        self._last_use: dict[int, int] = {}
+        self.target_t1 = 0.0  # p: T1's target size
+
+    def _cache_size(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+    def on_use(self, expert: int, step: int) -> None:
+        if self._last_use.get(expert) == step:  # once per step (a step may have several waves)
+            return
+        self._last_use[expert] = step
+        if expert in self._t1:
+            del self._t1[expert]
+        elif expert in self._t2:
+            del self._t2[expert]
+        elif expert in self._b1:  # evicted from T1 too soon: recency deserves more room
+            self.target_t1 = min(self.target_t1 + max(len(self._b2) / len(self._b1), 1.0), self._cache_size() + 1)
+            del self._b1[expert]
+        elif expert in self._b2:  # evicted from T2 too soon: frequency deserves more room
+            self.target_t1 = max(self.target_t1 - max(len(self._b1) / len(self._b2), 1.0), 0.0)
+            del self._b2[expert]
+        else:
+            self._t1[expert] = None  # first use since it came in (or ever)
+            self._trim_ghosts()
+            return
+        self._t2[expert] = None  # a second use, or a miss its ghost remembered
+        self._trim_ghosts()
+
+    def victim(self, candidates: Collection[int], step: int) -> int:
+        unused = [e for e in candidates if e not in self._t1 and e not in self._t2]
+        if unused:  # a resident never used since the slots were filled
+            return min(unused)
+        pool = candidates if isinstance(candidates, (set, frozenset)) else set(candidates)
+        oldest_t1 = next((e for e in self._t1 if e in pool), None)
+        oldest_t2 = next((e for e in self._t2 if e in pool), None)
+        if oldest_t1 is not None and (len(self._t1) > self.target_t1 or oldest_t2 is None):
+            del self._t1[oldest_t1]
+            self._b1[oldest_t1] = None
+            victim = oldest_t1
+        else:
+            assert oldest_t2 is not None  # a non-empty candidate set that is tracked is in T1 or T2
+            del self._t2[oldest_t2]
+            self._b2[oldest_t2] = None
+            victim = oldest_t2
+        return victim  # the ghosts are trimmed when the expert that takes its slot is used (the size is whole then)
+
+    def _trim_ghosts(self) -> None:
+        c = self._cache_size()
+        while self._b1 and len(self._t1) + len(self._b1) > c:
+            del self._b1[next(iter(self._b1))]
+        while len(self._b1) + len(self._b2) > c:
+            ghosts = self._b2 if self._b2 else self._b1
+            del ghosts[next(iter(ghosts))]
+
+
 class BeladyPolicy:
     """Optimal offline eviction: evict the expert whose next use is farthest in the future.
 
@@ -553,6 +632,7 @@ POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "lfu": LfuPolicy,
     "lfu-decay": DecayedLfuPolicy,
     "lfu-aging": AgingLfuPolicy,
+    "arc": ArcPolicy,
     "random": RandomPolicy,
 }
 """Online policies by name; Belady needs the future and is built by the simulator."""
