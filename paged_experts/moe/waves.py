@@ -31,7 +31,8 @@ ROWS_IN_KERNEL = True
 """A wave's grouped FP8 launches read its pairs' activations and write their outputs through the step's laid-out
 order (`RowMap`): no gather of the activations before them and no index copy after, two host ops and two kernels
 a wave fewer on the host-bound paged prefill. False: the gather and the copy, as before (an A/B switch, as
-fused.GLU_ONE_LAUNCH). The arithmetic is the same either way (tests/test_moe_triton.py checks the bits)."""
+fused.GLU_ONE_LAUNCH). The arithmetic is the same either way (tests/test_moe_triton.py checks the bits; the H200's
+CUDA tests too). Its speed on the H200 was within the spread between processes (2026-12-05, docs/prefill.md)."""
 
 
 class WavePass(Protocol):
