@@ -26,7 +26,7 @@ For each paged cell with prompt chunks of the class given (2,048 tokens by defau
   shuffle treats requests as exchangeable; requests of one cell share a server's state, so read a small p beside
   the cells' own spread, not alone.
 
-    python benchmarks/prefill_speeds.py results/h200-policyconfirm [--prompt-class 2048] [--against results/RUN]
+    python benchmarks/prefill_speeds.py results/h200-headline-c [--prompt-class 2048] [--against results/RUN]
 """
 
 from __future__ import annotations
