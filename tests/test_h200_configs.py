@@ -263,6 +263,29 @@ def test_the_staging_matrix_measures_staging_rows_on_both_routings(
     _long_prompts_at_c1_and_c4(path)
 
 
+def test_the_staging16_matrix_searches_k_for_each_number_of_staging_rows_at_16_gb(
+    stand_ins: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """configs/h200/staging16.yaml: paged FP8 on the model's routing with 0, 32 and 64 staging rows, each K searched
+    against 16 GB of peak device memory (the rows' bytes priced in K), 2,048-token prompts at c=1 and c=4 for the
+    TTFT and short prompts at c=1 for the decode the K given up costs."""
+    path = CONFIGS / "staging16.yaml"
+    assert main(["run", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("search paged-fp8") == 3 and "resident_experts is searched" in out
+    plan = build_plan(load_matrix(path))
+    searches = sorted((s.spec.options.prefill_staging_rows or 0, s.spec.options.routing) for s in plan.searches)
+    assert searches == [(0, "model"), (32, "model"), (64, "model")]
+    assert {s.spec.options.vram_budget_gb for s in plan.searches} == {16}
+    assert {s.option for s in plan.searches} == {"resident_experts"}
+    m = load_matrix(path).matrix
+    assert m.linkbw and m.repeats >= 2
+    prefill, decode = m.workloads["prefill"], m.workloads["decode"]
+    assert prefill.prompt_classes == ["2048"] and prefill.concurrency == [1, 4]
+    assert prefill.warmup_requests >= max(prefill.concurrency)
+    assert decode.prompt_classes == ["short"] and decode.concurrency == [1] and decode.output_tokens >= 128
+
+
 def _long_prompts_at_c1_and_c4(path: Path) -> None:
     """A prefill matrix's shared terms: the link probe, >= 2 repeats, 2,048-token prompts at c=1 and c=4 with
     warm-ups at each concurrency."""
