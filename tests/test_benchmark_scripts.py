@@ -307,3 +307,44 @@ def test_a_benchmark_builds_one_host_store(
     spec.loader.exec_module(module)
     assert module.main(["--out", str(tmp_path / "r.json"), *args]) == 0
     assert cache.stores == 1
+
+
+def test_the_copy_overlap_benchmark_runs_its_arms_on_the_cpu_and_checks_every_copy(tmp_path: Path) -> None:
+    """benchmarks/copy_overlap.py on the CPU: every copy arm (DMA stand-in, full grid, capped, wide) moves the m
+    experts' rows (the script checks each slot's bytes, else it exits non-zero), one row per arm and m with both
+    issue orders, and the record says no overlap was measured."""
+    # fmt: off
+    record = run_benchmark(
+        "copy_overlap.py", tmp_path / "co.json", "--device", "cpu", "--hidden", "256", "--inter", "128",
+        "--experts", "16", "--slots", "12", "--m", "2,3", "--top-k", "2", "--tokens", "2", "--programs", "4",
+        "--wide", "4", "--repeats", "2", "--warmup", "1",
+    )
+    # fmt: on
+    assert record["concurrent"] is False and record["device"] == "cpu"
+    row_bytes = record["expert_shape"]["row_bytes"]
+    assert row_bytes == 3 * 256 * 128 + 3 * 4 * 2 * 1  # gate, up, down FP8 bytes and their [2, 1] / [1, 2] scales
+    got = [(r["copy"], r["m"]) for r in record["rows"]]
+    assert got == [(c, m) for m in (2, 3) for c in ("dma", "kernel", "kernel:4", "wide:4")]
+    for r in record["rows"]:
+        assert r["bytes"] == r["m"] * row_bytes and r["copy_ms"] > 0 and r["compute_ms"] > 0
+        assert r["compute_passes"] >= 1
+        for order in ("copy_first", "compute_first"):
+            assert r[order]["span_ms"] >= max(r[order]["copy_ms"], r[order]["compute_ms"]) * 0.999
+
+
+def test_the_copy_overlap_benchmark_refuses_a_missing_gpu_and_too_few_slots(tmp_path: Path) -> None:
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / "copy_overlap.py"), "--out", str(tmp_path / "x.json"), *args],
+            capture_output=True, text=True, check=False, timeout=120, cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )  # fmt: skip
+
+    import torch
+
+    if not torch.cuda.is_available():
+        done = run()
+        assert done.returncode == 2 and "no CUDA device" in done.stderr
+    done = run("--device", "cpu", "--slots", "10", "--top-k", "8")
+    assert done.returncode == 2 and "too few for the compute's top_k 8" in done.stderr
+    assert not (tmp_path / "x.json").exists()

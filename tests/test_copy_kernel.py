@@ -38,6 +38,48 @@ def test_capped_and_full_grids_copy_the_planned_rows_in_the_interpreter() -> Non
     assert run_interpreted("test_copy_kernel", "check_capped_and_full_grids_copy_the_planned_rows").strip() == "ok"
 
 
+def check_the_overlap_benchmarks_wide_copy_lands_every_row() -> None:
+    """benchmarks/copy_overlap.py's `wide:P` arm (the capped kernel at a 64 KiB block and 8 warps, a launch per
+    tensor): FP8 rows of two chunks with a ragged last one and scale rows of less than one, for 1 and 3 programs."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from paged_experts import fp8
+    from paged_experts.residency.store import ExpertTensors
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "copy_overlap.py"
+    spec = importlib.util.spec_from_file_location("copy_overlap", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["copy_overlap"] = bench  # its dataclass looks its module up there (a child process: nothing leaks)
+    spec.loader.exec_module(bench)
+    cpu = torch.device("cpu")
+    host = ExpertTensors.empty(5, 384, 256, torch.bfloat16, cpu, is_fp8=True)  # gate row 98,304 B: 2 chunks
+    gen = torch.Generator().manual_seed(1)
+    for name in host.names():
+        t = fp8.raw(host.get(name))
+        t.copy_(torch.randint(0, 120, t.shape, dtype=torch.uint8, generator=gen) if t.dtype == torch.uint8
+                else torch.rand(t.shape, generator=gen))  # fmt: skip
+    pairs = [(4, 0), (2, 2)]
+    experts, slot_ids = torch.tensor([4, 2]), torch.tensor([0, 2])
+    for programs in (1, 3):
+        slots = ExpertTensors.empty(3, 384, 256, torch.bfloat16, cpu, is_fp8=True)
+        for name in slots.names():
+            fp8.raw(slots.get(name)).zero_()
+        setup = bench.Setup(host, slots, cpu, top_k=2, tokens=1)
+        bench._wide_copy(setup, experts, slot_ids, programs)
+        bench.check_copied(setup, pairs)
+        for name in slots.names():  # the row no pair names stays as it was
+            assert not fp8.raw(slots.get(name))[1].any(), (name, programs)
+    print("ok")
+
+
+@pytest.mark.slow
+def test_the_overlap_benchmarks_wide_copy_lands_every_row_in_the_interpreter() -> None:
+    assert run_interpreted("test_copy_kernel", "check_the_overlap_benchmarks_wide_copy_lands_every_row").strip() == "ok"
+
+
 def test_copy_planned_on_the_cpu_ignores_the_cap() -> None:
     """Without CUDA the copy is an index_copy after one host read; the cap has nothing to cap."""
     from paged_experts.kernels.copy_kernel import copy_planned

@@ -1,0 +1,336 @@
+"""Can a page-in hide behind the experts' compute? Each copy's rate, alone and beside a decode expert pass.
+
+Issue 29's first item: a paged decode step's misses copy while its hits compute. Inside the captured decode
+graph the page-in is a Triton kernel reading the pinned host store (`copy_kernel.copy_planned`); a DMA cannot
+join a graph whose addresses the device chose. On the H200 every paged cell's decode is serial: link time plus
+compute time, nothing hidden (h200-headline-c, the report's `of_serial` 0.97-1.05), and `overlap_page_in` and
+`copy_programs` (the copy kernel's grid capped so that compute can run beside it) measured slower
+(configs/h200/overlap.yaml, copy.yaml). Those were whole servers. This measures the two questions under them, on one
+process and two streams: does the copy kernel reach the link's rate on few SMs, and how much of it hides behind
+(and slows) the expert kernels running beside it, against the copy engine (DMAs), which holds no SM.
+
+Copies (each moves m FP8 experts, the six tensors of a row, into slots the compute does not read):
+- `dma`: the runtime's `direct` page-in, every tensor as DMAs (`_foreach_copy_`), on the copy stream;
+- `kernel`: `copy_planned` with the full grid, one launch (the decode graph's copy today);
+- `kernel:P`: `copy_planned` with P programs (`copy_programs` P), a launch per tensor;
+- `wide:P`: P programs of a 64 KiB block and 8 warps each, 4x the bytes in flight per program (a candidate, not
+  in the runtime).
+Compute: `moe_triton.moe_pairs`, the decode expert pass (gate/up, then down and combine) of B tokens x top_k pairs
+over resident slots, R times back to back (R set so that the compute alone lasts about as long as the DMA
+copy alone). Each copy then runs alone, and beside the compute issued first and issued second. Per row:
+copy_ms and its GB/s alone; compute_ms alone; in both runs the span (start to the later end) and each side's
+time inside it; `hidden` = (copy alone + compute alone - span) / min(copy alone, compute alone): 1 when the
+shorter one hid entirely, 0 when they ran one after the other (below 0: slower than serial).
+Every copy is checked: the slots' bytes equal the host rows they came from.
+
+    python benchmarks/copy_overlap.py --out copy_overlap.json [--m 4,16] [--tokens 4] [--programs 8,16,32,64]
+
+On the CPU (`--device cpu`, the tests' tiny shapes) the copies run as the runtime's CPU fallbacks and the compute as
+dequantized matmuls, one after the other: the script's plumbing and the copies' check, no overlap figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from paged_experts import fp8
+from paged_experts.kernels import copy_kernel, moe_triton
+from paged_experts.residency.store import ExpertTensors, PageInEngine
+
+WIDE_BLOCK_BYTES = 65536  # `wide:P`: 4x copy_kernel.BLOCK_BYTES a program iteration
+WIDE_WARPS = 8
+
+
+@dataclass(frozen=True)
+class Setup:
+    host: ExpertTensors  # [E] rows in pinned host memory (CUDA) or plain memory (CPU)
+    slots: ExpertTensors  # [K] rows on the device
+    device: torch.device
+    top_k: int
+    tokens: int
+
+
+def make_setup(args: argparse.Namespace, device: torch.device) -> Setup:
+    cpu = torch.device("cpu")
+    host = ExpertTensors.empty(args.experts, args.hidden, args.inter, torch.bfloat16, cpu, pin=device.type == "cuda",
+                               is_fp8=True)  # fmt: skip
+    gen = torch.Generator().manual_seed(args.seed)
+    for name in host.names():  # random bytes: a copy that lands in the wrong row or not at all shows
+        t = fp8.raw(host.get(name))
+        if t.dtype == torch.uint8:
+            t.copy_(torch.randint(0, 120, t.shape, dtype=torch.uint8, generator=gen))  # finite e4m3 values
+        else:
+            t.copy_(torch.rand(t.shape, generator=gen) * 1e-3 + 1e-4)  # block scales
+    slots = ExpertTensors.empty(args.slots, args.hidden, args.inter, torch.bfloat16, device, is_fp8=True)
+    for name in slots.names():
+        fp8.raw(slots.get(name)).copy_(fp8.raw(host.get(name))[: args.slots].to(device))
+    return Setup(host, slots, device, args.top_k, args.tokens)
+
+
+def copy_fn(mech: str, setup: Setup, pairs: list[tuple[int, int]]) -> Callable[[], None]:
+    """The copy `mech` of host rows to slots (pairs: (expert, slot)), as a closure issuing it on the current stream."""
+    device = setup.device
+    if mech == "dma":
+        strategy = "direct" if device.type == "cuda" else "index"
+        hidden, inter = setup.host.gate.shape[2], setup.host.gate.shape[1]
+        engine = PageInEngine(device, strategy, hidden, inter, torch.bfloat16, setup.slots.num_rows, is_fp8=True)
+        return lambda: engine.copy_rows(setup.host, setup.slots, pairs)  # no row kernel: the scale rows are DMAs
+    experts = torch.tensor([e for e, _ in pairs], dtype=torch.long, device=device)  # [m]
+    slot_ids = torch.tensor([s for _, s in pairs], dtype=torch.long, device=device)  # [m]
+    if mech == "kernel":
+        return lambda: copy_kernel.copy_planned(setup.host, setup.slots, experts, slot_ids)
+    kind, programs = mech.split(":")
+    if kind == "kernel":
+        return lambda: copy_kernel.copy_planned(setup.host, setup.slots, experts, slot_ids, programs=int(programs))
+    if kind == "wide":
+        if not copy_kernel.graph_safe(device):
+            return lambda: copy_kernel.copy_planned(setup.host, setup.slots, experts, slot_ids)  # the CPU fallback
+        return lambda: _wide_copy(setup, experts, slot_ids, int(programs))
+    raise ValueError(f"unknown copy {mech!r}: dma, kernel, kernel:P or wide:P")
+
+
+def _wide_copy(setup: Setup, experts: torch.Tensor, slot_ids: torch.Tensor, programs: int) -> None:
+    """`copy_kernel`'s capped loop with a 64 KiB block and 8 warps a program: a launch per tensor."""
+    num_experts = setup.host.num_rows
+    for name in setup.host.names():
+        src, dst = fp8.raw(setup.host.get(name)), fp8.raw(setup.slots.get(name))
+        row = src[0].numel()
+        block = WIDE_BLOCK_BYTES // src.element_size()
+        chunks = -(-row // block)
+        work = experts.shape[0] * chunks
+        copy_kernel._copy_planned_rows_capped[(max(1, min(programs, work)),)](
+            src, dst, experts, slot_ids, row, num_experts, chunks, work, BLOCK=block, num_warps=WIDE_WARPS
+        )
+
+
+def compute_fn(setup: Setup, compute_slots: list[int], repeats: int, seed: int) -> Callable[[], None]:
+    """`repeats` decode expert passes of setup.tokens tokens over the slots `compute_slots` (none of them a copy's
+    destination), as a closure issuing them on the current stream."""
+    gen = torch.Generator().manual_seed(seed)
+    t, k, hidden = setup.tokens, setup.top_k, setup.slots.gate.shape[2]
+    x = (torch.randn(t, hidden, generator=gen) * 0.1).to(setup.device, torch.bfloat16)  # [T, H]
+    picks = [random.Random(seed + i).sample(compute_slots, k) for i in range(t)]  # distinct experts a token
+    pair_rows = torch.tensor(picks, dtype=torch.long).reshape(-1).to(setup.device)  # [T*k]
+    weights = torch.full((t, k), 1.0 / k, dtype=torch.float32, device=setup.device)  # [T, k]
+    s = setup.slots
+    if setup.device.type == "cuda" and moe_triton.available():
+
+        def run() -> None:
+            for _ in range(repeats):
+                moe_triton.moe_pairs(x, pair_rows, weights, s.gate, s.up, s.down, k, *s.scales)
+
+        return run
+    rows = sorted(set(pair_rows.tolist()))
+    dense = s.dense(torch.float32, torch.tensor(rows))  # the CPU's stand-in: dequantized rows, plain matmuls
+    where = {r: i for i, r in enumerate(rows)}
+
+    def run_cpu() -> None:
+        for _ in range(repeats):
+            for pair, row in enumerate(pair_rows.tolist()):
+                i, xi = where[row], x[pair // k].float()
+                h = F.silu(dense.gate[i] @ xi) * (dense.up[i] @ xi)  # [I]
+                _ = dense.down[i] @ h  # [H]
+
+    return run_cpu
+
+
+def check_copied(setup: Setup, pairs: list[tuple[int, int]]) -> None:
+    """Every tensor of every copied row equals its host row, byte for byte (raises otherwise)."""
+    for name in setup.host.names():
+        src, dst = fp8.raw(setup.host.get(name)), fp8.raw(setup.slots.get(name))
+        for expert, slot in pairs:
+            if not torch.equal(dst[slot].cpu(), src[expert]):
+                raise AssertionError(f"{name}: slot {slot} does not hold expert {expert} after the copy")
+
+
+def clear_rows(setup: Setup, slots: list[int]) -> None:
+    for name in setup.slots.names():
+        fp8.raw(setup.slots.get(name))[slots] = 0
+
+
+class Clock:
+    """Times work on streams: CUDA events on a GPU, perf_counter (work run inline, one after the other) on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if self.cuda else None
+
+    def alone(self, work: Callable[[], None]) -> float:
+        if not self.cuda:
+            t0 = time.perf_counter()
+            work()
+            return time.perf_counter() - t0
+        assert self.streams is not None
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.streams[0]):
+            start.record()
+            work()
+            end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    def both(self, first: Callable[[], None], second: Callable[[], None]) -> tuple[float, float, float]:
+        """`first` then `second` issued on two streams from one start -> (span, first's time, second's time)."""
+        if not self.cuda:
+            t0 = time.perf_counter()
+            first()
+            t1 = time.perf_counter()
+            second()
+            t2 = time.perf_counter()
+            return t2 - t0, t1 - t0, t2 - t0
+        assert self.streams is not None
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        start.record()
+        for stream, work, end in zip(self.streams, (first, second), ends, strict=True):
+            stream.wait_event(start)
+            with torch.cuda.stream(stream):
+                work()
+                end.record()
+        for end in ends:
+            end.synchronize()
+        times = [start.elapsed_time(end) / 1e3 for end in ends]
+        return max(times), times[0], times[1]
+
+
+def median_of(samples: list[float]) -> float:
+    return statistics.median(samples)
+
+
+def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    setup = make_setup(args, device)
+    clock = Clock(device)
+    ms = [int(v) for v in args.m.split(",")]
+    if max(ms) * 2 > args.slots:
+        raise SystemExit(f"--m {max(ms)} needs at least {2 * max(ms)} --slots (copies and compute use separate slots)")
+    mechs = ["dma", "kernel", *(f"kernel:{p}" for p in args.programs.split(",") if p)]
+    mechs += [f"wide:{p}" for p in args.wide.split(",") if p]
+    rng = random.Random(args.seed)
+    rows: list[dict[str, Any]] = []
+    for m in ms:
+        copy_slots = list(range(m))  # copies land in slots 0..m-1; the compute reads the others
+        compute_slots = list(range(m, args.slots))
+        pairs = list(zip(rng.sample(range(args.slots, args.experts), m), copy_slots, strict=True))
+        nbytes = m * setup.host.row_bytes
+        one = compute_fn(setup, compute_slots, 1, args.seed)
+        for _ in range(args.warmup):
+            one()
+        pass_s = median_of([clock.alone(one) for _ in range(args.repeats)])
+        dma = copy_fn("dma", setup, pairs)
+        for _ in range(args.warmup):
+            dma()
+        dma_s = median_of([clock.alone(dma) for _ in range(args.repeats)])
+        passes = args.passes or max(1, min(4000, round(dma_s / max(pass_s, 1e-9))))
+        compute = compute_fn(setup, compute_slots, passes, args.seed)
+        compute()
+        compute_s = median_of([clock.alone(compute) for _ in range(args.repeats)])
+        for mech in mechs:
+            copy = copy_fn(mech, setup, pairs)
+            clear_rows(setup, copy_slots)
+            copy()  # warm-up (Triton compiles here), then checked
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            check_copied(setup, pairs)
+            copy_s = median_of([clock.alone(copy) for _ in range(args.repeats)])
+            row: dict[str, Any] = {
+                "copy": mech, "m": m, "bytes": nbytes, "copy_ms": copy_s * 1e3, "copy_gbps": nbytes / copy_s / 1e9,
+                "compute_passes": passes, "pass_ms": pass_s * 1e3, "compute_ms": compute_s * 1e3,
+            }  # fmt: skip
+            for order, (first, second) in (("copy_first", (copy, compute)), ("compute_first", (compute, copy))):
+                runs = [clock.both(first, second) for _ in range(args.repeats)]
+                span = median_of([r[0] for r in runs])
+                first_s = median_of([r[1] for r in runs])
+                second_s = median_of([r[2] for r in runs])
+                copy_in, compute_in = (first_s, second_s) if order == "copy_first" else (second_s, first_s)
+                hidden = (copy_s + compute_s - span) / min(copy_s, compute_s)
+                row[order] = {"span_ms": span * 1e3, "copy_ms": copy_in * 1e3, "compute_ms": compute_in * 1e3,
+                              "hidden": hidden}  # fmt: skip
+            check_copied(setup, pairs)
+            rows.append(row)
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "concurrent": device.type == "cuda",
+        "expert_shape": {
+            "hidden": args.hidden,
+            "inter": args.inter,
+            "dtype": "float8_e4m3fn",
+            "row_bytes": setup.host.row_bytes,
+        },  # fmt: skip
+        "args": vars(args) | {"out": str(args.out)},
+        "rows": rows,
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [f"device {result['device']}; torch {result['torch']}; expert row {result['expert_shape']['row_bytes']} B"]
+    if not result["concurrent"]:
+        lines.append(
+            "on the CPU: every run one after the other (the plumbing and the copies' check; no overlap figure)"
+        )
+    head = f"{'copy':>10} {'m':>3} {'copy ms':>8} {'GB/s':>6} {'comp ms':>8} {'span cf':>8} {'hid cf':>7} "
+    lines.append(head + f"{'span kf':>8} {'hid kf':>7} {'copy@kf':>8} {'comp@cf':>8}")
+    for r in result["rows"]:
+        cf, kf = r["copy_first"], r["compute_first"]
+        lines.append(
+            f"{r['copy']:>10} {r['m']:>3} {r['copy_ms']:>8.3f} {r['copy_gbps']:>6.1f} {r['compute_ms']:>8.3f} "
+            f"{cf['span_ms']:>8.3f} {cf['hidden']:>7.2f} {kf['span_ms']:>8.3f} {kf['hidden']:>7.2f} "
+            f"{kf['copy_ms']:>8.3f} {cf['compute_ms']:>8.3f}"
+        )
+    lines.append("cf: the copy issued first, kf: the compute first; hid: (copy + compute - span) / the shorter alone;")
+    lines.append(
+        "copy@kf: the copy's time beside the compute issued first; comp@cf: the compute's beside the copy first"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--m", default="4,16", help="experts a copy moves")
+    ap.add_argument("--programs", default="8,16,32,64", help="`kernel:P` arms (copy_programs)")
+    ap.add_argument("--wide", default="8,16,32", help="`wide:P` arms (64 KiB a program iteration)")
+    ap.add_argument("--tokens", type=int, default=4, help="decode batch of the compute (B)")
+    ap.add_argument("--passes", type=int, default=0, help="expert passes the compute runs (0: as long as the DMA)")
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--slots", type=int, default=64)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=768)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("copy_overlap.py: no CUDA device (--device cpu runs the plumbing only)", file=sys.stderr)
+        return 2
+    if args.slots < args.top_k * 2:
+        print(
+            f"copy_overlap.py: --slots {args.slots} leaves too few for the compute's top_k {args.top_k}",
+            file=sys.stderr,
+        )
+        return 2
+    result = measure(args, torch.device(args.device))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
