@@ -17,10 +17,12 @@ Copies (each moves m FP8 experts, the six tensors of a row, into slots the compu
   in the runtime).
 Compute: `moe_triton.moe_pairs`, the decode expert pass (gate/up, then down and combine) of B tokens x top_k pairs
 over resident slots, R times back to back (R set so that the compute alone lasts about as long as the DMA
-copy alone). Each copy then runs alone, and beside the compute issued first and issued second. Per row:
-copy_ms and its GB/s alone; compute_ms alone; in both runs the span (start to the later end) and each side's
-time inside it; `hidden` = (copy alone + compute alone - span) / min(copy alone, compute alone): 1 when the
-shorter one hid entirely, 0 when they ran one after the other (below 0: slower than serial).
+copy alone). The compute and the kernel copies are captured in CUDA graphs and replayed, as the decode step runs
+them (one by one, a small pass's launches take the host longer than the GPU); the DMAs are issued by the host.
+Each copy then runs alone, and beside the compute issued first and issued second. Per row: copy_ms and its GB/s
+alone; compute_ms alone; in both runs the span (start to the later end) and each side's time inside it;
+`hidden` = (copy alone + compute alone - span) / min(copy alone, compute alone): 1 when the shorter one
+hid entirely, 0 when they ran one after the other (below 0: slower than serial).
 Every copy is checked: the slots' bytes equal the host rows they came from.
 
     python benchmarks/copy_overlap.py --out copy_overlap.json [--m 4,16] [--tokens 4] [--programs 8,16,32,64]
@@ -146,6 +148,24 @@ def compute_fn(setup: Setup, compute_slots: list[int], repeats: int, seed: int) 
     return run_cpu
 
 
+def graphed(work: Callable[[], None], device: torch.device) -> Callable[[], None]:
+    """`work` captured in a CUDA graph and replayed on the current stream, as the decode step runs its kernels (issued
+    one by one, a small pass's launches take longer on the host than on the GPU, and the gaps would count as
+    compute); on the CPU `work` itself."""
+    if device.type != "cuda":
+        return work
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        work()  # warm-up outside the capture: Triton compiles, the allocator settles
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        work()
+    torch.cuda.synchronize(device)
+    return graph.replay
+
+
 def check_copied(setup: Setup, pairs: list[tuple[int, int]]) -> None:
     """Every tensor of every copied row equals its host row, byte for byte (raises otherwise)."""
     for name in setup.host.names():
@@ -226,7 +246,7 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         compute_slots = list(range(m, args.slots))
         pairs = list(zip(rng.sample(range(args.slots, args.experts), m), copy_slots, strict=True))
         nbytes = m * setup.host.row_bytes
-        one = compute_fn(setup, compute_slots, 1, args.seed)
+        one = graphed(compute_fn(setup, compute_slots, 1, args.seed), device)
         for _ in range(args.warmup):
             one()
         pass_s = median_of([clock.alone(one) for _ in range(args.repeats)])
@@ -235,11 +255,13 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
             dma()
         dma_s = median_of([clock.alone(dma) for _ in range(args.repeats)])
         passes = args.passes or max(1, min(4000, round(dma_s / max(pass_s, 1e-9))))
-        compute = compute_fn(setup, compute_slots, passes, args.seed)
+        compute = graphed(compute_fn(setup, compute_slots, passes, args.seed), device)
         compute()
         compute_s = median_of([clock.alone(compute) for _ in range(args.repeats)])
         for mech in mechs:
             copy = copy_fn(mech, setup, pairs)
+            if mech != "dma":  # the kernels run inside the decode graph; DMAs are the host's
+                copy = graphed(copy, device)
             clear_rows(setup, copy_slots)
             copy()  # warm-up (Triton compiles here), then checked
             if device.type == "cuda":
