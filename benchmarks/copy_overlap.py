@@ -10,7 +10,8 @@ process and two streams: does the copy kernel reach the link's rate on few SMs, 
 (and slows) the expert kernels running beside it, against the copy engine (DMAs), which holds no SM.
 
 Copies (each moves m FP8 experts, the six tensors of a row, into slots the compute does not read):
-- `dma`: the runtime's `direct` page-in, every tensor as DMAs (`_foreach_copy_`), on the copy stream;
+- `dma`: the runtime's `direct` page-in, as the weights loader builds it: the weights as DMAs (one `_foreach_copy_`),
+  the FP8 scale rows by one copy-kernel launch, issued by the host (its issue time is `issue_ms`);
 - `kernel`: `copy_planned` with the full grid, one launch (the decode graph's copy today);
 - `kernel:P`: `copy_planned` with P programs (`copy_programs` P), a launch per tensor;
 - `wide:P`: P programs of a 64 KiB block and 8 warps each, 4x the bytes in flight per program (a candidate, not
@@ -23,9 +24,14 @@ Each copy then runs alone, and beside the compute issued first and issued second
 alone; compute_ms alone; in both runs the span (start to the later end) and each side's time inside it;
 `hidden` = (copy alone + compute alone - span) / min(copy alone, compute alone): 1 when the shorter one
 hid entirely, 0 when they ran one after the other (below 0: slower than serial).
-Every copy is checked: the slots' bytes equal the host rows they came from.
+Every copy is checked twice, after its warm-up and after its last timed run (the rows cleared before it): the slots'
+bytes equal the host rows they came from and no other slot changed. On a GPU the device waits (a sleep kernel)
+while the host issues each timed piece of work, so the events time the device, and the second of two streams
+starts ~2 us after the first. A failing arm gets a row with its `error` and the run goes on (exit status 1); the
+JSON is rewritten after every row.
 
     python benchmarks/copy_overlap.py --out copy_overlap.json [--m 4,16] [--tokens 4] [--programs 8,16,32,64]
+    python benchmarks/copy_overlap.py --show copy_overlap.json      # a stored record's table
 
 On the CPU (`--device cpu`, the tests' tiny shapes) the copies run as the runtime's CPU fallbacks and the compute as
 dequantized matmuls, one after the other: the script's plumbing and the copies' check, no overlap figure.
@@ -87,8 +93,11 @@ def copy_fn(mech: str, setup: Setup, pairs: list[tuple[int, int]]) -> Callable[[
     if mech == "dma":
         strategy = "direct" if device.type == "cuda" else "index"
         hidden, inter = setup.host.gate.shape[2], setup.host.gate.shape[1]
-        engine = PageInEngine(device, strategy, hidden, inter, torch.bfloat16, setup.slots.num_rows, is_fp8=True)
-        return lambda: engine.copy_rows(setup.host, setup.slots, pairs)  # no row kernel: the scale rows are DMAs
+        row_kernel = copy_kernel.copy_planned if copy_kernel.graph_safe(device) else None  # as the loader passes it
+        engine = PageInEngine(
+            device, strategy, hidden, inter, torch.bfloat16, setup.slots.num_rows, is_fp8=True, row_kernel=row_kernel
+        )
+        return lambda: engine.copy_rows(setup.host, setup.slots, pairs)
     experts = torch.tensor([e for e, _ in pairs], dtype=torch.long, device=device)  # [m]
     slot_ids = torch.tensor([s for _, s in pairs], dtype=torch.long, device=device)  # [m]
     if mech == "kernel":
@@ -151,7 +160,8 @@ def compute_fn(setup: Setup, compute_slots: list[int], repeats: int, seed: int) 
 def graphed(work: Callable[[], None], device: torch.device) -> Callable[[], None]:
     """`work` captured in a CUDA graph and replayed on the current stream, as the decode step runs its kernels (issued
     one by one, a small pass's launches take longer on the host than on the GPU, and the gaps would count as
-    compute); on the CPU `work` itself."""
+    compute); on the CPU `work` itself. The replay holds `work`, and with it the tensors the graph reads: a graph
+    keeps no reference to them, and memory freed under it would be handed out again while it still reads there."""
     if device.type != "cuda":
         return work
     side = torch.cuda.Stream(device)
@@ -163,16 +173,24 @@ def graphed(work: Callable[[], None], device: torch.device) -> Callable[[], None
     with torch.cuda.graph(graph):
         work()
     torch.cuda.synchronize(device)
-    return graph.replay
+    held = (graph, work)
+
+    def replay() -> None:
+        held[0].replay()
+
+    return replay
 
 
 def check_copied(setup: Setup, pairs: list[tuple[int, int]]) -> None:
-    """Every tensor of every copied row equals its host row, byte for byte (raises otherwise)."""
+    """Every tensor of every copied row equals its host row, byte for byte, and every other slot still holds the host
+    row it was filled with (`make_setup`: slot s = expert s), so no copy wrote outside its rows (raises otherwise)."""
+    copied = dict((slot, expert) for expert, slot in pairs)
     for name in setup.host.names():
-        src, dst = fp8.raw(setup.host.get(name)), fp8.raw(setup.slots.get(name))
-        for expert, slot in pairs:
-            if not torch.equal(dst[slot].cpu(), src[expert]):
-                raise AssertionError(f"{name}: slot {slot} does not hold expert {expert} after the copy")
+        src, dst = fp8.raw(setup.host.get(name)), fp8.raw(setup.slots.get(name)).cpu()
+        for slot in range(setup.slots.num_rows):
+            expert = copied.get(slot, slot)
+            if not torch.equal(dst[slot], src[expert]):
+                raise AssertionError(f"{name}: slot {slot} does not hold expert {expert} after the copies")
 
 
 def clear_rows(setup: Setup, slots: list[int]) -> None:
@@ -180,30 +198,42 @@ def clear_rows(setup: Setup, slots: list[int]) -> None:
         fp8.raw(setup.slots.get(name))[slots] = 0
 
 
+HOLD_CYCLES = 40_000_000  # ~20 ms of GPU clock: the device waits while the host issues every timed piece of work
+ORDER_CYCLES = 4_000  # ~2 us: how much later the second of two streams starts, so the first one issued starts first
+
+
 class Clock:
-    """Times work on streams: CUDA events on a GPU, perf_counter (work run inline, one after the other) on the CPU."""
+    """Times work on streams: CUDA events on a GPU, perf_counter (work run inline, one after the other) on the CPU.
+    On a GPU the device first waits (a sleep kernel) while the host issues the work, so the events time the device
+    alone, not the host's issue (the DMA arm's copies are the host's calls); `issue_s` is the host's time apart."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if self.cuda else None
 
-    def alone(self, work: Callable[[], None]) -> float:
+    def alone(self, work: Callable[[], None]) -> tuple[float, float]:
+        """-> (the work's time, the host's time issuing it)."""
         if not self.cuda:
             t0 = time.perf_counter()
             work()
-            return time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0
+            return elapsed, elapsed
         assert self.streams is not None
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.streams[0]):
+            torch.cuda._sleep(HOLD_CYCLES)
             start.record()
+            t0 = time.perf_counter()
             work()
+            issue_s = time.perf_counter() - t0
             end.record()
         end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        return start.elapsed_time(end) / 1e3, issue_s
 
     def both(self, first: Callable[[], None], second: Callable[[], None]) -> tuple[float, float, float]:
-        """`first` then `second` issued on two streams from one start -> (span, first's time, second's time)."""
+        """`first` then `second` on two streams from one start (the second ~2 us later) -> (span, first's time,
+        second's time)."""
         if not self.cuda:
             t0 = time.perf_counter()
             first()
@@ -215,10 +245,13 @@ class Clock:
         torch.cuda.synchronize()
         start = torch.cuda.Event(enable_timing=True)
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        torch.cuda._sleep(HOLD_CYCLES)
         start.record()
-        for stream, work, end in zip(self.streams, (first, second), ends, strict=True):
+        for i, (stream, work, end) in enumerate(zip(self.streams, (first, second), ends, strict=True)):
             stream.wait_event(start)
             with torch.cuda.stream(stream):
+                if i:
+                    torch.cuda._sleep(ORDER_CYCLES)
                 work()
                 end.record()
         for end in ends:
@@ -231,7 +264,9 @@ def median_of(samples: list[float]) -> float:
     return statistics.median(samples)
 
 
-def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+def measure(args: argparse.Namespace, device: torch.device, write: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Every arm at every m; `write(result)` after each row, so a failure or a timeout keeps the rows before it. An
+    arm that fails (a copy that does not check, a compile error) gets a row with its `error` and the next one runs."""
     setup = make_setup(args, device)
     clock = Clock(device)
     ms = [int(v) for v in args.m.split(",")]
@@ -240,50 +275,7 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     mechs = ["dma", "kernel", *(f"kernel:{p}" for p in args.programs.split(",") if p)]
     mechs += [f"wide:{p}" for p in args.wide.split(",") if p]
     rng = random.Random(args.seed)
-    rows: list[dict[str, Any]] = []
-    for m in ms:
-        copy_slots = list(range(m))  # copies land in slots 0..m-1; the compute reads the others
-        compute_slots = list(range(m, args.slots))
-        pairs = list(zip(rng.sample(range(args.slots, args.experts), m), copy_slots, strict=True))
-        nbytes = m * setup.host.row_bytes
-        one = graphed(compute_fn(setup, compute_slots, 1, args.seed), device)
-        for _ in range(args.warmup):
-            one()
-        pass_s = median_of([clock.alone(one) for _ in range(args.repeats)])
-        dma = copy_fn("dma", setup, pairs)
-        for _ in range(args.warmup):
-            dma()
-        dma_s = median_of([clock.alone(dma) for _ in range(args.repeats)])
-        passes = args.passes or max(1, min(4000, round(dma_s / max(pass_s, 1e-9))))
-        compute = graphed(compute_fn(setup, compute_slots, passes, args.seed), device)
-        compute()
-        compute_s = median_of([clock.alone(compute) for _ in range(args.repeats)])
-        for mech in mechs:
-            copy = copy_fn(mech, setup, pairs)
-            if mech != "dma":  # the kernels run inside the decode graph; DMAs are the host's
-                copy = graphed(copy, device)
-            clear_rows(setup, copy_slots)
-            copy()  # warm-up (Triton compiles here), then checked
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            check_copied(setup, pairs)
-            copy_s = median_of([clock.alone(copy) for _ in range(args.repeats)])
-            row: dict[str, Any] = {
-                "copy": mech, "m": m, "bytes": nbytes, "copy_ms": copy_s * 1e3, "copy_gbps": nbytes / copy_s / 1e9,
-                "compute_passes": passes, "pass_ms": pass_s * 1e3, "compute_ms": compute_s * 1e3,
-            }  # fmt: skip
-            for order, (first, second) in (("copy_first", (copy, compute)), ("compute_first", (compute, copy))):
-                runs = [clock.both(first, second) for _ in range(args.repeats)]
-                span = median_of([r[0] for r in runs])
-                first_s = median_of([r[1] for r in runs])
-                second_s = median_of([r[2] for r in runs])
-                copy_in, compute_in = (first_s, second_s) if order == "copy_first" else (second_s, first_s)
-                hidden = (copy_s + compute_s - span) / min(copy_s, compute_s)
-                row[order] = {"span_ms": span * 1e3, "copy_ms": copy_in * 1e3, "compute_ms": compute_in * 1e3,
-                              "hidden": hidden}  # fmt: skip
-            check_copied(setup, pairs)
-            rows.append(row)
-    return {
+    result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "concurrent": device.type == "cuda",
@@ -294,8 +286,76 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
             "row_bytes": setup.host.row_bytes,
         },  # fmt: skip
         "args": vars(args) | {"out": str(args.out)},
-        "rows": rows,
+        "rows": [],
     }
+    for m in ms:
+        copy_slots = list(range(m))  # copies land in slots 0..m-1; the compute reads the others
+        compute_slots = list(range(m, args.slots))
+        pairs = list(zip(rng.sample(range(args.slots, args.experts), m), copy_slots, strict=True))
+        nbytes = m * setup.host.row_bytes
+        one = graphed(compute_fn(setup, compute_slots, 1, args.seed), device)
+        for _ in range(args.warmup):
+            one()
+        pass_s = median_of([clock.alone(one)[0] for _ in range(args.repeats)])
+        dma = copy_fn("dma", setup, pairs)
+        for _ in range(args.warmup):
+            dma()
+        dma_s = median_of([clock.alone(dma)[0] for _ in range(args.repeats)])
+        passes = args.passes or max(1, min(4000, round(dma_s / max(pass_s, 1e-9))))
+        compute = graphed(compute_fn(setup, compute_slots, passes, args.seed), device)
+        compute()
+        compute_s = median_of([clock.alone(compute)[0] for _ in range(args.repeats)])
+        for mech in mechs:
+            row: dict[str, Any] = {"copy": mech, "m": m, "bytes": nbytes, "compute_passes": passes,
+                                   "pass_ms": pass_s * 1e3, "compute_ms": compute_s * 1e3}  # fmt: skip
+            try:
+                row.update(measure_arm(args, setup, clock, mech, pairs, compute, compute_s))
+            except Exception as exc:  # noqa: BLE001 - one arm's failure is its row's finding, not the run's end
+                row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+                if device.type == "cuda":
+                    torch.cuda.synchronize()  # an asynchronous CUDA error surfaces here, and ends the run
+            result["rows"].append(row)
+            write(result)
+    return result
+
+
+def measure_arm(
+    args: argparse.Namespace, setup: Setup, clock: Clock, mech: str, pairs: list[tuple[int, int]],
+    compute: Callable[[], None], compute_s: float,
+) -> dict[str, Any]:  # fmt: skip
+    """One copy arm: checked once warm, timed alone and beside the compute in both issue orders, then cleared and
+    checked again after its last timed run (a replay that stopped copying would fail there)."""
+    copy_slots = [slot for _, slot in pairs]
+    copy = copy_fn(mech, setup, pairs)
+    if mech != "dma":  # the kernels run inside the decode graph; DMAs are the host's
+        copy = graphed(copy, setup.device)
+    clear_rows(setup, copy_slots)
+    copy()  # warm-up (Triton compiles here), then checked
+    if setup.device.type == "cuda":
+        torch.cuda.synchronize()
+    check_copied(setup, pairs)
+    alone = [clock.alone(copy) for _ in range(args.repeats)]
+    copy_s = median_of([a[0] for a in alone])
+    nbytes = len(pairs) * setup.host.row_bytes
+    out: dict[str, Any] = {"copy_ms": copy_s * 1e3, "copy_gbps": nbytes / copy_s / 1e9,
+                           "issue_ms": median_of([a[1] for a in alone]) * 1e3}  # fmt: skip
+    for order, (first, second) in (("copy_first", (copy, compute)), ("compute_first", (compute, copy))):
+        runs = []
+        for i in range(args.repeats):
+            if order == "compute_first" and i == args.repeats - 1:
+                clear_rows(setup, copy_slots)  # the last timed run must copy the rows again
+            runs.append(clock.both(first, second))
+        span = median_of([r[0] for r in runs])
+        first_s = median_of([r[1] for r in runs])
+        second_s = median_of([r[2] for r in runs])
+        copy_in, compute_in = (first_s, second_s) if order == "copy_first" else (second_s, first_s)
+        hidden = (copy_s + compute_s - span) / min(copy_s, compute_s)
+        out[order] = {"span_ms": span * 1e3, "copy_ms": copy_in * 1e3, "compute_ms": compute_in * 1e3,
+                      "hidden": hidden}  # fmt: skip
+    if setup.device.type == "cuda":
+        torch.cuda.synchronize()
+    check_copied(setup, pairs)
+    return out
 
 
 def table(result: dict[str, Any]) -> str:
@@ -304,14 +364,17 @@ def table(result: dict[str, Any]) -> str:
         lines.append(
             "on the CPU: every run one after the other (the plumbing and the copies' check; no overlap figure)"
         )
-    head = f"{'copy':>10} {'m':>3} {'copy ms':>8} {'GB/s':>6} {'comp ms':>8} {'span cf':>8} {'hid cf':>7} "
-    lines.append(head + f"{'span kf':>8} {'hid kf':>7} {'copy@kf':>8} {'comp@cf':>8}")
+    head = f"{'copy':>10} {'m':>3} {'copy ms':>8} {'GB/s':>6} {'issue ms':>8} {'comp ms':>8} {'span cf':>8} "
+    lines.append(head + f"{'hid cf':>7} {'span kf':>8} {'hid kf':>7} {'copy@kf':>8} {'comp@cf':>8}")
     for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"{r['copy']:>10} {r['m']:>3} failed: {r['error']}")
+            continue
         cf, kf = r["copy_first"], r["compute_first"]
         lines.append(
-            f"{r['copy']:>10} {r['m']:>3} {r['copy_ms']:>8.3f} {r['copy_gbps']:>6.1f} {r['compute_ms']:>8.3f} "
-            f"{cf['span_ms']:>8.3f} {cf['hidden']:>7.2f} {kf['span_ms']:>8.3f} {kf['hidden']:>7.2f} "
-            f"{kf['copy_ms']:>8.3f} {cf['compute_ms']:>8.3f}"
+            f"{r['copy']:>10} {r['m']:>3} {r['copy_ms']:>8.3f} {r['copy_gbps']:>6.1f} {r['issue_ms']:>8.3f} "
+            f"{r['compute_ms']:>8.3f} {cf['span_ms']:>8.3f} {cf['hidden']:>7.2f} {kf['span_ms']:>8.3f} "
+            f"{kf['hidden']:>7.2f} {kf['copy_ms']:>8.3f} {cf['compute_ms']:>8.3f}"
         )
     lines.append("cf: the copy issued first, kf: the compute first; hid: (copy + compute - span) / the shorter alone;")
     lines.append(
@@ -322,7 +385,8 @@ def table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, help="the JSON record to write (required unless --show)")
+    ap.add_argument("--show", type=Path, help="print the table of a stored record and exit (no device)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--m", default="4,16", help="experts a copy moves")
     ap.add_argument("--programs", default="8,16,32,64", help="`kernel:P` arms (copy_programs)")
@@ -338,6 +402,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.show is not None:
+        print(table(json.loads(args.show.read_text())))
+        return 0
+    if args.out is None:
+        ap.error("--out is required (or --show a stored record)")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("copy_overlap.py: no CUDA device (--device cpu runs the plumbing only)", file=sys.stderr)
         return 2
@@ -347,11 +416,14 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    result = measure(args, torch.device(args.device))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+    def write(result: dict[str, Any]) -> None:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+    result = measure(args, torch.device(args.device), write)
     print(table(result))
-    return 0
+    return 1 if any("error" in r for r in result["rows"]) else 0
 
 
 if __name__ == "__main__":

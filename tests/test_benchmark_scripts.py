@@ -326,10 +326,43 @@ def test_the_copy_overlap_benchmark_runs_its_arms_on_the_cpu_and_checks_every_co
     got = [(r["copy"], r["m"]) for r in record["rows"]]
     assert got == [(c, m) for m in (2, 3) for c in ("dma", "kernel", "kernel:4", "wide:4")]
     for r in record["rows"]:
-        assert r["bytes"] == r["m"] * row_bytes and r["copy_ms"] > 0 and r["compute_ms"] > 0
+        assert "error" not in r, r
+        assert r["bytes"] == r["m"] * row_bytes and r["copy_ms"] > 0 and r["compute_ms"] > 0 and r["issue_ms"] > 0
         assert r["compute_passes"] >= 1
-        for order in ("copy_first", "compute_first"):
-            assert r[order]["span_ms"] >= max(r[order]["copy_ms"], r[order]["compute_ms"]) * 0.999
+        assert set(r["copy_first"]) == set(r["compute_first"]) == {"span_ms", "copy_ms", "compute_ms", "hidden"}
+
+
+def test_the_copy_overlap_benchmark_keeps_every_row_when_an_arm_copies_wrong(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An arm whose copy misses its rows fails its check: its row carries the error, the arms after it still run, the
+    record is written after every row, and the exit status says an arm failed."""
+    spec = importlib.util.spec_from_file_location("copy_overlap", ROOT / "benchmarks" / "copy_overlap.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "copy_overlap", bench)  # its dataclass looks its module up there
+    spec.loader.exec_module(bench)
+    real = bench.copy_fn
+
+    def broken_kernel(mech: str, setup: Any, pairs: list[tuple[int, int]]) -> Any:
+        if mech != "kernel":
+            return real(mech, setup, pairs)
+        return real(mech, setup, pairs[1:])  # the first pair's row is never copied
+
+    monkeypatch.setattr(bench, "copy_fn", broken_kernel)
+    out = tmp_path / "co.json"
+    # fmt: off
+    status = bench.main([
+        "--out", str(out), "--device", "cpu", "--hidden", "256", "--inter", "128", "--experts", "16", "--slots", "12",
+        "--m", "2", "--top-k", "2", "--tokens", "2", "--programs", "4", "--wide", "", "--repeats", "1", "--warmup", "1",
+    ])
+    # fmt: on
+    assert status == 1
+    assert bench.main(["--show", str(out)]) == 0  # the stored record's table, failed row included
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["copy"] for r in rows] == ["dma", "kernel", "kernel:4"]
+    assert "error" not in rows[0] and "error" not in rows[2]
+    assert rows[1]["error"].startswith("AssertionError:") and "does not hold expert" in rows[1]["error"]
 
 
 def test_the_copy_overlap_benchmark_refuses_a_missing_gpu_and_too_few_slots(tmp_path: Path) -> None:

@@ -65,13 +65,20 @@ def check_the_overlap_benchmarks_wide_copy_lands_every_row() -> None:
     experts, slot_ids = torch.tensor([4, 2]), torch.tensor([0, 2])
     for programs in (1, 3):
         slots = ExpertTensors.empty(3, 384, 256, torch.bfloat16, cpu, is_fp8=True)
-        for name in slots.names():
-            fp8.raw(slots.get(name)).zero_()
+        for name in slots.names():  # as the benchmark fills them: slot s holds expert s
+            fp8.raw(slots.get(name)).copy_(fp8.raw(host.get(name))[:3])
         setup = bench.Setup(host, slots, cpu, top_k=2, tokens=1)
+        bench.clear_rows(setup, [0, 2])
         bench._wide_copy(setup, experts, slot_ids, programs)
-        bench.check_copied(setup, pairs)
-        for name in slots.names():  # the row no pair names stays as it was
-            assert not fp8.raw(slots.get(name))[1].any(), (name, programs)
+        bench.check_copied(setup, pairs)  # rows 0 and 2 copied, row 1 untouched
+        bench.clear_rows(setup, [0, 2])
+        bench._wide_copy(setup, experts[:1], slot_ids[:1], programs)
+        try:  # the check fails a copy that missed a row
+            bench.check_copied(setup, pairs)
+        except AssertionError as exc:
+            assert "slot 2 does not hold expert 2" in str(exc), exc
+        else:
+            raise AssertionError("check_copied passed a copy that missed slot 2")
     print("ok")
 
 
