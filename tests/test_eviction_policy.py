@@ -178,12 +178,30 @@ def test_arc_moves_its_target_by_the_ghost_a_miss_comes_back_from() -> None:
         p.on_use(2, step)  # once per step: a second use in the same step moves nothing
     p.on_use(3, 2)  # used in one step: T1
     assert p.victim([1, 2, 3], 3) == 3  # T1 holds 1 > target 0
-    p.on_use(3, 3)  # back from B1: recency was cut short, the target grows by max(|B2| / |B1|, 1)
-    assert p.target_t1 == 1.0
+    p.on_use(3, 3)  # back from B1: recency was cut short, the target grows by max(|B2| / |B1|, 1) ...
+    assert p.target_t1 == 0.0  # ... once step 3 has ended: a step's uses take effect together
     assert p.victim([1, 2, 3], 4) == 1  # T1 is empty: T2's least recent (1 and 2 used at step 1, 1 first)
+    assert p.target_t1 == 1.0
     p.on_use(1, 5)  # back from B2: frequency was cut short, the target shrinks
-    assert p.target_t1 == 0.0
     assert p.victim([2, 3, 1], 6) == 2  # T2 in use order: 2 (step 1), 3 (step 3), 1 (step 5)
+    assert p.target_t1 == 0.0
+
+
+def test_arc_counts_a_steps_uses_together_whatever_their_order() -> None:
+    """Two policies fed one step's uses in opposite orders choose alike afterwards (the planner's waves may serve a
+    prefill's protected residents early or late); an expert used in the current step leaves last."""
+    a, b = ArcPolicy(), ArcPolicy()
+    for step, used in enumerate([[1, 2, 3], [3, 4], [1, 5, 6, 2]]):
+        for e in used:
+            a.on_use(e, step)
+        for e in reversed(used):
+            b.on_use(e, step)
+    # after step 2: T1 = 4, 5, 6 (4 used at step 1; 5 and 6 at step 2, lowest id first), T2 = 3, 1, 2; in call order
+    # b's T1 would be 4, 6, 5 and its victim 6
+    assert a.victim([1, 2, 3, 5, 6], 3) == b.victim([1, 2, 3, 5, 6], 3) == 5
+    a.on_use(7, 4)
+    assert a.victim([7, 4], 4) == 4  # 7 was used in this step: the most recent of all
+    assert a.victim([7], 4) == 7  # when only this step's experts are left, the lowest id
 
 
 def _trace(ids: list[list[int]], num_experts: int, top_k: int):

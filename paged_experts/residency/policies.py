@@ -217,7 +217,9 @@ class ArcPolicy:
     (p grows); one evicted from T2 and missed again (B2) says frequency was (p shrinks). No period or window to
     tune.
 
-    Adapted to steps: an expert counts once per step (a step routes a set, several waves may use it); the cache
+    Adapted to steps: an expert counts once per step (a step routes a set, several waves may use it), and a step's
+    uses take effect when it ends, lowest id first, so the order of its waves changes no later choice; an expert
+    used in the current step is the most recent of all, the last to leave. The cache
     size c is the number of residents the policy has seen used (the K slots, once the initial 0..K-1 have all
     been used or evicted); never-used residents go first, lowest id first, as LRU's. Each list is kept in use
     order (dicts keep insertion order; a use moves the expert to the end). The victim is chosen among the
@@ -230,16 +232,28 @@ class ArcPolicy:
         self._t2: dict[int, None] = {}  # residents used in two or more steps, least recent first
         self._b1: dict[int, None] = {}  # evicted from T1, oldest eviction first
         self._b2: dict[int, None] = {}  # evicted from T2, oldest eviction first
-        self._last_use: dict[int, int] = {}
+        self._pending: set[int] = set()  # used in the current step: applied when it ends, lowest id first
+        self._step: int | None = None
         self.target_t1 = 0.0  # p: T1's target size
 
     def _cache_size(self) -> int:
         return len(self._t1) + len(self._t2)
 
+    def _advance(self, step: int) -> None:
+        """A later step: the last one's uses take effect, lowest id first. Uses count per step, not per call, so the
+        order of a step's waves changes nothing (a prefill's protected residents may be served in any wave)."""
+        if step != self._step:
+            for expert in sorted(self._pending):
+                self._apply(expert)
+            self._pending.clear()
+            self._step = step
+
     def on_use(self, expert: int, step: int) -> None:
-        if self._last_use.get(expert) == step:  # once per step (a step may have several waves)
-            return
-        self._last_use[expert] = step
+        self._advance(step)
+        self._pending.add(expert)  # once per step (a step may have several waves)
+
+    def _apply(self, expert: int) -> None:
+        """One step's use of `expert`: T1 -> T2, a ghost's return moves p, a first use enters T1."""
         if expert in self._t1:
             del self._t1[expert]
         elif expert in self._t2:
@@ -258,21 +272,30 @@ class ArcPolicy:
         self._trim_ghosts()
 
     def victim(self, candidates: Collection[int], step: int) -> int:
-        unused = [e for e in candidates if e not in self._t1 and e not in self._t2]
+        self._advance(step)
+        settled = [e for e in candidates if e not in self._pending]
+        unused = [e for e in settled if e not in self._t1 and e not in self._t2]
         if unused:  # a resident never used since the slots were filled
             return min(unused)
-        pool = candidates if isinstance(candidates, (set, frozenset)) else set(candidates)
-        oldest_t1 = next((e for e in self._t1 if e in pool), None)
-        oldest_t2 = next((e for e in self._t2 if e in pool), None)
-        if oldest_t1 is not None and (len(self._t1) > self.target_t1 or oldest_t2 is None):
-            del self._t1[oldest_t1]
-            self._b1[oldest_t1] = None
-            victim = oldest_t1
+        if not settled:  # every candidate was used in this step (a multi-wave step without a keep rank)
+            victim = min(candidates)
+            self._pending.discard(victim)
+            self._apply(victim)  # its use counts before it leaves
         else:
-            assert oldest_t2 is not None  # a non-empty candidate set that is tracked is in T1 or T2
-            del self._t2[oldest_t2]
-            self._b2[oldest_t2] = None
-            victim = oldest_t2
+            pool = set(settled)
+            oldest_t1 = next((e for e in self._t1 if e in pool), None)
+            oldest_t2 = next((e for e in self._t2 if e in pool), None)
+            if oldest_t1 is not None and (len(self._t1) > self.target_t1 or oldest_t2 is None):
+                victim = oldest_t1
+            else:
+                assert oldest_t2 is not None  # a non-empty settled set that is tracked is in T1 or T2
+                victim = oldest_t2
+        if victim in self._t1:
+            del self._t1[victim]
+            self._b1[victim] = None
+        else:
+            del self._t2[victim]
+            self._b2[victim] = None
         return victim  # the ghosts are trimmed when the expert that takes its slot is used (the size is whole then)
 
     def _trim_ghosts(self) -> None:
