@@ -14,7 +14,9 @@ planned after the ones before it, as a server plans a prompt's chunks, one layer
     PYTHONPATH=$PWD python benchmarks/prefill_plan_host.py [--k 49] [--chunks 40] [--repeats 5]
 
 Prints the median and p90 over chunks (after the first 5) of each part, in ms per layer-step; a
-48-layer model pays this 48 times a chunk (before the layout's device copy and the first wave's launches).
+48-layer model pays this 48 times a chunk (before the layout's device copy and the first wave's launches). Beside
+them, medians per layer-step: waves, misses (page-ins), and `runs`, the page-ins' runs of rows consecutive in both
+the host store and the slots: `direct` issues a DMA per weight tensor and run (`--keep lru` orders the waves by id).
 """
 
 from __future__ import annotations
@@ -54,7 +56,14 @@ def time_parts(k: int, ids: list[torch.Tensor], keep: str) -> dict[str, list[flo
     # FP8 rows at a small shape: a descriptor's cost does not depend on the row's bytes, only on the six tensors
     host, slots = (ExpertTensors.empty(n, 128, 128, torch.bfloat16, torch.device("cpu"), is_fp8=True) for n in (E, k))
     tables = row_tables([fp8.raw(host.get(n)) for n in host.names()], [fp8.raw(slots.get(n)) for n in slots.names()])
-    parts: dict[str, list[float]] = {"plan_step": [], "plan_waves": [], "batch_desc": [], "waves": [], "misses": []}
+    parts: dict[str, list[float]] = {
+        "plan_step": [],
+        "plan_waves": [],
+        "batch_desc": [],
+        "waves": [],
+        "misses": [],
+        "runs": [],
+    }
     for chunk in ids:
         t0 = time.perf_counter()
         plan = layer.plan_step(chunk.reshape(-1).numpy())
@@ -63,10 +72,14 @@ def time_parts(k: int, ids: list[torch.Tensor], keep: str) -> dict[str, list[flo
         t2 = time.perf_counter()
         run.plan_waves(plan.waves, k)
         t3 = time.perf_counter()
+        runs = 0
         for wave in plan.waves:
             if wave.page_ins:
-                descriptors(tables, contiguous_runs(wave.page_ins))
+                wave_runs = contiguous_runs(wave.page_ins)
+                descriptors(tables, wave_runs)
+                runs += len(wave_runs)
         t4 = time.perf_counter()
+        parts["runs"].append(runs)
         parts["batch_desc"].append((t4 - t3) * 1e3)
         parts["plan_step"].append((t1 - t0) * 1e3)
         parts["plan_waves"].append((t3 - t2) * 1e3)
@@ -86,7 +99,7 @@ def main() -> None:
         ap.error(f"--chunks must be above {WARMUP}: the first {WARMUP} chunks warm up and are not counted")
     torch.set_num_threads(1)
     print(f"E={E} top_k={TOP_K} K={args.k} {TOKENS}-token chunks, keep={args.keep}, ms per layer-step")
-    print(f"{'routing':<8} {'part':<11} {'median':>7} {'p90':>7}   waves  misses")
+    print(f"{'routing':<8} {'part':<11} {'median':>7} {'p90':>7}   waves  misses  runs")
     for name, skewed in (("uniform", False), ("skewed", True)):
         ids = chunks(skewed, args.chunks, seed=1)
         best: dict[str, list[float]] | None = None
@@ -100,7 +113,8 @@ def main() -> None:
             p90 = values[int(0.9 * (len(values) - 1))]
             print(
                 f"{name:<8} {part:<11} {statistics.median(values):7.3f} {p90:7.3f}   "
-                f"{statistics.median(best['waves']):5.1f}  {statistics.median(best['misses']):6.1f}"
+                f"{statistics.median(best['waves']):5.1f}  {statistics.median(best['misses']):6.1f}  "
+                f"{statistics.median(best['runs']):4.1f}"
             )
 
 
