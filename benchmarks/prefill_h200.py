@@ -38,8 +38,11 @@ steps. Per prompt, from `torch.cuda.synchronize()` to `torch.cuda.synchronize()`
 
 Page-in paths: `streamed` (the runtime: page-ins on the page-in stream, overlapped with the waves'
 compute) and `serial` (the same plan with the page-in stream taken away, so copies queue on the
-compute stream behind each wave: the comparison that shows what the overlap buys), and `batch` (streamed,
-with each group of page-ins as one cuMemcpyBatchAsync: `page_in: batch`, against streamed's DMAs).
+compute stream behind each wave: the comparison that shows what the overlap buys), `batch` (streamed,
+with each group of page-ins as one cuMemcpyBatchAsync: `page_in: batch`, against streamed's DMAs), and `kernel`
+(`page_in: kernel`: each group of page-ins as one launch of the Triton copy kernel, every SM's program) or
+`kernel:P` (the same copy from P programs looping over its chunks, the rest of the SMs left to the waves: the grid
+`copy_programs` caps for the decode's copies; the server has no option for it in the prefill).
 
     python benchmarks/prefill_h200.py --out prefill.json            # ~6 min on one H200
     python benchmarks/prefill_h200.py --out p.json --preset tiny --layers 4 --device cpu --ks 8   # CPU smoke
@@ -48,6 +51,7 @@ with each group of page-ins as one cuMemcpyBatchAsync: `page_in: batch`, against
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -63,8 +67,10 @@ import torch
 
 import paged_experts.moe.paged as paged_module
 import paged_experts.moe.waves as waves_module
+from paged_experts.kernels.copy_kernel import copy_planned
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
+from paged_experts.residency.page_in import PageIn
 from paged_experts.routing.sources import make_router
 from paged_experts.runtime import RuntimeConfig
 from paged_experts.server import gc_pauses
@@ -72,7 +78,21 @@ from paged_experts.weights import synth_memory
 from paged_experts.weights.weights_id import source_weights
 
 SCHEMA_VERSION = 1
-PATHS = ("streamed", "serial", "batch")
+PATHS = ("streamed", "serial", "batch", "kernel", "kernel:P")
+
+
+def path_page_in(path: str) -> tuple[PageIn, int | None]:
+    """A page-in path -> (RuntimeConfig.page_in, the kernel copy's program cap or None); ValueError if unknown."""
+    if path in ("streamed", "serial"):
+        return "auto", None
+    if path == "batch":
+        return "batch", None
+    if path == "kernel":
+        return "kernel", None
+    kind, _, programs = path.partition(":")
+    if kind == "kernel" and programs.isdigit() and int(programs) >= 1:
+        return "kernel", int(programs)
+    raise ValueError(f"page-in path {path!r}: choose from streamed, serial, batch, kernel, kernel:P (P >= 1)")
 
 
 @dataclass(frozen=True)
@@ -81,7 +101,7 @@ class Cell:
     k: int | None
     routing: str  # "model" or a synthetic routing spec
     keep: str | None  # prefill residency policy (paged)
-    path: str  # "streamed" | "serial" | "batch" (paged)
+    path: str  # "streamed" | "serial" | "batch" | "kernel" | "kernel:P" (paged)
 
     @property
     def name(self) -> str:
@@ -146,13 +166,16 @@ def measure_link(device: str) -> dict[str, Any]:
 
 
 def build(cell: Cell, args: argparse.Namespace) -> MoeCausalLM:
+    programs: int | None = None
     if cell.mode == "resident":
         rt = RuntimeConfig(mode="resident", device=args.device, dtype=args.dtype)
     else:
-        page_in = "batch" if cell.path == "batch" else "auto"
+        page_in, programs = path_page_in(cell.path)
         rt = RuntimeConfig(mode="paged", resident_experts=cell.k, device=args.device, dtype=args.dtype,
                            prefill_residency=cell.keep or "recent", page_in=page_in)  # fmt: skip
     model = MoeCausalLM.synthetic(args.preset, rt, layers=args.layers, seed=args.seed)
+    if programs is not None:  # every layer shares the one engine (MoeShared.page_in)
+        model.moe_layers[0].shared.page_in.row_kernel = functools.partial(copy_planned, programs=programs)
     model.router_override = None if cell.routing == "model" else make_router(cell.routing, model.config, args.seed)
     return model
 
@@ -385,8 +408,11 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--nvml-sampler ab: {exc}")
     t_start = time.perf_counter()
     paths = [p for p in args.paths.split(",") if p]
-    if [p for p in paths if p not in PATHS]:
-        ap.error(f"--paths: choose from {PATHS}")
+    for path in paths:
+        try:
+            path_page_in(path)
+        except ValueError as exc:
+            ap.error(f"--paths: {exc}")
     record: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION, "benchmark": "prefill_h200",
         "command": ["python", "benchmarks/prefill_h200.py", *(sys.argv[1:] if argv is None else argv)],

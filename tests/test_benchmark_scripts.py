@@ -381,3 +381,28 @@ def test_the_copy_overlap_benchmark_refuses_a_missing_gpu_and_too_few_slots(tmp_
     done = run("--device", "cpu", "--slots", "10", "--top-k", "8")
     assert done.returncode == 2 and "too few for the compute's top_k 8" in done.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_the_prefill_benchmark_names_its_kernel_copy_paths_and_refuses_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """prefill_h200.py's page-in paths: `kernel` is page_in kernel with the full grid, `kernel:P` the same capped at P
+    programs; a cap below 1 or an unknown path is refused at the command line (exit 2), before any cell runs."""
+    spec = importlib.util.spec_from_file_location("prefill_h200", ROOT / "benchmarks" / "prefill_h200.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "prefill_h200", module)  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    assert module.path_page_in("streamed") == ("auto", None) and module.path_page_in("serial") == ("auto", None)
+    assert module.path_page_in("batch") == ("batch", None) and module.path_page_in("kernel") == ("kernel", None)
+    assert module.path_page_in("kernel:16") == ("kernel", 16)
+    for bad in ("kernel:0", "kernel:", "kernel:x", "dma"):
+        with pytest.raises(ValueError, match="choose from"):
+            module.path_page_in(bad)
+    out = tmp_path / "p.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "prefill_h200.py"), "--out", str(out), "--device", "cpu",
+         "--preset", "tiny", "--layers", "2", "--ks", "6", "--paths", "streamed,kernel:0"],
+        capture_output=True, text=True, check=False, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert done.returncode == 2 and "--paths: page-in path 'kernel:0'" in done.stderr and not out.exists()
