@@ -204,6 +204,44 @@ def test_arc_counts_a_steps_uses_together_whatever_their_order() -> None:
     assert a.victim([7], 4) == 7  # when only this step's experts are left, the lowest id
 
 
+def test_arc_hears_of_the_planners_own_evictions_and_tracks_residents_only() -> None:
+    """A prefill evicts routed experts by its keep rank, not by the policy's victim: ARC hears of each (`on_evict`),
+    so once a step has ended its T1 and T2 hold residents only and c is at most K (before, the three left in T1:
+    c = 5 against K = 3, and a miss of one of them read as a hit of T1, not as a ghost's return)."""
+    arc = ArcPolicy()
+    layer = LayerResidency(6, 3, arc, "recent")
+    layer.plan_step([0, 1, 2, 3, 4, 5] * 3)  # 6 experts through 3 slots: three leave by the keep rank
+    layer.plan_step([0])
+    arc._advance(2)  # step 1 ends: its use counts
+    tracked = set(arc._t1) | set(arc._t2)
+    assert tracked == set(layer.slot_of) == {0, 4, 5}
+    assert not (set(arc._b1) | set(arc._b2)) & tracked  # a ghost is never a resident
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(2, 16).flatmap(
+        lambda e: st.tuples(
+            st.just(e), st.integers(1, e),
+            st.lists(st.lists(st.integers(0, e - 1), max_size=3 * e), min_size=1, max_size=20),
+            st.sampled_from(["recent", "frequent", "lru"]), st.integers(0, 3),
+        )
+    )
+)  # fmt: skip
+def test_arc_tracks_residents_only_through_any_run_of_steps(run: tuple[int, int, list[list[int]], str, int]) -> None:
+    """Through any steps, staged or not, any keep: after each step T1 and T2 hold residents only, and every victim
+    is one of its candidates (LayerResidency's own checks)."""
+    num_experts, k, steps, keep, rows = run
+    arc = ArcPolicy()
+    layer = LayerResidency(num_experts, k, arc, keep)
+    for step, routed in enumerate(steps):
+        staged = layer.stage_candidates(rows, max(len(routed), 1) * 10_000)
+        layer.plan_step(routed, staged=staged)
+        arc._advance(step + 1)  # the step ends: its uses count
+        tracked = set(arc._t1) | set(arc._t2)
+        assert tracked <= set(layer.slot_of) and not (set(arc._b1) | set(arc._b2)) & tracked
+
+
 def _trace(ids: list[list[int]], num_experts: int, top_k: int):
     arr = np.array(ids, dtype=np.int64).reshape(-1, 1, top_k)
     meta = TraceMeta(num_layers=1, num_experts=num_experts, top_k=top_k, source="model")

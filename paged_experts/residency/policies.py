@@ -70,6 +70,11 @@ class EvictionPolicy(Protocol):
 
     def victim(self, candidates: Collection[int], step: int) -> int: ...
 
+    def on_evict(self, expert: int, step: int) -> None:
+        """The planner evicted `expert` by a choice of its own, not `victim`'s: a routed expert by the step's keep
+        rank, or a staged one left out of the slots. Only a policy that keeps a list of the residents (ARC) needs
+        to hear of it; the others keep what they know of every expert, resident or not."""
+
 
 class LruPolicy:
     """Least recently used; never-used experts (the initial 0..K-1) go first, lowest id first."""
@@ -82,6 +87,9 @@ class LruPolicy:
 
     def victim(self, candidates: Collection[int], step: int) -> int:
         return min(candidates, key=lambda e: (self._last_use.get(e, -1), e))
+
+    def on_evict(self, expert: int, step: int) -> None:
+        pass  # it keeps what it knows of every expert, resident or not
 
 
 class LfuPolicy:
@@ -97,6 +105,9 @@ class LfuPolicy:
 
     def victim(self, candidates: Collection[int], step: int) -> int:
         return min(candidates, key=lambda e: (self._uses.get(e, 0), self._last_use.get(e, -1), e))
+
+    def on_evict(self, expert: int, step: int) -> None:
+        pass  # it keeps what it knows of every expert, resident or not
 
 
 class DecayedLfuPolicy:
@@ -138,6 +149,9 @@ class DecayedLfuPolicy:
 
     def victim(self, candidates: Collection[int], step: int) -> int:
         return min(candidates, key=lambda e: (self.score(e, step), self._stamp.get(e, -1), e))
+
+    def on_evict(self, expert: int, step: int) -> None:
+        pass  # it keeps what it knows of every expert, resident or not
 
 
 class AgingLfuPolicy:
@@ -204,6 +218,9 @@ class AgingLfuPolicy:
             )
         return min(candidates, key=lambda e: (self.uses(e, step), self._last_use.get(e, -1), e))
 
+    def on_evict(self, expert: int, step: int) -> None:
+        pass  # it keeps what it knows of every expert, resident or not
+
 
 class ArcPolicy:
     """Adaptive replacement (Megiddo and Modha, FAST 2003) over a layer's slots: a simulator candidate.
@@ -219,9 +236,11 @@ class ArcPolicy:
 
     Adapted to steps: an expert counts once per step (a step routes a set, several waves may use it), and a step's
     uses take effect when it ends, lowest id first, so the order of its waves changes no later choice; an expert
-    used in the current step is the most recent of all, the last to leave. The cache
-    size c is the number of residents the policy has seen used (the K slots, once the initial 0..K-1 have all
-    been used or evicted); never-used residents go first, lowest id first, as LRU's. Each list is kept in use
+    used in the current step is the most recent of all, the last to leave; p moves by a step's returning ghosts
+    at its end, capped at c then (the original's tie rule for a B2 miss at |T1| = p is not kept). The planner
+    tells it of the residents it evicts by its own choice (`on_evict`), so T1 and T2 hold residents only and the
+    cache size c is the number of residents the policy has seen used (the K slots, once the initial 0..K-1 have
+    all been used or evicted); never-used residents go first, lowest id first, as LRU's. Each list is kept in use
     order (dicts keep insertion order; a use moves the expert to the end). The victim is chosen among the
     candidates the planner gives (residents not pinned by the step): T1's least recent candidate when T1 is
     above p or T2 has none, else T2's; the ghost lists keep at most c - |T1| (B1) and 2c in all.
@@ -233,6 +252,7 @@ class ArcPolicy:
         self._b1: dict[int, None] = {}  # evicted from T1, oldest eviction first
         self._b2: dict[int, None] = {}  # evicted from T2, oldest eviction first
         self._pending: set[int] = set()  # used in the current step: applied when it ends, lowest id first
+        self._left: set[int] = set()  # used in the current step, then evicted by the planner (`on_evict`)
         self._step: int | None = None
         self.target_t1 = 0.0  # p: T1's target size
 
@@ -240,17 +260,34 @@ class ArcPolicy:
         return len(self._t1) + len(self._t2)
 
     def _advance(self, step: int) -> None:
-        """A later step: the last one's uses take effect, lowest id first. Uses count per step, not per call, so the
-        order of a step's waves changes nothing (a prefill's protected residents may be served in any wave)."""
-        if step != self._step:
-            for expert in sorted(self._pending):
-                self._apply(expert)
-            self._pending.clear()
-            self._step = step
+        """A later step: the last one's uses take effect, lowest id first, then the experts the planner evicted after
+        using them leave for the ghost lists, then p is capped at c and the ghosts trimmed, once, against the whole
+        cache. Uses count per step, not per call, so the order of a step's waves changes nothing (a prefill's
+        protected residents may be served in any wave)."""
+        if step == self._step:
+            return
+        for expert in sorted(self._pending):
+            self._apply(expert)
+        for expert in sorted(self._left):
+            self._demote(expert)
+        self._pending.clear()
+        self._left.clear()
+        self.target_t1 = min(self.target_t1, float(self._cache_size()))
+        self._trim_ghosts()
+        self._step = step
 
     def on_use(self, expert: int, step: int) -> None:
         self._advance(step)
         self._pending.add(expert)  # once per step (a step may have several waves)
+
+    def on_evict(self, expert: int, step: int) -> None:
+        """A resident the planner evicted (see EvictionPolicy): to its ghost list, as a victim goes (if the step used
+        it, once that use has counted), so T1 and T2 hold residents only and c stays the cache's size."""
+        self._advance(step)
+        if expert in self._pending:
+            self._left.add(expert)
+        else:
+            self._demote(expert)
 
     def _apply(self, expert: int) -> None:
         """One step's use of `expert`: T1 -> T2, a ghost's return moves p, a first use enters T1."""
@@ -259,17 +296,24 @@ class ArcPolicy:
         elif expert in self._t2:
             del self._t2[expert]
         elif expert in self._b1:  # evicted from T1 too soon: recency deserves more room
-            self.target_t1 = min(self.target_t1 + max(len(self._b2) / len(self._b1), 1.0), self._cache_size() + 1)
+            self.target_t1 += max(len(self._b2) / len(self._b1), 1.0)  # capped at c when the step ends
             del self._b1[expert]
         elif expert in self._b2:  # evicted from T2 too soon: frequency deserves more room
             self.target_t1 = max(self.target_t1 - max(len(self._b1) / len(self._b2), 1.0), 0.0)
             del self._b2[expert]
         else:
             self._t1[expert] = None  # first use since it came in (or ever)
-            self._trim_ghosts()
             return
         self._t2[expert] = None  # a second use, or a miss its ghost remembered
-        self._trim_ghosts()
+
+    def _demote(self, expert: int) -> None:
+        """A resident leaves its slot: from T1 to ghost list B1, from T2 to B2 (untracked: nothing to remember)."""
+        if expert in self._t1:
+            del self._t1[expert]
+            self._b1[expert] = None
+        elif expert in self._t2:
+            del self._t2[expert]
+            self._b2[expert] = None
 
     def victim(self, candidates: Collection[int], step: int) -> int:
         self._advance(step)
@@ -290,13 +334,8 @@ class ArcPolicy:
             else:
                 assert oldest_t2 is not None  # a non-empty settled set that is tracked is in T1 or T2
                 victim = oldest_t2
-        if victim in self._t1:
-            del self._t1[victim]
-            self._b1[victim] = None
-        else:
-            del self._t2[victim]
-            self._b2[victim] = None
-        return victim  # the ghosts are trimmed when the expert that takes its slot is used (the size is whole then)
+        self._demote(victim)
+        return victim  # the ghosts are trimmed when the step ends (the cache is whole then)
 
     def _trim_ghosts(self) -> None:
         c = self._cache_size()
@@ -338,6 +377,9 @@ class BeladyPolicy:
     def victim(self, candidates: Collection[int], step: int) -> int:
         return max(candidates, key=lambda e: (self._next_use(e, step), -e))
 
+    def on_evict(self, expert: int, step: int) -> None:
+        pass  # it keeps what it knows of every expert, resident or not
+
 
 class RandomPolicy:
     """Random eviction (a baseline the published locality study reports); seeded, reproducible."""
@@ -350,6 +392,9 @@ class RandomPolicy:
 
     def victim(self, candidates: Collection[int], step: int) -> int:
         return self._rng.choice(sorted(candidates))
+
+    def on_evict(self, expert: int, step: int) -> None:
+        pass  # it keeps what it knows of every expert, resident or not
 
 
 WaveTable = Literal["slots", "staging"]  # the table a wave reads: the layer's K slots, or the shared staging rows
@@ -511,6 +556,9 @@ class LayerResidency:
         else:
             waves = self._plan_waves(distinct, rank)
         promotions = self._promote(staging[0], staging + waves, rank) if staging and rank is not None else ()
+        for expert in staged:  # served from a staging row and not promoted: it never held a slot
+            if expert not in self.slot_of:
+                self.policy.on_evict(expert, self.step)
         self.step += 1
         return StepPlan(waves=staging + waves, union=union, promotions=promotions)
 
@@ -531,6 +579,7 @@ class LayerResidency:
                 victim = self.policy.victim(unrouted, self.step)
             elif outside:
                 victim = min(outside, key=rank.__getitem__)
+                self.policy.on_evict(victim, self.step)
             else:
                 break
             slot = self.slot_of.pop(victim)
@@ -616,6 +665,7 @@ class LayerResidency:
                     cold.remove(victim)
                 elif warm:  # every candidate was routed in this step and is served already: the lowest rank leaves
                     victim = warm.pop()
+                    self.policy.on_evict(victim, self.step)
                 else:
                     raise AssertionError(f"no slot to evict for expert {e}: {self.num_slots} slots all pinned")
                 slot = self.slot_of.pop(victim)
