@@ -41,8 +41,10 @@ compute) and `serial` (the same plan with the page-in stream taken away, so copi
 compute stream behind each wave: the comparison that shows what the overlap buys), `batch` (streamed,
 with each group of page-ins as one cuMemcpyBatchAsync: `page_in: batch`, against streamed's DMAs), and `kernel`
 (`page_in: kernel`: each group of page-ins as one launch of the Triton copy kernel, every SM's program) or
-`kernel:P` (the same copy from P programs looping over its chunks, the rest of the SMs left to the waves: the grid
-`copy_programs` caps for the decode's copies; the server has no option for it in the prefill).
+`kernel:P` (the copy from P programs looping over its chunks, the rest of the SMs left to the waves: the grid
+`copy_programs` caps for the decode's copies; the server has no option for it in the prefill). A capped copy is one
+launch per tensor (six for an FP8 row), where `kernel` copies every tensor in one launch: `kernel` against `kernel:P`
+differs in the launches too, not in the grid alone. Both need CUDA.
 
     python benchmarks/prefill_h200.py --out prefill.json            # ~6 min on one H200
     python benchmarks/prefill_h200.py --out p.json --preset tiny --layers 4 --device cpu --ks 8   # CPU smoke
@@ -54,6 +56,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -90,7 +93,7 @@ def path_page_in(path: str) -> tuple[PageIn, int | None]:
     if path == "kernel":
         return "kernel", None
     kind, _, programs = path.partition(":")
-    if kind == "kernel" and programs.isdigit() and int(programs) >= 1:
+    if kind == "kernel" and re.fullmatch(r"[1-9][0-9]*", programs):
         return "kernel", int(programs)
     raise ValueError(f"page-in path {path!r}: choose from streamed, serial, batch, kernel, kernel:P (P >= 1)")
 
@@ -410,9 +413,11 @@ def main(argv: list[str] | None = None) -> int:
     paths = [p for p in args.paths.split(",") if p]
     for path in paths:
         try:
-            path_page_in(path)
+            page_in, _ = path_page_in(path)
         except ValueError as exc:
             ap.error(f"--paths: {exc}")
+        if page_in == "kernel" and args.device != "cuda":
+            ap.error(f"--paths {path}: the kernel copy needs --device cuda")
     record: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION, "benchmark": "prefill_h200",
         "command": ["python", "benchmarks/prefill_h200.py", *(sys.argv[1:] if argv is None else argv)],

@@ -113,8 +113,8 @@ def main() -> None:
             p90 = values[int(0.9 * (len(values) - 1))]
             print(
                 f"{name:<8} {part:<11} {statistics.median(values):7.3f} {p90:7.3f}   "
-                f"{statistics.median(best['waves']):5.1f}  {statistics.median(best['misses']):6.1f}  "
-                f"{statistics.median(best['runs']):4.1f}"
+                f"{statistics.median(best['waves'][WARMUP:]):5.1f}  {statistics.median(best['misses'][WARMUP:]):6.1f}  "
+                f"{statistics.median(best['runs'][WARMUP:]):4.1f}"
             )
 
 

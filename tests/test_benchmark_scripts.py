@@ -396,7 +396,7 @@ def test_the_prefill_benchmark_names_its_kernel_copy_paths_and_refuses_others(
     assert module.path_page_in("streamed") == ("auto", None) and module.path_page_in("serial") == ("auto", None)
     assert module.path_page_in("batch") == ("batch", None) and module.path_page_in("kernel") == ("kernel", None)
     assert module.path_page_in("kernel:16") == ("kernel", 16)
-    for bad in ("kernel:0", "kernel:", "kernel:x", "dma"):
+    for bad in ("kernel:0", "kernel:", "kernel:x", "kernel:\u00b2", "kernel:08", "dma"):
         with pytest.raises(ValueError, match="choose from"):
             module.path_page_in(bad)
     out = tmp_path / "p.json"
@@ -406,3 +406,9 @@ def test_the_prefill_benchmark_names_its_kernel_copy_paths_and_refuses_others(
         capture_output=True, text=True, check=False, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
     assert done.returncode == 2 and "--paths: page-in path 'kernel:0'" in done.stderr and not out.exists()
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "prefill_h200.py"), "--out", str(out), "--device", "cpu",
+         "--preset", "tiny", "--layers", "2", "--ks", "6", "--paths", "streamed,kernel:8"],
+        capture_output=True, text=True, check=False, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert done.returncode == 2 and "the kernel copy needs --device cuda" in done.stderr and not out.exists()
