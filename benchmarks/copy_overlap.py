@@ -410,6 +410,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("copy_overlap.py: no CUDA device (--device cpu runs the plumbing only)", file=sys.stderr)
         return 2
+    ms = [int(v) for v in args.m.split(",")]
+    if args.experts - args.slots < max(ms):
+        print(f"copy_overlap.py: --m {max(ms)} needs {max(ms)} experts outside the --slots {args.slots} "
+              f"(--experts {args.experts})", file=sys.stderr)  # fmt: skip
+        return 2
     if args.slots < args.top_k * 2:
         print(
             f"copy_overlap.py: --slots {args.slots} leaves too few for the compute's top_k {args.top_k}",

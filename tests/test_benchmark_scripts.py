@@ -380,6 +380,8 @@ def test_the_copy_overlap_benchmark_refuses_a_missing_gpu_and_too_few_slots(tmp_
         assert done.returncode == 2 and "no CUDA device" in done.stderr
     done = run("--device", "cpu", "--slots", "10", "--top-k", "8")
     assert done.returncode == 2 and "too few for the compute's top_k 8" in done.stderr
+    done = run("--device", "cpu", "--experts", "20", "--slots", "16", "--m", "5")
+    assert done.returncode == 2 and "needs 5 experts outside the --slots 16" in done.stderr
     assert not (tmp_path / "x.json").exists()
 
 
