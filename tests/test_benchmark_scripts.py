@@ -402,15 +402,16 @@ def test_the_prefill_benchmark_names_its_kernel_copy_paths_and_refuses_others(
         with pytest.raises(ValueError, match="choose from"):
             module.path_page_in(bad)
     out = tmp_path / "p.json"
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "prefill_h200.py"), "--out", str(out), "--device", "cpu",
-         "--preset", "tiny", "--layers", "2", "--ks", "6", "--paths", "streamed,kernel:0"],
-        capture_output=True, text=True, check=False, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
-    assert done.returncode == 2 and "--paths: page-in path 'kernel:0'" in done.stderr and not out.exists()
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "prefill_h200.py"), "--out", str(out), "--device", "cpu",
-         "--preset", "tiny", "--layers", "2", "--ks", "6", "--paths", "streamed,kernel:8"],
-        capture_output=True, text=True, check=False, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
-    assert done.returncode == 2 and "the kernel copy needs --device cuda" in done.stderr and not out.exists()
+
+    def refused(paths: str) -> str:
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / "prefill_h200.py"), "--out", str(out), "--device", "cpu",
+             "--preset", "tiny", "--layers", "2", "--ks", "6", "--paths", paths],
+            capture_output=True, text=True, check=False, timeout=120, cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )  # fmt: skip
+        assert done.returncode == 2 and not out.exists(), done.stderr
+        return done.stderr
+
+    assert "--paths: page-in path 'kernel:0'" in refused("streamed,kernel:0")
+    assert "the kernel copy needs --device cuda" in refused("streamed,kernel:8")
