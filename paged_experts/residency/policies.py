@@ -76,7 +76,15 @@ class EvictionPolicy(Protocol):
         to hear of it; the others keep what they know of every expert, resident or not."""
 
 
-class LruPolicy:
+class KeepsEveryExpert:
+    """The policies that keep what they know of every expert, resident or not: an eviction the planner chose
+    itself changes nothing they know (`EvictionPolicy.on_evict`; only ARC keeps a list of the residents)."""
+
+    def on_evict(self, expert: int, step: int) -> None:
+        pass
+
+
+class LruPolicy(KeepsEveryExpert):
     """Least recently used; never-used experts (the initial 0..K-1) go first, lowest id first."""
 
     def __init__(self) -> None:
@@ -88,11 +96,8 @@ class LruPolicy:
     def victim(self, candidates: Collection[int], step: int) -> int:
         return min(candidates, key=lambda e: (self._last_use.get(e, -1), e))
 
-    def on_evict(self, expert: int, step: int) -> None:
-        pass  # it keeps what it knows of every expert, resident or not
 
-
-class LfuPolicy:
+class LfuPolicy(KeepsEveryExpert):
     """Least frequently used (counts every step an expert was used); ties go to the least recent."""
 
     def __init__(self) -> None:
@@ -106,11 +111,8 @@ class LfuPolicy:
     def victim(self, candidates: Collection[int], step: int) -> int:
         return min(candidates, key=lambda e: (self._uses.get(e, 0), self._last_use.get(e, -1), e))
 
-    def on_evict(self, expert: int, step: int) -> None:
-        pass  # it keeps what it knows of every expert, resident or not
 
-
-class DecayedLfuPolicy:
+class DecayedLfuPolicy(KeepsEveryExpert):
     """LFU with aging: evict the expert of least decayed use count, ties to the least recent.
 
     Why: expert popularity is skewed per layer (some experts are routed several times more often than
@@ -150,11 +152,8 @@ class DecayedLfuPolicy:
     def victim(self, candidates: Collection[int], step: int) -> int:
         return min(candidates, key=lambda e: (self.score(e, step), self._stamp.get(e, -1), e))
 
-    def on_evict(self, expert: int, step: int) -> None:
-        pass  # it keeps what it knows of every expert, resident or not
 
-
-class AgingLfuPolicy:
+class AgingLfuPolicy(KeepsEveryExpert):
     """LFU with aging by halving: evict the expert of least use count, ties to the least recent, then the
     lowest id; every expert's count halves (an integer shift) each time the planned steps cross a multiple of
     `period_steps`.
@@ -217,9 +216,6 @@ class AgingLfuPolicy:
                 key=lambda e: (self._last_use.get(e, -1) >= max(since, 0), self.uses(e, step), self.last_use(e), e),
             )
         return min(candidates, key=lambda e: (self.uses(e, step), self._last_use.get(e, -1), e))
-
-    def on_evict(self, expert: int, step: int) -> None:
-        pass  # it keeps what it knows of every expert, resident or not
 
 
 class ArcPolicy:
@@ -346,7 +342,7 @@ class ArcPolicy:
             del ghosts[next(iter(ghosts))]
 
 
-class BeladyPolicy:
+class BeladyPolicy(KeepsEveryExpert):
     """Optimal offline eviction: evict the expert whose next use is farthest in the future.
 
     Needs the whole sequence of per-step expert sets for this layer up front, so it exists only
@@ -377,11 +373,8 @@ class BeladyPolicy:
     def victim(self, candidates: Collection[int], step: int) -> int:
         return max(candidates, key=lambda e: (self._next_use(e, step), -e))
 
-    def on_evict(self, expert: int, step: int) -> None:
-        pass  # it keeps what it knows of every expert, resident or not
 
-
-class RandomPolicy:
+class RandomPolicy(KeepsEveryExpert):
     """Random eviction (a baseline the published locality study reports); seeded, reproducible."""
 
     def __init__(self, seed: int = 0) -> None:
@@ -392,9 +385,6 @@ class RandomPolicy:
 
     def victim(self, candidates: Collection[int], step: int) -> int:
         return self._rng.choice(sorted(candidates))
-
-    def on_evict(self, expert: int, step: int) -> None:
-        pass  # it keeps what it knows of every expert, resident or not
 
 
 WaveTable = Literal["slots", "staging"]  # the table a wave reads: the layer's K slots, or the shared staging rows
