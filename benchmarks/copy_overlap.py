@@ -15,7 +15,10 @@ Copies (each moves m FP8 experts, the six tensors of a row, into slots the compu
 - `kernel`: `copy_planned` with the full grid, one launch (the decode graph's copy today);
 - `kernel:P`: `copy_planned` with P programs (`copy_programs` P), a launch per tensor;
 - `wide:P`: P programs of a 64 KiB block and 8 warps each, 4x the bytes in flight per program (a candidate, not
-  in the runtime).
+  in the runtime);
+- `proxy`: the DMA proxy (`overlap_copies: dma`, residency/dma_proxy.py): the graph rings a host thread, which
+  issues the rows as DMAs on the copy engine, and waits on the device for their landing; its copy_ms is the whole
+  round trip (the ring's record over PCIe, the thread's poll and issue, the DMAs, the done word back).
 Compute: `moe_triton.moe_pairs`, the decode expert pass (gate/up, then down and combine) of B tokens x top_k pairs
 over resident slots, R times back to back (R set so that the compute alone lasts about as long as the DMA
 copy alone). The compute and the kernel copies are captured in CUDA graphs and replayed, as the decode step runs
@@ -55,6 +58,7 @@ import torch.nn.functional as F
 
 from paged_experts import fp8
 from paged_experts.kernels import copy_kernel, moe_triton
+from paged_experts.residency import dma_proxy
 from paged_experts.residency.store import ExpertTensors, PageInEngine
 
 WIDE_BLOCK_BYTES = 65536  # `wide:P`: 4x copy_kernel.BLOCK_BYTES a program iteration
@@ -102,6 +106,12 @@ def copy_fn(mech: str, setup: Setup, pairs: list[tuple[int, int]]) -> Callable[[
     slot_ids = torch.tensor([s for _, s in pairs], dtype=torch.long, device=device)  # [m]
     if mech == "kernel":
         return lambda: copy_kernel.copy_planned(setup.host, setup.slots, experts, slot_ids)
+    if mech == "proxy":
+        if device.type != "cuda":  # no copy engine: the CPU fallback, as `wide` has
+            return lambda: copy_kernel.copy_planned(setup.host, setup.slots, experts, slot_ids)
+        proxy = dma_proxy.for_device(device, dma_proxy.MAX_PAIRS)
+        table, mask = proxy.table(setup.host, setup.slots), dma_proxy.DmaProxy.mask(setup.host, None)
+        return lambda: proxy.wait(proxy.ring(table, experts, slot_ids, mask))
     kind, programs = mech.split(":")
     if kind == "kernel":
         return lambda: copy_kernel.copy_planned(setup.host, setup.slots, experts, slot_ids, programs=int(programs))
@@ -109,7 +119,7 @@ def copy_fn(mech: str, setup: Setup, pairs: list[tuple[int, int]]) -> Callable[[
         if not copy_kernel.graph_safe(device):
             return lambda: copy_kernel.copy_planned(setup.host, setup.slots, experts, slot_ids)  # the CPU fallback
         return lambda: _wide_copy(setup, experts, slot_ids, int(programs))
-    raise ValueError(f"unknown copy {mech!r}: dma, kernel, kernel:P or wide:P")
+    raise ValueError(f"unknown copy {mech!r}: dma, kernel, kernel:P, wide:P or proxy")
 
 
 def _wide_copy(setup: Setup, experts: torch.Tensor, slot_ids: torch.Tensor, programs: int) -> None:
@@ -274,6 +284,7 @@ def measure(args: argparse.Namespace, device: torch.device, write: Callable[[dic
         raise SystemExit(f"--m {max(ms)} needs at least {2 * max(ms)} --slots (copies and compute use separate slots)")
     mechs = ["dma", "kernel", *(f"kernel:{p}" for p in args.programs.split(",") if p)]
     mechs += [f"wide:{p}" for p in args.wide.split(",") if p]
+    mechs += ["proxy"] if args.proxy else []
     rng = random.Random(args.seed)
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -391,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--m", default="4,16", help="experts a copy moves")
     ap.add_argument("--programs", default="8,16,32,64", help="`kernel:P` arms (copy_programs)")
     ap.add_argument("--wide", default="8,16,32", help="`wide:P` arms (64 KiB a program iteration)")
+    ap.add_argument("--proxy", action=argparse.BooleanOptionalAction, default=True, help="the `proxy` arm (DMA proxy)")
     ap.add_argument("--tokens", type=int, default=4, help="decode batch of the compute (B)")
     ap.add_argument("--passes", type=int, default=0, help="expert passes the compute runs (0: as long as the DMA)")
     ap.add_argument("--experts", type=int, default=128)

@@ -57,6 +57,11 @@ class RuntimeConfig:
     # With overlap_page_in: the groups a step's misses are dealt into (miss i in group i mod G), each
     # copied, then computed, on its own. 1: the hits, then all the misses.
     overlap_groups: int = 1
+    # With overlap_page_in: what runs the misses' copies. 'kernel': the Triton copy kernel on the page-in stream
+    # (SM reads of pinned rows: ~34 GB/s on an H100 at any grid, copy_overlap.py); 'dma': the copy engine, at
+    # the link's rate, issued by a host thread the step rings from inside the graph (residency/dma_proxy.py;
+    # CUDA, a C compiler to build the thread once). Off ('kernel') until measured (configs/h200/dmaproxy.yaml).
+    overlap_copies: Literal["kernel", "dma"] = "kernel"
     # Device-planned page-ins: the copy kernel's grid cap (kernels/copy_kernel.py). None: one program per
     # 16 KiB chunk, which fills every SM; N: N programs loop over the chunks, leaving the other SMs to the
     # kernels an overlapped pass runs beside the copy. Unset until measured on the H200.
@@ -137,6 +142,14 @@ class RuntimeConfig:
             raise ValueError(f"overlap_groups must be in [1, 64], got {self.overlap_groups}")
         if self.overlap_groups != 1 and not self.overlap_page_in:
             raise ValueError("overlap_groups applies with overlap_page_in only")
+        if self.overlap_copies not in ("kernel", "dma"):
+            raise ValueError(f"overlap_copies must be 'kernel' or 'dma', got {self.overlap_copies!r}")
+        if self.overlap_copies == "dma" and not self.overlap_page_in:
+            raise ValueError("overlap_copies='dma' applies with overlap_page_in only")
+        if self.overlap_copies == "dma" and self.device != "cuda":
+            raise ValueError("overlap_copies='dma' needs device='cuda' (the copy engine)")
+        if self.overlap_copies == "dma" and self.copy_programs is not None:
+            raise ValueError("copy_programs caps the copy kernel, which overlap_copies='dma' does not run")
         if self.copy_programs is not None and not 1 <= self.copy_programs <= 65535:
             raise ValueError(f"copy_programs must be in [1, 65535], got {self.copy_programs}")
         if self.copy_programs is not None and not self.plans_on_device:

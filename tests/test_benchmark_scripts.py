@@ -310,7 +310,7 @@ def test_a_benchmark_builds_one_host_store(
 
 
 def test_the_copy_overlap_benchmark_runs_its_arms_on_the_cpu_and_checks_every_copy(tmp_path: Path) -> None:
-    """benchmarks/copy_overlap.py on the CPU: every copy arm (DMA stand-in, full grid, capped, wide) moves the m
+    """benchmarks/copy_overlap.py on the CPU: every copy arm (DMA stand-in, full grid, capped, wide, proxy) moves the m
     experts' rows (the script checks each slot's bytes, else it exits non-zero), one row per arm and m with both
     issue orders, and the record says no overlap was measured."""
     # fmt: off
@@ -324,7 +324,7 @@ def test_the_copy_overlap_benchmark_runs_its_arms_on_the_cpu_and_checks_every_co
     row_bytes = record["expert_shape"]["row_bytes"]
     assert row_bytes == 3 * 256 * 128 + 3 * 4 * 2 * 1  # gate, up, down FP8 bytes and their [2, 1] / [1, 2] scales
     got = [(r["copy"], r["m"]) for r in record["rows"]]
-    assert got == [(c, m) for m in (2, 3) for c in ("dma", "kernel", "kernel:4", "wide:4")]
+    assert got == [(c, m) for m in (2, 3) for c in ("dma", "kernel", "kernel:4", "wide:4", "proxy")]
     for r in record["rows"]:
         assert "error" not in r, r
         assert r["bytes"] == r["m"] * row_bytes and r["copy_ms"] > 0 and r["compute_ms"] > 0 and r["issue_ms"] > 0
@@ -360,8 +360,8 @@ def test_the_copy_overlap_benchmark_keeps_every_row_when_an_arm_copies_wrong(
     assert status == 1
     assert bench.main(["--show", str(out)]) == 0  # the stored record's table, failed row included
     rows = json.loads(out.read_text())["rows"]
-    assert [r["copy"] for r in rows] == ["dma", "kernel", "kernel:4"]
-    assert "error" not in rows[0] and "error" not in rows[2]
+    assert [r["copy"] for r in rows] == ["dma", "kernel", "kernel:4", "proxy"]
+    assert "error" not in rows[0] and "error" not in rows[2] and "error" not in rows[3]
     assert rows[1]["error"].startswith("AssertionError:") and "does not hold expert" in rows[1]["error"]
 
 

@@ -61,6 +61,12 @@ def test_each_fast_path_option_turns_off(tmp_path: Path) -> None:
     assert (resolved["overlap_page_in"], resolved["overlap_groups"]) == (True, 4)
     ns = build_parser().parse_args(argv[3:])
     assert (ns.overlap_page_in, ns.overlap_groups) == (True, 4)
+    assert "--overlap-copies" not in argv  # unset: the command as before
+    argv, resolved = plan_argv(
+        tmp_path, "device: cuda, mode: paged, resident_experts: 16, overlap_page_in: true, overlap_copies: dma"
+    )
+    assert flag(argv, "--overlap-copies") == "dma" and resolved["overlap_copies"] == "dma"
+    assert build_parser().parse_args(argv[3:]).overlap_copies == "dma"
     assert "--copy-programs" not in argv  # unset: the command as before
     argv, resolved = plan_argv(tmp_path, "device: cuda, mode: paged, resident_experts: 16, copy_programs: 16")
     assert flag(argv, "--copy-programs") == "16" and resolved["copy_programs"] == 16
@@ -140,6 +146,8 @@ def test_prefill_residency_is_written_for_paged_servers_only(tmp_path: Path) -> 
          "engines.e.options.overlap_groups: 2 applies with overlap_page_in only"),
         ("device: cuda, mode: paged, resident_experts: 8, overlap_page_in: true, overlap_groups: 0",
          "engines.e.options.overlap_groups: overlap_groups must be in [1, 64]"),
+        ("device: cuda, mode: paged, resident_experts: 8, overlap_copies: dma",
+         "engines.e.options.overlap_copies: 'dma' applies with overlap_page_in only"),
         ("device: cuda, mode: resident, copy_programs: 16",
          "engines.e.options.copy_programs: 16 needs mode paged and device cuda"),
         ("device: cuda, mode: paged, resident_experts: 8, fused_page_in: true, kernel_backend: grouped",

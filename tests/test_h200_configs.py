@@ -121,6 +121,31 @@ def test_the_overlap_matrix_issue_29_asks_for(stand_ins: None, capsys: pytest.Ca
     assert load_matrix(path).matrix.linkbw
 
 
+def test_the_dmaproxy_matrix_measures_the_copy_engine_against_the_copy_kernel(
+    stand_ins: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """configs/h200/dmaproxy.yaml: paged FP8 at K=54 on both routings, today's default against the overlapped pass
+    with its misses on the copy engine (the DMA proxy) in 1 and 2 groups, beside resident FP8 on each routing; the
+    server command names the copies; decode at c=1 and c=4 with warm-ups at each."""
+    path = CONFIGS / "dmaproxy.yaml"
+    assert main(["run", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    plan = build_plan(load_matrix(path))
+    paged = [s for s in plan.servers if s.options.mode == "paged"]
+    settings = sorted((s.options.routing, s.options.overlap_copies or "", s.options.overlap_groups or 0) for s in paged)
+    assert settings == [(routing, copies, groups) for routing in ("model", "qwen3-30b-a3b")
+                        for copies, groups in (("", 0), ("dma", 1), ("dma", 2))]  # fmt: skip
+    assert all(bool(s.options.overlap_page_in) == (s.options.overlap_copies == "dma") for s in paged)
+    assert {s.options.resident_experts for s in paged} == {54}
+    resident = sorted(s.options.routing for s in plan.servers if s.options.mode == "resident")
+    assert resident == ["model", "qwen3-30b-a3b"] and len(plan.servers) == 8
+    assert out.count("--overlap-page-in --overlap-groups 2 --overlap-copies dma") == 2
+    m = load_matrix(path).matrix
+    assert m.linkbw and m.repeats >= 2
+    decode = m.workloads["decode"]
+    assert decode.concurrency == [1, 4] and decode.warmup_requests >= 4 and decode.output_tokens >= 128
+
+
 def test_the_copy_matrix_measures_the_capped_copy_grid(stand_ins: None, capsys: pytest.CaptureFixture[str]) -> None:
     """configs/h200/copy.yaml: paged FP8 at K=40 on both routings with the full copy grid, the grid capped
     at 16 and 32 programs, and capped with overlap, beside resident FP8; the commands say what is in force."""

@@ -94,6 +94,7 @@ def make_layer(
             ),
             overlap=runtime.overlap_page_in,
             overlap_groups=runtime.overlap_groups,
+            overlap_copies=runtime.overlap_copies,
             copy_programs=runtime.copy_programs,
             fused_page_in=runtime.fused_page_in,
         )

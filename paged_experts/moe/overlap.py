@@ -36,6 +36,7 @@ from paged_experts.kernels import moe_triton
 from paged_experts.kernels.copy_kernel import copy_planned
 from paged_experts.kernels.fused import combine_pairs, group_pairs, run_pairs
 from paged_experts.residency.device import DevicePlan
+from paged_experts.residency.dma_proxy import DmaProxy
 from paged_experts.residency.store import ExpertTensors
 
 GATE_UP_TENSORS = ("gate", "up", "gate_scale", "up_scale")
@@ -100,6 +101,26 @@ class StreamCopies:
     def wait(self, started: object) -> None:
         assert isinstance(started, torch.cuda.Event)
         self.compute_stream.wait_event(started)
+
+
+class ProxyCopies:
+    """Copies the copy engine runs (RuntimeConfig.overlap_copies='dma'): the step rings the DMA proxy's host
+    thread from the compute stream, after everything issued before it, and waits on the device for the
+    copy engine's word that the rows landed (residency/dma_proxy.py). No second stream in the graph."""
+
+    def __init__(self, proxy: DmaProxy) -> None:
+        self.proxy = proxy
+
+    def start(
+        self, host: ExpertTensors, slots: ExpertTensors, experts: torch.Tensor, slot_ids: torch.Tensor,
+        names: tuple[str, ...] | None,
+    ) -> object:  # fmt: skip
+        self.proxy.check()  # an eager step's earlier failure, said before it rings again (two pinned words)
+        return self.proxy.ring(self.proxy.table(host, slots), experts, slot_ids, DmaProxy.mask(host, names))
+
+    def wait(self, started: object) -> None:
+        assert isinstance(started, int)
+        self.proxy.wait(started)
 
 
 def miss_groups(plan: DevicePlan, num_slots: int, groups: int) -> torch.Tensor:

@@ -18,9 +18,10 @@ import torch
 from paged_experts.kernels import moe_triton
 from paged_experts.kernels.fused import experts_over_rows, uses_triton
 from paged_experts.moe.layer import BeforeCompute, ExpertsFn, MoeLayer, MoeShared, StepContext, page_in_stream
-from paged_experts.moe.overlap import InlineCopies, StreamCopies, overlapped_pass
+from paged_experts.moe.overlap import InlineCopies, MissCopies, ProxyCopies, StreamCopies, overlapped_pass
 from paged_experts.moe.planning import DeviceLru, HostWaves
 from paged_experts.moe.streaming import LayerCopies
+from paged_experts.residency import dma_proxy
 from paged_experts.residency.device import DeviceResidency, pull_many
 from paged_experts.residency.policies import LayerResidency
 from paged_experts.residency.store import ExpertTensors
@@ -168,7 +169,13 @@ class PagedLayer(MoeLayer):
             plan = lru.plan(flat)
             stream = page_in_stream(sh.device)
             programs = lru.copy_programs
-            copies = InlineCopies(programs) if stream is None else StreamCopies(stream, sh.device, programs)
+            copies: MissCopies
+            if lru.overlap_copies == "dma":  # the copy engine, rung from inside the graph
+                copies = ProxyCopies(dma_proxy.for_device(sh.device, dma_proxy.MAX_PAIRS))
+            elif stream is None:
+                copies = InlineCopies(programs)
+            else:
+                copies = StreamCopies(stream, sh.device, programs)
             triton = uses_triton(flat.shape[0], sh.device, sh.kernel_backend)  # what a plain step would run
             out = overlapped_pass(h, weights, self.host, slots, plan, sh.top_k, lru.overlap_groups, copies, triton)
             return out, plan.stats
@@ -217,6 +224,9 @@ class PagedLayer(MoeLayer):
     def after_replay(self) -> None:
         if self.device_lru is not None:
             self.device_lru.host_stale = True
+            # a failed proxy or a wait that gave up: said at the next step (once a step, two pinned words)
+            if self.device_lru.overlap_copies == "dma" and self is self.shared.steps.paged[0]:
+                dma_proxy.for_device(self.shared.device, dma_proxy.MAX_PAIRS).check()
 
     def reload_slots(self) -> None:
         """Copies into every slot the host row its device map names, so maps and slots agree again

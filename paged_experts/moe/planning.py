@@ -133,11 +133,13 @@ class DeviceLru:
         overlap_groups: int = 1,
         copy_programs: int | None = None,
         fused_page_in: bool = False,
+        overlap_copies: str = "kernel",
     ) -> None:
         self.residency = residency
         self.overlap = overlap  # RuntimeConfig.overlap_page_in: moe/overlap.py
         self.fused_page_in = fused_page_in  # RuntimeConfig.fused_page_in: PagedLayer.decode_pass
         self.overlap_groups = overlap_groups  # RuntimeConfig.overlap_groups
+        self.overlap_copies = overlap_copies  # RuntimeConfig.overlap_copies: 'kernel' or 'dma' (the DMA proxy)
         self.copy_programs = copy_programs  # RuntimeConfig.copy_programs: the copy kernel's grid cap
         self.one_launch = True  # every tensor of the rows in one copy launch (a benchmark sets False to compare)
         self.pending: PendingPrefetch | None = None  # set by `prefetch`, taken by `page_in`

@@ -45,6 +45,7 @@ def runtime_config(serve: ServeOptions, model: MoeModelConfig) -> RuntimeConfig:
         prefetch_next_layer=serve.prefetch_next_layer,
         overlap_page_in=serve.overlap_page_in,
         overlap_groups=serve.overlap_groups,
+        overlap_copies=serve.overlap_copies,  # type: ignore[arg-type]  # a str the parser checked against its choices
         copy_programs=serve.copy_programs,
         fused_page_in=serve.fused_page_in,
         page_in=serve.page_in,  # type: ignore[arg-type]  # a str the parser checked against PAGE_IN_CHOICES

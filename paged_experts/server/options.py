@@ -137,6 +137,14 @@ class ServeOptions:
         "with --overlap-page-in: the groups a step's misses are dealt into (miss i in group i mod N), each "
         "copied, then computed, on its own (1..64; 1: the hits, then all the misses)",
     )
+    overlap_copies: str = _opt(
+        "kernel",
+        "--overlap-copies",
+        "with --overlap-page-in: what copies the misses; kernel: the Triton copy kernel on a second stream; dma: "
+        "the copy engine, issued by a host thread the captured step rings (needs a C compiler once; "
+        "paged_experts/residency/dma_proxy.py)",
+        choices=("kernel", "dma"),
+    )
     copy_programs: int | None = _opt(  # None: the copy kernel's full grid
         None,
         "--copy-programs",
@@ -379,6 +387,17 @@ def problems(values: Mapping[str, Any], say: Namer = FLAGS) -> Iterator[Problem]
         yield Problem(
             "overlap_groups",
             f"{say.value('overlap_groups', groups)} applies with {say.option('overlap_page_in')} only",
+        )
+    copies = get("overlap_copies")
+    if copies == "dma" and not get("overlap_page_in"):
+        yield Problem(
+            "overlap_copies",
+            f"{say.value('overlap_copies', copies)} applies with {say.option('overlap_page_in')} only",
+        )
+    elif copies == "dma" and get("copy_programs") is not None:
+        yield Problem(
+            "overlap_copies",
+            f"{say.value('overlap_copies', copies)} runs no copy kernel for {say.option('copy_programs')} to cap",
         )
     if get("fused_page_in"):
         value = say.value("fused_page_in", True)

@@ -59,7 +59,7 @@ _SERVER_NAME = {matrix: server for server, matrix in _MATRIX_NAME.items()}
 # the server options whose rules (options.problems) a matrix can break
 _RULED: tuple[str, ...] = ("cuda_graph_max_bs", "enable_torch_compile", "kernel_backend", "prefetch_next_layer")
 _RULED += ("overlap_page_in", "overlap_groups", "copy_programs", "fused_page_in", "prefill_residency")
-_RULED += ("eviction_policy", "page_in", "prefill_staging_rows")
+_RULED += ("eviction_policy", "page_in", "prefill_staging_rows", "overlap_copies")
 _LEADING_FLAGS: tuple[str, ...] = ("model_path", "host", "port", "mode", "device", "max_running_requests")
 _LEADING_FLAGS += ("max_total_tokens", "resident_experts", "offload_layers", "n_cpu_moe", "dtype")
 # A recording server writes its trace when it stops (the H200 headline's 40 requests, 2,048-token prompts among
@@ -111,6 +111,9 @@ class BuiltinOptions(EngineOptions):
     # Both left out of the dumped options when unset, so the server ids of matrices without them stay.
     overlap_page_in: bool | None = Field(None, exclude_if=lambda v: v is None)
     overlap_groups: int | None = Field(None, exclude_if=lambda v: v is None)
+    # With overlap_page_in: what copies the misses (RuntimeConfig.overlap_copies: kernel, or dma = the copy
+    # engine rung from the graph); unset like the two above
+    overlap_copies: Literal["kernel", "dma"] | None = Field(None, exclude_if=lambda v: v is None)
     # Paged, CUDA: the page-in copy kernel's grid cap (RuntimeConfig.copy_programs); unset like the two above
     copy_programs: int | None = Field(None, exclude_if=lambda v: v is None)
     # Paged, CUDA, one-token steps: the expert kernels page the misses in (RuntimeConfig.fused_page_in);
@@ -192,6 +195,7 @@ class BuiltinOptions(EngineOptions):
             "prefetch_next_layer": self.prefetch_next_layer,
             "overlap_page_in": bool(self.overlap_page_in),
             "overlap_groups": self.overlap_groups or 1,
+            "overlap_copies": self.overlap_copies or "kernel",
             "copy_programs": self.copy_programs,
             "fused_page_in": bool(self.fused_page_in),
             "page_in": self.resolved_page_in(),
@@ -303,6 +307,7 @@ class BuiltinAdapter(EngineAdapter):
             prefetch_next_layer=perf["prefetch_next_layer"],
             overlap_page_in=perf["overlap_page_in"],
             overlap_groups=perf["overlap_groups"],
+            overlap_copies=perf["overlap_copies"],
             copy_programs=perf["copy_programs"],
             fused_page_in=perf["fused_page_in"],
             page_in=opts.page_in or "auto",
@@ -314,7 +319,8 @@ class BuiltinAdapter(EngineAdapter):
             served_model_name=opts.model,  # what the runner's requests name (404 for another name)
         )
         seed = ("routing_seed",) if serve.routing_source is not None else ()  # the seed of a synthetic source
-        overlap = ("overlap_page_in", "overlap_groups") if serve.overlap_page_in else ()  # written when on
+        overlap: tuple[str, ...] = ("overlap_page_in", "overlap_groups") if serve.overlap_page_in else ()  # when on
+        overlap += ("overlap_copies",) if opts.overlap_copies is not None else ()  # written when set
         capped = ("copy_programs",) if serve.copy_programs is not None else ()  # written when set
         fused = ("fused_page_in",) if serve.fused_page_in else ()  # written when on
         copies: tuple[str, ...] = ("page_in",) if opts.page_in is not None else ()  # written when set

@@ -1,0 +1,84 @@
+"""The GPU's side of the DMA proxy (residency/dma_proxy.py): two one-program Triton kernels a captured decode
+step launches in stream order, with no host sync.
+
+- `ring`: takes the next ticket (an atomic on a device counter), writes a record (table, entries, tensor mask,
+  the planned experts and their slots) into the ring in pinned host memory, notes the ticket under its call
+  site's entry (device), and publishes the ticket last: a release at system scope after a barrier, so the host
+  thread that reads the ticket reads the whole record.
+- `wait`: spins (volatile loads) until the proxy's copy of that ticket into `done` has landed, which the copy
+  engine writes after every row of the record (one stream, in order). A wait that passes `limit` polls gives
+  up and writes its ticket into the pinned error word (the host's `DmaProxy.check` raises; the step's output
+  is not to be trusted), so a dead proxy can never hang the GPU.
+
+Record layout (int64 words): [0] ticket, [1] table, [2] entries, [3] tensor mask, [4, 4 + P) experts,
+[4 + P, 4 + 2P) slots, P = max_pairs (dma_proxy.c reads the same).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton ships with CUDA builds of torch; the CPU wheel has none
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the torch build
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _ring(
+        counter, ring, tick, experts, slots, entry, table, mask, n, R: tl.constexpr, W: tl.constexpr,
+        P: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip  # pragma: no cover
+        t = tl.atomic_add(counter, 1) + 1  # tickets start at 1; `done` starts at 0
+        rec = ring + (t % R) * W
+        offs = tl.arange(0, BLOCK)
+        live = offs < n
+        tl.store(rec + 4 + offs, tl.load(experts + offs, mask=live), mask=live)
+        tl.store(rec + 4 + P + offs, tl.load(slots + offs, mask=live), mask=live)
+        tl.store(rec + 1, table.to(tl.int64))
+        tl.store(rec + 2, n.to(tl.int64))
+        tl.store(rec + 3, mask.to(tl.int64))
+        tl.store(tick + entry, t)
+        tl.debug_barrier()  # every thread's stores before the one release below
+        tl.atomic_xchg(rec, t, sem="release", scope="sys")
+
+    @triton.jit
+    def _wait(done, tick, entry, err, limit, R: tl.constexpr):  # pragma: no cover
+        t = tl.load(tick + entry, volatile=True)
+        seen = tl.load(done + t % R, volatile=True)
+        polls = 0
+        while (seen != t) & (polls < limit):
+            seen = tl.load(done + t % R, volatile=True)
+            polls += 1
+        if seen != t:
+            tl.store(err, t)
+
+
+def available() -> bool:
+    """True where the kernels can launch (Triton imported)."""
+    return triton is not None
+
+
+def ring(
+    counter: torch.Tensor, ring_words: torch.Tensor, tick: torch.Tensor, experts: torch.Tensor, slot_ids: torch.Tensor,
+    entry: int, table: int, mask: int, ring_slots: int, record_words: int, max_pairs: int,
+) -> None:  # fmt: skip
+    """Launches `_ring` for planned rows experts [n] -> slot_ids [n] (int64, n <= max_pairs, padded entries
+    name an expert >= the table's rows)."""
+    n = experts.shape[0]
+    if n > max_pairs or slot_ids.shape[0] != n:
+        raise ValueError(
+            f"a ring record holds at most {max_pairs} entries, got {n} experts and {slot_ids.shape[0]} slots"
+        )
+    block = max(16, triton.next_power_of_2(max(n, 1)))
+    _ring[(1,)](
+        counter, ring_words, tick, experts, slot_ids, entry, table, mask, n,
+        R=ring_slots, W=record_words, P=max_pairs, BLOCK=block, num_warps=1,
+    )  # fmt: skip
+
+
+def wait(done: torch.Tensor, tick: torch.Tensor, entry: int, err: torch.Tensor, limit: int, ring_slots: int) -> None:
+    """Launches `_wait` for the ticket call site `entry` last rang."""
+    _wait[(1,)](done, tick, entry, err, limit, R=ring_slots, num_warps=1)

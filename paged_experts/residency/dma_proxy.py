@@ -1,0 +1,266 @@
+"""The DMA proxy: a decode step's page-ins, planned on the GPU inside the captured graph, copied by the copy
+engine at the link's rate (RuntimeConfig.overlap_copies = 'dma').
+
+Why: an SM-driven copy of pinned host rows stops at ~34 GB/s on an H100 whatever its grid, where the DMA
+engines reach 48-50 GB/s and hide ~0.9 of themselves beside the expert pass (copy_overlap.py,
+benchmarks/results/h200/2026-12-06-h100-staging16). A captured step cannot issue a DMA whose rows it decides
+on the device, so a host thread does, on the device's word:
+
+  GPU, in stream order           host thread (native/dma_proxy.c)          copy engine
+  plan -> `ring` kernel  ---->   polls the ring in pinned memory,    ---->  rows -> slots, then
+  hits compute                   cuMemcpyHtoDAsync per (expert, tensor)     the ticket -> done
+  `wait` kernel spins on done    on its own non-blocking stream
+  misses compute
+
+The step's stream never waits for the host: it waits for `done`, which the copy engine writes after the rows.
+The hits read no slot being written (a victim slot is never a routed expert's: moe/overlap.py), and the next
+use of a slot is after the wait in stream order. The host thread is C (no GIL: a Python thread would wait for
+the interpreter up to its switch interval, 5 ms, while the server's thread runs); it is built from the
+package's source with the system's C compiler the first time (`library_path`, cached by the source's hash).
+
+`backend='host'` runs the same thread with memcpy for the copies and host memory for `done` (tests on a
+machine without a GPU; the ring kernels then run in Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from paged_experts import fp8
+from paged_experts.kernels import dma_ring
+from paged_experts.residency.store import ExpertTensors
+
+MAX_PAIRS = 512  # entries a record holds: a one-wave step's padded plan (tokens x top_k) stays below it
+RING_SLOTS = 64  # records in flight at most: an overlapped layer rings G + 1 <= 5 before its waits
+ENTRIES = 256  # call sites a ticket is noted under (a site's wait follows its ring within one layer)
+WAIT_LIMIT = 20_000_000  # polls (each an L2 read, ~0.5 us): ~10 s before a wait gives up
+IDLE_NS = 5_000_000  # after 5 ms without a record the thread polls every 50 us instead of spinning
+ST_STATE, ST_TICKETS, ST_COPIES, ST_BYTES, ST_ERROR, ST_ERROR_AT, ST_WORDS = 0, 1, 2, 3, 4, 5, 8
+ERRORS = {
+    -2: "a record named a table the proxy does not have",
+    -3: "a record held more entries than the ring's",
+    -4: "a record named a negative slot",
+    -5: "cuCtxSetCurrent failed in the proxy's thread",
+    -6: "the ring lapped the proxy (records were overwritten before it served them)",
+    -7: "libcuda.so.1 could not be opened",
+    -8: "libcuda.so.1 lacks a driver function the proxy calls",
+    -9: "out of memory or threads",
+}
+
+
+class DmaProxyError(RuntimeError):
+    """The proxy cannot start, or failed while serving."""
+
+
+def _source() -> bytes:
+    return resources.files("paged_experts").joinpath("native/dma_proxy.c").read_bytes()
+
+
+def library_path(cache_dir: Path | None = None) -> Path:
+    """The proxy's shared library, compiled from the package's C source on first use (cc, or $CC) into
+    `cache_dir` ($PAGED_EXPERTS_CACHE, else ~/.cache/paged_experts), named by the source's hash."""
+    source = _source()
+    root = cache_dir or Path(os.environ.get("PAGED_EXPERTS_CACHE", Path.home() / ".cache" / "paged_experts"))
+    lib = root / f"dma_proxy-{hashlib.sha256(source).hexdigest()[:16]}.so"
+    if lib.exists():
+        return lib
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise DmaProxyError("overlap_copies='dma' needs a C compiler to build its host thread (cc, or set CC)")
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        src, out = Path(tmp) / "dma_proxy.c", Path(tmp) / "lib.so"
+        src.write_bytes(source)
+        try:
+            done = subprocess.run(
+                [cc, "-O2", "-shared", "-fPIC", "-pthread", str(src), "-o", str(out), "-ldl"],
+                capture_output=True,
+                text=True,
+            )
+        except OSError as e:
+            raise DmaProxyError(f"building the DMA proxy with {cc} failed: {e.strerror}") from e
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise DmaProxyError(f"building the DMA proxy with {cc} failed: {last}")
+        os.replace(out, lib)  # atomic: a process beside this one sees no half-written library
+    return lib
+
+
+def _load(cache_dir: Path | None) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(library_path(cache_dir)))
+    i64, u64, ptr = ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
+    lib.px_start.argtypes = [ctypes.POINTER(ptr), ptr, i64, i64, i64, ptr, ptr, u64, ctypes.c_int, ctypes.c_int, i64]
+    lib.px_start.restype = ctypes.c_int
+    lib.px_add_table.argtypes = [ptr, i64, i64, ctypes.POINTER(u64), ctypes.POINTER(u64), ctypes.POINTER(u64)]
+    lib.px_add_table.restype = i64
+    lib.px_stop.argtypes = [ptr]
+    lib.px_stop.restype = None
+    return lib
+
+
+class DmaProxy:
+    """One proxy thread and its ring for a device (`for_device`); `ring` / `wait` launch the GPU's side."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        max_pairs: int,
+        backend: Literal["cuda", "host"] = "cuda",
+        ring_slots: int = RING_SLOTS,
+        cache_dir: Path | None = None,
+        wait_limit: int = WAIT_LIMIT,
+    ) -> None:
+        if backend == "cuda" and device.type != "cuda":
+            raise DmaProxyError(f"overlap_copies='dma' needs a CUDA device, got {device}")
+        if not dma_ring.available():
+            raise DmaProxyError("overlap_copies='dma' needs Triton (the ring and wait kernels)")
+        self.device, self.backend = device, backend
+        self.max_pairs, self.ring_slots, self.wait_limit = max_pairs, ring_slots, wait_limit
+        self.record_words = 4 + 2 * max_pairs
+        ring_len = ring_slots * self.record_words
+        # pinned host words the GPU writes (ring, error) and the thread writes (echo, status)
+        shared = torch.zeros(ring_len + ring_slots + ST_WORDS + 1, dtype=torch.int64, pin_memory=backend == "cuda")
+        self._shared = shared
+        self._words = shared.numpy()  # `check` reads two words without torch's overhead
+        self.ring_words = shared[:ring_len]  # [R * W]
+        self.echo = shared[ring_len : ring_len + ring_slots]  # [R]
+        self.status = shared[ring_len + ring_slots : ring_len + ring_slots + ST_WORDS]  # [ST_WORDS]
+        self.err = shared[-1:]  # [1]: a wait that gave up writes its ticket here
+        self.counter = torch.zeros(1, dtype=torch.int64, device=device)  # tickets taken
+        self.tick = torch.zeros(ENTRIES, dtype=torch.int64, device=device)  # each call site's last ticket
+        self.done = torch.zeros(ring_slots, dtype=torch.int64, device=device)  # the ticket each ring slot served
+        self._tables: dict[tuple[int, ...], int] = {}
+        self._next_entry = 0
+        self._lock = threading.Lock()
+        self._lib = _load(cache_dir)
+        handle = ctypes.c_void_p()
+        rc = self._lib.px_start(
+            ctypes.byref(handle), self.ring_words.data_ptr(), ring_slots, self.record_words, max_pairs,
+            self.echo.data_ptr(), self.status.data_ptr(), self.done.data_ptr(), 0 if backend == "cuda" else 1,
+            _ordinal(device), IDLE_NS,
+        )  # fmt: skip
+        if rc != 0:
+            raise DmaProxyError(f"the DMA proxy did not start: {ERRORS.get(rc, f'CUDA driver error {rc}')}")
+        self._handle: ctypes.c_void_p | None = handle
+
+    # ---- tables: where a layer's host rows and slots are ------------------------------------------------
+
+    def table(self, host: ExpertTensors, slots: ExpertTensors) -> int:
+        """The id of (host rows -> slots) for every tensor of the row, registered on first use (before any
+        record names it: registration happens while the step is traced or captured, not replayed)."""
+        names = host.names()
+        srcs = [fp8.raw(host.get(n)) for n in names]
+        dsts = [fp8.raw(slots.get(n)) for n in names]
+        # addresses and sizes: a freed model's tensors may come back at the same addresses with other shapes
+        key = (host.num_rows, *(v for t in (*srcs, *dsts) for v in (t.data_ptr(), t[0].numel() * t.element_size())))
+        with self._lock:
+            if key in self._tables:
+                return self._tables[key]
+            for name, s, d in zip(names, srcs, dsts):
+                if not (s.is_contiguous() and d.is_contiguous()):
+                    raise DmaProxyError(f"the DMA proxy copies contiguous rows; tensor {name!r} is not")
+                if s[0].numel() * s.element_size() != d[0].numel() * d.element_size():
+                    raise DmaProxyError(f"tensor {name!r}: a host row and a slot differ in size")
+                if self.backend == "cuda" and not s.is_pinned():
+                    raise DmaProxyError(f"tensor {name!r}: the DMA proxy copies from pinned host rows")
+            n = len(names)
+            arr = ctypes.c_uint64 * n
+            row_bytes = arr(*(s[0].numel() * s.element_size() for s in srcs))
+            assert self._handle is not None
+            tid = self._lib.px_add_table(
+                self._handle, n, host.num_rows, arr(*(s.data_ptr() for s in srcs)),
+                arr(*(d.data_ptr() for d in dsts)), row_bytes,
+            )  # fmt: skip
+            if tid < 0:
+                raise DmaProxyError("the DMA proxy's table of layers is full")
+            self._tables[key] = int(tid)
+            return int(tid)
+
+    @staticmethod
+    def mask(host: ExpertTensors, names: tuple[str, ...] | None) -> int:
+        """The tensor mask of `names` among the row's tensors (None: all)."""
+        return sum(1 << i for i, n in enumerate(host.names()) if names is None or n in names)
+
+    # ---- the GPU's side ---------------------------------------------------------------------------------
+
+    def ring(self, table: int, experts: torch.Tensor, slot_ids: torch.Tensor, mask: int) -> int:
+        """Rings the proxy for rows experts [n] -> slot_ids [n] (int64 on the device, padded with experts
+        >= the table's rows) in stream order; returns the call site's entry for `wait`."""
+        with self._lock:
+            entry = self._next_entry
+            self._next_entry = (entry + 1) % ENTRIES
+        dma_ring.ring(
+            self.counter, self.ring_words, self.tick, experts.contiguous(), slot_ids.contiguous(), entry, table, mask,
+            self.ring_slots, self.record_words, self.max_pairs,
+        )  # fmt: skip
+        return entry
+
+    def wait(self, entry: int) -> None:
+        """Work issued after this on the current stream sees the rows `entry`'s record named."""
+        dma_ring.wait(self.done, self.tick, entry, self.err, self.wait_limit, self.ring_slots)
+
+    # ---- the host's side --------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        """The thread's counters: tickets served, copies issued, bytes."""
+        s = self.status.tolist()
+        return {"tickets": s[ST_TICKETS], "copies": s[ST_COPIES], "bytes": s[ST_BYTES]}
+
+    def check(self) -> None:
+        """Raises if the thread failed or a wait gave up (reads pinned memory: no device sync)."""
+        base = self.ring_slots * self.record_words + self.ring_slots
+        if self._words[base + ST_STATE] != -1 and self._words[-1] == 0:
+            return
+        s = self.status.tolist()
+        if s[ST_STATE] == -1:
+            code = s[ST_ERROR]
+            raise DmaProxyError(
+                f"the DMA proxy failed at ticket {s[ST_ERROR_AT]}: {ERRORS.get(code, f'CUDA driver error {code}')}"
+            )
+        gave_up = int(self.err.item())
+        if gave_up:
+            raise DmaProxyError(
+                f"a decode step gave up waiting for its page-ins (ticket {gave_up}; the proxy served up to "
+                f"{s[ST_TICKETS]}): its output is not to be trusted"
+            )
+
+    def close(self) -> None:
+        """Stops the thread after the records it has seen (idempotent)."""
+        if self._handle is not None:
+            self._lib.px_stop(self._handle)
+            self._handle = None
+
+    def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _ordinal(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+_PROXIES: dict[torch.device, DmaProxy] = {}
+
+
+def for_device(device: torch.device, max_pairs: int) -> DmaProxy:
+    """The process's proxy for a CUDA device, started on first use with room for `max_pairs` entries a
+    record (a larger request later starts nothing new: it is refused by `ring`)."""
+    proxy = _PROXIES.get(device)
+    if proxy is None:
+        proxy = _PROXIES[device] = DmaProxy(device, max_pairs)
+    return proxy

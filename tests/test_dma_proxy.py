@@ -1,0 +1,234 @@
+"""The DMA proxy (residency/dma_proxy.py, native/dma_proxy.c) on a machine without a GPU: its host thread
+with the `host` backend (memcpy for the copies, host memory for `done`):
+- records written as the ring kernel writes them (ticket last) are served in ticket order: exactly the
+  planned rows of the masked tensors land in their slots, padding entries copy nothing, `done` gets each
+  ticket, over several laps of the ring and several tables;
+- a record naming an unknown table stops the thread with a one-line reason `check` raises;
+- the ring and wait kernels, in Triton's interpreter (a child process), drive the same thread end to end
+  through `DmaProxy.ring` / `wait`, and a wait with no proxy behind it gives up and is reported;
+- the library builds from the package's source, and a missing compiler is a one-line error."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from interpreted import run_interpreted
+
+from paged_experts.residency import dma_proxy
+from paged_experts.residency.dma_proxy import DmaProxy, DmaProxyError
+from paged_experts.residency.store import ExpertTensors
+
+E, K, H, INTER = 9, 4, 8, 6
+
+
+def _filled(n: int, seed: int, is_fp8: bool = False) -> ExpertTensors:
+    t = ExpertTensors.empty(n, H, INTER, torch.float32, torch.device("cpu"), is_fp8=is_fp8)
+    g = torch.Generator().manual_seed(seed)
+    for name in t.names():
+        raw = t.get(name).view(torch.uint8)
+        raw.copy_(torch.randint(1, 250, raw.shape, generator=g, dtype=torch.uint8))
+    return t
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Byte equality (random bytes make NaNs, which no value comparison finds equal)."""
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _write_record(proxy: DmaProxy, ticket: int, table: int, experts: list[int], slots: list[int], mask: int) -> None:
+    """What the ring kernel writes, ticket last."""
+    w, p = proxy.record_words, proxy.max_pairs
+    rec = proxy.ring_words[(ticket % proxy.ring_slots) * w : (ticket % proxy.ring_slots + 1) * w]
+    rec[1], rec[2], rec[3] = table, len(experts), mask
+    rec[4 : 4 + len(experts)] = torch.tensor(experts)
+    rec[4 + p : 4 + p + len(slots)] = torch.tensor(slots)
+    rec[0] = ticket
+
+
+def _served(proxy: DmaProxy, ticket: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while proxy.stats()["tickets"] < ticket:
+        proxy.check()
+        assert time.monotonic() < deadline, f"ticket {ticket} not served: {proxy.stats()}"
+        time.sleep(0.001)
+
+
+@pytest.fixture
+def proxy(tmp_path):
+    p = DmaProxy(torch.device("cpu"), max_pairs=6, backend="host", ring_slots=4, cache_dir=tmp_path)
+    yield p
+    p.close()
+
+
+@pytest.mark.parametrize("is_fp8", [False, True])
+def test_records_copy_exactly_the_planned_rows_of_the_masked_tensors(proxy, is_fp8):
+    host, slots = _filled(E, 1, is_fp8), _filled(K + 1, 2, is_fp8)
+    before = {n: slots.get(n).clone() for n in slots.names()}
+    table = proxy.table(host, slots)
+    assert proxy.table(host, slots) == table  # registered once
+    names = ("gate", "up", "gate_scale", "up_scale") if is_fp8 else ("gate", "up")
+    mask = DmaProxy.mask(host, names)
+    _write_record(proxy, 1, table, [7, E, 2, E], [0, K, 3, K], mask)  # two planned, two padding
+    _served(proxy, 1)
+    for name in slots.names():
+        want = before[name].clone()
+        if name in names:
+            want[0], want[3] = host.get(name)[7], host.get(name)[2]
+        assert _same(slots.get(name), want), name
+    assert int(proxy.done[1]) == 1
+    stats = proxy.stats()
+    assert stats["copies"] == 2 * len(names)
+    assert stats["bytes"] == sum(2 * host.get(n)[0].numel() * host.get(n).element_size() for n in names)
+
+
+def test_tickets_are_served_in_order_over_laps_of_the_ring_and_tables(proxy):
+    layers = [(_filled(E, 10 + i), _filled(K + 1, 20 + i)) for i in range(3)]
+    tables = [proxy.table(h, s) for h, s in layers]
+    assert len(set(tables)) == 3
+    want = [s.gate.clone() for _, s in layers]
+    for ticket in range(1, 4 * proxy.ring_slots + 2):  # several laps, one record in flight at a time
+        layer = ticket % 3
+        host, _ = layers[layer]
+        expert, slot = ticket % E, ticket % K
+        _write_record(proxy, ticket, tables[layer], [expert], [slot], DmaProxy.mask(host, None))
+        _served(proxy, ticket)
+        want[layer][slot] = host.gate[expert]
+        assert int(proxy.done[ticket % proxy.ring_slots]) == ticket
+    for (_, s), w in zip(layers, want):
+        assert _same(s.gate, w)
+
+
+def test_an_unknown_table_stops_the_thread_with_its_reason(proxy):
+    _write_record(proxy, 1, 5, [1], [0], 1)
+    deadline = time.monotonic() + 10
+    with pytest.raises(DmaProxyError, match="at ticket 1: a record named a table the proxy does not have"):
+        while time.monotonic() < deadline:
+            proxy.check()
+            time.sleep(0.001)
+    proxy.close()
+    proxy.close()  # idempotent
+
+
+def test_a_row_that_differs_in_size_is_refused(proxy):
+    host, slots = _filled(E, 1), ExpertTensors.empty(K + 1, H, INTER + 2, torch.float32, torch.device("cpu"))
+    with pytest.raises(DmaProxyError, match="differ in size"):
+        proxy.table(host, slots)
+
+
+def test_a_missing_compiler_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with pytest.raises(DmaProxyError, match="building the DMA proxy with /nonexistent/cc failed") as err:
+        dma_proxy.library_path(tmp_path / "other")
+    assert "\n" not in str(err.value)
+
+
+def test_a_cuda_backend_needs_a_cuda_device(tmp_path):
+    with pytest.raises(DmaProxyError, match="needs a CUDA device"):
+        DmaProxy(torch.device("cpu"), max_pairs=4, backend="cuda", cache_dir=tmp_path)
+
+
+# ---- the kernels, in Triton's interpreter --------------------------------------------------------------
+
+
+def check_ring_and_wait() -> None:
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        proxy = DmaProxy(torch.device("cpu"), max_pairs=8, backend="host", ring_slots=4, cache_dir=Path(tmp))
+        try:
+            host, slots = _filled(E, 3, True), _filled(K + 1, 4, True)
+            before = {n: slots.get(n).clone() for n in slots.names()}
+            table = proxy.table(host, slots)
+            plans = [
+                ([5, 1, E, E, E, E, E, E], [2, 0, K, K, K, K, K, K]),
+                ([8, E, 3, E, E, E, E, E], [1, K, 3, K, K, K, K, K]),
+            ]
+            up_mask = DmaProxy.mask(host, ("gate", "up", "gate_scale", "up_scale"))
+            down_mask = DmaProxy.mask(host, ("down", "down_scale"))
+            for _lap in range(3):  # 6 records through a ring of 4
+                for experts, slot_ids in plans:
+                    entry_up = proxy.ring(table, torch.tensor(experts), torch.tensor(slot_ids), up_mask)
+                    entry_down = proxy.ring(table, torch.tensor(experts), torch.tensor(slot_ids), down_mask)
+                    proxy.wait(entry_up)
+                    proxy.wait(entry_down)
+                    proxy.check()
+            want = {n: before[n].clone() for n in slots.names()}
+            for experts, slot_ids in plans:
+                for e, s in zip(experts, slot_ids):
+                    if e < E:
+                        for n in slots.names():
+                            want[n][s] = host.get(n)[e]
+            for n in slots.names():
+                assert _same(slots.get(n), want[n]), n
+            assert proxy.stats()["tickets"] == 12 and int(proxy.counter) == 12
+        finally:
+            proxy.close()
+        # a wait with no thread behind it gives up after its limit and says so
+        cpu = torch.device("cpu")
+        dead = DmaProxy(cpu, max_pairs=2, backend="host", ring_slots=4, cache_dir=Path(tmp), wait_limit=50)
+        host, slots = _filled(E, 5), _filled(K + 1, 6)
+        table = dead.table(host, slots)
+        dead.close()
+        entry = dead.ring(table, torch.tensor([1, E]), torch.tensor([0, K]), 1)
+        dead.wait(entry)
+        try:
+            dead.check()
+        except DmaProxyError as e:
+            assert "gave up waiting for its page-ins (ticket 1" in str(e), e
+        else:
+            raise AssertionError("a wait that gave up was not reported")
+    print("ok")
+
+
+def test_ring_and_wait_kernels_in_the_interpreter():
+    assert run_interpreted("test_dma_proxy", "check_ring_and_wait").strip().endswith("ok")
+
+
+def check_overlapped_pass_with_proxy_copies() -> None:
+    """moe/overlap.py's pass with `ProxyCopies` (the host backend's thread, the kernels interpreted): the
+    misses' rows land through the proxy in the poisoned slots, and the output equals the plain pass over the
+    landed slots and resident's over the host store, fp32 and FP8, 1 to 3 groups."""
+    import tempfile
+    from pathlib import Path
+
+    from test_overlap_page_in import clone, grouped_reference, poison, tables
+
+    from paged_experts.kernels.copy_kernel import copy_planned
+    from paged_experts.moe.overlap import ProxyCopies, overlapped_pass
+    from paged_experts.residency.device import DeviceResidency
+
+    e, k, top_k, h, inter = 16, 8, 4, 256, 128
+    with tempfile.TemporaryDirectory() as tmp:
+        proxy = DmaProxy(torch.device("cpu"), max_pairs=16, backend="host", ring_slots=8, cache_dir=Path(tmp))
+        try:
+            for quantized in (False, True):
+                for tokens, groups in ((1, 1), (2, 2), (2, 3)):
+                    gen = torch.Generator().manual_seed(7)
+                    residency = DeviceResidency(e, k, torch.device("cpu"))
+                    host, slots = tables(e, k, h, inter, quantized, seed=1)
+                    for _ in range(3):
+                        ids = torch.stack([torch.randperm(e, generator=gen)[:top_k] for _ in range(tokens)])
+                        x = torch.randn(tokens, h, generator=gen)  # [T, H]
+                        weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), -1)  # [T, k]
+                        plan = residency.plan(ids.reshape(-1))
+                        landed = clone(slots)
+                        copy_planned(host, landed, plan.miss_experts, plan.miss_slots)
+                        want = grouped_reference(x, plan.pair_slot, weights, landed, top_k)
+                        assert torch.equal(want, grouped_reference(x, ids.reshape(-1), weights, host, top_k))
+                        poison(slots, plan)
+                        got = overlapped_pass(x, weights, host, slots, plan, top_k, groups, ProxyCopies(proxy), False)
+                        proxy.check()
+                        assert not got.isnan().any(), (quantized, tokens, groups)
+                        assert torch.equal(got, want), (quantized, tokens, groups)
+                        slots = landed
+                    print("ok", quantized, tokens, groups)
+        finally:
+            proxy.close()
+
+
+def test_overlapped_pass_with_proxy_copies_in_the_interpreter():
+    out = run_interpreted("test_dma_proxy", "check_overlapped_pass_with_proxy_copies", timeout_s=900)
+    assert out.count("ok ") == 6, out
