@@ -232,3 +232,35 @@ def check_overlapped_pass_with_proxy_copies() -> None:
 def test_overlapped_pass_with_proxy_copies_in_the_interpreter():
     out = run_interpreted("test_dma_proxy", "check_overlapped_pass_with_proxy_copies", timeout_s=900)
     assert out.count("ok ") == 6, out
+
+
+def test_the_ring_and_wait_kernels_compile_for_the_h200() -> None:
+    """The real compiler (sm_90, no GPU needed): the ring publishes its ticket with a system-scope release after
+    its record's stores, the wait polls `done` with volatile loads in a loop, and neither kernel specializes on
+    its per-call integers."""
+    import os
+
+    triton = pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter compiles nothing")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from paged_experts.kernels import dma_ring
+
+    target = GPUTarget("cuda", 90, 32)
+    ring_fn = dma_ring._ring
+    ptrs = {"counter": "*i64", "ring": "*i64", "tick": "*i64", "experts": "*i64", "slots": "*i64"}
+    consts = {"R": 64, "W": 4 + 2 * 512, "P": 512, "BLOCK": 64}
+    sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in ring_fn.arg_names}
+    ptx = triton.compile(ASTSource(ring_fn, sig, consts), target=target, options={"num_warps": 1}).asm["ptx"]
+    assert "atom.global.gpu.acq_rel.add" in ptx  # the ticket
+    publish = ptx.index("atom.global.sys.release.exch")  # published at system scope ...
+    assert "bar.sync" in ptx[ptx.rindex("st.global", 0, publish) : publish]  # ... after every thread's stores
+    wait_fn = dma_ring._wait
+    wsig = {a: {"done": "*i64", "tick": "*i64", "err": "*i64"}.get(a, "constexpr" if a == "R" else "i32")
+            for a in wait_fn.arg_names}  # fmt: skip
+    wptx = triton.compile(ASTSource(wait_fn, wsig, {"R": 64}), target=target, options={"num_warps": 1}).asm["ptx"]
+    assert "ld.volatile.global" in wptx  # each poll reads memory, not a register
+    for fn, args in ((ring_fn, {"entry", "table", "mask", "n"}), (wait_fn, {"entry", "limit"})):
+        assert {fn.arg_names[i] if isinstance(i, int) else i for i in fn.do_not_specialize} == args

@@ -25,8 +25,10 @@ except ImportError:  # pragma: no cover - depends on the torch build
     triton = None
 
 if triton is not None:
+    # The integer arguments vary per call site and step (an entry, a table, a mask, a count): unspecialized, so
+    # a value of 1 never turns one into a constant and no value compiles a variant of its own during capture.
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["entry", "table", "mask", "n"])
     def _ring(
         counter, ring, tick, experts, slots, entry, table, mask, n, R: tl.constexpr, W: tl.constexpr,
         P: tl.constexpr, BLOCK: tl.constexpr,
@@ -37,14 +39,14 @@ if triton is not None:
         live = offs < n
         tl.store(rec + 4 + offs, tl.load(experts + offs, mask=live), mask=live)
         tl.store(rec + 4 + P + offs, tl.load(slots + offs, mask=live), mask=live)
-        tl.store(rec + 1, table.to(tl.int64))
-        tl.store(rec + 2, n.to(tl.int64))
-        tl.store(rec + 3, mask.to(tl.int64))
+        tl.store(rec + 1, table)  # stored as the ring's int64
+        tl.store(rec + 2, n)
+        tl.store(rec + 3, mask)
         tl.store(tick + entry, t)
         tl.debug_barrier()  # every thread's stores before the one release below
         tl.atomic_xchg(rec, t, sem="release", scope="sys")
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["entry", "limit"])
     def _wait(done, tick, entry, err, limit, R: tl.constexpr):  # pragma: no cover
         t = tl.load(tick + entry, volatile=True)
         seen = tl.load(done + t % R, volatile=True)
