@@ -36,6 +36,7 @@ from paged_experts.moe import (
     RoutingObserver,
     StepContext,
 )
+from paged_experts.residency import dma_proxy
 from paged_experts.residency.counters import PagingCounters, TalliedCounters
 from paged_experts.residency.policies import LayerResidency
 from paged_experts.runtime import RuntimeConfig
@@ -210,7 +211,15 @@ class MoeCausalLM:
     @torch.inference_mode()
     def forward(self, chunks: Sequence[SeqChunk]) -> list[torch.Tensor]:
         """Runs one step; returns fp32 CPU logits per chunk: [n, V] if all_logits else [1, V]."""
-        return self.run_step(chunks).cpu_rows()
+        rows = self.run_step(chunks).cpu_rows()
+        self.check_device()
+        return rows
+
+    def check_device(self) -> None:
+        """After a step's output reached the host: raises if the step's page-ins did not land (the DMA proxy
+        failed, or a wait on it gave up: RuntimeConfig.overlap_copies='dma'), so its output is not used."""
+        if self.runtime.overlap_copies == "dma":
+            dma_proxy.check_all()
 
     @torch.inference_mode()
     def run_step(self, chunks: Sequence[SeqChunk], token_source: torch.Tensor | None = None) -> StepLogits:

@@ -14,6 +14,7 @@ import torch
 from paged_experts.config import TORCH_DTYPES, MoeModelConfig
 from paged_experts.kernels import moe_triton
 from paged_experts.kernels.fused import check_expert_backend
+from paged_experts.residency.dma_proxy import MAX_PAIRS as DMA_MAX_PAIRS
 from paged_experts.residency.page_in import PAGE_IN_CHOICES, PageIn
 from paged_experts.residency.policies import (
     DEFAULT_EVICTION_POLICY,
@@ -146,6 +147,8 @@ class RuntimeConfig:
             raise ValueError(f"overlap_copies must be 'kernel' or 'dma', got {self.overlap_copies!r}")
         if self.overlap_copies == "dma" and not self.overlap_page_in:
             raise ValueError("overlap_copies='dma' applies with overlap_page_in only")
+        if self.overlap_copies == "dma" and (self.resident_experts or 0) > DMA_MAX_PAIRS:
+            raise ValueError(f"overlap_copies='dma' holds plans of at most {DMA_MAX_PAIRS} slots a layer")
         if self.overlap_copies == "dma" and self.device != "cuda":
             raise ValueError("overlap_copies='dma' needs device='cuda' (the copy engine)")
         if self.overlap_copies == "dma" and self.copy_programs is not None:

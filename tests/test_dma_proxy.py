@@ -111,6 +111,39 @@ def test_an_unknown_table_stops_the_thread_with_its_reason(proxy):
     proxy.close()  # idempotent
 
 
+def _fails_with(proxy: DmaProxy, reason: str) -> None:
+    deadline = time.monotonic() + 10
+    with pytest.raises(DmaProxyError, match=reason):
+        while time.monotonic() < deadline:
+            proxy.check()
+            time.sleep(0.001)
+
+
+def test_a_lapped_ring_stops_the_thread_before_it_serves_an_overwritten_record(proxy):
+    host, slots = _filled(E, 1), _filled(K + 1, 2)
+    before = slots.gate.clone()
+    table = proxy.table(host, slots)
+    _write_record(proxy, 1 + proxy.ring_slots, table, [3], [0], 1)  # ticket 1's place, a lap later
+    _fails_with(proxy, "at ticket 1: the ring lapped the proxy")
+    assert _same(slots.gate, before)  # nothing copied
+
+
+def test_a_slot_out_of_range_stops_the_thread(proxy):
+    host, slots = _filled(E, 1), _filled(K + 1, 2)
+    _write_record(proxy, 1, proxy.table(host, slots), [3], [K + 1], 1)  # K + 1 rows: K + 1 is past them
+    _fails_with(proxy, "at ticket 1: a record named a slot out of range")
+
+
+def test_a_closed_proxy_refuses_to_ring_or_register(proxy):
+    host, slots = _filled(E, 1), _filled(K + 1, 2)
+    table = proxy.table(host, slots)
+    proxy.close()
+    with pytest.raises(DmaProxyError, match="the DMA proxy is closed"):
+        proxy.ring(table, torch.tensor([1]), torch.tensor([0]), 1)
+    with pytest.raises(DmaProxyError, match="the DMA proxy is closed"):
+        proxy.table(_filled(E, 3), _filled(K + 1, 4))
+
+
 def test_a_row_that_differs_in_size_is_refused(proxy):
     host, slots = _filled(E, 1), ExpertTensors.empty(K + 1, H, INTER + 2, torch.float32, torch.device("cpu"))
     with pytest.raises(DmaProxyError, match="differ in size"):
@@ -166,13 +199,12 @@ def check_ring_and_wait() -> None:
             assert proxy.stats()["tickets"] == 12 and int(proxy.counter) == 12
         finally:
             proxy.close()
-        # a wait with no thread behind it gives up after its limit and says so
+        # a wait for a ticket nobody serves (its site's ticket set by hand) gives up after its limit, says so
         cpu = torch.device("cpu")
         dead = DmaProxy(cpu, max_pairs=2, backend="host", ring_slots=4, cache_dir=Path(tmp), wait_limit=50)
         host, slots = _filled(E, 5), _filled(K + 1, 6)
-        table = dead.table(host, slots)
-        dead.close()
-        entry = dead.ring(table, torch.tensor([1, E]), torch.tensor([0, K]), 1)
+        entry = 7
+        dead.tick[entry] = 1
         dead.wait(entry)
         try:
             dead.check()
@@ -180,6 +212,23 @@ def check_ring_and_wait() -> None:
             assert "gave up waiting for its page-ins (ticket 1" in str(e), e
         else:
             raise AssertionError("a wait that gave up was not reported")
+        dead.wait_limit = 10**9  # after one gave up, the next gives up at once (else this never returns)
+        dead.wait(entry)
+        assert int(dead.err) == 1  # the first ticket that did not land stays the one reported
+        dead.close()
+        # a failed thread: its waits give up within 256 polls, whatever their limit
+        failed = DmaProxy(cpu, max_pairs=2, backend="host", ring_slots=4, cache_dir=Path(tmp), wait_limit=10**9)
+        table = failed.table(host, slots)
+        entry = failed.ring(table + 7, torch.tensor([1, E]), torch.tensor([0, K]), 1)  # no such table
+        failed.wait(entry)
+        try:
+            failed.check()
+        except DmaProxyError as e:
+            assert "a record named a table the proxy does not have" in str(e), e
+        else:
+            raise AssertionError("a failed thread was not reported")
+        assert int(failed.err) == 1
+        failed.close()
     print("ok")
 
 
@@ -258,8 +307,8 @@ def test_the_ring_and_wait_kernels_compile_for_the_h200() -> None:
     publish = ptx.index("atom.global.sys.release.exch")  # published at system scope ...
     assert "bar.sync" in ptx[ptx.rindex("st.global", 0, publish) : publish]  # ... after every thread's stores
     wait_fn = dma_ring._wait
-    wsig = {a: {"done": "*i64", "tick": "*i64", "err": "*i64"}.get(a, "constexpr" if a == "R" else "i32")
-            for a in wait_fn.arg_names}  # fmt: skip
+    wptrs = {"done": "*i64", "tick": "*i64", "err": "*i64", "state": "*i64"}
+    wsig = {a: wptrs.get(a, "constexpr" if a == "R" else "i32") for a in wait_fn.arg_names}
     wptx = triton.compile(ASTSource(wait_fn, wsig, {"R": 64}), target=target, options={"num_warps": 1}).asm["ptx"]
     assert "ld.volatile.global" in wptx  # each poll reads memory, not a register
     for fn, args in ((ring_fn, {"entry", "table", "mask", "n"}), (wait_fn, {"entry", "limit"})):

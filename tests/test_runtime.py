@@ -429,6 +429,16 @@ def test_planned_ids_route_as_the_same_ids_checked_per_layer(ckpt: Path) -> None
         (
             {
                 "mode": "paged",
+                "resident_experts": 600,
+                "device_planning": "on",
+                "overlap_page_in": True,
+                "overlap_copies": "dma",
+            },
+            "holds plans of at most 512 slots",
+        ),  # fmt: skip
+        (
+            {
+                "mode": "paged",
                 "resident_experts": 4,
                 "device_planning": "on",
                 "overlap_page_in": True,

@@ -224,9 +224,6 @@ class PagedLayer(MoeLayer):
     def after_replay(self) -> None:
         if self.device_lru is not None:
             self.device_lru.host_stale = True
-            # a failed proxy or a wait that gave up: said at the next step (once a step, two pinned words)
-            if self.device_lru.overlap_copies == "dma" and self is self.shared.steps.paged[0]:
-                dma_proxy.for_device(self.shared.device, dma_proxy.MAX_PAIRS).check()
 
     def reload_slots(self) -> None:
         """Copies into every slot the host row its device map names, so maps and slots agree again

@@ -10,6 +10,9 @@
  * Record layout (int64 words): [0] ticket, [1] table, [2] entries, [3] tensor mask, [4, 4 + P) experts,
  * [4 + P, 4 + 2P) slots (P = max_pairs). Experts >= the table's rows are padding: nothing to copy.
  *
+ * A record the thread cannot serve (an unknown table, too many entries, a slot out of range, a lapped ring)
+ * stops it with its reason in the status words; the GPU's wait kernels then give up at once.
+ *
  * backend 0: the CUDA driver (libcuda.so.1, opened at start; no CUDA headers needed to build this file);
  * backend 1: host memcpy (the tests on a machine without a GPU: "device" addresses are host addresses).
  * Build: cc -O2 -shared -fPIC -pthread dma_proxy.c -o libdma_proxy.so -ldl (dma_proxy.py does it, cached). */
@@ -42,6 +45,7 @@ typedef int (*cu_memcpy_htod_async_t)(uint64_t, const void *, size_t, void *);
 typedef struct {
     int64_t n;                    /* tensors */
     int64_t rows;                 /* host rows (experts); an entry naming rows or more is padding */
+    int64_t slot_rows;            /* device rows (slots, the spare one included); a slot beyond them is refused */
     uint64_t src[MAX_TENSORS];    /* host base of tensor t (pinned) */
     uint64_t dst[MAX_TENSORS];    /* device base of tensor t's slots */
     uint64_t row_bytes[MAX_TENSORS];
@@ -90,18 +94,23 @@ static int copy(proxy_t *p, uint64_t dst, const void *src, size_t bytes) {
     return p->memcpy_htod(dst, src, bytes, p->stream);
 }
 
-/* One record: its rows, then its ticket into done[slot]. 0, or the failing code. */
-static int serve(proxy_t *p, volatile int64_t *rec, int64_t ticket) {
-    int64_t table = rec[1], entries = rec[2], mask = rec[3];
+/* One record: its rows, then its ticket into done[slot]. 0, or the failing code. The record is read into
+ * `local` first and its ticket read again after: a record the GPU rewrote meanwhile (it lapped the ring) is
+ * refused, never served half old and half new. */
+static int serve(proxy_t *p, volatile int64_t *rec, int64_t ticket, int64_t *local) {
+    for (int64_t w = 0; w < 4 + 2 * p->max_pairs; w++) local[w] = rec[w];
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    if (__atomic_load_n((int64_t *)rec, __ATOMIC_ACQUIRE) != ticket) return -6;
+    int64_t table = local[1], entries = local[2], mask = local[3];
     int64_t count = __atomic_load_n(&p->table_count, __ATOMIC_ACQUIRE);
     if (table < 0 || table >= count) return -2;
     if (entries < 0 || entries > p->max_pairs) return -3;
     const table_t *t = &p->tables[table];
     int64_t copies = 0, bytes = 0;
     for (int64_t i = 0; i < entries; i++) {
-        int64_t expert = rec[4 + i], slot = rec[4 + p->max_pairs + i];
+        int64_t expert = local[4 + i], slot = local[4 + p->max_pairs + i];
         if (expert < 0 || expert >= t->rows) continue; /* padding */
-        if (slot < 0) return -4;
+        if (slot < 0 || slot >= t->slot_rows) return -4;
         for (int64_t k = 0; k < t->n; k++) {
             if (!((mask >> k) & 1)) continue;
             uint64_t rb = t->row_bytes[k];
@@ -135,13 +144,19 @@ static void *run(void *arg) {
         return NULL;
     }
     int64_t next = 1, last_seen = now_ns();
+    int64_t *local = (int64_t *)malloc(sizeof(int64_t) * (size_t)(4 + 2 * p->max_pairs));
+    if (!local) {
+        fail(p, -9, 0);
+        return NULL;
+    }
     while (!p->stop) {
         volatile int64_t *rec = p->ring + (next % p->ring_slots) * p->record_words;
         int64_t ticket = __atomic_load_n((int64_t *)rec, __ATOMIC_ACQUIRE);
         if (ticket == next) {
-            int rc = serve(p, rec, ticket);
+            int rc = serve(p, rec, ticket, local);
             if (rc) {
                 fail(p, rc, ticket);
+                free(local);
                 return NULL;
             }
             next++;
@@ -150,6 +165,7 @@ static void *run(void *arg) {
         }
         if (ticket > next) { /* the ring lapped this thread: records were overwritten unserved */
             fail(p, -6, next);
+            free(local);
             return NULL;
         }
         if (now_ns() - last_seen > p->idle_ns) {
@@ -163,6 +179,7 @@ static void *run(void *arg) {
 #endif
         }
     }
+    free(local);
     if (p->backend == 0) p->stream_sync(p->stream);
     __atomic_store_n(&p->status[ST_STATE], 2, __ATOMIC_RELEASE);
     return NULL;
@@ -184,11 +201,14 @@ static int open_driver(proxy_t *p) {
         !p->memcpy_htod || !p->primary_release)
         return -8;
     int dev, rc;
-    if ((rc = init(0)) || (rc = device_get(&dev, p->device)) || (rc = retain(&p->ctx, dev)) || (rc = ctx_set(p->ctx)))
-        return rc;
+    if ((rc = init(0)) || (rc = device_get(&dev, p->device)) || (rc = retain(&p->ctx, dev))) return rc;
     p->dev_handle = dev;
     /* CU_STREAM_NON_BLOCKING: never ordered after the legacy default stream, where a wait kernel may spin */
-    return stream_create(&p->stream, 1);
+    if ((rc = ctx_set(p->ctx)) || (rc = stream_create(&p->stream, 1))) {
+        p->primary_release(dev);
+        return rc;
+    }
+    return 0;
 }
 
 /* ---- the API (ctypes) ---------------------------------------------------------------------------------- */
@@ -221,6 +241,10 @@ int px_start(void **out, int64_t *ring, int64_t ring_slots, int64_t record_words
     for (int i = 0; i < ST_WORDS; i++) status[i] = 0;
     status[ST_STATE] = 1;
     if (pthread_create(&p->thread, NULL, run, p)) {
+        if (backend == 0) {
+            p->stream_destroy(p->stream);
+            p->primary_release(p->dev_handle);
+        }
         free(p);
         return -9;
     }
@@ -229,14 +253,15 @@ int px_start(void **out, int64_t *ring, int64_t ring_slots, int64_t record_words
 }
 
 /* The table's id (>= 0), or -1 when full or a tensor count out of range. Call before any record names it. */
-int64_t px_add_table(void *handle, int64_t n, int64_t rows, const uint64_t *src, const uint64_t *dst,
-                     const uint64_t *row_bytes) {
+int64_t px_add_table(void *handle, int64_t n, int64_t rows, int64_t slot_rows, const uint64_t *src,
+                     const uint64_t *dst, const uint64_t *row_bytes) {
     proxy_t *p = (proxy_t *)handle;
     int64_t id = p->table_count;
     if (id >= MAX_TABLES || n < 1 || n > MAX_TENSORS) return -1;
     table_t *t = &p->tables[id];
     t->n = n;
     t->rows = rows;
+    t->slot_rows = slot_rows;
     for (int64_t k = 0; k < n; k++) {
         t->src[k] = src[k];
         t->dst[k] = dst[k];

@@ -24,9 +24,12 @@ machine without a GPU; the ring kernels then run in Triton's interpreter).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import os
+import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -42,15 +45,15 @@ from paged_experts.kernels import dma_ring
 from paged_experts.residency.store import ExpertTensors
 
 MAX_PAIRS = 512  # entries a record holds: a one-wave step's padded plan (tokens x top_k) stays below it
-RING_SLOTS = 64  # records in flight at most: an overlapped layer rings G + 1 <= 5 before its waits
-ENTRIES = 256  # call sites a ticket is noted under (a site's wait follows its ring within one layer)
-WAIT_LIMIT = 20_000_000  # polls (each an L2 read, ~0.5 us): ~10 s before a wait gives up
+RING_SLOTS = 256  # records in flight at most: an overlapped layer rings G + 1 <= 65 before its first wait
+ENTRIES = 512  # call sites a ticket is noted under (a site's wait follows its ring within one layer)
+WAIT_LIMIT = 2_000_000  # polls (each an L2 read, ~0.5 us): ~1 s, where a layer's copies take milliseconds
 IDLE_NS = 5_000_000  # after 5 ms without a record the thread polls every 50 us instead of spinning
 ST_STATE, ST_TICKETS, ST_COPIES, ST_BYTES, ST_ERROR, ST_ERROR_AT, ST_WORDS = 0, 1, 2, 3, 4, 5, 8
 ERRORS = {
     -2: "a record named a table the proxy does not have",
     -3: "a record held more entries than the ring's",
-    -4: "a record named a negative slot",
+    -4: "a record named a slot out of range",
     -5: "cuCtxSetCurrent failed in the proxy's thread",
     -6: "the ring lapped the proxy (records were overwritten before it served them)",
     -7: "libcuda.so.1 could not be opened",
@@ -72,37 +75,41 @@ def library_path(cache_dir: Path | None = None) -> Path:
     `cache_dir` ($PAGED_EXPERTS_CACHE, else ~/.cache/paged_experts), named by the source's hash."""
     source = _source()
     root = cache_dir or Path(os.environ.get("PAGED_EXPERTS_CACHE", Path.home() / ".cache" / "paged_experts"))
-    lib = root / f"dma_proxy-{hashlib.sha256(source).hexdigest()[:16]}.so"
+    cc = shlex.split(os.environ.get("CC", "")) or [c for c in (shutil.which("cc") or shutil.which("gcc"),) if c]
+    if not cc:
+        raise DmaProxyError("overlap_copies='dma' needs a C compiler to build its host thread (cc, or set CC)")
+    flags = ["-O2", "-shared", "-fPIC", "-pthread"]
+    # the source, the machine and the compiler name the library: a home shared by hosts of two kinds keeps both
+    key = hashlib.sha256(source + repr((platform.machine(), cc, flags)).encode()).hexdigest()[:16]
+    lib = root / f"dma_proxy-{key}.so"
     if lib.exists():
         return lib
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise DmaProxyError("overlap_copies='dma' needs a C compiler to build its host thread (cc, or set CC)")
-    root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root) as tmp:
-        src, out = Path(tmp) / "dma_proxy.c", Path(tmp) / "lib.so"
-        src.write_bytes(source)
-        try:
-            done = subprocess.run(
-                [cc, "-O2", "-shared", "-fPIC", "-pthread", str(src), "-o", str(out), "-ldl"],
-                capture_output=True,
-                text=True,
-            )
-        except OSError as e:
-            raise DmaProxyError(f"building the DMA proxy with {cc} failed: {e.strerror}") from e
-        if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            raise DmaProxyError(f"building the DMA proxy with {cc} failed: {last}")
-        os.replace(out, lib)  # atomic: a process beside this one sees no half-written library
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=root) as tmp:
+            src, out = Path(tmp) / "dma_proxy.c", Path(tmp) / "lib.so"
+            src.write_bytes(source)
+            done = subprocess.run([*cc, *flags, str(src), "-o", str(out), "-ldl"], capture_output=True, text=True)
+            if done.returncode != 0:
+                lines = done.stderr.strip().splitlines() or ["no output"]
+                first = next((line for line in lines if "error" in line), lines[-1])
+                raise DmaProxyError(f"building the DMA proxy with {' '.join(cc)} failed: {first.strip()}")
+            os.replace(out, lib)  # atomic: a process beside this one sees no half-written library
+    except OSError as e:
+        raise DmaProxyError(f"building the DMA proxy with {' '.join(cc)} failed: {e.strerror or e}") from e
     return lib
 
 
 def _load(cache_dir: Path | None) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(library_path(cache_dir)))
+    path = library_path(cache_dir)
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise DmaProxyError(f"the DMA proxy's library {path} does not load: {e}") from e
     i64, u64, ptr = ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
     lib.px_start.argtypes = [ctypes.POINTER(ptr), ptr, i64, i64, i64, ptr, ptr, u64, ctypes.c_int, ctypes.c_int, i64]
     lib.px_start.restype = ctypes.c_int
-    lib.px_add_table.argtypes = [ptr, i64, i64, ctypes.POINTER(u64), ctypes.POINTER(u64), ctypes.POINTER(u64)]
+    lib.px_add_table.argtypes = [ptr, i64, i64, i64, ctypes.POINTER(u64), ctypes.POINTER(u64), ctypes.POINTER(u64)]
     lib.px_add_table.restype = i64
     lib.px_stop.argtypes = [ptr]
     lib.px_stop.restype = None
@@ -123,6 +130,11 @@ class DmaProxy:
     ) -> None:
         if backend == "cuda" and device.type != "cuda":
             raise DmaProxyError(f"overlap_copies='dma' needs a CUDA device, got {device}")
+        if backend == "cuda" and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+            # one hardware queue: the thread's copies would queue behind the wait kernel that spins for them
+            raise DmaProxyError(
+                "overlap_copies='dma' cannot run with CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue)"
+            )
         if not dma_ring.available():
             raise DmaProxyError("overlap_copies='dma' needs Triton (the ring and wait kernels)")
         self.device, self.backend = device, backend
@@ -177,9 +189,8 @@ class DmaProxy:
             n = len(names)
             arr = ctypes.c_uint64 * n
             row_bytes = arr(*(s[0].numel() * s.element_size() for s in srcs))
-            assert self._handle is not None
             tid = self._lib.px_add_table(
-                self._handle, n, host.num_rows, arr(*(s.data_ptr() for s in srcs)),
+                self._live(), n, host.num_rows, slots.num_rows, arr(*(s.data_ptr() for s in srcs)),
                 arr(*(d.data_ptr() for d in dsts)), row_bytes,
             )  # fmt: skip
             if tid < 0:
@@ -197,6 +208,7 @@ class DmaProxy:
     def ring(self, table: int, experts: torch.Tensor, slot_ids: torch.Tensor, mask: int) -> int:
         """Rings the proxy for rows experts [n] -> slot_ids [n] (int64 on the device, padded with experts
         >= the table's rows) in stream order; returns the call site's entry for `wait`."""
+        self._live()
         with self._lock:
             entry = self._next_entry
             self._next_entry = (entry + 1) % ENTRIES
@@ -208,9 +220,14 @@ class DmaProxy:
 
     def wait(self, entry: int) -> None:
         """Work issued after this on the current stream sees the rows `entry`'s record named."""
-        dma_ring.wait(self.done, self.tick, entry, self.err, self.wait_limit, self.ring_slots)
+        dma_ring.wait(self.done, self.tick, entry, self.err, self.status, self.wait_limit, self.ring_slots)
 
     # ---- the host's side --------------------------------------------------------------------------------
+
+    def _live(self) -> ctypes.c_void_p:
+        if self._handle is None:
+            raise DmaProxyError("the DMA proxy is closed")
+        return self._handle
 
     def stats(self) -> dict[str, int]:
         """The thread's counters: tickets served, copies issued, bytes."""
@@ -223,6 +240,8 @@ class DmaProxy:
         if self._words[base + ST_STATE] != -1 and self._words[-1] == 0:
             return
         s = self.status.tolist()
+        if s[ST_STATE] == 2 and self._handle is not None:
+            raise DmaProxyError("the DMA proxy's thread stopped while its proxy was open")
         if s[ST_STATE] == -1:
             code = s[ST_ERROR]
             raise DmaProxyError(
@@ -254,13 +273,28 @@ def _ordinal(device: torch.device) -> int:
     return torch.cuda.current_device() if device.index is None else device.index
 
 
-_PROXIES: dict[torch.device, DmaProxy] = {}
+_PROXIES: dict[int, DmaProxy] = {}  # by device ordinal: 'cuda' and 'cuda:0' share one
+_PROXIES_LOCK = threading.Lock()
 
 
 def for_device(device: torch.device, max_pairs: int) -> DmaProxy:
     """The process's proxy for a CUDA device, started on first use with room for `max_pairs` entries a
     record (a larger request later starts nothing new: it is refused by `ring`)."""
-    proxy = _PROXIES.get(device)
-    if proxy is None:
-        proxy = _PROXIES[device] = DmaProxy(device, max_pairs)
-    return proxy
+    ordinal = _ordinal(device)
+    with _PROXIES_LOCK:
+        proxy = _PROXIES.get(ordinal)
+        if proxy is None:
+            proxy = _PROXIES[ordinal] = DmaProxy(torch.device("cuda", ordinal), max_pairs)
+        return proxy
+
+
+def check_all() -> None:
+    """Raises if any of the process's proxies failed or a wait gave up (after a step's readback)."""
+    for proxy in list(_PROXIES.values()):
+        proxy.check()
+
+
+@atexit.register
+def _close_all() -> None:  # the threads stop before the interpreter tears down what they read
+    for proxy in list(_PROXIES.values()):
+        proxy.close()

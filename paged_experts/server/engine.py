@@ -329,6 +329,9 @@ class Engine:
         try:
             if launched.done is not None:
                 launched.done.synchronize()
+            check = getattr(self.model, "check_device", None)  # page-ins that did not land: the step fails
+            if check is not None:
+                check()
             greedy = launched.ids.tolist()  # [R] token ids
             t3 = time.perf_counter()
             results: list[WorkResult] = []

@@ -11,6 +11,7 @@ Plain functions, so the module also runs as a script: `python tests/cuda/test_dm
 from __future__ import annotations
 
 import sys
+import time
 
 import torch
 from test_device_paging_cuda import QWEN2, check_graphed_paged, decode, rt
@@ -53,11 +54,15 @@ def test_proxy_copies_planned_rows_from_a_captured_graph() -> None:
         slot_ids = torch.full((8,), K, dtype=torch.long, device="cuda")
         names = ("gate", "up", "gate_scale", "up_scale")
 
+        seen = {n: torch.empty_like(slots.get(n).view(torch.uint8)) for n in slots.names()}
+
         def step() -> None:
             first = proxy.ring(table, experts, slot_ids, DmaProxy.mask(host, names))
             last = proxy.ring(table, experts, slot_ids, DmaProxy.mask(host, ("down", "down_scale")))
             proxy.wait(first)
             proxy.wait(last)
+            for n in slots.names():  # what the graph's own stream reads after its waits
+                seen[n].copy_(slots.get(n).view(torch.uint8))
 
         step()  # eager: compiles the kernels (nothing planned: padding only)
         torch.cuda.synchronize()
@@ -78,6 +83,7 @@ def test_proxy_copies_planned_rows_from_a_captured_graph() -> None:
                         want[n][s] = _bytes(host.get(n))[e]
             for n in slots.names():
                 assert torch.equal(_bytes(slots.get(n)), want[n]), n
+                assert torch.equal(seen[n].cpu(), want[n]), f"{n}: the graph read its slots before they landed"
         stats = proxy.stats()
         assert stats["tickets"] == 2 + 2 * len(plans), stats
         assert stats["copies"] == 6 * (3 + 1 + 4), stats  # six tensors of each planned row
@@ -91,8 +97,11 @@ def test_a_stopped_proxy_does_not_hang_the_graph() -> None:
     table = proxy.table(host, slots)
     proxy.close()
     entry = proxy.ring(table, torch.tensor([1, E, E, E], device="cuda"), torch.tensor([0, K, K, K], device="cuda"), 1)
+    t0 = time.perf_counter()
     proxy.wait(entry)
+    proxy.wait(entry)  # gives up at once: an earlier wait gave up
     torch.cuda.synchronize()
+    assert time.perf_counter() - t0 < 5.0
     try:
         proxy.check()
     except DmaProxyError as e:
