@@ -165,6 +165,13 @@ def test_a_cuda_backend_needs_a_cuda_device(tmp_path):
 # ---- the kernels, in Triton's interpreter --------------------------------------------------------------
 
 
+def _reports(proxy: DmaProxy, text: str) -> None:
+    """`check` raises, saying `text`."""
+    with pytest.raises(DmaProxyError) as err:
+        proxy.check()
+    assert text in str(err.value), err.value
+
+
 def check_ring_and_wait() -> None:
     import tempfile
     from pathlib import Path
@@ -206,12 +213,7 @@ def check_ring_and_wait() -> None:
         entry = 7
         dead.tick[entry] = 1
         dead.wait(entry)
-        try:
-            dead.check()
-        except DmaProxyError as e:
-            assert "gave up waiting for its page-ins (ticket 1" in str(e), e
-        else:
-            raise AssertionError("a wait that gave up was not reported")
+        _reports(dead, "gave up waiting for its page-ins (ticket 1")
         dead.wait_limit = 10**9  # after one gave up, the next gives up at once (else this never returns)
         dead.wait(entry)
         assert int(dead.err) == 1  # the first ticket that did not land stays the one reported
@@ -221,12 +223,7 @@ def check_ring_and_wait() -> None:
         table = failed.table(host, slots)
         entry = failed.ring(table + 7, torch.tensor([1, E]), torch.tensor([0, K]), 1)  # no such table
         failed.wait(entry)
-        try:
-            failed.check()
-        except DmaProxyError as e:
-            assert "a record named a table the proxy does not have" in str(e), e
-        else:
-            raise AssertionError("a failed thread was not reported")
+        _reports(failed, "a record named a table the proxy does not have")
         assert int(failed.err) == 1
         failed.close()
     print("ok")
@@ -243,9 +240,8 @@ def check_overlapped_pass_with_proxy_copies() -> None:
     import tempfile
     from pathlib import Path
 
-    from test_overlap_page_in import clone, grouped_reference, poison, tables
+    from test_overlap_page_in import grouped_reference, planned_step, poison, tables
 
-    from paged_experts.kernels.copy_kernel import copy_planned
     from paged_experts.moe.overlap import ProxyCopies, overlapped_pass
     from paged_experts.residency.device import DeviceResidency
 
@@ -259,14 +255,9 @@ def check_overlapped_pass_with_proxy_copies() -> None:
                     residency = DeviceResidency(e, k, torch.device("cpu"))
                     host, slots = tables(e, k, h, inter, quantized, seed=1)
                     for _ in range(3):
-                        ids = torch.stack([torch.randperm(e, generator=gen)[:top_k] for _ in range(tokens)])
-                        x = torch.randn(tokens, h, generator=gen)  # [T, H]
-                        weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), -1)  # [T, k]
-                        plan = residency.plan(ids.reshape(-1))
-                        landed = clone(slots)
-                        copy_planned(host, landed, plan.miss_experts, plan.miss_slots)
-                        want = grouped_reference(x, plan.pair_slot, weights, landed, top_k)
-                        assert torch.equal(want, grouped_reference(x, ids.reshape(-1), weights, host, top_k))
+                        x, weights, plan, landed, want = planned_step(
+                            gen, residency, host, slots, tokens, top_k, grouped_reference
+                        )
                         poison(slots, plan)
                         got = overlapped_pass(x, weights, host, slots, plan, top_k, groups, ProxyCopies(proxy), False)
                         proxy.check()

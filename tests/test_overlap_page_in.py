@@ -91,6 +91,24 @@ def grouped_reference(
     )[0]  # fmt: skip
 
 
+def planned_step(
+    gen: torch.Generator, residency: DeviceResidency, host: ExpertTensors, slots: ExpertTensors, tokens: int,
+    top_k: int, reference: Reference,
+) -> tuple[torch.Tensor, torch.Tensor, DevicePlan, ExpertTensors, torch.Tensor]:  # fmt: skip
+    """A random step of `tokens` tokens planned on `residency`: (x [T, H], weights [T, k], plan, the slots after
+    its page-ins, `reference`'s output over them), that output checked equal to resident's over the host store."""
+    e, h = host.num_rows, host.gate.shape[2]
+    ids = torch.stack([torch.randperm(e, generator=gen)[:top_k] for _ in range(tokens)])  # [T, k]
+    x = torch.randn(tokens, h, generator=gen)  # [T, H]
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), -1)  # [T, k]
+    plan = residency.plan(ids.reshape(-1))
+    landed = clone(slots)
+    copy_planned(host, landed, plan.miss_experts, plan.miss_slots)
+    want = reference(x, plan.pair_slot, weights, landed, top_k)
+    assert torch.equal(want, reference(x, ids.reshape(-1), weights, host, top_k))  # paged == resident
+    return x, weights, plan, landed, want
+
+
 def check_every_order(
     e: int, k: int, top_k: int, tokens: int, h: int, i: int, quantized: bool, groups: int, triton: bool,
     reference: Reference,
@@ -103,14 +121,7 @@ def check_every_order(
     host, slots = tables(e, k, h, i, quantized, seed=1)
     checked = 0
     for step in range(4):
-        ids = torch.stack([torch.randperm(e, generator=gen)[:top_k] for _ in range(tokens)])  # [T, k]
-        x = torch.randn(tokens, h, generator=gen)  # [T, H]
-        weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), -1)  # [T, k]
-        plan = residency.plan(ids.reshape(-1))
-        landed = clone(slots)
-        copy_planned(host, landed, plan.miss_experts, plan.miss_slots)
-        want = reference(x, plan.pair_slot, weights, landed, top_k)
-        assert torch.equal(want, reference(x, ids.reshape(-1), weights, host, top_k))  # paged == resident
+        x, weights, plan, landed, want = planned_step(gen, residency, host, slots, tokens, top_k, reference)
         poison(slots, plan)
         dry = LateCopies(tuple(range(64)))
         overlapped_pass(x, weights, host, clone(slots), plan, top_k, groups, dry, triton)

@@ -91,23 +91,36 @@ def test_proxy_copies_planned_rows_from_a_captured_graph() -> None:
         proxy.close()
 
 
-def test_a_stopped_proxy_does_not_hang_the_graph() -> None:
+def test_a_wait_nothing_serves_or_a_failed_proxy_does_not_hang_the_gpu() -> None:
+    """A wait for a ticket nobody rang gives up after its limit, the next at once; a thread stopped by a record it
+    cannot serve makes its waits give up within 256 polls; `check` says which, after the step."""
     host, slots = _fp8_layer()
     proxy = DmaProxy(torch.device("cuda"), max_pairs=4, wait_limit=20_000)
-    table = proxy.table(host, slots)
-    proxy.close()
-    entry = proxy.ring(table, torch.tensor([1, E, E, E], device="cuda"), torch.tensor([0, K, K, K], device="cuda"), 1)
-    t0 = time.perf_counter()
-    proxy.wait(entry)
-    proxy.wait(entry)  # gives up at once: an earlier wait gave up
-    torch.cuda.synchronize()
-    assert time.perf_counter() - t0 < 5.0
     try:
-        proxy.check()
-    except DmaProxyError as e:
-        assert "gave up waiting for its page-ins" in str(e), e
-    else:
-        raise AssertionError("a wait with no proxy behind it was not reported")
+        proxy.tick[9] = 10**6  # a ticket nobody rang
+        t0 = time.perf_counter()
+        proxy.wait(9)
+        proxy.wait(9)  # gives up at once: an earlier wait gave up
+        torch.cuda.synchronize()
+        assert time.perf_counter() - t0 < 5.0
+        with pytest.raises(DmaProxyError, match="gave up waiting for its page-ins"):
+            proxy.check()
+    finally:
+        proxy.close()
+    failed = DmaProxy(torch.device("cuda"), max_pairs=4, wait_limit=10**9)
+    try:
+        table = failed.table(host, slots)
+        entry = failed.ring(
+            table + 3, torch.tensor([1, E, E, E], device="cuda"), torch.tensor([0, K, K, K], device="cuda"), 1
+        )
+        t0 = time.perf_counter()
+        failed.wait(entry)
+        torch.cuda.synchronize()
+        assert time.perf_counter() - t0 < 5.0
+        with pytest.raises(DmaProxyError, match="a record named a table the proxy does not have"):
+            failed.check()
+    finally:
+        failed.close()
 
 
 def test_overlapped_decode_with_dma_copies_equals_resident() -> None:
