@@ -226,6 +226,12 @@ def check_ring_and_wait() -> None:
         _reports(failed, "a record named a table the proxy does not have")
         assert int(failed.err) == 1
         failed.close()
+        # a closed proxy (its thread stopped): a wait gives up within 256 polls too
+        closed = DmaProxy(cpu, max_pairs=2, backend="host", ring_slots=4, cache_dir=Path(tmp), wait_limit=10**9)
+        closed.close()
+        closed.tick[3] = 2
+        closed.wait(3)
+        assert int(closed.err) == 2 and int(closed.gave_up) == 2
     print("ok")
 
 
@@ -298,7 +304,7 @@ def test_the_ring_and_wait_kernels_compile_for_the_h200() -> None:
     publish = ptx.index("atom.global.sys.release.exch")  # published at system scope ...
     assert "bar.sync" in ptx[ptx.rindex("st.global", 0, publish) : publish]  # ... after every thread's stores
     wait_fn = dma_ring._wait
-    wptrs = {"done": "*i64", "tick": "*i64", "err": "*i64", "state": "*i64"}
+    wptrs = {"done": "*i64", "tick": "*i64", "err": "*i64", "gave_up": "*i64", "state": "*i64"}
     wsig = {a: wptrs.get(a, "constexpr" if a == "R" else "i32") for a in wait_fn.arg_names}
     wptx = triton.compile(ASTSource(wait_fn, wsig, {"R": 64}), target=target, options={"num_warps": 1}).asm["ptx"]
     assert "ld.volatile.global" in wptx  # each poll reads memory, not a register

@@ -7,9 +7,11 @@ step launches in stream order, with no host sync.
   thread that reads the ticket reads the whole record.
 - `wait`: spins (volatile loads) until the proxy's copy of that ticket into `done` has landed, which the copy
   engine writes after every row of the record (one stream, in order). A wait gives up when it passes `limit`
-  polls, when the thread's state says it failed, or at once when an earlier wait gave up: it writes its ticket
-  into the pinned error word (if none is there) and the host's `DmaProxy.check` raises after the step's
-  readback (the step's output is not to be trusted). A dead proxy never hangs the GPU.
+  polls (~0.5 us each: an approximate time), when the thread's state says it is not running, or at once when an
+  earlier wait gave up (a device word, read on every wait without crossing the link): it writes its ticket into
+  that word and the pinned error word (if none is there) and the host's `DmaProxy.check` raises after the step's
+  readback (the step's output is not to be trusted). A dead proxy never hangs the GPU. A give-up is final for the
+  process: the proxy's records and the slots may disagree from then on, so every later step fails too (restart).
 
 Record layout (int64 words): [0] ticket, [1] table, [2] entries, [3] tensor mask, [4, 4 + P) experts,
 [4 + P, 4 + 2P) slots, P = max_pairs (dma_proxy.c reads the same).
@@ -48,18 +50,20 @@ if triton is not None:
         tl.atomic_xchg(rec, t, sem="release", scope="sys")
 
     @triton.jit(do_not_specialize=["entry", "limit"])
-    def _wait(done, tick, entry, err, state, limit, R: tl.constexpr):  # pragma: no cover
+    def _wait(done, tick, entry, err, gave_up, state, limit, R: tl.constexpr):  # pragma: no cover
         t = tl.load(tick + entry, volatile=True)
         seen = tl.load(done + t % R, volatile=True)  # a slot's done words only rise: >= t is t landed
         polls = 0
-        alive = tl.load(err, volatile=True) == 0  # once one wait gave up, every later one gives up at once
+        alive = tl.load(gave_up, volatile=True) == 0  # device memory: once one wait gave up, every later one does
         while (seen < t) & (polls < limit) & alive:
             seen = tl.load(done + t % R, volatile=True)
             polls += 1
-            if polls % 256 == 0:  # the thread's state (pinned, over the link): it failed, nothing will land
-                alive = (tl.load(state, volatile=True) != -1) & (tl.load(err, volatile=True) == 0)
-        if (seen < t) & (tl.load(err, volatile=True) == 0):
-            tl.store(err, t)  # the first ticket that did not land
+            if polls % 256 == 0:  # the thread's state (pinned, over the link): not running, nothing will land
+                alive = tl.load(state, volatile=True) == 1
+        if seen < t:
+            if tl.load(gave_up, volatile=True) == 0:
+                tl.store(gave_up, t)
+                tl.store(err, t)  # pinned: the first ticket that did not land, for the host
 
 
 def available() -> bool:
@@ -86,8 +90,9 @@ def ring(
 
 
 def wait(
-    done: torch.Tensor, tick: torch.Tensor, entry: int, err: torch.Tensor, state: torch.Tensor, limit: int,
-    ring_slots: int,
+    done: torch.Tensor, tick: torch.Tensor, entry: int, err: torch.Tensor, gave_up: torch.Tensor,
+    state: torch.Tensor, limit: int, ring_slots: int,
 ) -> None:  # fmt: skip
-    """Launches `_wait` for the ticket call site `entry` last rang (`state`: the thread's pinned state word)."""
-    _wait[(1,)](done, tick, entry, err, state, limit, R=ring_slots, num_warps=1)
+    """Launches `_wait` for the ticket call site `entry` last rang (`err`, `state`: pinned words; `gave_up`: the
+    device's copy of `err`)."""
+    _wait[(1,)](done, tick, entry, err, gave_up, state, limit, R=ring_slots, num_warps=1)

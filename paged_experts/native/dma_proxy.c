@@ -95,8 +95,9 @@ static int copy(proxy_t *p, uint64_t dst, const void *src, size_t bytes) {
 }
 
 /* One record: its rows, then its ticket into done[slot]. 0, or the failing code. The record is read into
- * `local` first and its ticket read again after: a record the GPU rewrote meanwhile (it lapped the ring) is
- * refused, never served half old and half new. */
+ * `local` first and its ticket read again after: a lap completed meanwhile (a new ticket published) is refused.
+ * A lap still in progress (body rewritten, ticket not yet) is not seen; the ring laps only after a wait gave up,
+ * which fails every later step anyway, and every value served is range-checked, so memory stays safe. */
 static int serve(proxy_t *p, volatile int64_t *rec, int64_t ticket, int64_t *local) {
     for (int64_t w = 0; w < 4 + 2 * p->max_pairs; w++) local[w] = rec[w];
     __atomic_thread_fence(__ATOMIC_ACQUIRE);

@@ -152,6 +152,7 @@ class DmaProxy:
         self.counter = torch.zeros(1, dtype=torch.int64, device=device)  # tickets taken
         self.tick = torch.zeros(ENTRIES, dtype=torch.int64, device=device)  # each call site's last ticket
         self.done = torch.zeros(ring_slots, dtype=torch.int64, device=device)  # the ticket each ring slot served
+        self.gave_up = torch.zeros(1, dtype=torch.int64, device=device)  # `err`'s device copy, read by every wait
         self._tables: dict[tuple[int, ...], int] = {}
         self._next_entry = 0
         self._lock = threading.Lock()
@@ -175,7 +176,11 @@ class DmaProxy:
         srcs = [fp8.raw(host.get(n)) for n in names]
         dsts = [fp8.raw(slots.get(n)) for n in names]
         # addresses and sizes: a freed model's tensors may come back at the same addresses with other shapes
-        key = (host.num_rows, *(v for t in (*srcs, *dsts) for v in (t.data_ptr(), t[0].numel() * t.element_size())))
+        key = (
+            host.num_rows,
+            slots.num_rows,
+            *(v for t in (*srcs, *dsts) for v in (t.data_ptr(), t[0].numel() * t.element_size())),
+        )
         with self._lock:
             if key in self._tables:
                 return self._tables[key]
@@ -220,7 +225,9 @@ class DmaProxy:
 
     def wait(self, entry: int) -> None:
         """Work issued after this on the current stream sees the rows `entry`'s record named."""
-        dma_ring.wait(self.done, self.tick, entry, self.err, self.status, self.wait_limit, self.ring_slots)
+        dma_ring.wait(
+            self.done, self.tick, entry, self.err, self.gave_up, self.status, self.wait_limit, self.ring_slots
+        )
 
     # ---- the host's side --------------------------------------------------------------------------------
 
@@ -240,8 +247,6 @@ class DmaProxy:
         if self._words[base + ST_STATE] != -1 and self._words[-1] == 0:
             return
         s = self.status.tolist()
-        if s[ST_STATE] == 2 and self._handle is not None:
-            raise DmaProxyError("the DMA proxy's thread stopped while its proxy was open")
         if s[ST_STATE] == -1:
             code = s[ST_ERROR]
             raise DmaProxyError(
@@ -280,6 +285,8 @@ _PROXIES_LOCK = threading.Lock()
 def for_device(device: torch.device, max_pairs: int) -> DmaProxy:
     """The process's proxy for a CUDA device, started on first use with room for `max_pairs` entries a
     record (a larger request later starts nothing new: it is refused by `ring`)."""
+    if device.type != "cuda":
+        raise DmaProxyError(f"overlap_copies='dma' needs a CUDA device, got {device}")
     ordinal = _ordinal(device)
     with _PROXIES_LOCK:
         proxy = _PROXIES.get(ordinal)
