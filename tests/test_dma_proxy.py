@@ -292,7 +292,7 @@ def test_the_ring_and_wait_kernels_compile_for_the_h200() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from paged_experts.kernels import dma_ring
+    from paged_experts.residency import dma_ring
 
     target = GPUTarget("cuda", 90, 32)
     ring_fn = dma_ring._ring

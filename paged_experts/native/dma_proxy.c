@@ -1,7 +1,7 @@
 /* The DMA proxy (paged_experts/residency/dma_proxy.py): a host thread that turns page-ins a captured decode
  * step plans on the GPU into DMAs on the copy engine, without the step's stream waiting for the host.
  *
- * The GPU side (kernels/dma_ring.py) writes a record into a ring in pinned host memory and publishes its
+ * The GPU side (residency/dma_ring.py) writes a record into a ring in pinned host memory and publishes its
  * ticket last (a release store at system scope); this thread polls the next ticket's record, issues one
  * cuMemcpyHtoDAsync per (planned expert, tensor) on its own non-blocking stream, then one 8-byte copy of the
  * ticket into the device's `done` word of that ring slot. The copies of one stream run in order, so when the

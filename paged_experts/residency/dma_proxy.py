@@ -41,7 +41,7 @@ from typing import Literal
 import torch
 
 from paged_experts import fp8
-from paged_experts.kernels import dma_ring
+from paged_experts.residency import dma_ring
 from paged_experts.residency.store import ExpertTensors
 
 MAX_PAIRS = 512  # entries a record holds: a one-wave step's padded plan (tokens x top_k) stays below it
