@@ -291,6 +291,9 @@ def for_device(device: torch.device, max_pairs: int) -> DmaProxy:
     with _PROXIES_LOCK:
         proxy = _PROXIES.get(ordinal)
         if proxy is None:
+            if torch.cuda.is_current_stream_capturing():
+                # its zeroed counters would be captured as memsets, re-zeroed on every replay
+                raise DmaProxyError("the DMA proxy must start before a CUDA graph capture (an eager step starts it)")
             proxy = _PROXIES[ordinal] = DmaProxy(torch.device("cuda", ordinal), max_pairs)
         return proxy
 

@@ -125,6 +125,21 @@ def test_a_wait_nothing_serves_or_a_failed_proxy_does_not_hang_the_gpu() -> None
         failed.close()
 
 
+def test_the_proxy_refuses_to_start_inside_a_capture() -> None:
+    """Its counters are zeroed when it starts: inside a capture that would be a memset every replay."""
+    from paged_experts.residency import dma_proxy
+
+    saved = dict(dma_proxy._PROXIES)
+    dma_proxy._PROXIES.clear()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(DmaProxyError, match="must start before a CUDA graph capture"):
+            with torch.cuda.graph(graph):
+                dma_proxy.for_device(torch.device("cuda"), 8)
+    finally:
+        dma_proxy._PROXIES.update(saved)
+
+
 def test_overlapped_decode_with_dma_copies_equals_resident() -> None:
     prompts = [[5, 17, 300, 41, 9, 77, 3, 8], [800, 2, 64]]
     resident_rt = rt("bfloat16", mode="resident", kernel_backend="triton")
