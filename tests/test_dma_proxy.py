@@ -100,6 +100,62 @@ def test_tickets_are_served_in_order_over_laps_of_the_ring_and_tables(proxy):
         assert _same(s.gate, w)
 
 
+def test_a_drain_returns_once_the_thread_has_queued_every_ring_counted(proxy):
+    """`drain` waits for the host's count of rings (eager rings and replays): 0 once they are served, 1 at once
+    when the thread stopped, and it never waits past its limit for a ring the GPU has not run."""
+    host, slots = _filled(E, 1), _filled(K + 1, 2)
+    table = proxy.table(host, slots)
+    assert proxy.drain() == 0  # nothing rung
+    proxy.replayed(2, drain=False)  # a graph that rings twice was launched; its records are written later
+    _write_record(proxy, 1, table, [3], [1], 1)
+    _write_record(proxy, 2, table, [4], [2], 1)
+    assert proxy.drain() == 0
+    assert proxy.stats()["tickets"] == proxy.rung == 2
+    proxy.rung += 1  # a ring the "GPU" never runs: the drain gives up at its limit (shortened here)
+    saved = dma_proxy.DRAIN_NS
+    dma_proxy.DRAIN_NS = 50_000_000
+    try:
+        t0 = time.monotonic()
+        assert proxy.drain() == 3
+        assert 0.04 < time.monotonic() - t0 < 5
+    finally:
+        dma_proxy.DRAIN_NS = saved
+    proxy.err[0] = 3  # a wait gave up: the drain returns at once
+    assert proxy.drain() == 2
+    proxy.err[0] = 0
+    _write_record(proxy, 3, 7, [1], [0], 1)  # an unknown table stops the thread
+    _fails_with(proxy, "a record named a table")
+    proxy.rung += 1
+    assert proxy.drain() == 1
+
+
+def test_captures_count_their_rings_and_replays_add_them():
+    """The module's per-device counts: what a capture rang (`rings_since`), added by each replay (`replayed`)."""
+    saved = dict(dma_proxy._PROXIES)
+    dma_proxy._PROXIES.clear()
+
+    class Counted:
+        captured, rung, drained = 0, 0, 0
+
+        def replayed(self, rings: int, drain: bool = True) -> None:
+            self.rung += rings
+            self.drained += drain
+
+    try:
+        a, b = Counted(), Counted()
+        dma_proxy._PROXIES.update({0: a, 1: b})  # type: ignore[dict-item]
+        before = dma_proxy.captured_rings()
+        a.captured += 5  # a capture on device 0 rang 5 times
+        rings = dma_proxy.rings_since(before)
+        assert rings == {0: 5}
+        dma_proxy.replayed(rings)
+        dma_proxy.replayed(rings, drain=False)
+        assert (a.rung, a.drained, b.rung, b.drained) == (10, 1, 0, 0)
+    finally:
+        dma_proxy._PROXIES.clear()
+        dma_proxy._PROXIES.update(saved)
+
+
 def test_an_unknown_table_stops_the_thread_with_its_reason(proxy):
     _write_record(proxy, 1, 5, [1], [0], 1)
     deadline = time.monotonic() + 10

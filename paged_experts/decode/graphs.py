@@ -52,6 +52,7 @@ from paged_experts.kernels.fused import experts_over_rows, route_logits
 from paged_experts.kv import KvPool, SeqChunk
 from paged_experts.moe import page_in_stream
 from paged_experts.moe.layer import StepContext
+from paged_experts.residency import dma_proxy
 from paged_experts.routing.record import observe_step
 from paged_experts.step import StepLogits
 
@@ -201,6 +202,8 @@ class GraphedDecoder:
             self._build(entry, key)  # uncaptured (CPU): this ran the step already
         if entry.graph is not None:
             entry.graph.replay()
+            if entry.rings:  # its page-ins on the DMA proxy: nothing more issued until their copies are queued
+                dma_proxy.replayed(entry.rings)
         elif not fresh:  # CPU: a step runs once (a paged body plans and pages in)
             entry.logits, entry.greedy, entry.ids, entry.weights = self._body(entry.inputs, key)
         self.replays += 1
@@ -306,9 +309,11 @@ class GraphedDecoder:
                 moe.device_residency.load_state(state)
             self._tally.copy_(tally)
             graph = torch.cuda.CUDAGraph()
+            rings = dma_proxy.captured_rings()
             with torch.cuda.graph(graph, pool=self._mempool), self._graph_body():
                 entry.logits, entry.greedy, entry.ids, entry.weights = self._body(entry.inputs, key)
             entry.graph = graph
+            entry.rings = dma_proxy.rings_since(rings)
             log.info(
                 "captured decode step graph: batch %d, %s%s, %.2f s",
                 b, f"KV bucket {length}" if length else "any context length",

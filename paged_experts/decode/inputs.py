@@ -50,6 +50,7 @@ class Entry:
         self.greedy: torch.Tensor | None = None  # [B]
         self.ids: torch.Tensor | None = None  # [layers, B, k] the step's routed experts (for `trace`, observers)
         self.weights: torch.Tensor | None = None  # [layers, B, k] their routing weights (for observers)
+        self.rings: dict[int, int] = {}  # DMA proxy rings the captured step launches, per device (dma_proxy)
 
 
 def table_width(pool: KvPool, key: StepKey) -> int:

@@ -272,6 +272,30 @@ int64_t px_add_table(void *handle, int64_t n, int64_t rows, int64_t slot_rows, c
     return id;
 }
 
+/* Waits, on the host and without a driver call, until the thread has queued the copies of every ticket up to
+ * `target` (the Python side counts the rings it launched). Why: CUDA runs nothing issued after a device memory
+ * allocation, a device-to-device memcpy or a memset (and more) concurrently with what was issued before it
+ * ("implicit synchronization"), whichever host thread issues it. If the main thread issues one while a wait
+ * kernel spins and before this thread queued that wait's copies, the copies run only after the wait kernel ends:
+ * it gives up. So the main thread issues nothing more until the copies are queued. Returns 0 (queued), 1 (the
+ * thread failed or stopped), 2 (a wait gave up: `*gave_up` set), 3 (`timeout_ns` passed, e.g. the GPU still busy
+ * with earlier work: the wait kernel itself still guards the step). */
+int px_drain(void *handle, int64_t target, const volatile int64_t *gave_up, int64_t timeout_ns) {
+    proxy_t *p = (proxy_t *)handle;
+    int64_t start = now_ns();
+    for (uint64_t polls = 0;; polls++) {
+        if (__atomic_load_n(&p->status[ST_TICKETS], __ATOMIC_ACQUIRE) >= target) return 0;
+        if (__atomic_load_n(&p->status[ST_STATE], __ATOMIC_ACQUIRE) != 1) return 1;
+        if (*gave_up) return 2;
+        if ((polls & 255) == 0 && now_ns() - start > timeout_ns) return 3;
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#else
+        sched_yield();
+#endif
+    }
+}
+
 /* Stops the thread (after the records it has seen), waits for its copies, frees it. */
 void px_stop(void *handle) {
     proxy_t *p = (proxy_t *)handle;

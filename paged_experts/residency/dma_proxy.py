@@ -13,6 +13,10 @@ on the device, so a host thread does, on the device's word:
   misses compute
 
 The step's stream never waits for the host: it waits for `done`, which the copy engine writes after the rows.
+The host waits instead, once per launch (`drain`): CUDA runs nothing issued after a device allocation, a
+device-to-device copy or a memset concurrently with what was issued before it, from any host thread, so the
+main thread issues nothing more until the thread has queued the copies of every ring it launched (an eager
+ring drains before it returns; a graph's owner counts its captured rings and calls `replayed` after each launch).
 The hits read no slot being written (a victim slot is never a routed expert's: moe/overlap.py), and the next
 use of a slot is after the wait in stream order. The host thread is C (no GIL: a Python thread would wait for
 the interpreter up to its switch interval, 5 ms, while the server's thread runs); it is built from the
@@ -49,6 +53,7 @@ RING_SLOTS = 256  # records in flight at most: an overlapped layer rings G + 1 <
 ENTRIES = 512  # call sites a ticket is noted under (a site's wait follows its ring within one layer)
 WAIT_LIMIT = 2_000_000  # polls (each an L2 read, ~0.5 us): ~1 s, where a layer's copies take milliseconds
 IDLE_NS = 5_000_000  # after 5 ms without a record the thread polls every 50 us instead of spinning
+DRAIN_NS = 5_000_000_000  # a drain stops waiting after 5 s (the GPU busy with earlier work): the waits still guard
 ST_STATE, ST_TICKETS, ST_COPIES, ST_BYTES, ST_ERROR, ST_ERROR_AT, ST_WORDS = 0, 1, 2, 3, 4, 5, 8
 ERRORS = {
     -2: "a record named a table the proxy does not have",
@@ -111,6 +116,8 @@ def _load(cache_dir: Path | None) -> ctypes.CDLL:
     lib.px_start.restype = ctypes.c_int
     lib.px_add_table.argtypes = [ptr, i64, i64, i64, ctypes.POINTER(u64), ctypes.POINTER(u64), ctypes.POINTER(u64)]
     lib.px_add_table.restype = i64
+    lib.px_drain.argtypes = [ptr, i64, ptr, i64]
+    lib.px_drain.restype = ctypes.c_int
     lib.px_stop.argtypes = [ptr]
     lib.px_stop.restype = None
     return lib
@@ -155,6 +162,10 @@ class DmaProxy:
         self.gave_up = torch.zeros(1, dtype=torch.int64, device=device)  # `err`'s device copy, read by every wait
         self._tables: dict[tuple[int, ...], int] = {}
         self._next_entry = 0
+        # rings launched outside a capture, replays' included: the GPU numbers tickets in launch order, so the
+        # n-th is ticket n (`drain`); and rings launched during captures, which run on each replay
+        self.rung = 0
+        self.captured = 0
         self._lock = threading.Lock()
         self._lib = _load(cache_dir)
         handle = ctypes.c_void_p()
@@ -212,7 +223,9 @@ class DmaProxy:
 
     def ring(self, table: int, experts: torch.Tensor, slot_ids: torch.Tensor, mask: int) -> int:
         """Rings the proxy for rows experts [n] -> slot_ids [n] (int64 on the device, padded with experts
-        >= the table's rows) in stream order; returns the call site's entry for `wait`."""
+        >= the table's rows) in stream order; returns the call site's entry for `wait`. Outside a capture it
+        drains (`drain`) before it returns: an eager step issues nothing more until the record's copies are
+        queued. Inside one it counts the ring for the graph (`captured`; the replay's owner calls `replayed`)."""
         self._live()
         with self._lock:
             entry = self._next_entry
@@ -221,7 +234,29 @@ class DmaProxy:
             self.counter, self.ring_words, self.tick, experts.contiguous(), slot_ids.contiguous(), entry, table, mask,
             self.ring_slots, self.record_words, self.max_pairs,
         )  # fmt: skip
+        if self.backend == "cuda" and torch.cuda.is_current_stream_capturing():
+            self.captured += 1
+        else:
+            self.rung += 1
+            self.drain()
         return entry
+
+    def replayed(self, rings: int, drain: bool = True) -> None:
+        """A graph that rang `rings` times (its capture's count of `captured`) was launched; with `drain`, waits
+        until the thread has queued every copy it will ask for (`drain`)."""
+        self.rung += rings
+        if drain and rings:
+            self.drain()
+
+    def drain(self) -> int:
+        """Waits, on the host (the C side, GIL released), until the thread has queued the copies of every ring
+        launched so far. Why: CUDA runs nothing issued after a device allocation, a device-to-device copy or a
+        memset concurrently with what was issued before it, whichever host thread issues it. Should the main
+        thread issue one while a wait kernel spins, before the thread has queued that wait's copies, the copies
+        would run after the wait ended: it would give up and the step fail. Returns the C side's code (0 queued, 1
+        the thread stopped or failed, 2 a wait gave up, 3 timed out: the GPU still busy with earlier work); every
+        case but 0 leaves the step to its waits and `check`."""
+        return int(self._lib.px_drain(self._live(), self.rung, self.err.data_ptr(), DRAIN_NS))
 
     def wait(self, entry: int) -> None:
         """Work issued after this on the current stream sees the rows `entry`'s record named."""
@@ -296,6 +331,22 @@ def for_device(device: torch.device, max_pairs: int) -> DmaProxy:
                 raise DmaProxyError("the DMA proxy must start before a CUDA graph capture (an eager step starts it)")
             proxy = _PROXIES[ordinal] = DmaProxy(torch.device("cuda", ordinal), max_pairs)
         return proxy
+
+
+def captured_rings() -> dict[int, int]:
+    """Each device's count of rings launched during captures so far (a graph's own: the difference around it)."""
+    return {ordinal: proxy.captured for ordinal, proxy in _PROXIES.items()}
+
+
+def rings_since(before: dict[int, int]) -> dict[int, int]:
+    """The rings each device's proxy counted during captures since `captured_rings()` returned `before`."""
+    return {o: n - before.get(o, 0) for o, n in captured_rings().items() if n != before.get(o, 0)}
+
+
+def replayed(rings: dict[int, int], drain: bool = True) -> None:
+    """A graph whose capture rang `rings` (`rings_since`) was launched: see `DmaProxy.replayed`."""
+    for ordinal, n in rings.items():
+        _PROXIES[ordinal].replayed(n, drain)
 
 
 def check_all() -> None:

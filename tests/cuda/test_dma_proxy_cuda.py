@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 from test_device_paging_cuda import QWEN2, check_graphed_paged, decode, rt
@@ -75,6 +76,7 @@ def test_proxy_copies_planned_rows_from_a_captured_graph() -> None:
             experts[:4].copy_(torch.tensor(planned_experts))
             slot_ids[:4].copy_(torch.tensor(planned_slots))
             graph.replay()
+            proxy.replayed(2)  # the host's count of tickets: the captured step rings twice
             torch.cuda.synchronize()
             proxy.check()
             for e, s in zip(planned_experts, planned_slots):
@@ -85,7 +87,7 @@ def test_proxy_copies_planned_rows_from_a_captured_graph() -> None:
                 assert torch.equal(_bytes(slots.get(n)), want[n]), n
                 assert torch.equal(seen[n].cpu(), want[n]), f"{n}: the graph read its slots before they landed"
         stats = proxy.stats()
-        assert stats["tickets"] == 2 + 2 * len(plans), stats
+        assert stats["tickets"] == 2 + 2 * len(plans) == proxy.rung, (stats, proxy.rung)
         assert stats["copies"] == 6 * (3 + 1 + 4), stats  # six tensors of each planned row
     finally:
         proxy.close()
@@ -125,6 +127,69 @@ def test_a_wait_nothing_serves_or_a_failed_proxy_does_not_hang_the_gpu() -> None
         failed.close()
 
 
+HOLD_CYCLES = 40_000_000  # ~20 ms of GPU clock: the ring runs after the host issued what follows it
+
+
+def _barriers() -> dict[str, Callable[[], object]]:
+    """Host calls CUDA documents as implicit synchronization (nothing issued after runs beside what was issued
+    before), each set up so that the call itself does what it is named for."""
+    a, b = torch.zeros(1 << 20, device="cuda"), torch.ones(1 << 20, device="cuda")
+    torch.cuda.empty_cache()  # so the allocation below asks the driver
+    return {
+        "device-to-device copy": lambda: a.copy_(b),
+        "device allocation": lambda: torch.empty(256 << 20, dtype=torch.uint8, device="cuda"),
+        "pinned host allocation": lambda: torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True),
+    }
+
+
+def _ring_then(barrier: Callable[[], object], drain: bool) -> tuple[DmaProxy, ExpertTensors, ExpertTensors]:
+    """The GPU sleeps, then rings and waits, while the host issues `barrier` before the ring has run: without a
+    drain the thread queues its copies after the barrier; with one it has queued them before the host goes on."""
+    host, slots = _fp8_layer()
+    proxy = DmaProxy(torch.device("cuda"), max_pairs=4, wait_limit=400_000)  # ~0.2 s
+    if not drain:
+        proxy.drain = lambda: 0  # type: ignore[method-assign]
+    table = proxy.table(host, slots)
+    experts = torch.tensor([2, 9, E, E], device="cuda")
+    slot_ids = torch.tensor([1, 4, K, K], device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(HOLD_CYCLES)
+    entry = proxy.ring(table, experts, slot_ids, DmaProxy.mask(host, None))
+    kept = barrier()
+    proxy.wait(entry)
+    torch.cuda.synchronize()
+    del kept
+    return proxy, host, slots
+
+
+def test_a_drained_ring_survives_the_host_calls_that_synchronize_implicitly() -> None:
+    """The host issues each of CUDA's implicitly synchronizing calls while the GPU has yet to ring: `ring` drains
+    (the thread has queued the copies before it returns), so the wait sees its rows and does not give up."""
+    for name, barrier in _barriers().items():
+        proxy, host, slots = _ring_then(barrier, drain=True)
+        try:
+            proxy.check()
+            for n in slots.names():
+                for expert, slot in ((2, 1), (9, 4)):
+                    assert torch.equal(_bytes(slots.get(n))[slot], _bytes(host.get(n))[expert]), (name, n)
+        finally:
+            proxy.close()
+
+
+def hazards() -> None:
+    """Script mode (`python tests/cuda/test_dma_proxy_cuda.py hazards`): which of those calls make an undrained
+    wait give up on this machine (why `ring` drains)."""
+    for name, barrier in _barriers().items():
+        proxy, _, _ = _ring_then(barrier, drain=False)
+        try:
+            proxy.check()
+            print(f"{name}: the wait saw its rows")
+        except DmaProxyError as e:
+            print(f"{name}: {e}")
+        finally:
+            proxy.close()
+
+
 def test_the_proxy_refuses_to_start_inside_a_capture() -> None:
     """Its counters are zeroed when it starts: inside a capture that would be a memset every replay."""
     from paged_experts.residency import dma_proxy
@@ -161,6 +226,9 @@ def test_graphed_decode_with_dma_copies_matches_eager() -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["hazards"]:
+        hazards()
+        sys.exit(0)
     for name, fn in list(globals().items()):
         if name.startswith("test_") and callable(fn):
             print(name)
