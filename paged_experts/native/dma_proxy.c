@@ -273,11 +273,11 @@ int64_t px_add_table(void *handle, int64_t n, int64_t rows, int64_t slot_rows, c
 }
 
 /* Waits, on the host and without a driver call, until the thread has queued the copies of every ticket up to
- * `target` (the Python side counts the rings it launched). Why: CUDA runs nothing issued after a device memory
- * allocation, a device-to-device memcpy or a memset (and more) concurrently with what was issued before it
- * ("implicit synchronization"), whichever host thread issues it. If the main thread issues one while a wait
- * kernel spins and before this thread queued that wait's copies, the copies run only after the wait kernel ends:
- * it gives up. So the main thread issues nothing more until the copies are queued. Returns 0 (queued), 1 (the
+ * `target` (the Python side counts the rings it launched). Why: on an H100 (driver 580) an eager decode step's
+ * wait gave up while this thread had yet to queue its copies, and served them late; with the main thread
+ * issuing nothing until they are queued, the CUDA tests pass. The cause is not identified: CUDA's documented
+ * implicit synchronizations (a device-to-device copy, a device or pinned allocation issued meanwhile) did not
+ * reproduce it (tests/cuda/test_dma_proxy_cuda.py `hazards`). A safeguard, then. Returns 0 (queued), 1 (the
  * thread failed or stopped), 2 (a wait gave up: `*gave_up` set), 3 (`timeout_ns` passed, e.g. the GPU still busy
  * with earlier work: the wait kernel itself still guards the step). */
 int px_drain(void *handle, int64_t target, const volatile int64_t *gave_up, int64_t timeout_ns) {

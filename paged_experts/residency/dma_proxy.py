@@ -13,10 +13,10 @@ on the device, so a host thread does, on the device's word:
   misses compute
 
 The step's stream never waits for the host: it waits for `done`, which the copy engine writes after the rows.
-The host waits instead, once per launch (`drain`): CUDA runs nothing issued after a device allocation, a
-device-to-device copy or a memset concurrently with what was issued before it, from any host thread, so the
-main thread issues nothing more until the thread has queued the copies of every ring it launched (an eager
-ring drains before it returns; a graph's owner counts its captured rings and calls `replayed` after each launch).
+The host waits instead, once per launch (`drain`): the main thread issues nothing more until the thread has
+queued the copies of every ring it launched (an eager ring drains before it returns; a graph's owner counts its
+captured rings and calls `replayed` after each launch). Without it an eager step's wait gave up on an H100,
+cause not identified (`drain`).
 The hits read no slot being written (a victim slot is never a routed expert's: moe/overlap.py), and the next
 use of a slot is after the wait in stream order. The host thread is C (no GIL: a Python thread would wait for
 the interpreter up to its switch interval, 5 ms, while the server's thread runs); it is built from the
@@ -250,10 +250,10 @@ class DmaProxy:
 
     def drain(self) -> int:
         """Waits, on the host (the C side, GIL released), until the thread has queued the copies of every ring
-        launched so far. Why: CUDA runs nothing issued after a device allocation, a device-to-device copy or a
-        memset concurrently with what was issued before it, whichever host thread issues it. Should the main
-        thread issue one while a wait kernel spins, before the thread has queued that wait's copies, the copies
-        would run after the wait ended: it would give up and the step fail. Returns the C side's code (0 queued, 1
+        launched so far. Why: without it, on an H100 (driver 580), an eager decode step's wait gave up while the
+        thread had yet to queue its copies (served late); with it the CUDA tests pass. The cause is not
+        identified: CUDA's documented implicit synchronizations issued meanwhile did not reproduce it (script
+        mode `hazards` of tests/cuda/test_dma_proxy_cuda.py). A safeguard. Returns the C side's code (0 queued, 1
         the thread stopped or failed, 2 a wait gave up, 3 timed out: the GPU still busy with earlier work); every
         case but 0 leaves the step to its waits and `check`."""
         return int(self._lib.px_drain(self._live(), self.rung, self.err.data_ptr(), DRAIN_NS))

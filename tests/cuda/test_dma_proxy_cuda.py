@@ -162,9 +162,10 @@ def _ring_then(barrier: Callable[[], object], drain: bool) -> tuple[DmaProxy, Ex
     return proxy, host, slots
 
 
-def test_a_drained_ring_survives_the_host_calls_that_synchronize_implicitly() -> None:
-    """The host issues each of CUDA's implicitly synchronizing calls while the GPU has yet to ring: `ring` drains
-    (the thread has queued the copies before it returns), so the wait sees its rows and does not give up."""
+def test_rows_land_when_the_host_issues_implicitly_synchronizing_calls_before_the_ring_runs() -> None:
+    """The host issues each of CUDA's implicitly synchronizing calls while the GPU has yet to ring (`ring` drains
+    first): the wait sees its rows and does not give up. On an H100 (driver 580) they landed without the drain
+    too (`hazards`): this checks the rows, not that the drain is needed."""
     for name, barrier in _barriers().items():
         proxy, host, slots = _ring_then(barrier, drain=True)
         try:
@@ -178,7 +179,7 @@ def test_a_drained_ring_survives_the_host_calls_that_synchronize_implicitly() ->
 
 def hazards() -> None:
     """Script mode (`python tests/cuda/test_dma_proxy_cuda.py hazards`): which of those calls make an undrained
-    wait give up on this machine (why `ring` drains)."""
+    wait give up on this machine (none on an H100, driver 580, 2026-12-06)."""
     for name, barrier in _barriers().items():
         proxy, _, _ = _ring_then(barrier, drain=False)
         try:
