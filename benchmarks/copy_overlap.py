@@ -125,15 +125,15 @@ def copy_fn(mech: str, setup: Setup, pairs: list[tuple[int, int]]) -> Callable[[
 def _wide_copy(setup: Setup, experts: torch.Tensor, slot_ids: torch.Tensor, programs: int) -> None:
     """`copy_kernel`'s capped loop with a 64 KiB block and 8 warps a program: a launch per tensor."""
     num_experts = setup.host.num_rows
-    for name in setup.host.names():
-        src, dst = fp8.raw(setup.host.get(name)), fp8.raw(setup.slots.get(name))
+    for src, dst in zip(setup.host.copy_views(), setup.slots.copy_views()):
         row = src[0].numel()
         block = WIDE_BLOCK_BYTES // src.element_size()
         chunks = -(-row // block)
         work = experts.shape[0] * chunks
         copy_kernel._copy_planned_rows_capped[(max(1, min(programs, work)),)](
-            src, dst, experts, slot_ids, row, num_experts, chunks, work, BLOCK=block, num_warps=WIDE_WARPS
-        )
+            src, dst, experts, slot_ids, row, src.stride(0), dst.stride(0), num_experts, chunks, work,
+            BLOCK=block, num_warps=WIDE_WARPS,
+        )  # fmt: skip
 
 
 def compute_fn(setup: Setup, compute_slots: list[int], repeats: int, seed: int) -> Callable[[], None]:

@@ -171,11 +171,13 @@ def measure_link(device: str) -> dict[str, Any]:
 def build(cell: Cell, args: argparse.Namespace) -> MoeCausalLM:
     programs: int | None = None
     if cell.mode == "resident":
-        rt = RuntimeConfig(mode="resident", device=args.device, dtype=args.dtype)
+        # the same host store as the paged cells (one in memory at a time); resident device rows stay split
+        rt = RuntimeConfig(mode="resident", device=args.device, dtype=args.dtype, expert_rows=args.expert_rows)
     else:
         page_in, programs = path_page_in(cell.path)
         rt = RuntimeConfig(mode="paged", resident_experts=cell.k, device=args.device, dtype=args.dtype,
-                           prefill_residency=cell.keep or "recent", page_in=page_in)  # fmt: skip
+                           prefill_residency=cell.keep or "recent", page_in=page_in,
+                           expert_rows=args.expert_rows)  # fmt: skip
     model = MoeCausalLM.synthetic(args.preset, rt, layers=args.layers, seed=args.seed)
     if programs is not None:  # every layer shares the one engine (MoeShared.page_in)
         model.moe_layers[0].shared.page_in.row_kernel = functools.partial(copy_planned, programs=programs)
@@ -400,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="on (the runtime's default): a host-planned FP8 wave's grouped launches read and write its "
                          "rows through the step's layout; off: a gather before them and an index copy after "
                          "(moe/waves.py ROWS_IN_KERNEL; A/B two processes with benchmarks/prefill_ab.py)")  # fmt: skip
+    ap.add_argument("--expert-rows", choices=("split", "packed"), default="split",
+                    help="the paged layers' expert layout (RuntimeConfig.expert_rows): packed = one byte row an "
+                         "expert, one DMA a run of experts (A/B: two processes)")  # fmt: skip
     ap.add_argument("--nvml-scripted-read-s", type=float, default=None, help=argparse.SUPPRESS)  # the harness's test
     args = ap.parse_args(argv)
     waves_module.ROWS_IN_KERNEL = args.rows_in_kernel == "on"
@@ -428,7 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = synth_memory.config_for(synth_memory.SynthSpec(args.preset, args.layers, args.seed))
     t0 = time.perf_counter()
     silent = synth_memory.silent_ids(f"synth:{args.preset}")  # as the cells' models (MoeCausalLM.synthetic): one store
-    synth_memory.host_weights(cfg, getattr(torch, args.dtype), args.seed, torch.device(args.device), silent)
+    synth_memory.host_weights(
+        cfg, getattr(torch, args.dtype), args.seed, torch.device(args.device), silent, args.expert_rows == "packed"
+    )
     record["host_store_build_s"] = time.perf_counter() - t0
     record["link"] = measure_link(args.device)
     link = record["link"].get("paging_gb_per_s")

@@ -48,6 +48,12 @@ class RuntimeConfig:
     # 'batch' = every tensor's runs of rows in one cuMemcpyBatchAsync call (CUDA driver 12.8+; memmoves on the CPU;
     # to be measured by configs/h200/batchcopy.yaml).
     page_in: PageIn = "auto"
+    # How the host store of paged and offloaded layers and their device rows lay an expert out
+    # (residency/store.py ExpertTensors): 'split', a tensor each (an FP8 expert's page-in: three weight DMAs and
+    # its scale rows); 'packed', one byte row an expert (one DMA a run of experts; the kernels read each tensor at
+    # its stride: the same bits). Resident layers stay split. 'split' until measured (prefill_h200.py
+    # --expert-rows, configs/h200/packed.yaml).
+    expert_rows: Literal["split", "packed"] = "split"
     # Paged one-wave steps planned and paged in on the device (no host sync, CUDA-graph capturable):
     # 'auto' = on for CUDA, off on the CPU (where the host planner is the cheaper path).
     device_planning: Literal["auto", "on", "off"] = "auto"
@@ -108,6 +114,8 @@ class RuntimeConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.dtype not in TORCH_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(TORCH_DTYPES)}, got {self.dtype!r}")
+        if self.expert_rows not in ("split", "packed"):
+            raise ValueError(f"expert_rows must be 'split' or 'packed', got {self.expert_rows!r}")
         if self.page_in not in PAGE_IN_CHOICES:
             raise ValueError(f"page_in must be one of {PAGE_IN_CHOICES}, got {self.page_in!r}")
         if self.page_in in ("kernel", "staged") and self.device != "cuda":
@@ -234,6 +242,11 @@ class RuntimeConfig:
             raise ValueError(
                 f"cpu_expert_layers={self.cpu_expert_layers} exceeds the model's {model.num_moe_layers} MoE layers"
             )
+
+    def packs_rows(self, placement: str) -> bool:
+        """True where a layer of this placement ('layer_mode') keeps its experts in packed rows (expert_rows):
+        the layers whose host rows are copied to the device, paged and offloaded."""
+        return self.expert_rows == "packed" and placement in ("paged", "offload")
 
     def layer_mode(self, layer_idx: int, num_moe_layers: int) -> str:
         """The placement of one layer's experts: 'resident', 'paged', 'offload' or 'cpu'."""

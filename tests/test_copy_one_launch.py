@@ -114,9 +114,10 @@ def test_one_launch_compiles_for_the_h200() -> None:
     fn = copy_kernel._copy_rows_one_launch
     pointers = {"experts": "*i64", "slots": "*i64", **{f"{p}{i}": "*u8" for i in range(6) for p in "sd"}}
     signature = {a: pointers.get(a, "constexpr" if a == "BLOCK" else "i32") for a in fn.arg_names}
-    # what the launcher derives for real rows: 16-byte aligned tensors, row sizes multiples of 16 (FP8
-    # 1,572,864 and 384 bytes; bf16 rows alike), which is what allows 16-byte loads
-    aligned = [a for a in fn.arg_names if a in pointers or a[0] == "n"]
+    # what the launcher derives for real rows: 16-byte aligned tensors, row sizes and pitches multiples of 16
+    # (FP8 1,572,864 and 384 bytes; bf16 rows alike; a packed row's pitch is a multiple of 256), which is what
+    # allows 16-byte loads
+    aligned = [a for a in fn.arg_names if a in pointers or a[0] in "np"]
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = ASTSource(fn, signature, {"BLOCK": copy_kernel.BLOCK_BYTES}, attrs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]

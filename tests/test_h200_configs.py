@@ -146,6 +146,27 @@ def test_the_dmaproxy_matrix_measures_the_copy_engine_against_the_copy_kernel(
     assert decode.concurrency == [1, 4] and decode.warmup_requests >= 4 and decode.output_tokens >= 128
 
 
+def test_the_packed_matrix_measures_packed_rows_against_split(
+    stand_ins: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """configs/h200/packed.yaml: paged FP8 at K=54 on both routings, split rows (today) against packed rows in one run
+    id, the server command naming the layout; short and 2,048-token prompts at c=1 and c=4, two repeats."""
+    path = CONFIGS / "packed.yaml"
+    assert main(["run", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    plan = build_plan(load_matrix(path))
+    settings = sorted((s.options.routing, s.options.expert_rows or "") for s in plan.servers)
+    assert settings == [(r, rows) for r in ("model", "qwen3-30b-a3b") for rows in ("packed", "split")]
+    assert {s.options.resident_experts for s in plan.servers} == {54} and {s.options.mode for s in plan.servers} == {
+        "paged"
+    }
+    assert out.count("--expert-rows packed") == 2 and out.count("--expert-rows split") == 2
+    m = load_matrix(path).matrix
+    assert m.linkbw and m.repeats >= 2
+    chat = m.workloads["chat"]
+    assert chat.concurrency == [1, 4] and set(chat.prompt_classes) == {"short", "2048"} and chat.output_tokens >= 128
+
+
 def test_the_copy_matrix_measures_the_capped_copy_grid(stand_ins: None, capsys: pytest.CaptureFixture[str]) -> None:
     """configs/h200/copy.yaml: paged FP8 at K=40 on both routings with the full copy grid, the grid capped
     at 16 and 32 programs, and capped with overlap, beside resident FP8; the commands say what is in force."""

@@ -497,7 +497,8 @@ def test_row_maps_compile_for_the_h200_as_the_plain_kernels() -> None:
         kinds |= {name: "*fp8e4nv" for name in ("w", "wg", "wu")} | {name: "*fp32" for name in ("s", "sg", "su")}
         kinds |= {name: "*i32" for name in ("blk_group", "blk_m0", "blk_m1")}
         constants = {"N": n, "K": k, "QB": g.QUANT_BLOCK, "BM": tiles.block_m, "BN": tiles.block_n,
-                     "BK": tiles.block_k, "IEEE": False, "GATHER": gather, "SCATTER": scatter}  # fmt: skip
+                     "BK": tiles.block_k, "IEEE": False, "GATHER": gather, "SCATTER": scatter,
+                     "W_STRIDE": n * k, "S_STRIDE": (n // g.QUANT_BLOCK) * (k // g.QUANT_BLOCK)}  # fmt: skip
         signature = {a: "constexpr" if a in constants else kinds[a] for a in fn.arg_names}
         # what the launcher derives for real tensors: every pointer 16-byte aligned
         attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if kinds.get(a, "")[:1] == "*"}

@@ -356,7 +356,10 @@ GATE_UP = dict(x="*bf16", rows="*i64", w_gate="*bf16", w_up="*bf16", hid="*bf16"
 DOWN = dict(hid="*bf16", rows="*i64", topw="*fp32", w_down="*bf16", out="*bf16")
 GATE_UP_FP8 = {**GATE_UP, "w_gate": "*fp8e4nv", "w_up": "*fp8e4nv", "s_gate": "*fp32", "s_up": "*fp32"}
 DOWN_FP8 = {**DOWN, "w_down": "*fp8e4nv", "s_down": "*fp32"}
-SHAPE = dict(TOP_K=8, INTER=768, H=2048, QB=QB)
+# the expert row strides of contiguous tables (gate/up [E, I, H] and down [E, H, I] alike, slots and host rows): what
+# moe_triton's wrappers pass for them, so the unified kernels' PTX is the code contiguous tables run
+ROWS = dict(W_STRIDE=768 * 2048, S_STRIDE=(768 // QB) * (2048 // QB))
+SHAPE = dict(TOP_K=8, INTER=768, H=2048, QB=QB, **ROWS, HW_STRIDE=ROWS["W_STRIDE"], HS_STRIDE=ROWS["S_STRIDE"])
 PTX_CASES = (
     ("_gate_up", "_old_gate_up", GATE_UP, dict(BN=8, BK=512), 2, False),
     ("_down_combine_vec", "_old_down_combine_vec", DOWN, dict(KB=8, BN=4, BK=128), 8, False),

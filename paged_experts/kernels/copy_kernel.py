@@ -22,7 +22,6 @@ from collections.abc import Sequence
 
 import torch
 
-from paged_experts import fp8
 from paged_experts.residency.store import ExpertTensors
 
 try:  # Triton ships with CUDA builds of torch; the CPU wheel has none
@@ -37,29 +36,38 @@ if triton is not None:
 
     @triton.jit
     def _copy_chunk(
-        src, dst, experts, slots, entry, chunk, row_elems, num_experts, BLOCK: tl.constexpr
+        src, dst, experts, slots, entry, chunk, row_elems, src_pitch, dst_pitch, num_experts, BLOCK: tl.constexpr
     ):  # pragma: no cover
-        # one 16 KiB chunk of planned entry `entry`; padding entries name expert E: nothing to copy
+        # one 16 KiB chunk of planned entry `entry`; padding entries name expert E: nothing to copy. A row is
+        # row_elems long and starts every src_pitch / dst_pitch elements (a packed row's range: more than a row)
         expert = tl.load(experts + entry)
         if expert < num_experts:
             slot = tl.load(slots + entry)
             offs = chunk * BLOCK + tl.arange(0, BLOCK)
             mask = offs < row_elems
-            v = tl.load(src + expert.to(tl.int64) * row_elems + offs, mask=mask)
-            tl.store(dst + slot.to(tl.int64) * row_elems + offs, v, mask=mask)
+            v = tl.load(src + expert.to(tl.int64) * src_pitch + offs, mask=mask)
+            tl.store(dst + slot.to(tl.int64) * dst_pitch + offs, v, mask=mask)
 
     @triton.jit
-    def _copy_planned_rows(src, dst, experts, slots, row_elems, num_experts, BLOCK: tl.constexpr):  # pragma: no cover
-        _copy_chunk(src, dst, experts, slots, tl.program_id(0), tl.program_id(1), row_elems, num_experts, BLOCK)
+    def _copy_planned_rows(
+        src, dst, experts, slots, row_elems, src_pitch, dst_pitch, num_experts, BLOCK: tl.constexpr
+    ):  # pragma: no cover
+        _copy_chunk(
+            src, dst, experts, slots, tl.program_id(0), tl.program_id(1), row_elems, src_pitch, dst_pitch,
+            num_experts, BLOCK,
+        )  # fmt: skip
 
     @triton.jit
     def _copy_planned_rows_capped(  # pragma: no cover
-        src, dst, experts, slots, row_elems, num_experts, chunks, work, BLOCK: tl.constexpr
+        src, dst, experts, slots, row_elems, src_pitch, dst_pitch, num_experts, chunks, work, BLOCK: tl.constexpr
     ):
         # The same copy from a grid of few programs, each taking every n-th (entry, chunk): the copy then
         # holds a few SMs, not all, so kernels on another stream can run beside it (an overlapped pass).
         for item in range(tl.program_id(0), work, tl.num_programs(0)):
-            _copy_chunk(src, dst, experts, slots, item // chunks, item % chunks, row_elems, num_experts, BLOCK)
+            _copy_chunk(
+                src, dst, experts, slots, item // chunks, item % chunks, row_elems, src_pitch, dst_pitch,
+                num_experts, BLOCK,
+            )  # fmt: skip
 
     # The copies of up to 6 tensors of one expert row (an FP8 row: gate, up, down and their scales) in ONE
     # launch, every tensor as bytes: program (entry, chunk) copies chunk `chunk` of the row's tensors laid
@@ -67,12 +75,13 @@ if triton is not None:
     # ~1-2.5 us with its gap and its ramp even when it copies nothing (the 3 scale rows: 384 bytes each),
     # and every paged layer copied in 6 launches (benchmarks/results/h200/2026-12-02-flags-overlap).
     # The chunk starts may be 1 (a tiny first tensor): kept as i32, never a constexpr, for the if-chain's types.
-    # The row sizes stay specialized: knowing them multiples of 16 is what lets Triton load 16 bytes at a
-    # time (ld.global.v4; without it every byte is its own load).
+    # The row sizes and pitches stay specialized: knowing them multiples of 16 is what lets Triton load 16
+    # bytes at a time (ld.global.v4; without it every byte is its own load). A tensor's rows start every
+    # p_i bytes, its row n_i long (split tensors: p_i = n_i; a packed row's range: p_i its pitch, both sides).
     @triton.jit(do_not_specialize=["c1", "c2", "c3", "c4", "c5"])
     def _copy_rows_one_launch(  # pragma: no cover
         experts, slots, num_experts,
-        s0, d0, n0, s1, d1, n1, s2, d2, n2, s3, d3, n3, s4, d4, n4, s5, d5, n5,
+        s0, d0, n0, p0, s1, d1, n1, p1, s2, d2, n2, p2, s3, d3, n3, p3, s4, d4, n4, p4, s5, d5, n5, p5,
         c1, c2, c3, c4, c5,
         BLOCK: tl.constexpr,
     ):  # fmt: skip
@@ -84,36 +93,42 @@ if triton is not None:
             src = s0
             dst = d0
             n = n0
+            pitch = p0
             first = c1 * 0
             if chunk >= c1:
                 src = s1
                 dst = d1
                 n = n1
+                pitch = p1
                 first = c1
             if chunk >= c2:
                 src = s2
                 dst = d2
                 n = n2
+                pitch = p2
                 first = c2
             if chunk >= c3:
                 src = s3
                 dst = d3
                 n = n3
+                pitch = p3
                 first = c3
             if chunk >= c4:
                 src = s4
                 dst = d4
                 n = n4
+                pitch = p4
                 first = c4
             if chunk >= c5:
                 src = s5
                 dst = d5
                 n = n5
+                pitch = p5
                 first = c5
             offs = (chunk - first) * BLOCK + tl.arange(0, BLOCK)
             mask = offs < n
-            v = tl.load(src + expert.to(tl.int64) * n + offs, mask=mask)
-            tl.store(dst + slot.to(tl.int64) * n + offs, v, mask=mask)
+            v = tl.load(src + expert.to(tl.int64) * pitch + offs, mask=mask)
+            tl.store(dst + slot.to(tl.int64) * pitch + offs, v, mask=mask)
 
 
 MAX_ONE_LAUNCH = 6  # tensors one `launch_copy_rows` takes
@@ -123,14 +138,17 @@ def launch_copy_rows(
     srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], experts: torch.Tensor, slot_ids: torch.Tensor,
     num_experts: int,
 ) -> None:  # fmt: skip
-    """Rows srcs[t][experts[i]] -> dsts[t][slot_ids[i]] of every tensor t (at most 6, each contiguous; entries
-    naming expert >= num_experts skipped) in one launch of the Triton kernel: one program per (entry,
-    16 KiB chunk of the row's tensors laid end to end)."""
+    """Rows srcs[t][experts[i]] -> dsts[t][slot_ids[i]] of every tensor t (at most 6; each row contiguous, rows
+    `stride(0)` apart, the same on both sides; entries naming expert >= num_experts skipped) in one launch of
+    the Triton kernel: one program per (entry, 16 KiB chunk of the row's tensors laid end to end)."""
     if not 1 <= len(srcs) == len(dsts) <= MAX_ONE_LAUNCH:
         raise ValueError(f"one launch copies 1 to {MAX_ONE_LAUNCH} tensors, got {len(srcs)} and {len(dsts)}")
-    rows_s = [t.view(torch.uint8) for t in srcs]  # bytes: one kernel for every dtype
-    rows_d = [t.view(torch.uint8) for t in dsts]
+    rows_s = [_bytes(t) for t in srcs]  # bytes: one kernel for every dtype
+    rows_d = [_bytes(t) for t in dsts]
     row_bytes = [t[0].numel() for t in rows_s]
+    pitches = [t.stride(0) for t in rows_s]
+    if pitches != [t.stride(0) for t in rows_d]:
+        raise ValueError(f"one launch copies rows of one pitch on both sides, got {pitches} and {rows_d}")
     firsts, total = [], 0  # first chunk of each tensor
     for n in row_bytes:
         firsts.append(total)
@@ -139,8 +157,9 @@ def launch_copy_rows(
         rows_s.append(rows_s[0])
         rows_d.append(rows_d[0])
         row_bytes.append(row_bytes[0])
+        pitches.append(pitches[0])
         firsts.append(total)
-    args = [a for triple in zip(rows_s, rows_d, row_bytes) for a in triple]
+    args = [a for quad in zip(rows_s, rows_d, row_bytes, pitches) for a in quad]
     grid = (experts.shape[0], total)
     _copy_rows_one_launch[grid](experts, slot_ids, num_experts, *args, *firsts[1:], BLOCK=BLOCK_BYTES, num_warps=4)
 
@@ -156,17 +175,34 @@ def launch_copy(
     """One tensor's planned rows src[experts[i]] -> dst[slot_ids[i]] (entries naming expert >= num_experts
     skipped) by the Triton kernel: one program per (entry, 16 KiB chunk), or at most `programs`
     programs looping over them (RuntimeConfig.copy_programs)."""
+    _check_rows(src)
+    _check_rows(dst)
     row_elems, block = src[0].numel(), BLOCK_BYTES // src.element_size()
+    pitches = (src.stride(0), dst.stride(0))
     chunks = triton.cdiv(row_elems, block)
     work = experts.shape[0] * chunks
     if programs is None:
         grid = (experts.shape[0], chunks)
-        _copy_planned_rows[grid](src, dst, experts, slot_ids, row_elems, num_experts, BLOCK=block, num_warps=4)
+        _copy_planned_rows[grid](
+            src, dst, experts, slot_ids, row_elems, *pitches, num_experts, BLOCK=block, num_warps=4
+        )
         return
     grid_capped = (max(1, min(programs, work)),)
     _copy_planned_rows_capped[grid_capped](
-        src, dst, experts, slot_ids, row_elems, num_experts, chunks, work, BLOCK=block, num_warps=4
+        src, dst, experts, slot_ids, row_elems, *pitches, num_experts, chunks, work, BLOCK=block, num_warps=4
     )
+
+
+def _check_rows(t: torch.Tensor) -> None:
+    """Each row of t contiguous (its rows may sit `stride(0)` apart: a packed row's range)."""
+    if not t[0].is_contiguous():
+        raise ValueError(f"the copy kernel copies contiguous rows, got strides {t.stride()}")
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """t's rows as bytes [N, row bytes] (rows `stride(0)` elements apart stay so)."""
+    _check_rows(t)
+    return t.reshape(t.shape[0], -1).view(torch.uint8)
 
 
 def graph_safe(device: torch.device) -> bool:
@@ -191,23 +227,22 @@ def copy_planned(
     grid cap (None: one program per 16 KiB chunk, every SM). `one_launch`: with the full grid, every
     tensor in one launch (`launch_copy_rows`); False: a launch per tensor (the A/B of the two)."""
     num_experts = host.num_rows
-    # host.names() read at call time: the fault-injection tests narrow it
-    wanted = [n for n in host.names() if names is None or n in names]
-    if not wanted:
+    # copy_views reads host.names() at call time: the fault-injection tests narrow it. Packed rows: the byte
+    # ranges of the row that hold `names` (every tensor: one range, the whole row)
+    srcs, dsts = host.copy_views(names), slots.copy_views(names)
+    if host.row_pitch != slots.row_pitch:
+        raise ValueError(f"host rows and slots differ in layout (row pitches {host.row_pitch}, {slots.row_pitch})")
+    if not srcs:
         return
     if graph_safe(slots.gate.device):
-        if one_launch and programs is None and len(wanted) <= MAX_ONE_LAUNCH:
-            srcs, dsts = [host.get(n) for n in wanted], [slots.get(n) for n in wanted]
-            if all(t.is_contiguous() for t in (*srcs, *dsts)):
-                launch_copy_rows(srcs, dsts, experts, slot_ids, num_experts)
-                return
-        for name in wanted:
-            src, dst = fp8.raw(host.get(name)), fp8.raw(slots.get(name))  # FP8 rows copy as bytes
+        if one_launch and programs is None and len(srcs) <= MAX_ONE_LAUNCH:
+            launch_copy_rows(srcs, dsts, experts, slot_ids, num_experts)
+            return
+        for src, dst in zip(srcs, dsts):  # FP8 rows copy as bytes
             launch_copy(src, dst, experts, slot_ids, num_experts, programs)
         return
     valid = (experts < num_experts).nonzero().reshape(-1)  # [m]: the host read (not graph-safe)
     src_idx = experts[valid].to(host.gate.device)
     dst_idx = slot_ids[valid]
-    for name in wanted:
-        rows = fp8.raw(host.get(name)).index_select(0, src_idx).to(slots.gate.device)
-        fp8.raw(slots.get(name)).index_copy_(0, dst_idx, rows)
+    for src, dst in zip(srcs, dsts):
+        dst.index_copy_(0, dst_idx, src.index_select(0, src_idx).to(slots.gate.device))

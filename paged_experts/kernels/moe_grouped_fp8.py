@@ -17,6 +17,9 @@ lays its waves' tables out on the host instead (`host_block_tables`, moe/waves.p
 rows at once, their gated product silu(a Wg^T) * (a Wu^T) written once: a wave's gate, up, silu and product in one
 launch.
 
+A group's rows may be contiguous or packed (moe_triton.row_stride): their strides are constexprs, a contiguous
+table compiling to the code it always did.
+
 A row's result depends only on its own activations and its group's weights (masked rows are zeros
 and the MMA computes each output from its own row), and the tiles are fixed per shape, never chosen
 by the step's size: so a pair computes the same bits in a resident step and in any paged wave.
@@ -36,6 +39,7 @@ except ImportError:  # pragma: no cover - the CPU torch wheel ships no Triton
 from typing import NamedTuple
 
 from paged_experts.kernels.moe_tiles import GroupedTiles
+from paged_experts.kernels.moe_triton import row_stride, shared_stride
 
 QUANT_BLOCK = 128  # fp8.BLOCK
 
@@ -54,44 +58,48 @@ if triton is not None:
     @triton.jit(do_not_specialize=["row0"])
     def _grouped_fp8(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
         a, w, s, out, blk_group, blk_m0, blk_m1, a_rows, out_rows, row0,
-        N: tl.constexpr, K: tl.constexpr, QB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-        IEEE: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr,
+        N: tl.constexpr, K: tl.constexpr, W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr, QB: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, GATHER: tl.constexpr,
+        SCATTER: tl.constexpr,
     ):  # fmt: skip
         """a [P, K], w [G, N, K] fp8, s [G, N/QB, K/QB] fp32, blocks (group, first row, end row) -> out [P, N].
-        IEEE: fp32 activations multiply in full fp32 (tl.dot would round them to tf32). GATHER: row m of the
-        product reads a's row a_rows[row0 + m] (a: every row, unsorted); SCATTER: it writes out's row
-        out_rows[row0 + m] (out: every row)."""
+        W_STRIDE / S_STRIDE: elements from one group's row of w / s to the next (moe_triton.row_stride). IEEE: fp32
+        activations multiply in full fp32 (tl.dot would round them to tf32). GATHER: row m of the product reads a's
+        row a_rows[row0 + m] (a: every row, unsorted); SCATTER: it writes out's row out_rows[row0 + m] (out: every
+        row)."""
         b = tl.program_id(0)
         g = tl.load(blk_group + b).to(tl.int64)
         if g < 0:  # past the last group's blocks
             return
         _grouped_tile(
             a, w, s, w, s, out, g, b, blk_m0, blk_m1, a_rows, out_rows, row0,
-            N, K, QB, BM, BN, BK, IEEE, False, GATHER, SCATTER,
+            N, K, W_STRIDE, S_STRIDE, QB, BM, BN, BK, IEEE, False, GATHER, SCATTER,
         )  # fmt: skip
 
     @triton.jit(do_not_specialize=["row0"])
     def _grouped_fp8_glu(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
         a, wg, sg, wu, su, out, blk_group, blk_m0, blk_m1, a_rows, out_rows, row0,
-        N: tl.constexpr, K: tl.constexpr, QB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-        IEEE: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr,
+        N: tl.constexpr, K: tl.constexpr, W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr, QB: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, GATHER: tl.constexpr,
+        SCATTER: tl.constexpr,
     ):  # fmt: skip
         """_grouped_fp8 of the gate rows wg / sg and the up rows wu / su at once -> out = silu(a Wg^T) * (a Wu^T)
-        (its own name, so a profile tells it from the plain matmul)."""
+        (its own name, so a profile tells it from the plain matmul); wu / su at wg / sg's strides."""
         b = tl.program_id(0)
         g = tl.load(blk_group + b).to(tl.int64)
         if g < 0:  # past the last group's blocks
             return
         _grouped_tile(
             a, wg, sg, wu, su, out, g, b, blk_m0, blk_m1, a_rows, out_rows, row0,
-            N, K, QB, BM, BN, BK, IEEE, True, GATHER, SCATTER,
+            N, K, W_STRIDE, S_STRIDE, QB, BM, BN, BK, IEEE, True, GATHER, SCATTER,
         )  # fmt: skip
 
     @triton.jit
     def _grouped_tile(  # pragma: no cover - runs on a GPU or in TRITON_INTERPRET=1
         a, w, s, wu, su, out, g, b, blk_m0, blk_m1, a_rows, out_rows, row0,
-        N: tl.constexpr, K: tl.constexpr, QB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-        IEEE: tl.constexpr, GLU: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr,
+        N: tl.constexpr, K: tl.constexpr, W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr, QB: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, GLU: tl.constexpr,
+        GATHER: tl.constexpr, SCATTER: tl.constexpr,
     ):  # fmt: skip
         """Block b (of group g >= 0) times one N tile. GLU: w / s are the gate rows and wu / su the up rows (unread
         otherwise), and out = silu(a W^T) * (a Wu^T), rounded at the points the four launches round: each
@@ -114,8 +122,8 @@ if triton is not None:
         n = n0 + tl.arange(0, BN)  # [BN]
         n_ok = n < N
         sk: tl.constexpr = (K + QB - 1) // QB
-        s_row = g * ((N + QB - 1) // QB) * sk + (n0 // QB) * sk  # scalar: the tile's scale row (BN | QB)
-        w_off = g * N * K + n[None, :].to(tl.int64) * K  # [1, BN]
+        s_row = g * S_STRIDE + (n0 // QB) * sk  # scalar: the tile's scale row (BN | QB)
+        w_off = g * W_STRIDE + n[None, :].to(tl.int64) * K  # [1, BN]
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         acc_u = tl.zeros((BM, BN), dtype=tl.float32)  # GLU only
         for k0 in range(0, K, BK):
@@ -243,7 +251,8 @@ def grouped_fp8_mm(
     tiles: GroupedTiles,
     scatter: tuple[torch.Tensor, RowMap] | None = None,
 ) -> torch.Tensor:
-    """a [P, K] sorted by group, w [G, N, K] float8_e4m3fn, scale [G, N/128, K/128] fp32, blocks:
+    """a [P, K] sorted by group, w [G, N, K] float8_e4m3fn, scale [G, N/128, K/128] fp32 (each group's rows
+    contiguous, the table contiguous or packed rows: moe_triton.row_stride), blocks:
     `block_table(offs, P, tiles.block_m)`, or a wave's columns of `host_block_tables` (one table serves
     every matmul of a step) -> [P, N] in a's dtype (fp32 accumulation, one rounding). `scatter` (out [R, N],
     rows): row m written to out's row rows.rows[rows.first + m] instead (a step's pair outputs, no copy after),
@@ -267,7 +276,7 @@ def grouped_fp8_glu(
     and product row m reads a's row gather.rows[gather.first + m] (P = gather.num): no gathered copy of a."""
     if up[0].shape != gate[0].shape or up[1].shape != gate[1].shape:
         raise ValueError(f"gate {tuple(gate[0].shape)} and up {tuple(up[0].shape)} rows (or their scales) differ")
-    return _launch(a, gate, up, blocks, tiles, gather, None)
+    return _launch(a, gate, up, blocks, tiles, gather, None)  # _launch checks that their strides agree
 
 
 def _launch(
@@ -284,6 +293,11 @@ def _launch(
     k = a.shape[1]
     w, scale = weights
     g, n, _ = w.shape
+    # one offset reads a group's gate and up rows (GLU): their tables must share the strides (both layouts do)
+    strides = dict(
+        W_STRIDE=row_stride(w, "weights") if up is None else shared_stride(w, up[0], "gate/up"),
+        S_STRIDE=row_stride(scale, "scales") if up is None else shared_stride(scale, up[1], "gate/up scales"),
+    )
     if QUANT_BLOCK % tiles.block_k or QUANT_BLOCK % tiles.block_n:
         raise ValueError(f"grouped FP8 tiles {tiles}: block_n and block_k must divide {QUANT_BLOCK}")
     if gather is not None and scatter is not None:
@@ -315,7 +329,7 @@ def _launch(
     index = rows.rows if rows is not None else group  # unread without a map: any pointer
     kernel[grid](
         a.contiguous(), *weights_args, out, group, m0, m1, index, index, rows.first if rows is not None else 0,
-        N=n, K=k, QB=QUANT_BLOCK, BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k,
+        N=n, K=k, **strides, QB=QUANT_BLOCK, BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k,
         IEEE=a.dtype == torch.float32, GATHER=gather is not None, SCATTER=scatter is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip

@@ -17,6 +17,10 @@ Pairs are not sorted or grouped: a pair's row r (expert in `[E, ...]`, slot in `
 directly. A pair's result depends only on its token's input and its row's weights, and a token's
 sum runs in a fixed order, so paged == resident bit for bit whenever both use these kernels with
 the same tiles (FP8's depend on the step's token count, the same in both).
+A table's rows may also be packed (an expert's tensors in one byte row of a uint8 buffer, each tensor a strided
+view: residency/store.py): each kernel takes its tables' row strides as constexprs (`row_stride`), so a
+contiguous table compiles to the code it always did (tests/test_moe_triton_switch.py) and a packed one
+computes the same bits (tests/test_moe_packed_rows.py).
 Two pairs of one step that share an expert each stream it (from L2 when close in time): that is
 why steps above MAX_PAIRS keep torch's grouped GEMM, which reads each routed expert once.
 
@@ -114,6 +118,8 @@ if triton is not None:
         BK: tl.constexpr,
         SCALED: tl.constexpr,
         QB: tl.constexpr,
+        W_STRIDE: tl.constexpr,
+        S_STRIDE: tl.constexpr,
         SKIP: tl.constexpr = False,
         src_rows=None,
         h_gate=None,
@@ -121,10 +127,15 @@ if triton is not None:
         hs_gate=None,
         hs_up=None,
         READ: tl.constexpr = False,
+        HW_STRIDE: tl.constexpr = None,
+        HS_STRIDE: tl.constexpr = None,
     ):
         """x [T, H], rows [T*k] weight row per pair, w_gate/w_up [G, I, H] -> hid [T*k, I]. SCALED:
         float8_e4m3fn weights with fp32 scales s_gate/s_up [G, I/QB, H/QB], BN dividing QB (the
-        tile's rows share one scale row); otherwise s_gate/s_up are None. SKIP: a pair whose row is
+        tile's rows share one scale row); otherwise s_gate/s_up are None. W_STRIDE / S_STRIDE: elements
+        from one row of w_gate and w_up / s_gate and s_up to the next (`row_stride`: each row contiguous,
+        the rows contiguous too or packed, one expert's tensors in one byte row); HW_STRIDE / HS_STRIDE:
+        the host rows' (READ). SKIP: a pair whose row is
         negative is not this launch's (its weights may still be copying): its programs return after
         reading the row, so a step's pairs can be computed over several launches, each pair's values
         exactly those of one launch over all of them (SKIP off compiles the kernel without the check).
@@ -145,10 +156,10 @@ if triton is not None:
             if r < 0:  # another launch's pair: its weights may still be copying
                 return
         x_row = x + (p // TOP_K) * H
-        w_off = r * INTER * H + n[:, None].to(tl.int64) * H  # [BN, 1]
+        w_off = r * W_STRIDE + n[:, None].to(tl.int64) * H  # [BN, 1]
         if SCALED:
             sk: tl.constexpr = (H + QB - 1) // QB
-            s_row = r * ((INTER + QB - 1) // QB) * sk + (n0 // QB) * sk  # scalar: the tile's scale row
+            s_row = r * S_STRIDE + (n0 // QB) * sk  # scalar: the tile's scale row
         if READ:  # where the weights are read: the slot row r, or (a miss) host row e, written through to r
             g_src = w_gate + w_off
             u_src = w_up + w_off
@@ -157,10 +168,10 @@ if triton is not None:
                 su_src = s_up + s_row
             e = tl.load(src_rows + p).to(tl.int64)
             if e >= 0:
-                g_src = h_gate + (e * INTER * H + n[:, None].to(tl.int64) * H)
-                u_src = h_up + (e * INTER * H + n[:, None].to(tl.int64) * H)
+                g_src = h_gate + (e * HW_STRIDE + n[:, None].to(tl.int64) * H)
+                u_src = h_up + (e * HW_STRIDE + n[:, None].to(tl.int64) * H)
                 if SCALED:
-                    hs_row = e * ((INTER + QB - 1) // QB) * sk + (n0 // QB) * sk
+                    hs_row = e * HS_STRIDE + (n0 // QB) * sk
                     sg_src = hs_gate + hs_row
                     su_src = hs_up + hs_row
         acc_g = tl.zeros((BN,), dtype=tl.float32)
@@ -211,14 +222,19 @@ if triton is not None:
         BK: tl.constexpr,
         SCALED: tl.constexpr,
         QB: tl.constexpr,
+        W_STRIDE: tl.constexpr,
+        S_STRIDE: tl.constexpr,
         src_rows=None,
         h_down=None,
         hs_down=None,
         READ: tl.constexpr = False,
+        HW_STRIDE: tl.constexpr = None,
+        HS_STRIDE: tl.constexpr = None,
     ):
         """hid [T*k, I], rows [T*k], topw [T*k] fp32, w_down [G, H, I] -> out [T, H] = sum_j w_j * down(h_j),
         the pairs one after another. SCALED: float8_e4m3fn weights with fp32 scales s_down [G, H/QB, I/QB].
-        READ: as `_gate_up`'s (a miss's down row read from host row src_rows[p] of h_down/hs_down and
+        W_STRIDE, S_STRIDE (HW_STRIDE, HS_STRIDE): the rows' strides of w_down, s_down (h_down, hs_down), as
+        `_gate_up`'s. READ: as `_gate_up`'s (a miss's down row read from host row src_rows[p] of h_down/hs_down and
         written through to its slot row)."""
         t = tl.program_id(0).to(tl.int64)
         n0 = tl.program_id(1) * BN
@@ -230,18 +246,18 @@ if triton is not None:
             p = t * TOP_K + j
             r = tl.load(rows + p).to(tl.int64)
             wj = tl.load(topw + p).to(tl.float32)
-            w_off = r * H * INTER + n[:, None].to(tl.int64) * INTER  # [BN, 1]
+            w_off = r * W_STRIDE + n[:, None].to(tl.int64) * INTER  # [BN, 1]
             if SCALED:
-                s_row = r * ((H + QB - 1) // QB) * si + (n0 // QB) * si  # scalar: the tile's scale row
+                s_row = r * S_STRIDE + (n0 // QB) * si  # scalar: the tile's scale row
             if READ:
                 d_src = w_down + w_off
                 if SCALED:
                     sd_src = s_down + s_row
                 e = tl.load(src_rows + p).to(tl.int64)
                 if e >= 0:  # a miss: host row e, written through to slot row r
-                    d_src = h_down + (e * H * INTER + n[:, None].to(tl.int64) * INTER)
+                    d_src = h_down + (e * HW_STRIDE + n[:, None].to(tl.int64) * INTER)
                     if SCALED:
-                        sd_src = hs_down + (e * ((H + QB - 1) // QB) * si + (n0 // QB) * si)
+                        sd_src = hs_down + (e * HS_STRIDE + (n0 // QB) * si)
             part = tl.zeros((BN,), dtype=tl.float32)
             for k0 in range(0, INTER, BK):
                 k = k0 + tl.arange(0, BK)  # [BK]
@@ -282,10 +298,14 @@ if triton is not None:
         BK: tl.constexpr,
         SCALED: tl.constexpr,
         QB: tl.constexpr,
+        W_STRIDE: tl.constexpr,
+        S_STRIDE: tl.constexpr,
         src_rows=None,
         h_down=None,
         hs_down=None,
         READ: tl.constexpr = False,
+        HW_STRIDE: tl.constexpr = None,
+        HS_STRIDE: tl.constexpr = None,
     ):
         """`_down_combine` with a token's k pairs loaded together: each step streams k weight tiles
         [KB, BN, BK] at once (k times the bytes in flight of the one-pair loop). READ: as `_down_combine`'s,
@@ -299,18 +319,18 @@ if triton is not None:
         p = t * TOP_K + j  # [KB]
         r = tl.load(rows + p, mask=j_ok, other=0).to(tl.int64)  # [KB]
         wj = tl.load(topw + p, mask=j_ok, other=0.0).to(tl.float32)  # [KB]
-        w_off = r[:, None, None] * H * INTER + n[None, :, None].to(tl.int64) * INTER  # [KB, BN, 1]
+        w_off = r[:, None, None] * W_STRIDE + n[None, :, None].to(tl.int64) * INTER  # [KB, BN, 1]
         if SCALED:
             si: tl.constexpr = (INTER + QB - 1) // QB
-            s_row = r * ((H + QB - 1) // QB) * si + (n0 // QB) * si  # [KB]: each pair's scale row
+            s_row = r * S_STRIDE + (n0 // QB) * si  # [KB]: each pair's scale row
         if READ:  # the misses' pairs read their host rows (written through below), the hits their slots
             # two loads masked by pair, not one through a pointer chosen per pair: that loses the rows'
             # contiguity and compiles to byte loads (ld.global.b8)
             e = tl.load(src_rows + p, mask=j_ok, other=-1).to(tl.int64)  # [KB]
             miss = e >= 0  # [KB]
-            h_off = e[:, None, None] * H * INTER + n[None, :, None].to(tl.int64) * INTER  # [KB, BN, 1]
+            h_off = e[:, None, None] * HW_STRIDE + n[None, :, None].to(tl.int64) * INTER  # [KB, BN, 1]
             if SCALED:
-                hs_row = e * ((H + QB - 1) // QB) * si + (n0 // QB) * si  # [KB]
+                hs_row = e * HS_STRIDE + (n0 // QB) * si  # [KB]
         acc = tl.zeros((KB, BN), dtype=tl.float32)
         for k0 in range(0, INTER, BK):
             k = k0 + tl.arange(0, BK)  # [BK]
@@ -366,6 +386,28 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch
     return ids, weights
 
 
+def row_stride(t: torch.Tensor, name: str) -> int:
+    """Elements from one expert row of t [N, ...] to the next, each row contiguous: the row's size in a contiguous
+    table, the pitch over the element size in a packed one (an expert's tensors in one byte row of a uint8 buffer,
+    each a strided view). The kernels take it as a constexpr: a contiguous table compiles to the code it always did."""
+    row = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size > 1 and stride != row:
+            raise ValueError(f"{name} {tuple(t.shape)} with strides {t.stride()}: an expert row must be contiguous")
+        row *= size
+    if t.shape[0] > 1 and t.stride(0) < row:
+        raise ValueError(f"{name} {tuple(t.shape)} with strides {t.stride()}: its expert rows overlap")
+    return int(t.stride(0))
+
+
+def shared_stride(a: torch.Tensor, b: torch.Tensor, names: str) -> int:
+    """`row_stride` of two tables a kernel reads at one offset (gate and up, or their scales)."""
+    stride = row_stride(a, names)
+    if row_stride(b, names) != stride:
+        raise ValueError(f"{names}: rows {stride} and {b.stride(0)} elements apart; a kernel reads both at one offset")
+    return stride
+
+
 def check_tiles(tiles: dict[str, TileConfig]) -> None:
     """FP8 tiles: a tile's rows must share one scale row, so block_n divides the 128-row scale block."""
     for name, c in tiles.items():
@@ -387,15 +429,19 @@ class ReadThrough:
         h = self.host
         if scaled != h.is_fp8:
             raise ValueError("a read-through's host rows must be FP8 exactly when the slots are")
+        hs_stride = shared_stride(h.get("gate_scale"), h.get("up_scale"), "host gate/up scales") if scaled else None
         return dict(src_rows=self.src_rows.reshape(-1).contiguous(), h_gate=h.gate, h_up=h.up,
-                    hs_gate=h.gate_scale, hs_up=h.up_scale, READ=True)  # fmt: skip
+                    hs_gate=h.gate_scale, hs_up=h.up_scale, READ=True,
+                    HW_STRIDE=shared_stride(h.gate, h.up, "host gate/up"), HS_STRIDE=hs_stride)  # fmt: skip
 
     def down_args(self, scaled: bool) -> dict[str, object]:
         """The down kernels' READ arguments."""
-        if scaled != self.host.is_fp8:
+        h = self.host
+        if scaled != h.is_fp8:
             raise ValueError("a read-through's host rows must be FP8 exactly when the slots are")
-        return dict(src_rows=self.src_rows.reshape(-1).contiguous(), h_down=self.host.down,
-                    hs_down=self.host.down_scale, READ=True)  # fmt: skip
+        return dict(src_rows=self.src_rows.reshape(-1).contiguous(), h_down=h.down, hs_down=h.down_scale, READ=True,
+                    HW_STRIDE=row_stride(h.down, "host down"),
+                    HS_STRIDE=row_stride(h.get("down_scale"), "host down_scale") if scaled else None)  # fmt: skip
 
 
 def moe_pairs(
@@ -414,7 +460,8 @@ def moe_pairs(
 ) -> torch.Tensor:
     """The expert pass of a decode step: x [T, H], pair_rows [T*k] (row of gate/up [G, I, H],
     down [G, H, I]), topk_weights [T, k] -> [T, H] in x's dtype. FP8 weights come with their block
-    scales (gate/up [G, I/128, H/128], down [G, H/128, I/128]). `tiles` (kernel -> TileConfig)
+    scales (gate/up [G, I/128, H/128], down [G, H/128, I/128]). Each table's rows are contiguous, the
+    table itself contiguous or packed rows (`row_stride`). `tiles` (kernel -> TileConfig)
     defaults to the dtype's table: moe_tiles.CONFIGS, or for FP8 moe_tiles.fp8_tiles at this shape and T.
     `read`: the misses' rows come from the host store and are written through to their slots (every pair
     on a missed expert marked; pairs sharing one each read it over the link: for batch-1 steps)."""
@@ -462,7 +509,13 @@ def gate_up_pairs(
     t, h = x.shape
     inter = gate.shape[1]
     cg = tiles["gate_up"]
-    extra = {} if read is None else read.gate_up_args(gate_scale is not None)
+    scaled = gate_scale is not None
+    s_stride = None
+    if gate_scale is not None or up_scale is not None:
+        if gate_scale is None or up_scale is None:
+            raise ValueError("FP8 gate and up rows come with both their scales")
+        s_stride = shared_stride(gate_scale, up_scale, "gate/up scales")
+    extra = {} if read is None else read.gate_up_args(scaled)
     _gate_up[(t * top_k, triton.cdiv(inter, cg.block_n))](
         x.contiguous(),
         rows,
@@ -477,8 +530,10 @@ def gate_up_pairs(
         num_warps=cg.num_warps,
         INTER=inter,
         H=h,
-        SCALED=gate_scale is not None,
+        SCALED=scaled,
         QB=QUANT_BLOCK,
+        W_STRIDE=shared_stride(gate, up, "gate/up"),
+        S_STRIDE=s_stride,
         SKIP=skip_negative,
         **extra,
     )
@@ -503,9 +558,13 @@ def down_pairs(
     cd = tiles["down"]
     topw = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*k]
     grid = (t, triton.cdiv(h, cd.block_n))
-    shape: dict[str, object] = dict(INTER=inter, H=h, SCALED=down_scale is not None, QB=QUANT_BLOCK)
+    scaled = down_scale is not None
+    s_stride = None if down_scale is None else row_stride(down_scale, "down_scale")
+    shape: dict[str, object] = dict(
+        INTER=inter, H=h, SCALED=scaled, QB=QUANT_BLOCK, W_STRIDE=row_stride(down, "down"), S_STRIDE=s_stride
+    )
     if read is not None:
-        shape.update(read.down_args(down_scale is not None))
+        shape.update(read.down_args(scaled))
     down_tiles = dict(BN=cd.block_n, BK=cd.block_k, num_warps=cd.num_warps, **shape)
     if cd.pair_vector:
         kb = triton.next_power_of_2(top_k)

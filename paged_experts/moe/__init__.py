@@ -71,7 +71,9 @@ def make_layer(
     resident layer keeps one copy, on the device."""
     device = runtime.torch_device
     if placement == "resident":
-        return ResidentLayer(layer_idx, router_weight, to_device_rows(host, cfg.num_experts, device), shared)
+        # resident rows stay split (RuntimeConfig.expert_rows): an in-memory store may be packed for every layer
+        rows = to_device_rows(host, cfg.num_experts, device, packed=False)
+        return ResidentLayer(layer_idx, router_weight, rows, shared)
     if placement == "offload":
         return OffloadLayer(layer_idx, router_weight, host, shared)
     if placement == "cpu":

@@ -5,7 +5,8 @@
  * ticket last (a release store at system scope); this thread polls the next ticket's record, issues one
  * cuMemcpyHtoDAsync per (planned expert, tensor) on its own non-blocking stream, then one 8-byte copy of the
  * ticket into the device's `done` word of that ring slot. The copies of one stream run in order, so when the
- * GPU's wait kernel reads `done == ticket` every row of the record has landed.
+ * GPU's wait kernel reads `done == ticket` every row of the record has landed. Consecutive wanted tensors whose
+ * rows follow each other on both sides (a packed expert row's ranges: RuntimeConfig.expert_rows) go as one copy.
  *
  * Record layout (int64 words): [0] ticket, [1] table, [2] entries, [3] tensor mask, [4, 4 + P) experts,
  * [4 + P, 4 + 2P) slots (P = max_pairs). Experts >= the table's rows are padding: nothing to copy.
@@ -49,6 +50,8 @@ typedef struct {
     uint64_t src[MAX_TENSORS];    /* host base of tensor t (pinned) */
     uint64_t dst[MAX_TENSORS];    /* device base of tensor t's slots */
     uint64_t row_bytes[MAX_TENSORS];
+    uint64_t src_pitch[MAX_TENSORS]; /* bytes between two rows of tensor t (row_bytes, or a packed row's pitch) */
+    uint64_t dst_pitch[MAX_TENSORS];
 } table_t;
 
 typedef struct {
@@ -112,14 +115,25 @@ static int serve(proxy_t *p, volatile int64_t *rec, int64_t ticket, int64_t *loc
         int64_t expert = local[4 + i], slot = local[4 + p->max_pairs + i];
         if (expert < 0 || expert >= t->rows) continue; /* padding */
         if (slot < 0 || slot >= t->slot_rows) return -4;
-        for (int64_t k = 0; k < t->n; k++) {
-            if (!((mask >> k) & 1)) continue;
-            uint64_t rb = t->row_bytes[k];
-            int rc = copy(p, t->dst[k] + (uint64_t)slot * rb, (const void *)(uintptr_t)(t->src[k] + (uint64_t)expert * rb),
-                          (size_t)rb);
+        for (int64_t k = 0; k < t->n;) {
+            if (!((mask >> k) & 1)) {
+                k++;
+                continue;
+            }
+            uint64_t s = t->src[k] + (uint64_t)expert * t->src_pitch[k], d = t->dst[k] + (uint64_t)slot * t->dst_pitch[k];
+            uint64_t len = t->row_bytes[k];
+            int64_t j = k + 1;
+            /* the next wanted tensors whose rows follow on both sides go in the same copy (a packed row's ranges) */
+            while (j < t->n && ((mask >> j) & 1) && t->src[j] + (uint64_t)expert * t->src_pitch[j] == s + len &&
+                   t->dst[j] + (uint64_t)slot * t->dst_pitch[j] == d + len) {
+                len += t->row_bytes[j];
+                j++;
+            }
+            int rc = copy(p, d, (const void *)(uintptr_t)s, (size_t)len);
             if (rc) return rc;
             copies++;
-            bytes += (int64_t)rb;
+            bytes += (int64_t)len;
+            k = j;
         }
     }
     int64_t at = ticket % p->ring_slots;
@@ -255,7 +269,8 @@ int px_start(void **out, int64_t *ring, int64_t ring_slots, int64_t record_words
 
 /* The table's id (>= 0), or -1 when full or a tensor count out of range. Call before any record names it. */
 int64_t px_add_table(void *handle, int64_t n, int64_t rows, int64_t slot_rows, const uint64_t *src,
-                     const uint64_t *dst, const uint64_t *row_bytes) {
+                     const uint64_t *dst, const uint64_t *row_bytes, const uint64_t *src_pitch,
+                     const uint64_t *dst_pitch) {
     proxy_t *p = (proxy_t *)handle;
     int64_t id = p->table_count;
     if (id >= MAX_TABLES || n < 1 || n > MAX_TENSORS) return -1;
@@ -267,6 +282,8 @@ int64_t px_add_table(void *handle, int64_t n, int64_t rows, int64_t slot_rows, c
         t->src[k] = src[k];
         t->dst[k] = dst[k];
         t->row_bytes[k] = row_bytes[k];
+        t->src_pitch[k] = src_pitch[k];
+        t->dst_pitch[k] = dst_pitch[k];
     }
     __atomic_store_n(&p->table_count, id + 1, __ATOMIC_RELEASE);
     return id;

@@ -44,9 +44,8 @@ from typing import Literal
 
 import torch
 
-from paged_experts import fp8
 from paged_experts.residency import dma_ring
-from paged_experts.residency.store import ExpertTensors
+from paged_experts.residency.store import PACKED_ORDER, ExpertTensors
 
 MAX_PAIRS = 512  # entries a record holds: a one-wave step's padded plan (tokens x top_k) stays below it
 RING_SLOTS = 256  # records in flight at most: an overlapped layer rings G + 1 <= 65 before its first wait
@@ -114,7 +113,7 @@ def _load(cache_dir: Path | None) -> ctypes.CDLL:
     i64, u64, ptr = ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
     lib.px_start.argtypes = [ctypes.POINTER(ptr), ptr, i64, i64, i64, ptr, ptr, u64, ctypes.c_int, ctypes.c_int, i64]
     lib.px_start.restype = ctypes.c_int
-    lib.px_add_table.argtypes = [ptr, i64, i64, i64, ctypes.POINTER(u64), ctypes.POINTER(u64), ctypes.POINTER(u64)]
+    lib.px_add_table.argtypes = [ptr, i64, i64, i64, *([ctypes.POINTER(u64)] * 5)]
     lib.px_add_table.restype = i64
     lib.px_drain.argtypes = [ptr, i64, ptr, i64]
     lib.px_drain.restype = ctypes.c_int
@@ -183,21 +182,23 @@ class DmaProxy:
     def table(self, host: ExpertTensors, slots: ExpertTensors) -> int:
         """The id of (host rows -> slots) for every tensor of the row, registered on first use (before any
         record names it: registration happens while the step is traced or captured, not replayed)."""
-        names = host.names()
-        srcs = [fp8.raw(host.get(n)) for n in names]
-        dsts = [fp8.raw(slots.get(n)) for n in names]
-        # addresses and sizes: a freed model's tensors may come back at the same addresses with other shapes
+        names = DmaProxy._order(host)
+        # one unit a tensor: split, the tensor (FP8 as bytes); packed, its range of the row (to the next tensor),
+        # so the thread merges a record's adjacent ranges into one copy (gate/up's four, down's two, or all six)
+        srcs = [host.copy_views((n,))[0] for n in names]
+        dsts = [slots.copy_views((n,))[0] for n in names]
+        # addresses, sizes and pitches: a freed model's tensors may come back at the same addresses with other shapes
         key = (
             host.num_rows,
             slots.num_rows,
-            *(v for t in (*srcs, *dsts) for v in (t.data_ptr(), t[0].numel() * t.element_size())),
+            *(v for t in (*srcs, *dsts) for v in (t.data_ptr(), t[0].numel() * t.element_size(), t.stride(0))),
         )
         with self._lock:
             if key in self._tables:
                 return self._tables[key]
             for name, s, d in zip(names, srcs, dsts):
-                if not (s.is_contiguous() and d.is_contiguous()):
-                    raise DmaProxyError(f"the DMA proxy copies contiguous rows; tensor {name!r} is not")
+                if not (s[0].is_contiguous() and d[0].is_contiguous()):
+                    raise DmaProxyError(f"the DMA proxy copies contiguous rows; tensor {name!r}'s are not")
                 if s[0].numel() * s.element_size() != d[0].numel() * d.element_size():
                     raise DmaProxyError(f"tensor {name!r}: a host row and a slot differ in size")
                 if self.backend == "cuda" and not s.is_pinned():
@@ -207,7 +208,8 @@ class DmaProxy:
             row_bytes = arr(*(s[0].numel() * s.element_size() for s in srcs))
             tid = self._lib.px_add_table(
                 self._live(), n, host.num_rows, slots.num_rows, arr(*(s.data_ptr() for s in srcs)),
-                arr(*(d.data_ptr() for d in dsts)), row_bytes,
+                arr(*(d.data_ptr() for d in dsts)), row_bytes, arr(*(s.stride(0) * s.element_size() for s in srcs)),
+                arr(*(d.stride(0) * d.element_size() for d in dsts)),
             )  # fmt: skip
             if tid < 0:
                 raise DmaProxyError("the DMA proxy's table of layers is full")
@@ -215,9 +217,16 @@ class DmaProxy:
             return int(tid)
 
     @staticmethod
+    def _order(host: ExpertTensors) -> tuple[str, ...]:
+        """The row's tensors in the table's order: packed, the row's own (neighbours in memory are neighbours in
+        the table, which the thread merges); split, `names()`."""
+        names = host.names()
+        return names if host.packed is None else tuple(n for n in PACKED_ORDER if n in names)
+
+    @staticmethod
     def mask(host: ExpertTensors, names: tuple[str, ...] | None) -> int:
-        """The tensor mask of `names` among the row's tensors (None: all)."""
-        return sum(1 << i for i, n in enumerate(host.names()) if names is None or n in names)
+        """The tensor mask of `names` among the row's tensors in the table's order (None: all)."""
+        return sum(1 << i for i, n in enumerate(DmaProxy._order(host)) if names is None or n in names)
 
     # ---- the GPU's side ---------------------------------------------------------------------------------
 

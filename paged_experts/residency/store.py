@@ -40,9 +40,10 @@ the copy instead of alongside it. Hence `direct` is the CUDA default.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -69,11 +70,24 @@ SCALE_TENSORS: tuple[str, ...] = ("gate_scale", "up_scale", "down_scale")
 """Per-expert block scales of FP8 experts, paged with their weights (the FP8 fault test removes one)."""
 
 
+ROW_ALIGN_BYTES = 256  # each tensor of a packed row starts on this boundary (DMAs and 16-byte loads stay aligned)
+PACKED_ORDER: tuple[str, ...] = ("gate", "up", "gate_scale", "up_scale", "down", "down_scale")
+"""A packed row's tensors, in row order: gate/up (what an overlapped pass copies first) a prefix, down a suffix."""
+
+
 @dataclass(frozen=True)
 class ExpertTensors:
     """One layer's stacked expert weights: gate/up `[N, I, H]`, down `[N, H, I]` (N = E or K); FP8
     experts (`float8_e4m3fn`) carry float32 block scales gate/up `[N, I/128, H/128]`, down
-    `[N, H/128, I/128]` (fp8.py), stored and paged like the weights (an expert's row is all six)."""
+    `[N, H/128, I/128]` (fp8.py), stored and paged like the weights (an expert's row is all six).
+
+    Two layouts (RuntimeConfig.expert_rows):
+    - split: each tensor its own contiguous `[N, ...]` tensor; a page-in of an expert copies each tensor's row
+      (an FP8 expert: three weight DMAs and three 384-byte scale rows);
+    - packed: every tensor a view of ONE byte row per expert, `packed` [N, pitch] uint8 (tensors in
+      `PACKED_ORDER`, each at a ROW_ALIGN_BYTES boundary): a page-in of a run of experts is one DMA, and the
+      kernels read each tensor at its stride (`t.stride(0)`; `t[e]` stays contiguous). The same values: the
+      kernels compute the same bits either way."""
 
     gate: torch.Tensor
     up: torch.Tensor
@@ -81,6 +95,11 @@ class ExpertTensors:
     gate_scale: torch.Tensor | None = None
     up_scale: torch.Tensor | None = None
     down_scale: torch.Tensor | None = None
+    packed: torch.Tensor | None = None  # [N, pitch] uint8 that every tensor above views (packed rows), else None
+    # copy_views' views, made once per set of tensors (stable objects: the page-in engine caches per view)
+    _views: dict[tuple[str, ...], tuple[tuple[torch.Tensor | None, ...], tuple[torch.Tensor, ...]]] = field(
+        default_factory=dict, init=False, compare=False, repr=False, hash=False
+    )
 
     def get(self, name: str) -> torch.Tensor:
         t = getattr(self, name)
@@ -105,6 +124,88 @@ class ExpertTensors:
         tensors = [self.gate, self.up, self.down, *(t for t in self.scales if t is not None)]
         return sum(t[0].numel() * t.element_size() for t in tensors)
 
+    def copy_views(self, names: Sequence[str] | None = None) -> tuple[torch.Tensor, ...]:
+        """What a page-in of the tensors `names` (None: every tensor of the row) copies, each a tensor whose dim 0
+        is the expert and whose rows are contiguous: split, each wanted tensor (FP8 as bytes); packed, the byte
+        ranges of the row that hold them, neighbours merged (the whole row is the whole `packed` buffer, one
+        contiguous tensor: a run of experts is one block). Its dim-0 stride may exceed a row (a packed range):
+        a copy of several rows then goes row by row. `names()` is read at call time (the fault-injection tests
+        narrow it); the views are made once per set."""
+        wanted = tuple(n for n in self.names() if names is None or n in names)
+        made_of = tuple(getattr(self, n) for n in (*wanted, "packed"))
+        cached = self._views.get(wanted)
+        if cached is not None and all(a is b for a, b in zip(cached[0], made_of, strict=True)):
+            return cached[1]  # made of the tensors the table holds now (a test may swap one in place)
+        if self.packed is None:
+            views = tuple(fp8.raw(self.get(n)) for n in wanted)
+        else:
+            pitch = self.packed.shape[1]
+            views = tuple(
+                self.packed if (a, b) == (0, pitch) else self.packed[:, a:b] for a, b in self._byte_ranges(wanted)
+            )
+        self._views[wanted] = (made_of, views)
+        return views
+
+    def _byte_ranges(self, wanted: tuple[str, ...]) -> list[tuple[int, int]]:
+        """[(first byte, end byte)] of the packed row's ranges holding `wanted`, adjacent tensors merged (the
+        alignment padding between them goes along); the last range runs to the pitch when it ends the row."""
+        assert self.packed is not None
+        base, pitch = self.packed.data_ptr(), self.packed.shape[1]
+        present = [n for n in PACKED_ORDER if getattr(self, n) is not None]
+        spans = {n: (self.get(n).data_ptr() - base, 0) for n in present}
+        ranges: list[tuple[int, int]] = []
+        prev_wanted = False
+        for i, name in enumerate(present):
+            if name not in wanted:
+                prev_wanted = False
+                continue
+            start = spans[name][0]
+            end = spans[present[i + 1]][0] if i + 1 < len(present) else pitch  # through the padding after it
+            if prev_wanted:
+                ranges[-1] = (ranges[-1][0], end)
+            else:
+                ranges.append((start, end))
+            prev_wanted = True
+        return ranges
+
+    @property
+    def row_pitch(self) -> int:
+        """Bytes between two experts' rows of the packed buffer (0 when split)."""
+        return 0 if self.packed is None else int(self.packed.shape[1])
+
+    @staticmethod
+    def packed_layout(
+        hidden: int, inter: int, dtype: torch.dtype, is_fp8: bool
+    ) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype, int]], int]:
+        """[(name, row shape, dtype, byte offset)] of a packed row in PACKED_ORDER, and its pitch (bytes)."""
+        wdtype = fp8.FP8_DTYPE if is_fp8 else dtype
+        shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+        specs: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+        for name in PACKED_ORDER:
+            if name in shapes:
+                specs.append((name, shapes[name], wdtype))
+            elif is_fp8:
+                specs.append((name, fp8.scale_shape(*shapes[name.removesuffix("_scale")]), torch.float32))
+        layout, offset = [], 0
+        for name, shape, t in specs:
+            layout.append((name, shape, t, offset))
+            nbytes = math.prod(shape) * t.itemsize
+            offset += -(-nbytes // ROW_ALIGN_BYTES) * ROW_ALIGN_BYTES
+        return layout, offset
+
+    @classmethod
+    def over(cls, buffer: torch.Tensor, hidden: int, inter: int, dtype: torch.dtype, is_fp8: bool) -> ExpertTensors:
+        """The packed layout's tensors as views of `buffer` [N, pitch] uint8 (`packed_layout`)."""
+        layout, pitch = cls.packed_layout(hidden, inter, dtype, is_fp8)
+        if buffer.dtype != torch.uint8 or buffer.dim() != 2 or buffer.shape[1] != pitch or not buffer.is_contiguous():
+            raise ValueError(f"a packed expert buffer is contiguous uint8 [N, {pitch}], got {tuple(buffer.shape)}")
+        n = buffer.shape[0]
+        views = {
+            name: buffer[:, off : off + math.prod(shape) * t.itemsize].view(t).view(n, *shape)
+            for name, shape, t, off in layout
+        }
+        return cls(**views, packed=buffer)
+
     @classmethod
     def empty(
         cls,
@@ -115,8 +216,17 @@ class ExpertTensors:
         device: torch.device,
         pin: bool = False,
         is_fp8: bool = False,
+        packed: bool = False,
     ) -> ExpertTensors:
-        """`is_fp8`: float8_e4m3fn weights and float32 block scales (`dtype` is then ignored)."""
+        """`is_fp8`: float8_e4m3fn weights and float32 block scales (`dtype` is then ignored). `packed`: every
+        tensor a view of one byte row per expert (the class's docstring)."""
+        if packed:
+            _, pitch = cls.packed_layout(hidden, inter, dtype, is_fp8)
+            if pin and device.type == "cpu" and torch.cuda.is_available():
+                buffer = pinned.empty_pinned([(n, pitch)], torch.uint8)[0]
+            else:
+                buffer = torch.empty((n, pitch), dtype=torch.uint8, device=device, pin_memory=pin)
+            return cls.over(buffer, hidden, inter, dtype, is_fp8)
         shapes = [(n, inter, hidden), (n, inter, hidden), (n, hidden, inter)]  # gate, up, down
         groups = [(shapes, fp8.FP8_DTYPE if is_fp8 else dtype)]
         if is_fp8:
@@ -186,8 +296,10 @@ class PageInEngine:
         is_fp8: bool = False,
         row_kernel: RowKernel | None = None,
         batch_copy: BatchCopy | None = None,
+        packed: bool = False,
     ) -> None:
-        """`row_kernel`: a device-side row copy (the weights loader passes `copy_kernel.copy_planned`
+        """`packed`: the expert tables it copies between have packed rows (its `staged` buffers are laid out so).
+        `row_kernel`: a device-side row copy (the weights loader passes `copy_kernel.copy_planned`
         on CUDA with Triton); the `direct` strategy sends an FP8 row's small scale rows by it, the `kernel`
         strategy every row. `batch_copy`: the `batch` strategy's one call a copy (the loader passes the
         driver's on CUDA: `batch_copy.driver_batch_copy`; on the CPU memmoves by default)."""
@@ -218,8 +330,12 @@ class PageInEngine:
         self._staging_free: torch.cuda.Event | None = None
         self._row_views: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}  # `direct`: id -> rows
         if strategy == "staged":
-            self._staging_host = ExpertTensors.empty(max_rows, hidden, inter, dtype, torch.device("cpu"), True, is_fp8)
-            self._staging_dev = ExpertTensors.empty(max_rows, hidden, inter, dtype, device, is_fp8=is_fp8)
+            self._staging_host = ExpertTensors.empty(
+                max_rows, hidden, inter, dtype, torch.device("cpu"), True, is_fp8, packed
+            )
+            self._staging_dev = ExpertTensors.empty(
+                max_rows, hidden, inter, dtype, device, is_fp8=is_fp8, packed=packed
+            )
 
     def copy_rows(
         self,
@@ -262,25 +378,33 @@ class PageInEngine:
     def _copy_index(self, src: ExpertTensors, dst: ExpertTensors, pairs: Sequence[tuple[int, int]]) -> None:
         src_idx = torch.tensor([p[0] for p in pairs], dtype=torch.long)  # [m]
         dst_idx = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)  # [m]
-        for name in src.names():  # FP8 as bytes: the CPU has no float8 index_copy_
-            rows = fp8.raw(src.get(name)).index_select(0, src_idx).to(self.device)
-            fp8.raw(dst.get(name)).index_copy_(0, dst_idx, rows)
+        for s_t, d_t in _paired_views(src, dst):  # FP8 as bytes: the CPU has no float8 index_copy_
+            d_t.index_copy_(0, dst_idx, s_t.index_select(0, src_idx).to(self.device))
 
     def _copy_direct(self, src: ExpertTensors, dst: ExpertTensors, pairs: Sequence[tuple[int, int]]) -> None:
         runs = contiguous_runs(pairs)
         names = src.names()
-        # from 2 rows the kernel replaces at least 6 DMAs by one index upload and one launch
-        small = [n for n in names if n in SCALE_TENSORS] if self.row_kernel is not None and len(pairs) >= 2 else []
+        # split rows: from 2 rows the kernel replaces at least 6 scale DMAs by one index upload and one launch
+        # (packed rows carry their scales inside the one DMA a run)
+        small: list[str] = []
+        if self.row_kernel is not None and len(pairs) >= 2 and src.packed is None:
+            small = [n for n in names if n in SCALE_TENSORS]
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
-        for name in names:
-            if name in small:
-                continue
-            s_t, d_t = src.get(name), dst.get(name)
+        for s_t, d_t in _paired_views(src, dst, [n for n in names if n not in small]):
             s_rows, d_rows = self._rows(s_t), self._rows(d_t)
+            # a run is one block where rows are back to back on both sides (split tensors, whole packed rows)
+            whole = _rows_adjacent(s_t) and _rows_adjacent(d_t)
             for s, d, n in runs:
-                srcs.append(s_rows[s] if n == 1 else s_t[s : s + n])
-                dsts.append(d_rows[d] if n == 1 else d_t[d : d + n])
+                if n == 1:
+                    srcs.append(s_rows[s])
+                    dsts.append(d_rows[d])
+                elif whole:
+                    srcs.append(s_t[s : s + n])
+                    dsts.append(d_t[d : d + n])
+                else:
+                    srcs.extend(s_rows[s : s + n])
+                    dsts.extend(d_rows[d : d + n])
         torch._foreach_copy_(dsts, srcs, non_blocking=True)  # one call: a DMA per run, issued in C++
         if small:
             self._copy_kernel(src, dst, pairs, small)
@@ -313,7 +437,8 @@ class PageInEngine:
         whose storage moved, gets new ones: a stale base would be a wild pointer)."""
         names = src.names()
         key = (id(src), id(dst), names)
-        tensors = (*(src.get(n) for n in names), *(dst.get(n) for n in names))
+        views = _paired_views(src, dst)
+        tensors = (*(s for s, _ in views), *(d for _, d in views))
         cached = self._tables.get(key)
         if cached is None or any(
             a is not b or a.data_ptr() != base
@@ -321,8 +446,7 @@ class PageInEngine:
                 cached.tensors, tensors, (*cached.src_base.tolist(), *cached.dst_base.tolist()), strict=True
             )
         ):
-            raw = [fp8.raw(t) for t in tensors]
-            cached = row_tables(raw[: len(names)], raw[len(names) :], keep=tensors)
+            cached = row_tables(tensors[: len(views)], tensors[len(views) :], keep=tensors)
             self._tables[key] = cached
         return cached
 
@@ -352,18 +476,41 @@ class PageInEngine:
             self._staging_free.synchronize()  # the previous staged copy may still read the buffer
         src_idx = torch.tensor([p[0] for p in pairs], dtype=torch.long)  # [m]
         dst_idx = torch.tensor([p[1] for p in pairs], dtype=torch.long).to(self.device, non_blocking=True)  # [m]
-        for name in src.names():
-            host_buf = fp8.raw(self._staging_host.get(name)[:m])
-            torch.index_select(fp8.raw(src.get(name)), 0, src_idx, out=host_buf)
-            dev_buf = fp8.raw(self._staging_dev.get(name)[:m])
+        for s_t, h_t, v_t, d_t in zip(
+            src.copy_views(), self._staging_host.copy_views(), self._staging_dev.copy_views(), dst.copy_views(),
+            strict=True,
+        ):  # fmt: skip
+            host_buf, dev_buf = h_t[:m], v_t[:m]  # contiguous: every tensor, or a whole packed row
+            torch.index_select(s_t, 0, src_idx, out=host_buf)
             dev_buf.copy_(host_buf, non_blocking=True)
-            fp8.raw(dst.get(name)).index_copy_(0, dst_idx, dev_buf)
+            d_t.index_copy_(0, dst_idx, dev_buf)
         self._staging_free = torch.cuda.Event()
         self._staging_free.record()
 
 
-def to_device_rows(src: ExpertTensors, rows: int, device: torch.device) -> ExpertTensors:
-    """A device copy of the first `rows` experts (the initial slots hold experts 0..K-1), scales included."""
+def _paired_views(
+    src: ExpertTensors, dst: ExpertTensors, names: Sequence[str] | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(source, destination) of each view a page-in of `names` copies (`copy_views`); both sides one layout."""
+    if (src.packed is None) != (dst.packed is None) or src.row_pitch != dst.row_pitch:
+        raise ValueError(
+            f"a page-in copies between two expert tables of one layout, got row pitches {src.row_pitch} and "
+            f"{dst.row_pitch} (0: split)"
+        )
+    return list(zip(src.copy_views(names), dst.copy_views(names), strict=True))
+
+
+def _rows_adjacent(t: torch.Tensor) -> bool:
+    """True where row i + 1 starts where row i ends (a run of rows is one block)."""
+    return t.shape[0] < 2 or t.stride(0) == t[0].numel()
+
+
+def to_device_rows(src: ExpertTensors, rows: int, device: torch.device, packed: bool | None = None) -> ExpertTensors:
+    """A device copy of the first `rows` experts (the initial slots hold experts 0..K-1), scales included, in
+    the source's layout, or split (`packed=False`: a resident layer's rows, whatever its host store)."""
+    if src.packed is not None and packed is not False:
+        buffer = src.packed[:rows].to(device, copy=True)  # [rows, pitch]
+        return ExpertTensors.over(buffer, src.gate.shape[2], src.gate.shape[1], src.gate.dtype, src.is_fp8)
 
     def copy(t: torch.Tensor) -> torch.Tensor:
         return t[:rows].to(device, copy=True)

@@ -50,6 +50,7 @@ def runtime_config(serve: ServeOptions, model: MoeModelConfig) -> RuntimeConfig:
         fused_page_in=serve.fused_page_in,
         page_in=serve.page_in,  # type: ignore[arg-type]  # a str the parser checked against PAGE_IN_CHOICES
         prefill_staging_rows=serve.prefill_staging_rows,
+        expert_rows=serve.expert_rows,  # type: ignore[arg-type]  # a str the parser checked against its choices
         prefill_residency=serve.prefill_residency or DEFAULT_PREFILL_KEEP,
         eviction_policy=serve.eviction_policy or DEFAULT_EVICTION_POLICY,
         kernel_backend=serve.kernel_backend,

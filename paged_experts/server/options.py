@@ -172,6 +172,14 @@ class ServeOptions:
         "(kernel and staged: --device cuda)",
         choices=PAGE_IN_CHOICES,
     )
+    expert_rows: str = _opt(
+        "split",
+        "--expert-rows",
+        "modes paged and offload: how the host store and the device rows lay an expert out; split = a tensor "
+        "each (an FP8 expert's page-in is three weight copies and its scale rows); packed = one byte row an "
+        "expert, so a run of experts pages in as one DMA (the same bits; resident layers stay split)",
+        choices=("split", "packed"),
+    )
     prefill_staging_rows: int = _opt(
         0,
         "--prefill-staging-rows",
@@ -422,6 +430,10 @@ def problems(values: Mapping[str, Any], say: Namer = FLAGS) -> Iterator[Problem]
     elif staging and mode != "paged":
         value = say.value("prefill_staging_rows", staging)
         yield Problem("prefill_staging_rows", f"{value} applies to mode paged, not {mode}")
+    rows = get("expert_rows")
+    if rows == "packed" and mode not in ("paged", "offload"):
+        value = say.value("expert_rows", rows)
+        yield Problem("expert_rows", f"{value} applies to modes paged and offload (host rows copied), not {mode}")
     page_in = get("page_in")
     if page_in in ("kernel", "staged") and device != "cuda":
         value = say.value("page_in", page_in)

@@ -259,6 +259,7 @@ def load(path: str | Path, runtime: RuntimeConfig) -> LoadedModel:
             torch.device("cpu"),
             pin=pin,
             is_fp8=cfg.fp8_weights,
+            packed=runtime.packs_rows(placement),
         )
         _fill_host_experts(reader, i, host, cfg)
         router = dense(f"{p}.mlp.gate.weight", cfg.num_experts, h)
@@ -280,17 +281,18 @@ def build_shared(cfg: MoeModelConfig, runtime: RuntimeConfig) -> tuple[MoeShared
     max_slots = max(runtime.resident_experts or cfg.num_experts, runtime.prefill_staging_rows)
     h, inter, is_fp8 = cfg.hidden_size, cfg.moe_intermediate_size, cfg.fp8_weights
     row_kernel = copy_planned if graph_safe(device) else None  # FP8 scale rows of a direct page-in
+    packed = runtime.expert_rows == "packed"  # the paged and offloaded layers' rows (RuntimeConfig.packs_rows)
     page_in = PageInEngine(
         device, runtime.page_in, h, inter, dtype, max_slots, is_fp8=is_fp8, row_kernel=row_kernel,
-        batch_copy=_batch_copy(device) if runtime.page_in == "batch" else None,
+        batch_copy=_batch_copy(device) if runtime.page_in == "batch" else None, packed=packed,
     )  # fmt: skip
     staging = None
     if runtime.prefill_staging_rows:  # mode paged (RuntimeConfig): rows every paged layer shares
-        rows = ExpertTensors.empty(runtime.prefill_staging_rows, h, inter, dtype, device, is_fp8=is_fp8)
+        rows = ExpertTensors.empty(runtime.prefill_staging_rows, h, inter, dtype, device, is_fp8=is_fp8, packed=packed)
         staging = StagingRows(rows)
     offload_buffer = None
     if "offload" in placements:
-        offload_buffer = ExpertTensors.empty(cfg.num_experts, h, inter, dtype, device, is_fp8=is_fp8)
+        offload_buffer = ExpertTensors.empty(cfg.num_experts, h, inter, dtype, device, is_fp8=is_fp8, packed=packed)
     shared = MoeShared(
         device=device,
         dtype=dtype,

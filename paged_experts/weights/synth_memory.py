@@ -132,11 +132,17 @@ def silent_ids(path: str | Path) -> tuple[int, ...]:
 
 
 def host_weights(
-    cfg: MoeModelConfig, dtype: torch.dtype, seed: int, gen_device: torch.device, silent: tuple[int, ...] = ()
+    cfg: MoeModelConfig,
+    dtype: torch.dtype,
+    seed: int,
+    gen_device: torch.device,
+    silent: tuple[int, ...] = (),
+    packed: bool = False,
 ) -> HostWeights:
     """`weightgen`'s source tensors, generated on `gen_device` (the same values on every device);
-    `silent`: the tokens whose output rows are zero."""
-    key = (cfg, dtype, seed, silent, gen_device.type)  # the device too: CUDA's host store is pinned
+    `silent`: the tokens whose output rows are zero; `packed`: every layer's experts in packed rows
+    (RuntimeConfig.expert_rows; a resident layer's device rows are split all the same: `make_layer`)."""
+    key = (cfg, dtype, seed, silent, gen_device.type, packed)  # the device too: CUDA's host store is pinned
     if key in _CACHE:
         return _CACHE[key]
     _CACHE.clear()  # one host store at a time: 58 GB each
@@ -175,7 +181,9 @@ def host_weights(
             )
         )
         routers.append(values(f"{pre}.mlp.gate.weight"))
-        host = ExpertTensors.empty(e_n, h, inter, dtype, torch.device("cpu"), pin=pin, is_fp8=cfg.fp8_weights)
+        host = ExpertTensors.empty(
+            e_n, h, inter, dtype, torch.device("cpu"), pin=pin, is_fp8=cfg.fp8_weights, packed=packed
+        )
         for name in ("gate", "up", "down"):
             t = src[weightgen.expert_name(layer, name)]
             if not cfg.fp8_weights:
@@ -203,7 +211,7 @@ def build_from_config(cfg: MoeModelConfig, runtime: RuntimeConfig, seed: int, si
     """Places cached (or freshly generated) host weights for `runtime`, as `loader.load` does."""
     runtime.validate_for(cfg)
     device, dtype = runtime.torch_device, runtime.torch_dtype
-    hw = host_weights(cfg, dtype, seed, device, silent)
+    hw = host_weights(cfg, dtype, seed, device, silent, runtime.expert_rows == "packed")
 
     def dev(t: torch.Tensor) -> torch.Tensor:
         return t.to(device=device, copy=True)

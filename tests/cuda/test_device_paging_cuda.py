@@ -139,6 +139,7 @@ def check_graphed_paged(
     groups: int = 1,
     policy: str = "lru",
     copies: str = "kernel",
+    rows: str = "split",
 ) -> None:
     """Graphed paged decode against eager through tests/graph_check.py: the graphed model is fed
     eager's tokens, a routing flip must sit on a near-tie of eager's router logits (bf16 rounding
@@ -155,7 +156,7 @@ def check_graphed_paged(
     prompts = [[5, 17, 300, 41, 9, 77], [800, 2, 64], [11, 12, 13, 14, 15]]
     paged = rt(
         "bfloat16", mode="paged", resident_experts=12, overlap_page_in=overlap, overlap_groups=groups,
-        kernel_backend=backend, eviction_policy=policy, overlap_copies=copies,
+        kernel_backend=backend, eviction_policy=policy, overlap_copies=copies, expert_rows=rows,
     )  # fmt: skip
     eager_model = MoeCausalLM.from_pretrained(TINY, paged)
     model = MoeCausalLM.from_pretrained(TINY, paged)

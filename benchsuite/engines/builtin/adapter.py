@@ -59,7 +59,7 @@ _SERVER_NAME = {matrix: server for server, matrix in _MATRIX_NAME.items()}
 # the server options whose rules (options.problems) a matrix can break
 _RULED: tuple[str, ...] = ("cuda_graph_max_bs", "enable_torch_compile", "kernel_backend", "prefetch_next_layer")
 _RULED += ("overlap_page_in", "overlap_groups", "copy_programs", "fused_page_in", "prefill_residency")
-_RULED += ("eviction_policy", "page_in", "prefill_staging_rows", "overlap_copies")
+_RULED += ("eviction_policy", "page_in", "prefill_staging_rows", "overlap_copies", "expert_rows")
 _LEADING_FLAGS: tuple[str, ...] = ("model_path", "host", "port", "mode", "device", "max_running_requests")
 _LEADING_FLAGS += ("max_total_tokens", "resident_experts", "offload_layers", "n_cpu_moe", "dtype")
 # A recording server writes its trace when it stops (the H200 headline's 40 requests, 2,048-token prompts among
@@ -126,6 +126,9 @@ class BuiltinOptions(EngineOptions):
     # Paged: device rows for a prefill layer's first page-ins (RuntimeConfig.prefill_staging_rows); unset like
     # page_in (the server's 0: none)
     prefill_staging_rows: int | None = Field(None, ge=0, exclude_if=lambda v: v is None)
+    # Paged, offload: an expert as one byte row of the host store and device rows (RuntimeConfig.expert_rows:
+    # split or packed); unset like page_in (the server's split)
+    expert_rows: Literal["split", "packed"] | None = Field(None, exclude_if=lambda v: v is None)
     # Freeze the loaded server's heap for the garbage collector (ServeOptions.gc_freeze; None = the server's
     # default, on); left out of the dumped options when unset, so the server ids of matrices without it stay
     gc_freeze: bool | None = Field(None, exclude_if=lambda v: v is None)
@@ -200,6 +203,7 @@ class BuiltinOptions(EngineOptions):
             "fused_page_in": bool(self.fused_page_in),
             "page_in": self.resolved_page_in(),
             "prefill_staging_rows": self.prefill_staging_rows or 0,
+            "expert_rows": self.expert_rows or "split",
             "expert_kernel": self.expert_kernel,
             "overlap_schedule": self.overlap_schedule,
             "cpu_threads": self.cpu_threads or default_cpu_threads(),
@@ -312,6 +316,7 @@ class BuiltinAdapter(EngineAdapter):
             fused_page_in=perf["fused_page_in"],
             page_in=opts.page_in or "auto",
             prefill_staging_rows=opts.prefill_staging_rows or 0,
+            expert_rows=opts.expert_rows or "split",
             overlap_schedule=perf["overlap_schedule"],
             cpu_threads=perf["cpu_threads"],
             gc_freeze=perf["gc_freeze"],
@@ -325,6 +330,7 @@ class BuiltinAdapter(EngineAdapter):
         fused = ("fused_page_in",) if serve.fused_page_in else ()  # written when on
         copies: tuple[str, ...] = ("page_in",) if opts.page_in is not None else ()  # written when set
         copies += ("prefill_staging_rows",) if opts.prefill_staging_rows is not None else ()
+        copies += ("expert_rows",) if opts.expert_rows is not None else ()  # written when set
         copies += ("dequantize_attention",) if opts.dequantize_attention else ()  # written when on
         # every flag explicit, in the order earlier manifests wrote them (the command line is recorded)
         order = (*_LEADING_FLAGS, "routing_source", *seed, *_TRAILING_FLAGS, *overlap, *capped, *fused, *copies)
