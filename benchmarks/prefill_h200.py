@@ -177,7 +177,7 @@ def build(cell: Cell, args: argparse.Namespace) -> MoeCausalLM:
         page_in, programs = path_page_in(cell.path)
         rt = RuntimeConfig(mode="paged", resident_experts=cell.k, device=args.device, dtype=args.dtype,
                            prefill_residency=cell.keep or "recent", page_in=page_in,
-                           expert_rows=args.expert_rows)  # fmt: skip
+                           expert_rows=args.expert_rows, prefill_staging_rows=args.staging_rows)  # fmt: skip
     model = MoeCausalLM.synthetic(args.preset, rt, layers=args.layers, seed=args.seed)
     if programs is not None:  # every layer shares the one engine (MoeShared.page_in)
         model.moe_layers[0].shared.page_in.row_kernel = functools.partial(copy_planned, programs=programs)
@@ -405,6 +405,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--expert-rows", choices=("split", "packed"), default="split",
                     help="the paged layers' expert layout (RuntimeConfig.expert_rows): packed = one byte row an "
                          "expert, one DMA a run of experts (A/B: two processes)")  # fmt: skip
+    ap.add_argument(
+        "--staging-rows",
+        type=int,
+        default=0,
+        help="the paged cells' prefill staging rows (RuntimeConfig.prefill_staging_rows; 0: none)",
+    )
     ap.add_argument("--nvml-scripted-read-s", type=float, default=None, help=argparse.SUPPRESS)  # the harness's test
     args = ap.parse_args(argv)
     waves_module.ROWS_IN_KERNEL = args.rows_in_kernel == "on"
