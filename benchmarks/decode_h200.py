@@ -62,7 +62,7 @@ DEFAULT_MODES = (  # most important first: a --deadline-s cut drops the tail
 
 
 VARIANT_OPTIONS = ("host", "graphs", "compile", "overlap", "loop", "triton", "prefetch", "torchplan", "pertensor")
-VARIANT_OPTIONS += ("fused", "kernelcopy", "batchcopy", "devtables", "unfusedglu", "gathered", "deqattn")
+VARIANT_OPTIONS += ("fused", "kernelcopy", "batchcopy", "devtables", "unfusedglu", "gathered", "deqattn", "packed")
 """Options after '/' in a --modes entry (joined by '+'):
 - host: paged steps planned on the host (device_planning='off'): the path before device planning;
 - graphs: decode steps captured as CUDA graphs (--graphs batch sizes; for paged K only batch sizes
@@ -88,7 +88,8 @@ VARIANT_OPTIONS += ("fused", "kernelcopy", "batchcopy", "devtables", "unfusedglu
 - triton: routing and the expert pass of one-wave steps (<= moe_triton.MAX_PAIRS pairs) as
   moe_triton's kernels (one routing kernel; per-pair gate+up+SiLU; down with the top-k combine);
 - deqattn: a block-FP8 preset's attention projections dequantized to bf16 at load (dequantize_attention: the bytes of
-  the layout before 2026-12-03, the FP8 values), against the default FP8 projections (kernels/linear_fp8.py)."""
+  the layout before 2026-12-03, the FP8 values), against the default FP8 projections (kernels/linear_fp8.py);
+- packed: paged layers' experts in packed rows (expert_rows='packed': one byte row an expert, one DMA a run)."""
 
 
 def parse_variant(spec: str) -> tuple[str, frozenset[str]]:
@@ -146,6 +147,7 @@ def runtime_for(
             copy_programs=None if "host" in options else copy_programs,
             page_in="kernel" if "kernelcopy" in options else "batch" if "batchcopy" in options else "auto",
             dequantize_attention=deq,
+            expert_rows="packed" if "packed" in options else "split",
         )
     if name == "cpu-experts":
         return RuntimeConfig(
