@@ -142,9 +142,29 @@ def _barriers() -> dict[str, Callable[[], object]]:
     }
 
 
-def _ring_then(barrier: Callable[[], object], drain: bool) -> tuple[DmaProxy, ExpertTensors, ExpertTensors]:
-    """The GPU sleeps, then rings and waits, while the host issues `barrier` before the ring has run: without a
-    drain the thread queues its copies after the barrier; with one it has queued them before the host goes on."""
+def _first_launches() -> dict[str, Callable[[], object]]:
+    """Host calls that load a kernel into the context for the first time, issued while the GPU's wait already
+    spins (`_ring_then(after_wait=True)`). Why: CUDA loads modules lazily by default since 12.2
+    (CUDA_MODULE_LOADING=LAZY), and its programming guide's Lazy Loading section warns that loading a kernel may
+    need a context synchronization, so a kernel that spins until another party acts can deadlock against it. An
+    eager decode step's first launch of a kernel, issued while its wait spun for the proxy, would block until the
+    wait gave up, and the thread's copies behind it would land late: call 1's give-up on the H100 (2026-12-06,
+    benchmarks/results/h200/2026-12-06-h100-dmaproxy). The control: the same script under CUDA_MODULE_LOADING=EAGER."""
+    x = torch.rand(1 << 10, device="cuda") + 0.5
+    torch.cuda.synchronize()
+    return {
+        # torch kernels this process never launched before (each is loaded on its first launch under LAZY)
+        "first launch of a torch kernel (special.i1e)": lambda: torch.special.i1e(x),
+        "first launch of a torch kernel (special.ndtri)": lambda: torch.special.ndtri(x.clamp(0.01, 0.99)),
+    }
+
+
+def _ring_then(
+    barrier: Callable[[], object], drain: bool, after_wait: bool = False
+) -> tuple[DmaProxy, ExpertTensors, ExpertTensors]:
+    """The GPU sleeps, then rings and waits, while the host issues `barrier` before the ring has run (or, with
+    `after_wait`, after the wait kernel's launch: the GPU spins on it when the barrier's own work is issued): without
+    a drain the thread queues its copies after the barrier; with one it has queued them before the host goes on."""
     host, slots = _fp8_layer()
     proxy = DmaProxy(torch.device("cuda"), max_pairs=4, wait_limit=400_000)  # ~0.2 s
     if not drain:
@@ -155,8 +175,10 @@ def _ring_then(barrier: Callable[[], object], drain: bool) -> tuple[DmaProxy, Ex
     torch.cuda.synchronize()
     torch.cuda._sleep(HOLD_CYCLES)
     entry = proxy.ring(table, experts, slot_ids, DmaProxy.mask(host, None))
-    kept = barrier()
+    kept = None if after_wait else barrier()
     proxy.wait(entry)
+    if after_wait:
+        kept = barrier()
     torch.cuda.synchronize()
     del kept
     return proxy, host, slots
@@ -179,14 +201,23 @@ def test_rows_land_when_the_host_issues_implicitly_synchronizing_calls_before_th
 
 def hazards() -> None:
     """Script mode (`python tests/cuda/test_dma_proxy_cuda.py hazards`): which of those calls make an undrained
-    wait give up on this machine (none on an H100, driver 580, 2026-12-06)."""
-    for name, barrier in _barriers().items():
-        proxy, _, _ = _ring_then(barrier, drain=False)
+    wait give up on this machine (none of `_barriers` on an H100, driver 580, 2026-12-06), then the first launches
+    of `_first_launches` issued while the wait spins, drained and not (the drain cannot help there: the wait
+    already spins when the host launches). Run it again with CUDA_MODULE_LOADING=EAGER for the control."""
+    import os
+
+    print(f"CUDA_MODULE_LOADING={os.environ.get('CUDA_MODULE_LOADING', '(unset: LAZY since CUDA 12.2)')}")
+    cases = [(f"{name}, before the ring runs", b, False) for name, b in _barriers().items()]
+    cases += [(f"{name}, while the wait spins", b, True) for name, b in _first_launches().items()]
+    for name, barrier, after_wait in cases:
+        started = time.perf_counter()
+        proxy, _, _ = _ring_then(barrier, drain=False, after_wait=after_wait)
+        took_ms = (time.perf_counter() - started) * 1e3
         try:
             proxy.check()
-            print(f"{name}: the wait saw its rows")
+            print(f"{name}: the wait saw its rows ({took_ms:.0f} ms)")
         except DmaProxyError as e:
-            print(f"{name}: {e}")
+            print(f"{name}: {e} ({took_ms:.0f} ms)")
         finally:
             proxy.close()
 
