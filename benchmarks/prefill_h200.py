@@ -351,7 +351,9 @@ def _cpu_ids(cpus: list[int] | None) -> str:
 
 def render(record: dict[str, Any]) -> str:
     link = record["link"].get("paging_gb_per_s")
-    lines = [f"link (paging figure): {f'{link:.1f} GB/s' if link else record['link'].get('error')}",
+    setting = f"expert_rows {record.get('expert_rows', 'split')}, staging rows {record.get('staging_rows', 0)}"
+    shown = f"{link:.1f} GB/s" if link else record["link"].get("error")
+    lines = [f"link (paging figure): {shown}; paged cells: {setting}",
              (f"{'cell':<40} {'prefill s':>9} {'min-max s':>11} {'GB':>6} {'floor s':>8} {'/floor':>7} {'busy':>5}"
               f" {'waves/L':>7} {'router s':>8} {'-router':>7} {'dec hit':>7} {'idle ms':>7} {'wait ms':>7}"
               f" {'plan ms':>7} {'issue':>5} {'cpu':>5} {'queued':>6} {'gc ms':>6} {'nvml/off':>8}"
@@ -435,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": f"synth:{args.preset}?layers={args.layers}&seed={args.seed} (in-memory random weights)",
         "source_weights": source_weights(f"synth:{args.preset}?layers={args.layers}&seed={args.seed}"),
         "provenance": provenance(), "cells": [],
+        "expert_rows": args.expert_rows, "staging_rows": args.staging_rows,  # the paged cells' layout and staging
     }  # fmt: skip
     cfg = synth_memory.config_for(synth_memory.SynthSpec(args.preset, args.layers, args.seed))
     t0 = time.perf_counter()

@@ -50,9 +50,11 @@ class RuntimeConfig:
     page_in: PageIn = "auto"
     # How the host store of paged and offloaded layers and their device rows lay an expert out
     # (residency/store.py ExpertTensors): 'split', a tensor each (an FP8 expert's page-in: three weight DMAs and
-    # its scale rows); 'packed', one byte row an expert (one DMA a run of experts; the kernels read each tensor at
-    # its stride: the same bits). Resident layers stay split. 'split' until measured (prefill_h200.py
-    # --expert-rows, configs/h200/packed.yaml).
+    # its scale rows); 'packed', one byte row an expert (one DMA a run of experts with page_in direct or batch; the
+    # kernels read each tensor at its stride: the same bits). Resident layers' device rows stay split (an in-memory
+    # synthetic model packs every layer's host store; a checkpoint's loader only the paged and offloaded layers').
+    # 'split' until measured on an H200 (configs/h200/packed.yaml; on an H100:
+    # benchmarks/results/h200/2026-12-06-h100-packed).
     expert_rows: Literal["split", "packed"] = "split"
     # Paged one-wave steps planned and paged in on the device (no host sync, CUDA-graph capturable):
     # 'auto' = on for CUDA, off on the CPU (where the host planner is the cheaper path).

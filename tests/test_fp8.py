@@ -109,13 +109,16 @@ def test_fp8_counters_count_weights_and_scales(ckpt: Path) -> None:
     assert layer.bytes_h2d == layer.steps * cfg.num_experts * expert_bytes
 
 
+@pytest.mark.parametrize("rows", ["split", "packed"])
 @pytest.mark.parametrize("dropped", ["down_scale", "gate_scale"])
 def test_fault_unpaged_scale_is_caught(
-    ckpt: Path, resident: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch, dropped: str
+    ckpt: Path, resident: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch, dropped: str, rows: str
 ) -> None:
-    """Control (PR #45787's class): a paged expert computed with another expert's scales must FAIL equality."""
+    """Control (PR #45787's class): a paged expert computed with another expert's scales must FAIL equality, in
+    either expert layout."""
     monkeypatch.setattr(store_mod, "SCALE_TENSORS", tuple(n for n in store_mod.SCALE_TENSORS if n != dropped))
-    model = MoeCausalLM.from_pretrained(ckpt, RuntimeConfig(mode="paged", resident_experts=6))
+    runtime = RuntimeConfig(mode="paged", resident_experts=6, expert_rows=rows)  # type: ignore[arg-type]
+    model = MoeCausalLM.from_pretrained(ckpt, runtime)
     paged = run_scenario(model)
     assert model.counters.snapshot().total.misses > 0
     assert not all(torch.equal(a, b) for a, b in zip(paged, resident))

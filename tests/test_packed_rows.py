@@ -148,20 +148,33 @@ def test_direct_issues_one_copy_a_run_of_packed_rows(monkeypatch: pytest.MonkeyP
 
 
 def test_gate_up_rows_of_several_experts_go_row_by_row(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A packed range (not the whole row) is not contiguous over rows: a run of them copies row by row."""
-    host, slots, fresh = filled(E, 1, True, True), filled(K, 2, True, True), filled(K, 2, True, True)
-    engine = PageInEngine(CPU, "direct", H, INTER, torch.float32, K, is_fp8=True, packed=True)
+    """A packed range (not the whole row) is not contiguous over rows: a run of them copies row by row, in `direct`
+    and in `batch` (whose row tables cannot describe it: it goes as `direct`)."""
     from paged_experts.residency import store
 
-    monkeypatch.setattr(store, "SCALE_TENSORS", ())  # fault injection: the row narrowed to gate, up, down
-    monkeypatch.setattr(store, "EXPERT_TENSORS", ("gate", "up"))
-    engine.copy_rows(host, slots, [(2, 3), (3, 4)])
-    for name in ("gate", "up"):
-        assert same(slots.get(name)[3:5], host.get(name)[2:4]), name
-    monkeypatch.undo()
-    for name in slots.names():  # down and the scales untouched, and the other slots (padding bytes are not values)
-        rows = [0, 1, 2] if name in ("gate", "up") else [0, 1, 2, 3, 4]
-        assert same(slots.get(name)[rows], fresh.get(name)[rows]), name
+    issued: list[list[tuple[int, ...]]] = []
+    real = torch._foreach_copy_
+
+    def counting(dsts, srcs, non_blocking=False):  # type: ignore[no-untyped-def]
+        issued.append([tuple(d.shape) for d in dsts])
+        return real(dsts, srcs, non_blocking=non_blocking)
+
+    for strategy in ("direct", "batch"):
+        issued.clear()
+        host, slots, fresh = filled(E, 1, True, True), filled(K, 2, True, True), filled(K, 2, True, True)
+        engine = PageInEngine(CPU, strategy, H, INTER, torch.float32, K, is_fp8=True, packed=True)
+        with monkeypatch.context() as m:
+            m.setattr(torch, "_foreach_copy_", counting)
+            m.setattr(store, "SCALE_TENSORS", ())  # fault injection: the row narrowed to gate and up
+            m.setattr(store, "EXPERT_TENSORS", ("gate", "up"))
+            engine.copy_rows(host, slots, [(2, 3), (3, 4)])
+        (gate_up,) = host.copy_views(("gate", "up"))
+        assert issued == [[(gate_up.shape[1],)] * 2], (strategy, issued)  # one range a row, not a block of two
+        for name in slots.names():  # down and the scales untouched, and the other slots (padding is not values)
+            rows = [0, 1, 2] if name in ("gate", "up") else [0, 1, 2, 3, 4]
+            assert same(slots.get(name)[rows], fresh.get(name)[rows]), (strategy, name)
+        for name in ("gate", "up"):
+            assert same(slots.get(name)[3:5], host.get(name)[2:4]), (strategy, name)
 
 
 def test_page_ins_between_two_layouts_are_refused() -> None:
@@ -289,3 +302,22 @@ def test_the_option_is_checked_where_it_is_set() -> None:
         assert [p.option for p in found] == ["expert_rows"] and mode in found[0].message
     for mode in ("paged", "offload"):
         assert not list(problems({"mode": mode, "expert_rows": "packed"}))
+
+
+def test_a_checkpoint_loads_into_packed_rows_and_equals_resident(tmp_path: Path) -> None:
+    """The loader's path (weights/loader.py: a checkpoint's experts written into the packed views), not the
+    in-memory synthetic model's: bf16-shaped fp32 and block-FP8 checkpoints, paged with `direct` and `batch`
+    page-ins and offloaded, equal resident bit for bit."""
+    from test_prefill import assert_same, long_prompt
+
+    from paged_experts.model import MoeCausalLM
+    from paged_experts.weights.synth import write_checkpoint
+
+    for preset in ("tiny", "tiny-fp8"):
+        ckpt = write_checkpoint(preset, tmp_path / preset, layers=2, seed=3)
+        want = long_prompt(MoeCausalLM.from_pretrained(ckpt, _runtime(mode="resident")), 96)
+        for extra in ({"mode": "paged", "resident_experts": 6, "page_in": "direct"},
+                      {"mode": "paged", "resident_experts": 6, "page_in": "batch"}, {"mode": "offload"}):  # fmt: skip
+            model = MoeCausalLM.from_pretrained(ckpt, _runtime(expert_rows="packed", **extra))
+            assert model.moe_layers[0].host.packed is not None  # type: ignore[attr-defined]
+            assert_same(long_prompt(model, 96), want, f"{preset} {extra}")

@@ -291,12 +291,15 @@ def test_cpu_experts_equals_resident(ckpt: Path, resident: list[torch.Tensor]) -
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", ["split", "packed"])
 def test_fault_unpaged_down_proj_is_caught(
-    ckpt: Path, resident: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+    ckpt: Path, resident: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch, rows: str
 ) -> None:
-    """Control: leave down_proj out of page-in (the published silent bug class); equality must FAIL."""
+    """Control: leave down_proj out of page-in (the published silent bug class); equality must FAIL, in either
+    expert layout (packed rows copy byte ranges of the row: the dropped tensor's range stays out)."""
     monkeypatch.setattr(store_mod, "EXPERT_TENSORS", ("gate", "up"))
-    model = MoeCausalLM.from_pretrained(ckpt, RuntimeConfig(mode="paged", resident_experts=8))
+    runtime = RuntimeConfig(mode="paged", resident_experts=8, expert_rows=rows)  # type: ignore[arg-type]
+    model = MoeCausalLM.from_pretrained(ckpt, runtime)
     paged = run_scenario(model)
     assert model.counters.snapshot().total.misses > 0
     assert not all(torch.equal(a, b) for a, b in zip(paged, resident))

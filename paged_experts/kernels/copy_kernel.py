@@ -148,7 +148,9 @@ def launch_copy_rows(
     row_bytes = [t[0].numel() for t in rows_s]
     pitches = [t.stride(0) for t in rows_s]
     if pitches != [t.stride(0) for t in rows_d]:
-        raise ValueError(f"one launch copies rows of one pitch on both sides, got {pitches} and {rows_d}")
+        raise ValueError(
+            f"one launch copies rows of one pitch on both sides, got {pitches} and {[t.stride(0) for t in rows_d]}"
+        )
     firsts, total = [], 0  # first chunk of each tensor
     for n in row_bytes:
         firsts.append(total)

@@ -120,7 +120,8 @@ class ExpertTensors:
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one expert (all its tensors, scales included): what a page-in moves."""
+        """Bytes of one expert (all its tensors, scales included): what a page-in moves, padding aside (a packed row
+        moves `row_pitch` bytes, at most 256 a tensor more: 384 for a Qwen3-30B-A3B FP8 expert of 4.72 MB)."""
         tensors = [self.gate, self.up, self.down, *(t for t in self.scales if t is not None)]
         return sum(t[0].numel() * t.element_size() for t in tensors)
 
@@ -425,6 +426,11 @@ class PageInEngine:
                 self._copy_direct(src, dst, pairs)
                 return
         assert self.batch_copy is not None
+        if not all(_rows_adjacent(s) and _rows_adjacent(d) for s, d in _paired_views(src, dst)):
+            # a narrowed packed row (the fault-injection tests): ranges whose rows are not back to back, which the
+            # batch's row tables cannot describe
+            self._copy_direct(src, dst, pairs)
+            return
         dsts, srcs, sizes = descriptors(self._row_tables(src, dst), contiguous_runs(pairs))
         self.batch_copy(dsts, srcs, sizes, stream)
         self.batch_calls += 1

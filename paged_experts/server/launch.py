@@ -110,6 +110,8 @@ class Serving:
         return {
             "dtype": str(host.gate.dtype).removeprefix("torch."),
             "bytes_per_expert": host.row_bytes,
+            "expert_rows": "split" if host.packed is None else "packed",
+            "row_pitch_bytes": host.row_pitch,  # a packed row's bytes, alignment padding included (0: split)
             "kernels": kernel_choice(host.is_fp8, self.runtime.device, self.runtime.dtype, self.runtime.kernel_backend),
         }
 

@@ -177,7 +177,8 @@ class ServeOptions:
         "--expert-rows",
         "modes paged and offload: how the host store and the device rows lay an expert out; split = a tensor "
         "each (an FP8 expert's page-in is three weight copies and its scale rows); packed = one byte row an "
-        "expert, so a run of experts pages in as one DMA (the same bits; resident layers stay split)",
+        "expert, so a run of experts pages in as one DMA with --page-in direct or batch (the same bits; resident "
+        "layers' device rows stay split)",
         choices=("split", "packed"),
     )
     prefill_staging_rows: int = _opt(

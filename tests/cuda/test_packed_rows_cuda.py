@@ -5,7 +5,8 @@ expert in one byte row, each read by the kernels at its stride. The same bits as
 - device-planned paged decode == resident: plain, with the copy kernel's capped grid, overlapped (grouped and
   Triton backends, 1 and 2 groups), with the DMA proxy's copies, and with the expert kernels reading the misses'
   rows from the host themselves (fused_page_in);
-- graphed == eager with packed rows (tests/graph_check.py, the Triton backend, overlapped, compiled).
+- graphed == eager with packed rows (tests/graph_check.py: the grouped backend plain and compiled, the Triton
+  backend overlapped and compiled).
 
 Plain functions, so the module also runs as a script: `python tests/cuda/test_packed_rows_cuda.py`.
 """
@@ -85,6 +86,8 @@ def test_packed_fused_page_in_equals_resident() -> None:
 
 def test_packed_graphed_decode_matches_eager() -> None:
     check_graphed_paged(overlap=False, rows="packed")
+    # the grouped backend compiled: torch.compile traces the expert pass over the packed views
+    check_graphed_paged(overlap=False, compile_layers=True, rows="packed")
     check_graphed_paged(overlap=True, groups=2, backend="triton", compile_layers=True, rows="packed")
 
 
