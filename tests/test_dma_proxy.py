@@ -24,7 +24,11 @@ E, K, H, INTER = 9, 4, 8, 6
 
 
 def _filled(n: int, seed: int, is_fp8: bool = False) -> ExpertTensors:
-    t = ExpertTensors.empty(n, H, INTER, torch.float32, torch.device("cpu"), is_fp8=is_fp8)
+    return random_bytes(ExpertTensors.empty(n, H, INTER, torch.float32, torch.device("cpu"), is_fp8=is_fp8), seed)
+
+
+def random_bytes(t: ExpertTensors, seed: int) -> ExpertTensors:
+    """t with random bytes in every tensor of its rows (the same bytes for either layout at one seed)."""
     g = torch.Generator().manual_seed(seed)
     for name in t.names():
         raw = t.get(name).view(torch.uint8)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from interpreted import run_interpreted
+from test_dma_proxy import random_bytes
 
 from paged_experts import fp8
 from paged_experts.residency.store import PACKED_ORDER, ROW_ALIGN_BYTES, ExpertTensors, PageInEngine, to_device_rows
@@ -32,12 +33,7 @@ CPU = torch.device("cpu")
 
 def filled(n: int, seed: int, is_fp8: bool, packed: bool, dtype: torch.dtype = torch.float32) -> ExpertTensors:
     """Random bytes in every tensor (the same bytes for either layout at one seed)."""
-    t = ExpertTensors.empty(n, H, INTER, dtype, CPU, is_fp8=is_fp8, packed=packed)
-    g = torch.Generator().manual_seed(seed)
-    for name in t.names():
-        raw = t.get(name).view(torch.uint8)
-        raw.copy_(torch.randint(1, 250, raw.shape, generator=g, dtype=torch.uint8))
-    return t
+    return random_bytes(ExpertTensors.empty(n, H, INTER, dtype, CPU, is_fp8=is_fp8, packed=packed), seed)
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
