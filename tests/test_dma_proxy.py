@@ -292,6 +292,22 @@ def check_ring_and_wait() -> None:
         closed.tick[3] = 2
         closed.wait(3)
         assert int(closed.err) == 2 and int(closed.gave_up) == 2
+        # a record with nothing planned completes its own ticket: its wait returns though no thread serves it
+        alone = DmaProxy(cpu, max_pairs=2, backend="host", ring_slots=4, cache_dir=Path(tmp), wait_limit=10**9)
+        table = alone.table(host, slots)
+        alone.ring(table + 7, torch.tensor([1, E]), torch.tensor([0, K]), 1)  # no such table: the thread stops
+        deadline = time.monotonic() + 10
+        while int(alone.status[0]) != -1:  # ST_STATE: failed, serving nothing from here on
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        entry = alone.ring(table, torch.tensor([E, E]), torch.tensor([K, K]), 1)  # ticket 2: padding only
+        alone.wait(entry)
+        assert int(alone.done[2]) == 2 and int(alone.err) == 0 and int(alone.gave_up) == 0
+        # ... and a planned one still waits for the thread (here: gives up, the thread having failed)
+        entry = alone.ring(table, torch.tensor([3, E]), torch.tensor([0, K]), 1)  # ticket 3
+        alone.wait(entry)
+        assert int(alone.done[3]) == 0 and int(alone.err) == 3
+        alone.close()
     print("ok")
 
 
@@ -356,17 +372,18 @@ def test_the_ring_and_wait_kernels_compile_for_the_h200() -> None:
 
     target = GPUTarget("cuda", 90, 32)
     ring_fn = dma_ring._ring
-    ptrs = {"counter": "*i64", "ring": "*i64", "tick": "*i64", "experts": "*i64", "slots": "*i64"}
+    ptrs = {"counter": "*i64", "ring": "*i64", "tick": "*i64", "done": "*i64", "experts": "*i64", "slots": "*i64"}
     consts = {"R": 64, "W": 4 + 2 * 512, "P": 512, "BLOCK": 64}
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in ring_fn.arg_names}
     ptx = triton.compile(ASTSource(ring_fn, sig, consts), target=target, options={"num_warps": 1}).asm["ptx"]
     assert "atom.global.gpu.acq_rel.add" in ptx  # the ticket
     publish = ptx.index("atom.global.sys.release.exch")  # published at system scope ...
     assert "bar.sync" in ptx[ptx.rindex("st.global", 0, publish) : publish]  # ... after every thread's stores
+    assert "st.global" in ptx[publish:]  # a record with nothing planned completes its ticket after publishing it
     wait_fn = dma_ring._wait
     wptrs = {"done": "*i64", "tick": "*i64", "err": "*i64", "gave_up": "*i64", "state": "*i64"}
     wsig = {a: wptrs.get(a, "constexpr" if a == "R" else "i32") for a in wait_fn.arg_names}
     wptx = triton.compile(ASTSource(wait_fn, wsig, {"R": 64}), target=target, options={"num_warps": 1}).asm["ptx"]
     assert "ld.volatile.global" in wptx  # each poll reads memory, not a register
-    for fn, args in ((ring_fn, {"entry", "table", "mask", "n"}), (wait_fn, {"entry", "limit"})):
+    for fn, args in ((ring_fn, {"entry", "table", "mask", "n", "rows"}), (wait_fn, {"entry", "limit"})):
         assert {fn.arg_names[i] if isinstance(i, int) else i for i in fn.do_not_specialize} == args

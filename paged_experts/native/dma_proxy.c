@@ -4,7 +4,8 @@
  * The GPU side (residency/dma_ring.py) writes a record into a ring in pinned host memory and publishes its
  * ticket last (a release store at system scope); this thread polls the next ticket's record, issues one
  * cuMemcpyHtoDAsync per (planned expert, tensor) on its own non-blocking stream, then one 8-byte copy of the
- * ticket into the device's `done` word of that ring slot. The copies of one stream run in order, so when the
+ * ticket into the device's `done` word of that ring slot (none for a record with nothing planned: its ring kernel
+ * wrote the ticket into `done` itself). The copies of one stream run in order, so when the
  * GPU's wait kernel reads `done == ticket` every row of the record has landed. Consecutive wanted tensors whose
  * rows follow each other on both sides (a packed expert row's ranges: RuntimeConfig.expert_rows) go as one copy.
  *
@@ -110,10 +111,11 @@ static int serve(proxy_t *p, volatile int64_t *rec, int64_t ticket, int64_t *loc
     if (table < 0 || table >= count) return -2;
     if (entries < 0 || entries > p->max_pairs) return -3;
     const table_t *t = &p->tables[table];
-    int64_t copies = 0, bytes = 0;
+    int64_t copies = 0, bytes = 0, planned = 0;
     for (int64_t i = 0; i < entries; i++) {
         int64_t expert = local[4 + i], slot = local[4 + p->max_pairs + i];
         if (expert < 0 || expert >= t->rows) continue; /* padding */
+        planned++;
         if (slot < 0 || slot >= t->slot_rows) return -4;
         for (int64_t k = 0; k < t->n;) {
             if (!((mask >> k) & 1)) {
@@ -137,12 +139,12 @@ static int serve(proxy_t *p, volatile int64_t *rec, int64_t ticket, int64_t *loc
         }
     }
     int64_t at = ticket % p->ring_slots;
-    p->echo[at] = ticket;
-    int rc;
-    if (p->backend == 1) {
+    int rc = 0;
+    if (planned == 0) { /* nothing planned: the ring kernel wrote this ticket into `done` itself (dma_ring.py) */
+    } else if (p->backend == 1) {
         __atomic_store_n((int64_t *)(uintptr_t)(p->done + (uint64_t)at * 8), ticket, __ATOMIC_RELEASE);
-        rc = 0;
     } else {
+        p->echo[at] = ticket;
         rc = copy(p, p->done + (uint64_t)at * 8, (const void *)&p->echo[at], 8);
     }
     if (rc) return rc;

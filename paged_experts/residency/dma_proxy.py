@@ -12,7 +12,8 @@ on the device, so a host thread does, on the device's word:
   `wait` kernel spins on done    on its own non-blocking stream
   misses compute
 
-The step's stream never waits for the host: it waits for `done`, which the copy engine writes after the rows.
+The step's stream never waits for the host: it waits for `done`, which the copy engine writes after the rows (a
+record with nothing planned, a layer whose experts all hit, writes its own ticket there: no round trip).
 The host waits instead, once per launch (`drain`): the main thread issues nothing more until the thread has
 queued the copies of every ring it launched (an eager ring drains before it returns; a graph's owner counts its
 captured rings and calls `replayed` after each launch). Without it an eager step's wait gave up on an H100,
@@ -48,7 +49,9 @@ from paged_experts.residency import dma_ring
 from paged_experts.residency.store import PACKED_ORDER, ExpertTensors
 
 MAX_PAIRS = 512  # entries a record holds: a one-wave step's padded plan (tokens x top_k) stays below it
-RING_SLOTS = 256  # records in flight at most: an overlapped layer rings G + 1 <= 65 before its first wait
+# records in flight at most: an overlapped layer rings G + 1 <= 65 before its first wait, and the tickets with nothing
+# planned, which complete on the GPU, are bounded by the drain after each replay (one replay's rings: 2-3 a layer)
+RING_SLOTS = 256
 ENTRIES = 512  # call sites a ticket is noted under (a site's wait follows its ring within one layer)
 WAIT_LIMIT = 2_000_000  # polls (each an L2 read, ~0.5 us): ~1 s, where a layer's copies take milliseconds
 IDLE_NS = 5_000_000  # after 5 ms without a record the thread polls every 50 us instead of spinning
@@ -160,6 +163,7 @@ class DmaProxy:
         self.done = torch.zeros(ring_slots, dtype=torch.int64, device=device)  # the ticket each ring slot served
         self.gave_up = torch.zeros(1, dtype=torch.int64, device=device)  # `err`'s device copy, read by every wait
         self._tables: dict[tuple[int, ...], int] = {}
+        self._table_rows: dict[int, int] = {}  # table id -> its host rows (`ring`: which entries are planned)
         self._next_entry = 0
         # rings launched outside a capture, replays' included: the GPU numbers tickets in launch order, so the
         # n-th is ticket n (`drain`); and rings launched during captures, which run on each replay
@@ -214,6 +218,7 @@ class DmaProxy:
             if tid < 0:
                 raise DmaProxyError("the DMA proxy's table of layers is full")
             self._tables[key] = int(tid)
+            self._table_rows[int(tid)] = host.num_rows
             return int(tid)
 
     @staticmethod
@@ -239,9 +244,12 @@ class DmaProxy:
         with self._lock:
             entry = self._next_entry
             self._next_entry = (entry + 1) % ENTRIES
+        # the table's host rows: an entry naming one of them is planned (an unknown table: every entry, so the
+        # record goes to the thread, which refuses it and stops)
+        rows = self._table_rows.get(table, 1 << 62)
         dma_ring.ring(
-            self.counter, self.ring_words, self.tick, experts.contiguous(), slot_ids.contiguous(), entry, table, mask,
-            self.ring_slots, self.record_words, self.max_pairs,
+            self.counter, self.ring_words, self.tick, self.done, experts.contiguous(), slot_ids.contiguous(), entry,
+            table, mask, rows, self.ring_slots, self.record_words, self.max_pairs,
         )  # fmt: skip
         if self.backend == "cuda" and torch.cuda.is_current_stream_capturing():
             self.captured += 1
