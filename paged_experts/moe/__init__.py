@@ -72,7 +72,7 @@ def make_layer(
     device = runtime.torch_device
     if placement == "resident":
         # resident rows stay split (RuntimeConfig.expert_rows): an in-memory store may be packed for every layer
-        rows = to_device_rows(host, cfg.num_experts, device, packed=False)
+        rows = to_device_rows(host, cfg.num_experts, device, split=True)
         return ResidentLayer(layer_idx, router_weight, rows, shared)
     if placement == "offload":
         return OffloadLayer(layer_idx, router_weight, host, shared)

@@ -153,15 +153,15 @@ class ExpertTensors:
         assert self.packed is not None
         base, pitch = self.packed.data_ptr(), self.packed.shape[1]
         present = [n for n in PACKED_ORDER if getattr(self, n) is not None]
-        spans = {n: (self.get(n).data_ptr() - base, 0) for n in present}
+        offsets = {n: self.get(n).data_ptr() - base for n in present}  # each tensor's first byte in the row
         ranges: list[tuple[int, int]] = []
         prev_wanted = False
         for i, name in enumerate(present):
             if name not in wanted:
                 prev_wanted = False
                 continue
-            start = spans[name][0]
-            end = spans[present[i + 1]][0] if i + 1 < len(present) else pitch  # through the padding after it
+            start = offsets[name]
+            end = offsets[present[i + 1]] if i + 1 < len(present) else pitch  # through the padding after it
             if prev_wanted:
                 ranges[-1] = (ranges[-1][0], end)
             else:
@@ -511,10 +511,10 @@ def _rows_adjacent(t: torch.Tensor) -> bool:
     return t.shape[0] < 2 or t.stride(0) == t[0].numel()
 
 
-def to_device_rows(src: ExpertTensors, rows: int, device: torch.device, packed: bool | None = None) -> ExpertTensors:
+def to_device_rows(src: ExpertTensors, rows: int, device: torch.device, split: bool = False) -> ExpertTensors:
     """A device copy of the first `rows` experts (the initial slots hold experts 0..K-1), scales included, in
-    the source's layout, or split (`packed=False`: a resident layer's rows, whatever its host store)."""
-    if src.packed is not None and packed is not False:
+    the source's layout, or split whatever the source's (`split`: a resident layer's rows)."""
+    if src.packed is not None and not split:
         buffer = src.packed[:rows].to(device, copy=True)  # [rows, pitch]
         return ExpertTensors.over(buffer, src.gate.shape[2], src.gate.shape[1], src.gate.dtype, src.is_fp8)
 
