@@ -28,13 +28,14 @@ from paged_experts.runtime import RuntimeConfig
 from paged_experts.weights.synth import write_checkpoint
 
 
-def runtime_for(mode: str, device: str) -> RuntimeConfig:
+def runtime_for(mode: str, device: str, rows: str = "auto", dtype: str = "bfloat16") -> RuntimeConfig:
+    """`rows`: RuntimeConfig.expert_rows (the host store's and device rows' layout of paged and offloaded layers)."""
+    common: dict = {"device": device, "dtype": dtype, "expert_rows": rows}
     if mode.startswith("paged:"):
-        return RuntimeConfig(mode="paged", resident_experts=int(mode.split(":")[1]), device=device, dtype="bfloat16")
+        return RuntimeConfig(mode="paged", resident_experts=int(mode.split(":")[1]), **common)
     if mode.startswith("cpu-experts:"):
-        n = int(mode.split(":")[1])
-        return RuntimeConfig(mode="cpu-experts", cpu_expert_layers=n, device=device, dtype="bfloat16")
-    return RuntimeConfig(mode=mode, device=device, dtype="bfloat16")  # type: ignore[arg-type]
+        return RuntimeConfig(mode="cpu-experts", cpu_expert_layers=int(mode.split(":")[1]), **common)
+    return RuntimeConfig(mode=mode, **common)  # type: ignore[arg-type]
 
 
 def run_cell(model: MoeCausalLM, batch: int, prompt_tokens: int, decode_steps: int) -> dict[str, float]:
@@ -73,6 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--dtype", default="bfloat16", help="the runtime's dtype (the CPU server's default: float32)")
+    ap.add_argument("--preset", default="qwen3-30b-a3b-shape", help="the generated checkpoint (without --model)")
+    ap.add_argument(
+        "--expert-rows", default="auto", help="comma list of RuntimeConfig.expert_rows layouts, each mode run in each"
+    )
     ap.add_argument("--modes", default="resident,paged:8,paged:16,paged:32,paged:64,offload")
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--prompt", type=int, default=64)
@@ -86,20 +92,20 @@ def main(argv: list[str] | None = None) -> int:
         print("needs a CUDA GPU (or --device cpu)", file=sys.stderr)
         return 2
     tmp = tempfile.TemporaryDirectory(prefix="pe-decode-")
-    model_dir = args.model or write_checkpoint("qwen3-30b-a3b-shape", Path(tmp.name) / "m", layers=args.layers)
+    model_dir = args.model or write_checkpoint(args.preset, Path(tmp.name) / "m", layers=args.layers)
     rows = []
-    for mode in args.modes.split(","):
-        model = MoeCausalLM.from_pretrained(model_dir, runtime_for(mode, args.device))
+    for mode, layout in ((m, r) for m in args.modes.split(",") for r in args.expert_rows.split(",")):
+        model = MoeCausalLM.from_pretrained(model_dir, runtime_for(mode, args.device, layout, args.dtype))
         if args.routing != "model":
             from paged_experts.routing.sources import make_router
 
             model.router_override = make_router(args.routing, model.config, 0)
         for batch in (int(b) for b in args.batches.split(",")):
             run_cell(model, batch, args.prompt, 2)  # warmup: allocator, kernels, pinned paths
-            row = {"mode": mode, **run_cell(model, batch, args.prompt, args.decode)}
+            row = {"mode": mode, "expert_rows": layout, **run_cell(model, batch, args.prompt, args.decode)}
             rows.append(row)
             print(
-                f"{mode:>14} B={batch}: {row['decode_tok_per_s']:8.1f} tok/s  "
+                f"{mode:>14} {layout:>6} B={batch}: {row['decode_tok_per_s']:8.1f} tok/s  "
                 f"prefill {row['prefill_s'] * 1e3:7.1f} ms  "
                 f"hit {row['hit_rate']:.3f}  union {row['union_per_layer_step']:5.1f}  "
                 f"waves {row['waves_per_layer_step']:4.2f}  "
