@@ -73,7 +73,7 @@ import paged_experts.moe.waves as waves_module
 from paged_experts.kernels.copy_kernel import copy_planned
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
-from paged_experts.residency.page_in import PageIn
+from paged_experts.residency.page_in import EXPERT_ROWS, PageIn, resolve_expert_rows
 from paged_experts.routing.sources import make_router
 from paged_experts.runtime import RuntimeConfig
 from paged_experts.server import gc_pauses
@@ -168,16 +168,22 @@ def measure_link(device: str) -> dict[str, Any]:
     return {"paging_gb_per_s": report.paging_gb_per_s, "report": report.to_dict()}
 
 
+def rows_layout(args: argparse.Namespace) -> str:
+    """The paged cells' expert layout, --expert-rows with 'auto' resolved as the runtime resolves it (every cell of a
+    run, resident ones too, shares one host store in this layout)."""
+    return resolve_expert_rows(args.expert_rows, "paged", args.device)
+
+
 def build(cell: Cell, args: argparse.Namespace) -> MoeCausalLM:
     programs: int | None = None
     if cell.mode == "resident":
         # the same host store as the paged cells (one in memory at a time); resident device rows stay split
-        rt = RuntimeConfig(mode="resident", device=args.device, dtype=args.dtype, expert_rows=args.expert_rows)
+        rt = RuntimeConfig(mode="resident", device=args.device, dtype=args.dtype, expert_rows=rows_layout(args))
     else:
         page_in, programs = path_page_in(cell.path)
         rt = RuntimeConfig(mode="paged", resident_experts=cell.k, device=args.device, dtype=args.dtype,
                            prefill_residency=cell.keep or "recent", page_in=page_in,
-                           expert_rows=args.expert_rows, prefill_staging_rows=args.staging_rows)  # fmt: skip
+                           expert_rows=rows_layout(args), prefill_staging_rows=args.staging_rows)  # fmt: skip
     model = MoeCausalLM.synthetic(args.preset, rt, layers=args.layers, seed=args.seed)
     if programs is not None:  # every layer shares the one engine (MoeShared.page_in)
         model.moe_layers[0].shared.page_in.row_kernel = functools.partial(copy_planned, programs=programs)
@@ -404,9 +410,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="on (the runtime's default): a host-planned FP8 wave's grouped launches read and write its "
                          "rows through the step's layout; off: a gather before them and an index copy after "
                          "(moe/waves.py ROWS_IN_KERNEL; A/B two processes with benchmarks/prefill_ab.py)")  # fmt: skip
-    ap.add_argument("--expert-rows", choices=("split", "packed"), default="split",
+    ap.add_argument("--expert-rows", choices=EXPERT_ROWS, default="auto",
                     help="the paged layers' expert layout (RuntimeConfig.expert_rows): packed = one byte row an "
-                         "expert, one DMA a run of experts (A/B: two processes)")  # fmt: skip
+                         "expert, one DMA a run of experts; auto = the runtime's (packed on CUDA, split on the "
+                         "CPU); A/B: two processes")  # fmt: skip
     ap.add_argument(
         "--staging-rows",
         type=int,
@@ -437,13 +444,13 @@ def main(argv: list[str] | None = None) -> int:
         "model": f"synth:{args.preset}?layers={args.layers}&seed={args.seed} (in-memory random weights)",
         "source_weights": source_weights(f"synth:{args.preset}?layers={args.layers}&seed={args.seed}"),
         "provenance": provenance(), "cells": [],
-        "expert_rows": args.expert_rows, "staging_rows": args.staging_rows,  # the paged cells' layout and staging
+        "expert_rows": rows_layout(args), "staging_rows": args.staging_rows,  # the paged cells' layout and staging
     }  # fmt: skip
     cfg = synth_memory.config_for(synth_memory.SynthSpec(args.preset, args.layers, args.seed))
     t0 = time.perf_counter()
     silent = synth_memory.silent_ids(f"synth:{args.preset}")  # as the cells' models (MoeCausalLM.synthetic): one store
     synth_memory.host_weights(
-        cfg, getattr(torch, args.dtype), args.seed, torch.device(args.device), silent, args.expert_rows == "packed"
+        cfg, getattr(torch, args.dtype), args.seed, torch.device(args.device), silent, rows_layout(args) == "packed"
     )
     record["host_store_build_s"] = time.perf_counter() - t0
     record["link"] = measure_link(args.device)

@@ -15,7 +15,7 @@ from paged_experts.config import TORCH_DTYPES, MoeModelConfig
 from paged_experts.kernels import moe_triton
 from paged_experts.kernels.fused import check_expert_backend
 from paged_experts.residency.dma_proxy import MAX_PAIRS as DMA_MAX_PAIRS
-from paged_experts.residency.page_in import PAGE_IN_CHOICES, PageIn
+from paged_experts.residency.page_in import EXPERT_ROWS, PAGE_IN_CHOICES, ExpertRows, PageIn, resolve_expert_rows
 from paged_experts.residency.policies import (
     DEFAULT_EVICTION_POLICY,
     DEFAULT_PREFILL_KEEP,
@@ -53,9 +53,12 @@ class RuntimeConfig:
     # its scale rows); 'packed', one byte row an expert (one DMA a run of experts with page_in direct or batch; the
     # kernels read each tensor at its stride: the same bits). Resident layers' device rows stay split (an in-memory
     # synthetic model packs every layer's host store; a checkpoint's loader only the paged and offloaded layers').
-    # 'split' until measured on an H200 (configs/h200/packed.yaml; on an H100:
-    # benchmarks/results/h200/2026-12-06-h100-packed).
-    expert_rows: Literal["split", "packed"] = "split"
+    # 'auto' (`rows_layout`) = packed for mode paged on CUDA, where it was measured to win (2,048-token TTFT -8 to
+    # -10% on both routings, decode no lower: configs/h200/packed.yaml, benchmarks/results/h200/2026-12-06-h100-packed
+    # and 2026-12-06-h100-packed-cd), split elsewhere: on the CPU packed rows slow offload's copies (byte rows through
+    # index_select: benchmarks/paged_decode.py --expert-rows split,packed --device cpu, 313 -> 240 tok/s), and
+    # offload on CUDA is not measured packed.
+    expert_rows: ExpertRows = "auto"
     # Paged one-wave steps planned and paged in on the device (no host sync, CUDA-graph capturable):
     # 'auto' = on for CUDA, off on the CPU (where the host planner is the cheaper path).
     device_planning: Literal["auto", "on", "off"] = "auto"
@@ -116,8 +119,8 @@ class RuntimeConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.dtype not in TORCH_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(TORCH_DTYPES)}, got {self.dtype!r}")
-        if self.expert_rows not in ("split", "packed"):
-            raise ValueError(f"expert_rows must be 'split' or 'packed', got {self.expert_rows!r}")
+        if self.expert_rows not in EXPERT_ROWS:
+            raise ValueError(f"expert_rows must be one of {EXPERT_ROWS}, got {self.expert_rows!r}")
         if self.page_in not in PAGE_IN_CHOICES:
             raise ValueError(f"page_in must be one of {PAGE_IN_CHOICES}, got {self.page_in!r}")
         if self.page_in in ("kernel", "staged") and self.device != "cuda":
@@ -245,10 +248,16 @@ class RuntimeConfig:
                 f"cpu_expert_layers={self.cpu_expert_layers} exceeds the model's {model.num_moe_layers} MoE layers"
             )
 
+    @property
+    def rows_layout(self) -> Literal["split", "packed"]:
+        """The expert layout in force for paged and offloaded layers: `expert_rows`, 'auto' resolved (packed for
+        mode paged on CUDA, split elsewhere)."""
+        return resolve_expert_rows(self.expert_rows, self.mode, self.device)
+
     def packs_rows(self, placement: str) -> bool:
-        """True where a layer of this placement ('layer_mode') keeps its experts in packed rows (expert_rows):
+        """True where a layer of this placement ('layer_mode') keeps its experts in packed rows (`rows_layout`):
         the layers whose host rows are copied to the device, paged and offloaded."""
-        return self.expert_rows == "packed" and placement in ("paged", "offload")
+        return self.rows_layout == "packed" and placement in ("paged", "offload")
 
     def layer_mode(self, layer_idx: int, num_moe_layers: int) -> str:
         """The placement of one layer's experts: 'resident', 'paged', 'offload' or 'cpu'."""

@@ -298,6 +298,44 @@ def test_the_option_is_checked_where_it_is_set() -> None:
         assert [p.option for p in found] == ["expert_rows"] and mode in found[0].message
     for mode in ("paged", "offload"):
         assert not list(problems({"mode": mode, "expert_rows": "packed"}))
+    for mode in ("resident", "paged", "offload", "cpu-experts"):  # the default is never a problem
+        assert not list(problems({"mode": mode, "expert_rows": "auto"}))
+
+
+def test_auto_packs_the_rows_of_mode_paged_on_cuda_only() -> None:
+    """The default (configs/h200/packed.yaml's rule met on the H100, 2026-12-06): packed where measured to win,
+    paged on CUDA; split on the CPU (offload's copies slower there) and for CUDA offload (not measured). The runtime,
+    the server and the adapter's manifest resolve it by one function."""
+    from benchsuite.engines.builtin.adapter import BuiltinOptions
+    from paged_experts.residency.page_in import resolve_expert_rows
+    from paged_experts.server.options import ServeOptions
+
+    assert RuntimeConfig().expert_rows == "auto" and ServeOptions(model_path="m").expert_rows == "auto"
+    want = {("paged", "cuda"): "packed", ("paged", "cpu"): "split", ("offload", "cuda"): "split"}
+    want |= {("offload", "cpu"): "split", ("resident", "cuda"): "split", ("cpu-experts", "cuda"): "split"}
+    for (mode, device), layout in want.items():
+        for unset in ("auto", None):
+            assert resolve_expert_rows(unset, mode, device) == layout, (mode, device)
+        for explicit in ("split", "packed"):  # an explicit layout is kept on every device and mode
+            assert resolve_expert_rows(explicit, mode, device) == explicit
+        extra = {"paged": {"resident_experts": 8}, "offload": {"offload_layers": 1}, "cpu-experts": {"n_cpu_moe": 1}}
+        options = BuiltinOptions(mode=mode, device=device, **extra.get(mode, {}))  # type: ignore[arg-type]
+        assert options.resolved_expert_rows() == layout, (mode, device)  # what the manifest records
+    paged = RuntimeConfig(mode="paged", resident_experts=8)  # the CPU: split, unless asked
+    assert paged.rows_layout == "split" and not paged.packs_rows("paged")
+    asked = RuntimeConfig(mode="paged", resident_experts=8, expert_rows="packed")
+    assert asked.rows_layout == "packed" and asked.packs_rows("paged") and not asked.packs_rows("resident")
+
+
+def test_a_cpu_paged_model_keeps_split_rows_unless_asked() -> None:
+    from test_prefill import TINY
+
+    from paged_experts.model import MoeCausalLM
+
+    default = MoeCausalLM.from_pretrained(TINY, _runtime(mode="paged", resident_experts=8))
+    assert all(layer.host.packed is None for layer in default.moe_layers)
+    asked = MoeCausalLM.from_pretrained(TINY, _runtime(mode="paged", resident_experts=8, expert_rows="packed"))
+    assert all(layer.host.packed is not None for layer in asked.moe_layers)
 
 
 def test_a_checkpoint_loads_into_packed_rows_and_equals_resident(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from paged_experts.residency.page_in import PAGE_IN_CHOICES
+from paged_experts.residency.page_in import EXPERT_ROWS, PAGE_IN_CHOICES
 from paged_experts.residency.policies import (
     DEFAULT_AGING_PERIOD_STEPS,
     DEFAULT_EVICTION_POLICY,
@@ -173,13 +173,13 @@ class ServeOptions:
         choices=PAGE_IN_CHOICES,
     )
     expert_rows: str = _opt(
-        "split",
+        "auto",
         "--expert-rows",
         "modes paged and offload: how the host store and the device rows lay an expert out; split = a tensor "
         "each (an FP8 expert's page-in is three weight copies and its scale rows); packed = one byte row an "
         "expert, so a run of experts pages in as one DMA with --page-in direct or batch (the same bits; resident "
-        "layers' device rows stay split)",
-        choices=("split", "packed"),
+        "layers' device rows stay split); auto = packed for mode paged on CUDA, split elsewhere",
+        choices=EXPERT_ROWS,
     )
     prefill_staging_rows: int = _opt(
         0,

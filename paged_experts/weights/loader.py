@@ -281,7 +281,7 @@ def build_shared(cfg: MoeModelConfig, runtime: RuntimeConfig) -> tuple[MoeShared
     max_slots = max(runtime.resident_experts or cfg.num_experts, runtime.prefill_staging_rows)
     h, inter, is_fp8 = cfg.hidden_size, cfg.moe_intermediate_size, cfg.fp8_weights
     row_kernel = copy_planned if graph_safe(device) else None  # FP8 scale rows of a direct page-in
-    packed = runtime.expert_rows == "packed"  # the paged and offloaded layers' rows (RuntimeConfig.packs_rows)
+    packed = runtime.rows_layout == "packed"  # the paged and offloaded layers' rows (RuntimeConfig.packs_rows)
     page_in = PageInEngine(
         device, runtime.page_in, h, inter, dtype, max_slots, is_fp8=is_fp8, row_kernel=row_kernel,
         batch_copy=_batch_copy(device) if runtime.page_in == "batch" else None, packed=packed,

@@ -141,7 +141,7 @@ def host_weights(
 ) -> HostWeights:
     """`weightgen`'s source tensors, generated on `gen_device` (the same values on every device);
     `silent`: the tokens whose output rows are zero; `packed`: every layer's experts in packed rows
-    (RuntimeConfig.expert_rows; a resident layer's device rows are split all the same: `make_layer`)."""
+    (RuntimeConfig.rows_layout; a resident layer's device rows are split all the same: `make_layer`)."""
     key = (cfg, dtype, seed, silent, gen_device.type, packed)  # the device too: CUDA's host store is pinned
     if key in _CACHE:
         return _CACHE[key]
@@ -211,7 +211,7 @@ def build_from_config(cfg: MoeModelConfig, runtime: RuntimeConfig, seed: int, si
     """Places cached (or freshly generated) host weights for `runtime`, as `loader.load` does."""
     runtime.validate_for(cfg)
     device, dtype = runtime.torch_device, runtime.torch_dtype
-    hw = host_weights(cfg, dtype, seed, device, silent, runtime.expert_rows == "packed")
+    hw = host_weights(cfg, dtype, seed, device, silent, runtime.rows_layout == "packed")
 
     def dev(t: torch.Tensor) -> torch.Tensor:
         return t.to(device=device, copy=True)

@@ -46,7 +46,7 @@ from benchsuite.engines.base import (
 from benchsuite.engines.search_settings import ResidentExpertsSettings, SearchSettingsAny
 from benchsuite.errors import UserError
 from benchsuite.tools.scrape import scrape_prometheus
-from paged_experts.residency.page_in import PageIn
+from paged_experts.residency.page_in import ExpertRows, PageIn, resolve_expert_rows
 from paged_experts.residency.policies import DEFAULT_EVICTION_POLICY, DEFAULT_PREFILL_KEEP
 from paged_experts.server.options import GRAPHABLE_MODES, MODE_OPTION, Namer, ServeOptions, mode_problems, problems
 from paged_experts.server.threads import default_cpu_threads
@@ -127,8 +127,8 @@ class BuiltinOptions(EngineOptions):
     # page_in (the server's 0: none)
     prefill_staging_rows: int | None = Field(None, ge=0, exclude_if=lambda v: v is None)
     # Paged, offload: an expert as one byte row of the host store and device rows (RuntimeConfig.expert_rows:
-    # split or packed); unset like page_in (the server's split)
-    expert_rows: Literal["split", "packed"] | None = Field(None, exclude_if=lambda v: v is None)
+    # auto, split or packed); unset like page_in (the server's auto: packed for mode paged on CUDA, else split)
+    expert_rows: ExpertRows | None = Field(None, exclude_if=lambda v: v is None)
     # Freeze the loaded server's heap for the garbage collector (ServeOptions.gc_freeze; None = the server's
     # default, on); left out of the dumped options when unset, so the server ids of matrices without it stay
     gc_freeze: bool | None = Field(None, exclude_if=lambda v: v is None)
@@ -173,6 +173,11 @@ class BuiltinOptions(EngineOptions):
             return self.page_in
         return "direct" if self.device == "cuda" else "index"
 
+    def resolved_expert_rows(self) -> str:
+        """The expert layout in force ('auto' resolved as RuntimeConfig.rows_layout resolves it: packed for mode
+        paged on CUDA, split elsewhere; resident layers' device rows are split in every layout)."""
+        return resolve_expert_rows(self.expert_rows, self.mode, self.device)
+
     def graphs_max_bs(self, max_concurrency: int) -> int:
         """The decode graphs' largest batch: the option, or by default every batch the server runs."""
         if self.cuda_graph_max_bs is not None:
@@ -203,7 +208,7 @@ class BuiltinOptions(EngineOptions):
             "fused_page_in": bool(self.fused_page_in),
             "page_in": self.resolved_page_in(),
             "prefill_staging_rows": self.prefill_staging_rows or 0,
-            "expert_rows": self.expert_rows or "split",
+            "expert_rows": self.resolved_expert_rows(),
             "expert_kernel": self.expert_kernel,
             "overlap_schedule": self.overlap_schedule,
             "cpu_threads": self.cpu_threads or default_cpu_threads(),
@@ -316,7 +321,7 @@ class BuiltinAdapter(EngineAdapter):
             fused_page_in=perf["fused_page_in"],
             page_in=opts.page_in or "auto",
             prefill_staging_rows=opts.prefill_staging_rows or 0,
-            expert_rows=opts.expert_rows or "split",
+            expert_rows=opts.expert_rows or "auto",
             overlap_schedule=perf["overlap_schedule"],
             cpu_threads=perf["cpu_threads"],
             gc_freeze=perf["gc_freeze"],
