@@ -139,7 +139,7 @@ def check_graphed_paged(
     groups: int = 1,
     policy: str = "lru",
     copies: str = "kernel",
-    rows: str = "split",
+    rows: str = "auto",  # RuntimeConfig.expert_rows: the default (packed on CUDA)
 ) -> None:
     """Graphed paged decode against eager through tests/graph_check.py: the graphed model is fed
     eager's tokens, a routing flip must sit on a near-tie of eager's router logits (bf16 rounding

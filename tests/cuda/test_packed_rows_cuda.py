@@ -6,7 +6,9 @@ expert in one byte row, each read by the kernels at its stride. The same bits as
   Triton backends, 1 and 2 groups), with the DMA proxy's copies, and with the expert kernels reading the misses'
   rows from the host themselves (fused_page_in);
 - graphed == eager with packed rows (tests/graph_check.py: the grouped backend plain and compiled, the Triton
-  backend overlapped and compiled).
+  backend overlapped and compiled);
+- split rows, no longer the CUDA default of mode paged (RuntimeConfig.rows_layout) and so no longer what the other
+  CUDA files' paged models hold, still equal resident when asked for.
 
 Plain functions, so the module also runs as a script: `python tests/cuda/test_packed_rows_cuda.py`.
 """
@@ -82,6 +84,27 @@ def test_packed_fused_page_in_equals_resident() -> None:
         for i, (a, b) in enumerate(zip(decode(model, prompts, 6), resident)):
             assert torch.equal(a, b), f"{path}: output {i} differs by {(a - b).abs().max().item()}"
         assert model.counters.snapshot().total.misses > 0
+
+
+def test_auto_packs_paged_rows_on_cuda_and_split_rows_still_equal_resident() -> None:
+    default = MoeCausalLM.from_pretrained(QWEN2, rt(mode="paged", resident_experts=16))
+    assert default.moe_layers[0].host.packed is not None  # type: ignore[attr-defined]  # 'auto' on CUDA
+    offload = MoeCausalLM.from_pretrained(QWEN2, rt(mode="offload", offload_layers=1))
+    assert offload.moe_layers[0].host.packed is None  # type: ignore[attr-defined]  # offload: split unless asked
+    prompts = [[5, 17, 300, 41, 9, 77, 3, 8], [800, 2, 64]]
+    for path in (QWEN2, FP8):
+        want = long_prompt(MoeCausalLM.from_pretrained(path, rt(mode="resident")), 256)
+        split = MoeCausalLM.from_pretrained(path, rt(mode="paged", resident_experts=16, expert_rows="split"))
+        assert split.moe_layers[0].host.packed is None  # type: ignore[attr-defined]
+        assert_same(long_prompt(split, 256), want, f"{path} split rows, prefill")
+        resident = decode(MoeCausalLM.from_pretrained(path, rt(mode="resident", kernel_backend="triton")), prompts, 6)
+        split = MoeCausalLM.from_pretrained(
+            path, rt(mode="paged", resident_experts=16, expert_rows="split", kernel_backend="triton")
+        )
+        for i, (a, b) in enumerate(zip(decode(split, prompts, 6), resident)):
+            assert torch.equal(a, b), f"{path} split rows: output {i} differs by {(a - b).abs().max().item()}"
+        assert split.counters.snapshot().total.misses > 0
+    check_graphed_paged(overlap=True, backend="triton", rows="split")  # graphed == eager with split rows too
 
 
 def test_packed_graphed_decode_matches_eager() -> None:
