@@ -149,14 +149,41 @@ def _first_launches() -> dict[str, Callable[[], object]]:
     need a context synchronization, so a kernel that spins until another party acts can deadlock against it. An
     eager decode step's first launch of a kernel, issued while its wait spun for the proxy, would block until the
     wait gave up, and the thread's copies behind it would land late: call 1's give-up on the H100 (2026-12-06,
-    benchmarks/results/h200/2026-12-06-h100-dmaproxy). The control: the same script under CUDA_MODULE_LOADING=EAGER."""
+    benchmarks/results/h200/2026-12-06-h100-dmaproxy). The control: the same script under CUDA_MODULE_LOADING=EAGER.
+    It failed the hypothesis (2026-12-06, benchmarks/results/h200/2026-12-06-h100-packed-cd): under EAGER both torch
+    first launches gave up too. Both are jiterator kernels, compiled and loaded by their first call in either mode;
+    the already-loaded control and a Triton kernel's first launch (what an eager step's first call launches) tell a
+    module load apart from any launch behind the spinning wait."""
     x = torch.rand(1 << 10, device="cuda") + 0.5
+    y = x.mul(3.0)  # launched here once: the control below launches a kernel the context already holds
     torch.cuda.synchronize()
     return {
-        # torch kernels this process never launched before (each is loaded on its first launch under LAZY)
+        # the control: if this gives up too, launching anything behind the wait does, and the harness is at fault
+        "a launch of a kernel already loaded (mul, the control)": lambda: x.mul(3.0),
+        # torch kernels this process never launched before (each is loaded on its first launch under LAZY; both
+        # are jiterator kernels, compiled by NVRTC and loaded on their first call under either loading mode)
         "first launch of a torch kernel (special.i1e)": lambda: torch.special.i1e(x),
         "first launch of a torch kernel (special.ndtri)": lambda: torch.special.ndtri(x.clamp(0.01, 0.99)),
+        # what an eager decode step launches for the first time: a Triton kernel, compiled (or read from Triton's
+        # disk cache) and loaded into the context by the call itself
+        "first launch of a Triton kernel": lambda: _triton_first_launch(y),
     }
+
+
+def _triton_first_launch(x: torch.Tensor) -> torch.Tensor:
+    """A Triton kernel new to this process (a constexpr no other call uses), launched once over x."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _scale(src, dst, n, FACTOR: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803 (Triton's constexpr style)
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        keep = offs < n
+        tl.store(dst + offs, tl.load(src + offs, mask=keep) * FACTOR, mask=keep)
+
+    out = torch.empty_like(x)
+    _scale[(triton.cdiv(x.numel(), 256),)](x, out, x.numel(), FACTOR=time.time_ns() % 997 + 2, BLOCK=256)
+    return out
 
 
 def _ring_then(
