@@ -173,6 +173,47 @@ def test_gate_up_rows_of_several_experts_go_row_by_row(monkeypatch: pytest.Monke
             assert same(slots.get(name)[3:5], host.get(name)[2:4]), (strategy, name)
 
 
+def test_the_cpu_index_copy_takes_runs_of_words_and_a_narrowed_row_lands_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU's `index` page-in copies each run of rows as one copy_ of 8-byte words (no index_select temporary:
+    fresh memory past glibc's mmap threshold on every call), and a run of packed ranges (gate and up of two experts,
+    strided) writes those ranges and nothing between them."""
+    from paged_experts.residency import store
+
+    host, slots = filled(E, 1, True, True), filled(K, 2, True, True)
+    whole_src, whole_dst = store.as_words(*(t.copy_views()[0] for t in (host, slots)))
+    assert whole_src.dtype == torch.int64 and whole_src.data_ptr() == host.packed.data_ptr()  # type: ignore[union-attr]
+    assert whole_dst.shape == (K, slots.row_pitch // 8)
+    odd = torch.zeros(4, 6, dtype=torch.uint8)
+    assert store.as_words(odd, odd)[0].dtype == torch.int16 and store.as_words(odd[:, :3], odd[:, :3])[0] is not odd
+    assert store.as_words(odd[:, :3], odd[:, :3])[0].dtype == torch.uint8  # 3 bytes a row: no wider word
+    floats = torch.zeros(2, 8)
+    assert store.as_words(floats, floats)[0] is floats
+    copies: list[tuple[int, ...]] = []
+    real = torch.Tensor.copy_
+
+    def counting(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        copies.append(tuple(self.shape))
+        return real(self, src, non_blocking)
+
+    engine = PageInEngine(CPU, "index", H, INTER, torch.float32, K, is_fp8=True, packed=True)
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "copy_", counting)
+        engine.copy_rows(host, slots, PAIRS)
+    words = slots.row_pitch // 8
+    assert copies == [(1, words), (1, words), (2, words)]  # 3 runs, by destination: 7 -> 0, 4 -> 1, 2..3 -> 3..4
+    fresh = filled(K, 2, True, True)
+    narrowed = filled(K, 2, True, True)
+    with monkeypatch.context() as m:
+        m.setattr(store, "SCALE_TENSORS", ())  # fault injection: the row narrowed to gate and up
+        m.setattr(store, "EXPERT_TENSORS", ("gate", "up"))
+        engine.copy_rows(host, narrowed, [(2, 3), (3, 4)])
+    for name in narrowed.names():
+        rows = [0, 1, 2] if name in ("gate", "up") else [0, 1, 2, 3, 4]
+        assert same(narrowed.get(name)[rows], fresh.get(name)[rows]), name
+    for name in ("gate", "up"):
+        assert same(narrowed.get(name)[3:5], host.get(name)[2:4]), name
+
+
 def test_page_ins_between_two_layouts_are_refused() -> None:
     engine = PageInEngine(CPU, "index", H, INTER, torch.float32, K, is_fp8=True)
     with pytest.raises(ValueError, match="one layout"):

@@ -4,8 +4,8 @@ schema read them).
 How host-planned page-ins (prefill waves, steps above one wave, offload) copy host rows to device rows
 (`store.PageInEngine`): `direct`, a DMA per tensor and run of rows; `kernel`, one Triton copy launch per
 group of rows (CUDA); `batch`, every tensor's runs of rows in one `cuMemcpyBatchAsync` (CUDA driver 12.8+;
-memmoves on the CPU); `staged`, through a pinned staging buffer (CUDA); `index`, index_select then
-index_copy_ (the CPU's). `auto` is `direct` on CUDA and `index` elsewhere.
+memmoves on the CPU); `staged`, through a pinned staging buffer (CUDA); `index`, a copy_ a run of rows on the
+CPU (index_select then index_copy_ to another device). `auto` is `direct` on CUDA and `index` elsewhere.
 
 What a page-in copies is laid out by `ExpertRows` (`store.ExpertTensors`): `split`, a tensor each; `packed`,
 one byte row an expert; `auto`, packed for mode paged on CUDA and split elsewhere (RuntimeConfig.rows_layout).

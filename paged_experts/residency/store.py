@@ -7,7 +7,8 @@ copies at about a tenth of the link speed (DESIGN.md section 5). The pinned stor
 at its exact size by `pinned.py` (torch's allocator would round each tensor up to a power of two).
 
 Page-in of a wave's misses never synchronizes the host per expert. Strategies:
-- `index` (CPU default): one `index_copy_` per tensor;
+- `index` (CPU default): on the CPU a `copy_` per tensor and run of rows (no temporary); to another device
+  `index_select` then one `index_copy_` per tensor;
 - `direct` (CUDA default): one `non_blocking` copy per contiguous run of rows, straight from the
   pinned store into the slots; the copies queue back-to-back on the stream. They are issued in one
   call (`torch._foreach_copy_`, over row views made once per tensor), and where the engine has a
@@ -379,8 +380,18 @@ class PageInEngine:
     def _copy_index(self, src: ExpertTensors, dst: ExpertTensors, pairs: Sequence[tuple[int, int]]) -> None:
         src_idx = torch.tensor([p[0] for p in pairs], dtype=torch.long)  # [m]
         dst_idx = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)  # [m]
+        runs = contiguous_runs(pairs) if self.device.type == "cpu" else []
         for s_t, d_t in _paired_views(src, dst):  # FP8 as bytes: the CPU has no float8 index_copy_
-            d_t.index_copy_(0, dst_idx, s_t.index_select(0, src_idx).to(self.device))
+            s_w, d_w = as_words(s_t, d_t)
+            if self.device.type == "cpu":
+                # a copy a run of rows, no temporary: index_select's output (37 MB for 4 bf16 Qwen3-30B-A3B rows) is
+                # fresh memory on every call past glibc's 32 MB mmap threshold, and its page faults cost more than the
+                # copy (4-11x slower, benchmarks/results/cpu/README.md); a packed range's rows are strided: copy_
+                # takes them as they are
+                for s, d, n in runs:
+                    d_w[d : d + n].copy_(s_w[s : s + n])
+            else:
+                d_w.index_copy_(0, dst_idx, s_w.index_select(0, src_idx).to(self.device))
 
     def _copy_direct(self, src: ExpertTensors, dst: ExpertTensors, pairs: Sequence[tuple[int, int]]) -> None:
         runs = contiguous_runs(pairs)
@@ -504,6 +515,27 @@ def _paired_views(
             f"{dst.row_pitch} (0: split)"
         )
     return list(zip(src.copy_views(names), dst.copy_views(names), strict=True))
+
+
+_WORDS = (torch.int64, torch.int32, torch.int16)
+
+
+def as_words(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Byte views (packed rows, FP8 as bytes) as the widest integer words both sides allow, the same bytes: the CPU's
+    index_select / index_copy_ move uint8 elements 5-8x slower than 4- or 8-byte ones (2-core Xeon, rows of 12 KB and
+    256 KB: ~1.1 against 4.8-8.9 GB/s), which made packed rows slow offload on the CPU. Other dtypes pass through."""
+    if src.dtype != torch.uint8 or dst.dtype != torch.uint8:
+        return src, dst
+
+    def fits(t: torch.Tensor, size: int) -> bool:
+        inner = t.dim() == 0 or (t.stride(-1) == 1 and t.shape[-1] % size == 0)
+        return inner and t.storage_offset() % size == 0 and all(st % size == 0 for st in t.stride()[:-1])
+
+    for word in _WORDS:
+        size = word.itemsize
+        if fits(src, size) and fits(dst, size):
+            return src.view(word), dst.view(word)
+    return src, dst
 
 
 def _rows_adjacent(t: torch.Tensor) -> bool:
