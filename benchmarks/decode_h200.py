@@ -43,6 +43,7 @@ from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.moe import waves as waves_module
 from paged_experts.residency import pinned
+from paged_experts.residency.page_in import resolve_expert_rows
 from paged_experts.residency.policies import LayerResidency
 from paged_experts.residency.store import ExpertTensors
 from paged_experts.runtime import RuntimeConfig
@@ -63,6 +64,7 @@ DEFAULT_MODES = (  # most important first: a --deadline-s cut drops the tail
 
 VARIANT_OPTIONS = ("host", "graphs", "compile", "overlap", "loop", "triton", "prefetch", "torchplan", "pertensor")
 VARIANT_OPTIONS += ("fused", "kernelcopy", "batchcopy", "devtables", "unfusedglu", "gathered", "deqattn", "packed")
+VARIANT_OPTIONS += ("split",)
 """Options after '/' in a --modes entry (joined by '+'):
 - host: paged steps planned on the host (device_planning='off'): the path before device planning;
 - graphs: decode steps captured as CUDA graphs (--graphs batch sizes; for paged K only batch sizes
@@ -89,7 +91,8 @@ VARIANT_OPTIONS += ("fused", "kernelcopy", "batchcopy", "devtables", "unfusedglu
   moe_triton's kernels (one routing kernel; per-pair gate+up+SiLU; down with the top-k combine);
 - deqattn: a block-FP8 preset's attention projections dequantized to bf16 at load (dequantize_attention: the bytes of
   the layout before 2026-12-03, the FP8 values), against the default FP8 projections (kernels/linear_fp8.py);
-- packed: paged layers' experts in packed rows (expert_rows='packed': one byte row an expert, one DMA a run)."""
+- packed, split: paged layers' experts in packed rows (expert_rows='packed': one byte row an expert, one DMA a run)
+  or split (a tensor each); neither: the runtime's default, 'auto' (packed for mode paged on CUDA, split elsewhere)."""
 
 
 def parse_variant(spec: str) -> tuple[str, frozenset[str]]:
@@ -147,7 +150,7 @@ def runtime_for(
             copy_programs=None if "host" in options else copy_programs,
             page_in="kernel" if "kernelcopy" in options else "batch" if "batchcopy" in options else "auto",
             dequantize_attention=deq,
-            expert_rows="packed" if "packed" in options else "split",
+            expert_rows="packed" if "packed" in options else "split" if "split" in options else "auto",
         )
     if name == "cpu-experts":
         return RuntimeConfig(
@@ -217,8 +220,10 @@ def measure_pagein_paths(host: ExpertTensors, expert_bytes: int, slots_n: int = 
 
     dev = torch.device("cuda")
     e = host.num_rows
-    slots = ExpertTensors.empty(slots_n, host.gate.shape[2], host.gate.shape[1], host.gate.dtype, dev)
-    engine = PageInEngine(dev, "direct", host.gate.shape[2], host.gate.shape[1], host.gate.dtype, slots_n)
+    packed = host.packed is not None  # slots in the store's layout (a page-in copies between one layout)
+    h, inter, dtype = host.gate.shape[2], host.gate.shape[1], host.gate.dtype
+    slots = ExpertTensors.empty(slots_n, h, inter, dtype, dev, is_fp8=host.is_fp8, packed=packed)
+    engine = PageInEngine(dev, "direct", h, inter, dtype, slots_n, is_fp8=host.is_fp8, packed=packed)
     gen = torch.Generator().manual_seed(0)
     rows = []
     for m in (1, 4, 8, 16, 32, 64):
@@ -434,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     # the store the cells' models place (MoeCausalLM.synthetic: the preset's silent tokens): one store, not two
     silent = synth_memory.silent_ids(f"synth:{preset}")
-    hw = synth_memory.host_weights(cfg, torch.bfloat16, args.seed, torch.device(args.device), silent)
+    packed = resolve_expert_rows("auto", "paged", args.device) == "packed"  # the default cells' layout
+    hw = synth_memory.host_weights(cfg, torch.bfloat16, args.seed, torch.device(args.device), silent, packed)
     record["host_store_build_s"] = time.perf_counter() - t0
     record["pinned"] = asdict(pinned.stats())  # how the store was page-locked (exact size or torch's rounding)
     print(f"host store built in {record['host_store_build_s']:.1f} s; pinned {record['pinned']}", flush=True)

@@ -102,10 +102,12 @@ def main(argv: list[str] | None = None) -> int:
             model.router_override = make_router(args.routing, model.config, 0)
         for batch in (int(b) for b in args.batches.split(",")):
             run_cell(model, batch, args.prompt, 2)  # warmup: allocator, kernels, pinned paths
-            row = {"mode": mode, "expert_rows": layout, **run_cell(model, batch, args.prompt, args.decode)}
+            rows_in_force = model.moe_layers[0].host.packed is not None  # 'auto' resolved by the runtime
+            ran = {"expert_rows": layout, "rows_layout": "packed" if rows_in_force else "split"}
+            row = {"mode": mode, **ran, **run_cell(model, batch, args.prompt, args.decode)}
             rows.append(row)
             print(
-                f"{mode:>14} {layout:>6} B={batch}: {row['decode_tok_per_s']:8.1f} tok/s  "
+                f"{mode:>14} {ran['rows_layout']:>6} B={batch}: {row['decode_tok_per_s']:8.1f} tok/s  "
                 f"prefill {row['prefill_s'] * 1e3:7.1f} ms  "
                 f"hit {row['hit_rate']:.3f}  union {row['union_per_layer_step']:5.1f}  "
                 f"waves {row['waves_per_layer_step']:4.2f}  "

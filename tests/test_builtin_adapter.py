@@ -199,3 +199,25 @@ def test_a_recording_server_is_given_time_to_write_its_trace(tmp_path: Path) -> 
         spec = _paged_spec(tmp_path, f"record_routing: {record}")
         graces.append(BuiltinAdapter().launch_plan(spec, 8000).stop_grace_s)
     assert graces == [5.0, TRACE_STOP_GRACE_S]
+
+
+@pytest.mark.parametrize(
+    ("options", "flag_value", "in_force"),
+    [
+        ("device: cuda, mode: paged, resident_experts: 16", None, "packed"),  # 'auto': packed, paged on CUDA
+        ("device: cpu, mode: paged, resident_experts: 16", None, "split"),
+        ("device: cuda, mode: offload, offload_layers: 2", None, "split"),
+        ("device: cuda, mode: resident", None, "split"),
+        ("device: cuda, mode: paged, resident_experts: 16, expert_rows: split", "split", "split"),
+        ("device: cpu, mode: paged, resident_experts: 16, expert_rows: packed", "packed", "packed"),
+        ("device: cuda, mode: paged, resident_experts: 16, expert_rows: auto", "auto", "packed"),
+    ],
+)  # fmt: skip
+def test_the_expert_layout_is_written_only_when_set_and_recorded_as_in_force(
+    tmp_path: Path, options: str, flag_value: str | None, in_force: str
+) -> None:
+    """A matrix without `expert_rows` launches the server without the flag (the server's 'auto'; server ids and
+    command lines of earlier runs stay), and the manifest's resolved options say which layout ran."""
+    argv, resolved = plan_argv(tmp_path, options)
+    assert (flag(argv, "--expert-rows") if "--expert-rows" in argv else None) == flag_value
+    assert resolved["expert_rows"] == in_force

@@ -230,7 +230,8 @@ def hazards() -> None:
     """Script mode (`python tests/cuda/test_dma_proxy_cuda.py hazards`): which of those calls make an undrained
     wait give up on this machine (none of `_barriers` on an H100, driver 580, 2026-12-06), then the first launches
     of `_first_launches` issued while the wait spins, drained and not (the drain cannot help there: the wait
-    already spins when the host launches). Run it again with CUDA_MODULE_LOADING=EAGER for the control."""
+    already spins when the host launches). CUDA_MODULE_LOADING=EAGER was the lazy-loading hypothesis's control (it gave
+    up too, 2026-12-06); the already-loaded launch is the harness's."""
     import os
 
     print(f"CUDA_MODULE_LOADING={os.environ.get('CUDA_MODULE_LOADING', '(unset: LAZY since CUDA 12.2)')}")
