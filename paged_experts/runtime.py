@@ -55,9 +55,9 @@ class RuntimeConfig:
     # synthetic model packs every layer's host store; a checkpoint's loader only the paged and offloaded layers').
     # 'auto' (`rows_layout`) = packed for mode paged on CUDA, where it was measured to win (2,048-token TTFT -11 to
     # -13% on both routings, decode no lower: configs/h200/packed.yaml, benchmarks/results/h200/2026-12-06-h100-packed
-    # and 2026-12-06-h100-packed-cd), split elsewhere: on the CPU packed rows slow offload's copies (byte rows through
-    # index_select: offload 287-298 -> 177-210 tok/s at B=1, benchmarks/results/cpu/README.md), and offload on CUDA
-    # is not measured packed.
+    # and 2026-12-06-h100-packed-cd), split elsewhere: on the CPU the two layouts tie since c531e61 (before it packed
+    # rows slowed offload's copies: benchmarks/results/cpu/README.md), so packing wins nothing there, and offload on
+    # CUDA is not measured packed.
     expert_rows: ExpertRows = "auto"
     # Paged one-wave steps planned and paged in on the device (no host sync, CUDA-graph capturable):
     # 'auto' = on for CUDA, off on the CPU (where the host planner is the cheaper path).

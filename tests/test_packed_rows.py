@@ -345,7 +345,7 @@ def test_the_option_is_checked_where_it_is_set() -> None:
 
 def test_auto_packs_the_rows_of_mode_paged_on_cuda_only() -> None:
     """The default (configs/h200/packed.yaml's rule met on the H100, 2026-12-06): packed where measured to win,
-    paged on CUDA; split on the CPU (offload's copies slower there) and for CUDA offload (not measured). The runtime,
+    paged on CUDA; split on the CPU (the layouts tie there) and for CUDA offload (not measured). The runtime,
     the server and the adapter's manifest resolve it by one function."""
     from benchsuite.engines.builtin.adapter import BuiltinOptions
     from paged_experts.residency.page_in import resolve_expert_rows

@@ -386,8 +386,8 @@ class PageInEngine:
             if self.device.type == "cpu":
                 # a copy a run of rows, no temporary: index_select's output (37 MB for 4 bf16 Qwen3-30B-A3B rows) is
                 # fresh memory on every call past glibc's 32 MB mmap threshold, and its page faults cost more than the
-                # copy (4-11x slower, benchmarks/results/cpu/README.md); a packed range's rows are strided: copy_
-                # takes them as they are
+                # copy (4 Qwen3-30B-A3B bf16 rows on a 2-core EPYC: 13.1 -> 2.8 ms split, 30.0 -> 2.8 ms packed;
+                # benchmarks/results/cpu/README.md); a packed range's rows are strided: copy_ takes them as they are
                 for s, d, n in runs:
                     d_w[d : d + n].copy_(s_w[s : s + n])
             else:
@@ -522,8 +522,8 @@ _WORDS = (torch.int64, torch.int32, torch.int16)
 
 def as_words(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Byte views (packed rows, FP8 as bytes) as the widest integer words both sides allow, the same bytes: the CPU's
-    index_select / index_copy_ move uint8 elements 5-8x slower than 4- or 8-byte ones (2-core Xeon, rows of 12 KB and
-    256 KB: ~1.1 against 4.8-8.9 GB/s), which made packed rows slow offload on the CPU. Other dtypes pass through."""
+    index_select / index_copy_ move uint8 elements 5-8x slower than 4- or 8-byte ones (2-core EPYC, rows of 12 KB and
+    256 KB: ~1.1 against 4.8-8.9 GB/s; row copy_ ~11 against ~13 GB/s). Other dtypes pass through."""
     if src.dtype != torch.uint8 or dst.dtype != torch.uint8:
         return src, dst
 
