@@ -378,20 +378,21 @@ class PageInEngine:
                 counters.record_copy(layer, bytes_h2d=len(pairs) * row_bytes, copy_time_s=time.perf_counter() - t0)
 
     def _copy_index(self, src: ExpertTensors, dst: ExpertTensors, pairs: Sequence[tuple[int, int]]) -> None:
-        src_idx = torch.tensor([p[0] for p in pairs], dtype=torch.long)  # [m]
-        dst_idx = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)  # [m]
-        runs = contiguous_runs(pairs) if self.device.type == "cpu" else []
-        for s_t, d_t in _paired_views(src, dst):  # FP8 as bytes: the CPU has no float8 index_copy_
-            s_w, d_w = as_words(s_t, d_t)
-            if self.device.type == "cpu":
-                # a copy a run of rows, no temporary: index_select's output (37 MB for 4 bf16 Qwen3-30B-A3B rows) is
-                # fresh memory on every call past glibc's 32 MB mmap threshold, and its page faults cost more than the
-                # copy (4 Qwen3-30B-A3B bf16 rows on a 2-core EPYC: 13.1 -> 2.8 ms split, 30.0 -> 2.8 ms packed;
-                # benchmarks/results/cpu/README.md); a packed range's rows are strided: copy_ takes them as they are
+        if self.device.type == "cpu":
+            # a copy_ a run of rows, in 8-byte words where the bytes allow, no temporary: index_select's output (37 MB
+            # for 4 bf16 Qwen3-30B-A3B rows) is fresh memory on every call past glibc's 32 MB mmap threshold, and its
+            # page faults cost more than the copy (4 such rows on a 2-core EPYC: 13.1 -> 2.8 ms split, 30.0 -> 2.8 ms
+            # packed; benchmarks/results/cpu/README.md); a packed range's rows are strided: copy_ takes them as they are
+            runs = contiguous_runs(pairs)
+            for s_t, d_t in _paired_views(src, dst):
+                s_w, d_w = as_words(s_t, d_t)
                 for s, d, n in runs:
                     d_w[d : d + n].copy_(s_w[s : s + n])
-            else:
-                d_w.index_copy_(0, dst_idx, s_w.index_select(0, src_idx).to(self.device))
+            return
+        src_idx = torch.tensor([p[0] for p in pairs], dtype=torch.long)  # [m]
+        dst_idx = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)  # [m]
+        for s_t, d_t in _paired_views(src, dst):  # FP8 as bytes: float8 has no index_copy_
+            d_t.index_copy_(0, dst_idx, s_t.index_select(0, src_idx).to(self.device))
 
     def _copy_direct(self, src: ExpertTensors, dst: ExpertTensors, pairs: Sequence[tuple[int, int]]) -> None:
         runs = contiguous_runs(pairs)
