@@ -18,7 +18,12 @@ Copies (each moves m FP8 experts, the six tensors of a row, into slots the compu
   in the runtime);
 - `proxy`: the DMA proxy (`overlap_copies: dma`, residency/dma_proxy.py): the graph rings a host thread, which
   issues the rows as DMAs on the copy engine, and waits on the device for their landing; its copy_ms is the whole
-  round trip (the ring's record over PCIe, the thread's poll and issue, the DMAs, the done word back).
+  round trip (the ring's record over PCIe, the thread's poll and issue, the DMAs, the done word back);
+- `switch` / `switch:L` (`--switch`, off unless asked): SWITCH conditional nodes with memcpy bodies
+  (residency/switch_lanes.py), L lanes (`switch`: L = m), lane j copying into slot j; a one-thread kernel in the
+  graph sets each lane's condition on the device to its expert, lanes past m to none. Its copy_ms is the setter and
+  every lane; `switch:L` beside `switch` is what an empty lane costs. The row adds the graph's memcpy nodes and
+  the host's time adding them and capturing (instantiation included), for the 48-layer node count's estimate.
 Compute: `moe_triton.moe_pairs`, the decode expert pass (gate/up, then down and combine) of B tokens x top_k pairs
 over resident slots, R times back to back (R set so that the compute alone lasts about as long as the DMA
 copy alone). The compute and the kernel copies are captured in CUDA graphs and replayed, as the decode step runs
@@ -34,6 +39,8 @@ starts ~2 us after the first. A failing arm gets a row with its `error` and the 
 JSON is rewritten after every row.
 
     python benchmarks/copy_overlap.py --out copy_overlap.json [--m 4,16] [--tokens 4] [--programs 8,16,32,64]
+    python benchmarks/copy_overlap.py --out switch.json --rows packed --m 1,2,4,8 --programs '' --wide '' \
+        --no-proxy --switch m,16                   # the SWITCH lanes against the DMA and the copy kernel
     python benchmarks/copy_overlap.py --show copy_overlap.json      # a stored record's table
 
 On the CPU (`--device cpu`, the tests' tiny shapes) the copies run as the runtime's CPU fallbacks and the compute as
@@ -58,7 +65,7 @@ import torch.nn.functional as F
 
 from paged_experts import fp8
 from paged_experts.kernels import copy_kernel, moe_triton
-from paged_experts.residency import dma_proxy
+from paged_experts.residency import dma_proxy, switch_lanes
 from paged_experts.residency.store import ExpertTensors, PageInEngine
 
 WIDE_BLOCK_BYTES = 65536  # `wide:P`: 4x copy_kernel.BLOCK_BYTES a program iteration
@@ -76,8 +83,9 @@ class Setup:
 
 def make_setup(args: argparse.Namespace, device: torch.device) -> Setup:
     cpu = torch.device("cpu")
+    packed = args.rows == "packed"
     host = ExpertTensors.empty(args.experts, args.hidden, args.inter, torch.bfloat16, cpu, pin=device.type == "cuda",
-                               is_fp8=True)  # fmt: skip
+                               is_fp8=True, packed=packed)  # fmt: skip
     gen = torch.Generator().manual_seed(args.seed)
     for name in host.names():  # random bytes: a copy that lands in the wrong row or not at all shows
         t = fp8.raw(host.get(name))
@@ -85,7 +93,7 @@ def make_setup(args: argparse.Namespace, device: torch.device) -> Setup:
             t.copy_(torch.randint(0, 120, t.shape, dtype=torch.uint8, generator=gen))  # finite e4m3 values
         else:
             t.copy_(torch.rand(t.shape, generator=gen) * 1e-3 + 1e-4)  # block scales
-    slots = ExpertTensors.empty(args.slots, args.hidden, args.inter, torch.bfloat16, device, is_fp8=True)
+    slots = ExpertTensors.empty(args.slots, args.hidden, args.inter, torch.bfloat16, device, is_fp8=True, packed=packed)
     for name in slots.names():
         fp8.raw(slots.get(name)).copy_(fp8.raw(host.get(name))[: args.slots].to(device))
     return Setup(host, slots, device, args.top_k, args.tokens)
@@ -119,7 +127,7 @@ def copy_fn(mech: str, setup: Setup, pairs: list[tuple[int, int]]) -> Callable[[
         if not copy_kernel.graph_safe(device):
             return lambda: copy_kernel.copy_planned(setup.host, setup.slots, experts, slot_ids)  # the CPU fallback
         return lambda: _wide_copy(setup, experts, slot_ids, int(programs))
-    raise ValueError(f"unknown copy {mech!r}: dma, kernel, kernel:P, wide:P or proxy")
+    raise ValueError(f"unknown copy {mech!r}: dma, kernel, kernel:P, wide:P, proxy, switch or switch:L")
 
 
 def _wide_copy(setup: Setup, experts: torch.Tensor, slot_ids: torch.Tensor, programs: int) -> None:
@@ -134,6 +142,37 @@ def _wide_copy(setup: Setup, experts: torch.Tensor, slot_ids: torch.Tensor, prog
             src, dst, experts, slot_ids, row, src.stride(0), dst.stride(0), num_experts, chunks, work,
             BLOCK=block, num_warps=WIDE_WARPS,
         )  # fmt: skip
+
+
+def switch_lanes_of(mech: str, m: int) -> int:
+    """`switch` -> m lanes, `switch:L` -> L."""
+    return m if mech == "switch" else int(mech.split(":")[1])
+
+
+def switch_copy(setup: Setup, pairs: list[tuple[int, int]], lanes: int) -> tuple[Callable[[], None], dict[str, Any]]:
+    """The `switch` arm: `lanes` SWITCH lanes captured in a graph (lane j into slot j; the first len(pairs) carry the
+    pairs' experts, the rest none) -> (its replay, what building it took). Needs pairs' slots to be 0..m-1, as
+    `measure` makes them. On the CPU: the copy kernel's CPU fallback (the plumbing; no graph)."""
+    m = len(pairs)
+    if lanes < m or lanes > setup.slots.num_rows:
+        raise ValueError(f"{lanes} lanes for {m} copies into {setup.slots.num_rows} slots")
+    if [s for _, s in pairs] != list(range(m)):
+        raise ValueError("switch lanes copy into slots 0..m-1, lane j into slot j")
+    ids = [e for e, _ in pairs] + [-1] * (lanes - m)  # [lanes]; -1: the lane selects nothing
+    experts = torch.tensor(ids, dtype=torch.long, device=setup.device)
+    if setup.device.type != "cuda":
+        return copy_fn("kernel", setup, pairs), {}
+    built = switch_lanes.SwitchLanes(setup.host, setup.slots, list(range(lanes)))
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize(setup.device)
+    t0 = time.perf_counter()
+    with torch.cuda.graph(graph):
+        built.capture(experts)
+    capture_s = time.perf_counter() - t0
+    held = (graph, experts, built)  # the graph reads `experts` at every replay, and copies between the tables
+    info = {"lanes": lanes, "switch_nodes": built.nodes_added, "switch_build_ms": built.build_s * 1e3,
+            "switch_capture_ms": capture_s * 1e3}  # fmt: skip
+    return (lambda: held[0].replay()), info
 
 
 def compute_fn(setup: Setup, compute_slots: list[int], repeats: int, seed: int) -> Callable[[], None]:
@@ -291,6 +330,7 @@ def measure(args: argparse.Namespace, device: torch.device, write: Callable[[dic
     mechs = ["dma", "kernel", *(f"kernel:{p}" for p in args.programs.split(",") if p)]
     mechs += [f"wide:{p}" for p in args.wide.split(",") if p]
     mechs += ["proxy"] if args.proxy else []
+    mechs += [("switch" if v == "m" else f"switch:{int(v)}") for v in args.switch.split(",") if v]
     rng = random.Random(args.seed)
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -343,9 +383,13 @@ def measure_arm(
     """One copy arm: checked once warm, timed alone and beside the compute in both issue orders, then cleared and
     checked again after its last timed run (a replay that stopped copying would fail there)."""
     copy_slots = [slot for _, slot in pairs]
-    copy = copy_fn(mech, setup, pairs)
-    if mech != "dma":  # the kernels run inside the decode graph; DMAs are the host's
-        copy = graphed(copy, setup.device)
+    built: dict[str, Any] = {}
+    if mech.startswith("switch"):  # captured by its own graph: its nodes are added under capture, no eager form
+        copy, built = switch_copy(setup, pairs, switch_lanes_of(mech, len(pairs)))
+    else:
+        copy = copy_fn(mech, setup, pairs)
+        if mech != "dma":  # the kernels run inside the decode graph; DMAs are the host's
+            copy = graphed(copy, setup.device)
     clear_rows(setup, copy_slots)
     copy()  # warm-up (Triton compiles here), then checked
     if setup.device.type == "cuda":
@@ -355,7 +399,7 @@ def measure_arm(
     copy_s = median_of([a[0] for a in alone])
     nbytes = len(pairs) * setup.host.row_bytes
     out: dict[str, Any] = {"copy_ms": copy_s * 1e3, "copy_gbps": nbytes / copy_s / 1e9,
-                           "issue_ms": median_of([a[1] for a in alone]) * 1e3}  # fmt: skip
+                           "issue_ms": median_of([a[1] for a in alone]) * 1e3, **built}  # fmt: skip
     for order, (first, second) in (("copy_first", (copy, compute)), ("compute_first", (compute, copy))):
         runs = []
         for i in range(args.repeats):
@@ -393,6 +437,12 @@ def table(result: dict[str, Any]) -> str:
             f"{r['compute_ms']:>8.3f} {cf['span_ms']:>8.3f} {cf['hidden']:>7.2f} {kf['span_ms']:>8.3f} "
             f"{kf['hidden']:>7.2f} {kf['copy_ms']:>8.3f} {cf['compute_ms']:>8.3f}"
         )
+    for r in result["rows"]:
+        if "switch_nodes" in r:
+            lines.append(
+                f"{r['copy']} m={r['m']}: {r['lanes']} lanes, {r['switch_nodes']} memcpy nodes, added in "
+                f"{r['switch_build_ms']:.1f} ms, captured and instantiated in {r['switch_capture_ms']:.1f} ms"
+            )
     lines.append("cf: the copy issued first, kf: the compute first; hid: (copy + compute - span) / the shorter alone;")
     lines.append(
         "copy@kf: the copy's time beside the compute issued first; comp@cf: the compute's beside the copy first"
@@ -409,6 +459,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--programs", default="8,16,32,64", help="`kernel:P` arms (copy_programs)")
     ap.add_argument("--wide", default="8,16,32", help="`wide:P` arms (64 KiB a program iteration)")
     ap.add_argument("--proxy", action=argparse.BooleanOptionalAction, default=True, help="the `proxy` arm (DMA proxy)")
+    ap.add_argument("--switch", default="", help="`switch` arms: lane counts, `m` for as many lanes as copies "
+                    "(e.g. m,16); off by default")  # fmt: skip
+    ap.add_argument("--rows", default="split", choices=["split", "packed"], help="expert rows' layout (store.py)")
     ap.add_argument("--tokens", type=int, default=4, help="decode batch of the compute (B)")
     ap.add_argument("--passes", type=int, default=0, help="expert passes the compute runs (0: as long as the DMA)")
     ap.add_argument("--experts", type=int, default=128)
@@ -438,6 +491,13 @@ def main(argv: list[str] | None = None) -> int:
             f"copy_overlap.py: --slots {args.slots} leaves too few for the compute's top_k {args.top_k}",
             file=sys.stderr,
         )
+        return 2
+    lanes = [v for v in args.switch.split(",") if v]
+    if any(v != "m" and not (v.isdigit() and max(ms) <= int(v) <= min(args.slots, switch_lanes.MAX_LANES))
+           for v in lanes):  # fmt: skip
+        print(f"copy_overlap.py: --switch {args.switch}: each entry `m` or a lane count in {max(ms)}.."
+              f"{min(args.slots, switch_lanes.MAX_LANES)} (at least the largest --m, at most --slots)",
+              file=sys.stderr)  # fmt: skip
         return 2
     args.out.parent.mkdir(parents=True, exist_ok=True)
 

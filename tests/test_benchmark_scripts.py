@@ -382,7 +382,30 @@ def test_the_copy_overlap_benchmark_refuses_a_missing_gpu_and_too_few_slots(tmp_
     assert done.returncode == 2 and "too few for the compute's top_k 8" in done.stderr
     done = run("--device", "cpu", "--experts", "20", "--slots", "16", "--m", "5")
     assert done.returncode == 2 and "needs 5 experts outside the --slots 16" in done.stderr
+    for lanes in ("3", "17", "x"):  # fewer lanes than copies, more than slots, not a count
+        done = run("--device", "cpu", "--experts", "24", "--slots", "16", "--m", "2,4", "--switch", f"m,{lanes}")
+        assert done.returncode == 2 and "--switch" in done.stderr and "4..16" in done.stderr, done.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_the_copy_overlap_benchmark_runs_switch_arms_on_packed_rows_on_the_cpu(tmp_path: Path) -> None:
+    """`--switch m,L` adds a `switch` arm (as many lanes as copies) and `switch:L` per m, after the others; on the CPU
+    they run the copy's CPU fallback, so only the plumbing and the rows' check (packed rows here: one byte row an
+    expert) are exercised. The graph's figures exist on a GPU only (tests/cuda/test_copy_overlap_cuda.py)."""
+    # fmt: off
+    record = run_benchmark(
+        "copy_overlap.py", tmp_path / "co.json", "--device", "cpu", "--hidden", "256", "--inter", "128",
+        "--experts", "16", "--slots", "12", "--m", "2,3", "--top-k", "2", "--tokens", "2", "--programs", "",
+        "--wide", "", "--no-proxy", "--switch", "m,6", "--rows", "packed", "--repeats", "2", "--warmup", "1",
+    )
+    # fmt: on
+    assert [(r["copy"], r["m"]) for r in record["rows"]] == [
+        (c, m) for m in (2, 3) for c in ("dma", "kernel", "switch", "switch:6")
+    ]
+    assert record["args"]["rows"] == "packed"
+    for r in record["rows"]:
+        assert "error" not in r, r
+        assert "switch_nodes" not in r  # no graph on the CPU
 
 
 def test_the_prefill_benchmark_names_its_kernel_copy_paths_and_refuses_others(
