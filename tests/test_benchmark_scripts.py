@@ -385,13 +385,15 @@ def test_the_copy_overlap_benchmark_refuses_a_missing_gpu_and_too_few_slots(tmp_
     for lanes in ("3", "17", "x"):  # fewer lanes than copies, more than slots, not a count
         done = run("--device", "cpu", "--experts", "24", "--slots", "16", "--m", "2,4", "--switch", f"m,{lanes}")
         assert done.returncode == 2 and "--switch" in done.stderr and "4..16" in done.stderr, done.stderr
+    done = run("--device", "cpu", "--experts", "210", "--slots", "140", "--m", "65", "--switch", "m")
+    assert done.returncode == 2 and "65..64" in done.stderr, done.stderr  # more copies than the setter has lanes
     assert not (tmp_path / "x.json").exists()
 
 
 def test_the_copy_overlap_benchmark_runs_switch_arms_on_packed_rows_on_the_cpu(tmp_path: Path) -> None:
     """`--switch m,L` adds a `switch` arm (as many lanes as copies) and `switch:L` per m, after the others; on the CPU
     they run the copy's CPU fallback, so only the plumbing and the rows' check (packed rows here: one byte row an
-    expert) are exercised. The graph's figures exist on a GPU only (tests/cuda/test_copy_overlap_cuda.py)."""
+    expert) are exercised. The graph's figures exist on a GPU only (tests/cuda/test_switch_lanes_cuda.py)."""
     # fmt: off
     record = run_benchmark(
         "copy_overlap.py", tmp_path / "co.json", "--device", "cpu", "--hidden", "256", "--inter", "128",

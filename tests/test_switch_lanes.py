@@ -5,7 +5,11 @@ every address a GPU graph would copy is checked. The graph itself runs in tests/
 from __future__ import annotations
 
 import ctypes
+import os
 import re
+import subprocess
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -88,3 +92,119 @@ def test_a_lanes_copies_refuse_rows_outside_either_table_and_layouts_that_differ
     packed = ExpertTensors.empty(4, 256, 128, torch.bfloat16, cpu, is_fp8=True, packed=True)
     with pytest.raises(ValueError, match="differ in layout"):
         sl.row_copies(host, packed, expert=0, row=0)
+
+
+def _ptxas() -> Path | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    return path if path.is_file() and os.access(path, os.X_OK) else None
+
+
+@pytest.mark.skipif(_ptxas() is None, reason="needs Triton's bundled ptxas")
+@pytest.mark.parametrize("lanes", [1, 4, 64])
+def test_the_setter_ptx_assembles_for_hopper_with_the_condition_left_to_the_driver(lanes: int, tmp_path: Path) -> None:
+    """Triton's ptxas assembles the PTX for sm_90 as relocatable code (`-c`, as the driver's JIT links it: the
+    condition setter stays an undefined symbol that the driver resolves at load)."""
+    src, out = tmp_path / "set_lanes.ptx", tmp_path / "set_lanes.cubin"
+    src.write_text(sl.lane_kernel_ptx(lanes))
+    done = subprocess.run([str(_ptxas()), "-arch=sm_90", "-c", str(src), "-o", str(out)], capture_output=True,
+                          text=True, timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert out.stat().st_size > 0
+    # the clamped value, not the raw id, is what each call passes
+    assert sl.lane_kernel_ptx(lanes).count("st.param.b32 [a1+0], %r3;") == lanes
+
+
+class FakeDriver:
+    """DriverGraphs' surface, recording what `SwitchLanes.add_nodes` asks of the driver (no GPU)."""
+
+    KERNEL_NODE = 0x5000
+
+    def __init__(self) -> None:
+        self.handles: list[int] = []
+        self.launches: list[tuple[int, int, list[int]]] = []  # (function, stream, the argument values)
+        self.switches: list[tuple[int, int, int, int, list[int]]] = []  # (node, handle, size, ctx, deps)
+        self.bodies: dict[int, list[tuple[int, int, int]]] = {}  # body graph -> [(dst, src, bytes)]
+        self.after: list[int] = []
+        self._arrays: list[Any] = []
+
+    def context(self) -> int:
+        return 0xC0
+
+    def setter(self, lanes: int) -> int:
+        return 0xF00 + lanes
+
+    def capture(self, stream: int) -> tuple[int, list[int]]:
+        return 0x6A, ([self.KERNEL_NODE] if self.launches else [])
+
+    def call(self, name: str, *args: Any) -> None:
+        if name == "cuGraphConditionalHandleCreate":
+            out, graph, ctx, default, flags = args
+            assert (graph, ctx, flags) == (0x6A, 0xC0, sl.CU_GRAPH_COND_ASSIGN_DEFAULT)
+            out._obj.value = 0x100 + len(self.handles)
+            self.handles.append(out._obj.value)
+            self.default = default
+        elif name == "cuLaunchKernel":
+            fn, gx, gy, gz, bx, by, bz, shared, stream, params, extra = args
+            assert (gx, gy, gz, bx, by, bz, shared, extra) == (1, 1, 1, 1, 1, 1, 0, None)
+            values = [ctypes.c_uint64.from_address(params[i]).value for i in range(len(self.handles) + 1)]
+            values.append(ctypes.c_uint.from_address(params[len(self.handles) + 1]).value)
+            self.launches.append((fn, stream, values))
+        elif name == "cuGraphAddNode":
+            out, graph, deps, count, params = args
+            p = params._obj
+            assert p.type == sl.CU_GRAPH_NODE_TYPE_CONDITIONAL and p.u.conditional.type == sl.CU_GRAPH_COND_TYPE_SWITCH
+            size = p.u.conditional.size
+            graphs = (ctypes.c_void_p * size)(*[0x10000 * (len(self.switches) + 1) + e for e in range(size)])
+            self._arrays.append(graphs)
+            p.u.conditional.phGraph_out = ctypes.cast(graphs, ctypes.POINTER(ctypes.c_void_p))
+            out._obj.value = 0x7000 + len(self.switches)
+            self.switches.append((out._obj.value, p.u.conditional.handle, size, p.u.conditional.ctx,
+                                  [deps[i] for i in range(count)]))  # fmt: skip
+        elif name == "cuGraphAddMemcpyNode":
+            out, body, deps, count, desc, ctx = args
+            d = desc._obj
+            assert (deps, count, ctx) == (None, 0, 0xC0) and d.Height == d.Depth == 1
+            self.bodies.setdefault(body, []).append((d.dstDevice, d.srcDevice, d.WidthInBytes))
+            out._obj.value = 0x9000
+        elif name == "cuStreamUpdateCaptureDependencies":
+            stream, nodes, count, flags = args
+            assert flags == sl.CU_STREAM_SET_CAPTURE_DEPENDENCIES
+            self.after = [nodes[i] for i in range(count)]
+        else:
+            raise AssertionError(name)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_adding_the_lanes_wires_handles_setter_switches_and_bodies_in_order(packed: bool) -> None:
+    cpu = torch.device("cpu")
+    host = ExpertTensors.empty(5, 256, 128, torch.bfloat16, cpu, is_fp8=True, packed=packed)
+    dst = ExpertTensors.empty(4, 256, 128, torch.bfloat16, cpu, is_fp8=True, packed=packed)
+    fake = FakeDriver()
+    lanes = sl.SwitchLanes(host, dst, rows=[3, 0, 2], driver=fake)  # type: ignore[arg-type]
+    lanes.add_nodes(stream=0x57, experts_ptr=0xE0E0)
+    assert fake.handles == [0x100, 0x101, 0x102] and fake.default == 5  # the default selects no body
+    # the setter for 3 lanes, on the capturing stream, its parameters in the PTX's order: handles, ids, none
+    assert fake.launches == [(0xF03, 0x57, [0x100, 0x101, 0x102, 0xE0E0, 5])]
+    assert [(h, size, ctx, deps) for _, h, size, ctx, deps in fake.switches] == [
+        (h, 5, 0xC0, [FakeDriver.KERNEL_NODE]) for h in fake.handles
+    ]  # every lane after the setter, one body an expert
+    for lane, row in enumerate([3, 0, 2]):
+        for e in range(5):
+            body = 0x10000 * (lane + 1) + e
+            assert fake.bodies[body] == [tuple(c) for c in sl.row_copies(host, dst, e, row)]
+    assert lanes.nodes_added == 3 * 5 * (1 if packed else 6)
+    assert fake.after == [node for node, *_ in fake.switches]  # the stream's next work waits for every lane
+
+
+def test_lanes_refuse_two_lanes_on_one_row() -> None:
+    cpu = torch.device("cpu")
+    host = ExpertTensors.empty(5, 256, 128, torch.bfloat16, cpu, is_fp8=True)
+    dst = ExpertTensors.empty(4, 256, 128, torch.bfloat16, cpu, is_fp8=True)
+    with pytest.raises(ValueError, match="would race"):
+        sl.SwitchLanes(host, dst, rows=[1, 1], driver=FakeDriver())  # type: ignore[arg-type]
+    with pytest.raises(IndexError):
+        sl.SwitchLanes(host, dst, rows=[4], driver=FakeDriver())  # type: ignore[arg-type]

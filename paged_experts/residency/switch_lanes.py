@@ -47,7 +47,8 @@ CU_GRAPH_COND_ASSIGN_DEFAULT = 1  # the handle takes its default value at every 
 CU_STREAM_CAPTURE_STATUS_ACTIVE = 1
 CU_STREAM_SET_CAPTURE_DEPENDENCIES = 1
 CU_MEMORYTYPE_UNIFIED = 4  # the address is a UVA address; the driver finds host (pinned) or device
-SWITCH_DRIVER_VERSION = 12080  # SWITCH nodes (and memcpy nodes in conditional bodies) came with 12.8
+SWITCH_DRIVER_VERSION = 12080  # SWITCH nodes came with 12.8 (IF and WHILE, with memcpy bodies, with 12.3/12.4)
+CU_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES = 5, 6  # CUjit_option: the JIT's error text
 MAX_LANES = 64  # the setter's parameters: 8 bytes a lane, well under the 4 KiB a kernel's parameters may take
 
 
@@ -224,7 +225,8 @@ _SIGNATURES: tuple[tuple[str, int, tuple[Any, ...]], ...] = (
     ("cuGraphAddNode", 12020, (_PP, _P, _PP, ctypes.c_size_t, ctypes.POINTER(GraphNodeParams))),
     # (node*, graph, deps, numDeps, CUDA_MEMCPY3D*, ctx): 10.0
     ("cuGraphAddMemcpyNode", 10000, (_PP, _P, _PP, ctypes.c_size_t, ctypes.POINTER(Memcpy3D), _P)),
-    ("cuModuleLoadData", 2000, (_PP, ctypes.c_char_p)),
+    # (module*, image, numOptions, CUjit_option*, void** values): 2.1
+    ("cuModuleLoadDataEx", 2010, (_PP, ctypes.c_char_p, ctypes.c_uint, ctypes.POINTER(ctypes.c_int), _PP)),
     ("cuModuleGetFunction", 2000, (_PP, _P, ctypes.c_char_p)),
     # (f, grid xyz, block xyz, shared bytes, stream, void** params, void** extra)
     (
@@ -281,6 +283,10 @@ class DriverGraphs:
         if code:
             raise RuntimeError(f"{name} failed: {self._error_name(code)}")
 
+    def raw(self, name: str, *args: object) -> int:
+        """The call's CUresult, unchecked (the caller says what failed)."""
+        return int(self._fns[name](*args))
+
     def _error_name(self, code: int) -> str:
         text = ctypes.c_char_p()
         if self._lib.cuGetErrorName(code, ctypes.byref(text)) or text.value is None:
@@ -309,7 +315,14 @@ class DriverGraphs:
         """The loaded `set_lanes` kernel for `lanes` lanes (CUfunction). The PTX is JIT-compiled here: call it
         before a capture (loading a module is no graph operation)."""
         module, fn = ctypes.c_void_p(), ctypes.c_void_p()
-        self.call("cuModuleLoadData", ctypes.byref(module), lane_kernel_ptx(lanes).encode())
+        log = ctypes.create_string_buffer(16384)
+        options = (ctypes.c_int * 2)(CU_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES)
+        values = (ctypes.c_void_p * 2)(ctypes.cast(log, ctypes.c_void_p), ctypes.c_void_p(len(log)))
+        code = self.raw("cuModuleLoadDataEx", ctypes.byref(module), lane_kernel_ptx(lanes).encode(), 2, options, values)
+        if code:
+            text = log.value.decode(errors="replace").strip() or "no JIT log"
+            raise RuntimeError(f"cuModuleLoadDataEx (the {lanes}-lane setter's PTX) failed: {self._error_name(code)}: "
+                               f"{text}")  # fmt: skip
         self.call("cuModuleGetFunction", ctypes.byref(fn), module, b"set_lanes")
         return int(fn.value or 0)
 
@@ -338,6 +351,10 @@ class SwitchLanes:
     def __post_init__(self) -> None:
         if not 1 <= len(self.rows) <= MAX_LANES:
             raise ValueError(f"1..{MAX_LANES} lanes, got {len(self.rows)}")
+        if len(set(self.rows)) != len(self.rows):
+            raise ValueError(f"two lanes copy into one row (rows {list(self.rows)}): their copies would race")
+        if torch.cuda.is_available() and not self.host.copy_views()[0].is_pinned():
+            raise ValueError("a lane's memcpy nodes need the host rows in pinned (page-locked) memory")
         for r in self.rows:
             _row_span(self.dst.copy_views()[0], r)  # each lane's row is one of the table's
         # every lane's bodies, as (dst, src, bytes): computed (and checked) once, before any capture
@@ -347,12 +364,18 @@ class SwitchLanes:
     def capture(self, experts: torch.Tensor) -> None:
         """Under capture on the current stream: the setter, then every lane after it, the stream's next work after
         every lane. experts: [lanes] int64 on the device, alive for as long as the graph replays."""
-        if experts.dtype != torch.int64 or experts.shape != (len(self.rows),) or experts.device.type != "cuda":
+        if (
+            experts.dtype != torch.int64 or experts.shape != (len(self.rows),) or experts.device.type != "cuda"
+            or not experts.is_contiguous()  # the setter reads id j at byte 8 j
+        ):  # fmt: skip
             raise ValueError(f"experts must be [{len(self.rows)}] int64 on the device, got {experts.dtype} "
                              f"{tuple(experts.shape)} on {experts.device}")  # fmt: skip
+        self.add_nodes(torch.cuda.current_stream(experts.device).cuda_stream, experts.data_ptr())
+
+    def add_nodes(self, stream: int, experts_ptr: int) -> None:
+        """`capture`'s driver calls on the capturing `stream`, the ids at device address `experts_ptr`."""
         t0 = time.perf_counter()
         drv, none = self.driver, self.host.num_rows
-        stream = torch.cuda.current_stream(experts.device).cuda_stream
         ctx = drv.context()
         graph, _ = drv.capture(stream)
         handles = []
@@ -360,7 +383,7 @@ class SwitchLanes:
             h = ctypes.c_uint64()
             drv.call("cuGraphConditionalHandleCreate", ctypes.byref(h), graph, ctx, none, CU_GRAPH_COND_ASSIGN_DEFAULT)
             handles.append(h)
-        ptr, count = ctypes.c_uint64(experts.data_ptr()), ctypes.c_uint(none)
+        ptr, count = ctypes.c_uint64(experts_ptr), ctypes.c_uint(none)
         args = (ctypes.c_void_p * (len(handles) + 2))(
             *[ctypes.addressof(h) for h in handles], ctypes.addressof(ptr), ctypes.addressof(count)
         )
