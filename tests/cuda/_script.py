@@ -4,6 +4,10 @@ the page-in kernel check run over different host stores (torch-pinned, exact-siz
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -28,6 +32,18 @@ def check_copy_planned(host: ExpertTensors, first: int, second: int, k: int = 4)
         got = slots.get(name).cpu()
         assert torch.equal(got[3], host.get(name)[first]) and torch.equal(got[0], host.get(name)[second]), name
         assert not got[1].any() and not got[2].any(), name
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """benchmarks/<name>.py as a module (benchmarks/ is no package), registered in sys.modules under `name`: a
+    dataclass of the script looks its module up there."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_tests(namespace: dict[str, Any]) -> int:

@@ -9,14 +9,13 @@ Plain functions, so the module also runs as a script: `python tests/cuda/test_co
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
+from _script import load_benchmark  # tests/cuda is on sys.path (pytest's rootdir import, or script mode)
 
 try:
     import pytest
@@ -25,15 +24,9 @@ try:
 except ImportError:  # script mode
     pass
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def test_every_copy_arm_lands_its_rows_from_its_graph_beside_the_compute() -> None:
-    spec = importlib.util.spec_from_file_location("copy_overlap", ROOT / "benchmarks" / "copy_overlap.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["copy_overlap"] = bench  # its dataclass looks its module up there
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("copy_overlap")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "co.json"
         # fmt: off

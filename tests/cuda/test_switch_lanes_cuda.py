@@ -11,13 +11,12 @@ Plain functions, so the module also runs as a script: `python tests/cuda/test_sw
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
+from _script import load_benchmark  # tests/cuda is on sys.path (pytest's rootdir import, or script mode)
 
 from paged_experts.residency import switch_lanes
 from paged_experts.residency.store import ExpertTensors
@@ -29,7 +28,6 @@ try:
 except ImportError:  # script mode
     pass
 
-ROOT = Path(__file__).resolve().parents[2]
 E, H, INTER = 12, 2048, 768  # Qwen3-30B-A3B's expert shape, FP8 rows of 4.7 MB
 
 
@@ -96,11 +94,7 @@ def test_packed_rows_lanes_copy_the_rows_the_device_names_at_each_replay() -> No
 
 
 def test_copy_overlaps_switch_arms_land_their_rows_beside_the_compute() -> None:
-    spec = importlib.util.spec_from_file_location("copy_overlap", ROOT / "benchmarks" / "copy_overlap.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["copy_overlap"] = bench  # its dataclass looks its module up there
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("copy_overlap")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "co.json"
         # fmt: off
