@@ -64,13 +64,15 @@ DEFAULT_MODES = (  # most important first: a --deadline-s cut drops the tail
 
 VARIANT_OPTIONS = ("host", "graphs", "compile", "overlap", "loop", "triton", "prefetch", "torchplan", "pertensor")
 VARIANT_OPTIONS += ("fused", "kernelcopy", "batchcopy", "devtables", "unfusedglu", "gathered", "deqattn", "packed")
-VARIANT_OPTIONS += ("split",)
+VARIANT_OPTIONS += ("split", "switch")
 """Options after '/' in a --modes entry (joined by '+'):
 - host: paged steps planned on the host (device_planning='off'): the path before device planning;
 - graphs: decode steps captured as CUDA graphs (--graphs batch sizes; for paged K only batch sizes
   with B x top_k <= K; synthetic routing draws each step's ids for every layer before the replay);
 - compile: with graphs, the per-layer blocks go through torch.compile before capture;
 - overlap: paged hits compute while the misses copy (overlap_page_in);
+- switch: with overlap, the misses' copies on the copy engines, started by the captured step's SWITCH conditional
+  nodes (overlap_copies='switch'; eager steps copy by the kernel);
 - prefetch: with graphs, each paged layer's experts are predicted from the previous layer's
   residual stream (its router on it) and paged in on a second stream while that layer computes
   (prefetch_next_layer); the layer then pages in only what the prediction missed;
@@ -144,6 +146,7 @@ def runtime_for(
             dtype="bfloat16",
             device_planning="off" if "host" in options else "on",
             overlap_page_in="overlap" in options,
+            overlap_copies="switch" if "switch" in options else "kernel",
             fused_page_in="fused" in options,
             prefetch_next_layer="prefetch" in options,
             kernel_backend=backend,
@@ -507,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
                     "build_s": build_s,
                     "planning": planning if mode.startswith("paged") else None,
                     "overlap_page_in": rt.overlap_page_in,
+                    "overlap_copies": rt.overlap_copies,
                     "prefetch_next_layer": rt.prefetch_next_layer,
                     "expert_backend": rt.kernel_backend,
                 }

@@ -73,7 +73,10 @@ class RuntimeConfig:
     # (SM reads of pinned rows: ~34 GB/s on an H100 at any grid, copy_overlap.py); 'dma': the copy engine, at
     # the link's rate, issued by a host thread the step rings from inside the graph (residency/dma_proxy.py;
     # CUDA, a C compiler to build the thread once). Off ('kernel') until measured (configs/h200/dmaproxy.yaml).
-    overlap_copies: Literal["kernel", "dma"] = "kernel"
+    # 'switch': the copy engines too, started from inside the captured step with no host: SWITCH conditional
+    # nodes with memcpy bodies (moe/overlap.py SwitchCopies, residency/switch_lanes.py; docs/decode-copies.md),
+    # eager steps by the copy kernel. Not yet run on a GPU.
+    overlap_copies: Literal["kernel", "dma", "switch"] = "kernel"
     # Device-planned page-ins: the copy kernel's grid cap (kernels/copy_kernel.py). None: one program per
     # 16 KiB chunk, which fills every SM; N: N programs loop over the chunks, leaving the other SMs to the
     # kernels an overlapped pass runs beside the copy. Unset until measured on the H200.
@@ -156,10 +159,12 @@ class RuntimeConfig:
             raise ValueError(f"overlap_groups must be in [1, 64], got {self.overlap_groups}")
         if self.overlap_groups != 1 and not self.overlap_page_in:
             raise ValueError("overlap_groups applies with overlap_page_in only")
-        if self.overlap_copies not in ("kernel", "dma"):
-            raise ValueError(f"overlap_copies must be 'kernel' or 'dma', got {self.overlap_copies!r}")
-        if self.overlap_copies == "dma" and not self.overlap_page_in:
-            raise ValueError("overlap_copies='dma' applies with overlap_page_in only")
+        if self.overlap_copies not in ("kernel", "dma", "switch"):
+            raise ValueError(f"overlap_copies must be 'kernel', 'dma' or 'switch', got {self.overlap_copies!r}")
+        if self.overlap_copies != "kernel" and not self.overlap_page_in:
+            raise ValueError(f"overlap_copies={self.overlap_copies!r} applies with overlap_page_in only")
+        if self.overlap_copies == "switch" and self.device != "cuda":
+            raise ValueError("overlap_copies='switch' needs device='cuda' (CUDA graph conditional nodes)")
         if self.overlap_copies == "dma" and (self.resident_experts or 0) > DMA_MAX_PAIRS:
             raise ValueError(f"overlap_copies='dma' holds plans of at most {DMA_MAX_PAIRS} slots a layer")
         if self.overlap_copies == "dma" and self.device != "cuda":

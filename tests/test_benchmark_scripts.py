@@ -440,3 +440,24 @@ def test_the_prefill_benchmark_names_its_kernel_copy_paths_and_refuses_others(
 
     assert "--paths: page-in path 'kernel:0'" in refused("streamed,kernel:0")
     assert "the kernel copy needs --device cuda" in refused("streamed,kernel:8")
+
+
+def test_decode_h200_maps_the_switch_variant_to_switch_copies_with_overlap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`paged:K/overlap+switch` is RuntimeConfig(overlap_page_in=True, overlap_copies='switch'); `switch` without
+    `overlap` is refused by the runtime's own rule, and the other variants keep the kernel's copies."""
+    spec = importlib.util.spec_from_file_location("decode_h200", ROOT / "benchmarks" / "decode_h200.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "decode_h200", bench)
+    spec.loader.exec_module(bench)
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the config's own check; nothing runs here
+    mode, options = bench.parse_variant("paged:54/graphs+triton+overlap+switch")
+    rt = bench.runtime_for(mode, "cuda", options)
+    assert (rt.overlap_page_in, rt.overlap_copies, rt.resident_experts) == (True, "switch", 54)
+    mode, options = bench.parse_variant("paged:54/graphs+overlap")
+    assert bench.runtime_for(mode, "cuda", options).overlap_copies == "kernel"
+    mode, options = bench.parse_variant("paged:54/graphs+switch")
+    with pytest.raises(ValueError, match="overlap_copies='switch' applies with overlap_page_in only"):
+        bench.runtime_for(mode, "cuda", options)

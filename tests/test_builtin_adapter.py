@@ -67,6 +67,11 @@ def test_each_fast_path_option_turns_off(tmp_path: Path) -> None:
     )
     assert flag(argv, "--overlap-copies") == "dma" and resolved["overlap_copies"] == "dma"
     assert build_parser().parse_args(argv[3:]).overlap_copies == "dma"
+    argv, resolved = plan_argv(
+        tmp_path, "device: cuda, mode: paged, resident_experts: 16, overlap_page_in: true, overlap_copies: switch"
+    )
+    assert flag(argv, "--overlap-copies") == "switch" and resolved["overlap_copies"] == "switch"
+    assert build_parser().parse_args(argv[3:]).overlap_copies == "switch"
     assert "--copy-programs" not in argv  # unset: the command as before
     argv, resolved = plan_argv(tmp_path, "device: cuda, mode: paged, resident_experts: 16, copy_programs: 16")
     assert flag(argv, "--copy-programs") == "16" and resolved["copy_programs"] == 16

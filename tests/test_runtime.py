@@ -428,7 +428,21 @@ def test_planned_ids_route_as_the_same_ids_checked_per_layer(ckpt: Path) -> None
         ({"mode": "paged", "resident_experts": 4, "device_planning": "on", "copy_programs": 0}, r"\[1, 65535\]"),
         ({"mode": "paged", "resident_experts": 4, "fused_page_in": True}, "fused_page_in needs mode='paged' with"),
         ({"mode": "paged", "resident_experts": 4, "overlap_copies": "dma"}, "overlap_copies='dma' applies with"),
-        ({"mode": "paged", "resident_experts": 4, "overlap_copies": "copy"}, "overlap_copies must be 'kernel' or"),
+        (
+            {"mode": "paged", "resident_experts": 4, "overlap_copies": "copy"},
+            "overlap_copies must be 'kernel', 'dma' or",
+        ),
+        ({"mode": "paged", "resident_experts": 4, "overlap_copies": "switch"}, "overlap_copies='switch' applies with"),
+        (
+            {
+                "mode": "paged",
+                "resident_experts": 4,
+                "device_planning": "on",
+                "overlap_page_in": True,
+                "overlap_copies": "switch",
+            },
+            "overlap_copies='switch' needs device='cuda'",
+        ),  # fmt: skip
         (
             {
                 "mode": "paged",

@@ -5,6 +5,7 @@ every address a GPU graph would copy is checked. The graph itself runs in tests/
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import os
 import re
 import subprocess
@@ -208,3 +209,48 @@ def test_lanes_refuse_two_lanes_on_one_row() -> None:
         sl.SwitchLanes(host, dst, rows=[1, 1], driver=FakeDriver())  # type: ignore[arg-type]
     with pytest.raises(IndexError):
         sl.SwitchLanes(host, dst, rows=[4], driver=FakeDriver())  # type: ignore[arg-type]
+
+
+def test_a_switch_layer_prepares_every_lane_set_before_any_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """moe/overlap.py prepare_switch, run at a paged layer's construction with overlap_copies='switch': the staging
+    rows (the slots' layout, one table shared by every layer) and the lanes of 1..4 lanes for each tensor set an
+    overlapped pass copies (all, gate/up, down), each lane j into staging row j: nothing left to load or allocate
+    under a capture."""
+    from paged_experts.moe import overlap
+
+    fake = FakeDriver()
+    monkeypatch.setattr(sl, "driver_graphs", lambda: fake)
+    monkeypatch.setattr(overlap, "_STAGING", {})
+    cpu = torch.device("cpu")
+    for packed in (False, True):
+        host = ExpertTensors.empty(5, 256, 128, torch.bfloat16, cpu, is_fp8=True, packed=packed)
+        slots = ExpertTensors.empty(8, 256, 128, torch.bfloat16, cpu, is_fp8=True, packed=packed)
+        cache: dict[tuple[object, ...], object] = {}
+        overlap.prepare_switch(cache, host, slots)
+        staging = overlap.staging_rows(slots, overlap.SWITCH_LANES)
+        assert staging.num_rows == overlap.SWITCH_LANES and staging.row_pitch == slots.row_pitch
+        names_sets = (None, overlap.GATE_UP_TENSORS, overlap.DOWN_TENSORS)
+        assert len(cache) == len(names_sets) * overlap.SWITCH_LANES
+        for names in names_sets:
+            for n in range(1, overlap.SWITCH_LANES + 1):
+                lanes = overlap.switch_lanes_for(cache, host, staging, names, n)  # the prepared one, not a new one
+                assert cache[(host.gate.data_ptr(), staging.gate.data_ptr(), names, n)] is lanes
+                assert list(lanes.rows) == list(range(n)) and lanes.names == names and lanes.dst is staging
+        # the down lanes copy the down rows only (bytes of down and its scale), gate/up the rest
+        down = overlap.switch_lanes_for(cache, host, staging, overlap.DOWN_TENSORS, 1)._copies[0][0]
+        gate_up = overlap.switch_lanes_for(cache, host, staging, overlap.GATE_UP_TENSORS, 1)._copies[0][0]
+        whole = overlap.switch_lanes_for(cache, host, staging, None, 1)._copies[0][0]
+        assert sum(n for *_, n in down) + sum(n for *_, n in gate_up) == sum(n for *_, n in whole)
+    assert overlap.staging_rows(slots, overlap.SWITCH_LANES) is staging  # one table per layout
+
+
+def test_without_a_cuda_driver_a_switch_layer_fails_at_construction_with_the_reason() -> None:
+    from paged_experts.moe import overlap
+
+    if ctypes.util.find_library("cuda") is not None:
+        pytest.skip("a CUDA driver is installed here")
+    cpu = torch.device("cpu")
+    host = ExpertTensors.empty(5, 256, 128, torch.bfloat16, cpu, is_fp8=True)
+    slots = ExpertTensors.empty(8, 256, 128, torch.bfloat16, cpu, is_fp8=True)
+    with pytest.raises(sl.SwitchUnavailable, match="no CUDA driver library"):
+        overlap.prepare_switch({}, host, slots)

@@ -24,6 +24,10 @@ equal to resident bit for bit; the caller says which, by `fused.uses_triton`):
   grouped FP8 kernel are dequantized G + 1 times): the triton backend is the fast path.
 On the CPU the copies run inline (`InlineCopies`). Tests substitute copies that land in any order
 the GPU could produce (tests/test_overlap_page_in.py).
+
+What runs the copies (RuntimeConfig.overlap_copies): `StreamCopies`, the copy kernel on the page-in stream;
+`ProxyCopies`, the DMA proxy; `SwitchCopies`, the copy engines started by the captured step itself (SWITCH
+conditional nodes with memcpy bodies into staging rows, then one device copy of each landed row into its slot).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from paged_experts.kernels.fused import combine_pairs, group_pairs, run_pairs
 from paged_experts.residency.device import DevicePlan
 from paged_experts.residency.dma_proxy import DmaProxy
 from paged_experts.residency.store import ExpertTensors
+from paged_experts.residency.switch_lanes import SwitchLanes
 
 GATE_UP_TENSORS = ("gate", "up", "gate_scale", "up_scale")
 DOWN_TENSORS = ("down", "down_scale")
@@ -121,6 +126,105 @@ class ProxyCopies:
     def wait(self, started: object) -> None:
         assert isinstance(started, int)
         self.proxy.wait(started)
+
+
+SWITCH_LANES = 4  # lanes a SwitchCopies call copies by (c=1 misses ~0.8 a layer-step at 16 GB; the rest: the kernel)
+
+
+class SwitchCopies:
+    """Copies on the copy engines, started from inside the captured step with no host
+    (RuntimeConfig.overlap_copies='switch'; residency/switch_lanes.py, docs/decode-copies.md).
+
+    Under capture, on the page-in stream after everything the compute stream was given: the call's first
+    `lanes` entries through SWITCH lanes (host row -> staging row j, on the copy engines), then the copy kernel
+    moves each landed staging row into its slot (device to device, ~3 us for a 4.7 MB row) and the entries past
+    the lanes straight from the host, as `StreamCopies` does; an event after them is what the compute waits for.
+    A call outside a capture (an eager step, a warm-up) copies every entry by the kernel. The staging rows are
+    shared by every layer and call (the page-in stream runs the calls one after another)."""
+
+    def __init__(
+        self, copy_stream: torch.cuda.Stream, device: torch.device, cache: dict[tuple[object, ...], object],
+        lanes: int = SWITCH_LANES, programs: int | None = None,
+    ) -> None:  # fmt: skip
+        self.cache = cache  # the layer's lanes (DeviceLru.switch_lanes): built once, captured into every graph
+        self.copy_stream = copy_stream
+        self.compute_stream = torch.cuda.current_stream(device)
+        self.lanes = lanes
+        self.programs = programs  # RuntimeConfig.copy_programs: the kernel's copies
+
+    def start(
+        self, host: ExpertTensors, slots: ExpertTensors, experts: torch.Tensor, slot_ids: torch.Tensor,
+        names: tuple[str, ...] | None,
+    ) -> object:  # fmt: skip
+        self.copy_stream.wait_stream(self.compute_stream)
+        with torch.cuda.stream(self.copy_stream):
+            n = min(self.lanes, int(experts.shape[0]))
+            if n and torch.cuda.is_current_stream_capturing():
+                staging = staging_rows(slots, self.lanes)
+                switch_lanes_for(self.cache, host, staging, names, n).capture(experts[:n])  # [n]: a prefix
+                # staging row j -> slot_ids[j] where lane j carried an expert; a padding entry (expert E) names the
+                # staging table's row count, which the kernel skips
+                lane = torch.arange(n, device=experts.device)  # [n]
+                src = torch.where(experts[:n] < host.num_rows, lane, staging.num_rows)  # [n]
+                copy_planned(staging, slots, src, slot_ids[:n], names, self.programs)
+                if experts.shape[0] > n:
+                    copy_planned(host, slots, experts[n:], slot_ids[n:], names, self.programs)
+            else:
+                copy_planned(host, slots, experts, slot_ids, names, self.programs)
+            landed = torch.cuda.Event()
+            landed.record(self.copy_stream)
+        return landed
+
+    def wait(self, started: object) -> None:
+        assert isinstance(started, torch.cuda.Event)
+        self.compute_stream.wait_event(started)
+
+
+_STAGING: dict[tuple[object, ...], ExpertTensors] = {}  # a few device rows per layout, shared by every model
+
+
+def _layout(t: ExpertTensors) -> tuple[object, ...]:
+    """What makes two expert tables' rows interchangeable: shapes, dtypes, packed or split."""
+    return (t.gate.device, t.row_pitch, *((n, tuple(t.get(n).shape[1:]), t.get(n).dtype) for n in t.names()))
+
+
+def prepare_switch(
+    cache: dict[tuple[object, ...], object], host: ExpertTensors, slots: ExpertTensors, lanes: int = SWITCH_LANES
+) -> None:
+    """Before any capture (a layer's construction): the staging rows and every lane set `SwitchCopies` can ask for
+    (1..lanes lanes, for each tensor set an overlapped pass copies), so no setter module is loaded, no staging row
+    allocated and no pinned-memory query made while a graph is being captured. Raises SwitchUnavailable (with
+    its reason) where the driver cannot run SWITCH nodes: at load, not at the first step."""
+    staging = staging_rows(slots, lanes)
+    for names in (None, GATE_UP_TENSORS, DOWN_TENSORS):
+        for n in range(1, lanes + 1):
+            switch_lanes_for(cache, host, staging, names, n)
+
+
+def staging_rows(slots: ExpertTensors, lanes: int) -> ExpertTensors:
+    """`lanes` device rows in the slots' layout, one table per layout and lane count (`prepare_switch` makes it,
+    outside any capture: an allocation under a capture would come from that graph's pool)."""
+    key = (*_layout(slots), lanes)
+    if key not in _STAGING:
+        inter, hidden = slots.gate.shape[1], slots.gate.shape[2]
+        _STAGING[key] = ExpertTensors.empty(
+            lanes, hidden, inter, slots.gate.dtype, slots.gate.device, is_fp8=slots.scales[0] is not None,
+            packed=slots.packed is not None,
+        )  # fmt: skip
+    return _STAGING[key]
+
+
+def switch_lanes_for(
+    cache: dict[tuple[object, ...], object], host: ExpertTensors, staging: ExpertTensors,
+    names: tuple[str, ...] | None, n: int,
+) -> SwitchLanes:  # fmt: skip
+    """The lanes copying `host`'s rows (`names` of them) into staging rows 0..n-1, from the layer's `cache`: one
+    object per tensor set and lane count, its bodies' addresses computed once."""
+    key = (host.gate.data_ptr(), staging.gate.data_ptr(), names, n)
+    lanes = cache.get(key)
+    if not isinstance(lanes, SwitchLanes):
+        lanes = cache[key] = SwitchLanes(host, staging, list(range(n)), names)
+    return lanes
 
 
 def miss_groups(plan: DevicePlan, num_slots: int, groups: int) -> torch.Tensor:

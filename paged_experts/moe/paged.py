@@ -18,7 +18,15 @@ import torch
 from paged_experts.kernels import moe_triton
 from paged_experts.kernels.fused import experts_over_rows, uses_triton
 from paged_experts.moe.layer import BeforeCompute, ExpertsFn, MoeLayer, MoeShared, StepContext, page_in_stream
-from paged_experts.moe.overlap import InlineCopies, MissCopies, ProxyCopies, StreamCopies, overlapped_pass
+from paged_experts.moe.overlap import (
+    InlineCopies,
+    MissCopies,
+    ProxyCopies,
+    StreamCopies,
+    SwitchCopies,
+    overlapped_pass,
+    prepare_switch,
+)
 from paged_experts.moe.planning import DeviceLru, HostWaves
 from paged_experts.moe.streaming import LayerCopies
 from paged_experts.residency import dma_proxy
@@ -47,6 +55,9 @@ class PagedLayer(MoeLayer):
         self.device_lru = device_lru
         if device_lru is not None:
             shared.steps.device_planned.append(self)
+            if device_lru.overlap and device_lru.overlap_copies == "switch":
+                # every lane set this layer's steps can ask for, now: no module load or allocation under a capture
+                prepare_switch(device_lru.switch_lanes, host, slots)
         shared.steps.paged.append(self)  # in layer order: the layer a prefill step stages for next
 
     @property
@@ -174,6 +185,8 @@ class PagedLayer(MoeLayer):
                 copies = ProxyCopies(dma_proxy.for_device(sh.device, dma_proxy.MAX_PAIRS))
             elif stream is None:
                 copies = InlineCopies(programs)
+            elif lru.overlap_copies == "switch":  # the copy engines, started by the graph's SWITCH nodes
+                copies = SwitchCopies(stream, sh.device, lru.switch_lanes, programs=programs)
             else:
                 copies = StreamCopies(stream, sh.device, programs)
             triton = uses_triton(flat.shape[0], sh.device, sh.kernel_backend)  # what a plain step would run

@@ -139,7 +139,10 @@ class DeviceLru:
         self.overlap = overlap  # RuntimeConfig.overlap_page_in: moe/overlap.py
         self.fused_page_in = fused_page_in  # RuntimeConfig.fused_page_in: PagedLayer.decode_pass
         self.overlap_groups = overlap_groups  # RuntimeConfig.overlap_groups
-        self.overlap_copies = overlap_copies  # RuntimeConfig.overlap_copies: 'kernel' or 'dma' (the DMA proxy)
+        self.overlap_copies = overlap_copies  # RuntimeConfig.overlap_copies: 'kernel', 'dma' (the DMA proxy), 'switch'
+        # overlap_copies 'switch': this layer's SWITCH lanes, made once per tensor set and lane count (their
+        # bodies name this layer's host rows; held here, so they go when the layer goes)
+        self.switch_lanes: dict[tuple[object, ...], object] = {}
         self.copy_programs = copy_programs  # RuntimeConfig.copy_programs: the copy kernel's grid cap
         self.one_launch = True  # every tensor of the rows in one copy launch (a benchmark sets False to compare)
         self.pending: PendingPrefetch | None = None  # set by `prefetch`, taken by `page_in`

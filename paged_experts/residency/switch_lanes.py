@@ -9,8 +9,9 @@ which run on a copy engine. So: lane `j` is a SWITCH node with one body per expe
 host row `e` into lane `j`'s destination row, and a one-thread kernel sets lane `j`'s condition to the expert it
 carries (the expert count, selecting nothing, for an empty lane). No host in the loop, no SM reads host memory.
 
-This module is the mechanism alone, for `benchmarks/copy_overlap.py`'s `switch` arm: what a lane costs and what
-rate it reaches decides whether the runtime takes it (docs/decode-copies.md). Nothing in the runtime uses it yet.
+This module is the mechanism: `benchmarks/copy_overlap.py`'s `switch` arm measures what a lane costs and what rate
+it reaches, and `moe/overlap.py`'s `SwitchCopies` (RuntimeConfig.overlap_copies='switch', off by default) runs a
+paged decode step's misses through it (docs/decode-copies.md).
 
 - `lane_kernel_ptx(lanes)`: the setter's PTX, one `.u64` parameter per lane's handle (straight-line code, no
   indexing into parameters), then the [lanes] int64 expert ids it reads. The driver's JIT links
@@ -185,12 +186,15 @@ def _row_span(t: torch.Tensor, row: int) -> tuple[int, int]:
     return t.data_ptr() + row * t.stride(0) * t.element_size(), one.numel() * t.element_size()
 
 
-def row_copies(src: ExpertTensors, dst: ExpertTensors, expert: int, row: int) -> list[tuple[int, int, int]]:
-    """[(dst address, src address, bytes)] that copy src row `expert` into dst row `row`, one per copy view."""
+def row_copies(
+    src: ExpertTensors, dst: ExpertTensors, expert: int, row: int, names: Sequence[str] | None = None
+) -> list[tuple[int, int, int]]:
+    """[(dst address, src address, bytes)] that copy src row `expert` into dst row `row`, one per copy view (of the
+    tensors `names` only, when given: an overlapped pass copies gate/up first, down last)."""
     if src.row_pitch != dst.row_pitch:
         raise ValueError(f"source and destination rows differ in layout (pitches {src.row_pitch}, {dst.row_pitch})")
     out = []
-    for s, d in zip(src.copy_views(), dst.copy_views(), strict=True):
+    for s, d in zip(src.copy_views(names), dst.copy_views(names), strict=True):
         s_addr, s_bytes = _row_span(s, expert)
         d_addr, d_bytes = _row_span(d, row)
         if s_bytes != d_bytes:
@@ -344,7 +348,8 @@ class SwitchLanes:
     host: ExpertTensors  # [E] rows, pinned host memory
     dst: ExpertTensors  # [R] rows on the device
     rows: Sequence[int]  # [lanes]: each lane's destination row
-    driver: DriverGraphs = field(default_factory=driver_graphs)
+    names: Sequence[str] | None = None  # the tensors of a row the lanes copy (None: all)
+    driver: DriverGraphs = field(default_factory=lambda: driver_graphs())  # looked up at each construction
     nodes_added: int = 0  # memcpy nodes of every body (lanes x experts x copy views)
     build_s: float = 0.0  # host time adding the nodes (instantiation is torch's capture end)
 
@@ -358,7 +363,9 @@ class SwitchLanes:
         for r in self.rows:
             _row_span(self.dst.copy_views()[0], r)  # each lane's row is one of the table's
         # every lane's bodies, as (dst, src, bytes): computed (and checked) once, before any capture
-        self._copies = [[row_copies(self.host, self.dst, e, r) for e in range(self.host.num_rows)] for r in self.rows]
+        self._copies = [
+            [row_copies(self.host, self.dst, e, r, self.names) for e in range(self.host.num_rows)] for r in self.rows
+        ]
         self._setter = self.driver.setter(len(self.rows))
 
     def capture(self, experts: torch.Tensor) -> None:

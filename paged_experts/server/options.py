@@ -142,8 +142,10 @@ class ServeOptions:
         "--overlap-copies",
         "with --overlap-page-in: what copies the misses; kernel: the Triton copy kernel on a second stream; dma: "
         "the copy engine, issued by a host thread the captured step rings (needs a C compiler once; "
-        "paged_experts/residency/dma_proxy.py)",
-        choices=("kernel", "dma"),
+        "paged_experts/residency/dma_proxy.py); switch: the copy engines, started inside the captured step by "
+        "SWITCH conditional nodes (CUDA 12.8 driver; eager steps copy by the kernel; "
+        "paged_experts/residency/switch_lanes.py)",
+        choices=("kernel", "dma", "switch"),
     )
     copy_programs: int | None = _opt(  # None: the copy kernel's full grid
         None,
@@ -398,7 +400,7 @@ def problems(values: Mapping[str, Any], say: Namer = FLAGS) -> Iterator[Problem]
             f"{say.value('overlap_groups', groups)} applies with {say.option('overlap_page_in')} only",
         )
     copies = get("overlap_copies")
-    if copies == "dma" and not get("overlap_page_in"):
+    if copies in ("dma", "switch") and not get("overlap_page_in"):
         yield Problem(
             "overlap_copies",
             f"{say.value('overlap_copies', copies)} applies with {say.option('overlap_page_in')} only",

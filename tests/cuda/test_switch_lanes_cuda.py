@@ -115,6 +115,38 @@ def test_copy_overlaps_switch_arms_land_their_rows_beside_the_compute() -> None:
             assert r["switch_nodes"] == r["lanes"] * 24 and r["copy_gbps"] > 0
 
 
+def test_graphed_decode_with_switch_copies_equals_graphed_with_kernel_copies() -> None:
+    """RuntimeConfig.overlap_copies='switch' in captured decode steps (moe/overlap.py SwitchCopies): the same graphed
+    model with the copy kernel's copies and with SWITCH lanes gives the same outputs bit for bit (only what copies
+    the bytes differs), packed and split rows, one group and three; a batch of 2 (16 pairs) misses more than the 4
+    lanes, so the kernel's overflow copies run too."""
+    from test_device_paging_cuda import QWEN2, decode, rt
+
+    from paged_experts.model import MoeCausalLM
+
+    prompts = [[5, 17, 300, 41, 9, 77, 3, 8], [800, 2, 64]]
+    for rows, groups in (("auto", 1), ("split", 1), ("auto", 3)):
+        outs = {}
+        for copies in ("kernel", "switch"):
+            runtime = rt(
+                "bfloat16", mode="paged", resident_experts=16, overlap_page_in=True, overlap_groups=groups,
+                overlap_copies=copies, kernel_backend="triton", expert_rows=rows,
+            )  # fmt: skip
+            model = MoeCausalLM.from_pretrained(QWEN2, runtime)
+            model.enable_cuda_graphs([1, 2])
+            outs[copies] = decode(model, prompts, 6)
+            assert model.graph_replays > 0, (rows, groups, copies)  # steps captured and replayed: lanes in a graph
+            assert model.counters.snapshot().total.misses > 0
+        for i, (a, b) in enumerate(zip(outs["switch"], outs["kernel"], strict=True)):
+            assert torch.equal(a, b), f"rows {rows}, G={groups}: output {i} differs by {(a - b).abs().max().item()}"
+
+
+def test_graphed_decode_with_switch_copies_matches_eager() -> None:
+    from test_device_paging_cuda import check_graphed_paged
+
+    check_graphed_paged(overlap=True, backend="triton", copies="switch")
+
+
 if __name__ == "__main__":
     from _script import run_tests
 

@@ -111,9 +111,10 @@ class BuiltinOptions(EngineOptions):
     # Both left out of the dumped options when unset, so the server ids of matrices without them stay.
     overlap_page_in: bool | None = Field(None, exclude_if=lambda v: v is None)
     overlap_groups: int | None = Field(None, exclude_if=lambda v: v is None)
-    # With overlap_page_in: what copies the misses (RuntimeConfig.overlap_copies: kernel, or dma = the copy
-    # engine rung from the graph); unset like the two above
-    overlap_copies: Literal["kernel", "dma"] | None = Field(None, exclude_if=lambda v: v is None)
+    # With overlap_page_in: what copies the misses (RuntimeConfig.overlap_copies: kernel, dma = the copy
+    # engine rung from the graph, or switch = the copy engines started by the graph's SWITCH nodes); unset like
+    # the two above
+    overlap_copies: Literal["kernel", "dma", "switch"] | None = Field(None, exclude_if=lambda v: v is None)
     # Paged, CUDA: the page-in copy kernel's grid cap (RuntimeConfig.copy_programs); unset like the two above
     copy_programs: int | None = Field(None, exclude_if=lambda v: v is None)
     # Paged, CUDA, one-token steps: the expert kernels page the misses in (RuntimeConfig.fused_page_in);
