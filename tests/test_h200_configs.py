@@ -146,6 +146,30 @@ def test_the_dmaproxy_matrix_measures_the_copy_engine_against_the_copy_kernel(
     assert decode.concurrency == [1, 4] and decode.warmup_requests >= 4 and decode.output_tokens >= 128
 
 
+def test_the_switch_matrix_measures_the_graphs_own_copy_engine_copies_against_the_copy_kernel(
+    stand_ins: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """configs/h200/switch.yaml: paged FP8 at K=54 on both routings, today's default against the overlapped pass with
+    its misses copied by SWITCH lanes (one group), beside resident FP8 on each routing; the server command names the
+    copies; decode at c=1 and c=4 with warm-ups at each."""
+    path = CONFIGS / "switch.yaml"
+    assert main(["run", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    plan = build_plan(load_matrix(path))
+    paged = [s for s in plan.servers if s.options.mode == "paged"]
+    settings = sorted((s.options.routing, s.options.overlap_copies or "") for s in paged)
+    assert settings == [(routing, copies) for routing in ("model", "qwen3-30b-a3b") for copies in ("", "switch")]
+    assert all(bool(s.options.overlap_page_in) == (s.options.overlap_copies == "switch") for s in paged)
+    assert {s.options.resident_experts for s in paged} == {54}
+    resident = sorted(s.options.routing for s in plan.servers if s.options.mode == "resident")
+    assert resident == ["model", "qwen3-30b-a3b"] and len(plan.servers) == 6
+    assert out.count("--overlap-page-in --overlap-groups 1 --overlap-copies switch") == 2
+    m = load_matrix(path).matrix
+    assert m.linkbw and m.repeats >= 2
+    decode = m.workloads["decode"]
+    assert decode.concurrency == [1, 4] and decode.warmup_requests >= 4 and decode.output_tokens >= 128
+
+
 def test_the_packed_matrix_measures_packed_rows_against_split(
     stand_ins: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
