@@ -153,6 +153,8 @@ def test_prefill_residency_is_written_for_paged_servers_only(tmp_path: Path) -> 
          "engines.e.options.overlap_groups: overlap_groups must be in [1, 64]"),
         ("device: cuda, mode: paged, resident_experts: 8, overlap_copies: dma",
          "engines.e.options.overlap_copies: 'dma' applies with overlap_page_in only"),
+        ("device: cuda, mode: paged, resident_experts: 8, overlap_copies: switch",
+         "engines.e.options.overlap_copies: 'switch' applies with overlap_page_in only"),
         ("device: cuda, mode: resident, copy_programs: 16",
          "engines.e.options.copy_programs: 16 needs mode paged and device cuda"),
         ("device: cuda, mode: paged, resident_experts: 8, fused_page_in: true, kernel_backend: grouped",

@@ -18,6 +18,8 @@ import torch
 from paged_experts.residency import switch_lanes as sl
 from paged_experts.residency.store import ExpertTensors
 
+PIN = torch.cuda.is_available()  # the lanes refuse unpinned host rows where CUDA is present
+
 
 def test_the_driver_structs_have_cuda_h_layout() -> None:
     assert ctypes.sizeof(sl.GraphNodeParams) == 256  # type, reserved0[3], a 232-byte union, reserved2
@@ -61,7 +63,7 @@ def test_the_setter_refuses_a_lane_count_outside_its_parameters(lanes: int) -> N
 @pytest.mark.parametrize("packed", [False, True])
 def test_a_lanes_copies_move_exactly_the_experts_row_into_the_lanes_row(packed: bool) -> None:
     cpu = torch.device("cpu")
-    host = ExpertTensors.empty(6, 256, 128, torch.bfloat16, cpu, is_fp8=True, packed=packed)
+    host = ExpertTensors.empty(6, 256, 128, torch.bfloat16, cpu, pin=PIN, is_fp8=True, packed=packed)
     dst = ExpertTensors.empty(4, 256, 128, torch.bfloat16, cpu, is_fp8=True, packed=packed)
     gen = torch.Generator().manual_seed(0)
     for name in host.names():
@@ -182,7 +184,7 @@ class FakeDriver:
 @pytest.mark.parametrize("packed", [False, True])
 def test_adding_the_lanes_wires_handles_setter_switches_and_bodies_in_order(packed: bool) -> None:
     cpu = torch.device("cpu")
-    host = ExpertTensors.empty(5, 256, 128, torch.bfloat16, cpu, is_fp8=True, packed=packed)
+    host = ExpertTensors.empty(5, 256, 128, torch.bfloat16, cpu, pin=PIN, is_fp8=True, packed=packed)
     dst = ExpertTensors.empty(4, 256, 128, torch.bfloat16, cpu, is_fp8=True, packed=packed)
     fake = FakeDriver()
     lanes = sl.SwitchLanes(host, dst, rows=[3, 0, 2], driver=fake)  # type: ignore[arg-type]
@@ -203,7 +205,7 @@ def test_adding_the_lanes_wires_handles_setter_switches_and_bodies_in_order(pack
 
 def test_lanes_refuse_two_lanes_on_one_row() -> None:
     cpu = torch.device("cpu")
-    host = ExpertTensors.empty(5, 256, 128, torch.bfloat16, cpu, is_fp8=True)
+    host = ExpertTensors.empty(5, 256, 128, torch.bfloat16, cpu, pin=PIN, is_fp8=True)
     dst = ExpertTensors.empty(4, 256, 128, torch.bfloat16, cpu, is_fp8=True)
     with pytest.raises(ValueError, match="would race"):
         sl.SwitchLanes(host, dst, rows=[1, 1], driver=FakeDriver())  # type: ignore[arg-type]
@@ -223,7 +225,7 @@ def test_a_switch_layer_prepares_every_lane_set_before_any_capture(monkeypatch: 
     monkeypatch.setattr(overlap, "_STAGING", {})
     cpu = torch.device("cpu")
     for packed in (False, True):
-        host = ExpertTensors.empty(5, 256, 128, torch.bfloat16, cpu, is_fp8=True, packed=packed)
+        host = ExpertTensors.empty(5, 256, 128, torch.bfloat16, cpu, pin=PIN, is_fp8=True, packed=packed)
         slots = ExpertTensors.empty(8, 256, 128, torch.bfloat16, cpu, is_fp8=True, packed=packed)
         cache: dict[tuple[object, ...], object] = {}
         overlap.prepare_switch(cache, host, slots)
@@ -244,13 +246,16 @@ def test_a_switch_layer_prepares_every_lane_set_before_any_capture(monkeypatch: 
     assert overlap.staging_rows(slots, overlap.SWITCH_LANES) is staging  # one table per layout
 
 
-def test_without_a_cuda_driver_a_switch_layer_fails_at_construction_with_the_reason() -> None:
+def test_without_a_cuda_driver_a_switch_layer_fails_at_construction_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from paged_experts.moe import overlap
 
     if ctypes.util.find_library("cuda") is not None:
         pytest.skip("a CUDA driver is installed here")
     cpu = torch.device("cpu")
-    host = ExpertTensors.empty(5, 256, 128, torch.bfloat16, cpu, is_fp8=True)
+    host = ExpertTensors.empty(5, 256, 128, torch.bfloat16, cpu, pin=PIN, is_fp8=True)
     slots = ExpertTensors.empty(8, 256, 128, torch.bfloat16, cpu, is_fp8=True)
+    monkeypatch.setattr(overlap, "_STAGING", {})
     with pytest.raises(sl.SwitchUnavailable, match="no CUDA driver library"):
         overlap.prepare_switch({}, host, slots)

@@ -18,7 +18,7 @@
 #   bash configs/h200/session.sh staging    # benchsuite run of configs/h200/staging.yaml (detached; issue 29, ~10 min)
 #   bash configs/h200/session.sh staging16  # benchsuite run of configs/h200/staging16.yaml (detached; issue 29, ~10 min)
 #   bash configs/h200/session.sh dmaproxy   # benchsuite run of configs/h200/dmaproxy.yaml (detached; issue 29, ~12 min)
-#   bash configs/h200/session.sh switch     # benchsuite run of configs/h200/switch.yaml (detached; issue 29, ~12 min)
+#   bash configs/h200/session.sh switch     # benchsuite run of configs/h200/switch.yaml (detached; issue 29, ~10 min)
 #   bash configs/h200/session.sh packed     # benchsuite run of configs/h200/packed.yaml (detached; issue 29, ~12 min)
 #   bash configs/h200/session.sh gcfreeze   # benchsuite run of configs/h200/gcfreeze.yaml (detached; the GC heap freeze, ~6 min)
 #   bash configs/h200/session.sh record     # benchsuite run of configs/h200/record.yaml (detached; what recording costs, ~11 min)

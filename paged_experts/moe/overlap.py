@@ -161,13 +161,11 @@ class SwitchCopies:
             n = min(self.lanes, int(experts.shape[0]))
             if n and torch.cuda.is_current_stream_capturing():
                 staging = staging_rows(slots, self.lanes)
-                switch_lanes_for(self.cache, host, staging, names, n).capture(experts[:n])  # [n]: a prefix
-                # staging row j -> slot_ids[j] where lane j carried an expert; a padding entry (expert E) names the
-                # staging table's row count, which the kernel skips
-                lane = torch.arange(n, device=experts.device)  # [n]
-                src = torch.where(experts[:n] < host.num_rows, lane, staging.num_rows)  # [n]
-                copy_planned(staging, slots, src, slot_ids[:n], names, self.programs)
-                if experts.shape[0] > n:
+                lanes = switch_lanes_for(self.cache, host, staging, names, n, capturing=True)
+                src = lane_sources(experts[:n], host.num_rows, staging.num_rows)  # before the lanes: not behind them
+                lanes.capture(experts[:n])  # [n]: a prefix
+                copy_planned(staging, slots, src, slot_ids[:n], names, self.programs)  # the landed rows to their slots
+                if experts.shape[0] > n:  # n = lanes here: the rest start 8 x lanes bytes in (16-byte aligned)
                     copy_planned(host, slots, experts[n:], slot_ids[n:], names, self.programs)
             else:
                 copy_planned(host, slots, experts, slot_ids, names, self.programs)
@@ -188,17 +186,31 @@ def _layout(t: ExpertTensors) -> tuple[object, ...]:
     return (t.gate.device, t.row_pitch, *((n, tuple(t.get(n).shape[1:]), t.get(n).dtype) for n in t.names()))
 
 
+def lane_sources(experts: torch.Tensor, num_experts: int, staging_rows: int) -> torch.Tensor:
+    """experts [n] (a copy call's first n, padded with num_experts) -> [n] the staging row each lane's expert landed
+    in (lane j: row j), or `staging_rows` for a padding entry, which `copy_planned` then skips."""
+    lane = torch.arange(experts.shape[0], device=experts.device)  # [n]
+    return torch.where(experts < num_experts, lane, staging_rows)
+
+
 def prepare_switch(
-    cache: dict[tuple[object, ...], object], host: ExpertTensors, slots: ExpertTensors, lanes: int = SWITCH_LANES
-) -> None:
-    """Before any capture (a layer's construction): the staging rows and every lane set `SwitchCopies` can ask for
-    (1..lanes lanes, for each tensor set an overlapped pass copies), so no setter module is loaded, no staging row
-    allocated and no pinned-memory query made while a graph is being captured. Raises SwitchUnavailable (with
-    its reason) where the driver cannot run SWITCH nodes: at load, not at the first step."""
+    cache: dict[tuple[object, ...], object], host: ExpertTensors, slots: ExpertTensors, programs: int | None = None,
+    lanes: int = SWITCH_LANES,
+) -> None:  # fmt: skip
+    """Before any capture (a layer's construction): the staging rows, every lane set `SwitchCopies` can ask for
+    (1..lanes lanes, for each tensor set an overlapped pass copies), and one run of each kernel a captured call
+    launches that no eager step runs (the staging table's copy is a Triton variant of its own: its row count is
+    no multiple of 16; `lane_sources`' ops), every entry skipped. So no setter module or kernel is loaded or
+    compiled, no staging row allocated and no pinned-memory query made while a graph is being captured. Raises
+    SwitchUnavailable (with its reason) where the driver cannot run SWITCH nodes: at load, not at the first step.
+    programs: RuntimeConfig.copy_programs (the capped kernel specializes on the call's size)."""
     staging = staging_rows(slots, lanes)
     for names in (None, GATE_UP_TENSORS, DOWN_TENSORS):
         for n in range(1, lanes + 1):
             switch_lanes_for(cache, host, staging, names, n)
+            padding = torch.full((n,), host.num_rows, dtype=torch.long, device=slots.gate.device)  # [n]: no expert
+            src = lane_sources(padding, host.num_rows, staging.num_rows)  # [n], every entry skipped
+            copy_planned(staging, slots, src, torch.full_like(src, slots.num_rows), names, programs)
 
 
 def staging_rows(slots: ExpertTensors, lanes: int) -> ExpertTensors:
@@ -216,13 +228,16 @@ def staging_rows(slots: ExpertTensors, lanes: int) -> ExpertTensors:
 
 def switch_lanes_for(
     cache: dict[tuple[object, ...], object], host: ExpertTensors, staging: ExpertTensors,
-    names: tuple[str, ...] | None, n: int,
+    names: tuple[str, ...] | None, n: int, capturing: bool = False,
 ) -> SwitchLanes:  # fmt: skip
     """The lanes copying `host`'s rows (`names` of them) into staging rows 0..n-1, from the layer's `cache`: one
-    object per tensor set and lane count, its bodies' addresses computed once."""
+    object per tensor set and lane count, its bodies' addresses computed once. capturing: a graph is being
+    captured, so the lanes must exist already (`prepare_switch`): building them now would query the driver."""
     key = (host.gate.data_ptr(), staging.gate.data_ptr(), names, n)
     lanes = cache.get(key)
     if not isinstance(lanes, SwitchLanes):
+        if capturing:
+            raise RuntimeError(f"SWITCH lanes {names} x {n} were not prepared before the capture (prepare_switch)")
         lanes = cache[key] = SwitchLanes(host, staging, list(range(n)), names)
     return lanes
 

@@ -57,7 +57,7 @@ class PagedLayer(MoeLayer):
             shared.steps.device_planned.append(self)
             if device_lru.overlap and device_lru.overlap_copies == "switch":
                 # every lane set this layer's steps can ask for, now: no module load or allocation under a capture
-                prepare_switch(device_lru.switch_lanes, host, slots)
+                prepare_switch(device_lru.switch_lanes, host, slots, device_lru.copy_programs)
         shared.steps.paged.append(self)  # in layer order: the layer a prefill step stages for next
 
     @property

@@ -125,20 +125,26 @@ def test_graphed_decode_with_switch_copies_equals_graphed_with_kernel_copies() -
     from paged_experts.model import MoeCausalLM
 
     prompts = [[5, 17, 300, 41, 9, 77, 3, 8], [800, 2, 64]]
-    for rows, groups in (("auto", 1), ("split", 1), ("auto", 3)):
+    fp8 = "synth:qwen3-30b-a3b-fp8-shape?layers=2&seed=0"  # block-FP8 rows: the layout the lanes are for
+    for name, rows, groups in ((QWEN2, "auto", 1), (QWEN2, "split", 1), (QWEN2, "auto", 3), (fp8, "auto", 1)):
         outs = {}
         for copies in ("kernel", "switch"):
             runtime = rt(
                 "bfloat16", mode="paged", resident_experts=16, overlap_page_in=True, overlap_groups=groups,
                 overlap_copies=copies, kernel_backend="triton", expert_rows=rows,
             )  # fmt: skip
-            model = MoeCausalLM.from_pretrained(QWEN2, runtime)
+            model = MoeCausalLM.from_pretrained(name, runtime)
             model.enable_cuda_graphs([1, 2])
             outs[copies] = decode(model, prompts, 6)
-            assert model.graph_replays > 0, (rows, groups, copies)  # steps captured and replayed: lanes in a graph
+            assert model.graph_replays > 0, (name, rows, groups, copies)  # steps captured and replayed
             assert model.counters.snapshot().total.misses > 0
+            if copies == "switch":  # the captures went through the lanes (not the kernel's copies alone)
+                lanes = [x for m in model.moe_layers for x in m.device_lru.switch_lanes.values()]
+                assert sum(x.nodes_added for x in lanes) > 0, (name, rows, groups)
         for i, (a, b) in enumerate(zip(outs["switch"], outs["kernel"], strict=True)):
-            assert torch.equal(a, b), f"rows {rows}, G={groups}: output {i} differs by {(a - b).abs().max().item()}"
+            assert torch.equal(a, b), (
+                f"{name} rows {rows}, G={groups}: output {i} differs by {(a - b).abs().max().item()}"
+            )
 
 
 def test_graphed_decode_with_switch_copies_matches_eager() -> None:
