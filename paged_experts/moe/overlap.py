@@ -98,10 +98,17 @@ class StreamCopies:
         # earlier read of the slots. The pass issues every copy before any of its compute.
         self.copy_stream.wait_stream(self.compute_stream)
         with torch.cuda.stream(self.copy_stream):
-            copy_planned(host, slots, experts, slot_ids, names, self.programs)
+            self.issue(host, slots, experts, slot_ids, names)
             landed = torch.cuda.Event()
             landed.record(self.copy_stream)
         return landed
+
+    def issue(
+        self, host: ExpertTensors, slots: ExpertTensors, experts: torch.Tensor, slot_ids: torch.Tensor,
+        names: tuple[str, ...] | None,
+    ) -> None:  # fmt: skip
+        """The copies themselves, on the page-in stream (the current one)."""
+        copy_planned(host, slots, experts, slot_ids, names, self.programs)
 
     def wait(self, started: object) -> None:
         assert isinstance(started, torch.cuda.Event)
@@ -131,51 +138,39 @@ class ProxyCopies:
 SWITCH_LANES = 4  # lanes a SwitchCopies call copies by (c=1 misses ~0.8 a layer-step at 16 GB; the rest: the kernel)
 
 
-class SwitchCopies:
+class SwitchCopies(StreamCopies):
     """Copies on the copy engines, started from inside the captured step with no host
     (RuntimeConfig.overlap_copies='switch'; residency/switch_lanes.py, docs/decode-copies.md).
 
-    Under capture, on the page-in stream after everything the compute stream was given: the call's first
-    `lanes` entries through SWITCH lanes (host row -> staging row j, on the copy engines), then the copy kernel
-    moves each landed staging row into its slot (device to device, ~3 us for a 4.7 MB row) and the entries past
-    the lanes straight from the host, as `StreamCopies` does; an event after them is what the compute waits for.
-    A call outside a capture (an eager step, a warm-up) copies every entry by the kernel. The staging rows are
-    shared by every layer and call (the page-in stream runs the calls one after another)."""
+    `StreamCopies`, with other copies under a capture: the call's first `lanes` entries through SWITCH lanes
+    (host row -> staging row j, on the copy engines), then the copy kernel moves each landed staging row into its
+    slot (device to device, ~3 us for a 4.7 MB row) and the entries past the lanes straight from the host. A call
+    outside a capture (an eager step, a warm-up) copies every entry by the kernel. The staging rows are shared by
+    every layer and call (the page-in stream runs the calls one after another)."""
 
     def __init__(
         self, copy_stream: torch.cuda.Stream, device: torch.device, cache: dict[tuple[object, ...], object],
         lanes: int = SWITCH_LANES, programs: int | None = None,
     ) -> None:  # fmt: skip
-        self.cache = cache  # the layer's lanes (DeviceLru.switch_lanes): built once, captured into every graph
-        self.copy_stream = copy_stream
-        self.compute_stream = torch.cuda.current_stream(device)
+        super().__init__(copy_stream, device, programs)
+        self.cache = cache  # the layer's lanes (DeviceLru.switch_lanes), made by prepare_switch
         self.lanes = lanes
-        self.programs = programs  # RuntimeConfig.copy_programs: the kernel's copies
 
-    def start(
+    def issue(
         self, host: ExpertTensors, slots: ExpertTensors, experts: torch.Tensor, slot_ids: torch.Tensor,
         names: tuple[str, ...] | None,
-    ) -> object:  # fmt: skip
-        self.copy_stream.wait_stream(self.compute_stream)
-        with torch.cuda.stream(self.copy_stream):
-            n = min(self.lanes, int(experts.shape[0]))
-            if n and torch.cuda.is_current_stream_capturing():
-                staging = staging_rows(slots, self.lanes)
-                lanes = switch_lanes_for(self.cache, host, staging, names, n, capturing=True)
-                src = lane_sources(experts[:n], host.num_rows, staging.num_rows)  # before the lanes: not behind them
-                lanes.capture(experts[:n])  # [n]: a prefix
-                copy_planned(staging, slots, src, slot_ids[:n], names, self.programs)  # the landed rows to their slots
-                if experts.shape[0] > n:  # n = lanes here: the rest start 8 x lanes bytes in (16-byte aligned)
-                    copy_planned(host, slots, experts[n:], slot_ids[n:], names, self.programs)
-            else:
-                copy_planned(host, slots, experts, slot_ids, names, self.programs)
-            landed = torch.cuda.Event()
-            landed.record(self.copy_stream)
-        return landed
-
-    def wait(self, started: object) -> None:
-        assert isinstance(started, torch.cuda.Event)
-        self.compute_stream.wait_event(started)
+    ) -> None:  # fmt: skip
+        n = min(self.lanes, int(experts.shape[0]))
+        if not (n and torch.cuda.is_current_stream_capturing()):
+            super().issue(host, slots, experts, slot_ids, names)
+            return
+        staging = staging_rows(slots, self.lanes)
+        lanes = switch_lanes_for(self.cache, host, staging, names, n, capturing=True)
+        src = lane_sources(experts[:n], host.num_rows, staging.num_rows)  # before the lanes: not behind them
+        lanes.capture(experts[:n])  # [n]: a prefix
+        copy_planned(staging, slots, src, slot_ids[:n], names, self.programs)  # the landed rows to their slots
+        if experts.shape[0] > n:  # n = lanes here: the rest start 8 x lanes bytes in (16-byte aligned)
+            super().issue(host, slots, experts[n:], slot_ids[n:], names)
 
 
 _STAGING: dict[tuple[object, ...], ExpertTensors] = {}  # a few device rows per layout, shared by every model
