@@ -438,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
         "cells": [],
     }
     cfg = synth_memory.config_for(synth_memory.SynthSpec(preset, args.layers, args.seed))
-    expert_bytes = cfg.expert_bytes("bfloat16")
+    # what a page-in moves per expert: block-FP8 rows (1 byte a weight and their scales) for an FP8 preset
+    expert_bytes = cfg.shape.expert_bytes_fp8_block() if cfg.fp8_weights else cfg.expert_bytes("bfloat16")
     t0 = time.perf_counter()
     # the store the cells' models place (MoeCausalLM.synthetic: the preset's silent tokens): one store, not two
     silent = synth_memory.silent_ids(f"synth:{preset}")

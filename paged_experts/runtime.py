@@ -72,7 +72,7 @@ class RuntimeConfig:
     # With overlap_page_in: what runs the misses' copies. 'kernel': the Triton copy kernel on the page-in stream
     # (SM reads of pinned rows: ~34 GB/s on an H100 at any grid, copy_overlap.py); 'dma': the copy engine, at
     # the link's rate, issued by a host thread the step rings from inside the graph (residency/dma_proxy.py;
-    # CUDA, a C compiler to build the thread once). Off ('kernel') until measured (configs/h200/dmaproxy.yaml).
+    # CUDA, a C compiler to build the thread once): measured on an H100, it lost (h100-dmaproxy, 2026-12-06).
     # 'switch': the copy engines too, started from inside the captured step with no host: SWITCH conditional
     # nodes with memcpy bodies (moe/overlap.py SwitchCopies, residency/switch_lanes.py; docs/decode-copies.md),
     # eager steps by the copy kernel. Not yet run on a GPU.

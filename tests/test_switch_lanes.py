@@ -235,7 +235,7 @@ def test_a_switch_layer_prepares_every_lane_set_before_any_capture(monkeypatch: 
         assert len(cache) == len(names_sets) * overlap.SWITCH_LANES
         for names in names_sets:
             for n in range(1, overlap.SWITCH_LANES + 1):
-                lanes = overlap.switch_lanes_for(cache, host, staging, names, n)  # the prepared one, not a new one
+                lanes = overlap.switch_lanes_for(cache, host, staging, names, n, capturing=True)  # prepared: found
                 assert cache[(host.gate.data_ptr(), staging.gate.data_ptr(), names, n)] is lanes
                 assert list(lanes.rows) == list(range(n)) and lanes.names == names and lanes.dst is staging
         # the down lanes copy the down rows only (bytes of down and its scale), gate/up the rest
@@ -244,6 +244,86 @@ def test_a_switch_layer_prepares_every_lane_set_before_any_capture(monkeypatch: 
         whole = overlap.switch_lanes_for(cache, host, staging, None, 1)._copies[0][0]
         assert sum(n for *_, n in down) + sum(n for *_, n in gate_up) == sum(n for *_, n in whole)
     assert overlap.staging_rows(slots, overlap.SWITCH_LANES) is staging  # one table per layout
+
+
+def test_lanes_missing_under_a_capture_are_refused_not_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    from paged_experts.moe import overlap
+
+    monkeypatch.setattr(sl, "driver_graphs", lambda: FakeDriver())
+    cpu = torch.device("cpu")
+    host = ExpertTensors.empty(5, 256, 128, torch.bfloat16, cpu, pin=PIN, is_fp8=True)
+    staging = ExpertTensors.empty(4, 256, 128, torch.bfloat16, cpu, is_fp8=True)
+    cache: dict[tuple[object, ...], object] = {}
+    with pytest.raises(RuntimeError, match="not prepared before the capture"):
+        overlap.switch_lanes_for(cache, host, staging, overlap.DOWN_TENSORS, 2, capturing=True)
+    assert not cache
+    built = overlap.switch_lanes_for(cache, host, staging, overlap.DOWN_TENSORS, 2)  # outside a capture: built
+    assert overlap.switch_lanes_for(cache, host, staging, overlap.DOWN_TENSORS, 2, capturing=True) is built
+
+
+def test_lane_sources_name_each_lanes_staging_row_and_skip_padding() -> None:
+    from paged_experts.moe import overlap
+
+    ids = torch.tensor([3, 7, 128, 128])  # two misses, then the plan's padding (E = 128)
+    assert overlap.lane_sources(ids, 128, 4).tolist() == [0, 1, 4, 4]  # 4 = the staging row count: skipped
+    assert overlap.lane_sources(torch.tensor([0]), 128, 4).tolist() == [0]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_captured_switch_call_lands_what_the_kernels_copy_would(
+    packed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SwitchCopies.issue under a capture, simulated on the CPU: the lanes (here: memmoves of their bodies'
+    descriptors, as the copy engines would run them) fill staging rows 0..n-1, the kernel's copy moves them into
+    their slots, the misses past the lanes come from the host. The slots end as the plain copy leaves them, for
+    0 to 7 misses with the plan's padding, each tensor set an overlapped pass copies."""
+    from paged_experts.kernels.copy_kernel import copy_planned
+    from paged_experts.moe import overlap
+
+    fake = FakeDriver()
+    monkeypatch.setattr(sl, "driver_graphs", lambda: fake)
+    monkeypatch.setattr(overlap, "_STAGING", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+
+    def land(self: sl.SwitchLanes, experts: torch.Tensor) -> None:
+        for j, e in enumerate(experts.tolist()):
+            if 0 <= e < self.host.num_rows:
+                for d, s, n in self._copies[j][e]:
+                    ctypes.memmove(d, s, n)
+
+    monkeypatch.setattr(sl.SwitchLanes, "capture", land)
+    cpu, e, k = torch.device("cpu"), 12, 10
+    host = ExpertTensors.empty(e, 256, 128, torch.bfloat16, cpu, pin=PIN, is_fp8=True, packed=packed)
+    gen = torch.Generator().manual_seed(3)
+    for name in host.names():
+        raw = host.get(name).view(torch.uint8)
+        raw.copy_(torch.randint(1, 120, raw.shape, dtype=torch.uint8, generator=gen))
+    for misses in (0, 1, 3, 4, 5, 7):
+        for names in (None, overlap.GATE_UP_TENSORS, overlap.DOWN_TENSORS):
+            slots = ExpertTensors.empty(k + 1, 256, 128, torch.bfloat16, cpu, is_fp8=True, packed=packed)
+            want = ExpertTensors.empty(k + 1, 256, 128, torch.bfloat16, cpu, is_fp8=True, packed=packed)
+            for t in (slots, want):
+                for name in t.names():
+                    t.get(name).view(torch.uint8).zero_()
+            cache: dict[tuple[object, ...], object] = {}
+            overlap.prepare_switch(cache, host, slots)
+            for name in slots.names():  # prepare's warm-up copies must have left the slots alone
+                assert not slots.get(name).view(torch.uint8).any(), name
+            experts = torch.tensor(sorted(random_sample(e, misses)) + [e] * (8 - misses))  # [8]: ascending, padded
+            slot_ids = torch.tensor(random_sample(k, misses) + [k] * (8 - misses))  # distinct victims, then K
+            copies = overlap.SwitchCopies.__new__(overlap.SwitchCopies)  # no streams on the CPU: issue() alone
+            copies.cache, copies.lanes, copies.programs = cache, overlap.SWITCH_LANES, None
+            copies.issue(host, slots, experts, slot_ids, names)
+            copy_planned(host, want, experts, slot_ids, names)
+            for name in slots.names():
+                got, ref = slots.get(name).view(torch.uint8), want.get(name).view(torch.uint8)
+                assert torch.equal(got, ref), (misses, names, name)
+
+
+def random_sample(n: int, k: int) -> list[int]:
+    import random
+
+    return random.Random(n * 31 + k).sample(range(n), k)
 
 
 def test_without_a_cuda_driver_a_switch_layer_fails_at_construction_with_the_reason(

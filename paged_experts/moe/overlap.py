@@ -136,6 +136,7 @@ class ProxyCopies:
 
 
 SWITCH_LANES = 4  # lanes a SwitchCopies call copies by (c=1 misses ~0.8 a layer-step at 16 GB; the rest: the kernel)
+assert SWITCH_LANES % 2 == 0  # the ids past the lanes then start 8 x lanes bytes in: 16-byte aligned, as the kernel's
 
 
 class SwitchCopies(StreamCopies):
@@ -169,7 +170,7 @@ class SwitchCopies(StreamCopies):
         src = lane_sources(experts[:n], host.num_rows, staging.num_rows)  # before the lanes: not behind them
         lanes.capture(experts[:n])  # [n]: a prefix
         copy_planned(staging, slots, src, slot_ids[:n], names, self.programs)  # the landed rows to their slots
-        if experts.shape[0] > n:  # n = lanes here: the rest start 8 x lanes bytes in (16-byte aligned)
+        if experts.shape[0] > n:  # n = lanes here (even): the rest start 16-byte aligned, as the eager copy's ids
             super().issue(host, slots, experts[n:], slot_ids[n:], names)
 
 

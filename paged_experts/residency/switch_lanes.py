@@ -350,8 +350,8 @@ class SwitchLanes:
     rows: Sequence[int]  # [lanes]: each lane's destination row
     names: Sequence[str] | None = None  # the tensors of a row the lanes copy (None: all)
     driver: DriverGraphs = field(default_factory=lambda: driver_graphs())  # looked up at each construction
-    nodes_added: int = 0  # memcpy nodes of every body (lanes x experts x copy views)
-    build_s: float = 0.0  # host time adding the nodes (instantiation is torch's capture end)
+    nodes_added: int = 0  # memcpy nodes of every body (lanes x experts x copy views), summed over every capture
+    build_s: float = 0.0  # host time adding the nodes, summed over every capture (instantiation: torch's capture end)
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.rows) <= MAX_LANES:
