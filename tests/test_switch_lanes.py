@@ -339,3 +339,19 @@ def test_without_a_cuda_driver_a_switch_layer_fails_at_construction_with_the_rea
     monkeypatch.setattr(overlap, "_STAGING", {})
     with pytest.raises(sl.SwitchUnavailable, match="no CUDA driver library"):
         overlap.prepare_switch({}, host, slots)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_lanes_bodies_are_each_experts_row_copies(packed: bool) -> None:
+    """lane_bodies (the fast form prepare uses) gives exactly row_copies of every expert, for each tensor set."""
+    from paged_experts.moe import overlap
+
+    cpu = torch.device("cpu")
+    host = ExpertTensors.empty(9, 256, 128, torch.bfloat16, cpu, is_fp8=True, packed=packed)
+    dst = ExpertTensors.empty(4, 256, 128, torch.bfloat16, cpu, is_fp8=True, packed=packed)
+    for names in (None, overlap.GATE_UP_TENSORS, overlap.DOWN_TENSORS):
+        for row in (0, 3):
+            want = [sl.row_copies(host, dst, e, row, names) for e in range(9)]
+            assert sl.lane_bodies(host, dst, row, names) == want, (names, row)
+    with pytest.raises(IndexError):
+        sl.lane_bodies(host, dst, 4)
