@@ -29,6 +29,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import asdict
@@ -93,14 +94,27 @@ VARIANT_OPTIONS += ("split", "switch")
   moe_triton's kernels (one routing kernel; per-pair gate+up+SiLU; down with the top-k combine);
 - deqattn: a block-FP8 preset's attention projections dequantized to bf16 at load (dequantize_attention: the bytes of
   the layout before 2026-12-03, the FP8 values), against the default FP8 projections (kernels/linear_fp8.py);
+- capN (cap16, cap32, ...): the page-in copy kernel's grid capped at N programs for this variant (copy_programs=N,
+  device-planned paged modes; overrides --copy-programs), so capped and full-grid arms run in one process;
 - packed, split: paged layers' experts in packed rows (expert_rows='packed': one byte row an expert, one DMA a run)
   or split (a tensor each); neither: the runtime's default, 'auto' (packed for mode paged on CUDA, split elsewhere)."""
+
+
+CAP = re.compile(r"cap([1-9][0-9]{0,3})")  # a variant's own copy grid cap: cap16 -> copy_programs=16
+
+
+def variant_programs(options: frozenset[str], default: int | None) -> int | None:
+    """The variant's copy_programs: its capN option's N, else `default` (--copy-programs); two caps are refused."""
+    caps = [int(m.group(1)) for o in options if (m := CAP.fullmatch(o))]
+    if len(caps) > 1:
+        raise SystemExit(f"options {sorted(options)}: one capN a variant")
+    return caps[0] if caps else default
 
 
 def parse_variant(spec: str) -> tuple[str, frozenset[str]]:
     mode, _, opts = spec.partition("/")
     options = frozenset(o for o in opts.split("+") if o)
-    unknown = options - set(VARIANT_OPTIONS)
+    unknown = {o for o in options if not CAP.fullmatch(o)} - set(VARIANT_OPTIONS)
     if unknown:
         raise SystemExit(f"--modes entry {spec!r}: unknown options {sorted(unknown)} (known: {VARIANT_OPTIONS})")
     return mode, options
@@ -483,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         try:
-            rt = runtime_for(mode, args.device, options, args.copy_programs)
+            rt = runtime_for(mode, args.device, options, variant_programs(options, args.copy_programs))
             model = MoeCausalLM.synthetic(preset, rt, layers=args.layers, seed=args.seed, expert_kernel=kernel)
             apply_plan_option(model, options)
             if graph:
@@ -512,6 +526,7 @@ def main(argv: list[str] | None = None) -> int:
                     "planning": planning if mode.startswith("paged") else None,
                     "overlap_page_in": rt.overlap_page_in,
                     "overlap_copies": rt.overlap_copies,
+                    "copy_programs": rt.copy_programs,
                     "prefetch_next_layer": rt.prefetch_next_layer,
                     "expert_backend": rt.kernel_backend,
                 }
