@@ -461,3 +461,22 @@ def test_decode_h200_maps_the_switch_variant_to_switch_copies_with_overlap(monke
     mode, options = bench.parse_variant("paged:54/graphs+switch")
     with pytest.raises(ValueError, match="overlap_copies='switch' applies with overlap_page_in only"):
         bench.runtime_for(mode, "cuda", options)
+
+
+def test_decode_h200_caps_a_variants_copy_grid_by_its_own_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`capN` sets copy_programs=N for its variant alone (over --copy-programs), so capped and full-grid arms run in
+    one process; two caps, a zero or a misspelled cap are refused."""
+    spec = importlib.util.spec_from_file_location("decode_h200", ROOT / "benchmarks" / "decode_h200.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "decode_h200", bench)
+    spec.loader.exec_module(bench)
+    _, options = bench.parse_variant("paged:54/graphs+triton+overlap+cap16")
+    assert bench.variant_programs(options, None) == 16 and bench.variant_programs(options, 32) == 16
+    _, plain = bench.parse_variant("paged:54/graphs+triton")
+    assert bench.variant_programs(plain, None) is None and bench.variant_programs(plain, 32) == 32
+    with pytest.raises(SystemExit, match="one capN a variant"):
+        bench.variant_programs(bench.parse_variant("paged:54/cap16+cap32")[1], None)
+    for bad in ("paged:54/cap0", "paged:54/cap", "paged:54/capx"):
+        with pytest.raises(SystemExit, match="unknown options"):
+            bench.parse_variant(bad)

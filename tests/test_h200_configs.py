@@ -170,6 +170,31 @@ def test_the_switch_matrix_measures_the_graphs_own_copy_engine_copies_against_th
     assert decode.concurrency == [1, 4] and decode.warmup_requests >= 4 and decode.output_tokens >= 128
 
 
+def test_the_capcopy_matrix_measures_the_capped_copy_with_overlap_against_the_default(
+    stand_ins: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """configs/h200/capcopy.yaml: paged FP8 at K=54 on both routings, today's default against the overlapped pass with
+    the copy kernel capped at 16 programs, beside resident FP8 on each routing; the server command names both
+    settings; decode at c=1 and c=4 with warm-ups at each."""
+    path = CONFIGS / "capcopy.yaml"
+    assert main(["run", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    plan = build_plan(load_matrix(path))
+    paged = [s for s in plan.servers if s.options.mode == "paged"]
+    settings = sorted((s.options.routing, s.options.copy_programs or 0, bool(s.options.overlap_page_in)) for s in paged)
+    arms = ((0, False), (16, True))  # today's default; the capped copy with the overlapped pass
+    assert settings == [(r, programs, on) for r in ("model", "qwen3-30b-a3b") for programs, on in arms]
+    assert {s.options.resident_experts for s in paged} == {54}
+    assert all(s.options.overlap_copies in (None, "kernel") for s in paged)  # the copy kernel's copies, not lanes
+    resident = sorted(s.options.routing for s in plan.servers if s.options.mode == "resident")
+    assert resident == ["model", "qwen3-30b-a3b"] and len(plan.servers) == 6
+    assert out.count("--copy-programs 16") == 2 and out.count("--overlap-page-in") == 2
+    m = load_matrix(path).matrix
+    assert m.linkbw and m.repeats >= 2
+    decode = m.workloads["decode"]
+    assert decode.concurrency == [1, 4] and decode.warmup_requests >= 4 and decode.output_tokens >= 128
+
+
 def test_the_packed_matrix_measures_packed_rows_against_split(
     stand_ins: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
