@@ -6,6 +6,7 @@ repeats, the link probe; and issue 24's headline matrix (headline.yaml)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -121,29 +122,38 @@ def test_the_overlap_matrix_issue_29_asks_for(stand_ins: None, capsys: pytest.Ca
     assert load_matrix(path).matrix.linkbw
 
 
+def decode_ab(name: str, capsys: pytest.CaptureFixture[str], servers: int) -> tuple[str, list[Any]]:
+    """What issue 29's decode A/B matrices (dmaproxy, switch, capcopy) share, checked on configs/h200/`name`.yaml:
+    its dry run passes; paged FP8 at K=54; resident FP8 on both routings (the compute reference); `servers` servers;
+    the link probe; >= 2 repeats; decode at c=1 and 4 with >= 4 warm-ups and >= 128 output tokens
+    -> (the dry run's output, the paged servers)."""
+    path = CONFIGS / f"{name}.yaml"
+    assert main(["run", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    plan = build_plan(load_matrix(path))
+    paged = [s for s in plan.servers if s.options.mode == "paged"]
+    assert {s.options.resident_experts for s in paged} == {54}
+    resident = sorted(s.options.routing for s in plan.servers if s.options.mode == "resident")
+    assert resident == ["model", "qwen3-30b-a3b"] and len(plan.servers) == servers
+    m = load_matrix(path).matrix
+    assert m.linkbw and m.repeats >= 2
+    decode = m.workloads["decode"]
+    assert decode.concurrency == [1, 4] and decode.warmup_requests >= 4 and decode.output_tokens >= 128
+    return out, paged
+
+
 def test_the_dmaproxy_matrix_measures_the_copy_engine_against_the_copy_kernel(
     stand_ins: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """configs/h200/dmaproxy.yaml: paged FP8 at K=54 on both routings, today's default against the overlapped pass
     with its misses on the copy engine (the DMA proxy) in 1 and 2 groups, beside resident FP8 on each routing; the
     server command names the copies; decode at c=1 and c=4 with warm-ups at each."""
-    path = CONFIGS / "dmaproxy.yaml"
-    assert main(["run", str(path), "--dry-run"]) == 0
-    out = capsys.readouterr().out
-    plan = build_plan(load_matrix(path))
-    paged = [s for s in plan.servers if s.options.mode == "paged"]
+    out, paged = decode_ab("dmaproxy", capsys, servers=8)
     settings = sorted((s.options.routing, s.options.overlap_copies or "", s.options.overlap_groups or 0) for s in paged)
     assert settings == [(routing, copies, groups) for routing in ("model", "qwen3-30b-a3b")
                         for copies, groups in (("", 0), ("dma", 1), ("dma", 2))]  # fmt: skip
     assert all(bool(s.options.overlap_page_in) == (s.options.overlap_copies == "dma") for s in paged)
-    assert {s.options.resident_experts for s in paged} == {54}
-    resident = sorted(s.options.routing for s in plan.servers if s.options.mode == "resident")
-    assert resident == ["model", "qwen3-30b-a3b"] and len(plan.servers) == 8
     assert out.count("--overlap-page-in --overlap-groups 2 --overlap-copies dma") == 2
-    m = load_matrix(path).matrix
-    assert m.linkbw and m.repeats >= 2
-    decode = m.workloads["decode"]
-    assert decode.concurrency == [1, 4] and decode.warmup_requests >= 4 and decode.output_tokens >= 128
 
 
 def test_the_switch_matrix_measures_the_graphs_own_copy_engine_copies_against_the_copy_kernel(
@@ -152,22 +162,11 @@ def test_the_switch_matrix_measures_the_graphs_own_copy_engine_copies_against_th
     """configs/h200/switch.yaml: paged FP8 at K=54 on both routings, today's default against the overlapped pass with
     its misses copied by SWITCH lanes (one group), beside resident FP8 on each routing; the server command names the
     copies; decode at c=1 and c=4 with warm-ups at each."""
-    path = CONFIGS / "switch.yaml"
-    assert main(["run", str(path), "--dry-run"]) == 0
-    out = capsys.readouterr().out
-    plan = build_plan(load_matrix(path))
-    paged = [s for s in plan.servers if s.options.mode == "paged"]
+    out, paged = decode_ab("switch", capsys, servers=6)
     settings = sorted((s.options.routing, s.options.overlap_copies or "") for s in paged)
     assert settings == [(routing, copies) for routing in ("model", "qwen3-30b-a3b") for copies in ("", "switch")]
     assert all(bool(s.options.overlap_page_in) == (s.options.overlap_copies == "switch") for s in paged)
-    assert {s.options.resident_experts for s in paged} == {54}
-    resident = sorted(s.options.routing for s in plan.servers if s.options.mode == "resident")
-    assert resident == ["model", "qwen3-30b-a3b"] and len(plan.servers) == 6
     assert out.count("--overlap-page-in --overlap-groups 1 --overlap-copies switch") == 2
-    m = load_matrix(path).matrix
-    assert m.linkbw and m.repeats >= 2
-    decode = m.workloads["decode"]
-    assert decode.concurrency == [1, 4] and decode.warmup_requests >= 4 and decode.output_tokens >= 128
 
 
 def test_the_capcopy_matrix_measures_the_capped_copy_with_overlap_against_the_default(
@@ -176,23 +175,12 @@ def test_the_capcopy_matrix_measures_the_capped_copy_with_overlap_against_the_de
     """configs/h200/capcopy.yaml: paged FP8 at K=54 on both routings, today's default against the overlapped pass with
     the copy kernel capped at 16 programs, beside resident FP8 on each routing; the server command names both
     settings; decode at c=1 and c=4 with warm-ups at each."""
-    path = CONFIGS / "capcopy.yaml"
-    assert main(["run", str(path), "--dry-run"]) == 0
-    out = capsys.readouterr().out
-    plan = build_plan(load_matrix(path))
-    paged = [s for s in plan.servers if s.options.mode == "paged"]
+    out, paged = decode_ab("capcopy", capsys, servers=6)
     settings = sorted((s.options.routing, s.options.copy_programs or 0, bool(s.options.overlap_page_in)) for s in paged)
     arms = ((0, False), (16, True))  # today's default; the capped copy with the overlapped pass
     assert settings == [(r, programs, on) for r in ("model", "qwen3-30b-a3b") for programs, on in arms]
-    assert {s.options.resident_experts for s in paged} == {54}
     assert all(s.options.overlap_copies in (None, "kernel") for s in paged)  # the copy kernel's copies, not lanes
-    resident = sorted(s.options.routing for s in plan.servers if s.options.mode == "resident")
-    assert resident == ["model", "qwen3-30b-a3b"] and len(plan.servers) == 6
     assert out.count("--copy-programs 16") == 2 and out.count("--overlap-page-in") == 2
-    m = load_matrix(path).matrix
-    assert m.linkbw and m.repeats >= 2
-    decode = m.workloads["decode"]
-    assert decode.concurrency == [1, 4] and decode.warmup_requests >= 4 and decode.output_tokens >= 128
 
 
 def test_the_packed_matrix_measures_packed_rows_against_split(
