@@ -480,3 +480,15 @@ def test_decode_h200_caps_a_variants_copy_grid_by_its_own_option(monkeypatch: py
     for bad in ("paged:54/cap0", "paged:54/cap", "paged:54/capx"):
         with pytest.raises(SystemExit, match="unknown options"):
             bench.parse_variant(bad)
+
+
+def test_alloc_probe_refuses_without_a_cuda_device_in_one_line(tmp_path: Path) -> None:
+    """benchmarks/alloc_probe.py measures the driver's allocations: without CUDA it says so and exits non-zero."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the probe would run")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "alloc_probe.py"), "--ks", "55,57"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == "alloc_probe.py: needs a CUDA device (it measures the driver's allocations)"
