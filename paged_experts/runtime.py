@@ -70,12 +70,13 @@ class RuntimeConfig:
     # copied, then computed, on its own. 1: the hits, then all the misses.
     overlap_groups: int = 1
     # With overlap_page_in: what runs the misses' copies. 'kernel': the Triton copy kernel on the page-in stream
-    # (SM reads of pinned rows: ~34 GB/s on an H100 at any grid, copy_overlap.py); 'dma': the copy engine, at
+    # (SM reads of pinned rows: on an H100 ~34 GB/s split, ~50 packed, copy_overlap.py); 'dma': the copy engine, at
     # the link's rate, issued by a host thread the step rings from inside the graph (residency/dma_proxy.py;
     # CUDA, a C compiler to build the thread once): measured on an H100, it lost (h100-dmaproxy, 2026-12-06).
     # 'switch': the copy engines too, started from inside the captured step with no host: SWITCH conditional
     # nodes with memcpy bodies (moe/overlap.py SwitchCopies, residency/switch_lanes.py; docs/decode-copies.md),
-    # eager steps by the copy kernel. Not yet run on a GPU.
+    # eager steps by the copy kernel. Measured on an H100: 0.89-0.97x the copy kernel's rate, hiding almost none
+    # of the compute (h100-switch, 2026-12-06), so off.
     overlap_copies: Literal["kernel", "dma", "switch"] = "kernel"
     # Device-planned page-ins: the copy kernel's grid cap (kernels/copy_kernel.py). None: one program per
     # 16 KiB chunk, which fills every SM; N: N programs loop over the chunks, leaving the other SMs to the
