@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("alloc_probe.py: needs a CUDA device (it measures the driver's allocations)")
     print(f"{torch.cuda.get_device_name()}; PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')!r}")
+    warm = torch.empty(args.pitch, dtype=torch.uint8, device="cuda")  # the allocator's one-time costs, outside the rows
+    del warm
     print(" K  table MiB  asked MiB  device used MiB  reserved MiB  used - asked MiB")
     for k in (int(v) for v in args.ks.split(",")):
         torch.cuda.empty_cache()

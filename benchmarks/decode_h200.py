@@ -116,7 +116,10 @@ def parse_variant(spec: str) -> tuple[str, frozenset[str]]:
     options = frozenset(o for o in opts.split("+") if o)
     unknown = {o for o in options if not CAP.fullmatch(o)} - set(VARIANT_OPTIONS)
     if unknown:
-        raise SystemExit(f"--modes entry {spec!r}: unknown options {sorted(unknown)} (known: {VARIANT_OPTIONS})")
+        raise SystemExit(
+            f"--modes entry {spec!r}: unknown options {sorted(unknown)} (known: {VARIANT_OPTIONS} and capN)"
+        )
+    variant_programs(options, None)  # two caps refused here, before any mode builds
     return mode, options
 
 
@@ -416,7 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument(
-        "--modes", default=DEFAULT_MODES, help="mode[/option+option], options: " + ", ".join(VARIANT_OPTIONS)
+        "--modes",
+        default=DEFAULT_MODES,
+        help="mode[/option+option], options: " + ", ".join(VARIANT_OPTIONS) + ", capN (copy_programs=N)",
     )
     ap.add_argument("--batches", default="1,4")
     ap.add_argument(
