@@ -1,6 +1,7 @@
 """What device memory a paged layer's slot table really costs: 48 buffers of K packed FP8 expert rows each (one per
 layer, as `to_device_rows` allocates them), for several K, by the driver's free-memory count (mem_get_info) against
-the bytes asked for and torch's reserved count. Written to test why a paged server's measured peak rose ~1.9 GB from
+the bytes asked for and torch's reserved count, and the same bytes as ONE buffer (what a shared slot arena would
+allocate). Written to test why a paged server's measured peak rose ~1.9 GB from
 K=55 to K=57 (h100-headline-g), where each table crosses 256 MiB. Run it twice, once with
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, to see whether torch's own page mapping avoids the step.
 
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{torch.cuda.get_device_name()}; PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')!r}")
     warm = torch.empty(args.pitch, dtype=torch.uint8, device="cuda")  # the allocator's one-time costs, outside the rows
     del warm
-    print(" K  table MiB  asked MiB  device used MiB  reserved MiB  used - asked MiB")
+    print(" K  table MiB  asked MiB  device used MiB  reserved MiB  used - asked MiB  one buffer: used - asked MiB")
     for k in (int(v) for v in args.ks.split(",")):
         torch.cuda.empty_cache()
         free_before, _ = torch.cuda.mem_get_info()
@@ -37,9 +38,15 @@ def main(argv: list[str] | None = None) -> int:
         free_after, _ = torch.cuda.mem_get_info()
         used, asked = free_before - free_after, args.layers * k * args.pitch
         reserved = torch.cuda.memory_reserved()
-        print(f"{k:2d} {k * args.pitch / MIB:10.2f} {asked / MIB:10.0f} {used / MIB:16.0f} {reserved / MIB:13.0f} "
-              f"{(used - asked) / MIB:17.0f}", flush=True)  # fmt: skip
         del tables
+        torch.cuda.empty_cache()
+        free_before, _ = torch.cuda.mem_get_info()
+        one = torch.empty(asked, dtype=torch.uint8, device="cuda")  # every layer's table in one allocation
+        torch.cuda.synchronize()
+        one_used = free_before - torch.cuda.mem_get_info()[0]
+        del one
+        print(f"{k:2d} {k * args.pitch / MIB:10.2f} {asked / MIB:10.0f} {used / MIB:16.0f} {reserved / MIB:13.0f} "
+              f"{(used - asked) / MIB:17.0f} {(one_used - asked) / MIB:29.0f}", flush=True)  # fmt: skip
     return 0
 
 
