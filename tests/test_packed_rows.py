@@ -22,7 +22,14 @@ from interpreted import run_interpreted
 from test_dma_proxy import random_bytes
 
 from paged_experts import fp8
-from paged_experts.residency.store import PACKED_ORDER, ROW_ALIGN_BYTES, ExpertTensors, PageInEngine, to_device_rows
+from paged_experts.residency.store import (
+    PACKED_ORDER,
+    ROW_ALIGN_BYTES,
+    ExpertTensors,
+    PageInEngine,
+    SlotArena,
+    to_device_rows,
+)
 from paged_experts.runtime import RuntimeConfig
 
 E, K, H, INTER = 9, 5, 256, 128  # FP8 needs 128-multiples (one block-scale row per 128 x 128 block)
@@ -227,6 +234,41 @@ def test_device_rows_keep_the_host_layout() -> None:
     assert rows.row_pitch == host.row_pitch
     for name in host.names():
         assert same(rows.get(name), host.get(name)[:K]), name
+
+
+def test_device_rows_go_into_the_next_part_of_a_slot_arena() -> None:
+    """A SlotArena holds every paged layer's slot rows in one buffer: each layer's rows are its own contiguous part,
+    holding that layer's first K experts; a part of another shape, or one past the last layer, is refused."""
+    hosts = [filled(E, seed, True, True) for seed in (1, 2)]
+    arena = SlotArena(2, K, hosts[0].row_pitch, CPU)
+    rows = [to_device_rows(host, K, CPU, arena=arena) for host in hosts]
+    base, part = arena.buffer.data_ptr(), K * hosts[0].row_pitch
+    assert [r.packed.data_ptr() - base for r in rows] == [0, part]  # type: ignore[union-attr]
+    for host, r in zip(hosts, rows, strict=True):
+        for name in host.names():
+            assert same(r.get(name), host.get(name)[:K]), name
+    with pytest.raises(ValueError, match="2 taken"):
+        arena.take(K, hosts[0].row_pitch)
+    with pytest.raises(ValueError, match=r"asked \[4, "):
+        SlotArena(2, K, hosts[0].row_pitch, CPU).take(4, hosts[0].row_pitch)
+
+
+def test_a_paged_model_holds_its_slot_rows_in_one_arena() -> None:
+    """Every paged layer's packed slot rows are consecutive parts of the model's one SlotArena (MoeShared.slots), so
+    the driver rounds one allocation, not one a layer; split rows make none."""
+    from test_prefill import TINY
+
+    from paged_experts.model import MoeCausalLM
+
+    model = MoeCausalLM.from_pretrained(TINY, _runtime(mode="paged", resident_experts=6, expert_rows="packed"))
+    layers = model.moe_layers
+    arena = layers[0].shared.slots
+    assert arena is not None and tuple(arena.buffer.shape[:2]) == (len(layers), 6)
+    part = arena.buffer[0].numel()
+    offsets = [layer.device_experts.packed.data_ptr() - arena.buffer.data_ptr() for layer in layers]  # type: ignore[attr-defined]
+    assert offsets == [i * part for i in range(len(layers))]
+    split = MoeCausalLM.from_pretrained(TINY, _runtime(mode="paged", resident_experts=6))
+    assert split.moe_layers[0].shared.slots is None
 
 
 # ---- the device row copy kernel and the DMA proxy -----------------------------------------------------------

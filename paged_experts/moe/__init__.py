@@ -101,4 +101,5 @@ def make_layer(
             fused_page_in=runtime.fused_page_in,
         )
     waves = HostWaves(LayerResidency(cfg.num_experts, k, policy, prefill_keep=runtime.prefill_residency))
-    return PagedLayer(layer_idx, router_weight, host, to_device_rows(host, k, device), shared, waves, lru)
+    rows = to_device_rows(host, k, device, arena=shared.slots)
+    return PagedLayer(layer_idx, router_weight, host, rows, shared, waves, lru)

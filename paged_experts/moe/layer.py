@@ -28,7 +28,7 @@ from paged_experts.moe.waves import EXPERT_KERNELS, FUSED, WaveKernel
 from paged_experts.residency.counters import PagingCounters, TalliedCounters
 from paged_experts.residency.device import DeviceResidency
 from paged_experts.residency.policies import Wave
-from paged_experts.residency.store import ExpertTensors, PageInEngine
+from paged_experts.residency.store import ExpertTensors, PageInEngine, SlotArena
 from paged_experts.routing.sources import PlannedIds
 from paged_experts.upload import to_device
 
@@ -64,6 +64,7 @@ class MoeShared:
     offload_buffer: ExpertTensors | None  # [E, ...] on the device, reused by every offloaded layer
     steps: StepStreams = field(default_factory=StepStreams)  # the current step's start (paged layers' page-ins)
     staging: StagingRows | None = None  # RuntimeConfig.prefill_staging_rows: rows for a prefill layer's first page-ins
+    slots: SlotArena | None = None  # every paged layer's packed slot rows in one allocation (packed rows only)
 
 
 class MoeLayer(ABC):

@@ -544,11 +544,41 @@ def _rows_adjacent(t: torch.Tensor) -> bool:
     return t.shape[0] < 2 or t.stride(0) == t[0].numel()
 
 
-def to_device_rows(src: ExpertTensors, rows: int, device: torch.device, split: bool = False) -> ExpertTensors:
+class SlotArena:
+    """Every paged layer's packed slot rows in ONE device allocation, `buffer` [layers, K, pitch] uint8, each layer
+    taking its [K, pitch] part in turn (`take`). Why one: a paged server's measured peak stepped ~1.9 GB between
+    K=55 and 57 of the 48-layer FP8 shape (h100-headline-g), where each layer's table crosses 256 MiB, which fits
+    the driver charging each large allocation in coarse granules, once a table (benchmarks/alloc_probe.py measures
+    it, and the same bytes as one buffer); one buffer pays any such rounding once, whatever its cause."""
+
+    def __init__(self, layers: int, rows: int, pitch: int, device: torch.device) -> None:
+        self.buffer = torch.empty(layers, rows, pitch, dtype=torch.uint8, device=device)  # [layers, K, pitch]
+        self._taken = 0
+
+    def take(self, rows: int, pitch: int) -> torch.Tensor:
+        """The next layer's [rows, pitch] part (contiguous); refuses a shape the arena was not made for."""
+        layers, have_rows, have_pitch = self.buffer.shape
+        if (rows, pitch) != (have_rows, have_pitch) or self._taken >= layers:
+            raise ValueError(
+                f"slot arena of {layers} x [{have_rows}, {have_pitch}] ({self._taken} taken): asked [{rows}, {pitch}]"
+            )
+        part = self.buffer[self._taken]
+        self._taken += 1
+        return part
+
+
+def to_device_rows(
+    src: ExpertTensors, rows: int, device: torch.device, split: bool = False, arena: SlotArena | None = None
+) -> ExpertTensors:
     """A device copy of the first `rows` experts (the initial slots hold experts 0..K-1), scales included, in
-    the source's layout, or split whatever the source's (`split`: a resident layer's rows)."""
+    the source's layout, or split whatever the source's (`split`: a resident layer's rows). Packed rows go into
+    the next part of `arena` when one is given (every paged layer's slots in one allocation), else their own."""
     if src.packed is not None and not split:
-        buffer = src.packed[:rows].to(device, copy=True)  # [rows, pitch]
+        if arena is None:
+            buffer = src.packed[:rows].to(device, copy=True)  # [rows, pitch]
+        else:
+            buffer = arena.take(rows, src.row_pitch)  # [rows, pitch]
+            buffer.copy_(src.packed[:rows])
         return ExpertTensors.over(buffer, src.gate.shape[2], src.gate.shape[1], src.gate.dtype, src.is_fp8)
 
     def copy(t: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from paged_experts.moe import MoeLayer, MoeShared, make_layer
 from paged_experts.moe.staging import StagingRows
 from paged_experts.residency.batch_copy import BatchCopy, BatchCopyUnavailable, driver_batch_copy
 from paged_experts.residency.counters import PagingCounters
-from paged_experts.residency.store import ExpertTensors, PageInEngine
+from paged_experts.residency.store import ExpertTensors, PageInEngine, SlotArena
 from paged_experts.runtime import RuntimeConfig
 
 
@@ -290,6 +290,12 @@ def build_shared(cfg: MoeModelConfig, runtime: RuntimeConfig) -> tuple[MoeShared
     if runtime.prefill_staging_rows:  # mode paged (RuntimeConfig): rows every paged layer shares
         rows = ExpertTensors.empty(runtime.prefill_staging_rows, h, inter, dtype, device, is_fp8=is_fp8, packed=packed)
         staging = StagingRows(rows)
+    slots = None
+    paged_layers = placements.count("paged")
+    if packed and paged_layers:  # one allocation for every paged layer's slot rows (SlotArena says why)
+        pitch = ExpertTensors.packed_layout(h, inter, dtype, is_fp8)[1]
+        assert runtime.resident_experts is not None  # a paged layer's K (RuntimeConfig)
+        slots = SlotArena(paged_layers, runtime.resident_experts, pitch, device)
     offload_buffer = None
     if "offload" in placements:
         offload_buffer = ExpertTensors.empty(cfg.num_experts, h, inter, dtype, device, is_fp8=is_fp8, packed=packed)
@@ -305,6 +311,7 @@ def build_shared(cfg: MoeModelConfig, runtime: RuntimeConfig) -> tuple[MoeShared
         page_in=page_in,
         offload_buffer=offload_buffer,
         staging=staging,
+        slots=slots,
     )
     return shared, placements
 
