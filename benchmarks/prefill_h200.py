@@ -30,6 +30,11 @@ steps. Per prompt, from `torch.cuda.synchronize()` to `torch.cuda.synchronize()`
                       off the CPU was blocked: a lock, a sleeping read), and the CPUs the prompts' steps ended on
                       (paged_experts/thread_clock.py; Linux)
 
+    memory (CUDA) = per cell, from an emptied allocator cache: torch's peak allocated and peak reserved bytes, and the
+                      device's used bytes (mem_get_info, every process) after the model's build and at the cell's end
+                      (the JSON's `memory`; the table's "peak GB" is torch's peak reserved): where a paged server's
+                      measured peak comes from at a K
+
     nvml/off = with --nvml-sampler ab: the median prefill_s of the measured prompts 2, 4, ... (the runner's memory
                       sampler's NVML reads running beside them in a process of their own, every 150 ms:
                       benchsuite.tools.nvml_load) over that of prompts 1, 3, ... (without): above 1, the instrument's
@@ -54,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import re
@@ -243,10 +249,20 @@ def run_cell(cell: Cell, args: argparse.Namespace, link_b_per_s: float | None) -
     if cell.path == "serial":
         paged_module.page_in_stream = lambda device: None  # type: ignore[assignment]  # copies on the compute stream
     frozen = False  # the heap frozen for this cell (--gc-freeze on), given back at its end
+    memory: dict[str, int] = {}
     try:
+        cuda = args.device == "cuda"
+        if cuda:  # the earlier cells' blocks given back, so this cell's reserved bytes are its own
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         model = build(cell, args)
         build_s = time.perf_counter() - t0
+        if cuda:
+            sync(args.device)
+            memory["allocated_after_build_bytes"] = torch.cuda.memory_allocated()
+            memory["device_used_after_build_bytes"] = device_used_bytes()
         vocab = model.config.vocab_size
         gen = torch.Generator().manual_seed(args.seed)
         prompts = [torch.randint(0, vocab, (args.prompt,), generator=gen).tolist() for _ in range(args.repeats + 1)]
@@ -262,6 +278,10 @@ def run_cell(cell: Cell, args: argparse.Namespace, link_b_per_s: float | None) -
                 runs.append({**run, "nvml": load.stats})
             else:
                 runs.append({**one_prompt(model, pool, p, args.decode, args.device), "nvml": None})
+        if cuda:
+            memory["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+            memory["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+            memory["device_used_at_end_bytes"] = device_used_bytes()
     finally:
         paged_module.page_in_stream = _PAGE_IN_STREAM
         if frozen:  # the next cell's model is built unfrozen: this cell's objects go back to the collector
@@ -318,8 +338,15 @@ def run_cell(cell: Cell, args: argparse.Namespace, link_b_per_s: float | None) -
         "decode_tok_s_eager": args.decode * len(measured) / sum(r["decode_s"] for r in measured)
         if args.decode
         else None,
+        "memory": memory or None,
         "runs": runs,
     }
+
+
+def device_used_bytes() -> int:
+    """Bytes in use on the device by every process, contexts included (what NVML's per-device count says)."""
+    free, total = torch.cuda.mem_get_info()
+    return total - free
 
 
 _PAGE_IN_STREAM = paged_module.page_in_stream
@@ -355,6 +382,11 @@ def _cpu_ids(cpus: list[int] | None) -> str:
     return ",".join(str(c) for c in cpus) if cpus else "-"
 
 
+def _peak_gb(cell: dict[str, Any]) -> float | None:
+    memory = cell.get("memory")
+    return memory["peak_reserved_bytes"] / 1e9 if memory else None
+
+
 def render(record: dict[str, Any]) -> str:
     link = record["link"].get("paging_gb_per_s")
     setting = f"expert_rows {record.get('expert_rows', 'split')}, staging rows {record.get('staging_rows', 0)}"
@@ -362,7 +394,7 @@ def render(record: dict[str, Any]) -> str:
     lines = [f"link (paging figure): {shown}; paged cells: {setting}",
              (f"{'cell':<40} {'prefill s':>9} {'min-max s':>11} {'GB':>6} {'floor s':>8} {'/floor':>7} {'busy':>5}"
               f" {'waves/L':>7} {'router s':>8} {'-router':>7} {'dec hit':>7} {'idle ms':>7} {'wait ms':>7}"
-              f" {'plan ms':>7} {'issue':>5} {'cpu':>5} {'queued':>6} {'gc ms':>6} {'nvml/off':>8}"
+              f" {'plan ms':>7} {'issue':>5} {'cpu':>5} {'queued':>6} {'gc ms':>6} {'nvml/off':>8} {'peak GB':>7}"
               "  cpu ids")]  # fmt: skip
     for c in record["cells"]:
         if "error" in c:
@@ -376,7 +408,8 @@ def render(record: dict[str, Any]) -> str:
             f"{_fmt(c['idle_before_layer_ms'], '7.2f'):>7} {_fmt(c['host_wait_ms'], '7.2f'):>7}",
             f"{_fmt(c['host_plan_ms'], '7.2f'):>7} {_fmt(c.get('issue_of_prefill'), '5.2f'):>5}",
             f"{_fmt(c.get('on_cpu'), '5.2f'):>5} {_fmt(c.get('queued'), '6.2f'):>6}",
-            f"{_fmt(c.get('gc_ms_max'), '6.1f'):>6} {_fmt(_nvml_ratio(c), '8.3f'):>8}  {_cpu_ids(c.get('cpu_ids'))}",
+            f"{_fmt(c.get('gc_ms_max'), '6.1f'):>6} {_fmt(_nvml_ratio(c), '8.3f'):>8} {_fmt(_peak_gb(c), '7.2f'):>7}",
+            f" {_cpu_ids(c.get('cpu_ids'))}",
         )
         lines.append(f"{c['cell']:<40} " + " ".join(figures))
     return "\n".join(lines)
