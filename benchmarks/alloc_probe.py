@@ -1,9 +1,10 @@
 """What device memory a paged layer's slot table really costs: 48 buffers of K packed FP8 expert rows each (one per
-layer, as `to_device_rows` allocates them), for several K, by the driver's free-memory count (mem_get_info) against
-the bytes asked for and torch's reserved count, and the same bytes as ONE buffer (what a shared slot arena would
-allocate). Written to test why a paged server's measured peak rose ~1.9 GB from
-K=55 to K=57 (h100-headline-g), where each table crosses 256 MiB. Run it twice, once with
-PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, to see whether torch's own page mapping avoids the step.
+layer, as `to_device_rows` allocated them before `SlotArena`), for several K, by the driver's free-memory count
+(mem_get_info) against the bytes asked for and torch's reserved count, and the same bytes as ONE buffer (the arena's
+allocation). Written to test whether a paged server's ~1.9 GB peak step from K=55 to K=57 (h100-headline-g), where
+each table crosses 256 MiB, was the driver's rounding; run it twice, once with
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True. Measured (one H100, 2026-12-06, h100-capcopy): no step, 48 tables
+20-92 MiB over at every K, one buffer 0-2.
 
     python3 benchmarks/alloc_probe.py [--pitch 4720128] [--layers 48] [--ks 54,55,56,57,58,64]
 """
