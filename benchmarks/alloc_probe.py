@@ -4,7 +4,7 @@ layer, as `to_device_rows` allocated them before `SlotArena`), for several K, by
 allocation). Written to test whether a paged server's ~1.9 GB peak step from K=55 to K=57 (h100-headline-g), where
 each table crosses 256 MiB, was the driver's rounding; run it twice, once with
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True. Measured (one H100, 2026-12-06, h100-capcopy): no step, 48 tables
-20-92 MiB over at every K, one buffer 0-2.
+20-92 MiB over at every K (torch's caching allocator rounding each to 2 MiB), one buffer 0-2 (default allocator).
 
     python3 benchmarks/alloc_probe.py [--pitch 4720128] [--layers 48] [--ks 54,55,56,57,58,64]
 """

@@ -30,10 +30,11 @@ steps. Per prompt, from `torch.cuda.synchronize()` to `torch.cuda.synchronize()`
                       off the CPU was blocked: a lock, a sleeping read), and the CPUs the prompts' steps ended on
                       (paged_experts/thread_clock.py; Linux)
 
-    memory (CUDA) = per cell, from an emptied allocator cache: torch's peak allocated and peak reserved bytes, and the
-                      device's used bytes (mem_get_info, every process) after the model's build and at the cell's end
-                      (the JSON's `memory`; the table's "peak GB" is torch's peak reserved): where a paged server's
-                      measured peak comes from at a K
+    memory (CUDA) = per cell, from an emptied allocator cache: torch's allocated bytes and the device's used bytes
+                      (mem_get_info, every process) before the model's build (an earlier cell's leftovers), after it and
+                      at the cell's end, and torch's peak allocated and peak reserved bytes (the JSON's `memory`; the
+                      table's "alloc GB" / "peak GB": peak allocated / reserved): where a paged server's measured peak
+                      comes from at a K
 
     nvml/off = with --nvml-sampler ab: the median prefill_s of the measured prompts 2, 4, ... (the runner's memory
                       sampler's NVML reads running beside them in a process of their own, every 150 ms:
@@ -256,6 +257,10 @@ def run_cell(cell: Cell, args: argparse.Namespace, link_b_per_s: float | None) -
             gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+            # what an earlier cell left behind (nothing, if its model was freed): a reading climbing with the cells
+            # order would be carry-over, not this cell's
+            memory["allocated_before_build_bytes"] = torch.cuda.memory_allocated()
+            memory["device_used_before_build_bytes"] = device_used_bytes()
         t0 = time.perf_counter()
         model = build(cell, args)
         build_s = time.perf_counter() - t0
@@ -382,9 +387,9 @@ def _cpu_ids(cpus: list[int] | None) -> str:
     return ",".join(str(c) for c in cpus) if cpus else "-"
 
 
-def _peak_gb(cell: dict[str, Any]) -> float | None:
+def _peak_gb(cell: dict[str, Any], key: str) -> float | None:
     memory = cell.get("memory")
-    return memory["peak_reserved_bytes"] / 1e9 if memory else None
+    return memory[key] / 1e9 if memory else None
 
 
 def render(record: dict[str, Any]) -> str:
@@ -394,8 +399,8 @@ def render(record: dict[str, Any]) -> str:
     lines = [f"link (paging figure): {shown}; paged cells: {setting}",
              (f"{'cell':<40} {'prefill s':>9} {'min-max s':>11} {'GB':>6} {'floor s':>8} {'/floor':>7} {'busy':>5}"
               f" {'waves/L':>7} {'router s':>8} {'-router':>7} {'dec hit':>7} {'idle ms':>7} {'wait ms':>7}"
-              f" {'plan ms':>7} {'issue':>5} {'cpu':>5} {'queued':>6} {'gc ms':>6} {'nvml/off':>8} {'peak GB':>7}"
-              "  cpu ids")]  # fmt: skip
+              f" {'plan ms':>7} {'issue':>5} {'cpu':>5} {'queued':>6} {'gc ms':>6} {'nvml/off':>8}"
+              f" {'alloc GB':>8} {'peak GB':>7}  cpu ids")]  # fmt: skip
     for c in record["cells"]:
         if "error" in c:
             lines.append(f"{c['cell']:<40} {c['error']}")
@@ -408,7 +413,9 @@ def render(record: dict[str, Any]) -> str:
             f"{_fmt(c['idle_before_layer_ms'], '7.2f'):>7} {_fmt(c['host_wait_ms'], '7.2f'):>7}",
             f"{_fmt(c['host_plan_ms'], '7.2f'):>7} {_fmt(c.get('issue_of_prefill'), '5.2f'):>5}",
             f"{_fmt(c.get('on_cpu'), '5.2f'):>5} {_fmt(c.get('queued'), '6.2f'):>6}",
-            f"{_fmt(c.get('gc_ms_max'), '6.1f'):>6} {_fmt(_nvml_ratio(c), '8.3f'):>8} {_fmt(_peak_gb(c), '7.2f'):>7}",
+            f"{_fmt(c.get('gc_ms_max'), '6.1f'):>6} {_fmt(_nvml_ratio(c), '8.3f'):>8}",
+            f"{_fmt(_peak_gb(c, 'peak_allocated_bytes'), '8.2f'):>8}",
+            f"{_fmt(_peak_gb(c, 'peak_reserved_bytes'), '7.2f'):>7}",
             f" {_cpu_ids(c.get('cpu_ids'))}",
         )
         lines.append(f"{c['cell']:<40} " + " ".join(figures))

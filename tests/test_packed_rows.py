@@ -269,6 +269,8 @@ def test_a_paged_model_holds_its_slot_rows_in_one_arena() -> None:
     assert offsets == [i * part for i in range(len(layers))]
     split = MoeCausalLM.from_pretrained(TINY, _runtime(mode="paged", resident_experts=6))
     assert split.moe_layers[0].shared.slots is None
+    offload = MoeCausalLM.from_pretrained(TINY, _runtime(mode="offload", expert_rows="packed"))  # no slots to hold
+    assert offload.moe_layers[0].host.packed is not None and offload.moe_layers[0].shared.slots is None  # type: ignore[attr-defined]
 
 
 # ---- the device row copy kernel and the DMA proxy -----------------------------------------------------------

@@ -546,10 +546,10 @@ def _rows_adjacent(t: torch.Tensor) -> bool:
 
 class SlotArena:
     """Every paged layer's packed slot rows in ONE device allocation, `buffer` [layers, K, pitch] uint8, each layer
-    taking its [K, pitch] part in turn (`take`). Why one: 48 tables of K rows cost the device 20-92 MiB more than
-    asked at K = 54..64 of the 48-layer FP8 shape, the same bytes as one buffer 0-2 MiB
-    (benchmarks/alloc_probe.py, one H100: benchmarks/results/h200/2026-12-06-h100-capcopy), memory a paged K
-    budget can spend on slots."""
+    taking its [K, pitch] part in turn (`take`). Why one: torch's caching allocator rounds each allocation up to 2 MiB,
+    so 48 tables of K rows cost the device 20-92 MiB more than asked at K = 54..64 of the 48-layer FP8 shape, the same
+    bytes as one buffer 0-2 MiB (default allocator; benchmarks/alloc_probe.py, one H100:
+    benchmarks/results/h200/2026-12-06-h100-capcopy): memory a paged K budget can spend on slots."""
 
     def __init__(self, layers: int, rows: int, pitch: int, device: torch.device) -> None:
         self.buffer = torch.empty(layers, rows, pitch, dtype=torch.uint8, device=device)  # [layers, K, pitch]
