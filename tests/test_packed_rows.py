@@ -255,7 +255,7 @@ def test_device_rows_go_into_the_next_part_of_a_slot_arena() -> None:
 
 def test_a_paged_model_holds_its_slot_rows_in_one_arena() -> None:
     """Every paged layer's packed slot rows are consecutive parts of the model's one SlotArena (MoeShared.slots), so
-    the driver rounds one allocation, not one a layer; split rows make none."""
+    torch's allocator rounds one allocation up to 2 MiB, not one a layer; split rows and offload make none."""
     from test_prefill import TINY
 
     from paged_experts.model import MoeCausalLM
