@@ -102,7 +102,7 @@ class RuntimeConfig:
     # experts' bytes of device memory; off by default until configs/h200/staging.yaml measures it.
     prefill_staging_rows: int = 0
     # Which resident expert a paged miss evicts: residency.EVICTION_POLICIES. 'lfu-decay' runs on the
-    # host planner only; the device plan (inside the captured graph) runs 'lru' and 'lfu-aging'.
+    # host planner only; the device plan (inside the captured graph) runs 'lru', 'lfu-aging' and 'duel'.
     eviction_policy: str = DEFAULT_EVICTION_POLICY
     # Which kernels route and compute one-wave steps (kernels.fused.EXPERT_BACKENDS): 'grouped' (torch's
     # grouped GEMM) or 'triton' (moe_triton's decode kernels and, in captured steps, attn_triton's

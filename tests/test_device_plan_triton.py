@@ -3,7 +3,8 @@
 every state tensor (maps, stamps, use counts, step, spare entries) equal after every step, over long random
 sequences at the served shape (E=128, K=40/42, top_k 8, 1-5 tokens), at small shapes, with steps of no miss,
 steps where every pair misses and ties among pinned slots, and (aging) counts halved every 3 or 5 steps, with
-and without a 2-step recency window. Run in
+and without a 2-step recency window, and the duel of LRU and aging LFU (`duel`: its shadows, selector and
+per-expert last uses equal too, with routings that switch between a small pool and all experts). Run in
 Triton's interpreter (TRITON_INTERPRET=1, in a child process: Triton reads it at import) on the CPU;
 tests/cuda runs the same check compiled."""
 
@@ -27,37 +28,45 @@ def check_fused_plan_equals_torch(device: str = "cpu", steps: int = STEPS) -> No
     """For every shape (E, K, top_k, most tokens) and policy (LRU; aging LFU halving every 3 steps): one state
     planned by each implementation, step by step, from random routings (every 5th step from a small expert
     pool: mostly hits)."""
-    for aging, window in ((None, 0), (3, 0), (5, 2)):
-        _check_fused_plan(torch.device(device), steps, aging, window)
+    for aging, window, duel in ((None, 0, False), (3, 0, False), (5, 2, False), (3, 2, True)):
+        _check_fused_plan(torch.device(device), steps, aging, window, duel)
     print("fused plan equal", len(SHAPES), "shapes x", steps, "steps")
 
 
-def _check_fused_plan(dev: torch.device, steps: int, aging: int | None, window: int) -> None:
+def _check_fused_plan(dev: torch.device, steps: int, aging: int | None, window: int, duel: bool = False) -> None:
+    signs = set()  # the duel's choices over every shape
     for e, k, top_k, most in SHAPES:
         rng = random.Random(e * 1000 + k)
-        ref = DeviceResidency(e, k, dev, aging_period_steps=aging, aging_window_steps=window)
-        fused = DeviceResidency(e, k, dev, aging_period_steps=aging, aging_window_steps=window)
+        ref = DeviceResidency(e, k, dev, aging_period_steps=aging, aging_window_steps=window, duel=duel)
+        fused = DeviceResidency(e, k, dev, aging_period_steps=aging, aging_window_steps=window, duel=duel)
         period = aging or 0
         for step in range(steps):
-            pool = range(e) if step % 5 else range(min(e, top_k + 3))
+            if duel:  # runs of 8 steps from all experts, then from a few: each shadow wins some
+                pool = range(e) if (step // 8) % 2 else range(min(e, k // 2 + top_k))
+            else:
+                pool = range(e) if step % 5 else range(min(e, top_k + 3))
             tokens = rng.randint(1, max(1, min(most, k // top_k)))
             routed = [x for _ in range(tokens) for x in rng.sample(pool, top_k)]
             ids = torch.tensor(routed, dtype=torch.long, device=dev)
             want = plan_step(
-                ids, ref.slot_of, ref.expert_in, ref.last_use, ref.step, ref._arange_e, e, k, ref.uses, period, window
-            )
+                ids, ref.slot_of, ref.expert_in, ref.last_use, ref.step, ref._arange_e, e, k, ref.uses, period, window,
+                (ref.expert_last_use, ref.shadows, ref.psel) if duel else None,
+            )  # fmt: skip
             got = plan_triton.plan_step_triton(
                 ids, fused.slot_of, fused.expert_in, fused.last_use, fused.step, fused._arange_e, e, k, fused.uses,
-                period, window,
+                period, window, (fused.expert_last_use, fused.shadows, fused.psel) if duel else None,
             )  # fmt: skip
             names = ("pair_slot", "pair_missed", "miss_experts", "miss_slots", "stats")
             for name, a, b in zip(names, got, want):
                 assert a.dtype == b.dtype and torch.equal(a, b), (aging, e, k, step, name, a.tolist(), b.tolist())
-            for name in ("slot_of", "expert_in", "last_use", "step", "uses"):
+            for name in ("slot_of", "expert_in", "last_use", "step", "uses", "expert_last_use", "shadows", "psel"):
                 a, b = getattr(fused, name), getattr(ref, name)
                 assert torch.equal(a, b), (aging, e, k, step, name, a.tolist(), b.tolist())
+            signs.add(int(ref.psel) > 0)
         if aging:  # the counts did their job: some expert was counted, and halved (max count < steps)
             assert 0 < int(ref.uses.max()) < steps, ref.uses.tolist()
+    if duel:  # the selector chose each policy in some step
+        assert signs == {False, True}, signs
 
 
 def test_fused_plan_equals_torch_in_the_interpreter() -> None:
@@ -83,11 +92,12 @@ def test_the_fused_plan_compiles_for_the_h200() -> None:
     from triton.compiler import ASTSource
 
     fn = plan_triton._plan_kernel
-    pointers = {a: "*i1" if a == "pair_missed_ptr" else "*i64" for a in fn.arg_names if a.endswith("_ptr")}
+    bools = ("pair_missed_ptr", "shadow_ptr")
+    pointers = {a: "*i1" if a in bools else "*i64" for a in fn.arg_names if a.endswith("_ptr")}
     signature = {a: pointers.get(a, "constexpr" if a.startswith("BLOCK") else "i32") for a in fn.arg_names}
-    signature["AGING"] = "constexpr"
-    for aging in (False, True):  # LRU, aging LFU
-        constants = {"BLOCK_P": 64, "BLOCK_E": 256, "BLOCK_K": 64, "AGING": aging}
+    signature["AGING"] = signature["DUEL"] = "constexpr"
+    for aging, duel in ((False, False), (True, False), (True, True)):  # LRU, aging LFU, their duel
+        constants = {"BLOCK_P": 64, "BLOCK_E": 256, "BLOCK_K": 64, "AGING": aging, "DUEL": duel, "BLOCK_S": 128}
         src = ASTSource(fn, signature, constants, {})
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
         assert "st.global" in ptx

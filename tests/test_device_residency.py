@@ -1,8 +1,8 @@
 """Device-side residency (paged_experts.residency.device) on CPU tensors:
-- its one-wave plans equal the host planner's (`LayerResidency`) step by step, with LRU and with aging LFU
-  (`lfu-aging`, counts halved every few steps here): hits, misses, which expert goes to which slot, the slot
-  of every pair; also when host-planned multi-wave steps interleave (the two share one state through
-  pull_to / push_from);
+- its one-wave plans equal the host planner's (`LayerResidency`) step by step, with LRU, with aging LFU
+  (`lfu-aging`, counts halved every few steps here) and with the duel of the two (`duel`: its shadows and selector
+  equal the host's too): hits, misses, which expert goes to which slot, the slot of every pair; also when
+  host-planned multi-wave steps interleave (the two share one state through pull_to / push_from);
 - a model planned on the device equals resident bit for bit in fp32 and counts exactly what the
   host-planned model counts;
 - the static (graph) decode body of a paged model equals eager decode, with equal counters.
@@ -19,7 +19,7 @@ from paged_experts.kernels.copy_kernel import copy_planned
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.residency.device import DeviceResidency
-from paged_experts.residency.policies import AgingLfuPolicy, LayerResidency, LruPolicy
+from paged_experts.residency.policies import AgingLfuPolicy, DuelPolicy, LayerResidency, LruPolicy
 from paged_experts.residency.store import ExpertTensors
 from paged_experts.runtime import RuntimeConfig
 
@@ -37,78 +37,113 @@ def _check_same_plan(dev: DeviceResidency, host: LayerResidency, routed: list[in
     assert pairs == sorted(ref.waves[0].page_ins)
     assert plan.pair_slot.tolist() == [host.slot_of[e] for e in routed]
     assert dev.expert_in[: dev.num_slots].tolist() == host.expert_in
+    if dev.duel:
+        _check_same_duel(dev, host)
 
 
-def _pair(e: int, k: int, aging: int | None, window: int = 0) -> tuple[DeviceResidency, LayerResidency]:
+def _check_same_duel(dev: DeviceResidency, host: LayerResidency) -> None:
+    """The duel's shadows, selector and every expert's last use, device against host."""
+    assert isinstance(host.policy, DuelPolicy)
+    e = dev.num_experts
+    assert int(dev.psel) == host.policy.psel
+    assert [set(torch.nonzero(dev.shadows[i, :e]).flatten().tolist()) for i in range(2)] == list(host.policy.shadows)
+    assert dev.expert_last_use[:e].tolist() == [host.policy.lru._last_use.get(x, -1) for x in range(e)]
+
+
+def _pair(
+    e: int, k: int, aging: int | None, window: int = 0, duel: bool = False
+) -> tuple[DeviceResidency, LayerResidency]:
     """A device residency and a host one of the same policy: LRU (aging None) or aging LFU of that period
-    (and recency window)."""
-    policy = AgingLfuPolicy(aging, window) if aging else LruPolicy()
-    dev = DeviceResidency(e, k, torch.device("cpu"), aging_period_steps=aging, aging_window_steps=window)
+    (and recency window), or with `duel` LRU against that aging LFU."""
+    policy = DuelPolicy(k, aging, window) if duel and aging else AgingLfuPolicy(aging, window) if aging else LruPolicy()
+    dev = DeviceResidency(e, k, torch.device("cpu"), aging_period_steps=aging, aging_window_steps=window, duel=duel)
     return dev, LayerResidency(e, k, policy)
 
 
-@pytest.mark.parametrize(("aging", "window"), [(None, 0), (3, 0), (3, 2), (7, 4)])
+POLICY_CASES = [(None, 0, False), (3, 0, False), (3, 2, False), (7, 4, False), (3, 0, True), (3, 2, True), (7, 4, True)]
+
+
+@pytest.mark.parametrize(("aging", "window", "duel"), POLICY_CASES)
 @pytest.mark.parametrize("seed", range(6))
-def test_device_plan_equals_host_lru(seed: int, aging: int | None, window: int) -> None:
+def test_device_plan_equals_host_lru(seed: int, aging: int | None, window: int, duel: bool) -> None:
+    """Random routings; every 20 steps the pool switches between all experts and a few (a small working set:
+    the duel's selector moves both ways)."""
     rng = random.Random(seed)
     e, k, top_k = 32, rng.choice([4, 6, 8, 13, 32]), 4
-    dev, host = _pair(e, k, aging, window)
-    for _ in range(60):
+    dev, host = _pair(e, k, aging, window, duel)
+    for i in range(60):
         tokens = rng.randint(1, max(1, k // top_k))
-        routed = [x for _ in range(tokens) for x in rng.sample(range(e), top_k)]
+        pool = range(e) if (i // 20) % 2 == 0 else range(k // 2 + top_k)
+        routed = [x for _ in range(tokens) for x in rng.sample(pool, top_k)]
         if len(routed) > k:
             routed = routed[:k]
         _check_same_plan(dev, host, routed)
 
 
-@pytest.mark.parametrize(("aging", "window"), [(None, 0), (5, 0), (256, 0), (256, 4)])
-def test_device_plan_equals_host_lru_at_the_served_shape(aging: int | None, window: int) -> None:
+@pytest.mark.parametrize(
+    ("aging", "window", "duel"), [(None, 0, False), (5, 0, False), (256, 0, False), (256, 4, False), (5, 2, True),
+                                  (256, 4, True)]
+)  # fmt: skip
+def test_device_plan_equals_host_lru_at_the_served_shape(aging: int | None, window: int, duel: bool) -> None:
     """E=128, K=40, top_k 8 (the H200 configuration): batches of 1-5 tokens, ties among pinned slots,
-    steps with no miss and steps where every pair misses; LRU and aging LFU (short and served period)."""
+    steps with no miss and steps where every pair misses; LRU, aging LFU (short and served period) and their
+    duel (`duel`'s default: 256, 4)."""
     rng = random.Random(7)
     e, k, top_k = 128, 40, 8
-    dev, host = _pair(e, k, aging, window)
+    dev, host = _pair(e, k, aging, window, duel)
+    chose_lfu = 0
     for step in range(200):
         pool = range(e) if step % 7 else range(12)  # every 7th step from a small set: mostly hits
         routed = [x for _ in range(rng.randint(1, k // top_k)) for x in rng.sample(pool, top_k)]
+        chose_lfu += int(dev.psel) > 0
         _check_same_plan(dev, host, routed)
+    assert chose_lfu > 0 if duel else chose_lfu == 0  # the duel planned steps by the LFU's order too
 
 
-@pytest.mark.parametrize("aging", [None, 2])
-def test_compiled_device_plan_equals_host_lru(aging: int | None) -> None:
+@pytest.mark.parametrize(("aging", "duel"), [(None, False), (2, False), (2, True)])
+def test_compiled_device_plan_equals_host_lru(aging: int | None, duel: bool) -> None:
     """`DeviceResidency.compile()` (torch.compile of the plan, used by compiled graphed decode)
-    plans what the host plans (LRU, aging LFU), step by step, with state mutated in place as eagerly."""
+    plans what the host plans (LRU, aging LFU, their duel), step by step, with state mutated in place as eagerly."""
     rng = random.Random(11)
     e, k, top_k = 32, 8, 4
-    dev, host = _pair(e, k, aging)
+    dev, host = _pair(e, k, aging, duel=duel)
     dev.compile()
     for _ in range(30):
         routed = [x for _ in range(rng.randint(1, 2)) for x in rng.sample(range(e), top_k)]
         _check_same_plan(dev, host, routed)
 
 
-@pytest.mark.parametrize(("aging", "window"), [(None, 0), (3, 0), (4, 0), (4, 3)])
-def test_host_planned_steps_share_the_device_state(aging: int | None, window: int) -> None:
+@pytest.mark.parametrize(
+    ("aging", "window", "duel"), [(None, 0, False), (3, 0, False), (4, 0, False), (4, 3, False), (4, 3, True)]
+)
+def test_host_planned_steps_share_the_device_state(aging: int | None, window: int, duel: bool) -> None:
     """Multi-wave steps plan on the host after pull_to; push_from hands the state back (aging LFU: every
-    expert's count and the residents' last uses, across period boundaries on either side)."""
+    expert's count and the residents' last uses, across period boundaries on either side; the duel: its shadows,
+    which a multi-wave step sets to the slots, its selector and every expert's last use)."""
     rng = random.Random(3)
     e, k, top_k = 32, 8, 4
-    dev, ref = _pair(e, k, aging, window)
-    host = _pair(e, k, aging, window)[1]
+    dev, ref = _pair(e, k, aging, window, duel)
+    host = _pair(e, k, aging, window, duel)[1]
     for i in range(80):
         if i % 5 == 4:  # a 6-token step: 24 pairs > K, waves on the host
             routed = [x for _ in range(6) for x in rng.sample(range(e), top_k)]
             dev.pull_to(host)
+            if duel:
+                _check_same_duel(dev, host)
             assert host.plan_step(routed).misses == ref.plan_step(routed).misses
             dev.push_from(host)
+            if duel:
+                _check_same_duel(dev, ref)
         else:
-            routed = rng.sample(range(e), top_k) + rng.sample(range(e), top_k)
+            pool = range(e) if (i // 20) % 2 == 0 else range(k)
+            routed = rng.sample(pool, top_k) + rng.sample(pool, top_k)
             _check_same_plan(dev, ref, routed)
     assert dev.expert_in[:k].tolist() == ref.expert_in
     if aging:
         last = int(dev.step) - 1
-        assert isinstance(ref.policy, AgingLfuPolicy)
-        assert dev.uses[:e].tolist() == [ref.policy.uses(x, last) for x in range(e)]
+        lfu = ref.policy.lfu if isinstance(ref.policy, DuelPolicy) else ref.policy
+        assert isinstance(lfu, AgingLfuPolicy)
+        assert dev.uses[:e].tolist() == [lfu.uses(x, last) for x in range(e)]
 
 
 def test_device_plan_refuses_a_host_policy_it_does_not_share() -> None:
@@ -122,6 +157,16 @@ def test_device_plan_refuses_a_host_policy_it_does_not_share() -> None:
         DeviceResidency(32, 8, torch.device("cpu"), aging_period_steps=4, aging_window_steps=2).pull_to(
             LayerResidency(32, 8, AgingLfuPolicy(4))
         )
+    with pytest.raises(TypeError, match="plans duel:4:2, the host AgingLfuPolicy"):
+        DeviceResidency(32, 8, torch.device("cpu"), aging_period_steps=4, aging_window_steps=2, duel=True).pull_to(
+            LayerResidency(32, 8, AgingLfuPolicy(4, 2))
+        )
+    with pytest.raises(TypeError, match="every 4 steps"):
+        DeviceResidency(32, 8, torch.device("cpu"), aging_period_steps=4).pull_to(
+            LayerResidency(32, 8, DuelPolicy(8, 4))
+        )
+    with pytest.raises(ValueError, match="needs the aging LFU's period"):
+        DeviceResidency(32, 8, torch.device("cpu"), duel=True)
 
 
 def test_device_plan_refuses_more_pairs_than_slots() -> None:
@@ -166,7 +211,7 @@ def _paged(k: int, planning: str, overlap: bool = False, groups: int = 1, policy
     ("k", "overlap", "groups", "policy"),
     [(4, False, 1, "lru"), (8, False, 1, "lru"), (12, False, 1, "lru"), (8, True, 1, "lru"), (12, True, 1, "lru"),
      (8, True, 2, "lru"), (12, True, 3, "lru"), (12, True, 12, "lru"), (8, False, 1, "lfu-aging"),
-     (12, True, 2, "lfu-aging")],
+     (12, True, 2, "lfu-aging"), (8, False, 1, "duel:4:2"), (12, True, 2, "duel")],
 )  # fmt: skip
 def test_device_planned_model_equals_resident_and_counts_like_host(
     k: int, overlap: bool, groups: int, policy: str

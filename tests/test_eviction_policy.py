@@ -27,6 +27,7 @@ from paged_experts.residency.policies import (
     AgingLfuPolicy,
     ArcPolicy,
     DecayedLfuPolicy,
+    DuelPolicy,
     LayerResidency,
     LfuPolicy,
     LruPolicy,
@@ -152,6 +153,59 @@ def test_residency_runs_the_policy_it_is_given() -> None:
     assert set(aged.slot_of) == {1, 3}  # the frequently used 1 stayed; 0, then 2, left
     with pytest.raises(ValueError, match="eviction policy .belady. is not one of"):
         make_policy("belady")
+
+
+def _misses(policy: object, steps: list[list[int]], e: int, k: int) -> int:
+    residency = LayerResidency(e, k, policy)  # type: ignore[arg-type]
+    return sum(residency.plan_step(routed).misses for routed in steps)
+
+
+# K=4 of E=64. LFU wins: experts 0 and 1 every other step, two never-seen experts every step (a scan); LRU lets the
+# scan push 0 and 1 out, the counts keep them. LRU wins: four experts used for 40 steps, then the working set moves
+# to four new ones, two a step; without a window the old counts keep the old set and the new one misses forever.
+SCAN = [[0, 1, 10 + 2 * i, 11 + 2 * i] if i % 2 else [10 + 2 * i, 11 + 2 * i] for i in range(20)]
+MOVED = [[0, 1], [2, 3]] * 20 + [[4, 5], [6, 7]] * 20
+
+
+@pytest.mark.parametrize(("steps", "winner"), [(SCAN, "lfu"), (MOVED, "lru")])
+def test_the_duel_follows_whichever_policy_misses_less_on_its_shadow(steps: list[list[int]], winner: str) -> None:
+    e, k = 64, 4
+    lru = _misses(LruPolicy(), steps, e, k)
+    lfu = _misses(AgingLfuPolicy(256, 0), steps, e, k)
+    duel = DuelPolicy(k, 256, 0)
+    both = _misses(duel, steps, e, k)
+    assert (lfu < lru) if winner == "lfu" else (lru < lfu), (lru, lfu)
+    assert (duel.psel > 0) == (winner == "lfu") and abs(duel.psel) <= duel.limit
+    # the duel pays a few steps of the wrong policy while its selector crosses zero, then misses as the winner
+    assert both <= min(lru, lfu) + 8 < max(lru, lfu), (lru, lfu, both)
+
+
+def test_the_duels_shadows_play_each_policy_and_a_multi_wave_step_resets_them() -> None:
+    duel = DuelPolicy(2, 256, 0)
+    residency = LayerResidency(8, 2, duel)
+    residency.plan_step([0])  # both shadows hold {0, 1}: a hit
+    residency.plan_step([0])
+    residency.plan_step([2])  # LRU's shadow evicts 1 (used never) as the LFU's does (count 0): the same
+    assert duel.shadows == ({0, 2}, {0, 2}) and duel.psel == 0
+    residency.plan_step([3])  # LRU's shadow evicts 0 (used at step 1) before 2 (step 2); the LFU's 2 (1 use)
+    assert duel.shadows == ({2, 3}, {0, 3}) and duel.psel == 0
+    residency.plan_step([0])  # LRU's shadow misses, the LFU's hits: the selector leans to the LFU
+    assert duel.psel == 1 and duel.chosen() is duel.lfu
+    residency.plan_step([4, 5, 6])  # 3 experts > K=2: waves by the keep rank; the shadows take the slots
+    assert duel.shadows == (set(residency.slot_of), set(residency.slot_of)) and duel.psel == 1
+
+
+def test_the_duel_is_a_policy_by_name_that_needs_the_slots() -> None:
+    duel = make_policy("duel", 8)
+    assert isinstance(duel, DuelPolicy) and (duel.period_steps, duel.window_steps) == (256, 4)
+    assert isinstance(d := make_policy("duel:64:2", 8), DuelPolicy) and (d.period_steps, d.window_steps) == (64, 2)
+    assert isinstance(d := make_policy("duel:64", 8), DuelPolicy) and d.window_steps == 0
+    with pytest.raises(ValueError, match="needs the layer's number of slots"):
+        make_policy("duel")
+    for bad, message in (("duel:0", "names no period"), ("duel:4:x", "names no window"), ("lru:4", "is not one of")):
+        with pytest.raises(ValueError, match=message):
+            make_policy(bad, 8)
+    assert check_policy("duel") == "duel" and check_policy("duel:32:2") == "duel:32:2"
 
 
 def test_arc_keeps_twice_used_experts_through_a_scan_that_lru_lets_in() -> None:
@@ -301,6 +355,19 @@ def test_an_aging_period_reaches_the_server_and_its_device_plan(tmp_path: Path) 
     moe = model.moe_layers[0]
     assert moe.device_residency is not None and moe.device_residency.aging_period_steps == 16
     assert isinstance(moe.residency.policy, AgingLfuPolicy) and moe.residency.policy.period_steps == 16
+
+
+def test_the_duel_reaches_the_server_and_its_device_plan(tmp_path: Path) -> None:
+    from paged_experts.model import MoeCausalLM
+
+    argv, resolved = plan_argv(tmp_path, "device: cuda, mode: paged, resident_experts: 8, eviction_policy: duel")
+    assert flag(argv, "--eviction-policy") == "duel" and resolved["eviction_policy"] == "duel"
+    rt = RuntimeConfig(mode="paged", resident_experts=8, eviction_policy="duel", device_planning="on")
+    model = MoeCausalLM.from_pretrained("synth:tiny?layers=1&seed=1", rt)
+    moe = model.moe_layers[0]
+    dev = moe.device_residency
+    assert dev is not None and dev.duel and (dev.aging_period_steps, dev.aging_window_steps) == (256, 4)
+    assert isinstance(moe.residency.policy, DuelPolicy) and moe.residency.policy.num_slots == 8
 
 
 def test_option_is_written_for_paged_servers_and_leaves_other_server_ids_alone(tmp_path: Path) -> None:

@@ -36,9 +36,10 @@ from paged_experts.residency.policies import (
 )
 from paged_experts.routing.trace import Chunk, Trace
 
-SIM_POLICIES = (*POLICIES, "belady")
+SIM_POLICIES = (*POLICIES, "duel", "belady")
 """Policy names; `lfu-decay:<H>` also names the decayed LFU with a half-life of H steps, `lfu-aging:<P>` the
-LFU whose counts halve every P steps (`lfu-aging:<P>:<W>`: experts used in the last W steps evicted last)."""
+LFU whose counts halve every P steps (`lfu-aging:<P>:<W>`: experts used in the last W steps evicted last),
+`duel:<P>[:<W>]` LRU against that LFU."""
 
 
 def check_policy(name: str) -> str:
@@ -47,22 +48,23 @@ def check_policy(name: str) -> str:
     if name in SIM_POLICIES:
         return name
     base, _, param = name.partition(":")
-    if base in ("lfu-decay", "lfu-aging") and param:
+    if base in ("lfu-decay", "lfu-aging", "duel") and param:
         try:
-            _parametrized(base, param)
+            _parametrized(base, param, 1)
         except ValueError:
             pass
         else:
             return name
     raise ValueError(
-        f"unknown policy {name!r}; choose from {SIM_POLICIES}, lfu-decay:<half-life steps> or lfu-aging:<period steps>"
+        f"unknown policy {name!r}; choose from {SIM_POLICIES}, lfu-decay:<half-life steps>, lfu-aging:<period steps>"
+        " or duel:<period steps>"
     )
 
 
-def _parametrized(base: str, param: str) -> EvictionPolicy:
+def _parametrized(base: str, param: str, k: int) -> EvictionPolicy:
     if base == "lfu-decay":
         return DecayedLfuPolicy(float(param))
-    return make_policy(f"{base}:{param}")  # the server's own parsing of lfu-aging:<P>[:<W>]
+    return make_policy(f"{base}:{param}", k)  # the server's own parsing of lfu-aging:<P>[:<W>], duel:<P>[:<W>]
 
 
 @dataclass(frozen=True)
@@ -152,14 +154,16 @@ def step_routed(trace: Trace, steps: Sequence[Sequence[Chunk]], layer: int) -> l
     ]
 
 
-def _policy(name: str, routed: list[np.ndarray], seed: int) -> EvictionPolicy:
+def _policy(name: str, routed: list[np.ndarray], seed: int, k: int) -> EvictionPolicy:
     if name == "belady":
         return BeladyPolicy([set(r.tolist()) for r in routed])
     if name == "random":
         return RandomPolicy(seed)
     if ":" in name:
         base, _, param = name.partition(":")
-        return _parametrized(base, param)
+        return _parametrized(base, param, k)
+    if name == "duel":
+        return make_policy(name, k)
     return POLICIES[name]()
 
 
@@ -191,7 +195,7 @@ def replay_layer(
     `staging_rows` with `stages` (every paged layer but the first: the runtime stages a layer's page-ins
     while the one before it computes): the experts the runtime copies into staging rows before a step
     (`LayerResidency.stage_candidates`, a function of the state), served from there."""
-    residency = LayerResidency(num_experts, k, _policy(policy, routed, seed), prefill_keep=prefill_keep)
+    residency = LayerResidency(num_experts, k, _policy(policy, routed, seed, k), prefill_keep=prefill_keep)
     out = np.zeros((4, len(routed)), dtype=np.int64)  # hits, misses, waves, union per step
     for s, ids in enumerate(routed):
         staged = residency.stage_candidates(staging_rows, int(ids.size)) if stages else ()

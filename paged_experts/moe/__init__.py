@@ -33,7 +33,7 @@ from paged_experts.moe.placements import CpuLayer, OffloadLayer, ResidentLayer
 from paged_experts.moe.planning import DeviceLru, HostWaves, PendingPrefetch
 from paged_experts.moe.waves import EXPERT_KERNELS
 from paged_experts.residency.device import DeviceResidency
-from paged_experts.residency.policies import AgingLfuPolicy, LayerResidency, make_policy
+from paged_experts.residency.policies import AgingLfuPolicy, DuelPolicy, LayerResidency, make_policy
 from paged_experts.residency.store import ExpertTensors, to_device_rows
 from paged_experts.runtime import RuntimeConfig
 
@@ -82,10 +82,11 @@ def make_layer(
         raise ValueError(f"unknown placement {placement!r}")
     k = runtime.resident_experts
     assert k is not None
-    policy = make_policy(runtime.eviction_policy)  # RuntimeConfig refused one the device plan cannot run
+    policy = make_policy(runtime.eviction_policy, k)  # RuntimeConfig refused one the device plan cannot run
     lru = None
     if runtime.plans_on_device:
-        aging = policy if isinstance(policy, AgingLfuPolicy) else None  # the host's: they share one state
+        # the host's aging LFU (its own, or the duel's): they share one state
+        aging = policy.lfu if isinstance(policy, DuelPolicy) else policy if isinstance(policy, AgingLfuPolicy) else None
         lru = DeviceLru(
             DeviceResidency(
                 cfg.num_experts,
@@ -93,6 +94,7 @@ def make_layer(
                 device,
                 aging_period_steps=aging.period_steps if aging else None,
                 aging_window_steps=aging.window_steps if aging else 0,
+                duel=isinstance(policy, DuelPolicy),
             ),
             overlap=runtime.overlap_page_in,
             overlap_groups=runtime.overlap_groups,

@@ -8,7 +8,9 @@ experts are at most K too. The plan is the same one `residency.LayerResidency` m
   (last use, expert id), never-used (initial) experts first, as `LruPolicy.victim` orders them;
   with `aging_period_steps` P (`lfu-aging`, `AgingLfuPolicy`), by (use count, last use, expert id): every
   expert's count (kept for all E, resident or not) is halved when a planned step is a multiple of P, then
-  the routed experts' counts grow by one after the plan;
+  the routed experts' counts grow by one after the plan; with `duel` (`DuelPolicy`), by the aging LFU's
+  order while the selector `psel` is above zero, else by LRU's, then the two shadow caches (LRU's and the LFU's,
+  [2, E+1] bool) play the step and `psel` moves by their misses, over per-expert last uses [E+1];
 - every routed expert's slot is stamped with the step number after the wave.
 Shapes are static (the plan is padded to P entries; padding names the dummy expert E and the
 dummy slot K, which the maps carry as one spare entry each), so nothing depends on a host read.
@@ -31,7 +33,14 @@ from dataclasses import dataclass
 import torch
 
 from paged_experts.residency import plan_triton
-from paged_experts.residency.policies import AgingLfuPolicy, EvictionPolicy, LayerResidency, LruPolicy
+from paged_experts.residency.policies import (
+    DUEL_LIMIT,
+    AgingLfuPolicy,
+    DuelPolicy,
+    EvictionPolicy,
+    LayerResidency,
+    LruPolicy,
+)
 
 RECENT = 1 << 40
 """Added to a recently used slot's count in an aging plan with a window: it ranks after every count."""
@@ -50,7 +59,9 @@ class DevicePlan:
 
 class DeviceResidency:
     """K slots of one layer: expert<->slot maps, per-slot last use, per-expert use counts (aging LFU) and the
-    step counter on `device`. `aging_period_steps` None: LRU; P: `lfu-aging` with counts halved every P steps."""
+    step counter on `device`. `aging_period_steps` None: LRU; P: `lfu-aging` with counts halved every P steps;
+    `duel` (with P): `duel:<P>:<W>`, LRU against that aging LFU, with shadow caches, a selector and per-expert last
+    uses."""
 
     def __init__(
         self,
@@ -59,16 +70,20 @@ class DeviceResidency:
         device: torch.device,
         aging_period_steps: int | None = None,
         aging_window_steps: int = 0,
+        duel: bool = False,
     ) -> None:
         if not 1 <= num_slots <= num_experts:
             raise ValueError(f"num_slots must be in [1, {num_experts}], got {num_slots}")
         if aging_period_steps is not None and aging_period_steps < 1:
             raise ValueError(f"aging_period_steps must be >= 1, got {aging_period_steps}")
+        if duel and aging_period_steps is None:
+            raise ValueError("a duel plan needs the aging LFU's period")
         self.num_experts = num_experts
         self.num_slots = num_slots
         self.device = device
         self.aging_period_steps = aging_period_steps
         self.aging_window_steps = aging_window_steps if aging_period_steps is not None else 0  # AgingLfuPolicy's
+        self.duel = duel
         e, k = num_experts, num_slots
         # One spare entry each (index E / K) absorbs the padded writes of a plan.
         self.slot_of = torch.full((e + 1,), -1, dtype=torch.long, device=device)  # [E+1] slot or -1
@@ -79,11 +94,17 @@ class DeviceResidency:
         self.step = torch.zeros((), dtype=torch.long, device=device)  # planned steps so far
         # [E+1] aging LFU's use counts as of the last planned step (E: the spare entry); all 0 and unused under LRU
         self.uses = torch.zeros(e + 1, dtype=torch.long, device=device)
+        # The duel's (DuelPolicy's) state, all unused otherwise: [E+1] every expert's last use (-1 never; its shadows
+        # rank experts that hold no slot), [2, E+1] LRU's and the LFU's shadow caches, [] the selector
+        self.expert_last_use = torch.full((e + 1,), -1, dtype=torch.long, device=device)
+        self.shadows = torch.zeros((2, e + 1), dtype=torch.bool, device=device)
+        self.shadows[:, :k] = True
+        self.psel = torch.zeros((), dtype=torch.long, device=device)
         self._arange_e = torch.arange(e + 1, device=device)  # [E+1]
         self._compiled_fn = None
         # The plan as one fused kernel (plan_triton) where it runs: the same plan as `plan_step`, one
         # launch instead of ~45 inside the captured decode step. A benchmark sets it False to compare.
-        self.fused = plan_triton.available(device, num_experts, num_slots)
+        self.fused = plan_triton.available(device, num_experts, num_slots, duel)
         # Set by the static decode step (graphs.GraphedDecoder) around its body: only there does the
         # plan go through torch.compile, whose shapes are captured before serving. Eager one-wave
         # steps of other sizes keep the plain plan, so nothing compiles inside a served request.
@@ -118,6 +139,7 @@ class DeviceResidency:
             self.uses,
             self.aging_period_steps or 0,
             self.aging_window_steps,
+            (self.expert_last_use, self.shadows, self.psel) if self.duel else None,
         )
         return DevicePlan(
             pair_slot=pair_slot, pair_missed=pair_missed, miss_experts=miss_experts, miss_slots=miss_slots, stats=stats
@@ -132,7 +154,8 @@ class DeviceResidency:
             dst.copy_(src)
 
     def _state_tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.slot_of, self.expert_in, self.last_use, self.step, self.uses)
+        return (self.slot_of, self.expert_in, self.last_use, self.step, self.uses, self.expert_last_use, self.shadows,
+                self.psel)  # fmt: skip
 
     def pull_to(self, residency: LayerResidency) -> None:
         """Writes this state into a host `LayerResidency` (same policy) before a host-planned step."""
@@ -147,7 +170,16 @@ class DeviceResidency:
         slot_of = [-1] * (e + 1)
         for ex, s in residency.slot_of.items():
             slot_of[ex] = s
-        if isinstance(policy, AgingLfuPolicy):
+        duel: list[int] = []
+        if isinstance(policy, DuelPolicy):
+            last = max(residency.step - 1, 0)
+            stamps = [policy.lfu.last_use(ex) for ex in residency.expert_in] + [-1]
+            uses = [policy.lfu.uses(ex, last) for ex in range(e)] + [0]
+            duel = [policy.lfu.last_use(ex) for ex in range(e)] + [-1]
+            for shadow in policy.shadows:
+                duel += [int(ex in shadow) for ex in range(e)] + [0]
+            duel.append(policy.psel)
+        elif isinstance(policy, AgingLfuPolicy):
             # the counts as of the last planned step, as the device keeps them (the next plan halves them first
             # when its step is a multiple of the period)
             last = max(residency.step - 1, 0)
@@ -157,10 +189,13 @@ class DeviceResidency:
             assert isinstance(policy, LruPolicy)
             stamps = [policy._last_use.get(ex, -1) for ex in residency.expert_in] + [-1]
             uses = [0] * (e + 1)
-        host = torch.tensor([*slot_of, *residency.expert_in, e, *stamps, residency.step, *uses], dtype=torch.long)
+        values = [*slot_of, *residency.expert_in, e, *stamps, residency.step, *uses, *duel]
+        host = torch.tensor(values, dtype=torch.long)
         if self.device.type == "cuda":
             host = host.pin_memory()  # the caching host allocator keeps it until the copy has run
-        state = (self.slot_of, self.expert_in, self.last_use, self.step.view(1), self.uses)
+        state: tuple[torch.Tensor, ...] = (self.slot_of, self.expert_in, self.last_use, self.step.view(1), self.uses)
+        if self.duel:
+            state += (self.expert_last_use, self.shadows.view(-1), self.psel.view(1))
         start = 0
         for dst in state:
             dst.copy_(host[start : start + dst.numel()], non_blocking=True)
@@ -172,12 +207,7 @@ def pull_many(pairs: Sequence[tuple[DeviceResidency, LayerResidency]]) -> float:
     seconds of that read (on CUDA it waits for the device's queued work: the prefill counters' host_wait_s)."""
     if not pairs:
         return 0.0
-    rows = torch.cat(
-        [
-            torch.cat([d.expert_in[: d.num_slots], d.last_use[: d.num_slots], d.step.view(1), d.uses[: d.num_experts]])
-            for d, _ in pairs
-        ]
-    )
+    rows = torch.cat([_pull_row(d) for d, _ in pairs])
     started = time.perf_counter()
     values = rows.tolist()  # the one host read
     read_s = time.perf_counter() - started
@@ -191,6 +221,20 @@ def pull_many(pairs: Sequence[tuple[DeviceResidency, LayerResidency]]) -> float:
         residency.expert_in = expert_in
         residency.slot_of = {ex: s for s, ex in enumerate(expert_in)}
         residency.step = int(step)
+        if isinstance(policy, DuelPolicy):
+            # every expert's last use, counts and shadows as the device kept them: the host plans from the same state
+            stamps, flags, psel = values[start : start + e], values[start + e : start + 3 * e], values[start + 3 * e]
+            start += 3 * e + 1
+            last = max(int(step) - 1, 0)
+            for ex in range(e):
+                policy.lfu.set_state(ex, uses[ex], stamps[ex], last)
+                if stamps[ex] >= 0:
+                    policy.lru._last_use[ex] = stamps[ex]
+                else:
+                    policy.lru._last_use.pop(ex, None)
+            shadows = tuple({ex for ex in range(e) if flags[i * e + ex]} for i in range(2))
+            policy.set_state((shadows[0], shadows[1]), psel)
+            continue
         if isinstance(policy, AgingLfuPolicy):
             # counts of every expert as of the last planned step; last uses of the residents only (the device
             # keeps a stamp per slot: an evicted expert's last use is the host's, from before, or unknown)
@@ -208,6 +252,16 @@ def pull_many(pairs: Sequence[tuple[DeviceResidency, LayerResidency]]) -> float:
     return read_s
 
 
+def _pull_row(dev: DeviceResidency) -> torch.Tensor:
+    """One layer's state as `pull_many` reads it: [expert_in (K), last_use (K), step, uses (E)], with `duel` then
+    [expert_last_use (E), shadows (2E), psel]."""
+    k, e = dev.num_slots, dev.num_experts
+    parts = [dev.expert_in[:k], dev.last_use[:k], dev.step.view(1), dev.uses[:e]]
+    if dev.duel:
+        parts += [dev.expert_last_use[:e], dev.shadows[:, :e].reshape(-1).to(torch.long), dev.psel.view(1)]
+    return torch.cat(parts)
+
+
 def plan_step(
     flat_ids: torch.Tensor,
     slot_of: torch.Tensor,
@@ -220,11 +274,14 @@ def plan_step(
     uses: torch.Tensor | None = None,
     aging_period: int = 0,
     aging_window: int = 0,
+    duel: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One wave's plan over a layer's state (updated in place): flat_ids [P] int64 ->
     (pair_slot [P], pair_missed [P], miss_experts [P], miss_slots [P], stats [3]); see DevicePlan.
     aging_period 0: LRU; P > 0: aging LFU over `uses` [E+1] (halved first when the step is a multiple of P),
-    with aging_window W > 0 the slots used in the last W steps ranked after every other."""
+    with aging_window W > 0 the slots used in the last W steps ranked after every other. `duel` (with P):
+    (expert_last_use [E+1], shadows [2, E+1] bool, psel []): the LFU's order while psel > 0, else LRU's, then
+    the shadows play the step (`DuelPolicy.end_step`)."""
     p = flat_ids.shape[0]
     device = flat_ids.device
     # index_fill_ (a scalar kernel argument), not `t[idx] = value`: that copies the value from
@@ -249,6 +306,7 @@ def plan_step(
     # rank of slot i = slots ordered before it (ties, among pinned slots only, by slot index): a permutation
     earlier = arange_e[None, :k] < arange_e[:k, None]  # [K, K]: slot j before slot i
     before = (key[None, :] < key[:, None]) | ((key[None, :] == key[:, None]) & earlier)  # [K, K]
+    lru_before = before
     if aging_period:
         assert uses is not None
         # the period's halving, before anything reads the counts (a device scalar: no host read)
@@ -260,6 +318,8 @@ def plan_step(
             count = count + recent.to(torch.long) * RECENT  # ranks after every count (counts stay below 2P)
         count = torch.where(pinned, torch.iinfo(torch.long).max, count)  # [K]
         before = (count[None, :] < count[:, None]) | ((count[None, :] == count[:, None]) & before)  # [K, K]
+        if duel is not None:
+            before = torch.where(duel[2] > 0, before, lru_before)  # the selector's choice, a device scalar
     rank = before.sum(1)  # [K]
     victims = (rank[None, :] == arange_e[:p, None]).to(torch.uint8).argmax(1)  # [P] slot of rank j (P <= K)
     miss_slots = torch.where(valid, victims, k)  # [P]
@@ -271,12 +331,50 @@ def plan_step(
     pair_missed = miss[flat_ids]  # [P]
     pair_slot = slot_of[flat_ids]  # [P]
     last_use.index_copy_(0, pair_slot, step.expand(p).contiguous())
+    if duel is not None:
+        assert uses is not None and aging_period
+        _duel_shadows(used[:e], uses[:e], step, aging_window, arange_e[:e], *duel)
+        duel[0].index_copy_(0, flat_ids, step.expand(p).contiguous())
+        duel[0][e:].fill_(-1)  # the spare entry took padded writes
     if aging_period:
         assert uses is not None
         uses.add_(used.to(torch.long))  # once per step and routed expert
         uses[e:].fill_(0)  # the spare entry took the padding's count
     step += 1
     return pair_slot, pair_missed, miss_experts, miss_slots, torch.stack([n_used, n_used - n_miss, n_miss])
+
+
+def _duel_shadows(
+    used: torch.Tensor,
+    uses: torch.Tensor,
+    step: torch.Tensor,
+    window: int,
+    arange: torch.Tensor,
+    expert_last_use: torch.Tensor,
+    shadows: torch.Tensor,
+    psel: torch.Tensor,
+) -> None:
+    """`DuelPolicy.end_step` on the device: used [E] bool, uses [E] (the step's counts, halved, before its own uses)
+    -> each shadow's misses take its lowest-ranked unrouted experts' places, psel += LRU's misses - the LFU's."""
+    e = used.shape[0]
+    stamp = expert_last_use[:e]  # [E] before this step's uses
+    key = (stamp + 1) * (e + 1) + arange  # [E] LRU's order: (last use, id), distinct
+    count = uses
+    if window:
+        count = count + ((stamp >= 0) & (stamp >= step - window)).to(torch.long) * RECENT
+    lru_before = key[None, :] < key[:, None]  # [E, E]: expert j before expert i
+    lfu_before = (count[None, :] < count[:, None]) | ((count[None, :] == count[:, None]) & lru_before)  # [E, E]
+    missed = []
+    for i, before in enumerate((lru_before, lfu_before)):
+        shadow = shadows[i, :e]  # [E] bool
+        candidates = shadow & ~used
+        miss = used & ~shadow
+        n_miss = miss.sum()
+        rank = (before & candidates[None, :]).sum(1)  # [E]: candidates ranked before expert i
+        evicted = candidates & (rank < n_miss)
+        shadows[i, :e] = (shadow & ~evicted) | miss
+        missed.append(n_miss)
+    psel.copy_((psel + missed[0] - missed[1]).clamp(-DUEL_LIMIT, DUEL_LIMIT))
 
 
 _COMPILED: list = []
@@ -291,6 +389,17 @@ def _compiled_plan_step():  # noqa: ANN202 - torch.compile's wrapper type
 def _policy(dev: DeviceResidency, residency: LayerResidency) -> EvictionPolicy:
     """The host policy that shares `dev`'s state: LRU, or aging LFU of the same period."""
     policy = residency.policy
+    if dev.duel:
+        if (
+            not isinstance(policy, DuelPolicy)
+            or policy.period_steps != dev.aging_period_steps
+            or policy.window_steps != dev.aging_window_steps
+        ):
+            raise TypeError(
+                f"this device residency plans duel:{dev.aging_period_steps}:{dev.aging_window_steps}, the host "
+                f"{type(policy).__name__}"
+            )
+        return policy
     if dev.aging_period_steps is None:
         if not isinstance(policy, LruPolicy):
             raise TypeError(f"this device residency plans LRU, the host {type(policy).__name__}")

@@ -15,7 +15,9 @@ tests/cuda on the GPU):
   (never-used first, then least recent, ties by expert id), slots holding a routed expert last, ties
   among those by slot index; aging LFU (`AGING`, `lfu-aging`): every count halved first when the step is a
   multiple of PERIOD, slots ranked by (count of their expert, then the LRU key), with WINDOW > 0 the slots
-  used in the last WINDOW steps after every other;
+  used in the last WINDOW steps after every other; `DUEL` (`duel`, `DuelPolicy`): the aging order while the
+  selector psel > 0, else LRU's, then the two shadow caches play the step over per-expert last uses
+  ([E x E] comparisons over BLOCK_S = pow2(E) experts) and psel moves by their misses, within +-LIMIT;
 - the maps updated (evicted experts lose their slot, misses get theirs), every routed pair's slot
   stamped with the step, the routed experts' counts grown by one (aging), the step counter advanced; the spare
   entries (E, K) untouched.
@@ -27,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from paged_experts.residency.policies import DUEL_LIMIT
+
 try:  # Triton ships with CUDA builds of torch; the CPU wheel has none
     import triton
     import triton.language as tl
@@ -36,11 +40,13 @@ except ImportError:  # pragma: no cover - depends on the torch build
 MAX_TILE = 1 << 15  # the largest comparison matrix (elements) one program holds; larger shapes keep torch
 
 
-def available(device: torch.device, num_experts: int, num_slots: int) -> bool:
-    """True where the fused plan runs: CUDA with Triton, and a shape whose matrices fit one program."""
+def available(device: torch.device, num_experts: int, num_slots: int, duel: bool = False) -> bool:
+    """True where the fused plan runs: CUDA with Triton, and a shape whose matrices fit one program (with `duel`,
+    the shadows' [E x E] too)."""
     if triton is None or device.type != "cuda":
         return False
-    return _pow2(num_experts + 1) * _pow2(num_slots) <= MAX_TILE and _pow2(num_slots) ** 2 <= MAX_TILE
+    fits = _pow2(num_experts + 1) * _pow2(num_slots) <= MAX_TILE and _pow2(num_slots) ** 2 <= MAX_TILE
+    return fits and (not duel or _pow2(num_experts) ** 2 <= MAX_TILE)
 
 
 def _pow2(n: int) -> int:
@@ -53,8 +59,10 @@ if triton is not None:
     def _plan_kernel(  # pragma: no cover - runs on the GPU or under TRITON_INTERPRET
         ids_ptr, slot_of_ptr, expert_in_ptr, last_use_ptr, step_ptr, uses_ptr,
         pair_slot_ptr, pair_missed_ptr, miss_experts_ptr, miss_slots_ptr, stats_ptr,
-        P, E, K, PERIOD, WINDOW,
+        elu_ptr, shadow_ptr, psel_ptr,
+        P, E, K, PERIOD, WINDOW, LIMIT,
         BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, AGING: tl.constexpr,
+        DUEL: tl.constexpr, BLOCK_S: tl.constexpr,
     ):  # fmt: skip
         p = tl.arange(0, BLOCK_P)  # pairs, and miss ranks (at most P misses)
         e = tl.arange(0, BLOCK_E)  # experts
@@ -97,7 +105,11 @@ if triton is not None:
             uses_k = tl.where(halve, uses_k >> 1, uses_k)
             recent = (lu_k >= 0) & (lu_k >= step - WINDOW) & (WINDOW > 0)  # [BK] used in the last WINDOW steps
             count = tl.where(pinned | (k >= K), big, uses_k + recent.to(tl.int64) * (1 << 40))  # [BK] (device.RECENT)
-            before = (count[None, :] < count[:, None]) | ((count[None, :] == count[:, None]) & before)
+            aged = (count[None, :] < count[:, None]) | ((count[None, :] == count[:, None]) & before)
+            if DUEL:  # the selector's choice: the aging order while psel > 0, else LRU's
+                before = tl.where(tl.load(psel_ptr) > 0, aged, before)
+            else:
+                before = aged
         rank = tl.sum((before & kmask[None, :]).to(tl.int32), axis=1)  # [BK]: slots ranked before slot i
         takes = (rank[None, :] == p[:, None]) & kmask[None, :]  # [BP, BK]: miss j takes the slot of rank j
         victim = tl.sum(tl.where(takes, k[None, :], 0), axis=1)  # [BP]
@@ -122,6 +134,36 @@ if triton is not None:
         tl.store(slot_of_ptr + miss_expert, miss_slot, mask=valid)
         tl.store(expert_in_ptr + miss_slot, miss_expert, mask=valid)
         tl.store(last_use_ptr + pair_slot, step + tl.zeros_like(pair_slot), mask=pok)
+        if DUEL:  # DuelPolicy.end_step: each shadow's misses take its lowest-ranked unrouted experts' places
+            s = tl.arange(0, BLOCK_S)  # experts 0..E-1 (no spare entry)
+            psel = tl.load(psel_ptr)  # as the plan above read it (nothing stored it since)
+            halve = (step % PERIOD) == 0
+            smask = s < E
+            used_s = tl.max(((ids[:, None] == s[None, :]) & pmask[:, None]).to(tl.int32), axis=0) > 0  # [BS]
+            stamp = tl.load(elu_ptr + s, mask=smask, other=-1)  # [BS] last uses before this step's
+            uses_s = tl.load(uses_ptr + s, mask=smask, other=0)
+            uses_s = tl.where(halve, uses_s >> 1, uses_s)  # the step's counts, before its own uses
+            lkey = (stamp + 1) * (E + 1) + s  # [BS] LRU's order, distinct
+            recent_s = (stamp >= 0) & (stamp >= step - WINDOW) & (WINDOW > 0)
+            cnt = uses_s + recent_s.to(tl.int64) * (1 << 40)  # (device.RECENT)
+            lru_b = lkey[None, :] < lkey[:, None]  # [BS, BS]: expert j before expert i
+            lfu_b = (cnt[None, :] < cnt[:, None]) | ((cnt[None, :] == cnt[:, None]) & lru_b)
+            sh0 = (tl.load(shadow_ptr + s, mask=smask, other=0) != 0) & smask  # LRU's shadow
+            sh1 = (tl.load(shadow_ptr + (E + 1) + s, mask=smask, other=0) != 0) & smask  # the LFU's
+            cand0 = sh0 & ~used_s
+            miss0 = used_s & ~sh0 & smask
+            n0 = tl.sum(miss0.to(tl.int64), axis=0)
+            rank0 = tl.sum((lru_b & cand0[None, :]).to(tl.int64), axis=1)  # [BS]
+            keep0 = (sh0 & ~(cand0 & (rank0 < n0))) | miss0
+            cand1 = sh1 & ~used_s
+            miss1 = used_s & ~sh1 & smask
+            n1 = tl.sum(miss1.to(tl.int64), axis=0)
+            rank1 = tl.sum((lfu_b & cand1[None, :]).to(tl.int64), axis=1)
+            keep1 = (sh1 & ~(cand1 & (rank1 < n1))) | miss1
+            tl.store(shadow_ptr + s, keep0, mask=smask)
+            tl.store(shadow_ptr + (E + 1) + s, keep1, mask=smask)
+            tl.store(psel_ptr, tl.minimum(tl.maximum(psel + n0 - n1, -LIMIT), LIMIT))
+            tl.store(elu_ptr + s, step + tl.zeros_like(stamp), mask=smask & used_s)
         if AGING:
             tl.store(uses_ptr + e, uses_e + used.to(tl.int64), mask=emask)
         tl.store(step_ptr, step + 1)
@@ -142,14 +184,17 @@ def plan_step_triton(
     uses: torch.Tensor | None = None,
     aging_period: int = 0,
     aging_window: int = 0,
+    duel: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`device.plan_step`'s signature and results (arange_e unused), as one kernel launch:
     flat_ids [P] int64 (P <= K) -> (pair_slot [P], pair_missed [P] bool, miss_experts [P],
     miss_slots [P], stats [3]); slot_of [E+1], expert_in [K+1], last_use [K+1], step [] updated, and with
-    aging_period > 0 (aging LFU) uses [E+1]."""
+    aging_period > 0 (aging LFU) uses [E+1], with `duel` its (expert_last_use [E+1], shadows [2, E+1], psel [])."""
     aging = aging_period > 0
     if aging and uses is None:
         raise ValueError("an aging plan needs the use counts")
+    if duel is not None and not aging:
+        raise ValueError("a duel plan needs the aging LFU's period")
     p = flat_ids.shape[0]
     ids = flat_ids.contiguous()
     pair_slot = torch.empty(p, dtype=torch.long, device=ids.device)
@@ -160,7 +205,9 @@ def plan_step_triton(
     _plan_kernel[(1,)](
         ids, slot_of, expert_in, last_use, step, uses if aging else last_use,
         pair_slot, pair_missed, miss_experts, miss_slots, stats,
-        p, e, k, max(aging_period, 1), aging_window,
-        BLOCK_P=_pow2(p), BLOCK_E=_pow2(e + 1), BLOCK_K=_pow2(k), AGING=aging, num_warps=8,
+        *(duel if duel is not None else (last_use, last_use, step)),
+        p, e, k, max(aging_period, 1), aging_window, DUEL_LIMIT,
+        BLOCK_P=_pow2(p), BLOCK_E=_pow2(e + 1), BLOCK_K=_pow2(k), AGING=aging, DUEL=duel is not None,
+        BLOCK_S=_pow2(e), num_warps=8,
     )  # fmt: skip
     return pair_slot, pair_missed, miss_experts, miss_slots, stats

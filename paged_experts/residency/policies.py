@@ -75,12 +75,19 @@ class EvictionPolicy(Protocol):
         rank, or a staged one left out of the slots. Only a policy that keeps a list of the residents (ARC) needs
         to hear of it; the others keep what they know of every expert, resident or not."""
 
+    def end_step(self, routed: Collection[int], residents: Collection[int], step: int) -> None:
+        """Step `step` is planned: it routed the distinct experts `routed`, and the slots now hold `residents`.
+        Only a policy that simulates caches of its own (`DuelPolicy`'s shadows) needs it."""
+
 
 class KeepsEveryExpert:
     """The policies that keep what they know of every expert, resident or not: an eviction the planner chose
     itself changes nothing they know (`EvictionPolicy.on_evict`; only ARC keeps a list of the residents)."""
 
     def on_evict(self, expert: int, step: int) -> None:
+        pass
+
+    def end_step(self, routed: Collection[int], residents: Collection[int], step: int) -> None:
         pass
 
 
@@ -218,6 +225,97 @@ class AgingLfuPolicy(KeepsEveryExpert):
         return min(candidates, key=lambda e: (self.uses(e, step), self._last_use.get(e, -1), e))
 
 
+DUEL_LIMIT = 16
+"""`DuelPolicy`'s selector saturates at +-16 misses: a few steps of one policy missing less move it across zero (a
+request switch), and one lucky step does not (the simulator's limits 4, 16 and 64 were within 0.2 points of each
+other on both routings, docs/eviction-policy.md)."""
+DEFAULT_DUEL_WINDOW_STEPS = 4
+"""`duel`'s aging LFU is `lfu-aging:256:4`: the arm that met issue 29's 150 tok/s on the calibrated routing
+(h200-policy-b)."""
+
+
+class DuelPolicy(KeepsEveryExpert):
+    """LRU against `lfu-aging:<P>:<W>`, chosen per layer by which of the two misses less on a cache of its own.
+
+    Why: the two routings the H200 measures want opposite policies. On the calibrated routing a layer's popular
+    experts stay popular, and `lfu-aging:256:4` pages 14-16% less than LRU (+9% decode, h200-policy-b); on the
+    random-weight model's greedy loops each request decodes from a small working set that recency keeps, and every
+    frequency count tried pages more there (-3% to -15% at c=1). ARC's two classes did not pick up the calibrated
+    routing's counts (docs/eviction-policy.md). Set dueling (Qureshi et al., ISCA 2007) keeps both: two shadow
+    caches of K experts (ids only, no bytes), one run by each policy on the layer's routing, count their misses;
+    a saturating selector (`psel`, +-`DUEL_LIMIT`) adds LRU's shadow misses and subtracts the LFU's each step, and
+    the layer's real slots evict by the LFU while it is above zero, else by LRU.
+
+    A step's shadows run when it is planned (`end_step`): each shadow's misses (the routed experts it does not
+    hold) take the places of its lowest-ranked unrouted experts, by its own policy at that step. A step that routes
+    more than K experts (a prefill chunk, planned in waves with a keep rank) moves no selector and leaves both
+    shadows holding what the slots hold. The device plan (residency/device.py, plan_triton) keeps the same shadows,
+    selector and per-expert last uses and makes the same plan, bit for bit.
+    """
+
+    def __init__(
+        self,
+        num_slots: int,
+        period_steps: int = DEFAULT_AGING_PERIOD_STEPS,
+        window_steps: int = DEFAULT_DUEL_WINDOW_STEPS,
+        limit: int = DUEL_LIMIT,
+    ) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.num_slots = num_slots
+        self.limit = limit
+        self.lru = LruPolicy()
+        self.lfu = AgingLfuPolicy(period_steps, window_steps)
+        # [LRU's, the LFU's] shadow caches: the experts each would hold, starting as the slots do (0..K-1)
+        self.shadows: tuple[set[int], set[int]] = (set(range(num_slots)), set(range(num_slots)))
+        self.psel = 0  # > 0: the LFU's shadow missed less lately, the slots evict by it
+
+    @property
+    def period_steps(self) -> int:
+        return self.lfu.period_steps
+
+    @property
+    def window_steps(self) -> int:
+        return self.lfu.window_steps
+
+    def chosen(self) -> EvictionPolicy:
+        return self.lfu if self.psel > 0 else self.lru
+
+    def on_use(self, expert: int, step: int) -> None:
+        self.lru.on_use(expert, step)
+        self.lfu.on_use(expert, step)
+
+    def victim(self, candidates: Collection[int], step: int) -> int:
+        return self.chosen().victim(candidates, step)
+
+    def end_step(self, routed: Collection[int], residents: Collection[int], step: int) -> None:
+        routed = set(routed)
+        if len(routed) > self.num_slots:  # a multi-wave step: its keep rank decided the slots, not a policy
+            for shadow in self.shadows:
+                shadow.clear()
+                shadow.update(residents)
+            return
+        misses = []
+        arms: tuple[EvictionPolicy, EvictionPolicy] = (self.lru, self.lfu)
+        for shadow, policy in zip(self.shadows, arms, strict=True):
+            missed = routed - shadow
+            candidates = shadow - routed  # K - |routed & shadow| >= |missed| since |routed| <= K
+            for _ in missed:
+                victim = policy.victim(candidates, step)
+                candidates.discard(victim)
+                shadow.discard(victim)
+            shadow |= missed
+            misses.append(len(missed))
+        self.psel = max(-self.limit, min(self.limit, self.psel + misses[0] - misses[1]))
+
+    def set_state(self, shadows: tuple[Collection[int], Collection[int]], psel: int) -> None:
+        """The shadows and selector as the device plan left them (read back before a host-planned step)."""
+        for mine, theirs in zip(self.shadows, shadows, strict=True):
+            mine.clear()
+            mine.update(theirs)
+        self.psel = int(psel)
+
+
 class ArcPolicy:
     """Adaptive replacement (Megiddo and Modha, FAST 2003) over a layer's slots: a simulator candidate.
 
@@ -284,6 +382,9 @@ class ArcPolicy:
             self._left.add(expert)
         else:
             self._demote(expert)
+
+    def end_step(self, routed: Collection[int], residents: Collection[int], step: int) -> None:
+        pass  # ARC applies a step's uses lazily, when the next one begins (`_advance`)
 
     def _apply(self, expert: int) -> None:
         """One step's use of `expert`: T1 -> T2, a ghost's return moves p, a first use enters T1."""
@@ -529,6 +630,7 @@ class LayerResidency:
             bad = distinct[0] if distinct[0] < 0 else distinct[-1]
             raise ValueError(f"expert id {bad} out of range [0, {self.num_experts})")
         union = len(distinct)
+        routed_experts = distinct  # the step's distinct routed experts (`distinct` drops the staged ones below)
         if self.stages(routed.size if isinstance(routed, np.ndarray) else len(routed)):
             self.last_large[distinct] = self.large_steps
             self.large_steps += 1
@@ -549,6 +651,7 @@ class LayerResidency:
         for expert in staged:  # served from a staging row and not promoted: it never held a slot
             if expert not in self.slot_of:
                 self.policy.on_evict(expert, self.step)
+        self.policy.end_step(routed_experts, self.slot_of.keys(), self.step)
         self.step += 1
         return StepPlan(waves=staging + waves, union=union, promotions=promotions)
 
@@ -698,33 +801,37 @@ POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "arc": ArcPolicy,
     "random": RandomPolicy,
 }
-"""Online policies by name; Belady needs the future and is built by the simulator."""
+"""Online policies by name that need nothing else; `duel` needs the layer's K (`make_policy`), Belady the future
+(the simulator builds it)."""
 
-EVICTION_POLICIES: tuple[str, ...] = ("lru", "lfu-aging", "lfu-decay")
+EVICTION_POLICIES: tuple[str, ...] = ("lru", "lfu-aging", "lfu-decay", "duel")
 """The policies a paged server can run (`--eviction-policy`); LRU stays the default until another wins on the
 H200 (docs/eviction-policy.md)."""
-DEVICE_POLICIES: tuple[str, ...] = ("lru", "lfu-aging")
+DEVICE_POLICIES: tuple[str, ...] = ("lru", "lfu-aging", "duel")
 """The policies the device plan runs (residency/device.py, inside the captured decode step); the others run on
 the host planner only."""
 DEFAULT_EVICTION_POLICY = "lru"
+PARAMETRIZED_POLICIES: tuple[str, ...] = ("lfu-aging", "duel")
+"""The policies that take `:<P>[:<W>]`: an aging period of P planned steps and a recency window of W."""
 
 
 def eviction_policy_error(name: str) -> str | None:
     """None where a paged server can run `name`: one of `EVICTION_POLICIES`, or `lfu-aging:<P>[:<W>]` (the aging
-    LFU with a period of P planned steps, an integer >= 1, and a recency window of W >= 0 steps); else what is
-    wrong with it."""
+    LFU with a period of P planned steps, an integer >= 1, and a recency window of W >= 0 steps) or `duel:<P>[:<W>]`
+    (LRU against that aging LFU); else what is wrong with it."""
     base, colon, params = name.partition(":")
+    choices = f"is not one of {', '.join(EVICTION_POLICIES)} (or lfu-aging:<P>[:<W>], duel:<P>[:<W>])"
     if not colon:
-        return None if name in EVICTION_POLICIES else f"is not one of {', '.join(EVICTION_POLICIES)} (or lfu-aging:<P>)"
-    if base != "lfu-aging":
-        return f"is not one of {', '.join(EVICTION_POLICIES)} (or lfu-aging:<P>)"
+        return None if name in EVICTION_POLICIES else choices
+    if base not in PARAMETRIZED_POLICIES:
+        return choices
     match = _AGING_NAME.fullmatch(params)
     assert match is not None  # the pattern matches any text
     period, window = match["period"], match["window"]
     if not _STEPS.fullmatch(period) or not 1 <= int(period) <= MAX_AGING_STEPS:
-        return f"names no period: lfu-aging:<P>[:<W>] takes a whole number of steps P in [1, {MAX_AGING_STEPS}]"
+        return f"names no period: {base}:<P>[:<W>] takes a whole number of steps P in [1, {MAX_AGING_STEPS}]"
     if window is not None and (not _STEPS.fullmatch(window) or int(window) > MAX_AGING_STEPS):
-        return f"names no window: lfu-aging:<P>:<W> takes a whole number of steps W in [0, {MAX_AGING_STEPS}]"
+        return f"names no window: {base}:<P>:<W> takes a whole number of steps W in [0, {MAX_AGING_STEPS}]"
     return None
 
 
@@ -739,13 +846,20 @@ def policy_base(name: str) -> str:
     return name.partition(":")[0]
 
 
-def make_policy(name: str) -> EvictionPolicy:
+def make_policy(name: str, num_slots: int | None = None) -> EvictionPolicy:
     """A fresh online policy of `name` (one of `EVICTION_POLICIES` with its default parameters, or
-    `lfu-aging:<P>[:<W>]`)."""
+    `lfu-aging:<P>[:<W>]`, `duel:<P>[:<W>]`); `duel` keeps shadow caches of the layer's `num_slots`."""
     problem = eviction_policy_error(name)
     if problem is not None:
         raise ValueError(f"eviction policy {name!r} {problem}")
-    if ":" in name:
-        period, _, window = name.partition(":")[2].partition(":")
+    base, colon, params = name.partition(":")
+    period, _, window = params.partition(":")
+    if base == "duel":
+        if num_slots is None:
+            raise ValueError("eviction policy 'duel' needs the layer's number of slots")
+        if not colon:
+            return DuelPolicy(num_slots)
+        return DuelPolicy(num_slots, int(period), int(window or 0))
+    if colon:
         return AgingLfuPolicy(int(period), int(window or 0))
     return POLICIES[name]()

@@ -19,6 +19,7 @@ from typing import Any
 from paged_experts.residency.page_in import EXPERT_ROWS, PAGE_IN_CHOICES
 from paged_experts.residency.policies import (
     DEFAULT_AGING_PERIOD_STEPS,
+    DEFAULT_DUEL_WINDOW_STEPS,
     DEFAULT_EVICTION_POLICY,
     DEFAULT_PREFILL_KEEP,
     DEVICE_POLICIES,
@@ -206,8 +207,10 @@ class ServeOptions:
         f"(host and device planner), lfu-decay = the least used with counts decaying by half every 2 steps "
         f"(host planner only: refused with --device cuda; default {DEFAULT_EVICTION_POLICY}; see "
         f"docs/eviction-policy.md); lfu-aging:<P> halves them every P steps, lfu-aging:<P>:<W> also evicts the "
-        f"experts used in the last W steps last",
-        metavar="{" + ",".join(EVICTION_POLICIES) + ",lfu-aging:<P>[:<W>]}",
+        f"experts used in the last W steps last; duel = lru or lfu-aging:{DEFAULT_AGING_PERIOD_STEPS}:"
+        f"{DEFAULT_DUEL_WINDOW_STEPS} per layer, whichever misses less on a shadow cache of its own "
+        f"(host and device planner; duel:<P>[:<W>] duels lfu-aging:<P>[:<W>])",
+        metavar="{" + ",".join(EVICTION_POLICIES) + ",lfu-aging:<P>[:<W>],duel:<P>[:<W>]}",
     )
     expert_kernel: str = _opt(
         "fused",

@@ -106,14 +106,15 @@ def test_device_planned_paged_equals_resident_qwen_shapes() -> None:
 
 
 def test_aging_lfu_planned_on_the_gpu_equals_resident_and_counts_what_the_host_plans() -> None:
-    for policy in ("lfu-aging", "lfu-aging:4:2"):
+    for policy in ("lfu-aging", "lfu-aging:4:2", "duel", "duel:4:2"):
         check_aging_lfu(policy)
 
 
 def check_aging_lfu(policy: str) -> None:
-    """`lfu-aging` on the fused device plan (the default period; a 4-step period with a 2-step window): outputs
-    equal resident bit for bit, and the misses of every layer equal the host planner's over the same steps (the
-    prompt's multi-wave step included: shared state)."""
+    """`lfu-aging` on the fused device plan (the default period; a 4-step period with a 2-step window), and the
+    duel of LRU with it (`duel`, its shadows and selector in the plan kernel): outputs equal resident bit for bit, and
+    the misses of every layer equal the host planner's over the same steps (the prompt's multi-wave step included:
+    shared state)."""
     prompts = [[5, 17, 300, 41, 9, 77, 3, 8]]
     resident = decode(MoeCausalLM.from_pretrained(QWEN2, rt("bfloat16", mode="resident")), prompts, steps=12)
     for k in (8, 16):
@@ -326,9 +327,10 @@ def test_compiled_graphed_paged_decode_matches_eager() -> None:
 def test_graphed_paged_decode_with_synthetic_routing_matches_eager() -> None:
     check_graphed_paged(overlap=False, compile_layers=True, routing="qwen3-30b-a3b")
     # the aging LFU's plan inside the captured, compiled step (the served configuration's kernels)
-    check_graphed_paged(
-        overlap=False, compile_layers=True, routing="qwen3-30b-a3b", backend="triton", policy="lfu-aging"
-    )
+    for policy in ("lfu-aging", "duel"):
+        check_graphed_paged(
+            overlap=False, compile_layers=True, routing="qwen3-30b-a3b", backend="triton", policy=policy
+        )
 
 
 def check_prefetch_graphed(compile_layers: bool, backend: str = "grouped") -> None:
