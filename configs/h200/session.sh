@@ -26,12 +26,13 @@
 #   bash configs/h200/session.sh window     # benchsuite run of configs/h200/window.yaml (detached; the aging LFU's window, ~8 min)
 #   bash configs/h200/session.sh policyconfirm  # benchsuite run of configs/h200/policyconfirm.yaml (detached; ~14 min)
 #   bash configs/h200/session.sh prefetch       # benchsuite run of configs/h200/prefetch.yaml (detached; ~9 min)
+#   bash configs/h200/session.sh duel           # benchsuite run of configs/h200/duel.yaml (detached; ~9 min)
 #   bash configs/h200/session.sh flags      # benchmarks/llamacpp_flags_h200.py at N=30 (detached; issue 24, ~8 min)
 #   bash configs/h200/session.sh policies   # benchmarks/eviction_policies.py over this session's routing traces
 #                                           # (the servers with record_routing: record, policy, window, policyconfirm),
 #                                           # one process a trace (2,048-token traces take over 11 min: bring them
 #                                           # back with `routing` and replay them off the device instead)
-#   bash configs/h200/session.sh queue JOB...  # JOBs (cuda first, then headline|overlap|copy|ttft|paged16|fused|kernelcopy|batchcopy|staging|staging16|dmaproxy|switch|capcopy|packed|gcfreeze|attnfp8|record|policy|window|policyconfirm|prefetch|flags|policies) in
+#   bash configs/h200/session.sh queue JOB...  # JOBs (cuda first, then headline|overlap|copy|ttft|paged16|fused|kernelcopy|batchcopy|staging|staging16|dmaproxy|switch|capcopy|packed|gcfreeze|attnfp8|record|policy|window|policyconfirm|prefetch|duel|flags|policies) in
 #                                           # order, once prepare's jobs end; a failed CUDA test stops the runs
 #   bash configs/h200/session.sh poll SECS  # wait up to SECS for the running jobs, printing progress; once they have
 #                                           # ended, with a minute left, the routing traces in routing.tar (over 16 MB
@@ -240,7 +241,7 @@ case "${1:-}" in
     (echo "$BASHPID" > "$JOBS/cuda.pid"; cd "$COPY" && python3 -m pytest $CUDA_TESTS -m cuda -q -p no:cacheprovider -o addopts= 2>&1 | tee "$JOBS/cuda.log" \
       | tail -40; echo "${PIPESTATUS[0]}" > "$JOBS/cuda.rc")  # what a queue's guard reads
     ;;
-  headline|overlap|copy|ttft|paged16|fused|kernelcopy|batchcopy|staging|staging16|dmaproxy|switch|capcopy|packed|gcfreeze|attnfp8|record|policy|window|policyconfirm|prefetch)
+  headline|overlap|copy|ttft|paged16|fused|kernelcopy|batchcopy|staging|staging16|dmaproxy|switch|capcopy|packed|gcfreeze|attnfp8|record|policy|window|policyconfirm|prefetch|duel)
     site
     detach "$1" "python3 -m benchsuite run configs/h200/$1.yaml --run-id $RUN_PREFIX-$1${RUN_SUFFIX:-} --no-report"
     ;;
@@ -257,7 +258,7 @@ case "${1:-}" in
     # no test running yet and start its runs beside the tests (2026-12-02: h200-copy's first 12 cells did)
     site
     shift
-    [ $# -gt 0 ] || { echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|fused|kernelcopy|batchcopy|staging|staging16|dmaproxy|switch|capcopy|packed|gcfreeze|attnfp8|record|policy|window|policyconfirm|prefetch|flags|policies ..." >&2; exit 2; }
+    [ $# -gt 0 ] || { echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|fused|kernelcopy|batchcopy|staging|staging16|dmaproxy|switch|capcopy|packed|gcfreeze|attnfp8|record|policy|window|policyconfirm|prefetch|duel|flags|policies ..." >&2; exit 2; }
     # a failed CUDA test (this session's cuda.log) stops the queue: no figure is measured on code the GPU found wrong
     # (pytest's exit status, so a crash or a kill stops it too, not only a failed assertion)
     guard="if [ -f $JOBS/cuda.rc ] && [ \"\$(cat $JOBS/cuda.rc)\" != 0 ]; then echo 'queue: the CUDA tests failed (cuda.log): nothing run'; exit 1; fi"
@@ -269,7 +270,7 @@ case "${1:-}" in
     for job in "$@"; do
       case "$job" in
         cuda) first="python3 -m pytest $CUDA_TESTS -m cuda -q -p no:cacheprovider -o addopts= > $JOBS/cuda.log 2>&1; echo \$? > $JOBS/cuda.rc; echo \"cuda exit \$(cat $JOBS/cuda.rc)\"; tail -n 3 $JOBS/cuda.log" ;;
-        headline|overlap|copy|ttft|paged16|fused|kernelcopy|batchcopy|staging|staging16|dmaproxy|switch|capcopy|packed|gcfreeze|attnfp8|record|policy|window|policyconfirm|prefetch)
+        headline|overlap|copy|ttft|paged16|fused|kernelcopy|batchcopy|staging|staging16|dmaproxy|switch|capcopy|packed|gcfreeze|attnfp8|record|policy|window|policyconfirm|prefetch|duel)
           # RUN_ONLY="a b": the run measures only those servers (--only), the rest left for a later run;
           # RUN_ONLY_<job>, where set (even empty), replaces it for this job
           names_var="RUN_ONLY_$job"
@@ -289,7 +290,7 @@ case "${1:-}" in
             $run-base$only --no-report); echo \"$job base exit \$?\"" ;;
         flags) steps="$steps; $guard; $FLAGS_CMD; echo \"flags exit \$?\"" ;;
         policies) steps="$steps; $POLICIES_CMD; echo \"policies exit \$?\"" ;;
-        *) echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|fused|kernelcopy|batchcopy|staging|staging16|dmaproxy|switch|capcopy|packed|gcfreeze|attnfp8|record|policy|window|policyconfirm|prefetch|flags|policies ..." >&2; exit 2 ;;
+        *) echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|fused|kernelcopy|batchcopy|staging|staging16|dmaproxy|switch|capcopy|packed|gcfreeze|attnfp8|record|policy|window|policyconfirm|prefetch|duel|flags|policies ..." >&2; exit 2 ;;
       esac
     done
     # the CUDA tests first, at once (on the GPU, beside the build's and the models' CPU work: slower, not wrong);
@@ -328,7 +329,7 @@ case "${1:-}" in
     pack_traces 1
     exit 0
     ;;
-  *) echo "usage: $0 prepare [builtin]|cuda|headline|overlap|copy|ttft|paged16|fused|kernelcopy|batchcopy|staging|staging16|dmaproxy|switch|capcopy|packed|gcfreeze|attnfp8|record|policy|window|policyconfirm|prefetch|flags|policies|queue [cuda] JOB...|poll SECS|routing" >&2; exit 2 ;;
+  *) echo "usage: $0 prepare [builtin]|cuda|headline|overlap|copy|ttft|paged16|fused|kernelcopy|batchcopy|staging|staging16|dmaproxy|switch|capcopy|packed|gcfreeze|attnfp8|record|policy|window|policyconfirm|prefetch|duel|flags|policies|queue [cuda] JOB...|poll SECS|routing" >&2; exit 2 ;;
 esac
 collect
 for f in "$JOBS"/*.log; do [ -f "$f" ] && { echo "== $(basename "$f")"; tail -n 4 "$f"; }; done
