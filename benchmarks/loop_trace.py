@@ -2,10 +2,10 @@
 
 Why: the 48-layer random-weight model the H200 serves loops under greedy decoding (h100-headline-g's caveat: 42 of
 48 short requests), so each request decodes from a small working set that LRU keeps within 2 points of Belady
-(h200-record) and every frequency count tried loses to it (docs/eviction-policy.md). No such trace is kept here
-(the H200's were lost with its machine), and a CPU cannot record the 48-layer model's, so the policies' behaviour on
-loops is simulated on this proxy. It is a proxy, not a model's routing: its figures say which way a policy leans on
-loops, the H200 says by how much.
+(h200-record) and the frequency arms without a long window lose to it (docs/eviction-policy.md). No such trace is
+kept here (the H200's were lost with its machine), and a CPU cannot record the 48-layer model's, so the policies'
+behaviour on loops is simulated on this proxy. It is a proxy, not a model's routing: its figures say which way a
+policy leans on loops, the H200 says by how much.
 
 Each request walks a few fresh states (2-19 tokens), then repeats a cycle of L states (L drawn from 1..max-period);
 each state routes top-k of E experts per layer, drawn as the top-k of a static per-layer bias plus fresh noise (a
@@ -33,12 +33,13 @@ def loop_trace(
     layer_bias = rng.normal(size=(layers, experts)) * bias  # [L, E] the router's static preference
     ids, steps = [], []
     for r in range(requests):
-        walk = int(rng.integers(2, 20))
-        period = int(rng.integers(1, max_period + 1))
+        walk_tokens = int(rng.integers(2, 20))
+        period_tokens = int(rng.integers(1, max_period + 1))
         states = [np.argsort(-(layer_bias + rng.normal(size=(layers, experts))), axis=1)[:, :top_k]
-                  for _ in range(walk + period)]  # fmt: skip
+                  for _ in range(walk_tokens + period_tokens)]  # fmt: skip  # each [L, top_k]
         for t in range(tokens):
-            ids.append(states[t] if t < walk else states[walk + (t - walk) % period])  # [L, top_k]
+            loop = walk_tokens + (t - walk_tokens) % period_tokens
+            ids.append(states[t] if t < walk_tokens else states[loop])  # [L, top_k]
             steps.append([(f"loop-{r}", 1)])
     meta = TraceMeta(
         num_layers=layers, num_experts=experts, top_k=top_k, source="synthetic:loop-proxy", model="loop-proxy",

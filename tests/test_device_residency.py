@@ -19,7 +19,7 @@ from paged_experts.kernels.copy_kernel import copy_planned
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.residency.device import DeviceResidency
-from paged_experts.residency.policies import AgingLfuPolicy, DuelPolicy, LayerResidency, LruPolicy
+from paged_experts.residency.policies import AgingLfuPolicy, DuelPolicy, EvictionPolicy, LayerResidency, LruPolicy
 from paged_experts.residency.store import ExpertTensors
 from paged_experts.runtime import RuntimeConfig
 
@@ -47,7 +47,7 @@ def _check_same_duel(dev: DeviceResidency, host: LayerResidency) -> None:
     e = dev.num_experts
     assert int(dev.psel) == host.policy.psel
     assert [set(torch.nonzero(dev.shadows[i, :e]).flatten().tolist()) for i in range(2)] == list(host.policy.shadows)
-    assert dev.expert_last_use[:e].tolist() == [host.policy.lru._last_use.get(x, -1) for x in range(e)]
+    assert dev.expert_last_use[:e].tolist() == [host.policy.lru.last_use(x) for x in range(e)]
 
 
 def _pair(
@@ -55,7 +55,9 @@ def _pair(
 ) -> tuple[DeviceResidency, LayerResidency]:
     """A device residency and a host one of the same policy: LRU (aging None) or aging LFU of that period
     (and recency window), or with `duel` LRU against that aging LFU."""
-    policy = DuelPolicy(k, aging, window) if duel and aging else AgingLfuPolicy(aging, window) if aging else LruPolicy()
+    policy: EvictionPolicy = LruPolicy()
+    if aging:
+        policy = DuelPolicy(k, aging, window) if duel else AgingLfuPolicy(aging, window)
     dev = DeviceResidency(e, k, torch.device("cpu"), aging_period_steps=aging, aging_window_steps=window, duel=duel)
     return dev, LayerResidency(e, k, policy)
 
@@ -127,6 +129,8 @@ def test_host_planned_steps_share_the_device_state(aging: int | None, window: in
     for i in range(80):
         if i % 5 == 4:  # a 6-token step: 24 pairs > K, waves on the host
             routed = [x for _ in range(6) for x in rng.sample(range(e), top_k)]
+            if i % 10 == 9:  # 24 pairs of at most K experts: one wave, planned on the host (the duel's shadows play it)
+                routed = [x for _ in range(6) for x in rng.sample(range(k), top_k)]
             dev.pull_to(host)
             if duel:
                 _check_same_duel(dev, host)

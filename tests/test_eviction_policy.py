@@ -175,7 +175,7 @@ def test_the_duel_follows_whichever_policy_misses_less_on_its_shadow(steps: list
     duel = DuelPolicy(k, 256, 0)
     both = _misses(duel, steps, e, k)
     assert (lfu < lru) if winner == "lfu" else (lru < lfu), (lru, lfu)
-    assert (duel.psel > 0) == (winner == "lfu") and abs(duel.psel) <= duel.limit
+    assert (duel.psel > 0) == (winner == "lfu") and abs(duel.psel) <= duel.limit_misses
     # the duel pays a few steps of the wrong policy while its selector crosses zero, then misses as the winner
     assert both <= min(lru, lfu) + 8 < max(lru, lfu), (lru, lfu, both)
 

@@ -26,7 +26,7 @@
 #   bash configs/h200/session.sh window     # benchsuite run of configs/h200/window.yaml (detached; the aging LFU's window, ~8 min)
 #   bash configs/h200/session.sh policyconfirm  # benchsuite run of configs/h200/policyconfirm.yaml (detached; ~14 min)
 #   bash configs/h200/session.sh prefetch       # benchsuite run of configs/h200/prefetch.yaml (detached; ~9 min)
-#   bash configs/h200/session.sh duel           # benchsuite run of configs/h200/duel.yaml (detached; ~9 min)
+#   bash configs/h200/session.sh duel           # benchsuite run of configs/h200/duel.yaml (detached; ~8 min)
 #   bash configs/h200/session.sh flags      # benchmarks/llamacpp_flags_h200.py at N=30 (detached; issue 24, ~8 min)
 #   bash configs/h200/session.sh policies   # benchmarks/eviction_policies.py over this session's routing traces
 #                                           # (the servers with record_routing: record, policy, window, policyconfirm),

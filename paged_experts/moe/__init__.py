@@ -85,8 +85,11 @@ def make_layer(
     policy = make_policy(runtime.eviction_policy, k)  # RuntimeConfig refused one the device plan cannot run
     lru = None
     if runtime.plans_on_device:
-        # the host's aging LFU (its own, or the duel's): they share one state
-        aging = policy.lfu if isinstance(policy, DuelPolicy) else policy if isinstance(policy, AgingLfuPolicy) else None
+        aging = None  # the host's aging LFU (its own, or the duel's): they share one state
+        if isinstance(policy, DuelPolicy):
+            aging = policy.lfu
+        elif isinstance(policy, AgingLfuPolicy):
+            aging = policy
         lru = DeviceLru(
             DeviceResidency(
                 cfg.num_experts,

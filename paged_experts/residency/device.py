@@ -1,4 +1,4 @@
-"""LRU (or aging-LFU) residency of one paged layer kept on the device: a one-wave step is planned, paged
+"""LRU (aging-LFU, or their duel) residency of one paged layer kept on the device: a one-wave step is planned, paged
 in and computed with no host synchronization, so a whole decode step can be captured in a CUDA graph.
 
 A step fits one wave when its routed pairs P = tokens x top_k are at most K: then its distinct
@@ -34,7 +34,7 @@ import torch
 
 from paged_experts.residency import plan_triton
 from paged_experts.residency.policies import (
-    DUEL_LIMIT,
+    DUEL_LIMIT_MISSES,
     AgingLfuPolicy,
     DuelPolicy,
     EvictionPolicy,
@@ -187,7 +187,7 @@ class DeviceResidency:
             uses = [policy.uses(ex, last) for ex in range(e)] + [0]
         else:
             assert isinstance(policy, LruPolicy)
-            stamps = [policy._last_use.get(ex, -1) for ex in residency.expert_in] + [-1]
+            stamps = [policy.last_use(ex) for ex in residency.expert_in] + [-1]
             uses = [0] * (e + 1)
         values = [*slot_of, *residency.expert_in, e, *stamps, residency.step, *uses, *duel]
         host = torch.tensor(values, dtype=torch.long)
@@ -203,8 +203,9 @@ class DeviceResidency:
 
 
 def pull_many(pairs: Sequence[tuple[DeviceResidency, LayerResidency]]) -> float:
-    """Writes each device state into its host `LayerResidency` (LRU) with one device read for all. Returns the
-    seconds of that read (on CUDA it waits for the device's queued work: the prefill counters' host_wait_s)."""
+    """Writes each device state into its host `LayerResidency` (LRU, aging LFU or their duel) with one device read
+    for all. Returns the seconds of that read (on CUDA it waits for the device's queued work: the prefill counters'
+    host_wait_s)."""
     if not pairs:
         return 0.0
     rows = torch.cat([_pull_row(d) for d, _ in pairs])
@@ -228,10 +229,7 @@ def pull_many(pairs: Sequence[tuple[DeviceResidency, LayerResidency]]) -> float:
             last = max(int(step) - 1, 0)
             for ex in range(e):
                 policy.lfu.set_state(ex, uses[ex], stamps[ex], last)
-                if stamps[ex] >= 0:
-                    policy.lru._last_use[ex] = stamps[ex]
-                else:
-                    policy.lru._last_use.pop(ex, None)
+                policy.lru.set_last_use(ex, stamps[ex])
             shadows = tuple({ex for ex in range(e) if flags[i * e + ex]} for i in range(2))
             policy.set_state((shadows[0], shadows[1]), psel)
             continue
@@ -245,10 +243,7 @@ def pull_many(pairs: Sequence[tuple[DeviceResidency, LayerResidency]]) -> float:
             continue
         assert isinstance(policy, LruPolicy)
         for ex, stamp in zip(expert_in, last_use):
-            if stamp >= 0:
-                policy._last_use[ex] = stamp
-            else:
-                policy._last_use.pop(ex, None)
+            policy.set_last_use(ex, stamp)
     return read_s
 
 
@@ -348,7 +343,7 @@ def _duel_shadows(
     used: torch.Tensor,
     uses: torch.Tensor,
     step: torch.Tensor,
-    window: int,
+    window_steps: int,
     arange: torch.Tensor,
     expert_last_use: torch.Tensor,
     shadows: torch.Tensor,
@@ -360,8 +355,8 @@ def _duel_shadows(
     stamp = expert_last_use[:e]  # [E] before this step's uses
     key = (stamp + 1) * (e + 1) + arange  # [E] LRU's order: (last use, id), distinct
     count = uses
-    if window:
-        count = count + ((stamp >= 0) & (stamp >= step - window)).to(torch.long) * RECENT
+    if window_steps:
+        count = count + ((stamp >= 0) & (stamp >= step - window_steps)).to(torch.long) * RECENT
     lru_before = key[None, :] < key[:, None]  # [E, E]: expert j before expert i
     lfu_before = (count[None, :] < count[:, None]) | ((count[None, :] == count[:, None]) & lru_before)  # [E, E]
     missed = []
@@ -374,7 +369,7 @@ def _duel_shadows(
         evicted = candidates & (rank < n_miss)
         shadows[i, :e] = (shadow & ~evicted) | miss
         missed.append(n_miss)
-    psel.copy_((psel + missed[0] - missed[1]).clamp(-DUEL_LIMIT, DUEL_LIMIT))
+    psel.copy_((psel + missed[0] - missed[1]).clamp(-DUEL_LIMIT_MISSES, DUEL_LIMIT_MISSES))
 
 
 _COMPILED: list = []
@@ -387,7 +382,7 @@ def _compiled_plan_step():  # noqa: ANN202 - torch.compile's wrapper type
 
 
 def _policy(dev: DeviceResidency, residency: LayerResidency) -> EvictionPolicy:
-    """The host policy that shares `dev`'s state: LRU, or aging LFU of the same period."""
+    """The host policy that shares `dev`'s state: LRU, aging LFU of the same period and window, or their duel."""
     policy = residency.policy
     if dev.duel:
         if (

@@ -1,5 +1,5 @@
-"""The device LRU (or aging-LFU) plan of one paged layer-step as ONE Triton kernel (`device.plan_step` is the
-reference).
+"""The device LRU (aging-LFU, or their duel) plan of one paged layer-step as ONE Triton kernel (`device.plan_step` is
+the reference).
 
 `device.plan_step` is ~45 small torch ops. Inside the captured decode graph each is a kernel of about
 1-1.5 us with ~0.4 us between kernels (an 8-layer FP8 profile on the H200,
@@ -17,7 +17,7 @@ tests/cuda on the GPU):
   multiple of PERIOD, slots ranked by (count of their expert, then the LRU key), with WINDOW > 0 the slots
   used in the last WINDOW steps after every other; `DUEL` (`duel`, `DuelPolicy`): the aging order while the
   selector psel > 0, else LRU's, then the two shadow caches play the step over per-expert last uses
-  ([E x E] comparisons over BLOCK_S = pow2(E) experts) and psel moves by their misses, within +-LIMIT;
+  ([E x E] comparisons over BLOCK_S = pow2(E) experts) and psel moves by their misses, within +-LIMIT_MISSES;
 - the maps updated (evicted experts lose their slot, misses get theirs), every routed pair's slot
   stamped with the step, the routed experts' counts grown by one (aging), the step counter advanced; the spare
   entries (E, K) untouched.
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from paged_experts.residency.policies import DUEL_LIMIT
+from paged_experts.residency.policies import DUEL_LIMIT_MISSES
 
 try:  # Triton ships with CUDA builds of torch; the CPU wheel has none
     import triton
@@ -60,7 +60,7 @@ if triton is not None:
         ids_ptr, slot_of_ptr, expert_in_ptr, last_use_ptr, step_ptr, uses_ptr,
         pair_slot_ptr, pair_missed_ptr, miss_experts_ptr, miss_slots_ptr, stats_ptr,
         elu_ptr, shadow_ptr, psel_ptr,
-        P, E, K, PERIOD, WINDOW, LIMIT,
+        P, E, K, PERIOD, WINDOW, LIMIT_MISSES,
         BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, AGING: tl.constexpr,
         DUEL: tl.constexpr, BLOCK_S: tl.constexpr,
     ):  # fmt: skip
@@ -141,28 +141,31 @@ if triton is not None:
             smask = s < E
             used_s = tl.max(((ids[:, None] == s[None, :]) & pmask[:, None]).to(tl.int32), axis=0) > 0  # [BS]
             stamp = tl.load(elu_ptr + s, mask=smask, other=-1)  # [BS] last uses before this step's
-            uses_s = tl.load(uses_ptr + s, mask=smask, other=0)
+            uses_s = tl.load(uses_ptr + s, mask=smask, other=0)  # [BS]
             uses_s = tl.where(halve, uses_s >> 1, uses_s)  # the step's counts, before its own uses
             lkey = (stamp + 1) * (E + 1) + s  # [BS] LRU's order, distinct
-            recent_s = (stamp >= 0) & (stamp >= step - WINDOW) & (WINDOW > 0)
-            cnt = uses_s + recent_s.to(tl.int64) * (1 << 40)  # (device.RECENT)
+            recent_s = (stamp >= 0) & (stamp >= step - WINDOW) & (WINDOW > 0)  # [BS]
+            cnt = uses_s + recent_s.to(tl.int64) * (1 << 40)  # [BS] (device.RECENT)
             lru_b = lkey[None, :] < lkey[:, None]  # [BS, BS]: expert j before expert i
-            lfu_b = (cnt[None, :] < cnt[:, None]) | ((cnt[None, :] == cnt[:, None]) & lru_b)
-            sh0 = (tl.load(shadow_ptr + s, mask=smask, other=0) != 0) & smask  # LRU's shadow
-            sh1 = (tl.load(shadow_ptr + (E + 1) + s, mask=smask, other=0) != 0) & smask  # the LFU's
-            cand0 = sh0 & ~used_s
-            miss0 = used_s & ~sh0 & smask
+            lfu_b = (cnt[None, :] < cnt[:, None]) | ((cnt[None, :] == cnt[:, None]) & lru_b)  # [BS, BS]
+            sh0 = (tl.load(shadow_ptr + s, mask=smask, other=0) != 0) & smask  # [BS] LRU's shadow
+            sh1 = (tl.load(shadow_ptr + (E + 1) + s, mask=smask, other=0) != 0) & smask  # [BS] the LFU's
+            cand0 = sh0 & ~used_s  # [BS] what a miss may evict
+            miss0 = used_s & ~sh0 & smask  # [BS]
             n0 = tl.sum(miss0.to(tl.int64), axis=0)
-            rank0 = tl.sum((lru_b & cand0[None, :]).to(tl.int64), axis=1)  # [BS]
-            keep0 = (sh0 & ~(cand0 & (rank0 < n0))) | miss0
-            cand1 = sh1 & ~used_s
-            miss1 = used_s & ~sh1 & smask
+            rank0 = tl.sum((lru_b & cand0[None, :]).to(tl.int64), axis=1)  # [BS] candidates ranked before i
+            keep0 = (sh0 & ~(cand0 & (rank0 < n0))) | miss0  # [BS] the shadow after the step
+            cand1 = sh1 & ~used_s  # [BS]
+            miss1 = used_s & ~sh1 & smask  # [BS]
             n1 = tl.sum(miss1.to(tl.int64), axis=0)
-            rank1 = tl.sum((lfu_b & cand1[None, :]).to(tl.int64), axis=1)
-            keep1 = (sh1 & ~(cand1 & (rank1 < n1))) | miss1
+            rank1 = tl.sum((lfu_b & cand1[None, :]).to(tl.int64), axis=1)  # [BS]
+            keep1 = (sh1 & ~(cand1 & (rank1 < n1))) | miss1  # [BS]
+            # every thread has read the shadows, last uses and psel before any writes them (the layout changes
+            # above synchronize already; the barrier says so rather than relying on it)
+            tl.debug_barrier()
             tl.store(shadow_ptr + s, keep0, mask=smask)
             tl.store(shadow_ptr + (E + 1) + s, keep1, mask=smask)
-            tl.store(psel_ptr, tl.minimum(tl.maximum(psel + n0 - n1, -LIMIT), LIMIT))
+            tl.store(psel_ptr, tl.minimum(tl.maximum(psel + n0 - n1, -LIMIT_MISSES), LIMIT_MISSES))
             tl.store(elu_ptr + s, step + tl.zeros_like(stamp), mask=smask & used_s)
         if AGING:
             tl.store(uses_ptr + e, uses_e + used.to(tl.int64), mask=emask)
@@ -206,7 +209,7 @@ def plan_step_triton(
         ids, slot_of, expert_in, last_use, step, uses if aging else last_use,
         pair_slot, pair_missed, miss_experts, miss_slots, stats,
         *(duel if duel is not None else (last_use, last_use, step)),
-        p, e, k, max(aging_period, 1), aging_window, DUEL_LIMIT,
+        p, e, k, max(aging_period, 1), aging_window, DUEL_LIMIT_MISSES,
         BLOCK_P=_pow2(p), BLOCK_E=_pow2(e + 1), BLOCK_K=_pow2(k), AGING=aging, DUEL=duel is not None,
         BLOCK_S=_pow2(e), num_warps=8,
     )  # fmt: skip

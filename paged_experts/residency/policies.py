@@ -100,6 +100,16 @@ class LruPolicy(KeepsEveryExpert):
     def on_use(self, expert: int, step: int) -> None:
         self._last_use[expert] = step
 
+    def last_use(self, expert: int) -> int:
+        return self._last_use.get(expert, -1)
+
+    def set_last_use(self, expert: int, step: int) -> None:
+        """The expert's last use as the device plan kept it (-1: never used)."""
+        if step >= 0:
+            self._last_use[expert] = step
+        else:
+            self._last_use.pop(expert, None)
+
     def victim(self, candidates: Collection[int], step: int) -> int:
         return min(candidates, key=lambda e: (self._last_use.get(e, -1), e))
 
@@ -225,10 +235,9 @@ class AgingLfuPolicy(KeepsEveryExpert):
         return min(candidates, key=lambda e: (self.uses(e, step), self._last_use.get(e, -1), e))
 
 
-DUEL_LIMIT = 16
-"""`DuelPolicy`'s selector saturates at +-16 misses: a few steps of one policy missing less move it across zero (a
-request switch), and one lucky step does not (the simulator's limits 4, 16 and 64 were within 0.2 points of each
-other on both routings, docs/eviction-policy.md)."""
+DUEL_LIMIT_MISSES = 16
+"""`DuelPolicy`'s selector saturates at +-16 misses: a few steps in which one shadow misses less move it across zero
+(a new request's working set), and one lucky step does not. Set by reasoning, not measured against other limits."""
 DEFAULT_DUEL_WINDOW_STEPS = 4
 """`duel`'s aging LFU is `lfu-aging:256:4`: the arm that met issue 29's 150 tok/s on the calibrated routing
 (h200-policy-b)."""
@@ -238,13 +247,15 @@ class DuelPolicy(KeepsEveryExpert):
     """LRU against `lfu-aging:<P>:<W>`, chosen per layer by which of the two misses less on a cache of its own.
 
     Why: the two routings the H200 measures want opposite policies. On the calibrated routing a layer's popular
-    experts stay popular, and `lfu-aging:256:4` pages 14-16% less than LRU (+9% decode, h200-policy-b); on the
-    random-weight model's greedy loops each request decodes from a small working set that recency keeps, and every
-    frequency count tried pages more there (-3% to -15% at c=1). ARC's two classes did not pick up the calibrated
+    experts stay popular, and `lfu-aging:256:4` missed ~18% less than LRU at c=1 and ~10% less at c=4 (+9% decode,
+    h200-policy-b); on the random-weight model's greedy loops each request decodes from a small working set that
+    recency keeps, and the frequency arms without a long window decoded 3-15% slower there at c=1 (`lfu-aging:256:16`
+    kept LRU's rate and gave back half of the calibrated gain, docs/eviction-policy.md). ARC's two classes did not pick
+    up the calibrated
     routing's counts (docs/eviction-policy.md). Set dueling (Qureshi et al., ISCA 2007) keeps both: two shadow
     caches of K experts (ids only, no bytes), one run by each policy on the layer's routing, count their misses;
-    a saturating selector (`psel`, +-`DUEL_LIMIT`) adds LRU's shadow misses and subtracts the LFU's each step, and
-    the layer's real slots evict by the LFU while it is above zero, else by LRU.
+    a saturating selector (`psel`, +-`DUEL_LIMIT_MISSES`) adds LRU's shadow misses and subtracts the LFU's each step,
+    and the layer's real slots evict by the LFU while it is above zero, else by LRU.
 
     A step's shadows run when it is planned (`end_step`): each shadow's misses (the routed experts it does not
     hold) take the places of its lowest-ranked unrouted experts, by its own policy at that step. A step that routes
@@ -258,12 +269,12 @@ class DuelPolicy(KeepsEveryExpert):
         num_slots: int,
         period_steps: int = DEFAULT_AGING_PERIOD_STEPS,
         window_steps: int = DEFAULT_DUEL_WINDOW_STEPS,
-        limit: int = DUEL_LIMIT,
+        limit_misses: int = DUEL_LIMIT_MISSES,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.num_slots = num_slots
-        self.limit = limit
+        self.limit_misses = limit_misses
         self.lru = LruPolicy()
         self.lfu = AgingLfuPolicy(period_steps, window_steps)
         # [LRU's, the LFU's] shadow caches: the experts each would hold, starting as the slots do (0..K-1)
@@ -306,7 +317,7 @@ class DuelPolicy(KeepsEveryExpert):
                 shadow.discard(victim)
             shadow |= missed
             misses.append(len(missed))
-        self.psel = max(-self.limit, min(self.limit, self.psel + misses[0] - misses[1]))
+        self.psel = max(-self.limit_misses, min(self.limit_misses, self.psel + misses[0] - misses[1]))
 
     def set_state(self, shadows: tuple[Collection[int], Collection[int]], psel: int) -> None:
         """The shadows and selector as the device plan left them (read back before a host-planned step)."""
@@ -583,6 +594,8 @@ class LayerResidency:
         self.num_slots = num_slots
         self.prefill_keep = prefill_keep
         self.policy: EvictionPolicy = policy if policy is not None else LruPolicy()
+        if isinstance(self.policy, DuelPolicy) and self.policy.num_slots != num_slots:
+            raise ValueError(f"a duel's shadows hold {self.policy.num_slots} experts, the layer {num_slots} slots")
         self.slot_of: dict[int, int] = {e: e for e in range(num_slots)}
         self.expert_in: list[int] = list(range(num_slots))
         self.step = 0
