@@ -453,7 +453,7 @@ def test_benchsuite_run_stores_the_optimal_hit_rate_from_the_recorded_trace(
     body = {
         "name": "optimal", "output_root": str(tmp_path / "results"),
         "engines": {"rec": {"kind": "builtin", "options": {**model, "record_routing": True,
-                                                           "eviction_policy": ["lru", "lfu-decay"]}},
+                                                           "eviction_policy": ["lru", "lfu-decay", "duel"]}},
                     "plain": {"kind": "builtin", "options": model}},
         "workloads": {"w": {"output_tokens": 12, "concurrency": [1, 2], "num_requests": 2, "warmup_requests": 1}},
     }  # fmt: skip
@@ -462,7 +462,7 @@ def test_benchsuite_run_stores_the_optimal_hit_rate_from_the_recorded_trace(
     assert cli_main(["run", str(path), "--quiet", "--no-report"]) == 0
     (run_dir,) = (tmp_path / "results").iterdir()
     cells = read_cells(run_dir)
-    assert len(cells) == 6
+    assert len(cells) == 8
     for cell in cells:
         realized = 1 - cell.miss_rate
         if cell.engine == "plain":
@@ -480,7 +480,7 @@ def test_benchsuite_run_stores_the_optimal_hit_rate_from_the_recorded_trace(
         assert counts == (cell.expert_hits, cell.expert_misses), cell.cell_id
         assert replay_trace(trace, 8, "recent").hit_rate(start, end) == cell.hit_rate_optimal
     table = build_report_data([run_dir]).tables[HIT_RATE_TITLE]
-    assert len(table) == 6 and table["hit_rate_optimal"].notna().sum() == 4
+    assert len(table) == 8 and table["hit_rate_optimal"].notna().sum() == 6
     plain = table[table["hit_rate_optimal"].isna()]
     assert (plain["note"] == NO_TRACE_NOTE).all() and (plain["configuration"].str.startswith("plain")).all()
     assert (table["of_optimal"].dropna() <= 1 + 1e-12).all()
