@@ -81,8 +81,6 @@ def test_the_fused_plan_runs_only_on_cuda_and_at_shapes_that_fit_one_program() -
     if plan_triton.triton is not None:
         assert plan_triton.available(torch.device("cuda"), 128, 128)
         assert not plan_triton.available(torch.device("cuda"), 512, 256)  # [256 x 1024] > one program
-        assert plan_triton.available(torch.device("cuda"), 128, 54, duel=True)  # the shadows' [128 x 128]
-        assert not plan_triton.available(torch.device("cuda"), 256, 64, duel=True)  # [256 x 256] > one program
 
 
 def test_the_fused_plan_compiles_for_the_h200() -> None:

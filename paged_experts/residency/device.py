@@ -104,7 +104,7 @@ class DeviceResidency:
         self._compiled_fn = None
         # The plan as one fused kernel (plan_triton) where it runs: the same plan as `plan_step`, one
         # launch instead of ~45 inside the captured decode step. A benchmark sets it False to compare.
-        self.fused = plan_triton.available(device, num_experts, num_slots, duel)
+        self.fused = plan_triton.available(device, num_experts, num_slots)
         # Set by the static decode step (graphs.GraphedDecoder) around its body: only there does the
         # plan go through torch.compile, whose shapes are captured before serving. Eager one-wave
         # steps of other sizes keep the plain plan, so nothing compiles inside a served request.

@@ -16,8 +16,9 @@ tests/cuda on the GPU):
   among those by slot index; aging LFU (`AGING`, `lfu-aging`): every count halved first when the step is a
   multiple of PERIOD, slots ranked by (count of their expert, then the LRU key), with WINDOW > 0 the slots
   used in the last WINDOW steps after every other; `DUEL` (`duel`, `DuelPolicy`): the aging order while the
-  selector psel > 0, else LRU's, then the two shadow caches play the step over per-expert last uses
-  ([E x E] comparisons over BLOCK_S = pow2(E) experts) and psel moves by their misses, within +-LIMIT_MISSES;
+  selector psel > 0, else LRU's, then the two shadow caches play the step over per-expert last uses (each
+  shadow's misses evict its lowest-ranked unrouted experts, picked one at a time over BLOCK_S = pow2(E) experts)
+  and psel moves by their misses, within +-LIMIT_MISSES;
 - the maps updated (evicted experts lose their slot, misses get theirs), every routed pair's slot
   stamped with the step, the routed experts' counts grown by one (aging), the step counter advanced; the spare
   entries (E, K) untouched.
@@ -40,13 +41,12 @@ except ImportError:  # pragma: no cover - depends on the torch build
 MAX_TILE = 1 << 15  # the largest comparison matrix (elements) one program holds; larger shapes keep torch
 
 
-def available(device: torch.device, num_experts: int, num_slots: int, duel: bool = False) -> bool:
-    """True where the fused plan runs: CUDA with Triton, and a shape whose matrices fit one program (with `duel`,
-    the shadows' [E x E] too)."""
+def available(device: torch.device, num_experts: int, num_slots: int) -> bool:
+    """True where the fused plan runs: CUDA with Triton, and a shape whose matrices fit one program (the duel's
+    shadows add [pairs x experts], within the first bound since pairs <= K)."""
     if triton is None or device.type != "cuda":
         return False
-    fits = _pow2(num_experts + 1) * _pow2(num_slots) <= MAX_TILE and _pow2(num_slots) ** 2 <= MAX_TILE
-    return fits and (not duel or _pow2(num_experts) ** 2 <= MAX_TILE)
+    return _pow2(num_experts + 1) * _pow2(num_slots) <= MAX_TILE and _pow2(num_slots) ** 2 <= MAX_TILE
 
 
 def _pow2(n: int) -> int:
@@ -54,6 +54,19 @@ def _pow2(n: int) -> int:
 
 
 if triton is not None:
+
+    @triton.jit
+    def _lowest(candidates, major, minor, n):  # pragma: no cover - runs on the GPU or under TRITON_INTERPRET
+        """[BS] bool: the n candidates lowest by (major, minor), minor distinct (the LRU key), picked one by one."""
+        big = 0x7FFFFFFFFFFFFFFF
+        picked = candidates & False
+        for _ in range(n):
+            least = tl.min(tl.where(candidates, major, big), axis=0)
+            tied = candidates & (major == least)
+            pick = tied & (minor == tl.min(tl.where(tied, minor, big), axis=0))  # exactly one: minor is distinct
+            picked = picked | pick
+            candidates = candidates & ~pick
+        return picked
 
     @triton.jit
     def _plan_kernel(  # pragma: no cover - runs on the GPU or under TRITON_INTERPRET
@@ -146,20 +159,18 @@ if triton is not None:
             lkey = (stamp + 1) * (E + 1) + s  # [BS] LRU's order, distinct
             recent_s = (stamp >= 0) & (stamp >= step - WINDOW) & (WINDOW > 0)  # [BS]
             cnt = uses_s + recent_s.to(tl.int64) * (1 << 40)  # [BS] (device.RECENT)
-            lru_b = lkey[None, :] < lkey[:, None]  # [BS, BS]: expert j before expert i
-            lfu_b = (cnt[None, :] < cnt[:, None]) | ((cnt[None, :] == cnt[:, None]) & lru_b)  # [BS, BS]
             sh0 = (tl.load(shadow_ptr + s, mask=smask, other=0) != 0) & smask  # [BS] LRU's shadow
             sh1 = (tl.load(shadow_ptr + (E + 1) + s, mask=smask, other=0) != 0) & smask  # [BS] the LFU's
-            cand0 = sh0 & ~used_s  # [BS] what a miss may evict
             miss0 = used_s & ~sh0 & smask  # [BS]
-            n0 = tl.sum(miss0.to(tl.int64), axis=0)
-            rank0 = tl.sum((lru_b & cand0[None, :]).to(tl.int64), axis=1)  # [BS] candidates ranked before i
-            keep0 = (sh0 & ~(cand0 & (rank0 < n0))) | miss0  # [BS] the shadow after the step
-            cand1 = sh1 & ~used_s  # [BS]
             miss1 = used_s & ~sh1 & smask  # [BS]
-            n1 = tl.sum(miss1.to(tl.int64), axis=0)
-            rank1 = tl.sum((lfu_b & cand1[None, :]).to(tl.int64), axis=1)  # [BS]
-            keep1 = (sh1 & ~(cand1 & (rank1 < n1))) | miss1  # [BS]
+            n0 = tl.sum(miss0.to(tl.int32), axis=0)
+            n1 = tl.sum(miss1.to(tl.int32), axis=0)
+            # each shadow's n misses evict its n lowest-ranked unrouted experts, picked one at a time (a step's
+            # shadow misses are few: ~1 a layer at c=1, ~5 at c=4 on the H200); ranking every expert against every
+            # other instead ([BS x BS] int64 matrices) spilled 1 KB of registers and cost ~48 us a paged layer-step
+            # on the H200 (h200-duel)
+            keep0 = (sh0 & ~_lowest(sh0 & ~used_s, lkey, lkey, n0)) | miss0  # [BS] the shadow after the step
+            keep1 = (sh1 & ~_lowest(sh1 & ~used_s, cnt, lkey, n1)) | miss1  # [BS]
             # every thread has read the shadows, last uses and psel before any writes them (the layout changes
             # above synchronize already; the barrier says so rather than relying on it)
             tl.debug_barrier()
