@@ -161,7 +161,7 @@ def test_device_plan_refuses_a_host_policy_it_does_not_share() -> None:
         DeviceResidency(32, 8, torch.device("cpu"), aging_period_steps=4, aging_window_steps=2).pull_to(
             LayerResidency(32, 8, AgingLfuPolicy(4))
         )
-    with pytest.raises(TypeError, match="plans duel:4:2, the host AgingLfuPolicy"):
+    with pytest.raises(TypeError, match=r"plans duel every 4 steps \(window 2\), the host AgingLfuPolicy"):
         DeviceResidency(32, 8, torch.device("cpu"), aging_period_steps=4, aging_window_steps=2, duel=True).pull_to(
             LayerResidency(32, 8, AgingLfuPolicy(4, 2))
         )

@@ -345,29 +345,23 @@ def test_cli_accepts_a_half_life_and_names_a_bad_one(tmp_path: Path, capsys) -> 
     assert "--policy: unknown policy 'lfu-decay:-1'" in capsys.readouterr().err
 
 
-def test_an_aging_period_reaches_the_server_and_its_device_plan(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("device", "policy", "steps", "duel"), [("cpu", "lfu-aging:16", (16, 0), False), ("cuda", "duel", (256, 4), True)]
+)
+def test_an_aging_policy_reaches_the_server_and_its_device_plan(
+    tmp_path: Path, device: str, policy: str, steps: tuple[int, int], duel: bool
+) -> None:
     from paged_experts.model import MoeCausalLM
 
-    argv, resolved = plan_argv(tmp_path, "device: cpu, mode: paged, resident_experts: 8, eviction_policy: lfu-aging:16")
-    assert flag(argv, "--eviction-policy") == "lfu-aging:16" and resolved["eviction_policy"] == "lfu-aging:16"
-    rt = RuntimeConfig(mode="paged", resident_experts=8, eviction_policy="lfu-aging:16", device_planning="on")
-    model = MoeCausalLM.from_pretrained("synth:tiny?layers=1&seed=1", rt)
-    moe = model.moe_layers[0]
-    assert moe.device_residency is not None and moe.device_residency.aging_period_steps == 16
-    assert isinstance(moe.residency.policy, AgingLfuPolicy) and moe.residency.policy.period_steps == 16
-
-
-def test_the_duel_reaches_the_server_and_its_device_plan(tmp_path: Path) -> None:
-    from paged_experts.model import MoeCausalLM
-
-    argv, resolved = plan_argv(tmp_path, "device: cuda, mode: paged, resident_experts: 8, eviction_policy: duel")
-    assert flag(argv, "--eviction-policy") == "duel" and resolved["eviction_policy"] == "duel"
-    rt = RuntimeConfig(mode="paged", resident_experts=8, eviction_policy="duel", device_planning="on")
-    model = MoeCausalLM.from_pretrained("synth:tiny?layers=1&seed=1", rt)
-    moe = model.moe_layers[0]
+    options = f"device: {device}, mode: paged, resident_experts: 8, eviction_policy: {policy}"
+    argv, resolved = plan_argv(tmp_path, options)
+    assert flag(argv, "--eviction-policy") == policy and resolved["eviction_policy"] == policy
+    rt = RuntimeConfig(mode="paged", resident_experts=8, eviction_policy=policy, device_planning="on")
+    moe = MoeCausalLM.from_pretrained("synth:tiny?layers=1&seed=1", rt).moe_layers[0]
     dev = moe.device_residency
-    assert dev is not None and dev.duel and (dev.aging_period_steps, dev.aging_window_steps) == (256, 4)
-    assert isinstance(moe.residency.policy, DuelPolicy) and moe.residency.policy.num_slots == 8
+    assert dev is not None and dev.duel == duel and (dev.aging_period_steps, dev.aging_window_steps) == steps
+    host = moe.residency.policy
+    assert isinstance(host, DuelPolicy if duel else AgingLfuPolicy) and (host.period_steps, host.window_steps) == steps
 
 
 def test_option_is_written_for_paged_servers_and_leaves_other_server_ids_alone(tmp_path: Path) -> None:

@@ -384,27 +384,17 @@ def _compiled_plan_step():  # noqa: ANN202 - torch.compile's wrapper type
 def _policy(dev: DeviceResidency, residency: LayerResidency) -> EvictionPolicy:
     """The host policy that shares `dev`'s state: LRU, aging LFU of the same period and window, or their duel."""
     policy = residency.policy
-    if dev.duel:
-        if (
-            not isinstance(policy, DuelPolicy)
-            or policy.period_steps != dev.aging_period_steps
-            or policy.window_steps != dev.aging_window_steps
-        ):
-            raise TypeError(
-                f"this device residency plans duel:{dev.aging_period_steps}:{dev.aging_window_steps}, the host "
-                f"{type(policy).__name__}"
-            )
-        return policy
     if dev.aging_period_steps is None:
         if not isinstance(policy, LruPolicy):
             raise TypeError(f"this device residency plans LRU, the host {type(policy).__name__}")
-    elif (
-        not isinstance(policy, AgingLfuPolicy)
-        or policy.period_steps != dev.aging_period_steps
-        or policy.window_steps != dev.aging_window_steps
+        return policy
+    kind, name = (DuelPolicy, "duel") if dev.duel else (AgingLfuPolicy, "lfu-aging")
+    if not isinstance(policy, kind) or (policy.period_steps, policy.window_steps) != (
+        dev.aging_period_steps,
+        dev.aging_window_steps,
     ):
         raise TypeError(
-            f"this device residency plans lfu-aging every {dev.aging_period_steps} steps (window "
+            f"this device residency plans {name} every {dev.aging_period_steps} steps (window "
             f"{dev.aging_window_steps}), the host {type(policy).__name__}"
         )
     return policy
