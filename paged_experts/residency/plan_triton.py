@@ -165,10 +165,11 @@ if triton is not None:
             miss1 = used_s & ~sh1 & smask  # [BS]
             n0 = tl.sum(miss0.to(tl.int32), axis=0)
             n1 = tl.sum(miss1.to(tl.int32), axis=0)
-            # each shadow's n misses evict its n lowest-ranked unrouted experts, picked one at a time (a step's
-            # shadow misses are few: ~1 a layer at c=1, ~5 at c=4 on the H200); ranking every expert against every
-            # other instead ([BS x BS] int64 matrices) spilled 1 KB of registers and cost ~48 us a paged layer-step
-            # on the H200 (h200-duel)
+            # each shadow's n misses evict its n lowest-ranked unrouted experts, picked one at a time (few: the real
+            # decode misses were 0.3-0.8 a layer-step at c=1 and 3-5 at c=4 on the H200); ranking every expert
+            # against every other instead ([BS x BS] int64 matrices) spills ~1.1-1.3 KB of registers at the served
+            # shape, and the duel's decode step was 2.3 ms a token slower than the LFU's at the same misses
+            # (h200-duel)
             keep0 = (sh0 & ~_lowest(sh0 & ~used_s, lkey, lkey, n0)) | miss0  # [BS] the shadow after the step
             keep1 = (sh1 & ~_lowest(sh1 & ~used_s, cnt, lkey, n1)) | miss1  # [BS]
             # every thread has read the shadows, last uses and psel before any writes them (the layout changes
