@@ -60,12 +60,14 @@ if triton is not None:
         """[BS] bool: the n candidates lowest by (major, minor), minor distinct (the LRU key), picked one by one."""
         big = 0x7FFFFFFFFFFFFFFF
         picked = candidates & False
-        for _ in range(n):
+        i = 0
+        while i < n:  # not `for in range(n)`: Triton 3.6's interpreter takes no tensor bound there
             least = tl.min(tl.where(candidates, major, big), axis=0)
             tied = candidates & (major == least)
             pick = tied & (minor == tl.min(tl.where(tied, minor, big), axis=0))  # exactly one: minor is distinct
             picked = picked | pick
             candidates = candidates & ~pick
+            i += 1
         return picked
 
     @triton.jit
