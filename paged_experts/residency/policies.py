@@ -251,11 +251,10 @@ class DuelPolicy(KeepsEveryExpert):
     h200-policy-b); on the random-weight model's greedy loops each request decodes from a small working set that
     recency keeps, and the frequency arms without a long window decoded 3-15% slower there at c=1 (`lfu-aging:256:16`
     kept LRU's rate and gave back half of the calibrated gain, docs/eviction-policy.md). ARC's two classes did not pick
-    up the calibrated
-    routing's counts (docs/eviction-policy.md). Set dueling (Qureshi et al., ISCA 2007) keeps both: two shadow
-    caches of K experts (ids only, no bytes), one run by each policy on the layer's routing, count their misses;
-    a saturating selector (`psel`, +-`DUEL_LIMIT_MISSES`) adds LRU's shadow misses and subtracts the LFU's each step,
-    and the layer's real slots evict by the LFU while it is above zero, else by LRU.
+    up the calibrated routing's counts (docs/eviction-policy.md). Set dueling (Qureshi et al., ISCA 2007) keeps both:
+    two shadow caches of K experts (ids only, no bytes), one run by each policy on the layer's routing, count their
+    misses; a saturating selector (`psel`, +-`DUEL_LIMIT_MISSES`) adds LRU's shadow misses and subtracts the LFU's
+    each step, and the layer's real slots evict by the LFU while it is above zero, else by LRU.
 
     A step's shadows run when it is planned (`end_step`): each shadow's misses (the routed experts it does not
     hold) take the places of its lowest-ranked unrouted experts, by its own policy at that step. A step that routes
