@@ -45,7 +45,7 @@ from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.moe import waves as waves_module
 from paged_experts.residency import pinned
 from paged_experts.residency.page_in import resolve_expert_rows
-from paged_experts.residency.policies import LayerResidency
+from paged_experts.residency.planner import LayerResidency
 from paged_experts.residency.store import ExpertTensors
 from paged_experts.runtime import RuntimeConfig
 from paged_experts.weights import synth_memory

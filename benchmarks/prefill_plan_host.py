@@ -31,7 +31,7 @@ import torch
 from paged_experts import fp8
 from paged_experts.moe.waves import FUSED
 from paged_experts.residency.batch_copy import descriptors, row_tables
-from paged_experts.residency.policies import LayerResidency
+from paged_experts.residency.planner import LayerResidency
 from paged_experts.residency.store import ExpertTensors, contiguous_runs
 
 E, TOP_K, TOKENS = 128, 8, 2048

@@ -38,7 +38,7 @@ from paged_experts.moe import (
 )
 from paged_experts.residency import dma_proxy
 from paged_experts.residency.counters import PagingCounters, TalliedCounters
-from paged_experts.residency.policies import LayerResidency
+from paged_experts.residency.planner import LayerResidency
 from paged_experts.runtime import RuntimeConfig
 from paged_experts.step import StepLogits, is_prompt_chunk
 from paged_experts.upload import to_device

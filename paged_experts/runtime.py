@@ -16,12 +16,10 @@ from paged_experts.kernels import moe_triton
 from paged_experts.kernels.fused import check_expert_backend
 from paged_experts.residency.dma_proxy import MAX_PAIRS as DMA_MAX_PAIRS
 from paged_experts.residency.page_in import EXPERT_ROWS, PAGE_IN_CHOICES, ExpertRows, PageIn, resolve_expert_rows
+from paged_experts.residency.planner import DEFAULT_PREFILL_KEEP, MAX_STAGING_ROWS, PREFILL_KEEP
 from paged_experts.residency.policies import (
     DEFAULT_EVICTION_POLICY,
-    DEFAULT_PREFILL_KEEP,
     DEVICE_POLICIES,
-    MAX_STAGING_ROWS,
-    PREFILL_KEEP,
     eviction_policy_error,
     policy_base,
 )

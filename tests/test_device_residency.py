@@ -19,7 +19,8 @@ from paged_experts.kernels.copy_kernel import copy_planned
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.residency.device import DeviceResidency
-from paged_experts.residency.policies import AgingLfuPolicy, DuelPolicy, EvictionPolicy, LayerResidency, LruPolicy
+from paged_experts.residency.planner import LayerResidency
+from paged_experts.residency.policies import AgingLfuPolicy, DuelPolicy, EvictionPolicy, LruPolicy
 from paged_experts.residency.store import ExpertTensors
 from paged_experts.runtime import RuntimeConfig
 

@@ -22,13 +22,13 @@ from benchsuite.report.build import build_report_data
 from benchsuite.report.paging_figures import HIT_RATE_TITLE, NO_OPTIMUM_NOTE, hit_rate_table
 from benchsuite.results.stored_files import read_cells
 from benchsuite.tools.simulate import SimOptions, check_policy, simulate
+from paged_experts.residency.planner import LayerResidency
 from paged_experts.residency.policies import (
     DEFAULT_AGING_PERIOD_STEPS,
     AgingLfuPolicy,
     ArcPolicy,
     DecayedLfuPolicy,
     DuelPolicy,
-    LayerResidency,
     LfuPolicy,
     LruPolicy,
     make_policy,

@@ -303,7 +303,7 @@ def check_laid_out_blocks(device: str = "cpu", dtype: torch.dtype = torch.float3
     from paged_experts.kernels.moe_grouped_fp8 import ALIGN_BLOCKS, BlockTable, block_table, grouped_fp8_mm
     from paged_experts.kernels.moe_tiles import GroupedTiles
     from paged_experts.moe.waves import FUSED
-    from paged_experts.residency.policies import STAGING, Wave
+    from paged_experts.residency.planner import STAGING, Wave
 
     tiles = GroupedTiles(block_m=8, block_n=32, block_k=64, num_warps=4, num_stages=2)
     for t, k, e, slots, rows, seed in LAID_OUT_CASES:
@@ -355,7 +355,7 @@ def check_row_maps(
     from paged_experts.kernels.moe_grouped_fp8 import RowMap, block_table, grouped_fp8_glu, grouped_fp8_mm
     from paged_experts.kernels.moe_tiles import GroupedTiles
     from paged_experts.moe import waves as waves_module
-    from paged_experts.residency.policies import LayerResidency
+    from paged_experts.residency.planner import LayerResidency
     from paged_experts.residency.store import ExpertTensors
 
     tiles = tiles or GroupedTiles(block_m=8, block_n=32, block_k=64, num_warps=4, num_stages=2)

@@ -15,7 +15,7 @@ import torch
 
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
-from paged_experts.residency.policies import PREFILL_KEEP, STAGING, LayerResidency
+from paged_experts.residency.planner import PREFILL_KEEP, STAGING, LayerResidency
 from paged_experts.runtime import RuntimeConfig
 
 PROMPT = [(37 * i + 11) % 1000 for i in range(320)]  # 320 tokens: the union is E in every layer

@@ -7,16 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_experts.residency import policies
-from paged_experts.residency.policies import (
-    POLICIES,
-    PREFILL_KEEP,
-    SLOTS,
-    STAGING,
-    LayerResidency,
-    LfuPolicy,
-    Promotion,
-)
+from paged_experts.residency import planner
+from paged_experts.residency.planner import PREFILL_KEEP, SLOTS, STAGING, LayerResidency, Promotion
+from paged_experts.residency.policies import POLICIES, LfuPolicy
 
 
 class BruteForceLru:
@@ -345,7 +338,7 @@ def test_where_the_protected_residents_are_served_changes_no_page_in(
         staged = middle.stage_candidates(rows, max(len(routed), 1) * 10_000)  # any step stages, for the comparison
         got = middle.plan_step(routed, staged=staged)
         with monkey.context() as m:
-            m.setattr(policies, "_spread", lambda chunks, protected: chunks[-1].extend(protected))
+            m.setattr(planner, "_spread", lambda chunks, protected: chunks[-1].extend(protected))
             want = last.plan_step(routed, staged=staged)
         assert [w.page_ins for w in got.waves] == [w.page_ins for w in want.waves]
         assert sorted(e for w in got.waves for e in w.experts) == sorted(e for w in want.waves for e in w.experts)

@@ -14,7 +14,7 @@ import paged_experts.residency.store as store_mod
 from paged_experts.kernels.copy_kernel import copy_planned
 from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
-from paged_experts.residency.policies import LayerResidency
+from paged_experts.residency.planner import LayerResidency
 from paged_experts.runtime import RuntimeConfig
 from paged_experts.weights.synth import write_checkpoint
 

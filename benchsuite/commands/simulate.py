@@ -18,7 +18,7 @@ from benchsuite.tools.simulate import (
     check_policy,
     simulate,
 )
-from paged_experts.residency.policies import DEFAULT_PREFILL_KEEP, MAX_STAGING_ROWS, PREFILL_KEEP
+from paged_experts.residency.planner import DEFAULT_PREFILL_KEEP, MAX_STAGING_ROWS, PREFILL_KEEP
 from paged_experts.routing.trace import read_trace
 
 SPEED_MODEL = (

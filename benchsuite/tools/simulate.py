@@ -24,13 +24,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from paged_experts.residency.planner import DEFAULT_PREFILL_KEEP, LayerResidency
 from paged_experts.residency.policies import (
-    DEFAULT_PREFILL_KEEP,
     POLICIES,
     BeladyPolicy,
     DecayedLfuPolicy,
     EvictionPolicy,
-    LayerResidency,
     RandomPolicy,
     make_policy,
 )

@@ -33,7 +33,8 @@ from paged_experts.moe.placements import CpuLayer, OffloadLayer, ResidentLayer
 from paged_experts.moe.planning import DeviceLru, HostWaves, PendingPrefetch
 from paged_experts.moe.waves import EXPERT_KERNELS
 from paged_experts.residency.device import DeviceResidency
-from paged_experts.residency.policies import AgingLfuPolicy, DuelPolicy, LayerResidency, make_policy
+from paged_experts.residency.planner import LayerResidency
+from paged_experts.residency.policies import AgingLfuPolicy, DuelPolicy, make_policy
 from paged_experts.residency.store import ExpertTensors, to_device_rows
 from paged_experts.runtime import RuntimeConfig
 

@@ -27,7 +27,7 @@ from paged_experts.moe.streaming import StepStreams
 from paged_experts.moe.waves import EXPERT_KERNELS, FUSED, WaveKernel
 from paged_experts.residency.counters import PagingCounters, TalliedCounters
 from paged_experts.residency.device import DeviceResidency
-from paged_experts.residency.policies import Wave
+from paged_experts.residency.planner import Wave
 from paged_experts.residency.store import ExpertTensors, PageInEngine, SlotArena
 from paged_experts.routing.sources import PlannedIds
 from paged_experts.upload import to_device

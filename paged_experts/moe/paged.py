@@ -31,7 +31,7 @@ from paged_experts.moe.planning import DeviceLru, HostWaves
 from paged_experts.moe.streaming import LayerCopies
 from paged_experts.residency import dma_proxy
 from paged_experts.residency.device import DeviceResidency, pull_many
-from paged_experts.residency.policies import LayerResidency
+from paged_experts.residency.planner import LayerResidency
 from paged_experts.residency.store import ExpertTensors
 
 

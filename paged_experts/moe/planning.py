@@ -24,7 +24,7 @@ from paged_experts.moe.staging import Staged, StagingRows
 from paged_experts.moe.streaming import LayerCopies, page_in_after
 from paged_experts.moe.waves import WaveKernel, WavePass
 from paged_experts.residency.device import DevicePlan, DeviceResidency
-from paged_experts.residency.policies import STAGING, LayerResidency, StepPlan
+from paged_experts.residency.planner import STAGING, LayerResidency, StepPlan
 from paged_experts.residency.store import ExpertTensors, PageInEngine
 
 

@@ -21,7 +21,7 @@ import torch
 
 from paged_experts.kernels.copy_kernel import copy_planned
 from paged_experts.moe.streaming import CopyRows, LayerCopies
-from paged_experts.residency.policies import Promotion
+from paged_experts.residency.planner import Promotion
 from paged_experts.residency.store import ExpertTensors
 from paged_experts.upload import to_device
 

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from paged_experts.residency.counters import PagingCounters, TimeMark
-from paged_experts.residency.policies import STAGING, Wave
+from paged_experts.residency.planner import STAGING, Wave
 from paged_experts.step import is_prompt_chunk
 
 CopyRows = Callable[[Sequence[tuple[int, int]]], None]  # issues the copies of (expert, slot) pairs

@@ -23,7 +23,7 @@ import torch
 from paged_experts.experts import build_dispatch, combine, run_experts
 from paged_experts.kernels.fused import combine_pairs, expert_mlp, fp8_expert_mlp, fp8_grouped_tiles
 from paged_experts.kernels.moe_grouped_fp8 import ALIGN_BLOCKS, BlockTable, RowMap, host_block_tables
-from paged_experts.residency.policies import Wave
+from paged_experts.residency.planner import Wave
 from paged_experts.residency.store import ExpertTensors
 from paged_experts.upload import to_device
 

@@ -33,14 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from paged_experts.residency import plan_triton
-from paged_experts.residency.policies import (
-    DUEL_LIMIT_MISSES,
-    AgingLfuPolicy,
-    DuelPolicy,
-    EvictionPolicy,
-    LayerResidency,
-    LruPolicy,
-)
+from paged_experts.residency.planner import LayerResidency
+from paged_experts.residency.policies import DUEL_LIMIT_MISSES, AgingLfuPolicy, DuelPolicy, EvictionPolicy, LruPolicy
 
 RECENT = 1 << 40
 """Added to a recently used slot's count in an aging plan with a window: it ranks after every count."""

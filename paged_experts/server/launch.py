@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from paged_experts.config import MoeModelConfig
-from paged_experts.residency.policies import DEFAULT_EVICTION_POLICY, DEFAULT_PREFILL_KEEP
+from paged_experts.residency.planner import DEFAULT_PREFILL_KEEP
+from paged_experts.residency.policies import DEFAULT_EVICTION_POLICY
 from paged_experts.runtime import RuntimeConfig
 from paged_experts.server import options
 from paged_experts.server.engine import Engine, EngineConfig

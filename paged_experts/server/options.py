@@ -17,15 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from paged_experts.residency.page_in import EXPERT_ROWS, PAGE_IN_CHOICES
+from paged_experts.residency.planner import DEFAULT_PREFILL_KEEP, MAX_STAGING_ROWS, PREFILL_KEEP
 from paged_experts.residency.policies import (
     DEFAULT_AGING_PERIOD_STEPS,
     DEFAULT_DUEL_WINDOW_STEPS,
     DEFAULT_EVICTION_POLICY,
-    DEFAULT_PREFILL_KEEP,
     DEVICE_POLICIES,
     EVICTION_POLICIES,
-    MAX_STAGING_ROWS,
-    PREFILL_KEEP,
     eviction_policy_error,
     policy_base,
 )

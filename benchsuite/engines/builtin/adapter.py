@@ -47,7 +47,8 @@ from benchsuite.engines.search_settings import ResidentExpertsSettings, SearchSe
 from benchsuite.errors import UserError
 from benchsuite.tools.scrape import scrape_prometheus
 from paged_experts.residency.page_in import ExpertRows, PageIn, resolve_expert_rows
-from paged_experts.residency.policies import DEFAULT_EVICTION_POLICY, DEFAULT_PREFILL_KEEP
+from paged_experts.residency.planner import DEFAULT_PREFILL_KEEP
+from paged_experts.residency.policies import DEFAULT_EVICTION_POLICY
 from paged_experts.server.options import GRAPHABLE_MODES, MODE_OPTION, Namer, ServeOptions, mode_problems, problems
 from paged_experts.server.threads import default_cpu_threads
 from paged_experts.shape import FP8, ModelShape
