@@ -96,7 +96,7 @@ class RuntimeConfig:
     # ('recent' keeps the experts of the chunk's last tokens, the next decode tokens' best guess).
     prefill_residency: str = DEFAULT_PREFILL_KEEP
     # Paged: R device rows, shared by all layers, that take a prefill layer-step's first page-ins while the
-    # layer before it computes (moe/staging.py; residency.policies says which experts). 0: none. Costs R
+    # layer before it computes (moe/staging.py; residency.planner says which experts). 0: none. Costs R
     # experts' bytes of device memory; off by default until configs/h200/staging.yaml measures it.
     prefill_staging_rows: int = 0
     # Which resident expert a paged miss evicts: residency.EVICTION_POLICIES. 'lfu-decay' runs on the

@@ -1,5 +1,5 @@
-"""`benchsuite simulate TRACE`: replay a routing trace through paged_experts.residency.policies
-(benchsuite.tools.simulate) and print per-policy / K / concurrency results, per layer on request."""
+"""`benchsuite simulate TRACE`: replay a routing trace through paged_experts.residency.planner and its eviction
+policies (benchsuite.tools.simulate) and print per-policy / K / concurrency results, per layer on request."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Paging simulator: replays a routing trace through `paged_experts.residency.policies` (the very
-`LayerResidency` and wave planner the runtime uses; Belady through `BeladyPolicy`) and reports per
+"""Paging simulator: replays a routing trace through `paged_experts.residency.planner` and `.policies` (the very
+`LayerResidency`, wave planner and eviction policies the runtime uses; Belady through `BeladyPolicy`) and reports per
 layer and in total: hits, misses, hit rate, bytes paged per token, waves per step, union size.
 
 Concurrency regroups a trace into batched steps: each request keeps its own chunk sequence, and a
@@ -7,7 +7,7 @@ closed loop keeps `concurrency` requests active (a finished request is replaced 
 order of first appearance). Concurrency 0 replays the steps exactly as recorded.
 
 With prefill replayed (`include_prefill`), what a prefill chunk leaves in the slots matters to the
-decode that follows: `prefill_keep` runs each residency policy of `paged_experts.residency.policies.PREFILL_KEEP`
+decode that follows: `prefill_keep` runs each residency policy of `paged_experts.residency.planner.PREFILL_KEEP`
 and every result splits its counts into prefill steps (a chunk of more than one token), decode steps,
 and the first `early_decode_steps` decode steps after a prefill step (`decode`, `early`).
 
@@ -89,7 +89,7 @@ class LayerStats:
     hits: int
     misses: int
     waves: int  # summed over steps
-    union: int  # summed over steps: distinct experts routed per step (and staged ones not routed: policies.StepPlan)
+    union: int  # summed over steps: distinct experts routed per step (and staged ones not routed: planner.StepPlan)
 
     @property
     def hit_rate(self) -> float:

@@ -1,6 +1,6 @@
 """Staging rows: R device rows, shared by every paged layer, that take a prefill layer-step's first
 page-ins before its routing is planned (`RuntimeConfig.prefill_staging_rows`; the rule and why are in
-`residency.policies`, the H200 figures in docs/prefill.md).
+`residency.planner`, the H200 figures in docs/prefill.md).
 
 While paged layer i issues its waves, `stage` copies layer i+1's `stage_candidates` into the rows on the
 page-in stream, right behind layer i's own page-ins: the link keeps working through layer i's last wave,
@@ -66,7 +66,7 @@ class StagingRows:
 
     def promote(self, slots: ExpertTensors, promotions: Sequence[Promotion]) -> None:
         """Copies each promotion's staging row into its slot, every tensor, device to device on the current
-        stream (policies.Promotion; the step's waves that read those slots are ahead of it). One launch of the
+        stream (planner.Promotion; the step's waves that read those slots are ahead of it). One launch of the
         row copy kernel on CUDA (no temporary copy of the rows: they would count against the memory budget)."""
         index = torch.tensor([(p.row, p.slot) for p in promotions], dtype=torch.long).t().contiguous()  # [2, n]
         device = slots.gate.device

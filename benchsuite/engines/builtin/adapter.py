@@ -140,7 +140,7 @@ class BuiltinOptions(EngineOptions):
     expert_kernel: Literal["fused", "loop"] = "fused"  # grouped matmuls, or the per-expert reference loop
     overlap_schedule: bool = True  # launch a greedy decode step before the previous one's tokens are read
     cpu_threads: int | None = Field(None, ge=1)  # torch's intra-op threads; None: this machine's cores minus one
-    # Paged: what a prefill chunk leaves in the slots (paged_experts.residency.policies.PREFILL_KEEP);
+    # Paged: what a prefill chunk leaves in the slots (paged_experts.residency.planner.PREFILL_KEEP);
     # None = its default.
     prefill_residency: str | None = None
     # Paged: which resident expert a miss evicts (paged_experts.residency.policies.EVICTION_POLICIES); None = LRU.
