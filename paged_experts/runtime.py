@@ -92,14 +92,14 @@ class RuntimeConfig:
     # then pages in only what the prediction missed (see graphs.GraphedDecoder). Off by default until
     # measured (benchmarks/decode_h200.py '+prefetch' modes).
     prefetch_next_layer: bool = False
-    # What a paged step larger than K (a prefill chunk) leaves in the slots: residency.PREFILL_KEEP
+    # What a paged step larger than K (a prefill chunk) leaves in the slots: residency.planner.PREFILL_KEEP
     # ('recent' keeps the experts of the chunk's last tokens, the next decode tokens' best guess).
     prefill_residency: str = DEFAULT_PREFILL_KEEP
     # Paged: R device rows, shared by all layers, that take a prefill layer-step's first page-ins while the
     # layer before it computes (moe/staging.py; residency.planner says which experts). 0: none. Costs R
     # experts' bytes of device memory; off by default until configs/h200/staging.yaml measures it.
     prefill_staging_rows: int = 0
-    # Which resident expert a paged miss evicts: residency.EVICTION_POLICIES. 'lfu-decay' runs on the
+    # Which resident expert a paged miss evicts: residency.policies.EVICTION_POLICIES. 'lfu-decay' runs on the
     # host planner only; the device plan (inside the captured graph) runs 'lru', 'lfu-aging' and 'duel'.
     eviction_policy: str = DEFAULT_EVICTION_POLICY
     # Which kernels route and compute one-wave steps (kernels.fused.EXPERT_BACKENDS): 'grouped' (torch's

@@ -1,6 +1,6 @@
 """How a paged layer plans its steps: the two strategies a `PagedLayer` is given.
 
-- `HostWaves`: the host LRU planner (`residency.LayerResidency`, the simulator's own code) splits a
+- `HostWaves`: the host LRU planner (`residency.planner.LayerResidency`, the simulator's own code) splits a
   step into waves (one when its union fits K; pipelined waves of (K - protected) // 2 otherwise);
   each wave pages in its misses from the host store (`PageInEngine`) on the page-in stream
   (`streaming.LayerCopies`), then the layer's kernel computes that wave's pairs once they landed.

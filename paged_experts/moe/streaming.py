@@ -5,7 +5,7 @@ A prefill chunk routes to nearly every expert, so a paged layer pages in about E
 chunk: the link, not the compute, sets the chunk's time. What keeps the link busy:
 - wave j's page-ins run on the page-in stream (`layer.page_in_stream`), and wave j's compute waits
   for them (an event), not for anything else;
-- the planner (`residency.LayerResidency`) gives wave j page-ins only slots that waves <= j-2 used
+- the planner (`residency.planner.LayerResidency`) gives wave j page-ins only slots that waves <= j-2 used
   (the previous wave's experts are pinned), so they copy while wave j-1 computes; each copy waits
   for exactly the wave that last read its slot (`LayerCopies.page_in`), and copies into slots no
   wave of this step has read go first, waiting for nothing;

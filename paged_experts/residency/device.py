@@ -2,7 +2,7 @@
 in and computed with no host synchronization, so a whole decode step can be captured in a CUDA graph.
 
 A step fits one wave when its routed pairs P = tokens x top_k are at most K: then its distinct
-experts are at most K too. The plan is the same one `residency.LayerResidency` makes with its policy:
+experts are at most K too. The plan is the same one `residency.planner.LayerResidency` makes with its policy:
 - hits are the routed experts already in a slot; misses are paged in in increasing expert id;
 - the i-th miss takes the i-th victim: slots whose expert is not routed this step, ordered by
   (last use, expert id), never-used (initial) experts first, as `LruPolicy.victim` orders them;

@@ -23,7 +23,7 @@ class RoutingParams:
 
 # Calibrated with benchmarks/calibrate_routing.py against DESIGN.md section 8 (E=128, top_k=8,
 # 16 layers, one stream of 2,000 decode tokens; the printed curves replay 48 layers x 3,225 tokens
-# through paged_experts.residency.planner), for the counter-based draw of routing_draw.
+# through paged_experts.residency.planner and its policies), for the counter-based draw of routing_draw.
 QWEN3_30B_A3B = RoutingParams(
     keep_prob=0.322,
     recency_mix=0.918,
