@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from benchsuite.tools import device_memory
 from paged_experts.weights import synth_memory
@@ -497,3 +498,36 @@ def test_alloc_probe_refuses_without_a_cuda_device_in_one_line() -> None:
                           capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
     assert proc.returncode == 1
     assert "alloc_probe.py: needs a CUDA device (it measures the driver's allocations)" in proc.stderr
+
+
+def test_the_plan_kernel_benchmark_checks_each_policy_against_the_host_planner_on_the_cpu(tmp_path: Path) -> None:
+    record = run_benchmark(
+        "plan_kernel.py", tmp_path / "plan.json", "--device", "cpu", "--steps", "40", "--repeats", "1",
+        "--batches", "1,4,8", "--slots", "32",
+    )  # fmt: skip
+    cells = record["cells"]
+    # B=8 routes 64 pairs, more than K=32: host-planned, so no device cell
+    assert {(c["routing"], c["batch"], c["policy"]) for c in cells} == {
+        (r, b, p) for r in ("calibrated", "loop") for b in (1, 4) for p in ("lru", "lfu-aging:256:4", "duel")
+    }
+    assert all(c["mismatch"] is None and c["eager_us"] > 0 and c["steps"] == 40 for c in cells)
+    assert all("graphed_us" not in c for c in cells)  # no graph on the CPU
+    # four streams of calibrated routing miss more a step than one
+    by = {(c["routing"], c["batch"], c["policy"]): c["misses_per_step"] for c in cells}
+    assert by[("calibrated", 4, "lru")] > by[("calibrated", 1, "lru")] > 0
+
+
+def test_the_plan_kernel_benchmark_reports_a_plan_that_differs_from_the_hosts() -> None:
+    spec = importlib.util.spec_from_file_location("plan_kernel", ROOT / "benchmarks" / "plan_kernel.py")
+    assert spec is not None and spec.loader is not None
+    plan_kernel = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan_kernel)
+    ids = plan_kernel.step_ids("calibrated", 20, 1, 128, 8, 0)  # [20, 8]
+    assert ids.shape == (20, 8)
+    want = plan_kernel.host_misses("duel", ids, 128, 32)
+    ids_dev = torch.from_numpy(ids)
+    assert plan_kernel.check_misses("duel", ids_dev, want, 128, 32) is None
+    wrong = list(want)
+    wrong[7] += 1
+    message = plan_kernel.check_misses("duel", ids_dev, wrong, 128, 32)
+    assert message == f"step 7: device {want[7]} misses, host {want[7] + 1}"
