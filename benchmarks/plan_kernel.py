@@ -10,8 +10,10 @@ step: a plan that differs is reported, not timed.
 Each cell: one layer (E experts, K slots), S decode steps of B streams (B x top_k pairs a step) drawn from calibrated
 synthetic routing (`synthesize_trace`) or from the greedy-loop proxy (benchmarks/loop_trace.py); the S launches are
 captured in one graph, replayed R times (the state runs on: steady state), and the figure is the median replay's time
-over S. `eager_us` (launch, then sync at the end) is beside it. On the CPU the plan is `device.plan_step` (torch):
-a smoke run, no graph.
+over S. `eager_us` (launch, then sync at the end) is beside it: Python's launch cost bounds it on a GPU, so read
+`graphed_us`. The record ends with the compiled kernel variants' registers and spill (Triton's cache). On the CPU the
+plan is `device.plan_step` (torch), or with `--fused` and TRITON_INTERPRET=1 the fused kernel in Triton's
+interpreter (the tests' check of this script's kernel variants): a smoke run, no graph, no timing worth reading.
 
     PYTHONPATH=$PWD python benchmarks/plan_kernel.py --out plan_kernel.json   # CUDA; ~1 min with Triton's compiles
     PYTHONPATH=$PWD python benchmarks/plan_kernel.py --device cpu --steps 64 --out /tmp/p.json
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -34,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loop_trace import loop_trace  # noqa: E402
 
+from paged_experts.residency import plan_triton  # noqa: E402
 from paged_experts.residency.device import DeviceResidency  # noqa: E402
 from paged_experts.residency.planner import LayerResidency  # noqa: E402
 from paged_experts.residency.policies import AgingLfuPolicy, DuelPolicy, make_policy  # noqa: E402
@@ -75,20 +79,33 @@ def host_misses(policy_name: str, ids: np.ndarray, experts: int, slots: int) -> 
     return [residency.plan_step(row.tolist()).misses for row in ids]
 
 
-def check_misses(policy_name: str, ids_dev: torch.Tensor, want: list[int], experts: int, slots: int) -> str | None:
-    """None when the device plan pages the host's misses at every step, else where they first differ."""
-    dr = device_residency(policy_name, experts, slots, ids_dev.device)
+def check_plan(dr: DeviceResidency, policy_name: str, ids_dev: torch.Tensor) -> str | None:
+    """None when the device plan is the host planner's at every step (its misses, each pair's slot, the expert in
+    each slot, and the duel's selector), else where they first differ. Runs `dr` from its state on."""
+    k = dr.num_slots
+    host = LayerResidency(dr.num_experts, k, make_policy(policy_name, k))
     for i in range(ids_dev.shape[0]):
-        got = int(dr.plan(ids_dev[i]).stats[2].item())
-        if got != want[i]:
-            return f"step {i}: device {got} misses, host {want[i]}"
+        row = ids_dev[i].tolist()
+        plan = dr.plan(ids_dev[i])
+        want = host.plan_step(row)
+        checks: list[tuple[str, object, object]] = [
+            ("misses", int(plan.stats[2].item()), want.misses),
+            ("pair slots", plan.pair_slot.tolist(), [host.slot_of[e] for e in row]),
+            ("slots' experts", dr.expert_in[:k].tolist(), list(host.expert_in)),
+        ]
+        if isinstance(host.policy, DuelPolicy):
+            checks.append(("selector", int(dr.psel.item()), host.policy.psel))
+        for what, got, expected in checks:
+            if got != expected:
+                return f"step {i}: {what}: device {got}, host {expected}"
     return None
 
 
-def time_plans(policy_name: str, ids_dev: torch.Tensor, experts: int, slots: int, repeats: int) -> dict[str, float]:
-    """us per plan: eager (S launches, one sync) and, on CUDA, graphed (S launches captured, median of R replays)."""
+def time_plans(dr: DeviceResidency, ids_dev: torch.Tensor, want: list[int], repeats: int) -> dict[str, Any]:
+    """us per plan: eager (S launches, one sync) and, on CUDA, graphed (S launches captured, median of R replays);
+    `graph_mismatch`: where the graph's first replay (from `dr`'s state as given) misses other than `want`."""
     steps = ids_dev.shape[0]
-    dr = device_residency(policy_name, experts, slots, ids_dev.device)
+    start_state = dr.state()
     for i in range(min(steps, 16)):  # Triton's compile, torch's warm-up
         dr.plan(ids_dev[i])
     cuda = ids_dev.device.type == "cuda"
@@ -102,21 +119,20 @@ def time_plans(policy_name: str, ids_dev: torch.Tensor, experts: int, slots: int
         if cuda:
             torch.cuda.synchronize()
         eager.append((time.perf_counter() - t0) / steps * 1e6)
-    out = {"eager_us": statistics.median(eager)}
+    out: dict[str, Any] = {"eager_us": statistics.median(eager)}
     if not cuda:
         return out
+    dr.load_state(start_state)  # capture runs nothing: the first replay starts here, as the check did
     graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # capture on a side stream, as torch's graph docs do
-        with torch.cuda.graph(graph):
-            for i in range(steps):
-                dr.plan(ids_dev[i])
-    torch.cuda.current_stream().wait_stream(side)
-    graph.replay()  # once untimed
+    with torch.cuda.graph(graph):
+        stats = [dr.plan(ids_dev[i]).stats for i in range(steps)]  # each [3], rewritten by every replay
+    graph.replay()  # untimed: its misses checked
     torch.cuda.synchronize()
+    got = torch.stack(stats)[:, 2].tolist()
+    out["graph_mismatch"] = next((f"step {i}: graph {g} misses, host {w}" for i, (g, w) in enumerate(zip(got, want))
+                                  if g != w), None)  # fmt: skip
     graphed = []
-    for _ in range(repeats):
+    for _ in range(repeats):  # the state runs on from the last replay's: steady state
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
@@ -127,6 +143,28 @@ def time_plans(policy_name: str, ids_dev: torch.Tensor, experts: int, slots: int
     out["graphed_us_min"] = min(graphed)
     out["graphed_us_max"] = max(graphed)
     return out
+
+
+def compiled_variants() -> list[dict[str, Any]]:
+    """The fused kernel's compiled variants with their registers and spill, from Triton's cache (its layout differs
+    between versions: best effort, an error recorded rather than raised)."""
+    if plan_triton.triton is None or os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter compiles nothing
+        return []
+    try:
+        out = []
+        for entry in plan_triton._plan_kernel.device_caches.values():
+            cache = entry[0] if isinstance(entry, tuple) else entry  # Triton 3.x: (kernel cache, ...)
+            for key, kernel in cache.items():
+                src = getattr(kernel, "src", None)
+                out.append({
+                    "n_regs": getattr(kernel, "n_regs", None),
+                    "n_spills": getattr(kernel, "n_spills", None),
+                    "constants": str(getattr(src, "constants", ""))[:400],
+                    "key": str(key)[:400],
+                })  # fmt: skip
+        return out
+    except Exception as exc:  # noqa: BLE001 - Triton's internals: record, never fail the run
+        return [{"error": repr(exc)}]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,12 +180,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--fused", action="store_true",
+                    help="the fused kernel on the CPU too (with TRITON_INTERPRET=1: Triton's interpreter)")  # fmt: skip
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("plan_kernel: no CUDA device (use --device cpu for a smoke run)", file=sys.stderr)
         return 2
-    cells: list[dict[str, Any]] = []
+    if args.fused and plan_triton.triton is None:
+        print("plan_kernel: --fused needs Triton", file=sys.stderr)
+        return 2
+    record: dict[str, Any] = {
+        "benchmark": "plan_kernel",
+        "argv": sys.argv,
+        "machine": platform.node(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "cells": [],
+    }
+    cells: list[dict[str, Any]] = record["cells"]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     for routing in args.routings.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             if batch * args.top_k > args.slots:
@@ -160,28 +213,33 @@ def main(argv: list[str] | None = None) -> int:
                 cell: dict[str, Any] = {"routing": routing, "batch": batch, "policy": name, "steps": int(ids.shape[0]),
                                         "misses_per_step": sum(want) / len(want)}  # fmt: skip
                 dr = device_residency(name, args.experts, args.slots, device)
+                dr.fused = dr.fused or args.fused
                 cell["fused"] = dr.fused
-                cell["mismatch"] = check_misses(name, ids_dev, want, args.experts, args.slots)
-                if cell["mismatch"] is None:
-                    cell.update(time_plans(name, ids_dev, args.experts, args.slots, args.repeats))
+                if device.type == "cuda" and not dr.fused:
+                    print(f"plan_kernel: the fused plan does not run here (E={args.experts}, K={args.slots})",
+                          file=sys.stderr)  # fmt: skip
+                    return 2
+                try:
+                    start_state = dr.state()
+                    cell["mismatch"] = check_plan(dr, name, ids_dev)
+                    if cell["mismatch"] is None:
+                        dr.load_state(start_state)
+                        cell.update(time_plans(dr, ids_dev, want, args.repeats))
+                except Exception as exc:  # noqa: BLE001 - one cell's failure is recorded, the others still run
+                    cell["error"] = repr(exc)[:2000]
                 cells.append(cell)
                 shown = {k: round(v, 2) if isinstance(v, float) else v for k, v in cell.items()}
                 print(json.dumps(shown), flush=True)
-    record = {
-        "benchmark": "plan_kernel",
-        "argv": sys.argv,
-        "machine": platform.node(),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "triton": _triton_version(),
-        "cells": cells,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(record, indent=2) + "\n")  # after every cell: a cut call keeps them
+    record["compiled"] = compiled_variants()
+    for variant in record["compiled"]:
+        print(json.dumps(variant))
     args.out.write_text(json.dumps(record, indent=2) + "\n")
-    bad = [c for c in cells if c["mismatch"]]
+    bad = [c for c in cells if c.get("mismatch") or c.get("graph_mismatch") or c.get("error")]
     for c in bad:
-        print(f"plan_kernel: {c['policy']} B={c['batch']} {c['routing']}: {c['mismatch']}", file=sys.stderr)
-    return 1 if bad else 0
+        what = c.get("mismatch") or c.get("graph_mismatch") or c.get("error")
+        print(f"plan_kernel: {c['policy']} B={c['batch']} {c['routing']}: {what}", file=sys.stderr)
+    return 3 if bad else 0
 
 
 def _triton_version() -> str | None:

@@ -517,17 +517,36 @@ def test_the_plan_kernel_benchmark_checks_each_policy_against_the_host_planner_o
     assert by[("calibrated", 4, "lru")] > by[("calibrated", 1, "lru")] > 0
 
 
+def test_the_plan_kernel_benchmark_runs_the_fused_kernel_in_the_interpreter(tmp_path: Path) -> None:
+    """The script's own kernel variants (K=54, B=1 and 4, each policy) in Triton's interpreter: the plan equal to the
+    host planner's at every step, which the GPU call checks compiled before it times anything."""
+    pytest.importorskip("triton")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "plan_kernel.py"), "--out", str(tmp_path / "plan.json"),
+         "--device", "cpu", "--fused", "--steps", "20", "--repeats", "1", "--routings", "calibrated"],
+        capture_output=True, text=True, check=False, timeout=300, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cells = json.loads((tmp_path / "plan.json").read_text())["cells"]
+    assert [(c["batch"], c["policy"]) for c in cells] == [
+        (b, p) for b in (1, 4) for p in ("lru", "lfu-aging:256:4", "duel")
+    ]
+    assert all(c["fused"] and c["mismatch"] is None and "error" not in c for c in cells)
+
+
 def test_the_plan_kernel_benchmark_reports_a_plan_that_differs_from_the_hosts() -> None:
     spec = importlib.util.spec_from_file_location("plan_kernel", ROOT / "benchmarks" / "plan_kernel.py")
     assert spec is not None and spec.loader is not None
     plan_kernel = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plan_kernel)
-    ids = plan_kernel.step_ids("calibrated", 20, 1, 128, 8, 0)  # [20, 8]
+    ids = torch.from_numpy(plan_kernel.step_ids("calibrated", 20, 1, 128, 8, 0))  # [20, 8]
     assert ids.shape == (20, 8)
-    want = plan_kernel.host_misses("duel", ids, 128, 32)
-    ids_dev = torch.from_numpy(ids)
-    assert plan_kernel.check_misses("duel", ids_dev, want, 128, 32) is None
-    wrong = list(want)
-    wrong[7] += 1
-    message = plan_kernel.check_misses("duel", ids_dev, wrong, 128, 32)
-    assert message == f"step 7: device {want[7]} misses, host {want[7] + 1}"
+    dr = plan_kernel.device_residency("duel", 128, 32, torch.device("cpu"))
+    assert plan_kernel.check_plan(dr, "duel", ids) is None
+    # the device's slots 0 and 1 swap their experts (a consistent state the host does not hold)
+    dr = plan_kernel.device_residency("duel", 128, 32, torch.device("cpu"))
+    dr.expert_in[:2] = torch.tensor([1, 0])
+    dr.slot_of[:2] = torch.tensor([1, 0])
+    message = plan_kernel.check_plan(dr, "duel", ids)
+    assert message is not None and message.startswith("step 0: ")
