@@ -4,8 +4,9 @@ Why: in h200-duel the duel (`eviction_policy: duel`) paged as few misses as `lfu
 2.3 ms a token longer (~48 us a paged layer-step), read as its plan kernel's register spill; e791219 rewrote the
 shadows' update. A served run mixes the plan with the copies and the experts' compute; this times the plan alone, in
 the form the server runs it (one launch a layer-step inside a captured CUDA graph), on the same routing for every
-policy, and checks the device's misses against the host planner's (`LayerResidency`, the simulator's code) step by
-step: a plan that differs is reported, not timed.
+policy, and first checks the device's plan against the host planner's (`LayerResidency`, the simulator's code) at
+every step (misses, each pair's slot, which expert each slot holds, the duel's selector), then the captured graph's
+misses against the host's: a plan that differs is reported (exit 3), not timed.
 
 Each cell: one layer (E experts, K slots), S decode steps of B streams (B x top_k pairs a step) drawn from calibrated
 synthetic routing (`synthesize_trace`) or from the greedy-loop proxy (benchmarks/loop_trace.py); the S launches are
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_h200 import provenance  # noqa: E402
 from loop_trace import loop_trace  # noqa: E402
 
 from paged_experts.residency import plan_triton  # noqa: E402
@@ -194,9 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "plan_kernel",
         "argv": sys.argv,
         "machine": platform.node(),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "triton": _triton_version(),
+        "provenance": provenance(),  # git commit and tree, torch, GPU, CPUs
+        "triton": plan_triton.triton.__version__ if plan_triton.triton is not None else None,
         "cells": [],
     }
     cells: list[dict[str, Any]] = record["cells"]
@@ -240,14 +241,6 @@ def main(argv: list[str] | None = None) -> int:
         what = c.get("mismatch") or c.get("graph_mismatch") or c.get("error")
         print(f"plan_kernel: {c['policy']} B={c['batch']} {c['routing']}: {what}", file=sys.stderr)
     return 3 if bad else 0
-
-
-def _triton_version() -> str | None:
-    try:
-        import triton
-    except ImportError:
-        return None
-    return str(triton.__version__)
 
 
 if __name__ == "__main__":
