@@ -42,7 +42,7 @@ from loop_trace import loop_trace  # noqa: E402
 from paged_experts.residency import plan_triton  # noqa: E402
 from paged_experts.residency.device import DeviceResidency  # noqa: E402
 from paged_experts.residency.planner import LayerResidency  # noqa: E402
-from paged_experts.residency.policies import AgingLfuPolicy, DuelPolicy, make_policy  # noqa: E402
+from paged_experts.residency.policies import DuelPolicy, make_policy  # noqa: E402
 from paged_experts.routing.trace import synthesize_trace  # noqa: E402
 
 
@@ -64,15 +64,8 @@ def step_ids(routing: str, steps: int, batch: int, experts: int, top_k: int, see
 
 
 def device_residency(policy_name: str, experts: int, slots: int, device: torch.device) -> DeviceResidency:
-    """The DeviceResidency a paged server builds for `policy_name` (moe/__init__.py's mapping)."""
-    policy = make_policy(policy_name, slots)
-    aging = policy.lfu if isinstance(policy, DuelPolicy) else policy if isinstance(policy, AgingLfuPolicy) else None
-    return DeviceResidency(
-        experts, slots, device,
-        aging_period_steps=aging.period_steps if aging else None,
-        aging_window_steps=aging.window_steps if aging else 0,
-        duel=isinstance(policy, DuelPolicy),
-    )  # fmt: skip
+    """The DeviceResidency a paged server builds for `policy_name`."""
+    return DeviceResidency.for_policy(make_policy(policy_name, slots), experts, slots, device)
 
 
 def host_misses(policy_name: str, ids: np.ndarray, experts: int, slots: int) -> list[int]:

@@ -20,7 +20,7 @@ from paged_experts.kv import KvPool
 from paged_experts.model import MoeCausalLM, SeqChunk
 from paged_experts.residency.device import DeviceResidency
 from paged_experts.residency.planner import LayerResidency
-from paged_experts.residency.policies import AgingLfuPolicy, DuelPolicy, EvictionPolicy, LruPolicy
+from paged_experts.residency.policies import AgingLfuPolicy, DuelPolicy, EvictionPolicy, LruPolicy, make_policy
 from paged_experts.residency.store import ExpertTensors
 from paged_experts.runtime import RuntimeConfig
 
@@ -469,3 +469,20 @@ def test_prepare_decode_runs_every_step_shape_and_leaves_the_model_as_loaded(rou
         tb.misses,
         tb.bytes_h2d,
     )
+
+
+def test_the_device_plan_of_each_policy_the_server_runs_shares_its_hosts_settings() -> None:
+    cpu = torch.device("cpu")
+    for name, period, window, duel in (
+        ("lru", None, 0, False),
+        ("lfu-aging", 256, 0, False),
+        ("lfu-aging:16:4", 16, 4, False),
+        ("duel", 256, 4, True),
+        ("duel:8:2", 8, 2, True),
+    ):
+        policy = make_policy(name, 8)
+        dev = DeviceResidency.for_policy(policy, 32, 8, cpu)
+        assert (dev.aging_period_steps, dev.aging_window_steps, dev.duel) == (period, window, duel), name
+        dev.pull_to(LayerResidency(32, 8, policy))  # the one state: pull_to refuses a host policy it does not share
+    with pytest.raises(TypeError, match="not DecayedLfuPolicy"):
+        DeviceResidency.for_policy(make_policy("lfu-decay", 8), 32, 8, cpu)

@@ -34,7 +34,7 @@ from paged_experts.moe.planning import DeviceLru, HostWaves, PendingPrefetch
 from paged_experts.moe.waves import EXPERT_KERNELS
 from paged_experts.residency.device import DeviceResidency
 from paged_experts.residency.planner import LayerResidency
-from paged_experts.residency.policies import AgingLfuPolicy, DuelPolicy, make_policy
+from paged_experts.residency.policies import make_policy
 from paged_experts.residency.store import ExpertTensors, to_device_rows
 from paged_experts.runtime import RuntimeConfig
 
@@ -86,20 +86,8 @@ def make_layer(
     policy = make_policy(runtime.eviction_policy, k)  # RuntimeConfig refused one the device plan cannot run
     lru = None
     if runtime.plans_on_device:
-        aging = None  # the host's aging LFU (its own, or the duel's): they share one state
-        if isinstance(policy, DuelPolicy):
-            aging = policy.lfu
-        elif isinstance(policy, AgingLfuPolicy):
-            aging = policy
         lru = DeviceLru(
-            DeviceResidency(
-                cfg.num_experts,
-                k,
-                device,
-                aging_period_steps=aging.period_steps if aging else None,
-                aging_window_steps=aging.window_steps if aging else 0,
-                duel=isinstance(policy, DuelPolicy),
-            ),
+            DeviceResidency.for_policy(policy, cfg.num_experts, k, device),
             overlap=runtime.overlap_page_in,
             overlap_groups=runtime.overlap_groups,
             overlap_copies=runtime.overlap_copies,

@@ -104,6 +104,24 @@ class DeviceResidency:
         # steps of other sizes keep the plain plan, so nothing compiles inside a served request.
         self.in_static_step = False
 
+    @classmethod
+    def for_policy(
+        cls, policy: EvictionPolicy, num_experts: int, num_slots: int, device: torch.device
+    ) -> DeviceResidency:
+        """The device plan of a host policy (LRU, `lfu-aging` or `duel`; the layer's host planner holds the same policy
+        object, and the two share one state through `pull_to`/`push_from`). Any other policy raises TypeError."""
+        if type(policy) not in (LruPolicy, AgingLfuPolicy, DuelPolicy):
+            raise TypeError(f"the device plan runs LRU, lfu-aging and duel, not {type(policy).__name__}")
+        aging = policy.lfu if isinstance(policy, DuelPolicy) else policy if isinstance(policy, AgingLfuPolicy) else None
+        return cls(
+            num_experts,
+            num_slots,
+            device,
+            aging_period_steps=aging.period_steps if aging else None,
+            aging_window_steps=aging.window_steps if aging else 0,
+            duel=isinstance(policy, DuelPolicy),
+        )
+
     def compile(self) -> None:
         """Plan through torch.compile inside the static decode step (one compiled function serves
         every layer of one shape): the plan is ~25 small elementwise ops and reductions, no sort, on a
