@@ -82,6 +82,7 @@ def check_plan(dr: DeviceResidency, policy_name: str, ids_dev: torch.Tensor) -> 
     for i in range(ids_dev.shape[0]):
         row = ids_dev[i].tolist()
         plan = dr.plan(ids_dev[i])
+        dr.join()  # a duel's shadows (on a side stream on CUDA) write the selector read below
         want = host.plan_step(row)
         checks: list[tuple[str, object, object]] = [
             ("misses", int(plan.stats[2].item()), want.misses),
@@ -96,9 +97,37 @@ def check_plan(dr: DeviceResidency, policy_name: str, ids_dev: torch.Tensor) -> 
     return None
 
 
-def time_plans(dr: DeviceResidency, ids_dev: torch.Tensor, want: list[int], repeats: int) -> dict[str, Any]:
+def capture(steps: int, body: Any) -> torch.cuda.CUDAGraph:
+    """`body(i)` for i < steps captured in one graph."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(steps):
+            body(i)
+    return graph
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, steps: int, repeats: int) -> list[float]:
+    """us per step of each of `repeats` replays (the state runs on from replay to replay: steady state)."""
+    out = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) * 1e3 / steps)
+    return out
+
+
+def time_plans(
+    dr: DeviceResidency, ids_dev: torch.Tensor, want: list[int], repeats: int, standin_cycles: int
+) -> dict[str, Any]:
     """us per plan: eager (S launches, one sync) and, on CUDA, graphed (S launches captured, median of R replays);
-    `graph_mismatch`: where the graph's first replay (from `dr`'s state as given) misses other than `want`."""
+    `graph_mismatch`: where the graph's first replay (from `dr`'s state as given) misses other than `want`.
+    On CUDA also `layer_us`: each plan followed by a stand-in for the layer's copies and experts (a spin of
+    `standin_cycles` on the compute stream) and the layer's join, as the decode pass runs them: a duel's shadows run
+    beside the stand-in, so `layer_us` - `standin_us` (the spin alone) is what the plan costs the step's critical
+    path."""
     steps = ids_dev.shape[0]
     start_state = dr.state()
     for i in range(min(steps, 16)):  # Triton's compile, torch's warm-up
@@ -111,6 +140,7 @@ def time_plans(dr: DeviceResidency, ids_dev: torch.Tensor, want: list[int], repe
         t0 = time.perf_counter()
         for i in range(steps):
             dr.plan(ids_dev[i])
+        dr.join()
         if cuda:
             torch.cuda.synchronize()
         eager.append((time.perf_counter() - t0) / steps * 1e6)
@@ -118,25 +148,30 @@ def time_plans(dr: DeviceResidency, ids_dev: torch.Tensor, want: list[int], repe
     if not cuda:
         return out
     dr.load_state(start_state)  # capture runs nothing: the first replay starts here, as the check did
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        stats = [dr.plan(ids_dev[i]).stats for i in range(steps)]  # each [3], rewritten by every replay
+    stats: list[torch.Tensor] = []
+    graph = capture(steps, lambda i: stats.append(dr.plan(ids_dev[i]).stats))  # each [3], rewritten by every replay
+    dr.join()  # the last step's shadows, after the capture: the next replay's first plan joins nothing
     graph.replay()  # untimed: its misses checked
     torch.cuda.synchronize()
     got = torch.stack(stats)[:, 2].tolist()
     out["graph_mismatch"] = next((f"step {i}: graph {g} misses, host {w}" for i, (g, w) in enumerate(zip(got, want))
                                   if g != w), None)  # fmt: skip
-    graphed = []
-    for _ in range(repeats):  # the state runs on from the last replay's: steady state
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        graphed.append(start.elapsed_time(end) * 1e3 / steps)
+    graphed = replay_us(graph, steps, repeats)
     out["graphed_us"] = statistics.median(graphed)
     out["graphed_us_min"] = min(graphed)
     out["graphed_us_max"] = max(graphed)
+    if standin_cycles > 0:
+
+        def layer(i: int) -> None:
+            dr.plan(ids_dev[i])
+            torch.cuda._sleep(standin_cycles)  # the layer's copies and experts
+            dr.join()  # the decode pass's end
+
+        spin = capture(steps, lambda i: torch.cuda._sleep(standin_cycles))
+        out["standin_us"] = statistics.median(replay_us(spin, steps, repeats))
+        layered = capture(steps, layer)
+        out["layer_us"] = statistics.median(replay_us(layered, steps, repeats))
+        out["plan_on_path_us"] = out["layer_us"] - out["standin_us"]
     return out
 
 
@@ -147,16 +182,18 @@ def compiled_variants() -> list[dict[str, Any]]:
         return []
     try:
         out = []
-        for entry in plan_triton._plan_kernel.device_caches.values():
-            cache = entry[0] if isinstance(entry, tuple) else entry  # Triton 3.x: (kernel cache, ...)
-            for key, kernel in cache.items():
-                src = getattr(kernel, "src", None)
-                out.append({
-                    "n_regs": getattr(kernel, "n_regs", None),
-                    "n_spills": getattr(kernel, "n_spills", None),
-                    "constants": str(getattr(src, "constants", ""))[:400],
-                    "key": str(key)[:400],
-                })  # fmt: skip
+        for fn in (plan_triton._plan_kernel, plan_triton._shadow_kernel):
+            for entry in fn.device_caches.values():
+                cache = entry[0] if isinstance(entry, tuple) else entry  # Triton 3.x: (kernel cache, ...)
+                for key, kernel in cache.items():
+                    src = getattr(kernel, "src", None)
+                    out.append({
+                        "kernel": fn.__name__,
+                        "n_regs": getattr(kernel, "n_regs", None),
+                        "n_spills": getattr(kernel, "n_spills", None),
+                        "constants": str(getattr(src, "constants", ""))[:400],
+                        "key": str(key)[:400],
+                    })  # fmt: skip
         return out
     except Exception as exc:  # noqa: BLE001 - Triton's internals: record, never fail the run
         return [{"error": repr(exc)}]
@@ -174,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--standin-cycles", type=int, default=60000,
+                    help="the layer's copies and experts as a spin after each plan (CUDA; ~30-35 us at an H100/H200's "
+                         "clock; a c=1 paged FP8 layer-step is ~50-140 us); 0: no layer_us")  # fmt: skip
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--fused", action="store_true",
                     help="the fused kernel on the CPU too (with TRITON_INTERPRET=1: Triton's interpreter)")  # fmt: skip
@@ -218,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                     cell["mismatch"] = check_plan(dr, name, ids_dev)
                     if cell["mismatch"] is None:
                         dr.load_state(start_state)
-                        cell.update(time_plans(dr, ids_dev, want, args.repeats))
+                        cell.update(time_plans(dr, ids_dev, want, args.repeats, args.standin_cycles))
                 except Exception as exc:  # noqa: BLE001 - one cell's failure is recorded, the others still run
                     cell["error"] = repr(exc)[:2000]
                 cells.append(cell)

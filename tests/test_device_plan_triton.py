@@ -91,13 +91,15 @@ def test_the_fused_plan_compiles_for_the_h200() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = plan_triton._plan_kernel
-    bools = ("pair_missed_ptr", "shadow_ptr")
-    pointers = {a: "*i1" if a in bools else "*i64" for a in fn.arg_names if a.endswith("_ptr")}
-    signature = {a: pointers.get(a, "constexpr" if a.startswith("BLOCK") else "i32") for a in fn.arg_names}
-    signature["AGING"] = signature["DUEL"] = "constexpr"
-    for aging, duel in ((False, False), (True, False), (True, True)):  # LRU, aging LFU, their duel
-        constants = {"BLOCK_P": 64, "BLOCK_E": 256, "BLOCK_K": 64, "AGING": aging, "DUEL": duel, "BLOCK_S": 128}
+    def compile_ptx(fn, constants: dict[str, object]) -> str:  # noqa: ANN001 - a Triton JITFunction
+        bools = ("pair_missed_ptr", "shadow_ptr")
+        pointers = {a: "*i1" if a in bools else "*i64" for a in fn.arg_names if a.endswith("_ptr")}
+        signature = {a: pointers.get(a, "constexpr" if a in constants else "i32") for a in fn.arg_names}
         src = ASTSource(fn, signature, constants, {})
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
-        assert "st.global" in ptx
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+
+    for aging, duel in ((False, False), (True, False), (True, True)):  # LRU, aging LFU, their duel's plan
+        constants = {"BLOCK_P": 64, "BLOCK_E": 256, "BLOCK_K": 64, "AGING": aging, "DUEL": duel}
+        assert "st.global" in compile_ptx(plan_triton._plan_kernel, constants)
+    for block_p in (8, 32):  # the duel's shadows at one and four tokens
+        assert "st.global" in compile_ptx(plan_triton._shadow_kernel, {"BLOCK_P": block_p, "BLOCK_S": 128})

@@ -171,9 +171,25 @@ class PagedLayer(MoeLayer):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Plan on the device, page in the misses, then the pass over the slots: h [B, H] ->
         (out [B, H], stats [3], or [5] when a prefetch served the step)."""
-        lru, slots, sh = self.device_lru, self.device_experts, self.shared
+        lru = self.device_lru
         if lru is None:
             raise ValueError("a paged layer planned on the host has no graph-safe decode pass")
+        out = self._decode_pass(lru, h, ids, weights, experts_fn, before_compute)
+        # a duel's shadows ran beside the pass on a side stream (DeviceResidency.join): back in order before the next
+        # layer, so a captured step joins every stream it forked
+        lru.residency.join()
+        return out
+
+    def _decode_pass(
+        self,
+        lru: DeviceLru,
+        h: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        experts_fn: ExpertsFn,
+        before_compute: BeforeCompute,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        slots, sh = self.device_experts, self.shared
         flat = ids.reshape(-1).to(device=sh.device, dtype=torch.long)  # [B*k]
         if lru.overlap:  # hits computing while the misses copy (no prefetch: see RuntimeConfig)
             before_compute()

@@ -103,6 +103,13 @@ class DeviceResidency:
         # plan go through torch.compile, whose shapes are captured before serving. Eager one-wave
         # steps of other sizes keep the plain plan, so nothing compiles inside a served request.
         self.in_static_step = False
+        # The duel's shadows (the fused plan's second launch): only the layer's next plan reads what they write, so on
+        # CUDA they run on a side stream beside the step's copies and experts; `join` (the layer's decode pass, at its
+        # end) puts them back in order. A benchmark sets `shadows_aside` False to run them right after the plan.
+        self.shadows_aside = duel and device.type == "cuda"
+        self._duel_ids = torch.full((k,), -1, dtype=torch.long, device=device)  # [K] the step's ids, for the shadows
+        self._shadow_stream = shadow_stream(device) if self.shadows_aside else None
+        self._shadows_done: torch.cuda.Event | None = None
 
     @classmethod
     def for_policy(
@@ -133,13 +140,8 @@ class DeviceResidency:
         p = flat_ids.shape[0]
         if p > self.num_slots:
             raise ValueError(f"a device-planned step routes at most K={self.num_slots} pairs, got {p}")
-        if self.fused:
-            plan_fn = plan_triton.plan_step_triton
-        elif self.in_static_step and self._compiled_fn is not None:
-            plan_fn = self._compiled_fn
-        else:
-            plan_fn = plan_step
-        pair_slot, pair_missed, miss_experts, miss_slots, stats = plan_fn(
+        self.join()  # the previous step's shadows, where nothing joined them yet: this plan reads their selector
+        args = (
             flat_ids.to(torch.long),
             self.slot_of,
             self.expert_in,
@@ -153,15 +155,49 @@ class DeviceResidency:
             self.aging_window_steps,
             (self.expert_last_use, self.shadows, self.psel) if self.duel else None,
         )
+        if self.fused:
+            aside = self.duel and self.shadows_aside and self._shadow_stream is not None
+            results = plan_triton.plan_step_triton(*args, duel_ids=self._duel_ids, defer_shadows=aside)
+            if aside:
+                self._shadows_beside(p)
+        elif self.in_static_step and self._compiled_fn is not None:
+            results = self._compiled_fn(*args)
+        else:
+            results = plan_step(*args)
+        pair_slot, pair_missed, miss_experts, miss_slots, stats = results
         return DevicePlan(
             pair_slot=pair_slot, pair_missed=pair_missed, miss_experts=miss_experts, miss_slots=miss_slots, stats=stats
         )
 
+    def _shadows_beside(self, p: int) -> None:
+        """The duel's shadows of the step just planned, on the side stream after the plan (they read its ids from
+        `_duel_ids` and the counts and step it left; nothing on the side stream is freed by the compute stream)."""
+        assert self._shadow_stream is not None
+        compute = torch.cuda.current_stream(self.device)
+        self._shadow_stream.wait_stream(compute)
+        with torch.cuda.stream(self._shadow_stream):
+            plan_triton.duel_shadows_triton(
+                self._duel_ids, p, self.uses, self.step, self.expert_last_use, self.shadows, self.psel,
+                self.num_experts, self.aging_window_steps,
+            )  # fmt: skip
+            done = torch.cuda.Event()
+            done.record(self._shadow_stream)
+        self._shadows_done = done
+
+    def join(self) -> None:
+        """The current stream waits for the last step's shadows (a duel's, on the side stream): the layer's decode pass
+        calls it at its end, so a captured step forks and joins within itself; a no-op when none is pending."""
+        if self._shadows_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._shadows_done)
+            self._shadows_done = None
+
     def state(self) -> tuple[torch.Tensor, ...]:
         """A copy of the state (graph capture rewinds a warm-up step with it)."""
+        self.join()
         return tuple(t.clone() for t in self._state_tensors())
 
     def load_state(self, state: tuple[torch.Tensor, ...]) -> None:
+        self.join()
         for dst, src in zip(self._state_tensors(), state, strict=True):
             dst.copy_(src)
 
@@ -176,6 +212,7 @@ class DeviceResidency:
     def push_from(self, residency: LayerResidency) -> None:
         """Reads a host `LayerResidency` (same policy) back after a host-planned step: one pinned host buffer
         copied without blocking the host (the device plan of a later step is stream-ordered after it)."""
+        self.join()  # the copies below overwrite what a pending step's shadows read and write
         policy = _policy(self, residency)
         e, k = self.num_experts, self.num_slots
         assert len(residency.expert_in) == k
@@ -220,6 +257,8 @@ def pull_many(pairs: Sequence[tuple[DeviceResidency, LayerResidency]]) -> float:
     host_wait_s)."""
     if not pairs:
         return 0.0
+    for dev, _ in pairs:
+        dev.join()  # a pending step's shadows write what the read below takes
     rows = torch.cat([_pull_row(d) for d, _ in pairs])
     started = time.perf_counter()
     values = rows.tolist()  # the one host read
@@ -382,6 +421,17 @@ def _duel_shadows(
         shadows[i, :e] = (shadow & ~evicted) | miss
         missed.append(n_miss)
     psel.copy_((psel + missed[0] - missed[1]).clamp(-DUEL_LIMIT_MISSES, DUEL_LIMIT_MISSES))
+
+
+_SHADOW_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def shadow_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream every duel layer of a CUDA device runs its shadows on (made when a layer is built, outside any
+    graph capture)."""
+    if device not in _SHADOW_STREAMS:
+        _SHADOW_STREAMS[device] = torch.cuda.Stream(device)
+    return _SHADOW_STREAMS[device]
 
 
 _COMPILED: list = []

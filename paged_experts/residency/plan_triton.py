@@ -1,5 +1,5 @@
 """The device LRU (aging-LFU, or their duel) plan of one paged layer-step as ONE Triton kernel (`device.plan_step` is
-the reference).
+the reference); the duel's shadow caches, which the step's plan does not read, as a second one.
 
 `device.plan_step` is ~45 small torch ops. Inside the captured decode graph each is a kernel of about
 1-1.5 us with ~0.4 us between kernels (an 8-layer FP8 profile on the H200,
@@ -16,9 +16,11 @@ tests/cuda on the GPU):
   among those by slot index; aging LFU (`AGING`, `lfu-aging`): every count halved first when the step is a
   multiple of PERIOD, slots ranked by (count of their expert, then the LRU key), with WINDOW > 0 the slots
   used in the last WINDOW steps after every other; `DUEL` (`duel`, `DuelPolicy`): the aging order while the
-  selector psel > 0, else LRU's, then the two shadow caches play the step over per-expert last uses (each
-  shadow's misses evict its lowest-ranked unrouted experts, picked one at a time over BLOCK_S = pow2(E) experts)
-  and psel moves by their misses, within +-LIMIT_MISSES;
+  selector psel > 0, else LRU's; then (`_shadow_kernel`, its own launch after the plan's) the two shadow caches
+  play the step over per-expert last uses (each shadow's misses evict its lowest-ranked unrouted experts, picked
+  one at a time over BLOCK_S = pow2(E) experts) and psel moves by their misses, within +-LIMIT_MISSES. Only the
+  next step's plan reads what the shadows write, so DeviceResidency runs them beside the step's copies and
+  experts, off the decode step's critical path;
 - the maps updated (evicted experts lose their slot, misses get theirs), every routed pair's slot
   stamped with the step, the routed experts' counts grown by one (aging), the step counter advanced; the spare
   entries (E, K) untouched.
@@ -74,10 +76,10 @@ if triton is not None:
     def _plan_kernel(  # pragma: no cover - runs on the GPU or under TRITON_INTERPRET
         ids_ptr, slot_of_ptr, expert_in_ptr, last_use_ptr, step_ptr, uses_ptr,
         pair_slot_ptr, pair_missed_ptr, miss_experts_ptr, miss_slots_ptr, stats_ptr,
-        elu_ptr, shadow_ptr, psel_ptr,
-        P, E, K, PERIOD, WINDOW, LIMIT_MISSES,
+        psel_ptr, ids_out_ptr,
+        P, E, K, PERIOD, WINDOW,
         BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, AGING: tl.constexpr,
-        DUEL: tl.constexpr, BLOCK_S: tl.constexpr,
+        DUEL: tl.constexpr,
     ):  # fmt: skip
         p = tl.arange(0, BLOCK_P)  # pairs, and miss ranks (at most P misses)
         e = tl.arange(0, BLOCK_E)  # experts
@@ -149,44 +151,59 @@ if triton is not None:
         tl.store(slot_of_ptr + miss_expert, miss_slot, mask=valid)
         tl.store(expert_in_ptr + miss_slot, miss_expert, mask=valid)
         tl.store(last_use_ptr + pair_slot, step + tl.zeros_like(pair_slot), mask=pok)
-        if DUEL:  # DuelPolicy.end_step: each shadow's misses take its lowest-ranked unrouted experts' places
-            s = tl.arange(0, BLOCK_S)  # experts 0..E-1 (no spare entry)
-            psel = tl.load(psel_ptr)  # as the plan above read it (nothing stored it since)
-            halve = (step % PERIOD) == 0
-            smask = s < E
-            used_s = tl.max(((ids[:, None] == s[None, :]) & pmask[:, None]).to(tl.int32), axis=0) > 0  # [BS]
-            stamp = tl.load(elu_ptr + s, mask=smask, other=-1)  # [BS] last uses before this step's
-            uses_s = tl.load(uses_ptr + s, mask=smask, other=0)  # [BS]
-            uses_s = tl.where(halve, uses_s >> 1, uses_s)  # the step's counts, before its own uses
-            lkey = (stamp + 1) * (E + 1) + s  # [BS] LRU's order, distinct
-            recent_s = (stamp >= 0) & (stamp >= step - WINDOW) & (WINDOW > 0)  # [BS]
-            cnt = uses_s + recent_s.to(tl.int64) * (1 << 40)  # [BS] (device.RECENT)
-            sh0 = (tl.load(shadow_ptr + s, mask=smask, other=0) != 0) & smask  # [BS] LRU's shadow
-            sh1 = (tl.load(shadow_ptr + (E + 1) + s, mask=smask, other=0) != 0) & smask  # [BS] the LFU's
-            miss0 = used_s & ~sh0 & smask  # [BS]
-            miss1 = used_s & ~sh1 & smask  # [BS]
-            n0 = tl.sum(miss0.to(tl.int32), axis=0)
-            n1 = tl.sum(miss1.to(tl.int32), axis=0)
-            # each shadow's n misses evict its n lowest-ranked unrouted experts, picked one at a time (few: the real
-            # decode misses were 0.3-0.8 a layer-step at c=1 and 3-5 at c=4 on the H200); ranking every expert
-            # against every other instead ([BS x BS] int64 matrices) spills ~1.1-1.3 KB of registers at the served
-            # shape, and the duel's decode step was 2.3 ms a token slower than the LFU's at the same misses
-            # (h200-duel)
-            keep0 = (sh0 & ~_lowest(sh0 & ~used_s, lkey, lkey, n0)) | miss0  # [BS] the shadow after the step
-            keep1 = (sh1 & ~_lowest(sh1 & ~used_s, cnt, lkey, n1)) | miss1  # [BS]
-            # every thread has read the shadows, last uses and psel before any writes them (the layout changes
-            # above synchronize already; the barrier says so rather than relying on it)
-            tl.debug_barrier()
-            tl.store(shadow_ptr + s, keep0, mask=smask)
-            tl.store(shadow_ptr + (E + 1) + s, keep1, mask=smask)
-            tl.store(psel_ptr, tl.minimum(tl.maximum(psel + n0 - n1, -LIMIT_MISSES), LIMIT_MISSES))
-            tl.store(elu_ptr + s, step + tl.zeros_like(stamp), mask=smask & used_s)
+        if DUEL:  # the shadows' kernel (`_shadow_kernel`, after this one) reads the step's ids from here
+            tl.store(ids_out_ptr + p, ids, mask=pmask)
         if AGING:
             tl.store(uses_ptr + e, uses_e + used.to(tl.int64), mask=emask)
         tl.store(step_ptr, step + 1)
         tl.store(stats_ptr, n_used)
         tl.store(stats_ptr + 1, n_used - n_miss)
         tl.store(stats_ptr + 2, n_miss)
+
+    @triton.jit
+    def _shadow_kernel(  # pragma: no cover - runs on the GPU or under TRITON_INTERPRET
+        ids_ptr, uses_ptr, step_ptr, elu_ptr, shadow_ptr, psel_ptr,
+        P, E, WINDOW, LIMIT_MISSES,
+        BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
+    ):  # fmt: skip
+        """DuelPolicy.end_step of the step `_plan_kernel` just planned, from the state it left: each shadow's misses
+        take its lowest-ranked unrouted experts' places, psel moves by their misses (within +-LIMIT_MISSES), the routed
+        experts' last uses are stamped. Its own launch, so that the shadows, which the step's plan does not read, can
+        run beside the step's copies and experts (DeviceResidency puts it on a side stream)."""
+        p = tl.arange(0, BLOCK_P)  # pairs
+        s = tl.arange(0, BLOCK_S)  # experts 0..E-1 (no spare entry)
+        pmask = p < P
+        smask = s < E
+        ids = tl.load(ids_ptr + p, mask=pmask, other=-1)  # [BP] as the plan sanitized them (-1: no expert)
+        step = tl.load(step_ptr) - 1  # the plan advanced it: this is the step it planned
+        psel = tl.load(psel_ptr)  # as the plan read it (only this kernel writes it)
+        used_s = tl.max(((ids[:, None] == s[None, :]) & pmask[:, None]).to(tl.int32), axis=0) > 0  # [BS]
+        stamp = tl.load(elu_ptr + s, mask=smask, other=-1)  # [BS] last uses before this step's
+        # the step's counts before its own uses: the plan halved them (on a period's step) and then added the uses
+        uses_s = tl.load(uses_ptr + s, mask=smask, other=0) - used_s.to(tl.int64)  # [BS]
+        lkey = (stamp + 1) * (E + 1) + s  # [BS] LRU's order, distinct
+        recent_s = (stamp >= 0) & (stamp >= step - WINDOW) & (WINDOW > 0)  # [BS]
+        cnt = uses_s + recent_s.to(tl.int64) * (1 << 40)  # [BS] (device.RECENT)
+        sh0 = (tl.load(shadow_ptr + s, mask=smask, other=0) != 0) & smask  # [BS] LRU's shadow
+        sh1 = (tl.load(shadow_ptr + (E + 1) + s, mask=smask, other=0) != 0) & smask  # [BS] the LFU's
+        miss0 = used_s & ~sh0 & smask  # [BS]
+        miss1 = used_s & ~sh1 & smask  # [BS]
+        n0 = tl.sum(miss0.to(tl.int32), axis=0)
+        n1 = tl.sum(miss1.to(tl.int32), axis=0)
+        # each shadow's n misses evict its n lowest-ranked unrouted experts, picked one at a time (few: the real
+        # decode misses were 0.3-0.8 a layer-step at c=1 and 3-5 at c=4 on the H200); ranking every expert
+        # against every other instead ([BS x BS] int64 matrices) spills ~1.1-1.3 KB of registers at the served
+        # shape, and the duel's decode step was 2.3 ms a token slower than the LFU's at the same misses
+        # (h200-duel)
+        keep0 = (sh0 & ~_lowest(sh0 & ~used_s, lkey, lkey, n0)) | miss0  # [BS] the shadow after the step
+        keep1 = (sh1 & ~_lowest(sh1 & ~used_s, cnt, lkey, n1)) | miss1  # [BS]
+        # every thread has read the shadows, last uses and psel before any writes them (the layout changes
+        # above synchronize already; the barrier says so rather than relying on it)
+        tl.debug_barrier()
+        tl.store(shadow_ptr + s, keep0, mask=smask)
+        tl.store(shadow_ptr + (E + 1) + s, keep1, mask=smask)
+        tl.store(psel_ptr, tl.minimum(tl.maximum(psel + n0 - n1, -LIMIT_MISSES), LIMIT_MISSES))
+        tl.store(elu_ptr + s, step + tl.zeros_like(stamp), mask=smask & used_s)
 
 
 def plan_step_triton(
@@ -202,11 +219,16 @@ def plan_step_triton(
     aging_period: int = 0,
     aging_window: int = 0,
     duel: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    duel_ids: torch.Tensor | None = None,
+    defer_shadows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`device.plan_step`'s signature and results (arange_e unused), as one kernel launch:
     flat_ids [P] int64 (P <= K) -> (pair_slot [P], pair_missed [P] bool, miss_experts [P],
     miss_slots [P], stats [3]); slot_of [E+1], expert_in [K+1], last_use [K+1], step [] updated, and with
-    aging_period > 0 (aging LFU) uses [E+1], with `duel` its (expert_last_use [E+1], shadows [2, E+1], psel [])."""
+    aging_period > 0 (aging LFU) uses [E+1], with `duel` its (expert_last_use [E+1], shadows [2, E+1], psel []).
+    A duel's plan is two launches: the plan, then the shadows (`duel_shadows_triton`), which read the step's ids from
+    `duel_ids` ([>= P] int64; a new buffer where None). `defer_shadows`: the plan alone; the caller launches the
+    shadows (on any stream, after this one) before the layer's next plan or a read of its state."""
     aging = aging_period > 0
     if aging and uses is None:
         raise ValueError("an aging plan needs the use counts")
@@ -219,12 +241,38 @@ def plan_step_triton(
     miss_experts = torch.empty(p, dtype=torch.long, device=ids.device)
     miss_slots = torch.empty(p, dtype=torch.long, device=ids.device)
     stats = torch.empty(3, dtype=torch.long, device=ids.device)
+    if duel is not None and duel_ids is None:
+        duel_ids = torch.empty(p, dtype=torch.long, device=ids.device)
     _plan_kernel[(1,)](
         ids, slot_of, expert_in, last_use, step, uses if aging else last_use,
         pair_slot, pair_missed, miss_experts, miss_slots, stats,
-        *(duel if duel is not None else (last_use, last_use, step)),
-        p, e, k, max(aging_period, 1), aging_window, DUEL_LIMIT_MISSES,
-        BLOCK_P=_pow2(p), BLOCK_E=_pow2(e + 1), BLOCK_K=_pow2(k), AGING=aging, DUEL=duel is not None,
-        BLOCK_S=_pow2(e), num_warps=8,
+        duel[2] if duel is not None else step, duel_ids if duel_ids is not None else ids,
+        p, e, k, max(aging_period, 1), aging_window,
+        BLOCK_P=_pow2(p), BLOCK_E=_pow2(e + 1), BLOCK_K=_pow2(k), AGING=aging, DUEL=duel is not None, num_warps=8,
     )  # fmt: skip
+    if duel is not None and not defer_shadows:
+        assert uses is not None and duel_ids is not None
+        duel_shadows_triton(duel_ids, p, uses, step, *duel, e, aging_window)
     return pair_slot, pair_missed, miss_experts, miss_slots, stats
+
+
+def duel_shadows_triton(
+    duel_ids: torch.Tensor,
+    p: int,
+    uses: torch.Tensor,
+    step: torch.Tensor,
+    expert_last_use: torch.Tensor,
+    shadows: torch.Tensor,
+    psel: torch.Tensor,
+    e: int,
+    aging_window: int,
+) -> None:
+    """The duel's shadows (`DuelPolicy.end_step`) of the step a duel's `plan_step_triton` just planned, as one launch
+    on the current stream, which must be ordered after that plan and before the layer's next one: duel_ids [>= P] the
+    step's ids the plan stored; uses [E+1], step [] as the plan left them; expert_last_use [E+1], shadows [2, E+1]
+    and psel [] updated."""
+    _shadow_kernel[(1,)](
+        duel_ids, uses, step, expert_last_use, shadows, psel,
+        p, e, aging_window, DUEL_LIMIT_MISSES,
+        BLOCK_P=_pow2(p), BLOCK_S=_pow2(e), num_warps=8,
+    )  # fmt: skip

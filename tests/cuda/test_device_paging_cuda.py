@@ -69,6 +69,61 @@ def test_fused_plan_equals_torch_compiled() -> None:
     assert all(m.device_residency.fused for m in model.moe_layers if m.device_residency is not None)
 
 
+def test_duel_shadows_beside_the_step_equal_the_reference_eager_and_graphed() -> None:
+    """The duel's shadows on the side stream (DeviceResidency.shadows_aside): each plan followed by a spin standing in
+    for the layer's copies and experts, then the layer's join, as the decode pass runs them. Every state tensor equals
+    the torch reference's (`plan_step`, shadows inline) after every eager step, and after S steps captured in one
+    graph and replayed twice."""
+    import random
+
+    from paged_experts.residency.device import DeviceResidency
+
+    cuda = torch.device("cuda")
+    e, k, top_k, steps = 128, 54, 8, 48
+    rng = random.Random(7)
+    # runs of 8 steps from all experts, then from a few: each shadow wins some, so the selector moves both ways
+    rows = [
+        [x for _ in range(rng.randint(1, 4)) for x in rng.sample(range(e) if (i // 8) % 2 else range(36), top_k)]
+        for i in range(3 * steps)
+    ]
+    ids = [torch.tensor(r, dtype=torch.long, device=cuda) for r in rows]
+    names = ("slot_of", "expert_in", "last_use", "step", "uses", "expert_last_use", "shadows", "psel")
+    ref = DeviceResidency(e, k, cuda, aging_period_steps=5, aging_window_steps=2, duel=True)
+    ref.fused = False  # the torch plan, shadows inline
+    dev = DeviceResidency(e, k, cuda, aging_period_steps=5, aging_window_steps=2, duel=True)
+    assert dev.fused and dev.shadows_aside
+
+    def layer(i: int) -> None:
+        dev.plan(ids[i])
+        torch.cuda._sleep(20000)  # the layer's copies and experts: the shadows run beside it
+        dev.join()
+
+    signs = set()
+    for i in range(steps):  # eager
+        ref.plan(ids[i])
+        layer(i)
+        for name in names:
+            assert torch.equal(getattr(dev, name), getattr(ref, name)), (i, name)
+        signs.add(int(ref.psel) > 0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(steps, 2 * steps):
+            layer(i)
+    start = dev.state()  # the capture ran nothing: dev is still at step `steps`
+    for i in range(steps, 2 * steps):
+        ref.plan(ids[i])
+    graph.replay()
+    torch.cuda.synchronize()
+    for name in names:
+        assert torch.equal(getattr(dev, name), getattr(ref, name)), ("graphed", name)
+    dev.load_state(start)  # replay the same steps again from the same state: the same result
+    graph.replay()
+    torch.cuda.synchronize()
+    for name in names:
+        assert torch.equal(getattr(dev, name), getattr(ref, name)), ("graphed again", name)
+    assert signs == {False, True}, signs
+
+
 def test_device_planned_paged_layer_does_not_sync() -> None:
     model = MoeCausalLM.from_pretrained(TINY, rt("bfloat16", mode="paged", resident_experts=8))
     layer = model.moe_layers[0]
