@@ -12,7 +12,10 @@ Each cell: one layer (E experts, K slots), S decode steps of B streams (B x top_
 synthetic routing (`synthesize_trace`) or from the greedy-loop proxy (benchmarks/loop_trace.py); the S launches are
 captured in one graph, replayed R times (the state runs on: steady state), and the figure is the median replay's time
 over S. `eager_us` (launch, then sync at the end) is beside it: Python's launch cost bounds it on a GPU, so read
-`graphed_us`. The record ends with the compiled kernel variants' registers and spill (Triton's cache). On the CPU the
+`graphed_us`. A duel's shadows are a second launch, on a side stream beside the layer's work in the server
+(DeviceResidency.join); in `graphed_us` each plan waits for the last step's shadows (no layer work to hide them
+behind), and `plan_on_path_us` is what the plan adds to a step whose layer work is a spin of `--standin-cycles`
+(`layer_us` - `standin_us`): the cost on the decode step's critical path. The record ends with the compiled kernel variants' registers and spill (Triton's cache). On the CPU the
 plan is `device.plan_step` (torch), or with `--fused` and TRITON_INTERPRET=1 the fused kernel in Triton's
 interpreter (the tests' check of this script's kernel variants): a smoke run, no graph, no timing worth reading.
 
