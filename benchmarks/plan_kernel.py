@@ -12,12 +12,14 @@ Each cell: one layer (E experts, K slots), S decode steps of B streams (B x top_
 synthetic routing (`synthesize_trace`) or from the greedy-loop proxy (benchmarks/loop_trace.py); the S launches are
 captured in one graph, replayed R times (the state runs on: steady state), and the figure is the median replay's time
 over S. `eager_us` (launch, then sync at the end) is beside it: Python's launch cost bounds it on a GPU, so read
-`graphed_us`. A duel's shadows are a second launch, on a side stream beside the layer's work in the server
-(DeviceResidency.join); in `graphed_us` each plan waits for the last step's shadows (no layer work to hide them
-behind), and `plan_on_path_us` is what the plan adds to a step whose layer work is a spin of `--standin-cycles`
-(`layer_us` - `standin_us`): the cost on the decode step's critical path. The record ends with the compiled kernel variants' registers and spill (Triton's cache). On the CPU the
-plan is `device.plan_step` (torch), or with `--fused` and TRITON_INTERPRET=1 the fused kernel in Triton's
-interpreter (the tests' check of this script's kernel variants): a smoke run, no graph, no timing worth reading.
+`graphed_us`. A duel's shadows are a second launch, in a captured step on a side stream beside the layer's work
+(DeviceResidency.join; eager steps launch them in line); in `graphed_us` each plan waits for the last step's shadows
+(no layer work to hide them behind), and `plan_on_path_us` is what the plan adds to a step whose layer work is a spin
+of `--standin-cycles` (`layer_us` - `standin_us`): the cost on the decode step's critical path. The record ends with
+both kernels' compiled variants (the plan's, the duel's shadows') with their registers and spill (Triton's cache).
+On the CPU the plan is `device.plan_step` (torch), or with `--fused` and TRITON_INTERPRET=1 the fused kernels in
+Triton's interpreter (the tests' check of this script's kernel variants): a smoke run, no graph, no timing worth
+reading.
 
     PYTHONPATH=$PWD python benchmarks/plan_kernel.py --out plan_kernel.json   # CUDA; ~1 min with Triton's compiles
     PYTHONPATH=$PWD python benchmarks/plan_kernel.py --device cpu --steps 64 --out /tmp/p.json
@@ -100,12 +102,15 @@ def check_plan(dr: DeviceResidency, policy_name: str, ids_dev: torch.Tensor) -> 
     return None
 
 
-def capture(steps: int, body: Any) -> torch.cuda.CUDAGraph:
-    """`body(i)` for i < steps captured in one graph."""
+def capture(steps: int, body: Any, dr: DeviceResidency | None = None) -> torch.cuda.CUDAGraph:
+    """`body(i)` for i < steps captured in one graph; with `dr`, its last step's shadows (a duel's, on the side stream)
+    joined before the capture ends, as the layer's decode pass joins them."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(steps):
             body(i)
+        if dr is not None:
+            dr.join()
     return graph
 
 
@@ -152,8 +157,7 @@ def time_plans(
         return out
     dr.load_state(start_state)  # capture runs nothing: the first replay starts here, as the check did
     stats: list[torch.Tensor] = []
-    graph = capture(steps, lambda i: stats.append(dr.plan(ids_dev[i]).stats))  # each [3], rewritten by every replay
-    dr.join()  # the last step's shadows, after the capture: the next replay's first plan joins nothing
+    graph = capture(steps, lambda i: stats.append(dr.plan(ids_dev[i]).stats), dr)  # each [3], rewritten by a replay
     graph.replay()  # untimed: its misses checked
     torch.cuda.synchronize()
     got = torch.stack(stats)[:, 2].tolist()
@@ -179,8 +183,8 @@ def time_plans(
 
 
 def compiled_variants() -> list[dict[str, Any]]:
-    """The fused kernel's compiled variants with their registers and spill, from Triton's cache (its layout differs
-    between versions: best effort, an error recorded rather than raised)."""
+    """The plan's and the shadows' compiled kernel variants with their registers and spill, from Triton's cache (its
+    layout differs between versions: best effort, an error recorded rather than raised)."""
     if plan_triton.triton is None or os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter compiles nothing
         return []
     try:

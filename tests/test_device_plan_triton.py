@@ -4,7 +4,8 @@ every state tensor (maps, stamps, use counts, step, spare entries) equal after e
 sequences at the served shape (E=128, K=40/42, top_k 8, 1-5 tokens), at small shapes, with steps of no miss,
 steps where every pair misses and ties among pinned slots, and (aging) counts halved every 3 or 5 steps, with
 and without a 2-step recency window, and the duel of LRU and aging LFU (`duel`: its shadows, selector and
-per-expert last uses equal too, with routings that switch between a small pool and all experts). Run in
+per-expert last uses equal too, with routings that switch between a small pool and all experts; every other step
+its plan and its shadows as two calls, the shadows reading the step's ids from the layer's buffer). Run in
 Triton's interpreter (TRITON_INTERPRET=1, in a child process: Triton reads it at import) on the CPU;
 tests/cuda runs the same check compiled."""
 
@@ -52,10 +53,17 @@ def _check_fused_plan(dev: torch.device, steps: int, aging: int | None, window: 
                 ids, ref.slot_of, ref.expert_in, ref.last_use, ref.step, ref._arange_e, e, k, ref.uses, period, window,
                 (ref.expert_last_use, ref.shadows, ref.psel) if duel else None,
             )  # fmt: skip
+            deferred = duel and step % 2 == 1  # the plan alone, then the shadows' launch, as a captured step runs them
             got = plan_triton.plan_step_triton(
                 ids, fused.slot_of, fused.expert_in, fused.last_use, fused.step, fused._arange_e, e, k, fused.uses,
                 period, window, (fused.expert_last_use, fused.shadows, fused.psel) if duel else None,
+                duel_ids=fused._duel_ids if deferred else None, defer_shadows=deferred,
             )  # fmt: skip
+            if deferred:
+                plan_triton.duel_shadows_triton(
+                    fused._duel_ids, len(routed), fused.uses, fused.step, fused.expert_last_use, fused.shadows,
+                    fused.psel, e, window,
+                )  # fmt: skip
             names = ("pair_slot", "pair_missed", "miss_experts", "miss_slots", "stats")
             for name, a, b in zip(names, got, want):
                 assert a.dtype == b.dtype and torch.equal(a, b), (aging, e, k, step, name, a.tolist(), b.tolist())

@@ -175,8 +175,9 @@ class PagedLayer(MoeLayer):
         if lru is None:
             raise ValueError("a paged layer planned on the host has no graph-safe decode pass")
         out = self._decode_pass(lru, h, ids, weights, experts_fn, before_compute)
-        # a duel's shadows ran beside the pass on a side stream (DeviceResidency.join): back in order before the next
-        # layer, so a captured step joins every stream it forked
+        # a captured duel's shadows ran beside the pass on a side stream (DeviceResidency.join): back in order before
+        # the next layer, so a captured step joins every fork (a prefetch's plan for this layer, made during the layer
+        # before, was joined by this layer's own plan)
         lru.residency.join()
         return out
 

@@ -15,8 +15,8 @@ experts are at most K too. The plan is the same one `residency.planner.LayerResi
 Shapes are static (the plan is padded to P entries; padding names the dummy expert E and the
 dummy slot K, which the maps carry as one spare entry each), so nothing depends on a host read.
 
-On CUDA with Triton the plan is one kernel (`plan_triton`, the same plan bit for bit); `plan_step`
-below is its reference and the CPU's plan.
+On CUDA with Triton the plan is one kernel (`plan_triton`, the same plan bit for bit; a duel's shadows a second one,
+beside the step inside a captured graph); `plan_step` below is its reference and the CPU's plan.
 
 Steps with more pairs than K (prefill, large batches) fall back to the host planner; the two
 share one state: `pull_to(residency)` writes the device state into the `LayerResidency` before a
@@ -97,19 +97,22 @@ class DeviceResidency:
         self._arange_e = torch.arange(e + 1, device=device)  # [E+1]
         self._compiled_fn = None
         # The plan as one fused kernel (plan_triton) where it runs: the same plan as `plan_step`, one
-        # launch instead of ~45 inside the captured decode step. A benchmark sets it False to compare.
+        # launch instead of ~45 inside the captured decode step (a duel's shadows: a second). A benchmark sets it
+        # False to compare.
         self.fused = plan_triton.available(device, num_experts, num_slots)
         # Set by the static decode step (graphs.GraphedDecoder) around its body: only there does the
         # plan go through torch.compile, whose shapes are captured before serving. Eager one-wave
         # steps of other sizes keep the plain plan, so nothing compiles inside a served request.
         self.in_static_step = False
-        # The duel's shadows (the fused plan's second launch): only the layer's next plan reads what they write, so on
-        # CUDA they run on a side stream beside the step's copies and experts; `join` (the layer's decode pass, at its
-        # end) puts them back in order. A benchmark sets `shadows_aside` False to run them right after the plan.
+        # The duel's shadows (the fused plan's second launch): only the layer's next plan reads what they write, so in
+        # a captured step they run on a side stream beside the step's copies and experts; `join` (the layer's decode
+        # pass, at its end) puts them back in order. Eager steps launch them right after the plan on the same stream:
+        # there the host's launches bound the step, and a fork and join cost the host more than the kernel costs the
+        # device. A benchmark sets `shadows_aside` False to keep them in line in the graph too.
         self.shadows_aside = duel and device.type == "cuda"
         self._duel_ids = torch.full((k,), -1, dtype=torch.long, device=device)  # [K] the step's ids, for the shadows
         self._shadow_stream = shadow_stream(device) if self.shadows_aside else None
-        self._shadows_done: torch.cuda.Event | None = None
+        self._shadows_done: torch.cuda.Event | None = None  # the pending shadows' event, recorded in this capture
 
     @classmethod
     def for_policy(
@@ -156,7 +159,12 @@ class DeviceResidency:
             (self.expert_last_use, self.shadows, self.psel) if self.duel else None,
         )
         if self.fused:
-            aside = self.duel and self.shadows_aside and self._shadow_stream is not None
+            aside = (
+                self.duel
+                and self.shadows_aside
+                and self._shadow_stream is not None
+                and torch.cuda.is_current_stream_capturing()
+            )
             results = plan_triton.plan_step_triton(*args, duel_ids=self._duel_ids, defer_shadows=aside)
             if aside:
                 self._shadows_beside(p)

@@ -1,5 +1,5 @@
 """The device LRU (aging-LFU, or their duel) plan of one paged layer-step as ONE Triton kernel (`device.plan_step` is
-the reference); the duel's shadow caches, which the step's plan does not read, as a second one.
+the reference), and the duel's shadow caches, which the step's plan does not read, as a second.
 
 `device.plan_step` is ~45 small torch ops. Inside the captured decode graph each is a kernel of about
 1-1.5 us with ~0.4 us between kernels (an 8-layer FP8 profile on the H200,
@@ -222,7 +222,7 @@ def plan_step_triton(
     duel_ids: torch.Tensor | None = None,
     defer_shadows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`device.plan_step`'s signature and results (arange_e unused), as one kernel launch:
+    """`device.plan_step`'s signature and results (arange_e unused), as one kernel launch (a duel's: two):
     flat_ids [P] int64 (P <= K) -> (pair_slot [P], pair_missed [P] bool, miss_experts [P],
     miss_slots [P], stats [3]); slot_of [E+1], expert_in [K+1], last_use [K+1], step [] updated, and with
     aging_period > 0 (aging LFU) uses [E+1], with `duel` its (expert_last_use [E+1], shadows [2, E+1], psel []).
@@ -241,6 +241,8 @@ def plan_step_triton(
     miss_experts = torch.empty(p, dtype=torch.long, device=ids.device)
     miss_slots = torch.empty(p, dtype=torch.long, device=ids.device)
     stats = torch.empty(3, dtype=torch.long, device=ids.device)
+    if defer_shadows and (duel is None or duel_ids is None):
+        raise ValueError("deferred shadows need a duel and the ids buffer their launch reads")
     if duel is not None and duel_ids is None:
         duel_ids = torch.empty(p, dtype=torch.long, device=ids.device)
     _plan_kernel[(1,)](

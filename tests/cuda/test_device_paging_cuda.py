@@ -70,13 +70,15 @@ def test_fused_plan_equals_torch_compiled() -> None:
 
 
 def test_duel_shadows_beside_the_step_equal_the_reference_eager_and_graphed() -> None:
-    """The duel's shadows on the side stream (DeviceResidency.shadows_aside): each plan followed by a spin standing in
-    for the layer's copies and experts, then the layer's join, as the decode pass runs them. Every state tensor equals
-    the torch reference's (`plan_step`, shadows inline) after every eager step, and after S steps captured in one
-    graph and replayed twice."""
+    """The duel's shadows (DeviceResidency.shadows_aside): in line after the plan in eager steps, on the side stream in
+    a captured one. Every state tensor equals the torch reference's (`plan_step`, shadows inline): after every eager
+    step; after S steps captured as the decode pass runs them (each plan, then a spin standing in for the layer's
+    copies and experts, then the layer's join), replayed twice from one state; and after S steps captured with the
+    side stream held back by a spin before each step's shadows and no join but the capture's last, so that only the
+    next plan's own join orders its read of the selector after them."""
     import random
 
-    from paged_experts.residency.device import DeviceResidency
+    from paged_experts.residency.device import DeviceResidency, shadow_stream
 
     cuda = torch.device("cuda")
     e, k, top_k, steps = 128, 54, 8, 48
@@ -84,7 +86,7 @@ def test_duel_shadows_beside_the_step_equal_the_reference_eager_and_graphed() ->
     # runs of 8 steps from all experts, then from a few: each shadow wins some, so the selector moves both ways
     rows = [
         [x for _ in range(rng.randint(1, 4)) for x in rng.sample(range(e) if (i // 8) % 2 else range(36), top_k)]
-        for i in range(3 * steps)
+        for i in range(4 * steps)
     ]
     ids = [torch.tensor(r, dtype=torch.long, device=cuda) for r in rows]
     names = ("slot_of", "expert_in", "last_use", "step", "uses", "expert_last_use", "shadows", "psel")
@@ -92,35 +94,46 @@ def test_duel_shadows_beside_the_step_equal_the_reference_eager_and_graphed() ->
     ref.fused = False  # the torch plan, shadows inline
     dev = DeviceResidency(e, k, cuda, aging_period_steps=5, aging_window_steps=2, duel=True)
     assert dev.fused and dev.shadows_aside
+    side = shadow_stream(cuda)
 
-    def layer(i: int) -> None:
+    def same(where: str) -> None:
+        torch.cuda.synchronize()
+        for name in names:
+            assert torch.equal(getattr(dev, name), getattr(ref, name)), (where, name)
+
+    def layer(i: int) -> None:  # as the decode pass
         dev.plan(ids[i])
-        torch.cuda._sleep(20000)  # the layer's copies and experts: the shadows run beside it
+        torch.cuda._sleep(20000)  # the layer's copies and experts: the shadows run beside them
         dev.join()
 
+    def held_back(i: int) -> None:  # the shadows late: the next plan must wait for them itself
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(100000)
+        dev.plan(ids[i])
+
     signs = set()
-    for i in range(steps):  # eager
+    for i in range(steps):  # eager: the shadows in line
         ref.plan(ids[i])
-        layer(i)
-        for name in names:
-            assert torch.equal(getattr(dev, name), getattr(ref, name)), (i, name)
+        dev.plan(ids[i])
+        same(f"eager step {i}")
         signs.add(int(ref.psel) > 0)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(steps, 2 * steps):
-            layer(i)
-    start = dev.state()  # the capture ran nothing: dev is still at step `steps`
-    for i in range(steps, 2 * steps):
-        ref.plan(ids[i])
-    graph.replay()
-    torch.cuda.synchronize()
-    for name in names:
-        assert torch.equal(getattr(dev, name), getattr(ref, name)), ("graphed", name)
-    dev.load_state(start)  # replay the same steps again from the same state: the same result
-    graph.replay()
-    torch.cuda.synchronize()
-    for name in names:
-        assert torch.equal(getattr(dev, name), getattr(ref, name)), ("graphed again", name)
+    for part, body in enumerate((layer, held_back)):
+        first = (1 + part) * steps
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(first, first + steps):
+                body(i)
+            dev.join()
+        start = dev.state()  # the capture ran nothing: dev is still at step `first`
+        for i in range(first, first + steps):
+            ref.plan(ids[i])
+            signs.add(int(ref.psel) > 0)
+        graph.replay()
+        same(f"{body.__name__} graph")
+        dev.load_state(start)  # the same steps again from the same state: the same result
+        graph.replay()
+        same(f"{body.__name__} graph again")
     assert signs == {False, True}, signs
 
 
@@ -167,9 +180,9 @@ def test_aging_lfu_planned_on_the_gpu_equals_resident_and_counts_what_the_host_p
 
 def check_aging_lfu(policy: str) -> None:
     """`lfu-aging` on the fused device plan (the default period; a 4-step period with a 2-step window), and the
-    duel of LRU with it (`duel`, its shadows and selector in the plan kernel): outputs equal resident bit for bit, and
-    the misses of every layer equal the host planner's over the same steps (the prompt's multi-wave step included:
-    shared state)."""
+    duel of LRU with it (`duel`, its selector in the plan kernel, its shadows in their own): outputs equal resident bit
+    for bit, and the misses of every layer equal the host planner's over the same steps (the prompt's multi-wave step
+    included: shared state)."""
     prompts = [[5, 17, 300, 41, 9, 77, 3, 8]]
     resident = decode(MoeCausalLM.from_pretrained(QWEN2, rt("bfloat16", mode="resident")), prompts, steps=12)
     for k in (8, 16):
@@ -388,7 +401,7 @@ def test_graphed_paged_decode_with_synthetic_routing_matches_eager() -> None:
         )
 
 
-def check_prefetch_graphed(compile_layers: bool, backend: str = "grouped") -> None:
+def check_prefetch_graphed(compile_layers: bool, backend: str = "grouped", policy: str = "lru") -> None:
     """Next-layer prefetch inside the captured step (copy-stream fork/join in the graph): outputs
     equal the plain graphed step bit for bit (the same kernels read the same expert rows from other
     slots), every slot holds the host rows its map names, and the predictions are counted."""
@@ -397,7 +410,14 @@ def check_prefetch_graphed(compile_layers: bool, backend: str = "grouped") -> No
     for prefetch in (False, True):
         model = MoeCausalLM.from_pretrained(
             QWEN2,
-            rt("bfloat16", mode="paged", resident_experts=16, prefetch_next_layer=prefetch, kernel_backend=backend),
+            rt(
+                "bfloat16",
+                mode="paged",
+                resident_experts=16,
+                prefetch_next_layer=prefetch,
+                kernel_backend=backend,
+                eviction_policy=policy,
+            ),  # fmt: skip
         )
         model.enable_cuda_graphs([1, 2], compile_layers=compile_layers)
         outs.append(decode(model, prompts, steps=6))
@@ -425,6 +445,9 @@ def check_prefetch_graphed(compile_layers: bool, backend: str = "grouped") -> No
 
 def test_graphed_prefetch_matches_plain_graphed() -> None:
     check_prefetch_graphed(compile_layers=False)
+    # a prefetch plans the next layer while this one computes: a duel's shadows forked there are joined by that
+    # layer's own plan, inside the capture
+    check_prefetch_graphed(compile_layers=False, policy="duel")
 
 
 def test_compiled_triton_graphed_prefetch_matches_plain_graphed() -> None:
