@@ -159,12 +159,8 @@ class DeviceResidency:
             (self.expert_last_use, self.shadows, self.psel) if self.duel else None,
         )
         if self.fused:
-            aside = (
-                self.duel
-                and self.shadows_aside
-                and self._shadow_stream is not None
-                and torch.cuda.is_current_stream_capturing()
-            )
+            # a duel's layer on CUDA has a side stream; only a captured step forks onto it
+            aside = self.shadows_aside and self._shadow_stream is not None and torch.cuda.is_current_stream_capturing()
             results = plan_triton.plan_step_triton(*args, duel_ids=self._duel_ids, defer_shadows=aside)
             if aside:
                 self._shadows_beside(p)
