@@ -175,8 +175,8 @@ class PagedLayer(MoeLayer):
         if lru is None:
             raise ValueError("a paged layer planned on the host has no graph-safe decode pass")
         # a captured duel's shadows run beside the pass on a side stream (DeviceResidency.join): back in order at its
-        # end, before the next layer, so a captured step joins every fork (a prefetch's plan for this layer, made
-        # during the layer before, is joined by this layer's own plan)
+        # end, before the next layer, so a captured step joins every fork (a prefetch, which plans the next layer
+        # during this one, runs with LRU only: RuntimeConfig refuses it with the duel, so it forks nothing)
         try:
             flat = ids.reshape(-1).to(device=sh.device, dtype=torch.long)  # [B*k]
             if lru.overlap:  # hits computing while the misses copy (no prefetch: see RuntimeConfig)

@@ -401,7 +401,7 @@ def test_graphed_paged_decode_with_synthetic_routing_matches_eager() -> None:
         )
 
 
-def check_prefetch_graphed(compile_layers: bool, backend: str = "grouped", policy: str = "lru") -> None:
+def check_prefetch_graphed(compile_layers: bool, backend: str = "grouped") -> None:
     """Next-layer prefetch inside the captured step (copy-stream fork/join in the graph): outputs
     equal the plain graphed step bit for bit (the same kernels read the same expert rows from other
     slots), every slot holds the host rows its map names, and the predictions are counted."""
@@ -416,7 +416,6 @@ def check_prefetch_graphed(compile_layers: bool, backend: str = "grouped", polic
                 resident_experts=16,
                 prefetch_next_layer=prefetch,
                 kernel_backend=backend,
-                eviction_policy=policy,
             ),  # fmt: skip
         )
         model.enable_cuda_graphs([1, 2], compile_layers=compile_layers)
@@ -445,9 +444,6 @@ def check_prefetch_graphed(compile_layers: bool, backend: str = "grouped", polic
 
 def test_graphed_prefetch_matches_plain_graphed() -> None:
     check_prefetch_graphed(compile_layers=False)
-    # a prefetch plans the next layer while this one computes: a duel's shadows forked there are joined by that
-    # layer's own plan, inside the capture
-    check_prefetch_graphed(compile_layers=False, policy="duel")
 
 
 def test_compiled_triton_graphed_prefetch_matches_plain_graphed() -> None:
