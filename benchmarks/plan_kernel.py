@@ -12,11 +12,13 @@ Each cell: one layer (E experts, K slots), S decode steps of B streams (B x top_
 synthetic routing (`synthesize_trace`) or from the greedy-loop proxy (benchmarks/loop_trace.py); the S launches are
 captured in one graph, replayed R times (the state runs on: steady state), and the figure is the median replay's time
 over S. `eager_us` (launch, then sync at the end) is beside it: Python's launch cost bounds it on a GPU, so read
-`graphed_us`. A duel's shadows are a second launch, in a captured step on a side stream beside the layer's work
-(DeviceResidency.join; eager steps launch them in line); in `graphed_us` each plan waits for the last step's shadows
-(no layer work to hide them behind), and `plan_on_path_us` is what the plan adds to a step whose layer work is a spin
-of `--standin-cycles` (`layer_us` - `standin_us`): the cost on the decode step's critical path. The record ends with
-both kernels' compiled variants (the plan's, the duel's shadows') with their registers and spill (Triton's cache).
+`graphed_us`. A duel's shadows are a second launch: eager steps run them right after the plan; a captured step
+defers them and runs every layer's in one launch at the step's end (DeviceResidency.defer_shadows, DuelShadows). In
+`graphed_us` (one layer) each plan first runs the last step's shadows in line (plan and shadows in series: their
+whole cost); `plan_on_path_us` is what the plan adds to a decode step of `--step-layers` layers whose layer work is a
+spin of `--standin-cycles` (`layer_us` - `standin_us`, per layer-step, the shadows' one launch shared by the step's
+layers): the cost on the decode step's critical path. The record ends with the kernels' compiled variants (the
+plan's, the duel's shadows' per layer and for all layers) with their registers and spill (Triton's cache).
 On the CPU the plan is `device.plan_step` (torch), or with `--fused` and TRITON_INTERPRET=1 the fused kernels in
 Triton's interpreter (the tests' check of this script's kernel variants): a smoke run, no graph, no timing worth
 reading.
@@ -45,10 +47,12 @@ from decode_h200 import provenance  # noqa: E402
 from loop_trace import loop_trace  # noqa: E402
 
 from paged_experts.residency import plan_triton  # noqa: E402
-from paged_experts.residency.device import DeviceResidency  # noqa: E402
+from paged_experts.residency.device import DeviceResidency, DuelShadows  # noqa: E402
 from paged_experts.residency.planner import LayerResidency  # noqa: E402
 from paged_experts.residency.policies import DuelPolicy, make_policy  # noqa: E402
 from paged_experts.routing.trace import synthesize_trace  # noqa: E402
+
+STEP_PLANS = 3072  # plans (and spins) in the graph of layer_us: 64 decode steps of 48 layers
 
 
 def step_ids(routing: str, steps: int, batch: int, experts: int, top_k: int, seed: int) -> np.ndarray:
@@ -101,15 +105,15 @@ def check_plan(dr: DeviceResidency, policy_name: str, ids_dev: torch.Tensor) -> 
     return None
 
 
-def capture(steps: int, body: Any, dr: DeviceResidency | None = None) -> torch.cuda.CUDAGraph:
-    """`body(i)` for i < steps captured in one graph; with `dr`, its last step's shadows (a duel's, on the side stream)
-    joined before the capture ends, as the layer's decode pass joins them."""
+def capture(steps: int, body: Any, flush: Any = None) -> torch.cuda.CUDAGraph:
+    """`body(i)` for i < steps captured in one graph, then `flush()` (the last step's deferred duel shadows, run inside
+    the graph as the decode step's end runs them: a graph that left them pending would drop them at every replay)."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(steps):
             body(i)
-        if dr is not None:
-            dr.join()
+        if flush is not None:
+            flush()
     return graph
 
 
@@ -127,14 +131,22 @@ def replay_us(graph: torch.cuda.CUDAGraph, steps: int, repeats: int) -> list[flo
 
 
 def time_plans(
-    dr: DeviceResidency, ids_dev: torch.Tensor, want: list[int], repeats: int, standin_cycles: int
+    dr: DeviceResidency,
+    policy_name: str,
+    ids_dev: torch.Tensor,
+    want: list[int],
+    repeats: int,
+    standin_cycles: int,
+    step_layers: int,
 ) -> dict[str, Any]:
-    """us per plan: eager (S launches, one sync) and, on CUDA, graphed (S launches captured, median of R replays);
+    """us per plan: eager (S launches, one sync) and, on CUDA, graphed (S launches captured, median of R replays; a
+    duel's shadows deferred, so each plan first runs the last step's in line: plan and shadows in series);
     `graph_mismatch`: where the graph's first replay (from `dr`'s state as given) misses other than `want`.
-    On CUDA also `layer_us`: each plan followed by a stand-in for the layer's copies and experts (a spin of
-    `standin_cycles` on the compute stream) and the layer's join, as the decode pass runs them: a duel's shadows run
-    beside the stand-in, so `layer_us` - `standin_us` (the spin alone) is what the plan costs the step's critical
-    path."""
+    On CUDA also `layer_us`: decode steps of `step_layers` layers (each its own state, from `dr`'s), each layer's plan
+    followed by a stand-in for its copies and experts (a spin of `standin_cycles` on the compute stream), and the
+    step's end, where every duel layer's deferred shadows run in one launch (DuelShadows), as the graphed decode step
+    runs them; per layer-step. `layer_us` - `standin_us` (the spin alone) is what the plan costs the step's critical
+    path, the shadows' launch shared by the step's layers."""
     steps = ids_dev.shape[0]
     start_state = dr.state()
     for i in range(min(steps, 16)):  # Triton's compile, torch's warm-up
@@ -155,7 +167,7 @@ def time_plans(
         return out
     dr.load_state(start_state)  # capture runs nothing: the first replay starts here, as the check did
     stats: list[torch.Tensor] = []
-    graph = capture(steps, lambda i: stats.append(dr.plan(ids_dev[i]).stats), dr)  # each [3], rewritten by a replay
+    graph = capture(steps, lambda i: stats.append(dr.plan(ids_dev[i]).stats), dr.flush)  # [3] each, a replay's
     graph.replay()  # untimed: its misses checked
     torch.cuda.synchronize()
     got = torch.stack(stats)[:, 2].tolist()
@@ -165,18 +177,31 @@ def time_plans(
     out["graphed_us"] = statistics.median(graphed)
     out["graphed_us_min"] = min(graphed)
     out["graphed_us_max"] = max(graphed)
-    if standin_cycles > 0:
+    if standin_cycles > 0 and step_layers > 0:
+        layers = [dr]
+        for _ in range(step_layers - 1):  # the other layers: the same policy, the same state and routing
+            other = device_residency(policy_name, dr.num_experts, dr.num_slots, dr.device)
+            other.fused = dr.fused
+            other.load_state(start_state)
+            layers.append(other)
+        dr.load_state(start_state)
+        shadows = DuelShadows(layers)
+        decode_steps = max(1, min(steps, STEP_PLANS // step_layers))  # a graph of ~STEP_PLANS plans and spins
 
-        def layer(i: int) -> None:
-            dr.plan(ids_dev[i])
-            torch.cuda._sleep(standin_cycles)  # the layer's copies and experts
-            dr.join()  # the decode pass's end
+        def decode_step(i: int) -> None:
+            for layer in layers:
+                layer.plan(ids_dev[i])
+                torch.cuda._sleep(standin_cycles)  # the layer's copies and experts
+            shadows.flush()  # the step's end
 
-        spin = capture(steps, lambda i: torch.cuda._sleep(standin_cycles))
-        out["standin_us"] = statistics.median(replay_us(spin, steps, repeats))
-        layered = capture(steps, layer)
-        out["layer_us"] = statistics.median(replay_us(layered, steps, repeats))
+        plans = decode_steps * step_layers
+        spin = capture(plans, lambda i: torch.cuda._sleep(standin_cycles))
+        out["standin_us"] = statistics.median(replay_us(spin, plans, repeats))
+        stepped = capture(decode_steps, decode_step)
+        out["layer_us"] = statistics.median(replay_us(stepped, plans, repeats))
         out["plan_on_path_us"] = out["layer_us"] - out["standin_us"]
+        out["step_layers"] = step_layers
+        out["decode_steps"] = decode_steps
     return out
 
 
@@ -187,7 +212,7 @@ def compiled_variants() -> list[dict[str, Any]]:
         return []
     try:
         out = []
-        for fn in (plan_triton._plan_kernel, plan_triton._shadow_kernel):
+        for fn in (plan_triton._plan_kernel, plan_triton._shadow_kernel, plan_triton._shadow_layers_kernel):
             for entry in fn.device_caches.values():
                 cache = entry[0] if isinstance(entry, tuple) else entry  # Triton 3.x: (kernel cache, ...)
                 for key, kernel in cache.items():
@@ -219,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--standin-cycles", type=int, default=60000,
                     help="the layer's copies and experts as a spin after each plan (CUDA; ~30-35 us at an H100/H200's "
                          "clock; a c=1 paged FP8 layer-step is ~50-140 us); 0: no layer_us")  # fmt: skip
+    ap.add_argument("--step-layers", type=int, default=48,
+                    help="paged layers a decode step of layer_us plans (each its own state; a duel's shadows run for "
+                         "all in one launch at the step's end)")  # fmt: skip
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--fused", action="store_true",
                     help="the fused kernel on the CPU too (with TRITON_INTERPRET=1: Triton's interpreter)")  # fmt: skip
@@ -263,7 +291,9 @@ def main(argv: list[str] | None = None) -> int:
                     cell["mismatch"] = check_plan(dr, name, ids_dev)
                     if cell["mismatch"] is None:
                         dr.load_state(start_state)
-                        cell.update(time_plans(dr, ids_dev, want, args.repeats, args.standin_cycles))
+                        cell.update(
+                            time_plans(dr, name, ids_dev, want, args.repeats, args.standin_cycles, args.step_layers)
+                        )
                 except Exception as exc:  # noqa: BLE001 - one cell's failure is recorded, the others still run
                     cell["error"] = repr(exc)[:2000]
                 cells.append(cell)

@@ -5,7 +5,8 @@ sequences at the served shape (E=128, K=40/42, top_k 8, 1-5 tokens), at small sh
 steps where every pair misses and ties among pinned slots, and (aging) counts halved every 3 or 5 steps, with
 and without a 2-step recency window, and the duel of LRU and aging LFU (`duel`: its shadows, selector and
 per-expert last uses equal too, with routings that switch between a small pool and all experts; every other step
-its plan and its shadows as two calls, the shadows reading the step's ids from the layer's buffer). Run in
+its plan and its shadows as two calls, the shadows reading the step's ids from the layer's buffer; and several layers'
+shadows in one launch, as a captured step runs them). Run in
 Triton's interpreter (TRITON_INTERPRET=1, in a child process: Triton reads it at import) on the CPU;
 tests/cuda runs the same check compiled."""
 
@@ -77,10 +78,108 @@ def _check_fused_plan(dev: torch.device, steps: int, aging: int | None, window: 
         assert signs == {False, True}, signs
 
 
+def check_shadow_layers_equal_torch(device: str = "cpu", steps: int = 40) -> None:
+    """A step of L duel layers (each its own state and routing) as a captured step runs it: every layer's plan with
+    its shadows deferred, then one launch of every layer's shadows (`duel_shadows_layers_triton`); every third step
+    the shadows in line instead, so both orders alternate on one state. Every state tensor equals the torch
+    reference's after every step, and the selector moves both ways."""
+    dev = torch.device(device)
+    signs = set()  # the selector's choices over both shapes
+    for e, k, top_k, most in ((128, 40, 8, 5), (32, 8, 4, 2)):
+        period, window, layers = 3, 2, 3
+        refs = [DeviceResidency(e, k, dev, aging_period_steps=period, aging_window_steps=window, duel=True)
+                for _ in range(layers)]  # fmt: skip
+        fused = [DeviceResidency(e, k, dev, aging_period_steps=period, aging_window_steps=window, duel=True)
+                 for _ in range(layers)]  # fmt: skip
+        table = plan_triton.shadow_table(
+            [(f._duel_ids, f.uses, f.step, f.expert_last_use, f.shadows, f.psel) for f in fused], dev
+        )
+        rngs = [random.Random(e * 1000 + k + layer) for layer in range(layers)]
+        for step in range(steps):
+            batched = step % 3 != 2
+            tokens = rngs[0].randint(1, max(1, min(most, k // top_k)))  # one batch a step: every layer's P equal
+            for layer, (ref, fu, rng) in enumerate(zip(refs, fused, rngs)):
+                pool = range(e) if ((step + 4 * layer) // 8) % 2 else range(min(e, k // 2 + top_k))
+                ids = torch.tensor([x for _ in range(tokens) for x in rng.sample(pool, top_k)], device=dev)
+                plan_step(
+                    ids, ref.slot_of, ref.expert_in, ref.last_use, ref.step, ref._arange_e, e, k, ref.uses, period,
+                    window, (ref.expert_last_use, ref.shadows, ref.psel),
+                )  # fmt: skip
+                plan_triton.plan_step_triton(
+                    ids, fu.slot_of, fu.expert_in, fu.last_use, fu.step, fu._arange_e, e, k, fu.uses, period, window,
+                    (fu.expert_last_use, fu.shadows, fu.psel), duel_ids=fu._duel_ids, defer_shadows=batched,
+                )  # fmt: skip
+            if batched:
+                plan_triton.duel_shadows_layers_triton(table, tokens * top_k, e, window)
+            for layer, (ref, fu) in enumerate(zip(refs, fused)):
+                for name in ("slot_of", "expert_in", "last_use", "step", "uses", "expert_last_use", "shadows", "psel"):
+                    a, b = getattr(fu, name), getattr(ref, name)
+                    assert torch.equal(a, b), (e, k, step, layer, name, a.tolist(), b.tolist())
+                signs.add(int(ref.psel) > 0)
+    assert signs == {False, True}, signs
+    print("shadow layers equal")
+
+
+def check_deferred_steps_equal_torch(device: str = "cpu", steps: int = 33) -> None:
+    """DeviceResidency and DuelShadows as a captured decode step drives them (capture faked: the interpreter runs the
+    kernels as the graph would): each layer's plan defers its shadows, `DuelShadows.flush` runs them for all in one
+    launch; every third step no batch, so each layer's next plan runs its pending shadows first; a state read flushes
+    too. Every state tensor equals the torch reference's after every step."""
+    from unittest import mock
+
+    from paged_experts.residency.device import DuelShadows
+
+    dev = torch.device(device)
+    e, k, top_k, layers = 64, 24, 4, 3
+    rng = random.Random(11)
+    refs = [DeviceResidency(e, k, dev, aging_period_steps=3, aging_window_steps=2, duel=True) for _ in range(layers)]
+    devs = [DeviceResidency(e, k, dev, aging_period_steps=3, aging_window_steps=2, duel=True) for _ in range(layers)]
+    for d in devs:  # the CPU keeps the torch plan; here the kernels, in the interpreter
+        d.fused, d.defer_shadows = True, True
+    batch = DuelShadows(devs)
+    assert batch.table is not None
+    names = ("slot_of", "expert_in", "last_use", "step", "uses", "expert_last_use", "shadows", "psel")
+    signs = set()
+    with mock.patch.object(torch.cuda, "is_current_stream_capturing", return_value=True):
+        for step in range(steps):
+            tokens = rng.randint(1, 3)
+            for layer, (ref, d) in enumerate(zip(refs, devs)):
+                pool = range(e) if ((step + 3 * layer) // 6) % 2 else range(k // 2 + top_k)
+                ids = torch.tensor([x for _ in range(tokens) for x in rng.sample(pool, top_k)], device=dev)
+                ref.fused = False
+                ref.plan(ids)
+                d.plan(ids)
+                assert d.shadows_pending == tokens * top_k
+            if step % 3 == 2 and step < steps - 1:  # no batch, no read: each layer's next plan flushes first
+                assert all(d.shadows_pending is not None for d in devs)
+                continue
+            if step % 3 != 2:
+                batch.flush()
+                assert all(d.shadows_pending is None for d in devs)
+            for layer, (ref, d) in enumerate(zip(refs, devs)):
+                state = d.state()  # flushes what is pending (the last step's, unbatched), as a real read must
+                for name, got in zip(names, state):
+                    want = getattr(ref, name)
+                    assert torch.equal(got, want), (step, layer, name, got.tolist(), want.tolist())
+                signs.add(int(ref.psel) > 0)
+    assert signs == {False, True}, signs
+    print("deferred steps equal")
+
+
 def test_fused_plan_equals_torch_in_the_interpreter() -> None:
     pytest.importorskip("triton")
     out = run_interpreted("test_device_plan_triton", "check_fused_plan_equals_torch")
     assert f"fused plan equal {len(SHAPES)} shapes x {STEPS} steps" in out
+
+
+def test_deferred_shadows_of_a_captured_step_equal_torch_in_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    assert "deferred steps equal" in run_interpreted("test_device_plan_triton", "check_deferred_steps_equal_torch")
+
+
+def test_every_layers_shadows_in_one_launch_equal_torch_in_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    assert "shadow layers equal" in run_interpreted("test_device_plan_triton", "check_shadow_layers_equal_torch")
 
 
 def test_the_fused_plan_runs_only_on_cuda_and_at_shapes_that_fit_one_program() -> None:
@@ -100,8 +199,8 @@ def test_the_fused_plan_compiles_for_the_h200() -> None:
     from triton.compiler import ASTSource
 
     def compile_ptx(fn, constants: dict[str, object]) -> str:  # noqa: ANN001 - a Triton JITFunction
-        bools = ("pair_missed_ptr", "shadow_ptr")
-        pointers = {a: "*i1" if a in bools else "*i64" for a in fn.arg_names if a.endswith("_ptr")}
+        kinds = {"pair_missed_ptr": "*i1", "shadow_ptr": "*u8"}  # the shadows go as bytes (bool viewed as uint8)
+        pointers = {a: kinds.get(a, "*i64") for a in fn.arg_names if a.endswith("_ptr")}
         signature = {a: pointers.get(a, "constexpr" if a in constants else "i32") for a in fn.arg_names}
         src = ASTSource(fn, signature, constants, {})
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
@@ -111,3 +210,5 @@ def test_the_fused_plan_compiles_for_the_h200() -> None:
         assert "st.global" in compile_ptx(plan_triton._plan_kernel, constants)
     for block_p in (8, 32):  # the duel's shadows at one and four tokens
         assert "st.global" in compile_ptx(plan_triton._shadow_kernel, {"BLOCK_P": block_p, "BLOCK_S": 128})
+        # every layer's shadows in one launch: the addresses read from the table, cast to pointers
+        assert "st.global" in compile_ptx(plan_triton._shadow_layers_kernel, {"BLOCK_P": block_p, "BLOCK_S": 128})

@@ -53,6 +53,7 @@ from paged_experts.kv import KvPool, SeqChunk
 from paged_experts.moe import page_in_stream
 from paged_experts.moe.layer import StepContext
 from paged_experts.residency import dma_proxy
+from paged_experts.residency.device import DuelShadows
 from paged_experts.routing.record import observe_step
 from paged_experts.step import StepLogits
 
@@ -103,6 +104,8 @@ class GraphedDecoder:
         self.model = model
         self._layers = model.moe_layers
         self._paged = [m for m in self._layers if m.placement == "paged"]
+        # a duel's shadows, which no plan of the step reads: one launch for every paged layer at the step's end
+        self._shadows = DuelShadows([m.device_residency for m in self._paged])
         fits = [b for b in sorted(set(batch_sizes)) if all(m.fits_one_wave(b) for m in self._layers)]
         if len(fits) < len(set(batch_sizes)):
             log.info(
@@ -390,6 +393,7 @@ class GraphedDecoder:
                 resident_ids.append(ids)
             stats.append(layer_stats)
             x = x + out
+        self._shadows.flush()  # every duel layer's shadows of this step (deferred where captured), one launch
         hidden = rms_norm(x, m.dense.final_norm, cfg.rms_norm_eps)  # [B, H]
         fills: Iterator[torch.Tensor] = iter(())
         if resident_ids:  # every resident layer's union in one pass, not five small kernels per layer

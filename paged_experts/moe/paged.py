@@ -174,39 +174,33 @@ class PagedLayer(MoeLayer):
         lru, slots, sh = self.device_lru, self.device_experts, self.shared
         if lru is None:
             raise ValueError("a paged layer planned on the host has no graph-safe decode pass")
-        # a captured duel's shadows run beside the pass on a side stream (DeviceResidency.join): back in order at its
-        # end, before the next layer, so a captured step joins every fork (a prefetch, which plans the next layer
-        # during this one, runs with LRU only: RuntimeConfig refuses it with the duel, so it forks nothing)
-        try:
-            flat = ids.reshape(-1).to(device=sh.device, dtype=torch.long)  # [B*k]
-            if lru.overlap:  # hits computing while the misses copy (no prefetch: see RuntimeConfig)
-                before_compute()
-                plan = lru.plan(flat)
-                stream = page_in_stream(sh.device)
-                programs = lru.copy_programs
-                copies: MissCopies
-                if lru.overlap_copies == "dma":  # the copy engine, rung from inside the graph
-                    copies = ProxyCopies(dma_proxy.for_device(sh.device, dma_proxy.MAX_PAIRS))
-                elif stream is None:
-                    copies = InlineCopies(programs)
-                elif lru.overlap_copies == "switch":  # the copy engines, started by the graph's SWITCH nodes
-                    copies = SwitchCopies(stream, sh.device, lru.switch_lanes, programs=programs)
-                else:
-                    copies = StreamCopies(stream, sh.device, programs)
-                triton = uses_triton(flat.shape[0], sh.device, sh.kernel_backend)  # what a plain step would run
-                out = overlapped_pass(h, weights, self.host, slots, plan, sh.top_k, lru.overlap_groups, copies, triton)
-                return out, plan.stats
-            if lru.fused_page_in and h.shape[0] == 1 and uses_triton(flat.shape[0], sh.device, sh.kernel_backend):
-                return self._fused_page_in(h, flat, weights, before_compute)
-            plan, pending = lru.page_in(self.host, slots, flat)
-            before_compute()  # after this layer's page-ins are queued: its misses go first on the link
-            out = experts_fn(
-                h, plan.pair_slot, weights, slots.gate, slots.up, slots.down, sh.top_k, False, *slots.scales,
-                backend=sh.kernel_backend,
-            )[0]  # fmt: skip
-            return out, lru.step_stats(plan, pending, flat)
-        finally:
-            lru.residency.join()
+        flat = ids.reshape(-1).to(device=sh.device, dtype=torch.long)  # [B*k]
+        if lru.overlap:  # hits computing while the misses copy (no prefetch: see RuntimeConfig)
+            before_compute()
+            plan = lru.plan(flat)
+            stream = page_in_stream(sh.device)
+            programs = lru.copy_programs
+            copies: MissCopies
+            if lru.overlap_copies == "dma":  # the copy engine, rung from inside the graph
+                copies = ProxyCopies(dma_proxy.for_device(sh.device, dma_proxy.MAX_PAIRS))
+            elif stream is None:
+                copies = InlineCopies(programs)
+            elif lru.overlap_copies == "switch":  # the copy engines, started by the graph's SWITCH nodes
+                copies = SwitchCopies(stream, sh.device, lru.switch_lanes, programs=programs)
+            else:
+                copies = StreamCopies(stream, sh.device, programs)
+            triton = uses_triton(flat.shape[0], sh.device, sh.kernel_backend)  # what a plain step would run
+            out = overlapped_pass(h, weights, self.host, slots, plan, sh.top_k, lru.overlap_groups, copies, triton)
+            return out, plan.stats
+        if lru.fused_page_in and h.shape[0] == 1 and uses_triton(flat.shape[0], sh.device, sh.kernel_backend):
+            return self._fused_page_in(h, flat, weights, before_compute)
+        plan, pending = lru.page_in(self.host, slots, flat)
+        before_compute()  # after this layer's page-ins are queued: its misses go first on the link
+        out = experts_fn(
+            h, plan.pair_slot, weights, slots.gate, slots.up, slots.down, sh.top_k, False, *slots.scales,
+            backend=sh.kernel_backend,
+        )[0]  # fmt: skip
+        return out, lru.step_stats(plan, pending, flat)
 
     def _fused_page_in(
         self, h: torch.Tensor, flat: torch.Tensor, weights: torch.Tensor, before_compute: BeforeCompute

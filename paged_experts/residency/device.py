@@ -16,7 +16,8 @@ Shapes are static (the plan is padded to P entries; padding names the dummy expe
 dummy slot K, which the maps carry as one spare entry each), so nothing depends on a host read.
 
 On CUDA with Triton the plan is one kernel (`plan_triton`, the same plan bit for bit; a duel's shadows a second one,
-beside the step inside a captured graph); `plan_step` below is its reference and the CPU's plan.
+in a captured step one launch for every layer at the step's end: `DuelShadows`); `plan_step` below is its reference
+and the CPU's plan.
 
 Steps with more pairs than K (prefill, large batches) fall back to the host planner; the two
 share one state: `pull_to(residency)` writes the device state into the `LayerResidency` before a
@@ -104,15 +105,16 @@ class DeviceResidency:
         # plan go through torch.compile, whose shapes are captured before serving. Eager one-wave
         # steps of other sizes keep the plain plan, so nothing compiles inside a served request.
         self.in_static_step = False
-        # The duel's shadows (the fused plan's second launch): only the layer's next plan reads what they write, so in
-        # a captured step they run on a side stream beside the step's copies and experts; `join` (the layer's decode
-        # pass, at its end) puts them back in order. Eager steps launch them right after the plan on the same stream:
-        # there the host's launches bound the step, and a fork and join cost the host more than the kernel costs the
-        # device. A benchmark sets `shadows_aside` False to keep them in line in the graph too.
-        self.shadows_aside = duel and device.type == "cuda"
+        # The duel's shadows (the fused plan's second launch): only the layer's next plan reads what they write, so a
+        # captured step defers them (`shadows_pending`, the step's pairs) and the step launches every layer's at its
+        # end in one kernel (`DuelShadows.flush`, graphs.GraphedDecoder): one launch a token instead of one a
+        # layer-step on the step's path (h100-duel-b: 48 forks beside the layers cost ~1.3-1.9 us a layer-step more
+        # than the plan itself). Whatever is still pending when the layer plans again, or its state is read or
+        # written, runs first, in line (`flush`), so a step that does not batch them stays correct. Eager steps
+        # launch them right after the plan. A benchmark sets `defer_shadows` False to keep them in line in a graph.
+        self.defer_shadows = duel and device.type == "cuda"
         self._duel_ids = torch.full((k,), -1, dtype=torch.long, device=device)  # [K] the step's ids, for the shadows
-        self._shadow_stream = shadow_stream(device) if self.shadows_aside else None
-        self._shadows_done: torch.cuda.Event | None = None  # the pending shadows' event, recorded in this capture
+        self.shadows_pending: int | None = None  # the pairs of the planned step whose shadows have not run
 
     @classmethod
     def for_policy(
@@ -143,7 +145,7 @@ class DeviceResidency:
         p = flat_ids.shape[0]
         if p > self.num_slots:
             raise ValueError(f"a device-planned step routes at most K={self.num_slots} pairs, got {p}")
-        self.join()  # the previous step's shadows, where nothing joined them yet: this plan reads their selector
+        self.flush()  # the previous step's shadows, where no batch ran them: this plan reads their selector
         args = (
             flat_ids.to(torch.long),
             self.slot_of,
@@ -159,11 +161,11 @@ class DeviceResidency:
             (self.expert_last_use, self.shadows, self.psel) if self.duel else None,
         )
         if self.fused:
-            # a duel's layer on CUDA has a side stream; only a captured step forks onto it
-            aside = self.shadows_aside and self._shadow_stream is not None and torch.cuda.is_current_stream_capturing()
-            results = plan_triton.plan_step_triton(*args, duel_ids=self._duel_ids, defer_shadows=aside)
-            if aside:
-                self._shadows_beside(p)
+            # a duel's layer on CUDA: only a captured step defers its shadows (to the step's one launch for all layers)
+            defer = self.defer_shadows and torch.cuda.is_current_stream_capturing()
+            results = plan_triton.plan_step_triton(*args, duel_ids=self._duel_ids, defer_shadows=defer)
+            if defer:
+                self.shadows_pending = p
         elif self.in_static_step and self._compiled_fn is not None:
             results = self._compiled_fn(*args)
         else:
@@ -173,35 +175,29 @@ class DeviceResidency:
             pair_slot=pair_slot, pair_missed=pair_missed, miss_experts=miss_experts, miss_slots=miss_slots, stats=stats
         )
 
-    def _shadows_beside(self, p: int) -> None:
-        """The duel's shadows of the step just planned, on the side stream after the plan (they read its ids from
-        `_duel_ids` and the counts and step it left; nothing on the side stream is freed by the compute stream)."""
-        assert self._shadow_stream is not None
-        compute = torch.cuda.current_stream(self.device)
-        self._shadow_stream.wait_stream(compute)
-        with torch.cuda.stream(self._shadow_stream):
+    def flush(self) -> None:
+        """Runs this layer's pending shadows (a captured step's, where no batch ran them) in line on the current stream,
+        which must be the one the plan ran on; a no-op when none is pending."""
+        if self.shadows_pending is not None:
+            p, self.shadows_pending = self.shadows_pending, None
             plan_triton.duel_shadows_triton(
                 self._duel_ids, p, self.uses, self.step, self.expert_last_use, self.shadows, self.psel,
                 self.num_experts, self.aging_window_steps,
             )  # fmt: skip
-            done = torch.cuda.Event()
-            done.record(self._shadow_stream)
-        self._shadows_done = done
 
-    def join(self) -> None:
-        """The current stream waits for the last step's shadows (a duel's, on the side stream): the layer's decode pass
-        calls it at its end, so a captured step forks and joins within itself; a no-op when none is pending."""
-        if self._shadows_done is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._shadows_done)
-            self._shadows_done = None
+    def shadow_addresses(
+        self,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The tensors `plan_triton.shadow_table` takes the addresses of (written in place, never replaced)."""
+        return (self._duel_ids, self.uses, self.step, self.expert_last_use, self.shadows, self.psel)
 
     def state(self) -> tuple[torch.Tensor, ...]:
         """A copy of the state (graph capture rewinds a warm-up step with it)."""
-        self.join()
+        self.flush()
         return tuple(t.clone() for t in self._state_tensors())
 
     def load_state(self, state: tuple[torch.Tensor, ...]) -> None:
-        self.join()
+        self.flush()
         for dst, src in zip(self._state_tensors(), state, strict=True):
             dst.copy_(src)
 
@@ -216,7 +212,7 @@ class DeviceResidency:
     def push_from(self, residency: LayerResidency) -> None:
         """Reads a host `LayerResidency` (same policy) back after a host-planned step: one pinned host buffer
         copied without blocking the host (the device plan of a later step is stream-ordered after it)."""
-        self.join()  # the copies below overwrite what a pending step's shadows read and write
+        self.flush()  # the copies below overwrite what a pending step's shadows read and write
         policy = _policy(self, residency)
         e, k = self.num_experts, self.num_slots
         assert len(residency.expert_in) == k
@@ -262,7 +258,7 @@ def pull_many(pairs: Sequence[tuple[DeviceResidency, LayerResidency]]) -> float:
     if not pairs:
         return 0.0
     for dev, _ in pairs:
-        dev.join()  # a pending step's shadows write what the read below takes
+        dev.flush()  # a pending step's shadows write what the read below takes
     rows = torch.cat([_pull_row(d) for d, _ in pairs])
     started = time.perf_counter()
     values = rows.tolist()  # the one host read
@@ -427,15 +423,36 @@ def _duel_shadows(
     psel.copy_((psel + missed[0] - missed[1]).clamp(-DUEL_LIMIT_MISSES, DUEL_LIMIT_MISSES))
 
 
-_SHADOW_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+class DuelShadows:
+    """Every duel layer's shadows of a captured step in one launch at the step's end (`flush`): the layers' plans defer
+    theirs (DeviceResidency.shadows_pending) and nothing in the step reads them. Built outside any capture (the
+    address table is a device tensor); the layers must share E and the window, as one policy's do."""
 
+    def __init__(self, layers: Sequence[DeviceResidency | None]) -> None:
+        self.layers = [dr for dr in layers if dr is not None and dr.duel and dr.fused]
+        self.table: torch.Tensor | None = None
+        if self.layers:
+            first = self.layers[0]
+            if any((dr.num_experts, dr.aging_window_steps) != (first.num_experts, first.aging_window_steps)
+                   for dr in self.layers):  # fmt: skip
+                raise ValueError("DuelShadows: the layers' duels differ in E or window; one launch plays one shape")
+            self.table = plan_triton.shadow_table([dr.shadow_addresses() for dr in self.layers], first.device)
 
-def shadow_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream every duel layer of a CUDA device runs its shadows on (made when a layer is built, outside any
-    graph capture)."""
-    if device not in _SHADOW_STREAMS:
-        _SHADOW_STREAMS[device] = torch.cuda.Stream(device)
-    return _SHADOW_STREAMS[device]
+    def flush(self) -> None:
+        """One launch for every layer whose plan of this step deferred its shadows with the same pairs (all of them,
+        in a decode step); any other pending layer runs its own in line."""
+        pending = [dr.shadows_pending for dr in self.layers]
+        if not self.layers or all(p is None for p in pending):
+            return
+        p = pending[0]
+        if self.table is not None and p is not None and all(q == p for q in pending):
+            dr0 = self.layers[0]
+            plan_triton.duel_shadows_layers_triton(self.table, p, dr0.num_experts, dr0.aging_window_steps)
+            for dr in self.layers:
+                dr.shadows_pending = None
+            return
+        for dr in self.layers:
+            dr.flush()
 
 
 _COMPILED: list = []

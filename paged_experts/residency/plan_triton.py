@@ -118,15 +118,11 @@ if triton is not None:
             halve = (step % PERIOD) == 0
             uses_e = tl.load(uses_ptr + e, mask=emask, other=0)  # [BE]
             uses_e = tl.where(halve, uses_e >> 1, uses_e)
-            uses_k = tl.load(uses_ptr + ex_k, mask=kmask, other=0)  # [BK] the count of each slot's expert
-            uses_k = tl.where(halve, uses_k >> 1, uses_k)
-            recent = (lu_k >= 0) & (lu_k >= step - WINDOW) & (WINDOW > 0)  # [BK] used in the last WINDOW steps
-            count = tl.where(pinned | (k >= K), big, uses_k + recent.to(tl.int64) * (1 << 40))  # [BK] (device.RECENT)
-            aged = (count[None, :] < count[:, None]) | ((count[None, :] == count[:, None]) & before)
-            if DUEL:  # the selector's choice: the aging order while psel > 0, else LRU's
-                before = tl.where(tl.load(psel_ptr) > 0, aged, before)
+            if DUEL:  # the selector's choice: the aging order while psel > 0, else LRU's, built only when chosen
+                if tl.load(psel_ptr) > 0:
+                    before = _aged(before, uses_ptr, ex_k, lu_k, kmask, pinned | (k >= K), halve, step, WINDOW)
             else:
-                before = aged
+                before = _aged(before, uses_ptr, ex_k, lu_k, kmask, pinned | (k >= K), halve, step, WINDOW)
         rank = tl.sum((before & kmask[None, :]).to(tl.int32), axis=1)  # [BK]: slots ranked before slot i
         takes = (rank[None, :] == p[:, None]) & kmask[None, :]  # [BP, BK]: miss j takes the slot of rank j
         victim = tl.sum(tl.where(takes, k[None, :], 0), axis=1)  # [BP]
@@ -161,15 +157,53 @@ if triton is not None:
         tl.store(stats_ptr + 2, n_miss)
 
     @triton.jit
+    def _aged(before, uses_ptr, ex_k, lu_k, kmask, last, halve, step, WINDOW):  # pragma: no cover - GPU/interpreter
+        """[BK, BK] the aging LFU's order of the slots: (count of the slot's expert, halved on a period's step; with
+        WINDOW > 0 the slots used in the last WINDOW steps after every other), ties by `before` (LRU's order); `last`
+        [BK]: slots ranked after every other (pinned, or past K)."""
+        big = 0x7FFFFFFFFFFFFFFF
+        uses_k = tl.load(uses_ptr + ex_k, mask=kmask, other=0)  # [BK] the count of each slot's expert
+        uses_k = tl.where(halve, uses_k >> 1, uses_k)
+        recent = (lu_k >= 0) & (lu_k >= step - WINDOW) & (WINDOW > 0)  # [BK] used in the last WINDOW steps
+        count = tl.where(last, big, uses_k + recent.to(tl.int64) * (1 << 40))  # [BK] (device.RECENT)
+        return (count[None, :] < count[:, None]) | ((count[None, :] == count[:, None]) & before)
+
+    @triton.jit
     def _shadow_kernel(  # pragma: no cover - runs on the GPU or under TRITON_INTERPRET
+        ids_ptr, uses_ptr, step_ptr, elu_ptr, shadow_ptr, psel_ptr,
+        P, E, WINDOW, LIMIT_MISSES,
+        BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
+    ):  # fmt: skip
+        """DuelPolicy.end_step of the step `_plan_kernel` just planned, for one layer (`_shadows`)."""
+        _shadows(ids_ptr, uses_ptr, step_ptr, elu_ptr, shadow_ptr, psel_ptr, P, E, WINDOW, LIMIT_MISSES, BLOCK_P,
+                 BLOCK_S)  # fmt: skip
+
+    @triton.jit
+    def _shadow_layers_kernel(  # pragma: no cover - runs on the GPU or under TRITON_INTERPRET
+        table_ptr,
+        P, E, WINDOW, LIMIT_MISSES,
+        BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
+    ):  # fmt: skip
+        """`_shadows` of every duel layer of a step in one launch, one program a layer: table [L, 6] int64 holds each
+        layer's addresses (ids, uses, step, expert last uses, shadows as bytes, psel), which never move."""
+        row = table_ptr + tl.program_id(0) * 6
+        _shadows(
+            tl.load(row).to(tl.pointer_type(tl.int64)), tl.load(row + 1).to(tl.pointer_type(tl.int64)),
+            tl.load(row + 2).to(tl.pointer_type(tl.int64)), tl.load(row + 3).to(tl.pointer_type(tl.int64)),
+            tl.load(row + 4).to(tl.pointer_type(tl.uint8)), tl.load(row + 5).to(tl.pointer_type(tl.int64)),
+            P, E, WINDOW, LIMIT_MISSES, BLOCK_P, BLOCK_S,
+        )  # fmt: skip
+
+    @triton.jit
+    def _shadows(  # pragma: no cover - runs on the GPU or under TRITON_INTERPRET
         ids_ptr, uses_ptr, step_ptr, elu_ptr, shadow_ptr, psel_ptr,
         P, E, WINDOW, LIMIT_MISSES,
         BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     ):  # fmt: skip
         """DuelPolicy.end_step of the step `_plan_kernel` just planned, from the state it left: each shadow's misses
         take its lowest-ranked unrouted experts' places, psel moves by their misses (within +-LIMIT_MISSES), the routed
-        experts' last uses are stamped. Its own launch, so that the shadows, which the step's plan does not read, can
-        run beside the step's copies and experts (DeviceResidency puts it on a side stream)."""
+        experts' last uses are stamped. A launch of its own, after the plan's: the step's plan does not read the
+        shadows, so a captured step runs every layer's in one launch at its end (DeviceResidency, DuelShadows)."""
         p = tl.arange(0, BLOCK_P)  # pairs
         s = tl.arange(0, BLOCK_S)  # experts 0..E-1 (no spare entry)
         pmask = p < P
@@ -200,8 +234,8 @@ if triton is not None:
         # every thread has read the shadows, last uses and psel before any writes them (the layout changes
         # above synchronize already; the barrier says so rather than relying on it)
         tl.debug_barrier()
-        tl.store(shadow_ptr + s, keep0, mask=smask)
-        tl.store(shadow_ptr + (E + 1) + s, keep1, mask=smask)
+        tl.store(shadow_ptr + s, keep0.to(tl.uint8), mask=smask)  # bytes: bool tensors viewed as uint8
+        tl.store(shadow_ptr + (E + 1) + s, keep1.to(tl.uint8), mask=smask)
         tl.store(psel_ptr, tl.minimum(tl.maximum(psel + n0 - n1, -LIMIT_MISSES), LIMIT_MISSES))
         tl.store(elu_ptr + s, step + tl.zeros_like(stamp), mask=smask & used_s)
 
@@ -274,7 +308,34 @@ def duel_shadows_triton(
     step's ids the plan stored; uses [E+1], step [] as the plan left them; expert_last_use [E+1], shadows [2, E+1]
     and psel [] updated."""
     _shadow_kernel[(1,)](
-        duel_ids, uses, step, expert_last_use, shadows, psel,
+        duel_ids, uses, step, expert_last_use, shadows.view(torch.uint8), psel,
         p, e, aging_window, DUEL_LIMIT_MISSES,
         BLOCK_P=_pow2(p), BLOCK_S=_pow2(e), num_warps=8,
     )  # fmt: skip
+
+
+def duel_shadows_layers_triton(table: torch.Tensor, p: int, e: int, aging_window: int) -> None:
+    """`duel_shadows_triton` for every layer of `table` ([L, 6] int64 on the device: each layer's duel_ids, uses, step,
+    expert_last_use, shadows (as uint8) and psel addresses, `shadow_table`) in one launch: each layer's plan of this
+    step must be ordered before it, and its next plan after it."""
+    _shadow_layers_kernel[(table.shape[0],)](
+        table, p, e, aging_window, DUEL_LIMIT_MISSES, BLOCK_P=_pow2(p), BLOCK_S=_pow2(e), num_warps=8,
+    )  # fmt: skip
+
+
+def shadow_table(
+    layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+    device: torch.device,
+) -> torch.Tensor:
+    """[L, 6] int64 on `device`: per layer the addresses of (duel_ids [>= P] int64, uses [E+1] int64, step [] int64,
+    expert_last_use [E+1] int64, shadows [2, E+1] bool, psel [] int64), for `duel_shadows_layers_triton`. The tensors
+    must stay where they are (a DeviceResidency's state is written in place, never replaced)."""
+    rows = []
+    for ids, uses, step, elu, shadows, psel in layers:
+        for t, dtype in ((ids, torch.long), (uses, torch.long), (step, torch.long), (elu, torch.long),
+                         (shadows, torch.bool), (psel, torch.long)):  # fmt: skip
+            if t.dtype != dtype or not t.is_contiguous() or t.device != device:
+                raise ValueError(f"shadow_table: a {t.dtype} tensor on {t.device} (contiguous: {t.is_contiguous()}), "
+                                 f"expected contiguous {dtype} on {device}")  # fmt: skip
+        rows.append([t.data_ptr() for t in (ids, uses, step, elu, shadows, psel)])
+    return torch.tensor(rows, dtype=torch.long).reshape(len(rows), 6).to(device)

@@ -69,69 +69,80 @@ def test_fused_plan_equals_torch_compiled() -> None:
     assert all(m.device_residency.fused for m in model.moe_layers if m.device_residency is not None)
 
 
-def test_duel_shadows_beside_the_step_equal_the_reference_eager_and_graphed() -> None:
-    """The duel's shadows (DeviceResidency.shadows_aside): in line after the plan in eager steps, on the side stream in
-    a captured one. Every state tensor equals the torch reference's (`plan_step`, shadows inline): after every eager
-    step; after S steps captured as the decode pass runs them (each plan, then a spin standing in for the layer's
-    copies and experts, then the layer's join), replayed twice from one state; and after S steps captured with the
-    side stream held back by a spin before each step's shadows and no join but the capture's last, so that only the
-    next plan's own join orders its read of the selector after them."""
+def test_duel_shadows_batched_at_the_step_end_equal_the_reference_eager_and_graphed() -> None:
+    """The duel's shadows (DeviceResidency.defer_shadows): in line after the plan in eager steps, deferred in a captured
+    one and run for every layer in one launch at the step's end (DuelShadows.flush). Three layers, each its own state
+    and routing; every state tensor of every layer equals the torch reference's (`plan_step`, shadows inline): after
+    every eager step; after S steps captured as the decode step runs them (each layer's plan, then a spin standing in
+    for its copies and experts; the batch at the step's end), replayed twice from one state; and after S steps
+    captured with no batch, so that each layer's next plan runs its pending shadows in line first (a step that does
+    not batch them stays correct)."""
     import random
 
-    from paged_experts.residency.device import DeviceResidency, shadow_stream
+    from paged_experts.residency.device import DeviceResidency, DuelShadows
 
     cuda = torch.device("cuda")
-    e, k, top_k, steps = 128, 54, 8, 48
+    e, k, top_k, steps, layers = 128, 54, 8, 48, 3
     rng = random.Random(7)
-    # runs of 8 steps from all experts, then from a few: each shadow wins some, so the selector moves both ways
-    rows = [
-        [x for _ in range(rng.randint(1, 4)) for x in rng.sample(range(e) if (i // 8) % 2 else range(36), top_k)]
-        for i in range(4 * steps)
-    ]
-    ids = [torch.tensor(r, dtype=torch.long, device=cuda) for r in rows]
+    # runs of 8 steps from all experts, then from a few (shifted per layer): each shadow wins some, so the selector
+    # moves both ways; one batch size a step, as in a decode step
+    tokens = [rng.randint(1, 4) for _ in range(4 * steps)]
+
+    def routed(i: int, j: int) -> torch.Tensor:
+        pool = range(e) if ((i + 3 * j) // 8) % 2 else range(36)
+        return torch.tensor([x for _ in range(tokens[i]) for x in rng.sample(pool, top_k)], device=cuda)
+
+    ids = [[routed(i, j) for i in range(4 * steps)] for j in range(layers)]
     names = ("slot_of", "expert_in", "last_use", "step", "uses", "expert_last_use", "shadows", "psel")
-    ref = DeviceResidency(e, k, cuda, aging_period_steps=5, aging_window_steps=2, duel=True)
-    ref.fused = False  # the torch plan, shadows inline
-    dev = DeviceResidency(e, k, cuda, aging_period_steps=5, aging_window_steps=2, duel=True)
-    assert dev.fused and dev.shadows_aside
-    side = shadow_stream(cuda)
+    refs = [DeviceResidency(e, k, cuda, aging_period_steps=5, aging_window_steps=2, duel=True) for _ in range(layers)]
+    for ref in refs:
+        ref.fused = False  # the torch plan, shadows inline
+    devs = [DeviceResidency(e, k, cuda, aging_period_steps=5, aging_window_steps=2, duel=True) for _ in range(layers)]
+    assert all(dev.fused and dev.defer_shadows for dev in devs)
+    batch = DuelShadows(devs)
+    assert batch.table is not None and batch.table.shape == (layers, 6)
 
     def same(where: str) -> None:
         torch.cuda.synchronize()
-        for name in names:
-            assert torch.equal(getattr(dev, name), getattr(ref, name)), (where, name)
+        for j, (dev, ref) in enumerate(zip(devs, refs)):
+            for name in names:
+                assert torch.equal(getattr(dev, name), getattr(ref, name)), (where, j, name)
 
-    def layer(i: int) -> None:  # as the decode pass
-        dev.plan(ids[i])
-        torch.cuda._sleep(20000)  # the layer's copies and experts: the shadows run beside them
-        dev.join()
+    def batched(i: int) -> None:  # as the decode step: every layer, then the batch
+        for j, dev in enumerate(devs):
+            dev.plan(ids[j][i])
+            torch.cuda._sleep(20000)  # the layer's copies and experts
+        batch.flush()
 
-    def held_back(i: int) -> None:  # the shadows late: the next plan must wait for them itself
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            torch.cuda._sleep(100000)
-        dev.plan(ids[i])
+    def unbatched(i: int) -> None:  # no batch: each layer's next plan runs its pending shadows first
+        for j, dev in enumerate(devs):
+            dev.plan(ids[j][i])
 
     signs = set()
     for i in range(steps):  # eager: the shadows in line
-        ref.plan(ids[i])
-        dev.plan(ids[i])
+        for j, (dev, ref) in enumerate(zip(devs, refs)):
+            ref.plan(ids[j][i])
+            dev.plan(ids[j][i])
+        batch.flush()  # nothing pending: a no-op
         same(f"eager step {i}")
-        signs.add(int(ref.psel) > 0)
-    for part, body in enumerate((layer, held_back)):
+        signs.update(int(ref.psel) > 0 for ref in refs)
+    for part, body in enumerate((batched, unbatched)):
         first = (1 + part) * steps
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for i in range(first, first + steps):
                 body(i)
-            dev.join()
-        start = dev.state()  # the capture ran nothing: dev is still at step `first`
+            batch.flush()  # the capture's last step's shadows, inside the graph
+        assert all(dev.shadows_pending is None for dev in devs)
+        start = [dev.state() for dev in devs]  # the capture ran nothing: every layer is still at step `first`
         for i in range(first, first + steps):
-            ref.plan(ids[i])
-            signs.add(int(ref.psel) > 0)
+            for j, ref in enumerate(refs):
+                ref.plan(ids[j][i])
+            signs.update(int(ref.psel) > 0 for ref in refs)
         graph.replay()
         same(f"{body.__name__} graph")
-        dev.load_state(start)  # the same steps again from the same state: the same result
+        for dev, state in zip(devs, start):  # the same steps again from the same state: the same result
+            dev.load_state(state)
         graph.replay()
         same(f"{body.__name__} graph again")
     assert signs == {False, True}, signs
