@@ -182,6 +182,26 @@ def test_every_layers_shadows_in_one_launch_equal_torch_in_the_interpreter() -> 
     assert "shadow layers equal" in run_interpreted("test_device_plan_triton", "check_shadow_layers_equal_torch")
 
 
+def test_the_shadow_table_takes_a_device_named_without_index_and_refuses_wrong_tensors() -> None:
+    """A runtime names `cuda` without an index, its tensors say `cuda:0` (torch compares the two as different): the
+    table matches the type and an index where both name one. A tensor of another dtype, layout or device is refused:
+    the kernel would read its bytes as int64 or bytes at the wrong place."""
+    dev = DeviceResidency(16, 4, torch.device("cpu"), aging_period_steps=3, duel=True)
+    parts = dev.shadow_addresses()
+    for named in (torch.device("cpu"), torch.device("cpu", 0)):
+        table = plan_triton.shadow_table([parts, parts], named)
+        assert table.shape == (2, 6) and table.dtype == torch.long
+        assert table[0].tolist() == [t.data_ptr() for t in parts]
+    bad = (parts[0].int(), *parts[1:])
+    with pytest.raises(ValueError, match="expected contiguous torch.int64"):
+        plan_triton.shadow_table([bad], torch.device("cpu"))
+    strided = (torch.zeros(8, dtype=torch.long)[::2], *parts[1:])
+    with pytest.raises(ValueError, match="contiguous: False"):
+        plan_triton.shadow_table([strided], torch.device("cpu"))
+    with pytest.raises(ValueError, match="on cpu"):
+        plan_triton.shadow_table([parts], torch.device("meta"))
+
+
 def test_the_fused_plan_runs_only_on_cuda_and_at_shapes_that_fit_one_program() -> None:
     assert not plan_triton.available(torch.device("cpu"), 128, 40)
     assert not DeviceResidency(128, 40, torch.device("cpu")).fused  # the CPU keeps the torch plan

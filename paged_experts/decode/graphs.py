@@ -313,8 +313,12 @@ class GraphedDecoder:
             self._tally.copy_(tally)
             graph = torch.cuda.CUDAGraph()
             rings = dma_proxy.captured_rings()
-            with torch.cuda.graph(graph, pool=self._mempool), self._graph_body():
-                entry.logits, entry.greedy, entry.ids, entry.weights = self._body(entry.inputs, key)
+            try:
+                with torch.cuda.graph(graph, pool=self._mempool), self._graph_body():
+                    entry.logits, entry.greedy, entry.ids, entry.weights = self._body(entry.inputs, key)
+            except BaseException:
+                self._shadows.discard()  # the failed capture's deferred shadows: nothing ran them or will
+                raise
             entry.graph = graph
             entry.rings = dma_proxy.rings_since(rings)
             log.info(

@@ -429,7 +429,7 @@ class DuelShadows:
     address table is a device tensor); the layers must share E and the window, as one policy's do."""
 
     def __init__(self, layers: Sequence[DeviceResidency | None]) -> None:
-        self.layers = [dr for dr in layers if dr is not None and dr.duel and dr.fused]
+        self.layers = [dr for dr in layers if dr is not None and dr.duel and dr.defer_shadows]
         self.table: torch.Tensor | None = None
         if self.layers:
             first = self.layers[0]
@@ -453,6 +453,12 @@ class DuelShadows:
             return
         for dr in self.layers:
             dr.flush()
+
+    def discard(self) -> None:
+        """Forgets every pending flag without launching anything: after a capture that failed, whose deferred plans
+        never ran (a later flush would replay the step before them, or bake it into the next capture)."""
+        for dr in self.layers:
+            dr.shadows_pending = None
 
 
 _COMPILED: list = []

@@ -16,11 +16,12 @@ tests/cuda on the GPU):
   among those by slot index; aging LFU (`AGING`, `lfu-aging`): every count halved first when the step is a
   multiple of PERIOD, slots ranked by (count of their expert, then the LRU key), with WINDOW > 0 the slots
   used in the last WINDOW steps after every other; `DUEL` (`duel`, `DuelPolicy`): the aging order while the
-  selector psel > 0, else LRU's; then (`_shadow_kernel`, its own launch after the plan's) the two shadow caches
-  play the step over per-expert last uses (each shadow's misses evict its lowest-ranked unrouted experts, picked
-  one at a time over BLOCK_S = pow2(E) experts) and psel moves by their misses, within +-LIMIT_MISSES. Only the
-  next step's plan reads what the shadows write, so DeviceResidency runs them beside the step's copies and
-  experts, off the decode step's critical path;
+  selector psel > 0, else LRU's (the aging order built only then); then (`_shadows`, a launch of its own after the
+  plan's) the two shadow caches play the step over per-expert last uses (each shadow's misses evict its
+  lowest-ranked unrouted experts, picked one at a time over BLOCK_S = pow2(E) experts) and psel moves by their
+  misses, within +-LIMIT_MISSES. Only the next step's plan reads what the shadows write, so a captured decode step
+  runs every layer's in one launch at its end (`_shadow_layers_kernel`, device.DuelShadows), off the
+  layers' critical path;
 - the maps updated (evicted experts lose their slot, misses get theirs), every routed pair's slot
   stamped with the step, the routed experts' counts grown by one (aging), the step counter advanced; the spare
   entries (E, K) untouched.
@@ -323,6 +324,12 @@ def duel_shadows_layers_triton(table: torch.Tensor, p: int, e: int, aging_window
     )  # fmt: skip
 
 
+def _on(got: torch.device, want: torch.device) -> bool:
+    """`got` (a tensor's device: always indexed on CUDA) is `want`, which may name no index (`cuda` as a runtime
+    config gives it: torch compares `cuda` and `cuda:0` as different)."""
+    return got.type == want.type and (want.index is None or got.index is None or got.index == want.index)
+
+
 def shadow_table(
     layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
     device: torch.device,
@@ -334,7 +341,7 @@ def shadow_table(
     for ids, uses, step, elu, shadows, psel in layers:
         for t, dtype in ((ids, torch.long), (uses, torch.long), (step, torch.long), (elu, torch.long),
                          (shadows, torch.bool), (psel, torch.long)):  # fmt: skip
-            if t.dtype != dtype or not t.is_contiguous() or t.device != device:
+            if t.dtype != dtype or not t.is_contiguous() or not _on(t.device, device):
                 raise ValueError(f"shadow_table: a {t.dtype} tensor on {t.device} (contiguous: {t.is_contiguous()}), "
                                  f"expected contiguous {dtype} on {device}")  # fmt: skip
         rows.append([t.data_ptr() for t in (ids, uses, step, elu, shadows, psel)])
