@@ -139,8 +139,25 @@ def check_deferred_steps_equal_torch(device: str = "cpu", steps: int = 33) -> No
     batch = DuelShadows(devs)
     assert batch.table is not None
     names = ("slot_of", "expert_in", "last_use", "step", "uses", "expert_last_use", "shadows", "psel")
+    with mock.patch.object(torch.cuda, "is_current_stream_capturing", return_value=False):  # eager
+        for d in devs:  # some history first, so that a warm-up that wrote to a layer would show
+            d.plan(torch.tensor(rng.sample(range(e), top_k), device=dev))
+        for d in devs:  # ids no plan routed: shadows played over them would move (the next plan rewrites the buffer)
+            d._duel_ids.copy_(torch.tensor(rng.sample(range(e), k), device=dev))
+        before = [d.state() for d in devs]
+        for n in (1, 2, 3):  # the kernels' first launches, before a capture: on scratch copies, no layer moves
+            batch.warm(n * top_k)
+    for d, old in zip(devs, before):
+        assert all(torch.equal(a, b) for a, b in zip(d.state(), old))
+    for ref, old in zip(refs, before):  # the references start where the layers are
+        ref.load_state(old)
     signs = set()
     with mock.patch.object(torch.cuda, "is_current_stream_capturing", return_value=True):
+        try:
+            batch.warm(top_k)
+            raise AssertionError("warm inside a capture must refuse")
+        except RuntimeError as exc:
+            assert "before the capture" in str(exc)
         for step in range(steps):
             tokens = rng.randint(1, 3)
             for layer, (ref, d) in enumerate(zip(refs, devs)):

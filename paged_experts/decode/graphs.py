@@ -311,6 +311,7 @@ class GraphedDecoder:
             for moe, state in zip(self._paged, saved):
                 moe.device_residency.load_state(state)
             self._tally.copy_(tally)
+            self._shadows.warm(b * self.model.config.top_k)  # the batch's first launch, before the capture
             graph = torch.cuda.CUDAGraph()
             rings = dma_proxy.captured_rings()
             try:

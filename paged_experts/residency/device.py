@@ -454,6 +454,23 @@ class DuelShadows:
         for dr in self.layers:
             dr.flush()
 
+    def warm(self, p: int) -> None:
+        """Compiles and loads the shadows' kernels (the batch's and a layer's own) for steps of `p` pairs, outside any
+        capture: Triton loads a kernel's module at its first launch of a specialization, which the driver forbids
+        while a stream captures (cuModuleLoadData), and a captured step's first launch of the batch would be its
+        first anywhere (eager steps run each layer's shadows in line, so nothing else launches it). Runs them once
+        on scratch copies of the first layer's state, so no layer's state moves."""
+        if self.table is None:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("DuelShadows.warm: call it before the capture (a first launch loads a module)")
+        dr0 = self.layers[0]
+        ids, uses, step, elu, shadows, psel = (t.clone() for t in dr0.shadow_addresses())
+        table = plan_triton.shadow_table([(ids, uses, step, elu, shadows, psel)], dr0.device)
+        e, window = dr0.num_experts, dr0.aging_window_steps
+        plan_triton.duel_shadows_layers_triton(table, p, e, window)
+        plan_triton.duel_shadows_triton(ids, p, uses, step, elu, shadows, psel, e, window)
+
     def discard(self) -> None:
         """Forgets every pending flag without launching anything: after a capture that failed, whose deferred plans
         never ran (a later flush would replay the step before them, or bake it into the next capture)."""
