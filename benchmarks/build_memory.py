@@ -9,7 +9,7 @@ a replay of the generator's allocations through a model of torch's caching alloc
 the generator's cached 512 and 768 MiB blocks, which fit three (or two) tables up to K=56 and fewer at K=57, and put
 ~0.35 GB of partly used segments at every K after SlotArena. `reserved_after_empty_cache - allocated` is that hole.
 
-    python3 benchmarks/build_memory.py [--ks 54,55,56,57] [--arms keep,trim] [--out build_memory.json]
+    PYTHONPATH=$PWD python3 benchmarks/build_memory.py [--ks 54,55,56,57] [--arms keep,trim] [--out build_memory.json]
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default=PRESET)
     ap.add_argument("--layers", type=int, default=LAYERS)
     ap.add_argument("--out", default="build_memory.json")
+    ap.add_argument("--cell-timeout-s", type=float, default=240.0, help="one build's limit (a 48-layer build: ~40 s)")
     ap.add_argument("--cell", help=argparse.SUPPRESS)  # K:ARM, run in a child process
     args = ap.parse_args(argv)
     if args.cell:
@@ -84,15 +85,33 @@ def main(argv: list[str] | None = None) -> int:
     bad = [a for a in arms if a not in ("keep", "trim")]
     if bad:
         raise SystemExit(f"build_memory.py: --arms takes keep and trim, got {bad}")
-    cells = []
+    cells: list[dict[str, Any]] = []
+    record = {
+        "benchmark": "build_memory",
+        "argv": sys.argv,
+        "preset": args.preset,
+        "layers": args.layers,
+        "provenance": provenance(),
+        "cells": cells,
+    }
     print(" K  arm   allocated GB  reserved GB  used GB | after empty_cache: reserved GB  used GB  hole GB")
     for k in (int(v) for v in args.ks.split(",")):
         for arm in arms:
             cmd = [sys.executable, __file__, "--cell", f"{k}:{arm}", "--preset", args.preset]
-            done = subprocess.run([*cmd, "--layers", str(args.layers)], capture_output=True, text=True, check=False)
+            try:
+                done = subprocess.run(
+                    [*cmd, "--layers", str(args.layers)], capture_output=True, text=True, check=False,
+                    timeout=args.cell_timeout_s,
+                )  # fmt: skip
+            except subprocess.TimeoutExpired:
+                print(f"{k:>2}  {arm}: no result within {args.cell_timeout_s} s")
+                cells.append({"k": k, "arm": arm, "error": f"timeout {args.cell_timeout_s} s"})
+                Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+                continue
             if done.returncode != 0:
                 print(f"{k:>2}  {arm}: failed ({done.returncode}): {done.stderr.strip().splitlines()[-1:]}")
                 cells.append({"k": k, "arm": arm, "error": done.stderr[-2000:]})
+                Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
                 continue
             c = json.loads(done.stdout.strip().splitlines()[-1])
             cells.append(c)
@@ -103,15 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{a['device_used_bytes'] / GB:7.3f}  {c['hole_bytes'] / GB:7.3f}",
                 flush=True,
             )
-    record = {
-        "benchmark": "build_memory",
-        "argv": sys.argv,
-        "preset": args.preset,
-        "layers": args.layers,
-        "provenance": provenance(),
-        "cells": cells,
-    }
-    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+            Path(args.out).write_text(json.dumps(record, indent=2) + "\n")  # after every cell: a cut call keeps them
     return 0 if all("error" not in c for c in cells) else 1
 
 
