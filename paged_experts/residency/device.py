@@ -111,7 +111,7 @@ class DeviceResidency:
         # layer-step on the step's path (h100-duel-b: 48 forks beside the layers cost ~1.3-1.9 us a layer-step more
         # than the plan itself). Whatever is still pending when the layer plans again, or its state is read or
         # written, runs first, in line (`flush`), so a step that does not batch them stays correct. Eager steps
-        # launch them right after the plan. A benchmark sets `defer_shadows` False to keep them in line in a graph.
+        # launch them right after the plan. `defer_shadows` False keeps them in line in a graph too (unused today).
         self.defer_shadows = duel and device.type == "cuda"
         self._duel_ids = torch.full((k,), -1, dtype=torch.long, device=device)  # [K] the step's ids, for the shadows
         self.shadows_pending: int | None = None  # the pairs of the planned step whose shadows have not run
