@@ -416,28 +416,31 @@ def test_the_record_matrix_measures_recording_against_none(stand_ins: None, caps
 
 
 @pytest.mark.parametrize(
-    ("name", "arms", "prompt_classes", "repeats"),
+    ("name", "arms", "prompt_classes", "repeats", "k_model"),
     [
-        ("policy.yaml", ("lfu-aging", "lfu-aging:256:4", "lru"), ["short"], 2),
-        ("window.yaml", ("lfu-aging:256:16", "lfu-aging:256:64", "lru"), ["short"], 2),
-        ("policyconfirm.yaml", ("lfu-aging:256:16", "lru"), ["short", "2048"], 3),
+        ("policy.yaml", ("lfu-aging", "lfu-aging:256:4", "lru"), ["short"], 2, 53),
+        ("window.yaml", ("lfu-aging:256:16", "lfu-aging:256:64", "lru"), ["short"], 2, 53),
+        ("policyconfirm.yaml", ("lfu-aging:256:16", "lru"), ["short", "2048"], 3, 53),
+        ("duel.yaml", ("duel", "lfu-aging:256:4", "lru"), ["short"], 2, 54),
+        ("duelconfirm.yaml", ("duel", "lru"), ["short", "2048"], 3, 54),
     ],
 )
 def test_the_policy_matrices_measure_eviction_policies_against_lru_on_both_routings(
     stand_ins: None, capsys: pytest.CaptureFixture[str], name: str, arms: tuple[str, ...],
-    prompt_classes: list[str], repeats: int,
+    prompt_classes: list[str], repeats: int, k_model: int,
 ) -> None:  # fmt: skip
-    """configs/h200/policy.yaml (LRU, `lfu-aging`, a 4-step window), window.yaml (16- and 64-step windows) and
-    policyconfirm.yaml (the 16-step window's confirming run): paged FP8 at 16 GB's K on each routing (53 model, 54
-    calibrated) with each arm, planned on the GPU (every command line passes --device cuda and its policy), every arm
-    recording its routing (each cell's realized vs optimal hit rate; the traces `session.sh policies` replays), c=1
-    and c=4."""
+    """configs/h200/policy.yaml (LRU, `lfu-aging`, a 4-step window), window.yaml (16- and 64-step windows),
+    policyconfirm.yaml (the 16-step window's confirming run), duel.yaml (the duel beside both of its arms) and
+    duelconfirm.yaml (the duel's confirming run): paged FP8 at 16 GB's K on each routing (the model's: 53 before
+    packed rows, 54 since; calibrated 54) with each arm, planned on the GPU (every command line passes --device cuda
+    and its policy), every arm recording its routing (each cell's realized vs optimal hit rate; the traces `session.sh
+    policies` replays), c=1 and c=4."""
     path = CONFIGS / name
     assert main(["run", str(path), "--dry-run"]) == 0
     out = capsys.readouterr().out
     plan = build_plan(load_matrix(path))
     got = sorted((s.options.resident_experts, s.options.routing, s.options.eviction_policy) for s in plan.servers)
-    assert got == [(53, "model", p) for p in arms] + [(54, "qwen3-30b-a3b", p) for p in arms]
+    assert got == sorted([(k_model, "model", p) for p in arms] + [(54, "qwen3-30b-a3b", p) for p in arms])
     for arm in arms:  # the trailing space: `lfu-aging` is not counted inside `lfu-aging:256:4`
         assert out.count(f"--eviction-policy {arm} ") == 2, arm
     assert out.count("--device cuda") == len(plan.servers) == 2 * len(arms)
@@ -466,3 +469,13 @@ def test_the_prefetch_matrix_measures_next_layer_prefetch_on_the_models_routing(
     assert m.repeats == 2 and m.linkbw
     for workload in m.workloads.values():
         assert workload.prompt_classes == ["short", "2048"] and workload.concurrency == [1, 4]
+
+
+def test_every_committed_matrix_plans(stand_ins: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every configs/h200/*.yaml loads and plans in a dry run (`session.sh` runs any of them by name, so a matrix
+    added without a test of its own still fails here, not on the device)."""
+    paths = sorted(CONFIGS.glob("*.yaml"))
+    assert len(paths) >= 20
+    for path in paths:
+        assert main(["run", str(path), "--dry-run"]) == 0, path.name
+        assert "link bandwidth" in capsys.readouterr().out, path.name

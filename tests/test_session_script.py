@@ -47,13 +47,14 @@ def _queue(
     build_s: float = 0.0,
     more_env: dict[str, str] | None = None,
     copy_setup: Callable[[Path], None] | None = None,
+    jobs: tuple[str, ...] = ("paged16", "ttft"),
 ) -> tuple[list[str], str]:
-    """Queues `cuda paged16 ttft`; with build_s, a stand-in build job still running that long (its pid in
+    """Queues `cuda` and `jobs` (`paged16 ttft`); with build_s, a stand-in build job still running that long (its pid in
     jobs/build.pid, as `detach` writes it)."""
     if shutil.which("ps") is None or shutil.which("setsid") is None:
         pytest.skip("needs ps and setsid (procps, util-linux)")
-    bin_dir, copy, jobs = tmp_path / "bin", tmp_path / "copy", tmp_path / "jobs"
-    for d in (bin_dir, copy, jobs):
+    bin_dir, copy, jobs_dir = tmp_path / "bin", tmp_path / "copy", tmp_path / "jobs"
+    for d in (bin_dir, copy, jobs_dir):
         d.mkdir()
     if copy_setup is not None:
         copy_setup(copy)
@@ -67,18 +68,19 @@ def _queue(
     if build_s:
         build = subprocess.Popen(["sleep", str(build_s)])  # noqa: S603, S607 - a stand-in job
         threading.Thread(target=build.wait, daemon=True).start()  # reaped when it ends, as init would
-        (jobs / "build.pid").write_text(f"{build.pid}\n")
+        (jobs_dir / "build.pid").write_text(f"{build.pid}\n")
         (tmp_path / "build_end").write_text(str(time.time() + build_s))
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
-           "SESSION_COPY": str(copy), "SESSION_JOBS": str(jobs), "CALLS": str(calls),
+           "SESSION_COPY": str(copy), "SESSION_JOBS": str(jobs_dir), "CALLS": str(calls),
            "SESSION_BASE": str(tmp_path / "base"),
            "FAIL_TESTS": "1" if fail else "", "FAKE_GPU": "", "RUN_PREFIX": "", **(more_env or {})}  # fmt: skip
     started = time.monotonic()
-    done = subprocess.run(["bash", str(SCRIPT), "queue", "cuda", "paged16", "ttft"], cwd=tmp_path, env=env,
+    done = subprocess.run(["bash", str(SCRIPT), "queue", "cuda", *jobs], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
-    assert done.returncode == 0 and "started cuda-paged16-ttft" in done.stdout, done.stdout + done.stderr
+    name = "-".join(("cuda", *jobs))
+    assert done.returncode == 0 and f"started {name}" in done.stdout, done.stdout + done.stderr
     assert time.monotonic() - started < 1.0  # detached: the call does not wait for its jobs (~2 s here)
-    log = jobs / "cuda-paged16-ttft.log"  # the detached queue's; its last line is "exit N" once it ended
+    log = jobs_dir / f"{name}.log"  # the detached queue's; its last line is "exit N" once it ended
 
     def ended() -> bool:  # the wrapper's own last line, not a step's "<job> exit N"
         lines = log.read_text().splitlines() if log.exists() else []
@@ -219,6 +221,41 @@ def test_cuda_goes_first_in_a_queue(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
     assert done.returncode == 2 and "cuda goes first" in done.stderr, done.stdout + done.stderr
     assert not list(tmp_path.glob("*.log"))  # nothing started
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["queue", "cuda", "paged16", "nosuch"], "no nosuch.yaml"),  # a typo refused before anything runs
+        (["queue", "../h200/paged16"], "no ../h200/paged16.yaml"),  # a job is a plain name: no path leaves configs/h200
+        (["nosuch"], "usage:"),
+        (["policyconfirm.yaml"], "usage:"),
+    ],
+)
+def test_a_job_that_names_no_matrix_is_refused_before_anything_runs(tmp_path: Path, args: list[str], said: str) -> None:
+    """A matrix job is any configs/h200/MATRIX.yaml by its plain name (one place decides: a new matrix needs no edit
+    of the script); anything else is a usage error, exit 2, and nothing starts."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "SESSION_COPY": str(tmp_path), "SESSION_JOBS": str(tmp_path),
+           "RUN_PREFIX": "h200"}  # fmt: skip
+    done = subprocess.run(["bash", str(SCRIPT), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert done.returncode == 2 and said in done.stderr, done.stdout + done.stderr
+    assert not list(tmp_path.glob("*.log")) and not list(tmp_path.glob("*.pid"))  # nothing started
+
+
+def test_every_committed_matrix_is_a_job(tmp_path: Path) -> None:
+    """Each configs/h200/*.yaml runs by its name, alone and in a queue: duelconfirm among them, which no list in the
+    script names."""
+    names = sorted(p.stem for p in SCRIPT.parent.glob("*.yaml"))
+    assert "duelconfirm" in names and "duel" in names
+    define = f'HERE={SCRIPT.parent}; eval "$(grep "^is_matrix()" {SCRIPT})"'
+    probe = f"{define}; for n in {' '.join(names)}; do is_matrix $n || echo $n; done"
+    done = subprocess.run(["bash", "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0 and done.stdout == "", done.stdout + done.stderr
+    calls, log = _queue(tmp_path, fail=False, jobs=("duelconfirm",))
+    what = [" ".join(line.split()[1:]) for line in calls if " start " in f" {line} "]
+    assert what[1:] == ["start -m benchsuite run configs/h200/duelconfirm.yaml --run-id h200-duelconfirm --no-report"]
+    assert "duelconfirm exit 0" in log
 
 
 def test_a_failed_cuda_test_stops_the_queue_before_any_run(tmp_path: Path) -> None:

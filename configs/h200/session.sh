@@ -26,13 +26,15 @@
 #   bash configs/h200/session.sh window     # benchsuite run of configs/h200/window.yaml (detached; the aging LFU's window, ~8 min)
 #   bash configs/h200/session.sh policyconfirm  # benchsuite run of configs/h200/policyconfirm.yaml (detached; ~14 min)
 #   bash configs/h200/session.sh prefetch       # benchsuite run of configs/h200/prefetch.yaml (detached; ~9 min)
-#   bash configs/h200/session.sh duel           # benchsuite run of configs/h200/duel.yaml (detached; ~8 min)
+#   bash configs/h200/session.sh duel           # benchsuite run of configs/h200/duel.yaml (detached; ~10 min)
+#   bash configs/h200/session.sh duelconfirm    # benchsuite run of configs/h200/duelconfirm.yaml (detached; ~17 min on an H100)
+#   bash configs/h200/session.sh MATRIX     # any configs/h200/MATRIX.yaml the same way (the lines above: the ones run so far)
 #   bash configs/h200/session.sh flags      # benchmarks/llamacpp_flags_h200.py at N=30 (detached; issue 24, ~8 min)
 #   bash configs/h200/session.sh policies   # benchmarks/eviction_policies.py over this session's routing traces
 #                                           # (the servers with record_routing: record, policy, window, policyconfirm),
 #                                           # one process a trace (2,048-token traces take over 11 min: bring them
 #                                           # back with `routing` and replay them off the device instead)
-#   bash configs/h200/session.sh queue JOB...  # JOBs (cuda first, then headline|overlap|copy|ttft|paged16|fused|kernelcopy|batchcopy|staging|staging16|dmaproxy|switch|capcopy|packed|gcfreeze|attnfp8|record|policy|window|policyconfirm|prefetch|duel|flags|policies) in
+#   bash configs/h200/session.sh queue JOB...  # JOBs (cuda first, then any MATRIX, flags, policies) in
 #                                           # order, once prepare's jobs end; a failed CUDA test stops the runs
 #   bash configs/h200/session.sh poll SECS  # wait up to SECS for the running jobs, printing progress; once they have
 #                                           # ended, with a minute left, the routing traces in routing.tar (over 16 MB
@@ -96,6 +98,10 @@ POLICIES_CMD="if ! ls results/*/routing/*.trace > /dev/null 2>&1; then echo 'pol
   python3 benchmarks/eviction_policies.py \"\$t\" --k 53,54 --half-lives 2 --aging-periods 256,256:4,256:16,256:64 --concurrency 1,4 \
   > $JOBS/policies-\$(basename \"\$t\" .trace).txt 2>&1 & pids=\"\$pids \$!\"; done; rc=0; \
   for p in \$pids; do wait \$p || rc=1; done; cat $JOBS/policies-*.txt; (exit \$rc); fi"
+
+# a job that runs a matrix: any configs/h200/MATRIX.yaml beside this script (a plain name, so no path leaves it)
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+is_matrix() { [[ "$1" =~ ^[a-z0-9][a-z0-9_-]*$ ]] && [ -f "$HERE/$1.yaml" ]; }
 
 site() {  # the carried wheels, once per machine
   if [ ! -d /tmp/site ] && compgen -G ".whl/*.whl" > /dev/null; then
@@ -241,10 +247,6 @@ case "${1:-}" in
     (echo "$BASHPID" > "$JOBS/cuda.pid"; cd "$COPY" && python3 -m pytest $CUDA_TESTS -m cuda -q -p no:cacheprovider -o addopts= 2>&1 | tee "$JOBS/cuda.log" \
       | tail -40; echo "${PIPESTATUS[0]}" > "$JOBS/cuda.rc")  # what a queue's guard reads
     ;;
-  headline|overlap|copy|ttft|paged16|fused|kernelcopy|batchcopy|staging|staging16|dmaproxy|switch|capcopy|packed|gcfreeze|attnfp8|record|policy|window|policyconfirm|prefetch|duel)
-    site
-    detach "$1" "python3 -m benchsuite run configs/h200/$1.yaml --run-id $RUN_PREFIX-$1${RUN_SUFFIX:-} --no-report"
-    ;;
   flags)
     site
     detach flags "$FLAGS_CMD"
@@ -258,7 +260,7 @@ case "${1:-}" in
     # no test running yet and start its runs beside the tests (2026-12-02: h200-copy's first 12 cells did)
     site
     shift
-    [ $# -gt 0 ] || { echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|fused|kernelcopy|batchcopy|staging|staging16|dmaproxy|switch|capcopy|packed|gcfreeze|attnfp8|record|policy|window|policyconfirm|prefetch|duel|flags|policies ..." >&2; exit 2; }
+    [ $# -gt 0 ] || { echo "usage: $0 queue [cuda] MATRIX|flags|policies ... (MATRIX: configs/h200/MATRIX.yaml)" >&2; exit 2; }
     # a failed CUDA test (this session's cuda.log) stops the queue: no figure is measured on code the GPU found wrong
     # (pytest's exit status, so a crash or a kill stops it too, not only a failed assertion)
     guard="if [ -f $JOBS/cuda.rc ] && [ \"\$(cat $JOBS/cuda.rc)\" != 0 ]; then echo 'queue: the CUDA tests failed (cuda.log): nothing run'; exit 1; fi"
@@ -270,7 +272,10 @@ case "${1:-}" in
     for job in "$@"; do
       case "$job" in
         cuda) first="python3 -m pytest $CUDA_TESTS -m cuda -q -p no:cacheprovider -o addopts= > $JOBS/cuda.log 2>&1; echo \$? > $JOBS/cuda.rc; echo \"cuda exit \$(cat $JOBS/cuda.rc)\"; tail -n 3 $JOBS/cuda.log" ;;
-        headline|overlap|copy|ttft|paged16|fused|kernelcopy|batchcopy|staging|staging16|dmaproxy|switch|capcopy|packed|gcfreeze|attnfp8|record|policy|window|policyconfirm|prefetch|duel)
+        flags) steps="$steps; $guard; $FLAGS_CMD; echo \"flags exit \$?\"" ;;
+        policies) steps="$steps; $POLICIES_CMD; echo \"policies exit \$?\"" ;;
+        *)
+          is_matrix "$job" || { echo "usage: $0 queue [cuda] MATRIX|flags|policies ... (MATRIX: configs/h200/MATRIX.yaml; no $job.yaml)" >&2; exit 2; }
           # RUN_ONLY="a b": the run measures only those servers (--only), the rest left for a later run;
           # RUN_ONLY_<job>, where set (even empty), replaces it for this job
           names_var="RUN_ONLY_$job"
@@ -288,9 +293,6 @@ case "${1:-}" in
             && rm -rf $BASE/results && echo ${BASE_COMMIT:-} > $BASE/.base_commit)"
           [ -z "${BASE_COMMIT:-}" ] || steps="$steps; $guard; ($unpack) && (cd $BASE && PYTHONPATH=$BASE:/tmp/site \
             $run-base$only --no-report); echo \"$job base exit \$?\"" ;;
-        flags) steps="$steps; $guard; $FLAGS_CMD; echo \"flags exit \$?\"" ;;
-        policies) steps="$steps; $POLICIES_CMD; echo \"policies exit \$?\"" ;;
-        *) echo "usage: $0 queue [cuda] headline|overlap|copy|ttft|paged16|fused|kernelcopy|batchcopy|staging|staging16|dmaproxy|switch|capcopy|packed|gcfreeze|attnfp8|record|policy|window|policyconfirm|prefetch|duel|flags|policies ..." >&2; exit 2 ;;
       esac
     done
     # the CUDA tests first, at once (on the GPU, beside the build's and the models' CPU work: slower, not wrong);
@@ -329,7 +331,15 @@ case "${1:-}" in
     pack_traces 1
     exit 0
     ;;
-  *) echo "usage: $0 prepare [builtin]|cuda|headline|overlap|copy|ttft|paged16|fused|kernelcopy|batchcopy|staging|staging16|dmaproxy|switch|capcopy|packed|gcfreeze|attnfp8|record|policy|window|policyconfirm|prefetch|duel|flags|policies|queue [cuda] JOB...|poll SECS|routing" >&2; exit 2 ;;
+  *)  # a matrix: configs/h200/MATRIX.yaml, run detached
+    if ! is_matrix "${1:-}"; then
+      echo "usage: $0 prepare [builtin]|cuda|MATRIX|flags|policies|queue [cuda] JOB...|poll SECS|routing" \
+        "(MATRIX: configs/h200/MATRIX.yaml)" >&2
+      exit 2
+    fi
+    site
+    detach "$1" "python3 -m benchsuite run configs/h200/$1.yaml --run-id $RUN_PREFIX-$1${RUN_SUFFIX:-} --no-report"
+    ;;
 esac
 collect
 for f in "$JOBS"/*.log; do [ -f "$f" ] && { echo "== $(basename "$f")"; tail -n 4 "$f"; }; done
