@@ -473,7 +473,8 @@ def test_the_prefetch_matrix_measures_next_layer_prefetch_on_the_models_routing(
 
 def test_every_committed_matrix_plans(stand_ins: None, capsys: pytest.CaptureFixture[str]) -> None:
     """Every configs/h200/*.yaml loads and plans in a dry run (`session.sh` runs any of them by name, so a matrix
-    added without a test of its own still fails here, not on the device)."""
+    added without a test of its own still fails here, not on the device), and probes the link once (`linkbw: true`:
+    every H200 matrix gives the report its link and serial bounds)."""
     paths = sorted(CONFIGS.glob("*.yaml"))
     assert len(paths) >= 20
     for path in paths:

@@ -228,8 +228,11 @@ def test_cuda_goes_first_in_a_queue(tmp_path: Path) -> None:
     [
         (["queue", "cuda", "paged16", "nosuch"], "no nosuch.yaml"),  # a typo refused before anything runs
         (["queue", "../h200/paged16"], "no ../h200/paged16.yaml"),  # a job is a plain name: no path leaves configs/h200
+        (["queue", "cuda", "foo-bar"], "no foo-bar.yaml"),  # no `-`: RUN_ONLY_<name> must be a variable's name
+        (["queue", "cuda"], "cuda alone"),  # the queue's job would be `cuda` and wait for its own pid
         (["nosuch"], "usage:"),
         (["policyconfirm.yaml"], "usage:"),
+        (["../h200/paged16"], "usage:"),
     ],
 )
 def test_a_job_that_names_no_matrix_is_refused_before_anything_runs(tmp_path: Path, args: list[str], said: str) -> None:
@@ -248,6 +251,8 @@ def test_every_committed_matrix_is_a_job(tmp_path: Path) -> None:
     script names."""
     names = sorted(p.stem for p in SCRIPT.parent.glob("*.yaml"))
     assert "duelconfirm" in names and "duel" in names
+    # a matrix named as one of the script's own commands could never run: those come first
+    assert not set(names) & {"prepare", "cuda", "flags", "policies", "queue", "poll", "routing"}
     define = f'HERE={SCRIPT.parent}; eval "$(grep "^is_matrix()" {SCRIPT})"'
     probe = f"{define}; for n in {' '.join(names)}; do is_matrix $n || echo $n; done"
     done = subprocess.run(["bash", "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
@@ -256,6 +261,15 @@ def test_every_committed_matrix_is_a_job(tmp_path: Path) -> None:
     what = [" ".join(line.split()[1:]) for line in calls if " start " in f" {line} "]
     assert what[1:] == ["start -m benchsuite run configs/h200/duelconfirm.yaml --run-id h200-duelconfirm --no-report"]
     assert "duelconfirm exit 0" in log
+
+
+def test_flags_and_policies_are_the_scripts_own_jobs_not_matrices(tmp_path: Path) -> None:
+    """`flags` and `policies` in a queue run their own commands (here: no llama-server built, no routing trace, so
+    each says so and fails), in order after the tests, not a matrix's `benchsuite run`."""
+    calls, log = _queue(tmp_path, fail=False, jobs=("flags", "policies"))
+    assert "benchsuite run" not in "".join(calls)
+    assert log.index("flags: no llama-server built") < log.index("flags exit 1") < log.index("policies exit 1")
+    assert "policies: no routing trace" in log
 
 
 def test_a_failed_cuda_test_stops_the_queue_before_any_run(tmp_path: Path) -> None:

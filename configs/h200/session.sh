@@ -28,7 +28,7 @@
 #   bash configs/h200/session.sh prefetch       # benchsuite run of configs/h200/prefetch.yaml (detached; ~9 min)
 #   bash configs/h200/session.sh duel           # benchsuite run of configs/h200/duel.yaml (detached; ~10 min)
 #   bash configs/h200/session.sh duelconfirm    # benchsuite run of configs/h200/duelconfirm.yaml (detached; ~17 min on an H100)
-#   bash configs/h200/session.sh MATRIX     # any configs/h200/MATRIX.yaml the same way (the lines above: the ones run so far)
+#   bash configs/h200/session.sh MATRIX     # any configs/h200/MATRIX.yaml the same way (the lines above name some of them)
 #   bash configs/h200/session.sh flags      # benchmarks/llamacpp_flags_h200.py at N=30 (detached; issue 24, ~8 min)
 #   bash configs/h200/session.sh policies   # benchmarks/eviction_policies.py over this session's routing traces
 #                                           # (the servers with record_routing: record, policy, window, policyconfirm),
@@ -100,8 +100,9 @@ POLICIES_CMD="if ! ls results/*/routing/*.trace > /dev/null 2>&1; then echo 'pol
   for p in \$pids; do wait \$p || rc=1; done; cat $JOBS/policies-*.txt; (exit \$rc); fi"
 
 # a job that runs a matrix: any configs/h200/MATRIX.yaml beside this script (a plain name, so no path leaves it)
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-is_matrix() { [[ "$1" =~ ^[a-z0-9][a-z0-9_-]*$ ]] && [ -f "$HERE/$1.yaml" ]; }
+# (no `-`: a queue reads RUN_ONLY_<name>, and a variable's name cannot hold one)
+HERE="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" > /dev/null && pwd)"
+is_matrix() { [[ "$1" =~ ^[a-z0-9][a-z0-9_]*$ ]] && [ -f "$HERE/$1.yaml" ]; }
 
 site() {  # the carried wheels, once per machine
   if [ ! -d /tmp/site ] && compgen -G ".whl/*.whl" > /dev/null; then
@@ -261,6 +262,8 @@ case "${1:-}" in
     site
     shift
     [ $# -gt 0 ] || { echo "usage: $0 queue [cuda] MATRIX|flags|policies ... (MATRIX: configs/h200/MATRIX.yaml)" >&2; exit 2; }
+    # `queue cuda` alone would name its job `cuda`, write its own pid to cuda.pid and wait for itself forever
+    [ "$*" != cuda ] || { echo "queue: cuda alone is \`$0 cuda\` (a queue runs something after the tests)" >&2; exit 2; }
     # a failed CUDA test (this session's cuda.log) stops the queue: no figure is measured on code the GPU found wrong
     # (pytest's exit status, so a crash or a kill stops it too, not only a failed assertion)
     guard="if [ -f $JOBS/cuda.rc ] && [ \"\$(cat $JOBS/cuda.rc)\" != 0 ]; then echo 'queue: the CUDA tests failed (cuda.log): nothing run'; exit 1; fi"
