@@ -276,6 +276,30 @@ def _run_with_plan(tmp_path: Path, name: str, missing: list[tuple[str, str, int,
     return run
 
 
+def test_a_resumed_run_lists_each_invocation_with_its_machine(tmp_path: Path) -> None:
+    """A run resumed on another box (results.manifest.Invocation.machine) says where each part ran, an invocation
+    recorded before the field among them; a run measured on one machine lists none (the test above: resumed
+    there, it prints what it printed before)."""
+    run = _run_with_plan(tmp_path, "resumed", [], [], invocations=3)
+    manifest = json.loads((run / "manifest.json").read_text())
+    h200 = {"hostname": "box-b", "cpu_model": "Xeon", "cpu_cores_logical": 16,
+            "gpus": [{"name": "NVIDIA H200", "vram_bytes": 141 * 2**30}]}  # fmt: skip
+    second = {**manifest["invocations"][1], "host": "box-b", "machine": h200,
+              "git": {"commit": "8e12bba0178ae1513e5ec2064ba6eb248ddbc7b7", "dirty": True}}  # fmt: skip
+    manifest["invocations"] = [{**manifest["invocations"][0], "git": None}, second, {"started_utc": "later"}]
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    index = write_report([run], tmp_path / "out", reference_dirs=REFERENCE_DIRS)
+    md = (index.parent / "tables.md").read_text()
+    assert "- invocation 2: " in md and "on box-b: Xeon x16, NVIDIA H200 141 GiB; commit 8e12bba0178a (dirty)" in md
+    assert "- invocation 1: " in md and "machine not recorded; no commit" in md and "- invocation 3: later on ?" in md
+    page = index.read_text()
+    listed = page.split('<ol id="invocations-fixture-run">')[1].split("</ol>")[0]
+    assert listed.count("<li>") == 3 and "NVIDIA H200 141 GiB" in listed
+    once = write_report([FIXTURE], tmp_path / "out-once", reference_dirs=REFERENCE_DIRS)
+    assert "invocation 1:" not in (once.parent / "tables.md").read_text()
+    assert "invocations-" not in once.read_text()
+
+
 def _engines_run(page: str) -> list[str]:
     """The page's "Engines run" list, as text."""
     items = re.findall(r"<li>([^<]*)</li>", page.split('<h2 id="engines-run">')[1].split("</ul>")[0])

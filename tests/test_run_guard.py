@@ -241,6 +241,53 @@ def test_resume_refuses_cells_measured_by_other_code(
     open_store(plan).close()
 
 
+def _card(name: str, vram_gib: int, host: str = "vm") -> Any:
+    from benchsuite.tools.machine import GpuFacts, MachineFacts
+
+    gpu = GpuFacts(name=name, driver="580.159.04", vram_bytes=vram_gib * 2**30, pcie_gen=5, pcie_width=16)
+    return MachineFacts(hostname=host, cpu_model="Intel(R) Xeon(R) Processor", cpu_cores_logical=16, gpus=[gpu])
+
+
+def test_resume_refuses_cells_measured_on_another_kind_of_machine(
+    tmp_path: Path, model_copy: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run carried from one card to another would report both machines' cells under the first one's facts (and
+    its link probe): refused once a cell has finished, naming both kinds; another box of the same kind resumes,
+    and each invocation records the machine it ran on; before any cell has finished the run becomes the new
+    machine's and probes its link again."""
+    from benchsuite.results import manifest as manifest_module
+    from benchsuite.results.stored_files import read_manifest
+    from benchsuite.tools.linkbw import LinkBandwidth
+
+    h100, h200 = _card("NVIDIA H100 80GB HBM3", 80), _card("NVIDIA H200", 141)
+    machine = {"facts": h100}
+    monkeypatch.setattr(manifest_module, "machine_facts", lambda: machine["facts"])
+    plan = build_plan(load_matrix(write_matrix(tmp_path, str(model_copy))))
+    store = open_store(plan)
+    run_dir = store.run_dir
+    store.record_run(link_bandwidth=LinkBandwidth(paging_gb_per_s=51.6, device="NVIDIA H100 80GB HBM3"))
+    store.close()
+    machine["facts"] = h200  # nothing finished: the run is the H200's now, and its H100 probe is gone
+    open_store(plan).close()
+    stored = read_manifest(run_dir)
+    assert stored.machine.gpus[0].name == "NVIDIA H200" and stored.link_bandwidth is None
+    assert [i.machine.gpus[0].name for i in stored.invocations if i.machine] == ["NVIDIA H100 80GB HBM3", "NVIDIA H200"]
+    store = open_store(plan)
+    finished_cell(store, plan.cells[0])
+    store.close()
+    machine["facts"] = _card("NVIDIA H200", 141, host="other-box")  # another H200 resumes, and says so
+    open_store(plan).close()
+    stored = read_manifest(run_dir)
+    assert stored.machine.hostname == "vm" and stored.invocations[-1].machine.hostname == "other-box"
+    machine["facts"] = h100
+    kinds = r"Intel\(R\) Xeon\(R\) Processor x16, NVIDIA H200 141 GiB; this is .* NVIDIA H100 80GB HBM3 80 GiB"
+    with pytest.raises(UserError, match=rf"measured on another kind of machine \({kinds}\);.*--new-run"):
+        open_store(plan)
+    assert len(read_manifest(run_dir).invocations) == 4  # the refused one added nothing
+    open_store(plan, new_run=True).close()  # the way out the message names
+    assert read_manifest(run_dir).machine.gpus[0].name == "NVIDIA H100 80GB HBM3"
+
+
 def test_changed_inputs_of_cells_not_finished_yet_are_recorded_anew(tmp_path: Path, model_copy: Path) -> None:
     plan = build_plan(load_matrix(write_matrix(tmp_path, str(model_copy))))
     open_store(plan).close()  # nothing finished

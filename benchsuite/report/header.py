@@ -185,6 +185,7 @@ def _run_view(run: RunData, cells: pd.DataFrame) -> dict[str, Any]:
         "run_id": run.run_id,
         "run_dir": run.run_dir,
         "machine": facts.machine,
+        "invocations": facts.invocations,
         "source": facts.source,
         "fairness": facts.fairness,
         "servers": facts.servers,
@@ -221,6 +222,7 @@ def header_markdown(runs: list[RunData], cells: pd.DataFrame) -> list[str]:
         lines.append(
             f"\n**Run {run.run_id}**: " + "; ".join(f"{k}={v}" for k, v in run.facts.machine + run.facts.source)
         )
+        lines.extend(f"- invocation {i}: {line}" for i, line in enumerate(run.facts.invocations, start=1))
         lines.extend(
             f"- `{names.get(s.server_id, s.engine)}` ({s.kind}, {s.version}, {s.startup}, canary: {s.canary}): "
             f"`{s.command}`"

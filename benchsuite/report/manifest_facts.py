@@ -23,6 +23,7 @@ from benchsuite.report.budget import run_budget_bytes
 from benchsuite.report.planned import PlannedCells, read_planned
 from benchsuite.results.manifest import Manifest, ServerRecord
 from benchsuite.results.server_facts import CanaryResult
+from benchsuite.tools.machine import machine_kind
 from paged_experts.shape import ModelShape
 
 _TOP_K_KEYS = ("top_k", "num_experts_per_tok")
@@ -264,6 +265,26 @@ class RunFacts:
     nodes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # the cells the run planned, named (report/planned.py); none in a manifest older than `planned`
     planned: PlannedCells = field(default_factory=PlannedCells)
+    # one line per invocation (when, where, which kind of machine, which commit) of a run resumed on another machine
+    # (results.manifest.Invocation.machine): its cells come from more than one box (of one kind: results.store)
+    invocations: list[str] = field(default_factory=list)
+
+
+def invocation_lines(manifest: Manifest) -> list[str]:
+    """'2026-12-07T13:40:00+00:00 on vm: Intel(R) Xeon(R) Processor x16, NVIDIA H100 80GB HBM3 80 GiB; commit
+    8e12bba0178a (dirty)' per invocation, for a run resumed on a machine other than the manifest's (`machine`, the
+    first's): any recorded fact differs, the host, a GPU's driver or a package among them; none for a run measured
+    on one machine, in one go or resumed there."""
+    if not any(i.machine is not None and i.machine != manifest.machine for i in manifest.invocations):
+        return []
+    lines = []
+    for invocation in manifest.invocations:
+        machine = invocation.machine
+        kind = machine_kind(machine.model_dump(mode="json")) if machine is not None else "machine not recorded"
+        git = invocation.git
+        commit = f"commit {git.commit[:12]}{' (dirty)' if git.dirty else ''}" if git and git.commit else "no commit"
+        lines.append(f"{invocation.started_utc} on {invocation.host or '?'}: {kind}; {commit}")
+    return lines
 
 
 def read_run_facts(manifest: Manifest, run_dir: Path) -> RunFacts:
@@ -287,4 +308,5 @@ def read_run_facts(manifest: Manifest, run_dir: Path) -> RunFacts:
         code=tuple(sorted(manifest.git.code.items())) if manifest.git.code else None,
         nodes=dict(manifest.nodes),
         planned=read_planned(manifest),
+        invocations=invocation_lines(manifest),
     )

@@ -16,6 +16,7 @@ from typing import Any
 import pandas as pd
 
 from benchsuite.report.load import RunData
+from benchsuite.tools.machine import machine_kind
 
 TITLE = "Nodes (cells by the machine that measured them)"
 INTRO = (
@@ -24,16 +25,6 @@ INTRO = (
     "different kinds of machine compares the machines as well; the first screen says where that happens.</p>"
 )
 COLUMNS = ("run_id", "node", "host", "machine", "servers", "cells", "ok", "failed")
-
-
-def machine_kind(facts: Mapping[str, Any]) -> str:
-    """What decides a figure beyond the engine: CPU model and logical cores, each GPU's name and memory."""
-    cpu = f"{facts.get('cpu_model') or 'unknown CPU'} x{facts.get('cpu_cores_logical') or '?'}"
-    gpus = [f"{g.get('name', '?')} {round((g.get('vram_bytes') or 0) / 2**30)} GiB" for g in facts.get("gpus") or []]
-    if not gpus:
-        return f"{cpu}, no GPU"
-    counted = {g: gpus.count(g) for g in dict.fromkeys(gpus)}
-    return f"{cpu}, " + ", ".join(f"{n} x {g}" if n > 1 else g for g, n in counted.items())
 
 
 def node_label(node: str, facts: Mapping[str, Any]) -> str:

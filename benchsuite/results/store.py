@@ -63,6 +63,7 @@ from benchsuite.results.stored_files import (
     read_cell_file,
     read_manifest_file,
 )
+from benchsuite.tools.machine import MachineFacts, machine_kind
 
 Writer = Callable[[Path, bytes], None]
 Notify = Callable[[str], None]
@@ -82,6 +83,11 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def _recorded(machine: MachineFacts) -> bool:
+    """Whether a manifest's machine facts were probed (a manifest built by hand, in tests or imports, has none)."""
+    return machine.cpu_model is not None or bool(machine.gpus)
 
 
 def utc_now() -> str:
@@ -149,7 +155,12 @@ class RunStore:
         self._notify(f"benchsuite: --new-run: the earlier run is kept in {aside}")
 
     def _open(self, manifest: Manifest) -> None:
-        invocation = Invocation(started_utc=utc_now(), git=manifest.git, host=manifest.machine.hostname)
+        invocation = Invocation(
+            started_utc=utc_now(),
+            git=manifest.git,
+            host=manifest.machine.hostname,
+            machine=manifest.machine if _recorded(manifest.machine) else None,
+        )
         if self.manifest_path.exists():
             existing = self._check_resumable(read_manifest_file(self.manifest_path, writable=True), manifest)
             # this invocation's plan joins the earlier ones' (`--only A`, then `--only B`: both planned)
@@ -172,6 +183,9 @@ class RunStore:
             raise UserError(f"{self.run_dir} holds a run of a different matrix; pass another --run-id, or {fix}")
         if self._code_changed_before_any_cell(existing, manifest, fix):
             existing = existing.model_copy(update={"git": manifest.git})  # the run is this code's from here
+        if self._machine_changed_before_any_cell(existing, manifest, fix):
+            # the run is this machine's from here: its link probe too (the runner probes again where none is kept)
+            existing = existing.model_copy(update={"machine": manifest.machine, "link_bandwidth": None})
         old, new = existing.fingerprint, manifest.fingerprint
         if new is None:  # the caller records no inputs (tests, imported results): nothing to compare
             return existing
@@ -206,14 +220,35 @@ class RunStore:
         before, now = existing.git.code, manifest.git.code
         if not before or not now or before == now:
             return False
-        stored = [self.stored_cell(p.stem) for p in sorted((self.run_dir / "cells").glob("*.json"))]
-        if not any(c is not None and c.result.status in FINISHED_STATUSES for c in stored):
+        if not self._any_cell_finished():
             return True
         changed = ", ".join(f"{name} {before.get(name)} -> {now.get(name)}" for name in sorted(set(before) | set(now))
                             if before.get(name) != now.get(name))  # fmt: skip
         commits = f"measured at commit {existing.git.commit or 'unknown'}, this is {manifest.git.commit or 'unknown'}"
         raise UserError(f"{self.run_dir} was measured by other code ({commits}; trees {changed}); resuming would "
                         f"mix code versions in one run; {fix}")  # fmt: skip
+
+    def _machine_changed_before_any_cell(self, existing: Manifest, manifest: Manifest, fix: str) -> bool:
+        """UserError when finished cells were measured on another kind of machine than this invocation's
+        (tools.machine.machine_kind: the CPU model and its logical cores, each GPU's name and memory): a run
+        carried from an H100 to an H200, say, would otherwise report cells of two machines as one run under the
+        first one's facts. Another machine of the same kind resumes, and its invocation records it. True when
+        the kind changed but no cell has finished (the run is then this machine's). Not compared: a run spread
+        over Ray nodes (each cell names its node, report.nodes) and a record without machine facts."""
+        before, now = existing.machine, manifest.machine
+        if existing.nodes or not _recorded(before) or not _recorded(now):
+            return False
+        old_kind, new_kind = machine_kind(before.model_dump(mode="json")), machine_kind(now.model_dump(mode="json"))
+        if old_kind == new_kind:
+            return False
+        if not self._any_cell_finished():
+            return True
+        raise UserError(f"{self.run_dir} was measured on another kind of machine ({old_kind}; this is {new_kind}); "
+                        f"resuming would mix machines in one run; {fix}")  # fmt: skip
+
+    def _any_cell_finished(self) -> bool:
+        stored = [self.stored_cell(p.stem) for p in sorted((self.run_dir / "cells").glob("*.json"))]
+        return any(c is not None and c.result.status in FINISHED_STATUSES for c in stored)
 
     # ---- paths ---------------------------------------------------------------------------------
 

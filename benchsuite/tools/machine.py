@@ -14,7 +14,7 @@ import shutil
 import stat
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +93,18 @@ def machine_facts() -> MachineFacts:
         gpus=gpu_facts(),
         packages=package_versions(),
     )
+
+
+def machine_kind(facts: Mapping[str, Any]) -> str:
+    """What decides a figure beyond the engine: CPU model and logical cores, each GPU's name and memory (of a
+    `MachineFacts` as JSON). Two machines of one kind measure alike: a resume on another kind is refused
+    (results.store), a run spread over several kinds says so (report.nodes)."""
+    cpu = f"{facts.get('cpu_model') or 'unknown CPU'} x{facts.get('cpu_cores_logical') or '?'}"
+    gpus = [f"{g.get('name', '?')} {round((g.get('vram_bytes') or 0) / 2**30)} GiB" for g in facts.get("gpus") or []]
+    if not gpus:
+        return f"{cpu}, no GPU"
+    counted = {g: gpus.count(g) for g in dict.fromkeys(gpus)}
+    return f"{cpu}, " + ", ".join(f"{n} x {g}" if n > 1 else g for g, n in counted.items())
 
 
 def cpu_model() -> str | None:
