@@ -278,8 +278,9 @@ def _run_with_plan(tmp_path: Path, name: str, missing: list[tuple[str, str, int,
 
 def test_a_resumed_run_lists_each_invocation_with_its_machine(tmp_path: Path) -> None:
     """A run resumed on another box (results.manifest.Invocation.machine) says where each part ran, an invocation
-    recorded before the field among them; a run measured on one machine lists none (the test above: resumed
-    there, it prints what it printed before)."""
+    recorded before the field among them; a run resumed on its own machine lists none, though a GPU's current
+    PCIe generation or a package differs (and a run without machine facts per invocation prints what it printed
+    before: test_a_run_that_measured_all_it_planned_prints_what_it_printed_before)."""
     run = _run_with_plan(tmp_path, "resumed", [], [], invocations=3)
     manifest = json.loads((run / "manifest.json").read_text())
     h200 = {"hostname": "box-b", "cpu_model": "Xeon", "cpu_cores_logical": 16,
@@ -295,9 +296,19 @@ def test_a_resumed_run_lists_each_invocation_with_its_machine(tmp_path: Path) ->
     page = index.read_text()
     listed = page.split('<ol id="invocations-fixture-run">')[1].split("</ol>")[0]
     assert listed.count("<li>") == 3 and "NVIDIA H200 141 GiB" in listed
-    once = write_report([FIXTURE], tmp_path / "out-once", reference_dirs=REFERENCE_DIRS)
-    assert "invocation 1:" not in (once.parent / "tables.md").read_text()
-    assert "invocations-" not in once.read_text()
+    # resumed on the manifest's own machine: its GPU idled to a lower PCIe generation, a package moved; no list
+    box = {**h200, "gpu_probe": "nvidia-smi answered", "packages": {"torch": "2.11.0"}}
+    idle = {**box, "gpus": [{**h200["gpus"][0], "pcie_gen": 1}], "packages": {"torch": "2.11.1"}}
+    manifest["machine"] = box
+    manifest["invocations"] = [{**second, "machine": box}, {**second, "machine": idle}]
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    same = write_report([run], tmp_path / "out-same", reference_dirs=REFERENCE_DIRS)
+    assert "invocation 1:" not in (same.parent / "tables.md").read_text() and "invocations-" not in same.read_text()
+    manifest["invocations"][1]["machine"] = {**box, "hostname": "box-c"}  # another box of the kind: listed
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    other = write_report([run], tmp_path / "out-other", reference_dirs=REFERENCE_DIRS)
+    listed = [line for line in (other.parent / "tables.md").read_text().splitlines() if "- invocation" in line]
+    assert len(listed) == 2 and " on box-b: " in listed[0] and " on box-c: Xeon x16, NVIDIA H200 141 GiB" in listed[1]
 
 
 def _engines_run(page: str) -> list[str]:

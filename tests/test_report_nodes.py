@@ -11,7 +11,8 @@ from typing import Any
 import pandas as pd
 
 from benchsuite.report import write_report
-from benchsuite.report.nodes import TITLE, machine_kind, mixed_machines_caveat
+from benchsuite.report.nodes import TITLE, mixed_machines_caveat
+from benchsuite.tools.machine import machine_kind
 
 FIXTURE = Path(__file__).parent / "data" / "report_fixture"
 NODE_A, NODE_B = "a" * 56, "b" * 56

@@ -28,6 +28,7 @@ from benchsuite.records import CellResult
 from benchsuite.results.manifest import Manifest
 from benchsuite.results.store import RunStore
 from benchsuite.run.runner import open_store
+from benchsuite.tools.machine import GPU_PROBE_ANSWERED, GpuFacts, MachineFacts
 
 
 def bare_manifest(matrix_hash: str) -> Manifest:
@@ -241,11 +242,10 @@ def test_resume_refuses_cells_measured_by_other_code(
     open_store(plan).close()
 
 
-def _card(name: str, vram_gib: int, host: str = "vm") -> Any:
-    from benchsuite.tools.machine import GpuFacts, MachineFacts
-
+def _card(name: str, vram_gib: int, host: str = "vm") -> MachineFacts:
     gpu = GpuFacts(name=name, driver="580.159.04", vram_bytes=vram_gib * 2**30, pcie_gen=5, pcie_width=16)
-    return MachineFacts(hostname=host, cpu_model="Intel(R) Xeon(R) Processor", cpu_cores_logical=16, gpus=[gpu])
+    return MachineFacts(hostname=host, cpu_model="Intel(R) Xeon(R) Processor", cpu_cores_logical=16, gpus=[gpu],
+                        gpu_probe=GPU_PROBE_ANSWERED)  # fmt: skip
 
 
 def test_resume_refuses_cells_measured_on_another_kind_of_machine(
@@ -279,12 +279,21 @@ def test_resume_refuses_cells_measured_on_another_kind_of_machine(
     open_store(plan).close()
     stored = read_manifest(run_dir)
     assert stored.machine.hostname == "vm" and stored.invocations[-1].machine.hostname == "other-box"
+    failed = h200.model_copy(update={"gpus": [], "gpu_probe": "nvidia-smi failed (an error exit)"})
+    machine["facts"] = failed  # the same box with a failed GPU probe is no other machine: it resumes, takes nothing
+    open_store(plan).close()
+    assert read_manifest(run_dir).machine.gpus[0].name == "NVIDIA H200"
     machine["facts"] = h100
     kinds = r"Intel\(R\) Xeon\(R\) Processor x16, NVIDIA H200 141 GiB; this is .* NVIDIA H100 80GB HBM3 80 GiB"
     with pytest.raises(UserError, match=rf"measured on another kind of machine \({kinds}\);.*--new-run"):
         open_store(plan)
-    assert len(read_manifest(run_dir).invocations) == 4  # the refused one added nothing
-    open_store(plan, new_run=True).close()  # the way out the message names
+    assert len(read_manifest(run_dir).invocations) == 5  # the refused one added nothing
+    doc = json.loads((run_dir / "manifest.json").read_text())  # a run spread over Ray nodes: its cells name theirs
+    (run_dir / "manifest.json").write_text(json.dumps({**doc, "nodes": {"n1": doc["machine"]}}))
+    open_store(plan).close()
+    (run_dir / "manifest.json").write_text(json.dumps({**doc, "machine": {}}))  # no facts recorded: not compared
+    open_store(plan).close()
+    open_store(plan, new_run=True).close()  # the way out the message names: a run of this machine
     assert read_manifest(run_dir).machine.gpus[0].name == "NVIDIA H100 80GB HBM3"
 
 

@@ -172,6 +172,7 @@ def test_gpu_facts_parse_nvidia_smi_and_unknowns_stay_none(monkeypatch: pytest.M
 
     line = "NVIDIA H200, 570.86.15, 143771, 5, 16, 5, 16\nNVIDIA RTX 4070 Laptop GPU, 566.03, 8188, [N/A], 8, 4, 8\n"
     monkeypatch.setattr(machine, "_run", lambda argv: line if argv[0] == "nvidia-smi" else None)
+    monkeypatch.setattr(machine.shutil, "which", lambda name: f"/usr/bin/{name}")
     h200, laptop = machine.gpu_facts()
     assert h200.model_dump() == {"name": "NVIDIA H200", "driver": "570.86.15", "vram_bytes": 143771 * 2**20,
                                  "pcie_gen": 5, "pcie_width": 16, "pcie_gen_max": 5, "pcie_width_max": 16}  # fmt: skip
@@ -183,6 +184,20 @@ def test_gpu_facts_parse_nvidia_smi_and_unknowns_stay_none(monkeypatch: pytest.M
     assert no_git["source"] == machine.FILES_SOURCE and set(no_git["code"]) == set(machine.CODE_DIRS)
     monkeypatch.setattr(machine, "_run", lambda argv: None)
     assert machine.gpu_facts() == []
+    # a failed nvidia-smi (a timeout, a driver mismatch) is told apart from a machine without one: its GPUs are
+    # unknown, so a resume compares its CPUs only (results.store), not a kind "without GPU"
+    gpus, probe = machine.gpu_probe()
+    assert gpus == [] and probe.startswith("nvidia-smi failed") and probe != machine.GPU_PROBE_ABSENT
+    facts = machine.MachineFacts(cpu_model="Xeon", cpu_cores_logical=16, gpus=[], gpu_probe=probe)
+    h200 = facts.model_copy(update={"gpus": [h200], "gpu_probe": machine.GPU_PROBE_ANSWERED})
+    assert machine.machine_kind(facts.model_dump()) == f"Xeon x16, GPUs unknown ({probe})"
+    assert machine.other_kind(h200, facts) is None and machine.other_kind(facts, h200) is None
+    other_cpu = facts.model_copy(update={"cpu_cores_logical": 32})
+    assert machine.other_kind(h200, other_cpu) == ("Xeon x16, NVIDIA H200 140 GiB", f"Xeon x32, GPUs unknown ({probe})")
+    monkeypatch.setattr(machine.shutil, "which", lambda name: None)
+    assert machine.gpu_probe() == ([], machine.GPU_PROBE_ABSENT)
+    no_gpu = facts.model_copy(update={"gpu_probe": machine.GPU_PROBE_ABSENT})
+    assert machine.other_kind(h200, no_gpu) == ("Xeon x16, NVIDIA H200 140 GiB", "Xeon x16, no GPU")
 
 
 def test_an_unwritable_output_root_is_one_run_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,7 +23,7 @@ from benchsuite.report.budget import run_budget_bytes
 from benchsuite.report.planned import PlannedCells, read_planned
 from benchsuite.results.manifest import Manifest, ServerRecord
 from benchsuite.results.server_facts import CanaryResult
-from benchsuite.tools.machine import machine_kind
+from benchsuite.tools.machine import MachineFacts, machine_kind
 from paged_experts.shape import ModelShape
 
 _TOP_K_KEYS = ("top_k", "num_experts_per_tok")
@@ -271,20 +271,28 @@ class RunFacts:
 
 
 def invocation_lines(manifest: Manifest) -> list[str]:
-    """'2026-12-07T13:40:00+00:00 on vm: Intel(R) Xeon(R) Processor x16, NVIDIA H100 80GB HBM3 80 GiB; commit
-    8e12bba0178a (dirty)' per invocation, for a run resumed on a machine other than the manifest's (`machine`, the
-    first's): any recorded fact differs, the host, a GPU's driver or a package among them; none for a run measured
-    on one machine, in one go or resumed there."""
-    if not any(i.machine is not None and i.machine != manifest.machine for i in manifest.invocations):
+    """'2026-12-07T13:40:00+00:00 on vm: Intel(R) Xeon(R) Processor x16, NVIDIA H100 80GB HBM3 80 GiB, driver
+    580.159.04; commit 8e12bba0178a (dirty)' per invocation, for a run resumed on another machine than the manifest's
+    (`machine`): another host, kind or GPU driver. None for a run measured on one machine, in one go or resumed
+    there (a GPU's current PCIe generation, which drops while it idles, or a package version is no other machine)."""
+    if not any(i.machine is not None and _box(i.machine) != _box(manifest.machine) for i in manifest.invocations):
         return []
     lines = []
     for invocation in manifest.invocations:
         machine = invocation.machine
-        kind = machine_kind(machine.model_dump(mode="json")) if machine is not None else "machine not recorded"
+        kind = ", ".join(_box(machine)[1:]) if machine is not None else "machine not recorded"
         git = invocation.git
         commit = f"commit {git.commit[:12]}{' (dirty)' if git.dirty else ''}" if git and git.commit else "no commit"
-        lines.append(f"{invocation.started_utc} on {invocation.host or '?'}: {kind}; {commit}")
+        host = machine.hostname if machine is not None and machine.hostname else invocation.host
+        lines.append(f"{invocation.started_utc} on {host or '?'}: {kind}; {commit}")
     return lines
+
+
+def _box(machine: MachineFacts) -> tuple[str, ...]:
+    """What tells one machine from another in a resumed run: its host, its kind, its GPUs' drivers."""
+    drivers = ", ".join(dict.fromkeys(g.driver for g in machine.gpus if g.driver))
+    return (machine.hostname or "?", machine_kind(machine.model_dump(mode="json")),
+            *([f"driver {drivers}"] if drivers else []))  # fmt: skip
 
 
 def read_run_facts(manifest: Manifest, run_dir: Path) -> RunFacts:

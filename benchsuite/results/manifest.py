@@ -138,9 +138,9 @@ class Invocation(_Record):
     started_utc: str
     git: GitFacts | None = None
     host: str | None = None
-    # the machine this invocation ran on (the manifest's `machine` is the first invocation's): a resume on another
-    # machine of the same kind is allowed and shows here; on another kind it is refused (results.store). None in a
-    # record older than it.
+    # the machine this invocation ran on (the manifest's `machine` is the first invocation's, or the one that took the
+    # run over before any cell had finished): a resume on another machine of the same kind is allowed and shows
+    # here; on another kind it is refused (results.store). None in a record older than it.
     machine: MachineFacts | None = None
 
 

@@ -63,7 +63,7 @@ from benchsuite.results.stored_files import (
     read_cell_file,
     read_manifest_file,
 )
-from benchsuite.tools.machine import MachineFacts, machine_kind
+from benchsuite.tools.machine import MachineFacts, other_kind
 
 Writer = Callable[[Path, bytes], None]
 Notify = Callable[[str], None]
@@ -83,11 +83,6 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     finally:
         if tmp.exists():
             tmp.unlink()
-
-
-def _recorded(machine: MachineFacts) -> bool:
-    """Whether a manifest's machine facts were probed (a manifest built by hand, in tests or imports, has none)."""
-    return machine.cpu_model is not None or bool(machine.gpus)
 
 
 def utc_now() -> str:
@@ -230,20 +225,20 @@ class RunStore:
 
     def _machine_changed_before_any_cell(self, existing: Manifest, manifest: Manifest, fix: str) -> bool:
         """UserError when finished cells were measured on another kind of machine than this invocation's
-        (tools.machine.machine_kind: the CPU model and its logical cores, each GPU's name and memory): a run
+        (tools.machine.other_kind: the CPU model and its logical cores, each GPU's name and memory): a run
         carried from an H100 to an H200, say, would otherwise report cells of two machines as one run under the
-        first one's facts. Another machine of the same kind resumes, and its invocation records it. True when
-        the kind changed but no cell has finished (the run is then this machine's). Not compared: a run spread
-        over Ray nodes (each cell names its node, report.nodes) and a record without machine facts."""
-        before, now = existing.machine, manifest.machine
-        if existing.nodes or not _recorded(before) or not _recorded(now):
+        first one's facts and link probe. Another machine of the same kind resumes, and its invocation records
+        it. True when the kind changed but no cell has finished (the run is then this machine's). Not compared:
+        a run spread over Ray nodes (each cell names its node, report.nodes) and a record without machine facts;
+        a failed GPU probe on either side compares the CPUs only."""
+        if existing.nodes or not _recorded(existing.machine) or not _recorded(manifest.machine):
             return False
-        old_kind, new_kind = machine_kind(before.model_dump(mode="json")), machine_kind(now.model_dump(mode="json"))
-        if old_kind == new_kind:
+        kinds = other_kind(existing.machine, manifest.machine)
+        if kinds is None:
             return False
         if not self._any_cell_finished():
             return True
-        raise UserError(f"{self.run_dir} was measured on another kind of machine ({old_kind}; this is {new_kind}); "
+        raise UserError(f"{self.run_dir} was measured on another kind of machine ({kinds[0]}; this is {kinds[1]}); "
                         f"resuming would mix machines in one run; {fix}")  # fmt: skip
 
     def _any_cell_finished(self) -> bool:
@@ -387,6 +382,11 @@ class RunStore:
     def _cell_payloads(self) -> list[dict[str, Any]]:
         """Every readable cell file at the current schema; damaged ones are set aside."""
         return cell_payloads(self.run_dir, lambda path, exc: self._set_aside(path, str(exc)), writable=True)
+
+
+def _recorded(machine: MachineFacts) -> bool:
+    """Whether a manifest's machine facts were probed (a manifest built by hand, in tests or imports, has none)."""
+    return machine.cpu_model is not None or bool(machine.gpus)
 
 
 def _frame(rows: list[dict[str, Any]], row_type: type) -> pd.DataFrame:

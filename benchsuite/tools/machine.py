@@ -34,6 +34,8 @@ _GPU_FIELDS = (
     "pcie.link.width.max",
 )
 _PROBE_TIMEOUT_S = 10.0
+GPU_PROBE_ANSWERED = "nvidia-smi answered"
+GPU_PROBE_ABSENT = "no nvidia-smi"
 _SOURCE_DIR = Path(__file__).resolve().parents[2]  # the checkout: benchsuite/tools/machine.py
 
 
@@ -61,6 +63,9 @@ class MachineFacts(StoredFacts):
     cpu_cores_physical: int | None = None
     ram_bytes: int | None = None
     gpus: list[GpuFacts] = Field(default_factory=list)
+    # how `gpus` was known: GPU_PROBE_ANSWERED, GPU_PROBE_ABSENT (no nvidia-smi: no NVIDIA GPU), or why the probe
+    # failed ("nvidia-smi failed: ..."), in which case `gpus` is empty but says nothing; None in older records
+    gpu_probe: str | None = None
     packages: dict[str, str | None] = Field(default_factory=dict)  # distribution name -> version (None: absent)
 
 
@@ -81,6 +86,7 @@ class GitFacts(StoredFacts):
 def machine_facts() -> MachineFacts:
     """Everything about this machine a reader needs to compare numbers across boxes."""
     memory = psutil.virtual_memory()
+    gpus, gpu_probe_text = gpu_probe()
     return MachineFacts(
         hostname=platform.node(),
         os=platform.platform(),
@@ -90,7 +96,8 @@ def machine_facts() -> MachineFacts:
         cpu_cores_logical=os.cpu_count(),
         cpu_cores_physical=psutil.cpu_count(logical=False),
         ram_bytes=int(memory.total),
-        gpus=gpu_facts(),
+        gpus=gpus,
+        gpu_probe=gpu_probe_text,
         packages=package_versions(),
     )
 
@@ -99,12 +106,32 @@ def machine_kind(facts: Mapping[str, Any]) -> str:
     """What decides a figure beyond the engine: CPU model and logical cores, each GPU's name and memory (of a
     `MachineFacts` as JSON). Two machines of one kind measure alike: a resume on another kind is refused
     (results.store), a run spread over several kinds says so (report.nodes)."""
-    cpu = f"{facts.get('cpu_model') or 'unknown CPU'} x{facts.get('cpu_cores_logical') or '?'}"
+    if _gpu_probe_failed(facts):
+        return f"{_cpu_kind(facts)}, GPUs unknown ({facts.get('gpu_probe')})"
     gpus = [f"{g.get('name', '?')} {round((g.get('vram_bytes') or 0) / 2**30)} GiB" for g in facts.get("gpus") or []]
     if not gpus:
-        return f"{cpu}, no GPU"
+        return f"{_cpu_kind(facts)}, no GPU"
     counted = {g: gpus.count(g) for g in dict.fromkeys(gpus)}
-    return f"{cpu}, " + ", ".join(f"{n} x {g}" if n > 1 else g for g, n in counted.items())
+    return f"{_cpu_kind(facts)}, " + ", ".join(f"{n} x {g}" if n > 1 else g for g, n in counted.items())
+
+
+def other_kind(before: MachineFacts, now: MachineFacts) -> tuple[str, str] | None:
+    """(before's kind, now's) where the two are machines of different kinds; None where alike, or where it cannot
+    be told: an nvidia-smi that failed on either side (a timeout, a driver mismatch) leaves the GPUs unknown, so
+    only the CPUs are compared then (a probe's failure is not another machine)."""
+    a, b = before.model_dump(mode="json"), now.model_dump(mode="json")
+    if _gpu_probe_failed(a) or _gpu_probe_failed(b):
+        return (machine_kind(a), machine_kind(b)) if _cpu_kind(a) != _cpu_kind(b) else None
+    return (machine_kind(a), machine_kind(b)) if machine_kind(a) != machine_kind(b) else None
+
+
+def _cpu_kind(facts: Mapping[str, Any]) -> str:
+    return f"{facts.get('cpu_model') or 'unknown CPU'} x{facts.get('cpu_cores_logical') or '?'}"
+
+
+def _gpu_probe_failed(facts: Mapping[str, Any]) -> bool:
+    probe = facts.get("gpu_probe")
+    return probe is not None and probe not in (GPU_PROBE_ANSWERED, GPU_PROBE_ABSENT)
 
 
 def cpu_model() -> str | None:
@@ -118,10 +145,22 @@ def cpu_model() -> str | None:
 
 
 def gpu_facts() -> list[GpuFacts]:
-    """One entry per NVIDIA GPU from nvidia-smi; [] when there is none (or no nvidia-smi)."""
-    out = _run(["nvidia-smi", f"--query-gpu={','.join(_GPU_FIELDS)}", "--format=csv,noheader,nounits"])
+    """One entry per NVIDIA GPU from nvidia-smi; [] when there is none (or no nvidia-smi, or it failed)."""
+    return gpu_probe()[0]
+
+
+def gpu_probe() -> tuple[list[GpuFacts], str]:
+    """gpu_facts and how they were known (MachineFacts.gpu_probe): a failed nvidia-smi is told apart from none."""
+    argv = ["nvidia-smi", f"--query-gpu={','.join(_GPU_FIELDS)}", "--format=csv,noheader,nounits"]
+    if shutil.which(argv[0]) is None:
+        return [], GPU_PROBE_ABSENT
+    out = _run(argv)
     if out is None:
-        return []
+        return [], f"nvidia-smi failed (an error exit, or no answer within {_PROBE_TIMEOUT_S:g} s)"
+    return _parse_gpus(out), GPU_PROBE_ANSWERED
+
+
+def _parse_gpus(out: str) -> list[GpuFacts]:
     gpus = []
     for line in out.splitlines():
         values = [v.strip() for v in line.split(",")]
