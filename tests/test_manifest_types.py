@@ -74,7 +74,7 @@ def test_an_older_block_keeps_exactly_its_keys_and_a_typo_is_refused() -> None:
 def test_the_producers_write_every_key_they_always_wrote(tmp_path: Path) -> None:
     machine = machine_facts().model_dump(mode="json")
     assert set(machine) == {"hostname", "os", "wsl", "python", "cpu_model", "cpu_cores_logical",
-                            "cpu_cores_physical", "ram_bytes", "gpus", "packages"}  # fmt: skip
+                            "cpu_cores_physical", "ram_bytes", "gpus", "gpu_probe", "packages"}  # fmt: skip
     failed = probe_in_subprocess(("false",)).model_dump(mode="json")
     assert set(failed) == {"command", "measured_unix_s", "error"}  # no figure, and no null one
     ruled = SearchCandidate(n=1, outcome="ruled out", projected_bytes=2, projection={}, value=None, cell_id=None,

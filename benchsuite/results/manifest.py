@@ -134,7 +134,7 @@ def _same_search(a: PlannedSearch, b: PlannedSearch) -> bool:
     return (a.engine, a.option) == (b.engine, b.option)
 
 
-class Invocation(_Record):
+class Invocation(StoredFacts):  # writes back the keys it was read with: a record older than `machine` stays so
     started_utc: str
     git: GitFacts | None = None
     host: str | None = None

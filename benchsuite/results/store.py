@@ -150,12 +150,8 @@ class RunStore:
         self._notify(f"benchsuite: --new-run: the earlier run is kept in {aside}")
 
     def _open(self, manifest: Manifest) -> None:
-        invocation = Invocation(
-            started_utc=utc_now(),
-            git=manifest.git,
-            host=manifest.machine.hostname,
-            machine=manifest.machine if _recorded(manifest.machine) else None,
-        )
+        recorded = {"machine": manifest.machine} if _recorded(manifest.machine) else {}  # never a null `machine`
+        invocation = Invocation(started_utc=utc_now(), git=manifest.git, host=manifest.machine.hostname, **recorded)
         if self.manifest_path.exists():
             existing = self._check_resumable(read_manifest_file(self.manifest_path, writable=True), manifest)
             # this invocation's plan joins the earlier ones' (`--only A`, then `--only B`: both planned)
