@@ -550,3 +550,32 @@ def test_the_plan_kernel_benchmark_reports_a_plan_that_differs_from_the_hosts() 
     dr.slot_of[:2] = torch.tensor([1, 0])
     message = plan_kernel.check_plan(dr, "duel", ids)
     assert message is not None and message.startswith("step 0: ")
+
+
+def test_the_residency_roundtrip_benchmark_times_each_policy_and_leaves_the_state_as_it_was() -> None:
+    """benchmarks/residency_roundtrip.py: a line per policy with its pull and push milliseconds; a pull then a push
+    (what it times) leaves a layer's device state as it was, so the repeats time the same work."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "residency_roundtrip.py"), "--layers", "2", "--experts", "8",
+         "--slots", "4", "--repeats", "2"],
+        capture_output=True, text=True, check=False, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in proc.stdout.splitlines()[2:]}
+    assert set(rows) == {"lru", "lfu-aging", "duel"}
+    for pull, push, total in rows.values():
+        assert pull > 0 and push > 0 and total == pytest.approx(pull + push, abs=0.02)
+    spec = importlib.util.spec_from_file_location("residency_roundtrip", ROOT / "benchmarks" / "residency_roundtrip.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    device, residency = module.layer_pair("duel", 8, 4)
+    device.shadows[0, :8] = torch.tensor([1, 0, 1, 0, 1, 0, 1, 0], dtype=device.shadows.dtype)
+    device.psel.fill_(3)
+    device.uses[:8] = torch.arange(8)
+    before = [t.clone() for t in device.state()]
+    from paged_experts.residency.device import pull_many
+
+    pull_many([(device, residency)])
+    device.push_from(residency)
+    assert all(torch.equal(a, b) for a, b in zip(before, device.state(), strict=True))
