@@ -66,6 +66,11 @@ class LruPolicy(KeepsEveryExpert):
         else:
             self._last_use.pop(expert, None)
 
+    def set_last_uses(self, stamps: Sequence[int]) -> None:
+        """Every expert's last use at once, expert i's at stamps[i] (-1: never used): `set_last_use` for each, in one
+        comprehension (a host-planned step reads every layer's state back; per-expert calls cost ~1 ms a step)."""
+        self._last_use = {ex: stamp for ex, stamp in enumerate(stamps) if stamp >= 0}
+
     def victim(self, candidates: Collection[int], step: int) -> int:
         return min(candidates, key=lambda e: (self._last_use.get(e, -1), e))
 
@@ -180,6 +185,23 @@ class AgingLfuPolicy(KeepsEveryExpert):
             self._last_use[expert] = last_use
         else:
             self._last_use.pop(expert, None)
+
+    def set_states(self, uses: Sequence[int], last_uses: Sequence[int], step: int) -> None:
+        """`set_state` for every expert at once (expert i: uses[i], last_uses[i]), as of `step`, in comprehensions."""
+        epoch = step // self.period_steps
+        self._count = {ex: n for ex, n in enumerate(uses) if n > 0}
+        self._epoch = dict.fromkeys(self._count, epoch)
+        self._last_use = {ex: stamp for ex, stamp in enumerate(last_uses) if stamp >= 0}
+
+    def all_uses(self, experts: int, step: int) -> list[int]:
+        """[uses(e, step) for e in range(experts)], without a call per expert."""
+        count, epoch_of, now = self._count, self._epoch, step // self.period_steps
+        return [count[ex] >> (now - epoch_of[ex]) if ex in count else 0 for ex in range(experts)]
+
+    def all_last_uses(self, experts: int) -> list[int]:
+        """[last_use(e) for e in range(experts)], without a call per expert."""
+        get = self._last_use.get
+        return [get(ex, -1) for ex in range(experts)]
 
     def victim(self, candidates: Collection[int], step: int) -> int:
         if self.window_steps:
