@@ -110,6 +110,50 @@ def test_timing_loop_discards_warmup_and_times_all_copies() -> None:
     assert fake.copies == (2 + 3) * 5
 
 
+def test_the_kernel_row_is_beside_the_paging_figure_never_in_it() -> None:
+    """The copy kernel's measurement (the runtime's decode page-in) is reported as its own figure; the paging figure
+    stays the DMAs' even where the kernel's rows would be the smallest back-to-back case."""
+    dma = linkbw.LinkMeasurement("h2d", "pinned", 2_433_024, 384, (0.02,))
+    kernel = linkbw.LinkMeasurement("h2d", "pinned", 1_000_000, 16, (0.0004,), method="kernel")
+    report = _report(dma, kernel)
+    assert report.paging_gb_per_s == pytest.approx(dma.median_gb_per_s)
+    assert report.kernel_gb_per_s == pytest.approx(16e6 / 0.0004 / 1e9)
+    stored = report.to_dict()
+    assert stored["kernel_gb_per_s"] == report.kernel_gb_per_s and stored["measurements"][1]["method"] == "kernel"
+    assert "decode page-in (the runtime's copy kernel, pinned rows -> slots): 40.0 GB/s" in linkbw.render(report)
+    failed = linkbw.LinkBwReport(device="fake", torch_version="x", cuda_version="y", measurements=(dma,),
+                                 kernel_error="RuntimeError: no Triton")  # fmt: skip
+    assert failed.kernel_gb_per_s is None and failed.to_dict()["kernel_error"] == "RuntimeError: no Triton"
+    assert "copy kernel): not measured (RuntimeError: no Triton)" in linkbw.render(failed)
+
+
+def test_the_kernel_probe_copies_scattered_rows_and_refuses_wrong_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_measure_kernel` on the CPU with the kernel's launch emulated: it copies every other host row into the
+    slots in order, checks the bytes (a launch that copies the wrong rows is an error, not a figure) and needs
+    twice its rows in the host buffer."""
+    from paged_experts.kernels import copy_kernel
+
+    def emulated(srcs, dsts, experts, slot_ids, num_experts) -> None:  # noqa: ANN001 - launch_copy_rows' own
+        assert num_experts == 10
+        dsts[0][slot_ids] = srcs[0][experts + shift]
+
+    shift = 0
+    monkeypatch.setattr(copy_kernel, "graph_safe", lambda device: True)
+    monkeypatch.setattr(copy_kernel, "launch_copy_rows", emulated)
+    monkeypatch.setattr(linkbw, "_time_runs", lambda torch_, run, warmup, samples: (run(), (0.001,))[1])
+    plan = linkbw.LinkPlan(kernel_rows=3, kernel_row_bytes=1000)
+    host, dev = torch.zeros(10_500, dtype=torch.uint8), torch.zeros(5000, dtype=torch.uint8)
+    measured = linkbw._measure_kernel(torch, plan, host, dev)
+    assert (measured.method, measured.copies, measured.size_bytes) == ("kernel", 3, 1000)
+    assert measured.median_gb_per_s == pytest.approx(3000 / 0.001 / 1e9)
+    assert torch.equal(dev[:3000].view(3, 1000), host[:6000].view(6, 1000)[0::2]) and dev[:3000].any()
+    shift = 1
+    with pytest.raises(RuntimeError, match="differ from the host rows"):
+        linkbw._measure_kernel(torch, plan, host, dev)
+    with pytest.raises(RuntimeError, match="too few 1000-byte rows for 6"):
+        linkbw._measure_kernel(torch, linkbw.LinkPlan(kernel_rows=6, kernel_row_bytes=1000), host, dev)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
 def test_no_cuda_is_a_clear_error(capsys) -> None:
     with pytest.raises(RunError, match="needs a CUDA GPU"):
@@ -127,3 +171,5 @@ def test_measure_on_gpu(tmp_path: Path) -> None:
     assert time.perf_counter() - t0 < 30
     assert all(m.median_gb_per_s > 0.1 for m in report.measurements)
     assert report.paging_gb_per_s > 1.0
+    # the runtime's copy kernel, checked for its bytes inside the probe (a Triton build of torch: the CUDA wheels)
+    assert report.kernel_error is None and report.kernel_gb_per_s is not None and report.kernel_gb_per_s > 1.0

@@ -1,5 +1,13 @@
 """Host<->device link bandwidth probe: pinned and pageable copies, host-to-device and back, at
-expert sizes and at 1 GiB, timed with CUDA events after warmup.
+expert sizes and at 1 GiB, timed with CUDA events after warmup; and the built-in runtime's decode page-in
+path, the copy kernel (SMs reading pinned host rows, `paged_experts.kernels.copy_kernel`), on FP8-expert rows.
+
+Why the kernel beside the DMAs: a paged decode step pages in with the copy kernel inside its captured graph, not
+with the copy engine, and its rate need not follow the DMA's from machine to machine (2026-12-07: two H100 boxes
+with the same DMA figure, 51.6 and 52.0 GB/s, decoded the same code ~9 us a paged MB apart;
+benchmarks/results/h200/2026-12-07-h100-duelconfirm). The paging figure stays the DMA's; the kernel's is beside it
+(`kernel_gb_per_s`), checked for the bytes it moved, and its failure is recorded (`kernel_error`) without
+failing the probe.
 
 Owns the measurement plan (`LinkPlan`), the timing loop, the result record (`LinkBwReport`, JSON
 with a schema version) and `paging_b_per_s_from_json`, the single figure preflight and simulate
@@ -16,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +53,8 @@ class LinkPlan:
     large_samples: int = 3
     pageable: bool = True
     d2h: bool = True
+    kernel_rows: int = 16  # the copy kernel's rows a launch (0: not measured); 16 misses, a calibrated c=4 decode step
+    kernel_row_bytes: int = EXPERT_SIZES_BYTES[1]  # one FP8 expert (a packed row's bytes, less its padding)
 
 
 @dataclass(frozen=True)
@@ -51,8 +62,9 @@ class LinkMeasurement:
     direction: str  # "h2d" | "d2h"
     memory: str  # "pinned" | "pageable"
     size_bytes: int  # one copy
-    copies: int  # copies per sample (back-to-back when > 1)
+    copies: int  # copies per sample (back-to-back when > 1; the kernel: rows in its one launch)
     sample_s: tuple[float, ...]  # seconds per sample (all copies)
+    method: str = "dma"  # "dma" (tensor copy_, the copy engine) | "kernel" (the runtime's copy kernel, one launch)
 
     @property
     def median_gb_per_s(self) -> float:
@@ -73,14 +85,22 @@ class LinkBwReport:
     cuda_version: str
     measurements: tuple[LinkMeasurement, ...]
     created_unix_s: float = field(default_factory=time.time)
+    kernel_error: str | None = None  # why the copy kernel was not measured (no Triton, a launch failed, wrong bytes)
 
     @property
     def paging_gb_per_s(self) -> float:
-        """Pinned H2D, back-to-back copies of the smallest expert size (median)."""
-        bursts = [m for m in self.measurements if m.direction == "h2d" and m.memory == "pinned" and m.copies > 1]
+        """Pinned H2D, back-to-back DMA copies of the smallest expert size (median)."""
+        bursts = [m for m in self.measurements
+                  if m.method == "dma" and m.direction == "h2d" and m.memory == "pinned" and m.copies > 1]  # fmt: skip
         if not bursts:
             raise ValueError("report has no pinned back-to-back host-to-device measurement")
         return min(bursts, key=lambda m: m.size_bytes).median_gb_per_s
+
+    @property
+    def kernel_gb_per_s(self) -> float | None:
+        """The copy kernel's median over its rows (pinned host rows -> device slots), None where not measured."""
+        kernel = [m for m in self.measurements if m.method == "kernel"]
+        return kernel[0].median_gb_per_s if kernel else None
 
     def to_dict(self) -> dict:
         return {
@@ -90,6 +110,8 @@ class LinkBwReport:
             "cuda_version": self.cuda_version,
             "created_unix_s": self.created_unix_s,
             "paging_gb_per_s": self.paging_gb_per_s,
+            "kernel_gb_per_s": self.kernel_gb_per_s,
+            "kernel_error": self.kernel_error,
             "measurements": [m.to_dict() for m in self.measurements],
         }
 
@@ -115,6 +137,11 @@ def _time_copies(torch, dst, src, size: int, copies: int, warmup: int, samples: 
         for i in range(copies):
             dst[i * size : (i + 1) * size].copy_(src[i * size : (i + 1) * size], non_blocking=True)
 
+    return _time_runs(torch, run, warmup, samples)
+
+
+def _time_runs(torch, run: Callable[[], None], warmup: int, samples: int) -> tuple[float, ...]:
+    """Seconds per sample of `run`, CUDA-event timed after `warmup` untimed runs."""
     for _ in range(warmup):
         run()
     torch.cuda.synchronize()
@@ -167,24 +194,65 @@ def measure(plan: LinkPlan, device_index: int = 0) -> LinkBwReport:
         src, dst = (host[memory], dev_buf) if direction == "h2d" else (dev_buf, host[memory])
         sample_s = _time_copies(torch, dst, src, size, copies, plan.warmup, samples)
         results.append(LinkMeasurement(direction, memory, size, copies, sample_s))
+    kernel_error = None
+    if plan.kernel_rows:
+        try:
+            results.append(_measure_kernel(torch, plan, host["pinned"], dev_buf))
+        except Exception as exc:  # noqa: BLE001 - the DMA figures stand without it; why is recorded
+            kernel_error = f"{type(exc).__name__}: {exc}"
     return LinkBwReport(
         device=torch.cuda.get_device_name(device),
         torch_version=torch.__version__,
         cuda_version=str(torch.version.cuda),
         measurements=tuple(results),
+        kernel_error=kernel_error,
     )
+
+
+def _measure_kernel(torch, plan: LinkPlan, host, dev_buf) -> LinkMeasurement:
+    """The runtime's decode page-in: `plan.kernel_rows` FP8-expert rows of the pinned host buffer, scattered (every
+    other row), into as many device slots by the copy kernel's one full-grid launch (`launch_copy_rows`, as a
+    captured decode step copies packed rows); the slots are then checked against their rows (a wrong copy is an
+    error, not a figure)."""
+    from paged_experts.kernels import copy_kernel  # the runtime's kernel itself: what the engine's decode runs
+
+    if not copy_kernel.graph_safe(dev_buf.device):
+        raise RuntimeError("no Triton in this torch build: the copy kernel cannot run")
+    row_bytes, rows = plan.kernel_row_bytes, plan.kernel_rows
+    host_rows = host[: (host.numel() // row_bytes) * row_bytes].view(-1, row_bytes)  # [N, row] uint8, pinned
+    if host_rows.shape[0] < 2 * rows or dev_buf.numel() < rows * row_bytes:
+        raise RuntimeError(f"the buffers hold too few {row_bytes}-byte rows for {rows} scattered copies")
+    slots = dev_buf[: rows * row_bytes].view(rows, row_bytes)  # [rows, row] uint8
+    experts = torch.arange(0, 2 * rows, 2, dtype=torch.long, device=dev_buf.device)  # [rows]: no two adjacent
+    slot_ids = torch.arange(rows, dtype=torch.long, device=dev_buf.device)  # [rows]
+    host_rows[: 2 * rows].copy_(torch.randint(0, 256, (2 * rows, row_bytes), dtype=torch.uint8))
+
+    def run() -> None:  # a packed-row decode step's copy: every tensor of a row in one full-grid launch
+        copy_kernel.launch_copy_rows([host_rows], [slots], experts, slot_ids, host_rows.shape[0])
+
+    sample_s = _time_runs(torch, run, plan.warmup, plan.samples)
+    if not torch.equal(slots.cpu(), host_rows[0 : 2 * rows : 2]):
+        raise RuntimeError("the copy kernel's slots differ from the host rows they were copied from")
+    return LinkMeasurement("h2d", "pinned", row_bytes, rows, sample_s, method="kernel")
 
 
 def render(report: LinkBwReport) -> str:
     lines = [f"{report.device} (torch {report.torch_version}, CUDA {report.cuda_version})",
-             f"{'dir':<4} {'memory':<9} {'size':>10} {'copies':>6} {'median GB/s':>12} {'best GB/s':>10}"]  # fmt: skip
+             f"{'dir':<4} {'memory':<9} {'method':<6} {'size':>10} {'copies':>6} {'median GB/s':>12} "
+             f"{'best GB/s':>10}"]  # fmt: skip
     for m in report.measurements:
         size = f"{m.size_bytes / 1e6:.2f} MB" if m.size_bytes < GIB_BYTES else f"{m.size_bytes / GIB_BYTES:.0f} GiB"
         lines.append(
-            f"{m.direction:<4} {m.memory:<9} {size:>10} {m.copies:>6} "
+            f"{m.direction:<4} {m.memory:<9} {m.method:<6} {size:>10} {m.copies:>6} "
             f"{m.median_gb_per_s:>12.1f} {m.best_gb_per_s:>10.1f}"
         )
     lines.append(f"paging figure (pinned H2D, back-to-back expert copies): {report.paging_gb_per_s:.1f} GB/s")
+    kernel = report.kernel_gb_per_s
+    lines.append(
+        f"decode page-in (the runtime's copy kernel, pinned rows -> slots): {kernel:.1f} GB/s"
+        if kernel is not None
+        else f"decode page-in (the runtime's copy kernel): not measured ({report.kernel_error or 'not asked'})"
+    )
     return "\n".join(lines)
 
 
