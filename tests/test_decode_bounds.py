@@ -54,6 +54,23 @@ def test_one_stream_decode_split_into_link_compute_and_time_beyond_serial() -> N
     assert row["compute_cell_ids"] == "res0 res1"
 
 
+def test_the_decode_bytes_at_the_copy_kernels_rate_sit_beside_the_dma_link() -> None:
+    """kernel_link_ms: the decode's bytes at the rate the run's probe measured for the runtime's copy kernel (the
+    path a built-in decode step pages with), beside link_ms at the DMAs'; empty where the probe did not time it
+    (every run before 2026-12-07), and nothing else moves."""
+    cells = pd.DataFrame([cell("res", "resident", one=200.0), cell("pg", "paged", one=125.0, per_token=50e6)])
+    timed = run()
+    assert timed.manifest.link_bandwidth is not None
+    link = timed.manifest.link_bandwidth.model_copy(update={"report": {"kernel_gb_per_s": 25.0}})
+    with_kernel = RunData("r", Path("."), timed.manifest.model_copy(update={"link_bandwidth": link}), pd.DataFrame(),
+                          pd.DataFrame())  # fmt: skip
+    row = decode_bounds_table(cells, [with_kernel]).set_index("cell_id").loc["pg"]
+    assert row["kernel_link_ms"] == pytest.approx(2.0) and row["link_ms"] == pytest.approx(1.0)
+    before = decode_bounds_table(cells, [run()]).set_index("cell_id").loc["pg"]
+    assert pd.isna(before["kernel_link_ms"])
+    assert before.drop("kernel_link_ms").equals(row.drop("kernel_link_ms"))
+
+
 def test_one_stream_is_timed_like_its_bytes_and_says_when_its_median_is_not_its_mean() -> None:
     """c=1 pairs the decode-phase aggregate (tokens over decoding time) with the bytes per token (bytes over
     those tokens): a median request faster than the mean one (h200-paged16: 236 tok/s median, 178 aggregate)

@@ -26,7 +26,9 @@ alone, from stored data only:
                         step mixing a prompt chunk with decode tokens counts as prefill, so slightly
                         fewer bytes per token), said in the note. Not miss rate x top_k x layers x
                         expert bytes: with several streams the tokens of a step share experts.
-    link_ms           = decode_mb_per_tok / link GB/s          (the run's measured paging rate)
+    link_ms           = decode_mb_per_tok / link GB/s          (the run's measured paging rate: DMAs)
+    kernel_link_ms    = decode_mb_per_tok / the probe's copy-kernel GB/s: the same bytes at the rate of the path a
+                        built-in decode step pages with (tools.linkbw; empty where the run's probe did not time it)
     compute_ms        = 1 / the decode rate of the same run's unpaged reference cells (builtin resident;
                         same workload, routing, concurrency, prompt class; median over their repeats)
     measured_ms       = 1 / the cell's decode rate
@@ -54,7 +56,8 @@ ANCHOR = "decode-bounds"
 MATCH_KEYS = ("run_id", "engine_kind", "workload", "routing", "concurrency", "prompt_class")
 COLUMNS = (
     "run_id", "configuration", "routing", "workload", "prompt_class", "concurrency", "repeat", "decode_figure",
-    "decode_tok_s", "decode_miss_rate", "prefetch_accuracy", "decode_mb_per_token", "link_ms", "compute_ms",
+    "decode_tok_s", "decode_miss_rate", "prefetch_accuracy", "decode_mb_per_token", "link_ms", "kernel_link_ms",
+    "compute_ms",
     "measured_ms", "hidden_ms", "link_bound_tok_s", "roofline_tok_s", "serial_tok_s", "of_link_bound", "of_roofline",
     "of_serial", "note", "compute_cell_ids", "cell_id",
 )  # fmt: skip
@@ -169,6 +172,10 @@ def _bounds(measured: float | None, per_token: float | None, link: float | None,
     return out
 
 
+def _kernel_link_ms(per_token: float | None, kernel_gb_per_s: float | None) -> float | None:
+    return None if per_token is None or not kernel_gb_per_s else 1e3 * per_token / (kernel_gb_per_s * 1e9)
+
+
 def decode_bounds_table(cells: pd.DataFrame, runs: Iterable[RunData]) -> pd.DataFrame:
     """One row per paged cell (every repeat): its decode per-token breakdown, or why a part is missing."""
     by_id = {run.run_id: run for run in runs}
@@ -196,6 +203,7 @@ def decode_bounds_table(cells: pd.DataFrame, runs: Iterable[RunData]) -> pd.Data
             "decode_figure": figure, "decode_tok_s": measured, "decode_miss_rate": number(c.get("decode_miss_rate")),
             "prefetch_accuracy": number(c.get("prefetch_accuracy")),
             "decode_mb_per_token": None if per_token is None else per_token / 1e6,
+            "kernel_link_ms": _kernel_link_ms(per_token, run.facts.kernel_gb_per_s if run is not None else None),
             **_bounds(measured, per_token, link, compute), "note": "; ".join(reasons),
             "compute_cell_ids": " ".join(compute_ids), "cell_id": c["cell_id"],
         })  # fmt: skip

@@ -226,6 +226,13 @@ def _link_gb_per_s(manifest: Manifest) -> tuple[float | None, str]:
     return None, f"the run's link probe failed: {link.error if 'error' in link.model_fields_set else 'no figure'}"
 
 
+def _kernel_gb_per_s(manifest: Manifest) -> float | None:
+    """The copy kernel's rate the run's probe measured beside the DMAs (its report's `kernel_gb_per_s`)."""
+    report = manifest.link_bandwidth.report if manifest.link_bandwidth is not None else None
+    value = (report or {}).get("kernel_gb_per_s")
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
 @dataclass(frozen=True)
 class RunModel:
     """The model a run served, as far as its manifest says (None: not recorded)."""
@@ -268,6 +275,9 @@ class RunFacts:
     # one line per invocation (when, where, which kind of machine, which commit) of a run resumed on another machine
     # (results.manifest.Invocation.machine): its cells come from more than one box (of one kind: results.store)
     invocations: list[str] = field(default_factory=list)
+    # the probe's copy-kernel GB/s (the built-in runtime's decode page-in path, tools.linkbw); None where the run's
+    # probe did not time it (before 2026-12-07, no Triton, or the probe failed)
+    kernel_gb_per_s: float | None = None
 
 
 def invocation_lines(manifest: Manifest) -> list[str]:
@@ -317,4 +327,5 @@ def read_run_facts(manifest: Manifest, run_dir: Path) -> RunFacts:
         nodes=dict(manifest.nodes),
         planned=read_planned(manifest),
         invocations=invocation_lines(manifest),
+        kernel_gb_per_s=_kernel_gb_per_s(manifest),
     )
