@@ -309,6 +309,14 @@ def test_a_resumed_run_lists_each_invocation_with_its_machine(tmp_path: Path) ->
     other = write_report([run], tmp_path / "out-other", reference_dirs=REFERENCE_DIRS)
     listed = [line for line in (other.parent / "tables.md").read_text().splitlines() if "- invocation" in line]
     assert len(listed) == 2 and " on box-b: " in listed[0] and " on box-c: Xeon x16, NVIDIA H200 141 GiB" in listed[1]
+    # the device machines of one kind share a host name and a driver: the card tells them apart
+    cards = [{**box, "gpus": [{**h200["gpus"][0], "uuid": f"GPU-{n}"}]} for n in (1, 2)]
+    manifest["machine"] = cards[0]
+    manifest["invocations"] = [{**second, "machine": cards[0]}, {**second, "machine": cards[1]}]
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    swapped = write_report([run], tmp_path / "out-cards", reference_dirs=REFERENCE_DIRS)
+    listed = [line for line in (swapped.parent / "tables.md").read_text().splitlines() if "- invocation" in line]
+    assert [line.split("GiB, ")[1].split(";")[0] for line in listed] == ["card GPU-1", "card GPU-2"]
 
 
 def _engines_run(page: str) -> list[str]:

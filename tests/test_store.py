@@ -170,13 +170,17 @@ def test_atomic_write_leaves_no_partial_file(tmp_path: Path, monkeypatch: pytest
 def test_gpu_facts_parse_nvidia_smi_and_unknowns_stay_none(monkeypatch: pytest.MonkeyPatch) -> None:
     from benchsuite.tools import machine
 
-    line = "NVIDIA H200, 570.86.15, 143771, 5, 16, 5, 16\nNVIDIA RTX 4070 Laptop GPU, 566.03, 8188, [N/A], 8, 4, 8\n"
+    line = (
+        "NVIDIA H200, 570.86.15, 143771, 5, 16, 5, 16, GPU-8c0b1c8e-0000-4f00-9a00-000000000001\n"
+        "NVIDIA RTX 4070 Laptop GPU, 566.03, 8188, [N/A], 8, 4, 8, [N/A]\n"
+    )
     monkeypatch.setattr(machine, "_run", lambda argv: line if argv[0] == "nvidia-smi" else None)
     monkeypatch.setattr(machine.shutil, "which", lambda name: f"/usr/bin/{name}")
     h200, laptop = machine.gpu_facts()
     assert h200.model_dump() == {"name": "NVIDIA H200", "driver": "570.86.15", "vram_bytes": 143771 * 2**20,
-                                 "pcie_gen": 5, "pcie_width": 16, "pcie_gen_max": 5, "pcie_width_max": 16}  # fmt: skip
-    assert laptop.pcie_gen is None and laptop.pcie_width == 8
+                                 "pcie_gen": 5, "pcie_width": 16, "pcie_gen_max": 5, "pcie_width_max": 16,
+                                 "uuid": "GPU-8c0b1c8e-0000-4f00-9a00-000000000001"}  # fmt: skip
+    assert laptop.pcie_gen is None and laptop.pcie_width == 8 and laptop.uuid is None
     assert laptop.model_dump()["pcie_gen"] is None  # an unknown is written as null, not left out
     # no git: no commit, but the code is still named by its files' hashes (tests/test_code_provenance.py)
     no_git = machine.git_facts().model_dump()
@@ -198,6 +202,8 @@ def test_gpu_facts_parse_nvidia_smi_and_unknowns_stay_none(monkeypatch: pytest.M
     assert machine.gpu_probe() == ([], machine.GPU_PROBE_ABSENT)
     no_gpu = facts.model_copy(update={"gpu_probe": machine.GPU_PROBE_ABSENT})
     assert machine.other_kind(h200, no_gpu) == ("Xeon x16, NVIDIA H200 140 GiB", "Xeon x16, no GPU")
+    older = machine.MachineFacts(cpu_model="Xeon", cpu_cores_logical=16)  # before gpu_probe, no GPUs: unknown
+    assert machine.other_kind(older, h200) is None and machine.machine_kind(older.model_dump()) == "Xeon x16, no GPU"
 
 
 def test_an_unwritable_output_root_is_one_run_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

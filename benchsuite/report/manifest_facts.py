@@ -299,10 +299,12 @@ def invocation_lines(manifest: Manifest) -> list[str]:
 
 
 def _box(machine: MachineFacts) -> tuple[str, ...]:
-    """What tells one machine from another in a resumed run: its host, its kind, its GPUs' drivers."""
+    """What tells one machine from another in a resumed run: its host, its kind, its GPUs' drivers and the cards
+    themselves (their uuids: the device machines of one kind share a host name and a driver)."""
     drivers = ", ".join(dict.fromkeys(g.driver for g in machine.gpus if g.driver))
+    cards = ", ".join(g.uuid for g in machine.gpus if g.uuid)
     return (machine.hostname or "?", machine_kind(machine.model_dump(mode="json")),
-            *([f"driver {drivers}"] if drivers else []))  # fmt: skip
+            *([f"driver {drivers}"] if drivers else []), *([f"card {cards}"] if cards else []))  # fmt: skip
 
 
 def read_run_facts(manifest: Manifest, run_dir: Path) -> RunFacts:

@@ -32,6 +32,7 @@ _GPU_FIELDS = (
     "pcie.link.width.current",
     "pcie.link.gen.max",
     "pcie.link.width.max",
+    "uuid",
 )
 _PROBE_TIMEOUT_S = 10.0
 GPU_PROBE_ANSWERED = "nvidia-smi answered"
@@ -49,6 +50,9 @@ class GpuFacts(StoredFacts):
     pcie_width: int | None = None
     pcie_gen_max: int | None = None
     pcie_width_max: int | None = None
+    # the card itself (nvidia-smi's GPU-...): two boxes of one kind, same host name and driver, are still two cards
+    # (2026-12-07: two such H100 boxes decoded one code ~9 us a paged MB apart); None in older records
+    uuid: str | None = None
 
 
 class MachineFacts(StoredFacts):
@@ -104,8 +108,10 @@ def machine_facts() -> MachineFacts:
 
 def machine_kind(facts: Mapping[str, Any]) -> str:
     """What decides a figure beyond the engine: CPU model and logical cores, each GPU's name and memory (of a
-    `MachineFacts` as JSON). Two machines of one kind measure alike: a resume on another kind is refused
-    (results.store), a run spread over several kinds says so (report.nodes)."""
+    `MachineFacts` as JSON). A resume on another kind is refused (results.store), a run spread over several kinds
+    says so (report.nodes). Two boxes of one kind are expected to measure alike, not known to: h100-duel-c's and
+    h100-duelconfirm's (one kind, one host name, one driver) decoded one code ~9 us a paged MB apart, so a resumed
+    run lists its cards (GPU uuids) where they differ (report.manifest_facts)."""
     if _gpu_probe_failed(facts):
         return f"{_cpu_kind(facts)}, GPUs unknown ({facts.get('gpu_probe')})"
     gpus = [f"{g.get('name', '?')} {round((g.get('vram_bytes') or 0) / 2**30)} GiB" for g in facts.get("gpus") or []]
@@ -117,10 +123,11 @@ def machine_kind(facts: Mapping[str, Any]) -> str:
 
 def other_kind(before: MachineFacts, now: MachineFacts) -> tuple[str, str] | None:
     """(before's kind, now's) where the two are machines of different kinds; None where alike, or where it cannot
-    be told: an nvidia-smi that failed on either side (a timeout, a driver mismatch) leaves the GPUs unknown, so
-    only the CPUs are compared then (a probe's failure is not another machine)."""
+    be told: an nvidia-smi that failed on either side (a timeout, a driver mismatch; or no GPUs in a record older
+    than `gpu_probe`) leaves the GPUs unknown, so only the CPUs are compared then (a probe's failure is not another
+    machine)."""
     a, b = before.model_dump(mode="json"), now.model_dump(mode="json")
-    if _gpu_probe_failed(a) or _gpu_probe_failed(b):
+    if _gpus_unknown(a) or _gpus_unknown(b):
         return (machine_kind(a), machine_kind(b)) if _cpu_kind(a) != _cpu_kind(b) else None
     return (machine_kind(a), machine_kind(b)) if machine_kind(a) != machine_kind(b) else None
 
@@ -132,6 +139,11 @@ def _cpu_kind(facts: Mapping[str, Any]) -> str:
 def _gpu_probe_failed(facts: Mapping[str, Any]) -> bool:
     probe = facts.get("gpu_probe")
     return probe is not None and probe not in (GPU_PROBE_ANSWERED, GPU_PROBE_ABSENT)
+
+
+def _gpus_unknown(facts: Mapping[str, Any]) -> bool:
+    """The probe failed, or a record older than `gpu_probe` has no GPUs (its nvidia-smi may have failed silently)."""
+    return _gpu_probe_failed(facts) or (facts.get("gpu_probe") is None and not facts.get("gpus"))
 
 
 def cpu_model() -> str | None:
@@ -166,7 +178,7 @@ def _parse_gpus(out: str) -> list[GpuFacts]:
         values = [v.strip() for v in line.split(",")]
         if len(values) != len(_GPU_FIELDS):
             continue
-        name, driver, mem_mib, gen, width, gen_max, width_max = values
+        name, driver, mem_mib, gen, width, gen_max, width_max, uuid = values
         gpus.append(
             GpuFacts(
                 name=name,
@@ -176,6 +188,7 @@ def _parse_gpus(out: str) -> list[GpuFacts]:
                 pcie_width=_int(width),
                 pcie_gen_max=_int(gen_max),
                 pcie_width_max=_int(width_max),
+                uuid=uuid if uuid.startswith("GPU-") else None,
             )
         )
     return gpus
