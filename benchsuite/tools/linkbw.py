@@ -181,7 +181,9 @@ def measure(plan: LinkPlan, device_index: int = 0) -> LinkBwReport:
     device = torch.device("cuda", device_index)
     torch.cuda.set_device(device)
     biggest = max(
-        max(s * (plan.burst_copies if plan.burst_copies > 1 else 1) for s in plan.expert_sizes_bytes), plan.large_bytes
+        max(s * (plan.burst_copies if plan.burst_copies > 1 else 1) for s in plan.expert_sizes_bytes),
+        plan.large_bytes,
+        2 * plan.kernel_rows * plan.kernel_row_bytes,  # the kernel's scattered rows: every other host row is read
     )
     dev_buf = torch.empty(biggest, dtype=torch.uint8, device=device)
     host = {"pinned": torch.empty(biggest, dtype=torch.uint8, pin_memory=True)}
