@@ -294,9 +294,8 @@ def pull_many(pairs: Sequence[tuple[DeviceResidency, LayerResidency]]) -> float:
             # counts of every expert as of the last planned step; last uses of the residents only (the device
             # keeps a stamp per slot: an evicted expert's last use is the host's, from before, or unknown)
             stamp_of = dict(zip(expert_in, last_use))
-            last = max(int(step) - 1, 0)
-            for ex in range(e):
-                policy.set_state(ex, uses[ex], stamp_of.get(ex, policy.last_use(ex)), last)
+            stamps = [stamp_of.get(ex, before) for ex, before in enumerate(policy.all_last_uses(e))]
+            policy.set_states(uses, stamps, max(int(step) - 1, 0))
             continue
         assert isinstance(policy, LruPolicy)
         for ex, stamp in zip(expert_in, last_use):
