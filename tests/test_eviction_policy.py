@@ -31,7 +31,10 @@ from paged_experts.residency.policies import (
     DuelPolicy,
     LfuPolicy,
     LruPolicy,
+    RandomPolicy,
     make_policy,
+    pick_victims,
+    use_all,
 )
 from paged_experts.routing.trace import TraceMeta, build_trace, read_trace
 from paged_experts.runtime import RuntimeConfig
@@ -153,6 +156,57 @@ def test_residency_runs_the_policy_it_is_given() -> None:
     assert set(aged.slot_of) == {1, 3}  # the frequently used 1 stayed; 0, then 2, left
     with pytest.raises(ValueError, match="eviction policy .belady. is not one of"):
         make_policy("belady")
+
+
+class OneAtATime:
+    """A policy as the planner asked it before `victims` and `on_uses`: one victim a pick, one use a call."""
+
+    def __init__(self, policy: object) -> None:
+        self._policy = policy
+
+    def __getattr__(self, name: str) -> object:
+        if name in ("victims", "on_uses"):
+            raise AttributeError(name)
+        return getattr(self._policy, name)
+
+
+def _policies(k: int) -> list[object]:
+    duel = DuelPolicy(k, 3, 1)
+    return [LruPolicy(), LfuPolicy(), DecayedLfuPolicy(), AgingLfuPolicy(3), AgingLfuPolicy(3, 2), duel, ArcPolicy(),
+            RandomPolicy(7)]  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    k=st.integers(2, 6),
+    steps=st.lists(st.lists(st.integers(0, 11), min_size=1, max_size=16), min_size=1, max_size=30),
+)
+def test_victims_in_one_pass_plan_what_one_victim_a_pick_plans(k: int, steps: list[list[int]]) -> None:
+    """Every policy, single- and multi-wave steps (up to 16 routed of E=12 at K <= 6): the planner's victims and uses
+    in bulk (`pick_victims`, `use_all`) give the plans, slots and duel selector of one call a pick and a use."""
+    for bulk, single in zip(_policies(k), _policies(k), strict=True):
+        if isinstance(single, DuelPolicy):  # its shadows ask its two arms for victims too
+            single.lru, single.lfu = OneAtATime(single.lru), OneAtATime(single.lfu)  # type: ignore[assignment]
+        fast = LayerResidency(12, k, bulk)  # type: ignore[arg-type]
+        slow = LayerResidency(12, k, OneAtATime(single))  # type: ignore[arg-type]
+        for routed in steps:
+            assert fast.plan_step(routed) == slow.plan_step(routed), type(bulk).__name__
+        assert fast.slot_of == slow.slot_of
+        if isinstance(bulk, DuelPolicy):
+            assert bulk.shadows == single.shadows and bulk.psel == single.psel
+
+
+def test_uses_in_bulk_count_as_one_call_each_and_an_expert_once_a_step() -> None:
+    for bulk, single in zip(_policies(4), _policies(4), strict=True):
+        for step, experts in enumerate([[3, 1, 3], [1, 2], [2, 2, 5], [0, 3]]):
+            use_all(bulk, experts, step)  # type: ignore[arg-type]
+            for e in experts:
+                single.on_use(e, step)  # type: ignore[attr-defined]
+        names = type(bulk).__name__
+        assert pick_victims(bulk, range(8), 8, 4) == pick_victims(OneAtATime(single), range(8), 8, 4), names  # type: ignore[arg-type]
+    lfu = AgingLfuPolicy(8)
+    use_all(lfu, [3, 3, 3], 0)
+    assert lfu.uses(3, 0) == 1
 
 
 def _misses(policy: object, steps: list[list[int]], e: int, k: int) -> int:

@@ -57,7 +57,7 @@ from typing import Literal
 
 import numpy as np
 
-from paged_experts.residency.policies import DuelPolicy, EvictionPolicy, LruPolicy
+from paged_experts.residency.policies import DuelPolicy, EvictionPolicy, LruPolicy, pick_victims, use_all
 
 WaveTable = Literal["slots", "staging"]  # the table a wave reads: the layer's K slots, or the shared staging rows
 SLOTS: WaveTable = "slots"
@@ -325,10 +325,11 @@ class LayerResidency:
             else:
                 cold = [r for r in candidates if r not in routed]
                 warm = sorted((r for r in candidates if r in routed), key=rank.__getitem__, reverse=True)
+            # the misses' victims from `cold` in one pass (the policy's keys once each), then from `warm`
+            cold = pick_victims(self.policy, cold, len(missing), self.step)[::-1]
             for e in missing:
                 if cold:
-                    victim = self.policy.victim(cold, self.step)
-                    cold.remove(victim)
+                    victim = cold.pop()
                 elif warm:  # every candidate was routed in this step and is served already: the lowest rank leaves
                     victim = warm.pop()
                     self.policy.on_evict(victim, self.step)
@@ -338,8 +339,7 @@ class LayerResidency:
                 self.slot_of[e] = slot
                 self.expert_in[slot] = e
                 page_ins.append((e, slot))
-        for e in experts:
-            self.policy.on_use(e, self.step)
+        use_all(self.policy, experts, self.step)
         return Wave(
             experts=tuple(experts),
             slots=tuple(self.slot_of[e] for e in experts),

@@ -9,6 +9,7 @@ implementation: the simulator replays traces through exactly this code. docs/evi
 
 from __future__ import annotations
 
+import heapq
 import random
 import re
 from collections.abc import Callable, Collection, Sequence
@@ -47,6 +48,35 @@ class KeepsEveryExpert:
         pass
 
 
+def pick_victims(policy: EvictionPolicy, candidates: Collection[int], count: int, step: int) -> list[int]:
+    """The `count` experts (at most len(candidates)) that `policy.victim` would pick one after another from
+    `candidates`, each taken out before the next pick, in that order. A policy whose victim is the candidate of
+    least key, a key that picking does not change, gives them in one pass (`victims`: its keys once each, not once a
+    pick: a short prompt's wave evicting m of c candidates took m x c keys, ~0.24 ms a 48-layer step's layer with the
+    duel's aging LFU on a 2-core EPYC); the others (ARC, random, Belady) are asked once a pick."""
+    count = min(count, len(candidates))
+    victims = getattr(policy, "victims", None)
+    if victims is not None:
+        return victims(candidates, count, step)
+    left, out = list(candidates), []
+    for _ in range(count):
+        victim = policy.victim(left, step)
+        left.remove(victim)
+        out.append(victim)
+    return out
+
+
+def use_all(policy: EvictionPolicy, experts: Sequence[int], step: int) -> None:
+    """`policy.on_use(e, step)` for each of `experts` in order, in one call where the policy has one (`on_uses`: a
+    wave's experts, ~90 calls a short prompt's layer-step, two policies' worth with the duel)."""
+    on_uses = getattr(policy, "on_uses", None)
+    if on_uses is not None:
+        on_uses(experts, step)
+        return
+    for e in experts:
+        policy.on_use(e, step)
+
+
 class LruPolicy(KeepsEveryExpert):
     """Least recently used; never-used experts (the initial 0..K-1) go first, lowest id first."""
 
@@ -55,6 +85,9 @@ class LruPolicy(KeepsEveryExpert):
 
     def on_use(self, expert: int, step: int) -> None:
         self._last_use[expert] = step
+
+    def on_uses(self, experts: Sequence[int], step: int) -> None:
+        self._last_use.update(dict.fromkeys(experts, step))
 
     def last_use(self, expert: int) -> int:
         return self._last_use.get(expert, -1)
@@ -71,8 +104,15 @@ class LruPolicy(KeepsEveryExpert):
         comprehension (a host-planned step reads every layer's state back; per-expert calls cost ~1 ms a step)."""
         self._last_use = {ex: stamp for ex, stamp in enumerate(stamps) if stamp >= 0}
 
+    def _key(self, step: int) -> Callable[[int], tuple[int, int]]:
+        get = self._last_use.get
+        return lambda e: (get(e, -1), e)  # unique (the id breaks ties): successive minima are the sorted order
+
     def victim(self, candidates: Collection[int], step: int) -> int:
-        return min(candidates, key=lambda e: (self._last_use.get(e, -1), e))
+        return min(candidates, key=self._key(step))
+
+    def victims(self, candidates: Collection[int], count: int, step: int) -> list[int]:
+        return heapq.nsmallest(count, candidates, key=self._key(step))
 
 
 class LfuPolicy(KeepsEveryExpert):
@@ -86,8 +126,14 @@ class LfuPolicy(KeepsEveryExpert):
         self._uses[expert] = self._uses.get(expert, 0) + 1
         self._last_use[expert] = step
 
+    def _key(self, step: int) -> Callable[[int], tuple[int, int, int]]:
+        return lambda e: (self._uses.get(e, 0), self._last_use.get(e, -1), e)
+
     def victim(self, candidates: Collection[int], step: int) -> int:
-        return min(candidates, key=lambda e: (self._uses.get(e, 0), self._last_use.get(e, -1), e))
+        return min(candidates, key=self._key(step))
+
+    def victims(self, candidates: Collection[int], count: int, step: int) -> list[int]:
+        return heapq.nsmallest(count, candidates, key=self._key(step))
 
 
 class DecayedLfuPolicy(KeepsEveryExpert):
@@ -127,8 +173,14 @@ class DecayedLfuPolicy(KeepsEveryExpert):
         self._score[expert] = self.score(expert, step) + 1.0
         self._stamp[expert] = step
 
+    def _key(self, step: int) -> Callable[[int], tuple[float, int, int]]:
+        return lambda e: (self.score(e, step), self._stamp.get(e, -1), e)
+
     def victim(self, candidates: Collection[int], step: int) -> int:
-        return min(candidates, key=lambda e: (self.score(e, step), self._stamp.get(e, -1), e))
+        return min(candidates, key=self._key(step))
+
+    def victims(self, candidates: Collection[int], count: int, step: int) -> list[int]:
+        return heapq.nsmallest(count, candidates, key=self._key(step))
 
 
 class AgingLfuPolicy(KeepsEveryExpert):
@@ -174,6 +226,16 @@ class AgingLfuPolicy(KeepsEveryExpert):
         self._epoch[expert] = step // self.period_steps
         self._last_use[expert] = step
 
+    def on_uses(self, experts: Sequence[int], step: int) -> None:
+        """`on_use` of each expert in order, its lookups hoisted out of the loop."""
+        count, epoch_of, last_use, now = self._count, self._epoch, self._last_use, step // self.period_steps
+        for e in experts:
+            if last_use.get(e) == step:
+                continue
+            count[e] = (count[e] >> (now - epoch_of[e]) if e in count else 0) + 1
+            epoch_of[e] = now
+            last_use[e] = step
+
     def set_state(self, expert: int, uses: int, last_use: int, step: int) -> None:
         """The expert's state as of `step` (the device plan's, read back before a host-planned step)."""
         if uses > 0:
@@ -203,14 +265,22 @@ class AgingLfuPolicy(KeepsEveryExpert):
         get = self._last_use.get
         return [get(ex, -1) for ex in range(experts)]
 
-    def victim(self, candidates: Collection[int], step: int) -> int:
+    def _key(self, step: int) -> Callable[[int], tuple[int, ...]]:
+        count, epoch_of, last_use, now = self._count, self._epoch, self._last_use.get, step // self.period_steps
+
+        def uses(e: int) -> int:  # `uses(e, step)` inlined: the key runs for every candidate of a wave
+            return count[e] >> (now - epoch_of[e]) if e in count else 0
+
         if self.window_steps:
-            since = step - self.window_steps  # used at or after it (never-used experts are not recent)
-            return min(
-                candidates,
-                key=lambda e: (self._last_use.get(e, -1) >= max(since, 0), self.uses(e, step), self.last_use(e), e),
-            )
-        return min(candidates, key=lambda e: (self.uses(e, step), self._last_use.get(e, -1), e))
+            since = max(step - self.window_steps, 0)  # used at or after it (never-used experts are not recent)
+            return lambda e: (last_use(e, -1) >= since, uses(e), last_use(e, -1), e)
+        return lambda e: (uses(e), last_use(e, -1), e)
+
+    def victim(self, candidates: Collection[int], step: int) -> int:
+        return min(candidates, key=self._key(step))
+
+    def victims(self, candidates: Collection[int], count: int, step: int) -> list[int]:
+        return heapq.nsmallest(count, candidates, key=self._key(step))
 
 
 DUEL_LIMIT_MISSES = 16
@@ -273,8 +343,15 @@ class DuelPolicy(KeepsEveryExpert):
         self.lru.on_use(expert, step)
         self.lfu.on_use(expert, step)
 
+    def on_uses(self, experts: Sequence[int], step: int) -> None:
+        self.lru.on_uses(experts, step)
+        self.lfu.on_uses(experts, step)
+
     def victim(self, candidates: Collection[int], step: int) -> int:
         return self.chosen().victim(candidates, step)
+
+    def victims(self, candidates: Collection[int], count: int, step: int) -> list[int]:
+        return pick_victims(self.chosen(), candidates, count, step)
 
     def end_step(self, routed: Collection[int], residents: Collection[int], step: int) -> None:
         routed = set(routed)
@@ -288,10 +365,7 @@ class DuelPolicy(KeepsEveryExpert):
         for shadow, policy in zip(self.shadows, arms, strict=True):
             missed = routed - shadow
             candidates = shadow - routed  # K - |routed & shadow| >= |missed| since |routed| <= K
-            for _ in missed:
-                victim = policy.victim(candidates, step)
-                candidates.discard(victim)
-                shadow.discard(victim)
+            shadow.difference_update(pick_victims(policy, candidates, len(missed), step))
             shadow |= missed
             misses.append(len(missed))
         self.psel = max(-self.limit_misses, min(self.limit_misses, self.psel + misses[0] - misses[1]))
