@@ -579,3 +579,19 @@ def test_the_residency_roundtrip_benchmark_times_each_policy_and_leaves_the_stat
     pull_many([(device, residency)])
     device.push_from(residency)
     assert all(torch.equal(a, b) for a, b in zip(before, device.state(), strict=True))
+
+
+def test_the_plan_step_benchmark_times_each_policy_on_the_same_routing() -> None:
+    """benchmarks/plan_step_host.py: a row per policy, decode steps in us and each chunk in ms with its waves and
+    misses; every policy plans the same draws (the seed), so a chunk larger than K runs in waves under each."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "plan_step_host.py"), "--experts", "16", "--top-k", "2",
+         "--slots", "4", "--tokens", "3,24", "--batch", "1", "--decode", "3", "--repeats", "2"],
+        capture_output=True, text=True, check=False, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in proc.stdout.splitlines()[2:]}
+    assert set(rows) == {"lru", "lfu-aging:256:4", "duel"}
+    for decode_us, ms_3, waves_3, misses_3, ms_24, waves_24, misses_24 in rows.values():
+        assert decode_us > 0 and ms_3 > 0 and ms_24 > 0
+        assert waves_3 >= 1 and waves_24 > 1 and 0 <= misses_3 <= 6 and misses_24 > 0
