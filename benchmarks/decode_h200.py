@@ -65,7 +65,7 @@ DEFAULT_MODES = (  # most important first: a --deadline-s cut drops the tail
 
 VARIANT_OPTIONS = ("host", "graphs", "compile", "overlap", "loop", "triton", "prefetch", "torchplan", "pertensor")
 VARIANT_OPTIONS += ("fused", "kernelcopy", "batchcopy", "devtables", "unfusedglu", "gathered", "deqattn", "packed")
-VARIANT_OPTIONS += ("split", "switch")
+VARIANT_OPTIONS += ("split", "switch", "duel")
 """Options after '/' in a --modes entry (joined by '+'):
 - host: paged steps planned on the host (device_planning='off'): the path before device planning;
 - graphs: decode steps captured as CUDA graphs (--graphs batch sizes; for paged K only batch sizes
@@ -96,6 +96,8 @@ VARIANT_OPTIONS += ("split", "switch")
   the layout before 2026-12-03, the FP8 values), against the default FP8 projections (kernels/linear_fp8.py);
 - capN (cap16, cap32, ...): the page-in copy kernel's grid capped at N programs for this variant (copy_programs=N,
   device-planned paged modes; overrides --copy-programs), so capped and full-grid arms run in one process;
+- duel: paged layers evict by `eviction_policy: duel` (LRU or the aging LFU per layer, by shadow caches) instead of
+  the default policy, so the two policies' steps profile in one process;
 - packed, split: paged layers' experts in packed rows (expert_rows='packed': one byte row an expert, one DMA a run)
   or split (a tensor each); neither: the runtime's default, 'auto' (packed for mode paged on CUDA, split elsewhere)."""
 
@@ -171,6 +173,7 @@ def runtime_for(
             page_in="kernel" if "kernelcopy" in options else "batch" if "batchcopy" in options else "auto",
             dequantize_attention=deq,
             expert_rows="packed" if "packed" in options else "split" if "split" in options else "auto",
+            **({"eviction_policy": "duel"} if "duel" in options else {}),
         )
     if name == "cpu-experts":
         return RuntimeConfig(
