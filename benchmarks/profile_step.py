@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="paged modes planned on the device: the page-in copy kernel's grid cap")  # fmt: skip
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="also the host's N costliest functions (cProfile, own time) over more steps")  # fmt: skip
+    ap.add_argument("--host-stats", type=Path, default=None, metavar="DIR",
+                    help="with --host-profile, each variant's whole cProfile stats here (VARIANT.prof)")  # fmt: skip
     ap.add_argument("--routing", default=None, metavar="SPEC",
                     help="a synthetic routing source (e.g. qwen3-30b-a3b, the calibrated one) instead of the "
                          "random model's own router, as a server's --routing-source")  # fmt: skip
@@ -162,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
             pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(args.host_profile)
             lines.append(f"host, {args.steps} more steps under cProfile (it slows the host):")
             lines.append(text.getvalue())
+            if args.host_stats is not None:  # the whole profile, for pstats here (sort by cumulative, callers, ...)
+                args.host_stats.mkdir(parents=True, exist_ok=True)
+                host.dump_stats(
+                    str(args.host_stats / (spec.replace("/", "_").replace(":", "").replace("+", "-") + ".prof"))
+                )
         if args.trace_dir is not None and cuda:
             args.trace_dir.mkdir(parents=True, exist_ok=True)
             raw = args.trace_dir / (spec.replace("/", "_").replace(":", "").replace("+", "-") + ".json")
