@@ -9,6 +9,7 @@ two halves for all layers of a model, on the CPU (no device read is waited for: 
 
     PYTHONPATH=$PWD python benchmarks/residency_roundtrip.py            # Qwen3-30B-A3B's 48 layers, E=128, K=54
     PYTHONPATH=$PWD python benchmarks/residency_roundtrip.py --layers 48 --experts 128 --slots 54 --repeats 20
+    PYTHONPATH=$PWD python benchmarks/residency_roundtrip.py --device cuda   # the state on a GPU: pinned pushes
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from paged_experts.residency.policies import AgingLfuPolicy, DuelPolicy, Evictio
 PERIOD_STEPS, WINDOW_STEPS = 256, 4  # `duel`'s aging LFU and `lfu-aging:256:4`
 
 
-def layer_pair(policy: str, experts: int, slots: int) -> tuple[DeviceResidency, LayerResidency]:
-    cpu = torch.device("cpu")
+def layer_pair(
+    policy: str, experts: int, slots: int, device: torch.device | None = None
+) -> tuple[DeviceResidency, LayerResidency]:
+    cpu = device or torch.device("cpu")  # the device plan's state lives here (cuda: the pushes copy to it)
     host_policy: EvictionPolicy
     if policy == "duel":
         device = DeviceResidency(experts, slots, cpu, PERIOD_STEPS, WINDOW_STEPS, duel=True)
@@ -40,16 +43,21 @@ def layer_pair(policy: str, experts: int, slots: int) -> tuple[DeviceResidency, 
     return device, LayerResidency(experts, slots, host_policy)
 
 
-def time_roundtrip(policy: str, layers: int, experts: int, slots: int, repeats: int) -> tuple[float, float]:
-    """(pull ms, push ms) for all layers, medians over `repeats` after two warm-ups."""
-    pairs = [layer_pair(policy, experts, slots) for _ in range(layers)]
+def time_roundtrip(
+    policy: str, layers: int, experts: int, slots: int, repeats: int, device: torch.device | None = None
+) -> tuple[float, float]:
+    """(pull ms, push ms) for all layers, medians over `repeats` after two warm-ups. On CUDA the pull waits for the
+    device (the pushes before it queued), as a prefill's first host-planned layer does; the push is the host's issue."""
+    pairs = [layer_pair(policy, experts, slots, device) for _ in range(layers)]
     pulls, pushes = [], []
     for i in range(repeats + 2):
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
         started = time.perf_counter()
         pull_many(pairs)
         pulled = time.perf_counter()
-        for device, residency in pairs:
-            device.push_from(residency)
+        for layer, residency in pairs:
+            layer.push_from(residency)
         if i >= 2:
             pulls.append(pulled - started)
             pushes.append(time.perf_counter() - pulled)
@@ -62,11 +70,13 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--slots", type=int, default=54)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--device", default="cpu", help="where the device plan's state lives (cuda: a GPU's)")
     args = parser.parse_args()
-    print(f"{args.layers} layers, E={args.experts}, K={args.slots}: ms per host-planned step, medians")
+    device = torch.device(args.device)
+    print(f"{args.layers} layers, E={args.experts}, K={args.slots}, {device}: ms per host-planned step, medians")
     print(f"{'policy':<10} {'pull_ms':>8} {'push_ms':>8} {'total_ms':>9}")
     for policy in ("lru", "lfu-aging", "duel"):
-        pull_ms, push_ms = time_roundtrip(policy, args.layers, args.experts, args.slots, args.repeats)
+        pull_ms, push_ms = time_roundtrip(policy, args.layers, args.experts, args.slots, args.repeats, device)
         print(f"{policy:<10} {pull_ms:8.2f} {push_ms:8.2f} {pull_ms + push_ms:9.2f}")
 
 
