@@ -31,10 +31,9 @@ from paged_experts.residency.policies import (
     DuelPolicy,
     LfuPolicy,
     LruPolicy,
+    OneCallEach,
     RandomPolicy,
     make_policy,
-    pick_victims,
-    use_all,
 )
 from paged_experts.routing.trace import TraceMeta, build_trace, read_trace
 from paged_experts.runtime import RuntimeConfig
@@ -158,55 +157,84 @@ def test_residency_runs_the_policy_it_is_given() -> None:
         make_policy("belady")
 
 
-class OneAtATime:
-    """A policy as the planner asked it before `victims` and `on_uses`: one victim a pick, one use a call."""
+class SingleCalls(OneCallEach):
+    """A policy as the planner asked it before `victims` and `on_uses` existed: one `victim` a pick, one `on_use` a
+    use (OneCallEach's loops over the wrapped policy's own single calls)."""
 
     def __init__(self, policy: object) -> None:
         self._policy = policy
 
-    def __getattr__(self, name: str) -> object:
-        if name in ("victims", "on_uses"):
-            raise AttributeError(name)
-        return getattr(self._policy, name)
+    def victim(self, candidates: object, step: int) -> int:
+        return self._policy.victim(candidates, step)  # type: ignore[attr-defined]
+
+    def on_use(self, expert: int, step: int) -> None:
+        self._policy.on_use(expert, step)  # type: ignore[attr-defined]
+
+    def on_evict(self, expert: int, step: int) -> None:
+        self._policy.on_evict(expert, step)  # type: ignore[attr-defined]
+
+    def end_step(self, routed: object, residents: object, step: int) -> None:
+        self._policy.end_step(routed, residents, step)  # type: ignore[attr-defined]
 
 
 def _policies(k: int) -> list[object]:
-    duel = DuelPolicy(k, 3, 1)
-    return [LruPolicy(), LfuPolicy(), DecayedLfuPolicy(), AgingLfuPolicy(3), AgingLfuPolicy(3, 2), duel, ArcPolicy(),
-            RandomPolicy(7)]  # fmt: skip
+    # the duels: the default limit, and a selector that crosses zero on one miss (its LFU arm evicts often)
+    return [LruPolicy(), LfuPolicy(), DecayedLfuPolicy(), AgingLfuPolicy(3), AgingLfuPolicy(3, 2), DuelPolicy(k, 3, 1),
+            DuelPolicy(k, 3, 1, limit_misses=1), ArcPolicy(), RandomPolicy(7)]  # fmt: skip
 
 
 @settings(max_examples=60, deadline=None)
 @given(
     k=st.integers(2, 6),
-    steps=st.lists(st.lists(st.integers(0, 11), min_size=1, max_size=16), min_size=1, max_size=30),
+    steps=st.lists(
+        st.one_of(st.lists(st.integers(0, 11), min_size=1, max_size=16), st.lists(st.integers(0, 11), max_size=3)),
+        min_size=1,
+        max_size=30,
+    ),
 )
 def test_victims_in_one_pass_plan_what_one_victim_a_pick_plans(k: int, steps: list[list[int]]) -> None:
-    """Every policy, single- and multi-wave steps (up to 16 routed of E=12 at K <= 6): the planner's victims and uses
-    in bulk (`pick_victims`, `use_all`) give the plans, slots and duel selector of one call a pick and a use."""
+    """Every policy, single-wave steps (at most 3 routed, <= K from K=3 up) and multi-wave ones (up to 16 of E=12):
+    `victims` and `on_uses` in one pass plan what one `victim` a pick and one `on_use` a use plan, with the same slots
+    and duel selectors. The planner is the same on both sides: its own use of them is what tests/test_residency.py
+    checks against a brute-force planner."""
     for bulk, single in zip(_policies(k), _policies(k), strict=True):
         if isinstance(single, DuelPolicy):  # its shadows ask its two arms for victims too
-            single.lru, single.lfu = OneAtATime(single.lru), OneAtATime(single.lfu)  # type: ignore[assignment]
+            single.lru, single.lfu = SingleCalls(single.lru), SingleCalls(single.lfu)  # type: ignore[assignment]
         fast = LayerResidency(12, k, bulk)  # type: ignore[arg-type]
-        slow = LayerResidency(12, k, OneAtATime(single))  # type: ignore[arg-type]
+        slow = LayerResidency(12, k, SingleCalls(single))  # type: ignore[arg-type]
         for routed in steps:
+            if not routed:
+                continue
             assert fast.plan_step(routed) == slow.plan_step(routed), type(bulk).__name__
         assert fast.slot_of == slow.slot_of
         if isinstance(bulk, DuelPolicy):
             assert bulk.shadows == single.shadows and bulk.psel == single.psel
 
 
+def test_the_duels_victims_come_from_the_arm_its_selector_picks() -> None:
+    """With the selector above zero the duel evicts by its aging LFU in one pass as one pick at a time does; below, by
+    LRU (the two arms choose differently here: LRU the least recent, the LFU the least used)."""
+    for psel, expected in ((1, [1, 3]), (-1, [0, 2])):  # 0 used most but longest ago; 1 and 3 once, lately
+        duel = DuelPolicy(4, 256, 0)
+        for step, experts in enumerate([[0], [0], [0], [0], [2], [2], [1], [3]]):
+            duel.on_uses(experts, step)
+        duel.set_state((set(), set()), psel)
+        assert duel.victims([0, 1, 2, 3], 2, 8) == SingleCalls(duel).victims([0, 1, 2, 3], 2, 8) == expected
+
+
 def test_uses_in_bulk_count_as_one_call_each_and_an_expert_once_a_step() -> None:
     for bulk, single in zip(_policies(4), _policies(4), strict=True):
         for step, experts in enumerate([[3, 1, 3], [1, 2], [2, 2, 5], [0, 3]]):
-            use_all(bulk, experts, step)  # type: ignore[arg-type]
+            bulk.on_uses(experts, step)  # type: ignore[attr-defined]
             for e in experts:
                 single.on_use(e, step)  # type: ignore[attr-defined]
         names = type(bulk).__name__
-        assert pick_victims(bulk, range(8), 8, 4) == pick_victims(OneAtATime(single), range(8), 8, 4), names  # type: ignore[arg-type]
+        assert bulk.victims(range(8), 8, 4) == SingleCalls(single).victims(range(8), 8, 4), names  # type: ignore[attr-defined]
     lfu = AgingLfuPolicy(8)
-    use_all(lfu, [3, 3, 3], 0)
+    lfu.on_uses([3, 3, 3], 0)
     assert lfu.uses(3, 0) == 1
+    with pytest.raises(ValueError, match="3 victims asked of 2 candidates"):
+        LruPolicy().victims([1, 2], 3, 0)
 
 
 def _misses(policy: object, steps: list[list[int]], e: int, k: int) -> int:

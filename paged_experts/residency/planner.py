@@ -57,7 +57,7 @@ from typing import Literal
 
 import numpy as np
 
-from paged_experts.residency.policies import DuelPolicy, EvictionPolicy, LruPolicy, pick_victims, use_all
+from paged_experts.residency.policies import DuelPolicy, EvictionPolicy, LruPolicy
 
 WaveTable = Literal["slots", "staging"]  # the table a wave reads: the layer's K slots, or the shared staging rows
 SLOTS: WaveTable = "slots"
@@ -326,7 +326,7 @@ class LayerResidency:
                 cold = [r for r in candidates if r not in routed]
                 warm = sorted((r for r in candidates if r in routed), key=rank.__getitem__, reverse=True)
             # the misses' victims from `cold` in one pass (the policy's keys once each), then from `warm`
-            cold = pick_victims(self.policy, cold, len(missing), self.step)[::-1]
+            cold = self.policy.victims(cold, min(len(missing), len(cold)), self.step)[::-1]
             for e in missing:
                 if cold:
                     victim = cold.pop()
@@ -339,7 +339,7 @@ class LayerResidency:
                 self.slot_of[e] = slot
                 self.expert_in[slot] = e
                 page_ins.append((e, slot))
-        use_all(self.policy, experts, self.step)
+        self.policy.on_uses(experts, self.step)
         return Wave(
             experts=tuple(experts),
             slots=tuple(self.slot_of[e] for e in experts),

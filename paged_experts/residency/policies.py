@@ -27,6 +27,15 @@ class EvictionPolicy(Protocol):
 
     def victim(self, candidates: Collection[int], step: int) -> int: ...
 
+    def victims(self, candidates: Collection[int], count: int, step: int) -> list[int]:
+        """The `count` (<= len(candidates)) experts `victim` would pick one after another from `candidates`, each
+        taken out before the next pick, in that order (a wave's misses; a duel shadow's)."""
+        ...
+
+    def on_uses(self, experts: Sequence[int], step: int) -> None:
+        """`on_use(e, step)` for each of `experts`, in order (a wave's experts)."""
+        ...
+
     def on_evict(self, expert: int, step: int) -> None:
         """The planner evicted `expert` by a choice of its own, not `victim`'s: a routed expert by the step's keep
         rank, or a staged one left out of the slots. Only a policy that keeps a list of the residents (ARC) needs
@@ -48,36 +57,45 @@ class KeepsEveryExpert:
         pass
 
 
-def pick_victims(policy: EvictionPolicy, candidates: Collection[int], count: int, step: int) -> list[int]:
-    """The `count` experts (at most len(candidates)) that `policy.victim` would pick one after another from
-    `candidates`, each taken out before the next pick, in that order. A policy whose victim is the candidate of
-    least key, a key that picking does not change, gives them in one pass (`victims`: its keys once each, not once a
-    pick: a short prompt's wave evicting m of c candidates took m x c keys, ~0.24 ms a 48-layer step's layer with the
-    duel's aging LFU on a 2-core EPYC); the others (ARC, random, Belady) are asked once a pick."""
-    count = min(count, len(candidates))
-    victims = getattr(policy, "victims", None)
-    if victims is not None:
-        return victims(candidates, count, step)
-    left, out = list(candidates), []
-    for _ in range(count):
-        victim = policy.victim(left, step)
-        left.remove(victim)
-        out.append(victim)
-    return out
+class OneCallEach:
+    """`victims` and `on_uses` as one `victim` a pick and one `on_use` a call: for a policy whose pick changes what it
+    knows (ARC's pending uses) or draws (random), or whose keys move as it looks (Belady's cursor); and `on_uses` for
+    a policy with no faster one."""
+
+    def victims(self, candidates: Collection[int], count: int, step: int) -> list[int]:
+        left, out = list(candidates), []
+        if count > len(left):
+            raise ValueError(f"{count} victims asked of {len(left)} candidates")
+        for _ in range(count):
+            victim = self.victim(left, step)  # type: ignore[attr-defined]
+            left.remove(victim)
+            out.append(victim)
+        return out
+
+    def on_uses(self, experts: Sequence[int], step: int) -> None:
+        for e in experts:
+            self.on_use(e, step)  # type: ignore[attr-defined]
 
 
-def use_all(policy: EvictionPolicy, experts: Sequence[int], step: int) -> None:
-    """`policy.on_use(e, step)` for each of `experts` in order, in one call where the policy has one (`on_uses`: a
-    wave's experts, ~90 calls a short prompt's layer-step, two policies' worth with the duel)."""
-    on_uses = getattr(policy, "on_uses", None)
-    if on_uses is not None:
-        on_uses(experts, step)
-        return
-    for e in experts:
-        policy.on_use(e, step)
+class KeyedVictim:
+    """`victim` as the candidate of least `_key(step)`, a key unique to each expert (the id breaks ties) that picking
+    does not change, so `victims` takes them in one pass: each candidate's key once, not once a pick (a short prompt's
+    wave evicting m of c candidates took m x c keys; a host-planned 4-token step with the duel 231-253 -> 82-89 us on
+    a 2-core EPYC, benchmarks/plan_step_host.py)."""
+
+    def _key(self, step: int) -> Callable[[int], tuple]:
+        raise NotImplementedError
+
+    def victim(self, candidates: Collection[int], step: int) -> int:
+        return min(candidates, key=self._key(step))
+
+    def victims(self, candidates: Collection[int], count: int, step: int) -> list[int]:
+        if count > len(candidates):
+            raise ValueError(f"{count} victims asked of {len(candidates)} candidates")
+        return heapq.nsmallest(count, candidates, key=self._key(step))
 
 
-class LruPolicy(KeepsEveryExpert):
+class LruPolicy(KeyedVictim, KeepsEveryExpert):
     """Least recently used; never-used experts (the initial 0..K-1) go first, lowest id first."""
 
     def __init__(self) -> None:
@@ -108,14 +126,8 @@ class LruPolicy(KeepsEveryExpert):
         get = self._last_use.get
         return lambda e: (get(e, -1), e)  # unique (the id breaks ties): successive minima are the sorted order
 
-    def victim(self, candidates: Collection[int], step: int) -> int:
-        return min(candidates, key=self._key(step))
 
-    def victims(self, candidates: Collection[int], count: int, step: int) -> list[int]:
-        return heapq.nsmallest(count, candidates, key=self._key(step))
-
-
-class LfuPolicy(KeepsEveryExpert):
+class LfuPolicy(KeyedVictim, OneCallEach, KeepsEveryExpert):
     """Least frequently used (counts every step an expert was used); ties go to the least recent."""
 
     def __init__(self) -> None:
@@ -129,14 +141,8 @@ class LfuPolicy(KeepsEveryExpert):
     def _key(self, step: int) -> Callable[[int], tuple[int, int, int]]:
         return lambda e: (self._uses.get(e, 0), self._last_use.get(e, -1), e)
 
-    def victim(self, candidates: Collection[int], step: int) -> int:
-        return min(candidates, key=self._key(step))
 
-    def victims(self, candidates: Collection[int], count: int, step: int) -> list[int]:
-        return heapq.nsmallest(count, candidates, key=self._key(step))
-
-
-class DecayedLfuPolicy(KeepsEveryExpert):
+class DecayedLfuPolicy(KeyedVictim, OneCallEach, KeepsEveryExpert):
     """LFU with aging: evict the expert of least decayed use count, ties to the least recent.
 
     Why: expert popularity is skewed per layer (some experts are routed several times more often than
@@ -176,14 +182,8 @@ class DecayedLfuPolicy(KeepsEveryExpert):
     def _key(self, step: int) -> Callable[[int], tuple[float, int, int]]:
         return lambda e: (self.score(e, step), self._stamp.get(e, -1), e)
 
-    def victim(self, candidates: Collection[int], step: int) -> int:
-        return min(candidates, key=self._key(step))
 
-    def victims(self, candidates: Collection[int], count: int, step: int) -> list[int]:
-        return heapq.nsmallest(count, candidates, key=self._key(step))
-
-
-class AgingLfuPolicy(KeepsEveryExpert):
+class AgingLfuPolicy(KeyedVictim, KeepsEveryExpert):
     """LFU with aging by halving: evict the expert of least use count, ties to the least recent, then the
     lowest id; every expert's count halves (an integer shift) each time the planned steps cross a multiple of
     `period_steps`.
@@ -276,12 +276,6 @@ class AgingLfuPolicy(KeepsEveryExpert):
             return lambda e: (last_use(e, -1) >= since, uses(e), last_use(e, -1), e)
         return lambda e: (uses(e), last_use(e, -1), e)
 
-    def victim(self, candidates: Collection[int], step: int) -> int:
-        return min(candidates, key=self._key(step))
-
-    def victims(self, candidates: Collection[int], count: int, step: int) -> list[int]:
-        return heapq.nsmallest(count, candidates, key=self._key(step))
-
 
 DUEL_LIMIT_MISSES = 16
 """`DuelPolicy`'s selector saturates at +-16 misses: a few steps in which one shadow misses less move it across zero
@@ -351,7 +345,7 @@ class DuelPolicy(KeepsEveryExpert):
         return self.chosen().victim(candidates, step)
 
     def victims(self, candidates: Collection[int], count: int, step: int) -> list[int]:
-        return pick_victims(self.chosen(), candidates, count, step)
+        return self.chosen().victims(candidates, count, step)
 
     def end_step(self, routed: Collection[int], residents: Collection[int], step: int) -> None:
         routed = set(routed)
@@ -365,7 +359,7 @@ class DuelPolicy(KeepsEveryExpert):
         for shadow, policy in zip(self.shadows, arms, strict=True):
             missed = routed - shadow
             candidates = shadow - routed  # K - |routed & shadow| >= |missed| since |routed| <= K
-            shadow.difference_update(pick_victims(policy, candidates, len(missed), step))
+            shadow.difference_update(policy.victims(candidates, len(missed), step))
             shadow |= missed
             misses.append(len(missed))
         self.psel = max(-self.limit_misses, min(self.limit_misses, self.psel + misses[0] - misses[1]))
@@ -378,7 +372,7 @@ class DuelPolicy(KeepsEveryExpert):
         self.psel = int(psel)
 
 
-class ArcPolicy:
+class ArcPolicy(OneCallEach):
     """Adaptive replacement (Megiddo and Modha, FAST 2003) over a layer's slots: a simulator candidate.
 
     Why: the two routings the H200 measures want opposite policies. On the calibrated routing a layer's popular
@@ -505,7 +499,7 @@ class ArcPolicy:
             del ghosts[next(iter(ghosts))]
 
 
-class BeladyPolicy(KeepsEveryExpert):
+class BeladyPolicy(OneCallEach, KeepsEveryExpert):
     """Optimal offline eviction: evict the expert whose next use is farthest in the future.
 
     Needs the whole sequence of per-step expert sets for this layer up front, so it exists only
@@ -537,7 +531,7 @@ class BeladyPolicy(KeepsEveryExpert):
         return max(candidates, key=lambda e: (self._next_use(e, step), -e))
 
 
-class RandomPolicy(KeepsEveryExpert):
+class RandomPolicy(OneCallEach, KeepsEveryExpert):
     """Random eviction (a baseline the published locality study reports); seeded, reproducible."""
 
     def __init__(self, seed: int = 0) -> None:
