@@ -11,7 +11,7 @@ of each `--tokens` size, timed alone; routing drawn with a Dirichlet(0.7) popula
 random model's own skew), top-k distinct per token. Prints the median ms of each timed step over `--repeats`
 (after 3 not counted), the decode steps' median in us, and the waves and misses of the last timed chunk.
 
-    PYTHONPATH=$PWD python benchmarks/plan_step_host.py                      # E=128, top_k=8, K=54
+    PYTHONPATH=$PWD python benchmarks/plan_step_host.py --repeats 60         # E=128, top_k=8, K=54 (docs' figures)
     PYTHONPATH=$PWD python benchmarks/plan_step_host.py --tokens 41,2048 --batch 4 --repeats 40
 """
 
@@ -46,29 +46,31 @@ def time_policy(policy: str, args: argparse.Namespace, sizes: list[int]) -> dict
     chunk_s: dict[int, list[float]] = {n: [] for n in sizes}
     out: dict[str, float] = {}
     gc.disable()  # a collection would land in whichever step made the garbage: collected between repeats instead
-    for repeat in range(args.repeats + WARMUP):
-        gc.collect()
-        steps = [draws(rng, popularity, args.batch, args.top_k) for _ in range(args.decode)]
-        started = time.perf_counter()
-        for ids in steps:
-            layer.plan_step(ids)
-        if repeat >= WARMUP and steps:
-            decode_s.append((time.perf_counter() - started) / len(steps))
-        for n in sizes:
-            ids = draws(rng, popularity, n, args.top_k)
+    try:
+        for repeat in range(args.repeats + WARMUP):
+            gc.collect()
+            steps = [draws(rng, popularity, args.batch, args.top_k) for _ in range(args.decode)]
             started = time.perf_counter()
-            plan = layer.plan_step(ids)
-            if repeat >= WARMUP:
-                chunk_s[n].append(time.perf_counter() - started)
-            out[f"waves_{n}"], out[f"misses_{n}"] = len(plan.waves), plan.misses
-    gc.enable()
+            for ids in steps:
+                layer.plan_step(ids)
+            if repeat >= WARMUP and steps:
+                decode_s.append((time.perf_counter() - started) / len(steps))
+            for n in sizes:
+                ids = draws(rng, popularity, n, args.top_k)
+                started = time.perf_counter()
+                plan = layer.plan_step(ids)
+                if repeat >= WARMUP:
+                    chunk_s[n].append(time.perf_counter() - started)
+                out[f"waves_{n}"], out[f"misses_{n}"] = len(plan.waves), plan.misses
+    finally:
+        gc.enable()
     out["decode_us"] = statistics.median(decode_s) * 1e6 if decode_s else float("nan")
     for n in sizes:
         out[f"ms_{n}"] = statistics.median(chunk_s[n]) * 1e3
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--top-k", type=int, default=8)
@@ -94,7 +96,8 @@ def main(argv: list[str] | None = None) -> None:
         row = time_policy(policy, args, sizes)
         cells = " ".join(f"{row[f'ms_{n}']:9.3f} {row[f'waves_{n}']:5.0f} {row[f'misses_{n}']:6.0f}" for n in sizes)
         print(f"{policy:<16} {row['decode_us']:9.1f} {cells}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

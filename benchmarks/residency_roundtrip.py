@@ -5,7 +5,9 @@ LRU, in the host's part of the prefill step (`prefill_host_plan_ms`), while a 41
 layer than K, so the duel's shadows do not play it. Before a host-planned step (a prefill chunk) every paged layer's
 device state is read into its host planner (`residency.device.pull_many`), and after it written back (`push_from`);
 the duel's state is every expert's count, last use and two shadow flags a layer, converted in Python. This times the
-two halves for all layers of a model, on the CPU (no device read is waited for: the conversion alone).
+two halves for all layers of a model: on the CPU by default (no device read is waited for: the conversion alone), with
+`--device cuda` with the state on a GPU (pinned pushes and their H2D copies, and a device read; the device is idle
+when each repeat starts, so the pull waits only for its own read).
 
     PYTHONPATH=$PWD python benchmarks/residency_roundtrip.py            # Qwen3-30B-A3B's 48 layers, E=128, K=54
     PYTHONPATH=$PWD python benchmarks/residency_roundtrip.py --layers 48 --experts 128 --slots 54 --repeats 20
@@ -30,24 +32,25 @@ PERIOD_STEPS, WINDOW_STEPS = 256, 4  # `duel`'s aging LFU and `lfu-aging:256:4`
 def layer_pair(
     policy: str, experts: int, slots: int, device: torch.device | None = None
 ) -> tuple[DeviceResidency, LayerResidency]:
-    cpu = device or torch.device("cpu")  # the device plan's state lives here (cuda: the pushes copy to it)
+    where = device or torch.device("cpu")  # the device plan's state lives here (cuda: the pushes copy to it)
     host_policy: EvictionPolicy
     if policy == "duel":
-        device = DeviceResidency(experts, slots, cpu, PERIOD_STEPS, WINDOW_STEPS, duel=True)
+        plan = DeviceResidency(experts, slots, where, PERIOD_STEPS, WINDOW_STEPS, duel=True)
         host_policy = DuelPolicy(slots, PERIOD_STEPS, WINDOW_STEPS)
     elif policy == "lfu-aging":
-        device = DeviceResidency(experts, slots, cpu, PERIOD_STEPS, WINDOW_STEPS)
+        plan = DeviceResidency(experts, slots, where, PERIOD_STEPS, WINDOW_STEPS)
         host_policy = AgingLfuPolicy(PERIOD_STEPS, WINDOW_STEPS)
     else:
-        device, host_policy = DeviceResidency(experts, slots, cpu), LruPolicy()
-    return device, LayerResidency(experts, slots, host_policy)
+        plan, host_policy = DeviceResidency(experts, slots, where), LruPolicy()
+    return plan, LayerResidency(experts, slots, host_policy)
 
 
 def time_roundtrip(
     policy: str, layers: int, experts: int, slots: int, repeats: int, device: torch.device | None = None
 ) -> tuple[float, float]:
-    """(pull ms, push ms) for all layers, medians over `repeats` after two warm-ups. On CUDA the pull waits for the
-    device (the pushes before it queued), as a prefill's first host-planned layer does; the push is the host's issue."""
+    """(pull ms, push ms) for all layers, medians over `repeats` after two warm-ups. On CUDA each repeat starts with the
+    device idle (a synchronize before the clock), so the pull times its own device read and conversion, and the push
+    the host's issue of its copies (not their transfer)."""
     pairs = [layer_pair(policy, experts, slots, device) for _ in range(layers)]
     pulls, pushes = [], []
     for i in range(repeats + 2):
