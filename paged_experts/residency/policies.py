@@ -80,7 +80,7 @@ class OneCallEach:
 class KeyedVictim:
     """`victim` as the candidate of least `_key(step)`, a key unique to each expert (the id breaks ties) that picking
     does not change, so `victims` takes them in one pass: each candidate's key once, not once a pick (a short prompt's
-    wave evicting m of c candidates took m x c keys; a host-planned 4-token step with the duel 231-253 -> 82-89 us on
+    wave evicting m of c candidates took m x c keys; a host-planned 4-token step with the duel 231-240 -> 82-83 us on
     a 2-core EPYC, benchmarks/plan_step_host.py)."""
 
     def _key(self, step: int) -> Callable[[int], tuple]:
