@@ -5,6 +5,7 @@ and the per-cell optimal hit rate from a routing trace recorded in a real `bench
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ import pandas as pd
 import pytest
 import yaml
 from builtin_plans import flag, plan_argv
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from benchsuite.cli import main as cli_main
@@ -29,9 +30,11 @@ from paged_experts.residency.policies import (
     ArcPolicy,
     DecayedLfuPolicy,
     DuelPolicy,
+    EvictionPolicy,
     LfuPolicy,
     LruPolicy,
-    OneCallEach,
+    OneUseACall,
+    OneVictimAPick,
     RandomPolicy,
     make_policy,
 )
@@ -157,28 +160,28 @@ def test_residency_runs_the_policy_it_is_given() -> None:
         make_policy("belady")
 
 
-class SingleCalls(OneCallEach):
+class SingleCalls(OneVictimAPick, OneUseACall):
     """A policy as the planner asked it before `victims` and `on_uses` existed: one `victim` a pick, one `on_use` a
-    use (OneCallEach's loops over the wrapped policy's own single calls)."""
+    use (the mixins' loops over the wrapped policy's own single calls)."""
 
-    def __init__(self, policy: object) -> None:
+    def __init__(self, policy: EvictionPolicy) -> None:
         self._policy = policy
 
-    def victim(self, candidates: object, step: int) -> int:
-        return self._policy.victim(candidates, step)  # type: ignore[attr-defined]
+    def victim(self, candidates: Collection[int], step: int) -> int:
+        return self._policy.victim(candidates, step)
 
     def on_use(self, expert: int, step: int) -> None:
-        self._policy.on_use(expert, step)  # type: ignore[attr-defined]
+        self._policy.on_use(expert, step)
 
     def on_evict(self, expert: int, step: int) -> None:
-        self._policy.on_evict(expert, step)  # type: ignore[attr-defined]
+        self._policy.on_evict(expert, step)
 
-    def end_step(self, routed: object, residents: object, step: int) -> None:
-        self._policy.end_step(routed, residents, step)  # type: ignore[attr-defined]
+    def end_step(self, routed: Collection[int], residents: Collection[int], step: int) -> None:
+        self._policy.end_step(routed, residents, step)
 
 
-def _policies(k: int) -> list[object]:
-    # the duels: the default limit, and a selector that crosses zero on one miss (its LFU arm evicts often)
+def _policies(k: int) -> list[EvictionPolicy]:
+    # the duels: the default selector limit, and one that crosses zero on a miss (the @example below reaches its LFU)
     return [LruPolicy(), LfuPolicy(), DecayedLfuPolicy(), AgingLfuPolicy(3), AgingLfuPolicy(3, 2), DuelPolicy(k, 3, 1),
             DuelPolicy(k, 3, 1, limit_misses=1), ArcPolicy(), RandomPolicy(7)]  # fmt: skip
 
@@ -187,27 +190,30 @@ def _policies(k: int) -> list[object]:
 @given(
     k=st.integers(2, 6),
     steps=st.lists(
-        st.one_of(st.lists(st.integers(0, 11), min_size=1, max_size=16), st.lists(st.integers(0, 11), max_size=3)),
+        st.one_of(
+            st.lists(st.integers(0, 11), min_size=1, max_size=16), st.lists(st.integers(0, 11), min_size=1, max_size=3)
+        ),
         min_size=1,
         max_size=30,
     ),
 )
+@example(k=3, steps=[[0], [10], [0, 2, 9], [6], [0, 3, 8], [5], [9]])  # the duel's selector above 0: its LFU evicts
 def test_victims_in_one_pass_plan_what_one_victim_a_pick_plans(k: int, steps: list[list[int]]) -> None:
     """Every policy, single-wave steps (at most 3 routed, <= K from K=3 up) and multi-wave ones (up to 16 of E=12):
     `victims` and `on_uses` in one pass plan what one `victim` a pick and one `on_use` a use plan, with the same slots
-    and duel selectors. The planner is the same on both sides: its own use of them is what tests/test_residency.py
+    and duel selectors (for ARC, random and Belady both sides run the same per-pick loop: there it checks the wrapper's
+    forwarding only). The planner is the same on both sides: its own use of them is what tests/test_residency.py
     checks against a brute-force planner."""
     for bulk, single in zip(_policies(k), _policies(k), strict=True):
         if isinstance(single, DuelPolicy):  # its shadows ask its two arms for victims too
             single.lru, single.lfu = SingleCalls(single.lru), SingleCalls(single.lfu)  # type: ignore[assignment]
-        fast = LayerResidency(12, k, bulk)  # type: ignore[arg-type]
-        slow = LayerResidency(12, k, SingleCalls(single))  # type: ignore[arg-type]
+        fast = LayerResidency(12, k, bulk)
+        slow = LayerResidency(12, k, SingleCalls(single))
         for routed in steps:
-            if not routed:
-                continue
             assert fast.plan_step(routed) == slow.plan_step(routed), type(bulk).__name__
         assert fast.slot_of == slow.slot_of
         if isinstance(bulk, DuelPolicy):
+            assert isinstance(single, DuelPolicy)
             assert bulk.shadows == single.shadows and bulk.psel == single.psel
 
 
@@ -218,23 +224,23 @@ def test_the_duels_victims_come_from_the_arm_its_selector_picks() -> None:
         duel = DuelPolicy(4, 256, 0)
         for step, experts in enumerate([[0], [0], [0], [0], [2], [2], [1], [3]]):
             duel.on_uses(experts, step)
-        duel.set_state((set(), set()), psel)
+        duel.psel = psel
         assert duel.victims([0, 1, 2, 3], 2, 8) == SingleCalls(duel).victims([0, 1, 2, 3], 2, 8) == expected
 
 
 def test_uses_in_bulk_count_as_one_call_each_and_an_expert_once_a_step() -> None:
     for bulk, single in zip(_policies(4), _policies(4), strict=True):
         for step, experts in enumerate([[3, 1, 3], [1, 2], [2, 2, 5], [0, 3]]):
-            bulk.on_uses(experts, step)  # type: ignore[attr-defined]
+            bulk.on_uses(experts, step)
             for e in experts:
-                single.on_use(e, step)  # type: ignore[attr-defined]
-        names = type(bulk).__name__
-        assert bulk.victims(range(8), 8, 4) == SingleCalls(single).victims(range(8), 8, 4), names  # type: ignore[attr-defined]
+                single.on_use(e, step)
+        assert bulk.victims(range(8), 8, 4) == SingleCalls(single).victims(range(8), 8, 4), type(bulk).__name__
     lfu = AgingLfuPolicy(8)
     lfu.on_uses([3, 3, 3], 0)
     assert lfu.uses(3, 0) == 1
-    with pytest.raises(ValueError, match="3 victims asked of 2 candidates"):
-        LruPolicy().victims([1, 2], 3, 0)
+    for policy in (LruPolicy(), ArcPolicy()):  # a keyed pick and one a pick
+        with pytest.raises(ValueError, match="3 victims asked of 2 candidates"):
+            policy.victims([1, 2], 3, 0)
 
 
 def _misses(policy: object, steps: list[list[int]], e: int, k: int) -> int:

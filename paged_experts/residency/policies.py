@@ -57,24 +57,35 @@ class KeepsEveryExpert:
         pass
 
 
-class OneCallEach:
-    """`victims` and `on_uses` as one `victim` a pick and one `on_use` a call: for a policy whose pick changes what it
-    knows (ARC's pending uses) or draws (random), or whose keys move as it looks (Belady's cursor); and `on_uses` for
-    a policy with no faster one."""
+class _PicksOne(Protocol):
+    def victim(self, candidates: Collection[int], step: int) -> int: ...
 
-    def victims(self, candidates: Collection[int], count: int, step: int) -> list[int]:
+
+class _UsesOne(Protocol):
+    def on_use(self, expert: int, step: int) -> None: ...
+
+
+class OneVictimAPick:
+    """`victims` as one `victim` a pick: for a policy whose pick changes what it knows (ARC's pending uses) or draws
+    (random), or whose keys move as it looks (Belady's cursor)."""
+
+    def victims(self: _PicksOne, candidates: Collection[int], count: int, step: int) -> list[int]:
         left, out = list(candidates), []
         if count > len(left):
             raise ValueError(f"{count} victims asked of {len(left)} candidates")
         for _ in range(count):
-            victim = self.victim(left, step)  # type: ignore[attr-defined]
+            victim = self.victim(left, step)
             left.remove(victim)
             out.append(victim)
         return out
 
-    def on_uses(self, experts: Sequence[int], step: int) -> None:
+
+class OneUseACall:
+    """`on_uses` as one `on_use` a use: for a policy with no faster one."""
+
+    def on_uses(self: _UsesOne, experts: Sequence[int], step: int) -> None:
         for e in experts:
-            self.on_use(e, step)  # type: ignore[attr-defined]
+            self.on_use(e, step)
 
 
 class KeyedVictim:
@@ -127,7 +138,7 @@ class LruPolicy(KeyedVictim, KeepsEveryExpert):
         return lambda e: (get(e, -1), e)  # unique (the id breaks ties): successive minima are the sorted order
 
 
-class LfuPolicy(KeyedVictim, OneCallEach, KeepsEveryExpert):
+class LfuPolicy(KeyedVictim, OneUseACall, KeepsEveryExpert):
     """Least frequently used (counts every step an expert was used); ties go to the least recent."""
 
     def __init__(self) -> None:
@@ -142,7 +153,7 @@ class LfuPolicy(KeyedVictim, OneCallEach, KeepsEveryExpert):
         return lambda e: (self._uses.get(e, 0), self._last_use.get(e, -1), e)
 
 
-class DecayedLfuPolicy(KeyedVictim, OneCallEach, KeepsEveryExpert):
+class DecayedLfuPolicy(KeyedVictim, OneUseACall, KeepsEveryExpert):
     """LFU with aging: evict the expert of least decayed use count, ties to the least recent.
 
     Why: expert popularity is skewed per layer (some experts are routed several times more often than
@@ -372,7 +383,7 @@ class DuelPolicy(KeepsEveryExpert):
         self.psel = int(psel)
 
 
-class ArcPolicy(OneCallEach):
+class ArcPolicy(OneVictimAPick, OneUseACall):
     """Adaptive replacement (Megiddo and Modha, FAST 2003) over a layer's slots: a simulator candidate.
 
     Why: the two routings the H200 measures want opposite policies. On the calibrated routing a layer's popular
@@ -499,7 +510,7 @@ class ArcPolicy(OneCallEach):
             del ghosts[next(iter(ghosts))]
 
 
-class BeladyPolicy(OneCallEach, KeepsEveryExpert):
+class BeladyPolicy(OneVictimAPick, OneUseACall, KeepsEveryExpert):
     """Optimal offline eviction: evict the expert whose next use is farthest in the future.
 
     Needs the whole sequence of per-step expert sets for this layer up front, so it exists only
@@ -531,7 +542,7 @@ class BeladyPolicy(OneCallEach, KeepsEveryExpert):
         return max(candidates, key=lambda e: (self._next_use(e, step), -e))
 
 
-class RandomPolicy(OneCallEach, KeepsEveryExpert):
+class RandomPolicy(OneVictimAPick, OneUseACall, KeepsEveryExpert):
     """Random eviction (a baseline the published locality study reports); seeded, reproducible."""
 
     def __init__(self, seed: int = 0) -> None:
