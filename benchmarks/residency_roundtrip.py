@@ -67,21 +67,22 @@ def time_roundtrip(
     return statistics.median(pulls) * 1e3, statistics.median(pushes) * 1e3
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--slots", type=int, default=54)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--device", default="cpu", help="where the device plan's state lives (cuda: a GPU's)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device(args.device)
     print(f"{args.layers} layers, E={args.experts}, K={args.slots}, {device}: ms per host-planned step, medians")
     print(f"{'policy':<10} {'pull_ms':>8} {'push_ms':>8} {'total_ms':>9}")
     for policy in ("lru", "lfu-aging", "duel"):
         pull_ms, push_ms = time_roundtrip(policy, args.layers, args.experts, args.slots, args.repeats, device)
         print(f"{policy:<10} {pull_ms:8.2f} {push_ms:8.2f} {pull_ms + push_ms:9.2f}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
