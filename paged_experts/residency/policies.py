@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 import random
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
@@ -88,14 +89,15 @@ class OneUseACall:
             self.on_use(e, step)
 
 
-class KeyedVictim:
+class KeyedVictim(ABC):
     """`victim` as the candidate of least `_key(step)`, a key unique to each expert (the id breaks ties) that picking
     does not change, so `victims` takes them in one pass: each candidate's key once, not once a pick (a short prompt's
     wave evicting m of c candidates took m x c keys; a host-planned 4-token step with the duel 231-240 -> 82-83 us on
     a 2-core EPYC, benchmarks/plan_step_host.py)."""
 
+    @abstractmethod
     def _key(self, step: int) -> Callable[[int], tuple]:
-        raise NotImplementedError
+        """The policy's eviction order at `step`: the least key leaves first."""
 
     def victim(self, candidates: Collection[int], step: int) -> int:
         return min(candidates, key=self._key(step))
