@@ -151,6 +151,25 @@ def test_host_planned_steps_share_the_device_state(aging: int | None, window: in
         assert dev.uses[:e].tolist() == [lfu.uses(x, last) for x in range(e)]
 
 
+@pytest.mark.parametrize(("e", "k"), [(32, 8), (128, 54), (7, 7), (60, 1)])
+def test_the_state_is_views_of_one_buffer_in_disjoint_parts(e: int, k: int) -> None:
+    """A push is one copy into one buffer: every part of a duel's state is a view of it, the parts do not overlap
+    (the shadows' bytes included, whatever E's parity), and together they cover the buffer but the shadows' padding."""
+    dev = DeviceResidency(e, k, torch.device("cpu"), aging_period_steps=4, aging_window_steps=2, duel=True)
+    parts = [dev.slot_of, dev.expert_in, dev.last_use, dev.step, dev.uses, dev.expert_last_use, dev.psel, dev.shadows]
+    item, start = dev.slot_of.element_size(), dev._state.data_ptr()
+    spans = sorted((t.data_ptr() - start, t.data_ptr() - start + t.numel() * t.element_size()) for t in parts)
+    assert all(t.untyped_storage().data_ptr() == dev._state.untyped_storage().data_ptr() for t in parts)
+    assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # back to back, no overlap
+    assert dev._state.numel() * item - spans[-1][1] < item  # only the shadows' padding is left over
+    assert spans[-1][1] - spans[-1][0] == 2 * (e + 1)  # the [2, E+1] shadow flags, one byte each
+    # the starting state: identity slots, no uses, the shadows holding the slots' experts
+    assert dev.slot_of.tolist() == [*range(k), *[-1] * (e + 1 - k)]
+    assert dev.expert_in.tolist() == [*range(k), e] and dev.last_use.tolist() == [-1] * (k + 1)
+    assert int(dev.step) == 0 and int(dev.psel) == 0 and dev.uses.tolist() == [0] * (e + 1)
+    assert dev.shadows.tolist() == [[i < k for i in range(e + 1)]] * 2
+
+
 def test_device_plan_refuses_a_host_policy_it_does_not_share() -> None:
     with pytest.raises(TypeError, match="plans LRU"):
         DeviceResidency(32, 8, torch.device("cpu")).pull_to(LayerResidency(32, 8, AgingLfuPolicy(4)))

@@ -20,18 +20,19 @@ in a captured step one launch for every layer at the step's end: `DuelShadows`);
 and the CPU's plan.
 
 Steps with more pairs than K (prefill, large batches) fall back to the host planner; the two
-share one state: `pull_to(residency)` writes the device state into the `LayerResidency` before a
-host-planned step and `push_from(residency)` reads it back after, each a few small copies on a
-step that synchronizes anyway.
+share one state: `pull_to(residency)` (`pull_many` for all layers: one device read) writes the device state into the
+`LayerResidency` before a host-planned step and `push_from(residency)` reads it back after. A layer's state is views of
+one int64 device buffer (`StateLayout`; the duel's shadow flags a byte view of its last words), so a push is one
+host-to-device copy from one pinned buffer, with no dtype conversion on the way.
 """
 
 from __future__ import annotations
 
 import time
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from paged_experts.residency import plan_triton
@@ -40,6 +41,32 @@ from paged_experts.residency.policies import DUEL_LIMIT_MISSES, AgingLfuPolicy, 
 
 RECENT = 1 << 40
 """Added to a recently used slot's count in an aging plan with a window: it ranks after every count."""
+
+
+class StateLayout:
+    """Where each part of one layer's state lies in its int64 buffer (words): slot_of [E+1], expert_in [K+1], last_use
+    [K+1], step, uses [E+1], expert_last_use [E+1], psel, then the shadows' [2, E+1] bool flags as bytes, padded to
+    whole words. The parts LRU reads come first (`lru_words`): an LRU or aging-LFU push copies only them. Plain
+    attributes, computed once: a host-planned step reads them a few times per layer."""
+
+    __slots__ = ("num_experts", "num_slots", "slot_of", "expert_in", "last_use", "step", "uses", "lru_words",
+                 "expert_last_use", "psel", "shadow_bytes", "shadows", "words")  # fmt: skip
+
+    def __init__(self, num_experts: int, num_slots: int) -> None:
+        e1, k1 = num_experts + 1, num_slots + 1
+        self.num_experts, self.num_slots = num_experts, num_slots
+        self.slot_of = slice(0, e1)
+        self.expert_in = slice(e1, e1 + k1)
+        self.last_use = slice(e1 + k1, e1 + 2 * k1)
+        self.step = e1 + 2 * k1  # one word
+        self.uses = slice(self.step + 1, self.step + 1 + e1)
+        self.lru_words = self.uses.stop  # what an LRU or aging-LFU plan reads and writes (the duel's parts follow)
+        self.expert_last_use = slice(self.lru_words, self.lru_words + e1)
+        self.psel = self.expert_last_use.stop  # one word
+        self.shadow_bytes = 2 * e1
+        # the words whose first `shadow_bytes` bytes are the [2, E+1] shadow flags
+        self.shadows = slice(self.psel + 1, self.psel + 1 + -(-self.shadow_bytes // 8))
+        self.words = self.shadows.stop
 
 
 @dataclass(frozen=True)
@@ -81,21 +108,27 @@ class DeviceResidency:
         self.aging_window_steps = aging_window_steps if aging_period_steps is not None else 0  # AgingLfuPolicy's
         self.duel = duel
         e, k = num_experts, num_slots
+        # Every part of the state is a view of one buffer (StateLayout): a push from the host planner is one copy.
+        # The views are written in place, never replaced (the plan kernels and the shadows' table hold their addresses).
+        self.layout = lay = StateLayout(e, k)
+        self._state = torch.zeros(lay.words, dtype=torch.long, device=device)  # [words]
         # One spare entry each (index E / K) absorbs the padded writes of a plan.
-        self.slot_of = torch.full((e + 1,), -1, dtype=torch.long, device=device)  # [E+1] slot or -1
+        self.slot_of = self._state[lay.slot_of]  # [E+1] slot or -1
+        self.slot_of.fill_(-1)
         self.slot_of[:k] = torch.arange(k, device=device)
-        self.expert_in = torch.full((k + 1,), e, dtype=torch.long, device=device)  # [K+1] expert or E
+        self.expert_in = self._state[lay.expert_in]  # [K+1] expert or E
+        self.expert_in.fill_(e)
         self.expert_in[:k] = torch.arange(k, device=device)
-        self.last_use = torch.full((k + 1,), -1, dtype=torch.long, device=device)  # [K+1] step stamp, -1 never
-        self.step = torch.zeros((), dtype=torch.long, device=device)  # planned steps so far
+        self.last_use = self._state[lay.last_use].fill_(-1)  # [K+1] step stamp, -1 never
+        self.step = self._state[lay.step]  # [] planned steps so far
         # [E+1] aging LFU's use counts as of the last planned step (E: the spare entry); all 0 and unused under LRU
-        self.uses = torch.zeros(e + 1, dtype=torch.long, device=device)
+        self.uses = self._state[lay.uses]
         # The duel's (DuelPolicy's) state, all unused otherwise: [E+1] every expert's last use (-1 never; its shadows
         # rank experts that hold no slot), [2, E+1] LRU's and the LFU's shadow caches, [] the selector
-        self.expert_last_use = torch.full((e + 1,), -1, dtype=torch.long, device=device)
-        self.shadows = torch.zeros((2, e + 1), dtype=torch.bool, device=device)
+        self.expert_last_use = self._state[lay.expert_last_use].fill_(-1)
+        self.shadows = self._state[lay.shadows].view(torch.bool)[: lay.shadow_bytes].view(2, e + 1)
         self.shadows[:, :k] = True
-        self.psel = torch.zeros((), dtype=torch.long, device=device)
+        self.psel = self._state[lay.psel]
         self._arange_e = torch.arange(e + 1, device=device)  # [E+1]
         self._compiled_fn = None
         # The plan as one fused kernel (plan_triton) where it runs: the same plan as `plan_step`, one
@@ -192,70 +225,61 @@ class DeviceResidency:
         """The tensors `plan_triton.shadow_table` takes the addresses of (written in place, never replaced)."""
         return (self._duel_ids, self.uses, self.step, self.expert_last_use, self.shadows, self.psel)
 
-    def state(self) -> tuple[torch.Tensor, ...]:
-        """A copy of the state (graph capture rewinds a warm-up step with it)."""
+    def state(self) -> torch.Tensor:
+        """A copy of the state, [words] (graph capture rewinds a warm-up step with it)."""
         self.flush()
-        return tuple(t.clone() for t in self._state_tensors())
+        return self._state.clone()
 
-    def load_state(self, state: tuple[torch.Tensor, ...]) -> None:
+    def load_state(self, state: torch.Tensor) -> None:
         self.flush()
-        for dst, src in zip(self._state_tensors(), state, strict=True):
-            dst.copy_(src)
-
-    def _state_tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.slot_of, self.expert_in, self.last_use, self.step, self.uses, self.expert_last_use, self.shadows,
-                self.psel)  # fmt: skip
+        self._state.copy_(state)
 
     def pull_to(self, residency: LayerResidency) -> None:
         """Writes this state into a host `LayerResidency` (same policy) before a host-planned step."""
         pull_many([(self, residency)])
 
     def push_from(self, residency: LayerResidency) -> None:
-        """Reads a host `LayerResidency` (same policy) back after a host-planned step: one pinned host buffer
-        copied without blocking the host (the device plan of a later step is stream-ordered after it)."""
-        self.flush()  # the copies below overwrite what a pending step's shadows read and write
+        """Reads a host `LayerResidency` (same policy) back after a host-planned step: the state laid out in one pinned
+        host buffer and copied in one H2D copy without blocking the host (the device plan of a later step is
+        stream-ordered after it). The shadow flags go as bytes of that buffer: a copy that converted int64 to bool on
+        the way would convert on the host into pageable memory, and a copy from pageable memory waits for the stream."""
+        self.flush()  # the copy below overwrites what a pending step's shadows read and write
         policy = _policy(self, residency)
-        e, k = self.num_experts, self.num_slots
+        lay, e, k = self.layout, self.num_experts, self.num_slots
         assert len(residency.expert_in) == k
-        slot_of = [-1] * (e + 1)
-        for ex, s in residency.slot_of.items():
-            slot_of[ex] = s
-        duel: list[int] = []
+        words = lay.words if self.duel else lay.lru_words
+        host = torch.empty(words, dtype=torch.long, pin_memory=self.device.type == "cuda")  # freed after its copy
+        a = host.numpy()  # [words], the same memory
+        slot_of = a[lay.slot_of]
+        slot_of.fill(-1)
+        n = len(residency.slot_of)
+        experts = np.fromiter(residency.slot_of.keys(), np.int64, n)
+        slot_of[experts] = np.fromiter(residency.slot_of.values(), np.int64, n)
+        a[lay.expert_in] = [*residency.expert_in, e]
+        a[lay.step] = residency.step
+        last = max(residency.step - 1, 0)  # the aging counts as of the last planned step, as the device keeps them
         if isinstance(policy, DuelPolicy):
-            last = max(residency.step - 1, 0)
-            every_stamp = policy.lfu.all_last_uses(e)
-            stamps = [every_stamp[ex] for ex in residency.expert_in] + [-1]
-            uses = [*policy.lfu.all_uses(e, last), 0]
-            duel = [*every_stamp, -1]
-            for shadow in policy.shadows:
-                flags = [0] * (e + 1)
-                for ex in shadow:
-                    flags[ex] = 1
-                duel += flags
-            duel.append(policy.psel)
+            every_stamp = np.array(policy.lfu.all_last_uses(e), dtype=np.int64)  # [E]
+            a[lay.last_use][:k] = every_stamp[residency.expert_in]
+            a[lay.uses][:e] = policy.lfu.all_uses(e, last)
+            a[lay.expert_last_use][:e] = every_stamp
+            a[lay.expert_last_use][e] = -1
+            a[lay.psel] = policy.psel
+            a[lay.shadows] = 0
+            flags = a[lay.shadows].view(np.uint8)[: lay.shadow_bytes].reshape(2, e + 1)  # [2, E+1], bool's bytes
+            for i, shadow in enumerate(policy.shadows):
+                flags[i, np.fromiter(shadow, np.int64, len(shadow))] = 1
         elif isinstance(policy, AgingLfuPolicy):
-            # the counts as of the last planned step, as the device keeps them (the next plan halves them first
-            # when its step is a multiple of the period)
-            last = max(residency.step - 1, 0)
-            stamps = [policy.last_use(ex) for ex in residency.expert_in] + [-1]
-            uses = [*policy.all_uses(e, last), 0]
+            # the next plan halves the counts first when its step is a multiple of the period
+            a[lay.last_use][:k] = [policy.last_use(ex) for ex in residency.expert_in]
+            a[lay.uses][:e] = policy.all_uses(e, last)
         else:
             assert isinstance(policy, LruPolicy)
-            stamps = [policy.last_use(ex) for ex in residency.expert_in] + [-1]
-            uses = [0] * (e + 1)
-        values = [*slot_of, *residency.expert_in, e, *stamps, residency.step, *uses, *duel]
-        # one buffer from the ints (array, then a view): torch.tensor of a list costs ~3x as much (~40 us a layer
-        # for a duel's ~700 values, 48 layers a host-planned step); the view keeps the array alive
-        host = torch.frombuffer(array("q", values), dtype=torch.long)
-        if self.device.type == "cuda":
-            host = host.pin_memory()  # the caching host allocator keeps it until the copy has run
-        state: tuple[torch.Tensor, ...] = (self.slot_of, self.expert_in, self.last_use, self.step.view(1), self.uses)
-        if self.duel:
-            state += (self.expert_last_use, self.shadows.view(-1), self.psel.view(1))
-        start = 0
-        for dst in state:
-            dst.copy_(host[start : start + dst.numel()], non_blocking=True)
-            start += dst.numel()
+            a[lay.last_use][:k] = [policy.last_use(ex) for ex in residency.expert_in]
+            a[lay.uses][:e] = 0
+        a[lay.last_use][k] = -1
+        a[lay.uses][e] = 0
+        self._state[:words].copy_(host, non_blocking=True)  # the caching host allocator keeps `host` until it ran
 
 
 def pull_many(pairs: Sequence[tuple[DeviceResidency, LayerResidency]]) -> float:
@@ -266,51 +290,41 @@ def pull_many(pairs: Sequence[tuple[DeviceResidency, LayerResidency]]) -> float:
         return 0.0
     for dev, _ in pairs:
         dev.flush()  # a pending step's shadows write what the read below takes
-    rows = torch.cat([_pull_row(d) for d, _ in pairs])
+    words = [d.layout.words if d.duel else d.layout.lru_words for d, _ in pairs]
+    rows = torch.cat([d._state[:n] for (d, _), n in zip(pairs, words, strict=True)])
     started = time.perf_counter()
-    values = rows.tolist()  # the one host read
+    values = rows.cpu().numpy()  # the one host read
     read_s = time.perf_counter() - started
     start = 0
-    for dev, residency in pairs:
-        k, e = dev.num_slots, dev.num_experts
-        expert_in, last_use, step = values[start : start + k], values[start + k : start + 2 * k], values[start + 2 * k]
-        uses = values[start + 2 * k + 1 : start + 2 * k + 1 + e]
-        start += 2 * k + 1 + e
+    for (dev, residency), n in zip(pairs, words, strict=True):
+        a, lay, k, e = values[start : start + n], dev.layout, dev.num_slots, dev.num_experts
+        start += n
+        expert_in, last_use = a[lay.expert_in][:k].tolist(), a[lay.last_use][:k].tolist()
+        step, uses = int(a[lay.step]), a[lay.uses][:e].tolist()
         policy = _policy(dev, residency)
         residency.expert_in = expert_in
         residency.slot_of = {ex: s for s, ex in enumerate(expert_in)}
-        residency.step = int(step)
+        residency.step = step
         if isinstance(policy, DuelPolicy):
             # every expert's last use, counts and shadows as the device kept them: the host plans from the same state
-            stamps, flags, psel = values[start : start + e], values[start + e : start + 3 * e], values[start + 3 * e]
-            start += 3 * e + 1
-            last = max(int(step) - 1, 0)
-            policy.lfu.set_states(uses, stamps, last)
+            stamps = a[lay.expert_last_use][:e].tolist()
+            flags = a[lay.shadows].view(np.uint8)[: lay.shadow_bytes].reshape(2, e + 1)[:, :e]  # [2, E]
+            policy.lfu.set_states(uses, stamps, max(step - 1, 0))
             policy.lru.set_last_uses(stamps)
-            shadows = tuple({ex for ex, flag in enumerate(flags[i * e : (i + 1) * e]) if flag} for i in range(2))
-            policy.set_state((shadows[0], shadows[1]), psel)
+            lru_shadow, lfu_shadow = (set(np.flatnonzero(row).tolist()) for row in flags)
+            policy.set_state((lru_shadow, lfu_shadow), int(a[lay.psel]))
             continue
         if isinstance(policy, AgingLfuPolicy):
             # counts of every expert as of the last planned step; last uses of the residents only (the device
             # keeps a stamp per slot: an evicted expert's last use is the host's, from before, or unknown)
             stamp_of = dict(zip(expert_in, last_use))
             stamps = [stamp_of.get(ex, before) for ex, before in enumerate(policy.all_last_uses(e))]
-            policy.set_states(uses, stamps, max(int(step) - 1, 0))
+            policy.set_states(uses, stamps, max(step - 1, 0))
             continue
         assert isinstance(policy, LruPolicy)
         for ex, stamp in zip(expert_in, last_use):
             policy.set_last_use(ex, stamp)
     return read_s
-
-
-def _pull_row(dev: DeviceResidency) -> torch.Tensor:
-    """One layer's state as `pull_many` reads it: [expert_in (K), last_use (K), step, uses (E)], with `duel` then
-    [expert_last_use (E), shadows (2E), psel]."""
-    k, e = dev.num_slots, dev.num_experts
-    parts = [dev.expert_in[:k], dev.last_use[:k], dev.step.view(1), dev.uses[:e]]
-    if dev.duel:
-        parts += [dev.expert_last_use[:e], dev.shadows[:, :e].reshape(-1).to(torch.long), dev.psel.view(1)]
-    return torch.cat(parts)
 
 
 def plan_step(
