@@ -241,8 +241,9 @@ class DeviceResidency:
     def push_from(self, residency: LayerResidency) -> None:
         """Reads a host `LayerResidency` (same policy) back after a host-planned step: the state laid out in one pinned
         host buffer and copied in one H2D copy without blocking the host (the device plan of a later step is
-        stream-ordered after it). The shadow flags go as bytes of that buffer: a copy that converted int64 to bool on
-        the way would convert on the host into pageable memory, and a copy from pageable memory waits for the stream."""
+        stream-ordered after it). The shadow flags go as bytes of that buffer: torch's H2D copy that converts int64 to
+        bool converts on the host into a new pageable tensor, whose copy CUDA may stage synchronously with the stream
+        (its API synchronization rules), and is not pinned for the copy to run later."""
         self.flush()  # the copy below overwrites what a pending step's shadows read and write
         policy = _policy(self, residency)
         lay, e, k = self.layout, self.num_experts, self.num_slots
