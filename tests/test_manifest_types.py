@@ -5,6 +5,7 @@ block keeps exactly its keys, a producer's block has the keys it always had, a t
 from __future__ import annotations
 
 import json
+import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,18 @@ from benchsuite.tools.linkbw import probe_in_subprocess
 from benchsuite.tools.machine import GitFacts, MachineFacts, machine_facts
 
 ROOT = Path(__file__).resolve().parents[1]
-STORED = [
-    *sorted((ROOT / "results").glob("h[12]00-*/manifest.json")),  # the device machine's runs (.gitignore)
-    ROOT / "tests/data/report_fixture/manifest.json",
-]
+ARCHIVES = sorted((ROOT / "results" / "archive").glob("*.tar.xz"))  # the device machine's runs, packed (its README)
+STORED = [*ARCHIVES, ROOT / "tests/data/report_fixture/manifest.json"]
+
+
+def _stored_manifest(path: Path, into: Path) -> Path:
+    """A stored manifest's path: the file itself, or an archived run's `<run>/manifest.json` unpacked into `into`."""
+    if path.suffix != ".xz":
+        return path
+    run = path.name.removesuffix(".tar.xz")
+    with tarfile.open(path, "r:xz") as tar:
+        tar.extract(f"{run}/manifest.json", into, filter="data")
+    return into / run / "manifest.json"
 
 
 def _without_later_fields(written: dict[str, Any], stored: dict[str, Any]) -> dict[str, Any]:
@@ -35,12 +44,28 @@ def _without_later_fields(written: dict[str, Any], stored: dict[str, Any]) -> di
     return {**known(written, stored), "servers": servers}
 
 
-@pytest.mark.parametrize("path", STORED, ids=lambda p: p.parent.name)
-def test_stored_manifests_read_and_write_back_unchanged(path: Path) -> None:
+@pytest.mark.parametrize("stored_path", STORED, ids=lambda p: p.name.removesuffix(".tar.xz") or p.parent.name)
+def test_stored_manifests_read_and_write_back_unchanged(stored_path: Path, tmp_path: Path) -> None:
+    path = _stored_manifest(stored_path, tmp_path)
     stored = json.loads(path.read_text())
     manifest = read_manifest_file(path)
     assert isinstance(manifest.machine, MachineFacts) and isinstance(manifest.git, GitFacts)
     assert _without_later_fields(manifest.to_json(), stored) == stored
+
+
+def test_every_committed_run_is_one_folder_named_as_its_archive() -> None:
+    """results/archive/<run>.tar.xz holds `<run>/` alone (unpacked with `-C results` it lands where the write-ups cite
+    it), its manifest and cells among them, plain files and folders only, no routing traces."""
+    assert len(ARCHIVES) >= 14  # the runs packed on 2026-12-07
+    for archive in ARCHIVES:
+        run = archive.name.removesuffix(".tar.xz")
+        with tarfile.open(archive, "r:xz") as tar:
+            members = tar.getmembers()
+        names = {m.name for m in members}
+        assert all(n == run or n.startswith(f"{run}/") for n in names), archive.name
+        assert f"{run}/manifest.json" in names and any(n.startswith(f"{run}/cells/") for n in names), archive.name
+        assert all(m.isfile() or m.isdir() for m in members), archive.name
+        assert not any("/routing/" in n for n in names), archive.name
 
 
 def test_a_version_1_manifest_reads_into_the_typed_blocks() -> None:
