@@ -154,16 +154,28 @@ def test_host_planned_steps_share_the_device_state(aging: int | None, window: in
 @pytest.mark.parametrize(("e", "k"), [(32, 8), (128, 54), (7, 7), (60, 1)])
 def test_the_state_is_views_of_one_buffer_in_disjoint_parts(e: int, k: int) -> None:
     """A push is one copy into one buffer: every part of a duel's state is a view of it, the parts do not overlap
-    (the shadows' bytes included, whatever E's parity), and together they cover the buffer but the shadows' padding."""
+    (the shadows' bytes included, whatever E's parity), each starts 16-byte aligned (as a tensor of its own: Triton
+    specializes on it) and only padding lies between them; the padding stays zero through a pull and a push."""
     dev = DeviceResidency(e, k, torch.device("cpu"), aging_period_steps=4, aging_window_steps=2, duel=True)
     parts = [dev.slot_of, dev.expert_in, dev.last_use, dev.step, dev.uses, dev.expert_last_use, dev.psel, dev.shadows]
-    item, start = dev.slot_of.element_size(), dev._state.data_ptr()
+    start = dev._state.data_ptr()
     spans = sorted((t.data_ptr() - start, t.data_ptr() - start + t.numel() * t.element_size()) for t in parts)
     assert all(t.untyped_storage().data_ptr() == dev._state.untyped_storage().data_ptr() for t in parts)
-    assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # back to back, no overlap
-    assert dev._state.numel() * item - spans[-1][1] < item  # only the shadows' padding is left over
+    assert all(t.data_ptr() % 16 == 0 for t in parts)
+    assert spans[0][0] == 0 and all(0 <= b[0] - a[1] < 16 for a, b in zip(spans, spans[1:]))  # in order, no overlap
+    assert dev._state.numel() * 8 - spans[-1][1] < 8  # after the shadows' bytes, their last word's padding only
+    padding = torch.ones(dev._state.numel() * 8, dtype=torch.bool)  # [bytes]
+    for a, b in spans:
+        padding[a:b] = False
+    host = LayerResidency(e, k, DuelPolicy(k, 4, 2))
+    dev.plan(torch.tensor([e - 1, 0][:k]))
+    dev.pull_to(host)
+    host.plan_step(list(range(e - min(e, 2 * k), e)))  # more pairs than K: waves on the host
+    dev.push_from(host)
+    assert not dev._state.view(torch.uint8)[padding].any()
     assert spans[-1][1] - spans[-1][0] == 2 * (e + 1)  # the [2, E+1] shadow flags, one byte each
     # the starting state: identity slots, no uses, the shadows holding the slots' experts
+    dev = DeviceResidency(e, k, torch.device("cpu"), aging_period_steps=4, aging_window_steps=2, duel=True)
     assert dev.slot_of.tolist() == [*range(k), *[-1] * (e + 1 - k)]
     assert dev.expert_in.tolist() == [*range(k), e] and dev.last_use.tolist() == [-1] * (k + 1)
     assert int(dev.step) == 0 and int(dev.psel) == 0 and dev.uses.tolist() == [0] * (e + 1)

@@ -46,8 +46,11 @@ RECENT = 1 << 40
 class StateLayout:
     """Where each part of one layer's state lies in its int64 buffer (words): slot_of [E+1], expert_in [K+1], last_use
     [K+1], step, uses [E+1], expert_last_use [E+1], psel, then the shadows' [2, E+1] bool flags as bytes, padded to
-    whole words. The parts LRU reads come first (`lru_words`): an LRU or aging-LFU push copies only them. Plain
-    attributes, computed once: a host-planned step reads them a few times per layer."""
+    whole words. Each part starts on a 16-byte boundary (an even word), as a tensor of its own would: Triton
+    specializes a kernel on whether each pointer it takes is 16-byte aligned, and the shadows' kernel is first
+    launched on scratch copies (`DuelShadows.warm`), outside a capture that must not compile. The parts LRU reads
+    come first (`lru_words`): an LRU or aging-LFU push copies only them. Plain attributes, computed once: a
+    host-planned step reads them a few times per layer."""
 
     __slots__ = ("num_experts", "num_slots", "slot_of", "expert_in", "last_use", "step", "uses", "lru_words",
                  "expert_last_use", "psel", "shadow_bytes", "shadows", "words")  # fmt: skip
@@ -55,18 +58,24 @@ class StateLayout:
     def __init__(self, num_experts: int, num_slots: int) -> None:
         e1, k1 = num_experts + 1, num_slots + 1
         self.num_experts, self.num_slots = num_experts, num_slots
-        self.slot_of = slice(0, e1)
-        self.expert_in = slice(e1, e1 + k1)
-        self.last_use = slice(e1 + k1, e1 + 2 * k1)
-        self.step = e1 + 2 * k1  # one word
-        self.uses = slice(self.step + 1, self.step + 1 + e1)
+        self.slot_of = _part(0, e1)
+        self.expert_in = _part(self.slot_of.stop, k1)
+        self.last_use = _part(self.expert_in.stop, k1)
+        self.step = _part(self.last_use.stop, 1).start  # one word
+        self.uses = _part(self.step + 1, e1)
         self.lru_words = self.uses.stop  # what an LRU or aging-LFU plan reads and writes (the duel's parts follow)
-        self.expert_last_use = slice(self.lru_words, self.lru_words + e1)
-        self.psel = self.expert_last_use.stop  # one word
+        self.expert_last_use = _part(self.lru_words, e1)
+        self.psel = _part(self.expert_last_use.stop, 1).start  # one word
         self.shadow_bytes = 2 * e1
         # the words whose first `shadow_bytes` bytes are the [2, E+1] shadow flags
-        self.shadows = slice(self.psel + 1, self.psel + 1 + -(-self.shadow_bytes // 8))
+        self.shadows = _part(self.psel + 1, -(-self.shadow_bytes // 8))
         self.words = self.shadows.stop
+
+
+def _part(after: int, words: int) -> slice:
+    """`words` words from the first even word at or after `after` (16 bytes: the buffer itself is aligned further)."""
+    start = after + after % 2
+    return slice(start, start + words)
 
 
 @dataclass(frozen=True)
@@ -251,6 +260,7 @@ class DeviceResidency:
         words = lay.words if self.duel else lay.lru_words
         host = torch.empty(words, dtype=torch.long, pin_memory=self.device.type == "cuda")  # freed after its copy
         a = host.numpy()  # [words], the same memory
+        a.fill(0)  # the padding between parts too: a pushed state equals one the device planned, word for word
         slot_of = a[lay.slot_of]
         slot_of.fill(-1)
         n = len(residency.slot_of)
@@ -266,7 +276,6 @@ class DeviceResidency:
             a[lay.expert_last_use][:e] = every_stamp
             a[lay.expert_last_use][e] = -1
             a[lay.psel] = policy.psel
-            a[lay.shadows] = 0
             flags = a[lay.shadows].view(np.uint8)[: lay.shadow_bytes].reshape(2, e + 1)  # [2, E+1], bool's bytes
             for i, shadow in enumerate(policy.shadows):
                 flags[i, np.fromiter(shadow, np.int64, len(shadow))] = 1
@@ -277,9 +286,7 @@ class DeviceResidency:
         else:
             assert isinstance(policy, LruPolicy)
             a[lay.last_use][:k] = [policy.last_use(ex) for ex in residency.expert_in]
-            a[lay.uses][:e] = 0
         a[lay.last_use][k] = -1
-        a[lay.uses][e] = 0
         self._state[:words].copy_(host, non_blocking=True)  # the caching host allocator keeps `host` until it ran
 
 
