@@ -71,6 +71,7 @@ def _check_fused_plan(dev: torch.device, steps: int, aging: int | None, window: 
             for name in ("slot_of", "expert_in", "last_use", "step", "uses", "expert_last_use", "shadows", "psel"):
                 a, b = getattr(fused, name), getattr(ref, name)
                 assert torch.equal(a, b), (aging, e, k, step, name, a.tolist(), b.tolist())
+            assert torch.equal(fused._state, ref._state), (aging, e, k, step)  # the padding between the parts too
             signs.add(int(ref.psel) > 0)
         if aging:  # the counts did their job: some expert was counted, and halved (max count < steps)
             assert 0 < int(ref.uses.max()) < steps, ref.uses.tolist()
@@ -115,6 +116,7 @@ def check_shadow_layers_equal_torch(device: str = "cpu", steps: int = 40) -> Non
                 for name in ("slot_of", "expert_in", "last_use", "step", "uses", "expert_last_use", "shadows", "psel"):
                     a, b = getattr(fu, name), getattr(ref, name)
                     assert torch.equal(a, b), (e, k, step, layer, name, a.tolist(), b.tolist())
+                assert torch.equal(fu._state, ref._state), (e, k, step, layer)  # the padding too
                 signs.add(int(ref.psel) > 0)
     assert signs == {False, True}, signs
     print("shadow layers equal")

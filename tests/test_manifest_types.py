@@ -29,7 +29,10 @@ def _stored_manifest(path: Path, into: Path) -> Path:
         return path
     run = path.name.removesuffix(".tar.xz")
     with tarfile.open(path, "r:xz") as tar:
-        tar.extract(f"{run}/manifest.json", into, filter="data")
+        member = tar.extractfile(f"{run}/manifest.json")
+        assert member is not None
+        (into / run).mkdir(parents=True)
+        (into / run / "manifest.json").write_bytes(member.read())
     return into / run / "manifest.json"
 
 
@@ -44,7 +47,11 @@ def _without_later_fields(written: dict[str, Any], stored: dict[str, Any]) -> di
     return {**known(written, stored), "servers": servers}
 
 
-@pytest.mark.parametrize("stored_path", STORED, ids=lambda p: p.name.removesuffix(".tar.xz") or p.parent.name)
+def _stored_id(path: Path) -> str:
+    return path.name.removesuffix(".tar.xz") if path.suffix == ".xz" else path.parent.name
+
+
+@pytest.mark.parametrize("stored_path", STORED, ids=_stored_id)
 def test_stored_manifests_read_and_write_back_unchanged(stored_path: Path, tmp_path: Path) -> None:
     path = _stored_manifest(stored_path, tmp_path)
     stored = json.loads(path.read_text())

@@ -107,6 +107,7 @@ def test_duel_shadows_batched_at_the_step_end_equal_the_reference_eager_and_grap
         for j, (dev, ref) in enumerate(zip(devs, refs)):
             for name in names:
                 assert torch.equal(getattr(dev, name), getattr(ref, name)), (where, j, name)
+            assert torch.equal(dev._state, ref._state), (where, j)  # the padding between the parts too
 
     def batched(i: int) -> None:  # as the decode step: every layer, then the batch
         for j, dev in enumerate(devs):
@@ -148,6 +149,55 @@ def test_duel_shadows_batched_at_the_step_end_equal_the_reference_eager_and_grap
         graph.replay()
         same(f"{body.__name__} graph again")
     assert signs == {False, True}, signs
+
+
+def test_host_planned_steps_share_the_gpu_state_through_pinned_pushes() -> None:
+    """pull_many / push_from with the state on the GPU, 48 layers at K=54 of E=128, each policy the device plans:
+    host-planned steps (more pairs than K, waves on the host) between device-planned ones, every push one pinned H2D
+    copy the host does not wait for, the next device plan stream-ordered after it. Every layer's state equals, word
+    for word, a CPU pair's that ran the same steps."""
+    import random
+
+    from paged_experts.residency.device import DeviceResidency, pull_many
+    from paged_experts.residency.planner import LayerResidency
+    from paged_experts.residency.policies import AgingLfuPolicy, DuelPolicy, EvictionPolicy, LruPolicy
+
+    e, k, top_k, layers = 128, 54, 8, 48
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+
+    def pair(device: torch.device, name: str) -> tuple[DeviceResidency, LayerResidency]:
+        policy: EvictionPolicy = LruPolicy()
+        if name == "lru":
+            dev = DeviceResidency(e, k, device)
+        else:
+            duel = name == "duel"
+            dev = DeviceResidency(e, k, device, aging_period_steps=5, aging_window_steps=2, duel=duel)
+            policy = DuelPolicy(k, 5, 2) if duel else AgingLfuPolicy(5, 2)
+        return dev, LayerResidency(e, k, policy)
+
+    for name in ("lru", "lfu-aging", "duel"):
+        rng = random.Random(5)
+        gpu, ref = [pair(cuda, name) for _ in range(layers)], [pair(cpu, name) for _ in range(layers)]
+        assert all(d.fused for d, _ in gpu)
+        for i in range(24):
+            if i % 4 == 3:  # 16 tokens: 128 pairs > K, planned on the host
+                routed = [x for _ in range(16) for x in rng.sample(range(e), top_k)]
+                pull_many(gpu)
+                pull_many(ref)
+                for (d, host), (rd, rhost) in zip(gpu, ref):
+                    assert host.plan_step(routed).misses == rhost.plan_step(routed).misses, (name, i)
+                    d.push_from(host)  # not waited for: the next device plan reads what it copies
+                    rd.push_from(rhost)
+            else:
+                pool = range(e) if i % 8 < 4 else range(40)
+                ids = [x for _ in range(rng.randint(1, 6)) for x in rng.sample(pool, top_k)]
+                for d, _ in gpu:
+                    d.plan(torch.tensor(ids, device=cuda))
+                for d, _ in ref:
+                    d.plan(torch.tensor(ids))
+        torch.cuda.synchronize()
+        for j, ((d, _), (rd, _)) in enumerate(zip(gpu, ref)):
+            assert torch.equal(d.state().cpu(), rd.state()), (name, j)
 
 
 def test_device_planned_paged_layer_does_not_sync() -> None:
