@@ -171,6 +171,7 @@ def test_the_state_is_views_of_one_buffer_in_disjoint_parts(e: int, k: int) -> N
     dev.plan(torch.tensor([e - 1, 0][:k]))
     dev.pull_to(host)
     host.plan_step(list(range(e - min(e, 2 * k), e)))  # up to 2K pairs: waves on the host (one where E <= K)
+    dev._state.view(torch.uint8)[padding] = 255  # a push writes the whole buffer, its padding as zeros
     dev.push_from(host)
     assert not dev._state.view(torch.uint8)[padding].any()
     assert spans[-1][1] - spans[-1][0] == 2 * (e + 1)  # the [2, E+1] shadow flags, one byte each
