@@ -243,6 +243,32 @@ def test_uses_in_bulk_count_as_one_call_each_and_an_expert_once_a_step() -> None
             policy.victims([1, 2], 3, 0)
 
 
+def test_a_layers_whole_state_goes_in_and_out_as_lists_that_grow_with_the_ids() -> None:
+    """The device plan's round trip (residency/device.py pull_many, push_from) sets and reads every expert's state at
+    once: a negative count or stamp from a caller means none, ids past the lists' end read as never used, and a use
+    of a new id grows them."""
+    lfu = AgingLfuPolicy(4)
+    lfu.set_states([3, 0, -2], [5, -1, -7], 9)  # as of step 9: epoch 2
+    assert lfu.all_uses(5, 9) == [3, 0, 0, 0, 0] and lfu.all_last_uses(5) == [5, -1, -1, -1, -1]
+    assert (lfu.uses(2, 9), lfu.uses(7, 9), lfu.last_use(7)) == (0, 0, -1)
+    assert lfu.all_uses(2, 12) == [1, 0]  # epoch 3: halved once
+    lfu.on_uses([6, 6], 13)
+    assert (lfu.uses(6, 13), lfu.all_last_uses(8)[6], lfu.all_uses(8, 13)[0]) == (1, 13, 1)
+    assert lfu.victims([0, 2, 6, 9], 4, 13) == [2, 9, 0, 6]  # (count, last use, id): 2 and 9 never used
+    lfu.set_state(9, -1, -5, 13)
+    assert (lfu.uses(9, 13), lfu.last_use(9)) == (0, -1)
+
+    lru = LruPolicy()
+    lru.set_last_uses([4, -3, 2])
+    assert lru.all_last_uses(4) == [4, -1, 2, -1]
+    lru.set_some_last_uses([5, 0], [7, -2])
+    assert lru.all_last_uses(7) == [-1, -1, 2, -1, -1, 7, -1]
+    assert lru.victims([0, 1, 2, 5, 9], 4, 8) == [0, 1, 9, 2]  # (last use, id)
+    lru.on_uses([], 8)
+    lru.on_use(12, 8)
+    assert (lru.last_use(12), lru.last_use(11), lru.last_use(40)) == (8, -1, -1)
+
+
 def _misses(policy: object, steps: list[list[int]], e: int, k: int) -> int:
     residency = LayerResidency(e, k, policy)  # type: ignore[arg-type]
     return sum(residency.plan_step(routed).misses for routed in steps)

@@ -267,11 +267,12 @@ class DeviceResidency:
         experts = np.fromiter(residency.slot_of.keys(), np.int64, n)
         slot_of[experts] = np.fromiter(residency.slot_of.values(), np.int64, n)
         a[lay.expert_in] = [*residency.expert_in, e]
+        slots_expert = a[lay.expert_in][:k]  # [K], each slot's expert (< E: the slots are always full)
         a[lay.step] = residency.step
         last = max(residency.step - 1, 0)  # the aging counts as of the last planned step, as the device keeps them
         if isinstance(policy, DuelPolicy):
             every_stamp = np.array(policy.lfu.all_last_uses(e), dtype=np.int64)  # [E]
-            a[lay.last_use][:k] = every_stamp[residency.expert_in]
+            a[lay.last_use][:k] = every_stamp[slots_expert]
             a[lay.uses][:e] = policy.lfu.all_uses(e, last)
             a[lay.expert_last_use][:e] = every_stamp
             a[lay.expert_last_use][e] = -1
@@ -279,13 +280,11 @@ class DeviceResidency:
             flags = a[lay.shadows].view(np.uint8)[: lay.shadow_bytes].reshape(2, e + 1)  # [2, E+1], bool's bytes
             for i, shadow in enumerate(policy.shadows):
                 flags[i, np.fromiter(shadow, np.int64, len(shadow))] = 1
-        elif isinstance(policy, AgingLfuPolicy):
-            # the next plan halves the counts first when its step is a multiple of the period
-            a[lay.last_use][:k] = [policy.last_use(ex) for ex in residency.expert_in]
-            a[lay.uses][:e] = policy.all_uses(e, last)
         else:
-            assert isinstance(policy, LruPolicy)
-            a[lay.last_use][:k] = [policy.last_use(ex) for ex in residency.expert_in]
+            assert isinstance(policy, AgingLfuPolicy | LruPolicy)
+            a[lay.last_use][:k] = np.array(policy.all_last_uses(e), dtype=np.int64)[slots_expert]
+            if isinstance(policy, AgingLfuPolicy):  # the next plan halves the counts first at a multiple of the period
+                a[lay.uses][:e] = policy.all_uses(e, last)
         a[lay.last_use][k] = -1
         self._state[:words].copy_(host, non_blocking=True)  # the caching host allocator keeps `host` until it ran
 
@@ -325,13 +324,14 @@ def pull_many(pairs: Sequence[tuple[DeviceResidency, LayerResidency]]) -> float:
         if isinstance(policy, AgingLfuPolicy):
             # counts of every expert as of the last planned step; last uses of the residents only (the device
             # keeps a stamp per slot: an evicted expert's last use is the host's, from before, or unknown)
-            stamp_of = dict(zip(expert_in, last_use))
-            stamps = [stamp_of.get(ex, before) for ex, before in enumerate(policy.all_last_uses(e))]
+            stamps = policy.all_last_uses(e)  # [E], a new list
+            for ex, stamp in zip(expert_in, last_use, strict=True):
+                if ex < e:
+                    stamps[ex] = stamp
             policy.set_states(uses, stamps, max(step - 1, 0))
             continue
         assert isinstance(policy, LruPolicy)
-        for ex, stamp in zip(expert_in, last_use):
-            policy.set_last_use(ex, stamp)
+        policy.set_some_last_uses(expert_in, last_use)
     return read_s
 
 

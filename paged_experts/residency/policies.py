@@ -109,35 +109,60 @@ class KeyedVictim(ABC):
 
 
 class LruPolicy(KeyedVictim, KeepsEveryExpert):
-    """Least recently used; never-used experts (the initial 0..K-1) go first, lowest id first."""
+    """Least recently used; never-used experts (the initial 0..K-1) go first, lowest id first.
+
+    Last uses are a dense list by expert id (-1: never used), grown as ids come: a host-planned step reads every
+    layer's state from the device plan and writes it back (residency/device.py), and a list takes and gives all of a
+    layer's at once, where a dict was built and read an expert at a time."""
 
     def __init__(self) -> None:
-        self._last_use: dict[int, int] = {}
+        self._last_use: list[int] = []  # [experts seen]: step of the last use, -1 never
+
+    def _grow(self, size: int) -> None:
+        if size > len(self._last_use):
+            self._last_use.extend([-1] * (size - len(self._last_use)))
 
     def on_use(self, expert: int, step: int) -> None:
+        self._grow(expert + 1)
         self._last_use[expert] = step
 
     def on_uses(self, experts: Sequence[int], step: int) -> None:
-        self._last_use.update(dict.fromkeys(experts, step))
+        if not experts:
+            return
+        self._grow(max(experts) + 1)
+        last_use = self._last_use
+        for e in experts:
+            last_use[e] = step
 
     def last_use(self, expert: int) -> int:
-        return self._last_use.get(expert, -1)
+        return self._last_use[expert] if expert < len(self._last_use) else -1
 
     def set_last_use(self, expert: int, step: int) -> None:
-        """The expert's last use as the device plan kept it (-1: never used)."""
-        if step >= 0:
-            self._last_use[expert] = step
-        else:
-            self._last_use.pop(expert, None)
+        """The expert's last use as the device plan kept it (negative: never used)."""
+        self._grow(expert + 1)
+        self._last_use[expert] = max(step, -1)
 
     def set_last_uses(self, stamps: Sequence[int]) -> None:
-        """Every expert's last use at once, expert i's at stamps[i] (-1: never used): `set_last_use` for each, in one
-        comprehension (a host-planned step reads every layer's state back; per-expert calls cost ~1 ms a step)."""
-        self._last_use = {ex: stamp for ex, stamp in enumerate(stamps) if stamp >= 0}
+        """Every expert's last use at once, expert i's at stamps[i] (negative: never used), as the device plan kept
+        them: one list (a host-planned step reads every layer's state back)."""
+        self._last_use = _at_least(stamps, -1)
+
+    def set_some_last_uses(self, experts: Sequence[int], stamps: Sequence[int]) -> None:
+        """`set_last_use(experts[i], stamps[i])` for each i, in one loop (the slots' stamps the device plan kept)."""
+        if not experts:
+            return
+        self._grow(max(experts) + 1)
+        last_use = self._last_use
+        for e, stamp in zip(experts, stamps, strict=True):
+            last_use[e] = stamp if stamp >= 0 else -1
+
+    def all_last_uses(self, experts: int) -> list[int]:
+        """[last_use(e) for e in range(experts)]."""
+        return _padded(self._last_use, experts, -1)
 
     def _key(self, step: int) -> Callable[[int], tuple[int, int]]:
-        get = self._last_use.get
-        return lambda e: (get(e, -1), e)  # unique (the id breaks ties): successive minima are the sorted order
+        last_use, n = self._last_use, len(self._last_use)
+        return lambda e: (last_use[e] if e < n else -1, e)  # unique (the id breaks ties): successive minima sort
 
 
 class LfuPolicy(KeyedVictim, OneUseACall, KeepsEveryExpert):
@@ -219,75 +244,93 @@ class AgingLfuPolicy(KeyedVictim, KeepsEveryExpert):
         # > 0: an expert used within the last `window_steps` steps is evicted only after every other candidate
         # (`lfu-aging:<P>:<W>`): a working set that moved keeps its experts while the old one's counts age
         self.window_steps = int(window_steps)
-        self._count: dict[int, int] = {}  # use count as of epoch `_epoch[e]`
-        self._epoch: dict[int, int] = {}  # step // period_steps of the last use
-        self._last_use: dict[int, int] = {}  # step of the last use
+        # dense lists by expert id, grown together as ids come (see LruPolicy: the device round trip takes and gives
+        # a layer's whole state at once)
+        self._count: list[int] = []  # [experts seen]: use count as of epoch `_epoch[e]` (0: never used)
+        self._epoch: list[int] = []  # [experts seen]: step // period_steps of the last use, or of the state set
+        self._last_use: list[int] = []  # [experts seen]: step of the last use, -1 never
+
+    def _grow(self, size: int) -> None:
+        if size > len(self._count):
+            more = size - len(self._count)
+            self._count.extend([0] * more)
+            self._epoch.extend([0] * more)
+            self._last_use.extend([-1] * more)
 
     def uses(self, expert: int, step: int) -> int:
         """The expert's aged use count at `step` (0 for an expert never used)."""
-        if expert not in self._count:
+        if expert >= len(self._count) or not self._count[expert]:
             return 0
         return self._count[expert] >> (step // self.period_steps - self._epoch[expert])
 
     def last_use(self, expert: int) -> int:
-        return self._last_use.get(expert, -1)
+        return self._last_use[expert] if expert < len(self._last_use) else -1
 
     def on_use(self, expert: int, step: int) -> None:
-        if self._last_use.get(expert) == step:  # once per step, like LFU's counts (a step may have several waves)
-            return
-        self._count[expert] = self.uses(expert, step) + 1
-        self._epoch[expert] = step // self.period_steps
-        self._last_use[expert] = step
+        self.on_uses((expert,), step)
 
     def on_uses(self, experts: Sequence[int], step: int) -> None:
-        """`on_use` of each expert in order, its lookups hoisted out of the loop."""
+        """`on_use` of each expert in order (an expert counts once a step: a step may have several waves)."""
+        if not experts:
+            return
+        self._grow(max(experts) + 1)
         count, epoch_of, last_use, now = self._count, self._epoch, self._last_use, step // self.period_steps
         for e in experts:
-            if last_use.get(e) == step:
+            if last_use[e] == step:
                 continue
-            count[e] = (count[e] >> (now - epoch_of[e]) if e in count else 0) + 1
+            count[e] = (count[e] >> (now - epoch_of[e]) if count[e] else 0) + 1
             epoch_of[e] = now
             last_use[e] = step
 
     def set_state(self, expert: int, uses: int, last_use: int, step: int) -> None:
         """The expert's state as of `step` (the device plan's, read back before a host-planned step)."""
-        if uses > 0:
-            self._count[expert], self._epoch[expert] = uses, step // self.period_steps
-        else:
-            self._count.pop(expert, None)
-            self._epoch.pop(expert, None)
-        if last_use >= 0:
-            self._last_use[expert] = last_use
-        else:
-            self._last_use.pop(expert, None)
+        self._grow(expert + 1)
+        self._count[expert] = max(uses, 0)
+        self._epoch[expert] = step // self.period_steps
+        self._last_use[expert] = max(last_use, -1)
 
     def set_states(self, uses: Sequence[int], last_uses: Sequence[int], step: int) -> None:
-        """`set_state` for every expert at once (expert i: uses[i], last_uses[i]), as of `step`, in comprehensions."""
-        epoch = step // self.period_steps
-        self._count = {ex: n for ex, n in enumerate(uses) if n > 0}
-        self._epoch = dict.fromkeys(self._count, epoch)
-        self._last_use = {ex: stamp for ex, stamp in enumerate(last_uses) if stamp >= 0}
+        """`set_state` for every expert at once (expert i: uses[i], last_uses[i]), as of `step`: three lists."""
+        size = max(len(uses), len(last_uses))
+        self._count = _padded(_at_least(uses, 0), size, 0)
+        self._epoch = [step // self.period_steps] * size
+        self._last_use = _padded(_at_least(last_uses, -1), size, -1)
 
     def all_uses(self, experts: int, step: int) -> list[int]:
         """[uses(e, step) for e in range(experts)], without a call per expert."""
-        count, epoch_of, now = self._count, self._epoch, step // self.period_steps
-        return [count[ex] >> (now - epoch_of[ex]) if ex in count else 0 for ex in range(experts)]
+        now = step // self.period_steps
+        aged = [c >> (now - ep) if c else 0 for c, ep in zip(self._count[:experts], self._epoch, strict=False)]
+        return _padded(aged, experts, 0)
 
     def all_last_uses(self, experts: int) -> list[int]:
         """[last_use(e) for e in range(experts)], without a call per expert."""
-        get = self._last_use.get
-        return [get(ex, -1) for ex in range(experts)]
+        return _padded(self._last_use, experts, -1)
 
     def _key(self, step: int) -> Callable[[int], tuple[int, ...]]:
-        count, epoch_of, last_use, now = self._count, self._epoch, self._last_use.get, step // self.period_steps
+        count, epoch_of, last_use, now = self._count, self._epoch, self._last_use, step // self.period_steps
+        n = len(count)
 
         def uses(e: int) -> int:  # `uses(e, step)` inlined: the key runs for every candidate of a wave
-            return count[e] >> (now - epoch_of[e]) if e in count else 0
+            return count[e] >> (now - epoch_of[e]) if e < n and count[e] else 0
+
+        def last(e: int) -> int:
+            return last_use[e] if e < n else -1
 
         if self.window_steps:
             since = max(step - self.window_steps, 0)  # used at or after it (never-used experts are not recent)
-            return lambda e: (last_use(e, -1) >= since, uses(e), last_use(e, -1), e)
-        return lambda e: (uses(e), last_use(e, -1), e)
+            return lambda e: (last(e) >= since, uses(e), last(e), e)
+        return lambda e: (uses(e), last(e), e)
+
+
+def _at_least(values: Sequence[int], floor: int) -> list[int]:
+    """values as a list, each below `floor` raised to it (the device keeps -1 for never; a caller may give less)."""
+    out = list(values)
+    return out if not out or min(out) >= floor else [max(v, floor) for v in out]
+
+
+def _padded(values: list[int], size: int, fill: int) -> list[int]:
+    """The first `size` of values, padded with `fill` to `size` (a new list)."""
+    return values[:size] + [fill] * (size - len(values))
 
 
 DUEL_LIMIT_MISSES = 16
