@@ -257,6 +257,10 @@ def test_a_layers_whole_state_goes_in_and_out_as_lists_that_grow_with_the_ids() 
     assert lfu.victims([0, 2, 6, 9], 4, 13) == [2, 9, 0, 6]  # (count, last use, id): 2 and 9 never used
     lfu.set_state(9, -1, -5, 13)
     assert (lfu.uses(9, 13), lfu.last_use(9)) == (0, -1)
+    stamps = [1, 2, 3, 4]  # longer than the counts: every stamp kept; the caller's list is copied, not kept
+    lfu.set_states([1], stamps, 13)
+    stamps[3] = 99
+    assert (lfu.all_uses(4, 13), lfu.all_last_uses(5)) == ([1, 0, 0, 0], [1, 2, 3, 4, -1])
 
     lru = LruPolicy()
     lru.set_last_uses([4, -3, 2])

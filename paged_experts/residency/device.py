@@ -326,7 +326,7 @@ def pull_many(pairs: Sequence[tuple[DeviceResidency, LayerResidency]]) -> float:
             # keeps a stamp per slot: an evicted expert's last use is the host's, from before, or unknown)
             stamps = policy.all_last_uses(e)  # [E], a new list
             for ex, stamp in zip(expert_in, last_use, strict=True):
-                if ex < e:
+                if 0 <= ex < e:  # a real expert (as the dict before it, nothing else is written)
                     stamps[ex] = stamp
             policy.set_states(uses, stamps, max(step - 1, 0))
             continue

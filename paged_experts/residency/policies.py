@@ -127,7 +127,7 @@ class LruPolicy(KeyedVictim, KeepsEveryExpert):
         self._last_use[expert] = step
 
     def on_uses(self, experts: Sequence[int], step: int) -> None:
-        if not experts:
+        if len(experts) == 0:  # a list or an array (`not` refuses an array)
             return
         self._grow(max(experts) + 1)
         last_use = self._last_use
@@ -149,7 +149,7 @@ class LruPolicy(KeyedVictim, KeepsEveryExpert):
 
     def set_some_last_uses(self, experts: Sequence[int], stamps: Sequence[int]) -> None:
         """`set_last_use(experts[i], stamps[i])` for each i, in one loop (the slots' stamps the device plan kept)."""
-        if not experts:
+        if len(experts) == 0:  # a list or an array (`not` refuses an array)
             return
         self._grow(max(experts) + 1)
         last_use = self._last_use
@@ -246,7 +246,7 @@ class AgingLfuPolicy(KeyedVictim, KeepsEveryExpert):
         self.window_steps = int(window_steps)
         # dense lists by expert id, grown together as ids come (see LruPolicy: the device round trip takes and gives
         # a layer's whole state at once)
-        self._count: list[int] = []  # [experts seen]: use count as of epoch `_epoch[e]` (0: never used)
+        self._count: list[int] = []  # [experts seen]: use count as of epoch `_epoch[e]` (0: no count)
         self._epoch: list[int] = []  # [experts seen]: step // period_steps of the last use, or of the state set
         self._last_use: list[int] = []  # [experts seen]: step of the last use, -1 never
 
@@ -271,7 +271,7 @@ class AgingLfuPolicy(KeyedVictim, KeepsEveryExpert):
 
     def on_uses(self, experts: Sequence[int], step: int) -> None:
         """`on_use` of each expert in order (an expert counts once a step: a step may have several waves)."""
-        if not experts:
+        if len(experts) == 0:  # a list or an array (`not` refuses an array)
             return
         self._grow(max(experts) + 1)
         count, epoch_of, last_use, now = self._count, self._epoch, self._last_use, step // self.period_steps
